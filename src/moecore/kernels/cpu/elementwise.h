@@ -1,0 +1,17 @@
+// Small vector helpers used by the modules and the optimizer.
+#pragma once
+
+#include <cstdint>
+
+namespace moecore::kernels::cpu {
+
+template <typename T>
+void add_inplace(T* y, const T* x, int64_t n);  // y += x
+template <typename T>
+void scale_inplace(T* y, T alpha, int64_t n);  // y *= alpha
+template <typename T>
+double sum_squares(const T* x, int64_t n);  // sum x^2, accumulated in double
+template <typename T>
+bool all_finite(const T* x, int64_t n);
+
+}  // namespace moecore::kernels::cpu

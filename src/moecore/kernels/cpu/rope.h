@@ -1,0 +1,29 @@
+// Rotary position embedding, Megatron's default (non-interleaved, "rotate half") layout.
+// For each head vector x[0..head_dim): the first rot_dim channels are rotated, the rest pass through.
+//   inv_freq[i] = 1 / base^(2i / rot_dim), i < rot_dim/2 (computed in fp32 as Megatron does);
+//   angle[s, c] = s * inv_freq[c mod rot_dim/2];  rotate_half([x1, x2]) = [-x2, x1];
+//   y = x * cos(angle) + rotate_half(x) * sin(angle).
+// Activations are [S, B, N, head_dim]; the position of row s is s (+ position_offset).
+#pragma once
+
+#include <cstdint>
+
+namespace moecore::kernels {
+
+#define MOECORE_ROPE_DECL                                                                              \
+  template <typename T>                                                                                \
+  void rope_forward(T* out_SBNd, const T* inp_SBNd, int64_t S, int64_t B, int64_t N, int64_t head_dim, \
+                    int64_t rot_dim, double base, int64_t position_offset = 0);                        \
+  template <typename T>                                                                                \
+  void rope_backward(T* dinp_SBNd, const T* dout_SBNd, int64_t S, int64_t B, int64_t N,                \
+                     int64_t head_dim, int64_t rot_dim, double base, int64_t position_offset = 0);
+
+namespace cpu {
+MOECORE_ROPE_DECL
+}
+namespace ref {
+MOECORE_ROPE_DECL
+}
+#undef MOECORE_ROPE_DECL
+
+}  // namespace moecore::kernels

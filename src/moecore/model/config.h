@@ -1,0 +1,54 @@
+// Model hyper-parameters, named after Megatron's TransformerConfig fields / command-line flags.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace moecore {
+
+// A configuration problem: one line naming the offending setting.
+class ConfigError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class Normalization { kLayerNorm, kRMSNorm };
+enum class Activation { kGelu, kSwiGLU, kSquaredReLU };
+enum class PositionEmbedding { kLearnedAbsolute, kRope, kNone };
+
+struct ModelConfig {
+  int64_t num_layers = 0;            // --num-layers
+  int64_t hidden_size = 0;           // --hidden-size
+  int64_t ffn_hidden_size = 0;       // --ffn-hidden-size
+  int64_t num_attention_heads = 0;   // --num-attention-heads
+  int64_t num_query_groups = 0;      // --num-query-groups (== heads unless --group-query-attention)
+  int64_t kv_channels = 0;           // --kv-channels (head dim)
+  int64_t seq_length = 0;            // --seq-length
+  int64_t max_position_embeddings = 0;
+  int64_t vocab_size = 0;            // padded vocabulary (rows of the embedding)
+  Normalization normalization = Normalization::kLayerNorm;
+  double norm_epsilon = 1e-5;
+  Activation activation = Activation::kGelu;
+  bool add_bias_linear = true;
+  bool qk_layernorm = false;
+  PositionEmbedding position_embedding_type = PositionEmbedding::kLearnedAbsolute;
+  double rotary_base = 10000.0;
+  double rotary_percent = 1.0;
+  double init_method_std = 0.02;
+  double attention_dropout = 0.1;
+  double hidden_dropout = 0.1;
+  bool untie_embeddings_and_output_weights = false;
+
+  int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(kv_channels) * rotary_percent); }
+  int64_t fc1_out() const { return activation == Activation::kSwiGLU ? 2 * ffn_hidden_size : ffn_hidden_size; }
+  int64_t qkv_out() const { return (num_attention_heads + 2 * num_query_groups) * kv_channels; }
+  // Throws ConfigError for the first inconsistent setting.
+  void validate() const;
+};
+
+std::string to_string(Normalization value);
+std::string to_string(Activation value);
+std::string to_string(PositionEmbedding value);
+
+}  // namespace moecore

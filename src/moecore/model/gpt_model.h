@@ -1,0 +1,61 @@
+// GPT decoder with explicit forward and backward (no autograd tape), Megatron's architecture and names:
+//   embedding.word_embeddings.weight [V, H]          embedding.position_embeddings.weight [P, H] (learned_absolute)
+//   decoder.layers.{i}.input_layernorm.{weight,bias}  self_attention.linear_qkv.{weight,bias} [(N+2G)d, H]
+//   self_attention.{q,k}_layernorm.{weight,bias} [d]  self_attention.linear_proj.{weight,bias} [H, N d]
+//   decoder.layers.{i}.pre_mlp_layernorm.{weight,bias} mlp.linear_fc1.{weight,bias} [F or 2F, H]
+//   mlp.linear_fc2.{weight,bias} [H, F]               decoder.final_layernorm.{weight,bias} [H]
+//   output_layer.weight [V, H] (only with --untie-embeddings-and-output-weights)
+// The fused qkv rows are grouped as Megatron's: for each query group g, its N/G query heads, then k, then v.
+// Activations are [S, B, ...] (sequence-major, as Megatron), token row t = s * B + b.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "moecore/model/config.h"
+#include "moecore/model/param.h"
+#include "moecore/tensor/tensor.h"
+
+namespace moecore {
+
+struct ForwardOptions {
+  bool training = true;         // dropout on, activations kept for backward
+  uint64_t dropout_seed = 0;    // run seed
+  uint64_t dropout_stream = 0;  // distinct per (iteration, micro-batch)
+};
+
+class MicroBatchContext;  // activations one micro-batch's backward needs
+
+class GPTModel {
+ public:
+  GPTModel(const ModelConfig& config, uint64_t seed);
+  ~GPTModel();
+  GPTModel(const GPTModel&) = delete;
+  GPTModel& operator=(const GPTModel&) = delete;
+
+  const ModelConfig& config() const { return config_; }
+  std::vector<Param>& params() { return params_; }
+  const std::vector<Param>& params() const { return params_; }
+  Param& param(const std::string& name);  // throws std::out_of_range naming it
+  int64_t num_parameters() const;
+  void zero_grad();
+
+  // tokens_BS, labels_BS [B, S]; loss_mask_BS may be null (all ones).
+  // Returns the mean loss over unmasked tokens; keeps what backward needs in `ctx` when training.
+  // logits_SBV, if non-null, receives a copy of the logits [S, B, V].
+  double forward(std::unique_ptr<MicroBatchContext>& ctx, const int32_t* tokens_BS, const int32_t* labels_BS,
+                 const float* loss_mask_BS, int64_t B, int64_t S, const ForwardOptions& options,
+                 Tensor* logits_SBV = nullptr);
+  // Accumulates into every Param::grad the gradient of (loss * loss_scale); releases ctx.
+  void backward(std::unique_ptr<MicroBatchContext> ctx, double loss_scale);
+
+  // Logits for the last position of each sequence (generation): tokens_BS [B, S] -> [B, V].
+  Tensor last_logits(const int32_t* tokens_BS, int64_t B, int64_t S);
+
+ private:
+  ModelConfig config_;
+  std::vector<Param> params_;
+};
+
+}  // namespace moecore

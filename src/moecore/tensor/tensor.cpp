@@ -1,0 +1,83 @@
+#include "moecore/tensor/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <sstream>
+#include <stdexcept>
+
+namespace moecore {
+
+Storage::Storage(const size_t bytes, const MemCategory category) : bytes_(bytes), category_(category) {
+  const size_t rounded = (bytes + 63) / 64 * 64;
+  data_ = static_cast<std::byte*>(std::aligned_alloc(64, rounded == 0 ? 64 : rounded));
+  if (data_ == nullptr) throw std::bad_alloc();
+  std::memset(data_, 0, rounded == 0 ? 64 : rounded);
+  MemoryTracker::instance().on_alloc(category_, bytes_);
+}
+
+Storage::~Storage() {
+  MemoryTracker::instance().on_free(category_, bytes_);
+  std::free(data_);
+}
+
+Tensor::Tensor(std::vector<int64_t> shape, const DType dtype, const MemCategory category)
+    : shape_(std::move(shape)), dtype_(dtype) {
+  for (const int64_t d : shape_) {
+    if (d < 0) throw std::invalid_argument("tensor shape has a negative dimension");
+  }
+  storage_ = std::make_shared<Storage>(nbytes(), category);
+}
+
+int64_t Tensor::numel() const {
+  int64_t n = 1;
+  for (const int64_t d : shape_) n *= d;
+  return n;
+}
+
+std::string Tensor::shape_str() const {
+  std::ostringstream out;
+  out << '[';
+  for (size_t i = 0; i < shape_.size(); ++i) out << (i ? ", " : "") << shape_[i];
+  out << ']';
+  return out.str();
+}
+
+Tensor Tensor::view(std::vector<int64_t> shape) const {
+  Tensor out = *this;
+  out.shape_ = std::move(shape);
+  if (out.numel() != numel()) {
+    throw std::invalid_argument("view " + out.shape_str() + " does not match " + shape_str());
+  }
+  return out;
+}
+
+Tensor Tensor::slice_rows(const int64_t begin, const int64_t end) const {
+  if (ndim() == 0 || begin < 0 || end < begin || end > shape_[0]) {
+    throw std::out_of_range("slice_rows out of range for " + shape_str());
+  }
+  Tensor out = *this;
+  const int64_t row = shape_[0] == 0 ? 0 : numel() / shape_[0];
+  out.offset_bytes_ += static_cast<size_t>(begin * row) * dtype_size(dtype_);
+  out.shape_[0] = end - begin;
+  return out;
+}
+
+Tensor Tensor::clone(const MemCategory category) const {
+  Tensor out(shape_, dtype_, category);
+  std::memcpy(out.data<std::byte>(), data<std::byte>(), nbytes());
+  return out;
+}
+
+void Tensor::zero_() {
+  if (defined()) std::memset(data<std::byte>(), 0, nbytes());
+}
+
+void Tensor::copy_from(const Tensor& other) {
+  if (other.dtype_ != dtype_ || other.numel() != numel()) {
+    throw std::invalid_argument("copy_from: " + other.shape_str() + " into " + shape_str());
+  }
+  std::memcpy(data<std::byte>(), other.data<std::byte>(), nbytes());
+}
+
+}  // namespace moecore

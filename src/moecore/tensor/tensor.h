@@ -1,0 +1,86 @@
+// Tensor: a dtype, a row-major shape and a view into shared, tracked storage. Deliberately small:
+// kernels work on raw pointers; Tensor owns memory, knows its shape and reports to the MemoryTracker.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "moecore/tensor/dtype.h"
+#include "moecore/tensor/memory_tracker.h"
+
+namespace moecore {
+
+// 64-byte aligned, zero-initialised bytes, counted under one MemCategory for their lifetime.
+class Storage {
+ public:
+  Storage(size_t bytes, MemCategory category);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  std::byte* data() { return data_; }
+  const std::byte* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  MemCategory category() const { return category_; }
+
+ private:
+  std::byte* data_;  // owned; freed in the destructor
+  size_t bytes_;
+  MemCategory category_;
+};
+
+class Tensor {
+ public:
+  Tensor() = default;
+  Tensor(std::vector<int64_t> shape, DType dtype, MemCategory category = MemCategory::kOther);
+
+  static Tensor zeros(std::vector<int64_t> shape, DType dtype = DType::kF32,
+                      MemCategory category = MemCategory::kOther) {
+    return Tensor(std::move(shape), dtype, category);
+  }
+
+  bool defined() const { return storage_ != nullptr; }
+  DType dtype() const { return dtype_; }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  int64_t dim(int i) const { return shape_.at(static_cast<size_t>(i < 0 ? i + ndim() : i)); }
+  int ndim() const { return static_cast<int>(shape_.size()); }
+  int64_t numel() const;
+  size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
+  std::string shape_str() const;
+
+  template <typename T>
+  T* data() {
+    return reinterpret_cast<T*>(storage_->data() + offset_bytes_);
+  }
+  template <typename T>
+  const T* data() const {
+    return reinterpret_cast<const T*>(storage_->data() + offset_bytes_);
+  }
+  template <typename T>
+  std::span<T> span() {
+    return {data<T>(), static_cast<size_t>(numel())};
+  }
+  template <typename T>
+  std::span<const T> span() const {
+    return {data<T>(), static_cast<size_t>(numel())};
+  }
+
+  // Same storage, new shape with the same element count.
+  Tensor view(std::vector<int64_t> shape) const;
+  // Rows [begin, end) of the first dimension, sharing storage.
+  Tensor slice_rows(int64_t begin, int64_t end) const;
+  Tensor clone(MemCategory category = MemCategory::kOther) const;
+  void zero_();
+  void copy_from(const Tensor& other);  // same dtype and numel
+
+ private:
+  std::shared_ptr<Storage> storage_;
+  size_t offset_bytes_ = 0;
+  std::vector<int64_t> shape_;
+  DType dtype_ = DType::kF32;
+};
+
+}  // namespace moecore
