@@ -54,8 +54,10 @@ class GPTModel {
   Tensor last_logits(const int32_t* tokens_BS, int64_t B, int64_t S);
 
  private:
+  struct Modules;
   ModelConfig config_;
   std::vector<Param> params_;
+  std::unique_ptr<Modules> modules_;
 };
 
 }  // namespace moecore

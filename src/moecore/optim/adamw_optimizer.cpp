@@ -1,0 +1,51 @@
+#include "moecore/optim/adamw_optimizer.h"
+
+#include <cmath>
+
+#include "moecore/kernels/cpu/adamw.h"
+#include "moecore/kernels/cpu/elementwise.h"
+
+namespace moecore {
+
+AdamWOptimizer::AdamWOptimizer(std::vector<Param>& params, const AdamWOptions& options)
+    : params_(params), options_(options) {
+  exp_avg_.reserve(params_.size());
+  exp_avg_sq_.reserve(params_.size());
+  for (const Param& p : params_) {
+    exp_avg_.emplace_back(p.value.shape(), DType::kF32, MemCategory::kOptimizer);
+    exp_avg_sq_.emplace_back(p.value.shape(), DType::kF32, MemCategory::kOptimizer);
+  }
+}
+
+double AdamWOptimizer::grad_norm() const {
+  double sum = 0.0;
+  for (const Param& p : params_) sum += kernels::cpu::sum_squares(p.grad.data<float>(), p.grad.numel());
+  return std::sqrt(sum);
+}
+
+double AdamWOptimizer::clip_grad_norm(const double max_norm) {
+  const double norm = grad_norm();
+  if (max_norm > 0.0 && norm > max_norm) {
+    const auto coeff = static_cast<float>(max_norm / (norm + 1e-6));
+    for (Param& p : params_) kernels::cpu::scale_inplace(p.grad.data<float>(), coeff, p.grad.numel());
+  }
+  return norm;
+}
+
+void AdamWOptimizer::step(const double lr) {
+  ++step_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    kernels::AdamWHyper hp;
+    hp.lr = lr;
+    hp.beta1 = options_.beta1;
+    hp.beta2 = options_.beta2;
+    hp.eps = options_.eps;
+    hp.weight_decay = p.no_weight_decay ? 0.0 : options_.weight_decay;
+    hp.step = step_;
+    kernels::cpu::adamw_step(p.value.data<float>(), p.grad.data<float>(), exp_avg_[i].data<float>(),
+                             exp_avg_sq_[i].data<float>(), p.value.numel(), hp);
+  }
+}
+
+}  // namespace moecore

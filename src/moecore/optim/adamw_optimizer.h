@@ -1,0 +1,37 @@
+// AdamW over a model's parameters with fp32 states, Megatron's parameter groups (no weight decay on
+// biases and norm weights) and global-norm gradient clipping.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moecore/model/param.h"
+
+namespace moecore {
+
+struct AdamWOptions {
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
+};
+
+class AdamWOptimizer {
+ public:
+  AdamWOptimizer(std::vector<Param>& params, const AdamWOptions& options);
+
+  // L2 norm of all gradients together (computed in double).
+  double grad_norm() const;
+  // Scales every gradient by max_norm / (norm + 1e-6) when norm > max_norm (torch's clip_grad_norm_);
+  // max_norm <= 0 disables. Returns the norm before clipping.
+  double clip_grad_norm(double max_norm);
+  // One AdamW update of every parameter at learning rate lr.
+  void step(double lr);
+  int64_t steps_taken() const { return step_; }
+
+ private:
+  std::vector<Param>& params_;
+  AdamWOptions options_;
+  std::vector<Tensor> exp_avg_;
+  std::vector<Tensor> exp_avg_sq_;
+  int64_t step_ = 0;
+};
+
+}  // namespace moecore
