@@ -6,7 +6,7 @@
 namespace moecore {
 
 uint64_t stream_key(const std::string_view name) {
-  uint64_t hash = 1469598103934665603ull;
+  uint64_t hash = 14695981039346656037ull;
   for (const char c : name) {
     hash ^= static_cast<uint8_t>(c);
     hash *= 1099511628211ull;

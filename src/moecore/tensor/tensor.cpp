@@ -64,6 +64,7 @@ Tensor Tensor::slice_rows(const int64_t begin, const int64_t end) const {
 }
 
 Tensor Tensor::clone(const MemCategory category) const {
+  if (!defined()) throw std::logic_error("clone of an undefined tensor");
   Tensor out(shape_, dtype_, category);
   std::memcpy(out.data<std::byte>(), data<std::byte>(), nbytes());
   return out;
@@ -74,6 +75,7 @@ void Tensor::zero_() {
 }
 
 void Tensor::copy_from(const Tensor& other) {
+  if (!defined() || !other.defined()) throw std::logic_error("copy_from with an undefined tensor");
   if (other.dtype_ != dtype_ || other.numel() != numel()) {
     throw std::invalid_argument("copy_from: " + other.shape_str() + " into " + shape_str());
   }

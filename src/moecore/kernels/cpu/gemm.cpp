@@ -1,0 +1,99 @@
+// Fast GEMM via OpenBLAS (CBLAS, row-major) and the linear layer built on it.
+#include "moecore/kernels/cpu/gemm.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <climits>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+namespace moecore::kernels::cpu {
+namespace {
+
+void check_gemm_args(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb,
+                     int64_t ldc) {
+  if (M < 0 || N < 0 || K < 0) {
+    throw std::invalid_argument("gemm: negative size M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                                " K=" + std::to_string(K));
+  }
+  const int64_t a_cols = trans_a ? M : K;
+  const int64_t b_cols = trans_b ? K : N;
+  if (lda < std::max<int64_t>(1, a_cols) || ldb < std::max<int64_t>(1, b_cols) || ldc < std::max<int64_t>(1, N)) {
+    throw std::invalid_argument("gemm: leading dimension too small (lda=" + std::to_string(lda) +
+                                " ldb=" + std::to_string(ldb) + " ldc=" + std::to_string(ldc) + ")");
+  }
+  const int64_t biggest = std::max({M, N, K, lda, ldb, ldc});
+  if (biggest > INT_MAX) throw std::invalid_argument("gemm: size " + std::to_string(biggest) + " exceeds BLAS int");
+}
+
+}  // namespace
+
+template <typename T>
+void gemm(const bool trans_a, const bool trans_b, const int64_t M, const int64_t N, const int64_t K, const T alpha,
+          const T* A, const int64_t lda, const T* B, const int64_t ldb, const T beta, T* C, const int64_t ldc) {
+  check_gemm_args(trans_a, trans_b, M, N, K, lda, ldb, ldc);
+  if (M == 0 || N == 0) return;
+  const auto op_a = trans_a ? CblasTrans : CblasNoTrans;
+  const auto op_b = trans_b ? CblasTrans : CblasNoTrans;
+  const auto m = static_cast<blasint>(M), n = static_cast<blasint>(N), k = static_cast<blasint>(K);
+  const auto la = static_cast<blasint>(lda), lb = static_cast<blasint>(ldb), lc = static_cast<blasint>(ldc);
+  if constexpr (std::is_same_v<T, float>) {
+    cblas_sgemm(CblasRowMajor, op_a, op_b, m, n, k, alpha, A, la, B, lb, beta, C, lc);
+  } else {
+    cblas_dgemm(CblasRowMajor, op_a, op_b, m, n, k, alpha, A, la, B, lb, beta, C, lc);
+  }
+}
+
+template <typename T>
+void linear_forward(T* out_TO, const T* inp_TI, const T* weight_OI, const T* bias_O, const int64_t n_tokens,
+                    const int64_t in_features, const int64_t out_features) {
+  T beta = T(0);
+  if (bias_O != nullptr) {
+#pragma omp parallel for schedule(static) if (n_tokens * out_features > 16384)
+    for (int64_t t = 0; t < n_tokens; ++t) std::copy_n(bias_O, out_features, out_TO + t * out_features);
+    beta = T(1);
+  }
+  gemm<T>(false, true, n_tokens, out_features, in_features, T(1), inp_TI, in_features, weight_OI, in_features, beta,
+          out_TO, out_features);
+}
+
+template <typename T>
+void linear_backward(T* dinp_TI, T* dweight_OI, T* dbias_O, const T* dout_TO, const T* inp_TI, const T* weight_OI,
+                     const int64_t n_tokens, const int64_t in_features, const int64_t out_features) {
+  if (dinp_TI != nullptr) {
+    gemm<T>(false, false, n_tokens, in_features, out_features, T(1), dout_TO, out_features, weight_OI, in_features,
+            T(1), dinp_TI, in_features);
+  }
+  if (dweight_OI != nullptr) {
+    gemm<T>(true, false, out_features, in_features, n_tokens, T(1), dout_TO, out_features, inp_TI, in_features, T(1),
+            dweight_OI, in_features);
+  }
+  if (dbias_O != nullptr) {
+    // Column sums: each thread owns a block of columns and walks all rows, so no two threads share an output.
+    constexpr int64_t kBlock = 256;
+    const int64_t n_blocks = (out_features + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (n_tokens * out_features > 16384)
+    for (int64_t block = 0; block < n_blocks; ++block) {
+      const int64_t o_begin = block * kBlock;
+      const int64_t o_end = std::min(out_features, o_begin + kBlock);
+      for (int64_t t = 0; t < n_tokens; ++t) {
+        const T* row = dout_TO + t * out_features;
+#pragma omp simd
+        for (int64_t o = o_begin; o < o_end; ++o) dbias_O[o] += row[o];
+      }
+    }
+  }
+}
+
+#define MOECORE_INSTANTIATE(T)                                                                                 \
+  template void gemm<T>(bool, bool, int64_t, int64_t, int64_t, T, const T*, int64_t, const T*, int64_t, T, T*, \
+                        int64_t);                                                                              \
+  template void linear_forward<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);                \
+  template void linear_backward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, int64_t);
+MOECORE_INSTANTIATE(float)
+MOECORE_INSTANTIATE(double)
+#undef MOECORE_INSTANTIATE
+
+}  // namespace moecore::kernels::cpu

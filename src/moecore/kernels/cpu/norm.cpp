@@ -1,0 +1,176 @@
+// Fast RMSNorm / LayerNorm: rows in parallel (OpenMP); weight/bias gradients are summed into per-thread
+// partial buffers and reduced afterwards, so there is no race and the result does not depend on scheduling
+// for a fixed thread count.
+#include "moecore/kernels/cpu/norm.h"
+
+#include <omp.h>
+
+#include <cmath>
+#include <vector>
+
+namespace moecore::kernels::cpu {
+namespace {
+
+constexpr int64_t kParallelMinElements = 16384;
+
+int threads_for(const int64_t n_rows, const int64_t D) {
+  return n_rows * D >= kParallelMinElements ? omp_get_max_threads() : 1;
+}
+
+// Per-thread accumulators for up to two [D] gradients; reduce() adds them into the real outputs.
+template <typename T>
+class PartialSums {
+ public:
+  PartialSums(int n_threads, int64_t D, int n_buffers)
+      : D_(D),
+        n_threads_(n_threads),
+        n_buffers_(n_buffers),
+        sums_(static_cast<size_t>(n_threads) * static_cast<size_t>(n_buffers * D), T(0)) {}
+  T* buffer(int thread, int which) { return sums_.data() + (static_cast<int64_t>(thread) * n_buffers_ + which) * D_; }
+  void reduce(T* out_D, int which) {
+    if (out_D == nullptr) return;
+    for (int thread = 0; thread < n_threads_; ++thread) {
+      const T* part = buffer(thread, which);
+#pragma omp simd
+      for (int64_t d = 0; d < D_; ++d) out_D[d] += part[d];
+    }
+  }
+
+ private:
+  int64_t D_;
+  int n_threads_;
+  int n_buffers_;
+  std::vector<T> sums_;
+};
+
+}  // namespace
+
+template <typename T>
+void rmsnorm_forward(T* out_RD, T* rstd_R, const T* inp_RD, const T* weight_D, const int64_t n_rows, const int64_t D,
+                     const double eps) {
+  const T eps_t = static_cast<T>(eps);
+#pragma omp parallel for schedule(static) num_threads(threads_for(n_rows, D))
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const T* x = inp_RD + r * D;
+    T* y = out_RD + r * D;
+    T sum_sq = T(0);
+#pragma omp simd reduction(+ : sum_sq)
+    for (int64_t d = 0; d < D; ++d) sum_sq += x[d] * x[d];
+    const T rstd = T(1) / std::sqrt(sum_sq / static_cast<T>(D) + eps_t);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) y[d] = x[d] * rstd * weight_D[d];
+    rstd_R[r] = rstd;
+  }
+}
+
+template <typename T>
+void rmsnorm_backward(T* dinp_RD, T* dweight_D, const T* dout_RD, const T* inp_RD, const T* weight_D, const T* rstd_R,
+                      const int64_t n_rows, const int64_t D) {
+  const int n_threads = threads_for(n_rows, D);
+  PartialSums<T> partial(n_threads, D, 1);
+#pragma omp parallel num_threads(n_threads)
+  {
+    T* dweight_part = partial.buffer(omp_get_thread_num(), 0);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const T* x = inp_RD + r * D;
+      const T* dy = dout_RD + r * D;
+      const T rstd = rstd_R[r];
+      if (dinp_RD != nullptr) {
+        T sum_gx = T(0);  // sum_d (dy * w)_d x_d
+#pragma omp simd reduction(+ : sum_gx)
+        for (int64_t d = 0; d < D; ++d) sum_gx += dy[d] * weight_D[d] * x[d];
+        const T coeff = sum_gx * rstd * rstd * rstd / static_cast<T>(D);
+        T* dx = dinp_RD + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dx[d] += rstd * dy[d] * weight_D[d] - coeff * x[d];
+      }
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) dweight_part[d] += dy[d] * x[d] * rstd;
+    }
+  }
+  partial.reduce(dweight_D, 0);
+}
+
+template <typename T>
+void layernorm_forward(T* out_RD, T* mean_R, T* rstd_R, const T* inp_RD, const T* weight_D, const T* bias_D,
+                       const int64_t n_rows, const int64_t D, const double eps) {
+  const T eps_t = static_cast<T>(eps);
+#pragma omp parallel for schedule(static) num_threads(threads_for(n_rows, D))
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const T* x = inp_RD + r * D;
+    T* y = out_RD + r * D;
+    T sum = T(0);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t d = 0; d < D; ++d) sum += x[d];
+    const T mean = sum / static_cast<T>(D);
+    T sum_sq = T(0);
+#pragma omp simd reduction(+ : sum_sq)
+    for (int64_t d = 0; d < D; ++d) sum_sq += (x[d] - mean) * (x[d] - mean);
+    const T rstd = T(1) / std::sqrt(sum_sq / static_cast<T>(D) + eps_t);
+    if (bias_D != nullptr) {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) y[d] = (x[d] - mean) * rstd * weight_D[d] + bias_D[d];
+    } else {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) y[d] = (x[d] - mean) * rstd * weight_D[d];
+    }
+    mean_R[r] = mean;
+    rstd_R[r] = rstd;
+  }
+}
+
+template <typename T>
+void layernorm_backward(T* dinp_RD, T* dweight_D, T* dbias_D, const T* dout_RD, const T* inp_RD, const T* weight_D,
+                        const T* mean_R, const T* rstd_R, const int64_t n_rows, const int64_t D) {
+  const int n_threads = threads_for(n_rows, D);
+  PartialSums<T> partial(n_threads, D, 2);
+#pragma omp parallel num_threads(n_threads)
+  {
+    T* dweight_part = partial.buffer(omp_get_thread_num(), 0);
+    T* dbias_part = partial.buffer(omp_get_thread_num(), 1);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const T* x = inp_RD + r * D;
+      const T* dy = dout_RD + r * D;
+      const T mean = mean_R[r];
+      const T rstd = rstd_R[r];
+      if (dinp_RD != nullptr) {
+        T sum_g = T(0);      // sum_d (dy * w)_d
+        T sum_gxhat = T(0);  // sum_d (dy * w)_d xhat_d
+#pragma omp simd reduction(+ : sum_g, sum_gxhat)
+        for (int64_t d = 0; d < D; ++d) {
+          const T g = dy[d] * weight_D[d];
+          sum_g += g;
+          sum_gxhat += g * (x[d] - mean) * rstd;
+        }
+        const T mean_g = sum_g / static_cast<T>(D);
+        const T mean_gxhat = sum_gxhat / static_cast<T>(D);
+        T* dx = dinp_RD + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          const T xhat = (x[d] - mean) * rstd;
+          dx[d] += rstd * (dy[d] * weight_D[d] - mean_g - xhat * mean_gxhat);
+        }
+      }
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) {
+        dweight_part[d] += dy[d] * (x[d] - mean) * rstd;
+        dbias_part[d] += dy[d];
+      }
+    }
+  }
+  partial.reduce(dweight_D, 0);
+  partial.reduce(dbias_D, 1);
+}
+
+#define MOECORE_INSTANTIATE(T)                                                                            \
+  template void rmsnorm_forward<T>(T*, T*, const T*, const T*, int64_t, int64_t, double);                 \
+  template void rmsnorm_backward<T>(T*, T*, const T*, const T*, const T*, const T*, int64_t, int64_t);    \
+  template void layernorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, double); \
+  template void layernorm_backward<T>(T*, T*, T*, const T*, const T*, const T*, const T*, const T*, int64_t, int64_t);
+MOECORE_INSTANTIATE(float)
+MOECORE_INSTANTIATE(double)
+#undef MOECORE_INSTANTIATE
+
+}  // namespace moecore::kernels::cpu

@@ -1,0 +1,172 @@
+// GEMM and linear layer: CBLAS version vs the triple-loop reference, and linear_backward vs finite differences.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernel_test_util.h"
+#include "moecore/kernels/cpu/gemm.h"
+
+namespace moecore::kernels {
+namespace {
+
+using test::max_rel_error;
+using test::numeric_grad;
+using test::random_vector;
+
+// Entries below this magnitude are compared in absolute terms: a float dot product of K O(1) terms carries an
+// absolute rounding error ~sqrt(K) * 6e-8 whatever its result, so a result that cancels to nearly zero has a
+// large relative error that says nothing about the kernel. Values here are O(1..5).
+constexpr double kFloor = 1.0;
+
+template <typename T>
+void check_gemm_combo(bool trans_a, bool trans_b, double tolerance) {
+  const int64_t M = 37, N = 53, K = 29;
+  // Leading dimensions strictly larger than the stored column counts, so padding must be skipped.
+  const int64_t a_rows = trans_a ? K : M, a_cols = trans_a ? M : K;
+  const int64_t b_rows = trans_b ? N : K, b_cols = trans_b ? K : N;
+  const int64_t lda = a_cols + 3, ldb = b_cols + 5, ldc = N + 2;
+  const auto A = random_vector<T>(static_cast<size_t>(a_rows * lda), 11);
+  const auto B = random_vector<T>(static_cast<size_t>(b_rows * ldb), 12);
+  const auto C0 = random_vector<T>(static_cast<size_t>(M * ldc), 13);
+  const T alpha = T(0.75), beta = T(-0.5);
+
+  auto C_fast = C0, C_ref = C0;
+  cpu::gemm<T>(trans_a, trans_b, M, N, K, alpha, A.data(), lda, B.data(), ldb, beta, C_fast.data(), ldc);
+  ref::gemm<T>(trans_a, trans_b, M, N, K, alpha, A.data(), lda, B.data(), ldb, beta, C_ref.data(), ldc);
+  EXPECT_LT(max_rel_error(C_fast.data(), C_ref.data(), C_fast.size(), kFloor), tolerance)
+      << "trans_a=" << trans_a << " trans_b=" << trans_b;
+
+  // Independent spot check of one entry straight from the definition, and that ldc padding is untouched.
+  double expected = 0.0;
+  for (int64_t k = 0; k < K; ++k) {
+    const double a = trans_a ? A[k * lda + 2] : A[2 * lda + k];
+    const double b = trans_b ? B[5 * ldb + k] : B[k * ldb + 5];
+    expected += a * b;
+  }
+  expected = alpha * expected + beta * static_cast<double>(C0[2 * ldc + 5]);
+  EXPECT_NEAR(C_fast[2 * ldc + 5], expected, 1e-5);
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t j = N; j < ldc; ++j) EXPECT_EQ(C_fast[i * ldc + j], C0[i * ldc + j]);
+  }
+}
+
+TEST(GemmTest, AllTransposeCombosMatchReferenceFloat) {
+  for (const bool ta : {false, true}) {
+    for (const bool tb : {false, true}) check_gemm_combo<float>(ta, tb, 1e-5);
+  }
+}
+
+TEST(GemmTest, AllTransposeCombosMatchReferenceDouble) {
+  for (const bool ta : {false, true}) {
+    for (const bool tb : {false, true}) check_gemm_combo<double>(ta, tb, 1e-12);
+  }
+}
+
+TEST(GemmTest, BetaZeroIgnoresGarbageInC) {
+  const int64_t M = 5, N = 7, K = 3;
+  const auto A = random_vector<double>(M * K, 1);
+  const auto B = random_vector<double>(K * N, 2);
+  std::vector<double> C_fast(M * N, std::numeric_limits<double>::quiet_NaN()), C_ref = C_fast;
+  cpu::gemm<double>(false, false, M, N, K, 1.0, A.data(), K, B.data(), N, 0.0, C_fast.data(), N);
+  ref::gemm<double>(false, false, M, N, K, 1.0, A.data(), K, B.data(), N, 0.0, C_ref.data(), N);
+  EXPECT_LT(max_rel_error(C_fast.data(), C_ref.data(), C_fast.size()), 1e-13);
+}
+
+TEST(GemmTest, RejectsTooSmallLeadingDimension) {
+  const std::vector<float> buf(100, 1.0f);
+  std::vector<float> C(100);
+  EXPECT_THROW(cpu::gemm<float>(false, false, 4, 4, 4, 1.0f, buf.data(), 3, buf.data(), 4, 0.0f, C.data(), 4),
+               std::invalid_argument);
+  EXPECT_THROW(cpu::gemm<float>(false, false, -1, 4, 4, 1.0f, buf.data(), 4, buf.data(), 4, 0.0f, C.data(), 4),
+               std::invalid_argument);
+}
+
+template <typename T>
+void check_linear_matches_reference(bool with_bias, double tolerance) {
+  const int64_t n_tokens = 37, in_features = 53, out_features = 31;
+  const auto inp_TI = random_vector<T>(n_tokens * in_features, 21);
+  const auto weight_OI = random_vector<T>(out_features * in_features, 22);
+  const auto bias_O = random_vector<T>(out_features, 23);
+  const T* bias = with_bias ? bias_O.data() : nullptr;
+  std::vector<T> out_fast(n_tokens * out_features), out_ref(n_tokens * out_features);
+  cpu::linear_forward<T>(out_fast.data(), inp_TI.data(), weight_OI.data(), bias, n_tokens, in_features, out_features);
+  ref::linear_forward<T>(out_ref.data(), inp_TI.data(), weight_OI.data(), bias, n_tokens, in_features, out_features);
+  EXPECT_LT(max_rel_error(out_fast.data(), out_ref.data(), out_fast.size(), kFloor), tolerance);
+
+  // Gradients start non-zero to check accumulation.
+  const auto dout_TO = random_vector<T>(n_tokens * out_features, 24);
+  auto dinp_fast = random_vector<T>(n_tokens * in_features, 25), dinp_ref = dinp_fast;
+  auto dweight_fast = random_vector<T>(out_features * in_features, 26), dweight_ref = dweight_fast;
+  auto dbias_fast = random_vector<T>(out_features, 27), dbias_ref = dbias_fast;
+  cpu::linear_backward<T>(dinp_fast.data(), dweight_fast.data(), dbias_fast.data(), dout_TO.data(), inp_TI.data(),
+                          weight_OI.data(), n_tokens, in_features, out_features);
+  ref::linear_backward<T>(dinp_ref.data(), dweight_ref.data(), dbias_ref.data(), dout_TO.data(), inp_TI.data(),
+                          weight_OI.data(), n_tokens, in_features, out_features);
+  EXPECT_LT(max_rel_error(dinp_fast.data(), dinp_ref.data(), dinp_fast.size(), kFloor), tolerance);
+  EXPECT_LT(max_rel_error(dweight_fast.data(), dweight_ref.data(), dweight_fast.size(), kFloor), tolerance);
+  EXPECT_LT(max_rel_error(dbias_fast.data(), dbias_ref.data(), dbias_fast.size(), kFloor), tolerance);
+}
+
+TEST(LinearTest, MatchesReferenceFloat) {
+  check_linear_matches_reference<float>(true, 1e-5);
+  check_linear_matches_reference<float>(false, 1e-5);
+}
+
+TEST(LinearTest, MatchesReferenceDouble) {
+  check_linear_matches_reference<double>(true, 1e-12);
+  check_linear_matches_reference<double>(false, 1e-12);
+}
+
+TEST(LinearTest, NullGradientsAreSkipped) {
+  const int64_t T = 4, I = 3, O = 5;
+  const auto inp = random_vector<float>(T * I, 1), weight = random_vector<float>(O * I, 2);
+  const auto dout = random_vector<float>(T * O, 3);
+  auto dweight = random_vector<float>(O * I, 4);
+  auto dweight_ref = dweight;
+  cpu::linear_backward<float>(nullptr, dweight.data(), nullptr, dout.data(), inp.data(), weight.data(), T, I, O);
+  ref::linear_backward<float>(nullptr, dweight_ref.data(), nullptr, dout.data(), inp.data(), weight.data(), T, I, O);
+  EXPECT_LT(max_rel_error(dweight.data(), dweight_ref.data(), dweight.size(), kFloor), 1e-5);
+}
+
+// loss = sum(linear(inp, weight, bias) * R); each analytic gradient must equal central differences. The loss
+// is linear in each argument, so the finite difference is exact up to rounding (~1e-16 |loss| / eps ~ 1e-9
+// absolute); the floor 1e-2 turns that into a bound of 1e-8 absolute on small entries.
+template <typename Kernel>
+void check_linear_grads_fd(Kernel /*tag*/) {
+  const int64_t T = 5, I = 7, O = 6;
+  const auto inp = random_vector<double>(T * I, 31);
+  const auto weight = random_vector<double>(O * I, 32);
+  const auto bias = random_vector<double>(O, 33);
+  const auto R = random_vector<double>(T * O, 34);
+  auto loss = [&](const std::vector<double>& x, const std::vector<double>& w, const std::vector<double>& b) {
+    std::vector<double> out(T * O);
+    Kernel::forward(out.data(), x.data(), w.data(), b.data(), T, I, O);
+    return test::weighted_sum(out, R);
+  };
+  const auto g_inp = numeric_grad([&](const std::vector<double>& v) { return loss(v, weight, bias); }, inp);
+  const auto g_weight = numeric_grad([&](const std::vector<double>& v) { return loss(inp, v, bias); }, weight);
+  const auto g_bias = numeric_grad([&](const std::vector<double>& v) { return loss(inp, weight, v); }, bias);
+
+  std::vector<double> dinp(T * I), dweight(O * I), dbias(O);
+  Kernel::backward(dinp.data(), dweight.data(), dbias.data(), R.data(), inp.data(), weight.data(), T, I, O);
+  EXPECT_LT(max_rel_error(dinp.data(), g_inp.data(), dinp.size(), 1e-2), 1e-6);
+  EXPECT_LT(max_rel_error(dweight.data(), g_weight.data(), dweight.size(), 1e-2), 1e-6);
+  EXPECT_LT(max_rel_error(dbias.data(), g_bias.data(), dbias.size(), 1e-2), 1e-6);
+}
+
+struct CpuLinear {
+  static constexpr auto forward = cpu::linear_forward<double>;
+  static constexpr auto backward = cpu::linear_backward<double>;
+};
+struct RefLinear {
+  static constexpr auto forward = ref::linear_forward<double>;
+  static constexpr auto backward = ref::linear_backward<double>;
+};
+
+TEST(LinearTest, BackwardMatchesFiniteDifferencesCpu) { check_linear_grads_fd(CpuLinear{}); }
+TEST(LinearTest, BackwardMatchesFiniteDifferencesRef) { check_linear_grads_fd(RefLinear{}); }
+
+}  // namespace
+}  // namespace moecore::kernels

@@ -1,0 +1,154 @@
+// Rotary embedding: hand-computed values, pass-through tail, fp32 angle recipe, position offset,
+// fast vs reference, and backward vs central finite differences.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <stdexcept>
+#include <vector>
+
+#include "kernel_test_util.h"
+#include "moecore/kernels/cpu/rope.h"
+
+namespace moecore::kernels {
+namespace {
+
+using test::max_rel_error;
+using test::numeric_grad;
+using test::random_vector;
+
+// Position 1, one 4-channel head, base 10000: inv_freq = [1, 10000^(-2/4)] = [1, 0.01], so the angles are
+// 1 and 0.01, and for x = [1, 2, 3, 4] (x1 = [1, 2], x2 = [3, 4]):
+//   y0 = 1 cos(1) - 3 sin(1), y1 = 2 cos(0.01) - 4 sin(0.01), y2 = 3 cos(1) + 1 sin(1), y3 = 4 cos(0.01) + 2 sin(0.01)
+// with cos(1) = 0.5403023058681398, sin(1) = 0.8414709848078965, cos(0.01) = 0.9999500004166653,
+// sin(0.01) = 0.009999833334166664.
+template <typename T>
+void check_hand_computed() {
+  const std::vector<T> x = {9, 9, 9, 9, 1, 2, 3, 4};  // S = 2; row 0 (position 0) must be unchanged
+  const std::vector<double> expected = {
+      9, 9, 9, 9, -1.9841106485555497, 1.9599006674966640, 2.4623779024123160, 4.0197996683349940};
+  for (const bool fast : {true, false}) {
+    std::vector<T> y(8);
+    (fast ? cpu::rope_forward<T> : ref::rope_forward<T>)(y.data(), x.data(), 2, 1, 1, 4, 4, 10000.0, 0);
+    // cos/sin are evaluated in fp32 (Megatron's recipe), so agreement is to fp32 precision.
+    for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(y[i], expected[i], 2e-6) << "i=" << i << " fast=" << fast;
+  }
+}
+
+TEST(RopeTest, HandComputedValuesFloat) { check_hand_computed<float>(); }
+TEST(RopeTest, HandComputedValuesDouble) { check_hand_computed<double>(); }
+
+TEST(RopeTest, ChannelsBeyondRotDimPassThrough) {
+  const int64_t S = 7, B = 2, N = 3, head_dim = 13, rot_dim = 6;
+  const auto x = random_vector<double>(S * B * N * head_dim, 1);
+  for (const bool fast : {true, false}) {
+    std::vector<double> y(x.size());
+    (fast ? cpu::rope_forward<double> : ref::rope_forward<double>)(y.data(), x.data(), S, B, N, head_dim, rot_dim,
+                                                                   10000.0, 0);
+    for (int64_t row = 0; row < S * B * N; ++row) {
+      for (int64_t c = rot_dim; c < head_dim; ++c) ASSERT_EQ(y[row * head_dim + c], x[row * head_dim + c]);
+      // The rotated part keeps each (c, c + rot_dim/2) pair's norm (to fp32 precision: cos/sin are fp32).
+      for (int64_t c = 0; c < rot_dim / 2; ++c) {
+        const double* xr = &x[row * head_dim];
+        const double* yr = &y[row * head_dim];
+        ASSERT_NEAR(std::hypot(yr[c], yr[c + rot_dim / 2]), std::hypot(xr[c], xr[c + rot_dim / 2]), 1e-6);
+      }
+    }
+  }
+}
+
+// The angle is float(position) * inv_freq in fp32, and cos/sin are taken of that fp32 angle, like
+// torch.outer(arange(S, dtype=float32), inv_freq) in Megatron. At large positions this differs measurably
+// from an all-double computation, so the test also proves which recipe is used.
+TEST(RopeTest, AnglesFollowTheFp32Recipe) {
+  const int64_t S = 3, head_dim = 8, rot_dim = 8, offset = 100000;  // a long-context position: ulp(100000.f) = 0.0078
+  const double base = 10000.0;
+  const std::vector<double> x(S * head_dim, 0.0);
+  std::vector<double> x_unit = x;
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t c = 0; c < rot_dim / 2; ++c) x_unit[s * head_dim + c] = 1.0;  // x1 = 1, x2 = 0: y = [cos, sin]
+  }
+  std::vector<double> y(x.size());
+  cpu::rope_forward<double>(y.data(), x_unit.data(), S, 1, 1, head_dim, rot_dim, base, offset);
+  double max_diff_from_double_recipe = 0.0;
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t i = 0; i < rot_dim / 2; ++i) {
+      const float inv_freq = 1.0f / std::pow(static_cast<float>(base), static_cast<float>(2 * i) / float{rot_dim});
+      const float angle = static_cast<float>(s + offset) * inv_freq;
+      EXPECT_NEAR(y[s * head_dim + i], std::cos(angle), 1e-6);
+      EXPECT_NEAR(y[s * head_dim + i + rot_dim / 2], std::sin(angle), 1e-6);
+      const double angle64 = static_cast<double>(s + offset) * std::pow(base, -2.0 * i / rot_dim);
+      max_diff_from_double_recipe =
+          std::max(max_diff_from_double_recipe, std::abs(y[s * head_dim + i] - std::cos(angle64)));
+    }
+  }
+  EXPECT_GT(max_diff_from_double_recipe, 1e-4);
+}
+
+TEST(RopeTest, PositionOffsetShiftsPositions) {
+  const int64_t B = 2, N = 3, head_dim = 10, rot_dim = 8, offset = 5, S = 4;
+  const int64_t row = B * N * head_dim;
+  const auto x_long = random_vector<float>((S + offset) * row, 3);
+  const std::vector<float> x_tail(x_long.begin() + offset * row, x_long.end());
+  std::vector<float> y_long(x_long.size()), y_tail(x_tail.size());
+  cpu::rope_forward<float>(y_long.data(), x_long.data(), S + offset, B, N, head_dim, rot_dim, 500.0, 0);
+  cpu::rope_forward<float>(y_tail.data(), x_tail.data(), S, B, N, head_dim, rot_dim, 500.0, offset);
+  for (size_t i = 0; i < y_tail.size(); ++i) ASSERT_NEAR(y_tail[i], y_long[offset * row + i], 1e-7);
+}
+
+template <typename T>
+void check_vs_ref(int64_t S, int64_t B, int64_t N, int64_t head_dim, int64_t rot_dim, double tol) {
+  const auto x = random_vector<T>(S * B * N * head_dim, 7);
+  std::vector<T> y_fast(x.size()), y_ref(x.size());
+  cpu::rope_forward<T>(y_fast.data(), x.data(), S, B, N, head_dim, rot_dim, 10000.0, 3);
+  ref::rope_forward<T>(y_ref.data(), x.data(), S, B, N, head_dim, rot_dim, 10000.0, 3);
+  // Each output is a 2-term combination of O(1) values; the floor absorbs cancellation to near zero.
+  EXPECT_LT(max_rel_error(y_fast.data(), y_ref.data(), y_fast.size(), 1e-2), tol);
+
+  const auto dy = random_vector<T>(x.size(), 8);
+  auto dx_fast = random_vector<T>(x.size(), 9), dx_ref = dx_fast;  // must accumulate
+  cpu::rope_backward<T>(dx_fast.data(), dy.data(), S, B, N, head_dim, rot_dim, 10000.0, 3);
+  ref::rope_backward<T>(dx_ref.data(), dy.data(), S, B, N, head_dim, rot_dim, 10000.0, 3);
+  EXPECT_LT(max_rel_error(dx_fast.data(), dx_ref.data(), dx_fast.size(), 1e-2), tol);
+}
+
+TEST(RopeTest, MatchesReferenceFloat) {
+  check_vs_ref<float>(37, 2, 3, 13, 8, 1e-5);
+  check_vs_ref<float>(37, 3, 5, 32, 32, 1e-5);  // large enough for the OpenMP path
+}
+
+TEST(RopeTest, MatchesReferenceDouble) {
+  check_vs_ref<double>(37, 2, 3, 13, 8, 1e-12);
+  check_vs_ref<double>(37, 3, 5, 32, 32, 1e-12);
+}
+
+// loss = sum(rope(x) * R) is linear in x, so central differences are exact up to rounding (~1e-10).
+TEST(RopeTest, BackwardMatchesFiniteDifferences) {
+  const int64_t S = 3, B = 2, N = 2, head_dim = 10, rot_dim = 6, offset = 3;
+  const auto x = random_vector<double>(S * B * N * head_dim, 11);
+  const auto R = random_vector<double>(x.size(), 12);
+  for (const bool fast : {true, false}) {
+    const auto forward = fast ? cpu::rope_forward<double> : ref::rope_forward<double>;
+    const auto backward = fast ? cpu::rope_backward<double> : ref::rope_backward<double>;
+    const auto g = numeric_grad(
+        [&](const std::vector<double>& v) {
+          std::vector<double> y(v.size());
+          forward(y.data(), v.data(), S, B, N, head_dim, rot_dim, 10000.0, offset);
+          return test::weighted_sum(y, R);
+        },
+        x);
+    std::vector<double> dx(x.size());
+    backward(dx.data(), R.data(), S, B, N, head_dim, rot_dim, 10000.0, offset);
+    EXPECT_LT(max_rel_error(dx.data(), g.data(), dx.size(), 1e-2), 1e-6) << "fast=" << fast;
+  }
+}
+
+TEST(RopeTest, RejectsBadRotDim) {
+  std::vector<float> buf(64);
+  EXPECT_THROW(cpu::rope_forward<float>(buf.data(), buf.data(), 1, 1, 1, 8, 7, 10000.0), std::invalid_argument);
+  EXPECT_THROW(cpu::rope_forward<float>(buf.data(), buf.data(), 1, 1, 1, 8, 10, 10000.0), std::invalid_argument);
+  EXPECT_THROW(cpu::rope_backward<float>(buf.data(), buf.data(), 1, 1, 1, 8, -2, 10000.0), std::invalid_argument);
+  EXPECT_THROW(ref::rope_forward<float>(buf.data(), buf.data(), 1, 1, 1, 8, 7, 10000.0), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace moecore::kernels
