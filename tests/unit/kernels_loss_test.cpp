@@ -1,0 +1,162 @@
+// Softmax cross-entropy: hand-computed values, fast kernel vs the naive reference, backward vs float64 finite
+// differences, in-place backward, and the out-of-range target error.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "moecore/kernels/cpu/loss.h"
+#include "unit/kernel_test_util.h"
+
+namespace moecore::kernels {
+namespace {
+
+using test::max_rel_error;
+using test::random_vector;
+
+template <typename T>
+struct LossResult {
+  std::vector<T> losses, lse, dlogits;
+};
+
+template <typename T, bool kFast>
+LossResult<T> run(const std::vector<T>& logits, const std::vector<int32_t>& targets, const std::vector<T>& dlosses,
+                  int64_t V) {
+  const auto n_tokens = static_cast<int64_t>(targets.size());
+  LossResult<T> r{std::vector<T>(n_tokens), std::vector<T>(n_tokens), std::vector<T>(logits.size())};
+  if constexpr (kFast) {
+    cpu::cross_entropy_forward(r.losses.data(), r.lse.data(), logits.data(), targets.data(), n_tokens, V);
+    cpu::cross_entropy_backward(r.dlogits.data(), dlosses.data(), logits.data(), r.lse.data(), targets.data(), n_tokens,
+                                V);
+  } else {
+    ref::cross_entropy_forward(r.losses.data(), r.lse.data(), logits.data(), targets.data(), n_tokens, V);
+    ref::cross_entropy_backward(r.dlogits.data(), dlosses.data(), logits.data(), r.lse.data(), targets.data(), n_tokens,
+                                V);
+  }
+  return r;
+}
+
+std::vector<int32_t> random_targets(int64_t n_tokens, int64_t V, uint64_t seed) {
+  const std::vector<double> u = random_vector<double>(n_tokens, seed, 0.0, 1.0);
+  std::vector<int32_t> targets(n_tokens);
+  for (int64_t t = 0; t < n_tokens; ++t) targets[t] = static_cast<int32_t>(u[t] * static_cast<double>(V));
+  return targets;
+}
+
+template <typename T, bool kFast>
+void expect_hand_computed(double tol) {
+  // Token 0: logits [1, 2, 3], target 2; token 1: logits [0.5, -1, 2], target 0.
+  const std::vector<T> logits = {1, 2, 3, 0.5, -1, 2};
+  const std::vector<int32_t> targets = {2, 0};
+  const std::vector<T> dlosses = {1.0, 0.25};
+  const LossResult<T> r = run<T, kFast>(logits, targets, dlosses, 3);
+  const double lse0 = std::log(std::exp(1.0) + std::exp(2.0) + std::exp(3.0));
+  const double lse1 = std::log(std::exp(0.5) + std::exp(-1.0) + std::exp(2.0));
+  EXPECT_NEAR(r.losses[0], lse0 - 3.0, tol);
+  EXPECT_NEAR(r.losses[1], lse1 - 0.5, tol);
+  EXPECT_NEAR(r.lse[0], lse0, tol);
+  EXPECT_NEAR(r.lse[1], lse1, tol);
+  const std::vector<double> expected_dlogits = {std::exp(1.0 - lse0),         std::exp(2.0 - lse0),
+                                                std::exp(3.0 - lse0) - 1.0,   0.25 * (std::exp(0.5 - lse1) - 1.0),
+                                                0.25 * std::exp(-1.0 - lse1), 0.25 * std::exp(2.0 - lse1)};
+  for (size_t i = 0; i < expected_dlogits.size(); ++i) EXPECT_NEAR(r.dlogits[i], expected_dlogits[i], tol) << i;
+}
+
+TEST(CrossEntropyTest, HandComputed) {
+  expect_hand_computed<double, true>(1e-14);
+  expect_hand_computed<double, false>(1e-14);
+  expect_hand_computed<float, true>(1e-6);
+  expect_hand_computed<float, false>(1e-6);
+}
+
+template <typename T>
+void expect_cpu_matches_ref(double tol) {
+  const int64_t n_tokens = 37, V = 5003;
+  std::vector<T> logits = random_vector<T>(n_tokens * V, 1, T(-8), T(8));
+  for (int64_t v = 0; v < V; ++v) logits[5 * V + v] += T(1000);  // stability: exp would overflow unshifted
+  const std::vector<int32_t> targets = random_targets(n_tokens, V, 2);
+  const std::vector<T> dlosses = random_vector<T>(n_tokens, 3, T(0.1), T(2));
+  const LossResult<T> fast = run<T, true>(logits, targets, dlosses, V);
+  const LossResult<T> naive = run<T, false>(logits, targets, dlosses, V);
+  EXPECT_LT(max_rel_error(fast.losses, naive.losses), tol);
+  EXPECT_LT(max_rel_error(fast.lse, naive.lse), tol);
+  // Probabilities are ~1/V: judge them relative to the largest gradient entry of the row, not to 1e-6.
+  EXPECT_LT(max_rel_error(fast.dlogits, naive.dlogits, 1e-4), tol);
+}
+
+TEST(CrossEntropyTest, CpuMatchesRefFloat) { expect_cpu_matches_ref<float>(1e-5); }
+TEST(CrossEntropyTest, CpuMatchesRefDouble) { expect_cpu_matches_ref<double>(1e-12); }
+
+template <bool kFast>
+void expect_backward_matches_finite_differences() {
+  const int64_t n_tokens = 4, V = 7;
+  const std::vector<double> logits = random_vector<double>(n_tokens * V, 10, -3.0, 3.0);
+  const std::vector<int32_t> targets = random_targets(n_tokens, V, 11);
+  const std::vector<double> dlosses = random_vector<double>(n_tokens, 12, 0.5, 1.5);
+  const LossResult<double> analytic = run<double, kFast>(logits, targets, dlosses, V);
+  const std::vector<double> numeric = test::numeric_grad(
+      [&](const std::vector<double>& x) {
+        return test::weighted_sum(run<double, kFast>(x, targets, dlosses, V).losses, dlosses);
+      },
+      logits);
+  // Central differences of an O(10) loss carry ~1e-9 absolute rounding error.
+  EXPECT_LT(max_rel_error(analytic.dlogits, numeric, 1e-2), 1e-6);
+}
+
+TEST(CrossEntropyTest, BackwardMatchesFiniteDifferences) {
+  expect_backward_matches_finite_differences<true>();
+  expect_backward_matches_finite_differences<false>();
+}
+
+template <typename T, bool kFast>
+void expect_in_place_backward() {
+  const int64_t n_tokens = 9, V = 1001;
+  const std::vector<T> logits = random_vector<T>(n_tokens * V, 20, T(-5), T(5));
+  const std::vector<int32_t> targets = random_targets(n_tokens, V, 21);
+  const std::vector<T> dlosses = random_vector<T>(n_tokens, 22, T(0.5), T(1.5));
+  const LossResult<T> separate = run<T, kFast>(logits, targets, dlosses, V);
+  std::vector<T> in_place = logits;
+  if constexpr (kFast) {
+    cpu::cross_entropy_backward(in_place.data(), dlosses.data(), in_place.data(), separate.lse.data(), targets.data(),
+                                n_tokens, V);
+  } else {
+    ref::cross_entropy_backward(in_place.data(), dlosses.data(), in_place.data(), separate.lse.data(), targets.data(),
+                                n_tokens, V);
+  }
+  EXPECT_EQ(in_place, separate.dlogits);
+}
+
+TEST(CrossEntropyTest, InPlaceBackward) {
+  expect_in_place_backward<float, true>();
+  expect_in_place_backward<double, true>();
+  expect_in_place_backward<float, false>();
+  expect_in_place_backward<double, false>();
+}
+
+TEST(CrossEntropyTest, OutOfRangeTargetThrowsNamingTargetAndV) {
+  const std::vector<float> logits = random_vector<float>(2 * 7, 30);
+  std::vector<float> losses(2), lse(2), dlogits(2 * 7);
+  const std::vector<float> dlosses = {1.0f, 1.0f};
+  for (const int32_t bad : {7, -1}) {
+    const std::vector<int32_t> targets = {3, bad};
+    const std::string expected = "target " + std::to_string(bad);
+    try {
+      cpu::cross_entropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), 2, 7);
+      ADD_FAILURE() << "no exception for target " << bad;
+    } catch (const std::out_of_range& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("V=7"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(
+        cpu::cross_entropy_backward(dlogits.data(), dlosses.data(), logits.data(), lse.data(), targets.data(), 2, 7),
+        std::out_of_range);
+    EXPECT_THROW(ref::cross_entropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), 2, 7),
+                 std::out_of_range);
+  }
+}
+
+}  // namespace
+}  // namespace moecore::kernels
