@@ -4,11 +4,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(g++ cmake ninja-build make pkg-config libopenblas-openmp-dev libopenmpi-dev openmpi-bin
-  nlohmann-json3-dev libgtest-dev googletest python3-torch python3-numpy nodejs npm clang-format)
+  nlohmann-json3-dev libgtest-dev googletest python3-torch python3-numpy)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# Node.js and npm may come from outside Debian's packages (the machine image): check the commands.
+command -v node >/dev/null || missing+=(nodejs)
+command -v npm >/dev/null || missing+=(npm)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive

@@ -27,8 +27,11 @@ IndexedDType optimal_token_dtype(int64_t vocab_size);
 class IndexedDatasetWriter {
  public:
   IndexedDatasetWriter(std::string prefix, IndexedDType dtype);  // opens PREFIX.bin for writing
-  void add_sequence(const std::vector<int32_t>& tokens);          // one sequence (sentence)
-  void end_document();                                            // closes the current document
+  ~IndexedDatasetWriter();  // without finalize(): removes the temporary, leaves any old PREFIX.bin/.idx alone
+  IndexedDatasetWriter(IndexedDatasetWriter&&) = default;
+  IndexedDatasetWriter& operator=(IndexedDatasetWriter&&) = default;
+  void add_sequence(const std::vector<int32_t>& tokens);  // one sequence (sentence)
+  void end_document();                                    // closes the current document
   void add_document(const std::vector<int32_t>& tokens) {
     add_sequence(tokens);
     end_document();
@@ -53,6 +56,7 @@ class IndexedDataset {
   IndexedDataset(const IndexedDataset&) = delete;
   IndexedDataset& operator=(const IndexedDataset&) = delete;
 
+  const std::string& prefix() const { return prefix_; }
   int64_t num_sequences() const { return static_cast<int64_t>(sequence_lengths_.size()); }
   // Boundaries into the sequences: document d is sequences [document_indices[d], document_indices[d+1]).
   const std::vector<int64_t>& document_indices() const { return document_indices_; }

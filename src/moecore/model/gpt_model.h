@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "moecore/model/config.h"
+#include "moecore/model/micro_batch_context.h"
 #include "moecore/model/param.h"
 #include "moecore/tensor/tensor.h"
 
@@ -25,7 +26,6 @@ struct ForwardOptions {
   uint64_t dropout_stream = 0;  // distinct per (iteration, micro-batch)
 };
 
-class MicroBatchContext;  // activations one micro-batch's backward needs
 
 class GPTModel {
  public:

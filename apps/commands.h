@@ -1,0 +1,13 @@
+// Entry points of the `moecore` subcommands; apps/main.cpp dispatches `moecore NAME ARGS...` to them.
+// Each returns the process exit status and reports errors as one "error: ..." line on stderr.
+#pragma once
+
+// `moecore preprocess`: Megatron's tools/preprocess_data.py (JSONL -> indexed dataset). argv[0] is
+// "preprocess"; the flags follow.
+int run_preprocess(int argc, char** argv);
+
+// `moecore train ...`: argv[0] is "train".
+int run_train(int argc, char** argv);
+
+// `moecore generate ...`: argv[0] is "generate".
+int run_generate(int argc, char** argv);

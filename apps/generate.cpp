@@ -1,0 +1,45 @@
+#include <exception>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "moecore/ckpt/hf_checkpoint.h"
+#include "moecore/tokenizer/tokenizer.h"
+#include "moecore/train/generate.h"
+#include "moecore/train/generate_args.h"
+
+int run_generate(int argc, char** argv) {
+  try {
+    const moecore::GenerateArgs args = moecore::parse_generate_args(std::vector<std::string>(argv + 1, argv + argc));
+    if (args.help_requested) {
+      std::cout << moecore::generate_usage();
+      return 0;
+    }
+    const auto model = moecore::load_hf(args.load_dir);
+    const auto tokenizer = moecore::build_tokenizer(moecore::generate_tokenizer_options(args));
+    moecore::SamplingOptions sampling;
+    sampling.max_new_tokens = args.max_new_tokens;
+    sampling.temperature = args.temperature;
+    sampling.top_k = args.top_k;
+    sampling.seed = args.seed;
+    sampling.vocab_limit = tokenizer->vocab_size();
+    std::cout << args.prompt << std::flush;
+    std::vector<int32_t> produced;
+    std::string printed;
+    moecore::generate(*model, tokenizer->tokenize(args.prompt), sampling, [&](const int32_t id) {
+      // Print the text as it grows; byte-level BPE pieces may end mid-character, so print the new suffix.
+      produced.push_back(id);
+      const std::string text = tokenizer->detokenize(produced);
+      std::cout << text.substr(printed.size()) << std::flush;
+      printed = text;
+    });
+    std::cout << std::endl;
+    return 0;
+  } catch (const std::exception& e) {
+    std::cout.flush();
+    std::cerr << "\nerror: " << e.what() << '\n';
+    return 1;
+  }
+}

@@ -1,0 +1,35 @@
+// `moecore`: one command with subcommands, like git.
+#include <cstring>
+#include <iostream>
+#include <string_view>
+
+#include "commands.h"
+
+namespace {
+
+void print_usage(std::ostream& out) {
+  out << "usage: moecore <command> [flags]\n\n"
+         "commands:\n"
+         "  train        train a GPT model (Megatron-LM's flags; `moecore train --help` lists them)\n"
+         "  preprocess   tokenize JSONL into Megatron's indexed dataset (tools/preprocess_data.py's flags)\n"
+         "  generate     continue a prompt with a HuggingFace-style export (--load DIR --prompt TEXT)\n";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    print_usage(std::cerr);
+    return 2;
+  }
+  const std::string_view command = argv[1];
+  if (command == "-h" || command == "--help" || command == "help") {
+    print_usage(std::cout);
+    return 0;
+  }
+  if (command == "train") return run_train(argc - 1, argv + 1);
+  if (command == "preprocess") return run_preprocess(argc - 1, argv + 1);
+  if (command == "generate") return run_generate(argc - 1, argv + 1);
+  std::cerr << "error: unknown command '" << command << "' (commands: train, preprocess, generate)\n";
+  return 2;
+}

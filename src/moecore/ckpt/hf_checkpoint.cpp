@@ -1,0 +1,425 @@
+#include "moecore/ckpt/hf_checkpoint.h"
+
+#include <fcntl.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <stdexcept>
+
+namespace moecore {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+const std::set<std::string> kExportFiles = {"config.json", "generation_config.json", "model.safetensors"};
+
+// One HF tensor = some rows (first dimension) of one Megatron parameter, in order.
+struct RowRange {
+  int64_t begin, end;
+};
+struct HfTensorMap {
+  std::string hf_name;
+  std::string megatron_name;
+  std::vector<RowRange> rows;  // empty: all rows
+};
+
+std::vector<HfTensorMap> hf_layout(const ModelConfig& c) {
+  const int64_t d = c.kv_channels;
+  const int64_t heads_per_group = c.num_attention_heads / c.num_query_groups;
+  const int64_t group_rows = (heads_per_group + 2) * d;
+  std::vector<RowRange> q_rows, k_rows, v_rows;
+  for (int64_t g = 0; g < c.num_query_groups; ++g) {
+    const int64_t base = g * group_rows;
+    q_rows.push_back({base, base + heads_per_group * d});
+    k_rows.push_back({base + heads_per_group * d, base + (heads_per_group + 1) * d});
+    v_rows.push_back({base + (heads_per_group + 1) * d, base + group_rows});
+  }
+  const int64_t F = c.ffn_hidden_size;
+  const std::vector<std::string> suffixes =
+      c.add_bias_linear ? std::vector<std::string>{"weight", "bias"} : std::vector<std::string>{"weight"};
+
+  std::vector<HfTensorMap> layout;
+  layout.push_back({"model.embed_tokens.weight", "embedding.word_embeddings.weight", {}});
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string P = "model.layers." + std::to_string(i) + ".";
+    const std::string M = "decoder.layers." + std::to_string(i) + ".";
+    layout.push_back({P + "input_layernorm.weight", M + "input_layernorm.weight", {}});
+    for (const std::string& s : suffixes) {
+      layout.push_back({P + "self_attn.q_proj." + s, M + "self_attention.linear_qkv." + s, q_rows});
+      layout.push_back({P + "self_attn.k_proj." + s, M + "self_attention.linear_qkv." + s, k_rows});
+      layout.push_back({P + "self_attn.v_proj." + s, M + "self_attention.linear_qkv." + s, v_rows});
+      layout.push_back({P + "self_attn.o_proj." + s, M + "self_attention.linear_proj." + s, {}});
+    }
+    if (c.qk_layernorm) {
+      layout.push_back({P + "self_attn.q_norm.weight", M + "self_attention.q_layernorm.weight", {}});
+      layout.push_back({P + "self_attn.k_norm.weight", M + "self_attention.k_layernorm.weight", {}});
+    }
+    layout.push_back({P + "post_attention_layernorm.weight", M + "pre_mlp_layernorm.weight", {}});
+    for (const std::string& s : suffixes) {
+      layout.push_back({P + "mlp.gate_proj." + s, M + "mlp.linear_fc1." + s, {{0, F}}});
+      layout.push_back({P + "mlp.up_proj." + s, M + "mlp.linear_fc1." + s, {{F, 2 * F}}});
+      layout.push_back({P + "mlp.down_proj." + s, M + "mlp.linear_fc2." + s, {}});
+    }
+  }
+  layout.push_back({"model.norm.weight", "decoder.final_layernorm.weight", {}});
+  if (c.untie_embeddings_and_output_weights) layout.push_back({"lm_head.weight", "output_layer.weight", {}});
+  return layout;
+}
+
+int64_t row_count(const HfTensorMap& map, const Tensor& megatron_value) {
+  if (map.rows.empty()) return megatron_value.dim(0);
+  int64_t n = 0;
+  for (const RowRange& r : map.rows) n += r.end - r.begin;
+  return n;
+}
+
+std::vector<int64_t> hf_shape(const HfTensorMap& map, const Tensor& megatron_value) {
+  std::vector<int64_t> shape = megatron_value.shape();
+  shape[0] = row_count(map, megatron_value);
+  return shape;
+}
+
+std::vector<RowRange> ranges_of(const HfTensorMap& map, const Tensor& megatron_value) {
+  return map.rows.empty() ? std::vector<RowRange>{{0, megatron_value.dim(0)}} : map.rows;
+}
+
+Tensor gather_rows(const HfTensorMap& map, const Tensor& megatron_value) {
+  Tensor out(hf_shape(map, megatron_value), DType::kF32);
+  const int64_t row_numel = megatron_value.numel() / megatron_value.dim(0);
+  float* dst = out.data<float>();
+  for (const RowRange& r : ranges_of(map, megatron_value)) {
+    const size_t n = static_cast<size_t>((r.end - r.begin) * row_numel);
+    std::memcpy(dst, megatron_value.data<float>() + r.begin * row_numel, n * sizeof(float));
+    dst += n;
+  }
+  return out;
+}
+
+void scatter_rows(const HfTensorMap& map, const Tensor& hf_value_f32, Tensor& megatron_value) {
+  const int64_t row_numel = megatron_value.numel() / megatron_value.dim(0);
+  const float* src = hf_value_f32.data<float>();
+  for (const RowRange& r : ranges_of(map, megatron_value)) {
+    const size_t n = static_cast<size_t>((r.end - r.begin) * row_numel);
+    std::memcpy(megatron_value.data<float>() + r.begin * row_numel, src, n * sizeof(float));
+    src += n;
+  }
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+Tensor to_bf16(const Tensor& f32) {
+  Tensor out(f32.shape(), DType::kBF16);
+  for (int64_t i = 0; i < f32.numel(); ++i) out.data<uint16_t>()[i] = fp32_to_bf16(f32.data<float>()[i]);
+  return out;
+}
+
+int64_t max_positions(const ModelConfig& c) {
+  return c.max_position_embeddings > 0 ? c.max_position_embeddings : c.seq_length;
+}
+
+json hf_config_json(const ModelConfig& c, const std::string& model_type, const HfExportInfo& info) {
+  const bool qwen3 = model_type == "qwen3";
+  json j = {
+      {"architectures", {qwen3 ? "Qwen3ForCausalLM" : "LlamaForCausalLM"}},
+      {"model_type", model_type},
+      {"hidden_size", c.hidden_size},
+      {"intermediate_size", c.ffn_hidden_size},
+      {"num_hidden_layers", c.num_layers},
+      {"num_attention_heads", c.num_attention_heads},
+      {"num_key_value_heads", c.num_query_groups},
+      {"head_dim", c.kv_channels},
+      {"max_position_embeddings", max_positions(c)},
+      {"rms_norm_eps", c.norm_epsilon},
+      {"rope_theta", c.rotary_base},
+      {"rope_scaling", nullptr},
+      {"vocab_size", c.vocab_size},
+      {"tie_word_embeddings", !c.untie_embeddings_and_output_weights},
+      {"attention_bias", c.add_bias_linear},
+      {"attention_dropout", c.attention_dropout},
+      {"hidden_act", "silu"},
+      {"initializer_range", c.init_method_std},
+      {"bos_token_id", info.bos_token_id},
+      {"eos_token_id", info.eos_token_id},
+      {"torch_dtype", info.dtype == DType::kBF16 ? "bfloat16" : "float32"},
+      {"use_cache", true},
+  };
+  if (qwen3) {
+    j["use_sliding_window"] = false;
+    j["sliding_window"] = nullptr;
+    j["max_window_layers"] = c.num_layers;
+  } else {
+    j["mlp_bias"] = c.add_bias_linear;
+    j["pretraining_tp"] = 1;
+  }
+  return j;
+}
+
+void write_json(const fs::path& path, const json& j) {
+  const std::string text = j.dump(2) + "\n";
+  write_file_atomically(path.string(), std::as_bytes(std::span(text.data(), text.size())));
+}
+
+// A folder we may delete or replace: absent, or holding only files an export writes.
+void require_replaceable(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) return;
+  if (!fs::is_directory(dir, ec))
+    throw std::runtime_error("HF export: " + dir.string() + " exists and is not a folder");
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (!kExportFiles.contains(name)) {
+      throw std::runtime_error("HF export: refusing to replace " + dir.string() + ": it holds '" + name +
+                               "', which an export does not write");
+    }
+  }
+}
+
+// Puts the finished `tmp` folder in place of `target`: an atomic swap where the kernel offers one.
+void swap_in(const fs::path& tmp, const fs::path& target) {
+  if (!fs::exists(target)) {
+    fs::rename(tmp, target);
+    return;
+  }
+  if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
+    fs::remove_all(tmp);  // now holds the previous export
+    return;
+  }
+  fs::path old = target;
+  old += ".old";
+  fs::remove_all(old);
+  fs::rename(target, old);
+  fs::rename(tmp, target);
+  fs::remove_all(old);
+}
+
+fs::path normalized_dir(const std::string& dir) {
+  fs::path p = fs::path(dir).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  if (p.empty()) throw std::runtime_error("HF export: empty output folder name");
+  return p;
+}
+
+[[noreturn]] void config_fail(const fs::path& file, const std::string& problem) {
+  throw ConfigError(file.string() + ": " + problem);
+}
+
+json read_json_file(const fs::path& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error(path.string() + ": cannot open");
+  try {
+    return json::parse(in);
+  } catch (const json::exception& e) {
+    throw std::runtime_error(path.string() + ": not valid JSON (" + std::string(e.what()) + ")");
+  }
+}
+
+template <typename T>
+T field(const json& j, const fs::path& file, const std::string& key) {
+  if (!j.contains(key) || j[key].is_null()) config_fail(file, "missing field '" + key + "'");
+  try {
+    return j[key].get<T>();
+  } catch (const json::exception&) {
+    config_fail(file, "field '" + key + "' has the wrong type (" + j[key].dump() + ")");
+  }
+}
+
+template <typename T>
+T field_or(const json& j, const fs::path& file, const std::string& key, const T fallback) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  return field<T>(j, file, key);
+}
+
+}  // namespace
+
+std::string hf_model_type(const ModelConfig& c) {
+  const std::string prefix = "HF export supports llama/qwen3-style models (RMSNorm, SwiGLU, RoPE); this model has ";
+  if (c.normalization != Normalization::kRMSNorm)
+    throw ConfigError(prefix + "--normalization " + to_string(c.normalization));
+  if (c.activation != Activation::kSwiGLU) throw ConfigError(prefix + "activation " + to_string(c.activation));
+  if (c.position_embedding_type != PositionEmbedding::kRope) {
+    throw ConfigError(prefix + "--position-embedding-type " + to_string(c.position_embedding_type));
+  }
+  if (c.rotary_percent != 1.0) throw ConfigError(prefix + "--rotary-percent " + std::to_string(c.rotary_percent));
+  if (c.qk_layernorm && c.add_bias_linear) {
+    throw ConfigError(prefix +
+                      "--qk-layernorm with linear biases (qwen3 has no MLP biases; use --disable-bias-linear)");
+  }
+  return c.qk_layernorm ? "qwen3" : "llama";
+}
+
+void export_hf(const GPTModel& model, const HfExportInfo& info, const std::string& dir) {
+  const ModelConfig& c = model.config();
+  const std::string model_type = hf_model_type(c);
+  if (info.dtype != DType::kF32 && info.dtype != DType::kBF16) {
+    throw std::invalid_argument("HF export: weights dtype must be float32 or bfloat16");
+  }
+  std::map<std::string, const Param*> params;
+  std::map<std::string, int64_t> rows_exported;
+  for (const Param& p : model.params()) params[p.name] = &p;
+
+  std::vector<NamedTensor> tensors;
+  for (const HfTensorMap& map : hf_layout(c)) {
+    const auto it = params.find(map.megatron_name);
+    if (it == params.end()) throw std::runtime_error("HF export: the model has no parameter " + map.megatron_name);
+    const Tensor& value = it->second->value;
+    rows_exported[map.megatron_name] += row_count(map, value);
+    Tensor hf = gather_rows(map, value);
+    tensors.emplace_back(map.hf_name, info.dtype == DType::kBF16 ? to_bf16(hf) : hf);
+  }
+  for (const auto& [name, p] : params) {
+    if (rows_exported[name] != p->value.dim(0)) {
+      throw ConfigError("HF export: parameter " + name + " has no HF counterpart (the " + model_type +
+                        " mapping does not cover it)");
+    }
+  }
+
+  const fs::path target = normalized_dir(dir);
+  fs::path tmp = target;
+  tmp += ".tmp";
+  require_replaceable(target);
+  require_replaceable(tmp);
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  write_safetensors((tmp / "model.safetensors").string(), tensors, {{"format", "pt"}});
+  write_json(tmp / "config.json", hf_config_json(c, model_type, info));
+  write_json(tmp / "generation_config.json",
+             {{"bos_token_id", info.bos_token_id}, {"eos_token_id", info.eos_token_id}, {"_from_model_config", true}});
+  swap_in(tmp, target);
+}
+
+ModelConfig read_hf_config(const std::string& dir, const HfImportOptions& options) {
+  const fs::path file = fs::path(dir) / "config.json";
+  const json j = read_json_file(file);
+  if (!j.is_object()) config_fail(file, "not a JSON object");
+  const std::string model_type = field_or<std::string>(j, file, "model_type", "");
+  if (model_type != "llama" && model_type != "qwen3") {
+    config_fail(file, "HF import supports model_type llama or qwen3, not '" + model_type + "'");
+  }
+  const std::string act = field_or<std::string>(j, file, "hidden_act", "silu");
+  if (act != "silu") config_fail(file, "hidden_act '" + act + "' is not supported (SwiGLU needs silu)");
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+    config_fail(file, "rope_scaling " + j["rope_scaling"].dump() + " is not supported");
+  }
+  double rope_theta = 10000.0;
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {  // newer transformers
+    const json& rp = j["rope_parameters"];
+    if (rp.value("rope_type", std::string("default")) != "default") {
+      config_fail(file, "rope_parameters " + rp.dump() + " is not supported");
+    }
+    rope_theta = field_or<double>(rp, file, "rope_theta", rope_theta);
+  }
+  rope_theta = field_or<double>(j, file, "rope_theta", rope_theta);
+  if (field_or<bool>(j, file, "use_sliding_window", false)) config_fail(file, "use_sliding_window is not supported");
+
+  ModelConfig c;
+  c.num_layers = field<int64_t>(j, file, "num_hidden_layers");
+  c.hidden_size = field<int64_t>(j, file, "hidden_size");
+  c.ffn_hidden_size = field<int64_t>(j, file, "intermediate_size");
+  c.num_attention_heads = field<int64_t>(j, file, "num_attention_heads");
+  c.num_query_groups = field_or<int64_t>(j, file, "num_key_value_heads", c.num_attention_heads);
+  if (c.num_attention_heads <= 0) config_fail(file, "num_attention_heads must be positive");
+  c.kv_channels = field_or<int64_t>(j, file, "head_dim", c.hidden_size / c.num_attention_heads);
+  c.max_position_embeddings = field<int64_t>(j, file, "max_position_embeddings");
+  c.seq_length = options.seq_length > 0 ? options.seq_length : c.max_position_embeddings;
+  c.vocab_size = field<int64_t>(j, file, "vocab_size");
+  c.normalization = Normalization::kRMSNorm;
+  c.norm_epsilon = field_or<double>(j, file, "rms_norm_eps", 1e-6);
+  c.activation = Activation::kSwiGLU;
+  const bool attention_bias = field_or<bool>(j, file, "attention_bias", false);
+  const bool mlp_bias = model_type == "llama" ? field_or<bool>(j, file, "mlp_bias", false) : false;
+  if (attention_bias != mlp_bias) {
+    config_fail(file, "attention_bias " + std::string(attention_bias ? "true" : "false") + " with mlp_bias " +
+                          (mlp_bias ? "true" : "false") + " (" + model_type +
+                          ") cannot be expressed with one --add-bias-linear setting");
+  }
+  c.add_bias_linear = attention_bias;
+  c.qk_layernorm = model_type == "qwen3";
+  c.position_embedding_type = PositionEmbedding::kRope;
+  c.rotary_base = rope_theta;
+  c.rotary_percent = 1.0;
+  c.init_method_std = field_or<double>(j, file, "initializer_range", 0.02);
+  c.attention_dropout =
+      options.attention_dropout >= 0 ? options.attention_dropout : field_or<double>(j, file, "attention_dropout", 0.0);
+  c.hidden_dropout = options.hidden_dropout;
+  c.untie_embeddings_and_output_weights = !field_or<bool>(j, file, "tie_word_embeddings", false);
+  try {
+    c.validate();
+  } catch (const ConfigError& e) {
+    config_fail(file, e.what());
+  }
+  return c;
+}
+
+std::unique_ptr<GPTModel> load_hf(const std::string& dir, const HfImportOptions& options) {
+  const ModelConfig c = read_hf_config(dir, options);
+  auto model = std::make_unique<GPTModel>(c, options.seed);
+
+  // Every weight file: the single model.safetensors, or the shards an index names.
+  std::vector<SafetensorsFile> files;
+  const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
+  if (fs::exists(fs::path(dir) / "model.safetensors")) {
+    files.push_back(read_safetensors((fs::path(dir) / "model.safetensors").string()));
+  } else if (fs::exists(index_path)) {
+    const json index = read_json_file(index_path);
+    if (!index.contains("weight_map") || !index["weight_map"].is_object()) {
+      throw std::runtime_error(index_path.string() + ": no weight_map object");
+    }
+    std::set<std::string> shards;
+    for (const auto& [name, shard] : index["weight_map"].items()) {
+      if (!shard.is_string()) throw std::runtime_error(index_path.string() + ": weight_map entry '" + name + "' bad");
+      shards.insert(shard.get<std::string>());
+    }
+    for (const std::string& shard : shards) files.push_back(read_safetensors((fs::path(dir) / shard).string()));
+  } else {
+    throw std::runtime_error(dir + ": neither model.safetensors nor model.safetensors.index.json exists");
+  }
+  std::map<std::string, std::pair<const Tensor*, std::string>> hf_tensors;  // name -> (tensor, file)
+  for (const SafetensorsFile& f : files) {
+    for (const auto& [name, tensor] : f.tensors) {
+      if (!hf_tensors.emplace(name, std::make_pair(&tensor, f.source)).second) {
+        throw std::runtime_error(f.source + ": tensor '" + name + "' also appears in another shard");
+      }
+    }
+  }
+
+  std::set<std::string> used;
+  for (const HfTensorMap& map : hf_layout(c)) {
+    const auto it = hf_tensors.find(map.hf_name);
+    if (it == hf_tensors.end()) throw std::runtime_error(dir + ": missing tensor '" + map.hf_name + "'");
+    const auto& [tensor, source] = it->second;
+    Param& p = model->param(map.megatron_name);
+    const std::vector<int64_t> expected = hf_shape(map, p.value);
+    if (tensor->shape() != expected) {
+      throw std::runtime_error(source + ": tensor '" + map.hf_name + "' has shape " + shape_text(tensor->shape()) +
+                               ", config.json implies " + shape_text(expected));
+    }
+    try {
+      scatter_rows(map, to_float32(*tensor), p.value);
+    } catch (const std::runtime_error& e) {
+      throw std::runtime_error(source + ": tensor '" + map.hf_name + "': " + e.what());
+    }
+    used.insert(map.hf_name);
+  }
+  for (const auto& [name, entry] : hf_tensors) {
+    if (used.contains(name)) continue;
+    const bool tied_head = name == "lm_head.weight" && !c.untie_embeddings_and_output_weights;
+    const bool rope_buffer = name.ends_with(".rotary_emb.inv_freq");  // older checkpoints store it
+    if (!tied_head && !rope_buffer) {
+      throw std::runtime_error(entry.second + ": tensor '" + name + "' has no place in a " +
+                               std::string(c.qk_layernorm ? "qwen3" : "llama") + " model with this config.json");
+    }
+  }
+  return model;
+}
+
+}  // namespace moecore

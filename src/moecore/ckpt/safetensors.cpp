@@ -1,0 +1,305 @@
+#include "moecore/ckpt/safetensors.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <stdexcept>
+
+namespace moecore {
+namespace {
+
+using json = nlohmann::json;
+
+// The reference implementation refuses headers above 100 MB; so do we (a corrupt length must not allocate 2^63 bytes).
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
+[[noreturn]] void fail(const std::string& source, const std::string& problem) {
+  throw std::runtime_error(source + ": " + problem);
+}
+
+bool dtype_from_code(const std::string& code, DType& dtype) {
+  static const std::map<std::string, DType> kCodes = {
+      {"F32", DType::kF32}, {"F64", DType::kF64}, {"BF16", DType::kBF16}, {"F16", DType::kF16},
+      {"I32", DType::kI32}, {"I64", DType::kI64}, {"U8", DType::kU8}};
+  const auto it = kCodes.find(code);
+  if (it == kCodes.end()) return false;
+  dtype = it->second;
+  return true;
+}
+
+uint64_t read_u64_le(const std::byte* p) {
+  uint64_t value = 0;
+  for (int i = 7; i >= 0; --i) value = (value << 8) | static_cast<uint64_t>(p[i]);
+  return value;
+}
+
+void append_u64_le(std::vector<std::byte>& out, uint64_t value) {
+  for (int i = 0; i < 8; ++i) {
+    out.push_back(static_cast<std::byte>(value & 0xffu));
+    value >>= 8;
+  }
+}
+
+struct Entry {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin, end;
+};
+
+Entry parse_entry(const std::string& source, const std::string& name, const json& value) {
+  const std::string where = "tensor '" + name + "'";
+  if (!value.is_object()) fail(source, where + " header entry is not a JSON object");
+  for (const auto& [key, unused] : value.items()) {
+    if (key != "dtype" && key != "shape" && key != "data_offsets")
+      fail(source, where + " has unknown field '" + key + "'");
+  }
+  if (!value.contains("dtype") || !value["dtype"].is_string()) fail(source, where + " has no string 'dtype'");
+  if (!value.contains("shape") || !value["shape"].is_array()) fail(source, where + " has no 'shape' array");
+  if (!value.contains("data_offsets") || !value["data_offsets"].is_array()) {
+    fail(source, where + " has no 'data_offsets' array");
+  }
+  Entry entry{name, DType::kF32, {}, 0, 0};
+  const std::string code = value["dtype"].get<std::string>();
+  if (!dtype_from_code(code, entry.dtype)) {
+    fail(source, where + " has unsupported dtype '" + code + "' (supported: F32, F64, BF16, F16, I32, I64, U8)");
+  }
+  uint64_t numel = 1;
+  for (const json& dim : value["shape"]) {
+    if (!dim.is_number_unsigned())
+      fail(source, where + " shape " + value["shape"].dump() + " is not non-negative integers");
+    const uint64_t d = dim.get<uint64_t>();
+    if (d > static_cast<uint64_t>(INT64_MAX) || __builtin_mul_overflow(numel, d, &numel)) {
+      fail(source, where + " shape " + value["shape"].dump() + " overflows");
+    }
+    entry.shape.push_back(static_cast<int64_t>(d));
+  }
+  const json& offsets = value["data_offsets"];
+  if (offsets.size() != 2 || !offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned()) {
+    fail(source, where + " data_offsets " + offsets.dump() + " is not two non-negative integers");
+  }
+  entry.begin = offsets[0].get<uint64_t>();
+  entry.end = offsets[1].get<uint64_t>();
+  if (entry.end < entry.begin) fail(source, where + " data_offsets " + offsets.dump() + " end before begin");
+  uint64_t expected_bytes = 0;
+  if (__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(entry.dtype)), &expected_bytes) ||
+      expected_bytes != entry.end - entry.begin) {
+    fail(source, where + " shape " + value["shape"].dump() + " of " + code + " needs " +
+                     std::to_string(expected_bytes) + " bytes but data_offsets " + offsets.dump() + " span " +
+                     std::to_string(entry.end - entry.begin));
+  }
+  return entry;
+}
+
+}  // namespace
+
+bool SafetensorsFile::contains(const std::string& name) const {
+  return std::any_of(tensors.begin(), tensors.end(), [&](const NamedTensor& t) { return t.first == name; });
+}
+
+const Tensor& SafetensorsFile::at(const std::string& name) const {
+  for (const auto& [tensor_name, tensor] : tensors) {
+    if (tensor_name == name) return tensor;
+  }
+  throw std::runtime_error(source + ": no tensor named '" + name + "'");
+}
+
+std::string safetensors_dtype_code(const DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "F32";
+    case DType::kF64: return "F64";
+    case DType::kBF16: return "BF16";
+    case DType::kF16: return "F16";
+    case DType::kI32: return "I32";
+    case DType::kI64: return "I64";
+    case DType::kU8: return "U8";
+  }
+  throw std::invalid_argument("safetensors: unknown dtype");
+}
+
+SafetensorsFile parse_safetensors(const std::span<const std::byte> bytes, const std::string& source) {
+  if (bytes.size() < 8) {
+    fail(source, "file has " + std::to_string(bytes.size()) + " bytes, too short for the 8-byte header length");
+  }
+  const uint64_t header_bytes = read_u64_le(bytes.data());
+  if (header_bytes > bytes.size() - 8) {
+    fail(source, "header length " + std::to_string(header_bytes) + " runs past the end of the file (" +
+                     std::to_string(bytes.size()) + " bytes)");
+  }
+  if (header_bytes > kMaxHeaderBytes) fail(source, "header length " + std::to_string(header_bytes) + " exceeds 100 MB");
+  const char* header_begin = reinterpret_cast<const char*>(bytes.data() + 8);
+  const std::string_view header_text(header_begin, header_bytes);
+
+  // Duplicate names are invalid; nlohmann would silently keep the last, so watch the top-level keys.
+  std::set<std::string> seen_keys;
+  std::string duplicate;
+  const json::parser_callback_t watch_keys = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::key && depth == 1 && parsed.is_string()) {
+      if (!seen_keys.insert(parsed.get<std::string>()).second && duplicate.empty())
+        duplicate = parsed.get<std::string>();
+    }
+    return true;
+  };
+  json header;
+  try {
+    header = json::parse(header_text, watch_keys);
+  } catch (const json::exception& e) {
+    fail(source, std::string("header is not valid JSON (") + e.what() + ")");
+  }
+  if (!header.is_object()) fail(source, "header is not a JSON object");
+  if (!duplicate.empty()) fail(source, "header names tensor '" + duplicate + "' twice");
+
+  SafetensorsFile file;
+  file.source = source;
+  std::vector<Entry> entries;
+  for (const auto& [key, value] : header.items()) {
+    if (key == "__metadata__") {
+      if (!value.is_object()) fail(source, "__metadata__ is not a JSON object");
+      for (const auto& [meta_key, meta_value] : value.items()) {
+        if (!meta_value.is_string()) fail(source, "__metadata__ value for '" + meta_key + "' is not a string");
+        file.metadata[meta_key] = meta_value.get<std::string>();
+      }
+      continue;
+    }
+    entries.push_back(parse_entry(source, key, value));
+  }
+
+  const uint64_t buffer_bytes = bytes.size() - 8 - header_bytes;
+  std::sort(entries.begin(), entries.end(),
+            [](const Entry& a, const Entry& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
+  uint64_t expected_begin = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Entry& e = entries[i];
+    if (e.end > buffer_bytes) {
+      fail(source, "tensor '" + e.name + "' data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+                       "] run past the byte buffer (" + std::to_string(buffer_bytes) + " bytes)");
+    }
+    if (e.begin < expected_begin) {
+      fail(source, "tensor '" + e.name + "' bytes overlap tensor '" + entries[i - 1].name + "'");
+    }
+    if (e.begin > expected_begin) {
+      fail(source, "byte buffer has a gap of " + std::to_string(e.begin - expected_begin) + " bytes before tensor '" +
+                       e.name + "'");
+    }
+    expected_begin = e.end;
+  }
+  if (expected_begin != buffer_bytes) {
+    fail(source, "byte buffer has " + std::to_string(buffer_bytes - expected_begin) +
+                     " trailing bytes not covered by any tensor");
+  }
+
+  const std::byte* buffer = bytes.data() + 8 + header_bytes;
+  for (const Entry& e : entries) {
+    Tensor tensor(e.shape, e.dtype);
+    if (e.end > e.begin) std::memcpy(tensor.data<std::byte>(), buffer + e.begin, e.end - e.begin);
+    file.tensors.emplace_back(e.name, std::move(tensor));
+  }
+  return file;
+}
+
+SafetensorsFile read_safetensors(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) fail(path, "no such file (or not a regular file)");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(path, std::string("cannot open: ") + std::strerror(errno));
+  in.seekg(0, std::ios::end);
+  const std::streamoff size = in.tellg();
+  in.seekg(0, std::ios::beg);
+  if (size < 0) fail(path, "cannot determine the file size");
+  std::vector<std::byte> bytes(static_cast<size_t>(size));
+  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), size)) fail(path, "read failed");
+  return parse_safetensors(bytes, path);
+}
+
+std::vector<std::byte> encode_safetensors(const std::vector<NamedTensor>& tensors,
+                                          const SafetensorsMetadata& metadata) {
+  json header = json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  uint64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    if (name == "__metadata__") throw std::invalid_argument("safetensors: a tensor may not be named __metadata__");
+    if (header.contains(name)) throw std::invalid_argument("safetensors: tensor '" + name + "' given twice");
+    if (!tensor.defined()) throw std::invalid_argument("safetensors: tensor '" + name + "' is undefined");
+    const uint64_t n = tensor.nbytes();
+    header[name] = {{"dtype", safetensors_dtype_code(tensor.dtype())},
+                    {"shape", tensor.shape()},
+                    {"data_offsets", {offset, offset + n}}};
+    offset += n;
+  }
+  std::string header_text = header.dump();
+  header_text.append((8 - header_text.size() % 8) % 8, ' ');  // the byte buffer starts 8-byte aligned
+
+  std::vector<std::byte> out;
+  out.reserve(8 + header_text.size() + offset);
+  append_u64_le(out, header_text.size());
+  for (const char c : header_text) out.push_back(static_cast<std::byte>(c));
+  for (const auto& [name, tensor] : tensors) {
+    const std::byte* data = tensor.data<std::byte>();
+    out.insert(out.end(), data, data + tensor.nbytes());
+  }
+  return out;
+}
+
+void write_file_atomically(const std::string& path, const std::span<const std::byte> bytes) {
+  const std::string tmp_path = path + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail(path, std::string("cannot create temporary file ") + tmp_path + ": " + std::strerror(errno));
+  size_t written = 0;
+  while (written < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string reason = std::strerror(errno);
+      ::close(fd);
+      ::unlink(tmp_path.c_str());
+      fail(path, "write failed: " + reason);
+    }
+    written += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    const std::string reason = std::strerror(errno);
+    ::unlink(tmp_path.c_str());
+    fail(path, "flush failed: " + reason);
+  }
+  if (::rename(tmp_path.c_str(), path.c_str()) != 0) {
+    const std::string reason = std::strerror(errno);
+    ::unlink(tmp_path.c_str());
+    fail(path, "rename from " + tmp_path + " failed: " + reason);
+  }
+}
+
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                       const SafetensorsMetadata& metadata) {
+  write_file_atomically(path, encode_safetensors(tensors, metadata));
+}
+
+Tensor to_float32(const Tensor& tensor, const MemCategory category) {
+  Tensor out(tensor.shape(), DType::kF32, category);
+  float* dst = out.data<float>();
+  const auto n = static_cast<size_t>(tensor.numel());
+  switch (tensor.dtype()) {
+    case DType::kF32: std::memcpy(dst, tensor.data<float>(), n * sizeof(float)); break;
+    case DType::kF64:
+      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<float>(tensor.data<double>()[i]);
+      break;
+    case DType::kBF16:
+      for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_fp32(tensor.data<uint16_t>()[i]);
+      break;
+    case DType::kF16:
+      for (size_t i = 0; i < n; ++i) dst[i] = fp16_to_fp32(tensor.data<uint16_t>()[i]);
+      break;
+    default:
+      throw std::runtime_error("cannot convert a " + std::string(dtype_name(tensor.dtype())) +
+                               " tensor to float32 (floating-point weights expected)");
+  }
+  return out;
+}
+
+}  // namespace moecore

@@ -1,0 +1,16 @@
+// Whole-file writes that never leave a half-written file under the final name: the bytes go to a temporary
+// beside the target (unique per process and call), which is then renamed over it.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace moecore {
+
+// Throws DataError naming the path on any failure.
+void write_file_atomic(const std::string& path, std::string_view bytes);
+
+// Whole file as bytes; throws DataError when it cannot be read.
+std::string read_file_bytes(const std::string& path);
+
+}  // namespace moecore

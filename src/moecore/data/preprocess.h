@@ -1,0 +1,47 @@
+// `moecore preprocess`: Megatron's tools/preprocess_data.py. Reads JSONL (one JSON object = one document per
+// line), tokenizes the text under each --json-keys key on --workers threads, and writes Megatron indexed
+// datasets {output_prefix}_{key}_document.bin/.idx, documents in input order.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moecore/tokenizer/tokenizer.h"
+
+namespace moecore {
+
+struct PreprocessOptions {
+  std::string input;                           // --input (required)
+  std::vector<std::string> json_keys{"text"};  // --json-keys
+  bool split_sentences = false;                // --split-sentences (needs NLTK in Megatron: rejected)
+  bool keep_newlines = false;                  // --keep-newlines (only affects sentence splitting)
+  TokenizerOptions tokenizer;                  // --tokenizer-type, --vocab-file, --merge-file, --vocab-size
+  bool append_eod = false;                     // --append-eod
+  std::string lang = "english";                // --lang (only affects sentence splitting)
+  std::string output_prefix;                   // --output-prefix (required)
+  int64_t workers = 0;                         // --workers (required, >= 1)
+  int64_t partitions = 1;                      // --partitions (1 only)
+  int64_t log_interval = 1000;                 // --log-interval
+  bool quiet = false;                          // no progress output (tests); not a command-line flag
+};
+
+struct PreprocessStats {
+  int64_t documents = 0;
+  int64_t input_bytes = 0;              // bytes of the JSONL lines read
+  std::vector<int64_t> tokens_per_key;  // in --json-keys order
+  double seconds = 0.0;                 // tokenizing and writing, after start-up
+};
+
+// Parses preprocess_data.py's flags (argparse rules: --flag value or --flag=value, unambiguous prefixes).
+// Throws std::invalid_argument with one line for an unknown, malformed, missing or unsupported flag.
+PreprocessOptions parse_preprocess_args(const std::vector<std::string>& args);
+
+// Runs the conversion. Throws (one line) on unreadable input, malformed JSON (with its line number), a
+// missing key, text the tokenizer rejects, or an unwritable output.
+PreprocessStats preprocess(const PreprocessOptions& options);
+
+// parse_preprocess_args + preprocess: the body of `moecore preprocess ARGS...`.
+void preprocess_main(const std::vector<std::string>& args);
+
+}  // namespace moecore

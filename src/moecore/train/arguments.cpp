@@ -1,0 +1,370 @@
+// The flag table of `moecore train` and the tokenizer of the command line. Defaults live in TrainingArgs; derived
+// defaults and cross-flag checks in arguments_finalize.cpp.
+#include "moecore/train/arguments.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <initializer_list>
+#include <set>
+#include <string_view>
+
+#include "moecore/train/arguments_finalize.h"
+#include "moecore/train/flag_catalog.h"
+#include "moecore/train/flag_suggest.h"
+
+namespace moecore {
+namespace {
+
+// The values given to one flag occurrence.
+struct FlagValue {
+  std::string_view flag;
+  std::vector<std::string> values;
+
+  const std::string& text() const { return values.front(); }
+
+  [[noreturn]] void fail(const std::string& expected) const {
+    throw ConfigError("invalid value '" + text() + "' for " + std::string(flag) + ": expected " + expected);
+  }
+
+  int64_t integer() const {
+    std::string_view digits = text();
+    if (!digits.empty() && digits.front() == '+') digits.remove_prefix(1);
+    int64_t value = 0;
+    const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+    if (digits.empty() || error != std::errc() || end != digits.data() + digits.size()) fail("an integer");
+    return value;
+  }
+
+  double real() const {
+    std::string_view digits = text();
+    if (!digits.empty() && digits.front() == '+') digits.remove_prefix(1);
+    double value = 0.0;
+    const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+    if (digits.empty() || error != std::errc() || end != digits.data() + digits.size() || !std::isfinite(value)) {
+      fail("a finite number");
+    }
+    return value;
+  }
+
+  const std::string& non_empty_text() const {
+    if (text().empty()) fail("a non-empty value");
+    return text();
+  }
+
+  // `implemented` are accepted; `megatron_only` are Megatron's other choices, reported as not implemented yet.
+  const std::string& choice(std::initializer_list<std::string_view> implemented,
+                            std::initializer_list<std::string_view> megatron_only = {}) const {
+    const auto join = [](std::initializer_list<std::string_view> names) {
+      std::string joined;
+      for (const std::string_view name : names) joined += (joined.empty() ? "" : ", ") + std::string(name);
+      return joined;
+    };
+    if (std::find(implemented.begin(), implemented.end(), text()) != implemented.end()) return text();
+    if (std::find(megatron_only.begin(), megatron_only.end(), text()) != megatron_only.end()) {
+      throw ConfigError(std::string(flag) + " " + text() + " is not implemented yet (moecore implements " +
+                        join(implemented) + ")");
+    }
+    std::string all = join(implemented);
+    if (megatron_only.size() > 0) all += ", " + join(megatron_only);
+    throw ConfigError("invalid value '" + text() + "' for " + std::string(flag) + " (choose from " + all + ")");
+  }
+
+  // Parallel sizes: only 1 until the distributed engine lands.
+  int64_t parallel_size() const {
+    const int64_t size = integer();
+    if (size < 1) throw ConfigError(std::string(flag) + " must be positive (got " + text() + ")");
+    if (size > 1) throw ConfigError(std::string(flag) + " > 1 is not implemented yet (single-process engine)");
+    return size;
+  }
+};
+
+enum class Arity { kSwitch, kOne, kList };
+
+struct FlagSpec {
+  std::string_view name;
+  Arity arity;
+  std::string_view metavar;
+  std::string_view help;
+  void (*apply)(TrainingArgs&, const FlagValue&);
+};
+
+// clang-format off
+const std::vector<FlagSpec>& flag_table() {
+  static const std::vector<FlagSpec> table = {
+    // Network size.
+    {"--num-layers", Arity::kOne, "N", "number of transformer layers (required)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.num_layers = v.integer(); }},
+    {"--hidden-size", Arity::kOne, "N", "transformer hidden size (required)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.hidden_size = v.integer(); }},
+    {"--ffn-hidden-size", Arity::kOne, "N", "MLP hidden size (default 4*hidden, with --swiglu int(8*hidden/3/64)*64)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.ffn_hidden_size = v.integer(); }},
+    {"--num-attention-heads", Arity::kOne, "N", "number of attention heads (required)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.num_attention_heads = v.integer(); }},
+    {"--group-query-attention", Arity::kSwitch, "", "use grouped-query attention (see --num-query-groups)",
+     [](TrainingArgs& a, const FlagValue&) { a.group_query_attention = true; }},
+    {"--num-query-groups", Arity::kOne, "N", "key/value groups with --group-query-attention (default 1)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.num_query_groups = v.integer(); }},
+    {"--kv-channels", Arity::kOne, "N", "head dimension (default hidden/heads)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.kv_channels = v.integer(); }},
+    {"--seq-length", Arity::kOne, "N", "sequence length (required)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.seq_length = v.integer(); }},
+    {"--max-position-embeddings", Arity::kOne, "N",
+     "position-embedding table size (required with learned_absolute, else default --seq-length)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.max_position_embeddings = v.integer(); }},
+    {"--make-vocab-size-divisible-by", Arity::kOne, "N", "pad the vocabulary to a multiple of N (default 128)",
+     [](TrainingArgs& a, const FlagValue& v) { a.make_vocab_size_divisible_by = v.integer(); }},
+    {"--normalization", Arity::kOne, "{LayerNorm,RMSNorm}", "normalization layer (default LayerNorm)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.model.normalization =
+           v.choice({"LayerNorm", "RMSNorm"}) == "LayerNorm" ? Normalization::kLayerNorm : Normalization::kRMSNorm;
+     }},
+    {"--norm-epsilon", Arity::kOne, "X", "epsilon of LayerNorm/RMSNorm (default 1e-5)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.norm_epsilon = v.real(); }},
+    {"--swiglu", Arity::kSwitch, "", "gated SiLU MLP instead of GeLU",
+     [](TrainingArgs& a, const FlagValue&) { a.model.activation = Activation::kSwiGLU; }},
+    {"--squared-relu", Arity::kSwitch, "", "squared-ReLU MLP instead of GeLU",
+     [](TrainingArgs& a, const FlagValue&) { a.model.activation = Activation::kSquaredReLU; }},
+    {"--disable-bias-linear", Arity::kSwitch, "", "no bias in the linear layers",
+     [](TrainingArgs& a, const FlagValue&) { a.model.add_bias_linear = false; }},
+    {"--add-bias-linear", Arity::kSwitch, "", "bias in the linear layers (the default; moecore-only spelling)",
+     [](TrainingArgs& a, const FlagValue&) { a.model.add_bias_linear = true; }},
+    {"--qk-layernorm", Arity::kSwitch, "", "normalize queries and keys per head",
+     [](TrainingArgs& a, const FlagValue&) { a.model.qk_layernorm = true; }},
+    {"--position-embedding-type", Arity::kOne, "{learned_absolute,rope,none}", "default learned_absolute",
+     [](TrainingArgs& a, const FlagValue& v) {
+       const std::string& type = v.choice({"learned_absolute", "rope", "none"}, {"mrope", "relative"});
+       a.model.position_embedding_type = type == "rope"   ? PositionEmbedding::kRope
+                                         : type == "none" ? PositionEmbedding::kNone
+                                                          : PositionEmbedding::kLearnedAbsolute;
+     }},
+    {"--rotary-base", Arity::kOne, "N", "RoPE base (integer, default 10000)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.rotary_base = static_cast<double>(v.integer()); }},
+    {"--rotary-percent", Arity::kOne, "X", "fraction of the head dimension rotated by RoPE (default 1.0)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.rotary_percent = v.real(); }},
+    {"--init-method-std", Arity::kOne, "X", "std of the normal weight initialization (default 0.02)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.init_method_std = v.real(); }},
+    {"--attention-dropout", Arity::kOne, "X", "dropout after the attention softmax (default 0.1)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.attention_dropout = v.real(); }},
+    {"--hidden-dropout", Arity::kOne, "X", "dropout on the residual branches (default 0.1)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.hidden_dropout = v.real(); }},
+    {"--untie-embeddings-and-output-weights", Arity::kSwitch, "", "separate output layer weight",
+     [](TrainingArgs& a, const FlagValue&) { a.model.untie_embeddings_and_output_weights = true; }},
+
+    // Training.
+    {"--micro-batch-size", Arity::kOne, "N", "sequences per micro batch (required)",
+     [](TrainingArgs& a, const FlagValue& v) { a.micro_batch_size = v.integer(); }},
+    {"--global-batch-size", Arity::kOne, "N", "sequences per iteration (default micro batch * data parallel)",
+     [](TrainingArgs& a, const FlagValue& v) { a.global_batch_size = v.integer(); }},
+    {"--train-iters", Arity::kOne, "N", "number of training iterations (required)",
+     [](TrainingArgs& a, const FlagValue& v) { a.train_iters = v.integer(); }},
+    {"--optimizer", Arity::kOne, "{adam}", "optimizer (default adam, i.e. AdamW)",
+     [](TrainingArgs& a, const FlagValue& v) { a.optimizer = v.choice({"adam"}, {"sgd", "muon", "dist_muon"}); }},
+    {"--adam-beta1", Arity::kOne, "X", "Adam beta1 (default 0.9)",
+     [](TrainingArgs& a, const FlagValue& v) { a.adam_beta1 = v.real(); }},
+    {"--adam-beta2", Arity::kOne, "X", "Adam beta2 (default 0.999)",
+     [](TrainingArgs& a, const FlagValue& v) { a.adam_beta2 = v.real(); }},
+    {"--adam-eps", Arity::kOne, "X", "Adam epsilon (default 1e-8)",
+     [](TrainingArgs& a, const FlagValue& v) { a.adam_eps = v.real(); }},
+    {"--weight-decay", Arity::kOne, "X", "decoupled weight decay (default 0.01)",
+     [](TrainingArgs& a, const FlagValue& v) { a.weight_decay = v.real(); }},
+    {"--clip-grad", Arity::kOne, "X", "clip the global gradient L2 norm to X (default 1.0, 0 = off)",
+     [](TrainingArgs& a, const FlagValue& v) { a.clip_grad = v.real(); }},
+    {"--seed", Arity::kOne, "N", "random seed (default 1234)",
+     [](TrainingArgs& a, const FlagValue& v) { a.seed = v.integer(); }},
+
+    // Learning rate.
+    {"--lr", Arity::kOne, "X", "peak learning rate (required)",
+     [](TrainingArgs& a, const FlagValue& v) { a.lr = v.real(); }},
+    {"--min-lr", Arity::kOne, "X", "learning rate at the end of the decay (default 0)",
+     [](TrainingArgs& a, const FlagValue& v) { a.min_lr = v.real(); }},
+    {"--lr-decay-style", Arity::kOne, "{constant,linear,cosine,inverse-square-root,WSD}", "default linear",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.lr_decay_style = *parse_lr_decay_style(
+           v.choice({"constant", "linear", "cosine", "inverse-square-root", "WSD"}));
+     }},
+    {"--lr-decay-iters", Arity::kOne, "N", "iterations of the decay (default --train-iters)",
+     [](TrainingArgs& a, const FlagValue& v) { a.lr_decay_iters = v.integer(); }},
+    {"--lr-warmup-iters", Arity::kOne, "N", "iterations of linear warmup (default 0)",
+     [](TrainingArgs& a, const FlagValue& v) { a.lr_warmup_iters = v.integer(); }},
+    {"--lr-warmup-fraction", Arity::kOne, "X", "warmup as a fraction of the decay iterations",
+     [](TrainingArgs& a, const FlagValue& v) { a.lr_warmup_fraction = v.real(); }},
+    {"--lr-warmup-init", Arity::kOne, "X", "learning rate at the start of warmup (default 0)",
+     [](TrainingArgs& a, const FlagValue& v) { a.lr_warmup_init = v.real(); }},
+    {"--lr-wsd-decay-style", Arity::kOne, "{exponential,linear,cosine,minus_sqrt}", "WSD anneal (default exponential)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.lr_wsd_decay_style = *parse_wsd_decay_style(v.choice({"exponential", "linear", "cosine", "minus_sqrt"}));
+     }},
+    {"--lr-wsd-decay-iters", Arity::kOne, "N", "iterations of the WSD anneal phase",
+     [](TrainingArgs& a, const FlagValue& v) { a.lr_wsd_decay_iters = v.integer(); }},
+
+    // Logging and evaluation.
+    {"--log-interval", Arity::kOne, "N", "print the iteration line every N iterations (default 100)",
+     [](TrainingArgs& a, const FlagValue& v) { a.log_interval = v.integer(); }},
+    {"--log-throughput", Arity::kSwitch, "", "add TFLOP/s per device to the iteration line",
+     [](TrainingArgs& a, const FlagValue&) { a.log_throughput = true; }},
+    {"--eval-interval", Arity::kOne, "N", "evaluate every N iterations (default 1000)",
+     [](TrainingArgs& a, const FlagValue& v) { a.eval_interval = v.integer(); }},
+    {"--eval-iters", Arity::kOne, "N", "batches per evaluation (default 100)",
+     [](TrainingArgs& a, const FlagValue& v) { a.eval_iters = v.integer(); }},
+
+    // Data and tokenizer.
+    {"--data-path", Arity::kList, "PATH...", "dataset prefix(es), optionally weighted: W1 P1 W2 P2 ...",
+     [](TrainingArgs& a, const FlagValue& v) { a.data_path = v.values; }},
+    {"--mock-data", Arity::kSwitch, "", "train on generated data instead of --data-path",
+     [](TrainingArgs& a, const FlagValue&) { a.mock_data = true; }},
+    {"--split", Arity::kOne, "A,B,C", "train,valid,test proportions (default 969, 30, 1)",
+     [](TrainingArgs& a, const FlagValue& v) { a.split = v.text(); }},
+    {"--data-cache-path", Arity::kOne, "DIR", "directory for the cached dataset indices",
+     [](TrainingArgs& a, const FlagValue& v) { a.data_cache_path = v.non_empty_text(); }},
+    {"--eod-mask-loss", Arity::kSwitch, "", "exclude end-of-document tokens from the loss",
+     [](TrainingArgs& a, const FlagValue&) { a.eod_mask_loss = true; }},
+    {"--tokenizer-type", Arity::kOne, "{GPT2BPETokenizer,NullTokenizer}", "tokenizer (required)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.tokenizer_type = v.choice({"GPT2BPETokenizer", "NullTokenizer"},
+                                   {"BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
+                                    "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer",
+                                    "TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer"});
+     }},
+    {"--vocab-file", Arity::kOne, "FILE", "GPT-2 vocab.json",
+     [](TrainingArgs& a, const FlagValue& v) { a.vocab_file = v.non_empty_text(); }},
+    {"--merge-file", Arity::kOne, "FILE", "GPT-2 merges.txt",
+     [](TrainingArgs& a, const FlagValue& v) { a.merge_file = v.non_empty_text(); }},
+    {"--vocab-size", Arity::kOne, "N", "NullTokenizer vocabulary size before EOD and padding",
+     [](TrainingArgs& a, const FlagValue& v) { a.vocab_size = v.integer(); }},
+
+    // Parallelism (value 1 only for now).
+    {"--tensor-model-parallel-size", Arity::kOne, "N", "tensor parallel size (1 only for now)",
+     [](TrainingArgs& a, const FlagValue& v) { a.tensor_model_parallel_size = v.parallel_size(); }},
+    {"--pipeline-model-parallel-size", Arity::kOne, "N", "pipeline parallel size (1 only for now)",
+     [](TrainingArgs& a, const FlagValue& v) { a.pipeline_model_parallel_size = v.parallel_size(); }},
+    {"--context-parallel-size", Arity::kOne, "N", "context parallel size (1 only for now)",
+     [](TrainingArgs& a, const FlagValue& v) { a.context_parallel_size = v.parallel_size(); }},
+    {"--expert-model-parallel-size", Arity::kOne, "N", "expert parallel size (1 only for now)",
+     [](TrainingArgs& a, const FlagValue& v) { a.expert_model_parallel_size = v.parallel_size(); }},
+    {"--expert-tensor-parallel-size", Arity::kOne, "N", "expert tensor parallel size (1 only for now)",
+     [](TrainingArgs& a, const FlagValue& v) { a.expert_tensor_parallel_size = v.parallel_size(); }},
+
+    // moecore-only.
+    {"--export-hf", Arity::kOne, "DIR", "after training, write a HuggingFace checkpoint to DIR (moecore)",
+     [](TrainingArgs& a, const FlagValue& v) { a.export_hf_dir = v.non_empty_text(); }},
+    {"--sample-prompt", Arity::kOne, "TEXT", "after training, generate a continuation of TEXT (moecore)",
+     [](TrainingArgs& a, const FlagValue& v) { a.sample_prompt = v.non_empty_text(); }},
+    {"--sample-tokens", Arity::kOne, "N", "tokens to generate for --sample-prompt (default 32, moecore)",
+     [](TrainingArgs& a, const FlagValue& v) { a.sample_tokens = v.integer(); }},
+    {"--threads", Arity::kOne, "N", "CPU threads, 0 = all cores (default 0, moecore)",
+     [](TrainingArgs& a, const FlagValue& v) { a.threads = v.integer(); }},
+  };
+  return table;
+}
+// clang-format on
+
+const FlagSpec* find_flag(const std::string_view name) {
+  for (const FlagSpec& spec : flag_table()) {
+    if (spec.name == name) return &spec;
+  }
+  return nullptr;
+}
+
+// argparse treats a token starting with '-' as a flag unless it is a negative number.
+bool looks_like_flag(const std::string_view token) {
+  if (token.size() < 2 || token.front() != '-') return false;
+  double number = 0.0;
+  const auto [end, error] = std::from_chars(token.data(), token.data() + token.size(), number);
+  return !(error == std::errc() && end == token.data() + token.size());
+}
+
+[[noreturn]] void throw_unknown_flag(const std::string& name) {
+  std::vector<std::string> candidates = implemented_train_flags();
+  for (const std::string_view flag : unimplemented_megatron_flags()) candidates.emplace_back(flag);
+  throw ConfigError(unknown_flag_message(name, candidates));
+}
+
+}  // namespace
+
+TrainingArgs parse_train_args(const std::vector<std::string>& args) {
+  TrainingArgs parsed;
+  for (const std::string& token : args) {
+    if (token == "--help" || token == "-h") {
+      parsed.help_requested = true;
+      return parsed;
+    }
+  }
+
+  std::set<std::string> given;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& token = args[i];
+    if (!looks_like_flag(token)) {
+      throw ConfigError("unexpected argument '" + token + "' (flags start with --; a value belongs after its flag)");
+    }
+    const size_t equals = token.find('=');
+    const std::string name = token.substr(0, equals);
+    const FlagSpec* spec = find_flag(name);
+    if (spec == nullptr) {
+      if (is_unimplemented_megatron_flag(name)) {
+        throw ConfigError(name + " is a Megatron flag that moecore does not implement yet");
+      }
+      throw_unknown_flag(name);
+    }
+
+    FlagValue value{spec->name, {}};
+    if (equals != std::string::npos) {
+      if (spec->arity == Arity::kSwitch) throw ConfigError(name + " takes no value (got '" + token + "')");
+      value.values.push_back(token.substr(equals + 1));
+    } else if (spec->arity == Arity::kOne) {
+      if (i + 1 >= args.size() || looks_like_flag(args[i + 1])) {
+        throw ConfigError(name + " expects a value (" + std::string(spec->metavar) + ")");
+      }
+      value.values.push_back(args[++i]);
+    } else if (spec->arity == Arity::kList) {
+      while (i + 1 < args.size() && !looks_like_flag(args[i + 1])) value.values.push_back(args[++i]);
+      if (value.values.empty())
+        throw ConfigError(name + " expects at least one value (" + std::string(spec->metavar) + ")");
+    }
+    given.insert(name);
+    spec->apply(parsed, value);
+  }
+
+  detail::finalize_train_args(parsed, given);
+  return parsed;
+}
+
+std::string train_flags_help() {
+  std::string help;
+  for (const FlagSpec& spec : flag_table()) {
+    std::string usage(2, ' ');
+    usage.append(spec.name);
+    if (!spec.metavar.empty()) usage.append(1, ' ').append(spec.metavar);
+    usage.resize(std::max<size_t>(usage.size() + 2, 48), ' ');
+    help.append(usage).append(spec.help).append(1, '\n');
+  }
+  return help;
+}
+
+std::vector<std::string> implemented_train_flags() {
+  std::vector<std::string> names;
+  for (const FlagSpec& spec : flag_table()) names.emplace_back(spec.name);
+  return names;
+}
+
+int64_t padded_vocab_size(const int64_t vocab_size, const TrainingArgs& args) {
+  const int64_t multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size;
+  return (vocab_size + multiple - 1) / multiple * multiple;
+}
+
+LRScheduleConfig lr_schedule_config(const TrainingArgs& args) {
+  LRScheduleConfig config;
+  config.max_lr = args.lr;
+  config.min_lr = args.min_lr;
+  config.init_lr = args.lr_warmup_init;
+  config.global_batch_size = args.global_batch_size;
+  config.warmup_iters = args.lr_warmup_iters;
+  config.warmup_fraction = args.lr_warmup_fraction;
+  config.decay_iters = args.lr_decay_iters;
+  config.decay_style = args.lr_decay_style;
+  config.wsd_decay_iters = args.lr_wsd_decay_iters;
+  config.wsd_decay_style = args.lr_wsd_decay_style;
+  return config;
+}
+
+}  // namespace moecore

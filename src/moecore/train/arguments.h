@@ -1,0 +1,126 @@
+// `moecore train` command line: Megatron-LM's flag names and defaults (megatron/training/arguments.py) -> TrainingArgs.
+//
+// Syntax (as argparse with allow_abbrev=False): `--flag value` or `--flag=value`; switches (store_true) take no
+// value; list flags (--data-path) take every following token up to the next flag; a flag given twice: last wins.
+// A token that starts with '-' and is not a negative number is a flag, so a string value that starts with '-' must
+// be written `--flag=value`.
+//
+// Errors (one line each, thrown as ConfigError):
+//   unknown flag               "unknown flag --num-layer (did you mean --num-layers?)"
+//   Megatron flag not built    "--num-experts is a Megatron flag that moecore does not implement yet"
+//   bad value                  "invalid value 'abc' for --num-layers: expected an integer"
+//   inconsistent settings      one line naming the flags involved.
+//
+// Defaults that depend on other flags are filled as Megatron's validate_args does:
+//   --ffn-hidden-size          4 * hidden, or int((4 * hidden * 2 / 3) / 64) * 64 with --swiglu
+//   --kv-channels              hidden / heads (hidden must divide)
+//   --num-query-groups         heads without --group-query-attention; with it, the flag's value (Megatron default 1)
+//   --global-batch-size        micro batch * data-parallel size (1 in this single-process engine)
+//   --lr-decay-iters           --train-iters
+//   --split                    "969, 30, 1" when --data-path is given without --split (Megatron's legacy default)
+//   --max-position-embeddings  Megatron requires it always; moecore requires it only with learned_absolute position
+//                              embeddings (where it sizes a table) and otherwise defaults it to --seq-length.
+//
+// moecore-only flags (not in Megatron):
+//   --export-hf DIR            after training, write the model as a HuggingFace checkpoint directory
+//   --sample-prompt TEXT       after training, generate from this prompt and print it
+//   --sample-tokens N          number of tokens to generate for --sample-prompt (default 32)
+//   --threads N                CPU threads for the kernels (0 = all cores, the default)
+//   --add-bias-linear          the counterpart of --disable-bias-linear (bias is already Megatron's default)
+//
+// Vocabulary. ModelConfig::vocab_size (the padded vocabulary) is left 0 here: the trainer builds the tokenizer,
+// pads its size with padded_vocab_size() and fills it. parse_train_args therefore validates every ModelConfig field
+// except the vocabulary size; the trainer must call ModelConfig::validate() again once vocab_size is set.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moecore/model/config.h"
+#include "moecore/optim/lr_schedule.h"
+
+namespace moecore {
+
+struct TrainingArgs {
+  ModelConfig model;                           // vocab_size stays 0 (see above)
+  bool group_query_attention = false;          // --group-query-attention
+  int64_t make_vocab_size_divisible_by = 128;  // --make-vocab-size-divisible-by
+
+  // Batches and length of training.
+  int64_t micro_batch_size = 0;   // --micro-batch-size (required)
+  int64_t global_batch_size = 0;  // --global-batch-size
+  int64_t train_iters = 0;        // --train-iters (required)
+
+  // Learning-rate schedule.
+  double lr = 0.0;                                                 // --lr (required)
+  double min_lr = 0.0;                                             // --min-lr
+  LRDecayStyle lr_decay_style = LRDecayStyle::kLinear;             // --lr-decay-style
+  int64_t lr_decay_iters = 0;                                      // --lr-decay-iters
+  int64_t lr_warmup_iters = 0;                                     // --lr-warmup-iters
+  std::optional<double> lr_warmup_fraction;                        // --lr-warmup-fraction
+  double lr_warmup_init = 0.0;                                     // --lr-warmup-init
+  std::optional<int64_t> lr_wsd_decay_iters;                       // --lr-wsd-decay-iters
+  WSDDecayStyle lr_wsd_decay_style = WSDDecayStyle::kExponential;  // --lr-wsd-decay-style
+
+  // Optimizer (Adam with decoupled weight decay, Megatron's "adam").
+  std::string optimizer = "adam";  // --optimizer
+  double adam_beta1 = 0.9;         // --adam-beta1
+  double adam_beta2 = 0.999;       // --adam-beta2
+  double adam_eps = 1e-8;          // --adam-eps
+  double weight_decay = 0.01;      // --weight-decay
+  double clip_grad = 1.0;          // --clip-grad (0 disables clipping)
+
+  // Run control and logging.
+  int64_t seed = 1234;           // --seed
+  int64_t log_interval = 100;    // --log-interval
+  int64_t eval_interval = 1000;  // --eval-interval
+  int64_t eval_iters = 100;      // --eval-iters
+  bool log_throughput = false;   // --log-throughput
+
+  // Data and tokenizer.
+  std::vector<std::string> data_path;  // --data-path: "prefix", "p1 p2 ...", or "w1 p1 w2 p2 ..."
+  bool mock_data = false;              // --mock-data
+  std::string split;                   // --split, e.g. "969, 30, 1" (empty with --mock-data and no --split)
+  std::string data_cache_path;         // --data-cache-path (empty = none)
+  bool eod_mask_loss = false;          // --eod-mask-loss
+  std::string tokenizer_type;          // --tokenizer-type: GPT2BPETokenizer or NullTokenizer
+  std::string vocab_file;              // --vocab-file
+  std::string merge_file;              // --merge-file
+  std::optional<int64_t> vocab_size;   // --vocab-size (NullTokenizer: vocabulary size before EOD and padding)
+
+  // Parallel sizes: accepted with value 1 only for now.
+  int64_t tensor_model_parallel_size = 1;    // --tensor-model-parallel-size
+  int64_t pipeline_model_parallel_size = 1;  // --pipeline-model-parallel-size
+  int64_t context_parallel_size = 1;         // --context-parallel-size
+  int64_t expert_model_parallel_size = 1;    // --expert-model-parallel-size
+  int64_t expert_tensor_parallel_size = 1;   // --expert-tensor-parallel-size (Megatron default: TP size)
+  int64_t data_parallel_size = 1;            // derived: world / (TP * PP * CP)
+
+  // moecore-only (see the header comment).
+  std::string export_hf_dir;   // --export-hf
+  std::string sample_prompt;   // --sample-prompt
+  int64_t sample_tokens = 32;  // --sample-tokens
+  int64_t threads = 0;         // --threads
+
+  // --help / -h was given: nothing else was parsed or validated.
+  bool help_requested = false;
+};
+
+// Parses the arguments that follow `moecore train`. Throws ConfigError with one line on any problem.
+TrainingArgs parse_train_args(const std::vector<std::string>& args);
+
+// One line per implemented flag: name, value placeholder and a short description (for --help).
+std::string train_flags_help();
+
+// Every implemented flag name (with "--"), in table order.
+std::vector<std::string> implemented_train_flags();
+
+// Megatron's padded vocabulary: the smallest multiple of make_vocab_size_divisible_by * TP that holds `vocab_size`.
+int64_t padded_vocab_size(int64_t vocab_size, const TrainingArgs& args);
+
+// The learning-rate schedule these arguments describe.
+LRScheduleConfig lr_schedule_config(const TrainingArgs& args);
+
+}  // namespace moecore

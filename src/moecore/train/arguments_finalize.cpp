@@ -1,0 +1,237 @@
+// Derived defaults and cross-flag validation of `moecore train` (Megatron's validate_args, for the implemented flags).
+#include "moecore/train/arguments_finalize.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cstdio>
+#include <string_view>
+
+namespace moecore::detail {
+namespace {
+
+void require(const bool ok, const std::string& message) {
+  if (!ok) throw ConfigError(message);
+}
+
+std::string str(const int64_t value) { return std::to_string(value); }
+
+std::string str(const double value) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), "%g", value);
+  return buffer;
+}
+
+bool parses_as_number(std::string_view text) {
+  if (!text.empty() && text.front() == '+') text.remove_prefix(1);
+  double value = 0.0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  return !text.empty() && error == std::errc() && end == text.data() + text.size();
+}
+
+double to_number(std::string_view text) {
+  if (!text.empty() && text.front() == '+') text.remove_prefix(1);
+  double value = 0.0;
+  std::from_chars(text.data(), text.data() + text.size(), value);
+  return value;
+}
+
+std::string trim(std::string_view text) {
+  while (!text.empty() && text.front() == ' ') text.remove_prefix(1);
+  while (!text.empty() && text.back() == ' ') text.remove_suffix(1);
+  return std::string(text);
+}
+
+void check_required(const std::set<std::string>& given) {
+  std::string missing;
+  for (const char* flag : {"--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--train-iters",
+                           "--lr", "--micro-batch-size"}) {
+    if (!given.contains(flag)) missing += (missing.empty() ? "" : ", ") + std::string(flag);
+  }
+  require(missing.empty(), "missing required flag(s): " + missing);
+}
+
+void finalize_model(TrainingArgs& args, const std::set<std::string>& given) {
+  ModelConfig& model = args.model;
+  require(model.num_layers > 0, "--num-layers must be positive (got " + str(model.num_layers) + ")");
+  require(model.hidden_size > 0, "--hidden-size must be positive (got " + str(model.hidden_size) + ")");
+  require(model.num_attention_heads > 0,
+          "--num-attention-heads must be positive (got " + str(model.num_attention_heads) + ")");
+  require(model.seq_length > 0, "--seq-length must be positive (got " + str(model.seq_length) + ")");
+  require(!(given.contains("--swiglu") && given.contains("--squared-relu")),
+          "--swiglu and --squared-relu cannot be used together");
+
+  // Megatron passes num_query_groups only with --group-query-attention (else it becomes the head count).
+  if (args.group_query_attention) {
+    if (!given.contains("--num-query-groups")) model.num_query_groups = 1;
+    require(model.num_query_groups > 0,
+            "--num-query-groups must be positive (got " + str(model.num_query_groups) + ")");
+    require(model.num_attention_heads % model.num_query_groups == 0,
+            "--num-attention-heads (" + str(model.num_attention_heads) + ") must be divisible by --num-query-groups (" +
+                str(model.num_query_groups) + ")");
+  } else {
+    require(!given.contains("--num-query-groups"),
+            "--num-query-groups requires --group-query-attention (Megatron ignores it otherwise)");
+    model.num_query_groups = model.num_attention_heads;
+  }
+
+  if (!given.contains("--kv-channels")) {
+    require(model.hidden_size % model.num_attention_heads == 0,
+            "--hidden-size (" + str(model.hidden_size) + ") must be divisible by --num-attention-heads (" +
+                str(model.num_attention_heads) + ") unless --kv-channels is given");
+    model.kv_channels = model.hidden_size / model.num_attention_heads;
+  }
+
+  if (!given.contains("--ffn-hidden-size")) {
+    model.ffn_hidden_size =
+        model.activation == Activation::kSwiGLU
+            ? static_cast<int64_t>((4.0 * static_cast<double>(model.hidden_size) * 2.0 / 3.0) / 64.0) * 64
+            : 4 * model.hidden_size;
+    require(model.ffn_hidden_size > 0, "--hidden-size " + str(model.hidden_size) +
+                                           " gives an empty SwiGLU MLP (int(8*hidden/3/64)*64 = 0): give "
+                                           "--ffn-hidden-size");
+  }
+
+  if (!given.contains("--max-position-embeddings")) {
+    require(model.position_embedding_type != PositionEmbedding::kLearnedAbsolute,
+            "--max-position-embeddings is required with --position-embedding-type learned_absolute (the default)");
+    model.max_position_embeddings = model.seq_length;
+  }
+  // Megatron asserts this for every position-embedding type.
+  require(model.max_position_embeddings >= model.seq_length,
+          "--max-position-embeddings (" + str(model.max_position_embeddings) + ") must be at least --seq-length (" +
+              str(model.seq_length) + ")");
+
+  if (model.position_embedding_type != PositionEmbedding::kRope) {
+    for (const char* flag : {"--rotary-base", "--rotary-percent"}) {
+      require(!given.contains(flag), std::string(flag) + " only applies with --position-embedding-type rope");
+    }
+  }
+
+  require(args.make_vocab_size_divisible_by > 0,
+          "--make-vocab-size-divisible-by must be positive (got " + str(args.make_vocab_size_divisible_by) + ")");
+
+  // Every ModelConfig check except the vocabulary, which the trainer fills from the tokenizer and validates then.
+  ModelConfig without_vocab = model;
+  if (without_vocab.vocab_size == 0) without_vocab.vocab_size = 1;
+  without_vocab.validate();
+}
+
+void finalize_training(TrainingArgs& args, const std::set<std::string>& given) {
+  args.data_parallel_size = 1;  // world / (TP * PP * CP) in a world of one process
+  require(args.micro_batch_size > 0, "--micro-batch-size must be positive (got " + str(args.micro_batch_size) + ")");
+  require(args.train_iters > 0, "--train-iters must be positive (got " + str(args.train_iters) + ")");
+  const int64_t micro_times_dp = args.micro_batch_size * args.data_parallel_size;
+  if (!given.contains("--global-batch-size")) args.global_batch_size = micro_times_dp;
+  require(args.global_batch_size > 0, "--global-batch-size must be positive (got " + str(args.global_batch_size) + ")");
+  require(args.global_batch_size % micro_times_dp == 0,
+          "--global-batch-size (" + str(args.global_batch_size) + ") must be a multiple of --micro-batch-size (" +
+              str(args.micro_batch_size) + ") times the data-parallel size (" + str(args.data_parallel_size) + ")");
+
+  require(args.adam_beta1 >= 0.0 && args.adam_beta1 < 1.0,
+          "--adam-beta1 must be in [0, 1) (got " + str(args.adam_beta1) + ")");
+  require(args.adam_beta2 >= 0.0 && args.adam_beta2 < 1.0,
+          "--adam-beta2 must be in [0, 1) (got " + str(args.adam_beta2) + ")");
+  require(args.adam_eps >= 0.0, "--adam-eps must be non-negative (got " + str(args.adam_eps) + ")");
+  require(args.weight_decay >= 0.0, "--weight-decay must be non-negative (got " + str(args.weight_decay) + ")");
+  require(args.clip_grad >= 0.0, "--clip-grad must be non-negative (got " + str(args.clip_grad) + ")");
+
+  require(args.log_interval > 0, "--log-interval must be positive (got " + str(args.log_interval) + ")");
+  require(args.eval_interval > 0, "--eval-interval must be positive (got " + str(args.eval_interval) + ")");
+  require(args.eval_iters >= 0, "--eval-iters must be non-negative (got " + str(args.eval_iters) + ")");
+}
+
+void finalize_lr(TrainingArgs& args, const std::set<std::string>& given) {
+  require(args.lr >= 0.0, "--lr must be non-negative (got " + str(args.lr) + ")");
+  require(args.min_lr <= args.lr, "--min-lr (" + str(args.min_lr) + ") must not exceed --lr (" + str(args.lr) + ")");
+  if (!given.contains("--lr-decay-iters")) args.lr_decay_iters = args.train_iters;
+  if (args.lr_decay_style != LRDecayStyle::kWSD) {
+    for (const char* flag : {"--lr-wsd-decay-iters", "--lr-wsd-decay-style"}) {
+      require(!given.contains(flag), std::string(flag) + " only applies with --lr-decay-style WSD");
+    }
+  }
+  // Megatron asserts iters == 0 when a fraction is given (an explicit "--lr-warmup-iters 0" is accepted).
+  require(!(args.lr_warmup_fraction.has_value() && args.lr_warmup_iters != 0),
+          "can only specify one of --lr-warmup-fraction and --lr-warmup-iters");
+  [[maybe_unused]] const LRSchedule schedule(
+      lr_schedule_config(args));  // throws on what Megatron's scheduler asserts against
+}
+
+void check_data_path(const std::vector<std::string>& data_path) {
+  // Megatron: one prefix, a list of prefixes, or (when the first entry is a number) weight/prefix pairs.
+  if (data_path.size() < 2 || !parses_as_number(data_path.front())) return;
+  require(data_path.size() % 2 == 0, "--data-path: weighted form needs weight/prefix pairs (got " +
+                                         str(static_cast<int64_t>(data_path.size())) + " values)");
+  for (size_t i = 0; i < data_path.size(); i += 2) {
+    require(
+        parses_as_number(data_path[i]) && to_number(data_path[i]) >= 0.0,
+        "--data-path: weight '" + data_path[i] + "' (before '" + data_path[i + 1] + "') is not a non-negative number");
+  }
+}
+
+void check_split(const std::string& split) {
+  // Megatron's get_split_from_str: comma- (or slash-) separated proportions, at most three, padded with zeros.
+  std::string normalized = split;
+  for (char& c : normalized) {
+    if (c == '/') c = ',';
+  }
+  double total = 0.0;
+  int parts = 0;
+  size_t start = 0;
+  while (start <= normalized.size()) {
+    const size_t comma = std::min(normalized.find(',', start), normalized.size());
+    const std::string part = trim(std::string_view(normalized).substr(start, comma - start));
+    require(parses_as_number(part) && to_number(part) >= 0.0,
+            "--split '" + split + "': '" + part + "' is not a non-negative number");
+    total += to_number(part);
+    ++parts;
+    start = comma + 1;
+  }
+  require(parts <= 3, "--split '" + split + "': at most three proportions (train, valid, test)");
+  require(total > 0.0, "--split '" + split + "': the proportions sum to zero");
+}
+
+void finalize_data(TrainingArgs& args, const std::set<std::string>& given) {
+  const bool has_path = given.contains("--data-path");
+  require(has_path || args.mock_data, "no training data: give --data-path PREFIX or --mock-data");
+  require(!(has_path && args.mock_data),
+          "--data-path and --mock-data cannot be used together (a single data source must be provided)");
+  check_data_path(args.data_path);
+  if (has_path && !given.contains("--split")) args.split = "969, 30, 1";  // Megatron's legacy default
+  if (!args.split.empty() || given.contains("--split")) check_split(args.split);
+
+  require(!args.tokenizer_type.empty(),
+          "--tokenizer-type is required (GPT2BPETokenizer with --vocab-file and --merge-file, or NullTokenizer with "
+          "--vocab-size)");
+  if (args.tokenizer_type == "GPT2BPETokenizer") {
+    require(given.contains("--vocab-file") && given.contains("--merge-file"),
+            "--tokenizer-type GPT2BPETokenizer requires --vocab-file and --merge-file");
+    require(!given.contains("--vocab-size"),
+            "--vocab-size is not used with GPT2BPETokenizer (the vocabulary comes from --vocab-file)");
+  } else {  // NullTokenizer
+    require(given.contains("--vocab-size"), "--tokenizer-type NullTokenizer requires --vocab-size");
+    require(*args.vocab_size > 0, "--vocab-size must be positive (got " + str(*args.vocab_size) + ")");
+    for (const char* flag : {"--vocab-file", "--merge-file"}) {
+      require(!given.contains(flag), std::string(flag) + " is not used with NullTokenizer");
+    }
+  }
+}
+
+void finalize_moecore(const TrainingArgs& args, const std::set<std::string>& given) {
+  require(args.threads >= 0, "--threads must be non-negative, 0 = all cores (got " + str(args.threads) + ")");
+  require(args.sample_tokens > 0, "--sample-tokens must be positive (got " + str(args.sample_tokens) + ")");
+  require(!given.contains("--sample-tokens") || given.contains("--sample-prompt"),
+          "--sample-tokens requires --sample-prompt");
+}
+
+}  // namespace
+
+void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given) {
+  check_required(given);
+  finalize_model(args, given);
+  finalize_training(args, given);
+  finalize_lr(args, given);
+  finalize_data(args, given);
+  finalize_moecore(args, given);
+}
+
+}  // namespace moecore::detail

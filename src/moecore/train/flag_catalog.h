@@ -1,0 +1,21 @@
+// Megatron-LM command-line flags that moecore knows by name but does not implement yet.
+//
+// Passing one of them is an error that says so ("--num-experts is a Megatron flag that moecore does not implement
+// yet"), instead of "unknown flag": the user typed a real Megatron flag. The names were checked against
+// megatron/training/arguments.py (and, for MoE flags generated from TransformerConfig fields, against
+// shared/reference/megatron-moe-semantics.md). When a feature lands, move its flags from this catalog into the flag
+// table of arguments.cpp (a test checks that no name is in both).
+#pragma once
+
+#include <span>
+#include <string_view>
+
+namespace moecore {
+
+// Every catalogued flag, spelled with its leading "--".
+std::span<const std::string_view> unimplemented_megatron_flags();
+
+// True when `flag` (with "--") is in the catalog.
+bool is_unimplemented_megatron_flag(std::string_view flag);
+
+}  // namespace moecore

@@ -1,0 +1,59 @@
+#include "moecore/train/generate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+
+#include "moecore/tensor/rng.h"
+
+namespace moecore {
+
+int32_t sample_next(const float* logits_V, int64_t V, const SamplingOptions& options, const double uniform) {
+  if (options.vocab_limit > 0) V = std::min(V, options.vocab_limit);
+  if (options.temperature <= 0.0) {
+    return static_cast<int32_t>(std::max_element(logits_V, logits_V + V) - logits_V);
+  }
+  std::vector<int32_t> ids(static_cast<size_t>(V));
+  std::iota(ids.begin(), ids.end(), 0);
+  size_t keep = ids.size();
+  if (options.top_k > 0 && options.top_k < V) {
+    keep = static_cast<size_t>(options.top_k);
+    std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(keep), ids.end(),
+                      [&](int32_t a, int32_t b) { return logits_V[a] > logits_V[b]; });
+  }
+  double max_logit = -INFINITY;
+  for (size_t i = 0; i < keep; ++i) max_logit = std::max(max_logit, static_cast<double>(logits_V[ids[i]]));
+  std::vector<double> weights(keep);
+  double total = 0.0;
+  for (size_t i = 0; i < keep; ++i) {
+    weights[i] = std::exp((logits_V[ids[i]] - max_logit) / options.temperature);
+    total += weights[i];
+  }
+  double target = uniform * total;
+  for (size_t i = 0; i < keep; ++i) {
+    target -= weights[i];
+    if (target < 0.0) return ids[i];
+  }
+  return ids[keep - 1];
+}
+
+std::vector<int32_t> generate(GPTModel& model, std::vector<int32_t> prompt, const SamplingOptions& options,
+                              const std::function<void(int32_t)>& on_token) {
+  if (prompt.empty()) throw std::invalid_argument("generate: the prompt has no tokens");
+  const int64_t context = model.config().seq_length;
+  const CounterRng rng(options.seed, stream_key("generate"));
+  for (int64_t step = 0; step < options.max_new_tokens; ++step) {
+    const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(prompt.size()) - context);
+    const int64_t length = static_cast<int64_t>(prompt.size()) - start;
+    const Tensor logits_BV = model.last_logits(prompt.data() + start, 1, length);
+    const int32_t next =
+        sample_next(logits_BV.data<float>(), model.config().vocab_size, options, rng.uniform(static_cast<uint64_t>(step)));
+    prompt.push_back(next);
+    if (on_token) on_token(next);
+    if (next == options.stop_token) break;
+  }
+  return prompt;
+}
+
+}  // namespace moecore

@@ -1,0 +1,29 @@
+// Autoregressive text continuation with a GPTModel: greedy by default, or temperature / top-k sampling.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "moecore/model/gpt_model.h"
+
+namespace moecore {
+
+struct SamplingOptions {
+  int64_t max_new_tokens = 64;
+  double temperature = 0.0;  // 0 = greedy (argmax)
+  int64_t top_k = 0;         // 0 = all tokens
+  uint64_t seed = 1234;
+  int64_t vocab_limit = 0;   // ids >= this (vocabulary padding) are never produced; 0 = no limit
+  int32_t stop_token = -1;   // stop after producing it; -1 = never
+};
+
+// Appends up to max_new_tokens ids to `prompt`. The context is cut to the model's --seq-length (the most
+// recent tokens). on_token, if set, is called with each new id as it is produced.
+std::vector<int32_t> generate(GPTModel& model, std::vector<int32_t> prompt, const SamplingOptions& options,
+                              const std::function<void(int32_t)>& on_token = {});
+
+// Picks the next id from logits_V under `options`, using `uniform` in [0, 1) for sampling.
+int32_t sample_next(const float* logits_V, int64_t V, const SamplingOptions& options, double uniform);
+
+}  // namespace moecore

@@ -1,0 +1,85 @@
+#include "moecore/train/generate_args.h"
+
+#include <charconv>
+#include <functional>
+#include <map>
+
+#include "moecore/model/config.h"
+#include "moecore/train/flag_suggest.h"
+
+namespace moecore {
+namespace {
+
+template <typename T>
+T parse_number(const std::string& flag, const std::string& text) {
+  T value{};
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (error != std::errc() || end != text.data() + text.size()) {
+    throw ConfigError("invalid value '" + text + "' for " + flag + ": expected a number");
+  }
+  return value;
+}
+
+}  // namespace
+
+std::string generate_usage() {
+  return "usage: moecore generate --load DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]\n"
+         "                        [--seed N] [--tokenizer-type T --vocab-file F --merge-file F]\n";
+}
+
+GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
+  GenerateArgs out;
+  const std::map<std::string, std::function<void(const std::string&)>> setters = {
+      {"--load", [&](const std::string& v) { out.load_dir = v; }},
+      {"--prompt", [&](const std::string& v) { out.prompt = v; }},
+      {"--max-new-tokens", [&](const std::string& v) { out.max_new_tokens = parse_number<int64_t>("--max-new-tokens", v); }},
+      {"--temperature", [&](const std::string& v) { out.temperature = parse_number<double>("--temperature", v); }},
+      {"--top-k", [&](const std::string& v) { out.top_k = parse_number<int64_t>("--top-k", v); }},
+      {"--seed", [&](const std::string& v) { out.seed = parse_number<uint64_t>("--seed", v); }},
+      {"--tokenizer-type", [&](const std::string& v) { out.tokenizer_type = v; }},
+      {"--vocab-file", [&](const std::string& v) { out.vocab_file = v; }},
+      {"--merge-file", [&](const std::string& v) { out.merge_file = v; }},
+  };
+  std::vector<std::string> known;
+  for (const auto& [name, setter] : setters) known.push_back(name);
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string flag = args[i];
+    if (flag == "-h" || flag == "--help") {
+      out.help_requested = true;
+      return out;
+    }
+    std::string value;
+    bool has_value = false;
+    if (const size_t eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+      has_value = true;
+    }
+    const auto it = setters.find(flag);
+    if (it == setters.end()) {
+      if (flag.rfind("-", 0) != 0) throw ConfigError("unexpected argument '" + flag + "' (flags start with --)");
+      throw ConfigError(unknown_flag_message(flag, known));
+    }
+    if (!has_value) {
+      if (i + 1 >= args.size()) throw ConfigError(flag + " needs a value");
+      value = args[++i];
+    }
+    it->second(value);
+  }
+  if (out.load_dir.empty()) throw ConfigError("--load DIR is required (a directory written by --export-hf)");
+  if (out.prompt.empty()) throw ConfigError("--prompt TEXT is required");
+  if (out.max_new_tokens < 0) throw ConfigError("--max-new-tokens must be >= 0");
+  if (out.temperature < 0) throw ConfigError("--temperature must be >= 0");
+  if (out.top_k < 0) throw ConfigError("--top-k must be >= 0");
+  return out;
+}
+
+TokenizerOptions generate_tokenizer_options(const GenerateArgs& args) {
+  TokenizerOptions options;
+  options.type = args.tokenizer_type;
+  options.vocab_file = args.vocab_file.empty() ? args.load_dir + "/vocab.json" : args.vocab_file;
+  options.merge_file = args.merge_file.empty() ? args.load_dir + "/merges.txt" : args.merge_file;
+  return options;
+}
+
+}  // namespace moecore

@@ -1,0 +1,38 @@
+// `moecore generate` flags:
+//   --load DIR               HuggingFace-style export (config.json + model.safetensors), e.g. from --export-hf
+//   --prompt TEXT            text to continue (required)
+//   --max-new-tokens N       tokens to produce (default 64)
+//   --temperature T          0 = greedy (default); > 0 samples from softmax(logits / T)
+//   --top-k K                sample among the K most likely tokens (0 = all)
+//   --seed N                 sampling seed (default 1234)
+//   --tokenizer-type, --vocab-file, --merge-file
+//                            the tokenizer; default GPT2BPETokenizer with DIR/vocab.json and DIR/merges.txt
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moecore/tokenizer/tokenizer.h"
+
+namespace moecore {
+
+struct GenerateArgs {
+  std::string load_dir;
+  std::string prompt;
+  int64_t max_new_tokens = 64;
+  double temperature = 0.0;
+  int64_t top_k = 0;
+  uint64_t seed = 1234;
+  std::string tokenizer_type = "GPT2BPETokenizer";
+  std::string vocab_file;  // default DIR/vocab.json
+  std::string merge_file;  // default DIR/merges.txt
+  bool help_requested = false;
+};
+
+// Throws ConfigError with one line (unknown flag with a suggestion, bad value, missing --load / --prompt).
+GenerateArgs parse_generate_args(const std::vector<std::string>& args);
+std::string generate_usage();
+TokenizerOptions generate_tokenizer_options(const GenerateArgs& args);
+
+}  // namespace moecore

@@ -1,0 +1,113 @@
+#include "moecore/train/log_format.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+
+namespace moecore {
+namespace {
+
+// Python's "{:.Nf}": non-finite values as "nan", "inf", "-inf".
+std::string fixed(const double value, const int precision) {
+  if (std::isnan(value)) return "nan";
+  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
+  char buffer[512];
+  std::snprintf(buffer, sizeof(buffer), "%.*f", precision, value);
+  return buffer;
+}
+
+// Python's "{:.6E}": non-finite values as "NAN", "INF", "-INF".
+std::string scientific(const double value) {
+  if (std::isnan(value)) return "NAN";
+  if (std::isinf(value)) return value > 0 ? "INF" : "-INF";
+  char buffer[64];
+  std::snprintf(buffer, sizeof(buffer), "%.6E", value);
+  return buffer;
+}
+
+// Python's "{:Nd}".
+std::string padded(const int64_t value, const int width) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof(buffer), "%*lld", width, static_cast<long long>(value));
+  return buffer;
+}
+
+}  // namespace
+
+std::string format_iteration_log(const IterationLog& log) {
+  std::string line;
+  if (!log.timestamp.empty()) line += " [" + log.timestamp + "]";
+  line += " iteration " + padded(log.iteration, 8) + "/" + padded(log.train_iters, 8) + " |";
+  line += " consumed samples: " + padded(log.consumed_samples, 12) + " |";
+  if (log.skipped_samples > 0) line += " skipped samples: " + padded(log.skipped_samples, 12) + " |";
+  line += " elapsed time per iteration (ms): " + fixed(log.elapsed_ms_per_iteration, 1) + " |";
+  if (log.throughput_tflops_per_gpu) {
+    line += " throughput per GPU (TFLOP/s/GPU): " + fixed(*log.throughput_tflops_per_gpu, 1) + " |";
+  }
+  if (log.learning_rate) line += " learning rate: " + scientific(*log.learning_rate) + " |";
+  line += " global batch size: " + padded(log.global_batch_size, 5) + " |";
+  for (const auto& [name, value] : log.losses) line += " " + name + ": " + scientific(value) + " |";
+  line += " loss scale: " + fixed(log.loss_scale, 1) + " |";
+  if (log.grad_norm) line += " grad norm: " + fixed(*log.grad_norm, 3) + " |";
+  if (log.num_zeros_in_grad) line += " num zeros: " + std::to_string(*log.num_zeros_in_grad) + " |";
+  if (log.params_norm) line += " params norm: " + fixed(*log.params_norm, 3) + " |";
+  line += " number of skipped iterations: " + padded(log.skipped_iterations, 3) + " |";
+  line += " number of nan iterations: " + padded(log.nan_iterations, 3) + " |";
+  return line;
+}
+
+std::string format_log_timestamp(const std::chrono::system_clock::time_point time) {
+  const std::time_t seconds = std::chrono::system_clock::to_time_t(time);
+  std::tm local{};
+  localtime_r(&seconds, &local);
+  char buffer[32];
+  std::strftime(buffer, sizeof(buffer), "%Y-%m-%d %H:%M:%S", &local);
+  return buffer;
+}
+
+std::string format_validation_log(const std::string_view prefix, const NamedValues& losses) {
+  std::string line = " validation loss at " + std::string(prefix) + " | ";
+  for (const auto& [name, value] : losses) {
+    line += name + " value: " + scientific(value) + " | ";
+    line += name + " PPL: " + scientific(std::exp(std::min(20.0, value))) + " | ";
+  }
+  return line;
+}
+
+std::string format_validation_log(const int64_t iteration, const NamedValues& losses) {
+  return format_validation_log("iteration " + std::to_string(iteration), losses);
+}
+
+std::string validation_rule(const std::string_view validation_line) {
+  return std::string(validation_line.size() + 1, '-');
+}
+
+double num_floating_point_operations(const ModelConfig& config, const int64_t batch_size, const int64_t seq_length) {
+  if (config.vocab_size <= 0) throw ConfigError("FLOPs count needs the padded vocabulary size (vocab_size is 0)");
+  constexpr double kForwardBackward = 3.0;  // forward, weight gradient, input gradient
+  constexpr double kFma = 2.0;              // a multiply-add is two floating-point operations
+  const double mlp_gemms = config.activation == Activation::kSwiGLU ? 3.0 : 2.0;
+  const auto hidden = static_cast<double>(config.hidden_size);
+  const auto seq = static_cast<double>(seq_length);
+  const auto layers = static_cast<double>(config.num_layers);
+  const auto query_size = static_cast<double>(config.kv_channels * config.num_attention_heads);
+  const auto key_value_size = static_cast<double>(config.kv_channels * config.num_query_groups);
+
+  const double attention_per_token =
+      kForwardBackward * kFma *
+      (hidden * (query_size + 2.0 * key_value_size)  // QKV projection
+       + query_size * seq / 2.0 * 2.0                // QK^T and (QK^T)V, half of it masked out by causality
+       + query_size * hidden);                       // output projection
+  const double mlp_per_token =
+      kForwardBackward * kFma * hidden * static_cast<double>(config.ffn_hidden_size) * mlp_gemms * layers;
+  const double logit_per_token = kForwardBackward * kFma * hidden * static_cast<double>(config.vocab_size);
+  return static_cast<double>(batch_size) * seq * (mlp_per_token + attention_per_token * layers + logit_per_token);
+}
+
+double throughput_tflops_per_gpu(const double flops_per_iteration, const double seconds_per_iteration,
+                                 const int64_t world_size) {
+  return flops_per_iteration / (seconds_per_iteration * 1e12 * static_cast<double>(world_size));
+}
+
+}  // namespace moecore

@@ -1,0 +1,65 @@
+// Megatron-format log lines (megatron/training/training.py: training_log, evaluate_and_print_results) and the
+// FLOPs count behind "throughput per GPU (TFLOP/s/GPU)" (num_floating_point_operations).
+//
+// Field formats follow Megatron's Python format specs: iteration {:8d}/{:8d}, consumed samples {:12d}, elapsed
+// time {:.1f}, throughput {:.1f}, learning rate {:.6E}, global batch size {:5d}, losses {:.6E}, loss scale {:.1f},
+// grad norm {:.3f}, params norm {:.3f}, skipped / nan iterations {:3d}. Non-finite values print as Python does
+// ("nan", "NAN", "inf", "-INF": NaN never carries a sign).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "moecore/model/config.h"
+
+namespace moecore {
+
+// Named values in print order, e.g. {{"lm loss", 6.12}, {"load_balancing_loss", 1.01}}.
+using NamedValues = std::vector<std::pair<std::string, double>>;
+
+struct IterationLog {
+  std::string timestamp;  // "2026-11-29 17:40:00" (see format_log_timestamp); empty = no "[...]" prefix
+  int64_t iteration = 0;
+  int64_t train_iters = 0;
+  int64_t consumed_samples = 0;
+  int64_t skipped_samples = 0;  // printed only when > 0
+  double elapsed_ms_per_iteration = 0.0;
+  std::optional<double> throughput_tflops_per_gpu;  // printed when set (Megatron: --log-throughput)
+  std::optional<double> learning_rate;              // printed when set
+  int64_t global_batch_size = 0;
+  NamedValues losses;  // averages over the logging interval
+  double loss_scale = 1.0;
+  std::optional<double> grad_norm;
+  std::optional<int64_t> num_zeros_in_grad;
+  std::optional<double> params_norm;
+  int64_t skipped_iterations = 0;
+  int64_t nan_iterations = 0;
+};
+
+// " [2026-11-29 17:40:00] iteration       10/     100 | consumed samples:          640 | ... |"
+std::string format_iteration_log(const IterationLog& log);
+
+// Local time as "%Y-%m-%d %H:%M:%S" (older Megatron; current main appends ".%f" microseconds).
+std::string format_log_timestamp(std::chrono::system_clock::time_point time);
+
+// " validation loss at iteration 100 | lm loss value: 5.123456E+00 | lm loss PPL: 1.681856E+02 | "
+// PPL = exp(min(20, value)). `prefix` is Megatron's, e.g. "iteration 100" or "iteration 100 on test set".
+std::string format_validation_log(std::string_view prefix, const NamedValues& losses);
+std::string format_validation_log(int64_t iteration, const NamedValues& losses);
+// Megatron prints a rule of '-' * (len(line) + 1) above and below the validation line.
+std::string validation_rule(std::string_view validation_line);
+
+// Megatron's num_floating_point_operations for a dense GPT (no MoE, no MTP, no MLA): forward + backward FLOPs of one
+// iteration of `batch_size` sequences of `seq_length` tokens, with the causal attention term and the logit layer over
+// the padded vocabulary (config.vocab_size, which must be set). SwiGLU counts 3 MLP GEMMs, other activations 2.
+double num_floating_point_operations(const ModelConfig& config, int64_t batch_size, int64_t seq_length);
+
+// Megatron's throughput: FLOPs / (seconds per iteration * 1e12 * world size).
+double throughput_tflops_per_gpu(double flops_per_iteration, double seconds_per_iteration, int64_t world_size);
+
+}  // namespace moecore

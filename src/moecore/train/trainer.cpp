@@ -1,0 +1,303 @@
+#include "moecore/train/trainer.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <iomanip>
+#include <memory>
+#include <ostream>
+#include <sstream>
+
+#include "moecore/ckpt/hf_checkpoint.h"
+#include "moecore/data/data_loader.h"
+#include "moecore/model/gpt_model.h"
+#include "moecore/optim/adamw_optimizer.h"
+#include "moecore/optim/lr_schedule.h"
+#include "moecore/tensor/memory_tracker.h"
+#include "moecore/tokenizer/tokenizer.h"
+#include "moecore/train/generate.h"
+#include "moecore/train/log_format.h"
+
+namespace moecore {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(const Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::string megabytes(const int64_t bytes) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1) << static_cast<double>(bytes) / (1024.0 * 1024.0);
+  return out.str();
+}
+
+std::string memory_report(const int64_t iteration) {
+  const MemoryTracker& mem = MemoryTracker::instance();
+  std::ostringstream out;
+  out << "[Rank 0] (after " << iteration << " iterations) memory (MB)";
+  for (const MemCategory c : {MemCategory::kParams, MemCategory::kGrads, MemCategory::kOptimizer,
+                              MemCategory::kActivations, MemCategory::kOther}) {
+    out << " | " << mem_category_name(c) << ": " << megabytes(mem.current(c)) << " (peak " << megabytes(mem.peak(c))
+        << ")";
+  }
+  out << " | total peak: " << megabytes(mem.peak_total());
+  return out.str();
+}
+
+// Trains on sample indices [consumed, consumed + global batch) of the train split, one micro-batch at a time.
+struct Loop {
+  const TrainingArgs& args;
+  GPTModel& model;
+  const GPTDataProvider& data;
+  std::ostream& log;
+
+  int64_t num_microbatches() const { return args.global_batch_size / args.micro_batch_size; }
+
+  // Mean lm loss over the global batch; gradients of that mean accumulate into the parameters.
+  double train_step(const int64_t iteration, const int64_t consumed) {
+    model.zero_grad();
+    const int64_t n_micro = num_microbatches();
+    double loss_sum = 0.0;
+    for (int64_t m = 0; m < n_micro; ++m) {
+      const Batch batch = data.get_batch(DatasetSplit::kTrain, consumed + m * args.micro_batch_size, args.micro_batch_size);
+      ForwardOptions options;
+      options.training = true;
+      options.dropout_seed = static_cast<uint64_t>(args.seed);
+      options.dropout_stream = static_cast<uint64_t>(iteration * n_micro + m);
+      std::unique_ptr<MicroBatchContext> ctx;
+      const double loss = model.forward(ctx, batch.tokens_BS.data(), batch.labels_BS.data(), batch.loss_mask_BS.data(),
+                                        batch.B, batch.S, options);
+      if (!std::isfinite(loss)) {
+        throw TrainingError("lm loss is " + std::string(std::isnan(loss) ? "NaN" : "Inf") + " at iteration " +
+                            std::to_string(iteration) + " (micro-batch " + std::to_string(m) +
+                            "): stopping; try a lower --lr or a smaller --init-method-std");
+      }
+      model.backward(std::move(ctx), 1.0 / static_cast<double>(n_micro));
+      loss_sum += loss;
+    }
+    return loss_sum / static_cast<double>(n_micro);
+  }
+
+  // Megatron's evaluate(): eval_iters global batches of the validation split, continuing where the last
+  // evaluation stopped (wrapping around when the split is exhausted).
+  double evaluate(int64_t& valid_consumed) {
+    const int64_t available = data.num_samples(DatasetSplit::kValid);
+    double loss_sum = 0.0;
+    int64_t count = 0;
+    for (int64_t it = 0; it < args.eval_iters; ++it) {
+      for (int64_t m = 0; m < num_microbatches(); ++m) {
+        if (valid_consumed + args.micro_batch_size > available) valid_consumed = 0;
+        const Batch batch = data.get_batch(DatasetSplit::kValid, valid_consumed, args.micro_batch_size);
+        valid_consumed += args.micro_batch_size;
+        ForwardOptions options;
+        options.training = false;
+        std::unique_ptr<MicroBatchContext> unused;
+        loss_sum += model.forward(unused, batch.tokens_BS.data(), batch.labels_BS.data(), batch.loss_mask_BS.data(),
+                                  batch.B, batch.S, options);
+        ++count;
+      }
+    }
+    return loss_sum / static_cast<double>(count);
+  }
+
+  double evaluate_and_print(const int64_t iteration, int64_t& valid_consumed) {
+    const double loss = evaluate(valid_consumed);
+    const std::string line = format_validation_log(iteration, {{"lm loss", loss}});
+    const std::string rule = validation_rule(line);
+    log << rule << '\n' << line << '\n' << rule << std::endl;
+    return loss;
+  }
+};
+
+// Cross-entropy of the validation tokens under the unigram (token frequency) distribution of the training
+// samples, add-one smoothed over the real vocabulary: the loss a model without context would reach.
+double unigram_baseline(const GPTDataProvider& data, const int64_t vocab, const int64_t train_samples,
+                        const int64_t valid_samples) {
+  std::vector<double> counts(static_cast<size_t>(vocab), 1.0);
+  double total = static_cast<double>(vocab);
+  const Batch train = data.get_batch(DatasetSplit::kTrain, 0, train_samples);
+  for (size_t i = 0; i < train.labels_BS.size(); ++i) {
+    const auto id = static_cast<size_t>(train.labels_BS[i]);
+    if (id < counts.size()) {
+      counts[id] += 1.0;
+      total += 1.0;
+    }
+  }
+  const Batch valid = data.get_batch(DatasetSplit::kValid, 0, valid_samples);
+  double loss = 0.0, weight = 0.0;
+  for (size_t i = 0; i < valid.labels_BS.size(); ++i) {
+    const auto id = static_cast<size_t>(valid.labels_BS[i]);
+    const double p = id < counts.size() ? counts[id] / total : 1.0 / total;
+    loss -= valid.loss_mask_BS[i] * std::log(p);
+    weight += valid.loss_mask_BS[i];
+  }
+  return weight > 0 ? loss / weight : 0.0;
+}
+
+}  // namespace
+
+TrainResult run_training(const TrainingArgs& args, std::ostream& log) {
+  if (args.threads > 0) omp_set_num_threads(static_cast<int>(args.threads));
+
+  // Tokenizer and vocabulary.
+  std::unique_ptr<Tokenizer> tokenizer;
+  TrainingArgs run_args = args;
+  int32_t eod_id = 0;
+  int64_t unpadded_vocab = 0;
+  if (!args.tokenizer_type.empty()) {
+    TokenizerOptions tok_options;
+    tok_options.type = args.tokenizer_type;
+    tok_options.vocab_file = args.vocab_file;
+    tok_options.merge_file = args.merge_file;
+    tok_options.vocab_size = args.vocab_size.value_or(-1);
+    tokenizer = build_tokenizer(tok_options);
+    unpadded_vocab = tokenizer->vocab_size();
+    eod_id = tokenizer->eod();
+  } else if (args.vocab_size) {
+    unpadded_vocab = *args.vocab_size;
+    eod_id = static_cast<int32_t>(unpadded_vocab - 1);
+  } else {
+    throw ConfigError("the vocabulary is unknown: give --tokenizer-type (with its files) or --vocab-size");
+  }
+  run_args.model.vocab_size = padded_vocab_size(unpadded_vocab, args);
+  run_args.model.validate();
+  log << "> padded vocab (size: " << unpadded_vocab << ") with " << run_args.model.vocab_size - unpadded_vocab
+      << " dummy tokens (new size: " << run_args.model.vocab_size << ")" << std::endl;
+
+  // Data: Megatron's sample counts per split.
+  const int64_t gbs = args.global_batch_size;
+  const int64_t train_samples = args.train_iters * gbs;
+  const int64_t eval_runs = args.eval_interval > 0 ? args.train_iters / args.eval_interval + 1 : 1;
+  const int64_t valid_samples = args.eval_iters > 0 ? eval_runs * args.eval_iters * gbs : 0;
+  const int64_t test_samples = args.eval_iters * gbs;
+  DataOptions data_options;
+  data_options.data_path = args.data_path;
+  data_options.mock_data = args.mock_data;
+  if (!args.split.empty()) data_options.split = args.split;
+  data_options.seq_length = args.model.seq_length;
+  data_options.seed = static_cast<uint64_t>(args.seed);
+  data_options.data_cache_path = args.data_cache_path;
+  data_options.eod_mask_loss = args.eod_mask_loss;
+  data_options.eod_id = eod_id;
+  data_options.vocab_size = run_args.model.vocab_size;
+  const auto data_start = Clock::now();
+  const GPTDataProvider data = GPTDataProvider::build(data_options, train_samples, valid_samples, test_samples);
+  log << "> built datasets in " << std::fixed << std::setprecision(2) << seconds_since(data_start) << " s: train "
+      << data.num_samples(DatasetSplit::kTrain) << " samples, valid " << data.num_samples(DatasetSplit::kValid)
+      << " samples" << std::endl;
+  log.unsetf(std::ios::floatfield);
+
+  GPTModel model(run_args.model, static_cast<uint64_t>(args.seed));
+  log << "> number of parameters: " << model.num_parameters() << " (" << std::setprecision(2) << std::fixed
+      << static_cast<double>(model.num_parameters()) / 1e6 << "M)" << std::endl;
+  log.unsetf(std::ios::floatfield);
+  log << std::setprecision(6);
+  AdamWOptions adam;
+  adam.beta1 = args.adam_beta1;
+  adam.beta2 = args.adam_beta2;
+  adam.eps = args.adam_eps;
+  adam.weight_decay = args.weight_decay;
+  AdamWOptimizer optimizer(model.params(), adam);
+  const LRSchedule schedule(lr_schedule_config(run_args));
+  const double flops_per_iteration = num_floating_point_operations(run_args.model, gbs, run_args.model.seq_length);
+
+  Loop loop{run_args, model, data, log};
+  TrainResult result;
+  const bool has_valid = data.has_split(DatasetSplit::kValid) && args.eval_iters > 0;
+  int64_t valid_consumed = 0;
+  if (has_valid && !args.mock_data) {
+    const int64_t n_train = std::min<int64_t>(data.num_samples(DatasetSplit::kTrain), std::max<int64_t>(train_samples, 1024));
+    const int64_t n_valid = std::min<int64_t>(data.num_samples(DatasetSplit::kValid), args.eval_iters * gbs);
+    result.unigram_baseline = unigram_baseline(data, unpadded_vocab, n_train, n_valid);
+    log << "> unigram baseline: validation cross-entropy " << std::fixed << std::setprecision(4)
+        << result.unigram_baseline << " under the token frequencies of " << n_train << " training samples" << std::endl;
+    log.unsetf(std::ios::floatfield);
+  }
+  if (has_valid) {
+    log << "> validation before training" << std::endl;
+    result.first_valid_loss = loop.evaluate_and_print(0, valid_consumed);
+  }
+
+  log << "> training ..." << std::endl;
+  int64_t consumed = 0;
+  double interval_loss = 0.0;
+  int64_t interval_iters = 0;
+  double train_seconds = 0.0;
+  auto interval_start = Clock::now();
+  double last_grad_norm = 0.0;
+  for (int64_t iteration = 1; iteration <= args.train_iters; ++iteration) {
+    const auto step_start = Clock::now();
+    const double loss = loop.train_step(iteration, consumed);
+    last_grad_norm = optimizer.clip_grad_norm(args.clip_grad);
+    if (!std::isfinite(last_grad_norm)) {
+      throw TrainingError("grad norm is not finite at iteration " + std::to_string(iteration) + ": stopping");
+    }
+    optimizer.step(schedule.lr_at(iteration - 1));
+    consumed += gbs;
+    train_seconds += seconds_since(step_start);
+    if (iteration == 1) result.first_train_loss = loss;
+    result.last_train_loss = loss;
+    interval_loss += loss;
+    ++interval_iters;
+
+    if (iteration % args.log_interval == 0 || iteration == args.train_iters) {
+      const double seconds_per_iter = seconds_since(interval_start) / static_cast<double>(interval_iters);
+      IterationLog entry;
+      entry.timestamp = format_log_timestamp(std::chrono::system_clock::now());
+      entry.iteration = iteration;
+      entry.train_iters = args.train_iters;
+      entry.consumed_samples = consumed;
+      entry.elapsed_ms_per_iteration = seconds_per_iter * 1000.0;
+      entry.throughput_tflops_per_gpu = throughput_tflops_per_gpu(flops_per_iteration, seconds_per_iter, 1);
+      entry.learning_rate = schedule.lr_at(iteration);
+      entry.global_batch_size = gbs;
+      entry.losses = {{"lm loss", interval_loss / static_cast<double>(interval_iters)}};
+      entry.grad_norm = last_grad_norm;
+      log << format_iteration_log(entry) << std::endl;
+      if (iteration == args.log_interval || (iteration == args.train_iters && iteration < args.log_interval)) {
+        log << memory_report(iteration) << std::endl;
+      }
+      interval_loss = 0.0;
+      interval_iters = 0;
+      interval_start = Clock::now();
+    }
+    if (has_valid && args.eval_interval > 0 && iteration % args.eval_interval == 0 && iteration != args.train_iters) {
+      result.last_valid_loss = loop.evaluate_and_print(iteration, valid_consumed);
+      interval_start = Clock::now();
+    }
+  }
+  result.tokens_per_second =
+      static_cast<double>(args.train_iters * gbs * run_args.model.seq_length) / std::max(train_seconds, 1e-9);
+  if (has_valid) {
+    log << "> validation after training" << std::endl;
+    result.last_valid_loss = loop.evaluate_and_print(args.train_iters, valid_consumed);
+  }
+  log << "> training throughput: " << std::fixed << std::setprecision(1) << result.tokens_per_second
+      << " tokens/s over " << args.train_iters << " iterations" << std::endl;
+  log.unsetf(std::ios::floatfield);
+
+  if (!args.export_hf_dir.empty()) {
+    HfExportInfo info;
+    info.bos_token_id = eod_id;
+    info.eos_token_id = eod_id;
+    export_hf(model, info, args.export_hf_dir);
+    log << "> exported HuggingFace checkpoint to " << args.export_hf_dir << std::endl;
+  }
+  if (!args.sample_prompt.empty()) {
+    if (!tokenizer) throw ConfigError("--sample-prompt needs a text tokenizer (--tokenizer-type)");
+    SamplingOptions sampling;
+    sampling.max_new_tokens = args.sample_tokens;
+    sampling.vocab_limit = unpadded_vocab;
+    const std::vector<int32_t> prompt = tokenizer->tokenize(args.sample_prompt);
+    const std::vector<int32_t> out = generate(model, prompt, sampling);
+    log << "> sample (greedy): " << tokenizer->detokenize(out) << std::endl;
+  }
+  return result;
+}
+
+}  // namespace moecore

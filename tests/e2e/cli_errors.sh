@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Bad command lines end with exit code != 0 and one clear line naming the problem; never a crash.
+set -u
+bin=$1
+src=$2
+work=$3
+rm -rf "$work" && mkdir -p "$work"
+failures=0
+model=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
+       --micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer
+       --vocab-size 128 --eval-iters 1)
+base=("${model[@]}" --mock-data)
+
+expect_error() {  # expect_error "pattern" args...
+  local pattern=$1
+  shift
+  local out
+  out=$("$@" 2>&1 >/dev/null)
+  local rc=$?
+  if [ $rc -eq 0 ] || [ $rc -ge 128 ]; then
+    echo "FAIL: exit code $rc for: $*"; failures=$((failures + 1)); return
+  fi
+  if ! grep -q -- "$pattern" <<<"$out"; then
+    echo "FAIL: expected '$pattern' in: $out"; failures=$((failures + 1)); return
+  fi
+  if [ "$(grep -c . <<<"$out")" -ne 1 ]; then
+    echo "FAIL: expected one line, got: $out"; failures=$((failures + 1)); return
+  fi
+  echo "ok: $pattern"
+}
+
+expect_error "unknown command 'trian'" "$bin" trian
+expect_error "unknown flag --num-layer (did you mean --num-layers?)" "$bin" train "${base[@]}" --num-layer 3
+expect_error "--num-experts is a Megatron flag that moecore does not implement yet" "$bin" train "${base[@]}" --num-experts 8
+expect_error "--num-query-groups" "$bin" train "${base[@]}" --group-query-attention --num-query-groups 3
+expect_error "--hidden-size" "$bin" train "${base[@]}" --hidden-size 66
+expect_error "--global-batch-size" "$bin" train "${base[@]}" --global-batch-size 5
+expect_error "--num-layers" "$bin" train "${base[@]}" --num-layers abc
+expect_error "--tensor-model-parallel-size" "$bin" train "${base[@]}" --tensor-model-parallel-size 2
+expect_error "unknown flag --promt" "$bin" generate --load "$work" --promt hi
+
+# Corrupt data: an index with a bad magic, and a .bin cut short.
+printf 'NOTANIDX\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0' > "$work/bad.idx"
+: > "$work/bad.bin"
+expect_error "bad.idx" "$bin" train "${model[@]}" --data-path "$work/bad"
+expect_error "corpus.jsonl" "$bin" preprocess --input "$work/corpus.jsonl" --output-prefix "$work/x" \
+  --tokenizer-type NullTokenizer --vocab-size 100
+
+echo "$failures failed"
+[ $failures -eq 0 ]

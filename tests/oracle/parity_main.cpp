@@ -1,0 +1,255 @@
+// moecore_parity: runs the C++ GPT model on a given config, weights and batch, and writes everything the PyTorch
+// twin computes, for tests/oracle/test_parity.py and test_hf_export.py to compare.
+//
+//   moecore_parity --config C.json --weights W.safetensors --batch B.safetensors --out O.safetensors
+//                  [--steps N] [--lr 1e-3] [--weight-decay 0.1] [--clip-grad 1.0] [--beta1 0.9] [--beta2 0.999]
+//                  [--eps 1e-8] [--export-hf DIR] [--export-hf-bf16] [--import-hf DIR]
+//
+// C.json holds ModelConfig fields by name (enums as strings: "RMSNorm", "swiglu", "rope", ...). W.safetensors holds
+// every parameter under its Megatron name; B.safetensors holds tokens and labels [B, S] (int32/int64) and optionally
+// loss_mask [B, S]. With --import-hf DIR the model (config and weights) comes from an HF export instead.
+// Protocol (dropout must be 0): for step k = 0..N: forward (losses[k]); if k < N: backward, clip, AdamW step,
+// record step{k+1}.<name>. Step 0 also records logits [S, B, V], loss and grad.<name> (before clipping).
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "moecore/ckpt/hf_checkpoint.h"
+#include "moecore/ckpt/megatron_safetensors.h"
+#include "moecore/ckpt/safetensors.h"
+#include "moecore/model/gpt_model.h"
+#include "moecore/optim/adamw_optimizer.h"
+
+namespace moecore {
+namespace {
+
+using json = nlohmann::json;
+
+struct Args {
+  std::string config, weights, batch, out, export_hf, import_hf;
+  int64_t steps = 0;
+  double lr = 1e-3, weight_decay = 0.1, clip_grad = 1.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  bool export_bf16 = false;
+};
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  const std::map<std::string, std::string*> strings = {{"--config", &a.config},       {"--weights", &a.weights},
+                                                       {"--batch", &a.batch},         {"--out", &a.out},
+                                                       {"--export-hf", &a.export_hf}, {"--import-hf", &a.import_hf}};
+  const std::map<std::string, double*> doubles = {{"--lr", &a.lr},
+                                                  {"--weight-decay", &a.weight_decay},
+                                                  {"--clip-grad", &a.clip_grad},
+                                                  {"--beta1", &a.beta1},
+                                                  {"--beta2", &a.beta2},
+                                                  {"--eps", &a.eps}};
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--export-hf-bf16") {
+      a.export_bf16 = true;
+      continue;
+    }
+    if (i + 1 >= argc) throw std::invalid_argument("flag " + flag + " needs a value");
+    const std::string value = argv[++i];
+    if (strings.contains(flag)) {
+      *strings.at(flag) = value;
+    } else if (doubles.contains(flag)) {
+      *doubles.at(flag) = std::stod(value);
+    } else if (flag == "--steps") {
+      a.steps = std::stoll(value);
+    } else {
+      throw std::invalid_argument("unknown flag " + flag);
+    }
+  }
+  if (a.batch.empty() || a.out.empty()) throw std::invalid_argument("--batch and --out are required");
+  if (a.import_hf.empty() && (a.config.empty() || a.weights.empty())) {
+    throw std::invalid_argument("give --config and --weights, or --import-hf");
+  }
+  return a;
+}
+
+ModelConfig config_from_json(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error(path + ": cannot open");
+  const json j = json::parse(in);
+  ModelConfig c;
+  for (const auto& [key, value] : j.items()) {
+    if (key == "num_layers")
+      c.num_layers = value;
+    else if (key == "hidden_size")
+      c.hidden_size = value;
+    else if (key == "ffn_hidden_size")
+      c.ffn_hidden_size = value;
+    else if (key == "num_attention_heads")
+      c.num_attention_heads = value;
+    else if (key == "num_query_groups")
+      c.num_query_groups = value;
+    else if (key == "kv_channels")
+      c.kv_channels = value;
+    else if (key == "seq_length")
+      c.seq_length = value;
+    else if (key == "max_position_embeddings")
+      c.max_position_embeddings = value;
+    else if (key == "vocab_size")
+      c.vocab_size = value;
+    else if (key == "norm_epsilon")
+      c.norm_epsilon = value;
+    else if (key == "add_bias_linear")
+      c.add_bias_linear = value;
+    else if (key == "qk_layernorm")
+      c.qk_layernorm = value;
+    else if (key == "rotary_base")
+      c.rotary_base = value;
+    else if (key == "rotary_percent")
+      c.rotary_percent = value;
+    else if (key == "init_method_std")
+      c.init_method_std = value;
+    else if (key == "attention_dropout")
+      c.attention_dropout = value;
+    else if (key == "hidden_dropout")
+      c.hidden_dropout = value;
+    else if (key == "untie_embeddings_and_output_weights")
+      c.untie_embeddings_and_output_weights = value;
+    else if (key == "normalization") {
+      const std::string v = value;
+      if (v != "LayerNorm" && v != "RMSNorm") throw std::runtime_error(path + ": normalization " + v);
+      c.normalization = v == "LayerNorm" ? Normalization::kLayerNorm : Normalization::kRMSNorm;
+    } else if (key == "activation") {
+      const std::string v = value;
+      if (v == "gelu")
+        c.activation = Activation::kGelu;
+      else if (v == "swiglu")
+        c.activation = Activation::kSwiGLU;
+      else if (v == "squared_relu")
+        c.activation = Activation::kSquaredReLU;
+      else
+        throw std::runtime_error(path + ": activation " + v);
+    } else if (key == "position_embedding_type") {
+      const std::string v = value;
+      if (v == "learned_absolute")
+        c.position_embedding_type = PositionEmbedding::kLearnedAbsolute;
+      else if (v == "rope")
+        c.position_embedding_type = PositionEmbedding::kRope;
+      else if (v == "none")
+        c.position_embedding_type = PositionEmbedding::kNone;
+      else
+        throw std::runtime_error(path + ": position_embedding_type " + v);
+    } else {
+      throw std::runtime_error(path + ": unknown config field '" + key + "'");
+    }
+  }
+  return c;
+}
+
+std::vector<int32_t> int_tensor(const SafetensorsFile& file, const std::string& name, int64_t& B, int64_t& S) {
+  const Tensor& t = file.at(name);
+  if (t.ndim() != 2) throw std::runtime_error(file.source + ": " + name + " must be [B, S], got " + t.shape_str());
+  if (B >= 0 && (t.dim(0) != B || t.dim(1) != S)) throw std::runtime_error(file.source + ": " + name + " shape");
+  B = t.dim(0);
+  S = t.dim(1);
+  std::vector<int32_t> out(static_cast<size_t>(t.numel()));
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (t.dtype() == DType::kI32)
+      out[i] = t.data<int32_t>()[i];
+    else if (t.dtype() == DType::kI64)
+      out[i] = static_cast<int32_t>(t.data<int64_t>()[i]);
+    else
+      throw std::runtime_error(file.source + ": " + name + " must be int32 or int64");
+  }
+  return out;
+}
+
+Tensor f64_tensor(const std::vector<double>& values) {
+  Tensor t({static_cast<int64_t>(values.size())}, DType::kF64);
+  std::memcpy(t.data<double>(), values.data(), values.size() * sizeof(double));
+  return t;
+}
+
+int run(int argc, char** argv) {
+  const Args args = parse_args(argc, argv);
+  std::unique_ptr<GPTModel> model;
+  if (!args.import_hf.empty()) {
+    model = load_hf(args.import_hf);
+  } else {
+    model = std::make_unique<GPTModel>(config_from_json(args.config), 1234);
+    load_megatron_safetensors(*model, args.weights);
+  }
+  if (model->config().hidden_dropout != 0.0 || model->config().attention_dropout != 0.0) {
+    throw std::runtime_error("parity runs need hidden_dropout = attention_dropout = 0");
+  }
+  if (!args.export_hf.empty()) {
+    HfExportInfo info;
+    if (args.export_bf16) info.dtype = DType::kBF16;
+    export_hf(*model, info, args.export_hf);
+  }
+
+  const SafetensorsFile batch = read_safetensors(args.batch);
+  int64_t B = -1, S = -1;
+  const std::vector<int32_t> tokens = int_tensor(batch, "tokens", B, S);
+  const std::vector<int32_t> labels = int_tensor(batch, "labels", B, S);
+  std::vector<float> loss_mask(static_cast<size_t>(B * S), 1.0f);
+  if (batch.contains("loss_mask")) {
+    const Tensor mask = to_float32(batch.at("loss_mask"));
+    if (mask.numel() != B * S) throw std::runtime_error(args.batch + ": loss_mask must be [B, S]");
+    std::memcpy(loss_mask.data(), mask.data<float>(), loss_mask.size() * sizeof(float));
+  }
+
+  AdamWOptions options;
+  options.beta1 = args.beta1;
+  options.beta2 = args.beta2;
+  options.eps = args.eps;
+  options.weight_decay = args.weight_decay;
+  AdamWOptimizer optimizer(model->params(), options);
+
+  std::vector<NamedTensor> out;
+  std::vector<double> losses, grad_norms;
+  for (int64_t step = 0; step <= args.steps; ++step) {
+    model->zero_grad();
+    std::unique_ptr<MicroBatchContext> ctx;
+    ForwardOptions forward_options;
+    forward_options.training = true;
+    forward_options.dropout_stream = static_cast<uint64_t>(step);
+    Tensor logits;
+    const double loss = model->forward(ctx, tokens.data(), labels.data(), loss_mask.data(), B, S, forward_options,
+                                       step == 0 ? &logits : nullptr);
+    losses.push_back(loss);
+    if (step == 0) {
+      out.emplace_back("logits", logits);
+      Tensor loss_t({}, DType::kF64);
+      loss_t.data<double>()[0] = loss;
+      out.emplace_back("loss", loss_t);
+    }
+    if (step == args.steps) break;
+    model->backward(std::move(ctx), 1.0);
+    if (step == 0) {
+      for (const Param& p : model->params()) out.emplace_back("grad." + p.name, p.grad.clone());
+    }
+    grad_norms.push_back(optimizer.clip_grad_norm(args.clip_grad));
+    optimizer.step(args.lr);
+    for (const Param& p : model->params()) {
+      out.emplace_back("step" + std::to_string(step + 1) + "." + p.name, p.value.clone());
+    }
+  }
+  out.emplace_back("losses", f64_tensor(losses));
+  out.emplace_back("grad_norms", f64_tensor(grad_norms));
+  write_safetensors(args.out, out);
+  return 0;
+}
+
+}  // namespace
+}  // namespace moecore
+
+int main(int argc, char** argv) {
+  try {
+    return moecore::run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moecore_parity: error: %s\n", e.what());
+    return 1;
+  }
+}

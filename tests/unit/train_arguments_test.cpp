@@ -1,0 +1,416 @@
+// `moecore train` argument parsing: Megatron defaults (values read from megatron/training/arguments.py), syntax,
+// derived defaults, and one clear error per bad input.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "moecore/train/arguments.h"
+#include "moecore/train/flag_catalog.h"
+
+namespace moecore {
+namespace {
+
+using Args = std::vector<std::string>;
+
+// The smallest valid command line.
+Args minimal() {
+  return {"--num-layers",
+          "2",
+          "--hidden-size",
+          "64",
+          "--num-attention-heads",
+          "4",
+          "--seq-length",
+          "32",
+          "--max-position-embeddings",
+          "32",
+          "--train-iters",
+          "100",
+          "--lr",
+          "3e-4",
+          "--micro-batch-size",
+          "2",
+          "--mock-data",
+          "--tokenizer-type",
+          "NullTokenizer",
+          "--vocab-size",
+          "1000"};
+}
+
+Args with(Args args, const Args& extra) {
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+Args without(const Args& args, const std::string& flag, const int values) {
+  Args result;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == flag) {
+      i += values;
+      continue;
+    }
+    result.push_back(args[i]);
+  }
+  return result;
+}
+
+std::string error_of(const Args& args) {
+  try {
+    parse_train_args(args);
+  } catch (const ConfigError& error) {
+    return error.what();
+  }
+  return "<no error>";
+}
+
+bool mentions(const std::string& message, const std::string& needle) {
+  return message.find(needle) != std::string::npos;
+}
+
+TEST(TrainArguments, MegatronDefaults) {
+  const TrainingArgs args = parse_train_args(minimal());
+  const ModelConfig& model = args.model;
+  EXPECT_EQ(model.num_layers, 2);
+  EXPECT_EQ(model.hidden_size, 64);
+  EXPECT_EQ(model.ffn_hidden_size, 256);  // 4 * hidden
+  EXPECT_EQ(model.kv_channels, 16);       // hidden / heads
+  EXPECT_EQ(model.num_query_groups, 4);   // = heads without --group-query-attention
+  EXPECT_EQ(model.vocab_size, 0);         // filled by the trainer from the tokenizer
+  EXPECT_EQ(model.normalization, Normalization::kLayerNorm);
+  EXPECT_DOUBLE_EQ(model.norm_epsilon, 1e-5);
+  EXPECT_EQ(model.activation, Activation::kGelu);
+  EXPECT_TRUE(model.add_bias_linear);
+  EXPECT_FALSE(model.qk_layernorm);
+  EXPECT_EQ(model.position_embedding_type, PositionEmbedding::kLearnedAbsolute);
+  EXPECT_DOUBLE_EQ(model.rotary_base, 10000.0);
+  EXPECT_DOUBLE_EQ(model.rotary_percent, 1.0);
+  EXPECT_DOUBLE_EQ(model.init_method_std, 0.02);
+  EXPECT_DOUBLE_EQ(model.attention_dropout, 0.1);
+  EXPECT_DOUBLE_EQ(model.hidden_dropout, 0.1);
+  EXPECT_FALSE(model.untie_embeddings_and_output_weights);
+  EXPECT_EQ(args.make_vocab_size_divisible_by, 128);
+
+  EXPECT_EQ(args.global_batch_size, 2);  // micro batch * DP(1)
+  EXPECT_EQ(args.lr_decay_iters, 100);   // = --train-iters
+  EXPECT_DOUBLE_EQ(args.min_lr, 0.0);
+  EXPECT_EQ(args.lr_decay_style, LRDecayStyle::kLinear);
+  EXPECT_EQ(args.lr_warmup_iters, 0);
+  EXPECT_FALSE(args.lr_warmup_fraction.has_value());
+  EXPECT_DOUBLE_EQ(args.lr_warmup_init, 0.0);
+  EXPECT_EQ(args.lr_wsd_decay_style, WSDDecayStyle::kExponential);
+  EXPECT_EQ(args.optimizer, "adam");
+  EXPECT_DOUBLE_EQ(args.adam_beta1, 0.9);
+  EXPECT_DOUBLE_EQ(args.adam_beta2, 0.999);
+  EXPECT_DOUBLE_EQ(args.adam_eps, 1e-8);
+  EXPECT_DOUBLE_EQ(args.weight_decay, 0.01);
+  EXPECT_DOUBLE_EQ(args.clip_grad, 1.0);
+  EXPECT_EQ(args.seed, 1234);
+  EXPECT_EQ(args.log_interval, 100);
+  EXPECT_EQ(args.eval_interval, 1000);
+  EXPECT_EQ(args.eval_iters, 100);
+  EXPECT_FALSE(args.log_throughput);
+  EXPECT_TRUE(args.mock_data);
+  EXPECT_TRUE(args.split.empty());
+  EXPECT_EQ(args.vocab_size, 1000);
+  EXPECT_EQ(args.tensor_model_parallel_size, 1);
+  EXPECT_EQ(args.expert_tensor_parallel_size, 1);
+  EXPECT_EQ(args.data_parallel_size, 1);
+  EXPECT_EQ(args.threads, 0);
+  EXPECT_EQ(args.sample_tokens, 32);
+  EXPECT_FALSE(args.help_requested);
+}
+
+TEST(TrainArguments, ModelFlags) {
+  const TrainingArgs args = parse_train_args(with(minimal(), {"--normalization",
+                                                              "RMSNorm",
+                                                              "--norm-epsilon",
+                                                              "1e-6",
+                                                              "--swiglu",
+                                                              "--disable-bias-linear",
+                                                              "--qk-layernorm",
+                                                              "--position-embedding-type",
+                                                              "rope",
+                                                              "--rotary-base",
+                                                              "500000",
+                                                              "--rotary-percent",
+                                                              "0.5",
+                                                              "--init-method-std",
+                                                              "0.006",
+                                                              "--attention-dropout",
+                                                              "0",
+                                                              "--hidden-dropout",
+                                                              "0.0",
+                                                              "--untie-embeddings-and-output-weights",
+                                                              "--ffn-hidden-size",
+                                                              "96",
+                                                              "--make-vocab-size-divisible-by",
+                                                              "64"}));
+  EXPECT_EQ(args.model.normalization, Normalization::kRMSNorm);
+  EXPECT_DOUBLE_EQ(args.model.norm_epsilon, 1e-6);
+  EXPECT_EQ(args.model.activation, Activation::kSwiGLU);
+  EXPECT_FALSE(args.model.add_bias_linear);
+  EXPECT_TRUE(args.model.qk_layernorm);
+  EXPECT_EQ(args.model.position_embedding_type, PositionEmbedding::kRope);
+  EXPECT_DOUBLE_EQ(args.model.rotary_base, 500000.0);
+  EXPECT_DOUBLE_EQ(args.model.rotary_percent, 0.5);
+  EXPECT_DOUBLE_EQ(args.model.init_method_std, 0.006);
+  EXPECT_DOUBLE_EQ(args.model.attention_dropout, 0.0);
+  EXPECT_TRUE(args.model.untie_embeddings_and_output_weights);
+  EXPECT_EQ(args.model.ffn_hidden_size, 96);
+  EXPECT_EQ(args.make_vocab_size_divisible_by, 64);
+
+  const TrainingArgs squared = parse_train_args(with(minimal(), {"--squared-relu"}));
+  EXPECT_EQ(squared.model.activation, Activation::kSquaredReLU);
+}
+
+TEST(TrainArguments, SwigluFfnDefaultAsMegatron) {
+  // int((4 * 4096 * 2 / 3) / 64) * 64: 10922.67 / 64 = 170.67 -> 170 * 64 = 10880.
+  Args args = without(without(minimal(), "--hidden-size", 1), "--num-attention-heads", 1);
+  args = with(args, {"--hidden-size", "4096", "--num-attention-heads", "32", "--swiglu"});
+  EXPECT_EQ(parse_train_args(args).model.ffn_hidden_size, 10880);
+  // hidden 64: 170.67 / 64 = 2.67 -> 2 * 64 = 128.
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--swiglu"})).model.ffn_hidden_size, 128);
+}
+
+TEST(TrainArguments, GroupQueryAttention) {
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--group-query-attention"})).model.num_query_groups, 1);
+  const TrainingArgs args =
+      parse_train_args(with(minimal(), {"--group-query-attention", "--num-query-groups", "2", "--kv-channels", "8"}));
+  EXPECT_TRUE(args.group_query_attention);
+  EXPECT_EQ(args.model.num_query_groups, 2);
+  EXPECT_EQ(args.model.kv_channels, 8);
+  EXPECT_EQ(error_of(with(minimal(), {"--group-query-attention", "--num-query-groups", "3"})),
+            "--num-attention-heads (4) must be divisible by --num-query-groups (3)");
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--num-query-groups", "2"})), "requires --group-query-attention"));
+}
+
+TEST(TrainArguments, EqualsSyntaxAndLastWins) {
+  const TrainingArgs args = parse_train_args(
+      with(minimal(), {"--num-layers=6", "--lr=1e-3", "--num-layers", "5", "--seed=7", "--seed", "-3"}));
+  EXPECT_EQ(args.model.num_layers, 5);
+  EXPECT_DOUBLE_EQ(args.lr, 1e-3);
+  EXPECT_EQ(args.seed, -3);  // a negative number is a value, not a flag
+  // The switch pair with one destination: the last one wins, as argparse.
+  EXPECT_TRUE(parse_train_args(with(minimal(), {"--disable-bias-linear", "--add-bias-linear"})).model.add_bias_linear);
+  EXPECT_FALSE(parse_train_args(with(minimal(), {"--add-bias-linear", "--disable-bias-linear"})).model.add_bias_linear);
+  // A string value that starts with '-' is written with '='.
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--sample-prompt=-x y"})).sample_prompt, "-x y");
+}
+
+TEST(TrainArguments, BadValuesNameFlagAndValue) {
+  EXPECT_EQ(error_of(with(minimal(), {"--num-layers", "abc"})),
+            "invalid value 'abc' for --num-layers: expected an integer");
+  EXPECT_EQ(error_of(with(minimal(), {"--num-layers", "2.5"})),
+            "invalid value '2.5' for --num-layers: expected an integer");
+  EXPECT_EQ(error_of(with(minimal(), {"--lr", "fast"})), "invalid value 'fast' for --lr: expected a finite number");
+  EXPECT_EQ(error_of(with(minimal(), {"--lr", "nan"})), "invalid value 'nan' for --lr: expected a finite number");
+  EXPECT_EQ(error_of(with(minimal(), {"--num-layers="})), "invalid value '' for --num-layers: expected an integer");
+  EXPECT_EQ(error_of(with(minimal(), {"--rotary-base", "1e6"})),
+            "invalid value '1e6' for --rotary-base: expected an integer");  // type=int in Megatron
+  EXPECT_EQ(error_of(with(minimal(), {"--lr-decay-style", "cosin"})),
+            "invalid value 'cosin' for --lr-decay-style (choose from constant, linear, cosine, inverse-square-root, "
+            "WSD)");
+  EXPECT_EQ(error_of(with(minimal(), {"--swiglu=1"})), "--swiglu takes no value (got '--swiglu=1')");
+  EXPECT_EQ(error_of(with(minimal(), {"--seq-length"})), "--seq-length expects a value (N)");
+  EXPECT_EQ(error_of(with(minimal(), {"--seq-length", "--swiglu"})), "--seq-length expects a value (N)");
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"stray"})), "unexpected argument 'stray'"));
+}
+
+TEST(TrainArguments, UnknownFlagSuggestsClosest) {
+  EXPECT_EQ(error_of(with(minimal(), {"--num-layer", "2"})), "unknown flag --num-layer (did you mean --num-layers?)");
+  EXPECT_EQ(error_of(with(minimal(), {"--hiden-size=8"})), "unknown flag --hiden-size (did you mean --hidden-size?)");
+  EXPECT_EQ(error_of(with(minimal(), {"--num-expert", "8"})),
+            "unknown flag --num-expert (did you mean --num-experts?)");  // suggestions include catalogued flags
+  EXPECT_EQ(error_of(with(minimal(), {"--zzzz-qqqq-wwww"})), "unknown flag --zzzz-qqqq-wwww");
+}
+
+TEST(TrainArguments, CataloguedMegatronFlagsAreNotImplementedYet) {
+  for (const char* flag :
+       {"--num-experts", "--moe-router-topk", "--sequence-parallel", "--recompute-granularity", "--fp8-format",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--save", "--load", "--tensorboard-dir",
+        "--wandb-project", "--bf16", "--fp16", "--exit-on-missing-checkpoint"}) {
+    EXPECT_EQ(error_of(with(minimal(), {flag, "1"})),
+              std::string(flag) + " is a Megatron flag that moecore does not implement yet");
+  }
+  EXPECT_EQ(error_of(with(minimal(), {"--num-experts=8"})),
+            "--num-experts is a Megatron flag that moecore does not implement yet");
+}
+
+TEST(TrainArguments, CatalogIsLargeAndDisjointFromImplementedFlags) {
+  const auto catalog = unimplemented_megatron_flags();
+  EXPECT_GE(catalog.size(), 80u);
+  std::set<std::string_view> seen;
+  for (const std::string_view flag : catalog) {
+    EXPECT_TRUE(flag.starts_with("--")) << flag;
+    EXPECT_TRUE(seen.insert(flag).second) << "duplicate " << flag;
+  }
+  const std::vector<std::string> implemented = implemented_train_flags();
+  const std::set<std::string> implemented_set(implemented.begin(), implemented.end());
+  EXPECT_EQ(implemented_set.size(), implemented.size()) << "duplicate implemented flag";
+  for (const std::string& flag : implemented) EXPECT_FALSE(is_unimplemented_megatron_flag(flag)) << flag;
+  const std::string help = train_flags_help();
+  for (const std::string& flag : implemented) EXPECT_TRUE(mentions(help, flag)) << flag;
+}
+
+TEST(TrainArguments, ParallelSizesOnlyOne) {
+  for (const char* flag : {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+                           "--expert-model-parallel-size", "--expert-tensor-parallel-size"}) {
+    EXPECT_NO_THROW(parse_train_args(with(minimal(), {flag, "1"})));
+    EXPECT_EQ(error_of(with(minimal(), {flag, "2"})),
+              std::string(flag) + " > 1 is not implemented yet (single-process engine)");
+    EXPECT_EQ(error_of(with(minimal(), {flag, "0"})), std::string(flag) + " must be positive (got 0)");
+  }
+  EXPECT_EQ(error_of(with(minimal(), {"--optimizer", "sgd"})),
+            "--optimizer sgd is not implemented yet (moecore implements adam)");
+}
+
+TEST(TrainArguments, RequiredFlags) {
+  EXPECT_EQ(error_of(without(minimal(), "--lr", 1)), "missing required flag(s): --lr");
+  EXPECT_EQ(error_of(without(without(minimal(), "--num-layers", 1), "--micro-batch-size", 1)),
+            "missing required flag(s): --num-layers, --micro-batch-size");
+  EXPECT_EQ(error_of({}),
+            "missing required flag(s): --num-layers, --hidden-size, --num-attention-heads, "
+            "--seq-length, --train-iters, --lr, --micro-batch-size");
+}
+
+TEST(TrainArguments, ModelValidation) {
+  EXPECT_EQ(error_of(with(minimal(), {"--num-attention-heads", "3"})),
+            "--hidden-size (64) must be divisible by --num-attention-heads (3) unless --kv-channels is given");
+  const TrainingArgs odd = parse_train_args(with(minimal(), {"--num-attention-heads", "3", "--kv-channels", "16"}));
+  EXPECT_EQ(odd.model.kv_channels, 16);
+  EXPECT_EQ(error_of(with(minimal(), {"--swiglu", "--squared-relu"})),
+            "--swiglu and --squared-relu cannot be used together");
+  EXPECT_EQ(error_of(with(minimal(), {"--num-layers", "0"})), "--num-layers must be positive (got 0)");
+  EXPECT_EQ(error_of(with(minimal(), {"--max-position-embeddings", "16"})),
+            "--max-position-embeddings (16) must be at least --seq-length (32)");
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--hidden-dropout", "1.5"})), "--hidden-dropout"));
+  EXPECT_EQ(error_of(with(minimal(), {"--rotary-base", "500000"})),
+            "--rotary-base only applies with --position-embedding-type rope");
+  EXPECT_EQ(error_of(with(minimal(), {"--position-embedding-type", "mrope"})),
+            "--position-embedding-type mrope is not implemented yet (moecore implements learned_absolute, rope, none)");
+}
+
+TEST(TrainArguments, MaxPositionEmbeddings) {
+  const Args no_max = without(minimal(), "--max-position-embeddings", 1);
+  EXPECT_EQ(error_of(no_max),
+            "--max-position-embeddings is required with --position-embedding-type learned_absolute (the default)");
+  EXPECT_EQ(parse_train_args(with(no_max, {"--position-embedding-type", "rope"})).model.max_position_embeddings, 32);
+  EXPECT_EQ(parse_train_args(with(no_max, {"--position-embedding-type", "none"})).model.max_position_embeddings, 32);
+  EXPECT_EQ(error_of(with(no_max, {"--position-embedding-type", "rope", "--max-position-embeddings", "16"})),
+            "--max-position-embeddings (16) must be at least --seq-length (32)");
+}
+
+TEST(TrainArguments, BatchSizes) {
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--global-batch-size", "8"})).global_batch_size, 8);
+  EXPECT_EQ(error_of(with(minimal(), {"--global-batch-size", "5"})),
+            "--global-batch-size (5) must be a multiple of --micro-batch-size (2) times the data-parallel size (1)");
+  EXPECT_EQ(error_of(with(minimal(), {"--micro-batch-size", "0"})), "--micro-batch-size must be positive (got 0)");
+}
+
+TEST(TrainArguments, LearningRateFlags) {
+  const TrainingArgs args =
+      parse_train_args(with(minimal(), {"--min-lr", "3e-5", "--lr-decay-style", "WSD", "--lr-decay-iters", "90",
+                                        "--lr-warmup-iters", "10", "--lr-warmup-init", "1e-6", "--lr-wsd-decay-style",
+                                        "minus_sqrt", "--lr-wsd-decay-iters", "20", "--global-batch-size", "4"}));
+  const LRScheduleConfig config = lr_schedule_config(args);
+  EXPECT_DOUBLE_EQ(config.max_lr, 3e-4);
+  EXPECT_DOUBLE_EQ(config.min_lr, 3e-5);
+  EXPECT_DOUBLE_EQ(config.init_lr, 1e-6);
+  EXPECT_EQ(config.global_batch_size, 4);
+  EXPECT_EQ(config.warmup_iters, 10);
+  EXPECT_EQ(config.decay_iters, 90);
+  EXPECT_EQ(config.decay_style, LRDecayStyle::kWSD);
+  EXPECT_EQ(config.wsd_decay_iters, 20);
+  EXPECT_EQ(config.wsd_decay_style, WSDDecayStyle::kMinusSqrt);
+
+  EXPECT_DOUBLE_EQ(*parse_train_args(with(minimal(), {"--lr-warmup-fraction", "0.1"})).lr_warmup_fraction, 0.1);
+  EXPECT_EQ(error_of(with(minimal(), {"--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "10"})),
+            "can only specify one of --lr-warmup-fraction and --lr-warmup-iters");
+  EXPECT_EQ(error_of(with(minimal(), {"--min-lr", "1e-3"})), "--min-lr (0.001) must not exceed --lr (0.0003)");
+  EXPECT_EQ(error_of(with(minimal(), {"--min-lr", "-1"})), "--min-lr must be non-negative (got -1.0)");
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--lr-warmup-iters", "100"})), "must be shorter than the decay"));
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--lr-warmup-iters", "50", "--lr-decay-iters", "40"})),
+                       "must be shorter than the decay"));
+  EXPECT_EQ(error_of(with(minimal(), {"--lr-decay-style", "WSD"})),
+            "--lr-decay-style WSD requires --lr-wsd-decay-iters");
+  EXPECT_EQ(error_of(with(minimal(), {"--lr-wsd-decay-iters", "10"})),
+            "--lr-wsd-decay-iters only applies with --lr-decay-style WSD");
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--lr-warmup-init", "1"})), "--lr-warmup-init"));
+}
+
+TEST(TrainArguments, DataSources) {
+  const Args no_data = without(minimal(), "--mock-data", 0);
+  EXPECT_EQ(error_of(no_data), "no training data: give --data-path PREFIX or --mock-data");
+  EXPECT_EQ(error_of(with(minimal(), {"--data-path", "corpus"})),
+            "--data-path and --mock-data cannot be used together (a single data source must be provided)");
+
+  const TrainingArgs single = parse_train_args(with(no_data, {"--data-path", "/data/corpus_text_document"}));
+  EXPECT_EQ(single.data_path, std::vector<std::string>{"/data/corpus_text_document"});
+  EXPECT_EQ(single.split, "969, 30, 1");  // Megatron's legacy default
+
+  const TrainingArgs weighted =
+      parse_train_args(with(no_data, {"--data-path", "0.3", "a_text_document", "0.7", "b_text_document", "--split",
+                                      "90,5,5", "--eod-mask-loss", "--data-cache-path", "/tmp/cache"}));
+  EXPECT_EQ(weighted.data_path, (std::vector<std::string>{"0.3", "a_text_document", "0.7", "b_text_document"}));
+  EXPECT_EQ(weighted.split, "90,5,5");
+  EXPECT_TRUE(weighted.eod_mask_loss);
+  EXPECT_EQ(weighted.data_cache_path, "/tmp/cache");
+
+  EXPECT_TRUE(mentions(error_of(with(no_data, {"--data-path", "0.3", "a", "0.7"})), "weight/prefix pairs"));
+  EXPECT_TRUE(mentions(error_of(with(no_data, {"--data-path", "0.3", "a", "b", "c"})), "weight 'b'"));
+  EXPECT_EQ(error_of(with(no_data, {"--data-path"})), "--data-path expects at least one value (PATH...)");
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--split", "90,x,5"})), "'x' is not a non-negative number"));
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--split", "1,1,1,1"})), "at most three"));
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--split", "0,0"})), "sum to zero"));
+}
+
+TEST(TrainArguments, Tokenizers) {
+  const Args no_tokenizer = without(without(minimal(), "--tokenizer-type", 1), "--vocab-size", 1);
+  EXPECT_TRUE(mentions(error_of(no_tokenizer), "--tokenizer-type is required"));
+  const TrainingArgs gpt2 = parse_train_args(with(no_tokenizer, {"--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                                                                 "vocab.json", "--merge-file", "merges.txt"}));
+  EXPECT_EQ(gpt2.tokenizer_type, "GPT2BPETokenizer");
+  EXPECT_EQ(gpt2.vocab_file, "vocab.json");
+  EXPECT_EQ(gpt2.merge_file, "merges.txt");
+  EXPECT_FALSE(gpt2.vocab_size.has_value());
+  EXPECT_EQ(error_of(with(no_tokenizer, {"--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "vocab.json"})),
+            "--tokenizer-type GPT2BPETokenizer requires --vocab-file and --merge-file");
+  EXPECT_EQ(error_of(with(no_tokenizer, {"--tokenizer-type", "NullTokenizer"})),
+            "--tokenizer-type NullTokenizer requires --vocab-size");
+  EXPECT_EQ(error_of(with(minimal(), {"--vocab-file", "v.json"})), "--vocab-file is not used with NullTokenizer");
+  EXPECT_TRUE(mentions(error_of(with(no_tokenizer, {"--tokenizer-type", "Llama2Tokenizer"})),
+                       "--tokenizer-type Llama2Tokenizer is not implemented yet"));
+}
+
+TEST(TrainArguments, MoecoreFlags) {
+  const TrainingArgs args =
+      parse_train_args(with(minimal(), {"--export-hf", "out/hf", "--sample-prompt", "Once upon a time",
+                                        "--sample-tokens", "16", "--threads", "2", "--log-throughput"}));
+  EXPECT_EQ(args.export_hf_dir, "out/hf");
+  EXPECT_EQ(args.sample_prompt, "Once upon a time");
+  EXPECT_EQ(args.sample_tokens, 16);
+  EXPECT_EQ(args.threads, 2);
+  EXPECT_TRUE(args.log_throughput);
+  EXPECT_EQ(error_of(with(minimal(), {"--sample-tokens", "16"})), "--sample-tokens requires --sample-prompt");
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--threads", "-1"})), "--threads must be non-negative"));
+  EXPECT_EQ(error_of(with(minimal(), {"--export-hf="})),
+            "invalid value '' for --export-hf: expected a non-empty value");
+}
+
+TEST(TrainArguments, HelpSkipsValidation) {
+  EXPECT_TRUE(parse_train_args({"--help"}).help_requested);
+  EXPECT_TRUE(parse_train_args({"--bogus", "-h"}).help_requested);
+}
+
+TEST(TrainArguments, PaddedVocabSize) {
+  const TrainingArgs args = parse_train_args(minimal());
+  EXPECT_EQ(padded_vocab_size(50257, args), 50304);  // GPT-2's 50257 tokens pad to 50304 in Megatron
+  EXPECT_EQ(padded_vocab_size(128, args), 128);
+  EXPECT_EQ(padded_vocab_size(1001, args), 1024);
+}
+
+}  // namespace
+}  // namespace moecore

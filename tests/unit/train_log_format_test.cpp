@@ -1,0 +1,162 @@
+// Megatron-format log lines (expected strings written from training.py's format specs, non-finite and rounding cases
+// checked against Python's own format() output) and the dense-GPT FLOPs count (checked against GEMM FLOPs summed by
+// hand).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <ctime>
+#include <limits>
+
+#include "moecore/train/log_format.h"
+
+namespace moecore {
+namespace {
+
+IterationLog example_log() {
+  IterationLog log;
+  log.timestamp = "2026-11-29 17:40:00";
+  log.iteration = 10;
+  log.train_iters = 100;
+  log.consumed_samples = 640;
+  log.elapsed_ms_per_iteration = 123.4;
+  log.throughput_tflops_per_gpu = 1.2;
+  log.learning_rate = 3e-4;
+  log.global_batch_size = 64;
+  log.losses = {{"lm loss", 6.123456}};
+  log.loss_scale = 1.0;
+  log.grad_norm = 1.234;
+  return log;
+}
+
+TEST(LogFormat, IterationLineMatchesMegatron) {
+  EXPECT_EQ(format_iteration_log(example_log()),
+            " [2026-11-29 17:40:00] iteration       10/     100 | consumed samples:          640 | elapsed time per "
+            "iteration (ms): 123.4 | throughput per GPU (TFLOP/s/GPU): 1.2 | learning rate: 3.000000E-04 | global "
+            "batch size:    64 | lm loss: 6.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped "
+            "iterations:   0 | number of nan iterations:   0 |");
+}
+
+TEST(LogFormat, OptionalFieldsAndWideNumbers) {
+  IterationLog log = example_log();
+  log.timestamp.clear();
+  log.iteration = 123456789;  // wider than the field: printed in full, as Python does
+  log.train_iters = 200000000;
+  log.consumed_samples = 7;
+  log.skipped_samples = 3;
+  log.throughput_tflops_per_gpu.reset();
+  log.learning_rate.reset();
+  log.global_batch_size = 123456;
+  log.losses = {{"lm loss", 0.5}, {"load_balancing_loss", 1.0123456789}};
+  log.loss_scale = 65536.0;
+  log.grad_norm.reset();
+  log.num_zeros_in_grad = 42;
+  log.params_norm = 12.3456;
+  log.skipped_iterations = 1;
+  log.nan_iterations = 1234;
+  EXPECT_EQ(format_iteration_log(log),
+            " iteration 123456789/200000000 | consumed samples:            7 | skipped samples:            3 | "
+            "elapsed time per iteration (ms): 123.4 | global batch size: 123456 | lm loss: 5.000000E-01 | "
+            "load_balancing_loss: 1.012346E+00 | loss scale: 65536.0 | num zeros: 42 | params norm: 12.346 | "
+            "number of skipped iterations:   1 | number of nan iterations: 1234 |");
+}
+
+TEST(LogFormat, NonFiniteAndRoundingAsPython) {
+  // Python: '{:.6E}'.format(nan) -> 'NAN' (also for -nan), inf -> 'INF'; '{:.3f}'.format(-inf) -> '-inf';
+  // '{:.1f}'.format(123.45) -> '123.5' and '{:.1f}'.format(0.05) -> '0.1' (the binary values lie just above).
+  IterationLog log = example_log();
+  log.timestamp.clear();
+  log.losses = {{"lm loss", -std::numeric_limits<double>::quiet_NaN()}, {"z_loss", HUGE_VAL}};
+  log.grad_norm = -HUGE_VAL;
+  log.learning_rate = 0.0;
+  log.elapsed_ms_per_iteration = 123.45;
+  log.throughput_tflops_per_gpu = 0.05;
+  const std::string line = format_iteration_log(log);
+  EXPECT_NE(line.find(" lm loss: NAN |"), std::string::npos) << line;
+  EXPECT_NE(line.find(" z_loss: INF |"), std::string::npos) << line;
+  EXPECT_NE(line.find(" grad norm: -inf |"), std::string::npos) << line;
+  EXPECT_NE(line.find(" learning rate: 0.000000E+00 |"), std::string::npos) << line;
+  EXPECT_NE(line.find(" elapsed time per iteration (ms): 123.5 |"), std::string::npos) << line;
+  EXPECT_NE(line.find(" throughput per GPU (TFLOP/s/GPU): 0.1 |"), std::string::npos) << line;
+}
+
+TEST(LogFormat, ValidationLine) {
+  // exp(5.123456) = 1.679147E+02 and exp(20) = 4.851652E+08 (Python's math.exp and format).
+  const std::string line = format_validation_log(100, {{"lm loss", 5.123456}});
+  EXPECT_EQ(line, " validation loss at iteration 100 | lm loss value: 5.123456E+00 | lm loss PPL: 1.679147E+02 | ");
+  EXPECT_EQ(validation_rule(line), std::string(line.size() + 1, '-'));
+  EXPECT_EQ(format_validation_log("iteration 7 on test set", {{"lm loss", 25.0}}),
+            " validation loss at iteration 7 on test set | lm loss value: 2.500000E+01 | lm loss PPL: 4.851652E+08 | ");
+}
+
+TEST(LogFormat, TimestampFormat) {
+  const char* previous = std::getenv("TZ");
+  const std::string saved = previous != nullptr ? previous : "";
+  setenv("TZ", "UTC", 1);
+  tzset();
+  // 1796000000 s after the epoch is 2026-11-30 00:53:20 UTC (Python's datetime.fromtimestamp(..., utc)).
+  EXPECT_EQ(format_log_timestamp(std::chrono::system_clock::from_time_t(1796000000)), "2026-11-30 00:53:20");
+  if (previous != nullptr) {
+    setenv("TZ", saved.c_str(), 1);
+  } else {
+    unsetenv("TZ");
+  }
+  tzset();
+}
+
+ModelConfig small_gqa_config() {
+  ModelConfig config;
+  config.num_layers = 2;
+  config.hidden_size = 64;
+  config.num_attention_heads = 4;
+  config.kv_channels = 16;      // query projection 64
+  config.num_query_groups = 2;  // key / value projections 32 each
+  config.ffn_hidden_size = 256;
+  config.seq_length = 32;
+  config.vocab_size = 128;
+  return config;
+}
+
+// Forward GEMM FLOPs of the model summed by hand, times 3 (forward, weight grad, input grad).
+double hand_counted_flops(const ModelConfig& c, const double batch, const double seq, const double fc1_width) {
+  const double tokens = batch * seq;
+  const double q = static_cast<double>(c.kv_channels * c.num_attention_heads);
+  const double kv = static_cast<double>(c.kv_channels * c.num_query_groups);
+  const double h = static_cast<double>(c.hidden_size);
+  const double ffn = static_cast<double>(c.ffn_hidden_size);
+  const double qkv = 2 * tokens * h * (q + 2 * kv);
+  const double scores = 2 * batch * (seq * seq / 2) * q;  // causal: half of the s x s score matrix
+  const double weighted_values = 2 * batch * (seq * seq / 2) * q;
+  const double out_proj = 2 * tokens * q * h;
+  const double fc1 = 2 * tokens * h * fc1_width;
+  const double fc2 = 2 * tokens * ffn * h;
+  const double logits = 2 * tokens * h * static_cast<double>(c.vocab_size);
+  const double per_layer = qkv + scores + weighted_values + out_proj + fc1 + fc2;
+  return 3 * (static_cast<double>(c.num_layers) * per_layer + logits);
+}
+
+TEST(LogFormat, FlopsDenseGelu) {
+  const ModelConfig config = small_gqa_config();
+  const double flops = num_floating_point_operations(config, 3, 32);
+  EXPECT_DOUBLE_EQ(flops, hand_counted_flops(config, 3, 32, 256));
+  EXPECT_DOUBLE_EQ(flops, 58982400.0);  // the same sum evaluated by hand: 3 * (2 * 9043968 + 1572864)
+}
+
+TEST(LogFormat, FlopsSwigluCountsThreeMlpGemms) {
+  ModelConfig config = small_gqa_config();
+  config.activation = Activation::kSwiGLU;  // fc1 is 2 * ffn wide
+  const double flops = num_floating_point_operations(config, 3, 32);
+  EXPECT_DOUBLE_EQ(flops, hand_counted_flops(config, 3, 32, 512));
+  EXPECT_DOUBLE_EQ(flops, 77856768.0);
+}
+
+TEST(LogFormat, FlopsNeedVocabulary) {
+  ModelConfig config = small_gqa_config();
+  config.vocab_size = 0;
+  EXPECT_THROW(num_floating_point_operations(config, 1, 32), ConfigError);
+}
+
+TEST(LogFormat, Throughput) { EXPECT_DOUBLE_EQ(throughput_tflops_per_gpu(1e15, 0.5, 2), 1000.0); }
+
+}  // namespace
+}  // namespace moecore
