@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -124,26 +125,19 @@ std::string safetensors_dtype_code(const DType dtype) {
   throw std::invalid_argument("safetensors: unknown dtype");
 }
 
-SafetensorsFile parse_safetensors(const std::span<const std::byte> bytes, const std::string& source) {
-  if (bytes.size() < 8) {
-    fail(source, "file has " + std::to_string(bytes.size()) + " bytes, too short for the 8-byte header length");
-  }
-  const uint64_t header_bytes = read_u64_le(bytes.data());
-  if (header_bytes > bytes.size() - 8) {
-    fail(source, "header length " + std::to_string(header_bytes) + " runs past the end of the file (" +
-                     std::to_string(bytes.size()) + " bytes)");
-  }
-  if (header_bytes > kMaxHeaderBytes) fail(source, "header length " + std::to_string(header_bytes) + " exceeds 100 MB");
-  const char* header_begin = reinterpret_cast<const char*>(bytes.data() + 8);
-  const std::string_view header_text(header_begin, header_bytes);
+namespace {
 
+// Validates the header against a byte buffer of `buffer_bytes`; returns the tensors in buffer order (and metadata).
+std::vector<Entry> parse_header(const std::string_view header_text, const uint64_t buffer_bytes,
+                                const std::string& source, SafetensorsMetadata& metadata) {
   // Duplicate names are invalid; nlohmann would silently keep the last, so watch the top-level keys.
   std::set<std::string> seen_keys;
   std::string duplicate;
   const json::parser_callback_t watch_keys = [&](int depth, json::parse_event_t event, json& parsed) {
     if (event == json::parse_event_t::key && depth == 1 && parsed.is_string()) {
-      if (!seen_keys.insert(parsed.get<std::string>()).second && duplicate.empty())
+      if (!seen_keys.insert(parsed.get<std::string>()).second && duplicate.empty()) {
         duplicate = parsed.get<std::string>();
+      }
     }
     return true;
   };
@@ -156,22 +150,19 @@ SafetensorsFile parse_safetensors(const std::span<const std::byte> bytes, const 
   if (!header.is_object()) fail(source, "header is not a JSON object");
   if (!duplicate.empty()) fail(source, "header names tensor '" + duplicate + "' twice");
 
-  SafetensorsFile file;
-  file.source = source;
   std::vector<Entry> entries;
   for (const auto& [key, value] : header.items()) {
     if (key == "__metadata__") {
       if (!value.is_object()) fail(source, "__metadata__ is not a JSON object");
       for (const auto& [meta_key, meta_value] : value.items()) {
         if (!meta_value.is_string()) fail(source, "__metadata__ value for '" + meta_key + "' is not a string");
-        file.metadata[meta_key] = meta_value.get<std::string>();
+        metadata[meta_key] = meta_value.get<std::string>();
       }
       continue;
     }
     entries.push_back(parse_entry(source, key, value));
   }
 
-  const uint64_t buffer_bytes = bytes.size() - 8 - header_bytes;
   std::sort(entries.begin(), entries.end(),
             [](const Entry& a, const Entry& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
   uint64_t expected_begin = 0;
@@ -194,7 +185,30 @@ SafetensorsFile parse_safetensors(const std::span<const std::byte> bytes, const 
     fail(source, "byte buffer has " + std::to_string(buffer_bytes - expected_begin) +
                      " trailing bytes not covered by any tensor");
   }
+  return entries;
+}
 
+uint64_t checked_header_length(const std::byte* first8, const uint64_t file_bytes, const std::string& source) {
+  if (file_bytes < 8) {
+    fail(source, "file has " + std::to_string(file_bytes) + " bytes, too short for the 8-byte header length");
+  }
+  const uint64_t header_bytes = read_u64_le(first8);
+  if (header_bytes > file_bytes - 8) {
+    fail(source, "header length " + std::to_string(header_bytes) + " runs past the end of the file (" +
+                     std::to_string(file_bytes) + " bytes)");
+  }
+  if (header_bytes > kMaxHeaderBytes) fail(source, "header length " + std::to_string(header_bytes) + " exceeds 100 MB");
+  return header_bytes;
+}
+
+}  // namespace
+
+SafetensorsFile parse_safetensors(const std::span<const std::byte> bytes, const std::string& source) {
+  const uint64_t header_bytes = checked_header_length(bytes.data(), bytes.size(), source);
+  SafetensorsFile file;
+  file.source = source;
+  const std::string_view header_text(reinterpret_cast<const char*>(bytes.data() + 8), header_bytes);
+  const std::vector<Entry> entries = parse_header(header_text, bytes.size() - 8 - header_bytes, source, file.metadata);
   const std::byte* buffer = bytes.data() + 8 + header_bytes;
   for (const Entry& e : entries) {
     Tensor tensor(e.shape, e.dtype);
@@ -204,18 +218,33 @@ SafetensorsFile parse_safetensors(const std::span<const std::byte> bytes, const 
   return file;
 }
 
+// Reads each tensor's bytes straight into its storage (no copy of the whole file in memory).
 SafetensorsFile read_safetensors(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(path, ec)) fail(path, "no such file (or not a regular file)");
+  const uint64_t file_bytes = std::filesystem::file_size(path, ec);
+  if (ec) fail(path, "cannot determine the file size: " + ec.message());
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(path, std::string("cannot open: ") + std::strerror(errno));
-  in.seekg(0, std::ios::end);
-  const std::streamoff size = in.tellg();
-  in.seekg(0, std::ios::beg);
-  if (size < 0) fail(path, "cannot determine the file size");
-  std::vector<std::byte> bytes(static_cast<size_t>(size));
-  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), size)) fail(path, "read failed");
-  return parse_safetensors(bytes, path);
+  std::array<std::byte, 8> first8{};
+  if (file_bytes >= 8 && !in.read(reinterpret_cast<char*>(first8.data()), 8)) fail(path, "read failed");
+  const uint64_t header_bytes = checked_header_length(first8.data(), file_bytes, path);
+  std::string header_text(header_bytes, '\0');
+  if (header_bytes > 0 && !in.read(header_text.data(), static_cast<std::streamsize>(header_bytes))) {
+    fail(path, "read of the header failed");
+  }
+  SafetensorsFile file;
+  file.source = path;
+  const std::vector<Entry> entries = parse_header(header_text, file_bytes - 8 - header_bytes, path, file.metadata);
+  for (const Entry& e : entries) {  // contiguous and in buffer order: read sequentially
+    Tensor tensor(e.shape, e.dtype);
+    if (e.end > e.begin &&
+        !in.read(reinterpret_cast<char*>(tensor.data<std::byte>()), static_cast<std::streamsize>(e.end - e.begin))) {
+      fail(path, "read of tensor '" + e.name + "' failed");
+    }
+    file.tensors.emplace_back(e.name, std::move(tensor));
+  }
+  return file;
 }
 
 std::vector<std::byte> encode_safetensors(const std::vector<NamedTensor>& tensors,
