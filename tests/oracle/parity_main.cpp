@@ -74,10 +74,19 @@ Args parse_args(int argc, char** argv) {
   return a;
 }
 
+ModelConfig config_fields(const json& j, const std::string& path);
+
 ModelConfig config_from_json(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw std::runtime_error(path + ": cannot open");
-  const json j = json::parse(in);
+  try {
+    return config_fields(json::parse(in), path);
+  } catch (const json::exception& e) {
+    throw std::runtime_error(path + ": " + e.what());
+  }
+}
+
+ModelConfig config_fields(const json& j, const std::string& path) {
   ModelConfig c;
   for (const auto& [key, value] : j.items()) {
     if (key == "num_layers")

@@ -33,6 +33,7 @@ import tempfile
 import numpy as np
 import torch
 
+sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st  # noqa: E402
 import twin  # noqa: E402

@@ -156,7 +156,7 @@ def _activation(h, c):
 def megatron_forward(params, cfg, tokens_BS, labels_BS, loss_mask_BS):
     """Returns (logits [S, B, V], loss). `params` maps Megatron names to torch tensors (one dtype)."""
     c = full_config(cfg)
-    H, N, G, d = c["hidden_size"], c["num_attention_heads"], c["num_query_groups"], c["kv_channels"]
+    N, G, d = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"]
     heads_per_group = N // G
     B, S = tokens_BS.shape
     dtype = params["embedding.word_embeddings.weight"].dtype

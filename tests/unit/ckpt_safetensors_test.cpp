@@ -231,6 +231,14 @@ TEST_F(SafetensorsTest, CorruptFilesFailWithOneClearLine) {
       EXPECT_NE(message.find(c.expected_phrase), std::string::npos) << message;
       EXPECT_EQ(message.find('\n'), std::string::npos) << message;
     }
+    // The in-memory parser applies the same checks.
+    try {
+      parse_safetensors(c.bytes, "in-memory");
+      ADD_FAILURE() << "no in-memory error for " << c.label;
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("in-memory: "), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(c.expected_phrase), std::string::npos) << e.what();
+    }
   }
   EXPECT_THROW(read_safetensors(path("does_not_exist.safetensors")), std::runtime_error);
 }

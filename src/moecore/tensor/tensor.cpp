@@ -1,5 +1,7 @@
 #include "moecore/tensor/tensor.h"
 
+#include <malloc.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -7,8 +9,22 @@
 #include <stdexcept>
 
 namespace moecore {
+namespace {
+
+// Training allocates and frees the same large activation buffers every step. glibc serves blocks above its
+// mmap threshold with fresh mappings, which page-fault on every first touch; keeping them in the heap
+// lets each step reuse the previous step's pages.
+bool keep_large_blocks_in_heap() {
+  mallopt(M_MMAP_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  return true;
+}
+
+}  // namespace
 
 Storage::Storage(const size_t bytes, const MemCategory category) : bytes_(bytes), category_(category) {
+  static const bool heap_configured = keep_large_blocks_in_heap();
+  (void)heap_configured;
   const size_t rounded = (bytes + 63) / 64 * 64;
   data_ = static_cast<std::byte*>(std::aligned_alloc(64, rounded == 0 ? 64 : rounded));
   if (data_ == nullptr) throw std::bad_alloc();

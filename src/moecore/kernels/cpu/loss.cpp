@@ -1,6 +1,7 @@
-// Fast softmax cross-entropy: one token per OpenMP iteration, max-subtracted exponentials summed in double.
+// Fast softmax cross-entropy: one token per OpenMP iteration, max-subtracted exponentials (vectorised for float).
 #include "moecore/kernels/cpu/loss.h"
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -23,6 +24,46 @@ void check_targets(const int32_t* targets_T, int64_t n_tokens, int64_t V, const 
   }
 }
 
+// exp(x) for float with Cody-Waite range reduction and Cephes' degree-6 polynomial (about 1 ulp), written with
+// plain arithmetic so the loops below vectorise (glibc's expf is a scalar call). Inputs are <= 0 here
+// (max-subtracted); below -87 the result flushes to 0.
+inline float exp_nonpositive(float x) {
+  const bool underflow = x < -87.0f;
+  x = underflow ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const float scale = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return underflow ? 0.0f : y * scale;
+}
+
+// Sum over v of exp(row[v] - shift), for shift >= max(row).
+inline double sum_exp(const float* row, const int64_t V, const float shift) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t v = 0; v < V; ++v) sum += exp_nonpositive(row[v] - shift);
+  return sum;
+}
+inline double sum_exp(const double* row, const int64_t V, const double shift) {
+  double sum = 0.0;
+  for (int64_t v = 0; v < V; ++v) sum += std::exp(row[v] - shift);
+  return sum;
+}
+
+inline void scaled_softmax(float* out, const float* row, const int64_t V, const float lse, const float scale) {
+#pragma omp simd
+  for (int64_t v = 0; v < V; ++v) out[v] = scale * exp_nonpositive(row[v] - lse);
+}
+inline void scaled_softmax(double* out, const double* row, const int64_t V, const double lse, const double scale) {
+  for (int64_t v = 0; v < V; ++v) out[v] = scale * std::exp(row[v] - lse);
+}
+
 template <typename T>
 T row_max(const T* row, int64_t V) {
   T best = row[0];
@@ -41,8 +82,7 @@ void cross_entropy_forward(T* losses_T, T* lse_T, const T* logits_TV, const int3
   for (int64_t t = 0; t < n_tokens; ++t) {
     const T* row = logits_TV + t * V;
     const T max_logit = row_max(row, V);
-    double sum = 0.0;
-    for (int64_t v = 0; v < V; ++v) sum += static_cast<double>(std::exp(row[v] - max_logit));
+    const double sum = sum_exp(row, V, max_logit);
     const double lse = static_cast<double>(max_logit) + std::log(sum);
     lse_T[t] = static_cast<T>(lse);
     losses_T[t] = static_cast<T>(lse - static_cast<double>(row[targets_T[t]]));
@@ -58,7 +98,7 @@ void cross_entropy_backward(T* dlogits_TV, const T* dlosses_T, const T* logits_T
     const T* row = logits_TV + t * V;  // may be the same memory as drow: each element is read before it is written
     T* drow = dlogits_TV + t * V;
     const T dloss = dlosses_T[t], lse = lse_T[t];
-    for (int64_t v = 0; v < V; ++v) drow[v] = dloss * std::exp(row[v] - lse);
+    scaled_softmax(drow, row, V, lse, dloss);
     drow[targets_T[t]] -= dloss;
   }
 }
