@@ -38,5 +38,5 @@ print("validation losses:", losses)
 assert len(losses) >= 2, "expected validation losses before and after training"
 assert losses[-1] < losses[0] - 2.0, f"validation loss did not fall enough: {losses[0]} -> {losses[-1]}"
 PY
-"$bin" generate --load "$work/hf" --prompt "The Congress" --max-new-tokens 8 --vocab-file "$vocab" --merge-file "$merges"
+"$bin" generate --load "$work/hf" --prompt "The Congress" --max-new-tokens 8
 echo "e2e ok"

@@ -77,7 +77,8 @@ TEST(LogFormat, NonFiniteAndRoundingAsPython) {
   EXPECT_NE(line.find(" grad norm: -inf |"), std::string::npos) << line;
   EXPECT_NE(line.find(" learning rate: 0.000000E+00 |"), std::string::npos) << line;
   EXPECT_NE(line.find(" elapsed time per iteration (ms): 123.5 |"), std::string::npos) << line;
-  EXPECT_NE(line.find(" throughput per GPU (TFLOP/s/GPU): 0.1 |"), std::string::npos) << line;
+  // Below 1 TFLOP/s moecore prints three decimals (Megatron: one), so CPU runs show a figure.
+  EXPECT_NE(line.find(" throughput per GPU (TFLOP/s/GPU): 0.050 |"), std::string::npos) << line;
 }
 
 TEST(LogFormat, ValidationLine) {

@@ -17,7 +17,8 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-const std::set<std::string> kExportFiles = {"config.json", "generation_config.json", "model.safetensors"};
+const std::set<std::string> kExportFiles = {"config.json",      "generation_config.json", "model.safetensors",
+                                            "vocab.json",       "merges.txt",             "tokenizer_config.json"};
 
 // One HF tensor = some rows (first dimension) of one Megatron parameter, in order.
 struct RowRange {
@@ -294,6 +295,15 @@ void export_hf(const GPTModel& model, const HfExportInfo& info, const std::strin
   write_json(tmp / "config.json", hf_config_json(c, model_type, info));
   write_json(tmp / "generation_config.json",
              {{"bos_token_id", info.bos_token_id}, {"eos_token_id", info.eos_token_id}, {"_from_model_config", true}});
+  if (!info.gpt2_vocab_file.empty() || !info.gpt2_merge_file.empty()) {
+    fs::copy_file(info.gpt2_vocab_file, tmp / "vocab.json");
+    fs::copy_file(info.gpt2_merge_file, tmp / "merges.txt");
+    write_json(tmp / "tokenizer_config.json", {{"tokenizer_class", "GPT2Tokenizer"},
+                                               {"model_max_length", c.seq_length},
+                                               {"bos_token", "<|endoftext|>"},
+                                               {"eos_token", "<|endoftext|>"},
+                                               {"unk_token", "<|endoftext|>"}});
+  }
   swap_in(tmp, target);
 }
 

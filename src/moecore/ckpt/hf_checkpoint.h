@@ -31,6 +31,10 @@ struct HfExportInfo {
   int64_t bos_token_id = 50256;  // GPT-2's <|endoftext|> (Megatron's eod) unless the tokenizer says otherwise
   int64_t eos_token_id = 50256;
   DType dtype = DType::kF32;  // weights in model.safetensors: kF32 or kBF16 (config.json's torch_dtype follows)
+  // GPT-2 BPE files: when set, copied in as vocab.json / merges.txt with a tokenizer_config.json naming
+  // GPT2Tokenizer, so the directory carries its tokenizer (HF's GPT2Tokenizer and `moecore generate` read them).
+  std::string gpt2_vocab_file;
+  std::string gpt2_merge_file;
 };
 
 struct HfImportOptions {

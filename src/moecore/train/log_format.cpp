@@ -43,7 +43,9 @@ std::string format_iteration_log(const IterationLog& log) {
   if (log.skipped_samples > 0) line += " skipped samples: " + padded(log.skipped_samples, 12) + " |";
   line += " elapsed time per iteration (ms): " + fixed(log.elapsed_ms_per_iteration, 1) + " |";
   if (log.throughput_tflops_per_gpu) {
-    line += " throughput per GPU (TFLOP/s/GPU): " + fixed(*log.throughput_tflops_per_gpu, 1) + " |";
+    // Megatron prints one decimal; below 1 TFLOP/s (CPUs) three keep the figure readable.
+    const double tflops = *log.throughput_tflops_per_gpu;
+    line += " throughput per GPU (TFLOP/s/GPU): " + fixed(tflops, std::abs(tflops) < 1.0 ? 3 : 1) + " |";
   }
   if (log.learning_rate) line += " learning rate: " + scientific(*log.learning_rate) + " |";
   line += " global batch size: " + padded(log.global_batch_size, 5) + " |";

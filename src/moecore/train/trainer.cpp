@@ -285,6 +285,10 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& log) {
     HfExportInfo info;
     info.bos_token_id = eod_id;
     info.eos_token_id = eod_id;
+    if (args.tokenizer_type == "GPT2BPETokenizer") {
+      info.gpt2_vocab_file = args.vocab_file;
+      info.gpt2_merge_file = args.merge_file;
+    }
     export_hf(model, info, args.export_hf_dir);
     log << "> exported HuggingFace checkpoint to " << args.export_hf_dir << std::endl;
   }

@@ -1,6 +1,10 @@
 // Fast softmax cross-entropy: one token per OpenMP iteration, max-subtracted exponentials (vectorised for float).
 #include "moecore/kernels/cpu/loss.h"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -43,11 +47,39 @@ inline float exp_nonpositive(float x) {
   return underflow ? 0.0f : y * scale;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight lanes of exp_nonpositive.
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(exponent)));
+}
+#endif
+
 // Sum over v of exp(row[v] - shift), for shift >= max(row).
 inline double sum_exp(const float* row, const int64_t V, const float shift) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t v = 0; v < V; ++v) sum += exp_nonpositive(row[v] - shift);
+  int64_t v = 0;
+  double sum = 0.0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 shift8 = _mm256_set1_ps(shift);
+  for (; v + 8 <= V; v += 8) acc = _mm256_add_ps(acc, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row + v), shift8)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (const float lane : lanes) sum += lane;
+#endif
+  for (; v < V; ++v) sum += exp_nonpositive(row[v] - shift);
   return sum;
 }
 inline double sum_exp(const double* row, const int64_t V, const double shift) {
@@ -57,8 +89,15 @@ inline double sum_exp(const double* row, const int64_t V, const double shift) {
 }
 
 inline void scaled_softmax(float* out, const float* row, const int64_t V, const float lse, const float scale) {
-#pragma omp simd
-  for (int64_t v = 0; v < V; ++v) out[v] = scale * exp_nonpositive(row[v] - lse);
+  int64_t v = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 lse8 = _mm256_set1_ps(lse), scale8 = _mm256_set1_ps(scale);
+  for (; v + 8 <= V; v += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row + v), lse8));
+    _mm256_storeu_ps(out + v, _mm256_mul_ps(scale8, e));
+  }
+#endif
+  for (; v < V; ++v) out[v] = scale * exp_nonpositive(row[v] - lse);
 }
 inline void scaled_softmax(double* out, const double* row, const int64_t V, const double lse, const double scale) {
   for (int64_t v = 0; v < V; ++v) out[v] = scale * std::exp(row[v] - lse);
