@@ -185,7 +185,10 @@ TEST_F(HfCheckpointTest, ExportNeverReplacesAForeignFolder) {
   // A second export over a first one replaces it and leaves no temporary folder.
   const std::string ok = path("ok/");
   export_hf(model, HfExportInfo{}, ok);
-  export_hf(model, HfExportInfo{.bos_token_id = 1, .eos_token_id = 2}, ok);
+  HfExportInfo other_ids;
+  other_ids.bos_token_id = 1;
+  other_ids.eos_token_id = 2;
+  export_hf(model, other_ids, ok);
   EXPECT_FALSE(fs::exists(path("ok.tmp")));
   EXPECT_EQ(read_hf_config(ok).vocab_size, 96);
   std::ifstream gen(path("ok/generation_config.json"));

@@ -9,6 +9,7 @@
 #include <set>
 #include <string_view>
 
+#include "moecore/tokenizer/tokenizer.h"
 #include "moecore/train/arguments_finalize.h"
 #include "moecore/train/flag_catalog.h"
 #include "moecore/train/flag_suggest.h"
@@ -348,8 +349,7 @@ std::vector<std::string> implemented_train_flags() {
 }
 
 int64_t padded_vocab_size(const int64_t vocab_size, const TrainingArgs& args) {
-  const int64_t multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size;
-  return (vocab_size + multiple - 1) / multiple * multiple;
+  return padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size);
 }
 
 LRScheduleConfig lr_schedule_config(const TrainingArgs& args) {
