@@ -23,4 +23,4 @@ fi
   --tokenizer-type GPT2BPETokenizer --vocab-file "$vocab" --merge-file "$merges" \
   --export-hf runs/demo/hf --sample-prompt "The Congress of the United States" --sample-tokens 48
 
-"$bin" generate --load runs/demo/hf --prompt "Call me Ishmael. Some years ago" --max-new-tokens 40
+"$bin" generate --load runs/demo/hf --prompt "Call me Ishmael. Some years ago" --max-new-tokens 40 --temperature 0.8 --top-k 40

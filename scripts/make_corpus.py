@@ -9,6 +9,8 @@ packages that scripts/setup.sh installs:
 
 Each line also names its source ("source": "sotu/1790_george_washington_n"); Megatron reads only --json-keys.
 Trailing whitespace of each file is dropped (the packages end some files with a newline and some without).
+Documents are interleaved in a fixed pseudo-random order (random.Random(1234)), so that Megatron's --split,
+which cuts the corpus into contiguous document ranges, gives train/validation sets from both sources.
 The output is deterministic and written atomically. Standard library only.
 
 Usage: /usr/bin/python3 scripts/make_corpus.py --output data/corpus.jsonl [--npm-dir .deps/npm/node_modules]
@@ -16,6 +18,7 @@ Usage: /usr/bin/python3 scripts/make_corpus.py --output data/corpus.jsonl [--npm
 import argparse
 import json
 import os
+import random
 import re
 import sys
 
@@ -63,7 +66,9 @@ def main():
     counts = {"sotu": 0, "moby-dick": 0}
     num_bytes = 0
     with open(tmp, "w", encoding="utf-8", newline="\n") as out:
-        for source, text in list(sotu_documents(args.npm_dir)) + list(moby_dick_documents(args.npm_dir)):
+        documents = list(sotu_documents(args.npm_dir)) + list(moby_dick_documents(args.npm_dir))
+        random.Random(1234).shuffle(documents)
+        for source, text in documents:
             if not text:
                 continue
             line = json.dumps({"text": text, "source": source}, ensure_ascii=False) + "\n"

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "test_temp_dir.h"
 #include "moecore/data/blended_dataset.h"
 #include "moecore/data/data_loader.h"
 
@@ -21,30 +22,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / ("moecore_blend_" + std::string(info->test_suite_name()) + "_" + info->name() +
-                                         "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string path(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
-
 template <typename F>
 void expect_data_error(F&& action, const std::string& needle) {
-  try {
-    action();
-    ADD_FAILURE() << "expected a DataError containing \"" << needle << "\"";
-  } catch (const DataError& error) {
-    EXPECT_NE(std::string(error.what()).find(needle), std::string::npos) << error.what();
-  }
+  test::expect_error_containing<DataError>(std::forward<F>(action), needle);
 }
 
 TEST(DataBlendParse, Forms) {
@@ -131,7 +111,7 @@ TEST(DataBlendSizes, MatchMegatronReference) {
 // --- blended provider over files ---------------------------------------------------------------------------------
 
 // 30 documents; corpus `tag` uses token ids in [tag * 100, tag * 100 + 50) so a sample's source is visible.
-std::string write_corpus(const TempDir& dir, const std::string& name, int tag, uint32_t seed) {
+std::string write_corpus(const test::TempDir& dir, const std::string& name, int tag, uint32_t seed) {
   const std::string prefix = dir.path(name);
   IndexedDatasetWriter writer(prefix, IndexedDType::kU16);
   std::mt19937 rng(seed);
@@ -155,7 +135,7 @@ DataOptions blend_options(const std::vector<std::string>& data_path, const std::
 }
 
 TEST(DataBlendProvider, WeightedBlendFollowsWeightsAndIsDeterministic) {
-  TempDir dir;
+  test::TempDir dir("blend");
   const std::string a = write_corpus(dir, "a", 1, 21);
   const std::string b = write_corpus(dir, "b", 3, 22);
   const DataOptions options = blend_options({"1", a, "3", b}, dir.path("cache"));
@@ -191,7 +171,7 @@ TEST(DataBlendProvider, WeightedBlendFollowsWeightsAndIsDeterministic) {
 }
 
 TEST(DataBlendProvider, UnweightedBlendUsesDatasetSizes) {
-  TempDir dir;
+  test::TempDir dir("blend");
   const std::string a = write_corpus(dir, "a", 1, 31);
   const std::string b = write_corpus(dir, "b", 2, 32);
   const GPTDataProvider provider = GPTDataProvider::build(blend_options({a, b}, dir.path("cache")), 25, 0, 0);
@@ -206,7 +186,7 @@ TEST(DataBlendProvider, UnweightedBlendUsesDatasetSizes) {
 }
 
 TEST(DataBlendProvider, OverdrawnDatasetIsAnError) {
-  TempDir dir;
+  test::TempDir dir("blend");
   const std::string a = write_corpus(dir, "a", 1, 41);
   const auto sequences = std::make_shared<const IndexedTokenSequences>(a);
   GPTDatasetConfig config;

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "test_temp_dir.h"
 #include "moecore/data/data_loader.h"
 #include "moecore/data/gpt_dataset.h"
 #include "moecore/data/mock_dataset.h"
@@ -30,30 +31,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / ("moecore_gpt_" + std::string(info->test_suite_name()) + "_" + info->name() +
-                                         "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string path(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
-
 template <typename F>
 void expect_data_error(F&& action, const std::string& needle) {
-  try {
-    action();
-    ADD_FAILURE() << "expected a DataError containing \"" << needle << "\"";
-  } catch (const DataError& error) {
-    EXPECT_NE(std::string(error.what()).find(needle), std::string::npos) << error.what();
-  }
+  test::expect_error_containing<DataError>(std::forward<F>(action), needle);
 }
 
 // In-memory token sequences for index tests.
@@ -262,7 +242,7 @@ TEST(DataGptDataset, VocabularyCheck) {
 }
 
 TEST(DataGptDataset, IndicesAreCachedAndReloaded) {
-  TempDir dir;
+  test::TempDir dir("gpt");
   const auto sequences = unique_token_sequences(30, 5);
   GPTDatasetConfig config;
   config.sequence_length = 6;
@@ -416,7 +396,7 @@ TEST(DataGptSplit, NormalizeMatchesNumpyBitwise) {
 constexpr int32_t kEod = 0;
 
 // 20 documents of random length 1..12 with ids in [1, 50), each ending with EOD.
-std::string write_corpus(const TempDir& dir, const std::string& name, uint32_t seed, int32_t bad_token = -1) {
+std::string write_corpus(const test::TempDir& dir, const std::string& name, uint32_t seed, int32_t bad_token = -1) {
   const std::string prefix = dir.path(name);
   IndexedDatasetWriter writer(prefix, IndexedDType::kU16);
   std::mt19937 rng(seed);
@@ -442,7 +422,7 @@ DataOptions corpus_options(const std::vector<std::string>& data_path) {
 }
 
 TEST(DataGptProvider, BatchesShiftLabelsAndMaskEod) {
-  TempDir dir;
+  test::TempDir dir("gpt");
   const std::string prefix = write_corpus(dir, "corpus_text_document", 11);
   DataOptions options = corpus_options({prefix});
   const GPTDataProvider provider = GPTDataProvider::build(options, 12, 4, 2);
@@ -482,7 +462,7 @@ TEST(DataGptProvider, BatchesShiftLabelsAndMaskEod) {
 }
 
 TEST(DataGptProvider, DeterministicAndCached) {
-  TempDir dir;
+  test::TempDir dir("gpt");
   const std::string prefix = write_corpus(dir, "c", 12);
   DataOptions options = corpus_options({prefix});
   options.data_cache_path = dir.path("my_cache");
@@ -497,7 +477,7 @@ TEST(DataGptProvider, DeterministicAndCached) {
 }
 
 TEST(DataGptProvider, TokenOutsideVocabularyIsAnError) {
-  TempDir dir;
+  test::TempDir dir("gpt");
   const std::string prefix = write_corpus(dir, "bad_vocab", 13, 700);
   const GPTDataProvider provider = GPTDataProvider::build(corpus_options({prefix}), 30, 0, 0);
   expect_data_error(
@@ -510,7 +490,7 @@ TEST(DataGptProvider, TokenOutsideVocabularyIsAnError) {
 }
 
 TEST(DataGptProvider, SplitsWithoutDocumentsOrWeight) {
-  TempDir dir;
+  test::TempDir dir("gpt");
   const std::string prefix = write_corpus(dir, "small", 14);
   DataOptions options = corpus_options({prefix});
   options.split = "969,30,1";  // 20 documents: valid gets round(0.999 * 20) - round(0.969 * 20) = 1, test 0
@@ -528,7 +508,7 @@ TEST(DataGptProvider, SplitsWithoutDocumentsOrWeight) {
 }
 
 TEST(DataGptProvider, BadOptions) {
-  TempDir dir;
+  test::TempDir dir("gpt");
   const std::string prefix = write_corpus(dir, "opts", 15);
   DataOptions options = corpus_options({prefix});
   options.seed = uint64_t{1} << 33;

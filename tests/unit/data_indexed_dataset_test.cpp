@@ -9,28 +9,13 @@
 #include <string>
 #include <vector>
 
+#include "test_temp_dir.h"
 #include "moecore/data/indexed_dataset.h"
 
 namespace moecore {
 namespace {
 
 namespace fs = std::filesystem;
-
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / ("moecore_idx_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string prefix(const std::string& name) const { return (path_ / name).string(); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -52,12 +37,7 @@ void put(std::string& out, T value) {
 // Expects a DataError whose message contains `needle`.
 template <typename F>
 void expect_data_error(F&& action, const std::string& needle) {
-  try {
-    action();
-    ADD_FAILURE() << "expected a DataError containing \"" << needle << "\"";
-  } catch (const DataError& error) {
-    EXPECT_NE(std::string(error.what()).find(needle), std::string::npos) << error.what();
-  }
+  test::expect_error_containing<DataError>(std::forward<F>(action), needle);
 }
 
 // Random documents of 1..3 sequences each, token ids below `max_token`.
@@ -75,7 +55,7 @@ std::vector<std::vector<std::vector<int32_t>>> random_documents(uint32_t seed, i
 }
 
 void round_trip(IndexedDType dtype, int32_t max_token) {
-  TempDir dir;
+  test::TempDir dir("idx");
   const std::string prefix = dir.prefix("corpus_text_document");
   const auto documents = random_documents(42, max_token);
   {
@@ -118,7 +98,7 @@ TEST(DataIndexedDataset, OptimalDtypeFollowsMegatron) {
 
 // Two documents: {[5, 6, 7], [8]} and {[9, 1000]}, uint16. Bytes assembled from the format's spec.
 TEST(DataIndexedDataset, BytesMatchTheFormatSpec) {
-  TempDir dir;
+  test::TempDir dir("idx");
   const std::string prefix = dir.prefix("tiny");
   IndexedDatasetWriter writer(prefix, IndexedDType::kU16);
   writer.add_sequence({5, 6, 7});
@@ -144,7 +124,7 @@ TEST(DataIndexedDataset, BytesMatchTheFormatSpec) {
 
 // The reader accepts files assembled by hand (as Megatron writes them), int32 tokens.
 TEST(DataIndexedDataset, ReadsHandAssembledFiles) {
-  TempDir dir;
+  test::TempDir dir("idx");
   const std::string prefix = dir.prefix("hand");
   std::string idx("MMIDIDX\0\0", 9);
   put<uint64_t>(idx, 1);
@@ -178,7 +158,7 @@ class DataIndexedCorruptFiles : public ::testing::Test {
     idx_ = read_bytes(prefix_ + ".idx");
     bin_ = read_bytes(prefix_ + ".bin");
   }
-  TempDir dir_;
+  test::TempDir dir_("idx");
   std::string prefix_;
   std::string idx_;
   std::string bin_;
@@ -257,14 +237,14 @@ TEST_F(DataIndexedCorruptFiles, GetOutOfRange) {
 }
 
 TEST(DataIndexedWriter, TokenMustFitDtype) {
-  TempDir dir;
+  test::TempDir dir("idx");
   IndexedDatasetWriter writer(dir.prefix("small"), IndexedDType::kU16);
   expect_data_error([&] { writer.add_sequence({1, 65536}); }, "token id 65536 does not fit dtype uint16");
   expect_data_error([&] { writer.add_sequence({-1}); }, "does not fit dtype uint16");
 }
 
 TEST(DataIndexedWriter, NothingAppearsBeforeFinalize) {
-  TempDir dir;
+  test::TempDir dir("idx");
   const std::string prefix = dir.prefix("atomic");
   {
     IndexedDatasetWriter writer(prefix, IndexedDType::kI32);
@@ -290,7 +270,7 @@ TEST(DataIndexedWriter, NothingAppearsBeforeFinalize) {
 }
 
 TEST(DataIndexedDataset, EmptyDatasetOpens) {
-  TempDir dir;
+  test::TempDir dir("idx");
   const std::string prefix = dir.prefix("empty");
   IndexedDatasetWriter writer(prefix, IndexedDType::kU16);
   writer.finalize();

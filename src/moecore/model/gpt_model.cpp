@@ -73,7 +73,11 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed) : config_(con
 GPTModel::~GPTModel() = default;
 
 Param& GPTModel::param(const std::string& name) {
-  for (Param& p : params_) {
+  return const_cast<Param&>(static_cast<const GPTModel&>(*this).param(name));
+}
+
+const Param& GPTModel::param(const std::string& name) const {
+  for (const Param& p : params_) {
     if (p.name == name) return p;
   }
   throw std::out_of_range("no parameter named " + name);

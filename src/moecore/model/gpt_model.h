@@ -38,6 +38,7 @@ class GPTModel {
   std::vector<Param>& params() { return params_; }
   const std::vector<Param>& params() const { return params_; }
   Param& param(const std::string& name);  // throws std::out_of_range naming it
+  const Param& param(const std::string& name) const;
   int64_t num_parameters() const;
   void zero_grad();
 
