@@ -1,3 +1,5 @@
+#include "moecore/train/generate.h"
+
 #include <exception>
 #include <filesystem>
 #include <iostream>
@@ -7,7 +9,6 @@
 #include "commands.h"
 #include "moecore/ckpt/hf_checkpoint.h"
 #include "moecore/tokenizer/tokenizer.h"
-#include "moecore/train/generate.h"
 #include "moecore/train/generate_args.h"
 
 int run_generate(int argc, char** argv) {

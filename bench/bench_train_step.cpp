@@ -68,9 +68,10 @@ int main(int argc, char** argv) {
   }
   std::sort(times.begin(), times.end());
   const double median = times[times.size() / 2];
-  std::printf("{\"impl\": \"moecore\", \"threads\": %d, \"params\": %ld, \"tokens_per_step\": %ld, "
-              "\"step_ms\": %.1f, \"tokens_per_s\": %.1f, \"loss\": %.4f}\n",
-              omp_get_max_threads(), static_cast<long>(model.num_parameters()), B * S, median * 1e3,
-              static_cast<double>(B * S) / median, loss);
+  std::printf(
+      "{\"impl\": \"moecore\", \"threads\": %d, \"params\": %ld, \"tokens_per_step\": %ld, "
+      "\"step_ms\": %.1f, \"tokens_per_s\": %.1f, \"loss\": %.4f}\n",
+      omp_get_max_threads(), static_cast<long>(model.num_parameters()), B * S, median * 1e3,
+      static_cast<double>(B * S) / median, loss);
   return 0;
 }

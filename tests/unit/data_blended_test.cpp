@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "test_temp_dir.h"
 #include "moecore/data/blended_dataset.h"
 #include "moecore/data/data_loader.h"
+#include "test_temp_dir.h"
 
 namespace moecore {
 namespace {

@@ -19,12 +19,12 @@
 #include <string>
 #include <vector>
 
-#include "test_temp_dir.h"
 #include "moecore/data/data_loader.h"
 #include "moecore/data/gpt_dataset.h"
 #include "moecore/data/mock_dataset.h"
 #include "moecore/data/npy.h"
 #include "moecore/data/split.h"
+#include "test_temp_dir.h"
 
 namespace moecore {
 namespace {

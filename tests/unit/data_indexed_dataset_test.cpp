@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "test_temp_dir.h"
 #include "moecore/data/indexed_dataset.h"
+#include "test_temp_dir.h"
 
 namespace moecore {
 namespace {

@@ -15,9 +15,8 @@ class TempDir {
  public:
   explicit TempDir(const std::string_view prefix) {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = std::filesystem::temp_directory_path() /
-            ("moecore_" + std::string(prefix) + "_" + info->test_suite_name() + "_" + info->name() + "_" +
-             std::to_string(::getpid()));
+    path_ = std::filesystem::temp_directory_path() / ("moecore_" + std::string(prefix) + "_" + info->test_suite_name() +
+                                                      "_" + info->name() + "_" + std::to_string(::getpid()));
     std::filesystem::remove_all(path_);
     std::filesystem::create_directories(path_);
   }

@@ -17,8 +17,8 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-const std::set<std::string> kExportFiles = {"config.json",      "generation_config.json", "model.safetensors",
-                                            "vocab.json",       "merges.txt",             "tokenizer_config.json"};
+const std::set<std::string> kExportFiles = {"config.json", "generation_config.json", "model.safetensors", "vocab.json",
+                                            "merges.txt",  "tokenizer_config.json"};
 
 // One HF tensor = some rows (first dimension) of one Megatron parameter, in order.
 struct RowRange {

@@ -14,9 +14,9 @@ void ModelConfig::validate() const {
   require(ffn_hidden_size > 0, "--ffn-hidden-size must be positive");
   require(kv_channels > 0, "--kv-channels must be positive");
   require(num_query_groups > 0, "--num-query-groups must be positive");
-  require(num_attention_heads % num_query_groups == 0,
-          "--num-query-groups (" + std::to_string(num_query_groups) + ") must divide --num-attention-heads (" +
-              std::to_string(num_attention_heads) + ")");
+  require(num_attention_heads % num_query_groups == 0, "--num-query-groups (" + std::to_string(num_query_groups) +
+                                                           ") must divide --num-attention-heads (" +
+                                                           std::to_string(num_attention_heads) + ")");
   require(seq_length > 0, "--seq-length must be positive");
   require(vocab_size > 0, "vocabulary size must be positive");
   require(norm_epsilon > 0, "--norm-epsilon must be positive");

@@ -18,15 +18,15 @@ enum class Activation { kGelu, kSwiGLU, kSquaredReLU };
 enum class PositionEmbedding { kLearnedAbsolute, kRope, kNone };
 
 struct ModelConfig {
-  int64_t num_layers = 0;            // --num-layers
-  int64_t hidden_size = 0;           // --hidden-size
-  int64_t ffn_hidden_size = 0;       // --ffn-hidden-size
-  int64_t num_attention_heads = 0;   // --num-attention-heads
-  int64_t num_query_groups = 0;      // --num-query-groups (== heads unless --group-query-attention)
-  int64_t kv_channels = 0;           // --kv-channels (head dim)
-  int64_t seq_length = 0;            // --seq-length
+  int64_t num_layers = 0;           // --num-layers
+  int64_t hidden_size = 0;          // --hidden-size
+  int64_t ffn_hidden_size = 0;      // --ffn-hidden-size
+  int64_t num_attention_heads = 0;  // --num-attention-heads
+  int64_t num_query_groups = 0;     // --num-query-groups (== heads unless --group-query-attention)
+  int64_t kv_channels = 0;          // --kv-channels (head dim)
+  int64_t seq_length = 0;           // --seq-length
   int64_t max_position_embeddings = 0;
-  int64_t vocab_size = 0;            // padded vocabulary (rows of the embedding)
+  int64_t vocab_size = 0;  // padded vocabulary (rows of the embedding)
   Normalization normalization = Normalization::kLayerNorm;
   double norm_epsilon = 1e-5;
   Activation activation = Activation::kGelu;

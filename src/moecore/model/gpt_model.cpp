@@ -21,7 +21,6 @@ struct GPTModel::Modules {
   Param* output_layer = nullptr;         // == word_embeddings when tied
 };
 
-
 namespace {
 
 constexpr uint64_t kEmbeddingDropoutSite = 0;
@@ -36,11 +35,14 @@ Param make_param(const std::string& name, std::vector<int64_t> shape, const Init
   return p;
 }
 
-uint64_t layer_stream(const uint64_t stream, const int64_t layer) { return (stream * 1024 + static_cast<uint64_t>(layer) + 1) * 16; }
+uint64_t layer_stream(const uint64_t stream, const int64_t layer) {
+  return (stream * 1024 + static_cast<uint64_t>(layer) + 1) * 16;
+}
 
 }  // namespace
 
-GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed) : config_(config), modules_(std::make_unique<Modules>()) {
+GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed)
+    : config_(config), modules_(std::make_unique<Modules>()) {
   config_.validate();
   const int64_t H = config_.hidden_size;
   params_.push_back(make_param("embedding.word_embeddings.weight", {config_.vocab_size, H}, InitKind::kNormal));
@@ -137,7 +139,8 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
   }
   Tensor x_TH(std::vector<int64_t>{T, H}, DType::kF32, MemCategory::kActivations);
   kernels::DropoutSpec emb_dropout{options.training ? static_cast<float>(config_.hidden_dropout) : 0.0f,
-                                   options.dropout_seed, layer_stream(options.dropout_stream, -1) + kEmbeddingDropoutSite};
+                                   options.dropout_seed,
+                                   layer_stream(options.dropout_stream, -1) + kEmbeddingDropoutSite};
   k::dropout_forward(x_TH.data<float>(), emb_TH.data<float>(), T * H, emb_dropout);
   emb_TH = Tensor();
 
@@ -147,8 +150,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     const LayerDropout dropout{options.training, options.dropout_seed,
                                layer_stream(options.dropout_stream, static_cast<int64_t>(i))};
     LayerActivations scratch;
-    modules_->layers[i].forward(out_TH.data<float>(), x_TH, S, B, dropout,
-                                options.training ? ctx->layers[i] : scratch);
+    modules_->layers[i].forward(out_TH.data<float>(), x_TH, S, B, dropout, options.training ? ctx->layers[i] : scratch);
     x_TH = std::move(out_TH);
   }
   ctx->final_in_TH = x_TH;
@@ -167,7 +169,8 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     k::cross_entropy_forward(losses_T.data<float>(), ctx->lse_T.data<float>(), ctx->logits_TV.data<float>(),
                              ctx->labels_SB.data(), T, V);
     const float* losses = losses_T.data<float>();
-    for (int64_t t = 0; t < T; ++t) loss += static_cast<double>(losses[t]) * ctx->loss_weight_SB[static_cast<size_t>(t)];
+    for (int64_t t = 0; t < T; ++t)
+      loss += static_cast<double>(losses[t]) * ctx->loss_weight_SB[static_cast<size_t>(t)];
   }
   if (options.training) ctx_out = std::move(ctx);
   return loss;

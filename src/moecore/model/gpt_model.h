@@ -26,7 +26,6 @@ struct ForwardOptions {
   uint64_t dropout_stream = 0;  // distinct per (iteration, micro-batch)
 };
 
-
 class GPTModel {
  public:
   GPTModel(const ModelConfig& config, uint64_t seed);

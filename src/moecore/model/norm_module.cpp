@@ -14,8 +14,8 @@ NormStats NormModule::forward(float* out_RD, const float* inp_RD, const int64_t 
   } else {
     stats.mean_R = Tensor({rows}, DType::kF32, MemCategory::kActivations);
     kernels::cpu::layernorm_forward(out_RD, stats.mean_R.data<float>(), stats.rstd_R.data<float>(), inp_RD,
-                                    weight_->value.data<float>(), bias_ ? bias_->value.data<float>() : nullptr, rows,
-                                    D, eps_);
+                                    weight_->value.data<float>(), bias_ ? bias_->value.data<float>() : nullptr, rows, D,
+                                    eps_);
   }
   return stats;
 }

@@ -17,7 +17,8 @@ struct NormStats {
 class NormModule {
  public:
   NormModule() = default;
-  NormModule(Normalization kind, double eps, Param* weight, Param* bias) : kind_(kind), eps_(eps), weight_(weight), bias_(bias) {}
+  NormModule(Normalization kind, double eps, Param* weight, Param* bias)
+      : kind_(kind), eps_(eps), weight_(weight), bias_(bias) {}
 
   // inp_RD, out_RD: [rows, D]
   NormStats forward(float* out_RD, const float* inp_RD, int64_t rows) const;

@@ -10,9 +10,7 @@ void init_param(Param& param, const uint64_t seed, const double std, const int64
   float* value = param.value.data<float>();
   const int64_t n = param.value.numel();
   switch (param.init) {
-    case InitKind::kZeros:
-      param.value.zero_();
-      return;
+    case InitKind::kZeros: param.value.zero_(); return;
     case InitKind::kOnes:
       for (int64_t i = 0; i < n; ++i) value[i] = 1.0f;
       return;

@@ -159,9 +159,8 @@ void TransformerLayer::forward(float* out_TH, const Tensor& x_TH, const int64_t 
   kernels::AttentionDims dims{S, B, N, G, d, 1.0 / std::sqrt(static_cast<double>(d))};
   a.attn_TNd = activation_tensor({T, N, d});
   a.lse_BNS = activation_tensor({B, N, S});
-  k::attention_forward(a.attn_TNd.data<float>(), a.lse_BNS.data<float>(), a.q_TNd.data<float>(),
-                       a.k_TGd.data<float>(), a.v_TGd.data<float>(), dims,
-                       dropout_spec(dropout, config_.attention_dropout, kAttentionProbs));
+  k::attention_forward(a.attn_TNd.data<float>(), a.lse_BNS.data<float>(), a.q_TNd.data<float>(), a.k_TGd.data<float>(),
+                       a.v_TGd.data<float>(), dims, dropout_spec(dropout, config_.attention_dropout, kAttentionProbs));
 
   // x_mid = x + dropout(proj(attn))
   Tensor proj_TH = activation_tensor({T, H});
@@ -181,7 +180,9 @@ void TransformerLayer::forward(float* out_TH, const Tensor& x_TH, const int64_t 
   switch (config_.activation) {
     case Activation::kSwiGLU: k::swiglu_forward(a.act_TF.data<float>(), a.fc1_TF1.data<float>(), T, F); break;
     case Activation::kGelu: k::gelu_forward(a.act_TF.data<float>(), a.fc1_TF1.data<float>(), T * F); break;
-    case Activation::kSquaredReLU: k::squared_relu_forward(a.act_TF.data<float>(), a.fc1_TF1.data<float>(), T * F); break;
+    case Activation::kSquaredReLU:
+      k::squared_relu_forward(a.act_TF.data<float>(), a.fc1_TF1.data<float>(), T * F);
+      break;
   }
   Tensor fc2_TH = activation_tensor({T, H});
   k::linear_forward(fc2_TH.data<float>(), a.act_TF.data<float>(), value(idx_.fc2_w), value(idx_.fc2_b), T, F, H);
@@ -241,7 +242,8 @@ void TransformerLayer::backward(float* dx_TH, const float* dout_TH, const int64_
   kernels::AttentionDims dims{S, B, N, G, d, 1.0 / std::sqrt(static_cast<double>(d))};
   k::attention_backward(dq_TNd.data<float>(), dk_TGd.data<float>(), dv_TGd.data<float>(), dattn_TNd.data<float>(),
                         a.q_TNd.data<float>(), a.k_TGd.data<float>(), a.v_TGd.data<float>(), a.attn_TNd.data<float>(),
-                        a.lse_BNS.data<float>(), dims, dropout_spec(dropout, config_.attention_dropout, kAttentionProbs));
+                        a.lse_BNS.data<float>(), dims,
+                        dropout_spec(dropout, config_.attention_dropout, kAttentionProbs));
   dattn_TNd = Tensor();
 
   if (config_.position_embedding_type == PositionEmbedding::kRope) {

@@ -44,20 +44,20 @@ uint16_t fp32_to_fp16(const float value) {
   const uint32_t bits = std::bit_cast<uint32_t>(value);
   const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
   const uint32_t abs_bits = bits & 0x7fffffffu;
-  if (abs_bits > 0x7f800000u) return sign | 0x7e00u;      // NaN
-  if (abs_bits >= 0x477ff000u) return sign | 0x7c00u;     // rounds to >= 65520: Inf
-  if (abs_bits < 0x38800000u) {                           // below fp16's smallest normal: subnormal or zero
-    if (abs_bits < 0x33000000u) return sign;              // below half the smallest subnormal
+  if (abs_bits > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (abs_bits >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: Inf
+  if (abs_bits < 0x38800000u) {                        // below fp16's smallest normal: subnormal or zero
+    if (abs_bits < 0x33000000u) return sign;           // below half the smallest subnormal
     const uint32_t exponent = abs_bits >> 23;
     const uint32_t mantissa = (abs_bits & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126u - exponent;               // 14..24 extra bits to drop
+    const uint32_t shift = 126u - exponent;  // 14..24 extra bits to drop
     uint32_t half = mantissa >> shift;
     const uint32_t remainder = mantissa & ((1u << shift) - 1u);
     const uint32_t halfway = 1u << (shift - 1u);
     if (remainder > halfway || (remainder == halfway && (half & 1u))) ++half;
     return static_cast<uint16_t>(sign | half);
   }
-  uint32_t half = ((abs_bits - 0x38000000u) >> 13);       // rebias exponent 127 -> 15
+  uint32_t half = ((abs_bits - 0x38000000u) >> 13);  // rebias exponent 127 -> 15
   const uint32_t remainder = abs_bits & 0x1fffu;
   if (remainder > 0x1000u || (remainder == 0x1000u && (half & 1u))) ++half;
   return static_cast<uint16_t>(sign | half);

@@ -47,8 +47,8 @@ std::vector<int32_t> generate(GPTModel& model, std::vector<int32_t> prompt, cons
     const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(prompt.size()) - context);
     const int64_t length = static_cast<int64_t>(prompt.size()) - start;
     const Tensor logits_BV = model.last_logits(prompt.data() + start, 1, length);
-    const int32_t next =
-        sample_next(logits_BV.data<float>(), model.config().vocab_size, options, rng.uniform(static_cast<uint64_t>(step)));
+    const int32_t next = sample_next(logits_BV.data<float>(), model.config().vocab_size, options,
+                                     rng.uniform(static_cast<uint64_t>(step)));
     prompt.push_back(next);
     if (on_token) on_token(next);
     if (next == options.stop_token) break;

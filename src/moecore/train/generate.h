@@ -14,8 +14,8 @@ struct SamplingOptions {
   double temperature = 0.0;  // 0 = greedy (argmax)
   int64_t top_k = 0;         // 0 = all tokens
   uint64_t seed = 1234;
-  int64_t vocab_limit = 0;   // ids >= this (vocabulary padding) are never produced; 0 = no limit
-  int32_t stop_token = -1;   // stop after producing it; -1 = never
+  int64_t vocab_limit = 0;  // ids >= this (vocabulary padding) are never produced; 0 = no limit
+  int32_t stop_token = -1;  // stop after producing it; -1 = never
 };
 
 // Appends up to max_new_tokens ids to `prompt`. The context is cut to the model's --seq-length (the most

@@ -32,7 +32,8 @@ GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
   const std::map<std::string, std::function<void(const std::string&)>> setters = {
       {"--load", [&](const std::string& v) { out.load_dir = v; }},
       {"--prompt", [&](const std::string& v) { out.prompt = v; }},
-      {"--max-new-tokens", [&](const std::string& v) { out.max_new_tokens = parse_number<int64_t>("--max-new-tokens", v); }},
+      {"--max-new-tokens",
+       [&](const std::string& v) { out.max_new_tokens = parse_number<int64_t>("--max-new-tokens", v); }},
       {"--temperature", [&](const std::string& v) { out.temperature = parse_number<double>("--temperature", v); }},
       {"--top-k", [&](const std::string& v) { out.top_k = parse_number<int64_t>("--top-k", v); }},
       {"--seed", [&](const std::string& v) { out.seed = parse_number<uint64_t>("--seed", v); }},

@@ -64,7 +64,8 @@ struct Loop {
     const int64_t n_micro = num_microbatches();
     double loss_sum = 0.0;
     for (int64_t m = 0; m < n_micro; ++m) {
-      const Batch batch = data.get_batch(DatasetSplit::kTrain, consumed + m * args.micro_batch_size, args.micro_batch_size);
+      const Batch batch =
+          data.get_batch(DatasetSplit::kTrain, consumed + m * args.micro_batch_size, args.micro_batch_size);
       ForwardOptions options;
       options.training = true;
       options.dropout_seed = static_cast<uint64_t>(args.seed);

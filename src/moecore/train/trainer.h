@@ -16,12 +16,12 @@ class TrainingError : public std::runtime_error {
 };
 
 struct TrainResult {
-  double first_train_loss = 0.0;  // mean lm loss of iteration 1
-  double last_train_loss = 0.0;   // mean lm loss of the last iteration
-  double first_valid_loss = -1.0; // validation lm loss before training (-1 without a validation split)
-  double last_valid_loss = -1.0;  // validation lm loss after the last iteration
-  double tokens_per_second = 0.0; // training tokens / training wall time
-  double unigram_baseline = -1.0; // validation cross-entropy of a context-free unigram model (-1: not computed)
+  double first_train_loss = 0.0;   // mean lm loss of iteration 1
+  double last_train_loss = 0.0;    // mean lm loss of the last iteration
+  double first_valid_loss = -1.0;  // validation lm loss before training (-1 without a validation split)
+  double last_valid_loss = -1.0;   // validation lm loss after the last iteration
+  double tokens_per_second = 0.0;  // training tokens / training wall time
+  double unigram_baseline = -1.0;  // validation cross-entropy of a context-free unigram model (-1: not computed)
 };
 
 // Runs the whole training described by `args`, logging to `log`.

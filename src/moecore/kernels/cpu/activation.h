@@ -6,18 +6,18 @@
 
 namespace moecore::kernels {
 
-#define MOECORE_ACTIVATION_DECL                                                                        \
-  template <typename T>                                                                                \
-  void swiglu_forward(T* out_TF, const T* inp_T2F, int64_t n_tokens, int64_t F);                       \
-  template <typename T>                                                                                \
-  void swiglu_backward(T* dinp_T2F, const T* dout_TF, const T* inp_T2F, int64_t n_tokens, int64_t F);  \
-  template <typename T>                                                                                \
-  void gelu_forward(T* out, const T* inp, int64_t n);                                                  \
-  template <typename T>                                                                                \
-  void gelu_backward(T* dinp, const T* dout, const T* inp, int64_t n);                                 \
-  template <typename T>                                                                                \
-  void squared_relu_forward(T* out, const T* inp, int64_t n);                                          \
-  template <typename T>                                                                                \
+#define MOECORE_ACTIVATION_DECL                                                                       \
+  template <typename T>                                                                               \
+  void swiglu_forward(T* out_TF, const T* inp_T2F, int64_t n_tokens, int64_t F);                      \
+  template <typename T>                                                                               \
+  void swiglu_backward(T* dinp_T2F, const T* dout_TF, const T* inp_T2F, int64_t n_tokens, int64_t F); \
+  template <typename T>                                                                               \
+  void gelu_forward(T* out, const T* inp, int64_t n);                                                 \
+  template <typename T>                                                                               \
+  void gelu_backward(T* dinp, const T* dout, const T* inp, int64_t n);                                \
+  template <typename T>                                                                               \
+  void squared_relu_forward(T* out, const T* inp, int64_t n);                                         \
+  template <typename T>                                                                               \
   void squared_relu_backward(T* dinp, const T* dout, const T* inp, int64_t n);
 
 namespace cpu {

@@ -12,8 +12,8 @@ struct AdamWHyper {
   int64_t step = 1;  // 1-based count of updates including this one
 };
 
-#define MOECORE_ADAMW_DECL                                                                             \
-  template <typename T>                                                                                \
+#define MOECORE_ADAMW_DECL \
+  template <typename T>    \
   void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, const AdamWHyper& hp);
 
 namespace cpu {

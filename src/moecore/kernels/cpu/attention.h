@@ -17,14 +17,14 @@ struct AttentionDims {
   double scale = 0.0;  // usually 1/sqrt(head_dim)
 };
 
-#define MOECORE_ATTENTION_DECL                                                                         \
-  template <typename T>                                                                                \
-  void attention_forward(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd, const T* v_SBGd,   \
-                         const AttentionDims& dims, const DropoutSpec& dropout);                       \
-  template <typename T>                                                                                \
-  void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, const T* q_SBNd,     \
-                          const T* k_SBGd, const T* v_SBGd, const T* out_SBNd, const T* lse_BNS,       \
-                          const AttentionDims& dims, const DropoutSpec& dropout);
+#define MOECORE_ATTENTION_DECL                                                                                      \
+  template <typename T>                                                                                             \
+  void attention_forward(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd, const T* v_SBGd,                \
+                         const AttentionDims& dims, const DropoutSpec& dropout);                                    \
+  template <typename T>                                                                                             \
+  void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, const T* q_SBNd, const T* k_SBGd, \
+                          const T* v_SBGd, const T* out_SBNd, const T* lse_BNS, const AttentionDims& dims,          \
+                          const DropoutSpec& dropout);
 
 namespace cpu {
 MOECORE_ATTENTION_DECL

@@ -12,10 +12,10 @@ struct DropoutSpec {
   uint64_t key = 0;   // call site x micro-batch x iteration: distinct for every dropout application
 };
 
-#define MOECORE_DROPOUT_DECL                                                                           \
-  template <typename T>                                                                                \
-  void dropout_forward(T* out, const T* inp, int64_t n, const DropoutSpec& spec);                      \
-  template <typename T>                                                                                \
+#define MOECORE_DROPOUT_DECL                                                      \
+  template <typename T>                                                           \
+  void dropout_forward(T* out, const T* inp, int64_t n, const DropoutSpec& spec); \
+  template <typename T>                                                           \
   void dropout_backward(T* dinp, const T* dout, int64_t n, const DropoutSpec& spec);
 
 namespace cpu {

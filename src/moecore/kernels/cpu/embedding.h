@@ -5,15 +5,14 @@
 
 namespace moecore::kernels {
 
-#define MOECORE_EMBEDDING_DECL                                                                         \
-  /* out_TD[t] = weight_VD[ids_T[t]] */                                                                \
-  template <typename T>                                                                                \
-  void embedding_forward(T* out_TD, const int32_t* ids_T, const T* weight_VD, int64_t n_tokens,        \
-                         int64_t V, int64_t D);                                                        \
-  /* dweight_VD[ids_T[t]] += dout_TD[t] */                                                             \
-  template <typename T>                                                                                \
-  void embedding_backward(T* dweight_VD, const T* dout_TD, const int32_t* ids_T, int64_t n_tokens,     \
-                          int64_t V, int64_t D);
+#define MOECORE_EMBEDDING_DECL                                                                                         \
+  /* out_TD[t] = weight_VD[ids_T[t]] */                                                                                \
+  template <typename T>                                                                                                \
+  void embedding_forward(T* out_TD, const int32_t* ids_T, const T* weight_VD, int64_t n_tokens, int64_t V, int64_t D); \
+  /* dweight_VD[ids_T[t]] += dout_TD[t] */                                                                             \
+  template <typename T>                                                                                                \
+  void embedding_backward(T* dweight_VD, const T* dout_TD, const int32_t* ids_T, int64_t n_tokens, int64_t V,          \
+                          int64_t D);
 
 namespace cpu {
 MOECORE_EMBEDDING_DECL

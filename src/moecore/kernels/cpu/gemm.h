@@ -5,20 +5,20 @@
 
 namespace moecore::kernels {
 
-#define MOECORE_GEMM_DECL                                                                              \
-  /* C[M,N] = alpha * op(A) @ op(B) + beta * C; row-major; op(A) is [M,K], op(B) is [K,N]. */           \
-  template <typename T>                                                                                \
-  void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A,          \
-            int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc);                          \
-  /* out_TO = inp_TI @ weight_OI^T (+ bias_O if non-null). */                                          \
-  template <typename T>                                                                                \
-  void linear_forward(T* out_TO, const T* inp_TI, const T* weight_OI, const T* bias_O, int64_t n_tokens, \
-                      int64_t in_features, int64_t out_features);                                      \
-  /* dinp_TI += dout_TO @ weight_OI; dweight_OI += dout_TO^T @ inp_TI; dbias_O += sum_t dout_TO.       \
-     Any output pointer may be null to skip it. */                                                     \
-  template <typename T>                                                                                \
-  void linear_backward(T* dinp_TI, T* dweight_OI, T* dbias_O, const T* dout_TO, const T* inp_TI,       \
-                       const T* weight_OI, int64_t n_tokens, int64_t in_features, int64_t out_features);
+#define MOECORE_GEMM_DECL                                                                                              \
+  /* C[M,N] = alpha * op(A) @ op(B) + beta * C; row-major; op(A) is [M,K], op(B) is [K,N]. */                          \
+  template <typename T>                                                                                                \
+  void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda, const T* B, \
+            int64_t ldb, T beta, T* C, int64_t ldc);                                                                   \
+  /* out_TO = inp_TI @ weight_OI^T (+ bias_O if non-null). */                                                          \
+  template <typename T>                                                                                                \
+  void linear_forward(T* out_TO, const T* inp_TI, const T* weight_OI, const T* bias_O, int64_t n_tokens,               \
+                      int64_t in_features, int64_t out_features);                                                      \
+  /* dinp_TI += dout_TO @ weight_OI; dweight_OI += dout_TO^T @ inp_TI; dbias_O += sum_t dout_TO.                       \
+     Any output pointer may be null to skip it. */                                                                     \
+  template <typename T>                                                                                                \
+  void linear_backward(T* dinp_TI, T* dweight_OI, T* dbias_O, const T* dout_TO, const T* inp_TI, const T* weight_OI,   \
+                       int64_t n_tokens, int64_t in_features, int64_t out_features);
 
 namespace cpu {
 MOECORE_GEMM_DECL

@@ -74,7 +74,8 @@ inline double sum_exp(const float* row, const int64_t V, const float shift) {
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 acc = _mm256_setzero_ps();
   const __m256 shift8 = _mm256_set1_ps(shift);
-  for (; v + 8 <= V; v += 8) acc = _mm256_add_ps(acc, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row + v), shift8)));
+  for (; v + 8 <= V; v += 8)
+    acc = _mm256_add_ps(acc, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row + v), shift8)));
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, acc);
   for (const float lane : lanes) sum += lane;

@@ -6,14 +6,14 @@
 
 namespace moecore::kernels {
 
-#define MOECORE_LOSS_DECL                                                                              \
-  template <typename T>                                                                                \
-  void cross_entropy_forward(T* losses_T, T* lse_T, const T* logits_TV, const int32_t* targets_T,      \
-                             int64_t n_tokens, int64_t V);                                             \
-  /* OVERWRITES dlogits_TV = dlosses_T[t] * (softmax(logits_TV[t]) - onehot(target)). dlogits_TV may   \
-     alias logits_TV (in-place). */                                                                    \
-  template <typename T>                                                                                \
-  void cross_entropy_backward(T* dlogits_TV, const T* dlosses_T, const T* logits_TV, const T* lse_T,   \
+#define MOECORE_LOSS_DECL                                                                                           \
+  template <typename T>                                                                                             \
+  void cross_entropy_forward(T* losses_T, T* lse_T, const T* logits_TV, const int32_t* targets_T, int64_t n_tokens, \
+                             int64_t V);                                                                            \
+  /* OVERWRITES dlogits_TV = dlosses_T[t] * (softmax(logits_TV[t]) - onehot(target)). dlogits_TV may                \
+     alias logits_TV (in-place). */                                                                                 \
+  template <typename T>                                                                                             \
+  void cross_entropy_backward(T* dlogits_TV, const T* dlosses_T, const T* logits_TV, const T* lse_T,                \
                               const int32_t* targets_T, int64_t n_tokens, int64_t V);
 
 namespace cpu {

@@ -7,21 +7,20 @@
 
 namespace moecore::kernels {
 
-#define MOECORE_NORM_DECL                                                                              \
-  template <typename T>                                                                                \
-  void rmsnorm_forward(T* out_RD, T* rstd_R, const T* inp_RD, const T* weight_D, int64_t n_rows,       \
-                       int64_t D, double eps);                                                         \
-  template <typename T>                                                                                \
-  void rmsnorm_backward(T* dinp_RD, T* dweight_D, const T* dout_RD, const T* inp_RD,                   \
-                        const T* weight_D, const T* rstd_R, int64_t n_rows, int64_t D);                \
-  /* bias_D may be null (no bias); dbias_D may be null. */                                             \
-  template <typename T>                                                                                \
-  void layernorm_forward(T* out_RD, T* mean_R, T* rstd_R, const T* inp_RD, const T* weight_D,          \
-                         const T* bias_D, int64_t n_rows, int64_t D, double eps);                      \
-  template <typename T>                                                                                \
-  void layernorm_backward(T* dinp_RD, T* dweight_D, T* dbias_D, const T* dout_RD, const T* inp_RD,     \
-                          const T* weight_D, const T* mean_R, const T* rstd_R, int64_t n_rows,         \
-                          int64_t D);
+#define MOECORE_NORM_DECL                                                                                             \
+  template <typename T>                                                                                               \
+  void rmsnorm_forward(T* out_RD, T* rstd_R, const T* inp_RD, const T* weight_D, int64_t n_rows, int64_t D,           \
+                       double eps);                                                                                   \
+  template <typename T>                                                                                               \
+  void rmsnorm_backward(T* dinp_RD, T* dweight_D, const T* dout_RD, const T* inp_RD, const T* weight_D,               \
+                        const T* rstd_R, int64_t n_rows, int64_t D);                                                  \
+  /* bias_D may be null (no bias); dbias_D may be null. */                                                            \
+  template <typename T>                                                                                               \
+  void layernorm_forward(T* out_RD, T* mean_R, T* rstd_R, const T* inp_RD, const T* weight_D, const T* bias_D,        \
+                         int64_t n_rows, int64_t D, double eps);                                                      \
+  template <typename T>                                                                                               \
+  void layernorm_backward(T* dinp_RD, T* dweight_D, T* dbias_D, const T* dout_RD, const T* inp_RD, const T* weight_D, \
+                          const T* mean_R, const T* rstd_R, int64_t n_rows, int64_t D);
 
 namespace cpu {
 MOECORE_NORM_DECL

@@ -10,13 +10,13 @@
 
 namespace moecore::kernels {
 
-#define MOECORE_ROPE_DECL                                                                              \
-  template <typename T>                                                                                \
-  void rope_forward(T* out_SBNd, const T* inp_SBNd, int64_t S, int64_t B, int64_t N, int64_t head_dim, \
-                    int64_t rot_dim, double base, int64_t position_offset = 0);                        \
-  template <typename T>                                                                                \
-  void rope_backward(T* dinp_SBNd, const T* dout_SBNd, int64_t S, int64_t B, int64_t N,                \
-                     int64_t head_dim, int64_t rot_dim, double base, int64_t position_offset = 0);
+#define MOECORE_ROPE_DECL                                                                                 \
+  template <typename T>                                                                                   \
+  void rope_forward(T* out_SBNd, const T* inp_SBNd, int64_t S, int64_t B, int64_t N, int64_t head_dim,    \
+                    int64_t rot_dim, double base, int64_t position_offset = 0);                           \
+  template <typename T>                                                                                   \
+  void rope_backward(T* dinp_SBNd, const T* dout_SBNd, int64_t S, int64_t B, int64_t N, int64_t head_dim, \
+                     int64_t rot_dim, double base, int64_t position_offset = 0);
 
 namespace cpu {
 MOECORE_ROPE_DECL
