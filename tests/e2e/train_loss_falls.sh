@@ -25,7 +25,7 @@ PY
   --seq-length 64 --max-position-embeddings 64 --normalization RMSNorm --swiglu --disable-bias-linear \
   --position-embedding-type rope --attention-dropout 0 --hidden-dropout 0 \
   --micro-batch-size 4 --global-batch-size 8 --train-iters 60 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine \
-  --lr-warmup-iters 5 --weight-decay 0.1 --clip-grad 1.0 --log-interval 10 --eval-interval 30 --eval-iters 4 \
+  --lr-warmup-iters 5 --weight-decay 0.1 --clip-grad 1.0 --log-interval 10 --log-throughput --eval-interval 30 --eval-iters 4 \
   --data-path "$work/corpus_text_document" --split 90,10,0 --data-cache-path "$work/cache" \
   --tokenizer-type GPT2BPETokenizer --vocab-file "$vocab" --merge-file "$merges" \
   --export-hf "$work/hf" --sample-prompt "The Congress" --sample-tokens 8 | tee "$work/train.log"

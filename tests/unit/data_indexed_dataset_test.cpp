@@ -56,7 +56,7 @@ std::vector<std::vector<std::vector<int32_t>>> random_documents(uint32_t seed, i
 
 void round_trip(IndexedDType dtype, int32_t max_token) {
   test::TempDir dir("idx");
-  const std::string prefix = dir.prefix("corpus_text_document");
+  const std::string prefix = dir.path("corpus_text_document");
   const auto documents = random_documents(42, max_token);
   {
     IndexedDatasetWriter writer(prefix, dtype);
@@ -99,7 +99,7 @@ TEST(DataIndexedDataset, OptimalDtypeFollowsMegatron) {
 // Two documents: {[5, 6, 7], [8]} and {[9, 1000]}, uint16. Bytes assembled from the format's spec.
 TEST(DataIndexedDataset, BytesMatchTheFormatSpec) {
   test::TempDir dir("idx");
-  const std::string prefix = dir.prefix("tiny");
+  const std::string prefix = dir.path("tiny");
   IndexedDatasetWriter writer(prefix, IndexedDType::kU16);
   writer.add_sequence({5, 6, 7});
   writer.add_sequence({8});
@@ -125,7 +125,7 @@ TEST(DataIndexedDataset, BytesMatchTheFormatSpec) {
 // The reader accepts files assembled by hand (as Megatron writes them), int32 tokens.
 TEST(DataIndexedDataset, ReadsHandAssembledFiles) {
   test::TempDir dir("idx");
-  const std::string prefix = dir.prefix("hand");
+  const std::string prefix = dir.path("hand");
   std::string idx("MMIDIDX\0\0", 9);
   put<uint64_t>(idx, 1);
   put<uint8_t>(idx, 4);  // int32
@@ -150,7 +150,7 @@ TEST(DataIndexedDataset, ReadsHandAssembledFiles) {
 class DataIndexedCorruptFiles : public ::testing::Test {
  protected:
   void SetUp() override {
-    prefix_ = dir_.prefix("corpus_text_document");
+    prefix_ = dir_.path("corpus_text_document");
     IndexedDatasetWriter writer(prefix_, IndexedDType::kU16);
     writer.add_document({11, 12, 13, 14});
     writer.add_document({15, 16});
@@ -158,7 +158,7 @@ class DataIndexedCorruptFiles : public ::testing::Test {
     idx_ = read_bytes(prefix_ + ".idx");
     bin_ = read_bytes(prefix_ + ".bin");
   }
-  test::TempDir dir_("idx");
+  test::TempDir dir_{"idx"};
   std::string prefix_;
   std::string idx_;
   std::string bin_;
@@ -224,7 +224,7 @@ TEST_F(DataIndexedCorruptFiles, DocumentIndicesMustEndAtSequenceCount) {
 TEST_F(DataIndexedCorruptFiles, MissingFiles) {
   fs::remove(prefix_ + ".bin");
   expect_data_error([&] { IndexedDataset dataset(prefix_); }, ".bin: cannot open");
-  expect_data_error([&] { IndexedDataset dataset(dir_.prefix("absent")); }, "absent.idx: cannot open");
+  expect_data_error([&] { IndexedDataset dataset(dir_.path("absent")); }, "absent.idx: cannot open");
 }
 
 TEST_F(DataIndexedCorruptFiles, GetOutOfRange) {
@@ -238,14 +238,14 @@ TEST_F(DataIndexedCorruptFiles, GetOutOfRange) {
 
 TEST(DataIndexedWriter, TokenMustFitDtype) {
   test::TempDir dir("idx");
-  IndexedDatasetWriter writer(dir.prefix("small"), IndexedDType::kU16);
+  IndexedDatasetWriter writer(dir.path("small"), IndexedDType::kU16);
   expect_data_error([&] { writer.add_sequence({1, 65536}); }, "token id 65536 does not fit dtype uint16");
   expect_data_error([&] { writer.add_sequence({-1}); }, "does not fit dtype uint16");
 }
 
 TEST(DataIndexedWriter, NothingAppearsBeforeFinalize) {
   test::TempDir dir("idx");
-  const std::string prefix = dir.prefix("atomic");
+  const std::string prefix = dir.path("atomic");
   {
     IndexedDatasetWriter writer(prefix, IndexedDType::kI32);
     writer.add_document({1, 2, 3});
@@ -271,7 +271,7 @@ TEST(DataIndexedWriter, NothingAppearsBeforeFinalize) {
 
 TEST(DataIndexedDataset, EmptyDatasetOpens) {
   test::TempDir dir("idx");
-  const std::string prefix = dir.prefix("empty");
+  const std::string prefix = dir.path("empty");
   IndexedDatasetWriter writer(prefix, IndexedDType::kU16);
   writer.finalize();
   const IndexedDataset dataset(prefix);

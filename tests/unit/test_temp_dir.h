@@ -25,6 +25,7 @@ class TempDir {
   TempDir& operator=(const TempDir&) = delete;
 
   std::string path(const std::string& name) const { return (path_ / name).string(); }
+  const std::filesystem::path& path() const { return path_; }
 
  private:
   std::filesystem::path path_;

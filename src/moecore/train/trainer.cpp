@@ -255,7 +255,9 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& log) {
       entry.train_iters = args.train_iters;
       entry.consumed_samples = consumed;
       entry.elapsed_ms_per_iteration = seconds_per_iter * 1000.0;
-      entry.throughput_tflops_per_gpu = throughput_tflops_per_gpu(flops_per_iteration, seconds_per_iter, 1);
+      if (args.log_throughput) {  // as Megatron: the TFLOP/s field only with --log-throughput
+        entry.throughput_tflops_per_gpu = throughput_tflops_per_gpu(flops_per_iteration, seconds_per_iter, 1);
+      }
       entry.learning_rate = schedule.lr_at(iteration);
       entry.global_batch_size = gbs;
       entry.losses = {{"lm loss", interval_loss / static_cast<double>(interval_iters)}};
