@@ -1,0 +1,76 @@
+// Routed experts: every expert is an MLP fc2(act(fc1(x)) * p) (Megatron applies the router probability
+// between the activation and fc2; with --moe-apply-probs-on-input, fc2(act(fc1(x * p)))).
+// fc1: H -> F (2F with SwiGLU, halves [gate | up]); fc2: F -> H; F = --moe-ffn-hidden-size.
+// Parameters (per expert e, under the layer prefix; identical for both implementations, so they share
+// checkpoints and give identical results):
+//   mlp.experts.local_experts.{e}.linear_fc1.weight [F1, H]   (+ .bias [F1] with --add-bias-linear)
+//   mlp.experts.local_experts.{e}.linear_fc2.weight [H, F]    (+ .bias [H]; init scaled normal as dense fc2)
+// Input rows are grouped by expert (tokens_per_expert_E rows each, in order). An expert with no rows
+// produces nothing and gets zero (but present) gradients.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moecore/model/config.h"
+#include "moecore/model/param.h"
+#include "moecore/moe/moe_config.h"
+#include "moecore/tensor/tensor.h"
+
+namespace moecore {
+
+struct ExpertActivations {
+  Tensor x_RH;      // expert input rows (after probs if applied on input)
+  Tensor fc1_RF1;
+  Tensor act_RF;    // activation output, before the probability
+  std::vector<float> probs_R;
+  std::vector<int64_t> tokens_per_expert_E;
+};
+
+class ExpertMLP {
+ public:
+  virtual ~ExpertMLP() = default;
+  virtual void bind(std::vector<Param>& params) = 0;
+  // y_RH (overwritten) = expert(x_RH) with probs applied; keeps what backward needs in `saved`.
+  virtual void forward(float* y_RH, const float* x_RH, const float* probs_R,
+                       const std::vector<int64_t>& tokens_per_expert_E, ExpertActivations& saved) = 0;
+  // Accumulates dx_RH and the expert parameters' gradients; OVERWRITES dprobs_R (d objective / d prob per row).
+  virtual void backward(float* dx_RH, float* dprobs_R, const float* dy_RH, const ExpertActivations& saved) = 0;
+};
+
+// --moe-grouped-gemm: GroupedMLP (all local experts in one grouped GEMM over variable row counts),
+// else SequentialMLP (one expert at a time). Registers the parameters under `prefix`.
+std::unique_ptr<ExpertMLP> make_experts(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix,
+                                        std::vector<Param>& params);
+
+// Shared experts (--moe-shared-expert-intermediate-size S): a dense MLP H -> S (2S with SwiGLU) -> H on every
+// token, no bias, output added to the routed output; with --moe-shared-expert-gate the output is scaled by
+// sigmoid(x . w_g), w_g [1, H]. Parameters: mlp.shared_experts.linear_fc1.weight, mlp.shared_experts.linear_fc2.weight,
+// mlp.shared_experts.gate_weight.
+struct SharedExpertActivations {
+  Tensor fc1_TF1, act_TF, fc2_TH;
+  std::vector<float> gate_T;  // sigmoid values (gate only)
+};
+
+class SharedExpertMLP {
+ public:
+  SharedExpertMLP(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix, std::vector<Param>& params);
+  void bind(std::vector<Param>& params);
+  // out_TH += shared(x_TH).
+  void forward(float* out_TH, const float* x_TH, int64_t T, SharedExpertActivations& saved) const;
+  // Accumulates dx_TH and parameter gradients from dout_TH.
+  void backward(float* dx_TH, const float* dout_TH, const float* x_TH, int64_t T,
+                const SharedExpertActivations& saved) const;
+
+ private:
+  MoEConfig moe_;
+  ModelConfig model_;
+  std::string prefix_;
+  Param* fc1_ = nullptr;
+  Param* fc2_ = nullptr;
+  Param* gate_ = nullptr;
+};
+
+}  // namespace moecore

@@ -1,0 +1,60 @@
+// Mixture-of-Experts hyper-parameters, named after Megatron's TransformerConfig fields / flags
+// (../shared/reference/megatron-moe-semantics.md section 1). num_experts == 0 means a dense model.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace moecore {
+
+enum class RouterScoreFunction { kSoftmax, kSigmoid, kSqrtSoftplus };  // --moe-router-score-function
+enum class LoadBalancingType { kAuxLoss, kSeqAuxLoss, kGlobalAuxLoss, kSinkhorn, kNone };
+enum class TokenDropPolicy { kProbs, kPosition };  // --moe-token-drop-policy
+enum class RouterDType { kFP32, kFP64 };           // --moe-router-dtype
+
+struct MoEConfig {
+  int64_t num_experts = 0;               // --num-experts
+  int64_t ffn_hidden_size = 0;           // --moe-ffn-hidden-size (default: the dense --ffn-hidden-size)
+  std::vector<bool> moe_layer_pattern;   // --moe-layer-freq, expanded: layer i is MoE iff pattern[i]
+  int64_t topk = 2;                      // --moe-router-topk
+  RouterScoreFunction score_function = RouterScoreFunction::kSoftmax;
+  bool pre_softmax = false;              // --moe-router-pre-softmax
+  std::optional<double> topk_scaling_factor;  // --moe-router-topk-scaling-factor
+  int64_t num_groups = 0;                // --moe-router-num-groups (0 = no group-limited routing)
+  int64_t group_topk = 0;                // --moe-router-group-topk
+  double input_jitter_eps = 0.0;         // --moe-input-jitter-eps (0 = off)
+  RouterDType router_dtype = RouterDType::kFP32;
+  bool enable_expert_bias = false;       // --moe-router-enable-expert-bias
+  double bias_update_rate = 1e-3;        // --moe-router-bias-update-rate
+  bool force_load_balancing = false;     // --moe-router-force-load-balancing
+  std::vector<LoadBalancingType> load_balancing_types{LoadBalancingType::kAuxLoss};  // --moe-router-load-balancing-type
+  std::vector<double> aux_loss_coeffs{0.0};  // --moe-aux-loss-coeff, one per type
+  double z_loss_coeff = 0.0;             // --moe-z-loss-coeff
+  std::optional<double> capacity_factor; // --moe-expert-capacity-factor (none = dropless)
+  TokenDropPolicy drop_policy = TokenDropPolicy::kProbs;
+  bool pad_expert_input_to_capacity = false;  // --moe-pad-expert-input-to-capacity
+  bool apply_probs_on_input = false;     // --moe-apply-probs-on-input (top-1 only)
+  bool grouped_gemm = false;             // --moe-grouped-gemm (GroupedMLP, else SequentialMLP)
+  int64_t shared_expert_intermediate_size = 0;  // --moe-shared-expert-intermediate-size (0 = none)
+  bool shared_expert_gate = false;       // --moe-shared-expert-gate
+  bool per_layer_logging = false;        // --moe-per-layer-logging
+
+  bool enabled() const { return num_experts > 0; }
+  bool is_moe_layer(int64_t layer) const {
+    return enabled() && layer < static_cast<int64_t>(moe_layer_pattern.size()) && moe_layer_pattern[layer];
+  }
+  // Throws ConfigError (one line) for inconsistent settings (issue 3's "Bad input" list and Megatron's asserts).
+  void validate(int64_t num_layers) const;
+};
+
+// --moe-layer-freq: an int N (layer i is MoE iff i % N == 0) or a Python-like list expression such as
+// "([0]*3+[1]*9)" or "[1,0,1,0]". Throws ConfigError naming the text when it is malformed or its length
+// is not num_layers.
+std::vector<bool> parse_moe_layer_freq(const std::string& text, int64_t num_layers);
+
+std::string to_string(RouterScoreFunction value);
+std::string to_string(LoadBalancingType value);
+
+}  // namespace moecore

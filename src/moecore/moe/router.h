@@ -1,0 +1,84 @@
+// TopKRouter with Megatron's semantics (megatron-moe-semantics.md sections 1, 2 and 4): gate weight [E, H],
+// logits in --moe-router-dtype (fp32 or fp64), score function, top-k (optionally group-limited, with expert
+// bias for selection only), scaling factor, capacity / token dropping, and the auxiliary losses
+// (aux_loss, seq_aux_loss, global_aux_loss, sinkhorn, z-loss) whose gradients flow into the router
+// weight and input in backward without changing the lm loss.
+//
+// Tokens are [S, B] sequence-major (token t = s * B + b), as everywhere in the model.
+// Parameters (names under the layer prefix, e.g. "decoder.layers.3."):
+//   mlp.router.weight        [E, H]  fp32, init N(0, init_method_std), weight decay yes
+//   mlp.router.bias          [E]     only with --add-bias-linear, init 0
+// Buffer (not trainable, saved in checkpoints later): mlp.router.expert_bias [E] fp32 (--moe-router-enable-expert-bias).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moecore/model/param.h"
+#include "moecore/moe/moe_config.h"
+#include "moecore/tensor/tensor.h"
+
+namespace moecore {
+
+// The routing decision for one micro-batch.
+struct RouterOutput {
+  Tensor probs_TE;                      // fp32 [T, E]: the weight of each selected (and kept) expert, 0 elsewhere
+  std::vector<uint8_t> routing_map_TE;  // [T, E]: 1 where token t goes to expert e (after capacity dropping)
+  std::vector<int64_t> tokens_per_expert_E;  // column sums of routing_map (with padding: the capacity C each)
+  int64_t capacity = -1;                // C when a capacity factor is set, else -1
+  // Loss values for logging, each divided by its coefficient as Megatron logs them (0 when off).
+  std::vector<double> load_balancing_losses;  // one per configured type, in --moe-router-load-balancing-type order
+  double z_loss = 0.0;
+};
+
+// What backward needs from forward (one micro-batch).
+struct RouterActivations {
+  int64_t S = 0, B = 0;
+  Tensor input_TH;              // router input after jitter, fp32
+  std::vector<double> logits_TE;     // in router dtype precision (fp32 values are stored rounded to float)
+  std::vector<double> scores_TE;     // score function output used by the top-k and the aux losses
+  RouterOutput output;               // copy of the forward result (routing map, probs)
+  std::vector<uint8_t> selected_TE;  // top-k selection before capacity dropping
+  // Anything else the implementation needs may be added here.
+  std::vector<double> aux_cache;
+};
+
+class TopKRouter {
+ public:
+  // Registers parameters into `params` under `prefix` (e.g. "decoder.layers.3."). hidden = H.
+  TopKRouter(const MoEConfig& config, int64_t hidden, bool add_bias, const std::string& prefix,
+             std::vector<Param>& params);
+  void bind(std::vector<Param>& params);  // resolve pointers once `params` no longer grows
+
+  // x_TH [S*B, H] -> routing. training: jitter on, expert-bias token counts accumulated, global aux counts
+  // accumulated. jitter_key distinguishes micro-batches (counter RNG).
+  RouterOutput forward(const float* x_TH, int64_t S, int64_t B, bool training, uint64_t seed, uint64_t jitter_key,
+                       RouterActivations& saved);
+
+  // dprobs_TE: d(objective)/d(probs_TE) from the experts (zero where not routed). aux_grad_scale: the factor the
+  // auxiliary and z losses carry into the objective's gradient (Megatron: loss_scale * cp / num_microbatches;
+  // here 1 / num_microbatches). Accumulates into dx_TH and the router parameters' gradients.
+  void backward(float* dx_TH, const float* dprobs_TE, double aux_grad_scale, const RouterActivations& saved);
+
+  // Once per global batch (after the optimizer step): the expert-bias sign rule, then counts reset; and the
+  // global_aux_loss accumulation reset. No-ops when those features are off.
+  void finish_global_batch();
+
+  const std::vector<float>& expert_bias() const { return expert_bias_; }
+  std::vector<float>& expert_bias() { return expert_bias_; }
+
+ private:
+  MoEConfig config_;
+  int64_t hidden_ = 0;
+  bool add_bias_ = false;
+  std::string prefix_;
+  Param* weight_ = nullptr;
+  Param* bias_ = nullptr;
+  std::vector<float> expert_bias_;                  // [E]
+  std::vector<double> local_tokens_per_expert_;     // expert-bias counts since the last update
+  std::vector<double> global_aux_counts_;           // global_aux_loss counts accumulated over micro-batches
+  int64_t global_aux_tokens_ = 0;
+};
+
+}  // namespace moecore

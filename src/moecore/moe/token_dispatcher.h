@@ -1,0 +1,46 @@
+// Token dispatchers: move routed tokens to their experts and back (megatron-moe-semantics.md section 1).
+// The interface is what the allgather and alltoall dispatchers of the distributed engine implement; in one
+// process the local dispatcher permutes tokens into expert-major order (tokens ascending within each expert,
+// dropless gives T*k rows; with padding every expert gets exactly C rows, padded rows have prob 0 and no
+// source token) and restores them by scatter-add.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "moecore/moe/router.h"
+#include "moecore/tensor/tensor.h"
+
+namespace moecore {
+
+// The permutation of one micro-batch: row r of the expert input came from token source_token_R[r]
+// (-1 for a padding row) and belongs to expert expert_R[r].
+struct DispatchState {
+  int64_t T = 0, H = 0, E = 0;
+  std::vector<int64_t> source_token_R;
+  std::vector<int64_t> expert_R;
+  std::vector<float> probs_R;                 // router prob of (source token, expert), 0 for padding rows
+  std::vector<int64_t> tokens_per_expert_E;   // rows per local expert, in row order
+};
+
+class TokenDispatcher {
+ public:
+  virtual ~TokenDispatcher() = default;
+  // x_TH -> x_RH (returned, [R, H]) grouped by expert; fills `state`.
+  virtual Tensor dispatch(const float* x_TH, int64_t T, int64_t H, const RouterOutput& routing,
+                          DispatchState& state) = 0;
+  // out_TH += sum over rows r of y_RH[r] into token source_token_R[r] (scatter-add; padding rows skipped).
+  virtual void combine(float* out_TH, const float* y_RH, const DispatchState& state) = 0;
+  // Backward of combine: dy_RH[r] = dout_TH[source_token_R[r]] (0 for padding rows). Overwrites dy_RH.
+  virtual void combine_backward(float* dy_RH, const float* dout_TH, const DispatchState& state) = 0;
+  // Backward of dispatch: dx_TH[source_token_R[r]] += dx_RH[r].
+  virtual void dispatch_backward(float* dx_TH, const float* dx_RH, const DispatchState& state) = 0;
+  // dprobs_TE[source_token_R[r], expert_R[r]] += dprobs_R[r].
+  virtual void probs_backward(float* dprobs_TE, const float* dprobs_R, const DispatchState& state) = 0;
+};
+
+// Single-process dispatcher (all experts local).
+std::unique_ptr<TokenDispatcher> make_local_dispatcher();
+
+}  // namespace moecore
