@@ -18,7 +18,14 @@ if [ ! -f data/corpus_text_document.idx ]; then
     --tokenizer-type GPT2BPETokenizer --vocab-file "$vocab" --merge-file "$merges" --append-eod --workers 2
 fi
 
-"$bin" train $(grep -v '^#' configs/demo.args | tr '\n' ' ') \
+# configs/*.args hold one flag (and its value) per line.
+args=()
+while read -r flag value; do
+  args+=("$flag")
+  if [ -n "$value" ]; then args+=("$value"); fi
+done < <(grep -v '^#' configs/demo.args | grep -v '^\s*$')
+
+"$bin" train "${args[@]}" \
   --data-path data/corpus_text_document --data-cache-path data/cache \
   --tokenizer-type GPT2BPETokenizer --vocab-file "$vocab" --merge-file "$merges" \
   --export-hf runs/demo/hf --sample-prompt "The Congress of the United States" --sample-tokens 48

@@ -31,7 +31,9 @@ expect_error() {  # expect_error "pattern" args...
 
 expect_error "unknown command 'trian'" "$bin" trian
 expect_error "unknown flag --num-layer (did you mean --num-layers?)" "$bin" train "${base[@]}" --num-layer 3
-expect_error "--num-experts is a Megatron flag that moecore does not implement yet" "$bin" train "${base[@]}" --num-experts 8
+expect_error "--moe-latent-size is a Megatron flag that moecore does not implement yet" "$bin" train "${base[@]}" --num-experts 4 --moe-latent-size 8
+expect_error "--moe-router-topk requires --num-experts" "$bin" train "${base[@]}" --moe-router-topk 2
+expect_error "--moe-router-topk" "$bin" train "${base[@]}" --num-experts 4 --moe-router-topk 5
 expect_error "--num-query-groups" "$bin" train "${base[@]}" --group-query-attention --num-query-groups 3
 expect_error "--hidden-size" "$bin" train "${base[@]}" --hidden-size 66
 expect_error "--global-batch-size" "$bin" train "${base[@]}" --global-batch-size 5

@@ -5,7 +5,8 @@
 //                  [--steps N] [--lr 1e-3] [--weight-decay 0.1] [--clip-grad 1.0] [--beta1 0.9] [--beta2 0.999]
 //                  [--eps 1e-8] [--export-hf DIR] [--export-hf-bf16] [--import-hf DIR]
 //
-// C.json holds ModelConfig fields by name (enums as strings: "RMSNorm", "swiglu", "rope", ...). W.safetensors holds
+// C.json holds ModelConfig fields by name (enums as strings: "RMSNorm", "swiglu", "rope", ...), and optionally
+// "moe": {MoEConfig fields by name} (tests/oracle/twin_moe.py MOE_DEFAULTS lists them). W.safetensors holds
 // every parameter under its Megatron name; B.safetensors holds tokens and labels [B, S] (int32/int64) and optionally
 // loss_mask [B, S]. With --import-hf DIR the model (config and weights) comes from an HF export instead.
 // Protocol (dropout must be 0): for step k = 0..N: forward (losses[k]); if k < N: backward, clip, AdamW step,
@@ -16,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -76,6 +78,99 @@ Args parse_args(int argc, char** argv) {
 
 ModelConfig config_fields(const json& j, const std::string& path);
 
+// The "moe" object: MoEConfig fields by name (enums as strings, optionals as null or a number).
+MoEConfig moe_fields(const json& j, const std::string& path) {
+  if (!j.is_object()) throw std::runtime_error(path + ": \"moe\" must be an object");
+  MoEConfig m;
+  auto optional_double = [](const json& v) {
+    return v.is_null() ? std::nullopt : std::optional<double>(v.get<double>());
+  };
+  for (const auto& [key, value] : j.items()) {
+    if (key == "num_experts") {
+      m.num_experts = value;
+    } else if (key == "ffn_hidden_size") {
+      m.ffn_hidden_size = value;
+    } else if (key == "moe_layer_pattern") {
+      m.moe_layer_pattern.clear();
+      for (const auto& v : value) m.moe_layer_pattern.push_back(v.is_boolean() ? v.get<bool>() : v.get<int>() != 0);
+    } else if (key == "topk") {
+      m.topk = value;
+    } else if (key == "score_function") {
+      const std::string v = value;
+      if (v == "softmax")
+        m.score_function = RouterScoreFunction::kSoftmax;
+      else if (v == "sigmoid")
+        m.score_function = RouterScoreFunction::kSigmoid;
+      else if (v == "sqrtsoftplus")
+        m.score_function = RouterScoreFunction::kSqrtSoftplus;
+      else
+        throw std::runtime_error(path + ": moe.score_function " + v);
+    } else if (key == "pre_softmax") {
+      m.pre_softmax = value;
+    } else if (key == "topk_scaling_factor") {
+      m.topk_scaling_factor = optional_double(value);
+    } else if (key == "num_groups") {
+      m.num_groups = value;
+    } else if (key == "group_topk") {
+      m.group_topk = value;
+    } else if (key == "input_jitter_eps") {
+      m.input_jitter_eps = value;
+    } else if (key == "router_dtype") {
+      const std::string v = value;
+      if (v != "fp32" && v != "fp64") throw std::runtime_error(path + ": moe.router_dtype " + v);
+      m.router_dtype = v == "fp32" ? RouterDType::kFP32 : RouterDType::kFP64;
+    } else if (key == "enable_expert_bias") {
+      m.enable_expert_bias = value;
+    } else if (key == "bias_update_rate") {
+      m.bias_update_rate = value;
+    } else if (key == "force_load_balancing") {
+      m.force_load_balancing = value;
+    } else if (key == "load_balancing_types") {
+      m.load_balancing_types.clear();
+      for (const auto& item : value) {
+        const std::string v = item;
+        if (v == "aux_loss")
+          m.load_balancing_types.push_back(LoadBalancingType::kAuxLoss);
+        else if (v == "seq_aux_loss")
+          m.load_balancing_types.push_back(LoadBalancingType::kSeqAuxLoss);
+        else if (v == "global_aux_loss")
+          m.load_balancing_types.push_back(LoadBalancingType::kGlobalAuxLoss);
+        else if (v == "sinkhorn")
+          m.load_balancing_types.push_back(LoadBalancingType::kSinkhorn);
+        else if (v == "none")
+          m.load_balancing_types.push_back(LoadBalancingType::kNone);
+        else
+          throw std::runtime_error(path + ": moe.load_balancing_types entry " + v);
+      }
+    } else if (key == "aux_loss_coeffs") {
+      m.aux_loss_coeffs = value.get<std::vector<double>>();
+    } else if (key == "z_loss_coeff") {
+      m.z_loss_coeff = value;
+    } else if (key == "capacity_factor") {
+      m.capacity_factor = optional_double(value);
+    } else if (key == "drop_policy") {
+      const std::string v = value;
+      if (v != "probs" && v != "position") throw std::runtime_error(path + ": moe.drop_policy " + v);
+      m.drop_policy = v == "probs" ? TokenDropPolicy::kProbs : TokenDropPolicy::kPosition;
+    } else if (key == "pad_expert_input_to_capacity") {
+      m.pad_expert_input_to_capacity = value;
+    } else if (key == "apply_probs_on_input") {
+      m.apply_probs_on_input = value;
+    } else if (key == "grouped_gemm") {
+      m.grouped_gemm = value;
+    } else if (key == "shared_expert_intermediate_size") {
+      m.shared_expert_intermediate_size = value;
+    } else if (key == "shared_expert_gate") {
+      m.shared_expert_gate = value;
+    } else if (key == "per_layer_logging") {
+      m.per_layer_logging = value;
+    } else {
+      throw std::runtime_error(path + ": unknown moe config field '" + key + "'");
+    }
+  }
+  return m;
+}
+
 ModelConfig config_from_json(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw std::runtime_error(path + ": cannot open");
@@ -125,7 +220,9 @@ ModelConfig config_fields(const json& j, const std::string& path) {
       c.hidden_dropout = value;
     else if (key == "untie_embeddings_and_output_weights")
       c.untie_embeddings_and_output_weights = value;
-    else if (key == "normalization") {
+    else if (key == "moe") {
+      if (!value.is_null()) c.moe = moe_fields(value, path);
+    } else if (key == "normalization") {
       const std::string v = value;
       if (v != "LayerNorm" && v != "RMSNorm") throw std::runtime_error(path + ": normalization " + v);
       c.normalization = v == "LayerNorm" ? Normalization::kLayerNorm : Normalization::kRMSNorm;

@@ -9,6 +9,10 @@
 4. --export-hf-bf16 stores BF16 weights (round-to-nearest-even of the fp32 values) and torch_dtype bfloat16.
 5. A LayerNorm/gelu model is refused with one clear line and no folder is created; a folder holding foreign files is
    not replaced; exporting over an earlier export replaces it.
+6. MoE: the same checks 1-4 for Mixtral (model_type mixtral) and Qwen3-MoE (qwen3_moe, mixed dense/MoE layers, with
+   and without norm_topk_prob) exports, the HF side computed by twin_hf_moe.py (HF's MoE routing: softmax over all
+   experts, top-k, renormalised for Mixtral and for norm_topk_prob) and config.json checked against the field names
+   of HF's MixtralConfig / Qwen3MoeConfig.
 
 Usage: /usr/bin/python3 test_hf_export.py --parity PATH/TO/moecore_parity
 """
@@ -26,6 +30,7 @@ sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st  # noqa: E402
 import twin  # noqa: E402
+import twin_hf_moe  # noqa: E402
 from test_parity import BASE, make_batch, rel_error  # noqa: E402
 
 TOLERANCE = 1e-4
@@ -38,10 +43,18 @@ CONFIGS = {
     "qwen3_untied_gqa": {**LLAMA, "add_bias_linear": False, "qk_layernorm": True,
                          "untie_embeddings_and_output_weights": True},
 }
-LLAMA_FIELDS = ["architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
-                "rope_theta", "vocab_size", "tie_word_embeddings", "attention_bias", "hidden_act", "bos_token_id",
-                "eos_token_id", "torch_dtype"]
+MOE_CONFIGS = {
+    "mixtral_top2": {**LLAMA, "add_bias_linear": False, "untie_embeddings_and_output_weights": True,
+                     "moe": {"num_experts": 4, "ffn_hidden_size": 48, "moe_layer_pattern": [1, 1], "topk": 2,
+                             "aux_loss_coeffs": [0.01]}},
+    "qwen3_moe_mixed_norm_topk": {**LLAMA, "add_bias_linear": False, "qk_layernorm": True, "num_layers": 3,
+                                  "untie_embeddings_and_output_weights": True,
+                                  "moe": {"num_experts": 8, "ffn_hidden_size": 32, "moe_layer_pattern": [0, 1, 1],
+                                          "topk": 2}},
+    "qwen3_moe_pre_softmax_tied": {**LLAMA, "add_bias_linear": False, "qk_layernorm": True,
+                                   "moe": {"num_experts": 6, "ffn_hidden_size": 40, "moe_layer_pattern": [1, 1],
+                                           "topk": 3, "pre_softmax": True}},
+}
 
 
 def to_hf(cfg, weights):
@@ -58,9 +71,12 @@ def to_hf(cfg, weights):
             qkv = weights[m + "self_attention.linear_qkv." + s]
             grouped = qkv.reshape(G, (per_group + 2) * d, *qkv.shape[1:])
             out[p + "self_attn.q_proj." + s] = grouped[:, :per_group * d].reshape(N * d, *qkv.shape[1:])
-            out[p + "self_attn.k_proj." + s] = grouped[:, per_group * d:(per_group + 1) * d].reshape(G * d, *qkv.shape[1:])
+            k_rows = grouped[:, per_group * d:(per_group + 1) * d]
+            out[p + "self_attn.k_proj." + s] = k_rows.reshape(G * d, *qkv.shape[1:])
             out[p + "self_attn.v_proj." + s] = grouped[:, (per_group + 1) * d:].reshape(G * d, *qkv.shape[1:])
             out[p + "self_attn.o_proj." + s] = weights[m + "self_attention.linear_proj." + s]
+            if twin.is_moe_layer(c, i):
+                continue
             fc1 = weights[m + "mlp.linear_fc1." + s]
             out[p + "mlp.gate_proj." + s] = fc1[:F_]
             out[p + "mlp.up_proj." + s] = fc1[F_:]
@@ -69,15 +85,47 @@ def to_hf(cfg, weights):
             out[p + "self_attn.q_norm.weight"] = weights[m + "self_attention.q_layernorm.weight"]
             out[p + "self_attn.k_norm.weight"] = weights[m + "self_attention.k_layernorm.weight"]
         out[p + "post_attention_layernorm.weight"] = weights[m + "pre_mlp_layernorm.weight"]
+        if twin.is_moe_layer(c, i):
+            out.update(moe_to_hf(c, weights, m, p))
     out["model.norm.weight"] = weights["decoder.final_layernorm.weight"]
     if c["untie_embeddings_and_output_weights"]:
         out["lm_head.weight"] = weights["output_layer.weight"]
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
+def hf_model_type(c):
+    if c["moe"] is not None:
+        return "qwen3_moe" if c["qk_layernorm"] else "mixtral"
+    return "qwen3" if c["qk_layernorm"] else "llama"
+
+
+def moe_to_hf(c, weights, m, p):
+    """One MoE layer: Megatron router/experts -> Mixtral (block_sparse_moe, w1 gate / w3 up / w2 down) or Qwen3-MoE
+    (mlp.gate, experts.{e}.{gate,up,down}_proj) names; fc1 rows are [gate | up], Fe rows each."""
+    mixtral = hf_model_type(c) == "mixtral"
+    base = p + ("block_sparse_moe." if mixtral else "mlp.")
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    Fe = c["moe"]["ffn_hidden_size"]
+    out = {base + "gate.weight": weights[m + "mlp.router.weight"]}
+    for e in range(c["moe"]["num_experts"]):
+        local = f"{m}mlp.experts.local_experts.{e}."
+        fc1 = weights[local + "linear_fc1.weight"]
+        x = f"{base}experts.{e}."
+        out[x + names[0] + ".weight"] = fc1[:Fe]
+        out[x + names[1] + ".weight"] = fc1[Fe:]
+        out[x + names[2] + ".weight"] = weights[local + "linear_fc2.weight"]
+    return out
+
+
+def hf_forward(config, tensors, tokens):
+    if config["model_type"] in twin_hf_moe.MOE_MODEL_TYPES:
+        return twin_hf_moe.hf_moe_forward(config, tensors, tokens)
+    return twin.hf_forward(config, tensors, tokens)
+
+
 def expected_config(cfg):
     c = twin.full_config(cfg)
-    model_type = "qwen3" if c["qk_layernorm"] else "llama"
+    model_type = hf_model_type(c)
     config = {
         "architectures": ["Qwen3ForCausalLM" if model_type == "qwen3" else "LlamaForCausalLM"],
         "model_type": model_type, "hidden_size": c["hidden_size"], "intermediate_size": c["ffn_hidden_size"],
@@ -91,6 +139,19 @@ def expected_config(cfg):
     }
     if model_type == "llama":
         config["mlp_bias"] = c["add_bias_linear"]
+    m = c["moe"]
+    if model_type == "mixtral":  # MixtralConfig
+        config["architectures"] = ["MixtralForCausalLM"]
+        del config["attention_bias"]
+        config.update({"intermediate_size": m["ffn_hidden_size"], "num_local_experts": m["num_experts"],
+                       "num_experts_per_tok": m["topk"], "router_aux_loss_coef": m["aux_loss_coeffs"][0]})
+    if model_type == "qwen3_moe":  # Qwen3MoeConfig
+        config["architectures"] = ["Qwen3MoeForCausalLM"]
+        config.update({"moe_intermediate_size": m["ffn_hidden_size"], "num_experts": m["num_experts"],
+                       "num_experts_per_tok": m["topk"], "norm_topk_prob": not m["pre_softmax"],
+                       "decoder_sparse_step": 1, "router_aux_loss_coef": m["aux_loss_coeffs"][0],
+                       "mlp_only_layers": [i for i in range(c["num_layers"]) if not m["moe_layer_pattern"][i]],
+                       "use_sliding_window": False})
     return config
 
 
@@ -123,7 +184,7 @@ def check_config(chk, label, cfg, export_dir, torch_dtype="float32"):
     with open(os.path.join(export_dir, "config.json")) as f:
         config = json.load(f)
     expected = {**expected_config(cfg), "torch_dtype": torch_dtype}
-    for key in LLAMA_FIELDS:
+    for key in expected:
         chk.check(key in config and config[key] == expected[key],
                   f"{label}: config.json {key} = {config.get(key)!r}, expected {expected[key]!r}")
     if expected["model_type"] == "llama":
@@ -150,7 +211,7 @@ def check_model(chk, exe, label, overrides, workdir, seed):
     # 1. Twin self-check, independent of the C++ code.
     megatron_logits, _ = twin.megatron_forward({k: torch.tensor(v) for k, v in weights.items()}, cfg, tokens,
                                                torch.tensor(batch["labels"]), torch.tensor(batch["loss_mask"]))
-    hf_logits = twin.hf_forward(expected_config(cfg), hf_expected, tokens)
+    hf_logits = hf_forward(expected_config(cfg), hf_expected, tokens)
     errors["twin_megatron_vs_hf"] = chk.close(f"{label}: twin megatron vs twin HF forward",
                                               megatron_logits.permute(1, 0, 2).numpy(), hf_logits.numpy())
 
@@ -171,7 +232,7 @@ def check_model(chk, exe, label, overrides, workdir, seed):
                   f"{label}: exported {name} differs from the Megatron weights it should hold")
     cpp, _ = st.load(files["out.safetensors"])
     cpp_logits_BSV = np.transpose(cpp["logits"], (1, 0, 2))
-    twin_logits = twin.hf_forward(config, exported, tokens).numpy()
+    twin_logits = hf_forward(config, exported, tokens).numpy()
     errors["cpp_vs_twin_hf_loader"] = chk.close(f"{label}: C++ logits vs twin HF loader on the export",
                                                 cpp_logits_BSV, twin_logits)
 
@@ -252,7 +313,7 @@ def main():
     torch.set_num_threads(1)
     chk = Checker()
     with tempfile.TemporaryDirectory() as workdir:
-        for index, (label, overrides) in enumerate(CONFIGS.items()):
+        for index, (label, overrides) in enumerate({**CONFIGS, **MOE_CONFIGS}.items()):
             errors = check_model(chk, args.parity, label, overrides, workdir, seed=2000 + 31 * index)
             print(f"{label}: " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
         check_refusals(chk, args.parity, workdir)

@@ -9,6 +9,10 @@ Two independent forwards live here:
 Model (pre-norm):  x = emb(tokens) [+ pos_emb];  per layer  x += proj(attn(qkv(norm1(x))));  x += fc2(act(fc1(norm2(x))))
 then final norm, logits = x @ W_out^T (W_out = word embeddings unless untied), loss = sum(CE * mask) / sum(mask).
 Dropout is 0 here (the parity runs use dropout 0).
+MoE (config "moe", see twin_moe.py): on layers with moe_layer_pattern[i] = 1 the MLP is twin_moe.moe_layer_forward
+(router, experts, shared experts) with Megatron's aux / z losses attached to the graph (the reported loss stays the lm
+loss); per-layer router state (expert bias, global aux counts) lives in new_moe_state(cfg) and is advanced once per
+global batch by finish_global_batch(cfg, state).
 
 Command line:
   twin.py megatron --config C.json --weights W.safetensors --batch B.safetensors --out O.safetensors
@@ -27,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st  # noqa: E402
+import twin_moe  # noqa: E402
 
 CONFIG_DEFAULTS = {
     "num_layers": 0, "hidden_size": 0, "ffn_hidden_size": 0, "num_attention_heads": 0, "num_query_groups": 0,
@@ -35,6 +40,7 @@ CONFIG_DEFAULTS = {
     "qk_layernorm": False, "position_embedding_type": "learned_absolute", "rotary_base": 10000.0,
     "rotary_percent": 1.0, "init_method_std": 0.02, "attention_dropout": 0.0, "hidden_dropout": 0.0,
     "untie_embeddings_and_output_weights": False,
+    "moe": None,  # MoE settings (twin_moe.MOE_DEFAULTS names, as the C++ MoEConfig); None or num_experts 0: dense
 }
 
 
@@ -44,7 +50,16 @@ def full_config(config):
         raise ValueError(f"unknown config fields {sorted(unknown)}")
     out = dict(CONFIG_DEFAULTS)
     out.update(config)
+    if out["moe"] is not None:
+        out["moe"] = twin_moe.full_moe_config(out["moe"], out["num_layers"], out["ffn_hidden_size"])
+        if out["moe"]["num_experts"] <= 0:
+            out["moe"] = None
     return out
+
+
+def is_moe_layer(c, layer):
+    """c: a full_config."""
+    return c["moe"] is not None and bool(c["moe"]["moe_layer_pattern"][layer])
 
 
 # ----------------------------------------------------------------------------------------------- parameters
@@ -82,8 +97,11 @@ def param_specs(cfg):
             norm(p + "self_attention.k_layernorm", d)
         linear(p + "self_attention.linear_proj", H, N * d)
         norm(p + "pre_mlp_layernorm", H)
-        linear(p + "mlp.linear_fc1", fc1_out, H)
-        linear(p + "mlp.linear_fc2", H, F_)
+        if is_moe_layer(c, i):
+            specs.extend(twin_moe.moe_param_specs(p, c["moe"], H, c["activation"], bias))
+        else:
+            linear(p + "mlp.linear_fc1", fc1_out, H)
+            linear(p + "mlp.linear_fc2", H, F_)
     norm("decoder.final_layernorm", H)
     if c["untie_embeddings_and_output_weights"]:
         specs.append(("output_layer.weight", (V, H), "weight"))
@@ -105,6 +123,41 @@ def random_params(cfg, seed):
             value = 0.1 * rng.standard_normal(shape)
         params[name] = value.astype(np.float32)
     return params
+
+
+def buffer_names(cfg):
+    """Non-trainable state saved with the model: the expert-bias buffers of MoE layers with expert bias."""
+    c = full_config(cfg)
+    if c["moe"] is None or not c["moe"]["enable_expert_bias"]:
+        return []
+    return [twin_moe.expert_bias_name(f"decoder.layers.{i}.") for i in range(c["num_layers"]) if is_moe_layer(c, i)]
+
+
+def random_buffers(cfg, seed, scale=0.05):
+    """Random initial expert biases (Megatron starts from 0; a non-zero start exercises biased selection at step 0)."""
+    rng = np.random.default_rng(seed)
+    E = full_config(cfg)["moe"]["num_experts"] if buffer_names(cfg) else 0
+    return {name: (scale * rng.standard_normal(E)).astype(np.float32) for name in buffer_names(cfg)}
+
+
+def new_moe_state(cfg, buffers=None):
+    """{layer index: twin_moe.RouterState} for the MoE layers; expert biases from `buffers` (name -> array) if given."""
+    c = full_config(cfg)
+    buffers = buffers or {}
+    state = {}
+    for i in range(c["num_layers"]):
+        if is_moe_layer(c, i):
+            bias = buffers.get(twin_moe.expert_bias_name(f"decoder.layers.{i}."))
+            state[i] = twin_moe.RouterState(c["moe"]["num_experts"], None if bias is None else np.asarray(bias))
+    return state
+
+
+def finish_global_batch(cfg, moe_state):
+    """Once per global batch (after the last micro-batch's backward): expert-bias sign rule, counts and the
+    global_aux_loss accumulation reset."""
+    c = full_config(cfg)
+    for router_state in moe_state.values():
+        router_state.finish_global_batch(c["moe"])
 
 
 # ----------------------------------------------------------------------------------------------- Megatron model
@@ -153,9 +206,19 @@ def _activation(h, c):
     raise ValueError(f"unknown activation {c['activation']}")
 
 
-def megatron_forward(params, cfg, tokens_BS, labels_BS, loss_mask_BS):
-    """Returns (logits [S, B, V], loss). `params` maps Megatron names to torch tensors (one dtype)."""
+def megatron_forward(params, cfg, tokens_BS, labels_BS, loss_mask_BS, moe_state=None, aux_grad_scale=1.0,
+                     training=True, return_moe_info=False):
+    """Returns (logits [S, B, V], loss) or, with return_moe_info, (logits, loss, moe_info). `params` maps Megatron
+    names to torch tensors (one dtype). loss is the lm loss only; on MoE layers the aux and z losses are attached to
+    the graph with twin_moe.AuxLossAutoScaler (gradient scale aux_grad_scale = 1 / num_microbatches), so
+    loss.backward() gives the gradient of lm + aux_grad_scale-weighted aux/z losses while loss's value is the lm loss.
+    moe_state: new_moe_state(cfg) (created fresh when None; expert biases are then read from params if present).
+    moe_info = {"aux_total": sum of the attached aux/z loss tensors (coefficients included; 0.0 if none),
+                "layers": {i: router info of layer i (see twin_moe.router_forward)}}."""
     c = full_config(cfg)
+    if c["moe"] is not None and moe_state is None:
+        moe_state = new_moe_state(cfg, {k: v.detach() for k, v in params.items() if k.endswith("expert_bias")})
+    moe_info = {"aux_total": 0.0, "layers": {}}
     N, G, d = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"]
     heads_per_group = N // G
     B, S = tokens_BS.shape
@@ -193,14 +256,25 @@ def megatron_forward(params, cfg, tokens_BS, labels_BS, loss_mask_BS):
         context = context.permute(2, 0, 1, 3).reshape(S, B, N * d)
         x = x + _linear(context, params, p + "self_attention.linear_proj")
         h = _norm(x, params, p + "pre_mlp_layernorm", c)
-        h = _activation(_linear(h, params, p + "mlp.linear_fc1"), c)
-        x = x + _linear(h, params, p + "mlp.linear_fc2")
+        if is_moe_layer(c, i):
+            y, info = twin_moe.moe_layer_forward(h, params, p, c["moe"], lambda t: _activation(t, c), moe_state[i],
+                                                 training, aux_grad_scale)
+            moe_info["layers"][i] = info
+            for aux in info["aux_losses"]:
+                moe_info["aux_total"] = moe_info["aux_total"] + aux
+            x = x + y
+        else:
+            h = _activation(_linear(h, params, p + "mlp.linear_fc1"), c)
+            x = x + _linear(h, params, p + "mlp.linear_fc2")
 
     x = _norm(x, params, "decoder.final_layernorm", c)
     w_out = params["output_layer.weight" if c["untie_embeddings_and_output_weights"] else
                    "embedding.word_embeddings.weight"]
     logits = x @ w_out.t()  # [S, B, V]
-    return logits, masked_mean_ce(logits, labels_BS.t(), loss_mask_BS.t())
+    loss = masked_mean_ce(logits, labels_BS.t(), loss_mask_BS.t())
+    if return_moe_info:
+        return logits, loss, moe_info
+    return logits, loss
 
 
 def masked_mean_ce(logits_SBV, labels_SB, mask_SB):
@@ -212,10 +286,20 @@ def masked_mean_ce(logits_SBV, labels_SB, mask_SB):
 
 def run_megatron(cfg, weights, batch, steps=0, lr=1e-3, weight_decay=0.1, clip_grad=1.0, betas=(0.9, 0.999),
                  eps=1e-8, dtype=torch.float32):
-    """Forward/backward and `steps` AdamW steps, exactly the parity harness's protocol. Returns {name: ndarray}:
-    logits [S, B, V], loss, grad.<name> (after step 0's backward), step{k}.<name>, losses [steps + 1],
-    grad_norms [steps] (before clipping)."""
-    params = {name: torch.tensor(np.asarray(value), dtype=dtype, requires_grad=True) for name, value in weights.items()}
+    """Forward/backward and `steps` AdamW steps, exactly the parity harness's protocol (one micro-batch per global
+    batch). Returns {name: ndarray}: logits [S, B, V], loss (the lm loss), grad.<name> (after step 0's backward),
+    step{k}.<name>, losses [steps + 1] (lm losses), grad_norms [steps] (before clipping).
+    MoE models also return, per forward k = 0..steps, the logged router losses of the MoE layers (in layer order):
+    load_balancing_loss [steps + 1, n_moe_layers, n_types] (aux / coeff per configured type, 0 for types without
+    an aux loss) and z_loss [steps + 1, n_moe_layers] (z / cz, 0 when off); and with expert bias
+    step{k}.decoder.layers.{i}.mlp.router.expert_bias [E] (after global batch k's sign-rule update).
+    `weights` may hold the expert-bias buffers (buffer_names(cfg)); they are state, not parameters: no gradient,
+    no optimizer. Order per step: forward, backward (lm + aux/z gradients, aux scale 1), finish_global_batch
+    (expert-bias update, counts and global aux reset), clip, AdamW."""
+    buffers = set(buffer_names(cfg))
+    params = {name: torch.tensor(np.asarray(value), dtype=dtype, requires_grad=True)
+              for name, value in weights.items() if name not in buffers}
+    moe_state = new_moe_state(cfg, {n: weights[n] for n in buffers if n in weights})
     tokens = torch.tensor(np.asarray(batch["tokens"]), dtype=torch.long)
     labels = torch.tensor(np.asarray(batch["labels"]), dtype=torch.long)
     mask = torch.tensor(np.asarray(batch["loss_mask"]), dtype=dtype) if "loss_mask" in batch else \
@@ -226,27 +310,41 @@ def run_megatron(cfg, weights, batch, steps=0, lr=1e-3, weight_decay=0.1, clip_g
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
     out = {}
-    losses, grad_norms = [], []
+    losses, grad_norms, lb_logs, z_logs = [], [], [], []
     for step in range(steps + 1):
         optimizer.zero_grad(set_to_none=False)
-        logits, loss = megatron_forward(params, cfg, tokens, labels, mask)
+        logits, loss, moe_info = megatron_forward(params, cfg, tokens, labels, mask, moe_state=moe_state,
+                                                  aux_grad_scale=1.0, training=True, return_moe_info=True)
         losses.append(loss.item())
+        layers = [moe_info["layers"][i] for i in sorted(moe_info["layers"])]
+        lb_logs.append([info["load_balancing_loss"] for info in layers])
+        z_logs.append([info["z_loss"] for info in layers])
         if step == 0:
             out["logits"] = logits.detach().numpy().copy()
             out["loss"] = np.array(loss.item(), dtype=np.float64)
         if step == steps:
             break
         loss.backward()
+        for n in names:  # a parameter outside the graph (an expert that got no token) has a zero gradient
+            if params[n].grad is None:
+                params[n].grad = torch.zeros_like(params[n])
         if step == 0:
             for n in names:
                 out["grad." + n] = params[n].grad.detach().numpy().copy()
+        finish_global_batch(cfg, moe_state)
         norm = torch.nn.utils.clip_grad_norm_([params[n] for n in names], clip_grad if clip_grad > 0 else float("inf"))
         grad_norms.append(float(norm))
         optimizer.step()
         for n in names:
             out[f"step{step + 1}.{n}"] = params[n].detach().numpy().copy()
+        for n in buffers:
+            layer = int(n.split(".")[2])
+            out[f"step{step + 1}.{n}"] = moe_state[layer].expert_bias.numpy().copy()
     out["losses"] = np.array(losses, dtype=np.float64)
     out["grad_norms"] = np.array(grad_norms, dtype=np.float64)
+    if moe_state:
+        out["load_balancing_loss"] = np.array(lb_logs, dtype=np.float64)
+        out["z_loss"] = np.array(z_logs, dtype=np.float64)
     return out
 
 

@@ -121,6 +121,8 @@ TEST(TrainArguments, MegatronDefaults) {
   EXPECT_EQ(args.threads, 0);
   EXPECT_EQ(args.sample_tokens, 32);
   EXPECT_FALSE(args.help_requested);
+  EXPECT_FALSE(model.moe.enabled());  // no --num-experts: dense
+  EXPECT_EQ(model.moe.num_experts, 0);
 }
 
 TEST(TrainArguments, ModelFlags) {
@@ -229,14 +231,18 @@ TEST(TrainArguments, UnknownFlagSuggestsClosest) {
 
 TEST(TrainArguments, CataloguedMegatronFlagsAreNotImplementedYet) {
   for (const char* flag :
-       {"--num-experts", "--moe-router-topk", "--sequence-parallel", "--recompute-granularity", "--fp8-format",
-        "--use-distributed-optimizer", "--overlap-grad-reduce", "--save", "--load", "--tensorboard-dir",
+       {"--moe-latent-size", "--moe-shared-expert-overlap", "--sequence-parallel", "--recompute-granularity",
+        "--fp8-format", "--use-distributed-optimizer", "--overlap-grad-reduce", "--save", "--load", "--tensorboard-dir",
         "--wandb-project", "--bf16", "--fp16", "--exit-on-missing-checkpoint"}) {
     EXPECT_EQ(error_of(with(minimal(), {flag, "1"})),
               std::string(flag) + " is a Megatron flag that moecore does not implement yet");
   }
-  EXPECT_EQ(error_of(with(minimal(), {"--num-experts=8"})),
-            "--num-experts is a Megatron flag that moecore does not implement yet");
+  EXPECT_EQ(error_of(with(minimal(), {"--moe-use-upcycling"})),
+            "--moe-use-upcycling is a Megatron flag that moecore does not implement yet");
+  EXPECT_EQ(error_of(with(minimal(), {"--moe-enable-routing-replay"})),
+            "--moe-enable-routing-replay is a Megatron flag that moecore does not implement yet");
+  EXPECT_EQ(error_of(with(minimal(), {"--moe-router-padding-for-quantization"})),
+            "--moe-router-padding-for-quantization is a Megatron flag that moecore does not implement yet");
 }
 
 TEST(TrainArguments, CatalogIsLargeAndDisjointFromImplementedFlags) {
@@ -398,6 +404,210 @@ TEST(TrainArguments, MoecoreFlags) {
   EXPECT_TRUE(mentions(error_of(with(minimal(), {"--threads", "-1"})), "--threads must be non-negative"));
   EXPECT_EQ(error_of(with(minimal(), {"--export-hf="})),
             "invalid value '' for --export-hf: expected a non-empty value");
+}
+
+// The smallest valid MoE command line: minimal() plus --num-experts.
+Args minimal_moe() { return with(minimal(), {"--num-experts", "8"}); }
+
+TEST(TrainArguments, MoEDefaultsAsMegatron) {
+  // Defaults read from megatron/training/arguments.py _add_moe_args and TransformerConfig.
+  const TrainingArgs args = parse_train_args(minimal_moe());
+  const MoEConfig& moe = args.model.moe;
+  EXPECT_TRUE(moe.enabled());
+  EXPECT_EQ(moe.num_experts, 8);
+  EXPECT_EQ(moe.ffn_hidden_size, 256);                           // --ffn-hidden-size, itself 4 * hidden
+  EXPECT_EQ(moe.moe_layer_pattern, std::vector<bool>(2, true));  // --moe-layer-freq 1
+  EXPECT_EQ(args.moe_layer_freq, "1");
+  EXPECT_EQ(moe.topk, 2);
+  EXPECT_EQ(moe.score_function, RouterScoreFunction::kSoftmax);
+  EXPECT_FALSE(moe.pre_softmax);
+  EXPECT_FALSE(moe.topk_scaling_factor.has_value());
+  EXPECT_EQ(moe.num_groups, 0);
+  EXPECT_EQ(moe.group_topk, 0);
+  EXPECT_DOUBLE_EQ(moe.input_jitter_eps, 0.0);
+  EXPECT_EQ(moe.router_dtype, RouterDType::kFP32);
+  EXPECT_FALSE(moe.enable_expert_bias);
+  EXPECT_DOUBLE_EQ(moe.bias_update_rate, 1e-3);
+  EXPECT_FALSE(moe.force_load_balancing);
+  EXPECT_EQ(moe.load_balancing_types, std::vector<LoadBalancingType>{LoadBalancingType::kAuxLoss});
+  EXPECT_EQ(moe.aux_loss_coeffs, std::vector<double>{0.0});
+  EXPECT_DOUBLE_EQ(moe.z_loss_coeff, 0.0);
+  EXPECT_FALSE(moe.capacity_factor.has_value());  // dropless
+  EXPECT_EQ(moe.drop_policy, TokenDropPolicy::kProbs);
+  EXPECT_FALSE(moe.pad_expert_input_to_capacity);
+  EXPECT_FALSE(moe.apply_probs_on_input);
+  EXPECT_FALSE(moe.grouped_gemm);
+  EXPECT_EQ(moe.shared_expert_intermediate_size, 0);
+  EXPECT_FALSE(moe.shared_expert_gate);
+  EXPECT_FALSE(moe.per_layer_logging);
+  EXPECT_EQ(args.moe_token_dispatcher_type, "allgather");
+
+  // --swiglu changes the dense default and with it the expert default: int(8 * 64 / 3 / 64) * 64 = 128.
+  EXPECT_EQ(parse_train_args(with(minimal_moe(), {"--swiglu"})).model.moe.ffn_hidden_size, 128);
+  // --num-experts 0 is Megatron's "no MoE".
+  EXPECT_FALSE(parse_train_args(with(minimal(), {"--num-experts", "0"})).model.moe.enabled());
+}
+
+TEST(TrainArguments, MoEFlagsRoundTrip) {
+  const TrainingArgs args =
+      parse_train_args(with(without(minimal(), "--num-layers", 1), {"--num-layers",
+                                                                    "4",
+                                                                    "--num-experts",
+                                                                    "16",
+                                                                    "--moe-ffn-hidden-size",
+                                                                    "48",
+                                                                    "--moe-layer-freq",
+                                                                    "([0]*1+[1]*3)",
+                                                                    "--moe-router-topk",
+                                                                    "4",
+                                                                    "--moe-router-score-function",
+                                                                    "sigmoid",
+                                                                    "--moe-router-topk-scaling-factor",
+                                                                    "2.5",
+                                                                    "--moe-router-num-groups",
+                                                                    "4",
+                                                                    "--moe-router-group-topk",
+                                                                    "2",
+                                                                    "--moe-input-jitter-eps",
+                                                                    "0.01",
+                                                                    "--moe-router-dtype",
+                                                                    "fp64",
+                                                                    "--moe-router-enable-expert-bias",
+                                                                    "--moe-router-bias-update-rate",
+                                                                    "2e-3",
+                                                                    "--moe-router-force-load-balancing",
+                                                                    "--moe-router-load-balancing-type",
+                                                                    "seq_aux_loss",
+                                                                    "global_aux_loss",
+                                                                    "none",
+                                                                    "--moe-aux-loss-coeff",
+                                                                    "1e-4",
+                                                                    "1e-3",
+                                                                    "0",
+                                                                    "--moe-z-loss-coeff",
+                                                                    "1e-3",
+                                                                    "--moe-expert-capacity-factor",
+                                                                    "1.5",
+                                                                    "--moe-token-drop-policy",
+                                                                    "position",
+                                                                    "--moe-pad-expert-input-to-capacity",
+                                                                    "--moe-grouped-gemm",
+                                                                    "--moe-shared-expert-intermediate-size",
+                                                                    "96",
+                                                                    "--moe-shared-expert-gate",
+                                                                    "--moe-per-layer-logging",
+                                                                    "--moe-token-dispatcher-type",
+                                                                    "alltoall"}));
+  const MoEConfig& moe = args.model.moe;
+  EXPECT_EQ(moe.num_experts, 16);
+  EXPECT_EQ(moe.ffn_hidden_size, 48);
+  EXPECT_EQ(moe.moe_layer_pattern, (std::vector<bool>{false, true, true, true}));
+  EXPECT_EQ(args.moe_layer_freq, "([0]*1+[1]*3)");
+  EXPECT_EQ(moe.topk, 4);
+  EXPECT_EQ(moe.score_function, RouterScoreFunction::kSigmoid);
+  EXPECT_EQ(moe.topk_scaling_factor, 2.5);
+  EXPECT_EQ(moe.num_groups, 4);
+  EXPECT_EQ(moe.group_topk, 2);
+  EXPECT_DOUBLE_EQ(moe.input_jitter_eps, 0.01);
+  EXPECT_EQ(moe.router_dtype, RouterDType::kFP64);
+  EXPECT_TRUE(moe.enable_expert_bias);
+  EXPECT_DOUBLE_EQ(moe.bias_update_rate, 2e-3);
+  EXPECT_TRUE(moe.force_load_balancing);
+  EXPECT_EQ(moe.load_balancing_types,
+            (std::vector<LoadBalancingType>{LoadBalancingType::kSeqAuxLoss, LoadBalancingType::kGlobalAuxLoss,
+                                            LoadBalancingType::kNone}));
+  EXPECT_EQ(moe.aux_loss_coeffs, (std::vector<double>{1e-4, 1e-3, 0.0}));
+  EXPECT_DOUBLE_EQ(moe.z_loss_coeff, 1e-3);
+  EXPECT_EQ(moe.capacity_factor, 1.5);
+  EXPECT_EQ(moe.drop_policy, TokenDropPolicy::kPosition);
+  EXPECT_TRUE(moe.pad_expert_input_to_capacity);
+  EXPECT_TRUE(moe.grouped_gemm);
+  EXPECT_EQ(moe.shared_expert_intermediate_size, 96);
+  EXPECT_TRUE(moe.shared_expert_gate);
+  EXPECT_TRUE(moe.per_layer_logging);
+  EXPECT_EQ(args.moe_token_dispatcher_type, "alltoall");
+
+  // The remaining switches and choices.
+  const TrainingArgs top1 = parse_train_args(
+      with(minimal_moe(), {"--moe-router-topk", "1", "--moe-router-pre-softmax", "--moe-apply-probs-on-input",
+                           "--moe-layer-freq=2", "--moe-router-score-function", "softmax"}));
+  EXPECT_TRUE(top1.model.moe.pre_softmax);
+  EXPECT_TRUE(top1.model.moe.apply_probs_on_input);
+  EXPECT_EQ(top1.model.moe.moe_layer_pattern, (std::vector<bool>{true, false}));
+  EXPECT_EQ(
+      parse_train_args(with(minimal_moe(), {"--moe-router-score-function", "sqrtsoftplus"})).model.moe.score_function,
+      RouterScoreFunction::kSqrtSoftplus);
+  EXPECT_EQ(parse_train_args(with(minimal_moe(), {"--moe-router-load-balancing-type", "sinkhorn"}))
+                .model.moe.load_balancing_types,
+            std::vector<LoadBalancingType>{LoadBalancingType::kSinkhorn});
+  // Megatron: a negative capacity factor means dropless.
+  EXPECT_FALSE(parse_train_args(with(minimal_moe(), {"--moe-expert-capacity-factor", "-1"}))
+                   .model.moe.capacity_factor.has_value());
+}
+
+TEST(TrainArguments, MoEBadInput) {
+  // MoE flags without experts.
+  EXPECT_EQ(error_of(with(minimal(), {"--moe-router-topk", "2"})),
+            "--moe-router-topk requires --num-experts (a positive number of experts)");
+  EXPECT_EQ(error_of(with(minimal(), {"--num-experts", "0", "--moe-grouped-gemm"})),
+            "--moe-grouped-gemm requires --num-experts (a positive number of experts)");
+  EXPECT_EQ(error_of(with(minimal(), {"--num-experts", "-2"})),
+            "--num-experts must be positive, or 0 for a dense model (got -2)");
+  // Values.
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-router-score-function", "relu"})),
+            "invalid value 'relu' for --moe-router-score-function (choose from softmax, sigmoid, sqrtsoftplus)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-router-load-balancing-type", "aux_loss", "bogus"})),
+            "invalid value 'bogus' for --moe-router-load-balancing-type (choose from aux_loss, seq_aux_loss, "
+            "global_aux_loss, sinkhorn, none)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-aux-loss-coeff", "0.1", "x"})),
+            "invalid value 'x' for --moe-aux-loss-coeff: expected a finite number");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-router-dtype", "bf16"})),
+            "invalid value 'bf16' for --moe-router-dtype (choose from fp32, fp64)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-token-dispatcher-type", "flex"})),
+            "--moe-token-dispatcher-type flex is not available on this backend (use allgather or alltoall)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-aux-loss-coeff"})),
+            "--moe-aux-loss-coeff expects at least one value (X...)");
+  // The layer pattern.
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-layer-freq", "[1,0,1]"})),
+            "invalid --moe-layer-freq '[1,0,1]': the pattern has 3 entries but --num-layers is 2");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-layer-freq", "[1,0"})),
+            "invalid --moe-layer-freq '[1,0': expected ']' at the end");
+  // Cross-flag checks (issue 3's list and Megatron's asserts).
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-router-topk", "9"})),
+            "--moe-router-topk (9) must not exceed --num-experts (8)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-router-num-groups", "3", "--moe-router-group-topk", "1"})),
+            "--num-experts (8) must be divisible by --moe-router-num-groups (3)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-router-num-groups", "2", "--moe-router-group-topk", "3"})),
+            "--moe-router-group-topk (3) must not exceed --moe-router-num-groups (2)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-router-group-topk", "1"})),
+            "--moe-router-group-topk requires --moe-router-num-groups");
+  EXPECT_EQ(
+      error_of(with(minimal_moe(), {"--moe-router-enable-expert-bias"})),
+      "--moe-router-enable-expert-bias requires --moe-router-score-function sigmoid or sqrtsoftplus (got softmax)");
+  EXPECT_EQ(
+      error_of(with(minimal_moe(), {"--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0.01"})),
+      "--moe-router-load-balancing-type sinkhorn does not use an auxiliary loss: its --moe-aux-loss-coeff must "
+      "be 0 (got 0.010000)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-pad-expert-input-to-capacity"})),
+            "--moe-pad-expert-input-to-capacity requires --moe-expert-capacity-factor");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"})),
+            "--moe-aux-loss-coeff has 1 value(s) but --moe-router-load-balancing-type has 2 type(s): give one "
+            "coefficient per type");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-aux-loss-coeff", "0.01", "0.02"})),
+            "--moe-aux-loss-coeff has 2 value(s) but --moe-router-load-balancing-type has 1 type(s): give one "
+            "coefficient per type");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-apply-probs-on-input"})),
+            "--moe-apply-probs-on-input requires --moe-router-topk 1 (got 2)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-router-pre-softmax", "--moe-router-score-function", "sigmoid"})),
+            "--moe-router-pre-softmax requires --moe-router-score-function softmax (got sigmoid)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-router-topk", "1"})),
+            "--moe-router-topk 1 with softmax scores requires --moe-router-pre-softmax");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-shared-expert-intermediate-size", "0"})),
+            "--moe-shared-expert-intermediate-size must be positive (got 0)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-ffn-hidden-size", "0"})),
+            "--moe-ffn-hidden-size must be positive (got 0)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-expert-capacity-factor", "0"})),
+            "--moe-expert-capacity-factor must be positive (a negative value means dropless; got 0.000000)");
 }
 
 TEST(TrainArguments, HelpSkipsValidation) {

@@ -1,6 +1,6 @@
 // Megatron-format log lines (expected strings written from training.py's format specs, non-finite and rounding cases
-// checked against Python's own format() output) and the dense-GPT FLOPs count (checked against GEMM FLOPs summed by
-// hand).
+// checked against Python's own format() output) and the FLOPs count of dense and MoE GPTs (checked against GEMM FLOPs
+// summed by hand and against Megatron's formula evaluated by hand).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -149,6 +149,69 @@ TEST(LogFormat, FlopsSwigluCountsThreeMlpGemms) {
   const double flops = num_floating_point_operations(config, 3, 32);
   EXPECT_DOUBLE_EQ(flops, hand_counted_flops(config, 3, 32, 512));
   EXPECT_DOUBLE_EQ(flops, 77856768.0);
+}
+
+// A 4-layer MoE model (first layer dense), SwiGLU, 8 experts of size 48, top-2, a shared expert of size 96.
+ModelConfig small_moe_config() {
+  ModelConfig config = small_gqa_config();
+  config.num_layers = 4;
+  config.activation = Activation::kSwiGLU;
+  config.moe.num_experts = 8;
+  config.moe.ffn_hidden_size = 48;
+  config.moe.topk = 2;
+  config.moe.shared_expert_intermediate_size = 96;
+  config.moe.moe_layer_pattern = {false, true, true, true};
+  return config;
+}
+
+// Forward GEMM FLOPs of a SwiGLU MoE model summed by hand (each of the T tokens goes through k experts and the shared
+// expert in a MoE layer; fc1 is 2 * width wide), times 3 for the backward GEMMs.
+double hand_counted_moe_flops(const ModelConfig& c, const double batch, const double seq) {
+  const double tokens = batch * seq;
+  const double h = static_cast<double>(c.hidden_size);
+  const double q = static_cast<double>(c.kv_channels * c.num_attention_heads);
+  const double kv = static_cast<double>(c.kv_channels * c.num_query_groups);
+  const double attention = 2 * tokens * h * (q + 2 * kv) + 2 * (2 * batch * (seq * seq / 2) * q) + 2 * tokens * q * h;
+  const auto swiglu_mlp = [&](const double rows, const double width) {
+    return 2 * rows * h * (2 * width) + 2 * rows * width * h;
+  };
+  const double dense_mlp = swiglu_mlp(tokens, static_cast<double>(c.ffn_hidden_size));
+  const double routed_rows = tokens * static_cast<double>(c.moe.topk);
+  const double moe_mlp = swiglu_mlp(routed_rows, static_cast<double>(c.moe.ffn_hidden_size)) +
+                         swiglu_mlp(tokens, static_cast<double>(c.moe.shared_expert_intermediate_size));
+  const double logits = 2 * tokens * h * static_cast<double>(c.vocab_size);
+  double forward = logits;
+  for (int64_t layer = 0; layer < c.num_layers; ++layer) {
+    forward += attention + (c.moe.is_moe_layer(layer) ? moe_mlp : dense_mlp);
+  }
+  return 3 * forward;
+}
+
+TEST(LogFormat, FlopsMoEAsMegatron) {
+  const ModelConfig config = small_moe_config();
+  const double flops = num_floating_point_operations(config, 3, 32);
+  EXPECT_DOUBLE_EQ(flops, hand_counted_moe_flops(config, 3, 32));
+  // Megatron's formula by hand, per token (T = 96, F*M = 6, x = 3):
+  //   attention 6*(64*128 + 64*32 + 64*64) * 4 layers = 344064
+  //   dense MLP 6*64*3*256 * 1 layer = 294912, MoE MLP 6*64*3*(48*2 + 96) * 3 layers = 663552, logits 6*64*128 = 49152
+  //   (344064 + 294912 + 663552 + 49152) * 96 = 129761280
+  EXPECT_DOUBLE_EQ(flops, 129761280.0);
+}
+
+TEST(LogFormat, FlopsMoEVariants) {
+  ModelConfig config = small_moe_config();
+  // The same model with every layer dense (no --num-experts) counts ffn everywhere, whatever the moe fields say.
+  config.moe.num_experts = 0;
+  EXPECT_DOUBLE_EQ(num_floating_point_operations(config, 3, 32), (344064.0 + 4 * 294912.0 + 49152.0) * 96);
+  // GeLU (x = 2), every layer MoE, top-1, no shared expert, the expert size falling back to --ffn-hidden-size:
+  // per token 344064 + 6*64*2*256*1 * 4 layers + 49152 = 1179648.
+  config = small_moe_config();
+  config.activation = Activation::kGelu;
+  config.moe.moe_layer_pattern = {true, true, true, true};
+  config.moe.topk = 1;
+  config.moe.shared_expert_intermediate_size = 0;
+  config.moe.ffn_hidden_size = 0;
+  EXPECT_DOUBLE_EQ(num_floating_point_operations(config, 3, 32), 1179648.0 * 96);
 }
 
 TEST(LogFormat, FlopsNeedVocabulary) {

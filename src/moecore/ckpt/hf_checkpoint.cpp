@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -10,6 +11,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <stdexcept>
+
+#include "moecore/ckpt/hf_moe_config.h"
 
 namespace moecore {
 namespace {
@@ -30,7 +33,43 @@ struct HfTensorMap {
   std::vector<RowRange> rows;  // empty: all rows
 };
 
-std::vector<HfTensorMap> hf_layout(const ModelConfig& c) {
+// The split of a SwiGLU fc1 [2F, H] into HF's gate (rows [0, F)) and up (rows [F, 2F)) projections.
+void push_swiglu_mlp(std::vector<HfTensorMap>& layout, const std::string& gate, const std::string& up,
+                     const std::string& down, const std::string& fc1, const std::string& fc2, const int64_t F,
+                     const std::vector<std::string>& suffixes) {
+  for (const std::string& s : suffixes) {
+    layout.push_back({gate + "." + s, fc1 + "." + s, {{0, F}}});
+    layout.push_back({up + "." + s, fc1 + "." + s, {{F, 2 * F}}});
+    layout.push_back({down + "." + s, fc2 + "." + s, {}});
+  }
+}
+
+void push_moe_layer(std::vector<HfTensorMap>& layout, const ModelConfig& c, const std::string& model_type,
+                    const std::string& P, const std::string& M, const std::vector<std::string>& suffixes) {
+  const bool mixtral = model_type == "mixtral";
+  const std::string moe = P + (mixtral ? "block_sparse_moe." : "mlp.");
+  for (const std::string& s : suffixes) layout.push_back({moe + "gate." + s, M + "mlp.router." + s, {}});
+  for (int64_t e = 0; e < c.moe.num_experts; ++e) {
+    const std::string expert = moe + "experts." + std::to_string(e) + ".";
+    const std::string local = M + "mlp.experts.local_experts." + std::to_string(e) + ".";
+    if (mixtral) {
+      push_swiglu_mlp(layout, expert + "w1", expert + "w3", expert + "w2", local + "linear_fc1", local + "linear_fc2",
+                      c.moe.ffn_hidden_size, suffixes);
+    } else {
+      push_swiglu_mlp(layout, expert + "gate_proj", expert + "up_proj", expert + "down_proj", local + "linear_fc1",
+                      local + "linear_fc2", c.moe.ffn_hidden_size, suffixes);
+    }
+  }
+  if (c.moe.shared_expert_intermediate_size > 0) {  // moecore_moe only (HF types refuse shared experts)
+    const std::string shared = M + "mlp.shared_experts.";
+    push_swiglu_mlp(layout, moe + "shared_experts.gate_proj", moe + "shared_experts.up_proj",
+                    moe + "shared_experts.down_proj", shared + "linear_fc1", shared + "linear_fc2",
+                    c.moe.shared_expert_intermediate_size, {"weight"});
+    if (c.moe.shared_expert_gate) layout.push_back({moe + "shared_expert_gate.weight", shared + "gate_weight", {}});
+  }
+}
+
+std::vector<HfTensorMap> hf_layout(const ModelConfig& c, const std::string& model_type) {
   const int64_t d = c.kv_channels;
   const int64_t heads_per_group = c.num_attention_heads / c.num_query_groups;
   const int64_t group_rows = (heads_per_group + 2) * d;
@@ -41,7 +80,6 @@ std::vector<HfTensorMap> hf_layout(const ModelConfig& c) {
     k_rows.push_back({base + heads_per_group * d, base + (heads_per_group + 1) * d});
     v_rows.push_back({base + (heads_per_group + 1) * d, base + group_rows});
   }
-  const int64_t F = c.ffn_hidden_size;
   const std::vector<std::string> suffixes =
       c.add_bias_linear ? std::vector<std::string>{"weight", "bias"} : std::vector<std::string>{"weight"};
 
@@ -62,10 +100,11 @@ std::vector<HfTensorMap> hf_layout(const ModelConfig& c) {
       layout.push_back({P + "self_attn.k_norm.weight", M + "self_attention.k_layernorm.weight", {}});
     }
     layout.push_back({P + "post_attention_layernorm.weight", M + "pre_mlp_layernorm.weight", {}});
-    for (const std::string& s : suffixes) {
-      layout.push_back({P + "mlp.gate_proj." + s, M + "mlp.linear_fc1." + s, {{0, F}}});
-      layout.push_back({P + "mlp.up_proj." + s, M + "mlp.linear_fc1." + s, {{F, 2 * F}}});
-      layout.push_back({P + "mlp.down_proj." + s, M + "mlp.linear_fc2." + s, {}});
+    if (c.moe.is_moe_layer(i)) {
+      push_moe_layer(layout, c, model_type, P, M, suffixes);
+    } else {
+      push_swiglu_mlp(layout, P + "mlp.gate_proj", P + "mlp.up_proj", P + "mlp.down_proj", M + "mlp.linear_fc1",
+                      M + "mlp.linear_fc2", c.ffn_hidden_size, suffixes);
     }
   }
   layout.push_back({"model.norm.weight", "decoder.final_layernorm.weight", {}});
@@ -128,10 +167,41 @@ int64_t max_positions(const ModelConfig& c) {
   return c.max_position_embeddings > 0 ? c.max_position_embeddings : c.seq_length;
 }
 
+bool is_moe_type(const std::string& model_type) {
+  return model_type == "mixtral" || model_type == "qwen3_moe" || model_type == "moecore_moe";
+}
+
+std::string architecture_of(const std::string& model_type) {
+  if (model_type == "llama") return "LlamaForCausalLM";
+  if (model_type == "qwen3") return "Qwen3ForCausalLM";
+  if (model_type == "mixtral") return "MixtralForCausalLM";
+  if (model_type == "qwen3_moe") return "Qwen3MoeForCausalLM";
+  return "MoecoreMoeForCausalLM";  // no HF class: a moecore-only format
+}
+
+// HF trains with one load-balancing loss over the batch; its coefficient is the first auxiliary-loss coefficient.
+double router_aux_loss_coef(const MoEConfig& m) {
+  for (size_t i = 0; i < m.load_balancing_types.size() && i < m.aux_loss_coeffs.size(); ++i) {
+    const LoadBalancingType type = m.load_balancing_types[i];
+    if (type == LoadBalancingType::kAuxLoss || type == LoadBalancingType::kSeqAuxLoss ||
+        type == LoadBalancingType::kGlobalAuxLoss) {
+      return m.aux_loss_coeffs[i];
+    }
+  }
+  return 0.0;
+}
+
+json dense_layer_list(const ModelConfig& c) {
+  json layers = json::array();
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    if (!c.moe.is_moe_layer(i)) layers.push_back(i);
+  }
+  return layers;
+}
+
 json hf_config_json(const ModelConfig& c, const std::string& model_type, const HfExportInfo& info) {
-  const bool qwen3 = model_type == "qwen3";
   json j = {
-      {"architectures", {qwen3 ? "Qwen3ForCausalLM" : "LlamaForCausalLM"}},
+      {"architectures", {architecture_of(model_type)}},
       {"model_type", model_type},
       {"hidden_size", c.hidden_size},
       {"intermediate_size", c.ffn_hidden_size},
@@ -154,13 +224,36 @@ json hf_config_json(const ModelConfig& c, const std::string& model_type, const H
       {"torch_dtype", info.dtype == DType::kBF16 ? "bfloat16" : "float32"},
       {"use_cache", true},
   };
-  if (qwen3) {
+  const MoEConfig& m = c.moe;
+  if (model_type == "qwen3" || model_type == "qwen3_moe") {
     j["use_sliding_window"] = false;
     j["sliding_window"] = nullptr;
     j["max_window_layers"] = c.num_layers;
-  } else {
-    j["mlp_bias"] = c.add_bias_linear;
-    j["pretraining_tp"] = 1;
+  }
+  if (model_type == "llama" || model_type == "moecore_moe") j["mlp_bias"] = c.add_bias_linear;
+  if (model_type == "llama") j["pretraining_tp"] = 1;
+  if (model_type == "mixtral") {
+    j.erase("attention_bias");  // MixtralConfig has no such field: no biases anywhere
+    j["intermediate_size"] = m.ffn_hidden_size;
+    j["num_local_experts"] = m.num_experts;
+    j["sliding_window"] = nullptr;
+    j["router_jitter_noise"] = m.input_jitter_eps;
+  }
+  if (model_type == "qwen3_moe" || model_type == "moecore_moe") {
+    j["moe_intermediate_size"] = m.ffn_hidden_size;
+    j["num_experts"] = m.num_experts;
+    j["mlp_only_layers"] = dense_layer_list(c);
+  }
+  if (model_type == "qwen3_moe") {
+    j["decoder_sparse_step"] = 1;
+    j["norm_topk_prob"] = !m.pre_softmax;  // post-softmax == softmax over all, top-k, renormalised
+  }
+  if (model_type == "moecore_moe") j["qk_layernorm"] = c.qk_layernorm;
+  if (is_moe_type(model_type)) {
+    j["num_experts_per_tok"] = m.topk;
+    j["router_aux_loss_coef"] = router_aux_loss_coef(m);
+    j["output_router_logits"] = false;
+    j[kMoecoreMoeConfigKey] = moe_config_block(c);
   }
   return j;
 }
@@ -240,9 +333,133 @@ T field_or(const json& j, const fs::path& file, const std::string& key, const T 
   return field<T>(j, file, key);
 }
 
+// The MoE fields of a mixtral / qwen3_moe / moecore_moe config.json into c (dense fields already read).
+void read_moe_fields(const json& j, const fs::path& file, const std::string& model_type, ModelConfig& c) {
+  const bool has_block = j.contains(kMoecoreMoeConfigKey);
+  if (has_block) {
+    read_moe_config_block(j[kMoecoreMoeConfigKey], file.string(), c);
+  } else if (model_type == "moecore_moe") {
+    config_fail(file, "model_type moecore_moe needs its '" + std::string(kMoecoreMoeConfigKey) + "' object");
+  }
+  MoEConfig& m = c.moe;
+  if (model_type == "moecore_moe") {
+    // The block is authoritative; the HF-style summary fields must agree with it.
+    const auto agree = [&](const std::string& key, const int64_t value) {
+      if (j.contains(key) && field<int64_t>(j, file, key) != value) {
+        config_fail(file, "field '" + key + "' disagrees with " + kMoecoreMoeConfigKey);
+      }
+    };
+    agree("num_experts", m.num_experts);
+    agree("num_experts_per_tok", m.topk);
+    agree("moe_intermediate_size", m.ffn_hidden_size);
+    agree("intermediate_size", c.ffn_hidden_size);
+    return;
+  }
+  if (c.add_bias_linear) {
+    config_fail(file, "attention_bias true: moecore's --add-bias-linear would also give the " + model_type +
+                          " router and experts biases it does not have");
+  }
+  // HF's own fields define the architecture; the block (when present) only adds training-only settings.
+  const bool mixtral = model_type == "mixtral";
+  m.num_experts = field<int64_t>(j, file, mixtral ? "num_local_experts" : "num_experts");
+  m.topk = field<int64_t>(j, file, "num_experts_per_tok");
+  m.score_function = RouterScoreFunction::kSoftmax;
+  const int64_t expert_ffn = field<int64_t>(j, file, mixtral ? "intermediate_size" : "moe_intermediate_size");
+  m.ffn_hidden_size = expert_ffn;
+  m.moe_layer_pattern.assign(static_cast<size_t>(c.num_layers), true);
+  if (mixtral) {
+    m.pre_softmax = false;
+    if (!has_block) c.ffn_hidden_size = expert_ffn;  // no dense layers; the dense width only matters to moecore
+    if (!has_block) m.input_jitter_eps = field_or<double>(j, file, "router_jitter_noise", 0.0);
+  } else {
+    m.pre_softmax = !field_or<bool>(j, file, "norm_topk_prob", false);
+    const int64_t step = field_or<int64_t>(j, file, "decoder_sparse_step", 1);
+    if (step <= 0) config_fail(file, "decoder_sparse_step must be positive");
+    const std::vector<int64_t> dense = field_or<std::vector<int64_t>>(j, file, "mlp_only_layers", {});
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+      const bool listed = std::find(dense.begin(), dense.end(), i) != dense.end();
+      m.moe_layer_pattern[static_cast<size_t>(i)] = !listed && (i + 1) % step == 0;
+    }
+  }
+  if (!has_block) {
+    m.load_balancing_types = {LoadBalancingType::kAuxLoss};
+    m.aux_loss_coeffs = {field_or<double>(j, file, "router_aux_loss_coef", 0.0)};
+  }
+  const std::string misfit = hf_moe_misfit(c, model_type);
+  if (!misfit.empty()) config_fail(file, "model_type " + model_type + " cannot have " + misfit);
+}
+
+ModelConfig read_typed_config(const std::string& dir, const HfImportOptions& options, std::string& model_type) {
+  const fs::path file = fs::path(dir) / "config.json";
+  const json j = read_json_file(file);
+  if (!j.is_object()) config_fail(file, "not a JSON object");
+  model_type = field_or<std::string>(j, file, "model_type", "");
+  if (model_type != "llama" && model_type != "qwen3" && !is_moe_type(model_type)) {
+    config_fail(file, "HF import supports model_type llama, qwen3, mixtral, qwen3_moe or moecore_moe, not '" +
+                          model_type + "'");
+  }
+  const std::string act = field_or<std::string>(j, file, "hidden_act", "silu");
+  if (act != "silu") config_fail(file, "hidden_act '" + act + "' is not supported (SwiGLU needs silu)");
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+    config_fail(file, "rope_scaling " + j["rope_scaling"].dump() + " is not supported");
+  }
+  double rope_theta = 10000.0;
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {  // newer transformers
+    const json& rp = j["rope_parameters"];
+    if (rp.value("rope_type", std::string("default")) != "default") {
+      config_fail(file, "rope_parameters " + rp.dump() + " is not supported");
+    }
+    rope_theta = field_or<double>(rp, file, "rope_theta", rope_theta);
+  }
+  rope_theta = field_or<double>(j, file, "rope_theta", rope_theta);
+  if (field_or<bool>(j, file, "use_sliding_window", false)) config_fail(file, "use_sliding_window is not supported");
+
+  ModelConfig c;
+  c.num_layers = field<int64_t>(j, file, "num_hidden_layers");
+  c.hidden_size = field<int64_t>(j, file, "hidden_size");
+  c.ffn_hidden_size = field<int64_t>(j, file, "intermediate_size");
+  c.num_attention_heads = field<int64_t>(j, file, "num_attention_heads");
+  c.num_query_groups = field_or<int64_t>(j, file, "num_key_value_heads", c.num_attention_heads);
+  if (c.num_attention_heads <= 0) config_fail(file, "num_attention_heads must be positive");
+  c.kv_channels = field_or<int64_t>(j, file, "head_dim", c.hidden_size / c.num_attention_heads);
+  c.max_position_embeddings = field<int64_t>(j, file, "max_position_embeddings");
+  c.seq_length = options.seq_length > 0 ? options.seq_length : c.max_position_embeddings;
+  c.vocab_size = field<int64_t>(j, file, "vocab_size");
+  c.normalization = Normalization::kRMSNorm;
+  c.norm_epsilon = field_or<double>(j, file, "rms_norm_eps", 1e-6);
+  c.activation = Activation::kSwiGLU;
+  const bool attention_bias = field_or<bool>(j, file, "attention_bias", false);
+  const bool mlp_bias =
+      model_type == "llama" || model_type == "moecore_moe" ? field_or<bool>(j, file, "mlp_bias", false) : false;
+  if (attention_bias != mlp_bias) {
+    config_fail(file, "attention_bias " + std::string(attention_bias ? "true" : "false") + " with mlp_bias " +
+                          (mlp_bias ? "true" : "false") + " (" + model_type +
+                          ") cannot be expressed with one --add-bias-linear setting");
+  }
+  c.add_bias_linear = attention_bias;
+  c.qk_layernorm = model_type == "qwen3" || model_type == "qwen3_moe" ||
+                   (model_type == "moecore_moe" && field<bool>(j, file, "qk_layernorm"));
+  c.position_embedding_type = PositionEmbedding::kRope;
+  c.rotary_base = rope_theta;
+  c.rotary_percent = 1.0;
+  c.init_method_std = field_or<double>(j, file, "initializer_range", 0.02);
+  c.attention_dropout =
+      options.attention_dropout >= 0 ? options.attention_dropout : field_or<double>(j, file, "attention_dropout", 0.0);
+  c.hidden_dropout = options.hidden_dropout;
+  c.untie_embeddings_and_output_weights = !field_or<bool>(j, file, "tie_word_embeddings", false);
+  if (is_moe_type(model_type)) read_moe_fields(j, file, model_type, c);
+  try {
+    c.validate();
+    if (c.moe.enabled()) c.moe.validate(c.num_layers);
+  } catch (const ConfigError& e) {
+    config_fail(file, e.what());
+  }
+  return c;
+}
+
 }  // namespace
 
-std::string hf_model_type(const ModelConfig& c) {
+std::string hf_model_type(const ModelConfig& c, const std::string& requested) {
   const std::string prefix = "HF export supports llama/qwen3-style models (RMSNorm, SwiGLU, RoPE); this model has ";
   if (c.normalization != Normalization::kRMSNorm)
     throw ConfigError(prefix + "--normalization " + to_string(c.normalization));
@@ -251,16 +468,41 @@ std::string hf_model_type(const ModelConfig& c) {
     throw ConfigError(prefix + "--position-embedding-type " + to_string(c.position_embedding_type));
   }
   if (c.rotary_percent != 1.0) throw ConfigError(prefix + "--rotary-percent " + std::to_string(c.rotary_percent));
-  if (c.qk_layernorm && c.add_bias_linear) {
-    throw ConfigError(prefix +
-                      "--qk-layernorm with linear biases (qwen3 has no MLP biases; use --disable-bias-linear)");
+  if (!requested.empty() && requested != "llama" && requested != "qwen3" && !is_moe_type(requested)) {
+    throw ConfigError("HF export: unknown model_type '" + requested +
+                      "' (llama, qwen3, mixtral, qwen3_moe or moecore_moe)");
   }
-  return c.qk_layernorm ? "qwen3" : "llama";
+  if (!c.moe.enabled()) {
+    if (is_moe_type(requested)) throw ConfigError("HF export as " + requested + " needs a MoE model (--num-experts)");
+    if (c.qk_layernorm && c.add_bias_linear) {
+      throw ConfigError(prefix +
+                        "--qk-layernorm with linear biases (qwen3 has no MLP biases; use --disable-bias-linear)");
+    }
+    const std::string automatic = c.qk_layernorm ? "qwen3" : "llama";
+    if (!requested.empty() && requested != automatic) {
+      throw ConfigError("HF export as " + requested + ": this model " +
+                        (c.qk_layernorm ? "has --qk-layernorm (qwen3)" : "has no --qk-layernorm (llama)"));
+    }
+    return automatic;
+  }
+  if (requested == "llama" || requested == "qwen3") {
+    throw ConfigError("HF export as " + requested + ": this model has MoE layers (--num-experts " +
+                      std::to_string(c.moe.num_experts) + "); use mixtral, qwen3_moe or moecore_moe");
+  }
+  if (requested == "mixtral" || requested == "qwen3_moe") {
+    const std::string misfit = hf_moe_misfit(c, requested);
+    if (!misfit.empty()) throw ConfigError("HF export as " + requested + " cannot represent " + misfit);
+    return requested;
+  }
+  if (requested == "moecore_moe") return requested;
+  if (c.qk_layernorm && hf_moe_misfit(c, "qwen3_moe").empty()) return "qwen3_moe";
+  if (hf_moe_misfit(c, "mixtral").empty()) return "mixtral";
+  return "moecore_moe";
 }
 
 void export_hf(const GPTModel& model, const HfExportInfo& info, const std::string& dir) {
   const ModelConfig& c = model.config();
-  const std::string model_type = hf_model_type(c);
+  const std::string model_type = hf_model_type(c, info.model_type);
   if (info.dtype != DType::kF32 && info.dtype != DType::kBF16) {
     throw std::invalid_argument("HF export: weights dtype must be float32 or bfloat16");
   }
@@ -269,7 +511,7 @@ void export_hf(const GPTModel& model, const HfExportInfo& info, const std::strin
   for (const Param& p : model.params()) params[p.name] = &p;
 
   std::vector<NamedTensor> tensors;
-  for (const HfTensorMap& map : hf_layout(c)) {
+  for (const HfTensorMap& map : hf_layout(c, model_type)) {
     const auto it = params.find(map.megatron_name);
     if (it == params.end()) throw std::runtime_error("HF export: the model has no parameter " + map.megatron_name);
     const Tensor& value = it->second->value;
@@ -308,70 +550,13 @@ void export_hf(const GPTModel& model, const HfExportInfo& info, const std::strin
 }
 
 ModelConfig read_hf_config(const std::string& dir, const HfImportOptions& options) {
-  const fs::path file = fs::path(dir) / "config.json";
-  const json j = read_json_file(file);
-  if (!j.is_object()) config_fail(file, "not a JSON object");
-  const std::string model_type = field_or<std::string>(j, file, "model_type", "");
-  if (model_type != "llama" && model_type != "qwen3") {
-    config_fail(file, "HF import supports model_type llama or qwen3, not '" + model_type + "'");
-  }
-  const std::string act = field_or<std::string>(j, file, "hidden_act", "silu");
-  if (act != "silu") config_fail(file, "hidden_act '" + act + "' is not supported (SwiGLU needs silu)");
-  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
-    config_fail(file, "rope_scaling " + j["rope_scaling"].dump() + " is not supported");
-  }
-  double rope_theta = 10000.0;
-  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {  // newer transformers
-    const json& rp = j["rope_parameters"];
-    if (rp.value("rope_type", std::string("default")) != "default") {
-      config_fail(file, "rope_parameters " + rp.dump() + " is not supported");
-    }
-    rope_theta = field_or<double>(rp, file, "rope_theta", rope_theta);
-  }
-  rope_theta = field_or<double>(j, file, "rope_theta", rope_theta);
-  if (field_or<bool>(j, file, "use_sliding_window", false)) config_fail(file, "use_sliding_window is not supported");
-
-  ModelConfig c;
-  c.num_layers = field<int64_t>(j, file, "num_hidden_layers");
-  c.hidden_size = field<int64_t>(j, file, "hidden_size");
-  c.ffn_hidden_size = field<int64_t>(j, file, "intermediate_size");
-  c.num_attention_heads = field<int64_t>(j, file, "num_attention_heads");
-  c.num_query_groups = field_or<int64_t>(j, file, "num_key_value_heads", c.num_attention_heads);
-  if (c.num_attention_heads <= 0) config_fail(file, "num_attention_heads must be positive");
-  c.kv_channels = field_or<int64_t>(j, file, "head_dim", c.hidden_size / c.num_attention_heads);
-  c.max_position_embeddings = field<int64_t>(j, file, "max_position_embeddings");
-  c.seq_length = options.seq_length > 0 ? options.seq_length : c.max_position_embeddings;
-  c.vocab_size = field<int64_t>(j, file, "vocab_size");
-  c.normalization = Normalization::kRMSNorm;
-  c.norm_epsilon = field_or<double>(j, file, "rms_norm_eps", 1e-6);
-  c.activation = Activation::kSwiGLU;
-  const bool attention_bias = field_or<bool>(j, file, "attention_bias", false);
-  const bool mlp_bias = model_type == "llama" ? field_or<bool>(j, file, "mlp_bias", false) : false;
-  if (attention_bias != mlp_bias) {
-    config_fail(file, "attention_bias " + std::string(attention_bias ? "true" : "false") + " with mlp_bias " +
-                          (mlp_bias ? "true" : "false") + " (" + model_type +
-                          ") cannot be expressed with one --add-bias-linear setting");
-  }
-  c.add_bias_linear = attention_bias;
-  c.qk_layernorm = model_type == "qwen3";
-  c.position_embedding_type = PositionEmbedding::kRope;
-  c.rotary_base = rope_theta;
-  c.rotary_percent = 1.0;
-  c.init_method_std = field_or<double>(j, file, "initializer_range", 0.02);
-  c.attention_dropout =
-      options.attention_dropout >= 0 ? options.attention_dropout : field_or<double>(j, file, "attention_dropout", 0.0);
-  c.hidden_dropout = options.hidden_dropout;
-  c.untie_embeddings_and_output_weights = !field_or<bool>(j, file, "tie_word_embeddings", false);
-  try {
-    c.validate();
-  } catch (const ConfigError& e) {
-    config_fail(file, e.what());
-  }
-  return c;
+  std::string model_type;
+  return read_typed_config(dir, options, model_type);
 }
 
 std::unique_ptr<GPTModel> load_hf(const std::string& dir, const HfImportOptions& options) {
-  const ModelConfig c = read_hf_config(dir, options);
+  std::string model_type;
+  const ModelConfig c = read_typed_config(dir, options, model_type);
   auto model = std::make_unique<GPTModel>(c, options.seed);
 
   // Every weight file: the single model.safetensors, or the shards an index names.
@@ -403,7 +588,7 @@ std::unique_ptr<GPTModel> load_hf(const std::string& dir, const HfImportOptions&
   }
 
   std::set<std::string> used;
-  for (const HfTensorMap& map : hf_layout(c)) {
+  for (const HfTensorMap& map : hf_layout(c, model_type)) {
     const auto it = hf_tensors.find(map.hf_name);
     if (it == hf_tensors.end()) throw std::runtime_error(dir + ": missing tensor '" + map.hf_name + "'");
     const auto& [tensor, source] = it->second;
@@ -425,8 +610,8 @@ std::unique_ptr<GPTModel> load_hf(const std::string& dir, const HfImportOptions&
     const bool tied_head = name == "lm_head.weight" && !c.untie_embeddings_and_output_weights;
     const bool rope_buffer = name.ends_with(".rotary_emb.inv_freq");  // older checkpoints store it
     if (!tied_head && !rope_buffer) {
-      throw std::runtime_error(entry.second + ": tensor '" + name + "' has no place in a " +
-                               std::string(c.qk_layernorm ? "qwen3" : "llama") + " model with this config.json");
+      throw std::runtime_error(entry.second + ": tensor '" + name + "' has no place in a " + model_type +
+                               " model with this config.json");
     }
   }
   return model;

@@ -28,6 +28,7 @@ void ModelConfig::validate() const {
             "--max-position-embeddings (" + std::to_string(max_position_embeddings) +
                 ") must be at least --seq-length (" + std::to_string(seq_length) + ")");
   }
+  if (moe.enabled()) moe.validate(num_layers);
   if (position_embedding_type == PositionEmbedding::kRope) {
     require(rotary_percent > 0 && rotary_percent <= 1, "--rotary-percent must be in (0, 1]");
     require(rotary_dim() % 2 == 0 && rotary_dim() > 0,

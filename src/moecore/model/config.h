@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "moecore/moe/moe_config.h"
+
 namespace moecore {
 
 // A configuration problem: one line naming the offending setting.
@@ -39,6 +41,7 @@ struct ModelConfig {
   double attention_dropout = 0.1;
   double hidden_dropout = 0.1;
   bool untie_embeddings_and_output_weights = false;
+  MoEConfig moe;  // num_experts == 0: dense
 
   int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(kv_channels) * rotary_percent); }
   int64_t fc1_out() const { return activation == Activation::kSwiGLU ? 2 * ffn_hidden_size : ffn_hidden_size; }

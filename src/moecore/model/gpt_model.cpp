@@ -150,7 +150,9 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     const LayerDropout dropout{options.training, options.dropout_seed,
                                layer_stream(options.dropout_stream, static_cast<int64_t>(i))};
     LayerActivations scratch;
-    modules_->layers[i].forward(out_TH.data<float>(), x_TH, S, B, dropout, options.training ? ctx->layers[i] : scratch);
+    LayerActivations& saved = options.training ? ctx->layers[i] : scratch;
+    modules_->layers[i].forward(out_TH.data<float>(), x_TH, S, B, dropout, saved);
+    if (options.training && modules_->layers[i].is_moe()) record_moe_stats(static_cast<int64_t>(i), saved.moe.routing);
     x_TH = std::move(out_TH);
   }
   ctx->final_in_TH = x_TH;
@@ -172,7 +174,10 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     for (int64_t t = 0; t < T; ++t)
       loss += static_cast<double>(losses[t]) * ctx->loss_weight_SB[static_cast<size_t>(t)];
   }
-  if (options.training) ctx_out = std::move(ctx);
+  if (options.training) {
+    if (!moe_stats_.moe_layers.empty()) ++moe_stats_.num_forwards;
+    ctx_out = std::move(ctx);
+  }
   return loss;
 }
 
@@ -201,7 +206,8 @@ void GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double los
   for (size_t i = modules_->layers.size(); i-- > 0;) {
     Tensor dprev_TH(std::vector<int64_t>{T, H}, DType::kF32, MemCategory::kActivations);
     const LayerDropout dropout{true, ctx->dropout_seed, layer_stream(ctx->dropout_stream, static_cast<int64_t>(i))};
-    modules_->layers[i].backward(dprev_TH.data<float>(), dx_TH.data<float>(), S, B, dropout, ctx->layers[i]);
+    modules_->layers[i].backward(dprev_TH.data<float>(), dx_TH.data<float>(), S, B, dropout, loss_scale,
+                                 ctx->layers[i]);
     ctx->layers[i] = LayerActivations();
     dx_TH = std::move(dprev_TH);
   }
@@ -222,6 +228,46 @@ void GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double los
       }
     }
   }
+}
+
+void GPTModel::record_moe_stats(const int64_t layer, const RouterOutput& routing) {
+  size_t slot = 0;
+  while (slot < moe_stats_.moe_layers.size() && moe_stats_.moe_layers[slot] != layer) ++slot;
+  if (slot == moe_stats_.moe_layers.size()) {
+    moe_stats_.moe_layers.push_back(layer);
+    moe_stats_.load_balancing_losses.emplace_back(routing.load_balancing_losses.size(), 0.0);
+    moe_stats_.z_losses.push_back(0.0);
+    moe_stats_.tokens_per_expert.emplace_back(routing.tokens_per_expert_E.size(), 0);
+  }
+  for (size_t j = 0; j < routing.load_balancing_losses.size(); ++j) {
+    moe_stats_.load_balancing_losses[slot][j] += routing.load_balancing_losses[j];
+  }
+  moe_stats_.z_losses[slot] += routing.z_loss;
+  for (size_t e = 0; e < routing.tokens_per_expert_E.size(); ++e) {
+    moe_stats_.tokens_per_expert[slot][e] += routing.tokens_per_expert_E[e];
+  }
+}
+
+MoEStats GPTModel::take_moe_stats() {
+  MoEStats out = std::move(moe_stats_);
+  moe_stats_ = MoEStats();
+  return out;
+}
+
+void GPTModel::finish_global_batch() {
+  for (TransformerLayer& layer : modules_->layers) {
+    if (layer.is_moe()) layer.moe()->finish_global_batch();
+  }
+}
+
+std::vector<float>* GPTModel::expert_bias(const int64_t layer) {
+  return const_cast<std::vector<float>*>(static_cast<const GPTModel&>(*this).expert_bias(layer));
+}
+
+const std::vector<float>* GPTModel::expert_bias(const int64_t layer) const {
+  if (layer < 0 || layer >= static_cast<int64_t>(modules_->layers.size())) return nullptr;
+  TransformerLayer& l = modules_->layers[static_cast<size_t>(layer)];
+  return l.is_moe() ? &l.moe()->router().expert_bias() : nullptr;
 }
 
 Tensor GPTModel::last_logits(const int32_t* tokens_BS, const int64_t B, const int64_t S) {

@@ -20,6 +20,15 @@
 
 namespace moecore {
 
+// MoE routing statistics summed over the training forwards since the last GPTModel::take_moe_stats().
+struct MoEStats {
+  int64_t num_forwards = 0;
+  std::vector<int64_t> moe_layers;                         // model index of each MoE layer
+  std::vector<std::vector<double>> load_balancing_losses;  // [MoE layer][balancing type], logged values (loss / coeff)
+  std::vector<double> z_losses;                            // [MoE layer], z-loss / coeff
+  std::vector<std::vector<int64_t>> tokens_per_expert;     // [MoE layer][expert]
+};
+
 struct ForwardOptions {
   bool training = true;         // dropout on, activations kept for backward
   uint64_t dropout_seed = 0;    // run seed
@@ -50,14 +59,25 @@ class GPTModel {
   // Accumulates into every Param::grad the gradient of (loss * loss_scale); releases ctx.
   void backward(std::unique_ptr<MicroBatchContext> ctx, double loss_scale);
 
+  // MoE: statistics of the training forwards since the last call (then reset), and the once-per-global-batch
+  // router updates (expert-bias sign rule, global aux-loss reset). No-ops for a dense model.
+  MoEStats take_moe_stats();
+  void finish_global_batch();
+  // The router's expert-bias buffer [E] of MoE layer `layer` (checkpoints, exports, tests); null for a dense layer.
+  std::vector<float>* expert_bias(int64_t layer);
+  const std::vector<float>* expert_bias(int64_t layer) const;
+
   // Logits for the last position of each sequence (generation): tokens_BS [B, S] -> [B, V].
   Tensor last_logits(const int32_t* tokens_BS, int64_t B, int64_t S);
 
  private:
+  void record_moe_stats(int64_t layer, const RouterOutput& routing);
+
   struct Modules;
   ModelConfig config_;
   std::vector<Param> params_;
   std::unique_ptr<Modules> modules_;
+  MoEStats moe_stats_;
 };
 
 }  // namespace moecore

@@ -14,7 +14,8 @@
 namespace moecore {
 namespace {
 
-enum DropoutSite : uint64_t { kAttentionProbs = 1, kAfterAttention = 2, kAfterMlp = 3 };
+// Sub-streams of a layer's RNG stream: 0 for the MoE router's input jitter, 1-3 for the dropout sites.
+enum DropoutSite : uint64_t { kMoeRouterJitter = 0, kAttentionProbs = 1, kAfterAttention = 2, kAfterMlp = 3 };
 
 kernels::DropoutSpec dropout_spec(const LayerDropout& dropout, const double p, const DropoutSite site) {
   kernels::DropoutSpec spec;
@@ -93,10 +94,14 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
   idx_.proj_w = add("self_attention.linear_proj.weight", {H, config.num_attention_heads * d}, InitKind::kScaledNormal);
   if (bias) idx_.proj_b = add("self_attention.linear_proj.bias", {H}, InitKind::kZeros);
   add_norm("pre_mlp_layernorm", H, idx_.ln2_w, idx_.ln2_b);
-  idx_.fc1_w = add("mlp.linear_fc1.weight", {config.fc1_out(), H}, InitKind::kNormal);
-  if (bias) idx_.fc1_b = add("mlp.linear_fc1.bias", {config.fc1_out()}, InitKind::kZeros);
-  idx_.fc2_w = add("mlp.linear_fc2.weight", {H, config.ffn_hidden_size}, InitKind::kScaledNormal);
-  if (bias) idx_.fc2_b = add("mlp.linear_fc2.bias", {H}, InitKind::kZeros);
+  if (config.moe.is_moe_layer(index)) {
+    moe_ = std::make_unique<MoELayer>(config, prefix_, params);
+  } else {
+    idx_.fc1_w = add("mlp.linear_fc1.weight", {config.fc1_out(), H}, InitKind::kNormal);
+    if (bias) idx_.fc1_b = add("mlp.linear_fc1.bias", {config.fc1_out()}, InitKind::kZeros);
+    idx_.fc2_w = add("mlp.linear_fc2.weight", {H, config.ffn_hidden_size}, InitKind::kScaledNormal);
+    if (bias) idx_.fc2_b = add("mlp.linear_fc2.bias", {H}, InitKind::kZeros);
+  }
 }
 
 void TransformerLayer::bind(std::vector<Param>& params) {
@@ -117,6 +122,7 @@ void TransformerLayer::bind(std::vector<Param>& params) {
     q_norm_ = NormModule(config_.normalization, eps, ptr(idx_.qn_w), ptr(idx_.qn_b));
     k_norm_ = NormModule(config_.normalization, eps, ptr(idx_.kn_w), ptr(idx_.kn_b));
   }
+  if (moe_) moe_->bind(params);
 }
 
 void TransformerLayer::forward(float* out_TH, const Tensor& x_TH, const int64_t S, const int64_t B,
@@ -174,24 +180,30 @@ void TransformerLayer::forward(float* out_TH, const Tensor& x_TH, const int64_t 
 
   a.ln2_TH = activation_tensor({T, H});
   a.ln2_stats = ln2_.forward(a.ln2_TH.data<float>(), a.x_mid_TH.data<float>(), T);
-  a.fc1_TF1 = activation_tensor({T, F1});
-  k::linear_forward(a.fc1_TF1.data<float>(), a.ln2_TH.data<float>(), value(idx_.fc1_w), value(idx_.fc1_b), T, H, F1);
-  a.act_TF = activation_tensor({T, F});
-  switch (config_.activation) {
-    case Activation::kSwiGLU: k::swiglu_forward(a.act_TF.data<float>(), a.fc1_TF1.data<float>(), T, F); break;
-    case Activation::kGelu: k::gelu_forward(a.act_TF.data<float>(), a.fc1_TF1.data<float>(), T * F); break;
-    case Activation::kSquaredReLU:
-      k::squared_relu_forward(a.act_TF.data<float>(), a.fc1_TF1.data<float>(), T * F);
-      break;
+  Tensor fc2_TH = activation_tensor({T, H});  // the MLP (or MoE) output
+  if (moe_) {
+    moe_->forward(fc2_TH.data<float>(), a.ln2_TH.data<float>(), S, B, dropout.training, dropout.seed,
+                  dropout.stream * 4 + kMoeRouterJitter, a.moe);
+  } else {
+    a.fc1_TF1 = activation_tensor({T, F1});
+    k::linear_forward(a.fc1_TF1.data<float>(), a.ln2_TH.data<float>(), value(idx_.fc1_w), value(idx_.fc1_b), T, H, F1);
+    a.act_TF = activation_tensor({T, F});
+    switch (config_.activation) {
+      case Activation::kSwiGLU: k::swiglu_forward(a.act_TF.data<float>(), a.fc1_TF1.data<float>(), T, F); break;
+      case Activation::kGelu: k::gelu_forward(a.act_TF.data<float>(), a.fc1_TF1.data<float>(), T * F); break;
+      case Activation::kSquaredReLU:
+        k::squared_relu_forward(a.act_TF.data<float>(), a.fc1_TF1.data<float>(), T * F);
+        break;
+    }
+    k::linear_forward(fc2_TH.data<float>(), a.act_TF.data<float>(), value(idx_.fc2_w), value(idx_.fc2_b), T, F, H);
   }
-  Tensor fc2_TH = activation_tensor({T, H});
-  k::linear_forward(fc2_TH.data<float>(), a.act_TF.data<float>(), value(idx_.fc2_w), value(idx_.fc2_b), T, F, H);
   k::dropout_forward(out_TH, fc2_TH.data<float>(), T * H, dropout_spec(dropout, config_.hidden_dropout, kAfterMlp));
   k::add_inplace(out_TH, a.x_mid_TH.data<float>(), T * H);
 }
 
 void TransformerLayer::backward(float* dx_TH, const float* dout_TH, const int64_t S, const int64_t B,
-                                const LayerDropout& dropout, const LayerActivations& a) const {
+                                const LayerDropout& dropout, const double aux_grad_scale,
+                                const LayerActivations& a) const {
   const int64_t T = S * B, H = config_.hidden_size, N = config_.num_attention_heads, G = config_.num_query_groups;
   const int64_t d = config_.kv_channels, F = config_.ffn_hidden_size, F1 = config_.fc1_out();
   namespace k = kernels::cpu;
@@ -201,27 +213,30 @@ void TransformerLayer::backward(float* dx_TH, const float* dout_TH, const int64_
   std::memcpy(dx_mid_TH.data<float>(), dout_TH, sizeof(float) * T * H);
   Tensor dfc2_TH = activation_tensor({T, H});
   k::dropout_backward(dfc2_TH.data<float>(), dout_TH, T * H, dropout_spec(dropout, config_.hidden_dropout, kAfterMlp));
-  Tensor dact_TF = activation_tensor({T, F});
-  k::linear_backward(dact_TF.data<float>(), grad(idx_.fc2_w), grad(idx_.fc2_b), dfc2_TH.data<float>(),
-                     a.act_TF.data<float>(), value(idx_.fc2_w), T, F, H);
-  dfc2_TH = Tensor();
-  Tensor dfc1_TF1 = activation_tensor({T, F1});
-  switch (config_.activation) {
-    case Activation::kSwiGLU:
-      k::swiglu_backward(dfc1_TF1.data<float>(), dact_TF.data<float>(), a.fc1_TF1.data<float>(), T, F);
-      break;
-    case Activation::kGelu:
-      k::gelu_backward(dfc1_TF1.data<float>(), dact_TF.data<float>(), a.fc1_TF1.data<float>(), T * F);
-      break;
-    case Activation::kSquaredReLU:
-      k::squared_relu_backward(dfc1_TF1.data<float>(), dact_TF.data<float>(), a.fc1_TF1.data<float>(), T * F);
-      break;
-  }
-  dact_TF = Tensor();
   Tensor dln2_TH = activation_tensor({T, H});
-  k::linear_backward(dln2_TH.data<float>(), grad(idx_.fc1_w), grad(idx_.fc1_b), dfc1_TF1.data<float>(),
-                     a.ln2_TH.data<float>(), value(idx_.fc1_w), T, H, F1);
-  dfc1_TF1 = Tensor();
+  if (moe_) {
+    moe_->backward(dln2_TH.data<float>(), dfc2_TH.data<float>(), a.ln2_TH.data<float>(), aux_grad_scale, a.moe);
+  } else {
+    Tensor dact_TF = activation_tensor({T, F});
+    k::linear_backward(dact_TF.data<float>(), grad(idx_.fc2_w), grad(idx_.fc2_b), dfc2_TH.data<float>(),
+                       a.act_TF.data<float>(), value(idx_.fc2_w), T, F, H);
+    Tensor dfc1_TF1 = activation_tensor({T, F1});
+    switch (config_.activation) {
+      case Activation::kSwiGLU:
+        k::swiglu_backward(dfc1_TF1.data<float>(), dact_TF.data<float>(), a.fc1_TF1.data<float>(), T, F);
+        break;
+      case Activation::kGelu:
+        k::gelu_backward(dfc1_TF1.data<float>(), dact_TF.data<float>(), a.fc1_TF1.data<float>(), T * F);
+        break;
+      case Activation::kSquaredReLU:
+        k::squared_relu_backward(dfc1_TF1.data<float>(), dact_TF.data<float>(), a.fc1_TF1.data<float>(), T * F);
+        break;
+    }
+    dact_TF = Tensor();
+    k::linear_backward(dln2_TH.data<float>(), grad(idx_.fc1_w), grad(idx_.fc1_b), dfc1_TF1.data<float>(),
+                       a.ln2_TH.data<float>(), value(idx_.fc1_w), T, H, F1);
+  }
+  dfc2_TH = Tensor();
   ln2_.backward(dx_mid_TH.data<float>(), dln2_TH.data<float>(), a.x_mid_TH.data<float>(), a.ln2_stats, T);
   dln2_TH = Tensor();
 

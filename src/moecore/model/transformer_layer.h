@@ -11,6 +11,7 @@
 #include "moecore/model/config.h"
 #include "moecore/model/norm_module.h"
 #include "moecore/model/param.h"
+#include "moecore/moe/moe_layer.h"
 #include "moecore/tensor/tensor.h"
 
 namespace moecore {
@@ -34,8 +35,9 @@ struct LayerActivations {
   Tensor x_mid_TH;  // after the attention residual
   Tensor ln2_TH;
   NormStats ln2_stats;
-  Tensor fc1_TF1;
-  Tensor act_TF;
+  Tensor fc1_TF1;           // dense MLP only
+  Tensor act_TF;            // dense MLP only
+  MoELayerActivations moe;  // MoE layers only
 };
 
 class TransformerLayer {
@@ -48,9 +50,13 @@ class TransformerLayer {
   // x_TH -> out_TH (may not alias). Fills `saved` when dropout.training (backward will follow).
   void forward(float* out_TH, const Tensor& x_TH, int64_t S, int64_t B, const LayerDropout& dropout,
                LayerActivations& saved) const;
-  // dx_TH += d(out)/d(x)^T dout_TH; parameter gradients accumulate.
+  // dx_TH += d(out)/d(x)^T dout_TH; parameter gradients accumulate. aux_grad_scale: the factor MoE
+  // auxiliary losses carry into the gradient (the micro-batch's loss scale).
   void backward(float* dx_TH, const float* dout_TH, int64_t S, int64_t B, const LayerDropout& dropout,
-                const LayerActivations& saved) const;
+                double aux_grad_scale, const LayerActivations& saved) const;
+
+  bool is_moe() const { return moe_ != nullptr; }
+  MoELayer* moe() { return moe_.get(); }
 
  private:
   struct Index {
@@ -66,6 +72,7 @@ class TransformerLayer {
   Index idx_;
   std::vector<Param*> params_;  // resolved by bind(), indexed like names_
   NormModule ln1_, ln2_, q_norm_, k_norm_;
+  std::unique_ptr<MoELayer> moe_;  // replaces the dense MLP on MoE layers
 };
 
 }  // namespace moecore

@@ -1,4 +1,4 @@
-// Routed experts: every expert is an MLP fc2(act(fc1(x)) * p) (Megatron applies the router probability
+// Routed experts: every expert is an MLP W2 (act(fc1(x)) * p) + p * b2 (Megatron applies the router probability
 // between the activation and fc2; with --moe-apply-probs-on-input, fc2(act(fc1(x * p)))).
 // fc1: H -> F (2F with SwiGLU, halves [gate | up]); fc2: F -> H; F = --moe-ffn-hidden-size.
 // Parameters (per expert e, under the layer prefix; identical for both implementations, so they share
@@ -22,11 +22,12 @@
 namespace moecore {
 
 struct ExpertActivations {
-  Tensor x_RH;      // expert input rows (after probs if applied on input)
+  Tensor x_RH;  // expert input rows (after probs if applied on input)
   Tensor fc1_RF1;
-  Tensor act_RF;    // activation output, before the probability
+  Tensor act_RF;  // activation output, before the probability
   std::vector<float> probs_R;
   std::vector<int64_t> tokens_per_expert_E;
+  Tensor x_raw_RH;  // with --moe-apply-probs-on-input: the rows before x * p (d prob needs them); else empty
 };
 
 class ExpertMLP {
@@ -56,7 +57,8 @@ struct SharedExpertActivations {
 
 class SharedExpertMLP {
  public:
-  SharedExpertMLP(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix, std::vector<Param>& params);
+  SharedExpertMLP(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix,
+                  std::vector<Param>& params);
   void bind(std::vector<Param>& params);
   // out_TH += shared(x_TH).
   void forward(float* out_TH, const float* x_TH, int64_t T, SharedExpertActivations& saved) const;

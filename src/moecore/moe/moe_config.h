@@ -15,31 +15,31 @@ enum class TokenDropPolicy { kProbs, kPosition };  // --moe-token-drop-policy
 enum class RouterDType { kFP32, kFP64 };           // --moe-router-dtype
 
 struct MoEConfig {
-  int64_t num_experts = 0;               // --num-experts
-  int64_t ffn_hidden_size = 0;           // --moe-ffn-hidden-size (default: the dense --ffn-hidden-size)
-  std::vector<bool> moe_layer_pattern;   // --moe-layer-freq, expanded: layer i is MoE iff pattern[i]
-  int64_t topk = 2;                      // --moe-router-topk
+  int64_t num_experts = 0;              // --num-experts
+  int64_t ffn_hidden_size = 0;          // --moe-ffn-hidden-size (default: the dense --ffn-hidden-size)
+  std::vector<bool> moe_layer_pattern;  // --moe-layer-freq, expanded: layer i is MoE iff pattern[i]
+  int64_t topk = 2;                     // --moe-router-topk
   RouterScoreFunction score_function = RouterScoreFunction::kSoftmax;
-  bool pre_softmax = false;              // --moe-router-pre-softmax
+  bool pre_softmax = false;                   // --moe-router-pre-softmax
   std::optional<double> topk_scaling_factor;  // --moe-router-topk-scaling-factor
-  int64_t num_groups = 0;                // --moe-router-num-groups (0 = no group-limited routing)
-  int64_t group_topk = 0;                // --moe-router-group-topk
-  double input_jitter_eps = 0.0;         // --moe-input-jitter-eps (0 = off)
+  int64_t num_groups = 0;                     // --moe-router-num-groups (0 = no group-limited routing)
+  int64_t group_topk = 0;                     // --moe-router-group-topk
+  double input_jitter_eps = 0.0;              // --moe-input-jitter-eps (0 = off)
   RouterDType router_dtype = RouterDType::kFP32;
-  bool enable_expert_bias = false;       // --moe-router-enable-expert-bias
-  double bias_update_rate = 1e-3;        // --moe-router-bias-update-rate
-  bool force_load_balancing = false;     // --moe-router-force-load-balancing
+  bool enable_expert_bias = false;    // --moe-router-enable-expert-bias
+  double bias_update_rate = 1e-3;     // --moe-router-bias-update-rate
+  bool force_load_balancing = false;  // --moe-router-force-load-balancing
   std::vector<LoadBalancingType> load_balancing_types{LoadBalancingType::kAuxLoss};  // --moe-router-load-balancing-type
   std::vector<double> aux_loss_coeffs{0.0};  // --moe-aux-loss-coeff, one per type
-  double z_loss_coeff = 0.0;             // --moe-z-loss-coeff
-  std::optional<double> capacity_factor; // --moe-expert-capacity-factor (none = dropless)
+  double z_loss_coeff = 0.0;                 // --moe-z-loss-coeff
+  std::optional<double> capacity_factor;     // --moe-expert-capacity-factor (none = dropless)
   TokenDropPolicy drop_policy = TokenDropPolicy::kProbs;
-  bool pad_expert_input_to_capacity = false;  // --moe-pad-expert-input-to-capacity
-  bool apply_probs_on_input = false;     // --moe-apply-probs-on-input (top-1 only)
-  bool grouped_gemm = false;             // --moe-grouped-gemm (GroupedMLP, else SequentialMLP)
+  bool pad_expert_input_to_capacity = false;    // --moe-pad-expert-input-to-capacity
+  bool apply_probs_on_input = false;            // --moe-apply-probs-on-input (top-1 only)
+  bool grouped_gemm = false;                    // --moe-grouped-gemm (GroupedMLP, else SequentialMLP)
   int64_t shared_expert_intermediate_size = 0;  // --moe-shared-expert-intermediate-size (0 = none)
-  bool shared_expert_gate = false;       // --moe-shared-expert-gate
-  bool per_layer_logging = false;        // --moe-per-layer-logging
+  bool shared_expert_gate = false;              // --moe-shared-expert-gate
+  bool per_layer_logging = false;               // --moe-per-layer-logging
 
   bool enabled() const { return num_experts > 0; }
   bool is_moe_layer(int64_t layer) const {

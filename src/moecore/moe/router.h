@@ -7,8 +7,9 @@
 // Tokens are [S, B] sequence-major (token t = s * B + b), as everywhere in the model.
 // Parameters (names under the layer prefix, e.g. "decoder.layers.3."):
 //   mlp.router.weight        [E, H]  fp32, init N(0, init_method_std), weight decay yes
-//   mlp.router.bias          [E]     only with --add-bias-linear, init 0
-// Buffer (not trainable, saved in checkpoints later): mlp.router.expert_bias [E] fp32 (--moe-router-enable-expert-bias).
+//   mlp.router.bias          [E]     only with --add-bias-linear, init N(0, init_method_std) as Megatron
+// Buffer (not trainable, saved in checkpoints later): mlp.router.expert_bias [E] fp32
+// (--moe-router-enable-expert-bias).
 #pragma once
 
 #include <cstdint>
@@ -23,10 +24,10 @@ namespace moecore {
 
 // The routing decision for one micro-batch.
 struct RouterOutput {
-  Tensor probs_TE;                      // fp32 [T, E]: the weight of each selected (and kept) expert, 0 elsewhere
-  std::vector<uint8_t> routing_map_TE;  // [T, E]: 1 where token t goes to expert e (after capacity dropping)
+  Tensor probs_TE;                           // fp32 [T, E]: the weight of each selected (and kept) expert, 0 elsewhere
+  std::vector<uint8_t> routing_map_TE;       // [T, E]: 1 where token t goes to expert e (after capacity dropping)
   std::vector<int64_t> tokens_per_expert_E;  // column sums of routing_map (with padding: the capacity C each)
-  int64_t capacity = -1;                // C when a capacity factor is set, else -1
+  int64_t capacity = -1;                     // C when a capacity factor is set, else -1
   // Loss values for logging, each divided by its coefficient as Megatron logs them (0 when off).
   std::vector<double> load_balancing_losses;  // one per configured type, in --moe-router-load-balancing-type order
   double z_loss = 0.0;
@@ -35,13 +36,16 @@ struct RouterOutput {
 // What backward needs from forward (one micro-batch).
 struct RouterActivations {
   int64_t S = 0, B = 0;
-  Tensor input_TH;              // router input after jitter, fp32
+  Tensor input_TH;                   // router input after jitter, fp32
   std::vector<double> logits_TE;     // in router dtype precision (fp32 values are stored rounded to float)
   std::vector<double> scores_TE;     // score function output used by the top-k and the aux losses
   RouterOutput output;               // copy of the forward result (routing map, probs)
   std::vector<uint8_t> selected_TE;  // top-k selection before capacity dropping
   // Anything else the implementation needs may be added here.
-  std::vector<double> aux_cache;
+  std::vector<double> aux_cache;             // d(sum of aux losses)/d(scores_TE) [T, E]; empty when no aux loss is on
+  bool training = false;                     // forward ran in training mode (aux / z losses attached)
+  std::vector<double> probs_TE;              // output.probs_TE in router dtype precision (before the fp32 copy)
+  uint64_t jitter_seed = 0, jitter_key = 0;  // regenerate the input jitter factors in backward
 };
 
 class TopKRouter {
@@ -75,10 +79,11 @@ class TopKRouter {
   std::string prefix_;
   Param* weight_ = nullptr;
   Param* bias_ = nullptr;
-  std::vector<float> expert_bias_;                  // [E]
-  std::vector<double> local_tokens_per_expert_;     // expert-bias counts since the last update
-  std::vector<double> global_aux_counts_;           // global_aux_loss counts accumulated over micro-batches
+  std::vector<float> expert_bias_;               // [E]
+  std::vector<double> local_tokens_per_expert_;  // expert-bias counts since the last update
+  std::vector<double> global_aux_counts_;        // global_aux_loss counts accumulated over micro-batches
   int64_t global_aux_tokens_ = 0;
+  int64_t global_aux_steps_ = 0;  // micro-batches accumulated (Megatron's ga_steps)
 };
 
 }  // namespace moecore

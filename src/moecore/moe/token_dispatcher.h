@@ -20,8 +20,8 @@ struct DispatchState {
   int64_t T = 0, H = 0, E = 0;
   std::vector<int64_t> source_token_R;
   std::vector<int64_t> expert_R;
-  std::vector<float> probs_R;                 // router prob of (source token, expert), 0 for padding rows
-  std::vector<int64_t> tokens_per_expert_E;   // rows per local expert, in row order
+  std::vector<float> probs_R;                // router prob of (source token, expert), 0 for padding rows
+  std::vector<int64_t> tokens_per_expert_E;  // rows per local expert, in row order
 };
 
 class TokenDispatcher {

@@ -6,6 +6,7 @@
 #include <charconv>
 #include <cmath>
 #include <initializer_list>
+#include <optional>
 #include <set>
 #include <string_view>
 
@@ -69,6 +70,14 @@ struct FlagValue {
     std::string all = join(implemented);
     if (megatron_only.size() > 0) all += ", " + join(megatron_only);
     throw ConfigError("invalid value '" + text() + "' for " + std::string(flag) + " (choose from " + all + ")");
+  }
+
+  // Every value of a list flag (nargs='+'), each parsed by `parse` and named in its own error.
+  template <typename Parse>
+  auto each(Parse parse) const {
+    std::vector<decltype(parse(FlagValue{flag, {values.front()}}))> parsed;
+    for (const std::string& value : values) parsed.push_back(parse(FlagValue{flag, {value}}));
+    return parsed;
   }
 
   // Parallel sizes: only 1 until the distributed engine lands.
@@ -233,6 +242,92 @@ const std::vector<FlagSpec>& flag_table() {
      [](TrainingArgs& a, const FlagValue& v) { a.merge_file = v.non_empty_text(); }},
     {"--vocab-size", Arity::kOne, "N", "NullTokenizer vocabulary size before EOD and padding",
      [](TrainingArgs& a, const FlagValue& v) { a.vocab_size = v.integer(); }},
+
+    // Mixture of Experts (model.moe; cross-flag checks in MoEConfig::validate).
+    {"--num-experts", Arity::kOne, "E", "number of experts; enables MoE (default none: dense)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.num_experts = v.integer(); }},
+    {"--moe-ffn-hidden-size", Arity::kOne, "N", "hidden size of each expert's MLP (default --ffn-hidden-size)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.ffn_hidden_size = v.integer(); }},
+    {"--moe-layer-freq", Arity::kOne, "N|PATTERN",
+     "MoE every N layers from layer 0, or a 0/1 list such as ([0]*3+[1]*9) (default 1)",
+     [](TrainingArgs& a, const FlagValue& v) { a.moe_layer_freq = v.text(); }},
+    {"--moe-router-topk", Arity::kOne, "K", "experts per token (default 2)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.topk = v.integer(); }},
+    {"--moe-router-score-function", Arity::kOne, "{softmax,sigmoid,sqrtsoftplus}", "router score (default softmax)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       const std::string& name = v.choice({"softmax", "sigmoid", "sqrtsoftplus"});
+       a.model.moe.score_function = name == "softmax"   ? RouterScoreFunction::kSoftmax
+                                    : name == "sigmoid" ? RouterScoreFunction::kSigmoid
+                                                        : RouterScoreFunction::kSqrtSoftplus;
+     }},
+    {"--moe-router-pre-softmax", Arity::kSwitch, "", "softmax over all experts before the top-k (softmax only)",
+     [](TrainingArgs& a, const FlagValue&) { a.model.moe.pre_softmax = true; }},
+    {"--moe-router-topk-scaling-factor", Arity::kOne, "X", "multiply the routing probabilities by X (default none)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.topk_scaling_factor = v.real(); }},
+    {"--moe-router-num-groups", Arity::kOne, "G", "expert groups for group-limited routing",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.num_groups = v.integer(); }},
+    {"--moe-router-group-topk", Arity::kOne, "N", "groups each token may use (with --moe-router-num-groups)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.group_topk = v.integer(); }},
+    {"--moe-input-jitter-eps", Arity::kOne, "X", "multiply the router input by Uniform(1-X, 1+X) (default off)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.input_jitter_eps = v.real(); }},
+    {"--moe-router-dtype", Arity::kOne, "{fp32,fp64}", "router precision (default fp32, the model dtype)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.model.moe.router_dtype = v.choice({"fp32", "fp64"}) == "fp32" ? RouterDType::kFP32 : RouterDType::kFP64;
+     }},
+    {"--moe-router-enable-expert-bias", Arity::kSwitch, "", "aux-loss-free balancing with an expert bias (sigmoid)",
+     [](TrainingArgs& a, const FlagValue&) { a.model.moe.enable_expert_bias = true; }},
+    {"--moe-router-bias-update-rate", Arity::kOne, "X", "expert bias step per global batch (default 1e-3)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.bias_update_rate = v.real(); }},
+    {"--moe-router-force-load-balancing", Arity::kSwitch, "", "route on random logits (benchmarking only)",
+     [](TrainingArgs& a, const FlagValue&) { a.model.moe.force_load_balancing = true; }},
+    {"--moe-router-load-balancing-type", Arity::kList, "{aux_loss,seq_aux_loss,global_aux_loss,sinkhorn,none}...",
+     "load-balancing strategies (default aux_loss)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.model.moe.load_balancing_types = v.each([](const FlagValue& one) {
+         const std::string& name = one.choice({"aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"});
+         return name == "aux_loss"          ? LoadBalancingType::kAuxLoss
+                : name == "seq_aux_loss"    ? LoadBalancingType::kSeqAuxLoss
+                : name == "global_aux_loss" ? LoadBalancingType::kGlobalAuxLoss
+                : name == "sinkhorn"        ? LoadBalancingType::kSinkhorn
+                                            : LoadBalancingType::kNone;
+       });
+     }},
+    {"--moe-aux-loss-coeff", Arity::kList, "X...", "coefficient of each load-balancing loss (default 0)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.model.moe.aux_loss_coeffs = v.each([](const FlagValue& one) { return one.real(); });
+     }},
+    {"--moe-z-loss-coeff", Arity::kOne, "X", "router z-loss coefficient (default off)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.z_loss_coeff = v.real(); }},
+    {"--moe-expert-capacity-factor", Arity::kOne, "X", "expert capacity factor; negative = dropless (default dropless)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       const double factor = v.real();
+       a.model.moe.capacity_factor = factor < 0.0 ? std::nullopt : std::optional<double>(factor);
+     }},
+    {"--moe-token-drop-policy", Arity::kOne, "{probs,position}", "which tokens an expert over capacity drops",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.model.moe.drop_policy =
+           v.choice({"probs", "position"}) == "probs" ? TokenDropPolicy::kProbs : TokenDropPolicy::kPosition;
+     }},
+    {"--moe-pad-expert-input-to-capacity", Arity::kSwitch, "", "pad every expert's input to its capacity",
+     [](TrainingArgs& a, const FlagValue&) { a.model.moe.pad_expert_input_to_capacity = true; }},
+    {"--moe-token-dispatcher-type", Arity::kOne, "{allgather,alltoall}", "token dispatcher (default allgather)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       if (v.text() == "flex") {
+         throw ConfigError("--moe-token-dispatcher-type flex is not available on this backend (use allgather or "
+                           "alltoall)");
+       }
+       a.moe_token_dispatcher_type = v.choice({"allgather", "alltoall"});
+     }},
+    {"--moe-apply-probs-on-input", Arity::kSwitch, "", "scale expert inputs by their probability (top-1 only)",
+     [](TrainingArgs& a, const FlagValue&) { a.model.moe.apply_probs_on_input = true; }},
+    {"--moe-grouped-gemm", Arity::kSwitch, "", "run all local experts as one grouped GEMM",
+     [](TrainingArgs& a, const FlagValue&) { a.model.moe.grouped_gemm = true; }},
+    {"--moe-shared-expert-intermediate-size", Arity::kOne, "N", "total MLP size of the shared experts (default none)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.shared_expert_intermediate_size = v.integer(); }},
+    {"--moe-shared-expert-gate", Arity::kSwitch, "", "gate the shared experts' output by sigmoid(x w)",
+     [](TrainingArgs& a, const FlagValue&) { a.model.moe.shared_expert_gate = true; }},
+    {"--moe-per-layer-logging", Arity::kSwitch, "", "log the auxiliary losses of every MoE layer",
+     [](TrainingArgs& a, const FlagValue&) { a.model.moe.per_layer_logging = true; }},
 
     // Parallelism (value 1 only for now).
     {"--tensor-model-parallel-size", Arity::kOne, "N", "tensor parallel size (1 only for now)",

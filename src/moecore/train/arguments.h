@@ -7,7 +7,7 @@
 //
 // Errors (one line each, thrown as ConfigError):
 //   unknown flag               "unknown flag --num-layer (did you mean --num-layers?)"
-//   Megatron flag not built    "--num-experts is a Megatron flag that moecore does not implement yet"
+//   Megatron flag not built    "--moe-latent-size is a Megatron flag that moecore does not implement yet"
 //   bad value                  "invalid value 'abc' for --num-layers: expected an integer"
 //   inconsistent settings      one line naming the flags involved.
 //
@@ -20,6 +20,19 @@
 //   --split                    "969, 30, 1" when --data-path is given without --split (Megatron's legacy default)
 //   --max-position-embeddings  Megatron requires it always; moecore requires it only with learned_absolute position
 //                              embeddings (where it sizes a table) and otherwise defaults it to --seq-length.
+//
+// Mixture of Experts (model.moe; names and defaults of Megatron's _add_moe_args and TransformerConfig):
+//   --num-experts E            enables MoE; absent or 0 (Megatron maps 0 to None) gives a dense model, and then every
+//                              other --moe-* flag is an error ("--moe-router-topk requires --num-experts").
+//   --moe-ffn-hidden-size      default --ffn-hidden-size (after its own default).
+//   --moe-layer-freq           int N (layer i is MoE iff i % N == 0) or a list expression ("([0]*3+[1]*9)",
+//                              "[1,0,1,0]") whose length must be --num-layers; default 1 (every layer MoE).
+//   --moe-router-dtype         fp32 (default) or fp64. Megatron's default None means "the model dtype"; moecore's
+//                              model dtype is fp32 and the router never computes below fp32, so None == fp32 here.
+//   --moe-expert-capacity-factor  a negative value means dropless (None), as in Megatron.
+//   --moe-token-dispatcher-type   allgather (default) or alltoall: in one process both are the local dispatcher;
+//                              flex is rejected (it needs GPU communication backends).
+//   Cross-flag checks: MoEConfig::validate (moe/moe_config.h).
 //
 // moecore-only flags (not in Megatron):
 //   --export-hf DIR            after training, write the model as a HuggingFace checkpoint directory
@@ -89,6 +102,10 @@ struct TrainingArgs {
   std::string vocab_file;              // --vocab-file
   std::string merge_file;              // --merge-file
   std::optional<int64_t> vocab_size;   // --vocab-size (NullTokenizer: vocabulary size before EOD and padding)
+
+  // Mixture of Experts: the rest lives in model.moe.
+  std::string moe_layer_freq = "1";                     // --moe-layer-freq text, expanded into moe_layer_pattern
+  std::string moe_token_dispatcher_type = "allgather";  // --moe-token-dispatcher-type
 
   // Parallel sizes: accepted with value 1 only for now.
   int64_t tensor_model_parallel_size = 1;    // --tensor-model-parallel-size

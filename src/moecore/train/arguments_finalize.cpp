@@ -50,6 +50,29 @@ void check_required(const std::set<std::string>& given) {
   require(missing.empty(), "missing required flag(s): " + missing);
 }
 
+// Mixture of Experts: Megatron's defaults that depend on other flags, then MoEConfig::validate. Runs after the dense
+// --ffn-hidden-size default (the expert size defaults to it).
+void finalize_moe(TrainingArgs& args, const std::set<std::string>& given) {
+  ModelConfig& model = args.model;
+  MoEConfig& moe = model.moe;
+  require(moe.num_experts >= 0,
+          "--num-experts must be positive, or 0 for a dense model (got " + str(moe.num_experts) + ")");
+  if (!moe.enabled()) {
+    // Megatron ignores most --moe-* flags on a dense model; a flag that silently does nothing is an error here.
+    for (const std::string& flag : given) {
+      require(!flag.starts_with("--moe-"), flag + " requires --num-experts (a positive number of experts)");
+    }
+    return;
+  }
+  if (!given.contains("--moe-ffn-hidden-size")) moe.ffn_hidden_size = model.ffn_hidden_size;
+  if (given.contains("--moe-shared-expert-intermediate-size")) {
+    require(moe.shared_expert_intermediate_size > 0, "--moe-shared-expert-intermediate-size must be positive (got " +
+                                                         str(moe.shared_expert_intermediate_size) + ")");
+  }
+  moe.moe_layer_pattern = parse_moe_layer_freq(args.moe_layer_freq, model.num_layers);
+  moe.validate(model.num_layers);
+}
+
 void finalize_model(TrainingArgs& args, const std::set<std::string>& given) {
   ModelConfig& model = args.model;
   require(model.num_layers > 0, "--num-layers must be positive (got " + str(model.num_layers) + ")");
@@ -106,6 +129,8 @@ void finalize_model(TrainingArgs& args, const std::set<std::string>& given) {
       require(!given.contains(flag), std::string(flag) + " only applies with --position-embedding-type rope");
     }
   }
+
+  finalize_moe(args, given);
 
   require(args.make_vocab_size_divisible_by > 0,
           "--make-vocab-size-divisible-by must be positive (got " + str(args.make_vocab_size_divisible_by) + ")");

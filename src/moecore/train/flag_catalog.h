@@ -1,6 +1,6 @@
 // Megatron-LM command-line flags that moecore knows by name but does not implement yet.
 //
-// Passing one of them is an error that says so ("--num-experts is a Megatron flag that moecore does not implement
+// Passing one of them is an error that says so ("--moe-latent-size is a Megatron flag that moecore does not implement
 // yet"), instead of "unknown flag": the user typed a real Megatron flag. The names were checked against
 // megatron/training/arguments.py (and, for MoE flags generated from TransformerConfig fields, against
 // shared/reference/megatron-moe-semantics.md). When a feature lands, move its flags from this catalog into the flag

@@ -101,8 +101,18 @@ double num_floating_point_operations(const ModelConfig& config, const int64_t ba
       (hidden * (query_size + 2.0 * key_value_size)  // QKV projection
        + query_size * seq / 2.0 * 2.0                // QK^T and (QK^T)V, half of it masked out by causality
        + query_size * hidden);                       // output projection
-  const double mlp_per_token =
-      kForwardBackward * kFma * hidden * static_cast<double>(config.ffn_hidden_size) * mlp_gemms * layers;
+  // Megatron counts MLP layers from the MoE layer pattern: a dense layer runs ffn, a MoE layer runs top-k experts of
+  // moe_ffn plus the shared experts (the router GEMM is not counted).
+  int64_t moe_layers = 0;
+  for (int64_t layer = 0; layer < config.num_layers; ++layer) moe_layers += config.moe.is_moe_layer(layer) ? 1 : 0;
+  const auto dense_layers = static_cast<double>(config.num_layers - moe_layers);
+  const double moe_ffn = static_cast<double>(
+      config.moe.ffn_hidden_size > 0 ? config.moe.ffn_hidden_size : config.ffn_hidden_size);  // Megatron's fallback
+  const double moe_width_per_layer =
+      moe_ffn * static_cast<double>(config.moe.topk) + static_cast<double>(config.moe.shared_expert_intermediate_size);
+  const double mlp_per_token = kForwardBackward * kFma * hidden * mlp_gemms *
+                               (static_cast<double>(config.ffn_hidden_size) * dense_layers +
+                                moe_width_per_layer * static_cast<double>(moe_layers));
   const double logit_per_token = kForwardBackward * kFma * hidden * static_cast<double>(config.vocab_size);
   return static_cast<double>(batch_size) * seq * (mlp_per_token + attention_per_token * layers + logit_per_token);
 }

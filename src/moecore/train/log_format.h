@@ -54,9 +54,12 @@ std::string format_validation_log(int64_t iteration, const NamedValues& losses);
 // Megatron prints a rule of '-' * (len(line) + 1) above and below the validation line.
 std::string validation_rule(std::string_view validation_line);
 
-// Megatron's num_floating_point_operations for a dense GPT (no MoE, no MTP, no MLA): forward + backward FLOPs of one
+// Megatron's num_floating_point_operations for a GPT, dense or MoE (no MTP, no MLA): forward + backward FLOPs of one
 // iteration of `batch_size` sequences of `seq_length` tokens, with the causal attention term and the logit layer over
-// the padded vocabulary (config.vocab_size, which must be set). SwiGLU counts 3 MLP GEMMs, other activations 2.
+// the padded vocabulary (config.vocab_size, which must be set). SwiGLU counts 3 MLP GEMMs (x = 3), other activations
+// 2 (x = 2). With MoE (config.moe.enabled()), N_moe layers of the layer pattern count 6*h*x*(ffn_m*k + sh) per token
+// (moe ffn size ffn_m, top-k k, shared-expert size sh) and the N_dense others 6*h*x*ffn, as Megatron's formula; the
+// router GEMM is not counted (nor by Megatron).
 double num_floating_point_operations(const ModelConfig& config, int64_t batch_size, int64_t seq_length);
 
 // Megatron's throughput: FLOPs / (seconds per iteration * 1e12 * world size).

@@ -20,6 +20,7 @@
 #include "moecore/tokenizer/tokenizer.h"
 #include "moecore/train/generate.h"
 #include "moecore/train/log_format.h"
+#include "moecore/train/moe_logging.h"
 
 namespace moecore {
 namespace {
@@ -231,6 +232,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& log) {
   int64_t interval_iters = 0;
   double train_seconds = 0.0;
   auto interval_start = Clock::now();
+  MoEMetrics moe_metrics(run_args.model.moe);
   double last_grad_norm = 0.0;
   for (int64_t iteration = 1; iteration <= args.train_iters; ++iteration) {
     const auto step_start = Clock::now();
@@ -240,6 +242,8 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& log) {
       throw TrainingError("grad norm is not finite at iteration " + std::to_string(iteration) + ": stopping");
     }
     optimizer.step(schedule.lr_at(iteration - 1));
+    model.finish_global_batch();
+    moe_metrics.add(model.take_moe_stats());
     consumed += gbs;
     train_seconds += seconds_since(step_start);
     if (iteration == 1) result.first_train_loss = loss;
@@ -261,8 +265,11 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& log) {
       entry.learning_rate = schedule.lr_at(iteration);
       entry.global_batch_size = gbs;
       entry.losses = {{"lm loss", interval_loss / static_cast<double>(interval_iters)}};
+      for (const auto& named : moe_metrics.losses()) entry.losses.push_back(named);
       entry.grad_norm = last_grad_norm;
       log << format_iteration_log(entry) << std::endl;
+      for (const std::string& line : moe_metrics.usage_lines()) log << line << '\n';
+      moe_metrics.reset();
       if (iteration == args.log_interval || (iteration == args.train_iters && iteration < args.log_interval)) {
         log << memory_report(iteration) << std::endl;
       }

@@ -1,0 +1,40 @@
+// Megatron's load-balancing losses (megatron-moe-semantics.md section 2) with their gradients, and the
+// aux-loss-free expert-bias update. Buffers are row-major [T, E]; gradients ACCUMULATE (+=).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moecore/moe/moe_config.h"
+
+namespace moecore::load_balancing {
+
+// Scores the aux losses use, over all experts: softmax, or sigmoid / sqrtsoftplus normalised per token to sum 1
+// (s / (sum s + 1e-20)). Also the plain top-k map of those scores (map_TE, 0/1).
+void aux_scores(double* scores_TE, uint8_t* map_TE, const double* logits_TE, int64_t T, int64_t E, int64_t k,
+                RouterScoreFunction fn);
+// dlogits_TE += d(scores)/d(logits)^T dscores_TE, for the scores of aux_scores().
+void aux_scores_backward(double* dlogits_TE, const double* dscores_TE, const double* logits_TE, const double* scores_TE,
+                         int64_t T, int64_t E, RouterScoreFunction fn);
+
+// switch_load_balancing_loss_func: coeff * num_experts / (k * total_tokens^2) * sum_e (sum_t scores_te) * count_e,
+// where column e of scores_TE belongs to "expert" e of tokens_per_expert (E columns). The counts are constants.
+// dscores_TE (nullable) += d(loss)/d(scores).
+double switch_loss(const double* scores_TE, const double* tokens_per_expert_E, int64_t T, int64_t E,
+                   double total_tokens, int64_t k, int64_t num_experts, double coeff, double* dscores_TE);
+
+// aux_loss: counts = column sums of map_TE over the T local tokens.
+double aux_loss(const double* scores_TE, const uint8_t* map_TE, int64_t T, int64_t E, int64_t k, double coeff,
+                double* dscores_TE);
+// seq_aux_loss over tokens [S, B] (t = s * B + b): the aux loss of each sequence b (T = S), averaged over B.
+double seq_aux_loss(const double* scores_TE, const uint8_t* map_TE, int64_t S, int64_t B, int64_t E, int64_t k,
+                    double coeff, double* dscores_TE);
+
+// z-loss = coeff * mean_t logsumexp(logits_t)^2; dlogits_TE (nullable) += grad_scale * d(z)/d(logits).
+double z_loss(const double* logits_TE, int64_t T, int64_t E, double coeff, double grad_scale, double* dlogits_TE);
+
+// Aux-loss-free balancing: bias_e += rate * sign(mean(counts) - counts_e) in fp32, as Megatron.
+void update_expert_bias(std::vector<float>& expert_bias_E, const std::vector<double>& tokens_per_expert_E,
+                        double update_rate);
+
+}  // namespace moecore::load_balancing

@@ -1,0 +1,58 @@
+#include "moecore/moe/moe_layer.h"
+
+#include <cstring>
+
+namespace moecore {
+
+MoELayer::MoELayer(const ModelConfig& config, const std::string& prefix, std::vector<Param>& params)
+    : config_(config),
+      router_(std::make_unique<TopKRouter>(config.moe, config.hidden_size, config.add_bias_linear, prefix, params)),
+      dispatcher_(make_local_dispatcher()),
+      experts_(make_experts(config.moe, config, prefix, params)) {
+  if (config.moe.shared_expert_intermediate_size > 0) {
+    shared_ = std::make_unique<SharedExpertMLP>(config.moe, config, prefix, params);
+  }
+}
+
+void MoELayer::bind(std::vector<Param>& params) {
+  router_->bind(params);
+  experts_->bind(params);
+  if (shared_) shared_->bind(params);
+}
+
+void MoELayer::forward(float* out_TH, const float* x_TH, const int64_t S, const int64_t B, const bool training,
+                       const uint64_t seed, const uint64_t key, MoELayerActivations& saved) const {
+  const int64_t T = S * B, H = config_.hidden_size;
+  saved.routing = router_->forward(x_TH, S, B, training, seed, key, saved.router);
+  const Tensor x_RH = dispatcher_->dispatch(x_TH, T, H, saved.routing, saved.dispatch);
+  const int64_t R = x_RH.dim(0);
+  Tensor y_RH(std::vector<int64_t>{R, H}, DType::kF32, MemCategory::kActivations);
+  experts_->forward(y_RH.data<float>(), x_RH.data<float>(), saved.dispatch.probs_R.data(),
+                    saved.dispatch.tokens_per_expert_E, saved.experts);
+  std::memset(out_TH, 0, sizeof(float) * static_cast<size_t>(T * H));
+  dispatcher_->combine(out_TH, y_RH.data<float>(), saved.dispatch);
+  if (shared_) shared_->forward(out_TH, x_TH, T, saved.shared);
+}
+
+void MoELayer::backward(float* dx_TH, const float* dout_TH, const float* x_TH, const double aux_grad_scale,
+                        const MoELayerActivations& saved) const {
+  const DispatchState& state = saved.dispatch;
+  const int64_t T = state.T, H = state.H, E = state.E;
+  const auto R = static_cast<int64_t>(state.source_token_R.size());
+  Tensor dy_RH(std::vector<int64_t>{R, H}, DType::kF32, MemCategory::kActivations);
+  dispatcher_->combine_backward(dy_RH.data<float>(), dout_TH, state);
+  Tensor dx_RH(std::vector<int64_t>{R, H}, DType::kF32, MemCategory::kActivations);
+  std::vector<float> dprobs_R(static_cast<size_t>(R));
+  experts_->backward(dx_RH.data<float>(), dprobs_R.data(), dy_RH.data<float>(), saved.experts);
+  dy_RH = Tensor();
+  dispatcher_->dispatch_backward(dx_TH, dx_RH.data<float>(), state);
+  dx_RH = Tensor();
+  Tensor dprobs_TE(std::vector<int64_t>{T, E}, DType::kF32, MemCategory::kActivations);
+  dispatcher_->probs_backward(dprobs_TE.data<float>(), dprobs_R.data(), state);
+  router_->backward(dx_TH, dprobs_TE.data<float>(), aux_grad_scale, saved.router);
+  if (shared_) shared_->backward(dx_TH, dout_TH, x_TH, T, saved.shared);
+}
+
+void MoELayer::finish_global_batch() { router_->finish_global_batch(); }
+
+}  // namespace moecore

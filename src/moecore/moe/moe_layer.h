@@ -1,0 +1,52 @@
+// The MoE layer: Router -> TokenDispatcher -> Experts -> combine, plus shared experts. It replaces the dense
+// MLP of the layers --moe-layer-freq marks; the pre-MLP norm, dropout and residual stay in the transformer layer.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moecore/model/config.h"
+#include "moecore/model/param.h"
+#include "moecore/moe/experts.h"
+#include "moecore/moe/router.h"
+#include "moecore/moe/token_dispatcher.h"
+
+namespace moecore {
+
+struct MoELayerActivations {
+  RouterActivations router;
+  RouterOutput routing;
+  DispatchState dispatch;
+  ExpertActivations experts;
+  SharedExpertActivations shared;
+};
+
+class MoELayer {
+ public:
+  // Registers the router, expert and shared-expert parameters under `prefix` (e.g. "decoder.layers.3.").
+  MoELayer(const ModelConfig& config, const std::string& prefix, std::vector<Param>& params);
+  void bind(std::vector<Param>& params);
+
+  // out_TH (overwritten) = moe(x_TH); x_TH [S*B, H]. The routing decision is kept in `saved.routing`.
+  void forward(float* out_TH, const float* x_TH, int64_t S, int64_t B, bool training, uint64_t seed, uint64_t key,
+               MoELayerActivations& saved) const;
+  // Accumulates dx_TH and every parameter gradient; aux_grad_scale as TopKRouter::backward.
+  void backward(float* dx_TH, const float* dout_TH, const float* x_TH, double aux_grad_scale,
+                const MoELayerActivations& saved) const;
+  // Once per global batch, after the optimizer step: expert-bias update and global aux-loss reset.
+  void finish_global_batch();
+
+  const TopKRouter& router() const { return *router_; }
+  TopKRouter& router() { return *router_; }
+
+ private:
+  ModelConfig config_;
+  std::unique_ptr<TopKRouter> router_;
+  std::unique_ptr<TokenDispatcher> dispatcher_;
+  std::unique_ptr<ExpertMLP> experts_;
+  std::unique_ptr<SharedExpertMLP> shared_;  // null without shared experts
+};
+
+}  // namespace moecore

@@ -1,0 +1,581 @@
+// Routed experts (GroupedMLP, SequentialMLP) and shared experts against a naive per-row reference in double
+// precision written here (fc1, activation, prob, fc2 and their hand-derived gradients; the reference itself is
+// checked against central finite differences), grouped == sequential in outputs and every gradient with uneven
+// token counts including experts with zero tokens, parameter registration, and bad input.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kernel_test_util.h"
+#include "moecore/moe/experts.h"
+
+namespace moecore {
+namespace {
+
+using test::random_vector;
+
+constexpr int64_t kH = 24, kF = 20;
+const std::vector<int64_t> kTokensPerExpert{37, 0, 130, 1, 0, 9};  // uneven, two experts idle, >1 tile of 64
+
+// ---- double reference ----------------------------------------------------------------------------------------
+
+double sigmoid(const double z) { return 1.0 / (1.0 + std::exp(-z)); }
+
+// act[f] from the fc1 row (width 2F with SwiGLU: [gate | up]).
+std::vector<double> ref_act(const Activation a, const std::vector<double>& fc1, const int64_t F) {
+  std::vector<double> out(static_cast<size_t>(F));
+  for (int64_t f = 0; f < F; ++f) {
+    const double x = fc1[f];
+    switch (a) {
+      case Activation::kSwiGLU: out[f] = x * sigmoid(x) * fc1[F + f]; break;
+      case Activation::kGelu: out[f] = 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))); break;
+      case Activation::kSquaredReLU: out[f] = x > 0 ? x * x : 0.0; break;
+    }
+  }
+  return out;
+}
+
+std::vector<double> ref_act_backward(const Activation a, const std::vector<double>& dact,
+                                     const std::vector<double>& fc1, const int64_t F) {
+  std::vector<double> d(fc1.size(), 0.0);
+  for (int64_t f = 0; f < F; ++f) {
+    const double x = fc1[f];
+    switch (a) {
+      case Activation::kSwiGLU: {
+        const double s = sigmoid(x);
+        d[f] = dact[f] * fc1[F + f] * (s + x * s * (1.0 - s));
+        d[F + f] = dact[f] * x * s;
+        break;
+      }
+      case Activation::kGelu:
+        d[f] =
+            dact[f] * (0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) + x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI));
+        break;
+      case Activation::kSquaredReLU: d[f] = x > 0 ? dact[f] * 2.0 * x : 0.0; break;
+    }
+  }
+  return d;
+}
+
+// y = W x + b for W [O, I] row-major.
+std::vector<double> ref_linear(const std::vector<double>& W, const std::vector<double>* b, const std::vector<double>& x,
+                               const int64_t O, const int64_t I) {
+  std::vector<double> y(static_cast<size_t>(O));
+  for (int64_t o = 0; o < O; ++o) {
+    double s = b ? (*b)[o] : 0.0;
+    for (int64_t i = 0; i < I; ++i) s += W[o * I + i] * x[i];
+    y[o] = s;
+  }
+  return y;
+}
+
+struct RefMLP {  // one MLP's weights in double
+  std::vector<double> w1, b1, w2, b2;
+  bool bias = false;
+};
+
+struct RefRowGrads {
+  std::vector<double> y, dx;
+  double dp = 0.0;
+};
+
+// One routed row: forward and (given dy) backward, accumulating parameter gradients into g.
+RefRowGrads ref_row(const RefMLP& m, RefMLP& g, const Activation a, const bool probs_on_input, const int64_t H,
+                    const int64_t F, const std::vector<double>& x, const double p, const std::vector<double>& dy) {
+  const int64_t F1 = a == Activation::kSwiGLU ? 2 * F : F;
+  std::vector<double> xs = x;
+  if (probs_on_input) {
+    for (double& v : xs) v *= p;
+  }
+  const auto fc1 = ref_linear(m.w1, m.bias ? &m.b1 : nullptr, xs, F1, H);
+  const auto act = ref_act(a, fc1, F);
+  std::vector<double> h = act;
+  if (!probs_on_input) {
+    for (double& v : h) v *= p;
+  }
+  RefRowGrads out;
+  // Megatron: with probs between activation and fc2 the fc2 bias is scaled by p too (y = W2 h + p b2).
+  const double bias_scale = probs_on_input ? 1.0 : p;
+  out.y = ref_linear(m.w2, nullptr, h, H, F);
+  if (m.bias) {
+    for (int64_t o = 0; o < H; ++o) out.y[o] += bias_scale * m.b2[o];
+  }
+  // Backward.
+  std::vector<double> dh(static_cast<size_t>(F), 0.0);
+  for (int64_t o = 0; o < H; ++o) {
+    for (int64_t f = 0; f < F; ++f) {
+      dh[f] += m.w2[o * F + f] * dy[o];
+      g.w2[o * F + f] += dy[o] * h[f];
+    }
+    if (m.bias) {
+      g.b2[o] += bias_scale * dy[o];
+      if (!probs_on_input) out.dp += dy[o] * m.b2[o];
+    }
+  }
+  std::vector<double> dact = dh;
+  if (!probs_on_input) {
+    for (int64_t f = 0; f < F; ++f) {
+      out.dp += dh[f] * act[f];
+      dact[f] = dh[f] * p;
+    }
+  }
+  const auto dfc1 = ref_act_backward(a, dact, fc1, F);
+  std::vector<double> dxs(static_cast<size_t>(H), 0.0);
+  for (int64_t o = 0; o < F1; ++o) {
+    for (int64_t i = 0; i < H; ++i) {
+      dxs[i] += m.w1[o * H + i] * dfc1[o];
+      g.w1[o * H + i] += dfc1[o] * xs[i];
+    }
+    if (m.bias) g.b1[o] += dfc1[o];
+  }
+  out.dx = dxs;
+  if (probs_on_input) {
+    for (int64_t i = 0; i < H; ++i) {
+      out.dp += dxs[i] * x[i];
+      out.dx[i] = dxs[i] * p;
+    }
+  }
+  return out;
+}
+
+RefMLP zero_like(const RefMLP& m) {
+  RefMLP z;
+  z.w1.assign(m.w1.size(), 0.0);
+  z.b1.assign(m.b1.size(), 0.0);
+  z.w2.assign(m.w2.size(), 0.0);
+  z.b2.assign(m.b2.size(), 0.0);
+  z.bias = m.bias;
+  return z;
+}
+
+// ---- helpers ----------------------------------------------------------------------------------------------------
+
+struct ExpertSetup {
+  ModelConfig model;
+  MoEConfig moe;
+};
+
+ExpertSetup make_setup(const Activation a, const bool bias, const bool probs_on_input, const bool grouped) {
+  ExpertSetup s;
+  s.model.num_layers = 4;
+  s.model.hidden_size = kH;
+  s.model.ffn_hidden_size = 2 * kF;
+  s.model.activation = a;
+  s.model.add_bias_linear = bias;
+  s.moe.num_experts = static_cast<int64_t>(kTokensPerExpert.size());
+  s.moe.ffn_hidden_size = kF;
+  s.moe.topk = probs_on_input ? 1 : 2;
+  s.moe.apply_probs_on_input = probs_on_input;
+  s.moe.grouped_gemm = grouped;
+  s.moe.shared_expert_intermediate_size = 16;
+  return s;
+}
+
+Param* find_param(std::vector<Param>& params, const std::string& name) {
+  for (Param& p : params) {
+    if (p.name == name) return &p;
+  }
+  return nullptr;
+}
+
+// Fills every value and gradient with reproducible random numbers (gradients nonzero to check accumulation).
+void randomize(std::vector<Param>& params, const uint64_t seed) {
+  uint64_t s = seed;
+  for (Param& p : params) {
+    const auto v = random_vector<float>(static_cast<size_t>(p.value.numel()), ++s, -0.4f, 0.4f);
+    std::copy(v.begin(), v.end(), p.value.data<float>());
+    const auto g = random_vector<float>(static_cast<size_t>(p.grad.numel()), ++s);
+    std::copy(g.begin(), g.end(), p.grad.data<float>());
+  }
+}
+
+std::vector<double> to_double(const Tensor& t) {
+  return std::vector<double>(t.data<float>(), t.data<float>() + t.numel());
+}
+
+// |got - want| <= atol + rtol * |want| for every element.
+void expect_close(const float* got, const std::vector<double>& want, const double rtol, const double atol,
+                  const std::string& what) {
+  int reported = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double err = std::abs(static_cast<double>(got[i]) - want[i]);
+    if (err > atol + rtol * std::abs(want[i]) && reported++ < 3) {
+      ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << " want " << want[i];
+    }
+  }
+}
+
+struct ExpertRun {
+  std::vector<float> y, dx, dprobs;
+  std::map<std::string, std::vector<float>> grads;
+};
+
+struct ExpertInputs {
+  std::vector<float> x, probs, dy, dx0;
+  int64_t R = 0;
+};
+
+ExpertInputs make_inputs(const uint64_t seed) {
+  ExpertInputs in;
+  for (const int64_t n : kTokensPerExpert) in.R += n;
+  in.x = random_vector<float>(static_cast<size_t>(in.R * kH), seed);
+  in.probs = random_vector<float>(static_cast<size_t>(in.R), seed + 1, 0.05f, 1.0f);
+  in.dy = random_vector<float>(static_cast<size_t>(in.R * kH), seed + 2);
+  in.dx0 = random_vector<float>(static_cast<size_t>(in.R * kH), seed + 3);
+  return in;
+}
+
+ExpertRun run_experts(const ExpertSetup& s, std::vector<Param>& params, ExpertMLP& experts, const ExpertInputs& in) {
+  ExpertRun run;
+  run.y.assign(static_cast<size_t>(in.R * kH), 7.0f);  // overwritten
+  ExpertActivations saved;
+  experts.forward(run.y.data(), in.x.data(), in.probs.data(), kTokensPerExpert, saved);
+  run.dx = in.dx0;
+  run.dprobs.assign(static_cast<size_t>(in.R), 123.0f);  // overwritten
+  experts.backward(run.dx.data(), run.dprobs.data(), in.dy.data(), saved);
+  (void)s;
+  for (Param& p : params)
+    run.grads[p.name] = std::vector<float>(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
+  return run;
+}
+
+std::string expert_name(const int64_t e, const std::string& leaf) {
+  return "decoder.layers.1.mlp.experts.local_experts." + std::to_string(e) + "." + leaf;
+}
+
+// ---- tests ------------------------------------------------------------------------------------------------------
+
+TEST(ExpertsTest, RegistersMegatronNamesShapesAndInits) {
+  for (const bool bias : {false, true}) {
+    for (const Activation a : {Activation::kSwiGLU, Activation::kGelu}) {
+      ExpertSetup s = make_setup(a, bias, false, true);
+      std::vector<Param> params;
+      auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params);
+      const int64_t E = s.moe.num_experts, F1 = a == Activation::kSwiGLU ? 2 * kF : kF;
+      ASSERT_EQ(static_cast<int64_t>(params.size()), E * (bias ? 4 : 2));
+      for (int64_t e = 0; e < E; ++e) {
+        const Param* w1 = find_param(params, expert_name(e, "linear_fc1.weight"));
+        const Param* w2 = find_param(params, expert_name(e, "linear_fc2.weight"));
+        ASSERT_NE(w1, nullptr);
+        ASSERT_NE(w2, nullptr);
+        EXPECT_EQ(w1->value.shape(), (std::vector<int64_t>{F1, kH}));
+        EXPECT_EQ(w2->value.shape(), (std::vector<int64_t>{kH, kF}));
+        EXPECT_EQ(w1->init, InitKind::kNormal);
+        EXPECT_EQ(w2->init, InitKind::kScaledNormal);
+        EXPECT_FALSE(w1->no_weight_decay);
+        EXPECT_FALSE(w2->no_weight_decay);
+        EXPECT_EQ(w1->grad.shape(), w1->value.shape());
+        const Param* b1 = find_param(params, expert_name(e, "linear_fc1.bias"));
+        const Param* b2 = find_param(params, expert_name(e, "linear_fc2.bias"));
+        EXPECT_EQ(b1 != nullptr, bias);
+        EXPECT_EQ(b2 != nullptr, bias);
+        if (bias) {
+          EXPECT_EQ(b1->value.shape(), (std::vector<int64_t>{F1}));
+          EXPECT_EQ(b2->value.shape(), (std::vector<int64_t>{kH}));
+          EXPECT_EQ(b1->init, InitKind::kZeros);
+          EXPECT_EQ(b2->init, InitKind::kZeros);
+          EXPECT_TRUE(b1->no_weight_decay);
+          EXPECT_TRUE(b2->no_weight_decay);
+        }
+      }
+    }
+  }
+}
+
+// The reference's hand-derived gradients agree with central differences of its own forward.
+TEST(ExpertsTest, ReferenceGradientsMatchFiniteDifferences) {
+  for (const Activation a : {Activation::kSwiGLU, Activation::kGelu, Activation::kSquaredReLU}) {
+    for (const bool poi : {false, true}) {
+      RefMLP m;
+      m.bias = true;
+      const int64_t F1 = a == Activation::kSwiGLU ? 2 * kF : kF;
+      m.w1 = test::convert_vector<double>(random_vector<float>(static_cast<size_t>(F1 * kH), 1, -0.4f, 0.4f));
+      m.b1 = test::convert_vector<double>(random_vector<float>(static_cast<size_t>(F1), 2, -0.4f, 0.4f));
+      m.w2 = test::convert_vector<double>(random_vector<float>(static_cast<size_t>(kH * kF), 3, -0.4f, 0.4f));
+      m.b2 = test::convert_vector<double>(random_vector<float>(static_cast<size_t>(kH), 4, -0.4f, 0.4f));
+      const auto x = test::convert_vector<double>(random_vector<float>(static_cast<size_t>(kH), 5));
+      const auto dy = test::convert_vector<double>(random_vector<float>(static_cast<size_t>(kH), 6));
+      const double p = 0.37;
+      RefMLP g = zero_like(m);
+      const RefRowGrads row = ref_row(m, g, a, poi, kH, kF, x, p, dy);
+      auto objective = [&](const RefMLP& mm, const std::vector<double>& xx, const double pp) {
+        RefMLP scratch = zero_like(mm);
+        const auto y = ref_row(mm, scratch, a, poi, kH, kF, xx, pp, dy).y;
+        double s = 0.0;
+        for (int64_t o = 0; o < kH; ++o) s += y[o] * dy[o];
+        return s;
+      };
+      const double eps = 1e-6;
+      EXPECT_NEAR(row.dp, (objective(m, x, p + eps) - objective(m, x, p - eps)) / (2 * eps), 1e-6);
+      for (const int64_t i : {0, 5, 23}) {
+        auto xp = x, xm = x;
+        xp[i] += eps;
+        xm[i] -= eps;
+        EXPECT_NEAR(row.dx[i], (objective(m, xp, p) - objective(m, xm, p)) / (2 * eps), 1e-6);
+      }
+      for (const int64_t i : {int64_t{0}, int64_t{17}, F1 * kH - 1}) {
+        RefMLP mp = m, mm = m;
+        mp.w1[i] += eps;
+        mm.w1[i] -= eps;
+        EXPECT_NEAR(g.w1[i], (objective(mp, x, p) - objective(mm, x, p)) / (2 * eps), 1e-6);
+      }
+      for (const int64_t i : {int64_t{1}, F1 - 1}) {
+        RefMLP mp = m, mm = m;
+        mp.b1[i] += eps;
+        mm.b1[i] -= eps;
+        EXPECT_NEAR(g.b1[i], (objective(mp, x, p) - objective(mm, x, p)) / (2 * eps), 1e-6);
+      }
+      for (const int64_t i : {int64_t{3}, kH * kF - 1}) {
+        RefMLP mp = m, mm = m;
+        mp.w2[i] += eps;
+        mm.w2[i] -= eps;
+        EXPECT_NEAR(g.w2[i], (objective(mp, x, p) - objective(mm, x, p)) / (2 * eps), 1e-6);
+      }
+    }
+  }
+}
+
+// Both implementations against the double reference, and against each other, for every activation, with and
+// without bias, and with probs on the input; experts 1 and 4 get no rows.
+TEST(ExpertsTest, GroupedAndSequentialMatchReferenceAndEachOther) {
+  for (const Activation a : {Activation::kSwiGLU, Activation::kGelu, Activation::kSquaredReLU}) {
+    for (const bool bias : {false, true}) {
+      for (const bool poi : {false, true}) {
+        SCOPED_TRACE(to_string(a) + (bias ? " bias" : " no-bias") + (poi ? " probs-on-input" : ""));
+        const ExpertInputs in = make_inputs(100);
+        std::map<bool, ExpertRun> runs;
+        std::map<std::string, std::vector<float>> grad0;
+        std::vector<Param> ref_params;
+        for (const bool grouped : {false, true}) {
+          const ExpertSetup s = make_setup(a, bias, poi, grouped);
+          std::vector<Param> params;
+          auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params);
+          experts->bind(params);
+          randomize(params, 42);  // same values and starting gradients for both
+          if (!grouped) {
+            for (const Param& p : params)
+              grad0[p.name] = std::vector<float>(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
+          }
+          runs[grouped] = run_experts(s, params, *experts, in);
+          if (grouped) ref_params = std::move(params);
+        }
+
+        // Grouped == sequential, everywhere.
+        const ExpertRun& seq = runs[false];
+        const ExpertRun& grp = runs[true];
+        auto same = [](const std::vector<float>& u, const std::vector<float>& v, const std::string& what) {
+          ASSERT_EQ(u.size(), v.size()) << what;
+          for (size_t i = 0; i < u.size(); ++i) {
+            ASSERT_NEAR(u[i], v[i], 1e-6 * (1.0 + std::abs(v[i]))) << what << "[" << i << "]";
+          }
+        };
+        same(grp.y, seq.y, "y");
+        same(grp.dx, seq.dx, "dx");
+        same(grp.dprobs, seq.dprobs, "dprobs");
+        for (const auto& [name, g] : seq.grads) same(grp.grads.at(name), g, name);
+
+        // Reference in double.
+        const int64_t E = static_cast<int64_t>(kTokensPerExpert.size());
+        std::vector<RefMLP> mlps(static_cast<size_t>(E)), grads(static_cast<size_t>(E));
+        for (int64_t e = 0; e < E; ++e) {
+          RefMLP& m = mlps[e];
+          m.bias = bias;
+          m.w1 = to_double(find_param(ref_params, expert_name(e, "linear_fc1.weight"))->value);
+          m.w2 = to_double(find_param(ref_params, expert_name(e, "linear_fc2.weight"))->value);
+          if (bias) {
+            m.b1 = to_double(find_param(ref_params, expert_name(e, "linear_fc1.bias"))->value);
+            m.b2 = to_double(find_param(ref_params, expert_name(e, "linear_fc2.bias"))->value);
+          }
+          grads[e] = zero_like(m);
+        }
+        std::vector<double> y_ref, dx_ref, dp_ref;
+        int64_t r = 0;
+        for (int64_t e = 0; e < E; ++e) {
+          for (int64_t j = 0; j < kTokensPerExpert[e]; ++j, ++r) {
+            const std::vector<double> x(in.x.begin() + r * kH, in.x.begin() + (r + 1) * kH);
+            const std::vector<double> dy(in.dy.begin() + r * kH, in.dy.begin() + (r + 1) * kH);
+            const RefRowGrads row = ref_row(mlps[e], grads[e], a, poi, kH, kF, x, in.probs[r], dy);
+            y_ref.insert(y_ref.end(), row.y.begin(), row.y.end());
+            for (int64_t h = 0; h < kH; ++h) dx_ref.push_back(in.dx0[r * kH + h] + row.dx[h]);
+            dp_ref.push_back(row.dp);
+          }
+        }
+        for (const auto& [grouped, run] : runs) {
+          const std::string impl = grouped ? "grouped " : "sequential ";
+          expect_close(run.y.data(), y_ref, 1e-4, 1e-5, impl + "y");
+          expect_close(run.dx.data(), dx_ref, 1e-4, 1e-5, impl + "dx");
+          expect_close(run.dprobs.data(), dp_ref, 1e-4, 1e-5, impl + "dprobs");
+          for (int64_t e = 0; e < E; ++e) {
+            auto check = [&](const std::string& leaf, const std::vector<double>& g) {
+              const std::string name = expert_name(e, leaf);
+              const std::vector<float>& got = run.grads.at(name);
+              const std::vector<float>& start = grad0.at(name);
+              std::vector<double> want(g.size());
+              for (size_t i = 0; i < g.size(); ++i) want[i] = start[i] + g[i];
+              expect_close(got.data(), want, 1e-4, 1e-5, impl + name);
+              if (kTokensPerExpert[e] == 0) {
+                EXPECT_EQ(got, start) << impl << name << " of an idle expert changed";
+              }
+            };
+            check("linear_fc1.weight", grads[e].w1);
+            check("linear_fc2.weight", grads[e].w2);
+            if (bias) {
+              check("linear_fc1.bias", grads[e].b1);
+              check("linear_fc2.bias", grads[e].b2);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Zero-row experts with zero starting gradients: their gradients are present, the right shape, and exactly zero.
+TEST(ExpertsTest, IdleExpertsKeepPresentZeroGradients) {
+  for (const bool grouped : {false, true}) {
+    const ExpertSetup s = make_setup(Activation::kSwiGLU, true, false, grouped);
+    std::vector<Param> params;
+    auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params);
+    experts->bind(params);
+    randomize(params, 5);
+    for (Param& p : params) p.grad.zero_();
+    const ExpertInputs in = make_inputs(7);
+    run_experts(s, params, *experts, in);
+    for (const int64_t e : {1, 4}) {
+      for (const std::string leaf : {"linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias"}) {
+        const Param* p = find_param(params, expert_name(e, leaf));
+        ASSERT_NE(p, nullptr);
+        ASSERT_TRUE(p->grad.defined());
+        EXPECT_EQ(p->grad.shape(), p->value.shape());
+        for (const float g : p->grad.span<const float>()) ASSERT_EQ(g, 0.0f) << leaf;
+      }
+    }
+    const Param* busy = find_param(params, expert_name(2, "linear_fc1.weight"));
+    double norm = 0.0;
+    for (const float g : busy->grad.span<const float>()) norm += std::abs(g);
+    EXPECT_GT(norm, 0.0);
+  }
+}
+
+TEST(ExpertsTest, BadInputThrows) {
+  ExpertSetup s = make_setup(Activation::kGelu, false, false, true);
+  std::vector<Param> params;
+  auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params);
+  experts->bind(params);
+  std::vector<float> x(kH), y(kH), p(1, 1.0f);
+  ExpertActivations saved;
+  EXPECT_THROW(experts->forward(y.data(), x.data(), p.data(), {1, 0}, saved), std::invalid_argument);
+  EXPECT_THROW(experts->forward(y.data(), x.data(), p.data(), {1, 0, 0, 0, -1, 1}, saved), std::invalid_argument);
+  s.moe.ffn_hidden_size = 0;
+  std::vector<Param> more;
+  EXPECT_THROW(make_experts(s.moe, s.model, "x.", more), ConfigError);
+}
+
+// ---- shared experts ---------------------------------------------------------------------------------------------
+
+TEST(SharedExpertsTest, RegistersParameters) {
+  for (const bool gate : {false, true}) {
+    ExpertSetup s = make_setup(Activation::kSwiGLU, false, false, false);
+    s.moe.shared_expert_gate = gate;
+    std::vector<Param> params;
+    SharedExpertMLP shared(s.moe, s.model, "decoder.layers.1.", params);
+    ASSERT_EQ(params.size(), gate ? 3u : 2u);
+    const Param* w1 = find_param(params, "decoder.layers.1.mlp.shared_experts.linear_fc1.weight");
+    const Param* w2 = find_param(params, "decoder.layers.1.mlp.shared_experts.linear_fc2.weight");
+    ASSERT_NE(w1, nullptr);
+    ASSERT_NE(w2, nullptr);
+    EXPECT_EQ(w1->value.shape(), (std::vector<int64_t>{32, kH}));
+    EXPECT_EQ(w2->value.shape(), (std::vector<int64_t>{kH, 16}));
+    EXPECT_EQ(w1->init, InitKind::kNormal);
+    EXPECT_EQ(w2->init, InitKind::kScaledNormal);
+    const Param* wg = find_param(params, "decoder.layers.1.mlp.shared_experts.gate_weight");
+    EXPECT_EQ(wg != nullptr, gate);
+    if (gate) {
+      EXPECT_EQ(wg->value.shape(), (std::vector<int64_t>{1, kH}));
+      EXPECT_EQ(wg->init, InitKind::kNormal);
+    }
+  }
+}
+
+TEST(SharedExpertsTest, MatchesReferenceWithAndWithoutGate) {
+  const int64_t T = 13, S = 16;
+  for (const Activation a : {Activation::kSwiGLU, Activation::kGelu, Activation::kSquaredReLU}) {
+    for (const bool gate : {false, true}) {
+      SCOPED_TRACE(to_string(a) + (gate ? " gate" : " no gate"));
+      ExpertSetup s = make_setup(a, true, false, false);  // add_bias_linear is ignored: shared experts have no bias
+      s.moe.shared_expert_gate = gate;
+      std::vector<Param> params;
+      SharedExpertMLP shared(s.moe, s.model, "decoder.layers.1.", params);
+      shared.bind(params);
+      randomize(params, 77);
+      std::map<std::string, std::vector<float>> grad0;
+      for (const Param& p : params)
+        grad0[p.name] = std::vector<float>(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
+      const auto x = random_vector<float>(static_cast<size_t>(T * kH), 1);
+      const auto out0 = random_vector<float>(static_cast<size_t>(T * kH), 2);
+      const auto dout = random_vector<float>(static_cast<size_t>(T * kH), 3);
+      const auto dx0 = random_vector<float>(static_cast<size_t>(T * kH), 4);
+      auto out = out0;
+      SharedExpertActivations saved;
+      shared.forward(out.data(), x.data(), T, saved);
+      auto dx = dx0;
+      shared.backward(dx.data(), dout.data(), x.data(), T, saved);
+
+      const std::string pre = "decoder.layers.1.mlp.shared_experts.";
+      RefMLP m;
+      m.w1 = to_double(find_param(params, pre + "linear_fc1.weight")->value);
+      m.w2 = to_double(find_param(params, pre + "linear_fc2.weight")->value);
+      RefMLP g = zero_like(m);
+      std::vector<double> wg(static_cast<size_t>(kH), 0.0), dwg(static_cast<size_t>(kH), 0.0);
+      if (gate) wg = to_double(find_param(params, pre + "gate_weight")->value);
+      std::vector<double> out_ref, dx_ref;
+      for (int64_t t = 0; t < T; ++t) {
+        const std::vector<double> xt(x.begin() + t * kH, x.begin() + (t + 1) * kH);
+        std::vector<double> dyt(dout.begin() + t * kH, dout.begin() + (t + 1) * kH);
+        double gt = 1.0, z = 0.0;
+        if (gate) {
+          for (int64_t h = 0; h < kH; ++h) z += xt[h] * wg[h];
+          gt = sigmoid(z);
+        }
+        // out = g * mlp(x): the MLP sees dy * g (prob 1, no bias).
+        std::vector<double> dmlp = dyt;
+        for (double& v : dmlp) v *= gt;
+        RefMLP scratch = zero_like(m);
+        const RefRowGrads plain = ref_row(m, scratch, a, false, kH, S, xt, 1.0, dyt);  // mlp(x) itself
+        const RefRowGrads row = ref_row(m, g, a, false, kH, S, xt, 1.0, dmlp);
+        std::vector<double> dxt = row.dx;
+        if (gate) {
+          double dg = 0.0;
+          for (int64_t h = 0; h < kH; ++h) dg += dyt[h] * plain.y[h];
+          const double dz = dg * gt * (1.0 - gt);
+          for (int64_t h = 0; h < kH; ++h) {
+            dxt[h] += dz * wg[h];
+            dwg[h] += dz * xt[h];
+          }
+        }
+        for (int64_t h = 0; h < kH; ++h) {
+          out_ref.push_back(out0[t * kH + h] + gt * plain.y[h]);
+          dx_ref.push_back(dx0[t * kH + h] + dxt[h]);
+        }
+      }
+      expect_close(out.data(), out_ref, 1e-4, 1e-5, "out");
+      expect_close(dx.data(), dx_ref, 1e-4, 1e-5, "dx");
+      auto check = [&](const std::string& leaf, const std::vector<double>& d) {
+        const Param* p = find_param(params, pre + leaf);
+        const std::vector<float>& start = grad0.at(pre + leaf);
+        std::vector<double> want(d.size());
+        for (size_t i = 0; i < d.size(); ++i) want[i] = start[i] + d[i];
+        expect_close(p->grad.data<float>(), want, 1e-4, 1e-5, leaf);
+      };
+      check("linear_fc1.weight", g.w1);
+      check("linear_fc2.weight", g.w2);
+      if (gate) check("gate_weight", dwg);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moecore
