@@ -181,6 +181,10 @@ class HfMoeTest : public ::testing::Test {
                   std::unique_ptr<GPTModel>& model) {
     model = std::make_unique<GPTModel>(c, 1);
     randomize(*model, 11);
+    for (int64_t l = 0; l < c.num_layers; ++l) {  // a trained-looking expert bias (it changes the selection)
+      std::vector<float>* bias = model->expert_bias(l);
+      for (size_t e = 0; bias != nullptr && e < bias->size(); ++e) (*bias)[e] = 0.5f * static_cast<float>(e % 3) - 0.4f;
+    }
     const std::string out = path(expected_type);
     export_hf(*model, HfExportInfo{}, out);
     file = read_safetensors(out + "/model.safetensors");
@@ -195,6 +199,12 @@ class HfMoeTest : public ::testing::Test {
       EXPECT_EQ(back.shape(), p.value.shape()) << p.name;
       if (back.shape() == p.value.shape()) {
         EXPECT_EQ(std::memcmp(back.data<float>(), p.value.data<float>(), p.value.nbytes()), 0) << p.name;
+      }
+    }
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      const std::vector<float>* bias = model->expert_bias(l);
+      if (bias != nullptr) {
+        EXPECT_EQ(*loaded->expert_bias(l), *bias) << "expert bias of layer " << l;
       }
     }
     // Same config and weights must give the same eval forward, bit for bit.

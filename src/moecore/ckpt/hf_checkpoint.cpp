@@ -69,6 +69,10 @@ void push_moe_layer(std::vector<HfTensorMap>& layout, const ModelConfig& c, cons
   }
 }
 
+std::string expert_bias_name(const int64_t layer) {
+  return "model.layers." + std::to_string(layer) + ".mlp.gate.e_score_correction_bias";
+}
+
 std::vector<HfTensorMap> hf_layout(const ModelConfig& c, const std::string& model_type) {
   const int64_t d = c.kv_channels;
   const int64_t heads_per_group = c.num_attention_heads / c.num_query_groups;
@@ -519,6 +523,14 @@ void export_hf(const GPTModel& model, const HfExportInfo& info, const std::strin
     Tensor hf = gather_rows(map, value);
     tensors.emplace_back(map.hf_name, info.dtype == DType::kBF16 ? to_bf16(hf) : hf);
   }
+  // The routers' expert-bias buffers (aux-loss-free balancing) travel under DeepSeek-V3's name, in fp32.
+  for (int64_t layer = 0; layer < c.num_layers; ++layer) {
+    const std::vector<float>* bias = c.moe.enable_expert_bias ? model.expert_bias(layer) : nullptr;
+    if (bias == nullptr) continue;
+    Tensor bias_E({static_cast<int64_t>(bias->size())}, DType::kF32);
+    std::copy(bias->begin(), bias->end(), bias_E.data<float>());
+    tensors.emplace_back(expert_bias_name(layer), bias_E);
+  }
   for (const auto& [name, p] : params) {
     if (rows_exported[name] != p->value.dim(0)) {
       throw ConfigError("HF export: parameter " + name + " has no HF counterpart (the " + model_type +
@@ -604,6 +616,20 @@ std::unique_ptr<GPTModel> load_hf(const std::string& dir, const HfImportOptions&
       throw std::runtime_error(source + ": tensor '" + map.hf_name + "': " + e.what());
     }
     used.insert(map.hf_name);
+  }
+  for (int64_t layer = 0; layer < c.num_layers; ++layer) {
+    std::vector<float>* bias = c.moe.enable_expert_bias ? model->expert_bias(layer) : nullptr;
+    if (bias == nullptr) continue;
+    const std::string name = expert_bias_name(layer);
+    const auto it = hf_tensors.find(name);
+    if (it == hf_tensors.end()) throw std::runtime_error(dir + ": missing tensor '" + name + "'");
+    const Tensor values = to_float32(*it->second.first);
+    if (values.numel() != static_cast<int64_t>(bias->size())) {
+      throw std::runtime_error(it->second.second + ": tensor '" + name + "' has " + std::to_string(values.numel()) +
+                               " values, the model has " + std::to_string(bias->size()) + " experts");
+    }
+    std::copy(values.data<float>(), values.data<float>() + values.numel(), bias->begin());
+    used.insert(name);
   }
   for (const auto& [name, entry] : hf_tensors) {
     if (used.contains(name)) continue;

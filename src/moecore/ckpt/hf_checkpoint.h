@@ -48,8 +48,8 @@
 //                grouped GEMM, dense --ffn-hidden-size of an all-MoE mixtral), the architecture coming from HF's
 //                fields.
 //   router_aux_loss_coef is the coefficient of the first aux_loss / seq_aux_loss / global_aux_loss type (0 if none).
-// Not exported yet: the expert-bias buffer (--moe-router-enable-expert-bias; TopKRouter::expert_bias() is not
-// reachable from GPTModel), so a moecore_moe import starts from a zero expert bias.
+// The expert-bias buffer (--moe-router-enable-expert-bias, moecore_moe only) travels as
+// model.layers.{i}.mlp.gate.e_score_correction_bias [E] in fp32 (DeepSeek-V3's name).
 #pragma once
 
 #include <cstdint>
