@@ -9,8 +9,12 @@
 // "moe": {MoEConfig fields by name} (tests/oracle/twin_moe.py MOE_DEFAULTS lists them). W.safetensors holds
 // every parameter under its Megatron name; B.safetensors holds tokens and labels [B, S] (int32/int64) and optionally
 // loss_mask [B, S]. With --import-hf DIR the model (config and weights) comes from an HF export instead.
-// Protocol (dropout must be 0): for step k = 0..N: forward (losses[k]); if k < N: backward, clip, AdamW step,
-// record step{k+1}.<name>. Step 0 also records logits [S, B, V], loss and grad.<name> (before clipping).
+// W.safetensors may also hold MoE router buffers decoder.layers.{i}.mlp.router.expert_bias [E] (loaded as state).
+// Protocol (dropout must be 0): for step k = 0..N: forward (losses[k]); if k < N: backward, finish_global_batch
+// (MoE expert-bias update), clip, AdamW step, record step{k+1}.<name>. Step 0 also records logits [S, B, V], loss and
+// grad.<name> (before clipping). MoE models also record, per forward, load_balancing_loss [N+1, n_moe_layers,
+// n_types] and z_loss [N+1, n_moe_layers] (logged values, loss / coeff), and with expert bias
+// step{k+1}.decoder.layers.{i}.mlp.router.expert_bias [E].
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -18,12 +22,12 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "moecore/ckpt/hf_checkpoint.h"
-#include "moecore/ckpt/megatron_safetensors.h"
 #include "moecore/ckpt/safetensors.h"
 #include "moecore/model/gpt_model.h"
 #include "moecore/optim/adamw_optimizer.h"
@@ -271,8 +275,55 @@ std::vector<int32_t> int_tensor(const SafetensorsFile& file, const std::string& 
   return out;
 }
 
-Tensor f64_tensor(const std::vector<double>& values) {
-  Tensor t({static_cast<int64_t>(values.size())}, DType::kF64);
+constexpr const char* kExpertBiasSuffix = ".mlp.router.expert_bias";
+
+std::string expert_bias_name(const int64_t layer) {
+  return "decoder.layers." + std::to_string(layer) + kExpertBiasSuffix;
+}
+
+// Like load_megatron_safetensors, but also accepts the routers' expert-bias buffers (state, not parameters).
+void load_weights(GPTModel& model, const std::string& path) {
+  const SafetensorsFile file = read_safetensors(path);
+  std::set<std::string> expected;
+  for (Param& p : model.params()) {
+    expected.insert(p.name);
+    const Tensor& stored = file.at(p.name);
+    if (stored.shape() != p.value.shape()) {
+      throw std::runtime_error(path + ": parameter '" + p.name + "' has shape " + stored.shape_str() +
+                               ", the model expects " + p.value.shape_str());
+    }
+    p.value.copy_from(to_float32(stored));
+  }
+  for (int64_t layer = 0; layer < model.config().num_layers; ++layer) {
+    std::vector<float>* bias_E = model.expert_bias(layer);
+    const std::string name = expert_bias_name(layer);
+    if (bias_E == nullptr || !file.contains(name)) continue;
+    expected.insert(name);
+    const Tensor stored = to_float32(file.at(name));
+    if (stored.ndim() != 1 || stored.numel() != static_cast<int64_t>(bias_E->size())) {
+      throw std::runtime_error(path + ": buffer '" + name + "' has shape " + stored.shape_str() +
+                               ", the model expects [" + std::to_string(bias_E->size()) + "]");
+    }
+    std::memcpy(bias_E->data(), stored.data<float>(), bias_E->size() * sizeof(float));
+  }
+  for (const auto& [name, unused] : file.tensors) {
+    if (!expected.contains(name)) {
+      throw std::runtime_error(path + ": tensor '" + name + "' is neither a model parameter nor a router buffer");
+    }
+  }
+}
+
+Tensor f32_vector(const std::vector<float>& values) {
+  Tensor t({static_cast<int64_t>(values.size())}, DType::kF32);
+  std::memcpy(t.data<float>(), values.data(), values.size() * sizeof(float));
+  return t;
+}
+
+// values as float64 of `shape` (default: 1-D).
+Tensor f64_tensor(const std::vector<double>& values, std::vector<int64_t> shape = {}) {
+  if (shape.empty()) shape = {static_cast<int64_t>(values.size())};
+  Tensor t(shape, DType::kF64);
+  if (t.numel() != static_cast<int64_t>(values.size())) throw std::logic_error("f64_tensor: shape mismatch");
   std::memcpy(t.data<double>(), values.data(), values.size() * sizeof(double));
   return t;
 }
@@ -284,7 +335,7 @@ int run(int argc, char** argv) {
     model = load_hf(args.import_hf);
   } else {
     model = std::make_unique<GPTModel>(config_from_json(args.config), 1234);
-    load_megatron_safetensors(*model, args.weights);
+    load_weights(*model, args.weights);
   }
   if (model->config().hidden_dropout != 0.0 || model->config().attention_dropout != 0.0) {
     throw std::runtime_error("parity runs need hidden_dropout = attention_dropout = 0");
@@ -315,6 +366,9 @@ int run(int argc, char** argv) {
 
   std::vector<NamedTensor> out;
   std::vector<double> losses, grad_norms;
+  std::vector<double> lb_logs, z_logs;  // flattened [step][MoE layer][type] and [step][MoE layer]
+  int64_t n_moe_layers = 0, n_types = 0;
+  const bool is_moe = model->config().moe.enabled();
   for (int64_t step = 0; step <= args.steps; ++step) {
     model->zero_grad();
     std::unique_ptr<MicroBatchContext> ctx;
@@ -325,6 +379,15 @@ int run(int argc, char** argv) {
     const double loss = model->forward(ctx, tokens.data(), labels.data(), loss_mask.data(), B, S, forward_options,
                                        step == 0 ? &logits : nullptr);
     losses.push_back(loss);
+    if (is_moe) {
+      const MoEStats stats = model->take_moe_stats();
+      if (stats.num_forwards != 1) throw std::runtime_error("expected the stats of exactly one forward");
+      n_moe_layers = static_cast<int64_t>(stats.moe_layers.size());
+      n_types = n_moe_layers > 0 ? static_cast<int64_t>(stats.load_balancing_losses[0].size()) : 0;
+      for (const auto& per_type : stats.load_balancing_losses)
+        lb_logs.insert(lb_logs.end(), per_type.begin(), per_type.end());
+      z_logs.insert(z_logs.end(), stats.z_losses.begin(), stats.z_losses.end());
+    }
     if (step == 0) {
       out.emplace_back("logits", logits);
       Tensor loss_t({}, DType::kF64);
@@ -336,14 +399,26 @@ int run(int argc, char** argv) {
     if (step == 0) {
       for (const Param& p : model->params()) out.emplace_back("grad." + p.name, p.grad.clone());
     }
+    model->finish_global_batch();
     grad_norms.push_back(optimizer.clip_grad_norm(args.clip_grad));
     optimizer.step(args.lr);
     for (const Param& p : model->params()) {
       out.emplace_back("step" + std::to_string(step + 1) + "." + p.name, p.value.clone());
     }
+    for (int64_t layer = 0; layer < model->config().num_layers; ++layer) {
+      const std::vector<float>* bias_E = model->expert_bias(layer);
+      if (bias_E != nullptr && model->config().moe.enable_expert_bias) {
+        out.emplace_back("step" + std::to_string(step + 1) + "." + expert_bias_name(layer), f32_vector(*bias_E));
+      }
+    }
   }
   out.emplace_back("losses", f64_tensor(losses));
   out.emplace_back("grad_norms", f64_tensor(grad_norms));
+  if (is_moe) {
+    const int64_t forwards = static_cast<int64_t>(losses.size());
+    out.emplace_back("load_balancing_loss", f64_tensor(lb_logs, {forwards, n_moe_layers, n_types}));
+    out.emplace_back("z_loss", f64_tensor(z_logs, {forwards, n_moe_layers}));
+  }
   write_safetensors(args.out, out);
   return 0;
 }

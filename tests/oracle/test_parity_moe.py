@@ -14,7 +14,7 @@ sits within rounding distance of a top-k / capacity decision, so a float32 compa
 
 Usage: /usr/bin/python3 test_parity_moe.py --parity PATH/TO/moecore_parity [--only NAME] [--keep DIR]
        /usr/bin/python3 test_parity_moe.py --twin-only      (runs the twin side and the premise check only)
-Registered in CTest only with -DMOECORE_MOE_PARITY=ON (until the C++ MoE model is wired).
+Registered in CTest as oracle_parity_moe (label oracle).
 """
 import argparse
 import json
