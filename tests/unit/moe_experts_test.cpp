@@ -174,7 +174,7 @@ ExpertSetup make_setup(const Activation a, const bool bias, const bool probs_on_
   return s;
 }
 
-Param* find_param(std::vector<Param>& params, const std::string& name) {
+Param* find_or_null(std::vector<Param>& params, const std::string& name) {
   for (Param& p : params) {
     if (p.name == name) return &p;
   }
@@ -257,8 +257,8 @@ TEST(ExpertsTest, RegistersMegatronNamesShapesAndInits) {
       const int64_t E = s.moe.num_experts, F1 = a == Activation::kSwiGLU ? 2 * kF : kF;
       ASSERT_EQ(static_cast<int64_t>(params.size()), E * (bias ? 4 : 2));
       for (int64_t e = 0; e < E; ++e) {
-        const Param* w1 = find_param(params, expert_name(e, "linear_fc1.weight"));
-        const Param* w2 = find_param(params, expert_name(e, "linear_fc2.weight"));
+        const Param* w1 = find_or_null(params, expert_name(e, "linear_fc1.weight"));
+        const Param* w2 = find_or_null(params, expert_name(e, "linear_fc2.weight"));
         ASSERT_NE(w1, nullptr);
         ASSERT_NE(w2, nullptr);
         EXPECT_EQ(w1->value.shape(), (std::vector<int64_t>{F1, kH}));
@@ -268,8 +268,8 @@ TEST(ExpertsTest, RegistersMegatronNamesShapesAndInits) {
         EXPECT_FALSE(w1->no_weight_decay);
         EXPECT_FALSE(w2->no_weight_decay);
         EXPECT_EQ(w1->grad.shape(), w1->value.shape());
-        const Param* b1 = find_param(params, expert_name(e, "linear_fc1.bias"));
-        const Param* b2 = find_param(params, expert_name(e, "linear_fc2.bias"));
+        const Param* b1 = find_or_null(params, expert_name(e, "linear_fc1.bias"));
+        const Param* b2 = find_or_null(params, expert_name(e, "linear_fc2.bias"));
         EXPECT_EQ(b1 != nullptr, bias);
         EXPECT_EQ(b2 != nullptr, bias);
         if (bias) {
@@ -383,11 +383,11 @@ TEST(ExpertsTest, GroupedAndSequentialMatchReferenceAndEachOther) {
         for (int64_t e = 0; e < E; ++e) {
           RefMLP& m = mlps[e];
           m.bias = bias;
-          m.w1 = to_double(find_param(ref_params, expert_name(e, "linear_fc1.weight"))->value);
-          m.w2 = to_double(find_param(ref_params, expert_name(e, "linear_fc2.weight"))->value);
+          m.w1 = to_double(find_or_null(ref_params, expert_name(e, "linear_fc1.weight"))->value);
+          m.w2 = to_double(find_or_null(ref_params, expert_name(e, "linear_fc2.weight"))->value);
           if (bias) {
-            m.b1 = to_double(find_param(ref_params, expert_name(e, "linear_fc1.bias"))->value);
-            m.b2 = to_double(find_param(ref_params, expert_name(e, "linear_fc2.bias"))->value);
+            m.b1 = to_double(find_or_null(ref_params, expert_name(e, "linear_fc1.bias"))->value);
+            m.b2 = to_double(find_or_null(ref_params, expert_name(e, "linear_fc2.bias"))->value);
           }
           grads[e] = zero_like(m);
         }
@@ -446,14 +446,14 @@ TEST(ExpertsTest, IdleExpertsKeepPresentZeroGradients) {
     run_experts(s, params, *experts, in);
     for (const int64_t e : {1, 4}) {
       for (const std::string leaf : {"linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias"}) {
-        const Param* p = find_param(params, expert_name(e, leaf));
+        const Param* p = find_or_null(params, expert_name(e, leaf));
         ASSERT_NE(p, nullptr);
         ASSERT_TRUE(p->grad.defined());
         EXPECT_EQ(p->grad.shape(), p->value.shape());
         for (const float g : p->grad.span<const float>()) ASSERT_EQ(g, 0.0f) << leaf;
       }
     }
-    const Param* busy = find_param(params, expert_name(2, "linear_fc1.weight"));
+    const Param* busy = find_or_null(params, expert_name(2, "linear_fc1.weight"));
     double norm = 0.0;
     for (const float g : busy->grad.span<const float>()) norm += std::abs(g);
     EXPECT_GT(norm, 0.0);
@@ -483,15 +483,15 @@ TEST(SharedExpertsTest, RegistersParameters) {
     std::vector<Param> params;
     SharedExpertMLP shared(s.moe, s.model, "decoder.layers.1.", params);
     ASSERT_EQ(params.size(), gate ? 3u : 2u);
-    const Param* w1 = find_param(params, "decoder.layers.1.mlp.shared_experts.linear_fc1.weight");
-    const Param* w2 = find_param(params, "decoder.layers.1.mlp.shared_experts.linear_fc2.weight");
+    const Param* w1 = find_or_null(params, "decoder.layers.1.mlp.shared_experts.linear_fc1.weight");
+    const Param* w2 = find_or_null(params, "decoder.layers.1.mlp.shared_experts.linear_fc2.weight");
     ASSERT_NE(w1, nullptr);
     ASSERT_NE(w2, nullptr);
     EXPECT_EQ(w1->value.shape(), (std::vector<int64_t>{32, kH}));
     EXPECT_EQ(w2->value.shape(), (std::vector<int64_t>{kH, 16}));
     EXPECT_EQ(w1->init, InitKind::kNormal);
     EXPECT_EQ(w2->init, InitKind::kScaledNormal);
-    const Param* wg = find_param(params, "decoder.layers.1.mlp.shared_experts.gate_weight");
+    const Param* wg = find_or_null(params, "decoder.layers.1.mlp.shared_experts.gate_weight");
     EXPECT_EQ(wg != nullptr, gate);
     if (gate) {
       EXPECT_EQ(wg->value.shape(), (std::vector<int64_t>{1, kH}));
@@ -526,11 +526,11 @@ TEST(SharedExpertsTest, MatchesReferenceWithAndWithoutGate) {
 
       const std::string pre = "decoder.layers.1.mlp.shared_experts.";
       RefMLP m;
-      m.w1 = to_double(find_param(params, pre + "linear_fc1.weight")->value);
-      m.w2 = to_double(find_param(params, pre + "linear_fc2.weight")->value);
+      m.w1 = to_double(find_or_null(params, pre + "linear_fc1.weight")->value);
+      m.w2 = to_double(find_or_null(params, pre + "linear_fc2.weight")->value);
       RefMLP g = zero_like(m);
       std::vector<double> wg(static_cast<size_t>(kH), 0.0), dwg(static_cast<size_t>(kH), 0.0);
-      if (gate) wg = to_double(find_param(params, pre + "gate_weight")->value);
+      if (gate) wg = to_double(find_or_null(params, pre + "gate_weight")->value);
       std::vector<double> out_ref, dx_ref;
       for (int64_t t = 0; t < T; ++t) {
         const std::vector<double> xt(x.begin() + t * kH, x.begin() + (t + 1) * kH);
@@ -564,7 +564,7 @@ TEST(SharedExpertsTest, MatchesReferenceWithAndWithoutGate) {
       expect_close(out.data(), out_ref, 1e-4, 1e-5, "out");
       expect_close(dx.data(), dx_ref, 1e-4, 1e-5, "dx");
       auto check = [&](const std::string& leaf, const std::vector<double>& d) {
-        const Param* p = find_param(params, pre + leaf);
+        const Param* p = find_or_null(params, pre + leaf);
         const std::vector<float>& start = grad0.at(pre + leaf);
         std::vector<double> want(d.size());
         for (size_t i = 0; i < d.size(); ++i) want[i] = start[i] + d[i];

@@ -25,16 +25,6 @@ namespace {
 
 constexpr uint64_t kEmbeddingDropoutSite = 0;
 
-Param make_param(const std::string& name, std::vector<int64_t> shape, const InitKind init) {
-  Param p;
-  p.name = name;
-  p.value = Tensor(shape, DType::kF32, MemCategory::kParams);
-  p.grad = Tensor(shape, DType::kF32, MemCategory::kGrads);
-  p.init = init;
-  p.no_weight_decay = shape.size() == 1;
-  return p;
-}
-
 uint64_t layer_stream(const uint64_t stream, const int64_t layer) {
   return (stream * 1024 + static_cast<uint64_t>(layer) + 1) * 16;
 }

@@ -69,13 +69,7 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
   const int64_t H = config.hidden_size, d = config.kv_channels;
   const bool layer_norm = config.normalization == Normalization::kLayerNorm;
   auto add = [&](const std::string& name, std::vector<int64_t> shape, const InitKind init) {
-    Param p;
-    p.name = prefix_ + name;
-    p.value = Tensor(shape, DType::kF32, MemCategory::kParams);
-    p.grad = Tensor(shape, DType::kF32, MemCategory::kGrads);
-    p.init = init;
-    p.no_weight_decay = shape.size() == 1;  // Megatron: biases and norm weights
-    params.push_back(std::move(p));
+    params.push_back(make_param(prefix_ + name, shape, init));
     names_.push_back(prefix_ + name);
     return static_cast<int>(names_.size() - 1);
   };
@@ -105,15 +99,7 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
 }
 
 void TransformerLayer::bind(std::vector<Param>& params) {
-  params_.assign(names_.size(), nullptr);
-  for (Param& p : params) {
-    for (size_t i = 0; i < names_.size(); ++i) {
-      if (p.name == names_[i]) params_[i] = &p;
-    }
-  }
-  for (size_t i = 0; i < names_.size(); ++i) {
-    if (params_[i] == nullptr) throw std::logic_error("parameter " + names_[i] + " was not registered");
-  }
+  params_ = find_params(params, names_);
   auto ptr = [&](const int i) { return i < 0 ? nullptr : params_[static_cast<size_t>(i)]; };
   const double eps = config_.norm_epsilon;
   ln1_ = NormModule(config_.normalization, eps, ptr(idx_.ln1_w), ptr(idx_.ln1_b));

@@ -55,14 +55,8 @@ ExpertMLPBase::ExpertMLPBase(const MoEConfig &moe, const ModelConfig &model, con
   if (H_ <= 0) throw ConfigError("experts: --hidden-size must be positive, got " + std::to_string(H_));
   F1_ = activation_ == Activation::kSwiGLU ? 2 * F_ : F_;
   auto add = [&](const std::string &name, std::vector<int64_t> shape, const InitKind init) {
-    Param p;
-    p.name = prefix + name;
-    p.value = Tensor(shape, DType::kF32, MemCategory::kParams);
-    p.grad = Tensor(shape, DType::kF32, MemCategory::kGrads);
-    p.init = init;
-    p.no_weight_decay = shape.size() == 1;  // Megatron: biases
-    names_.push_back(p.name);
-    params.push_back(std::move(p));
+    names_.push_back(prefix + name);
+    params.push_back(make_param(prefix + name, shape, init));
   };
   for (int64_t e = 0; e < E_; ++e) {
     const std::string expert = "mlp.experts.local_experts." + std::to_string(e) + ".";
@@ -74,15 +68,7 @@ ExpertMLPBase::ExpertMLPBase(const MoEConfig &moe, const ModelConfig &model, con
 }
 
 void ExpertMLPBase::bind(std::vector<Param> &params) {
-  std::vector<Param *> found(names_.size(), nullptr);
-  for (Param &p : params) {
-    for (size_t i = 0; i < names_.size(); ++i) {
-      if (p.name == names_[i]) found[i] = &p;
-    }
-  }
-  for (size_t i = 0; i < names_.size(); ++i) {
-    if (found[i] == nullptr) throw std::logic_error("parameter " + names_[i] + " was not registered");
-  }
+  const std::vector<Param *> found = find_params(params, names_);
   experts_.assign(static_cast<size_t>(E_), ExpertParams{});
   const size_t per_expert = bias_ ? 4 : 2;
   for (int64_t e = 0; e < E_; ++e) {

@@ -60,17 +60,9 @@ TopKRouter::TopKRouter(const MoEConfig& config, const int64_t hidden, const bool
                       " / --moe-router-group-topk " + std::to_string(config.group_topk) +
                       " need num_groups dividing the experts, group_topk <= num_groups and dividing topk");
   }
-  auto add = [&](const std::string& name, std::vector<int64_t> shape, const bool no_weight_decay) {
-    Param p;
-    p.name = prefix_ + name;
-    p.value = Tensor(shape, DType::kF32, MemCategory::kParams);
-    p.grad = Tensor(shape, DType::kF32, MemCategory::kGrads);
-    p.init = InitKind::kNormal;  // Megatron initialises the router bias with init_method too
-    p.no_weight_decay = no_weight_decay;
-    params.push_back(std::move(p));
-  };
-  add("mlp.router.weight", {E, hidden}, false);
-  if (add_bias_) add("mlp.router.bias", {E}, true);
+  params.push_back(make_param(prefix_ + "mlp.router.weight", {E, hidden}, InitKind::kNormal));
+  // Megatron initialises the router bias with init_method too.
+  if (add_bias_) params.push_back(make_param(prefix_ + "mlp.router.bias", {E}, InitKind::kNormal));
   if (config.enable_expert_bias) {
     expert_bias_.assign(static_cast<size_t>(E), 0.0f);
     local_tokens_per_expert_.assign(static_cast<size_t>(E), 0.0);

@@ -41,13 +41,7 @@ SharedExpertMLP::SharedExpertMLP(const MoEConfig &moe, const ModelConfig &model,
   }
   if (H <= 0) throw ConfigError("shared experts: --hidden-size must be positive, got " + std::to_string(H));
   auto add = [&](const std::string &name, std::vector<int64_t> shape, const InitKind init) {
-    Param p;
-    p.name = name;
-    p.value = Tensor(shape, DType::kF32, MemCategory::kParams);
-    p.grad = Tensor(shape, DType::kF32, MemCategory::kGrads);
-    p.init = init;
-    p.no_weight_decay = shape.size() == 1;
-    params.push_back(std::move(p));
+    params.push_back(make_param(name, shape, init));
   };
   add(fc1_name(prefix), {fc1_width(model, S), H}, InitKind::kNormal);
   add(fc2_name(prefix), {H, S}, InitKind::kScaledNormal);
@@ -57,15 +51,9 @@ SharedExpertMLP::SharedExpertMLP(const MoEConfig &moe, const ModelConfig &model,
 }
 
 void SharedExpertMLP::bind(std::vector<Param> &params) {
-  auto find = [&](const std::string &name) {
-    for (Param &p : params) {
-      if (p.name == name) return &p;
-    }
-    throw std::logic_error("parameter " + name + " was not registered");
-  };
-  fc1_ = find(fc1_name(prefix_));
-  fc2_ = find(fc2_name(prefix_));
-  gate_ = moe_.shared_expert_gate ? find(gate_name(prefix_)) : nullptr;
+  fc1_ = find_param(params, fc1_name(prefix_));
+  fc2_ = find_param(params, fc2_name(prefix_));
+  gate_ = moe_.shared_expert_gate ? find_param(params, gate_name(prefix_)) : nullptr;
 }
 
 void SharedExpertMLP::forward(float *out_TH, const float *x_TH, const int64_t T, SharedExpertActivations &saved) const {
