@@ -11,3 +11,6 @@ int run_train(int argc, char** argv);
 
 // `moecore generate ...`: argv[0] is "generate".
 int run_generate(int argc, char** argv);
+
+// `moecore layout --world-size N ...`: prints the process groups of a parallel layout. argv[0] is "layout".
+int run_layout(int argc, char** argv);

@@ -12,7 +12,8 @@ void print_usage(std::ostream& out) {
          "commands:\n"
          "  train        train a GPT model (Megatron-LM's flags; `moecore train --help` lists them)\n"
          "  preprocess   tokenize JSONL into Megatron's indexed dataset (tools/preprocess_data.py's flags)\n"
-         "  generate     continue a prompt with a HuggingFace-style export (--load DIR --prompt TEXT)\n";
+         "  generate     continue a prompt with a HuggingFace-style export (--load DIR --prompt TEXT)\n"
+         "  layout       print the process groups of a parallel layout (--world-size N, TP/PP/CP/EP/ETP flags)\n";
 }
 
 }  // namespace
@@ -30,6 +31,7 @@ int main(int argc, char** argv) {
   if (command == "train") return run_train(argc - 1, argv + 1);
   if (command == "preprocess") return run_preprocess(argc - 1, argv + 1);
   if (command == "generate") return run_generate(argc - 1, argv + 1);
-  std::cerr << "error: unknown command '" << command << "' (commands: train, preprocess, generate)\n";
+  if (command == "layout") return run_layout(argc - 1, argv + 1);
+  std::cerr << "error: unknown command '" << command << "' (commands: train, preprocess, generate, layout)\n";
   return 2;
 }

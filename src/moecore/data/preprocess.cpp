@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "moecore/data/indexed_dataset.h"
+#include "moecore/util/flag_suggest.h"
 
 namespace moecore {
 namespace {
@@ -76,21 +77,6 @@ constexpr std::string_view kUsage =
     "Writes PREFIX_KEY_document.bin/.idx (Megatron indexed dataset) for each --json-keys KEY (default: text).\n"
     "TYPE: GPT2BPETokenizer (encoder.json + vocab.bpe) or NullTokenizer (text = space-separated ids).\n";
 
-size_t edit_distance(std::string_view a, std::string_view b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t substitution = diagonal + (a[i - 1] == b[j - 1] ? 0 : 1);
-      diagonal = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, substitution});
-    }
-  }
-  return row[b.size()];
-}
-
 // argparse's matching: an exact name, else a unique prefix of one.
 const FlagSpec& find_flag(std::string_view name) {
   for (const FlagSpec& flag : kFlags) {
@@ -106,12 +92,12 @@ const FlagSpec& find_flag(std::string_view name) {
     for (size_t i = 0; i < candidates.size(); ++i) message += (i ? ", " : " ") + std::string(candidates[i]->name);
     throw std::invalid_argument(message);
   }
-  const FlagSpec* closest = &kFlags[0];
-  for (const FlagSpec& flag : kFlags) {
-    if (edit_distance(name, flag.name) < edit_distance(name, closest->name)) closest = &flag;
-  }
-  throw std::invalid_argument("unknown flag " + std::string(name) + " for moecore preprocess (did you mean " +
-                              std::string(closest->name) + "?)");
+  std::vector<std::string_view> names;
+  for (const FlagSpec& flag : kFlags) names.push_back(flag.name);
+  const std::string closest = closest_flag(name, names);
+  std::string message = "unknown flag " + std::string(name) + " for moecore preprocess";
+  if (!closest.empty()) message += " (did you mean " + closest + "?)";
+  throw std::invalid_argument(message);
 }
 
 bool looks_like_flag(std::string_view arg) {

@@ -13,7 +13,7 @@
 #include "moecore/tokenizer/tokenizer.h"
 #include "moecore/train/arguments_finalize.h"
 #include "moecore/train/flag_catalog.h"
-#include "moecore/train/flag_suggest.h"
+#include "moecore/util/flag_suggest.h"
 
 namespace moecore {
 namespace {

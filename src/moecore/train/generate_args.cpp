@@ -5,7 +5,7 @@
 #include <map>
 
 #include "moecore/model/config.h"
-#include "moecore/train/flag_suggest.h"
+#include "moecore/util/flag_suggest.h"
 
 namespace moecore {
 namespace {

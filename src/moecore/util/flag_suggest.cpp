@@ -1,4 +1,4 @@
-#include "moecore/train/flag_suggest.h"
+#include "moecore/util/flag_suggest.h"
 
 #include <algorithm>
 #include <numeric>
@@ -21,9 +21,13 @@ size_t edit_distance(const std::string_view a, const std::string_view b) {
 }
 
 std::string closest_flag(const std::string_view name, const std::vector<std::string>& candidates) {
+  return closest_flag(name, std::vector<std::string_view>(candidates.begin(), candidates.end()));
+}
+
+std::string closest_flag(const std::string_view name, const std::vector<std::string_view>& candidates) {
   size_t best_distance = std::max<size_t>(2, name.size() / 4) + 1;  // suggest only close names
   std::string best;
-  for (const std::string& candidate : candidates) {
+  for (const std::string_view candidate : candidates) {
     const size_t distance = edit_distance(name, candidate);
     if (distance < best_distance) {
       best_distance = distance;

@@ -1,0 +1,110 @@
+// ProcessGroup: a set of ranks over one MPI communicator, with blocking and non-blocking collectives and
+// point-to-point transfers on fp32 and bf16 buffers.
+//
+// Element types: float (fp32) and uint16_t, which always holds bf16 bits. bf16 reductions are computed in fp32
+// (the buffer is widened, reduced, and rounded once at the end), so a bf16 sum equals the fp32 sum of the bf16
+// inputs rounded to bf16. Data movement (gather, all-to-all, broadcast, send/recv) copies bf16 bits unchanged.
+//
+// Safety: before each collective the ranks exchange a small signature (operation, dtype, counts, root, and
+// whether each rank's arguments are locally valid), so mismatched sizes or operations raise CommError on every
+// rank instead of hanging or corrupting memory. A collective that throws this way leaves the group usable.
+// MPI errors are returned (MPI_ERRORS_RETURN), not fatal, and surface as CommError with MPI's error string.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "moecore/dist/mpi_runtime.h"
+
+namespace moecore::dist {
+
+template <typename T>
+concept CommElement = std::same_as<T, float> || std::same_as<T, uint16_t>;  // uint16_t: bf16 bits
+
+enum class ReduceOp : uint8_t { kSum, kMax };
+
+// Handle of a non-blocking operation. The buffers passed to the operation must stay alive and untouched until
+// wait() returns. wait() rethrows the operation's failure as CommError; the destructor waits too (and swallows
+// errors), so a dropped handle never leaves MPI writing into freed memory.
+class Work {
+ public:
+  struct State;
+  Work();  // an already completed operation
+  explicit Work(std::unique_ptr<State> state);
+  Work(Work&&) noexcept;
+  Work& operator=(Work&&) noexcept;
+  ~Work();
+
+  void wait();
+  bool test();  // true once complete (finishing it as wait() does); also drives MPI progress
+  bool done() const;
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+class ProcessGroup {
+ public:
+  struct Comm;
+
+  // All processes (a duplicate of MPI_COMM_WORLD). Initializes MPI if no MpiRuntime did.
+  static ProcessGroup world();
+
+  // Collective over this group: ranks with equal color form a sub-group, ordered by key then by rank here.
+  // color must be >= 0.
+  ProcessGroup split(int color, int key) const;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  void barrier() const;
+
+  // In place: data becomes the element-wise reduction over the group.
+  template <CommElement T>
+  void all_reduce(std::span<T> data, ReduceOp op) const;
+  // input holds size() equal chunks; rank r's output = reduction of every rank's chunk r.
+  template <CommElement T>
+  void reduce_scatter(std::span<const T> input, std::span<T> output, ReduceOp op) const;
+  // Every rank contributes input (same count everywhere); output = concatenation in rank order.
+  template <CommElement T>
+  void all_gather(std::span<const T> input, std::span<T> output) const;
+  // send_counts[d] elements of input (in rank order) go to rank d; recv_counts[s] elements from rank s land in
+  // output in rank order. Zero counts are allowed. recv_counts must match what the peers send.
+  template <CommElement T>
+  void all_to_all_v(std::span<const T> input, std::span<const size_t> send_counts, std::span<T> output,
+                    std::span<const size_t> recv_counts) const;
+  // The recv_counts that all_to_all_v needs for these send_counts (an all-to-all of the counts).
+  std::vector<size_t> exchange_counts(std::span<const size_t> send_counts) const;
+  template <CommElement T>
+  void broadcast(std::span<T> data, int root) const;
+
+  // Point to point; recv throws when the message length differs from data.size().
+  template <CommElement T>
+  void send(std::span<const T> data, int dst, int tag = 0) const;
+  template <CommElement T>
+  void recv(std::span<T> data, int src, int tag = 0) const;
+
+  // Non-blocking versions; argument checks run (and throw) before returning.
+  template <CommElement T>
+  Work all_reduce_async(std::span<T> data, ReduceOp op) const;
+  template <CommElement T>
+  Work reduce_scatter_async(std::span<const T> input, std::span<T> output, ReduceOp op) const;
+  template <CommElement T>
+  Work all_gather_async(std::span<const T> input, std::span<T> output) const;
+  template <CommElement T>
+  Work all_to_all_v_async(std::span<const T> input, std::span<const size_t> send_counts, std::span<T> output,
+                          std::span<const size_t> recv_counts) const;
+
+ private:
+  ProcessGroup(std::shared_ptr<Comm> comm, int rank, int size);
+
+  std::shared_ptr<Comm> comm_;
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+}  // namespace moecore::dist

@@ -1,0 +1,468 @@
+// Collectives of moecore::dist::ProcessGroup checked against single-process computations: every rank builds
+// deterministic inputs from its rank, and computes the expected result locally from all ranks' inputs.
+// Runs as one process or under mpirun; prints one line per test and "N passed, M failed" (rank 0), exits non-zero
+// on any failure on any rank.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moecore/dist/process_group.h"
+#include "moecore/tensor/dtype.h"
+
+namespace {
+
+using moecore::bf16_to_fp32;
+using moecore::fp32_to_bf16;
+using moecore::dist::CommError;
+using moecore::dist::MpiRuntime;
+using moecore::dist::ProcessGroup;
+using moecore::dist::ReduceOp;
+using moecore::dist::Work;
+
+int g_rank = 0;
+int g_check_failures = 0;  // failed checks in the current test on this rank
+
+void check(bool condition, const std::string& what) {
+  if (condition) return;
+  ++g_check_failures;
+  std::fprintf(stderr, "[rank %d] check failed: %s\n", g_rank, what.c_str());
+}
+
+// A pseudo-random multiple of 1/16 in [-255/16, 255/16], never zero: exact in bf16 (at most 8 significant bits),
+// sums over a few ranks are exact in fp32 whatever the reduction order (so results compare exactly), and bf16
+// sums of two or more ranks often need rounding.
+float input_value(int rank, size_t index, uint64_t salt) {
+  uint64_t z = (static_cast<uint64_t>(rank) * 0x9E3779B97F4A7C15ULL) ^ (index * 0xBF58476D1CE4E5B9ULL) ^ salt;
+  z = (z ^ (z >> 31)) * 0x94D049BB133111EBULL;
+  z ^= z >> 29;
+  const int k = static_cast<int>(z % 510) - 255;
+  return static_cast<float>(k == 0 ? 1 : k) / 16.0f;
+}
+
+std::vector<float> inputs_f32(int rank, size_t count, uint64_t salt) {
+  std::vector<float> values(count);
+  for (size_t i = 0; i < count; ++i) values[i] = input_value(rank, i, salt);
+  return values;
+}
+
+std::vector<uint16_t> inputs_bf16(int rank, size_t count, uint64_t salt) {
+  std::vector<uint16_t> bits(count);
+  for (size_t i = 0; i < count; ++i) bits[i] = fp32_to_bf16(input_value(rank, i, salt));
+  return bits;
+}
+
+// Reference reduction of element i over ranks [0, size) (or over the listed ranks), in fp64.
+double reference(const std::vector<int>& ranks, size_t index, uint64_t salt, ReduceOp op) {
+  double result = op == ReduceOp::kSum ? 0.0 : -INFINITY;
+  for (const int r : ranks) {
+    const double value = input_value(r, index, salt);
+    result = op == ReduceOp::kSum ? result + value : std::max(result, value);
+  }
+  return result;
+}
+
+std::vector<int> all_ranks(int size) {
+  std::vector<int> ranks(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) ranks[static_cast<size_t>(r)] = r;
+  return ranks;
+}
+
+std::string at(const char* what, size_t index, double got, double expected) {
+  return std::string(what) + "[" + std::to_string(index) + "] = " + std::to_string(got) + ", expected " +
+         std::to_string(expected);
+}
+
+// Runs fn expecting CommError with a one-line message on this rank.
+void expect_comm_error(const std::string& what, const std::function<void()>& fn) {
+  try {
+    fn();
+    check(false, what + ": no CommError");
+  } catch (const CommError& error) {
+    const std::string message = error.what();
+    check(!message.empty() && message.find('\n') == std::string::npos, what + ": message not one line: " + message);
+  }
+}
+
+// Block of elements rank src sends to rank dst in the all-to-all tests: uneven, and zero for some pairs.
+size_t split_count(int src, int dst) { return static_cast<size_t>((src * 3 + dst * 5 + 1) % 4); }
+uint16_t split_element(int src, int dst, size_t j) {
+  return static_cast<uint16_t>(src * 4096 + dst * 256 + static_cast<int>(j) + 1);
+}
+
+// ---------------------------------------------------------------- tests
+
+void test_world(const ProcessGroup& world) {
+  check(world.size() >= 1 && world.rank() >= 0 && world.rank() < world.size(), "rank/size in range");
+  const std::vector<float> mine = {static_cast<float>(world.rank())};
+  std::vector<float> ranks(static_cast<size_t>(world.size()));
+  world.all_gather<float>(mine, ranks);
+  for (int r = 0; r < world.size(); ++r)
+    check(ranks[static_cast<size_t>(r)] == r, "gathered rank " + std::to_string(r));
+  world.barrier();
+}
+
+void test_all_reduce(const ProcessGroup& world) {
+  const std::vector<int> ranks = all_ranks(world.size());
+  for (const ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax}) {
+    std::vector<float> x_f32 = inputs_f32(world.rank(), 37, 11);
+    world.all_reduce<float>(x_f32, op);
+    for (size_t i = 0; i < x_f32.size(); ++i) {
+      const double expected = reference(ranks, i, 11, op);
+      check(x_f32[i] == expected, at("fp32 all_reduce", i, x_f32[i], expected));
+    }
+    std::vector<uint16_t> x_bf16 = inputs_bf16(world.rank(), 29, 12);
+    world.all_reduce<uint16_t>(x_bf16, op);
+    for (size_t i = 0; i < x_bf16.size(); ++i) {
+      // Computed in fp32 (exact here), rounded to bf16 once.
+      const float expected = bf16_to_fp32(fp32_to_bf16(static_cast<float>(reference(ranks, i, 12, op))));
+      check(bf16_to_fp32(x_bf16[i]) == expected, at("bf16 all_reduce", i, bf16_to_fp32(x_bf16[i]), expected));
+    }
+  }
+  // 1 + (size - 1) * 2^-8: accumulating in bf16 would lose the small terms (1 + 2^-8 rounds to 1), in fp32 it
+  // keeps them until the final rounding.
+  std::vector<uint16_t> one_plus_small = {fp32_to_bf16(world.rank() == 0 ? 1.0f : 0.00390625f)};
+  world.all_reduce<uint16_t>(one_plus_small, ReduceOp::kSum);
+  const float expected = bf16_to_fp32(fp32_to_bf16(1.0f + 0.00390625f * static_cast<float>(world.size() - 1)));
+  check(bf16_to_fp32(one_plus_small[0]) == expected,
+        at("bf16 sum in fp32", 0, bf16_to_fp32(one_plus_small[0]), expected));
+  std::vector<float> empty;
+  world.all_reduce<float>(empty, ReduceOp::kSum);
+}
+
+void test_reduce_scatter(const ProcessGroup& world) {
+  const std::vector<int> ranks = all_ranks(world.size());
+  const size_t chunk = 5, n = chunk * static_cast<size_t>(world.size());
+  const size_t offset = chunk * static_cast<size_t>(world.rank());
+  for (const ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax}) {
+    const std::vector<float> in_f32 = inputs_f32(world.rank(), n, 21);
+    std::vector<float> out_f32(chunk);
+    world.reduce_scatter<float>(in_f32, out_f32, op);
+    for (size_t i = 0; i < chunk; ++i) {
+      const double expected = reference(ranks, offset + i, 21, op);
+      check(out_f32[i] == expected, at("fp32 reduce_scatter", i, out_f32[i], expected));
+    }
+    const std::vector<uint16_t> in_bf16 = inputs_bf16(world.rank(), n, 22);
+    std::vector<uint16_t> out_bf16(chunk);
+    world.reduce_scatter<uint16_t>(in_bf16, out_bf16, op);
+    for (size_t i = 0; i < chunk; ++i) {
+      const float expected = bf16_to_fp32(fp32_to_bf16(static_cast<float>(reference(ranks, offset + i, 22, op))));
+      check(bf16_to_fp32(out_bf16[i]) == expected, at("bf16 reduce_scatter", i, bf16_to_fp32(out_bf16[i]), expected));
+    }
+  }
+}
+
+void test_all_gather(const ProcessGroup& world) {
+  const size_t chunk = 7;
+  const std::vector<float> in_f32 = inputs_f32(world.rank(), chunk, 31);
+  std::vector<float> out_f32(chunk * static_cast<size_t>(world.size()));
+  world.all_gather<float>(in_f32, out_f32);
+  const std::vector<uint16_t> in_bf16 = inputs_bf16(world.rank(), chunk, 32);
+  std::vector<uint16_t> out_bf16(chunk * static_cast<size_t>(world.size()));
+  world.all_gather<uint16_t>(in_bf16, out_bf16);
+  for (int r = 0; r < world.size(); ++r) {
+    for (size_t i = 0; i < chunk; ++i) {
+      const size_t k = static_cast<size_t>(r) * chunk + i;
+      check(out_f32[k] == input_value(r, i, 31), at("fp32 all_gather", k, out_f32[k], input_value(r, i, 31)));
+      check(out_bf16[k] == fp32_to_bf16(input_value(r, i, 32)), "bf16 all_gather element " + std::to_string(k));
+    }
+  }
+}
+
+struct AllToAllCase {
+  std::vector<size_t> send_counts, recv_counts;
+  std::vector<uint16_t> send_bits, expected_bits;
+};
+
+AllToAllCase make_all_to_all_case(int rank, int size, bool all_empty) {
+  AllToAllCase c;
+  for (int peer = 0; peer < size; ++peer) {
+    const size_t to_peer = all_empty ? 0 : split_count(rank, peer);
+    const size_t from_peer = all_empty ? 0 : split_count(peer, rank);
+    c.send_counts.push_back(to_peer);
+    c.recv_counts.push_back(from_peer);
+    for (size_t j = 0; j < to_peer; ++j) c.send_bits.push_back(split_element(rank, peer, j));
+    for (size_t j = 0; j < from_peer; ++j) c.expected_bits.push_back(split_element(peer, rank, j));
+  }
+  return c;
+}
+
+void test_all_to_all_v(const ProcessGroup& world) {
+  for (const bool all_empty : {false, true}) {
+    const AllToAllCase c = make_all_to_all_case(world.rank(), world.size(), all_empty);
+    check(world.exchange_counts(c.send_counts) == c.recv_counts, "exchange_counts");
+    // bf16 bits and fp32 values (the same small integers) must both arrive unchanged.
+    std::vector<uint16_t> out_bf16(c.expected_bits.size(), 0);
+    world.all_to_all_v<uint16_t>(c.send_bits, c.send_counts, out_bf16, c.recv_counts);
+    check(out_bf16 == c.expected_bits, std::string("bf16 all_to_all_v") + (all_empty ? " (all empty)" : ""));
+    const std::vector<float> send_f32(c.send_bits.begin(), c.send_bits.end());
+    std::vector<float> out_f32(c.expected_bits.size(), -1.0f);
+    world.all_to_all_v<float>(send_f32, c.send_counts, out_f32, c.recv_counts);
+    check(out_f32 == std::vector<float>(c.expected_bits.begin(), c.expected_bits.end()), "fp32 all_to_all_v");
+  }
+}
+
+void test_broadcast(const ProcessGroup& world) {
+  const int root = world.size() - 1;
+  std::vector<float> x_f32 = inputs_f32(world.rank(), 9, 41);
+  world.broadcast<float>(x_f32, root);
+  std::vector<uint16_t> x_bf16 = inputs_bf16(world.rank(), 9, 42);
+  world.broadcast<uint16_t>(x_bf16, root);
+  for (size_t i = 0; i < 9; ++i) {
+    check(x_f32[i] == input_value(root, i, 41), at("fp32 broadcast", i, x_f32[i], input_value(root, i, 41)));
+    check(x_bf16[i] == fp32_to_bf16(input_value(root, i, 42)), "bf16 broadcast element " + std::to_string(i));
+  }
+}
+
+void test_send_recv(const ProcessGroup& world) {
+  const int n = world.size(), r = world.rank();
+  if (n == 1) {
+    const std::vector<float> x = {1.0f};
+    expect_comm_error("send to self", [&] { world.send<float>(x, 0); });
+    return;
+  }
+  const int next = (r + 1) % n, prev = (r + n - 1) % n;
+  const std::vector<float> out_f32 = inputs_f32(r, 6, 51);
+  const std::vector<uint16_t> out_bf16 = inputs_bf16(r, 4, 52);
+  std::vector<float> in_f32(6);
+  std::vector<uint16_t> in_bf16(4);
+  auto send_both = [&] {
+    world.send<float>(out_f32, next, 3);
+    world.send<uint16_t>(out_bf16, next, 4);
+  };
+  auto recv_both = [&] {
+    world.recv<float>(in_f32, prev, 3);
+    world.recv<uint16_t>(in_bf16, prev, 4);
+  };
+  if (r % 2 == 0) {
+    send_both();
+    recv_both();
+  } else {
+    recv_both();
+    send_both();
+  }
+  check(in_f32 == inputs_f32(prev, 6, 51), "fp32 ring send/recv");
+  check(in_bf16 == inputs_bf16(prev, 4, 52), "bf16 ring send/recv");
+}
+
+void test_split(const ProcessGroup& world) {
+  const int parity = world.rank() % 2;
+  const ProcessGroup sub = world.split(parity, world.rank());
+  std::vector<int> members;
+  for (int r = parity; r < world.size(); r += 2) members.push_back(r);
+  check(sub.size() == static_cast<int>(members.size()), "even/odd sub-group size");
+  check(sub.rank() == world.rank() / 2, "even/odd sub-group rank");
+  std::vector<float> x = inputs_f32(world.rank(), 13, 61);
+  sub.all_reduce<float>(x, ReduceOp::kSum);
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double expected = reference(members, i, 61, ReduceOp::kSum);
+    check(x[i] == expected, at("sub-group all_reduce", i, x[i], expected));
+  }
+  // Sub-group all_to_all_v over sub-group ranks.
+  const AllToAllCase c = make_all_to_all_case(sub.rank(), sub.size(), false);
+  std::vector<uint16_t> out(c.expected_bits.size());
+  sub.all_to_all_v<uint16_t>(c.send_bits, c.send_counts, out, c.recv_counts);
+  check(out == c.expected_bits, "sub-group all_to_all_v");
+  // key orders the new ranks: a negated key reverses them.
+  const ProcessGroup reversed = world.split(0, -world.rank());
+  check(reversed.size() == world.size() && reversed.rank() == world.size() - 1 - world.rank(), "split key order");
+  expect_comm_error("negative color", [&] { (void)world.split(-1, 0); });
+}
+
+void test_async(const ProcessGroup& world) {
+  const std::vector<int> ranks = all_ranks(world.size());
+  const size_t chunk = 6, n = chunk * static_cast<size_t>(world.size());
+  std::vector<float> reduced_f32 = inputs_f32(world.rank(), 40, 71);
+  std::vector<uint16_t> reduced_bf16 = inputs_bf16(world.rank(), 40, 72);
+  const std::vector<uint16_t> scatter_in = inputs_bf16(world.rank(), n, 73);
+  std::vector<uint16_t> scatter_out(chunk);
+  const std::vector<float> gather_in = inputs_f32(world.rank(), chunk, 74);
+  std::vector<float> gather_out(n);
+  const AllToAllCase c = make_all_to_all_case(world.rank(), world.size(), false);
+  std::vector<uint16_t> a2a_out(c.expected_bits.size());
+
+  Work w1 = world.all_reduce_async<float>(reduced_f32, ReduceOp::kSum);
+  Work w2 = world.all_reduce_async<uint16_t>(reduced_bf16, ReduceOp::kSum);
+  Work w3 = world.reduce_scatter_async<uint16_t>(scatter_in, scatter_out, ReduceOp::kSum);
+  Work w4 = world.all_gather_async<float>(gather_in, gather_out);
+  Work w5 = world.all_to_all_v_async<uint16_t>(c.send_bits, c.send_counts, a2a_out, c.recv_counts);
+  // Local work while the collectives are in flight, polling them now and then.
+  double local = 0.0;
+  for (int i = 0; i < 200000; ++i) {
+    local += std::sin(0.001 * i);
+    if (i % 20000 == 0) (void)w1.test();
+  }
+  check(std::isfinite(local), "local work");
+  for (Work* w : {&w1, &w2, &w3, &w4, &w5}) w->wait();
+  for (Work* w : {&w1, &w2, &w3, &w4, &w5}) check(w->done(), "work done after wait");
+  w1.wait();  // waiting twice is harmless
+
+  for (size_t i = 0; i < 40; ++i) {
+    const double expected_f32 = reference(ranks, i, 71, ReduceOp::kSum);
+    check(reduced_f32[i] == expected_f32, at("async fp32 all_reduce", i, reduced_f32[i], expected_f32));
+    const float expected_bf16 = bf16_to_fp32(fp32_to_bf16(static_cast<float>(reference(ranks, i, 72, ReduceOp::kSum))));
+    check(bf16_to_fp32(reduced_bf16[i]) == expected_bf16,
+          at("async bf16 all_reduce", i, bf16_to_fp32(reduced_bf16[i]), expected_bf16));
+  }
+  const size_t offset = chunk * static_cast<size_t>(world.rank());
+  for (size_t i = 0; i < chunk; ++i) {
+    const float expected =
+        bf16_to_fp32(fp32_to_bf16(static_cast<float>(reference(ranks, offset + i, 73, ReduceOp::kSum))));
+    check(bf16_to_fp32(scatter_out[i]) == expected,
+          at("async bf16 reduce_scatter", i, bf16_to_fp32(scatter_out[i]), expected));
+  }
+  for (size_t k = 0; k < n; ++k) {
+    const float expected = input_value(static_cast<int>(k / chunk), k % chunk, 74);
+    check(gather_out[k] == expected, at("async all_gather", k, gather_out[k], expected));
+  }
+  check(a2a_out == c.expected_bits, "async all_to_all_v");
+
+  // A dropped handle waits in its destructor, so the buffer is complete afterwards.
+  std::vector<float> dropped = inputs_f32(world.rank(), 8, 75);
+  { const Work ignored = world.all_reduce_async<float>(dropped, ReduceOp::kMax); }
+  for (size_t i = 0; i < dropped.size(); ++i) {
+    const double expected = reference(ranks, i, 75, ReduceOp::kMax);
+    check(dropped[i] == expected, at("dropped async all_reduce", i, dropped[i], expected));
+  }
+}
+
+// Sizes or operations that disagree across ranks, or invalid arguments on one rank, must throw CommError on every
+// rank, and leave the group usable.
+void test_mismatches(const ProcessGroup& world) {
+  const int n = world.size(), r = world.rank();
+  const bool last = r == n - 1;
+  auto still_usable = [&](const std::string& after) {
+    std::vector<float> x = {1.0f, static_cast<float>(r)};
+    world.all_reduce<float>(x, ReduceOp::kSum);
+    check(x[0] == n && x[1] == n * (n - 1) / 2.0f, "group usable after " + after);
+  };
+
+  // Invalid output size on the last rank only (detectable even in a world of one).
+  expect_comm_error("all_gather wrong output size on one rank", [&] {
+    const std::vector<float> in(3, 1.0f);
+    std::vector<float> out(3 * static_cast<size_t>(n) + (last ? 1 : 0));
+    world.all_gather<float>(in, out);
+  });
+  still_usable("all_gather invalid output");
+  expect_comm_error("reduce_scatter wrong input size", [&] {
+    const std::vector<uint16_t> in(2 * static_cast<size_t>(n) + (last ? 1 : 0), 0x3f80);
+    std::vector<uint16_t> out(2);
+    world.reduce_scatter<uint16_t>(in, out, ReduceOp::kSum);
+  });
+  expect_comm_error("all_to_all_v counts that do not sum to the buffer", [&] {
+    const std::vector<size_t> counts(static_cast<size_t>(n), 1);
+    const std::vector<float> in(static_cast<size_t>(n) + (last ? 2 : 0), 1.0f);
+    std::vector<float> out(static_cast<size_t>(n));
+    world.all_to_all_v<float>(in, counts, out, counts);
+  });
+  expect_comm_error("broadcast root outside group", [&] {
+    std::vector<float> x(2, 1.0f);
+    world.broadcast<float>(x, n);
+  });
+  if (n == 1) return;
+
+  expect_comm_error("all_gather with different counts", [&] {
+    const size_t count = r == 0 ? 3 : 4;
+    const std::vector<float> in(count, 1.0f);
+    std::vector<float> out(count * static_cast<size_t>(n));
+    world.all_gather<float>(in, out);
+  });
+  still_usable("all_gather count mismatch");
+  expect_comm_error("all_reduce with different counts", [&] {
+    std::vector<uint16_t> x(static_cast<size_t>(5 + r), 0x3f80);
+    world.all_reduce<uint16_t>(x, ReduceOp::kSum);
+  });
+  expect_comm_error("async all_reduce with different ops", [&] {
+    std::vector<float> x(4, 1.0f);
+    world.all_reduce_async<float>(x, r == 0 ? ReduceOp::kSum : ReduceOp::kMax).wait();
+  });
+  expect_comm_error("broadcast with different roots", [&] {
+    std::vector<float> x(2, 1.0f);
+    world.broadcast<float>(x, r == 0 ? 0 : 1);
+  });
+  expect_comm_error("different collectives", [&] {
+    std::vector<float> x(2, 1.0f);
+    if (r == 0) {
+      world.all_reduce<float>(x, ReduceOp::kSum);
+    } else {
+      world.broadcast<float>(x, 0);
+    }
+  });
+  still_usable("different collectives");
+  expect_comm_error("all_to_all_v recv_counts that disagree with the senders", [&] {
+    AllToAllCase c = make_all_to_all_case(r, n, false);
+    if (last) {  // expects one element more from rank 0 than rank 0 sends
+      c.recv_counts[0] += 1;
+      c.expected_bits.push_back(0);
+    }
+    std::vector<uint16_t> out(c.expected_bits.size());
+    world.all_to_all_v_async<uint16_t>(c.send_bits, c.send_counts, out, c.recv_counts).wait();
+  });
+  still_usable("all_to_all_v count mismatch");
+
+  // Point to point between ranks 0 and 1: a longer buffer than the message, then a shorter one (MPI truncation).
+  if (r <= 1) {
+    const std::vector<float> message(5, 2.0f);
+    for (const size_t recv_size : {6, 4}) {
+      if (r == 0) {
+        world.send<float>(message, 1, 9);
+      } else {
+        std::vector<float> buffer(recv_size);
+        expect_comm_error("recv of " + std::to_string(recv_size) + " elements for a 5-element message",
+                          [&] { world.recv<float>(buffer, 0, 9); });
+      }
+    }
+  }
+  still_usable("recv size mismatch");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const MpiRuntime mpi(&argc, &argv);
+  int failed_total = 0;
+  try {
+    const ProcessGroup world = ProcessGroup::world();
+    g_rank = world.rank();
+    const std::vector<std::pair<const char*, void (*)(const ProcessGroup&)>> tests = {
+        {"world", test_world},
+        {"all_reduce", test_all_reduce},
+        {"reduce_scatter", test_reduce_scatter},
+        {"all_gather", test_all_gather},
+        {"all_to_all_v", test_all_to_all_v},
+        {"broadcast", test_broadcast},
+        {"send_recv", test_send_recv},
+        {"split", test_split},
+        {"async", test_async},
+        {"mismatches", test_mismatches},
+    };
+    std::vector<float> failed(tests.size(), 0.0f);
+    for (size_t t = 0; t < tests.size(); ++t) {
+      g_check_failures = 0;
+      try {
+        tests[t].second(world);
+      } catch (const std::exception& error) {
+        ++g_check_failures;
+        std::fprintf(stderr, "[rank %d] %s threw: %s\n", g_rank, tests[t].first, error.what());
+      }
+      failed[t] = g_check_failures > 0 ? 1.0f : 0.0f;
+    }
+    world.all_reduce<float>(failed, ReduceOp::kMax);  // a test fails if it failed on any rank
+    int passed = 0;
+    for (size_t t = 0; t < tests.size(); ++t) {
+      if (failed[t] > 0)
+        ++failed_total;
+      else
+        ++passed;
+      if (world.rank() == 0)
+        std::printf("%s %s (%d ranks)\n", failed[t] > 0 ? "FAIL" : "ok  ", tests[t].first, world.size());
+    }
+    if (world.rank() == 0) std::printf("%d passed, %d failed\n", passed, failed_total);
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "[rank %d] fatal: %s\n", g_rank, error.what());
+    return 2;
+  }
+  return failed_total > 0 ? 1 : 0;
+}
