@@ -141,12 +141,9 @@ def compare(cpp, ref, label, failures, worst, skip=None):
         failures.append(f"{label}: C++ output has tensors the twin lacks: {extra[:5]}")
 
 
-def run_config(parity_exe, label, overrides, workdir, seed):
-    overrides = dict(overrides)
-    mask_kind = overrides.pop("mask", "ones")
-    cfg = {**BASE, **overrides}
-    weights = twin.random_params(cfg, seed)
-    batch = make_batch(cfg, seed + 1, mask_kind)
+def run_harness(parity_exe, label, cfg, weights, batch, workdir):
+    """Runs moecore_parity on (cfg, weights, batch) with the protocol's optimizer settings.
+    Returns (outputs, None) or (None, a one-line failure)."""
     paths = {k: os.path.join(workdir, f"{label}.{k}") for k in ("config.json", "weights.safetensors",
                                                                 "batch.safetensors", "out.safetensors")}
     with open(paths["config.json"], "w") as f:
@@ -159,8 +156,20 @@ def run_config(parity_exe, label, overrides, workdir, seed):
                "--eps", str(ADAM_EPS)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
-        return [f"{label}: moecore_parity failed (exit {result.returncode}): {result.stderr.strip()}"], {}
+        return None, f"{label}: moecore_parity failed (exit {result.returncode}): {result.stderr.strip()}"
     cpp, _ = st.load(paths["out.safetensors"])
+    return cpp, None
+
+
+def run_config(parity_exe, label, overrides, workdir, seed):
+    overrides = dict(overrides)
+    mask_kind = overrides.pop("mask", "ones")
+    cfg = {**BASE, **overrides}
+    weights = twin.random_params(cfg, seed)
+    batch = make_batch(cfg, seed + 1, mask_kind)
+    cpp, error = run_harness(parity_exe, label, cfg, weights, batch, workdir)
+    if error:
+        return [error], {}
     ref = twin.run_megatron(cfg, weights, batch, STEPS, LR, WEIGHT_DECAY, CLIP_GRAD, eps=ADAM_EPS,
                             dtype=torch.float32)
     failures, worst = [], {}

@@ -17,9 +17,7 @@ Usage: /usr/bin/python3 test_parity_moe.py --parity PATH/TO/moecore_parity [--on
 Registered in CTest as oracle_parity_moe (label oracle).
 """
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -28,7 +26,6 @@ import torch
 
 sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import st  # noqa: E402
 import test_parity  # noqa: E402
 import twin  # noqa: E402
 
@@ -121,20 +118,9 @@ def run_config(parity_exe, label, overrides, workdir, seed):
         failures.append(f"{label}: twin losses not finite")
     if parity_exe is None:
         return failures, {"twin_loss": float(ref["loss"]), "lb": float(np.max(ref["load_balancing_loss"]))}
-    paths = {k: os.path.join(workdir, f"{label}.{k}") for k in ("config.json", "weights.safetensors",
-                                                                "batch.safetensors", "out.safetensors")}
-    with open(paths["config.json"], "w") as f:
-        json.dump(cfg, f)
-    st.save(paths["weights.safetensors"], weights)
-    st.save(paths["batch.safetensors"], batch)
-    command = [parity_exe, "--config", paths["config.json"], "--weights", paths["weights.safetensors"],
-               "--batch", paths["batch.safetensors"], "--out", paths["out.safetensors"], "--steps", str(STEPS),
-               "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY), "--clip-grad", str(CLIP_GRAD),
-               "--eps", str(ADAM_EPS)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        return failures + [f"{label}: moecore_parity failed (exit {result.returncode}): {result.stderr.strip()}"], {}
-    cpp, _ = st.load(paths["out.safetensors"])
+    cpp, error = test_parity.run_harness(parity_exe, label, cfg, weights, batch, workdir)
+    if error:
+        return failures + [error], {}
     worst = {}
     test_parity.compare(cpp, ref, label, failures, worst, test_parity.structurally_zero_grad(cfg))
     return failures, worst
