@@ -187,6 +187,26 @@ def run_config(parity_exe, label, overrides, workdir, seed):
     return failures, worst
 
 
+def run_matrix(configs, run_one, seed_base, keep, summary_prefix=""):
+    """Runs run_one(label, overrides, workdir, seed) over `configs`, prints one line per config, then every failure;
+    exits 1 when any comparison failed."""
+    all_failures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = keep or tmp
+        os.makedirs(workdir, exist_ok=True)
+        for index, (label, overrides) in enumerate(configs.items()):
+            failures, worst = run_one(label, overrides, workdir, seed_base + 17 * index)
+            status = "FAIL" if failures else "ok"
+            summary = " ".join(f"{k}={v:.1e}" for k, v in sorted(worst.items()))
+            print(f"[{status}] {label}: {summary_prefix}{summary}", flush=True)
+            all_failures += failures
+    for line in all_failures[:200]:
+        print("  " + line)
+    if all_failures:
+        print(f"{len(all_failures)} comparison(s) failed")
+        sys.exit(1)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--parity", required=True, help="path to the moecore_parity executable")
@@ -197,21 +217,8 @@ def main():
     configs = {k: v for k, v in CONFIGS.items() if args.only in (None, k)}
     if not configs:
         sys.exit(f"unknown config {args.only}; known: {', '.join(CONFIGS)}")
-    all_failures = []
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = args.keep or tmp
-        os.makedirs(workdir, exist_ok=True)
-        for index, (label, overrides) in enumerate(configs.items()):
-            failures, worst = run_config(args.parity, label, overrides, workdir, seed=1000 + 17 * index)
-            status = "FAIL" if failures else "ok"
-            summary = " ".join(f"{k}={v:.1e}" for k, v in sorted(worst.items()))
-            print(f"[{status}] {label}: max rel error per group: {summary}")
-            all_failures += failures
-    for line in all_failures[:200]:
-        print("  " + line)
-    if all_failures:
-        print(f"{len(all_failures)} comparison(s) failed")
-        sys.exit(1)
+    run_matrix(configs, lambda label, overrides, workdir, seed: run_config(args.parity, label, overrides, workdir, seed),
+               seed_base=1000, keep=args.keep, summary_prefix="max rel error per group: ")
     print("all parity comparisons passed")
 
 

@@ -19,7 +19,6 @@ Registered in CTest as oracle_parity_moe (label oracle).
 import argparse
 import os
 import sys
-import tempfile
 
 import numpy as np
 import torch
@@ -139,22 +138,10 @@ def main():
     configs = {k: v for k, v in CONFIGS.items() if args.only in (None, k)}
     if not configs:
         sys.exit(f"unknown config {args.only}; known: {', '.join(CONFIGS)}")
-    all_failures = []
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = args.keep or tmp
-        os.makedirs(workdir, exist_ok=True)
-        for index, (label, overrides) in enumerate(configs.items()):
-            failures, worst = run_config(None if args.twin_only else args.parity, label, overrides, workdir,
-                                         seed=3000 + 17 * index)
-            status = "FAIL" if failures else "ok"
-            summary = " ".join(f"{k}={v:.1e}" for k, v in sorted(worst.items()))
-            print(f"[{status}] {label}: {summary}", flush=True)
-            all_failures += failures
-    for line in all_failures[:200]:
-        print("  " + line)
-    if all_failures:
-        print(f"{len(all_failures)} comparison(s) failed")
-        sys.exit(1)
+    parity = None if args.twin_only else args.parity
+    test_parity.run_matrix(configs, lambda label, overrides, workdir, seed: run_config(parity, label, overrides,
+                                                                                       workdir, seed),
+                           seed_base=3000, keep=args.keep)
     print("all MoE parity comparisons passed" if not args.twin_only else "twin side of the MoE parity matrix ok")
 
 
