@@ -3,6 +3,7 @@
 #define OMPI_SKIP_MPICXX 1  // the C API only: OpenMPI's deprecated C++ bindings warn under -Wextra
 #include <mpi.h>
 
+#include <algorithm>
 #include <climits>
 #include <functional>
 #include <numeric>
@@ -238,6 +239,36 @@ bool Work::test() {
 
 // ---------------------------------------------------------------- ProcessGroup
 
+namespace {
+
+// The single-process group (no communicator): collectives are copies, checked like the MPI ones.
+void self_check(const bool ok, const char* what) {
+  if (!ok) throw CommError(what);
+}
+
+template <typename T>
+void self_copy(std::span<const T> input, std::span<T> output, const char* what) {
+  if (input.size() != output.size()) {
+    throw CommError(std::string(what) + ": input has " + std::to_string(input.size()) + " elements, output " +
+                    std::to_string(output.size()) + " (group of 1)");
+  }
+  std::copy(input.begin(), input.end(), output.begin());
+}
+
+template <typename T>
+void self_all_to_all(std::span<const T> input, std::span<const size_t> send_counts, std::span<T> output,
+                     std::span<const size_t> recv_counts) {
+  if (send_counts.size() != 1 || recv_counts.size() != 1 || send_counts[0] != input.size() ||
+      recv_counts[0] != send_counts[0]) {
+    throw CommError("all_to_all_v: counts disagree with the buffers in a group of 1");
+  }
+  self_copy(input, output, "all_to_all_v");
+}
+
+}  // namespace
+
+ProcessGroup ProcessGroup::self() { return ProcessGroup(nullptr, 0, 1); }
+
 ProcessGroup::ProcessGroup(std::shared_ptr<Comm> comm, int rank, int size)
     : comm_(std::move(comm)), rank_(rank), size_(size) {}
 
@@ -258,6 +289,7 @@ ProcessGroup ProcessGroup::world() {
 }
 
 ProcessGroup ProcessGroup::split(int color, int key) const {
+  if (!comm_) return self_check(color >= 0, "split: color is negative"), *this;
   const std::string local_error = color < 0 ? "color " + std::to_string(color) + " is negative" : "";
   verify(comm_->handle, rank_, kSplit, {}, local_error);
   MPI_Comm sub = MPI_COMM_NULL;
@@ -271,12 +303,14 @@ ProcessGroup ProcessGroup::split(int color, int key) const {
 }
 
 void ProcessGroup::barrier() const {
+  if (!comm_) return;
   verify(comm_->handle, rank_, kBarrier, {}, "");
   check_mpi(MPI_Barrier(comm_->handle), "barrier");
 }
 
 template <CommElement T>
 void ProcessGroup::all_reduce(std::span<T> data, ReduceOp op) const {
+  if (!comm_) return;
   const std::string local_error = data.size() > INT_MAX ? too_large(data.size()) : "";
   verify(comm_->handle, rank_, kAllReduce,
          {{"dtype", dtype_code<T>()},
@@ -316,6 +350,7 @@ std::string all_gather_error(size_t input_size, size_t output_size, int group_si
 
 template <CommElement T>
 void ProcessGroup::reduce_scatter(std::span<const T> input, std::span<T> output, ReduceOp op) const {
+  if (!comm_) return self_copy(input, output, "reduce_scatter");
   verify(comm_->handle, rank_, kReduceScatter,
          {{"dtype", dtype_code<T>()},
           {"reduce op", static_cast<int64_t>(op)},
@@ -337,6 +372,7 @@ void ProcessGroup::reduce_scatter(std::span<const T> input, std::span<T> output,
 
 template <CommElement T>
 void ProcessGroup::all_gather(std::span<const T> input, std::span<T> output) const {
+  if (!comm_) return self_copy(input, output, "all_gather");
   verify(comm_->handle, rank_, kAllGather,
          {{"dtype", dtype_code<T>()}, {"element count per rank", static_cast<int64_t>(input.size())}},
          all_gather_error(input.size(), output.size(), size_));
@@ -347,6 +383,9 @@ void ProcessGroup::all_gather(std::span<const T> input, std::span<T> output) con
 }
 
 std::vector<size_t> ProcessGroup::exchange_counts(std::span<const size_t> send_counts) const {
+  if (!comm_)
+    return self_check(send_counts.size() == 1, "exchange_counts: send_counts must have 1 entry"),
+           std::vector<size_t>(send_counts.begin(), send_counts.end());
   const std::string local_error = send_counts.size() == static_cast<size_t>(size_)
                                       ? ""
                                       : "send_counts has " + std::to_string(send_counts.size()) +
@@ -391,6 +430,7 @@ void prepare_all_to_all_v(MPI_Comm comm, int rank, int size, int64_t op, int64_t
 template <CommElement T>
 void ProcessGroup::all_to_all_v(std::span<const T> input, std::span<const size_t> send_counts, std::span<T> output,
                                 std::span<const size_t> recv_counts) const {
+  if (!comm_) return self_all_to_all(input, send_counts, output, recv_counts);
   Work::State state;
   prepare_all_to_all_v(comm_->handle, rank_, size_, kAllToAllV, dtype_code<T>(), input.size(), send_counts,
                        output.size(), recv_counts, state);
@@ -402,6 +442,7 @@ void ProcessGroup::all_to_all_v(std::span<const T> input, std::span<const size_t
 
 template <CommElement T>
 void ProcessGroup::broadcast(std::span<T> data, int root) const {
+  if (!comm_) return self_check(root == 0, "broadcast: root must be 0 in a single-process group");
   std::string local_error;
   if (root < 0 || root >= size_) {
     local_error = "root " + std::to_string(root) + " is outside the group of " + std::to_string(size_) + " ranks";
@@ -430,6 +471,7 @@ std::string peer_error(int peer, int self, int size, const char* role) {
 
 template <CommElement T>
 void ProcessGroup::send(std::span<const T> data, int dst, int tag) const {
+  if (!comm_) throw CommError("send: a single-process group has no peer");
   std::string error = peer_error(dst, rank_, size_, "destination");
   if (error.empty() && data.size() > INT_MAX) error = too_large(data.size());
   if (!error.empty()) throw CommError("send on rank " + std::to_string(rank_) + ": " + error);
@@ -439,6 +481,7 @@ void ProcessGroup::send(std::span<const T> data, int dst, int tag) const {
 
 template <CommElement T>
 void ProcessGroup::recv(std::span<T> data, int src, int tag) const {
+  if (!comm_) throw CommError("recv: a single-process group has no peer");
   std::string error = peer_error(src, rank_, size_, "source");
   if (error.empty() && data.size() > INT_MAX) error = too_large(data.size());
   if (!error.empty()) throw CommError("recv on rank " + std::to_string(rank_) + ": " + error);
@@ -459,6 +502,7 @@ void ProcessGroup::recv(std::span<T> data, int src, int tag) const {
 
 template <CommElement T>
 Work ProcessGroup::all_reduce_async(std::span<T> data, ReduceOp op) const {
+  if (!comm_) return Work();
   const std::string local_error = data.size() > INT_MAX ? too_large(data.size()) : "";
   verify(comm_->handle, rank_, kAllReduceAsync,
          {{"dtype", dtype_code<T>()},
@@ -484,6 +528,7 @@ Work ProcessGroup::all_reduce_async(std::span<T> data, ReduceOp op) const {
 
 template <CommElement T>
 Work ProcessGroup::reduce_scatter_async(std::span<const T> input, std::span<T> output, ReduceOp op) const {
+  if (!comm_) return self_copy(input, output, "reduce_scatter_async"), Work();
   verify(comm_->handle, rank_, kReduceScatterAsync,
          {{"dtype", dtype_code<T>()},
           {"reduce op", static_cast<int64_t>(op)},
@@ -510,6 +555,7 @@ Work ProcessGroup::reduce_scatter_async(std::span<const T> input, std::span<T> o
 
 template <CommElement T>
 Work ProcessGroup::all_gather_async(std::span<const T> input, std::span<T> output) const {
+  if (!comm_) return self_copy(input, output, "all_gather_async"), Work();
   verify(comm_->handle, rank_, kAllGatherAsync,
          {{"dtype", dtype_code<T>()}, {"element count per rank", static_cast<int64_t>(input.size())}},
          all_gather_error(input.size(), output.size(), size_));
@@ -525,6 +571,7 @@ Work ProcessGroup::all_gather_async(std::span<const T> input, std::span<T> outpu
 template <CommElement T>
 Work ProcessGroup::all_to_all_v_async(std::span<const T> input, std::span<const size_t> send_counts,
                                       std::span<T> output, std::span<const size_t> recv_counts) const {
+  if (!comm_) return self_all_to_all(input, send_counts, output, recv_counts), Work();
   auto state = std::make_unique<Work::State>();
   state->what = "all_to_all_v_async";
   prepare_all_to_all_v(comm_->handle, rank_, size_, kAllToAllVAsync, dtype_code<T>(), input.size(), send_counts,

@@ -53,6 +53,8 @@ class ProcessGroup {
 
   // All processes (a duplicate of MPI_COMM_WORLD). Initializes MPI if no MpiRuntime did.
   static ProcessGroup world();
+  // A group of this process alone, without MPI (a run started without mpirun): collectives are local copies.
+  static ProcessGroup self();
 
   // Collective over this group: ranks with equal color form a sub-group, ordered by key then by rank here.
   // color must be >= 0.

@@ -11,17 +11,46 @@ namespace moecore {
 
 enum class InitKind { kNormal, kScaledNormal, kZeros, kOnes };
 
+// Where this rank's tensor sits in the one-process tensor. Along dimension `dim` the full extent is `segments`
+// equal segments (2 for SwiGLU's fused [gate; up] fc1, else 1); each segment is cut into `num_shards` equal chunks
+// and this rank holds chunk `shard_index` of every segment, concatenated. num_shards == 1: the whole tensor.
+// Tensor-parallel shards are cut over the TP group (routed experts: the expert-TP group), chunk index = group rank.
+struct ParamShard {
+  int dim = 0;
+  int segments = 1;
+  int num_shards = 1;
+  int shard_index = 0;
+  std::vector<int64_t> full_shape;  // the one-process shape
+};
+
 struct Param {
   std::string name;
   Tensor value;  // fp32, MemCategory::kParams
   Tensor grad;   // fp32, MemCategory::kGrads, same shape; backward accumulates into it
   InitKind init = InitKind::kNormal;
   bool no_weight_decay = false;  // biases and norm weights, as Megatron
+  ParamShard shard;              // this rank's slice of the one-process tensor
+  bool is_expert = false;        // routed-expert parameter: gradient reduced over expert-DP, sharded over expert-TP
+  // Replicated over TP, but each TP rank's backward only sees part of the tokens or heads (sequence-parallel
+  // norms and row-parallel biases, the router, q/k norms): the gradient is summed over TP before the DP reduction.
+  bool grad_sum_over_tp = false;
+  // The module whose backward completes this gradient (the overlap hooks): -1 the embedding, 0..L-1 the decoder
+  // layers, L the final norm and output layer.
+  int module = -1;
+
+  bool tensor_sharded() const { return shard.num_shards > 1; }
 };
 
 // A zero-filled fp32 parameter and its gradient, tracked as kParams / kGrads. 1-D parameters (biases, norm
 // weights) get no weight decay, as Megatron's default parameter groups.
 Param make_param(std::string name, const std::vector<int64_t>& shape, InitKind init);
+// A parameter holding this rank's shard of a one-process tensor of shape shard.full_shape.
+Param make_sharded_param(std::string name, const ParamShard& shard, InitKind init);
+// The local shape of `shard` (full_shape with dimension `dim` divided by num_shards); throws std::invalid_argument
+// when a segment does not divide evenly.
+std::vector<int64_t> shard_shape(const ParamShard& shard);
+// Flat index in the one-process tensor of flat local element `local_index`.
+int64_t full_index(const ParamShard& shard, int64_t local_index);
 
 // The parameters named `names`, in that order; throws std::logic_error naming one that is missing.
 std::vector<Param*> find_params(std::vector<Param>& params, const std::vector<std::string>& names);
@@ -29,6 +58,7 @@ Param* find_param(std::vector<Param>& params, const std::string& name);
 
 // Fills `param.value` from the counter RNG keyed by (seed, name, element index): N(0, std) for kNormal,
 // N(0, std / sqrt(2 * num_layers)) for kScaledNormal (Megatron's output-layer init for linear_proj / fc2).
+// A shard draws the elements of its place in the one-process tensor, so every layout starts from the same model.
 void init_param(Param& param, uint64_t seed, double std, int64_t num_layers);
 
 }  // namespace moecore

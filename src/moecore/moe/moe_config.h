@@ -11,8 +11,9 @@ namespace moecore {
 
 enum class RouterScoreFunction { kSoftmax, kSigmoid, kSqrtSoftplus };  // --moe-router-score-function
 enum class LoadBalancingType { kAuxLoss, kSeqAuxLoss, kGlobalAuxLoss, kSinkhorn, kNone };
-enum class TokenDropPolicy { kProbs, kPosition };  // --moe-token-drop-policy
-enum class RouterDType { kFP32, kFP64 };           // --moe-router-dtype
+enum class TokenDropPolicy { kProbs, kPosition };          // --moe-token-drop-policy
+enum class RouterDType { kFP32, kFP64 };                   // --moe-router-dtype
+enum class TokenDispatcherType { kAllGather, kAllToAll };  // --moe-token-dispatcher-type (flex is rejected)
 
 struct MoEConfig {
   int64_t num_experts = 0;              // --num-experts
@@ -40,6 +41,7 @@ struct MoEConfig {
   int64_t shared_expert_intermediate_size = 0;  // --moe-shared-expert-intermediate-size (0 = none)
   bool shared_expert_gate = false;              // --moe-shared-expert-gate
   bool per_layer_logging = false;               // --moe-per-layer-logging
+  TokenDispatcherType dispatcher_type = TokenDispatcherType::kAllGather;  // --moe-token-dispatcher-type
 
   bool enabled() const { return num_experts > 0; }
   bool is_moe_layer(int64_t layer) const {

@@ -9,6 +9,8 @@
 #include <memory>
 #include <vector>
 
+#include "moecore/dist/parallel_state.h"
+#include "moecore/moe/moe_config.h"
 #include "moecore/moe/router.h"
 #include "moecore/tensor/tensor.h"
 
@@ -42,5 +44,13 @@ class TokenDispatcher {
 
 // Single-process dispatcher (all experts local).
 std::unique_ptr<TokenDispatcher> make_local_dispatcher();
+
+// The dispatcher for `type` over the expert grid of `parallel`: the local one when ETP x EP is 1, else the
+// allgather dispatcher (all-gather over ETP x EP, local experts' columns, reduce-scatter back) or the alltoall
+// dispatcher (all-to-all over EP, all-gather-v / reduce-scatter-v over ETP, chunks sorted by local expert).
+// Rank r of EP owns experts [r E/EP, (r+1) E/EP); DispatchState::tokens_per_expert_E and expert_R then count and
+// index the LOCAL experts (expert_R in [0, E/EP)). Every call is collective over the expert grid.
+std::unique_ptr<TokenDispatcher> make_token_dispatcher(TokenDispatcherType type, int64_t num_experts,
+                                                       const dist::ParallelState& parallel);
 
 }  // namespace moecore

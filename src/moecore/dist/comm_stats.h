@@ -1,0 +1,48 @@
+// Wall time spent in communication, by kind, so logs can show what dominates a step. Call sites wrap each
+// collective (or the wait of an asynchronous one) in a CommTimer of its kind. Process-wide, not thread-safe:
+// collectives are issued from the training thread only.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+
+namespace moecore::dist {
+
+enum class CommKind : uint8_t {
+  kAllToAll,        // MoE token dispatch and combine (all-to-all, or the allgather dispatcher's gather / scatter)
+  kTensorParallel,  // TP / SP activations: all-reduce, all-gather, reduce-scatter
+  kGradReduce,      // data-parallel gradient all-reduce / reduce-scatter, TP sums of replicated gradients
+  kParamGather,     // distributed optimizer's parameter all-gather
+  kOther,           // loss / statistics reductions, grad norm, logging
+  kCount
+};
+
+const char* comm_kind_name(CommKind kind);
+
+class CommStats {
+ public:
+  static CommStats& instance();
+  void add(CommKind kind, double seconds) { seconds_[static_cast<size_t>(kind)] += seconds; }
+  double seconds(CommKind kind) const { return seconds_[static_cast<size_t>(kind)]; }
+  void reset() { seconds_.fill(0.0); }
+
+ private:
+  std::array<double, static_cast<size_t>(CommKind::kCount)> seconds_{};
+};
+
+class CommTimer {
+ public:
+  explicit CommTimer(CommKind kind) : kind_(kind), start_(std::chrono::steady_clock::now()) {}
+  ~CommTimer() {
+    CommStats::instance().add(kind_, std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
+  }
+  CommTimer(const CommTimer&) = delete;
+  CommTimer& operator=(const CommTimer&) = delete;
+
+ private:
+  CommKind kind_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace moecore::dist

@@ -1,0 +1,44 @@
+// ParallelState: this process's communicators for every group of the layout (Megatron's parallel_state), built
+// from a ParallelLayout. A run started without mpirun gets single_process(): every group is ProcessGroup::self().
+#pragma once
+
+#include "moecore/dist/parallel_layout.h"
+#include "moecore/dist/process_group.h"
+
+namespace moecore::dist {
+
+struct ParallelState {
+  ParallelLayout layout{ParallelSizes{}};
+  int rank = 0;  // world rank
+  ProcessGroup world = ProcessGroup::self();
+  // Attention (dense) grid.
+  ProcessGroup tp = ProcessGroup::self();        // tensor parallel: heads, ffn, vocabulary, sequence shards
+  ProcessGroup dp = ProcessGroup::self();        // data parallel
+  ProcessGroup dp_cp = ProcessGroup::self();     // dense gradient reduction
+  ProcessGroup tp_cp = ProcessGroup::self();     // router aux / z loss statistics
+  ProcessGroup tp_dp_cp = ProcessGroup::self();  // global aux loss, expert-bias counts
+  // Expert grid (Parallel Folding).
+  ProcessGroup ep = ProcessGroup::self();     // expert parallel: rank r owns experts [r E/EP, (r+1) E/EP)
+  ProcessGroup etp = ProcessGroup::self();    // expert tensor parallel: expert ffn shards
+  ProcessGroup tp_ep = ProcessGroup::self();  // ETP x EP: the allgather dispatcher's group
+  ProcessGroup edp = ProcessGroup::self();    // expert data parallel: expert gradient reduction
+  bool sequence_parallel = false;
+
+  int tp_size() const { return tp.size(); }
+  int tp_rank() const { return tp.rank(); }
+  int ep_size() const { return ep.size(); }
+  int ep_rank() const { return ep.rank(); }
+  int etp_size() const { return etp.size(); }
+  int etp_rank() const { return etp.rank(); }
+  int dp_size() const { return dp_cp.size(); }
+  int dp_rank() const { return dp.rank(); }
+
+  static ParallelState single_process();
+  // Collective over `world` (whose size must equal sizes.world_size): splits one communicator per group kind.
+  static ParallelState create(const ParallelSizes& sizes, bool sequence_parallel, const ProcessGroup& world);
+};
+
+// True when this process was started by an MPI launcher (mpirun / srun set the PMI / OMPI environment).
+bool launched_by_mpi();
+
+}  // namespace moecore::dist
