@@ -40,7 +40,8 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed)
     params_.push_back(
         make_param("embedding.position_embeddings.weight", {config_.max_position_embeddings, H}, InitKind::kNormal));
   }
-  for (int64_t i = 0; i < config_.num_layers; ++i) modules_->layers.emplace_back(config_, i, params_);
+  for (int64_t i = 0; i < config_.num_layers; ++i)
+    modules_->layers.emplace_back(config_, i, params_, dist::ParallelState::single_process());
   params_.push_back(make_param("decoder.final_layernorm.weight", {H}, InitKind::kOnes));
   if (config_.normalization == Normalization::kLayerNorm) {
     params_.push_back(make_param("decoder.final_layernorm.bias", {H}, InitKind::kZeros));

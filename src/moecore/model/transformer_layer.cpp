@@ -64,7 +64,8 @@ void merge_qkv(float* qkv_TQ, const float* q_TNd, const float* k_TGd, const floa
 
 }  // namespace
 
-TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t index, std::vector<Param>& params)
+TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t index, std::vector<Param>& params,
+                                   const dist::ParallelState& parallel)
     : config_(config), prefix_("decoder.layers." + std::to_string(index) + ".") {
   const int64_t H = config.hidden_size, d = config.kv_channels;
   const bool layer_norm = config.normalization == Normalization::kLayerNorm;
@@ -89,7 +90,7 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
   if (bias) idx_.proj_b = add("self_attention.linear_proj.bias", {H}, InitKind::kZeros);
   add_norm("pre_mlp_layernorm", H, idx_.ln2_w, idx_.ln2_b);
   if (config.moe.is_moe_layer(index)) {
-    moe_ = std::make_unique<MoELayer>(config, prefix_, params);
+    moe_ = std::make_unique<MoELayer>(config, prefix_, params, parallel, static_cast<int>(index));
   } else {
     idx_.fc1_w = add("mlp.linear_fc1.weight", {config.fc1_out(), H}, InitKind::kNormal);
     if (bias) idx_.fc1_b = add("mlp.linear_fc1.bias", {config.fc1_out()}, InitKind::kZeros);
@@ -168,7 +169,7 @@ void TransformerLayer::forward(float* out_TH, const Tensor& x_TH, const int64_t 
   a.ln2_stats = ln2_.forward(a.ln2_TH.data<float>(), a.x_mid_TH.data<float>(), T);
   Tensor fc2_TH = activation_tensor({T, H});  // the MLP (or MoE) output
   if (moe_) {
-    moe_->forward(fc2_TH.data<float>(), a.ln2_TH.data<float>(), S, B, dropout.training, dropout.seed,
+    moe_->forward(fc2_TH.data<float>(), a.ln2_TH.data<float>(), S, B, 0, dropout.training, dropout.seed,
                   dropout.stream * 4 + kMoeRouterJitter, a.moe);
   } else {
     a.fc1_TF1 = activation_tensor({T, F1});

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/dist/parallel_state.h"
 #include "moecore/model/config.h"
 #include "moecore/model/norm_module.h"
 #include "moecore/model/param.h"
@@ -43,7 +44,8 @@ struct LayerActivations {
 class TransformerLayer {
  public:
   // Registers this layer's parameters into `params` (names prefixed "decoder.layers.{index}.").
-  TransformerLayer(const ModelConfig& config, int64_t index, std::vector<Param>& params);
+  TransformerLayer(const ModelConfig& config, int64_t index, std::vector<Param>& params,
+                   const dist::ParallelState& parallel);
   // Resolves parameter pointers once `params` no longer grows.
   void bind(std::vector<Param>& params);
 

@@ -4,7 +4,8 @@
 
 namespace moecore {
 
-MoELayer::MoELayer(const ModelConfig& config, const std::string& prefix, std::vector<Param>& params)
+MoELayer::MoELayer(const ModelConfig& config, const std::string& prefix, std::vector<Param>& params,
+                   const dist::ParallelState& /*parallel*/, const int /*module*/)
     : config_(config),
       router_(std::make_unique<TopKRouter>(config.moe, config.hidden_size, config.add_bias_linear, prefix, params)),
       dispatcher_(make_local_dispatcher()),
@@ -20,8 +21,9 @@ void MoELayer::bind(std::vector<Param>& params) {
   if (shared_) shared_->bind(params);
 }
 
-void MoELayer::forward(float* out_TH, const float* x_TH, const int64_t S, const int64_t B, const bool training,
-                       const uint64_t seed, const uint64_t key, MoELayerActivations& saved) const {
+void MoELayer::forward(float* out_TH, const float* x_TH, const int64_t S, const int64_t B,
+                       const int64_t /*token_offset*/, const bool training, const uint64_t seed, const uint64_t key,
+                       MoELayerActivations& saved) const {
   const int64_t T = S * B, H = config_.hidden_size;
   saved.routing = router_->forward(x_TH, S, B, training, seed, key, saved.router);
   const Tensor x_RH = dispatcher_->dispatch(x_TH, T, H, saved.routing, saved.dispatch);

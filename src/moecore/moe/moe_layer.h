@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/dist/parallel_state.h"
 #include "moecore/model/config.h"
 #include "moecore/model/param.h"
 #include "moecore/moe/experts.h"
@@ -25,13 +26,20 @@ struct MoELayerActivations {
 
 class MoELayer {
  public:
-  // Registers the router, expert and shared-expert parameters under `prefix` (e.g. "decoder.layers.3.").
-  MoELayer(const ModelConfig& config, const std::string& prefix, std::vector<Param>& params);
+  // Registers the router, expert and shared-expert parameters under `prefix` (e.g. "decoder.layers.3."), with
+  // Param::module = `module` (the layer index). Under expert parallelism only this rank's experts (global names
+  // local_experts.{e}) are registered, each sharded over expert-TP; shared experts are sharded over TP.
+  MoELayer(const ModelConfig& config, const std::string& prefix, std::vector<Param>& params,
+           const dist::ParallelState& parallel, int module);
   void bind(std::vector<Param>& params);
 
-  // out_TH (overwritten) = moe(x_TH); x_TH [S*B, H]. The routing decision is kept in `saved.routing`.
-  void forward(float* out_TH, const float* x_TH, int64_t S, int64_t B, bool training, uint64_t seed, uint64_t key,
-               MoELayerActivations& saved) const;
+  // out_TH (overwritten) = moe(x_TH) on this rank's tokens: x_TH [S*B, H] holds sequence positions
+  // [s0, s0 + S) of the micro-batch, token_offset = s0 * B is the one-process index of its first row (counter-RNG
+  // keys). Under TP every TP rank holds a different sequence shard (the sequence-parallel region), so router
+  // statistics are reduced over tp-cp and shared experts gather the sequence over TP. The routing decision is kept
+  // in `saved.routing`. Collective over the layout's groups.
+  void forward(float* out_TH, const float* x_TH, int64_t S, int64_t B, int64_t token_offset, bool training,
+               uint64_t seed, uint64_t key, MoELayerActivations& saved) const;
   // Accumulates dx_TH and every parameter gradient; aux_grad_scale as TopKRouter::backward.
   void backward(float* dx_TH, const float* dout_TH, const float* x_TH, double aux_grad_scale,
                 const MoELayerActivations& saved) const;
