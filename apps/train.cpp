@@ -4,22 +4,51 @@
 #include <vector>
 
 #include "commands.h"
+#include "moecore/dist/mpi_runtime.h"
+#include "moecore/dist/parallel_state.h"
+#include "moecore/dist/process_group.h"
+#include "moecore/model/config.h"
 #include "moecore/train/arguments.h"
 #include "moecore/train/trainer.h"
 
-int run_train(int argc, char** argv) {
+namespace {
+
+// Under mpirun every rank runs this; errors in the arguments or the layout are the same on every rank, so only
+// rank 0 reports them and all ranks exit cleanly. Any other failure may be one rank's alone: it is reported by
+// that rank, which aborts the job so no peer waits forever in a collective.
+int train_main(const std::vector<std::string>& args, const int rank, const int world_size) {
   try {
-    const std::vector<std::string> args(argv + 1, argv + argc);
-    const moecore::TrainingArgs parsed = moecore::parse_train_args(args);
+    const moecore::TrainingArgs parsed = moecore::parse_train_args(args, world_size);
     if (parsed.help_requested) {
-      std::cout << "usage: moecore train [flags]\n\n" << moecore::train_flags_help();
+      if (rank == 0) std::cout << "usage: moecore train [flags]\n\n" << moecore::train_flags_help();
       return 0;
     }
-    moecore::run_training(parsed, std::cout);
+    const moecore::dist::ParallelState parallel = moecore::make_parallel_state(parsed);
+    try {
+      moecore::run_training(parsed, std::cout, parallel);
+    } catch (const moecore::ConfigError&) {
+      throw;
+    } catch (const std::exception& e) {
+      std::cout.flush();
+      std::cerr << "error: " << (world_size > 1 ? "[rank " + std::to_string(rank) + "] " : std::string()) << e.what()
+                << '\n';
+      if (world_size > 1) moecore::dist::abort_world(1);
+      return 1;
+    }
     return 0;
   } catch (const std::exception& e) {
     std::cout.flush();
-    std::cerr << "error: " << e.what() << '\n';
+    if (rank == 0) std::cerr << "error: " << e.what() << '\n';
     return 1;
   }
+}
+
+}  // namespace
+
+int run_train(int argc, char** argv) {
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  if (!moecore::dist::launched_by_mpi()) return train_main(args, 0, 1);
+  moecore::dist::MpiRuntime mpi(nullptr, nullptr);
+  const moecore::dist::ProcessGroup world = moecore::dist::ProcessGroup::world();
+  return train_main(args, world.rank(), world.size());
 }

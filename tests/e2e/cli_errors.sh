@@ -38,7 +38,9 @@ expect_error "--num-query-groups" "$bin" train "${base[@]}" --group-query-attent
 expect_error "--hidden-size" "$bin" train "${base[@]}" --hidden-size 66
 expect_error "--global-batch-size" "$bin" train "${base[@]}" --global-batch-size 5
 expect_error "--num-layers" "$bin" train "${base[@]}" --num-layers abc
-expect_error "--tensor-model-parallel-size" "$bin" train "${base[@]}" --tensor-model-parallel-size 2
+expect_error "world size 1 is not divisible by tensor-model-parallel-size (2)" "$bin" train "${base[@]}" --tensor-model-parallel-size 2
+expect_error "--pipeline-model-parallel-size > 1 is not implemented yet" "$bin" train "${base[@]}" --pipeline-model-parallel-size 2
+expect_error "flex is not available" "$bin" train "${base[@]}" --num-experts 4 --moe-token-dispatcher-type flex
 expect_error "unknown flag --promt" "$bin" generate --load "$work" --promt hi
 
 # Corrupt data: an index with a bad magic, and a .bin cut short.

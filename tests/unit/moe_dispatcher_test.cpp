@@ -255,5 +255,25 @@ TEST(LocalDispatcherTest, InconsistentRoutingThrows) {
   EXPECT_THROW(dispatcher->dispatch(x_TH.data(), T, H, short_map, state), std::invalid_argument);
 }
 
+TEST(TokenDispatcherFactoryTest, SingleProcessGivesTheLocalPermutationForBothTypes) {
+  const int64_t T = 19, E = 6, k = 2, H = 4;
+  const RouterOutput routing = uniform_topk_routing(T, E, k, 21);
+  const auto x_TH = random_vector<float>(static_cast<size_t>(T * H), 22);
+  const dist::ParallelState parallel = dist::ParallelState::single_process();
+  DispatchState expected_state;
+  const Tensor expected_RH = make_local_dispatcher()->dispatch(x_TH.data(), T, H, routing, expected_state);
+  for (const TokenDispatcherType type : {TokenDispatcherType::kAllGather, TokenDispatcherType::kAllToAll}) {
+    auto dispatcher = make_token_dispatcher(type, E, parallel);
+    DispatchState state;
+    const Tensor x_RH = dispatcher->dispatch(x_TH.data(), T, H, routing, state);
+    ASSERT_EQ(x_RH.dim(0), expected_RH.dim(0));
+    EXPECT_EQ(state.source_token_R, expected_state.source_token_R);
+    EXPECT_EQ(state.expert_R, expected_state.expert_R);
+    EXPECT_EQ(state.tokens_per_expert_E, expected_state.tokens_per_expert_E);
+    for (int64_t i = 0; i < x_RH.numel(); ++i) EXPECT_EQ(x_RH.data<float>()[i], expected_RH.data<float>()[i]);
+  }
+  EXPECT_THROW(make_token_dispatcher(TokenDispatcherType::kAllToAll, 0, parallel), std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace moecore

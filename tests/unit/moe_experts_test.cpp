@@ -460,6 +460,19 @@ TEST(ExpertsTest, IdleExpertsKeepPresentZeroGradients) {
   }
 }
 
+TEST(ExpertsTest, ParametersAreExpertParametersOfTheirModule) {
+  ExpertSetup s = make_setup(Activation::kSwiGLU, true, false, false);
+  std::vector<Param> params;
+  auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params, dist::ParallelState::single_process(), 1);
+  ASSERT_FALSE(params.empty());
+  for (const Param& p : params) {
+    EXPECT_TRUE(p.is_expert) << p.name;
+    EXPECT_FALSE(p.grad_sum_over_tp) << p.name;
+    EXPECT_EQ(p.module, 1) << p.name;
+    EXPECT_EQ(p.shard.full_shape, p.value.shape()) << p.name;  // one process: whole tensors
+  }
+}
+
 TEST(ExpertsTest, BadInputThrows) {
   ExpertSetup s = make_setup(Activation::kGelu, false, false, true);
   std::vector<Param> params;
@@ -496,7 +509,10 @@ TEST(SharedExpertsTest, RegistersParameters) {
     if (gate) {
       EXPECT_EQ(wg->value.shape(), (std::vector<int64_t>{1, kH}));
       EXPECT_EQ(wg->init, InitKind::kNormal);
+      EXPECT_TRUE(wg->grad_sum_over_tp);  // replicated over TP, each TP rank sees its sequence shard
     }
+    EXPECT_FALSE(w1->grad_sum_over_tp);
+    EXPECT_FALSE(w1->is_expert);
   }
 }
 

@@ -492,6 +492,39 @@ TEST(Router, ForceLoadBalancingReplacesLogitsWithNoise) {
   EXPECT_NEAR(var, 1.0, 0.2);
 }
 
+// A sequence shard [s0, s0 + S') fed with token_offset = s0 * B draws the same jitter factors and forced logits as
+// those rows of the whole micro-batch (the counter RNG is keyed by the one-process element index).
+TEST(Router, ShardDrawsTheOneProcessRandomNumbers) {
+  const int64_t S = 6, B = 2, T = S * B, H = 8, E = 4, s0 = 2, S_shard = 3;
+  for (const bool force : {false, true}) {
+    MoEConfig config = base_config(E, 2);
+    config.input_jitter_eps = 0.1;
+    config.force_load_balancing = force;
+    RouterUnderTest r(config, H, false, 71);
+    const std::vector<float> x = random_floats(T * H, 72);
+    RouterActivations full, shard;
+    r.router->forward(x.data(), S, B, true, 5, 6, full);
+    r.router->forward(x.data() + s0 * B * H, S_shard, B, true, 5, 6, shard, s0 * B);
+    for (int64_t i = 0; i < S_shard * B * H; ++i) {
+      ASSERT_EQ(shard.input_TH.data<float>()[i], full.input_TH.data<float>()[s0 * B * H + i]) << i;
+    }
+    for (int64_t i = 0; i < S_shard * B * E; ++i) {
+      ASSERT_EQ(shard.logits_TE[static_cast<size_t>(i)], full.logits_TE[static_cast<size_t>(s0 * B * E + i)]) << i;
+    }
+  }
+}
+
+TEST(Router, ParametersAreSummedOverTensorParallelAndCarryTheModule) {
+  std::vector<Param> params;
+  TopKRouter router(base_config(4, 2), 8, true, "decoder.layers.2.", params, dist::ParallelState::single_process(), 2);
+  ASSERT_EQ(params.size(), 2u);
+  for (const Param& p : params) {
+    EXPECT_TRUE(p.grad_sum_over_tp) << p.name;
+    EXPECT_FALSE(p.is_expert) << p.name;
+    EXPECT_EQ(p.module, 2) << p.name;
+  }
+}
+
 TEST(Router, BadConfigurationThrows) {
   std::vector<Param> params;
   MoEConfig config = base_config(4, 5);

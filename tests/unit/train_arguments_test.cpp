@@ -231,9 +231,8 @@ TEST(TrainArguments, UnknownFlagSuggestsClosest) {
 
 TEST(TrainArguments, CataloguedMegatronFlagsAreNotImplementedYet) {
   for (const char* flag :
-       {"--moe-latent-size", "--moe-shared-expert-overlap", "--sequence-parallel", "--recompute-granularity",
-        "--fp8-format", "--use-distributed-optimizer", "--overlap-grad-reduce", "--save", "--load", "--tensorboard-dir",
-        "--wandb-project", "--bf16", "--fp16", "--exit-on-missing-checkpoint"}) {
+       {"--moe-latent-size", "--moe-shared-expert-overlap", "--recompute-granularity", "--fp8-format", "--save",
+        "--load", "--tensorboard-dir", "--wandb-project", "--bf16", "--fp16", "--exit-on-missing-checkpoint"}) {
     EXPECT_EQ(error_of(with(minimal(), {flag, "1"})),
               std::string(flag) + " is a Megatron flag that moecore does not implement yet");
   }
@@ -261,13 +260,33 @@ TEST(TrainArguments, CatalogIsLargeAndDisjointFromImplementedFlags) {
   for (const std::string& flag : implemented) EXPECT_TRUE(mentions(help, flag)) << flag;
 }
 
-TEST(TrainArguments, ParallelSizesOnlyOne) {
+TEST(TrainArguments, ParallelSizes) {
   for (const char* flag : {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
                            "--expert-model-parallel-size", "--expert-tensor-parallel-size"}) {
     EXPECT_NO_THROW(parse_train_args(with(minimal(), {flag, "1"})));
-    EXPECT_EQ(error_of(with(minimal(), {flag, "2"})),
-              std::string(flag) + " > 1 is not implemented yet (single-process engine)");
     EXPECT_EQ(error_of(with(minimal(), {flag, "0"})), std::string(flag) + " must be positive (got 0)");
+  }
+  EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-size", "2"})),
+            "--pipeline-model-parallel-size > 1 is not implemented yet (pipeline parallelism comes in a later issue)");
+  EXPECT_EQ(error_of(with(minimal(), {"--context-parallel-size", "2"})),
+            "--context-parallel-size > 1 is not implemented yet (context parallelism comes in a later issue)");
+  // The world (processes launched) must hold the layout; the data-parallel size is what remains.
+  EXPECT_EQ(error_of(with(minimal(), {"--tensor-model-parallel-size", "2"})),
+            "world size 1 is not divisible by tensor-model-parallel-size (2) x pipeline-model-parallel-size (1) x "
+            "context-parallel-size (1)");
+  const TrainingArgs tp2 = parse_train_args(with(minimal(), {"--tensor-model-parallel-size", "2"}), 8);
+  EXPECT_EQ(tp2.data_parallel_size, 4);
+  EXPECT_EQ(tp2.expert_tensor_parallel_size, 2);  // defaults to the TP size, as Megatron
+  EXPECT_EQ(error_of(with(minimal(), {"--overlap-param-gather"})),
+            "--overlap-param-gather requires --use-distributed-optimizer (as Megatron)");
+  EXPECT_EQ(error_of(with(minimal(), {"--expert-model-parallel-size", "2"})),
+            "world size 1 is not divisible by expert-tensor-parallel-size (1) x expert-model-parallel-size (2) x "
+            "pipeline-model-parallel-size (1)");
+  try {
+    parse_train_args(with(minimal(), {"--expert-model-parallel-size", "2"}), 2);
+    ADD_FAILURE() << "EP without experts was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()), "--expert-model-parallel-size 2 needs a MoE model (--num-experts)");
   }
   EXPECT_EQ(error_of(with(minimal(), {"--optimizer", "sgd"})),
             "--optimizer sgd is not implemented yet (moecore implements adam)");

@@ -1,5 +1,7 @@
 #include "moecore/dist/mpi_runtime.h"
 
+#include <cstdlib>
+
 #define OMPI_SKIP_MPICXX 1  // the C API only: OpenMPI's deprecated C++ bindings warn under -Wextra
 #include <mpi.h>
 
@@ -43,6 +45,11 @@ void MpiRuntime::ensure_initialized() {
   if (initialized()) return;
   static const MpiRuntime process_lifetime_runtime;  // finalized at exit
   if (!initialized()) throw CommError("MPI was already finalized in this process and cannot be initialized again");
+}
+
+void abort_world(const int code) {
+  if (MpiRuntime::initialized()) MPI_Abort(MPI_COMM_WORLD, code);
+  std::exit(code);
 }
 
 }  // namespace moecore::dist

@@ -14,6 +14,10 @@ class CommError : public std::runtime_error {
   explicit CommError(const std::string& message) : std::runtime_error(message) {}
 };
 
+// Ends every process of the job with `code` (MPI_Abort on the world): for a failure on one rank that would
+// otherwise leave its peers waiting in a collective.
+[[noreturn]] void abort_world(int code);
+
 class MpiRuntime {
  public:
   // Initializes MPI unless it already is (then this guard does not own it and will not finalize it).

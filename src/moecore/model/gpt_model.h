@@ -13,8 +13,10 @@
 #include <memory>
 #include <vector>
 
+#include "moecore/dist/parallel_state.h"
 #include "moecore/model/config.h"
 #include "moecore/model/micro_batch_context.h"
+#include "moecore/model/model_hooks.h"
 #include "moecore/model/param.h"
 #include "moecore/tensor/tensor.h"
 
@@ -37,12 +39,18 @@ struct ForwardOptions {
 
 class GPTModel {
  public:
-  GPTModel(const ModelConfig& config, uint64_t seed);
+  // Under tensor / expert parallelism this rank holds its shards (Param::shard); the initial values are the slices
+  // of the one-process model with the same seed. Collective calls need every rank of the layout.
+  GPTModel(const ModelConfig& config, uint64_t seed,
+           const dist::ParallelState& parallel = dist::ParallelState::single_process());
   ~GPTModel();
   GPTModel(const GPTModel&) = delete;
   GPTModel& operator=(const GPTModel&) = delete;
 
   const ModelConfig& config() const { return config_; }
+  const dist::ParallelState& parallel() const { return parallel_; }
+  // Hooks called around each module's forward and backward (the DDP engine); null: none. Not owned.
+  void set_hooks(ModelHooks* hooks) { hooks_ = hooks; }
   std::vector<Param>& params() { return params_; }
   const std::vector<Param>& params() const { return params_; }
   Param& param(const std::string& name);  // throws std::out_of_range naming it
@@ -50,9 +58,9 @@ class GPTModel {
   int64_t num_parameters() const;
   void zero_grad();
 
-  // tokens_BS, labels_BS [B, S]; loss_mask_BS may be null (all ones).
+  // tokens_BS, labels_BS [B, S] (the whole micro-batch on every TP rank); loss_mask_BS may be null (all ones).
   // Returns the mean loss over unmasked tokens; keeps what backward needs in `ctx` when training.
-  // logits_SBV, if non-null, receives a copy of the logits [S, B, V].
+  // logits_SBV, if non-null, receives a copy of the logits [S, B, V] (this rank's vocabulary columns under TP).
   double forward(std::unique_ptr<MicroBatchContext>& ctx, const int32_t* tokens_BS, const int32_t* labels_BS,
                  const float* loss_mask_BS, int64_t B, int64_t S, const ForwardOptions& options,
                  Tensor* logits_SBV = nullptr);
@@ -67,7 +75,7 @@ class GPTModel {
   std::vector<float>* expert_bias(int64_t layer);
   const std::vector<float>* expert_bias(int64_t layer) const;
 
-  // Logits for the last position of each sequence (generation): tokens_BS [B, S] -> [B, V].
+  // Logits for the last position of each sequence (generation, one process only): tokens_BS [B, S] -> [B, V].
   Tensor last_logits(const int32_t* tokens_BS, int64_t B, int64_t S);
 
  private:
@@ -75,6 +83,8 @@ class GPTModel {
 
   struct Modules;
   ModelConfig config_;
+  dist::ParallelState parallel_;
+  ModelHooks* hooks_ = nullptr;
   std::vector<Param> params_;
   std::unique_ptr<Modules> modules_;
   MoEStats moe_stats_;

@@ -20,8 +20,9 @@ class MicroBatchContext {
   uint64_t dropout_stream = 0;
   bool training = false;
   std::vector<LayerActivations> layers;
-  Tensor final_in_TH;  // output of the last layer
-  Tensor final_out_TH;
+  Tensor final_in_TH;    // output of the last layer
+  Tensor final_out_TH;   // (this rank's sequence shard under sequence parallelism)
+  Tensor final_full_TH;  // final_out gathered over TP (sequence parallelism only): the output layer's input
   NormStats final_stats;
   Tensor logits_TV;  // overwritten by dlogits in backward
   Tensor lse_T;

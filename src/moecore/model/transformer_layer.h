@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "moecore/dist/parallel_state.h"
+#include "moecore/kernels/cpu/attention.h"
 #include "moecore/model/config.h"
 #include "moecore/model/norm_module.h"
 #include "moecore/model/param.h"
@@ -24,17 +25,21 @@ struct LayerDropout {
 };
 
 // What one layer's backward needs from its forward.
+// Under tensor parallelism with --sequence-parallel, the tensors marked (local) hold this rank's sequence shard
+// (T/TP rows); the others hold all T tokens of the micro-batch with this rank's heads / ffn columns.
 struct LayerActivations {
-  Tensor x_TH;  // layer input
-  Tensor ln1_TH;
+  Tensor x_TH;         // layer input (local)
+  Tensor ln1_TH;       // (local)
+  Tensor ln1_full_TH;  // ln1 gathered over TP (sequence parallel only): the qkv input
   NormStats ln1_stats;
   Tensor q_raw_TNd, k_raw_TGd;  // before qk-norm (only with --qk-layernorm)
   NormStats q_norm_stats, k_norm_stats;
   Tensor q_TNd, k_TGd, v_TGd;  // attention inputs (after qk-norm and RoPE)
   Tensor attn_TNd;
   Tensor lse_BNS;
-  Tensor x_mid_TH;  // after the attention residual
-  Tensor ln2_TH;
+  Tensor x_mid_TH;     // after the attention residual (local)
+  Tensor ln2_TH;       // (local)
+  Tensor ln2_full_TH;  // ln2 gathered over TP (sequence parallel, dense MLP only): the fc1 input
   NormStats ln2_stats;
   Tensor fc1_TF1;           // dense MLP only
   Tensor act_TF;            // dense MLP only
@@ -49,7 +54,9 @@ class TransformerLayer {
   // Resolves parameter pointers once `params` no longer grows.
   void bind(std::vector<Param>& params);
 
-  // x_TH -> out_TH (may not alias). Fills `saved` when dropout.training (backward will follow).
+  // x_TH -> out_TH (may not alias). S, B: the micro-batch; under --sequence-parallel x_TH and out_TH hold this
+  // TP rank's sequence shard (positions [r S/TP, (r+1) S/TP)), else all S*B tokens. Collective over TP (and the
+  // expert grid on MoE layers). Fills `saved` when dropout.training (backward will follow).
   void forward(float* out_TH, const Tensor& x_TH, int64_t S, int64_t B, const LayerDropout& dropout,
                LayerActivations& saved) const;
   // dx_TH += d(out)/d(x)^T dout_TH; parameter gradients accumulate. aux_grad_scale: the factor MoE
@@ -68,7 +75,29 @@ class TransformerLayer {
   const float* value(int i) const { return i < 0 ? nullptr : params_[static_cast<size_t>(i)]->value.data<float>(); }
   float* grad(int i) const { return i < 0 ? nullptr : params_[static_cast<size_t>(i)]->grad.data<float>(); }
 
+  // Rows of this rank's activations and the one-process index of the first one (dropout / jitter counters).
+  int64_t local_tokens(int64_t T) const { return sequence_parallel() ? T / tp_size_ : T; }
+  int64_t token_offset(int64_t T) const { return sequence_parallel() ? tp_rank_ * (T / tp_size_) : 0; }
+  bool sequence_parallel() const { return parallel_.sequence_parallel && tp_size_ > 1; }
+  // Column-parallel input: the local rows gathered over TP under sequence parallelism (into `full`), else x.
+  const float* gather_input(Tensor& full, const Tensor& x, int64_t T) const;
+  // Row-parallel output partial_TH [T, H] summed over TP into out (local rows), plus the bias.
+  void reduce_output(float* out, Tensor& partial_TH, const float* bias, int64_t T) const;
+  // Backward of a column-parallel input: dfull_TH [T, H] partial over TP, summed into dx (local rows, +=).
+  void reduce_input_grad(float* dx, Tensor& dfull_TH, int64_t T) const;
+  // Backward of a row-parallel output: the local dout rows gathered over TP (into `full`), else dout itself;
+  // the bias gradient is taken from the local rows.
+  const float* gather_output_grad(Tensor& full, const float* dout, float* dbias, int64_t T) const;
+  kernels::AttentionDims attention_dims(int64_t S, int64_t B) const;
+  void moe_forward(float* out, const float* x, int64_t S, int64_t B, const LayerDropout& dropout,
+                   MoELayerActivations& saved) const;
+  void moe_backward(float* dx, const float* dout, const float* x, int64_t S, int64_t B, double aux_grad_scale,
+                    const MoELayerActivations& saved) const;
+
   ModelConfig config_;
+  dist::ParallelState parallel_;
+  int64_t tp_size_ = 1, tp_rank_ = 0;
+  int64_t heads_ = 0, groups_ = 0, ffn_ = 0;  // this rank's query heads, query groups and dense ffn columns
   std::string prefix_;
   std::vector<std::string> names_;  // registration order
   Index idx_;

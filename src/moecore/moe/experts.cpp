@@ -43,7 +43,7 @@ std::vector<int64_t> expert_offsets(const std::vector<int64_t> &tokens_per_exper
 }
 
 ExpertMLPBase::ExpertMLPBase(const MoEConfig &moe, const ModelConfig &model, const std::string &prefix,
-                             std::vector<Param> &params)
+                             std::vector<Param> &params, const dist::ParallelState &parallel, const int module)
     : E_(moe.num_experts),
       H_(model.hidden_size),
       F_(moe.ffn_hidden_size),
@@ -53,17 +53,46 @@ ExpertMLPBase::ExpertMLPBase(const MoEConfig &moe, const ModelConfig &model, con
   if (E_ <= 0) throw ConfigError("experts: --num-experts must be positive, got " + std::to_string(E_));
   if (F_ <= 0) throw ConfigError("experts: --moe-ffn-hidden-size must be positive, got " + std::to_string(F_));
   if (H_ <= 0) throw ConfigError("experts: --hidden-size must be positive, got " + std::to_string(H_));
+  const int ep = parallel.ep_size(), etp = parallel.etp_size();
+  if (E_ % ep != 0) {
+    throw ConfigError("experts: --num-experts " + std::to_string(E_) +
+                      " is not divisible by --expert-model-parallel-size " + std::to_string(ep));
+  }
+  if (bias_ && etp > 1) {
+    throw ConfigError(
+        std::string("experts: bias in MoE layers (--add-bias-linear) needs --expert-tensor-parallel-size 1, got ") +
+        std::to_string(etp));
+  }
+  const int segments = model.activation == Activation::kSwiGLU ? 2 : 1;
+  if (F_ % etp != 0) {
+    throw ConfigError("experts: --moe-ffn-hidden-size " + std::to_string(F_) +
+                      " is not divisible by --expert-tensor-parallel-size " + std::to_string(etp));
+  }
+  const int64_t F1_full = activation_ == Activation::kSwiGLU ? 2 * F_ : F_;
+  E_ /= ep;
+  F_ /= etp;
   F1_ = activation_ == Activation::kSwiGLU ? 2 * F_ : F_;
-  auto add = [&](const std::string &name, std::vector<int64_t> shape, const InitKind init) {
+  const int64_t first = static_cast<int64_t>(parallel.ep_rank()) * E_;
+  auto add = [&](const std::string &name, const int dim, const int segs, std::vector<int64_t> full_shape,
+                 const InitKind init) {
+    ParamShard shard;
+    shard.dim = dim;
+    shard.segments = segs;
+    shard.num_shards = etp;
+    shard.shard_index = parallel.etp_rank();
+    shard.full_shape = std::move(full_shape);
     names_.push_back(prefix + name);
-    params.push_back(make_param(prefix + name, shape, init));
+    Param p = make_sharded_param(prefix + name, shard, init);
+    p.is_expert = true;
+    p.module = module;
+    params.push_back(std::move(p));
   };
-  for (int64_t e = 0; e < E_; ++e) {
+  for (int64_t e = first; e < first + E_; ++e) {
     const std::string expert = "mlp.experts.local_experts." + std::to_string(e) + ".";
-    add(expert + "linear_fc1.weight", {F1_, H_}, InitKind::kNormal);
-    if (bias_) add(expert + "linear_fc1.bias", {F1_}, InitKind::kZeros);
-    add(expert + "linear_fc2.weight", {H_, F_}, InitKind::kScaledNormal);
-    if (bias_) add(expert + "linear_fc2.bias", {H_}, InitKind::kZeros);
+    add(expert + "linear_fc1.weight", 0, segments, {F1_full, H_}, InitKind::kNormal);
+    if (bias_) add(expert + "linear_fc1.bias", 0, segments, {F1_full}, InitKind::kZeros);
+    add(expert + "linear_fc2.weight", 1, 1, {H_, F_ * etp}, InitKind::kScaledNormal);
+    if (bias_) add(expert + "linear_fc2.bias", 0, 1, {H_}, InitKind::kZeros);
   }
 }
 
@@ -259,9 +288,10 @@ void ExpertMLPBase::backward_weights(const int64_t e, const int64_t row_begin, c
 }  // namespace experts_detail
 
 std::unique_ptr<ExpertMLP> make_experts(const MoEConfig &moe, const ModelConfig &model, const std::string &prefix,
-                                        std::vector<Param> &params) {
-  if (moe.grouped_gemm) return experts_detail::make_grouped_mlp(moe, model, prefix, params);
-  return experts_detail::make_sequential_mlp(moe, model, prefix, params);
+                                        std::vector<Param> &params, const dist::ParallelState &parallel,
+                                        const int module) {
+  if (moe.grouped_gemm) return experts_detail::make_grouped_mlp(moe, model, prefix, params, parallel, module);
+  return experts_detail::make_sequential_mlp(moe, model, prefix, params, parallel, module);
 }
 
 }  // namespace moecore

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/dist/parallel_state.h"
 #include "moecore/model/config.h"
 #include "moecore/model/param.h"
 #include "moecore/moe/moe_config.h"
@@ -42,25 +43,35 @@ class ExpertMLP {
 };
 
 // --moe-grouped-gemm: GroupedMLP (all local experts in one grouped GEMM over variable row counts),
-// else SequentialMLP (one expert at a time). Registers the parameters under `prefix`.
+// else SequentialMLP (one expert at a time). Registers the parameters under `prefix`: only EP rank r's experts
+// [r E/EP, (r+1) E/EP) under their global names, Param::is_expert, each sharded over expert-TP (fc1 rows, per
+// SwiGLU half; fc2 columns), Param::module = module. The MLP then runs over those E/EP local experts (input rows
+// and tokens_per_expert_E index local experts). Under expert-TP the output is a partial sum over the ETP group (the
+// dispatcher reduces it), as are dx and dprobs. Bias (--add-bias-linear) needs ETP 1, as Megatron.
 std::unique_ptr<ExpertMLP> make_experts(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix,
-                                        std::vector<Param>& params);
+                                        std::vector<Param>& params,
+                                        const dist::ParallelState& parallel = dist::ParallelState::single_process(),
+                                        int module = -1);
 
 // Shared experts (--moe-shared-expert-intermediate-size S): a dense MLP H -> S (2S with SwiGLU) -> H on every
 // token, no bias, output added to the routed output; with --moe-shared-expert-gate the output is scaled by
 // sigmoid(x . w_g), w_g [1, H]. Parameters: mlp.shared_experts.linear_fc1.weight, mlp.shared_experts.linear_fc2.weight,
 // mlp.shared_experts.gate_weight.
 struct SharedExpertActivations {
-  Tensor fc1_TF1, act_TF, fc2_TH;
+  Tensor fc1_TF1, act_TF;     // over the TP-gathered tokens, this rank's ffn shard
+  Tensor fc2_TH;              // local tokens, after the TP reduce-scatter (gate only)
+  Tensor x_full_TH;           // the TP-gathered input (TP > 1 only)
   std::vector<float> gate_T;  // sigmoid values (gate only)
 };
 
 class SharedExpertMLP {
  public:
-  SharedExpertMLP(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix,
-                  std::vector<Param>& params);
+  // fc1 rows (per SwiGLU half) and fc2 columns sharded over parallel.tp; the gate is replicated
+  // (Param::grad_sum_over_tp). Param::module = module.
+  SharedExpertMLP(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix, std::vector<Param>& params,
+                  const dist::ParallelState& parallel = dist::ParallelState::single_process(), int module = -1);
   void bind(std::vector<Param>& params);
-  // out_TH += shared(x_TH).
+  // out_TH += shared(x_TH) on this rank's T tokens (a sequence shard under TP; collective over TP).
   void forward(float* out_TH, const float* x_TH, int64_t T, SharedExpertActivations& saved) const;
   // Accumulates dx_TH and parameter gradients from dout_TH.
   void backward(float* dx_TH, const float* dout_TH, const float* x_TH, int64_t T,
@@ -73,6 +84,7 @@ class SharedExpertMLP {
   Param* fc1_ = nullptr;
   Param* fc2_ = nullptr;
   Param* gate_ = nullptr;
+  dist::ProcessGroup tp_;
 };
 
 }  // namespace moecore

@@ -46,7 +46,9 @@ struct BackwardBuffers {
 
 class ExpertMLPBase : public ExpertMLP {
  public:
-  ExpertMLPBase(const MoEConfig &moe, const ModelConfig &model, const std::string &prefix, std::vector<Param> &params);
+  // Registers this EP rank's experts (global names), each sharded over expert-TP.
+  ExpertMLPBase(const MoEConfig &moe, const ModelConfig &model, const std::string &prefix, std::vector<Param> &params,
+                const dist::ParallelState &parallel, int module);
   void bind(std::vector<Param> &params) final;
   void forward(float *y_RH, const float *x_RH, const float *probs_R, const std::vector<int64_t> &tokens_per_expert_E,
                ExpertActivations &saved) final;
@@ -83,8 +85,10 @@ class ExpertMLPBase : public ExpertMLP {
 std::vector<int64_t> expert_offsets(const std::vector<int64_t> &tokens_per_expert_E, int64_t E);
 
 std::unique_ptr<ExpertMLP> make_sequential_mlp(const MoEConfig &moe, const ModelConfig &model,
-                                               const std::string &prefix, std::vector<Param> &params);
+                                               const std::string &prefix, std::vector<Param> &params,
+                                               const dist::ParallelState &parallel, int module);
 std::unique_ptr<ExpertMLP> make_grouped_mlp(const MoEConfig &moe, const ModelConfig &model, const std::string &prefix,
-                                            std::vector<Param> &params);
+                                            std::vector<Param> &params, const dist::ParallelState &parallel,
+                                            int module);
 
 }  // namespace moecore::experts_detail

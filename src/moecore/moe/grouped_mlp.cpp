@@ -68,8 +68,9 @@ class GroupedMLP final : public ExpertMLPBase {
 }  // namespace
 
 std::unique_ptr<ExpertMLP> make_grouped_mlp(const MoEConfig &moe, const ModelConfig &model, const std::string &prefix,
-                                            std::vector<Param> &params) {
-  return std::make_unique<GroupedMLP>(moe, model, prefix, params);
+                                            std::vector<Param> &params, const dist::ParallelState &parallel,
+                                            const int module) {
+  return std::make_unique<GroupedMLP>(moe, model, prefix, params, parallel, module);
 }
 
 }  // namespace moecore::experts_detail

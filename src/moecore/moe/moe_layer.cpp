@@ -5,13 +5,14 @@
 namespace moecore {
 
 MoELayer::MoELayer(const ModelConfig& config, const std::string& prefix, std::vector<Param>& params,
-                   const dist::ParallelState& /*parallel*/, const int /*module*/)
+                   const dist::ParallelState& parallel, const int module)
     : config_(config),
-      router_(std::make_unique<TopKRouter>(config.moe, config.hidden_size, config.add_bias_linear, prefix, params)),
-      dispatcher_(make_local_dispatcher()),
-      experts_(make_experts(config.moe, config, prefix, params)) {
+      router_(std::make_unique<TopKRouter>(config.moe, config.hidden_size, config.add_bias_linear, prefix, params,
+                                           parallel, module)),
+      dispatcher_(make_token_dispatcher(config.moe.dispatcher_type, config.moe.num_experts, parallel)),
+      experts_(make_experts(config.moe, config, prefix, params, parallel, module)) {
   if (config.moe.shared_expert_intermediate_size > 0) {
-    shared_ = std::make_unique<SharedExpertMLP>(config.moe, config, prefix, params);
+    shared_ = std::make_unique<SharedExpertMLP>(config.moe, config, prefix, params, parallel, module);
   }
 }
 
@@ -21,11 +22,10 @@ void MoELayer::bind(std::vector<Param>& params) {
   if (shared_) shared_->bind(params);
 }
 
-void MoELayer::forward(float* out_TH, const float* x_TH, const int64_t S, const int64_t B,
-                       const int64_t /*token_offset*/, const bool training, const uint64_t seed, const uint64_t key,
-                       MoELayerActivations& saved) const {
+void MoELayer::forward(float* out_TH, const float* x_TH, const int64_t S, const int64_t B, const int64_t token_offset,
+                       const bool training, const uint64_t seed, const uint64_t key, MoELayerActivations& saved) const {
   const int64_t T = S * B, H = config_.hidden_size;
-  saved.routing = router_->forward(x_TH, S, B, training, seed, key, saved.router);
+  saved.routing = router_->forward(x_TH, S, B, training, seed, key, saved.router, token_offset);
   const Tensor x_RH = dispatcher_->dispatch(x_TH, T, H, saved.routing, saved.dispatch);
   const int64_t R = x_RH.dim(0);
   Tensor y_RH(std::vector<int64_t>{R, H}, DType::kF32, MemCategory::kActivations);
@@ -39,8 +39,9 @@ void MoELayer::forward(float* out_TH, const float* x_TH, const int64_t S, const 
 void MoELayer::backward(float* dx_TH, const float* dout_TH, const float* x_TH, const double aux_grad_scale,
                         const MoELayerActivations& saved) const {
   const DispatchState& state = saved.dispatch;
-  const int64_t T = state.T, H = state.H, E = state.E;
-  const auto R = static_cast<int64_t>(state.source_token_R.size());
+  // Local tokens over all experts; R rows of this rank's local experts (what the experts received).
+  const int64_t T = saved.router.S * saved.router.B, H = config_.hidden_size, E = config_.moe.num_experts;
+  const int64_t R = saved.experts.x_RH.dim(0);
   Tensor dy_RH(std::vector<int64_t>{R, H}, DType::kF32, MemCategory::kActivations);
   dispatcher_->combine_backward(dy_RH.data<float>(), dout_TH, state);
   Tensor dx_RH(std::vector<int64_t>{R, H}, DType::kF32, MemCategory::kActivations);

@@ -3,8 +3,10 @@
 #include "moecore/moe/router.h"
 
 #include <algorithm>
+#include <span>
 #include <stdexcept>
 
+#include "moecore/dist/comm_stats.h"
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/model/config.h"
 #include "moecore/moe/load_balancing.h"
@@ -43,11 +45,27 @@ float jitter_factor(const CounterRng& rng, const uint64_t index, const double ep
 
 std::vector<double> to_double(const float* values, const int64_t n) { return {values, values + n}; }
 
+// Sums token counts over `group` (fp32 is exact for counts below 2^24); a no-op on a group of one.
+void sum_counts(std::vector<double>& counts, const dist::ProcessGroup& group) {
+  if (group.size() == 1) return;
+  std::vector<float> buffer(counts.begin(), counts.end());
+  {
+    const dist::CommTimer timer(dist::CommKind::kOther);
+    group.all_reduce(std::span<float>(buffer), dist::ReduceOp::kSum);
+  }
+  for (size_t i = 0; i < counts.size(); ++i) counts[i] = static_cast<double>(buffer[i]);
+}
+
 }  // namespace
 
 TopKRouter::TopKRouter(const MoEConfig& config, const int64_t hidden, const bool add_bias, const std::string& prefix,
-                       std::vector<Param>& params)
-    : config_(config), hidden_(hidden), add_bias_(add_bias), prefix_(prefix) {
+                       std::vector<Param>& params, const dist::ParallelState& parallel, const int module)
+    : config_(config),
+      hidden_(hidden),
+      add_bias_(add_bias),
+      prefix_(prefix),
+      tp_cp_(parallel.tp_cp),
+      tp_dp_cp_(parallel.tp_dp_cp) {
   const int64_t E = config.num_experts;
   if (E <= 0) throw ConfigError("router: --num-experts must be positive, got " + std::to_string(E));
   if (config.topk < 1 || config.topk > E) {
@@ -60,9 +78,16 @@ TopKRouter::TopKRouter(const MoEConfig& config, const int64_t hidden, const bool
                       " / --moe-router-group-topk " + std::to_string(config.group_topk) +
                       " need num_groups dividing the experts, group_topk <= num_groups and dividing topk");
   }
-  params.push_back(make_param(prefix_ + "mlp.router.weight", {E, hidden}, InitKind::kNormal));
+  // Replicated over TP while each TP rank routes only its sequence shard: gradients are summed over TP.
+  auto add = [&](const std::string& name, const std::vector<int64_t>& shape) {
+    Param p = make_param(prefix_ + name, shape, InitKind::kNormal);
+    p.grad_sum_over_tp = true;
+    p.module = module;
+    params.push_back(std::move(p));
+  };
+  add("mlp.router.weight", {E, hidden});
   // Megatron initialises the router bias with init_method too.
-  if (add_bias_) params.push_back(make_param(prefix_ + "mlp.router.bias", {E}, InitKind::kNormal));
+  if (add_bias_) add("mlp.router.bias", {E});
   if (config.enable_expert_bias) {
     expert_bias_.assign(static_cast<size_t>(E), 0.0f);
     local_tokens_per_expert_.assign(static_cast<size_t>(E), 0.0);
@@ -82,7 +107,8 @@ void TopKRouter::bind(std::vector<Param>& params) {
 }
 
 RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64_t B, const bool training,
-                                 const uint64_t seed, const uint64_t jitter_key, RouterActivations& saved) {
+                                 const uint64_t seed, const uint64_t jitter_key, RouterActivations& saved,
+                                 const int64_t token_offset) {
   if (weight_ == nullptr) throw std::logic_error("TopKRouter::forward before bind()");
   const int64_t T = S * B, H = hidden_, E = config_.num_experts, k = config_.topk;
   const bool fp32 = config_.router_dtype == RouterDType::kFP32;
@@ -93,6 +119,8 @@ RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64
   saved.training = training;
   saved.jitter_seed = seed;
   saved.jitter_key = jitter_key;
+  saved.token_offset = token_offset;
+  const int64_t tp_cp = tp_cp_.size();
 
   // Input jitter (training only), then logits = x W^T (+ b) in the router dtype.
   saved.input_TH = Tensor({T, H}, DType::kF32, MemCategory::kActivations);
@@ -100,8 +128,9 @@ RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64
   const bool jitter = training && config_.input_jitter_eps > 0;
   const CounterRng jitter_rng(seed, jitter_key);
   for (int64_t i = 0; i < T * H; ++i) {
-    input_TH[i] =
-        jitter ? x_TH[i] * jitter_factor(jitter_rng, static_cast<uint64_t>(i), config_.input_jitter_eps) : x_TH[i];
+    input_TH[i] = jitter ? x_TH[i] * jitter_factor(jitter_rng, static_cast<uint64_t>(token_offset * H + i),
+                                                   config_.input_jitter_eps)
+                         : x_TH[i];
   }
   std::vector<double>& logits_TE = saved.logits_TE;
   logits_TE.assign(static_cast<size_t>(T * E), 0.0);
@@ -118,7 +147,9 @@ RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64
   }
   if (config_.force_load_balancing) {  // straight-through: backward treats these as the logits
     const CounterRng normal_rng(seed, jitter_key ^ kForceBalanceSalt);
-    for (int64_t i = 0; i < T * E; ++i) logits_TE[i] = rnd(normal_rng.normal(static_cast<uint64_t>(i)));
+    for (int64_t i = 0; i < T * E; ++i) {
+      logits_TE[i] = rnd(normal_rng.normal(static_cast<uint64_t>(token_offset * E + i)));
+    }
   }
 
   // Top-k selection and probabilities.
@@ -235,20 +266,39 @@ RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64
       const double coeff = coeff_of(config_, type);
       if (coeff == 0.0) continue;
       double loss = 0.0;
+      // Counts are summed over the ranks holding the other tokens of the same sequences (tp-cp; tp-dp-cp for the
+      // global loss), scores stay local: each rank's loss is its tokens' share of the one-process loss.
       if (type == LoadBalancingType::kAuxLoss) {
-        loss = load_balancing::aux_loss(scores, aux_map_TE.data(), T, E, k, coeff, dscores);
-      } else if (type == LoadBalancingType::kSeqAuxLoss) {
-        loss = load_balancing::seq_aux_loss(scores, aux_map_TE.data(), S, B, E, k, coeff, dscores);
-      } else if (type == LoadBalancingType::kGlobalAuxLoss) {
+        std::vector<double> counts_E(static_cast<size_t>(E), 0.0);
         for (int64_t t = 0; t < T; ++t) {
-          for (int64_t e = 0; e < E; ++e) global_aux_counts_[e] += aux_map_TE[t * E + e];
+          for (int64_t e = 0; e < E; ++e) counts_E[e] += aux_map_TE[t * E + e];
         }
+        sum_counts(counts_E, tp_cp_);
+        loss = load_balancing::switch_loss(scores, counts_E.data(), T, E, static_cast<double>(T * tp_cp), k, E, coeff,
+                                           dscores);
+      } else if (type == LoadBalancingType::kSeqAuxLoss) {
+        // Megatron views [S*B, E] as [S, B*E]: "experts" are (sequence, expert) pairs, T = S, then divides by B.
+        const int64_t BE = B * E;
+        std::vector<double> counts_BE(static_cast<size_t>(BE), 0.0);
+        for (int64_t s = 0; s < S; ++s) {
+          for (int64_t j = 0; j < BE; ++j) counts_BE[j] += aux_map_TE[s * BE + j];
+        }
+        sum_counts(counts_BE, tp_cp_);
+        loss = load_balancing::switch_loss(scores, counts_BE.data(), S, BE, static_cast<double>(S * tp_cp), k, E,
+                                           coeff / static_cast<double>(B), dscores);
+      } else if (type == LoadBalancingType::kGlobalAuxLoss) {
+        std::vector<double> counts_E(static_cast<size_t>(E), 0.0);
+        for (int64_t t = 0; t < T; ++t) {
+          for (int64_t e = 0; e < E; ++e) counts_E[e] += aux_map_TE[t * E + e];
+        }
+        sum_counts(counts_E, tp_dp_cp_);
+        for (int64_t e = 0; e < E; ++e) global_aux_counts_[e] += counts_E[e];
         global_aux_tokens_ += T;
         global_aux_steps_ += 1;
         std::vector<double> averaged_E(global_aux_counts_);
         for (double& c : averaged_E) c /= static_cast<double>(global_aux_steps_);
-        loss =
-            load_balancing::switch_loss(scores, averaged_E.data(), T, E, static_cast<double>(T), k, E, coeff, dscores);
+        const double total = static_cast<double>(T * tp_dp_cp_.size());
+        loss = load_balancing::switch_loss(scores, averaged_E.data(), T, E, total, k, E, coeff, dscores);
       } else {
         continue;
       }
@@ -256,7 +306,8 @@ RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64
     }
   }
   if (training && config_.z_loss_coeff > 0) {
-    out.z_loss = load_balancing::z_loss(logits_TE.data(), T, E, 1.0, 0.0, nullptr);
+    // Megatron divides the coefficient by |TP x CP|: the ranks' losses add up to the mean over all tokens.
+    out.z_loss = load_balancing::z_loss(logits_TE.data(), T, E, 1.0 / static_cast<double>(tp_cp), 0.0, nullptr);
   }
 
   // Aux-loss-free balancing: count the tokens each expert received (Megatron counts padded slots too).
@@ -345,7 +396,8 @@ void TopKRouter::backward(float* dx_TH, const float* dprobs_TE, const double aux
                                         config_.score_function);
   }
   if (saved.training && config_.z_loss_coeff > 0) {
-    load_balancing::z_loss(logits_TE, T, E, config_.z_loss_coeff, aux_grad_scale, dlogits_TE.data());
+    load_balancing::z_loss(logits_TE, T, E, config_.z_loss_coeff / static_cast<double>(tp_cp_.size()), aux_grad_scale,
+                           dlogits_TE.data());
   }
   if (config_.router_dtype == RouterDType::kFP32) {
     for (double& v : dlogits_TE) v = static_cast<double>(static_cast<float>(v));
@@ -371,13 +423,16 @@ void TopKRouter::backward(float* dx_TH, const float* dprobs_TE, const double aux
   const bool jitter = saved.training && config_.input_jitter_eps > 0;
   const CounterRng jitter_rng(saved.jitter_seed, saved.jitter_key);
   for (int64_t i = 0; i < T * H; ++i) {
-    const double factor = jitter ? jitter_factor(jitter_rng, static_cast<uint64_t>(i), config_.input_jitter_eps) : 1.0;
+    const double factor =
+        jitter ? jitter_factor(jitter_rng, static_cast<uint64_t>(saved.token_offset * H + i), config_.input_jitter_eps)
+               : 1.0;
     dx_TH[i] += static_cast<float>(dx_d[i] * factor);
   }
 }
 
 void TopKRouter::finish_global_batch() {
   if (!expert_bias_.empty()) {
+    sum_counts(local_tokens_per_expert_, tp_dp_cp_);
     load_balancing::update_expert_bias(expert_bias_, local_tokens_per_expert_, config_.bias_update_rate);
     std::fill(local_tokens_per_expert_.begin(), local_tokens_per_expert_.end(), 0.0);
   }

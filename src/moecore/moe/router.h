@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/dist/parallel_state.h"
 #include "moecore/model/param.h"
 #include "moecore/moe/moe_config.h"
 #include "moecore/tensor/tensor.h"
@@ -46,19 +47,27 @@ struct RouterActivations {
   bool training = false;                     // forward ran in training mode (aux / z losses attached)
   std::vector<double> probs_TE;              // output.probs_TE in router dtype precision (before the fp32 copy)
   uint64_t jitter_seed = 0, jitter_key = 0;  // regenerate the input jitter factors in backward
+  int64_t token_offset = 0;                  // one-process index of the first local token (RNG keys)
 };
 
 class TopKRouter {
  public:
-  // Registers parameters into `params` under `prefix` (e.g. "decoder.layers.3."). hidden = H.
+  // Registers parameters into `params` under `prefix` (e.g. "decoder.layers.3."). hidden = H. The weight and
+  // bias are replicated over TP with Param::grad_sum_over_tp (each TP rank routes its own sequence shard) and
+  // Param::module = module. Statistics are reduced over parallel.tp_cp (aux, seq-aux, z losses) and
+  // parallel.tp_dp_cp (global aux loss, expert-bias counts).
   TopKRouter(const MoEConfig& config, int64_t hidden, bool add_bias, const std::string& prefix,
-             std::vector<Param>& params);
+             std::vector<Param>& params, const dist::ParallelState& parallel = dist::ParallelState::single_process(),
+             int module = -1);
   void bind(std::vector<Param>& params);  // resolve pointers once `params` no longer grows
 
   // x_TH [S*B, H] -> routing. training: jitter on, expert-bias token counts accumulated, global aux counts
-  // accumulated. jitter_key distinguishes micro-batches (counter RNG).
+  // accumulated. jitter_key distinguishes micro-batches (counter RNG). x_TH holds sequence positions
+  // [s0, s0 + S) of the micro-batch and token_offset = s0 * B: the jitter and forced-balance draws are keyed by the
+  // one-process element index, so every layout draws the same numbers. Collective over tp-cp (and tp-dp-cp with
+  // global_aux_loss) when aux losses are on. Logged losses are this rank's share (sum over tp-cp for the total).
   RouterOutput forward(const float* x_TH, int64_t S, int64_t B, bool training, uint64_t seed, uint64_t jitter_key,
-                       RouterActivations& saved);
+                       RouterActivations& saved, int64_t token_offset = 0);
 
   // dprobs_TE: d(objective)/d(probs_TE) from the experts (zero where not routed). aux_grad_scale: the factor the
   // auxiliary and z losses carry into the objective's gradient (Megatron: loss_scale * cp / num_microbatches;
@@ -66,7 +75,8 @@ class TopKRouter {
   void backward(float* dx_TH, const float* dprobs_TE, double aux_grad_scale, const RouterActivations& saved);
 
   // Once per global batch (after the optimizer step): the expert-bias sign rule, then counts reset; and the
-  // global_aux_loss accumulation reset. No-ops when those features are off.
+  // global_aux_loss accumulation reset. No-ops when those features are off. With expert bias: collective over
+  // tp-dp-cp (the counts are summed before the sign rule).
   void finish_global_batch();
 
   const std::vector<float>& expert_bias() const { return expert_bias_; }
@@ -79,6 +89,8 @@ class TopKRouter {
   std::string prefix_;
   Param* weight_ = nullptr;
   Param* bias_ = nullptr;
+  dist::ProcessGroup tp_cp_;
+  dist::ProcessGroup tp_dp_cp_;
   std::vector<float> expert_bias_;               // [E]
   std::vector<double> local_tokens_per_expert_;  // expert-bias counts since the last update
   std::vector<double> global_aux_counts_;        // global_aux_loss counts accumulated over micro-batches

@@ -33,8 +33,9 @@ class SequentialMLP final : public ExpertMLPBase {
 }  // namespace
 
 std::unique_ptr<ExpertMLP> make_sequential_mlp(const MoEConfig &moe, const ModelConfig &model,
-                                               const std::string &prefix, std::vector<Param> &params) {
-  return std::make_unique<SequentialMLP>(moe, model, prefix, params);
+                                               const std::string &prefix, std::vector<Param> &params,
+                                               const dist::ParallelState &parallel, const int module) {
+  return std::make_unique<SequentialMLP>(moe, model, prefix, params, parallel, module);
 }
 
 }  // namespace moecore::experts_detail

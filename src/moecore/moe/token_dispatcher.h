@@ -24,6 +24,19 @@ struct DispatchState {
   std::vector<int64_t> expert_R;
   std::vector<float> probs_R;                // router prob of (source token, expert), 0 for padding rows
   std::vector<int64_t> tokens_per_expert_E;  // rows per local expert, in row order
+
+  // Distributed dispatchers only (empty for the local one). In their state, source_token_R indexes the tokens of
+  // the owner rank source_rank_R (its rank in the ETP x EP group), and expert_R the local experts.
+  std::vector<int64_t> source_rank_R;  // -1 for padding rows
+  // Row r's place in the buffer the dispatcher gathers: allgather: gathered token (rank * T + token, -1 for
+  // padding); alltoall: row in the ETP-gathered [ETP, etp_max_rows] buffer of all-to-all outputs.
+  std::vector<int64_t> gathered_row_R;
+  // alltoall: this rank's permuted rows in the order sent (token, -1 for padding; global expert), rows to and from
+  // each EP rank, rows each ETP rank got from its all-to-all, and their maximum.
+  std::vector<int64_t> sent_token_L, sent_expert_L;
+  std::vector<size_t> ep_send_rows, ep_recv_rows;
+  std::vector<int64_t> etp_rows;
+  int64_t etp_max_rows = 0;
 };
 
 class TokenDispatcher {

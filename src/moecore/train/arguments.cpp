@@ -80,11 +80,17 @@ struct FlagValue {
     return parsed;
   }
 
-  // Parallel sizes: only 1 until the distributed engine lands.
   int64_t parallel_size() const {
     const int64_t size = integer();
     if (size < 1) throw ConfigError(std::string(flag) + " must be positive (got " + text() + ")");
-    if (size > 1) throw ConfigError(std::string(flag) + " > 1 is not implemented yet (single-process engine)");
+    return size;
+  }
+  // Pipeline and context parallelism: the layout accounts for them, the engine does not run them yet.
+  int64_t unsupported_parallel_size(const char* what) const {
+    const int64_t size = parallel_size();
+    if (size > 1) {
+      throw ConfigError(std::string(flag) + " > 1 is not implemented yet (" + what + " comes in a later issue)");
+    }
     return size;
   }
 };
@@ -317,6 +323,8 @@ const std::vector<FlagSpec>& flag_table() {
                            "alltoall)");
        }
        a.moe_token_dispatcher_type = v.choice({"allgather", "alltoall"});
+       a.model.moe.dispatcher_type =
+           a.moe_token_dispatcher_type == "alltoall" ? TokenDispatcherType::kAllToAll : TokenDispatcherType::kAllGather;
      }},
     {"--moe-apply-probs-on-input", Arity::kSwitch, "", "scale expert inputs by their probability (top-1 only)",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.apply_probs_on_input = true; }},
@@ -329,17 +337,33 @@ const std::vector<FlagSpec>& flag_table() {
     {"--moe-per-layer-logging", Arity::kSwitch, "", "log the auxiliary losses of every MoE layer",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.per_layer_logging = true; }},
 
-    // Parallelism (value 1 only for now).
-    {"--tensor-model-parallel-size", Arity::kOne, "N", "tensor parallel size (1 only for now)",
+    // Parallelism: the world size is the number of processes mpirun launched.
+    {"--tensor-model-parallel-size", Arity::kOne, "N", "tensor parallel size (heads, ffn, vocabulary)",
      [](TrainingArgs& a, const FlagValue& v) { a.tensor_model_parallel_size = v.parallel_size(); }},
     {"--pipeline-model-parallel-size", Arity::kOne, "N", "pipeline parallel size (1 only for now)",
-     [](TrainingArgs& a, const FlagValue& v) { a.pipeline_model_parallel_size = v.parallel_size(); }},
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.pipeline_model_parallel_size = v.unsupported_parallel_size("pipeline parallelism");
+     }},
     {"--context-parallel-size", Arity::kOne, "N", "context parallel size (1 only for now)",
-     [](TrainingArgs& a, const FlagValue& v) { a.context_parallel_size = v.parallel_size(); }},
-    {"--expert-model-parallel-size", Arity::kOne, "N", "expert parallel size (1 only for now)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.context_parallel_size = v.unsupported_parallel_size("context parallelism");
+     }},
+    {"--expert-model-parallel-size", Arity::kOne, "N", "expert parallel size (experts split over EP ranks)",
      [](TrainingArgs& a, const FlagValue& v) { a.expert_model_parallel_size = v.parallel_size(); }},
-    {"--expert-tensor-parallel-size", Arity::kOne, "N", "expert tensor parallel size (1 only for now)",
+    {"--expert-tensor-parallel-size", Arity::kOne, "N", "expert tensor parallel size (default: TP size)",
      [](TrainingArgs& a, const FlagValue& v) { a.expert_tensor_parallel_size = v.parallel_size(); }},
+    {"--use-tp-pp-dp-mapping", Arity::kSwitch, "", "rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp",
+     [](TrainingArgs& a, const FlagValue&) { a.use_tp_pp_dp_mapping = true; }},
+    {"--sequence-parallel", Arity::kSwitch, "", "shard norms / dropout / residuals over the sequence across TP",
+     [](TrainingArgs& a, const FlagValue&) { a.sequence_parallel = true; }},
+    {"--use-distributed-optimizer", Arity::kSwitch, "", "shard fp32 master weights and Adam states over DP",
+     [](TrainingArgs& a, const FlagValue&) { a.use_distributed_optimizer = true; }},
+    {"--overlap-grad-reduce", Arity::kSwitch, "", "reduce each gradient bucket while backward continues",
+     [](TrainingArgs& a, const FlagValue&) { a.overlap_grad_reduce = true; }},
+    {"--overlap-param-gather", Arity::kSwitch, "", "all-gather parameters while the next forward runs",
+     [](TrainingArgs& a, const FlagValue&) { a.overlap_param_gather = true; }},
+    {"--ddp-bucket-size", Arity::kOne, "N", "gradient bucket size in elements (default max(40M, 1M * DP))",
+     [](TrainingArgs& a, const FlagValue& v) { a.ddp_bucket_size = v.integer(); }},
 
     // moecore-only.
     {"--export-hf", Arity::kOne, "DIR", "after training, write a HuggingFace checkpoint to DIR (moecore)",
@@ -378,8 +402,21 @@ bool looks_like_flag(const std::string_view token) {
 
 }  // namespace
 
-TrainingArgs parse_train_args(const std::vector<std::string>& args) {
+ParallelSizes parallel_sizes(const TrainingArgs& args) {
+  ParallelSizes sizes;
+  sizes.world_size = static_cast<int>(args.world_size);
+  sizes.tensor_model_parallel_size = static_cast<int>(args.tensor_model_parallel_size);
+  sizes.pipeline_model_parallel_size = static_cast<int>(args.pipeline_model_parallel_size);
+  sizes.context_parallel_size = static_cast<int>(args.context_parallel_size);
+  sizes.expert_model_parallel_size = static_cast<int>(args.expert_model_parallel_size);
+  sizes.expert_tensor_parallel_size = static_cast<int>(args.expert_tensor_parallel_size);
+  sizes.order = args.use_tp_pp_dp_mapping ? kTpPpDpRankOrder : kDefaultRankOrder;
+  return sizes;
+}
+
+TrainingArgs parse_train_args(const std::vector<std::string>& args, const int64_t world_size) {
   TrainingArgs parsed;
+  parsed.world_size = world_size;
   for (const std::string& token : args) {
     if (token == "--help" || token == "-h") {
       parsed.help_requested = true;

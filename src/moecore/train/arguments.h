@@ -51,6 +51,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/dist/parallel_layout.h"
 #include "moecore/model/config.h"
 #include "moecore/optim/lr_schedule.h"
 
@@ -107,13 +108,20 @@ struct TrainingArgs {
   std::string moe_layer_freq = "1";                     // --moe-layer-freq text, expanded into moe_layer_pattern
   std::string moe_token_dispatcher_type = "allgather";  // --moe-token-dispatcher-type
 
-  // Parallel sizes: accepted with value 1 only for now.
+  // Parallelism (the world size comes from the launcher: mpirun -np N). PP and CP > 1 are rejected for now.
   int64_t tensor_model_parallel_size = 1;    // --tensor-model-parallel-size
   int64_t pipeline_model_parallel_size = 1;  // --pipeline-model-parallel-size
   int64_t context_parallel_size = 1;         // --context-parallel-size
   int64_t expert_model_parallel_size = 1;    // --expert-model-parallel-size
-  int64_t expert_tensor_parallel_size = 1;   // --expert-tensor-parallel-size (Megatron default: TP size)
+  int64_t expert_tensor_parallel_size = 1;   // --expert-tensor-parallel-size (default: the TP size, as Megatron)
+  int64_t world_size = 1;                    // processes launched
   int64_t data_parallel_size = 1;            // derived: world / (TP * PP * CP)
+  bool use_tp_pp_dp_mapping = false;         // --use-tp-pp-dp-mapping
+  bool sequence_parallel = false;            // --sequence-parallel
+  bool use_distributed_optimizer = false;    // --use-distributed-optimizer
+  bool overlap_grad_reduce = false;          // --overlap-grad-reduce
+  bool overlap_param_gather = false;         // --overlap-param-gather
+  int64_t ddp_bucket_size = 0;               // --ddp-bucket-size (0: Megatron's default)
 
   // moecore-only (see the header comment).
   std::string export_hf_dir;   // --export-hf
@@ -126,13 +134,17 @@ struct TrainingArgs {
 };
 
 // Parses the arguments that follow `moecore train`. Throws ConfigError with one line on any problem.
-TrainingArgs parse_train_args(const std::vector<std::string>& args);
+// world_size: the number of processes launched (the data-parallel size is derived from it).
+TrainingArgs parse_train_args(const std::vector<std::string>& args, int64_t world_size = 1);
 
 // One line per implemented flag: name, value placeholder and a short description (for --help).
 std::string train_flags_help();
 
 // Every implemented flag name (with "--"), in table order.
 std::vector<std::string> implemented_train_flags();
+
+// The layout sizes these arguments describe (world size, TP, PP, CP, EP, ETP, rank order).
+ParallelSizes parallel_sizes(const TrainingArgs& args);
 
 // Megatron's padded vocabulary: the smallest multiple of make_vocab_size_divisible_by * TP that holds `vocab_size`.
 int64_t padded_vocab_size(int64_t vocab_size, const TrainingArgs& args);

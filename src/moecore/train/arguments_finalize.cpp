@@ -141,8 +141,39 @@ void finalize_model(TrainingArgs& args, const std::set<std::string>& given) {
   without_vocab.validate();
 }
 
+// Megatron's parallel-size checks; the layout itself validates the grid (LayoutError carries one line).
+void finalize_parallel(TrainingArgs& args, const std::set<std::string>& given) {
+  if (!given.contains("--expert-tensor-parallel-size")) {
+    args.expert_tensor_parallel_size = args.tensor_model_parallel_size;
+  }
+  if (args.tensor_model_parallel_size == 1) args.sequence_parallel = false;  // as Megatron
+  try {
+    args.data_parallel_size = ParallelLayout(parallel_sizes(args)).data_parallel_size();
+  } catch (const LayoutError& e) {
+    throw ConfigError(e.what());
+  }
+  const MoEConfig& moe = args.model.moe;
+  const int64_t ep = args.expert_model_parallel_size, etp = args.expert_tensor_parallel_size;
+  if (!moe.enabled()) {
+    require(ep == 1, "--expert-model-parallel-size " + str(ep) + " needs a MoE model (--num-experts)");
+  } else {
+    require(moe.num_experts % ep == 0, "--num-experts (" + str(moe.num_experts) +
+                                           ") must be divisible by --expert-model-parallel-size (" + str(ep) + ")");
+    require(moe.ffn_hidden_size % etp == 0, "--moe-ffn-hidden-size (" + str(moe.ffn_hidden_size) +
+                                                ") must be divisible by --expert-tensor-parallel-size (" + str(etp) +
+                                                ")");
+    require(!args.model.add_bias_linear || etp == 1,
+            "MoE expert biases need --expert-tensor-parallel-size 1 (as Megatron); add --disable-bias-linear");
+    require(moe.shared_expert_intermediate_size % args.tensor_model_parallel_size == 0,
+            "--moe-shared-expert-intermediate-size (" + str(moe.shared_expert_intermediate_size) +
+                ") must be divisible by --tensor-model-parallel-size (" + str(args.tensor_model_parallel_size) + ")");
+  }
+  require(!args.overlap_param_gather || args.use_distributed_optimizer,
+          "--overlap-param-gather requires --use-distributed-optimizer (as Megatron)");
+  require(args.ddp_bucket_size >= 0, "--ddp-bucket-size must be non-negative (got " + str(args.ddp_bucket_size) + ")");
+}
+
 void finalize_training(TrainingArgs& args, const std::set<std::string>& given) {
-  args.data_parallel_size = 1;  // world / (TP * PP * CP) in a world of one process
   require(args.micro_batch_size > 0, "--micro-batch-size must be positive (got " + str(args.micro_batch_size) + ")");
   require(args.train_iters > 0, "--train-iters must be positive (got " + str(args.train_iters) + ")");
   const int64_t micro_times_dp = args.micro_batch_size * args.data_parallel_size;
@@ -253,6 +284,7 @@ void finalize_moecore(const TrainingArgs& args, const std::set<std::string>& giv
 void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given) {
   check_required(given);
   finalize_model(args, given);
+  finalize_parallel(args, given);
   finalize_training(args, given);
   finalize_lr(args, given);
   finalize_data(args, given);

@@ -2,9 +2,13 @@
 // over micro-batches, clipping, Megatron-format logs, periodic validation, HF export and a sample at the end.
 #pragma once
 
+#include <functional>
 #include <iosfwd>
 #include <stdexcept>
+#include <vector>
 
+#include "moecore/dist/parallel_state.h"
+#include "moecore/model/gpt_model.h"
 #include "moecore/train/arguments.h"
 
 namespace moecore {
@@ -16,15 +20,27 @@ class TrainingError : public std::runtime_error {
 };
 
 struct TrainResult {
-  double first_train_loss = 0.0;   // mean lm loss of iteration 1
-  double last_train_loss = 0.0;    // mean lm loss of the last iteration
-  double first_valid_loss = -1.0;  // validation lm loss before training (-1 without a validation split)
-  double last_valid_loss = -1.0;   // validation lm loss after the last iteration
-  double tokens_per_second = 0.0;  // training tokens / training wall time
-  double unigram_baseline = -1.0;  // validation cross-entropy of a context-free unigram model (-1: not computed)
+  double first_train_loss = 0.0;     // mean lm loss of iteration 1
+  double last_train_loss = 0.0;      // mean lm loss of the last iteration
+  double first_valid_loss = -1.0;    // validation lm loss before training (-1 without a validation split)
+  double last_valid_loss = -1.0;     // validation lm loss after the last iteration
+  double tokens_per_second = 0.0;    // training tokens / training wall time
+  double unigram_baseline = -1.0;    // validation cross-entropy of a context-free unigram model (-1: not computed)
+  std::vector<double> train_losses;  // lm loss of every iteration (the mean over the global batch)
 };
 
-// Runs the whole training described by `args`, logging to `log`.
+// Called on world rank 0 after training with the one-process model gathered from every rank (tests, tools).
+using FullModelCallback = std::function<void(const GPTModel&)>;
+
+// Runs the whole training described by `args` over `parallel` (every rank of the layout calls it), logging to
+// `log` on world rank 0 only.
+TrainResult run_training(const TrainingArgs& args, std::ostream& log, const dist::ParallelState& parallel,
+                         const FullModelCallback& on_full_model = {});
+// One process.
 TrainResult run_training(const TrainingArgs& args, std::ostream& log);
+
+// The ParallelState for `args` in this process: single_process() without an MPI launcher, else the layout's
+// communicators over MPI's world (collective).
+dist::ParallelState make_parallel_state(const TrainingArgs& args);
 
 }  // namespace moecore

@@ -60,14 +60,19 @@ struct Geometry {
         d(dims.head_dim),
         heads_per_group(dims.N / dims.G),
         ld_q(dims.B * dims.N * dims.head_dim),
-        ld_kv(dims.B * dims.G * dims.head_dim) {}
+        ld_kv(dims.B * dims.G * dims.head_dim),
+        dropout_heads(dims.dropout_total_heads > 0 ? dims.dropout_total_heads : dims.N),
+        dropout_head_offset(dims.dropout_head_offset) {}
   int64_t q_offset(int64_t i, int64_t b, int64_t h) const { return ((i * B + b) * N + h) * d; }
   int64_t kv_offset(int64_t j, int64_t b, int64_t g) const { return ((j * B + b) * G + g) * d; }
   int64_t row_offset(int64_t b, int64_t h) const { return (b * N + h) * S; }  // into lse_BNS
   int64_t n_blocks() const { return (S + kBlock - 1) / kBlock; }
   bool parallel() const { return S * S * B * N * d > kParallelWork; }
 
-  int64_t S, B, N, G, d, heads_per_group, ld_q, ld_kv;
+  // RNG counter base of head h's probabilities: the one-process head index under tensor parallelism.
+  int64_t dropout_row(int64_t b, int64_t h) const { return (b * dropout_heads + dropout_head_offset + h) * S; }
+
+  int64_t S, B, N, G, d, heads_per_group, ld_q, ld_kv, dropout_heads, dropout_head_offset;
 };
 
 // Dropout on the probabilities of one head: element (i, j) is kept iff uniform(counter) >= p.
@@ -77,7 +82,7 @@ struct HeadDropout {
         p(spec.p),
         keep_scale(1.0 / (1.0 - static_cast<double>(spec.p))),
         rng(spec.seed, spec.key),
-        head_base(static_cast<uint64_t>(geo.row_offset(b, h)) * static_cast<uint64_t>(geo.S)),
+        head_base(static_cast<uint64_t>(geo.dropout_row(b, h)) * static_cast<uint64_t>(geo.S)),
         S(static_cast<uint64_t>(geo.S)) {}
   bool kept(int64_t i, int64_t j) const {
     return rng.uniform(head_base + static_cast<uint64_t>(i) * S + static_cast<uint64_t>(j)) >= p;

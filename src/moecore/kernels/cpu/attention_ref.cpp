@@ -49,7 +49,8 @@ std::vector<double> head_probs(std::vector<double>& P, std::vector<double>& mask
     lse[i] = row_max + std::log(sum);
     for (int64_t j = 0; j <= i; ++j) {
       P[i * S + j] = std::exp(P[i * S + j] - lse[i]);
-      const uint64_t counter = static_cast<uint64_t>(((b * N + h) * S + i) * S + j);
+      const int64_t heads = dims.dropout_total_heads > 0 ? dims.dropout_total_heads : N;
+      const uint64_t counter = static_cast<uint64_t>(((b * heads + dims.dropout_head_offset + h) * S + i) * S + j);
       const bool dropped = dropout.p > 0.0f && rng.uniform(counter) < dropout.p;
       mask[i * S + j] = dropped ? 0.0 : 1.0 / (1.0 - static_cast<double>(dropout.p));
     }

@@ -31,7 +31,7 @@ void dropout_forward(T* out, const T* inp, const int64_t n, const DropoutSpec& s
   const T scale = T(1) / (T(1) - static_cast<T>(spec.p));  // unused when p == 1 (everything dropped)
 #pragma omp parallel for schedule(static) if (n > kParallelMin)
   for (int64_t i = 0; i < n; ++i) {
-    out[i] = rng.uniform(static_cast<uint64_t>(i)) < spec.p ? T(0) : inp[i] * scale;
+    out[i] = rng.uniform(spec.offset + static_cast<uint64_t>(i)) < spec.p ? T(0) : inp[i] * scale;
   }
 }
 
@@ -47,7 +47,7 @@ void dropout_backward(T* dinp, const T* dout, const int64_t n, const DropoutSpec
   const T scale = T(1) / (T(1) - static_cast<T>(spec.p));
 #pragma omp parallel for schedule(static) if (n > kParallelMin)
   for (int64_t i = 0; i < n; ++i) {
-    if (!(rng.uniform(static_cast<uint64_t>(i)) < spec.p)) dinp[i] += dout[i] * scale;
+    if (!(rng.uniform(spec.offset + static_cast<uint64_t>(i)) < spec.p)) dinp[i] += dout[i] * scale;
   }
 }
 

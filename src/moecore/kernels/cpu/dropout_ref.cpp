@@ -11,7 +11,7 @@ void dropout_forward(T* out, const T* inp, const int64_t n, const DropoutSpec& s
   if (!(spec.p >= 0.0f && spec.p <= 1.0f)) throw std::invalid_argument("dropout: p not in [0, 1]");
   const CounterRng rng(spec.seed, spec.key);
   for (int64_t i = 0; i < n; ++i) {
-    const bool dropped = spec.p > 0.0f && rng.uniform(static_cast<uint64_t>(i)) < spec.p;
+    const bool dropped = spec.p > 0.0f && rng.uniform(spec.offset + static_cast<uint64_t>(i)) < spec.p;
     out[i] = dropped ? T(0) : inp[i] / (T(1) - static_cast<T>(spec.p));
   }
 }
@@ -21,7 +21,7 @@ void dropout_backward(T* dinp, const T* dout, const int64_t n, const DropoutSpec
   if (!(spec.p >= 0.0f && spec.p <= 1.0f)) throw std::invalid_argument("dropout: p not in [0, 1]");
   const CounterRng rng(spec.seed, spec.key);
   for (int64_t i = 0; i < n; ++i) {
-    const bool dropped = spec.p > 0.0f && rng.uniform(static_cast<uint64_t>(i)) < spec.p;
+    const bool dropped = spec.p > 0.0f && rng.uniform(spec.offset + static_cast<uint64_t>(i)) < spec.p;
     if (!dropped) dinp[i] += dout[i] / (T(1) - static_cast<T>(spec.p));
   }
 }

@@ -1,0 +1,249 @@
+#include "moecore/optim/ddp.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <span>
+#include <stdexcept>
+#include <string>
+
+#include "moecore/dist/comm_stats.h"
+#include "moecore/kernels/cpu/elementwise.h"
+
+namespace moecore {
+namespace {
+
+using dist::CommKind;
+using dist::CommTimer;
+
+// Every param starts on a 64-byte boundary, as its own storage would: kernels see the same alignment either way.
+constexpr int64_t kParamAlign = 16;
+
+int64_t align_up(const int64_t x, const int64_t a) { return (x + a - 1) / a * a; }
+
+}  // namespace
+
+DistributedDataParallel::DistributedDataParallel(std::vector<Param>& params, const dist::ParallelState& parallel,
+                                                 const DdpOptions& options)
+    : params_(params), parallel_(parallel), options_(options) {
+  if (options_.overlap_param_gather && !options_.use_distributed_optimizer) {
+    throw std::invalid_argument("overlap_param_gather requires the distributed optimizer");
+  }
+  if (options_.bucket_size < 0) throw std::invalid_argument("bucket_size must be >= 0");
+  if (options_.bucket_size > 0) {
+    bucket_size_ = options_.bucket_size;
+  } else if (options_.overlap_grad_reduce) {
+    bucket_size_ = std::max<int64_t>(40000000, 1000000 * static_cast<int64_t>(parallel_.dp_cp.size()));
+  }  // else one bucket per group, as Megatron without overlap
+
+  int min_module = 0, max_module = -1;
+  std::vector<int> dense, expert;
+  for (int i = static_cast<int>(params_.size()) - 1; i >= 0; --i) {  // backward order
+    const Param& p = params_[static_cast<size_t>(i)];
+    if (!p.value.defined() || !p.grad.defined() || p.value.dtype() != DType::kF32 || p.grad.dtype() != DType::kF32 ||
+        p.value.numel() != p.grad.numel()) {
+      throw std::invalid_argument("DistributedDataParallel: parameter " + p.name +
+                                  " needs fp32 value and gradient of equal size");
+    }
+    (p.is_expert ? expert : dense).push_back(i);
+    if (max_module < min_module) {
+      min_module = max_module = p.module;
+    } else {
+      min_module = std::min(min_module, p.module);
+      max_module = std::max(max_module, p.module);
+    }
+  }
+  min_module_ = min_module;
+  const size_t num_modules = max_module >= min_module ? static_cast<size_t>(max_module - min_module + 1) : 0;
+  module_buckets_.resize(num_modules);
+  module_done_.assign(num_modules, 0);
+  tp_summed_.assign(params_.size(), 0);
+  slots_.resize(params_.size());
+
+  if (!dense.empty()) build(false, dense);
+  if (!expert.empty()) build(true, expert);
+}
+
+DistributedDataParallel::~DistributedDataParallel() = default;
+
+void DistributedDataParallel::build(const bool expert, const std::vector<int>& param_indices) {
+  const int group_index = static_cast<int>(groups_.size());
+  Group group;
+  group.expert = expert;
+  group.pg = group.expert ? parallel_.edp : parallel_.dp_cp;
+  const int64_t group_size = group.pg.size();
+  const bool dist_opt = options_.use_distributed_optimizer;
+  const int64_t bucket_align = dist_opt ? std::lcm(group_size, int64_t{128}) : kParamAlign;
+
+  int64_t offset = 0;
+  Bucket bucket;
+  const auto close_bucket = [&] {
+    bucket.group = group_index;
+    bucket.end = align_up(offset, bucket_align);
+    bucket.shard_size = (bucket.end - bucket.begin) / group_size;
+    bucket.shard_begin = bucket.begin + group.pg.rank() * bucket.shard_size;
+    std::sort(bucket.modules.begin(), bucket.modules.end());
+    bucket.modules.erase(std::unique(bucket.modules.begin(), bucket.modules.end()), bucket.modules.end());
+    offset = bucket.end;
+    group.buckets.push_back(static_cast<int>(buckets_.size()));
+    buckets_.push_back(std::move(bucket));
+    bucket = Bucket();
+    bucket.begin = offset;
+  };
+  for (const int i : param_indices) {
+    const Param& p = params_[static_cast<size_t>(i)];
+    offset = align_up(offset, kParamAlign);
+    Slot& slot = slots_[static_cast<size_t>(i)];
+    slot.group = group_index;
+    slot.bucket = static_cast<int>(buckets_.size());
+    slot.offset = offset;
+    slot.numel = p.value.numel();
+    offset += slot.numel;
+    bucket.params.push_back(i);
+    bucket.modules.push_back(p.module);
+    if (bucket_size_ > 0 && offset - bucket.begin >= bucket_size_) close_bucket();
+  }
+  if (!bucket.params.empty()) close_bucket();
+
+  const int64_t total = std::max<int64_t>(offset, 1);
+  group.grad_buffer = Tensor({total}, DType::kF32, MemCategory::kGrads);
+  if (dist_opt) group.param_buffer = Tensor({total}, DType::kF32, MemCategory::kParams);
+  for (const int i : param_indices) {
+    Param& p = params_[static_cast<size_t>(i)];
+    const Slot& slot = slots_[static_cast<size_t>(i)];
+    Tensor grad = group.grad_buffer.slice_rows(slot.offset, slot.offset + slot.numel).view(p.grad.shape());
+    grad.copy_from(p.grad);
+    p.grad = std::move(grad);
+    if (dist_opt) {
+      Tensor value = group.param_buffer.slice_rows(slot.offset, slot.offset + slot.numel).view(p.value.shape());
+      value.copy_from(p.value);
+      p.value = std::move(value);
+    }
+  }
+  for (const int b : group.buckets) {
+    Bucket& bk = buckets_[static_cast<size_t>(b)];
+    if (dist_opt) bk.comm_shard = Tensor({bk.shard_size}, DType::kF32, MemCategory::kComm);
+    for (const int m : bk.modules) module_buckets_[static_cast<size_t>(m - min_module_)].push_back(b);
+  }
+  groups_.push_back(std::move(group));
+}
+
+void DistributedDataParallel::zero_grad() {
+  for (Bucket& b : buckets_) {
+    if (b.grad_launched) b.grad_work.wait();  // never let MPI write into a buffer being zeroed
+  }
+  for (Group& g : groups_) g.grad_buffer.zero_();
+  reset_round();
+}
+
+void DistributedDataParallel::reset_round() {
+  std::fill(module_done_.begin(), module_done_.end(), 0);
+  std::fill(tp_summed_.begin(), tp_summed_.end(), 0);
+  for (Bucket& b : buckets_) b.grad_launched = false;
+}
+
+void DistributedDataParallel::tp_sum(const int param_index) {
+  char& summed = tp_summed_[static_cast<size_t>(param_index)];
+  if (summed) return;
+  summed = 1;
+  Param& p = params_[static_cast<size_t>(param_index)];
+  if (!p.grad_sum_over_tp || p.is_expert || parallel_.tp.size() == 1) return;
+  const CommTimer timer(CommKind::kGradReduce);
+  parallel_.tp.all_reduce(p.grad.span<float>(), dist::ReduceOp::kSum);
+}
+
+void DistributedDataParallel::launch(const int bucket_index) {
+  Bucket& b = buckets_[static_cast<size_t>(bucket_index)];
+  if (b.grad_launched) return;
+  wait_bucket_gather(b);  // comm_shard is the all-gather's input
+  Group& g = groups_[static_cast<size_t>(b.group)];
+  const CommTimer timer(CommKind::kGradReduce);
+  float* data = g.grad_buffer.data<float>() + b.begin;
+  const auto n = static_cast<size_t>(b.end - b.begin);
+  // Megatron scales before the collective; expert grads use the same 1 / dp-cp factor (they already hold the
+  // tokens of every EP rank).
+  const int dp_cp = parallel_.dp_cp.size();
+  if (dp_cp > 1) kernels::cpu::scale_inplace(data, 1.0f / static_cast<float>(dp_cp), static_cast<int64_t>(n));
+  if (options_.use_distributed_optimizer) {
+    b.grad_work =
+        g.pg.reduce_scatter_async(std::span<const float>(data, n), b.comm_shard.span<float>(), dist::ReduceOp::kSum);
+  } else {
+    b.grad_work = g.pg.all_reduce_async(std::span<float>(data, n), dist::ReduceOp::kSum);
+  }
+  b.grad_launched = true;
+}
+
+void DistributedDataParallel::after_backward(const int module) {
+  if (!options_.overlap_grad_reduce || !last_microbatch_) return;
+  const int m = module - min_module_;
+  if (m < 0 || m >= static_cast<int>(module_done_.size())) return;
+  module_done_[static_cast<size_t>(m)] = 1;
+  for (int i = static_cast<int>(params_.size()) - 1; i >= 0; --i) {
+    if (params_[static_cast<size_t>(i)].module == module) tp_sum(i);
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const Bucket& bk = buckets_[b];
+    if (bk.grad_launched) continue;
+    const bool ready = std::all_of(bk.modules.begin(), bk.modules.end(), [&](const int mod) {
+      return module_done_[static_cast<size_t>(mod - min_module_)] != 0;
+    });
+    if (ready) launch(static_cast<int>(b));
+  }
+}
+
+void DistributedDataParallel::finish_grad_sync() {
+  for (int i = static_cast<int>(params_.size()) - 1; i >= 0; --i) tp_sum(i);
+  for (size_t b = 0; b < buckets_.size(); ++b) launch(static_cast<int>(b));
+  {
+    const CommTimer timer(CommKind::kGradReduce);
+    for (Bucket& b : buckets_) b.grad_work.wait();
+  }
+  if (options_.use_distributed_optimizer) {
+    for (Bucket& b : buckets_) {
+      float* grad = groups_[static_cast<size_t>(b.group)].grad_buffer.data<float>() + b.shard_begin;
+      std::memcpy(grad, b.comm_shard.data<float>(), static_cast<size_t>(b.shard_size) * sizeof(float));
+    }
+  }
+  reset_round();
+}
+
+void DistributedDataParallel::start_param_gather() {
+  if (!options_.use_distributed_optimizer) return;
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    Bucket& b = buckets_[bi];
+    wait_bucket_gather(b);
+    if (b.grad_launched) b.grad_work.wait();  // comm_shard is the reduce-scatter's output
+    Group& g = groups_[static_cast<size_t>(b.group)];
+    std::memcpy(b.comm_shard.data<float>(), g.param_buffer.data<float>() + b.shard_begin,
+                static_cast<size_t>(b.shard_size) * sizeof(float));
+    const std::span<const float> shard(b.comm_shard.data<float>(), static_cast<size_t>(b.shard_size));
+    const std::span<float> full(g.param_buffer.data<float>() + b.begin, static_cast<size_t>(b.end - b.begin));
+    const CommTimer timer(CommKind::kParamGather);
+    if (options_.overlap_param_gather) {
+      b.param_work = g.pg.all_gather_async(shard, full);
+      b.param_in_flight = true;
+    } else {
+      g.pg.all_gather(shard, full);
+    }
+  }
+}
+
+void DistributedDataParallel::wait_bucket_gather(Bucket& bucket) {
+  if (!bucket.param_in_flight) return;
+  const CommTimer timer(CommKind::kParamGather);
+  bucket.param_in_flight = false;
+  bucket.param_work.wait();
+}
+
+void DistributedDataParallel::before_forward(const int module) {
+  if (!options_.overlap_param_gather) return;
+  const int m = module - min_module_;
+  if (m < 0 || m >= static_cast<int>(module_buckets_.size())) return;
+  for (const int b : module_buckets_[static_cast<size_t>(m)]) wait_bucket_gather(buckets_[static_cast<size_t>(b)]);
+}
+
+void DistributedDataParallel::wait_param_gather() {
+  for (Bucket& b : buckets_) wait_bucket_gather(b);
+}
+
+}  // namespace moecore

@@ -1,0 +1,115 @@
+// Megatron-style data parallelism (DistributedDataParallel + the distributed optimizer's buffers): every Param's
+// gradient (and, with the distributed optimizer, its value) becomes a view into one flat fp32 buffer per group
+// (dense params reduced over dp-cp, routed-expert params over expert-DP). Each buffer is cut into buckets of
+// whole params in backward order; a bucket is all-reduced (or reduce-scattered with the distributed optimizer) as
+// one collective, optionally launched as soon as the backward of its last module is done.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moecore/dist/parallel_state.h"
+#include "moecore/dist/process_group.h"
+#include "moecore/model/model_hooks.h"
+#include "moecore/model/param.h"
+
+namespace moecore {
+
+struct DdpOptions {
+  // Elements per bucket (Megatron's --ddp-bucket-size). 0: Megatron's default, max(40M, 1M * dp size) with
+  // overlap_grad_reduce and one bucket per group without it.
+  int64_t bucket_size = 0;
+  bool overlap_grad_reduce = false;
+  bool use_distributed_optimizer = false;
+  bool overlap_param_gather = false;  // with the distributed optimizer only
+};
+
+class DistributedDataParallel : public ModelHooks {
+ public:
+  // One contiguous run of whole params inside a group's buffer. [begin, end) includes the padding that makes the
+  // size a multiple of the group size with the distributed optimizer; rank r owns [shard_begin, shard_begin +
+  // shard_size) with shard_begin = begin + r * shard_size.
+  struct Bucket {
+    int group = 0;
+    int64_t begin = 0, end = 0;
+    int64_t shard_begin = 0, shard_size = 0;
+    std::vector<int> params;   // indices into the params vector, in buffer order
+    std::vector<int> modules;  // sorted, unique
+    Tensor comm_shard;         // distributed optimizer: reduce-scatter output and all-gather input [shard_size]
+    dist::Work grad_work;
+    dist::Work param_work;
+    bool grad_launched = false;
+    bool param_in_flight = false;
+  };
+  // Where a param lives: its group, bucket and element offset in the group's buffer.
+  struct Slot {
+    int group = 0;
+    int bucket = 0;
+    int64_t offset = 0;
+    int64_t numel = 0;
+  };
+  struct Group {
+    bool expert = false;
+    dist::ProcessGroup pg = dist::ProcessGroup::self();  // the gradient-reduction group
+    Tensor grad_buffer;                                  // [numel], kGrads
+    Tensor param_buffer;                                 // [numel], kParams (distributed optimizer only)
+    std::vector<int> buckets;
+  };
+
+  // Rebinds every Param::grad (and with the distributed optimizer Param::value) to views of the flat buffers,
+  // copying the current contents. `params` must outlive this object and keep its size.
+  DistributedDataParallel(std::vector<Param>& params, const dist::ParallelState& parallel, const DdpOptions& options);
+  ~DistributedDataParallel() override;
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  // Zeroes every gradient buffer and starts a new gradient-sync round.
+  void zero_grad();
+  // Reductions start only during the backward of the last micro-batch (default true).
+  void set_last_microbatch(bool last) { last_microbatch_ = last; }
+  // overlap_param_gather: waits for the all-gathers of the buckets holding module's params.
+  void before_forward(int module) override;
+  // overlap_grad_reduce on the last micro-batch: TP sums of module's grad_sum_over_tp params, then launches every
+  // bucket whose modules are all done.
+  void after_backward(int module) override;
+  // Launches whatever has not been launched, waits for all. Afterwards every Param::grad holds the gradient summed
+  // over the group and divided by the dp-cp size; with the distributed optimizer only this rank's shard of each
+  // bucket does.
+  void finish_grad_sync();
+  // Distributed optimizer: all-gathers every bucket's updated shard (asynchronously with overlap_param_gather).
+  void start_param_gather();
+  // Finishes any in-flight all-gather (before evaluation / export / the next step).
+  void wait_param_gather();
+
+  const DdpOptions& options() const { return options_; }
+  const dist::ParallelState& parallel() const { return parallel_; }
+  std::vector<Param>& params() { return params_; }
+  const std::vector<Group>& groups() const { return groups_; }
+  std::vector<Group>& groups() { return groups_; }
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  const std::vector<Slot>& slots() const { return slots_; }
+  // Elements after which a bucket is closed (0: one bucket per group).
+  int64_t bucket_size() const { return bucket_size_; }
+
+ private:
+  void build(bool expert, const std::vector<int>& param_indices);
+  void tp_sum(int param_index);
+  void launch(int bucket_index);
+  void wait_bucket_gather(Bucket& bucket);
+  void reset_round();
+
+  std::vector<Param>& params_;
+  dist::ParallelState parallel_;
+  DdpOptions options_;
+  int64_t bucket_size_ = 0;  // 0: unlimited
+  std::vector<Group> groups_;
+  std::vector<Bucket> buckets_;
+  std::vector<Slot> slots_;
+  int min_module_ = 0;
+  std::vector<std::vector<int>> module_buckets_;  // [module - min_module_] -> buckets holding its params
+  std::vector<char> module_done_;                 // [module - min_module_]
+  std::vector<char> tp_summed_;                   // [param]
+  bool last_microbatch_ = true;
+};
+
+}  // namespace moecore

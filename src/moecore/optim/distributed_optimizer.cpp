@@ -1,0 +1,120 @@
+#include "moecore/optim/distributed_optimizer.h"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cmath>
+#include <span>
+#include <stdexcept>
+
+#include "moecore/dist/comm_stats.h"
+#include "moecore/kernels/cpu/adamw.h"
+#include "moecore/kernels/cpu/elementwise.h"
+
+namespace moecore {
+
+DistributedAdamW::DistributedAdamW(DistributedDataParallel& ddp, std::vector<Param>& params,
+                                   const AdamWOptions& options)
+    : ddp_(ddp), params_(params), options_(options) {
+  if (&params != &ddp.params()) throw std::invalid_argument("DistributedAdamW: params differ from the DDP's");
+  if (!ddp_.options().use_distributed_optimizer) {
+    replicated_.emplace(params_, options_);
+    return;
+  }
+  const auto& buckets = ddp_.buckets();
+  for (const auto& b : buckets) {
+    exp_avg_.emplace_back(std::vector<int64_t>{b.shard_size}, DType::kF32, MemCategory::kOptimizer);
+    exp_avg_sq_.emplace_back(std::vector<int64_t>{b.shard_size}, DType::kF32, MemCategory::kOptimizer);
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const DistributedDataParallel::Slot& slot = ddp_.slots()[i];
+    const auto& b = buckets[static_cast<size_t>(slot.bucket)];
+    const int64_t lo = std::max(slot.offset, b.shard_begin);
+    const int64_t hi = std::min(slot.offset + slot.numel, b.shard_begin + b.shard_size);
+    if (lo < hi) pieces_.push_back({static_cast<int>(i), slot.bucket, lo, hi - lo});
+  }
+}
+
+bool DistributedAdamW::counted_in_norm(const Param& p) const {
+  const dist::ParallelState& ps = ddp_.parallel();
+  const bool sharded = ddp_.options().use_distributed_optimizer;  // shards are disjoint over the DP group
+  if (p.is_expert) return (sharded || ps.edp.rank() == 0) && (p.tensor_sharded() || ps.etp.rank() == 0);
+  return (sharded || ps.dp_cp.rank() == 0) && (p.tensor_sharded() || ps.tp.rank() == 0);
+}
+
+double DistributedAdamW::grad_norm() const {
+  double sum = 0.0;
+  if (replicated_) {
+    for (const Param& p : params_) {
+      if (counted_in_norm(p)) sum += kernels::cpu::sum_squares(p.grad.data<float>(), p.grad.numel());
+    }
+  } else {
+    for (const Piece& piece : pieces_) {
+      const Param& p = params_[static_cast<size_t>(piece.param)];
+      if (!counted_in_norm(p)) continue;
+      const float* grad = ddp_.groups()[static_cast<size_t>(ddp_.slots()[static_cast<size_t>(piece.param)].group)]
+                              .grad_buffer.data<float>() +
+                          piece.offset;
+      sum += kernels::cpu::sum_squares(grad, piece.numel);
+    }
+  }
+  const dist::ProcessGroup& world = ddp_.parallel().world;
+  if (world.size() > 1) {
+    // The collectives reduce in fp32 only: gather every rank's double (as two floats of its bits) and add them in
+    // rank order, so the sum stays double and is identical on every rank.
+    const dist::CommTimer timer(dist::CommKind::kOther);
+    const auto local = std::bit_cast<std::array<float, 2>>(sum);
+    std::vector<float> all(2 * static_cast<size_t>(world.size()));
+    world.all_gather(std::span<const float>(local), std::span<float>(all));
+    sum = 0.0;
+    for (int r = 0; r < world.size(); ++r) {
+      const std::array<float, 2> bits{all[2 * static_cast<size_t>(r)], all[2 * static_cast<size_t>(r) + 1]};
+      sum += std::bit_cast<double>(bits);
+    }
+  }
+  return std::sqrt(sum);
+}
+
+double DistributedAdamW::clip_grad_norm(const double max_norm) {
+  const double norm = grad_norm();
+  if (max_norm > 0.0 && norm > max_norm) {
+    const auto coeff = static_cast<float>(max_norm / (norm + 1e-6));
+    if (replicated_) {
+      for (Param& p : params_) kernels::cpu::scale_inplace(p.grad.data<float>(), coeff, p.grad.numel());
+    } else {
+      for (const Piece& piece : pieces_) {
+        float* grad = ddp_.groups()[static_cast<size_t>(ddp_.slots()[static_cast<size_t>(piece.param)].group)]
+                          .grad_buffer.data<float>() +
+                      piece.offset;
+        kernels::cpu::scale_inplace(grad, coeff, piece.numel);
+      }
+    }
+  }
+  return norm;
+}
+
+void DistributedAdamW::step(const double lr) {
+  if (replicated_) return replicated_->step(lr);
+  ddp_.wait_param_gather();  // the gather writes this rank's shard too
+  ++step_;
+  for (const Piece& piece : pieces_) {
+    const Param& p = params_[static_cast<size_t>(piece.param)];
+    auto& group = ddp_.groups()[static_cast<size_t>(ddp_.slots()[static_cast<size_t>(piece.param)].group)];
+    const auto& bucket = ddp_.buckets()[static_cast<size_t>(piece.bucket)];
+    kernels::AdamWHyper hp;
+    hp.lr = lr;
+    hp.beta1 = options_.beta1;
+    hp.beta2 = options_.beta2;
+    hp.eps = options_.eps;
+    hp.weight_decay = p.no_weight_decay ? 0.0 : options_.weight_decay;
+    hp.step = step_;
+    const int64_t state = piece.offset - bucket.shard_begin;
+    kernels::cpu::adamw_step(group.param_buffer.data<float>() + piece.offset,
+                             group.grad_buffer.data<float>() + piece.offset,
+                             exp_avg_[static_cast<size_t>(piece.bucket)].data<float>() + state,
+                             exp_avg_sq_[static_cast<size_t>(piece.bucket)].data<float>() + state, piece.numel, hp);
+  }
+  ddp_.start_param_gather();
+}
+
+}  // namespace moecore

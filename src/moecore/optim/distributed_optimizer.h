@@ -1,0 +1,52 @@
+// AdamW over the buffers of a DistributedDataParallel. Without the distributed optimizer every rank updates every
+// parameter (exactly AdamWOptimizer). With it (Megatron's DistributedOptimizer) each rank keeps fp32 Adam states
+// only for its shard of every bucket, updates that shard (weight decay per element from the owning param) and
+// all-gathers the updated parameters over the bucket's group.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "moecore/model/param.h"
+#include "moecore/optim/adamw_optimizer.h"
+#include "moecore/optim/ddp.h"
+
+namespace moecore {
+
+class DistributedAdamW {
+ public:
+  // `params` must be the vector `ddp` was built over.
+  DistributedAdamW(DistributedDataParallel& ddp, std::vector<Param>& params, const AdamWOptions& options);
+
+  // Global L2 norm over the unique gradient elements of the whole world (each replicated element counted once);
+  // a collective over the world group, equal on every rank. Call after finish_grad_sync.
+  double grad_norm() const;
+  // Scales the gradients this rank uses by max_norm / (norm + 1e-6) when norm > max_norm (torch's clip_grad_norm_);
+  // max_norm <= 0 disables. Returns the norm before clipping.
+  double clip_grad_norm(double max_norm);
+  // One AdamW update at learning rate lr, then (distributed optimizer) the parameter all-gather.
+  void step(double lr);
+  int64_t steps_taken() const { return replicated_ ? replicated_->steps_taken() : step_; }
+
+ private:
+  // A param's elements inside this rank's shard of its bucket: buffer offset and count.
+  struct Piece {
+    int param = 0;
+    int bucket = 0;
+    int64_t offset = 0;
+    int64_t numel = 0;
+  };
+  bool counted_in_norm(const Param& p) const;
+
+  DistributedDataParallel& ddp_;
+  std::vector<Param>& params_;
+  AdamWOptions options_;
+  std::optional<AdamWOptimizer> replicated_;  // without the distributed optimizer
+  std::vector<Piece> pieces_;                 // registration order
+  std::vector<Tensor> exp_avg_;               // [bucket] -> [shard_size], kOptimizer
+  std::vector<Tensor> exp_avg_sq_;
+  int64_t step_ = 0;
+};
+
+}  // namespace moecore

@@ -1,0 +1,81 @@
+# Layout equivalence: a tiny MoE GPT (dropout, input jitter, sigmoid router with expert bias, aux + seq-aux +
+# z losses, gated shared experts, one dense and one MoE layer) trained 5 steps in one process, then under each
+# layout with mpirun; every iteration's lm loss within relative 1e-5 and the final parameters within 1e-4.
+add_executable(dist_equivalence_test equivalence_main.cpp)
+target_link_libraries(dist_equivalence_test PRIVATE moecore_train)
+
+set(equiv_model
+    --num-layers 2 --hidden-size 32 --num-attention-heads 4 --group-query-attention --num-query-groups 2
+    --seq-length 16 --max-position-embeddings 16 --normalization RMSNorm --swiglu --disable-bias-linear
+    --position-embedding-type rope --attention-dropout 0.1 --hidden-dropout 0.1 --ffn-hidden-size 64
+    --micro-batch-size 2 --global-batch-size 8 --train-iters 5 --lr 1e-3 --clip-grad 1.0 --log-interval 1
+    --eval-interval 100 --eval-iters 1 --mock-data --tokenizer-type NullTokenizer --vocab-size 200 --seed 7
+    --num-experts 8 --moe-ffn-hidden-size 32 --moe-router-topk 2 --moe-layer-freq [0,1] --moe-grouped-gemm
+    --moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate --moe-input-jitter-eps 0.01)
+# Every auxiliary loss that is layout-invariant under data parallelism (global_aux_loss is a running average over
+# the micro-batches one DP rank sees, so it differs with DP by Megatron's definition; it gets TP-only layouts).
+set(equiv_aux --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01
+    --moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.01 0.01 --moe-z-loss-coeff 0.001)
+set(equiv_global_aux --moe-router-score-function sigmoid --moe-router-enable-expert-bias
+    --moe-router-load-balancing-type aux_loss seq_aux_loss global_aux_loss --moe-aux-loss-coeff 0.01 0.01 0.01
+    --moe-z-loss-coeff 0.001)
+set(equiv_capacity --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001
+    --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity --moe-token-dispatcher-type alltoall)
+
+set(equiv_dir ${CMAKE_CURRENT_BINARY_DIR}/equivalence)
+file(MAKE_DIRECTORY ${equiv_dir})
+set(equiv_tests)
+# moecore_equiv_reference(CONFIG ARGS...): the one-process run of a configuration.
+function(moecore_equiv_reference config)
+  add_test(NAME dist.equiv.${config}.reference
+           COMMAND dist_equivalence_test --out ${equiv_dir}/${config}.bin -- ${equiv_model} ${ARGN})
+  set_tests_properties(dist.equiv.${config}.reference PROPERTIES FIXTURES_SETUP equiv_${config})
+  set(equiv_tests ${equiv_tests} dist.equiv.${config}.reference PARENT_SCOPE)
+endfunction()
+# moecore_equiv(NAME CONFIG NP ARGS...): the same configuration under mpirun -np NP with layout flags ARGS.
+function(moecore_equiv name config np)
+  if(NOT MPIRUN_EXECUTABLE)
+    return()
+  endif()
+  set(config_args ${equiv_aux})
+  if(config STREQUAL "global_aux")
+    set(config_args ${equiv_global_aux})
+  elseif(config STREQUAL "capacity")
+    set(config_args ${equiv_capacity})
+  endif()
+  add_test(NAME dist.equiv.${name}
+           COMMAND ${MPIRUN_EXECUTABLE} --allow-run-as-root --oversubscribe -np ${np}
+                   $<TARGET_FILE:dist_equivalence_test> --compare ${equiv_dir}/${config}.bin -- ${equiv_model}
+                   ${config_args} ${ARGN})
+  set_tests_properties(dist.equiv.${name} PROPERTIES FIXTURES_REQUIRED equiv_${config})
+  set(equiv_tests ${equiv_tests} dist.equiv.${name} PARENT_SCOPE)
+endfunction()
+
+moecore_equiv_reference(aux ${equiv_aux})
+moecore_equiv_reference(global_aux ${equiv_global_aux})
+moecore_equiv_reference(capacity ${equiv_capacity})
+
+moecore_equiv(dp2 aux 2)
+moecore_equiv(dp2_overlap aux 2 --overlap-grad-reduce --ddp-bucket-size 2000)
+moecore_equiv(dp2_distopt aux 2 --use-distributed-optimizer)
+moecore_equiv(dp2_distopt_overlap aux 2 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+              --ddp-bucket-size 2000)
+moecore_equiv(tp2 aux 2 --tensor-model-parallel-size 2)
+moecore_equiv(tp2_sp aux 2 --tensor-model-parallel-size 2 --sequence-parallel)
+moecore_equiv(tp2_global_aux global_aux 2 --tensor-model-parallel-size 2)
+moecore_equiv(tp2_sp_global_aux global_aux 2 --tensor-model-parallel-size 2 --sequence-parallel)
+moecore_equiv(ep2 aux 2 --expert-model-parallel-size 2)
+moecore_equiv(ep2_capacity_pad capacity 2 --expert-model-parallel-size 2)
+moecore_equiv(tp2_ep2_folded aux 2 --tensor-model-parallel-size 2 --sequence-parallel
+              --expert-model-parallel-size 2 --expert-tensor-parallel-size 1)
+moecore_equiv(ep4_allgather aux 4 --expert-model-parallel-size 4 --moe-token-dispatcher-type allgather)
+moecore_equiv(ep4_alltoall aux 4 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall)
+moecore_equiv(tp2_ep4_folded aux 4 --tensor-model-parallel-size 2 --sequence-parallel
+              --expert-model-parallel-size 4 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall)
+moecore_equiv(etp2_ep2 aux 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2
+              --expert-tensor-parallel-size 2 --moe-token-dispatcher-type alltoall)
+moecore_equiv(dp2_ep2_tp2_np8 aux 8 --tensor-model-parallel-size 2 --sequence-parallel
+              --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --use-distributed-optimizer
+              --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000)
+
+set_tests_properties(${equiv_tests} PROPERTIES LABELS dist TIMEOUT 300 ENVIRONMENT "OMP_NUM_THREADS=1")

@@ -1,0 +1,329 @@
+// Distributed token dispatchers (allgather, alltoall) checked against a single-process reference. Every rank
+// builds the same global data (each world rank's tokens, routing and output gradient from a seed and that rank),
+// runs dispatch -> a per-expert function -> combine and the backward chain on its own slice, and compares with the
+// reference computed from its own tokens: out_t = sum over routed e of f_e(x_t, p_te), f_e = (e + 1) p x (each ETP
+// rank applies 1/ETP of it, so the ETP reduction sums back the full value). Routing cases: random top-k, capacity
+// with dropping, capacity with padding, and one EP rank's experts starved (zero rows there). Runs as one process or
+// under mpirun; prints one line per layout and case and "N passed, M failed" (rank 0); exits non-zero on failure.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "moecore/dist/mpi_runtime.h"
+#include "moecore/dist/parallel_state.h"
+#include "moecore/dist/process_group.h"
+#include "moecore/moe/token_dispatcher.h"
+
+namespace {
+
+using moecore::DispatchState;
+using moecore::DType;
+using moecore::ParallelSizes;
+using moecore::RouterOutput;
+using moecore::Tensor;
+using moecore::TokenDispatcherType;
+using moecore::dist::MpiRuntime;
+using moecore::dist::ParallelState;
+using moecore::dist::ProcessGroup;
+using moecore::dist::ReduceOp;
+
+int g_rank = 0;
+int g_check_failures = 0;
+
+void check(bool condition, const std::string& what) {
+  if (condition) return;
+  ++g_check_failures;
+  if (g_check_failures <= 10) std::fprintf(stderr, "[rank %d] check failed: %s\n", g_rank, what.c_str());
+}
+
+bool near(double got, double expected, double tol) {
+  return std::abs(got - expected) <= tol * (1.0 + std::abs(expected));
+}
+
+constexpr int64_t kE = 8, kH = 5, kK = 2;
+
+enum class Case { kTopK, kCapacityDrop, kCapacityPad, kStarved };
+const char* case_name(Case c) {
+  switch (c) {
+    case Case::kTopK: return "topk";
+    case Case::kCapacityDrop: return "capacity_drop";
+    case Case::kCapacityPad: return "capacity_pad";
+    case Case::kStarved: return "starved";
+  }
+  return "?";
+}
+
+// One world rank's micro-batch.
+struct RankData {
+  int64_t T = 0;
+  std::vector<float> x_TH, dout_TH;
+  RouterOutput routing;
+};
+
+// The data of world rank `rank`: T tokens, top-k routing with random probs; with a capacity C the earliest C tokens
+// per expert are kept (and, with padding, tokens_per_expert = C). kStarved never picks experts [0, starve_end).
+RankData make_data(const int rank, const int64_t T, const Case c, const int64_t starve_end, const uint64_t seed) {
+  RankData d;
+  d.T = T;
+  std::mt19937_64 gen(seed * 1000003ULL + static_cast<uint64_t>(rank) * 7919ULL + static_cast<uint64_t>(c));
+  std::uniform_real_distribution<float> value(-1.0f, 1.0f), prob(0.1f, 1.0f);
+  d.x_TH.resize(static_cast<size_t>(T * kH));
+  d.dout_TH.resize(static_cast<size_t>(T * kH));
+  for (auto& v : d.x_TH) v = value(gen);
+  for (auto& v : d.dout_TH) v = value(gen);
+  RouterOutput& r = d.routing;
+  r.probs_TE = Tensor({T, kE}, DType::kF32);
+  std::fill_n(r.probs_TE.data<float>(), T * kE, 0.0f);
+  r.routing_map_TE.assign(static_cast<size_t>(T * kE), 0);
+  r.tokens_per_expert_E.assign(static_cast<size_t>(kE), 0);
+  const int64_t first = c == Case::kStarved ? starve_end : 0;
+  std::vector<int64_t> experts(static_cast<size_t>(kE - first));
+  for (int64_t t = 0; t < T; ++t) {
+    std::iota(experts.begin(), experts.end(), first);
+    std::shuffle(experts.begin(), experts.end(), gen);
+    for (int64_t j = 0; j < kK; ++j) {
+      const int64_t e = experts[static_cast<size_t>(j)];
+      r.routing_map_TE[t * kE + e] = 1;
+      r.probs_TE.data<float>()[t * kE + e] = prob(gen);
+    }
+  }
+  const bool capped = c == Case::kCapacityDrop || c == Case::kCapacityPad;
+  const int64_t C = 1;
+  for (int64_t e = 0; e < kE; ++e) {
+    int64_t kept = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      if (r.routing_map_TE[t * kE + e] == 0) continue;
+      if (capped && kept == C) {
+        r.routing_map_TE[t * kE + e] = 0;
+        r.probs_TE.data<float>()[t * kE + e] = 0.0f;
+      } else {
+        ++kept;
+      }
+    }
+    r.tokens_per_expert_E[e] = c == Case::kCapacityPad ? C : kept;
+  }
+  if (capped) r.capacity = C;
+  return d;
+}
+
+struct Result {
+  std::vector<float> out_TH, dx_TH, dprobs_TE;
+};
+
+// dispatch -> experts -> combine -> backward chain on this rank's data; checks everything against the reference.
+Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, const std::vector<RankData>& world_data,
+                      const Case c, const std::string& label) {
+  const RankData& mine = world_data[static_cast<size_t>(ps.rank)];
+  const int64_t T = mine.T, H = kH, E = kE, El = E / ps.ep_size(), ETP = ps.etp_size();
+  const int64_t first_expert = ps.ep_rank() * El;
+  auto dispatcher = moecore::make_token_dispatcher(type, E, ps);
+
+  // World rank of each member of the ETP x EP group.
+  std::vector<float> member_f(static_cast<size_t>(ps.tp_ep.size()));
+  const float me = static_cast<float>(ps.rank);
+  ps.tp_ep.all_gather<float>(std::span<const float>(&me, 1), member_f);
+  std::vector<int> members(member_f.begin(), member_f.end());
+
+  DispatchState state;
+  const Tensor x_RH = dispatcher->dispatch(mine.x_TH.data(), T, H, mine.routing, state);
+  const int64_t R = x_RH.dim(0);
+  check(x_RH.dim(1) == H, label + ": x_RH width");
+  check(static_cast<int64_t>(state.source_token_R.size()) == R && static_cast<int64_t>(state.expert_R.size()) == R &&
+            static_cast<int64_t>(state.probs_R.size()) == R,
+        label + ": state sizes");
+  check(static_cast<int64_t>(state.tokens_per_expert_E.size()) == El, label + ": tokens_per_expert size");
+  check(state.T == T && state.E == E && state.H == H, label + ": state T/E/H");
+
+  // Rows per local expert: with padding C per source rank, else the routed tokens of all sources.
+  int64_t sum_rows = 0;
+  for (int64_t le = 0; le < El && le < static_cast<int64_t>(state.tokens_per_expert_E.size()); ++le) {
+    int64_t expected = 0;
+    for (const int m : members) {
+      const RouterOutput& rm = world_data[static_cast<size_t>(m)].routing;
+      expected += rm.tokens_per_expert_E[static_cast<size_t>(first_expert + le)];
+    }
+    if (c == Case::kCapacityPad) check(expected == 1 * static_cast<int64_t>(members.size()), label + ": pad count");
+    check(state.tokens_per_expert_E[le] == expected, label + ": tokens_per_expert[" + std::to_string(le) +
+                                                         "] = " + std::to_string(state.tokens_per_expert_E[le]) +
+                                                         ", expected " + std::to_string(expected));
+    sum_rows += state.tokens_per_expert_E[le];
+  }
+  check(sum_rows == R, label + ": tokens_per_expert sums to R");
+
+  // Each row is its source token's x with its (token, expert) prob, in expert-major order; padding rows are zero.
+  for (int64_t r = 0; r < R && r < static_cast<int64_t>(state.source_rank_R.size()); ++r) {
+    const int64_t le = state.expert_R[r], t = state.source_token_R[r], s = state.source_rank_R[r];
+    if (r > 0) check(le >= state.expert_R[r - 1], label + ": rows expert-major");
+    const float* row = x_RH.data<float>() + r * H;
+    if (t < 0) {
+      check(state.probs_R[r] == 0.0f, label + ": padding prob");
+      for (int64_t h = 0; h < H; ++h) check(row[h] == 0.0f, label + ": padding row");
+      continue;
+    }
+    if (s < 0 || s >= static_cast<int64_t>(members.size())) {
+      check(false, label + ": bad source rank");
+      continue;
+    }
+    const RankData& src = world_data[static_cast<size_t>(members[static_cast<size_t>(s)])];
+    check(t < src.T && src.routing.routing_map_TE[t * E + first_expert + le] == 1, label + ": row routed");
+    check(state.probs_R[r] == src.routing.probs_TE.data<float>()[t * E + first_expert + le], label + ": row prob");
+    for (int64_t h = 0; h < H; ++h) check(row[h] == src.x_TH[t * H + h], label + ": row values");
+  }
+
+  // Experts: y = x * (e + 1) * p / ETP.
+  auto factor = [&](int64_t r) {
+    return static_cast<float>(first_expert + state.expert_R[r] + 1) / static_cast<float>(ETP);
+  };
+  std::vector<float> y_RH(static_cast<size_t>(R * H));
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t h = 0; h < H; ++h) y_RH[r * H + h] = x_RH.data<float>()[r * H + h] * factor(r) * state.probs_R[r];
+  }
+  Result res;
+  const float base = 0.25f;  // combine and the backward adjoints add into their outputs
+  res.out_TH.assign(static_cast<size_t>(T * H), base);
+  dispatcher->combine(res.out_TH.data(), y_RH.data(), state);
+
+  // Backward of the objective <out, dout>.
+  std::vector<float> dy_RH(static_cast<size_t>(R * H), 99.0f);
+  dispatcher->combine_backward(dy_RH.data(), mine.dout_TH.data(), state);
+  std::vector<float> dx_RH(static_cast<size_t>(R * H)), dprobs_R(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    double dot = 0.0;
+    for (int64_t h = 0; h < H; ++h) {
+      dx_RH[r * H + h] = dy_RH[r * H + h] * factor(r) * state.probs_R[r];
+      dot += static_cast<double>(dy_RH[r * H + h]) * x_RH.data<float>()[r * H + h];
+    }
+    dprobs_R[r] = static_cast<float>(dot) * factor(r);
+  }
+  res.dx_TH.assign(static_cast<size_t>(T * H), base);
+  dispatcher->dispatch_backward(res.dx_TH.data(), dx_RH.data(), state);
+  res.dprobs_TE.assign(static_cast<size_t>(T * E), base);
+  dispatcher->probs_backward(res.dprobs_TE.data(), dprobs_R.data(), state);
+
+  // Reference over this rank's tokens.
+  const float* p_TE = mine.routing.probs_TE.data<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    double dot = 0.0;
+    for (int64_t h = 0; h < H; ++h) dot += static_cast<double>(mine.dout_TH[t * H + h]) * mine.x_TH[t * H + h];
+    std::vector<double> out_ref(static_cast<size_t>(H), base), dx_ref(static_cast<size_t>(H), base);
+    for (int64_t e = 0; e < E; ++e) {
+      const bool routed = mine.routing.routing_map_TE[t * E + e] != 0;
+      const double p = p_TE[t * E + e], w = static_cast<double>(e + 1);
+      for (int64_t h = 0; h < H && routed; ++h) {
+        out_ref[h] += w * p * mine.x_TH[t * H + h];
+        dx_ref[h] += w * p * mine.dout_TH[t * H + h];
+      }
+      const double dp_ref = base + (routed ? w * dot : 0.0);
+      check(near(res.dprobs_TE[t * E + e], dp_ref, 1e-5),
+            label + ": dprobs[" + std::to_string(t) + "," + std::to_string(e) +
+                "] = " + std::to_string(res.dprobs_TE[t * E + e]) + ", expected " + std::to_string(dp_ref));
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      check(near(res.out_TH[t * H + h], out_ref[h], 1e-5),
+            label + ": out[" + std::to_string(t) + "," + std::to_string(h) +
+                "] = " + std::to_string(res.out_TH[t * H + h]) + ", expected " + std::to_string(out_ref[h]));
+      check(near(res.dx_TH[t * H + h], dx_ref[h], 1e-5), label + ": dx[" + std::to_string(t) + "," + std::to_string(h) +
+                                                             "] = " + std::to_string(res.dx_TH[t * H + h]) +
+                                                             ", expected " + std::to_string(dx_ref[h]));
+    }
+  }
+  return res;
+}
+
+void check_equal(const std::vector<float>& a, const std::vector<float>& b, const std::string& what) {
+  check(a.size() == b.size(), what + ": sizes");
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    if (std::abs(a[i] - b[i]) > 1e-6f) {
+      check(false, what + "[" + std::to_string(i) + "]: " + std::to_string(a[i]) + " vs " + std::to_string(b[i]));
+      return;
+    }
+  }
+}
+
+struct Layout {
+  std::string name;
+  int tp, ep, etp;
+};
+
+std::vector<Layout> layouts_for(const int world) {
+  std::vector<Layout> layouts = {{"ep" + std::to_string(world), 1, world, 1}};
+  if (world == 2) layouts.push_back({"tp2_etp2_ep1", 2, 1, 2});
+  if (world == 4) {
+    layouts.push_back({"tp2_etp2_ep2", 2, 2, 2});
+    layouts.push_back({"tp2_etp1_ep2_edp2", 2, 2, 1});
+    layouts.push_back({"tp1_etp1_ep2_edp2", 1, 2, 1});
+    layouts.push_back({"tp4_etp4_ep1", 4, 1, 4});
+  }
+  return layouts;
+}
+
+// Both dispatchers on one layout and case: equal T everywhere (both run, results must agree), then unequal T
+// (alltoall only).
+void test_layout_case(const ProcessGroup& world, const Layout& layout, const Case c) {
+  ParallelSizes sizes;
+  sizes.world_size = world.size();
+  sizes.tensor_model_parallel_size = layout.tp;
+  sizes.expert_model_parallel_size = layout.ep;
+  sizes.expert_tensor_parallel_size = layout.etp;
+  const ParallelState ps = ParallelState::create(sizes, false, world);
+  const int64_t starve_end = layout.ep > 1 ? kE / layout.ep : kE / 2;
+  const std::string label = layout.name + "/" + case_name(c);
+
+  std::vector<RankData> equal_data;
+  for (int r = 0; r < world.size(); ++r) equal_data.push_back(make_data(r, 6, c, starve_end, 17));
+  const Result ag = run_dispatcher(ps, TokenDispatcherType::kAllGather, equal_data, c, label + "/allgather");
+  const Result a2a = run_dispatcher(ps, TokenDispatcherType::kAllToAll, equal_data, c, label + "/alltoall");
+  check_equal(ag.out_TH, a2a.out_TH, label + ": allgather vs alltoall out");
+  check_equal(ag.dx_TH, a2a.dx_TH, label + ": allgather vs alltoall dx");
+  check_equal(ag.dprobs_TE, a2a.dprobs_TE, label + ": allgather vs alltoall dprobs");
+  // Deterministic: a second run gives the same bits.
+  const Result again = run_dispatcher(ps, TokenDispatcherType::kAllToAll, equal_data, c, label + "/alltoall again");
+  check(again.out_TH == a2a.out_TH && again.dx_TH == a2a.dx_TH && again.dprobs_TE == a2a.dprobs_TE,
+        label + ": alltoall repeatable");
+
+  std::vector<RankData> unequal_data;
+  for (int r = 0; r < world.size(); ++r) unequal_data.push_back(make_data(r, 3 + 2 * (r % 3), c, starve_end, 23));
+  run_dispatcher(ps, TokenDispatcherType::kAllToAll, unequal_data, c, label + "/alltoall unequal T");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const MpiRuntime mpi(&argc, &argv);
+  int failed_total = 0;
+  try {
+    const ProcessGroup world = ProcessGroup::world();
+    g_rank = world.rank();
+    int passed = 0;
+    for (const Layout& layout : layouts_for(world.size())) {
+      for (const Case c : {Case::kTopK, Case::kCapacityDrop, Case::kCapacityPad, Case::kStarved}) {
+        g_check_failures = 0;
+        try {
+          test_layout_case(world, layout, c);
+        } catch (const std::exception& error) {
+          ++g_check_failures;
+          std::fprintf(stderr, "[rank %d] %s/%s threw: %s\n", g_rank, layout.name.c_str(), case_name(c), error.what());
+        }
+        std::vector<float> failed = {g_check_failures > 0 ? 1.0f : 0.0f};
+        world.all_reduce<float>(failed, ReduceOp::kMax);
+        if (failed[0] > 0)
+          ++failed_total;
+        else
+          ++passed;
+        if (world.rank() == 0)
+          std::printf("%s %s/%s (%d ranks)\n", failed[0] > 0 ? "FAIL" : "ok  ", layout.name.c_str(), case_name(c),
+                      world.size());
+      }
+    }
+    if (world.rank() == 0) std::printf("%d passed, %d failed\n", passed, failed_total);
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "[rank %d] fatal: %s\n", g_rank, error.what());
+    return 1;
+  }
+  return failed_total > 0 ? 1 : 0;
+}
