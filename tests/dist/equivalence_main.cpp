@@ -150,7 +150,6 @@ int main(int argc, char** argv) {
     const moecore::TrainingArgs parsed = moecore::parse_train_args(train_args, world_size);
     const moecore::dist::ParallelState parallel = moecore::make_parallel_state(parsed);
     Snapshot got;
-    std::vector<double> losses;
     std::ostringstream log;
     const moecore::TrainResult result =
         moecore::run_training(parsed, log, parallel, [&](const moecore::GPTModel& full) { got = snapshot(full, {}); });

@@ -4,6 +4,8 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <climits>
 #include <functional>
 #include <numeric>
@@ -581,6 +583,18 @@ Work ProcessGroup::all_to_all_v_async(std::span<const T> input, std::span<const 
                            state->recv_displs.data(), mpi_type<T>(), comm_->handle, &state->request),
             state->what);
   return Work(std::move(state));
+}
+
+double sum_double(const ProcessGroup& group, const double value) {
+  if (group.size() == 1) return value;
+  const auto local = std::bit_cast<std::array<float, 2>>(value);
+  std::vector<float> all(2 * static_cast<size_t>(group.size()));
+  group.all_gather(std::span<const float>(local), std::span<float>(all));
+  double sum = 0.0;
+  for (size_t r = 0; r < static_cast<size_t>(group.size()); ++r) {
+    sum += std::bit_cast<double>(std::array<float, 2>{all[2 * r], all[2 * r + 1]});
+  }
+  return sum;
 }
 
 #define MOECORE_INSTANTIATE(T)                                                                                 \

@@ -109,4 +109,8 @@ class ProcessGroup {
   int size_ = 1;
 };
 
+// Sum over `group` of one double per rank, added in double precision in rank order, so every rank gets the same
+// value (the collectives themselves reduce in fp32).
+double sum_double(const ProcessGroup& group, double value);
+
 }  // namespace moecore::dist

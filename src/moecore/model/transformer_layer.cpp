@@ -88,7 +88,8 @@ void add_bias_grad(float* dbias, const float* dy, const int64_t rows, const int6
 TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t index, std::vector<Param>& params,
                                    const dist::ParallelState& parallel)
     : config_(config),
-      parallel_(parallel),
+      tp_(parallel.tp),
+      sequence_parallel_(parallel.sequence_parallel && parallel.tp_size() > 1),
       tp_size_(parallel.tp_size()),
       tp_rank_(parallel.tp_rank()),
       prefix_("decoder.layers." + std::to_string(index) + ".") {
@@ -169,16 +170,16 @@ const float* TransformerLayer::gather_input(Tensor& full, const Tensor& x, const
   if (!sequence_parallel()) return x.data<float>();
   const int64_t H = config_.hidden_size;
   full = activation_tensor({T, H});
-  tp::all_gather_rows(full.data<float>(), x.data<float>(), local_tokens(T), H, parallel_.tp);
+  tp::all_gather_rows(full.data<float>(), x.data<float>(), local_tokens(T), H, tp_);
   return full.data<float>();
 }
 
 void TransformerLayer::reduce_output(float* out, Tensor& partial_TH, const float* bias, const int64_t T) const {
   const int64_t H = config_.hidden_size, rows = local_tokens(T);
   if (sequence_parallel()) {
-    tp::reduce_scatter_rows(out, partial_TH.data<float>(), rows, H, parallel_.tp);
+    tp::reduce_scatter_rows(out, partial_TH.data<float>(), rows, H, tp_);
   } else {
-    tp::all_reduce(partial_TH.data<float>(), T * H, parallel_.tp);
+    tp::all_reduce(partial_TH.data<float>(), T * H, tp_);
     std::memcpy(out, partial_TH.data<float>(), sizeof(float) * static_cast<size_t>(T * H));
   }
   add_bias(out, bias, rows, H);
@@ -188,10 +189,10 @@ void TransformerLayer::reduce_input_grad(float* dx, Tensor& dfull_TH, const int6
   const int64_t H = config_.hidden_size, rows = local_tokens(T);
   if (sequence_parallel()) {
     Tensor shard = activation_tensor({rows, H});
-    tp::reduce_scatter_rows(shard.data<float>(), dfull_TH.data<float>(), rows, H, parallel_.tp);
+    tp::reduce_scatter_rows(shard.data<float>(), dfull_TH.data<float>(), rows, H, tp_);
     kernels::cpu::add_inplace(dx, shard.data<float>(), rows * H);
   } else {
-    tp::all_reduce(dfull_TH.data<float>(), T * H, parallel_.tp);
+    tp::all_reduce(dfull_TH.data<float>(), T * H, tp_);
     kernels::cpu::add_inplace(dx, dfull_TH.data<float>(), T * H);
   }
 }
@@ -202,7 +203,7 @@ const float* TransformerLayer::gather_output_grad(Tensor& full, const float* dou
   add_bias_grad(dbias, dout, rows, H);
   if (!sequence_parallel()) return dout;
   full = activation_tensor({T, H});
-  tp::all_gather_rows(full.data<float>(), dout, rows, H, parallel_.tp);
+  tp::all_gather_rows(full.data<float>(), dout, rows, H, tp_);
   return full.data<float>();
 }
 
@@ -220,7 +221,7 @@ void TransformerLayer::moe_forward(float* out, const float* x, const int64_t S, 
   const int64_t rows = T / tp, offset = tp_rank_ * rows;
   Tensor shard = activation_tensor({rows, H});
   moe_->forward(shard.data<float>(), x + offset * H, S / tp, B, offset, dropout.training, dropout.seed, key, saved);
-  tp::all_gather_rows(out, shard.data<float>(), rows, H, parallel_.tp);
+  tp::all_gather_rows(out, shard.data<float>(), rows, H, tp_);
 }
 
 void TransformerLayer::moe_backward(float* dx, const float* dout, const float* x, const int64_t S, const int64_t B,
@@ -234,7 +235,7 @@ void TransformerLayer::moe_backward(float* dx, const float* dout, const float* x
   Tensor dshard = activation_tensor({rows, H});
   moe_->backward(dshard.data<float>(), dout + offset * H, x + offset * H, aux_grad_scale, saved);
   Tensor dfull = activation_tensor({T, H});
-  tp::all_gather_rows(dfull.data<float>(), dshard.data<float>(), rows, H, parallel_.tp);
+  tp::all_gather_rows(dfull.data<float>(), dshard.data<float>(), rows, H, tp_);
   kernels::cpu::add_inplace(dx, dfull.data<float>(), T * H);
 }
 

@@ -78,7 +78,7 @@ class TransformerLayer {
   // Rows of this rank's activations and the one-process index of the first one (dropout / jitter counters).
   int64_t local_tokens(int64_t T) const { return sequence_parallel() ? T / tp_size_ : T; }
   int64_t token_offset(int64_t T) const { return sequence_parallel() ? tp_rank_ * (T / tp_size_) : 0; }
-  bool sequence_parallel() const { return parallel_.sequence_parallel && tp_size_ > 1; }
+  bool sequence_parallel() const { return sequence_parallel_; }
   // Column-parallel input: the local rows gathered over TP under sequence parallelism (into `full`), else x.
   const float* gather_input(Tensor& full, const Tensor& x, int64_t T) const;
   // Row-parallel output partial_TH [T, H] summed over TP into out (local rows), plus the bias.
@@ -95,7 +95,8 @@ class TransformerLayer {
                     const MoELayerActivations& saved) const;
 
   ModelConfig config_;
-  dist::ParallelState parallel_;
+  dist::ProcessGroup tp_;  // the attention TP group
+  bool sequence_parallel_ = false;
   int64_t tp_size_ = 1, tp_rank_ = 0;
   int64_t heads_ = 0, groups_ = 0, ffn_ = 0;  // this rank's query heads, query groups and dense ffn columns
   std::string prefix_;

@@ -75,12 +75,7 @@ ExpertMLPBase::ExpertMLPBase(const MoEConfig &moe, const ModelConfig &model, con
   const int64_t first = static_cast<int64_t>(parallel.ep_rank()) * E_;
   auto add = [&](const std::string &name, const int dim, const int segs, std::vector<int64_t> full_shape,
                  const InitKind init) {
-    ParamShard shard;
-    shard.dim = dim;
-    shard.segments = segs;
-    shard.num_shards = etp;
-    shard.shard_index = parallel.etp_rank();
-    shard.full_shape = std::move(full_shape);
+    const ParamShard shard{dim, segs, etp, parallel.etp_rank(), std::move(full_shape)};
     names_.push_back(prefix + name);
     Param p = make_sharded_param(prefix + name, shard, init);
     p.is_expert = true;

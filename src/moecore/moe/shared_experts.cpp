@@ -48,12 +48,7 @@ SharedExpertMLP::SharedExpertMLP(const MoEConfig &moe, const ModelConfig &model,
   }
   auto add = [&](const std::string &name, const int dim, const int segments, std::vector<int64_t> full_shape,
                  const InitKind init) {
-    ParamShard shard;
-    shard.dim = dim;
-    shard.segments = segments;
-    shard.num_shards = tp;
-    shard.shard_index = tp_.rank();
-    shard.full_shape = std::move(full_shape);
+    const ParamShard shard{dim, segments, tp, tp_.rank(), std::move(full_shape)};
     Param p = make_sharded_param(name, shard, init);
     p.module = module;
     params.push_back(std::move(p));

@@ -7,6 +7,18 @@
 
 namespace moecore {
 
+kernels::AdamWHyper adamw_hyper(const AdamWOptions& options, const double lr, const int64_t step,
+                                const bool no_weight_decay) {
+  kernels::AdamWHyper hp;
+  hp.lr = lr;
+  hp.beta1 = options.beta1;
+  hp.beta2 = options.beta2;
+  hp.eps = options.eps;
+  hp.weight_decay = no_weight_decay ? 0.0 : options.weight_decay;
+  hp.step = step;
+  return hp;
+}
+
 AdamWOptimizer::AdamWOptimizer(std::vector<Param>& params, const AdamWOptions& options)
     : params_(params), options_(options) {
   exp_avg_.reserve(params_.size());
@@ -36,13 +48,7 @@ void AdamWOptimizer::step(const double lr) {
   ++step_;
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
-    kernels::AdamWHyper hp;
-    hp.lr = lr;
-    hp.beta1 = options_.beta1;
-    hp.beta2 = options_.beta2;
-    hp.eps = options_.eps;
-    hp.weight_decay = p.no_weight_decay ? 0.0 : options_.weight_decay;
-    hp.step = step_;
+    const kernels::AdamWHyper hp = adamw_hyper(options_, lr, step_, p.no_weight_decay);
     kernels::cpu::adamw_step(p.value.data<float>(), p.grad.data<float>(), exp_avg_[i].data<float>(),
                              exp_avg_sq_[i].data<float>(), p.value.numel(), hp);
   }

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "moecore/kernels/cpu/adamw.h"
 #include "moecore/model/param.h"
 
 namespace moecore {
@@ -12,6 +13,9 @@ namespace moecore {
 struct AdamWOptions {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
 };
+
+// The kernel's hyper-parameters for update number `step` at learning rate lr (no decay on no_weight_decay params).
+kernels::AdamWHyper adamw_hyper(const AdamWOptions& options, double lr, int64_t step, bool no_weight_decay);
 
 class AdamWOptimizer {
  public:

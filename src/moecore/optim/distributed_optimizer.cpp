@@ -1,8 +1,6 @@
 #include "moecore/optim/distributed_optimizer.h"
 
 #include <algorithm>
-#include <array>
-#include <bit>
 #include <cmath>
 #include <span>
 #include <stdexcept>
@@ -60,17 +58,8 @@ double DistributedAdamW::grad_norm() const {
   }
   const dist::ProcessGroup& world = ddp_.parallel().world;
   if (world.size() > 1) {
-    // The collectives reduce in fp32 only: gather every rank's double (as two floats of its bits) and add them in
-    // rank order, so the sum stays double and is identical on every rank.
     const dist::CommTimer timer(dist::CommKind::kOther);
-    const auto local = std::bit_cast<std::array<float, 2>>(sum);
-    std::vector<float> all(2 * static_cast<size_t>(world.size()));
-    world.all_gather(std::span<const float>(local), std::span<float>(all));
-    sum = 0.0;
-    for (int r = 0; r < world.size(); ++r) {
-      const std::array<float, 2> bits{all[2 * static_cast<size_t>(r)], all[2 * static_cast<size_t>(r) + 1]};
-      sum += std::bit_cast<double>(bits);
-    }
+    sum = dist::sum_double(world, sum);
   }
   return std::sqrt(sum);
 }
@@ -101,13 +90,7 @@ void DistributedAdamW::step(const double lr) {
     const Param& p = params_[static_cast<size_t>(piece.param)];
     auto& group = ddp_.groups()[static_cast<size_t>(ddp_.slots()[static_cast<size_t>(piece.param)].group)];
     const auto& bucket = ddp_.buckets()[static_cast<size_t>(piece.bucket)];
-    kernels::AdamWHyper hp;
-    hp.lr = lr;
-    hp.beta1 = options_.beta1;
-    hp.beta2 = options_.beta2;
-    hp.eps = options_.eps;
-    hp.weight_decay = p.no_weight_decay ? 0.0 : options_.weight_decay;
-    hp.step = step_;
+    const kernels::AdamWHyper hp = adamw_hyper(options_, lr, step_, p.no_weight_decay);
     const int64_t state = piece.offset - bucket.shard_begin;
     kernels::cpu::adamw_step(group.param_buffer.data<float>() + piece.offset,
                              group.grad_buffer.data<float>() + piece.offset,

@@ -46,14 +46,14 @@ std::unique_ptr<GPTModel> gather_full_model(const GPTModel& model, const uint64_
   std::vector<const std::vector<float>*> to_send;  // this rank's experts, in order, when it sends them
   const bool expert_sender = par.rank != 0 && par.etp_rank() == 0 && par.edp.rank() == 0 && par.ep_rank() != 0;
   for (const Param& p : model.params()) {
-    std::vector<float> full;
+    const bool keep = par.rank == 0 || (expert_sender && p.is_expert);
     if (p.tensor_sharded()) {
-      full = gather_shards(p, p.is_expert ? par.etp : par.tp);
-    } else {
+      std::vector<float> full = gather_shards(p, p.is_expert ? par.etp : par.tp);  // collective: every rank
+      if (keep) full_values[p.name] = std::move(full);
+    } else if (keep) {
       const std::span<const float> v = p.value.span<float>();
-      full.assign(v.begin(), v.end());
+      full_values[p.name].assign(v.begin(), v.end());
     }
-    if (par.rank == 0 || (expert_sender && p.is_expert)) full_values[p.name] = std::move(full);
   }
   if (expert_sender) {
     for (const Param& p : model.params()) {

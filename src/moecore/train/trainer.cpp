@@ -116,12 +116,8 @@ double one_process_parameter_count(const GPTModel& model) {
 // Sum of `value` over the data-parallel group (every TP rank of a replica holds the same value).
 double dp_sum(const double value, const dist::ParallelState& parallel) {
   if (parallel.dp_size() == 1) return value;
-  // Two floats (high part and remainder) keep the sum close to double precision.
-  const auto high = static_cast<float>(value);
-  std::vector<float> parts{high, static_cast<float>(value - static_cast<double>(high))};
   const dist::CommTimer timer(dist::CommKind::kOther);
-  parallel.dp_cp.all_reduce(std::span<float>(parts), dist::ReduceOp::kSum);
-  return static_cast<double>(parts[0]) + static_cast<double>(parts[1]);
+  return dist::sum_double(parallel.dp_cp, value);
 }
 
 // Trains on sample indices [consumed, consumed + global batch) of the train split, one micro-batch at a time.
