@@ -41,6 +41,16 @@ expect_error "--num-layers" "$bin" train "${base[@]}" --num-layers abc
 expect_error "world size 1 is not divisible by tensor-model-parallel-size (2)" "$bin" train "${base[@]}" --tensor-model-parallel-size 2
 expect_error "--pipeline-model-parallel-size > 1 is not implemented yet" "$bin" train "${base[@]}" --pipeline-model-parallel-size 2
 expect_error "flex is not available" "$bin" train "${base[@]}" --num-experts 4 --moe-token-dispatcher-type flex
+# Under mpirun the same errors come once (from rank 0) and every rank exits non-zero.
+if command -v mpirun >/dev/null; then
+  mpi=(env OMP_NUM_THREADS=1 mpirun -q --allow-run-as-root --oversubscribe -np 2 "$bin" train "${base[@]}")
+  expect_error "world size 2 is not divisible by tensor-model-parallel-size (4)" "${mpi[@]}" --tensor-model-parallel-size 4
+  expect_error "--num-attention-heads (4) and --num-query-groups (1) must be divisible" "${mpi[@]}" \
+    --group-query-attention --num-query-groups 1 --tensor-model-parallel-size 2
+  expect_error "--num-experts (3) must be divisible by --expert-model-parallel-size (2)" "${mpi[@]}" \
+    --num-experts 3 --expert-model-parallel-size 2
+  expect_error "--overlap-param-gather requires --use-distributed-optimizer" "${mpi[@]}" --overlap-param-gather
+fi
 expect_error "unknown flag --promt" "$bin" generate --load "$work" --promt hi
 
 # Corrupt data: an index with a bad magic, and a .bin cut short.

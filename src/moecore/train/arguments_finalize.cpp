@@ -152,7 +152,17 @@ void finalize_parallel(TrainingArgs& args, const std::set<std::string>& given) {
   } catch (const LayoutError& e) {
     throw ConfigError(e.what());
   }
-  const MoEConfig& moe = args.model.moe;
+  const ModelConfig& model = args.model;
+  const int64_t tp = args.tensor_model_parallel_size;
+  require(model.num_attention_heads % tp == 0 && model.num_query_groups % tp == 0,
+          "--num-attention-heads (" + str(model.num_attention_heads) + ") and --num-query-groups (" +
+              str(model.num_query_groups) + ") must be divisible by --tensor-model-parallel-size (" + str(tp) + ")");
+  require(model.ffn_hidden_size % tp == 0, "--ffn-hidden-size (" + str(model.ffn_hidden_size) +
+                                               ") must be divisible by --tensor-model-parallel-size (" + str(tp) + ")");
+  require(tp == 1 || !(args.sequence_parallel || model.moe.enabled()) || model.seq_length % tp == 0,
+          "--seq-length (" + str(model.seq_length) + ") must be divisible by --tensor-model-parallel-size (" + str(tp) +
+              ") with --sequence-parallel or MoE layers");
+  const MoEConfig& moe = model.moe;
   const int64_t ep = args.expert_model_parallel_size, etp = args.expert_tensor_parallel_size;
   if (!moe.enabled()) {
     require(ep == 1, "--expert-model-parallel-size " + str(ep) + " needs a MoE model (--num-experts)");
