@@ -68,24 +68,28 @@ double switch_loss(const double* scores_TE, const double* tokens_per_expert_E, c
 }
 
 double aux_loss(const double* scores_TE, const uint8_t* map_TE, const int64_t T, const int64_t E, const int64_t k,
-                const double coeff, double* dscores_TE) {
+                const double coeff, double* dscores_TE, const CountReduction& reduce, const int64_t ranks) {
   std::vector<double> counts_E(static_cast<size_t>(E), 0.0);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t e = 0; e < E; ++e) counts_E[e] += map_TE[t * E + e];
   }
-  return switch_loss(scores_TE, counts_E.data(), T, E, static_cast<double>(T), k, E, coeff, dscores_TE);
+  if (reduce) reduce(counts_E);
+  return switch_loss(scores_TE, counts_E.data(), T, E, static_cast<double>(T * ranks), k, E, coeff, dscores_TE);
 }
 
 double seq_aux_loss(const double* scores_TE, const uint8_t* map_TE, const int64_t S, const int64_t B, const int64_t E,
-                    const int64_t k, const double coeff, double* dscores_TE) {
+                    const int64_t k, const double coeff, double* dscores_TE, const CountReduction& reduce,
+                    const int64_t ranks) {
   // Megatron views [S*B, E] as [S, B*E]: "experts" are (sequence, expert) pairs, T = S, then divides by B.
   const int64_t BE = B * E;
   std::vector<double> counts_BE(static_cast<size_t>(BE), 0.0);
   for (int64_t s = 0; s < S; ++s) {
     for (int64_t j = 0; j < BE; ++j) counts_BE[j] += map_TE[s * BE + j];
   }
+  if (reduce) reduce(counts_BE);
   const double scaled_coeff = coeff / static_cast<double>(B);
-  return switch_loss(scores_TE, counts_BE.data(), S, BE, static_cast<double>(S), k, E, scaled_coeff, dscores_TE);
+  return switch_loss(scores_TE, counts_BE.data(), S, BE, static_cast<double>(S * ranks), k, E, scaled_coeff,
+                     dscores_TE);
 }
 
 double z_loss(const double* logits_TE, const int64_t T, const int64_t E, const double coeff, const double grad_scale,

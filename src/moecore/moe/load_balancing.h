@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "moecore/moe/moe_config.h"
@@ -23,12 +24,17 @@ void aux_scores_backward(double* dlogits_TE, const double* dscores_TE, const dou
 double switch_loss(const double* scores_TE, const double* tokens_per_expert_E, int64_t T, int64_t E,
                    double total_tokens, int64_t k, int64_t num_experts, double coeff, double* dscores_TE);
 
-// aux_loss: counts = column sums of map_TE over the T local tokens.
+// Sums token counts over the `ranks` ranks that hold the other tokens of the same sequences (tp-cp under
+// tensor / context parallelism); empty in one process.
+using CountReduction = std::function<void(std::vector<double>& counts)>;
+
+// aux_loss: counts = column sums of map_TE over the T local tokens (reduced over the ranks), total T * ranks.
 double aux_loss(const double* scores_TE, const uint8_t* map_TE, int64_t T, int64_t E, int64_t k, double coeff,
-                double* dscores_TE);
-// seq_aux_loss over tokens [S, B] (t = s * B + b): the aux loss of each sequence b (T = S), averaged over B.
+                double* dscores_TE, const CountReduction& reduce = {}, int64_t ranks = 1);
+// seq_aux_loss over tokens [S, B] (t = s * B + b): the aux loss of each sequence b (T = S * ranks: the ranks hold
+// shards of the same sequences), averaged over B.
 double seq_aux_loss(const double* scores_TE, const uint8_t* map_TE, int64_t S, int64_t B, int64_t E, int64_t k,
-                    double coeff, double* dscores_TE);
+                    double coeff, double* dscores_TE, const CountReduction& reduce = {}, int64_t ranks = 1);
 
 // z-loss = coeff * mean_t logsumexp(logits_t)^2; dlogits_TE (nullable) += grad_scale * d(z)/d(logits).
 double z_loss(const double* logits_TE, int64_t T, int64_t E, double coeff, double grad_scale, double* dlogits_TE);

@@ -257,6 +257,9 @@ RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64
     saved.aux_cache.assign(static_cast<size_t>(T * E), 0.0);
     const double* scores = saved.scores_TE.data();
     double* dscores = saved.aux_cache.data();
+    const load_balancing::CountReduction reduce_tp_cp = [this](std::vector<double>& counts) {
+      sum_counts(counts, tp_cp_);
+    };
     for (size_t i = 0; i < num_types; ++i) {
       const LoadBalancingType type = config_.load_balancing_types[i];
       if (std::find(config_.load_balancing_types.begin(), config_.load_balancing_types.begin() + i, type) !=
@@ -269,23 +272,9 @@ RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64
       // Counts are summed over the ranks holding the other tokens of the same sequences (tp-cp; tp-dp-cp for the
       // global loss), scores stay local: each rank's loss is its tokens' share of the one-process loss.
       if (type == LoadBalancingType::kAuxLoss) {
-        std::vector<double> counts_E(static_cast<size_t>(E), 0.0);
-        for (int64_t t = 0; t < T; ++t) {
-          for (int64_t e = 0; e < E; ++e) counts_E[e] += aux_map_TE[t * E + e];
-        }
-        sum_counts(counts_E, tp_cp_);
-        loss = load_balancing::switch_loss(scores, counts_E.data(), T, E, static_cast<double>(T * tp_cp), k, E, coeff,
-                                           dscores);
+        loss = load_balancing::aux_loss(scores, aux_map_TE.data(), T, E, k, coeff, dscores, reduce_tp_cp, tp_cp);
       } else if (type == LoadBalancingType::kSeqAuxLoss) {
-        // Megatron views [S*B, E] as [S, B*E]: "experts" are (sequence, expert) pairs, T = S, then divides by B.
-        const int64_t BE = B * E;
-        std::vector<double> counts_BE(static_cast<size_t>(BE), 0.0);
-        for (int64_t s = 0; s < S; ++s) {
-          for (int64_t j = 0; j < BE; ++j) counts_BE[j] += aux_map_TE[s * BE + j];
-        }
-        sum_counts(counts_BE, tp_cp_);
-        loss = load_balancing::switch_loss(scores, counts_BE.data(), S, BE, static_cast<double>(S * tp_cp), k, E,
-                                           coeff / static_cast<double>(B), dscores);
+        loss = load_balancing::seq_aux_loss(scores, aux_map_TE.data(), S, B, E, k, coeff, dscores, reduce_tp_cp, tp_cp);
       } else if (type == LoadBalancingType::kGlobalAuxLoss) {
         std::vector<double> counts_E(static_cast<size_t>(E), 0.0);
         for (int64_t t = 0; t < T; ++t) {
