@@ -4,9 +4,9 @@
 #include <vector>
 
 #include "commands.h"
-#include "moecore/dist/mpi_runtime.h"
-#include "moecore/dist/parallel_state.h"
-#include "moecore/dist/process_group.h"
+#include "moecore/parallel/mpi_runtime.h"
+#include "moecore/parallel/parallel_state.h"
+#include "moecore/parallel/process_group.h"
 #include "moecore/model/config.h"
 #include "moecore/train/arguments.h"
 #include "moecore/train/trainer.h"
@@ -23,7 +23,7 @@ int train_main(const std::vector<std::string>& args, const int rank, const int w
       if (rank == 0) std::cout << "usage: moecore train [flags]\n\n" << moecore::train_flags_help();
       return 0;
     }
-    const moecore::dist::ParallelState parallel = moecore::make_parallel_state(parsed);
+    const moecore::parallel::ParallelState parallel = moecore::make_parallel_state(parsed);
     try {
       moecore::run_training(parsed, std::cout, parallel);
     } catch (const moecore::ConfigError&) {
@@ -32,7 +32,7 @@ int train_main(const std::vector<std::string>& args, const int rank, const int w
       std::cout.flush();
       std::cerr << "error: " << (world_size > 1 ? "[rank " + std::to_string(rank) + "] " : std::string()) << e.what()
                 << '\n';
-      if (world_size > 1) moecore::dist::abort_world(1);
+      if (world_size > 1) moecore::parallel::abort_world(1);
       return 1;
     }
     return 0;
@@ -47,8 +47,8 @@ int train_main(const std::vector<std::string>& args, const int rank, const int w
 
 int run_train(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
-  if (!moecore::dist::launched_by_mpi()) return train_main(args, 0, 1);
-  moecore::dist::MpiRuntime mpi(nullptr, nullptr);
-  const moecore::dist::ProcessGroup world = moecore::dist::ProcessGroup::world();
+  if (!moecore::parallel::launched_by_mpi()) return train_main(args, 0, 1);
+  moecore::parallel::MpiRuntime mpi(nullptr, nullptr);
+  const moecore::parallel::ProcessGroup world = moecore::parallel::ProcessGroup::world();
   return train_main(args, world.rank(), world.size());
 }

@@ -1,4 +1,4 @@
-"""Model-level MoE parity (issue 3): the C++ MoE GPT model (moecore_parity) against the PyTorch twin (twin.py +
+"""Model-level MoE parity: the C++ MoE GPT model (moecore_parity) against the PyTorch twin (twin.py +
 twin_moe.py), both in float32, over a matrix of router configurations. Same protocol, metric and tolerance as
 test_parity.py (rel = max |cpp - twin| / max |twin| < 1e-4 per tensor; 3 AdamW steps, eps 1e-6): logits, lm loss,
 every gradient (which includes the aux / z-loss gradients, aux scale 1 for one micro-batch), every parameter after

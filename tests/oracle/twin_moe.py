@@ -1,5 +1,5 @@
 """PyTorch twin of Megatron-Core's MoE layer (router -> experts -> combine, shared experts), written from the
-specification (/work/shared/reference/megatron-moe-semantics.md sections 1, 2, 4 and Megatron's public source for the
+specification (Megatron-Core's router.py, moe_utils.py, experts.py and token_dispatcher.py for the
 formulas), not from moecore's C++. Run with /usr/bin/python3 (Debian's torch 1.13 + numpy).
 
 Tokens are [S, B, H] sequence-major: token t = s * B + b.

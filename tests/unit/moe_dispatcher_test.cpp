@@ -259,7 +259,7 @@ TEST(TokenDispatcherFactoryTest, SingleProcessGivesTheLocalPermutationForBothTyp
   const int64_t T = 19, E = 6, k = 2, H = 4;
   const RouterOutput routing = uniform_topk_routing(T, E, k, 21);
   const auto x_TH = random_vector<float>(static_cast<size_t>(T * H), 22);
-  const dist::ParallelState parallel = dist::ParallelState::single_process();
+  const parallel::ParallelState parallel = parallel::ParallelState::single_process();
   DispatchState expected_state;
   const Tensor expected_RH = make_local_dispatcher()->dispatch(x_TH.data(), T, H, routing, expected_state);
   for (const TokenDispatcherType type : {TokenDispatcherType::kAllGather, TokenDispatcherType::kAllToAll}) {

@@ -1,5 +1,5 @@
 // Load-balancing losses and routing math against naive references, hand-computed values and float64 finite
-// differences (megatron-moe-semantics.md sections 1-2).
+// differences (Megatron's moe_utils.py formulas).
 #include <gtest/gtest.h>
 
 #include <cmath>

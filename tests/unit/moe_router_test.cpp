@@ -1,4 +1,4 @@
-// TopKRouter behaviours from megatron-moe-semantics.md section 4, hand-computed examples, and the backward of the
+// TopKRouter behaviours of Megatron's router.py, hand-computed examples, and the backward of the
 // whole router against central finite differences in float64.
 #include <gtest/gtest.h>
 
@@ -516,7 +516,7 @@ TEST(Router, ShardDrawsTheOneProcessRandomNumbers) {
 
 TEST(Router, ParametersAreSummedOverTensorParallelAndCarryTheModule) {
   std::vector<Param> params;
-  TopKRouter router(base_config(4, 2), 8, true, "decoder.layers.2.", params, dist::ParallelState::single_process(), 2);
+  TopKRouter router(base_config(4, 2), 8, true, "decoder.layers.2.", params, parallel::ParallelState::single_process(), 2);
   ASSERT_EQ(params.size(), 2u);
   for (const Param& p : params) {
     EXPECT_TRUE(p.grad_sum_over_tp) << p.name;

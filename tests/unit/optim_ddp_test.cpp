@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/parallel_state.h"
+#include "moecore/parallel/parallel_state.h"
 #include "moecore/optim/adamw_optimizer.h"
 #include "moecore/optim/ddp.h"
 #include "moecore/optim/distributed_optimizer.h"
@@ -68,7 +68,7 @@ TEST_P(DdpSingleProcess, BitIdenticalToAdamW) {
   std::vector<Param> ref = make_model();
   AdamWOptimizer ref_opt(ref, adam);
   std::vector<Param> params = make_model();
-  DistributedDataParallel ddp(params, dist::ParallelState::single_process(), options);
+  DistributedDataParallel ddp(params, parallel::ParallelState::single_process(), options);
   DistributedAdamW opt(ddp, params, adam);
 
   const double max_norms[3] = {2.0, 1e9, 3.0};
@@ -113,7 +113,7 @@ TEST(Ddp, BucketsFollowBackwardOrderAndKeepParamsWhole) {
   std::vector<Param> params = make_model();
   DdpOptions options;
   options.bucket_size = 200;
-  DistributedDataParallel ddp(params, dist::ParallelState::single_process(), options);
+  DistributedDataParallel ddp(params, parallel::ParallelState::single_process(), options);
   ASSERT_EQ(ddp.groups().size(), 2u);  // dense, expert
   EXPECT_FALSE(ddp.groups()[0].expert);
   EXPECT_TRUE(ddp.groups()[1].expert);
@@ -134,7 +134,7 @@ TEST(Ddp, BucketsFollowBackwardOrderAndKeepParamsWhole) {
   }
   // Megatron's default without overlap: one bucket per group.
   std::vector<Param> params2 = make_model();
-  DistributedDataParallel ddp2(params2, dist::ParallelState::single_process(), DdpOptions{});
+  DistributedDataParallel ddp2(params2, parallel::ParallelState::single_process(), DdpOptions{});
   EXPECT_EQ(ddp2.buckets().size(), 2u);
 }
 
@@ -144,7 +144,7 @@ TEST(Ddp, DistributedOptimizerRebindsValuesAndPadsBuckets) {
   DdpOptions options;
   options.bucket_size = 200;
   options.use_distributed_optimizer = true;
-  DistributedDataParallel ddp(params, dist::ParallelState::single_process(), options);
+  DistributedDataParallel ddp(params, parallel::ParallelState::single_process(), options);
   for (const auto& b : ddp.buckets()) {
     EXPECT_EQ((b.end - b.begin) % 128, 0);
     EXPECT_EQ(b.shard_size, b.end - b.begin);
@@ -162,7 +162,7 @@ TEST(Ddp, OverlapParamGatherNeedsDistributedOptimizer) {
   std::vector<Param> params = make_model();
   DdpOptions options;
   options.overlap_param_gather = true;
-  EXPECT_THROW(DistributedDataParallel(params, dist::ParallelState::single_process(), options), std::invalid_argument);
+  EXPECT_THROW(DistributedDataParallel(params, parallel::ParallelState::single_process(), options), std::invalid_argument);
 }
 
 }  // namespace

@@ -267,9 +267,9 @@ TEST(TrainArguments, ParallelSizes) {
     EXPECT_EQ(error_of(with(minimal(), {flag, "0"})), std::string(flag) + " must be positive (got 0)");
   }
   EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-size", "2"})),
-            "--pipeline-model-parallel-size > 1 is not implemented yet (pipeline parallelism comes in a later issue)");
+            "--pipeline-model-parallel-size > 1 is not implemented yet (moecore does not run pipeline parallelism)");
   EXPECT_EQ(error_of(with(minimal(), {"--context-parallel-size", "2"})),
-            "--context-parallel-size > 1 is not implemented yet (context parallelism comes in a later issue)");
+            "--context-parallel-size > 1 is not implemented yet (moecore does not run context parallelism)");
   // The world (processes launched) must hold the layout; the data-parallel size is what remains.
   EXPECT_EQ(error_of(with(minimal(), {"--tensor-model-parallel-size", "2"})),
             "world size 1 is not divisible by tensor-model-parallel-size (2) x pipeline-model-parallel-size (1) x "
@@ -591,7 +591,7 @@ TEST(TrainArguments, MoEBadInput) {
             "invalid --moe-layer-freq '[1,0,1]': the pattern has 3 entries but --num-layers is 2");
   EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-layer-freq", "[1,0"})),
             "invalid --moe-layer-freq '[1,0': expected ']' at the end");
-  // Cross-flag checks (issue 3's list and Megatron's asserts).
+  // Cross-flag checks (Megatron's asserts and moecore's bad-input rules).
   EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-router-topk", "9"})),
             "--moe-router-topk (9) must not exceed --num-experts (8)");
   EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-router-num-groups", "3", "--moe-router-group-topk", "1"})),

@@ -36,7 +36,7 @@ uint64_t layer_stream(const uint64_t stream, const int64_t layer) {
 
 }  // namespace
 
-GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const dist::ParallelState& parallel)
+GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const parallel::ParallelState& parallel)
     : config_(config), parallel_(parallel), modules_(std::make_unique<Modules>()) {
   config_.validate();
   const int64_t H = config_.hidden_size, V = config_.vocab_size, L = config_.num_layers;

@@ -13,7 +13,7 @@
 #include <memory>
 #include <vector>
 
-#include "moecore/dist/parallel_state.h"
+#include "moecore/parallel/parallel_state.h"
 #include "moecore/model/config.h"
 #include "moecore/model/micro_batch_context.h"
 #include "moecore/model/model_hooks.h"
@@ -42,13 +42,13 @@ class GPTModel {
   // Under tensor / expert parallelism this rank holds its shards (Param::shard); the initial values are the slices
   // of the one-process model with the same seed. Collective calls need every rank of the layout.
   GPTModel(const ModelConfig& config, uint64_t seed,
-           const dist::ParallelState& parallel = dist::ParallelState::single_process());
+           const parallel::ParallelState& parallel = parallel::ParallelState::single_process());
   ~GPTModel();
   GPTModel(const GPTModel&) = delete;
   GPTModel& operator=(const GPTModel&) = delete;
 
   const ModelConfig& config() const { return config_; }
-  const dist::ParallelState& parallel() const { return parallel_; }
+  const parallel::ParallelState& parallel() const { return parallel_; }
   // Hooks called around each module's forward and backward (the DDP engine); null: none. Not owned.
   void set_hooks(ModelHooks* hooks) { hooks_ = hooks; }
   std::vector<Param>& params() { return params_; }
@@ -83,7 +83,7 @@ class GPTModel {
 
   struct Modules;
   ModelConfig config_;
-  dist::ParallelState parallel_;
+  parallel::ParallelState parallel_;
   ModelHooks* hooks_ = nullptr;
   std::vector<Param> params_;
   std::unique_ptr<Modules> modules_;

@@ -86,7 +86,7 @@ void add_bias_grad(float* dbias, const float* dy, const int64_t rows, const int6
 }  // namespace
 
 TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t index, std::vector<Param>& params,
-                                   const dist::ParallelState& parallel)
+                                   const parallel::ParallelState& parallel)
     : config_(config),
       tp_(parallel.tp),
       sequence_parallel_(parallel.sequence_parallel && parallel.tp_size() > 1),

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/parallel_state.h"
+#include "moecore/parallel/parallel_state.h"
 #include "moecore/kernels/cpu/attention.h"
 #include "moecore/model/config.h"
 #include "moecore/model/norm_module.h"
@@ -50,7 +50,7 @@ class TransformerLayer {
  public:
   // Registers this layer's parameters into `params` (names prefixed "decoder.layers.{index}.").
   TransformerLayer(const ModelConfig& config, int64_t index, std::vector<Param>& params,
-                   const dist::ParallelState& parallel);
+                   const parallel::ParallelState& parallel);
   // Resolves parameter pointers once `params` no longer grows.
   void bind(std::vector<Param>& params);
 
@@ -95,7 +95,7 @@ class TransformerLayer {
                     const MoELayerActivations& saved) const;
 
   ModelConfig config_;
-  dist::ProcessGroup tp_;  // the attention TP group
+  parallel::ProcessGroup tp_;  // the attention TP group
   bool sequence_parallel_ = false;
   int64_t tp_size_ = 1, tp_rank_ = 0;
   int64_t heads_ = 0, groups_ = 0, ffn_ = 0;  // this rank's query heads, query groups and dense ffn columns

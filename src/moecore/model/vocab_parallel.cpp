@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/comm_stats.h"
+#include "moecore/parallel/comm_stats.h"
 
 namespace moecore::tp {
 namespace {
@@ -51,7 +51,7 @@ void vocab_embedding_backward(float* dweight_VlH, const float* dout_TH, const in
 
 void vocab_cross_entropy_forward(float* losses_T, float* lse_T, const float* logits_TVl, const int32_t* targets_T,
                                  const int64_t T, const int64_t V, const int64_t vocab_begin, const int64_t V_local,
-                                 const dist::ProcessGroup& group) {
+                                 const parallel::ProcessGroup& group) {
   for (int64_t t = 0; t < T; ++t) check_id(targets_T[t], V);
   std::vector<float> max_T(static_cast<size_t>(T));
 #pragma omp parallel for schedule(static)
@@ -62,8 +62,8 @@ void vocab_cross_entropy_forward(float* losses_T, float* lse_T, const float* log
     max_T[static_cast<size_t>(t)] = m;
   }
   if (group.size() > 1) {
-    const dist::CommTimer timer(dist::CommKind::kTensorParallel);
-    group.all_reduce(std::span<float>(max_T), dist::ReduceOp::kMax);
+    const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
+    group.all_reduce(std::span<float>(max_T), parallel::ReduceOp::kMax);
   }
   // [sum of exp(logit - max) over this rank's columns | this rank's target logit or 0], summed over TP.
   std::vector<float> sums_2T(static_cast<size_t>(2 * T), 0.0f);
@@ -78,8 +78,8 @@ void vocab_cross_entropy_forward(float* losses_T, float* lse_T, const float* log
     if (col >= 0 && col < V_local) sums_2T[static_cast<size_t>(T + t)] = row[col];
   }
   if (group.size() > 1) {
-    const dist::CommTimer timer(dist::CommKind::kTensorParallel);
-    group.all_reduce(std::span<float>(sums_2T), dist::ReduceOp::kSum);
+    const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
+    group.all_reduce(std::span<float>(sums_2T), parallel::ReduceOp::kSum);
   }
   for (int64_t t = 0; t < T; ++t) {
     const float lse = max_T[static_cast<size_t>(t)] + std::log(sums_2T[static_cast<size_t>(t)]);

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "moecore/dist/process_group.h"
+#include "moecore/parallel/process_group.h"
 
 namespace moecore::tp {
 
@@ -21,7 +21,7 @@ void vocab_embedding_backward(float* dweight_VlH, const float* dout_TH, const in
 // backward. logits_TVl: this rank's vocabulary columns. Collective over `group` (two all-reduces).
 void vocab_cross_entropy_forward(float* losses_T, float* lse_T, const float* logits_TVl, const int32_t* targets_T,
                                  int64_t T, int64_t V, int64_t vocab_begin, int64_t V_local,
-                                 const dist::ProcessGroup& group);
+                                 const parallel::ProcessGroup& group);
 // dlogits_TVl = dlosses_T * (softmax - onehot(target)) on this rank's columns; may alias logits_TVl.
 void vocab_cross_entropy_backward(float* dlogits_TVl, const float* dlosses_T, const float* logits_TVl,
                                   const float* lse_T, const int32_t* targets_T, int64_t T, int64_t vocab_begin,

@@ -43,7 +43,7 @@ std::vector<int64_t> expert_offsets(const std::vector<int64_t> &tokens_per_exper
 }
 
 ExpertMLPBase::ExpertMLPBase(const MoEConfig &moe, const ModelConfig &model, const std::string &prefix,
-                             std::vector<Param> &params, const dist::ParallelState &parallel, const int module)
+                             std::vector<Param> &params, const parallel::ParallelState &parallel, const int module)
     : E_(moe.num_experts),
       H_(model.hidden_size),
       F_(moe.ffn_hidden_size),
@@ -283,7 +283,7 @@ void ExpertMLPBase::backward_weights(const int64_t e, const int64_t row_begin, c
 }  // namespace experts_detail
 
 std::unique_ptr<ExpertMLP> make_experts(const MoEConfig &moe, const ModelConfig &model, const std::string &prefix,
-                                        std::vector<Param> &params, const dist::ParallelState &parallel,
+                                        std::vector<Param> &params, const parallel::ParallelState &parallel,
                                         const int module) {
   if (moe.grouped_gemm) return experts_detail::make_grouped_mlp(moe, model, prefix, params, parallel, module);
   return experts_detail::make_sequential_mlp(moe, model, prefix, params, parallel, module);

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/parallel_state.h"
+#include "moecore/parallel/parallel_state.h"
 #include "moecore/model/config.h"
 #include "moecore/model/param.h"
 #include "moecore/moe/moe_config.h"
@@ -50,7 +50,7 @@ class ExpertMLP {
 // dispatcher reduces it), as are dx and dprobs. Bias (--add-bias-linear) needs ETP 1, as Megatron.
 std::unique_ptr<ExpertMLP> make_experts(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix,
                                         std::vector<Param>& params,
-                                        const dist::ParallelState& parallel = dist::ParallelState::single_process(),
+                                        const parallel::ParallelState& parallel = parallel::ParallelState::single_process(),
                                         int module = -1);
 
 // Shared experts (--moe-shared-expert-intermediate-size S): a dense MLP H -> S (2S with SwiGLU) -> H on every
@@ -69,7 +69,7 @@ class SharedExpertMLP {
   // fc1 rows (per SwiGLU half) and fc2 columns sharded over parallel.tp; the gate is replicated
   // (Param::grad_sum_over_tp). Param::module = module.
   SharedExpertMLP(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix, std::vector<Param>& params,
-                  const dist::ParallelState& parallel = dist::ParallelState::single_process(), int module = -1);
+                  const parallel::ParallelState& parallel = parallel::ParallelState::single_process(), int module = -1);
   void bind(std::vector<Param>& params);
   // out_TH += shared(x_TH) on this rank's T tokens (a sequence shard under TP; collective over TP).
   void forward(float* out_TH, const float* x_TH, int64_t T, SharedExpertActivations& saved) const;
@@ -84,7 +84,7 @@ class SharedExpertMLP {
   Param* fc1_ = nullptr;
   Param* fc2_ = nullptr;
   Param* gate_ = nullptr;
-  dist::ProcessGroup tp_;
+  parallel::ProcessGroup tp_;
 };
 
 }  // namespace moecore

@@ -48,7 +48,7 @@ class ExpertMLPBase : public ExpertMLP {
  public:
   // Registers this EP rank's experts (global names), each sharded over expert-TP.
   ExpertMLPBase(const MoEConfig &moe, const ModelConfig &model, const std::string &prefix, std::vector<Param> &params,
-                const dist::ParallelState &parallel, int module);
+                const parallel::ParallelState &parallel, int module);
   void bind(std::vector<Param> &params) final;
   void forward(float *y_RH, const float *x_RH, const float *probs_R, const std::vector<int64_t> &tokens_per_expert_E,
                ExpertActivations &saved) final;
@@ -86,9 +86,9 @@ std::vector<int64_t> expert_offsets(const std::vector<int64_t> &tokens_per_exper
 
 std::unique_ptr<ExpertMLP> make_sequential_mlp(const MoEConfig &moe, const ModelConfig &model,
                                                const std::string &prefix, std::vector<Param> &params,
-                                               const dist::ParallelState &parallel, int module);
+                                               const parallel::ParallelState &parallel, int module);
 std::unique_ptr<ExpertMLP> make_grouped_mlp(const MoEConfig &moe, const ModelConfig &model, const std::string &prefix,
-                                            std::vector<Param> &params, const dist::ParallelState &parallel,
+                                            std::vector<Param> &params, const parallel::ParallelState &parallel,
                                             int module);
 
 }  // namespace moecore::experts_detail

@@ -1,4 +1,4 @@
-// Megatron's load-balancing losses (megatron-moe-semantics.md section 2) with their gradients, and the
+// Megatron's load-balancing losses (megatron/core/transformer/moe/moe_utils.py) with their gradients, and the
 // aux-loss-free expert-bias update. Buffers are row-major [T, E]; gradients ACCUMULATE (+=).
 #pragma once
 

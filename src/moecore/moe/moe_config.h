@@ -1,5 +1,5 @@
 // Mixture-of-Experts hyper-parameters, named after Megatron's TransformerConfig fields / flags
-// (../shared/reference/megatron-moe-semantics.md section 1). num_experts == 0 means a dense model.
+// (megatron/core/transformer/transformer_config.py). num_experts == 0 means a dense model.
 #pragma once
 
 #include <cstdint>
@@ -47,7 +47,7 @@ struct MoEConfig {
   bool is_moe_layer(int64_t layer) const {
     return enabled() && layer < static_cast<int64_t>(moe_layer_pattern.size()) && moe_layer_pattern[layer];
   }
-  // Throws ConfigError (one line) for inconsistent settings (issue 3's "Bad input" list and Megatron's asserts).
+  // Throws ConfigError (one line) for inconsistent settings (Megatron's asserts and moecore's own consistency rules).
   void validate(int64_t num_layers) const;
 };
 

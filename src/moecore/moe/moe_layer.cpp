@@ -5,7 +5,7 @@
 namespace moecore {
 
 MoELayer::MoELayer(const ModelConfig& config, const std::string& prefix, std::vector<Param>& params,
-                   const dist::ParallelState& parallel, const int module)
+                   const parallel::ParallelState& parallel, const int module)
     : config_(config),
       router_(std::make_unique<TopKRouter>(config.moe, config.hidden_size, config.add_bias_linear, prefix, params,
                                            parallel, module)),

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/parallel_state.h"
+#include "moecore/parallel/parallel_state.h"
 #include "moecore/model/config.h"
 #include "moecore/model/param.h"
 #include "moecore/moe/experts.h"
@@ -30,7 +30,7 @@ class MoELayer {
   // Param::module = `module` (the layer index). Under expert parallelism only this rank's experts (global names
   // local_experts.{e}) are registered, each sharded over expert-TP; shared experts are sharded over TP.
   MoELayer(const ModelConfig& config, const std::string& prefix, std::vector<Param>& params,
-           const dist::ParallelState& parallel, int module);
+           const parallel::ParallelState& parallel, int module);
   void bind(std::vector<Param>& params);
 
   // out_TH (overwritten) = moe(x_TH) on this rank's tokens: x_TH [S*B, H] holds sequence positions

@@ -6,7 +6,7 @@
 #include <span>
 #include <stdexcept>
 
-#include "moecore/dist/comm_stats.h"
+#include "moecore/parallel/comm_stats.h"
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/model/config.h"
 #include "moecore/moe/load_balancing.h"
@@ -46,12 +46,12 @@ float jitter_factor(const CounterRng& rng, const uint64_t index, const double ep
 std::vector<double> to_double(const float* values, const int64_t n) { return {values, values + n}; }
 
 // Sums token counts over `group` (fp32 is exact for counts below 2^24); a no-op on a group of one.
-void sum_counts(std::vector<double>& counts, const dist::ProcessGroup& group) {
+void sum_counts(std::vector<double>& counts, const parallel::ProcessGroup& group) {
   if (group.size() == 1) return;
   std::vector<float> buffer(counts.begin(), counts.end());
   {
-    const dist::CommTimer timer(dist::CommKind::kOther);
-    group.all_reduce(std::span<float>(buffer), dist::ReduceOp::kSum);
+    const parallel::CommTimer timer(parallel::CommKind::kOther);
+    group.all_reduce(std::span<float>(buffer), parallel::ReduceOp::kSum);
   }
   for (size_t i = 0; i < counts.size(); ++i) counts[i] = static_cast<double>(buffer[i]);
 }
@@ -59,7 +59,7 @@ void sum_counts(std::vector<double>& counts, const dist::ProcessGroup& group) {
 }  // namespace
 
 TopKRouter::TopKRouter(const MoEConfig& config, const int64_t hidden, const bool add_bias, const std::string& prefix,
-                       std::vector<Param>& params, const dist::ParallelState& parallel, const int module)
+                       std::vector<Param>& params, const parallel::ParallelState& parallel, const int module)
     : config_(config),
       hidden_(hidden),
       add_bias_(add_bias),

@@ -1,4 +1,4 @@
-// TopKRouter with Megatron's semantics (megatron-moe-semantics.md sections 1, 2 and 4): gate weight [E, H],
+// TopKRouter with Megatron's semantics (megatron/core/transformer/moe/router.py): gate weight [E, H],
 // logits in --moe-router-dtype (fp32 or fp64), score function, top-k (optionally group-limited, with expert
 // bias for selection only), scaling factor, capacity / token dropping, and the auxiliary losses
 // (aux_loss, seq_aux_loss, global_aux_loss, sinkhorn, z-loss) whose gradients flow into the router
@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/parallel_state.h"
+#include "moecore/parallel/parallel_state.h"
 #include "moecore/model/param.h"
 #include "moecore/moe/moe_config.h"
 #include "moecore/tensor/tensor.h"
@@ -57,7 +57,7 @@ class TopKRouter {
   // Param::module = module. Statistics are reduced over parallel.tp_cp (aux, seq-aux, z losses) and
   // parallel.tp_dp_cp (global aux loss, expert-bias counts).
   TopKRouter(const MoEConfig& config, int64_t hidden, bool add_bias, const std::string& prefix,
-             std::vector<Param>& params, const dist::ParallelState& parallel = dist::ParallelState::single_process(),
+             std::vector<Param>& params, const parallel::ParallelState& parallel = parallel::ParallelState::single_process(),
              int module = -1);
   void bind(std::vector<Param>& params);  // resolve pointers once `params` no longer grows
 
@@ -89,8 +89,8 @@ class TopKRouter {
   std::string prefix_;
   Param* weight_ = nullptr;
   Param* bias_ = nullptr;
-  dist::ProcessGroup tp_cp_;
-  dist::ProcessGroup tp_dp_cp_;
+  parallel::ProcessGroup tp_cp_;
+  parallel::ProcessGroup tp_dp_cp_;
   std::vector<float> expert_bias_;               // [E]
   std::vector<double> local_tokens_per_expert_;  // expert-bias counts since the last update
   std::vector<double> global_aux_counts_;        // global_aux_loss counts accumulated over micro-batches

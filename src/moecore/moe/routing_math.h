@@ -1,4 +1,4 @@
-// Per-token routing math of Megatron's TopKRouter (megatron-moe-semantics.md section 1): score functions and
+// Per-token routing math of Megatron's TopKRouter (megatron/core/transformer/moe/router.py, moe_utils.py): score functions and
 // their derivatives, top-k (plain and group-limited), the Sinkhorn normalisation and capacity / token dropping.
 // Pure functions over row-major [T, E] buffers (T tokens, E experts, K = top-k).
 #pragma once

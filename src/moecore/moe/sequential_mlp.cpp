@@ -34,7 +34,7 @@ class SequentialMLP final : public ExpertMLPBase {
 
 std::unique_ptr<ExpertMLP> make_sequential_mlp(const MoEConfig &moe, const ModelConfig &model,
                                                const std::string &prefix, std::vector<Param> &params,
-                                               const dist::ParallelState &parallel, const int module) {
+                                               const parallel::ParallelState &parallel, const int module) {
   return std::make_unique<SequentialMLP>(moe, model, prefix, params, parallel, module);
 }
 

@@ -31,7 +31,7 @@ std::string gate_name(const std::string &prefix) { return prefix + "mlp.shared_e
 }  // namespace
 
 SharedExpertMLP::SharedExpertMLP(const MoEConfig &moe, const ModelConfig &model, const std::string &prefix,
-                                 std::vector<Param> &params, const dist::ParallelState &parallel, const int module)
+                                 std::vector<Param> &params, const parallel::ParallelState &parallel, const int module)
     : moe_(moe), model_(model), prefix_(prefix), tp_(parallel.tp) {
   const int64_t S = moe.shared_expert_intermediate_size, H = model.hidden_size;
   if (S <= 0) {

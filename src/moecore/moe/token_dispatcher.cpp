@@ -127,7 +127,7 @@ class LocalDispatcher final : public TokenDispatcher {
 std::unique_ptr<TokenDispatcher> make_local_dispatcher() { return std::make_unique<LocalDispatcher>(); }
 
 std::unique_ptr<TokenDispatcher> make_token_dispatcher(const TokenDispatcherType type, const int64_t num_experts,
-                                                       const dist::ParallelState &parallel) {
+                                                       const parallel::ParallelState &parallel) {
   if (num_experts <= 0 || num_experts % parallel.ep_size() != 0) {
     throw std::invalid_argument("token dispatcher: " + std::to_string(num_experts) +
                                 " experts are not divisible by the expert-parallel size " +

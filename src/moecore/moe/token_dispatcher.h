@@ -1,4 +1,4 @@
-// Token dispatchers: move routed tokens to their experts and back (megatron-moe-semantics.md section 1).
+// Token dispatchers: move routed tokens to their experts and back (megatron/core/transformer/moe/token_dispatcher.py).
 // The interface is what the allgather and alltoall dispatchers of the distributed engine implement; in one
 // process the local dispatcher permutes tokens into expert-major order (tokens ascending within each expert,
 // dropless gives T*k rows; with padding every expert gets exactly C rows, padded rows have prob 0 and no
@@ -9,7 +9,7 @@
 #include <memory>
 #include <vector>
 
-#include "moecore/dist/parallel_state.h"
+#include "moecore/parallel/parallel_state.h"
 #include "moecore/moe/moe_config.h"
 #include "moecore/moe/router.h"
 #include "moecore/tensor/tensor.h"
@@ -64,6 +64,6 @@ std::unique_ptr<TokenDispatcher> make_local_dispatcher();
 // Rank r of EP owns experts [r E/EP, (r+1) E/EP); DispatchState::tokens_per_expert_E and expert_R then count and
 // index the LOCAL experts (expert_R in [0, E/EP)). Every call is collective over the expert grid.
 std::unique_ptr<TokenDispatcher> make_token_dispatcher(TokenDispatcherType type, int64_t num_experts,
-                                                       const dist::ParallelState& parallel);
+                                                       const parallel::ParallelState& parallel);
 
 }  // namespace moecore

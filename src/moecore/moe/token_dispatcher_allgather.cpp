@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/comm_stats.h"
+#include "moecore/parallel/comm_stats.h"
 #include "moecore/moe/token_dispatcher_internal.h"
 
 namespace moecore::detail {
@@ -18,7 +18,7 @@ namespace {
 
 class AllGatherDispatcher final : public TokenDispatcher {
  public:
-  AllGatherDispatcher(const int64_t num_experts, const dist::ParallelState &parallel)
+  AllGatherDispatcher(const int64_t num_experts, const parallel::ParallelState &parallel)
       : E_(num_experts),
         El_(num_experts / parallel.ep_size()),
         first_expert_(parallel.ep_rank() * (num_experts / parallel.ep_size())),
@@ -44,7 +44,7 @@ class AllGatherDispatcher final : public TokenDispatcher {
     for (int64_t e = 0; e < E; ++e) counts_part[e] = static_cast<float>(routing.tokens_per_expert_E[e]);
     std::vector<float> all(static_cast<size_t>(S * chunk));
     {
-      dist::CommTimer timer(dist::CommKind::kAllToAll);
+      parallel::CommTimer timer(parallel::CommKind::kAllToAll);
       group_.all_gather<float>(mine, all);
     }
     mine = std::vector<float>();
@@ -96,7 +96,7 @@ class AllGatherDispatcher final : public TokenDispatcher {
     const int64_t T = state.T, H = state.H;
     std::vector<float> all(static_cast<size_t>(group_.size() * T * H));
     {
-      dist::CommTimer timer(dist::CommKind::kAllToAll);
+      parallel::CommTimer timer(parallel::CommKind::kAllToAll);
       group_.all_gather<float>(std::span<const float>(dout_TH, static_cast<size_t>(T * H)), all);
     }
     gather_rows(dy_RH, all.data(), state.gathered_row_R, H);
@@ -116,8 +116,8 @@ class AllGatherDispatcher final : public TokenDispatcher {
     }
     std::vector<float> mine(static_cast<size_t>(T * E));
     {
-      dist::CommTimer timer(dist::CommKind::kAllToAll);
-      group_.reduce_scatter<float>(all, mine, dist::ReduceOp::kSum);
+      parallel::CommTimer timer(parallel::CommKind::kAllToAll);
+      group_.reduce_scatter<float>(all, mine, parallel::ReduceOp::kSum);
     }
     for (int64_t i = 0; i < T * E; ++i) dprobs_TE[i] += mine[i];
   }
@@ -130,20 +130,20 @@ class AllGatherDispatcher final : public TokenDispatcher {
     scatter_add_rows(all.data(), S * T, rows_RH, state.gathered_row_R, H);
     std::vector<float> mine(static_cast<size_t>(T * H));
     {
-      dist::CommTimer timer(dist::CommKind::kAllToAll);
-      group_.reduce_scatter<float>(all, mine, dist::ReduceOp::kSum);
+      parallel::CommTimer timer(parallel::CommKind::kAllToAll);
+      group_.reduce_scatter<float>(all, mine, parallel::ReduceOp::kSum);
     }
     for (int64_t i = 0; i < T * H; ++i) out_TH[i] += mine[i];
   }
 
   int64_t E_, El_, first_expert_;
-  dist::ProcessGroup group_;
+  parallel::ProcessGroup group_;
 };
 
 }  // namespace
 
 std::unique_ptr<TokenDispatcher> make_allgather_dispatcher(const int64_t num_experts,
-                                                           const dist::ParallelState &parallel) {
+                                                           const parallel::ParallelState &parallel) {
   return std::make_unique<AllGatherDispatcher>(num_experts, parallel);
 }
 

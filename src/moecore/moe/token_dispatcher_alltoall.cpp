@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/comm_stats.h"
+#include "moecore/parallel/comm_stats.h"
 #include "moecore/moe/token_dispatcher_internal.h"
 
 namespace moecore::detail {
@@ -34,7 +34,7 @@ int64_t total(const std::vector<size_t> &rows) {
 
 class AllToAllDispatcher final : public TokenDispatcher {
  public:
-  AllToAllDispatcher(const int64_t num_experts, const dist::ParallelState &parallel)
+  AllToAllDispatcher(const int64_t num_experts, const parallel::ParallelState &parallel)
       : E_(num_experts),
         El_(num_experts / parallel.ep_size()),
         ep_(parallel.ep),
@@ -66,13 +66,13 @@ class AllToAllDispatcher final : public TokenDispatcher {
       state.ep_send_rows[static_cast<size_t>(e / El_)] += static_cast<size_t>(rows);
     }
     {
-      dist::CommTimer timer(dist::CommKind::kAllToAll);
+      parallel::CommTimer timer(parallel::CommKind::kAllToAll);
       state.ep_recv_rows = ep_.exchange_counts(state.ep_send_rows);
     }
     std::vector<float> etp_rows(static_cast<size_t>(ETP));
     {
       const float received = static_cast<float>(total(state.ep_recv_rows));
-      dist::CommTimer timer(dist::CommKind::kAllToAll);
+      parallel::CommTimer timer(parallel::CommKind::kAllToAll);
       etp_.all_gather<float>(std::span<const float>(&received, 1), etp_rows);
     }
     state.etp_rows.assign(etp_rows.begin(), etp_rows.end());
@@ -168,7 +168,7 @@ class AllToAllDispatcher final : public TokenDispatcher {
     const int64_t M = state.etp_max_rows, ETP = etp_.size();
     std::vector<float> received(static_cast<size_t>(M * W), 0.0f);
     std::vector<float> gathered(static_cast<size_t>(ETP * M * W));
-    dist::CommTimer timer(dist::CommKind::kAllToAll);
+    parallel::CommTimer timer(parallel::CommKind::kAllToAll);
     ep_.all_to_all_v<float>(rows_LW, scaled(state.ep_send_rows, W),
                             std::span<float>(received.data(), static_cast<size_t>(total(state.ep_recv_rows) * W)),
                             scaled(state.ep_recv_rows, W));
@@ -182,8 +182,8 @@ class AllToAllDispatcher final : public TokenDispatcher {
     const int64_t M = state.etp_max_rows;
     std::vector<float> reduced(static_cast<size_t>(M * W));
     std::vector<float> rows_LW(state.sent_token_L.size() * static_cast<size_t>(W));
-    dist::CommTimer timer(dist::CommKind::kAllToAll);
-    etp_.reduce_scatter<float>(gathered, reduced, dist::ReduceOp::kSum);
+    parallel::CommTimer timer(parallel::CommKind::kAllToAll);
+    etp_.reduce_scatter<float>(gathered, reduced, parallel::ReduceOp::kSum);
     ep_.all_to_all_v<float>(std::span<const float>(reduced.data(), static_cast<size_t>(total(state.ep_recv_rows) * W)),
                             scaled(state.ep_recv_rows, W), rows_LW, scaled(state.ep_send_rows, W));
     return rows_LW;
@@ -202,14 +202,14 @@ class AllToAllDispatcher final : public TokenDispatcher {
   }
 
   int64_t E_, El_;
-  dist::ProcessGroup ep_, etp_;
+  parallel::ProcessGroup ep_, etp_;
   int tp_ep_rank_;
 };
 
 }  // namespace
 
 std::unique_ptr<TokenDispatcher> make_alltoall_dispatcher(const int64_t num_experts,
-                                                          const dist::ParallelState &parallel) {
+                                                          const parallel::ParallelState &parallel) {
   return std::make_unique<AllToAllDispatcher>(num_experts, parallel);
 }
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/parallel_state.h"
+#include "moecore/parallel/parallel_state.h"
 #include "moecore/moe/router.h"
 #include "moecore/moe/token_dispatcher.h"
 
@@ -49,7 +49,7 @@ int64_t append_expert_rows(const MapT* map_TE, const float* probs_TE, const int6
   return routed;
 }
 
-std::unique_ptr<TokenDispatcher> make_allgather_dispatcher(int64_t num_experts, const dist::ParallelState& parallel);
-std::unique_ptr<TokenDispatcher> make_alltoall_dispatcher(int64_t num_experts, const dist::ParallelState& parallel);
+std::unique_ptr<TokenDispatcher> make_allgather_dispatcher(int64_t num_experts, const parallel::ParallelState& parallel);
+std::unique_ptr<TokenDispatcher> make_alltoall_dispatcher(int64_t num_experts, const parallel::ParallelState& parallel);
 
 }  // namespace moecore::detail

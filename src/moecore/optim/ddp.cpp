@@ -7,14 +7,14 @@
 #include <stdexcept>
 #include <string>
 
-#include "moecore/dist/comm_stats.h"
+#include "moecore/parallel/comm_stats.h"
 #include "moecore/kernels/cpu/elementwise.h"
 
 namespace moecore {
 namespace {
 
-using dist::CommKind;
-using dist::CommTimer;
+using parallel::CommKind;
+using parallel::CommTimer;
 
 // Every param starts on a 64-byte boundary, as its own storage would: kernels see the same alignment either way.
 constexpr int64_t kParamAlign = 16;
@@ -23,7 +23,7 @@ int64_t align_up(const int64_t x, const int64_t a) { return (x + a - 1) / a * a;
 
 }  // namespace
 
-DistributedDataParallel::DistributedDataParallel(std::vector<Param>& params, const dist::ParallelState& parallel,
+DistributedDataParallel::DistributedDataParallel(std::vector<Param>& params, const parallel::ParallelState& parallel,
                                                  const DdpOptions& options)
     : params_(params), parallel_(parallel), options_(options) {
   if (options_.overlap_param_gather && !options_.use_distributed_optimizer) {
@@ -149,7 +149,7 @@ void DistributedDataParallel::tp_sum(const int param_index) {
   Param& p = params_[static_cast<size_t>(param_index)];
   if (!p.grad_sum_over_tp || p.is_expert || parallel_.tp.size() == 1) return;
   const CommTimer timer(CommKind::kGradReduce);
-  parallel_.tp.all_reduce(p.grad.span<float>(), dist::ReduceOp::kSum);
+  parallel_.tp.all_reduce(p.grad.span<float>(), parallel::ReduceOp::kSum);
 }
 
 void DistributedDataParallel::launch(const int bucket_index) {
@@ -166,9 +166,9 @@ void DistributedDataParallel::launch(const int bucket_index) {
   if (dp_cp > 1) kernels::cpu::scale_inplace(data, 1.0f / static_cast<float>(dp_cp), static_cast<int64_t>(n));
   if (options_.use_distributed_optimizer) {
     b.grad_work =
-        g.pg.reduce_scatter_async(std::span<const float>(data, n), b.comm_shard.span<float>(), dist::ReduceOp::kSum);
+        g.pg.reduce_scatter_async(std::span<const float>(data, n), b.comm_shard.span<float>(), parallel::ReduceOp::kSum);
   } else {
-    b.grad_work = g.pg.all_reduce_async(std::span<float>(data, n), dist::ReduceOp::kSum);
+    b.grad_work = g.pg.all_reduce_async(std::span<float>(data, n), parallel::ReduceOp::kSum);
   }
   b.grad_launched = true;
 }

@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "moecore/dist/parallel_state.h"
-#include "moecore/dist/process_group.h"
+#include "moecore/parallel/parallel_state.h"
+#include "moecore/parallel/process_group.h"
 #include "moecore/model/model_hooks.h"
 #include "moecore/model/param.h"
 
@@ -36,8 +36,8 @@ class DistributedDataParallel : public ModelHooks {
     std::vector<int> params;   // indices into the params vector, in buffer order
     std::vector<int> modules;  // sorted, unique
     Tensor comm_shard;         // distributed optimizer: reduce-scatter output and all-gather input [shard_size]
-    dist::Work grad_work;
-    dist::Work param_work;
+    parallel::Work grad_work;
+    parallel::Work param_work;
     bool grad_launched = false;
     bool param_in_flight = false;
   };
@@ -50,7 +50,7 @@ class DistributedDataParallel : public ModelHooks {
   };
   struct Group {
     bool expert = false;
-    dist::ProcessGroup pg = dist::ProcessGroup::self();  // the gradient-reduction group
+    parallel::ProcessGroup pg = parallel::ProcessGroup::self();  // the gradient-reduction group
     Tensor grad_buffer;                                  // [numel], kGrads
     Tensor param_buffer;                                 // [numel], kParams (distributed optimizer only)
     std::vector<int> buckets;
@@ -58,7 +58,7 @@ class DistributedDataParallel : public ModelHooks {
 
   // Rebinds every Param::grad (and with the distributed optimizer Param::value) to views of the flat buffers,
   // copying the current contents. `params` must outlive this object and keep its size.
-  DistributedDataParallel(std::vector<Param>& params, const dist::ParallelState& parallel, const DdpOptions& options);
+  DistributedDataParallel(std::vector<Param>& params, const parallel::ParallelState& parallel, const DdpOptions& options);
   ~DistributedDataParallel() override;
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
@@ -82,7 +82,7 @@ class DistributedDataParallel : public ModelHooks {
   void wait_param_gather();
 
   const DdpOptions& options() const { return options_; }
-  const dist::ParallelState& parallel() const { return parallel_; }
+  const parallel::ParallelState& parallel() const { return parallel_; }
   std::vector<Param>& params() { return params_; }
   const std::vector<Group>& groups() const { return groups_; }
   std::vector<Group>& groups() { return groups_; }
@@ -99,7 +99,7 @@ class DistributedDataParallel : public ModelHooks {
   void reset_round();
 
   std::vector<Param>& params_;
-  dist::ParallelState parallel_;
+  parallel::ParallelState parallel_;
   DdpOptions options_;
   int64_t bucket_size_ = 0;  // 0: unlimited
   std::vector<Group> groups_;

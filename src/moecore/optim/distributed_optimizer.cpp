@@ -5,7 +5,7 @@
 #include <span>
 #include <stdexcept>
 
-#include "moecore/dist/comm_stats.h"
+#include "moecore/parallel/comm_stats.h"
 #include "moecore/kernels/cpu/adamw.h"
 #include "moecore/kernels/cpu/elementwise.h"
 
@@ -34,7 +34,7 @@ DistributedAdamW::DistributedAdamW(DistributedDataParallel& ddp, std::vector<Par
 }
 
 bool DistributedAdamW::counted_in_norm(const Param& p) const {
-  const dist::ParallelState& ps = ddp_.parallel();
+  const parallel::ParallelState& ps = ddp_.parallel();
   const bool sharded = ddp_.options().use_distributed_optimizer;  // shards are disjoint over the DP group
   if (p.is_expert) return (sharded || ps.edp.rank() == 0) && (p.tensor_sharded() || ps.etp.rank() == 0);
   return (sharded || ps.dp_cp.rank() == 0) && (p.tensor_sharded() || ps.tp.rank() == 0);
@@ -56,10 +56,10 @@ double DistributedAdamW::grad_norm() const {
       sum += kernels::cpu::sum_squares(grad, piece.numel);
     }
   }
-  const dist::ProcessGroup& world = ddp_.parallel().world;
+  const parallel::ProcessGroup& world = ddp_.parallel().world;
   if (world.size() > 1) {
-    const dist::CommTimer timer(dist::CommKind::kOther);
-    sum = dist::sum_double(world, sum);
+    const parallel::CommTimer timer(parallel::CommKind::kOther);
+    sum = parallel::sum_double(world, sum);
   }
   return std::sqrt(sum);
 }

@@ -89,7 +89,7 @@ struct FlagValue {
   int64_t unsupported_parallel_size(const char* what) const {
     const int64_t size = parallel_size();
     if (size > 1) {
-      throw ConfigError(std::string(flag) + " > 1 is not implemented yet (" + what + " comes in a later issue)");
+      throw ConfigError(std::string(flag) + " > 1 is not implemented yet (moecore does not run " + what + ")");
     }
     return size;
   }

@@ -51,7 +51,7 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/parallel_layout.h"
+#include "moecore/parallel/parallel_layout.h"
 #include "moecore/model/config.h"
 #include "moecore/optim/lr_schedule.h"
 

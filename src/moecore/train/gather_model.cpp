@@ -7,13 +7,13 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/comm_stats.h"
+#include "moecore/parallel/comm_stats.h"
 
 namespace moecore {
 namespace {
 
 // The one-process tensor from the shards of every rank of `group` (all-gathered; shard index = group rank).
-std::vector<float> gather_shards(const Param& p, const dist::ProcessGroup& group) {
+std::vector<float> gather_shards(const Param& p, const parallel::ProcessGroup& group) {
   const auto n = static_cast<size_t>(p.value.numel());
   const auto size = static_cast<size_t>(group.size());
   std::vector<float> all(n * size);
@@ -39,8 +39,8 @@ int64_t expert_of(const std::string& name) {
 }  // namespace
 
 std::unique_ptr<GPTModel> gather_full_model(const GPTModel& model, const uint64_t seed) {
-  const dist::ParallelState& par = model.parallel();
-  const dist::CommTimer timer(dist::CommKind::kOther);
+  const parallel::ParallelState& par = model.parallel();
+  const parallel::CommTimer timer(parallel::CommKind::kOther);
   // Phase 1 (collectives only, in parameter order on every rank): assemble each tensor-parallel shard.
   std::map<std::string, std::vector<float>> full_values;
   std::vector<const std::vector<float>*> to_send;  // this rank's experts, in order, when it sends them

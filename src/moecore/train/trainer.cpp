@@ -14,7 +14,7 @@
 
 #include "moecore/ckpt/hf_checkpoint.h"
 #include "moecore/data/data_loader.h"
-#include "moecore/dist/comm_stats.h"
+#include "moecore/parallel/comm_stats.h"
 #include "moecore/model/gpt_model.h"
 #include "moecore/optim/adamw_optimizer.h"
 #include "moecore/optim/ddp.h"
@@ -37,7 +37,7 @@ double seconds_since(const Clock::time_point start) {
 }
 
 // Current and peak bytes per category, each the maximum over the ranks (collective).
-std::string memory_report(const int64_t iteration, const dist::ParallelState& parallel) {
+std::string memory_report(const int64_t iteration, const parallel::ParallelState& parallel) {
   const MemoryTracker& mem = MemoryTracker::instance();
   const std::vector<MemCategory> categories{MemCategory::kParams, MemCategory::kGrads, MemCategory::kOptimizer,
                                             MemCategory::kActivations, MemCategory::kOther};
@@ -47,7 +47,7 @@ std::string memory_report(const int64_t iteration, const dist::ParallelState& pa
     mb.push_back(static_cast<float>(mem.peak(c)) / (1024.0f * 1024.0f));
   }
   mb.push_back(static_cast<float>(mem.peak_total()) / (1024.0f * 1024.0f));
-  parallel.world.all_reduce(std::span<float>(mb), dist::ReduceOp::kMax);
+  parallel.world.all_reduce(std::span<float>(mb), parallel::ReduceOp::kMax);
   std::ostringstream out;
   out << std::fixed << std::setprecision(1);
   out << "[Rank 0] (after " << iteration << " iterations) memory (MB"
@@ -61,19 +61,19 @@ std::string memory_report(const int64_t iteration, const dist::ParallelState& pa
 
 // Seconds per iteration in each communication kind since the last report, the maximum over the ranks, with the
 // share of the iteration time (collective).
-std::string comm_report(const double seconds_per_iter, const int64_t iterations, const dist::ParallelState& parallel) {
-  constexpr auto kKinds = static_cast<size_t>(dist::CommKind::kCount);
+std::string comm_report(const double seconds_per_iter, const int64_t iterations, const parallel::ParallelState& parallel) {
+  constexpr auto kKinds = static_cast<size_t>(parallel::CommKind::kCount);
   std::vector<float> seconds(kKinds);
   for (size_t k = 0; k < kKinds; ++k) {
-    seconds[k] = static_cast<float>(dist::CommStats::instance().seconds(static_cast<dist::CommKind>(k)));
+    seconds[k] = static_cast<float>(parallel::CommStats::instance().seconds(static_cast<parallel::CommKind>(k)));
   }
-  parallel.world.all_reduce(std::span<float>(seconds), dist::ReduceOp::kMax);
-  dist::CommStats::instance().reset();
+  parallel.world.all_reduce(std::span<float>(seconds), parallel::ReduceOp::kMax);
+  parallel::CommStats::instance().reset();
   std::ostringstream out;
   out << std::fixed << std::setprecision(1) << " [comm] per iteration, max over ranks (ms / share of step):";
   for (size_t k = 0; k < kKinds; ++k) {
     const double ms = 1000.0 * seconds[k] / static_cast<double>(iterations);
-    out << " " << dist::comm_kind_name(static_cast<dist::CommKind>(k)) << " " << ms << " / "
+    out << " " << parallel::comm_kind_name(static_cast<parallel::CommKind>(k)) << " " << ms << " / "
         << (seconds_per_iter > 0 ? 100.0 * ms / (1000.0 * seconds_per_iter) : 0.0) << "% |";
   }
   return out.str();
@@ -81,7 +81,7 @@ std::string comm_report(const double seconds_per_iter, const int64_t iterations,
 
 // This rank's MoE statistics turned into the global ones: losses summed over tp-cp (each rank holds its share)
 // and averaged over DP, token counts summed over every rank (collective).
-void reduce_moe_stats(MoEStats& stats, const dist::ParallelState& parallel) {
+void reduce_moe_stats(MoEStats& stats, const parallel::ParallelState& parallel) {
   if (parallel.world.size() == 1 || stats.moe_layers.empty()) return;
   std::vector<float> flat;
   for (size_t l = 0; l < stats.moe_layers.size(); ++l) {
@@ -90,8 +90,8 @@ void reduce_moe_stats(MoEStats& stats, const dist::ParallelState& parallel) {
     for (const int64_t c : stats.tokens_per_expert[l]) flat.push_back(static_cast<float>(c));
   }
   {
-    const dist::CommTimer timer(dist::CommKind::kOther);
-    parallel.world.all_reduce(std::span<float>(flat), dist::ReduceOp::kSum);
+    const parallel::CommTimer timer(parallel::CommKind::kOther);
+    parallel.world.all_reduce(std::span<float>(flat), parallel::ReduceOp::kSum);
   }
   const auto dp = static_cast<double>(parallel.dp_size());
   size_t i = 0;
@@ -114,10 +114,10 @@ double one_process_parameter_count(const GPTModel& model) {
 }
 
 // Sum of `value` over the data-parallel group (every TP rank of a replica holds the same value).
-double dp_sum(const double value, const dist::ParallelState& parallel) {
+double dp_sum(const double value, const parallel::ParallelState& parallel) {
   if (parallel.dp_size() == 1) return value;
-  const dist::CommTimer timer(dist::CommKind::kOther);
-  return dist::sum_double(parallel.dp_cp, value);
+  const parallel::CommTimer timer(parallel::CommKind::kOther);
+  return parallel::sum_double(parallel.dp_cp, value);
 }
 
 // Trains on sample indices [consumed, consumed + global batch) of the train split, one micro-batch at a time.
@@ -129,7 +129,7 @@ struct Loop {
   DistributedDataParallel& ddp;
   const GPTDataProvider& data;
   std::ostream& log;
-  const dist::ParallelState& parallel;
+  const parallel::ParallelState& parallel;
 
   int64_t dp() const { return parallel.dp_size(); }
   int64_t num_microbatches() const { return args.global_batch_size / args.micro_batch_size; }  // all DP ranks
@@ -225,18 +225,18 @@ double unigram_baseline(const GPTDataProvider& data, const int64_t vocab, const 
 }  // namespace
 
 TrainResult run_training(const TrainingArgs& args, std::ostream& log) {
-  return run_training(args, log, dist::ParallelState::single_process());
+  return run_training(args, log, parallel::ParallelState::single_process());
 }
 
-dist::ParallelState make_parallel_state(const TrainingArgs& args) {
-  if (!dist::launched_by_mpi()) {
+parallel::ParallelState make_parallel_state(const TrainingArgs& args) {
+  if (!parallel::launched_by_mpi()) {
     if (args.world_size != 1) throw ConfigError("a layout of several ranks needs mpirun");
-    return dist::ParallelState::single_process();
+    return parallel::ParallelState::single_process();
   }
-  return dist::ParallelState::create(parallel_sizes(args), args.sequence_parallel, dist::ProcessGroup::world());
+  return parallel::ParallelState::create(parallel_sizes(args), args.sequence_parallel, parallel::ProcessGroup::world());
 }
 
-TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, const dist::ParallelState& parallel,
+TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, const parallel::ParallelState& parallel,
                          const FullModelCallback& on_full_model) {
   if (args.threads > 0) omp_set_num_threads(static_cast<int>(args.threads));
   if (parallel.world.size() != args.world_size) {
@@ -342,7 +342,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   }
 
   log << "> training ..." << std::endl;
-  dist::CommStats::instance().reset();  // communication of the training iterations only
+  parallel::CommStats::instance().reset();  // communication of the training iterations only
   int64_t consumed = 0;
   double interval_loss = 0.0;
   int64_t interval_iters = 0;

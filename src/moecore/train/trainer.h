@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "moecore/dist/parallel_state.h"
+#include "moecore/parallel/parallel_state.h"
 #include "moecore/model/gpt_model.h"
 #include "moecore/train/arguments.h"
 
@@ -34,13 +34,13 @@ using FullModelCallback = std::function<void(const GPTModel&)>;
 
 // Runs the whole training described by `args` over `parallel` (every rank of the layout calls it), logging to
 // `log` on world rank 0 only.
-TrainResult run_training(const TrainingArgs& args, std::ostream& log, const dist::ParallelState& parallel,
+TrainResult run_training(const TrainingArgs& args, std::ostream& log, const parallel::ParallelState& parallel,
                          const FullModelCallback& on_full_model = {});
 // One process.
 TrainResult run_training(const TrainingArgs& args, std::ostream& log);
 
 // The ParallelState for `args` in this process: single_process() without an MPI launcher, else the layout's
 // communicators over MPI's world (collective).
-dist::ParallelState make_parallel_state(const TrainingArgs& args);
+parallel::ParallelState make_parallel_state(const TrainingArgs& args);
 
 }  // namespace moecore

@@ -1,10 +1,10 @@
-#include "moecore/dist/parallel_state.h"
+#include "moecore/parallel/parallel_state.h"
 
 #include <algorithm>
 #include <cstdlib>
 #include <string>
 
-namespace moecore::dist {
+namespace moecore::parallel {
 namespace {
 
 // The communicator of `rank`'s group among `groups`, members in the group's listed order.
@@ -52,4 +52,4 @@ bool launched_by_mpi() {
   return false;
 }
 
-}  // namespace moecore::dist
+}  // namespace moecore::parallel

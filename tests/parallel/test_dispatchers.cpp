@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/mpi_runtime.h"
-#include "moecore/dist/parallel_state.h"
-#include "moecore/dist/process_group.h"
+#include "moecore/parallel/mpi_runtime.h"
+#include "moecore/parallel/parallel_state.h"
+#include "moecore/parallel/process_group.h"
 #include "moecore/moe/token_dispatcher.h"
 
 namespace {
@@ -27,10 +27,10 @@ using moecore::ParallelSizes;
 using moecore::RouterOutput;
 using moecore::Tensor;
 using moecore::TokenDispatcherType;
-using moecore::dist::MpiRuntime;
-using moecore::dist::ParallelState;
-using moecore::dist::ProcessGroup;
-using moecore::dist::ReduceOp;
+using moecore::parallel::MpiRuntime;
+using moecore::parallel::ParallelState;
+using moecore::parallel::ProcessGroup;
+using moecore::parallel::ReduceOp;
 
 int g_rank = 0;
 int g_check_failures = 0;

@@ -1,4 +1,4 @@
-#include "moecore/dist/parallel_layout.h"
+#include "moecore/parallel/parallel_layout.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -1,4 +1,4 @@
-#include "moecore/dist/layout_command.h"
+#include "moecore/parallel/layout_command.h"
 
 #include <algorithm>
 #include <charconv>

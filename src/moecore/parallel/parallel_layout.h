@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/rank_generator.h"
+#include "moecore/parallel/rank_generator.h"
 
 namespace moecore {
 

@@ -4,8 +4,8 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/layout_command.h"
-#include "moecore/dist/parallel_layout.h"
+#include "moecore/parallel/layout_command.h"
+#include "moecore/parallel/parallel_layout.h"
 
 namespace moecore {
 namespace {

@@ -5,7 +5,7 @@
 #include <stdexcept>
 #include <string>
 
-namespace moecore::dist {
+namespace moecore::parallel {
 
 // Every failure of a collective or point-to-point operation: an MPI error (with MPI's error string), or
 // arguments that are invalid or that disagree across the ranks of a group. Thrown on every rank involved.
@@ -37,4 +37,4 @@ class MpiRuntime {
   bool owns_mpi_ = false;
 };
 
-}  // namespace moecore::dist
+}  // namespace moecore::parallel

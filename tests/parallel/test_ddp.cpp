@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/parallel_state.h"
-#include "moecore/dist/process_group.h"
+#include "moecore/parallel/parallel_state.h"
+#include "moecore/parallel/process_group.h"
 #include "moecore/optim/adamw_optimizer.h"
 #include "moecore/optim/ddp.h"
 #include "moecore/optim/distributed_optimizer.h"
@@ -31,7 +31,7 @@ using moecore::MemoryTracker;
 using moecore::ParallelSizes;
 using moecore::Param;
 using moecore::ParamShard;
-namespace dist = moecore::dist;
+namespace parallel = moecore::parallel;
 
 int g_rank = 0;
 int g_check_failures = 0;
@@ -154,9 +154,9 @@ double rel_diff(const double a, const double b) { return std::abs(a - b) / std::
 
 // One training run of `config` on `layout`; returns through check().
 void run_case(const Layout& layout, const Config& config) {
-  const dist::ParallelState ps = layout.sizes.world_size == 1 && !dist::launched_by_mpi()
-                                     ? dist::ParallelState::single_process()
-                                     : dist::ParallelState::create(layout.sizes, false, dist::ProcessGroup::world());
+  const parallel::ParallelState ps = layout.sizes.world_size == 1 && !parallel::launched_by_mpi()
+                                     ? parallel::ParallelState::single_process()
+                                     : parallel::ParallelState::create(layout.sizes, false, parallel::ProcessGroup::world());
   const int tp = ps.tp_size(), etp = ps.etp_size(), ep = ps.ep_size();
   const int dp_cp = ps.dp_cp.size(), edp = ps.edp.size();
 
@@ -297,11 +297,11 @@ DdpOptions options_of(const int64_t bucket_size, const bool overlap_grad, const 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::unique_ptr<dist::MpiRuntime> mpi;
+  std::unique_ptr<parallel::MpiRuntime> mpi;
   int world_size = 1;
-  if (dist::launched_by_mpi()) {
-    mpi = std::make_unique<dist::MpiRuntime>(&argc, &argv);
-    const dist::ProcessGroup world = dist::ProcessGroup::world();
+  if (parallel::launched_by_mpi()) {
+    mpi = std::make_unique<parallel::MpiRuntime>(&argc, &argv);
+    const parallel::ProcessGroup world = parallel::ProcessGroup::world();
     g_rank = world.rank();
     world_size = world.size();
   }
@@ -346,7 +346,7 @@ int main(int argc, char** argv) {
       }
       // A case fails when any rank failed.
       std::vector<float> flag{static_cast<float>(g_check_failures > 0)};
-      if (world_size > 1) dist::ProcessGroup::world().all_reduce(std::span<float>(flag), dist::ReduceOp::kMax);
+      if (world_size > 1) parallel::ProcessGroup::world().all_reduce(std::span<float>(flag), parallel::ReduceOp::kMax);
       const bool ok = flag[0] == 0.0f;
       (ok ? passed : failed) += 1;
       if (g_rank == 0) std::printf("%s %s/%s\n", ok ? "PASS" : "FAIL", layout.name.c_str(), config.name.c_str());

@@ -1,6 +1,6 @@
-#include "moecore/dist/comm_stats.h"
+#include "moecore/parallel/comm_stats.h"
 
-namespace moecore::dist {
+namespace moecore::parallel {
 
 const char* comm_kind_name(const CommKind kind) {
   switch (kind) {
@@ -19,4 +19,4 @@ CommStats& CommStats::instance() {
   return stats;
 }
 
-}  // namespace moecore::dist
+}  // namespace moecore::parallel

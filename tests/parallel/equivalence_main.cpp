@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/mpi_runtime.h"
-#include "moecore/dist/parallel_state.h"
+#include "moecore/parallel/mpi_runtime.h"
+#include "moecore/parallel/parallel_state.h"
 #include "moecore/train/arguments.h"
 #include "moecore/train/trainer.h"
 
@@ -140,15 +140,15 @@ int main(int argc, char** argv) {
   const bool reference = args[0] == "--out";
   const std::string path = args[1];
   const std::vector<std::string> train_args(args.begin() + 3, args.end());
-  std::optional<moecore::dist::MpiRuntime> mpi;
+  std::optional<moecore::parallel::MpiRuntime> mpi;
   int world_size = 1;
-  if (moecore::dist::launched_by_mpi()) {
+  if (moecore::parallel::launched_by_mpi()) {
     mpi.emplace(&argc, &argv);
-    world_size = moecore::dist::ProcessGroup::world().size();
+    world_size = moecore::parallel::ProcessGroup::world().size();
   }
   try {
     const moecore::TrainingArgs parsed = moecore::parse_train_args(train_args, world_size);
-    const moecore::dist::ParallelState parallel = moecore::make_parallel_state(parsed);
+    const moecore::parallel::ParallelState parallel = moecore::make_parallel_state(parsed);
     Snapshot got;
     std::ostringstream log;
     const moecore::TrainResult result =
@@ -165,7 +165,7 @@ int main(int argc, char** argv) {
     return failures == 0 ? 0 : 1;
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << '\n';
-    if (world_size > 1) moecore::dist::abort_world(1);
+    if (world_size > 1) moecore::parallel::abort_world(1);
     return 1;
   }
 }

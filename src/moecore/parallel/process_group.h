@@ -18,9 +18,9 @@
 #include <span>
 #include <vector>
 
-#include "moecore/dist/mpi_runtime.h"
+#include "moecore/parallel/mpi_runtime.h"
 
-namespace moecore::dist {
+namespace moecore::parallel {
 
 template <typename T>
 concept CommElement = std::same_as<T, float> || std::same_as<T, uint16_t>;  // uint16_t: bf16 bits
@@ -113,4 +113,4 @@ class ProcessGroup {
 // value (the collectives themselves reduce in fp32).
 double sum_double(const ProcessGroup& group, double value);
 
-}  // namespace moecore::dist
+}  // namespace moecore::parallel

@@ -1,11 +1,11 @@
-#include "moecore/dist/mpi_runtime.h"
+#include "moecore/parallel/mpi_runtime.h"
 
 #include <cstdlib>
 
 #define OMPI_SKIP_MPICXX 1  // the C API only: OpenMPI's deprecated C++ bindings warn under -Wextra
 #include <mpi.h>
 
-namespace moecore::dist {
+namespace moecore::parallel {
 
 namespace {
 
@@ -52,4 +52,4 @@ void abort_world(const int code) {
   std::exit(code);
 }
 
-}  // namespace moecore::dist
+}  // namespace moecore::parallel

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/parallel_layout.h"
+#include "moecore/parallel/parallel_layout.h"
 
 namespace moecore {
 

@@ -1,4 +1,4 @@
-#include "moecore/dist/rank_generator.h"
+#include "moecore/parallel/rank_generator.h"
 
 #include <algorithm>
 #include <array>

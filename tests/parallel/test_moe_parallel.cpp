@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/parallel_state.h"
-#include "moecore/dist/process_group.h"
+#include "moecore/parallel/parallel_state.h"
+#include "moecore/parallel/process_group.h"
 #include "moecore/model/param.h"
 #include "moecore/moe/moe_layer.h"
 #include "moecore/tensor/rng.h"
@@ -26,9 +26,9 @@
 namespace {
 
 using namespace moecore;
-using dist::ParallelState;
-using dist::ProcessGroup;
-using dist::ReduceOp;
+using parallel::ParallelState;
+using parallel::ProcessGroup;
+using parallel::ReduceOp;
 
 constexpr double kRtol = 1e-5;
 constexpr uint64_t kSeed = 1234, kKey = 77;
@@ -333,7 +333,7 @@ std::string run_case(const Case& c, const Layout& layout, const ProcessGroup& wo
 }  // namespace
 
 int main(int argc, char** argv) {
-  const dist::MpiRuntime mpi(&argc, &argv);
+  const parallel::MpiRuntime mpi(&argc, &argv);
   int failed_total = 0;
   try {
     const ProcessGroup world = ProcessGroup::world();

@@ -7,7 +7,7 @@
 #include <chrono>
 #include <cstdint>
 
-namespace moecore::dist {
+namespace moecore::parallel {
 
 enum class CommKind : uint8_t {
   kAllToAll,        // MoE token dispatch and combine (all-to-all, or the allgather dispatcher's gather / scatter)
@@ -45,4 +45,4 @@ class CommTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
-}  // namespace moecore::dist
+}  // namespace moecore::parallel

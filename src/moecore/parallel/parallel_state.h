@@ -2,10 +2,10 @@
 // from a ParallelLayout. A run started without mpirun gets single_process(): every group is ProcessGroup::self().
 #pragma once
 
-#include "moecore/dist/parallel_layout.h"
-#include "moecore/dist/process_group.h"
+#include "moecore/parallel/parallel_layout.h"
+#include "moecore/parallel/process_group.h"
 
-namespace moecore::dist {
+namespace moecore::parallel {
 
 struct ParallelState {
   ParallelLayout layout{ParallelSizes{}};
@@ -41,4 +41,4 @@ struct ParallelState {
 // True when this process was started by an MPI launcher (mpirun / srun set the PMI / OMPI environment).
 bool launched_by_mpi();
 
-}  // namespace moecore::dist
+}  // namespace moecore::parallel

@@ -1,4 +1,4 @@
-#include "moecore/dist/process_group.h"
+#include "moecore/parallel/process_group.h"
 
 #define OMPI_SKIP_MPICXX 1  // the C API only: OpenMPI's deprecated C++ bindings warn under -Wextra
 #include <mpi.h>
@@ -15,7 +15,7 @@
 
 #include "moecore/tensor/dtype.h"
 
-namespace moecore::dist {
+namespace moecore::parallel {
 
 struct ProcessGroup::Comm {
   MPI_Comm handle = MPI_COMM_NULL;
@@ -616,4 +616,4 @@ MOECORE_INSTANTIATE(float)
 MOECORE_INSTANTIATE(uint16_t)
 #undef MOECORE_INSTANTIATE
 
-}  // namespace moecore::dist
+}  // namespace moecore::parallel

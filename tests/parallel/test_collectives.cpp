@@ -1,4 +1,4 @@
-// Collectives of moecore::dist::ProcessGroup checked against single-process computations: every rank builds
+// Collectives of moecore::parallel::ProcessGroup checked against single-process computations: every rank builds
 // deterministic inputs from its rank, and computes the expected result locally from all ranks' inputs.
 // Runs as one process or under mpirun; prints one line per test and "N passed, M failed" (rank 0), exits non-zero
 // on any failure on any rank.
@@ -9,18 +9,18 @@
 #include <string>
 #include <vector>
 
-#include "moecore/dist/process_group.h"
+#include "moecore/parallel/process_group.h"
 #include "moecore/tensor/dtype.h"
 
 namespace {
 
 using moecore::bf16_to_fp32;
 using moecore::fp32_to_bf16;
-using moecore::dist::CommError;
-using moecore::dist::MpiRuntime;
-using moecore::dist::ProcessGroup;
-using moecore::dist::ReduceOp;
-using moecore::dist::Work;
+using moecore::parallel::CommError;
+using moecore::parallel::MpiRuntime;
+using moecore::parallel::ProcessGroup;
+using moecore::parallel::ReduceOp;
+using moecore::parallel::Work;
 
 int g_rank = 0;
 int g_check_failures = 0;  // failed checks in the current test on this rank
