@@ -6,6 +6,7 @@
 #include <string>
 
 #include "moecore/moe/moe_config.h"
+#include "moecore/ops/activation.h"
 
 namespace moecore {
 
@@ -16,7 +17,7 @@ class ConfigError : public std::runtime_error {
 };
 
 enum class Normalization { kLayerNorm, kRMSNorm };
-enum class Activation { kGelu, kSwiGLU, kSquaredReLU };
+using ops::Activation;
 enum class PositionEmbedding { kLearnedAbsolute, kRope, kNone };
 
 struct ModelConfig {

@@ -22,7 +22,12 @@ bool keep_large_blocks_in_heap() {
 
 }  // namespace
 
-Storage::Storage(const size_t bytes, const MemCategory category) : bytes_(bytes), category_(category) {
+Storage::Storage(const size_t bytes, const MemCategory category, const Device device)
+    : bytes_(bytes), category_(category), device_(device) {
+  if (device != Device::kCPU) {
+    throw std::runtime_error("cannot allocate a tensor on " + std::string(device_name(device)) +
+                             ": this build of moecore has only the CPU device");
+  }
   static const bool heap_configured = keep_large_blocks_in_heap();
   (void)heap_configured;
   const size_t rounded = (bytes + 63) / 64 * 64;
@@ -37,12 +42,12 @@ Storage::~Storage() {
   std::free(data_);
 }
 
-Tensor::Tensor(std::vector<int64_t> shape, const DType dtype, const MemCategory category)
+Tensor::Tensor(std::vector<int64_t> shape, const DType dtype, const MemCategory category, const Device device)
     : shape_(std::move(shape)), dtype_(dtype) {
   for (const int64_t d : shape_) {
     if (d < 0) throw std::invalid_argument("tensor shape has a negative dimension");
   }
-  storage_ = std::make_shared<Storage>(nbytes(), category);
+  storage_ = std::make_shared<Storage>(nbytes(), category, device);
 }
 
 int64_t Tensor::numel() const {
@@ -81,7 +86,7 @@ Tensor Tensor::slice_rows(const int64_t begin, const int64_t end) const {
 
 Tensor Tensor::clone(const MemCategory category) const {
   if (!defined()) throw std::logic_error("clone of an undefined tensor");
-  Tensor out(shape_, dtype_, category);
+  Tensor out(shape_, dtype_, category, device());
   std::memcpy(out.data<std::byte>(), data<std::byte>(), nbytes());
   return out;
 }

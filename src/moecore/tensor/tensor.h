@@ -1,5 +1,6 @@
-// Tensor: a dtype, a row-major shape and a view into shared, tracked storage. Deliberately small:
-// kernels work on raw pointers; Tensor owns memory, knows its shape and reports to the MemoryTracker.
+// Tensor: a dtype, a device, a row-major shape and a view into shared, tracked storage. Deliberately small:
+// kernels work on raw pointers; ops (src/moecore/ops) dispatch on a tensor's device and dtype; Tensor owns
+// memory, knows its shape and reports to the MemoryTracker.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/tensor/device.h"
 #include "moecore/tensor/dtype.h"
 #include "moecore/tensor/memory_tracker.h"
 
@@ -16,7 +18,8 @@ namespace moecore {
 // 64-byte aligned, zero-initialised bytes, counted under one MemCategory for their lifetime.
 class Storage {
  public:
-  Storage(size_t bytes, MemCategory category);
+  // Throws std::runtime_error for a device this build cannot allocate on.
+  Storage(size_t bytes, MemCategory category, Device device = Device::kCPU);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -25,17 +28,20 @@ class Storage {
   const std::byte* data() const { return data_; }
   size_t bytes() const { return bytes_; }
   MemCategory category() const { return category_; }
+  Device device() const { return device_; }
 
  private:
   std::byte* data_;  // owned; freed in the destructor
   size_t bytes_;
   MemCategory category_;
+  Device device_;
 };
 
 class Tensor {
  public:
   Tensor() = default;
-  Tensor(std::vector<int64_t> shape, DType dtype, MemCategory category = MemCategory::kOther);
+  Tensor(std::vector<int64_t> shape, DType dtype, MemCategory category = MemCategory::kOther,
+         Device device = Device::kCPU);
 
   static Tensor zeros(std::vector<int64_t> shape, DType dtype = DType::kF32,
                       MemCategory category = MemCategory::kOther) {
@@ -44,6 +50,7 @@ class Tensor {
 
   bool defined() const { return storage_ != nullptr; }
   DType dtype() const { return dtype_; }
+  Device device() const { return storage_ ? storage_->device() : Device::kCPU; }
   const std::vector<int64_t>& shape() const { return shape_; }
   int64_t dim(int i) const { return shape_.at(static_cast<size_t>(i < 0 ? i + ndim() : i)); }
   int ndim() const { return static_cast<int>(shape_.size()); }

@@ -3,15 +3,24 @@
 
 #include <cstdint>
 
-namespace moecore::kernels::cpu {
+namespace moecore::kernels {
 
-template <typename T>
-void add_inplace(T* y, const T* x, int64_t n);  // y += x
-template <typename T>
-void scale_inplace(T* y, T alpha, int64_t n);  // y *= alpha
-template <typename T>
-double sum_squares(const T* x, int64_t n);  // sum x^2, accumulated in double
-template <typename T>
-bool all_finite(const T* x, int64_t n);
+#define MOECORE_ELEMENTWISE_DECL                                                  \
+  template <typename T>                                                           \
+  void add_inplace(T* y, const T* x, int64_t n); /* y += x */                     \
+  template <typename T>                                                           \
+  void scale_inplace(T* y, T alpha, int64_t n); /* y *= alpha */                  \
+  template <typename T>                                                           \
+  double sum_squares(const T* x, int64_t n); /* sum x^2, accumulated in double */ \
+  template <typename T>                                                           \
+  bool all_finite(const T* x, int64_t n);
 
-}  // namespace moecore::kernels::cpu
+namespace cpu {
+MOECORE_ELEMENTWISE_DECL
+}
+namespace ref {
+MOECORE_ELEMENTWISE_DECL
+}
+#undef MOECORE_ELEMENTWISE_DECL
+
+}  // namespace moecore::kernels

@@ -1,0 +1,42 @@
+// Naive references of elementwise.h.
+#include <cmath>
+
+#include "moecore/kernels/cpu/elementwise.h"
+
+namespace moecore::kernels::ref {
+
+template <typename T>
+void add_inplace(T* y, const T* x, const int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+template <typename T>
+void scale_inplace(T* y, const T alpha, const int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] *= alpha;
+}
+
+template <typename T>
+double sum_squares(const T* x, const int64_t n) {
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i) total += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  return total;
+}
+
+template <typename T>
+bool all_finite(const T* x, const int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(x[i])) return false;
+  }
+  return true;
+}
+
+#define MOECORE_INSTANTIATE(T)                         \
+  template void add_inplace<T>(T*, const T*, int64_t); \
+  template void scale_inplace<T>(T*, T, int64_t);      \
+  template double sum_squares<T>(const T*, int64_t);   \
+  template bool all_finite<T>(const T*, int64_t);
+MOECORE_INSTANTIATE(float)
+MOECORE_INSTANTIATE(double)
+#undef MOECORE_INSTANTIATE
+
+}  // namespace moecore::kernels::ref

@@ -1,0 +1,76 @@
+#include "moecore/ops/attention.h"
+
+#include "moecore/ops/dispatch.h"
+
+namespace moecore::ops {
+using detail::ptr;
+namespace {
+
+void check_attention(const char* op, const AttentionDims& dims, const Tensor& q, const Tensor& k, const Tensor& v,
+                     const Tensor& out, const Tensor& lse) {
+  const int64_t T = dims.S * dims.B, d = dims.head_dim;
+  detail::check_numel(op, "q_SBNd", q, T * dims.N * d);
+  detail::check_numel(op, "k_SBGd", k, T * dims.G * d);
+  detail::check_numel(op, "v_SBGd", v, T * dims.G * d);
+  detail::check_numel(op, "out_SBNd", out, T * dims.N * d);
+  detail::check_numel(op, "lse_BNS", lse, T * dims.N);
+}
+
+int64_t heads_of(const char* op, const Tensor& x, const int64_t S, const int64_t B, const int64_t head_dim) {
+  const int64_t per_head = S * B * head_dim;
+  if (per_head <= 0 || x.numel() % per_head != 0) {
+    detail::fail(op, x.shape_str() + " is not [S=" + std::to_string(S) + ", B=" + std::to_string(B) +
+                         ", heads, d=" + std::to_string(head_dim) + "]");
+  }
+  return x.numel() / per_head;
+}
+
+}  // namespace
+
+void attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, const Tensor& k_SBGd,
+                       const Tensor& v_SBGd, const AttentionDims& dims, const DropoutSpec& dropout) {
+  constexpr const char* op = "attention_forward";
+  detail::check_tensors(op, {&out_SBNd, &lse_BNS, &q_SBNd, &k_SBGd, &v_SBGd});
+  check_attention(op, dims, q_SBNd, k_SBGd, v_SBGd, out_SBNd, lse_BNS);
+  detail::dispatch(op, q_SBNd, [&]<typename S>(auto k) {
+    k.attention_forward(ptr<S>(out_SBNd), ptr<S>(lse_BNS), ptr<S>(q_SBNd), ptr<S>(k_SBGd), ptr<S>(v_SBGd), dims,
+                        dropout);
+  });
+}
+
+void attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const Tensor& dout_SBNd,
+                        const Tensor& q_SBNd, const Tensor& k_SBGd, const Tensor& v_SBGd, const Tensor& out_SBNd,
+                        const Tensor& lse_BNS, const AttentionDims& dims, const DropoutSpec& dropout) {
+  constexpr const char* op = "attention_backward";
+  detail::check_tensors(op, {&dq_SBNd, &dk_SBGd, &dv_SBGd, &dout_SBNd, &q_SBNd, &k_SBGd, &v_SBGd, &out_SBNd, &lse_BNS});
+  check_attention(op, dims, q_SBNd, k_SBGd, v_SBGd, out_SBNd, lse_BNS);
+  check_attention(op, dims, dq_SBNd, dk_SBGd, dv_SBGd, dout_SBNd, lse_BNS);
+  detail::dispatch(op, q_SBNd, [&]<typename S>(auto k) {
+    k.attention_backward(ptr<S>(dq_SBNd), ptr<S>(dk_SBGd), ptr<S>(dv_SBGd), ptr<S>(dout_SBNd), ptr<S>(q_SBNd),
+                         ptr<S>(k_SBGd), ptr<S>(v_SBGd), ptr<S>(out_SBNd), ptr<S>(lse_BNS), dims, dropout);
+  });
+}
+
+void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
+                  const int64_t rot_dim, const double base, const int64_t position_offset) {
+  constexpr const char* op = "rope_forward";
+  detail::check_tensors(op, {&out_SBNd, &inp_SBNd});
+  const int64_t N = heads_of(op, inp_SBNd, S, B, head_dim);
+  detail::check_numel(op, "out_SBNd", out_SBNd, inp_SBNd.numel());
+  detail::dispatch(op, inp_SBNd, [&]<typename T>(auto k) {
+    k.rope_forward(ptr<T>(out_SBNd), ptr<T>(inp_SBNd), S, B, N, head_dim, rot_dim, base, position_offset);
+  });
+}
+
+void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
+                   const int64_t rot_dim, const double base, const int64_t position_offset) {
+  constexpr const char* op = "rope_backward";
+  detail::check_tensors(op, {&dinp_SBNd, &dout_SBNd});
+  const int64_t N = heads_of(op, dout_SBNd, S, B, head_dim);
+  detail::check_numel(op, "dinp_SBNd", dinp_SBNd, dout_SBNd.numel());
+  detail::dispatch(op, dout_SBNd, [&]<typename T>(auto k) {
+    k.rope_backward(ptr<T>(dinp_SBNd), ptr<T>(dout_SBNd), S, B, N, head_dim, rot_dim, base, position_offset);
+  });
+}
+
+}  // namespace moecore::ops

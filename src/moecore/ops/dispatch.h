@@ -1,0 +1,128 @@
+// Internal to src/moecore/ops: routes an op to the active backend's kernels for a tensor's device and dtype.
+// Usage inside an op:  dispatch("linear_forward", out, [&]<typename T>(auto k) { k.linear_forward(ptr<T>(out), ...);
+// }); `k` is a table whose static members forward to kernels::cpu or kernels::ref.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "moecore/kernels/cpu/activation.h"
+#include "moecore/kernels/cpu/adamw.h"
+#include "moecore/kernels/cpu/attention.h"
+#include "moecore/kernels/cpu/dropout.h"
+#include "moecore/kernels/cpu/elementwise.h"
+#include "moecore/kernels/cpu/gemm.h"
+#include "moecore/kernels/cpu/loss.h"
+#include "moecore/kernels/cpu/norm.h"
+#include "moecore/kernels/cpu/rope.h"
+#include "moecore/kernels/cpu/rows.h"
+#include "moecore/kernels/cpu/vocab_parallel.h"
+#include "moecore/ops/backend.h"
+#include "moecore/tensor/tensor.h"
+
+namespace moecore::ops::detail {
+
+#define MOECORE_KERNEL_TABLE(Name, ns)               \
+  struct Name {                                      \
+    MOECORE_FORWARD(ns, gemm)                        \
+    MOECORE_FORWARD(ns, linear_forward)              \
+    MOECORE_FORWARD(ns, linear_backward)             \
+    MOECORE_FORWARD(ns, rmsnorm_forward)             \
+    MOECORE_FORWARD(ns, rmsnorm_backward)            \
+    MOECORE_FORWARD(ns, layernorm_forward)           \
+    MOECORE_FORWARD(ns, layernorm_backward)          \
+    MOECORE_FORWARD(ns, rope_forward)                \
+    MOECORE_FORWARD(ns, rope_backward)               \
+    MOECORE_FORWARD(ns, attention_forward)           \
+    MOECORE_FORWARD(ns, attention_backward)          \
+    MOECORE_FORWARD(ns, swiglu_forward)              \
+    MOECORE_FORWARD(ns, swiglu_backward)             \
+    MOECORE_FORWARD(ns, gelu_forward)                \
+    MOECORE_FORWARD(ns, gelu_backward)               \
+    MOECORE_FORWARD(ns, squared_relu_forward)        \
+    MOECORE_FORWARD(ns, squared_relu_backward)       \
+    MOECORE_FORWARD(ns, dropout_forward)             \
+    MOECORE_FORWARD(ns, dropout_backward)            \
+    MOECORE_FORWARD(ns, cross_entropy_forward)       \
+    MOECORE_FORWARD(ns, cross_entropy_backward)      \
+    MOECORE_FORWARD(ns, vocab_embedding_forward)     \
+    MOECORE_FORWARD(ns, vocab_embedding_backward)    \
+    MOECORE_FORWARD(ns, vocab_ce_local_max)          \
+    MOECORE_FORWARD(ns, vocab_ce_local_stats)        \
+    MOECORE_FORWARD(ns, vocab_ce_finish)             \
+    MOECORE_FORWARD(ns, vocab_ce_backward)           \
+    MOECORE_FORWARD(ns, adamw_step)                  \
+    MOECORE_FORWARD(ns, add_inplace)                 \
+    MOECORE_FORWARD(ns, scale_inplace)               \
+    MOECORE_FORWARD(ns, sum_squares)                 \
+    MOECORE_FORWARD(ns, all_finite)                  \
+    MOECORE_FORWARD(ns, split_qkv)                   \
+    MOECORE_FORWARD(ns, merge_qkv)                   \
+    MOECORE_FORWARD(ns, add_bias_rows)               \
+    MOECORE_FORWARD(ns, bias_grad_rows)              \
+    MOECORE_FORWARD(ns, scale_rows)                  \
+    MOECORE_FORWARD(ns, scale_rows_backward)         \
+    MOECORE_FORWARD(ns, add_outer)                   \
+    MOECORE_FORWARD(ns, add_outer_backward)          \
+    MOECORE_FORWARD(ns, row_dot)                     \
+    MOECORE_FORWARD(ns, gather_rows)                 \
+    MOECORE_FORWARD(ns, scatter_add_rows)            \
+    MOECORE_FORWARD(ns, add_position_embedding)      \
+    MOECORE_FORWARD(ns, position_embedding_backward) \
+  };
+#define MOECORE_FORWARD(ns, name)                          \
+  template <typename... Args>                              \
+  static decltype(auto) name(Args&&... args) {             \
+    return kernels::ns::name(std::forward<Args>(args)...); \
+  }
+MOECORE_KERNEL_TABLE(CpuKernels, cpu)
+MOECORE_KERNEL_TABLE(RefKernels, ref)
+#undef MOECORE_FORWARD
+#undef MOECORE_KERNEL_TABLE
+
+// Typed data pointers of required and optional (null) tensors.
+template <typename T>
+T* ptr(Tensor& t) {
+  return t.data<T>();
+}
+template <typename T>
+const T* ptr(const Tensor& t) {
+  return t.data<T>();
+}
+template <typename T>
+T* opt(Tensor* t) {
+  return t == nullptr ? nullptr : t->data<T>();
+}
+template <typename T>
+const T* opt(const Tensor* t) {
+  return t == nullptr ? nullptr : t->data<T>();
+}
+
+[[noreturn]] void fail(const char* op, const std::string& what);
+// Every tensor defined, on one device, of one dtype (fp32 or fp64).
+void check_tensors(const char* op, std::initializer_list<const Tensor*> tensors);
+// t.numel() == expected.
+void check_numel(const char* op, const char* name, const Tensor& t, int64_t expected);
+
+// Calls fn.template operator()<T>(kernel table) for the dtype of `like` on the active backend of its device.
+template <typename Fn>
+void dispatch(const char* op, const Tensor& like, Fn&& fn) {
+  if (like.device() != Device::kCPU) fail(op, "no backend for device " + std::string(device_name(like.device())));
+  auto run = [&](auto kernels) {
+    switch (like.dtype()) {
+      case DType::kF32: fn.template operator()<float>(kernels); return;
+      case DType::kF64: fn.template operator()<double>(kernels); return;
+      default: fail(op, "unsupported dtype " + std::string(dtype_name(like.dtype())));
+    }
+  };
+  if (active_backend() == Backend::kReference) {
+    run(RefKernels{});
+  } else {
+    run(CpuKernels{});
+  }
+}
+
+}  // namespace moecore::ops::detail

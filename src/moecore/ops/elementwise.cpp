@@ -1,0 +1,50 @@
+#include "moecore/ops/elementwise.h"
+
+#include "moecore/ops/dispatch.h"
+#include "moecore/ops/optim.h"
+
+namespace moecore::ops {
+using detail::ptr;
+
+void add_(Tensor& y, const Tensor& x) {
+  constexpr const char* op = "add_";
+  detail::check_tensors(op, {&y, &x});
+  detail::check_numel(op, "x", x, y.numel());
+  detail::dispatch(op, y, [&]<typename T>(auto k) { k.add_inplace(ptr<T>(y), ptr<T>(x), y.numel()); });
+}
+
+void scale_(Tensor& y, const double alpha) {
+  constexpr const char* op = "scale_";
+  detail::check_tensors(op, {&y});
+  detail::dispatch(op, y, [&]<typename T>(auto k) { k.scale_inplace(ptr<T>(y), static_cast<T>(alpha), y.numel()); });
+}
+
+double sum_squares(const Tensor& x) {
+  constexpr const char* op = "sum_squares";
+  detail::check_tensors(op, {&x});
+  double out = 0.0;
+  detail::dispatch(op, x, [&]<typename T>(auto k) { out = k.sum_squares(ptr<T>(x), x.numel()); });
+  return out;
+}
+
+bool all_finite(const Tensor& x) {
+  constexpr const char* op = "all_finite";
+  detail::check_tensors(op, {&x});
+  bool out = true;
+  detail::dispatch(op, x, [&]<typename T>(auto k) { out = k.all_finite(ptr<T>(x), x.numel()); });
+  return out;
+}
+
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWHyper& hyper) {
+  constexpr const char* op = "adamw_step";
+  detail::check_tensors(op, {&param, &grad, &exp_avg, &exp_avg_sq});
+  const int64_t n = param.numel();
+  detail::check_numel(op, "grad", grad, n);
+  detail::check_numel(op, "exp_avg", exp_avg, n);
+  detail::check_numel(op, "exp_avg_sq", exp_avg_sq, n);
+  detail::dispatch(op, param, [&]<typename T>(auto k) {
+    k.adamw_step(ptr<T>(param), ptr<T>(grad), ptr<T>(exp_avg), ptr<T>(exp_avg_sq), n, hyper);
+  });
+}
+
+}  // namespace moecore::ops

@@ -1,0 +1,78 @@
+#include "moecore/ops/norm.h"
+
+#include "moecore/ops/dispatch.h"
+
+namespace moecore::ops {
+using detail::opt;
+using detail::ptr;
+namespace {
+
+int64_t rows_of(const char* op, const Tensor& inp_RD, const Tensor& weight_D) {
+  const int64_t D = weight_D.numel();
+  if (D == 0 || inp_RD.numel() % D != 0) {
+    detail::fail(op, "inp_RD " + inp_RD.shape_str() + " is not rows of width " + std::to_string(D));
+  }
+  return inp_RD.numel() / D;
+}
+
+}  // namespace
+
+void rmsnorm_forward(Tensor& out_RD, Tensor& rstd_R, const Tensor& inp_RD, const Tensor& weight_D, const double eps) {
+  constexpr const char* op = "rmsnorm_forward";
+  detail::check_tensors(op, {&out_RD, &rstd_R, &inp_RD, &weight_D});
+  const int64_t D = weight_D.numel(), R = rows_of(op, inp_RD, weight_D);
+  detail::check_numel(op, "out_RD", out_RD, R * D);
+  detail::check_numel(op, "rstd_R", rstd_R, R);
+  detail::dispatch(op, inp_RD, [&]<typename S>(auto k) {
+    k.rmsnorm_forward(ptr<S>(out_RD), ptr<S>(rstd_R), ptr<S>(inp_RD), ptr<S>(weight_D), R, D, eps);
+  });
+}
+
+void rmsnorm_backward(Tensor& dinp_RD, Tensor& dweight_D, const Tensor& dout_RD, const Tensor& inp_RD,
+                      const Tensor& weight_D, const Tensor& rstd_R) {
+  constexpr const char* op = "rmsnorm_backward";
+  detail::check_tensors(op, {&dinp_RD, &dweight_D, &dout_RD, &inp_RD, &weight_D, &rstd_R});
+  const int64_t D = weight_D.numel(), R = rows_of(op, inp_RD, weight_D);
+  detail::check_numel(op, "dinp_RD", dinp_RD, R * D);
+  detail::check_numel(op, "dout_RD", dout_RD, R * D);
+  detail::check_numel(op, "dweight_D", dweight_D, D);
+  detail::check_numel(op, "rstd_R", rstd_R, R);
+  detail::dispatch(op, inp_RD, [&]<typename S>(auto k) {
+    k.rmsnorm_backward(ptr<S>(dinp_RD), ptr<S>(dweight_D), ptr<S>(dout_RD), ptr<S>(inp_RD), ptr<S>(weight_D),
+                       ptr<S>(rstd_R), R, D);
+  });
+}
+
+void layernorm_forward(Tensor& out_RD, Tensor& mean_R, Tensor& rstd_R, const Tensor& inp_RD, const Tensor& weight_D,
+                       const Tensor* bias_D, const double eps) {
+  constexpr const char* op = "layernorm_forward";
+  detail::check_tensors(op, {&out_RD, &mean_R, &rstd_R, &inp_RD, &weight_D, bias_D});
+  const int64_t D = weight_D.numel(), R = rows_of(op, inp_RD, weight_D);
+  detail::check_numel(op, "out_RD", out_RD, R * D);
+  detail::check_numel(op, "mean_R", mean_R, R);
+  detail::check_numel(op, "rstd_R", rstd_R, R);
+  if (bias_D != nullptr) detail::check_numel(op, "bias_D", *bias_D, D);
+  detail::dispatch(op, inp_RD, [&]<typename S>(auto k) {
+    k.layernorm_forward(ptr<S>(out_RD), ptr<S>(mean_R), ptr<S>(rstd_R), ptr<S>(inp_RD), ptr<S>(weight_D),
+                        opt<S>(bias_D), R, D, eps);
+  });
+}
+
+void layernorm_backward(Tensor& dinp_RD, Tensor& dweight_D, Tensor* dbias_D, const Tensor& dout_RD,
+                        const Tensor& inp_RD, const Tensor& weight_D, const Tensor& mean_R, const Tensor& rstd_R) {
+  constexpr const char* op = "layernorm_backward";
+  detail::check_tensors(op, {&dinp_RD, &dweight_D, dbias_D, &dout_RD, &inp_RD, &weight_D, &mean_R, &rstd_R});
+  const int64_t D = weight_D.numel(), R = rows_of(op, inp_RD, weight_D);
+  detail::check_numel(op, "dinp_RD", dinp_RD, R * D);
+  detail::check_numel(op, "dout_RD", dout_RD, R * D);
+  detail::check_numel(op, "dweight_D", dweight_D, D);
+  if (dbias_D != nullptr) detail::check_numel(op, "dbias_D", *dbias_D, D);
+  detail::check_numel(op, "mean_R", mean_R, R);
+  detail::check_numel(op, "rstd_R", rstd_R, R);
+  detail::dispatch(op, inp_RD, [&]<typename S>(auto k) {
+    k.layernorm_backward(ptr<S>(dinp_RD), ptr<S>(dweight_D), opt<S>(dbias_D), ptr<S>(dout_RD), ptr<S>(inp_RD),
+                         ptr<S>(weight_D), ptr<S>(mean_R), ptr<S>(rstd_R), R, D);
+  });
+}
+
+}  // namespace moecore::ops

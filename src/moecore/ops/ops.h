@@ -1,0 +1,13 @@
+// Every op: model, MoE and optimizer code include this (or one family header) and never a backend's kernels.
+#pragma once
+
+#include "moecore/ops/activation.h"
+#include "moecore/ops/attention.h"
+#include "moecore/ops/backend.h"
+#include "moecore/ops/dropout.h"
+#include "moecore/ops/elementwise.h"
+#include "moecore/ops/linear.h"
+#include "moecore/ops/loss.h"
+#include "moecore/ops/norm.h"
+#include "moecore/ops/optim.h"
+#include "moecore/ops/rows.h"
