@@ -4,10 +4,10 @@
 #include <vector>
 
 #include "commands.h"
+#include "moecore/model/config.h"
 #include "moecore/parallel/mpi_runtime.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
-#include "moecore/model/config.h"
 #include "moecore/train/arguments.h"
 #include "moecore/train/trainer.h"
 

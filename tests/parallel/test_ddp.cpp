@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
-#include "moecore/parallel/parallel_state.h"
-#include "moecore/parallel/process_group.h"
 #include "moecore/optim/adamw_optimizer.h"
 #include "moecore/optim/ddp.h"
 #include "moecore/optim/distributed_optimizer.h"
+#include "moecore/parallel/parallel_state.h"
+#include "moecore/parallel/process_group.h"
 #include "moecore/tensor/memory_tracker.h"
 
 namespace {
@@ -154,9 +154,10 @@ double rel_diff(const double a, const double b) { return std::abs(a - b) / std::
 
 // One training run of `config` on `layout`; returns through check().
 void run_case(const Layout& layout, const Config& config) {
-  const parallel::ParallelState ps = layout.sizes.world_size == 1 && !parallel::launched_by_mpi()
-                                     ? parallel::ParallelState::single_process()
-                                     : parallel::ParallelState::create(layout.sizes, false, parallel::ProcessGroup::world());
+  const parallel::ParallelState ps =
+      layout.sizes.world_size == 1 && !parallel::launched_by_mpi()
+          ? parallel::ParallelState::single_process()
+          : parallel::ParallelState::create(layout.sizes, false, parallel::ProcessGroup::world());
   const int tp = ps.tp_size(), etp = ps.etp_size(), ep = ps.ep_size();
   const int dp_cp = ps.dp_cp.size(), edp = ps.edp.size();
 

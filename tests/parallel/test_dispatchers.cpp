@@ -14,10 +14,10 @@
 #include <string>
 #include <vector>
 
+#include "moecore/moe/token_dispatcher.h"
 #include "moecore/parallel/mpi_runtime.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
-#include "moecore/moe/token_dispatcher.h"
 
 namespace {
 

@@ -17,10 +17,10 @@
 #include <string>
 #include <vector>
 
-#include "moecore/parallel/parallel_state.h"
-#include "moecore/parallel/process_group.h"
 #include "moecore/model/param.h"
 #include "moecore/moe/moe_layer.h"
+#include "moecore/parallel/parallel_state.h"
+#include "moecore/parallel/process_group.h"
 #include "moecore/tensor/rng.h"
 
 namespace {

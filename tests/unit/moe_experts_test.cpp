@@ -463,7 +463,8 @@ TEST(ExpertsTest, IdleExpertsKeepPresentZeroGradients) {
 TEST(ExpertsTest, ParametersAreExpertParametersOfTheirModule) {
   ExpertSetup s = make_setup(Activation::kSwiGLU, true, false, false);
   std::vector<Param> params;
-  auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params, parallel::ParallelState::single_process(), 1);
+  auto experts =
+      make_experts(s.moe, s.model, "decoder.layers.1.", params, parallel::ParallelState::single_process(), 1);
   ASSERT_FALSE(params.empty());
   for (const Param& p : params) {
     EXPECT_TRUE(p.is_expert) << p.name;

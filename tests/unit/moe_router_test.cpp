@@ -516,7 +516,8 @@ TEST(Router, ShardDrawsTheOneProcessRandomNumbers) {
 
 TEST(Router, ParametersAreSummedOverTensorParallelAndCarryTheModule) {
   std::vector<Param> params;
-  TopKRouter router(base_config(4, 2), 8, true, "decoder.layers.2.", params, parallel::ParallelState::single_process(), 2);
+  TopKRouter router(base_config(4, 2), 8, true, "decoder.layers.2.", params, parallel::ParallelState::single_process(),
+                    2);
   ASSERT_EQ(params.size(), 2u);
   for (const Param& p : params) {
     EXPECT_TRUE(p.grad_sum_over_tp) << p.name;

@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "moecore/parallel/parallel_state.h"
 #include "moecore/optim/adamw_optimizer.h"
 #include "moecore/optim/ddp.h"
 #include "moecore/optim/distributed_optimizer.h"
+#include "moecore/parallel/parallel_state.h"
 #include "moecore/tensor/rng.h"
 
 namespace moecore {
@@ -162,7 +162,8 @@ TEST(Ddp, OverlapParamGatherNeedsDistributedOptimizer) {
   std::vector<Param> params = make_model();
   DdpOptions options;
   options.overlap_param_gather = true;
-  EXPECT_THROW(DistributedDataParallel(params, parallel::ParallelState::single_process(), options), std::invalid_argument);
+  EXPECT_THROW(DistributedDataParallel(params, parallel::ParallelState::single_process(), options),
+               std::invalid_argument);
 }
 
 }  // namespace

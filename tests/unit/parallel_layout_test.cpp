@@ -1,3 +1,5 @@
+#include "moecore/parallel/parallel_layout.h"
+
 #include <gtest/gtest.h>
 
 #include <sstream>
@@ -5,7 +7,6 @@
 #include <vector>
 
 #include "moecore/parallel/layout_command.h"
-#include "moecore/parallel/parallel_layout.h"
 
 namespace moecore {
 namespace {

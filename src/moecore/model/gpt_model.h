@@ -13,11 +13,11 @@
 #include <memory>
 #include <vector>
 
-#include "moecore/parallel/parallel_state.h"
 #include "moecore/model/config.h"
 #include "moecore/model/micro_batch_context.h"
 #include "moecore/model/model_hooks.h"
 #include "moecore/model/param.h"
+#include "moecore/parallel/parallel_state.h"
 #include "moecore/tensor/tensor.h"
 
 namespace moecore {
@@ -31,6 +31,16 @@ struct MoEStats {
   std::vector<std::vector<int64_t>> tokens_per_expert;     // [MoE layer][expert]
 };
 
+// The part of the model one pipeline stage builds (Megatron's pre_process / post_process): decoder layers
+// [first_layer, first_layer + num_layers) under their global numbers, with the embedding (pre_process) and the
+// final norm, output layer and loss (post_process). The default is the whole model.
+struct StageSpec {
+  int64_t first_layer = 0;
+  int64_t num_layers = -1;  // -1: every layer from first_layer on
+  bool pre_process = true;
+  bool post_process = true;
+};
+
 struct ForwardOptions {
   bool training = true;         // dropout on, activations kept for backward
   uint64_t dropout_seed = 0;    // run seed
@@ -42,7 +52,8 @@ class GPTModel {
   // Under tensor / expert parallelism this rank holds its shards (Param::shard); the initial values are the slices
   // of the one-process model with the same seed. Collective calls need every rank of the layout.
   GPTModel(const ModelConfig& config, uint64_t seed,
-           const parallel::ParallelState& parallel = parallel::ParallelState::single_process());
+           const parallel::ParallelState& parallel = parallel::ParallelState::single_process(),
+           const StageSpec& stage = StageSpec{});
   ~GPTModel();
   GPTModel(const GPTModel&) = delete;
   GPTModel& operator=(const GPTModel&) = delete;
@@ -58,20 +69,31 @@ class GPTModel {
   int64_t num_parameters() const;
   void zero_grad();
 
-  // tokens_BS, labels_BS [B, S] (the whole micro-batch on every TP rank); loss_mask_BS may be null (all ones).
-  // Returns the mean loss over unmasked tokens; keeps what backward needs in `ctx` when training.
+  const StageSpec& stage() const { return stage_; }
+
+  // Without pre_process: the hidden states [this rank's rows of S*B tokens, H] the next forward starts from (the
+  // previous stage's output; Megatron's set_input_tensor).
+  void set_input_tensor(Tensor hidden_TH) { input_TH_ = std::move(hidden_TH); }
+
+  // tokens_BS, labels_BS [B, S] (the whole micro-batch on every TP rank); loss_mask_BS may be null (all ones);
+  // tokens are read with pre_process, labels and mask with post_process.
+  // Returns the mean loss over unmasked tokens (post_process; else 0, and ctx->output_TH holds this stage's output);
+  // keeps what backward needs in `ctx` when training.
   // logits_SBV, if non-null, receives a copy of the logits [S, B, V] (this rank's vocabulary columns under TP).
   double forward(std::unique_ptr<MicroBatchContext>& ctx, const int32_t* tokens_BS, const int32_t* labels_BS,
                  const float* loss_mask_BS, int64_t B, int64_t S, const ForwardOptions& options,
                  Tensor* logits_SBV = nullptr);
-  // Accumulates into every Param::grad the gradient of (loss * loss_scale); releases ctx.
-  void backward(std::unique_ptr<MicroBatchContext> ctx, double loss_scale);
+  // Accumulates into every Param::grad the gradient of (loss * loss_scale); releases ctx. Without post_process the
+  // gradient comes from output_grad_TH (d loss / d this stage's output, already scaled). Returns d(input hidden
+  // states) without pre_process (to send to the previous stage), else an undefined tensor.
+  Tensor backward(std::unique_ptr<MicroBatchContext> ctx, double loss_scale, const Tensor* output_grad_TH = nullptr);
 
   // MoE: statistics of the training forwards since the last call (then reset), and the once-per-global-batch
   // router updates (expert-bias sign rule, global aux-loss reset). No-ops for a dense model.
   MoEStats take_moe_stats();
   void finish_global_batch();
-  // The router's expert-bias buffer [E] of MoE layer `layer` (checkpoints, exports, tests); null for a dense layer.
+  // The router's expert-bias buffer [E] of MoE layer `layer` (global index; checkpoints, exports, tests); null for a
+  // dense layer or one outside this stage.
   std::vector<float>* expert_bias(int64_t layer);
   const std::vector<float>* expert_bias(int64_t layer) const;
 
@@ -80,10 +102,16 @@ class GPTModel {
 
  private:
   void record_moe_stats(int64_t layer, const RouterOutput& routing);
+  Tensor embed(MicroBatchContext& ctx, const ForwardOptions& options) const;
+  void embed_backward(const Tensor& dx_TH, const MicroBatchContext& ctx) const;
+  double output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH, bool with_labels, Tensor* logits_SBV) const;
+  Tensor output_and_loss_backward(MicroBatchContext& ctx, double loss_scale) const;
 
   struct Modules;
   ModelConfig config_;
   parallel::ParallelState parallel_;
+  StageSpec stage_;
+  Tensor input_TH_;
   ModelHooks* hooks_ = nullptr;
   std::vector<Param> params_;
   std::unique_ptr<Modules> modules_;

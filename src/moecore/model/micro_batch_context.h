@@ -1,11 +1,12 @@
 // The activations one micro-batch's backward needs, produced by GPTModel::forward. Several can be alive at
-// once (gradient accumulation today, pipeline schedules later).
+// once (gradient accumulation, pipeline schedules).
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "moecore/model/norm_module.h"
+#include "moecore/model/parallel_linear.h"
 #include "moecore/model/transformer_layer.h"
 #include "moecore/tensor/tensor.h"
 
@@ -19,11 +20,11 @@ class MicroBatchContext {
   uint64_t dropout_seed = 0;
   uint64_t dropout_stream = 0;
   bool training = false;
-  std::vector<LayerActivations> layers;
-  Tensor final_in_TH;    // output of the last layer
-  Tensor final_out_TH;   // (this rank's sequence shard under sequence parallelism)
-  Tensor final_full_TH;  // final_out gathered over TP (sequence parallelism only): the output layer's input
+  std::vector<LayerActivations> layers;  // this stage's layers
+  Tensor output_TH;                      // the last layer's output: this stage's result without post-process
+  Tensor final_out_TH;                   // final norm output (post-process)
   NormStats final_stats;
+  LinearActivations output_layer;
   Tensor logits_TV;  // overwritten by dlogits in backward
   Tensor lse_T;
 };

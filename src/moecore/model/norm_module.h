@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "moecore/model/config.h"
 #include "moecore/model/param.h"
@@ -16,14 +18,21 @@ struct NormStats {
 
 class NormModule {
  public:
+  // Registers `name`.weight [width] (ones) and, for LayerNorm, `name`.bias (zeros). grad_sum_over_tp: replicated
+  // over TP while each rank sees part of the tokens or heads (Param::grad_sum_over_tp).
+  static void add_params(std::vector<Param>& params, const std::string& name, int64_t width, Normalization kind,
+                         bool grad_sum_over_tp, int module);
+  // The norm over the parameters registered by add_params.
+  static NormModule bind(std::vector<Param>& params, const std::string& name, Normalization kind, double eps);
+
   NormModule() = default;
   NormModule(Normalization kind, double eps, Param* weight, Param* bias)
       : kind_(kind), eps_(eps), weight_(weight), bias_(bias) {}
 
-  // inp_RD, out_RD: [rows, D]
-  NormStats forward(float* out_RD, const float* inp_RD, int64_t rows) const;
+  // inp_RD -> out_RD (overwrites), rows of width D = the weight's size.
+  NormStats forward(Tensor& out_RD, const Tensor& inp_RD) const;
   // dinp_RD += d(out)/d(inp)^T dout_RD; parameter gradients accumulate.
-  void backward(float* dinp_RD, const float* dout_RD, const float* inp_RD, const NormStats& stats, int64_t rows) const;
+  void backward(Tensor& dinp_RD, const Tensor& dout_RD, const Tensor& inp_RD, const NormStats& stats) const;
 
  private:
   Normalization kind_ = Normalization::kLayerNorm;

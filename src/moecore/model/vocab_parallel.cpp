@@ -1,105 +1,73 @@
 #include "moecore/model/vocab_parallel.h"
 
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <limits>
-#include <span>
-#include <stdexcept>
-#include <string>
-#include <vector>
-
+#include "moecore/model/config.h"
+#include "moecore/ops/loss.h"
 #include "moecore/parallel/comm_stats.h"
 
-namespace moecore::tp {
+namespace moecore {
 namespace {
 
-void check_id(const int32_t id, const int64_t V) {
-  if (id < 0 || id >= V) {
-    throw std::out_of_range("token id " + std::to_string(id) + " is outside the vocabulary [0, " + std::to_string(V) +
-                            ")");
-  }
+Tensor activation_tensor(std::vector<int64_t> shape) {
+  return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
 }
 
 }  // namespace
 
-void vocab_embedding_forward(float* out_TH, const int32_t* ids_T, const float* weight_VlH, const int64_t T,
-                             const int64_t V, const int64_t vocab_begin, const int64_t V_local, const int64_t H) {
-  for (int64_t t = 0; t < T; ++t) check_id(ids_T[t], V);
-#pragma omp parallel for schedule(static) if (T * H > 65536)
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t row = ids_T[t] - vocab_begin;
-    float* out = out_TH + t * H;
-    if (row >= 0 && row < V_local) {
-      std::memcpy(out, weight_VlH + row * H, sizeof(float) * static_cast<size_t>(H));
-    } else {
-      std::fill_n(out, H, 0.0f);
-    }
+VocabParallelEmbedding::VocabParallelEmbedding(const std::string& name, const int64_t V, const int64_t H,
+                                               const TensorParallel& tp, std::vector<Param>& params)
+    : tp_(tp), name_(name), V_(V), H_(H) {
+  if (V % tp.size() != 0) {
+    throw ConfigError("the padded vocabulary (" + std::to_string(V) +
+                      ") must be divisible by --tensor-model-parallel-size (" + std::to_string(tp.size()) + ")");
   }
+  vocab_begin_ = tp.rank() * (V / tp.size());
+  const ParamShard shard{0, 1, tp.size(), tp.rank(), {V, H}};
+  params.push_back(make_sharded_param(name, shard, InitKind::kNormal));
 }
 
-void vocab_embedding_backward(float* dweight_VlH, const float* dout_TH, const int32_t* ids_T, const int64_t T,
-                              const int64_t vocab_begin, const int64_t V_local, const int64_t H) {
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t row = ids_T[t] - vocab_begin;
-    if (row < 0 || row >= V_local) continue;
-    float* dw = dweight_VlH + row * H;
-    const float* d = dout_TH + t * H;
-    for (int64_t h = 0; h < H; ++h) dw[h] += d[h];
-  }
+void VocabParallelEmbedding::bind(std::vector<Param>& params) { weight_ = find_param(params, name_); }
+
+Tensor VocabParallelEmbedding::forward(const std::span<const int32_t> ids_T) const {
+  const auto T = static_cast<int64_t>(ids_T.size());
+  Tensor partial_TH = activation_tensor({T, H_});
+  ops::embedding_forward(partial_TH, ids_T, weight_->value, V_, vocab_begin_);
+  if (tp_.sequence_sharded()) return tp_.reduce_scatter_rows(partial_TH);
+  tp_.all_reduce_(partial_TH);
+  return partial_TH;
 }
 
-void vocab_cross_entropy_forward(float* losses_T, float* lse_T, const float* logits_TVl, const int32_t* targets_T,
-                                 const int64_t T, const int64_t V, const int64_t vocab_begin, const int64_t V_local,
-                                 const parallel::ProcessGroup& group) {
-  for (int64_t t = 0; t < T; ++t) check_id(targets_T[t], V);
-  std::vector<float> max_T(static_cast<size_t>(T));
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* row = logits_TVl + t * V_local;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t v = 0; v < V_local; ++v) m = std::max(m, row[v]);
-    max_T[static_cast<size_t>(t)] = m;
+void VocabParallelEmbedding::backward(const Tensor& dout_TH, const std::span<const int32_t> ids_T) const {
+  // Backward of the reduce-scatter: every token's gradient; of the all-reduce: the (replicated) gradient itself.
+  const Tensor dfull_TH = tp_.sequence_sharded() ? tp_.all_gather_rows(dout_TH) : dout_TH;
+  ops::embedding_backward(weight_->grad, dfull_TH, ids_T, vocab_begin_);
+}
+
+void VocabParallelCrossEntropy::forward(Tensor& losses_T, Tensor& lse_T, const Tensor& logits_TVl,
+                                        const std::span<const int32_t> targets_T) const {
+  if (tp_.size() == 1) {
+    ops::cross_entropy_forward(losses_T, lse_T, logits_TVl, targets_T);
+    return;
   }
-  if (group.size() > 1) {
+  const auto T = static_cast<int64_t>(targets_T.size());
+  Tensor max_T = activation_tensor({T});
+  ops::vocab_ce_local_max(max_T, logits_TVl);
+  {
     const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
-    group.all_reduce(std::span<float>(max_T), parallel::ReduceOp::kMax);
+    tp_.group().all_reduce(max_T.span<float>(), parallel::ReduceOp::kMax);
   }
-  // [sum of exp(logit - max) over this rank's columns | this rank's target logit or 0], summed over TP.
-  std::vector<float> sums_2T(static_cast<size_t>(2 * T), 0.0f);
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* row = logits_TVl + t * V_local;
-    const float m = max_T[static_cast<size_t>(t)];
-    double sum = 0.0;
-    for (int64_t v = 0; v < V_local; ++v) sum += std::exp(static_cast<double>(row[v] - m));
-    sums_2T[static_cast<size_t>(t)] = static_cast<float>(sum);
-    const int64_t col = targets_T[t] - vocab_begin;
-    if (col >= 0 && col < V_local) sums_2T[static_cast<size_t>(T + t)] = row[col];
-  }
-  if (group.size() > 1) {
-    const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
-    group.all_reduce(std::span<float>(sums_2T), parallel::ReduceOp::kSum);
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    const float lse = max_T[static_cast<size_t>(t)] + std::log(sums_2T[static_cast<size_t>(t)]);
-    lse_T[t] = lse;
-    losses_T[t] = lse - sums_2T[static_cast<size_t>(T + t)];
-  }
+  Tensor stats_2T = activation_tensor({2 * T});
+  ops::vocab_ce_local_stats(stats_2T, logits_TVl, max_T, targets_T, V_, vocab_begin_);
+  tp_.all_reduce_(stats_2T);
+  ops::vocab_ce_finish(losses_T, lse_T, max_T, stats_2T);
 }
 
-void vocab_cross_entropy_backward(float* dlogits_TVl, const float* dlosses_T, const float* logits_TVl,
-                                  const float* lse_T, const int32_t* targets_T, const int64_t T,
-                                  const int64_t vocab_begin, const int64_t V_local) {
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* row = logits_TVl + t * V_local;
-    float* drow = dlogits_TVl + t * V_local;
-    const float scale = dlosses_T[t], lse = lse_T[t];
-    for (int64_t v = 0; v < V_local; ++v) drow[v] = scale * std::exp(row[v] - lse);
-    const int64_t col = targets_T[t] - vocab_begin;
-    if (col >= 0 && col < V_local) drow[col] -= scale;
+void VocabParallelCrossEntropy::backward(Tensor& dlogits_TVl, const Tensor& dlosses_T, const Tensor& logits_TVl,
+                                         const Tensor& lse_T, const std::span<const int32_t> targets_T) const {
+  if (tp_.size() == 1) {
+    ops::cross_entropy_backward(dlogits_TVl, dlosses_T, logits_TVl, lse_T, targets_T);
+    return;
   }
+  ops::vocab_ce_backward(dlogits_TVl, dlosses_T, logits_TVl, lse_T, targets_T, vocab_begin_);
 }
 
-}  // namespace moecore::tp
+}  // namespace moecore

@@ -1,30 +1,61 @@
-// Vocabulary-parallel embedding and cross-entropy (Megatron's VocabParallelEmbedding and
-// vocab_parallel_cross_entropy): TP rank r holds vocabulary rows [vocab_begin, vocab_begin + V_local) of the
-// embedding / output layer, and the full logits [T, V] are never gathered.
+// Megatron's vocabulary-parallel pieces (megatron/core/tensor_parallel/layers.py VocabParallelEmbedding,
+// cross_entropy.py vocab_parallel_cross_entropy): TP rank r holds vocabulary rows [vocab_begin, vocab_begin +
+// V/TP) of the embedding and of the output layer, and the full logits [T, V] are never gathered.
 #pragma once
 
 #include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
 
-#include "moecore/parallel/process_group.h"
+#include "moecore/model/param.h"
+#include "moecore/model/tensor_parallel.h"
+#include "moecore/tensor/tensor.h"
 
-namespace moecore::tp {
+namespace moecore {
 
-// out_TH = rows of weight_VlH for the tokens whose id falls in this rank's range, zeros elsewhere (the caller sums
-// over TP). Ids outside [0, V) anywhere are an error (std::out_of_range).
-void vocab_embedding_forward(float* out_TH, const int32_t* ids_T, const float* weight_VlH, int64_t T, int64_t V,
-                             int64_t vocab_begin, int64_t V_local, int64_t H);
-// dweight_VlH += dout rows of the tokens in this rank's range (tokens in order: deterministic).
-void vocab_embedding_backward(float* dweight_VlH, const float* dout_TH, const int32_t* ids_T, int64_t T,
-                              int64_t vocab_begin, int64_t V_local, int64_t H);
+class VocabParallelEmbedding {
+ public:
+  VocabParallelEmbedding() = default;
+  // Registers `name` [V/TP, H] (this rank's rows of [V, H]).
+  VocabParallelEmbedding(const std::string& name, int64_t V, int64_t H, const TensorParallel& tp,
+                         std::vector<Param>& params);
+  void bind(std::vector<Param>& params);
 
-// losses_T[t] = logsumexp over the whole vocabulary - logit of the target; lse_T keeps the global log-sum-exp for
-// backward. logits_TVl: this rank's vocabulary columns. Collective over `group` (two all-reduces).
-void vocab_cross_entropy_forward(float* losses_T, float* lse_T, const float* logits_TVl, const int32_t* targets_T,
-                                 int64_t T, int64_t V, int64_t vocab_begin, int64_t V_local,
-                                 const parallel::ProcessGroup& group);
-// dlogits_TVl = dlosses_T * (softmax - onehot(target)) on this rank's columns; may alias logits_TVl.
-void vocab_cross_entropy_backward(float* dlogits_TVl, const float* dlosses_T, const float* logits_TVl,
-                                  const float* lse_T, const int32_t* targets_T, int64_t T, int64_t vocab_begin,
-                                  int64_t V_local);
+  // ids_T (all T tokens of the micro-batch) -> out_TH: this rank's rows (sequence shard under sequence parallelism),
+  // the embedding rows summed over TP. Ids outside [0, V) anywhere throw std::out_of_range.
+  Tensor forward(std::span<const int32_t> ids_T) const;
+  // The weight gradient from dout_TH (this rank's rows).
+  void backward(const Tensor& dout_TH, std::span<const int32_t> ids_T) const;
 
-}  // namespace moecore::tp
+  int64_t vocab_begin() const { return vocab_begin_; }
+  Param& weight() const { return *weight_; }
+
+ private:
+  TensorParallel tp_;
+  std::string name_;
+  int64_t V_ = 0, H_ = 0, vocab_begin_ = 0;
+  Param* weight_ = nullptr;
+};
+
+// Softmax cross-entropy over the vocabulary split over TP: logits_TVl holds this rank's columns starting at
+// vocab_begin. Collective over TP (two all-reduces forward, none backward).
+class VocabParallelCrossEntropy {
+ public:
+  VocabParallelCrossEntropy() = default;
+  VocabParallelCrossEntropy(const TensorParallel& tp, int64_t V, int64_t vocab_begin)
+      : tp_(tp), V_(V), vocab_begin_(vocab_begin) {}
+
+  // losses_T = logsumexp over the whole vocabulary - logit of the target (overwrite); lse_T keeps the global
+  // log-sum-exp for backward.
+  void forward(Tensor& losses_T, Tensor& lse_T, const Tensor& logits_TVl, std::span<const int32_t> targets_T) const;
+  // OVERWRITES dlogits_TVl = dlosses_T * (softmax - onehot(target)) on this rank's columns; may be logits_TVl.
+  void backward(Tensor& dlogits_TVl, const Tensor& dlosses_T, const Tensor& logits_TVl, const Tensor& lse_T,
+                std::span<const int32_t> targets_T) const;
+
+ private:
+  TensorParallel tp_;
+  int64_t V_ = 0, vocab_begin_ = 0;
+};
+
+}  // namespace moecore

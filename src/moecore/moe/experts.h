@@ -14,21 +14,23 @@
 #include <string>
 #include <vector>
 
-#include "moecore/parallel/parallel_state.h"
 #include "moecore/model/config.h"
+#include "moecore/model/mlp.h"
 #include "moecore/model/param.h"
 #include "moecore/moe/moe_config.h"
+#include "moecore/parallel/parallel_state.h"
 #include "moecore/tensor/tensor.h"
 
 namespace moecore {
 
 struct ExpertActivations {
-  Tensor x_RH;  // expert input rows (after probs if applied on input)
-  Tensor fc1_RF1;
-  Tensor act_RF;  // activation output, before the probability
-  std::vector<float> probs_R;
+  Tensor x_RH;     // expert input rows (a copy of what the dispatcher delivered)
+  Tensor xs_RH;    // with --moe-apply-probs-on-input: x * p, fc1's input; else empty
+  Tensor fc1_RF1;  // GroupedMLP: fc1 output of every row
+  Tensor act_RF;   // GroupedMLP: activation output, before the probability
+  Tensor probs_R;
   std::vector<int64_t> tokens_per_expert_E;
-  Tensor x_raw_RH;  // with --moe-apply-probs-on-input: the rows before x * p (d prob needs them); else empty
+  std::vector<MLPActivations> per_expert;  // SequentialMLP: each expert's MLP activations
 };
 
 class ExpertMLP {
@@ -48,26 +50,24 @@ class ExpertMLP {
 // SwiGLU half; fc2 columns), Param::module = module. The MLP then runs over those E/EP local experts (input rows
 // and tokens_per_expert_E index local experts). Under expert-TP the output is a partial sum over the ETP group (the
 // dispatcher reduces it), as are dx and dprobs. Bias (--add-bias-linear) needs ETP 1, as Megatron.
-std::unique_ptr<ExpertMLP> make_experts(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix,
-                                        std::vector<Param>& params,
-                                        const parallel::ParallelState& parallel = parallel::ParallelState::single_process(),
-                                        int module = -1);
+std::unique_ptr<ExpertMLP> make_experts(
+    const MoEConfig& moe, const ModelConfig& model, const std::string& prefix, std::vector<Param>& params,
+    const parallel::ParallelState& parallel = parallel::ParallelState::single_process(), int module = -1);
 
 // Shared experts (--moe-shared-expert-intermediate-size S): a dense MLP H -> S (2S with SwiGLU) -> H on every
 // token, no bias, output added to the routed output; with --moe-shared-expert-gate the output is scaled by
 // sigmoid(x . w_g), w_g [1, H]. Parameters: mlp.shared_experts.linear_fc1.weight, mlp.shared_experts.linear_fc2.weight,
 // mlp.shared_experts.gate_weight.
 struct SharedExpertActivations {
-  Tensor fc1_TF1, act_TF;     // over the TP-gathered tokens, this rank's ffn shard
-  Tensor fc2_TH;              // local tokens, after the TP reduce-scatter (gate only)
-  Tensor x_full_TH;           // the TP-gathered input (TP > 1 only)
-  std::vector<float> gate_T;  // sigmoid values (gate only)
+  MLPActivations mlp;
+  Tensor y_TH;    // the MLP output (gate only)
+  Tensor gate_T;  // sigmoid values (gate only)
 };
 
 class SharedExpertMLP {
  public:
-  // fc1 rows (per SwiGLU half) and fc2 columns sharded over parallel.tp; the gate is replicated
-  // (Param::grad_sum_over_tp). Param::module = module.
+  // An MLP on the attention TP group (fc1 rows per SwiGLU half and fc2 columns sharded; its input is always a
+  // sequence shard when TP > 1); the gate is replicated (Param::grad_sum_over_tp). Param::module = module.
   SharedExpertMLP(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix, std::vector<Param>& params,
                   const parallel::ParallelState& parallel = parallel::ParallelState::single_process(), int module = -1);
   void bind(std::vector<Param>& params);
@@ -81,10 +81,8 @@ class SharedExpertMLP {
   MoEConfig moe_;
   ModelConfig model_;
   std::string prefix_;
-  Param* fc1_ = nullptr;
-  Param* fc2_ = nullptr;
+  MLP mlp_;
   Param* gate_ = nullptr;
-  parallel::ProcessGroup tp_;
 };
 
 }  // namespace moecore

@@ -1,24 +1,22 @@
-// GroupedMLP: all local experts in one pass over the grouped buffer. The
-// row-local work (fc1, activation, probs, fc2, and in backward the data
-// gradients) runs as one OpenMP loop over (expert, row tile) tasks; the weight
-// gradients as one loop over (expert, fc1|fc2) tasks, each reducing over all of
-// its expert's rows, so no two tasks write the same output and the result does
-// not depend on the thread count. Inside a parallel region OpenBLAS (OpenMP
-// build) runs each GEMM single-threaded, so the GEMMs of all experts proceed
-// together.
+// GroupedMLP: all local experts in one pass over the grouped buffer. The row-local work (fc1, activation, probs,
+// fc2, and in backward the data gradients) runs as one OpenMP loop over (expert, row tile) tasks; the weight
+// gradients as one loop over (expert, fc1|fc2) tasks, each reducing over all of its expert's rows, so no two tasks
+// write the same output and the result does not depend on the thread count. Inside a parallel region the ops'
+// kernels and OpenBLAS (OpenMP build) run single-threaded, so the GEMMs of all experts proceed together.
 #include <algorithm>
 
 #include "moecore/moe/experts_internal.h"
+#include "moecore/ops/linear.h"
+#include "moecore/ops/rows.h"
 
 namespace moecore::experts_detail {
 namespace {
 
-// Rows per task: big enough for efficient GEMMs, small enough to balance uneven
-// experts over the threads.
+// Rows per task: big enough for efficient GEMMs, small enough to balance uneven experts over the threads.
 constexpr int64_t kTileRows = 64;
 
 struct RowTile {
-  int64_t expert, row_begin, rows;
+  int64_t expert, begin, end;
 };
 
 std::vector<RowTile> row_tiles(const std::vector<int64_t> &offsets_E1) {
@@ -26,32 +24,130 @@ std::vector<RowTile> row_tiles(const std::vector<int64_t> &offsets_E1) {
   const int64_t E = static_cast<int64_t>(offsets_E1.size()) - 1;
   for (int64_t e = 0; e < E; ++e) {
     for (int64_t r = offsets_E1[e]; r < offsets_E1[e + 1]; r += kTileRows) {
-      tiles.push_back({e, r, std::min(kTileRows, offsets_E1[e + 1] - r)});
+      tiles.push_back({e, r, std::min(r + kTileRows, offsets_E1[e + 1])});
     }
   }
   return tiles;
 }
+
+Tensor activation_tensor(std::vector<int64_t> shape) {
+  return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
+}
+
+// Buffers of one backward call.
+struct BackwardBuffers {
+  Tensor &dx_RH, &dprobs_R;
+  const Tensor &dy_RH;
+  Tensor h_RF;      // fc2 input, recomputed (probs after the activation only)
+  Tensor dfc1_RF1;  // zero-initialised
+  Tensor dxs_RH;    // probs on input: d(fc1 input), zero-initialised
+};
 
 class GroupedMLP final : public ExpertMLPBase {
  public:
   using ExpertMLPBase::ExpertMLPBase;
 
  private:
-  void run_forward(const std::vector<int64_t> &offsets_E1, const ForwardBuffers &buf) const override {
+  const Param *fc2_bias(const int64_t e) const { return experts_[static_cast<size_t>(e)].fc2().bias(); }
+
+  void run_forward(const std::vector<int64_t> &offsets_E1, Tensor &y_RH, ExpertActivations &saved) const override {
+    const int64_t R = offsets_E1.back();
+    saved.fc1_RF1 = activation_tensor({R, F1_});
+    saved.act_RF = activation_tensor({R, F_});
+    Tensor h_RF = probs_on_input_ ? saved.act_RF : activation_tensor({R, F_});
+    if (probs_on_input_) {
+      saved.xs_RH = activation_tensor({R, H_});
+      ops::scale_rows(saved.xs_RH, saved.x_RH, saved.probs_R);
+    }
+    const Tensor &fc1_in = probs_on_input_ ? saved.xs_RH : saved.x_RH;
     const std::vector<RowTile> tiles = row_tiles(offsets_E1);
-    const int64_t n_tiles = static_cast<int64_t>(tiles.size());
+    const auto n_tiles = static_cast<int64_t>(tiles.size());
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_tiles; ++i) forward_rows(tiles[i].expert, tiles[i].row_begin, tiles[i].rows, buf);
+    for (int64_t i = 0; i < n_tiles; ++i) {
+      const RowTile &tile = tiles[static_cast<size_t>(i)];
+      const MLP &expert = experts_[static_cast<size_t>(tile.expert)];
+      const Tensor probs = saved.probs_R.slice_rows(tile.begin, tile.end);
+      Tensor fc1 = saved.fc1_RF1.slice_rows(tile.begin, tile.end);
+      const Param *b1 = expert.fc1().bias();
+      ops::linear_forward(fc1, fc1_in.slice_rows(tile.begin, tile.end), expert.fc1().weight().value,
+                          b1 ? &b1->value : nullptr);
+      Tensor act = saved.act_RF.slice_rows(tile.begin, tile.end);
+      Tensor h = h_RF.slice_rows(tile.begin, tile.end);
+      mlp_activation_forward(activation_, act, h, fc1, probs_on_input_ ? nullptr : &probs);
+      Tensor y = y_RH.slice_rows(tile.begin, tile.end);
+      const Param *b2 = fc2_bias(tile.expert);
+      ops::linear_forward(y, h, expert.fc2().weight().value, probs_on_input_ && b2 ? &b2->value : nullptr);
+      if (!probs_on_input_ && b2) ops::add_outer(y, probs, b2->value);  // y = W2 (act p) + p b2
+    }
   }
 
-  void run_backward(const std::vector<int64_t> &offsets_E1, const BackwardBuffers &buf) const override {
-    const std::vector<RowTile> tiles = row_tiles(offsets_E1);
-    const int64_t n_tiles = static_cast<int64_t>(tiles.size());
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_tiles; ++i) backward_rows(tiles[i].expert, tiles[i].row_begin, tiles[i].rows, buf);
+  // Row-local gradients of one tile: dx, dprobs, d(fc1 output), and h for the fc2 weight gradient.
+  void backward_tile(const RowTile &tile, BackwardBuffers &buf, const ExpertActivations &saved) const {
+    const MLP &expert = experts_[static_cast<size_t>(tile.expert)];
+    const Tensor probs = saved.probs_R.slice_rows(tile.begin, tile.end);
+    const Tensor dy = buf.dy_RH.slice_rows(tile.begin, tile.end);
+    const Tensor act = saved.act_RF.slice_rows(tile.begin, tile.end);
+    Tensor dprobs = buf.dprobs_R.slice_rows(tile.begin, tile.end);
+    Tensor dh = activation_tensor({tile.end - tile.begin, F_});
+    ops::linear_backward(&dh, nullptr, nullptr, dy, nullptr, expert.fc2().weight().value);
+    Tensor dfc1 = buf.dfc1_RF1.slice_rows(tile.begin, tile.end);
+    const Tensor fc1 = saved.fc1_RF1.slice_rows(tile.begin, tile.end);
+    const Param &w1 = expert.fc1().weight();
+    if (!probs_on_input_) {
+      Tensor h = buf.h_RF.slice_rows(tile.begin, tile.end);
+      ops::scale_rows(h, act, probs);
+      mlp_activation_backward(activation_, dfc1, &dprobs, dh, fc1, act, &probs);
+      if (const Param *b2 = fc2_bias(tile.expert)) ops::add_outer_backward(&dprobs, nullptr, dy, probs, b2->value);
+      Tensor dx = buf.dx_RH.slice_rows(tile.begin, tile.end);
+      ops::linear_backward(&dx, nullptr, nullptr, dfc1, nullptr, w1.value);
+      return;
+    }
+    mlp_activation_backward(activation_, dfc1, nullptr, dh, fc1, act, nullptr);
+    // fc1 input x * p: dx += d(fc1 input) p, dp = <d(fc1 input), x>.
+    Tensor dxs = buf.dxs_RH.slice_rows(tile.begin, tile.end);
+    ops::linear_backward(&dxs, nullptr, nullptr, dfc1, nullptr, w1.value);
+    Tensor dx = buf.dx_RH.slice_rows(tile.begin, tile.end);
+    ops::scale_rows_backward(&dx, &dprobs, dxs, saved.x_RH.slice_rows(tile.begin, tile.end), probs);
+  }
 
-    // Experts with zero rows get no task: their gradients stay present and
-    // unchanged.
+  // Weight gradients of expert e over its rows [begin, end): which = 0 for fc1, 1 for fc2.
+  void backward_weights(const int64_t e, const int64_t begin, const int64_t end, const int which,
+                        const BackwardBuffers &buf, const ExpertActivations &saved) const {
+    const MLP &expert = experts_[static_cast<size_t>(e)];
+    if (which == 0) {
+      Param &w1 = expert.fc1().weight();
+      Param *b1 = expert.fc1().bias();
+      const Tensor &fc1_in = probs_on_input_ ? saved.xs_RH : saved.x_RH;
+      const Tensor in = fc1_in.slice_rows(begin, end);
+      ops::linear_backward(nullptr, &w1.grad, b1 ? &b1->grad : nullptr, buf.dfc1_RF1.slice_rows(begin, end), &in,
+                           w1.value);
+      return;
+    }
+    Param &w2 = expert.fc2().weight();
+    Param *b2 = expert.fc2().bias();
+    const Tensor dy = buf.dy_RH.slice_rows(begin, end);
+    const Tensor h = (probs_on_input_ ? saved.act_RF : buf.h_RF).slice_rows(begin, end);
+    ops::linear_backward(nullptr, &w2.grad, probs_on_input_ && b2 ? &b2->grad : nullptr, dy, &h, w2.value);
+    if (!probs_on_input_ && b2) {  // d(p b2)/d b2 = p
+      ops::add_outer_backward(nullptr, &b2->grad, dy, saved.probs_R.slice_rows(begin, end), b2->value);
+    }
+  }
+
+  void run_backward(const std::vector<int64_t> &offsets_E1, Tensor &dx_RH, Tensor &dprobs_R, const Tensor &dy_RH,
+                    const ExpertActivations &saved) const override {
+    const int64_t R = offsets_E1.back();
+    BackwardBuffers buf{dx_RH,
+                        dprobs_R,
+                        dy_RH,
+                        probs_on_input_ ? Tensor() : activation_tensor({R, F_}),
+                        activation_tensor({R, F1_}),
+                        probs_on_input_ ? activation_tensor({R, H_}) : Tensor()};
+    const std::vector<RowTile> tiles = row_tiles(offsets_E1);
+    const auto n_tiles = static_cast<int64_t>(tiles.size());
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_tiles; ++i) backward_tile(tiles[static_cast<size_t>(i)], buf, saved);
+
+    // Experts with zero rows get no task: their gradients stay present and unchanged.
     std::vector<int64_t> busy_experts;
     for (int64_t e = 0; e < E_; ++e) {
       if (offsets_E1[e + 1] > offsets_E1[e]) busy_experts.push_back(e);
@@ -59,8 +155,8 @@ class GroupedMLP final : public ExpertMLPBase {
     const int64_t n_tasks = 2 * static_cast<int64_t>(busy_experts.size());
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_tasks; ++i) {
-      const int64_t e = busy_experts[i / 2];
-      backward_weights(e, offsets_E1[e], offsets_E1[e + 1] - offsets_E1[e], static_cast<int>(i % 2), buf);
+      const int64_t e = busy_experts[static_cast<size_t>(i / 2)];
+      backward_weights(e, offsets_E1[e], offsets_E1[e + 1], static_cast<int>(i % 2), buf, saved);
     }
   }
 };

@@ -6,11 +6,11 @@
 #include <span>
 #include <stdexcept>
 
-#include "moecore/parallel/comm_stats.h"
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/model/config.h"
 #include "moecore/moe/load_balancing.h"
 #include "moecore/moe/routing_math.h"
+#include "moecore/parallel/comm_stats.h"
 #include "moecore/tensor/rng.h"
 
 namespace moecore {

@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "moecore/parallel/parallel_state.h"
 #include "moecore/model/param.h"
 #include "moecore/moe/moe_config.h"
+#include "moecore/parallel/parallel_state.h"
 #include "moecore/tensor/tensor.h"
 
 namespace moecore {
@@ -57,8 +57,8 @@ class TopKRouter {
   // Param::module = module. Statistics are reduced over parallel.tp_cp (aux, seq-aux, z losses) and
   // parallel.tp_dp_cp (global aux loss, expert-bias counts).
   TopKRouter(const MoEConfig& config, int64_t hidden, bool add_bias, const std::string& prefix,
-             std::vector<Param>& params, const parallel::ParallelState& parallel = parallel::ParallelState::single_process(),
-             int module = -1);
+             std::vector<Param>& params,
+             const parallel::ParallelState& parallel = parallel::ParallelState::single_process(), int module = -1);
   void bind(std::vector<Param>& params);  // resolve pointers once `params` no longer grows
 
   // x_TH [S*B, H] -> routing. training: jitter on, expert-bias token counts accumulated, global aux counts

@@ -1,6 +1,6 @@
-// Per-token routing math of Megatron's TopKRouter (megatron/core/transformer/moe/router.py, moe_utils.py): score functions and
-// their derivatives, top-k (plain and group-limited), the Sinkhorn normalisation and capacity / token dropping.
-// Pure functions over row-major [T, E] buffers (T tokens, E experts, K = top-k).
+// Per-token routing math of Megatron's TopKRouter (megatron/core/transformer/moe/router.py, moe_utils.py): score
+// functions and their derivatives, top-k (plain and group-limited), the Sinkhorn normalisation and capacity / token
+// dropping. Pure functions over row-major [T, E] buffers (T tokens, E experts, K = top-k).
 #pragma once
 
 #include <cstdint>

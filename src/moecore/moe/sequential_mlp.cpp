@@ -1,5 +1,4 @@
-// SequentialMLP: one expert at a time, each GEMM over that expert's whole row
-// block (BLAS threads inside).
+// SequentialMLP: one expert at a time, each expert's MLP over its whole row block (BLAS threads inside).
 #include "moecore/moe/experts_internal.h"
 
 namespace moecore::experts_detail {
@@ -10,22 +9,28 @@ class SequentialMLP final : public ExpertMLPBase {
   using ExpertMLPBase::ExpertMLPBase;
 
  private:
-  void run_forward(const std::vector<int64_t> &offsets_E1, const ForwardBuffers &buf) const override {
+  void run_forward(const std::vector<int64_t> &offsets_E1, Tensor &y_RH, ExpertActivations &saved) const override {
+    saved.per_expert.resize(static_cast<size_t>(E_));
     for (int64_t e = 0; e < E_; ++e) {
-      const int64_t n = offsets_E1[e + 1] - offsets_E1[e];
-      if (n > 0) forward_rows(e, offsets_E1[e], n, buf);
+      const int64_t begin = offsets_E1[e], end = offsets_E1[e + 1];
+      if (end == begin) continue;
+      const Tensor probs = saved.probs_R.slice_rows(begin, end);
+      const Tensor y = experts_[static_cast<size_t>(e)].forward(saved.x_RH.slice_rows(begin, end), &probs,
+                                                                saved.per_expert[static_cast<size_t>(e)]);
+      y_RH.slice_rows(begin, end).copy_from(y);
     }
   }
 
-  void run_backward(const std::vector<int64_t> &offsets_E1, const BackwardBuffers &buf) const override {
+  void run_backward(const std::vector<int64_t> &offsets_E1, Tensor &dx_RH, Tensor &dprobs_R, const Tensor &dy_RH,
+                    const ExpertActivations &saved) const override {
     for (int64_t e = 0; e < E_; ++e) {
-      const int64_t n = offsets_E1[e + 1] - offsets_E1[e];
-      if (n == 0)
-        continue;  // zero rows: the gradients stay as they are (present, nothing
-                   // added)
-      backward_rows(e, offsets_E1[e], n, buf);
-      backward_weights(e, offsets_E1[e], n, 1, buf);
-      backward_weights(e, offsets_E1[e], n, 0, buf);
+      const int64_t begin = offsets_E1[e], end = offsets_E1[e + 1];
+      if (end == begin) continue;  // zero rows: the gradients stay as they are (present, nothing added)
+      Tensor dx = dx_RH.slice_rows(begin, end);
+      Tensor dprobs = dprobs_R.slice_rows(begin, end);
+      const Tensor probs = saved.probs_R.slice_rows(begin, end);
+      experts_[static_cast<size_t>(e)].backward(dx, &dprobs, dy_RH.slice_rows(begin, end), &probs,
+                                                saved.per_expert[static_cast<size_t>(e)]);
     }
   }
 };

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "moecore/parallel/comm_stats.h"
 #include "moecore/moe/token_dispatcher_internal.h"
+#include "moecore/parallel/comm_stats.h"
 
 namespace moecore::detail {
 namespace {

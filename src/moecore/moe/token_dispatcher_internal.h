@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "moecore/parallel/parallel_state.h"
 #include "moecore/moe/router.h"
 #include "moecore/moe/token_dispatcher.h"
+#include "moecore/parallel/parallel_state.h"
 
 namespace moecore::detail {
 
@@ -49,7 +49,8 @@ int64_t append_expert_rows(const MapT* map_TE, const float* probs_TE, const int6
   return routed;
 }
 
-std::unique_ptr<TokenDispatcher> make_allgather_dispatcher(int64_t num_experts, const parallel::ParallelState& parallel);
+std::unique_ptr<TokenDispatcher> make_allgather_dispatcher(int64_t num_experts,
+                                                           const parallel::ParallelState& parallel);
 std::unique_ptr<TokenDispatcher> make_alltoall_dispatcher(int64_t num_experts, const parallel::ParallelState& parallel);
 
 }  // namespace moecore::detail

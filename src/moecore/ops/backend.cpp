@@ -1,5 +1,6 @@
 #include "moecore/ops/backend.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -8,7 +9,8 @@ namespace moecore::ops {
 namespace {
 
 constexpr int kUnset = -1;
-thread_local int scoped_backend = kUnset;
+// Process-wide, not per thread: the OpenMP workers inside a fast kernel's caller must run the same backend.
+std::atomic<int> scoped_backend{kUnset};
 
 Backend environment_backend() {
   static const Backend backend = [] {
@@ -29,12 +31,11 @@ Backend parse_backend(const std::string_view name) {
 }
 
 Backend active_backend() {
-  return scoped_backend == kUnset ? environment_backend() : static_cast<Backend>(scoped_backend);
+  const int scoped = scoped_backend.load();
+  return scoped == kUnset ? environment_backend() : static_cast<Backend>(scoped);
 }
 
-ScopedBackend::ScopedBackend(const Backend backend) : previous_(scoped_backend) {
-  scoped_backend = static_cast<int>(backend);
-}
+ScopedBackend::ScopedBackend(const Backend backend) : previous_(scoped_backend.exchange(static_cast<int>(backend))) {}
 
 ScopedBackend::~ScopedBackend() { scoped_backend = previous_; }
 

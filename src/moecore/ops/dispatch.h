@@ -68,6 +68,8 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, add_outer)                   \
     MOECORE_FORWARD(ns, add_outer_backward)          \
     MOECORE_FORWARD(ns, row_dot)                     \
+    MOECORE_FORWARD(ns, sigmoid_forward)             \
+    MOECORE_FORWARD(ns, sigmoid_backward)            \
     MOECORE_FORWARD(ns, gather_rows)                 \
     MOECORE_FORWARD(ns, scatter_add_rows)            \
     MOECORE_FORWARD(ns, add_position_embedding)      \

@@ -110,6 +110,22 @@ void row_dot(Tensor& out_R, const Tensor& x_RW, const Tensor& w_W) {
   detail::dispatch(op, x_RW, [&]<typename S>(auto k) { k.row_dot(ptr<S>(out_R), ptr<S>(x_RW), ptr<S>(w_W), R, W); });
 }
 
+void sigmoid_forward(Tensor& out, const Tensor& x) {
+  constexpr const char* op = "sigmoid_forward";
+  detail::check_tensors(op, {&out, &x});
+  detail::check_numel(op, "out", out, x.numel());
+  detail::dispatch(op, x, [&]<typename S>(auto k) { k.sigmoid_forward(ptr<S>(out), ptr<S>(x), x.numel()); });
+}
+
+void sigmoid_backward(Tensor& dx, const Tensor& dout, const Tensor& y) {
+  constexpr const char* op = "sigmoid_backward";
+  detail::check_tensors(op, {&dx, &dout, &y});
+  detail::check_numel(op, "dout", dout, y.numel());
+  detail::check_numel(op, "dx", dx, y.numel());
+  detail::dispatch(op, y,
+                   [&]<typename S>(auto k) { k.sigmoid_backward(ptr<S>(dx), ptr<S>(dout), ptr<S>(y), y.numel()); });
+}
+
 void gather_rows(Tensor& out_RW, const Tensor& in_NW, const std::span<const int64_t> index_R) {
   constexpr const char* op = "gather_rows";
   detail::check_tensors(op, {&out_RW, &in_NW});

@@ -26,6 +26,10 @@ void add_outer_backward(Tensor* ds_R, Tensor* db_W, const Tensor& dy_RW, const T
 // out_R = x_RW w_W (in double).
 void row_dot(Tensor& out_R, const Tensor& x_RW, const Tensor& w_W);
 
+// out = sigmoid(x) elementwise (computed in double; out may be x). Backward: dx += dout * y (1 - y), y = out.
+void sigmoid_forward(Tensor& out, const Tensor& x);
+void sigmoid_backward(Tensor& dx, const Tensor& dout, const Tensor& y);
+
 // out_RW[r] = in_NW[index_R[r]] (zeros for a negative index; overwrites). R = index_R.size().
 void gather_rows(Tensor& out_RW, const Tensor& in_NW, std::span<const int64_t> index_R);
 // out_NW[index_R[r]] += in_RW[r]; each destination sums its rows in ascending r.

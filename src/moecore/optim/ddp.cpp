@@ -7,8 +7,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "moecore/parallel/comm_stats.h"
 #include "moecore/kernels/cpu/elementwise.h"
+#include "moecore/parallel/comm_stats.h"
 
 namespace moecore {
 namespace {
@@ -165,8 +165,8 @@ void DistributedDataParallel::launch(const int bucket_index) {
   const int dp_cp = parallel_.dp_cp.size();
   if (dp_cp > 1) kernels::cpu::scale_inplace(data, 1.0f / static_cast<float>(dp_cp), static_cast<int64_t>(n));
   if (options_.use_distributed_optimizer) {
-    b.grad_work =
-        g.pg.reduce_scatter_async(std::span<const float>(data, n), b.comm_shard.span<float>(), parallel::ReduceOp::kSum);
+    b.grad_work = g.pg.reduce_scatter_async(std::span<const float>(data, n), b.comm_shard.span<float>(),
+                                            parallel::ReduceOp::kSum);
   } else {
     b.grad_work = g.pg.all_reduce_async(std::span<float>(data, n), parallel::ReduceOp::kSum);
   }

@@ -8,10 +8,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "moecore/parallel/parallel_state.h"
-#include "moecore/parallel/process_group.h"
 #include "moecore/model/model_hooks.h"
 #include "moecore/model/param.h"
+#include "moecore/parallel/parallel_state.h"
+#include "moecore/parallel/process_group.h"
 
 namespace moecore {
 
@@ -51,14 +51,15 @@ class DistributedDataParallel : public ModelHooks {
   struct Group {
     bool expert = false;
     parallel::ProcessGroup pg = parallel::ProcessGroup::self();  // the gradient-reduction group
-    Tensor grad_buffer;                                  // [numel], kGrads
-    Tensor param_buffer;                                 // [numel], kParams (distributed optimizer only)
+    Tensor grad_buffer;                                          // [numel], kGrads
+    Tensor param_buffer;                                         // [numel], kParams (distributed optimizer only)
     std::vector<int> buckets;
   };
 
   // Rebinds every Param::grad (and with the distributed optimizer Param::value) to views of the flat buffers,
   // copying the current contents. `params` must outlive this object and keep its size.
-  DistributedDataParallel(std::vector<Param>& params, const parallel::ParallelState& parallel, const DdpOptions& options);
+  DistributedDataParallel(std::vector<Param>& params, const parallel::ParallelState& parallel,
+                          const DdpOptions& options);
   ~DistributedDataParallel() override;
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;

@@ -5,9 +5,9 @@
 #include <span>
 #include <stdexcept>
 
-#include "moecore/parallel/comm_stats.h"
 #include "moecore/kernels/cpu/adamw.h"
 #include "moecore/kernels/cpu/elementwise.h"
+#include "moecore/parallel/comm_stats.h"
 
 namespace moecore {
 

@@ -37,7 +37,11 @@ Storage::Storage(const size_t bytes, const MemCategory category, const Device de
   MemoryTracker::instance().on_alloc(category_, bytes_);
 }
 
+Storage::Storage(std::byte* borrowed, const size_t bytes)
+    : data_(borrowed), bytes_(bytes), category_(MemCategory::kOther), device_(Device::kCPU), owned_(false) {}
+
 Storage::~Storage() {
+  if (!owned_) return;
   MemoryTracker::instance().on_free(category_, bytes_);
   std::free(data_);
 }

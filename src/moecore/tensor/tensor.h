@@ -7,6 +7,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "moecore/tensor/device.h"
@@ -21,6 +22,8 @@ class Storage {
   // Throws std::runtime_error for a device this build cannot allocate on.
   Storage(size_t bytes, MemCategory category, Device device = Device::kCPU);
   ~Storage();
+  // Borrowed: memory owned elsewhere; neither freed nor counted by the MemoryTracker.
+  Storage(std::byte* borrowed, size_t bytes);
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 
@@ -31,10 +34,11 @@ class Storage {
   Device device() const { return device_; }
 
  private:
-  std::byte* data_;  // owned; freed in the destructor
+  std::byte* data_;  // owned (freed in the destructor) unless borrowed
   size_t bytes_;
   MemCategory category_;
   Device device_;
+  bool owned_ = true;
 };
 
 class Tensor {
@@ -47,6 +51,10 @@ class Tensor {
                       MemCategory category = MemCategory::kOther) {
     return Tensor(std::move(shape), dtype, category);
   }
+
+  // A view of CPU memory owned by the caller (like torch::from_blob): valid only while that memory lives.
+  template <typename T>
+  static Tensor from_blob(T* data, std::vector<int64_t> shape);
 
   bool defined() const { return storage_ != nullptr; }
   DType dtype() const { return dtype_; }
@@ -89,5 +97,15 @@ class Tensor {
   std::vector<int64_t> shape_;
   DType dtype_ = DType::kF32;
 };
+
+template <typename T>
+Tensor Tensor::from_blob(T* data, std::vector<int64_t> shape) {
+  Tensor out;
+  out.shape_ = std::move(shape);
+  out.dtype_ = dtype_of<std::remove_const_t<T>>();
+  out.storage_ =
+      std::make_shared<Storage>(reinterpret_cast<std::byte*>(const_cast<std::remove_const_t<T>*>(data)), out.nbytes());
+  return out;
+}
 
 }  // namespace moecore

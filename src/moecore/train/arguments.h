@@ -51,9 +51,9 @@
 #include <string>
 #include <vector>
 
-#include "moecore/parallel/parallel_layout.h"
 #include "moecore/model/config.h"
 #include "moecore/optim/lr_schedule.h"
+#include "moecore/parallel/parallel_layout.h"
 
 namespace moecore {
 

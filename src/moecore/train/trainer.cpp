@@ -14,12 +14,12 @@
 
 #include "moecore/ckpt/hf_checkpoint.h"
 #include "moecore/data/data_loader.h"
-#include "moecore/parallel/comm_stats.h"
 #include "moecore/model/gpt_model.h"
 #include "moecore/optim/adamw_optimizer.h"
 #include "moecore/optim/ddp.h"
 #include "moecore/optim/distributed_optimizer.h"
 #include "moecore/optim/lr_schedule.h"
+#include "moecore/parallel/comm_stats.h"
 #include "moecore/tensor/memory_tracker.h"
 #include "moecore/tokenizer/tokenizer.h"
 #include "moecore/train/gather_model.h"
@@ -61,7 +61,8 @@ std::string memory_report(const int64_t iteration, const parallel::ParallelState
 
 // Seconds per iteration in each communication kind since the last report, the maximum over the ranks, with the
 // share of the iteration time (collective).
-std::string comm_report(const double seconds_per_iter, const int64_t iterations, const parallel::ParallelState& parallel) {
+std::string comm_report(const double seconds_per_iter, const int64_t iterations,
+                        const parallel::ParallelState& parallel) {
   constexpr auto kKinds = static_cast<size_t>(parallel::CommKind::kCount);
   std::vector<float> seconds(kKinds);
   for (size_t k = 0; k < kKinds; ++k) {

@@ -7,8 +7,8 @@
 #include <stdexcept>
 #include <vector>
 
-#include "moecore/parallel/parallel_state.h"
 #include "moecore/model/gpt_model.h"
+#include "moecore/parallel/parallel_state.h"
 #include "moecore/train/arguments.h"
 
 namespace moecore {

@@ -36,6 +36,12 @@ namespace moecore::kernels {
   /* out_R = <x_RW[r], w_W> (summed in double; overwrites). */                                                       \
   template <typename T>                                                                                              \
   void row_dot(T* out_R, const T* x_RW, const T* w_W, int64_t R, int64_t W);                                         \
+  /* out = 1 / (1 + exp(-x)) elementwise, computed in double (overwrites; may alias x). */                           \
+  template <typename T>                                                                                              \
+  void sigmoid_forward(T* out, const T* x, int64_t n);                                                               \
+  /* dx += dout * y (1 - y), y the sigmoid output. */                                                                \
+  template <typename T>                                                                                              \
+  void sigmoid_backward(T* dx, const T* dout, const T* y, int64_t n);                                                \
   /* out_RW[r] = in_NW[index_R[r]], or zeros where index_R[r] < 0 (overwrites). */                                   \
   template <typename T>                                                                                              \
   void gather_rows(T* out_RW, const T* in_NW, const int64_t* index_R, int64_t R, int64_t N, int64_t W);              \

@@ -1,4 +1,5 @@
 // Naive references of rows.h: one element at a time, serial, in the order of the definitions.
+#include <cmath>
 #include <cstdint>
 
 #include "moecore/kernels/cpu/rows.h"
@@ -107,6 +108,16 @@ void row_dot(T* out_R, const T* x_RW, const T* w_W, const int64_t R, const int64
 }
 
 template <typename T>
+void sigmoid_forward(T* out, const T* x, const int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(1.0 / (1.0 + std::exp(-static_cast<double>(x[i]))));
+}
+
+template <typename T>
+void sigmoid_backward(T* dx, const T* dout, const T* y, const int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dx[i] += dout[i] * y[i] * (T(1) - y[i]);
+}
+
+template <typename T>
 void gather_rows(T* out_RW, const T* in_NW, const int64_t* index_R, const int64_t R, const int64_t /*N*/,
                  const int64_t W) {
   for (int64_t r = 0; r < R; ++r) {
@@ -149,6 +160,8 @@ void position_embedding_backward(T* dpos_PH, const T* dx_TH, const int64_t n_tok
   template void add_outer<T>(T*, const T*, const T*, int64_t, int64_t);                             \
   template void add_outer_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int64_t);      \
   template void row_dot<T>(T*, const T*, const T*, int64_t, int64_t);                               \
+  template void sigmoid_forward<T>(T*, const T*, int64_t);                                          \
+  template void sigmoid_backward<T>(T*, const T*, const T*, int64_t);                               \
   template void gather_rows<T>(T*, const T*, const int64_t*, int64_t, int64_t, int64_t);            \
   template void scatter_add_rows<T>(T*, const T*, const int64_t*, int64_t, int64_t, int64_t);       \
   template void add_position_embedding<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t);        \

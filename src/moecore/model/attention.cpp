@@ -1,0 +1,129 @@
+#include "moecore/model/attention.h"
+
+#include <cmath>
+
+#include "moecore/ops/attention.h"
+#include "moecore/ops/rows.h"
+
+namespace moecore {
+namespace {
+
+Tensor activation_tensor(std::vector<int64_t> shape) {
+  return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
+}
+
+}  // namespace
+
+SelfAttention::SelfAttention(const ModelConfig& config, const std::string& prefix, const TensorParallel& tp,
+                             const int module, std::vector<Param>& params)
+    : config_(config), prefix_(prefix + "self_attention.") {
+  const int64_t H = config.hidden_size, d = config.kv_channels, N = config.num_attention_heads;
+  const int64_t G = config.num_query_groups, n = tp.size();
+  if (N % n != 0 || G % n != 0) {
+    throw ConfigError("--num-attention-heads (" + std::to_string(N) + ") and --num-query-groups (" + std::to_string(G) +
+                      ") must be divisible by --tensor-model-parallel-size (" + std::to_string(n) + ")");
+  }
+  heads_ = N / n;
+  groups_ = G / n;
+  head_offset_ = tp.rank() * heads_;
+  LinearOptions qkv;
+  qkv.bias = config.add_bias_linear;
+  qkv.module = module;
+  // The fused rows are grouped per query group, so a rank's groups are one contiguous block of rows.
+  qkv_ = ColumnParallelLinear(prefix_ + "linear_qkv", H, config.qkv_out(), tp, qkv, params);
+  if (config.qk_layernorm) {  // shared by all heads; each TP rank sees only its own heads
+    const bool partial = tp.size() > 1;
+    NormModule::add_params(params, prefix_ + "q_layernorm", d, config.normalization, partial, module);
+    NormModule::add_params(params, prefix_ + "k_layernorm", d, config.normalization, partial, module);
+  }
+  LinearOptions proj;
+  proj.bias = config.add_bias_linear;
+  proj.init = InitKind::kScaledNormal;
+  proj.module = module;
+  proj_ = RowParallelLinear(prefix_ + "linear_proj", N * d, H, tp, proj, params);
+}
+
+void SelfAttention::bind(std::vector<Param>& params) {
+  qkv_.bind(params);
+  proj_.bind(params);
+  if (config_.qk_layernorm) {
+    q_norm_ = NormModule::bind(params, prefix_ + "q_layernorm", config_.normalization, config_.norm_epsilon);
+    k_norm_ = NormModule::bind(params, prefix_ + "k_layernorm", config_.normalization, config_.norm_epsilon);
+  }
+}
+
+ops::AttentionDims SelfAttention::dims(const int64_t S, const int64_t B) const {
+  ops::AttentionDims dims{
+      S, B, heads_, groups_, config_.kv_channels, 1.0 / std::sqrt(static_cast<double>(config_.kv_channels))};
+  dims.dropout_total_heads = config_.num_attention_heads;
+  dims.dropout_head_offset = head_offset_;
+  return dims;
+}
+
+Tensor SelfAttention::forward(const Tensor& x_TH, const int64_t S, const int64_t B, const ops::DropoutSpec& dropout,
+                              AttentionActivations& a) const {
+  const int64_t T = S * B, N = heads_, G = groups_, d = config_.kv_channels;
+  Tensor qkv_TQ = qkv_.forward(x_TH, a.qkv);
+  a.q_TNd = activation_tensor({T, N, d});
+  a.k_TGd = activation_tensor({T, G, d});
+  a.v_TGd = activation_tensor({T, G, d});
+  ops::split_qkv(a.q_TNd, a.k_TGd, a.v_TGd, qkv_TQ, N, G, d);
+  qkv_TQ = Tensor();
+  if (config_.qk_layernorm) {
+    a.q_raw_TNd = a.q_TNd;
+    a.k_raw_TGd = a.k_TGd;
+    a.q_TNd = activation_tensor({T, N, d});
+    a.k_TGd = activation_tensor({T, G, d});
+    a.q_norm_stats = q_norm_.forward(a.q_TNd, a.q_raw_TNd);
+    a.k_norm_stats = k_norm_.forward(a.k_TGd, a.k_raw_TGd);
+  }
+  if (config_.position_embedding_type == PositionEmbedding::kRope) {
+    const int64_t rot = config_.rotary_dim();
+    Tensor q_rot = activation_tensor({T, N, d});
+    Tensor k_rot = activation_tensor({T, G, d});
+    ops::rope_forward(q_rot, a.q_TNd, S, B, d, rot, config_.rotary_base);
+    ops::rope_forward(k_rot, a.k_TGd, S, B, d, rot, config_.rotary_base);
+    a.q_TNd = std::move(q_rot);
+    a.k_TGd = std::move(k_rot);
+  }
+  a.attn_TNd = activation_tensor({T, N, d});
+  a.lse_BNS = activation_tensor({B, N, S});
+  ops::attention_forward(a.attn_TNd, a.lse_BNS, a.q_TNd, a.k_TGd, a.v_TGd, dims(S, B), dropout);
+  return proj_.forward(a.attn_TNd, a.proj);
+}
+
+void SelfAttention::backward(Tensor& dx_TH, const Tensor& dout_TH, const int64_t S, const int64_t B,
+                             const ops::DropoutSpec& dropout, const AttentionActivations& a) const {
+  const int64_t T = S * B, N = heads_, G = groups_, d = config_.kv_channels;
+  Tensor dattn_TNd = activation_tensor({T, N, d});
+  proj_.backward(dattn_TNd, dout_TH, a.proj);
+  Tensor dq_TNd = activation_tensor({T, N, d});
+  Tensor dk_TGd = activation_tensor({T, G, d});
+  Tensor dv_TGd = activation_tensor({T, G, d});
+  ops::attention_backward(dq_TNd, dk_TGd, dv_TGd, dattn_TNd, a.q_TNd, a.k_TGd, a.v_TGd, a.attn_TNd, a.lse_BNS,
+                          dims(S, B), dropout);
+  dattn_TNd = Tensor();
+  if (config_.position_embedding_type == PositionEmbedding::kRope) {
+    const int64_t rot = config_.rotary_dim();
+    Tensor dq_pre = activation_tensor({T, N, d});
+    Tensor dk_pre = activation_tensor({T, G, d});
+    ops::rope_backward(dq_pre, dq_TNd, S, B, d, rot, config_.rotary_base);
+    ops::rope_backward(dk_pre, dk_TGd, S, B, d, rot, config_.rotary_base);
+    dq_TNd = std::move(dq_pre);
+    dk_TGd = std::move(dk_pre);
+  }
+  if (config_.qk_layernorm) {
+    Tensor dq_raw = activation_tensor({T, N, d});
+    Tensor dk_raw = activation_tensor({T, G, d});
+    q_norm_.backward(dq_raw, dq_TNd, a.q_raw_TNd, a.q_norm_stats);
+    k_norm_.backward(dk_raw, dk_TGd, a.k_raw_TGd, a.k_norm_stats);
+    dq_TNd = std::move(dq_raw);
+    dk_TGd = std::move(dk_raw);
+  }
+  Tensor dqkv_TQ = activation_tensor({T, (N + 2 * G) * d});
+  ops::merge_qkv(dqkv_TQ, dq_TNd, dk_TGd, dv_TGd, N, G, d);
+  dq_TNd = dk_TGd = dv_TGd = Tensor();
+  qkv_.backward(dx_TH, dqkv_TQ, a.qkv);
+}
+
+}  // namespace moecore

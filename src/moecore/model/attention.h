@@ -1,0 +1,54 @@
+// Megatron's SelfAttention (megatron/core/transformer/attention.py): linear_qkv (ColumnParallelLinear over query
+// groups) -> optional q/k LayerNorm -> RoPE -> causal GQA core attention with dropout -> linear_proj
+// (RowParallelLinear over heads). Parameters under `<prefix>self_attention.`: linear_qkv.{weight,bias}
+// [(N+2G)d, H] (rows per query group g: its N/G query heads, then k, then v), {q,k}_layernorm.{weight,bias} [d],
+// linear_proj.{weight,bias} [H, N d]. Legend: T tokens, H hidden, N / G this rank's query heads / groups, d head dim.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moecore/model/config.h"
+#include "moecore/model/norm_module.h"
+#include "moecore/model/parallel_linear.h"
+#include "moecore/ops/attention.h"
+#include "moecore/tensor/tensor.h"
+
+namespace moecore {
+
+struct AttentionActivations {
+  LinearActivations qkv, proj;
+  Tensor q_raw_TNd, k_raw_TGd;  // before qk-norm (only with --qk-layernorm)
+  NormStats q_norm_stats, k_norm_stats;
+  Tensor q_TNd, k_TGd, v_TGd;  // core attention inputs (after qk-norm and RoPE)
+  Tensor attn_TNd;
+  Tensor lse_BNS;
+};
+
+class SelfAttention {
+ public:
+  SelfAttention() = default;
+  SelfAttention(const ModelConfig& config, const std::string& prefix, const TensorParallel& tp, int module,
+                std::vector<Param>& params);
+  void bind(std::vector<Param>& params);
+
+  // x_TH: the normed layer input (this rank's rows) -> the projected output (this rank's rows), bias included.
+  Tensor forward(const Tensor& x_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout,
+                 AttentionActivations& saved) const;
+  // dx_TH += d(out)/d(x)^T dout_TH; parameter gradients accumulate.
+  void backward(Tensor& dx_TH, const Tensor& dout_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout,
+                const AttentionActivations& saved) const;
+
+ private:
+  ops::AttentionDims dims(int64_t S, int64_t B) const;
+
+  ModelConfig config_;
+  std::string prefix_;
+  int64_t heads_ = 0, groups_ = 0, head_offset_ = 0;  // this rank's query heads and groups, first global head
+  ColumnParallelLinear qkv_;
+  RowParallelLinear proj_;
+  NormModule q_norm_, k_norm_;
+};
+
+}  // namespace moecore

@@ -1,0 +1,143 @@
+#include "moecore/model/parallel_linear.h"
+
+#include <stdexcept>
+
+#include "moecore/model/config.h"
+#include "moecore/ops/elementwise.h"
+#include "moecore/ops/linear.h"
+#include "moecore/ops/rows.h"
+
+namespace moecore {
+namespace {
+
+Tensor activation_tensor(std::vector<int64_t> shape) {
+  return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
+}
+
+void require_bound(const Param* weight, const std::string& name) {
+  if (weight == nullptr) throw std::logic_error(name + ": used before bind()");
+}
+
+void check_divisible(const std::string& name, const int64_t features, const int64_t parts, const char* what) {
+  if (features % parts != 0) {
+    throw ConfigError(name + ": " + std::to_string(features) + " " + what + " are not divisible by the " +
+                      std::to_string(parts) + "-way tensor-parallel split");
+  }
+}
+
+void register_param(std::vector<Param>& params, Param p, const LinearOptions& options) {
+  p.is_expert = options.is_expert;
+  p.module = options.module;
+  params.push_back(std::move(p));
+}
+
+}  // namespace
+
+ColumnParallelLinear::ColumnParallelLinear(const std::string& name, const int64_t in_features,
+                                           const int64_t out_features, const TensorParallel& tp,
+                                           const LinearOptions& options, std::vector<Param>& params)
+    : tp_(options.explicit_expert_comm ? TensorParallel(tp.group(), false) : tp), options_(options), name_(name) {
+  const int n = tp.size();
+  check_divisible(name, out_features, static_cast<int64_t>(n) * options.segments, "output features");
+  out_local_ = out_features / n;
+  if (options.shared_weight.empty()) {
+    const ParamShard shard{0, options.segments, n, tp.rank(), {out_features, in_features}};
+    register_param(params, make_sharded_param(name + ".weight", shard, options.init), options);
+  }
+  if (options.bias) {
+    const ParamShard bias_shard{0, options.segments, n, tp.rank(), {out_features}};
+    register_param(params, make_sharded_param(name + ".bias", bias_shard, InitKind::kZeros), options);
+  }
+}
+
+void ColumnParallelLinear::bind(std::vector<Param>& params) {
+  weight_ = find_param(params, options_.shared_weight.empty() ? name_ + ".weight" : options_.shared_weight);
+  bias_ = options_.bias ? find_param(params, name_ + ".bias") : nullptr;
+}
+
+Tensor ColumnParallelLinear::forward(const Tensor& x_TI, LinearActivations& saved) const {
+  require_bound(weight_, name_);
+  saved.input_TI = tp_.sequence_sharded() ? tp_.all_gather_rows(x_TI) : x_TI;
+  const int64_t T = saved.input_TI.dim(0);
+  Tensor y_TO = activation_tensor({T, out_local_});
+  ops::linear_forward(y_TO, saved.input_TI, weight_->value,
+                      options_.skip_bias_add || bias_ == nullptr ? nullptr : &bias_->value);
+  return y_TO;
+}
+
+void ColumnParallelLinear::backward_weights(const Tensor& dy_TO, const LinearActivations& saved) const {
+  require_bound(weight_, name_);
+  const bool with_bias = bias_ != nullptr && !options_.skip_bias_add;
+  ops::linear_backward(nullptr, &weight_->grad, with_bias ? &bias_->grad : nullptr, dy_TO, &saved.input_TI,
+                       weight_->value);
+}
+
+void ColumnParallelLinear::backward(Tensor& dx_TI, const Tensor& dy_TO, const LinearActivations& saved) const {
+  backward_weights(dy_TO, saved);
+  const bool communicates = tp_.size() > 1 && !options_.explicit_expert_comm;
+  if (!communicates) {
+    ops::linear_backward(&dx_TI, nullptr, nullptr, dy_TO, nullptr, weight_->value);
+    return;
+  }
+  // Each rank holds part of d(input) of every token: reduce-scatter it to the sequence shard (backward of the
+  // all-gather), or all-reduce it (backward of copy_to_tensor_model_parallel_region).
+  Tensor dinput_TI = activation_tensor(saved.input_TI.shape());
+  ops::linear_backward(&dinput_TI, nullptr, nullptr, dy_TO, nullptr, weight_->value);
+  if (tp_.sequence_sharded()) {
+    const Tensor shard = tp_.reduce_scatter_rows(dinput_TI);
+    ops::add_(dx_TI, shard);
+  } else {
+    tp_.all_reduce_(dinput_TI);
+    ops::add_(dx_TI, dinput_TI);
+  }
+}
+
+RowParallelLinear::RowParallelLinear(const std::string& name, const int64_t in_features, const int64_t out_features,
+                                     const TensorParallel& tp, const LinearOptions& options, std::vector<Param>& params)
+    : tp_(options.explicit_expert_comm ? TensorParallel(tp.group(), false) : tp), options_(options), name_(name) {
+  const int n = tp.size();
+  check_divisible(name, in_features, n, "input features");
+  in_local_ = in_features / n;
+  const ParamShard shard{1, 1, n, tp.rank(), {out_features, in_features}};
+  register_param(params, make_sharded_param(name + ".weight", shard, options.init), options);
+  if (options.bias) {
+    // Replicated; under sequence parallelism each rank's gradient covers only its rows, so it is summed over TP.
+    Param bias = make_param(name + ".bias", {out_features}, InitKind::kZeros);
+    bias.grad_sum_over_tp = tp_.sequence_sharded();
+    register_param(params, std::move(bias), options);
+  }
+}
+
+void RowParallelLinear::bind(std::vector<Param>& params) {
+  weight_ = find_param(params, name_ + ".weight");
+  bias_ = options_.bias ? find_param(params, name_ + ".bias") : nullptr;
+}
+
+Tensor RowParallelLinear::forward(const Tensor& x_TI, LinearActivations& saved) const {
+  require_bound(weight_, name_);
+  saved.input_TI = x_TI;
+  const int64_t T = x_TI.dim(0), O = weight_->value.dim(0);
+  Tensor partial_TO = activation_tensor({T, O});
+  ops::linear_forward(partial_TO, x_TI, weight_->value, nullptr);
+  Tensor y_TO;
+  if (options_.explicit_expert_comm || tp_.size() == 1) {
+    y_TO = std::move(partial_TO);
+  } else if (tp_.sequence_sharded()) {
+    y_TO = tp_.reduce_scatter_rows(partial_TO);
+  } else {
+    tp_.all_reduce_(partial_TO);
+    y_TO = std::move(partial_TO);
+  }
+  if (bias_ != nullptr && !options_.skip_bias_add) ops::add_bias_rows(y_TO, bias_->value);
+  return y_TO;
+}
+
+void RowParallelLinear::backward(Tensor& dx_TI, const Tensor& dy_TO, const LinearActivations& saved) const {
+  require_bound(weight_, name_);
+  if (bias_ != nullptr && !options_.skip_bias_add) ops::bias_grad_rows(bias_->grad, dy_TO);
+  const bool gather = tp_.sequence_sharded() && !options_.explicit_expert_comm;
+  const Tensor dy_full_TO = gather ? tp_.all_gather_rows(dy_TO) : dy_TO;
+  ops::linear_backward(&dx_TI, &weight_->grad, nullptr, dy_full_TO, &saved.input_TI, weight_->value);
+}
+
+}  // namespace moecore

@@ -1,0 +1,85 @@
+#include "moecore/model/tensor_parallel.h"
+
+#include <span>
+#include <stdexcept>
+#include <string>
+
+#include "moecore/parallel/comm_stats.h"
+
+namespace moecore {
+namespace {
+
+Tensor activation_like(const Tensor& t, const int64_t rows) {
+  std::vector<int64_t> shape = t.shape();
+  shape.at(0) = rows;
+  return Tensor(std::move(shape), t.dtype(), MemCategory::kActivations, t.device());
+}
+
+void require_fp32(const Tensor& t, const char* what) {
+  if (t.dtype() != DType::kF32)
+    throw std::invalid_argument(std::string(what) + ": tensor-parallel collectives take fp32");
+}
+
+}  // namespace
+
+TensorParallel::TensorParallel(parallel::ProcessGroup group, const bool sequence_sharded)
+    : group_(std::move(group)), sequence_sharded_(sequence_sharded && group_.size() > 1) {}
+
+TensorParallel TensorParallel::attention(const parallel::ParallelState& state) {
+  return TensorParallel(state.tp, state.sequence_parallel);
+}
+
+TensorParallel TensorParallel::sequence_sharded_always() const { return TensorParallel(group_, true); }
+
+Tensor TensorParallel::all_gather_rows(const Tensor& shard_RW) const {
+  if (size() == 1) return shard_RW;
+  require_fp32(shard_RW, "all_gather_rows");
+  Tensor full = activation_like(shard_RW, shard_RW.dim(0) * size());
+  const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
+  group_.all_gather(shard_RW.span<float>(), full.span<float>());
+  return full;
+}
+
+Tensor TensorParallel::reduce_scatter_rows(const Tensor& full_RW) const {
+  if (size() == 1) return full_RW;
+  require_fp32(full_RW, "reduce_scatter_rows");
+  if (full_RW.dim(0) % size() != 0) {
+    throw std::invalid_argument("reduce_scatter_rows: " + std::to_string(full_RW.dim(0)) +
+                                " rows are not divisible by the tensor-parallel size " + std::to_string(size()));
+  }
+  Tensor shard = activation_like(full_RW, full_RW.dim(0) / size());
+  const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
+  group_.reduce_scatter(full_RW.span<float>(), shard.span<float>(), parallel::ReduceOp::kSum);
+  return shard;
+}
+
+void TensorParallel::all_reduce_(Tensor& x) const {
+  if (size() == 1) return;
+  require_fp32(x, "all_reduce_");
+  const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
+  group_.all_reduce(x.span<float>(), parallel::ReduceOp::kSum);
+}
+
+Tensor TensorParallel::split_rows(const Tensor& full_RW) const {
+  if (size() == 1) return full_RW;
+  const int64_t rows = full_RW.dim(0) / size();
+  return full_RW.slice_rows(rank() * rows, (rank() + 1) * rows).clone(MemCategory::kActivations);
+}
+
+Tensor TensorParallel::to_sequence_shard(const Tensor& x_TW) const {
+  return sequence_sharded_ ? x_TW : split_rows(x_TW);
+}
+
+Tensor TensorParallel::to_sequence_shard_backward(const Tensor& dshard_TW) const {
+  return sequence_sharded_ ? dshard_TW : all_gather_rows(dshard_TW);
+}
+
+Tensor TensorParallel::from_sequence_shard(const Tensor& shard_TW) const {
+  return sequence_sharded_ ? shard_TW : all_gather_rows(shard_TW);
+}
+
+Tensor TensorParallel::from_sequence_shard_backward(const Tensor& dx_TW) const {
+  return sequence_sharded_ ? dx_TW : split_rows(dx_TW);
+}
+
+}  // namespace moecore
