@@ -212,10 +212,9 @@ inline OpCase linear_case(const std::string& name, const std::vector<int64_t>& i
   return c;
 }
 
-inline OpCase rmsnorm_case() {
-  constexpr int64_t R = 7, D = 11;
-  OpCase c{"rmsnorm", {"rmsnorm_forward", "rmsnorm_backward"}};
-  c.build = [](Env& e) {
+inline OpCase rmsnorm_case(const std::string& name, const int64_t R, const int64_t D) {
+  OpCase c{name, {"rmsnorm_forward", "rmsnorm_backward"}};
+  c.build = [=](Env& e) {
     e.rand("inp", {R, D}, 2.0);
     e.rand("weight", {D});
     e.rand("out", {R, D});
@@ -264,10 +263,17 @@ inline OpCase layernorm_case(const std::string& name, const std::vector<int64_t>
   return c;
 }
 
-inline OpCase rope_case(const std::string& name, const int64_t rot_dim, const double base, const int64_t offset) {
-  constexpr int64_t S = 5, B = 2, N = 3, d = 8;
+struct RopeShape {
+  int64_t S, B, N, d, rot_dim;
+  double base;
+  int64_t position_offset;
+};
+
+inline OpCase rope_case(const std::string& name, const RopeShape& r) {
+  const int64_t S = r.S, B = r.B, N = r.N, d = r.d, rot_dim = r.rot_dim, offset = r.position_offset;
+  const double base = r.base;
   OpCase c{name, {"rope_forward", "rope_backward"}};
-  c.build = [](Env& e) {
+  c.build = [=](Env& e) {
     e.rand("inp", {S, B, N, d});
     e.rand("out", {S, B, N, d});
   };
@@ -304,10 +310,10 @@ inline OpCase attention_case(const std::string& name, const AttentionDims& dims,
   return c;
 }
 
-inline AttentionDims attention_dims(const int64_t N, const int64_t G) {
+inline AttentionDims attention_dims(const int64_t S, const int64_t B, const int64_t N, const int64_t G) {
   AttentionDims dims;
-  dims.S = 6;
-  dims.B = 2;
+  dims.S = S;
+  dims.B = B;
   dims.N = N;
   dims.G = G;
   dims.head_dim = 8;
@@ -315,8 +321,7 @@ inline AttentionDims attention_dims(const int64_t N, const int64_t G) {
   return dims;
 }
 
-inline OpCase activation_case(const std::string& name, const Activation kind) {
-  constexpr int64_t T = 7, F = 5;
+inline OpCase activation_case(const std::string& name, const Activation kind, const int64_t T, const int64_t F) {
   const int64_t F1 = activation_input_width(kind, F);
   OpCase c{name, {"activation_forward", "activation_backward"}};
   c.build = [=](Env& e) {
@@ -345,12 +350,12 @@ inline DropoutSpec test_dropout() {
   return spec;
 }
 
-inline OpCase dropout_case() {
+inline OpCase dropout_case(const std::string& name, const std::vector<int64_t>& shape) {
   const DropoutSpec spec = test_dropout();
-  OpCase c{"dropout", {"dropout_forward", "dropout_backward"}};
-  c.build = [](Env& e) {
-    e.rand("inp", {9, 7});
-    e.rand("out", {9, 7});
+  OpCase c{name, {"dropout_forward", "dropout_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("inp", shape);
+    e.rand("out", shape);
   };
   c.forward = [=](Env& e) { dropout_forward(e("out"), e("inp"), spec); };
   c.outputs = {"out"};
@@ -361,11 +366,17 @@ inline OpCase dropout_case() {
   return c;
 }
 
-inline OpCase cross_entropy_case() {
-  constexpr int64_t T = 8, V = 13;
-  const std::vector<int32_t> targets = {0, 12, 5, 5, 7, 1, 11, 3};
-  OpCase c{"cross_entropy", {"cross_entropy_forward", "cross_entropy_backward"}};
-  c.build = [](Env& e) {
+// Targets spread over [0, V): (5 t + 3) mod V.
+inline std::vector<int32_t> spread_ids(const int64_t T, const int64_t V) {
+  std::vector<int32_t> ids(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) ids[static_cast<size_t>(t)] = static_cast<int32_t>((5 * t + 3) % V);
+  return ids;
+}
+
+inline OpCase cross_entropy_case(const std::string& name, const int64_t T, const int64_t V) {
+  const std::vector<int32_t> targets = spread_ids(T, V);
+  OpCase c{name, {"cross_entropy_forward", "cross_entropy_backward"}};
+  c.build = [=](Env& e) {
     e.rand("logits", {T, V}, 3.0);
     e.rand("losses", {T});
     e.rand("lse", {T});
@@ -434,12 +445,12 @@ inline OpCase embedding_case(const std::string& name, const int64_t V, const int
 }
 
 // In-place forward ops (y += ..., y *= ...) run on a copy of the input y0, so forward is a function of its inputs.
-inline OpCase add_case() {
-  OpCase c{"add", {"add_"}};
-  c.build = [](Env& e) {
-    e.rand("y0", {6, 5});
-    e.rand("x", {6, 5});
-    e.rand("y", {6, 5});
+inline OpCase add_case(const std::string& name, const std::vector<int64_t>& shape) {
+  OpCase c{name, {"add_"}};
+  c.build = [=](Env& e) {
+    e.rand("y0", shape);
+    e.rand("x", shape);
+    e.rand("y", shape);
   };
   c.forward = [](Env& e) {
     reset(e("y"), e("y0"));
@@ -450,11 +461,11 @@ inline OpCase add_case() {
   return c;
 }
 
-inline OpCase scale_case() {
-  OpCase c{"scale", {"scale_"}};
-  c.build = [](Env& e) {
-    e.rand("y0", {6, 5});
-    e.rand("y", {6, 5});
+inline OpCase scale_case(const std::string& name, const std::vector<int64_t>& shape) {
+  OpCase c{name, {"scale_"}};
+  c.build = [=](Env& e) {
+    e.rand("y0", shape);
+    e.rand("y", shape);
   };
   c.forward = [](Env& e) {
     reset(e("y"), e("y0"));
@@ -475,16 +486,16 @@ inline AdamWHyper test_adamw_hyper() {
   return hyper;
 }
 
-inline OpCase adamw_case() {
-  OpCase c{"adamw_step", {"adamw_step"}};
-  c.build = [](Env& e) {
-    e.rand("param0", {4, 7});
-    e.rand("grad", {4, 7});
-    e.rand("exp_avg0", {4, 7}, 0.1);
-    e.rand("exp_avg_sq0", {4, 7}, 0.01, true);
-    e.rand("param", {4, 7});
-    e.rand("exp_avg", {4, 7});
-    e.rand("exp_avg_sq", {4, 7});
+inline OpCase adamw_case(const std::string& name, const std::vector<int64_t>& shape) {
+  OpCase c{name, {"adamw_step"}};
+  c.build = [=](Env& e) {
+    e.rand("param0", shape);
+    e.rand("grad", shape);
+    e.rand("exp_avg0", shape, 0.1);
+    e.rand("exp_avg_sq0", shape, 0.01, true);
+    e.rand("param", shape);
+    e.rand("exp_avg", shape);
+    e.rand("exp_avg_sq", shape);
   };
   c.forward = [](Env& e) {
     reset(e("param"), e("param0"));
@@ -497,47 +508,49 @@ inline OpCase adamw_case() {
   return c;
 }
 
-// Fused qkv of N = 4 heads in G = 2 groups, d = 3; split and merge are each other's backward (both overwrite).
-constexpr int64_t kQkvT = 5, kQkvN = 4, kQkvG = 2, kQkvD = 3;
+// Fused qkv rows of N heads in G groups, d wide; split and merge are each other's backward (both overwrite).
+struct QkvShape {
+  int64_t T, N, G, d;
+};
 
-inline void build_qkv(Env& e) {
-  e.rand("qkv", {kQkvT, (kQkvN + 2 * kQkvG) * kQkvD});
-  e.rand("q", {kQkvT, kQkvN, kQkvD});
-  e.rand("k", {kQkvT, kQkvG, kQkvD});
-  e.rand("v", {kQkvT, kQkvG, kQkvD});
+inline void build_qkv(Env& e, const QkvShape& s) {
+  e.rand("qkv", {s.T, (s.N + 2 * s.G) * s.d});
+  e.rand("q", {s.T, s.N, s.d});
+  e.rand("k", {s.T, s.G, s.d});
+  e.rand("v", {s.T, s.G, s.d});
 }
 
-inline OpCase split_qkv_case() {
-  OpCase c{"split_qkv", {"split_qkv", "merge_qkv"}};
-  c.build = build_qkv;
-  c.forward = [](Env& e) { split_qkv(e("q"), e("k"), e("v"), e("qkv"), kQkvN, kQkvG, kQkvD); };
+inline OpCase split_qkv_case(const std::string& name, const QkvShape& s) {
+  OpCase c{name, {"split_qkv", "merge_qkv"}};
+  c.build = [=](Env& e) { build_qkv(e, s); };
+  c.forward = [=](Env& e) { split_qkv(e("q"), e("k"), e("v"), e("qkv"), s.N, s.G, s.d); };
   c.outputs = {"q", "k", "v"};
   c.loss = {"q", "k", "v"};
-  c.backward = [](Env& e) { merge_qkv(e("dqkv"), e("dq"), e("dk"), e("dv"), kQkvN, kQkvG, kQkvD); };
+  c.backward = [=](Env& e) { merge_qkv(e("dqkv"), e("dq"), e("dk"), e("dv"), s.N, s.G, s.d); };
   c.grads = {{"qkv", "dqkv", kOver}};
   c.bad_args = {
       {kFwd, "qkv", "split_qkv"}, {kFwd, "q", "split_qkv"}, {kBwd, "dqkv", "merge_qkv"}, {kBwd, "dk", "merge_qkv"}};
   return c;
 }
 
-inline OpCase merge_qkv_case() {
-  OpCase c{"merge_qkv", {"merge_qkv", "split_qkv"}};
-  c.build = build_qkv;
-  c.forward = [](Env& e) { merge_qkv(e("qkv"), e("q"), e("k"), e("v"), kQkvN, kQkvG, kQkvD); };
+inline OpCase merge_qkv_case(const std::string& name, const QkvShape& s) {
+  OpCase c{name, {"merge_qkv", "split_qkv"}};
+  c.build = [=](Env& e) { build_qkv(e, s); };
+  c.forward = [=](Env& e) { merge_qkv(e("qkv"), e("q"), e("k"), e("v"), s.N, s.G, s.d); };
   c.outputs = {"qkv"};
   c.loss = {"qkv"};
-  c.backward = [](Env& e) { split_qkv(e("dq"), e("dk"), e("dv"), e("dqkv"), kQkvN, kQkvG, kQkvD); };
+  c.backward = [=](Env& e) { split_qkv(e("dq"), e("dk"), e("dv"), e("dqkv"), s.N, s.G, s.d); };
   c.grads = {{"q", "dq", kOver}, {"k", "dk", kOver}, {"v", "dv", kOver}};
   c.bad_args = {{kFwd, "v", "merge_qkv"}, {kFwd, "qkv", "merge_qkv"}, {kBwd, "dq", "split_qkv"}};
   return c;
 }
 
-inline OpCase add_bias_rows_case() {
-  OpCase c{"add_bias_rows", {"add_bias_rows", "bias_grad_rows"}};
-  c.build = [](Env& e) {
-    e.rand("y0", {6, 7});
-    e.rand("bias", {7});
-    e.rand("y", {6, 7});
+inline OpCase add_bias_rows_case(const std::string& name, const int64_t R, const int64_t W) {
+  OpCase c{name, {"add_bias_rows", "bias_grad_rows"}};
+  c.build = [=](Env& e) {
+    e.rand("y0", {R, W});
+    e.rand("bias", {W});
+    e.rand("y", {R, W});
   };
   c.forward = [](Env& e) {
     reset(e("y"), e("y0"));
@@ -551,12 +564,12 @@ inline OpCase add_bias_rows_case() {
   return c;
 }
 
-inline OpCase scale_rows_case() {
-  OpCase c{"scale_rows", {"scale_rows", "scale_rows_backward"}};
-  c.build = [](Env& e) {
-    e.rand("x", {8, 5});
-    e.rand("s", {8});
-    e.rand("out", {8, 5});
+inline OpCase scale_rows_case(const std::string& name, const int64_t R, const int64_t W) {
+  OpCase c{name, {"scale_rows", "scale_rows_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("x", {R, W});
+    e.rand("s", {R});
+    e.rand("out", {R, W});
   };
   c.forward = [](Env& e) { scale_rows(e("out"), e("x"), e("s")); };
   c.outputs = {"out"};
@@ -571,13 +584,13 @@ inline OpCase scale_rows_case() {
   return c;
 }
 
-inline OpCase add_outer_case() {
-  OpCase c{"add_outer", {"add_outer", "add_outer_backward"}};
-  c.build = [](Env& e) {
-    e.rand("y0", {8, 5});
-    e.rand("s", {8});
-    e.rand("b", {5});
-    e.rand("y", {8, 5});
+inline OpCase add_outer_case(const std::string& name, const int64_t R, const int64_t W) {
+  OpCase c{name, {"add_outer", "add_outer_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("y0", {R, W});
+    e.rand("s", {R});
+    e.rand("b", {W});
+    e.rand("y", {R, W});
   };
   c.forward = [](Env& e) {
     reset(e("y"), e("y0"));
@@ -597,12 +610,12 @@ inline OpCase add_outer_case() {
 
 // row_dot has no backward op of its own: its gradients are add_outer (dx += dout w^T) and add_outer_backward's
 // db (dw += sum_r dout[r] x[r]), as a router or gate would compose them.
-inline OpCase row_dot_case() {
-  OpCase c{"row_dot", {"row_dot"}};
-  c.build = [](Env& e) {
-    e.rand("x", {8, 5});
-    e.rand("w", {5});
-    e.rand("out", {8});
+inline OpCase row_dot_case(const std::string& name, const int64_t R, const int64_t W) {
+  OpCase c{name, {"row_dot"}};
+  c.build = [=](Env& e) {
+    e.rand("x", {R, W});
+    e.rand("w", {W});
+    e.rand("out", {R});
   };
   c.forward = [](Env& e) { row_dot(e("out"), e("x"), e("w")); };
   c.outputs = {"out"};
@@ -616,108 +629,136 @@ inline OpCase row_dot_case() {
   return c;
 }
 
-// Row indices with repeats and negatives (no row).
-inline const std::vector<int64_t>& test_row_index() {
-  static const std::vector<int64_t> index = {2, -1, 5, 0, 2, 3, -1, 1, 5};
+// R row indices into N rows: (7 r + 3) mod (N + 1) - 1, so rows repeat and -1 (no row) occurs.
+inline std::vector<int64_t> spread_row_index(const int64_t R, const int64_t N) {
+  std::vector<int64_t> index(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) index[static_cast<size_t>(r)] = (7 * r + 3) % (N + 1) - 1;
   return index;
 }
 
-inline OpCase gather_rows_case() {
-  OpCase c{"gather_rows", {"gather_rows", "scatter_add_rows"}};
-  c.build = [](Env& e) {
-    e.rand("in", {6, 4});
-    e.rand("out", {9, 4});
+inline OpCase gather_rows_case(const std::string& name, const int64_t N, const int64_t R, const int64_t W) {
+  const std::vector<int64_t> index = spread_row_index(R, N);
+  OpCase c{name, {"gather_rows", "scatter_add_rows"}};
+  c.build = [=](Env& e) {
+    e.rand("in", {N, W});
+    e.rand("out", {R, W});
   };
-  c.forward = [](Env& e) { gather_rows(e("out"), e("in"), test_row_index()); };
+  c.forward = [=](Env& e) { gather_rows(e("out"), e("in"), index); };
   c.outputs = {"out"};
   c.loss = {"out"};
-  c.backward = [](Env& e) { scatter_add_rows(e("din"), e("dout"), test_row_index()); };
+  c.backward = [=](Env& e) { scatter_add_rows(e("din"), e("dout"), index); };
   c.grads = {{"in", "din", kAcc}};
   c.bad_args = {{kFwd, "out", "gather_rows"}, {kBwd, "din", "scatter_add_rows"}, {kBwd, "dout", "scatter_add_rows"}};
   return c;
 }
 
-inline OpCase scatter_add_rows_case() {
-  OpCase c{"scatter_add_rows", {"scatter_add_rows", "gather_rows"}};
-  c.build = [](Env& e) {
-    e.rand("out0", {6, 4});
-    e.rand("in", {9, 4});
-    e.rand("out", {6, 4});
+inline OpCase scatter_add_rows_case(const std::string& name, const int64_t N, const int64_t R, const int64_t W) {
+  const std::vector<int64_t> index = spread_row_index(R, N);
+  OpCase c{name, {"scatter_add_rows", "gather_rows"}};
+  c.build = [=](Env& e) {
+    e.rand("out0", {N, W});
+    e.rand("in", {R, W});
+    e.rand("out", {N, W});
   };
-  c.forward = [](Env& e) {
+  c.forward = [=](Env& e) {
     reset(e("out"), e("out0"));
-    scatter_add_rows(e("out"), e("in"), test_row_index());
+    scatter_add_rows(e("out"), e("in"), index);
   };
   c.outputs = {"out"};
   c.loss = {"out"};
-  c.backward = [](Env& e) { gather_rows(e("din"), e("dout"), test_row_index()); };
+  c.backward = [=](Env& e) { gather_rows(e("din"), e("dout"), index); };
   c.grads = {{"in", "din", kOver}};
   c.bad_args = {{kFwd, "in", "scatter_add_rows"}, {kBwd, "din", "gather_rows"}};
   return c;
 }
 
-// S = 5, B = 2 token rows starting at one-process row 4 (a sequence shard), P = 8 positions.
-inline OpCase position_embedding_case() {
-  constexpr int64_t T = 10, B = 2, H = 6, P = 8, row_offset = 4;
-  OpCase c{"position_embedding", {"add_position_embedding", "position_embedding_backward"}};
-  c.build = [](Env& e) {
+// T = S B token rows starting at one-process row row_offset (a sequence shard) over P positions.
+inline OpCase position_embedding_case(const std::string& name, const int64_t T, const int64_t B, const int64_t H,
+                                      const int64_t P, const int64_t row_offset) {
+  OpCase c{name, {"add_position_embedding", "position_embedding_backward"}};
+  c.build = [=](Env& e) {
     e.rand("x0", {T, H});
     e.rand("pos", {P, H});
     e.rand("x", {T, H});
   };
-  c.forward = [](Env& e) {
+  c.forward = [=](Env& e) {
     reset(e("x"), e("x0"));
     add_position_embedding(e("x"), e("pos"), B, row_offset);
   };
   c.outputs = {"x"};
   c.loss = {"x"};
-  c.backward = [](Env& e) { position_embedding_backward(e("dpos"), e("dx"), B, row_offset); };
+  c.backward = [=](Env& e) { position_embedding_backward(e("dpos"), e("dx"), B, row_offset); };
   c.grads = {{"pos", "dpos", kAcc}};
   c.bad_args = {{kFwd, "x", "add_position_embedding"}, {kBwd, "dx", "position_embedding_backward"}};
   return c;
 }
 
+// Small shapes (T = 5..12 rows, odd widths) for every op, then "_large" shapes just past the fast kernels' OpenMP
+// thresholds (and two 64-row attention blocks), so the 2-thread runs take the parallel paths.
 inline const std::vector<OpCase>& all_cases() {
   static const std::vector<OpCase> cases = [] {
     DropoutSpec no_dropout;
     DropoutSpec attn_dropout = test_dropout();
     attn_dropout.offset = 0;
     // Heads [2, 4) of 4 (one of two tensor-parallel ranks): dropout counters use the global head index.
-    AttentionDims tp_shard = attention_dims(2, 1);
+    AttentionDims tp_shard = attention_dims(6, 2, 2, 1);
     tp_shard.dropout_total_heads = 4;
     tp_shard.dropout_head_offset = 2;
     return std::vector<OpCase>{
         linear_case("linear_bias", {2, 3, 7}, 9, true, true),
         linear_case("linear_no_bias", {5, 6}, 3, false, true),
         linear_case("linear_input_grad_only", {11, 4}, 5, false, false),
-        rmsnorm_case(),
+        rmsnorm_case("rmsnorm", 7, 11),
         layernorm_case("layernorm_bias", {2, 5, 9}, true),
         layernorm_case("layernorm_no_bias", {6, 10}, false),
-        rope_case("rope_full", 8, 10000.0, 3),
-        rope_case("rope_partial", 4, 500.0, 0),
-        attention_case("attention_gqa", attention_dims(4, 2), no_dropout),
-        attention_case("attention_gqa_dropout", attention_dims(4, 2), attn_dropout),
+        rope_case("rope_full", {5, 2, 3, 8, 8, 10000.0, 3}),
+        rope_case("rope_partial", {5, 2, 3, 8, 4, 500.0, 0}),
+        attention_case("attention_gqa", attention_dims(6, 2, 4, 2), no_dropout),
+        attention_case("attention_gqa_dropout", attention_dims(6, 2, 4, 2), attn_dropout),
         attention_case("attention_tp_shard_dropout", tp_shard, attn_dropout),
-        activation_case("gelu", Activation::kGelu),
-        activation_case("swiglu", Activation::kSwiGLU),
-        activation_case("squared_relu", Activation::kSquaredReLU),
-        dropout_case(),
-        cross_entropy_case(),
+        activation_case("gelu", Activation::kGelu, 7, 5),
+        activation_case("swiglu", Activation::kSwiGLU, 7, 5),
+        activation_case("squared_relu", Activation::kSquaredReLU, 7, 5),
+        dropout_case("dropout", {9, 7}),
+        cross_entropy_case("cross_entropy", 8, 13),
         vocab_ce_case(),
         embedding_case("embedding_vocab_parallel", 20, 6, 7, {6, 0, 12, 8, 19, 6, 13, 5, 9}),
         embedding_case("embedding_whole_vocab", 11, 0, 11, {3, 10, 0, 3, 7, 1, 10}),
-        add_case(),
-        scale_case(),
-        adamw_case(),
-        split_qkv_case(),
-        merge_qkv_case(),
-        add_bias_rows_case(),
-        scale_rows_case(),
-        add_outer_case(),
-        row_dot_case(),
-        gather_rows_case(),
-        scatter_add_rows_case(),
-        position_embedding_case(),
+        add_case("add", {6, 5}),
+        scale_case("scale", {6, 5}),
+        adamw_case("adamw_step", {4, 7}),
+        split_qkv_case("split_qkv", {5, 4, 2, 3}),
+        merge_qkv_case("merge_qkv", {5, 4, 2, 3}),
+        add_bias_rows_case("add_bias_rows", 6, 7),
+        scale_rows_case("scale_rows", 8, 5),
+        add_outer_case("add_outer", 8, 5),
+        row_dot_case("row_dot", 8, 5),
+        gather_rows_case("gather_rows", 6, 9, 4),
+        scatter_add_rows_case("scatter_add_rows", 6, 9, 4),
+        position_embedding_case("position_embedding", 10, 2, 6, 8, 4),
+
+        linear_case("linear_large", {130, 8}, 131, true, true),
+        rmsnorm_case("rmsnorm_large", 64, 257),
+        layernorm_case("layernorm_large", {64, 257}, true),
+        rope_case("rope_large", {40, 2, 4, 64, 32, 10000.0, 7}),
+        attention_case("attention_large_mqa_dropout", attention_dims(70, 2, 4, 1), attn_dropout),
+        activation_case("gelu_large", Activation::kGelu, 33, 1025),
+        activation_case("swiglu_large", Activation::kSwiGLU, 33, 1025),
+        activation_case("squared_relu_large", Activation::kSquaredReLU, 33, 1025),
+        dropout_case("dropout_large", {97, 91}),
+        cross_entropy_case("cross_entropy_large", 40, 1031),
+        add_case("add_large", {257, 257}),
+        scale_case("scale_large", {257, 257}),
+        adamw_case("adamw_step_large", {257, 257}),
+        split_qkv_case("split_qkv_large", {70, 8, 2, 24}),
+        merge_qkv_case("merge_qkv_large", {70, 8, 2, 24}),
+        add_bias_rows_case("add_bias_rows_large", 131, 129),
+        scale_rows_case("scale_rows_large", 130, 129),
+        add_outer_case("add_outer_large", 130, 129),
+        row_dot_case("row_dot_large", 130, 129),
+        gather_rows_case("gather_rows_large", 128, 300, 64),
+        scatter_add_rows_case("scatter_add_rows_large", 128, 300, 64),
+        position_embedding_case("position_embedding_large", 260, 4, 65, 80, 12),
     };
   }();
   return cases;
