@@ -1,0 +1,746 @@
+// Every op of src/moecore/ops on every backend, in the spirit of ggml's tests/test-backend-ops.cpp. Each case of
+// ops_test_cases.h runs four ways:
+//   OpsConsistency: fp32 and fp64, forward and backward under each backend (kCpu at 1 and 2 OpenMP threads,
+//     kReference) against kReference on identical inputs, outputs and gradient buffers pre-filled with the same
+//     random values; tensors an op must not write are checked unchanged.
+//   OpsGradient: fp64, on kCpu and kReference, the backward op with dout = w against central finite differences of
+//     L = sum <out, w> for every differentiable input and parameter.
+//   OpsContract: calling a backward op twice accumulates exactly twice, or gives the same values, as its header says.
+//   OpsBadArgs: a wrong-sized or other-dtype tensor raises std::invalid_argument naming the op.
+// Hand-written checks below cover what a table cannot: the dropout mask from the counter RNG, AdamW's formula,
+// sum_squares / all_finite, in-place aliasing, two vocabulary-parallel ranks against the whole vocabulary, a
+// tensor-parallel attention shard against the one-process heads, the fused qkv layout, and backend selection.
+//
+// Ops in src/moecore/ops/*.h (kOpsInHeaders; OpsCoverage checks every one is exercised):
+//   activation.h  activation_input_width activation_forward activation_backward
+//   attention.h   attention_forward attention_backward rope_forward rope_backward
+//   backend.h     backend_name parse_backend active_backend ScopedBackend
+//   dropout.h     dropout_forward dropout_backward
+//   elementwise.h add_ scale_ sum_squares all_finite
+//   linear.h      linear_forward linear_backward
+//   loss.h        embedding_forward embedding_backward cross_entropy_forward cross_entropy_backward
+//                 vocab_ce_local_max vocab_ce_local_stats vocab_ce_finish vocab_ce_backward
+//   norm.h        rmsnorm_forward rmsnorm_backward layernorm_forward layernorm_backward
+//   optim.h       adamw_step
+//   rows.h        split_qkv merge_qkv add_bias_rows bias_grad_rows scale_rows scale_rows_backward add_outer
+//                 add_outer_backward row_dot gather_rows scatter_add_rows add_position_embedding
+//                 position_embedding_backward
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "moecore/ops/ops.h"
+#include "moecore/tensor/rng.h"
+#include "unit/ops_test_cases.h"
+
+namespace moecore::ops {
+namespace {
+
+using test::close;
+using test::Env;
+using test::make_env;
+using test::OpCase;
+
+const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
+                                                "activation_forward",
+                                                "activation_backward",
+                                                "attention_forward",
+                                                "attention_backward",
+                                                "rope_forward",
+                                                "rope_backward",
+                                                "backend_name",
+                                                "parse_backend",
+                                                "active_backend",
+                                                "ScopedBackend",
+                                                "dropout_forward",
+                                                "dropout_backward",
+                                                "add_",
+                                                "scale_",
+                                                "sum_squares",
+                                                "all_finite",
+                                                "linear_forward",
+                                                "linear_backward",
+                                                "embedding_forward",
+                                                "embedding_backward",
+                                                "cross_entropy_forward",
+                                                "cross_entropy_backward",
+                                                "vocab_ce_local_max",
+                                                "vocab_ce_local_stats",
+                                                "vocab_ce_finish",
+                                                "vocab_ce_backward",
+                                                "rmsnorm_forward",
+                                                "rmsnorm_backward",
+                                                "layernorm_forward",
+                                                "layernorm_backward",
+                                                "adamw_step",
+                                                "split_qkv",
+                                                "merge_qkv",
+                                                "add_bias_rows",
+                                                "bias_grad_rows",
+                                                "scale_rows",
+                                                "scale_rows_backward",
+                                                "add_outer",
+                                                "add_outer_backward",
+                                                "row_dot",
+                                                "gather_rows",
+                                                "scatter_add_rows",
+                                                "add_position_embedding",
+                                                "position_embedding_backward"};
+
+// Ops exercised by the hand-written tests below rather than (only) by the case table.
+const std::vector<std::string> kOpsInHandWrittenTests = {
+    "activation_input_width", "backend_name", "parse_backend", "active_backend",
+    "ScopedBackend",          "sum_squares",  "all_finite"};
+
+// Ops whose bad arguments only OpsBadArgs.OtherArgumentErrors provokes (one tensor: no size or dtype mismatch).
+const std::vector<std::string> kOpsWithHandWrittenErrors = {"scale_", "sum_squares", "all_finite"};
+const std::vector<std::string> kOpsWithoutTensors = {"activation_input_width", "backend_name", "parse_backend",
+                                                     "active_backend", "ScopedBackend"};
+
+constexpr Backend kBackends[] = {Backend::kCpu, Backend::kReference};
+constexpr DType kDTypes[] = {DType::kF32, DType::kF64};
+
+double consistency_tol(const DType dtype) { return dtype == DType::kF32 ? 1e-5 : 1e-12; }
+
+std::string label(const Backend backend, const DType dtype) {
+  return std::string(backend_name(backend)) + " " + std::string(dtype_name(dtype));
+}
+
+// Restores the OpenMP thread count when a test changes it.
+class ThreadCount {
+ public:
+  explicit ThreadCount(const int n) : saved_(omp_get_max_threads()) { omp_set_num_threads(n); }
+  ~ThreadCount() { omp_set_num_threads(saved_); }
+  ThreadCount(const ThreadCount&) = delete;
+  ThreadCount& operator=(const ThreadCount&) = delete;
+
+ private:
+  int saved_;
+};
+
+// A backend at a thread count.
+struct Config {
+  Backend backend;
+  int threads;
+};
+constexpr Config kConfigs[] = {{Backend::kCpu, 1}, {Backend::kCpu, 2}, {Backend::kReference, 1}};
+
+std::string label(const Config& config, const DType dtype) {
+  return label(config.backend, dtype) + " threads=" + std::to_string(config.threads);
+}
+
+bool contains(const std::vector<std::string>& names, const std::string& name) {
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
+std::vector<std::string> grad_names(const OpCase& c) {
+  std::vector<std::string> names;
+  for (const test::GradOf& g : c.grads) names.push_back(g.grad);
+  return names;
+}
+
+// Tensors in `names` close to `want`'s (tol); every other tensor bit-identical to `unchanged`'s.
+void expect_state(const Env& got, const std::map<std::string, Tensor>& want, const std::vector<std::string>& names,
+                  const std::map<std::string, Tensor>& unchanged, const double tol, const std::string& what) {
+  for (const auto& [name, t] : got.tensors()) {
+    if (contains(names, name)) {
+      EXPECT_TRUE(close(t, want.at(name), tol)) << what << ": " << name;
+    } else {
+      EXPECT_EQ(test::values(t), test::values(unchanged.at(name))) << what << ": wrote into " << name;
+    }
+  }
+}
+
+// ---- the case table, four ways ----------------------------------------------------------------------------------
+
+std::vector<size_t> case_indices(const bool backward_only) {
+  std::vector<size_t> out;
+  const auto& cases = test::all_cases();
+  for (size_t i = 0; i < cases.size(); ++i) {
+    if (!backward_only || cases[i].has_backward()) out.push_back(i);
+  }
+  return out;
+}
+
+std::vector<size_t> bad_arg_case_indices() {
+  std::vector<size_t> out;
+  const auto& cases = test::all_cases();
+  for (size_t i = 0; i < cases.size(); ++i) {
+    if (!cases[i].bad_args.empty()) out.push_back(i);
+  }
+  return out;
+}
+
+std::string case_name(const ::testing::TestParamInfo<size_t>& info) { return test::all_cases()[info.param].name; }
+
+class OpsConsistency : public ::testing::TestWithParam<size_t> {};
+class OpsGradient : public ::testing::TestWithParam<size_t> {};
+class OpsContract : public ::testing::TestWithParam<size_t> {};
+class OpsBadArgs : public ::testing::TestWithParam<size_t> {};
+
+TEST_P(OpsConsistency, MatchesReferenceBackend) {
+  const OpCase& c = test::all_cases()[GetParam()];
+  for (const DType dtype : kDTypes) {
+    const double tol = consistency_tol(dtype);
+    const auto initial = make_env(c, dtype).snapshot();
+    // Reference results: forward, then backward from the reference forward's saved tensors.
+    Env ref = make_env(c, dtype);
+    std::map<std::string, Tensor> ref_forward, ref_backward;
+    {
+      const ScopedBackend scope(Backend::kReference);
+      c.forward(ref);
+      ref_forward = ref.snapshot();
+      if (c.has_backward()) {
+        c.backward(ref);
+        ref_backward = ref.snapshot();
+      }
+    }
+    for (const Config& config : kConfigs) {
+      const ThreadCount threads(config.threads);
+      Env fwd = make_env(c, dtype);
+      {
+        const ScopedBackend scope(config.backend);
+        c.forward(fwd);
+      }
+      expect_state(fwd, ref_forward, c.outputs, initial, tol, c.name + " forward, " + label(config, dtype));
+      if (!c.has_backward()) continue;
+      // The backward alone: same saved tensors (reference forward), then this backend's backward.
+      Env bwd = make_env(c, dtype);
+      {
+        const ScopedBackend scope(Backend::kReference);
+        c.forward(bwd);
+      }
+      const auto before = bwd.snapshot();
+      {
+        const ScopedBackend scope(config.backend);
+        c.backward(bwd);
+      }
+      expect_state(bwd, ref_backward, grad_names(c), before, tol, c.name + " backward, " + label(config, dtype));
+    }
+  }
+}
+
+// The elements a finite-difference check perturbs: all of a small tensor, about 25 spread over a large one (an odd
+// stride, so they fall in different rows and columns).
+std::vector<int64_t> probed_elements(const int64_t n) {
+  int64_t stride = n <= 256 ? 1 : n / 24;
+  if (stride > 1 && stride % 2 == 0) ++stride;
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < n; i += stride) out.push_back(i);
+  if (out.back() != n - 1) out.push_back(n - 1);
+  return out;
+}
+
+TEST_P(OpsGradient, MatchesFiniteDifferences) {
+  const OpCase& c = test::all_cases()[GetParam()];
+  constexpr double eps = 1e-6, tol = 1e-6;
+  // One thread: the thousands of forward calls stay cheap on a loaded machine; OpsConsistency covers 2 threads.
+  const ThreadCount one_thread(1);
+  for (const Backend backend : kBackends) {
+    const ScopedBackend scope(backend);
+    Env env = make_env(c, DType::kF64);
+    for (const test::GradOf& g : c.grads) env(g.grad).zero_();
+    c.forward(env);
+    c.backward(env);
+    for (const test::GradOf& g : c.grads) {
+      Tensor& x = env(g.input);
+      std::vector<double> numeric, analytic;
+      for (const int64_t i : probed_elements(x.numel())) {
+        const double saved = test::get(x, i);
+        test::set(x, i, saved + eps);
+        c.forward(env);
+        const double plus = test::weighted_loss(c, env);
+        test::set(x, i, saved - eps);
+        c.forward(env);
+        const double minus = test::weighted_loss(c, env);
+        test::set(x, i, saved);
+        numeric.push_back((plus - minus) / (2 * eps));
+        analytic.push_back(test::get(env(g.grad), i));
+      }
+      EXPECT_TRUE(close(analytic, numeric, tol))
+          << c.name << " on " << backend_name(backend) << ": d loss / d " << g.input;
+    }
+  }
+}
+
+TEST_P(OpsContract, AccumulatesOrOverwritesAsDocumented) {
+  const OpCase& c = test::all_cases()[GetParam()];
+  constexpr double tol = 1e-12;
+  for (const Backend backend : kBackends) {
+    Env env = make_env(c, DType::kF64);
+    const auto prefill = env.snapshot();
+    {
+      const ScopedBackend scope(Backend::kReference);
+      c.forward(env);
+    }
+    const ScopedBackend scope(backend);
+    for (const test::GradOf& g : c.grads) env(g.grad).zero_();
+    c.backward(env);
+    const auto once = env.snapshot();
+    c.backward(env);
+    const auto twice = env.snapshot();
+    for (const test::GradOf& g : c.grads) env(g.grad).copy_from(prefill.at(g.grad));
+    c.backward(env);
+    for (const test::GradOf& g : c.grads) {
+      const std::string what = c.name + " on " + std::string(backend_name(backend)) + ": " + g.grad;
+      const std::vector<double> one = test::values(once.at(g.grad)), pre = test::values(prefill.at(g.grad));
+      ASSERT_TRUE(std::any_of(one.begin(), one.end(), [](const double v) { return v != 0.0; })) << what << " is 0";
+      std::vector<double> want_twice = one, want_prefilled = one;
+      if (g.contract == test::Contract::kAccumulates) {
+        for (size_t i = 0; i < one.size(); ++i) {
+          want_twice[i] = 2 * one[i];
+          want_prefilled[i] = pre[i] + one[i];
+        }
+      }
+      const char* contract = g.contract == test::Contract::kAccumulates ? "accumulate" : "overwrite";
+      EXPECT_TRUE(close(test::values(twice.at(g.grad)), want_twice, tol)) << what << " must " << contract;
+      EXPECT_TRUE(close(test::values(env(g.grad)), want_prefilled, tol))
+          << what << " must " << contract << " onto a pre-filled buffer";
+    }
+  }
+}
+
+TEST_P(OpsBadArgs, WrongSizeOrDTypeNamesTheOp) {
+  const OpCase& c = test::all_cases()[GetParam()];
+  for (const test::BadArg& bad : c.bad_args) {
+    for (const bool wrong_size : {true, false}) {
+      for (const Backend backend : kBackends) {
+        Env env = make_env(c, DType::kF32);
+        if (bad.phase == test::Phase::kBackward) {
+          const ScopedBackend scope(Backend::kReference);
+          c.forward(env);
+        }
+        Tensor& t = env(bad.tensor);
+        t = wrong_size ? Tensor({t.numel() + 1}, DType::kF32) : Tensor(t.shape(), DType::kF64);
+        const std::string what = c.name + ": " + bad.tensor + (wrong_size ? " one element too many" : " in fp64") +
+                                 " on " + std::string(backend_name(backend));
+        const ScopedBackend scope(backend);
+        try {
+          bad.phase == test::Phase::kForward ? c.forward(env) : c.backward(env);
+          ADD_FAILURE() << what << ": no error";
+        } catch (const std::invalid_argument& error) {
+          EXPECT_EQ(std::string(error.what()).rfind(bad.op + ": ", 0), 0u) << what << ": " << error.what();
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllOps, OpsConsistency, ::testing::ValuesIn(case_indices(false)), case_name);
+INSTANTIATE_TEST_SUITE_P(AllOps, OpsGradient, ::testing::ValuesIn(case_indices(true)), case_name);
+INSTANTIATE_TEST_SUITE_P(AllOps, OpsContract, ::testing::ValuesIn(case_indices(true)), case_name);
+INSTANTIATE_TEST_SUITE_P(AllOps, OpsBadArgs, ::testing::ValuesIn(bad_arg_case_indices()), case_name);
+
+TEST(OpsCoverage, EveryOpInTheHeadersIsExercised) {
+  std::set<std::string> exercised(kOpsInHandWrittenTests.begin(), kOpsInHandWrittenTests.end());
+  for (const OpCase& c : test::all_cases()) exercised.insert(c.ops.begin(), c.ops.end());
+  for (const std::string& op : kOpsInHeaders) EXPECT_TRUE(exercised.count(op)) << op << " has no test";
+  for (const std::string& op : exercised) EXPECT_TRUE(contains(kOpsInHeaders, op)) << op << " is not in the list";
+  // A case with a backward checks gradients (and has a loss to differentiate).
+  std::set<std::string> refused(kOpsWithHandWrittenErrors.begin(), kOpsWithHandWrittenErrors.end());
+  for (const OpCase& c : test::all_cases()) {
+    EXPECT_EQ(c.has_backward(), !c.grads.empty()) << c.name;
+    EXPECT_EQ(c.has_backward(), !c.loss.empty()) << c.name;
+    for (const test::BadArg& bad : c.bad_args) refused.insert(bad.op);
+  }
+  // Every op on tensors is given bad arguments somewhere (backend.h and activation_input_width take none).
+  for (const std::string& op : kOpsInHeaders) {
+    if (contains(kOpsWithoutTensors, op)) continue;
+    EXPECT_TRUE(refused.count(op)) << op << " is never given bad arguments";
+  }
+}
+
+// ---- hand-written checks ----------------------------------------------------------------------------------------
+
+Tensor random_tensor(const std::vector<int64_t>& shape, const DType dtype, const uint64_t seed, double scale = 1.0) {
+  Env env(dtype, seed);
+  return env.rand("t", shape, scale);
+}
+
+// Elements [begin, end) of `axis` of a row-major tensor, copied.
+Tensor slice_axis(const Tensor& x, const int axis, const int64_t begin, const int64_t end) {
+  std::vector<int64_t> shape = x.shape();
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < axis; ++i) outer *= shape[static_cast<size_t>(i)];
+  for (int i = axis + 1; i < x.ndim(); ++i) inner *= shape[static_cast<size_t>(i)];
+  const int64_t width = shape[static_cast<size_t>(axis)];
+  shape[static_cast<size_t>(axis)] = end - begin;
+  Tensor out(shape, x.dtype());
+  int64_t n = 0;
+  for (int64_t o = 0; o < outer; ++o) {
+    for (int64_t a = begin; a < end; ++a) {
+      for (int64_t i = 0; i < inner; ++i) test::set(out, n++, test::get(x, (o * width + a) * inner + i));
+    }
+  }
+  return out;
+}
+
+// Concatenation along the last axis of tensors with the same leading shape.
+Tensor concat_columns(const Tensor& a, const Tensor& b) {
+  const int64_t wa = a.dim(-1), wb = b.dim(-1), rows = a.numel() / wa;
+  Tensor out({rows, wa + wb}, a.dtype());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < wa; ++j) test::set(out, r * (wa + wb) + j, test::get(a, r * wa + j));
+    for (int64_t j = 0; j < wb; ++j) test::set(out, r * (wa + wb) + wa + j, test::get(b, r * wb + j));
+  }
+  return out;
+}
+
+TEST(OpsDropout, MaskIsTheCounterRngAndBackwardAppliesIt) {
+  const DropoutSpec spec = test::test_dropout();
+  const CounterRng rng(spec.seed, spec.key);
+  const double keep_scale = 1.0 / (1.0 - static_cast<double>(spec.p));
+  for (const Backend backend : kBackends) {
+    for (const DType dtype : kDTypes) {
+      const ScopedBackend scope(backend);
+      const Tensor inp = random_tensor({9, 7}, dtype, 1), dout = random_tensor({9, 7}, dtype, 2);
+      const Tensor prefill = random_tensor({9, 7}, dtype, 3);
+      Tensor out = random_tensor({9, 7}, dtype, 4), dinp = prefill.clone();
+      dropout_forward(out, inp, spec);
+      dropout_backward(dinp, dout, spec);
+      std::vector<double> want_out, want_dinp;
+      int dropped = 0;
+      for (int64_t i = 0; i < inp.numel(); ++i) {
+        const bool drop = rng.uniform(spec.offset + static_cast<uint64_t>(i)) < spec.p;
+        dropped += drop ? 1 : 0;
+        want_out.push_back(drop ? 0.0 : test::get(inp, i) * keep_scale);
+        want_dinp.push_back(test::get(prefill, i) + (drop ? 0.0 : test::get(dout, i) * keep_scale));
+      }
+      ASSERT_GT(dropped, 0);
+      ASSERT_LT(dropped, inp.numel());
+      EXPECT_TRUE(close(test::values(out), want_out, consistency_tol(dtype))) << label(backend, dtype);
+      EXPECT_TRUE(close(test::values(dinp), want_dinp, consistency_tol(dtype))) << label(backend, dtype);
+    }
+  }
+}
+
+// torch.optim.AdamW (kernels/cpu/adamw.h), written out in double.
+TEST(OpsAdamW, OneStepMatchesTheFormula) {
+  const OpCase& c = *std::find_if(test::all_cases().begin(), test::all_cases().end(),
+                                  [](const OpCase& x) { return x.name == "adamw_step"; });
+  const AdamWHyper h = test::test_adamw_hyper();
+  for (const Backend backend : kBackends) {
+    for (const DType dtype : kDTypes) {
+      Env env = make_env(c, dtype);
+      {
+        const ScopedBackend scope(backend);
+        c.forward(env);
+      }
+      std::vector<double> param, m, v;
+      for (int64_t i = 0; i < env("grad").numel(); ++i) {
+        const double g = test::get(env("grad"), i);
+        double p = test::get(env("param0"), i) * (1.0 - h.lr * h.weight_decay);
+        const double mi = h.beta1 * test::get(env("exp_avg0"), i) + (1.0 - h.beta1) * g;
+        const double vi = h.beta2 * test::get(env("exp_avg_sq0"), i) + (1.0 - h.beta2) * g * g;
+        const double bias1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
+        const double bias2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
+        p -= (h.lr / bias1) * mi / (std::sqrt(vi) / std::sqrt(bias2) + h.eps);
+        param.push_back(p);
+        m.push_back(mi);
+        v.push_back(vi);
+      }
+      const double tol = dtype == DType::kF32 ? 1e-6 : 1e-14;
+      EXPECT_TRUE(close(test::values(env("param")), param, tol)) << label(backend, dtype);
+      EXPECT_TRUE(close(test::values(env("exp_avg")), m, tol)) << label(backend, dtype);
+      EXPECT_TRUE(close(test::values(env("exp_avg_sq")), v, tol)) << label(backend, dtype);
+    }
+  }
+}
+
+TEST(OpsElementwise, SumSquaresAndAllFinite) {
+  for (const Backend backend : kBackends) {
+    for (const DType dtype : kDTypes) {
+      const ScopedBackend scope(backend);
+      Tensor x = random_tensor({13, 11}, dtype, 5, 3.0);
+      double want = 0.0;
+      for (int64_t i = 0; i < x.numel(); ++i) want += test::get(x, i) * test::get(x, i);
+      EXPECT_NEAR(sum_squares(x), want, 1e-12 * want) << label(backend, dtype);
+      EXPECT_TRUE(all_finite(x)) << label(backend, dtype);
+      for (const double bad : {std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
+                               std::numeric_limits<double>::quiet_NaN()}) {
+        Tensor y = x.clone();
+        test::set(y, 100, bad);
+        EXPECT_FALSE(all_finite(y)) << label(backend, dtype) << " with " << bad;
+      }
+    }
+  }
+}
+
+// Ops whose output may alias an input give the same values in place.
+TEST(OpsInPlace, AliasedOutputsMatchSeparateOnes) {
+  const std::vector<int32_t> targets = {0, 12, 5, 5, 7, 1, 11, 3};
+  const DropoutSpec spec = test::test_dropout();
+  for (const Backend backend : kBackends) {
+    for (const DType dtype : kDTypes) {
+      const ScopedBackend scope(backend);
+      const double tol = consistency_tol(dtype);
+      const std::string what = label(backend, dtype);
+      const Tensor logits = random_tensor({8, 13}, dtype, 6, 3.0), dlosses = random_tensor({8}, dtype, 7);
+      Tensor losses({8}, dtype), lse({8}, dtype), dlogits({8, 13}, dtype);
+      cross_entropy_forward(losses, lse, logits, targets);
+      cross_entropy_backward(dlogits, dlosses, logits, lse, targets);
+      Tensor in_place = logits.clone();
+      cross_entropy_backward(in_place, dlosses, in_place, lse, targets);
+      EXPECT_TRUE(close(in_place, dlogits, tol)) << what << " cross_entropy_backward";
+      // The same logits as one vocabulary-parallel rank holding all 13 columns.
+      vocab_ce_backward(dlogits, dlosses, logits, lse, targets, 0);
+      in_place = logits.clone();
+      vocab_ce_backward(in_place, dlosses, in_place, lse, targets, 0);
+      EXPECT_TRUE(close(in_place, dlogits, tol)) << what << " vocab_ce_backward";
+
+      const Tensor x = random_tensor({9, 7}, dtype, 8), s = random_tensor({9}, dtype, 9);
+      Tensor out({9, 7}, dtype);
+      dropout_forward(out, x, spec);
+      in_place = x.clone();
+      dropout_forward(in_place, in_place, spec);
+      EXPECT_TRUE(close(in_place, out, tol)) << what << " dropout_forward";
+      scale_rows(out, x, s);
+      in_place = x.clone();
+      scale_rows(in_place, in_place, s);
+      EXPECT_TRUE(close(in_place, out, tol)) << what << " scale_rows";
+    }
+  }
+}
+
+// Two ranks holding vocabulary columns [0, 6) and [6, 12) of V = 12, combined as the tensor-parallel group would
+// (max of the maxima, sum of the statistics), give the whole-vocabulary loss and gradient; the ranks' embeddings sum
+// to the whole-vocabulary embedding.
+TEST(OpsVocabParallel, TwoRanksEqualTheWholeVocabulary) {
+  constexpr int64_t T = 8, V = 12, Vl = 6, D = 5;
+  const std::vector<int32_t> ids = {0, 11, 5, 6, 7, 3, 6, 10};
+  for (const Backend backend : kBackends) {
+    for (const DType dtype : kDTypes) {
+      const ScopedBackend scope(backend);
+      const double tol = consistency_tol(dtype);
+      const std::string what = label(backend, dtype);
+      const Tensor logits = random_tensor({T, V}, dtype, 10, 3.0), dlosses = random_tensor({T}, dtype, 11);
+      Tensor losses({T}, dtype), lse({T}, dtype), dlogits({T, V}, dtype);
+      cross_entropy_forward(losses, lse, logits, ids);
+      cross_entropy_backward(dlogits, dlosses, logits, lse, ids);
+
+      const Tensor part[2] = {slice_axis(logits, 1, 0, Vl), slice_axis(logits, 1, Vl, V)};
+      Tensor max[2] = {Tensor({T}, dtype), Tensor({T}, dtype)};
+      for (int r = 0; r < 2; ++r) vocab_ce_local_max(max[r], part[r]);
+      Tensor group_max({T}, dtype), group_stats({2, T}, dtype), stats({2, T}, dtype);
+      for (int64_t t = 0; t < T; ++t) test::set(group_max, t, std::max(test::get(max[0], t), test::get(max[1], t)));
+      for (int r = 0; r < 2; ++r) {
+        vocab_ce_local_stats(stats, part[r], group_max, ids, V, r * Vl);
+        add_(group_stats, stats);
+      }
+      Tensor vp_losses({T}, dtype), vp_lse({T}, dtype),
+          vp_dlogits[2] = {Tensor({T, Vl}, dtype), Tensor({T, Vl}, dtype)};
+      vocab_ce_finish(vp_losses, vp_lse, group_max, group_stats);
+      for (int r = 0; r < 2; ++r) vocab_ce_backward(vp_dlogits[r], dlosses, part[r], vp_lse, ids, r * Vl);
+      EXPECT_TRUE(close(vp_losses, losses, tol)) << what;
+      EXPECT_TRUE(close(vp_lse, lse, tol)) << what;
+      EXPECT_TRUE(close(concat_columns(vp_dlogits[0], vp_dlogits[1]), dlogits, tol)) << what;
+
+      const Tensor weight = random_tensor({V, D}, dtype, 12), dout = random_tensor({T, D}, dtype, 13);
+      Tensor out({T, D}, dtype), dweight({V, D}, dtype), vp_out({T, D}, dtype), piece({T, D}, dtype);
+      embedding_forward(out, ids, weight, V);
+      embedding_backward(dweight, dout, ids);
+      Tensor vp_dweight[2] = {Tensor({Vl, D}, dtype), Tensor({Vl, D}, dtype)};
+      for (int r = 0; r < 2; ++r) {
+        embedding_forward(piece, ids, slice_axis(weight, 0, r * Vl, (r + 1) * Vl), V, r * Vl);
+        add_(vp_out, piece);
+        embedding_backward(vp_dweight[r], dout, ids, r * Vl);
+      }
+      EXPECT_TRUE(close(vp_out, out, tol)) << what;
+      EXPECT_TRUE(close(vp_dweight[0], slice_axis(dweight, 0, 0, Vl), tol)) << what;
+      EXPECT_TRUE(close(vp_dweight[1], slice_axis(dweight, 0, Vl, V), tol)) << what;
+    }
+  }
+}
+
+// A tensor-parallel rank holding query heads [2, 4) of 4 (kv group 1 of 2) draws the one-process dropout mask: its
+// outputs and gradients are the one-process ones of those heads.
+TEST(OpsAttention, TensorParallelShardEqualsTheOneProcessHeads) {
+  DropoutSpec dropout = test::test_dropout();
+  dropout.offset = 0;
+  const AttentionDims full = test::attention_dims(6, 2, 4, 2);
+  AttentionDims shard = test::attention_dims(6, 2, 2, 1);
+  shard.dropout_total_heads = 4;
+  shard.dropout_head_offset = 2;
+  const int64_t S = full.S, B = full.B, d = full.head_dim;
+  for (const Backend backend : kBackends) {
+    for (const DType dtype : kDTypes) {
+      const ScopedBackend scope(backend);
+      const double tol = consistency_tol(dtype);
+      const std::string what = label(backend, dtype);
+      const Tensor q = random_tensor({S, B, 4, d}, dtype, 14, 1.5), k = random_tensor({S, B, 2, d}, dtype, 15, 1.5);
+      const Tensor v = random_tensor({S, B, 2, d}, dtype, 16), dout = random_tensor({S, B, 4, d}, dtype, 17);
+      Tensor out({S, B, 4, d}, dtype), lse({B, 4, S}, dtype);
+      Tensor dq({S, B, 4, d}, dtype), dk({S, B, 2, d}, dtype), dv({S, B, 2, d}, dtype);
+      attention_forward(out, lse, q, k, v, full, dropout);
+      attention_backward(dq, dk, dv, dout, q, k, v, out, lse, full, dropout);
+
+      const Tensor sq = slice_axis(q, 2, 2, 4), sk = slice_axis(k, 2, 1, 2), sv = slice_axis(v, 2, 1, 2);
+      const Tensor sdout = slice_axis(dout, 2, 2, 4);
+      Tensor sout({S, B, 2, d}, dtype), slse({B, 2, S}, dtype);
+      Tensor sdq({S, B, 2, d}, dtype), sdk({S, B, 1, d}, dtype), sdv({S, B, 1, d}, dtype);
+      attention_forward(sout, slse, sq, sk, sv, shard, dropout);
+      attention_backward(sdq, sdk, sdv, sdout, sq, sk, sv, sout, slse, shard, dropout);
+      EXPECT_TRUE(close(sout, slice_axis(out, 2, 2, 4), tol)) << what;
+      EXPECT_TRUE(close(slse, slice_axis(lse, 1, 2, 4), tol)) << what;
+      EXPECT_TRUE(close(sdq, slice_axis(dq, 2, 2, 4), tol)) << what;
+      EXPECT_TRUE(close(sdk, slice_axis(dk, 2, 1, 2), tol)) << what;
+      EXPECT_TRUE(close(sdv, slice_axis(dv, 2, 1, 2), tol)) << what;
+    }
+  }
+}
+
+// Megatron's fused qkv row, per query group g: [N/G query heads | k | v], each d wide.
+TEST(OpsRows, SplitQkvFollowsMegatronsLayout) {
+  constexpr int64_t T = 3, N = 4, G = 2, d = 2, heads_per_group = N / G;
+  for (const Backend backend : kBackends) {
+    const ScopedBackend scope(backend);
+    Tensor qkv({T, (N + 2 * G) * d}, DType::kF64);
+    for (int64_t i = 0; i < qkv.numel(); ++i) test::set(qkv, i, static_cast<double>(i + 1));
+    Tensor q({T, N, d}, DType::kF64), k({T, G, d}, DType::kF64), v({T, G, d}, DType::kF64);
+    split_qkv(q, k, v, qkv, N, G, d);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t row = t * (N + 2 * G) * d + g * (heads_per_group + 2) * d;
+        for (int64_t c = 0; c < d; ++c) {
+          for (int64_t j = 0; j < heads_per_group; ++j) {
+            EXPECT_EQ(test::get(q, (t * N + g * heads_per_group + j) * d + c), test::get(qkv, row + j * d + c));
+          }
+          EXPECT_EQ(test::get(k, (t * G + g) * d + c), test::get(qkv, row + heads_per_group * d + c));
+          EXPECT_EQ(test::get(v, (t * G + g) * d + c), test::get(qkv, row + (heads_per_group + 1) * d + c));
+        }
+      }
+    }
+    Tensor merged({T, (N + 2 * G) * d}, DType::kF64);
+    merge_qkv(merged, q, k, v, N, G, d);
+    EXPECT_EQ(test::values(merged), test::values(qkv)) << backend_name(backend);
+  }
+}
+
+TEST(OpsActivation, InputWidthIsTwiceForSwiGLU) {
+  static_assert(activation_input_width(Activation::kSwiGLU, 5) == 10);
+  static_assert(activation_input_width(Activation::kGelu, 5) == 5);
+  static_assert(activation_input_width(Activation::kSquaredReLU, 5) == 5);
+}
+
+// Errors the case table cannot provoke: unsupported dtypes, undefined tensors, index and id ranges.
+TEST(OpsBadArgs, OtherArgumentErrors) {
+  const auto expect_invalid = [](const std::string& op, const auto& call) {
+    for (const Backend backend : kBackends) {
+      const ScopedBackend scope(backend);
+      try {
+        call();
+        ADD_FAILURE() << op << " on " << backend_name(backend) << ": no error";
+      } catch (const std::invalid_argument& error) {
+        EXPECT_EQ(std::string(error.what()).rfind(op + ": ", 0), 0u) << error.what();
+      }
+    }
+  };
+  Tensor bf16({4, 3}, DType::kBF16), bf16_b({4, 3}, DType::kBF16), undefined;
+  const Tensor x = random_tensor({4, 3}, DType::kF32, 18);
+  expect_invalid("scale_", [&] { scale_(bf16, 2.0); });
+  expect_invalid("sum_squares", [&] { sum_squares(bf16); });
+  expect_invalid("all_finite", [&] { all_finite(bf16); });
+  expect_invalid("add_", [&] { add_(bf16, bf16_b); });
+  expect_invalid("add_", [&] { add_(undefined, x); });
+  expect_invalid("sum_squares", [&] { sum_squares(undefined); });
+
+  Tensor dweight({5, 3}, DType::kF32), dout({4, 5}, DType::kF32);
+  const Tensor weight = random_tensor({5, 3}, DType::kF32, 19);
+  expect_invalid("linear_backward", [&] { linear_backward(nullptr, &dweight, nullptr, dout, nullptr, weight); });
+
+  Tensor rows({2, 3}, DType::kF32), table({4, 3}, DType::kF32);
+  const std::vector<int64_t> past_end = {1, 4};
+  expect_invalid("gather_rows", [&] { gather_rows(rows, table, past_end); });
+  expect_invalid("scatter_add_rows", [&] { scatter_add_rows(table, rows, past_end); });
+
+  Tensor q({2, 3, 2}, DType::kF32), kv({2, 2, 2}, DType::kF32), qkv({2, 14}, DType::kF32);
+  expect_invalid("split_qkv", [&] { split_qkv(q, kv, kv, qkv, 3, 2, 2); });
+
+  Tensor tokens({6, 3}, DType::kF32), pos({2, 3}, DType::kF32);
+  expect_invalid("add_position_embedding", [&] { add_position_embedding(tokens, pos, 2, 1); });
+  expect_invalid("position_embedding_backward", [&] { position_embedding_backward(pos, tokens, 2, 1); });
+
+  // Ids outside [0, V) are std::out_of_range (loss.h).
+  for (const Backend backend : kBackends) {
+    const ScopedBackend scope(backend);
+    const std::vector<int32_t> too_big = {1, 13}, negative = {-1, 2};
+    Tensor emb({2, 3}, DType::kF32), losses({2}, DType::kF32), lse({2}, DType::kF32), stats({2, 2}, DType::kF32);
+    const Tensor vocab = random_tensor({13, 3}, DType::kF32, 20), logits = random_tensor({2, 13}, DType::kF32, 21);
+    const Tensor maxima = random_tensor({2}, DType::kF32, 22);
+    EXPECT_THROW(embedding_forward(emb, too_big, vocab, 13), std::out_of_range) << backend_name(backend);
+    EXPECT_THROW(embedding_forward(emb, negative, vocab, 13), std::out_of_range) << backend_name(backend);
+    EXPECT_THROW(cross_entropy_forward(losses, lse, logits, too_big), std::out_of_range) << backend_name(backend);
+    EXPECT_THROW(vocab_ce_local_stats(stats, logits, maxima, negative, 13, 0), std::out_of_range)
+        << backend_name(backend);
+  }
+}
+
+// ---- backend selection ------------------------------------------------------------------------------------------
+
+TEST(OpsBackendSelection, ParseNameAndNestedScopes) {
+  EXPECT_EQ(parse_backend("cpu"), Backend::kCpu);
+  EXPECT_EQ(parse_backend("reference"), Backend::kReference);
+  for (const Backend backend : kBackends) EXPECT_EQ(parse_backend(backend_name(backend)), backend);
+  try {
+    parse_backend("cuda");
+    ADD_FAILURE() << "parse_backend accepted cuda";
+  } catch (const std::invalid_argument& error) {
+    EXPECT_NE(std::string(error.what()).find("'cuda'"), std::string::npos) << error.what();
+  }
+
+  const Backend outside = active_backend();  // MOECORE_BACKEND or kCpu
+  {
+    const ScopedBackend reference(Backend::kReference);
+    EXPECT_EQ(active_backend(), Backend::kReference);
+    {
+      const ScopedBackend cpu(Backend::kCpu);
+      EXPECT_EQ(active_backend(), Backend::kCpu);
+    }
+    EXPECT_EQ(active_backend(), Backend::kReference);
+    // The choice is per thread: another thread sees the default.
+    Backend other = Backend::kReference;
+    std::thread([&] { other = active_backend(); }).join();
+    EXPECT_EQ(other, outside);
+  }
+  EXPECT_EQ(active_backend(), outside);
+}
+
+// The scope really changes the kernels: the reference linear layer sums in double (one rounding per output), the
+// fast one is OpenBLAS's fp32 sgemm, whose result differs in the last bits for a long inner dimension.
+TEST(OpsBackendSelection, ScopeSelectsTheKernels) {
+  constexpr int64_t T = 4, I = 1024, O = 8;
+  const Tensor inp = random_tensor({T, I}, DType::kF32, 23), weight = random_tensor({O, I}, DType::kF32, 24);
+  std::vector<float> rounded_exact;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t o = 0; o < O; ++o) {
+      double acc = 0.0;
+      for (int64_t i = 0; i < I; ++i) acc += test::get(inp, t * I + i) * test::get(weight, o * I + i);
+      rounded_exact.push_back(static_cast<float>(acc));
+    }
+  }
+  Tensor ref_out({T, O}, DType::kF32), cpu_out({T, O}, DType::kF32);
+  {
+    const ScopedBackend scope(Backend::kReference);
+    linear_forward(ref_out, inp, weight);
+  }
+  {
+    const ScopedBackend scope(Backend::kCpu);
+    linear_forward(cpu_out, inp, weight);
+  }
+  const std::vector<float> ref(ref_out.span<float>().begin(), ref_out.span<float>().end());
+  const std::vector<float> cpu(cpu_out.span<float>().begin(), cpu_out.span<float>().end());
+  EXPECT_EQ(ref, rounded_exact);
+  EXPECT_NE(cpu, rounded_exact);
+  EXPECT_TRUE(close(cpu_out, ref_out, 1e-5));
+}
+
+}  // namespace
+}  // namespace moecore::ops

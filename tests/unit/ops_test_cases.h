@@ -1,0 +1,767 @@
+// The op-case table of ops_backend_test.cpp (in the spirit of ggml's tests/test-backend-ops.cpp): for every op in
+// src/moecore/ops/*.h, how to build random inputs, run the forward op and (when the op has one) its backward op,
+// which tensors each writes, and which bad arguments must be refused. Tensors live in an Env by name, so the
+// harness can re-run, perturb, snapshot and corrupt them without knowing the op.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "moecore/ops/ops.h"
+#include "moecore/tensor/rng.h"
+
+namespace moecore::ops::test {
+
+// ---- element access in either floating type ---------------------------------------------------------------------
+
+inline double get(const Tensor& t, const int64_t i) {
+  return t.dtype() == DType::kF64 ? t.data<double>()[i] : static_cast<double>(t.data<float>()[i]);
+}
+inline void set(Tensor& t, const int64_t i, const double value) {
+  if (t.dtype() == DType::kF64) {
+    t.data<double>()[i] = value;
+  } else {
+    t.data<float>()[i] = static_cast<float>(value);
+  }
+}
+inline std::vector<double> values(const Tensor& t) {
+  std::vector<double> out(static_cast<size_t>(t.numel()));
+  for (int64_t i = 0; i < t.numel(); ++i) out[static_cast<size_t>(i)] = get(t, i);
+  return out;
+}
+
+// max |got - want| <= tol * (1 + max |want|): relative to the tensor's magnitude, so a different summation order
+// on a fast path passes and a wrong formula does not. NaN in one and not the other fails.
+inline ::testing::AssertionResult close(const std::vector<double>& got, const std::vector<double>& want,
+                                        const double tol) {
+  if (got.size() != want.size()) {
+    return ::testing::AssertionFailure() << got.size() << " elements, expected " << want.size();
+  }
+  double max_diff = 0.0, max_want = 0.0;
+  size_t worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(got[i]) != std::isnan(want[i])) {
+      return ::testing::AssertionFailure() << "element " << i << " is " << got[i] << ", expected " << want[i];
+    }
+    if (std::isnan(got[i])) continue;
+    max_want = std::max(max_want, std::abs(want[i]));
+    const double diff = std::abs(got[i] - want[i]);
+    if (diff > max_diff) {
+      max_diff = diff;
+      worst = i;
+    }
+  }
+  if (max_diff <= tol * (1.0 + max_want)) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "max |diff| " << max_diff << " at element " << worst << " (got " << got[worst]
+                                       << ", expected " << want[worst] << "), max |expected| " << max_want
+                                       << ", tolerance " << tol << " * (1 + max |expected|)";
+}
+inline ::testing::AssertionResult close(const Tensor& got, const Tensor& want, const double tol) {
+  return close(values(got), values(want), tol);
+}
+
+// ---- named tensors ----------------------------------------------------------------------------------------------
+
+class Env {
+ public:
+  Env(const DType dtype, const uint64_t seed) : dtype_(dtype), gen_(seed) {}
+
+  DType dtype() const { return dtype_; }
+
+  // A tensor of `shape` whose values have magnitude in [0.1, 1) * scale and a random sign (never zero, never near
+  // a kink such as relu's), or are positive.
+  Tensor& rand(const std::string& name, std::vector<int64_t> shape, const double scale = 1.0,
+               const bool positive = false) {
+    Tensor t(std::move(shape), dtype_);
+    std::uniform_real_distribution<double> magnitude(0.1, 1.0);
+    std::bernoulli_distribution negative(0.5);
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      const double v = magnitude(gen_) * scale;
+      set(t, i, !positive && negative(gen_) ? -v : v);
+    }
+    return tensors_[name] = std::move(t);
+  }
+
+  Tensor& operator()(const std::string& name) {
+    const auto it = tensors_.find(name);
+    if (it == tensors_.end()) throw std::logic_error("test case has no tensor '" + name + "'");
+    return it->second;
+  }
+  bool has(const std::string& name) const { return tensors_.count(name) != 0; }
+  const std::map<std::string, Tensor>& tensors() const { return tensors_; }
+
+  // Deep copies of every tensor (Env copies share storage).
+  std::map<std::string, Tensor> snapshot() const {
+    std::map<std::string, Tensor> out;
+    for (const auto& [name, t] : tensors_) out.emplace(name, t.clone());
+    return out;
+  }
+
+ private:
+  DType dtype_;
+  std::mt19937_64 gen_;
+  std::map<std::string, Tensor> tensors_;
+};
+
+// ---- the case table ---------------------------------------------------------------------------------------------
+
+// What a backward op does to a gradient buffer, as its header says.
+enum class Contract { kAccumulates, kOverwrites };
+struct GradOf {
+  std::string input, grad;  // d loss / d input lands in grad
+  Contract contract;
+};
+enum class Phase { kForward, kBackward };
+// Replacing `tensor` with one of a wrong size, or of another dtype, must make `phase` throw std::invalid_argument
+// whose message starts with "op: ".
+struct BadArg {
+  Phase phase;
+  std::string tensor, op;
+};
+
+struct OpCase {
+  OpCase(std::string case_name, std::vector<std::string> case_ops)
+      : name(std::move(case_name)), ops(std::move(case_ops)) {}
+
+  std::string name;              // test name suffix: letters, digits, underscores
+  std::vector<std::string> ops;  // the ops/*.h functions this case runs
+  // Inputs and forward outputs (outputs pre-filled with random values, so an op that reads its output shows).
+  std::function<void(Env&)> build;
+  std::function<void(Env&)> forward;
+  std::vector<std::string> outputs;    // every tensor forward writes
+  std::vector<std::string> loss;       // L = sum_o <o, w_o> with w_o = env["d" + o] (random)
+  std::function<void(Env&)> backward;  // reads "d" + o, writes the grads; empty when the op has no backward
+  std::vector<GradOf> grads;
+  std::vector<BadArg> bad_args;
+
+  bool has_backward() const { return static_cast<bool>(backward); }
+};
+
+// The case's tensors for `dtype`: build(), then w_o for each loss output and each gradient buffer, all random and
+// the same for a given case and dtype (the seed is the case name's stream key).
+inline Env make_env(const OpCase& c, const DType dtype) {
+  Env env(dtype, stream_key(c.name));
+  c.build(env);
+  for (const std::string& o : c.loss) env.rand("d" + o, env(o).shape());
+  for (const GradOf& g : c.grads) env.rand(g.grad, env(g.input).shape());
+  return env;
+}
+
+inline double weighted_loss(const OpCase& c, Env& env) {
+  double total = 0.0;
+  for (const std::string& o : c.loss) {
+    const Tensor& out = env(o);
+    const Tensor& w = env("d" + o);
+    for (int64_t i = 0; i < out.numel(); ++i) total += get(out, i) * get(w, i);
+  }
+  return total;
+}
+
+// dst = src before an in-place forward op. Skipped when a bad-argument test swapped in a tensor of another size or
+// dtype, so the op itself meets the bad tensor.
+inline void reset(Tensor& dst, const Tensor& src) {
+  if (dst.numel() == src.numel() && dst.dtype() == src.dtype()) dst.copy_from(src);
+}
+
+constexpr Contract kAcc = Contract::kAccumulates;
+constexpr Contract kOver = Contract::kOverwrites;
+constexpr Phase kFwd = Phase::kForward;
+constexpr Phase kBwd = Phase::kBackward;
+
+inline OpCase linear_case(const std::string& name, const std::vector<int64_t>& inp_shape, const int64_t O,
+                          const bool bias, const bool weight_grad) {
+  const int64_t I = inp_shape.back();
+  std::vector<int64_t> out_shape = inp_shape;
+  out_shape.back() = O;
+  OpCase c{name, {"linear_forward", "linear_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("inp", inp_shape);
+    e.rand("weight", {O, I});
+    if (bias) e.rand("bias", {O});
+    e.rand("out", out_shape);
+  };
+  c.forward = [=](Env& e) { linear_forward(e("out"), e("inp"), e("weight"), bias ? &e("bias") : nullptr); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) {
+    // Without a weight gradient the input may be omitted (the header allows inp_TI == nullptr then).
+    linear_backward(&e("dinp"), weight_grad ? &e("dweight") : nullptr, bias ? &e("dbias") : nullptr, e("dout"),
+                    weight_grad ? &e("inp") : nullptr, e("weight"));
+  };
+  c.grads = {{"inp", "dinp", kAcc}};
+  if (weight_grad) c.grads.push_back({"weight", "dweight", kAcc});
+  if (bias) c.grads.push_back({"bias", "dbias", kAcc});
+  c.bad_args = {{kFwd, "inp", "linear_forward"},
+                {kFwd, "out", "linear_forward"},
+                {kBwd, "dout", "linear_backward"},
+                {kBwd, "dinp", "linear_backward"}};
+  if (bias) c.bad_args.push_back({kFwd, "bias", "linear_forward"});
+  if (bias) c.bad_args.push_back({kBwd, "dbias", "linear_backward"});
+  if (weight_grad) c.bad_args.push_back({kBwd, "dweight", "linear_backward"});
+  return c;
+}
+
+inline OpCase rmsnorm_case(const std::string& name, const int64_t R, const int64_t D) {
+  OpCase c{name, {"rmsnorm_forward", "rmsnorm_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("inp", {R, D}, 2.0);
+    e.rand("weight", {D});
+    e.rand("out", {R, D});
+    e.rand("rstd", {R});
+  };
+  c.forward = [](Env& e) { rmsnorm_forward(e("out"), e("rstd"), e("inp"), e("weight"), 1e-5); };
+  c.outputs = {"out", "rstd"};
+  c.loss = {"out"};
+  c.backward = [](Env& e) { rmsnorm_backward(e("dinp"), e("dweight"), e("dout"), e("inp"), e("weight"), e("rstd")); };
+  c.grads = {{"inp", "dinp", kAcc}, {"weight", "dweight", kAcc}};
+  c.bad_args = {{kFwd, "inp", "rmsnorm_forward"},      {kFwd, "out", "rmsnorm_forward"},
+                {kFwd, "rstd", "rmsnorm_forward"},     {kBwd, "dinp", "rmsnorm_backward"},
+                {kBwd, "dweight", "rmsnorm_backward"}, {kBwd, "dout", "rmsnorm_backward"}};
+  return c;
+}
+
+inline OpCase layernorm_case(const std::string& name, const std::vector<int64_t>& inp_shape, const bool bias) {
+  const int64_t D = inp_shape.back();
+  const std::vector<int64_t> stat_shape(inp_shape.begin(), inp_shape.end() - 1);
+  OpCase c{name, {"layernorm_forward", "layernorm_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("inp", inp_shape, 2.0);
+    e.rand("weight", {D});
+    if (bias) e.rand("bias", {D});
+    e.rand("out", inp_shape);
+    e.rand("mean", stat_shape);
+    e.rand("rstd", stat_shape);
+  };
+  c.forward = [=](Env& e) {
+    layernorm_forward(e("out"), e("mean"), e("rstd"), e("inp"), e("weight"), bias ? &e("bias") : nullptr, 1e-5);
+  };
+  c.outputs = {"out", "mean", "rstd"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) {
+    layernorm_backward(e("dinp"), e("dweight"), bias ? &e("dbias") : nullptr, e("dout"), e("inp"), e("weight"),
+                       e("mean"), e("rstd"));
+  };
+  c.grads = {{"inp", "dinp", kAcc}, {"weight", "dweight", kAcc}};
+  if (bias) c.grads.push_back({"bias", "dbias", kAcc});
+  c.bad_args = {{kFwd, "mean", "layernorm_forward"},
+                {kFwd, "out", "layernorm_forward"},
+                {kBwd, "dinp", "layernorm_backward"},
+                {kBwd, "dweight", "layernorm_backward"}};
+  if (bias) c.bad_args.push_back({kFwd, "bias", "layernorm_forward"});
+  if (bias) c.bad_args.push_back({kBwd, "dbias", "layernorm_backward"});
+  return c;
+}
+
+struct RopeShape {
+  int64_t S, B, N, d, rot_dim;
+  double base;
+  int64_t position_offset;
+};
+
+inline OpCase rope_case(const std::string& name, const RopeShape& r) {
+  const int64_t S = r.S, B = r.B, N = r.N, d = r.d, rot_dim = r.rot_dim, offset = r.position_offset;
+  const double base = r.base;
+  OpCase c{name, {"rope_forward", "rope_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("inp", {S, B, N, d});
+    e.rand("out", {S, B, N, d});
+  };
+  c.forward = [=](Env& e) { rope_forward(e("out"), e("inp"), S, B, d, rot_dim, base, offset); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) { rope_backward(e("dinp"), e("dout"), S, B, d, rot_dim, base, offset); };
+  c.grads = {{"inp", "dinp", kAcc}};
+  c.bad_args = {{kFwd, "inp", "rope_forward"}, {kFwd, "out", "rope_forward"}, {kBwd, "dinp", "rope_backward"}};
+  return c;
+}
+
+// GQA with N = 4 query heads over G = 2 groups (or a tensor-parallel shard of them).
+inline OpCase attention_case(const std::string& name, const AttentionDims& dims, const DropoutSpec& dropout) {
+  const int64_t S = dims.S, B = dims.B, N = dims.N, G = dims.G, d = dims.head_dim;
+  OpCase c{name, {"attention_forward", "attention_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("q", {S, B, N, d}, 1.5);
+    e.rand("k", {S, B, G, d}, 1.5);
+    e.rand("v", {S, B, G, d});
+    e.rand("out", {S, B, N, d});
+    e.rand("lse", {B, N, S});
+  };
+  c.forward = [=](Env& e) { attention_forward(e("out"), e("lse"), e("q"), e("k"), e("v"), dims, dropout); };
+  c.outputs = {"out", "lse"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) {
+    attention_backward(e("dq"), e("dk"), e("dv"), e("dout"), e("q"), e("k"), e("v"), e("out"), e("lse"), dims, dropout);
+  };
+  c.grads = {{"q", "dq", kAcc}, {"k", "dk", kAcc}, {"v", "dv", kAcc}};
+  c.bad_args = {{kFwd, "k", "attention_forward"},   {kFwd, "lse", "attention_forward"},
+                {kFwd, "out", "attention_forward"}, {kBwd, "dv", "attention_backward"},
+                {kBwd, "dq", "attention_backward"}, {kBwd, "dout", "attention_backward"}};
+  return c;
+}
+
+inline AttentionDims attention_dims(const int64_t S, const int64_t B, const int64_t N, const int64_t G) {
+  AttentionDims dims;
+  dims.S = S;
+  dims.B = B;
+  dims.N = N;
+  dims.G = G;
+  dims.head_dim = 8;
+  dims.scale = 1.0 / std::sqrt(8.0);
+  return dims;
+}
+
+inline OpCase activation_case(const std::string& name, const Activation kind, const int64_t T, const int64_t F) {
+  const int64_t F1 = activation_input_width(kind, F);
+  OpCase c{name, {"activation_forward", "activation_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("inp", {T, F1}, 2.0);
+    e.rand("out", {T, F});
+  };
+  c.forward = [=](Env& e) { activation_forward(kind, e("out"), e("inp")); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) { activation_backward(kind, e("dinp"), e("dout"), e("inp")); };
+  c.grads = {{"inp", "dinp", kAcc}};
+  c.bad_args = {{kFwd, "inp", "activation_forward"},
+                {kFwd, "out", "activation_forward"},
+                {kBwd, "dinp", "activation_backward"},
+                {kBwd, "dout", "activation_backward"}};
+  return c;
+}
+
+// p = 0.3, fixed seed / key, and an element offset (a shard of a larger tensor).
+inline DropoutSpec test_dropout() {
+  DropoutSpec spec;
+  spec.p = 0.3f;
+  spec.seed = 1234;
+  spec.key = 77;
+  spec.offset = 5;
+  return spec;
+}
+
+inline OpCase dropout_case(const std::string& name, const std::vector<int64_t>& shape) {
+  const DropoutSpec spec = test_dropout();
+  OpCase c{name, {"dropout_forward", "dropout_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("inp", shape);
+    e.rand("out", shape);
+  };
+  c.forward = [=](Env& e) { dropout_forward(e("out"), e("inp"), spec); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) { dropout_backward(e("dinp"), e("dout"), spec); };
+  c.grads = {{"inp", "dinp", kAcc}};
+  c.bad_args = {{kFwd, "out", "dropout_forward"}, {kBwd, "dinp", "dropout_backward"}};
+  return c;
+}
+
+// Targets spread over [0, V): (5 t + 3) mod V.
+inline std::vector<int32_t> spread_ids(const int64_t T, const int64_t V) {
+  std::vector<int32_t> ids(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) ids[static_cast<size_t>(t)] = static_cast<int32_t>((5 * t + 3) % V);
+  return ids;
+}
+
+inline OpCase cross_entropy_case(const std::string& name, const int64_t T, const int64_t V) {
+  const std::vector<int32_t> targets = spread_ids(T, V);
+  OpCase c{name, {"cross_entropy_forward", "cross_entropy_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("logits", {T, V}, 3.0);
+    e.rand("losses", {T});
+    e.rand("lse", {T});
+  };
+  c.forward = [=](Env& e) { cross_entropy_forward(e("losses"), e("lse"), e("logits"), targets); };
+  c.outputs = {"losses", "lse"};
+  c.loss = {"losses"};
+  c.backward = [=](Env& e) { cross_entropy_backward(e("dlogits"), e("dlosses"), e("logits"), e("lse"), targets); };
+  c.grads = {{"logits", "dlogits", kOver}};
+  c.bad_args = {{kFwd, "logits", "cross_entropy_forward"},
+                {kFwd, "losses", "cross_entropy_forward"},
+                {kFwd, "lse", "cross_entropy_forward"},
+                {kBwd, "dlogits", "cross_entropy_backward"},
+                {kBwd, "dlosses", "cross_entropy_backward"}};
+  return c;
+}
+
+// One rank's piece of a vocabulary-parallel cross-entropy: columns [7, 13) of V = 20, targets inside (7, 12, 9, 10)
+// and outside (0, 19, 6, 13) of them; with one rank the group's max and stats are this rank's.
+inline OpCase vocab_ce_case() {
+  constexpr int64_t T = 8, V = 20, begin = 7, Vl = 6;
+  const std::vector<int32_t> targets = {7, 0, 12, 19, 9, 6, 13, 10};
+  OpCase c{"vocab_parallel_cross_entropy",
+           {"vocab_ce_local_max", "vocab_ce_local_stats", "vocab_ce_finish", "vocab_ce_backward"}};
+  c.build = [](Env& e) {
+    e.rand("logits", {T, Vl}, 3.0);
+    e.rand("max", {T});
+    e.rand("stats", {2, T});
+    e.rand("losses", {T});
+    e.rand("lse", {T});
+  };
+  c.forward = [=](Env& e) {
+    vocab_ce_local_max(e("max"), e("logits"));
+    vocab_ce_local_stats(e("stats"), e("logits"), e("max"), targets, V, begin);
+    vocab_ce_finish(e("losses"), e("lse"), e("max"), e("stats"));
+  };
+  c.outputs = {"max", "stats", "losses", "lse"};
+  c.loss = {"losses"};
+  c.backward = [=](Env& e) { vocab_ce_backward(e("dlogits"), e("dlosses"), e("logits"), e("lse"), targets, begin); };
+  c.grads = {{"logits", "dlogits", kOver}};
+  c.bad_args = {{kFwd, "logits", "vocab_ce_local_max"},  {kFwd, "max", "vocab_ce_local_max"},
+                {kFwd, "stats", "vocab_ce_local_stats"}, {kFwd, "losses", "vocab_ce_finish"},
+                {kFwd, "lse", "vocab_ce_finish"},        {kBwd, "dlogits", "vocab_ce_backward"},
+                {kBwd, "dlosses", "vocab_ce_backward"}};
+  return c;
+}
+
+inline OpCase embedding_case(const std::string& name, const int64_t V, const int64_t begin, const int64_t Vl,
+                             const std::vector<int32_t>& ids) {
+  constexpr int64_t D = 5;
+  const auto T = static_cast<int64_t>(ids.size());
+  OpCase c{name, {"embedding_forward", "embedding_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("weight", {Vl, D});
+    e.rand("out", {T, D});
+  };
+  c.forward = [=](Env& e) { embedding_forward(e("out"), ids, e("weight"), V, begin); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) { embedding_backward(e("dweight"), e("dout"), ids, begin); };
+  c.grads = {{"weight", "dweight", kAcc}};
+  c.bad_args = {{kFwd, "out", "embedding_forward"},
+                {kBwd, "dweight", "embedding_backward"},
+                {kBwd, "dout", "embedding_backward"}};
+  return c;
+}
+
+// In-place forward ops (y += ..., y *= ...) run on a copy of the input y0, so forward is a function of its inputs.
+inline OpCase add_case(const std::string& name, const std::vector<int64_t>& shape) {
+  OpCase c{name, {"add_"}};
+  c.build = [=](Env& e) {
+    e.rand("y0", shape);
+    e.rand("x", shape);
+    e.rand("y", shape);
+  };
+  c.forward = [](Env& e) {
+    reset(e("y"), e("y0"));
+    add_(e("y"), e("x"));
+  };
+  c.outputs = {"y"};
+  c.bad_args = {{kFwd, "x", "add_"}};
+  return c;
+}
+
+inline OpCase scale_case(const std::string& name, const std::vector<int64_t>& shape) {
+  OpCase c{name, {"scale_"}};
+  c.build = [=](Env& e) {
+    e.rand("y0", shape);
+    e.rand("y", shape);
+  };
+  c.forward = [](Env& e) {
+    reset(e("y"), e("y0"));
+    scale_(e("y"), -0.75);
+  };
+  c.outputs = {"y"};
+  return c;
+}
+
+inline AdamWHyper test_adamw_hyper() {
+  AdamWHyper hyper;
+  hyper.lr = 1e-2;
+  hyper.beta1 = 0.9;
+  hyper.beta2 = 0.95;
+  hyper.eps = 1e-8;
+  hyper.weight_decay = 0.1;
+  hyper.step = 3;
+  return hyper;
+}
+
+inline OpCase adamw_case(const std::string& name, const std::vector<int64_t>& shape) {
+  OpCase c{name, {"adamw_step"}};
+  c.build = [=](Env& e) {
+    e.rand("param0", shape);
+    e.rand("grad", shape);
+    e.rand("exp_avg0", shape, 0.1);
+    e.rand("exp_avg_sq0", shape, 0.01, true);
+    e.rand("param", shape);
+    e.rand("exp_avg", shape);
+    e.rand("exp_avg_sq", shape);
+  };
+  c.forward = [](Env& e) {
+    reset(e("param"), e("param0"));
+    reset(e("exp_avg"), e("exp_avg0"));
+    reset(e("exp_avg_sq"), e("exp_avg_sq0"));
+    adamw_step(e("param"), e("grad"), e("exp_avg"), e("exp_avg_sq"), test_adamw_hyper());
+  };
+  c.outputs = {"param", "exp_avg", "exp_avg_sq"};
+  c.bad_args = {{kFwd, "grad", "adamw_step"}};
+  return c;
+}
+
+// Fused qkv rows of N heads in G groups, d wide; split and merge are each other's backward (both overwrite).
+struct QkvShape {
+  int64_t T, N, G, d;
+};
+
+inline void build_qkv(Env& e, const QkvShape& s) {
+  e.rand("qkv", {s.T, (s.N + 2 * s.G) * s.d});
+  e.rand("q", {s.T, s.N, s.d});
+  e.rand("k", {s.T, s.G, s.d});
+  e.rand("v", {s.T, s.G, s.d});
+}
+
+inline OpCase split_qkv_case(const std::string& name, const QkvShape& s) {
+  OpCase c{name, {"split_qkv", "merge_qkv"}};
+  c.build = [=](Env& e) { build_qkv(e, s); };
+  c.forward = [=](Env& e) { split_qkv(e("q"), e("k"), e("v"), e("qkv"), s.N, s.G, s.d); };
+  c.outputs = {"q", "k", "v"};
+  c.loss = {"q", "k", "v"};
+  c.backward = [=](Env& e) { merge_qkv(e("dqkv"), e("dq"), e("dk"), e("dv"), s.N, s.G, s.d); };
+  c.grads = {{"qkv", "dqkv", kOver}};
+  c.bad_args = {
+      {kFwd, "qkv", "split_qkv"}, {kFwd, "q", "split_qkv"}, {kBwd, "dqkv", "merge_qkv"}, {kBwd, "dk", "merge_qkv"}};
+  return c;
+}
+
+inline OpCase merge_qkv_case(const std::string& name, const QkvShape& s) {
+  OpCase c{name, {"merge_qkv", "split_qkv"}};
+  c.build = [=](Env& e) { build_qkv(e, s); };
+  c.forward = [=](Env& e) { merge_qkv(e("qkv"), e("q"), e("k"), e("v"), s.N, s.G, s.d); };
+  c.outputs = {"qkv"};
+  c.loss = {"qkv"};
+  c.backward = [=](Env& e) { split_qkv(e("dq"), e("dk"), e("dv"), e("dqkv"), s.N, s.G, s.d); };
+  c.grads = {{"q", "dq", kOver}, {"k", "dk", kOver}, {"v", "dv", kOver}};
+  c.bad_args = {{kFwd, "v", "merge_qkv"}, {kFwd, "qkv", "merge_qkv"}, {kBwd, "dq", "split_qkv"}};
+  return c;
+}
+
+inline OpCase add_bias_rows_case(const std::string& name, const int64_t R, const int64_t W) {
+  OpCase c{name, {"add_bias_rows", "bias_grad_rows"}};
+  c.build = [=](Env& e) {
+    e.rand("y0", {R, W});
+    e.rand("bias", {W});
+    e.rand("y", {R, W});
+  };
+  c.forward = [](Env& e) {
+    reset(e("y"), e("y0"));
+    add_bias_rows(e("y"), e("bias"));
+  };
+  c.outputs = {"y"};
+  c.loss = {"y"};
+  c.backward = [](Env& e) { bias_grad_rows(e("dbias"), e("dy")); };
+  c.grads = {{"bias", "dbias", kAcc}};
+  c.bad_args = {{kFwd, "bias", "add_bias_rows"}, {kBwd, "dbias", "bias_grad_rows"}, {kBwd, "dy", "bias_grad_rows"}};
+  return c;
+}
+
+inline OpCase scale_rows_case(const std::string& name, const int64_t R, const int64_t W) {
+  OpCase c{name, {"scale_rows", "scale_rows_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("x", {R, W});
+    e.rand("s", {R});
+    e.rand("out", {R, W});
+  };
+  c.forward = [](Env& e) { scale_rows(e("out"), e("x"), e("s")); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [](Env& e) { scale_rows_backward(&e("dx"), &e("ds"), e("dout"), e("x"), e("s")); };
+  c.grads = {{"x", "dx", kAcc}, {"s", "ds", kOver}};
+  c.bad_args = {{kFwd, "x", "scale_rows"},
+                {kFwd, "out", "scale_rows"},
+                {kBwd, "dx", "scale_rows_backward"},
+                {kBwd, "ds", "scale_rows_backward"},
+                {kBwd, "dout", "scale_rows_backward"}};
+  return c;
+}
+
+inline OpCase add_outer_case(const std::string& name, const int64_t R, const int64_t W) {
+  OpCase c{name, {"add_outer", "add_outer_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("y0", {R, W});
+    e.rand("s", {R});
+    e.rand("b", {W});
+    e.rand("y", {R, W});
+  };
+  c.forward = [](Env& e) {
+    reset(e("y"), e("y0"));
+    add_outer(e("y"), e("s"), e("b"));
+  };
+  c.outputs = {"y"};
+  c.loss = {"y"};
+  c.backward = [](Env& e) { add_outer_backward(&e("ds"), &e("db"), e("dy"), e("s"), e("b")); };
+  c.grads = {{"s", "ds", kAcc}, {"b", "db", kAcc}};
+  c.bad_args = {{kFwd, "s", "add_outer"},
+                {kFwd, "b", "add_outer"},
+                {kBwd, "ds", "add_outer_backward"},
+                {kBwd, "db", "add_outer_backward"},
+                {kBwd, "dy", "add_outer_backward"}};
+  return c;
+}
+
+// row_dot has no backward op of its own: its gradients are add_outer (dx += dout w^T) and add_outer_backward's
+// db (dw += sum_r dout[r] x[r]), as a router or gate would compose them.
+inline OpCase row_dot_case(const std::string& name, const int64_t R, const int64_t W) {
+  OpCase c{name, {"row_dot"}};
+  c.build = [=](Env& e) {
+    e.rand("x", {R, W});
+    e.rand("w", {W});
+    e.rand("out", {R});
+  };
+  c.forward = [](Env& e) { row_dot(e("out"), e("x"), e("w")); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [](Env& e) {
+    add_outer(e("dx"), e("dout"), e("w"));
+    add_outer_backward(nullptr, &e("dw"), e("x"), e("dout"), e("w"));
+  };
+  c.grads = {{"x", "dx", kAcc}, {"w", "dw", kAcc}};
+  c.bad_args = {{kFwd, "x", "row_dot"}, {kFwd, "out", "row_dot"}};
+  return c;
+}
+
+// R row indices into N rows: (7 r + 3) mod (N + 1) - 1, so rows repeat and -1 (no row) occurs.
+inline std::vector<int64_t> spread_row_index(const int64_t R, const int64_t N) {
+  std::vector<int64_t> index(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) index[static_cast<size_t>(r)] = (7 * r + 3) % (N + 1) - 1;
+  return index;
+}
+
+inline OpCase gather_rows_case(const std::string& name, const int64_t N, const int64_t R, const int64_t W) {
+  const std::vector<int64_t> index = spread_row_index(R, N);
+  OpCase c{name, {"gather_rows", "scatter_add_rows"}};
+  c.build = [=](Env& e) {
+    e.rand("in", {N, W});
+    e.rand("out", {R, W});
+  };
+  c.forward = [=](Env& e) { gather_rows(e("out"), e("in"), index); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) { scatter_add_rows(e("din"), e("dout"), index); };
+  c.grads = {{"in", "din", kAcc}};
+  c.bad_args = {{kFwd, "out", "gather_rows"}, {kBwd, "din", "scatter_add_rows"}, {kBwd, "dout", "scatter_add_rows"}};
+  return c;
+}
+
+inline OpCase scatter_add_rows_case(const std::string& name, const int64_t N, const int64_t R, const int64_t W) {
+  const std::vector<int64_t> index = spread_row_index(R, N);
+  OpCase c{name, {"scatter_add_rows", "gather_rows"}};
+  c.build = [=](Env& e) {
+    e.rand("out0", {N, W});
+    e.rand("in", {R, W});
+    e.rand("out", {N, W});
+  };
+  c.forward = [=](Env& e) {
+    reset(e("out"), e("out0"));
+    scatter_add_rows(e("out"), e("in"), index);
+  };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) { gather_rows(e("din"), e("dout"), index); };
+  c.grads = {{"in", "din", kOver}};
+  c.bad_args = {{kFwd, "in", "scatter_add_rows"}, {kBwd, "din", "gather_rows"}};
+  return c;
+}
+
+// T = S B token rows starting at one-process row row_offset (a sequence shard) over P positions.
+inline OpCase position_embedding_case(const std::string& name, const int64_t T, const int64_t B, const int64_t H,
+                                      const int64_t P, const int64_t row_offset) {
+  OpCase c{name, {"add_position_embedding", "position_embedding_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("x0", {T, H});
+    e.rand("pos", {P, H});
+    e.rand("x", {T, H});
+  };
+  c.forward = [=](Env& e) {
+    reset(e("x"), e("x0"));
+    add_position_embedding(e("x"), e("pos"), B, row_offset);
+  };
+  c.outputs = {"x"};
+  c.loss = {"x"};
+  c.backward = [=](Env& e) { position_embedding_backward(e("dpos"), e("dx"), B, row_offset); };
+  c.grads = {{"pos", "dpos", kAcc}};
+  c.bad_args = {{kFwd, "x", "add_position_embedding"}, {kBwd, "dx", "position_embedding_backward"}};
+  return c;
+}
+
+// Small shapes (T = 5..12 rows, odd widths) for every op, then "_large" shapes just past the fast kernels' OpenMP
+// thresholds (and two 64-row attention blocks), so the 2-thread runs take the parallel paths.
+inline const std::vector<OpCase>& all_cases() {
+  static const std::vector<OpCase> cases = [] {
+    DropoutSpec no_dropout;
+    DropoutSpec attn_dropout = test_dropout();
+    attn_dropout.offset = 0;
+    // Heads [2, 4) of 4 (one of two tensor-parallel ranks): dropout counters use the global head index.
+    AttentionDims tp_shard = attention_dims(6, 2, 2, 1);
+    tp_shard.dropout_total_heads = 4;
+    tp_shard.dropout_head_offset = 2;
+    return std::vector<OpCase>{
+        linear_case("linear_bias", {2, 3, 7}, 9, true, true),
+        linear_case("linear_no_bias", {5, 6}, 3, false, true),
+        linear_case("linear_input_grad_only", {11, 4}, 5, false, false),
+        rmsnorm_case("rmsnorm", 7, 11),
+        layernorm_case("layernorm_bias", {2, 5, 9}, true),
+        layernorm_case("layernorm_no_bias", {6, 10}, false),
+        rope_case("rope_full", {5, 2, 3, 8, 8, 10000.0, 3}),
+        rope_case("rope_partial", {5, 2, 3, 8, 4, 500.0, 0}),
+        attention_case("attention_gqa", attention_dims(6, 2, 4, 2), no_dropout),
+        attention_case("attention_gqa_dropout", attention_dims(6, 2, 4, 2), attn_dropout),
+        attention_case("attention_tp_shard_dropout", tp_shard, attn_dropout),
+        activation_case("gelu", Activation::kGelu, 7, 5),
+        activation_case("swiglu", Activation::kSwiGLU, 7, 5),
+        activation_case("squared_relu", Activation::kSquaredReLU, 7, 5),
+        dropout_case("dropout", {9, 7}),
+        cross_entropy_case("cross_entropy", 8, 13),
+        vocab_ce_case(),
+        embedding_case("embedding_vocab_parallel", 20, 6, 7, {6, 0, 12, 8, 19, 6, 13, 5, 9}),
+        embedding_case("embedding_whole_vocab", 11, 0, 11, {3, 10, 0, 3, 7, 1, 10}),
+        add_case("add", {6, 5}),
+        scale_case("scale", {6, 5}),
+        adamw_case("adamw_step", {4, 7}),
+        split_qkv_case("split_qkv", {5, 4, 2, 3}),
+        merge_qkv_case("merge_qkv", {5, 4, 2, 3}),
+        add_bias_rows_case("add_bias_rows", 6, 7),
+        scale_rows_case("scale_rows", 8, 5),
+        add_outer_case("add_outer", 8, 5),
+        row_dot_case("row_dot", 8, 5),
+        gather_rows_case("gather_rows", 6, 9, 4),
+        scatter_add_rows_case("scatter_add_rows", 6, 9, 4),
+        position_embedding_case("position_embedding", 10, 2, 6, 8, 4),
+
+        linear_case("linear_large", {130, 8}, 131, true, true),
+        rmsnorm_case("rmsnorm_large", 64, 257),
+        layernorm_case("layernorm_large", {64, 257}, true),
+        rope_case("rope_large", {40, 2, 4, 64, 32, 10000.0, 7}),
+        attention_case("attention_large_mqa_dropout", attention_dims(70, 2, 4, 1), attn_dropout),
+        activation_case("gelu_large", Activation::kGelu, 33, 1025),
+        activation_case("swiglu_large", Activation::kSwiGLU, 33, 1025),
+        activation_case("squared_relu_large", Activation::kSquaredReLU, 33, 1025),
+        dropout_case("dropout_large", {97, 91}),
+        cross_entropy_case("cross_entropy_large", 40, 1031),
+        add_case("add_large", {257, 257}),
+        scale_case("scale_large", {257, 257}),
+        adamw_case("adamw_step_large", {257, 257}),
+        split_qkv_case("split_qkv_large", {70, 8, 2, 24}),
+        merge_qkv_case("merge_qkv_large", {70, 8, 2, 24}),
+        add_bias_rows_case("add_bias_rows_large", 131, 129),
+        scale_rows_case("scale_rows_large", 130, 129),
+        add_outer_case("add_outer_large", 130, 129),
+        row_dot_case("row_dot_large", 130, 129),
+        gather_rows_case("gather_rows_large", 128, 300, 64),
+        scatter_add_rows_case("scatter_add_rows_large", 128, 300, 64),
+        position_embedding_case("position_embedding_large", 260, 4, 65, 80, 12),
+    };
+  }();
+  return cases;
+}
+
+}  // namespace moecore::ops::test
