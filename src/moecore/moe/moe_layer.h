@@ -7,12 +7,12 @@
 #include <string>
 #include <vector>
 
-#include "moecore/parallel/parallel_state.h"
 #include "moecore/model/config.h"
 #include "moecore/model/param.h"
 #include "moecore/moe/experts.h"
 #include "moecore/moe/router.h"
 #include "moecore/moe/token_dispatcher.h"
+#include "moecore/parallel/parallel_state.h"
 
 namespace moecore {
 

@@ -9,9 +9,9 @@
 #include <memory>
 #include <vector>
 
-#include "moecore/parallel/parallel_state.h"
 #include "moecore/moe/moe_config.h"
 #include "moecore/moe/router.h"
+#include "moecore/parallel/parallel_state.h"
 #include "moecore/tensor/tensor.h"
 
 namespace moecore {
