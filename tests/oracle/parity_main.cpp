@@ -3,7 +3,7 @@
 //
 //   moecore_parity --config C.json --weights W.safetensors --batch B.safetensors --out O.safetensors
 //                  [--steps N] [--lr 1e-3] [--weight-decay 0.1] [--clip-grad 1.0] [--beta1 0.9] [--beta2 0.999]
-//                  [--eps 1e-8] [--export-hf DIR] [--export-hf-bf16] [--import-hf DIR]
+//                  [--eps 1e-8] [--microbatches 1] [--export-hf DIR] [--export-hf-bf16] [--import-hf DIR]
 //
 // C.json holds ModelConfig fields by name (enums as strings: "RMSNorm", "swiglu", "rope", ...), and optionally
 // "moe": {MoEConfig fields by name} (tests/oracle/twin_moe.py MOE_DEFAULTS lists them). W.safetensors holds
@@ -12,9 +12,12 @@
 // W.safetensors may also hold MoE router buffers decoder.layers.{i}.mlp.router.expert_bias [E] (loaded as state).
 // Protocol (dropout must be 0): for step k = 0..N: forward (losses[k]); if k < N: backward, finish_global_batch
 // (MoE expert-bias update), clip, AdamW step, record step{k+1}.<name>. Step 0 also records logits [S, B, V], loss and
-// grad.<name> (before clipping). MoE models also record, per forward, load_balancing_loss [N+1, n_moe_layers,
-// n_types] and z_loss [N+1, n_moe_layers] (logged values, loss / coeff), and with expert bias
+// grad.<name> (before clipping). MoE models also record, per forward, load_balancing_loss [(N+1) M, n_moe_layers,
+// n_types] and z_loss [(N+1) M, n_moe_layers] (logged values, loss / coeff), and with expert bias
 // step{k+1}.decoder.layers.{i}.mlp.router.expert_bias [E].
+// With --microbatches M (dividing B) every step is a global batch of M micro-batches of B / M consecutive batch rows,
+// as the trainer runs them: forward and backward(1 / M) each (the lm and the aux / z gradients scaled by 1 / M), the
+// loss is the mean of the micro-batch losses, logits are the micro-batches' concatenated along B.
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -39,7 +42,7 @@ using json = nlohmann::json;
 
 struct Args {
   std::string config, weights, batch, out, export_hf, import_hf;
-  int64_t steps = 0;
+  int64_t steps = 0, microbatches = 1;
   double lr = 1e-3, weight_decay = 0.1, clip_grad = 1.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   bool export_bf16 = false;
 };
@@ -69,6 +72,8 @@ Args parse_args(int argc, char** argv) {
       *doubles.at(flag) = std::stod(value);
     } else if (flag == "--steps") {
       a.steps = std::stoll(value);
+    } else if (flag == "--microbatches") {
+      a.microbatches = std::stoll(value);
     } else {
       throw std::invalid_argument("unknown flag " + flag);
     }
@@ -328,6 +333,21 @@ Tensor f64_tensor(const std::vector<double>& values, std::vector<int64_t> shape 
   return t;
 }
 
+// Logits [S, Bm, V] of consecutive micro-batches -> [S, M Bm, V].
+Tensor concat_batch(const std::vector<Tensor>& parts) {
+  if (parts.size() == 1) return parts[0];
+  const int64_t S = parts[0].dim(0), Bm = parts[0].dim(1), V = parts[0].dim(2);
+  const int64_t M = static_cast<int64_t>(parts.size());
+  Tensor out({S, M * Bm, V}, DType::kF32);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t s = 0; s < S; ++s) {
+      std::memcpy(out.data<float>() + (s * M * Bm + m * Bm) * V, parts[m].data<float>() + s * Bm * V,
+                  sizeof(float) * static_cast<size_t>(Bm * V));
+    }
+  }
+  return out;
+}
+
 int run(int argc, char** argv) {
   const Args args = parse_args(argc, argv);
   std::unique_ptr<GPTModel> model;
@@ -369,33 +389,43 @@ int run(int argc, char** argv) {
   std::vector<double> lb_logs, z_logs;  // flattened [step][MoE layer][type] and [step][MoE layer]
   int64_t n_moe_layers = 0, n_types = 0;
   const bool is_moe = model->config().moe.enabled();
+  const int64_t M = args.microbatches;
+  if (M < 1 || B % M != 0) throw std::runtime_error("--microbatches must divide the batch size");
+  const int64_t Bm = B / M;  // rows of one micro-batch
   for (int64_t step = 0; step <= args.steps; ++step) {
     model->zero_grad();
-    std::unique_ptr<MicroBatchContext> ctx;
-    ForwardOptions forward_options;
-    forward_options.training = true;
-    forward_options.dropout_stream = static_cast<uint64_t>(step);
-    Tensor logits;
-    const double loss = model->forward(ctx, tokens.data(), labels.data(), loss_mask.data(), B, S, forward_options,
-                                       step == 0 ? &logits : nullptr);
-    losses.push_back(loss);
-    if (is_moe) {
-      const MoEStats stats = model->take_moe_stats();
-      if (stats.num_forwards != 1) throw std::runtime_error("expected the stats of exactly one forward");
-      n_moe_layers = static_cast<int64_t>(stats.moe_layers.size());
-      n_types = n_moe_layers > 0 ? static_cast<int64_t>(stats.load_balancing_losses[0].size()) : 0;
-      for (const auto& per_type : stats.load_balancing_losses)
-        lb_logs.insert(lb_logs.end(), per_type.begin(), per_type.end());
-      z_logs.insert(z_logs.end(), stats.z_losses.begin(), stats.z_losses.end());
+    double loss_sum = 0.0;
+    std::vector<Tensor> logits_per_microbatch;
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t first = m * Bm * S;  // [B, S] row-major: micro-batch m is rows [m Bm, (m + 1) Bm)
+      std::unique_ptr<MicroBatchContext> ctx;
+      ForwardOptions forward_options;
+      forward_options.training = true;
+      forward_options.dropout_stream = static_cast<uint64_t>(step * M + m);
+      Tensor logits;
+      loss_sum += model->forward(ctx, tokens.data() + first, labels.data() + first, loss_mask.data() + first, Bm, S,
+                                 forward_options, step == 0 ? &logits : nullptr);
+      if (step == 0) logits_per_microbatch.push_back(logits);
+      if (is_moe) {
+        const MoEStats stats = model->take_moe_stats();
+        if (stats.num_forwards != 1) throw std::runtime_error("expected the stats of exactly one forward");
+        n_moe_layers = static_cast<int64_t>(stats.moe_layers.size());
+        n_types = n_moe_layers > 0 ? static_cast<int64_t>(stats.load_balancing_losses[0].size()) : 0;
+        for (const auto& per_type : stats.load_balancing_losses)
+          lb_logs.insert(lb_logs.end(), per_type.begin(), per_type.end());
+        z_logs.insert(z_logs.end(), stats.z_losses.begin(), stats.z_losses.end());
+      }
+      if (step < args.steps) model->backward(std::move(ctx), 1.0 / static_cast<double>(M));
     }
+    const double loss = loss_sum / static_cast<double>(M);
+    losses.push_back(loss);
     if (step == 0) {
-      out.emplace_back("logits", logits);
+      out.emplace_back("logits", concat_batch(logits_per_microbatch));
       Tensor loss_t({}, DType::kF64);
       loss_t.data<double>()[0] = loss;
       out.emplace_back("loss", loss_t);
     }
     if (step == args.steps) break;
-    model->backward(std::move(ctx), 1.0);
     if (step == 0) {
       for (const Param& p : model->params()) out.emplace_back("grad." + p.name, p.grad.clone());
     }
@@ -415,7 +445,7 @@ int run(int argc, char** argv) {
   out.emplace_back("losses", f64_tensor(losses));
   out.emplace_back("grad_norms", f64_tensor(grad_norms));
   if (is_moe) {
-    const int64_t forwards = static_cast<int64_t>(losses.size());
+    const int64_t forwards = static_cast<int64_t>(losses.size()) * M;
     out.emplace_back("load_balancing_loss", f64_tensor(lb_logs, {forwards, n_moe_layers, n_types}));
     out.emplace_back("z_loss", f64_tensor(z_logs, {forwards, n_moe_layers}));
   }

@@ -66,9 +66,9 @@ CONFIGS = {
 }
 
 
-def make_batch(cfg, seed, mask_kind):
+def make_batch(cfg, seed, mask_kind, batch_size=3):
     rng = np.random.default_rng(seed)
-    B, S, V = 3, cfg["seq_length"], cfg["vocab_size"]
+    B, S, V = batch_size, cfg["seq_length"], cfg["vocab_size"]
     batch = {
         "tokens": rng.integers(0, V, size=(B, S), dtype=np.int32),
         "labels": rng.integers(0, V, size=(B, S), dtype=np.int32),
@@ -141,9 +141,9 @@ def compare(cpp, ref, label, failures, worst, skip=None):
         failures.append(f"{label}: C++ output has tensors the twin lacks: {extra[:5]}")
 
 
-def run_harness(parity_exe, label, cfg, weights, batch, workdir):
-    """Runs moecore_parity on (cfg, weights, batch) with the protocol's optimizer settings.
-    Returns (outputs, None) or (None, a one-line failure)."""
+def run_harness(parity_exe, label, cfg, weights, batch, workdir, steps=STEPS, microbatches=1):
+    """Runs moecore_parity on (cfg, weights, batch) with the protocol's optimizer settings (`steps` steps of
+    `microbatches` micro-batches each). Returns (outputs, None) or (None, a one-line failure)."""
     paths = {k: os.path.join(workdir, f"{label}.{k}") for k in ("config.json", "weights.safetensors",
                                                                 "batch.safetensors", "out.safetensors")}
     with open(paths["config.json"], "w") as f:
@@ -151,9 +151,9 @@ def run_harness(parity_exe, label, cfg, weights, batch, workdir):
     st.save(paths["weights.safetensors"], weights)
     st.save(paths["batch.safetensors"], batch)
     command = [parity_exe, "--config", paths["config.json"], "--weights", paths["weights.safetensors"],
-               "--batch", paths["batch.safetensors"], "--out", paths["out.safetensors"], "--steps", str(STEPS),
+               "--batch", paths["batch.safetensors"], "--out", paths["out.safetensors"], "--steps", str(steps),
                "--lr", str(LR), "--weight-decay", str(WEIGHT_DECAY), "--clip-grad", str(CLIP_GRAD),
-               "--eps", str(ADAM_EPS)]
+               "--eps", str(ADAM_EPS), "--microbatches", str(microbatches)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         return None, f"{label}: moecore_parity failed (exit {result.returncode}): {result.stderr.strip()}"

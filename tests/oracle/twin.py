@@ -285,7 +285,7 @@ def masked_mean_ce(logits_SBV, labels_SB, mask_SB):
 
 
 def run_megatron(cfg, weights, batch, steps=0, lr=1e-3, weight_decay=0.1, clip_grad=1.0, betas=(0.9, 0.999),
-                 eps=1e-8, dtype=torch.float32):
+                 eps=1e-8, dtype=torch.float32, microbatches=1, lm_weight=1.0):
     """Forward/backward and `steps` AdamW steps, exactly the parity harness's protocol (one micro-batch per global
     batch). Returns {name: ndarray}: logits [S, B, V], loss (the lm loss), grad.<name> (after step 0's backward),
     step{k}.<name>, losses [steps + 1] (lm losses), grad_norms [steps] (before clipping).
@@ -295,7 +295,12 @@ def run_megatron(cfg, weights, batch, steps=0, lr=1e-3, weight_decay=0.1, clip_g
     step{k}.decoder.layers.{i}.mlp.router.expert_bias [E] (after global batch k's sign-rule update).
     `weights` may hold the expert-bias buffers (buffer_names(cfg)); they are state, not parameters: no gradient,
     no optimizer. Order per step: forward, backward (lm + aux/z gradients, aux scale 1), finish_global_batch
-    (expert-bias update, counts and global aux reset), clip, AdamW."""
+    (expert-bias update, counts and global aux reset), clip, AdamW.
+    microbatches M (dividing B): each step is a global batch of M micro-batches of B / M consecutive batch rows, each
+    with forward and backward of lm_loss / M (aux / z gradients scaled by aux_grad_scale = 1 / M, Megatron's
+    1 / num_microbatches); losses are the mean over the micro-batches, logits the micro-batches' concatenated along
+    B, and load_balancing_loss / z_loss have (steps + 1) * M rows (one per forward). lm_weight multiplies the lm loss
+    in backward only (0: the gradients are the aux / z-loss contributions alone)."""
     buffers = set(buffer_names(cfg))
     params = {name: torch.tensor(np.asarray(value), dtype=dtype, requires_grad=True)
               for name, value in weights.items() if name not in buffers}
@@ -311,20 +316,30 @@ def run_megatron(cfg, weights, batch, steps=0, lr=1e-3, weight_decay=0.1, clip_g
                                    {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
     out = {}
     losses, grad_norms, lb_logs, z_logs = [], [], [], []
+    if tokens.shape[0] % microbatches:
+        raise ValueError(f"microbatches {microbatches} does not divide the batch size {tokens.shape[0]}")
+    rows = tokens.shape[0] // microbatches
     for step in range(steps + 1):
         optimizer.zero_grad(set_to_none=False)
-        logits, loss, moe_info = megatron_forward(params, cfg, tokens, labels, mask, moe_state=moe_state,
-                                                  aux_grad_scale=1.0, training=True, return_moe_info=True)
-        losses.append(loss.item())
-        layers = [moe_info["layers"][i] for i in sorted(moe_info["layers"])]
-        lb_logs.append([info["load_balancing_loss"] for info in layers])
-        z_logs.append([info["z_loss"] for info in layers])
+        loss_sum, logits_parts = 0.0, []
+        for m in range(microbatches):
+            part = slice(m * rows, (m + 1) * rows)
+            logits, loss, moe_info = megatron_forward(params, cfg, tokens[part], labels[part], mask[part],
+                                                      moe_state=moe_state, aux_grad_scale=1.0 / microbatches,
+                                                      training=True, return_moe_info=True)
+            loss_sum += loss.item()
+            logits_parts.append(logits.detach())
+            layers = [moe_info["layers"][i] for i in sorted(moe_info["layers"])]
+            lb_logs.append([info["load_balancing_loss"] for info in layers])
+            z_logs.append([info["z_loss"] for info in layers])
+            if step < steps:
+                (loss * (lm_weight / microbatches)).backward()
+        losses.append(loss_sum / microbatches)
         if step == 0:
-            out["logits"] = logits.detach().numpy().copy()
-            out["loss"] = np.array(loss.item(), dtype=np.float64)
+            out["logits"] = torch.cat(logits_parts, dim=1).numpy().copy()
+            out["loss"] = np.array(loss_sum / microbatches, dtype=np.float64)
         if step == steps:
             break
-        loss.backward()
         for n in names:  # a parameter outside the graph (an expert that got no token) has a zero gradient
             if params[n].grad is None:
                 params[n].grad = torch.zeros_like(params[n])

@@ -6,7 +6,9 @@ Tokens are [S, B, H] sequence-major: token t = s * B + b.
 
 Router (TopKRouter.routing):
   logits = x W^T (+ b) in the router dtype (fp32, or fp64 with router_dtype "fp64"; a float64 model always routes
-  in float64 so that gradcheck sees one precision);
+  in float64 so that gradcheck sees one precision); every score function (and the aux losses' scores, and sinkhorn's
+  top-k > 1 softmax) runs in fp32 on the logits cast to fp32, whatever the router dtype, as Megatron's
+  topk_routing_with_score_function (in float64 for a float64 model); the probs are cast back to the router dtype;
   z-loss  z = cz * mean_t (logsumexp_e logits)^2, attached to the logits;
   softmax post (default): top-k of the raw logits, softmax over the k selected; pre_softmax: softmax over all E, top-k,
   no renormalisation; sigmoid / sqrtsoftplus: s = score(logits), top-k of s (+ expert_bias if enabled, selection only),
@@ -253,17 +255,18 @@ def _compute_topk(scores_TE, m):
     return scores_TE.gather(1, idx), idx
 
 
-def topk_routing(logits_TE, m, expert_bias=None):
-    """Megatron's topk_routing_with_score_function. Returns (probs [T, E] dense, routing_map [T, E] bool)."""
+def topk_routing(logits_TE, m, expert_bias=None, sd=torch.float32):
+    """Megatron's topk_routing_with_score_function, scores in dtype sd. Returns (probs [T, E] dense, routing_map [T, E]
+    bool)."""
     k, fn = m["topk"], m["score_function"]
     if fn == "softmax":
         if m["pre_softmax"]:
-            probs, idx = _compute_topk(torch.softmax(logits_TE, dim=-1), m)
+            probs, idx = _compute_topk(torch.softmax(logits_TE.to(sd), dim=-1), m)
         else:
             selected, idx = _compute_topk(logits_TE, m)
-            probs = torch.softmax(selected, dim=-1)
+            probs = torch.softmax(selected.to(sd), dim=-1)
     else:
-        scores = score_fn(logits_TE, fn)
+        scores = score_fn(logits_TE.to(sd), fn)
         if expert_bias is not None:
             _, idx = _compute_topk(scores + expert_bias.to(scores.dtype), m)
             selected = scores.gather(1, idx)
@@ -272,6 +275,7 @@ def topk_routing(logits_TE, m, expert_bias=None):
         probs = selected / (selected.sum(dim=-1, keepdim=True) + 1e-20) if k > 1 else selected
     if m["topk_scaling_factor"]:
         probs = probs * m["topk_scaling_factor"]
+    probs = probs.to(logits_TE.dtype)
     routing_probs = torch.zeros_like(logits_TE).scatter(1, idx, probs)
     routing_map = torch.zeros(logits_TE.shape, dtype=torch.bool).scatter(1, idx, True)
     return routing_probs, routing_map
@@ -293,10 +297,11 @@ def sinkhorn(cost, tol=1e-4):
     return d1 * cost * d0[:, None]
 
 
-def sinkhorn_routing(logits_TE, k):
+def sinkhorn_routing(logits_TE, k, sd=torch.float32):
     with torch.no_grad():
         idx = _topk_indices(sinkhorn(logits_TE.detach().to(torch.float32)), k)
-    act = torch.sigmoid(logits_TE) if k == 1 else torch.softmax(logits_TE, dim=-1)
+    act = torch.sigmoid(logits_TE) if k == 1 else \
+        torch.softmax(logits_TE.to(sd), dim=-1).to(logits_TE.dtype)
     routing_map = torch.zeros(logits_TE.shape, dtype=torch.bool).scatter(1, idx, True)
     return act * routing_map, routing_map
 
@@ -320,9 +325,9 @@ def apply_capacity(probs_TE, map_TE, m):
     return probs_TE * final_map, final_map, C
 
 
-def aux_loss_scores(logits_TE, m):
+def aux_loss_scores(logits_TE, m, sd=torch.float32):
     """Scores over all experts for the aux losses, and a plain top-k map of them."""
-    scores = score_fn(logits_TE, m["score_function"])
+    scores = score_fn(logits_TE.to(sd), m["score_function"])
     if m["score_function"] != "softmax":
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     idx = _topk_indices(scores.detach(), m["topk"])
@@ -342,6 +347,7 @@ def router_forward(x_SBH, params, prefix, m, state, training=True, aux_grad_scal
     S, B, H = x_SBH.shape
     T, E, k = S * B, m["num_experts"], m["topk"]
     rd = router_dtype(m, x_SBH.dtype)
+    sd = torch.float64 if x_SBH.dtype == torch.float64 else torch.float32  # score functions: fp32 (Megatron)
     weight = params[prefix + "mlp.router.weight"].to(rd)
     bias = params.get(prefix + "mlp.router.bias")
     logits = F.linear(x_SBH.reshape(T, H).to(rd), weight, None if bias is None else bias.to(rd))
@@ -357,14 +363,14 @@ def router_forward(x_SBH, params, prefix, m, state, training=True, aux_grad_scal
         info["aux_losses"].append(z)
 
     if "sinkhorn" in m["load_balancing_types"]:
-        probs, routing_map = sinkhorn_routing(logits, k)
+        probs, routing_map = sinkhorn_routing(logits, k, sd)
     else:
-        probs, routing_map = topk_routing(logits, m, state.expert_bias if m["enable_expert_bias"] else None)
+        probs, routing_map = topk_routing(logits, m, state.expert_bias if m["enable_expert_bias"] else None, sd)
     if m["capacity_factor"] is not None:
         probs, routing_map, info["capacity"] = apply_capacity(probs, routing_map, m)
 
     if track and any(aux_coeff(m, t) for t in AUX_TYPES):
-        scores, aux_map = aux_loss_scores(logits, m)
+        scores, aux_map = aux_loss_scores(logits, m, sd)
         counts = aux_map.sum(dim=0).to(torch.float64)
         losses = {}
         coeff = aux_coeff(m, "aux_loss")

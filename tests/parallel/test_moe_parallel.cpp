@@ -112,7 +112,7 @@ std::vector<Case> cases() {
     m.dispatcher_type = TokenDispatcherType::kAllToAll;
     out.push_back(c);
   }
-  {  // softmax, aux + seq-aux + z losses, gelu, bias (ETP 1 only), shared experts without gate, sequential MLP
+  {  // softmax, aux + seq-aux + z losses, gelu, bias (ETP 1 only; shared experts refuse biases), sequential MLP
     Case c{"softmax_aux_bias", base_config()};
     c.config.activation = Activation::kGelu;
     c.config.add_bias_linear = true;
@@ -120,13 +120,13 @@ std::vector<Case> cases() {
     m.load_balancing_types = {LoadBalancingType::kSeqAuxLoss, LoadBalancingType::kAuxLoss};
     m.aux_loss_coeffs = {1e-1, 1e-1};
     m.z_loss_coeff = 1e-3;
-    m.shared_expert_intermediate_size = 16;
     m.dispatcher_type = TokenDispatcherType::kAllGather;
     out.push_back(c);
   }
-  {  // softmax with capacity factor, dropping by probs and padding to capacity
+  {  // softmax with capacity factor, dropping by probs and padding to capacity, shared experts without gate
     Case c{"softmax_capacity_pad", base_config()};
     MoEConfig& m = c.config.moe;
+    m.shared_expert_intermediate_size = 16;
     m.pre_softmax = true;
     m.capacity_factor = 1.0;
     m.pad_expert_input_to_capacity = true;

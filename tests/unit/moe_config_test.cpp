@@ -178,9 +178,8 @@ TEST(MoEConfigValidate, RouterTopkAndScores) {
   EXPECT_EQ(validate_error(config), "--moe-router-topk 1 with softmax scores requires --moe-router-pre-softmax");
   config.score_function = RouterScoreFunction::kSigmoid;
   EXPECT_EQ(validate_error(config), "<no error>");  // sigmoid top-1 keeps the raw score: fine
-  config.pre_softmax = true;
-  EXPECT_EQ(validate_error(config),
-            "--moe-router-pre-softmax requires --moe-router-score-function softmax (got sigmoid)");
+  config.pre_softmax = true;  // Megatron ignores it for sigmoid scores (DeepSeek-V3 recipes pass both)
+  EXPECT_EQ(validate_error(config), "<no error>");
   config = valid_config();
   config.topk_scaling_factor = 0.0;
   EXPECT_EQ(validate_error(config), "--moe-router-topk-scaling-factor must be positive (got 0.000000)");
@@ -212,8 +211,13 @@ TEST(MoEConfigValidate, GroupLimitedRouting) {
   EXPECT_EQ(validate_error(config),
             "--moe-router-topk (3) exceeds the 2 experts in the --moe-router-group-topk (1) "
             "kept groups");
-  config.group_topk = 2;
+  config.group_topk = 2;  // topk 3 is not a multiple of group_topk 2: Megatron uses topk // group_topk
   EXPECT_EQ(validate_error(config), "<no error>");
+  config.topk = 1;
+  config.score_function = RouterScoreFunction::kSigmoid;
+  EXPECT_EQ(validate_error(config),
+            "--moe-router-topk (1) must be at least --moe-router-group-topk (2): groups are scored by their "
+            "top-(topk // group_topk) experts");
 }
 
 TEST(MoEConfigValidate, ExpertBias) {

@@ -11,6 +11,7 @@
 
 #include "kernel_test_util.h"
 #include "moecore/moe/experts.h"
+#include "moecore/moe/moe_layer.h"
 
 namespace moecore {
 namespace {
@@ -517,12 +518,33 @@ TEST(SharedExpertsTest, RegistersParameters) {
   }
 }
 
+// Megatron's SharedExpertMLP asserts add_bias_linear == False (shared_experts.py): a MoE layer with shared experts
+// and --add-bias-linear is refused with one line naming the flags.
+TEST(SharedExpertsTest, MoELayerRefusesLinearBias) {
+  ExpertSetup s = make_setup(Activation::kGelu, true, false, false);
+  s.model.moe = s.moe;
+  s.model.moe.moe_layer_pattern = std::vector<bool>(static_cast<size_t>(s.model.num_layers), true);
+  std::vector<Param> params;
+  try {
+    MoELayer layer(s.model, "decoder.layers.0.", params, parallel::ParallelState::single_process(), 0);
+    ADD_FAILURE() << "no ConfigError for shared experts with --add-bias-linear";
+  } catch (const ConfigError& e) {
+    EXPECT_STREQ(e.what(),
+                 "--moe-shared-expert-intermediate-size requires --disable-bias-linear: shared experts have no bias "
+                 "(as Megatron)");
+  }
+  s.model.add_bias_linear = false;
+  std::vector<Param> no_bias_params;
+  EXPECT_NO_THROW(MoELayer(s.model, "decoder.layers.0.", no_bias_params, parallel::ParallelState::single_process(), 0));
+}
+
 TEST(SharedExpertsTest, MatchesReferenceWithAndWithoutGate) {
   const int64_t T = 13, S = 16;
   for (const Activation a : {Activation::kSwiGLU, Activation::kGelu, Activation::kSquaredReLU}) {
     for (const bool gate : {false, true}) {
       SCOPED_TRACE(to_string(a) + (gate ? " gate" : " no gate"));
-      ExpertSetup s = make_setup(a, true, false, false);  // add_bias_linear is ignored: shared experts have no bias
+      // SharedExpertMLP itself ignores add_bias_linear (no bias); MoELayer refuses the combination (next test).
+      ExpertSetup s = make_setup(a, true, false, false);
       s.moe.shared_expert_gate = gate;
       std::vector<Param> params;
       SharedExpertMLP shared(s.moe, s.model, "decoder.layers.1.", params);

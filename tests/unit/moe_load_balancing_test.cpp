@@ -134,7 +134,9 @@ TEST(LoadBalancing, AuxScoresAndTheirBackward) {
                      : fn == RouterScoreFunction::kSigmoid ? 1.0 / (1.0 + std::exp(-l))
                                                            : std::sqrt(std::log1p(std::exp(l)));
         }
-        EXPECT_NEAR(s, raw / raw_sum, 1e-14);
+        // fp32 scores whatever the logits' precision (Megatron's compute_routing_scores_for_aux_loss)
+        EXPECT_EQ(s, static_cast<double>(static_cast<float>(s)));
+        EXPECT_NEAR(s, raw / raw_sum, 1e-7);
         sum += s;
         if (map[t * E + e]) {
           ++selected;
@@ -143,18 +145,26 @@ TEST(LoadBalancing, AuxScoresAndTheirBackward) {
           best_unselected = std::max(best_unselected, s);
         }
       }
-      EXPECT_NEAR(sum, 1.0, 1e-14);
+      EXPECT_NEAR(sum, 1.0, 1e-6);
       EXPECT_EQ(selected, k);
       EXPECT_GT(kth, best_unselected);
     }
     std::vector<double> dlogits(static_cast<size_t>(T * E), 0.0);
-    load_balancing::aux_scores_backward(dlogits.data(), weights.data(), logits.data(), scores.data(), T, E, fn);
+    load_balancing::aux_scores_backward(dlogits.data(), weights.data(), logits.data(), T, E, fn);
+    // The backward differentiates the exact scores (the fp32 ones are too coarse for finite differences).
     auto objective = [&](const std::vector<double>& l) {
-      std::vector<double> s(static_cast<size_t>(T * E));
-      std::vector<uint8_t> m(static_cast<size_t>(T * E));
-      load_balancing::aux_scores(s.data(), m.data(), l.data(), T, E, k, fn);
       double f = 0.0;
-      for (int64_t i = 0; i < T * E; ++i) f += weights[i] * s[i];
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<double> raw(static_cast<size_t>(E));
+        double raw_sum = 0.0;
+        for (int64_t e = 0; e < E; ++e) {
+          const double v = l[t * E + e];
+          raw_sum += raw[e] = fn == RouterScoreFunction::kSoftmax   ? std::exp(v)
+                              : fn == RouterScoreFunction::kSigmoid ? 1.0 / (1.0 + std::exp(-v))
+                                                                    : std::sqrt(std::log1p(std::exp(v)));
+        }
+        for (int64_t e = 0; e < E; ++e) f += weights[t * E + e] * raw[e] / raw_sum;
+      }
       return f;
     };
     const double h = 1e-6;
@@ -250,17 +260,26 @@ TEST(RoutingMath, CapacityFormula) {
   EXPECT_EQ(routing::expert_capacity(16, 2, 8, 0.5), 2);
 }
 
-TEST(RoutingMath, CapacityKeepMaskPolicies) {
-  // One expert column (E = 1), 5 tokens, tokens 0, 1, 3, 4 selected; capacity 2.
+// Megatron's capacity mask (apply_router_token_dropping): the top-C of each column over ALL tokens, by prob or by
+// "selected first"; ties to the earlier token; everything when C >= T.
+TEST(RoutingMath, CapacityMaskPolicies) {
+  // One expert column (E = 1), 5 tokens, tokens 0, 1, 3, 4 selected (token 2 not: prob 0).
   const std::vector<uint8_t> selected = {1, 1, 0, 1, 1};
   const std::vector<double> probs = {0.2, 0.5, 0.0, 0.9, 0.5};
-  std::vector<uint8_t> keep(5);
-  routing::capacity_keep_mask(keep.data(), selected.data(), probs.data(), 5, 1, 2, TokenDropPolicy::kProbs);
-  EXPECT_EQ(keep, (std::vector<uint8_t>{0, 1, 0, 1, 0}));  // 0.9, then the earlier of the tied 0.5s
-  routing::capacity_keep_mask(keep.data(), selected.data(), probs.data(), 5, 1, 2, TokenDropPolicy::kPosition);
-  EXPECT_EQ(keep, (std::vector<uint8_t>{1, 1, 0, 0, 0}));
-  routing::capacity_keep_mask(keep.data(), selected.data(), probs.data(), 5, 1, 9, TokenDropPolicy::kProbs);
-  EXPECT_EQ(keep, selected);
+  std::vector<uint8_t> mask(5);
+  routing::capacity_mask(mask.data(), selected.data(), probs.data(), 5, 1, 2, TokenDropPolicy::kProbs);
+  EXPECT_EQ(mask, (std::vector<uint8_t>{0, 1, 0, 1, 0}));  // 0.9, then the earlier of the tied 0.5s
+  routing::capacity_mask(mask.data(), selected.data(), probs.data(), 5, 1, 2, TokenDropPolicy::kPosition);
+  EXPECT_EQ(mask, (std::vector<uint8_t>{1, 1, 0, 0, 0}));
+  routing::capacity_mask(mask.data(), selected.data(), probs.data(), 5, 1, 5, TokenDropPolicy::kProbs);
+  EXPECT_EQ(mask, (std::vector<uint8_t>{1, 1, 1, 1, 1}));
+  // Fewer selected tokens than C: the mask (the padded routing map) takes the earliest unselected ones.
+  const std::vector<uint8_t> few = {0, 1, 0, 0, 1};
+  const std::vector<double> few_probs = {0.0, 0.3, 0.0, 0.0, 0.6};
+  routing::capacity_mask(mask.data(), few.data(), few_probs.data(), 5, 1, 3, TokenDropPolicy::kProbs);
+  EXPECT_EQ(mask, (std::vector<uint8_t>{1, 1, 0, 0, 1}));
+  routing::capacity_mask(mask.data(), few.data(), few_probs.data(), 5, 1, 4, TokenDropPolicy::kPosition);
+  EXPECT_EQ(mask, (std::vector<uint8_t>{1, 1, 1, 0, 1}));
 }
 
 }  // namespace

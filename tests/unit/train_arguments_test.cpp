@@ -514,6 +514,7 @@ TEST(TrainArguments, MoEFlagsRoundTrip) {
                                                                     "--moe-shared-expert-intermediate-size",
                                                                     "96",
                                                                     "--moe-shared-expert-gate",
+                                                                    "--disable-bias-linear",
                                                                     "--moe-per-layer-logging",
                                                                     "--moe-token-dispatcher-type",
                                                                     "alltoall"}));
@@ -617,8 +618,12 @@ TEST(TrainArguments, MoEBadInput) {
             "coefficient per type");
   EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-apply-probs-on-input"})),
             "--moe-apply-probs-on-input requires --moe-router-topk 1 (got 2)");
-  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-router-pre-softmax", "--moe-router-score-function", "sigmoid"})),
-            "--moe-router-pre-softmax requires --moe-router-score-function softmax (got sigmoid)");
+  // Megatron's SharedExpertMLP asserts add_bias_linear == False; --add-bias-linear is the default.
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-shared-expert-intermediate-size", "64"})),
+            "--moe-shared-expert-intermediate-size requires --disable-bias-linear: shared experts have no bias (as "
+            "Megatron)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-shared-expert-intermediate-size", "64", "--disable-bias-linear"})),
+            "<no error>");
   EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-router-topk", "1"})),
             "--moe-router-topk 1 with softmax scores requires --moe-router-pre-softmax");
   EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-shared-expert-intermediate-size", "0"})),
@@ -627,6 +632,25 @@ TEST(TrainArguments, MoEBadInput) {
             "--moe-ffn-hidden-size must be positive (got 0)");
   EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-expert-capacity-factor", "0"})),
             "--moe-expert-capacity-factor must be positive (a negative value means dropless; got 0.000000)");
+}
+
+// Megatron ignores --moe-router-pre-softmax with sigmoid / sqrtsoftplus scores (its DeepSeek-V3 recipes pass both):
+// accepted with one warning line on stderr per process; the configuration is otherwise the one without it.
+TEST(TrainArguments, PreSoftmaxWithSigmoidIsAcceptedWithOneWarning) {
+  const Args sigmoid = with(minimal_moe(), {"--moe-router-score-function", "sigmoid"});
+  testing::internal::CaptureStderr();
+  const TrainingArgs with_pre = parse_train_args(with(sigmoid, {"--moe-router-pre-softmax"}));
+  const TrainingArgs again = parse_train_args(with(sigmoid, {"--moe-router-pre-softmax"}));
+  const TrainingArgs plain = parse_train_args(sigmoid);
+  const std::string warnings = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(warnings, "warning: --moe-router-pre-softmax has no effect with --moe-router-score-function sigmoid\n");
+  EXPECT_TRUE(with_pre.model.moe.pre_softmax);
+  EXPECT_TRUE(again.model.moe.pre_softmax);
+  MoEConfig without_flag = with_pre.model.moe;
+  without_flag.pre_softmax = false;
+  EXPECT_EQ(without_flag.score_function, plain.model.moe.score_function);
+  EXPECT_EQ(without_flag.topk, plain.model.moe.topk);
+  EXPECT_EQ(without_flag.moe_layer_pattern, plain.model.moe.moe_layer_pattern);
 }
 
 TEST(TrainArguments, HelpSkipsValidation) {

@@ -13,11 +13,10 @@ void aux_scores(double* scores_TE, uint8_t* map_TE, const double* logits_TE, con
     double* scores_E = scores_TE + t * E;
     const double* logits_E = logits_TE + t * E;
     if (fn == RouterScoreFunction::kSoftmax) {
-      routing::softmax(scores_E, logits_E, E);
+      routing::softmax_fp32(scores_E, logits_E, E);
     } else {
-      double sum = 0.0;
-      for (int64_t e = 0; e < E; ++e) sum += scores_E[e] = routing::pointwise_score(fn, logits_E[e]);
-      for (int64_t e = 0; e < E; ++e) scores_E[e] /= sum + 1e-20;
+      for (int64_t e = 0; e < E; ++e) scores_E[e] = routing::pointwise_score_fp32(fn, logits_E[e]);
+      routing::normalize_fp32(scores_E, E);
     }
     routing::topk(idx_K.data(), scores_E, E, k);
     for (int64_t e = 0; e < E; ++e) map_TE[t * E + e] = 0;
@@ -25,11 +24,19 @@ void aux_scores(double* scores_TE, uint8_t* map_TE, const double* logits_TE, con
   }
 }
 
-void aux_scores_backward(double* dlogits_TE, const double* dscores_TE, const double* logits_TE, const double* scores_TE,
-                         const int64_t T, const int64_t E, const RouterScoreFunction fn) {
+void aux_scores_backward(double* dlogits_TE, const double* dscores_TE, const double* logits_TE, const int64_t T,
+                         const int64_t E, const RouterScoreFunction fn) {
+  std::vector<double> f_E(static_cast<size_t>(E)), s_E(static_cast<size_t>(E));
   for (int64_t t = 0; t < T; ++t) {
-    const double* s_E = scores_TE + t * E;
+    const double* l_E = logits_TE + t * E;
     const double* ds_E = dscores_TE + t * E;
+    double sum = 0.0;
+    if (fn == RouterScoreFunction::kSoftmax) {
+      routing::softmax(s_E.data(), l_E, E);
+    } else {
+      for (int64_t e = 0; e < E; ++e) sum += f_E[e] = routing::pointwise_score(fn, l_E[e]);
+      for (int64_t e = 0; e < E; ++e) s_E[e] = f_E[e] / (sum + 1e-20);
+    }
     double dot = 0.0;
     for (int64_t e = 0; e < E; ++e) dot += s_E[e] * ds_E[e];
     if (fn == RouterScoreFunction::kSoftmax) {
@@ -37,13 +44,9 @@ void aux_scores_backward(double* dlogits_TE, const double* dscores_TE, const dou
       continue;
     }
     // s_e = f_e / (sum f + 1e-20): d/d f_e = (ds_e - sum_j ds_j s_j) / (sum f + 1e-20).
-    double sum = 0.0;
-    std::vector<double> f_E(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) sum += f_E[e] = routing::pointwise_score(fn, logits_TE[t * E + e]);
-    const double denom = sum + 1e-20;
     for (int64_t e = 0; e < E; ++e) {
-      const double df = (ds_E[e] - dot) / denom;
-      dlogits_TE[t * E + e] += df * routing::pointwise_score_grad(fn, logits_TE[t * E + e], f_E[e]);
+      const double df = (ds_E[e] - dot) / (sum + 1e-20);
+      dlogits_TE[t * E + e] += df * routing::pointwise_score_grad(fn, l_E[e], f_E[e]);
     }
   }
 }

@@ -11,12 +11,13 @@
 namespace moecore::load_balancing {
 
 // Scores the aux losses use, over all experts: softmax, or sigmoid / sqrtsoftplus normalised per token to sum 1
-// (s / (sum s + 1e-20)). Also the plain top-k map of those scores (map_TE, 0/1).
+// (s / (sum s + 1e-20)), in fp32 whatever the router dtype (Megatron's compute_routing_scores_for_aux_loss). Also the
+// plain top-k map of those scores (map_TE, 0/1).
 void aux_scores(double* scores_TE, uint8_t* map_TE, const double* logits_TE, int64_t T, int64_t E, int64_t k,
                 RouterScoreFunction fn);
-// dlogits_TE += d(scores)/d(logits)^T dscores_TE, for the scores of aux_scores().
-void aux_scores_backward(double* dlogits_TE, const double* dscores_TE, const double* logits_TE, const double* scores_TE,
-                         int64_t T, int64_t E, RouterScoreFunction fn);
+// dlogits_TE += d(scores)/d(logits)^T dscores_TE, for the scores of aux_scores() (differentiated exactly, in double).
+void aux_scores_backward(double* dlogits_TE, const double* dscores_TE, const double* logits_TE, int64_t T, int64_t E,
+                         RouterScoreFunction fn);
 
 // switch_load_balancing_loss_func: coeff * num_experts / (k * total_tokens^2) * sum_e (sum_t scores_te) * count_e,
 // where column e of scores_TE belongs to "expert" e of tokens_per_expert (E columns). The counts are constants.

@@ -203,9 +203,6 @@ void MoEConfig::validate(const int64_t num_layers) const {
   require(topk >= 1, "--moe-router-topk must be positive (got " + str(topk) + ")");
   require(topk <= num_experts,
           "--moe-router-topk (" + str(topk) + ") must not exceed --num-experts (" + str(num_experts) + ")");
-  require(
-      !pre_softmax || score_function == RouterScoreFunction::kSoftmax,
-      "--moe-router-pre-softmax requires --moe-router-score-function softmax (got " + to_string(score_function) + ")");
   bool uses_sinkhorn = false;
   for (const LoadBalancingType type : load_balancing_types) uses_sinkhorn |= type == LoadBalancingType::kSinkhorn;
   // Megatron: softmax over the single selected logit is constant 1, so its gradient would be zero.
@@ -229,6 +226,11 @@ void MoEConfig::validate(const int64_t num_layers) const {
                                                ")");
     require(group_topk <= num_groups, "--moe-router-group-topk (" + str(group_topk) +
                                           ") must not exceed --moe-router-num-groups (" + str(num_groups) + ")");
+    // Megatron's group_limited_topk scores a group by its top-(topk // group_topk) experts (floor division: topk need
+    // not be a multiple of group_topk); with topk < group_topk that is no expert, every group scores 0 and the kept
+    // groups depend on the top-k kernel's tie order, so moecore refuses it.
+    require(topk >= group_topk, "--moe-router-topk (" + str(topk) + ") must be at least --moe-router-group-topk (" +
+                                    str(group_topk) + "): groups are scored by their top-(topk // group_topk) experts");
     const int64_t reachable = group_topk * (num_experts / num_groups);
     require(topk <= reachable, "--moe-router-topk (" + str(topk) + ") exceeds the " + str(reachable) +
                                    " experts in the --moe-router-group-topk (" + str(group_topk) + ") kept groups");

@@ -21,7 +21,7 @@ struct MoEConfig {
   std::vector<bool> moe_layer_pattern;  // --moe-layer-freq, expanded: layer i is MoE iff pattern[i]
   int64_t topk = 2;                     // --moe-router-topk
   RouterScoreFunction score_function = RouterScoreFunction::kSoftmax;
-  bool pre_softmax = false;                   // --moe-router-pre-softmax
+  bool pre_softmax = false;                   // --moe-router-pre-softmax (softmax scores only; ignored otherwise)
   std::optional<double> topk_scaling_factor;  // --moe-router-topk-scaling-factor
   int64_t num_groups = 0;                     // --moe-router-num-groups (0 = no group-limited routing)
   int64_t group_topk = 0;                     // --moe-router-group-topk

@@ -12,6 +12,12 @@ MoELayer::MoELayer(const ModelConfig& config, const std::string& prefix, std::ve
       dispatcher_(make_token_dispatcher(config.moe.dispatcher_type, config.moe.num_experts, parallel)),
       experts_(make_experts(config.moe, config, prefix, params, parallel, module)) {
   if (config.moe.shared_expert_intermediate_size > 0) {
+    // Megatron's SharedExpertMLP asserts add_bias_linear == False (shared_experts.py).
+    if (config.add_bias_linear) {
+      throw ConfigError(
+          "--moe-shared-expert-intermediate-size requires --disable-bias-linear: shared experts have no bias (as "
+          "Megatron)");
+    }
     shared_ = std::make_unique<SharedExpertMLP>(config.moe, config, prefix, params, parallel, module);
   }
 }
@@ -52,7 +58,7 @@ void MoELayer::backward(float* dx_TH, const float* dout_TH, const float* x_TH, c
   dx_RH = Tensor();
   Tensor dprobs_TE(std::vector<int64_t>{T, E}, DType::kF32, MemCategory::kActivations);
   dispatcher_->probs_backward(dprobs_TE.data<float>(), dprobs_R.data(), state);
-  router_->backward(dx_TH, dprobs_TE.data<float>(), aux_grad_scale, saved.router);
+  router_->backward(dx_TH, dprobs_TE.data<float>(), aux_grad_scale, saved.router, saved.routing);
   if (shared_) shared_->backward(dx_TH, dout_TH, x_TH, T, saved.shared);
 }
 

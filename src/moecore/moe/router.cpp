@@ -1,5 +1,12 @@
 // TopKRouter: Megatron's router.py / moe_utils.py semantics with an explicit backward.
 // Legend: T tokens (t = s * B + b), H hidden, E experts, K top-k.
+//
+// Precision, as Megatron's TopKRouter: the logits are computed in the router dtype (router_gating_linear); every score
+// function runs in fp32 on the logits rounded to fp32 (topk_routing_with_score_function and
+// compute_routing_scores_for_aux_loss in moe_utils.py cast with dtype=torch.float32 / logits.float(), and so does the
+// top-k > 1 softmax of sinkhorn_load_balancing). What stays in the router dtype: the top-k over the raw logits
+// (softmax without --moe-router-pre-softmax), the z-loss, and sinkhorn's top-1 sigmoid (torch.sigmoid(logits)).
+// The probabilities are fp32 numbers. Gradients are computed in double.
 #include "moecore/moe/router.h"
 
 #include <algorithm>
@@ -15,6 +22,8 @@
 
 namespace moecore {
 namespace {
+
+using routing::to_fp32;
 
 // Stream of the random logits of --moe-router-force-load-balancing, distinct from the jitter stream.
 constexpr uint64_t kForceBalanceSalt = 0x9e3779b97f4a7c15ULL;
@@ -37,6 +46,11 @@ bool uses_sinkhorn(const MoEConfig& config) {
   return std::find(types.begin(), types.end(), LoadBalancingType::kSinkhorn) != types.end();
 }
 
+// --moe-router-topk-scaling-factor; Megatron applies it when truthy (`if scaling_factor:`), never on sinkhorn routing.
+bool scales_probs(const MoEConfig& config) {
+  return config.topk_scaling_factor.value_or(0.0) != 0.0 && !uses_sinkhorn(config);
+}
+
 // Uniform(1 - eps, 1 + eps) in fp32, as torch's rsample on fp32 bounds.
 float jitter_factor(const CounterRng& rng, const uint64_t index, const double eps) {
   const float low = static_cast<float>(1.0 - eps), high = static_cast<float>(1.0 + eps);
@@ -56,6 +70,81 @@ void sum_counts(std::vector<double>& counts, const parallel::ProcessGroup& group
   for (size_t i = 0; i < counts.size(); ++i) counts[i] = static_cast<double>(buffer[i]);
 }
 
+// Megatron's TopKRouter.sinkhorn_load_balancing: training selects the top-k of sinkhorn(fp32 logits), evaluation the
+// top-k of the activation; probs = activation * map, not renormalised and not scaled.
+void sinkhorn_routing(std::vector<uint8_t>& selected_TE, std::vector<double>& probs_TE,
+                      const std::vector<double>& logits_TE, const int64_t T, const int64_t E, const int64_t k,
+                      const bool training, const bool fp32_logits) {
+  const std::vector<float> balanced_TE = training ? routing::sinkhorn(logits_TE.data(), T, E) : std::vector<float>{};
+  std::vector<double> act_E(static_cast<size_t>(E)), route_E(static_cast<size_t>(E));
+  std::vector<int64_t> idx_K(static_cast<size_t>(k));
+  for (int64_t t = 0; t < T; ++t) {
+    const double* l_E = logits_TE.data() + t * E;
+    if (k == 1) {  // torch.sigmoid(logits): in the logits' dtype
+      for (int64_t e = 0; e < E; ++e) {
+        const double s = routing::sigmoid(l_E[e]);
+        act_E[e] = fp32_logits ? to_fp32(s) : s;
+      }
+    } else {  // torch.softmax(logits, dtype=torch.float32)
+      routing::softmax_fp32(act_E.data(), l_E, E);
+    }
+    if (training) {
+      for (int64_t e = 0; e < E; ++e) route_E[e] = balanced_TE[static_cast<size_t>(t * E + e)];
+      routing::topk(idx_K.data(), route_E.data(), E, k);
+    } else {
+      routing::topk(idx_K.data(), act_E.data(), E, k);
+    }
+    for (const int64_t e : idx_K) {
+      selected_TE[t * E + e] = 1;
+      probs_TE[t * E + e] = act_E[e];
+    }
+  }
+}
+
+// Megatron's topk_routing_with_score_function (moe_utils.py, unfused path) on every token. --moe-router-pre-softmax
+// only matters for softmax scores (Megatron ignores it for sigmoid / sqrtsoftplus).
+void score_function_routing(std::vector<uint8_t>& selected_TE, std::vector<double>& probs_TE,
+                            const std::vector<double>& logits_TE, const int64_t T, const MoEConfig& config,
+                            const std::vector<float>& expert_bias_E) {
+  const int64_t E = config.num_experts, k = config.topk;
+  std::vector<int64_t> idx_K(static_cast<size_t>(k));
+  std::vector<double> scores_E(static_cast<size_t>(E)), route_E(static_cast<size_t>(E)), p_K(static_cast<size_t>(k));
+  auto select = [&](const double* values_E) {
+    if (config.group_topk > 0) {
+      routing::group_limited_topk(idx_K.data(), values_E, E, k, config.num_groups, config.group_topk);
+    } else {
+      routing::topk(idx_K.data(), values_E, E, k);
+    }
+  };
+  const float scale = static_cast<float>(config.topk_scaling_factor.value_or(0.0));
+  for (int64_t t = 0; t < T; ++t) {
+    const double* l_E = logits_TE.data() + t * E;
+    if (config.score_function == RouterScoreFunction::kSoftmax && config.pre_softmax) {
+      routing::softmax_fp32(scores_E.data(), l_E, E);
+      select(scores_E.data());
+      for (int64_t i = 0; i < k; ++i) p_K[i] = scores_E[idx_K[i]];
+    } else if (config.score_function == RouterScoreFunction::kSoftmax) {
+      select(l_E);  // top-k of the logits in the router dtype, softmax over the selected in fp32
+      for (int64_t i = 0; i < k; ++i) p_K[i] = l_E[idx_K[i]];
+      routing::softmax_fp32(p_K.data(), p_K.data(), k);
+    } else {
+      for (int64_t e = 0; e < E; ++e) scores_E[e] = routing::pointwise_score_fp32(config.score_function, l_E[e]);
+      if (!expert_bias_E.empty()) {  // the bias steers the selection only (fp32 sum)
+        for (int64_t e = 0; e < E; ++e) route_E[e] = to_fp32(scores_E[e] + expert_bias_E[static_cast<size_t>(e)]);
+        select(route_E.data());
+      } else {
+        select(scores_E.data());
+      }
+      for (int64_t i = 0; i < k; ++i) p_K[i] = scores_E[idx_K[i]];
+      if (k > 1) routing::normalize_fp32(p_K.data(), k);
+    }
+    for (int64_t i = 0; i < k; ++i) {
+      selected_TE[t * E + idx_K[i]] = 1;
+      probs_TE[t * E + idx_K[i]] = scale != 0.0f ? static_cast<double>(static_cast<float>(p_K[i]) * scale) : p_K[i];
+    }
+  }
+}
+
 }  // namespace
 
 TopKRouter::TopKRouter(const MoEConfig& config, const int64_t hidden, const bool add_bias, const std::string& prefix,
@@ -72,11 +161,13 @@ TopKRouter::TopKRouter(const MoEConfig& config, const int64_t hidden, const bool
     throw ConfigError("router: --moe-router-topk " + std::to_string(config.topk) + " must be in [1, " +
                       std::to_string(E) + "]");
   }
-  if (config.group_topk > 0 && (config.num_groups <= 0 || E % config.num_groups != 0 ||
-                                config.group_topk > config.num_groups || config.topk % config.group_topk != 0)) {
+  if (config.group_topk > 0 &&
+      (config.num_groups <= 0 || E % config.num_groups != 0 || config.group_topk > config.num_groups ||
+       config.topk < config.group_topk || config.topk > config.group_topk * (E / config.num_groups))) {
     throw ConfigError("router: --moe-router-num-groups " + std::to_string(config.num_groups) +
                       " / --moe-router-group-topk " + std::to_string(config.group_topk) +
-                      " need num_groups dividing the experts, group_topk <= num_groups and dividing topk");
+                      " need num_groups dividing the experts, group_topk <= num_groups and group_topk <= topk <= "
+                      "the experts of group_topk groups");
   }
   // Replicated over TP while each TP rank routes only its sequence shard: gradients are summed over TP.
   auto add = [&](const std::string& name, const std::vector<int64_t>& shape) {
@@ -110,9 +201,7 @@ RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64
                                  const uint64_t seed, const uint64_t jitter_key, RouterActivations& saved,
                                  const int64_t token_offset) {
   if (weight_ == nullptr) throw std::logic_error("TopKRouter::forward before bind()");
-  const int64_t T = S * B, H = hidden_, E = config_.num_experts, k = config_.topk;
-  const bool fp32 = config_.router_dtype == RouterDType::kFP32;
-  auto rnd = [fp32](const double v) { return fp32 ? static_cast<double>(static_cast<float>(v)) : v; };
+  const int64_t T = S * B, E = config_.num_experts;
   saved = RouterActivations{};
   saved.S = S;
   saved.B = B;
@@ -120,222 +209,190 @@ RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64
   saved.jitter_seed = seed;
   saved.jitter_key = jitter_key;
   saved.token_offset = token_offset;
-  const int64_t tp_cp = tp_cp_.size();
 
-  // Input jitter (training only), then logits = x W^T (+ b) in the router dtype.
-  saved.input_TH = Tensor({T, H}, DType::kF32, MemCategory::kActivations);
-  float* input_TH = saved.input_TH.data<float>();
-  const bool jitter = training && config_.input_jitter_eps > 0;
-  const CounterRng jitter_rng(seed, jitter_key);
+  saved.input_TH = Tensor({T, hidden_}, DType::kF32, MemCategory::kActivations);
+  jittered_input(saved.input_TH.data<float>(), x_TH, T, saved);
+  compute_logits(saved.logits_TE, saved.input_TH.data<float>(), T, saved);
+  std::vector<double> probs_TE;
+  select_experts(saved.selected_TE, probs_TE, saved.logits_TE, T, training);
+
+  RouterOutput out;
+  apply_capacity(out, probs_TE, saved.selected_TE, T);
+  out.load_balancing_losses.assign(config_.load_balancing_types.size(), 0.0);
+  if (training) {
+    attach_losses(out, saved);
+    record_expert_bias_counts(out);
+  }
+  out.probs_TE = Tensor({T, E}, DType::kF32, MemCategory::kActivations);
+  float* probs_out = out.probs_TE.data<float>();
+  for (int64_t i = 0; i < T * E; ++i) probs_out[i] = static_cast<float>(probs_TE[i]);
+  return out;
+}
+
+// Megatron's TopKRouter.apply_input_jitter: input * Uniform(1 - eps, 1 + eps), in training and in evaluation.
+void TopKRouter::jittered_input(float* input_TH, const float* x_TH, const int64_t T,
+                                const RouterActivations& saved) const {
+  const int64_t H = hidden_;
+  if (config_.input_jitter_eps <= 0) {
+    std::copy(x_TH, x_TH + T * H, input_TH);
+    return;
+  }
+  const CounterRng rng(saved.jitter_seed, saved.jitter_key);
   for (int64_t i = 0; i < T * H; ++i) {
-    input_TH[i] = jitter ? x_TH[i] * jitter_factor(jitter_rng, static_cast<uint64_t>(token_offset * H + i),
-                                                   config_.input_jitter_eps)
-                         : x_TH[i];
+    input_TH[i] =
+        x_TH[i] * jitter_factor(rng, static_cast<uint64_t>(saved.token_offset * H + i), config_.input_jitter_eps);
   }
-  std::vector<double>& logits_TE = saved.logits_TE;
+}
+
+// logits = x W^T (+ b) in the router dtype; --moe-router-force-load-balancing replaces them with N(0, 1) draws
+// (straight-through: backward treats them as the logits, as Megatron's RandomSTE).
+void TopKRouter::compute_logits(std::vector<double>& logits_TE, const float* input_TH, const int64_t T,
+                                const RouterActivations& saved) const {
+  const int64_t H = hidden_, E = config_.num_experts;
+  const bool fp32 = config_.router_dtype == RouterDType::kFP32;
   logits_TE.assign(static_cast<size_t>(T * E), 0.0);
-  {
-    const std::vector<double> x_d = to_double(input_TH, T * H);
-    const std::vector<double> w_d = to_double(weight_->value.data<float>(), E * H);
-    kernels::cpu::gemm<double>(false, true, T, E, H, 1.0, x_d.data(), H, w_d.data(), H, 0.0, logits_TE.data(), E);
-  }
+  const std::vector<double> x_d = to_double(input_TH, T * H);
+  const std::vector<double> w_d = to_double(weight_->value.data<float>(), E * H);
+  kernels::cpu::gemm<double>(false, true, T, E, H, 1.0, x_d.data(), H, w_d.data(), H, 0.0, logits_TE.data(), E);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t e = 0; e < E; ++e) {
       const double bias = bias_ != nullptr ? bias_->value.data<float>()[e] : 0.0;
-      logits_TE[t * E + e] = rnd(logits_TE[t * E + e] + bias);
+      const double logit = logits_TE[t * E + e] + bias;
+      logits_TE[t * E + e] = fp32 ? to_fp32(logit) : logit;
     }
   }
-  if (config_.force_load_balancing) {  // straight-through: backward treats these as the logits
-    const CounterRng normal_rng(seed, jitter_key ^ kForceBalanceSalt);
+  if (config_.force_load_balancing) {
+    const CounterRng normal_rng(saved.jitter_seed, saved.jitter_key ^ kForceBalanceSalt);
     for (int64_t i = 0; i < T * E; ++i) {
-      logits_TE[i] = rnd(normal_rng.normal(static_cast<uint64_t>(token_offset * E + i)));
+      const double logit = normal_rng.normal(static_cast<uint64_t>(saved.token_offset * E + i));
+      logits_TE[i] = fp32 ? to_fp32(logit) : logit;
     }
   }
+}
 
-  // Top-k selection and probabilities.
-  std::vector<double> probs_TE(static_cast<size_t>(T * E), 0.0);
-  std::vector<uint8_t>& selected_TE = saved.selected_TE;
+void TopKRouter::select_experts(std::vector<uint8_t>& selected_TE, std::vector<double>& probs_TE,
+                                const std::vector<double>& logits_TE, const int64_t T, const bool training) const {
+  const int64_t E = config_.num_experts;
   selected_TE.assign(static_cast<size_t>(T * E), 0);
-  const double scale = config_.topk_scaling_factor.value_or(0.0) != 0.0 ? *config_.topk_scaling_factor : 1.0;
-  const bool grouped = config_.group_topk > 0;
-  std::vector<int64_t> idx_K(static_cast<size_t>(k));
-  std::vector<double> scores_E(static_cast<size_t>(E)), route_E(static_cast<size_t>(E)), p_K(static_cast<size_t>(k));
-  auto select = [&](const double* values_E) {
-    if (grouped) {
-      routing::group_limited_topk(idx_K.data(), values_E, E, k, config_.num_groups, config_.group_topk);
-    } else {
-      routing::topk(idx_K.data(), values_E, E, k);
-    }
-  };
+  probs_TE.assign(static_cast<size_t>(T * E), 0.0);
   if (uses_sinkhorn(config_)) {
-    const std::vector<float> balanced_TE = training ? routing::sinkhorn(logits_TE.data(), T, E) : std::vector<float>{};
-    for (int64_t t = 0; t < T; ++t) {
-      const double* l_E = logits_TE.data() + t * E;
-      if (k == 1) {
-        for (int64_t e = 0; e < E; ++e) scores_E[e] = rnd(routing::sigmoid(l_E[e]));
-      } else {
-        routing::softmax(scores_E.data(), l_E, E);
-        for (double& v : scores_E) v = rnd(v);
-      }
-      if (training) {
-        for (int64_t e = 0; e < E; ++e) route_E[e] = balanced_TE[static_cast<size_t>(t * E + e)];
-        routing::topk(idx_K.data(), route_E.data(), E, k);
-      } else {
-        routing::topk(idx_K.data(), scores_E.data(), E, k);
-      }
-      for (const int64_t e : idx_K) {
-        selected_TE[t * E + e] = 1;
-        probs_TE[t * E + e] = scores_E[e];
-      }
-    }
+    sinkhorn_routing(selected_TE, probs_TE, logits_TE, T, E, config_.topk, training,
+                     config_.router_dtype == RouterDType::kFP32);
   } else {
-    for (int64_t t = 0; t < T; ++t) {
-      const double* l_E = logits_TE.data() + t * E;
-      if (config_.score_function == RouterScoreFunction::kSoftmax) {
-        if (config_.pre_softmax) {
-          routing::softmax(scores_E.data(), l_E, E);
-          for (double& v : scores_E) v = rnd(v);
-          select(scores_E.data());
-          for (int64_t i = 0; i < k; ++i) p_K[i] = scores_E[idx_K[i]];
-        } else {
-          select(l_E);
-          for (int64_t i = 0; i < k; ++i) p_K[i] = l_E[idx_K[i]];
-          routing::softmax(p_K.data(), p_K.data(), k);
-          for (double& v : p_K) v = rnd(v);
-        }
-      } else {
-        for (int64_t e = 0; e < E; ++e) scores_E[e] = rnd(routing::pointwise_score(config_.score_function, l_E[e]));
-        if (!expert_bias_.empty()) {  // the bias steers the selection only
-          for (int64_t e = 0; e < E; ++e) route_E[e] = rnd(scores_E[e] + expert_bias_[static_cast<size_t>(e)]);
-          select(route_E.data());
-        } else {
-          select(scores_E.data());
-        }
-        double sum = 0.0;
-        for (int64_t i = 0; i < k; ++i) sum += p_K[i] = scores_E[idx_K[i]];
-        if (k > 1) {
-          const double denom = rnd(sum + 1e-20);
-          for (double& v : p_K) v = rnd(v / denom);
-        }
-      }
-      for (int64_t i = 0; i < k; ++i) {
-        selected_TE[t * E + idx_K[i]] = 1;
-        probs_TE[t * E + idx_K[i]] = scale != 1.0 ? rnd(p_K[i] * scale) : p_K[i];
-      }
-    }
+    score_function_routing(selected_TE, probs_TE, logits_TE, T, config_, expert_bias_);
   }
+}
 
-  // Capacity: keep at most C tokens per expert; the dispatcher pads to C when asked.
-  RouterOutput out;
-  std::vector<uint8_t> map_TE = selected_TE;
+// Megatron's apply_router_token_dropping: keep at most C tokens per expert, or with --moe-pad-expert-input-to-capacity
+// route exactly min(C, T) tokens to every expert (the capacity mask itself; padding tokens have probability 0).
+void TopKRouter::apply_capacity(RouterOutput& out, std::vector<double>& probs_TE,
+                                const std::vector<uint8_t>& selected_TE, const int64_t T) const {
+  const int64_t E = config_.num_experts;
+  out.routing_map_TE = selected_TE;
   if (config_.capacity_factor.has_value()) {
-    out.capacity = routing::expert_capacity(T, k, E, *config_.capacity_factor);
-    std::vector<uint8_t> keep_TE(static_cast<size_t>(T * E));
-    routing::capacity_keep_mask(keep_TE.data(), selected_TE.data(), probs_TE.data(), T, E, out.capacity,
-                                config_.drop_policy);
+    out.capacity = routing::expert_capacity(T, config_.topk, E, *config_.capacity_factor);
+    std::vector<uint8_t> mask_TE(static_cast<size_t>(T * E));
+    routing::capacity_mask(mask_TE.data(), selected_TE.data(), probs_TE.data(), T, E, out.capacity,
+                           config_.drop_policy);
+    const bool pad = config_.pad_expert_input_to_capacity;
     for (int64_t i = 0; i < T * E; ++i) {
-      map_TE[i] = selected_TE[i] & keep_TE[i];
-      if (!map_TE[i]) probs_TE[i] = 0.0;
+      out.routing_map_TE[i] = pad ? mask_TE[i] : (selected_TE[i] & mask_TE[i]);
+      if (!out.routing_map_TE[i]) probs_TE[i] = 0.0;
     }
   }
   out.tokens_per_expert_E.assign(static_cast<size_t>(E), 0);
   for (int64_t t = 0; t < T; ++t) {
-    for (int64_t e = 0; e < E; ++e) out.tokens_per_expert_E[e] += map_TE[t * E + e];
+    for (int64_t e = 0; e < E; ++e) out.tokens_per_expert_E[e] += out.routing_map_TE[t * E + e];
   }
-  const bool padded = config_.pad_expert_input_to_capacity && out.capacity >= 0;
-  if (padded) std::fill(out.tokens_per_expert_E.begin(), out.tokens_per_expert_E.end(), out.capacity);
+}
 
-  // Auxiliary losses (training only, each only when its coefficient is non-zero, as Megatron).
-  const size_t num_types = config_.load_balancing_types.size();
-  out.load_balancing_losses.assign(num_types, 0.0);
-  if (training && aux_losses_on(config_)) {
-    saved.scores_TE.assign(static_cast<size_t>(T * E), 0.0);
+// The auxiliary losses (each only when its coefficient is non-zero, as Megatron) on the aux scores and their own
+// plain top-k map, and the z-loss on the logits.
+void TopKRouter::attach_losses(RouterOutput& out, RouterActivations& saved) {
+  const int64_t S = saved.S, B = saved.B, T = S * B, E = config_.num_experts, k = config_.topk;
+  const int64_t tp_cp = tp_cp_.size();
+  if (aux_losses_on(config_)) {
+    std::vector<double> scores_TE(static_cast<size_t>(T * E));
     std::vector<uint8_t> aux_map_TE(static_cast<size_t>(T * E));
-    load_balancing::aux_scores(saved.scores_TE.data(), aux_map_TE.data(), logits_TE.data(), T, E, k,
+    load_balancing::aux_scores(scores_TE.data(), aux_map_TE.data(), saved.logits_TE.data(), T, E, k,
                                config_.score_function);
-    for (double& v : saved.scores_TE) v = rnd(v);
     saved.aux_cache.assign(static_cast<size_t>(T * E), 0.0);
-    const double* scores = saved.scores_TE.data();
+    const double* scores = scores_TE.data();
     double* dscores = saved.aux_cache.data();
     const load_balancing::CountReduction reduce_tp_cp = [this](std::vector<double>& counts) {
       sum_counts(counts, tp_cp_);
     };
-    for (size_t i = 0; i < num_types; ++i) {
-      const LoadBalancingType type = config_.load_balancing_types[i];
-      if (std::find(config_.load_balancing_types.begin(), config_.load_balancing_types.begin() + i, type) !=
-          config_.load_balancing_types.begin() + i) {
+    const auto& types = config_.load_balancing_types;
+    for (size_t i = 0; i < types.size(); ++i) {
+      if (std::find(types.begin(), types.begin() + static_cast<std::ptrdiff_t>(i), types[i]) !=
+          types.begin() + static_cast<std::ptrdiff_t>(i)) {
         continue;  // a repeated type counts once, as Megatron's get_aux_loss_coeff
       }
-      const double coeff = coeff_of(config_, type);
+      const double coeff = coeff_of(config_, types[i]);
       if (coeff == 0.0) continue;
-      double loss = 0.0;
       // Counts are summed over the ranks holding the other tokens of the same sequences (tp-cp; tp-dp-cp for the
       // global loss), scores stay local: each rank's loss is its tokens' share of the one-process loss.
-      if (type == LoadBalancingType::kAuxLoss) {
+      double loss = 0.0;
+      if (types[i] == LoadBalancingType::kAuxLoss) {
         loss = load_balancing::aux_loss(scores, aux_map_TE.data(), T, E, k, coeff, dscores, reduce_tp_cp, tp_cp);
-      } else if (type == LoadBalancingType::kSeqAuxLoss) {
+      } else if (types[i] == LoadBalancingType::kSeqAuxLoss) {
         loss = load_balancing::seq_aux_loss(scores, aux_map_TE.data(), S, B, E, k, coeff, dscores, reduce_tp_cp, tp_cp);
-      } else if (type == LoadBalancingType::kGlobalAuxLoss) {
-        std::vector<double> counts_E(static_cast<size_t>(E), 0.0);
-        for (int64_t t = 0; t < T; ++t) {
-          for (int64_t e = 0; e < E; ++e) counts_E[e] += aux_map_TE[t * E + e];
-        }
-        sum_counts(counts_E, tp_dp_cp_);
-        for (int64_t e = 0; e < E; ++e) global_aux_counts_[e] += counts_E[e];
-        global_aux_tokens_ += T;
-        global_aux_steps_ += 1;
-        std::vector<double> averaged_E(global_aux_counts_);
-        for (double& c : averaged_E) c /= static_cast<double>(global_aux_steps_);
-        const double total = static_cast<double>(T * tp_dp_cp_.size());
-        loss = load_balancing::switch_loss(scores, averaged_E.data(), T, E, total, k, E, coeff, dscores);
+      } else if (types[i] == LoadBalancingType::kGlobalAuxLoss) {
+        loss = global_aux_loss(scores, aux_map_TE.data(), T, coeff, dscores);
       } else {
         continue;
       }
       out.load_balancing_losses[i] = loss / coeff;
     }
   }
-  if (training && config_.z_loss_coeff > 0) {
+  if (config_.z_loss_coeff > 0) {
     // Megatron divides the coefficient by |TP x CP|: the ranks' losses add up to the mean over all tokens.
-    out.z_loss = load_balancing::z_loss(logits_TE.data(), T, E, 1.0 / static_cast<double>(tp_cp), 0.0, nullptr);
+    out.z_loss = load_balancing::z_loss(saved.logits_TE.data(), T, E, 1.0 / static_cast<double>(tp_cp), 0.0, nullptr);
   }
-
-  // Aux-loss-free balancing: count the tokens each expert received (Megatron counts padded slots too).
-  if (training && !expert_bias_.empty()) {
-    for (int64_t e = 0; e < E; ++e) {
-      if (padded) {
-        local_tokens_per_expert_[e] += static_cast<double>(std::min(out.capacity, T));
-      } else {
-        local_tokens_per_expert_[e] += static_cast<double>(out.tokens_per_expert_E[e]);
-      }
-    }
-  }
-
-  out.probs_TE = Tensor({T, E}, DType::kF32, MemCategory::kActivations);
-  float* probs_out = out.probs_TE.data<float>();
-  for (int64_t i = 0; i < T * E; ++i) probs_out[i] = static_cast<float>(probs_TE[i]);
-  saved.probs_TE = std::move(probs_TE);
-  out.routing_map_TE = std::move(map_TE);
-  saved.output = out;
-  return out;
 }
 
-void TopKRouter::backward(float* dx_TH, const float* dprobs_TE, const double aux_grad_scale,
-                          const RouterActivations& saved) {
-  const int64_t T = saved.S * saved.B, H = hidden_, E = config_.num_experts, k = config_.topk;
-  const double* logits_TE = saved.logits_TE.data();
-  const std::vector<uint8_t>& map_TE = saved.output.routing_map_TE;
-  const double scale = config_.topk_scaling_factor.value_or(0.0) != 0.0 ? *config_.topk_scaling_factor : 1.0;
-  std::vector<double> dlogits_TE(static_cast<size_t>(T * E), 0.0);
+// Megatron's _apply_global_aux_loss: counts accumulated over the micro-batches of the global batch (summed over
+// tp-dp-cp), averaged over the micro-batches so far.
+double TopKRouter::global_aux_loss(const double* scores_TE, const uint8_t* aux_map_TE, const int64_t T,
+                                   const double coeff, double* dscores_TE) {
+  const int64_t E = config_.num_experts;
+  std::vector<double> counts_E(static_cast<size_t>(E), 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t e = 0; e < E; ++e) counts_E[e] += aux_map_TE[t * E + e];
+  }
+  sum_counts(counts_E, tp_dp_cp_);
+  for (int64_t e = 0; e < E; ++e) global_aux_counts_[e] += counts_E[e];
+  global_aux_steps_ += 1;
+  std::vector<double> averaged_E(global_aux_counts_);
+  for (double& c : averaged_E) c /= static_cast<double>(global_aux_steps_);
+  const double total = static_cast<double>(T * tp_dp_cp_.size());
+  return load_balancing::switch_loss(scores_TE, averaged_E.data(), T, E, total, config_.topk, E, coeff, dscores_TE);
+}
 
-  // Through the probabilities (dropped or unselected experts carry no gradient).
+// Aux-loss-free balancing (Megatron's _apply_expert_bias): the final routing map's column sums, padding included.
+void TopKRouter::record_expert_bias_counts(const RouterOutput& out) {
+  if (expert_bias_.empty()) return;
+  for (size_t e = 0; e < local_tokens_per_expert_.size(); ++e) {
+    local_tokens_per_expert_[e] += static_cast<double>(out.tokens_per_expert_E[e]);
+  }
+}
+
+void TopKRouter::probs_backward(std::vector<double>& dlogits_TE, const float* dprobs_TE, const RouterActivations& saved,
+                                const RouterOutput& routing) const {
+  const int64_t T = saved.S * saved.B, E = config_.num_experts, k = config_.topk;
+  const double scale = scales_probs(config_) ? *config_.topk_scaling_factor : 1.0;
+  const std::vector<uint8_t>& map_TE = routing.routing_map_TE;
   std::vector<int64_t> sel_K;
   std::vector<double> a_E(static_cast<size_t>(E)), g_E(static_cast<size_t>(E)), p_K;
   for (int64_t t = 0; t < T; ++t) {
-    const double* l_E = logits_TE + t * E;
+    const double* l_E = saved.logits_TE.data() + t * E;
     double* dl_E = dlogits_TE.data() + t * E;
     sel_K.clear();
     for (int64_t e = 0; e < E; ++e) {
-      g_E[e] = map_TE[t * E + e] ? scale * static_cast<double>(dprobs_TE[t * E + e]) : 0.0;
+      // Padding tokens are in the map with probability 0 but were not selected: no gradient, as Megatron (the
+      // probs are scattered from the selected ones).
+      const bool routed = map_TE[t * E + e] && saved.selected_TE[t * E + e];
+      g_E[e] = routed ? scale * static_cast<double>(dprobs_TE[t * E + e]) : 0.0;
       if (saved.selected_TE[t * E + e]) sel_K.push_back(e);
     }
     if (uses_sinkhorn(config_)) {  // probs = act(logits) * map, not renormalised
@@ -376,20 +433,27 @@ void TopKRouter::backward(float* dx_TH, const float* dprobs_TE, const double aux
       }
     }
   }
+}
+
+void TopKRouter::backward(float* dx_TH, const float* dprobs_TE, const double aux_grad_scale,
+                          const RouterActivations& saved, const RouterOutput& routing) {
+  const int64_t T = saved.S * saved.B, H = hidden_, E = config_.num_experts;
+  const double* logits_TE = saved.logits_TE.data();
+  std::vector<double> dlogits_TE(static_cast<size_t>(T * E), 0.0);
+  probs_backward(dlogits_TE, dprobs_TE, saved, routing);
 
   // Auxiliary and z losses: d(objective)/d(loss) = aux_grad_scale (MoEAuxLossAutoScaler).
   if (!saved.aux_cache.empty()) {
     std::vector<double> dscores_TE(saved.aux_cache);
     for (double& v : dscores_TE) v *= aux_grad_scale;
-    load_balancing::aux_scores_backward(dlogits_TE.data(), dscores_TE.data(), logits_TE, saved.scores_TE.data(), T, E,
-                                        config_.score_function);
+    load_balancing::aux_scores_backward(dlogits_TE.data(), dscores_TE.data(), logits_TE, T, E, config_.score_function);
   }
   if (saved.training && config_.z_loss_coeff > 0) {
     load_balancing::z_loss(logits_TE, T, E, config_.z_loss_coeff / static_cast<double>(tp_cp_.size()), aux_grad_scale,
                            dlogits_TE.data());
   }
   if (config_.router_dtype == RouterDType::kFP32) {
-    for (double& v : dlogits_TE) v = static_cast<double>(static_cast<float>(v));
+    for (double& v : dlogits_TE) v = to_fp32(v);
   }
 
   // dW += dlogits^T x, db += sum_t dlogits, dx += (dlogits W) * jitter.
@@ -409,7 +473,7 @@ void TopKRouter::backward(float* dx_TH, const float* dprobs_TE, const double aux
     }
   }
   if (dx_TH == nullptr) return;
-  const bool jitter = saved.training && config_.input_jitter_eps > 0;
+  const bool jitter = config_.input_jitter_eps > 0;
   const CounterRng jitter_rng(saved.jitter_seed, saved.jitter_key);
   for (int64_t i = 0; i < T * H; ++i) {
     const double factor =
@@ -426,7 +490,6 @@ void TopKRouter::finish_global_batch() {
     std::fill(local_tokens_per_expert_.begin(), local_tokens_per_expert_.end(), 0.0);
   }
   std::fill(global_aux_counts_.begin(), global_aux_counts_.end(), 0.0);
-  global_aux_tokens_ = 0;
   global_aux_steps_ = 0;
 }
 

@@ -34,18 +34,15 @@ struct RouterOutput {
   double z_loss = 0.0;
 };
 
-// What backward needs from forward (one micro-batch).
+// What backward needs from forward (one micro-batch). The routing decision itself (map, probs) is the RouterOutput
+// the caller keeps and passes back to backward.
 struct RouterActivations {
   int64_t S = 0, B = 0;
-  Tensor input_TH;                   // router input after jitter, fp32
-  std::vector<double> logits_TE;     // in router dtype precision (fp32 values are stored rounded to float)
-  std::vector<double> scores_TE;     // score function output used by the top-k and the aux losses
-  RouterOutput output;               // copy of the forward result (routing map, probs)
-  std::vector<uint8_t> selected_TE;  // top-k selection before capacity dropping
-  // Anything else the implementation needs may be added here.
-  std::vector<double> aux_cache;             // d(sum of aux losses)/d(scores_TE) [T, E]; empty when no aux loss is on
+  Tensor input_TH;                           // router input after jitter, fp32
+  std::vector<double> logits_TE;             // in router dtype precision (fp32 values are stored rounded to float)
+  std::vector<uint8_t> selected_TE;          // top-k selection before capacity dropping / padding
+  std::vector<double> aux_cache;             // d(sum of aux losses)/d(aux scores) [T, E]; empty when no aux loss is on
   bool training = false;                     // forward ran in training mode (aux / z losses attached)
-  std::vector<double> probs_TE;              // output.probs_TE in router dtype precision (before the fp32 copy)
   uint64_t jitter_seed = 0, jitter_key = 0;  // regenerate the input jitter factors in backward
   int64_t token_offset = 0;                  // one-process index of the first local token (RNG keys)
 };
@@ -61,18 +58,22 @@ class TopKRouter {
              const parallel::ParallelState& parallel = parallel::ParallelState::single_process(), int module = -1);
   void bind(std::vector<Param>& params);  // resolve pointers once `params` no longer grows
 
-  // x_TH [S*B, H] -> routing. training: jitter on, expert-bias token counts accumulated, global aux counts
-  // accumulated. jitter_key distinguishes micro-batches (counter RNG). x_TH holds sequence positions
-  // [s0, s0 + S) of the micro-batch and token_offset = s0 * B: the jitter and forced-balance draws are keyed by the
-  // one-process element index, so every layout draws the same numbers. Collective over tp-cp (and tp-dp-cp with
-  // global_aux_loss) when aux losses are on. Logged losses are this rank's share (sum over tp-cp for the total).
+  // x_TH [S*B, H] -> routing. The input jitter (--moe-input-jitter-eps) applies in training AND evaluation, as
+  // Megatron's TopKRouter.forward; it is drawn from the counter RNG keyed by (seed, jitter_key), so an evaluation
+  // forward is reproducible given its key. training: aux / z losses attached, expert-bias and global-aux token counts
+  // accumulated, sinkhorn selection. x_TH holds sequence positions [s0, s0 + S) of the micro-batch and
+  // token_offset = s0 * B: the jitter and forced-balance draws are keyed by the one-process element index, so every
+  // layout draws the same numbers. Collective over tp-cp (and tp-dp-cp with global_aux_loss) when aux losses are on.
+  // Logged losses are this rank's share (sum over tp-cp for the total).
   RouterOutput forward(const float* x_TH, int64_t S, int64_t B, bool training, uint64_t seed, uint64_t jitter_key,
                        RouterActivations& saved, int64_t token_offset = 0);
 
   // dprobs_TE: d(objective)/d(probs_TE) from the experts (zero where not routed). aux_grad_scale: the factor the
   // auxiliary and z losses carry into the objective's gradient (Megatron: loss_scale * cp / num_microbatches;
-  // here 1 / num_microbatches). Accumulates into dx_TH and the router parameters' gradients.
-  void backward(float* dx_TH, const float* dprobs_TE, double aux_grad_scale, const RouterActivations& saved);
+  // here 1 / num_microbatches). `routing` is what forward returned with `saved`. Accumulates into dx_TH (nullable)
+  // and the router parameters' gradients.
+  void backward(float* dx_TH, const float* dprobs_TE, double aux_grad_scale, const RouterActivations& saved,
+                const RouterOutput& routing);
 
   // Once per global batch (after the optimizer step): the expert-bias sign rule, then counts reset; and the
   // global_aux_loss accumulation reset. No-ops when those features are off. With expert bias: collective over
@@ -94,8 +95,26 @@ class TopKRouter {
   std::vector<float> expert_bias_;               // [E]
   std::vector<double> local_tokens_per_expert_;  // expert-bias counts since the last update
   std::vector<double> global_aux_counts_;        // global_aux_loss counts accumulated over micro-batches
-  int64_t global_aux_tokens_ = 0;
-  int64_t global_aux_steps_ = 0;  // micro-batches accumulated (Megatron's ga_steps)
+  int64_t global_aux_steps_ = 0;                 // micro-batches accumulated (Megatron's ga_steps)
+
+  // The steps of forward, one job each.
+  void jittered_input(float* input_TH, const float* x_TH, int64_t T, const RouterActivations& saved) const;
+  void compute_logits(std::vector<double>& logits_TE, const float* input_TH, int64_t T,
+                      const RouterActivations& saved) const;
+  // Scores, top-k selection and probabilities (before capacity): selected_TE and probs_TE (fp32 values).
+  void select_experts(std::vector<uint8_t>& selected_TE, std::vector<double>& probs_TE,
+                      const std::vector<double>& logits_TE, int64_t T, bool training) const;
+  // Capacity dropping / padding of out.routing_map_TE, probs_TE and out.tokens_per_expert_E.
+  void apply_capacity(RouterOutput& out, std::vector<double>& probs_TE, const std::vector<uint8_t>& selected_TE,
+                      int64_t T) const;
+  // Aux / seq-aux / global-aux losses and the z-loss (training): logged values in `out`, gradients cached in `saved`.
+  void attach_losses(RouterOutput& out, RouterActivations& saved);
+  double global_aux_loss(const double* scores_TE, const uint8_t* aux_map_TE, int64_t T, double coeff,
+                         double* dscores_TE);  // updates the global-aux accumulation
+  void record_expert_bias_counts(const RouterOutput& out);
+  // The probabilities' backward: dlogits_TE += d(probs)/d(logits)^T dprobs (dropped experts carry no gradient).
+  void probs_backward(std::vector<double>& dlogits_TE, const float* dprobs_TE, const RouterActivations& saved,
+                      const RouterOutput& routing) const;
 };
 
 }  // namespace moecore

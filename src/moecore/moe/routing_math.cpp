@@ -38,6 +38,25 @@ void softmax(double* out_E, const double* in_E, const int64_t E) {
   for (int64_t e = 0; e < E; ++e) out_E[e] /= sum;
 }
 
+double to_fp32(const double value) { return static_cast<double>(static_cast<float>(value)); }
+
+void softmax_fp32(double* out_E, const double* logits_E, const int64_t E) {
+  for (int64_t e = 0; e < E; ++e) out_E[e] = to_fp32(logits_E[e]);
+  softmax(out_E, out_E, E);
+  for (int64_t e = 0; e < E; ++e) out_E[e] = to_fp32(out_E[e]);
+}
+
+double pointwise_score_fp32(const RouterScoreFunction fn, const double logit) {
+  return to_fp32(pointwise_score(fn, to_fp32(logit)));
+}
+
+void normalize_fp32(double* values_K, const int64_t K) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < K; ++i) sum += static_cast<float>(values_K[i]);
+  const float denom = sum + 1e-20f;
+  for (int64_t i = 0; i < K; ++i) values_K[i] = static_cast<double>(static_cast<float>(values_K[i]) / denom);
+}
+
 double logsumexp(const double* in_E, const int64_t E) {
   const double max_value = *std::max_element(in_E, in_E + E);
   double sum = 0.0;
@@ -108,21 +127,22 @@ int64_t expert_capacity(const int64_t T, const int64_t k, const int64_t E, const
   return static_cast<int64_t>(std::ceil((static_cast<double>(T * k) / static_cast<double>(E)) * capacity_factor));
 }
 
-void capacity_keep_mask(uint8_t* keep_TE, const uint8_t* selected_TE, const double* probs_TE, const int64_t T,
-                        const int64_t E, const int64_t capacity, const TokenDropPolicy policy) {
-  std::vector<int64_t> tokens;
+void capacity_mask(uint8_t* mask_TE, const uint8_t* selected_TE, const double* probs_TE, const int64_t T,
+                   const int64_t E, const int64_t capacity, const TokenDropPolicy policy) {
+  if (capacity >= T) {  // Megatron: no dropping when the capacity exceeds the tokens (top-T of T is all of them)
+    std::fill(mask_TE, mask_TE + T * E, uint8_t{1});
+    return;
+  }
+  const int64_t kept = std::max<int64_t>(capacity, 0);
+  std::vector<int64_t> tokens(static_cast<size_t>(T));
   for (int64_t e = 0; e < E; ++e) {
-    tokens.clear();
-    for (int64_t t = 0; t < T; ++t) {
-      keep_TE[t * E + e] = 0;
-      if (selected_TE[t * E + e]) tokens.push_back(t);
-    }
-    if (capacity < static_cast<int64_t>(tokens.size()) && policy == TokenDropPolicy::kProbs) {
-      std::stable_sort(tokens.begin(), tokens.end(),
-                       [&](const int64_t a, const int64_t b) { return probs_TE[a * E + e] > probs_TE[b * E + e]; });
-    }
-    const int64_t kept = std::min<int64_t>(std::max<int64_t>(capacity, 0), static_cast<int64_t>(tokens.size()));
-    for (int64_t i = 0; i < kept; ++i) keep_TE[tokens[static_cast<size_t>(i)] * E + e] = 1;
+    auto key = [&](const int64_t t) {
+      return policy == TokenDropPolicy::kProbs ? probs_TE[t * E + e] : static_cast<double>(selected_TE[t * E + e]);
+    };
+    std::iota(tokens.begin(), tokens.end(), int64_t{0});
+    std::stable_sort(tokens.begin(), tokens.end(), [&](const int64_t a, const int64_t b) { return key(a) > key(b); });
+    for (int64_t t = 0; t < T; ++t) mask_TE[t * E + e] = 0;
+    for (int64_t i = 0; i < kept; ++i) mask_TE[tokens[static_cast<size_t>(i)] * E + e] = 1;
   }
 }
 

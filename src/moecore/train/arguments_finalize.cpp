@@ -2,8 +2,10 @@
 #include "moecore/train/arguments_finalize.h"
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <cstdio>
+#include <iostream>
 #include <string_view>
 
 namespace moecore::detail {
@@ -71,6 +73,17 @@ void finalize_moe(TrainingArgs& args, const std::set<std::string>& given) {
   }
   moe.moe_layer_pattern = parse_moe_layer_freq(args.moe_layer_freq, model.num_layers);
   moe.validate(model.num_layers);
+  // Megatron's SharedExpertMLP asserts add_bias_linear == False (shared_experts.py): shared experts have no bias.
+  require(moe.shared_expert_intermediate_size == 0 || !model.add_bias_linear,
+          "--moe-shared-expert-intermediate-size requires --disable-bias-linear: shared experts have no bias (as "
+          "Megatron)");
+  // Megatron's topk_routing_with_score_function reads use_pre_softmax only for softmax scores; its DeepSeek-V3
+  // recipes pass it with sigmoid. Accepted, with one warning per process (as Python's warnings.warn).
+  static std::atomic<bool> warned_pre_softmax{false};
+  if (moe.pre_softmax && moe.score_function != RouterScoreFunction::kSoftmax && !warned_pre_softmax.exchange(true)) {
+    std::cerr << "warning: --moe-router-pre-softmax has no effect with --moe-router-score-function "
+              << to_string(moe.score_function) << '\n';
+  }
 }
 
 void finalize_model(TrainingArgs& args, const std::set<std::string>& given) {
