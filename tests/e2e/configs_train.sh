@@ -18,7 +18,7 @@ for config in "$src"/configs/*.args; do
       > "$work/$name.log" 2>&1; then
     echo "FAIL: $name did not train:"; tail -3 "$work/$name.log"; failures=$((failures + 1)); continue
   fi
-  losses=$(grep -oE 'validation loss at iteration [0-9]+ \| lm loss value: [0-9.E+-]+' "$work/$name.log" |
+  losses=$(grep -oE 'validation loss at iteration [0-9]+( on validation set)? \| lm loss value: [0-9.E+-]+' "$work/$name.log" |
            grep -oE '[0-9.]+E[+-][0-9]+')
   first=$(head -1 <<<"$losses")
   last=$(tail -1 <<<"$losses")

@@ -109,7 +109,7 @@ TEST(TrainArguments, MegatronDefaults) {
   EXPECT_DOUBLE_EQ(args.clip_grad, 1.0);
   EXPECT_EQ(args.seed, 1234);
   EXPECT_EQ(args.log_interval, 100);
-  EXPECT_EQ(args.eval_interval, 1000);
+  EXPECT_FALSE(args.eval_interval.has_value());  // Megatron: ValidationConfig.eval_interval = None
   EXPECT_EQ(args.eval_iters, 100);
   EXPECT_FALSE(args.log_throughput);
   EXPECT_TRUE(args.mock_data);

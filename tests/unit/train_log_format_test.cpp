@@ -9,13 +9,15 @@
 #include <limits>
 
 #include "moecore/train/log_format.h"
+#include "moecore/train/moe_logging.h"
+#include "moecore/train/training_log.h"
 
 namespace moecore {
 namespace {
 
 IterationLog example_log() {
   IterationLog log;
-  log.timestamp = "2026-11-29 17:40:00";
+  log.timestamp = "2026-11-29 17:40:00.250000";
   log.iteration = 10;
   log.train_iters = 100;
   log.consumed_samples = 640;
@@ -30,11 +32,12 @@ IterationLog example_log() {
 }
 
 TEST(LogFormat, IterationLineMatchesMegatron) {
-  EXPECT_EQ(format_iteration_log(example_log()),
-            " [2026-11-29 17:40:00] iteration       10/     100 | consumed samples:          640 | elapsed time per "
-            "iteration (ms): 123.4 | throughput per GPU (TFLOP/s/GPU): 1.2 | learning rate: 3.000000E-04 | global "
-            "batch size:    64 | lm loss: 6.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped "
-            "iterations:   0 | number of nan iterations:   0 |");
+  EXPECT_EQ(
+      format_iteration_log(example_log()),
+      " [2026-11-29 17:40:00.250000] iteration       10/     100 | consumed samples:          640 | elapsed time per "
+      "iteration (ms): 123.4 | throughput per GPU (TFLOP/s/GPU): 1.2 | learning rate: 3.000000E-04 | global "
+      "batch size:    64 | lm loss: 6.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped "
+      "iterations:   0 | number of nan iterations:   0 |");
 }
 
 TEST(LogFormat, OptionalFieldsAndWideNumbers) {
@@ -66,19 +69,35 @@ TEST(LogFormat, NonFiniteAndRoundingAsPython) {
   // '{:.1f}'.format(123.45) -> '123.5' and '{:.1f}'.format(0.05) -> '0.1' (the binary values lie just above).
   IterationLog log = example_log();
   log.timestamp.clear();
-  log.losses = {{"lm loss", -std::numeric_limits<double>::quiet_NaN()}, {"z_loss", HUGE_VAL}};
+  log.losses = {{"lm loss", 2.0}, {"z_loss", HUGE_VAL}};
   log.grad_norm = -HUGE_VAL;
   log.learning_rate = 0.0;
   log.elapsed_ms_per_iteration = 123.45;
   log.throughput_tflops_per_gpu = 0.05;
   const std::string line = format_iteration_log(log);
-  EXPECT_NE(line.find(" lm loss: NAN |"), std::string::npos) << line;
   EXPECT_NE(line.find(" z_loss: INF |"), std::string::npos) << line;
   EXPECT_NE(line.find(" grad norm: -inf |"), std::string::npos) << line;
   EXPECT_NE(line.find(" learning rate: 0.000000E+00 |"), std::string::npos) << line;
   EXPECT_NE(line.find(" elapsed time per iteration (ms): 123.5 |"), std::string::npos) << line;
   // Below 1 TFLOP/s moecore prints three decimals (Megatron: one), so CPU runs show a figure.
   EXPECT_NE(line.find(" throughput per GPU (TFLOP/s/GPU): 0.050 |"), std::string::npos) << line;
+}
+
+TEST(LogFormat, LossesBelowZeroOrNaNAreNotPrinted) {
+  // Megatron's training_log: `if avg >= 0.0: log_string += ' {}: {:.6E} |'.format(key, avg)`.
+  IterationLog log = example_log();
+  log.timestamp.clear();
+  log.losses = {{"lm loss", -std::numeric_limits<double>::quiet_NaN()},
+                {"load_balancing_loss", 0.0},
+                {"z_loss", -1e-3},
+                {"global_load_balancing_loss", std::numeric_limits<double>::quiet_NaN()}};
+  const std::string line = format_iteration_log(log);
+  EXPECT_EQ(line.find("lm loss"), std::string::npos) << line;
+  EXPECT_EQ(line.find("z_loss"), std::string::npos) << line;
+  EXPECT_EQ(line.find("global_load_balancing_loss"), std::string::npos) << line;
+  EXPECT_NE(line.find(" global batch size:    64 | load_balancing_loss: 0.000000E+00 | loss scale: 1.0 |"),
+            std::string::npos)
+      << line;
 }
 
 TEST(LogFormat, ValidationLine) {
@@ -95,8 +114,12 @@ TEST(LogFormat, TimestampFormat) {
   const std::string saved = previous != nullptr ? previous : "";
   setenv("TZ", "UTC", 1);
   tzset();
-  // 1796000000 s after the epoch is 2026-11-30 00:53:20 UTC (Python's datetime.fromtimestamp(..., utc)).
-  EXPECT_EQ(format_log_timestamp(std::chrono::system_clock::from_time_t(1796000000)), "2026-11-30 00:53:20");
+  // 1796000000 s after the epoch is 2026-11-30 00:53:20 UTC (Python's datetime.fromtimestamp(..., utc)); Megatron's
+  // training_log formats it with '%Y-%m-%d %H:%M:%S.%f': six digits of microseconds, zero-padded.
+  const auto at = std::chrono::system_clock::from_time_t(1796000000);
+  EXPECT_EQ(format_log_timestamp(at), "2026-11-30 00:53:20.000000");
+  EXPECT_EQ(format_log_timestamp(at + std::chrono::microseconds(42)), "2026-11-30 00:53:20.000042");
+  EXPECT_EQ(format_log_timestamp(at + std::chrono::microseconds(999999)), "2026-11-30 00:53:20.999999");
   if (previous != nullptr) {
     setenv("TZ", saved.c_str(), 1);
   } else {
@@ -221,6 +244,93 @@ TEST(LogFormat, FlopsNeedVocabulary) {
 }
 
 TEST(LogFormat, Throughput) { EXPECT_DOUBLE_EQ(throughput_tflops_per_gpu(1e15, 0.5, 2), 1000.0); }
+
+TEST(LogFormat, ThroughputIsPerProcessOfTheWorld) {
+  // Megatron: num_floating_point_operations(args, batch_size) / (elapsed_time_per_iteration * 10**12 * world_size),
+  // with batch_size the global batch: the same run on N processes reports 1/N of the one-process figure.
+  EXPECT_DOUBLE_EQ(throughput_tflops_per_gpu(8e12, 2.0, 1), 4.0);
+  EXPECT_DOUBLE_EQ(throughput_tflops_per_gpu(8e12, 2.0, 4), 1.0);
+}
+
+TEST(TrainingLog, LineAfterFirstIterationAndEveryInterval) {
+  // Megatron's training_log: `if iteration % args.log_interval == 0 or is_first_iteration`; nothing at the last
+  // iteration unless it is a multiple of the interval.
+  EXPECT_TRUE(logs_iteration(1, 10, 1));
+  EXPECT_FALSE(logs_iteration(2, 10, 1));
+  EXPECT_FALSE(logs_iteration(9, 10, 1));
+  EXPECT_TRUE(logs_iteration(10, 10, 1));
+  EXPECT_FALSE(logs_iteration(25, 10, 1));
+  EXPECT_TRUE(logs_iteration(1, 1, 1));
+  EXPECT_TRUE(logs_iteration(2, 1, 1));
+}
+
+MoEStats one_layer_stats(const std::vector<double>& per_type, const double z_loss) {
+  MoEStats stats;
+  stats.num_forwards = 2;  // values are sums over the forwards
+  stats.moe_layers = {1};
+  stats.load_balancing_losses = {per_type};
+  stats.z_losses = {z_loss};
+  stats.tokens_per_expert = {{3, 5}};
+  return stats;
+}
+
+MoEConfig moe_config(const std::vector<LoadBalancingType>& types, const std::vector<double>& coeffs) {
+  MoEConfig config;
+  config.num_experts = 2;
+  config.load_balancing_types = types;
+  config.aux_loss_coeffs = coeffs;
+  return config;
+}
+
+TEST(MoELogging, LoadBalancingLossIsPrintedAsZeroWhenItsCoefficientIsZero) {
+  // Megatron's default MoE run (--moe-router-load-balancing-type aux_loss, --moe-aux-loss-coeff 0): training_log
+  // tracks "load_balancing_loss" (force_initialize creates it at 0, the router records nothing) and prints 0.
+  MoEMetrics metrics(moe_config({LoadBalancingType::kAuxLoss}, {0.0}));
+  metrics.add(one_layer_stats({0.0}, 0.0));
+  ASSERT_EQ(metrics.losses().size(), 1u);
+  EXPECT_EQ(metrics.losses()[0].first, "load_balancing_loss");
+  EXPECT_EQ(metrics.losses()[0].second, 0.0);
+  IterationLog log = example_log();
+  log.losses.push_back(metrics.losses()[0]);
+  EXPECT_NE(format_iteration_log(log).find(" lm loss: 6.123456E+00 | load_balancing_loss: 0.000000E+00 |"),
+            std::string::npos);
+}
+
+TEST(MoELogging, TrackedNamesFollowMegatronsMembershipTest) {
+  using T = LoadBalancingType;
+  const auto names = [](const MoEConfig& config) {
+    std::vector<std::string> out;
+    for (const auto& [name, type] : tracked_balancing_losses(config)) out.push_back(name);
+    return out;
+  };
+  using Names = std::vector<std::string>;
+  // One type is a string in Megatron: `"aux_loss" in "seq_aux_loss"` is a substring test.
+  EXPECT_EQ(names(moe_config({T::kAuxLoss}, {0.01})), Names{"load_balancing_loss"});
+  EXPECT_EQ(names(moe_config({T::kSeqAuxLoss}, {0.01})), (Names{"load_balancing_loss", "seq_load_balancing_loss"}));
+  EXPECT_EQ(names(moe_config({T::kGlobalAuxLoss}, {0.01})),
+            (Names{"load_balancing_loss", "global_load_balancing_loss"}));
+  EXPECT_EQ(names(moe_config({T::kSinkhorn}, {0.0})), Names{});
+  EXPECT_EQ(names(moe_config({T::kNone}, {0.0})), Names{});
+  // Several types are a list: exact membership.
+  EXPECT_EQ(names(moe_config({T::kSeqAuxLoss, T::kGlobalAuxLoss}, {0.01, 0.01})),
+            (Names{"seq_load_balancing_loss", "global_load_balancing_loss"}));
+  EXPECT_EQ(names(moe_config({T::kGlobalAuxLoss, T::kAuxLoss}, {0.01, 0.01})),
+            (Names{"load_balancing_loss", "global_load_balancing_loss"}));
+}
+
+TEST(MoELogging, ValuesAreAveragedOverForwardsAndPickedByType) {
+  // Types listed as [global, aux] with coefficients [0.01, 0]: load_balancing_loss prints 0 (no record), the global
+  // loss its mean over the 2 forwards, z_loss its mean when its coefficient is non-zero.
+  MoEConfig config = moe_config({LoadBalancingType::kGlobalAuxLoss, LoadBalancingType::kAuxLoss}, {0.01, 0.0});
+  config.z_loss_coeff = 1e-3;
+  MoEMetrics metrics(config);
+  metrics.add(one_layer_stats({3.0, 7.0}, 5.0));
+  const NamedValues losses = metrics.losses();
+  ASSERT_EQ(losses.size(), 3u);
+  EXPECT_EQ(losses[0], (std::pair<std::string, double>{"load_balancing_loss", 0.0}));
+  EXPECT_EQ(losses[1], (std::pair<std::string, double>{"global_load_balancing_loss", 1.5}));
+  EXPECT_EQ(losses[2], (std::pair<std::string, double>{"z_loss", 2.5}));
+}
 
 }  // namespace
 }  // namespace moecore

@@ -30,8 +30,13 @@ struct ParallelState {
   int ep_rank() const { return ep.rank(); }
   int etp_size() const { return etp.size(); }
   int etp_rank() const { return etp.rank(); }
-  int dp_size() const { return dp_cp.size(); }
+  // Data parallel (Megatron's get_data_parallel_world_size / _rank without context parallelism): which samples a
+  // rank reads. Every CP rank of a replica reads the same samples (its own sequence chunk of them).
+  int dp_size() const { return dp.size(); }
   int dp_rank() const { return dp.rank(); }
+  // Data x context parallel (with_context_parallel=True): the group dense gradients and the lm loss are summed over.
+  int dp_cp_size() const { return dp_cp.size(); }
+  int dp_cp_rank() const { return dp_cp.rank(); }
 
   static ParallelState single_process();
   // Collective over `world` (whose size must equal sizes.world_size): splits one communicator per group kind.

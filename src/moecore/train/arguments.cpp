@@ -219,7 +219,7 @@ const std::vector<FlagSpec>& flag_table() {
      [](TrainingArgs& a, const FlagValue& v) { a.log_interval = v.integer(); }},
     {"--log-throughput", Arity::kSwitch, "", "add TFLOP/s per device to the iteration line",
      [](TrainingArgs& a, const FlagValue&) { a.log_throughput = true; }},
-    {"--eval-interval", Arity::kOne, "N", "evaluate every N iterations (default 1000)",
+    {"--eval-interval", Arity::kOne, "N", "evaluate every N iterations (default: only after training)",
      [](TrainingArgs& a, const FlagValue& v) { a.eval_interval = v.integer(); }},
     {"--eval-iters", Arity::kOne, "N", "batches per evaluation (default 100)",
      [](TrainingArgs& a, const FlagValue& v) { a.eval_iters = v.integer(); }},

@@ -87,11 +87,12 @@ struct TrainingArgs {
   double clip_grad = 1.0;          // --clip-grad (0 disables clipping)
 
   // Run control and logging.
-  int64_t seed = 1234;           // --seed
-  int64_t log_interval = 100;    // --log-interval
-  int64_t eval_interval = 1000;  // --eval-interval
-  int64_t eval_iters = 100;      // --eval-iters
-  bool log_throughput = false;   // --log-throughput
+  int64_t seed = 1234;         // --seed
+  int64_t log_interval = 100;  // --log-interval
+  // --eval-interval; unset (Megatron's default None): no evaluation during training, only after it.
+  std::optional<int64_t> eval_interval;
+  int64_t eval_iters = 100;     // --eval-iters
+  bool log_throughput = false;  // --log-throughput
 
   // Data and tokenizer.
   std::vector<std::string> data_path;  // --data-path: "prefix", "p1 p2 ...", or "w1 p1 w2 p2 ..."

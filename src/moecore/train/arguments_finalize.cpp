@@ -215,7 +215,8 @@ void finalize_training(TrainingArgs& args, const std::set<std::string>& given) {
   require(args.clip_grad >= 0.0, "--clip-grad must be non-negative (got " + str(args.clip_grad) + ")");
 
   require(args.log_interval > 0, "--log-interval must be positive (got " + str(args.log_interval) + ")");
-  require(args.eval_interval > 0, "--eval-interval must be positive (got " + str(args.eval_interval) + ")");
+  require(!args.eval_interval || *args.eval_interval > 0,
+          "--eval-interval must be positive (got " + str(args.eval_interval.value_or(0)) + ")");
   require(args.eval_iters >= 0, "--eval-iters must be non-negative (got " + str(args.eval_iters) + ")");
 }
 

@@ -49,7 +49,10 @@ std::string format_iteration_log(const IterationLog& log) {
   }
   if (log.learning_rate) line += " learning rate: " + scientific(*log.learning_rate) + " |";
   line += " global batch size: " + padded(log.global_batch_size, 5) + " |";
-  for (const auto& [name, value] : log.losses) line += " " + name + ": " + scientific(value) + " |";
+  for (const auto& [name, value] : log.losses) {
+    // Megatron's training_log prints an averaged loss only `if avg >= 0.0`: NaN and negative values are left out.
+    if (value >= 0.0) line += " " + name + ": " + scientific(value) + " |";
+  }
   line += " loss scale: " + fixed(log.loss_scale, 1) + " |";
   if (log.grad_norm) line += " grad norm: " + fixed(*log.grad_norm, 3) + " |";
   if (log.num_zeros_in_grad) line += " num zeros: " + std::to_string(*log.num_zeros_in_grad) + " |";
@@ -60,11 +63,16 @@ std::string format_iteration_log(const IterationLog& log) {
 }
 
 std::string format_log_timestamp(const std::chrono::system_clock::time_point time) {
-  const std::time_t seconds = std::chrono::system_clock::to_time_t(time);
+  const auto since_epoch = time.time_since_epoch();
+  const auto whole_seconds = std::chrono::floor<std::chrono::seconds>(since_epoch);
+  const auto microseconds = std::chrono::duration_cast<std::chrono::microseconds>(since_epoch - whole_seconds).count();
+  const std::time_t seconds = std::chrono::system_clock::to_time_t(std::chrono::system_clock::time_point(
+      std::chrono::duration_cast<std::chrono::system_clock::duration>(whole_seconds)));
   std::tm local{};
   localtime_r(&seconds, &local);
-  char buffer[32];
-  std::strftime(buffer, sizeof(buffer), "%Y-%m-%d %H:%M:%S", &local);
+  char buffer[48];
+  const size_t length = std::strftime(buffer, sizeof(buffer), "%Y-%m-%d %H:%M:%S", &local);
+  std::snprintf(buffer + length, sizeof(buffer) - length, ".%06lld", static_cast<long long>(microseconds));
   return buffer;
 }
 

@@ -23,7 +23,7 @@ namespace moecore {
 using NamedValues = std::vector<std::pair<std::string, double>>;
 
 struct IterationLog {
-  std::string timestamp;  // "2026-11-29 17:40:00" (see format_log_timestamp); empty = no "[...]" prefix
+  std::string timestamp;  // "2026-11-29 17:40:00.123456" (format_log_timestamp); empty = no "[...]" prefix
   int64_t iteration = 0;
   int64_t train_iters = 0;
   int64_t consumed_samples = 0;
@@ -32,7 +32,7 @@ struct IterationLog {
   std::optional<double> throughput_tflops_per_gpu;  // printed when set (Megatron: --log-throughput)
   std::optional<double> learning_rate;              // printed when set
   int64_t global_batch_size = 0;
-  NamedValues losses;  // averages over the logging interval
+  NamedValues losses;  // averages over the logging interval; as Megatron, only values >= 0 are printed
   double loss_scale = 1.0;
   std::optional<double> grad_norm;
   std::optional<int64_t> num_zeros_in_grad;
@@ -44,7 +44,8 @@ struct IterationLog {
 // " [2026-11-29 17:40:00] iteration       10/     100 | consumed samples:          640 | ... |"
 std::string format_iteration_log(const IterationLog& log);
 
-// Local time as "%Y-%m-%d %H:%M:%S" (older Megatron; current main appends ".%f" microseconds).
+// Local time as Megatron's training_log prints it: datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f'), i.e. with
+// six digits of microseconds.
 std::string format_log_timestamp(std::chrono::system_clock::time_point time);
 
 // " validation loss at iteration 100 | lm loss value: 5.123456E+00 | lm loss PPL: 1.681856E+02 | "
@@ -62,7 +63,8 @@ std::string validation_rule(std::string_view validation_line);
 // router GEMM is not counted (nor by Megatron).
 double num_floating_point_operations(const ModelConfig& config, int64_t batch_size, int64_t seq_length);
 
-// Megatron's throughput: FLOPs / (seconds per iteration * 1e12 * world size).
+// Megatron's throughput (training.py: training_log): the FLOPs of one global batch / (seconds per iteration * 1e12 *
+// world size), world size being every process of the run, so the figure is per GPU (per process).
 double throughput_tflops_per_gpu(double flops_per_iteration, double seconds_per_iteration, int64_t world_size);
 
 }  // namespace moecore

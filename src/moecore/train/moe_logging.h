@@ -5,6 +5,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moecore/model/gpt_model.h"
@@ -12,6 +13,11 @@
 #include "moecore/train/log_format.h"
 
 namespace moecore {
+
+// The balancing losses the training log prints, in Megatron's order (load_balancing_loss, seq_load_balancing_loss,
+// global_load_balancing_loss), by Megatron's training_log rule; a tracked type whose coefficient is 0 (or that is not
+// configured, e.g. load_balancing_loss under "seq_aux_loss" alone) prints 0.
+std::vector<std::pair<std::string, LoadBalancingType>> tracked_balancing_losses(const MoEConfig& config);
 
 // Sums MoEStats over the iterations of one logging interval.
 class MoEMetrics {

@@ -10,6 +10,7 @@
 #include "moecore/model/gpt_model.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/train/arguments.h"
+#include "moecore/train/training_progress.h"
 
 namespace moecore {
 
@@ -20,13 +21,14 @@ class TrainingError : public std::runtime_error {
 };
 
 struct TrainResult {
-  double first_train_loss = 0.0;     // mean lm loss of iteration 1
-  double last_train_loss = 0.0;      // mean lm loss of the last iteration
+  double first_train_loss = 0.0;     // lm loss of iteration 1 (token-weighted over the global batch)
+  double last_train_loss = 0.0;      // lm loss of the last iteration
   double first_valid_loss = -1.0;    // validation lm loss before training (-1 without a validation split)
   double last_valid_loss = -1.0;     // validation lm loss after the last iteration
   double tokens_per_second = 0.0;    // training tokens / training wall time
   double unigram_baseline = -1.0;    // validation cross-entropy of a context-free unigram model (-1: not computed)
-  std::vector<double> train_losses;  // lm loss of every iteration (the mean over the global batch)
+  std::vector<double> train_losses;  // lm loss of every iteration (token-weighted over the global batch)
+  TrainingProgress progress;         // where the run ended
 };
 
 // Called on world rank 0 after training with the one-process model gathered from every rank (tests, tools).

@@ -1,0 +1,81 @@
+#include "moecore/train/evaluation.h"
+
+#include <cmath>
+#include <memory>
+#include <ostream>
+#include <vector>
+
+#include "moecore/train/batch_schedule.h"
+#include "moecore/train/log_format.h"
+
+namespace moecore {
+
+double evaluate(const TrainingArgs& args, GPTModel& model, const GPTDataProvider& data,
+                const parallel::ParallelState& parallel, const int64_t first_sample, int64_t& samples_read) {
+  const int64_t available = data.num_samples(DatasetSplit::kValid);
+  const int64_t num_microbatches = args.global_batch_size / args.micro_batch_size;
+  const std::vector<int64_t> mine = local_microbatches(num_microbatches, parallel.dp_size(), parallel.dp_rank());
+  TokenWeightedLoss loss;
+  int64_t batch_start = first_sample;
+  for (int64_t it = 0; it < args.eval_iters; ++it) {
+    if (batch_start + args.global_batch_size > available) batch_start = 0;
+    for (const int64_t g : mine) {
+      const Batch batch =
+          data.get_batch(DatasetSplit::kValid, batch_start + g * args.micro_batch_size, args.micro_batch_size);
+      ForwardOptions options;
+      options.training = false;
+      std::unique_ptr<MicroBatchContext> unused;
+      const double mean_loss = model.forward(unused, batch.tokens_BS.data(), batch.labels_BS.data(),
+                                             batch.loss_mask_BS.data(), batch.B, batch.S, options);
+      loss.add(mean_loss, loss_tokens(batch));
+    }
+    batch_start += args.global_batch_size;
+  }
+  samples_read = args.eval_iters * args.global_batch_size;
+  return reduce_over_dp_cp(loss, parallel);
+}
+
+double evaluate_and_print(const TrainingArgs& args, GPTModel& model, const GPTDataProvider& data,
+                          const parallel::ParallelState& parallel, const std::string_view prefix,
+                          int64_t& consumed_valid_samples, std::ostream& log) {
+  int64_t samples_read = 0;
+  const double loss = evaluate(args, model, data, parallel, consumed_valid_samples, samples_read);
+  consumed_valid_samples += samples_read;
+  const std::string line = format_validation_log(prefix, {{"lm loss", loss}});
+  const std::string rule = validation_rule(line);
+  log << rule << '\n' << line << '\n' << rule << std::endl;
+  return loss;
+}
+
+std::string validation_prefix_during_training(const int64_t iteration) {
+  return "iteration " + std::to_string(iteration);
+}
+
+std::string validation_prefix_after_training(const int64_t iteration) {
+  return "iteration " + std::to_string(iteration) + " on validation set";
+}
+
+double unigram_baseline(const GPTDataProvider& data, const int64_t vocab, const int64_t train_samples,
+                        const int64_t valid_samples) {
+  std::vector<double> counts(static_cast<size_t>(vocab), 1.0);
+  double total = static_cast<double>(vocab);
+  const Batch train = data.get_batch(DatasetSplit::kTrain, 0, train_samples);
+  for (size_t i = 0; i < train.labels_BS.size(); ++i) {
+    const auto id = static_cast<size_t>(train.labels_BS[i]);
+    if (id < counts.size()) {
+      counts[id] += 1.0;
+      total += 1.0;
+    }
+  }
+  const Batch valid = data.get_batch(DatasetSplit::kValid, 0, valid_samples);
+  double loss = 0.0, weight = 0.0;
+  for (size_t i = 0; i < valid.labels_BS.size(); ++i) {
+    const auto id = static_cast<size_t>(valid.labels_BS[i]);
+    const double p = id < counts.size() ? counts[id] / total : 1.0 / total;
+    loss -= valid.loss_mask_BS[i] * std::log(p);
+    weight += valid.loss_mask_BS[i];
+  }
+  return weight > 0 ? loss / weight : 0.0;
+}
+
+}  // namespace moecore

@@ -1,0 +1,44 @@
+#include "moecore/train/final_export.h"
+
+#include <memory>
+#include <ostream>
+#include <vector>
+
+#include "moecore/ckpt/hf_checkpoint.h"
+#include "moecore/train/gather_model.h"
+#include "moecore/train/generate.h"
+
+namespace moecore {
+
+void finish_training(const TrainingArgs& args, GPTModel& model, DistributedDataParallel& ddp,
+                     const Vocabulary& vocabulary, const parallel::ParallelState& parallel,
+                     const FullModelCallback& on_full_model, std::ostream& log) {
+  ddp.wait_param_gather();
+  std::unique_ptr<GPTModel> gathered;
+  if (parallel.world.size() > 1) gathered = gather_full_model(model, static_cast<uint64_t>(args.seed));
+  if (parallel.rank != 0) return;
+  GPTModel& full_model = gathered ? *gathered : model;
+  if (on_full_model) on_full_model(full_model);
+  if (!args.export_hf_dir.empty()) {
+    HfExportInfo info;
+    info.bos_token_id = vocabulary.eod_id;
+    info.eos_token_id = vocabulary.eod_id;
+    if (args.tokenizer_type == "GPT2BPETokenizer") {
+      info.gpt2_vocab_file = args.vocab_file;
+      info.gpt2_merge_file = args.merge_file;
+    }
+    export_hf(full_model, info, args.export_hf_dir);
+    log << "> exported HuggingFace checkpoint to " << args.export_hf_dir << std::endl;
+  }
+  if (!args.sample_prompt.empty()) {
+    if (!vocabulary.tokenizer) throw ConfigError("--sample-prompt needs a text tokenizer (--tokenizer-type)");
+    SamplingOptions sampling;
+    sampling.max_new_tokens = args.sample_tokens;
+    sampling.vocab_limit = vocabulary.unpadded_size;
+    const std::vector<int32_t> prompt = vocabulary.tokenizer->tokenize(args.sample_prompt);
+    const std::vector<int32_t> out = generate(full_model, prompt, sampling);
+    log << "> sample (greedy): " << vocabulary.tokenizer->detokenize(out) << std::endl;
+  }
+}
+
+}  // namespace moecore

@@ -1,0 +1,36 @@
+// One training iteration (Megatron's train_step): forward and backward over this rank's micro-batches of the global
+// batch, gradient reduction, clipping, the AdamW step and the end-of-batch expert-bias update.
+#pragma once
+
+#include "moecore/data/data_loader.h"
+#include "moecore/model/gpt_model.h"
+#include "moecore/optim/ddp.h"
+#include "moecore/optim/distributed_optimizer.h"
+#include "moecore/optim/lr_schedule.h"
+#include "moecore/parallel/parallel_state.h"
+#include "moecore/train/arguments.h"
+#include "moecore/train/training_progress.h"
+
+namespace moecore {
+
+struct StepResult {
+  double lm_loss = 0.0;    // token-weighted over the global batch (every micro-batch of every DP rank)
+  double grad_norm = 0.0;  // before clipping
+  MoEStats moe_stats;      // this rank's router statistics of the iteration (not yet reduced over ranks)
+};
+
+struct TrainingModules {
+  GPTModel& model;
+  DistributedDataParallel& ddp;
+  DistributedAdamW& optimizer;
+  const LRSchedule& schedule;
+  const GPTDataProvider& data;
+};
+
+// Iteration progress.iteration + 1 on training samples [consumed_train_samples, + global batch): throws
+// TrainingError (on every rank together) when the loss or the gradient norm is not finite. Does not advance
+// `progress`.
+StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, const parallel::ParallelState& parallel,
+                      const TrainingProgress& progress);
+
+}  // namespace moecore

@@ -1,0 +1,157 @@
+#include "moecore/train/training_log.h"
+
+#include <iomanip>
+#include <ostream>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "moecore/parallel/comm_stats.h"
+#include "moecore/tensor/memory_tracker.h"
+
+namespace moecore {
+namespace {
+
+// Current and peak bytes per category, each the maximum over the ranks (collective).
+std::string memory_report(const int64_t iteration, const parallel::ParallelState& parallel) {
+  const MemoryTracker& mem = MemoryTracker::instance();
+  const std::vector<MemCategory> categories{MemCategory::kParams, MemCategory::kGrads, MemCategory::kOptimizer,
+                                            MemCategory::kActivations, MemCategory::kOther};
+  std::vector<float> mb;  // [current, peak] per category, then the total peak
+  for (const MemCategory c : categories) {
+    mb.push_back(static_cast<float>(mem.current(c)) / (1024.0f * 1024.0f));
+    mb.push_back(static_cast<float>(mem.peak(c)) / (1024.0f * 1024.0f));
+  }
+  mb.push_back(static_cast<float>(mem.peak_total()) / (1024.0f * 1024.0f));
+  parallel.world.all_reduce(std::span<float>(mb), parallel::ReduceOp::kMax);
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1);
+  out << "[Rank 0] (after " << iteration << " iterations) memory (MB"
+      << (parallel.world.size() > 1 ? ", max over " + std::to_string(parallel.world.size()) + " ranks" : "") << ")";
+  for (size_t i = 0; i < categories.size(); ++i) {
+    out << " | " << mem_category_name(categories[i]) << ": " << mb[2 * i] << " (peak " << mb[2 * i + 1] << ")";
+  }
+  out << " | total peak: " << mb.back();
+  return out.str();
+}
+
+// Seconds per iteration in each communication kind over `iterations`, the maximum over the ranks, with the share of
+// the iteration time (collective).
+std::string comm_report(const double seconds_per_iter, const int64_t iterations,
+                        const parallel::ParallelState& parallel) {
+  constexpr auto kKinds = static_cast<size_t>(parallel::CommKind::kCount);
+  std::vector<float> seconds(kKinds);
+  for (size_t k = 0; k < kKinds; ++k) {
+    seconds[k] = static_cast<float>(parallel::CommStats::instance().seconds(static_cast<parallel::CommKind>(k)));
+  }
+  parallel.world.all_reduce(std::span<float>(seconds), parallel::ReduceOp::kMax);
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1) << " [comm] per iteration, max over ranks (ms / share of step):";
+  for (size_t k = 0; k < kKinds; ++k) {
+    const double ms = 1000.0 * seconds[k] / static_cast<double>(iterations);
+    out << " " << parallel::comm_kind_name(static_cast<parallel::CommKind>(k)) << " " << ms << " / "
+        << (seconds_per_iter > 0 ? 100.0 * ms / (1000.0 * seconds_per_iter) : 0.0) << "% |";
+  }
+  return out.str();
+}
+
+}  // namespace
+
+bool logs_iteration(const int64_t iteration, const int64_t log_interval, const int64_t first_iteration) {
+  return iteration % log_interval == 0 || iteration == first_iteration;
+}
+
+void reduce_moe_stats(MoEStats& stats, const MoEConfig& config, const parallel::ParallelState& parallel) {
+  if (parallel.world.size() == 1 || stats.moe_layers.empty()) return;
+  std::vector<float> flat;
+  for (size_t l = 0; l < stats.moe_layers.size(); ++l) {
+    for (const double v : stats.load_balancing_losses[l]) flat.push_back(static_cast<float>(v));
+    flat.push_back(static_cast<float>(stats.z_losses[l]));
+    for (const int64_t c : stats.tokens_per_expert[l]) flat.push_back(static_cast<float>(c));
+  }
+  {
+    const parallel::CommTimer timer(parallel::CommKind::kOther);
+    parallel.world.all_reduce(std::span<float>(flat), parallel::ReduceOp::kSum);  // the world is tp-dp-cp (PP 1)
+  }
+  const auto dp = static_cast<double>(parallel.dp_size());
+  size_t i = 0;
+  for (size_t l = 0; l < stats.moe_layers.size(); ++l) {
+    for (size_t j = 0; j < stats.load_balancing_losses[l].size(); ++j) {
+      const bool dp_average = j >= config.load_balancing_types.size() ||
+                              config.load_balancing_types[j] != LoadBalancingType::kGlobalAuxLoss;
+      stats.load_balancing_losses[l][j] = flat[i++] / (dp_average ? dp : 1.0);
+    }
+    stats.z_losses[l] = flat[i++] / dp;
+    for (int64_t& c : stats.tokens_per_expert[l]) c = static_cast<int64_t>(flat[i++] + 0.5f);
+  }
+}
+
+TrainingLogger::TrainingLogger(const TrainingArgs& run_args, const parallel::ParallelState& parallel, std::ostream& log)
+    : args_(run_args),
+      parallel_(parallel),
+      log_(log),
+      schedule_(lr_schedule_config(run_args)),
+      flops_per_iteration_(
+          num_floating_point_operations(run_args.model, run_args.global_batch_size, run_args.model.seq_length)),
+      moe_metrics_(run_args.model.moe) {}
+
+double TrainingLogger::throughput_per_gpu(const double seconds_per_iteration) const {
+  return throughput_tflops_per_gpu(flops_per_iteration_, seconds_per_iteration, parallel_.world.size());
+}
+
+IterationLog TrainingLogger::iteration_log(const TrainingProgress& progress, const double seconds_per_iteration,
+                                           const double lm_loss, const NamedValues& moe_losses, const double grad_norm,
+                                           std::string timestamp) const {
+  IterationLog entry;
+  entry.timestamp = std::move(timestamp);
+  entry.iteration = progress.iteration;
+  entry.train_iters = args_.train_iters;
+  entry.consumed_samples = progress.consumed_train_samples;
+  entry.elapsed_ms_per_iteration = seconds_per_iteration * 1000.0;
+  if (args_.log_throughput) entry.throughput_tflops_per_gpu = throughput_per_gpu(seconds_per_iteration);
+  entry.learning_rate = schedule_.lr_at(progress.iteration);
+  entry.global_batch_size = args_.global_batch_size;
+  entry.losses = {{"lm loss", lm_loss}};
+  for (const auto& named : moe_losses) entry.losses.push_back(named);
+  entry.grad_norm = grad_norm;
+  return entry;
+}
+
+void TrainingLogger::start() {
+  parallel::CommStats::instance().reset();  // communication of the training iterations only
+  interval_start_ = Clock::now();
+}
+
+void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
+  reduce_moe_stats(step.moe_stats, args_.model.moe, parallel_);
+  moe_metrics_.add(step.moe_stats);
+  loss_sum_ += step.lm_loss;
+  ++iterations_;
+  const int64_t iteration = progress.iteration;
+  if (!logs_iteration(iteration, args_.log_interval, first_iteration_)) return;
+
+  const bool reset = iteration != first_iteration_;
+  const double seconds_per_iter =
+      std::chrono::duration<double>(Clock::now() - interval_start_).count() / static_cast<double>(iterations_);
+  const IterationLog entry =
+      iteration_log(progress, seconds_per_iter, loss_sum_ / static_cast<double>(iterations_), moe_metrics_.losses(),
+                    step.grad_norm, format_log_timestamp(std::chrono::system_clock::now()));
+  log_ << format_iteration_log(entry) << std::endl;
+  for (const std::string& line : moe_metrics_.usage_lines()) log_ << line << '\n';
+  if (parallel_.world.size() > 1) {
+    log_ << comm_report(seconds_per_iter, iterations_, parallel_) << std::endl;
+    if (reset) parallel::CommStats::instance().reset();
+  }
+  if (report_memory_) {  // Megatron: after the first iteration and at the next log line (optimizer state included)
+    log_ << memory_report(iteration, parallel_) << std::endl;
+    if (iteration > first_iteration_) report_memory_ = false;
+  }
+  if (!reset) return;
+  moe_metrics_.reset();
+  loss_sum_ = 0.0;
+  iterations_ = 0;
+  interval_start_ = Clock::now();
+}
+
+}  // namespace moecore

@@ -1,0 +1,69 @@
+// The training log of rank 0, as Megatron's training_log: interval averages of the lm loss and the MoE losses,
+// timing and throughput, a line every --log-interval iterations and after the first iteration, then expert usage,
+// communication time and (twice) memory.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <iosfwd>
+
+#include "moecore/optim/lr_schedule.h"
+#include "moecore/parallel/parallel_state.h"
+#include "moecore/train/arguments.h"
+#include "moecore/train/log_format.h"
+#include "moecore/train/moe_logging.h"
+#include "moecore/train/train_step.h"
+#include "moecore/train/training_progress.h"
+
+namespace moecore {
+
+// Megatron's training_log prints `if iteration % args.log_interval == 0 or is_first_iteration`; the first iteration's
+// line does not reset the interval averages (should_reset = not is_first_iteration).
+bool logs_iteration(int64_t iteration, int64_t log_interval, int64_t first_iteration);
+
+// This rank's MoE statistics turned into the logged ones (collective over the world), as Megatron's metrics tracker
+// (moe_logging.py: MoEMetricsTracker._sync_metrics): each loss summed over its reduce group, then averaged over DP
+// when the router asked for it. aux / seq-aux losses: summed over tp-cp, averaged over DP; global aux loss: summed
+// over tp-dp-cp, not averaged (router.py: _apply_global_aux_loss, needs_dp_avg=False); z-loss: averaged over tp-dp-cp
+// (moecore's ranks hold their 1/|tp-cp| share, so the tp-cp sum averaged over DP). Token counts: summed.
+void reduce_moe_stats(MoEStats& stats, const MoEConfig& config, const parallel::ParallelState& parallel);
+
+class TrainingLogger {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // `run_args` with the padded vocabulary (the FLOPs count needs it). Logs to `log` (rank 0's stream).
+  TrainingLogger(const TrainingArgs& run_args, const parallel::ParallelState& parallel, std::ostream& log);
+
+  // Megatron's num_floating_point_operations of one global batch.
+  double flops_per_iteration() const { return flops_per_iteration_; }
+  // "throughput per GPU (TFLOP/s/GPU)": FLOPs of the global batch / (seconds * 1e12 * world size).
+  double throughput_per_gpu(double seconds_per_iteration) const;
+  // The line of `iteration` from interval averages (no timestamp when `timestamp` is empty).
+  IterationLog iteration_log(const TrainingProgress& progress, double seconds_per_iteration, double lm_loss,
+                             const NamedValues& moe_losses, double grad_norm, std::string timestamp) const;
+
+  // Starts the interval clock (after any validation before training).
+  void start();
+  // Leaves `duration` (an evaluation) out of the interval time, as Megatron stops its interval timer.
+  void exclude(Clock::duration duration) { interval_start_ += duration; }
+  // Adds the iteration just completed (`progress` already counts it; collective: reduces the MoE statistics) and
+  // prints its line when Megatron would.
+  void record(const TrainingProgress& progress, StepResult step);
+
+ private:
+  const TrainingArgs& args_;
+  const parallel::ParallelState& parallel_;
+  std::ostream& log_;
+  LRSchedule schedule_;
+  double flops_per_iteration_ = 0.0;
+  int64_t first_iteration_ = 1;
+  // The interval since the last reset.
+  Clock::time_point interval_start_;
+  double loss_sum_ = 0.0;
+  int64_t iterations_ = 0;
+  MoEMetrics moe_metrics_;
+  bool report_memory_ = true;  // Megatron's report_memory_flag
+};
+
+}  // namespace moecore

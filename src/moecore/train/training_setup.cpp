@@ -1,0 +1,98 @@
+#include "moecore/train/training_setup.h"
+
+#include <chrono>
+#include <iomanip>
+#include <ostream>
+
+namespace moecore {
+
+Vocabulary build_vocabulary(const TrainingArgs& args) {
+  Vocabulary vocabulary;
+  if (!args.tokenizer_type.empty()) {
+    TokenizerOptions options;
+    options.type = args.tokenizer_type;
+    options.vocab_file = args.vocab_file;
+    options.merge_file = args.merge_file;
+    options.vocab_size = args.vocab_size.value_or(-1);
+    vocabulary.tokenizer = build_tokenizer(options);
+    vocabulary.unpadded_size = vocabulary.tokenizer->vocab_size();
+    vocabulary.eod_id = vocabulary.tokenizer->eod();
+  } else if (args.vocab_size) {
+    vocabulary.unpadded_size = *args.vocab_size;
+    vocabulary.eod_id = static_cast<int32_t>(vocabulary.unpadded_size - 1);
+  } else {
+    throw ConfigError("the vocabulary is unknown: give --tokenizer-type (with its files) or --vocab-size");
+  }
+  vocabulary.padded_size = padded_vocab_size(vocabulary.unpadded_size, args);
+  return vocabulary;
+}
+
+TrainingArgs with_padded_vocabulary(const TrainingArgs& args, const Vocabulary& vocabulary) {
+  TrainingArgs run_args = args;
+  run_args.model.vocab_size = vocabulary.padded_size;
+  run_args.model.validate();
+  return run_args;
+}
+
+SplitSampleCounts split_sample_counts(const TrainingArgs& args) {
+  const int64_t gbs = args.global_batch_size;
+  const int64_t eval_points = args.eval_interval ? args.train_iters / *args.eval_interval + 1 : 1;
+  SplitSampleCounts counts;
+  counts.train = args.train_iters * gbs;
+  counts.valid = eval_points * args.eval_iters * gbs;
+  counts.test = args.eval_iters * gbs;
+  return counts;
+}
+
+GPTDataProvider build_data(const TrainingArgs& run_args, const int32_t eod_id, std::ostream& log) {
+  DataOptions options;
+  options.data_path = run_args.data_path;
+  options.mock_data = run_args.mock_data;
+  if (!run_args.split.empty()) options.split = run_args.split;
+  options.seq_length = run_args.model.seq_length;
+  options.seed = static_cast<uint64_t>(run_args.seed);
+  options.data_cache_path = run_args.data_cache_path;
+  options.eod_mask_loss = run_args.eod_mask_loss;
+  options.eod_id = eod_id;
+  options.vocab_size = run_args.model.vocab_size;
+  const auto start = std::chrono::steady_clock::now();
+  const SplitSampleCounts counts = split_sample_counts(run_args);
+  GPTDataProvider data = GPTDataProvider::build(options, counts.train, counts.valid, counts.test);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  log << "> built datasets in " << std::fixed << std::setprecision(2) << seconds << " s: train "
+      << data.num_samples(DatasetSplit::kTrain) << " samples, valid " << data.num_samples(DatasetSplit::kValid)
+      << " samples" << std::endl;
+  log.unsetf(std::ios::floatfield);
+  return data;
+}
+
+ModelAndOptimizer build_model_and_optimizer(const TrainingArgs& run_args, const parallel::ParallelState& parallel) {
+  ModelAndOptimizer out;
+  out.model = std::make_unique<GPTModel>(run_args.model, static_cast<uint64_t>(run_args.seed), parallel);
+  AdamWOptions adam;
+  adam.beta1 = run_args.adam_beta1;
+  adam.beta2 = run_args.adam_beta2;
+  adam.eps = run_args.adam_eps;
+  adam.weight_decay = run_args.weight_decay;
+  DdpOptions ddp_options;
+  ddp_options.bucket_size = run_args.ddp_bucket_size;
+  ddp_options.overlap_grad_reduce = run_args.overlap_grad_reduce;
+  ddp_options.use_distributed_optimizer = run_args.use_distributed_optimizer;
+  ddp_options.overlap_param_gather = run_args.overlap_param_gather;
+  out.ddp = std::make_unique<DistributedDataParallel>(out.model->params(), parallel, ddp_options);
+  out.model->set_hooks(out.ddp.get());
+  out.optimizer = std::make_unique<DistributedAdamW>(*out.ddp, out.model->params(), adam);
+  return out;
+}
+
+double one_process_parameter_count(const GPTModel& model) {
+  double count = 0.0;
+  for (const Param& p : model.params()) {
+    double n = 1.0;
+    for (const int64_t d : p.shard.full_shape) n *= static_cast<double>(d);
+    count += p.is_expert ? n * model.parallel().ep_size() : n;
+  }
+  return count;
+}
+
+}  // namespace moecore

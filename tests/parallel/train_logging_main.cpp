@@ -1,0 +1,184 @@
+// Under mpirun -np 2: the training log of a DP2 run against one process on the same global batch (rank 0 runs the
+// one-process reference first: one micro-batch of 4 samples, where DP2 gives each rank a micro-batch of 2).
+// - global_load_balancing_loss: Megatron sums it over tp-dp-cp without averaging over DP (router.py:
+//   _apply_global_aux_loss, needs_dp_avg=False), so the DP2 value equals the one-process value;
+// - lm loss (iteration 1, before any update) and the validation loss before training, with --eod-mask-loss on
+//   documents of different lengths: token-weighted over the global batch, so equal to the one-process values;
+// - the throughput figure: FLOPs of the global batch / (seconds x 1e12 x world size 2);
+// - context parallelism: dp_size()/dp_rank() are the DP group's, dp_cp_size()/dp_cp_rank() the dp-cp group's.
+// Exit status 1 on any mismatch.
+#include <cmath>
+#include <filesystem>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "moecore/data/indexed_dataset.h"
+#include "moecore/parallel/mpi_runtime.h"
+#include "moecore/parallel/parallel_state.h"
+#include "moecore/train/log_format.h"
+#include "moecore/train/trainer.h"
+#include "moecore/train/training_log.h"
+#include "moecore/train/training_setup.h"
+
+namespace {
+
+int failures = 0;
+
+void check(const bool ok, const std::string& what) {
+  if (!ok) ++failures;
+  std::cout << (ok ? "ok: " : "FAIL: ") << what << "\n";
+}
+
+void check_close(const double got, const double want, const double rel, const std::string& what) {
+  check(std::abs(got - want) <= rel * std::abs(want),
+        what + ": " + std::to_string(got) + " vs " + std::to_string(want));
+}
+
+// The number after `key` in the first line holding `line_marker` (NaN when absent).
+double logged(const std::string& log, const std::string& line_marker, const std::string& key) {
+  const size_t line = log.find(line_marker);
+  if (line == std::string::npos) return std::nan("");
+  const size_t end = log.find('\n', line);
+  const size_t at = log.find(key, line);
+  if (at == std::string::npos || at > end) return std::nan("");
+  return std::stod(log.substr(at + key.size()));
+}
+
+void write_corpus(const std::string& prefix) {
+  moecore::IndexedDatasetWriter writer(prefix, moecore::IndexedDType::kI32);
+  uint64_t state = 777;
+  for (int d = 0; d < 300; ++d) {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    const int length = 1 + static_cast<int>((state >> 33) % 9);
+    std::vector<int32_t> tokens;
+    for (int t = 0; t < length; ++t) tokens.push_back(static_cast<int32_t>((state >> (t + 3)) % 60));
+    tokens.push_back(60);  // EOD of NullTokenizer --vocab-size 60
+    writer.add_document(tokens);
+  }
+  writer.finalize();
+}
+
+std::vector<std::string> flags(const std::string& dir, const int micro_batch_size) {
+  return {"--num-layers",
+          "2",
+          "--hidden-size",
+          "32",
+          "--num-attention-heads",
+          "4",
+          "--seq-length",
+          "16",
+          "--max-position-embeddings",
+          "16",
+          "--attention-dropout",
+          "0",
+          "--hidden-dropout",
+          "0",
+          "--ffn-hidden-size",
+          "64",
+          "--micro-batch-size",
+          std::to_string(micro_batch_size),
+          "--global-batch-size",
+          "4",
+          "--train-iters",
+          "2",
+          "--lr",
+          "1e-3",
+          "--log-interval",
+          "1",
+          "--eval-iters",
+          "1",
+          "--tokenizer-type",
+          "NullTokenizer",
+          "--vocab-size",
+          "60",
+          "--data-path",
+          dir + "/corpus",
+          "--split",
+          "70,30,0",
+          "--data-cache-path",
+          dir + "/cache",
+          "--eod-mask-loss",
+          "--seed",
+          "11",
+          "--num-experts",
+          "4",
+          "--moe-ffn-hidden-size",
+          "32",
+          "--moe-router-topk",
+          "2",
+          "--moe-router-load-balancing-type",
+          "global_aux_loss",
+          "--moe-aux-loss-coeff",
+          "0.01",
+          "--log-throughput"};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  moecore::parallel::MpiRuntime mpi(&argc, &argv);
+  const moecore::parallel::ProcessGroup world = moecore::parallel::ProcessGroup::world();
+  if (world.size() != 2) {
+    std::cerr << "run under mpirun -np 2\n";
+    return 2;
+  }
+  try {
+    // Context parallelism: CP 2 over the 2 ranks, DP 1.
+    moecore::ParallelSizes cp_sizes;
+    cp_sizes.world_size = 2;
+    cp_sizes.context_parallel_size = 2;
+    const auto cp = moecore::parallel::ParallelState::create(cp_sizes, false, world);
+    check(cp.dp_size() == 1 && cp.dp_rank() == 0, "CP2: dp_size() 1, dp_rank() 0");
+    check(cp.dp_cp_size() == 2 && cp.dp_cp_rank() == world.rank(), "CP2: dp_cp_size() 2, dp_cp_rank() = rank");
+
+    const std::string dir = "dist_train_logging_work";
+    std::string reference;
+    if (world.rank() == 0) {
+      std::filesystem::remove_all(dir);
+      std::filesystem::create_directories(dir);
+      write_corpus(dir + "/corpus");
+      std::ostringstream log;
+      moecore::run_training(moecore::parse_train_args(flags(dir, 4), 1), log,
+                            moecore::parallel::ParallelState::single_process());
+      reference = log.str();
+    }
+    moecore::parallel::sum_double(world, 0.0);  // the corpus exists before rank 1 reads it
+
+    const moecore::TrainingArgs args = moecore::parse_train_args(flags(dir, 2), 2);
+    const auto dp2 = moecore::make_parallel_state(args);
+    check(dp2.dp_size() == 2 && dp2.dp_rank() == world.rank(), "DP2: dp_size() 2, dp_rank() = rank");
+    std::ostringstream log;
+    moecore::run_training(args, log, dp2);
+
+    // Throughput: what the logger passes to Megatron's formula.
+    const moecore::TrainingArgs run_args = moecore::with_padded_vocabulary(args, moecore::build_vocabulary(args));
+    std::ostringstream unused;
+    const moecore::TrainingLogger logger(run_args, dp2, unused);
+    const double flops = moecore::num_floating_point_operations(run_args.model, 4, 16);
+    check(logger.flops_per_iteration() == flops, "FLOPs per iteration are the global batch's");
+    check_close(logger.throughput_per_gpu(0.5), flops / (0.5 * 1e12 * 2), 1e-12, "TFLOP/s/GPU divides by world 2");
+
+    if (world.rank() == 0) {
+      const std::string dp_log = log.str();
+      const std::string line1 = "] iteration        1/       2 |";
+      check_close(logged(dp_log, line1, " global_load_balancing_loss: "),
+                  logged(reference, line1, " global_load_balancing_loss: "), 1e-5,
+                  "iteration 1 global_load_balancing_loss");
+      check_close(logged(dp_log, line1, " lm loss: "), logged(reference, line1, " lm loss: "), 1e-5,
+                  "iteration 1 lm loss");
+      const std::string valid0 = " validation loss at iteration 0 |";
+      check_close(logged(dp_log, valid0, " lm loss value: "), logged(reference, valid0, " lm loss value: "), 1e-5,
+                  "validation loss before training");
+      if (failures > 0) std::cout << "one process:\n" << reference << "DP2:\n" << dp_log;
+      std::filesystem::remove_all(dir);
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << '\n';
+    moecore::parallel::abort_world(1);
+  }
+  const double all_failures = moecore::parallel::sum_double(world, static_cast<double>(failures));
+  if (world.rank() == 0) std::cout << (all_failures == 0 ? "PASS" : "FAILED") << "\n";
+  return all_failures == 0 ? 0 : 1;
+}
