@@ -13,10 +13,10 @@
 #include <span>
 #include <stdexcept>
 
-#include "moecore/kernels/cpu/gemm.h"
 #include "moecore/model/config.h"
 #include "moecore/moe/load_balancing.h"
 #include "moecore/moe/routing_math.h"
+#include "moecore/ops/linear.h"
 #include "moecore/parallel/comm_stats.h"
 #include "moecore/tensor/rng.h"
 
@@ -253,7 +253,8 @@ void TopKRouter::compute_logits(std::vector<double>& logits_TE, const float* inp
   logits_TE.assign(static_cast<size_t>(T * E), 0.0);
   const std::vector<double> x_d = to_double(input_TH, T * H);
   const std::vector<double> w_d = to_double(weight_->value.data<float>(), E * H);
-  kernels::cpu::gemm<double>(false, true, T, E, H, 1.0, x_d.data(), H, w_d.data(), H, 0.0, logits_TE.data(), E);
+  Tensor logits = Tensor::from_blob(logits_TE.data(), {T, E});
+  ops::linear_forward(logits, Tensor::from_blob(x_d.data(), {T, H}), Tensor::from_blob(w_d.data(), {E, H}));
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t e = 0; e < E; ++e) {
       const double bias = bias_ != nullptr ? bias_->value.data<float>()[e] : 0.0;
@@ -460,8 +461,10 @@ void TopKRouter::backward(float* dx_TH, const float* dprobs_TE, const double aux
   const std::vector<double> x_d = to_double(saved.input_TH.data<float>(), T * H);
   const std::vector<double> w_d = to_double(weight_->value.data<float>(), E * H);
   std::vector<double> dw_EH(static_cast<size_t>(E * H)), dx_d(static_cast<size_t>(T * H));
-  kernels::cpu::gemm<double>(true, false, E, H, T, 1.0, dlogits_TE.data(), E, x_d.data(), H, 0.0, dw_EH.data(), H);
-  kernels::cpu::gemm<double>(false, false, T, H, E, 1.0, dlogits_TE.data(), E, w_d.data(), H, 0.0, dx_d.data(), H);
+  Tensor dw_d = Tensor::from_blob(dw_EH.data(), {E, H}), dx_dt = Tensor::from_blob(dx_d.data(), {T, H});
+  const Tensor x = Tensor::from_blob(x_d.data(), {T, H});
+  ops::linear_backward(&dx_dt, &dw_d, nullptr, Tensor::from_blob(dlogits_TE.data(), {T, E}), &x,
+                       Tensor::from_blob(w_d.data(), {E, H}));
   float* dw = weight_->grad.data<float>();
   for (int64_t i = 0; i < E * H; ++i) dw[i] += static_cast<float>(dw_EH[i]);
   if (bias_ != nullptr) {

@@ -2,14 +2,14 @@
 
 #include <cmath>
 
-#include "moecore/kernels/cpu/adamw.h"
-#include "moecore/kernels/cpu/elementwise.h"
+#include "moecore/ops/elementwise.h"
+#include "moecore/ops/optim.h"
 
 namespace moecore {
 
-kernels::AdamWHyper adamw_hyper(const AdamWOptions& options, const double lr, const int64_t step,
-                                const bool no_weight_decay) {
-  kernels::AdamWHyper hp;
+ops::AdamWHyper adamw_hyper(const AdamWOptions& options, const double lr, const int64_t step,
+                            const bool no_weight_decay) {
+  ops::AdamWHyper hp;
   hp.lr = lr;
   hp.beta1 = options.beta1;
   hp.beta2 = options.beta2;
@@ -31,7 +31,7 @@ AdamWOptimizer::AdamWOptimizer(std::vector<Param>& params, const AdamWOptions& o
 
 double AdamWOptimizer::grad_norm() const {
   double sum = 0.0;
-  for (const Param& p : params_) sum += kernels::cpu::sum_squares(p.grad.data<float>(), p.grad.numel());
+  for (const Param& p : params_) sum += ops::sum_squares(p.grad);
   return std::sqrt(sum);
 }
 
@@ -39,7 +39,7 @@ double AdamWOptimizer::clip_grad_norm(const double max_norm) {
   const double norm = grad_norm();
   if (max_norm > 0.0 && norm > max_norm) {
     const auto coeff = static_cast<float>(max_norm / (norm + 1e-6));
-    for (Param& p : params_) kernels::cpu::scale_inplace(p.grad.data<float>(), coeff, p.grad.numel());
+    for (Param& p : params_) ops::scale_(p.grad, coeff);
   }
   return norm;
 }
@@ -48,9 +48,7 @@ void AdamWOptimizer::step(const double lr) {
   ++step_;
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
-    const kernels::AdamWHyper hp = adamw_hyper(options_, lr, step_, p.no_weight_decay);
-    kernels::cpu::adamw_step(p.value.data<float>(), p.grad.data<float>(), exp_avg_[i].data<float>(),
-                             exp_avg_sq_[i].data<float>(), p.value.numel(), hp);
+    ops::adamw_step(p.value, p.grad, exp_avg_[i], exp_avg_sq_[i], adamw_hyper(options_, lr, step_, p.no_weight_decay));
   }
 }
 

@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "moecore/kernels/cpu/adamw.h"
 #include "moecore/model/param.h"
+#include "moecore/ops/optim.h"
 
 namespace moecore {
 
@@ -15,7 +15,7 @@ struct AdamWOptions {
 };
 
 // The kernel's hyper-parameters for update number `step` at learning rate lr (no decay on no_weight_decay params).
-kernels::AdamWHyper adamw_hyper(const AdamWOptions& options, double lr, int64_t step, bool no_weight_decay);
+ops::AdamWHyper adamw_hyper(const AdamWOptions& options, double lr, int64_t step, bool no_weight_decay);
 
 class AdamWOptimizer {
  public:

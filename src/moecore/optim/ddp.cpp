@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "moecore/kernels/cpu/elementwise.h"
+#include "moecore/ops/elementwise.h"
 #include "moecore/parallel/comm_stats.h"
 
 namespace moecore {
@@ -163,7 +163,10 @@ void DistributedDataParallel::launch(const int bucket_index) {
   // Megatron scales before the collective; expert grads use the same 1 / dp-cp factor (they already hold the
   // tokens of every EP rank).
   const int dp_cp = parallel_.dp_cp.size();
-  if (dp_cp > 1) kernels::cpu::scale_inplace(data, 1.0f / static_cast<float>(dp_cp), static_cast<int64_t>(n));
+  if (dp_cp > 1) {
+    Tensor bucket = g.grad_buffer.slice_rows(b.begin, b.end);
+    ops::scale_(bucket, 1.0 / static_cast<double>(dp_cp));
+  }
   if (options_.use_distributed_optimizer) {
     b.grad_work = g.pg.reduce_scatter_async(std::span<const float>(data, n), b.comm_shard.span<float>(),
                                             parallel::ReduceOp::kSum);

@@ -5,8 +5,8 @@
 #include <span>
 #include <stdexcept>
 
-#include "moecore/kernels/cpu/adamw.h"
-#include "moecore/kernels/cpu/elementwise.h"
+#include "moecore/ops/elementwise.h"
+#include "moecore/ops/optim.h"
 #include "moecore/parallel/comm_stats.h"
 
 namespace moecore {
@@ -40,20 +40,22 @@ bool DistributedAdamW::counted_in_norm(const Param& p) const {
   return (sharded || ps.dp_cp.rank() == 0) && (p.tensor_sharded() || ps.tp.rank() == 0);
 }
 
+Tensor DistributedAdamW::grad_piece(const Piece& piece) const {
+  const auto& group = ddp_.groups()[static_cast<size_t>(ddp_.slots()[static_cast<size_t>(piece.param)].group)];
+  return group.grad_buffer.slice_rows(piece.offset, piece.offset + piece.numel);
+}
+
 double DistributedAdamW::grad_norm() const {
   double sum = 0.0;
   if (replicated_) {
     for (const Param& p : params_) {
-      if (counted_in_norm(p)) sum += kernels::cpu::sum_squares(p.grad.data<float>(), p.grad.numel());
+      if (counted_in_norm(p)) sum += ops::sum_squares(p.grad);
     }
   } else {
     for (const Piece& piece : pieces_) {
       const Param& p = params_[static_cast<size_t>(piece.param)];
       if (!counted_in_norm(p)) continue;
-      const float* grad = ddp_.groups()[static_cast<size_t>(ddp_.slots()[static_cast<size_t>(piece.param)].group)]
-                              .grad_buffer.data<float>() +
-                          piece.offset;
-      sum += kernels::cpu::sum_squares(grad, piece.numel);
+      sum += ops::sum_squares(grad_piece(piece));
     }
   }
   const parallel::ProcessGroup& world = ddp_.parallel().world;
@@ -69,13 +71,11 @@ double DistributedAdamW::clip_grad_norm(const double max_norm) {
   if (max_norm > 0.0 && norm > max_norm) {
     const auto coeff = static_cast<float>(max_norm / (norm + 1e-6));
     if (replicated_) {
-      for (Param& p : params_) kernels::cpu::scale_inplace(p.grad.data<float>(), coeff, p.grad.numel());
+      for (Param& p : params_) ops::scale_(p.grad, coeff);
     } else {
       for (const Piece& piece : pieces_) {
-        float* grad = ddp_.groups()[static_cast<size_t>(ddp_.slots()[static_cast<size_t>(piece.param)].group)]
-                          .grad_buffer.data<float>() +
-                      piece.offset;
-        kernels::cpu::scale_inplace(grad, coeff, piece.numel);
+        Tensor grad = grad_piece(piece);
+        ops::scale_(grad, coeff);
       }
     }
   }
@@ -90,12 +90,11 @@ void DistributedAdamW::step(const double lr) {
     const Param& p = params_[static_cast<size_t>(piece.param)];
     auto& group = ddp_.groups()[static_cast<size_t>(ddp_.slots()[static_cast<size_t>(piece.param)].group)];
     const auto& bucket = ddp_.buckets()[static_cast<size_t>(piece.bucket)];
-    const kernels::AdamWHyper hp = adamw_hyper(options_, lr, step_, p.no_weight_decay);
     const int64_t state = piece.offset - bucket.shard_begin;
-    kernels::cpu::adamw_step(group.param_buffer.data<float>() + piece.offset,
-                             group.grad_buffer.data<float>() + piece.offset,
-                             exp_avg_[static_cast<size_t>(piece.bucket)].data<float>() + state,
-                             exp_avg_sq_[static_cast<size_t>(piece.bucket)].data<float>() + state, piece.numel, hp);
+    Tensor param = group.param_buffer.slice_rows(piece.offset, piece.offset + piece.numel);
+    Tensor exp_avg = exp_avg_[static_cast<size_t>(piece.bucket)].slice_rows(state, state + piece.numel);
+    Tensor exp_avg_sq = exp_avg_sq_[static_cast<size_t>(piece.bucket)].slice_rows(state, state + piece.numel);
+    ops::adamw_step(param, grad_piece(piece), exp_avg, exp_avg_sq, adamw_hyper(options_, lr, step_, p.no_weight_decay));
   }
   ddp_.start_param_gather();
 }

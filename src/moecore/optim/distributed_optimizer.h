@@ -38,6 +38,8 @@ class DistributedAdamW {
     int64_t numel = 0;
   };
   bool counted_in_norm(const Param& p) const;
+  // The piece's elements of its group's flat gradient buffer (a view).
+  Tensor grad_piece(const Piece& piece) const;
 
   DistributedDataParallel& ddp_;
   std::vector<Param>& params_;
