@@ -9,6 +9,12 @@
 #include "moecore/train/log_format.h"
 
 namespace moecore {
+namespace {
+
+// Training forwards use streams iteration * micro-batches + g, far below this.
+constexpr uint64_t kEvalStreamBase = uint64_t{1} << 40;
+
+}  // namespace
 
 double evaluate(const TrainingArgs& args, GPTModel& model, const GPTDataProvider& data,
                 const parallel::ParallelState& parallel, const int64_t first_sample, int64_t& samples_read) {
@@ -22,8 +28,12 @@ double evaluate(const TrainingArgs& args, GPTModel& model, const GPTDataProvider
     for (const int64_t g : mine) {
       const Batch batch =
           data.get_batch(DatasetSplit::kValid, batch_start + g * args.micro_batch_size, args.micro_batch_size);
+      // No dropout in evaluation, but the router's input jitter applies (as Megatron): it draws from the run seed
+      // and a stream keyed by the validation micro-batch, disjoint from the training streams.
       ForwardOptions options;
       options.training = false;
+      options.dropout_seed = static_cast<uint64_t>(args.seed);
+      options.dropout_stream = kEvalStreamBase + static_cast<uint64_t>(batch_start / args.micro_batch_size + g);
       std::unique_ptr<MicroBatchContext> unused;
       const double mean_loss = model.forward(unused, batch.tokens_BS.data(), batch.labels_BS.data(),
                                              batch.loss_mask_BS.data(), batch.B, batch.S, options);
