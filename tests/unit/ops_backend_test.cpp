@@ -23,7 +23,8 @@
 //   norm.h        rmsnorm_forward rmsnorm_backward layernorm_forward layernorm_backward
 //   optim.h       adamw_step
 //   rows.h        split_qkv merge_qkv add_bias_rows bias_grad_rows scale_rows scale_rows_backward add_outer
-//                 add_outer_backward row_dot gather_rows scatter_add_rows add_position_embedding
+//                 add_outer_backward row_dot sigmoid_forward sigmoid_backward gather_rows scatter_add_rows
+//                 add_position_embedding
 //                 position_embedding_backward
 #include <gtest/gtest.h>
 #include <omp.h>
@@ -90,6 +91,8 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "add_outer",
                                                 "add_outer_backward",
                                                 "row_dot",
+                                                "sigmoid_forward",
+                                                "sigmoid_backward",
                                                 "gather_rows",
                                                 "scatter_add_rows",
                                                 "add_position_embedding",

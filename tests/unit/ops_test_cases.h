@@ -608,6 +608,24 @@ inline OpCase add_outer_case(const std::string& name, const int64_t R, const int
   return c;
 }
 
+inline OpCase sigmoid_case(const std::string& name, const std::vector<int64_t>& shape) {
+  OpCase c{name, {"sigmoid_forward", "sigmoid_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("x", shape);
+    e.rand("out", shape);
+  };
+  c.forward = [](Env& e) { sigmoid_forward(e("out"), e("x")); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [](Env& e) { sigmoid_backward(e("dx"), e("dout"), e("out")); };
+  c.grads = {{"x", "dx", kAcc}};
+  c.bad_args = {{kFwd, "x", "sigmoid_forward"},
+                {kFwd, "out", "sigmoid_forward"},
+                {kBwd, "dx", "sigmoid_backward"},
+                {kBwd, "dout", "sigmoid_backward"}};
+  return c;
+}
+
 // row_dot has no backward op of its own: its gradients are add_outer (dx += dout w^T) and add_outer_backward's
 // db (dw += sum_r dout[r] x[r]), as a router or gate would compose them.
 inline OpCase row_dot_case(const std::string& name, const int64_t R, const int64_t W) {
@@ -733,6 +751,7 @@ inline const std::vector<OpCase>& all_cases() {
         scale_rows_case("scale_rows", 8, 5),
         add_outer_case("add_outer", 8, 5),
         row_dot_case("row_dot", 8, 5),
+        sigmoid_case("sigmoid", {8, 5}),
         gather_rows_case("gather_rows", 6, 9, 4),
         scatter_add_rows_case("scatter_add_rows", 6, 9, 4),
         position_embedding_case("position_embedding", 10, 2, 6, 8, 4),
@@ -756,6 +775,7 @@ inline const std::vector<OpCase>& all_cases() {
         scale_rows_case("scale_rows_large", 130, 129),
         add_outer_case("add_outer_large", 130, 129),
         row_dot_case("row_dot_large", 130, 129),
+        sigmoid_case("sigmoid_large", {130, 129}),
         gather_rows_case("gather_rows_large", 128, 300, 64),
         scatter_add_rows_case("scatter_add_rows_large", 128, 300, 64),
         position_embedding_case("position_embedding_large", 260, 4, 65, 80, 12),
