@@ -44,6 +44,34 @@ ops::DropoutSpec embedding_dropout(const ModelConfig& config, const bool trainin
                           static_cast<uint64_t>(row_offset * config.hidden_size)};
 }
 
+// The micro-batch in sequence-major rows t = s * B + b, with each token's share of the loss (mask / unmasked count).
+std::unique_ptr<MicroBatchContext> make_context(const int32_t* tokens_BS, const int32_t* labels_BS,
+                                                const float* loss_mask_BS, const int64_t B, const int64_t S,
+                                                const ForwardOptions& options) {
+  auto ctx = std::make_unique<MicroBatchContext>();
+  ctx->S = S;
+  ctx->B = B;
+  ctx->training = options.training;
+  ctx->dropout_seed = options.dropout_seed;
+  ctx->dropout_stream = options.dropout_stream;
+  const auto T = static_cast<size_t>(S * B);
+  ctx->tokens_SB.assign(T, 0);
+  ctx->labels_SB.assign(T, 0);
+  ctx->loss_weight_SB.assign(T, 0.0f);
+  double mask_sum = 0.0;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t s = 0; s < S; ++s) {
+      const auto t = static_cast<size_t>(s * B + b);
+      if (tokens_BS) ctx->tokens_SB[t] = tokens_BS[b * S + s];
+      if (labels_BS) ctx->labels_SB[t] = labels_BS[b * S + s];
+      ctx->loss_weight_SB[t] = loss_mask_BS ? loss_mask_BS[b * S + s] : 1.0f;
+      mask_sum += ctx->loss_weight_SB[t];
+    }
+  }
+  for (float& w : ctx->loss_weight_SB) w = mask_sum > 0 ? static_cast<float>(w / mask_sum) : 0.0f;
+  return ctx;
+}
+
 StageSpec resolved(StageSpec stage, const int64_t L) {
   if (stage.num_layers < 0) stage.num_layers = L - stage.first_layer;
   if (stage.first_layer < 0 || stage.num_layers < 0 || stage.first_layer + stage.num_layers > L) {
@@ -210,29 +238,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
   if (m.tp.size() > 1 && (m.tp.sequence_sharded() || config_.moe.enabled()) && S % m.tp.size() != 0) {
     throw std::invalid_argument("sequence length " + std::to_string(S) + " is not divisible by the TP size");
   }
-  auto ctx = std::make_unique<MicroBatchContext>();
-  ctx->S = S;
-  ctx->B = B;
-  ctx->training = options.training;
-  ctx->dropout_seed = options.dropout_seed;
-  ctx->dropout_stream = options.dropout_stream;
-  const int64_t T = S * B;
-  // [B, S] inputs -> sequence-major [S, B] rows t = s * B + b.
-  ctx->tokens_SB.assign(static_cast<size_t>(T), 0);
-  ctx->labels_SB.assign(static_cast<size_t>(T), 0);
-  ctx->loss_weight_SB.assign(static_cast<size_t>(T), 0.0f);
-  double mask_sum = 0.0;
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t s = 0; s < S; ++s) {
-      const auto t = static_cast<size_t>(s * B + b);
-      if (tokens_BS) ctx->tokens_SB[t] = tokens_BS[b * S + s];
-      if (labels_BS) ctx->labels_SB[t] = labels_BS[b * S + s];
-      ctx->loss_weight_SB[t] = loss_mask_BS ? loss_mask_BS[b * S + s] : 1.0f;
-      mask_sum += ctx->loss_weight_SB[t];
-    }
-  }
-  for (float& w : ctx->loss_weight_SB) w = mask_sum > 0 ? static_cast<float>(w / mask_sum) : 0.0f;
-
+  auto ctx = make_context(tokens_BS, labels_BS, loss_mask_BS, B, S, options);
   Tensor x_TH;
   if (stage_.pre_process) {
     if (tokens_BS == nullptr) throw std::invalid_argument("the first pipeline stage needs the tokens");

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Training-step time of the default demo model (configs/demo.args: the MoE model `make demo` trains) for two builds
+# side by side in one run: `moecore train` on mock data (same model, same step as the demo), the binaries
+# alternating, ROUNDS times each. Prints each run's ms per iteration of the last log interval (iterations 9-16, after
+# warm-up) and the median per build.
+# usage: bench/run_demo_step.sh BUILD_A BUILD_B [ROUNDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+a=$1
+b=$2
+rounds=${3:-3}
+echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(lscpu | sed -n 's/^Model name: *//p')"
+args=()
+while read -r flag value; do
+  case "$flag" in --train-iters | --log-interval | --eval-interval | --eval-iters | --split) continue ;; esac
+  args+=("$flag")
+  if [ -n "$value" ]; then args+=("$value"); fi
+done < <(grep -v '^#' configs/demo.args | grep -v '^\s*$')
+args+=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50256 --train-iters 16 --log-interval 8 --lr-warmup-iters 2 --eval-iters 1 --threads 2)
+run() {
+  "$1/moecore" train "${args[@]}" 2>&1 | sed -n 's/.*iteration *16\/.*elapsed time per iteration (ms): \([0-9.]*\).*/\1/p'
+}
+declare -A times
+for ((r = 0; r < rounds; ++r)); do
+  for build in "$a" "$b"; do
+    t=$(run "$build")
+    echo "$build round $r: $t ms/iteration"
+    times[$build]+="$t "
+  done
+done
+for build in "$a" "$b"; do
+  median=$(echo "${times[$build]}" | tr ' ' '\n' | grep -v '^$' | sort -n | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}')
+  echo "$build median: $median ms/iteration ($(awk -v m="$median" 'BEGIN {printf "%.0f", 2048000 / m}') tokens/s)"
+done
