@@ -1,11 +1,17 @@
 // Collectives of moecore::parallel::ProcessGroup checked against single-process computations: every rank builds
 // deterministic inputs from its rank, and computes the expected result locally from all ranks' inputs.
+// Every result test runs twice: with agreement checks off (the default; the environment must not set
+// MOECORE_CHECK_COLLECTIVES) and on (set_agreement_checks); the tests of ranks that disagree run with checks on.
+// With --env-checks the environment must set MOECORE_CHECK_COLLECTIVES=1: the world group then starts with checks
+// on, and disagreements raise CommError without any setter.
 // Runs as one process or under mpirun; prints one line per test and "N passed, M failed" (rank 0), exits non-zero
 // on any failure on any rank.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -328,6 +334,67 @@ void test_async(const ProcessGroup& world) {
   }
 }
 
+// Integer elements travel and reduce exactly, also beyond fp32's 2^24 and fp64's 2^53.
+void test_integers(const ProcessGroup& world) {
+  const int n = world.size(), r = world.rank();
+  const int64_t big = (int64_t{1} << 53) + 1;  // not representable in fp32 nor fp64
+  const std::vector<int64_t> mine = {big + r, -big - 3 * r, (int64_t{1} << 24) + 1 + r};
+  std::vector<int64_t> gathered(3 * static_cast<size_t>(n));
+  world.all_gather<int64_t>(mine, gathered);
+  for (int s = 0; s < n; ++s) {
+    const size_t k = 3 * static_cast<size_t>(s);
+    check(gathered[k] == big + s && gathered[k + 1] == -big - 3 * s && gathered[k + 2] == (int64_t{1} << 24) + 1 + s,
+          "int64 all_gather from rank " + std::to_string(s));
+  }
+  std::vector<int64_t> summed = mine;
+  world.all_reduce<int64_t>(summed, ReduceOp::kSum);
+  const int64_t ranks_sum = static_cast<int64_t>(n) * (n - 1) / 2;
+  check(summed[0] == big * n + ranks_sum, "int64 all_reduce sum beyond 2^53");
+  check(summed[2] == ((int64_t{1} << 24) + 1) * n + ranks_sum, "int64 all_reduce sum beyond 2^24");
+  std::vector<int32_t> maxed = {(1 << 24) + 1 + r, -r};
+  world.all_reduce<int32_t>(maxed, ReduceOp::kMax);
+  check(maxed[0] == (1 << 24) + n && maxed[1] == 0, "int32 all_reduce max");
+  // all_to_all_v: rank r sends split_count(r, d) values to rank d, each above 2^24.
+  std::vector<size_t> send_counts, recv_counts;
+  std::vector<int64_t> sent, expected;
+  auto value = [](int src, int dst, size_t j) {
+    return (int64_t{1} << 40) + src * 1000003 + dst * 1009 + static_cast<int64_t>(j);
+  };
+  for (int peer = 0; peer < n; ++peer) {
+    send_counts.push_back(split_count(r, peer));
+    recv_counts.push_back(split_count(peer, r));
+    for (size_t j = 0; j < send_counts.back(); ++j) sent.push_back(value(r, peer, j));
+    for (size_t j = 0; j < recv_counts.back(); ++j) expected.push_back(value(peer, r, j));
+  }
+  std::vector<int64_t> received(expected.size(), -1);
+  world.all_to_all_v<int64_t>(sent, send_counts, received, recv_counts);
+  check(received == expected, "int64 all_to_all_v");
+  std::vector<int32_t> root_value = {r == 0 ? std::numeric_limits<int32_t>::max() : 0};
+  world.broadcast<int32_t>(root_value, 0);
+  check(root_value[0] == std::numeric_limits<int32_t>::max(), "int32 broadcast");
+}
+
+// Checks off: arguments invalid on every rank still raise CommError (no rank enters MPI), and the group stays
+// usable; collectives that agree give the same results as with checks on (the other tests, run twice).
+void test_local_errors(const ProcessGroup& world) {
+  const int n = world.size();
+  expect_comm_error("all_gather wrong output size on every rank", [&] {
+    const std::vector<float> in(3, 1.0f);
+    std::vector<float> out(3 * static_cast<size_t>(n) + 1);
+    world.all_gather<float>(in, out);
+  });
+  expect_comm_error("all_to_all_v counts that do not sum to the buffer on every rank", [&] {
+    const std::vector<size_t> counts(static_cast<size_t>(n), 1);
+    const std::vector<int64_t> in(static_cast<size_t>(n) + 1, 1);
+    std::vector<int64_t> out(static_cast<size_t>(n));
+    world.all_to_all_v<int64_t>(in, counts, out, counts);
+  });
+  expect_comm_error("negative split color on every rank", [&] { (void)world.split(-1, 0); });
+  std::vector<float> x = {1.0f};
+  world.all_reduce<float>(x, ReduceOp::kSum);
+  check(x[0] == n, "group usable after local errors");
+}
+
 // Sizes or operations that disagree across ranks, or invalid arguments on one rank, must throw CommError on every
 // rank, and leave the group usable.
 void test_mismatches(const ProcessGroup& world) {
@@ -418,34 +485,71 @@ void test_mismatches(const ProcessGroup& world) {
   still_usable("recv size mismatch");
 }
 
+using Test = std::pair<std::string, std::function<void()>>;
+
+// The world group's default comes from the environment: off here, or on with --env-checks (and then inherited by
+// split groups); the setter switches one handle.
+void test_check_setting(const ProcessGroup& world, const bool env_checks) {
+  check(world.agreement_checks() == env_checks,
+        std::string("world() starts with agreement checks ") + (env_checks ? "on" : "off"));
+  const ProcessGroup sub = world.split(world.rank() % 2, world.rank());
+  check(sub.agreement_checks() == env_checks, "split inherits the agreement-check setting");
+  ProcessGroup flipped = world;
+  flipped.set_agreement_checks(!env_checks);
+  check(flipped.agreement_checks() == !env_checks && world.agreement_checks() == env_checks,
+        "set_agreement_checks switches one handle");
+  check(flipped.split(0, world.rank()).agreement_checks() == !env_checks, "split inherits the set value");
+  check(!ProcessGroup::self().agreement_checks(), "self() has no checks");
+}
+
+// `checked` is `world` with agreement checks switched on.
+std::vector<Test> make_tests(const ProcessGroup& world, const ProcessGroup& checked, const bool env_checks) {
+  std::vector<Test> tests = {{"check setting", [&world, env_checks] { test_check_setting(world, env_checks); }}};
+  if (env_checks) {  // checks from the environment alone catch disagreements
+    tests.emplace_back("mismatches [checks from MOECORE_CHECK_COLLECTIVES]", [&world] { test_mismatches(world); });
+    return tests;
+  }
+  const std::vector<std::pair<const char*, void (*)(const ProcessGroup&)>> results = {
+      {"world", test_world},
+      {"all_reduce", test_all_reduce},
+      {"reduce_scatter", test_reduce_scatter},
+      {"all_gather", test_all_gather},
+      {"all_to_all_v", test_all_to_all_v},
+      {"broadcast", test_broadcast},
+      {"send_recv", test_send_recv},
+      {"split", test_split},
+      {"async", test_async},
+      {"integers", test_integers},
+  };
+  for (const ProcessGroup* group : {&world, &checked}) {
+    const std::string suffix = group->agreement_checks() ? " [checks on]" : " [checks off]";
+    for (const auto& [name, fn] : results) tests.emplace_back(name + suffix, [group, fn] { fn(*group); });
+  }
+  tests.emplace_back("local errors [checks off]", [&world] { test_local_errors(world); });
+  tests.emplace_back("mismatches [checks on]", [&checked] { test_mismatches(checked); });
+  return tests;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const MpiRuntime mpi(&argc, &argv);
+  const bool env_checks = argc > 1 && std::strcmp(argv[1], "--env-checks") == 0;
   int failed_total = 0;
   try {
     const ProcessGroup world = ProcessGroup::world();
     g_rank = world.rank();
-    const std::vector<std::pair<const char*, void (*)(const ProcessGroup&)>> tests = {
-        {"world", test_world},
-        {"all_reduce", test_all_reduce},
-        {"reduce_scatter", test_reduce_scatter},
-        {"all_gather", test_all_gather},
-        {"all_to_all_v", test_all_to_all_v},
-        {"broadcast", test_broadcast},
-        {"send_recv", test_send_recv},
-        {"split", test_split},
-        {"async", test_async},
-        {"mismatches", test_mismatches},
-    };
+    ProcessGroup checked = world;
+    checked.set_agreement_checks(true);
+    const std::vector<Test> tests = make_tests(world, checked, env_checks);
     std::vector<float> failed(tests.size(), 0.0f);
     for (size_t t = 0; t < tests.size(); ++t) {
       g_check_failures = 0;
       try {
-        tests[t].second(world);
+        tests[t].second();
       } catch (const std::exception& error) {
         ++g_check_failures;
-        std::fprintf(stderr, "[rank %d] %s threw: %s\n", g_rank, tests[t].first, error.what());
+        std::fprintf(stderr, "[rank %d] %s threw: %s\n", g_rank, tests[t].first.c_str(), error.what());
       }
       failed[t] = g_check_failures > 0 ? 1.0f : 0.0f;
     }
@@ -457,7 +561,7 @@ int main(int argc, char** argv) {
       else
         ++passed;
       if (world.rank() == 0)
-        std::printf("%s %s (%d ranks)\n", failed[t] > 0 ? "FAIL" : "ok  ", tests[t].first, world.size());
+        std::printf("%s %s (%d ranks)\n", failed[t] > 0 ? "FAIL" : "ok  ", tests[t].first.c_str(), world.size());
     }
     if (world.rank() == 0) std::printf("%d passed, %d failed\n", passed, failed_total);
   } catch (const std::exception& error) {

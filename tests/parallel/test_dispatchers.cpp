@@ -3,8 +3,11 @@
 // runs dispatch -> a per-expert function -> combine and the backward chain on its own slice, and compares with the
 // reference computed from its own tokens: out_t = sum over routed e of f_e(x_t, p_te), f_e = (e + 1) p x (each ETP
 // rank applies 1/ETP of it, so the ETP reduction sums back the full value). Routing cases: random top-k, capacity
-// with dropping, capacity with padding, and one EP rank's experts starved (zero rows there). Runs as one process or
-// under mpirun; prints one line per layout and case and "N passed, M failed" (rank 0); exits non-zero on failure.
+// with dropping, capacity with padding, and one EP rank's experts starved (zero rows there). Each dispatched row is
+// checked against the expected order (allgather: [local expert][source rank]; alltoall: [local expert][ETP rank]
+// [EP source]; tokens ascending, then padding rows). The alltoall dispatcher's count exchange and chunk arithmetic
+// are also checked with counts above 2^24 (exact only as integers). Runs as one process or under mpirun; prints one
+// line per layout and case and "N passed, M failed" (rank 0); exits non-zero on failure.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "moecore/moe/token_dispatcher.h"
+#include "moecore/moe/token_dispatcher_internal.h"
 #include "moecore/parallel/mpi_runtime.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
@@ -27,6 +31,9 @@ using moecore::ParallelSizes;
 using moecore::RouterOutput;
 using moecore::Tensor;
 using moecore::TokenDispatcherType;
+using moecore::detail::AllToAllCounts;
+using moecore::detail::AllToAllPlan;
+using moecore::detail::RowChunk;
 using moecore::parallel::MpiRuntime;
 using moecore::parallel::ParallelState;
 using moecore::parallel::ProcessGroup;
@@ -47,13 +54,14 @@ bool near(double got, double expected, double tol) {
 
 constexpr int64_t kE = 8, kH = 5, kK = 2;
 
-enum class Case { kTopK, kCapacityDrop, kCapacityPad, kStarved };
+enum class Case { kTopK, kCapacityDrop, kCapacityPad, kStarved, kLargeCounts };
 const char* case_name(Case c) {
   switch (c) {
     case Case::kTopK: return "topk";
     case Case::kCapacityDrop: return "capacity_drop";
     case Case::kCapacityPad: return "capacity_pad";
     case Case::kStarved: return "starved";
+    case Case::kLargeCounts: return "alltoall_large_counts";
   }
   return "?";
 }
@@ -115,6 +123,70 @@ struct Result {
   std::vector<float> out_TH, dx_TH, dprobs_TE;
 };
 
+// One expected row of the dispatched buffer: its source (index in the ETP x EP group, world rank) and token (-1 for
+// a padding row).
+struct ExpectedRow {
+  int64_t member = 0;
+  int world_rank = 0;
+  int64_t token = -1;
+};
+
+// Appends the rows world rank `source` sends to global expert e: its routed tokens ascending, then padding rows up
+// to its tokens_per_expert.
+void append_rows(std::vector<ExpectedRow>& rows, const RankData& data, const int64_t member, const int source,
+                 const int64_t e) {
+  int64_t routed = 0;
+  for (int64_t t = 0; t < data.T; ++t) {
+    if (data.routing.routing_map_TE[t * kE + e] == 0) continue;
+    rows.push_back({member, source, t});
+    ++routed;
+  }
+  for (int64_t i = routed; i < data.routing.tokens_per_expert_E[static_cast<size_t>(e)]; ++i) {
+    rows.push_back({member, source, -1});
+  }
+}
+
+// World rank of every member of `group`, by group rank.
+std::vector<int> world_ranks_of(const ProcessGroup& group, const int world_rank) {
+  const int64_t me = world_rank;
+  std::vector<int64_t> ranks(static_cast<size_t>(group.size()));
+  group.all_gather<int64_t>(std::span<const int64_t>(&me, 1), ranks);
+  return std::vector<int>(ranks.begin(), ranks.end());
+}
+
+// The alltoall dispatcher's sources: world rank of (ETP rank j, EP source s) = the EP group of ETP rank j, member s.
+std::vector<int64_t> alltoall_sources(const ParallelState& ps) {
+  const std::vector<int> ep_members = world_ranks_of(ps.ep, ps.rank);
+  const std::vector<int64_t> ep_members64(ep_members.begin(), ep_members.end());
+  std::vector<int64_t> sources_JS(static_cast<size_t>(ps.etp_size() * ps.ep_size()));
+  ps.etp.all_gather<int64_t>(ep_members64, sources_JS);
+  return sources_JS;
+}
+
+// The rows this rank's local experts receive, in the dispatcher's order.
+std::vector<ExpectedRow> expected_rows(const ParallelState& ps, const TokenDispatcherType type,
+                                       const std::vector<RankData>& world_data) {
+  const int64_t El = kE / ps.ep_size(), first_expert = ps.ep_rank() * El;
+  std::vector<ExpectedRow> rows;
+  if (type == TokenDispatcherType::kAllGather) {
+    const std::vector<int> members = world_ranks_of(ps.tp_ep, ps.rank);
+    for (int64_t le = 0; le < El; ++le) {
+      for (size_t m = 0; m < members.size(); ++m) {
+        append_rows(rows, world_data[static_cast<size_t>(members[m])], static_cast<int64_t>(m), members[m],
+                    first_expert + le);
+      }
+    }
+    return rows;
+  }
+  const std::vector<int64_t> sources_JS = alltoall_sources(ps);
+  for (int64_t le = 0; le < El; ++le) {
+    for (const int64_t source : sources_JS) {
+      append_rows(rows, world_data[static_cast<size_t>(source)], -1, static_cast<int>(source), first_expert + le);
+    }
+  }
+  return rows;
+}
+
 // dispatch -> experts -> combine -> backward chain on this rank's data; checks everything against the reference.
 Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, const std::vector<RankData>& world_data,
                       const Case c, const std::string& label) {
@@ -123,19 +195,24 @@ Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, c
   const int64_t first_expert = ps.ep_rank() * El;
   auto dispatcher = moecore::make_token_dispatcher(type, E, ps);
 
-  // World rank of each member of the ETP x EP group.
-  std::vector<float> member_f(static_cast<size_t>(ps.tp_ep.size()));
-  const float me = static_cast<float>(ps.rank);
-  ps.tp_ep.all_gather<float>(std::span<const float>(&me, 1), member_f);
-  std::vector<int> members(member_f.begin(), member_f.end());
+  const std::vector<int> members = world_ranks_of(ps.tp_ep, ps.rank);
+  const std::vector<ExpectedRow> expected_R = expected_rows(ps, type, world_data);
 
   DispatchState state;
   const Tensor x_RH = dispatcher->dispatch(mine.x_TH.data(), T, H, mine.routing, state);
   const int64_t R = x_RH.dim(0);
   check(x_RH.dim(1) == H, label + ": x_RH width");
-  check(static_cast<int64_t>(state.source_token_R.size()) == R && static_cast<int64_t>(state.expert_R.size()) == R &&
-            static_cast<int64_t>(state.probs_R.size()) == R,
-        label + ": state sizes");
+  check(static_cast<int64_t>(state.expert_R.size()) == R && static_cast<int64_t>(state.probs_R.size()) == R &&
+            static_cast<int64_t>(expected_R.size()) == R,
+        label + ": state sizes (R = " + std::to_string(R) + ", expected " + std::to_string(expected_R.size()) + ")");
+  // The local dispatcher (a group of one) knows each row's token, the allgather one also its source rank; the
+  // alltoall one, as Megatron's, only counts rows.
+  const bool local = ps.tp_ep.size() == 1;
+  const bool knows_tokens = local || type == TokenDispatcherType::kAllGather;
+  const bool knows_ranks = !local && type == TokenDispatcherType::kAllGather;
+  check(state.source_token_R.size() == (knows_tokens ? static_cast<size_t>(R) : 0) &&
+            state.source_rank_R.size() == (knows_ranks ? static_cast<size_t>(R) : 0),
+        label + ": source_token_R / source_rank_R sizes");
   check(static_cast<int64_t>(state.tokens_per_expert_E.size()) == El, label + ": tokens_per_expert size");
   check(state.T == T && state.E == E && state.H == H, label + ": state T/E/H");
 
@@ -155,24 +232,31 @@ Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, c
   }
   check(sum_rows == R, label + ": tokens_per_expert sums to R");
 
-  // Each row is its source token's x with its (token, expert) prob, in expert-major order; padding rows are zero.
-  for (int64_t r = 0; r < R && r < static_cast<int64_t>(state.source_rank_R.size()); ++r) {
-    const int64_t le = state.expert_R[r], t = state.source_token_R[r], s = state.source_rank_R[r];
+  // Each row is its source token's x with its prob, in the expected order; padding rows are zero.
+  for (int64_t r = 0; r < R && r < static_cast<int64_t>(expected_R.size()); ++r) {
+    const ExpectedRow& want = expected_R[static_cast<size_t>(r)];
+    const int64_t le = state.expert_R[r], t = want.token;
+    const RankData& src = world_data[static_cast<size_t>(want.world_rank)];
+    check(le >= 0 && le < El, label + ": row expert in range");
     if (r > 0) check(le >= state.expert_R[r - 1], label + ": rows expert-major");
+    if (knows_tokens && static_cast<size_t>(r) < state.source_token_R.size()) {
+      check(state.source_token_R[r] == t, label + ": row " + std::to_string(r) + " source token");
+    }
+    if (knows_ranks && static_cast<size_t>(r) < state.source_rank_R.size()) {
+      check(state.source_rank_R[r] == (t < 0 ? -1 : want.member),
+            label + ": row " + std::to_string(r) + " source rank");
+    }
     const float* row = x_RH.data<float>() + r * H;
     if (t < 0) {
       check(state.probs_R[r] == 0.0f, label + ": padding prob");
       for (int64_t h = 0; h < H; ++h) check(row[h] == 0.0f, label + ": padding row");
       continue;
     }
-    if (s < 0 || s >= static_cast<int64_t>(members.size())) {
-      check(false, label + ": bad source rank");
-      continue;
-    }
-    const RankData& src = world_data[static_cast<size_t>(members[static_cast<size_t>(s)])];
-    check(t < src.T && src.routing.routing_map_TE[t * E + first_expert + le] == 1, label + ": row routed");
+    check(src.routing.routing_map_TE[t * E + first_expert + le] == 1, label + ": row routed to its expert");
     check(state.probs_R[r] == src.routing.probs_TE.data<float>()[t * E + first_expert + le], label + ": row prob");
-    for (int64_t h = 0; h < H; ++h) check(row[h] == src.x_TH[t * H + h], label + ": row values");
+    for (int64_t h = 0; h < H; ++h) {
+      check(row[h] == src.x_TH[t * H + h], label + ": row " + std::to_string(r) + " values");
+    }
   }
 
   // Experts: y = x * (e + 1) * p / ETP.
@@ -235,6 +319,68 @@ Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, c
   return res;
 }
 
+// The alltoall dispatcher's chunk arithmetic on counts above 2^24 (fp32 would round the sums), hand-computed:
+// ETP 2 x EP 2 sources, 2 local experts, counts [j][s][le] = a..h, seen from ETP rank 1.
+void test_alltoall_plan_large_counts() {
+  const int64_t big = (int64_t{1} << 24) + 1;
+  const int64_t a = big, b = big + 2, c = 3, d = big + 4, e = big + 6, f = 0, g = 7, h = big;
+  AllToAllCounts counts;
+  counts.ETP = 2;
+  counts.EP = 2;
+  counts.El = 2;
+  counts.rows_JSL = {a, b, c, d, e, f, g, h};
+  const AllToAllPlan plan = moecore::detail::plan_alltoall(counts, 1);
+  const int64_t M = a + b + c + d;  // > e + f + g + h
+  check(plan.etp_rows == std::vector<int64_t>{a + b + c + d, e + f + g + h} && plan.etp_max_rows == M,
+        "plan: rows per ETP rank");
+  check(plan.ep_recv_rows == std::vector<size_t>{static_cast<size_t>(e + f), static_cast<size_t>(g + h)},
+        "plan: rows from each EP source (ETP rank 1)");
+  check(plan.tokens_per_expert_El == std::vector<int64_t>{a + c + e + g, b + d + f + h}, "plan: rows per local expert");
+  const std::vector<RowChunk> expected = {{0, a, 0}, {a + b, c, 0},     {M, e, 0},     {M + e + f, g, 0},
+                                          {a, b, 1}, {a + b + c, d, 1}, {M + e, f, 1}, {M + e + f + g, h, 1}};
+  check(plan.sorted_chunks.size() == expected.size(), "plan: chunk count");
+  for (size_t i = 0; i < expected.size() && i < plan.sorted_chunks.size(); ++i) {
+    const RowChunk& got = plan.sorted_chunks[i];
+    check(got.first_row == expected[i].first_row && got.rows == expected[i].rows &&
+              got.local_expert == expected[i].local_expert,
+          "plan: chunk " + std::to_string(i) + " starts at " + std::to_string(got.first_row) + " with " +
+              std::to_string(got.rows) + " rows, expected " + std::to_string(expected[i].first_row) + " with " +
+              std::to_string(expected[i].rows));
+  }
+}
+
+// The count exchange over the layout's EP and ETP groups carries counts above 2^24 exactly: odd values in
+// (2^24, 2^25) have no fp32 representation, so counts sent as floats would arrive rounded.
+void test_alltoall_count_exchange(const ParallelState& ps) {
+  const int64_t El = kE / ps.ep_size(), first_expert = ps.ep_rank() * El;
+  auto count = [](const int64_t world_rank, const int64_t e) {
+    return (int64_t{1} << 24) + 1 + 2 * (world_rank * kE + e);
+  };
+  std::vector<int64_t> rows_E(static_cast<size_t>(kE));
+  for (int64_t e = 0; e < kE; ++e) rows_E[static_cast<size_t>(e)] = count(ps.rank, e);
+  const AllToAllCounts counts = moecore::detail::exchange_alltoall_counts(ps.ep, ps.etp, rows_E, El);
+  const std::vector<int64_t> sources_JS = alltoall_sources(ps);
+  check(counts.ETP == ps.etp_size() && counts.EP == ps.ep_size() && counts.El == El &&
+            counts.rows_JSL.size() == sources_JS.size() * static_cast<size_t>(El),
+        "count exchange: shape");
+  for (int64_t j = 0; j < counts.ETP && counts.rows_JSL.size() == sources_JS.size() * static_cast<size_t>(El); ++j) {
+    for (int64_t s = 0; s < counts.EP; ++s) {
+      for (int64_t le = 0; le < El; ++le) {
+        const int64_t want = count(sources_JS[static_cast<size_t>(j * counts.EP + s)], first_expert + le);
+        check(counts.rows(j, s, le) == want, "count exchange: [" + std::to_string(j) + "][" + std::to_string(s) + "][" +
+                                                 std::to_string(le) + "] = " + std::to_string(counts.rows(j, s, le)) +
+                                                 ", expected " + std::to_string(want));
+      }
+    }
+  }
+  const AllToAllPlan plan = moecore::detail::plan_alltoall(counts, ps.etp_rank());
+  for (int64_t le = 0; le < El; ++le) {
+    int64_t want = 0;
+    for (const int64_t source : sources_JS) want += count(source, first_expert + le);
+    check(plan.tokens_per_expert_El[static_cast<size_t>(le)] == want, "count exchange: rows per local expert");
+  }
+}
+
 void check_equal(const std::vector<float>& a, const std::vector<float>& b, const std::string& what) {
   check(a.size() == b.size(), what + ": sizes");
   for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
@@ -273,6 +419,11 @@ void test_layout_case(const ProcessGroup& world, const Layout& layout, const Cas
   const ParallelState ps = ParallelState::create(sizes, false, world);
   const int64_t starve_end = layout.ep > 1 ? kE / layout.ep : kE / 2;
   const std::string label = layout.name + "/" + case_name(c);
+  if (c == Case::kLargeCounts) {
+    test_alltoall_plan_large_counts();
+    test_alltoall_count_exchange(ps);
+    return;
+  }
 
   std::vector<RankData> equal_data;
   for (int r = 0; r < world.size(); ++r) equal_data.push_back(make_data(r, 6, c, starve_end, 17));
@@ -301,7 +452,7 @@ int main(int argc, char** argv) {
     g_rank = world.rank();
     int passed = 0;
     for (const Layout& layout : layouts_for(world.size())) {
-      for (const Case c : {Case::kTopK, Case::kCapacityDrop, Case::kCapacityPad, Case::kStarved}) {
+      for (const Case c : {Case::kTopK, Case::kCapacityDrop, Case::kCapacityPad, Case::kStarved, Case::kLargeCounts}) {
         g_check_failures = 0;
         try {
           test_layout_case(world, layout, c);

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "moecore/moe/token_dispatcher_internal.h"
+#include "moecore/ops/rows.h"
 
 namespace moecore {
 namespace detail {
@@ -28,42 +29,20 @@ void check_routing(const RouterOutput &routing, const int64_t T, const int64_t E
 
 void scatter_add_rows(float *out_NH, const int64_t N, const float *rows_RH, const std::vector<int64_t> &index_R,
                       const int64_t H) {
-  // For each destination, the rows that go to it in ascending row order (CSR).
-  std::vector<int64_t> begin_N1(static_cast<size_t>(N + 1), 0);
-  for (const int64_t n : index_R) {
-    if (n >= 0) ++begin_N1[static_cast<size_t>(n + 1)];
-  }
-  for (int64_t n = 0; n < N; ++n) begin_N1[n + 1] += begin_N1[n];
-  std::vector<int64_t> rows(static_cast<size_t>(begin_N1.back()));
-  std::vector<int64_t> fill(begin_N1.begin(), begin_N1.end() - 1);
-  const int64_t R = static_cast<int64_t>(index_R.size());
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t n = index_R[r];
-    if (n >= 0) rows[fill[n]++] = r;
-  }
-#pragma omp parallel for schedule(static) if (N * H > 16384)
-  for (int64_t n = 0; n < N; ++n) {
-    float *out = out_NH + n * H;
-    for (int64_t i = begin_N1[n]; i < begin_N1[n + 1]; ++i) {
-      const float *row = rows_RH + rows[i] * H;
-#pragma omp simd
-      for (int64_t h = 0; h < H; ++h) out[h] += row[h];
-    }
-  }
+  Tensor out = Tensor::from_blob(out_NH, {N, H});
+  ops::scatter_add_rows(out, Tensor::from_blob(rows_RH, {static_cast<int64_t>(index_R.size()), H}), index_R);
 }
 
 void gather_rows(float *dst_RH, const float *src_NH, const std::vector<int64_t> &index_R, const int64_t H) {
-  const int64_t R = static_cast<int64_t>(index_R.size());
-#pragma omp parallel for schedule(static) if (R * H > 16384)
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t n = index_R[r];
-    float *dst = dst_RH + r * H;
-    if (n < 0) {
-      std::fill_n(dst, H, 0.0f);
-    } else {
-      std::memcpy(dst, src_NH + n * H, sizeof(float) * static_cast<size_t>(H));
-    }
+  const auto R = static_cast<int64_t>(index_R.size());
+  int64_t N = 0;  // the rows of src the index reaches
+  for (const int64_t n : index_R) N = std::max(N, n + 1);
+  Tensor dst = Tensor::from_blob(dst_RH, {R, H});
+  if (N == 0) {
+    dst.zero_();
+    return;
   }
+  ops::gather_rows(dst, Tensor::from_blob(src_NH, {N, H}), index_R);
 }
 
 }  // namespace detail

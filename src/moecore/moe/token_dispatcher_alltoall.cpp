@@ -1,11 +1,19 @@
-// Megatron's alltoall token dispatcher. Forward: permute this rank's T tokens expert-major over all E experts
-// (tokens ascending within an expert, padded to C rows per expert with pad-to-capacity); all-to-all over EP (EP
-// rank d gets the rows of its experts); all-gather-v over ETP (every ETP rank gets its peers' rows too); sort the
-// chunks from [ETP rank][EP source][local expert] to [local expert][ETP rank][EP source]. Combine runs the reverse:
-// unsort, reduce-scatter-v over ETP (summing the ETP partial outputs), all-to-all back, scatter-add into tokens.
-// The group has no v-variants of all-gather / reduce-scatter, so they run on buffers padded to the largest count.
+// Megatron's alltoall token dispatcher (megatron/core/transformer/moe/token_dispatcher.py,
+// MoEAlltoAllTokenDispatcher). Forward: permute this rank's T tokens expert-major over all E experts (tokens
+// ascending within an expert, padded to C rows per expert with pad-to-capacity); exchange the rows per expert as
+// integers (preprocess: input_splits, output_splits, num_global_tokens_per_local_expert); all-to-all the rows and
+// their probs over EP (EP rank d gets the rows of its experts); all-gather-v over ETP (every ETP rank gets its
+// peers' rows too); sort the chunks from [ETP rank][EP source][local expert] to [local expert][ETP rank][EP source]
+// (sort_chunks_by_idxs), a permutation computed from the counts alone: only token rows and probs travel, no
+// per-row metadata. Combine runs the reverse: unsort, reduce-scatter-v over ETP (summing the ETP partial outputs),
+// all-to-all back, scatter-add into tokens. The group has no v-variants of all-gather / reduce-scatter, so they run
+// on buffers padded to the largest count.
+//
+// The expert side knows each row's local expert (expert_R) and prob, not its source token: as in Megatron, the
+// state's source_token_R and source_rank_R stay empty; the sender keeps its own rows (sent_token_L) for combine.
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -15,10 +23,62 @@
 #include "moecore/parallel/comm_stats.h"
 
 namespace moecore::detail {
-namespace {
 
-// Per-row payload of dispatch after the H values of x: prob, local expert, source token, source rank.
-constexpr int64_t kExtra = 4;
+AllToAllCounts exchange_alltoall_counts(const parallel::ProcessGroup &ep, const parallel::ProcessGroup &etp,
+                                        const std::vector<int64_t> &rows_E, const int64_t El) {
+  AllToAllCounts counts;
+  counts.ETP = etp.size();
+  counts.EP = ep.size();
+  counts.El = El;
+  if (El <= 0 || static_cast<int64_t>(rows_E.size()) != counts.EP * El) {
+    throw std::invalid_argument("alltoall dispatcher: " + std::to_string(rows_E.size()) + " expert counts for " +
+                                std::to_string(counts.EP) + " EP ranks x " + std::to_string(El) + " local experts");
+  }
+  const std::vector<size_t> per_peer(static_cast<size_t>(counts.EP), static_cast<size_t>(El));
+  std::vector<int64_t> from_sources_SL(rows_E.size());
+  counts.rows_JSL.resize(static_cast<size_t>(counts.ETP) * rows_E.size());
+  parallel::CommTimer timer(parallel::CommKind::kAllToAll);
+  ep.all_to_all_v<int64_t>(rows_E, per_peer, from_sources_SL, per_peer);
+  etp.all_gather<int64_t>(from_sources_SL, counts.rows_JSL);
+  return counts;
+}
+
+AllToAllPlan plan_alltoall(const AllToAllCounts &counts, const int64_t etp_rank) {
+  const int64_t ETP = counts.ETP, EP = counts.EP, El = counts.El;
+  AllToAllPlan plan;
+  plan.ep_recv_rows.assign(static_cast<size_t>(EP), 0);
+  plan.etp_rows.assign(static_cast<size_t>(ETP), 0);
+  plan.tokens_per_expert_El.assign(static_cast<size_t>(El), 0);
+  // first_JSL: where chunk (j, s, le) starts inside ETP rank j's all-to-all output.
+  std::vector<int64_t> first_JSL(counts.rows_JSL.size());
+  for (int64_t j = 0; j < ETP; ++j) {
+    int64_t row = 0;
+    for (int64_t s = 0; s < EP; ++s) {
+      for (int64_t le = 0; le < El; ++le) {
+        const int64_t rows = counts.rows(j, s, le);
+        if (rows < 0) throw std::invalid_argument("alltoall dispatcher: negative row count " + std::to_string(rows));
+        first_JSL[static_cast<size_t>((j * EP + s) * El + le)] = row;
+        row += rows;
+        plan.tokens_per_expert_El[static_cast<size_t>(le)] += rows;
+        if (j == etp_rank) plan.ep_recv_rows[static_cast<size_t>(s)] += static_cast<size_t>(rows);
+      }
+    }
+    plan.etp_rows[static_cast<size_t>(j)] = row;
+  }
+  plan.etp_max_rows = *std::max_element(plan.etp_rows.begin(), plan.etp_rows.end());
+  plan.sorted_chunks.reserve(counts.rows_JSL.size());
+  for (int64_t le = 0; le < El; ++le) {
+    for (int64_t j = 0; j < ETP; ++j) {
+      for (int64_t s = 0; s < EP; ++s) {
+        const size_t c = static_cast<size_t>((j * EP + s) * El + le);
+        plan.sorted_chunks.push_back({j * plan.etp_max_rows + first_JSL[c], counts.rows_JSL[c], le});
+      }
+    }
+  }
+  return plan;
+}
+
+namespace {
 
 std::vector<size_t> scaled(const std::vector<size_t> &rows, const int64_t width) {
   std::vector<size_t> out(rows.size());
@@ -35,11 +95,7 @@ int64_t total(const std::vector<size_t> &rows) {
 class AllToAllDispatcher final : public TokenDispatcher {
  public:
   AllToAllDispatcher(const int64_t num_experts, const parallel::ParallelState &parallel)
-      : E_(num_experts),
-        El_(num_experts / parallel.ep_size()),
-        ep_(parallel.ep),
-        etp_(parallel.etp),
-        tp_ep_rank_(parallel.tp_ep.rank()) {}
+      : E_(num_experts), El_(num_experts / parallel.ep_size()), ep_(parallel.ep), etp_(parallel.etp) {}
 
   Tensor dispatch(const float *x_TH, const int64_t T, const int64_t H, const RouterOutput &routing,
                   DispatchState &state) override {
@@ -49,7 +105,7 @@ class AllToAllDispatcher final : public TokenDispatcher {
                                   ", expected E=" + std::to_string(E_));
     }
     check_routing(routing, T, E_);
-    const int64_t E = E_, EP = ep_.size(), ETP = etp_.size();
+    const int64_t E = E_, EP = ep_.size();
     state = DispatchState{};
     state.T = T;
     state.H = H;
@@ -65,74 +121,31 @@ class AllToAllDispatcher final : public TokenDispatcher {
       state.sent_expert_L.insert(state.sent_expert_L.end(), static_cast<size_t>(rows), e);
       state.ep_send_rows[static_cast<size_t>(e / El_)] += static_cast<size_t>(rows);
     }
-    {
-      parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-      state.ep_recv_rows = ep_.exchange_counts(state.ep_send_rows);
-    }
-    std::vector<float> etp_rows(static_cast<size_t>(ETP));
-    {
-      const float received = static_cast<float>(total(state.ep_recv_rows));
-      parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-      etp_.all_gather<float>(std::span<const float>(&received, 1), etp_rows);
-    }
-    state.etp_rows.assign(etp_rows.begin(), etp_rows.end());
-    state.etp_max_rows = *std::max_element(state.etp_rows.begin(), state.etp_rows.end());
+    const AllToAllPlan plan =
+        plan_alltoall(exchange_alltoall_counts(ep_, etp_, routing.tokens_per_expert_E, El_), etp_.rank());
+    state.ep_recv_rows = plan.ep_recv_rows;
+    state.etp_rows = plan.etp_rows;
+    state.etp_max_rows = plan.etp_max_rows;
+    state.tokens_per_expert_E = plan.tokens_per_expert_El;
 
-    const int64_t W = H + kExtra, L = static_cast<int64_t>(state.sent_token_L.size());
-    std::vector<float> packed_LW(static_cast<size_t>(L * W));
-#pragma omp parallel for schedule(static) if (L * W > 16384)
-    for (int64_t l = 0; l < L; ++l) {
-      float *dst = packed_LW.data() + l * W;
-      const int64_t t = state.sent_token_L[l];
-      if (t < 0) {
-        std::fill_n(dst, H, 0.0f);
-      } else {
-        std::memcpy(dst, x_TH + t * H, sizeof(float) * static_cast<size_t>(H));
-      }
-      dst[H] = sent_probs_L[l];
-      dst[H + 1] = static_cast<float>(state.sent_expert_L[l] % El_);
-      dst[H + 2] = static_cast<float>(t);
-      dst[H + 3] = static_cast<float>(t < 0 ? -1 : tp_ep_rank_);
-    }
-    const std::vector<float> gathered = to_experts(packed_LW, W, state);
-    packed_LW = std::vector<float>();
+    const int64_t L = static_cast<int64_t>(state.sent_token_L.size());
+    std::vector<float> sent_LH(static_cast<size_t>(L * H));
+    gather_rows(sent_LH.data(), x_TH, state.sent_token_L, H);  // padding rows are zero
+    const std::vector<float> gathered_x = to_experts(sent_LH, H, state);
+    sent_LH = std::vector<float>();
+    const std::vector<float> gathered_probs = to_experts(sent_probs_L, 1, state);
 
-    // Counting sort of the gathered rows by (local expert, ETP rank); stable, so EP sources and tokens keep order.
-    const int64_t M = state.etp_max_rows;
-    std::vector<int64_t> count(static_cast<size_t>(El_ * ETP), 0);
-    for (int64_t j = 0; j < ETP; ++j) {
-      for (int64_t i = 0; i < state.etp_rows[j]; ++i) {
-        ++count[static_cast<size_t>(static_cast<int64_t>(gathered[(j * M + i) * W + H + 1]) * ETP + j)];
-      }
+    const int64_t R = std::accumulate(plan.tokens_per_expert_El.begin(), plan.tokens_per_expert_El.end(), int64_t{0});
+    state.gathered_row_R.reserve(static_cast<size_t>(R));
+    state.expert_R.reserve(static_cast<size_t>(R));
+    for (const RowChunk &chunk : plan.sorted_chunks) {
+      for (int64_t i = 0; i < chunk.rows; ++i) state.gathered_row_R.push_back(chunk.first_row + i);
+      state.expert_R.insert(state.expert_R.end(), static_cast<size_t>(chunk.rows), chunk.local_expert);
     }
-    std::vector<int64_t> offset(count.size() + 1, 0);
-    for (size_t c = 0; c < count.size(); ++c) offset[c + 1] = offset[c] + count[c];
-    const int64_t R = offset.back();
-    state.tokens_per_expert_E.assign(static_cast<size_t>(El_), 0);
-    for (int64_t le = 0; le < El_; ++le) state.tokens_per_expert_E[le] = offset[(le + 1) * ETP] - offset[le * ETP];
-    state.gathered_row_R.resize(static_cast<size_t>(R));
-    for (int64_t j = 0; j < ETP; ++j) {
-      for (int64_t i = 0; i < state.etp_rows[j]; ++i) {
-        const int64_t g = j * M + i;
-        const int64_t c = static_cast<int64_t>(gathered[g * W + H + 1]) * ETP + j;
-        state.gathered_row_R[offset[c]++] = g;
-      }
-    }
-
     Tensor x_RH({R, H}, DType::kF32, MemCategory::kActivations);
-    state.source_token_R.resize(static_cast<size_t>(R));
-    state.source_rank_R.resize(static_cast<size_t>(R));
-    state.expert_R.resize(static_cast<size_t>(R));
+    gather_rows(x_RH.data<float>(), gathered_x.data(), state.gathered_row_R, H);
     state.probs_R.resize(static_cast<size_t>(R));
-#pragma omp parallel for schedule(static) if (R * H > 16384)
-    for (int64_t r = 0; r < R; ++r) {
-      const float *src = gathered.data() + state.gathered_row_R[r] * W;
-      std::memcpy(x_RH.data<float>() + r * H, src, sizeof(float) * static_cast<size_t>(H));
-      state.probs_R[r] = src[H];
-      state.expert_R[r] = static_cast<int64_t>(src[H + 1]);
-      state.source_token_R[r] = static_cast<int64_t>(src[H + 2]);
-      state.source_rank_R[r] = static_cast<int64_t>(src[H + 3]);
-    }
+    gather_rows(state.probs_R.data(), gathered_probs.data(), state.gathered_row_R, 1);
     return x_RH;
   }
 
@@ -203,7 +216,6 @@ class AllToAllDispatcher final : public TokenDispatcher {
 
   int64_t E_, El_;
   parallel::ProcessGroup ep_, etp_;
-  int tp_ep_rank_;
 };
 
 }  // namespace

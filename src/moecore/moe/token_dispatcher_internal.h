@@ -10,6 +10,7 @@
 #include "moecore/moe/router.h"
 #include "moecore/moe/token_dispatcher.h"
 #include "moecore/parallel/parallel_state.h"
+#include "moecore/parallel/process_group.h"
 
 namespace moecore::detail {
 
@@ -48,6 +49,41 @@ int64_t append_expert_rows(const MapT* map_TE, const float* probs_TE, const int6
   }
   return routed;
 }
+
+// Rows the alltoall dispatcher moves to this rank's local experts, per (ETP rank j, EP source s, local expert le):
+// what Megatron's MoEAlltoAllTokenDispatcher.preprocess calls num_global_tokens_per_local_expert
+// [tp_size, ep_size, num_local_experts]. Integers end to end: row counts are exact at any size.
+struct AllToAllCounts {
+  int64_t ETP = 1, EP = 1, El = 1;
+  std::vector<int64_t> rows_JSL;  // [ETP, EP, El]
+  int64_t rows(const int64_t j, const int64_t s, const int64_t le) const {
+    return rows_JSL[static_cast<size_t>((j * EP + s) * El + le)];
+  }
+};
+
+// Collective over ep and etp: each rank's rows per expert (rows_E, [E] with E = EP x El, experts of EP rank d
+// contiguous) go to the experts' EP rank by an int64 all-to-all, then the [EP, El] counts are all-gathered over
+// ETP (int64).
+AllToAllCounts exchange_alltoall_counts(const parallel::ProcessGroup& ep, const parallel::ProcessGroup& etp,
+                                        const std::vector<int64_t>& rows_E, int64_t El);
+
+// A run of consecutive rows of the ETP-gathered buffer.
+struct RowChunk {
+  int64_t first_row = 0, rows = 0, local_expert = 0;
+};
+
+// The alltoall dispatcher's permutation, derived from the counts alone (as Megatron's preprocess and
+// sort_chunks_by_idxs): ETP rank j's all-to-all output holds, per EP source s in order, that source's rows for each
+// local expert in order; the outputs are gathered into a zero-padded [ETP, etp_max_rows] buffer, and the chunks are
+// taken in [local expert][ETP rank][EP source] order.
+struct AllToAllPlan {
+  std::vector<size_t> ep_recv_rows;           // [EP] rows this rank receives from each EP source
+  std::vector<int64_t> etp_rows;              // [ETP] rows each ETP rank received
+  int64_t etp_max_rows = 0;                   // the padded stride of the gathered buffer
+  std::vector<int64_t> tokens_per_expert_El;  // rows per local expert (sum over ETP ranks and EP sources)
+  std::vector<RowChunk> sorted_chunks;        // [El, ETP, EP] in expert-major order
+};
+AllToAllPlan plan_alltoall(const AllToAllCounts& counts, int64_t etp_rank);
 
 std::unique_ptr<TokenDispatcher> make_allgather_dispatcher(int64_t num_experts,
                                                            const parallel::ParallelState& parallel);

@@ -8,7 +8,8 @@
 namespace moecore::parallel {
 
 // Every failure of a collective or point-to-point operation: an MPI error (with MPI's error string), or
-// arguments that are invalid or that disagree across the ranks of a group. Thrown on every rank involved.
+// arguments that are invalid or (with agreement checks, process_group.h) that disagree across the ranks of a group.
+// Thrown on every rank involved when agreement checks are on; otherwise on the rank whose arguments are invalid.
 class CommError : public std::runtime_error {
  public:
   explicit CommError(const std::string& message) : std::runtime_error(message) {}

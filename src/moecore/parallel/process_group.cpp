@@ -7,6 +7,7 @@
 #include <array>
 #include <bit>
 #include <climits>
+#include <cstdlib>
 #include <functional>
 #include <numeric>
 #include <string>
@@ -91,12 +92,29 @@ constexpr bool kIsBf16 = std::is_same_v<T, uint16_t>;
 
 template <typename T>
 MPI_Datatype mpi_type() {
-  return kIsBf16<T> ? MPI_UINT16_T : MPI_FLOAT;
+  if constexpr (std::is_same_v<T, float>) {
+    return MPI_FLOAT;
+  } else if constexpr (std::is_same_v<T, uint16_t>) {
+    return MPI_UINT16_T;
+  } else if constexpr (std::is_same_v<T, int32_t>) {
+    return MPI_INT32_T;
+  } else {
+    static_assert(std::is_same_v<T, int64_t>);
+    return MPI_INT64_T;
+  }
 }
 
 template <typename T>
 int64_t dtype_code() {
-  return kIsBf16<T> ? 2 : 1;
+  if constexpr (std::is_same_v<T, float>) {
+    return 1;
+  } else if constexpr (std::is_same_v<T, uint16_t>) {
+    return 2;
+  } else if constexpr (std::is_same_v<T, int32_t>) {
+    return 3;
+  } else {
+    return 4;
+  }
 }
 
 MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kSum ? MPI_SUM : MPI_MAX; }
@@ -133,7 +151,14 @@ struct Field {
 
 // The agreement check: one MAX all-reduce of each field and its negation (so max == -min means agreement), plus
 // the highest group rank whose arguments failed local validation. Throws the same kind of error on every rank.
-void verify(MPI_Comm comm, int rank, int64_t op, std::initializer_list<Field> fields, const std::string& local_error) {
+// Without checks (`checked` false) only this rank's local error is raised, on this rank.
+void verify(bool checked, MPI_Comm comm, int rank, int64_t op, std::initializer_list<Field> fields,
+            const std::string& local_error) {
+  if (!checked) {
+    if (!local_error.empty())
+      throw CommError(std::string(op_name(op)) + " on rank " + std::to_string(rank) + ": " + local_error);
+    return;
+  }
   std::vector<int64_t> values;
   values.reserve(2 * fields.size() + 3);
   values.push_back(op);
@@ -269,14 +294,26 @@ void self_all_to_all(std::span<const T> input, std::span<const size_t> send_coun
 
 }  // namespace
 
-ProcessGroup ProcessGroup::self() { return ProcessGroup(nullptr, 0, 1); }
+ProcessGroup ProcessGroup::self() { return ProcessGroup(nullptr, 0, 1, false); }
 
-ProcessGroup::ProcessGroup(std::shared_ptr<Comm> comm, int rank, int size)
-    : comm_(std::move(comm)), rank_(rank), size_(size) {}
+ProcessGroup::ProcessGroup(std::shared_ptr<Comm> comm, int rank, int size, bool checks)
+    : comm_(std::move(comm)), rank_(rank), size_(size), checks_(checks) {}
+
+bool agreement_checks_from_environment() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("MOECORE_CHECK_COLLECTIVES");
+    const std::string text = value == nullptr ? "" : value;
+    if (text.empty() || text == "0") return false;
+    if (text == "1") return true;
+    throw CommError("MOECORE_CHECK_COLLECTIVES must be 0 or 1, got '" + text + "'");
+  }();
+  return enabled;
+}
 
 ProcessGroup ProcessGroup::world() {
   MpiRuntime::ensure_initialized();
-  static const ProcessGroup world_group = [] {
+  const bool checks = agreement_checks_from_environment();
+  static const ProcessGroup world_group = [checks] {
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     MPI_Comm dup = MPI_COMM_NULL;
     check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &dup), "world: MPI_Comm_dup");
@@ -285,7 +322,7 @@ ProcessGroup ProcessGroup::world() {
     int rank = 0, size = 1;
     MPI_Comm_rank(dup, &rank);
     MPI_Comm_size(dup, &size);
-    return ProcessGroup(std::move(comm), rank, size);
+    return ProcessGroup(std::move(comm), rank, size, checks);
   }();
   return world_group;
 }
@@ -293,7 +330,7 @@ ProcessGroup ProcessGroup::world() {
 ProcessGroup ProcessGroup::split(int color, int key) const {
   if (!comm_) return self_check(color >= 0, "split: color is negative"), *this;
   const std::string local_error = color < 0 ? "color " + std::to_string(color) + " is negative" : "";
-  verify(comm_->handle, rank_, kSplit, {}, local_error);
+  verify(checks_, comm_->handle, rank_, kSplit, {}, local_error);
   MPI_Comm sub = MPI_COMM_NULL;
   check_mpi(MPI_Comm_split(comm_->handle, color, key, &sub), "split");
   auto comm = std::make_shared<Comm>(sub);
@@ -301,12 +338,12 @@ ProcessGroup ProcessGroup::split(int color, int key) const {
   int rank = 0, size = 1;
   MPI_Comm_rank(sub, &rank);
   MPI_Comm_size(sub, &size);
-  return ProcessGroup(std::move(comm), rank, size);
+  return ProcessGroup(std::move(comm), rank, size, checks_);
 }
 
 void ProcessGroup::barrier() const {
   if (!comm_) return;
-  verify(comm_->handle, rank_, kBarrier, {}, "");
+  verify(checks_, comm_->handle, rank_, kBarrier, {}, "");
   check_mpi(MPI_Barrier(comm_->handle), "barrier");
 }
 
@@ -314,7 +351,7 @@ template <CommElement T>
 void ProcessGroup::all_reduce(std::span<T> data, ReduceOp op) const {
   if (!comm_) return;
   const std::string local_error = data.size() > INT_MAX ? too_large(data.size()) : "";
-  verify(comm_->handle, rank_, kAllReduce,
+  verify(checks_, comm_->handle, rank_, kAllReduce,
          {{"dtype", dtype_code<T>()},
           {"reduce op", static_cast<int64_t>(op)},
           {"element count", static_cast<int64_t>(data.size())}},
@@ -326,7 +363,7 @@ void ProcessGroup::all_reduce(std::span<T> data, ReduceOp op) const {
     check_mpi(MPI_Allreduce(MPI_IN_PLACE, values.data(), count, MPI_FLOAT, mpi_op(op), comm_->handle), "all_reduce");
     narrow(values, data);
   } else {
-    check_mpi(MPI_Allreduce(MPI_IN_PLACE, data.data(), count, MPI_FLOAT, mpi_op(op), comm_->handle), "all_reduce");
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, data.data(), count, mpi_type<T>(), mpi_op(op), comm_->handle), "all_reduce");
   }
 }
 
@@ -353,7 +390,7 @@ std::string all_gather_error(size_t input_size, size_t output_size, int group_si
 template <CommElement T>
 void ProcessGroup::reduce_scatter(std::span<const T> input, std::span<T> output, ReduceOp op) const {
   if (!comm_) return self_copy(input, output, "reduce_scatter");
-  verify(comm_->handle, rank_, kReduceScatter,
+  verify(checks_, comm_->handle, rank_, kReduceScatter,
          {{"dtype", dtype_code<T>()},
           {"reduce op", static_cast<int64_t>(op)},
           {"output element count", static_cast<int64_t>(output.size())}},
@@ -367,7 +404,7 @@ void ProcessGroup::reduce_scatter(std::span<const T> input, std::span<T> output,
               "reduce_scatter");
     narrow(reduced, output);
   } else {
-    check_mpi(MPI_Reduce_scatter_block(input.data(), output.data(), count, MPI_FLOAT, mpi_op(op), comm_->handle),
+    check_mpi(MPI_Reduce_scatter_block(input.data(), output.data(), count, mpi_type<T>(), mpi_op(op), comm_->handle),
               "reduce_scatter");
   }
 }
@@ -375,7 +412,7 @@ void ProcessGroup::reduce_scatter(std::span<const T> input, std::span<T> output,
 template <CommElement T>
 void ProcessGroup::all_gather(std::span<const T> input, std::span<T> output) const {
   if (!comm_) return self_copy(input, output, "all_gather");
-  verify(comm_->handle, rank_, kAllGather,
+  verify(checks_, comm_->handle, rank_, kAllGather,
          {{"dtype", dtype_code<T>()}, {"element count per rank", static_cast<int64_t>(input.size())}},
          all_gather_error(input.size(), output.size(), size_));
   if (input.empty()) return;
@@ -392,7 +429,7 @@ std::vector<size_t> ProcessGroup::exchange_counts(std::span<const size_t> send_c
                                       ? ""
                                       : "send_counts has " + std::to_string(send_counts.size()) +
                                             " entries, expected the group size " + std::to_string(size_);
-  verify(comm_->handle, rank_, kExchangeCounts, {}, local_error);
+  verify(checks_, comm_->handle, rank_, kExchangeCounts, {}, local_error);
   std::vector<uint64_t> sent(send_counts.begin(), send_counts.end());
   std::vector<uint64_t> received(sent.size());
   check_mpi(MPI_Alltoall(sent.data(), 1, MPI_UINT64_T, received.data(), 1, MPI_UINT64_T, comm_->handle),
@@ -404,7 +441,7 @@ namespace {
 
 // Checks the splits locally, then that every rank's recv_counts match what its peers send; fills the int
 // counts/displacements MPI needs. Collective; throws on every rank on any problem.
-void prepare_all_to_all_v(MPI_Comm comm, int rank, int size, int64_t op, int64_t dtype, size_t input_size,
+void prepare_all_to_all_v(bool checked, MPI_Comm comm, int rank, int size, int64_t op, int64_t dtype, size_t input_size,
                           std::span<const size_t> send_counts, size_t output_size, std::span<const size_t> recv_counts,
                           Work::State& state) {
   std::string local_error =
@@ -412,7 +449,8 @@ void prepare_all_to_all_v(MPI_Comm comm, int rank, int size, int64_t op, int64_t
   if (local_error.empty()) {
     local_error = check_split(recv_counts, output_size, size, "recv_counts", state.recv_counts, state.recv_displs);
   }
-  verify(comm, rank, op, {{"dtype", dtype}}, local_error);
+  verify(checked, comm, rank, op, {{"dtype", dtype}}, local_error);
+  if (!checked) return;
   std::vector<int> peer_sends(static_cast<size_t>(size));
   check_mpi(MPI_Alltoall(state.send_counts.data(), 1, MPI_INT, peer_sends.data(), 1, MPI_INT, comm),
             std::string(op_name(op)) + ": count exchange");
@@ -424,7 +462,7 @@ void prepare_all_to_all_v(MPI_Comm comm, int rank, int size, int64_t op, int64_t
                  std::to_string(peer_sends[static_cast<size_t>(src)]);
     }
   }
-  verify(comm, rank, kAllToAllVCounts, {}, mismatch);
+  verify(checked, comm, rank, kAllToAllVCounts, {}, mismatch);
 }
 
 }  // namespace
@@ -434,7 +472,7 @@ void ProcessGroup::all_to_all_v(std::span<const T> input, std::span<const size_t
                                 std::span<const size_t> recv_counts) const {
   if (!comm_) return self_all_to_all(input, send_counts, output, recv_counts);
   Work::State state;
-  prepare_all_to_all_v(comm_->handle, rank_, size_, kAllToAllV, dtype_code<T>(), input.size(), send_counts,
+  prepare_all_to_all_v(checks_, comm_->handle, rank_, size_, kAllToAllV, dtype_code<T>(), input.size(), send_counts,
                        output.size(), recv_counts, state);
   check_mpi(MPI_Alltoallv(ptr_or_dummy(input.data()), state.send_counts.data(), state.send_displs.data(), mpi_type<T>(),
                           ptr_or_dummy(output.data()), state.recv_counts.data(), state.recv_displs.data(),
@@ -451,7 +489,7 @@ void ProcessGroup::broadcast(std::span<T> data, int root) const {
   } else if (data.size() > INT_MAX) {
     local_error = too_large(data.size());
   }
-  verify(comm_->handle, rank_, kBroadcast,
+  verify(checks_, comm_->handle, rank_, kBroadcast,
          {{"dtype", dtype_code<T>()}, {"root", root}, {"element count", static_cast<int64_t>(data.size())}},
          local_error);
   if (data.empty()) return;
@@ -506,7 +544,7 @@ template <CommElement T>
 Work ProcessGroup::all_reduce_async(std::span<T> data, ReduceOp op) const {
   if (!comm_) return Work();
   const std::string local_error = data.size() > INT_MAX ? too_large(data.size()) : "";
-  verify(comm_->handle, rank_, kAllReduceAsync,
+  verify(checks_, comm_->handle, rank_, kAllReduceAsync,
          {{"dtype", dtype_code<T>()},
           {"reduce op", static_cast<int64_t>(op)},
           {"element count", static_cast<int64_t>(data.size())}},
@@ -522,8 +560,9 @@ Work ProcessGroup::all_reduce_async(std::span<T> data, ReduceOp op) const {
               state->what);
     state->finish = [values = std::span<const float>(state->staging_in), data] { narrow(values, data); };
   } else {
-    check_mpi(MPI_Iallreduce(MPI_IN_PLACE, data.data(), count, MPI_FLOAT, mpi_op(op), comm_->handle, &state->request),
-              state->what);
+    check_mpi(
+        MPI_Iallreduce(MPI_IN_PLACE, data.data(), count, mpi_type<T>(), mpi_op(op), comm_->handle, &state->request),
+        state->what);
   }
   return Work(std::move(state));
 }
@@ -531,7 +570,7 @@ Work ProcessGroup::all_reduce_async(std::span<T> data, ReduceOp op) const {
 template <CommElement T>
 Work ProcessGroup::reduce_scatter_async(std::span<const T> input, std::span<T> output, ReduceOp op) const {
   if (!comm_) return self_copy(input, output, "reduce_scatter_async"), Work();
-  verify(comm_->handle, rank_, kReduceScatterAsync,
+  verify(checks_, comm_->handle, rank_, kReduceScatterAsync,
          {{"dtype", dtype_code<T>()},
           {"reduce op", static_cast<int64_t>(op)},
           {"output element count", static_cast<int64_t>(output.size())}},
@@ -548,7 +587,7 @@ Work ProcessGroup::reduce_scatter_async(std::span<const T> input, std::span<T> o
               state->what);
     state->finish = [values = std::span<const float>(state->staging_out), output] { narrow(values, output); };
   } else {
-    check_mpi(MPI_Ireduce_scatter_block(input.data(), output.data(), count, MPI_FLOAT, mpi_op(op), comm_->handle,
+    check_mpi(MPI_Ireduce_scatter_block(input.data(), output.data(), count, mpi_type<T>(), mpi_op(op), comm_->handle,
                                         &state->request),
               state->what);
   }
@@ -558,7 +597,7 @@ Work ProcessGroup::reduce_scatter_async(std::span<const T> input, std::span<T> o
 template <CommElement T>
 Work ProcessGroup::all_gather_async(std::span<const T> input, std::span<T> output) const {
   if (!comm_) return self_copy(input, output, "all_gather_async"), Work();
-  verify(comm_->handle, rank_, kAllGatherAsync,
+  verify(checks_, comm_->handle, rank_, kAllGatherAsync,
          {{"dtype", dtype_code<T>()}, {"element count per rank", static_cast<int64_t>(input.size())}},
          all_gather_error(input.size(), output.size(), size_));
   if (input.empty()) return Work();
@@ -576,8 +615,8 @@ Work ProcessGroup::all_to_all_v_async(std::span<const T> input, std::span<const 
   if (!comm_) return self_all_to_all(input, send_counts, output, recv_counts), Work();
   auto state = std::make_unique<Work::State>();
   state->what = "all_to_all_v_async";
-  prepare_all_to_all_v(comm_->handle, rank_, size_, kAllToAllVAsync, dtype_code<T>(), input.size(), send_counts,
-                       output.size(), recv_counts, *state);
+  prepare_all_to_all_v(checks_, comm_->handle, rank_, size_, kAllToAllVAsync, dtype_code<T>(), input.size(),
+                       send_counts, output.size(), recv_counts, *state);
   check_mpi(MPI_Ialltoallv(ptr_or_dummy(input.data()), state->send_counts.data(), state->send_displs.data(),
                            mpi_type<T>(), ptr_or_dummy(output.data()), state->recv_counts.data(),
                            state->recv_displs.data(), mpi_type<T>(), comm_->handle, &state->request),
@@ -614,6 +653,8 @@ double sum_double(const ProcessGroup& group, const double value) {
 
 MOECORE_INSTANTIATE(float)
 MOECORE_INSTANTIATE(uint16_t)
+MOECORE_INSTANTIATE(int32_t)
+MOECORE_INSTANTIATE(int64_t)
 #undef MOECORE_INSTANTIATE
 
 }  // namespace moecore::parallel

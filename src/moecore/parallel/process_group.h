@@ -1,13 +1,19 @@
 // ProcessGroup: a set of ranks over one MPI communicator, with blocking and non-blocking collectives and
-// point-to-point transfers on fp32 and bf16 buffers.
+// point-to-point transfers on fp32, bf16 and integer buffers.
 //
-// Element types: float (fp32) and uint16_t, which always holds bf16 bits. bf16 reductions are computed in fp32
-// (the buffer is widened, reduced, and rounded once at the end), so a bf16 sum equals the fp32 sum of the bf16
+// Element types: float (fp32), uint16_t, which always holds bf16 bits, and int32_t / int64_t (MPI_INT32_T /
+// MPI_INT64_T: counts and indices travel exactly, integer reductions are exact). bf16 reductions are computed in
+// fp32 (the buffer is widened, reduced, and rounded once at the end), so a bf16 sum equals the fp32 sum of the bf16
 // inputs rounded to bf16. Data movement (gather, all-to-all, broadcast, send/recv) copies bf16 bits unchanged.
 //
-// Safety: before each collective the ranks exchange a small signature (operation, dtype, counts, root, and
-// whether each rank's arguments are locally valid), so mismatched sizes or operations raise CommError on every
-// rank instead of hanging or corrupting memory. A collective that throws this way leaves the group usable.
+// Agreement checks (opt-in, off by default): with them on, before each collective the ranks exchange a small
+// signature (operation, dtype, counts, root, and whether each rank's arguments are locally valid), so mismatched
+// sizes or operations raise CommError on every rank instead of hanging or corrupting memory, and a collective that
+// throws this way leaves the group usable. They cost one extra blocking all-reduce per collective (which also
+// serialises the non-blocking ones), so they are for debugging: MOECORE_CHECK_COLLECTIVES=1 in the environment
+// turns them on for every group (read once per process), set_agreement_checks() for one group handle. Every rank
+// of a group must use the same setting. With them off, arguments that are invalid on this rank (counts that do not
+// fit the buffers) still raise CommError, on this rank only.
 // MPI errors are returned (MPI_ERRORS_RETURN), not fatal, and surface as CommError with MPI's error string.
 #pragma once
 
@@ -22,8 +28,10 @@
 
 namespace moecore::parallel {
 
+// uint16_t always holds bf16 bits; int32_t / int64_t are integers (counts, indices), reduced exactly.
 template <typename T>
-concept CommElement = std::same_as<T, float> || std::same_as<T, uint16_t>;  // uint16_t: bf16 bits
+concept CommElement =
+    std::same_as<T, float> || std::same_as<T, uint16_t> || std::same_as<T, int32_t> || std::same_as<T, int64_t>;
 
 enum class ReduceOp : uint8_t { kSum, kMax };
 
@@ -57,11 +65,16 @@ class ProcessGroup {
   static ProcessGroup self();
 
   // Collective over this group: ranks with equal color form a sub-group, ordered by key then by rank here.
-  // color must be >= 0.
+  // color must be >= 0. The sub-group inherits this handle's agreement-check setting.
   ProcessGroup split(int color, int key) const;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+
+  // Agreement checks of this handle (and of groups split from it afterwards); world() starts from
+  // MOECORE_CHECK_COLLECTIVES, self() has nothing to check.
+  bool agreement_checks() const { return checks_; }
+  void set_agreement_checks(bool on) { checks_ = on; }
 
   void barrier() const;
 
@@ -102,12 +115,17 @@ class ProcessGroup {
                           std::span<const size_t> recv_counts) const;
 
  private:
-  ProcessGroup(std::shared_ptr<Comm> comm, int rank, int size);
+  ProcessGroup(std::shared_ptr<Comm> comm, int rank, int size, bool checks);
 
   std::shared_ptr<Comm> comm_;
   int rank_ = 0;
   int size_ = 1;
+  bool checks_ = false;
 };
+
+// MOECORE_CHECK_COLLECTIVES as read once from the environment: unset, empty or "0" is off, "1" on; any other
+// value throws CommError naming the variable.
+bool agreement_checks_from_environment();
 
 // Sum over `group` of one double per rank, added in double precision in rank order, so every rank gets the same
 // value (the collectives themselves reduce in fp32).
