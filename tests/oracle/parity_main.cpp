@@ -300,28 +300,22 @@ void load_weights(GPTModel& model, const std::string& path) {
     p.value.copy_from(to_float32(stored));
   }
   for (int64_t layer = 0; layer < model.config().num_layers; ++layer) {
-    std::vector<float>* bias_E = model.expert_bias(layer);
+    Buffer* bias_E = model.expert_bias(layer);
     const std::string name = expert_bias_name(layer);
     if (bias_E == nullptr || !file.contains(name)) continue;
     expected.insert(name);
     const Tensor stored = to_float32(file.at(name));
-    if (stored.ndim() != 1 || stored.numel() != static_cast<int64_t>(bias_E->size())) {
+    if (stored.ndim() != 1 || stored.numel() != bias_E->value.numel()) {
       throw std::runtime_error(path + ": buffer '" + name + "' has shape " + stored.shape_str() +
-                               ", the model expects [" + std::to_string(bias_E->size()) + "]");
+                               ", the model expects [" + std::to_string(bias_E->value.numel()) + "]");
     }
-    std::memcpy(bias_E->data(), stored.data<float>(), bias_E->size() * sizeof(float));
+    bias_E->value.copy_from(stored);
   }
   for (const auto& [name, unused] : file.tensors) {
     if (!expected.contains(name)) {
       throw std::runtime_error(path + ": tensor '" + name + "' is neither a model parameter nor a router buffer");
     }
   }
-}
-
-Tensor f32_vector(const std::vector<float>& values) {
-  Tensor t({static_cast<int64_t>(values.size())}, DType::kF32);
-  std::memcpy(t.data<float>(), values.data(), values.size() * sizeof(float));
-  return t;
 }
 
 // values as float64 of `shape` (default: 1-D).
@@ -436,9 +430,9 @@ int run(int argc, char** argv) {
       out.emplace_back("step" + std::to_string(step + 1) + "." + p.name, p.value.clone());
     }
     for (int64_t layer = 0; layer < model->config().num_layers; ++layer) {
-      const std::vector<float>* bias_E = model->expert_bias(layer);
-      if (bias_E != nullptr && model->config().moe.enable_expert_bias) {
-        out.emplace_back("step" + std::to_string(step + 1) + "." + expert_bias_name(layer), f32_vector(*bias_E));
+      const Buffer* bias_E = model->expert_bias(layer);
+      if (bias_E != nullptr) {
+        out.emplace_back("step" + std::to_string(step + 1) + "." + expert_bias_name(layer), bias_E->value.clone());
       }
     }
   }

@@ -32,10 +32,9 @@ Snapshot snapshot(const moecore::GPTModel& model, const std::vector<double>& los
     const auto v = p.value.span<float>();
     out.tensors[p.name].assign(v.begin(), v.end());
   }
-  for (int64_t layer = 0; layer < model.config().num_layers; ++layer) {
-    if (const std::vector<float>* bias = model.expert_bias(layer)) {
-      out.tensors["decoder.layers." + std::to_string(layer) + ".mlp.router.expert_bias"] = *bias;
-    }
+  for (const moecore::Buffer& b : model.named_buffers()) {
+    const auto v = b.value.span<float>();
+    out.tensors[b.name].assign(v.begin(), v.end());
   }
   return out;
 }

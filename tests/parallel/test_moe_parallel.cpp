@@ -210,7 +210,8 @@ Reference run_reference(const ModelConfig& config, const int dp) {
     ref.grads.push_back(std::move(g));
   }
   layer.finish_global_batch();
-  ref.expert_bias = layer.router().expert_bias();
+  const std::span<const float> bias = layer.router().expert_bias();
+  ref.expert_bias.assign(bias.begin(), bias.end());
   return ref;
 }
 
@@ -325,7 +326,8 @@ std::string run_case(const Case& c, const Layout& layout, const ProcessGroup& wo
   }
 
   layer.finish_global_batch();
-  const std::vector<float>& bias = layer.router().expert_bias();
+  const std::span<const float> bias_span = layer.router().expert_bias();
+  const std::vector<float> bias(bias_span.begin(), bias_span.end());
   check(bias == ref.expert_bias, tag + ": expert bias after finish_global_batch");
   return "checked";
 }

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -182,8 +183,10 @@ class HfMoeTest : public ::testing::Test {
     model = std::make_unique<GPTModel>(c, 1);
     randomize(*model, 11);
     for (int64_t l = 0; l < c.num_layers; ++l) {  // a trained-looking expert bias (it changes the selection)
-      std::vector<float>* bias = model->expert_bias(l);
-      for (size_t e = 0; bias != nullptr && e < bias->size(); ++e) (*bias)[e] = 0.5f * static_cast<float>(e % 3) - 0.4f;
+      Buffer* bias = model->expert_bias(l);
+      for (int64_t e = 0; bias != nullptr && e < bias->value.numel(); ++e) {
+        bias->value.data<float>()[e] = 0.5f * static_cast<float>(e % 3) - 0.4f;
+      }
     }
     const std::string out = path(expected_type);
     export_hf(*model, HfExportInfo{}, out);
@@ -202,9 +205,11 @@ class HfMoeTest : public ::testing::Test {
       }
     }
     for (int64_t l = 0; l < c.num_layers; ++l) {
-      const std::vector<float>* bias = model->expert_bias(l);
+      const Buffer* bias = model->expert_bias(l);
       if (bias != nullptr) {
-        EXPECT_EQ(*loaded->expert_bias(l), *bias) << "expert bias of layer " << l;
+        const auto want = bias->value.span<float>();
+        const auto got = loaded->expert_bias(l)->value.span<float>();
+        EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin(), want.end())) << "expert bias of layer " << l;
       }
     }
     // Same config and weights must give the same eval forward, bit for bit.

@@ -7,6 +7,7 @@
 #include <memory>
 #include <random>
 #include <set>
+#include <span>
 #include <vector>
 
 #include "moecore/model/config.h"
@@ -35,6 +36,11 @@ std::vector<float> random_floats(const int64_t n, const uint32_t seed, const flo
   std::vector<float> v(static_cast<size_t>(n));
   for (float& x : v) x = dist(gen);
   return v;
+}
+
+std::vector<float> bias_of(const TopKRouter& router) {
+  const std::span<const float> bias = router.expert_bias();
+  return {bias.begin(), bias.end()};
 }
 
 struct RouterUnderTest {
@@ -511,7 +517,7 @@ TEST(Router, ExpertBiasSteersSelectionAndMovesBySignRule) {
   // Evaluation forwards do not count tokens: the bias stays 0.
   r.router->forward(x.data(), S, B, false, 0, 0, act);
   r.router->finish_global_batch();
-  EXPECT_EQ(r.router->expert_bias(), (std::vector<float>(4, 0.0f)));
+  EXPECT_EQ(bias_of(*r.router), (std::vector<float>(4, 0.0f)));
   const RouterOutput out1 = r.router->forward(x.data(), S, B, true, 0, 0, act);
   const RouterOutput out2 = r.router->forward(x.data(), S, B, true, 0, 1, act);
   std::vector<float> expected(static_cast<size_t>(E));
@@ -522,11 +528,11 @@ TEST(Router, ExpertBiasSteersSelectionAndMovesBySignRule) {
     expected[e] = mean > c ? 0.01f : (mean < c ? -0.01f : 0.0f);
   }
   r.router->finish_global_batch();
-  EXPECT_EQ(r.router->expert_bias(), expected);
+  EXPECT_EQ(bias_of(*r.router), expected);
   EXPECT_NE(expected, (std::vector<float>(4, 0.0f)));
 
   // A large bias forces expert 2 into every selection; the probs still come from the unbiased scores.
-  r.router->expert_bias() = {0.0f, 0.0f, 10.0f, 0.0f};
+  r.router->set_expert_bias(std::vector<float>{0.0f, 0.0f, 10.0f, 0.0f});
   const RouterOutput out = r.router->forward(x.data(), S, B, false, 0, 0, act);
   for (int64_t t = 0; t < T; ++t) {
     EXPECT_EQ(out.routing_map_TE[t * E + 2], 1);
@@ -616,6 +622,39 @@ TEST(Router, ShardDrawsTheOneProcessRandomNumbers) {
       ASSERT_EQ(shard.logits_TE[static_cast<size_t>(i)], full.logits_TE[static_cast<size_t>(s0 * B * E + i)]) << i;
     }
   }
+}
+
+// The expert bias is a named buffer (Megatron's mlp.router.expert_bias) in the list the router was given, resolved
+// by name in bind(); the sign-rule update writes that buffer.
+TEST(Router, ExpertBiasIsARegisteredBuffer) {
+  MoEConfig config = base_config(4, 2);
+  config.score_function = RouterScoreFunction::kSigmoid;
+  config.enable_expert_bias = true;
+  std::vector<Param> params;
+  std::vector<Buffer> buffers;
+  TopKRouter router(config, 8, false, "decoder.layers.3.", params, parallel::ParallelState::single_process(), 3,
+                    &buffers);
+  ASSERT_EQ(buffers.size(), 1u);
+  EXPECT_EQ(buffers[0].name, "decoder.layers.3.mlp.router.expert_bias");
+  EXPECT_EQ(buffers[0].value.shape(), (std::vector<int64_t>{4}));
+  EXPECT_EQ(buffers[0].value.dtype(), DType::kF32);
+  EXPECT_EQ(buffers[0].shard.num_shards, 1);
+  router.bind(params, &buffers);
+  router.set_expert_bias(std::vector<float>{0.5f, -1.0f, 0.0f, 2.0f});
+  EXPECT_EQ(buffers[0].value.data<float>()[1], -1.0f);
+  buffers[0].value.data<float>()[2] = 7.0f;
+  EXPECT_EQ(bias_of(router), (std::vector<float>{0.5f, -1.0f, 7.0f, 2.0f}));
+  // Without expert bias: no buffer, an empty bias.
+  std::vector<Param> plain_params;
+  std::vector<Buffer> plain_buffers;
+  TopKRouter plain(base_config(4, 2), 8, false, "decoder.layers.3.", plain_params,
+                   parallel::ParallelState::single_process(), 3, &plain_buffers);
+  plain.bind(plain_params, &plain_buffers);
+  EXPECT_TRUE(plain_buffers.empty());
+  EXPECT_TRUE(plain.expert_bias().empty());
+  // Bound against a list that lacks the buffer: a logic error naming it.
+  std::vector<Buffer> empty;
+  EXPECT_THROW(router.bind(params, &empty), std::logic_error);
 }
 
 TEST(Router, ParametersAreSummedOverTensorParallelAndCarryTheModule) {
@@ -979,9 +1018,9 @@ double objective(RouterUnderTest& r, const FdCase& c, const std::vector<float>& 
                  const std::vector<double>& G, const double aux_scale, const int64_t S, const int64_t B,
                  const std::vector<uint8_t>& sel, const std::vector<uint8_t>& map, RouterActivations& act,
                  RouterOutput& out) {
-  const std::vector<float> bias = r.router->expert_bias();
+  const std::vector<float> bias = bias_of(*r.router);
   r.router->finish_global_batch();
-  r.router->expert_bias() = bias;  // keep the selection bias fixed across evaluations
+  r.router->set_expert_bias(bias);  // keep the selection bias fixed across evaluations
   RouterActivations warm;
   if (c.warmup) r.router->forward(x_warm.data(), S, B, true, 9, 1, warm);
   out = r.router->forward(x.data(), S, B, true, 9, 2, act);
@@ -1076,7 +1115,7 @@ TEST(RouterBackward, MatchesFiniteDifferences) {
     RouterUnderTest r(c.config, H, true, 71);
     if (c.config.enable_expert_bias) {
       const std::vector<float> b = random_floats(E, 72, 0.05f);
-      r.router->expert_bias() = b;
+      r.router->set_expert_bias(b);
     }
     std::vector<float> x = random_floats(T * H, 73);
     const std::vector<float> x_warm = random_floats(T * H, 74);

@@ -525,11 +525,9 @@ void export_hf(const GPTModel& model, const HfExportInfo& info, const std::strin
   }
   // The routers' expert-bias buffers (aux-loss-free balancing) travel under DeepSeek-V3's name, in fp32.
   for (int64_t layer = 0; layer < c.num_layers; ++layer) {
-    const std::vector<float>* bias = c.moe.enable_expert_bias ? model.expert_bias(layer) : nullptr;
+    const Buffer* bias = c.moe.enable_expert_bias ? model.expert_bias(layer) : nullptr;
     if (bias == nullptr) continue;
-    Tensor bias_E({static_cast<int64_t>(bias->size())}, DType::kF32);
-    std::copy(bias->begin(), bias->end(), bias_E.data<float>());
-    tensors.emplace_back(expert_bias_name(layer), bias_E);
+    tensors.emplace_back(expert_bias_name(layer), bias->value.clone());
   }
   for (const auto& [name, p] : params) {
     if (rows_exported[name] != p->value.dim(0)) {
@@ -618,17 +616,17 @@ std::unique_ptr<GPTModel> load_hf(const std::string& dir, const HfImportOptions&
     used.insert(map.hf_name);
   }
   for (int64_t layer = 0; layer < c.num_layers; ++layer) {
-    std::vector<float>* bias = c.moe.enable_expert_bias ? model->expert_bias(layer) : nullptr;
+    Buffer* bias = c.moe.enable_expert_bias ? model->expert_bias(layer) : nullptr;
     if (bias == nullptr) continue;
     const std::string name = expert_bias_name(layer);
     const auto it = hf_tensors.find(name);
     if (it == hf_tensors.end()) throw std::runtime_error(dir + ": missing tensor '" + name + "'");
     const Tensor values = to_float32(*it->second.first);
-    if (values.numel() != static_cast<int64_t>(bias->size())) {
+    if (values.numel() != bias->value.numel()) {
       throw std::runtime_error(it->second.second + ": tensor '" + name + "' has " + std::to_string(values.numel()) +
-                               " values, the model has " + std::to_string(bias->size()) + " experts");
+                               " values, the model has " + std::to_string(bias->value.numel()) + " experts");
     }
-    std::copy(values.data<float>(), values.data<float>() + values.numel(), bias->begin());
+    bias->value.copy_from(values);
     used.insert(name);
   }
   for (const auto& [name, entry] : hf_tensors) {

@@ -108,7 +108,7 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const paralle
     }
   }
   for (int64_t i = stage_.first_layer; i < stage_.first_layer + stage_.num_layers; ++i) {
-    m.layers.emplace_back(config_, i, params_, parallel_);
+    m.layers.emplace_back(config_, i, params_, buffers_, parallel_);
   }
   if (stage_.post_process) {
     NormModule::add_params(params_, "decoder.final_layernorm", H, config_.normalization, m.tp.sequence_sharded(),
@@ -128,8 +128,8 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const paralle
     m.output_layer = ColumnParallelLinear("output_layer", H, V, m.tp, output, params_);
     m.cross_entropy = VocabParallelCrossEntropy(m.tp, V, m.tp.rank() * (V / m.tp.size()));
   }
-  // params_ is complete: pointers into it stay valid from here on.
-  for (TransformerLayer& layer : m.layers) layer.bind(params_);
+  // params_ and buffers_ are complete: pointers into them stay valid from here on.
+  for (TransformerLayer& layer : m.layers) layer.bind(params_, buffers_);
   if (stage_.pre_process) {
     m.word_embeddings.bind(params_);
     if (config_.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
@@ -154,6 +154,17 @@ const Param& GPTModel::param(const std::string& name) const {
     if (p.name == name) return p;
   }
   throw std::out_of_range("no parameter named " + name);
+}
+
+Buffer& GPTModel::buffer(const std::string& name) {
+  return const_cast<Buffer&>(static_cast<const GPTModel&>(*this).buffer(name));
+}
+
+const Buffer& GPTModel::buffer(const std::string& name) const {
+  for (const Buffer& b : buffers_) {
+    if (b.name == name) return b;
+  }
+  throw std::out_of_range("no buffer named " + name);
 }
 
 int64_t GPTModel::num_parameters() const {
@@ -336,15 +347,16 @@ void GPTModel::finish_global_batch() {
   }
 }
 
-std::vector<float>* GPTModel::expert_bias(const int64_t layer) {
-  return const_cast<std::vector<float>*>(static_cast<const GPTModel&>(*this).expert_bias(layer));
+Buffer* GPTModel::expert_bias(const int64_t layer) {
+  return const_cast<Buffer*>(static_cast<const GPTModel&>(*this).expert_bias(layer));
 }
 
-const std::vector<float>* GPTModel::expert_bias(const int64_t layer) const {
-  const int64_t local = layer - stage_.first_layer;
-  if (local < 0 || local >= static_cast<int64_t>(modules_->layers.size())) return nullptr;
-  TransformerLayer& l = modules_->layers[static_cast<size_t>(local)];
-  return l.is_moe() ? &l.moe()->router().expert_bias() : nullptr;
+const Buffer* GPTModel::expert_bias(const int64_t layer) const {
+  const std::string name = "decoder.layers." + std::to_string(layer) + ".mlp.router.expert_bias";
+  for (const Buffer& b : buffers_) {
+    if (b.name == name) return &b;
+  }
+  return nullptr;
 }
 
 Tensor GPTModel::last_logits(const int32_t* tokens_BS, const int64_t B, const int64_t S) {

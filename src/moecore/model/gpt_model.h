@@ -5,6 +5,8 @@
 //   decoder.layers.{i}.pre_mlp_layernorm.{weight,bias} mlp.linear_fc1.{weight,bias} [F or 2F, H]
 //   mlp.linear_fc2.{weight,bias} [H, F]               decoder.final_layernorm.{weight,bias} [H]
 //   output_layer.weight [V, H] (only with --untie-embeddings-and-output-weights)
+// Buffers (not trained, part of the training state): decoder.layers.{i}.mlp.router.expert_bias [E] fp32 on MoE layers
+// with --moe-router-enable-expert-bias.
 // The fused qkv rows are grouped as Megatron's: for each query group g, its N/G query heads, then k, then v.
 // Activations are [S, B, ...] (sequence-major, as Megatron), token row t = s * B + b.
 #pragma once
@@ -13,6 +15,7 @@
 #include <memory>
 #include <vector>
 
+#include "moecore/model/buffer.h"
 #include "moecore/model/config.h"
 #include "moecore/model/micro_batch_context.h"
 #include "moecore/model/model_hooks.h"
@@ -66,6 +69,11 @@ class GPTModel {
   const std::vector<Param>& params() const { return params_; }
   Param& param(const std::string& name);  // throws std::out_of_range naming it
   const Param& param(const std::string& name) const;
+  // The buffers of this rank's modules, in registration order (layer by layer).
+  std::vector<Buffer>& named_buffers() { return buffers_; }
+  const std::vector<Buffer>& named_buffers() const { return buffers_; }
+  Buffer& buffer(const std::string& name);  // throws std::out_of_range naming it
+  const Buffer& buffer(const std::string& name) const;
   int64_t num_parameters() const;
   void zero_grad();
 
@@ -92,10 +100,10 @@ class GPTModel {
   // router updates (expert-bias sign rule, global aux-loss reset). No-ops for a dense model.
   MoEStats take_moe_stats();
   void finish_global_batch();
-  // The router's expert-bias buffer [E] of MoE layer `layer` (global index; checkpoints, exports, tests); null for a
-  // dense layer or one outside this stage.
-  std::vector<float>* expert_bias(int64_t layer);
-  const std::vector<float>* expert_bias(int64_t layer) const;
+  // The router's expert-bias buffer decoder.layers.{layer}.mlp.router.expert_bias [E] (global layer index; exports,
+  // tests); null for a dense layer, a layer outside this stage, or without --moe-router-enable-expert-bias.
+  Buffer* expert_bias(int64_t layer);
+  const Buffer* expert_bias(int64_t layer) const;
 
   // Logits for the last position of each sequence (generation, one process only): tokens_BS [B, S] -> [B, V].
   Tensor last_logits(const int32_t* tokens_BS, int64_t B, int64_t S);
@@ -114,6 +122,7 @@ class GPTModel {
   Tensor input_TH_;
   ModelHooks* hooks_ = nullptr;
   std::vector<Param> params_;
+  std::vector<Buffer> buffers_;
   std::unique_ptr<Modules> modules_;
   MoEStats moe_stats_;
 };

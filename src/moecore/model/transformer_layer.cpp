@@ -37,7 +37,7 @@ Tensor dropout_add(const Tensor& branch, const Tensor& residual, const ops::Drop
 }  // namespace
 
 TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t index, std::vector<Param>& params,
-                                   const parallel::ParallelState& parallel)
+                                   std::vector<Buffer>& buffers, const parallel::ParallelState& parallel)
     : config_(config),
       tp_(TensorParallel::attention(parallel)),
       prefix_("decoder.layers." + std::to_string(index) + ".") {
@@ -53,7 +53,7 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
   NormModule::add_params(params, prefix_ + "pre_mlp_layernorm", H, config.normalization, tp_.sequence_sharded(),
                          module);
   if (moe_layer) {
-    moe_ = std::make_unique<MoELayer>(config, prefix_, params, parallel, module);
+    moe_ = std::make_unique<MoELayer>(config, prefix_, params, parallel, module, &buffers);
   } else {
     MLPOptions mlp;
     mlp.ffn_hidden_size = config.ffn_hidden_size;
@@ -64,12 +64,12 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
   }
 }
 
-void TransformerLayer::bind(std::vector<Param>& params) {
+void TransformerLayer::bind(std::vector<Param>& params, std::vector<Buffer>& buffers) {
   ln1_ = NormModule::bind(params, prefix_ + "input_layernorm", config_.normalization, config_.norm_epsilon);
   ln2_ = NormModule::bind(params, prefix_ + "pre_mlp_layernorm", config_.normalization, config_.norm_epsilon);
   attention_.bind(params);
   if (moe_) {
-    moe_->bind(params);
+    moe_->bind(params, &buffers);
   } else {
     mlp_.bind(params);
   }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "moecore/model/attention.h"
+#include "moecore/model/buffer.h"
 #include "moecore/model/config.h"
 #include "moecore/model/mlp.h"
 #include "moecore/model/norm_module.h"
@@ -42,11 +43,12 @@ struct LayerActivations {
 
 class TransformerLayer {
  public:
-  // Registers this layer's parameters into `params` (names prefixed "decoder.layers.{index}.", the global index).
-  TransformerLayer(const ModelConfig& config, int64_t index, std::vector<Param>& params,
+  // Registers this layer's parameters into `params` and buffers into `buffers` (names prefixed
+  // "decoder.layers.{index}.", the global index).
+  TransformerLayer(const ModelConfig& config, int64_t index, std::vector<Param>& params, std::vector<Buffer>& buffers,
                    const parallel::ParallelState& parallel);
-  // Resolves parameter pointers once `params` no longer grows.
-  void bind(std::vector<Param>& params);
+  // Resolves parameter and buffer pointers once `params` and `buffers` no longer grow.
+  void bind(std::vector<Param>& params, std::vector<Buffer>& buffers);
 
   // x_TH (this rank's rows) -> out_TH (same rows). S, B: the micro-batch. Collective over TP (and the expert grid
   // on MoE layers). Fills `saved` when dropout.training (backward will follow).

@@ -110,7 +110,7 @@ double z_loss(const double* logits_TE, const int64_t T, const int64_t E, const d
   return coeff * sum / static_cast<double>(T);
 }
 
-void update_expert_bias(std::vector<float>& expert_bias_E, const std::vector<double>& tokens_per_expert_E,
+void update_expert_bias(const std::span<float> expert_bias_E, const std::vector<double>& tokens_per_expert_E,
                         const double update_rate) {
   const size_t E = tokens_per_expert_E.size();
   if (E == 0) return;

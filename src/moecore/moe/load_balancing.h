@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <vector>
 
 #include "moecore/moe/moe_config.h"
@@ -41,7 +42,7 @@ double seq_aux_loss(const double* scores_TE, const uint8_t* map_TE, int64_t S, i
 double z_loss(const double* logits_TE, int64_t T, int64_t E, double coeff, double grad_scale, double* dlogits_TE);
 
 // Aux-loss-free balancing: bias_e += rate * sign(mean(counts) - counts_e) in fp32, as Megatron.
-void update_expert_bias(std::vector<float>& expert_bias_E, const std::vector<double>& tokens_per_expert_E,
+void update_expert_bias(std::span<float> expert_bias_E, const std::vector<double>& tokens_per_expert_E,
                         double update_rate);
 
 }  // namespace moecore::load_balancing

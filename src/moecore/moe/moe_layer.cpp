@@ -5,10 +5,10 @@
 namespace moecore {
 
 MoELayer::MoELayer(const ModelConfig& config, const std::string& prefix, std::vector<Param>& params,
-                   const parallel::ParallelState& parallel, const int module)
+                   const parallel::ParallelState& parallel, const int module, std::vector<Buffer>* buffers)
     : config_(config),
       router_(std::make_unique<TopKRouter>(config.moe, config.hidden_size, config.add_bias_linear, prefix, params,
-                                           parallel, module)),
+                                           parallel, module, buffers)),
       dispatcher_(make_token_dispatcher(config.moe.dispatcher_type, config.moe.num_experts, parallel)),
       experts_(make_experts(config.moe, config, prefix, params, parallel, module)) {
   if (config.moe.shared_expert_intermediate_size > 0) {
@@ -22,8 +22,8 @@ MoELayer::MoELayer(const ModelConfig& config, const std::string& prefix, std::ve
   }
 }
 
-void MoELayer::bind(std::vector<Param>& params) {
-  router_->bind(params);
+void MoELayer::bind(std::vector<Param>& params, std::vector<Buffer>* buffers) {
+  router_->bind(params, buffers);
   experts_->bind(params);
   if (shared_) shared_->bind(params);
 }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/model/buffer.h"
 #include "moecore/model/config.h"
 #include "moecore/model/param.h"
 #include "moecore/moe/experts.h"
@@ -29,9 +30,10 @@ class MoELayer {
   // Registers the router, expert and shared-expert parameters under `prefix` (e.g. "decoder.layers.3."), with
   // Param::module = `module` (the layer index). Under expert parallelism only this rank's experts (global names
   // local_experts.{e}) are registered, each sharded over expert-TP; shared experts are sharded over TP.
+  // The router's buffers go into `buffers` (null: the router keeps them; see TopKRouter).
   MoELayer(const ModelConfig& config, const std::string& prefix, std::vector<Param>& params,
-           const parallel::ParallelState& parallel, int module);
-  void bind(std::vector<Param>& params);
+           const parallel::ParallelState& parallel, int module, std::vector<Buffer>* buffers = nullptr);
+  void bind(std::vector<Param>& params, std::vector<Buffer>* buffers = nullptr);
 
   // out_TH (overwritten) = moe(x_TH) on this rank's tokens: x_TH [S*B, H] holds sequence positions
   // [s0, s0 + S) of the micro-batch, token_offset = s0 * B is the one-process index of its first row (counter-RNG

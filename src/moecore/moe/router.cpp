@@ -105,7 +105,7 @@ void sinkhorn_routing(std::vector<uint8_t>& selected_TE, std::vector<double>& pr
 // only matters for softmax scores (Megatron ignores it for sigmoid / sqrtsoftplus).
 void score_function_routing(std::vector<uint8_t>& selected_TE, std::vector<double>& probs_TE,
                             const std::vector<double>& logits_TE, const int64_t T, const MoEConfig& config,
-                            const std::vector<float>& expert_bias_E) {
+                            const std::span<const float> expert_bias_E) {
   const int64_t E = config.num_experts, k = config.topk;
   std::vector<int64_t> idx_K(static_cast<size_t>(k));
   std::vector<double> scores_E(static_cast<size_t>(E)), route_E(static_cast<size_t>(E)), p_K(static_cast<size_t>(k));
@@ -148,7 +148,8 @@ void score_function_routing(std::vector<uint8_t>& selected_TE, std::vector<doubl
 }  // namespace
 
 TopKRouter::TopKRouter(const MoEConfig& config, const int64_t hidden, const bool add_bias, const std::string& prefix,
-                       std::vector<Param>& params, const parallel::ParallelState& parallel, const int module)
+                       std::vector<Param>& params, const parallel::ParallelState& parallel, const int module,
+                       std::vector<Buffer>* buffers)
     : config_(config),
       hidden_(hidden),
       add_bias_(add_bias),
@@ -180,13 +181,17 @@ TopKRouter::TopKRouter(const MoEConfig& config, const int64_t hidden, const bool
   // Megatron initialises the router bias with init_method too.
   if (add_bias_) add("mlp.router.bias", {E});
   if (config.enable_expert_bias) {
-    expert_bias_.assign(static_cast<size_t>(E), 0.0f);
+    has_expert_bias_ = true;
+    (buffers != nullptr ? *buffers : own_buffers_).push_back(make_buffer(prefix_ + "mlp.router.expert_bias", {E}));
     local_tokens_per_expert_.assign(static_cast<size_t>(E), 0.0);
   }
   global_aux_counts_.assign(static_cast<size_t>(E), 0.0);
 }
 
-void TopKRouter::bind(std::vector<Param>& params) {
+void TopKRouter::bind(std::vector<Param>& params, std::vector<Buffer>* buffers) {
+  if (has_expert_bias_) {
+    expert_bias_ = find_buffer(buffers != nullptr ? *buffers : own_buffers_, prefix_ + "mlp.router.expert_bias");
+  }
   weight_ = bias_ = nullptr;
   for (Param& p : params) {
     if (p.name == prefix_ + "mlp.router.weight") weight_ = &p;
@@ -280,7 +285,7 @@ void TopKRouter::select_experts(std::vector<uint8_t>& selected_TE, std::vector<d
     sinkhorn_routing(selected_TE, probs_TE, logits_TE, T, E, config_.topk, training,
                      config_.router_dtype == RouterDType::kFP32);
   } else {
-    score_function_routing(selected_TE, probs_TE, logits_TE, T, config_, expert_bias_);
+    score_function_routing(selected_TE, probs_TE, logits_TE, T, config_, expert_bias());
   }
 }
 
@@ -372,7 +377,7 @@ double TopKRouter::global_aux_loss(const double* scores_TE, const uint8_t* aux_m
 
 // Aux-loss-free balancing (Megatron's _apply_expert_bias): the final routing map's column sums, padding included.
 void TopKRouter::record_expert_bias_counts(const RouterOutput& out) {
-  if (expert_bias_.empty()) return;
+  if (!has_expert_bias_) return;
   for (size_t e = 0; e < local_tokens_per_expert_.size(); ++e) {
     local_tokens_per_expert_[e] += static_cast<double>(out.tokens_per_expert_E[e]);
   }
@@ -487,13 +492,35 @@ void TopKRouter::backward(float* dx_TH, const float* dprobs_TE, const double aux
 }
 
 void TopKRouter::finish_global_batch() {
-  if (!expert_bias_.empty()) {
+  if (has_expert_bias_) {
     sum_counts(local_tokens_per_expert_, tp_dp_cp_);
-    load_balancing::update_expert_bias(expert_bias_, local_tokens_per_expert_, config_.bias_update_rate);
+    load_balancing::update_expert_bias(expert_bias(), local_tokens_per_expert_, config_.bias_update_rate);
     std::fill(local_tokens_per_expert_.begin(), local_tokens_per_expert_.end(), 0.0);
   }
   std::fill(global_aux_counts_.begin(), global_aux_counts_.end(), 0.0);
   global_aux_steps_ = 0;
+}
+
+std::span<const float> TopKRouter::expert_bias() const {
+  if (!has_expert_bias_) return {};
+  if (expert_bias_ == nullptr) throw std::logic_error("TopKRouter::expert_bias before bind()");
+  return expert_bias_->value.span<float>();
+}
+
+std::span<float> TopKRouter::expert_bias() {
+  if (!has_expert_bias_) return {};
+  if (expert_bias_ == nullptr) throw std::logic_error("TopKRouter::expert_bias before bind()");
+  return expert_bias_->value.span<float>();
+}
+
+void TopKRouter::set_expert_bias(const std::span<const float> bias_E) {
+  const std::span<float> dst = expert_bias();
+  if (bias_E.size() != dst.size()) {
+    throw std::invalid_argument("expert bias of " + std::to_string(bias_E.size()) + " values for " +
+                                std::to_string(dst.size()) +
+                                " (expert bias enabled: " + (has_expert_bias_ ? "yes" : "no") + ")");
+  }
+  std::copy(bias_E.begin(), bias_E.end(), dst.begin());
 }
 
 }  // namespace moecore

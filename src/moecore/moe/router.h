@@ -8,14 +8,16 @@
 // Parameters (names under the layer prefix, e.g. "decoder.layers.3."):
 //   mlp.router.weight        [E, H]  fp32, init N(0, init_method_std), weight decay yes
 //   mlp.router.bias          [E]     only with --add-bias-linear, init N(0, init_method_std) as Megatron
-// Buffer (not trainable, saved in checkpoints later): mlp.router.expert_bias [E] fp32
-// (--moe-router-enable-expert-bias).
+// Buffer (not trainable; part of the training state): mlp.router.expert_bias [E] fp32
+// (--moe-router-enable-expert-bias), Megatron's TopKRouter buffer of the same name.
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "moecore/model/buffer.h"
 #include "moecore/model/param.h"
 #include "moecore/moe/moe_config.h"
 #include "moecore/parallel/parallel_state.h"
@@ -52,11 +54,18 @@ class TopKRouter {
   // Registers parameters into `params` under `prefix` (e.g. "decoder.layers.3."). hidden = H. The weight and
   // bias are replicated over TP with Param::grad_sum_over_tp (each TP rank routes its own sequence shard) and
   // Param::module = module. Statistics are reduced over parallel.tp_cp (aux, seq-aux, z losses) and
-  // parallel.tp_dp_cp (global aux loss, expert-bias counts).
+  // parallel.tp_dp_cp (global aux loss, expert-bias counts). With expert bias the buffer mlp.router.expert_bias
+  // (replicated, zeros) is registered into `buffers` (the model's list); null: a list the router keeps itself
+  // (a router used on its own).
   TopKRouter(const MoEConfig& config, int64_t hidden, bool add_bias, const std::string& prefix,
              std::vector<Param>& params,
-             const parallel::ParallelState& parallel = parallel::ParallelState::single_process(), int module = -1);
-  void bind(std::vector<Param>& params);  // resolve pointers once `params` no longer grows
+             const parallel::ParallelState& parallel = parallel::ParallelState::single_process(), int module = -1,
+             std::vector<Buffer>* buffers = nullptr);
+  // The buffer list is bound by address: the router neither copies nor moves.
+  TopKRouter(const TopKRouter&) = delete;
+  TopKRouter& operator=(const TopKRouter&) = delete;
+  // Resolves pointers by name once `params` (and `buffers`, the list given to the constructor) no longer grow.
+  void bind(std::vector<Param>& params, std::vector<Buffer>* buffers = nullptr);
 
   // x_TH [S*B, H] -> routing. The input jitter (--moe-input-jitter-eps) applies in training AND evaluation, as
   // Megatron's TopKRouter.forward; it is drawn from the counter RNG keyed by (seed, jitter_key), so an evaluation
@@ -80,8 +89,10 @@ class TopKRouter {
   // tp-dp-cp (the counts are summed before the sign rule).
   void finish_global_batch();
 
-  const std::vector<float>& expert_bias() const { return expert_bias_; }
-  std::vector<float>& expert_bias() { return expert_bias_; }
+  // The expert-bias buffer's values [E] (empty without --moe-router-enable-expert-bias; valid after bind()).
+  std::span<const float> expert_bias() const;
+  std::span<float> expert_bias();
+  void set_expert_bias(std::span<const float> bias_E);  // copies E values
 
  private:
   MoEConfig config_;
@@ -92,7 +103,9 @@ class TopKRouter {
   Param* bias_ = nullptr;
   parallel::ProcessGroup tp_cp_;
   parallel::ProcessGroup tp_dp_cp_;
-  std::vector<float> expert_bias_;               // [E]
+  bool has_expert_bias_ = false;
+  std::vector<Buffer> own_buffers_;              // the buffer list of a router constructed without one
+  Buffer* expert_bias_ = nullptr;                // [E] fp32, resolved by name in bind()
   std::vector<double> local_tokens_per_expert_;  // expert-bias counts since the last update
   std::vector<double> global_aux_counts_;        // global_aux_loss counts accumulated over micro-batches
   int64_t global_aux_steps_ = 0;                 // micro-batches accumulated (Megatron's ga_steps)

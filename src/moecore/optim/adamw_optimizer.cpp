@@ -52,4 +52,14 @@ void AdamWOptimizer::step(const double lr) {
   }
 }
 
+std::vector<AdamWMomentSlice> AdamWOptimizer::moment_slices() const {
+  std::vector<AdamWMomentSlice> slices;
+  slices.reserve(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int64_t n = exp_avg_[i].numel();
+    slices.push_back({static_cast<int>(i), 0, n, exp_avg_[i].view({n}), exp_avg_sq_[i].view({n})});
+  }
+  return slices;
+}
+
 }  // namespace moecore

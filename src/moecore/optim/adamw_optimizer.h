@@ -14,6 +14,17 @@ struct AdamWOptions {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
 };
 
+// A run of one parameter's Adam moments held by this rank: flat elements [begin, end) of params[param]'s local
+// tensor (its tensor-parallel shard, row-major), as views of the optimizer's fp32 states (writing them writes the
+// state). The replicated optimizer holds every parameter whole; the distributed optimizer the part of each parameter
+// inside this rank's shard of its bucket (Megatron's DistributedOptimizer param ranges).
+struct AdamWMomentSlice {
+  int param = 0;
+  int64_t begin = 0, end = 0;
+  Tensor exp_avg;     // [end - begin]
+  Tensor exp_avg_sq;  // [end - begin]
+};
+
 // The kernel's hyper-parameters for update number `step` at learning rate lr (no decay on no_weight_decay params).
 ops::AdamWHyper adamw_hyper(const AdamWOptions& options, double lr, int64_t step, bool no_weight_decay);
 
@@ -29,6 +40,9 @@ class AdamWOptimizer {
   // One AdamW update of every parameter at learning rate lr.
   void step(double lr);
   int64_t steps_taken() const { return step_; }
+  const AdamWOptions& options() const { return options_; }
+  // Every parameter's moments, whole, in parameter order (see AdamWMomentSlice).
+  std::vector<AdamWMomentSlice> moment_slices() const;
 
  private:
   std::vector<Param>& params_;

@@ -99,4 +99,19 @@ void DistributedAdamW::step(const double lr) {
   ddp_.start_param_gather();
 }
 
+std::vector<AdamWMomentSlice> DistributedAdamW::moment_slices() const {
+  if (replicated_) return replicated_->moment_slices();
+  std::vector<AdamWMomentSlice> slices;
+  slices.reserve(pieces_.size());
+  for (const Piece& piece : pieces_) {
+    const DistributedDataParallel::Slot& slot = ddp_.slots()[static_cast<size_t>(piece.param)];
+    const int64_t state = piece.offset - ddp_.buckets()[static_cast<size_t>(piece.bucket)].shard_begin;
+    const auto bucket = static_cast<size_t>(piece.bucket);
+    const int64_t begin = piece.offset - slot.offset;  // the piece's first element within the parameter
+    slices.push_back({piece.param, begin, begin + piece.numel, exp_avg_[bucket].slice_rows(state, state + piece.numel),
+                      exp_avg_sq_[bucket].slice_rows(state, state + piece.numel)});
+  }
+  return slices;
+}
+
 }  // namespace moecore

@@ -28,6 +28,13 @@ class DistributedAdamW {
   // One AdamW update at learning rate lr, then (distributed optimizer) the parameter all-gather.
   void step(double lr);
   int64_t steps_taken() const { return replicated_ ? replicated_->steps_taken() : step_; }
+  const AdamWOptions& options() const { return options_; }
+  // True with --use-distributed-optimizer (each DP rank holds the moments of its shard only).
+  bool distributed() const { return !replicated_.has_value(); }
+  // This rank's Adam moments by parameter element range (see AdamWMomentSlice): without the distributed optimizer
+  // every parameter whole; with it one slice per piece of a parameter inside this rank's bucket shards, in
+  // registration order (a parameter wholly in other ranks' shards has none).
+  std::vector<AdamWMomentSlice> moment_slices() const;
 
  private:
   // A param's elements inside this rank's shard of its bucket: buffer offset and count.

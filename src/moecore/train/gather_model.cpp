@@ -83,10 +83,7 @@ std::unique_ptr<GPTModel> gather_full_model(const GPTModel& model, const uint64_
       par.world.recv(std::span<float>(dst, n), my_ep_group[static_cast<size_t>(owner)]);
     }
   }
-  for (int64_t layer = 0; layer < model.config().num_layers; ++layer) {
-    const std::vector<float>* bias = model.expert_bias(layer);
-    if (bias != nullptr) *full->expert_bias(layer) = *bias;
-  }
+  for (const Buffer& b : model.named_buffers()) full->buffer(b.name).value.copy_from(b.value);  // replicated
   return full;
 }
 

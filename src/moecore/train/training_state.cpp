@@ -1,0 +1,91 @@
+#include "moecore/train/training_state.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace moecore {
+
+int64_t lr_decay_style_code(const LRDecayStyle style) { return static_cast<int64_t>(style); }
+
+void add_optimizer_state(StateDict& state, const std::vector<Param>& params,
+                         const std::vector<AdamWMomentSlice>& slices, const int64_t step) {
+  std::vector<const AdamWMomentSlice*> slice_of(params.size(), nullptr);
+  for (const AdamWMomentSlice& s : slices) {
+    if (s.param < 0 || static_cast<size_t>(s.param) >= params.size()) {
+      throw std::logic_error("optimizer moment slice of parameter " + std::to_string(s.param) + " out of range");
+    }
+    const auto i = static_cast<size_t>(s.param);
+    if (slice_of[i] != nullptr) throw std::logic_error("two optimizer moment slices of " + params[i].name);
+    slice_of[i] = &s;
+  }
+  for (const bool first : {true, false}) {
+    const std::string prefix = first ? "optimizer.exp_avg." : "optimizer.exp_avg_sq.";
+    for (size_t i = 0; i < params.size(); ++i) {
+      const Param& p = params[i];
+      const AdamWMomentSlice* s = slice_of[i];
+      StatePlacement placement{p.shard};
+      if (s != nullptr && s->begin == 0 && s->end == p.value.numel()) {  // the whole local tensor
+        state.add_tensor(prefix + p.name, (first ? s->exp_avg : s->exp_avg_sq).view(p.value.shape()), placement);
+      } else if (s != nullptr) {  // a distributed-optimizer piece: a flat range of the local tensor
+        placement.flat_begin = s->begin;
+        placement.flat_end = s->end;
+        state.add_tensor(prefix + p.name, first ? s->exp_avg : s->exp_avg_sq, placement);
+      } else {  // wholly in other DP ranks' shards: an empty range, so every rank lists the same keys
+        placement.flat_end = 0;
+        state.add_tensor(prefix + p.name, Tensor(std::vector<int64_t>{0}, DType::kF32, MemCategory::kOptimizer),
+                         placement);
+      }
+    }
+  }
+  state.add_i64("optimizer.step", step);
+}
+
+void add_lr_scheduler_state(StateDict& state, const LRSchedule& schedule, const int64_t completed_iterations,
+                            const double weight_decay) {
+  const LRScheduleConfig& c = schedule.config();
+  state.add_f64("lr_scheduler.max_lr", c.max_lr);
+  state.add_f64("lr_scheduler.lr_warmup_steps", schedule.warmup_steps());
+  state.add_i64("lr_scheduler.num_steps", completed_iterations * c.global_batch_size);
+  state.add_i64("lr_scheduler.lr_decay_style", lr_decay_style_code(c.decay_style));
+  state.add_f64("lr_scheduler.lr_decay_steps", schedule.decay_steps());
+  state.add_f64("lr_scheduler.min_lr", c.min_lr);
+  state.add_f64("lr_scheduler.start_wd", weight_decay);
+  state.add_f64("lr_scheduler.end_wd", weight_decay);
+}
+
+void add_progress_state(StateDict& state, const TrainingProgress& progress, const int64_t seed) {
+  state.add_i64("iteration", progress.iteration);
+  state.add_i64("consumed_train_samples", progress.consumed_train_samples);
+  state.add_i64("consumed_valid_samples", progress.consumed_valid_samples);
+  state.add_f64("num_floating_point_operations_so_far", progress.floating_point_operations_so_far);
+  state.add_i64("rng.seed", seed);
+}
+
+namespace {
+
+StateDict assemble(const GPTModel& model, const std::vector<AdamWMomentSlice>& slices, const int64_t step,
+                   const double weight_decay, const LRSchedule& schedule, const TrainingProgress& progress,
+                   const int64_t seed) {
+  StateDict state;
+  add_model_state(state, model);
+  add_optimizer_state(state, model.params(), slices, step);
+  add_lr_scheduler_state(state, schedule, progress.iteration, weight_decay);
+  add_progress_state(state, progress, seed);
+  return state;
+}
+
+}  // namespace
+
+StateDict training_state(const GPTModel& model, const DistributedAdamW& optimizer, const LRSchedule& schedule,
+                         const TrainingProgress& progress, const int64_t seed) {
+  return assemble(model, optimizer.moment_slices(), optimizer.steps_taken(), optimizer.options().weight_decay, schedule,
+                  progress, seed);
+}
+
+StateDict training_state(const GPTModel& model, const AdamWOptimizer& optimizer, const LRSchedule& schedule,
+                         const TrainingProgress& progress, const int64_t seed) {
+  return assemble(model, optimizer.moment_slices(), optimizer.steps_taken(), optimizer.options().weight_decay, schedule,
+                  progress, seed);
+}
+
+}  // namespace moecore

@@ -1,0 +1,59 @@
+// The training state: everything a checkpoint holds to resume a run bit for bit or to reshard it into another
+// layout, as one StateDict (ckpt/state_dict.h) of global keys, in this order:
+//   <param name>                          fp32, each model parameter (moecore's parameters are the fp32 master
+//                                         weights: there is no separate master copy)
+//   <buffer name>                         e.g. decoder.layers.{i}.mlp.router.expert_bias [E] fp32, replicated
+//   optimizer.exp_avg.<param name>        fp32, Adam's first moment, global shape = the parameter's; placed by the
+//   optimizer.exp_avg_sq.<param name>     parameter's shard and, with the distributed optimizer, the flat range of
+//                                         the parameter's local tensor this rank's moments cover
+//   optimizer.step                        int64, Adam updates taken (the bias-correction count)
+//   lr_scheduler.{max_lr, min_lr, lr_warmup_steps, lr_decay_steps, start_wd, end_wd}   float64
+//   lr_scheduler.{num_steps, lr_decay_style}                                           int64
+//                                         Megatron's OptimizerParamScheduler.state_dict (sample units; decay style
+//                                         as the LRDecayStyle code, see lr_decay_style_code)
+//   iteration, consumed_train_samples, consumed_valid_samples                         int64
+//   num_floating_point_operations_so_far                                              float64
+//   rng.seed                               int64, the run seed (every random draw is a counter RNG keyed by it)
+// Routed-expert entries exist only on the EP ranks that own the expert; every other key is on every rank (a
+// distributed-optimizer rank whose shards miss a parameter lists its moments with an empty flat range [0, 0)). The
+// union over ranks is the one-process key set.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moecore/ckpt/state_dict.h"
+#include "moecore/model/gpt_model.h"
+#include "moecore/optim/adamw_optimizer.h"
+#include "moecore/optim/distributed_optimizer.h"
+#include "moecore/optim/lr_schedule.h"
+#include "moecore/train/training_progress.h"
+
+namespace moecore {
+
+// The int64 stored for a decay style: its position in LRDecayStyle (0 constant, 1 linear, 2 cosine,
+// 3 inverse-square-root, 4 WSD).
+int64_t lr_decay_style_code(LRDecayStyle style);
+
+// optimizer.exp_avg.* then optimizer.exp_avg_sq.* for every parameter in order (views of the optimizer's states;
+// at most one slice per parameter), then optimizer.step. `params` are the optimizer's parameters (slice.param
+// indexes them).
+void add_optimizer_state(StateDict& state, const std::vector<Param>& params,
+                         const std::vector<AdamWMomentSlice>& slices, int64_t step);
+// lr_scheduler.*: the scheduler after `completed_iterations` iterations (num_steps = that x global batch size);
+// weight_decay is the constant decay (start_wd = end_wd: moecore has no decay increment).
+void add_lr_scheduler_state(StateDict& state, const LRSchedule& schedule, int64_t completed_iterations,
+                            double weight_decay);
+// iteration, consumed samples, FLOPs so far, rng.seed.
+void add_progress_state(StateDict& state, const TrainingProgress& progress, int64_t seed);
+
+// The whole training state of this rank (see the list above). Tensor entries are views of the live model and
+// optimizer. With the distributed optimizer, call after the parameter all-gather of the last step has finished
+// (DistributedDataParallel::wait_param_gather).
+StateDict training_state(const GPTModel& model, const DistributedAdamW& optimizer, const LRSchedule& schedule,
+                         const TrainingProgress& progress, int64_t seed);
+// The same for an AdamWOptimizer built over model.params() (one process, no DDP).
+StateDict training_state(const GPTModel& model, const AdamWOptimizer& optimizer, const LRSchedule& schedule,
+                         const TrainingProgress& progress, int64_t seed);
+
+}  // namespace moecore
