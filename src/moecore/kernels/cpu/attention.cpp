@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/kernels/cpu/vector_isa.h"
 #include "moecore/tensor/rng.h"
 
 namespace moecore::kernels::cpu {
@@ -107,10 +108,11 @@ class Scratch {
   std::vector<T> buf_;
 };
 
-// Forward for query rows [i0, i1) of head (b, h); keys [0, i1).
+// Forward for query rows [i0, i1) of head (b, h); keys [0, i1). Compiled per vector ISA (the softmax loops).
 template <typename T>
-void forward_block(T* out, T* lse, const T* q, const T* k, const T* v, const Geometry& geo, double scale,
-                   const HeadDropout& drop, int64_t b, int64_t h, int64_t i0, int64_t i1, T* probs) {
+MOECORE_VECTOR_CLONES void forward_block(T* out, T* lse, const T* q, const T* k, const T* v, const Geometry& geo,
+                                         double scale, const HeadDropout& drop, int64_t b, int64_t h, int64_t i0,
+                                         int64_t i1, T* probs) {
   const int64_t rows = i1 - i0, keys = i1, g = h / geo.heads_per_group;
   gemm_rm(false, true, rows, keys, geo.d, static_cast<T>(scale), q + geo.q_offset(i0, b, h), geo.ld_q,
           k + geo.kv_offset(0, b, g), geo.ld_kv, T(0), probs, keys);
@@ -151,10 +153,10 @@ struct BackwardInputs {
 // For query rows [i0, i1) and keys [j0, j1) of head (b, h), fills (row-major, ld = j1 - j0)
 //   pd = P * mask / (1 - p)  (dropped probabilities, for dV)
 //   ds = scale * P * (dPd * mask / (1 - p) - delta)  (gradient of the unscaled scores q k^T)
-// with both zero above the diagonal.
+// with both zero above the diagonal. Compiled per vector ISA (the elementwise loops).
 template <typename T>
-void backward_tiles(const BackwardInputs<T>& in, int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0, int64_t j1,
-                    T* pd, T* ds) {
+MOECORE_VECTOR_CLONES void backward_tiles(const BackwardInputs<T>& in, int64_t b, int64_t h, int64_t i0, int64_t i1,
+                                          int64_t j0, int64_t j1, T* pd, T* ds) {
   const Geometry& geo = in.geo;
   const int64_t rows = i1 - i0, cols = j1 - j0, g = h / geo.heads_per_group;
   gemm_rm(false, true, rows, cols, geo.d, static_cast<T>(in.scale), in.q + geo.q_offset(i0, b, h), geo.ld_q,

@@ -1,38 +1,71 @@
-// Small vector helpers (OpenMP + SIMD).
+// Small vector helpers: OpenMP over chunks, each a SIMD loop compiled per vector ISA.
 #include "moecore/kernels/cpu/elementwise.h"
 
+#include <algorithm>
 #include <cmath>
+
+#include "moecore/kernels/cpu/vector_isa.h"
 
 namespace moecore::kernels::cpu {
 namespace {
 constexpr int64_t kParallelMin = 65536;
+constexpr int64_t kChunk = 4096;  // elements per call of a loop body
+
+// Elements [i0, i1) of each helper, compiled per vector ISA.
+template <typename T>
+MOECORE_VECTOR_CLONES void add_chunk(T* y, const T* x, const int64_t i0, const int64_t i1) {
+#pragma omp simd
+  for (int64_t i = i0; i < i1; ++i) y[i] += x[i];
+}
+
+template <typename T>
+MOECORE_VECTOR_CLONES void scale_chunk(T* y, const T alpha, const int64_t i0, const int64_t i1) {
+#pragma omp simd
+  for (int64_t i = i0; i < i1; ++i) y[i] *= alpha;
+}
+
+template <typename T>
+MOECORE_VECTOR_CLONES double sum_squares_chunk(const T* x, const int64_t i0, const int64_t i1) {
+  double total = 0.0;
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = i0; i < i1; ++i) total += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  return total;
+}
+
+template <typename T>
+MOECORE_VECTOR_CLONES int64_t count_non_finite_chunk(const T* x, const int64_t i0, const int64_t i1) {
+  int64_t n_bad = 0;
+#pragma omp simd reduction(+ : n_bad)
+  for (int64_t i = i0; i < i1; ++i) n_bad += std::isfinite(x[i]) ? 0 : 1;
+  return n_bad;
+}
 }  // namespace
 
 template <typename T>
 void add_inplace(T* y, const T* x, const int64_t n) {
-#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+  for (int64_t i = 0; i < n; i += kChunk) add_chunk(y, x, i, std::min(n, i + kChunk));
 }
 
 template <typename T>
 void scale_inplace(T* y, const T alpha, const int64_t n) {
-#pragma omp parallel for simd schedule(static) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; ++i) y[i] *= alpha;
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+  for (int64_t i = 0; i < n; i += kChunk) scale_chunk(y, alpha, i, std::min(n, i + kChunk));
 }
 
 template <typename T>
 double sum_squares(const T* x, const int64_t n) {
   double total = 0.0;
-#pragma omp parallel for simd schedule(static) reduction(+ : total) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; ++i) total += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+#pragma omp parallel for schedule(static) reduction(+ : total) if (n > kParallelMin)
+  for (int64_t i = 0; i < n; i += kChunk) total += sum_squares_chunk(x, i, std::min(n, i + kChunk));
   return total;
 }
 
 template <typename T>
 bool all_finite(const T* x, const int64_t n) {
   int64_t n_bad = 0;
-#pragma omp parallel for simd schedule(static) reduction(+ : n_bad) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; ++i) n_bad += std::isfinite(x[i]) ? 0 : 1;
+#pragma omp parallel for schedule(static) reduction(+ : n_bad) if (n > kParallelMin)
+  for (int64_t i = 0; i < n; i += kChunk) n_bad += count_non_finite_chunk(x, i, std::min(n, i + kChunk));
   return n_bad == 0;
 }
 

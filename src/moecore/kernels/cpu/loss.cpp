@@ -1,8 +1,11 @@
-// Fast softmax cross-entropy: one token per OpenMP iteration, max-subtracted exponentials (vectorised for float).
+// Fast softmax cross-entropy: one token per OpenMP iteration, max-subtracted exponentials (vectorised for float:
+// AVX2 + FMA code chosen at run time when the CPU has it, so a portable build uses it too).
 #include "moecore/kernels/cpu/loss.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__x86_64__)
 #include <immintrin.h>
+#define MOECORE_HAVE_AVX2_PATH 1
+#define MOECORE_AVX2_FMA __attribute__((target("avx2,fma")))
 #endif
 
 #include <bit>
@@ -10,6 +13,8 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+
+#include "moecore/kernels/cpu/vector_isa.h"
 
 namespace moecore::kernels::cpu {
 namespace {
@@ -47,9 +52,15 @@ inline float exp_nonpositive(float x) {
   return underflow ? 0.0f : y * scale;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(MOECORE_HAVE_AVX2_PATH)
+// True when this CPU runs the AVX2 + FMA functions below (tested once).
+bool cpu_has_avx2_fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
 // Eight lanes of exp_nonpositive.
-inline __m256 exp_nonpositive8(__m256 x) {
+MOECORE_AVX2_FMA inline __m256 exp_nonpositive8(__m256 x) {
   const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
   const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
@@ -65,13 +76,10 @@ inline __m256 exp_nonpositive8(__m256 x) {
   const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(exponent)));
 }
-#endif
 
-// Sum over v of exp(row[v] - shift), for shift >= max(row).
-inline double sum_exp(const float* row, const int64_t V, const float shift) {
+// The 8-aligned prefix of sum_exp; returns how many elements it consumed.
+MOECORE_AVX2_FMA int64_t sum_exp_avx2(double& sum, const float* row, const int64_t V, const float shift) {
   int64_t v = 0;
-  double sum = 0.0;
-#if defined(__AVX2__) && defined(__FMA__)
   __m256 acc = _mm256_setzero_ps();
   const __m256 shift8 = _mm256_set1_ps(shift);
   for (; v + 8 <= V; v += 8)
@@ -79,6 +87,28 @@ inline double sum_exp(const float* row, const int64_t V, const float shift) {
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, acc);
   for (const float lane : lanes) sum += lane;
+  return v;
+}
+
+// The 8-aligned prefix of scaled_softmax; returns how many elements it wrote.
+MOECORE_AVX2_FMA int64_t scaled_softmax_avx2(float* out, const float* row, const int64_t V, const float lse,
+                                             const float scale) {
+  int64_t v = 0;
+  const __m256 lse8 = _mm256_set1_ps(lse), scale8 = _mm256_set1_ps(scale);
+  for (; v + 8 <= V; v += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row + v), lse8));
+    _mm256_storeu_ps(out + v, _mm256_mul_ps(scale8, e));
+  }
+  return v;
+}
+#endif
+
+// Sum over v of exp(row[v] - shift), for shift >= max(row).
+inline double sum_exp(const float* row, const int64_t V, const float shift) {
+  int64_t v = 0;
+  double sum = 0.0;
+#if defined(MOECORE_HAVE_AVX2_PATH)
+  if (cpu_has_avx2_fma()) v = sum_exp_avx2(sum, row, V, shift);
 #endif
   for (; v < V; ++v) sum += exp_nonpositive(row[v] - shift);
   return sum;
@@ -91,12 +121,8 @@ inline double sum_exp(const double* row, const int64_t V, const double shift) {
 
 inline void scaled_softmax(float* out, const float* row, const int64_t V, const float lse, const float scale) {
   int64_t v = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 lse8 = _mm256_set1_ps(lse), scale8 = _mm256_set1_ps(scale);
-  for (; v + 8 <= V; v += 8) {
-    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row + v), lse8));
-    _mm256_storeu_ps(out + v, _mm256_mul_ps(scale8, e));
-  }
+#if defined(MOECORE_HAVE_AVX2_PATH)
+  if (cpu_has_avx2_fma()) v = scaled_softmax_avx2(out, row, V, lse, scale);
 #endif
   for (; v < V; ++v) out[v] = scale * exp_nonpositive(row[v] - lse);
 }
@@ -105,7 +131,7 @@ inline void scaled_softmax(double* out, const double* row, const int64_t V, cons
 }
 
 template <typename T>
-T row_max(const T* row, int64_t V) {
+MOECORE_VECTOR_CLONES T row_max(const T* row, int64_t V) {
   T best = row[0];
 #pragma omp simd reduction(max : best)
   for (int64_t v = 1; v < V; ++v) best = row[v] > best ? row[v] : best;

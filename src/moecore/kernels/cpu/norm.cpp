@@ -8,6 +8,8 @@
 #include <cmath>
 #include <vector>
 
+#include "moecore/kernels/cpu/vector_isa.h"
+
 namespace moecore::kernels::cpu {
 namespace {
 
@@ -43,6 +45,83 @@ class PartialSums {
   std::vector<T> sums_;
 };
 
+// One row of each kernel (the hot loops, compiled per vector ISA).
+template <typename T>
+MOECORE_VECTOR_CLONES T rmsnorm_row(T* y, const T* x, const T* weight_D, const int64_t D, const T eps) {
+  T sum_sq = T(0);
+#pragma omp simd reduction(+ : sum_sq)
+  for (int64_t d = 0; d < D; ++d) sum_sq += x[d] * x[d];
+  const T rstd = T(1) / std::sqrt(sum_sq / static_cast<T>(D) + eps);
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) y[d] = x[d] * rstd * weight_D[d];
+  return rstd;
+}
+
+// dx (may be null) += the input gradient of the row; dweight_part += its weight gradient.
+template <typename T>
+MOECORE_VECTOR_CLONES void rmsnorm_row_backward(T* dx, T* dweight_part, const T* dy, const T* x, const T* weight_D,
+                                                const T rstd, const int64_t D) {
+  if (dx != nullptr) {
+    T sum_gx = T(0);  // sum_d (dy * w)_d x_d
+#pragma omp simd reduction(+ : sum_gx)
+    for (int64_t d = 0; d < D; ++d) sum_gx += dy[d] * weight_D[d] * x[d];
+    const T coeff = sum_gx * rstd * rstd * rstd / static_cast<T>(D);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dx[d] += rstd * dy[d] * weight_D[d] - coeff * x[d];
+  }
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) dweight_part[d] += dy[d] * x[d] * rstd;
+}
+
+template <typename T>
+MOECORE_VECTOR_CLONES void layernorm_row(T* y, T& mean_out, T& rstd_out, const T* x, const T* weight_D, const T* bias_D,
+                                         const int64_t D, const T eps) {
+  T sum = T(0);
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < D; ++d) sum += x[d];
+  const T mean = sum / static_cast<T>(D);
+  T sum_sq = T(0);
+#pragma omp simd reduction(+ : sum_sq)
+  for (int64_t d = 0; d < D; ++d) sum_sq += (x[d] - mean) * (x[d] - mean);
+  const T rstd = T(1) / std::sqrt(sum_sq / static_cast<T>(D) + eps);
+  if (bias_D != nullptr) {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) y[d] = (x[d] - mean) * rstd * weight_D[d] + bias_D[d];
+  } else {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) y[d] = (x[d] - mean) * rstd * weight_D[d];
+  }
+  mean_out = mean;
+  rstd_out = rstd;
+}
+
+template <typename T>
+MOECORE_VECTOR_CLONES void layernorm_row_backward(T* dx, T* dweight_part, T* dbias_part, const T* dy, const T* x,
+                                                  const T* weight_D, const T mean, const T rstd, const int64_t D) {
+  if (dx != nullptr) {
+    T sum_g = T(0);      // sum_d (dy * w)_d
+    T sum_gxhat = T(0);  // sum_d (dy * w)_d xhat_d
+#pragma omp simd reduction(+ : sum_g, sum_gxhat)
+    for (int64_t d = 0; d < D; ++d) {
+      const T g = dy[d] * weight_D[d];
+      sum_g += g;
+      sum_gxhat += g * (x[d] - mean) * rstd;
+    }
+    const T mean_g = sum_g / static_cast<T>(D);
+    const T mean_gxhat = sum_gxhat / static_cast<T>(D);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) {
+      const T xhat = (x[d] - mean) * rstd;
+      dx[d] += rstd * (dy[d] * weight_D[d] - mean_g - xhat * mean_gxhat);
+    }
+  }
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) {
+    dweight_part[d] += dy[d] * (x[d] - mean) * rstd;
+    dbias_part[d] += dy[d];
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -51,15 +130,7 @@ void rmsnorm_forward(T* out_RD, T* rstd_R, const T* inp_RD, const T* weight_D, c
   const T eps_t = static_cast<T>(eps);
 #pragma omp parallel for schedule(static) num_threads(threads_for(n_rows, D))
   for (int64_t r = 0; r < n_rows; ++r) {
-    const T* x = inp_RD + r * D;
-    T* y = out_RD + r * D;
-    T sum_sq = T(0);
-#pragma omp simd reduction(+ : sum_sq)
-    for (int64_t d = 0; d < D; ++d) sum_sq += x[d] * x[d];
-    const T rstd = T(1) / std::sqrt(sum_sq / static_cast<T>(D) + eps_t);
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) y[d] = x[d] * rstd * weight_D[d];
-    rstd_R[r] = rstd;
+    rstd_R[r] = rmsnorm_row(out_RD + r * D, inp_RD + r * D, weight_D, D, eps_t);
   }
 }
 
@@ -73,20 +144,8 @@ void rmsnorm_backward(T* dinp_RD, T* dweight_D, const T* dout_RD, const T* inp_R
     T* dweight_part = partial.buffer(omp_get_thread_num(), 0);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < n_rows; ++r) {
-      const T* x = inp_RD + r * D;
-      const T* dy = dout_RD + r * D;
-      const T rstd = rstd_R[r];
-      if (dinp_RD != nullptr) {
-        T sum_gx = T(0);  // sum_d (dy * w)_d x_d
-#pragma omp simd reduction(+ : sum_gx)
-        for (int64_t d = 0; d < D; ++d) sum_gx += dy[d] * weight_D[d] * x[d];
-        const T coeff = sum_gx * rstd * rstd * rstd / static_cast<T>(D);
-        T* dx = dinp_RD + r * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) dx[d] += rstd * dy[d] * weight_D[d] - coeff * x[d];
-      }
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) dweight_part[d] += dy[d] * x[d] * rstd;
+      rmsnorm_row_backward(dinp_RD != nullptr ? dinp_RD + r * D : nullptr, dweight_part, dout_RD + r * D,
+                           inp_RD + r * D, weight_D, rstd_R[r], D);
     }
   }
   partial.reduce(dweight_D, 0);
@@ -98,25 +157,7 @@ void layernorm_forward(T* out_RD, T* mean_R, T* rstd_R, const T* inp_RD, const T
   const T eps_t = static_cast<T>(eps);
 #pragma omp parallel for schedule(static) num_threads(threads_for(n_rows, D))
   for (int64_t r = 0; r < n_rows; ++r) {
-    const T* x = inp_RD + r * D;
-    T* y = out_RD + r * D;
-    T sum = T(0);
-#pragma omp simd reduction(+ : sum)
-    for (int64_t d = 0; d < D; ++d) sum += x[d];
-    const T mean = sum / static_cast<T>(D);
-    T sum_sq = T(0);
-#pragma omp simd reduction(+ : sum_sq)
-    for (int64_t d = 0; d < D; ++d) sum_sq += (x[d] - mean) * (x[d] - mean);
-    const T rstd = T(1) / std::sqrt(sum_sq / static_cast<T>(D) + eps_t);
-    if (bias_D != nullptr) {
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) y[d] = (x[d] - mean) * rstd * weight_D[d] + bias_D[d];
-    } else {
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) y[d] = (x[d] - mean) * rstd * weight_D[d];
-    }
-    mean_R[r] = mean;
-    rstd_R[r] = rstd;
+    layernorm_row(out_RD + r * D, mean_R[r], rstd_R[r], inp_RD + r * D, weight_D, bias_D, D, eps_t);
   }
 }
 
@@ -131,33 +172,8 @@ void layernorm_backward(T* dinp_RD, T* dweight_D, T* dbias_D, const T* dout_RD, 
     T* dbias_part = partial.buffer(omp_get_thread_num(), 1);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < n_rows; ++r) {
-      const T* x = inp_RD + r * D;
-      const T* dy = dout_RD + r * D;
-      const T mean = mean_R[r];
-      const T rstd = rstd_R[r];
-      if (dinp_RD != nullptr) {
-        T sum_g = T(0);      // sum_d (dy * w)_d
-        T sum_gxhat = T(0);  // sum_d (dy * w)_d xhat_d
-#pragma omp simd reduction(+ : sum_g, sum_gxhat)
-        for (int64_t d = 0; d < D; ++d) {
-          const T g = dy[d] * weight_D[d];
-          sum_g += g;
-          sum_gxhat += g * (x[d] - mean) * rstd;
-        }
-        const T mean_g = sum_g / static_cast<T>(D);
-        const T mean_gxhat = sum_gxhat / static_cast<T>(D);
-        T* dx = dinp_RD + r * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) {
-          const T xhat = (x[d] - mean) * rstd;
-          dx[d] += rstd * (dy[d] * weight_D[d] - mean_g - xhat * mean_gxhat);
-        }
-      }
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) {
-        dweight_part[d] += dy[d] * (x[d] - mean) * rstd;
-        dbias_part[d] += dy[d];
-      }
+      layernorm_row_backward(dinp_RD != nullptr ? dinp_RD + r * D : nullptr, dweight_part, dbias_part, dout_RD + r * D,
+                             inp_RD + r * D, weight_D, mean_R[r], rstd_R[r], D);
     }
   }
   partial.reduce(dweight_D, 0);

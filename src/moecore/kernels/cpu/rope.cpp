@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "moecore/kernels/cpu/vector_isa.h"
+
 namespace moecore::kernels::cpu {
 namespace {
 
@@ -46,6 +48,33 @@ RopeTable<T> make_table(const int64_t S, const int64_t half, const double base, 
   return table;
 }
 
+// One head vector, compiled per vector ISA.
+template <typename T>
+MOECORE_VECTOR_CLONES void rope_row(T* y, const T* x, const T* cos_H, const T* sin_H, const int64_t half,
+                                    const int64_t rot_dim, const int64_t head_dim) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const T x1 = x[i], x2 = x[i + half];
+    y[i] = x1 * cos_H[i] - x2 * sin_H[i];
+    y[i + half] = x2 * cos_H[i] + x1 * sin_H[i];
+  }
+  std::copy(x + rot_dim, x + head_dim, y + rot_dim);
+}
+
+// Transpose of the 2x2 rotation [[c, -s], [s, c]] acting on (x1, x2), accumulated into dx.
+template <typename T>
+MOECORE_VECTOR_CLONES void rope_row_backward(T* dx, const T* dy, const T* cos_H, const T* sin_H, const int64_t half,
+                                             const int64_t rot_dim, const int64_t head_dim) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const T dy1 = dy[i], dy2 = dy[i + half];
+    dx[i] += dy1 * cos_H[i] + dy2 * sin_H[i];
+    dx[i + half] += dy2 * cos_H[i] - dy1 * sin_H[i];
+  }
+#pragma omp simd
+  for (int64_t c = rot_dim; c < head_dim; ++c) dx[c] += dy[c];
+}
+
 }  // namespace
 
 template <typename T>
@@ -59,15 +88,7 @@ void rope_forward(T* out_SBNd, const T* inp_SBNd, const int64_t S, const int64_t
   for (int64_t row = 0; row < S * heads_per_pos; ++row) {
     const T* cos_H = table.cos_SH.data() + (row / heads_per_pos) * half;
     const T* sin_H = table.sin_SH.data() + (row / heads_per_pos) * half;
-    const T* x = inp_SBNd + row * head_dim;
-    T* y = out_SBNd + row * head_dim;
-#pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
-      const T x1 = x[i], x2 = x[i + half];
-      y[i] = x1 * cos_H[i] - x2 * sin_H[i];
-      y[i + half] = x2 * cos_H[i] + x1 * sin_H[i];
-    }
-    std::copy(x + rot_dim, x + head_dim, y + rot_dim);
+    rope_row(out_SBNd + row * head_dim, inp_SBNd + row * head_dim, cos_H, sin_H, half, rot_dim, head_dim);
   }
 }
 
@@ -82,17 +103,7 @@ void rope_backward(T* dinp_SBNd, const T* dout_SBNd, const int64_t S, const int6
   for (int64_t row = 0; row < S * heads_per_pos; ++row) {
     const T* cos_H = table.cos_SH.data() + (row / heads_per_pos) * half;
     const T* sin_H = table.sin_SH.data() + (row / heads_per_pos) * half;
-    const T* dy = dout_SBNd + row * head_dim;
-    T* dx = dinp_SBNd + row * head_dim;
-    // Transpose of the 2x2 rotation [[c, -s], [s, c]] acting on (x1, x2).
-#pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
-      const T dy1 = dy[i], dy2 = dy[i + half];
-      dx[i] += dy1 * cos_H[i] + dy2 * sin_H[i];
-      dx[i + half] += dy2 * cos_H[i] - dy1 * sin_H[i];
-    }
-#pragma omp simd
-    for (int64_t c = rot_dim; c < head_dim; ++c) dx[c] += dy[c];
+    rope_row_backward(dinp_SBNd + row * head_dim, dout_SBNd + row * head_dim, cos_H, sin_H, half, rot_dim, head_dim);
   }
 }
 
