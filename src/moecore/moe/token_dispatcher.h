@@ -25,8 +25,9 @@ struct DispatchState {
   std::vector<float> probs_R;                // router prob of (source token, expert), 0 for padding rows
   std::vector<int64_t> tokens_per_expert_E;  // rows per local expert, in row order
 
-  // Distributed dispatchers only (empty for the local one). In their state, source_token_R indexes the tokens of
-  // the owner rank source_rank_R (its rank in the ETP x EP group), and expert_R the local experts.
+  // Distributed dispatchers only (empty for the local one). The allgather dispatcher fills source_token_R with the
+  // tokens of the owner rank source_rank_R (its rank in the ETP x EP group) and expert_R with local experts; the
+  // alltoall dispatcher leaves both empty, as Megatron's (its expert side only knows the exchanged counts).
   std::vector<int64_t> source_rank_R;  // -1 for padding rows
   // Row r's place in the buffer the dispatcher gathers: allgather: gathered token (rank * T + token, -1 for
   // padding); alltoall: row in the ETP-gathered [ETP, etp_max_rows] buffer of all-to-all outputs.
