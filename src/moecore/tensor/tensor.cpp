@@ -91,12 +91,12 @@ Tensor Tensor::slice_rows(const int64_t begin, const int64_t end) const {
 Tensor Tensor::clone(const MemCategory category) const {
   if (!defined()) throw std::logic_error("clone of an undefined tensor");
   Tensor out(shape_, dtype_, category, device());
-  std::memcpy(out.data<std::byte>(), data<std::byte>(), nbytes());
+  if (nbytes() > 0) std::memcpy(out.data<std::byte>(), data<std::byte>(), nbytes());
   return out;
 }
 
 void Tensor::zero_() {
-  if (defined()) std::memset(data<std::byte>(), 0, nbytes());
+  if (defined() && nbytes() > 0) std::memset(data<std::byte>(), 0, nbytes());
 }
 
 void Tensor::copy_from(const Tensor& other) {
@@ -104,7 +104,7 @@ void Tensor::copy_from(const Tensor& other) {
   if (other.dtype_ != dtype_ || other.numel() != numel()) {
     throw std::invalid_argument("copy_from: " + other.shape_str() + " into " + shape_str());
   }
-  std::memcpy(data<std::byte>(), other.data<std::byte>(), nbytes());
+  if (nbytes() > 0) std::memcpy(data<std::byte>(), other.data<std::byte>(), nbytes());
 }
 
 }  // namespace moecore
