@@ -53,11 +53,11 @@ Tensor TensorParallel::reduce_scatter_rows(const Tensor& full_RW) const {
   return shard;
 }
 
-void TensorParallel::all_reduce_(Tensor& x) const {
+void TensorParallel::all_reduce_(Tensor& x, const parallel::ReduceOp op) const {
   if (size() == 1) return;
   require_fp32(x, "all_reduce_");
   const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
-  group_.all_reduce(x.span<float>(), parallel::ReduceOp::kSum);
+  group_.all_reduce(x.span<float>(), op);
 }
 
 Tensor TensorParallel::split_rows(const Tensor& full_RW) const {

@@ -34,8 +34,8 @@ class TensorParallel {
   Tensor all_gather_rows(const Tensor& shard_RW) const;
   // Forward of reduce_scatter_to_sequence_parallel_region: this rank's rows of the sum over the group.
   Tensor reduce_scatter_rows(const Tensor& full_RW) const;
-  // Forward of reduce_from_tensor_model_parallel_region: x = sum over the group, in place.
-  void all_reduce_(Tensor& x) const;
+  // Forward of reduce_from_tensor_model_parallel_region: x = sum (or max) over the group, in place.
+  void all_reduce_(Tensor& x, parallel::ReduceOp op = parallel::ReduceOp::kSum) const;
   // Forward of scatter_to_sequence_parallel_region: a copy of this rank's rows of a replicated tensor.
   Tensor split_rows(const Tensor& full_RW) const;
 

@@ -2,7 +2,6 @@
 
 #include "moecore/model/config.h"
 #include "moecore/ops/loss.h"
-#include "moecore/parallel/comm_stats.h"
 
 namespace moecore {
 namespace {
@@ -51,10 +50,7 @@ void VocabParallelCrossEntropy::forward(Tensor& losses_T, Tensor& lse_T, const T
   const auto T = static_cast<int64_t>(targets_T.size());
   Tensor max_T = activation_tensor({T});
   ops::vocab_ce_local_max(max_T, logits_TVl);
-  {
-    const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
-    tp_.group().all_reduce(max_T.span<float>(), parallel::ReduceOp::kMax);
-  }
+  tp_.all_reduce_(max_T, parallel::ReduceOp::kMax);
   Tensor stats_2T = activation_tensor({2 * T});
   ops::vocab_ce_local_stats(stats_2T, logits_TVl, max_T, targets_T, V_, vocab_begin_);
   tp_.all_reduce_(stats_2T);

@@ -15,17 +15,24 @@ int64_t rows_of(const char* op, const char* name, const Tensor& t, const int64_t
   return t.numel() / W;
 }
 
+// Tokens of the fused qkv rows [T, (N + 2G) d], checking the split q [T, N, d], k and v [T, G, d].
+int64_t qkv_tokens(const char* op, const Tensor& qkv_TQ, const Tensor& q_TNd, const Tensor& k_TGd, const Tensor& v_TGd,
+                   const int64_t N, const int64_t G, const int64_t d) {
+  if (G <= 0 || N % G != 0) detail::fail(op, "query heads must be a multiple of query groups");
+  const int64_t T = rows_of(op, "qkv_TQ", qkv_TQ, (N + 2 * G) * d);
+  detail::check_numel(op, "q_TNd", q_TNd, T * N * d);
+  detail::check_numel(op, "k_TGd", k_TGd, T * G * d);
+  detail::check_numel(op, "v_TGd", v_TGd, T * G * d);
+  return T;
+}
+
 }  // namespace
 
 void split_qkv(Tensor& q_TNd, Tensor& k_TGd, Tensor& v_TGd, const Tensor& qkv_TQ, const int64_t N, const int64_t G,
                const int64_t d) {
   constexpr const char* op = "split_qkv";
   detail::check_tensors(op, {&q_TNd, &k_TGd, &v_TGd, &qkv_TQ});
-  if (G <= 0 || N % G != 0) detail::fail(op, "query heads must be a multiple of query groups");
-  const int64_t T = rows_of(op, "qkv_TQ", qkv_TQ, (N + 2 * G) * d);
-  detail::check_numel(op, "q_TNd", q_TNd, T * N * d);
-  detail::check_numel(op, "k_TGd", k_TGd, T * G * d);
-  detail::check_numel(op, "v_TGd", v_TGd, T * G * d);
+  const int64_t T = qkv_tokens(op, qkv_TQ, q_TNd, k_TGd, v_TGd, N, G, d);
   detail::dispatch(op, qkv_TQ, [&]<typename S>(auto k) {
     k.split_qkv(ptr<S>(q_TNd), ptr<S>(k_TGd), ptr<S>(v_TGd), ptr<S>(qkv_TQ), T, N, G, d);
   });
@@ -35,11 +42,7 @@ void merge_qkv(Tensor& qkv_TQ, const Tensor& q_TNd, const Tensor& k_TGd, const T
                const int64_t G, const int64_t d) {
   constexpr const char* op = "merge_qkv";
   detail::check_tensors(op, {&qkv_TQ, &q_TNd, &k_TGd, &v_TGd});
-  if (G <= 0 || N % G != 0) detail::fail(op, "query heads must be a multiple of query groups");
-  const int64_t T = rows_of(op, "qkv_TQ", qkv_TQ, (N + 2 * G) * d);
-  detail::check_numel(op, "q_TNd", q_TNd, T * N * d);
-  detail::check_numel(op, "k_TGd", k_TGd, T * G * d);
-  detail::check_numel(op, "v_TGd", v_TGd, T * G * d);
+  const int64_t T = qkv_tokens(op, qkv_TQ, q_TNd, k_TGd, v_TGd, N, G, d);
   detail::dispatch(op, qkv_TQ, [&]<typename S>(auto k) {
     k.merge_qkv(ptr<S>(qkv_TQ), ptr<S>(q_TNd), ptr<S>(k_TGd), ptr<S>(v_TGd), T, N, G, d);
   });
