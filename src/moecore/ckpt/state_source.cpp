@@ -103,12 +103,12 @@ std::vector<PlacedBox> placement_boxes(const StatePlacement& placement) {
   return out;
 }
 
-int64_t copy_box_overlap(const StateBox& source_box, const Tensor& source, const StateBox& target_box, Tensor& target,
+int64_t copy_box_overlap(const StateBox& source_box, const Tensor* source, const StateBox& target_box, Tensor* target,
                          const int64_t target_begin) {
   const size_t rank = target_box.shape.size();
   if (source_box.shape.size() != rank) throw std::logic_error("copy_box_overlap: boxes of different ranks");
   if (rank == 0) {  // scalars
-    copy_run(source, 0, target, target_begin, 1);
+    if (source && target) copy_run(*source, 0, *target, target_begin, 1);
     return 1;
   }
   std::vector<int64_t> lo(rank), hi(rank);
@@ -135,7 +135,9 @@ int64_t copy_box_overlap(const StateBox& source_box, const Tensor& source, const
     const int64_t k_lo = std::max({int64_t{0}, s_first - s_index, t_first - t_index});
     const int64_t k_hi = std::min({run, s_end - s_index, t_end - t_index});
     if (k_lo < k_hi) {
-      copy_run(source, s_index + k_lo - s_first, target, target_begin + t_index + k_lo - t_first, k_hi - k_lo);
+      if (source && target) {
+        copy_run(*source, s_index + k_lo - s_first, *target, target_begin + t_index + k_lo - t_first, k_hi - k_lo);
+      }
       copied += k_hi - k_lo;
     }
     int d = static_cast<int>(rank) - 2;
@@ -149,7 +151,8 @@ int64_t copy_box_overlap(const StateBox& source_box, const Tensor& source, const
 }
 
 void load_state(const StateSource& source, const StateDict& target,
-                const std::function<bool(const StateEntry&)>& select) {
+                const std::function<bool(const StateEntry&)>& select,
+                const std::function<bool(const std::string&)>& rows_may_differ) {
   for (const StateEntry& entry : target.entries()) {
     if (select && !select(entry)) continue;
     const auto fail = [&](const std::string& problem) {
@@ -157,12 +160,21 @@ void load_state(const StateSource& source, const StateDict& target,
     };
     const std::optional<StoredTensorInfo> info = source.info(entry.key);
     if (!info) fail("no tensor");
-    if (info->global_shape != entry.global_shape) {
-      fail("global shape " + shape_text(info->global_shape) + " instead of " + shape_text(entry.global_shape));
+    const std::vector<int64_t>& stored_shape = info->global_shape;
+    bool rows_differ = false;
+    if (stored_shape != entry.global_shape) {
+      rows_differ = rows_may_differ && rows_may_differ(entry.key) && !stored_shape.empty() &&
+                    stored_shape.size() == entry.global_shape.size() &&
+                    std::equal(stored_shape.begin() + 1, stored_shape.end(), entry.global_shape.begin() + 1);
+      if (!rows_differ)
+        fail("global shape " + shape_text(stored_shape) + " instead of " + shape_text(entry.global_shape));
     }
     const std::vector<PlacedBox> wanted = placement_boxes(entry.placement);
-    int64_t needed = 0;
-    for (const PlacedBox& w : wanted) needed += w.box.numel();
+    int64_t needed = 0;  // the wanted elements inside the stored tensor
+    const StateBox stored_whole{std::vector<int64_t>(stored_shape.size(), 0), stored_shape};
+    for (const PlacedBox& w : wanted) {
+      needed += rows_differ ? copy_box_overlap(stored_whole, nullptr, w.box, nullptr, 0) : w.box.numel();
+    }
     if (needed == 0) continue;
     Tensor local = entry.local;  // a view: writing it writes the live state
     int64_t copied = 0;
@@ -179,7 +191,7 @@ void load_state(const StateSource& source, const StateDict& target,
       if (!overlaps) continue;
       const Tensor values = piece.read();
       if (values.numel() != piece.box.numel()) fail("a stored piece of the wrong size");
-      for (const PlacedBox& w : wanted) copied += copy_box_overlap(piece.box, values, w.box, local, w.local_begin);
+      for (const PlacedBox& w : wanted) copied += copy_box_overlap(piece.box, &values, w.box, &local, w.local_begin);
     }
     // Stored pieces never overlap (each element is written once), so the count says whether all were found.
     if (copied != needed) {

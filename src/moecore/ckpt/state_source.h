@@ -43,8 +43,8 @@ std::vector<PlacedBox> placement_boxes(const StatePlacement& placement);
 
 // Copies the elements `source_box` and `target_box` share from `source` (source_box.numel() elements, any floating or
 // integer dtype) into `target` starting at element `target_begin` (converted to target's dtype). Returns the number
-// copied.
-int64_t copy_box_overlap(const StateBox& source_box, const Tensor& source, const StateBox& target_box, Tensor& target,
+// copied; with null `source` / `target` only counts them.
+int64_t copy_box_overlap(const StateBox& source_box, const Tensor* source, const StateBox& target_box, Tensor* target,
                          int64_t target_begin);
 
 struct StoredTensorInfo {
@@ -69,9 +69,12 @@ class StateSource {
 
 // Fills the local tensor of every entry of `target` that `select` accepts (all when null) from `source`, converting
 // dtypes. Throws std::runtime_error "<source>: <problem> of <key>" when the source lacks a key, holds it with another
-// global shape, or its pieces do not cover every element the entry needs.
+// global shape, or its pieces do not cover every element the entry needs. Keys that `rows_may_differ` accepts may
+// differ in their first dimension (a vocabulary padded for another TP size, as Megatron's allow_shape_mismatch):
+// the rows both have are loaded, the others keep their values.
 void load_state(const StateSource& source, const StateDict& target,
-                const std::function<bool(const StateEntry&)>& select = nullptr);
+                const std::function<bool(const StateEntry&)>& select = nullptr,
+                const std::function<bool(const std::string&)>& rows_may_differ = nullptr);
 
 // The whole global tensor `key` of `source` as `dtype` (every piece read).
 Tensor read_global_tensor(const StateSource& source, const std::string& key, DType dtype = DType::kF32);

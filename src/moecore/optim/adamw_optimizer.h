@@ -40,6 +40,7 @@ class AdamWOptimizer {
   // One AdamW update of every parameter at learning rate lr.
   void step(double lr);
   int64_t steps_taken() const { return step_; }
+  void set_steps_taken(int64_t steps) { step_ = steps; }  // a checkpoint's count (Adam's bias correction)
   const AdamWOptions& options() const { return options_; }
   // Every parameter's moments, whole, in parameter order (see AdamWMomentSlice).
   std::vector<AdamWMomentSlice> moment_slices() const;

@@ -28,6 +28,13 @@ class DistributedAdamW {
   // One AdamW update at learning rate lr, then (distributed optimizer) the parameter all-gather.
   void step(double lr);
   int64_t steps_taken() const { return replicated_ ? replicated_->steps_taken() : step_; }
+  void set_steps_taken(int64_t steps) {  // a checkpoint's count (Adam's bias correction)
+    if (replicated_) {
+      replicated_->set_steps_taken(steps);
+    } else {
+      step_ = steps;
+    }
+  }
   const AdamWOptions& options() const { return options_; }
   // True with --use-distributed-optimizer (each DP rank holds the moments of its shard only).
   bool distributed() const { return !replicated_.has_value(); }

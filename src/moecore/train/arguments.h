@@ -124,6 +124,28 @@ struct TrainingArgs {
   bool overlap_param_gather = false;         // --overlap-param-gather
   int64_t ddp_bucket_size = 0;               // --ddp-bucket-size (0: Megatron's default)
 
+  // Checkpointing (megatron/training/arguments.py _add_checkpointing_args; semantics in train/checkpointing.h).
+  std::string save;                                     // --save DIR
+  std::string load;                                     // --load DIR (a save folder, or a HuggingFace folder)
+  std::optional<int64_t> save_interval;                 // --save-interval / --persistent-save-interval
+  bool no_save_optim = false;                           // --no-save-optim
+  bool no_save_rng = false;                             // --no-save-rng
+  bool no_load_optim = false;                           // --no-load-optim
+  bool no_load_rng = false;                             // --no-load-rng
+  bool finetune = false;                                // --finetune
+  std::optional<int64_t> ckpt_step;                     // --ckpt-step
+  bool exit_on_missing_checkpoint = false;              // --exit-on-missing-checkpoint
+  bool async_save = false;                              // --async-save
+  std::optional<int64_t> non_persistent_save_interval;  // --non-persistent-save-interval
+  std::string non_persistent_ckpt_type;                 // --non-persistent-ckpt-type (global)
+  std::optional<int64_t> exit_interval;                 // --exit-interval
+  std::optional<double> exit_duration_in_mins;          // --exit-duration-in-mins
+  bool exit_signal_handler = false;                     // --exit-signal-handler (SIGTERM)
+  bool override_opt_param_scheduler = false;            // --override-opt_param-scheduler
+  bool use_checkpoint_opt_param_scheduler = false;      // --use-checkpoint-opt_param-scheduler
+  bool moe_use_upcycling = false;                       // --moe-use-upcycling
+  int64_t moe_upcycling_granularity = 1;                // --moe-upcycling-granularity
+
   // moecore-only (see the header comment).
   std::string export_hf_dir;   // --export-hf
   std::string sample_prompt;   // --sample-prompt

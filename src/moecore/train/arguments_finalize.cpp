@@ -296,6 +296,42 @@ void finalize_data(TrainingArgs& args, const std::set<std::string>& given) {
   }
 }
 
+// Megatron's checks on the checkpointing flags (arguments.py validate_args, training.py) and moecore's own.
+void finalize_checkpointing(TrainingArgs& args, const std::set<std::string>& given) {
+  require(args.save.empty() || args.save_interval.has_value(), "--save requires --save-interval (as Megatron)");
+  require(!args.save_interval || *args.save_interval > 0,
+          "--save-interval must be positive (got " + str(args.save_interval.value_or(0)) + ")");
+  for (const char* flag : {"--save-interval", "--no-save-optim", "--no-save-rng", "--async-save",
+                           "--non-persistent-save-interval", "--persistent-save-interval"}) {
+    require(!given.contains(flag) || !args.save.empty(), std::string(flag) + " requires --save");
+  }
+  for (const char* flag : {"--no-load-optim", "--no-load-rng", "--finetune", "--ckpt-step",
+                           "--exit-on-missing-checkpoint", "--moe-use-upcycling"}) {
+    require(!given.contains(flag) || !args.load.empty(), std::string(flag) + " requires --load");
+  }
+  require(!args.non_persistent_save_interval || *args.non_persistent_save_interval > 0,
+          "--non-persistent-save-interval must be positive");
+  require(!args.non_persistent_save_interval || args.non_persistent_ckpt_type == "global",
+          "--non-persistent-save-interval requires --non-persistent-ckpt-type global");
+  require(!args.ckpt_step || *args.ckpt_step >= 0, "--ckpt-step must be non-negative");
+  require(!args.exit_interval || *args.exit_interval > 0, "--exit-interval must be positive");
+  require(!args.exit_duration_in_mins || *args.exit_duration_in_mins >= 0.0,
+          "--exit-duration-in-mins must be non-negative");
+  require(!(args.override_opt_param_scheduler && args.use_checkpoint_opt_param_scheduler),
+          "both --override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are given (pick one)");
+  require(!given.contains("--moe-upcycling-granularity") || args.moe_use_upcycling,
+          "--moe-upcycling-granularity requires --moe-use-upcycling");
+  require(args.moe_upcycling_granularity > 0, "--moe-upcycling-granularity must be positive");
+  if (args.moe_use_upcycling) {
+    // Megatron's setup_model_and_optimizer: upcycling needs --save and an MoE model, and never loads the optimizer
+    // or RNG state of the dense checkpoint.
+    require(args.model.moe.enabled(), "--moe-use-upcycling requires --num-experts");
+    require(!args.save.empty(), "--moe-use-upcycling requires --save (the upcycled model is saved at iteration 1)");
+    args.no_load_optim = true;
+    args.no_load_rng = true;
+  }
+}
+
 void finalize_moecore(const TrainingArgs& args, const std::set<std::string>& given) {
   require(args.threads >= 0, "--threads must be non-negative, 0 = all cores (got " + str(args.threads) + ")");
   require(args.sample_tokens > 0, "--sample-tokens must be positive (got " + str(args.sample_tokens) + ")");
@@ -312,6 +348,7 @@ void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given)
   finalize_training(args, given);
   finalize_lr(args, given);
   finalize_data(args, given);
+  finalize_checkpointing(args, given);
   finalize_moecore(args, given);
 }
 

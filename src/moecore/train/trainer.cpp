@@ -8,6 +8,8 @@
 #include <ostream>
 #include <sstream>
 
+#include "moecore/parallel/agreement.h"
+#include "moecore/train/checkpointing.h"
 #include "moecore/train/evaluation.h"
 #include "moecore/train/final_export.h"
 #include "moecore/train/train_step.h"
@@ -68,7 +70,11 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
 
   // Setup: vocabulary, data, model and optimizer.
   const Vocabulary vocabulary = build_vocabulary(args);
-  const TrainingArgs run_args = with_padded_vocabulary(args, vocabulary);
+  TrainingArgs run_args = with_padded_vocabulary(args, vocabulary);
+  LoadPlan load_plan;
+  parallel::run_on_all_ranks(parallel.world, [&] { load_plan = plan_load(run_args, log); });
+  if (load_plan.seed) run_args.seed = *load_plan.seed;  // the checkpoint's RNG stream goes on
+  run_args = with_checkpoint_lr_schedule(run_args, load_plan);
   log << "> padded vocab (size: " << vocabulary.unpadded_size << ") with "
       << vocabulary.padded_size - vocabulary.unpadded_size << " dummy tokens (new size: " << vocabulary.padded_size
       << ")" << std::endl;
@@ -85,6 +91,9 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
 
   TrainResult result;
   TrainingProgress& progress = result.progress;
+  const CheckpointTarget checkpoint_target{model, *built.ddp, *built.optimizer, schedule};
+  load_checkpoint(load_plan, run_args, checkpoint_target, progress, parallel, log);
+  Checkpointer checkpointer(run_args, parallel, log);
   const bool has_valid = data.has_split(DatasetSplit::kValid) && args.eval_iters > 0;
   if (has_valid && !args.mock_data && parallel.rank == 0) {
     result.unigram_baseline = print_unigram_baseline(run_args, data, vocabulary.unpadded_size, log);
@@ -121,7 +130,22 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
                              progress.consumed_valid_samples, log);
       logger.exclude(Clock::now() - eval_start);  // evaluation time is not training time
     }
+    const auto save_start = Clock::now();
+    const bool exit_now = checkpointer.after_iteration(checkpoint_target, progress);
+    logger.exclude(Clock::now() - save_start);  // nor is checkpointing
+    if (exit_now) {
+      result.exited_early = true;
+      break;
+    }
   }
+  if (result.exited_early) {
+    if (!result.train_losses.empty()) {
+      result.first_train_loss = result.train_losses.front();
+      result.last_train_loss = result.train_losses.back();
+    }
+    return result;
+  }
+  checkpointer.finish(checkpoint_target, progress);
   if (!result.train_losses.empty()) {
     result.first_train_loss = result.train_losses.front();
     result.last_train_loss = result.train_losses.back();

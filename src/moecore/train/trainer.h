@@ -29,6 +29,7 @@ struct TrainResult {
   double unigram_baseline = -1.0;    // validation cross-entropy of a context-free unigram model (-1: not computed)
   std::vector<double> train_losses;  // lm loss of every iteration (token-weighted over the global batch)
   TrainingProgress progress;         // where the run ended
+  bool exited_early = false;         // --exit-interval, --exit-duration-in-mins or SIGTERM ended the run
 };
 
 // Called on world rank 0 after training with the one-process model gathered from every rank (tests, tools).

@@ -1,0 +1,423 @@
+#include "moecore/ckpt/sharded_checkpoint.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include "moecore/ckpt/checkpoint_dir.h"
+#include "moecore/ckpt/checksum.h"
+#include "moecore/ckpt/safetensors.h"
+#include "moecore/parallel/agreement.h"
+
+namespace moecore {
+namespace fs = std::filesystem;
+using ojson = nlohmann::ordered_json;
+using json = nlohmann::json;
+
+namespace {
+
+std::string tmp_dir_of(const std::string& final_dir) { return final_dir + ".tmp"; }
+
+std::string rank_file_name(const int rank) {
+  char name[32];
+  std::snprintf(name, sizeof name, "rank_%05d.safetensors", rank);
+  return name;
+}
+
+// The identity of a piece: equal on every rank that holds the same elements of the same tensor.
+std::string piece_id(const std::string& key, const StateBox& box) {
+  json j = {key, box.offsets, box.shape, box.flat_begin, box.flat_end};
+  return j.dump();
+}
+
+uint64_t fnv1a(const std::string& text) {
+  uint64_t h = 1469598103934665603ull;
+  for (const char c : text) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+  return h;
+}
+
+// The piece's elements of `local` (pieces are contiguous in the local tensor), shaped as the safetensors entry: the
+// box, or [numel] for a flat range. A view sharing the live storage.
+Tensor piece_view(const Tensor& local, const PlacedBox& placed) {
+  const std::vector<int64_t> shape = placed.box.flat() ? std::vector<int64_t>{placed.box.numel()} : placed.box.shape;
+  return local.view({local.numel()})
+      .slice_rows(placed.local_begin, placed.local_begin + placed.box.numel())
+      .view(shape);
+}
+
+DType dtype_from_code(const std::string& code, const std::string& where) {
+  for (const DType d : {DType::kF32, DType::kF64, DType::kBF16, DType::kF16, DType::kI32, DType::kI64, DType::kU8}) {
+    if (safetensors_dtype_code(d) == code) return d;
+  }
+  throw CheckpointError(where + ": unknown dtype '" + code + "'");
+}
+
+int64_t product(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (const int64_t d : shape) n *= d;
+  return n;
+}
+
+void write_all(const std::string& path, const std::vector<std::byte>& bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw CheckpointError(path + ": cannot create: " + std::strerror(errno));
+  size_t written = 0;
+  while (written < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string reason = std::strerror(errno);
+      ::close(fd);
+      throw CheckpointError(path + ": write failed: " + reason);
+    }
+    written += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) throw CheckpointError(path + ": flush failed: " + std::strerror(errno));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- saving
+
+ShardedSave::ShardedSave(const StateDict& state, const parallel::ProcessGroup& world, std::string root,
+                         CheckpointInfo info, const bool async)
+    : world_(world), root_(std::move(root)), info_(std::move(info)) {
+  // Every rank's pieces, then the owner of each distinct piece: one of its holders, picked by a hash.
+  std::vector<Piece> mine;
+  json plan = json::array();
+  for (const StateEntry& e : state.entries()) {
+    for (const PlacedBox& placed : placement_boxes(e.placement)) {
+      Piece p;
+      p.key = e.key;
+      p.dtype = e.dtype;
+      p.global_shape = e.global_shape;
+      p.box = placed.box;
+      p.values = piece_view(e.local, placed);
+      plan.push_back(piece_id(e.key, placed.box));
+      mine.push_back(std::move(p));
+    }
+  }
+  const std::vector<std::string> plans = parallel::all_gather_text(world_, plan.dump());
+  std::map<std::string, std::vector<int>> holders;
+  for (size_t r = 0; r < plans.size(); ++r) {
+    for (const auto& id : json::parse(plans[r])) holders[id.get<std::string>()].push_back(static_cast<int>(r));
+  }
+  std::map<std::string, int> names_used;
+  for (Piece& p : mine) {
+    const std::string id = piece_id(p.key, p.box);
+    const std::vector<int>& h = holders.at(id);
+    if (h[fnv1a(id) % h.size()] != world_.rank()) continue;
+    const int n = names_used[p.key]++;
+    p.name = n == 0 ? p.key : p.key + "#" + std::to_string(n);
+    if (async) p.values = p.values.clone();
+    pieces_.push_back(std::move(p));
+  }
+  file_name_ = rank_file_name(world_.rank());
+
+  // Rank 0 prepares a fresh ITER.tmp (a save killed earlier may have left one).
+  const std::string tmp = tmp_dir_of(final_dir());
+  parallel::run_on_all_ranks(world_, [&] {
+    if (world_.rank() != 0) return;
+    fs::create_directories(root_);
+    fs::remove_all(tmp);
+    fs::create_directory(tmp);
+  });
+  if (async) {
+    writer_ = std::thread([this] {
+      try {
+        write_file();
+      } catch (...) {
+        writer_error_ = std::current_exception();
+      }
+      writer_done_ = true;
+    });
+  } else {
+    parallel::run_on_all_ranks(world_, [this] { write_file(); });
+    writer_done_ = true;
+  }
+}
+
+ShardedSave::~ShardedSave() {
+  if (writer_.joinable()) writer_.join();
+}
+
+std::string ShardedSave::final_dir() const { return iteration_dir(root_, info_.iteration); }
+
+void ShardedSave::write_file() {
+  if (pieces_.empty()) return;
+  std::vector<NamedTensor> tensors;
+  tensors.reserve(pieces_.size());
+  for (Piece& p : pieces_) {
+    p.crc32 = crc32_text(crc32_of(std::span<const std::byte>(p.values.data<std::byte>(), p.values.nbytes())));
+    tensors.emplace_back(p.name, p.values);
+  }
+  const std::vector<std::byte> bytes = encode_safetensors(tensors);
+  file_crc32_ = crc32_text(crc32_of(bytes));
+  bytes_written_ = static_cast<int64_t>(bytes.size());
+  write_all((fs::path(tmp_dir_of(final_dir())) / file_name_).string(), bytes);
+}
+
+bool ShardedSave::finalize(const bool blocking) {
+  if (finalized_) return true;
+  if (!blocking) {
+    std::vector<int64_t> all_done{writer_done_ ? 1 : 0};
+    world_.all_reduce(std::span<int64_t>(all_done), parallel::ReduceOp::kSum);  // kMin is not offered: count them
+    if (all_done[0] != world_.size()) return false;
+  }
+  if (writer_.joinable()) writer_.join();
+  parallel::run_on_all_ranks(world_, [this] {
+    if (writer_error_) std::rethrow_exception(writer_error_);
+  });
+
+  // Rank 0 assembles metadata.json from every rank's pieces.
+  ojson records = ojson::array();
+  for (const Piece& p : pieces_) {
+    ojson r = {{"key", p.key},
+               {"dtype", safetensors_dtype_code(p.dtype)},
+               {"global_shape", p.global_shape},
+               {"name", p.name},
+               {"offsets", p.box.offsets},
+               {"shape", p.box.shape}};
+    if (p.box.flat()) r["flat_range"] = {p.box.flat_begin, p.box.flat_end};
+    r["crc32"] = p.crc32;
+    records.push_back(r);
+  }
+  ojson mine = {{"file", pieces_.empty() ? "" : file_name_},
+                {"bytes", bytes_written_},
+                {"crc32", file_crc32_},
+                {"pieces", records}};
+  const std::vector<std::string> all = parallel::all_gather_text(world_, mine.dump());
+  parallel::run_on_all_ranks(world_, [&] {
+    if (world_.rank() != 0) return;
+    ojson meta = {{"format", kShardedFormat},     {"format_version", kShardedFormatVersion},
+                  {"iteration", info_.iteration}, {"layout", info_.layout},
+                  {"args", info_.args},           {"files", ojson::object()},
+                  {"tensors", ojson::object()}};
+    for (const std::string& text : all) {
+      const ojson rank_record = ojson::parse(text);
+      const std::string file = rank_record["file"];
+      if (file.empty()) continue;
+      meta["files"][file] = {{"bytes", rank_record["bytes"]}, {"crc32", rank_record["crc32"]}};
+      for (const ojson& r : rank_record["pieces"]) {
+        ojson& t = meta["tensors"][r["key"].get<std::string>()];
+        if (t.is_null()) t = {{"dtype", r["dtype"]}, {"shape", r["global_shape"]}, {"pieces", ojson::array()}};
+        ojson piece = {{"file", file}, {"name", r["name"]}, {"offsets", r["offsets"]}, {"shape", r["shape"]}};
+        if (r.contains("flat_range")) piece["flat_range"] = r["flat_range"];
+        piece["crc32"] = r["crc32"];
+        t["pieces"].push_back(piece);
+      }
+    }
+    // Every element of every tensor stored exactly once.
+    for (const auto& [key, t] : meta["tensors"].items()) {
+      int64_t stored = 0;
+      for (const ojson& piece : t["pieces"]) {
+        stored += piece.contains("flat_range")
+                      ? piece["flat_range"][1].get<int64_t>() - piece["flat_range"][0].get<int64_t>()
+                      : product(piece["shape"].get<std::vector<int64_t>>());
+      }
+      if (stored != product(t["shape"].get<std::vector<int64_t>>())) {
+        throw CheckpointError("checkpoint save: the pieces of " + key + " hold " + std::to_string(stored) +
+                              " elements, not the tensor's " +
+                              std::to_string(product(t["shape"].get<std::vector<int64_t>>())));
+      }
+    }
+    const std::string tmp = tmp_dir_of(final_dir());
+    const std::string text = meta.dump(1);
+    write_all((fs::path(tmp) / "metadata.json").string(),
+              std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
+                                     reinterpret_cast<const std::byte*>(text.data() + text.size())));
+    sync_directory(tmp);
+    const std::string target = final_dir();
+    if (fs::exists(target)) {  // saving an iteration again: swap atomically, then drop the old one
+      if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0) {
+        throw CheckpointError(target + ": cannot replace the folder: " + std::strerror(errno));
+      }
+      fs::remove_all(tmp);
+    } else if (::rename(tmp.c_str(), target.c_str()) != 0) {
+      throw CheckpointError(target + ": cannot move the new checkpoint into place: " + std::strerror(errno));
+    }
+    sync_directory(root_);
+    write_tracker(root_, info_.iteration);
+  });
+  pieces_.clear();  // frees the async copies
+  finalized_ = true;
+  return true;
+}
+
+// ---------------------------------------------------------------- loading
+
+void ShardedCheckpoint::fail(const std::string& file, const std::string& problem) const {
+  throw CheckpointError((fs::path(dir_) / file).string() + ": " + problem);
+}
+
+ShardedCheckpoint::ShardedCheckpoint(std::string iter_dir) : dir_(std::move(iter_dir)) {
+  const std::string meta_path = (fs::path(dir_) / "metadata.json").string();
+  if (!fs::is_directory(dir_)) throw CheckpointError(dir_ + ": no such checkpoint folder");
+  std::ifstream in(meta_path);
+  if (!in) fail("metadata.json", "missing (not a complete moecore checkpoint)");
+  try {
+    metadata_ = ojson::parse(in);
+    if (metadata_.value("format", "") != kShardedFormat) fail("metadata.json", "not a moecore_sharded checkpoint");
+    if (metadata_.at("format_version").get<int>() != kShardedFormatVersion) {
+      fail("metadata.json", "format version " + metadata_.at("format_version").dump() + " is not supported (1 is)");
+    }
+    iteration_ = metadata_.at("iteration").get<int64_t>();
+    for (const auto& [name, f] : metadata_.at("files").items()) {
+      if (name.find('/') != std::string::npos || name.starts_with(".")) fail("metadata.json", "bad file name " + name);
+      files_[name] = StoredFile{f.at("bytes").get<int64_t>(), f.at("crc32").get<std::string>(), 0, {}};
+    }
+    for (const auto& [key, t] : metadata_.at("tensors").items()) {
+      Stored s;
+      s.info.dtype = dtype_from_code(t.at("dtype").get<std::string>(), meta_path);
+      s.info.global_shape = t.at("shape").get<std::vector<int64_t>>();
+      for (const ojson& p : t.at("pieces")) {
+        Piece piece;
+        piece.file = p.at("file").get<std::string>();
+        piece.name = p.at("name").get<std::string>();
+        piece.box.offsets = p.at("offsets").get<std::vector<int64_t>>();
+        piece.box.shape = p.at("shape").get<std::vector<int64_t>>();
+        if (p.contains("flat_range")) {
+          piece.box.flat_begin = p["flat_range"][0].get<int64_t>();
+          piece.box.flat_end = p["flat_range"][1].get<int64_t>();
+        }
+        piece.crc32 = p.at("crc32").get<std::string>();
+        if (!files_.contains(piece.file)) fail("metadata.json", key + " names an unlisted file " + piece.file);
+        const size_t rank = s.info.global_shape.size();
+        bool inside = piece.box.offsets.size() == rank && piece.box.shape.size() == rank;
+        for (size_t d = 0; inside && d < rank; ++d) {
+          inside = piece.box.offsets[d] >= 0 && piece.box.shape[d] >= 0 &&
+                   piece.box.offsets[d] + piece.box.shape[d] <= s.info.global_shape[d];
+        }
+        if (inside && piece.box.flat()) {
+          inside = piece.box.flat_begin >= 0 && piece.box.flat_begin <= piece.box.flat_end &&
+                   piece.box.flat_end <= piece.box.box_numel();
+        }
+        if (!inside) fail("metadata.json", "a piece of " + key + " lies outside the tensor");
+        s.pieces.push_back(std::move(piece));
+      }
+      order_.push_back(key);
+      tensors_.emplace(key, std::move(s));
+    }
+  } catch (const CheckpointError&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail("metadata.json", std::string("malformed: ") + e.what());
+  }
+  // Every file: present, of its recorded size, with a safetensors header that agrees with the metadata.
+  for (auto& [name, f] : files_) {
+    const fs::path path = fs::path(dir_) / name;
+    std::error_code ec;
+    const auto size = fs::file_size(path, ec);
+    if (ec) fail(name, "missing");
+    if (static_cast<int64_t>(size) != f.bytes) {
+      fail(name, "truncated or resized: " + std::to_string(size) + " bytes instead of " + std::to_string(f.bytes));
+    }
+    std::ifstream file(path, std::ios::binary);
+    unsigned char len_bytes[8] = {};
+    file.read(reinterpret_cast<char*>(len_bytes), 8);
+    uint64_t header_len = 0;
+    for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
+    if (!file || header_len > static_cast<uint64_t>(f.bytes) - 8) fail(name, "corrupted safetensors header length");
+    std::string header(header_len, '\0');
+    file.read(header.data(), static_cast<std::streamsize>(header_len));
+    f.data_start = 8 + static_cast<int64_t>(header_len);
+    try {
+      const json parsed = json::parse(header);
+      for (const auto& [tname, t] : parsed.items()) {
+        if (tname == "__metadata__") continue;
+        f.offsets[tname] = {t.at("data_offsets")[0].get<int64_t>(), t.at("data_offsets")[1].get<int64_t>()};
+      }
+    } catch (const std::exception& e) {
+      fail(name, std::string("corrupted safetensors header (") + e.what() + ")");
+    }
+  }
+  for (const auto& [key, s] : tensors_) {
+    for (const Piece& p : s.pieces) {
+      const StoredFile& f = files_.at(p.file);
+      const auto it = f.offsets.find(p.name);
+      const int64_t nbytes = p.box.numel() * static_cast<int64_t>(dtype_size(s.info.dtype));
+      if (it == f.offsets.end() || it->second.second - it->second.first != nbytes ||
+          f.data_start + it->second.second > f.bytes) {
+        fail(p.file, "tensor " + key + " is missing or of the wrong size");
+      }
+    }
+  }
+}
+
+std::optional<StoredTensorInfo> ShardedCheckpoint::info(const std::string& key) const {
+  const auto it = tensors_.find(key);
+  if (it == tensors_.end()) return std::nullopt;
+  return it->second.info;
+}
+
+Tensor ShardedCheckpoint::read_piece(const std::string& key, const Stored& stored, const Piece& piece) const {
+  const StoredFile& f = files_.at(piece.file);
+  const auto [begin, end] = f.offsets.at(piece.name);
+  Tensor out(std::vector<int64_t>{piece.box.numel()}, stored.info.dtype, MemCategory::kOther);
+  const std::string path = (fs::path(dir_) / piece.file).string();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail(piece.file, "cannot open");
+  int64_t done = 0;
+  const int64_t n = end - begin;
+  while (done < n) {
+    const ssize_t got =
+        ::pread(fd, out.data<std::byte>() + done, static_cast<size_t>(n - done), f.data_start + begin + done);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      ::close(fd);
+      fail(piece.file, "cannot read tensor " + key + " (truncated)");
+    }
+    done += got;
+  }
+  ::close(fd);
+  if (crc32_text(crc32_of(std::span<const std::byte>(out.data<std::byte>(), static_cast<size_t>(n)))) != piece.crc32) {
+    fail(piece.file, "checksum mismatch in tensor " + key + " (the file is corrupted)");
+  }
+  return out;
+}
+
+std::vector<StoredPiece> ShardedCheckpoint::pieces(const std::string& key) const {
+  const auto it = tensors_.find(key);
+  if (it == tensors_.end()) return {};
+  std::vector<StoredPiece> out;
+  for (const Piece& p : it->second.pieces) {
+    out.push_back(StoredPiece{p.box, [this, key, &stored = it->second, &p] { return read_piece(key, stored, p); }});
+  }
+  return out;
+}
+
+void ShardedCheckpoint::verify() const {
+  for (const auto& [name, f] : files_) {
+    std::ifstream in(fs::path(dir_) / name, std::ios::binary);
+    std::vector<char> buffer(1 << 20);
+    uint32_t crc = 0;
+    while (in) {
+      in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+      crc = crc32_of(std::as_bytes(std::span(buffer.data(), static_cast<size_t>(in.gcount()))), crc);
+    }
+    if (crc32_text(crc) != f.crc32) fail(name, "checksum mismatch (the file is corrupted)");
+  }
+  for (const auto& [key, s] : tensors_) {
+    for (const Piece& p : s.pieces) read_piece(key, s, p);
+  }
+}
+
+int64_t ShardedCheckpoint::i64(const std::string& key) const {
+  const Tensor t = read_global_tensor(*this, key, DType::kI64);
+  return *t.data<int64_t>();
+}
+
+double ShardedCheckpoint::f64(const std::string& key) const {
+  const Tensor t = read_global_tensor(*this, key, DType::kF64);
+  return *t.data<double>();
+}
+
+}  // namespace moecore

@@ -1,0 +1,413 @@
+#include "moecore/train/checkpointing.h"
+
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <filesystem>
+#include <iomanip>
+#include <ostream>
+#include <sstream>
+
+#include "moecore/ckpt/checkpoint_dir.h"
+#include "moecore/model/config.h"
+#include "moecore/parallel/agreement.h"
+#include "moecore/train/training_state.h"
+
+namespace moecore {
+namespace fs = std::filesystem;
+using ojson = nlohmann::ordered_json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+volatile std::sig_atomic_t g_sigterm_received = 0;
+extern "C" void on_sigterm(int) { g_sigterm_received = 1; }
+
+std::string now_text(const bool micros) {
+  const auto now = std::chrono::system_clock::now();
+  const std::time_t t = std::chrono::system_clock::to_time_t(now);
+  std::tm tm{};
+  localtime_r(&t, &tm);
+  std::ostringstream out;
+  out << std::put_time(&tm, "%Y-%m-%d %H:%M:%S");
+  if (micros) {
+    const auto us = std::chrono::duration_cast<std::chrono::microseconds>(now.time_since_epoch()).count() % 1000000;
+    out << '.' << std::setw(6) << std::setfill('0') << us;
+  }
+  return out.str();
+}
+
+std::string iter7(const int64_t iteration) {
+  std::ostringstream out;
+  out << std::setw(7) << iteration;
+  return out.str();
+}
+
+// Megatron's timers.log line for one timer: min and max over the world, in ms.
+void log_time_across_ranks(const parallel::ParallelState& parallel, const std::string& name, const double ms,
+                           std::ostream& log) {
+  std::vector<float> max_and_neg_min{static_cast<float>(ms), static_cast<float>(-ms)};
+  parallel.world.all_reduce(std::span<float>(max_and_neg_min), parallel::ReduceOp::kMax);
+  std::string dotted = name + " ";
+  dotted.resize(48, '.');
+  log << "(min, max) time across ranks (ms):\n    " << dotted << ": (" << std::fixed << std::setprecision(2)
+      << -max_and_neg_min[1] << ", " << max_and_neg_min[0] << ")" << std::endl;
+  log.unsetf(std::ios::floatfield);
+  log << std::setprecision(6);
+}
+
+void print_datetime(const std::string& what, std::ostream& log) {
+  log << "[" << what << "] datetime: " << now_text(false) << " " << std::endl;
+}
+
+std::string normalization_name(const Normalization n) {
+  return n == Normalization::kLayerNorm ? "LayerNorm" : "RMSNorm";
+}
+
+bool is_vocab_key(const std::string& key) {
+  for (const char* name : {"embedding.word_embeddings.weight", "output_layer.weight"}) {
+    if (key == name || key == std::string("optimizer.exp_avg.") + name ||
+        key == std::string("optimizer.exp_avg_sq.") + name) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Where --load points: a non-persistent checkpoint wins when its iteration is at least the persistent one.
+std::optional<std::pair<std::string, int64_t>> find_checkpoint(const TrainingArgs& args) {
+  if (args.ckpt_step) return std::make_pair(iteration_dir(args.load, *args.ckpt_step), *args.ckpt_step);
+  const std::optional<int64_t> persistent = read_tracker(args.load);
+  const std::string np_root = (fs::path(args.load) / "non_persistent").string();
+  const std::optional<int64_t> non_persistent = read_tracker(np_root);
+  if (non_persistent && (!persistent || *non_persistent >= *persistent)) {
+    return std::make_pair(iteration_dir(np_root, *non_persistent), *non_persistent);
+  }
+  if (persistent) return std::make_pair(iteration_dir(args.load, *persistent), *persistent);
+  return std::nullopt;
+}
+
+}  // namespace
+
+ojson checkpoint_args(const TrainingArgs& a) {
+  const ModelConfig& m = a.model;
+  ojson model = {
+      {"--num-layers", m.num_layers},
+      {"--hidden-size", m.hidden_size},
+      {"--ffn-hidden-size", m.ffn_hidden_size},
+      {"--num-attention-heads", m.num_attention_heads},
+      {"--num-query-groups", m.num_query_groups},
+      {"--kv-channels", m.kv_channels},
+      {"--normalization", normalization_name(m.normalization)},
+      {"--swiglu", m.activation == Activation::kSwiGLU},
+      {"--add-bias-linear", m.add_bias_linear},
+      {"--qk-layernorm", m.qk_layernorm},
+      {"--position-embedding-type", m.position_embedding_type == PositionEmbedding::kRope   ? "rope"
+                                    : m.position_embedding_type == PositionEmbedding::kNone ? "none"
+                                                                                            : "learned_absolute"},
+      {"--rotary-base", m.rotary_base},
+      {"--rotary-percent", m.rotary_percent},
+      {"--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights},
+      {"--num-experts", m.moe.num_experts}};
+  if (m.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
+    model["--max-position-embeddings"] = m.max_position_embeddings;
+  }
+  if (m.moe.enabled()) {
+    std::string pattern;
+    for (const bool b : m.moe.moe_layer_pattern) pattern += b ? '1' : '0';
+    model["--moe-ffn-hidden-size"] = m.moe.ffn_hidden_size;
+    model["--moe-layer-freq"] = pattern;
+    model["--moe-router-topk"] = m.moe.topk;
+    model["--moe-router-score-function"] = to_string(m.moe.score_function);
+    model["--moe-router-pre-softmax"] = m.moe.pre_softmax;
+    model["--moe-router-topk-scaling-factor"] = m.moe.topk_scaling_factor.value_or(0.0);
+    model["--moe-router-num-groups"] = m.moe.num_groups;
+    model["--moe-router-group-topk"] = m.moe.group_topk;
+    model["--moe-router-enable-expert-bias"] = m.moe.enable_expert_bias;
+    model["--moe-shared-expert-intermediate-size"] = m.moe.shared_expert_intermediate_size;
+    model["--moe-shared-expert-gate"] = m.moe.shared_expert_gate;
+  }
+  ojson training = {{"--seq-length", m.seq_length},
+                    {"padded_vocab_size", m.vocab_size},
+                    {"--micro-batch-size", a.micro_batch_size},
+                    {"--global-batch-size", a.global_batch_size},
+                    {"--train-iters", a.train_iters},
+                    {"--lr", a.lr},
+                    {"--min-lr", a.min_lr},
+                    {"--seed", a.seed},
+                    {"--weight-decay", a.weight_decay},
+                    {"--clip-grad", a.clip_grad}};
+  return {{"model", model}, {"training", training}};
+}
+
+ojson checkpoint_layout(const TrainingArgs& args, const parallel::ParallelState& parallel) {
+  return {{"world_size", parallel.world.size()},
+          {"tensor_model_parallel_size", args.tensor_model_parallel_size},
+          {"pipeline_model_parallel_size", args.pipeline_model_parallel_size},
+          {"context_parallel_size", args.context_parallel_size},
+          {"expert_model_parallel_size", args.expert_model_parallel_size},
+          {"expert_tensor_parallel_size", args.expert_tensor_parallel_size},
+          {"data_parallel_size", parallel.dp_size()},
+          {"sequence_parallel", args.sequence_parallel},
+          {"use_distributed_optimizer", args.use_distributed_optimizer}};
+}
+
+LoadPlan plan_load(const TrainingArgs& args, std::ostream& log) {
+  LoadPlan plan;
+  if (args.load.empty()) return plan;
+  const bool has_tracker = fs::exists(tracker_path(args.load)) ||
+                           fs::exists(tracker_path((fs::path(args.load) / "non_persistent").string()));
+  if (!has_tracker && !args.ckpt_step && fs::exists(fs::path(args.load) / "config.json")) {
+    plan.kind = LoadPlan::Kind::kHuggingFace;
+    plan.dir = args.load;
+    return plan;
+  }
+  const auto found = find_checkpoint(args);
+  if (!found) {
+    if (args.exit_on_missing_checkpoint) {
+      throw CheckpointError("--exit-on-missing-checkpoint is set but no checkpoint was found under load directory '" +
+                            args.load + "' (missing tracker file '" + tracker_path(args.load) + "')");
+    }
+    if (args.moe_use_upcycling) throw CheckpointError("--moe-use-upcycling: no checkpoint under " + args.load);
+    log << "WARNING: could not find the metadata file " << tracker_path(args.load) << "\n"
+        << "    will not load any checkpoints and will start from random" << std::endl;
+    return plan;
+  }
+  plan.kind = LoadPlan::Kind::kSharded;
+  plan.dir = found->first;
+  plan.iteration = found->second;
+  const ShardedCheckpoint ckpt(plan.dir);  // validates metadata.json and every file's size and header
+  if (!args.no_load_rng && !args.finetune && !args.moe_use_upcycling) {
+    if (!ckpt.info("rng.seed")) {
+      throw CheckpointError("checkpoint " + plan.dir +
+                            " has no RNG state (saved with --no-save-rng): pass --no-load-rng or --finetune");
+    }
+    plan.seed = ckpt.i64("rng.seed");
+  }
+  return plan;
+}
+
+TrainingArgs with_checkpoint_lr_schedule(const TrainingArgs& run_args, const LoadPlan& plan) {
+  if (!run_args.use_checkpoint_opt_param_scheduler || plan.kind != LoadPlan::Kind::kSharded || run_args.finetune ||
+      run_args.no_load_optim) {
+    return run_args;
+  }
+  const ShardedCheckpoint ckpt(plan.dir);
+  if (!ckpt.info("lr_scheduler.max_lr")) {
+    throw CheckpointError(
+        "checkpoint " + plan.dir +
+        " has no LR scheduler state (saved with --no-save-optim) for --use-checkpoint-opt_param-scheduler");
+  }
+  TrainingArgs out = run_args;
+  const int64_t gbs = run_args.global_batch_size;
+  const auto iters = [&](const std::string& key) {
+    const double samples = ckpt.f64(key);
+    if (std::fmod(samples, static_cast<double>(gbs)) != 0.0) {
+      throw ConfigError("--use-checkpoint-opt_param-scheduler: the checkpoint's " + key + " (" +
+                        std::to_string(static_cast<int64_t>(samples)) +
+                        " samples) is not a whole number of iterations of --global-batch-size " + std::to_string(gbs));
+    }
+    return static_cast<int64_t>(samples) / gbs;
+  };
+  out.lr = ckpt.f64("lr_scheduler.max_lr");
+  out.min_lr = ckpt.f64("lr_scheduler.min_lr");
+  out.lr_warmup_iters = iters("lr_scheduler.lr_warmup_steps");
+  out.lr_warmup_fraction.reset();
+  out.lr_decay_iters = iters("lr_scheduler.lr_decay_steps");
+  out.lr_decay_style = static_cast<LRDecayStyle>(ckpt.i64("lr_scheduler.lr_decay_style"));
+  return out;
+}
+
+void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const CheckpointTarget& target,
+                     TrainingProgress& progress, const parallel::ParallelState& parallel, std::ostream& log) {
+  if (plan.kind == LoadPlan::Kind::kNone) return;
+  if (plan.kind == LoadPlan::Kind::kHuggingFace) {
+    throw ConfigError("--load " + plan.dir + ": HuggingFace folders are read by the HuggingFace loader");
+  }
+  const auto start = Clock::now();
+  log << " loading distributed checkpoint from " << run_args.load << " at iteration " << plan.iteration << std::endl;
+  const bool load_optim = !run_args.no_load_optim && !run_args.finetune;
+  parallel::run_on_all_ranks(parallel.world, [&] {
+    const ShardedCheckpoint ckpt(plan.dir);
+    // Model flags must match.
+    const ojson& saved = ckpt.metadata().at("args").at("model");
+    const ojson mine = checkpoint_args(run_args).at("model");
+    for (const auto& [flag, value] : mine.items()) {
+      if (!saved.contains(flag) || saved[flag] != value) {
+        throw ConfigError("checkpoint " + plan.dir + " was saved with " + flag + " " +
+                          (saved.contains(flag) ? saved[flag].dump() : std::string("(absent)")) + ", this run has " +
+                          value.dump() + " (model flags must match; parallel and batch sizes may change)");
+      }
+    }
+    StateDict state = training_state(target.model, target.optimizer, target.schedule, progress, run_args.seed);
+    const auto is_optimizer = [](const std::string& key) { return key.starts_with("optimizer."); };
+    if (load_optim && !ckpt.info("optimizer.step")) {
+      throw CheckpointError("checkpoint " + plan.dir +
+                            " has no optimizer state (saved with --no-save-optim): pass --no-load-optim or --finetune");
+    }
+    load_state(
+        ckpt, state,
+        [&](const StateEntry& e) {
+          if (e.local.dtype() != DType::kF32) return false;  // scalars are read below
+          return load_optim || !is_optimizer(e.key);
+        },
+        is_vocab_key);
+    if (load_optim) {
+      target.optimizer.set_steps_taken(ckpt.i64("optimizer.step"));
+      if (!run_args.override_opt_param_scheduler && !run_args.use_checkpoint_opt_param_scheduler) {
+        // Megatron's OptimizerParamScheduler._check_and_set: the flags must agree with the checkpoint.
+        const LRSchedule& s = target.schedule;
+        const std::vector<std::tuple<std::string, std::string, double, double>> checks = {
+            {"lr_scheduler.max_lr", "--lr", ckpt.f64("lr_scheduler.max_lr"), s.config().max_lr},
+            {"lr_scheduler.min_lr", "--min-lr", ckpt.f64("lr_scheduler.min_lr"), s.config().min_lr},
+            {"lr_scheduler.lr_warmup_steps", "--lr-warmup-iters", ckpt.f64("lr_scheduler.lr_warmup_steps"),
+             s.warmup_steps()},
+            {"lr_scheduler.lr_decay_steps", "--lr-decay-iters", ckpt.f64("lr_scheduler.lr_decay_steps"),
+             s.decay_steps()},
+            {"lr_scheduler.lr_decay_style", "--lr-decay-style",
+             static_cast<double>(ckpt.i64("lr_scheduler.lr_decay_style")),
+             static_cast<double>(lr_decay_style_code(s.config().decay_style))}};
+        for (const auto& [key, flag, stored, now] : checks) {
+          if (stored != now) {
+            std::ostringstream msg;
+            msg << "OptimizerParamScheduler: " << flag << " gives " << key << " " << now << " but the checkpoint has "
+                << stored << " (pass --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler)";
+            throw ConfigError(msg.str());
+          }
+        }
+      }
+    } else {
+      target.optimizer.set_steps_taken(0);
+    }
+    if (!run_args.finetune) {
+      progress.iteration = ckpt.i64("iteration");
+      progress.consumed_train_samples = ckpt.i64("consumed_train_samples");
+      progress.consumed_valid_samples = ckpt.i64("consumed_valid_samples");
+      progress.floating_point_operations_so_far = ckpt.f64("num_floating_point_operations_so_far");
+    }
+  });
+  log << "  successfully loaded checkpoint from " << run_args.load << " [ t 1/" << run_args.tensor_model_parallel_size
+      << ", p 1/" << run_args.pipeline_model_parallel_size << " ] at iteration " << progress.iteration << std::endl;
+  log_time_across_ranks(parallel, "load-checkpoint",
+                        std::chrono::duration<double, std::milli>(Clock::now() - start).count(), log);
+}
+
+Checkpointer::Checkpointer(const TrainingArgs& run_args, const parallel::ParallelState& parallel, std::ostream& log)
+    : args_(run_args), parallel_(parallel), log_(log), start_(Clock::now()) {
+  if (args_.exit_signal_handler) {
+    g_sigterm_received = 0;
+    struct sigaction action {};
+    action.sa_handler = on_sigterm;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGTERM, &action, &previous_sigterm_);
+    handler_installed_ = true;
+  }
+}
+
+Checkpointer::~Checkpointer() {
+  if (handler_installed_) sigaction(SIGTERM, &previous_sigterm_, nullptr);
+  // A pending async save is finished by finish(); an exception path drops it (its folder stays .tmp, never named).
+}
+
+void Checkpointer::wait_for_pending() {
+  if (!pending_) return;
+  pending_->finalize(true);
+  log_ << "  [" << now_text(true) << "] successfully saved checkpoint from iteration " << iter7(pending_->iteration())
+       << " to " << args_.save << " [ t 1/" << args_.tensor_model_parallel_size << ", p 1/"
+       << args_.pipeline_model_parallel_size << " ]" << std::endl;
+  if (pending_non_persistent_ && parallel_.rank == 0) {  // only the newest non-persistent checkpoint is kept
+    const fs::path root = fs::path(args_.save) / "non_persistent";
+    for (const auto& entry : fs::directory_iterator(root)) {
+      const std::string name = entry.path().filename().string();
+      if (name.starts_with("iter_") && name != iteration_dir_name(pending_->iteration())) fs::remove_all(entry.path());
+    }
+  }
+  pending_.reset();
+}
+
+void Checkpointer::save(const CheckpointTarget& target, const TrainingProgress& progress, const bool non_persistent) {
+  wait_for_pending();
+  const auto start = Clock::now();
+  const std::string root = non_persistent ? (fs::path(args_.save) / "non_persistent").string() : args_.save;
+  log_ << "[" << now_text(true) << "] saving checkpoint at iteration " << iter7(progress.iteration) << " to " << root
+       << " in " << kShardedFormat << " format" << std::endl;
+  target.ddp.wait_param_gather();
+  const StateDict full = training_state(target.model, target.optimizer, target.schedule, progress, args_.seed);
+  StateDict state;
+  for (const StateEntry& e : full.entries()) {
+    if (args_.no_save_optim && (e.key.starts_with("optimizer.") || e.key.starts_with("lr_scheduler."))) continue;
+    if (args_.no_save_rng && e.key.starts_with("rng.")) continue;
+    state.add(e);
+  }
+  CheckpointInfo info;
+  info.iteration = progress.iteration;
+  info.layout = checkpoint_layout(args_, parallel_);
+  info.args = checkpoint_args(args_);
+  try {
+    pending_ = std::make_unique<ShardedSave>(state, parallel_.world, root, info, args_.async_save);
+  } catch (const parallel::GroupFailure& e) {
+    throw CheckpointError(std::string("saving checkpoint failed: ") + e.what());
+  }
+  pending_non_persistent_ = non_persistent;
+  last_saved_ = progress.iteration;
+  if (args_.async_save) {
+    log_ << "  [" << now_text(true) << "] scheduled an async checkpoint save at iteration " << iter7(progress.iteration)
+         << " to " << root << std::endl;
+  } else {
+    wait_for_pending();
+  }
+  log_time_across_ranks(parallel_, non_persistent ? "save-checkpoint-non-persistent" : "save-checkpoint",
+                        std::chrono::duration<double, std::milli>(Clock::now() - start).count(), log_);
+}
+
+bool Checkpointer::after_iteration(const CheckpointTarget& target, const TrainingProgress& progress) {
+  if (pending_ && pending_->finalize(false)) wait_for_pending();  // logs the completion
+  const int64_t it = progress.iteration;
+  const bool can_save = !args_.save.empty();
+  if (args_.exit_signal_handler) {
+    std::vector<int64_t> received{g_sigterm_received ? 1 : 0};
+    parallel_.world.all_reduce(std::span<int64_t>(received), parallel::ReduceOp::kMax);
+    if (received[0] != 0) {
+      if (can_save) save(target, progress, false);
+      wait_for_pending();
+      print_datetime("exiting program after receiving SIGTERM.", log_);
+      return true;
+    }
+  }
+  bool saved = false;
+  if (can_save && args_.save_interval && it % *args_.save_interval == 0) {
+    save(target, progress, false);
+    saved = true;
+  } else if (can_save && args_.non_persistent_save_interval && it % *args_.non_persistent_save_interval == 0) {
+    save(target, progress, true);
+    saved = true;
+  }
+  if (args_.exit_duration_in_mins) {
+    const double minutes = std::chrono::duration<double>(Clock::now() - start_).count() / 60.0;
+    std::vector<int64_t> done{minutes > *args_.exit_duration_in_mins ? 1 : 0};
+    parallel_.world.all_reduce(std::span<int64_t>(done), parallel::ReduceOp::kMax);
+    if (done[0] != 0) {
+      if (can_save && !saved) save(target, progress, false);
+      wait_for_pending();
+      print_datetime("exiting program after " + std::to_string(minutes) + " minutes", log_);
+      return true;
+    }
+  }
+  if (args_.exit_interval && it % *args_.exit_interval == 0) {
+    if (can_save && !saved) save(target, progress, false);
+    wait_for_pending();
+    print_datetime("exiting program at iteration " + std::to_string(it), log_);
+    return true;
+  }
+  return false;
+}
+
+void Checkpointer::finish(const CheckpointTarget& target, const TrainingProgress& progress) {
+  if (!args_.save.empty() && progress.iteration != 0 && progress.iteration != last_saved_ &&
+      progress.iteration % *args_.save_interval != 0) {
+    save(target, progress, false);
+  }
+  wait_for_pending();
+}
+
+}  // namespace moecore

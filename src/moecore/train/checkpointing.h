@@ -1,0 +1,108 @@
+// Saving and loading training runs as Megatron's checkpointing.py does, in moecore's sharded format
+// (ckpt/sharded_checkpoint.h).
+//
+// Save (--save DIR --save-interval N): DIR/iter_%07d/ and DIR/latest_checkpointed_iteration.txt, after every N-th
+// iteration and after the last one (when not a multiple of N), with Megatron's log lines and the save time
+// ("(min, max) time across ranks (ms)" / "save-checkpoint"). --no-save-optim drops the optimizer and scheduler state,
+// --no-save-rng the RNG seed. --async-save writes in the background; the next save, or the end of the run, waits for
+// it; the tracker names it only once every rank has written. --non-persistent-save-interval M
+// (--non-persistent-ckpt-type global) also saves into DIR/non_persistent/ every M iterations when the persistent save
+// did not fire, keeping only the newest there.
+//
+// Load (--load DIR): the tracker's iteration (or --ckpt-step; a non-persistent checkpoint of a later or equal
+// iteration wins), in any parallel layout: each rank reads the pieces that overlap its own shards. Model flags must
+// equal the saved ones (one line naming the first that differs); parallel sizes, batch sizes and thread counts may
+// change. Restored: parameters and buffers (the router's expert bias); Adam moments and step (not with
+// --no-load-optim or --finetune); the LR schedule, checked against the flags unless --override-opt_param-scheduler
+// (the flags win) or --use-checkpoint-opt_param-scheduler (the checkpoint wins); iteration, consumed samples and
+// FLOPs so far (not with --finetune, which starts at iteration 0); the RNG seed (not with --no-load-rng or
+// --finetune; moecore's RNG is a counter keyed by seed and position, so it reloads in any layout, where Megatron
+// drops it on a TP/PP change). No tracker: a fresh start, or an error with --exit-on-missing-checkpoint. DIR may
+// also be a HuggingFace folder (config.json): its weights under any layout, iteration 0, fresh optimizer.
+// --moe-use-upcycling builds the MoE model from a dense checkpoint (moecore's or HuggingFace's; ckpt/upcycling.h).
+//
+// Exits (Megatron's checkpoint_and_decide_exit, after each iteration): SIGTERM with --exit-signal-handler, then the
+// regular saves, then --exit-duration-in-mins (minutes since the start, any rank), then --exit-interval; each saves
+// first (with --save) and ends the run with exit status 0, skipping the evaluation and export after training.
+#pragma once
+
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <iosfwd>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "moecore/ckpt/sharded_checkpoint.h"
+#include "moecore/model/gpt_model.h"
+#include "moecore/optim/distributed_optimizer.h"
+#include "moecore/optim/lr_schedule.h"
+#include "moecore/parallel/parallel_state.h"
+#include "moecore/train/arguments.h"
+#include "moecore/train/training_progress.h"
+
+namespace moecore {
+
+// The arguments a checkpoint records in metadata.json: "model" (flags that must match on load, by flag name) and
+// "training" (the rest worth knowing; free to change).
+nlohmann::ordered_json checkpoint_args(const TrainingArgs& run_args);
+nlohmann::ordered_json checkpoint_layout(const TrainingArgs& args, const parallel::ParallelState& parallel);
+
+// What --load holds, found before the model is built (the RNG seed changes how the run draws).
+struct LoadPlan {
+  enum class Kind { kNone, kSharded, kHuggingFace };
+  Kind kind = Kind::kNone;
+  std::string dir;  // the iteration folder, or the HF folder
+  int64_t iteration = 0;
+  std::optional<int64_t> seed;  // the checkpoint's RNG seed when it is to be loaded
+};
+// Reads the tracker (and metadata.json) on every rank; throws ConfigError / CheckpointError with one line.
+LoadPlan plan_load(const TrainingArgs& args, std::ostream& log);
+
+// The model and optimizer state of a run, as the checkpoint code sees it.
+struct CheckpointTarget {
+  GPTModel& model;
+  DistributedDataParallel& ddp;
+  DistributedAdamW& optimizer;
+  const LRSchedule& schedule;
+};
+
+// Loads `plan` into `target` and `progress` as described above (collective; every rank fails together with one
+// line).
+void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const CheckpointTarget& target,
+                     TrainingProgress& progress, const parallel::ParallelState& parallel, std::ostream& log);
+// With --use-checkpoint-opt_param-scheduler: `run_args` with the LR flags the checkpoint's scheduler recorded.
+TrainingArgs with_checkpoint_lr_schedule(const TrainingArgs& run_args, const LoadPlan& plan);
+
+// Saves, async saves and exits during training.
+class Checkpointer {
+ public:
+  Checkpointer(const TrainingArgs& run_args, const parallel::ParallelState& parallel, std::ostream& log);
+  ~Checkpointer();
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
+
+  // Megatron's checkpoint_and_decide_exit after `progress.iteration`: saves as the flags say; true to end the run.
+  bool after_iteration(const CheckpointTarget& target, const TrainingProgress& progress);
+  // After the last iteration: the final save (iteration not a multiple of --save-interval), then waits for any
+  // async save to complete.
+  void finish(const CheckpointTarget& target, const TrainingProgress& progress);
+  // Saves now (persistent, or into DIR/non_persistent).
+  void save(const CheckpointTarget& target, const TrainingProgress& progress, bool non_persistent);
+  int64_t last_saved_iteration() const { return last_saved_; }
+
+ private:
+  void wait_for_pending();
+  const TrainingArgs& args_;
+  const parallel::ParallelState& parallel_;
+  std::ostream& log_;
+  std::unique_ptr<ShardedSave> pending_;
+  bool pending_non_persistent_ = false;
+  int64_t last_saved_ = -1;
+  std::chrono::steady_clock::time_point start_;
+  struct sigaction previous_sigterm_ {};
+  bool handler_installed_ = false;
+};
+
+}  // namespace moecore
