@@ -14,3 +14,6 @@ int run_generate(int argc, char** argv);
 
 // `moecore layout --world-size N ...`: prints the process groups of a parallel layout. argv[0] is "layout".
 int run_layout(int argc, char** argv);
+
+// `moecore checkpoint DIR`: prints and verifies a checkpoint. argv[0] is "checkpoint".
+int run_checkpoint(int argc, char** argv);

@@ -13,7 +13,8 @@ void print_usage(std::ostream& out) {
          "  train        train a GPT model (Megatron-LM's flags; `moecore train --help` lists them)\n"
          "  preprocess   tokenize JSONL into Megatron's indexed dataset (tools/preprocess_data.py's flags)\n"
          "  generate     continue a prompt with a HuggingFace-style export (--load DIR --prompt TEXT)\n"
-         "  layout       print the process groups of a parallel layout (--world-size N, TP/PP/CP/EP/ETP flags)\n";
+         "  layout       print the process groups of a parallel layout (--world-size N, TP/PP/CP/EP/ETP flags)\n"
+         "  checkpoint   print a checkpoint's iteration, layout and tensors and verify every checksum (DIR)\n";
 }
 
 }  // namespace
@@ -32,6 +33,8 @@ int main(int argc, char** argv) {
   if (command == "preprocess") return run_preprocess(argc - 1, argv + 1);
   if (command == "generate") return run_generate(argc - 1, argv + 1);
   if (command == "layout") return run_layout(argc - 1, argv + 1);
-  std::cerr << "error: unknown command '" << command << "' (commands: train, preprocess, generate, layout)\n";
+  if (command == "checkpoint") return run_checkpoint(argc - 1, argv + 1);
+  std::cerr << "error: unknown command '" << command
+            << "' (commands: train, preprocess, generate, layout, checkpoint)\n";
   return 2;
 }

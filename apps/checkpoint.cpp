@@ -1,0 +1,17 @@
+#include <exception>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "moecore/ckpt/inspect_command.h"
+
+int run_checkpoint(int argc, char** argv) {
+  try {
+    return moecore::checkpoint_inspect_main(std::vector<std::string>(argv + 1, argv + argc), std::cout);
+  } catch (const std::exception& e) {
+    std::cout.flush();
+    std::cerr << "error: " << e.what() << '\n';
+    return 1;
+  }
+}

@@ -1,0 +1,62 @@
+#include "moecore/ckpt/inspect_command.h"
+
+#include <filesystem>
+#include <ostream>
+
+#include "moecore/ckpt/checkpoint_dir.h"
+#include "moecore/ckpt/sharded_checkpoint.h"
+#include "moecore/model/config.h"
+
+namespace moecore {
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+int checkpoint_inspect_main(const std::vector<std::string>& args, std::ostream& out) {
+  if (args.size() == 1 && (args[0] == "-h" || args[0] == "--help")) {
+    out << "usage: moecore checkpoint DIR   (a --save folder or one of its iter_NNNNNNN folders)\n";
+    return 0;
+  }
+  if (args.size() != 1) throw ConfigError("usage: moecore checkpoint DIR (one folder)");
+  std::string dir = args[0];
+  if (!fs::exists(fs::path(dir) / "metadata.json")) {
+    const std::optional<int64_t> latest = read_tracker(dir);
+    if (!latest)
+      throw CheckpointError(dir + ": neither a checkpoint folder (metadata.json) nor a save folder (tracker)");
+    dir = iteration_dir(dir, *latest);
+  }
+  const ShardedCheckpoint ckpt(dir);
+  const auto& meta = ckpt.metadata();
+  out << "checkpoint " << dir << "\n"
+      << "  format " << meta["format"].get<std::string>() << " version " << meta["format_version"] << ", iteration "
+      << ckpt.iteration() << "\n  layout";
+  for (const auto& [name, value] : meta["layout"].items()) out << " " << name << "=" << value.dump();
+  out << "\n  files " << meta["files"].size() << ", tensors " << ckpt.keys().size() << "\n";
+  int64_t total_bytes = 0;
+  for (const auto& [name, f] : meta["files"].items()) total_bytes += f["bytes"].get<int64_t>();
+  out << "  bytes " << total_bytes << "\n";
+  for (const std::string& key : ckpt.keys()) {
+    const auto& t = meta["tensors"][key];
+    out << key << " " << t["dtype"].get<std::string>() << " " << shape_text(t["shape"].get<std::vector<int64_t>>())
+        << " pieces:";
+    for (const auto& p : t["pieces"]) {
+      out << " " << p["file"].get<std::string>() << "@" << shape_text(p["offsets"].get<std::vector<int64_t>>()) << "+"
+          << shape_text(p["shape"].get<std::vector<int64_t>>());
+      if (p.contains("flat_range")) out << "{" << p["flat_range"][0] << ":" << p["flat_range"][1] << "}";
+    }
+    out << "\n";
+  }
+  ckpt.verify();
+  out << "verified: every checksum matches" << std::endl;
+  return 0;
+}
+
+}  // namespace moecore
