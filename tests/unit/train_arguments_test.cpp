@@ -231,17 +231,44 @@ TEST(TrainArguments, UnknownFlagSuggestsClosest) {
 
 TEST(TrainArguments, CataloguedMegatronFlagsAreNotImplementedYet) {
   for (const char* flag :
-       {"--moe-latent-size", "--moe-shared-expert-overlap", "--recompute-granularity", "--fp8-format", "--save",
-        "--load", "--tensorboard-dir", "--wandb-project", "--bf16", "--fp16", "--exit-on-missing-checkpoint"}) {
+       {"--moe-latent-size", "--moe-shared-expert-overlap", "--recompute-granularity", "--fp8-format",
+        "--save-retain-interval", "--tensorboard-dir", "--wandb-project", "--bf16", "--fp16", "--ckpt-format"}) {
     EXPECT_EQ(error_of(with(minimal(), {flag, "1"})),
               std::string(flag) + " is a Megatron flag that moecore does not implement yet");
   }
-  EXPECT_EQ(error_of(with(minimal(), {"--moe-use-upcycling"})),
-            "--moe-use-upcycling is a Megatron flag that moecore does not implement yet");
+  EXPECT_EQ(error_of(with(minimal(), {"--use-checkpoint-args"})),
+            "--use-checkpoint-args is a Megatron flag that moecore does not implement yet");
   EXPECT_EQ(error_of(with(minimal(), {"--moe-enable-routing-replay"})),
             "--moe-enable-routing-replay is a Megatron flag that moecore does not implement yet");
   EXPECT_EQ(error_of(with(minimal(), {"--moe-router-padding-for-quantization"})),
             "--moe-router-padding-for-quantization is a Megatron flag that moecore does not implement yet");
+}
+
+// Megatron's checkpointing flags and their cross-checks (arguments.py, training.py).
+TEST(TrainArguments, CheckpointFlags) {
+  const TrainingArgs a = parse_train_args(
+      with(minimal(), {"--save", "/tmp/s", "--save-interval", "5", "--load", "/tmp/l", "--no-save-optim",
+                       "--no-load-rng", "--async-save", "--exit-interval", "10", "--exit-signal-handler"}));
+  EXPECT_EQ(a.save, "/tmp/s");
+  EXPECT_EQ(a.load, "/tmp/l");
+  EXPECT_EQ(a.save_interval, 5);
+  EXPECT_TRUE(a.no_save_optim && a.no_load_rng && a.async_save && a.exit_signal_handler);
+  EXPECT_EQ(a.exit_interval, 10);
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--save", "x", "--persistent-save-interval", "7"})).save_interval, 7);
+  EXPECT_EQ(error_of(with(minimal(), {"--save", "x"})), "--save requires --save-interval (as Megatron)");
+  EXPECT_EQ(error_of(with(minimal(), {"--save-interval", "3"})), "--save-interval requires --save");
+  EXPECT_EQ(error_of(with(minimal(), {"--finetune"})), "--finetune requires --load");
+  EXPECT_EQ(error_of(with(minimal(), {"--save", "x", "--save-interval", "0"})),
+            "--save-interval must be positive (got 0)");
+  EXPECT_EQ(error_of(with(minimal(),
+                          {"--load", "x", "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"})),
+            "both --override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are given (pick one)");
+  EXPECT_EQ(error_of(with(minimal(), {"--save", "x", "--save-interval", "2", "--non-persistent-save-interval", "1"})),
+            "--non-persistent-save-interval requires --non-persistent-ckpt-type global");
+  EXPECT_EQ(error_of(with(minimal(), {"--save", "x", "--save-interval", "2", "--non-persistent-ckpt-type", "local"})),
+            "--non-persistent-ckpt-type local is not implemented yet (moecore implements global)");
+  EXPECT_EQ(error_of(with(minimal(), {"--load", "x", "--moe-use-upcycling", "--save", "y", "--save-interval", "1"})),
+            "--moe-use-upcycling requires --num-experts (a positive number of experts)");
 }
 
 TEST(TrainArguments, CatalogIsLargeAndDisjointFromImplementedFlags) {
