@@ -12,7 +12,10 @@
 #include <set>
 #include <stdexcept>
 
+#include "moecore/ckpt/hf_layout.h"
 #include "moecore/ckpt/hf_moe_config.h"
+#include "moecore/ckpt/hf_state_source.h"
+#include "moecore/ckpt/state_dict.h"
 
 namespace moecore {
 namespace {
@@ -23,142 +26,20 @@ using json = nlohmann::json;
 const std::set<std::string> kExportFiles = {"config.json", "generation_config.json", "model.safetensors", "vocab.json",
                                             "merges.txt",  "tokenizer_config.json"};
 
-// One HF tensor = some rows (first dimension) of one Megatron parameter, in order.
-struct RowRange {
-  int64_t begin, end;
-};
-struct HfTensorMap {
-  std::string hf_name;
-  std::string megatron_name;
-  std::vector<RowRange> rows;  // empty: all rows
-};
-
-// The split of a SwiGLU fc1 [2F, H] into HF's gate (rows [0, F)) and up (rows [F, 2F)) projections.
-void push_swiglu_mlp(std::vector<HfTensorMap>& layout, const std::string& gate, const std::string& up,
-                     const std::string& down, const std::string& fc1, const std::string& fc2, const int64_t F,
-                     const std::vector<std::string>& suffixes) {
-  for (const std::string& s : suffixes) {
-    layout.push_back({gate + "." + s, fc1 + "." + s, {{0, F}}});
-    layout.push_back({up + "." + s, fc1 + "." + s, {{F, 2 * F}}});
-    layout.push_back({down + "." + s, fc2 + "." + s, {}});
-  }
-}
-
-void push_moe_layer(std::vector<HfTensorMap>& layout, const ModelConfig& c, const std::string& model_type,
-                    const std::string& P, const std::string& M, const std::vector<std::string>& suffixes) {
-  const bool mixtral = model_type == "mixtral";
-  const std::string moe = P + (mixtral ? "block_sparse_moe." : "mlp.");
-  for (const std::string& s : suffixes) layout.push_back({moe + "gate." + s, M + "mlp.router." + s, {}});
-  for (int64_t e = 0; e < c.moe.num_experts; ++e) {
-    const std::string expert = moe + "experts." + std::to_string(e) + ".";
-    const std::string local = M + "mlp.experts.local_experts." + std::to_string(e) + ".";
-    if (mixtral) {
-      push_swiglu_mlp(layout, expert + "w1", expert + "w3", expert + "w2", local + "linear_fc1", local + "linear_fc2",
-                      c.moe.ffn_hidden_size, suffixes);
-    } else {
-      push_swiglu_mlp(layout, expert + "gate_proj", expert + "up_proj", expert + "down_proj", local + "linear_fc1",
-                      local + "linear_fc2", c.moe.ffn_hidden_size, suffixes);
-    }
-  }
-  if (c.moe.shared_expert_intermediate_size > 0) {  // moecore_moe only (HF types refuse shared experts)
-    const std::string shared = M + "mlp.shared_experts.";
-    push_swiglu_mlp(layout, moe + "shared_experts.gate_proj", moe + "shared_experts.up_proj",
-                    moe + "shared_experts.down_proj", shared + "linear_fc1", shared + "linear_fc2",
-                    c.moe.shared_expert_intermediate_size, {"weight"});
-    if (c.moe.shared_expert_gate) layout.push_back({moe + "shared_expert_gate.weight", shared + "gate_weight", {}});
-  }
-}
-
-std::string expert_bias_name(const int64_t layer) {
-  return "model.layers." + std::to_string(layer) + ".mlp.gate.e_score_correction_bias";
-}
-
-std::vector<HfTensorMap> hf_layout(const ModelConfig& c, const std::string& model_type) {
-  const int64_t d = c.kv_channels;
-  const int64_t heads_per_group = c.num_attention_heads / c.num_query_groups;
-  const int64_t group_rows = (heads_per_group + 2) * d;
-  std::vector<RowRange> q_rows, k_rows, v_rows;
-  for (int64_t g = 0; g < c.num_query_groups; ++g) {
-    const int64_t base = g * group_rows;
-    q_rows.push_back({base, base + heads_per_group * d});
-    k_rows.push_back({base + heads_per_group * d, base + (heads_per_group + 1) * d});
-    v_rows.push_back({base + (heads_per_group + 1) * d, base + group_rows});
-  }
-  const std::vector<std::string> suffixes =
-      c.add_bias_linear ? std::vector<std::string>{"weight", "bias"} : std::vector<std::string>{"weight"};
-
-  std::vector<HfTensorMap> layout;
-  layout.push_back({"model.embed_tokens.weight", "embedding.word_embeddings.weight", {}});
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string P = "model.layers." + std::to_string(i) + ".";
-    const std::string M = "decoder.layers." + std::to_string(i) + ".";
-    layout.push_back({P + "input_layernorm.weight", M + "input_layernorm.weight", {}});
-    for (const std::string& s : suffixes) {
-      layout.push_back({P + "self_attn.q_proj." + s, M + "self_attention.linear_qkv." + s, q_rows});
-      layout.push_back({P + "self_attn.k_proj." + s, M + "self_attention.linear_qkv." + s, k_rows});
-      layout.push_back({P + "self_attn.v_proj." + s, M + "self_attention.linear_qkv." + s, v_rows});
-      layout.push_back({P + "self_attn.o_proj." + s, M + "self_attention.linear_proj." + s, {}});
-    }
-    if (c.qk_layernorm) {
-      layout.push_back({P + "self_attn.q_norm.weight", M + "self_attention.q_layernorm.weight", {}});
-      layout.push_back({P + "self_attn.k_norm.weight", M + "self_attention.k_layernorm.weight", {}});
-    }
-    layout.push_back({P + "post_attention_layernorm.weight", M + "pre_mlp_layernorm.weight", {}});
-    if (c.moe.is_moe_layer(i)) {
-      push_moe_layer(layout, c, model_type, P, M, suffixes);
-    } else {
-      push_swiglu_mlp(layout, P + "mlp.gate_proj", P + "mlp.up_proj", P + "mlp.down_proj", M + "mlp.linear_fc1",
-                      M + "mlp.linear_fc2", c.ffn_hidden_size, suffixes);
-    }
-  }
-  layout.push_back({"model.norm.weight", "decoder.final_layernorm.weight", {}});
-  if (c.untie_embeddings_and_output_weights) layout.push_back({"lm_head.weight", "output_layer.weight", {}});
-  return layout;
-}
-
 int64_t row_count(const HfTensorMap& map, const Tensor& megatron_value) {
-  if (map.rows.empty()) return megatron_value.dim(0);
-  int64_t n = 0;
-  for (const RowRange& r : map.rows) n += r.end - r.begin;
-  return n;
-}
-
-std::vector<int64_t> hf_shape(const HfTensorMap& map, const Tensor& megatron_value) {
-  std::vector<int64_t> shape = megatron_value.shape();
-  shape[0] = row_count(map, megatron_value);
-  return shape;
-}
-
-std::vector<RowRange> ranges_of(const HfTensorMap& map, const Tensor& megatron_value) {
-  return map.rows.empty() ? std::vector<RowRange>{{0, megatron_value.dim(0)}} : map.rows;
+  return hf_tensor_shape(map, megatron_value.shape())[0];
 }
 
 Tensor gather_rows(const HfTensorMap& map, const Tensor& megatron_value) {
-  Tensor out(hf_shape(map, megatron_value), DType::kF32);
+  Tensor out(hf_tensor_shape(map, megatron_value.shape()), DType::kF32);
   const int64_t row_numel = megatron_value.numel() / megatron_value.dim(0);
   float* dst = out.data<float>();
-  for (const RowRange& r : ranges_of(map, megatron_value)) {
+  for (const HfRowRange& r : hf_row_ranges(map, megatron_value.dim(0))) {
     const size_t n = static_cast<size_t>((r.end - r.begin) * row_numel);
     std::memcpy(dst, megatron_value.data<float>() + r.begin * row_numel, n * sizeof(float));
     dst += n;
   }
   return out;
-}
-
-void scatter_rows(const HfTensorMap& map, const Tensor& hf_value_f32, Tensor& megatron_value) {
-  const int64_t row_numel = megatron_value.numel() / megatron_value.dim(0);
-  const float* src = hf_value_f32.data<float>();
-  for (const RowRange& r : ranges_of(map, megatron_value)) {
-    const size_t n = static_cast<size_t>((r.end - r.begin) * row_numel);
-    std::memcpy(megatron_value.data<float>() + r.begin * row_numel, src, n * sizeof(float));
-    src += n;
-  }
-}
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + "]";
 }
 
 Tensor to_bf16(const Tensor& f32) {
@@ -527,7 +408,7 @@ void export_hf(const GPTModel& model, const HfExportInfo& info, const std::strin
   for (int64_t layer = 0; layer < c.num_layers; ++layer) {
     const Buffer* bias = c.moe.enable_expert_bias ? model.expert_bias(layer) : nullptr;
     if (bias == nullptr) continue;
-    tensors.emplace_back(expert_bias_name(layer), bias->value.clone());
+    tensors.emplace_back(hf_expert_bias_name(layer), bias->value.clone());
   }
   for (const auto& [name, p] : params) {
     if (rows_exported[name] != p->value.dim(0)) {
@@ -564,80 +445,19 @@ ModelConfig read_hf_config(const std::string& dir, const HfImportOptions& option
   return read_typed_config(dir, options, model_type);
 }
 
-std::unique_ptr<GPTModel> load_hf(const std::string& dir, const HfImportOptions& options) {
+std::string read_hf_model_type(const std::string& dir) {
   std::string model_type;
-  const ModelConfig c = read_typed_config(dir, options, model_type);
+  read_typed_config(dir, HfImportOptions{}, model_type);
+  return model_type;
+}
+
+std::unique_ptr<GPTModel> load_hf(const std::string& dir, const HfImportOptions& options) {
+  const ModelConfig c = read_hf_config(dir, options);
   auto model = std::make_unique<GPTModel>(c, options.seed);
-
-  // Every weight file: the single model.safetensors, or the shards an index names.
-  std::vector<SafetensorsFile> files;
-  const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
-  if (fs::exists(fs::path(dir) / "model.safetensors")) {
-    files.push_back(read_safetensors((fs::path(dir) / "model.safetensors").string()));
-  } else if (fs::exists(index_path)) {
-    const json index = read_json_file(index_path);
-    if (!index.contains("weight_map") || !index["weight_map"].is_object()) {
-      throw std::runtime_error(index_path.string() + ": no weight_map object");
-    }
-    std::set<std::string> shards;
-    for (const auto& [name, shard] : index["weight_map"].items()) {
-      if (!shard.is_string()) throw std::runtime_error(index_path.string() + ": weight_map entry '" + name + "' bad");
-      shards.insert(shard.get<std::string>());
-    }
-    for (const std::string& shard : shards) files.push_back(read_safetensors((fs::path(dir) / shard).string()));
-  } else {
-    throw std::runtime_error(dir + ": neither model.safetensors nor model.safetensors.index.json exists");
-  }
-  std::map<std::string, std::pair<const Tensor*, std::string>> hf_tensors;  // name -> (tensor, file)
-  for (const SafetensorsFile& f : files) {
-    for (const auto& [name, tensor] : f.tensors) {
-      if (!hf_tensors.emplace(name, std::make_pair(&tensor, f.source)).second) {
-        throw std::runtime_error(f.source + ": tensor '" + name + "' also appears in another shard");
-      }
-    }
-  }
-
-  std::set<std::string> used;
-  for (const HfTensorMap& map : hf_layout(c, model_type)) {
-    const auto it = hf_tensors.find(map.hf_name);
-    if (it == hf_tensors.end()) throw std::runtime_error(dir + ": missing tensor '" + map.hf_name + "'");
-    const auto& [tensor, source] = it->second;
-    Param& p = model->param(map.megatron_name);
-    const std::vector<int64_t> expected = hf_shape(map, p.value);
-    if (tensor->shape() != expected) {
-      throw std::runtime_error(source + ": tensor '" + map.hf_name + "' has shape " + shape_text(tensor->shape()) +
-                               ", config.json implies " + shape_text(expected));
-    }
-    try {
-      scatter_rows(map, to_float32(*tensor), p.value);
-    } catch (const std::runtime_error& e) {
-      throw std::runtime_error(source + ": tensor '" + map.hf_name + "': " + e.what());
-    }
-    used.insert(map.hf_name);
-  }
-  for (int64_t layer = 0; layer < c.num_layers; ++layer) {
-    Buffer* bias = c.moe.enable_expert_bias ? model->expert_bias(layer) : nullptr;
-    if (bias == nullptr) continue;
-    const std::string name = expert_bias_name(layer);
-    const auto it = hf_tensors.find(name);
-    if (it == hf_tensors.end()) throw std::runtime_error(dir + ": missing tensor '" + name + "'");
-    const Tensor values = to_float32(*it->second.first);
-    if (values.numel() != bias->value.numel()) {
-      throw std::runtime_error(it->second.second + ": tensor '" + name + "' has " + std::to_string(values.numel()) +
-                               " values, the model has " + std::to_string(bias->value.numel()) + " experts");
-    }
-    bias->value.copy_from(values);
-    used.insert(name);
-  }
-  for (const auto& [name, entry] : hf_tensors) {
-    if (used.contains(name)) continue;
-    const bool tied_head = name == "lm_head.weight" && !c.untie_embeddings_and_output_weights;
-    const bool rope_buffer = name.ends_with(".rotary_emb.inv_freq");  // older checkpoints store it
-    if (!tied_head && !rope_buffer) {
-      throw std::runtime_error(entry.second + ": tensor '" + name + "' has no place in a " + model_type +
-                               " model with this config.json");
-    }
-  }
+  const std::unique_ptr<GlobalTensorSource> source = hf_state_source(dir, c);
+  StateDict state;
+  add_model_state(state, *model);
+  load_state(*source, state);
   return model;
 }
 

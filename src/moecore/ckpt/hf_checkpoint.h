@@ -95,8 +95,12 @@ void export_hf(const GPTModel& model, const HfExportInfo& info, const std::strin
 // ConfigError naming the file and the first field it cannot represent.
 ModelConfig read_hf_config(const std::string& dir, const HfImportOptions& options = {});
 
+// The model_type of DIR/config.json, after the checks read_hf_config makes.
+std::string read_hf_model_type(const std::string& dir);
+
 // A model built from DIR/config.json with weights from DIR/model.safetensors (or the shards listed in
-// DIR/model.safetensors.index.json), any floating dtype converted to fp32.
+// DIR/model.safetensors.index.json), any floating dtype converted to fp32: load_state from hf_state_source
+// (hf_state_source.h) into the new model's parameters and buffers.
 std::unique_ptr<GPTModel> load_hf(const std::string& dir, const HfImportOptions& options = {});
 
 }  // namespace moecore

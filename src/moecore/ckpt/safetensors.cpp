@@ -247,6 +247,48 @@ SafetensorsFile read_safetensors(const std::string& path) {
   return file;
 }
 
+const SafetensorsTensorInfo* SafetensorsHeader::find(const std::string& name) const {
+  for (const SafetensorsTensorInfo& info : tensors) {
+    if (info.name == name) return &info;
+  }
+  return nullptr;
+}
+
+SafetensorsHeader read_safetensors_header(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) fail(path, "no such file (or not a regular file)");
+  const uint64_t file_bytes = std::filesystem::file_size(path, ec);
+  if (ec) fail(path, "cannot determine the file size: " + ec.message());
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(path, std::string("cannot open: ") + std::strerror(errno));
+  std::array<std::byte, 8> first8{};
+  if (file_bytes >= 8 && !in.read(reinterpret_cast<char*>(first8.data()), 8)) fail(path, "read failed");
+  const uint64_t header_bytes = checked_header_length(first8.data(), file_bytes, path);
+  std::string header_text(header_bytes, '\0');
+  if (header_bytes > 0 && !in.read(header_text.data(), static_cast<std::streamsize>(header_bytes))) {
+    fail(path, "read of the header failed");
+  }
+  SafetensorsHeader header;
+  header.path = path;
+  for (const Entry& e : parse_header(header_text, file_bytes - 8 - header_bytes, path, header.metadata)) {
+    header.tensors.push_back(
+        SafetensorsTensorInfo{e.name, e.dtype, e.shape, 8 + header_bytes + e.begin, e.end - e.begin});
+  }
+  return header;
+}
+
+Tensor read_safetensors_tensor(const SafetensorsHeader& header, const SafetensorsTensorInfo& info) {
+  Tensor tensor(info.shape, info.dtype);
+  if (info.nbytes == 0) return tensor;
+  std::ifstream in(header.path, std::ios::binary);
+  if (!in) fail(header.path, std::string("cannot open: ") + std::strerror(errno));
+  if (!in.seekg(static_cast<std::streamoff>(info.file_offset)) ||
+      !in.read(reinterpret_cast<char*>(tensor.data<std::byte>()), static_cast<std::streamsize>(info.nbytes))) {
+    fail(header.path, "read of tensor '" + info.name + "' failed");
+  }
+  return tensor;
+}
+
 std::vector<std::byte> encode_safetensors(const std::vector<NamedTensor>& tensors,
                                           const SafetensorsMetadata& metadata) {
   json header = json::object();

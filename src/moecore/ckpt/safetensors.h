@@ -35,6 +35,25 @@ std::string safetensors_dtype_code(DType dtype);
 
 // Reads and validates a whole file.
 SafetensorsFile read_safetensors(const std::string& path);
+
+// A file's table of contents without its tensors' bytes (lazy readers: the HF import reads one tensor at a time).
+struct SafetensorsTensorInfo {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  uint64_t file_offset = 0;  // of the tensor's first byte, from the start of the file
+  uint64_t nbytes = 0;
+};
+struct SafetensorsHeader {
+  std::string path;
+  std::vector<SafetensorsTensorInfo> tensors;  // in byte-buffer order
+  SafetensorsMetadata metadata;
+  const SafetensorsTensorInfo* find(const std::string& name) const;  // null when absent
+};
+// Reads and validates the header (every rule read_safetensors checks) against the file's size.
+SafetensorsHeader read_safetensors_header(const std::string& path);
+// Reads just `info`'s bytes from header.path (std::runtime_error "PATH: ..." when the read fails).
+Tensor read_safetensors_tensor(const SafetensorsHeader& header, const SafetensorsTensorInfo& info);
 // Parses an in-memory file; `source` names it in error messages.
 SafetensorsFile parse_safetensors(std::span<const std::byte> bytes, const std::string& source);
 

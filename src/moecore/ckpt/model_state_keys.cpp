@@ -1,0 +1,75 @@
+#include "moecore/ckpt/model_state_keys.h"
+
+namespace moecore {
+namespace {
+
+class KeyList {
+ public:
+  void add(const std::string& key, std::vector<int64_t> shape, const InitKind init) {
+    keys_.push_back(ModelStateKey{key, std::move(shape), init, false});
+  }
+  void norm(const std::string& name, const int64_t width, const Normalization kind) {
+    add(name + ".weight", {width}, InitKind::kOnes);
+    if (kind == Normalization::kLayerNorm) add(name + ".bias", {width}, InitKind::kZeros);
+  }
+  // model/mlp.cpp: fc1 [F1, H] (normal), fc2 [H, F] (scaled normal), zero biases.
+  void mlp(const std::string& prefix, const int64_t H, const int64_t F, const Activation activation, const bool bias) {
+    const int64_t F1 = ops::activation_input_width(activation, F);
+    add(prefix + "linear_fc1.weight", {F1, H}, InitKind::kNormal);
+    if (bias) add(prefix + "linear_fc1.bias", {F1}, InitKind::kZeros);
+    add(prefix + "linear_fc2.weight", {H, F}, InitKind::kScaledNormal);
+    if (bias) add(prefix + "linear_fc2.bias", {H}, InitKind::kZeros);
+  }
+  std::vector<ModelStateKey> keys_;
+};
+
+}  // namespace
+
+std::vector<ModelStateKey> model_state_keys(const ModelConfig& c) {
+  const int64_t H = c.hidden_size, d = c.kv_channels;
+  KeyList list;
+  list.add("embedding.word_embeddings.weight", {c.vocab_size, H}, InitKind::kNormal);
+  if (c.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
+    list.add("embedding.position_embeddings.weight", {c.max_position_embeddings, H}, InitKind::kNormal);
+  }
+  std::vector<ModelStateKey> buffers;
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string M = "decoder.layers." + std::to_string(i) + ".";
+    list.norm(M + "input_layernorm", H, c.normalization);
+    list.add(M + "self_attention.linear_qkv.weight", {c.qkv_out(), H}, InitKind::kNormal);
+    if (c.add_bias_linear) list.add(M + "self_attention.linear_qkv.bias", {c.qkv_out()}, InitKind::kZeros);
+    if (c.qk_layernorm) {
+      list.norm(M + "self_attention.q_layernorm", d, c.normalization);
+      list.norm(M + "self_attention.k_layernorm", d, c.normalization);
+    }
+    list.add(M + "self_attention.linear_proj.weight", {H, c.num_attention_heads * d}, InitKind::kScaledNormal);
+    if (c.add_bias_linear) list.add(M + "self_attention.linear_proj.bias", {H}, InitKind::kZeros);
+    list.norm(M + "pre_mlp_layernorm", H, c.normalization);
+    if (!c.moe.is_moe_layer(i)) {
+      list.mlp(M + "mlp.", H, c.ffn_hidden_size, c.activation, c.add_bias_linear);
+      continue;
+    }
+    const MoEConfig& m = c.moe;
+    // moe/router.cpp: weight and bias both drawn with init_method (as Megatron's TopKRouter.reset_parameters).
+    list.add(M + "mlp.router.weight", {m.num_experts, H}, InitKind::kNormal);
+    if (c.add_bias_linear) list.add(M + "mlp.router.bias", {m.num_experts}, InitKind::kNormal);
+    if (m.enable_expert_bias) {
+      buffers.push_back(ModelStateKey{M + "mlp.router.expert_bias", {m.num_experts}, InitKind::kZeros, true});
+    }
+    for (int64_t e = 0; e < m.num_experts; ++e) {
+      list.mlp(M + "mlp.experts.local_experts." + std::to_string(e) + ".", H, m.ffn_hidden_size, c.activation,
+               c.add_bias_linear);
+    }
+    if (m.shared_expert_intermediate_size > 0) {  // no biases (as Megatron's SharedExpertMLP)
+      list.mlp(M + "mlp.shared_experts.", H, m.shared_expert_intermediate_size, c.activation, false);
+      if (m.shared_expert_gate) list.add(M + "mlp.shared_experts.gate_weight", {1, H}, InitKind::kNormal);
+    }
+  }
+  list.norm("decoder.final_layernorm", H, c.normalization);
+  if (c.untie_embeddings_and_output_weights) list.add("output_layer.weight", {c.vocab_size, H}, InitKind::kNormal);
+  std::vector<ModelStateKey> keys = std::move(list.keys_);
+  keys.insert(keys.end(), buffers.begin(), buffers.end());
+  return keys;
+}
+
+}  // namespace moecore
