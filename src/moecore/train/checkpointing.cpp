@@ -9,6 +9,9 @@
 #include <sstream>
 
 #include "moecore/ckpt/checkpoint_dir.h"
+#include "moecore/ckpt/hf_checkpoint.h"
+#include "moecore/ckpt/hf_state_source.h"
+#include "moecore/ckpt/upcycling.h"
 #include "moecore/model/config.h"
 #include "moecore/parallel/agreement.h"
 #include "moecore/train/training_state.h"
@@ -87,6 +90,54 @@ std::optional<std::pair<std::string, int64_t>> find_checkpoint(const TrainingArg
   return std::nullopt;
 }
 
+// A HuggingFace folder (training starts at iteration 0 with a fresh optimizer), or Megatron's upcycling of a dense
+// checkpoint (moecore's or HuggingFace's): the MoE model from the dense weights, then, as Megatron's
+// setup_model_and_optimizer, iteration 1 with the dense run's consumed samples and FLOPs.
+void load_model_only(const LoadPlan& plan, const TrainingArgs& run_args, const CheckpointTarget& target,
+                     TrainingProgress& progress, const parallel::ParallelState& parallel, std::ostream& log) {
+  const bool hf = plan.kind == LoadPlan::Kind::kHuggingFace;
+  const bool upcycle = run_args.moe_use_upcycling;
+  log << " loading " << (hf ? "HuggingFace checkpoint" : "distributed checkpoint") << " from " << plan.dir
+      << (upcycle ? " to upcycle it into " + std::to_string(run_args.model.moe.num_experts) + " experts" : "")
+      << std::endl;
+  parallel::run_on_all_ranks(parallel.world, [&] {
+    ModelConfig source_config =
+        upcycle ? dense_config_for_upcycling(run_args.model, run_args.moe_upcycling_granularity) : run_args.model;
+    std::unique_ptr<StateSource> stored;
+    if (hf) {
+      // The folder's vocabulary may be padded for another TP size (or not at all): it must hold every token, and the
+      // rows both have are loaded.
+      const int64_t hf_vocab = read_hf_config(plan.dir).vocab_size;
+      if (hf_vocab < target.vocab_tokens || hf_vocab > run_args.model.vocab_size) {
+        throw ConfigError("HF config.json vocab_size " + std::to_string(hf_vocab) + " does not fit this run: the " +
+                          "tokenizer has " + std::to_string(target.vocab_tokens) +
+                          " tokens and the padded vocabulary " + std::to_string(run_args.model.vocab_size) + " rows");
+      }
+      source_config.vocab_size = hf_vocab;
+      check_hf_config_matches(plan.dir, source_config);
+      stored = hf_state_source(plan.dir, source_config);
+    } else {
+      auto ckpt = std::make_unique<ShardedCheckpoint>(plan.dir);
+      progress.consumed_train_samples = ckpt->i64("consumed_train_samples");
+      progress.consumed_valid_samples = ckpt->i64("consumed_valid_samples");
+      progress.floating_point_operations_so_far = ckpt->f64("num_floating_point_operations_so_far");
+      stored = std::move(ckpt);
+    }
+    std::unique_ptr<StateSource> upcycled;
+    if (upcycle) {
+      upcycled = upcycled_state_source(*stored, run_args.model, run_args.moe_upcycling_granularity,
+                                       static_cast<uint64_t>(run_args.seed), run_args.model.init_method_std);
+    }
+    StateDict model_state;
+    add_model_state(model_state, target.model);
+    load_state(upcycle ? *upcycled : *stored, model_state, nullptr, is_vocab_key);
+    target.optimizer.set_steps_taken(0);
+    if (upcycle) progress.iteration = 1;
+  });
+  log << "  successfully loaded checkpoint from " << plan.dir << " [ t 1/" << run_args.tensor_model_parallel_size
+      << ", p 1/" << run_args.pipeline_model_parallel_size << " ] at iteration " << progress.iteration << std::endl;
+}
+
 }  // namespace
 
 ojson checkpoint_args(const TrainingArgs& a) {
@@ -155,6 +206,11 @@ ojson checkpoint_layout(const TrainingArgs& args, const parallel::ParallelState&
 LoadPlan plan_load(const TrainingArgs& args, std::ostream& log) {
   LoadPlan plan;
   if (args.load.empty()) return plan;
+  if (args.moe_use_upcycling && read_tracker(args.save)) {
+    // Megatron's assert in setup_model_and_optimizer.
+    throw ConfigError("--moe-use-upcycling: " + args.save +
+                      " already holds a checkpoint (upcycling is for the first run only; resume without the flag)");
+  }
   const bool has_tracker = fs::exists(tracker_path(args.load)) ||
                            fs::exists(tracker_path((fs::path(args.load) / "non_persistent").string()));
   if (!has_tracker && !args.ckpt_step && fs::exists(fs::path(args.load) / "config.json")) {
@@ -221,10 +277,13 @@ TrainingArgs with_checkpoint_lr_schedule(const TrainingArgs& run_args, const Loa
 void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const CheckpointTarget& target,
                      TrainingProgress& progress, const parallel::ParallelState& parallel, std::ostream& log) {
   if (plan.kind == LoadPlan::Kind::kNone) return;
-  if (plan.kind == LoadPlan::Kind::kHuggingFace) {
-    throw ConfigError("--load " + plan.dir + ": HuggingFace folders are read by the HuggingFace loader");
-  }
   const auto start = Clock::now();
+  if (plan.kind == LoadPlan::Kind::kHuggingFace || run_args.moe_use_upcycling) {
+    load_model_only(plan, run_args, target, progress, parallel, log);
+    log_time_across_ranks(parallel, "load-checkpoint",
+                          std::chrono::duration<double, std::milli>(Clock::now() - start).count(), log);
+    return;
+  }
   log << " loading distributed checkpoint from " << run_args.load << " at iteration " << plan.iteration << std::endl;
   const bool load_optim = !run_args.no_load_optim && !run_args.finetune;
   parallel::run_on_all_ranks(parallel.world, [&] {
@@ -238,6 +297,12 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
                           (saved.contains(flag) ? saved[flag].dump() : std::string("(absent)")) + ", this run has " +
                           value.dump() + " (model flags must match; parallel and batch sizes may change)");
       }
+    }
+    const std::optional<StoredTensorInfo> embedding = ckpt.info("embedding.word_embeddings.weight");
+    if (embedding && !embedding->global_shape.empty() && embedding->global_shape[0] < target.vocab_tokens) {
+      throw ConfigError("checkpoint " + plan.dir + " has " + std::to_string(embedding->global_shape[0]) +
+                        " embedding rows, fewer than the tokenizer's " + std::to_string(target.vocab_tokens) +
+                        " tokens");
     }
     StateDict state = training_state(target.model, target.optimizer, target.schedule, progress, run_args.seed);
     const auto is_optimizer = [](const std::string& key) { return key.starts_with("optimizer."); };

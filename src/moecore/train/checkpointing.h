@@ -66,6 +66,7 @@ struct CheckpointTarget {
   DistributedDataParallel& ddp;
   DistributedAdamW& optimizer;
   const LRSchedule& schedule;
+  int64_t vocab_tokens = 0;  // the tokenizer's vocabulary before padding: the embedding rows a checkpoint must hold
 };
 
 // Loads `plan` into `target` and `progress` as described above (collective; every rank fails together with one

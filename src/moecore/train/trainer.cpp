@@ -91,9 +91,10 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
 
   TrainResult result;
   TrainingProgress& progress = result.progress;
-  const CheckpointTarget checkpoint_target{model, *built.ddp, *built.optimizer, schedule};
+  const CheckpointTarget checkpoint_target{model, *built.ddp, *built.optimizer, schedule, vocabulary.unpadded_size};
   load_checkpoint(load_plan, run_args, checkpoint_target, progress, parallel, log);
   Checkpointer checkpointer(run_args, parallel, log);
+  if (run_args.moe_use_upcycling) checkpointer.save(checkpoint_target, progress, false);  // Megatron's iteration 1
   const bool has_valid = data.has_split(DatasetSplit::kValid) && args.eval_iters > 0;
   if (has_valid && !args.mock_data && parallel.rank == 0) {
     result.unigram_baseline = print_unigram_baseline(run_args, data, vocabulary.unpadded_size, log);
