@@ -54,7 +54,8 @@ for delay in 0.05 0.2 0.5; do
   rm -rf "$work/w"
   "$bin" train "${model[@]}" --train-iters 400 --save "$work/w" --save-interval 1 >"$work/w.log" 2>&1 &
   pid=$!
-  sleep 1
+  # After a few saves (slow machines included), then at DELAY into whatever the run is doing.
+  for _ in $(seq 1200); do grep -q "successfully saved checkpoint from iteration       3" "$work/w.log" 2>/dev/null && break; sleep 0.05; done
   sleep "$delay"
   kill -9 $pid 2>/dev/null || true
   wait $pid 2>/dev/null || true
@@ -104,7 +105,7 @@ fi
 "$bin" train "${model[@]}" --train-iters 40 --save "$work/sig" --save-interval 1000 --exit-signal-handler \
   >"$work/sig.log" 2>&1 &
 pid=$!
-for _ in $(seq 200); do grep -q "iteration  *3/" "$work/sig.log" 2>/dev/null && break; sleep 0.05; done
+for _ in $(seq 1200); do grep -q "iteration  *3/" "$work/sig.log" 2>/dev/null && break; sleep 0.05; done
 kill -TERM $pid
 wait $pid || fail "SIGTERM: exit status $?"
 grep -q "exiting program after receiving SIGTERM" "$work/sig.log" || fail "SIGTERM: no exit line"
@@ -131,4 +132,16 @@ expect_error "load optimizer missing" "no optimizer state .*--no-load-optim" \
 grep -q "iteration  *3/" "$work/nlo.log" && ! grep -q "iteration  *2/" "$work/nlo.log" || fail "--no-load-optim: not at iteration 2"
 "$bin" train "${model[@]}" --train-iters 4 --load "$work/run" --finetune >"$work/ft.log" 2>&1
 grep -q "iteration  *1/" "$work/ft.log" || fail "--finetune did not start at iteration 0"
+# Non-persistent saves keep only the newest; --exit-duration-in-mins saves and exits.
+"$bin" train "${model[@]}" --train-iters 5 --save "$work/np" --save-interval 3 --non-persistent-save-interval 1 \
+  --non-persistent-ckpt-type global >"$work/np.log" 2>&1
+[ "$(ls "$work/np/non_persistent" | grep -c '^iter_')" = 1 ] && [ -d "$work/np/non_persistent/iter_0000005" ] ||
+  { ls -R "$work/np"; fail "non-persistent: not only the newest kept"; }
+[ -d "$work/np/iter_0000003" ] && [ -d "$work/np/iter_0000005" ] && [ "$(cat "$work/np/latest_checkpointed_iteration.txt")" = 5 ] ||
+  fail "non-persistent: persistent saves at 3 and 5 (the final one) expected"
+"$bin" train "${model[@]}" --train-iters 5 --save "$work/dur" --save-interval 100 --exit-duration-in-mins 0 \
+  >"$work/dur.log" 2>&1
+grep -q "exiting program after" "$work/dur.log" && [ "$(cat "$work/dur/latest_checkpointed_iteration.txt")" = 1 ] ||
+  fail "--exit-duration-in-mins 0: expected a save at iteration 1 and an exit"
+echo "ok: non-persistent saves, --exit-duration-in-mins"
 echo "checkpoint safety: all passed"

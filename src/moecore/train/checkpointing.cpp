@@ -414,7 +414,7 @@ void Checkpointer::save(const CheckpointTarget& target, const TrainingProgress& 
     throw CheckpointError(std::string("saving checkpoint failed: ") + e.what());
   }
   pending_non_persistent_ = non_persistent;
-  last_saved_ = progress.iteration;
+  if (!non_persistent) last_saved_ = progress.iteration;
   if (args_.async_save) {
     log_ << "  [" << now_text(true) << "] scheduled an async checkpoint save at iteration " << iter7(progress.iteration)
          << " to " << root << std::endl;
