@@ -98,6 +98,21 @@ if [ -n "$mpirun" ]; then  # every rank reports the damage and the job ends (no 
   expect_error "corrupted byte under mpirun -np 2" "checksum mismatch" timeout 120 "$mpirun" --allow-run-as-root \
     --oversubscribe -np 2 "$bin" train "${model[@]}" --train-iters 4 --load "$work/bad1"
   grep -q "rank 1\] .*checksum mismatch" "$work/err.txt" || { cat "$work/err.txt"; fail "rank 1 did not report it"; }
+  # One rank dies in the middle of a collective save: the job ends (no rank waits forever) and the previous
+  # checkpoint stays the loadable one.
+  rm -rf "$work/mk" && "$mpirun" --allow-run-as-root --oversubscribe -np 2 "$bin" train "${model[@]}" --train-iters 4 \
+    --expert-model-parallel-size 2 --save "$work/mk" --save-interval 2 --exit-interval 2 >/dev/null 2>&1
+  set +e
+  timeout 120 "$mpirun" --allow-run-as-root --oversubscribe -np 2 -x MOECORE_CKPT_KILL_AT=shard_written:1 "$bin" train \
+    "${model[@]}" --train-iters 4 --expert-model-parallel-size 2 --load "$work/mk" --save "$work/mk" --save-interval 4 \
+    >"$work/mk.log" 2>&1
+  rc=$?
+  set -e
+  [ $rc -ne 0 ] && [ $rc -ne 124 ] || { cat "$work/mk.log"; fail "rank 1 killed during a save: status $rc (124: a hang)"; }
+  [ "$(cat "$work/mk/latest_checkpointed_iteration.txt")" = 2 ] || fail "rank killed: tracker moved"
+  "$mpirun" --allow-run-as-root --oversubscribe -np 2 "$bin" train "${model[@]}" --train-iters 4 \
+    --expert-model-parallel-size 2 --load "$work/mk" >"$work/mk2.log" 2>&1 || fail "rank killed: cannot resume"
+  echo "ok: a rank killed during a collective save ends the job (status $rc); iteration 2 still loads"
 fi
 
 # SIGTERM: finish the iteration, save, exit 0; the resume continues exactly.

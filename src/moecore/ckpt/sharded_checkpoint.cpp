@@ -86,12 +86,18 @@ void write_all(const std::string& path, const std::vector<std::byte>& bytes) {
   if (::fsync(fd) != 0 || ::close(fd) != 0) throw CheckpointError(path + ": flush failed: " + std::strerror(errno));
 }
 
-// Fault injection for the crash tests: MOECORE_CKPT_KILL_AT=<stage> kills this process with SIGKILL (no cleanup,
-// as a power cut or the OOM killer) when the save reaches <stage>: "shard_written" (this rank's file is on disk),
-// "metadata_written" (rank 0, before the folder is renamed), "renamed" (rank 0, before the tracker is updated).
-void maybe_die_at(const char* stage) {
+// Fault injection for the crash tests: MOECORE_CKPT_KILL_AT=<stage>[:<rank>] kills this process (every rank, or
+// world rank <rank> only) with SIGKILL (no cleanup, as a power cut or the OOM killer) when the save reaches <stage>:
+// "shard_written" (this rank's file is on disk), "metadata_written" (rank 0, before the folder is renamed),
+// "renamed" (rank 0, before the tracker is updated).
+void maybe_die_at(const char* stage, const int rank) {
   const char* at = std::getenv("MOECORE_CKPT_KILL_AT");
-  if (at != nullptr && std::strcmp(at, stage) == 0) ::raise(SIGKILL);
+  if (at == nullptr) return;
+  const std::string spec = at;
+  const size_t colon = spec.find(':');
+  if (spec.substr(0, colon) != stage) return;
+  if (colon != std::string::npos && spec.substr(colon + 1) != std::to_string(rank)) return;
+  ::raise(SIGKILL);
 }
 
 }  // namespace
@@ -174,7 +180,7 @@ void ShardedSave::write_file() {
   file_crc32_ = crc32_text(crc32_of(bytes));
   bytes_written_ = static_cast<int64_t>(bytes.size());
   write_all((fs::path(tmp_dir_of(final_dir())) / file_name_).string(), bytes);
-  maybe_die_at("shard_written");
+  maybe_die_at("shard_written", world_.rank());
 }
 
 bool ShardedSave::finalize(const bool blocking) {
@@ -247,7 +253,7 @@ bool ShardedSave::finalize(const bool blocking) {
               std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
                                      reinterpret_cast<const std::byte*>(text.data() + text.size())));
     sync_directory(tmp);
-    maybe_die_at("metadata_written");
+    maybe_die_at("metadata_written", world_.rank());
     const std::string target = final_dir();
     if (fs::exists(target)) {  // saving an iteration again: swap atomically, then drop the old one
       if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0) {
@@ -258,7 +264,7 @@ bool ShardedSave::finalize(const bool blocking) {
       throw CheckpointError(target + ": cannot move the new checkpoint into place: " + std::strerror(errno));
     }
     sync_directory(root_);
-    maybe_die_at("renamed");
+    maybe_die_at("renamed", world_.rank());
     write_tracker(root_, info_.iteration);
   });
   pieces_.clear();  // frees the async copies
