@@ -304,6 +304,11 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
                         " embedding rows, fewer than the tokenizer's " + std::to_string(target.vocab_tokens) +
                         " tokens");
     }
+    if (embedding && !embedding->global_shape.empty() && embedding->global_shape[0] != run_args.model.vocab_size) {
+      log << "WARNING: the checkpoint's padded vocabulary has " << embedding->global_shape[0] << " rows, this run's "
+          << run_args.model.vocab_size << " (--make-vocab-size-divisible-by x TP): the rows both have are loaded; "
+          << "padded rows take part in the softmax, so the loss is not the saved run's" << std::endl;
+    }
     StateDict state = training_state(target.model, target.optimizer, target.schedule, progress, run_args.seed);
     const auto is_optimizer = [](const std::string& key) { return key.starts_with("optimizer."); };
     if (load_optim && !ckpt.info("optimizer.step")) {
