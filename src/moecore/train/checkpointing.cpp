@@ -113,6 +113,11 @@ void load_model_only(const LoadPlan& plan, const TrainingArgs& run_args, const C
                           "tokenizer has " + std::to_string(target.vocab_tokens) +
                           " tokens and the padded vocabulary " + std::to_string(run_args.model.vocab_size) + " rows");
       }
+      if (hf_vocab != run_args.model.vocab_size) {
+        log << "WARNING: config.json's vocab_size is " << hf_vocab << ", this run's padded vocabulary "
+            << run_args.model.vocab_size << ": rows " << hf_vocab << ".. keep their initial values (they take part in "
+            << "the softmax)" << std::endl;
+      }
       source_config.vocab_size = hf_vocab;
       check_hf_config_matches(plan.dir, source_config);
       stored = hf_state_source(plan.dir, source_config);
