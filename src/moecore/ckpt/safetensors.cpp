@@ -289,8 +289,8 @@ Tensor read_safetensors_tensor(const SafetensorsHeader& header, const Safetensor
   return tensor;
 }
 
-std::vector<std::byte> encode_safetensors(const std::vector<NamedTensor>& tensors,
-                                          const SafetensorsMetadata& metadata) {
+std::vector<std::byte> encode_safetensors_header(const std::vector<NamedTensor>& tensors,
+                                                 const SafetensorsMetadata& metadata) {
   json header = json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   uint64_t offset = 0;
@@ -306,11 +306,16 @@ std::vector<std::byte> encode_safetensors(const std::vector<NamedTensor>& tensor
   }
   std::string header_text = header.dump();
   header_text.append((8 - header_text.size() % 8) % 8, ' ');  // the byte buffer starts 8-byte aligned
-
   std::vector<std::byte> out;
-  out.reserve(8 + header_text.size() + offset);
+  out.reserve(8 + header_text.size());
   append_u64_le(out, header_text.size());
   for (const char c : header_text) out.push_back(static_cast<std::byte>(c));
+  return out;
+}
+
+std::vector<std::byte> encode_safetensors(const std::vector<NamedTensor>& tensors,
+                                          const SafetensorsMetadata& metadata) {
+  std::vector<std::byte> out = encode_safetensors_header(tensors, metadata);
   for (const auto& [name, tensor] : tensors) {
     const std::byte* data = tensor.data<std::byte>();
     out.insert(out.end(), data, data + tensor.nbytes());

@@ -58,6 +58,9 @@ Tensor read_safetensors_tensor(const SafetensorsHeader& header, const Safetensor
 SafetensorsFile parse_safetensors(std::span<const std::byte> bytes, const std::string& source);
 
 // The file's bytes for `tensors` in the given order (names must be unique and not "__metadata__").
+// The first bytes of that file: the header length and the header, for writers that stream the tensors after it.
+std::vector<std::byte> encode_safetensors_header(const std::vector<NamedTensor>& tensors,
+                                                 const SafetensorsMetadata& metadata = {});
 std::vector<std::byte> encode_safetensors(const std::vector<NamedTensor>& tensors,
                                           const SafetensorsMetadata& metadata = {});
 // Writes atomically: a temporary file next to `path`, flushed to disk, then renamed over it.

@@ -69,21 +69,27 @@ int64_t product(const std::vector<int64_t>& shape) {
   return n;
 }
 
-void write_all(const std::string& path, const std::vector<std::byte>& bytes) {
+// Writes `chunks` one after the other into a new file at `path`, fsynced; returns the CRC-32 of all the bytes.
+uint32_t write_all(const std::string& path, const std::vector<std::span<const std::byte>>& chunks) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw CheckpointError(path + ": cannot create: " + std::strerror(errno));
-  size_t written = 0;
-  while (written < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const std::string reason = std::strerror(errno);
-      ::close(fd);
-      throw CheckpointError(path + ": write failed: " + reason);
+  uint32_t crc = 0;
+  for (const std::span<const std::byte> chunk : chunks) {
+    crc = crc32_of(chunk, crc);
+    size_t written = 0;
+    while (written < chunk.size()) {
+      const ssize_t n = ::write(fd, chunk.data() + written, chunk.size() - written);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        const std::string reason = std::strerror(errno);
+        ::close(fd);
+        throw CheckpointError(path + ": write failed: " + reason);
+      }
+      written += static_cast<size_t>(n);
     }
-    written += static_cast<size_t>(n);
   }
   if (::fsync(fd) != 0 || ::close(fd) != 0) throw CheckpointError(path + ": flush failed: " + std::strerror(errno));
+  return crc;
 }
 
 // Fault injection for the crash tests: MOECORE_CKPT_KILL_AT=<stage>[:<rank>] kills this process (every rank, or
@@ -176,10 +182,15 @@ void ShardedSave::write_file() {
     p.crc32 = crc32_text(crc32_of(std::span<const std::byte>(p.values.data<std::byte>(), p.values.nbytes())));
     tensors.emplace_back(p.name, p.values);
   }
-  const std::vector<std::byte> bytes = encode_safetensors(tensors);
-  file_crc32_ = crc32_text(crc32_of(bytes));
-  bytes_written_ = static_cast<int64_t>(bytes.size());
-  write_all((fs::path(tmp_dir_of(final_dir())) / file_name_).string(), bytes);
+  // The header, then each piece's bytes straight from its tensor (no copy of the whole file in memory).
+  const std::vector<std::byte> header = encode_safetensors_header(tensors);
+  std::vector<std::span<const std::byte>> chunks{header};
+  bytes_written_ = static_cast<int64_t>(header.size());
+  for (const Piece& p : pieces_) {
+    chunks.emplace_back(p.values.data<std::byte>(), p.values.nbytes());
+    bytes_written_ += static_cast<int64_t>(p.values.nbytes());
+  }
+  file_crc32_ = crc32_text(write_all((fs::path(tmp_dir_of(final_dir())) / file_name_).string(), chunks));
   maybe_die_at("shard_written", world_.rank());
 }
 
@@ -249,9 +260,7 @@ bool ShardedSave::finalize(const bool blocking) {
     }
     const std::string tmp = tmp_dir_of(final_dir());
     const std::string text = meta.dump(1);
-    write_all((fs::path(tmp) / "metadata.json").string(),
-              std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
-                                     reinterpret_cast<const std::byte*>(text.data() + text.size())));
+    write_all((fs::path(tmp) / "metadata.json").string(), {std::as_bytes(std::span(text.data(), text.size()))});
     sync_directory(tmp);
     maybe_die_at("metadata_written", world_.rank());
     const std::string target = final_dir();
