@@ -33,10 +33,13 @@ for ((r = 0; r < rounds; ++r)); do
     "$build/moecore" train "${args[@]}" "${extra[@]}" >"$work/log" 2>&1
     t=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN {printf "%.0f", (b - a) * 1000}')
     step[$mode]+="$t "
+    if [ "$mode" = async ]; then
+      save[async]+="$(grep 'save-checkpoint \.' "$work/log" | tail -1 | sed 's/.*(\([0-9.]*\), .*/\1/') "
+    fi
     if [ "$mode" = sync ]; then
       save[sync]+="$(grep -A0 'save-checkpoint \.' "$work/log" | tail -1 | sed 's/.*(\([0-9.]*\), .*/\1/') "
       bytes=$(du -sb "$work/ck/iter_0000016" | cut -f1)
-      "$build/moecore" train "${args[@]}" --train-iters 17 --load "$work/ck" --exit-interval 17 >"$work/load.log" 2>&1
+      "$build/moecore" train "${args[@]}" --load "$work/ck" --ckpt-step 15 --exit-interval 16 >"$work/load.log" 2>&1
       load[sync]+="$(grep 'load-checkpoint \.' "$work/load.log" | sed 's/.*(\([0-9.]*\), .*/\1/') "
     fi
     echo "round $r $mode: $t ms for the whole run"
@@ -44,6 +47,7 @@ for ((r = 0; r < rounds; ++r)); do
 done
 echo "checkpoint of iteration 16: $bytes bytes"
 echo "save (sync, ms, median of the last save of each round): $(echo "${save[sync]}" | median)"
+echo "save (async: the part the training loop waits for, ms, median): $(echo "${save[async]}" | median)"
 echo "load (ms, median): $(echo "${load[sync]}" | median)"
 for mode in none sync async; do
   echo "whole run (setup + 16 iterations) with $mode saves after every iteration (ms, median): $(echo "${step[$mode]}" | median)"
