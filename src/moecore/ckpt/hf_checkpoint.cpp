@@ -192,16 +192,6 @@ fs::path normalized_dir(const std::string& dir) {
   throw ConfigError(file.string() + ": " + problem);
 }
 
-json read_json_file(const fs::path& path) {
-  std::ifstream in(path);
-  if (!in) throw std::runtime_error(path.string() + ": cannot open");
-  try {
-    return json::parse(in);
-  } catch (const json::exception& e) {
-    throw std::runtime_error(path.string() + ": not valid JSON (" + std::string(e.what()) + ")");
-  }
-}
-
 template <typename T>
 T field(const json& j, const fs::path& file, const std::string& key) {
   if (!j.contains(key) || j[key].is_null()) config_fail(file, "missing field '" + key + "'");
@@ -276,7 +266,7 @@ void read_moe_fields(const json& j, const fs::path& file, const std::string& mod
 
 ModelConfig read_typed_config(const std::string& dir, const HfImportOptions& options, std::string& model_type) {
   const fs::path file = fs::path(dir) / "config.json";
-  const json j = read_json_file(file);
+  const json j = read_json_file(file.string());
   if (!j.is_object()) config_fail(file, "not a JSON object");
   model_type = field_or<std::string>(j, file, "model_type", "");
   if (model_type != "llama" && model_type != "qwen3" && !is_moe_type(model_type)) {

@@ -1,6 +1,19 @@
 #include "moecore/ckpt/hf_layout.h"
 
+#include <fstream>
+#include <stdexcept>
+
 namespace moecore {
+
+nlohmann::json read_json_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error(path + ": cannot open");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(path + ": not valid JSON (" + std::string(e.what()) + ")");
+  }
+}
 namespace {
 
 // The split of a SwiGLU fc1 [2F, H] into HF's gate (rows [0, F)) and up (rows [F, 2F)) projections.

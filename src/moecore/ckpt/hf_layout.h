@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,10 @@ std::vector<HfTensorMap> hf_layout(const ModelConfig& c, const std::string& mode
 std::string hf_expert_bias_name(int64_t layer);
 
 // The row ranges `map` takes of a parameter with `megatron_rows` rows (all of them when map.rows is empty).
+// The JSON document in `path` (config.json, the shard index); std::runtime_error "PATH: cannot open" / "PATH: not
+// valid JSON (...)".
+nlohmann::json read_json_file(const std::string& path);
+
 std::vector<HfRowRange> hf_row_ranges(const HfTensorMap& map, int64_t megatron_rows);
 // The HF tensor's shape: the parameter's shape with the first dimension cut to the map's rows.
 std::vector<int64_t> hf_tensor_shape(const HfTensorMap& map, const std::vector<int64_t>& megatron_shape);

@@ -20,22 +20,6 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + "]";
-}
-
-json read_json(const fs::path& path) {
-  std::ifstream in(path);
-  if (!in) throw std::runtime_error(path.string() + ": cannot open");
-  try {
-    return json::parse(in);
-  } catch (const json::exception& e) {
-    throw std::runtime_error(path.string() + ": not valid JSON (" + std::string(e.what()) + ")");
-  }
-}
-
 // The table of contents of every weight file of an HF folder: the single model.safetensors, or the shards an index
 // names.
 struct HfFiles {
@@ -54,7 +38,7 @@ std::shared_ptr<const HfFiles> read_hf_files(const std::string& dir) {
   if (fs::exists(single)) {
     files->headers.push_back(read_safetensors_header(single.string()));
   } else if (fs::exists(index_path)) {
-    const json index = read_json(index_path);
+    const json index = read_json_file(index_path.string());
     if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
       throw std::runtime_error(index_path.string() + ": no weight_map object");
     }
@@ -189,7 +173,7 @@ std::vector<int64_t> dense_layers(const ModelConfig& c) {
 void check_hf_config_matches(const std::string& dir, const ModelConfig& config) {
   const ModelConfig hf = read_hf_config(dir);
   const std::string model_type = read_hf_model_type(dir);
-  const bool has_block = read_json(fs::path(dir) / "config.json").contains(kMoecoreMoeConfigKey);
+  const bool has_block = read_json_file((fs::path(dir) / "config.json").string()).contains(kMoecoreMoeConfigKey);
   const std::string type_field = "model_type " + model_type;
   const bool moecore_moe = model_type == "moecore_moe", mixtral = model_type == "mixtral";
   const auto block_field = [](const std::string& key) { return std::string(kMoecoreMoeConfigKey) + "." + key; };

@@ -10,16 +10,6 @@
 namespace moecore {
 namespace fs = std::filesystem;
 
-namespace {
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + "]";
-}
-
-}  // namespace
-
 int checkpoint_inspect_main(const std::vector<std::string>& args, std::ostream& out) {
   if (args.size() == 1 && (args[0] == "-h" || args[0] == "--help")) {
     out << "usage: moecore checkpoint DIR   (a --save folder or one of its iter_NNNNNNN folders)\n";

@@ -218,35 +218,6 @@ SafetensorsFile parse_safetensors(const std::span<const std::byte> bytes, const 
   return file;
 }
 
-// Reads each tensor's bytes straight into its storage (no copy of the whole file in memory).
-SafetensorsFile read_safetensors(const std::string& path) {
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) fail(path, "no such file (or not a regular file)");
-  const uint64_t file_bytes = std::filesystem::file_size(path, ec);
-  if (ec) fail(path, "cannot determine the file size: " + ec.message());
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(path, std::string("cannot open: ") + std::strerror(errno));
-  std::array<std::byte, 8> first8{};
-  if (file_bytes >= 8 && !in.read(reinterpret_cast<char*>(first8.data()), 8)) fail(path, "read failed");
-  const uint64_t header_bytes = checked_header_length(first8.data(), file_bytes, path);
-  std::string header_text(header_bytes, '\0');
-  if (header_bytes > 0 && !in.read(header_text.data(), static_cast<std::streamsize>(header_bytes))) {
-    fail(path, "read of the header failed");
-  }
-  SafetensorsFile file;
-  file.source = path;
-  const std::vector<Entry> entries = parse_header(header_text, file_bytes - 8 - header_bytes, path, file.metadata);
-  for (const Entry& e : entries) {  // contiguous and in buffer order: read sequentially
-    Tensor tensor(e.shape, e.dtype);
-    if (e.end > e.begin &&
-        !in.read(reinterpret_cast<char*>(tensor.data<std::byte>()), static_cast<std::streamsize>(e.end - e.begin))) {
-      fail(path, "read of tensor '" + e.name + "' failed");
-    }
-    file.tensors.emplace_back(e.name, std::move(tensor));
-  }
-  return file;
-}
-
 const SafetensorsTensorInfo* SafetensorsHeader::find(const std::string& name) const {
   for (const SafetensorsTensorInfo& info : tensors) {
     if (info.name == name) return &info;
@@ -275,6 +246,26 @@ SafetensorsHeader read_safetensors_header(const std::string& path) {
         SafetensorsTensorInfo{e.name, e.dtype, e.shape, 8 + header_bytes + e.begin, e.end - e.begin});
   }
   return header;
+}
+
+// Reads each tensor's bytes straight into its storage (no copy of the whole file in memory).
+SafetensorsFile read_safetensors(const std::string& path) {
+  const SafetensorsHeader header = read_safetensors_header(path);
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(path, std::string("cannot open: ") + std::strerror(errno));
+  SafetensorsFile file;
+  file.source = path;
+  file.metadata = header.metadata;
+  for (const SafetensorsTensorInfo& info : header.tensors) {
+    Tensor tensor(info.shape, info.dtype);
+    if (info.nbytes > 0 &&
+        (!in.seekg(static_cast<std::streamoff>(info.file_offset)) ||
+         !in.read(reinterpret_cast<char*>(tensor.data<std::byte>()), static_cast<std::streamsize>(info.nbytes)))) {
+      fail(path, "read of tensor '" + info.name + "' failed");
+    }
+    file.tensors.emplace_back(info.name, std::move(tensor));
+  }
+  return file;
 }
 
 Tensor read_safetensors_tensor(const SafetensorsHeader& header, const SafetensorsTensorInfo& info) {

@@ -63,12 +63,6 @@ DType dtype_from_code(const std::string& code, const std::string& where) {
   throw CheckpointError(where + ": unknown dtype '" + code + "'");
 }
 
-int64_t product(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (const int64_t d : shape) n *= d;
-  return n;
-}
-
 // Writes `chunks` one after the other into a new file at `path`, fsynced; returns the CRC-32 of all the bytes.
 uint32_t write_all(const std::string& path, const std::vector<std::span<const std::byte>>& chunks) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -250,12 +244,12 @@ bool ShardedSave::finalize(const bool blocking) {
       for (const ojson& piece : t["pieces"]) {
         stored += piece.contains("flat_range")
                       ? piece["flat_range"][1].get<int64_t>() - piece["flat_range"][0].get<int64_t>()
-                      : product(piece["shape"].get<std::vector<int64_t>>());
+                      : shape_numel(piece["shape"].get<std::vector<int64_t>>());
       }
-      if (stored != product(t["shape"].get<std::vector<int64_t>>())) {
+      if (stored != shape_numel(t["shape"].get<std::vector<int64_t>>())) {
         throw CheckpointError("checkpoint save: the pieces of " + key + " hold " + std::to_string(stored) +
                               " elements, not the tensor's " +
-                              std::to_string(product(t["shape"].get<std::vector<int64_t>>())));
+                              std::to_string(shape_numel(t["shape"].get<std::vector<int64_t>>())));
       }
     }
     const std::string tmp = tmp_dir_of(final_dir());

@@ -8,7 +8,15 @@
 namespace moecore {
 namespace {
 
-int64_t product(const std::vector<int64_t>& shape) {
+StatePlacement replicated(const std::vector<int64_t>& shape) {
+  StatePlacement p;
+  p.shard.full_shape = shape;
+  return p;
+}
+
+}  // namespace
+
+int64_t shape_numel(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (const int64_t d : shape) n *= d;
   return n;
@@ -20,17 +28,9 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return out + "]";
 }
 
-StatePlacement replicated(const std::vector<int64_t>& shape) {
-  StatePlacement p;
-  p.shard.full_shape = shape;
-  return p;
-}
-
-}  // namespace
-
 int64_t local_numel(const StatePlacement& placement) {
   if (placement.flat()) return placement.flat_end - placement.flat_begin;
-  return product(shard_shape(placement.shard));
+  return shape_numel(shard_shape(placement.shard));
 }
 
 int64_t global_index(const StatePlacement& placement, const int64_t local_index) {
@@ -44,7 +44,7 @@ void StateDict::add(StateEntry entry) {
     throw std::logic_error("state dict: " + entry.key + " has global shape " + shape_text(entry.global_shape) +
                            " but is placed in " + shape_text(p.shard.full_shape));
   }
-  if (p.flat() && (p.flat_begin < 0 || p.flat_end < p.flat_begin || p.flat_end > product(shard_shape(p.shard)))) {
+  if (p.flat() && (p.flat_begin < 0 || p.flat_end < p.flat_begin || p.flat_end > shape_numel(shard_shape(p.shard)))) {
     throw std::logic_error("state dict: " + entry.key + " has flat range [" + std::to_string(p.flat_begin) + ", " +
                            std::to_string(p.flat_end) + ") outside its shard");
   }

@@ -37,6 +37,10 @@ struct StateEntry {
   Tensor local;
 };
 
+// Elements of a shape ([] has one) and its text "[2, 3]", for the checkpoint code's messages.
+int64_t shape_numel(const std::vector<int64_t>& shape);
+std::string shape_text(const std::vector<int64_t>& shape);
+
 // Number of elements of this rank's local tensor for `placement`.
 int64_t local_numel(const StatePlacement& placement);
 // Row-major flat index in the global tensor of flat local element `local_index`.

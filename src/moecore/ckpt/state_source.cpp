@@ -8,18 +8,6 @@
 namespace moecore {
 namespace {
 
-int64_t product(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (const int64_t d : shape) n *= d;
-  return n;
-}
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + "]";
-}
-
 double load_as_double(const std::byte* base, const DType dtype, const int64_t i) {
   switch (dtype) {
     case DType::kF32: return reinterpret_cast<const float*>(base)[i];
@@ -59,7 +47,7 @@ void copy_run(const Tensor& source, const int64_t s, Tensor& target, const int64
 
 }  // namespace
 
-int64_t StateBox::box_numel() const { return product(shape); }
+int64_t StateBox::box_numel() const { return shape_numel(shape); }
 int64_t StateBox::numel() const { return flat() ? flat_end - flat_begin : box_numel(); }
 
 std::vector<PlacedBox> placement_boxes(const StatePlacement& placement) {

@@ -13,12 +13,6 @@
 namespace moecore {
 namespace {
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
-  return out + "]";
-}
-
 // Megatron's _get_weight_scale: a^(1/3) for gated linear units and squared ReLU, else a^(1/2), with a = g
 // post-softmax or (E / g) * g * g / topk pre-softmax (_get_moe_activation_scale).
 double weight_scale(const ModelConfig& c, const int64_t g) {
