@@ -131,6 +131,15 @@ for i in $(seq $((k + 1)) 40); do
   [ "$(lines "$work/full.log" "$i")" = "$(lines "$work/sig2.log" "$i")" ] || fail "SIGTERM resume: iteration $i differs"
 done
 echo "ok: SIGTERM at iteration $k saved, exited 0, resumed exactly"
+# The RNG state is the seed: a resume with another --seed still draws the checkpoint's dropout masks, unless
+# --no-load-rng (then --seed's).
+next=$((k + 1))
+"$bin" train "${model[@]/--seed 3/}" --seed 99 --train-iters 40 --load "$work/sig" --exit-interval $next >"$work/s99.log" 2>&1
+"$bin" train "${model[@]/--seed 3/}" --seed 99 --train-iters 40 --load "$work/sig" --exit-interval $next --no-load-rng \
+  >"$work/s99n.log" 2>&1
+[ "$(lines "$work/full.log" $next)" = "$(lines "$work/s99.log" $next)" ] || fail "the checkpoint's RNG seed was not used"
+[ "$(lines "$work/full.log" $next)" != "$(lines "$work/s99n.log" $next)" ] || fail "--no-load-rng kept the checkpoint's seed"
+echo "ok: the RNG seed is restored, --no-load-rng uses --seed"
 
 # Async saves write the same bytes; --no-save-optim / --finetune / --no-load-optim.
 "$bin" train "${model[@]}" --train-iters 4 --save "$work/async" --save-interval 2 --async-save >"$work/async.log" 2>&1

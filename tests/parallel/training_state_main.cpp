@@ -140,9 +140,9 @@ int64_t expert_of(const std::string& key) {
   return at == std::string::npos ? -1 : std::stoll(key.substr(at + tag.size()));
 }
 
-// The parameter a key describes ("optimizer.exp_avg.<name>" -> name), or the key itself.
+// The parameter a key describes ("optimizer.state.exp_avg.<name>" -> name), or the key itself.
 std::string param_of(const std::string& key) {
-  for (const std::string prefix : {"optimizer.exp_avg_sq.", "optimizer.exp_avg."}) {
+  for (const std::string prefix : {"optimizer.state.exp_avg_sq.", "optimizer.state.exp_avg."}) {
     if (key.starts_with(prefix)) return key.substr(prefix.size());
   }
   return key;

@@ -128,8 +128,8 @@ TEST(TrainingState, KeysInOrderWithGlobalShapes) {
   std::vector<std::string> want;
   for (const Param& p : mo.model->params()) want.push_back(p.name);
   want.emplace_back(kExpertBias);
-  for (const Param& p : mo.model->params()) want.push_back("optimizer.exp_avg." + p.name);
-  for (const Param& p : mo.model->params()) want.push_back("optimizer.exp_avg_sq." + p.name);
+  for (const Param& p : mo.model->params()) want.push_back("optimizer.state.exp_avg." + p.name);
+  for (const Param& p : mo.model->params()) want.push_back("optimizer.state.exp_avg_sq." + p.name);
   for (const char* key :
        {"optimizer.step", "lr_scheduler.max_lr", "lr_scheduler.lr_warmup_steps", "lr_scheduler.num_steps",
         "lr_scheduler.lr_decay_style", "lr_scheduler.lr_decay_steps", "lr_scheduler.min_lr", "lr_scheduler.start_wd",
@@ -150,7 +150,7 @@ TEST(TrainingState, KeysInOrderWithGlobalShapes) {
       {"decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight", {64, 32}},
       {"decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight", {32, 32}},
       {"decoder.layers.1.mlp.shared_experts.gate_weight", {1, 32}},
-      {"optimizer.exp_avg_sq.decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight", {32, 32}},
+      {"optimizer.state.exp_avg_sq.decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight", {32, 32}},
       {"optimizer.step", {}},
   };
   for (const auto& [key, shape] : shapes) EXPECT_EQ(state.at(key).global_shape, shape) << key;
@@ -162,7 +162,7 @@ TEST(TrainingState, KeysInOrderWithGlobalShapes) {
     EXPECT_EQ(e.placement.shard.num_shards, 1) << p.name;
     EXPECT_FALSE(e.placement.flat()) << p.name;
     EXPECT_EQ(e.dtype, DType::kF32);
-    EXPECT_EQ(state.at("optimizer.exp_avg." + p.name).local.shape(), p.value.shape()) << p.name;
+    EXPECT_EQ(state.at("optimizer.state.exp_avg." + p.name).local.shape(), p.value.shape()) << p.name;
   }
   EXPECT_EQ(state.at(kExpertBias).local.data<float>(), mo.model->buffer(kExpertBias).value.data<float>());
 }
@@ -211,8 +211,8 @@ TEST_P(TrainingStateMoments, HoldAdamsFirstStep) {
   const StateDict state = training_state(*mo.model, *mo.optimizer, schedule, TrainingProgress{}, args.seed);
   EXPECT_EQ(state.i64("optimizer.step"), 1);
   for (const Param& p : mo.model->params()) {
-    const StateEntry& m = state.at("optimizer.exp_avg." + p.name);
-    const StateEntry& v = state.at("optimizer.exp_avg_sq." + p.name);
+    const StateEntry& m = state.at("optimizer.state.exp_avg." + p.name);
+    const StateEntry& v = state.at("optimizer.state.exp_avg_sq." + p.name);
     ASSERT_EQ(m.local.numel(), p.value.numel()) << p.name;  // one process: every moment is here, whole
     EXPECT_FALSE(m.placement.flat()) << p.name;
     for (int64_t i = 0; i < p.value.numel(); ++i) {
@@ -236,16 +236,16 @@ TEST(TrainingState, OptimizerPiecesAreFlatRanges) {
   const Tensor m_a(std::vector<int64_t>{3}, DType::kF32), v_a(std::vector<int64_t>{3}, DType::kF32);
   StateDict state;
   add_optimizer_state(state, params, {AdamWMomentSlice{0, 2, 5, m_a, v_a}}, 4);
-  EXPECT_EQ(state.keys(),
-            (std::vector<std::string>{"optimizer.exp_avg.a", "optimizer.exp_avg.b", "optimizer.exp_avg_sq.a",
-                                      "optimizer.exp_avg_sq.b", "optimizer.step"}));
-  const StateEntry& a = state.at("optimizer.exp_avg.a");
+  EXPECT_EQ(state.keys(), (std::vector<std::string>{"optimizer.state.exp_avg.a", "optimizer.state.exp_avg.b",
+                                                    "optimizer.state.exp_avg_sq.a", "optimizer.state.exp_avg_sq.b",
+                                                    "optimizer.step"}));
+  const StateEntry& a = state.at("optimizer.state.exp_avg.a");
   EXPECT_EQ(a.global_shape, (std::vector<int64_t>{2, 3}));
   EXPECT_EQ(a.placement.flat_begin, 2);
   EXPECT_EQ(a.placement.flat_end, 5);
   EXPECT_EQ(a.local.data<float>(), m_a.data<float>());
   EXPECT_EQ(global_index(a.placement, 0), 2);
-  const StateEntry& b = state.at("optimizer.exp_avg_sq.b");
+  const StateEntry& b = state.at("optimizer.state.exp_avg_sq.b");
   EXPECT_EQ(b.global_shape, (std::vector<int64_t>{4}));
   EXPECT_TRUE(b.placement.flat());
   EXPECT_EQ(b.local.numel(), 0);

@@ -69,8 +69,8 @@ std::string normalization_name(const Normalization n) {
 
 bool is_vocab_key(const std::string& key) {
   for (const char* name : {"embedding.word_embeddings.weight", "output_layer.weight"}) {
-    if (key == name || key == std::string("optimizer.exp_avg.") + name ||
-        key == std::string("optimizer.exp_avg_sq.") + name) {
+    if (key == name || key == std::string("optimizer.state.exp_avg.") + name ||
+        key == std::string("optimizer.state.exp_avg_sq.") + name) {
       return true;
     }
   }

@@ -19,7 +19,7 @@ void add_optimizer_state(StateDict& state, const std::vector<Param>& params,
     slice_of[i] = &s;
   }
   for (const bool first : {true, false}) {
-    const std::string prefix = first ? "optimizer.exp_avg." : "optimizer.exp_avg_sq.";
+    const std::string prefix = first ? "optimizer.state.exp_avg." : "optimizer.state.exp_avg_sq.";
     for (size_t i = 0; i < params.size(); ++i) {
       const Param& p = params[i];
       const AdamWMomentSlice* s = slice_of[i];

@@ -3,9 +3,10 @@
 //   <param name>                          fp32, each model parameter (moecore's parameters are the fp32 master
 //                                         weights: there is no separate master copy)
 //   <buffer name>                         e.g. decoder.layers.{i}.mlp.router.expert_bias [E] fp32, replicated
-//   optimizer.exp_avg.<param name>        fp32, Adam's first moment, global shape = the parameter's; placed by the
-//   optimizer.exp_avg_sq.<param name>     parameter's shard and, with the distributed optimizer, the flat range of
-//                                         the parameter's local tensor this rank's moments cover
+//   optimizer.state.exp_avg.<param name>     fp32, Adam's moments under Megatron's fully reshardable optimizer keys;
+//   optimizer.state.exp_avg_sq.<param name>  global shape = the parameter's; placed by the parameter's shard and, with
+//                                            the distributed optimizer, the flat range of the parameter's local
+//                                            tensor this rank's moments cover
 //   optimizer.step                        int64, Adam updates taken (the bias-correction count)
 //   lr_scheduler.{max_lr, min_lr, lr_warmup_steps, lr_decay_steps, start_wd, end_wd}   float64
 //   lr_scheduler.{num_steps, lr_decay_style}                                           int64
@@ -35,8 +36,8 @@ namespace moecore {
 // 3 inverse-square-root, 4 WSD).
 int64_t lr_decay_style_code(LRDecayStyle style);
 
-// optimizer.exp_avg.* then optimizer.exp_avg_sq.* for every parameter in order (views of the optimizer's states;
-// at most one slice per parameter), then optimizer.step. `params` are the optimizer's parameters (slice.param
+// optimizer.state.exp_avg.* then optimizer.state.exp_avg_sq.* for every parameter in order (views of the optimizer's
+// states; at most one slice per parameter), then optimizer.step. `params` are the optimizer's parameters (slice.param
 // indexes them).
 void add_optimizer_state(StateDict& state, const std::vector<Param>& params,
                          const std::vector<AdamWMomentSlice>& slices, int64_t step);
