@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(g++ cmake ninja-build make pkg-config libopenblas-openmp-dev libopenmpi-dev openmpi-bin
+packages=(g++ cmake ninja-build make pkg-config libopenblas-openmp-dev libdnnl-dev libopenmpi-dev openmpi-bin
   nlohmann-json3-dev zlib1g-dev libgtest-dev googletest python3-torch python3-numpy clang-format)
 missing=()
 for p in "${packages[@]}"; do

@@ -35,4 +35,6 @@ void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const
   });
 }
 
+std::string gemm_library() { return kernels::cpu::gemm_library(); }
+
 }  // namespace moecore::ops

@@ -2,6 +2,8 @@
 // inputs may carry extra leading dimensions ([S, B, N, d] is read as [S*B, N*d]).
 #pragma once
 
+#include <string>
+
 #include "moecore/tensor/tensor.h"
 
 namespace moecore::ops {
@@ -12,5 +14,9 @@ void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_O
 // Null outputs are skipped; inp_TI may be null when dweight_OI is.
 void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO, const Tensor* inp_TI,
                      const Tensor& weight_OI);
+
+// The fp32 GEMM library of the fast backend and the kernel family it picked for this CPU (the training log's first
+// lines name it), e.g. "oneDNN 2.6.3 sgemm, AVX-512 kernels".
+std::string gemm_library();
 
 }  // namespace moecore::ops

@@ -8,6 +8,7 @@
 #include <ostream>
 #include <sstream>
 
+#include "moecore/ops/linear.h"
 #include "moecore/parallel/agreement.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/evaluation.h"
@@ -67,6 +68,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   std::ostringstream discarded;
   std::ostream& log = parallel.rank == 0 ? rank0_log : discarded;
   print_layout(args, parallel, log);
+  log << "> GEMM: " << ops::gemm_library() << ", " << omp_get_max_threads() << " threads" << std::endl;
 
   // Setup: vocabulary, data, model and optimizer.
   const Vocabulary vocabulary = build_vocabulary(args);

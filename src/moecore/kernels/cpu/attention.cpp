@@ -1,6 +1,7 @@
 // Fast causal GQA attention: blocked over 64 query rows (and 64 key columns in the key-parallel backward), the
-// heavy products done as single-threaded CBLAS GEMMs on strided views inside OpenMP tasks, the fully masked upper
-// triangle skipped block-wise, the probability matrix recomputed from lse in backward instead of stored.
+// heavy products done as single-threaded GEMMs (the GEMM library's, gemm.h) on strided views inside OpenMP tasks, the
+// fully masked upper triangle skipped block-wise, the probability matrix recomputed from lse in backward instead of
+// stored.
 #include "moecore/kernels/cpu/attention.h"
 
 #include <cblas.h>
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/kernels/cpu/gemm.h"
 #include "moecore/kernels/cpu/vector_isa.h"
 #include "moecore/tensor/rng.h"
 
@@ -28,9 +30,7 @@ CBLAS_TRANSPOSE blas_op(const bool transpose) { return transpose ? CblasTrans : 
 // Row-major C = alpha op(A) op(B) + beta C.
 void gemm_rm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
              const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, blas_op(trans_a), blas_op(trans_b), static_cast<blasint>(M), static_cast<blasint>(N),
-              static_cast<blasint>(K), alpha, A, static_cast<blasint>(lda), B, static_cast<blasint>(ldb), beta, C,
-              static_cast<blasint>(ldc));
+  sgemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 void gemm_rm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, double alpha, const double* A, int64_t lda,
              const double* B, int64_t ldb, double beta, double* C, int64_t ldc) {

@@ -1,7 +1,9 @@
-// Fast GEMM via OpenBLAS (CBLAS, row-major) and the linear layer built on it.
+// Fast GEMM and the linear layer built on it: fp32 through oneDNN's dnnl_sgemm (JIT kernels for the instruction set
+// the CPU has, detected at run time: AVX2, AVX-512, ...), fp64 (tests and references only) through OpenBLAS's CBLAS.
 #include "moecore/kernels/cpu/gemm.h"
 
 #include <cblas.h>
+#include <dnnl.h>
 
 #include <algorithm>
 #include <climits>
@@ -30,6 +32,35 @@ void check_gemm_args(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K
 
 }  // namespace
 
+void sgemm(const bool trans_a, const bool trans_b, const int64_t M, const int64_t N, const int64_t K, const float alpha,
+           const float* A, const int64_t lda, const float* B, const int64_t ldb, const float beta, float* C,
+           const int64_t ldc) {
+  const dnnl_status_t status =
+      dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  if (status != dnnl_success) {
+    throw std::runtime_error("gemm: oneDNN's dnnl_sgemm failed (status " + std::to_string(status) +
+                             ") for M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K));
+  }
+}
+
+std::string gemm_library() {
+  const dnnl_version_t* v = dnnl_version();
+  std::string isa;
+  switch (dnnl_get_effective_cpu_isa()) {
+    case dnnl_cpu_isa_sse41: isa = "SSE4.1"; break;
+    case dnnl_cpu_isa_avx: isa = "AVX"; break;
+    case dnnl_cpu_isa_avx2: isa = "AVX2"; break;
+    case dnnl_cpu_isa_avx2_vnni: isa = "AVX2-VNNI"; break;
+    case dnnl_cpu_isa_avx512_core: isa = "AVX-512"; break;
+    case dnnl_cpu_isa_avx512_core_vnni: isa = "AVX-512 VNNI"; break;
+    case dnnl_cpu_isa_avx512_core_bf16: isa = "AVX-512 BF16"; break;
+    case dnnl_cpu_isa_avx512_core_amx: isa = "AVX-512 AMX"; break;
+    default: isa = "baseline"; break;
+  }
+  return "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch) +
+         " sgemm, " + isa + " kernels";
+}
+
 template <typename T>
 void gemm(const bool trans_a, const bool trans_b, const int64_t M, const int64_t N, const int64_t K, const T alpha,
           const T* A, const int64_t lda, const T* B, const int64_t ldb, const T beta, T* C, const int64_t ldc) {
@@ -40,7 +71,7 @@ void gemm(const bool trans_a, const bool trans_b, const int64_t M, const int64_t
   const auto m = static_cast<blasint>(M), n = static_cast<blasint>(N), k = static_cast<blasint>(K);
   const auto la = static_cast<blasint>(lda), lb = static_cast<blasint>(ldb), lc = static_cast<blasint>(ldc);
   if constexpr (std::is_same_v<T, float>) {
-    cblas_sgemm(CblasRowMajor, op_a, op_b, m, n, k, alpha, A, la, B, lb, beta, C, lc);
+    sgemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   } else {
     cblas_dgemm(CblasRowMajor, op_a, op_b, m, n, k, alpha, A, la, B, lb, beta, C, lc);
   }

@@ -1,7 +1,8 @@
-// GEMM in every transpose combination (CBLAS) and the linear layer built on it.
+// GEMM in every transpose combination (fp32: oneDNN, fp64: CBLAS) and the linear layer built on it.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace moecore::kernels {
 
@@ -22,7 +23,13 @@ namespace moecore::kernels {
 
 namespace cpu {
 MOECORE_GEMM_DECL
-}
+// fp32 C = alpha op(A) op(B) + beta C, row-major, no argument checks: the GEMM library's sgemm (oneDNN), for kernels
+// that call it on strided views in their own loops.
+void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+           const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+// "oneDNN 2.6.3 sgemm, AVX-512 kernels": the fp32 GEMM library and the kernel family it picked for this CPU.
+std::string gemm_library();
+}  // namespace cpu
 namespace ref {
 MOECORE_GEMM_DECL
 }
