@@ -5,3 +5,10 @@ if(MPIRUN_EXECUTABLE AND TARGET moecore)
                    ${CMAKE_CURRENT_BINARY_DIR}/checkpoint_layouts)
   set_tests_properties(dist.checkpoint.layouts PROPERTIES LABELS dist TIMEOUT 600)
 endif()
+# --profile traces (profile_trace.sh): one Perfetto-loadable JSON per rank under TP2 x EP2.
+if(MPIRUN_EXECUTABLE AND TARGET moecore)
+  add_test(NAME dist.profile_trace
+           COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/profile_trace.sh $<TARGET_FILE:moecore> ${MPIRUN_EXECUTABLE}
+                   ${CMAKE_CURRENT_BINARY_DIR}/profile_trace)
+  set_tests_properties(dist.profile_trace PROPERTIES LABELS dist TIMEOUT 300)
+endif()

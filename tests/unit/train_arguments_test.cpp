@@ -271,6 +271,26 @@ TEST(TrainArguments, CheckpointFlags) {
             "--moe-use-upcycling requires --num-experts (a positive number of experts)");
 }
 
+// Megatron's profiling flags: the window (profile_step_start, profile_step_end], ranks (default 0).
+TEST(TrainArguments, ProfileFlags) {
+  const TrainingArgs defaults = parse_train_args(with(minimal(), {"--profile"}));
+  EXPECT_TRUE(defaults.profile);
+  EXPECT_EQ(defaults.profile_step_start, 10);
+  EXPECT_EQ(defaults.profile_step_end, 12);
+  EXPECT_EQ(defaults.profile_ranks, (std::vector<int64_t>{0}));
+  const TrainingArgs a =
+      parse_train_args(with(minimal(), {"--profile", "--profile-step-start", "3", "--profile-step-end", "5",
+                                        "--profile-ranks", "0", "1", "--profile-dir", "/tmp/t"}),
+                       2);
+  EXPECT_EQ(a.profile_ranks, (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(a.profile_dir, "/tmp/t");
+  EXPECT_EQ(error_of(with(minimal(), {"--profile-step-start", "3"})), "--profile-step-start requires --profile");
+  EXPECT_EQ(error_of(with(minimal(), {"--profile", "--profile-step-start", "5", "--profile-step-end", "5"})),
+            "--profile-step-end (5) must be greater than --profile-step-start (5)");
+  EXPECT_EQ(error_of(with(minimal(), {"--profile", "--profile-ranks", "1"})),
+            "--profile-ranks: rank 1 is not in the world of 1 processes");
+}
+
 TEST(TrainArguments, CatalogIsLargeAndDisjointFromImplementedFlags) {
   const auto catalog = unimplemented_megatron_flags();
   EXPECT_GE(catalog.size(), 80u);

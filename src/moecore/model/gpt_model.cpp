@@ -10,6 +10,7 @@
 #include "moecore/model/vocab_parallel.h"
 #include "moecore/ops/dropout.h"
 #include "moecore/ops/rows.h"
+#include "moecore/util/trace.h"
 
 namespace moecore {
 
@@ -254,6 +255,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
   if (stage_.pre_process) {
     if (tokens_BS == nullptr) throw std::invalid_argument("the first pipeline stage needs the tokens");
     if (hooks_) hooks_->before_forward(-1);
+    const trace::Scope scope("embedding forward", "forward");
     x_TH = embed(*ctx, options);
   } else {
     if (!input_TH_.defined()) throw std::logic_error("a stage without pre_process needs set_input_tensor() first");
@@ -267,6 +269,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     const LayerDropout dropout{options.training, options.dropout_seed, layer_stream(options.dropout_stream, layer)};
     LayerActivations scratch;
     LayerActivations& saved = options.training ? ctx->layers[i] : scratch;
+    const trace::Scope scope("layer " + std::to_string(layer) + " forward", "forward");
     x_TH = m.layers[i].forward(x_TH, S, B, dropout, saved);
     if (options.training && m.layers[i].is_moe()) record_moe_stats(layer, saved.moe.routing);
   }
@@ -274,6 +277,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
   double loss = 0.0;
   if (stage_.post_process) {
     if (hooks_) hooks_->before_forward(static_cast<int>(config_.num_layers));
+    const trace::Scope scope("output layer + loss forward", "forward");
     loss = output_and_loss(*ctx, x_TH, labels_BS != nullptr, logits_SBV);
   }
   if (options.training) {
@@ -297,6 +301,7 @@ Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double l
   const int64_t S = ctx->S, B = ctx->B;
   Tensor dx_TH;
   if (stage_.post_process) {
+    const trace::Scope scope("output layer + loss backward", "backward");
     dx_TH = output_and_loss_backward(*ctx, loss_scale);
     if (hooks_) hooks_->after_backward(static_cast<int>(config_.num_layers));
   } else {
@@ -306,12 +311,16 @@ Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double l
     const int64_t layer = stage_.first_layer + static_cast<int64_t>(i);
     Tensor dprev_TH = activation_tensor(dx_TH.shape());
     const LayerDropout dropout{true, ctx->dropout_seed, layer_stream(ctx->dropout_stream, layer)};
-    m.layers[i].backward(dprev_TH, dx_TH, S, B, dropout, loss_scale, ctx->layers[i]);
+    {
+      const trace::Scope scope("layer " + std::to_string(layer) + " backward", "backward");
+      m.layers[i].backward(dprev_TH, dx_TH, S, B, dropout, loss_scale, ctx->layers[i]);
+    }
     ctx->layers[i] = LayerActivations();
     dx_TH = std::move(dprev_TH);
     if (hooks_) hooks_->after_backward(static_cast<int>(layer));
   }
   if (!stage_.pre_process) return dx_TH;
+  const trace::Scope scope("embedding backward", "backward");
   embed_backward(dx_TH, *ctx);
   if (hooks_) hooks_->after_backward(-1);
   return Tensor();

@@ -4,6 +4,7 @@
 
 #include "moecore/ops/dropout.h"
 #include "moecore/ops/elementwise.h"
+#include "moecore/util/trace.h"
 
 namespace moecore {
 namespace {
@@ -107,13 +108,21 @@ Tensor TransformerLayer::forward(const Tensor& x_TH, const int64_t S, const int6
   a.x_TH = x_TH;
   a.ln1_TH = activation_tensor(x_TH.shape());
   a.ln1_stats = ln1_.forward(a.ln1_TH, x_TH);
-  const Tensor attn_out_TH = attention_.forward(
-      a.ln1_TH, S, B, dropout_spec(dropout, config_.attention_dropout, kAttentionProbs), a.attention);
+  Tensor attn_out_TH;
+  {
+    const trace::Scope scope("attention forward", "forward");
+    attn_out_TH = attention_.forward(a.ln1_TH, S, B, dropout_spec(dropout, config_.attention_dropout, kAttentionProbs),
+                                     a.attention);
+  }
   a.x_mid_TH =
       dropout_add(attn_out_TH, x_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterAttention, element_offset));
   a.ln2_TH = activation_tensor(x_TH.shape());
   a.ln2_stats = ln2_.forward(a.ln2_TH, a.x_mid_TH);
-  const Tensor mlp_out_TH = moe_ ? moe_forward(a.ln2_TH, S, B, dropout, a.moe) : mlp_.forward(a.ln2_TH, nullptr, a.mlp);
+  Tensor mlp_out_TH;
+  {
+    const trace::Scope scope(moe_ ? "moe layer forward" : "mlp forward", "forward");
+    mlp_out_TH = moe_ ? moe_forward(a.ln2_TH, S, B, dropout, a.moe) : mlp_.forward(a.ln2_TH, nullptr, a.mlp);
+  }
   return dropout_add(mlp_out_TH, a.x_mid_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterMlp, element_offset));
 }
 
@@ -128,10 +137,13 @@ void TransformerLayer::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
   Tensor dmlp_TH = activation_tensor(dout_TH.shape());
   ops::dropout_backward(dmlp_TH, dout_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterMlp, element_offset));
   Tensor dln2_TH = activation_tensor(dout_TH.shape());
-  if (moe_) {
-    moe_backward(dln2_TH, dmlp_TH, a.ln2_TH, S, B, aux_grad_scale, a.moe);
-  } else {
-    mlp_.backward(dln2_TH, nullptr, dmlp_TH, nullptr, a.mlp);
+  {
+    const trace::Scope scope(moe_ ? "moe layer backward" : "mlp backward", "backward");
+    if (moe_) {
+      moe_backward(dln2_TH, dmlp_TH, a.ln2_TH, S, B, aux_grad_scale, a.moe);
+    } else {
+      mlp_.backward(dln2_TH, nullptr, dmlp_TH, nullptr, a.mlp);
+    }
   }
   dmlp_TH = Tensor();
   ln2_.backward(dx_mid_TH, dln2_TH, a.x_mid_TH, a.ln2_stats);
@@ -144,8 +156,11 @@ void TransformerLayer::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
                         dropout_spec(dropout, config_.hidden_dropout, kAfterAttention, element_offset));
   dx_mid_TH = Tensor();
   Tensor dln1_TH = activation_tensor(dout_TH.shape());
-  attention_.backward(dln1_TH, dattn_TH, S, B, dropout_spec(dropout, config_.attention_dropout, kAttentionProbs),
-                      a.attention);
+  {
+    const trace::Scope scope("attention backward", "backward");
+    attention_.backward(dln1_TH, dattn_TH, S, B, dropout_spec(dropout, config_.attention_dropout, kAttentionProbs),
+                        a.attention);
+  }
   dattn_TH = Tensor();
   ln1_.backward(dx_TH, dln1_TH, a.x_TH, a.ln1_stats);
 }

@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "moecore/util/trace.h"
+
 namespace moecore {
 
 MoELayer::MoELayer(const ModelConfig& config, const std::string& prefix, std::vector<Param>& params,
@@ -31,15 +33,31 @@ void MoELayer::bind(std::vector<Param>& params, std::vector<Buffer>* buffers) {
 void MoELayer::forward(float* out_TH, const float* x_TH, const int64_t S, const int64_t B, const int64_t token_offset,
                        const bool training, const uint64_t seed, const uint64_t key, MoELayerActivations& saved) const {
   const int64_t T = S * B, H = config_.hidden_size;
-  saved.routing = router_->forward(x_TH, S, B, training, seed, key, saved.router, token_offset);
-  const Tensor x_RH = dispatcher_->dispatch(x_TH, T, H, saved.routing, saved.dispatch);
+  {
+    const trace::Scope scope("router forward", "moe");
+    saved.routing = router_->forward(x_TH, S, B, training, seed, key, saved.router, token_offset);
+  }
+  Tensor x_RH;
+  {
+    const trace::Scope scope("dispatch", "moe");
+    x_RH = dispatcher_->dispatch(x_TH, T, H, saved.routing, saved.dispatch);
+  }
   const int64_t R = x_RH.dim(0);
   Tensor y_RH(std::vector<int64_t>{R, H}, DType::kF32, MemCategory::kActivations);
-  experts_->forward(y_RH.data<float>(), x_RH.data<float>(), saved.dispatch.probs_R.data(),
-                    saved.dispatch.tokens_per_expert_E, saved.experts);
+  {
+    const trace::Scope scope("experts forward", "moe");
+    experts_->forward(y_RH.data<float>(), x_RH.data<float>(), saved.dispatch.probs_R.data(),
+                      saved.dispatch.tokens_per_expert_E, saved.experts);
+  }
   std::memset(out_TH, 0, sizeof(float) * static_cast<size_t>(T * H));
-  dispatcher_->combine(out_TH, y_RH.data<float>(), saved.dispatch);
-  if (shared_) shared_->forward(out_TH, x_TH, T, saved.shared);
+  {
+    const trace::Scope scope("combine", "moe");
+    dispatcher_->combine(out_TH, y_RH.data<float>(), saved.dispatch);
+  }
+  if (shared_) {
+    const trace::Scope scope("shared experts forward", "moe");
+    shared_->forward(out_TH, x_TH, T, saved.shared);
+  }
 }
 
 void MoELayer::backward(float* dx_TH, const float* dout_TH, const float* x_TH, const double aux_grad_scale,
@@ -49,17 +67,32 @@ void MoELayer::backward(float* dx_TH, const float* dout_TH, const float* x_TH, c
   const int64_t T = saved.router.S * saved.router.B, H = config_.hidden_size, E = config_.moe.num_experts;
   const int64_t R = saved.experts.x_RH.dim(0);
   Tensor dy_RH(std::vector<int64_t>{R, H}, DType::kF32, MemCategory::kActivations);
-  dispatcher_->combine_backward(dy_RH.data<float>(), dout_TH, state);
+  {
+    const trace::Scope scope("combine backward", "moe");
+    dispatcher_->combine_backward(dy_RH.data<float>(), dout_TH, state);
+  }
   Tensor dx_RH(std::vector<int64_t>{R, H}, DType::kF32, MemCategory::kActivations);
   std::vector<float> dprobs_R(static_cast<size_t>(R));
-  experts_->backward(dx_RH.data<float>(), dprobs_R.data(), dy_RH.data<float>(), saved.experts);
+  {
+    const trace::Scope scope("experts backward", "moe");
+    experts_->backward(dx_RH.data<float>(), dprobs_R.data(), dy_RH.data<float>(), saved.experts);
+  }
   dy_RH = Tensor();
-  dispatcher_->dispatch_backward(dx_TH, dx_RH.data<float>(), state);
+  {
+    const trace::Scope scope("dispatch backward", "moe");
+    dispatcher_->dispatch_backward(dx_TH, dx_RH.data<float>(), state);
+  }
   dx_RH = Tensor();
   Tensor dprobs_TE(std::vector<int64_t>{T, E}, DType::kF32, MemCategory::kActivations);
-  dispatcher_->probs_backward(dprobs_TE.data<float>(), dprobs_R.data(), state);
-  router_->backward(dx_TH, dprobs_TE.data<float>(), aux_grad_scale, saved.router, saved.routing);
-  if (shared_) shared_->backward(dx_TH, dout_TH, x_TH, T, saved.shared);
+  {
+    const trace::Scope scope("router backward", "moe");
+    dispatcher_->probs_backward(dprobs_TE.data<float>(), dprobs_R.data(), state);
+    router_->backward(dx_TH, dprobs_TE.data<float>(), aux_grad_scale, saved.router, saved.routing);
+  }
+  if (shared_) {
+    const trace::Scope scope("shared experts backward", "moe");
+    shared_->backward(dx_TH, dout_TH, x_TH, T, saved.shared);
+  }
 }
 
 void MoELayer::finish_global_batch() { router_->finish_global_batch(); }

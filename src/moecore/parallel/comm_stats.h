@@ -7,6 +7,8 @@
 #include <chrono>
 #include <cstdint>
 
+#include "moecore/util/trace.h"
+
 namespace moecore::parallel {
 
 enum class CommKind : uint8_t {
@@ -35,7 +37,9 @@ class CommTimer {
  public:
   explicit CommTimer(CommKind kind) : kind_(kind), start_(std::chrono::steady_clock::now()) {}
   ~CommTimer() {
-    CommStats::instance().add(kind_, std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
+    const auto end = std::chrono::steady_clock::now();
+    CommStats::instance().add(kind_, std::chrono::duration<double>(end - start_).count());
+    if (trace::enabled()) trace::record(comm_kind_name(kind_), "comm", start_, end);  // the timeline's comm track
   }
   CommTimer(const CommTimer&) = delete;
   CommTimer& operator=(const CommTimer&) = delete;

@@ -409,6 +409,18 @@ const std::vector<FlagSpec>& flag_table() {
     {"--moe-upcycling-granularity", Arity::kOne, "N", "split the dense MLP into N experts' worth (default 1)",
      [](TrainingArgs& a, const FlagValue& v) { a.moe_upcycling_granularity = v.integer(); }},
 
+    // Profiling.
+    {"--profile", Arity::kSwitch, "", "write a Chrome/Perfetto trace of --profile-step-start..--profile-step-end",
+     [](TrainingArgs& a, const FlagValue&) { a.profile = true; }},
+    {"--profile-step-start", Arity::kOne, "N", "first profiled step: iterations after N (default 10)",
+     [](TrainingArgs& a, const FlagValue& v) { a.profile_step_start = v.integer(); }},
+    {"--profile-step-end", Arity::kOne, "N", "profiling stops after iteration N (default 12)",
+     [](TrainingArgs& a, const FlagValue& v) { a.profile_step_end = v.integer(); }},
+    {"--profile-ranks", Arity::kList, "R...", "global ranks to profile (default 0)",
+     [](TrainingArgs& a, const FlagValue& v) { a.profile_ranks = v.each([](const FlagValue& one) { return one.integer(); }); }},
+    {"--profile-dir", Arity::kOne, "DIR", "where the traces go: DIR/trace_rank<R>.json (default ., moecore)",
+     [](TrainingArgs& a, const FlagValue& v) { a.profile_dir = v.non_empty_text(); }},
+
     // moecore-only.
     {"--export-hf", Arity::kOne, "DIR", "after training, write a HuggingFace checkpoint to DIR (moecore)",
      [](TrainingArgs& a, const FlagValue& v) { a.export_hf_dir = v.non_empty_text(); }},

@@ -146,6 +146,14 @@ struct TrainingArgs {
   bool moe_use_upcycling = false;                       // --moe-use-upcycling
   int64_t moe_upcycling_granularity = 1;                // --moe-upcycling-granularity
 
+  // Profiling (Megatron's _add_profiling_args): a Chrome / Perfetto trace of iterations
+  // (profile_step_start, profile_step_end] on the ranks listed, written to --profile-dir/trace_rank<R>.json.
+  bool profile = false;                   // --profile
+  int64_t profile_step_start = 10;        // --profile-step-start
+  int64_t profile_step_end = 12;          // --profile-step-end
+  std::vector<int64_t> profile_ranks{0};  // --profile-ranks
+  std::string profile_dir = ".";          // --profile-dir (moecore)
+
   // moecore-only (see the header comment).
   std::string export_hf_dir;   // --export-hf
   std::string sample_prompt;   // --sample-prompt

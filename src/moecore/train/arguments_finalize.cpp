@@ -332,6 +332,19 @@ void finalize_checkpointing(TrainingArgs& args, const std::set<std::string>& giv
   }
 }
 
+void finalize_profiling(const TrainingArgs& args, const std::set<std::string>& given) {
+  for (const char* flag : {"--profile-step-start", "--profile-step-end", "--profile-ranks", "--profile-dir"}) {
+    require(!given.contains(flag) || args.profile, std::string(flag) + " requires --profile");
+  }
+  require(args.profile_step_start >= 0 && args.profile_step_end > args.profile_step_start,
+          "--profile-step-end (" + str(args.profile_step_end) + ") must be greater than --profile-step-start (" +
+              str(args.profile_step_start) + ")");
+  for (const int64_t r : args.profile_ranks) {
+    require(r >= 0 && r < args.world_size,
+            "--profile-ranks: rank " + str(r) + " is not in the world of " + str(args.world_size) + " processes");
+  }
+}
+
 void finalize_moecore(const TrainingArgs& args, const std::set<std::string>& given) {
   require(args.threads >= 0, "--threads must be non-negative, 0 = all cores (got " + str(args.threads) + ")");
   require(args.sample_tokens > 0, "--sample-tokens must be positive (got " + str(args.sample_tokens) + ")");
@@ -349,6 +362,7 @@ void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given)
   finalize_lr(args, given);
   finalize_data(args, given);
   finalize_checkpointing(args, given);
+  finalize_profiling(args, given);
   finalize_moecore(args, given);
 }
 

@@ -6,6 +6,7 @@
 
 #include "moecore/train/batch_schedule.h"
 #include "moecore/train/trainer.h"
+#include "moecore/util/trace.h"
 
 namespace moecore {
 namespace {
@@ -28,13 +29,23 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
     options.dropout_seed = static_cast<uint64_t>(args.seed);
     options.dropout_stream = static_cast<uint64_t>(iteration * num_microbatches + g);
     std::unique_ptr<MicroBatchContext> ctx;
-    const double mean_loss = modules.model.forward(ctx, batch.tokens_BS.data(), batch.labels_BS.data(),
-                                                   batch.loss_mask_BS.data(), batch.B, batch.S, options);
+    double mean_loss = 0.0;
+    {
+      const trace::Scope scope("forward (micro-batch " + std::to_string(m) + ")", "step");
+      mean_loss = modules.model.forward(ctx, batch.tokens_BS.data(), batch.labels_BS.data(), batch.loss_mask_BS.data(),
+                                        batch.B, batch.S, options);
+    }
     modules.ddp.set_last_microbatch(m + 1 == mine.size());
-    modules.model.backward(std::move(ctx), 1.0 / static_cast<double>(mine.size()));
+    {
+      const trace::Scope scope("backward (micro-batch " + std::to_string(m) + ")", "step");
+      modules.model.backward(std::move(ctx), 1.0 / static_cast<double>(mine.size()));
+    }
     loss.add(mean_loss, loss_tokens(batch));
   }
-  modules.ddp.finish_grad_sync();
+  {
+    const trace::Scope scope("finish grad sync", "step");
+    modules.ddp.finish_grad_sync();
+  }
   return reduce_over_dp_cp(loss, parallel);
 }
 
@@ -49,11 +60,17 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
     throw TrainingError("lm loss is " + std::string(std::isnan(result.lm_loss) ? "NaN" : "Inf") + " at iteration " +
                         std::to_string(iteration) + ": stopping; try a lower --lr or a smaller --init-method-std");
   }
-  result.grad_norm = modules.optimizer.clip_grad_norm(args.clip_grad);
+  {
+    const trace::Scope scope("clip grad norm", "optimizer");
+    result.grad_norm = modules.optimizer.clip_grad_norm(args.clip_grad);
+  }
   if (!std::isfinite(result.grad_norm)) {
     throw TrainingError("grad norm is not finite at iteration " + std::to_string(iteration) + ": stopping");
   }
-  modules.optimizer.step(modules.schedule.lr_at(iteration - 1));
+  {
+    const trace::Scope scope("optimizer step", "optimizer");
+    modules.optimizer.step(modules.schedule.lr_at(iteration - 1));
+  }
   modules.model.finish_global_batch();
   result.moe_stats = modules.model.take_moe_stats();
   return result;

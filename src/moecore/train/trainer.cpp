@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <iomanip>
 #include <ostream>
 #include <sstream>
@@ -16,6 +17,7 @@
 #include "moecore/train/train_step.h"
 #include "moecore/train/training_log.h"
 #include "moecore/train/training_setup.h"
+#include "moecore/util/trace.h"
 
 namespace moecore {
 namespace {
@@ -42,6 +44,16 @@ double print_unigram_baseline(const TrainingArgs& args, const GPTDataProvider& d
       << " under the token frequencies of " << n_train << " training samples" << std::endl;
   log.unsetf(std::ios::floatfield);
   return baseline;
+}
+
+void write_trace(const TrainingArgs& args, const int rank, std::ostream& log) {
+  trace::stop();
+  std::filesystem::create_directories(args.profile_dir);
+  const std::string path =
+      (std::filesystem::path(args.profile_dir) / ("trace_rank" + std::to_string(rank) + ".json")).string();
+  trace::write(path);
+  log << "> wrote the trace of iterations " << args.profile_step_start + 1 << "-" << args.profile_step_end << " to "
+      << path << " (" << trace::event_count() << " events; open it in https://ui.perfetto.dev)" << std::endl;
 }
 
 }  // namespace
@@ -115,7 +127,11 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   TrainingLogger logger(run_args, parallel, log);
   double train_seconds = 0.0;
   logger.start();
+  const bool profiled_rank = args.profile && std::find(args.profile_ranks.begin(), args.profile_ranks.end(),
+                                                       parallel.rank) != args.profile_ranks.end();
   while (progress.iteration < args.train_iters) {
+    // Megatron's window: the steps taken while progress.iteration is in [--profile-step-start, --profile-step-end).
+    if (profiled_rank && progress.iteration == args.profile_step_start) trace::start(parallel.rank);
     const auto step_start = Clock::now();
     StepResult step = train_step(run_args, modules, parallel, progress);
     progress.iteration += 1;
@@ -133,6 +149,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
                              progress.consumed_valid_samples, log);
       logger.exclude(Clock::now() - eval_start);  // evaluation time is not training time
     }
+    if (profiled_rank && progress.iteration == args.profile_step_end) write_trace(args, parallel.rank, log);
     const auto save_start = Clock::now();
     const bool exit_now = checkpointer.after_iteration(checkpoint_target, progress);
     logger.exclude(Clock::now() - save_start);  // nor is checkpointing
@@ -141,6 +158,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
       break;
     }
   }
+  if (profiled_rank && trace::enabled()) write_trace(args, parallel.rank, log);  // the run ended inside the window
   if (result.exited_early) {
     if (!result.train_losses.empty()) {
       result.first_train_loss = result.train_losses.front();

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# --profile: a tiny MoE GPT under TP2 x EP2 on 4 processes writes one Chrome / Perfetto trace per rank; each is valid
+# JSON in the Trace Event Format: metadata and complete events with name, ph, ts, dur, pid = the rank, tid; the
+# events of one track nest (what Perfetto's importer requires of "X" events); the step's phases, the MoE layer's
+# parts and the collectives are there, only for the profiled iterations.
+set -euo pipefail
+bin=$1
+mpirun=$2
+work=$3
+rm -rf "$work" && mkdir -p "$work"
+export OMP_NUM_THREADS=1
+"$mpirun" --allow-run-as-root --oversubscribe -np 4 "$bin" train --num-layers 2 --hidden-size 32 \
+  --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 \
+  --train-iters 5 --lr 1e-3 --lr-warmup-iters 1 --log-interval 1 --eval-iters 0 --mock-data \
+  --tokenizer-type NullTokenizer --vocab-size 200 --num-experts 4 --moe-router-topk 2 --disable-bias-linear \
+  --moe-token-dispatcher-type alltoall --tensor-model-parallel-size 2 --sequence-parallel \
+  --expert-model-parallel-size 2 --profile --profile-step-start 2 --profile-step-end 4 --profile-ranks 0 1 2 3 \
+  --profile-dir "$work/traces" >"$work/log" 2>&1 || { cat "$work/log"; exit 1; }
+grep -q "wrote the trace of iterations 3-4 to $work/traces/trace_rank0.json" "$work/log"
+/usr/bin/python3 - "$work/traces" <<'PY'
+import json, sys, pathlib
+for rank in range(4):
+    path = pathlib.Path(sys.argv[1]) / f"trace_rank{rank}.json"
+    events = json.loads(path.read_text())["traceEvents"]
+    assert any(e["ph"] == "M" and e["name"] == "process_name" and e["args"]["name"] == f"rank {rank}" for e in events)
+    complete = [e for e in events if e["ph"] == "X"]
+    for e in events:
+        assert e["ph"] in ("X", "M") and e["pid"] == rank and isinstance(e["tid"], int), e
+    for e in complete:
+        assert isinstance(e["name"], str) and e["cat"] and isinstance(e["ts"], int) and e["dur"] >= 0, e
+    names = {e["name"] for e in complete}
+    for want in ["forward (micro-batch 0)", "backward (micro-batch 0)", "layer 0 forward", "layer 1 backward",
+                 "attention forward", "router forward", "dispatch", "experts forward", "combine", "experts backward",
+                 "embedding forward", "output layer + loss backward", "finish grad sync", "optimizer step",
+                 "all-to-all", "tensor-parallel", "grad-reduce"]:
+        assert want in names, (rank, want, sorted(names))
+    steps = [e for e in complete if e["name"] == "optimizer step"]
+    assert len(steps) == 2, (rank, len(steps))  # iterations 3 and 4 only
+    by_track = {}
+    for e in complete:
+        by_track.setdefault(e["tid"], []).append((e["ts"], -e["dur"], e["ts"] + e["dur"], e["name"]))
+    for track in by_track.values():  # events on one track nest: a stack of open intervals
+        stack = []
+        for begin, _, end, name in sorted(track):
+            while stack and stack[-1][0] <= begin:
+                stack.pop()
+            assert not stack or end <= stack[-1][0], (name, begin, end, stack[-1])
+            stack.append((end, name))
+print("trace structure ok:", sum(1 for _ in pathlib.Path(sys.argv[1]).iterdir()), "files")
+PY
