@@ -269,7 +269,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     const LayerDropout dropout{options.training, options.dropout_seed, layer_stream(options.dropout_stream, layer)};
     LayerActivations scratch;
     LayerActivations& saved = options.training ? ctx->layers[i] : scratch;
-    const trace::Scope scope("layer " + std::to_string(layer) + " forward", "forward");
+    const trace::Scope scope("layer ", layer, " forward", "forward");
     x_TH = m.layers[i].forward(x_TH, S, B, dropout, saved);
     if (options.training && m.layers[i].is_moe()) record_moe_stats(layer, saved.moe.routing);
   }
@@ -312,7 +312,7 @@ Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double l
     Tensor dprev_TH = activation_tensor(dx_TH.shape());
     const LayerDropout dropout{true, ctx->dropout_seed, layer_stream(ctx->dropout_stream, layer)};
     {
-      const trace::Scope scope("layer " + std::to_string(layer) + " backward", "backward");
+      const trace::Scope scope("layer ", layer, " backward", "backward");
       m.layers[i].backward(dprev_TH, dx_TH, S, B, dropout, loss_scale, ctx->layers[i]);
     }
     ctx->layers[i] = LayerActivations();

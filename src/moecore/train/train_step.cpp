@@ -31,13 +31,13 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
     std::unique_ptr<MicroBatchContext> ctx;
     double mean_loss = 0.0;
     {
-      const trace::Scope scope("forward (micro-batch " + std::to_string(m) + ")", "step");
+      const trace::Scope scope("forward (micro-batch ", static_cast<int64_t>(m), ")", "step");
       mean_loss = modules.model.forward(ctx, batch.tokens_BS.data(), batch.labels_BS.data(), batch.loss_mask_BS.data(),
                                         batch.B, batch.S, options);
     }
     modules.ddp.set_last_microbatch(m + 1 == mine.size());
     {
-      const trace::Scope scope("backward (micro-batch " + std::to_string(m) + ")", "step");
+      const trace::Scope scope("backward (micro-batch ", static_cast<int64_t>(m), ")", "step");
       modules.model.backward(std::move(ctx), 1.0 / static_cast<double>(mine.size()));
     }
     loss.add(mean_loss, loss_tokens(batch));

@@ -96,11 +96,26 @@ void record(const std::string& name, const char* category, const Clock::time_poi
   r.events.push_back(Event{name, category, us(begin), std::max<int64_t>(us(end) - us(begin), 0), tid});
 }
 
+Scope::Scope(const char* name, const char* category) : prefix_(name), category_(category), active_(enabled()) {
+  if (active_) begin_ = Clock::now();
+}
+
+Scope::Scope(const char* prefix, const int64_t index, const char* suffix, const char* category)
+    : prefix_(prefix), index_(index), suffix_(suffix), category_(category), active_(enabled()) {
+  if (active_) begin_ = Clock::now();
+}
+
 Scope::Scope(std::string name, const char* category)
-    : name_(std::move(name)), category_(category), begin_(Clock::now()), active_(enabled()) {}
+    : prefix_(nullptr), owned_(std::move(name)), category_(category), active_(enabled()) {
+  if (active_) begin_ = Clock::now();
+}
 
 Scope::~Scope() {
-  if (active_) record(name_, category_, begin_, Clock::now());
+  if (!active_) return;
+  const auto end = Clock::now();
+  std::string name = prefix_ != nullptr ? std::string(prefix_) : owned_;
+  if (index_ >= 0) name += std::to_string(index_) + suffix_;
+  record(name, category_, begin_, end);
 }
 
 void write(const std::string& path) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 
 namespace moecore::trace {
@@ -25,20 +26,26 @@ size_t event_count();
 // One event [begin, end) named `name` in category `category` on the calling thread's track. `name` is copied.
 void record(const std::string& name, const char* category, Clock::time_point begin, Clock::time_point end);
 
-// The time from construction to destruction as one event.
+// The time from construction to destruction as one event. When recording is off a scope costs one atomic load: no
+// clock read, no allocation (the name is assembled only for events that are recorded).
 class Scope {
  public:
-  Scope(const char* name, const char* category) : Scope(std::string(name), category) {}
+  Scope(const char* name, const char* category);
+  // The event is named prefix + index + suffix, e.g. ("layer ", 3, " forward").
+  Scope(const char* prefix, int64_t index, const char* suffix, const char* category);
   Scope(std::string name, const char* category);
   ~Scope();
   Scope(const Scope&) = delete;
   Scope& operator=(const Scope&) = delete;
 
  private:
-  std::string name_;
+  const char* prefix_;
+  int64_t index_ = -1;  // < 0: the name is prefix_ (or owned_) alone
+  const char* suffix_ = "";
+  std::string owned_;
   const char* category_;
-  Clock::time_point begin_;
   bool active_;
+  Clock::time_point begin_;
 };
 
 }  // namespace moecore::trace
