@@ -103,7 +103,7 @@ void load_model_only(const LoadPlan& plan, const TrainingArgs& run_args, const C
   parallel::run_on_all_ranks(parallel.world, [&] {
     ModelConfig source_config =
         upcycle ? dense_config_for_upcycling(run_args.model, run_args.moe_upcycling_granularity) : run_args.model;
-    std::unique_ptr<StateSource> stored;
+    std::shared_ptr<const StateSource> stored;
     if (hf) {
       // The folder's vocabulary may be padded for another TP size (or not at all): it must hold every token, and the
       // rows both have are loaded.
@@ -122,11 +122,11 @@ void load_model_only(const LoadPlan& plan, const TrainingArgs& run_args, const C
       check_hf_config_matches(plan.dir, source_config);
       stored = hf_state_source(plan.dir, source_config);
     } else {
-      auto ckpt = std::make_unique<ShardedCheckpoint>(plan.dir);
-      progress.consumed_train_samples = ckpt->i64("consumed_train_samples");
-      progress.consumed_valid_samples = ckpt->i64("consumed_valid_samples");
-      progress.floating_point_operations_so_far = ckpt->f64("num_floating_point_operations_so_far");
-      stored = std::move(ckpt);
+      const ShardedCheckpoint& ckpt = *plan.checkpoint;
+      progress.consumed_train_samples = ckpt.i64("consumed_train_samples");
+      progress.consumed_valid_samples = ckpt.i64("consumed_valid_samples");
+      progress.floating_point_operations_so_far = ckpt.f64("num_floating_point_operations_so_far");
+      stored = plan.checkpoint;
     }
     std::unique_ptr<StateSource> upcycled;
     if (upcycle) {
@@ -237,7 +237,8 @@ LoadPlan plan_load(const TrainingArgs& args, std::ostream& log) {
   plan.kind = LoadPlan::Kind::kSharded;
   plan.dir = found->first;
   plan.iteration = found->second;
-  const ShardedCheckpoint ckpt(plan.dir);  // validates metadata.json and every file's size and header
+  plan.checkpoint = std::make_shared<const ShardedCheckpoint>(plan.dir);  // validates metadata.json and every file
+  const ShardedCheckpoint& ckpt = *plan.checkpoint;
   if (!args.no_load_rng && !args.finetune && !args.moe_use_upcycling) {
     if (!ckpt.info("rng.seed")) {
       throw CheckpointError("checkpoint " + plan.dir +
@@ -253,7 +254,7 @@ TrainingArgs with_checkpoint_lr_schedule(const TrainingArgs& run_args, const Loa
       run_args.no_load_optim) {
     return run_args;
   }
-  const ShardedCheckpoint ckpt(plan.dir);
+  const ShardedCheckpoint& ckpt = *plan.checkpoint;
   if (!ckpt.info("lr_scheduler.max_lr")) {
     throw CheckpointError(
         "checkpoint " + plan.dir +
@@ -292,7 +293,7 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
   log << " loading distributed checkpoint from " << run_args.load << " at iteration " << plan.iteration << std::endl;
   const bool load_optim = !run_args.no_load_optim && !run_args.finetune;
   parallel::run_on_all_ranks(parallel.world, [&] {
-    const ShardedCheckpoint ckpt(plan.dir);
+    const ShardedCheckpoint& ckpt = *plan.checkpoint;
     // Model flags must match.
     const ojson& saved = ckpt.metadata().at("args").at("model");
     const ojson mine = checkpoint_args(run_args).at("model");

@@ -56,6 +56,8 @@ struct LoadPlan {
   std::string dir;  // the iteration folder, or the HF folder
   int64_t iteration = 0;
   std::optional<int64_t> seed;  // the checkpoint's RNG seed when it is to be loaded
+  // kSharded: the iteration folder, opened and validated once (metadata.json, every file's size and header).
+  std::shared_ptr<const ShardedCheckpoint> checkpoint;
 };
 // Reads the tracker (and metadata.json) on every rank; throws ConfigError / CheckpointError with one line.
 LoadPlan plan_load(const TrainingArgs& args, std::ostream& log);

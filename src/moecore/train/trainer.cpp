@@ -107,6 +107,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   TrainingProgress& progress = result.progress;
   const CheckpointTarget checkpoint_target{model, *built.ddp, *built.optimizer, schedule, vocabulary.unpadded_size};
   load_checkpoint(load_plan, run_args, checkpoint_target, progress, parallel, log);
+  load_plan.checkpoint.reset();  // the checkpoint's metadata is not needed while training
   Checkpointer checkpointer(run_args, parallel, log);
   if (run_args.moe_use_upcycling) checkpointer.save(checkpoint_target, progress, false);  // Megatron's iteration 1
   const bool has_valid = data.has_split(DatasetSplit::kValid) && args.eval_iters > 0;
