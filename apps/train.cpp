@@ -5,6 +5,7 @@
 
 #include "commands.h"
 #include "moecore/model/config.h"
+#include "moecore/parallel/agreement.h"
 #include "moecore/parallel/mpi_runtime.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
@@ -13,8 +14,9 @@
 
 namespace {
 
-// Under mpirun every rank runs this; errors in the arguments or the layout are the same on every rank, so only
-// rank 0 reports them and all ranks exit cleanly. Any other failure may be one rank's alone: it is reported by
+// Under mpirun every rank runs this; errors in the arguments or the layout, and failures the ranks agreed on
+// (parallel::GroupFailure: a damaged checkpoint, a failed save), are the same on every rank, so only rank 0 reports
+// them and all ranks exit cleanly. Any other failure may be one rank's alone: it is reported by
 // that rank, which aborts the job so no peer waits forever in a collective.
 int train_main(const std::vector<std::string>& args, const int rank, const int world_size) {
   try {
@@ -28,6 +30,8 @@ int train_main(const std::vector<std::string>& args, const int rank, const int w
       moecore::run_training(parsed, std::cout, parallel);
     } catch (const moecore::ConfigError&) {
       throw;
+    } catch (const moecore::parallel::GroupFailure&) {
+      throw;  // every rank failed alike (run_on_all_ranks): reported once, by rank 0, with a clean exit
     } catch (const std::exception& e) {
       std::cout.flush();
       std::cerr << "error: " << (world_size > 1 ? "[rank " + std::to_string(rank) + "] " : std::string()) << e.what()
