@@ -2,6 +2,8 @@
 // embedding and the first layers, stage 2 the other layers, the final norm, the output layer and the loss. Stage 1's
 // output feeds stage 2; stage 2's input gradient goes back to stage 1. Loss and every gradient must equal the
 // one-model run (same seed: initialisation is layout independent; global layer numbers keep the dropout masks).
+// Also: the fused output layer + loss (the default) gives the loss and gradients of the unfused one (the path taken
+// when the caller asks for the logits).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -163,6 +165,29 @@ TEST(ModelStageTest, StageParametersUseGlobalLayerNumbers) {
   const Param& b = full.param("decoder.layers.1.mlp.router.weight");
   for (int64_t i = 0; i < a.value.numel(); ++i) ASSERT_EQ(a.value.data<float>()[i], b.value.data<float>()[i]);
 }
+
+void expect_fused_output_loss_matches_unfused(const bool tied) {
+  const ModelConfig config = tiny_moe_config(tied, false);
+  const Batch batch = random_batch(config.vocab_size);
+  GPTModel fused(config, kSeed), unfused(config, kSeed);
+  std::unique_ptr<MicroBatchContext> ctx_fused, ctx_unfused;
+  Tensor logits_SBV;
+  const double fused_loss = fused.forward(ctx_fused, batch.tokens_BS.data(), batch.labels_BS.data(),
+                                          batch.mask_BS.data(), kB, kS, training_options());
+  const double unfused_loss = unfused.forward(ctx_unfused, batch.tokens_BS.data(), batch.labels_BS.data(),
+                                              batch.mask_BS.data(), kB, kS, training_options(), &logits_SBV);
+  ASSERT_TRUE(logits_SBV.defined());
+  EXPECT_FALSE(ctx_fused->logits_TV.defined()) << "the fused path must not keep the logits";
+  EXPECT_TRUE(ctx_unfused->logits_TV.defined());
+  EXPECT_NEAR(fused_loss, unfused_loss, 1e-6 * std::fabs(unfused_loss));
+  fused.backward(std::move(ctx_fused), 0.5);
+  unfused.backward(std::move(ctx_unfused), 0.5);
+  expect_same_gradients(unfused, {&fused});
+}
+
+TEST(ModelStageTest, FusedOutputLossMatchesUnfusedUntied) { expect_fused_output_loss_matches_unfused(false); }
+
+TEST(ModelStageTest, FusedOutputLossMatchesUnfusedTied) { expect_fused_output_loss_matches_unfused(true); }
 
 TEST(ModelStageTest, BadStagesAreRefused) {
   const ModelConfig config = tiny_moe_config(false, false);

@@ -18,6 +18,7 @@
 //   dropout.h     dropout_forward dropout_backward
 //   elementwise.h add_ scale_ sum_squares all_finite
 //   linear.h      linear_forward linear_backward
+//   linear_cross_entropy.h  linear_cross_entropy linear_cross_entropy_chunk_rows
 //   loss.h        embedding_forward embedding_backward cross_entropy_forward cross_entropy_backward
 //                 vocab_ce_local_max vocab_ce_local_stats vocab_ce_finish vocab_ce_backward
 //   norm.h        rmsnorm_forward rmsnorm_backward layernorm_forward layernorm_backward
@@ -69,6 +70,8 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "all_finite",
                                                 "linear_forward",
                                                 "linear_backward",
+                                                "linear_cross_entropy",
+                                                "linear_cross_entropy_chunk_rows",
                                                 "embedding_forward",
                                                 "embedding_backward",
                                                 "cross_entropy_forward",
@@ -101,12 +104,13 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
 // Ops exercised by the hand-written tests below rather than (only) by the case table.
 const std::vector<std::string> kOpsInHandWrittenTests = {
     "activation_input_width", "backend_name", "parse_backend", "active_backend",
-    "ScopedBackend",          "sum_squares",  "all_finite"};
+    "ScopedBackend",          "sum_squares",  "all_finite",    "linear_cross_entropy_chunk_rows"};
 
 // Ops whose bad arguments only OpsBadArgs.OtherArgumentErrors provokes (one tensor: no size or dtype mismatch).
 const std::vector<std::string> kOpsWithHandWrittenErrors = {"scale_", "sum_squares", "all_finite"};
-const std::vector<std::string> kOpsWithoutTensors = {"activation_input_width", "backend_name", "parse_backend",
-                                                     "active_backend", "ScopedBackend"};
+const std::vector<std::string> kOpsWithoutTensors = {"activation_input_width", "backend_name",
+                                                     "parse_backend",          "active_backend",
+                                                     "ScopedBackend",          "linear_cross_entropy_chunk_rows"};
 
 constexpr Backend kBackends[] = {Backend::kCpu, Backend::kReference};
 constexpr DType kDTypes[] = {DType::kF32, DType::kF64};
@@ -743,6 +747,50 @@ TEST(OpsBackendSelection, ScopeSelectsTheKernels) {
   EXPECT_EQ(ref, rounded_exact);
   EXPECT_NE(cpu, rounded_exact);
   EXPECT_TRUE(close(cpu_out, ref_out, 1e-5));
+}
+
+// The chunk size bounds the transient logits and changes nothing else: losses and gradients from chunks of 1, 3 and
+// all 8 tokens agree, and equal the unfused ops (whole logits, cross-entropy, linear backward).
+TEST(LinearCrossEntropy, ChunkingChangesNothing) {
+  constexpr int64_t T = 8, I = 6, V = 11;
+  const std::vector<int32_t> targets = {3, 0, 10, 4, 4, 7, 1, 9};
+  const Tensor inp = random_tensor({T, I}, DType::kF64, 31), weight = random_tensor({V, I}, DType::kF64, 32, 2.0);
+  const Tensor dlosses = random_tensor({T}, DType::kF64, 33);
+  Tensor logits({T, V}, DType::kF64), losses({T}, DType::kF64), lse({T}, DType::kF64);
+  linear_forward(logits, inp, weight);
+  cross_entropy_forward(losses, lse, logits, targets);
+  cross_entropy_backward(logits, dlosses, logits, lse, targets);
+  Tensor dinp({T, I}, DType::kF64), dweight({V, I}, DType::kF64);
+  linear_backward(&dinp, &dweight, nullptr, logits, &inp, weight);
+  for (const int64_t chunk : {int64_t{1}, int64_t{3}, T, 2 * T}) {
+    Tensor fused_losses({T}, DType::kF64), fused_dinp({T, I}, DType::kF64), fused_dweight({V, I}, DType::kF64);
+    linear_cross_entropy(fused_losses, inp, weight, targets, chunk, &dlosses, &fused_dinp, &fused_dweight);
+    EXPECT_TRUE(close(fused_losses, losses, 1e-12)) << "chunk " << chunk;
+    EXPECT_TRUE(close(fused_dinp, dinp, 1e-12)) << "chunk " << chunk;
+    EXPECT_TRUE(close(fused_dweight, dweight, 1e-12)) << "chunk " << chunk;
+  }
+}
+
+TEST(LinearCrossEntropy, ChunkRowsFollowTheBudget) {
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{32} << 20), 262);  // 32 MiB / (4 B * 32000)
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000, int64_t{32} << 20), 100);   // never more than T
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000, 16), 1);                    // never less than one row
+}
+
+TEST(LinearCrossEntropy, RefusesGradientsWithoutDlossesAndZeroChunks) {
+  const Tensor inp = random_tensor({2, 3}, DType::kF32, 1), weight = random_tensor({5, 3}, DType::kF32, 2);
+  Tensor losses({2}, DType::kF32), dinp({2, 3}, DType::kF32);
+  const std::vector<int32_t> targets = {1, 4};
+  const auto expect_refused = [](const auto& call) {
+    try {
+      call();
+      ADD_FAILURE() << "no error";
+    } catch (const std::invalid_argument& error) {
+      EXPECT_EQ(std::string(error.what()).rfind("linear_cross_entropy: ", 0), 0u) << error.what();
+    }
+  };
+  expect_refused([&] { linear_cross_entropy(losses, inp, weight, targets, 0); });
+  expect_refused([&] { linear_cross_entropy(losses, inp, weight, targets, 1, nullptr, &dinp, nullptr); });
 }
 
 }  // namespace

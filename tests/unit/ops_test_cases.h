@@ -424,6 +424,47 @@ inline OpCase vocab_ce_case() {
   return c;
 }
 
+// The fused output layer + cross-entropy over chunks of 3 of T = 8 tokens (a last chunk of 2). Its backward is the
+// same op with dlosses: it recomputes the losses into a scratch tensor and accumulates the input and weight
+// gradients. With begin >= 0 the weight holds columns [begin, begin + Vl) of V and the group's reductions are this
+// rank's own values (one rank), as in vocab_ce_case.
+inline OpCase linear_cross_entropy_case(const std::string& name, const int64_t V, const int64_t begin, const int64_t Vl,
+                                        const std::vector<int32_t>& targets) {
+  constexpr int64_t I = 5, chunk = 3;
+  const auto T = static_cast<int64_t>(targets.size());
+  const bool split = begin >= 0;
+  OpCase c{name, {"linear_cross_entropy"}};
+  c.build = [=](Env& e) {
+    e.rand("inp", {T, I});
+    e.rand("weight", {Vl, I}, 2.0);
+    e.rand("losses", {T});
+  };
+  const auto shard = [=]() {
+    VocabShard s{V, begin, [](Tensor&) {}, [](Tensor&) {}};
+    return s;
+  };
+  c.forward = [=](Env& e) {
+    const VocabShard s = shard();
+    linear_cross_entropy(e("losses"), e("inp"), e("weight"), targets, chunk, nullptr, nullptr, nullptr,
+                         split ? &s : nullptr);
+  };
+  c.outputs = {"losses"};
+  c.loss = {"losses"};
+  c.backward = [=](Env& e) {
+    const VocabShard s = shard();
+    Tensor scratch_losses({T}, e.dtype());
+    linear_cross_entropy(scratch_losses, e("inp"), e("weight"), targets, chunk, &e("dlosses"), &e("dinp"),
+                         &e("dweight"), split ? &s : nullptr);
+  };
+  c.grads = {{"inp", "dinp", kAcc}, {"weight", "dweight", kAcc}};
+  c.bad_args = {{kFwd, "inp", "linear_cross_entropy"},
+                {kFwd, "losses", "linear_cross_entropy"},
+                {kBwd, "dinp", "linear_cross_entropy"},
+                {kBwd, "dweight", "linear_cross_entropy"},
+                {kBwd, "dlosses", "linear_cross_entropy"}};
+  return c;
+}
+
 inline OpCase embedding_case(const std::string& name, const int64_t V, const int64_t begin, const int64_t Vl,
                              const std::vector<int32_t>& ids) {
   constexpr int64_t D = 5;
@@ -740,6 +781,8 @@ inline const std::vector<OpCase>& all_cases() {
         dropout_case("dropout", {9, 7}),
         cross_entropy_case("cross_entropy", 8, 13),
         vocab_ce_case(),
+        linear_cross_entropy_case("linear_cross_entropy", 13, -1, 13, {0, 12, 5, 7, 3, 12, 9, 1}),
+        linear_cross_entropy_case("linear_cross_entropy_vocab_parallel", 20, 7, 6, {7, 0, 12, 19, 9, 6, 13, 10}),
         embedding_case("embedding_vocab_parallel", 20, 6, 7, {6, 0, 12, 8, 19, 6, 13, 5, 9}),
         embedding_case("embedding_whole_vocab", 11, 0, 11, {3, 10, 0, 3, 7, 1, 10}),
         add_case("add", {6, 5}),

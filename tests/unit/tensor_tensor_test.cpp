@@ -143,6 +143,44 @@ TEST(MemoryTrackerTest, ConcurrentAllocationsBalance) {
   EXPECT_LE(tracker().peak(MemCategory::kComm), comm0 + 4 * 64);
 }
 
+// Activations count under the owner whose scope allocated them (freed under that owner wherever they die); the
+// per-owner snapshot is taken when the activation total reaches a new peak.
+TEST(MemoryTrackerTest, ActivationsPerOwnerAtThePeak) {
+  const auto owner_bytes = [](const ActivationOwner o) {
+    return tracker().activations_at_peak()[static_cast<size_t>(o)];
+  };
+  tracker().reset_peaks();
+  const int64_t attention0 = owner_bytes(ActivationOwner::kAttention);
+  const int64_t output0 = owner_bytes(ActivationOwner::kOutputLoss);
+  const int64_t mlp0 = owner_bytes(ActivationOwner::kMlp);
+  Tensor kept;
+  {
+    const ActivationOwnerScope attention(ActivationOwner::kAttention);
+    kept = Tensor({100}, DType::kF32, MemCategory::kActivations);  // 400 bytes, lives on
+    Tensor not_activation({100}, DType::kF32, MemCategory::kGrads);
+    {
+      const ActivationOwnerScope output(ActivationOwner::kOutputLoss);
+      EXPECT_EQ(tracker().owner(), ActivationOwner::kOutputLoss);
+      Tensor logits({250}, DType::kF32, MemCategory::kActivations);  // 1000 bytes, freed at once: the peak
+    }
+    EXPECT_EQ(tracker().owner(), ActivationOwner::kAttention);
+  }
+  EXPECT_EQ(owner_bytes(ActivationOwner::kAttention), attention0 + 400);
+  EXPECT_EQ(owner_bytes(ActivationOwner::kOutputLoss), output0 + 1000);
+  {
+    // Freed under the owner that allocated it, though another scope is active: the next peak (2200 + 20000 bytes,
+    // above the 1400 before) sees it gone.
+    const ActivationOwnerScope mlp(ActivationOwner::kMlp);
+    kept = Tensor();
+    Tensor big({550}, DType::kF32, MemCategory::kActivations);
+    Tensor bigger({5000}, DType::kF32, MemCategory::kActivations);
+  }
+  EXPECT_EQ(owner_bytes(ActivationOwner::kAttention), attention0);
+  EXPECT_EQ(owner_bytes(ActivationOwner::kOutputLoss), output0);
+  EXPECT_EQ(owner_bytes(ActivationOwner::kMlp), mlp0 + 22200);
+  EXPECT_EQ(activation_owner_name(ActivationOwner::kOutputLoss), "output layer + loss");
+}
+
 TEST(MemoryTrackerTest, CategoryNames) {
   EXPECT_EQ(mem_category_name(MemCategory::kParams), "params");
   EXPECT_EQ(mem_category_name(MemCategory::kOptimizer), "optimizer");

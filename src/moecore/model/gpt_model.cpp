@@ -1,5 +1,6 @@
 #include "moecore/model/gpt_model.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
@@ -9,6 +10,8 @@
 #include "moecore/model/transformer_layer.h"
 #include "moecore/model/vocab_parallel.h"
 #include "moecore/ops/dropout.h"
+#include "moecore/ops/elementwise.h"
+#include "moecore/ops/linear_cross_entropy.h"
 #include "moecore/ops/rows.h"
 #include "moecore/util/trace.h"
 
@@ -25,6 +28,11 @@ struct GPTModel::Modules {
 };
 
 namespace {
+
+// The fused output layer's logits chunk: small next to the [T, V] logits of a language model's micro-batch, big
+// enough that the chunk's GEMMs (M = rows, and K = rows for the weight gradient) run near the machine's GEMM rate
+// (bench/bench_output_layer.cpp).
+constexpr int64_t kLogitsChunkBytes = int64_t{64} << 20;
 
 constexpr uint64_t kEmbeddingDropoutSite = 0;
 constexpr const char* kWordEmbeddings = "embedding.word_embeddings.weight";
@@ -210,13 +218,31 @@ double GPTModel::output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH
   const Modules& m = *modules_;
   ctx.final_out_TH = activation_tensor(hidden_TH.shape());
   ctx.final_stats = m.final_norm.forward(ctx.final_out_TH, hidden_TH);
-  ctx.logits_TV = m.output_layer.forward(ctx.final_out_TH, ctx.output_layer);
-  if (logits_SBV) *logits_SBV = ctx.logits_TV.clone().view({ctx.S, ctx.B, ctx.logits_TV.dim(1)});
-  if (!with_labels) return 0.0;
   const int64_t T = ctx.S * ctx.B;
   Tensor losses_T = activation_tensor({T});
-  ctx.lse_T = activation_tensor({T});
-  m.cross_entropy.forward(losses_T, ctx.lse_T, ctx.logits_TV, ctx.labels_SB);
+  if (with_labels && logits_SBV == nullptr) {
+    // Fused: the [T, V] logits live one chunk at a time; a training forward also forms the loss's gradients.
+    const Tensor input_TH = m.output_layer.gather_input(ctx.final_out_TH);
+    const Tensor& weight_VH = m.output_layer.weight().value;
+    Tensor dlosses_T;
+    if (ctx.training) {
+      dlosses_T = activation_tensor({T});
+      std::copy(ctx.loss_weight_SB.begin(), ctx.loss_weight_SB.end(), dlosses_T.data<float>());
+      ctx.output_dinput_TH = activation_tensor(input_TH.shape());
+      ctx.output_dweight_VH = activation_tensor(weight_VH.shape());
+    }
+    const ops::VocabShard shard = m.cross_entropy.shard();
+    const int64_t chunk_rows = ops::linear_cross_entropy_chunk_rows(T, weight_VH.dim(0), kLogitsChunkBytes);
+    ops::linear_cross_entropy(losses_T, input_TH, weight_VH, ctx.labels_SB, chunk_rows,
+                              ctx.training ? &dlosses_T : nullptr, ctx.training ? &ctx.output_dinput_TH : nullptr,
+                              ctx.training ? &ctx.output_dweight_VH : nullptr, &shard);
+  } else {
+    ctx.logits_TV = m.output_layer.forward(ctx.final_out_TH, ctx.output_layer);
+    if (logits_SBV) *logits_SBV = ctx.logits_TV.clone().view({ctx.S, ctx.B, ctx.logits_TV.dim(1)});
+    if (!with_labels) return 0.0;
+    ctx.lse_T = activation_tensor({T});
+    m.cross_entropy.forward(losses_T, ctx.lse_T, ctx.logits_TV, ctx.labels_SB);
+  }
   double loss = 0.0;
   const float* losses = losses_T.data<float>();
   for (int64_t t = 0; t < T; ++t) loss += static_cast<double>(losses[t]) * ctx.loss_weight_SB[static_cast<size_t>(t)];
@@ -226,15 +252,26 @@ double GPTModel::output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH
 Tensor GPTModel::output_and_loss_backward(MicroBatchContext& ctx, const double loss_scale) const {
   const Modules& m = *modules_;
   const int64_t T = ctx.S * ctx.B;
-  Tensor dlosses_T = activation_tensor({T});
-  for (int64_t t = 0; t < T; ++t) {
-    dlosses_T.data<float>()[t] = static_cast<float>(ctx.loss_weight_SB[static_cast<size_t>(t)] * loss_scale);
+  Tensor dfinal_TH;
+  if (ctx.output_dinput_TH.defined()) {
+    Param& weight = m.output_layer.weight();
+    ops::scale_(ctx.output_dweight_VH, loss_scale);
+    ops::add_(weight.grad, ctx.output_dweight_VH);
+    ctx.output_dweight_VH = Tensor();
+    ops::scale_(ctx.output_dinput_TH, loss_scale);
+    dfinal_TH = m.output_layer.reduce_input_grad(ctx.output_dinput_TH);
+    ctx.output_dinput_TH = Tensor();
+  } else {
+    Tensor dlosses_T = activation_tensor({T});
+    for (int64_t t = 0; t < T; ++t) {
+      dlosses_T.data<float>()[t] = static_cast<float>(ctx.loss_weight_SB[static_cast<size_t>(t)] * loss_scale);
+    }
+    m.cross_entropy.backward(ctx.logits_TV, dlosses_T, ctx.logits_TV, ctx.lse_T, ctx.labels_SB);  // in place
+    dfinal_TH = activation_tensor(ctx.final_out_TH.shape());
+    m.output_layer.backward(dfinal_TH, ctx.logits_TV, ctx.output_layer);
+    ctx.logits_TV = Tensor();
+    ctx.output_layer = LinearActivations();
   }
-  m.cross_entropy.backward(ctx.logits_TV, dlosses_T, ctx.logits_TV, ctx.lse_T, ctx.labels_SB);  // in place
-  Tensor dfinal_TH = activation_tensor(ctx.final_out_TH.shape());
-  m.output_layer.backward(dfinal_TH, ctx.logits_TV, ctx.output_layer);
-  ctx.logits_TV = Tensor();
-  ctx.output_layer = LinearActivations();
   Tensor dx_TH = activation_tensor(ctx.output_TH.shape());
   m.final_norm.backward(dx_TH, dfinal_TH, ctx.output_TH, ctx.final_stats);
   return dx_TH;
@@ -256,6 +293,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     if (tokens_BS == nullptr) throw std::invalid_argument("the first pipeline stage needs the tokens");
     if (hooks_) hooks_->before_forward(-1);
     const trace::Scope scope("embedding forward", "forward");
+    const ActivationOwnerScope owner(ActivationOwner::kEmbedding);
     x_TH = embed(*ctx, options);
   } else {
     if (!input_TH_.defined()) throw std::logic_error("a stage without pre_process needs set_input_tensor() first");
@@ -278,6 +316,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
   if (stage_.post_process) {
     if (hooks_) hooks_->before_forward(static_cast<int>(config_.num_layers));
     const trace::Scope scope("output layer + loss forward", "forward");
+    const ActivationOwnerScope owner(ActivationOwner::kOutputLoss);
     loss = output_and_loss(*ctx, x_TH, labels_BS != nullptr, logits_SBV);
   }
   if (options.training) {
@@ -291,7 +330,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
 
 Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double loss_scale,
                           const Tensor* output_grad_TH) {
-  if (!ctx || !ctx->training || (stage_.post_process && !ctx->lse_T.defined())) {
+  if (!ctx || !ctx->training || (stage_.post_process && !ctx->lse_T.defined() && !ctx->output_dinput_TH.defined())) {
     throw std::logic_error("backward needs the context of a training forward with labels");
   }
   if (!stage_.post_process && output_grad_TH == nullptr) {
@@ -302,6 +341,7 @@ Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double l
   Tensor dx_TH;
   if (stage_.post_process) {
     const trace::Scope scope("output layer + loss backward", "backward");
+    const ActivationOwnerScope owner(ActivationOwner::kOutputLoss);
     dx_TH = output_and_loss_backward(*ctx, loss_scale);
     if (hooks_) hooks_->after_backward(static_cast<int>(config_.num_layers));
   } else {
@@ -321,6 +361,7 @@ Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double l
   }
   if (!stage_.pre_process) return dx_TH;
   const trace::Scope scope("embedding backward", "backward");
+  const ActivationOwnerScope owner(ActivationOwner::kEmbedding);
   embed_backward(dx_TH, *ctx);
   if (hooks_) hooks_->after_backward(-1);
   return Tensor();

@@ -25,8 +25,12 @@ class MicroBatchContext {
   Tensor final_out_TH;                   // final norm output (post-process)
   NormStats final_stats;
   LinearActivations output_layer;
-  Tensor logits_TV;  // overwritten by dlogits in backward
+  // Unfused output layer (when the caller asks for the logits): the logits, overwritten by dlogits in backward.
+  Tensor logits_TV;
   Tensor lse_T;
+  // Fused output layer + loss: the loss's gradients (scale 1) w.r.t. the output layer's input (every token) and
+  // weight, made during forward.
+  Tensor output_dinput_TH, output_dweight_VH;
 };
 
 }  // namespace moecore

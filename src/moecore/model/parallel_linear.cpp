@@ -57,7 +57,7 @@ void ColumnParallelLinear::bind(std::vector<Param>& params) {
 
 Tensor ColumnParallelLinear::forward(const Tensor& x_TI, LinearActivations& saved) const {
   require_bound(weight_, name_);
-  saved.input_TI = tp_.sequence_sharded() ? tp_.all_gather_rows(x_TI) : x_TI;
+  saved.input_TI = gather_input(x_TI);
   const int64_t T = saved.input_TI.dim(0);
   Tensor y_TO = activation_tensor({T, out_local_});
   ops::linear_forward(y_TO, saved.input_TI, weight_->value,
@@ -72,6 +72,20 @@ void ColumnParallelLinear::backward_weights(const Tensor& dy_TO, const LinearAct
                        weight_->value);
 }
 
+Tensor ColumnParallelLinear::gather_input(const Tensor& x_TI) const {
+  return tp_.sequence_sharded() ? tp_.all_gather_rows(x_TI) : x_TI;
+}
+
+Tensor ColumnParallelLinear::reduce_input_grad(const Tensor& dinput_TI) const {
+  if (tp_.size() == 1 || options_.explicit_expert_comm) return dinput_TI;
+  // Each rank holds part of d(input) of every token: reduce-scatter it to the sequence shard (backward of the
+  // all-gather), or all-reduce it (backward of copy_to_tensor_model_parallel_region).
+  if (tp_.sequence_sharded()) return tp_.reduce_scatter_rows(dinput_TI);
+  Tensor sum_TI = dinput_TI;
+  tp_.all_reduce_(sum_TI);
+  return sum_TI;
+}
+
 void ColumnParallelLinear::backward(Tensor& dx_TI, const Tensor& dy_TO, const LinearActivations& saved) const {
   backward_weights(dy_TO, saved);
   const bool communicates = tp_.size() > 1 && !options_.explicit_expert_comm;
@@ -79,17 +93,9 @@ void ColumnParallelLinear::backward(Tensor& dx_TI, const Tensor& dy_TO, const Li
     ops::linear_backward(&dx_TI, nullptr, nullptr, dy_TO, nullptr, weight_->value);
     return;
   }
-  // Each rank holds part of d(input) of every token: reduce-scatter it to the sequence shard (backward of the
-  // all-gather), or all-reduce it (backward of copy_to_tensor_model_parallel_region).
   Tensor dinput_TI = activation_tensor(saved.input_TI.shape());
   ops::linear_backward(&dinput_TI, nullptr, nullptr, dy_TO, nullptr, weight_->value);
-  if (tp_.sequence_sharded()) {
-    const Tensor shard = tp_.reduce_scatter_rows(dinput_TI);
-    ops::add_(dx_TI, shard);
-  } else {
-    tp_.all_reduce_(dinput_TI);
-    ops::add_(dx_TI, dinput_TI);
-  }
+  ops::add_(dx_TI, reduce_input_grad(dinput_TI));
 }
 
 RowParallelLinear::RowParallelLinear(const std::string& name, const int64_t in_features, const int64_t out_features,

@@ -51,6 +51,10 @@ class ColumnParallelLinear {
   void backward(Tensor& dx_TI, const Tensor& dy_TO, const LinearActivations& saved) const;
   // Weight and bias gradients only (a caller that computes the data gradient itself).
   void backward_weights(const Tensor& dy_TO, const LinearActivations& saved) const;
+  // The two communication halves, for a caller that does the GEMMs itself (the fused output layer + loss): the
+  // input as the GEMM sees it (every token), and this rank's d(input) from the GEMM's partial one over every token.
+  Tensor gather_input(const Tensor& x_TI) const;
+  Tensor reduce_input_grad(const Tensor& dinput_TI) const;
 
   int64_t out_local() const { return out_local_; }
   Param& weight() const { return *weight_; }

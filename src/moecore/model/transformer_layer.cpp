@@ -105,6 +105,7 @@ Tensor TransformerLayer::forward(const Tensor& x_TH, const int64_t S, const int6
                                  LayerActivations& a) const {
   const int64_t T = S * B, H = config_.hidden_size;
   const auto element_offset = static_cast<uint64_t>(tp_.row_offset(T) * H);
+  const ActivationOwnerScope owner(ActivationOwner::kAttention);
   a.x_TH = x_TH;
   a.ln1_TH = activation_tensor(x_TH.shape());
   a.ln1_stats = ln1_.forward(a.ln1_TH, x_TH);
@@ -116,6 +117,7 @@ Tensor TransformerLayer::forward(const Tensor& x_TH, const int64_t S, const int6
   }
   a.x_mid_TH =
       dropout_add(attn_out_TH, x_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterAttention, element_offset));
+  MemoryTracker::instance().set_owner(mlp_owner());
   a.ln2_TH = activation_tensor(x_TH.shape());
   a.ln2_stats = ln2_.forward(a.ln2_TH, a.x_mid_TH);
   Tensor mlp_out_TH;
@@ -133,6 +135,7 @@ void TransformerLayer::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
   const auto element_offset = static_cast<uint64_t>(tp_.row_offset(T) * H);
 
   // MLP branch: out = x_mid + dropout(mlp(ln2(x_mid))).
+  const ActivationOwnerScope owner(mlp_owner());
   Tensor dx_mid_TH = dout_TH.clone(MemCategory::kActivations);
   Tensor dmlp_TH = activation_tensor(dout_TH.shape());
   ops::dropout_backward(dmlp_TH, dout_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterMlp, element_offset));
@@ -150,6 +153,7 @@ void TransformerLayer::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
   dln2_TH = Tensor();
 
   // Attention branch: x_mid = x + dropout(attention(ln1(x))).
+  MemoryTracker::instance().set_owner(ActivationOwner::kAttention);
   ops::add_(dx_TH, dx_mid_TH);
   Tensor dattn_TH = activation_tensor(dout_TH.shape());
   ops::dropout_backward(dattn_TH, dx_mid_TH,

@@ -63,6 +63,8 @@ class TransformerLayer {
   const MoELayer* moe() const { return moe_.get(); }
 
  private:
+  ActivationOwner mlp_owner() const { return moe_ ? ActivationOwner::kMoE : ActivationOwner::kMlp; }
+
   Tensor moe_forward(const Tensor& x_TH, int64_t S, int64_t B, const LayerDropout& dropout,
                      MoELayerActivations& saved) const;
   void moe_backward(Tensor& dx_TH, const Tensor& dout_TH, const Tensor& x_TH, int64_t S, int64_t B,

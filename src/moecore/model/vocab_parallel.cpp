@@ -66,4 +66,13 @@ void VocabParallelCrossEntropy::backward(Tensor& dlogits_TVl, const Tensor& dlos
   ops::vocab_ce_backward(dlogits_TVl, dlosses_T, logits_TVl, lse_T, targets_T, vocab_begin_);
 }
 
+ops::VocabShard VocabParallelCrossEntropy::shard() const {
+  ops::VocabShard shard{V_, vocab_begin_, {}, {}};
+  if (tp_.size() == 1) return shard;
+  const TensorParallel tp = tp_;
+  shard.reduce_max = [tp](Tensor& max_n) { tp.all_reduce_(max_n, parallel::ReduceOp::kMax); };
+  shard.reduce_sum = [tp](Tensor& stats_2n) { tp.all_reduce_(stats_2n); };
+  return shard;
+}
+
 }  // namespace moecore

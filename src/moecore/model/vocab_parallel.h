@@ -10,6 +10,7 @@
 
 #include "moecore/model/param.h"
 #include "moecore/model/tensor_parallel.h"
+#include "moecore/ops/linear_cross_entropy.h"
 #include "moecore/tensor/tensor.h"
 
 namespace moecore {
@@ -52,6 +53,8 @@ class VocabParallelCrossEntropy {
   // OVERWRITES dlogits_TVl = dlosses_T * (softmax - onehot(target)) on this rank's columns; may be logits_TVl.
   void backward(Tensor& dlogits_TVl, const Tensor& dlosses_T, const Tensor& logits_TVl, const Tensor& lse_T,
                 std::span<const int32_t> targets_T) const;
+  // This rank's columns and the group's reductions, for ops::linear_cross_entropy (no reductions on one rank).
+  ops::VocabShard shard() const;
 
  private:
   TensorParallel tp_;

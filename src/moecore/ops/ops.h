@@ -7,6 +7,7 @@
 #include "moecore/ops/dropout.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/linear.h"
+#include "moecore/ops/linear_cross_entropy.h"
 #include "moecore/ops/loss.h"
 #include "moecore/ops/norm.h"
 #include "moecore/ops/optim.h"

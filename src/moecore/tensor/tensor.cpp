@@ -34,7 +34,7 @@ Storage::Storage(const size_t bytes, const MemCategory category, const Device de
   data_ = static_cast<std::byte*>(std::aligned_alloc(64, rounded == 0 ? 64 : rounded));
   if (data_ == nullptr) throw std::bad_alloc();
   std::memset(data_, 0, rounded == 0 ? 64 : rounded);
-  MemoryTracker::instance().on_alloc(category_, bytes_);
+  owner_ = MemoryTracker::instance().on_alloc(category_, bytes_);
 }
 
 Storage::Storage(std::byte* borrowed, const size_t bytes)
@@ -42,7 +42,7 @@ Storage::Storage(std::byte* borrowed, const size_t bytes)
 
 Storage::~Storage() {
   if (!owned_) return;
-  MemoryTracker::instance().on_free(category_, bytes_);
+  MemoryTracker::instance().on_free(category_, owner_, bytes_);
   std::free(data_);
 }
 

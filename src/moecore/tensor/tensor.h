@@ -37,6 +37,7 @@ class Storage {
   std::byte* data_;  // owned (freed in the destructor) unless borrowed
   size_t bytes_;
   MemCategory category_;
+  ActivationOwner owner_ = ActivationOwner::kOther;
   Device device_;
   bool owned_ = true;
 };

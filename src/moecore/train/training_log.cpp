@@ -24,6 +24,8 @@ std::string memory_report(const int64_t iteration, const parallel::ParallelState
     mb.push_back(static_cast<float>(mem.peak(c)) / (1024.0f * 1024.0f));
   }
   mb.push_back(static_cast<float>(mem.peak_total()) / (1024.0f * 1024.0f));
+  const auto at_peak = mem.activations_at_peak();
+  for (const int64_t bytes : at_peak) mb.push_back(static_cast<float>(bytes) / (1024.0f * 1024.0f));
   parallel.world.all_reduce(std::span<float>(mb), parallel::ReduceOp::kMax);
   std::ostringstream out;
   out << std::fixed << std::setprecision(1);
@@ -32,7 +34,14 @@ std::string memory_report(const int64_t iteration, const parallel::ParallelState
   for (size_t i = 0; i < categories.size(); ++i) {
     out << " | " << mem_category_name(categories[i]) << ": " << mb[2 * i] << " (peak " << mb[2 * i + 1] << ")";
   }
-  out << " | total peak: " << mb.back();
+  const size_t total_peak = 2 * categories.size();
+  out << " | total peak: " << mb[total_peak];
+  // What the activations held at their peak, by the model part that allocated them.
+  out << "\n[Rank 0] activations at their peak by model part (MB):";
+  for (size_t o = 0; o < at_peak.size(); ++o) {
+    out << (o == 0 ? " " : " | ") << activation_owner_name(static_cast<ActivationOwner>(o)) << ": "
+        << mb[total_peak + 1 + o];
+  }
   return out.str();
 }
 

@@ -1,0 +1,88 @@
+#include "moecore/ops/linear_cross_entropy.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "moecore/ops/linear.h"
+#include "moecore/ops/loss.h"
+
+namespace moecore::ops {
+namespace {
+
+constexpr const char* kOp = "linear_cross_entropy";
+
+void check(const bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument(std::string(kOp) + ": " + what);
+}
+
+void check_numel(const Tensor& t, const char* name, const int64_t numel, const DType dtype) {
+  check(t.defined(), std::string(name) + " is undefined");
+  check(t.numel() == numel,
+        std::string(name) + " has " + std::to_string(t.numel()) + " elements, expected " + std::to_string(numel));
+  check(t.dtype() == dtype, std::string(name) + " has dtype " + std::string(dtype_name(t.dtype())) + ", expected " +
+                                std::string(dtype_name(dtype)));
+}
+
+}  // namespace
+
+int64_t linear_cross_entropy_chunk_rows(const int64_t T, const int64_t V_local, const int64_t budget_bytes) {
+  const int64_t rows = budget_bytes / (4 * std::max<int64_t>(V_local, 1));
+  return std::clamp<int64_t>(rows, 1, std::max<int64_t>(T, 1));
+}
+
+void linear_cross_entropy(Tensor& losses_T, const Tensor& input_TI, const Tensor& weight_VI,
+                          const std::span<const int32_t> targets_T, const int64_t chunk_rows, const Tensor* dlosses_T,
+                          Tensor* dinput_TI, Tensor* dweight_VI, const VocabShard* shard) {
+  check(weight_VI.defined() && weight_VI.ndim() == 2, "weight_VI must be a matrix");
+  check(chunk_rows > 0, "chunk_rows must be positive, got " + std::to_string(chunk_rows));
+  const DType dtype = weight_VI.dtype();
+  const auto T = static_cast<int64_t>(targets_T.size());
+  const int64_t Vl = weight_VI.dim(0), I = weight_VI.dim(1);
+  check_numel(input_TI, "input_TI", T * I, dtype);
+  check_numel(losses_T, "losses_T", T, dtype);
+  if (dlosses_T) check_numel(*dlosses_T, "dlosses_T", T, dtype);
+  if (dinput_TI) check_numel(*dinput_TI, "dinput_TI", T * I, dtype);
+  if (dweight_VI) check_numel(*dweight_VI, "dweight_VI", Vl * I, dtype);
+  check(dlosses_T != nullptr || (dinput_TI == nullptr && dweight_VI == nullptr),
+        "gradients requested without dlosses_T");
+  const bool split = shard != nullptr && shard->reduce_max;
+  if (split) check(shard->reduce_sum != nullptr, "a vocabulary shard needs both reductions");
+  if (T == 0) return;
+
+  const Tensor x_TI = input_TI.view({T, I});
+  Tensor loss_T = losses_T.view({T});
+  Tensor logits_buffer({std::min(chunk_rows, T), Vl}, dtype, MemCategory::kActivations);
+  for (int64_t t0 = 0; t0 < T; t0 += chunk_rows) {
+    const int64_t t1 = std::min(T, t0 + chunk_rows), n = t1 - t0;
+    const std::span<const int32_t> targets_n = targets_T.subspan(static_cast<size_t>(t0), static_cast<size_t>(n));
+    const Tensor x_nI = x_TI.slice_rows(t0, t1);
+    Tensor logits_nV = logits_buffer.slice_rows(0, n);
+    linear_forward(logits_nV, x_nI, weight_VI);
+    Tensor loss_n = loss_T.slice_rows(t0, t1);
+    Tensor lse_n({n}, dtype, MemCategory::kActivations);
+    if (split) {
+      Tensor max_n({n}, dtype, MemCategory::kActivations);
+      vocab_ce_local_max(max_n, logits_nV);
+      shard->reduce_max(max_n);
+      Tensor stats_2n({2 * n}, dtype, MemCategory::kActivations);
+      vocab_ce_local_stats(stats_2n, logits_nV, max_n, targets_n, shard->V, shard->vocab_begin);
+      shard->reduce_sum(stats_2n);
+      vocab_ce_finish(loss_n, lse_n, max_n, stats_2n);
+    } else {
+      cross_entropy_forward(loss_n, lse_n, logits_nV, targets_n);
+    }
+    if (dlosses_T == nullptr) continue;
+    const Tensor dloss_n = dlosses_T->view({T}).slice_rows(t0, t1);
+    if (split) {
+      vocab_ce_backward(logits_nV, dloss_n, logits_nV, lse_n, targets_n, shard->vocab_begin);
+    } else {
+      cross_entropy_backward(logits_nV, dloss_n, logits_nV, lse_n, targets_n);
+    }
+    Tensor dx_nI;
+    if (dinput_TI) dx_nI = dinput_TI->view({T, I}).slice_rows(t0, t1);
+    linear_backward(dinput_TI ? &dx_nI : nullptr, dweight_VI, nullptr, logits_nV, &x_nI, weight_VI);
+  }
+}
+
+}  // namespace moecore::ops
