@@ -112,6 +112,11 @@ std::vector<Case> cases() {
     m.dispatcher_type = TokenDispatcherType::kAllToAll;
     out.push_back(c);
   }
+  {  // the same with --moe-shared-expert-overlap (the reference runs without it)
+    Case c{"shared_expert_overlap", out.back().config};
+    c.config.moe.shared_expert_overlap = true;
+    out.push_back(c);
+  }
   {  // softmax, aux + seq-aux + z losses, gelu, bias (ETP 1 only; shared experts refuse biases), sequential MLP
     Case c{"softmax_aux_bias", base_config()};
     c.config.activation = Activation::kGelu;
@@ -187,8 +192,10 @@ std::vector<double> logged_losses(const RouterOutput& r) {
   return v;
 }
 
-Reference run_reference(const ModelConfig& config, const int dp) {
+Reference run_reference(const ModelConfig& layout_config, const int dp) {
   const std::string prefix = "decoder.layers.3.";
+  ModelConfig config = layout_config;
+  config.moe.shared_expert_overlap = false;  // the plain layer is the reference of the overlapped one
   std::vector<Param> params;
   MoELayer layer(config, prefix, params, ParallelState::single_process(), kModule);
   layer.bind(params);

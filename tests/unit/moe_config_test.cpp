@@ -166,6 +166,14 @@ TEST(MoEConfigValidate, ExpertCountAndSizes) {
   config = valid_config();
   config.shared_expert_gate = true;
   EXPECT_EQ(validate_error(config), "--moe-shared-expert-gate requires --moe-shared-expert-intermediate-size");
+  config = valid_config();
+  config.shared_expert_overlap = true;
+  config.dispatcher_type = TokenDispatcherType::kAllToAll;
+  EXPECT_EQ(validate_error(config), "--moe-shared-expert-overlap requires --moe-shared-expert-intermediate-size");
+  config.shared_expert_intermediate_size = 16;
+  EXPECT_EQ(validate_error(config), "<no error>");
+  config.dispatcher_type = TokenDispatcherType::kAllGather;
+  EXPECT_EQ(validate_error(config), "--moe-shared-expert-overlap only works with --moe-token-dispatcher-type alltoall");
 }
 
 TEST(MoEConfigValidate, RouterTopkAndScores) {

@@ -231,7 +231,7 @@ TEST(TrainArguments, UnknownFlagSuggestsClosest) {
 
 TEST(TrainArguments, CataloguedMegatronFlagsAreNotImplementedYet) {
   for (const char* flag :
-       {"--moe-latent-size", "--moe-shared-expert-overlap", "--recompute-granularity", "--fp8-format",
+       {"--moe-latent-size", "--moe-use-legacy-grouped-gemm", "--recompute-granularity", "--fp8-format",
         "--save-retain-interval", "--tensorboard-dir", "--wandb-project", "--bf16", "--fp16", "--ckpt-format"}) {
     EXPECT_EQ(error_of(with(minimal(), {flag, "1"})),
               std::string(flag) + " is a Megatron flag that moecore does not implement yet");
@@ -561,6 +561,7 @@ TEST(TrainArguments, MoEFlagsRoundTrip) {
                                                                     "--moe-shared-expert-intermediate-size",
                                                                     "96",
                                                                     "--moe-shared-expert-gate",
+                                                                    "--moe-shared-expert-overlap",
                                                                     "--disable-bias-linear",
                                                                     "--moe-per-layer-logging",
                                                                     "--moe-token-dispatcher-type",
@@ -591,6 +592,7 @@ TEST(TrainArguments, MoEFlagsRoundTrip) {
   EXPECT_TRUE(moe.grouped_gemm);
   EXPECT_EQ(moe.shared_expert_intermediate_size, 96);
   EXPECT_TRUE(moe.shared_expert_gate);
+  EXPECT_TRUE(moe.shared_expert_overlap);
   EXPECT_TRUE(moe.per_layer_logging);
   EXPECT_EQ(args.moe_token_dispatcher_type, "alltoall");
 

@@ -278,6 +278,11 @@ void MoEConfig::validate(const int64_t num_layers) const {
           "--moe-shared-expert-intermediate-size must be positive (got " + str(shared_expert_intermediate_size) + ")");
   require(!shared_expert_gate || shared_expert_intermediate_size > 0,
           "--moe-shared-expert-gate requires --moe-shared-expert-intermediate-size");
+  // Megatron's TransformerConfig: the overlap runs inside the alltoall dispatcher (or flex, which moecore lacks).
+  require(!shared_expert_overlap || shared_expert_intermediate_size > 0,
+          "--moe-shared-expert-overlap requires --moe-shared-expert-intermediate-size");
+  require(!shared_expert_overlap || dispatcher_type == TokenDispatcherType::kAllToAll,
+          "--moe-shared-expert-overlap only works with --moe-token-dispatcher-type alltoall");
 }
 
 std::string to_string(const RouterScoreFunction value) {

@@ -40,6 +40,7 @@ struct MoEConfig {
   bool grouped_gemm = false;                    // --moe-grouped-gemm (GroupedMLP, else SequentialMLP)
   int64_t shared_expert_intermediate_size = 0;  // --moe-shared-expert-intermediate-size (0 = none)
   bool shared_expert_gate = false;              // --moe-shared-expert-gate
+  bool shared_expert_overlap = false;           // --moe-shared-expert-overlap
   bool per_layer_logging = false;               // --moe-per-layer-logging
   TokenDispatcherType dispatcher_type = TokenDispatcherType::kAllGather;  // --moe-token-dispatcher-type
 

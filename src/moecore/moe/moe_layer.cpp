@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "moecore/ops/elementwise.h"
 #include "moecore/util/trace.h"
 
 namespace moecore {
@@ -21,6 +22,7 @@ MoELayer::MoELayer(const ModelConfig& config, const std::string& prefix, std::ve
           "Megatron)");
     }
     shared_ = std::make_unique<SharedExpertMLP>(config.moe, config, prefix, params, parallel, module);
+    overlap_shared_ = config.moe.shared_expert_overlap;
   }
 }
 
@@ -37,8 +39,17 @@ void MoELayer::forward(float* out_TH, const float* x_TH, const int64_t S, const 
     const trace::Scope scope("router forward", "moe");
     saved.routing = router_->forward(x_TH, S, B, training, seed, key, saved.router, token_offset);
   }
-  Tensor x_RH;
-  {
+  Tensor x_RH, shared_TH;
+  if (overlap_shared_) {
+    // Megatron's --moe-shared-expert-overlap: the shared experts run after the router, while the dispatch
+    // all-to-all is in flight; their output joins the routed one after combine, as without overlap.
+    shared_TH = Tensor(std::vector<int64_t>{T, H}, DType::kF32, MemCategory::kActivations);
+    const trace::Scope scope("dispatch", "moe");
+    x_RH = dispatcher_->dispatch_overlapped(x_TH, T, H, saved.routing, saved.dispatch, [&] {
+      const trace::Scope shared_scope("shared experts forward", "moe");
+      shared_->forward(shared_TH.data<float>(), x_TH, T, saved.shared);
+    });
+  } else {
     const trace::Scope scope("dispatch", "moe");
     x_RH = dispatcher_->dispatch(x_TH, T, H, saved.routing, saved.dispatch);
   }
@@ -54,7 +65,10 @@ void MoELayer::forward(float* out_TH, const float* x_TH, const int64_t S, const 
     const trace::Scope scope("combine", "moe");
     dispatcher_->combine(out_TH, y_RH.data<float>(), saved.dispatch);
   }
-  if (shared_) {
+  if (overlap_shared_) {
+    Tensor out = Tensor::from_blob(out_TH, {T, H});
+    ops::add_(out, shared_TH);
+  } else if (shared_) {
     const trace::Scope scope("shared experts forward", "moe");
     shared_->forward(out_TH, x_TH, T, saved.shared);
   }
@@ -67,7 +81,17 @@ void MoELayer::backward(float* dx_TH, const float* dout_TH, const float* x_TH, c
   const int64_t T = saved.router.S * saved.router.B, H = config_.hidden_size, E = config_.moe.num_experts;
   const int64_t R = saved.experts.x_RH.dim(0);
   Tensor dy_RH(std::vector<int64_t>{R, H}, DType::kF32, MemCategory::kActivations);
-  {
+  Tensor shared_dx_TH;
+  if (overlap_shared_) {
+    // The shared experts' backward runs while the output gradients travel to the experts; their input gradient
+    // joins the routed one at the end, so the sum's order matches the layer without overlap but for the gate.
+    shared_dx_TH = Tensor(std::vector<int64_t>{T, H}, DType::kF32, MemCategory::kActivations);
+    const trace::Scope scope("combine backward", "moe");
+    dispatcher_->combine_backward_overlapped(dy_RH.data<float>(), dout_TH, state, [&] {
+      const trace::Scope shared_scope("shared experts backward", "moe");
+      shared_->backward(shared_dx_TH.data<float>(), dout_TH, x_TH, T, saved.shared);
+    });
+  } else {
     const trace::Scope scope("combine backward", "moe");
     dispatcher_->combine_backward(dy_RH.data<float>(), dout_TH, state);
   }
@@ -89,7 +113,10 @@ void MoELayer::backward(float* dx_TH, const float* dout_TH, const float* x_TH, c
     dispatcher_->probs_backward(dprobs_TE.data<float>(), dprobs_R.data(), state);
     router_->backward(dx_TH, dprobs_TE.data<float>(), aux_grad_scale, saved.router, saved.routing);
   }
-  if (shared_) {
+  if (overlap_shared_) {
+    Tensor dx = Tensor::from_blob(dx_TH, {T, H});
+    ops::add_(dx, shared_dx_TH);
+  } else if (shared_) {
     const trace::Scope scope("shared experts backward", "moe");
     shared_->backward(dx_TH, dout_TH, x_TH, T, saved.shared);
   }

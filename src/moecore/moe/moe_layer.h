@@ -57,6 +57,7 @@ class MoELayer {
   std::unique_ptr<TokenDispatcher> dispatcher_;
   std::unique_ptr<ExpertMLP> experts_;
   std::unique_ptr<SharedExpertMLP> shared_;  // null without shared experts
+  bool overlap_shared_ = false;              // --moe-shared-expert-overlap
 };
 
 }  // namespace moecore

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -54,6 +55,19 @@ class TokenDispatcher {
   virtual void dispatch_backward(float* dx_TH, const float* dx_RH, const DispatchState& state) = 0;
   // dprobs_TE[source_token_R[r], expert_R[r]] += dprobs_R[r].
   virtual void probs_backward(float* dprobs_TE, const float* dprobs_R, const DispatchState& state) = 0;
+
+  // dispatch and combine_backward (both move token rows to the experts) running `overlapped` while the rows are in
+  // flight (--moe-shared-expert-overlap); a dispatcher with no exchange to hide runs it first.
+  virtual Tensor dispatch_overlapped(const float* x_TH, int64_t T, int64_t H, const RouterOutput& routing,
+                                     DispatchState& state, const std::function<void()>& overlapped) {
+    overlapped();
+    return dispatch(x_TH, T, H, routing, state);
+  }
+  virtual void combine_backward_overlapped(float* dy_RH, const float* dout_TH, const DispatchState& state,
+                                           const std::function<void()>& overlapped) {
+    overlapped();
+    combine_backward(dy_RH, dout_TH, state);
+  }
 };
 
 // Single-process dispatcher (all experts local).

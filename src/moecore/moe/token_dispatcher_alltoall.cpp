@@ -13,6 +13,7 @@
 // state's source_token_R and source_rank_R stay empty; the sender keeps its own rows (sent_token_L) for combine.
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <span>
 #include <stdexcept>
@@ -99,6 +100,45 @@ class AllToAllDispatcher final : public TokenDispatcher {
 
   Tensor dispatch(const float *x_TH, const int64_t T, const int64_t H, const RouterOutput &routing,
                   DispatchState &state) override {
+    return dispatch_impl(x_TH, T, H, routing, state, nullptr);
+  }
+
+  Tensor dispatch_overlapped(const float *x_TH, const int64_t T, const int64_t H, const RouterOutput &routing,
+                             DispatchState &state, const std::function<void()> &overlapped) override {
+    return dispatch_impl(x_TH, T, H, routing, state, &overlapped);
+  }
+
+  void combine(float *out_TH, const float *y_RH, const DispatchState &state) override {
+    const std::vector<float> rows_LH = from_experts(unsort(y_RH, state.H, state), state.H, state);
+    scatter_add_rows(out_TH, state.T, rows_LH.data(), state.sent_token_L, state.H);
+  }
+
+  void combine_backward(float *dy_RH, const float *dout_TH, const DispatchState &state) override {
+    combine_backward_impl(dy_RH, dout_TH, state, nullptr);
+  }
+
+  void combine_backward_overlapped(float *dy_RH, const float *dout_TH, const DispatchState &state,
+                                   const std::function<void()> &overlapped) override {
+    combine_backward_impl(dy_RH, dout_TH, state, &overlapped);
+  }
+
+  void dispatch_backward(float *dx_TH, const float *dx_RH, const DispatchState &state) override {
+    combine(dx_TH, dx_RH, state);
+  }
+
+  void probs_backward(float *dprobs_TE, const float *dprobs_R, const DispatchState &state) override {
+    const std::vector<float> dprobs_L = from_experts(unsort(dprobs_R, 1, state), 1, state);
+    const int64_t L = static_cast<int64_t>(dprobs_L.size());
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t t = state.sent_token_L[l];
+      if (t >= 0) dprobs_TE[t * state.E + state.sent_expert_L[l]] += dprobs_L[l];
+    }
+  }
+
+ private:
+  // `overlapped` (may be null) runs while the token rows are in flight.
+  Tensor dispatch_impl(const float *x_TH, const int64_t T, const int64_t H, const RouterOutput &routing,
+                       DispatchState &state, const std::function<void()> *overlapped) {
     if (T < 0 || H <= 0 || static_cast<int64_t>(routing.tokens_per_expert_E.size()) != E_) {
       throw std::invalid_argument("alltoall dispatcher: bad sizes T=" + std::to_string(T) + " H=" + std::to_string(H) +
                                   " E=" + std::to_string(routing.tokens_per_expert_E.size()) +
@@ -131,7 +171,7 @@ class AllToAllDispatcher final : public TokenDispatcher {
     const int64_t L = static_cast<int64_t>(state.sent_token_L.size());
     std::vector<float> sent_LH(static_cast<size_t>(L * H));
     gather_rows(sent_LH.data(), x_TH, state.sent_token_L, H);  // padding rows are zero
-    const std::vector<float> gathered_x = to_experts(sent_LH, H, state);
+    const std::vector<float> gathered_x = to_experts(sent_LH, H, state, overlapped);
     sent_LH = std::vector<float>();
     const std::vector<float> gathered_probs = to_experts(sent_probs_L, 1, state);
 
@@ -149,42 +189,33 @@ class AllToAllDispatcher final : public TokenDispatcher {
     return x_RH;
   }
 
-  void combine(float *out_TH, const float *y_RH, const DispatchState &state) override {
-    const std::vector<float> rows_LH = from_experts(unsort(y_RH, state.H, state), state.H, state);
-    scatter_add_rows(out_TH, state.T, rows_LH.data(), state.sent_token_L, state.H);
-  }
-
-  void combine_backward(float *dy_RH, const float *dout_TH, const DispatchState &state) override {
+  void combine_backward_impl(float *dy_RH, const float *dout_TH, const DispatchState &state,
+                             const std::function<void()> *overlapped) const {
     const int64_t H = state.H;
     std::vector<float> rows_LH(state.sent_token_L.size() * static_cast<size_t>(H));
     gather_rows(rows_LH.data(), dout_TH, state.sent_token_L, H);
-    const std::vector<float> gathered = to_experts(rows_LH, H, state);
+    const std::vector<float> gathered = to_experts(rows_LH, H, state, overlapped);
     gather_rows(dy_RH, gathered.data(), state.gathered_row_R, H);
   }
 
-  void dispatch_backward(float *dx_TH, const float *dx_RH, const DispatchState &state) override {
-    combine(dx_TH, dx_RH, state);
-  }
-
-  void probs_backward(float *dprobs_TE, const float *dprobs_R, const DispatchState &state) override {
-    const std::vector<float> dprobs_L = from_experts(unsort(dprobs_R, 1, state), 1, state);
-    const int64_t L = static_cast<int64_t>(dprobs_L.size());
-    for (int64_t l = 0; l < L; ++l) {
-      const int64_t t = state.sent_token_L[l];
-      if (t >= 0) dprobs_TE[t * state.E + state.sent_expert_L[l]] += dprobs_L[l];
-    }
-  }
-
- private:
   // Rows in send order (W values each) -> all-to-all over EP -> all-gather over ETP: [ETP, etp_max_rows, W].
-  std::vector<float> to_experts(const std::vector<float> &rows_LW, const int64_t W, const DispatchState &state) const {
+  // `overlapped` (may be null) runs between starting the all-to-all and waiting for it.
+  std::vector<float> to_experts(const std::vector<float> &rows_LW, const int64_t W, const DispatchState &state,
+                                const std::function<void()> *overlapped = nullptr) const {
     const int64_t M = state.etp_max_rows, ETP = etp_.size();
     std::vector<float> received(static_cast<size_t>(M * W), 0.0f);
     std::vector<float> gathered(static_cast<size_t>(ETP * M * W));
+    parallel::Work exchange;
+    {
+      parallel::CommTimer timer(parallel::CommKind::kAllToAll);
+      exchange = ep_.all_to_all_v_async<float>(
+          rows_LW, scaled(state.ep_send_rows, W),
+          std::span<float>(received.data(), static_cast<size_t>(total(state.ep_recv_rows) * W)),
+          scaled(state.ep_recv_rows, W));
+    }
+    if (overlapped) (*overlapped)();
     parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-    ep_.all_to_all_v<float>(rows_LW, scaled(state.ep_send_rows, W),
-                            std::span<float>(received.data(), static_cast<size_t>(total(state.ep_recv_rows) * W)),
-                            scaled(state.ep_recv_rows, W));
+    exchange.wait();
     etp_.all_gather<float>(received, gathered);
     return gathered;
   }

@@ -334,6 +334,9 @@ const std::vector<FlagSpec>& flag_table() {
      [](TrainingArgs& a, const FlagValue& v) { a.model.moe.shared_expert_intermediate_size = v.integer(); }},
     {"--moe-shared-expert-gate", Arity::kSwitch, "", "gate the shared experts' output by sigmoid(x w)",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.shared_expert_gate = true; }},
+    {"--moe-shared-expert-overlap", Arity::kSwitch, "",
+     "compute the shared experts while the alltoall dispatcher's token exchange is in flight",
+     [](TrainingArgs& a, const FlagValue&) { a.model.moe.shared_expert_overlap = true; }},
     {"--moe-per-layer-logging", Arity::kSwitch, "", "log the auxiliary losses of every MoE layer",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.per_layer_logging = true; }},
 

@@ -288,7 +288,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--config-logger-dir",
     // mixture of experts (arguments.py _add_moe_args, plus TransformerConfig-generated flags in the semantics doc);
     // the implemented ones are in arguments.cpp
-    "--moe-shared-expert-overlap",
     "--moe-use-legacy-grouped-gemm",
     "--moe-layer-recompute",
     "--moe-extended-tp",
