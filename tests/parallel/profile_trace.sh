@@ -2,7 +2,8 @@
 # --profile: a tiny MoE GPT under TP2 x EP2 on 4 processes writes one Chrome / Perfetto trace per rank; each is valid
 # JSON in the Trace Event Format: metadata and complete events with name, ph, ts, dur, pid = the rank, tid; the
 # events of one track nest (what Perfetto's importer requires of "X" events); the step's phases, the MoE layer's
-# parts and the collectives are there, only for the profiled iterations.
+# parts and the collectives are there, only for the profiled iterations. With --moe-shared-expert-overlap the shared
+# experts' forward lies between the two halves of the dispatch all-to-all (started, then waited for) on the timeline.
 set -euo pipefail
 bin=$1
 mpirun=$2
@@ -13,7 +14,8 @@ export OMP_NUM_THREADS=1
   --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 \
   --train-iters 5 --lr 1e-3 --lr-warmup-iters 1 --log-interval 1 --eval-iters 0 --mock-data \
   --tokenizer-type NullTokenizer --vocab-size 200 --num-experts 4 --moe-router-topk 2 --disable-bias-linear \
-  --moe-token-dispatcher-type alltoall --tensor-model-parallel-size 2 --sequence-parallel \
+  --moe-token-dispatcher-type alltoall --moe-shared-expert-intermediate-size 16 --moe-shared-expert-overlap \
+  --tensor-model-parallel-size 2 --sequence-parallel \
   --expert-model-parallel-size 2 --profile --profile-step-start 2 --profile-step-end 4 --profile-ranks 0 1 2 3 \
   --profile-dir "$work/traces" >"$work/log" 2>&1 || { cat "$work/log"; exit 1; }
 grep -q "wrote the trace of iterations 3-4 to $work/traces/trace_rank0.json" "$work/log"
@@ -34,6 +36,17 @@ for rank in range(4):
                  "embedding forward", "output layer + loss backward", "finish grad sync", "optimizer step",
                  "all-to-all", "tensor-parallel", "grad-reduce"]:
         assert want in names, (rank, want, sorted(names))
+    dispatches = [e for e in complete if e["name"] == "dispatch"]
+    shared = [e for e in complete if e["name"] == "shared experts forward"]
+    a2a = [e for e in complete if e["name"] == "all-to-all"]
+    assert shared and len(shared) == len(dispatches), (rank, len(shared), len(dispatches))
+    for s in shared:
+        outer = [d for d in dispatches if d["ts"] <= s["ts"] and s["ts"] + s["dur"] <= d["ts"] + d["dur"]]
+        assert len(outer) == 1, (rank, "shared experts forward outside a dispatch", s)
+        d = outer[0]
+        inside = [a for a in a2a if d["ts"] <= a["ts"] and a["ts"] + a["dur"] <= d["ts"] + d["dur"]]
+        assert any(a["ts"] + a["dur"] <= s["ts"] for a in inside), (rank, "no all-to-all started before", s)
+        assert any(a["ts"] >= s["ts"] + s["dur"] for a in inside), (rank, "no all-to-all waited for after", s)
     steps = [e for e in complete if e["name"] == "optimizer step"]
     assert len(steps) == 2, (rank, len(steps))  # iterations 3 and 4 only
     by_track = {}
