@@ -1,6 +1,7 @@
 // Times the fast kernels against their naive references at training sizes; prints one line per kernel.
-// usage: bench_kernels [--threads N] [--repeats N] [--attention] [--no-ref]
-//   --attention: only the attention cases; --no-ref: skip the naive references (slow).
+// usage: bench_kernels [--threads N] [--repeats N] [--attention] [--case NAME] [--no-ref]
+//   --attention: only the attention cases; --case: only that attention case (demo, moe, gqa, drop, long);
+//   --no-ref: skip the naive references (slow).
 #include <omp.h>
 
 #include <algorithm>
@@ -123,6 +124,7 @@ const AttentionCase kAttentionCases[] = {
 
 int main(int argc, char** argv) {
   bool attention_only = false, with_ref = true;
+  const char* only_case = nullptr;
   int repeats = 5;
   for (int a = 1; a < argc; ++a) {
     if (std::strcmp(argv[a], "--threads") == 0 && a + 1 < argc) {
@@ -131,15 +133,20 @@ int main(int argc, char** argv) {
       repeats = std::max(1, std::atoi(argv[++a]));
     } else if (std::strcmp(argv[a], "--attention") == 0) {
       attention_only = true;
+    } else if (std::strcmp(argv[a], "--case") == 0 && a + 1 < argc) {
+      only_case = argv[++a];
+      attention_only = true;
     } else if (std::strcmp(argv[a], "--no-ref") == 0) {
       with_ref = false;
     } else {
-      std::fprintf(stderr, "usage: bench_kernels [--threads N] [--repeats N] [--attention] [--no-ref]\n");
+      std::fprintf(stderr, "usage: bench_kernels [--threads N] [--repeats N] [--attention] [--case NAME] [--no-ref]\n");
       return 2;
     }
   }
   std::printf("threads: %d\n", omp_get_max_threads());
   if (!attention_only) bench_cross_entropy(with_ref);
-  for (const AttentionCase& c : kAttentionCases) bench_attention(c, repeats, with_ref);
+  for (const AttentionCase& c : kAttentionCases) {
+    if (only_case == nullptr || std::strcmp(only_case, c.name) == 0) bench_attention(c, repeats, with_ref);
+  }
   return 0;
 }

@@ -1,7 +1,14 @@
-// Fast causal GQA attention: blocked over 64 query rows (and 64 key columns in the key-parallel backward), the
-// heavy products done as single-threaded GEMMs (the GEMM library's, gemm.h) on strided views inside OpenMP tasks, the
-// fully masked upper triangle skipped block-wise, the probability matrix recomputed from lse in backward instead of
-// stored.
+// Fast causal GQA attention, flash-style (Dao, "FlashAttention-2", 2023, algorithms 1 and 2): a task takes a block
+// of query rows of every head of one kv group (the heads share each K/V tile, read in place from the [S, B, G, d]
+// tensors), walks the keys up to the diagonal in tiles that stay in cache, and keeps an online softmax (running row
+// max and sum, the output accumulator rescaled when the max grows), so no [rows, S] tile is ever formed. Tiles above
+// the diagonal are skipped, only the diagonal tile is masked. Backward recomputes the probabilities of each tile
+// from the saved lse. Products are single-threaded GEMMs (gemm.h) inside OpenMP loops; the element-wise loops
+// (vectorised exp, fast_exp.h; the dropout mask's Philox) are compiled per vector ISA (vector_isa.h).
+//
+// Every output element is a fixed sequence of tile operations whatever the thread count: a task owns its outputs
+// (forward: its query rows; backward: dK, dV of its key tile or all tiles of its group, dQ of its query block), and
+// both backward schedules below visit the tiles of one output in the same order with the same tile shapes.
 #include "moecore/kernels/cpu/attention.h"
 
 #include <cblas.h>
@@ -10,18 +17,28 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "moecore/kernels/cpu/fast_exp.h"
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/kernels/cpu/vector_isa.h"
-#include "moecore/tensor/rng.h"
 
 namespace moecore::kernels::cpu {
 namespace {
 
-constexpr int64_t kBlock = 64;
+// A query block holds kPackedRows / (heads per group) query rows (at least kMinBlockRows, at most kMaxBlockRows) of
+// every head of its group: about kPackedRows rows in the GEMMs whatever the grouping.
+constexpr int64_t kPackedRows = 128;
+constexpr int64_t kMinBlockRows = 16;
+constexpr int64_t kMaxBlockRows = 64;
+// Keys per tile: [packed rows, tile] scores stay in L2.
+constexpr int64_t kKeyTileForward = 256;
+constexpr int64_t kKeyTileBackward = 128;
 // Below this many multiply-adds (S^2 B N d) a call runs on one thread: fork/join would cost more than it saves.
 constexpr int64_t kParallelWork = int64_t{1} << 18;
 
@@ -39,6 +56,10 @@ void gemm_rm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, double
               static_cast<blasint>(ldc));
 }
 
+// exp for the softmax loops: the vectorisable float one, libm's in double (the tests' precise path).
+inline float exp_of(const float x) { return fast_exp(x); }
+inline double exp_of(const double x) { return std::exp(x); }
+
 void check_args(const AttentionDims& dims, const DropoutSpec& dropout, const char* fn) {
   if (dims.S < 0 || dims.B < 0 || dims.N <= 0 || dims.G <= 0 || dims.head_dim <= 0 || dims.N % dims.G != 0) {
     throw std::invalid_argument(std::string(fn) + ": bad dims S=" + std::to_string(dims.S) +
@@ -51,7 +72,7 @@ void check_args(const AttentionDims& dims, const DropoutSpec& dropout, const cha
   }
 }
 
-// Strides and offsets of the [S, B, N, d] / [S, B, G, d] layouts.
+// Strides and offsets of the [S, B, N, d] / [S, B, G, d] layouts, and the blocking.
 struct Geometry {
   explicit Geometry(const AttentionDims& dims)
       : S(dims.S),
@@ -62,84 +83,201 @@ struct Geometry {
         heads_per_group(dims.N / dims.G),
         ld_q(dims.B * dims.N * dims.head_dim),
         ld_kv(dims.B * dims.G * dims.head_dim),
+        block_rows(std::clamp(kPackedRows / heads_per_group, kMinBlockRows, kMaxBlockRows)),
+        packed_rows(block_rows * heads_per_group),
         dropout_heads(dims.dropout_total_heads > 0 ? dims.dropout_total_heads : dims.N),
         dropout_head_offset(dims.dropout_head_offset) {}
   int64_t q_offset(int64_t i, int64_t b, int64_t h) const { return ((i * B + b) * N + h) * d; }
   int64_t kv_offset(int64_t j, int64_t b, int64_t g) const { return ((j * B + b) * G + g) * d; }
   int64_t row_offset(int64_t b, int64_t h) const { return (b * N + h) * S; }  // into lse_BNS
-  int64_t n_blocks() const { return (S + kBlock - 1) / kBlock; }
+  int64_t n_query_blocks() const { return (S + block_rows - 1) / block_rows; }
   bool parallel() const { return S * S * B * N * d > kParallelWork; }
+  // RNG counter of probability (i, 0) of head h: the one-process head index under tensor parallelism.
+  uint64_t dropout_row_counter(int64_t b, int64_t h, int64_t i) const {
+    return (static_cast<uint64_t>((b * dropout_heads + dropout_head_offset + h) * S) + static_cast<uint64_t>(i)) *
+           static_cast<uint64_t>(S);
+  }
 
-  // RNG counter base of head h's probabilities: the one-process head index under tensor parallelism.
-  int64_t dropout_row(int64_t b, int64_t h) const { return (b * dropout_heads + dropout_head_offset + h) * S; }
-
-  int64_t S, B, N, G, d, heads_per_group, ld_q, ld_kv, dropout_heads, dropout_head_offset;
+  int64_t S, B, N, G, d, heads_per_group, ld_q, ld_kv, block_rows, packed_rows, dropout_heads, dropout_head_offset;
 };
 
-// Dropout on the probabilities of one head: element (i, j) is kept iff uniform(counter) >= p.
-struct HeadDropout {
-  HeadDropout(const DropoutSpec& spec, const Geometry& geo, int64_t b, int64_t h)
+// First word of Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011) for the 64-bit
+// counter (lo, hi) of stream (seed, key): the word CounterRng::uniform (tensor/rng.cpp) turns into
+// (word >> 8) * 2^-24, computed the same way in 32-bit lanes so that a loop over counters vectorises.
+inline uint32_t philox_first_word(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+#pragma GCC unroll 10
+  for (int round = 0; round < 10; ++round) {
+    const uint64_t p0 = uint64_t{0xD2511F53u} * c0;
+    const uint64_t p1 = uint64_t{0xCD9E8D57u} * c2;
+    c0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
+    c1 = static_cast<uint32_t>(p1);
+    c2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
+    c3 = static_cast<uint32_t>(p0);
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return c0;
+}
+
+// The dropout mask of one call: probability (b, h, i, j) is kept iff CounterRng(seed, key).uniform(counter) >= p,
+// counter = dropout_row_counter(b, h, i) + j (attention.h).
+struct MaskStream {
+  explicit MaskStream(const DropoutSpec& spec)
       : active(spec.p > 0.0f),
         p(spec.p),
         keep_scale(1.0 / (1.0 - static_cast<double>(spec.p))),
-        rng(spec.seed, spec.key),
-        head_base(static_cast<uint64_t>(geo.dropout_row(b, h)) * static_cast<uint64_t>(geo.S)),
-        S(static_cast<uint64_t>(geo.S)) {}
-  bool kept(int64_t i, int64_t j) const {
-    return rng.uniform(head_base + static_cast<uint64_t>(i) * S + static_cast<uint64_t>(j)) >= p;
+        seed_lo(static_cast<uint32_t>(spec.seed)),
+        seed_hi(static_cast<uint32_t>(spec.seed >> 32)),
+        key_lo(static_cast<uint32_t>(spec.key)),
+        key_hi(static_cast<uint32_t>(spec.key >> 32)) {}
+  // Element c of a run of counters starting at `first`: c < 2^32, the carry into the high word done in 32 bits.
+  bool kept(const uint64_t first, const uint32_t c) const {
+    const uint32_t first_lo = static_cast<uint32_t>(first), lo = first_lo + c;
+    const uint32_t hi = static_cast<uint32_t>(first >> 32) + (lo < first_lo ? 1u : 0u);
+    const uint32_t word = philox_first_word(lo, hi, key_lo, key_hi, seed_lo, seed_hi);
+    return static_cast<float>(static_cast<int32_t>(word >> 8)) * 0x1p-24f >= p;
   }
 
   bool active;
   float p;
   double keep_scale;
-  CounterRng rng;
-  uint64_t head_base, S;
+  uint32_t seed_lo, seed_hi, key_lo, key_hi;
 };
 
-// Per-thread scratch: two [kBlock, S] tiles.
+// The packed rows of a query block [i0, i1) of kv group (b, g): row r * heads_per_group + hh is query row i0 + r of
+// head g * heads_per_group + hh, so all rows of one query position are adjacent and share the causal limit.
+struct Block {
+  Block(const Geometry& geo, int64_t batch, int64_t group, int64_t first_query)
+      : b(batch),
+        g(group),
+        h0(group * geo.heads_per_group),
+        hpg(geo.heads_per_group),
+        i0(first_query),
+        i1(std::min(geo.S, first_query + geo.block_rows)),
+        rows((i1 - i0) * hpg) {}
+  int64_t query(int64_t p) const { return i0 + p / hpg; }  // query position of packed row p
+  int64_t head(int64_t p) const { return h0 + p % hpg; }
+  // Keys [j0, j0 + cols) of a tile that visible to packed row p.
+  int64_t visible(int64_t p, int64_t j0, int64_t cols) const { return std::clamp<int64_t>(query(p) + 1 - j0, 0, cols); }
+
+  int64_t b, g, h0, hpg, i0, i1, rows;
+};
+
+// Copies the block's rows of a [S, B, N, d] tensor into x_Md ([block.rows, d]): each query position's heads of the
+// group are one contiguous run of hpg * d values.
+template <typename T>
+void pack_rows(T* x_Md, const T* x_SBNd, const Geometry& geo, const Block& blk) {
+  const int64_t run = blk.hpg * geo.d;
+  for (int64_t i = blk.i0; i < blk.i1; ++i) {
+    std::memcpy(x_Md + (i - blk.i0) * run, x_SBNd + geo.q_offset(i, blk.b, blk.h0), sizeof(T) * run);
+  }
+}
+
+// Per-thread scratch: `per_thread` values for each thread, not initialised.
 template <typename T>
 class Scratch {
  public:
-  explicit Scratch(int64_t tile_elems) : tile_elems_(tile_elems), buf_(2 * tile_elems * omp_get_max_threads()) {}
-  T* tile(int which) { return buf_.data() + (2 * omp_get_thread_num() + which) * tile_elems_; }
+  explicit Scratch(int64_t per_thread)
+      : per_thread_(per_thread), buf_(std::make_unique_for_overwrite<T[]>(per_thread * omp_get_max_threads())) {}
+  T* mine() { return buf_.get() + omp_get_thread_num() * per_thread_; }
 
  private:
-  int64_t tile_elems_;
-  std::vector<T> buf_;
+  int64_t per_thread_;
+  std::unique_ptr<T[]> buf_;
 };
 
-// Forward for query rows [i0, i1) of head (b, h); keys [0, i1). Compiled per vector ISA (the softmax loops).
+// ---------------------------------------------------------------------------------------------------------------
+// Forward
+
+// One key tile [j0, j0 + cols) for the packed rows of a block. In: s_MC = scaled scores (ld cols), m_M, l_M = the
+// running max and sum of exp(s - m) over the keys so far (-inf, 0 before the first tile), o_Md = the output
+// accumulator sum of exp(s - m) (dropped) v. Out: s_MC = exp(s - m_new), 0 where masked or dropped; m, l updated;
+// o_Md rows rescaled by exp(m_old - m_new) unless this is the first tile (o not yet written).
 template <typename T>
-MOECORE_VECTOR_CLONES void forward_block(T* out, T* lse, const T* q, const T* k, const T* v, const Geometry& geo,
-                                         double scale, const HeadDropout& drop, int64_t b, int64_t h, int64_t i0,
-                                         int64_t i1, T* probs) {
-  const int64_t rows = i1 - i0, keys = i1, g = h / geo.heads_per_group;
-  gemm_rm(false, true, rows, keys, geo.d, static_cast<T>(scale), q + geo.q_offset(i0, b, h), geo.ld_q,
-          k + geo.kv_offset(0, b, g), geo.ld_kv, T(0), probs, keys);
-  T* lse_row = lse + geo.row_offset(b, h);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = i0 + r, n_valid = i + 1;
-    T* row = probs + r * keys;
-    const T row_max = *std::max_element(row, row + n_valid);
-    double sum = 0.0;
-    for (int64_t j = 0; j < n_valid; ++j) {
-      const T e = std::exp(row[j] - row_max);
-      row[j] = e;
-      sum += static_cast<double>(e);
-    }
-    std::fill(row + n_valid, row + keys, T(0));
-    lse_row[i] = static_cast<T>(static_cast<double>(row_max) + std::log(sum));
-    if (drop.active) {
-      const T kept_scale = static_cast<T>(drop.keep_scale / sum);
-      for (int64_t j = 0; j < n_valid; ++j) row[j] = drop.kept(i, j) ? row[j] * kept_scale : T(0);
+MOECORE_VECTOR_CLONES void forward_tile(T* s_MC, T* m_M, T* l_M, T* o_Md, const Geometry& geo, const Block& blk,
+                                        int64_t j0, int64_t cols, const MaskStream& mask, bool first_tile) {
+  for (int64_t p = 0; p < blk.rows; ++p) {
+    T* row = s_MC + p * cols;
+    const int64_t n_visible = blk.visible(p, j0, cols);
+    T row_max = m_M[p];
+#pragma omp simd reduction(max : row_max)
+    for (int64_t c = 0; c < n_visible; ++c) row_max = row[c] > row_max ? row[c] : row_max;
+    T sum = 0;
+    if (mask.active) {
+      const uint64_t first = geo.dropout_row_counter(blk.b, blk.head(p), blk.query(p)) + static_cast<uint64_t>(j0);
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < n_visible; ++c) {
+        const T e = exp_of(row[c] - row_max);
+        sum += e;
+        row[c] = mask.kept(first, static_cast<uint32_t>(c)) ? e : T(0);
+      }
     } else {
-      const T inv_sum = static_cast<T>(1.0 / sum);
-      for (int64_t j = 0; j < n_valid; ++j) row[j] *= inv_sum;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < n_visible; ++c) {
+        const T e = exp_of(row[c] - row_max);
+        sum += e;
+        row[c] = e;
+      }
     }
+    std::fill(row + n_visible, row + cols, T(0));
+    if (!first_tile && row_max != m_M[p]) {
+      const T rescale = exp_of(m_M[p] - row_max);
+      T* o_row = o_Md + p * geo.d;
+      for (int64_t c = 0; c < geo.d; ++c) o_row[c] *= rescale;
+      l_M[p] = l_M[p] * rescale + sum;
+    } else {
+      l_M[p] += sum;
+    }
+    m_M[p] = row_max;
   }
-  gemm_rm(false, false, rows, geo.d, keys, T(1), probs, keys, v + geo.kv_offset(0, b, g), geo.ld_kv, T(0),
-          out + geo.q_offset(i0, b, h), geo.ld_q);
 }
+
+// out = o / l (times 1 / (1 - p) under dropout), lse = m + log(l), into the [S, B, N, d] and [B, N, S] outputs.
+template <typename T>
+MOECORE_VECTOR_CLONES void forward_finish(T* out_SBNd, T* lse_BNS, const T* o_Md, const T* m_M, const T* l_M,
+                                          const Geometry& geo, const Block& blk, const MaskStream& mask) {
+  for (int64_t p = 0; p < blk.rows; ++p) {
+    const T inv = static_cast<T>(mask.keep_scale / static_cast<double>(l_M[p]));
+    const T* o_row = o_Md + p * geo.d;
+    T* out_row = out_SBNd + geo.q_offset(blk.query(p), blk.b, blk.head(p));
+    for (int64_t c = 0; c < geo.d; ++c) out_row[c] = o_row[c] * inv;
+    lse_BNS[geo.row_offset(blk.b, blk.head(p)) + blk.query(p)] =
+        static_cast<T>(static_cast<double>(m_M[p]) + std::log(static_cast<double>(l_M[p])));
+  }
+}
+
+template <typename T>
+struct ForwardScratch {
+  static int64_t size(const Geometry& geo) { return geo.packed_rows * (2 * geo.d + kKeyTileForward + 2); }
+  ForwardScratch(T* base, const Geometry& geo)
+      : q_Md(base),
+        o_Md(q_Md + geo.packed_rows * geo.d),
+        s_MC(o_Md + geo.packed_rows * geo.d),
+        m_M(s_MC + geo.packed_rows * kKeyTileForward),
+        l_M(m_M + geo.packed_rows) {}
+  T *q_Md, *o_Md, *s_MC, *m_M, *l_M;
+};
+
+template <typename T>
+void forward_block(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd, const T* v_SBGd, const Geometry& geo,
+                   double scale, const MaskStream& mask, const Block& blk, ForwardScratch<T>& sc) {
+  pack_rows(sc.q_Md, q_SBNd, geo, blk);
+  std::fill(sc.m_M, sc.m_M + blk.rows, -std::numeric_limits<T>::infinity());
+  std::fill(sc.l_M, sc.l_M + blk.rows, T(0));
+  for (int64_t j0 = 0; j0 < blk.i1; j0 += kKeyTileForward) {
+    const int64_t cols = std::min(kKeyTileForward, blk.i1 - j0);  // keys past the block's last row: masked for all
+    const int64_t kv_off = geo.kv_offset(j0, blk.b, blk.g);
+    gemm_rm(false, true, blk.rows, cols, geo.d, static_cast<T>(scale), sc.q_Md, geo.d, k_SBGd + kv_off, geo.ld_kv, T(0),
+            sc.s_MC, cols);
+    forward_tile(sc.s_MC, sc.m_M, sc.l_M, sc.o_Md, geo, blk, j0, cols, mask, j0 == 0);
+    gemm_rm(false, false, blk.rows, geo.d, cols, T(1), sc.s_MC, cols, v_SBGd + kv_off, geo.ld_kv, T(j0 == 0 ? 0 : 1),
+            sc.o_Md, geo.d);
+  }
+  forward_finish(out_SBNd, lse_BNS, sc.o_Md, sc.m_M, sc.l_M, geo, blk, mask);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Backward
 
 // Inputs of the backward shared by all tasks.
 template <typename T>
@@ -147,111 +285,185 @@ struct BackwardInputs {
   const T *dout, *q, *k, *v, *lse, *delta;  // delta_BNS = rowsum(dout * out) = rowsum(dP * P)
   Geometry geo;
   double scale;
-  DropoutSpec dropout;
+  MaskStream mask;
 };
 
-// For query rows [i0, i1) and keys [j0, j1) of head (b, h), fills (row-major, ld = j1 - j0)
+// For the packed rows of a block and keys [j0, j0 + cols): in, pd_MC = scaled scores s and ds_MC = dPd = dout v^T;
+// out (ld cols, zero where masked)
 //   pd = P * mask / (1 - p)  (dropped probabilities, for dV)
 //   ds = scale * P * (dPd * mask / (1 - p) - delta)  (gradient of the unscaled scores q k^T)
-// with both zero above the diagonal. Compiled per vector ISA (the elementwise loops).
+// with P = exp(s - lse).
 template <typename T>
-MOECORE_VECTOR_CLONES void backward_tiles(const BackwardInputs<T>& in, int64_t b, int64_t h, int64_t i0, int64_t i1,
-                                          int64_t j0, int64_t j1, T* pd, T* ds) {
-  const Geometry& geo = in.geo;
-  const int64_t rows = i1 - i0, cols = j1 - j0, g = h / geo.heads_per_group;
-  gemm_rm(false, true, rows, cols, geo.d, static_cast<T>(in.scale), in.q + geo.q_offset(i0, b, h), geo.ld_q,
-          in.k + geo.kv_offset(j0, b, g), geo.ld_kv, T(0), pd, cols);
-  gemm_rm(false, true, rows, cols, geo.d, T(1), in.dout + geo.q_offset(i0, b, h), geo.ld_q,
-          in.v + geo.kv_offset(j0, b, g), geo.ld_kv, T(0), ds, cols);
-  const HeadDropout drop(in.dropout, geo, b, h);
-  const T scale = static_cast<T>(in.scale), keep_scale = static_cast<T>(drop.keep_scale);
-  const T* lse_row = in.lse + geo.row_offset(b, h);
-  const T* delta_row = in.delta + geo.row_offset(b, h);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = i0 + r, n_valid = std::clamp<int64_t>(i + 1 - j0, 0, cols);
-    T* pd_row = pd + r * cols;
-    T* ds_row = ds + r * cols;
-    const T lse_i = lse_row[i], delta_i = delta_row[i];
-    if (drop.active) {
-      for (int64_t c = 0; c < n_valid; ++c) {
-        const T p = std::exp(pd_row[c] - lse_i);
-        const T mask = drop.kept(i, j0 + c) ? keep_scale : T(0);
-        pd_row[c] = p * mask;
-        ds_row[c] = scale * p * (ds_row[c] * mask - delta_i);
+MOECORE_VECTOR_CLONES void backward_tile(T* pd_MC, T* ds_MC, const T* lse_M, const T* delta_M,
+                                         const BackwardInputs<T>& in, const Block& blk, int64_t j0, int64_t cols) {
+  const T scale = static_cast<T>(in.scale), keep_scale = static_cast<T>(in.mask.keep_scale);
+  for (int64_t p = 0; p < blk.rows; ++p) {
+    const int64_t n_visible = blk.visible(p, j0, cols);
+    T* pd_row = pd_MC + p * cols;
+    T* ds_row = ds_MC + p * cols;
+    const T lse = lse_M[p], delta = delta_M[p];
+    if (in.mask.active) {
+      const uint64_t first = in.geo.dropout_row_counter(blk.b, blk.head(p), blk.query(p)) + static_cast<uint64_t>(j0);
+#pragma omp simd
+      for (int64_t c = 0; c < n_visible; ++c) {
+        const T prob = exp_of(pd_row[c] - lse);
+        const T mult = in.mask.kept(first, static_cast<uint32_t>(c)) ? keep_scale : T(0);
+        pd_row[c] = prob * mult;
+        ds_row[c] = scale * prob * (ds_row[c] * mult - delta);
       }
     } else {
-      for (int64_t c = 0; c < n_valid; ++c) {
-        const T p = std::exp(pd_row[c] - lse_i);
-        pd_row[c] = p;
-        ds_row[c] = scale * p * (ds_row[c] - delta_i);
+#pragma omp simd
+      for (int64_t c = 0; c < n_visible; ++c) {
+        const T prob = exp_of(pd_row[c] - lse);
+        pd_row[c] = prob;
+        ds_row[c] = scale * prob * (ds_row[c] - delta);
       }
     }
-    std::fill(pd_row + n_valid, pd_row + cols, T(0));
-    std::fill(ds_row + n_valid, ds_row + cols, T(0));
+    std::fill(pd_row + n_visible, pd_row + cols, T(0));
+    std::fill(ds_row + n_visible, ds_row + cols, T(0));
   }
 }
 
-// One task per (b, kv group): all its heads and query blocks, writing dq, dk, dv of the group directly.
+template <typename T>
+struct BackwardScratch {
+  static int64_t size(const Geometry& geo) { return geo.packed_rows * (3 * geo.d + 2 * kKeyTileBackward + 2); }
+  BackwardScratch(T* base, const Geometry& geo)
+      : q_Md(base),
+        dout_Md(q_Md + geo.packed_rows * geo.d),
+        dq_Md(dout_Md + geo.packed_rows * geo.d),
+        pd_MC(dq_Md + geo.packed_rows * geo.d),
+        ds_MC(pd_MC + geo.packed_rows * kKeyTileBackward),
+        lse_M(ds_MC + geo.packed_rows * kKeyTileBackward),
+        delta_M(lse_M + geo.packed_rows) {}
+  T *q_Md, *dout_Md, *dq_Md, *pd_MC, *ds_MC, *lse_M, *delta_M;
+};
+
+// Packs q, dout, lse and delta of a block.
+template <typename T>
+void load_block(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block& blk) {
+  pack_rows(sc.q_Md, in.q, in.geo, blk);
+  pack_rows(sc.dout_Md, in.dout, in.geo, blk);
+  for (int64_t p = 0; p < blk.rows; ++p) {
+    const int64_t at = in.geo.row_offset(blk.b, blk.head(p)) + blk.query(p);
+    sc.lse_M[p] = in.lse[at];
+    sc.delta_M[p] = in.delta[at];
+  }
+}
+
+// The tile (block, keys [j0, j0 + cols)) in pd_MC and ds_MC.
+template <typename T>
+void compute_tile(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block& blk, int64_t j0, int64_t cols) {
+  const Geometry& geo = in.geo;
+  const int64_t kv_off = geo.kv_offset(j0, blk.b, blk.g);
+  gemm_rm(false, true, blk.rows, cols, geo.d, static_cast<T>(in.scale), sc.q_Md, geo.d, in.k + kv_off, geo.ld_kv, T(0),
+          sc.pd_MC, cols);
+  gemm_rm(false, true, blk.rows, cols, geo.d, T(1), sc.dout_Md, geo.d, in.v + kv_off, geo.ld_kv, T(0), sc.ds_MC, cols);
+  backward_tile(sc.pd_MC, sc.ds_MC, sc.lse_M, sc.delta_M, in, blk, j0, cols);
+}
+
+// dV[j0, +cols) += pd^T dout, dK[j0, +cols) += ds^T q.
+template <typename T>
+void accumulate_dk_dv(T* dk_SBGd, T* dv_SBGd, const BackwardScratch<T>& sc, const BackwardInputs<T>& in,
+                      const Block& blk, int64_t j0, int64_t cols) {
+  const Geometry& geo = in.geo;
+  const int64_t kv_off = geo.kv_offset(j0, blk.b, blk.g);
+  gemm_rm(true, false, cols, geo.d, blk.rows, T(1), sc.pd_MC, cols, sc.dout_Md, geo.d, T(1), dv_SBGd + kv_off,
+          geo.ld_kv);
+  gemm_rm(true, false, cols, geo.d, blk.rows, T(1), sc.ds_MC, cols, sc.q_Md, geo.d, T(1), dk_SBGd + kv_off, geo.ld_kv);
+}
+
+// dq_block (scratch) = / += ds k[j0, +cols).
+template <typename T>
+void accumulate_dq(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block& blk, int64_t j0, int64_t cols) {
+  const Geometry& geo = in.geo;
+  gemm_rm(false, false, blk.rows, geo.d, cols, T(1), sc.ds_MC, cols, in.k + geo.kv_offset(j0, blk.b, blk.g), geo.ld_kv,
+          T(j0 == 0 ? 0 : 1), sc.dq_Md, geo.d);
+}
+
+// dq += the block's accumulated dq.
+template <typename T>
+void store_dq(T* dq_SBNd, const BackwardScratch<T>& sc, const Geometry& geo, const Block& blk) {
+  const int64_t run = blk.hpg * geo.d;
+  for (int64_t i = blk.i0; i < blk.i1; ++i) {
+    T* dst = dq_SBNd + geo.q_offset(i, blk.b, blk.h0);
+    const T* src = sc.dq_Md + (i - blk.i0) * run;
+    for (int64_t c = 0; c < run; ++c) dst[c] += src[c];
+  }
+}
+
+// One task per (b, kv group): its query blocks in order, each over its key tiles in order.
 template <typename T>
 void backward_by_group(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
   const Geometry& geo = in.geo;
-  Scratch<T> scratch(kBlock * geo.S);
+  Scratch<T> scratch(BackwardScratch<T>::size(geo));
 #pragma omp parallel for schedule(dynamic, 1) if (geo.parallel())
   for (int64_t bg = 0; bg < geo.B * geo.G; ++bg) {
-    const int64_t b = bg / geo.G, g = bg % geo.G;
-    T* pd = scratch.tile(0);
-    T* ds = scratch.tile(1);
-    for (int64_t h = g * geo.heads_per_group; h < (g + 1) * geo.heads_per_group; ++h) {
-      for (int64_t i0 = 0; i0 < geo.S; i0 += kBlock) {
-        const int64_t i1 = std::min(geo.S, i0 + kBlock), rows = i1 - i0;
-        backward_tiles(in, b, h, i0, i1, 0, i1, pd, ds);
-        const int64_t q_off = geo.q_offset(i0, b, h), kv_off = geo.kv_offset(0, b, g);
-        gemm_rm(true, false, i1, geo.d, rows, T(1), pd, i1, in.dout + q_off, geo.ld_q, T(1), dv + kv_off, geo.ld_kv);
-        gemm_rm(true, false, i1, geo.d, rows, T(1), ds, i1, in.q + q_off, geo.ld_q, T(1), dk + kv_off, geo.ld_kv);
-        gemm_rm(false, false, rows, geo.d, i1, T(1), ds, i1, in.k + kv_off, geo.ld_kv, T(1), dq + q_off, geo.ld_q);
+    BackwardScratch<T> sc(scratch.mine(), geo);
+    for (int64_t i0 = 0; i0 < geo.S; i0 += geo.block_rows) {
+      const Block blk(geo, bg / geo.G, bg % geo.G, i0);
+      load_block(sc, in, blk);
+      for (int64_t j0 = 0; j0 < blk.i1; j0 += kKeyTileBackward) {
+        const int64_t cols = std::min(kKeyTileBackward, blk.i1 - j0);
+        compute_tile(sc, in, blk, j0, cols);
+        accumulate_dk_dv(dk, dv, sc, in, blk, j0, cols);
+        accumulate_dq(sc, in, blk, j0, cols);
       }
+      store_dq(dq, sc, geo, blk);
     }
   }
 }
 
-// Two passes with more parallelism when there are few (b, group) pairs: tasks (b, group, key block) produce dk, dv;
-// tasks (b, head, query block) produce dq. Recomputes the score tiles twice.
+// Two passes with more parallelism when there are few (b, group) pairs: tasks (b, group, key tile) produce dk, dv;
+// tasks (b, group, query block) produce dq. Computes each tile twice, in the same way as backward_by_group, so the
+// results are the same.
 template <typename T>
 void backward_by_block(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
   const Geometry& geo = in.geo;
-  const int64_t n_blocks = geo.n_blocks();
-  Scratch<T> scratch(kBlock * geo.S);
+  const int64_t n_key_tiles = (geo.S + kKeyTileBackward - 1) / kKeyTileBackward, n_blocks = geo.n_query_blocks();
+  const int64_t n_pairs = geo.B * geo.G;
+  Scratch<T> scratch(BackwardScratch<T>::size(geo));
 #pragma omp parallel if (geo.parallel())
   {
-    T* pd = scratch.tile(0);
-    T* ds = scratch.tile(1);
-    // Key block 0 sees every query row, the last one the fewest: start the big tasks first. The dq loop below
-    // reads nothing this one writes, so threads move on without a barrier.
+    BackwardScratch<T> sc(scratch.mine(), geo);
+    // Key tile 0 sees every query row, the last one the fewest: start the big tasks first. The dq loop below reads
+    // nothing this one writes, so threads move on without a barrier.
 #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t task = 0; task < n_blocks * geo.B * geo.G; ++task) {
-      const int64_t bg = task % (geo.B * geo.G), b = bg / geo.G, g = bg % geo.G;
-      const int64_t j0 = task / (geo.B * geo.G) * kBlock, j1 = std::min(geo.S, j0 + kBlock), cols = j1 - j0;
-      const int64_t kv_off = geo.kv_offset(j0, b, g);
-      for (int64_t h = g * geo.heads_per_group; h < (g + 1) * geo.heads_per_group; ++h) {
-        for (int64_t i0 = j0; i0 < geo.S; i0 += kBlock) {
-          const int64_t i1 = std::min(geo.S, i0 + kBlock), rows = i1 - i0, q_off = geo.q_offset(i0, b, h);
-          backward_tiles(in, b, h, i0, i1, j0, j1, pd, ds);
-          gemm_rm(true, false, cols, geo.d, rows, T(1), pd, cols, in.dout + q_off, geo.ld_q, T(1), dv + kv_off,
-                  geo.ld_kv);
-          gemm_rm(true, false, cols, geo.d, rows, T(1), ds, cols, in.q + q_off, geo.ld_q, T(1), dk + kv_off, geo.ld_kv);
-        }
+    for (int64_t task = 0; task < n_key_tiles * n_pairs; ++task) {
+      const int64_t bg = task % n_pairs, j0 = task / n_pairs * kKeyTileBackward;
+      for (int64_t i0 = j0 / geo.block_rows * geo.block_rows; i0 < geo.S; i0 += geo.block_rows) {
+        const Block blk(geo, bg / geo.G, bg % geo.G, i0);
+        const int64_t cols = std::min(kKeyTileBackward, blk.i1 - j0);
+        load_block(sc, in, blk);
+        compute_tile(sc, in, blk, j0, cols);
+        accumulate_dk_dv(dk, dv, sc, in, blk, j0, cols);
       }
     }
     // Query block n-1 sees the most keys: start it first.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < n_blocks * geo.B * geo.N; ++task) {
-      const int64_t bh = task % (geo.B * geo.N), b = bh / geo.N, h = bh % geo.N, g = h / geo.heads_per_group;
-      const int64_t i0 = (n_blocks - 1 - task / (geo.B * geo.N)) * kBlock, i1 = std::min(geo.S, i0 + kBlock);
-      backward_tiles(in, b, h, i0, i1, 0, i1, pd, ds);
-      const int64_t q_off = geo.q_offset(i0, b, h);
-      gemm_rm(false, false, i1 - i0, geo.d, i1, T(1), ds, i1, in.k + geo.kv_offset(0, b, g), geo.ld_kv, T(1),
-              dq + q_off, geo.ld_q);
+    for (int64_t task = 0; task < n_blocks * n_pairs; ++task) {
+      const int64_t bg = task % n_pairs, i0 = (n_blocks - 1 - task / n_pairs) * geo.block_rows;
+      const Block blk(geo, bg / geo.G, bg % geo.G, i0);
+      load_block(sc, in, blk);
+      for (int64_t j0 = 0; j0 < blk.i1; j0 += kKeyTileBackward) {
+        const int64_t cols = std::min(kKeyTileBackward, blk.i1 - j0);
+        compute_tile(sc, in, blk, j0, cols);
+        accumulate_dq(sc, in, blk, j0, cols);
+      }
+      store_dq(dq, sc, geo, blk);
     }
+  }
+}
+
+// delta_BNS[b, h, i] = dout_i . out_i (in double).
+template <typename T>
+MOECORE_VECTOR_CLONES void row_dots(T* delta_BNS, const T* dout_SBNd, const T* out_SBNd, const Geometry& geo,
+                                    int64_t i) {
+  for (int64_t bh = 0; bh < geo.B * geo.N; ++bh) {
+    const T* dout_row = dout_SBNd + (i * geo.B * geo.N + bh) * geo.d;
+    const T* out_row = out_SBNd + (i * geo.B * geo.N + bh) * geo.d;
+    double dot = 0.0;
+    for (int64_t c = 0; c < geo.d; ++c) dot += static_cast<double>(dout_row[c]) * static_cast<double>(out_row[c]);
+    delta_BNS[bh * geo.S + i] = static_cast<T>(dot);
   }
 }
 
@@ -262,15 +474,15 @@ void attention_forward(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd
                        const AttentionDims& dims, const DropoutSpec& dropout) {
   check_args(dims, dropout, "attention_forward");
   const Geometry geo(dims);
-  const int64_t n_blocks = geo.n_blocks();
-  Scratch<T> scratch(kBlock * geo.S);
+  const MaskStream mask(dropout);
+  const int64_t n_blocks = geo.n_query_blocks(), n_pairs = geo.B * geo.G;
+  Scratch<T> scratch(ForwardScratch<T>::size(geo));
 #pragma omp parallel for schedule(dynamic, 1) if (geo.parallel())
-  for (int64_t task = 0; task < n_blocks * geo.B * geo.N; ++task) {
-    const int64_t bh = task % (geo.B * geo.N), b = bh / geo.N, h = bh % geo.N;
-    const int64_t i0 = (n_blocks - 1 - task / (geo.B * geo.N)) * kBlock;  // biggest blocks first
-    const HeadDropout drop(dropout, geo, b, h);
-    forward_block(out_SBNd, lse_BNS, q_SBNd, k_SBGd, v_SBGd, geo, dims.scale, drop, b, h, i0,
-                  std::min(geo.S, i0 + kBlock), scratch.tile(0));
+  for (int64_t task = 0; task < n_blocks * n_pairs; ++task) {
+    const int64_t bg = task % n_pairs, i0 = (n_blocks - 1 - task / n_pairs) * geo.block_rows;  // biggest first
+    ForwardScratch<T> sc(scratch.mine(), geo);
+    forward_block(out_SBNd, lse_BNS, q_SBNd, k_SBGd, v_SBGd, geo, dims.scale, mask,
+                  Block(geo, bg / geo.G, bg % geo.G, i0), sc);
   }
 }
 
@@ -282,17 +494,10 @@ void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, 
   const Geometry geo(dims);
   // rowsum(dP * P) = sum_j dPd_ij Pd_ij = dout_i . out_i, also with dropout (out is built from Pd).
   std::vector<T> delta_BNS(geo.B * geo.N * geo.S);
-#pragma omp parallel for collapse(2) schedule(static) if (geo.parallel())
-  for (int64_t i = 0; i < geo.S; ++i) {
-    for (int64_t bh = 0; bh < geo.B * geo.N; ++bh) {
-      const T* dout_row = dout_SBNd + i * geo.B * geo.N * geo.d + bh * geo.d;
-      const T* out_row = out_SBNd + i * geo.B * geo.N * geo.d + bh * geo.d;
-      double dot = 0.0;
-      for (int64_t c = 0; c < geo.d; ++c) dot += static_cast<double>(dout_row[c]) * static_cast<double>(out_row[c]);
-      delta_BNS[bh * geo.S + i] = static_cast<T>(dot);
-    }
-  }
-  const BackwardInputs<T> in{dout_SBNd, q_SBNd, k_SBGd, v_SBGd, lse_BNS, delta_BNS.data(), geo, dims.scale, dropout};
+#pragma omp parallel for schedule(static) if (geo.parallel())
+  for (int64_t i = 0; i < geo.S; ++i) row_dots(delta_BNS.data(), dout_SBNd, out_SBNd, geo, i);
+  const BackwardInputs<T> in{dout_SBNd,          q_SBNd, k_SBGd, v_SBGd, lse_BNS, delta_BNS.data(), geo, dims.scale,
+                             MaskStream(dropout)};
   const int64_t n_threads = omp_get_max_threads();
   if (n_threads == 1 || geo.B * geo.G >= 2 * n_threads) {
     backward_by_group(dq_SBNd, dk_SBGd, dv_SBGd, in);
