@@ -251,6 +251,96 @@ TEST(AttentionTest, DropoutMaskFollowsCounterRng) {
   EXPECT_GT(test::max_abs_error(other.out.data(), dropped.out.data(), other.out.size()), 1e-3);
 }
 
+// Shapes for the tiled kernel: sequences over several key tiles (forward tiles of 256 keys, backward tiles of 128)
+// and query blocks, none a multiple of the tile; GQA with 2, 4 and 8 heads per group (blocks of 64, 32, 16 query
+// rows of every head of the group), MQA over many heads.
+const std::vector<Shape> kTiledShapes = {
+    {600, 1, 4, 2, 16}, {257, 2, 8, 2, 8}, {300, 1, 8, 1, 8}, {129, 3, 4, 1, 12}, {520, 1, 2, 2, 8}};
+
+template <typename T>
+void expect_tiled_matches_ref(double tol) {
+  for (const Shape& shape : kTiledShapes) {
+    for (const DropoutSpec& drop : {kNoDropout, kDropout}) {
+      SCOPED_TRACE(describe(shape) + " p=" + std::to_string(drop.p));
+      const Problem<T> pb(shape, 70);
+      const Forward<T> fast = run_forward<T, true>(pb, drop);
+      const Forward<T> naive = run_forward<T, false>(pb, drop);
+      EXPECT_LT(normwise_rel_error(fast.out, naive.out), tol);
+      EXPECT_LT(max_rel_error(fast.lse, naive.lse, 1.0), tol);
+      const Grads<T> naive_grads = run_backward<T, false>(pb, fast, drop, false);
+      for (const int threads : {1, 3}) {
+        SCOPED_TRACE("threads=" + std::to_string(threads));
+        const ThreadCount thread_count(threads);
+        const Grads<T> fast_grads = run_backward<T, true>(pb, fast, drop, false);
+        EXPECT_LT(normwise_rel_error(fast_grads.dq, naive_grads.dq), tol);
+        EXPECT_LT(normwise_rel_error(fast_grads.dk, naive_grads.dk), tol);
+        EXPECT_LT(normwise_rel_error(fast_grads.dv, naive_grads.dv), tol);
+      }
+    }
+  }
+}
+
+TEST(AttentionTest, TiledShapesMatchRefFloat) { expect_tiled_matches_ref<float>(1e-5); }
+TEST(AttentionTest, TiledShapesMatchRefDouble) { expect_tiled_matches_ref<double>(1e-12); }
+
+// Every output element is computed in a fixed order whatever the thread count: forward and both backward schedules
+// (per group on 1 thread or many groups, per key tile / query block otherwise) give the same bits.
+TEST(AttentionTest, ResultsDoNotDependOnThreadCount) {
+  for (const Shape& shape : {Shape{600, 1, 4, 2, 16}, Shape{200, 3, 4, 2, 16}, Shape{130, 2, 4, 4, 16}}) {
+    for (const DropoutSpec& drop : {kNoDropout, kDropout}) {
+      SCOPED_TRACE(describe(shape) + " p=" + std::to_string(drop.p));
+      const Problem<float> pb(shape, 80);
+      Forward<float> f1;
+      Grads<float> g1;
+      {
+        const ThreadCount one_thread(1);
+        f1 = run_forward<float, true>(pb, drop);
+        g1 = run_backward<float, true>(pb, f1, drop, false);
+      }
+      for (const int threads : {2, 3, 4, 8}) {
+        SCOPED_TRACE("threads=" + std::to_string(threads));
+        const ThreadCount thread_count(threads);
+        const Forward<float> f = run_forward<float, true>(pb, drop);
+        const Grads<float> g = run_backward<float, true>(pb, f1, drop, false);
+        EXPECT_TRUE(f.out == f1.out);
+        EXPECT_TRUE(f.lse == f1.lse);
+        EXPECT_TRUE(g.dq == g1.dq);
+        EXPECT_TRUE(g.dk == g1.dk);
+        EXPECT_TRUE(g.dv == g1.dv);
+      }
+    }
+  }
+}
+
+// Tensor-parallel head offsets put the dropout counters past 2^32 (and rows of one head across the 2^32 boundary):
+// the mask still follows CounterRng at the documented counter, as the reference draws it.
+TEST(AttentionTest, DropoutCountersAbove32Bits) {
+  const Shape shape{70, 2, 4, 2, 8};
+  // With this offset head 1 of batch 0 starts 4596 counters below 2^32: its row 65 runs across the boundary.
+  const int64_t crossing = (int64_t{1} << 32) / (shape.S * shape.S) - 1;
+  for (const int64_t head_offset : {int64_t{1} << 20, crossing, (int64_t{3} << 21) + 5}) {
+    SCOPED_TRACE("head offset " + std::to_string(head_offset));
+    Problem<double> pb(shape, 90);
+    pb.dims.dropout_total_heads = int64_t{1} << 23;
+    pb.dims.dropout_head_offset = head_offset;
+    const Forward<double> fast = run_forward<double, true>(pb, kDropout);
+    const Forward<double> naive = run_forward<double, false>(pb, kDropout);
+    EXPECT_LT(normwise_rel_error(fast.out, naive.out), 1e-12);
+    const Grads<double> fast_grads = run_backward<double, true>(pb, fast, kDropout, false);
+    const Grads<double> naive_grads = run_backward<double, false>(pb, fast, kDropout, false);
+    EXPECT_LT(normwise_rel_error(fast_grads.dq, naive_grads.dq), 1e-12);
+    EXPECT_LT(normwise_rel_error(fast_grads.dk, naive_grads.dk), 1e-12);
+    EXPECT_LT(normwise_rel_error(fast_grads.dv, naive_grads.dv), 1e-12);
+    // And it differs from the mask without the offset.
+    Problem<double> no_offset = pb;
+    no_offset.dims.dropout_total_heads = 0;
+    no_offset.dims.dropout_head_offset = 0;
+    EXPECT_GT(test::max_abs_error(run_forward<double, true>(no_offset, kDropout).out.data(), fast.out.data(),
+                                  fast.out.size()),
+              1e-3);
+  }
+}
+
 TEST(AttentionTest, RejectsBadArguments) {
   const Problem<float> pb(Shape{4, 1, 3, 2, 2}, 60);  // N not divisible by G
   std::vector<float> out(pb.q.size()), lse(4 * 3);
