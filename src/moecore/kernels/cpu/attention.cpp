@@ -2,9 +2,10 @@
 // of query rows of every head of one kv group (the heads share each K/V tile, read in place from the [S, B, G, d]
 // tensors), walks the keys up to the diagonal in tiles that stay in cache, and keeps an online softmax (running row
 // max and sum, the output accumulator rescaled when the max grows), so no [rows, S] tile is ever formed. Tiles above
-// the diagonal are skipped, only the diagonal tile is masked. Backward recomputes the probabilities of each tile
-// from the saved lse. Products are single-threaded GEMMs (gemm.h) inside OpenMP loops; the element-wise loops
-// (vectorised exp, fast_exp.h; the dropout mask's Philox) are compiled per vector ISA (vector_isa.h).
+// the diagonal are skipped; the block's own keys, where the mask cuts, go in narrow tiles against only the rows that
+// see them. Backward recomputes the probabilities of each tile from the saved lse. Products are single-threaded GEMMs
+// (gemm.h) inside OpenMP loops; the element-wise loops (vectorised exp, fast_exp.h; the dropout mask's Philox) are
+// compiled per vector ISA (vector_isa.h).
 //
 // Every output element is a fixed sequence of tile operations whatever the thread count: a task owns its outputs
 // (forward: its query rows; backward: dK, dV of its key tile or all tiles of its group, dQ of its query block), and
@@ -15,6 +16,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -31,14 +33,19 @@
 namespace moecore::kernels::cpu {
 namespace {
 
-// A query block holds kPackedRows / (heads per group) query rows (at least kMinBlockRows, at most kMaxBlockRows) of
-// every head of its group: about kPackedRows rows in the GEMMs whatever the grouping.
-constexpr int64_t kPackedRows = 128;
+// A query block holds kPackedRows / (heads per group) query rows (rounded down to a power of two, at least
+// kMinBlockRows, at most kMaxBlockRows) of every head of its group: about kPackedRows rows in the GEMMs whatever the
+// grouping.
+constexpr int64_t kPackedRows = 256;
 constexpr int64_t kMinBlockRows = 16;
-constexpr int64_t kMaxBlockRows = 64;
-// Keys per tile: [packed rows, tile] scores stay in L2.
+constexpr int64_t kMaxBlockRows = 128;
+// Keys per tile: the [packed rows, tile] scores (two tiles in backward) stay in L2. A block's own keys, where the
+// causal mask cuts, go in tiles of kDiagonalTile keys, each against the rows that see it.
 constexpr int64_t kKeyTileForward = 256;
 constexpr int64_t kKeyTileBackward = 128;
+constexpr int64_t kDiagonalTile = 32;
+static_assert(kMaxBlockRows <= kKeyTileBackward && kMaxBlockRows <= kKeyTileForward,
+              "a block's own keys must fit in one key tile");
 // Below this many multiply-adds (S^2 B N d) a call runs on one thread: fork/join would cost more than it saves.
 constexpr int64_t kParallelWork = int64_t{1} << 18;
 
@@ -83,7 +90,9 @@ struct Geometry {
         heads_per_group(dims.N / dims.G),
         ld_q(dims.B * dims.N * dims.head_dim),
         ld_kv(dims.B * dims.G * dims.head_dim),
-        block_rows(std::clamp(kPackedRows / heads_per_group, kMinBlockRows, kMaxBlockRows)),
+        block_rows(std::clamp<int64_t>(std::bit_floor(static_cast<uint64_t>(kPackedRows / heads_per_group)),
+                                       kMinBlockRows, kMaxBlockRows)),
+        diagonal_tile(std::min(block_rows, kDiagonalTile)),
         packed_rows(block_rows * heads_per_group),
         dropout_heads(dims.dropout_total_heads > 0 ? dims.dropout_total_heads : dims.N),
         dropout_head_offset(dims.dropout_head_offset) {}
@@ -98,7 +107,8 @@ struct Geometry {
            static_cast<uint64_t>(S);
   }
 
-  int64_t S, B, N, G, d, heads_per_group, ld_q, ld_kv, block_rows, packed_rows, dropout_heads, dropout_head_offset;
+  int64_t S, B, N, G, d, heads_per_group, ld_q, ld_kv, block_rows, diagonal_tile, packed_rows, dropout_heads,
+      dropout_head_offset;
 };
 
 // First word of Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011) for the 64-bit
@@ -163,6 +173,25 @@ struct Block {
   int64_t b, g, h0, hpg, i0, i1, rows;
 };
 
+// Keys [j0, j0 + cols) against the block's packed rows [p0, rows): the rows before p0 see none of these keys.
+struct KeyTile {
+  int64_t j0, cols, p0;
+};
+
+// The key tiles of a block, in the order every schedule visits them: keys [0, i0 + diagonal_tile) in tiles of
+// `tile` keys aligned to multiples of `tile` (all rows), then the rest of the block's own keys in tiles of
+// diagonal_tile keys, each against the rows from the first query that sees it, so that only about
+// block_rows * diagonal_tile / 2 masked scores per block are computed. block_rows (a power of two) divides `tile`,
+// so every tile lies inside one `tile`-aligned key range.
+template <typename F>
+void for_each_key_tile(const Geometry& geo, const Block& blk, int64_t tile, F&& visit) {
+  const int64_t full_end = std::min(blk.i1, blk.i0 + geo.diagonal_tile);
+  for (int64_t j0 = 0; j0 < full_end; j0 += tile) visit(KeyTile{j0, std::min(tile, full_end - j0), 0});
+  for (int64_t j0 = full_end; j0 < blk.i1; j0 += geo.diagonal_tile) {
+    visit(KeyTile{j0, std::min(geo.diagonal_tile, blk.i1 - j0), (j0 - blk.i0) * blk.hpg});
+  }
+}
+
 // Copies the block's rows of a [S, B, N, d] tensor into x_Md ([block.rows, d]): each query position's heads of the
 // group are one contiguous run of hpg * d values.
 template <typename T>
@@ -189,38 +218,34 @@ class Scratch {
 // ---------------------------------------------------------------------------------------------------------------
 // Forward
 
-// One key tile [j0, j0 + cols) for the packed rows of a block. In: s_MC = scaled scores (ld cols), m_M, l_M = the
+// One key tile for the packed rows of a block. In: s_MC = scaled scores (rows [p0, rows), ld cols), m_M, l_M = the
 // running max and sum of exp(s - m) over the keys so far (-inf, 0 before the first tile), o_Md = the output
 // accumulator sum of exp(s - m) (dropped) v. Out: s_MC = exp(s - m_new), 0 where masked or dropped; m, l updated;
-// o_Md rows rescaled by exp(m_old - m_new) unless this is the first tile (o not yet written).
+// o_Md rows rescaled by exp(m_old - m_new) unless this is the first tile (o not yet written). Masked scores become
+// -inf (exp gives 0), so every row runs the same full-width loops.
 template <typename T>
 MOECORE_VECTOR_CLONES void forward_tile(T* s_MC, T* m_M, T* l_M, T* o_Md, const Geometry& geo, const Block& blk,
-                                        int64_t j0, int64_t cols, const MaskStream& mask, bool first_tile) {
-  for (int64_t p = 0; p < blk.rows; ++p) {
+                                        const KeyTile& tile, const MaskStream& mask) {
+  const int64_t j0 = tile.j0, cols = tile.cols;
+  for (int64_t p = tile.p0; p < blk.rows; ++p) {
     T* row = s_MC + p * cols;
-    const int64_t n_visible = blk.visible(p, j0, cols);
+    std::fill(row + blk.visible(p, j0, cols), row + cols, -std::numeric_limits<T>::infinity());
     T row_max = m_M[p];
 #pragma omp simd reduction(max : row_max)
-    for (int64_t c = 0; c < n_visible; ++c) row_max = row[c] > row_max ? row[c] : row_max;
+    for (int64_t c = 0; c < cols; ++c) row_max = row[c] > row_max ? row[c] : row_max;
     T sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t c = 0; c < cols; ++c) {
+      const T e = exp_of(row[c] - row_max);
+      sum += e;
+      row[c] = e;
+    }
     if (mask.active) {
       const uint64_t first = geo.dropout_row_counter(blk.b, blk.head(p), blk.query(p)) + static_cast<uint64_t>(j0);
-#pragma omp simd reduction(+ : sum)
-      for (int64_t c = 0; c < n_visible; ++c) {
-        const T e = exp_of(row[c] - row_max);
-        sum += e;
-        row[c] = mask.kept(first, static_cast<uint32_t>(c)) ? e : T(0);
-      }
-    } else {
-#pragma omp simd reduction(+ : sum)
-      for (int64_t c = 0; c < n_visible; ++c) {
-        const T e = exp_of(row[c] - row_max);
-        sum += e;
-        row[c] = e;
-      }
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) row[c] = mask.kept(first, static_cast<uint32_t>(c)) ? row[c] : T(0);
     }
-    std::fill(row + n_visible, row + cols, T(0));
-    if (!first_tile && row_max != m_M[p]) {
+    if (j0 > 0 && row_max != m_M[p]) {
       const T rescale = exp_of(m_M[p] - row_max);
       T* o_row = o_Md + p * geo.d;
       for (int64_t c = 0; c < geo.d; ++c) o_row[c] *= rescale;
@@ -264,15 +289,15 @@ void forward_block(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd, co
   pack_rows(sc.q_Md, q_SBNd, geo, blk);
   std::fill(sc.m_M, sc.m_M + blk.rows, -std::numeric_limits<T>::infinity());
   std::fill(sc.l_M, sc.l_M + blk.rows, T(0));
-  for (int64_t j0 = 0; j0 < blk.i1; j0 += kKeyTileForward) {
-    const int64_t cols = std::min(kKeyTileForward, blk.i1 - j0);  // keys past the block's last row: masked for all
-    const int64_t kv_off = geo.kv_offset(j0, blk.b, blk.g);
-    gemm_rm(false, true, blk.rows, cols, geo.d, static_cast<T>(scale), sc.q_Md, geo.d, k_SBGd + kv_off, geo.ld_kv, T(0),
-            sc.s_MC, cols);
-    forward_tile(sc.s_MC, sc.m_M, sc.l_M, sc.o_Md, geo, blk, j0, cols, mask, j0 == 0);
-    gemm_rm(false, false, blk.rows, geo.d, cols, T(1), sc.s_MC, cols, v_SBGd + kv_off, geo.ld_kv, T(j0 == 0 ? 0 : 1),
-            sc.o_Md, geo.d);
-  }
+  for_each_key_tile(geo, blk, kKeyTileForward, [&](const KeyTile& tile) {
+    const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
+    T* s_MC = sc.s_MC + tile.p0 * tile.cols;
+    gemm_rm(false, true, rows, tile.cols, geo.d, static_cast<T>(scale), sc.q_Md + tile.p0 * geo.d, geo.d,
+            k_SBGd + kv_off, geo.ld_kv, T(0), s_MC, tile.cols);
+    forward_tile(sc.s_MC, sc.m_M, sc.l_M, sc.o_Md, geo, blk, tile, mask);
+    gemm_rm(false, false, rows, geo.d, tile.cols, T(1), s_MC, tile.cols, v_SBGd + kv_off, geo.ld_kv,
+            T(tile.j0 == 0 ? 0 : 1), sc.o_Md + tile.p0 * geo.d, geo.d);
+  });
   forward_finish(out_SBNd, lse_BNS, sc.o_Md, sc.m_M, sc.l_M, geo, blk, mask);
 }
 
@@ -288,24 +313,25 @@ struct BackwardInputs {
   MaskStream mask;
 };
 
-// For the packed rows of a block and keys [j0, j0 + cols): in, pd_MC = scaled scores s and ds_MC = dPd = dout v^T;
-// out (ld cols, zero where masked)
+// For the packed rows [p0, rows) of a block and the tile's keys: in, pd_MC = scaled scores s and ds_MC = dPd =
+// dout v^T; out (ld cols, zero where masked)
 //   pd = P * mask / (1 - p)  (dropped probabilities, for dV)
 //   ds = scale * P * (dPd * mask / (1 - p) - delta)  (gradient of the unscaled scores q k^T)
-// with P = exp(s - lse).
+// with P = exp(s - lse), masked scores set to -inf first so that every row runs the same full-width loop.
 template <typename T>
 MOECORE_VECTOR_CLONES void backward_tile(T* pd_MC, T* ds_MC, const T* lse_M, const T* delta_M,
-                                         const BackwardInputs<T>& in, const Block& blk, int64_t j0, int64_t cols) {
+                                         const BackwardInputs<T>& in, const Block& blk, const KeyTile& tile) {
   const T scale = static_cast<T>(in.scale), keep_scale = static_cast<T>(in.mask.keep_scale);
-  for (int64_t p = 0; p < blk.rows; ++p) {
-    const int64_t n_visible = blk.visible(p, j0, cols);
+  const int64_t j0 = tile.j0, cols = tile.cols;
+  for (int64_t p = tile.p0; p < blk.rows; ++p) {
     T* pd_row = pd_MC + p * cols;
     T* ds_row = ds_MC + p * cols;
+    std::fill(pd_row + blk.visible(p, j0, cols), pd_row + cols, -std::numeric_limits<T>::infinity());
     const T lse = lse_M[p], delta = delta_M[p];
     if (in.mask.active) {
       const uint64_t first = in.geo.dropout_row_counter(blk.b, blk.head(p), blk.query(p)) + static_cast<uint64_t>(j0);
 #pragma omp simd
-      for (int64_t c = 0; c < n_visible; ++c) {
+      for (int64_t c = 0; c < cols; ++c) {
         const T prob = exp_of(pd_row[c] - lse);
         const T mult = in.mask.kept(first, static_cast<uint32_t>(c)) ? keep_scale : T(0);
         pd_row[c] = prob * mult;
@@ -313,14 +339,12 @@ MOECORE_VECTOR_CLONES void backward_tile(T* pd_MC, T* ds_MC, const T* lse_M, con
       }
     } else {
 #pragma omp simd
-      for (int64_t c = 0; c < n_visible; ++c) {
+      for (int64_t c = 0; c < cols; ++c) {
         const T prob = exp_of(pd_row[c] - lse);
         pd_row[c] = prob;
         ds_row[c] = scale * prob * (ds_row[c] - delta);
       }
     }
-    std::fill(pd_row + n_visible, pd_row + cols, T(0));
-    std::fill(ds_row + n_visible, ds_row + cols, T(0));
   }
 }
 
@@ -350,34 +374,37 @@ void load_block(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block
   }
 }
 
-// The tile (block, keys [j0, j0 + cols)) in pd_MC and ds_MC.
+// The tile's scores and gradients (backward_tile) in pd_MC and ds_MC, rows [tile.p0, rows), ld tile.cols.
 template <typename T>
-void compute_tile(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block& blk, int64_t j0, int64_t cols) {
+void compute_tile(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block& blk, const KeyTile& tile) {
   const Geometry& geo = in.geo;
-  const int64_t kv_off = geo.kv_offset(j0, blk.b, blk.g);
-  gemm_rm(false, true, blk.rows, cols, geo.d, static_cast<T>(in.scale), sc.q_Md, geo.d, in.k + kv_off, geo.ld_kv, T(0),
-          sc.pd_MC, cols);
-  gemm_rm(false, true, blk.rows, cols, geo.d, T(1), sc.dout_Md, geo.d, in.v + kv_off, geo.ld_kv, T(0), sc.ds_MC, cols);
-  backward_tile(sc.pd_MC, sc.ds_MC, sc.lse_M, sc.delta_M, in, blk, j0, cols);
+  const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
+  gemm_rm(false, true, rows, tile.cols, geo.d, static_cast<T>(in.scale), sc.q_Md + tile.p0 * geo.d, geo.d,
+          in.k + kv_off, geo.ld_kv, T(0), sc.pd_MC + tile.p0 * tile.cols, tile.cols);
+  gemm_rm(false, true, rows, tile.cols, geo.d, T(1), sc.dout_Md + tile.p0 * geo.d, geo.d, in.v + kv_off, geo.ld_kv,
+          T(0), sc.ds_MC + tile.p0 * tile.cols, tile.cols);
+  backward_tile(sc.pd_MC, sc.ds_MC, sc.lse_M, sc.delta_M, in, blk, tile);
 }
 
-// dV[j0, +cols) += pd^T dout, dK[j0, +cols) += ds^T q.
+// dV[tile keys] += pd^T dout, dK[tile keys] += ds^T q.
 template <typename T>
 void accumulate_dk_dv(T* dk_SBGd, T* dv_SBGd, const BackwardScratch<T>& sc, const BackwardInputs<T>& in,
-                      const Block& blk, int64_t j0, int64_t cols) {
+                      const Block& blk, const KeyTile& tile) {
   const Geometry& geo = in.geo;
-  const int64_t kv_off = geo.kv_offset(j0, blk.b, blk.g);
-  gemm_rm(true, false, cols, geo.d, blk.rows, T(1), sc.pd_MC, cols, sc.dout_Md, geo.d, T(1), dv_SBGd + kv_off,
-          geo.ld_kv);
-  gemm_rm(true, false, cols, geo.d, blk.rows, T(1), sc.ds_MC, cols, sc.q_Md, geo.d, T(1), dk_SBGd + kv_off, geo.ld_kv);
+  const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
+  gemm_rm(true, false, tile.cols, geo.d, rows, T(1), sc.pd_MC + tile.p0 * tile.cols, tile.cols,
+          sc.dout_Md + tile.p0 * geo.d, geo.d, T(1), dv_SBGd + kv_off, geo.ld_kv);
+  gemm_rm(true, false, tile.cols, geo.d, rows, T(1), sc.ds_MC + tile.p0 * tile.cols, tile.cols,
+          sc.q_Md + tile.p0 * geo.d, geo.d, T(1), dk_SBGd + kv_off, geo.ld_kv);
 }
 
-// dq_block (scratch) = / += ds k[j0, +cols).
+// The block's dq (scratch) = / += ds k[tile keys].
 template <typename T>
-void accumulate_dq(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block& blk, int64_t j0, int64_t cols) {
+void accumulate_dq(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block& blk, const KeyTile& tile) {
   const Geometry& geo = in.geo;
-  gemm_rm(false, false, blk.rows, geo.d, cols, T(1), sc.ds_MC, cols, in.k + geo.kv_offset(j0, blk.b, blk.g), geo.ld_kv,
-          T(j0 == 0 ? 0 : 1), sc.dq_Md, geo.d);
+  gemm_rm(false, false, blk.rows - tile.p0, geo.d, tile.cols, T(1), sc.ds_MC + tile.p0 * tile.cols, tile.cols,
+          in.k + geo.kv_offset(tile.j0, blk.b, blk.g), geo.ld_kv, T(tile.j0 == 0 ? 0 : 1), sc.dq_Md + tile.p0 * geo.d,
+          geo.d);
 }
 
 // dq += the block's accumulated dq.
@@ -402,12 +429,11 @@ void backward_by_group(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
     for (int64_t i0 = 0; i0 < geo.S; i0 += geo.block_rows) {
       const Block blk(geo, bg / geo.G, bg % geo.G, i0);
       load_block(sc, in, blk);
-      for (int64_t j0 = 0; j0 < blk.i1; j0 += kKeyTileBackward) {
-        const int64_t cols = std::min(kKeyTileBackward, blk.i1 - j0);
-        compute_tile(sc, in, blk, j0, cols);
-        accumulate_dk_dv(dk, dv, sc, in, blk, j0, cols);
-        accumulate_dq(sc, in, blk, j0, cols);
-      }
+      for_each_key_tile(geo, blk, kKeyTileBackward, [&](const KeyTile& tile) {
+        compute_tile(sc, in, blk, tile);
+        accumulate_dk_dv(dk, dv, sc, in, blk, tile);
+        accumulate_dq(sc, in, blk, tile);
+      });
       store_dq(dq, sc, geo, blk);
     }
   }
@@ -429,13 +455,15 @@ void backward_by_block(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
     // nothing this one writes, so threads move on without a barrier.
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t task = 0; task < n_key_tiles * n_pairs; ++task) {
-      const int64_t bg = task % n_pairs, j0 = task / n_pairs * kKeyTileBackward;
-      for (int64_t i0 = j0 / geo.block_rows * geo.block_rows; i0 < geo.S; i0 += geo.block_rows) {
+      const int64_t bg = task % n_pairs, k0 = task / n_pairs * kKeyTileBackward, k1 = k0 + kKeyTileBackward;
+      for (int64_t i0 = k0 / geo.block_rows * geo.block_rows; i0 < geo.S; i0 += geo.block_rows) {
         const Block blk(geo, bg / geo.G, bg % geo.G, i0);
-        const int64_t cols = std::min(kKeyTileBackward, blk.i1 - j0);
         load_block(sc, in, blk);
-        compute_tile(sc, in, blk, j0, cols);
-        accumulate_dk_dv(dk, dv, sc, in, blk, j0, cols);
+        for_each_key_tile(geo, blk, kKeyTileBackward, [&](const KeyTile& tile) {
+          if (tile.j0 < k0 || tile.j0 >= k1) return;
+          compute_tile(sc, in, blk, tile);
+          accumulate_dk_dv(dk, dv, sc, in, blk, tile);
+        });
       }
     }
     // Query block n-1 sees the most keys: start it first.
@@ -444,11 +472,10 @@ void backward_by_block(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
       const int64_t bg = task % n_pairs, i0 = (n_blocks - 1 - task / n_pairs) * geo.block_rows;
       const Block blk(geo, bg / geo.G, bg % geo.G, i0);
       load_block(sc, in, blk);
-      for (int64_t j0 = 0; j0 < blk.i1; j0 += kKeyTileBackward) {
-        const int64_t cols = std::min(kKeyTileBackward, blk.i1 - j0);
-        compute_tile(sc, in, blk, j0, cols);
-        accumulate_dq(sc, in, blk, j0, cols);
-      }
+      for_each_key_tile(geo, blk, kKeyTileBackward, [&](const KeyTile& tile) {
+        compute_tile(sc, in, blk, tile);
+        accumulate_dq(sc, in, blk, tile);
+      });
       store_dq(dq, sc, geo, blk);
     }
   }
@@ -498,8 +525,11 @@ void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, 
   for (int64_t i = 0; i < geo.S; ++i) row_dots(delta_BNS.data(), dout_SBNd, out_SBNd, geo, i);
   const BackwardInputs<T> in{dout_SBNd,          q_SBNd, k_SBGd, v_SBGd, lse_BNS, delta_BNS.data(), geo, dims.scale,
                              MaskStream(dropout)};
-  const int64_t n_threads = omp_get_max_threads();
-  if (n_threads == 1 || geo.B * geo.G >= 2 * n_threads) {
+  // The per-group schedule computes each tile once, the two-pass one 1.5 times (measured): take the per-group one
+  // unless its rounds of equal group tasks leave threads idle for more than that.
+  const int64_t n_threads = omp_get_max_threads(), n_pairs = geo.B * geo.G;
+  const int64_t rounds = (n_pairs + n_threads - 1) / n_threads;
+  if (n_threads == 1 || 2 * rounds * n_threads <= 3 * n_pairs) {
     backward_by_group(dq_SBNd, dk_SBGd, dv_SBGd, in);
   } else {
     backward_by_block(dq_SBNd, dk_SBGd, dv_SBGd, in);
