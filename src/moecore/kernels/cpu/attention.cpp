@@ -15,6 +15,10 @@
 #include <cblas.h>
 #include <omp.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -111,26 +115,14 @@ struct Geometry {
       dropout_head_offset;
 };
 
-// First word of Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011) for the 64-bit
-// counter (lo, hi) of stream (seed, key): the word CounterRng::uniform (tensor/rng.cpp) turns into
-// (word >> 8) * 2^-24, computed the same way in 32-bit lanes so that a loop over counters vectorises.
-inline uint32_t philox_first_word(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
-#pragma GCC unroll 10
-  for (int round = 0; round < 10; ++round) {
-    const uint64_t p0 = uint64_t{0xD2511F53u} * c0;
-    const uint64_t p1 = uint64_t{0xCD9E8D57u} * c2;
-    c0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
-    c1 = static_cast<uint32_t>(p1);
-    c2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
-    c3 = static_cast<uint32_t>(p0);
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-  return c0;
-}
+constexpr uint32_t kPhiloxMul0 = 0xD2511F53u, kPhiloxMul1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxWeyl0 = 0x9E3779B9u, kPhiloxWeyl1 = 0xBB67AE85u;
 
 // The dropout mask of one call: probability (b, h, i, j) is kept iff CounterRng(seed, key).uniform(counter) >= p,
-// counter = dropout_row_counter(b, h, i) + j (attention.h).
+// counter = dropout_row_counter(b, h, i) + j (attention.h). CounterRng::uniform (tensor/rng.cpp) is
+// (word >> 8) * 2^-24 for the first word of Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1,
+// 2, 3", 2011) of counter (lo, hi) under key (key_lo, key_hi) and round keys from (seed_lo, seed_hi); philox_words
+// below computes the words of a run of counters, many lanes at a time.
 struct MaskStream {
   explicit MaskStream(const DropoutSpec& spec)
       : active(spec.p > 0.0f),
@@ -140,12 +132,24 @@ struct MaskStream {
         seed_hi(static_cast<uint32_t>(spec.seed >> 32)),
         key_lo(static_cast<uint32_t>(spec.key)),
         key_hi(static_cast<uint32_t>(spec.key >> 32)) {}
-  // Element c of a run of counters starting at `first`: c < 2^32, the carry into the high word done in 32 bits.
-  bool kept(const uint64_t first, const uint32_t c) const {
-    const uint32_t first_lo = static_cast<uint32_t>(first), lo = first_lo + c;
-    const uint32_t hi = static_cast<uint32_t>(first >> 32) + (lo < first_lo ? 1u : 0u);
-    const uint32_t word = philox_first_word(lo, hi, key_lo, key_hi, seed_lo, seed_hi);
-    return static_cast<float>(static_cast<int32_t>(word >> 8)) * 0x1p-24f >= p;
+  // The Philox word of one counter.
+  uint32_t word(const uint64_t counter) const {
+    uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32), c2 = key_lo, c3 = key_hi;
+    uint32_t k0 = seed_lo, k1 = seed_hi;
+    for (int round = 0; round < 10; ++round) {
+      const uint64_t p0 = uint64_t{kPhiloxMul0} * c0, p1 = uint64_t{kPhiloxMul1} * c2;
+      c0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
+      c1 = static_cast<uint32_t>(p1);
+      c2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
+      c3 = static_cast<uint32_t>(p0);
+      k0 += kPhiloxWeyl0;
+      k1 += kPhiloxWeyl1;
+    }
+    return c0;
+  }
+  // The decision for a word, in plain arithmetic (the loops applying the mask vectorise).
+  bool kept(const uint32_t philox_word) const {
+    return static_cast<float>(static_cast<int32_t>(philox_word >> 8)) * 0x1p-24f >= p;
   }
 
   bool active;
@@ -153,6 +157,98 @@ struct MaskStream {
   double keep_scale;
   uint32_t seed_lo, seed_hi, key_lo, key_hi;
 };
+
+void philox_words_scalar(uint32_t* words, const uint64_t first, const int64_t n, const MaskStream& mask) {
+  for (int64_t c = 0; c < n; ++c) words[c] = mask.word(first + static_cast<uint64_t>(c));
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// 16 and 8 counters at a time. The 32 x 32 -> 64-bit products are even / odd lane vpmuludq: compilers left to
+// themselves widen them to far slower 64 x 64-bit multiplies. Lane c holds counter first + c: its low word
+// first_lo + c (mod 2^32), its high word first_hi plus the carry out of that sum.
+#define MOECORE_PHILOX_X86 1
+// GCC 12's AVX-512 intrinsics pass _mm512_undefined_epi32() as the unused merge source, which -Wmaybe-uninitialized
+// reports (GCC bug 105593, fixed in GCC 13).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+__attribute__((target("avx512f"))) void philox_words_avx512(uint32_t* words, const uint64_t first, const int64_t n,
+                                                            const MaskStream& mask) {
+  const auto first_lo = static_cast<uint32_t>(first), first_hi = static_cast<uint32_t>(first >> 32);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i mul0 = _mm512_set1_epi64(kPhiloxMul0), mul1 = _mm512_set1_epi64(kPhiloxMul1);
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    __m512i c0 = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first_lo + static_cast<uint32_t>(c))), lane);
+    const __mmask16 carry = _mm512_cmplt_epu32_mask(c0, _mm512_set1_epi32(static_cast<int>(first_lo)));
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(first_hi));
+    __m512i c1 = _mm512_mask_add_epi32(high, carry, high, _mm512_set1_epi32(1));
+    __m512i c2 = _mm512_set1_epi32(static_cast<int>(mask.key_lo)),
+            c3 = _mm512_set1_epi32(static_cast<int>(mask.key_hi));
+    uint32_t k0 = mask.seed_lo, k1 = mask.seed_hi;
+    for (int round = 0; round < 10; ++round) {
+      const __m512i even0 = _mm512_mul_epu32(c0, mul0), odd0 = _mm512_mul_epu32(_mm512_srli_epi64(c0, 32), mul0);
+      const __m512i even1 = _mm512_mul_epu32(c2, mul1), odd1 = _mm512_mul_epu32(_mm512_srli_epi64(c2, 32), mul1);
+      const __m512i lo0 = _mm512_mask_blend_epi32(0xAAAA, even0, _mm512_slli_epi64(odd0, 32));
+      const __m512i hi0 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even0, 32), odd0);
+      const __m512i lo1 = _mm512_mask_blend_epi32(0xAAAA, even1, _mm512_slli_epi64(odd1, 32));
+      const __m512i hi1 = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even1, 32), odd1);
+      c0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1), _mm512_set1_epi32(static_cast<int>(k0)));
+      c1 = lo1;
+      c2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3), _mm512_set1_epi32(static_cast<int>(k1)));
+      c3 = lo0;
+      k0 += kPhiloxWeyl0;
+      k1 += kPhiloxWeyl1;
+    }
+    _mm512_storeu_si512(words + c, c0);
+  }
+  philox_words_scalar(words + c, first + static_cast<uint64_t>(c), n - c, mask);
+}
+#pragma GCC diagnostic pop
+
+__attribute__((target("avx2"))) void philox_words_avx2(uint32_t* words, const uint64_t first, const int64_t n,
+                                                       const MaskStream& mask) {
+  const auto first_lo = static_cast<uint32_t>(first), first_hi = static_cast<uint32_t>(first >> 32);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mul0 = _mm256_set1_epi64x(kPhiloxMul0), mul1 = _mm256_set1_epi64x(kPhiloxMul1);
+  const __m256i sign = _mm256_set1_epi32(std::numeric_limits<int32_t>::min());  // unsigned compare via signed
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first_lo + static_cast<uint32_t>(c))), lane);
+    const __m256i carry = _mm256_cmpgt_epi32(_mm256_xor_si256(_mm256_set1_epi32(static_cast<int>(first_lo)), sign),
+                                             _mm256_xor_si256(c0, sign));  // -1 where the low word wrapped
+    __m256i c1 = _mm256_sub_epi32(_mm256_set1_epi32(static_cast<int>(first_hi)), carry);
+    __m256i c2 = _mm256_set1_epi32(static_cast<int>(mask.key_lo)),
+            c3 = _mm256_set1_epi32(static_cast<int>(mask.key_hi));
+    uint32_t k0 = mask.seed_lo, k1 = mask.seed_hi;
+    for (int round = 0; round < 10; ++round) {
+      const __m256i even0 = _mm256_mul_epu32(c0, mul0), odd0 = _mm256_mul_epu32(_mm256_srli_epi64(c0, 32), mul0);
+      const __m256i even1 = _mm256_mul_epu32(c2, mul1), odd1 = _mm256_mul_epu32(_mm256_srli_epi64(c2, 32), mul1);
+      const __m256i lo0 = _mm256_blend_epi32(even0, _mm256_slli_epi64(odd0, 32), 0xAA);
+      const __m256i hi0 = _mm256_blend_epi32(_mm256_srli_epi64(even0, 32), odd0, 0xAA);
+      const __m256i lo1 = _mm256_blend_epi32(even1, _mm256_slli_epi64(odd1, 32), 0xAA);
+      const __m256i hi1 = _mm256_blend_epi32(_mm256_srli_epi64(even1, 32), odd1, 0xAA);
+      c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32(static_cast<int>(k0)));
+      c1 = lo1;
+      c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32(static_cast<int>(k1)));
+      c3 = lo0;
+      k0 += kPhiloxWeyl0;
+      k1 += kPhiloxWeyl1;
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + c), c0);
+  }
+  philox_words_scalar(words + c, first + static_cast<uint64_t>(c), n - c, mask);
+}
+#endif
+
+// words[c] = the Philox word of counter first + c, c < n, with the widest vector unit this CPU has.
+void philox_words(uint32_t* words, const uint64_t first, const int64_t n, const MaskStream& mask) {
+#if defined(MOECORE_PHILOX_X86)
+  static const int isa = __builtin_cpu_supports("avx512f") ? 2 : (__builtin_cpu_supports("avx2") ? 1 : 0);
+  if (isa == 2) return philox_words_avx512(words, first, n, mask);
+  if (isa == 1) return philox_words_avx2(words, first, n, mask);
+#endif
+  philox_words_scalar(words, first, n, mask);
+}
 
 // The packed rows of a query block [i0, i1) of kv group (b, g): row r * heads_per_group + hh is query row i0 + r of
 // head g * heads_per_group + hh, so all rows of one query position are adjacent and share the causal limit.
@@ -242,8 +338,10 @@ MOECORE_VECTOR_CLONES void forward_tile(T* s_MC, T* m_M, T* l_M, T* o_Md, const 
     }
     if (mask.active) {
       const uint64_t first = geo.dropout_row_counter(blk.b, blk.head(p), blk.query(p)) + static_cast<uint64_t>(j0);
+      uint32_t words[kKeyTileForward];
+      philox_words(words, first, cols, mask);
 #pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) row[c] = mask.kept(first, static_cast<uint32_t>(c)) ? row[c] : T(0);
+      for (int64_t c = 0; c < cols; ++c) row[c] = mask.kept(words[c]) ? row[c] : T(0);
     }
     if (j0 > 0 && row_max != m_M[p]) {
       const T rescale = exp_of(m_M[p] - row_max);
@@ -329,11 +427,13 @@ MOECORE_VECTOR_CLONES void backward_tile(T* pd_MC, T* ds_MC, const T* lse_M, con
     std::fill(pd_row + blk.visible(p, j0, cols), pd_row + cols, -std::numeric_limits<T>::infinity());
     const T lse = lse_M[p], delta = delta_M[p];
     if (in.mask.active) {
-      const uint64_t first = in.geo.dropout_row_counter(blk.b, blk.head(p), blk.query(p)) + static_cast<uint64_t>(j0);
+      uint32_t words[kKeyTileBackward];
+      philox_words(words, in.geo.dropout_row_counter(blk.b, blk.head(p), blk.query(p)) + static_cast<uint64_t>(j0),
+                   cols, in.mask);
 #pragma omp simd
       for (int64_t c = 0; c < cols; ++c) {
         const T prob = exp_of(pd_row[c] - lse);
-        const T mult = in.mask.kept(first, static_cast<uint32_t>(c)) ? keep_scale : T(0);
+        const T mult = in.mask.kept(words[c]) ? keep_scale : T(0);
         pd_row[c] = prob * mult;
         ds_row[c] = scale * prob * (ds_row[c] * mult - delta);
       }
