@@ -263,7 +263,7 @@ struct Block {
         rows((i1 - i0) * hpg) {}
   int64_t query(int64_t p) const { return i0 + p / hpg; }  // query position of packed row p
   int64_t head(int64_t p) const { return h0 + p % hpg; }
-  // Keys [j0, j0 + cols) of a tile that visible to packed row p.
+  // How many of the keys [j0, j0 + cols) packed row p sees (a prefix).
   int64_t visible(int64_t p, int64_t j0, int64_t cols) const { return std::clamp<int64_t>(query(p) + 1 - j0, 0, cols); }
 
   int64_t b, g, h0, hpg, i0, i1, rows;
