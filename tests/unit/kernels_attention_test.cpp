@@ -252,10 +252,10 @@ TEST(AttentionTest, DropoutMaskFollowsCounterRng) {
 }
 
 // Shapes for the tiled kernel: sequences over several key tiles (forward tiles of 256 keys, backward tiles of 128,
-// tiles of 32 keys where the causal mask cuts) and query blocks (128, 64 and 32 query rows per head with 1-2, 4 and
-// 8 heads per group), none a multiple of a tile; GQA with 2 and 4 heads per group, MQA over 4 and 8 heads.
-const std::vector<Shape> kTiledShapes = {
-    {600, 1, 4, 2, 16}, {257, 2, 8, 2, 8}, {300, 1, 8, 1, 8}, {129, 3, 4, 1, 12}, {520, 1, 2, 2, 8}};
+// tiles of 32 keys where the causal mask cuts) and query blocks (128, 64 and 32 query rows per head with 1-2, 3-4
+// and 8 heads per group), none a multiple of a tile; GQA with 2, 3 and 4 heads per group, MQA over 4 and 8 heads.
+const std::vector<Shape> kTiledShapes = {{600, 1, 4, 2, 16}, {257, 2, 8, 2, 8}, {300, 1, 8, 1, 8},
+                                         {129, 3, 4, 1, 12}, {520, 1, 2, 2, 8}, {150, 2, 6, 2, 8}};
 
 template <typename T>
 void expect_tiled_matches_ref(double tol) {
