@@ -31,10 +31,10 @@ double rel_error(const float got, const float x) {
   return std::abs(static_cast<double>(got) - want) / want;
 }
 
-// Every 61st float in [lo, hi], both signs, walked by bit pattern.
+// Every 127th float in [lo, hi], both signs, walked by bit pattern.
 std::vector<float> sweep(const float lo, const float hi) {
   std::vector<float> xs;
-  for (uint32_t bits = 0; bits < 0x7f800000u; bits += 61) {
+  for (uint32_t bits = 0; bits < 0x7f800000u; bits += 127) {
     const float positive = std::bit_cast<float>(bits);
     if (positive <= hi) xs.push_back(positive);
     if (-positive >= lo) xs.push_back(-positive);
@@ -44,7 +44,7 @@ std::vector<float> sweep(const float lo, const float hi) {
 
 TEST(FastExpTest, MatchesStdExpOverTheNormalRange) {
   const std::vector<float> xs = sweep(kFlushBelow, 88.7f);
-  ASSERT_GT(xs.size(), size_t{30'000'000});
+  ASSERT_GT(xs.size(), size_t{15'000'000});
   std::vector<float> vectorised(xs.size());
   exp_loop(vectorised.data(), xs.data(), static_cast<int64_t>(xs.size()));
   double worst_scalar = 0.0, worst_vector = 0.0;
