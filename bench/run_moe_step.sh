@@ -3,7 +3,7 @@
 # model from one list of `moecore train` flags (bench/torch_train_step.py --megatron reads the same flags into the
 # oracle twin, tests/oracle/twin.py + twin_moe.py: plain eager PyTorch, a Python loop over the experts) and run the
 # same step: forward and backward of each micro-batch, global-norm clip 1.0, AdamW. Two models:
-#   issue: 4 layers, hidden 512, 8 heads (no GQA), seq 512, batch 4, 16 experts (ffn 512) top-2, vocab 32000,
+#   e16:   4 layers, hidden 512, 8 heads (no GQA), seq 512, batch 4, 16 experts (ffn 512) top-2, vocab 32000,
 #          RMSNorm, SwiGLU, RoPE, no biases, dropout 0, alltoall dispatcher, grouped GEMM;
 #   demo:  configs/demo.args as it trains (mock data, vocab 50256; micro-batch 4, global batch 8).
 # Per round (sides alternating which goes first): the fp32 GEMM peak (build/bench/bench_gemm 2 --peak, best of
@@ -36,8 +36,8 @@ echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $cpu, ISA:${isa:- no a
   "OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-}"
 
 # The models as moecore flags (the twin reads the same list; it ignores the flags that only steer the run).
-run_flags=(--mock-data --tokenizer-type NullTokenizer --eval-iters 0 --lr-warmup-iters 2 --threads "$threads")
-issue=(--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512
+run_flags=(--mock-data --tokenizer-type NullTokenizer --eval-iters 0 --lr-warmup-iters 1 --threads "$threads")
+e16=(--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512
   --micro-batch-size 4 --global-batch-size 4 --num-experts 16 --moe-router-topk 2 --moe-ffn-hidden-size 512
   --vocab-size 32000 --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear
   --attention-dropout 0.0 --hidden-dropout 0.0 --moe-token-dispatcher-type alltoall --moe-grouped-gemm
@@ -120,8 +120,8 @@ print("%.1f" % (2 * 2048**3 * reps / (time.perf_counter() - start) / 1e9))' "$th
   echo "  GEMM 2048^3: $gemm; torch.matmul $matmul GFLOP/s"
   printf '%s\t%s\t%s\t%s\t%s\n' "$round" "$(awk '{print $2}' <<<"$gemm")" "$(awk '{print $4}' <<<"$gemm")" \
     "$(awk '{print $6}' <<<"$gemm")" "$matmul" >>"$peaks"
-  for model in issue demo; do
-    if [ "$model" = issue ]; then flags=("${issue[@]}"); else flags=("${demo[@]}"); fi
+  for model in e16 demo; do
+    if [ "$model" = e16 ]; then flags=("${e16[@]}"); else flags=("${demo[@]}"); fi
     if ((round % 2 == 0)); then
       run_moecore "$model" "${flags[@]}"
       run_torch "$model" "${flags[@]}"
@@ -155,7 +155,7 @@ table = ["| model | parameters | tokens/step | GFLOP/step | implementation | ms/
          "| of GEMM peak | peak RSS (MiB) | tokens/s vs PyTorch |",
          "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
 ok = True
-for model in ("issue", "demo"):
+for model in ("e16", "demo"):
     runs = {s: [r for r in rows if r[0] == model and r[1] == s] for s in ("moecore", "pytorch")}
     params = {int(r[5]) for r in runs["moecore"] + runs["pytorch"]}
     print(f"{model}: parameters moecore {sorted({int(r[5]) for r in runs['moecore']})}, "
