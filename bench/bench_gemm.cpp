@@ -1,14 +1,17 @@
 // fp32 GEMM throughput on moecore's shapes, side by side in one run: OpenBLAS's cblas_sgemm as Debian ships it (its
 // run-time core detection) and oneDNN's dnnl_sgemm (what moecore uses, kernels/cpu/gemm.h). Row-major, 1 s per
-// measurement after a warm-up call.  usage: bench_gemm [THREADS]
+// measurement after a warm-up call.  usage: bench_gemm [THREADS] [--peak]
+// --peak: only the 2048^3 square, one machine-readable line: `peak_gflops BEST openblas X onednn Y`.
 #include <cblas.h>
 #include <dnnl.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string_view>
 #include <vector>
 
 #include "moecore/kernels/cpu/gemm.h"
@@ -39,8 +42,12 @@ double gflops(const Shape& s, F&& f) {
 
 int main(int argc, char** argv) {
   if (argc > 1) omp_set_num_threads(std::atoi(argv[1]));
-  std::printf("threads %d, %s, OpenBLAS core %s\n", omp_get_max_threads(),
-              moecore::kernels::cpu::gemm_library().c_str(), openblas_get_corename());
+  const bool peak_only = argc > 2 && std::string_view(argv[2]) == "--peak";
+  if (!peak_only) {
+    std::printf("threads %d, %s, OpenBLAS core %s\n", omp_get_max_threads(),
+                moecore::kernels::cpu::gemm_library().c_str(), openblas_get_corename());
+    std::printf("%-50s %12s %12s\n", "shape (M x N x K)", "OpenBLAS", "oneDNN");
+  }
   const Shape shapes[] = {
       {"square 2048", 2048, 2048, 2048, false, true},
       {"demo qkv fwd (T=2048, H=192 -> 384)", 2048, 384, 192, false, true},
@@ -48,7 +55,6 @@ int main(int argc, char** argv) {
       {"demo fc1 weight grad (512x192 over 2048 tokens)", 512, 192, 2048, true, false},
       {"demo output layer fwd (2048 x 50304 x 192)", 2048, 50304, 192, false, true},
   };
-  std::printf("%-50s %12s %12s\n", "shape (M x N x K)", "OpenBLAS", "oneDNN");
   for (const Shape& s : shapes) {
     std::vector<float> a(static_cast<size_t>(s.m * s.k)), b(static_cast<size_t>(s.k * s.n)),
         c(static_cast<size_t>(s.m * s.n));
@@ -67,6 +73,10 @@ int main(int argc, char** argv) {
       dnnl_sgemm(s.trans_a ? 'T' : 'N', s.trans_b ? 'T' : 'N', s.m, s.n, s.k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f,
                  c.data(), s.n);
     });
+    if (peak_only) {
+      std::printf("peak_gflops %.1f openblas %.1f onednn %.1f\n", std::max(openblas, onednn), openblas, onednn);
+      return 0;
+    }
     std::printf("%-50s %8.1f GF/s %8.1f GF/s\n", s.what, openblas, onednn);
   }
 }
