@@ -1,8 +1,14 @@
 // GroupedMLP: all local experts in one pass over the grouped buffer. The row-local work (fc1, activation, probs,
 // fc2, and in backward the data gradients) runs as one OpenMP loop over (expert, row tile) tasks; the weight
-// gradients as one loop over (expert, fc1|fc2) tasks, each reducing over all of its expert's rows, so no two tasks
-// write the same output and the result does not depend on the thread count. Inside a parallel region the ops'
-// kernels and OpenBLAS (OpenMP build) run single-threaded, so the GEMMs of all experts proceed together.
+// gradients as one loop over (expert, fc1|fc2) tasks, each reducing over all of its expert's rows, so no two
+// tasks write the same output and the result does not depend on the thread count. Inside a parallel region the ops'
+// kernels run single-threaded, so the GEMMs of all experts proceed together.
+//
+// Scheduling by shape: an expert's rows are cut into the fewest tiles of at most kMaxTileRows (evenly sized), so an
+// expert with many rows gets GEMMs big enough to run near the GEMM's peak and an expert with few rows one task.
+// Tasks run largest first (dynamic schedule), which keeps both threads busy to the end when the experts' loads are
+// uneven. Tiles depend on the routing only, never on the thread count, so every row goes through the same GEMM
+// calls whatever the threads.
 #include <algorithm>
 
 #include "moecore/moe/experts_internal.h"
@@ -12,8 +18,8 @@
 namespace moecore::experts_detail {
 namespace {
 
-// Rows per task: big enough for efficient GEMMs, small enough to balance uneven experts over the threads.
-constexpr int64_t kTileRows = 64;
+// Rows per tile at most: past this the GEMMs gain little, and smaller tasks balance better.
+constexpr int64_t kMaxTileRows = 256;
 
 struct RowTile {
   int64_t expert, begin, end;
@@ -23,12 +29,21 @@ std::vector<RowTile> row_tiles(const std::vector<int64_t> &offsets_E1) {
   std::vector<RowTile> tiles;
   const int64_t E = static_cast<int64_t>(offsets_E1.size()) - 1;
   for (int64_t e = 0; e < E; ++e) {
-    for (int64_t r = offsets_E1[e]; r < offsets_E1[e + 1]; r += kTileRows) {
-      tiles.push_back({e, r, std::min(r + kTileRows, offsets_E1[e + 1])});
-    }
+    const int64_t first = offsets_E1[e], rows = offsets_E1[e + 1] - first;
+    const int64_t n = (rows + kMaxTileRows - 1) / kMaxTileRows;
+    for (int64_t i = 0; i < n; ++i) tiles.push_back({e, first + rows * i / n, first + rows * (i + 1) / n});
   }
+  // Largest first (ties in expert order): the dynamic schedule then ends with the small tasks.
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const RowTile &a, const RowTile &b) { return a.end - a.begin > b.end - b.begin; });
   return tiles;
 }
+
+// One expert's weight-gradient task: fc1 (W1, b1) or fc2 (W2, b2).
+struct WeightTask {
+  int64_t expert;
+  bool fc1;
+};
 
 Tensor activation_tensor(std::vector<int64_t> shape) {
   return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
@@ -110,11 +125,11 @@ class GroupedMLP final : public ExpertMLPBase {
     ops::scale_rows_backward(&dx, &dprobs, dxs, saved.x_RH.slice_rows(tile.begin, tile.end), probs);
   }
 
-  // Weight gradients of expert e over its rows [begin, end): which = 0 for fc1, 1 for fc2.
-  void backward_weights(const int64_t e, const int64_t begin, const int64_t end, const int which,
-                        const BackwardBuffers &buf, const ExpertActivations &saved) const {
-    const MLP &expert = experts_[static_cast<size_t>(e)];
-    if (which == 0) {
+  // Weight gradients of one task over its expert's rows [begin, end).
+  void backward_weights(const WeightTask &task, const int64_t begin, const int64_t end, const BackwardBuffers &buf,
+                        const ExpertActivations &saved) const {
+    const MLP &expert = experts_[static_cast<size_t>(task.expert)];
+    if (task.fc1) {
       Param &w1 = expert.fc1().weight();
       Param *b1 = expert.fc1().bias();
       const Tensor &fc1_in = probs_on_input_ ? saved.xs_RH : saved.x_RH;
@@ -147,16 +162,24 @@ class GroupedMLP final : public ExpertMLPBase {
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_tiles; ++i) backward_tile(tiles[static_cast<size_t>(i)], buf, saved);
 
-    // Experts with zero rows get no task: their gradients stay present and unchanged.
-    std::vector<int64_t> busy_experts;
+    // Experts with zero rows get no task: their gradients stay present and unchanged. Costliest first: rows x F1
+    // x H for fc1, rows x H x F for fc2.
+    std::vector<WeightTask> tasks;
     for (int64_t e = 0; e < E_; ++e) {
-      if (offsets_E1[e + 1] > offsets_E1[e]) busy_experts.push_back(e);
+      if (offsets_E1[e + 1] == offsets_E1[e]) continue;
+      tasks.push_back({e, true});
+      tasks.push_back({e, false});
     }
-    const int64_t n_tasks = 2 * static_cast<int64_t>(busy_experts.size());
+    auto cost = [&](const WeightTask &t) {
+      return (offsets_E1[t.expert + 1] - offsets_E1[t.expert]) * (t.fc1 ? F1_ : F_);
+    };
+    std::stable_sort(tasks.begin(), tasks.end(),
+                     [&](const WeightTask &a, const WeightTask &b) { return cost(a) > cost(b); });
+    const auto n_tasks = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_tasks; ++i) {
-      const int64_t e = busy_experts[static_cast<size_t>(i / 2)];
-      backward_weights(e, offsets_E1[e], offsets_E1[e + 1], static_cast<int>(i % 2), buf, saved);
+      const WeightTask &task = tasks[static_cast<size_t>(i)];
+      backward_weights(task, offsets_E1[task.expert], offsets_E1[task.expert + 1], buf, saved);
     }
   }
 };
