@@ -53,7 +53,6 @@ Tensor activation_tensor(std::vector<int64_t> shape) {
 struct BackwardBuffers {
   Tensor &dx_RH, &dprobs_R;
   const Tensor &dy_RH;
-  Tensor h_RF;      // fc2 input, recomputed (probs after the activation only)
   Tensor dfc1_RF1;  // zero-initialised
   Tensor dxs_RH;    // probs on input: d(fc1 input), zero-initialised
 };
@@ -69,7 +68,6 @@ class GroupedMLP final : public ExpertMLPBase {
     const int64_t R = offsets_E1.back();
     saved.fc1_RF1 = activation_tensor({R, F1_});
     saved.act_RF = activation_tensor({R, F_});
-    Tensor h_RF = probs_on_input_ ? saved.act_RF : activation_tensor({R, F_});
     if (probs_on_input_) {
       saved.xs_RH = activation_tensor({R, H_});
       ops::scale_rows(saved.xs_RH, saved.x_RH, saved.probs_R);
@@ -87,7 +85,9 @@ class GroupedMLP final : public ExpertMLPBase {
       ops::linear_forward(fc1, fc1_in.slice_rows(tile.begin, tile.end), expert.fc1().weight().value,
                           b1 ? &b1->value : nullptr);
       Tensor act = saved.act_RF.slice_rows(tile.begin, tile.end);
-      Tensor h = h_RF.slice_rows(tile.begin, tile.end);
+      // fc2's input: the activation itself, or act * p in a tile-sized buffer (kept in cache, not saved: backward
+      // recomputes it).
+      Tensor h = probs_on_input_ ? act : activation_tensor({tile.end - tile.begin, F_});
       mlp_activation_forward(activation_, act, h, fc1, probs_on_input_ ? nullptr : &probs);
       Tensor y = y_RH.slice_rows(tile.begin, tile.end);
       const Param *b2 = fc2_bias(tile.expert);
@@ -96,7 +96,7 @@ class GroupedMLP final : public ExpertMLPBase {
     }
   }
 
-  // Row-local gradients of one tile: dx, dprobs, d(fc1 output), and h for the fc2 weight gradient.
+  // Row-local gradients of one tile: dx, dprobs and d(fc1 output).
   void backward_tile(const RowTile &tile, BackwardBuffers &buf, const ExpertActivations &saved) const {
     const MLP &expert = experts_[static_cast<size_t>(tile.expert)];
     const Tensor probs = saved.probs_R.slice_rows(tile.begin, tile.end);
@@ -109,8 +109,6 @@ class GroupedMLP final : public ExpertMLPBase {
     const Tensor fc1 = saved.fc1_RF1.slice_rows(tile.begin, tile.end);
     const Param &w1 = expert.fc1().weight();
     if (!probs_on_input_) {
-      Tensor h = buf.h_RF.slice_rows(tile.begin, tile.end);
-      ops::scale_rows(h, act, probs);
       mlp_activation_backward(activation_, dfc1, &dprobs, dh, fc1, act, &probs);
       if (const Param *b2 = fc2_bias(tile.expert)) ops::add_outer_backward(&dprobs, nullptr, dy, probs, b2->value);
       Tensor dx = buf.dx_RH.slice_rows(tile.begin, tile.end);
@@ -141,7 +139,12 @@ class GroupedMLP final : public ExpertMLPBase {
     Param &w2 = expert.fc2().weight();
     Param *b2 = expert.fc2().bias();
     const Tensor dy = buf.dy_RH.slice_rows(begin, end);
-    const Tensor h = (probs_on_input_ ? saved.act_RF : buf.h_RF).slice_rows(begin, end);
+    const Tensor act = saved.act_RF.slice_rows(begin, end);
+    Tensor h = act;  // fc2's input, recomputed as act * p in a buffer of this expert's rows
+    if (!probs_on_input_) {
+      h = activation_tensor({end - begin, F_});
+      ops::scale_rows(h, act, saved.probs_R.slice_rows(begin, end));
+    }
     ops::linear_backward(nullptr, &w2.grad, probs_on_input_ && b2 ? &b2->grad : nullptr, dy, &h, w2.value);
     if (!probs_on_input_ && b2) {  // d(p b2)/d b2 = p
       ops::add_outer_backward(nullptr, &b2->grad, dy, saved.probs_R.slice_rows(begin, end), b2->value);
@@ -151,11 +154,7 @@ class GroupedMLP final : public ExpertMLPBase {
   void run_backward(const std::vector<int64_t> &offsets_E1, Tensor &dx_RH, Tensor &dprobs_R, const Tensor &dy_RH,
                     const ExpertActivations &saved) const override {
     const int64_t R = offsets_E1.back();
-    BackwardBuffers buf{dx_RH,
-                        dprobs_R,
-                        dy_RH,
-                        probs_on_input_ ? Tensor() : activation_tensor({R, F_}),
-                        activation_tensor({R, F1_}),
+    BackwardBuffers buf{dx_RH, dprobs_R, dy_RH, activation_tensor({R, F1_}),
                         probs_on_input_ ? activation_tensor({R, H_}) : Tensor()};
     const std::vector<RowTile> tiles = row_tiles(offsets_E1);
     const auto n_tiles = static_cast<int64_t>(tiles.size());
