@@ -17,6 +17,7 @@
 //   backend.h     backend_name parse_backend active_backend ScopedBackend
 //   dropout.h     dropout_forward dropout_backward
 //   elementwise.h add_ scale_ sum_squares all_finite
+//   expert_activation.h weighted_swiglu_forward weighted_swiglu_backward
 //   linear.h      linear_forward linear_backward
 //   loss.h        embedding_forward embedding_backward cross_entropy_forward cross_entropy_backward
 //                 vocab_ce_local_max vocab_ce_local_stats vocab_ce_finish vocab_ce_backward
@@ -67,6 +68,8 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "scale_",
                                                 "sum_squares",
                                                 "all_finite",
+                                                "weighted_swiglu_forward",
+                                                "weighted_swiglu_backward",
                                                 "linear_forward",
                                                 "linear_backward",
                                                 "embedding_forward",

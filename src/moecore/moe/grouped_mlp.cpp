@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "moecore/moe/experts_internal.h"
+#include "moecore/ops/expert_activation.h"
 #include "moecore/ops/linear.h"
 #include "moecore/ops/rows.h"
 
@@ -63,11 +64,14 @@ class GroupedMLP final : public ExpertMLPBase {
 
  private:
   const Param *fc2_bias(const int64_t e) const { return experts_[static_cast<size_t>(e)].fc2().bias(); }
+  // SwiGLU with the probability after it (Megatron's default expert MLP): the fused weighted SwiGLU, which saves
+  // fc2's input h = swiglu(fc1) * p instead of the activation and recomputes swiglu in backward.
+  bool weighted_swiglu() const { return activation_ == ops::Activation::kSwiGLU && !probs_on_input_; }
 
   void run_forward(const std::vector<int64_t> &offsets_E1, Tensor &y_RH, ExpertActivations &saved) const override {
     const int64_t R = offsets_E1.back();
     saved.fc1_RF1 = activation_tensor({R, F1_});
-    saved.act_RF = activation_tensor({R, F_});
+    (weighted_swiglu() ? saved.h_RF : saved.act_RF) = activation_tensor({R, F_});
     if (probs_on_input_) {
       saved.xs_RH = activation_tensor({R, H_});
       ops::scale_rows(saved.xs_RH, saved.x_RH, saved.probs_R);
@@ -84,11 +88,17 @@ class GroupedMLP final : public ExpertMLPBase {
       const Param *b1 = expert.fc1().bias();
       ops::linear_forward(fc1, fc1_in.slice_rows(tile.begin, tile.end), expert.fc1().weight().value,
                           b1 ? &b1->value : nullptr);
-      Tensor act = saved.act_RF.slice_rows(tile.begin, tile.end);
-      // fc2's input: the activation itself, or act * p in a tile-sized buffer (kept in cache, not saved: backward
-      // recomputes it).
-      Tensor h = probs_on_input_ ? act : activation_tensor({tile.end - tile.begin, F_});
-      mlp_activation_forward(activation_, act, h, fc1, probs_on_input_ ? nullptr : &probs);
+      // fc2's input: h = swiglu(fc1) * p (saved), the activation itself (probs on the input), or act * p in a
+      // tile-sized buffer (kept in cache, not saved: backward recomputes it).
+      Tensor h;
+      if (weighted_swiglu()) {
+        h = saved.h_RF.slice_rows(tile.begin, tile.end);
+        ops::weighted_swiglu_forward(h, fc1, probs);
+      } else {
+        Tensor act = saved.act_RF.slice_rows(tile.begin, tile.end);
+        h = probs_on_input_ ? act : activation_tensor({tile.end - tile.begin, F_});
+        mlp_activation_forward(activation_, act, h, fc1, probs_on_input_ ? nullptr : &probs);
+      }
       Tensor y = y_RH.slice_rows(tile.begin, tile.end);
       const Param *b2 = fc2_bias(tile.expert);
       ops::linear_forward(y, h, expert.fc2().weight().value, probs_on_input_ && b2 ? &b2->value : nullptr);
@@ -101,7 +111,6 @@ class GroupedMLP final : public ExpertMLPBase {
     const MLP &expert = experts_[static_cast<size_t>(tile.expert)];
     const Tensor probs = saved.probs_R.slice_rows(tile.begin, tile.end);
     const Tensor dy = buf.dy_RH.slice_rows(tile.begin, tile.end);
-    const Tensor act = saved.act_RF.slice_rows(tile.begin, tile.end);
     Tensor dprobs = buf.dprobs_R.slice_rows(tile.begin, tile.end);
     Tensor dh = activation_tensor({tile.end - tile.begin, F_});
     ops::linear_backward(&dh, nullptr, nullptr, dy, nullptr, expert.fc2().weight().value);
@@ -109,13 +118,19 @@ class GroupedMLP final : public ExpertMLPBase {
     const Tensor fc1 = saved.fc1_RF1.slice_rows(tile.begin, tile.end);
     const Param &w1 = expert.fc1().weight();
     if (!probs_on_input_) {
-      mlp_activation_backward(activation_, dfc1, &dprobs, dh, fc1, act, &probs);
+      if (weighted_swiglu()) {
+        ops::weighted_swiglu_backward(dfc1, dprobs, dh, fc1, probs);
+      } else {
+        mlp_activation_backward(activation_, dfc1, &dprobs, dh, fc1, saved.act_RF.slice_rows(tile.begin, tile.end),
+                                &probs);
+      }
       if (const Param *b2 = fc2_bias(tile.expert)) ops::add_outer_backward(&dprobs, nullptr, dy, probs, b2->value);
       Tensor dx = buf.dx_RH.slice_rows(tile.begin, tile.end);
       ops::linear_backward(&dx, nullptr, nullptr, dfc1, nullptr, w1.value);
       return;
     }
-    mlp_activation_backward(activation_, dfc1, nullptr, dh, fc1, act, nullptr);
+    mlp_activation_backward(activation_, dfc1, nullptr, dh, fc1, saved.act_RF.slice_rows(tile.begin, tile.end),
+                            nullptr);
     // fc1 input x * p: dx += d(fc1 input) p, dp = <d(fc1 input), x>.
     Tensor dxs = buf.dxs_RH.slice_rows(tile.begin, tile.end);
     ops::linear_backward(&dxs, nullptr, nullptr, dfc1, nullptr, w1.value);
@@ -139,11 +154,12 @@ class GroupedMLP final : public ExpertMLPBase {
     Param &w2 = expert.fc2().weight();
     Param *b2 = expert.fc2().bias();
     const Tensor dy = buf.dy_RH.slice_rows(begin, end);
-    const Tensor act = saved.act_RF.slice_rows(begin, end);
-    Tensor h = act;  // fc2's input, recomputed as act * p in a buffer of this expert's rows
-    if (!probs_on_input_) {
+    // fc2's input: saved (weighted SwiGLU, or the activation itself with probs on the input), else recomputed as
+    // act * p in a buffer of this expert's rows.
+    Tensor h = weighted_swiglu() ? saved.h_RF.slice_rows(begin, end) : saved.act_RF.slice_rows(begin, end);
+    if (!weighted_swiglu() && !probs_on_input_) {
       h = activation_tensor({end - begin, F_});
-      ops::scale_rows(h, act, saved.probs_R.slice_rows(begin, end));
+      ops::scale_rows(h, saved.act_RF.slice_rows(begin, end), saved.probs_R.slice_rows(begin, end));
     }
     ops::linear_backward(nullptr, &w2.grad, probs_on_input_ && b2 ? &b2->grad : nullptr, dy, &h, w2.value);
     if (!probs_on_input_ && b2) {  // d(p b2)/d b2 = p
