@@ -3,6 +3,7 @@
 // checked against central finite differences), grouped == sequential in outputs and every gradient with uneven
 // token counts including experts with zero tokens, parameter registration, and bad input.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <map>
@@ -19,7 +20,7 @@ namespace {
 using test::random_vector;
 
 constexpr int64_t kH = 24, kF = 20;
-const std::vector<int64_t> kTokensPerExpert{37, 0, 130, 1, 0, 9};  // uneven, two experts idle, >1 tile of 64
+const std::vector<int64_t> kTokensPerExpert{37, 0, 130, 1, 0, 9};  // uneven, two experts idle
 
 // ---- double reference ----------------------------------------------------------------------------------------
 
@@ -159,14 +160,15 @@ struct ExpertSetup {
   MoEConfig moe;
 };
 
-ExpertSetup make_setup(const Activation a, const bool bias, const bool probs_on_input, const bool grouped) {
+ExpertSetup make_setup(const Activation a, const bool bias, const bool probs_on_input, const bool grouped,
+                       const int64_t num_experts = static_cast<int64_t>(kTokensPerExpert.size())) {
   ExpertSetup s;
   s.model.num_layers = 4;
   s.model.hidden_size = kH;
   s.model.ffn_hidden_size = 2 * kF;
   s.model.activation = a;
   s.model.add_bias_linear = bias;
-  s.moe.num_experts = static_cast<int64_t>(kTokensPerExpert.size());
+  s.moe.num_experts = num_experts;
   s.moe.ffn_hidden_size = kF;
   s.moe.topk = probs_on_input ? 1 : 2;
   s.moe.apply_probs_on_input = probs_on_input;
@@ -215,13 +217,15 @@ struct ExpertRun {
 };
 
 struct ExpertInputs {
+  std::vector<int64_t> tokens_per_expert;
   std::vector<float> x, probs, dy, dx0;
   int64_t R = 0;
 };
 
-ExpertInputs make_inputs(const uint64_t seed) {
+ExpertInputs make_inputs(const uint64_t seed, const std::vector<int64_t>& tokens_per_expert = kTokensPerExpert) {
   ExpertInputs in;
-  for (const int64_t n : kTokensPerExpert) in.R += n;
+  in.tokens_per_expert = tokens_per_expert;
+  for (const int64_t n : tokens_per_expert) in.R += n;
   in.x = random_vector<float>(static_cast<size_t>(in.R * kH), seed);
   in.probs = random_vector<float>(static_cast<size_t>(in.R), seed + 1, 0.05f, 1.0f);
   in.dy = random_vector<float>(static_cast<size_t>(in.R * kH), seed + 2);
@@ -233,7 +237,7 @@ ExpertRun run_experts(const ExpertSetup& s, std::vector<Param>& params, ExpertML
   ExpertRun run;
   run.y.assign(static_cast<size_t>(in.R * kH), 7.0f);  // overwritten
   ExpertActivations saved;
-  experts.forward(run.y.data(), in.x.data(), in.probs.data(), kTokensPerExpert, saved);
+  experts.forward(run.y.data(), in.x.data(), in.probs.data(), in.tokens_per_expert, saved);
   run.dx = in.dx0;
   run.dprobs.assign(static_cast<size_t>(in.R), 123.0f);  // overwritten
   experts.backward(run.dx.data(), run.dprobs.data(), in.dy.data(), saved);
@@ -245,6 +249,71 @@ ExpertRun run_experts(const ExpertSetup& s, std::vector<Param>& params, ExpertML
 
 std::string expert_name(const int64_t e, const std::string& leaf) {
   return "decoder.layers.1.mlp.experts.local_experts." + std::to_string(e) + "." + leaf;
+}
+
+// The double reference of every expert's rows: outputs, dx (on top of in.dx0), dprobs and each expert's gradients.
+struct ReferenceRun {
+  std::vector<double> y, dx, dprobs;
+  std::vector<RefMLP> grads;
+};
+
+ReferenceRun reference_run(std::vector<Param>& params, const Activation a, const bool bias, const bool poi,
+                           const ExpertInputs& in) {
+  const int64_t E = static_cast<int64_t>(in.tokens_per_expert.size());
+  std::vector<RefMLP> mlps(static_cast<size_t>(E));
+  ReferenceRun ref;
+  ref.grads.resize(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) {
+    RefMLP& m = mlps[e];
+    m.bias = bias;
+    m.w1 = to_double(find_or_null(params, expert_name(e, "linear_fc1.weight"))->value);
+    m.w2 = to_double(find_or_null(params, expert_name(e, "linear_fc2.weight"))->value);
+    if (bias) {
+      m.b1 = to_double(find_or_null(params, expert_name(e, "linear_fc1.bias"))->value);
+      m.b2 = to_double(find_or_null(params, expert_name(e, "linear_fc2.bias"))->value);
+    }
+    ref.grads[e] = zero_like(m);
+  }
+  int64_t r = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t j = 0; j < in.tokens_per_expert[e]; ++j, ++r) {
+      const std::vector<double> x(in.x.begin() + r * kH, in.x.begin() + (r + 1) * kH);
+      const std::vector<double> dy(in.dy.begin() + r * kH, in.dy.begin() + (r + 1) * kH);
+      const RefRowGrads row = ref_row(mlps[e], ref.grads[e], a, poi, kH, kF, x, in.probs[r], dy);
+      ref.y.insert(ref.y.end(), row.y.begin(), row.y.end());
+      for (int64_t h = 0; h < kH; ++h) ref.dx.push_back(in.dx0[r * kH + h] + row.dx[h]);
+      ref.dprobs.push_back(row.dp);
+    }
+  }
+  return ref;
+}
+
+// A run against the reference (gradients on top of the starting values grad0); idle experts' gradients unchanged.
+void expect_matches_reference(const ExpertRun& run, const ReferenceRun& ref,
+                              const std::map<std::string, std::vector<float>>& grad0, const ExpertInputs& in,
+                              const bool bias, const std::string& impl) {
+  expect_close(run.y.data(), ref.y, 1e-4, 1e-5, impl + "y");
+  expect_close(run.dx.data(), ref.dx, 1e-4, 1e-5, impl + "dx");
+  expect_close(run.dprobs.data(), ref.dprobs, 1e-4, 1e-5, impl + "dprobs");
+  for (int64_t e = 0; e < static_cast<int64_t>(in.tokens_per_expert.size()); ++e) {
+    auto check = [&](const std::string& leaf, const std::vector<double>& g) {
+      const std::string name = expert_name(e, leaf);
+      const std::vector<float>& got = run.grads.at(name);
+      const std::vector<float>& start = grad0.at(name);
+      std::vector<double> want(g.size());
+      for (size_t i = 0; i < g.size(); ++i) want[i] = start[i] + g[i];
+      expect_close(got.data(), want, 1e-4, 1e-5, impl + name);
+      if (in.tokens_per_expert[e] == 0) {
+        EXPECT_EQ(got, start) << impl << name << " of an idle expert changed";
+      }
+    };
+    check("linear_fc1.weight", ref.grads[e].w1);
+    check("linear_fc2.weight", ref.grads[e].w2);
+    if (bias) {
+      check("linear_fc1.bias", ref.grads[e].b1);
+      check("linear_fc2.bias", ref.grads[e].b2);
+    }
+  }
 }
 
 // ---- tests ------------------------------------------------------------------------------------------------------
@@ -378,57 +447,46 @@ TEST(ExpertsTest, GroupedAndSequentialMatchReferenceAndEachOther) {
         same(grp.dprobs, seq.dprobs, "dprobs");
         for (const auto& [name, g] : seq.grads) same(grp.grads.at(name), g, name);
 
-        // Reference in double.
-        const int64_t E = static_cast<int64_t>(kTokensPerExpert.size());
-        std::vector<RefMLP> mlps(static_cast<size_t>(E)), grads(static_cast<size_t>(E));
-        for (int64_t e = 0; e < E; ++e) {
-          RefMLP& m = mlps[e];
-          m.bias = bias;
-          m.w1 = to_double(find_or_null(ref_params, expert_name(e, "linear_fc1.weight"))->value);
-          m.w2 = to_double(find_or_null(ref_params, expert_name(e, "linear_fc2.weight"))->value);
-          if (bias) {
-            m.b1 = to_double(find_or_null(ref_params, expert_name(e, "linear_fc1.bias"))->value);
-            m.b2 = to_double(find_or_null(ref_params, expert_name(e, "linear_fc2.bias"))->value);
-          }
-          grads[e] = zero_like(m);
-        }
-        std::vector<double> y_ref, dx_ref, dp_ref;
-        int64_t r = 0;
-        for (int64_t e = 0; e < E; ++e) {
-          for (int64_t j = 0; j < kTokensPerExpert[e]; ++j, ++r) {
-            const std::vector<double> x(in.x.begin() + r * kH, in.x.begin() + (r + 1) * kH);
-            const std::vector<double> dy(in.dy.begin() + r * kH, in.dy.begin() + (r + 1) * kH);
-            const RefRowGrads row = ref_row(mlps[e], grads[e], a, poi, kH, kF, x, in.probs[r], dy);
-            y_ref.insert(y_ref.end(), row.y.begin(), row.y.end());
-            for (int64_t h = 0; h < kH; ++h) dx_ref.push_back(in.dx0[r * kH + h] + row.dx[h]);
-            dp_ref.push_back(row.dp);
-          }
-        }
+        const ReferenceRun ref = reference_run(ref_params, a, bias, poi, in);
         for (const auto& [grouped, run] : runs) {
-          const std::string impl = grouped ? "grouped " : "sequential ";
-          expect_close(run.y.data(), y_ref, 1e-4, 1e-5, impl + "y");
-          expect_close(run.dx.data(), dx_ref, 1e-4, 1e-5, impl + "dx");
-          expect_close(run.dprobs.data(), dp_ref, 1e-4, 1e-5, impl + "dprobs");
-          for (int64_t e = 0; e < E; ++e) {
-            auto check = [&](const std::string& leaf, const std::vector<double>& g) {
-              const std::string name = expert_name(e, leaf);
-              const std::vector<float>& got = run.grads.at(name);
-              const std::vector<float>& start = grad0.at(name);
-              std::vector<double> want(g.size());
-              for (size_t i = 0; i < g.size(); ++i) want[i] = start[i] + g[i];
-              expect_close(got.data(), want, 1e-4, 1e-5, impl + name);
-              if (kTokensPerExpert[e] == 0) {
-                EXPECT_EQ(got, start) << impl << name << " of an idle expert changed";
-              }
-            };
-            check("linear_fc1.weight", grads[e].w1);
-            check("linear_fc2.weight", grads[e].w2);
-            if (bias) {
-              check("linear_fc1.bias", grads[e].b1);
-              check("linear_fc2.bias", grads[e].b2);
-            }
-          }
+          expect_matches_reference(run, ref, grad0, in, bias, grouped ? "grouped " : "sequential ");
         }
+      }
+    }
+  }
+}
+
+// Experts with more rows than one tile (GroupedMLP cuts them into tiles of at most 256 rows) next to small and idle
+// ones: the double reference's result, and bit for bit the same on 1 and 2 threads (tiles depend on the routing
+// only, and every output has one writer).
+TEST(ExpertsTest, GroupedSplitsBigExpertsIntoTilesIndependentlyOfThreads) {
+  const std::vector<int64_t> tokens{600, 3, 0, 257, 40};
+  const int threads = omp_get_max_threads();
+  for (const Activation a : {Activation::kSwiGLU, Activation::kGelu}) {
+    for (const bool bias : {false, true}) {
+      for (const bool poi : {false, true}) {
+        SCOPED_TRACE(to_string(a) + (bias ? " bias" : " no-bias") + (poi ? " probs-on-input" : ""));
+        const ExpertSetup s = make_setup(a, bias, poi, true, static_cast<int64_t>(tokens.size()));
+        const ExpertInputs in = make_inputs(200, tokens);
+        std::map<int, ExpertRun> runs;
+        std::vector<Param> params;
+        std::map<std::string, std::vector<float>> grad0;
+        for (const int n : {1, 2}) {
+          params.clear();
+          auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params);
+          experts->bind(params);
+          randomize(params, 43);
+          for (const Param& p : params)
+            grad0[p.name] = std::vector<float>(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
+          omp_set_num_threads(n);
+          runs[n] = run_experts(s, params, *experts, in);
+          omp_set_num_threads(threads);
+        }
+        EXPECT_EQ(runs[1].y, runs[2].y);
+        EXPECT_EQ(runs[1].dx, runs[2].dx);
+        EXPECT_EQ(runs[1].dprobs, runs[2].dprobs);
+        EXPECT_EQ(runs[1].grads, runs[2].grads);
+        expect_matches_reference(runs[2], reference_run(params, a, bias, poi, in), grad0, in, bias, "grouped ");
       }
     }
   }

@@ -2,8 +2,11 @@
 // differences (Megatron's moe_utils.py formulas).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <numeric>
 #include <random>
 #include <set>
 #include <vector>
@@ -260,26 +263,215 @@ TEST(RoutingMath, CapacityFormula) {
   EXPECT_EQ(routing::expert_capacity(16, 2, 8, 0.5), 2);
 }
 
+// The sparse selection of a dense map with exactly k ones per row, in expert order, and its probs.
+struct SparseSelection {
+  std::vector<int32_t> selected_TK;
+  std::vector<double> probs_TK;
+};
+SparseSelection sparse_of(const std::vector<uint8_t>& selected_TE, const std::vector<double>& probs_TE, const int64_t T,
+                          const int64_t E, const int64_t k) {
+  SparseSelection s;
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      if (!selected_TE[t * E + e]) continue;
+      s.selected_TK.push_back(static_cast<int32_t>(e));
+      s.probs_TK.push_back(probs_TE[t * E + e]);
+      ++n;
+    }
+    EXPECT_EQ(n, k) << "row " << t;
+  }
+  return s;
+}
+
 // Megatron's capacity mask (apply_router_token_dropping): the top-C of each column over ALL tokens, by prob or by
-// "selected first"; ties to the earlier token; everything when C >= T.
+// "selected first"; ties to the earlier token; everything when C >= T. Column 0 holds the example; column 1 takes
+// the tokens column 0 did not select (top-1 routing over two experts). Checked on the reference (dense) and the
+// sparse mask.
 TEST(RoutingMath, CapacityMaskPolicies) {
-  // One expert column (E = 1), 5 tokens, tokens 0, 1, 3, 4 selected (token 2 not: prob 0).
+  auto column0 = [](const std::vector<uint8_t>& sel0, const std::vector<double>& probs0, const int64_t capacity,
+                    const TokenDropPolicy policy) {
+    const int64_t T = static_cast<int64_t>(sel0.size()), E = 2;
+    std::vector<uint8_t> selected(static_cast<size_t>(T * E));
+    std::vector<double> probs(static_cast<size_t>(T * E), 0.0);
+    for (int64_t t = 0; t < T; ++t) {
+      selected[t * E] = sel0[t];
+      selected[t * E + 1] = !sel0[t];
+      probs[t * E] = probs0[t];
+      probs[t * E + 1] = sel0[t] ? 0.0 : 0.25;
+    }
+    std::vector<uint8_t> ref_mask(static_cast<size_t>(T * E)), mask(static_cast<size_t>(T * E));
+    routing::ref::capacity_mask(ref_mask.data(), selected.data(), probs.data(), T, E, capacity, policy);
+    const SparseSelection sparse = sparse_of(selected, probs, T, E, 1);
+    routing::capacity_mask(mask.data(), sparse.selected_TK.data(), sparse.probs_TK.data(), T, E, 1, capacity, policy);
+    EXPECT_EQ(mask, ref_mask);
+    std::vector<uint8_t> out;
+    for (int64_t t = 0; t < T; ++t) out.push_back(mask[t * E]);
+    return out;
+  };
+  // 5 tokens, tokens 0, 1, 3, 4 selected (token 2 not: prob 0).
   const std::vector<uint8_t> selected = {1, 1, 0, 1, 1};
   const std::vector<double> probs = {0.2, 0.5, 0.0, 0.9, 0.5};
-  std::vector<uint8_t> mask(5);
-  routing::capacity_mask(mask.data(), selected.data(), probs.data(), 5, 1, 2, TokenDropPolicy::kProbs);
-  EXPECT_EQ(mask, (std::vector<uint8_t>{0, 1, 0, 1, 0}));  // 0.9, then the earlier of the tied 0.5s
-  routing::capacity_mask(mask.data(), selected.data(), probs.data(), 5, 1, 2, TokenDropPolicy::kPosition);
-  EXPECT_EQ(mask, (std::vector<uint8_t>{1, 1, 0, 0, 0}));
-  routing::capacity_mask(mask.data(), selected.data(), probs.data(), 5, 1, 5, TokenDropPolicy::kProbs);
-  EXPECT_EQ(mask, (std::vector<uint8_t>{1, 1, 1, 1, 1}));
+  // 0.9, then the earlier of the tied 0.5s
+  EXPECT_EQ(column0(selected, probs, 2, TokenDropPolicy::kProbs), (std::vector<uint8_t>{0, 1, 0, 1, 0}));
+  EXPECT_EQ(column0(selected, probs, 2, TokenDropPolicy::kPosition), (std::vector<uint8_t>{1, 1, 0, 0, 0}));
+  EXPECT_EQ(column0(selected, probs, 5, TokenDropPolicy::kProbs), (std::vector<uint8_t>{1, 1, 1, 1, 1}));
   // Fewer selected tokens than C: the mask (the padded routing map) takes the earliest unselected ones.
   const std::vector<uint8_t> few = {0, 1, 0, 0, 1};
   const std::vector<double> few_probs = {0.0, 0.3, 0.0, 0.0, 0.6};
-  routing::capacity_mask(mask.data(), few.data(), few_probs.data(), 5, 1, 3, TokenDropPolicy::kProbs);
-  EXPECT_EQ(mask, (std::vector<uint8_t>{1, 1, 0, 0, 1}));
-  routing::capacity_mask(mask.data(), few.data(), few_probs.data(), 5, 1, 4, TokenDropPolicy::kPosition);
-  EXPECT_EQ(mask, (std::vector<uint8_t>{1, 1, 1, 0, 1}));
+  EXPECT_EQ(column0(few, few_probs, 3, TokenDropPolicy::kProbs), (std::vector<uint8_t>{1, 1, 0, 0, 1}));
+  EXPECT_EQ(column0(few, few_probs, 4, TokenDropPolicy::kPosition), (std::vector<uint8_t>{1, 1, 1, 0, 1}));
+  // A selected token with probability 0 ranks with the unselected ones (token order); a negative one after them.
+  const std::vector<uint8_t> zeros = {1, 0, 1, 1, 0};
+  const std::vector<double> zero_probs = {-0.5, 0.0, 0.0, 0.4, 0.0};
+  EXPECT_EQ(column0(zeros, zero_probs, 3, TokenDropPolicy::kProbs), (std::vector<uint8_t>{0, 1, 1, 1, 0}));
+  EXPECT_EQ(column0(zeros, zero_probs, 5, TokenDropPolicy::kProbs), (std::vector<uint8_t>{1, 1, 1, 1, 1}));
+  EXPECT_EQ(column0(zeros, zero_probs, 4, TokenDropPolicy::kProbs), (std::vector<uint8_t>{0, 1, 1, 1, 1}));
+}
+
+// Values with many exact ties (a few levels) and some -inf entries: the one-pass top-k must pick exactly what the
+// reference's full sort picks, in the same order.
+std::vector<double> tied_values(const int64_t n, const uint32_t seed, const int levels) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int> level(0, levels);
+  std::vector<double> v(static_cast<size_t>(n));
+  for (double& x : v) {
+    const int l = level(gen);
+    x = l == 0 ? -std::numeric_limits<double>::infinity() : 0.125 * l;
+  }
+  return v;
+}
+
+TEST(RoutingMath, OnePassTopkEqualsTheFullSortOnRandomData) {
+  for (const int64_t E : {1, 2, 7, 64, 257}) {
+    for (const int64_t k : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{8}, int64_t{16}, int64_t{20}}) {
+      if (k > E) continue;
+      for (uint32_t seed = 0; seed < 20; ++seed) {
+        const std::vector<double> v =
+            seed % 2 == 0 ? random_values(E, seed + 100) : tied_values(E, seed + 100, 1 + static_cast<int>(seed % 5));
+        std::vector<int64_t> want(static_cast<size_t>(k)), got(static_cast<size_t>(k));
+        routing::ref::topk(want.data(), v.data(), E, k);
+        routing::topk(got.data(), v.data(), E, k);
+        ASSERT_EQ(got, want) << "E " << E << " k " << k << " seed " << seed;
+      }
+    }
+  }
+}
+
+TEST(RoutingMath, GroupLimitedTopkEqualsTheReferenceOnRandomData) {
+  struct Case {
+    int64_t E, k, groups, group_topk;
+  };
+  for (const Case c : {Case{8, 2, 4, 2}, Case{8, 3, 4, 2}, Case{64, 4, 8, 2}, Case{256, 8, 8, 4}, Case{128, 6, 64, 3},
+                       Case{160, 4, 80, 4}}) {
+    for (uint32_t seed = 0; seed < 20; ++seed) {
+      const std::vector<double> v =
+          seed % 2 == 0 ? random_values(c.E, seed + 200) : tied_values(c.E, seed + 200, 2 + static_cast<int>(seed % 4));
+      std::vector<int64_t> want(static_cast<size_t>(c.k)), got(static_cast<size_t>(c.k));
+      routing::ref::group_limited_topk(want.data(), v.data(), c.E, c.k, c.groups, c.group_topk);
+      routing::group_limited_topk(got.data(), v.data(), c.E, c.k, c.groups, c.group_topk);
+      ASSERT_EQ(got, want) << "E " << c.E << " groups " << c.groups << " seed " << seed;
+    }
+  }
+}
+
+TEST(RoutingMath, SparseCapacityMaskEqualsTheReferenceOnRandomData) {
+  for (const int64_t E : {1, 4, 16}) {
+    for (const int64_t k : {int64_t{1}, int64_t{2}, int64_t{4}}) {
+      if (k > E) continue;
+      const int64_t T = 37;
+      for (uint32_t seed = 0; seed < 12; ++seed) {
+        // Random top-k rows; probs with ties, zeros and (rarely) negatives.
+        std::mt19937 gen(seed + 300);
+        std::vector<uint8_t> selected(static_cast<size_t>(T * E), 0);
+        std::vector<double> probs(static_cast<size_t>(T * E), 0.0);
+        std::vector<int64_t> order(static_cast<size_t>(E));
+        std::uniform_int_distribution<int> level(-1, 6);
+        for (int64_t t = 0; t < T; ++t) {
+          std::iota(order.begin(), order.end(), int64_t{0});
+          std::shuffle(order.begin(), order.end(), gen);
+          for (int64_t i = 0; i < k; ++i) {
+            selected[t * E + order[i]] = 1;
+            probs[t * E + order[i]] = 0.125 * level(gen);
+          }
+        }
+        const SparseSelection sparse = sparse_of(selected, probs, T, E, k);
+        for (const TokenDropPolicy policy : {TokenDropPolicy::kProbs, TokenDropPolicy::kPosition}) {
+          for (const int64_t capacity : {int64_t{-1}, int64_t{0}, int64_t{1}, int64_t{3}, T * k / E, T - 1, T, T + 5}) {
+            std::vector<uint8_t> want(static_cast<size_t>(T * E)), got(static_cast<size_t>(T * E), 7);
+            routing::ref::capacity_mask(want.data(), selected.data(), probs.data(), T, E, capacity, policy);
+            routing::capacity_mask(got.data(), sparse.selected_TK.data(), sparse.probs_TK.data(), T, E, k, capacity,
+                                   policy);
+            ASSERT_EQ(got, want) << "E " << E << " k " << k << " seed " << seed << " capacity " << capacity;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The router's row / column-sum form of the aux losses against the dense form: scores and top-k per row, the loss
+// from column sums, and the per-column gradient, for aux_loss (columns = experts) and seq_aux_loss (columns =
+// (sequence, expert) pairs).
+TEST(LoadBalancing, ColumnSumFormEqualsTheDenseForm) {
+  const int64_t S = 7, B = 3, T = S * B, E = 12, k = 3;
+  for (const RouterScoreFunction fn :
+       {RouterScoreFunction::kSoftmax, RouterScoreFunction::kSigmoid, RouterScoreFunction::kSqrtSoftplus}) {
+    const std::vector<double> logits = random_values(T * E, 61, 1.5);
+    std::vector<double> scores(static_cast<size_t>(T * E)), row_scores(static_cast<size_t>(T * E));
+    std::vector<uint8_t> map(static_cast<size_t>(T * E)), row_map(static_cast<size_t>(T * E), 0);
+    load_balancing::aux_scores(scores.data(), map.data(), logits.data(), T, E, k, fn);
+    std::vector<int64_t> idx(static_cast<size_t>(k));
+    for (int64_t t = 0; t < T; ++t) {
+      load_balancing::aux_scores_row(row_scores.data() + t * E, idx.data(), logits.data() + t * E, E, k, fn);
+      for (const int64_t e : idx) row_map[t * E + e] = 1;
+    }
+    ASSERT_EQ(row_scores, scores);
+    ASSERT_EQ(row_map, map);
+
+    std::vector<double> sums_E(static_cast<size_t>(E), 0.0), counts_E(static_cast<size_t>(E), 0.0);
+    std::vector<double> sums_BE(static_cast<size_t>(B * E), 0.0), counts_BE(static_cast<size_t>(B * E), 0.0);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t e = 0; e < E; ++e) {
+        sums_E[e] += scores[t * E + e];
+        counts_E[e] += map[t * E + e];
+        sums_BE[(t % B) * E + e] += scores[t * E + e];
+        counts_BE[(t % B) * E + e] += map[t * E + e];
+      }
+    }
+    std::vector<double> d_dense(static_cast<size_t>(T * E), 0.0), d_E(static_cast<size_t>(E), 0.0);
+    const double aux = load_balancing::aux_loss(scores.data(), map.data(), T, E, k, 0.3, d_dense.data());
+    EXPECT_NEAR(load_balancing::switch_loss_from_sums(sums_E.data(), counts_E.data(), E, T, k, E, 0.3, d_E.data()), aux,
+                1e-15 * aux);
+    for (int64_t i = 0; i < T * E; ++i) ASSERT_EQ(d_dense[i], d_E[i % E]) << i;
+
+    std::vector<double> d_seq(static_cast<size_t>(T * E), 0.0), d_BE(static_cast<size_t>(B * E), 0.0);
+    const double seq = load_balancing::seq_aux_loss(scores.data(), map.data(), S, B, E, k, 0.3, d_seq.data());
+    EXPECT_NEAR(
+        load_balancing::switch_loss_from_sums(sums_BE.data(), counts_BE.data(), B * E, S, k, E, 0.3 / B, d_BE.data()),
+        seq, 1e-15 * seq);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t e = 0; e < E; ++e) ASSERT_EQ(d_seq[t * E + e], d_BE[(t % B) * E + e]) << t << "," << e;
+    }
+
+    // Backward per row (softmax through the fp32 scores) against the dense backward on exact scores.
+    const std::vector<double> dscores = random_values(T * E, 62);
+    std::vector<double> want(static_cast<size_t>(T * E), 0.5), got(static_cast<size_t>(T * E), 0.5);
+    load_balancing::aux_scores_backward(want.data(), dscores.data(), logits.data(), T, E, fn);
+    std::vector<float> scores_f(scores.begin(), scores.end());
+    std::vector<double> scratch(static_cast<size_t>(E));
+    for (int64_t t = 0; t < T; ++t) {
+      load_balancing::aux_scores_backward_row(got.data() + t * E, dscores.data() + t * E, logits.data() + t * E,
+                                              scores_f.data() + t * E, E, fn, scratch.data());
+    }
+    for (int64_t i = 0; i < T * E; ++i) {
+      if (fn == RouterScoreFunction::kSoftmax) {
+        EXPECT_NEAR(got[i], want[i], 1e-6 * (1.0 + std::abs(want[i]))) << i;  // fp32 scores
+      } else {
+        EXPECT_NEAR(got[i], want[i], 1e-14 * (1.0 + std::abs(want[i]))) << i;
+      }
+    }
+  }
 }
 
 }  // namespace

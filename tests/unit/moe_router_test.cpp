@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <memory>
 #include <random>
 #include <set>
@@ -121,6 +122,54 @@ TEST(Router, Fp32MatchesFp64ToFloatPrecision) {
     EXPECT_NEAR(a32.logits_TE[i], a64.logits_TE[i], 1e-6 * (1 + std::abs(a64.logits_TE[i])));
     EXPECT_EQ(a32.logits_TE[i], static_cast<double>(static_cast<float>(a32.logits_TE[i])));
     EXPECT_NEAR(o32.probs_TE.data<float>()[i], o64.probs_TE.data<float>()[i], 1e-6);
+  }
+}
+
+// The fp32 router computes its logits and their gradients with fp32 GEMMs (as Megatron's fp32 router_gating_linear),
+// the fp64 one in double: the same routing, and every gradient the same to fp32 precision, with and without input
+// jitter; gradients accumulate onto what dx and the parameter gradients already hold.
+TEST(Router, Fp32BackwardMatchesFp64ToFloatPrecision) {
+  const int64_t S = 8, B = 2, T = S * B, H = 24, E = 16;
+  for (const double jitter : {0.0, 0.05}) {
+    SCOPED_TRACE(jitter > 0 ? "jitter" : "no jitter");
+    MoEConfig config = base_config(E, 2);
+    config.input_jitter_eps = jitter;
+    config.load_balancing_types = {LB::kAuxLoss, LB::kSeqAuxLoss};
+    config.aux_loss_coeffs = {0.1, 0.05};
+    config.z_loss_coeff = 0.01;
+    RouterUnderTest r64(config, H, true, 31);
+    config.router_dtype = RouterDType::kFP32;
+    RouterUnderTest r32(config, H, true, 31);
+    const std::vector<float> x = random_floats(T * H, 32);
+    const std::vector<float> dprobs = random_floats(T * E, 33);
+    const std::vector<float> dx0 = random_floats(T * H, 34);
+    const std::vector<float> dw0 = random_floats(E * H, 35), db0 = random_floats(E, 36);
+    std::map<bool, std::vector<float>> dx, dw, db;
+    std::map<bool, RouterOutput> outs;
+    for (const bool fp32 : {false, true}) {
+      RouterUnderTest& r = fp32 ? r32 : r64;
+      std::copy(dw0.begin(), dw0.end(), r.weight->grad.data<float>());
+      std::copy(db0.begin(), db0.end(), r.bias->grad.data<float>());
+      RouterActivations act;
+      outs[fp32] = r.router->forward(x.data(), S, B, true, 3, 4, act);
+      dx[fp32] = dx0;
+      r.router->backward(dx[fp32].data(), dprobs.data(), 0.5, act, outs[fp32]);
+      dw[fp32].assign(r.weight->grad.data<float>(), r.weight->grad.data<float>() + E * H);
+      db[fp32].assign(r.bias->grad.data<float>(), r.bias->grad.data<float>() + E);
+    }
+    ASSERT_EQ(outs[true].routing_map_TE, outs[false].routing_map_TE);
+    auto close = [](const std::vector<float>& got, const std::vector<float>& want, const std::vector<float>& start,
+                    const char* what) {
+      double moved = 0.0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        EXPECT_NEAR(got[i], want[i], 2e-5 * (1.0 + std::abs(want[i]))) << what << "[" << i << "]";
+        moved += std::abs(want[i] - start[i]);
+      }
+      EXPECT_GT(moved, 1e-3) << what << " got no gradient";
+    };
+    close(dx[true], dx[false], dx0, "dx");
+    close(dw[true], dw[false], dw0, "dW");
+    close(db[true], db[false], db0, "db");
   }
 }
 

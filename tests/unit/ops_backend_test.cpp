@@ -17,6 +17,7 @@
 //   backend.h     backend_name parse_backend active_backend ScopedBackend
 //   dropout.h     dropout_forward dropout_backward
 //   elementwise.h add_ scale_ sum_squares all_finite
+//   expert_activation.h weighted_swiglu_forward weighted_swiglu_backward
 //   linear.h      linear_forward linear_backward
 //   linear_cross_entropy.h  linear_cross_entropy linear_cross_entropy_chunk_rows
 //   loss.h        embedding_forward embedding_backward cross_entropy_forward cross_entropy_backward
@@ -68,6 +69,8 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "scale_",
                                                 "sum_squares",
                                                 "all_finite",
+                                                "weighted_swiglu_forward",
+                                                "weighted_swiglu_backward",
                                                 "linear_forward",
                                                 "linear_backward",
                                                 "linear_cross_entropy",

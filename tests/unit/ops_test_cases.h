@@ -340,6 +340,25 @@ inline OpCase activation_case(const std::string& name, const Activation kind, co
   return c;
 }
 
+// Gates over [-6, 6] (both branches of the sigmoid), positive probabilities; the backward overwrites both gradients.
+inline OpCase weighted_swiglu_case(const std::string& name, const int64_t T, const int64_t F) {
+  OpCase c{name, {"weighted_swiglu_forward", "weighted_swiglu_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("inp", {T, 2 * F}, 6.0);
+    e.rand("probs", {T}, 1.0, true);
+    e.rand("h", {T, F});
+  };
+  c.forward = [](Env& e) { weighted_swiglu_forward(e("h"), e("inp"), e("probs")); };
+  c.outputs = {"h"};
+  c.loss = {"h"};
+  c.backward = [](Env& e) { weighted_swiglu_backward(e("dinp"), e("dprobs"), e("dh"), e("inp"), e("probs")); };
+  c.grads = {{"inp", "dinp", kOver}, {"probs", "dprobs", kOver}};
+  c.bad_args = {{kFwd, "inp", "weighted_swiglu_forward"},     {kFwd, "h", "weighted_swiglu_forward"},
+                {kFwd, "probs", "weighted_swiglu_forward"},   {kBwd, "dinp", "weighted_swiglu_backward"},
+                {kBwd, "dprobs", "weighted_swiglu_backward"}, {kBwd, "dh", "weighted_swiglu_backward"}};
+  return c;
+}
+
 // p = 0.3, fixed seed / key, and an element offset (a shard of a larger tensor).
 inline DropoutSpec test_dropout() {
   DropoutSpec spec;
@@ -778,6 +797,7 @@ inline const std::vector<OpCase>& all_cases() {
         activation_case("gelu", Activation::kGelu, 7, 5),
         activation_case("swiglu", Activation::kSwiGLU, 7, 5),
         activation_case("squared_relu", Activation::kSquaredReLU, 7, 5),
+        weighted_swiglu_case("weighted_swiglu", 7, 5),
         dropout_case("dropout", {9, 7}),
         cross_entropy_case("cross_entropy", 8, 13),
         vocab_ce_case(),
@@ -807,6 +827,7 @@ inline const std::vector<OpCase>& all_cases() {
         activation_case("gelu_large", Activation::kGelu, 33, 1025),
         activation_case("swiglu_large", Activation::kSwiGLU, 33, 1025),
         activation_case("squared_relu_large", Activation::kSquaredReLU, 33, 1025),
+        weighted_swiglu_case("weighted_swiglu_large", 33, 1025),
         dropout_case("dropout_large", {97, 91}),
         cross_entropy_case("cross_entropy_large", 40, 1031),
         add_case("add_large", {257, 257}),

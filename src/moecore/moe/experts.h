@@ -27,7 +27,8 @@ struct ExpertActivations {
   Tensor x_RH;     // expert input rows (a copy of what the dispatcher delivered)
   Tensor xs_RH;    // with --moe-apply-probs-on-input: x * p, fc1's input; else empty
   Tensor fc1_RF1;  // GroupedMLP: fc1 output of every row
-  Tensor act_RF;   // GroupedMLP: activation output, before the probability
+  Tensor act_RF;   // GroupedMLP: activation output, before the probability (not with weighted SwiGLU)
+  Tensor h_RF;     // GroupedMLP with SwiGLU and the probability after it: fc2's input swiglu(fc1) * p
   Tensor probs_R;
   std::vector<int64_t> tokens_per_expert_E;
   std::vector<MLPActivations> per_expert;  // SequentialMLP: each expert's MLP activations

@@ -1,19 +1,26 @@
 // GroupedMLP: all local experts in one pass over the grouped buffer. The row-local work (fc1, activation, probs,
 // fc2, and in backward the data gradients) runs as one OpenMP loop over (expert, row tile) tasks; the weight
-// gradients as one loop over (expert, fc1|fc2) tasks, each reducing over all of its expert's rows, so no two tasks
-// write the same output and the result does not depend on the thread count. Inside a parallel region the ops'
-// kernels and OpenBLAS (OpenMP build) run single-threaded, so the GEMMs of all experts proceed together.
+// gradients as one loop over (expert, fc1|fc2) tasks, each reducing over all of its expert's rows, so no two
+// tasks write the same output and the result does not depend on the thread count. Inside a parallel region the ops'
+// kernels run single-threaded, so the GEMMs of all experts proceed together.
+//
+// Scheduling by shape: an expert's rows are cut into the fewest tiles of at most kMaxTileRows (evenly sized), so an
+// expert with many rows gets GEMMs big enough to run near the GEMM's peak and an expert with few rows one task.
+// Tasks run largest first (dynamic schedule), which keeps both threads busy to the end when the experts' loads are
+// uneven. Tiles depend on the routing only, never on the thread count, so every row goes through the same GEMM
+// calls whatever the threads.
 #include <algorithm>
 
 #include "moecore/moe/experts_internal.h"
+#include "moecore/ops/expert_activation.h"
 #include "moecore/ops/linear.h"
 #include "moecore/ops/rows.h"
 
 namespace moecore::experts_detail {
 namespace {
 
-// Rows per task: big enough for efficient GEMMs, small enough to balance uneven experts over the threads.
-constexpr int64_t kTileRows = 64;
+// Rows per tile at most: past this the GEMMs gain little, and smaller tasks balance better.
+constexpr int64_t kMaxTileRows = 256;
 
 struct RowTile {
   int64_t expert, begin, end;
@@ -23,12 +30,21 @@ std::vector<RowTile> row_tiles(const std::vector<int64_t> &offsets_E1) {
   std::vector<RowTile> tiles;
   const int64_t E = static_cast<int64_t>(offsets_E1.size()) - 1;
   for (int64_t e = 0; e < E; ++e) {
-    for (int64_t r = offsets_E1[e]; r < offsets_E1[e + 1]; r += kTileRows) {
-      tiles.push_back({e, r, std::min(r + kTileRows, offsets_E1[e + 1])});
-    }
+    const int64_t first = offsets_E1[e], rows = offsets_E1[e + 1] - first;
+    const int64_t n = (rows + kMaxTileRows - 1) / kMaxTileRows;
+    for (int64_t i = 0; i < n; ++i) tiles.push_back({e, first + rows * i / n, first + rows * (i + 1) / n});
   }
+  // Largest first (ties in expert order): the dynamic schedule then ends with the small tasks.
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const RowTile &a, const RowTile &b) { return a.end - a.begin > b.end - b.begin; });
   return tiles;
 }
+
+// One expert's weight-gradient task: fc1 (W1, b1) or fc2 (W2, b2).
+struct WeightTask {
+  int64_t expert;
+  bool fc1;
+};
 
 Tensor activation_tensor(std::vector<int64_t> shape) {
   return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
@@ -38,7 +54,6 @@ Tensor activation_tensor(std::vector<int64_t> shape) {
 struct BackwardBuffers {
   Tensor &dx_RH, &dprobs_R;
   const Tensor &dy_RH;
-  Tensor h_RF;      // fc2 input, recomputed (probs after the activation only)
   Tensor dfc1_RF1;  // zero-initialised
   Tensor dxs_RH;    // probs on input: d(fc1 input), zero-initialised
 };
@@ -49,12 +64,14 @@ class GroupedMLP final : public ExpertMLPBase {
 
  private:
   const Param *fc2_bias(const int64_t e) const { return experts_[static_cast<size_t>(e)].fc2().bias(); }
+  // SwiGLU with the probability after it (Megatron's default expert MLP): the fused weighted SwiGLU, which saves
+  // fc2's input h = swiglu(fc1) * p instead of the activation and recomputes swiglu in backward.
+  bool weighted_swiglu() const { return activation_ == ops::Activation::kSwiGLU && !probs_on_input_; }
 
   void run_forward(const std::vector<int64_t> &offsets_E1, Tensor &y_RH, ExpertActivations &saved) const override {
     const int64_t R = offsets_E1.back();
     saved.fc1_RF1 = activation_tensor({R, F1_});
-    saved.act_RF = activation_tensor({R, F_});
-    Tensor h_RF = probs_on_input_ ? saved.act_RF : activation_tensor({R, F_});
+    (weighted_swiglu() ? saved.h_RF : saved.act_RF) = activation_tensor({R, F_});
     if (probs_on_input_) {
       saved.xs_RH = activation_tensor({R, H_});
       ops::scale_rows(saved.xs_RH, saved.x_RH, saved.probs_R);
@@ -71,9 +88,17 @@ class GroupedMLP final : public ExpertMLPBase {
       const Param *b1 = expert.fc1().bias();
       ops::linear_forward(fc1, fc1_in.slice_rows(tile.begin, tile.end), expert.fc1().weight().value,
                           b1 ? &b1->value : nullptr);
-      Tensor act = saved.act_RF.slice_rows(tile.begin, tile.end);
-      Tensor h = h_RF.slice_rows(tile.begin, tile.end);
-      mlp_activation_forward(activation_, act, h, fc1, probs_on_input_ ? nullptr : &probs);
+      // fc2's input: h = swiglu(fc1) * p (saved), the activation itself (probs on the input), or act * p in a
+      // tile-sized buffer (kept in cache, not saved: backward recomputes it).
+      Tensor h;
+      if (weighted_swiglu()) {
+        h = saved.h_RF.slice_rows(tile.begin, tile.end);
+        ops::weighted_swiglu_forward(h, fc1, probs);
+      } else {
+        Tensor act = saved.act_RF.slice_rows(tile.begin, tile.end);
+        h = probs_on_input_ ? act : activation_tensor({tile.end - tile.begin, F_});
+        mlp_activation_forward(activation_, act, h, fc1, probs_on_input_ ? nullptr : &probs);
+      }
       Tensor y = y_RH.slice_rows(tile.begin, tile.end);
       const Param *b2 = fc2_bias(tile.expert);
       ops::linear_forward(y, h, expert.fc2().weight().value, probs_on_input_ && b2 ? &b2->value : nullptr);
@@ -81,12 +106,11 @@ class GroupedMLP final : public ExpertMLPBase {
     }
   }
 
-  // Row-local gradients of one tile: dx, dprobs, d(fc1 output), and h for the fc2 weight gradient.
+  // Row-local gradients of one tile: dx, dprobs and d(fc1 output).
   void backward_tile(const RowTile &tile, BackwardBuffers &buf, const ExpertActivations &saved) const {
     const MLP &expert = experts_[static_cast<size_t>(tile.expert)];
     const Tensor probs = saved.probs_R.slice_rows(tile.begin, tile.end);
     const Tensor dy = buf.dy_RH.slice_rows(tile.begin, tile.end);
-    const Tensor act = saved.act_RF.slice_rows(tile.begin, tile.end);
     Tensor dprobs = buf.dprobs_R.slice_rows(tile.begin, tile.end);
     Tensor dh = activation_tensor({tile.end - tile.begin, F_});
     ops::linear_backward(&dh, nullptr, nullptr, dy, nullptr, expert.fc2().weight().value);
@@ -94,15 +118,19 @@ class GroupedMLP final : public ExpertMLPBase {
     const Tensor fc1 = saved.fc1_RF1.slice_rows(tile.begin, tile.end);
     const Param &w1 = expert.fc1().weight();
     if (!probs_on_input_) {
-      Tensor h = buf.h_RF.slice_rows(tile.begin, tile.end);
-      ops::scale_rows(h, act, probs);
-      mlp_activation_backward(activation_, dfc1, &dprobs, dh, fc1, act, &probs);
+      if (weighted_swiglu()) {
+        ops::weighted_swiglu_backward(dfc1, dprobs, dh, fc1, probs);
+      } else {
+        mlp_activation_backward(activation_, dfc1, &dprobs, dh, fc1, saved.act_RF.slice_rows(tile.begin, tile.end),
+                                &probs);
+      }
       if (const Param *b2 = fc2_bias(tile.expert)) ops::add_outer_backward(&dprobs, nullptr, dy, probs, b2->value);
       Tensor dx = buf.dx_RH.slice_rows(tile.begin, tile.end);
       ops::linear_backward(&dx, nullptr, nullptr, dfc1, nullptr, w1.value);
       return;
     }
-    mlp_activation_backward(activation_, dfc1, nullptr, dh, fc1, act, nullptr);
+    mlp_activation_backward(activation_, dfc1, nullptr, dh, fc1, saved.act_RF.slice_rows(tile.begin, tile.end),
+                            nullptr);
     // fc1 input x * p: dx += d(fc1 input) p, dp = <d(fc1 input), x>.
     Tensor dxs = buf.dxs_RH.slice_rows(tile.begin, tile.end);
     ops::linear_backward(&dxs, nullptr, nullptr, dfc1, nullptr, w1.value);
@@ -110,11 +138,11 @@ class GroupedMLP final : public ExpertMLPBase {
     ops::scale_rows_backward(&dx, &dprobs, dxs, saved.x_RH.slice_rows(tile.begin, tile.end), probs);
   }
 
-  // Weight gradients of expert e over its rows [begin, end): which = 0 for fc1, 1 for fc2.
-  void backward_weights(const int64_t e, const int64_t begin, const int64_t end, const int which,
-                        const BackwardBuffers &buf, const ExpertActivations &saved) const {
-    const MLP &expert = experts_[static_cast<size_t>(e)];
-    if (which == 0) {
+  // Weight gradients of one task over its expert's rows [begin, end).
+  void backward_weights(const WeightTask &task, const int64_t begin, const int64_t end, const BackwardBuffers &buf,
+                        const ExpertActivations &saved) const {
+    const MLP &expert = experts_[static_cast<size_t>(task.expert)];
+    if (task.fc1) {
       Param &w1 = expert.fc1().weight();
       Param *b1 = expert.fc1().bias();
       const Tensor &fc1_in = probs_on_input_ ? saved.xs_RH : saved.x_RH;
@@ -126,7 +154,13 @@ class GroupedMLP final : public ExpertMLPBase {
     Param &w2 = expert.fc2().weight();
     Param *b2 = expert.fc2().bias();
     const Tensor dy = buf.dy_RH.slice_rows(begin, end);
-    const Tensor h = (probs_on_input_ ? saved.act_RF : buf.h_RF).slice_rows(begin, end);
+    // fc2's input: saved (weighted SwiGLU, or the activation itself with probs on the input), else recomputed as
+    // act * p in a buffer of this expert's rows.
+    Tensor h = weighted_swiglu() ? saved.h_RF.slice_rows(begin, end) : saved.act_RF.slice_rows(begin, end);
+    if (!weighted_swiglu() && !probs_on_input_) {
+      h = activation_tensor({end - begin, F_});
+      ops::scale_rows(h, saved.act_RF.slice_rows(begin, end), saved.probs_R.slice_rows(begin, end));
+    }
     ops::linear_backward(nullptr, &w2.grad, probs_on_input_ && b2 ? &b2->grad : nullptr, dy, &h, w2.value);
     if (!probs_on_input_ && b2) {  // d(p b2)/d b2 = p
       ops::add_outer_backward(nullptr, &b2->grad, dy, saved.probs_R.slice_rows(begin, end), b2->value);
@@ -136,27 +170,31 @@ class GroupedMLP final : public ExpertMLPBase {
   void run_backward(const std::vector<int64_t> &offsets_E1, Tensor &dx_RH, Tensor &dprobs_R, const Tensor &dy_RH,
                     const ExpertActivations &saved) const override {
     const int64_t R = offsets_E1.back();
-    BackwardBuffers buf{dx_RH,
-                        dprobs_R,
-                        dy_RH,
-                        probs_on_input_ ? Tensor() : activation_tensor({R, F_}),
-                        activation_tensor({R, F1_}),
+    BackwardBuffers buf{dx_RH, dprobs_R, dy_RH, activation_tensor({R, F1_}),
                         probs_on_input_ ? activation_tensor({R, H_}) : Tensor()};
     const std::vector<RowTile> tiles = row_tiles(offsets_E1);
     const auto n_tiles = static_cast<int64_t>(tiles.size());
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_tiles; ++i) backward_tile(tiles[static_cast<size_t>(i)], buf, saved);
 
-    // Experts with zero rows get no task: their gradients stay present and unchanged.
-    std::vector<int64_t> busy_experts;
+    // Experts with zero rows get no task: their gradients stay present and unchanged. Costliest first: rows x F1
+    // x H for fc1, rows x H x F for fc2.
+    std::vector<WeightTask> tasks;
     for (int64_t e = 0; e < E_; ++e) {
-      if (offsets_E1[e + 1] > offsets_E1[e]) busy_experts.push_back(e);
+      if (offsets_E1[e + 1] == offsets_E1[e]) continue;
+      tasks.push_back({e, true});
+      tasks.push_back({e, false});
     }
-    const int64_t n_tasks = 2 * static_cast<int64_t>(busy_experts.size());
+    auto cost = [&](const WeightTask &t) {
+      return (offsets_E1[t.expert + 1] - offsets_E1[t.expert]) * (t.fc1 ? F1_ : F_);
+    };
+    std::stable_sort(tasks.begin(), tasks.end(),
+                     [&](const WeightTask &a, const WeightTask &b) { return cost(a) > cost(b); });
+    const auto n_tasks = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_tasks; ++i) {
-      const int64_t e = busy_experts[static_cast<size_t>(i / 2)];
-      backward_weights(e, offsets_E1[e], offsets_E1[e + 1], static_cast<int>(i % 2), buf, saved);
+      const WeightTask &task = tasks[static_cast<size_t>(i)];
+      backward_weights(task, offsets_E1[task.expert], offsets_E1[task.expert + 1], buf, saved);
     }
   }
 };

@@ -6,21 +6,43 @@
 
 namespace moecore::load_balancing {
 
+void aux_scores_row(double* scores_E, int64_t* idx_K, const double* logits_E, const int64_t E, const int64_t k,
+                    const RouterScoreFunction fn) {
+  if (fn == RouterScoreFunction::kSoftmax) {
+    routing::softmax_fp32(scores_E, logits_E, E);
+  } else {
+    for (int64_t e = 0; e < E; ++e) scores_E[e] = routing::pointwise_score_fp32(fn, logits_E[e]);
+    routing::normalize_fp32(scores_E, E);
+  }
+  routing::topk(idx_K, scores_E, E, k);
+}
+
 void aux_scores(double* scores_TE, uint8_t* map_TE, const double* logits_TE, const int64_t T, const int64_t E,
                 const int64_t k, const RouterScoreFunction fn) {
   std::vector<int64_t> idx_K(static_cast<size_t>(k));
   for (int64_t t = 0; t < T; ++t) {
-    double* scores_E = scores_TE + t * E;
-    const double* logits_E = logits_TE + t * E;
-    if (fn == RouterScoreFunction::kSoftmax) {
-      routing::softmax_fp32(scores_E, logits_E, E);
-    } else {
-      for (int64_t e = 0; e < E; ++e) scores_E[e] = routing::pointwise_score_fp32(fn, logits_E[e]);
-      routing::normalize_fp32(scores_E, E);
-    }
-    routing::topk(idx_K.data(), scores_E, E, k);
+    aux_scores_row(scores_TE + t * E, idx_K.data(), logits_TE + t * E, E, k, fn);
     for (int64_t e = 0; e < E; ++e) map_TE[t * E + e] = 0;
     for (const int64_t e : idx_K) map_TE[t * E + e] = 1;
+  }
+}
+
+void aux_scores_backward_row(double* dlogits_E, const double* dscores_E, const double* logits_E, const float* scores_E,
+                             const int64_t E, const RouterScoreFunction fn, double* scratch_E) {
+  double dot = 0.0;
+  if (fn == RouterScoreFunction::kSoftmax) {
+    for (int64_t e = 0; e < E; ++e) dot += static_cast<double>(scores_E[e]) * dscores_E[e];
+    for (int64_t e = 0; e < E; ++e) dlogits_E[e] += static_cast<double>(scores_E[e]) * (dscores_E[e] - dot);
+    return;
+  }
+  // s_e = f_e / (sum f + 1e-20): d/d f_e = (ds_e - sum_j ds_j s_j) / (sum f + 1e-20).
+  double* f_E = scratch_E;
+  double sum = 0.0;
+  for (int64_t e = 0; e < E; ++e) sum += f_E[e] = routing::pointwise_score(fn, logits_E[e]);
+  const double denom = sum + 1e-20;
+  for (int64_t e = 0; e < E; ++e) dot += f_E[e] / denom * dscores_E[e];
+  for (int64_t e = 0; e < E; ++e) {
+    dlogits_E[e] += (dscores_E[e] - dot) / denom * routing::pointwise_score_grad(fn, logits_E[e], f_E[e]);
   }
 }
 
@@ -66,6 +88,19 @@ double switch_loss(const double* scores_TE, const double* tokens_per_expert_E, c
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t e = 0; e < E; ++e) dscores_TE[t * E + e] += factor * tokens_per_expert_E[e];
     }
+  }
+  return loss * factor;
+}
+
+double switch_loss_from_sums(const double* score_sums_J, const double* counts_J, const int64_t J,
+                             const double total_tokens, const int64_t k, const int64_t num_experts, const double coeff,
+                             double* dscores_J) {
+  const double factor =
+      static_cast<double>(num_experts) * coeff / (static_cast<double>(k) * total_tokens * total_tokens);
+  double loss = 0.0;
+  for (int64_t j = 0; j < J; ++j) loss += score_sums_J[j] * counts_J[j];
+  if (dscores_J != nullptr) {
+    for (int64_t j = 0; j < J; ++j) dscores_J[j] += factor * counts_J[j];
   }
   return loss * factor;
 }

@@ -1,5 +1,11 @@
 // Megatron's load-balancing losses (megatron/core/transformer/moe/moe_utils.py) with their gradients, and the
 // aux-loss-free expert-bias update. Buffers are row-major [T, E]; gradients ACCUMULATE (+=).
+//
+// Two forms. The dense one (aux_scores, aux_loss, seq_aux_loss, switch_loss, aux_scores_backward) follows Megatron's
+// tensors literally: [T, E] scores, map and score gradients. The router uses the row / column-sum form (aux_scores_row,
+// switch_loss_from_sums, aux_scores_backward_row): the switch loss only needs each column's score sum and token
+// count, and its gradient with respect to a score is the same for every token of a column, so nothing [T, E] beyond
+// the scores themselves is built. Tests hold the two forms equal.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +43,19 @@ double aux_loss(const double* scores_TE, const uint8_t* map_TE, int64_t T, int64
 // shards of the same sequences), averaged over B.
 double seq_aux_loss(const double* scores_TE, const uint8_t* map_TE, int64_t S, int64_t B, int64_t E, int64_t k,
                     double coeff, double* dscores_TE, const CountReduction& reduce = {}, int64_t ranks = 1);
+
+// One token's aux scores (as aux_scores: fp32 values) and their plain top-k idx_K (largest first).
+void aux_scores_row(double* scores_E, int64_t* idx_K, const double* logits_E, int64_t E, int64_t k,
+                    RouterScoreFunction fn);
+// switch_loss from the column sums of the scores (score_sums_J) and the counts: the same value, and dscores_J
+// (nullable) += the gradient of each score of column j (factor * counts_j, the same for every token).
+double switch_loss_from_sums(const double* score_sums_J, const double* counts_J, int64_t J, double total_tokens,
+                             int64_t k, int64_t num_experts, double coeff, double* dscores_J);
+// One token of aux_scores_backward: dlogits_E += d(scores)/d(logits)^T dscores_E. Softmax scores are differentiated
+// through the forward's fp32 scores (scores_E, what autograd's softmax backward uses); sigmoid / sqrtsoftplus
+// scores are recomputed from the logits in double (scores_E unused). scratch_E: E doubles.
+void aux_scores_backward_row(double* dlogits_E, const double* dscores_E, const double* logits_E, const float* scores_E,
+                             int64_t E, RouterScoreFunction fn, double* scratch_E);
 
 // z-loss = coeff * mean_t logsumexp(logits_t)^2; dlogits_TE (nullable) += grad_scale * d(z)/d(logits).
 double z_loss(const double* logits_TE, int64_t T, int64_t E, double coeff, double grad_scale, double* dlogits_TE);

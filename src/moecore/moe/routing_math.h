@@ -35,7 +35,9 @@ void normalize_fp32(double* values_K, int64_t K);
 double logsumexp(const double* in_E, int64_t E);
 
 // Indices of the k largest values_E, largest first; ties go to the lower index. -inf entries are never
-// preferred over finite ones.
+// preferred over finite ones. One pass keeping the best k in order (k <= kStreamingTopkMax; larger k sorts), no
+// allocation: O(E) for the small k of MoE routing.
+constexpr int64_t kStreamingTopkMax = 16;
 void topk(int64_t* idx_K, const double* values_E, int64_t E, int64_t k);
 // Group-limited top-k (Megatron's group_limited_topk in moe_utils.py): experts viewed as [G, E/G]; a group's score
 // is the sum of its top-(k // group_topk) values (floor division, as Megatron: k need not be a multiple of
@@ -56,7 +58,18 @@ int64_t expert_capacity(int64_t T, int64_t k, int64_t E, double capacity_factor)
 // T tokens; ties go to the earlier token. When C >= T every token is in the mask. The routing map is then
 // selected & mask (dropping), or the mask itself with --moe-pad-expert-input-to-capacity (every expert gets exactly
 // min(C, T) real tokens, the padding ones with probability 0).
+// From the sparse selection: selected_TK holds the k experts of each token, probs_TK their probabilities (only the
+// selected entries of probs_TE can be non-zero). O(T k log T) for the sort plus the [T, E] mask itself.
+void capacity_mask(uint8_t* mask_TE, const int32_t* selected_TK, const double* probs_TK, int64_t T, int64_t E,
+                   int64_t k, int64_t capacity, TokenDropPolicy policy);
+
+// Naive references of the functions above (a full sort per call, dense [T, E] scans), for tests.
+namespace ref {
+void topk(int64_t* idx_K, const double* values_E, int64_t E, int64_t k);
+void group_limited_topk(int64_t* idx_K, const double* values_E, int64_t E, int64_t k, int64_t num_groups,
+                        int64_t group_topk);
 void capacity_mask(uint8_t* mask_TE, const uint8_t* selected_TE, const double* probs_TE, int64_t T, int64_t E,
                    int64_t capacity, TokenDropPolicy policy);
+}  // namespace ref
 
 }  // namespace moecore::routing

@@ -14,6 +14,7 @@
 #include "moecore/kernels/cpu/attention.h"
 #include "moecore/kernels/cpu/dropout.h"
 #include "moecore/kernels/cpu/elementwise.h"
+#include "moecore/kernels/cpu/expert_activation.h"
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/kernels/cpu/loss.h"
 #include "moecore/kernels/cpu/norm.h"
@@ -44,6 +45,8 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, gelu_backward)               \
     MOECORE_FORWARD(ns, squared_relu_forward)        \
     MOECORE_FORWARD(ns, squared_relu_backward)       \
+    MOECORE_FORWARD(ns, weighted_swiglu_forward)     \
+    MOECORE_FORWARD(ns, weighted_swiglu_backward)    \
     MOECORE_FORWARD(ns, dropout_forward)             \
     MOECORE_FORWARD(ns, dropout_backward)            \
     MOECORE_FORWARD(ns, cross_entropy_forward)       \

@@ -1,0 +1,154 @@
+// Times the MoE layer's parts on their own: the router (forward in training mode with the aux loss, backward) and
+// the grouped experts (forward, backward), at a given number of experts. Prints one line per part: median and
+// minimum milliseconds over the repeats (the minimum is the steadier figure on a shared machine) and, for the experts,
+// GFLOP/s of the median.
+// usage: bench_moe router E [T H REPEATS]
+//        bench_moe experts E [ROWS H F REPEATS SKEW]   (ROWS routed rows in all; SKEW 0 = even, 1 = Zipf-like)
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moecore/model/config.h"
+#include "moecore/moe/experts.h"
+#include "moecore/moe/router.h"
+#include "moecore/tensor/rng.h"
+
+namespace {
+
+using namespace moecore;
+
+std::vector<float> random_floats(const size_t n, const uint64_t key, const float scale) {
+  const CounterRng rng(1, key);
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = scale * static_cast<float>(rng.normal(i));
+  return out;
+}
+
+struct Timing {
+  double median_ms = 0, min_ms = 0;
+};
+
+// `repeats` timed calls after one warm-up call; `prepare` (untimed) runs before each call.
+Timing time_ms(const std::function<void()>& prepare, const std::function<void()>& fn, const int repeats) {
+  prepare();
+  fn();
+  std::vector<double> times;
+  for (int r = 0; r < repeats; ++r) {
+    prepare();
+    const auto start = std::chrono::steady_clock::now();
+    fn();
+    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(times.begin(), times.end());
+  return {times[times.size() / 2], times.front()};
+}
+
+void fill(Param& p, const uint64_t key, const float scale) {
+  const std::vector<float> v = random_floats(static_cast<size_t>(p.value.numel()), key, scale);
+  std::copy(v.begin(), v.end(), p.value.data<float>());
+}
+
+// The demo model's router: softmax top-2, aux loss 1e-2, fp32.
+void bench_router(const int64_t E, const int64_t T, const int64_t H, const int repeats) {
+  MoEConfig config;
+  config.num_experts = E;
+  config.topk = 2;
+  config.load_balancing_types = {LoadBalancingType::kAuxLoss};
+  config.aux_loss_coeffs = {1e-2};
+  std::vector<Param> params;
+  TopKRouter router(config, H, false, "decoder.layers.0.", params);
+  router.bind(params);
+  fill(params[0], 7, 0.02f);
+  const std::vector<float> x_TH = random_floats(static_cast<size_t>(T * H), 8, 1.0f);
+  const std::vector<float> dprobs_TE = random_floats(static_cast<size_t>(T * E), 9, 1e-3f);
+  std::vector<float> dx_TH(static_cast<size_t>(T * H));
+  RouterActivations saved;
+  RouterOutput out;
+  const Timing fwd = time_ms([] {}, [&] { out = router.forward(x_TH.data(), T, 1, true, 1, 2, saved); }, repeats);
+  const Timing bwd = time_ms([] {}, [&] { router.backward(dx_TH.data(), dprobs_TE.data(), 0.5, saved, out); }, repeats);
+  std::printf("router  E=%4lld T=%lld H=%lld  forward %8.3f ms (min %8.3f)  backward %8.3f ms (min %8.3f)\n",
+              static_cast<long long>(E), static_cast<long long>(T), static_cast<long long>(H), fwd.median_ms,
+              fwd.min_ms, bwd.median_ms, bwd.min_ms);
+}
+
+// SwiGLU experts without bias (the demo model's), `rows` rows spread over E experts evenly or Zipf-like.
+void bench_experts(const int64_t E, const int64_t rows, const int64_t H, const int64_t F, const int repeats,
+                   const bool skew) {
+  ModelConfig model;
+  model.num_layers = 4;
+  model.hidden_size = H;
+  model.ffn_hidden_size = 4 * H;
+  model.activation = Activation::kSwiGLU;
+  model.add_bias_linear = false;
+  MoEConfig moe;
+  moe.num_experts = E;
+  moe.ffn_hidden_size = F;
+  moe.topk = 2;
+  moe.grouped_gemm = true;
+  std::vector<Param> params;
+  auto experts = make_experts(moe, model, "decoder.layers.0.", params);
+  experts->bind(params);
+  uint64_t key = 100;
+  for (Param& p : params) fill(p, ++key, 0.02f);
+
+  std::vector<int64_t> tokens_E(static_cast<size_t>(E), 0);
+  std::vector<double> weight_E(static_cast<size_t>(E));
+  double total = 0;
+  for (int64_t e = 0; e < E; ++e) total += weight_E[e] = skew ? 1.0 / static_cast<double>(e + 1) : 1.0;
+  int64_t assigned = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    tokens_E[e] = static_cast<int64_t>(std::floor(static_cast<double>(rows) * weight_E[e] / total));
+    assigned += tokens_E[e];
+  }
+  for (int64_t e = 0; assigned < rows; e = (e + 1) % E, ++assigned) ++tokens_E[e];
+
+  const std::vector<float> x_RH = random_floats(static_cast<size_t>(rows * H), 11, 1.0f);
+  const std::vector<float> probs_R = random_floats(static_cast<size_t>(rows), 12, 0.3f);
+  const std::vector<float> dy_RH = random_floats(static_cast<size_t>(rows * H), 13, 1e-2f);
+  std::vector<float> y_RH(static_cast<size_t>(rows * H)), dx_RH(y_RH.size()), dprobs_R(static_cast<size_t>(rows));
+  ExpertActivations saved;
+  const Timing fwd =
+      time_ms([] {}, [&] { experts->forward(y_RH.data(), x_RH.data(), probs_R.data(), tokens_E, saved); }, repeats);
+  const Timing bwd =
+      time_ms([] {}, [&] { experts->backward(dx_RH.data(), dprobs_R.data(), dy_RH.data(), saved); }, repeats);
+  // fc1 H -> 2F and fc2 F -> H: 2 * rows * H * 3F multiply-adds forward, twice that backward.
+  const double fwd_flop = 2.0 * static_cast<double>(rows) * static_cast<double>(H) * 3.0 * static_cast<double>(F);
+  std::printf(
+      "experts E=%4lld rows=%lld H=%lld F=%lld %s forward %8.3f ms (min %8.3f, %6.1f GFLOP/s)  backward %8.3f ms "
+      "(min %8.3f, %6.1f GFLOP/s)\n",
+      static_cast<long long>(E), static_cast<long long>(rows), static_cast<long long>(H), static_cast<long long>(F),
+      skew ? "zipf" : "even", fwd.median_ms, fwd.min_ms, fwd_flop / fwd.median_ms * 1e-6, bwd.median_ms, bwd.min_ms,
+      2.0 * fwd_flop / bwd.median_ms * 1e-6);
+}
+
+int64_t arg(const int argc, char** argv, const int i, const int64_t fallback) {
+  return argc > i ? std::atoll(argv[i]) : fallback;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: bench_moe router E [T H REPEATS] | bench_moe experts E [ROWS H F REPEATS SKEW]\n");
+    return 2;
+  }
+  const std::string what = argv[1];
+  const int64_t E = std::atoll(argv[2]);
+  if (what == "router") {
+    bench_router(E, arg(argc, argv, 3, 1024), arg(argc, argv, 4, 192), static_cast<int>(arg(argc, argv, 5, 9)));
+  } else if (what == "experts") {
+    bench_experts(E, arg(argc, argv, 3, 2048), arg(argc, argv, 4, 192), arg(argc, argv, 5, 256),
+                  static_cast<int>(arg(argc, argv, 6, 9)), arg(argc, argv, 7, 0) != 0);
+  } else {
+    std::fprintf(stderr, "bench_moe: unknown part '%s' (router or experts)\n", what.c_str());
+    return 2;
+  }
+  return 0;
+}
