@@ -1,12 +1,11 @@
-// Fast weighted SwiGLU (expert_activation.h): one pass over each token's features, the sigmoid from an exponential
-// written in plain arithmetic so the loop vectorises (glibc's expf is a scalar call), parallel over tokens when
+// Fast weighted SwiGLU (expert_activation.h): one pass over each token's features, the sigmoid from fast_exp (plain
+// arithmetic, so the loop vectorises; glibc's expf is a scalar call), parallel over tokens when
 // called outside a parallel region (GroupedMLP calls it per row tile from inside its own).
 #include "moecore/kernels/cpu/expert_activation.h"
 
-#include <algorithm>
-#include <bit>
 #include <cmath>
 
+#include "moecore/kernels/cpu/fast_exp.h"
 #include "moecore/kernels/cpu/vector_isa.h"
 
 namespace moecore::kernels::cpu {
@@ -14,32 +13,13 @@ namespace {
 
 constexpr int64_t kParallelMin = 32768;
 
-// exp(x) for x <= 0 in float: Cody-Waite range reduction and Cephes' degree-6 polynomial (about 1 ulp), without
-// branches so that the loops below vectorise; below -87 it returns exp(-87) ~ 1.6e-38 instead of flushing to 0.
-inline float exp_nonpositive(float x) {
-  // x = max(x, -87) on the bit patterns: for x <= 0 they grow with |x| (GCC does not vectorise the float max here).
-  x = std::bit_cast<float>(std::min(std::bit_cast<uint32_t>(x), std::bit_cast<uint32_t>(-87.0f)));
-  // n = x / ln 2 rounded to an integer (truncating x / ln 2 - 0.5 toward zero, x <= 0): std::floor would not
-  // vectorise.
-  const int32_t n_int = static_cast<int32_t>(x * 1.44269504088896341f - 0.5f);
-  const float n = static_cast<float>(n_int);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  return y * std::bit_cast<float>((n_int + 127) << 23);
-}
-inline double exp_nonpositive(const double x) { return std::exp(x); }
+inline double exp_of(const double x) { return std::exp(x); }
+inline float exp_of(const float x) { return fast_exp(x); }
 
-// sigma(g) from e = exp(-|g|), which never overflows: 1 / (1 + e) for g >= 0, e / (1 + e) below.
+// sigma(g) = 1 / (1 + exp(-g)); exp(-g) = +inf below g = -88.7 gives 0, as it should.
 template <typename T>
 inline T sigmoid(const T g) {
-  const T e = exp_nonpositive(-std::abs(g));
-  return (g >= T(0) ? T(1) : e) / (T(1) + e);
+  return T(1) / (T(1) + exp_of(-g));
 }
 
 template <typename T>
