@@ -4,6 +4,8 @@
 # events of one track nest (what Perfetto's importer requires of "X" events); the step's phases, the MoE layer's
 # parts and the collectives are there, only for the profiled iterations. With --moe-shared-expert-overlap the shared
 # experts' forward lies between the two halves of the dispatch all-to-all (started, then waited for) on the timeline.
+# Non-blocking collectives are events on "comm in flight" tracks from start to completion: with
+# --overlap-grad-reduce and small buckets, gradient buckets are in flight while earlier layers' backward computes.
 set -euo pipefail
 bin=$1
 mpirun=$2
@@ -15,7 +17,7 @@ export OMP_NUM_THREADS=1
   --train-iters 5 --lr 1e-3 --lr-warmup-iters 1 --log-interval 1 --eval-iters 0 --mock-data \
   --tokenizer-type NullTokenizer --vocab-size 200 --num-experts 4 --moe-router-topk 2 --disable-bias-linear \
   --moe-token-dispatcher-type alltoall --moe-shared-expert-intermediate-size 16 --moe-shared-expert-overlap \
-  --tensor-model-parallel-size 2 --sequence-parallel \
+  --tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce --ddp-bucket-size 2000 \
   --expert-model-parallel-size 2 --profile --profile-step-start 2 --profile-step-end 4 --profile-ranks 0 1 2 3 \
   --profile-dir "$work/traces" >"$work/log" 2>&1 || { cat "$work/log"; exit 1; }
 grep -q "wrote the trace of iterations 3-4 to $work/traces/trace_rank0.json" "$work/log"
@@ -47,6 +49,15 @@ for rank in range(4):
         inside = [a for a in a2a if d["ts"] <= a["ts"] and a["ts"] + a["dur"] <= d["ts"] + d["dur"]]
         assert any(a["ts"] + a["dur"] <= s["ts"] for a in inside), (rank, "no all-to-all started before", s)
         assert any(a["ts"] >= s["ts"] + s["dur"] for a in inside), (rank, "no all-to-all waited for after", s)
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    in_flight = [e for e in complete if tracks.get(e["tid"], "").startswith("comm in flight")]
+    assert any(e["name"] == "all-to-all under the shared experts" for e in in_flight), (rank, "no overlapped a2a")
+    buckets = [e for e in in_flight if "grad reduce, bucket" in e["name"]]
+    backwards = [e for e in complete if e["name"].startswith("backward (micro-batch")]
+    layer0 = [e for e in complete if e["name"] == "layer 0 backward"]
+    overlapped = [b for b in buckets for B in backwards if B["ts"] <= b["ts"] < B["ts"] + B["dur"]
+                  and any(b["ts"] <= l["ts"] < B["ts"] + B["dur"] for l in layer0)]
+    assert overlapped, (rank, "no gradient bucket in flight during layer 0's backward", buckets)
     steps = [e for e in complete if e["name"] == "optimizer step"]
     assert len(steps) == 2, (rank, len(steps))  # iterations 3 and 4 only
     by_track = {}

@@ -6,17 +6,21 @@
 // on, and disagreements raise CommError without any setter.
 // Runs as one process or under mpirun; prints one line per test and "N passed, M failed" (rank 0), exits non-zero
 // on any failure on any rank.
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "moecore/parallel/process_group.h"
 #include "moecore/tensor/dtype.h"
+#include "moecore/util/trace.h"
 
 namespace {
 
@@ -334,6 +338,51 @@ void test_async(const ProcessGroup& world) {
   }
 }
 
+// drive_progress() alone completes operations in flight (running their finish step: the bf16 result is rounded into
+// place before any wait), and each completed operation is an event on the timeline's "comm in flight" track.
+void test_drive_progress(const ProcessGroup& world) {
+  const std::vector<int> ranks = all_ranks(world.size());
+  std::vector<uint16_t> reduced_bf16 = inputs_bf16(world.rank(), 4096, 76);
+  const std::vector<float> gather_in = inputs_f32(world.rank(), 512, 77);
+  std::vector<float> gather_out(512 * static_cast<size_t>(world.size()));
+  const int before = moecore::parallel::operations_in_flight();
+  const std::string trace_path = "/tmp/moecore_drive_progress_" + std::to_string(world.rank()) + ".json";
+  moecore::trace::start(world.rank());
+  Work w1 = world.all_reduce_async<uint16_t>(reduced_bf16, ReduceOp::kSum);
+  w1.trace_as("probe all-reduce");
+  Work w2 = world.all_gather_async<float>(gather_in, gather_out);
+  check(moecore::parallel::operations_in_flight() == before + 2, "two operations in flight");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (moecore::parallel::operations_in_flight() > before && std::chrono::steady_clock::now() < deadline) {
+    moecore::parallel::drive_progress();
+  }
+  moecore::trace::stop();
+  check(w1.done() && w2.done(), "drive_progress completes the operations without a wait");
+  for (size_t i = 0; i < reduced_bf16.size(); ++i) {
+    const float expected = bf16_to_fp32(fp32_to_bf16(static_cast<float>(reference(ranks, i, 76, ReduceOp::kSum))));
+    if (bf16_to_fp32(reduced_bf16[i]) != expected) {
+      check(false, at("bf16 all_reduce completed by drive_progress", i, bf16_to_fp32(reduced_bf16[i]), expected));
+      break;
+    }
+  }
+  for (size_t k = 0; k < gather_out.size(); ++k) {
+    const float expected = input_value(static_cast<int>(k / 512), k % 512, 77);
+    if (gather_out[k] != expected) {
+      check(false, at("all_gather completed by drive_progress", k, gather_out[k], expected));
+      break;
+    }
+  }
+  moecore::trace::write(trace_path);
+  std::ifstream in(trace_path);
+  std::stringstream text;
+  text << in.rdbuf();
+  std::remove(trace_path.c_str());
+  const std::string json = text.str();
+  check(json.find("\"name\": \"comm in flight\"") != std::string::npos, "the trace has a comm in flight track");
+  check(json.find("\"name\": \"probe all-reduce\"") != std::string::npos, "the all-reduce under its trace name");
+  check(json.find("\"name\": \"all_gather_async\"") != std::string::npos, "the all-gather under its own name");
+}
+
 // Integer elements travel and reduce exactly, also beyond fp32's 2^24 and fp64's 2^53.
 void test_integers(const ProcessGroup& world) {
   const int n = world.size(), r = world.rank();
@@ -519,6 +568,7 @@ std::vector<Test> make_tests(const ProcessGroup& world, const ProcessGroup& chec
       {"send_recv", test_send_recv},
       {"split", test_split},
       {"async", test_async},
+      {"drive_progress", test_drive_progress},
       {"integers", test_integers},
   };
   for (const ProcessGroup* group : {&world, &checked}) {

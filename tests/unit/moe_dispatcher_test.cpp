@@ -7,6 +7,7 @@
 #include <numeric>
 #include <random>
 #include <stdexcept>
+#include <tuple>
 #include <vector>
 
 #include "kernel_test_util.h"
@@ -56,38 +57,42 @@ void drop_to_capacity(RouterOutput& routing, const int64_t T, const int64_t E, c
   routing.capacity = C;
 }
 
+// E = 19 and 64 take the map eight entries at a time (and a tail of 3 for 19), E = 5 entry by entry.
 TEST(LocalDispatcherTest, PermutesExpertMajorWithTokensAscending) {
-  const int64_t T = 23, E = 5, k = 2, H = 7;
-  const RouterOutput routing = uniform_topk_routing(T, E, k, 1);
-  // Give each (token, expert) a distinct prob so the gathered probs identify their source.
-  RouterOutput distinct = routing;
-  distinct.probs_TE = Tensor({T, E}, DType::kF32);
-  for (int64_t i = 0; i < T * E; ++i) {
-    distinct.probs_TE.data<float>()[i] = routing.routing_map_TE[i] ? 0.001f * static_cast<float>(i + 1) : 0.0f;
-  }
-  const auto x_TH = random_vector<float>(static_cast<size_t>(T * H), 2);
-  auto dispatcher = make_local_dispatcher();
-  DispatchState state;
-  const Tensor x_RH = dispatcher->dispatch(x_TH.data(), T, H, distinct, state);
+  for (const auto& [T, E, k] : {std::tuple<int64_t, int64_t, int64_t>{23, 5, 2}, {37, 19, 3}, {41, 64, 8}}) {
+    SCOPED_TRACE("E=" + std::to_string(E));
+    const int64_t H = 7;
+    const RouterOutput routing = uniform_topk_routing(T, E, k, static_cast<uint64_t>(E));
+    // Give each (token, expert) a distinct prob so the gathered probs identify their source.
+    RouterOutput distinct = routing;
+    distinct.probs_TE = Tensor({T, E}, DType::kF32);
+    for (int64_t i = 0; i < T * E; ++i) {
+      distinct.probs_TE.data<float>()[i] = routing.routing_map_TE[i] ? 0.001f * static_cast<float>(i + 1) : 0.0f;
+    }
+    const auto x_TH = random_vector<float>(static_cast<size_t>(T * H), 2);
+    auto dispatcher = make_local_dispatcher();
+    DispatchState state;
+    const Tensor x_RH = dispatcher->dispatch(x_TH.data(), T, H, distinct, state);
 
-  std::vector<int64_t> expected_source, expected_expert;
-  for (int64_t e = 0; e < E; ++e) {
-    for (int64_t t = 0; t < T; ++t) {
-      if (routing.routing_map_TE[t * E + e]) {
-        expected_source.push_back(t);
-        expected_expert.push_back(e);
+    std::vector<int64_t> expected_source, expected_expert;
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t t = 0; t < T; ++t) {
+        if (routing.routing_map_TE[t * E + e]) {
+          expected_source.push_back(t);
+          expected_expert.push_back(e);
+        }
       }
     }
-  }
-  ASSERT_EQ(x_RH.dim(0), T * k);
-  ASSERT_EQ(x_RH.dim(1), H);
-  EXPECT_EQ(state.source_token_R, expected_source);
-  EXPECT_EQ(state.expert_R, expected_expert);
-  EXPECT_EQ(state.tokens_per_expert_E, routing.tokens_per_expert_E);
-  for (size_t r = 0; r < expected_source.size(); ++r) {
-    const int64_t t = expected_source[r], e = expected_expert[r];
-    EXPECT_FLOAT_EQ(state.probs_R[r], 0.001f * static_cast<float>(t * E + e + 1));
-    for (int64_t h = 0; h < H; ++h) EXPECT_EQ(x_RH.data<float>()[r * H + h], x_TH[t * H + h]);
+    ASSERT_EQ(x_RH.dim(0), T * k);
+    ASSERT_EQ(x_RH.dim(1), H);
+    EXPECT_EQ(state.source_token_R, expected_source);
+    EXPECT_EQ(state.expert_R, expected_expert);
+    EXPECT_EQ(state.tokens_per_expert_E, routing.tokens_per_expert_E);
+    for (size_t r = 0; r < expected_source.size(); ++r) {
+      const int64_t t = expected_source[r], e = expected_expert[r];
+      EXPECT_FLOAT_EQ(state.probs_R[r], 0.001f * static_cast<float>(t * E + e + 1));
+      for (int64_t h = 0; h < H; ++h) EXPECT_EQ(x_RH.data<float>()[r * H + h], x_TH[t * H + h]);
+    }
   }
 }
 

@@ -43,5 +43,43 @@ TEST(Trace, RecordsOnlyWhileStarted) {
   EXPECT_EQ(json.substr(json.size() - 3), "]}\n");
 }
 
+// Events on a named track land on a track of that name, not on the recording thread's; events that overlap there
+// (two collectives in flight at once) go to extra lanes "<name> (2)", ..., so every track's events nest.
+TEST(Trace, NamedTracksInLanes) {
+  using std::chrono::milliseconds;
+  trace::start(0);
+  const auto t0 = trace::Clock::now();
+  { const trace::Scope own("on the thread", "test"); }
+  trace::record_on_track("comm in flight", "a", "comm", t0, t0 + milliseconds(10));
+  trace::record_on_track("comm in flight", "b", "comm", t0 + milliseconds(5), t0 + milliseconds(20));
+  trace::record_on_track("comm in flight", "c", "comm", t0 + milliseconds(12), t0 + milliseconds(15));
+  trace::stop();
+  EXPECT_EQ(trace::event_count(), 4u);
+  const std::string path = (std::filesystem::temp_directory_path() / "moecore_trace_tracks.json").string();
+  trace::write(path);
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string json = text.str();
+  std::filesystem::remove(path);
+  const auto track_of = [&](const std::string& event) {
+    const size_t at = json.find("\"name\": \"" + event + "\", \"cat\"");
+    EXPECT_NE(at, std::string::npos) << json;
+    const size_t tid = json.find("\"tid\": ", at);
+    return json.substr(tid, json.find('}', tid) - tid);
+  };
+  const auto track_named = [&](const std::string& name) {
+    const size_t at = json.find("\"args\": {\"name\": \"" + name + "\"}");
+    EXPECT_NE(at, std::string::npos) << name << " in " << json;
+    const size_t tid = json.rfind("\"tid\": ", at);
+    return json.substr(tid, json.find(',', tid) - tid);
+  };
+  EXPECT_EQ(track_of("a"), track_named("comm in flight"));
+  EXPECT_EQ(track_of("c"), track_named("comm in flight")) << "a has ended when c starts";
+  EXPECT_EQ(track_of("b"), track_named("comm in flight (2)")) << "b overlaps a";
+  EXPECT_EQ(track_of("on the thread"), track_named("training"));
+  EXPECT_EQ(json.find("comm in flight (3)"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace moecore

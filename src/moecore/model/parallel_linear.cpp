@@ -6,6 +6,7 @@
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/linear.h"
 #include "moecore/ops/rows.h"
+#include "moecore/parallel/process_group.h"
 
 namespace moecore {
 namespace {
@@ -62,6 +63,7 @@ Tensor ColumnParallelLinear::forward(const Tensor& x_TI, LinearActivations& save
   Tensor y_TO = activation_tensor({T, out_local_});
   ops::linear_forward(y_TO, saved.input_TI, weight_->value,
                       options_.skip_bias_add || bias_ == nullptr ? nullptr : &bias_->value);
+  parallel::drive_progress();
   return y_TO;
 }
 
@@ -70,6 +72,7 @@ void ColumnParallelLinear::backward_weights(const Tensor& dy_TO, const LinearAct
   const bool with_bias = bias_ != nullptr && !options_.skip_bias_add;
   ops::linear_backward(nullptr, &weight_->grad, with_bias ? &bias_->grad : nullptr, dy_TO, &saved.input_TI,
                        weight_->value);
+  parallel::drive_progress();
 }
 
 Tensor ColumnParallelLinear::gather_input(const Tensor& x_TI) const {
@@ -91,10 +94,12 @@ void ColumnParallelLinear::backward(Tensor& dx_TI, const Tensor& dy_TO, const Li
   const bool communicates = tp_.size() > 1 && !options_.explicit_expert_comm;
   if (!communicates) {
     ops::linear_backward(&dx_TI, nullptr, nullptr, dy_TO, nullptr, weight_->value);
+    parallel::drive_progress();
     return;
   }
   Tensor dinput_TI = activation_tensor(saved.input_TI.shape());
   ops::linear_backward(&dinput_TI, nullptr, nullptr, dy_TO, nullptr, weight_->value);
+  parallel::drive_progress();
   ops::add_(dx_TI, reduce_input_grad(dinput_TI));
 }
 
@@ -125,6 +130,7 @@ Tensor RowParallelLinear::forward(const Tensor& x_TI, LinearActivations& saved) 
   const int64_t T = x_TI.dim(0), O = weight_->value.dim(0);
   Tensor partial_TO = activation_tensor({T, O});
   ops::linear_forward(partial_TO, x_TI, weight_->value, nullptr);
+  parallel::drive_progress();
   Tensor y_TO;
   if (options_.explicit_expert_comm || tp_.size() == 1) {
     y_TO = std::move(partial_TO);
@@ -144,6 +150,7 @@ void RowParallelLinear::backward(Tensor& dx_TI, const Tensor& dy_TO, const Linea
   const bool gather = tp_.sequence_sharded() && !options_.explicit_expert_comm;
   const Tensor dy_full_TO = gather ? tp_.all_gather_rows(dy_TO) : dy_TO;
   ops::linear_backward(&dx_TI, &weight_->grad, nullptr, dy_full_TO, &saved.input_TI, weight_->value);
+  parallel::drive_progress();
 }
 
 }  // namespace moecore

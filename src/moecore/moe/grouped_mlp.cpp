@@ -15,6 +15,7 @@
 #include "moecore/ops/expert_activation.h"
 #include "moecore/ops/linear.h"
 #include "moecore/ops/rows.h"
+#include "moecore/parallel/process_group.h"
 
 namespace moecore::experts_detail {
 namespace {
@@ -176,6 +177,7 @@ class GroupedMLP final : public ExpertMLPBase {
     const auto n_tiles = static_cast<int64_t>(tiles.size());
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_tiles; ++i) backward_tile(tiles[static_cast<size_t>(i)], buf, saved);
+    parallel::drive_progress();
 
     // Experts with zero rows get no task: their gradients stay present and unchanged. Costliest first: rows x F1
     // x H for fc1, rows x H x F for fc2.

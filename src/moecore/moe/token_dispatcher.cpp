@@ -65,13 +65,13 @@ class LocalDispatcher final : public TokenDispatcher {
     state.T = T;
     state.H = H;
     state.E = E;
-    state.tokens_per_expert_E.assign(static_cast<size_t>(E), 0);
+    state.tokens_per_expert_E = routing.tokens_per_expert_E;
+    detail::ExpertMajorRows rows = detail::expert_major_rows(routing.routing_map_TE.data(), probs_TE, T, E, 0, E,
+                                                             routing.tokens_per_expert_E, routing.capacity);
+    state.source_token_R = std::move(rows.token_R);
+    state.probs_R = std::move(rows.probs_R);
     for (int64_t e = 0; e < E; ++e) {
-      const int64_t rows = routing.tokens_per_expert_E[e];
-      detail::append_expert_rows(routing.routing_map_TE.data(), probs_TE, T, E, e, rows, routing.capacity,
-                                 state.source_token_R, state.probs_R);
-      state.expert_R.insert(state.expert_R.end(), static_cast<size_t>(rows), e);
-      state.tokens_per_expert_E[e] = rows;
+      state.expert_R.insert(state.expert_R.end(), static_cast<size_t>(routing.tokens_per_expert_E[e]), e);
     }
 
     const int64_t R = static_cast<int64_t>(state.source_token_R.size());

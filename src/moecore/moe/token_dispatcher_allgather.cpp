@@ -53,21 +53,30 @@ class AllGatherDispatcher final : public TokenDispatcher {
     state.T = T;
     state.H = H;
     state.E = E;
+    // Each source's rows for the local experts, then laid out expert-major: [local expert][source][token].
+    std::vector<ExpertMajorRows> by_source;
+    by_source.reserve(static_cast<size_t>(S));
+    for (int64_t s = 0; s < S; ++s) {
+      const float *base = all.data() + s * chunk;
+      std::vector<int64_t> rows_X(static_cast<size_t>(El_));
+      for (int64_t le = 0; le < El_; ++le) {
+        rows_X[static_cast<size_t>(le)] = static_cast<int64_t>(base[T * H + 2 * T * E + first_expert_ + le]);
+      }
+      by_source.push_back(expert_major_rows(base + T * H + T * E, base + T * H, T, E, first_expert_,
+                                            first_expert_ + El_, rows_X, routing.capacity));
+    }
     state.tokens_per_expert_E.assign(static_cast<size_t>(El_), 0);
     for (int64_t le = 0; le < El_; ++le) {
-      const int64_t e = first_expert_ + le;
       for (int64_t s = 0; s < S; ++s) {
-        const float *base = all.data() + s * chunk;
-        const size_t begin = state.source_token_R.size();
-        append_expert_rows(base + T * H + T * E, base + T * H, T, E, e,
-                           static_cast<int64_t>(base[T * H + 2 * T * E + e]), routing.capacity, state.source_token_R,
-                           state.probs_R);
-        for (size_t r = begin; r < state.source_token_R.size(); ++r) {
-          const int64_t t = state.source_token_R[r];
+        const ExpertMajorRows &src = by_source[static_cast<size_t>(s)];
+        for (int64_t r = src.offsets_X1[le]; r < src.offsets_X1[le + 1]; ++r) {
+          const int64_t t = src.token_R[static_cast<size_t>(r)];
+          state.source_token_R.push_back(t);
+          state.probs_R.push_back(src.probs_R[static_cast<size_t>(r)]);
           state.source_rank_R.push_back(t < 0 ? -1 : s);
           state.gathered_row_R.push_back(t < 0 ? -1 : s * T + t);
         }
-        state.tokens_per_expert_E[le] += static_cast<int64_t>(state.source_token_R.size() - begin);
+        state.tokens_per_expert_E[le] += src.offsets_X1[le + 1] - src.offsets_X1[le];
       }
       state.expert_R.insert(state.expert_R.end(), static_cast<size_t>(state.tokens_per_expert_E[le]), le);
     }

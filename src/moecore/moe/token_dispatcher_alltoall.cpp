@@ -152,14 +152,15 @@ class AllToAllDispatcher final : public TokenDispatcher {
     state.E = E;
 
     // Local permutation over all experts; EP rank d's experts form one contiguous block of it.
-    std::vector<float> sent_probs_L;
+    ExpertMajorRows rows = expert_major_rows(routing.routing_map_TE.data(), routing.probs_TE.data<float>(), T, E, 0, E,
+                                             routing.tokens_per_expert_E, routing.capacity);
+    state.sent_token_L = std::move(rows.token_R);
+    std::vector<float> sent_probs_L = std::move(rows.probs_R);
     state.ep_send_rows.assign(static_cast<size_t>(EP), 0);
     for (int64_t e = 0; e < E; ++e) {
-      const int64_t rows = routing.tokens_per_expert_E[e];
-      append_expert_rows(routing.routing_map_TE.data(), routing.probs_TE.data<float>(), T, E, e, rows, routing.capacity,
-                         state.sent_token_L, sent_probs_L);
-      state.sent_expert_L.insert(state.sent_expert_L.end(), static_cast<size_t>(rows), e);
-      state.ep_send_rows[static_cast<size_t>(e / El_)] += static_cast<size_t>(rows);
+      const int64_t expert_rows = routing.tokens_per_expert_E[e];
+      state.sent_expert_L.insert(state.sent_expert_L.end(), static_cast<size_t>(expert_rows), e);
+      state.ep_send_rows[static_cast<size_t>(e / El_)] += static_cast<size_t>(expert_rows);
     }
     const AllToAllPlan plan =
         plan_alltoall(exchange_alltoall_counts(ep_, etp_, routing.tokens_per_expert_E, El_), etp_.rank());
@@ -213,6 +214,7 @@ class AllToAllDispatcher final : public TokenDispatcher {
           std::span<float>(received.data(), static_cast<size_t>(total(state.ep_recv_rows) * W)),
           scaled(state.ep_recv_rows, W));
     }
+    exchange.trace_as(overlapped ? "all-to-all under the shared experts" : "all-to-all");
     if (overlapped) (*overlapped)();
     parallel::CommTimer timer(parallel::CommKind::kAllToAll);
     exchange.wait();

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -24,30 +25,70 @@ void scatter_add_rows(float* out_NH, int64_t N, const float* rows_RH, const std:
 // dst_RH[r] = src_NH[index_R[r]] (zeros where index_R[r] < 0).
 void gather_rows(float* dst_RH, const float* src_NH, const std::vector<int64_t>& index_R, int64_t H);
 
-// Appends the rows of expert e of one source's [T, E] map: its routed tokens in ascending order, then padding rows
-// (token -1, prob 0) up to `rows` when the router padded to capacity. Returns the routed count.
-template <typename MapT>
-int64_t append_expert_rows(const MapT* map_TE, const float* probs_TE, const int64_t T, const int64_t E, const int64_t e,
-                           const int64_t rows, const int64_t capacity, std::vector<int64_t>& token_R,
-                           std::vector<float>& probs_R) {
-  const size_t begin = token_R.size();
-  for (int64_t t = 0; t < T; ++t) {
-    if (map_TE[t * E + e] == MapT{0}) continue;
-    token_R.push_back(t);
-    probs_R.push_back(probs_TE[t * E + e]);
-  }
-  const int64_t routed = static_cast<int64_t>(token_R.size() - begin);
-  if (rows != routed) {
-    // Pad-to-capacity: the router reports C rows per expert while the map holds at most C tokens.
-    if (capacity < 0 || rows != capacity || routed > rows) {
-      throw std::invalid_argument(std::string("token dispatcher: expert ") + std::to_string(e) + " has " +
-                                  std::to_string(routed) + " routed tokens but tokens_per_expert says " +
-                                  std::to_string(rows) + " (capacity " + std::to_string(capacity) + ")");
+// Calls fn(e) for every e in [e_begin, e_end) where row_E[e] is set, in ascending order. A byte map is read eight
+// entries at a time, skipping zero words: a token selects k of E experts, so most words are empty.
+template <typename MapT, typename Fn>
+void for_each_selected(const MapT* row_E, const int64_t e_begin, const int64_t e_end, Fn&& fn) {
+  int64_t e = e_begin;
+  if constexpr (sizeof(MapT) == 1) {
+    for (; e + 8 <= e_end; e += 8) {
+      uint64_t word = 0;
+      std::memcpy(&word, row_E + e, sizeof word);
+      if (word == 0) continue;
+      for (int64_t i = 0; i < 8; ++i) {
+        if (row_E[e + i] != MapT{0}) fn(e + i);
+      }
     }
-    token_R.insert(token_R.end(), static_cast<size_t>(rows - routed), -1);
-    probs_R.insert(probs_R.end(), static_cast<size_t>(rows - routed), 0.0f);
   }
-  return routed;
+  for (; e < e_end; ++e) {
+    if (row_E[e] != MapT{0}) fn(e);
+  }
+}
+
+// The rows of experts [e_begin, e_end) of one source's [T, E] map in expert-major order: each expert's routed tokens
+// ascending, then padding rows (token -1, prob 0) up to rows_X[e - e_begin] when the router padded to capacity.
+// Two passes over the map row by row (count, place): the cost is the map's size over eight, not E strided scans.
+struct ExpertMajorRows {
+  std::vector<int64_t> offsets_X1;  // expert e's rows are [offsets_X1[e - e_begin], offsets_X1[e - e_begin + 1])
+  std::vector<int64_t> token_R;
+  std::vector<float> probs_R;
+};
+
+template <typename MapT>
+ExpertMajorRows expert_major_rows(const MapT* map_TE, const float* probs_TE, const int64_t T, const int64_t E,
+                                  const int64_t e_begin, const int64_t e_end, const std::vector<int64_t>& rows_X,
+                                  const int64_t capacity) {
+  const auto X = static_cast<size_t>(e_end - e_begin);
+  std::vector<int64_t> routed_X(X, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    for_each_selected(map_TE + t * E, e_begin, e_end,
+                      [&](const int64_t e) { ++routed_X[static_cast<size_t>(e - e_begin)]; });
+  }
+  ExpertMajorRows out;
+  out.offsets_X1.assign(X + 1, 0);
+  for (size_t x = 0; x < X; ++x) {
+    const int64_t rows = rows_X[x], routed = routed_X[x];
+    // Pad-to-capacity: the router reports C rows per expert while the map holds at most C tokens.
+    if (rows != routed && (capacity < 0 || rows != capacity || routed > rows)) {
+      throw std::invalid_argument(std::string("token dispatcher: expert ") +
+                                  std::to_string(e_begin + static_cast<int64_t>(x)) + " has " + std::to_string(routed) +
+                                  " routed tokens but tokens_per_expert says " + std::to_string(rows) + " (capacity " +
+                                  std::to_string(capacity) + ")");
+    }
+    out.offsets_X1[x + 1] = out.offsets_X1[x] + rows;
+  }
+  const auto R = static_cast<size_t>(out.offsets_X1[X]);
+  out.token_R.assign(R, -1);
+  out.probs_R.assign(R, 0.0f);
+  std::vector<int64_t> next_X(out.offsets_X1.begin(), out.offsets_X1.end() - 1);
+  for (int64_t t = 0; t < T; ++t) {
+    for_each_selected(map_TE + t * E, e_begin, e_end, [&](const int64_t e) {
+      const auto r = static_cast<size_t>(next_X[static_cast<size_t>(e - e_begin)]++);
+      out.token_R[r] = t;
+      out.probs_R[r] = probs_TE[t * E + e];
+    });
+  }
+  return out;
 }
 
 // Rows the alltoall dispatcher moves to this rank's local experts, per (ETP rank j, EP source s, local expert le):

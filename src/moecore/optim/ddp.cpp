@@ -173,11 +173,13 @@ void DistributedDataParallel::launch(const int bucket_index) {
   } else {
     b.grad_work = g.pg.all_reduce_async(std::span<float>(data, n), parallel::ReduceOp::kSum);
   }
+  b.grad_work.trace_as(std::string(g.expert ? "expert " : "") + "grad reduce, bucket " + std::to_string(bucket_index));
   b.grad_launched = true;
 }
 
 void DistributedDataParallel::after_backward(const int module) {
   if (!options_.overlap_grad_reduce || !last_microbatch_) return;
+  parallel::drive_progress();  // the buckets launched so far advance while backward goes on
   const int m = module - min_module_;
   if (m < 0 || m >= static_cast<int>(module_done_.size())) return;
   module_done_[static_cast<size_t>(m)] = 1;
@@ -224,6 +226,7 @@ void DistributedDataParallel::start_param_gather() {
     const CommTimer timer(CommKind::kParamGather);
     if (options_.overlap_param_gather) {
       b.param_work = g.pg.all_gather_async(shard, full);
+      b.param_work.trace_as("param gather, bucket " + std::to_string(bi));
       b.param_in_flight = true;
     } else {
       g.pg.all_gather(shard, full);
@@ -240,6 +243,7 @@ void DistributedDataParallel::wait_bucket_gather(Bucket& bucket) {
 
 void DistributedDataParallel::before_forward(const int module) {
   if (!options_.overlap_param_gather) return;
+  parallel::drive_progress();
   const int m = module - min_module_;
   if (m < 0 || m >= static_cast<int>(module_buckets_.size())) return;
   for (const int b : module_buckets_[static_cast<size_t>(m)]) wait_bucket_gather(buckets_[static_cast<size_t>(b)]);

@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "moecore/tensor/dtype.h"
+#include "moecore/util/trace.h"
 
 namespace moecore::parallel {
 
@@ -38,6 +39,8 @@ struct Work::State {
   std::vector<int> send_counts, send_displs, recv_counts, recv_displs;
   std::function<void()> finish;  // runs once the request completed
   bool done = false;
+  std::string trace_name;  // the timeline's name for it; `what` when empty
+  trace::Clock::time_point started = trace::Clock::now();
 };
 
 namespace {
@@ -218,8 +221,61 @@ std::string check_split(std::span<const size_t> counts, size_t buffer_size, int 
 
 // ---------------------------------------------------------------- Work
 
+namespace {
+
+// The operations started and not yet seen complete, in start order (non-owning: a Work removes its state when it
+// completes, and completes before its state is destroyed).
+std::vector<Work::State*>& in_flight() {
+  static std::vector<Work::State*> states;
+  return states;
+}
+
+void forget(const Work::State* state) {
+  auto& states = in_flight();
+  const auto it = std::find(states.begin(), states.end(), state);
+  if (it != states.end()) states.erase(it);
+}
+
+// Marks the state complete: leaves the in-flight list, runs its finish step, records it on the timeline.
+void complete(Work::State& state) {
+  state.done = true;
+  forget(&state);
+  if (state.finish) state.finish();
+  if (trace::enabled()) {
+    trace::record_on_track("comm in flight", state.trace_name.empty() ? state.what : state.trace_name, "comm",
+                           state.started, trace::Clock::now());
+  }
+}
+
+// MPI_Test on the state; true when it completed (finished by complete()).
+bool test_state(Work::State& state) {
+  int complete_flag = 0;
+  const int rc = MPI_Test(&state.request, &complete_flag, MPI_STATUS_IGNORE);
+  if (rc != MPI_SUCCESS) {
+    state.done = true;
+    forget(&state);
+  }
+  check_mpi(rc, state.what);
+  if (!complete_flag) return false;
+  complete(state);
+  return true;
+}
+
+}  // namespace
+
+void drive_progress() {
+  auto& states = in_flight();
+  if (states.empty()) return;
+  const std::vector<Work::State*> snapshot = states;  // completing one removes it from the list
+  for (Work::State* state : snapshot) test_state(*state);
+}
+
+int operations_in_flight() { return static_cast<int>(in_flight().size()); }
+
 Work::Work() = default;
-Work::Work(std::unique_ptr<State> state) : state_(std::move(state)) {}
+Work::Work(std::unique_ptr<State> state) : state_(std::move(state)) {
+  if (state_ && !state_->done) in_flight().push_back(state_.get());
+}
 Work::Work(Work&&) noexcept = default;
 Work& Work::operator=(Work&& other) noexcept {
   if (this != &other) {
@@ -236,32 +292,33 @@ Work::~Work() {
     wait();
   } catch (...) {  // a destructor must not throw; call wait() to see errors
   }
+  if (state_) forget(state_.get());
 }
 
 bool Work::done() const { return !state_ || state_->done; }
 
+void Work::trace_as(std::string name) {
+  if (state_) state_->trace_name = std::move(name);
+}
+
 void Work::wait() {
   if (done()) return;
   State& state = *state_;
-  state.done = true;
   int finalized = 0;
   MPI_Finalized(&finalized);
+  const int rc = finalized ? MPI_SUCCESS : MPI_Wait(&state.request, MPI_STATUS_IGNORE);
+  if (finalized || rc != MPI_SUCCESS) {
+    state.done = true;
+    forget(&state);
+  }
   if (finalized) throw CommError(state.what + ": MPI was finalized before the operation was waited on");
-  check_mpi(MPI_Wait(&state.request, MPI_STATUS_IGNORE), state.what);
-  if (state.finish) state.finish();
+  check_mpi(rc, state.what);
+  complete(state);
 }
 
 bool Work::test() {
   if (done()) return true;
-  State& state = *state_;
-  int complete = 0;
-  const int rc = MPI_Test(&state.request, &complete, MPI_STATUS_IGNORE);
-  if (rc != MPI_SUCCESS) state.done = true;
-  check_mpi(rc, state.what);
-  if (!complete) return false;
-  state.done = true;
-  if (state.finish) state.finish();
-  return true;
+  return test_state(*state_);
 }
 
 // ---------------------------------------------------------------- ProcessGroup

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "moecore/parallel/mpi_runtime.h"
@@ -50,10 +51,23 @@ class Work {
   void wait();
   bool test();  // true once complete (finishing it as wait() does); also drives MPI progress
   bool done() const;
+  // Names the operation on the timeline's "comm in flight" track (--profile), where each non-blocking operation
+  // is an event from its start to the moment its completion was seen (a wait, a test or drive_progress()).
+  void trace_as(std::string name);
 
  private:
   std::unique_ptr<State> state_;
 };
+
+// Lets the non-blocking operations in flight advance while the caller computes. Open MPI moves a non-blocking
+// collective (its rounds, a rendezvous transfer) only inside MPI calls, so a collective started before a long
+// computation would otherwise make no progress until its wait. Tests every operation in flight (completing those
+// that are done); with none in flight it costs one load and makes no MPI call. Compute code calls it between its
+// large steps (the parallel linear layers after each GEMM, the data-parallel hooks after each module's backward).
+// Training thread only.
+void drive_progress();
+// Number of non-blocking operations started and not yet seen complete (tests).
+int operations_in_flight();
 
 class ProcessGroup {
  public:

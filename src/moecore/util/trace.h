@@ -25,6 +25,10 @@ size_t event_count();
 
 // One event [begin, end) named `name` in category `category` on the calling thread's track. `name` is copied.
 void record(const std::string& name, const char* category, Clock::time_point begin, Clock::time_point end);
+// The same on the track named `track` (created at its first event) instead of the thread's: for work that is not
+// a thread's own, such as a non-blocking collective in flight while the thread computes.
+void record_on_track(const char* track, const std::string& name, const char* category, Clock::time_point begin,
+                     Clock::time_point end);
 
 // The time from construction to destruction as one event. When recording is off a scope costs one atomic load: no
 // clock read, no allocation (the name is assembled only for events that are recorded).
