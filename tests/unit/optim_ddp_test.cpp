@@ -11,6 +11,7 @@
 #include "moecore/optim/ddp.h"
 #include "moecore/optim/distributed_optimizer.h"
 #include "moecore/parallel/parallel_state.h"
+#include "moecore/tensor/memory_tracker.h"
 #include "moecore/tensor/rng.h"
 
 namespace moecore {
@@ -156,6 +157,27 @@ TEST(Ddp, DistributedOptimizerRebindsValuesAndPadsBuckets) {
               ddp.groups()[static_cast<size_t>(slot.group)].param_buffer.data<float>() + slot.offset);
     EXPECT_EQ(std::memcmp(params[i].value.data<float>(), before[i].value.data<float>(), before[i].value.nbytes()), 0);
   }
+}
+
+// A fresh model's zero gradients are released before the flat buffer exists (the gradients' peak memory is one
+// copy); gradients already holding values are carried into the buffer.
+TEST(Ddp, GradientsMoveIntoTheBufferWithoutASecondCopy) {
+  std::vector<Param> params = make_model();
+  params[1].grad.data<float>()[5] = 2.5f;  // one gradient with a value, the rest zero
+  MemoryTracker& memory = MemoryTracker::instance();
+  int64_t old_bytes = 0;
+  for (const Param& p : params) old_bytes += p.grad.numel() * static_cast<int64_t>(sizeof(float));
+  const int64_t others = memory.current(MemCategory::kGrads) - old_bytes;  // gradients outside this model
+  const int64_t nonzero_bytes = params[1].grad.numel() * static_cast<int64_t>(sizeof(float));
+  memory.reset_peaks();
+  const DistributedDataParallel ddp(params, parallel::ParallelState::single_process(), DdpOptions{});
+  const int64_t buffer_bytes = memory.current(MemCategory::kGrads) - others;
+  EXPECT_GE(buffer_bytes, old_bytes);
+  // The buffer and the one gradient with values coexist; the zero ones were gone before the buffer came.
+  EXPECT_LE(memory.peak(MemCategory::kGrads), others + buffer_bytes + nonzero_bytes);
+  EXPECT_EQ(params[1].grad.data<float>()[5], 2.5f);
+  EXPECT_EQ(params[1].grad.shape(), (std::vector<int64_t>{24, 8}));
+  EXPECT_EQ(params[0].grad.shape(), (std::vector<int64_t>{33, 8}));
 }
 
 TEST(Ddp, OverlapParamGatherNeedsDistributedOptimizer) {

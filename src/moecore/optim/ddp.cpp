@@ -6,6 +6,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "moecore/ops/elementwise.h"
 #include "moecore/parallel/comm_stats.h"
@@ -105,14 +106,29 @@ void DistributedDataParallel::build(const bool expert, const std::vector<int>& p
   }
   if (!bucket.params.empty()) close_bucket();
 
+  // Gradients that are all zero (a fresh model's) are released before the buffer exists, so the gradients' memory
+  // never holds both copies; nonzero ones are copied into it.
+  std::vector<std::vector<int64_t>> zero_grad_shapes(params_.size());
+  std::vector<char> released(params_.size(), 0);
+  for (const int i : param_indices) {
+    Param& p = params_[static_cast<size_t>(i)];
+    const std::span<const float> g = std::as_const(p.grad).span<float>();
+    if (std::all_of(g.begin(), g.end(), [](const float v) { return v == 0.0f; })) {
+      zero_grad_shapes[static_cast<size_t>(i)] = p.grad.shape();
+      released[static_cast<size_t>(i)] = 1;
+      p.grad = Tensor();
+    }
+  }
   const int64_t total = std::max<int64_t>(offset, 1);
   group.grad_buffer = Tensor({total}, DType::kF32, MemCategory::kGrads);
   if (dist_opt) group.param_buffer = Tensor({total}, DType::kF32, MemCategory::kParams);
   for (const int i : param_indices) {
     Param& p = params_[static_cast<size_t>(i)];
     const Slot& slot = slots_[static_cast<size_t>(i)];
-    Tensor grad = group.grad_buffer.slice_rows(slot.offset, slot.offset + slot.numel).view(p.grad.shape());
-    grad.copy_from(p.grad);
+    const auto idx = static_cast<size_t>(i);
+    Tensor grad = group.grad_buffer.slice_rows(slot.offset, slot.offset + slot.numel)
+                      .view(released[idx] ? zero_grad_shapes[idx] : p.grad.shape());
+    if (!released[idx]) grad.copy_from(p.grad);
     p.grad = std::move(grad);
     if (dist_opt) {
       Tensor value = group.param_buffer.slice_rows(slot.offset, slot.offset + slot.numel).view(p.value.shape());
