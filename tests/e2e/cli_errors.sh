@@ -39,7 +39,11 @@ expect_error "--hidden-size" "$bin" train "${base[@]}" --hidden-size 66
 expect_error "--global-batch-size" "$bin" train "${base[@]}" --global-batch-size 5
 expect_error "--num-layers" "$bin" train "${base[@]}" --num-layers abc
 expect_error "world size 1 is not divisible by tensor-model-parallel-size (2)" "$bin" train "${base[@]}" --tensor-model-parallel-size 2
-expect_error "--pipeline-model-parallel-size > 1 is not implemented yet" "$bin" train "${base[@]}" --pipeline-model-parallel-size 2
+expect_error "pipeline parallelism is not supported by \`moecore train\` yet" "$bin" train "${base[@]}" --pipeline-model-parallel-size 2
+expect_error "Number of layers should be divisible by the pipeline-model-parallel size" "$bin" train "${base[@]}" \
+  --pipeline-model-parallel-size 4
+expect_error "Number of decoder layers 3 must match --num-layers 2" "$bin" layout --world-size 2 \
+  --pipeline-model-parallel-size 2 --num-layers 2 --pipeline-model-parallel-layout "Et|ttL"
 expect_error "flex is not available" "$bin" train "${base[@]}" --num-experts 4 --moe-token-dispatcher-type flex
 # Under mpirun the same errors come once (from rank 0) and every rank exits non-zero.
 if command -v mpirun >/dev/null; then

@@ -282,5 +282,90 @@ TEST(LayoutCommand, ErrorsNameTheFlagOrProblem) {
             std::string::npos);
 }
 
+TEST(LayoutCommand, ParsesPipelineSplitFlags) {
+  const LayoutCommandArgs parsed = parse_layout_command_args(
+      {"--world-size", "8", "--pipeline-model-parallel-size", "4", "--num-layers=28",
+       "--decoder-first-pipeline-num-layers", "4", "--decoder-last-pipeline-num-layers=8",
+       "--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage", "-1",
+       "--pipeline-model-parallel-layout", "Et|tL", "--account-for-embedding-in-pipeline-split",
+       "--account-for-loss-in-pipeline-split"});
+  ASSERT_TRUE(parsed.pipeline.has_value());
+  const parallel::PipelineSplitFlags& split = *parsed.pipeline;
+  EXPECT_EQ(split.num_layers, 28);
+  EXPECT_EQ(split.pipeline_model_parallel_size, 4);
+  EXPECT_EQ(split.decoder_first_pipeline_num_layers, 4);
+  EXPECT_EQ(split.decoder_last_pipeline_num_layers, 8);
+  EXPECT_EQ(split.num_virtual_stages_per_pipeline_rank, 2);
+  EXPECT_EQ(split.num_layers_per_virtual_pipeline_stage, -1);  // PipelineLayout rejects it, with Megatron's rule
+  EXPECT_EQ(split.pipeline_model_parallel_layout, "Et|tL");
+  EXPECT_TRUE(split.account_for_embedding_in_pipeline_split);
+  EXPECT_TRUE(split.account_for_loss_in_pipeline_split);
+  EXPECT_TRUE(split.overlap_p2p_comm);
+  EXPECT_FALSE(parse_layout_command_args({"--world-size", "8"}).pipeline.has_value());
+}
+
+// Megatron's example: 14 layers + embedding + loss over PP 4 is [0-2] [3-6] [7-10] [11-13]. The group listing before
+// it is the one printed without --num-layers.
+TEST(LayoutCommand, PrintsPipelineStagesAfterTheGroups) {
+  const std::vector<std::string> grid = {"--world-size", "8", "--pipeline-model-parallel-size", "4"};
+  std::vector<std::string> with_split = grid;
+  for (const char* arg :
+       {"--num-layers", "14", "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"}) {
+    with_split.emplace_back(arg);
+  }
+  EXPECT_EQ(run_layout_command(with_split), run_layout_command(grid) +
+                                                "pipeline stages: 14 decoder layers, PP 4\n"
+                                                "    pp rank 0: layers 0-2 + embedding\n"
+                                                "    pp rank 1: layers 3-6\n"
+                                                "    pp rank 2: layers 7-10\n"
+                                                "    pp rank 3: layers 11-13 + loss\n");
+}
+
+// pipeline_parallel_layer_layout.py's example "Et|tt|tt|tL" with PP 2: two virtual stages per rank.
+TEST(LayoutCommand, PrintsVirtualStages) {
+  const std::string text = run_layout_command({"--world-size", "2", "--pipeline-model-parallel-size", "2",
+                                               "--num-layers", "6", "--pipeline-model-parallel-layout", "Et|tt|tt|tL"});
+  EXPECT_NE(text.find("pipeline stages: 6 decoder layers, PP 2, 2 virtual stages per rank\n"
+                      "    pp rank 0, virtual stage 0: layer 0 + embedding\n"
+                      "    pp rank 0, virtual stage 1: layers 3-4\n"
+                      "    pp rank 1, virtual stage 0: layers 1-2\n"
+                      "    pp rank 1, virtual stage 1: layer 5 + loss\n"),
+            std::string::npos)
+      << text;
+  const std::string empty = run_layout_command({"--world-size", "2", "--pipeline-model-parallel-size", "2",
+                                                "--num-layers", "2", "--pipeline-model-parallel-layout", "Ett|||L"});
+  EXPECT_NE(empty.find("    pp rank 1, virtual stage 0: no layers\n"), std::string::npos) << empty;
+}
+
+TEST(LayoutCommand, PipelineSplitErrors) {
+  EXPECT_EQ(layout_command_error({"--world-size", "4", "--decoder-first-pipeline-num-layers", "2"}),
+            "moecore layout: --decoder-first-pipeline-num-layers needs --num-layers (the split counts decoder layers)");
+  EXPECT_EQ(
+      layout_command_error({"--world-size", "4", "--num-layers", "6", "--decoder-last-pipeline-num-layers", "two"}),
+      "--decoder-last-pipeline-num-layers expects an integer, got 'two'");
+  EXPECT_EQ(layout_command_error({"--world-size", "4", "--num-layers", "0"}),
+            "--num-layers expects a positive integer, got '0'");
+  EXPECT_EQ(layout_command_error({"--world-size", "4", "--num-layers", "6", "--account-for-loss-in-pipeline-split=1"}),
+            "--account-for-loss-in-pipeline-split takes no value");
+  EXPECT_NE(layout_command_error({"--world-size", "4", "--num-layers", "6", "--pipeline-model-parallel-layout"})
+                .find("--pipeline-model-parallel-layout expects a value"),
+            std::string::npos);
+  EXPECT_NE(layout_command_error({"--world-size", "4", "--num-layers", "6", "--decoder-frist-pipeline-num-layers", "2"})
+                .find("did you mean --decoder-first-pipeline-num-layers?"),
+            std::string::npos);
+  // An invalid split prints nothing, not the groups and then an error.
+  std::ostringstream out;
+  EXPECT_THROW(layout_main({"--world-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "7"}, out),
+               LayoutError);
+  EXPECT_EQ(out.str(), "");
+  EXPECT_EQ(layout_command_error({"--world-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "7"}),
+            "Number of layers should be divisible by the pipeline-model-parallel size (--num-layers 7, "
+            "--pipeline-model-parallel-size 2)");
+  EXPECT_NE(layout_command_error({"--world-size", "4", "--pipeline-model-parallel-size", "4", "--num-layers", "4",
+                                  "--pipeline-model-parallel-layout", "Et|t|t|tmL"})
+                .find("MTP layers"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace moecore

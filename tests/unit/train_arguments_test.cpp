@@ -307,6 +307,88 @@ TEST(TrainArguments, CatalogIsLargeAndDisjointFromImplementedFlags) {
   for (const std::string& flag : implemented) EXPECT_TRUE(mentions(help, flag)) << flag;
 }
 
+// The pipeline split flags (Megatron's names; the split itself is tested in parallel_pipeline_layout_test.cpp):
+// parsed, validated by `moecore train` before anything runs, and PP > 1 still rejected after them.
+TEST(TrainArguments, PipelineSplitFlags) {
+  const TrainingArgs defaults = parse_train_args(minimal());
+  EXPECT_FALSE(defaults.decoder_first_pipeline_num_layers.has_value());
+  EXPECT_FALSE(defaults.decoder_last_pipeline_num_layers.has_value());
+  EXPECT_FALSE(defaults.account_for_embedding_in_pipeline_split);
+  EXPECT_FALSE(defaults.account_for_loss_in_pipeline_split);
+  EXPECT_FALSE(defaults.pipeline_model_parallel_layout.has_value());
+  EXPECT_FALSE(defaults.num_layers_per_virtual_pipeline_stage.has_value());
+  EXPECT_FALSE(defaults.num_virtual_stages_per_pipeline_rank.has_value());
+  EXPECT_EQ(defaults.virtual_pipeline_model_parallel_size, 1);
+
+  // Valid in one stage (minimal() has 2 layers).
+  const TrainingArgs accounted = parse_train_args(
+      with(minimal(), {"--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                       "--num-layers-per-virtual-pipeline-stage", "4"}));
+  EXPECT_TRUE(accounted.account_for_embedding_in_pipeline_split);
+  EXPECT_TRUE(accounted.account_for_loss_in_pipeline_split);
+  EXPECT_EQ(accounted.num_layers_per_virtual_pipeline_stage, 4);
+  EXPECT_EQ(accounted.virtual_pipeline_model_parallel_size, 1);  // (2 + 2) / 4 per stage
+  const TrainingArgs uneven = parse_train_args(with(minimal(), {"--decoder-first-pipeline-num-layers", "2"}));
+  EXPECT_EQ(uneven.decoder_first_pipeline_num_layers, 2);
+  const TrainingArgs last = parse_train_args(with(minimal(), {"--decoder-last-pipeline-num-layers=2"}));
+  EXPECT_EQ(last.decoder_last_pipeline_num_layers, 2);
+  const TrainingArgs layout = parse_train_args(with(minimal(), {"--pipeline-model-parallel-layout", "E,t*2,L"}));
+  EXPECT_EQ(layout.pipeline_model_parallel_layout, "E,t*2,L");
+  const TrainingArgs stages = parse_train_args(with(minimal(), {"--num-virtual-stages-per-pipeline-rank", "1"}));
+  EXPECT_EQ(stages.num_virtual_stages_per_pipeline_rank, 1);
+
+  const parallel::PipelineSplitFlags split = pipeline_split_flags(accounted);
+  EXPECT_EQ(split.num_layers, 2);
+  EXPECT_EQ(split.pipeline_model_parallel_size, 1);
+  EXPECT_TRUE(split.account_for_embedding_in_pipeline_split);
+  EXPECT_TRUE(split.account_for_loss_in_pipeline_split);
+  EXPECT_EQ(split.num_layers_per_virtual_pipeline_stage, 4);
+  EXPECT_TRUE(split.overlap_p2p_comm);  // Megatron's default; --no-overlap-p2p-communication is not implemented
+  EXPECT_EQ(pipeline_split_flags(layout).pipeline_model_parallel_layout, "E,t*2,L");
+  EXPECT_EQ(pipeline_split_flags(uneven).decoder_first_pipeline_num_layers, 2);
+
+  // Megatron's errors, as ConfigError.
+  EXPECT_EQ(error_of(with(minimal(), {"--num-virtual-stages-per-pipeline-rank", "2"})),
+            "--num-virtual-stages-per-pipeline-rank: When interleaved schedule is used, pipeline-model-parallel size "
+            "should be greater than 1 (--pipeline-model-parallel-size 1, 2 virtual stages per rank)");
+  EXPECT_EQ(error_of(with(minimal(), {"--decoder-first-pipeline-num-layers", "0"})),
+            "--decoder-first-pipeline-num-layers must be larger than 0 (got 0)");
+  EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-layout", "Et|tmL"})),
+            "--pipeline-model-parallel-layout: 'm' (a multi-token prediction layer) is not supported: moecore has no "
+            "MTP layers");
+  EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-layout", "EtttL"})),
+            "--pipeline-model-parallel-layout: Number of decoder layers 3 must match --num-layers 2");
+  EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-layout"})),
+            "--pipeline-model-parallel-layout expects a value (LAYOUT)");
+  EXPECT_EQ(error_of(with(minimal(), {"--decoder-last-pipeline-num-layers", "x"})),
+            "invalid value 'x' for --decoder-last-pipeline-num-layers: expected an integer");
+  EXPECT_EQ(error_of(with(minimal(), {"--num-layers-per-virtual-pipeline-stage", "1",
+                                      "--num-virtual-stages-per-pipeline-rank", "1"})),
+            "No more than one of the following arguments can be set at the same time: "
+            "--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank, "
+            "--pipeline-model-parallel-layout (got --num-layers-per-virtual-pipeline-stage and "
+            "--num-virtual-stages-per-pipeline-rank)");
+  EXPECT_EQ(
+      error_of(with(minimal(), {"--decoder-first-pipeline-num-layers", "2", "--account-for-loss-in-pipeline-split"})),
+      "--decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers cannot be set at the same "
+      "time with --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split");
+
+  // The split is checked before PP > 1 is rejected, and both before the world size is compared with the layout.
+  EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-size", "4"})),
+            "Number of layers should be divisible by the pipeline-model-parallel size (--num-layers 2, "
+            "--pipeline-model-parallel-size 4)");
+  EXPECT_EQ(
+      error_of(with(minimal(), {"--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"})),
+      "num_layers_per_pipeline_rank 1 should be divisible by vp_size 2 (--num-virtual-stages-per-pipeline-rank)");
+  EXPECT_EQ(
+      error_of(with(minimal(), {"--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tL"})),
+      "pipeline parallelism is not supported by `moecore train` yet (--pipeline-model-parallel-size 2); "
+      "`moecore layout` prints the stage split");
+  // Megatron's flag that stays unimplemented: the split assumes its default (overlapped p2p communication).
+  EXPECT_EQ(error_of(with(minimal(), {"--no-overlap-p2p-communication"})),
+            "--no-overlap-p2p-communication is a Megatron flag that moecore does not implement yet");
+}
+
 TEST(TrainArguments, ParallelSizes) {
   for (const char* flag : {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
                            "--expert-model-parallel-size", "--expert-tensor-parallel-size"}) {
@@ -314,7 +396,8 @@ TEST(TrainArguments, ParallelSizes) {
     EXPECT_EQ(error_of(with(minimal(), {flag, "0"})), std::string(flag) + " must be positive (got 0)");
   }
   EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-size", "2"})),
-            "--pipeline-model-parallel-size > 1 is not implemented yet (moecore does not run pipeline parallelism)");
+            "pipeline parallelism is not supported by `moecore train` yet (--pipeline-model-parallel-size 2); "
+            "`moecore layout` prints the stage split");
   EXPECT_EQ(error_of(with(minimal(), {"--context-parallel-size", "2"})),
             "--context-parallel-size > 1 is not implemented yet (moecore does not run context parallelism)");
   // The world (processes launched) must hold the layout; the data-parallel size is what remains.

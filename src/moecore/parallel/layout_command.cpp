@@ -14,6 +14,10 @@ namespace {
 
 constexpr std::string_view kMappingFlag = "--use-tp-pp-dp-mapping";
 constexpr std::string_view kHelpFlag = "--help";
+constexpr std::string_view kNumLayersFlag = "--num-layers";
+constexpr std::string_view kLayoutFlag = "--pipeline-model-parallel-layout";
+constexpr std::string_view kEmbeddingFlag = "--account-for-embedding-in-pipeline-split";
+constexpr std::string_view kLossFlag = "--account-for-loss-in-pipeline-split";
 const std::vector<std::string_view> kIntFlags = {
     "--world-size",
     "--tensor-model-parallel-size",
@@ -21,10 +25,26 @@ const std::vector<std::string_view> kIntFlags = {
     "--context-parallel-size",
     "--expert-model-parallel-size",
     "--expert-tensor-parallel-size",
+    kNumLayersFlag,
 };
+// Integers of the pipeline split; PipelineLayout checks their values with Megatron's messages.
+const std::vector<std::string_view> kSplitIntFlags = {
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
+    "--num-layers-per-virtual-pipeline-stage",
+    "--num-virtual-stages-per-pipeline-rank",
+};
+
+bool is_one_of(const std::vector<std::string_view>& flags, const std::string_view flag) {
+  return std::find(flags.begin(), flags.end(), flag) != flags.end();
+}
 
 std::string unknown_flag_message(const std::string_view flag) {
   std::vector<std::string_view> known = kIntFlags;
+  known.insert(known.end(), kSplitIntFlags.begin(), kSplitIntFlags.end());
+  known.push_back(kLayoutFlag);
+  known.push_back(kEmbeddingFlag);
+  known.push_back(kLossFlag);
   known.push_back(kMappingFlag);
   known.push_back(kHelpFlag);
   const std::string closest = closest_flag(flag, known);
@@ -40,6 +60,22 @@ int parse_positive(const std::string_view flag, const std::string_view text) {
     throw LayoutError(std::string(flag) + " expects a positive integer, got '" + std::string(text) + "'");
   }
   return value;
+}
+
+int64_t parse_integer(const std::string_view flag, const std::string_view text) {
+  int64_t value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size()) {
+    throw LayoutError(std::string(flag) + " expects an integer, got '" + std::string(text) + "'");
+  }
+  return value;
+}
+
+// "layers 4-5", "layer 3" or "no layers".
+std::string layer_range(const parallel::PipelineStage& stage) {
+  if (stage.num_layers == 0) return "no layers";
+  if (stage.num_layers == 1) return "layer " + std::to_string(stage.first_layer);
+  return "layers " + std::to_string(stage.first_layer) + "-" + std::to_string(stage.end_layer() - 1);
 }
 
 void print_kind(const NamedRankGroups& kind, std::ostream& out) {
@@ -95,22 +131,40 @@ std::string layout_usage() {
          "  --context-parallel-size N           CP (default 1)\n"
          "  --expert-model-parallel-size N      EP (default 1)\n"
          "  --expert-tensor-parallel-size N     expert TP (default: TP)\n"
-         "  --use-tp-pp-dp-mapping              order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp\n";
+         "  --use-tp-pp-dp-mapping              order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp\n\n"
+         "With --num-layers it also prints the decoder layers of every pipeline rank and virtual stage (Megatron's\n"
+         "split; the flags below need --num-layers):\n\n"
+         "  --num-layers N                                decoder layers\n"
+         "  --decoder-first-pipeline-num-layers N         layers of the first pipeline stage (uneven split)\n"
+         "  --decoder-last-pipeline-num-layers N          layers of the last pipeline stage (uneven split)\n"
+         "  --account-for-embedding-in-pipeline-split     count the embedding as a layer in the uniform split\n"
+         "  --account-for-loss-in-pipeline-split          count the loss as a layer in the uniform split\n"
+         "  --pipeline-model-parallel-layout TEXT         stages by hand, e.g. \"Et|(tt|)*2,tL\" (E embedding,\n"
+         "                                                t decoder layer, L loss, | between stages)\n"
+         "  --num-layers-per-virtual-pipeline-stage N     layers per virtual stage (interleaved schedule)\n"
+         "  --num-virtual-stages-per-pipeline-rank N      virtual stages per pipeline rank (interleaved schedule)\n";
 }
 
-ParallelSizes parse_layout_args(const std::vector<std::string>& args) {
-  ParallelSizes sizes;
+LayoutCommandArgs parse_layout_command_args(const std::vector<std::string>& args) {
+  LayoutCommandArgs parsed;
+  ParallelSizes& sizes = parsed.sizes;
+  parallel::PipelineSplitFlags split;
   std::optional<int> world_size;
+  std::optional<int> num_layers;
+  std::string first_split_flag;  // the first split flag given, to name when --num-layers is missing
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string_view arg = args[i];
     const size_t equals = arg.find('=');
     const std::string_view flag = arg.substr(0, equals);
-    if (flag == kMappingFlag) {
-      if (equals != std::string_view::npos) throw LayoutError(std::string(kMappingFlag) + " takes no value");
-      sizes.order = kTpPpDpRankOrder;
+    if (flag == kMappingFlag || flag == kEmbeddingFlag || flag == kLossFlag) {
+      if (equals != std::string_view::npos) throw LayoutError(std::string(flag) + " takes no value");
+      if (flag == kMappingFlag) sizes.order = kTpPpDpRankOrder;
+      if (flag == kEmbeddingFlag) split.account_for_embedding_in_pipeline_split = true;
+      if (flag == kLossFlag) split.account_for_loss_in_pipeline_split = true;
+      if (flag != kMappingFlag && first_split_flag.empty()) first_split_flag = flag;
       continue;
     }
-    if (std::find(kIntFlags.begin(), kIntFlags.end(), flag) == kIntFlags.end()) {
+    if (!is_one_of(kIntFlags, flag) && !is_one_of(kSplitIntFlags, flag) && flag != kLayoutFlag) {
       throw LayoutError(unknown_flag_message(flag));
     }
     std::string_view text;
@@ -121,6 +175,21 @@ ParallelSizes parse_layout_args(const std::vector<std::string>& args) {
     } else {
       throw LayoutError(std::string(flag) + " expects a value");
     }
+    if (flag == kLayoutFlag || is_one_of(kSplitIntFlags, flag)) {
+      if (first_split_flag.empty()) first_split_flag = flag;
+      if (flag == kLayoutFlag) split.pipeline_model_parallel_layout = std::string(text);
+      if (flag == "--decoder-first-pipeline-num-layers")
+        split.decoder_first_pipeline_num_layers = parse_integer(flag, text);
+      if (flag == "--decoder-last-pipeline-num-layers")
+        split.decoder_last_pipeline_num_layers = parse_integer(flag, text);
+      if (flag == "--num-layers-per-virtual-pipeline-stage") {
+        split.num_layers_per_virtual_pipeline_stage = parse_integer(flag, text);
+      }
+      if (flag == "--num-virtual-stages-per-pipeline-rank") {
+        split.num_virtual_stages_per_pipeline_rank = parse_integer(flag, text);
+      }
+      continue;
+    }
     const int value = parse_positive(flag, text);
     if (flag == "--world-size") world_size = value;
     if (flag == "--tensor-model-parallel-size") sizes.tensor_model_parallel_size = value;
@@ -128,11 +197,22 @@ ParallelSizes parse_layout_args(const std::vector<std::string>& args) {
     if (flag == "--context-parallel-size") sizes.context_parallel_size = value;
     if (flag == "--expert-model-parallel-size") sizes.expert_model_parallel_size = value;
     if (flag == "--expert-tensor-parallel-size") sizes.expert_tensor_parallel_size = value;
+    if (flag == kNumLayersFlag) num_layers = value;
   }
   if (!world_size) throw LayoutError("moecore layout: --world-size is required");
   sizes.world_size = *world_size;
-  return sizes;
+  if (!num_layers && !first_split_flag.empty()) {
+    throw LayoutError("moecore layout: " + first_split_flag + " needs --num-layers (the split counts decoder layers)");
+  }
+  if (num_layers) {
+    split.num_layers = *num_layers;
+    split.pipeline_model_parallel_size = sizes.pipeline_model_parallel_size;
+    parsed.pipeline = split;
+  }
+  return parsed;
 }
+
+ParallelSizes parse_layout_args(const std::vector<std::string>& args) { return parse_layout_command_args(args).sizes; }
 
 void print_layout(const ParallelLayout& layout, std::ostream& out) {
   const ParallelSizes& sizes = layout.sizes();
@@ -152,8 +232,28 @@ int layout_main(const std::vector<std::string>& args, std::ostream& out) {
     out << layout_usage();
     return 0;
   }
-  print_layout(ParallelLayout(parse_layout_args(args)), out);
+  const LayoutCommandArgs parsed = parse_layout_command_args(args);
+  const ParallelLayout layout(parsed.sizes);
+  // Both are validated before anything is printed.
+  const std::optional<parallel::PipelineLayout> pipeline =
+      parsed.pipeline ? std::optional<parallel::PipelineLayout>(std::in_place, *parsed.pipeline) : std::nullopt;
+  print_layout(layout, out);
+  if (pipeline) print_pipeline_stages(*pipeline, out);
   return 0;
+}
+
+void print_pipeline_stages(const parallel::PipelineLayout& pipeline, std::ostream& out) {
+  out << "pipeline stages: " << pipeline.num_layers() << " decoder layers, PP " << pipeline.pipeline_size();
+  if (pipeline.interleaved()) out << ", " << pipeline.virtual_pipeline_size() << " virtual stages per rank";
+  out << '\n';
+  for (const parallel::PipelineStage& stage : pipeline.stages()) {
+    out << "    pp rank " << stage.pp_rank;
+    if (pipeline.interleaved()) out << ", virtual stage " << stage.virtual_stage;
+    out << ": " << layer_range(stage);
+    if (stage.has_embedding) out << " + embedding";
+    if (stage.has_loss) out << " + loss";
+    out << '\n';
+  }
 }
 
 }  // namespace moecore

@@ -85,7 +85,7 @@ struct FlagValue {
     if (size < 1) throw ConfigError(std::string(flag) + " must be positive (got " + text() + ")");
     return size;
   }
-  // Pipeline and context parallelism: the layout accounts for them, the engine does not run them yet.
+  // Context parallelism: the layout accounts for it, the engine does not run it yet.
   int64_t unsupported_parallel_size(const char* what) const {
     const int64_t size = parallel_size();
     if (size > 1) {
@@ -343,10 +343,24 @@ const std::vector<FlagSpec>& flag_table() {
     // Parallelism: the world size is the number of processes mpirun launched.
     {"--tensor-model-parallel-size", Arity::kOne, "N", "tensor parallel size (heads, ffn, vocabulary)",
      [](TrainingArgs& a, const FlagValue& v) { a.tensor_model_parallel_size = v.parallel_size(); }},
-    {"--pipeline-model-parallel-size", Arity::kOne, "N", "pipeline parallel size (1 only for now)",
-     [](TrainingArgs& a, const FlagValue& v) {
-       a.pipeline_model_parallel_size = v.unsupported_parallel_size("pipeline parallelism");
-     }},
+    {"--pipeline-model-parallel-size", Arity::kOne, "N",
+     "pipeline parallel size (1 only for now; `moecore layout` prints the split)",
+     [](TrainingArgs& a, const FlagValue& v) { a.pipeline_model_parallel_size = v.parallel_size(); }},
+    {"--decoder-first-pipeline-num-layers", Arity::kOne, "N", "decoder layers of the first pipeline stage",
+     [](TrainingArgs& a, const FlagValue& v) { a.decoder_first_pipeline_num_layers = v.integer(); }},
+    {"--decoder-last-pipeline-num-layers", Arity::kOne, "N", "decoder layers of the last pipeline stage",
+     [](TrainingArgs& a, const FlagValue& v) { a.decoder_last_pipeline_num_layers = v.integer(); }},
+    {"--account-for-embedding-in-pipeline-split", Arity::kSwitch, "", "count the embedding as a layer in the split",
+     [](TrainingArgs& a, const FlagValue&) { a.account_for_embedding_in_pipeline_split = true; }},
+    {"--account-for-loss-in-pipeline-split", Arity::kSwitch, "", "count the loss as a layer in the split",
+     [](TrainingArgs& a, const FlagValue&) { a.account_for_loss_in_pipeline_split = true; }},
+    {"--pipeline-model-parallel-layout", Arity::kOne, "LAYOUT",
+     "pipeline stages by hand, e.g. \"Et|(tt|)*2,tL\" (E embedding, t layer, L loss)",
+     [](TrainingArgs& a, const FlagValue& v) { a.pipeline_model_parallel_layout = v.text(); }},
+    {"--num-layers-per-virtual-pipeline-stage", Arity::kOne, "N", "layers per virtual pipeline stage",
+     [](TrainingArgs& a, const FlagValue& v) { a.num_layers_per_virtual_pipeline_stage = v.integer(); }},
+    {"--num-virtual-stages-per-pipeline-rank", Arity::kOne, "N", "virtual pipeline stages per pipeline rank",
+     [](TrainingArgs& a, const FlagValue& v) { a.num_virtual_stages_per_pipeline_rank = v.integer(); }},
     {"--context-parallel-size", Arity::kOne, "N", "context parallel size (1 only for now)",
      [](TrainingArgs& a, const FlagValue& v) {
        a.context_parallel_size = v.unsupported_parallel_size("context parallelism");
@@ -537,6 +551,20 @@ std::vector<std::string> implemented_train_flags() {
   std::vector<std::string> names;
   for (const FlagSpec& spec : flag_table()) names.emplace_back(spec.name);
   return names;
+}
+
+parallel::PipelineSplitFlags pipeline_split_flags(const TrainingArgs& args) {
+  parallel::PipelineSplitFlags flags;
+  flags.num_layers = args.model.num_layers;
+  flags.pipeline_model_parallel_size = args.pipeline_model_parallel_size;
+  flags.decoder_first_pipeline_num_layers = args.decoder_first_pipeline_num_layers;
+  flags.decoder_last_pipeline_num_layers = args.decoder_last_pipeline_num_layers;
+  flags.account_for_embedding_in_pipeline_split = args.account_for_embedding_in_pipeline_split;
+  flags.account_for_loss_in_pipeline_split = args.account_for_loss_in_pipeline_split;
+  flags.pipeline_model_parallel_layout = args.pipeline_model_parallel_layout;
+  flags.num_layers_per_virtual_pipeline_stage = args.num_layers_per_virtual_pipeline_stage;
+  flags.num_virtual_stages_per_pipeline_rank = args.num_virtual_stages_per_pipeline_rank;
+  return flags;
 }
 
 int64_t padded_vocab_size(const int64_t vocab_size, const TrainingArgs& args) {

@@ -54,6 +54,7 @@
 #include "moecore/model/config.h"
 #include "moecore/optim/lr_schedule.h"
 #include "moecore/parallel/parallel_layout.h"
+#include "moecore/parallel/pipeline_layout.h"
 
 namespace moecore {
 
@@ -109,20 +110,30 @@ struct TrainingArgs {
   std::string moe_layer_freq = "1";                     // --moe-layer-freq text, expanded into moe_layer_pattern
   std::string moe_token_dispatcher_type = "allgather";  // --moe-token-dispatcher-type
 
-  // Parallelism (the world size comes from the launcher: mpirun -np N). PP and CP > 1 are rejected for now.
+  // Parallelism (the world size comes from the launcher: mpirun -np N). PP and CP > 1 are rejected for now (the
+  // pipeline split flags are validated all the same; `moecore layout` prints the split).
   int64_t tensor_model_parallel_size = 1;    // --tensor-model-parallel-size
   int64_t pipeline_model_parallel_size = 1;  // --pipeline-model-parallel-size
-  int64_t context_parallel_size = 1;         // --context-parallel-size
-  int64_t expert_model_parallel_size = 1;    // --expert-model-parallel-size
-  int64_t expert_tensor_parallel_size = 1;   // --expert-tensor-parallel-size (default: the TP size, as Megatron)
-  int64_t world_size = 1;                    // processes launched
-  int64_t data_parallel_size = 1;            // derived: world / (TP * PP * CP)
-  bool use_tp_pp_dp_mapping = false;         // --use-tp-pp-dp-mapping
-  bool sequence_parallel = false;            // --sequence-parallel
-  bool use_distributed_optimizer = false;    // --use-distributed-optimizer
-  bool overlap_grad_reduce = false;          // --overlap-grad-reduce
-  bool overlap_param_gather = false;         // --overlap-param-gather
-  int64_t ddp_bucket_size = 0;               // --ddp-bucket-size (0: Megatron's default)
+  // The pipeline split (parallel/pipeline_layout.h): which decoder layers each pipeline rank and virtual stage holds.
+  std::optional<int64_t> decoder_first_pipeline_num_layers;      // --decoder-first-pipeline-num-layers
+  std::optional<int64_t> decoder_last_pipeline_num_layers;       // --decoder-last-pipeline-num-layers
+  bool account_for_embedding_in_pipeline_split = false;          // --account-for-embedding-in-pipeline-split
+  bool account_for_loss_in_pipeline_split = false;               // --account-for-loss-in-pipeline-split
+  std::optional<std::string> pipeline_model_parallel_layout;     // --pipeline-model-parallel-layout
+  std::optional<int64_t> num_layers_per_virtual_pipeline_stage;  // --num-layers-per-virtual-pipeline-stage
+  std::optional<int64_t> num_virtual_stages_per_pipeline_rank;   // --num-virtual-stages-per-pipeline-rank
+  int64_t virtual_pipeline_model_parallel_size = 1;              // derived: virtual stages per rank (1: none)
+  int64_t context_parallel_size = 1;                             // --context-parallel-size
+  int64_t expert_model_parallel_size = 1;                        // --expert-model-parallel-size
+  int64_t expert_tensor_parallel_size = 1;  // --expert-tensor-parallel-size (default: the TP size, as Megatron)
+  int64_t world_size = 1;                   // processes launched
+  int64_t data_parallel_size = 1;           // derived: world / (TP * PP * CP)
+  bool use_tp_pp_dp_mapping = false;        // --use-tp-pp-dp-mapping
+  bool sequence_parallel = false;           // --sequence-parallel
+  bool use_distributed_optimizer = false;   // --use-distributed-optimizer
+  bool overlap_grad_reduce = false;         // --overlap-grad-reduce
+  bool overlap_param_gather = false;        // --overlap-param-gather
+  int64_t ddp_bucket_size = 0;              // --ddp-bucket-size (0: Megatron's default)
 
   // Checkpointing (megatron/training/arguments.py _add_checkpointing_args; semantics in train/checkpointing.h).
   std::string save;                                     // --save DIR
@@ -176,6 +187,10 @@ std::vector<std::string> implemented_train_flags();
 
 // The layout sizes these arguments describe (world size, TP, PP, CP, EP, ETP, rank order).
 ParallelSizes parallel_sizes(const TrainingArgs& args);
+
+// The pipeline split these arguments describe (num_layers, PP and the split flags); Megatron's overlap_p2p_comm
+// default (true) since --no-overlap-p2p-communication is not implemented.
+parallel::PipelineSplitFlags pipeline_split_flags(const TrainingArgs& args);
 
 // Megatron's padded vocabulary: the smallest multiple of make_vocab_size_divisible_by * TP that holds `vocab_size`.
 int64_t padded_vocab_size(int64_t vocab_size, const TrainingArgs& args);

@@ -154,6 +154,20 @@ void finalize_model(TrainingArgs& args, const std::set<std::string>& given) {
   without_vocab.validate();
 }
 
+// Megatron's pipeline split checks (parallel/pipeline_layout.h) and the virtual pipeline size. `moecore train` does
+// not run pipeline parallelism yet: after the split flags are validated, PP > 1 is rejected.
+void finalize_pipeline(TrainingArgs& args) {
+  try {
+    args.virtual_pipeline_model_parallel_size =
+        parallel::PipelineLayout(pipeline_split_flags(args)).virtual_pipeline_size();
+  } catch (const LayoutError& e) {
+    throw ConfigError(e.what());
+  }
+  require(args.pipeline_model_parallel_size == 1,
+          "pipeline parallelism is not supported by `moecore train` yet (--pipeline-model-parallel-size " +
+              str(args.pipeline_model_parallel_size) + "); `moecore layout` prints the stage split");
+}
+
 // Megatron's parallel-size checks; the layout itself validates the grid (LayoutError carries one line).
 void finalize_parallel(TrainingArgs& args, const std::set<std::string>& given) {
   if (!given.contains("--expert-tensor-parallel-size")) {
@@ -357,6 +371,7 @@ void finalize_moecore(const TrainingArgs& args, const std::set<std::string>& giv
 void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given) {
   check_required(given);
   finalize_model(args, given);
+  finalize_pipeline(args);
   finalize_parallel(args, given);
   finalize_training(args, given);
   finalize_lr(args, given);
