@@ -39,7 +39,8 @@ expect_error "--hidden-size" "$bin" train "${base[@]}" --hidden-size 66
 expect_error "--global-batch-size" "$bin" train "${base[@]}" --global-batch-size 5
 expect_error "--num-layers" "$bin" train "${base[@]}" --num-layers abc
 expect_error "world size 1 is not divisible by tensor-model-parallel-size (2)" "$bin" train "${base[@]}" --tensor-model-parallel-size 2
-expect_error "pipeline parallelism is not supported by \`moecore train\` yet" "$bin" train "${base[@]}" --pipeline-model-parallel-size 2
+expect_error "world size 1 is not divisible by tensor-model-parallel-size (1) x pipeline-model-parallel-size (2)" \
+  "$bin" train "${base[@]}" --pipeline-model-parallel-size 2
 expect_error "Number of layers should be divisible by the pipeline-model-parallel size" "$bin" train "${base[@]}" \
   --pipeline-model-parallel-size 4
 expect_error "Number of decoder layers 3 must match --num-layers 2" "$bin" layout --world-size 2 \
@@ -54,6 +55,15 @@ if command -v mpirun >/dev/null; then
   expect_error "--num-experts (3) must be divisible by --expert-model-parallel-size (2)" "${mpi[@]}" \
     --num-experts 3 --expert-model-parallel-size 2
   expect_error "--overlap-param-gather requires --use-distributed-optimizer" "${mpi[@]}" --overlap-param-gather
+  # Bad pipeline layouts, on both ranks of a PP 2 launch: one line, non-zero exit.
+  expect_error "Number of layers should be divisible by the pipeline-model-parallel size" "${mpi[@]}" \
+    --num-layers 3 --pipeline-model-parallel-size 2
+  expect_error "Number of decoder layers 3 must match --num-layers 2" "${mpi[@]}" --pipeline-model-parallel-size 2 \
+    --pipeline-model-parallel-layout "Et|ttL"
+  expect_error "--pipeline-model-parallel-layout" "${mpi[@]}" --pipeline-model-parallel-size 2 \
+    --pipeline-model-parallel-layout "Et|t(L"
+  expect_error "should range in \[PP=2 , M=1\]" "${mpi[@]}" --num-layers 4 --pipeline-model-parallel-size 2 \
+    --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 2
 fi
 expect_error "unknown flag --promt" "$bin" generate --load "$work" --promt hi
 

@@ -3,7 +3,8 @@
 # z losses, gated shared experts) trained 6 iterations in one process saving at 3 and 6 (the reference), then
 #   resume in the same layout: iterations 4-6 print exactly the uninterrupted run's lines (one process, TP2 x EP2);
 #   reshard: saved at 3 under layout A (--exit-interval 3), loaded under layout B, iterations 4-6 give the one-process
-#   losses within 1e-5 relative: 1 -> TP2xEP2, TP2xEP2 -> EP4, EP4 + distributed optimizer -> DP2, ETP2xEP2 -> 1.
+#   losses within 1e-5 relative: 1 -> TP2xEP2, TP2xEP2 -> EP4, EP4 + distributed optimizer -> DP2, ETP2xEP2 -> 1;
+#   pipelines (the same model with 4 layers): PP2 x TP2 -> PP4, PP2 x TP2 -> EP2 (PP 1), and PP2 x TP2 resumed.
 set -euo pipefail
 bin=$1
 mpirun=$2
@@ -34,6 +35,8 @@ run() {  # run NP LOG ARGS...
       { cat "$log"; echo "FAIL: run failed ($log)"; exit 1; }
   fi
 }
+pp_layers=(--num-layers 4 --moe-layer-freq [0,1,0,1])
+pp2tp2=("${pp_layers[@]}" --pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
 # The iteration lines of iterations 4-6 without the wall-clock fields.
 lines() { grep -E "iteration +[4-6]/" "$1" | sed -E 's/^ *\[[^]]*\] //; s/elapsed time per iteration \(ms\): [0-9.]+ \| //'; }
 losses() { lines "$1" | sed -E 's/.*lm loss: ([0-9.E+-]+).*/\1/'; }
@@ -80,4 +83,15 @@ close_losses "EP4 + distributed optimizer -> DP2" "$work/ref.log" "$work/r3.log"
 run 4 "$work/etp.log" "${etp2ep2[@]}" --save "$work/etp" --save-interval 3 --exit-interval 3
 run 1 "$work/r4.log" --load "$work/etp"
 close_losses "ETP2xEP2 -> 1" "$work/ref.log" "$work/r4.log"
+
+# Pipelines: saved under PP2 x TP2, resumed there bit for bit, loaded under PP4 and under EP2 without a pipeline.
+run 1 "$work/pp_ref.log" "${pp_layers[@]}" --save "$work/pp_ref" --save-interval 3
+run 4 "$work/pp2tp2_full.log" "${pp2tp2[@]}" --save "$work/pp2tp2" --save-interval 3
+close_losses "PP2 x TP2 against one process" "$work/pp_ref.log" "$work/pp2tp2_full.log"
+run 4 "$work/pp2tp2_resume.log" "${pp2tp2[@]}" --load "$work/pp2tp2" --ckpt-step 3
+same_lines "PP2 x TP2" "$work/pp2tp2_full.log" "$work/pp2tp2_resume.log"
+run 4 "$work/r5.log" "${pp_layers[@]}" --pipeline-model-parallel-size 4 --load "$work/pp2tp2" --ckpt-step 3
+close_losses "PP2xTP2 -> PP4" "$work/pp_ref.log" "$work/r5.log"
+run 2 "$work/r6.log" "${pp_layers[@]}" --expert-model-parallel-size 2 --load "$work/pp2tp2" --ckpt-step 3
+close_losses "PP2xTP2 -> EP2" "$work/pp_ref.log" "$work/r6.log"
 echo "checkpoint layouts: all passed"

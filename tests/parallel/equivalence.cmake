@@ -22,6 +22,12 @@ set(equiv_global_aux --moe-router-score-function sigmoid --moe-router-enable-exp
 set(equiv_capacity --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001
     --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity --moe-token-dispatcher-type alltoall)
 
+# Pipeline layouts: the same model with 8 layers (dense, then MoE, alternating), so that PP 4 x VPP 2 has a layer per
+# chunk; references with 4 micro-batches (mbs 2), 8 micro-batches (mbs 1) and untied embeddings.
+set(equiv_pp --num-layers 8 --moe-layer-freq [0,1,0,1,0,1,0,1] ${equiv_aux})
+set(equiv_pp_mb8 ${equiv_pp} --micro-batch-size 1)
+set(equiv_pp_untied ${equiv_pp} --untie-embeddings-and-output-weights)
+
 set(equiv_dir ${CMAKE_CURRENT_BINARY_DIR}/equivalence)
 file(MAKE_DIRECTORY ${equiv_dir})
 set(equiv_tests)
@@ -42,6 +48,8 @@ function(moecore_equiv name config np)
     set(config_args ${equiv_global_aux})
   elseif(config STREQUAL "capacity")
     set(config_args ${equiv_capacity})
+  elseif(config MATCHES "^pp")
+    set(config_args ${equiv_${config}})
   endif()
   add_test(NAME dist.equiv.${name}
            COMMAND ${MPIRUN_EXECUTABLE} --allow-run-as-root --oversubscribe -np ${np}
@@ -54,6 +62,9 @@ endfunction()
 moecore_equiv_reference(aux ${equiv_aux})
 moecore_equiv_reference(global_aux ${equiv_global_aux})
 moecore_equiv_reference(capacity ${equiv_capacity})
+moecore_equiv_reference(pp ${equiv_pp})
+moecore_equiv_reference(pp_mb8 ${equiv_pp_mb8})
+moecore_equiv_reference(pp_untied ${equiv_pp_untied})
 
 moecore_equiv(dp2 aux 2)
 moecore_equiv(dp2_overlap aux 2 --overlap-grad-reduce --ddp-bucket-size 2000)
@@ -77,5 +88,25 @@ moecore_equiv(etp2_ep2 aux 4 --tensor-model-parallel-size 2 --expert-model-paral
 moecore_equiv(dp2_ep2_tp2_np8 aux 8 --tensor-model-parallel-size 2 --sequence-parallel
               --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --use-distributed-optimizer
               --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000)
+
+# Pipeline parallelism: 1F1B, interleaved, uneven and layout-string splits, and PP composed with every other dimension.
+moecore_equiv(pp2 pp 2 --pipeline-model-parallel-size 2)
+moecore_equiv(pp4 pp 4 --pipeline-model-parallel-size 4)
+moecore_equiv(pp2_mb8 pp_mb8 2 --pipeline-model-parallel-size 2)
+moecore_equiv(pp2_vpp2 pp 2 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2)
+moecore_equiv(pp2_vpp2_mb8 pp_mb8 2 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2)
+moecore_equiv(pp4_vpp2 pp 4 --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2)
+moecore_equiv(pp4_uneven pp 4 --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 1
+              --decoder-last-pipeline-num-layers 3)
+moecore_equiv(pp2_layout_vpp pp 2 --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout E|tttt|tttt|L)
+moecore_equiv(pp4_layout pp 4 --pipeline-model-parallel-size 4 --pipeline-model-parallel-layout E|ttt|ttttt|L)
+moecore_equiv(pp2_untied pp_untied 2 --pipeline-model-parallel-size 2)
+moecore_equiv(pp2_tp2_sp pp 4 --pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
+moecore_equiv(pp2_ep2 pp 4 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2
+              --moe-token-dispatcher-type alltoall)
+moecore_equiv(pp2_dp2_distopt pp 4 --pipeline-model-parallel-size 2 --use-distributed-optimizer
+              --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000)
+moecore_equiv(pp2_tp2_ep2_np8 pp 8 --pipeline-model-parallel-size 2 --tensor-model-parallel-size 2
+              --sequence-parallel --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall)
 
 set_tests_properties(${equiv_tests} PROPERTIES LABELS dist TIMEOUT 300 ENVIRONMENT "OMP_NUM_THREADS=1")

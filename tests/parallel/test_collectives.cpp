@@ -255,6 +255,21 @@ void test_send_recv(const ProcessGroup& world) {
   }
   check(in_f32 == inputs_f32(prev, 6, 51), "fp32 ring send/recv");
   check(in_bf16 == inputs_bf16(prev, 4, 52), "bf16 ring send/recv");
+
+  // Non-blocking: every rank posts its receive and its send at once (no even/odd ordering needed); two messages on
+  // one tag arrive in posting order; a message shorter than the posted buffer raises CommError at the wait.
+  std::vector<float> first(6), second(6), short_in(7);
+  const std::vector<float> out2 = inputs_f32(r, 6, 53);
+  const std::vector<float> short_out = inputs_f32(r, 5, 54);
+  Work r1 = world.recv_async<float>(first, prev, 8);
+  Work r2 = world.recv_async<float>(second, prev, 8);
+  Work s1 = world.send_async<float>(out_f32, next, 8);
+  Work s2 = world.send_async<float>(out2, next, 8);
+  Work r3 = world.recv_async<float>(short_in, prev, 9);
+  Work s3 = world.send_async<float>(short_out, next, 9);
+  for (Work* w : {&r1, &r2, &s1, &s2, &s3}) w->wait();
+  check(first == inputs_f32(prev, 6, 51) && second == inputs_f32(prev, 6, 53), "async sends arrive in order");
+  expect_comm_error("async recv of a shorter message", [&] { r3.wait(); });
 }
 
 void test_split(const ProcessGroup& world) {

@@ -373,7 +373,7 @@ TEST(TrainArguments, PipelineSplitFlags) {
       "--decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers cannot be set at the same "
       "time with --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split");
 
-  // The split is checked before PP > 1 is rejected, and both before the world size is compared with the layout.
+  // The split is checked before the world size is compared with the layout.
   EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-size", "4"})),
             "Number of layers should be divisible by the pipeline-model-parallel size (--num-layers 2, "
             "--pipeline-model-parallel-size 4)");
@@ -382,11 +382,51 @@ TEST(TrainArguments, PipelineSplitFlags) {
       "num_layers_per_pipeline_rank 1 should be divisible by vp_size 2 (--num-virtual-stages-per-pipeline-rank)");
   EXPECT_EQ(
       error_of(with(minimal(), {"--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tL"})),
-      "pipeline parallelism is not supported by `moecore train` yet (--pipeline-model-parallel-size 2); "
-      "`moecore layout` prints the stage split");
+      "world size 1 is not divisible by tensor-model-parallel-size (1) x pipeline-model-parallel-size (2) x "
+      "context-parallel-size (1)");
+  const TrainingArgs pp2 = parse_train_args(
+      with(minimal(), {"--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tL"}), 2);
+  EXPECT_EQ(pp2.pipeline_model_parallel_size, 2);
+  EXPECT_EQ(pp2.data_parallel_size, 1);
   // Megatron's flag that stays unimplemented: the split assumes its default (overlapped p2p communication).
   EXPECT_EQ(error_of(with(minimal(), {"--no-overlap-p2p-communication"})),
             "--no-overlap-p2p-communication is a Megatron flag that moecore does not implement yet");
+}
+
+std::string error_of(const Args& args, const int world_size) {
+  try {
+    parse_train_args(args, world_size);
+  } catch (const ConfigError& error) {
+    return error.what();
+  }
+  return "<no error>";
+}
+
+// The schedule's requirements on this DP rank's micro-batches (Megatron's schedules.py), checked with the flags.
+TEST(TrainArguments, PipelineScheduleSizes) {
+  const Args pp2_vpp2 = with(minimal(), {"--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                                         "--num-virtual-stages-per-pipeline-rank", "2"});
+  EXPECT_EQ(error_of(with(pp2_vpp2, {"--global-batch-size", "2"}), 2),  // M = 1 < N = PP = 2
+            "The number of contiguous micro-batches in a virtual pipeline stage should range in [PP=2 , M=1]");
+  EXPECT_EQ(
+      error_of(with(pp2_vpp2, {"--global-batch-size", "10", "--microbatch-group-size-per-virtual-pipeline-stage", "4"}),
+               2),  // M = 5, 5 % 4 = 1 < PP
+      "The remainder of M (the total micro-batches) divided by N (number of contiguous micro-batches in a "
+      "virtual pipeline stage) should be 0, or larger than or equal to the pipeline-parallel size, but it is 1. "
+      "Otherwise, it introduces dependency bubbles in the pipeline and reduces throughput.");
+  const TrainingArgs ok = parse_train_args(
+      with(pp2_vpp2, {"--global-batch-size", "10", "--microbatch-group-size-per-virtual-pipeline-stage", "3"}), 2);
+  EXPECT_EQ(ok.microbatch_group_size_per_vp_stage, 3);  // M = 5, 5 % 3 = 2 >= PP
+  EXPECT_EQ(ok.virtual_pipeline_model_parallel_size, 2);
+  EXPECT_EQ(error_of(with(minimal(), {"--microbatch-group-size-per-virtual-pipeline-stage", "2"})),
+            "--microbatch-group-size-per-virtual-pipeline-stage applies to the interleaved schedule only (set "
+            "--num-virtual-stages-per-pipeline-rank, --num-layers-per-virtual-pipeline-stage or a layout with "
+            "virtual stages)");
+  EXPECT_EQ(error_of(with(pp2_vpp2, {"--microbatch-group-size-per-virtual-pipeline-stage", "0"}), 2),
+            "--microbatch-group-size-per-virtual-pipeline-stage must be positive (got 0)");
+  // 1F1B takes any number of micro-batches.
+  EXPECT_NO_THROW(parse_train_args(
+      with(minimal(), {"--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "2"}), 2));
 }
 
 TEST(TrainArguments, ParallelSizes) {
@@ -395,9 +435,6 @@ TEST(TrainArguments, ParallelSizes) {
     EXPECT_NO_THROW(parse_train_args(with(minimal(), {flag, "1"})));
     EXPECT_EQ(error_of(with(minimal(), {flag, "0"})), std::string(flag) + " must be positive (got 0)");
   }
-  EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-size", "2"})),
-            "pipeline parallelism is not supported by `moecore train` yet (--pipeline-model-parallel-size 2); "
-            "`moecore layout` prints the stage split");
   EXPECT_EQ(error_of(with(minimal(), {"--context-parallel-size", "2"})),
             "--context-parallel-size > 1 is not implemented yet (moecore does not run context parallelism)");
   // The world (processes launched) must hold the layout; the data-parallel size is what remains.

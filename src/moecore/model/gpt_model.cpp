@@ -95,9 +95,21 @@ StageSpec resolved(StageSpec stage, const int64_t L) {
 
 GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const parallel::ParallelState& parallel,
                    const StageSpec& stage)
+    : GPTModel(config, seed, parallel, std::vector<StageSpec>{stage}) {}
+
+GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const parallel::ParallelState& parallel,
+                   const std::vector<StageSpec>& chunks)
     : config_(config), parallel_(parallel), modules_(std::make_unique<Modules>()) {
   config_.validate();
-  stage_ = resolved(stage, config_.num_layers);
+  if (chunks.empty()) throw ConfigError("a pipeline rank needs at least one model chunk");
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    chunks_.push_back(resolved(chunks[c], config_.num_layers));
+    if ((chunks[c].pre_process && c != 0) || (chunks[c].post_process && c + 1 != chunks.size())) {
+      throw ConfigError("only a rank's first model chunk may hold the embedding and only its last the loss");
+    }
+  }
+  inputs_TH_.resize(chunks_.size());
+  const bool pre_process = chunks_.front().pre_process, post_process = chunks_.back().post_process;
   const int64_t H = config_.hidden_size, V = config_.vocab_size, L = config_.num_layers;
   Modules& m = *modules_;
   m.tp = TensorParallel::attention(parallel_);
@@ -107,7 +119,7 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const paralle
                       ") with --sequence-parallel or MoE layers");
   }
   const bool tied = !config_.untie_embeddings_and_output_weights;
-  if (stage_.pre_process) {
+  if (pre_process) {
     m.word_embeddings = VocabParallelEmbedding(kWordEmbeddings, V, H, m.tp, params_);
     if (config_.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
       Param pos =
@@ -116,15 +128,19 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const paralle
       params_.push_back(std::move(pos));
     }
   }
-  for (int64_t i = stage_.first_layer; i < stage_.first_layer + stage_.num_layers; ++i) {
-    m.layers.emplace_back(config_, i, params_, buffers_, parallel_);
+  for (const StageSpec& chunk : chunks_) {
+    chunk_first_module_.push_back(m.layers.size());
+    for (int64_t i = chunk.first_layer; i < chunk.first_layer + chunk.num_layers; ++i) {
+      m.layers.emplace_back(config_, i, params_, buffers_, parallel_);
+    }
   }
-  if (stage_.post_process) {
+  chunk_first_module_.push_back(m.layers.size());
+  if (post_process) {
     NormModule::add_params(params_, "decoder.final_layernorm", H, config_.normalization, m.tp.sequence_sharded(),
                            static_cast<int>(L));
     LinearOptions output;
     output.module = static_cast<int>(L);
-    if (tied && stage_.pre_process) {
+    if (tied && pre_process) {
       output.shared_weight = kWordEmbeddings;
     } else if (tied) {
       // A last stage without the embedding holds its own copy of the tied weight under the embedding's name: the
@@ -139,15 +155,20 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const paralle
   }
   // params_ and buffers_ are complete: pointers into them stay valid from here on.
   for (TransformerLayer& layer : m.layers) layer.bind(params_, buffers_);
-  if (stage_.pre_process) {
+  if (pre_process) {
     m.word_embeddings.bind(params_);
     if (config_.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
       m.position_embeddings = &param("embedding.position_embeddings.weight");
     }
   }
-  if (stage_.post_process) {
+  if (post_process) {
     m.final_norm = NormModule::bind(params_, "decoder.final_layernorm", config_.normalization, config_.norm_epsilon);
     m.output_layer.bind(params_);
+  }
+  if (tied && parallel_.pp_size() > 1 && (pre_process || post_process)) {
+    Param& word = param(kWordEmbeddings);
+    word.sum_over_embedding_group = true;
+    word.pipeline_copy = !pre_process;
   }
   for (Param& p : params_) init_param(p, seed, config_.init_method_std, config_.num_layers);
 }
@@ -287,33 +308,42 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
   if (m.tp.size() > 1 && (m.tp.sequence_sharded() || config_.moe.enabled()) && S % m.tp.size() != 0) {
     throw std::invalid_argument("sequence length " + std::to_string(S) + " is not divisible by the TP size");
   }
+  if (options.chunk < 0 || options.chunk >= num_chunks()) {
+    throw std::invalid_argument("model chunk " + std::to_string(options.chunk) + " of " + std::to_string(num_chunks()));
+  }
+  const StageSpec& stage = chunks_[static_cast<size_t>(options.chunk)];
+  const size_t first = chunk_first_module_[static_cast<size_t>(options.chunk)];
+  const size_t count = chunk_first_module_[static_cast<size_t>(options.chunk) + 1] - first;
   auto ctx = make_context(tokens_BS, labels_BS, loss_mask_BS, B, S, options);
+  ctx->chunk = options.chunk;
   Tensor x_TH;
-  if (stage_.pre_process) {
+  if (stage.pre_process) {
     if (tokens_BS == nullptr) throw std::invalid_argument("the first pipeline stage needs the tokens");
     if (hooks_) hooks_->before_forward(-1);
     const trace::Scope scope("embedding forward", "forward");
     const ActivationOwnerScope owner(ActivationOwner::kEmbedding);
     x_TH = embed(*ctx, options);
   } else {
-    if (!input_TH_.defined()) throw std::logic_error("a stage without pre_process needs set_input_tensor() first");
-    x_TH = std::move(input_TH_);
-    input_TH_ = Tensor();
+    Tensor& input_TH = inputs_TH_[static_cast<size_t>(options.chunk)];
+    if (!input_TH.defined()) throw std::logic_error("a stage without pre_process needs set_input_tensor() first");
+    x_TH = std::move(input_TH);
+    input_TH = Tensor();
   }
-  ctx->layers.resize(m.layers.size());
-  for (size_t i = 0; i < m.layers.size(); ++i) {
-    const int64_t layer = stage_.first_layer + static_cast<int64_t>(i);
+  ctx->layers.resize(count);
+  for (size_t i = 0; i < count; ++i) {
+    const int64_t layer = stage.first_layer + static_cast<int64_t>(i);
+    TransformerLayer& module = m.layers[first + i];
     if (hooks_) hooks_->before_forward(static_cast<int>(layer));
     const LayerDropout dropout{options.training, options.dropout_seed, layer_stream(options.dropout_stream, layer)};
     LayerActivations scratch;
     LayerActivations& saved = options.training ? ctx->layers[i] : scratch;
     const trace::Scope scope("layer ", layer, " forward", "forward");
-    x_TH = m.layers[i].forward(x_TH, S, B, dropout, saved);
-    if (options.training && m.layers[i].is_moe()) record_moe_stats(layer, saved.moe.routing);
+    x_TH = module.forward(x_TH, S, B, dropout, saved);
+    if (options.training && module.is_moe()) record_moe_stats(layer, saved.moe.routing);
   }
   ctx->output_TH = x_TH;
   double loss = 0.0;
-  if (stage_.post_process) {
+  if (stage.post_process) {
     if (hooks_) hooks_->before_forward(static_cast<int>(config_.num_layers));
     const trace::Scope scope("output layer + loss forward", "forward");
     const ActivationOwnerScope owner(ActivationOwner::kOutputLoss);
@@ -322,7 +352,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
   if (options.training) {
     if (!moe_stats_.moe_layers.empty()) ++moe_stats_.num_forwards;
     ctx_out = std::move(ctx);
-  } else if (!stage_.post_process) {
+  } else if (!stage.post_process) {
     ctx_out = std::move(ctx);  // the caller reads output_TH
   }
   return loss;
@@ -330,16 +360,21 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
 
 Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double loss_scale,
                           const Tensor* output_grad_TH) {
-  if (!ctx || !ctx->training || (stage_.post_process && !ctx->lse_T.defined() && !ctx->output_dinput_TH.defined())) {
+  if (!ctx || !ctx->training || ctx->chunk < 0 || ctx->chunk >= num_chunks()) {
+    throw std::logic_error("backward needs the context of a training forward");
+  }
+  const StageSpec& stage = chunks_[static_cast<size_t>(ctx->chunk)];
+  const size_t first = chunk_first_module_[static_cast<size_t>(ctx->chunk)];
+  if (stage.post_process && !ctx->lse_T.defined() && !ctx->output_dinput_TH.defined()) {
     throw std::logic_error("backward needs the context of a training forward with labels");
   }
-  if (!stage_.post_process && output_grad_TH == nullptr) {
+  if (!stage.post_process && output_grad_TH == nullptr) {
     throw std::logic_error("a stage without post_process needs the gradient of its output");
   }
   Modules& m = *modules_;
   const int64_t S = ctx->S, B = ctx->B;
   Tensor dx_TH;
-  if (stage_.post_process) {
+  if (stage.post_process) {
     const trace::Scope scope("output layer + loss backward", "backward");
     const ActivationOwnerScope owner(ActivationOwner::kOutputLoss);
     dx_TH = output_and_loss_backward(*ctx, loss_scale);
@@ -347,19 +382,19 @@ Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double l
   } else {
     dx_TH = output_grad_TH->clone(MemCategory::kActivations);
   }
-  for (size_t i = m.layers.size(); i-- > 0;) {
-    const int64_t layer = stage_.first_layer + static_cast<int64_t>(i);
+  for (size_t i = ctx->layers.size(); i-- > 0;) {
+    const int64_t layer = stage.first_layer + static_cast<int64_t>(i);
     Tensor dprev_TH = activation_tensor(dx_TH.shape());
     const LayerDropout dropout{true, ctx->dropout_seed, layer_stream(ctx->dropout_stream, layer)};
     {
       const trace::Scope scope("layer ", layer, " backward", "backward");
-      m.layers[i].backward(dprev_TH, dx_TH, S, B, dropout, loss_scale, ctx->layers[i]);
+      m.layers[first + i].backward(dprev_TH, dx_TH, S, B, dropout, loss_scale, ctx->layers[i]);
     }
     ctx->layers[i] = LayerActivations();
     dx_TH = std::move(dprev_TH);
     if (hooks_) hooks_->after_backward(static_cast<int>(layer));
   }
-  if (!stage_.pre_process) return dx_TH;
+  if (!stage.pre_process) return dx_TH;
   const trace::Scope scope("embedding backward", "backward");
   const ActivationOwnerScope owner(ActivationOwner::kEmbedding);
   embed_backward(dx_TH, *ctx);
@@ -410,7 +445,7 @@ const Buffer* GPTModel::expert_bias(const int64_t layer) const {
 }
 
 Tensor GPTModel::last_logits(const int32_t* tokens_BS, const int64_t B, const int64_t S) {
-  if (modules_->tp.size() > 1 || !stage_.pre_process || !stage_.post_process) {
+  if (modules_->tp.size() > 1 || num_chunks() != 1 || !chunks_[0].pre_process || !chunks_[0].post_process) {
     throw std::logic_error("last_logits needs the whole model in one process: gather the model first");
   }
   std::unique_ptr<MicroBatchContext> unused;

@@ -48,6 +48,7 @@ struct ForwardOptions {
   bool training = true;         // dropout on, activations kept for backward
   uint64_t dropout_seed = 0;    // run seed
   uint64_t dropout_stream = 0;  // distinct per (iteration, micro-batch)
+  int chunk = 0;                // the model chunk (virtual pipeline stage) of this rank to run
 };
 
 class GPTModel {
@@ -57,6 +58,11 @@ class GPTModel {
   GPTModel(const ModelConfig& config, uint64_t seed,
            const parallel::ParallelState& parallel = parallel::ParallelState::single_process(),
            const StageSpec& stage = StageSpec{});
+  // Several model chunks on one rank (Megatron's virtual pipeline stages, in virtual-stage order): each a range of
+  // global layers; only the first may have pre_process and only the last post_process. One parameter list holds
+  // every chunk's parameters, chunk by chunk.
+  GPTModel(const ModelConfig& config, uint64_t seed, const parallel::ParallelState& parallel,
+           const std::vector<StageSpec>& chunks);
   ~GPTModel();
   GPTModel(const GPTModel&) = delete;
   GPTModel& operator=(const GPTModel&) = delete;
@@ -77,21 +83,25 @@ class GPTModel {
   int64_t num_parameters() const;
   void zero_grad();
 
-  const StageSpec& stage() const { return stage_; }
+  const StageSpec& stage(int chunk = 0) const { return chunks_.at(static_cast<size_t>(chunk)); }
+  int num_chunks() const { return static_cast<int>(chunks_.size()); }
 
-  // Without pre_process: the hidden states [this rank's rows of S*B tokens, H] the next forward starts from (the
-  // previous stage's output; Megatron's set_input_tensor).
-  void set_input_tensor(Tensor hidden_TH) { input_TH_ = std::move(hidden_TH); }
+  // Without pre_process: the hidden states [this rank's rows of S*B tokens, H] the chunk's next forward starts from
+  // (the previous stage's output; Megatron's set_input_tensor).
+  void set_input_tensor(Tensor hidden_TH, int chunk = 0) {
+    inputs_TH_.at(static_cast<size_t>(chunk)) = std::move(hidden_TH);
+  }
 
-  // tokens_BS, labels_BS [B, S] (the whole micro-batch on every TP rank); loss_mask_BS may be null (all ones);
-  // tokens are read with pre_process, labels and mask with post_process.
+  // Runs model chunk options.chunk. tokens_BS, labels_BS [B, S] (the whole micro-batch on every TP rank);
+  // loss_mask_BS may be null (all ones); tokens are read with pre_process, labels and mask with post_process.
   // Returns the mean loss over unmasked tokens (post_process; else 0, and ctx->output_TH holds this stage's output);
   // keeps what backward needs in `ctx` when training.
   // logits_SBV, if non-null, receives a copy of the logits [S, B, V] (this rank's vocabulary columns under TP).
   double forward(std::unique_ptr<MicroBatchContext>& ctx, const int32_t* tokens_BS, const int32_t* labels_BS,
                  const float* loss_mask_BS, int64_t B, int64_t S, const ForwardOptions& options,
                  Tensor* logits_SBV = nullptr);
-  // Accumulates into every Param::grad the gradient of (loss * loss_scale); releases ctx. Without post_process the
+  // Backward of the chunk ctx came from. Accumulates into every Param::grad the gradient of (loss * loss_scale);
+  // releases ctx. Without post_process the
   // gradient comes from output_grad_TH (d loss / d this stage's output, already scaled). Returns d(input hidden
   // states) without pre_process (to send to the previous stage), else an undefined tensor.
   Tensor backward(std::unique_ptr<MicroBatchContext> ctx, double loss_scale, const Tensor* output_grad_TH = nullptr);
@@ -118,8 +128,9 @@ class GPTModel {
   struct Modules;
   ModelConfig config_;
   parallel::ParallelState parallel_;
-  StageSpec stage_;
-  Tensor input_TH_;
+  std::vector<StageSpec> chunks_;
+  std::vector<size_t> chunk_first_module_;  // index of each chunk's first layer in the layer list; + one past the end
+  std::vector<Tensor> inputs_TH_;           // per chunk
   ModelHooks* hooks_ = nullptr;
   std::vector<Param> params_;
   std::vector<Buffer> buffers_;

@@ -20,7 +20,8 @@ class MicroBatchContext {
   uint64_t dropout_seed = 0;
   uint64_t dropout_stream = 0;
   bool training = false;
-  std::vector<LayerActivations> layers;  // this stage's layers
+  int chunk = 0;                         // the model chunk that ran
+  std::vector<LayerActivations> layers;  // the chunk's layers
   Tensor output_TH;                      // the last layer's output: this stage's result without post-process
   Tensor final_out_TH;                   // final norm output (post-process)
   NormStats final_stats;

@@ -37,6 +37,12 @@ struct Param {
   // The module whose backward completes this gradient (the overlap hooks): -1 the embedding, 0..L-1 the decoder
   // layers, L the final norm and output layer.
   int module = -1;
+  // The tied word embedding under pipeline parallelism: the first stage's embedding and the last stage's output
+  // weight are two copies; their gradients are summed over the embedding group after the data-parallel reduction
+  // (Megatron's _allreduce_word_embedding_grads), each in a bucket of its own so distributed-optimizer shards line up.
+  bool sum_over_embedding_group = false;
+  // The last stage's copy of that weight: left out of the gradient norm, which counts the first stage's.
+  bool pipeline_copy = false;
 
   bool tensor_sharded() const { return shard.num_shards > 1; }
 };

@@ -93,6 +93,8 @@ void DistributedDataParallel::build(const bool expert, const std::vector<int>& p
   };
   for (const int i : param_indices) {
     const Param& p = params_[static_cast<size_t>(i)];
+    // A tied embedding shared over the pipeline gets a bucket of its own (Megatron's shared_embedding).
+    if (p.sum_over_embedding_group && !bucket.params.empty()) close_bucket();
     offset = align_up(offset, kParamAlign);
     Slot& slot = slots_[static_cast<size_t>(i)];
     slot.group = group_index;
@@ -102,7 +104,7 @@ void DistributedDataParallel::build(const bool expert, const std::vector<int>& p
     offset += slot.numel;
     bucket.params.push_back(i);
     bucket.modules.push_back(p.module);
-    if (bucket_size_ > 0 && offset - bucket.begin >= bucket_size_) close_bucket();
+    if ((bucket_size_ > 0 && offset - bucket.begin >= bucket_size_) || p.sum_over_embedding_group) close_bucket();
   }
   if (!bucket.params.empty()) close_bucket();
 
@@ -225,7 +227,25 @@ void DistributedDataParallel::finish_grad_sync() {
       std::memcpy(grad, b.comm_shard.data<float>(), static_cast<size_t>(b.shard_size) * sizeof(float));
     }
   }
+  allreduce_embedding_grads();
   reset_round();
+}
+
+void DistributedDataParallel::allreduce_embedding_grads() {
+  if (parallel_.embedding.size() == 1) return;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].sum_over_embedding_group) continue;
+    const Slot& slot = slots_[i];
+    const Bucket& b = buckets_[static_cast<size_t>(slot.bucket)];
+    // The bucket holds this param alone on both stages, so with the distributed optimizer this rank's shard covers
+    // the same elements there: the shard is what the optimizer reads.
+    const int64_t begin = options_.use_distributed_optimizer ? b.shard_begin : slot.offset;
+    const int64_t end = options_.use_distributed_optimizer ? b.shard_begin + b.shard_size : slot.offset + slot.numel;
+    float* grad = groups_[static_cast<size_t>(slot.group)].grad_buffer.data<float>();
+    const CommTimer timer(CommKind::kGradReduce);
+    parallel_.embedding.all_reduce(std::span<float>(grad + begin, static_cast<size_t>(end - begin)),
+                                   parallel::ReduceOp::kSum);
+  }
 }
 
 void DistributedDataParallel::start_param_gather() {

@@ -75,7 +75,8 @@ class DistributedDataParallel : public ModelHooks {
   void after_backward(int module) override;
   // Launches whatever has not been launched, waits for all. Afterwards every Param::grad holds the gradient summed
   // over the group and divided by the dp-cp size; with the distributed optimizer only this rank's shard of each
-  // bucket does.
+  // bucket does. Then the tied embedding's copies (Param::sum_over_embedding_group) are summed over the pipeline's
+  // embedding group, as Megatron's finalize_model_grads.
   void finish_grad_sync();
   // Distributed optimizer: all-gathers every bucket's updated shard (asynchronously with overlap_param_gather).
   void start_param_gather();
@@ -96,6 +97,7 @@ class DistributedDataParallel : public ModelHooks {
   void build(bool expert, const std::vector<int>& param_indices);
   void tp_sum(int param_index);
   void launch(int bucket_index);
+  void allreduce_embedding_grads();
   void wait_bucket_gather(Bucket& bucket);
   void reset_round();
 

@@ -36,6 +36,7 @@ DistributedAdamW::DistributedAdamW(DistributedDataParallel& ddp, std::vector<Par
 bool DistributedAdamW::counted_in_norm(const Param& p) const {
   const parallel::ParallelState& ps = ddp_.parallel();
   const bool sharded = ddp_.options().use_distributed_optimizer;  // shards are disjoint over the DP group
+  if (p.pipeline_copy) return false;                              // the first stage counts the tied embedding
   if (p.is_expert) return (sharded || ps.edp.rank() == 0) && (p.tensor_sharded() || ps.etp.rank() == 0);
   return (sharded || ps.dp_cp.rank() == 0) && (p.tensor_sharded() || ps.tp.rank() == 0);
 }

@@ -16,6 +16,8 @@ enum class CommKind : uint8_t {
   kTensorParallel,  // TP / SP activations: all-reduce, all-gather, reduce-scatter
   kGradReduce,      // data-parallel gradient all-reduce / reduce-scatter, TP sums of replicated gradients
   kParamGather,     // distributed optimizer's parameter all-gather
+  kPipelineP2P,     // pipeline send / recv: posting the transfers, the sends' completion
+  kPipelineWait,    // pipeline: waiting for a neighbour stage's activation or gradient (the bubble, with the transfer)
   kOther,           // loss / statistics reductions, grad norm, logging
   kCount
 };

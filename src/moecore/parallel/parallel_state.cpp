@@ -42,6 +42,13 @@ ParallelState ParallelState::create(const ParallelSizes& sizes, const bool seque
   state.etp = split_by(world, expert.tp, r);
   state.tp_ep = split_by(world, expert.tp_ep, r);
   state.edp = split_by(world, expert.dp, r);
+  state.pp = split_by(world, dense.pp, r);
+  // Embedding group: the first and last member of each pipeline group together; every other rank alone.
+  const int pipeline = group_index_of(dense.pp, r);
+  const std::vector<int>& stages = dense.pp[static_cast<size_t>(pipeline)];
+  const bool end_stage = r == stages.front() || r == stages.back();
+  state.embedding =
+      world.split(end_stage ? pipeline : static_cast<int>(dense.pp.size()) + r, r == stages.front() ? 0 : 1);
   return state;
 }
 

@@ -22,6 +22,10 @@ struct ParallelState {
   ProcessGroup etp = ProcessGroup::self();    // expert tensor parallel: expert ffn shards
   ProcessGroup tp_ep = ProcessGroup::self();  // ETP x EP: the allgather dispatcher's group
   ProcessGroup edp = ProcessGroup::self();    // expert data parallel: expert gradient reduction
+  // Pipeline: this rank's pipeline (pp rank = stage), and Megatron's embedding group: the first and last stage of
+  // each pipeline (their tied word-embedding copies' gradients are summed over it); self() on the middle stages.
+  ProcessGroup pp = ProcessGroup::self();
+  ProcessGroup embedding = ProcessGroup::self();
   bool sequence_parallel = false;
 
   int tp_size() const { return tp.size(); }
@@ -30,6 +34,10 @@ struct ParallelState {
   int ep_rank() const { return ep.rank(); }
   int etp_size() const { return etp.size(); }
   int etp_rank() const { return etp.rank(); }
+  int pp_size() const { return pp.size(); }
+  int pp_rank() const { return pp.rank(); }
+  bool is_first_stage() const { return pp.rank() == 0; }
+  bool is_last_stage() const { return pp.rank() == pp.size() - 1; }
   // Data parallel (Megatron's get_data_parallel_world_size / _rank without context parallelism): which samples a
   // rank reads. Every CP rank of a replica reads the same samples (its own sequence chunk of them).
   int dp_size() const { return dp.size(); }

@@ -39,7 +39,9 @@ struct Work::State {
   std::vector<int> send_counts, send_displs, recv_counts, recv_displs;
   std::function<void()> finish;  // runs once the request completed
   bool done = false;
-  std::string trace_name;  // the timeline's name for it; `what` when empty
+  std::string trace_name;     // the timeline's name for it; `what` when empty
+  bool track_status = false;  // keep the completion status (a receive's length check)
+  MPI_Status status{};
   trace::Clock::time_point started = trace::Clock::now();
 };
 
@@ -250,7 +252,7 @@ void complete(Work::State& state) {
 // MPI_Test on the state; true when it completed (finished by complete()).
 bool test_state(Work::State& state) {
   int complete_flag = 0;
-  const int rc = MPI_Test(&state.request, &complete_flag, MPI_STATUS_IGNORE);
+  const int rc = MPI_Test(&state.request, &complete_flag, state.track_status ? &state.status : MPI_STATUS_IGNORE);
   if (rc != MPI_SUCCESS) {
     state.done = true;
     forget(&state);
@@ -306,7 +308,8 @@ void Work::wait() {
   State& state = *state_;
   int finalized = 0;
   MPI_Finalized(&finalized);
-  const int rc = finalized ? MPI_SUCCESS : MPI_Wait(&state.request, MPI_STATUS_IGNORE);
+  const int rc =
+      finalized ? MPI_SUCCESS : MPI_Wait(&state.request, state.track_status ? &state.status : MPI_STATUS_IGNORE);
   if (finalized || rc != MPI_SUCCESS) {
     state.done = true;
     forget(&state);
@@ -598,6 +601,43 @@ void ProcessGroup::recv(std::span<T> data, int src, int tag) const {
 // ---------------------------------------------------------------- non-blocking
 
 template <CommElement T>
+Work ProcessGroup::send_async(std::span<const T> data, int dst, int tag) const {
+  if (!comm_) throw CommError("send_async: a single-process group has no peer");
+  std::string error = peer_error(dst, rank_, size_, "destination");
+  if (error.empty() && data.size() > INT_MAX) error = too_large(data.size());
+  if (!error.empty()) throw CommError("send_async on rank " + std::to_string(rank_) + ": " + error);
+  auto state = std::make_unique<Work::State>();
+  state->what = "send to rank " + std::to_string(dst);
+  check_mpi(MPI_Isend(ptr_or_dummy(data.data()), static_cast<int>(data.size()), mpi_type<T>(), dst, tag, comm_->handle,
+                      &state->request),
+            state->what);
+  return Work(std::move(state));
+}
+
+template <CommElement T>
+Work ProcessGroup::recv_async(std::span<T> data, int src, int tag) const {
+  if (!comm_) throw CommError("recv_async: a single-process group has no peer");
+  std::string error = peer_error(src, rank_, size_, "source");
+  if (error.empty() && data.size() > INT_MAX) error = too_large(data.size());
+  if (!error.empty()) throw CommError("recv_async on rank " + std::to_string(rank_) + ": " + error);
+  auto state = std::make_unique<Work::State>();
+  state->what = "recv on rank " + std::to_string(rank_) + " from rank " + std::to_string(src);
+  check_mpi(MPI_Irecv(ptr_or_dummy(data.data()), static_cast<int>(data.size()), mpi_type<T>(), src, tag, comm_->handle,
+                      &state->request),
+            state->what);
+  state->track_status = true;
+  state->finish = [what = state->what, expected = data.size(), status = &state->status] {
+    int received = 0;
+    check_mpi(MPI_Get_count(status, mpi_type<T>(), &received), what);
+    if (static_cast<size_t>(received) != expected) {
+      throw CommError(what + ": message has " + std::to_string(received) + " elements, the buffer expects " +
+                      std::to_string(expected));
+    }
+  };
+  return Work(std::move(state));
+}
+
+template <CommElement T>
 Work ProcessGroup::all_reduce_async(std::span<T> data, ReduceOp op) const {
   if (!comm_) return Work();
   const std::string local_error = data.size() > INT_MAX ? too_large(data.size()) : "";
@@ -702,6 +742,8 @@ double sum_double(const ProcessGroup& group, const double value) {
   template void ProcessGroup::broadcast<T>(std::span<T>, int) const;                                           \
   template void ProcessGroup::send<T>(std::span<const T>, int, int) const;                                     \
   template void ProcessGroup::recv<T>(std::span<T>, int, int) const;                                           \
+  template Work ProcessGroup::send_async<T>(std::span<const T>, int, int) const;                               \
+  template Work ProcessGroup::recv_async<T>(std::span<T>, int, int) const;                                     \
   template Work ProcessGroup::all_reduce_async<T>(std::span<T>, ReduceOp) const;                               \
   template Work ProcessGroup::reduce_scatter_async<T>(std::span<const T>, std::span<T>, ReduceOp) const;       \
   template Work ProcessGroup::all_gather_async<T>(std::span<const T>, std::span<T>) const;                     \

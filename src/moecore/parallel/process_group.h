@@ -117,6 +117,13 @@ class ProcessGroup {
   template <CommElement T>
   void recv(std::span<T> data, int src, int tag = 0) const;
 
+  // Non-blocking point to point (the pipeline's activations and gradients): the receive's wait throws when the
+  // message length differs from data.size(). Messages between two ranks with one tag arrive in posting order.
+  template <CommElement T>
+  Work send_async(std::span<const T> data, int dst, int tag = 0) const;
+  template <CommElement T>
+  Work recv_async(std::span<T> data, int src, int tag = 0) const;
+
   // Non-blocking versions; argument checks run (and throw) before returning.
   template <CommElement T>
   Work all_reduce_async(std::span<T> data, ReduceOp op) const;

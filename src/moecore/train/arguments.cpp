@@ -343,8 +343,7 @@ const std::vector<FlagSpec>& flag_table() {
     // Parallelism: the world size is the number of processes mpirun launched.
     {"--tensor-model-parallel-size", Arity::kOne, "N", "tensor parallel size (heads, ffn, vocabulary)",
      [](TrainingArgs& a, const FlagValue& v) { a.tensor_model_parallel_size = v.parallel_size(); }},
-    {"--pipeline-model-parallel-size", Arity::kOne, "N",
-     "pipeline parallel size (1 only for now; `moecore layout` prints the split)",
+    {"--pipeline-model-parallel-size", Arity::kOne, "N", "pipeline parallel size (`moecore layout` prints the split)",
      [](TrainingArgs& a, const FlagValue& v) { a.pipeline_model_parallel_size = v.parallel_size(); }},
     {"--decoder-first-pipeline-num-layers", Arity::kOne, "N", "decoder layers of the first pipeline stage",
      [](TrainingArgs& a, const FlagValue& v) { a.decoder_first_pipeline_num_layers = v.integer(); }},
@@ -361,6 +360,9 @@ const std::vector<FlagSpec>& flag_table() {
      [](TrainingArgs& a, const FlagValue& v) { a.num_layers_per_virtual_pipeline_stage = v.integer(); }},
     {"--num-virtual-stages-per-pipeline-rank", Arity::kOne, "N", "virtual pipeline stages per pipeline rank",
      [](TrainingArgs& a, const FlagValue& v) { a.num_virtual_stages_per_pipeline_rank = v.integer(); }},
+    {"--microbatch-group-size-per-virtual-pipeline-stage", Arity::kOne, "N",
+     "interleaved schedule: micro-batches run through a model chunk before the next (default: PP)",
+     [](TrainingArgs& a, const FlagValue& v) { a.microbatch_group_size_per_vp_stage = v.parallel_size(); }},
     {"--context-parallel-size", Arity::kOne, "N", "context parallel size (1 only for now)",
      [](TrainingArgs& a, const FlagValue& v) {
        a.context_parallel_size = v.unsupported_parallel_size("context parallelism");

@@ -110,8 +110,7 @@ struct TrainingArgs {
   std::string moe_layer_freq = "1";                     // --moe-layer-freq text, expanded into moe_layer_pattern
   std::string moe_token_dispatcher_type = "allgather";  // --moe-token-dispatcher-type
 
-  // Parallelism (the world size comes from the launcher: mpirun -np N). PP and CP > 1 are rejected for now (the
-  // pipeline split flags are validated all the same; `moecore layout` prints the split).
+  // Parallelism (the world size comes from the launcher: mpirun -np N). CP > 1 is rejected for now.
   int64_t tensor_model_parallel_size = 1;    // --tensor-model-parallel-size
   int64_t pipeline_model_parallel_size = 1;  // --pipeline-model-parallel-size
   // The pipeline split (parallel/pipeline_layout.h): which decoder layers each pipeline rank and virtual stage holds.
@@ -123,17 +122,18 @@ struct TrainingArgs {
   std::optional<int64_t> num_layers_per_virtual_pipeline_stage;  // --num-layers-per-virtual-pipeline-stage
   std::optional<int64_t> num_virtual_stages_per_pipeline_rank;   // --num-virtual-stages-per-pipeline-rank
   int64_t virtual_pipeline_model_parallel_size = 1;              // derived: virtual stages per rank (1: none)
-  int64_t context_parallel_size = 1;                             // --context-parallel-size
-  int64_t expert_model_parallel_size = 1;                        // --expert-model-parallel-size
-  int64_t expert_tensor_parallel_size = 1;  // --expert-tensor-parallel-size (default: the TP size, as Megatron)
-  int64_t world_size = 1;                   // processes launched
-  int64_t data_parallel_size = 1;           // derived: world / (TP * PP * CP)
-  bool use_tp_pp_dp_mapping = false;        // --use-tp-pp-dp-mapping
-  bool sequence_parallel = false;           // --sequence-parallel
-  bool use_distributed_optimizer = false;   // --use-distributed-optimizer
-  bool overlap_grad_reduce = false;         // --overlap-grad-reduce
-  bool overlap_param_gather = false;        // --overlap-param-gather
-  int64_t ddp_bucket_size = 0;              // --ddp-bucket-size (0: Megatron's default)
+  int64_t microbatch_group_size_per_vp_stage = 0;  // --microbatch-group-size-per-virtual-pipeline-stage (0: PP)
+  int64_t context_parallel_size = 1;               // --context-parallel-size
+  int64_t expert_model_parallel_size = 1;          // --expert-model-parallel-size
+  int64_t expert_tensor_parallel_size = 1;         // --expert-tensor-parallel-size (default: the TP size, as Megatron)
+  int64_t world_size = 1;                          // processes launched
+  int64_t data_parallel_size = 1;                  // derived: world / (TP * PP * CP)
+  bool use_tp_pp_dp_mapping = false;               // --use-tp-pp-dp-mapping
+  bool sequence_parallel = false;                  // --sequence-parallel
+  bool use_distributed_optimizer = false;          // --use-distributed-optimizer
+  bool overlap_grad_reduce = false;                // --overlap-grad-reduce
+  bool overlap_param_gather = false;               // --overlap-param-gather
+  int64_t ddp_bucket_size = 0;                     // --ddp-bucket-size (0: Megatron's default)
 
   // Checkpointing (megatron/training/arguments.py _add_checkpointing_args; semantics in train/checkpointing.h).
   std::string save;                                     // --save DIR

@@ -4,9 +4,12 @@
 #include <algorithm>
 #include <atomic>
 #include <charconv>
+#include <climits>
 #include <cstdio>
 #include <iostream>
 #include <string_view>
+
+#include "moecore/train/pipeline_schedule.h"
 
 namespace moecore::detail {
 namespace {
@@ -163,9 +166,6 @@ void finalize_pipeline(TrainingArgs& args) {
   } catch (const LayoutError& e) {
     throw ConfigError(e.what());
   }
-  require(args.pipeline_model_parallel_size == 1,
-          "pipeline parallelism is not supported by `moecore train` yet (--pipeline-model-parallel-size " +
-              str(args.pipeline_model_parallel_size) + "); `moecore layout` prints the stage split");
 }
 
 // Megatron's parallel-size checks; the layout itself validates the grid (LayoutError carries one line).
@@ -219,6 +219,18 @@ void finalize_training(TrainingArgs& args, const std::set<std::string>& given) {
   require(args.global_batch_size % micro_times_dp == 0,
           "--global-batch-size (" + str(args.global_batch_size) + ") must be a multiple of --micro-batch-size (" +
               str(args.micro_batch_size) + ") times the data-parallel size (" + str(args.data_parallel_size) + ")");
+
+  // The pipeline schedule's requirements on the micro-batches of one DP rank (Megatron's checks in schedules.py).
+  const int64_t microbatches = args.global_batch_size / micro_times_dp;
+  require(!given.contains("--microbatch-group-size-per-virtual-pipeline-stage") ||
+              args.virtual_pipeline_model_parallel_size > 1,
+          "--microbatch-group-size-per-virtual-pipeline-stage applies to the interleaved schedule only (set "
+          "--num-virtual-stages-per-pipeline-rank, --num-layers-per-virtual-pipeline-stage or a layout with virtual "
+          "stages)");
+  check_pipeline_schedule_sizes(static_cast<int>(args.pipeline_model_parallel_size), 0,
+                                static_cast<int>(args.virtual_pipeline_model_parallel_size),
+                                static_cast<int>(std::min<int64_t>(microbatches, INT32_MAX)),
+                                static_cast<int>(args.microbatch_group_size_per_vp_stage));
 
   require(args.adam_beta1 >= 0.0 && args.adam_beta1 < 1.0,
           "--adam-beta1 must be in [0, 1) (got " + str(args.adam_beta1) + ")");

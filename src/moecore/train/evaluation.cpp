@@ -7,6 +7,8 @@
 
 #include "moecore/train/batch_schedule.h"
 #include "moecore/train/log_format.h"
+#include "moecore/train/pipeline_executor.h"
+#include "moecore/train/pipeline_schedule.h"
 
 namespace moecore {
 namespace {
@@ -21,28 +23,37 @@ double evaluate(const TrainingArgs& args, GPTModel& model, const GPTDataProvider
   const int64_t available = data.num_samples(DatasetSplit::kValid);
   const int64_t num_microbatches = args.global_batch_size / args.micro_batch_size;
   const std::vector<int64_t> mine = local_microbatches(num_microbatches, parallel.dp_size(), parallel.dp_rank());
+  const PipelineSchedule schedule =
+      make_schedule(parallel.pp_size(), parallel.pp_rank(), model.num_chunks(), static_cast<int>(mine.size()),
+                    static_cast<int>(args.microbatch_group_size_per_vp_stage), /*forward_only=*/true);
   TokenWeightedLoss loss;
   int64_t batch_start = first_sample;
   for (int64_t it = 0; it < args.eval_iters; ++it) {
     if (batch_start + args.global_batch_size > available) batch_start = 0;
-    for (const int64_t g : mine) {
-      const Batch batch =
-          data.get_batch(DatasetSplit::kValid, batch_start + g * args.micro_batch_size, args.micro_batch_size);
-      // No dropout in evaluation, but the router's input jitter applies (as Megatron): it draws from the run seed
-      // and a stream keyed by the validation micro-batch, disjoint from the training streams.
+    PipelineMicrobatches microbatches;
+    microbatches.B = args.micro_batch_size;
+    microbatches.S = args.model.seq_length;
+    microbatches.batch = [&](const int m) {
+      return data.get_batch(DatasetSplit::kValid, batch_start + mine[static_cast<size_t>(m)] * args.micro_batch_size,
+                            args.micro_batch_size);
+    };
+    // No dropout in evaluation, but the router's input jitter applies (as Megatron): it draws from the run seed and
+    // a stream keyed by the validation micro-batch, disjoint from the training streams.
+    microbatches.options = [&](const int m) {
       ForwardOptions options;
       options.training = false;
       options.dropout_seed = static_cast<uint64_t>(args.seed);
-      options.dropout_stream = kEvalStreamBase + static_cast<uint64_t>(batch_start / args.micro_batch_size + g);
-      std::unique_ptr<MicroBatchContext> unused;
-      const double mean_loss = model.forward(unused, batch.tokens_BS.data(), batch.labels_BS.data(),
-                                             batch.loss_mask_BS.data(), batch.B, batch.S, options);
-      loss.add(mean_loss, loss_tokens(batch));
-    }
+      options.dropout_stream =
+          kEvalStreamBase + static_cast<uint64_t>(batch_start / args.micro_batch_size + mine[static_cast<size_t>(m)]);
+      return options;
+    };
+    const TokenWeightedLoss part = run_pipeline_schedule(schedule, model, nullptr, parallel, microbatches);
+    loss.loss_sum += part.loss_sum;
+    loss.tokens += part.tokens;
     batch_start += args.global_batch_size;
   }
   samples_read = args.eval_iters * args.global_batch_size;
-  return reduce_over_dp_cp(loss, parallel);
+  return reduce_pipeline_loss(loss, parallel);
 }
 
 double evaluate_and_print(const TrainingArgs& args, GPTModel& model, const GPTDataProvider& data,

@@ -1,5 +1,6 @@
 // The one-process model assembled from a distributed one (HF export, generation, layout-equivalence tests):
-// tensor-parallel shards are all-gathered over TP / expert-TP and every EP rank's experts are sent to world rank 0.
+// tensor-parallel shards are all-gathered over TP / expert-TP, every EP rank's experts are sent to its stage's root,
+// and every pipeline stage's root sends its tensors to world rank 0.
 #pragma once
 
 #include <cstdint>

@@ -5,48 +5,49 @@
 #include <string>
 
 #include "moecore/train/batch_schedule.h"
+#include "moecore/train/pipeline_executor.h"
+#include "moecore/train/pipeline_schedule.h"
 #include "moecore/train/trainer.h"
 #include "moecore/util/trace.h"
 
 namespace moecore {
 namespace {
 
-// Forward and backward of this rank's micro-batches; gradients are those of the mean of the micro-batch mean losses
-// (Megatron without --calculate-per-token-loss), reduced over DP by the DDP.
+// Forward and backward of this rank's micro-batches through its pipeline schedule (PP 1: one micro-batch after the
+// other); gradients are those of the mean of the micro-batch mean losses (Megatron without
+// --calculate-per-token-loss), reduced over DP by the DDP.
 double forward_backward(const TrainingArgs& args, const TrainingModules& modules,
                         const parallel::ParallelState& parallel, const TrainingProgress& progress) {
   const int64_t iteration = progress.iteration + 1;
   const int64_t num_microbatches = args.global_batch_size / args.micro_batch_size;  // all DP ranks
   const std::vector<int64_t> mine = local_microbatches(num_microbatches, parallel.dp_size(), parallel.dp_rank());
-  modules.ddp.zero_grad();
-  TokenWeightedLoss loss;
-  for (size_t m = 0; m < mine.size(); ++m) {
-    const int64_t g = mine[m];
-    const Batch batch = modules.data.get_batch(
-        DatasetSplit::kTrain, progress.consumed_train_samples + g * args.micro_batch_size, args.micro_batch_size);
+  const PipelineSchedule schedule =
+      make_schedule(parallel.pp_size(), parallel.pp_rank(), modules.model.num_chunks(), static_cast<int>(mine.size()),
+                    static_cast<int>(args.microbatch_group_size_per_vp_stage));
+  PipelineMicrobatches microbatches;
+  microbatches.B = args.micro_batch_size;
+  microbatches.S = args.model.seq_length;
+  microbatches.batch = [&](const int m) {
+    return modules.data.get_batch(
+        DatasetSplit::kTrain, progress.consumed_train_samples + mine[static_cast<size_t>(m)] * args.micro_batch_size,
+        args.micro_batch_size);
+  };
+  microbatches.options = [&](const int m) {
     ForwardOptions options;
     options.training = true;
     options.dropout_seed = static_cast<uint64_t>(args.seed);
-    options.dropout_stream = static_cast<uint64_t>(iteration * num_microbatches + g);
-    std::unique_ptr<MicroBatchContext> ctx;
-    double mean_loss = 0.0;
-    {
-      const trace::Scope scope("forward (micro-batch ", static_cast<int64_t>(m), ")", "step");
-      mean_loss = modules.model.forward(ctx, batch.tokens_BS.data(), batch.labels_BS.data(), batch.loss_mask_BS.data(),
-                                        batch.B, batch.S, options);
-    }
-    modules.ddp.set_last_microbatch(m + 1 == mine.size());
-    {
-      const trace::Scope scope("backward (micro-batch ", static_cast<int64_t>(m), ")", "step");
-      modules.model.backward(std::move(ctx), 1.0 / static_cast<double>(mine.size()));
-    }
-    loss.add(mean_loss, loss_tokens(batch));
-  }
+    options.dropout_stream = static_cast<uint64_t>(iteration * num_microbatches + mine[static_cast<size_t>(m)]);
+    return options;
+  };
+  const double loss_scale = 1.0 / static_cast<double>(mine.size());
+  microbatches.loss_scale = [loss_scale](int) { return loss_scale; };
+  modules.ddp.zero_grad();
+  const TokenWeightedLoss loss = run_pipeline_schedule(schedule, modules.model, &modules.ddp, parallel, microbatches);
   {
     const trace::Scope scope("finish grad sync", "step");
     modules.ddp.finish_grad_sync();
   }
-  return reduce_over_dp_cp(loss, parallel);
+  return reduce_pipeline_loss(loss, parallel);
 }
 
 }  // namespace
@@ -73,6 +74,13 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
   }
   modules.model.finish_global_batch();
   result.moe_stats = modules.model.take_moe_stats();
+  // The micro-batches this rank ran (a stage without MoE layers counts them too, so the statistics reduced over the
+  // pipeline divide by the same number everywhere).
+  if (args.model.moe.enabled()) {
+    result.moe_stats.num_forwards = static_cast<int64_t>(
+        local_microbatches(args.global_batch_size / args.micro_batch_size, parallel.dp_size(), parallel.dp_rank())
+            .size());
+  }
   return result;
 }
 

@@ -1,5 +1,6 @@
 #include "moecore/train/training_log.h"
 
+#include <algorithm>
 #include <iomanip>
 #include <ostream>
 #include <span>
@@ -72,28 +73,50 @@ bool logs_iteration(const int64_t iteration, const int64_t log_interval, const i
 }
 
 void reduce_moe_stats(MoEStats& stats, const MoEConfig& config, const parallel::ParallelState& parallel) {
-  if (parallel.world.size() == 1 || stats.moe_layers.empty()) return;
-  std::vector<float> flat;
+  if (parallel.world.size() == 1 || !config.enabled()) return;
+  // Every MoE layer of the model in layer order, zero where this rank does not hold the layer: the sum over the
+  // world is Megatron's sum over PP (each layer lives on one stage), then over tp-dp-cp.
+  std::vector<int64_t> layers;
+  for (int64_t l = 0; l < static_cast<int64_t>(config.moe_layer_pattern.size()); ++l) {
+    if (config.is_moe_layer(l)) layers.push_back(l);
+  }
+  const size_t types = config.load_balancing_types.size();
+  const auto E = static_cast<size_t>(config.num_experts);
+  const size_t per_layer = types + 1 + E;
+  std::vector<float> flat(layers.size() * per_layer, 0.0f);
   for (size_t l = 0; l < stats.moe_layers.size(); ++l) {
-    for (const double v : stats.load_balancing_losses[l]) flat.push_back(static_cast<float>(v));
-    flat.push_back(static_cast<float>(stats.z_losses[l]));
-    for (const int64_t c : stats.tokens_per_expert[l]) flat.push_back(static_cast<float>(c));
+    const auto at = static_cast<size_t>(std::find(layers.begin(), layers.end(), stats.moe_layers[l]) - layers.begin());
+    float* slot = flat.data() + at * per_layer;
+    for (size_t j = 0; j < types && j < stats.load_balancing_losses[l].size(); ++j) {
+      slot[j] = static_cast<float>(stats.load_balancing_losses[l][j]);
+    }
+    slot[types] = static_cast<float>(stats.z_losses[l]);
+    for (size_t e = 0; e < E && e < stats.tokens_per_expert[l].size(); ++e) {
+      slot[types + 1 + e] = static_cast<float>(stats.tokens_per_expert[l][e]);
+    }
   }
   {
     const parallel::CommTimer timer(parallel::CommKind::kOther);
-    parallel.world.all_reduce(std::span<float>(flat), parallel::ReduceOp::kSum);  // the world is tp-dp-cp (PP 1)
+    parallel.world.all_reduce(std::span<float>(flat), parallel::ReduceOp::kSum);
   }
   const auto dp = static_cast<double>(parallel.dp_size());
-  size_t i = 0;
-  for (size_t l = 0; l < stats.moe_layers.size(); ++l) {
-    for (size_t j = 0; j < stats.load_balancing_losses[l].size(); ++j) {
-      const bool dp_average = j >= config.load_balancing_types.size() ||
-                              config.load_balancing_types[j] != LoadBalancingType::kGlobalAuxLoss;
-      stats.load_balancing_losses[l][j] = flat[i++] / (dp_average ? dp : 1.0);
+  MoEStats out;
+  out.num_forwards = stats.num_forwards;  // this rank's micro-batches, the same count on every rank
+  out.moe_layers = layers;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const float* slot = flat.data() + l * per_layer;
+    std::vector<double> losses(types);
+    for (size_t j = 0; j < types; ++j) {
+      const bool dp_average = config.load_balancing_types[j] != LoadBalancingType::kGlobalAuxLoss;
+      losses[j] = slot[j] / (dp_average ? dp : 1.0);
     }
-    stats.z_losses[l] = flat[i++] / dp;
-    for (int64_t& c : stats.tokens_per_expert[l]) c = static_cast<int64_t>(flat[i++] + 0.5f);
+    out.load_balancing_losses.push_back(std::move(losses));
+    out.z_losses.push_back(slot[types] / dp);
+    std::vector<int64_t> counts(E);
+    for (size_t e = 0; e < E; ++e) counts[e] = static_cast<int64_t>(slot[types + 1 + e] + 0.5f);
+    out.tokens_per_expert.push_back(std::move(counts));
   }
+  stats = std::move(out);
 }
 
 TrainingLogger::TrainingLogger(const TrainingArgs& run_args, const parallel::ParallelState& parallel, std::ostream& log)

@@ -3,6 +3,9 @@
 #include <chrono>
 #include <iomanip>
 #include <ostream>
+#include <vector>
+
+#include "moecore/parallel/pipeline_layout.h"
 
 namespace moecore {
 
@@ -68,7 +71,14 @@ GPTDataProvider build_data(const TrainingArgs& run_args, const int32_t eod_id, s
 
 ModelAndOptimizer build_model_and_optimizer(const TrainingArgs& run_args, const parallel::ParallelState& parallel) {
   ModelAndOptimizer out;
-  out.model = std::make_unique<GPTModel>(run_args.model, static_cast<uint64_t>(run_args.seed), parallel);
+  // This pipeline rank's model chunks, one per virtual stage (Megatron's get_model).
+  const parallel::PipelineLayout pipeline(pipeline_split_flags(run_args));
+  std::vector<StageSpec> chunks;
+  for (int v = 0; v < pipeline.virtual_pipeline_size(); ++v) {
+    const parallel::PipelineStage& stage = pipeline.stage(parallel.pp_rank(), v);
+    chunks.push_back(StageSpec{stage.first_layer, stage.num_layers, stage.has_embedding, stage.has_loss});
+  }
+  out.model = std::make_unique<GPTModel>(run_args.model, static_cast<uint64_t>(run_args.seed), parallel, chunks);
   AdamWOptions adam;
   adam.beta1 = run_args.adam_beta1;
   adam.beta2 = run_args.adam_beta2;
@@ -88,11 +98,13 @@ ModelAndOptimizer build_model_and_optimizer(const TrainingArgs& run_args, const 
 double one_process_parameter_count(const GPTModel& model) {
   double count = 0.0;
   for (const Param& p : model.params()) {
+    if (p.pipeline_copy) continue;  // the first stage counts the tied embedding
     double n = 1.0;
     for (const int64_t d : p.shard.full_shape) n *= static_cast<double>(d);
     count += p.is_expert ? n * model.parallel().ep_size() : n;
   }
-  return count;
+  // Each pipeline stage holds its own layers: the sum over the pipeline (a collective over it).
+  return model.parallel().pp_size() > 1 ? parallel::sum_double(model.parallel().pp, count) : count;
 }
 
 }  // namespace moecore

@@ -51,7 +51,8 @@ struct ModelAndOptimizer {
 };
 ModelAndOptimizer build_model_and_optimizer(const TrainingArgs& run_args, const parallel::ParallelState& parallel);
 
-// Parameters of the one-process model: every shard's full tensor, every EP rank's experts.
+// Parameters of the one-process model: every shard's full tensor, every EP rank's experts, every pipeline stage's
+// layers (a collective over the pipeline).
 double one_process_parameter_count(const GPTModel& model);
 
 }  // namespace moecore

@@ -1,0 +1,187 @@
+#include "moecore/train/pipeline_executor.h"
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "moecore/parallel/comm_stats.h"
+#include "moecore/util/trace.h"
+
+namespace moecore {
+namespace {
+
+// Activations and gradients travel under their own tags: with PP 2 and several chunks both kinds cross between the
+// same two ranks in both directions, and MPI keeps the order of each (peer, tag) pair, which is the schedule's.
+constexpr int kActivationTag = 1;
+constexpr int kGradientTag = 2;
+
+using Key = std::pair<int, int>;  // (micro-batch, chunk)
+
+class Executor {
+ public:
+  Executor(const PipelineSchedule& schedule, GPTModel& model, DistributedDataParallel* ddp,
+           const parallel::ParallelState& parallel, const PipelineMicrobatches& microbatches)
+      : schedule_(schedule), model_(model), ddp_(ddp), parallel_(parallel), microbatches_(microbatches) {
+    if (schedule.pp_size != parallel.pp_size() || schedule.pp_rank != parallel.pp_rank() ||
+        schedule.vpp_size != model.num_chunks()) {
+      throw std::logic_error("pipeline schedule for pp rank " + std::to_string(schedule.pp_rank) + " of " +
+                             std::to_string(schedule.pp_size) + " with " + std::to_string(schedule.vpp_size) +
+                             " chunks run on pp rank " + std::to_string(parallel.pp_rank()) + " of " +
+                             std::to_string(parallel.pp_size()) + " with " + std::to_string(model.num_chunks()));
+    }
+    const int tp = parallel.tp_size();
+    const int64_t tokens = microbatches.S * microbatches.B;
+    rows_ = parallel.sequence_parallel && tp > 1 ? tokens / tp : tokens;
+  }
+
+  TokenWeightedLoss run() {
+    for (const PipelineAction& action : schedule_.actions) {
+      switch (action.op) {
+        case PipelineOp::kForward: forward(action.microbatch, action.chunk); break;
+        case PipelineOp::kBackward: backward(action); break;
+        default: communicate(action); break;
+      }
+    }
+    {
+      const parallel::CommTimer timer(parallel::CommKind::kPipelineP2P);
+      for (auto& [work, tensor] : sends_) work.wait();
+    }
+    sends_.clear();
+    if (!contexts_.empty() || !inputs_.empty() || !output_grads_.empty() || !outputs_.empty() ||
+        !input_grads_.empty()) {
+      throw std::logic_error("pipeline schedule left micro-batch state behind");
+    }
+    return loss_;
+  }
+
+ private:
+  std::string step_name(const char* what, const int microbatch, const int chunk) const {
+    std::string name = std::string(what) + " (micro-batch " + std::to_string(microbatch);
+    if (schedule_.vpp_size > 1) name += ", chunk " + std::to_string(chunk);
+    return name + ")";
+  }
+
+  static Tensor take(std::map<Key, Tensor>& tensors, const Key& key, const char* what) {
+    const auto it = tensors.find(key);
+    if (it == tensors.end()) {
+      throw std::logic_error(std::string("pipeline schedule: no ") + what + " for micro-batch " +
+                             std::to_string(key.first) + " chunk " + std::to_string(key.second));
+    }
+    Tensor t = std::move(it->second);
+    tensors.erase(it);
+    return t;
+  }
+
+  void forward(const int microbatch, const int chunk) {
+    const StageSpec& stage = model_.stage(chunk);
+    const Key key{microbatch, chunk};
+    ForwardOptions options = microbatches_.options(microbatch);
+    options.chunk = chunk;
+    if (!stage.pre_process) model_.set_input_tensor(take(inputs_, key, "received activation"), chunk);
+    // Only the stages that embed or compute the loss read the data (Megatron's get_batch on first and last stage).
+    const Batch data = stage.pre_process || stage.post_process ? microbatches_.batch(microbatch) : Batch{};
+    std::unique_ptr<MicroBatchContext> ctx;
+    double mean_loss = 0.0;
+    {
+      const trace::Scope scope(step_name("forward", microbatch, chunk), "step");
+      mean_loss = model_.forward(ctx, stage.pre_process ? data.tokens_BS.data() : nullptr,
+                                 stage.post_process ? data.labels_BS.data() : nullptr,
+                                 stage.post_process ? data.loss_mask_BS.data() : nullptr, microbatches_.B,
+                                 microbatches_.S, options);
+    }
+    if (stage.post_process) {
+      loss_.add(mean_loss, loss_tokens(data));
+    } else {
+      outputs_[key] = std::move(ctx->output_TH);  // sent by a later step; backward does not need it
+    }
+    if (options.training) contexts_[key] = std::move(ctx);
+  }
+
+  void backward(const PipelineAction& action) {
+    const Key key{action.microbatch, action.chunk};
+    const StageSpec& stage = model_.stage(action.chunk);
+    const auto it = contexts_.find(key);
+    if (it == contexts_.end()) {
+      throw std::logic_error("pipeline schedule: backward of micro-batch " + std::to_string(key.first) + " chunk " +
+                             std::to_string(key.second) + " before its forward");
+    }
+    std::unique_ptr<MicroBatchContext> ctx = std::move(it->second);
+    contexts_.erase(it);
+    Tensor output_grad;
+    if (!stage.post_process) output_grad = take(output_grads_, key, "received gradient");
+    if (ddp_ != nullptr) ddp_->set_last_microbatch(action.last_backward_of_chunk);
+    Tensor input_grad;
+    {
+      const trace::Scope scope(step_name("backward", action.microbatch, action.chunk), "step");
+      input_grad = model_.backward(std::move(ctx), microbatches_.loss_scale(action.microbatch),
+                                   stage.post_process ? nullptr : &output_grad);
+    }
+    if (ddp_ != nullptr) ddp_->set_last_microbatch(false);
+    if (!stage.pre_process) input_grads_[key] = std::move(input_grad);
+  }
+
+  void send(std::map<Key, Tensor>& tensors, const PipelineTransfer& transfer, const int tag, const char* what) {
+    Tensor t = take(tensors, {transfer.microbatch, transfer.chunk}, what);
+    parallel::Work work = parallel_.pp.send_async(std::as_const(t).span<float>(), transfer.peer, tag);
+    sends_.emplace_back(std::move(work), std::move(t));
+  }
+
+  void communicate(const PipelineAction& action) {
+    std::vector<parallel::Work> receives;
+    std::optional<parallel::CommTimer> post(std::in_place, parallel::CommKind::kPipelineP2P);
+    const auto receive = [&](std::map<Key, Tensor>& into, const PipelineTransfer& transfer, const int tag) {
+      Tensor t({rows_, model_.config().hidden_size}, DType::kF32, MemCategory::kActivations);
+      receives.push_back(parallel_.pp.recv_async(t.span<float>(), transfer.peer, tag));
+      into[{transfer.microbatch, transfer.chunk}] = std::move(t);
+    };
+    if (action.recv_prev.present()) receive(inputs_, action.recv_prev, kActivationTag);
+    if (action.recv_next.present()) receive(output_grads_, action.recv_next, kGradientTag);
+    if (action.send_next.present()) send(outputs_, action.send_next, kActivationTag, "activation to send");
+    if (action.send_prev.present()) send(input_grads_, action.send_prev, kGradientTag, "gradient to send");
+    // Sends that have completed give their buffers back now rather than at the end of the step.
+    std::erase_if(sends_, [](auto& sent) { return sent.first.test(); });
+    post.reset();
+    const parallel::CommTimer wait(parallel::CommKind::kPipelineWait);
+    for (parallel::Work& work : receives) work.wait();
+  }
+
+  const PipelineSchedule& schedule_;
+  GPTModel& model_;
+  DistributedDataParallel* ddp_;
+  const parallel::ParallelState& parallel_;
+  const PipelineMicrobatches& microbatches_;
+  int64_t rows_ = 0;
+  std::map<Key, std::unique_ptr<MicroBatchContext>> contexts_;
+  std::map<Key, Tensor> inputs_, output_grads_;  // received, waiting for their step
+  std::map<Key, Tensor> outputs_, input_grads_;  // computed, waiting for their send
+  std::vector<std::pair<parallel::Work, Tensor>> sends_;
+  TokenWeightedLoss loss_;
+};
+
+}  // namespace
+
+TokenWeightedLoss run_pipeline_schedule(const PipelineSchedule& schedule, GPTModel& model, DistributedDataParallel* ddp,
+                                        const parallel::ParallelState& parallel,
+                                        const PipelineMicrobatches& microbatches) {
+  return Executor(schedule, model, ddp, parallel, microbatches).run();
+}
+
+double reduce_pipeline_loss(const TokenWeightedLoss& local, const parallel::ParallelState& parallel) {
+  double loss = reduce_over_dp_cp(local, parallel);  // every stage's dp-cp group reduces; only the last one's counts
+  if (parallel.pp_size() > 1) {
+    const parallel::CommTimer timer(parallel::CommKind::kOther);
+    float value[2];
+    std::memcpy(value, &loss, sizeof loss);
+    parallel.pp.broadcast(std::span<float>(value, 2), parallel.pp_size() - 1);
+    std::memcpy(&loss, value, sizeof loss);
+  }
+  return loss;
+}
+
+}  // namespace moecore
