@@ -1,9 +1,9 @@
 #include "moecore/train/pipeline_executor.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
-#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -54,8 +54,12 @@ class Executor {
     }
     sends_.clear();
     if (!contexts_.empty() || !inputs_.empty() || !output_grads_.empty() || !outputs_.empty() ||
-        !input_grads_.empty()) {
+        !pending_inputs_.empty() || !pending_grads_.empty() || !input_grads_.empty()) {
       throw std::logic_error("pipeline schedule left micro-batch state behind");
+    }
+    if (max_live_ > schedule_.max_live_contexts) {  // the schedule's memory bound, which the executor must keep
+      throw std::logic_error("pipeline executor kept " + std::to_string(max_live_) + " micro-batch contexts, the " +
+                             "schedule needs " + std::to_string(schedule_.max_live_contexts));
     }
     return loss_;
   }
@@ -65,6 +69,20 @@ class Executor {
     std::string name = std::string(what) + " (micro-batch " + std::to_string(microbatch);
     if (schedule_.vpp_size > 1) name += ", chunk " + std::to_string(chunk);
     return name + ")";
+  }
+
+  // The received tensor for key, waiting for its transfer first if it is still in flight. Receives are waited for
+  // only here, when the step that consumes them comes (Megatron's overlap_p2p_comm): until then they travel while
+  // this rank computes.
+  Tensor take_received(std::map<Key, Tensor>& tensors, std::map<Key, parallel::Work>& pending, const Key& key,
+                       const char* what) {
+    const auto it = pending.find(key);
+    if (it != pending.end()) {
+      const parallel::CommTimer wait(parallel::CommKind::kPipelineWait);
+      it->second.wait();
+      pending.erase(it);
+    }
+    return take(tensors, key, what);
   }
 
   static Tensor take(std::map<Key, Tensor>& tensors, const Key& key, const char* what) {
@@ -83,7 +101,9 @@ class Executor {
     const Key key{microbatch, chunk};
     ForwardOptions options = microbatches_.options(microbatch);
     options.chunk = chunk;
-    if (!stage.pre_process) model_.set_input_tensor(take(inputs_, key, "received activation"), chunk);
+    if (!stage.pre_process) {
+      model_.set_input_tensor(take_received(inputs_, pending_inputs_, key, "received activation"), chunk);
+    }
     // Only the stages that embed or compute the loss read the data (Megatron's get_batch on first and last stage).
     const Batch data = stage.pre_process || stage.post_process ? microbatches_.batch(microbatch) : Batch{};
     std::unique_ptr<MicroBatchContext> ctx;
@@ -100,7 +120,10 @@ class Executor {
     } else {
       outputs_[key] = std::move(ctx->output_TH);  // sent by a later step; backward does not need it
     }
-    if (options.training) contexts_[key] = std::move(ctx);
+    if (options.training) {
+      contexts_[key] = std::move(ctx);
+      max_live_ = std::max(max_live_, static_cast<int>(contexts_.size()));
+    }
   }
 
   void backward(const PipelineAction& action) {
@@ -114,7 +137,7 @@ class Executor {
     std::unique_ptr<MicroBatchContext> ctx = std::move(it->second);
     contexts_.erase(it);
     Tensor output_grad;
-    if (!stage.post_process) output_grad = take(output_grads_, key, "received gradient");
+    if (!stage.post_process) output_grad = take_received(output_grads_, pending_grads_, key, "received gradient");
     if (ddp_ != nullptr) ddp_->set_last_microbatch(action.last_backward_of_chunk);
     Tensor input_grad;
     {
@@ -133,22 +156,20 @@ class Executor {
   }
 
   void communicate(const PipelineAction& action) {
-    std::vector<parallel::Work> receives;
-    std::optional<parallel::CommTimer> post(std::in_place, parallel::CommKind::kPipelineP2P);
-    const auto receive = [&](std::map<Key, Tensor>& into, const PipelineTransfer& transfer, const int tag) {
+    const parallel::CommTimer timer(parallel::CommKind::kPipelineP2P);
+    const auto receive = [&](std::map<Key, Tensor>& into, std::map<Key, parallel::Work>& pending,
+                             const PipelineTransfer& transfer, const int tag) {
       Tensor t({rows_, model_.config().hidden_size}, DType::kF32, MemCategory::kActivations);
-      receives.push_back(parallel_.pp.recv_async(t.span<float>(), transfer.peer, tag));
-      into[{transfer.microbatch, transfer.chunk}] = std::move(t);
+      const Key key{transfer.microbatch, transfer.chunk};
+      pending[key] = parallel_.pp.recv_async(t.span<float>(), transfer.peer, tag);
+      into[key] = std::move(t);
     };
-    if (action.recv_prev.present()) receive(inputs_, action.recv_prev, kActivationTag);
-    if (action.recv_next.present()) receive(output_grads_, action.recv_next, kGradientTag);
+    if (action.recv_prev.present()) receive(inputs_, pending_inputs_, action.recv_prev, kActivationTag);
+    if (action.recv_next.present()) receive(output_grads_, pending_grads_, action.recv_next, kGradientTag);
     if (action.send_next.present()) send(outputs_, action.send_next, kActivationTag, "activation to send");
     if (action.send_prev.present()) send(input_grads_, action.send_prev, kGradientTag, "gradient to send");
     // Sends that have completed give their buffers back now rather than at the end of the step.
     std::erase_if(sends_, [](auto& sent) { return sent.first.test(); });
-    post.reset();
-    const parallel::CommTimer wait(parallel::CommKind::kPipelineWait);
-    for (parallel::Work& work : receives) work.wait();
   }
 
   const PipelineSchedule& schedule_;
@@ -158,10 +179,12 @@ class Executor {
   const PipelineMicrobatches& microbatches_;
   int64_t rows_ = 0;
   std::map<Key, std::unique_ptr<MicroBatchContext>> contexts_;
-  std::map<Key, Tensor> inputs_, output_grads_;  // received, waiting for their step
-  std::map<Key, Tensor> outputs_, input_grads_;  // computed, waiting for their send
+  std::map<Key, Tensor> inputs_, output_grads_;                   // received (or in flight), waiting for their step
+  std::map<Key, parallel::Work> pending_inputs_, pending_grads_;  // receives in flight
+  std::map<Key, Tensor> outputs_, input_grads_;                   // computed, waiting for their send
   std::vector<std::pair<parallel::Work, Tensor>> sends_;
   TokenWeightedLoss loss_;
+  int max_live_ = 0;
 };
 
 }  // namespace
