@@ -96,6 +96,8 @@ moecore_equiv(pp2_mb8 pp_mb8 2 --pipeline-model-parallel-size 2)
 moecore_equiv(pp2_vpp2 pp 2 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2)
 moecore_equiv(pp2_vpp2_mb8 pp_mb8 2 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2)
 moecore_equiv(pp4_vpp2 pp 4 --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2)
+moecore_equiv(pp4_vpp2_no_overlap pp_mb8 4 --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2
+              --no-overlap-p2p-communication --microbatch-group-size-per-virtual-pipeline-stage 4)
 moecore_equiv(pp4_uneven pp 4 --pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 1
               --decoder-last-pipeline-num-layers 3)
 moecore_equiv(pp2_layout_vpp pp 2 --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout E|tttt|tttt|L)

@@ -343,7 +343,7 @@ TEST(TrainArguments, PipelineSplitFlags) {
   EXPECT_TRUE(split.account_for_embedding_in_pipeline_split);
   EXPECT_TRUE(split.account_for_loss_in_pipeline_split);
   EXPECT_EQ(split.num_layers_per_virtual_pipeline_stage, 4);
-  EXPECT_TRUE(split.overlap_p2p_comm);  // Megatron's default; --no-overlap-p2p-communication is not implemented
+  EXPECT_TRUE(split.overlap_p2p_comm);  // Megatron's default
   EXPECT_EQ(pipeline_split_flags(layout).pipeline_model_parallel_layout, "E,t*2,L");
   EXPECT_EQ(pipeline_split_flags(uneven).decoder_first_pipeline_num_layers, 2);
 
@@ -388,9 +388,14 @@ TEST(TrainArguments, PipelineSplitFlags) {
       with(minimal(), {"--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tL"}), 2);
   EXPECT_EQ(pp2.pipeline_model_parallel_size, 2);
   EXPECT_EQ(pp2.data_parallel_size, 1);
-  // Megatron's flag that stays unimplemented: the split assumes its default (overlapped p2p communication).
-  EXPECT_EQ(error_of(with(minimal(), {"--no-overlap-p2p-communication"})),
-            "--no-overlap-p2p-communication is a Megatron flag that moecore does not implement yet");
+  // Without overlapped p2p communication the interleaved schedule needs PP > 2, as Megatron.
+  const Args no_overlap = with(minimal(), {"--num-layers", "8", "--num-virtual-stages-per-pipeline-rank", "2",
+                                           "--no-overlap-p2p-communication", "--global-batch-size", "8"});
+  EXPECT_TRUE(mentions(error_of(with(no_overlap, {"--pipeline-model-parallel-size", "2"})),
+                       "pipeline-model-parallel size should be greater than 2"));
+  const TrainingArgs pp4 = parse_train_args(with(no_overlap, {"--pipeline-model-parallel-size", "4"}), 4);
+  EXPECT_FALSE(pp4.overlap_p2p_comm);
+  EXPECT_FALSE(pipeline_split_flags(pp4).overlap_p2p_comm);
 }
 
 std::string error_of(const Args& args, const int world_size) {

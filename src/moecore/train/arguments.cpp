@@ -360,6 +360,9 @@ const std::vector<FlagSpec>& flag_table() {
      [](TrainingArgs& a, const FlagValue& v) { a.num_layers_per_virtual_pipeline_stage = v.integer(); }},
     {"--num-virtual-stages-per-pipeline-rank", Arity::kOne, "N", "virtual pipeline stages per pipeline rank",
      [](TrainingArgs& a, const FlagValue& v) { a.num_virtual_stages_per_pipeline_rank = v.integer(); }},
+    {"--no-overlap-p2p-communication", Arity::kSwitch, "",
+     "interleaved schedule: wait for each transfer at its p2p call instead of when its step needs it",
+     [](TrainingArgs& a, const FlagValue&) { a.overlap_p2p_comm = false; }},
     {"--microbatch-group-size-per-virtual-pipeline-stage", Arity::kOne, "N",
      "interleaved schedule: micro-batches run through a model chunk before the next (default: PP)",
      [](TrainingArgs& a, const FlagValue& v) { a.microbatch_group_size_per_vp_stage = v.parallel_size(); }},
@@ -566,6 +569,7 @@ parallel::PipelineSplitFlags pipeline_split_flags(const TrainingArgs& args) {
   flags.pipeline_model_parallel_layout = args.pipeline_model_parallel_layout;
   flags.num_layers_per_virtual_pipeline_stage = args.num_layers_per_virtual_pipeline_stage;
   flags.num_virtual_stages_per_pipeline_rank = args.num_virtual_stages_per_pipeline_rank;
+  flags.overlap_p2p_comm = args.overlap_p2p_comm;
   return flags;
 }
 

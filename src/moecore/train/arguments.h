@@ -122,6 +122,7 @@ struct TrainingArgs {
   std::optional<int64_t> num_layers_per_virtual_pipeline_stage;  // --num-layers-per-virtual-pipeline-stage
   std::optional<int64_t> num_virtual_stages_per_pipeline_rank;   // --num-virtual-stages-per-pipeline-rank
   int64_t virtual_pipeline_model_parallel_size = 1;              // derived: virtual stages per rank (1: none)
+  bool overlap_p2p_comm = true;                    // --no-overlap-p2p-communication clears it (interleaved only)
   int64_t microbatch_group_size_per_vp_stage = 0;  // --microbatch-group-size-per-virtual-pipeline-stage (0: PP)
   int64_t context_parallel_size = 1;               // --context-parallel-size
   int64_t expert_model_parallel_size = 1;          // --expert-model-parallel-size
@@ -188,8 +189,7 @@ std::vector<std::string> implemented_train_flags();
 // The layout sizes these arguments describe (world size, TP, PP, CP, EP, ETP, rank order).
 ParallelSizes parallel_sizes(const TrainingArgs& args);
 
-// The pipeline split these arguments describe (num_layers, PP and the split flags); Megatron's overlap_p2p_comm
-// default (true) since --no-overlap-p2p-communication is not implemented.
+// The pipeline split these arguments describe (num_layers, PP, the split flags and overlap_p2p_comm).
 parallel::PipelineSplitFlags pipeline_split_flags(const TrainingArgs& args);
 
 // Megatron's padded vocabulary: the smallest multiple of make_vocab_size_divisible_by * TP that holds `vocab_size`.

@@ -33,6 +33,7 @@ double evaluate(const TrainingArgs& args, GPTModel& model, const GPTDataProvider
     PipelineMicrobatches microbatches;
     microbatches.B = args.micro_batch_size;
     microbatches.S = args.model.seq_length;
+    microbatches.overlap_p2p_comm = args.overlap_p2p_comm && model.num_chunks() > 1;
     microbatches.batch = [&](const int m) {
       return data.get_batch(DatasetSplit::kValid, batch_start + mine[static_cast<size_t>(m)] * args.micro_batch_size,
                             args.micro_batch_size);

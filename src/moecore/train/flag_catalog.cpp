@@ -178,7 +178,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--reuse-grad-buf-for-mxfp8-param-ag",
     // distributed
     "--model-parallel-size",
-    "--no-overlap-p2p-communication",
     "--overlap-p2p-communication-warmup-flush",
     "--distributed-backend",
     "--distributed-timeout-minutes",

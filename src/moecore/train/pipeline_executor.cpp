@@ -170,6 +170,13 @@ class Executor {
     if (action.send_prev.present()) send(input_grads_, action.send_prev, kGradientTag, "gradient to send");
     // Sends that have completed give their buffers back now rather than at the end of the step.
     std::erase_if(sends_, [](auto& sent) { return sent.first.test(); });
+    if (!microbatches_.overlap_p2p_comm) {
+      const parallel::CommTimer wait(parallel::CommKind::kPipelineWait);
+      for (auto* pending : {&pending_inputs_, &pending_grads_}) {
+        for (auto& [key, work] : *pending) work.wait();
+        pending->clear();
+      }
+    }
   }
 
   const PipelineSchedule& schedule_;

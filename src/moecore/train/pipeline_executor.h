@@ -22,6 +22,8 @@ struct PipelineMicrobatches {
   std::function<Batch(int microbatch)> batch;                  // this DP rank's micro-batch (0..M-1)
   std::function<ForwardOptions(int microbatch)> options;       // training flag, dropout seed and stream (not chunk)
   std::function<double(int microbatch)> loss_scale = nullptr;  // backward seed per micro-batch (training only)
+  // Megatron's overlap_p2p_comm: a receive is waited for when its step needs it, not at its p2p call.
+  bool overlap_p2p_comm = true;
 };
 
 // Runs `schedule` (whose pp rank and sizes are this rank's) and returns the token-weighted loss of the micro-batches

@@ -41,6 +41,8 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   };
   const double loss_scale = 1.0 / static_cast<double>(mine.size());
   microbatches.loss_scale = [loss_scale](int) { return loss_scale; };
+  // Megatron turns overlap_p2p_comm off without virtual stages (arguments.py validate_args).
+  microbatches.overlap_p2p_comm = args.overlap_p2p_comm && modules.model.num_chunks() > 1;
   modules.ddp.zero_grad();
   const TokenWeightedLoss loss = run_pipeline_schedule(schedule, modules.model, &modules.ddp, parallel, microbatches);
   {
