@@ -27,6 +27,7 @@ set(equiv_capacity --moe-router-load-balancing-type aux_loss --moe-aux-loss-coef
 set(equiv_pp --num-layers 8 --moe-layer-freq [0,1,0,1,0,1,0,1] ${equiv_aux})
 set(equiv_pp_mb8 ${equiv_pp} --micro-batch-size 1)
 set(equiv_pp_untied ${equiv_pp} --untie-embeddings-and-output-weights)
+set(equiv_pp_global_aux --num-layers 8 --moe-layer-freq [0,1,0,1,0,1,0,1] ${equiv_global_aux})
 
 set(equiv_dir ${CMAKE_CURRENT_BINARY_DIR}/equivalence)
 file(MAKE_DIRECTORY ${equiv_dir})
@@ -65,6 +66,7 @@ moecore_equiv_reference(capacity ${equiv_capacity})
 moecore_equiv_reference(pp ${equiv_pp})
 moecore_equiv_reference(pp_mb8 ${equiv_pp_mb8})
 moecore_equiv_reference(pp_untied ${equiv_pp_untied})
+moecore_equiv_reference(pp_global_aux ${equiv_pp_global_aux})
 
 moecore_equiv(dp2 aux 2)
 moecore_equiv(dp2_overlap aux 2 --overlap-grad-reduce --ddp-bucket-size 2000)
@@ -102,10 +104,15 @@ moecore_equiv(pp4_uneven pp 4 --pipeline-model-parallel-size 4 --decoder-first-p
               --decoder-last-pipeline-num-layers 3)
 moecore_equiv(pp2_layout_vpp pp 2 --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout E|tttt|tttt|L)
 moecore_equiv(pp4_layout pp 4 --pipeline-model-parallel-size 4 --pipeline-model-parallel-layout E|ttt|ttttt|L)
+moecore_equiv(pp2_account pp 2 --pipeline-model-parallel-size 2 --account-for-embedding-in-pipeline-split
+              --account-for-loss-in-pipeline-split)
 moecore_equiv(pp2_untied pp_untied 2 --pipeline-model-parallel-size 2)
+moecore_equiv(pp2_global_aux pp_global_aux 2 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2)
 moecore_equiv(pp2_tp2_sp pp 4 --pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
 moecore_equiv(pp2_ep2 pp 4 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2
               --moe-token-dispatcher-type alltoall)
+moecore_equiv(pp2_ep2_allgather pp 4 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2
+              --moe-token-dispatcher-type allgather)
 moecore_equiv(pp2_dp2_distopt pp 4 --pipeline-model-parallel-size 2 --use-distributed-optimizer
               --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000)
 moecore_equiv(pp2_tp2_ep2_np8 pp 8 --pipeline-model-parallel-size 2 --tensor-model-parallel-size 2
