@@ -207,7 +207,7 @@ Reference run_reference(const ModelConfig& layout_config, const int dp) {
     const std::vector<float> x = random_rows(2 * d, T * kH), dout = random_rows(2 * d + 1, T * kH);
     std::vector<float> out(static_cast<size_t>(T * kH)), dx(static_cast<size_t>(T * kH), 0.0f);
     MoELayerActivations saved;
-    layer.forward(out.data(), x.data(), kS, kB, 0, true, kSeed, kKey, saved);
+    layer.forward(out.data(), x.data(), kS, kB, TokenRows(), true, kSeed, kKey, saved);
     layer.backward(dx.data(), dout.data(), x.data(), kAuxGradScale, saved);
     ref.out.push_back(to_double(out.data(), T * kH));
     ref.dx.push_back(to_double(dx.data(), T * kH));
@@ -296,7 +296,8 @@ std::string run_case(const Case& c, const Layout& layout, const ProcessGroup& wo
   for (Param& p : params) p.grad.zero_();
   std::vector<float> out(static_cast<size_t>(T_loc * kH)), dx(static_cast<size_t>(T_loc * kH), 0.0f);
   MoELayerActivations saved;
-  layer.forward(out.data(), x.data() + offset * kH, S_loc, kB, offset, true, kSeed, kKey, saved);
+  layer.forward(out.data(), x.data() + offset * kH, S_loc, kB, TokenRows::contiguous(offset, T_loc), true, kSeed, kKey,
+                saved);
   layer.backward(dx.data(), dout.data() + offset * kH, x.data() + offset * kH, kAuxGradScale, saved);
 
   auto slice = [&](const std::vector<double>& full) {

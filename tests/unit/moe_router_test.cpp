@@ -663,7 +663,7 @@ TEST(Router, ShardDrawsTheOneProcessRandomNumbers) {
     const std::vector<float> x = random_floats(T * H, 72);
     RouterActivations full, shard;
     r.router->forward(x.data(), S, B, true, 5, 6, full);
-    r.router->forward(x.data() + s0 * B * H, S_shard, B, true, 5, 6, shard, s0 * B);
+    r.router->forward(x.data() + s0 * B * H, S_shard, B, true, 5, 6, shard, TokenRows::contiguous(s0 * B, S_shard * B));
     for (int64_t i = 0; i < S_shard * B * H; ++i) {
       ASSERT_EQ(shard.input_TH.data<float>()[i], full.input_TH.data<float>()[s0 * B * H + i]) << i;
     }

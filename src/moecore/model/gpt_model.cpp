@@ -213,12 +213,16 @@ Tensor GPTModel::embed(MicroBatchContext& ctx, const ForwardOptions& options) co
   // Word embeddings (vocabulary-parallel: summed over TP, or reduce-scattered to the sequence shard), then
   // positions, then dropout.
   Tensor emb_TH = m.word_embeddings.forward(ctx.tokens_SB);
-  if (m.position_embeddings)
-    ops::add_position_embedding(emb_TH, m.position_embeddings->value, ctx.B, m.tp.row_offset(T));
   Tensor x_TH = activation_tensor(emb_TH.shape());
-  ops::dropout_forward(
-      x_TH, emb_TH,
-      embedding_dropout(config_, options.training, options.dropout_seed, options.dropout_stream, m.tp.row_offset(T)));
+  const TokenRows rows = ctx.rows.slice(m.tp.row_offset(T), m.tp.local_rows(T));
+  for (const TokenRows::Run& run : rows.runs()) {
+    Tensor emb_RH = emb_TH.slice_rows(run.local, run.local + run.count);
+    Tensor x_RH = x_TH.slice_rows(run.local, run.local + run.count);
+    if (m.position_embeddings) ops::add_position_embedding(emb_RH, m.position_embeddings->value, ctx.B, run.global);
+    ops::dropout_forward(
+        x_RH, emb_RH,
+        embedding_dropout(config_, options.training, options.dropout_seed, options.dropout_stream, run.global));
+  }
   return x_TH;
 }
 
@@ -226,10 +230,12 @@ void GPTModel::embed_backward(const Tensor& dx_TH, const MicroBatchContext& ctx)
   const Modules& m = *modules_;
   const int64_t T = ctx.S * ctx.B;
   Tensor demb_TH = activation_tensor(dx_TH.shape());
-  ops::dropout_backward(demb_TH, dx_TH,
-                        embedding_dropout(config_, true, ctx.dropout_seed, ctx.dropout_stream, m.tp.row_offset(T)));
-  if (m.position_embeddings) {
-    ops::position_embedding_backward(m.position_embeddings->grad, demb_TH, ctx.B, m.tp.row_offset(T));
+  const TokenRows rows = ctx.rows.slice(m.tp.row_offset(T), m.tp.local_rows(T));
+  for (const TokenRows::Run& run : rows.runs()) {
+    Tensor d_RH = demb_TH.slice_rows(run.local, run.local + run.count);
+    ops::dropout_backward(d_RH, dx_TH.slice_rows(run.local, run.local + run.count),
+                          embedding_dropout(config_, true, ctx.dropout_seed, ctx.dropout_stream, run.global));
+    if (m.position_embeddings) ops::position_embedding_backward(m.position_embeddings->grad, d_RH, ctx.B, run.global);
   }
   m.word_embeddings.backward(demb_TH, ctx.tokens_SB);
 }
@@ -316,6 +322,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
   const size_t count = chunk_first_module_[static_cast<size_t>(options.chunk) + 1] - first;
   auto ctx = make_context(tokens_BS, labels_BS, loss_mask_BS, B, S, options);
   ctx->chunk = options.chunk;
+  ctx->rows = TokenRows::contiguous(0, S * B);
   Tensor x_TH;
   if (stage.pre_process) {
     if (tokens_BS == nullptr) throw std::invalid_argument("the first pipeline stage needs the tokens");
@@ -334,7 +341,8 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     const int64_t layer = stage.first_layer + static_cast<int64_t>(i);
     TransformerLayer& module = m.layers[first + i];
     if (hooks_) hooks_->before_forward(static_cast<int>(layer));
-    const LayerDropout dropout{options.training, options.dropout_seed, layer_stream(options.dropout_stream, layer)};
+    const LayerDropout dropout{options.training, options.dropout_seed, layer_stream(options.dropout_stream, layer),
+                               ctx->rows};
     LayerActivations scratch;
     LayerActivations& saved = options.training ? ctx->layers[i] : scratch;
     const trace::Scope scope("layer ", layer, " forward", "forward");
@@ -385,7 +393,7 @@ Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double l
   for (size_t i = ctx->layers.size(); i-- > 0;) {
     const int64_t layer = stage.first_layer + static_cast<int64_t>(i);
     Tensor dprev_TH = activation_tensor(dx_TH.shape());
-    const LayerDropout dropout{true, ctx->dropout_seed, layer_stream(ctx->dropout_stream, layer)};
+    const LayerDropout dropout{true, ctx->dropout_seed, layer_stream(ctx->dropout_stream, layer), ctx->rows};
     {
       const trace::Scope scope("layer ", layer, " backward", "backward");
       m.layers[first + i].backward(dprev_TH, dx_TH, S, B, dropout, loss_scale, ctx->layers[i]);

@@ -27,12 +27,36 @@ Tensor activation_tensor(std::vector<int64_t> shape) {
   return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
 }
 
+// Hidden dropout over [rows, H] token rows: each run of rows draws at its one-process elements.
+void dropout_rows_forward(Tensor& out_TH, const Tensor& in_TH, ops::DropoutSpec spec, const TokenRows& rows) {
+  const int64_t H = in_TH.dim(1);
+  for (const TokenRows::Run& run : rows.runs()) {
+    spec.offset = static_cast<uint64_t>(run.global * H);
+    Tensor out = out_TH.slice_rows(run.local, run.local + run.count);
+    ops::dropout_forward(out, in_TH.slice_rows(run.local, run.local + run.count), spec);
+  }
+}
+
+void dropout_rows_backward(Tensor& din_TH, const Tensor& dout_TH, ops::DropoutSpec spec, const TokenRows& rows) {
+  const int64_t H = dout_TH.dim(1);
+  for (const TokenRows::Run& run : rows.runs()) {
+    spec.offset = static_cast<uint64_t>(run.global * H);
+    Tensor din = din_TH.slice_rows(run.local, run.local + run.count);
+    ops::dropout_backward(din, dout_TH.slice_rows(run.local, run.local + run.count), spec);
+  }
+}
+
 // out = residual + dropout(branch).
-Tensor dropout_add(const Tensor& branch, const Tensor& residual, const ops::DropoutSpec& spec) {
+Tensor dropout_add(const Tensor& branch, const Tensor& residual, const ops::DropoutSpec& spec, const TokenRows& rows) {
   Tensor out = activation_tensor(branch.shape());
-  ops::dropout_forward(out, branch, spec);
+  dropout_rows_forward(out, branch, spec, rows);
   ops::add_(out, residual);
   return out;
+}
+
+// The layer's whole local rows (S * B), or this rank's sequence-parallel shard of them.
+TokenRows layer_rows(const LayerDropout& dropout, const int64_t T) {
+  return dropout.rows.count() == 0 ? TokenRows::contiguous(0, T) : dropout.rows;
 }
 
 }  // namespace
@@ -84,8 +108,9 @@ Tensor TransformerLayer::moe_forward(const Tensor& x_TH, const int64_t S, const 
   const int64_t T = S * B, H = config_.hidden_size;
   const Tensor x_shard = tp_.to_sequence_shard(x_TH);
   Tensor out_shard = activation_tensor({moe_tp.local_rows(T), H});
-  moe_->forward(out_shard.data<float>(), x_shard.data<float>(), S / tp_.size(), B, moe_tp.row_offset(T),
-                dropout.training, dropout.seed, dropout.stream * 4 + kMoeRouterJitter, saved);
+  moe_->forward(out_shard.data<float>(), x_shard.data<float>(), S / tp_.size(), B,
+                layer_rows(dropout, T).slice(moe_tp.row_offset(T), moe_tp.local_rows(T)), dropout.training,
+                dropout.seed, dropout.stream * 4 + kMoeRouterJitter, saved);
   return tp_.from_sequence_shard(out_shard);
 }
 
@@ -103,8 +128,8 @@ void TransformerLayer::moe_backward(Tensor& dx_TH, const Tensor& dout_TH, const 
 
 Tensor TransformerLayer::forward(const Tensor& x_TH, const int64_t S, const int64_t B, const LayerDropout& dropout,
                                  LayerActivations& a) const {
-  const int64_t T = S * B, H = config_.hidden_size;
-  const auto element_offset = static_cast<uint64_t>(tp_.row_offset(T) * H);
+  const int64_t T = S * B;
+  const TokenRows rows = layer_rows(dropout, T).slice(tp_.row_offset(T), tp_.local_rows(T));
   const ActivationOwnerScope owner(ActivationOwner::kAttention);
   a.x_TH = x_TH;
   a.ln1_TH = activation_tensor(x_TH.shape());
@@ -115,8 +140,7 @@ Tensor TransformerLayer::forward(const Tensor& x_TH, const int64_t S, const int6
     attn_out_TH = attention_.forward(a.ln1_TH, S, B, dropout_spec(dropout, config_.attention_dropout, kAttentionProbs),
                                      a.attention);
   }
-  a.x_mid_TH =
-      dropout_add(attn_out_TH, x_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterAttention, element_offset));
+  a.x_mid_TH = dropout_add(attn_out_TH, x_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterAttention), rows);
   MemoryTracker::instance().set_owner(mlp_owner());
   a.ln2_TH = activation_tensor(x_TH.shape());
   a.ln2_stats = ln2_.forward(a.ln2_TH, a.x_mid_TH);
@@ -125,20 +149,20 @@ Tensor TransformerLayer::forward(const Tensor& x_TH, const int64_t S, const int6
     const trace::Scope scope(moe_ ? "moe layer forward" : "mlp forward", "forward");
     mlp_out_TH = moe_ ? moe_forward(a.ln2_TH, S, B, dropout, a.moe) : mlp_.forward(a.ln2_TH, nullptr, a.mlp);
   }
-  return dropout_add(mlp_out_TH, a.x_mid_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterMlp, element_offset));
+  return dropout_add(mlp_out_TH, a.x_mid_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterMlp), rows);
 }
 
 void TransformerLayer::backward(Tensor& dx_TH, const Tensor& dout_TH, const int64_t S, const int64_t B,
                                 const LayerDropout& dropout, const double aux_grad_scale,
                                 const LayerActivations& a) const {
-  const int64_t T = S * B, H = config_.hidden_size;
-  const auto element_offset = static_cast<uint64_t>(tp_.row_offset(T) * H);
+  const int64_t T = S * B;
+  const TokenRows rows = layer_rows(dropout, T).slice(tp_.row_offset(T), tp_.local_rows(T));
 
   // MLP branch: out = x_mid + dropout(mlp(ln2(x_mid))).
   const ActivationOwnerScope owner(mlp_owner());
   Tensor dx_mid_TH = dout_TH.clone(MemCategory::kActivations);
   Tensor dmlp_TH = activation_tensor(dout_TH.shape());
-  ops::dropout_backward(dmlp_TH, dout_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterMlp, element_offset));
+  dropout_rows_backward(dmlp_TH, dout_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterMlp), rows);
   Tensor dln2_TH = activation_tensor(dout_TH.shape());
   {
     const trace::Scope scope(moe_ ? "moe layer backward" : "mlp backward", "backward");
@@ -156,8 +180,7 @@ void TransformerLayer::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
   MemoryTracker::instance().set_owner(ActivationOwner::kAttention);
   ops::add_(dx_TH, dx_mid_TH);
   Tensor dattn_TH = activation_tensor(dout_TH.shape());
-  ops::dropout_backward(dattn_TH, dx_mid_TH,
-                        dropout_spec(dropout, config_.hidden_dropout, kAfterAttention, element_offset));
+  dropout_rows_backward(dattn_TH, dx_mid_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterAttention), rows);
   dx_mid_TH = Tensor();
   Tensor dln1_TH = activation_tensor(dout_TH.shape());
   {

@@ -16,6 +16,7 @@
 #include "moecore/model/norm_module.h"
 #include "moecore/model/param.h"
 #include "moecore/model/tensor_parallel.h"
+#include "moecore/model/token_rows.h"
 #include "moecore/moe/moe_layer.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/tensor/tensor.h"
@@ -26,6 +27,9 @@ struct LayerDropout {
   bool training = false;
   uint64_t seed = 0;
   uint64_t stream = 0;  // unique per (iteration, micro-batch, layer)
+  // Where the layer's S * B rows (the whole local sequence, before any sequence-parallel shard) sit in the one-process
+  // micro-batch; empty: rows 0..S*B-1. Counter-RNG draws are keyed by the one-process element.
+  TokenRows rows;
 };
 
 // What one layer's backward needs from its forward.

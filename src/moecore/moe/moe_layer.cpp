@@ -32,12 +32,12 @@ void MoELayer::bind(std::vector<Param>& params, std::vector<Buffer>* buffers) {
   if (shared_) shared_->bind(params);
 }
 
-void MoELayer::forward(float* out_TH, const float* x_TH, const int64_t S, const int64_t B, const int64_t token_offset,
+void MoELayer::forward(float* out_TH, const float* x_TH, const int64_t S, const int64_t B, const TokenRows& rows,
                        const bool training, const uint64_t seed, const uint64_t key, MoELayerActivations& saved) const {
   const int64_t T = S * B, H = config_.hidden_size;
   {
     const trace::Scope scope("router forward", "moe");
-    saved.routing = router_->forward(x_TH, S, B, training, seed, key, saved.router, token_offset);
+    saved.routing = router_->forward(x_TH, S, B, training, seed, key, saved.router, rows);
   }
   Tensor x_RH, shared_TH;
   if (overlap_shared_) {

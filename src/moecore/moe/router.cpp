@@ -28,6 +28,15 @@
 namespace moecore {
 namespace {
 
+// fn(i, key) for every element i of the [rows, W] local rows, key = the element's one-process index (its counter).
+template <typename Fn>
+void for_each_element(const TokenRows& rows, const int64_t W, Fn&& fn) {
+  for (const TokenRows::Run& run : rows.runs()) {
+    const int64_t first = run.local * W, key0 = run.global * W;
+    for (int64_t k = 0; k < run.count * W; ++k) fn(first + k, static_cast<uint64_t>(key0 + k));
+  }
+}
+
 using routing::to_fp32;
 
 // Stream of the random logits of --moe-router-force-load-balancing, distinct from the jitter stream.
@@ -196,7 +205,7 @@ void TopKRouter::bind(std::vector<Param>& params, std::vector<Buffer>* buffers) 
 
 RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64_t B, const bool training,
                                  const uint64_t seed, const uint64_t jitter_key, RouterActivations& saved,
-                                 const int64_t token_offset) {
+                                 const TokenRows& rows) {
   if (weight_ == nullptr) throw std::logic_error("TopKRouter::forward before bind()");
   const int64_t T = S * B;
   saved = RouterActivations{};
@@ -205,7 +214,8 @@ RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64
   saved.training = training;
   saved.jitter_seed = seed;
   saved.jitter_key = jitter_key;
-  saved.token_offset = token_offset;
+  saved.rows = rows.count() == 0 ? TokenRows::contiguous(0, T) : rows;
+  if (saved.rows.count() != T) throw std::invalid_argument("router: token rows do not match the input");
 
   saved.input_TH = Tensor({T, hidden_}, DType::kF32, MemCategory::kActivations);
   jittered_input(saved.input_TH.data<float>(), x_TH, T, saved);
@@ -233,10 +243,10 @@ void TopKRouter::jittered_input(float* input_TH, const float* x_TH, const int64_
     return;
   }
   const CounterRng rng(saved.jitter_seed, saved.jitter_key);
-  for (int64_t i = 0; i < T * H; ++i) {
-    input_TH[i] =
-        x_TH[i] * jitter_factor(rng, static_cast<uint64_t>(saved.token_offset * H + i), config_.input_jitter_eps);
-  }
+  (void)T;
+  for_each_element(saved.rows, H, [&](const int64_t i, const uint64_t key) {
+    input_TH[i] = x_TH[i] * jitter_factor(rng, key, config_.input_jitter_eps);
+  });
 }
 
 // logits = x W^T (+ b) in the router dtype (fp32: one fp32 GEMM with the bias, as Megatron's router_gating_linear;
@@ -249,10 +259,10 @@ void TopKRouter::compute_logits(std::vector<double>& logits_TE, const float* inp
   logits_TE.resize(static_cast<size_t>(T * E));
   if (config_.force_load_balancing) {
     const CounterRng normal_rng(saved.jitter_seed, saved.jitter_key ^ kForceBalanceSalt);
-    for (int64_t i = 0; i < T * E; ++i) {
-      const double logit = normal_rng.normal(static_cast<uint64_t>(saved.token_offset * E + i));
+    for_each_element(saved.rows, E, [&](const int64_t i, const uint64_t key) {
+      const double logit = normal_rng.normal(key);
       logits_TE[i] = fp32 ? to_fp32(logit) : logit;
-    }
+    });
     return;
   }
   if (fp32) {
@@ -572,13 +582,11 @@ void TopKRouter::backward(float* dx_TH, const float* dprobs_TE, const double aux
   }
   if (!dx_jittered.defined()) return;
   const CounterRng jitter_rng(saved.jitter_seed, saved.jitter_key);
-  for (int64_t i = 0; i < T * H; ++i) {
-    const double factor =
-        jitter ? jitter_factor(jitter_rng, static_cast<uint64_t>(saved.token_offset * H + i), config_.input_jitter_eps)
-               : 1.0;
+  for_each_element(saved.rows, H, [&](const int64_t i, const uint64_t key) {
+    const double factor = jitter ? jitter_factor(jitter_rng, key, config_.input_jitter_eps) : 1.0;
     const double d = fp32 ? static_cast<double>(dx_jittered.data<float>()[i]) : dx_jittered.data<double>()[i];
     dx_TH[i] += static_cast<float>(d * factor);
-  }
+  });
 }
 
 void TopKRouter::finish_global_batch() {

@@ -19,6 +19,7 @@
 
 #include "moecore/model/buffer.h"
 #include "moecore/model/param.h"
+#include "moecore/model/token_rows.h"
 #include "moecore/moe/moe_config.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/tensor/tensor.h"
@@ -50,7 +51,7 @@ struct RouterActivations {
   std::vector<double> lse_T;         // logsumexp of each token's logits when the z-loss is on
   bool training = false;             // forward ran in training mode (aux / z losses attached)
   uint64_t jitter_seed = 0, jitter_key = 0;  // regenerate the input jitter factors in backward
-  int64_t token_offset = 0;                  // one-process index of the first local token (RNG keys)
+  TokenRows rows;                            // the local tokens' one-process rows (RNG keys)
 };
 
 class TopKRouter {
@@ -74,12 +75,12 @@ class TopKRouter {
   // x_TH [S*B, H] -> routing. The input jitter (--moe-input-jitter-eps) applies in training AND evaluation, as
   // Megatron's TopKRouter.forward; it is drawn from the counter RNG keyed by (seed, jitter_key), so an evaluation
   // forward is reproducible given its key. training: aux / z losses attached, expert-bias and global-aux token counts
-  // accumulated, sinkhorn selection. x_TH holds sequence positions [s0, s0 + S) of the micro-batch and
-  // token_offset = s0 * B: the jitter and forced-balance draws are keyed by the one-process element index, so every
-  // layout draws the same numbers. Collective over tp-cp (and tp-dp-cp with global_aux_loss) when aux losses are on.
-  // Logged losses are this rank's share (sum over tp-cp for the total).
+  // accumulated, sinkhorn selection. x_TH holds S * B token rows of the micro-batch; `rows` says where they sit in
+  // the one-process micro-batch (default: rows 0..S*B-1): the jitter and forced-balance draws are keyed by the
+  // one-process element index, so every layout draws the same numbers. Collective over tp-cp (and tp-dp-cp with
+  // global_aux_loss) when aux losses are on. Logged losses are this rank's share (sum over tp-cp for the total).
   RouterOutput forward(const float* x_TH, int64_t S, int64_t B, bool training, uint64_t seed, uint64_t jitter_key,
-                       RouterActivations& saved, int64_t token_offset = 0);
+                       RouterActivations& saved, const TokenRows& rows = TokenRows());
 
   // dprobs_TE: d(objective)/d(probs_TE) from the experts (zero where not routed). aux_grad_scale: the factor the
   // auxiliary and z losses carry into the objective's gradient (Megatron: loss_scale * cp / num_microbatches;
