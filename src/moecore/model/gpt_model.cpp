@@ -53,30 +53,35 @@ ops::DropoutSpec embedding_dropout(const ModelConfig& config, const bool trainin
                           static_cast<uint64_t>(row_offset * config.hidden_size)};
 }
 
-// The micro-batch in sequence-major rows t = s * B + b, with each token's share of the loss (mask / unmasked count).
+// This rank's rows of the micro-batch in sequence-major order t = s * B + b (under context parallelism the local
+// sequence: chunks r and 2 CP - 1 - r), with each token's share of the loss: mask / this rank's unmasked count
+// (Megatron's loss_func: the local token mean, no reduction over CP).
 std::unique_ptr<MicroBatchContext> make_context(const int32_t* tokens_BS, const int32_t* labels_BS,
                                                 const float* loss_mask_BS, const int64_t B, const int64_t S,
-                                                const ForwardOptions& options) {
+                                                const TokenRows& rows, const ForwardOptions& options) {
   auto ctx = std::make_unique<MicroBatchContext>();
-  ctx->S = S;
+  const int64_t T = rows.count();
+  ctx->S = T / B;
   ctx->B = B;
+  ctx->rows = rows;
   ctx->training = options.training;
   ctx->dropout_seed = options.dropout_seed;
   ctx->dropout_stream = options.dropout_stream;
-  const auto T = static_cast<size_t>(S * B);
-  ctx->tokens_SB.assign(T, 0);
-  ctx->labels_SB.assign(T, 0);
-  ctx->loss_weight_SB.assign(T, 0.0f);
+  ctx->tokens_SB.assign(static_cast<size_t>(T), 0);
+  ctx->labels_SB.assign(static_cast<size_t>(T), 0);
+  ctx->loss_weight_SB.assign(static_cast<size_t>(T), 0.0f);
   double mask_sum = 0.0;
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t s = 0; s < S; ++s) {
-      const auto t = static_cast<size_t>(s * B + b);
+  for (const TokenRows::Run& run : rows.runs()) {
+    for (int64_t i = 0; i < run.count; ++i) {
+      const int64_t g = run.global + i, s = g / B, b = g % B;
+      const auto t = static_cast<size_t>(run.local + i);
       if (tokens_BS) ctx->tokens_SB[t] = tokens_BS[b * S + s];
       if (labels_BS) ctx->labels_SB[t] = labels_BS[b * S + s];
       ctx->loss_weight_SB[t] = loss_mask_BS ? loss_mask_BS[b * S + s] : 1.0f;
       mask_sum += ctx->loss_weight_SB[t];
     }
   }
+  ctx->loss_tokens = mask_sum;
   for (float& w : ctx->loss_weight_SB) w = mask_sum > 0 ? static_cast<float>(w / mask_sum) : 0.0f;
   return ctx;
 }
@@ -311,8 +316,14 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     throw std::invalid_argument("sequence length " + std::to_string(S) + " exceeds --max-position-embeddings");
   }
   Modules& m = *modules_;
-  if (m.tp.size() > 1 && (m.tp.sequence_sharded() || config_.moe.enabled()) && S % m.tp.size() != 0) {
-    throw std::invalid_argument("sequence length " + std::to_string(S) + " is not divisible by the TP size");
+  const int cp = parallel_.cp_size();
+  if (cp > 1 && S % (2 * cp) != 0) {
+    throw std::invalid_argument("sequence length " + std::to_string(S) + " is not divisible by 2 x the CP size");
+  }
+  const int64_t S_local = S / cp;  // this context-parallel rank's positions
+  if (m.tp.size() > 1 && (m.tp.sequence_sharded() || config_.moe.enabled()) && S_local % m.tp.size() != 0) {
+    throw std::invalid_argument("local sequence length " + std::to_string(S_local) +
+                                " is not divisible by the TP size");
   }
   if (options.chunk < 0 || options.chunk >= num_chunks()) {
     throw std::invalid_argument("model chunk " + std::to_string(options.chunk) + " of " + std::to_string(num_chunks()));
@@ -320,9 +331,10 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
   const StageSpec& stage = chunks_[static_cast<size_t>(options.chunk)];
   const size_t first = chunk_first_module_[static_cast<size_t>(options.chunk)];
   const size_t count = chunk_first_module_[static_cast<size_t>(options.chunk) + 1] - first;
-  auto ctx = make_context(tokens_BS, labels_BS, loss_mask_BS, B, S, options);
+  auto ctx = make_context(tokens_BS, labels_BS, loss_mask_BS, B, S,
+                          TokenRows::context_parallel(S, B, parallel_.cp_rank(), parallel_.cp_size()), options);
   ctx->chunk = options.chunk;
-  ctx->rows = TokenRows::contiguous(0, S * B);
+  if (options.loss_tokens != nullptr) *options.loss_tokens = ctx->loss_tokens;
   Tensor x_TH;
   if (stage.pre_process) {
     if (tokens_BS == nullptr) throw std::invalid_argument("the first pipeline stage needs the tokens");
@@ -346,7 +358,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     LayerActivations scratch;
     LayerActivations& saved = options.training ? ctx->layers[i] : scratch;
     const trace::Scope scope("layer ", layer, " forward", "forward");
-    x_TH = module.forward(x_TH, S, B, dropout, saved);
+    x_TH = module.forward(x_TH, S_local, B, dropout, saved);
     if (options.training && module.is_moe()) record_moe_stats(layer, saved.moe.routing);
   }
   ctx->output_TH = x_TH;

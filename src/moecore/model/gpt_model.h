@@ -45,10 +45,11 @@ struct StageSpec {
 };
 
 struct ForwardOptions {
-  bool training = true;         // dropout on, activations kept for backward
-  uint64_t dropout_seed = 0;    // run seed
-  uint64_t dropout_stream = 0;  // distinct per (iteration, micro-batch)
-  int chunk = 0;                // the model chunk (virtual pipeline stage) of this rank to run
+  bool training = true;           // dropout on, activations kept for backward
+  uint64_t dropout_seed = 0;      // run seed
+  uint64_t dropout_stream = 0;    // distinct per (iteration, micro-batch)
+  int chunk = 0;                  // the model chunk (virtual pipeline stage) of this rank to run
+  double* loss_tokens = nullptr;  // if set: receives the unmasked tokens this rank's loss covers (its share under CP)
 };
 
 class GPTModel {

@@ -34,6 +34,7 @@ ParallelState ParallelState::create(const ParallelSizes& sizes, const bool seque
   const ExpertGroups& expert = state.layout.expert();
   const int r = world.rank();
   state.tp = split_by(world, dense.tp, r);
+  state.cp = split_by(world, dense.cp, r);
   state.dp = split_by(world, dense.dp, r);
   state.dp_cp = split_by(world, dense.dp_cp, r);
   state.tp_cp = split_by(world, dense.tp_cp, r);

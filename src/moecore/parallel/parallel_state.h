@@ -13,6 +13,7 @@ struct ParallelState {
   ProcessGroup world = ProcessGroup::self();
   // Attention (dense) grid.
   ProcessGroup tp = ProcessGroup::self();        // tensor parallel: heads, ffn, vocabulary, sequence shards
+  ProcessGroup cp = ProcessGroup::self();        // context parallel: sequence chunks (attention exchanges keys)
   ProcessGroup dp = ProcessGroup::self();        // data parallel
   ProcessGroup dp_cp = ProcessGroup::self();     // dense gradient reduction
   ProcessGroup tp_cp = ProcessGroup::self();     // router aux / z loss statistics
@@ -34,6 +35,8 @@ struct ParallelState {
   int ep_rank() const { return ep.rank(); }
   int etp_size() const { return etp.size(); }
   int etp_rank() const { return etp.rank(); }
+  int cp_size() const { return cp.size(); }
+  int cp_rank() const { return cp.rank(); }
   int pp_size() const { return pp.size(); }
   int pp_rank() const { return pp.rank(); }
   bool is_first_stage() const { return pp.rank() == 0; }

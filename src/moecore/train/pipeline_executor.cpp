@@ -36,7 +36,7 @@ class Executor {
                              std::to_string(parallel.pp_size()) + " with " + std::to_string(model.num_chunks()));
     }
     const int tp = parallel.tp_size();
-    const int64_t tokens = microbatches.S * microbatches.B;
+    const int64_t tokens = microbatches.S * microbatches.B / parallel.cp_size();
     rows_ = parallel.sequence_parallel && tp > 1 ? tokens / tp : tokens;
   }
 
@@ -107,7 +107,8 @@ class Executor {
     // Only the stages that embed or compute the loss read the data (Megatron's get_batch on first and last stage).
     const Batch data = stage.pre_process || stage.post_process ? microbatches_.batch(microbatch) : Batch{};
     std::unique_ptr<MicroBatchContext> ctx;
-    double mean_loss = 0.0;
+    double mean_loss = 0.0, tokens = 0.0;
+    options.loss_tokens = &tokens;
     {
       const trace::Scope scope(step_name("forward", microbatch, chunk), "step");
       mean_loss = model_.forward(ctx, stage.pre_process ? data.tokens_BS.data() : nullptr,
@@ -116,7 +117,7 @@ class Executor {
                                  microbatches_.S, options);
     }
     if (stage.post_process) {
-      loss_.add(mean_loss, loss_tokens(data));
+      loss_.add(mean_loss, tokens);  // this rank's tokens: a context-parallel rank's share of the sequence
     } else {
       outputs_[key] = std::move(ctx->output_TH);  // sent by a later step; backward does not need it
     }

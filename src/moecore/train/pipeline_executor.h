@@ -1,6 +1,6 @@
 // Runs one pipeline rank's schedule (pipeline_schedule.h) on the model: the forward and backward steps of its model
 // chunks over this data-parallel rank's micro-batches, and the activations and their gradients between neighbouring
-// stages by non-blocking point-to-point MPI, [S*B/TP (sequence parallel) or S*B, H] fp32 as Megatron sends them
+// stages by non-blocking point-to-point MPI, [S*B/CP/TP (sequence parallel) or S*B/CP, H] fp32 as Megatron sends them
 // (p2p_communication.py). The same executor runs PP 1 (Megatron's forward_backward_no_pipelining), 1F1B and the
 // interleaved schedule, training and forward-only (evaluation).
 #pragma once
