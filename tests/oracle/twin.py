@@ -232,8 +232,9 @@ def megatron_forward(params, cfg, tokens_BS, labels_BS, loss_mask_BS, moe_state=
                      training=True, return_moe_info=False, position_ids_BS=None, document_ids_BS=None):
     """Returns (logits [S, B, V], loss) or, with return_moe_info, (logits, loss, moe_info). `params` maps Megatron
     names to torch tensors (one dtype). position_ids_BS / document_ids_BS: optional packed-sequence inputs (module
-    docstring); None gives positions 0..S-1 and the plain causal mask. loss is the lm loss only; on MoE layers the aux and z losses are attached to
-    the graph with twin_moe.AuxLossAutoScaler (gradient scale aux_grad_scale = 1 / num_microbatches), so
+    docstring); None gives positions 0..S-1 and the plain causal mask. loss is the lm loss only; on MoE layers the
+    aux and z losses are attached to the graph with twin_moe.AuxLossAutoScaler (gradient scale aux_grad_scale =
+    1 / num_microbatches), so
     loss.backward() gives the gradient of lm + aux_grad_scale-weighted aux/z losses while loss's value is the lm loss.
     moe_state: new_moe_state(cfg) (created fresh when None; expert biases are then read from params if present).
     moe_info = {"aux_total": sum of the attached aux/z loss tensors (coefficients included; 0.0 if none),
