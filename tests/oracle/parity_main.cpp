@@ -8,7 +8,9 @@
 // C.json holds ModelConfig fields by name (enums as strings: "RMSNorm", "swiglu", "rope", ...), and optionally
 // "moe": {MoEConfig fields by name} (tests/oracle/twin_moe.py MOE_DEFAULTS lists them). W.safetensors holds
 // every parameter under its Megatron name; B.safetensors holds tokens and labels [B, S] (int32/int64) and optionally
-// loss_mask [B, S]. With --import-hf DIR the model (config and weights) comes from an HF export instead.
+// loss_mask [B, S], and the twin's optional packed-sequence inputs position_ids / document_ids [B, S]: the C++
+// model does not read them yet, so only their defaults (positions 0..S-1, document 0) are accepted.
+// With --import-hf DIR the model (config and weights) comes from an HF export instead.
 // W.safetensors may also hold MoE router buffers decoder.layers.{i}.mlp.router.expert_bias [E] (loaded as state).
 // Protocol (dropout must be 0): for step k = 0..N: forward (losses[k]); if k < N: backward, finish_global_batch
 // (MoE expert-bias update), clip, AdamW step, record step{k+1}.<name>. Step 0 also records logits [S, B, V], loss and
@@ -369,6 +371,17 @@ int run(int argc, char** argv) {
     const Tensor mask = to_float32(batch.at("loss_mask"));
     if (mask.numel() != B * S) throw std::runtime_error(args.batch + ": loss_mask must be [B, S]");
     std::memcpy(loss_mask.data(), mask.data<float>(), loss_mask.size() * sizeof(float));
+  }
+  for (const std::string name : {"position_ids", "document_ids"}) {
+    if (!batch.contains(name)) continue;
+    const std::vector<int32_t> ids = int_tensor(batch, name, B, S);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const int64_t expected = name == "position_ids" ? static_cast<int64_t>(i) % S : 0;
+      if (ids[i] != expected) {
+        throw std::runtime_error(args.batch + ": " + name +
+                                 " other than the default are not read by the C++ model yet");
+      }
+    }
   }
 
   AdamWOptions options;

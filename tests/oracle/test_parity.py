@@ -63,6 +63,8 @@ CONFIGS = {
                               "position_embedding_type": "rope", "rotary_base": 500.0},
     "rotary_percent_half_swiglu_bias": {**LLAMA, "rotary_percent": 0.5, "add_bias_linear": True},
     "loss_mask_zeros_no_position": {"position_embedding_type": "none", "activation": "swiglu", "mask": "zeros"},
+    # The batch file's optional packed-sequence fields at their defaults (positions 0..S-1, one document per sample).
+    "default_packed_ids_learned_abs": {"position_embedding_type": "learned_absolute", "ids": "default"},
 }
 
 
@@ -164,9 +166,19 @@ def run_harness(parity_exe, label, cfg, weights, batch, workdir, steps=STEPS, mi
 def run_config(parity_exe, label, overrides, workdir, seed):
     overrides = dict(overrides)
     mask_kind = overrides.pop("mask", "ones")
+    ids = overrides.pop("ids", None)
     cfg = {**BASE, **overrides}
     weights = twin.random_params(cfg, seed)
     batch = make_batch(cfg, seed + 1, mask_kind)
+    if ids == "default":
+        B, S = batch["tokens"].shape
+        batch["position_ids"] = np.tile(np.arange(S, dtype=np.int64), (B, 1))
+        batch["document_ids"] = np.zeros((B, S), dtype=np.int32)
+        # Other ids are refused until the C++ model reads them (moecore_parity fails with one line).
+        packed = {**batch, "document_ids": np.repeat(np.arange(S, dtype=np.int32)[None] // 4, B, axis=0)}
+        _, error = run_harness(parity_exe, label + ".packed", cfg, weights, packed, workdir, steps=0)
+        if error is None or "document_ids other than the default are not read by the C++ model yet" not in error:
+            return [f"{label}: moecore_parity should refuse non-default document_ids, got: {error}"], {}
     cpp, error = run_harness(parity_exe, label, cfg, weights, batch, workdir)
     if error:
         return [error], {}

@@ -9,6 +9,14 @@ Two independent forwards live here:
 Model (pre-norm):  x = emb(tokens) [+ pos_emb];  per layer  x += proj(attn(qkv(norm1(x))));  x += fc2(act(fc1(norm2(x))))
 then final norm, logits = x @ W_out^T (W_out = word embeddings unless untied), loss = sum(CE * mask) / sum(mask).
 Dropout is 0 here (the parity runs use dropout 0).
+Packed sequences (optional, megatron_forward / run_megatron / the batch file): position_ids [B, S] (int) replace the
+positions 0..S-1 wherever the model reads positions: the learned position table (Megatron's LanguageModelEmbedding
+reads position_ids) and RoPE's angles (position_ids[b, s] * inv_freq). Megatron's bshd RoPE ignores position_ids and
+its THD RoPE restarts at 0 in every packed sequence, i.e. uses --reset-position-ids' positions; to reproduce the bshd
+behaviour pass no position_ids to a RoPE model. document_ids [B, S] (int, Megatron's --reset-attention-mask as one id
+per token: moecore's data/packed_sequences.h) turn the causal mask into a causal block-diagonal one: query q attends
+to key k iff k <= q and document_ids[b, k] == document_ids[b, q] (a dense [B, S, S] mask: the reference).
+Without them: positions 0..S-1 and one document per sample, exactly as before.
 MoE (config "moe", see twin_moe.py): on layers with moe_layer_pattern[i] = 1 the MLP is twin_moe.moe_layer_forward
 (router, experts, shared experts) with Megatron's aux / z losses attached to the graph (the reported loss stays the lm
 loss); per-layer router state (expert bias, global aux counts) lives in new_moe_state(cfg) and is advanced once per
@@ -179,18 +187,23 @@ def _rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rope_cos_sin(S, rot_dim, base, dtype):
-    """Megatron's rotary table: inv_freq and angles in float32, cos/sin of the float32 angles. [S, rot_dim]."""
+def _rope_cos_sin(S, rot_dim, base, dtype, positions_SB=None):
+    """Megatron's rotary table: inv_freq and angles in float32, cos/sin of the float32 angles. [S, rot_dim] for the
+    positions 0..S-1, or [S, B, rot_dim] for given positions [S, B] (the same float32 products)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
-    angles = torch.outer(torch.arange(S, dtype=torch.float32), inv_freq)
+    if positions_SB is None:
+        angles = torch.outer(torch.arange(S, dtype=torch.float32), inv_freq)
+    else:
+        angles = positions_SB.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((angles, angles), dim=-1)
     return emb.to(dtype).cos(), emb.to(dtype).sin()
 
 
 def _apply_rope(x_SBND, cos, sin, rot_dim):
-    """Rotate-half RoPE on the first rot_dim channels of each head; the rest pass through."""
-    c = cos[:, None, None, :]
-    s = sin[:, None, None, :]
+    """Rotate-half RoPE on the first rot_dim channels of each head; the rest pass through. cos/sin: [S, rot_dim] or
+    [S, B, rot_dim]."""
+    c = cos[:, None, None, :] if cos.dim() == 2 else cos[:, :, None, :]
+    s = sin[:, None, None, :] if sin.dim() == 2 else sin[:, :, None, :]
     rot, rest = x_SBND[..., :rot_dim], x_SBND[..., rot_dim:]
     return torch.cat((rot * c + _rotate_half(rot) * s, rest), dim=-1)
 
@@ -206,11 +219,22 @@ def _activation(h, c):
     raise ValueError(f"unknown activation {c['activation']}")
 
 
+def attention_mask(S, document_ids_BS=None):
+    """True where query q may attend to key k: [S, S] causal, or [B, S, S] causal block-diagonal by document."""
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    if document_ids_BS is None:
+        return causal
+    same_document = document_ids_BS[:, :, None] == document_ids_BS[:, None, :]
+    return causal[None] & same_document
+
+
 def megatron_forward(params, cfg, tokens_BS, labels_BS, loss_mask_BS, moe_state=None, aux_grad_scale=1.0,
-                     training=True, return_moe_info=False):
+                     training=True, return_moe_info=False, position_ids_BS=None, document_ids_BS=None):
     """Returns (logits [S, B, V], loss) or, with return_moe_info, (logits, loss, moe_info). `params` maps Megatron
-    names to torch tensors (one dtype). loss is the lm loss only; on MoE layers the aux and z losses are attached to
-    the graph with twin_moe.AuxLossAutoScaler (gradient scale aux_grad_scale = 1 / num_microbatches), so
+    names to torch tensors (one dtype). position_ids_BS / document_ids_BS: optional packed-sequence inputs (module
+    docstring); None gives positions 0..S-1 and the plain causal mask. loss is the lm loss only; on MoE layers the
+    aux and z losses are attached to the graph with twin_moe.AuxLossAutoScaler (gradient scale aux_grad_scale =
+    1 / num_microbatches), so
     loss.backward() gives the gradient of lm + aux_grad_scale-weighted aux/z losses while loss's value is the lm loss.
     moe_state: new_moe_state(cfg) (created fresh when None; expert biases are then read from params if present).
     moe_info = {"aux_total": sum of the attached aux/z loss tensors (coefficients included; 0.0 if none),
@@ -225,14 +249,26 @@ def megatron_forward(params, cfg, tokens_BS, labels_BS, loss_mask_BS, moe_state=
     dtype = params["embedding.word_embeddings.weight"].dtype
     tokens_SB = tokens_BS.t()
 
+    positions_SB = None if position_ids_BS is None else torch.as_tensor(position_ids_BS, dtype=torch.long).t()
+    if positions_SB is not None and positions_SB.shape != (S, B):
+        raise ValueError(f"position_ids must be [B, S] = [{B}, {S}], got {list(positions_SB.t().shape)}")
+    if document_ids_BS is not None:
+        document_ids_BS = torch.as_tensor(document_ids_BS, dtype=torch.long)
+        if document_ids_BS.shape != (B, S):
+            raise ValueError(f"document_ids must be [B, S] = [{B}, {S}], got {list(document_ids_BS.shape)}")
+
     x = params["embedding.word_embeddings.weight"][tokens_SB]  # [S, B, H]
     if c["position_embedding_type"] == "learned_absolute":
-        x = x + params["embedding.position_embeddings.weight"][torch.arange(S)][:, None, :]
+        if positions_SB is None:
+            x = x + params["embedding.position_embeddings.weight"][torch.arange(S)][:, None, :]
+        else:
+            x = x + params["embedding.position_embeddings.weight"][positions_SB]
     rope = c["position_embedding_type"] == "rope"
     if rope:
         rot_dim = int(d * c["rotary_percent"])
-        cos, sin = _rope_cos_sin(S, rot_dim, c["rotary_base"], dtype)
-    causal = torch.ones(S, S, dtype=torch.bool).tril()
+        cos, sin = _rope_cos_sin(S, rot_dim, c["rotary_base"], dtype, positions_SB)
+    allowed = attention_mask(S, document_ids_BS)  # [S, S] or [B, S, S]
+    allowed = allowed if allowed.dim() == 2 else allowed[:, None]  # [B, 1, S, S] against scores [B, N, S, S]
 
     for i in range(c["num_layers"]):
         p = f"decoder.layers.{i}."
@@ -251,7 +287,7 @@ def megatron_forward(params, cfg, tokens_BS, labels_BS, loss_mask_BS, moe_state=
         v = v.repeat_interleave(heads_per_group, dim=2)
         q_BNSd, k_BNSd, v_BNSd = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         scores = q_BNSd @ k_BNSd.transpose(-1, -2) / math.sqrt(d)
-        scores = scores.masked_fill(~causal, float("-inf"))
+        scores = scores.masked_fill(~allowed, float("-inf"))
         context = torch.softmax(scores, dim=-1) @ v_BNSd  # [B, N, S, d]
         context = context.permute(2, 0, 1, 3).reshape(S, B, N * d)
         x = x + _linear(context, params, p + "self_attention.linear_proj")
@@ -293,6 +329,8 @@ def run_megatron(cfg, weights, batch, steps=0, lr=1e-3, weight_decay=0.1, clip_g
     load_balancing_loss [steps + 1, n_moe_layers, n_types] (aux / coeff per configured type, 0 for types without
     an aux loss) and z_loss [steps + 1, n_moe_layers] (z / cz, 0 when off); and with expert bias
     step{k}.decoder.layers.{i}.mlp.router.expert_bias [E] (after global batch k's sign-rule update).
+    `batch` holds tokens, labels [B, S] and optionally loss_mask, position_ids and document_ids [B, S] (packed
+    sequences, see megatron_forward).
     `weights` may hold the expert-bias buffers (buffer_names(cfg)); they are state, not parameters: no gradient,
     no optimizer. Order per step: forward, backward (lm + aux/z gradients, aux scale 1), finish_global_batch
     (expert-bias update, counts and global aux reset), clip, AdamW.
@@ -309,6 +347,8 @@ def run_megatron(cfg, weights, batch, steps=0, lr=1e-3, weight_decay=0.1, clip_g
     labels = torch.tensor(np.asarray(batch["labels"]), dtype=torch.long)
     mask = torch.tensor(np.asarray(batch["loss_mask"]), dtype=dtype) if "loss_mask" in batch else \
         torch.ones(tokens.shape, dtype=dtype)
+    positions = torch.tensor(np.asarray(batch["position_ids"]), dtype=torch.long) if "position_ids" in batch else None
+    documents = torch.tensor(np.asarray(batch["document_ids"]), dtype=torch.long) if "document_ids" in batch else None
     names = list(params)
     decay = [params[n] for n in names if params[n].dim() >= 2]
     no_decay = [params[n] for n in names if params[n].dim() < 2]  # biases and norm weights
@@ -324,9 +364,11 @@ def run_megatron(cfg, weights, batch, steps=0, lr=1e-3, weight_decay=0.1, clip_g
         loss_sum, logits_parts = 0.0, []
         for m in range(microbatches):
             part = slice(m * rows, (m + 1) * rows)
-            logits, loss, moe_info = megatron_forward(params, cfg, tokens[part], labels[part], mask[part],
-                                                      moe_state=moe_state, aux_grad_scale=1.0 / microbatches,
-                                                      training=True, return_moe_info=True)
+            logits, loss, moe_info = megatron_forward(
+                params, cfg, tokens[part], labels[part], mask[part], moe_state=moe_state,
+                aux_grad_scale=1.0 / microbatches, training=True, return_moe_info=True,
+                position_ids_BS=None if positions is None else positions[part],
+                document_ids_BS=None if documents is None else documents[part])
             loss_sum += loss.item()
             logits_parts.append(logits.detach())
             layers = [moe_info["layers"][i] for i in sorted(moe_info["layers"])]

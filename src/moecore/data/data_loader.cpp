@@ -1,9 +1,12 @@
 #include "moecore/data/data_loader.h"
 
+#include <algorithm>
+#include <cstddef>
 #include <filesystem>
 #include <limits>
 #include <numeric>
 #include <optional>
+#include <span>
 
 #include "moecore/data/mock_dataset.h"
 
@@ -156,7 +159,14 @@ Batch GPTDataProvider::get_batch(DatasetSplit split, int64_t sample_begin, int64
   batch.S = S;
   batch.tokens_BS.resize(static_cast<size_t>(batch_size * S));
   batch.labels_BS.resize(static_cast<size_t>(batch_size * S));
-  batch.loss_mask_BS.assign(static_cast<size_t>(batch_size * S), 1.0f);
+  batch.loss_mask_BS.resize(static_cast<size_t>(batch_size * S));
+  batch.position_ids_BS.resize(static_cast<size_t>(batch_size * S));
+  batch.document_ids_BS.resize(static_cast<size_t>(batch_size * S));
+  SampleMaskOptions masks;
+  masks.eod_id = options_.eod_id;
+  masks.reset_position_ids = options_.reset_position_ids;
+  masks.reset_attention_mask = options_.reset_attention_mask;
+  masks.eod_mask_loss = options_.eod_mask_loss;
   std::vector<int32_t> text(static_cast<size_t>(S + 1));
   for (int64_t b = 0; b < batch_size; ++b) {
     if (data.single) {
@@ -164,12 +174,15 @@ Batch GPTDataProvider::get_batch(DatasetSplit split, int64_t sample_begin, int64
     } else {
       data.blended->sample_text(sample_begin + b, text);
     }
-    for (int64_t s = 0; s < S; ++s) {
-      const auto at = static_cast<size_t>(b * S + s);
-      batch.tokens_BS[at] = text[static_cast<size_t>(s)];
-      batch.labels_BS[at] = text[static_cast<size_t>(s + 1)];
-      if (options_.eod_mask_loss && batch.tokens_BS[at] == options_.eod_id) batch.loss_mask_BS[at] = 0.0f;
-    }
+    const auto row = static_cast<size_t>(b * S);
+    const auto count = static_cast<size_t>(S);
+    std::copy_n(text.begin(), S, batch.tokens_BS.begin() + static_cast<std::ptrdiff_t>(row));
+    std::copy_n(text.begin() + 1, S, batch.labels_BS.begin() + static_cast<std::ptrdiff_t>(row));
+    // Masks and positions come from the input tokens (text[:-1]), as in Megatron's GPTDataset.__getitem__.
+    ltor_masks_and_position_ids(std::span<const int32_t>(batch.tokens_BS).subspan(row, count), masks,
+                                std::span<int64_t>(batch.position_ids_BS).subspan(row, count),
+                                std::span<int32_t>(batch.document_ids_BS).subspan(row, count),
+                                std::span<float>(batch.loss_mask_BS).subspan(row, count));
   }
   return batch;
 }

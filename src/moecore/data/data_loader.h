@@ -9,6 +9,9 @@
 //   --split 969,30,1                  per-dataset train/valid/test ranges (split.h)
 //   --data-cache-path DIR             where the index .npy files are cached
 //                                     (default: <directory of each prefix>/cache/GPTDataset_indices)
+//   --eod-mask-loss, --reset-position-ids, --reset-attention-mask
+//                                     per-token loss mask, position ids and document ids of every sample, as
+//                                     Megatron's _get_ltor_masks_and_position_ids (packed_sequences.h)
 //
 // The sample counts come from the trainer (train = train_iters * global_batch_size,
 // valid = (train_iters // eval_interval + 1) * eval_iters * global_batch_size, test = eval_iters * gbs).
@@ -27,6 +30,7 @@
 
 #include "moecore/data/blended_dataset.h"
 #include "moecore/data/gpt_dataset.h"
+#include "moecore/data/packed_sequences.h"
 #include "moecore/data/split.h"
 
 namespace moecore {
@@ -39,17 +43,23 @@ struct DataOptions {
   uint64_t seed = 1234;                // --seed (must fit uint32, as numpy's RandomState requires)
   std::string data_cache_path;         // --data-cache-path
   bool eod_mask_loss = false;          // --eod-mask-loss: loss_mask = 0 where the input token is EOD
+  bool reset_position_ids = false;     // --reset-position-ids: positions restart at 0 after every EOD
+  bool reset_attention_mask = false;   // --reset-attention-mask: a new document id after every EOD
   int32_t eod_id = 0;                  // the tokenizer's end-of-document id
   int64_t vocab_size = 0;              // the model's (padded) vocabulary: every token id must be below it
   int64_t mock_num_sequences = 10000;  // --mock-data sizes (mock_dataset.h)
   int32_t mock_max_sequence_length = 4096;
 };
 
-// One micro-batch, row-major B x S.
+// One micro-batch, row-major B x S. Position and document ids are always filled (packed_sequences.h): 0..S-1 and
+// all 0 unless --reset-position-ids / --reset-attention-mask; cu_seqlens_from_document_ids / packed_cu_seqlens turn
+// the document ids into Megatron's THD cu_seqlens.
 struct Batch {
   std::vector<int32_t> tokens_BS;
   std::vector<int32_t> labels_BS;  // tokens shifted left by one
   std::vector<float> loss_mask_BS;
+  std::vector<int64_t> position_ids_BS;
+  std::vector<int32_t> document_ids_BS;  // token q attends to k <= q of its own document only
   int64_t B = 0;
   int64_t S = 0;
 };

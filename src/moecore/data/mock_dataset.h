@@ -2,7 +2,10 @@
 // number of sequences of pseudo-random lengths in [1, max_sequence_length), each ending with EOD). Contents
 // are computed on demand, never stored. Unlike Megatron's (1, 2, ..., n-1, eod), which overflows small
 // vocabularies, sequence i counts up from a pseudo-random start modulo the vocabulary, skipping EOD:
-// a learnable next-token pattern whose ids are always < vocab_size.
+// a learnable next-token pattern whose ids are always < vocab_size. As in Megatron, every sequence ends with the EOD
+// token and a sequence may be a lone EOD (length 1), so GPT samples cut across sequences hold EODs at any position,
+// also two in a row, and --eod-mask-loss / --reset-position-ids / --reset-attention-mask act on mock data (about one
+// EOD per max_sequence_length / 2 tokens: lower mock_max_sequence_length for denser packing).
 #pragma once
 
 #include <cstdint>

@@ -235,6 +235,10 @@ const std::vector<FlagSpec>& flag_table() {
      [](TrainingArgs& a, const FlagValue& v) { a.data_cache_path = v.non_empty_text(); }},
     {"--eod-mask-loss", Arity::kSwitch, "", "exclude end-of-document tokens from the loss",
      [](TrainingArgs& a, const FlagValue&) { a.eod_mask_loss = true; }},
+    {"--reset-position-ids", Arity::kSwitch, "", "restart position ids at 0 after every end-of-document token",
+     [](TrainingArgs& a, const FlagValue&) { a.reset_position_ids = true; }},
+    {"--reset-attention-mask", Arity::kSwitch, "", "no attention across end-of-document tokens (documents)",
+     [](TrainingArgs& a, const FlagValue&) { a.reset_attention_mask = true; }},
     {"--tokenizer-type", Arity::kOne, "{GPT2BPETokenizer,NullTokenizer}", "tokenizer (required)",
      [](TrainingArgs& a, const FlagValue& v) {
        a.tokenizer_type = v.choice({"GPT2BPETokenizer", "NullTokenizer"},

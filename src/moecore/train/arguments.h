@@ -10,6 +10,9 @@
 //   Megatron flag not built    "--moe-latent-size is a Megatron flag that moecore does not implement yet"
 //   bad value                  "invalid value 'abc' for --num-layers: expected an integer"
 //   inconsistent settings      one line naming the flags involved.
+//   data flag the model ignores "--reset-attention-mask: the model does not read document masks yet" (for now also
+//                              --reset-position-ids: the data pipeline fills the batch's ids, the model does not
+//                              read them yet)
 //
 // Defaults that depend on other flags are filled as Megatron's validate_args does:
 //   --ffn-hidden-size          4 * hidden, or int((4 * hidden * 2 / 3) / 64) * 64 with --swiglu
@@ -101,6 +104,8 @@ struct TrainingArgs {
   std::string split;                   // --split, e.g. "969, 30, 1" (empty with --mock-data and no --split)
   std::string data_cache_path;         // --data-cache-path (empty = none)
   bool eod_mask_loss = false;          // --eod-mask-loss
+  bool reset_position_ids = false;     // --reset-position-ids (rejected until the model reads position ids)
+  bool reset_attention_mask = false;   // --reset-attention-mask (rejected until the model reads document ids)
   std::string tokenizer_type;          // --tokenizer-type: GPT2BPETokenizer or NullTokenizer
   std::string vocab_file;              // --vocab-file
   std::string merge_file;              // --merge-file

@@ -245,8 +245,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--mask-prob",
     "--short-seq-prob",
     "--num-workers",
-    "--reset-position-ids",
-    "--reset-attention-mask",
     "--no-create-attention-mask-in-dataloader",
     "--num-dataset-builder-threads",
     "--object-storage-cache-path",

@@ -56,6 +56,8 @@ GPTDataProvider build_data(const TrainingArgs& run_args, const int32_t eod_id, s
   options.seed = static_cast<uint64_t>(run_args.seed);
   options.data_cache_path = run_args.data_cache_path;
   options.eod_mask_loss = run_args.eod_mask_loss;
+  options.reset_position_ids = run_args.reset_position_ids;
+  options.reset_attention_mask = run_args.reset_attention_mask;
   options.eod_id = eod_id;
   options.vocab_size = run_args.model.vocab_size;
   const auto start = std::chrono::steady_clock::now();
