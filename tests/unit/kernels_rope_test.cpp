@@ -1,9 +1,11 @@
-// Rotary embedding: hand-computed values, pass-through tail, fp32 angle recipe, position offset,
-// fast vs reference, and backward vs central finite differences.
+// Rotary embedding: hand-computed values, pass-through tail, fp32 angle recipe, position offset, per-row positions
+// (packed documents, context-parallel chunks), fast vs reference, and backward vs central finite differences.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kernel_test_util.h"
@@ -15,6 +17,29 @@ namespace {
 using test::max_rel_error;
 using test::numeric_grad;
 using test::random_vector;
+
+// rope_forward / rope_backward are overloaded on their last argument (position offset or per-row positions).
+template <typename T>
+using OffsetFn = void (*)(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t);
+template <typename T>
+using PositionsFn = void (*)(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, const int64_t*);
+
+template <typename T>
+OffsetFn<T> offset_forward(const bool fast) {
+  return fast ? OffsetFn<T>(cpu::rope_forward<T>) : OffsetFn<T>(ref::rope_forward<T>);
+}
+template <typename T>
+OffsetFn<T> offset_backward(const bool fast) {
+  return fast ? OffsetFn<T>(cpu::rope_backward<T>) : OffsetFn<T>(ref::rope_backward<T>);
+}
+template <typename T>
+PositionsFn<T> positions_forward(const bool fast) {
+  return fast ? PositionsFn<T>(cpu::rope_forward<T>) : PositionsFn<T>(ref::rope_forward<T>);
+}
+template <typename T>
+PositionsFn<T> positions_backward(const bool fast) {
+  return fast ? PositionsFn<T>(cpu::rope_backward<T>) : PositionsFn<T>(ref::rope_backward<T>);
+}
 
 // Position 1, one 4-channel head, base 10000: inv_freq = [1, 10000^(-2/4)] = [1, 0.01], so the angles are
 // 1 and 0.01, and for x = [1, 2, 3, 4] (x1 = [1, 2], x2 = [3, 4]):
@@ -28,7 +53,7 @@ void check_hand_computed() {
       9, 9, 9, 9, -1.9841106485555497, 1.9599006674966640, 2.4623779024123160, 4.0197996683349940};
   for (const bool fast : {true, false}) {
     std::vector<T> y(8);
-    (fast ? cpu::rope_forward<T> : ref::rope_forward<T>)(y.data(), x.data(), 2, 1, 1, 4, 4, 10000.0, 0);
+    offset_forward<T>(fast)(y.data(), x.data(), 2, 1, 1, 4, 4, 10000.0, 0);
     // cos/sin are evaluated in fp32 (Megatron's recipe), so agreement is to fp32 precision.
     for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(y[i], expected[i], 2e-6) << "i=" << i << " fast=" << fast;
   }
@@ -42,8 +67,7 @@ TEST(RopeTest, ChannelsBeyondRotDimPassThrough) {
   const auto x = random_vector<double>(S * B * N * head_dim, 1);
   for (const bool fast : {true, false}) {
     std::vector<double> y(x.size());
-    (fast ? cpu::rope_forward<double> : ref::rope_forward<double>)(y.data(), x.data(), S, B, N, head_dim, rot_dim,
-                                                                   10000.0, 0);
+    offset_forward<double>(fast)(y.data(), x.data(), S, B, N, head_dim, rot_dim, 10000.0, 0);
     for (int64_t row = 0; row < S * B * N; ++row) {
       for (int64_t c = rot_dim; c < head_dim; ++c) ASSERT_EQ(y[row * head_dim + c], x[row * head_dim + c]);
       // The rotated part keeps each (c, c + rot_dim/2) pair's norm (to fp32 precision: cos/sin are fp32).
@@ -90,7 +114,7 @@ TEST(RopeTest, PositionOffsetShiftsPositions) {
   const auto x_long = random_vector<float>((S + offset) * row, 3);
   const std::vector<float> x_tail(x_long.begin() + offset * row, x_long.end());
   std::vector<float> y_long(x_long.size()), y_tail(x_tail.size());
-  cpu::rope_forward<float>(y_long.data(), x_long.data(), S + offset, B, N, head_dim, rot_dim, 500.0, 0);
+  cpu::rope_forward<float>(y_long.data(), x_long.data(), S + offset, B, N, head_dim, rot_dim, 500.0, int64_t{0});
   cpu::rope_forward<float>(y_tail.data(), x_tail.data(), S, B, N, head_dim, rot_dim, 500.0, offset);
   for (size_t i = 0; i < y_tail.size(); ++i) ASSERT_NEAR(y_tail[i], y_long[offset * row + i], 1e-7);
 }
@@ -127,8 +151,8 @@ TEST(RopeTest, BackwardMatchesFiniteDifferences) {
   const auto x = random_vector<double>(S * B * N * head_dim, 11);
   const auto R = random_vector<double>(x.size(), 12);
   for (const bool fast : {true, false}) {
-    const auto forward = fast ? cpu::rope_forward<double> : ref::rope_forward<double>;
-    const auto backward = fast ? cpu::rope_backward<double> : ref::rope_backward<double>;
+    const auto forward = offset_forward<double>(fast);
+    const auto backward = offset_backward<double>(fast);
     const auto g = numeric_grad(
         [&](const std::vector<double>& v) {
           std::vector<double> y(v.size());
@@ -139,6 +163,141 @@ TEST(RopeTest, BackwardMatchesFiniteDifferences) {
     std::vector<double> dx(x.size());
     backward(dx.data(), R.data(), S, B, N, head_dim, rot_dim, 10000.0, offset);
     EXPECT_LT(max_rel_error(dx.data(), g.data(), dx.size(), 1e-2), 1e-6) << "fast=" << fast;
+  }
+}
+
+// Packed documents: positions restart at 0 in every document, differently in each batch row (lengths 3, 5, 2 and
+// 6, 4), as Megatron's --reset-position-ids gives them.
+std::vector<int64_t> document_positions() {
+  const int64_t B = 2;
+  const std::vector<std::vector<int64_t>> lengths = {{3, 5, 2}, {6, 4}};
+  std::vector<int64_t> positions(10 * B);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t s = 0;
+    for (const int64_t length : lengths[static_cast<size_t>(b)]) {
+      for (int64_t p = 0; p < length; ++p, ++s) positions[static_cast<size_t>(s * B + b)] = p;
+    }
+  }
+  return positions;
+}
+
+// Context-parallel rank 1 of 3 over a 60-token sequence: chunks 1 and 4 of 6 (positions 10..19 and 40..49) in every
+// batch row. With B = 1 the range of positions (40) is longer than the S * B = 20 rows: the per-row table; with
+// B = 2 it is not: the table by position.
+std::vector<int64_t> cp_chunk_positions(const int64_t B) {
+  const int64_t chunk = 10;
+  std::vector<int64_t> positions;
+  for (const int64_t first : {chunk, 4 * chunk}) {
+    for (int64_t p = 0; p < chunk; ++p) {
+      for (int64_t b = 0; b < B; ++b) positions.push_back(first + p);
+    }
+  }
+  return positions;
+}
+
+// Row (s, b) at position p is the one-row offset kernel at offset p: bit for bit on each backend (same fp32 angle).
+template <typename T>
+void check_positions_are_per_row_offsets(const std::vector<int64_t>& positions, const int64_t B) {
+  const int64_t S = static_cast<int64_t>(positions.size()) / B, N = 3, head_dim = 12, rot_dim = 8;
+  const int64_t row = N * head_dim;
+  const auto x = random_vector<T>(S * B * row, 21);
+  const auto dy = random_vector<T>(x.size(), 22);
+  for (const bool fast : {true, false}) {
+    SCOPED_TRACE(std::string(fast ? "cpu" : "ref") + " S=" + std::to_string(S));
+    std::vector<T> y(x.size()), y_row(row);
+    auto dx = random_vector<T>(x.size(), 23), dx_row = dx;  // must accumulate
+    positions_forward<T>(fast)(y.data(), x.data(), S, B, N, head_dim, rot_dim, 10000.0, positions.data());
+    positions_backward<T>(fast)(dx.data(), dy.data(), S, B, N, head_dim, rot_dim, 10000.0, positions.data());
+    for (int64_t sb = 0; sb < S * B; ++sb) {
+      const int64_t position = positions[static_cast<size_t>(sb)];
+      offset_forward<T>(fast)(y_row.data(), x.data() + sb * row, 1, 1, N, head_dim, rot_dim, 10000.0, position);
+      offset_backward<T>(fast)(dx_row.data() + sb * row, dy.data() + sb * row, 1, 1, N, head_dim, rot_dim, 10000.0,
+                               position);
+      for (int64_t c = 0; c < row; ++c) ASSERT_EQ(y[sb * row + c], y_row[c]) << "row " << sb << " channel " << c;
+    }
+    EXPECT_TRUE(dx == dx_row);
+  }
+}
+
+TEST(RopeTest, PositionsAreRowwiseOffsets) {
+  check_positions_are_per_row_offsets<float>(document_positions(), 2);
+  check_positions_are_per_row_offsets<double>(document_positions(), 2);
+  for (const int64_t B : {1, 2}) {
+    check_positions_are_per_row_offsets<float>(cp_chunk_positions(B), B);
+    check_positions_are_per_row_offsets<double>(cp_chunk_positions(B), B);
+  }
+}
+
+// Positions s + offset in every batch row give the offset kernel's values exactly.
+TEST(RopeTest, PositionsOfConsecutiveRowsEqualTheOffset) {
+  const int64_t S = 9, B = 3, N = 2, head_dim = 16, rot_dim = 16, offset = 1000;
+  std::vector<int64_t> positions(S * B);
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t b = 0; b < B; ++b) positions[static_cast<size_t>(s * B + b)] = s + offset;
+  }
+  const auto x = random_vector<float>(S * B * N * head_dim, 24);
+  std::vector<float> by_offset(x.size()), by_positions(x.size());
+  cpu::rope_forward<float>(by_offset.data(), x.data(), S, B, N, head_dim, rot_dim, 10000.0, offset);
+  cpu::rope_forward<float>(by_positions.data(), x.data(), S, B, N, head_dim, rot_dim, 10000.0, positions.data());
+  EXPECT_TRUE(by_offset == by_positions);
+}
+
+template <typename T>
+void check_positions_vs_ref(const std::vector<int64_t>& positions, const int64_t B, const int64_t N,
+                            const int64_t head_dim, const int64_t rot_dim, const double tol) {
+  const int64_t S = static_cast<int64_t>(positions.size()) / B;
+  const auto x = random_vector<T>(S * B * N * head_dim, 25);
+  std::vector<T> y_fast(x.size()), y_ref(x.size());
+  cpu::rope_forward<T>(y_fast.data(), x.data(), S, B, N, head_dim, rot_dim, 10000.0, positions.data());
+  ref::rope_forward<T>(y_ref.data(), x.data(), S, B, N, head_dim, rot_dim, 10000.0, positions.data());
+  EXPECT_LT(max_rel_error(y_fast.data(), y_ref.data(), y_fast.size(), 1e-2), tol);
+  const auto dy = random_vector<T>(x.size(), 26);
+  auto dx_fast = random_vector<T>(x.size(), 27), dx_ref = dx_fast;
+  cpu::rope_backward<T>(dx_fast.data(), dy.data(), S, B, N, head_dim, rot_dim, 10000.0, positions.data());
+  ref::rope_backward<T>(dx_ref.data(), dy.data(), S, B, N, head_dim, rot_dim, 10000.0, positions.data());
+  EXPECT_LT(max_rel_error(dx_fast.data(), dx_ref.data(), dx_fast.size(), 1e-2), tol);
+}
+
+// Random positions (some repeated, range both shorter and longer than the rows), and the OpenMP path.
+TEST(RopeTest, PositionsMatchReference) {
+  for (const int64_t range : {int64_t{7}, int64_t{100000}}) {
+    SCOPED_TRACE("range " + std::to_string(range));
+    std::vector<int64_t> positions(37 * 3);
+    const auto u = random_vector<double>(positions.size(), 28, 0.0, 1.0);
+    for (size_t r = 0; r < positions.size(); ++r) positions[r] = static_cast<int64_t>(u[r] * range);
+    check_positions_vs_ref<float>(positions, 3, 5, 32, 32, 1e-5);
+    check_positions_vs_ref<double>(positions, 3, 5, 32, 32, 1e-12);
+    check_positions_vs_ref<float>(positions, 3, 2, 13, 8, 1e-5);
+  }
+}
+
+TEST(RopeTest, PositionsBackwardMatchesFiniteDifferences) {
+  const std::vector<int64_t> positions = document_positions();
+  const int64_t B = 2, S = static_cast<int64_t>(positions.size()) / B, N = 2, head_dim = 6, rot_dim = 4;
+  const auto x = random_vector<double>(S * B * N * head_dim, 29);
+  const auto R = random_vector<double>(x.size(), 30);
+  for (const bool fast : {true, false}) {
+    const auto g = numeric_grad(
+        [&](const std::vector<double>& v) {
+          std::vector<double> y(v.size());
+          positions_forward<double>(fast)(y.data(), v.data(), S, B, N, head_dim, rot_dim, 10000.0, positions.data());
+          return test::weighted_sum(y, R);
+        },
+        x);
+    std::vector<double> dx(x.size());
+    positions_backward<double>(fast)(dx.data(), R.data(), S, B, N, head_dim, rot_dim, 10000.0, positions.data());
+    EXPECT_LT(max_rel_error(dx.data(), g.data(), dx.size(), 1e-2), 1e-6) << "fast=" << fast;
+  }
+}
+
+TEST(RopeTest, RejectsMissingOrNegativePositions) {
+  std::vector<float> buf(64);
+  const std::vector<int64_t> negative = {0, 3, -1, 2};
+  for (const bool fast : {true, false}) {
+    EXPECT_THROW(positions_forward<float>(fast)(buf.data(), buf.data(), 2, 2, 1, 8, 8, 10000.0, negative.data()),
+                 std::invalid_argument);
+    EXPECT_THROW(positions_backward<float>(fast)(buf.data(), buf.data(), 2, 2, 1, 8, 8, 10000.0, nullptr),
+                 std::invalid_argument);
   }
 }
 

@@ -13,7 +13,7 @@
 //
 // Ops in src/moecore/ops/*.h (kOpsInHeaders; OpsCoverage checks every one is exercised):
 //   activation.h  activation_input_width activation_forward activation_backward
-//   attention.h   attention_forward attention_backward rope_forward rope_backward
+//   attention.h   attention_forward attention_backward attention_merge rope_forward rope_backward
 //   backend.h     backend_name parse_backend active_backend ScopedBackend
 //   dropout.h     dropout_forward dropout_backward
 //   elementwise.h add_ scale_ sum_squares all_finite
@@ -57,6 +57,7 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "activation_backward",
                                                 "attention_forward",
                                                 "attention_backward",
+                                                "attention_merge",
                                                 "rope_forward",
                                                 "rope_backward",
                                                 "backend_name",
@@ -673,6 +674,18 @@ TEST(OpsBadArgs, OtherArgumentErrors) {
 
   Tensor q({2, 3, 2}, DType::kF32), kv({2, 2, 2}, DType::kF32), qkv({2, 14}, DType::kF32);
   expect_invalid("split_qkv", [&] { split_qkv(q, kv, kv, qkv, 3, 2, 2); });
+
+  Tensor rope_x({2, 3, 1, 4}, DType::kF32);
+  const std::vector<int64_t> five_positions = {0, 1, 2, 3, 4};
+  expect_invalid("rope_forward", [&] { rope_forward(rope_x, rope_x, 2, 3, 4, 4, 10000.0, five_positions); });
+  expect_invalid("rope_backward", [&] { rope_backward(rope_x, rope_x, 2, 3, 4, 4, 10000.0, five_positions); });
+
+  AttentionDims keys_documents_only = test::attention_dims(2, 1, 1, 1);
+  const std::vector<int32_t> documents = {0, 0};
+  keys_documents_only.k_document_SB = documents.data();
+  Tensor aq({2, 1, 1, 8}, DType::kF32), alse({1, 1, 2}, DType::kF32);
+  expect_invalid("attention_forward",
+                 [&] { attention_forward(aq, alse, aq, aq, aq, keys_documents_only, DropoutSpec{}); });
 
   Tensor tokens({6, 3}, DType::kF32), pos({2, 3}, DType::kF32);
   expect_invalid("add_position_embedding", [&] { add_position_embedding(tokens, pos, 2, 1); });

@@ -10,7 +10,9 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -42,7 +44,8 @@ inline std::vector<double> values(const Tensor& t) {
 }
 
 // max |got - want| <= tol * (1 + max |want|): relative to the tensor's magnitude, so a different summation order
-// on a fast path passes and a wrong formula does not. NaN in one and not the other fails.
+// on a fast path passes and a wrong formula does not. NaN in one and not the other fails; an infinity (attention's
+// lse of a row that sees no key) must be matched exactly and does not count in max |want|.
 inline ::testing::AssertionResult close(const std::vector<double>& got, const std::vector<double>& want,
                                         const double tol) {
   if (got.size() != want.size()) {
@@ -55,6 +58,10 @@ inline ::testing::AssertionResult close(const std::vector<double>& got, const st
       return ::testing::AssertionFailure() << "element " << i << " is " << got[i] << ", expected " << want[i];
     }
     if (std::isnan(got[i])) continue;
+    if (std::isinf(got[i]) || std::isinf(want[i])) {
+      if (got[i] == want[i]) continue;
+      return ::testing::AssertionFailure() << "element " << i << " is " << got[i] << ", expected " << want[i];
+    }
     max_want = std::max(max_want, std::abs(want[i]));
     const double diff = std::abs(got[i] - want[i]);
     if (diff > max_diff) {
@@ -286,22 +293,106 @@ inline OpCase rope_case(const std::string& name, const RopeShape& r) {
   return c;
 }
 
-// GQA with N = 4 query heads over G = 2 groups (or a tensor-parallel shard of them).
-inline OpCase attention_case(const std::string& name, const AttentionDims& dims, const DropoutSpec& dropout) {
-  const int64_t S = dims.S, B = dims.B, N = dims.N, G = dims.G, d = dims.head_dim;
+// Per-row positions: packed documents (positions restart in each document, differently per batch row) or a
+// context-parallel rank's two chunks.
+inline OpCase rope_positions_case(const std::string& name, const RopeShape& r, const std::vector<int64_t>& positions) {
+  const int64_t S = r.S, B = r.B, N = r.N, d = r.d, rot_dim = r.rot_dim;
+  const double base = r.base;
+  OpCase c{name, {"rope_forward", "rope_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("inp", {S, B, N, d});
+    e.rand("out", {S, B, N, d});
+  };
+  c.forward = [=](Env& e) { rope_forward(e("out"), e("inp"), S, B, d, rot_dim, base, positions); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) { rope_backward(e("dinp"), e("dout"), S, B, d, rot_dim, base, positions); };
+  c.grads = {{"inp", "dinp", kAcc}};
+  c.bad_args = {{kFwd, "inp", "rope_forward"}, {kFwd, "out", "rope_forward"}, {kBwd, "dinp", "rope_backward"}};
+  return c;
+}
+
+// Positions of S rows of B batch rows restarting at 0 every `period` rows, shifted by b in batch row b.
+inline std::vector<int64_t> document_positions(const int64_t S, const int64_t B, const int64_t period) {
+  std::vector<int64_t> positions(static_cast<size_t>(S * B));
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t b = 0; b < B; ++b) positions[static_cast<size_t>(s * B + b)] = (s + b) % period;
+  }
+  return positions;
+}
+
+// Rows of context-parallel rank r of cp with chunks of `chunk` rows: chunks r and 2 cp - 1 - r.
+inline std::vector<int64_t> cp_rows(const int64_t cp, const int64_t r, const int64_t chunk) {
+  std::vector<int64_t> rows;
+  for (const int64_t c : {r, 2 * cp - 1 - r}) {
+    for (int64_t i = 0; i < chunk; ++i) rows.push_back(c * chunk + i);
+  }
+  return rows;
+}
+
+// The same positions in each of B batch rows.
+inline std::vector<int64_t> repeat_per_batch(const std::vector<int64_t>& rows, const int64_t B) {
+  std::vector<int64_t> out;
+  for (const int64_t r : rows) out.insert(out.end(), static_cast<size_t>(B), r);
+  return out;
+}
+
+// The index and document arrays of a block attention, which the case's AttentionDims point into; the case's
+// lambdas keep them alive.
+struct BlockArrays {
+  int64_t Sk = 0;
+  std::vector<int64_t> q_index, k_index;  // empty: none
+  std::vector<int32_t> q_doc, k_doc;      // empty: none
+  int64_t dropout_seq_len = 0;
+};
+using BlockArraysPtr = std::shared_ptr<const BlockArrays>;
+
+inline AttentionDims with_arrays(AttentionDims dims, const BlockArraysPtr& arrays) {
+  if (!arrays) return dims;
+  dims.Sk = arrays->Sk;
+  dims.q_index = arrays->q_index.empty() ? nullptr : arrays->q_index.data();
+  dims.k_index = arrays->k_index.empty() ? nullptr : arrays->k_index.data();
+  dims.q_document_SB = arrays->q_doc.empty() ? nullptr : arrays->q_doc.data();
+  dims.k_document_SB = arrays->k_doc.empty() ? nullptr : arrays->k_doc.data();
+  dims.dropout_seq_len = arrays->dropout_seq_len;
+  return dims;
+}
+
+// Document ids of rows [S, B]: document boundaries at the rows in `starts` (ascending), offset by 10 b per batch
+// row, and in batch row 1 every row past the first boundary moved one document on.
+inline std::vector<int32_t> documents_SB(const std::vector<int64_t>& rows, const int64_t B,
+                                         const std::vector<int64_t>& starts) {
+  std::vector<int32_t> doc;
+  for (const int64_t r : rows) {
+    int32_t id = 0;
+    for (const int64_t start : starts) id += r >= start ? 1 : 0;
+    for (int64_t b = 0; b < B; ++b) doc.push_back(static_cast<int32_t>(10 * b) + id + (b == 1 && id > 0 ? 1 : 0));
+  }
+  return doc;
+}
+
+// GQA with N = 4 query heads over G = 2 groups (or a tensor-parallel shard of them); with arrays, a block of the
+// sequence (indices, documents, Sk key rows).
+inline OpCase attention_case(const std::string& name, const AttentionDims& base_dims, const DropoutSpec& dropout,
+                             const BlockArraysPtr& arrays = nullptr) {
+  const int64_t S = base_dims.S, B = base_dims.B, N = base_dims.N, G = base_dims.G, d = base_dims.head_dim;
+  const int64_t Sk = arrays && arrays->Sk > 0 ? arrays->Sk : S;
   OpCase c{name, {"attention_forward", "attention_backward"}};
   c.build = [=](Env& e) {
     e.rand("q", {S, B, N, d}, 1.5);
-    e.rand("k", {S, B, G, d}, 1.5);
-    e.rand("v", {S, B, G, d});
+    e.rand("k", {Sk, B, G, d}, 1.5);
+    e.rand("v", {Sk, B, G, d});
     e.rand("out", {S, B, N, d});
     e.rand("lse", {B, N, S});
   };
-  c.forward = [=](Env& e) { attention_forward(e("out"), e("lse"), e("q"), e("k"), e("v"), dims, dropout); };
+  c.forward = [=](Env& e) {
+    attention_forward(e("out"), e("lse"), e("q"), e("k"), e("v"), with_arrays(base_dims, arrays), dropout);
+  };
   c.outputs = {"out", "lse"};
   c.loss = {"out"};
   c.backward = [=](Env& e) {
-    attention_backward(e("dq"), e("dk"), e("dv"), e("dout"), e("q"), e("k"), e("v"), e("out"), e("lse"), dims, dropout);
+    attention_backward(e("dq"), e("dk"), e("dv"), e("dout"), e("q"), e("k"), e("v"), e("out"), e("lse"),
+                       with_arrays(base_dims, arrays), dropout);
   };
   c.grads = {{"q", "dq", kAcc}, {"k", "dk", kAcc}, {"v", "dv", kAcc}};
   c.bad_args = {{kFwd, "k", "attention_forward"},   {kFwd, "lse", "attention_forward"},
@@ -319,6 +410,96 @@ inline AttentionDims attention_dims(const int64_t S, const int64_t B, const int6
   dims.head_dim = 8;
   dims.scale = 1.0 / std::sqrt(8.0);
   return dims;
+}
+
+// Context-parallel rank r of cp (chunks of `chunk` rows) against the keys of rank s, with documents starting at
+// the rows `doc_starts` of the whole sequence (none: one document).
+inline BlockArraysPtr cp_block(const int64_t cp, const int64_t r, const int64_t s, const int64_t chunk, const int64_t B,
+                               const std::vector<int64_t>& doc_starts) {
+  auto arrays = std::make_shared<BlockArrays>();
+  arrays->q_index = cp_rows(cp, r, chunk);
+  arrays->k_index = cp_rows(cp, s, chunk);
+  arrays->Sk = 2 * chunk;
+  arrays->dropout_seq_len = 2 * cp * chunk;
+  if (!doc_starts.empty()) {
+    arrays->q_doc = documents_SB(arrays->q_index, B, doc_starts);
+    arrays->k_doc = documents_SB(arrays->k_index, B, doc_starts);
+  }
+  return arrays;
+}
+
+// Packed documents in a whole sequence of S rows (self-attention, no indices).
+inline BlockArraysPtr packed_documents(const int64_t S, const int64_t B, const std::vector<int64_t>& doc_starts) {
+  auto arrays = std::make_shared<BlockArrays>();
+  std::vector<int64_t> rows(static_cast<size_t>(S));
+  for (int64_t i = 0; i < S; ++i) rows[static_cast<size_t>(i)] = i;
+  arrays->q_doc = arrays->k_doc = documents_SB(rows, B, doc_starts);
+  return arrays;
+}
+
+// attention_merge alone: (out0, lse0) merged with (pout, plse) into (out, lse); some rows of either side (and of
+// both) saw no key (lse -inf).
+inline OpCase attention_merge_case(const std::string& name, const AttentionDims& dims) {
+  const int64_t S = dims.S, B = dims.B, N = dims.N, d = dims.head_dim;
+  OpCase c{name, {"attention_merge"}};
+  c.build = [=](Env& e) {
+    e.rand("out0", {S, B, N, d});
+    e.rand("lse0", {B, N, S}, 3.0);
+    e.rand("pout", {S, B, N, d});
+    e.rand("plse", {B, N, S}, 3.0);
+    e.rand("out", {S, B, N, d});
+    e.rand("lse", {B, N, S});
+    const double inf = std::numeric_limits<double>::infinity();
+    for (int64_t i = 0; i < B * N * S; i += 3) set(e("lse0"), i, -inf);
+    for (int64_t i = 0; i < B * N * S; i += 4) set(e("plse"), i, -inf);
+  };
+  c.forward = [=](Env& e) {
+    reset(e("out"), e("out0"));
+    reset(e("lse"), e("lse0"));
+    attention_merge(e("out"), e("lse"), e("pout"), e("plse"), dims);
+  };
+  c.outputs = {"out", "lse"};
+  c.bad_args = {{kFwd, "out", "attention_merge"},
+                {kFwd, "lse", "attention_merge"},
+                {kFwd, "pout", "attention_merge"},
+                {kFwd, "plse", "attention_merge"}};
+  return c;
+}
+
+// Ring attention of one context-parallel rank over two key blocks (its own, a's, and another rank's, b's): forward
+// per block, merged; backward per block with the final out and lse, dq summed. The finite differences check that
+// this is the gradient of the merged attention.
+inline OpCase attention_ring_case(const std::string& name, const AttentionDims& base_dims, const DropoutSpec& dropout,
+                                  const BlockArraysPtr& a, const BlockArraysPtr& b) {
+  const int64_t S = base_dims.S, B = base_dims.B, N = base_dims.N, G = base_dims.G, d = base_dims.head_dim;
+  OpCase c{name, {"attention_forward", "attention_merge", "attention_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("q", {S, B, N, d}, 1.5);
+    e.rand("ka", {a->Sk, B, G, d}, 1.5);
+    e.rand("va", {a->Sk, B, G, d});
+    e.rand("kb", {b->Sk, B, G, d}, 1.5);
+    e.rand("vb", {b->Sk, B, G, d});
+    e.rand("out", {S, B, N, d});
+    e.rand("lse", {B, N, S});
+    e.rand("pout", {S, B, N, d});
+    e.rand("plse", {B, N, S});
+  };
+  c.forward = [=](Env& e) {
+    attention_forward(e("out"), e("lse"), e("q"), e("ka"), e("va"), with_arrays(base_dims, a), dropout);
+    attention_forward(e("pout"), e("plse"), e("q"), e("kb"), e("vb"), with_arrays(base_dims, b), dropout);
+    attention_merge(e("out"), e("lse"), e("pout"), e("plse"), base_dims);
+  };
+  c.outputs = {"out", "lse", "pout", "plse"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) {
+    attention_backward(e("dq"), e("dka"), e("dva"), e("dout"), e("q"), e("ka"), e("va"), e("out"), e("lse"),
+                       with_arrays(base_dims, a), dropout);
+    attention_backward(e("dq"), e("dkb"), e("dvb"), e("dout"), e("q"), e("kb"), e("vb"), e("out"), e("lse"),
+                       with_arrays(base_dims, b), dropout);
+  };
+  c.grads = {{"q", "dq", kAcc}, {"ka", "dka", kAcc}, {"va", "dva", kAcc}, {"kb", "dkb", kAcc}, {"vb", "dvb", kAcc}};
+  c.bad_args = {{kFwd, "kb", "attention_forward"}, {kBwd, "dkb", "attention_backward"}};
+  return c;
 }
 
 inline OpCase activation_case(const std::string& name, const Activation kind, const int64_t T, const int64_t F) {
@@ -794,6 +975,20 @@ inline const std::vector<OpCase>& all_cases() {
         attention_case("attention_gqa", attention_dims(6, 2, 4, 2), no_dropout),
         attention_case("attention_gqa_dropout", attention_dims(6, 2, 4, 2), attn_dropout),
         attention_case("attention_tp_shard_dropout", tp_shard, attn_dropout),
+        attention_case("attention_documents", attention_dims(9, 2, 4, 2), no_dropout, packed_documents(9, 2, {3, 5})),
+        attention_case("attention_documents_dropout", attention_dims(9, 2, 4, 2), attn_dropout,
+                       packed_documents(9, 2, {2, 7})),
+        // Rank 1 of cp 2 (chunks of 3 rows) against rank 0's keys: every query row sees some key.
+        attention_case("attention_cp_block_dropout", attention_dims(6, 2, 4, 2), attn_dropout,
+                       cp_block(2, 1, 0, 3, 2, {})),
+        // Rank 0 against rank 1's keys, with documents: some query rows see no key (out 0, lse -inf).
+        attention_case("attention_cp_block_documents", attention_dims(6, 2, 4, 2), attn_dropout,
+                       cp_block(2, 0, 1, 3, 2, {4, 10})),
+        attention_merge_case("attention_merge", attention_dims(5, 2, 3, 3)),
+        attention_ring_case("attention_ring_two_blocks", attention_dims(6, 2, 4, 2), attn_dropout,
+                            cp_block(2, 0, 0, 3, 2, {5}), cp_block(2, 0, 1, 3, 2, {5})),
+        rope_positions_case("rope_document_positions", {6, 2, 3, 8, 6, 10000.0, 0}, document_positions(6, 2, 4)),
+        rope_positions_case("rope_cp_positions", {6, 2, 3, 8, 8, 10000.0, 0}, repeat_per_batch(cp_rows(3, 1, 3), 2)),
         activation_case("gelu", Activation::kGelu, 7, 5),
         activation_case("swiglu", Activation::kSwiGLU, 7, 5),
         activation_case("squared_relu", Activation::kSquaredReLU, 7, 5),
@@ -824,6 +1019,12 @@ inline const std::vector<OpCase>& all_cases() {
         layernorm_case("layernorm_large", {64, 257}, true),
         rope_case("rope_large", {40, 2, 4, 64, 32, 10000.0, 7}),
         attention_case("attention_large_mqa_dropout", attention_dims(70, 2, 4, 1), attn_dropout),
+        attention_case("attention_large_cp_documents_dropout", attention_dims(70, 2, 4, 1), attn_dropout,
+                       cp_block(2, 0, 0, 35, 2, {20, 50, 110})),
+        attention_ring_case("attention_large_ring", attention_dims(70, 2, 4, 2), attn_dropout,
+                            cp_block(2, 1, 1, 35, 2, {60}), cp_block(2, 1, 0, 35, 2, {60})),
+        attention_merge_case("attention_merge_large", attention_dims(70, 2, 4, 64)),
+        rope_positions_case("rope_large_positions", {40, 2, 4, 64, 32, 10000.0, 0}, document_positions(40, 2, 13)),
         activation_case("gelu_large", Activation::kGelu, 33, 1025),
         activation_case("swiglu_large", Activation::kSwiGLU, 33, 1025),
         activation_case("squared_relu_large", Activation::kSquaredReLU, 33, 1025),

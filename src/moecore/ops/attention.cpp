@@ -1,5 +1,8 @@
 #include "moecore/ops/attention.h"
 
+#include <span>
+#include <string>
+
 #include "moecore/ops/dispatch.h"
 
 namespace moecore::ops {
@@ -8,12 +11,16 @@ namespace {
 
 void check_attention(const char* op, const AttentionDims& dims, const Tensor& q, const Tensor& k, const Tensor& v,
                      const Tensor& out, const Tensor& lse) {
-  const int64_t T = dims.S * dims.B, d = dims.head_dim;
+  const int64_t T = dims.S * dims.B, Tk = (dims.Sk > 0 ? dims.Sk : dims.S) * dims.B, d = dims.head_dim;
   detail::check_numel(op, "q_SBNd", q, T * dims.N * d);
-  detail::check_numel(op, "k_SBGd", k, T * dims.G * d);
-  detail::check_numel(op, "v_SBGd", v, T * dims.G * d);
+  detail::check_numel(op, "k_SBGd", k, Tk * dims.G * d);
+  detail::check_numel(op, "v_SBGd", v, Tk * dims.G * d);
   detail::check_numel(op, "out_SBNd", out, T * dims.N * d);
   detail::check_numel(op, "lse_BNS", lse, T * dims.N);
+  if ((dims.q_document_SB == nullptr) != (dims.k_document_SB == nullptr)) {
+    detail::fail(op, "documents given for " + std::string(dims.q_document_SB != nullptr ? "queries" : "keys") +
+                         " only (give q_document_SB and k_document_SB, or neither)");
+  }
 }
 
 int64_t heads_of(const char* op, const Tensor& x, const int64_t S, const int64_t B, const int64_t head_dim) {
@@ -23,6 +30,13 @@ int64_t heads_of(const char* op, const Tensor& x, const int64_t S, const int64_t
                          ", heads, d=" + std::to_string(head_dim) + "]");
   }
   return x.numel() / per_head;
+}
+
+void check_positions(const char* op, const std::span<const int64_t> positions_SB, const int64_t S, const int64_t B) {
+  if (static_cast<int64_t>(positions_SB.size()) != S * B) {
+    detail::fail(op, "positions_SB has " + std::to_string(positions_SB.size()) +
+                         " entries, expected S * B = " + std::to_string(S * B));
+  }
 }
 
 }  // namespace
@@ -51,6 +65,20 @@ void attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const
   });
 }
 
+void attention_merge(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& part_out_SBNd, const Tensor& part_lse_BNS,
+                     const AttentionDims& dims) {
+  constexpr const char* op = "attention_merge";
+  detail::check_tensors(op, {&out_SBNd, &lse_BNS, &part_out_SBNd, &part_lse_BNS});
+  const int64_t rows = dims.S * dims.B * dims.N;
+  detail::check_numel(op, "out_SBNd", out_SBNd, rows * dims.head_dim);
+  detail::check_numel(op, "lse_BNS", lse_BNS, rows);
+  detail::check_numel(op, "part_out_SBNd", part_out_SBNd, rows * dims.head_dim);
+  detail::check_numel(op, "part_lse_BNS", part_lse_BNS, rows);
+  detail::dispatch(op, out_SBNd, [&]<typename T>(auto k) {
+    k.attention_merge(ptr<T>(out_SBNd), ptr<T>(lse_BNS), ptr<T>(part_out_SBNd), ptr<T>(part_lse_BNS), dims);
+  });
+}
+
 void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
                   const int64_t rot_dim, const double base, const int64_t position_offset) {
   constexpr const char* op = "rope_forward";
@@ -70,6 +98,30 @@ void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, 
   detail::check_numel(op, "dinp_SBNd", dinp_SBNd, dout_SBNd.numel());
   detail::dispatch(op, dout_SBNd, [&]<typename T>(auto k) {
     k.rope_backward(ptr<T>(dinp_SBNd), ptr<T>(dout_SBNd), S, B, N, head_dim, rot_dim, base, position_offset);
+  });
+}
+
+void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
+                  const int64_t rot_dim, const double base, const std::span<const int64_t> positions_SB) {
+  constexpr const char* op = "rope_forward";
+  detail::check_tensors(op, {&out_SBNd, &inp_SBNd});
+  const int64_t N = heads_of(op, inp_SBNd, S, B, head_dim);
+  detail::check_numel(op, "out_SBNd", out_SBNd, inp_SBNd.numel());
+  check_positions(op, positions_SB, S, B);
+  detail::dispatch(op, inp_SBNd, [&]<typename T>(auto k) {
+    k.rope_forward(ptr<T>(out_SBNd), ptr<T>(inp_SBNd), S, B, N, head_dim, rot_dim, base, positions_SB.data());
+  });
+}
+
+void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
+                   const int64_t rot_dim, const double base, const std::span<const int64_t> positions_SB) {
+  constexpr const char* op = "rope_backward";
+  detail::check_tensors(op, {&dinp_SBNd, &dout_SBNd});
+  const int64_t N = heads_of(op, dout_SBNd, S, B, head_dim);
+  detail::check_numel(op, "dinp_SBNd", dinp_SBNd, dout_SBNd.numel());
+  check_positions(op, positions_SB, S, B);
+  detail::dispatch(op, dout_SBNd, [&]<typename T>(auto k) {
+    k.rope_backward(ptr<T>(dinp_SBNd), ptr<T>(dout_SBNd), S, B, N, head_dim, rot_dim, base, positions_SB.data());
   });
 }
 

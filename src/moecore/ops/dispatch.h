@@ -39,6 +39,7 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, rope_backward)               \
     MOECORE_FORWARD(ns, attention_forward)           \
     MOECORE_FORWARD(ns, attention_backward)          \
+    MOECORE_FORWARD(ns, attention_merge)             \
     MOECORE_FORWARD(ns, swiglu_forward)              \
     MOECORE_FORWARD(ns, swiglu_backward)             \
     MOECORE_FORWARD(ns, gelu_forward)                \

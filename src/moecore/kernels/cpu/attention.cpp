@@ -10,6 +10,12 @@
 // Every output element is a fixed sequence of tile operations whatever the thread count: a task owns its outputs
 // (forward: its query rows; backward: dK, dV of its key tile or all tiles of its group, dQ of its query block), and
 // both backward schedules below visit the tiles of one output in the same order with the same tile shapes.
+//
+// Block attention (query / key indices, documents, Sk != S: attention.h) takes the general path: each key row is
+// classed against a query block by its index and document (seen by no row, by every row, by some), runs of keys
+// seen by every row go in tiles without a mask, keys seen by some go in narrow tiles masked element by element from
+// the first row that sees any, and keys seen by none are skipped. Tiles stay inside the key-tile-aligned ranges, as
+// on the plain path. The plain causal self-attention keeps its own tiling (the prefix mask of each row).
 #include "moecore/kernels/cpu/attention.h"
 
 #include <cblas.h>
@@ -30,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/kernels/cpu/attention_checks.h"
 #include "moecore/kernels/cpu/fast_exp.h"
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/kernels/cpu/vector_isa.h"
@@ -71,22 +78,51 @@ void gemm_rm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, double
 inline float exp_of(const float x) { return fast_exp(x); }
 inline double exp_of(const double x) { return std::exp(x); }
 
-void check_args(const AttentionDims& dims, const DropoutSpec& dropout, const char* fn) {
-  if (dims.S < 0 || dims.B < 0 || dims.N <= 0 || dims.G <= 0 || dims.head_dim <= 0 || dims.N % dims.G != 0) {
-    throw std::invalid_argument(std::string(fn) + ": bad dims S=" + std::to_string(dims.S) +
-                                " B=" + std::to_string(dims.B) + " N=" + std::to_string(dims.N) +
-                                " G=" + std::to_string(dims.G) + " head_dim=" + std::to_string(dims.head_dim) +
-                                " (need N, G, head_dim > 0 and N divisible by G)");
-  }
-  if (!(dropout.p >= 0.0f && dropout.p < 1.0f)) {
-    throw std::invalid_argument(std::string(fn) + ": dropout p=" + std::to_string(dropout.p) + " is outside [0, 1)");
-  }
+// True for causal self-attention over one whole sequence: no indices, no documents, Sk = S, dropout length S.
+bool is_plain(const AttentionDims& dims) {
+  return (dims.Sk == 0 || dims.Sk == dims.S) && dims.q_index == nullptr && dims.k_index == nullptr &&
+         dims.q_document_SB == nullptr && (dims.dropout_seq_len == 0 || dims.dropout_seq_len == dims.S);
 }
 
-// Strides and offsets of the [S, B, N, d] / [S, B, G, d] layouts, and the blocking.
+// The general path's indices and documents for one call: identity indices where the caller gave none, documents
+// transposed to [B, S] / [B, Sk] so that a tile's keys are contiguous.
+struct BlockLayout {
+  explicit BlockLayout(const AttentionDims& dims) {
+    if (is_plain(dims)) return;
+    const int64_t S = dims.S, Sk = detail::key_rows(dims), B = dims.B;
+    auto identity = [](std::vector<int64_t>& v, const int64_t n) {
+      v.resize(static_cast<size_t>(n));
+      for (int64_t r = 0; r < n; ++r) v[static_cast<size_t>(r)] = r;
+      return v.data();
+    };
+    q_index = dims.q_index != nullptr ? dims.q_index : identity(q_identity, S);
+    k_index = dims.k_index != nullptr ? dims.k_index : identity(k_identity, Sk);
+    if (dims.q_document_SB == nullptr) return;
+    auto transpose = [B](std::vector<int32_t>& out_BR, const int32_t* doc_RB, const int64_t R) {
+      out_BR.resize(static_cast<size_t>(R * B));
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t b = 0; b < B; ++b) out_BR[static_cast<size_t>(b * R + r)] = doc_RB[r * B + b];
+      }
+      return out_BR.data();
+    };
+    q_doc_BS = transpose(q_docs, dims.q_document_SB, S);
+    k_doc_BS = transpose(k_docs, dims.k_document_SB, Sk);
+  }
+  const int64_t* q_index = nullptr;  // all null on the plain path
+  const int64_t* k_index = nullptr;
+  const int32_t* q_doc_BS = nullptr;  // null without documents
+  const int32_t* k_doc_BS = nullptr;
+
+ private:
+  std::vector<int64_t> q_identity, k_identity;
+  std::vector<int32_t> q_docs, k_docs;
+};
+
+// Strides and offsets of the [S, B, N, d] / [Sk, B, G, d] layouts, the blocking, and the general path's indices.
 struct Geometry {
-  explicit Geometry(const AttentionDims& dims)
+  Geometry(const AttentionDims& dims, const BlockLayout& layout)
       : S(dims.S),
+        Sk(detail::key_rows(dims)),
         B(dims.B),
         N(dims.N),
         G(dims.G),
@@ -99,20 +135,36 @@ struct Geometry {
         diagonal_tile(std::min(block_rows, kDiagonalTile)),
         packed_rows(block_rows * heads_per_group),
         dropout_heads(dims.dropout_total_heads > 0 ? dims.dropout_total_heads : dims.N),
-        dropout_head_offset(dims.dropout_head_offset) {}
+        dropout_head_offset(dims.dropout_head_offset),
+        dropout_len(detail::dropout_seq_len(dims)),
+        general(!is_plain(dims)),
+        q_index(layout.q_index),
+        k_index(layout.k_index),
+        q_doc_BS(layout.q_doc_BS),
+        k_doc_BS(layout.k_doc_BS) {}
   int64_t q_offset(int64_t i, int64_t b, int64_t h) const { return ((i * B + b) * N + h) * d; }
   int64_t kv_offset(int64_t j, int64_t b, int64_t g) const { return ((j * B + b) * G + g) * d; }
   int64_t row_offset(int64_t b, int64_t h) const { return (b * N + h) * S; }  // into lse_BNS
   int64_t n_query_blocks() const { return (S + block_rows - 1) / block_rows; }
-  bool parallel() const { return S * S * B * N * d > kParallelWork; }
-  // RNG counter of probability (i, 0) of head h: the one-process head index under tensor parallelism.
+  bool parallel() const { return S * Sk * B * N * d > kParallelWork; }
+  int64_t q_pos(int64_t i) const { return general ? q_index[i] : i; }
+  // Key row j (general path) is visible to query row i of batch row b.
+  bool sees(int64_t b, int64_t i, int64_t j) const {
+    return k_index[j] <= q_index[i] && (q_doc_BS == nullptr || q_doc_BS[b * S + i] == k_doc_BS[b * Sk + j]);
+  }
+  // RNG counter of probability (i, key index 0) of head h: the one-process head index under tensor parallelism,
+  // the query's index in the whole sequence under context parallelism.
   uint64_t dropout_row_counter(int64_t b, int64_t h, int64_t i) const {
-    return (static_cast<uint64_t>((b * dropout_heads + dropout_head_offset + h) * S) + static_cast<uint64_t>(i)) *
-           static_cast<uint64_t>(S);
+    return (static_cast<uint64_t>((b * dropout_heads + dropout_head_offset + h) * dropout_len) +
+            static_cast<uint64_t>(q_pos(i))) *
+           static_cast<uint64_t>(dropout_len);
   }
 
-  int64_t S, B, N, G, d, heads_per_group, ld_q, ld_kv, block_rows, diagonal_tile, packed_rows, dropout_heads,
-      dropout_head_offset;
+  int64_t S, Sk, B, N, G, d, heads_per_group, ld_q, ld_kv, block_rows, diagonal_tile, packed_rows, dropout_heads,
+      dropout_head_offset, dropout_len;
+  bool general;  // block attention: the masks come from q_index, k_index and the documents
+  const int64_t *q_index, *k_index;
+  const int32_t *q_doc_BS, *k_doc_BS;
 };
 
 constexpr uint32_t kPhiloxMul0 = 0xD2511F53u, kPhiloxMul1 = 0xCD9E8D57u;
@@ -250,8 +302,23 @@ void philox_words(uint32_t* words, const uint64_t first, const int64_t n, const 
   philox_words_scalar(words, first, n, mask);
 }
 
+// The words of the dropout counters of query row i's keys [j0, j0 + cols), row_counter = dropout_row_counter(b, h,
+// i): on the general path key c has counter row_counter + k_index[j0 + c], drawn run by run of consecutive indices.
+void tile_words(uint32_t* words, const Geometry& geo, const uint64_t row_counter, const int64_t j0, const int64_t cols,
+                const MaskStream& mask) {
+  if (!geo.general) return philox_words(words, row_counter + static_cast<uint64_t>(j0), cols, mask);
+  const int64_t* k = geo.k_index + j0;
+  for (int64_t c = 0; c < cols;) {
+    int64_t end = c + 1;
+    while (end < cols && k[end] == k[end - 1] + 1) ++end;
+    philox_words(words + c, row_counter + static_cast<uint64_t>(k[c]), end - c, mask);
+    c = end;
+  }
+}
+
 // The packed rows of a query block [i0, i1) of kv group (b, g): row r * heads_per_group + hh is query row i0 + r of
-// head g * heads_per_group + hh, so all rows of one query position are adjacent and share the causal limit.
+// head g * heads_per_group + hh, so all rows of one query position are adjacent and share the causal limit. On the
+// general path the block also knows the range of its rows' indices and documents.
 struct Block {
   Block(const Geometry& geo, int64_t batch, int64_t group, int64_t first_query)
       : b(batch),
@@ -260,31 +327,129 @@ struct Block {
         hpg(geo.heads_per_group),
         i0(first_query),
         i1(std::min(geo.S, first_query + geo.block_rows)),
-        rows((i1 - i0) * hpg) {}
+        rows((i1 - i0) * hpg) {
+    if (!geo.general) return;
+    for (int64_t i = i0; i < i1; ++i) {
+      q_min = std::min(q_min, geo.q_index[i]);
+      q_max = std::max(q_max, geo.q_index[i]);
+      if (geo.q_doc_BS == nullptr) continue;
+      doc_min = std::min(doc_min, geo.q_doc_BS[b * geo.S + i]);
+      doc_max = std::max(doc_max, geo.q_doc_BS[b * geo.S + i]);
+    }
+  }
   int64_t query(int64_t p) const { return i0 + p / hpg; }  // query position of packed row p
   int64_t head(int64_t p) const { return h0 + p % hpg; }
-  // How many of the keys [j0, j0 + cols) packed row p sees (a prefix).
+  // How many of the keys [j0, j0 + cols) packed row p sees (a prefix; plain path).
   int64_t visible(int64_t p, int64_t j0, int64_t cols) const { return std::clamp<int64_t>(query(p) + 1 - j0, 0, cols); }
 
   int64_t b, g, h0, hpg, i0, i1, rows;
+  int64_t q_min = std::numeric_limits<int64_t>::max(), q_max = std::numeric_limits<int64_t>::min();
+  int32_t doc_min = std::numeric_limits<int32_t>::max(), doc_max = std::numeric_limits<int32_t>::min();
 };
+
+// How a tile's scores are masked: the plain path's causal prefix of each row, none (every row sees every key), or
+// key by key from the indices and documents (general path).
+enum class TileMask : uint8_t { kCausalPrefix, kNone, kPerKey };
 
 // Keys [j0, j0 + cols) against the block's packed rows [p0, rows): the rows before p0 see none of these keys.
 struct KeyTile {
   int64_t j0, cols, p0;
+  TileMask mask = TileMask::kCausalPrefix;
 };
 
-// The key tiles of a block, in the order every schedule visits them: keys [0, i0 + diagonal_tile) in tiles of
-// `tile` keys aligned to multiples of `tile` (all rows), then the rest of the block's own keys in tiles of
-// diagonal_tile keys, each against the rows from the first query that sees it, so that only about
+// Sets the scores of the keys packed row p does not see to -inf (row: the tile's cols scores of that row).
+template <typename T>
+inline void mask_scores(T* row, const Geometry& geo, const Block& blk, const KeyTile& tile, const int64_t p) {
+  constexpr T kMinusInf = -std::numeric_limits<T>::infinity();
+  if (tile.mask == TileMask::kCausalPrefix) {
+    std::fill(row + blk.visible(p, tile.j0, tile.cols), row + tile.cols, kMinusInf);
+  } else if (tile.mask == TileMask::kPerKey) {
+    const int64_t i = blk.query(p), qi = geo.q_index[i], cols = tile.cols;
+    const int64_t* k = geo.k_index + tile.j0;
+    if (geo.q_doc_BS == nullptr) {
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) row[c] = k[c] <= qi ? row[c] : kMinusInf;
+    } else {
+      const int32_t doc = geo.q_doc_BS[blk.b * geo.S + i];
+      const int32_t* k_doc = geo.k_doc_BS + blk.b * geo.Sk + tile.j0;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) row[c] = k[c] <= qi && k_doc[c] == doc ? row[c] : kMinusInf;
+    }
+  }
+}
+
+// The key tiles of a block on the plain path, in the order every schedule visits them: keys [0, i0 + diagonal_tile)
+// in tiles of `tile` keys aligned to multiples of `tile` (all rows), then the rest of the block's own keys in tiles
+// of diagonal_tile keys, each against the rows from the first query that sees it, so that only about
 // block_rows * diagonal_tile / 2 masked scores per block are computed. block_rows (a power of two) divides `tile`,
 // so every tile lies inside one `tile`-aligned key range.
 template <typename F>
-void for_each_key_tile(const Geometry& geo, const Block& blk, int64_t tile, F&& visit) {
+void for_each_plain_key_tile(const Geometry& geo, const Block& blk, int64_t tile, F&& visit) {
   const int64_t full_end = std::min(blk.i1, blk.i0 + geo.diagonal_tile);
   for (int64_t j0 = 0; j0 < full_end; j0 += tile) visit(KeyTile{j0, std::min(tile, full_end - j0), 0});
   for (int64_t j0 = full_end; j0 < blk.i1; j0 += geo.diagonal_tile) {
     visit(KeyTile{j0, std::min(geo.diagonal_tile, blk.i1 - j0), (j0 - blk.i0) * blk.hpg});
+  }
+}
+
+// Key row j against a block (general path), from the block's index and document ranges: seen by none of its rows,
+// by all, or maybe by some.
+enum class KeyClass : uint8_t { kHidden, kSeenByAll, kSeenBySome };
+
+KeyClass classify_key(const Geometry& geo, const Block& blk, const int64_t j) {
+  const int64_t index = geo.k_index[j];
+  if (index > blk.q_max) return KeyClass::kHidden;
+  const bool one_document = geo.k_doc_BS == nullptr || blk.doc_min == blk.doc_max;
+  if (geo.k_doc_BS != nullptr) {
+    const int32_t doc = geo.k_doc_BS[blk.b * geo.Sk + j];
+    if (doc < blk.doc_min || doc > blk.doc_max) return KeyClass::kHidden;
+  }
+  return index <= blk.q_min && one_document ? KeyClass::kSeenByAll : KeyClass::kSeenBySome;
+}
+
+// The first packed row of the block that sees any of keys [j0, j0 + cols), or blk.rows if none does.
+int64_t first_row_seeing(const Geometry& geo, const Block& blk, const int64_t j0, const int64_t cols) {
+  for (int64_t i = blk.i0; i < blk.i1; ++i) {
+    for (int64_t j = j0; j < j0 + cols; ++j) {
+      if (geo.sees(blk.b, i, j)) return (i - blk.i0) * blk.hpg;
+    }
+  }
+  return blk.rows;
+}
+
+// The key tiles of a block on the general path within keys [k_begin, k_end) (k_begin a multiple of `tile`), in the
+// order every schedule visits them: per `tile`-aligned key range, runs of keys of one class in key order; a run
+// seen by all rows is one unmasked tile, a run seen by some is cut in tiles of diagonal_tile keys masked key by key
+// from the first row that sees any (tiles no row sees are dropped), hidden runs are skipped.
+template <typename F>
+void for_each_general_key_tile(const Geometry& geo, const Block& blk, int64_t tile, int64_t k_begin, int64_t k_end,
+                               F&& visit) {
+  for (int64_t range = k_begin; range < k_end; range += tile) {
+    const int64_t range_end = std::min(range + tile, k_end);
+    for (int64_t j = range; j < range_end;) {
+      const KeyClass kind = classify_key(geo, blk, j);
+      int64_t run_end = j + 1;
+      while (run_end < range_end && classify_key(geo, blk, run_end) == kind) ++run_end;
+      if (kind == KeyClass::kSeenByAll) {
+        visit(KeyTile{j, run_end - j, 0, TileMask::kNone});
+      } else if (kind == KeyClass::kSeenBySome) {
+        for (int64_t j0 = j; j0 < run_end; j0 += geo.diagonal_tile) {
+          const int64_t cols = std::min(geo.diagonal_tile, run_end - j0);
+          const int64_t p0 = first_row_seeing(geo, blk, j0, cols);
+          if (p0 < blk.rows) visit(KeyTile{j0, cols, p0, TileMask::kPerKey});
+        }
+      }
+      j = run_end;
+    }
+  }
+}
+
+template <typename F>
+void for_each_key_tile(const Geometry& geo, const Block& blk, int64_t tile, F&& visit) {
+  if (geo.general) {
+    for_each_general_key_tile(geo, blk, tile, 0, geo.Sk, visit);
+  } else {
+    for_each_plain_key_tile(geo, blk, tile, visit);
   }
 }
 
@@ -318,17 +483,22 @@ class Scratch {
 // running max and sum of exp(s - m) over the keys so far (-inf, 0 before the first tile), o_Md = the output
 // accumulator sum of exp(s - m) (dropped) v. Out: s_MC = exp(s - m_new), 0 where masked or dropped; m, l updated;
 // o_Md rows rescaled by exp(m_old - m_new) unless this is the first tile (o not yet written). Masked scores become
-// -inf (exp gives 0), so every row runs the same full-width loops.
+// -inf (exp gives 0), so every row runs the same full-width loops. On the general path o starts at zero and a row
+// may see no key of a tile (row_max stays -inf: its exponentials are 0, m and l unchanged).
 template <typename T>
 MOECORE_VECTOR_CLONES void forward_tile(T* s_MC, T* m_M, T* l_M, T* o_Md, const Geometry& geo, const Block& blk,
                                         const KeyTile& tile, const MaskStream& mask) {
   const int64_t j0 = tile.j0, cols = tile.cols;
   for (int64_t p = tile.p0; p < blk.rows; ++p) {
     T* row = s_MC + p * cols;
-    std::fill(row + blk.visible(p, j0, cols), row + cols, -std::numeric_limits<T>::infinity());
+    mask_scores(row, geo, blk, tile, p);
     T row_max = m_M[p];
 #pragma omp simd reduction(max : row_max)
     for (int64_t c = 0; c < cols; ++c) row_max = row[c] > row_max ? row[c] : row_max;
+    if (row_max == -std::numeric_limits<T>::infinity()) {
+      std::fill(row, row + cols, T(0));
+      continue;
+    }
     T sum = 0;
 #pragma omp simd reduction(+ : sum)
     for (int64_t c = 0; c < cols; ++c) {
@@ -337,13 +507,12 @@ MOECORE_VECTOR_CLONES void forward_tile(T* s_MC, T* m_M, T* l_M, T* o_Md, const 
       row[c] = e;
     }
     if (mask.active) {
-      const uint64_t first = geo.dropout_row_counter(blk.b, blk.head(p), blk.query(p)) + static_cast<uint64_t>(j0);
       uint32_t words[kKeyTileForward];
-      philox_words(words, first, cols, mask);
+      tile_words(words, geo, geo.dropout_row_counter(blk.b, blk.head(p), blk.query(p)), j0, cols, mask);
 #pragma omp simd
       for (int64_t c = 0; c < cols; ++c) row[c] = mask.kept(words[c]) ? row[c] : T(0);
     }
-    if (j0 > 0 && row_max != m_M[p]) {
+    if ((j0 > 0 || geo.general) && row_max != m_M[p]) {
       const T rescale = exp_of(m_M[p] - row_max);
       T* o_row = o_Md + p * geo.d;
       for (int64_t c = 0; c < geo.d; ++c) o_row[c] *= rescale;
@@ -355,11 +524,17 @@ MOECORE_VECTOR_CLONES void forward_tile(T* s_MC, T* m_M, T* l_M, T* o_Md, const 
   }
 }
 
-// out = o / l (times 1 / (1 - p) under dropout), lse = m + log(l), into the [S, B, N, d] and [B, N, S] outputs.
+// out = o / l (times 1 / (1 - p) under dropout), lse = m + log(l), into the [S, B, N, d] and [B, N, S] outputs; a
+// row that saw no key (l = 0, general path only) gets out = 0, lse = -inf.
 template <typename T>
 MOECORE_VECTOR_CLONES void forward_finish(T* out_SBNd, T* lse_BNS, const T* o_Md, const T* m_M, const T* l_M,
                                           const Geometry& geo, const Block& blk, const MaskStream& mask) {
   for (int64_t p = 0; p < blk.rows; ++p) {
+    if (l_M[p] == T(0)) {
+      std::fill_n(out_SBNd + geo.q_offset(blk.query(p), blk.b, blk.head(p)), geo.d, T(0));
+      lse_BNS[geo.row_offset(blk.b, blk.head(p)) + blk.query(p)] = -std::numeric_limits<T>::infinity();
+      continue;
+    }
     const T inv = static_cast<T>(mask.keep_scale / static_cast<double>(l_M[p]));
     const T* o_row = o_Md + p * geo.d;
     T* out_row = out_SBNd + geo.q_offset(blk.query(p), blk.b, blk.head(p));
@@ -387,6 +562,7 @@ void forward_block(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd, co
   pack_rows(sc.q_Md, q_SBNd, geo, blk);
   std::fill(sc.m_M, sc.m_M + blk.rows, -std::numeric_limits<T>::infinity());
   std::fill(sc.l_M, sc.l_M + blk.rows, T(0));
+  if (geo.general) std::fill(sc.o_Md, sc.o_Md + blk.rows * geo.d, T(0));  // its first tile need not be key 0's
   for_each_key_tile(geo, blk, kKeyTileForward, [&](const KeyTile& tile) {
     const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
     T* s_MC = sc.s_MC + tile.p0 * tile.cols;
@@ -394,7 +570,7 @@ void forward_block(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd, co
             k_SBGd + kv_off, geo.ld_kv, T(0), s_MC, tile.cols);
     forward_tile(sc.s_MC, sc.m_M, sc.l_M, sc.o_Md, geo, blk, tile, mask);
     gemm_rm(false, false, rows, geo.d, tile.cols, T(1), s_MC, tile.cols, v_SBGd + kv_off, geo.ld_kv,
-            T(tile.j0 == 0 ? 0 : 1), sc.o_Md + tile.p0 * geo.d, geo.d);
+            T(tile.j0 == 0 && !geo.general ? 0 : 1), sc.o_Md + tile.p0 * geo.d, geo.d);
   });
   forward_finish(out_SBNd, lse_BNS, sc.o_Md, sc.m_M, sc.l_M, geo, blk, mask);
 }
@@ -415,7 +591,8 @@ struct BackwardInputs {
 // dout v^T; out (ld cols, zero where masked)
 //   pd = P * mask / (1 - p)  (dropped probabilities, for dV)
 //   ds = scale * P * (dPd * mask / (1 - p) - delta)  (gradient of the unscaled scores q k^T)
-// with P = exp(s - lse), masked scores set to -inf first so that every row runs the same full-width loop.
+// with P = exp(s - lse), masked scores set to -inf first so that every row runs the same full-width loop. A row
+// with lse = -inf saw no key at all (general path): zeros.
 template <typename T>
 MOECORE_VECTOR_CLONES void backward_tile(T* pd_MC, T* ds_MC, const T* lse_M, const T* delta_M,
                                          const BackwardInputs<T>& in, const Block& blk, const KeyTile& tile) {
@@ -424,12 +601,16 @@ MOECORE_VECTOR_CLONES void backward_tile(T* pd_MC, T* ds_MC, const T* lse_M, con
   for (int64_t p = tile.p0; p < blk.rows; ++p) {
     T* pd_row = pd_MC + p * cols;
     T* ds_row = ds_MC + p * cols;
-    std::fill(pd_row + blk.visible(p, j0, cols), pd_row + cols, -std::numeric_limits<T>::infinity());
     const T lse = lse_M[p], delta = delta_M[p];
+    if (lse == -std::numeric_limits<T>::infinity()) {
+      std::fill(pd_row, pd_row + cols, T(0));
+      std::fill(ds_row, ds_row + cols, T(0));
+      continue;
+    }
+    mask_scores(pd_row, in.geo, blk, tile, p);
     if (in.mask.active) {
       uint32_t words[kKeyTileBackward];
-      philox_words(words, in.geo.dropout_row_counter(blk.b, blk.head(p), blk.query(p)) + static_cast<uint64_t>(j0),
-                   cols, in.mask);
+      tile_words(words, in.geo, in.geo.dropout_row_counter(blk.b, blk.head(p), blk.query(p)), j0, cols, in.mask);
 #pragma omp simd
       for (int64_t c = 0; c < cols; ++c) {
         const T prob = exp_of(pd_row[c] - lse);
@@ -462,11 +643,13 @@ struct BackwardScratch {
   T *q_Md, *dout_Md, *dq_Md, *pd_MC, *ds_MC, *lse_M, *delta_M;
 };
 
-// Packs q, dout, lse and delta of a block.
+// Packs q, dout, lse and delta of a block (and zeroes its dq on the general path, where its first tile need not
+// be key 0's).
 template <typename T>
 void load_block(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block& blk) {
   pack_rows(sc.q_Md, in.q, in.geo, blk);
   pack_rows(sc.dout_Md, in.dout, in.geo, blk);
+  if (in.geo.general) std::fill(sc.dq_Md, sc.dq_Md + blk.rows * in.geo.d, T(0));
   for (int64_t p = 0; p < blk.rows; ++p) {
     const int64_t at = in.geo.row_offset(blk.b, blk.head(p)) + blk.query(p);
     sc.lse_M[p] = in.lse[at];
@@ -503,8 +686,8 @@ template <typename T>
 void accumulate_dq(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block& blk, const KeyTile& tile) {
   const Geometry& geo = in.geo;
   gemm_rm(false, false, blk.rows - tile.p0, geo.d, tile.cols, T(1), sc.ds_MC + tile.p0 * tile.cols, tile.cols,
-          in.k + geo.kv_offset(tile.j0, blk.b, blk.g), geo.ld_kv, T(tile.j0 == 0 ? 0 : 1), sc.dq_Md + tile.p0 * geo.d,
-          geo.d);
+          in.k + geo.kv_offset(tile.j0, blk.b, blk.g), geo.ld_kv, T(tile.j0 == 0 && !geo.general ? 0 : 1),
+          sc.dq_Md + tile.p0 * geo.d, geo.d);
 }
 
 // dq += the block's accumulated dq.
@@ -545,7 +728,7 @@ void backward_by_group(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
 template <typename T>
 void backward_by_block(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
   const Geometry& geo = in.geo;
-  const int64_t n_key_tiles = (geo.S + kKeyTileBackward - 1) / kKeyTileBackward, n_blocks = geo.n_query_blocks();
+  const int64_t n_key_tiles = (geo.Sk + kKeyTileBackward - 1) / kKeyTileBackward, n_blocks = geo.n_query_blocks();
   const int64_t n_pairs = geo.B * geo.G;
   Scratch<T> scratch(BackwardScratch<T>::size(geo));
 #pragma omp parallel if (geo.parallel())
@@ -556,6 +739,20 @@ void backward_by_block(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t task = 0; task < n_key_tiles * n_pairs; ++task) {
       const int64_t bg = task % n_pairs, k0 = task / n_pairs * kKeyTileBackward, k1 = k0 + kKeyTileBackward;
+      if (geo.general) {
+        // Every query block, each over its tiles in [k0, k1): the same tiles as backward_by_group's.
+        for (int64_t i0 = 0; i0 < geo.S; i0 += geo.block_rows) {
+          const Block blk(geo, bg / geo.G, bg % geo.G, i0);
+          bool loaded = false;
+          for_each_general_key_tile(geo, blk, kKeyTileBackward, k0, std::min(k1, geo.Sk), [&](const KeyTile& tile) {
+            if (!loaded) load_block(sc, in, blk);
+            loaded = true;
+            compute_tile(sc, in, blk, tile);
+            accumulate_dk_dv(dk, dv, sc, in, blk, tile);
+          });
+        }
+        continue;
+      }
       for (int64_t i0 = k0 / geo.block_rows * geo.block_rows; i0 < geo.S; i0 += geo.block_rows) {
         const Block blk(geo, bg / geo.G, bg % geo.G, i0);
         load_block(sc, in, blk);
@@ -594,13 +791,38 @@ MOECORE_VECTOR_CLONES void row_dots(T* delta_BNS, const T* dout_SBNd, const T* o
   }
 }
 
+// attention_merge for the B * N rows of query position i: weights exp(lse_side - lse_new) in double.
+template <typename T>
+MOECORE_VECTOR_CLONES void merge_position(T* out_SBNd, T* lse_BNS, const T* part_out_SBNd, const T* part_lse_BNS,
+                                          const AttentionDims& dims, const int64_t i) {
+  const int64_t S = dims.S, BN = dims.B * dims.N, d = dims.head_dim;
+  constexpr double kMinusInf = -std::numeric_limits<double>::infinity();
+  for (int64_t bh = 0; bh < BN; ++bh) {
+    const double a = static_cast<double>(lse_BNS[bh * S + i]), p = static_cast<double>(part_lse_BNS[bh * S + i]);
+    if (p == kMinusInf) continue;  // the part saw no key: nothing to add
+    T* out = out_SBNd + (i * BN + bh) * d;
+    const T* part = part_out_SBNd + (i * BN + bh) * d;
+    if (a == kMinusInf) {  // only the part saw keys (out may hold anything)
+      std::copy(part, part + d, out);
+      lse_BNS[bh * S + i] = part_lse_BNS[bh * S + i];
+      continue;
+    }
+    const double lse = std::max(a, p) + std::log1p(std::exp(-std::abs(a - p)));
+    const T wa = static_cast<T>(std::exp(a - lse)), wp = static_cast<T>(std::exp(p - lse));
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) out[c] = out[c] * wa + part[c] * wp;
+    lse_BNS[bh * S + i] = static_cast<T>(lse);
+  }
+}
+
 }  // namespace
 
 template <typename T>
 void attention_forward(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd, const T* v_SBGd,
                        const AttentionDims& dims, const DropoutSpec& dropout) {
-  check_args(dims, dropout, "attention_forward");
-  const Geometry geo(dims);
+  detail::check_attention_args(dims, dropout, "attention_forward");
+  const BlockLayout layout(dims);
+  const Geometry geo(dims, layout);
   const MaskStream mask(dropout);
   const int64_t n_blocks = geo.n_query_blocks(), n_pairs = geo.B * geo.G;
   Scratch<T> scratch(ForwardScratch<T>::size(geo));
@@ -617,8 +839,9 @@ template <typename T>
 void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, const T* q_SBNd, const T* k_SBGd,
                         const T* v_SBGd, const T* out_SBNd, const T* lse_BNS, const AttentionDims& dims,
                         const DropoutSpec& dropout) {
-  check_args(dims, dropout, "attention_backward");
-  const Geometry geo(dims);
+  detail::check_attention_args(dims, dropout, "attention_backward");
+  const BlockLayout layout(dims);
+  const Geometry geo(dims, layout);
   // rowsum(dP * P) = sum_j dPd_ij Pd_ij = dout_i . out_i, also with dropout (out is built from Pd).
   std::vector<T> delta_BNS(geo.B * geo.N * geo.S);
 #pragma omp parallel for schedule(static) if (geo.parallel())
@@ -636,10 +859,19 @@ void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, 
   }
 }
 
+template <typename T>
+void attention_merge(T* out_SBNd, T* lse_BNS, const T* part_out_SBNd, const T* part_lse_BNS,
+                     const AttentionDims& dims) {
+  detail::check_merge_args(dims, "attention_merge");
+#pragma omp parallel for schedule(static) if (dims.S * dims.B * dims.N * dims.head_dim > (int64_t{1} << 16))
+  for (int64_t i = 0; i < dims.S; ++i) merge_position(out_SBNd, lse_BNS, part_out_SBNd, part_lse_BNS, dims, i);
+}
+
 #define MOECORE_ATTENTION_INSTANTIATE(T)                                                                              \
   template void attention_forward<T>(T*, T*, const T*, const T*, const T*, const AttentionDims&, const DropoutSpec&); \
   template void attention_backward<T>(T*, T*, T*, const T*, const T*, const T*, const T*, const T*, const T*,         \
-                                      const AttentionDims&, const DropoutSpec&);
+                                      const AttentionDims&, const DropoutSpec&);                                      \
+  template void attention_merge<T>(T*, T*, const T*, const T*, const AttentionDims&);
 MOECORE_ATTENTION_INSTANTIATE(float)
 MOECORE_ATTENTION_INSTANTIATE(double)
 #undef MOECORE_ATTENTION_INSTANTIATE

@@ -1,61 +1,69 @@
-// Naive causal GQA attention: plain loops in double over the full S x S probability matrix of each head.
-// Backward recomputes the softmax from q and k on its own (it does not trust lse or out) and uses
-// rowsum(dP * P) directly, so it is an independent check of the fast version's shortcuts.
+// Naive causal GQA attention: plain loops in double over the full S x Sk probability matrix of each head, the mask
+// evaluated pair by pair from the rows' indices and documents (attention.h). Backward follows the formulas
+// literally: P = exp(s - lse) from q, k and the given lse, rowsum(dP * P) = dout . out from the given out (so that
+// with the final out and lse of a merged attention it gives one key block's share); dP and dS are formed in full.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <stdexcept>
-#include <string>
+#include <limits>
 #include <vector>
 
 #include "moecore/kernels/cpu/attention.h"
+#include "moecore/kernels/cpu/attention_checks.h"
 #include "moecore/tensor/rng.h"
 
 namespace moecore::kernels::ref {
 namespace {
 
-void check_args(const AttentionDims& dims, const DropoutSpec& dropout, const char* fn) {
-  if (dims.S < 0 || dims.B < 0 || dims.N <= 0 || dims.G <= 0 || dims.head_dim <= 0 || dims.N % dims.G != 0) {
-    throw std::invalid_argument(std::string(fn) + ": bad dims (need N, G, head_dim > 0 and N divisible by G)");
-  }
-  if (!(dropout.p >= 0.0f && dropout.p < 1.0f)) {
-    throw std::invalid_argument(std::string(fn) + ": dropout p=" + std::to_string(dropout.p) + " is outside [0, 1)");
-  }
-}
+constexpr double kMinusInf = -std::numeric_limits<double>::infinity();
 
-// The probabilities of head (b, h): P[i][j] (zero for j > i), and the dropout multipliers mask[i][j]
-// (0 or 1/(1-p)). Returns the row log-sum-exp.
+// Which key each query row sees, and the dropout multipliers.
+struct Mask {
+  Mask(const AttentionDims& dims, const DropoutSpec& dropout)
+      : dims_(dims),
+        Sk(detail::key_rows(dims)),
+        L(detail::dropout_seq_len(dims)),
+        heads(dims.dropout_total_heads > 0 ? dims.dropout_total_heads : dims.N),
+        dropout_(dropout),
+        rng_(dropout.seed, dropout.key) {}
+  int64_t q_pos(int64_t i) const { return dims_.q_index != nullptr ? dims_.q_index[i] : i; }
+  int64_t k_pos(int64_t j) const { return dims_.k_index != nullptr ? dims_.k_index[j] : j; }
+  bool sees(int64_t b, int64_t i, int64_t j) const {
+    if (k_pos(j) > q_pos(i)) return false;
+    return dims_.q_document_SB == nullptr ||
+           dims_.q_document_SB[i * dims_.B + b] == dims_.k_document_SB[j * dims_.B + b];
+  }
+  // 0 (dropped) or 1 / (1 - p).
+  double multiplier(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    const auto counter =
+        static_cast<uint64_t>(((b * heads + dims_.dropout_head_offset + h) * L + q_pos(i)) * L + k_pos(j));
+    const bool dropped = dropout_.p > 0.0f && rng_.uniform(counter) < dropout_.p;
+    return dropped ? 0.0 : 1.0 / (1.0 - static_cast<double>(dropout_.p));
+  }
+
+  const AttentionDims& dims_;
+  int64_t Sk, L, heads;
+  DropoutSpec dropout_;
+  CounterRng rng_;
+};
+
+// The scaled scores of head (b, h): s[i][j] for visible pairs, -inf elsewhere.
 template <typename T>
-std::vector<double> head_probs(std::vector<double>& P, std::vector<double>& mask, const T* q, const T* k,
-                               const AttentionDims& dims, const DropoutSpec& dropout, int64_t b, int64_t h) {
-  const int64_t S = dims.S, B = dims.B, N = dims.N, G = dims.G, d = dims.head_dim, g = h / (N / G);
-  const CounterRng rng(dropout.seed, dropout.key);
-  std::vector<double> lse(S);
-  P.assign(S * S, 0.0);
-  mask.assign(S * S, 0.0);
+void head_scores(std::vector<double>& s, const T* q, const T* k, const AttentionDims& dims, const Mask& mask, int64_t b,
+                 int64_t h) {
+  const int64_t S = dims.S, Sk = mask.Sk, B = dims.B, N = dims.N, G = dims.G, d = dims.head_dim, g = h / (N / G);
+  s.assign(S * Sk, kMinusInf);
   for (int64_t i = 0; i < S; ++i) {
-    double row_max = -INFINITY;
-    for (int64_t j = 0; j <= i; ++j) {
+    for (int64_t j = 0; j < Sk; ++j) {
+      if (!mask.sees(b, i, j)) continue;
       double dot = 0.0;
       for (int64_t c = 0; c < d; ++c) {
         dot += static_cast<double>(q[((i * B + b) * N + h) * d + c]) *
                static_cast<double>(k[((j * B + b) * G + g) * d + c]);
       }
-      P[i * S + j] = dot * dims.scale;
-      row_max = std::max(row_max, P[i * S + j]);
-    }
-    double sum = 0.0;
-    for (int64_t j = 0; j <= i; ++j) sum += std::exp(P[i * S + j] - row_max);
-    lse[i] = row_max + std::log(sum);
-    for (int64_t j = 0; j <= i; ++j) {
-      P[i * S + j] = std::exp(P[i * S + j] - lse[i]);
-      const int64_t heads = dims.dropout_total_heads > 0 ? dims.dropout_total_heads : N;
-      const uint64_t counter = static_cast<uint64_t>(((b * heads + dims.dropout_head_offset + h) * S + i) * S + j);
-      const bool dropped = dropout.p > 0.0f && rng.uniform(counter) < dropout.p;
-      mask[i * S + j] = dropped ? 0.0 : 1.0 / (1.0 - static_cast<double>(dropout.p));
+      s[i * Sk + j] = dot * dims.scale;
     }
   }
-  return lse;
 }
 
 }  // namespace
@@ -63,19 +71,34 @@ std::vector<double> head_probs(std::vector<double>& P, std::vector<double>& mask
 template <typename T>
 void attention_forward(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd, const T* v_SBGd,
                        const AttentionDims& dims, const DropoutSpec& dropout) {
-  check_args(dims, dropout, "ref::attention_forward");
-  const int64_t S = dims.S, B = dims.B, N = dims.N, G = dims.G, d = dims.head_dim;
-  std::vector<double> P, mask;
+  detail::check_attention_args(dims, dropout, "ref::attention_forward");
+  const Mask mask(dims, dropout);
+  const int64_t S = dims.S, Sk = mask.Sk, B = dims.B, N = dims.N, G = dims.G, d = dims.head_dim;
+  std::vector<double> s, M(Sk);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < N; ++h) {
       const int64_t g = h / (N / G);
-      const std::vector<double> lse = head_probs(P, mask, q_SBNd, k_SBGd, dims, dropout, b, h);
+      head_scores(s, q_SBNd, k_SBGd, dims, mask, b, h);
       for (int64_t i = 0; i < S; ++i) {
-        lse_BNS[(b * N + h) * S + i] = static_cast<T>(lse[i]);
+        double* row = s.data() + i * Sk;
+        const double row_max = *std::max_element(row, row + Sk);
+        double lse = kMinusInf;
+        if (row_max != kMinusInf) {
+          double sum = 0.0;
+          for (int64_t j = 0; j < Sk; ++j) sum += std::exp(row[j] - row_max);
+          lse = row_max + std::log(sum);
+        }
+        lse_BNS[(b * N + h) * S + i] = static_cast<T>(lse);
+        // The row's probabilities (0 where masked) and dropout multipliers.
+        for (int64_t j = 0; j < Sk; ++j) {
+          const bool visible = row[j] != kMinusInf;
+          row[j] = visible ? std::exp(row[j] - lse) : 0.0;
+          M[j] = visible ? mask.multiplier(b, h, i, j) : 0.0;
+        }
         for (int64_t c = 0; c < d; ++c) {
           double acc = 0.0;
-          for (int64_t j = 0; j <= i; ++j) {
-            acc += P[i * S + j] * mask[i * S + j] * static_cast<double>(v_SBGd[((j * B + b) * G + g) * d + c]);
+          for (int64_t j = 0; j < Sk; ++j) {
+            acc += row[j] * M[j] * static_cast<double>(v_SBGd[((j * B + b) * G + g) * d + c]);
           }
           out_SBNd[((i * B + b) * N + h) * d + c] = static_cast<T>(acc);
         }
@@ -86,55 +109,94 @@ void attention_forward(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd
 
 template <typename T>
 void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, const T* q_SBNd, const T* k_SBGd,
-                        const T* v_SBGd, [[maybe_unused]] const T* out_SBNd, [[maybe_unused]] const T* lse_BNS,
-                        const AttentionDims& dims, const DropoutSpec& dropout) {
-  check_args(dims, dropout, "ref::attention_backward");
-  const int64_t S = dims.S, B = dims.B, N = dims.N, G = dims.G, d = dims.head_dim;
-  std::vector<double> P, mask, dP(S * S), dS(S * S);
+                        const T* v_SBGd, const T* out_SBNd, const T* lse_BNS, const AttentionDims& dims,
+                        const DropoutSpec& dropout) {
+  detail::check_attention_args(dims, dropout, "ref::attention_backward");
+  const Mask mask(dims, dropout);
+  const int64_t S = dims.S, Sk = mask.Sk, B = dims.B, N = dims.N, G = dims.G, d = dims.head_dim;
+  std::vector<double> s, P(S * Sk), M(S * Sk), dS(S * Sk);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < N; ++h) {
       const int64_t g = h / (N / G);
-      head_probs(P, mask, q_SBNd, k_SBGd, dims, dropout, b, h);
+      head_scores(s, q_SBNd, k_SBGd, dims, mask, b, h);
       auto q_at = [&](int64_t i, int64_t c) { return static_cast<double>(q_SBNd[((i * B + b) * N + h) * d + c]); };
       auto dout_at = [&](int64_t i, int64_t c) {
         return static_cast<double>(dout_SBNd[((i * B + b) * N + h) * d + c]);
       };
       auto kv_index = [&](int64_t j, int64_t c) { return ((j * B + b) * G + g) * d + c; };
-      // dPd = dout v^T; dP = dPd * mask; dV += (P * mask)^T dout.
+      // P = exp(s - lse) (0 where masked), M = the dropout multipliers.
       for (int64_t i = 0; i < S; ++i) {
-        for (int64_t j = 0; j <= i; ++j) {
-          double dot = 0.0;
-          for (int64_t c = 0; c < d; ++c) dot += dout_at(i, c) * static_cast<double>(v_SBGd[kv_index(j, c)]);
-          dP[i * S + j] = dot * mask[i * S + j];
+        const double lse = static_cast<double>(lse_BNS[(b * N + h) * S + i]);
+        for (int64_t j = 0; j < Sk; ++j) {
+          const bool visible = s[i * Sk + j] != kMinusInf && lse != kMinusInf;
+          P[i * Sk + j] = visible ? std::exp(s[i * Sk + j] - lse) : 0.0;
+          M[i * Sk + j] = visible ? mask.multiplier(b, h, i, j) : 0.0;
         }
       }
-      for (int64_t j = 0; j < S; ++j) {
+      // dV += (P * M)^T dout.
+      for (int64_t j = 0; j < Sk; ++j) {
         for (int64_t c = 0; c < d; ++c) {
           double acc = 0.0;
-          for (int64_t i = j; i < S; ++i) acc += P[i * S + j] * mask[i * S + j] * dout_at(i, c);
+          for (int64_t i = 0; i < S; ++i) acc += P[i * Sk + j] * M[i * Sk + j] * dout_at(i, c);
           dv_SBGd[kv_index(j, c)] += static_cast<T>(acc);
         }
       }
-      // dS = P * (dP - rowsum(dP * P)).
+      // dP = (dout v^T) * M; dS = P * (dP - dout . out).
       for (int64_t i = 0; i < S; ++i) {
-        double row_dot = 0.0;
-        for (int64_t j = 0; j <= i; ++j) row_dot += dP[i * S + j] * P[i * S + j];
-        for (int64_t j = 0; j <= i; ++j) dS[i * S + j] = P[i * S + j] * (dP[i * S + j] - row_dot);
+        double delta = 0.0;
+        for (int64_t c = 0; c < d; ++c) {
+          delta += dout_at(i, c) * static_cast<double>(out_SBNd[((i * B + b) * N + h) * d + c]);
+        }
+        for (int64_t j = 0; j < Sk; ++j) {
+          dS[i * Sk + j] = 0.0;
+          if (P[i * Sk + j] == 0.0) continue;
+          double dot = 0.0;
+          for (int64_t c = 0; c < d; ++c) dot += dout_at(i, c) * static_cast<double>(v_SBGd[kv_index(j, c)]);
+          dS[i * Sk + j] = P[i * Sk + j] * (dot * M[i * Sk + j] - delta);
+        }
       }
       // dq += scale dS k; dk += scale dS^T q.
       for (int64_t i = 0; i < S; ++i) {
         for (int64_t c = 0; c < d; ++c) {
           double acc = 0.0;
-          for (int64_t j = 0; j <= i; ++j) acc += dS[i * S + j] * static_cast<double>(k_SBGd[kv_index(j, c)]);
+          for (int64_t j = 0; j < Sk; ++j) acc += dS[i * Sk + j] * static_cast<double>(k_SBGd[kv_index(j, c)]);
           dq_SBNd[((i * B + b) * N + h) * d + c] += static_cast<T>(acc * dims.scale);
         }
       }
-      for (int64_t j = 0; j < S; ++j) {
+      for (int64_t j = 0; j < Sk; ++j) {
         for (int64_t c = 0; c < d; ++c) {
           double acc = 0.0;
-          for (int64_t i = j; i < S; ++i) acc += dS[i * S + j] * q_at(i, c);
+          for (int64_t i = 0; i < S; ++i) acc += dS[i * Sk + j] * q_at(i, c);
           dk_SBGd[kv_index(j, c)] += static_cast<T>(acc * dims.scale);
         }
+      }
+    }
+  }
+}
+
+template <typename T>
+void attention_merge(T* out_SBNd, T* lse_BNS, const T* part_out_SBNd, const T* part_lse_BNS,
+                     const AttentionDims& dims) {
+  detail::check_merge_args(dims, "ref::attention_merge");
+  const int64_t S = dims.S, B = dims.B, N = dims.N, d = dims.head_dim;
+  for (int64_t i = 0; i < S; ++i) {
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < N; ++h) {
+        const int64_t at = (b * N + h) * S + i;
+        const double a = static_cast<double>(lse_BNS[at]), p = static_cast<double>(part_lse_BNS[at]);
+        const double m = std::max(a, p);
+        if (m == kMinusInf) continue;  // neither side saw a key
+        const double lse = m + std::log(std::exp(a - m) + std::exp(p - m));
+        const double wa = std::exp(a - lse), wp = std::exp(p - lse);
+        T* out = out_SBNd + ((i * B + b) * N + h) * d;
+        const T* part = part_out_SBNd + ((i * B + b) * N + h) * d;
+        for (int64_t c = 0; c < d; ++c) {
+          // A side that saw no key has weight 0 and contributes nothing, whatever its row holds.
+          const double from_a = wa > 0.0 ? wa * static_cast<double>(out[c]) : 0.0;
+          const double from_p = wp > 0.0 ? wp * static_cast<double>(part[c]) : 0.0;
+          out[c] = static_cast<T>(from_a + from_p);
+        }
+        lse_BNS[at] = static_cast<T>(lse);
       }
     }
   }
@@ -143,7 +205,8 @@ void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, 
 #define MOECORE_ATTENTION_INSTANTIATE(T)                                                                              \
   template void attention_forward<T>(T*, T*, const T*, const T*, const T*, const AttentionDims&, const DropoutSpec&); \
   template void attention_backward<T>(T*, T*, T*, const T*, const T*, const T*, const T*, const T*, const T*,         \
-                                      const AttentionDims&, const DropoutSpec&);
+                                      const AttentionDims&, const DropoutSpec&);                                      \
+  template void attention_merge<T>(T*, T*, const T*, const T*, const AttentionDims&);
 MOECORE_ATTENTION_INSTANTIATE(float)
 MOECORE_ATTENTION_INSTANTIATE(double)
 #undef MOECORE_ATTENTION_INSTANTIATE

@@ -1,5 +1,6 @@
-// Fast rotary embedding: the cos/sin table is built once per call ([S, rot_dim/2], fp32 recipe of rope.h),
-// then all (s, b, n) head vectors are rotated in parallel.
+// Fast rotary embedding: the cos/sin table is built once per call ([S, rot_dim/2], fp32 recipe of rope.h; with
+// per-row positions one row per position in their range, or one per (s, b) when that range is longer), then all
+// (s, b, n) head vectors are rotated in parallel.
 #include "moecore/kernels/cpu/rope.h"
 
 #include <algorithm>
@@ -21,15 +22,27 @@ void check_rope_args(const int64_t head_dim, const int64_t rot_dim, const double
   if (!(base > 0.0)) throw std::invalid_argument("rope: base " + std::to_string(base) + " must be positive");
 }
 
-// cos/sin of angle[s, i] = (s + offset) * inv_freq[i], everything in fp32 as Megatron computes it.
+// Positions of rows (s, b): present and >= 0.
+void check_positions(const int64_t* positions_SB, const int64_t n) {
+  if (positions_SB == nullptr) throw std::invalid_argument("rope: positions_SB is null");
+  for (int64_t r = 0; r < n; ++r) {
+    if (positions_SB[r] < 0) {
+      throw std::invalid_argument("rope: positions_SB[" + std::to_string(r) + "] = " + std::to_string(positions_SB[r]) +
+                                  " is negative");
+    }
+  }
+}
+
+// cos/sin of angle[r, i] = position(r) * inv_freq[i] for table rows r < n_rows, everything in fp32 as Megatron
+// computes it.
 template <typename T>
 struct RopeTable {
   std::vector<T> cos_SH;
   std::vector<T> sin_SH;
 };
 
-template <typename T>
-RopeTable<T> make_table(const int64_t S, const int64_t half, const double base, const int64_t position_offset) {
+template <typename T, typename PositionOf>
+RopeTable<T> make_table(const int64_t S, const int64_t half, const double base, PositionOf position_of) {
   std::vector<float> inv_freq_H(static_cast<size_t>(half));
   for (int64_t i = 0; i < half; ++i) {
     const float exponent = static_cast<float>(2 * i) / static_cast<float>(2 * half);
@@ -38,7 +51,7 @@ RopeTable<T> make_table(const int64_t S, const int64_t half, const double base, 
   RopeTable<T> table{std::vector<T>(static_cast<size_t>(S * half)), std::vector<T>(static_cast<size_t>(S * half))};
 #pragma omp parallel for schedule(static) if (S * half > 4096)
   for (int64_t s = 0; s < S; ++s) {
-    const float position = static_cast<float>(s + position_offset);
+    const float position = static_cast<float>(position_of(s));
     for (int64_t i = 0; i < half; ++i) {
       const float angle = position * inv_freq_H[static_cast<size_t>(i)];
       table.cos_SH[static_cast<size_t>(s * half + i)] = static_cast<T>(std::cos(angle));
@@ -47,6 +60,29 @@ RopeTable<T> make_table(const int64_t S, const int64_t half, const double base, 
   }
   return table;
 }
+
+// The table for per-row positions: row position - first for every position in [first, last] when that range is no
+// longer than the S * B rows, else row s * B + b for row (s, b).
+template <typename T>
+struct PositionsTable {
+  PositionsTable(const int64_t* positions_SB, const int64_t rows, const int64_t half, const double base)
+      : positions(positions_SB) {
+    const auto [lo, hi] = std::minmax_element(positions_SB, positions_SB + rows);
+    by_position = rows > 0 && *hi - *lo < rows;
+    first = rows > 0 ? *lo : 0;
+    if (by_position) {
+      table = make_table<T>(*hi - *lo + 1, half, base, [this](const int64_t r) { return first + r; });
+    } else {
+      table = make_table<T>(rows, half, base, [positions_SB](const int64_t r) { return positions_SB[r]; });
+    }
+  }
+  int64_t row_of(const int64_t sb) const { return by_position ? positions[sb] - first : sb; }
+
+  const int64_t* positions;
+  int64_t first = 0;
+  bool by_position = false;
+  RopeTable<T> table;
+};
 
 // One head vector, compiled per vector ISA.
 template <typename T>
@@ -82,7 +118,8 @@ void rope_forward(T* out_SBNd, const T* inp_SBNd, const int64_t S, const int64_t
                   const int64_t head_dim, const int64_t rot_dim, const double base, const int64_t position_offset) {
   check_rope_args(head_dim, rot_dim, base);
   const int64_t half = rot_dim / 2;
-  const RopeTable<T> table = make_table<T>(S, half, base, position_offset);
+  const RopeTable<T> table =
+      make_table<T>(S, half, base, [position_offset](const int64_t s) { return s + position_offset; });
   const int64_t heads_per_pos = B * N;
 #pragma omp parallel for schedule(static) if (S * heads_per_pos * head_dim > 16384)
   for (int64_t row = 0; row < S * heads_per_pos; ++row) {
@@ -97,7 +134,8 @@ void rope_backward(T* dinp_SBNd, const T* dout_SBNd, const int64_t S, const int6
                    const int64_t head_dim, const int64_t rot_dim, const double base, const int64_t position_offset) {
   check_rope_args(head_dim, rot_dim, base);
   const int64_t half = rot_dim / 2;
-  const RopeTable<T> table = make_table<T>(S, half, base, position_offset);
+  const RopeTable<T> table =
+      make_table<T>(S, half, base, [position_offset](const int64_t s) { return s + position_offset; });
   const int64_t heads_per_pos = B * N;
 #pragma omp parallel for schedule(static) if (S * heads_per_pos * head_dim > 16384)
   for (int64_t row = 0; row < S * heads_per_pos; ++row) {
@@ -107,9 +145,41 @@ void rope_backward(T* dinp_SBNd, const T* dout_SBNd, const int64_t S, const int6
   }
 }
 
-#define MOECORE_INSTANTIATE(T)                                                                               \
-  template void rope_forward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t); \
-  template void rope_backward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t);
+template <typename T>
+void rope_forward(T* out_SBNd, const T* inp_SBNd, const int64_t S, const int64_t B, const int64_t N,
+                  const int64_t head_dim, const int64_t rot_dim, const double base, const int64_t* positions_SB) {
+  check_rope_args(head_dim, rot_dim, base);
+  check_positions(positions_SB, S * B);
+  const int64_t half = rot_dim / 2;
+  const PositionsTable<T> table(positions_SB, S * B, half, base);
+#pragma omp parallel for schedule(static) if (S * B * N * head_dim > 16384)
+  for (int64_t row = 0; row < S * B * N; ++row) {
+    const int64_t at = table.row_of(row / N) * half;
+    rope_row(out_SBNd + row * head_dim, inp_SBNd + row * head_dim, table.table.cos_SH.data() + at,
+             table.table.sin_SH.data() + at, half, rot_dim, head_dim);
+  }
+}
+
+template <typename T>
+void rope_backward(T* dinp_SBNd, const T* dout_SBNd, const int64_t S, const int64_t B, const int64_t N,
+                   const int64_t head_dim, const int64_t rot_dim, const double base, const int64_t* positions_SB) {
+  check_rope_args(head_dim, rot_dim, base);
+  check_positions(positions_SB, S * B);
+  const int64_t half = rot_dim / 2;
+  const PositionsTable<T> table(positions_SB, S * B, half, base);
+#pragma omp parallel for schedule(static) if (S * B * N * head_dim > 16384)
+  for (int64_t row = 0; row < S * B * N; ++row) {
+    const int64_t at = table.row_of(row / N) * half;
+    rope_row_backward(dinp_SBNd + row * head_dim, dout_SBNd + row * head_dim, table.table.cos_SH.data() + at,
+                      table.table.sin_SH.data() + at, half, rot_dim, head_dim);
+  }
+}
+
+#define MOECORE_INSTANTIATE(T)                                                                                      \
+  template void rope_forward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t);        \
+  template void rope_backward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t);       \
+  template void rope_forward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, const int64_t*); \
+  template void rope_backward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, const int64_t*);
 MOECORE_INSTANTIATE(float)
 MOECORE_INSTANTIATE(double)
 #undef MOECORE_INSTANTIATE

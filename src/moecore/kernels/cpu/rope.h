@@ -3,7 +3,9 @@
 //   inv_freq[i] = 1 / base^(2i / rot_dim), i < rot_dim/2 (computed in fp32 as Megatron does);
 //   angle[s, c] = s * inv_freq[c mod rot_dim/2];  rotate_half([x1, x2]) = [-x2, x1];
 //   y = x * cos(angle) + rotate_half(x) * sin(angle).
-// Activations are [S, B, N, head_dim]; the position of row s is s (+ position_offset).
+// Activations are [S, B, N, head_dim]; the position of row s is s (+ position_offset), or, in the overloads taking
+// positions_SB [S, B], positions_SB[s * B + b] for row (s, b) (>= 0): packed sequences restart positions in every
+// document, a context-parallel rank's chunks have their positions in the whole sequence.
 #pragma once
 
 #include <cstdint>
@@ -16,7 +18,13 @@ namespace moecore::kernels {
                     int64_t rot_dim, double base, int64_t position_offset = 0);                           \
   template <typename T>                                                                                   \
   void rope_backward(T* dinp_SBNd, const T* dout_SBNd, int64_t S, int64_t B, int64_t N, int64_t head_dim, \
-                     int64_t rot_dim, double base, int64_t position_offset = 0);
+                     int64_t rot_dim, double base, int64_t position_offset = 0);                          \
+  template <typename T>                                                                                   \
+  void rope_forward(T* out_SBNd, const T* inp_SBNd, int64_t S, int64_t B, int64_t N, int64_t head_dim,    \
+                    int64_t rot_dim, double base, const int64_t* positions_SB);                           \
+  template <typename T>                                                                                   \
+  void rope_backward(T* dinp_SBNd, const T* dout_SBNd, int64_t S, int64_t B, int64_t N, int64_t head_dim, \
+                     int64_t rot_dim, double base, const int64_t* positions_SB);
 
 namespace cpu {
 MOECORE_ROPE_DECL
