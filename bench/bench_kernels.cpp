@@ -1,7 +1,7 @@
 // Times the fast kernels against their naive references at training sizes; prints one line per kernel.
 // usage: bench_kernels [--threads N] [--repeats N] [--attention] [--case NAME] [--no-ref]
-//   --attention: only the attention cases; --case: only that attention case (demo, moe, gqa, drop, long);
-//   --no-ref: skip the naive references (slow).
+//   --attention: only the attention cases; --case: only that attention case (demo, moe, gqa, drop, long, long4k,
+//   cp4, long4kdrop, cp4drop, docs); --no-ref: skip the naive references (slow).
 #include <omp.h>
 
 #include <algorithm>
@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "moecore/kernels/cpu/attention.h"
@@ -74,10 +75,116 @@ struct AttentionCase {
   int64_t S, B, N, G, d;
   float dropout;
   bool with_ref;  // the naive reference is slow (minutes at S = 2048): only on the smallest case
+  // > 0: the S rows split over cp context-parallel ranks (2 cp chunks, rank r holding chunks r and 2 cp - 1 - r),
+  // every rank's attention run as cp ring steps (a key block each, merged); the times are the sums over all ranks.
+  int64_t cp = 0;
+  int64_t document = 0;  // > 0: packed documents of this many rows (block path, no attention across documents)
 };
+
+// Rows of rank r: chunks r and 2 cp - 1 - r of `chunk` rows.
+std::vector<int64_t> cp_rows(const int64_t cp, const int64_t r, const int64_t chunk) {
+  std::vector<int64_t> rows;
+  for (const int64_t c : {r, 2 * cp - 1 - r}) {
+    for (int64_t i = 0; i < chunk; ++i) rows.push_back(c * chunk + i);
+  }
+  return rows;
+}
+
+std::vector<float> take_rows(const std::vector<float>& x, const std::vector<int64_t>& rows, const int64_t width) {
+  std::vector<float> out;
+  for (const int64_t r : rows) out.insert(out.end(), x.begin() + r * width, x.begin() + (r + 1) * width);
+  return out;
+}
+
+// Ring attention of every rank of c.cp: forward = per rank, cp block forwards (Sk = S / cp) and cp - 1 merges;
+// backward = per rank, cp block backwards with the final out and lse. The same FLOPs as the one-process attention.
+void bench_ring_attention(const AttentionCase& c, const int repeats) {
+  const int64_t chunk = c.S / (2 * c.cp), local = 2 * chunk;
+  kernels::AttentionDims dims;
+  dims.S = local;
+  dims.Sk = local;
+  dims.B = c.B;
+  dims.N = c.N;
+  dims.G = c.G;
+  dims.head_dim = c.d;
+  dims.scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+  dims.dropout_seq_len = c.S;
+  const int64_t q_width = c.B * c.N * c.d, kv_width = c.B * c.G * c.d;
+  const std::vector<float> q = random_floats(static_cast<size_t>(c.S * q_width), 2, 1.0f),
+                           k = random_floats(static_cast<size_t>(c.S * kv_width), 3, 1.0f),
+                           v = random_floats(static_cast<size_t>(c.S * kv_width), 4, 1.0f),
+                           dout = random_floats(static_cast<size_t>(c.S * q_width), 5, 1.0f);
+  struct Rank {
+    std::vector<int64_t> rows;
+    std::vector<float> q, k, v, dout, out, lse, part_out, part_lse, dq, dk, dv;
+  };
+  std::vector<Rank> ranks(static_cast<size_t>(c.cp));
+  for (int64_t r = 0; r < c.cp; ++r) {
+    Rank& rank = ranks[static_cast<size_t>(r)];
+    rank.rows = cp_rows(c.cp, r, chunk);
+    rank.q = take_rows(q, rank.rows, q_width);
+    rank.k = take_rows(k, rank.rows, kv_width);
+    rank.v = take_rows(v, rank.rows, kv_width);
+    rank.dout = take_rows(dout, rank.rows, q_width);
+    rank.out.resize(rank.q.size());
+    rank.part_out.resize(rank.q.size());
+    rank.lse.resize(static_cast<size_t>(c.B * c.N * local));
+    rank.part_lse.resize(rank.lse.size());
+    rank.dq.resize(rank.q.size());
+    rank.dk.resize(rank.k.size());
+    rank.dv.resize(rank.v.size());
+  }
+  const kernels::DropoutSpec dropout{c.dropout, 7, 11};
+  auto dims_of = [&](const int64_t r, const int64_t s) {
+    kernels::AttentionDims block = dims;
+    block.q_index = ranks[static_cast<size_t>(r)].rows.data();
+    block.k_index = ranks[static_cast<size_t>(s)].rows.data();
+    return block;
+  };
+  const double fwd = time_ms(
+      [&] {
+        for (int64_t r = 0; r < c.cp; ++r) {
+          Rank& rank = ranks[static_cast<size_t>(r)];
+          for (int64_t t = 0; t < c.cp; ++t) {
+            const int64_t s = (r - t + c.cp) % c.cp;
+            const Rank& keys = ranks[static_cast<size_t>(s)];
+            const kernels::AttentionDims block = dims_of(r, s);
+            float* out = t == 0 ? rank.out.data() : rank.part_out.data();
+            float* lse = t == 0 ? rank.lse.data() : rank.part_lse.data();
+            kernels::cpu::attention_forward(out, lse, rank.q.data(), keys.k.data(), keys.v.data(), block, dropout);
+            if (t > 0) {
+              kernels::cpu::attention_merge(rank.out.data(), rank.lse.data(), rank.part_out.data(),
+                                            rank.part_lse.data(), block);
+            }
+          }
+        }
+      },
+      repeats);
+  const double bwd = time_ms(
+      [&] {
+        for (int64_t r = 0; r < c.cp; ++r) {
+          Rank& rank = ranks[static_cast<size_t>(r)];
+          for (int64_t t = c.cp - 1; t >= 0; --t) {
+            const int64_t s = (r - t + c.cp) % c.cp;
+            Rank& keys = ranks[static_cast<size_t>(s)];
+            kernels::cpu::attention_backward(rank.dq.data(), keys.dk.data(), keys.dv.data(), rank.dout.data(),
+                                             rank.q.data(), keys.k.data(), keys.v.data(), rank.out.data(),
+                                             rank.lse.data(), dims_of(r, s), dropout);
+          }
+        }
+      },
+      repeats);
+  std::printf(
+      "attention     cpu  %-7s S=%ld B=%ld N=%ld G=%ld d=%ld p=%.1f cp=%ld (%ld ranks x %ld blocks of %ldx%ld) fp32: "
+      "forward %.1f ms, backward %.1f ms\n",
+      c.name, static_cast<long>(c.S), static_cast<long>(c.B), static_cast<long>(c.N), static_cast<long>(c.G),
+      static_cast<long>(c.d), static_cast<double>(c.dropout), static_cast<long>(c.cp), static_cast<long>(c.cp),
+      static_cast<long>(c.cp), static_cast<long>(local), static_cast<long>(local), fwd, bwd);
+}
 
 // Forward and backward of the causal attention kernel, fp32, median of `repeats` calls each.
 void bench_attention(const AttentionCase& c, const int repeats, const bool allow_ref) {
+  if (c.cp > 0) return bench_ring_attention(c, repeats);
   kernels::AttentionDims dims;
   dims.S = c.S;
   dims.B = c.B;
@@ -92,6 +199,12 @@ void bench_attention(const AttentionCase& c, const int repeats, const bool allow
   std::vector<float> out(q_size), lse(static_cast<size_t>(dims.B * dims.N * dims.S)), dq(q_size), dk(kv_size),
       dv(kv_size);
   const kernels::DropoutSpec dropout{c.dropout, 7, 11};
+  std::vector<int32_t> documents_SB;
+  if (c.document > 0) {
+    for (int64_t s = 0; s < c.S; ++s)
+      documents_SB.insert(documents_SB.end(), c.B, static_cast<int32_t>(s / c.document));
+    dims.q_document_SB = dims.k_document_SB = documents_SB.data();
+  }
   for (const bool fast : {true, false}) {
     if (!fast && !(c.with_ref && allow_ref)) continue;
     auto forward = fast ? kernels::cpu::attention_forward<float> : kernels::ref::attention_forward<float>;
@@ -106,18 +219,23 @@ void bench_attention(const AttentionCase& c, const int repeats, const bool allow
         },
         n);
     std::printf(
-        "attention     %-4s %-5s S=%ld B=%ld N=%ld G=%ld d=%ld p=%.1f fp32: forward %.1f ms, backward %.1f ms\n",
+        "attention     %-4s %-7s S=%ld B=%ld N=%ld G=%ld d=%ld p=%.1f%s fp32: forward %.1f ms, backward %.1f ms\n",
         fast ? "cpu" : "ref", c.name, static_cast<long>(c.S), static_cast<long>(c.B), static_cast<long>(c.N),
-        static_cast<long>(c.G), static_cast<long>(c.d), static_cast<double>(c.dropout), fwd, bwd);
+        static_cast<long>(c.G), static_cast<long>(c.d), static_cast<double>(c.dropout),
+        c.document > 0 ? (" documents of " + std::to_string(c.document)).c_str() : "", fwd, bwd);
   }
 }
 
 // The demo model's shape, the MoE benchmark's (S=512, B=4, 8 heads of 64), a GQA variant of it, the same with
-// attention dropout, and a long sequence with GQA.
+// attention dropout, and a long sequence with GQA; then S = 4096 with GQA in one process (long4k), split over two
+// context-parallel ranks (cp4: 4 chunks, each rank 2 ring steps of 2048 x 2048 blocks, without and with dropout),
+// and as packed documents of 512 tokens (the block path skipping the key tiles of other documents).
 const AttentionCase kAttentionCases[] = {
-    {"demo", 256, 8, 8, 8, 64, 0.0f, true},   {"moe", 512, 4, 8, 8, 64, 0.0f, false},
-    {"gqa", 512, 4, 8, 2, 64, 0.0f, false},   {"drop", 512, 4, 8, 8, 64, 0.1f, false},
-    {"long", 2048, 1, 8, 2, 64, 0.0f, false},
+    {"demo", 256, 8, 8, 8, 64, 0.0f, true},         {"moe", 512, 4, 8, 8, 64, 0.0f, false},
+    {"gqa", 512, 4, 8, 2, 64, 0.0f, false},         {"drop", 512, 4, 8, 8, 64, 0.1f, false},
+    {"long", 2048, 1, 8, 2, 64, 0.0f, false},       {"long4k", 4096, 1, 8, 2, 64, 0.0f, false},
+    {"cp4", 4096, 1, 8, 2, 64, 0.0f, false, 2},     {"long4kdrop", 4096, 1, 8, 2, 64, 0.1f, false},
+    {"cp4drop", 4096, 1, 8, 2, 64, 0.1f, false, 2}, {"docs", 4096, 1, 8, 2, 64, 0.0f, false, 0, 512},
 };
 
 }  // namespace

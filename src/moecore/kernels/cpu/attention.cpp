@@ -85,7 +85,8 @@ bool is_plain(const AttentionDims& dims) {
 }
 
 // The general path's indices and documents for one call: identity indices where the caller gave none, documents
-// transposed to [B, S] / [B, Sk] so that a tile's keys are contiguous.
+// transposed to [B, S] / [B, Sk] so that a tile's keys are contiguous, and for every key row the end of its run of
+// consecutive key indices (the dropout counters of such a run are consecutive).
 struct BlockLayout {
   explicit BlockLayout(const AttentionDims& dims) {
     if (is_plain(dims)) return;
@@ -97,6 +98,12 @@ struct BlockLayout {
     };
     q_index = dims.q_index != nullptr ? dims.q_index : identity(q_identity, S);
     k_index = dims.k_index != nullptr ? dims.k_index : identity(k_identity, Sk);
+    k_runs.resize(static_cast<size_t>(Sk));
+    for (int64_t j = Sk - 1; j >= 0; --j) {
+      const bool continues = j + 1 < Sk && k_index[j + 1] == k_index[j] + 1;
+      k_runs[static_cast<size_t>(j)] = continues ? k_runs[static_cast<size_t>(j + 1)] : j + 1;
+    }
+    k_run_end = k_runs.data();
     if (dims.q_document_SB == nullptr) return;
     auto transpose = [B](std::vector<int32_t>& out_BR, const int32_t* doc_RB, const int64_t R) {
       out_BR.resize(static_cast<size_t>(R * B));
@@ -112,9 +119,10 @@ struct BlockLayout {
   const int64_t* k_index = nullptr;
   const int32_t* q_doc_BS = nullptr;  // null without documents
   const int32_t* k_doc_BS = nullptr;
+  const int64_t* k_run_end = nullptr;  // [Sk]: keys [j, k_run_end[j]) have consecutive indices
 
  private:
-  std::vector<int64_t> q_identity, k_identity;
+  std::vector<int64_t> q_identity, k_identity, k_runs;
   std::vector<int32_t> q_docs, k_docs;
 };
 
@@ -141,7 +149,8 @@ struct Geometry {
         q_index(layout.q_index),
         k_index(layout.k_index),
         q_doc_BS(layout.q_doc_BS),
-        k_doc_BS(layout.k_doc_BS) {}
+        k_doc_BS(layout.k_doc_BS),
+        k_run_end(layout.k_run_end) {}
   int64_t q_offset(int64_t i, int64_t b, int64_t h) const { return ((i * B + b) * N + h) * d; }
   int64_t kv_offset(int64_t j, int64_t b, int64_t g) const { return ((j * B + b) * G + g) * d; }
   int64_t row_offset(int64_t b, int64_t h) const { return (b * N + h) * S; }  // into lse_BNS
@@ -165,6 +174,7 @@ struct Geometry {
   bool general;  // block attention: the masks come from q_index, k_index and the documents
   const int64_t *q_index, *k_index;
   const int32_t *q_doc_BS, *k_doc_BS;
+  const int64_t* k_run_end;
 };
 
 constexpr uint32_t kPhiloxMul0 = 0xD2511F53u, kPhiloxMul1 = 0xCD9E8D57u;
@@ -307,11 +317,9 @@ void philox_words(uint32_t* words, const uint64_t first, const int64_t n, const 
 void tile_words(uint32_t* words, const Geometry& geo, const uint64_t row_counter, const int64_t j0, const int64_t cols,
                 const MaskStream& mask) {
   if (!geo.general) return philox_words(words, row_counter + static_cast<uint64_t>(j0), cols, mask);
-  const int64_t* k = geo.k_index + j0;
   for (int64_t c = 0; c < cols;) {
-    int64_t end = c + 1;
-    while (end < cols && k[end] == k[end - 1] + 1) ++end;
-    philox_words(words + c, row_counter + static_cast<uint64_t>(k[c]), end - c, mask);
+    const int64_t end = std::min(cols, geo.k_run_end[j0 + c] - j0);
+    philox_words(words + c, row_counter + static_cast<uint64_t>(geo.k_index[j0 + c]), end - c, mask);
     c = end;
   }
 }
