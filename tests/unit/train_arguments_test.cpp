@@ -441,7 +441,8 @@ TEST(TrainArguments, ParallelSizes) {
     EXPECT_EQ(error_of(with(minimal(), {flag, "0"})), std::string(flag) + " must be positive (got 0)");
   }
   EXPECT_EQ(error_of(with(minimal(), {"--context-parallel-size", "2"})),
-            "--context-parallel-size > 1 is not implemented yet (moecore does not run context parallelism)");
+            "world size 1 is not divisible by tensor-model-parallel-size (1) x pipeline-model-parallel-size (1) x "
+            "context-parallel-size (2)");
   // The world (processes launched) must hold the layout; the data-parallel size is what remains.
   EXPECT_EQ(error_of(with(minimal(), {"--tensor-model-parallel-size", "2"})),
             "world size 1 is not divisible by tensor-model-parallel-size (2) x pipeline-model-parallel-size (1) x "
@@ -567,7 +568,7 @@ TEST(TrainArguments, DataSources) {
 // --reset-position-ids / --reset-attention-mask are Megatron switches (arguments.py _add_data_args): parsed, listed in
 // --help, no longer in the not-implemented catalog, and rejected for now by one check because the model does not
 // read the batch's position / document ids yet. (When it does, this test checks the parsed fields instead.)
-TEST(TrainArguments, PackedSequenceFlagsParsedThenRejectedUntilTheModelReadsThem) {
+TEST(TrainArguments, PackedSequenceFlags) {
   for (const std::string flag : {"--reset-position-ids", "--reset-attention-mask"}) {
     EXPECT_FALSE(is_unimplemented_megatron_flag(flag)) << flag;
     const std::vector<std::string> implemented = implemented_train_flags();
@@ -575,17 +576,40 @@ TEST(TrainArguments, PackedSequenceFlagsParsedThenRejectedUntilTheModelReadsThem
     EXPECT_TRUE(mentions(train_flags_help(), flag)) << flag;
     EXPECT_EQ(error_of(with(minimal(), {flag + "=1"})), flag + " takes no value (got '" + flag + "=1')");
   }
-  EXPECT_EQ(error_of(with(minimal(), {"--reset-position-ids"})),
-            "--reset-position-ids: the model does not read position ids yet");
-  EXPECT_EQ(error_of(with(minimal(), {"--reset-attention-mask"})),
-            "--reset-attention-mask: the model does not read document masks yet");
-  EXPECT_EQ(error_of(with(minimal(), {"--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"})),
-            "--reset-position-ids: the model does not read position ids yet");
-  // The check runs last: other problems are reported first.
-  EXPECT_EQ(error_of(with(without(minimal(), "--mock-data", 0), {"--reset-attention-mask"})),
-            "no training data: give --data-path PREFIX or --mock-data");
   EXPECT_FALSE(parse_train_args(minimal()).reset_position_ids);
   EXPECT_FALSE(parse_train_args(minimal()).reset_attention_mask);
+  const Args rope = with(minimal(), {"--position-embedding-type", "rope"});
+  const TrainingArgs packed =
+      parse_train_args(with(rope, {"--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"}));
+  EXPECT_TRUE(packed.reset_position_ids);
+  EXPECT_TRUE(packed.reset_attention_mask);
+  EXPECT_TRUE(packed.eod_mask_loss);
+  // The learned absolute table is indexed by the sequence position only.
+  EXPECT_EQ(error_of(with(minimal(), {"--reset-position-ids"})),
+            "--reset-position-ids needs --position-embedding-type rope (learned absolute positions with reset "
+            "position ids are not implemented)");
+  EXPECT_TRUE(parse_train_args(with(minimal(), {"--reset-attention-mask"})).reset_attention_mask);
+}
+
+TEST(TrainArguments, ContextParallelFlags) {
+  const Args cp2 = with(minimal(), {"--context-parallel-size", "2"});
+  const TrainingArgs args = parse_train_args(with(cp2, {"--cp-comm-type", "a2a"}), 4);
+  EXPECT_EQ(args.context_parallel_size, 2);
+  EXPECT_EQ(args.data_parallel_size, 2);
+  EXPECT_EQ(args.model.cp_comm_type, (std::vector<std::string>{"a2a"}));
+  EXPECT_EQ(parse_train_args(cp2, 2).model.cp_comm_type, (std::vector<std::string>{"p2p"}));  // Megatron's default
+  EXPECT_EQ(parse_train_args(with(cp2, {"--cp-comm-type", "p2p", "all_gather"}), 2).model.cp_comm_type.size(), 2u);
+  EXPECT_EQ(error_of(with(cp2, {"--cp-comm-type", "ring"}), 2),
+            "invalid value 'ring' for --cp-comm-type (choose from p2p, all_gather, a2a, a2a+p2p)");
+  EXPECT_EQ(error_of(with(cp2, {"--cp-comm-type", "a2a+p2p"}), 2),
+            "--cp-comm-type a2a+p2p is not implemented yet (moecore implements p2p, all_gather, a2a)");
+  EXPECT_EQ(error_of(with(cp2, {"--cp-comm-type", "p2p", "a2a", "p2p"}), 2),
+            "--cp-comm-type takes one value or one per layer (2), got 3");
+  EXPECT_EQ(error_of(with(cp2, {"--seq-length", "34", "--max-position-embeddings", "34"}), 2),
+            "--seq-length (34) must be divisible by 2 x --context-parallel-size (2)");
+  EXPECT_EQ(error_of(with(cp2, {"--cp-comm-type", "a2a", "--group-query-attention", "--num-query-groups", "1"}), 2),
+            "--cp-comm-type a2a needs --num-attention-heads (4) and --num-query-groups (1) divisible by "
+            "--tensor-model-parallel-size x --context-parallel-size (2)");
 }
 
 TEST(TrainArguments, Tokenizers) {

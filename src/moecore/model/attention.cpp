@@ -15,8 +15,10 @@ Tensor activation_tensor(std::vector<int64_t> shape) {
 }  // namespace
 
 SelfAttention::SelfAttention(const ModelConfig& config, const std::string& prefix, const TensorParallel& tp,
-                             const int module, std::vector<Param>& params)
-    : config_(config), prefix_(prefix + "self_attention.") {
+                             const int module, std::vector<Param>& params, const parallel::ProcessGroup& cp)
+    : config_(config), prefix_(prefix + "self_attention."), cp_(cp) {
+  const std::vector<std::string>& types = config.cp_comm_type;
+  cp_type_ = parse_cp_comm_type(types.size() == 1 ? types[0] : types.at(static_cast<size_t>(module)));
   const int64_t H = config.hidden_size, d = config.kv_channels, N = config.num_attention_heads;
   const int64_t G = config.num_query_groups, n = tp.size();
   if (N % n != 0 || G % n != 0) {
@@ -25,6 +27,11 @@ SelfAttention::SelfAttention(const ModelConfig& config, const std::string& prefi
   }
   heads_ = N / n;
   groups_ = G / n;
+  if (cp.size() > 1 && cp_type_ == CpCommType::kA2A && (heads_ % cp.size() != 0 || groups_ % cp.size() != 0)) {
+    throw ConfigError("--cp-comm-type a2a needs the attention heads (" + std::to_string(heads_) +
+                      ") and query groups (" + std::to_string(groups_) + ") of a tensor-parallel rank divisible by " +
+                      "--context-parallel-size (" + std::to_string(cp.size()) + ")");
+  }
   head_offset_ = tp.rank() * heads_;
   LinearOptions qkv;
   qkv.bias = config.add_bias_linear;
@@ -61,7 +68,7 @@ ops::AttentionDims SelfAttention::dims(const int64_t S, const int64_t B) const {
 }
 
 Tensor SelfAttention::forward(const Tensor& x_TH, const int64_t S, const int64_t B, const ops::DropoutSpec& dropout,
-                              AttentionActivations& a) const {
+                              AttentionActivations& a, const SequenceInfo& sequence) const {
   const int64_t T = S * B, N = heads_, G = groups_, d = config_.kv_channels;
   Tensor qkv_TQ = qkv_.forward(x_TH, a.qkv);
   a.q_TNd = activation_tensor({T, N, d});
@@ -81,34 +88,36 @@ Tensor SelfAttention::forward(const Tensor& x_TH, const int64_t S, const int64_t
     const int64_t rot = config_.rotary_dim();
     Tensor q_rot = activation_tensor({T, N, d});
     Tensor k_rot = activation_tensor({T, G, d});
-    ops::rope_forward(q_rot, a.q_TNd, S, B, d, rot, config_.rotary_base);
-    ops::rope_forward(k_rot, a.k_TGd, S, B, d, rot, config_.rotary_base);
+    ops::rope_forward(q_rot, a.q_TNd, S, B, d, rot, config_.rotary_base, sequence.positions_SB);
+    ops::rope_forward(k_rot, a.k_TGd, S, B, d, rot, config_.rotary_base, sequence.positions_SB);
     a.q_TNd = std::move(q_rot);
     a.k_TGd = std::move(k_rot);
   }
   a.attn_TNd = activation_tensor({T, N, d});
   a.lse_BNS = activation_tensor({B, N, S});
-  ops::attention_forward(a.attn_TNd, a.lse_BNS, a.q_TNd, a.k_TGd, a.v_TGd, dims(S, B), dropout);
+  context_parallel_attention_forward(a.attn_TNd, a.lse_BNS, a.q_TNd, a.k_TGd, a.v_TGd, dims(S, B), dropout, sequence,
+                                     cp_, cp_type_);
   return proj_.forward(a.attn_TNd, a.proj);
 }
 
 void SelfAttention::backward(Tensor& dx_TH, const Tensor& dout_TH, const int64_t S, const int64_t B,
-                             const ops::DropoutSpec& dropout, const AttentionActivations& a) const {
+                             const ops::DropoutSpec& dropout, const AttentionActivations& a,
+                             const SequenceInfo& sequence) const {
   const int64_t T = S * B, N = heads_, G = groups_, d = config_.kv_channels;
   Tensor dattn_TNd = activation_tensor({T, N, d});
   proj_.backward(dattn_TNd, dout_TH, a.proj);
   Tensor dq_TNd = activation_tensor({T, N, d});
   Tensor dk_TGd = activation_tensor({T, G, d});
   Tensor dv_TGd = activation_tensor({T, G, d});
-  ops::attention_backward(dq_TNd, dk_TGd, dv_TGd, dattn_TNd, a.q_TNd, a.k_TGd, a.v_TGd, a.attn_TNd, a.lse_BNS,
-                          dims(S, B), dropout);
+  context_parallel_attention_backward(dq_TNd, dk_TGd, dv_TGd, dattn_TNd, a.q_TNd, a.k_TGd, a.v_TGd, a.attn_TNd,
+                                      a.lse_BNS, dims(S, B), dropout, sequence, cp_, cp_type_);
   dattn_TNd = Tensor();
   if (config_.position_embedding_type == PositionEmbedding::kRope) {
     const int64_t rot = config_.rotary_dim();
     Tensor dq_pre = activation_tensor({T, N, d});
     Tensor dk_pre = activation_tensor({T, G, d});
-    ops::rope_backward(dq_pre, dq_TNd, S, B, d, rot, config_.rotary_base);
-    ops::rope_backward(dk_pre, dk_TGd, S, B, d, rot, config_.rotary_base);
+    ops::rope_backward(dq_pre, dq_TNd, S, B, d, rot, config_.rotary_base, sequence.positions_SB);
+    ops::rope_backward(dk_pre, dk_TGd, S, B, d, rot, config_.rotary_base, sequence.positions_SB);
     dq_TNd = std::move(dq_pre);
     dk_TGd = std::move(dk_pre);
   }

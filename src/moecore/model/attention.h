@@ -10,8 +10,10 @@
 #include <vector>
 
 #include "moecore/model/config.h"
+#include "moecore/model/context_parallel_attention.h"
 #include "moecore/model/norm_module.h"
 #include "moecore/model/parallel_linear.h"
+#include "moecore/model/sequence_info.h"
 #include "moecore/ops/attention.h"
 #include "moecore/tensor/tensor.h"
 
@@ -29,16 +31,18 @@ struct AttentionActivations {
 class SelfAttention {
  public:
   SelfAttention() = default;
+  // cp: the context-parallel group the layer's sequence is split over (self() without context parallelism).
   SelfAttention(const ModelConfig& config, const std::string& prefix, const TensorParallel& tp, int module,
-                std::vector<Param>& params);
+                std::vector<Param>& params, const parallel::ProcessGroup& cp = parallel::ProcessGroup::self());
   void bind(std::vector<Param>& params);
 
   // x_TH: the normed layer input (this rank's rows) -> the projected output (this rank's rows), bias included.
-  Tensor forward(const Tensor& x_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout,
-                 AttentionActivations& saved) const;
+  // S: the local sequence (S / CP positions); `sequence` gives the positions, documents and the CP split.
+  Tensor forward(const Tensor& x_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout, AttentionActivations& saved,
+                 const SequenceInfo& sequence) const;
   // dx_TH += d(out)/d(x)^T dout_TH; parameter gradients accumulate.
   void backward(Tensor& dx_TH, const Tensor& dout_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout,
-                const AttentionActivations& saved) const;
+                const AttentionActivations& saved, const SequenceInfo& sequence) const;
 
  private:
   ops::AttentionDims dims(int64_t S, int64_t B) const;
@@ -46,6 +50,8 @@ class SelfAttention {
   ModelConfig config_;
   std::string prefix_;
   int64_t heads_ = 0, groups_ = 0, head_offset_ = 0;  // this rank's query heads and groups, first global head
+  parallel::ProcessGroup cp_ = parallel::ProcessGroup::self();
+  CpCommType cp_type_ = CpCommType::kP2P;
   ColumnParallelLinear qkv_;
   RowParallelLinear proj_;
   NormModule q_norm_, k_norm_;

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "moecore/moe/moe_config.h"
 #include "moecore/ops/activation.h"
@@ -42,6 +43,8 @@ struct ModelConfig {
   double attention_dropout = 0.1;
   double hidden_dropout = 0.1;
   bool untie_embeddings_and_output_weights = false;
+  // --cp-comm-type: one value for every layer, or one per layer (p2p, all_gather, a2a).
+  std::vector<std::string> cp_comm_type = {"p2p"};
   MoEConfig moe;  // num_experts == 0: dense
 
   int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(kv_channels) * rotary_percent); }

@@ -335,6 +335,28 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
                           TokenRows::context_parallel(S, B, parallel_.cp_rank(), parallel_.cp_size()), options);
   ctx->chunk = options.chunk;
   if (options.loss_tokens != nullptr) *options.loss_tokens = ctx->loss_tokens;
+  SequenceInfo& sequence = ctx->sequence;
+  sequence.S = S;
+  sequence.B = B;
+  sequence.cp_rank = parallel_.cp_rank();
+  sequence.cp_size = cp;
+  sequence.positions_SB.resize(static_cast<size_t>(S_local * B));
+  for (const TokenRows::Run& run : ctx->rows.runs()) {
+    for (int64_t i = 0; i < run.count; ++i) {
+      const int64_t g = run.global + i, s = g / B, b = g % B;
+      sequence.positions_SB[static_cast<size_t>(run.local + i)] =
+          options.position_ids_BS != nullptr ? options.position_ids_BS[b * S + s] : s;
+    }
+  }
+  if (options.position_ids_BS != nullptr && config_.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
+    for (int64_t i = 0; i < B * S; ++i) {
+      if (options.position_ids_BS[i] != i % S) {
+        throw std::invalid_argument("reset position ids need rotary position embeddings");
+      }
+    }
+  }
+  if (options.document_ids_BS != nullptr)
+    sequence.documents_BS.assign(options.document_ids_BS, options.document_ids_BS + B * S);
   Tensor x_TH;
   if (stage.pre_process) {
     if (tokens_BS == nullptr) throw std::invalid_argument("the first pipeline stage needs the tokens");
@@ -354,7 +376,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     TransformerLayer& module = m.layers[first + i];
     if (hooks_) hooks_->before_forward(static_cast<int>(layer));
     const LayerDropout dropout{options.training, options.dropout_seed, layer_stream(options.dropout_stream, layer),
-                               ctx->rows};
+                               ctx->rows, &ctx->sequence};
     LayerActivations scratch;
     LayerActivations& saved = options.training ? ctx->layers[i] : scratch;
     const trace::Scope scope("layer ", layer, " forward", "forward");
@@ -405,10 +427,13 @@ Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double l
   for (size_t i = ctx->layers.size(); i-- > 0;) {
     const int64_t layer = stage.first_layer + static_cast<int64_t>(i);
     Tensor dprev_TH = activation_tensor(dx_TH.shape());
-    const LayerDropout dropout{true, ctx->dropout_seed, layer_stream(ctx->dropout_stream, layer), ctx->rows};
+    const LayerDropout dropout{true, ctx->dropout_seed, layer_stream(ctx->dropout_stream, layer), ctx->rows,
+                               &ctx->sequence};
     {
       const trace::Scope scope("layer ", layer, " backward", "backward");
-      m.layers[first + i].backward(dprev_TH, dx_TH, S, B, dropout, loss_scale, ctx->layers[i]);
+      // The auxiliary losses' gradient scale is loss_scale x CP (Megatron's MoEAuxLossAutoScaler: grad_scale CP / M):
+      // each CP rank's aux terms are partial sums over tp-cp, and its gradients are averaged over dp-cp.
+      m.layers[first + i].backward(dprev_TH, dx_TH, S, B, dropout, loss_scale * parallel_.cp_size(), ctx->layers[i]);
     }
     ctx->layers[i] = LayerActivations();
     dx_TH = std::move(dprev_TH);

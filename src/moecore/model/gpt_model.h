@@ -50,6 +50,10 @@ struct ForwardOptions {
   uint64_t dropout_stream = 0;    // distinct per (iteration, micro-batch)
   int chunk = 0;                  // the model chunk (virtual pipeline stage) of this rank to run
   double* loss_tokens = nullptr;  // if set: receives the unmasked tokens this rank's loss covers (its share under CP)
+  // Packed sequences (Megatron's --reset-position-ids / --reset-attention-mask), the whole micro-batch [B, S]; null:
+  // positions 0..S-1 (rotary embeddings) and one document per sample.
+  const int64_t* position_ids_BS = nullptr;
+  const int32_t* document_ids_BS = nullptr;
 };
 
 class GPTModel {

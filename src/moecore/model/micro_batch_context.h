@@ -7,6 +7,7 @@
 
 #include "moecore/model/norm_module.h"
 #include "moecore/model/parallel_linear.h"
+#include "moecore/model/sequence_info.h"
 #include "moecore/model/token_rows.h"
 #include "moecore/model/transformer_layer.h"
 #include "moecore/tensor/tensor.h"
@@ -24,6 +25,7 @@ class MicroBatchContext {
   bool training = false;
   int chunk = 0;                         // the model chunk that ran
   TokenRows rows;                        // where the local sequence's rows sit in the one-process micro-batch
+  SequenceInfo sequence;                 // positions, documents and the context-parallel split, for attention
   std::vector<LayerActivations> layers;  // the chunk's layers
   Tensor output_TH;                      // the last layer's output: this stage's result without post-process
   Tensor final_out_TH;                   // final norm output (post-process)

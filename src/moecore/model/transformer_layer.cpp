@@ -54,6 +54,18 @@ Tensor dropout_add(const Tensor& branch, const Tensor& residual, const ops::Drop
   return out;
 }
 
+// The layer's sequence: the model's, or (a layer used on its own) one plain sequence of S positions kept in `plain`.
+const SequenceInfo& sequence_of(const LayerDropout& dropout, const int64_t S, const int64_t B, SequenceInfo& plain) {
+  if (dropout.sequence != nullptr) return *dropout.sequence;
+  plain.S = S;
+  plain.B = B;
+  plain.positions_SB.clear();
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t b = 0; b < B; ++b) plain.positions_SB.push_back(s);
+  }
+  return plain;
+}
+
 // The layer's whole local rows (S * B), or this rank's sequence-parallel shard of them.
 TokenRows layer_rows(const LayerDropout& dropout, const int64_t T) {
   return dropout.rows.count() == 0 ? TokenRows::contiguous(0, T) : dropout.rows;
@@ -74,7 +86,7 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
   }
   const int64_t H = config.hidden_size;
   NormModule::add_params(params, prefix_ + "input_layernorm", H, config.normalization, tp_.sequence_sharded(), module);
-  attention_ = SelfAttention(config, prefix_, tp_, module, params);
+  attention_ = SelfAttention(config, prefix_, tp_, module, params, parallel.cp);
   NormModule::add_params(params, prefix_ + "pre_mlp_layernorm", H, config.normalization, tp_.sequence_sharded(),
                          module);
   if (moe_layer) {
@@ -137,8 +149,9 @@ Tensor TransformerLayer::forward(const Tensor& x_TH, const int64_t S, const int6
   Tensor attn_out_TH;
   {
     const trace::Scope scope("attention forward", "forward");
+    SequenceInfo plain;
     attn_out_TH = attention_.forward(a.ln1_TH, S, B, dropout_spec(dropout, config_.attention_dropout, kAttentionProbs),
-                                     a.attention);
+                                     a.attention, sequence_of(dropout, S, B, plain));
   }
   a.x_mid_TH = dropout_add(attn_out_TH, x_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterAttention), rows);
   MemoryTracker::instance().set_owner(mlp_owner());
@@ -185,8 +198,9 @@ void TransformerLayer::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
   Tensor dln1_TH = activation_tensor(dout_TH.shape());
   {
     const trace::Scope scope("attention backward", "backward");
+    SequenceInfo plain;
     attention_.backward(dln1_TH, dattn_TH, S, B, dropout_spec(dropout, config_.attention_dropout, kAttentionProbs),
-                        a.attention);
+                        a.attention, sequence_of(dropout, S, B, plain));
   }
   dattn_TH = Tensor();
   ln1_.backward(dx_TH, dln1_TH, a.x_TH, a.ln1_stats);

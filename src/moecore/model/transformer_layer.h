@@ -15,6 +15,7 @@
 #include "moecore/model/mlp.h"
 #include "moecore/model/norm_module.h"
 #include "moecore/model/param.h"
+#include "moecore/model/sequence_info.h"
 #include "moecore/model/tensor_parallel.h"
 #include "moecore/model/token_rows.h"
 #include "moecore/moe/moe_layer.h"
@@ -30,6 +31,7 @@ struct LayerDropout {
   // Where the layer's S * B rows (the whole local sequence, before any sequence-parallel shard) sit in the one-process
   // micro-batch; empty: rows 0..S*B-1. Counter-RNG draws are keyed by the one-process element.
   TokenRows rows;
+  const SequenceInfo* sequence = nullptr;  // positions, documents and the CP split (null: one plain sequence)
 };
 
 // What one layer's backward needs from its forward.

@@ -8,6 +8,7 @@ const char* comm_kind_name(const CommKind kind) {
     case CommKind::kTensorParallel: return "tensor-parallel";
     case CommKind::kGradReduce: return "grad-reduce";
     case CommKind::kParamGather: return "param-gather";
+    case CommKind::kContextParallel: return "context-parallel";
     case CommKind::kPipelineP2P: return "pipeline-p2p";
     case CommKind::kPipelineWait: return "pipeline-wait";
     case CommKind::kOther: return "other";

@@ -12,13 +12,14 @@
 namespace moecore::parallel {
 
 enum class CommKind : uint8_t {
-  kAllToAll,        // MoE token dispatch and combine (all-to-all, or the allgather dispatcher's gather / scatter)
-  kTensorParallel,  // TP / SP activations: all-reduce, all-gather, reduce-scatter
-  kGradReduce,      // data-parallel gradient all-reduce / reduce-scatter, TP sums of replicated gradients
-  kParamGather,     // distributed optimizer's parameter all-gather
-  kPipelineP2P,     // pipeline send / recv: posting the transfers, the sends' completion
-  kPipelineWait,    // pipeline: waiting for a neighbour stage's activation or gradient (the bubble, with the transfer)
-  kOther,           // loss / statistics reductions, grad norm, logging
+  kAllToAll,         // MoE token dispatch and combine (all-to-all, or the allgather dispatcher's gather / scatter)
+  kTensorParallel,   // TP / SP activations: all-reduce, all-gather, reduce-scatter
+  kGradReduce,       // data-parallel gradient all-reduce / reduce-scatter, TP sums of replicated gradients
+  kParamGather,      // distributed optimizer's parameter all-gather
+  kContextParallel,  // context parallel attention: keys / values around the ring, all-gathers, all-to-alls
+  kPipelineP2P,      // pipeline send / recv: posting the transfers, the sends' completion
+  kPipelineWait,     // pipeline: waiting for a neighbour stage's activation or gradient (the bubble, with the transfer)
+  kOther,            // loss / statistics reductions, grad norm, logging
   kCount
 };
 

@@ -85,14 +85,6 @@ struct FlagValue {
     if (size < 1) throw ConfigError(std::string(flag) + " must be positive (got " + text() + ")");
     return size;
   }
-  // Context parallelism: the layout accounts for it, the engine does not run it yet.
-  int64_t unsupported_parallel_size(const char* what) const {
-    const int64_t size = parallel_size();
-    if (size > 1) {
-      throw ConfigError(std::string(flag) + " > 1 is not implemented yet (moecore does not run " + what + ")");
-    }
-    return size;
-  }
 };
 
 enum class Arity { kSwitch, kOne, kList };
@@ -370,9 +362,14 @@ const std::vector<FlagSpec>& flag_table() {
     {"--microbatch-group-size-per-virtual-pipeline-stage", Arity::kOne, "N",
      "interleaved schedule: micro-batches run through a model chunk before the next (default: PP)",
      [](TrainingArgs& a, const FlagValue& v) { a.microbatch_group_size_per_vp_stage = v.parallel_size(); }},
-    {"--context-parallel-size", Arity::kOne, "N", "context parallel size (1 only for now)",
+    {"--context-parallel-size", Arity::kOne, "N", "context parallel size (sequence split over N ranks)",
+     [](TrainingArgs& a, const FlagValue& v) { a.context_parallel_size = v.parallel_size(); }},
+    {"--cp-comm-type", Arity::kList, "TYPE...",
+     "context-parallel attention: p2p (ring), all_gather or a2a (Ulysses); one value or one per layer",
      [](TrainingArgs& a, const FlagValue& v) {
-       a.context_parallel_size = v.unsupported_parallel_size("context parallelism");
+       a.model.cp_comm_type = v.each([](const FlagValue& one) {
+         return std::string(one.choice({"p2p", "all_gather", "a2a"}, {"a2a+p2p"}));
+       });
      }},
     {"--expert-model-parallel-size", Arity::kOne, "N", "expert parallel size (experts split over EP ranks)",
      [](TrainingArgs& a, const FlagValue& v) { a.expert_model_parallel_size = v.parallel_size(); }},

@@ -104,8 +104,8 @@ struct TrainingArgs {
   std::string split;                   // --split, e.g. "969, 30, 1" (empty with --mock-data and no --split)
   std::string data_cache_path;         // --data-cache-path (empty = none)
   bool eod_mask_loss = false;          // --eod-mask-loss
-  bool reset_position_ids = false;     // --reset-position-ids (rejected until the model reads position ids)
-  bool reset_attention_mask = false;   // --reset-attention-mask (rejected until the model reads document ids)
+  bool reset_position_ids = false;     // --reset-position-ids (rotary positions restart in every document)
+  bool reset_attention_mask = false;   // --reset-attention-mask (no attention across documents)
   std::string tokenizer_type;          // --tokenizer-type: GPT2BPETokenizer or NullTokenizer
   std::string vocab_file;              // --vocab-file
   std::string merge_file;              // --merge-file

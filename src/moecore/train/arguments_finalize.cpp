@@ -168,6 +168,26 @@ void finalize_pipeline(TrainingArgs& args) {
   }
 }
 
+// Context parallelism (Megatron's validate_args and TransformerEngine's checks): the load-balanced split needs
+// 2 x CP chunks of every sequence; a2a splits each tensor-parallel rank's heads over CP.
+void finalize_context_parallel(const TrainingArgs& args) {
+  const ModelConfig& model = args.model;
+  const int64_t cp = args.context_parallel_size, tp = args.tensor_model_parallel_size;
+  require(model.cp_comm_type.size() == 1 || static_cast<int64_t>(model.cp_comm_type.size()) == model.num_layers,
+          "--cp-comm-type takes one value or one per layer (" + str(model.num_layers) + "), got " +
+              str(static_cast<int64_t>(model.cp_comm_type.size())));
+  if (cp == 1) return;
+  require(model.seq_length % (2 * cp) == 0, "--seq-length (" + str(model.seq_length) +
+                                                ") must be divisible by 2 x --context-parallel-size (" + str(cp) + ")");
+  for (const std::string& type : model.cp_comm_type) {
+    if (type != "a2a") continue;
+    require(model.num_attention_heads % (tp * cp) == 0 && model.num_query_groups % (tp * cp) == 0,
+            "--cp-comm-type a2a needs --num-attention-heads (" + str(model.num_attention_heads) +
+                ") and --num-query-groups (" + str(model.num_query_groups) +
+                ") divisible by --tensor-model-parallel-size x --context-parallel-size (" + str(tp * cp) + ")");
+  }
+}
+
 // Megatron's parallel-size checks; the layout itself validates the grid (LayoutError carries one line).
 void finalize_parallel(TrainingArgs& args, const std::set<std::string>& given) {
   if (!given.contains("--expert-tensor-parallel-size")) {
@@ -181,6 +201,7 @@ void finalize_parallel(TrainingArgs& args, const std::set<std::string>& given) {
   }
   const ModelConfig& model = args.model;
   const int64_t tp = args.tensor_model_parallel_size;
+  finalize_context_parallel(args);
   require(model.num_attention_heads % tp == 0 && model.num_query_groups % tp == 0,
           "--num-attention-heads (" + str(model.num_attention_heads) + ") and --num-query-groups (" +
               str(model.num_query_groups) + ") must be divisible by --tensor-model-parallel-size (" + str(tp) + ")");
@@ -378,12 +399,12 @@ void finalize_moecore(const TrainingArgs& args, const std::set<std::string>& giv
           "--sample-tokens requires --sample-prompt");
 }
 
-// TEMPORARY, until the model reads the batch's position ids and document ids: the data pipeline honours these flags
-// (data/packed_sequences.h) but training would silently ignore them. Remove this function and its call once
-// GPTModel takes position_ids_BS / document_ids_BS.
-void reject_data_flags_the_model_does_not_read_yet(const TrainingArgs& args) {
-  require(!args.reset_position_ids, "--reset-position-ids: the model does not read position ids yet");
-  require(!args.reset_attention_mask, "--reset-attention-mask: the model does not read document masks yet");
+// Packed sequences: the model reads the position ids through its rotary embeddings only (Megatron's learned
+// absolute table with reset positions is not implemented).
+void finalize_packed_sequences(const TrainingArgs& args) {
+  require(!args.reset_position_ids || args.model.position_embedding_type == PositionEmbedding::kRope,
+          "--reset-position-ids needs --position-embedding-type rope (learned absolute positions with reset position "
+          "ids are not implemented)");
 }
 
 }  // namespace
@@ -399,7 +420,7 @@ void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given)
   finalize_checkpointing(args, given);
   finalize_profiling(args, given);
   finalize_moecore(args, given);
-  reject_data_flags_the_model_does_not_read_yet(args);  // TEMPORARY (see the function)
+  finalize_packed_sequences(args);
 }
 
 }  // namespace moecore::detail

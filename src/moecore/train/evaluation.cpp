@@ -34,6 +34,8 @@ double evaluate(const TrainingArgs& args, GPTModel& model, const GPTDataProvider
     microbatches.B = args.micro_batch_size;
     microbatches.S = args.model.seq_length;
     microbatches.overlap_p2p_comm = args.overlap_p2p_comm && model.num_chunks() > 1;
+    microbatches.position_ids = args.reset_position_ids;
+    microbatches.document_ids = args.reset_attention_mask;
     microbatches.batch = [&](const int m) {
       return data.get_batch(DatasetSplit::kValid, batch_start + mine[static_cast<size_t>(m)] * args.micro_batch_size,
                             args.micro_batch_size);

@@ -210,7 +210,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--num-distributed-optimizer-instances",
     "--use-torch-fsdp2",
     "--torch-fsdp2-no-reshard-after-forward",
-    "--cp-comm-type",
     "--hierarchical-context-parallel-sizes",
     "--nccl-communicator-config-path",
     "--replication",

@@ -104,11 +104,15 @@ class Executor {
     if (!stage.pre_process) {
       model_.set_input_tensor(take_received(inputs_, pending_inputs_, key, "received activation"), chunk);
     }
-    // Only the stages that embed or compute the loss read the data (Megatron's get_batch on first and last stage).
-    const Batch data = stage.pre_process || stage.post_process ? microbatches_.batch(microbatch) : Batch{};
+    // The stages that embed or compute the loss read the data (Megatron's get_batch on first and last stage); with
+    // packed sequences every stage does, for the position and document ids its attention needs.
+    const bool packed = microbatches_.position_ids || microbatches_.document_ids;
+    const Batch data = stage.pre_process || stage.post_process || packed ? microbatches_.batch(microbatch) : Batch{};
     std::unique_ptr<MicroBatchContext> ctx;
     double mean_loss = 0.0, tokens = 0.0;
     options.loss_tokens = &tokens;
+    if (microbatches_.position_ids) options.position_ids_BS = data.position_ids_BS.data();
+    if (microbatches_.document_ids) options.document_ids_BS = data.document_ids_BS.data();
     {
       const trace::Scope scope(step_name("forward", microbatch, chunk), "step");
       mean_loss = model_.forward(ctx, stage.pre_process ? data.tokens_BS.data() : nullptr,

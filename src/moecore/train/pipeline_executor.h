@@ -24,6 +24,9 @@ struct PipelineMicrobatches {
   std::function<double(int microbatch)> loss_scale = nullptr;  // backward seed per micro-batch (training only)
   // Megatron's overlap_p2p_comm: a receive is waited for when its step needs it, not at its p2p call.
   bool overlap_p2p_comm = true;
+  // Packed sequences: hand the batch's position ids / document ids to the model (--reset-position-ids /
+  // --reset-attention-mask).
+  bool position_ids = false, document_ids = false;
 };
 
 // Runs `schedule` (whose pp rank and sizes are this rank's) and returns the token-weighted loss of the micro-batches

@@ -43,6 +43,8 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   microbatches.loss_scale = [loss_scale](int) { return loss_scale; };
   // Megatron turns overlap_p2p_comm off without virtual stages (arguments.py validate_args).
   microbatches.overlap_p2p_comm = args.overlap_p2p_comm && modules.model.num_chunks() > 1;
+  microbatches.position_ids = args.reset_position_ids;
+  microbatches.document_ids = args.reset_attention_mask;
   modules.ddp.zero_grad();
   const TokenWeightedLoss loss = run_pipeline_schedule(schedule, modules.model, &modules.ddp, parallel, microbatches);
   {
