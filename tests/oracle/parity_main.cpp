@@ -8,8 +8,8 @@
 // C.json holds ModelConfig fields by name (enums as strings: "RMSNorm", "swiglu", "rope", ...), and optionally
 // "moe": {MoEConfig fields by name} (tests/oracle/twin_moe.py MOE_DEFAULTS lists them). W.safetensors holds
 // every parameter under its Megatron name; B.safetensors holds tokens and labels [B, S] (int32/int64) and optionally
-// loss_mask [B, S], and the twin's optional packed-sequence inputs position_ids / document_ids [B, S]: the C++
-// model does not read them yet, so only their defaults (positions 0..S-1, document 0) are accepted.
+// loss_mask [B, S], and the twin's optional packed-sequence inputs position_ids / document_ids [B, S] (positions of
+// the rows, documents that attention does not cross).
 // With --import-hf DIR the model (config and weights) comes from an HF export instead.
 // W.safetensors may also hold MoE router buffers decoder.layers.{i}.mlp.router.expert_bias [E] (loaded as state).
 // Protocol (dropout must be 0): for step k = 0..N: forward (losses[k]); if k < N: backward, finish_global_batch
@@ -372,17 +372,14 @@ int run(int argc, char** argv) {
     if (mask.numel() != B * S) throw std::runtime_error(args.batch + ": loss_mask must be [B, S]");
     std::memcpy(loss_mask.data(), mask.data<float>(), loss_mask.size() * sizeof(float));
   }
-  for (const std::string name : {"position_ids", "document_ids"}) {
-    if (!batch.contains(name)) continue;
-    const std::vector<int32_t> ids = int_tensor(batch, name, B, S);
-    for (size_t i = 0; i < ids.size(); ++i) {
-      const int64_t expected = name == "position_ids" ? static_cast<int64_t>(i) % S : 0;
-      if (ids[i] != expected) {
-        throw std::runtime_error(args.batch + ": " + name +
-                                 " other than the default are not read by the C++ model yet");
-      }
-    }
+  // Packed sequences: the rows' positions (rotary / learned) and documents (no attention across them).
+  std::vector<int64_t> position_ids;
+  std::vector<int32_t> document_ids;
+  if (batch.contains("position_ids")) {
+    const std::vector<int32_t> ids = int_tensor(batch, "position_ids", B, S);
+    position_ids.assign(ids.begin(), ids.end());
   }
+  if (batch.contains("document_ids")) document_ids = int_tensor(batch, "document_ids", B, S);
 
   AdamWOptions options;
   options.beta1 = args.beta1;
@@ -409,6 +406,8 @@ int run(int argc, char** argv) {
       ForwardOptions forward_options;
       forward_options.training = true;
       forward_options.dropout_stream = static_cast<uint64_t>(step * M + m);
+      if (!position_ids.empty()) forward_options.position_ids_BS = position_ids.data() + first;
+      if (!document_ids.empty()) forward_options.document_ids_BS = document_ids.data() + first;
       Tensor logits;
       loss_sum += model->forward(ctx, tokens.data() + first, labels.data() + first, loss_mask.data() + first, Bm, S,
                                  forward_options, step == 0 ? &logits : nullptr);

@@ -65,6 +65,9 @@ CONFIGS = {
     "loss_mask_zeros_no_position": {"position_embedding_type": "none", "activation": "swiglu", "mask": "zeros"},
     # The batch file's optional packed-sequence fields at their defaults (positions 0..S-1, one document per sample).
     "default_packed_ids_learned_abs": {"position_embedding_type": "learned_absolute", "ids": "default"},
+    # Packed sequences (--reset-attention-mask, --reset-position-ids): documents of random lengths per sample, rotary
+    # positions restarting in each, against the twin's dense block-diagonal causal mask.
+    "packed_documents_rope_gqa": {**LLAMA, **GQA, "ids": "packed"},
 }
 
 
@@ -174,11 +177,18 @@ def run_config(parity_exe, label, overrides, workdir, seed):
         B, S = batch["tokens"].shape
         batch["position_ids"] = np.tile(np.arange(S, dtype=np.int64), (B, 1))
         batch["document_ids"] = np.zeros((B, S), dtype=np.int32)
-        # Other ids are refused until the C++ model reads them (moecore_parity fails with one line).
-        packed = {**batch, "document_ids": np.repeat(np.arange(S, dtype=np.int32)[None] // 4, B, axis=0)}
-        _, error = run_harness(parity_exe, label + ".packed", cfg, weights, packed, workdir, steps=0)
-        if error is None or "document_ids other than the default are not read by the C++ model yet" not in error:
-            return [f"{label}: moecore_parity should refuse non-default document_ids, got: {error}"], {}
+    elif ids == "packed":
+        B, S = batch["tokens"].shape
+        rng = np.random.default_rng(seed + 2)
+        documents = np.zeros((B, S), dtype=np.int32)
+        positions = np.zeros((B, S), dtype=np.int64)
+        for b in range(B):  # 1-3 cuts per sample, at least one token per document
+            cuts = np.sort(rng.choice(np.arange(1, S), size=rng.integers(1, 4), replace=False))
+            documents[b] = np.searchsorted(cuts, np.arange(S), side="right")
+            starts = np.concatenate([[0], cuts])
+            positions[b] = np.arange(S) - starts[documents[b]]
+        batch["position_ids"] = positions
+        batch["document_ids"] = documents
     cpp, error = run_harness(parity_exe, label, cfg, weights, batch, workdir)
     if error:
         return [error], {}

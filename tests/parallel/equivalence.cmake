@@ -31,6 +31,10 @@ set(equiv_pp_global_aux --num-layers 8 --moe-layer-freq [0,1,0,1,0,1,0,1] ${equi
 # Pipelines with tensor parallelism on 4 layers: with 8, the tensor-parallel reduction order alone moves a parameter
 # by up to 2e-4 relative after 5 Adam steps in the sanitizer build (the same for TP2 without a pipeline).
 set(equiv_pp_4l --num-layers 4 --moe-layer-freq [0,1,0,1] ${equiv_aux})
+# Packed sequences: mock documents of at most 8 tokens, so each 16-token sequence packs several (EOD-separated).
+# (No --eod-mask-loss: under CP each rank's loss is its own token mean, as Megatron, which equals the one-process
+# objective only when every rank has as many unmasked tokens.)
+set(equiv_packed ${equiv_aux} --mock-max-sequence-length 8 --reset-position-ids --reset-attention-mask)
 
 set(equiv_dir ${CMAKE_CURRENT_BINARY_DIR}/equivalence)
 file(MAKE_DIRECTORY ${equiv_dir})
@@ -52,7 +56,7 @@ function(moecore_equiv name config np)
     set(config_args ${equiv_global_aux})
   elseif(config STREQUAL "capacity")
     set(config_args ${equiv_capacity})
-  elseif(config MATCHES "^pp")
+  elseif(config MATCHES "^pp" OR config STREQUAL "packed")
     set(config_args ${equiv_${config}})
   endif()
   add_test(NAME dist.equiv.${name}
@@ -71,6 +75,7 @@ moecore_equiv_reference(pp_mb8 ${equiv_pp_mb8})
 moecore_equiv_reference(pp_untied ${equiv_pp_untied})
 moecore_equiv_reference(pp_global_aux ${equiv_pp_global_aux})
 moecore_equiv_reference(pp_4l ${equiv_pp_4l})
+moecore_equiv_reference(packed ${equiv_packed})
 
 moecore_equiv(dp2 aux 2)
 moecore_equiv(dp2_overlap aux 2 --overlap-grad-reduce --ddp-bucket-size 2000)
@@ -131,6 +136,8 @@ moecore_equiv(cp2_allgather aux 2 --context-parallel-size 2 --cp-comm-type all_g
 moecore_equiv(cp2_tp2_sp aux 4 --context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
 moecore_equiv(cp2_ep2 aux 2 --context-parallel-size 2 --expert-model-parallel-size 2
               --moe-token-dispatcher-type alltoall)
+moecore_equiv(cp2_packed packed 2 --context-parallel-size 2)
+moecore_equiv(cp2_packed_a2a packed 2 --context-parallel-size 2 --cp-comm-type a2a)
 moecore_equiv(cp2_dp2_distopt aux 4 --context-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce
               --ddp-bucket-size 2000)
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <climits>
 #include <cmath>
 #include <initializer_list>
 #include <optional>
@@ -451,6 +452,12 @@ const std::vector<FlagSpec>& flag_table() {
      [](TrainingArgs& a, const FlagValue& v) { a.sample_prompt = v.non_empty_text(); }},
     {"--sample-tokens", Arity::kOne, "N", "tokens to generate for --sample-prompt (default 32, moecore)",
      [](TrainingArgs& a, const FlagValue& v) { a.sample_tokens = v.integer(); }},
+    {"--mock-max-sequence-length", Arity::kOne, "N",
+     "--mock-data documents up to N tokens (default 4096, moecore): smaller packs more documents per sequence",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.mock_max_sequence_length = v.parallel_size();
+       if (a.mock_max_sequence_length > INT32_MAX) v.fail("at most 2^31 - 1");
+     }},
     {"--threads", Arity::kOne, "N", "CPU threads, 0 = all cores (default 0, moecore)",
      [](TrainingArgs& a, const FlagValue& v) { a.threads = v.integer(); }},
   };

@@ -99,17 +99,18 @@ struct TrainingArgs {
   bool log_throughput = false;  // --log-throughput
 
   // Data and tokenizer.
-  std::vector<std::string> data_path;  // --data-path: "prefix", "p1 p2 ...", or "w1 p1 w2 p2 ..."
-  bool mock_data = false;              // --mock-data
-  std::string split;                   // --split, e.g. "969, 30, 1" (empty with --mock-data and no --split)
-  std::string data_cache_path;         // --data-cache-path (empty = none)
-  bool eod_mask_loss = false;          // --eod-mask-loss
-  bool reset_position_ids = false;     // --reset-position-ids (rotary positions restart in every document)
-  bool reset_attention_mask = false;   // --reset-attention-mask (no attention across documents)
-  std::string tokenizer_type;          // --tokenizer-type: GPT2BPETokenizer or NullTokenizer
-  std::string vocab_file;              // --vocab-file
-  std::string merge_file;              // --merge-file
-  std::optional<int64_t> vocab_size;   // --vocab-size (NullTokenizer: vocabulary size before EOD and padding)
+  std::vector<std::string> data_path;       // --data-path: "prefix", "p1 p2 ...", or "w1 p1 w2 p2 ..."
+  bool mock_data = false;                   // --mock-data
+  int64_t mock_max_sequence_length = 4096;  // --mock-max-sequence-length (moecore): mock documents' longest length
+  std::string split;                        // --split, e.g. "969, 30, 1" (empty with --mock-data and no --split)
+  std::string data_cache_path;              // --data-cache-path (empty = none)
+  bool eod_mask_loss = false;               // --eod-mask-loss
+  bool reset_position_ids = false;          // --reset-position-ids (rotary positions restart in every document)
+  bool reset_attention_mask = false;        // --reset-attention-mask (no attention across documents)
+  std::string tokenizer_type;               // --tokenizer-type: GPT2BPETokenizer or NullTokenizer
+  std::string vocab_file;                   // --vocab-file
+  std::string merge_file;                   // --merge-file
+  std::optional<int64_t> vocab_size;        // --vocab-size (NullTokenizer: vocabulary size before EOD and padding)
 
   // Mixture of Experts: the rest lives in model.moe.
   std::string moe_layer_freq = "1";                     // --moe-layer-freq text, expanded into moe_layer_pattern

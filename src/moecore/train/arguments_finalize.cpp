@@ -322,6 +322,8 @@ void finalize_data(TrainingArgs& args, const std::set<std::string>& given) {
   require(has_path || args.mock_data, "no training data: give --data-path PREFIX or --mock-data");
   require(!(has_path && args.mock_data),
           "--data-path and --mock-data cannot be used together (a single data source must be provided)");
+  require(args.mock_data || !given.contains("--mock-max-sequence-length"),
+          "--mock-max-sequence-length applies to --mock-data only");
   check_data_path(args.data_path);
   if (has_path && !given.contains("--split")) args.split = "969, 30, 1";  // Megatron's legacy default
   if (!args.split.empty() || given.contains("--split")) check_split(args.split);

@@ -51,6 +51,7 @@ GPTDataProvider build_data(const TrainingArgs& run_args, const int32_t eod_id, s
   DataOptions options;
   options.data_path = run_args.data_path;
   options.mock_data = run_args.mock_data;
+  options.mock_max_sequence_length = static_cast<int32_t>(run_args.mock_max_sequence_length);
   if (!run_args.split.empty()) options.split = run_args.split;
   options.seq_length = run_args.model.seq_length;
   options.seed = static_cast<uint64_t>(run_args.seed);
