@@ -55,6 +55,12 @@ if command -v mpirun >/dev/null; then
   expect_error "--num-experts (3) must be divisible by --expert-model-parallel-size (2)" "${mpi[@]}" \
     --num-experts 3 --expert-model-parallel-size 2
   expect_error "--overlap-param-gather requires --use-distributed-optimizer" "${mpi[@]}" --overlap-param-gather
+  # Context parallelism: the sequence must split into 2 x CP chunks; a2a splits heads; only Megatron's types.
+  expect_error "--seq-length (30) must be divisible by 2 x --context-parallel-size (2)" "${mpi[@]}" \
+    --context-parallel-size 2 --seq-length 30 --max-position-embeddings 30
+  expect_error "--cp-comm-type a2a needs --num-attention-heads (4) and --num-query-groups (1)" "${mpi[@]}" \
+    --context-parallel-size 2 --cp-comm-type a2a --group-query-attention --num-query-groups 1
+  expect_error "invalid value 'ring' for --cp-comm-type" "${mpi[@]}" --context-parallel-size 2 --cp-comm-type ring
   # Bad pipeline layouts, on both ranks of a PP 2 launch: one line, non-zero exit.
   expect_error "Number of layers should be divisible by the pipeline-model-parallel size" "${mpi[@]}" \
     --num-layers 3 --pipeline-model-parallel-size 2

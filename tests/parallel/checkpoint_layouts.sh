@@ -4,7 +4,8 @@
 #   resume in the same layout: iterations 4-6 print exactly the uninterrupted run's lines (one process, TP2 x EP2);
 #   reshard: saved at 3 under layout A (--exit-interval 3), loaded under layout B, iterations 4-6 give the one-process
 #   losses within 1e-5 relative: 1 -> TP2xEP2, TP2xEP2 -> EP4, EP4 + distributed optimizer -> DP2, ETP2xEP2 -> 1;
-#   pipelines (the same model with 4 layers): PP2 x TP2 -> PP4, PP2 x TP2 -> EP2 (PP 1), and PP2 x TP2 resumed.
+#   pipelines (the same model with 4 layers): PP2 x TP2 -> PP4, PP2 x TP2 -> EP2 (PP 1), and PP2 x TP2 resumed;
+#   CP2 -> 1.
 set -euo pipefail
 bin=$1
 mpirun=$2
@@ -94,4 +95,9 @@ run 4 "$work/r5.log" "${pp_layers[@]}" --pipeline-model-parallel-size 4 --load "
 close_losses "PP2xTP2 -> PP4" "$work/pp_ref.log" "$work/r5.log"
 run 2 "$work/r6.log" "${pp_layers[@]}" --expert-model-parallel-size 2 --load "$work/pp2tp2" --ckpt-step 3
 close_losses "PP2xTP2 -> EP2" "$work/pp_ref.log" "$work/r6.log"
+
+# Context parallelism: saved under CP2, loaded in one process.
+run 2 "$work/cp2.log" --context-parallel-size 2 --save "$work/cp2" --save-interval 3 --exit-interval 3
+run 1 "$work/r7.log" --load "$work/cp2"
+close_losses "CP2 -> 1" "$work/ref.log" "$work/r7.log"
 echo "checkpoint layouts: all passed"

@@ -138,6 +138,7 @@ moecore_equiv(cp2_ep2 aux 2 --context-parallel-size 2 --expert-model-parallel-si
               --moe-token-dispatcher-type alltoall)
 moecore_equiv(cp2_packed packed 2 --context-parallel-size 2)
 moecore_equiv(cp2_packed_a2a packed 2 --context-parallel-size 2 --cp-comm-type a2a)
+moecore_equiv(pp2_cp2 pp_4l 4 --pipeline-model-parallel-size 2 --context-parallel-size 2)
 moecore_equiv(cp2_dp2_distopt aux 4 --context-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce
               --ddp-bucket-size 2000)
 
