@@ -11,7 +11,11 @@ set(equiv_model
     --micro-batch-size 2 --global-batch-size 8 --train-iters 5 --lr 1e-3 --clip-grad 1.0 --log-interval 1
     --eval-interval 100 --eval-iters 1 --mock-data --tokenizer-type NullTokenizer --vocab-size 200 --seed 7
     --num-experts 8 --moe-ffn-hidden-size 32 --moe-router-topk 2 --moe-layer-freq [0,1] --moe-grouped-gemm
-    --moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate --moe-input-jitter-eps 0.01)
+    --moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate --moe-input-jitter-eps 0.01 --adam-eps 1e-6)
+# --adam-eps 1e-6 instead of Megatron's 1e-8: Adam turns a gradient element far below eps into a step of about
+# lr x sign, so the rounding of an almost-vanishing gradient (an expert that got few tokens, where the sum cancels)
+# could move a parameter by lr; with eps 1e-6 such elements step in proportion to their (tiny) gradient, while every
+# gradient of ordinary size (~1e-3 here) is still normalised and any real gradient error still shows.
 # Every auxiliary loss that is layout-invariant under data parallelism (global_aux_loss is a running average over
 # the micro-batches one DP rank sees, so it differs with DP by Megatron's definition; it gets TP-only layouts).
 set(equiv_aux --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01
