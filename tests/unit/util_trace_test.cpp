@@ -12,6 +12,17 @@
 namespace moecore {
 namespace {
 
+// What trace::write puts in a temporary file of that name.
+std::string written_trace(const std::string& name) {
+  const std::string path = (std::filesystem::temp_directory_path() / name).string();
+  trace::write(path);
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  std::filesystem::remove(path);
+  return text.str();
+}
+
 TEST(Trace, RecordsOnlyWhileStarted) {
   trace::start(3);
   trace::stop();
@@ -26,13 +37,7 @@ TEST(Trace, RecordsOnlyWhileStarted) {
   { const trace::Scope ignored("after", "test"); }
   EXPECT_EQ(trace::event_count(), 2u);
 
-  const std::string path = (std::filesystem::temp_directory_path() / "moecore_trace_test.json").string();
-  trace::write(path);
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  const std::string json = text.str();
-  std::filesystem::remove(path);
+  const std::string json = written_trace("moecore_trace_test.json");
   EXPECT_EQ(json.rfind("{\"displayTimeUnit\": \"ms\", \"traceEvents\": [", 0), 0u) << json;
   EXPECT_NE(json.find("\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 3"), std::string::npos) << json;
   EXPECT_NE(json.find("\"name\": \"outer \\\"quoted\\\"\", \"cat\": \"test\", \"ph\": \"X\""), std::string::npos)
@@ -55,13 +60,7 @@ TEST(Trace, NamedTracksInLanes) {
   trace::record_on_track("comm in flight", "c", "comm", t0 + milliseconds(12), t0 + milliseconds(15));
   trace::stop();
   EXPECT_EQ(trace::event_count(), 4u);
-  const std::string path = (std::filesystem::temp_directory_path() / "moecore_trace_tracks.json").string();
-  trace::write(path);
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  const std::string json = text.str();
-  std::filesystem::remove(path);
+  const std::string json = written_trace("moecore_trace_tracks.json");
   const auto track_of = [&](const std::string& event) {
     const size_t at = json.find("\"name\": \"" + event + "\", \"cat\"");
     EXPECT_NE(at, std::string::npos) << json;

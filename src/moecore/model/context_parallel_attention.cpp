@@ -38,8 +38,8 @@ struct Block {
 // One whole local sequence without context parallelism: no indices (the kernels' plain causal path).
 Block whole(const SequenceInfo& seq) {
   Block out;
-  const std::vector<int64_t> index = seq.local_index();
-  out.q_documents = seq.documents_of(index);
+  if (!seq.packed()) return out;
+  out.q_documents = seq.documents_of(seq.local_index());
   out.k_documents = out.q_documents;
   return out;
 }
@@ -178,13 +178,13 @@ void context_parallel_attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const
                                         const Tensor& v_SBGd, ops::AttentionDims dims, const ops::DropoutSpec& dropout,
                                         const SequenceInfo& seq, const parallel::ProcessGroup& cp,
                                         const CpCommType type) {
+  if (cp.size() == 1) {
+    ops::attention_forward(out_SBNd, lse_BNS, q_SBNd, k_SBGd, v_SBGd, whole(seq).bind(dims, seq.S), dropout);
+    return;
+  }
   const std::vector<int64_t> local = seq.local_index();
-  if (cp.size() == 1 || type == CpCommType::kAllGather) {
-    const Block b = cp.size() == 1 ? whole(seq) : block(seq, local, all_indices(seq));
-    if (cp.size() == 1) {
-      ops::attention_forward(out_SBNd, lse_BNS, q_SBNd, k_SBGd, v_SBGd, b.bind(dims, seq.S), dropout);
-      return;
-    }
+  if (type == CpCommType::kAllGather) {
+    const Block b = block(seq, local, all_indices(seq));
     const Tensor k_all = gather_sequence(k_SBGd, cp), v_all = gather_sequence(v_SBGd, cp);
     ops::attention_forward(out_SBNd, lse_BNS, q_SBNd, k_all, v_all, b.bind(dims, seq.S), dropout);
     return;
@@ -229,13 +229,12 @@ void context_parallel_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tenso
                                          const Tensor& out_SBNd, const Tensor& lse_BNS, ops::AttentionDims dims,
                                          const ops::DropoutSpec& dropout, const SequenceInfo& seq,
                                          const parallel::ProcessGroup& cp, const CpCommType type) {
-  const std::vector<int64_t> local = seq.local_index();
   if (cp.size() == 1) {
-    const Block b = whole(seq);
     ops::attention_backward(dq_SBNd, dk_SBGd, dv_SBGd, dout_SBNd, q_SBNd, k_SBGd, v_SBGd, out_SBNd, lse_BNS,
-                            b.bind(dims, seq.S), dropout);
+                            whole(seq).bind(dims, seq.S), dropout);
     return;
   }
+  const std::vector<int64_t> local = seq.local_index();
   if (type == CpCommType::kAllGather) {
     const Block b = block(seq, local, all_indices(seq));
     const Tensor k_all = gather_sequence(k_SBGd, cp), v_all = gather_sequence(v_SBGd, cp);
