@@ -4,9 +4,11 @@
 //   _apply_global_aux_loss, needs_dp_avg=False), so the DP2 value equals the one-process value;
 // - lm loss (iteration 1, before any update) and the validation loss before training, with --eod-mask-loss on
 //   documents of different lengths: token-weighted over the global batch, so equal to the one-process values;
-// - the throughput figure: FLOPs of the global batch / (seconds x 1e12 x world size 2);
+// - the throughput figure: FLOPs of the global batch / (seconds x 1e12 x world size 2); with packed sequences the
+//   FLOPs of the global batch's documents (Megatron's THD count), the same under DP2 as in one process;
 // - context parallelism: dp_size()/dp_rank() are the DP group's, dp_cp_size()/dp_cp_rank() the dp-cp group's.
 // Exit status 1 on any mismatch.
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <iostream>
@@ -172,6 +174,33 @@ int main(int argc, char** argv) {
       check_close(logged(dp_log, valid0, " lm loss value: "), logged(reference, valid0, " lm loss value: "), 1e-5,
                   "validation loss before training");
       if (failures > 0) std::cout << "one process:\n" << reference << "DP2:\n" << dp_log;
+    }
+
+    // Packed sequences (--reset-attention-mask): the FLOPs count runs over the documents of the global batch, which
+    // DP2 sums over its two ranks' micro-batches; it must equal the one-process count, and fall below the unpacked
+    // count (documents of 2..10 tokens in sequences of 16).
+    std::vector<std::string> packed_flags = flags(dir, 4);
+    packed_flags.push_back("--reset-attention-mask");
+    double packed_reference_flops = 0.0;
+    if (world.rank() == 0) {
+      std::ostringstream packed_log;
+      const moecore::TrainResult one = moecore::run_training(moecore::parse_train_args(packed_flags, 1), packed_log,
+                                                             moecore::parallel::ParallelState::single_process());
+      packed_reference_flops = one.progress.floating_point_operations_so_far;
+      check_close(logged(packed_log.str(), "] iteration        2/       2 |", " real tokens per iteration: "), 64.0,
+                  0.0, "packed: 4 x 16 real tokens per iteration");
+    }
+    packed_flags[std::find(packed_flags.begin(), packed_flags.end(), "--micro-batch-size") - packed_flags.begin() + 1] =
+        "2";
+    std::ostringstream packed_log;
+    const moecore::TrainResult packed_dp2 =
+        moecore::run_training(moecore::parse_train_args(packed_flags, 2), packed_log, dp2);
+    if (world.rank() == 0) {
+      check_close(packed_dp2.progress.floating_point_operations_so_far, packed_reference_flops, 1e-12,
+                  "packed: DP2 counts the FLOPs of the global batch's documents as one process");
+      check(packed_reference_flops < 2.0 * flops, "packed: documents count fewer attention FLOPs than whole sequences");
+      check_close(logged(packed_log.str(), "] iteration        2/       2 |", " real tokens per iteration: "), 64.0,
+                  0.0, "packed DP2: 4 x 16 real tokens per iteration");
       std::filesystem::remove_all(dir);
     }
   } catch (const std::exception& e) {

@@ -231,6 +231,21 @@ TEST(DataPackedSequences, PackedCuSeqlensFlattenTheMicroBatch) {
                                            "8 document ids for a [3, 4] batch");
 }
 
+TEST(DataPackedSequences, SeqlenStatsCountDocumentsOfEverySample) {
+  // Documents of lengths 2, 2 | 1, 1, 2: 8 tokens, sum of squares 4 + 4 + 1 + 1 + 4 = 14.
+  const SeqlenStats packed = seqlen_stats(std::vector<int32_t>{0, 0, 1, 1, 0, 1, 2, 2}, 2, 4);
+  EXPECT_EQ(packed.tokens, 8);
+  EXPECT_EQ(packed.squared_sum, 14);
+  // One document per sample: B * S tokens, B * S^2.
+  const SeqlenStats whole = seqlen_stats(std::vector<int32_t>(12, 0), 3, 4);
+  EXPECT_EQ(whole.tokens, 12);
+  EXPECT_EQ(whole.squared_sum, 48);
+  SeqlenStats sum = packed;
+  sum += whole;
+  EXPECT_EQ(sum.tokens, 20);
+  EXPECT_EQ(sum.squared_sum, 62);
+}
+
 // --- GPTDataProvider ----------------------------------------------------------------------------------------------
 
 // Documents of random length 1..6 (ids 1..9), each ending with EOD, so samples of 8 tokens hold several.

@@ -83,6 +83,15 @@ TEST(LogFormat, NonFiniteAndRoundingAsPython) {
   EXPECT_NE(line.find(" throughput per GPU (TFLOP/s/GPU): 0.050 |"), std::string::npos) << line;
 }
 
+TEST(LogFormat, RealTokensOfPackedSequencesFollowTheBatchSize) {
+  IterationLog log = example_log();
+  EXPECT_EQ(format_iteration_log(log).find("real tokens"), std::string::npos);
+  log.real_tokens_per_iteration = 4096;
+  const std::string line = format_iteration_log(log);
+  EXPECT_NE(line.find(" global batch size:    64 | real tokens per iteration: 4096 | lm loss:"), std::string::npos)
+      << line;
+}
+
 TEST(LogFormat, LossesBelowZeroOrNaNAreNotPrinted) {
   // Megatron's training_log: `if avg >= 0.0: log_string += ' {}: {:.6E} |'.format(key, avg)`.
   IterationLog log = example_log();
@@ -235,6 +244,18 @@ TEST(LogFormat, FlopsMoEVariants) {
   config.moe.shared_expert_intermediate_size = 0;
   config.moe.ffn_hidden_size = 0;
   EXPECT_DOUBLE_EQ(num_floating_point_operations(config, 3, 32), 1179648.0 * 96);
+}
+
+TEST(LogFormat, FlopsOfPackedDocumentsCountAttentionPerDocument) {
+  const ModelConfig config = small_moe_config();
+  // One document per sequence: the packed form is the plain one.
+  EXPECT_DOUBLE_EQ(num_floating_point_operations_packed(config, 96, 3 * 32.0 * 32.0),
+                   num_floating_point_operations(config, 3, 32));
+  // The 96 tokens as documents of 16, 16 | 8, 8, 16 | 32: sum L^2 = 2*256 + 2*64 + 256 + 1024 = 1920 instead of
+  // 3 * 1024. Only the score and value GEMMs change: per layer 3 * 2 * (2 * q * sum L^2 / 2), q = 64, 4 layers.
+  const double per_unit_of_squared_sum = 3.0 * 2.0 * 2.0 * 64.0 / 2.0 * 4.0;
+  EXPECT_DOUBLE_EQ(num_floating_point_operations_packed(config, 96, 1920.0),
+                   num_floating_point_operations(config, 3, 32) - (3072.0 - 1920.0) * per_unit_of_squared_sum);
 }
 
 TEST(LogFormat, FlopsNeedVocabulary) {

@@ -74,4 +74,15 @@ int32_t max_seqlen(std::span<const int32_t> cu_seqlens) {
   return longest;
 }
 
+SeqlenStats seqlen_stats(std::span<const int32_t> document_ids_BS, const int64_t B, const int64_t S) {
+  const std::vector<int32_t> cu_seqlens = packed_cu_seqlens(document_ids_BS, B, S);
+  SeqlenStats stats;
+  for (size_t i = 1; i < cu_seqlens.size(); ++i) {
+    const int64_t length = cu_seqlens[i] - cu_seqlens[i - 1];
+    stats.tokens += length;
+    stats.squared_sum += length * length;
+  }
+  return stats;
+}
+
 }  // namespace moecore

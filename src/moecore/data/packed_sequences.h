@@ -54,4 +54,20 @@ std::vector<int32_t> packed_cu_seqlens(std::span<const int32_t> document_ids_BS,
 // cu_seqlens has fewer than two entries.
 int32_t max_seqlen(std::span<const int32_t> cu_seqlens);
 
+// Per-iteration packed-sequence statistics, as Megatron's training.py (update_seqlen_stats_from_cu_seqlens): the
+// number of real tokens sum_i L_i over the documents of the batch and sum_i L_i^2, which scales the causal attention
+// FLOPs of document-masked attention. Every token of a moecore sample belongs to a document (samples are never
+// padded), so tokens == B * S; squared_sum falls from B * S^2 as documents get shorter.
+struct SeqlenStats {
+  int64_t tokens = 0;
+  int64_t squared_sum = 0;
+  SeqlenStats& operator+=(const SeqlenStats& other) {
+    tokens += other.tokens;
+    squared_sum += other.squared_sum;
+    return *this;
+  }
+};
+// The statistics of a [B, S] micro-batch from its document ids (cut as packed_cu_seqlens).
+SeqlenStats seqlen_stats(std::span<const int32_t> document_ids_BS, int64_t B, int64_t S);
+
 }  // namespace moecore

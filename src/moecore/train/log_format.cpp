@@ -49,6 +49,9 @@ std::string format_iteration_log(const IterationLog& log) {
   }
   if (log.learning_rate) line += " learning rate: " + scientific(*log.learning_rate) + " |";
   line += " global batch size: " + padded(log.global_batch_size, 5) + " |";
+  if (log.real_tokens_per_iteration) {
+    line += " real tokens per iteration: " + std::to_string(*log.real_tokens_per_iteration) + " |";
+  }
   for (const auto& [name, value] : log.losses) {
     // Megatron's training_log prints an averaged loss only `if avg >= 0.0`: NaN and negative values are left out.
     if (value >= 0.0) line += " " + name + ": " + scientific(value) + " |";
@@ -93,22 +96,22 @@ std::string validation_rule(const std::string_view validation_line) {
   return std::string(validation_line.size() + 1, '-');
 }
 
-double num_floating_point_operations(const ModelConfig& config, const int64_t batch_size, const int64_t seq_length) {
+double num_floating_point_operations_packed(const ModelConfig& config, const double tokens,
+                                            const double seqlen_squared_sum) {
   if (config.vocab_size <= 0) throw ConfigError("FLOPs count needs the padded vocabulary size (vocab_size is 0)");
   constexpr double kForwardBackward = 3.0;  // forward, weight gradient, input gradient
   constexpr double kFma = 2.0;              // a multiply-add is two floating-point operations
   const double mlp_gemms = config.activation == Activation::kSwiGLU ? 3.0 : 2.0;
   const auto hidden = static_cast<double>(config.hidden_size);
-  const auto seq = static_cast<double>(seq_length);
   const auto layers = static_cast<double>(config.num_layers);
   const auto query_size = static_cast<double>(config.kv_channels * config.num_attention_heads);
   const auto key_value_size = static_cast<double>(config.kv_channels * config.num_query_groups);
 
-  const double attention_per_token =
-      kForwardBackward * kFma *
-      (hidden * (query_size + 2.0 * key_value_size)  // QKV projection
-       + query_size * seq / 2.0 * 2.0                // QK^T and (QK^T)V, half of it masked out by causality
-       + query_size * hidden);                       // output projection
+  const double projections_per_token = kForwardBackward * kFma *
+                                       (hidden * (query_size + 2.0 * key_value_size)  // QKV projection
+                                        + query_size * hidden);                       // output projection
+  // QK^T and (QK^T)V over L^2 / 2 query-key pairs of each causal sequence (or document) of length L.
+  const double core_attention = kForwardBackward * kFma * query_size * seqlen_squared_sum / 2.0 * 2.0;
   // Megatron counts MLP layers from the MoE layer pattern: a dense layer runs ffn, a MoE layer runs top-k experts of
   // moe_ffn plus the shared experts (the router GEMM is not counted).
   int64_t moe_layers = 0;
@@ -122,7 +125,13 @@ double num_floating_point_operations(const ModelConfig& config, const int64_t ba
                                (static_cast<double>(config.ffn_hidden_size) * dense_layers +
                                 moe_width_per_layer * static_cast<double>(moe_layers));
   const double logit_per_token = kForwardBackward * kFma * hidden * static_cast<double>(config.vocab_size);
-  return static_cast<double>(batch_size) * seq * (mlp_per_token + attention_per_token * layers + logit_per_token);
+  return tokens * (mlp_per_token + projections_per_token * layers + logit_per_token) + core_attention * layers;
+}
+
+double num_floating_point_operations(const ModelConfig& config, const int64_t batch_size, const int64_t seq_length) {
+  const double sequences = static_cast<double>(batch_size);
+  const auto seq = static_cast<double>(seq_length);
+  return num_floating_point_operations_packed(config, sequences * seq, sequences * seq * seq);
 }
 
 double throughput_tflops_per_gpu(const double flops_per_iteration, const double seconds_per_iteration,

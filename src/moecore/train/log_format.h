@@ -32,6 +32,8 @@ struct IterationLog {
   std::optional<double> throughput_tflops_per_gpu;  // printed when set (Megatron: --log-throughput)
   std::optional<double> learning_rate;              // printed when set
   int64_t global_batch_size = 0;
+  // Packed sequences: real (document) tokens per iteration, averaged over the interval; printed when set.
+  std::optional<int64_t> real_tokens_per_iteration;
   NamedValues losses;  // averages over the logging interval; as Megatron, only values >= 0 are printed
   double loss_scale = 1.0;
   std::optional<double> grad_norm;
@@ -62,6 +64,11 @@ std::string validation_rule(std::string_view validation_line);
 // (moe ffn size ffn_m, top-k k, shared-expert size sh) and the N_dense others 6*h*x*ffn, as Megatron's formula; the
 // router GEMM is not counted (nor by Megatron).
 double num_floating_point_operations(const ModelConfig& config, int64_t batch_size, int64_t seq_length);
+// The same for packed sequences (Megatron's training.py: num_floating_point_operations with
+// total_real_tokens_in_batch and seqlen_squared_sum_in_batch): every per-token term over `tokens` = sum_i L_i, the
+// causal attention term over sum_i L_i^2 (documents attend only within themselves). With one document per
+// sequence (tokens = B * S, squared sum = B * S^2) it equals the form above.
+double num_floating_point_operations_packed(const ModelConfig& config, double tokens, double seqlen_squared_sum);
 
 // Megatron's throughput (training.py: training_log): the FLOPs of one global batch / (seconds per iteration * 1e12 *
 // world size), world size being every process of the run, so the figure is per GPU (per process).

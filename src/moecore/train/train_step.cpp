@@ -1,9 +1,13 @@
 #include "moecore/train/train_step.h"
 
+#include <array>
 #include <cmath>
 #include <memory>
+#include <span>
 #include <string>
+#include <vector>
 
+#include "moecore/parallel/comm_stats.h"
 #include "moecore/train/batch_schedule.h"
 #include "moecore/train/pipeline_executor.h"
 #include "moecore/train/pipeline_schedule.h"
@@ -17,7 +21,8 @@ namespace {
 // other); gradients are those of the mean of the micro-batch mean losses (Megatron without
 // --calculate-per-token-loss), reduced over DP by the DDP.
 double forward_backward(const TrainingArgs& args, const TrainingModules& modules,
-                        const parallel::ParallelState& parallel, const TrainingProgress& progress) {
+                        const parallel::ParallelState& parallel, const TrainingProgress& progress,
+                        std::optional<SeqlenStats>& global_stats) {
   const int64_t iteration = progress.iteration + 1;
   const int64_t num_microbatches = args.global_batch_size / args.micro_batch_size;  // all DP ranks
   const std::vector<int64_t> mine = local_microbatches(num_microbatches, parallel.dp_size(), parallel.dp_rank());
@@ -27,10 +32,18 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   PipelineMicrobatches microbatches;
   microbatches.B = args.micro_batch_size;
   microbatches.S = args.model.seq_length;
+  // A stage may read a micro-batch more than once (forward and backward); its documents count once.
+  std::vector<char> counted(mine.size(), 0);
+  SeqlenStats local_stats;
   microbatches.batch = [&](const int m) {
-    return modules.data.get_batch(
+    Batch batch = modules.data.get_batch(
         DatasetSplit::kTrain, progress.consumed_train_samples + mine[static_cast<size_t>(m)] * args.micro_batch_size,
         args.micro_batch_size);
+    if (args.reset_attention_mask && counted[static_cast<size_t>(m)] == 0) {
+      counted[static_cast<size_t>(m)] = 1;
+      local_stats += moecore::seqlen_stats(batch.document_ids_BS, batch.B, batch.S);
+    }
+    return batch;
   };
   microbatches.options = [&](const int m) {
     ForwardOptions options;
@@ -51,6 +64,13 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
     const trace::Scope scope("finish grad sync", "step");
     modules.ddp.finish_grad_sync();
   }
+  if (args.reset_attention_mask) {
+    // Every model-parallel rank of a replica read the same samples: summing over DP covers the global batch once.
+    const parallel::CommTimer timer(parallel::CommKind::kOther);
+    std::array<int64_t, 2> sums = {local_stats.tokens, local_stats.squared_sum};
+    parallel.dp.all_reduce(std::span<int64_t>(sums), parallel::ReduceOp::kSum);
+    global_stats = SeqlenStats{sums[0], sums[1]};
+  }
   return reduce_pipeline_loss(loss, parallel);
 }
 
@@ -60,7 +80,7 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
                       const TrainingProgress& progress) {
   const int64_t iteration = progress.iteration + 1;
   StepResult result;
-  result.lm_loss = forward_backward(args, modules, parallel, progress);
+  result.lm_loss = forward_backward(args, modules, parallel, progress, result.seqlen_stats);
   if (!std::isfinite(result.lm_loss)) {  // after the reduction, so every rank stops together
     throw TrainingError("lm loss is " + std::string(std::isnan(result.lm_loss) ? "NaN" : "Inf") + " at iteration " +
                         std::to_string(iteration) + ": stopping; try a lower --lr or a smaller --init-method-std");

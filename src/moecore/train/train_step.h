@@ -2,6 +2,8 @@
 // batch, gradient reduction, clipping, the AdamW step and the end-of-batch expert-bias update.
 #pragma once
 
+#include <optional>
+
 #include "moecore/data/data_loader.h"
 #include "moecore/model/gpt_model.h"
 #include "moecore/optim/ddp.h"
@@ -17,6 +19,9 @@ struct StepResult {
   double lm_loss = 0.0;    // token-weighted over the global batch (every micro-batch of every DP rank)
   double grad_norm = 0.0;  // before clipping
   MoEStats moe_stats;      // this rank's router statistics of the iteration (not yet reduced over ranks)
+  // With --reset-attention-mask: the documents of the global batch (every DP rank's micro-batches), which the
+  // FLOPs count and the log's real-token count use, as Megatron does for packed (THD) batches.
+  std::optional<SeqlenStats> seqlen_stats;
 };
 
 struct TrainingModules {

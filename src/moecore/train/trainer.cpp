@@ -137,7 +137,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
     StepResult step = train_step(run_args, modules, parallel, progress);
     progress.iteration += 1;
     progress.consumed_train_samples += args.global_batch_size;
-    progress.floating_point_operations_so_far += logger.flops_per_iteration();
+    progress.floating_point_operations_so_far += logger.flops_of(step);
     train_seconds += std::chrono::duration<double>(Clock::now() - step_start).count();
     result.train_losses.push_back(step.lm_loss);
     logger.record(progress, std::move(step));

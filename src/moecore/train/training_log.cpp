@@ -129,7 +129,17 @@ TrainingLogger::TrainingLogger(const TrainingArgs& run_args, const parallel::Par
       moe_metrics_(run_args.model.moe) {}
 
 double TrainingLogger::throughput_per_gpu(const double seconds_per_iteration) const {
-  return throughput_tflops_per_gpu(flops_per_iteration_, seconds_per_iteration, parallel_.world.size());
+  return throughput_per_gpu(flops_per_iteration_, seconds_per_iteration);
+}
+
+double TrainingLogger::throughput_per_gpu(const double flops_per_iteration, const double seconds_per_iteration) const {
+  return throughput_tflops_per_gpu(flops_per_iteration, seconds_per_iteration, parallel_.world.size());
+}
+
+double TrainingLogger::flops_of(const StepResult& step) const {
+  if (!step.seqlen_stats) return flops_per_iteration_;
+  return num_floating_point_operations_packed(args_.model, static_cast<double>(step.seqlen_stats->tokens),
+                                              static_cast<double>(step.seqlen_stats->squared_sum));
 }
 
 IterationLog TrainingLogger::iteration_log(const TrainingProgress& progress, const double seconds_per_iteration,
@@ -159,6 +169,8 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
   reduce_moe_stats(step.moe_stats, args_.model.moe, parallel_);
   moe_metrics_.add(step.moe_stats);
   loss_sum_ += step.lm_loss;
+  flops_sum_ += flops_of(step);
+  if (step.seqlen_stats) real_tokens_sum_ += step.seqlen_stats->tokens;
   ++iterations_;
   const int64_t iteration = progress.iteration;
   if (!logs_iteration(iteration, args_.log_interval, first_iteration_)) return;
@@ -166,9 +178,16 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
   const bool reset = iteration != first_iteration_;
   const double seconds_per_iter =
       std::chrono::duration<double>(Clock::now() - interval_start_).count() / static_cast<double>(iterations_);
-  const IterationLog entry =
+  IterationLog entry =
       iteration_log(progress, seconds_per_iter, loss_sum_ / static_cast<double>(iterations_), moe_metrics_.losses(),
                     step.grad_norm, format_log_timestamp(std::chrono::system_clock::now()));
+  if (step.seqlen_stats) {
+    if (args_.log_throughput) {
+      entry.throughput_tflops_per_gpu =
+          throughput_per_gpu(flops_sum_ / static_cast<double>(iterations_), seconds_per_iter);
+    }
+    entry.real_tokens_per_iteration = real_tokens_sum_ / iterations_;
+  }
   log_ << format_iteration_log(entry) << std::endl;
   for (const std::string& line : moe_metrics_.usage_lines()) log_ << line << '\n';
   if (parallel_.world.size() > 1) {
@@ -182,6 +201,8 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
   if (!reset) return;
   moe_metrics_.reset();
   loss_sum_ = 0.0;
+  flops_sum_ = 0.0;
+  real_tokens_sum_ = 0;
   iterations_ = 0;
   interval_start_ = Clock::now();
 }

@@ -35,10 +35,13 @@ class TrainingLogger {
   // `run_args` with the padded vocabulary (the FLOPs count needs it). Logs to `log` (rank 0's stream).
   TrainingLogger(const TrainingArgs& run_args, const parallel::ParallelState& parallel, std::ostream& log);
 
-  // Megatron's num_floating_point_operations of one global batch.
+  // Megatron's num_floating_point_operations of one global batch of unpacked sequences.
   double flops_per_iteration() const { return flops_per_iteration_; }
+  // The FLOPs of the iteration `step` ran: with packed sequences (step.seqlen_stats) counted over its documents.
+  double flops_of(const StepResult& step) const;
   // "throughput per GPU (TFLOP/s/GPU)": FLOPs of the global batch / (seconds * 1e12 * world size).
   double throughput_per_gpu(double seconds_per_iteration) const;
+  double throughput_per_gpu(double flops_per_iteration, double seconds_per_iteration) const;
   // The line of `iteration` from interval averages (no timestamp when `timestamp` is empty).
   IterationLog iteration_log(const TrainingProgress& progress, double seconds_per_iteration, double lm_loss,
                              const NamedValues& moe_losses, double grad_norm, std::string timestamp) const;
@@ -62,6 +65,8 @@ class TrainingLogger {
   Clock::time_point interval_start_;
   double loss_sum_ = 0.0;
   int64_t iterations_ = 0;
+  double flops_sum_ = 0.0;       // FLOPs of the interval's iterations
+  int64_t real_tokens_sum_ = 0;  // packed sequences: their real tokens
   MoEMetrics moe_metrics_;
   bool report_memory_ = true;  // Megatron's report_memory_flag
 };
