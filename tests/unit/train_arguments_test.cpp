@@ -452,6 +452,14 @@ TEST(TrainArguments, ParallelSizes) {
   EXPECT_EQ(tp2.expert_tensor_parallel_size, 2);  // defaults to the TP size, as Megatron
   EXPECT_EQ(error_of(with(minimal(), {"--overlap-param-gather"})),
             "--overlap-param-gather requires --use-distributed-optimizer (as Megatron)");
+  EXPECT_EQ(error_of(with(minimal(), {"--loss-scale", "128"})),
+            "--loss-scale needs --use-distributed-optimizer (the fp32 optimizer does not scale the loss)");
+  EXPECT_EQ(error_of(with(minimal(), {"--loss-scale", "0", "--use-distributed-optimizer"})),
+            "--loss-scale must be a positive number that fits fp32");
+  EXPECT_EQ(error_of(with(minimal(), {"--loss-scale", "1e39", "--use-distributed-optimizer"})),
+            "--loss-scale must be a positive number that fits fp32");
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--loss-scale", "128", "--use-distributed-optimizer"})).loss_scale,
+            128.0);
   EXPECT_EQ(error_of(with(minimal(), {"--expert-model-parallel-size", "2"})),
             "world size 1 is not divisible by expert-tensor-parallel-size (1) x expert-model-parallel-size (2) x "
             "pipeline-model-parallel-size (1)");

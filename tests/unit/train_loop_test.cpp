@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <regex>
 #include <sstream>
@@ -232,6 +233,110 @@ TEST(TrainLoop, DefaultMoERunPrintsZeroLoadBalancingLoss) {
   std::ostringstream out;
   run_training(args, out);
   EXPECT_NE(out.str().find(" load_balancing_loss: 0.000000E+00 |"), std::string::npos) << out.str();
+}
+
+// A small MoE run with the distributed optimizer and every auxiliary loss, learning for real.
+std::vector<std::string> loss_scale_run(const int train_iters) {
+  return {"--train-iters",
+          std::to_string(train_iters),
+          "--lr-decay-iters",
+          "10",
+          "--lr",
+          "1e-2",
+          "--min-lr",
+          "1e-3",
+          "--eval-iters",
+          "1",
+          "--eval-interval",
+          std::to_string(train_iters),
+          "--use-distributed-optimizer",
+          "--num-experts",
+          "4",
+          "--moe-router-topk",
+          "2",
+          "--moe-ffn-hidden-size",
+          "16",
+          "--moe-aux-loss-coeff",
+          "0.01",
+          "--moe-z-loss-coeff",
+          "0.001"};
+}
+
+TEST(TrainLoop, PowerOfTwoLossScaleTrainsBitIdentically) {
+  // Scaling the backward seed by 2^10 and the gradients back by 2^-10 is exact in binary floating point, so every
+  // gradient (lm loss, aux and z losses alike) must come out bit for bit the same: a term left unscaled would not.
+  const test::TempDir dir("train_loop");
+  const std::string prefix = write_corpus(dir);
+  std::ostringstream plain_log, scaled_log;
+  const TrainResult plain = run_training(parse(base_flags(dir, prefix), loss_scale_run(4)), plain_log);
+  std::vector<std::string> scaled_flags = loss_scale_run(4);
+  scaled_flags.insert(scaled_flags.end(), {"--loss-scale", "1024"});
+  const TrainResult scaled = run_training(parse(base_flags(dir, prefix), scaled_flags), scaled_log);
+  ASSERT_EQ(plain.train_losses.size(), 4u);
+  EXPECT_EQ(scaled.train_losses, plain.train_losses) << scaled_log.str();
+  EXPECT_EQ(scaled.last_valid_loss, plain.last_valid_loss);
+  EXPECT_NE(plain.last_valid_loss, plain.first_valid_loss);  // it did learn
+  EXPECT_NE(scaled_log.str().find(" loss scale: 1024.0 |"), std::string::npos) << scaled_log.str();
+}
+
+TEST(TrainLoop, NonFiniteGradientsSkipTheIterationUnderLossScaling) {
+  // Iteration 2's gradients overflow: with a loss scale it is skipped as Megatron skips it (no update, the LR
+  // schedule stays, "number of skipped iterations" counts it, no grad norm, the lm loss averages the advanced
+  // iterations), and the run continues; without one, training stops naming the iteration.
+  const test::TempDir dir("train_loop");
+  const std::string prefix = write_corpus(dir);
+  ASSERT_EQ(setenv("MOECORE_INJECT_GRAD_OVERFLOW_AT", "2", 1), 0);
+  std::vector<std::string> flags = loss_scale_run(3);
+  flags.insert(flags.end(), {"--loss-scale", "1", "--log-interval", "1", "--lr-warmup-iters", "2"});
+  std::ostringstream out;
+  const TrainResult skipped = run_training(parse(base_flags(dir, prefix), flags), out);
+  const std::string log = out.str();
+  EXPECT_EQ(skipped.progress.iteration, 3);
+  EXPECT_EQ(skipped.progress.skipped_iterations, 1);
+  const auto line = [&](const int iteration) {
+    const size_t at = log.find("] iteration        " + std::to_string(iteration) + "/       3 |");
+    return at == std::string::npos ? std::string() : log.substr(at, log.find('\n', at) - at);
+  };
+  EXPECT_NE(line(1).find(" number of skipped iterations:   0 |"), std::string::npos) << log;
+  EXPECT_NE(line(2).find(" number of skipped iterations:   1 |"), std::string::npos) << log;
+  EXPECT_EQ(line(2).find(" grad norm: "), std::string::npos) << log;
+  // The first line does not reset the interval, so line 2 averages the one advanced iteration, 1.
+  const auto lm_loss = [&](const int iteration) {
+    const std::string text = line(iteration);
+    const size_t at = text.find(" lm loss: ");
+    return at == std::string::npos ? std::string() : text.substr(at, text.find('|', at) - at);
+  };
+  EXPECT_FALSE(lm_loss(1).empty()) << log;
+  EXPECT_EQ(lm_loss(2), lm_loss(1)) << log;
+  EXPECT_NE(line(3).find(" number of skipped iterations:   0 |"), std::string::npos) << log;
+  EXPECT_NE(line(3).find(" grad norm: "), std::string::npos) << log;
+  // Warmup over 2 steps: 1e-2 * 1/2 after iteration 1; the skipped iteration 2 leaves the schedule there; the
+  // update of iteration 3 is the second step (lr 1e-2 after it).
+  EXPECT_NE(line(1).find(" learning rate: 5.000000E-03 |"), std::string::npos) << log;
+  EXPECT_NE(line(2).find(" learning rate: 5.000000E-03 |"), std::string::npos) << log;
+  EXPECT_NE(line(3).find(" learning rate: 1.000000E-02 |"), std::string::npos) << log;
+
+  // Skipping made no update: a run of 2 iterations with iteration 2 skipped ends where a 1-iteration run ends.
+  std::vector<std::string> two = loss_scale_run(2);
+  two.insert(two.end(), {"--loss-scale", "1", "--lr-warmup-iters", "2"});
+  std::ostringstream unused;
+  const TrainResult two_with_skip = run_training(parse(base_flags(dir, prefix), two), unused);
+  ASSERT_EQ(unsetenv("MOECORE_INJECT_GRAD_OVERFLOW_AT"), 0);
+  std::vector<std::string> one = loss_scale_run(1);
+  one.insert(one.end(), {"--lr-warmup-iters", "2", "--eval-interval", "1"});
+  const TrainResult one_iteration = run_training(parse(base_flags(dir, prefix), one), unused);
+  EXPECT_EQ(two_with_skip.last_valid_loss, one_iteration.last_valid_loss);
+
+  // Without loss scaling an Inf gradient stops the run.
+  ASSERT_EQ(setenv("MOECORE_INJECT_GRAD_OVERFLOW_AT", "2", 1), 0);
+  std::vector<std::string> unscaled = loss_scale_run(3);
+  try {
+    run_training(parse(base_flags(dir, prefix), unscaled), unused);
+    ADD_FAILURE() << "an Inf gradient without loss scaling must stop training";
+  } catch (const TrainingError& e) {
+    EXPECT_NE(std::string(e.what()).find("grad norm is not finite at iteration 2"), std::string::npos) << e.what();
+  }
+  ASSERT_EQ(unsetenv("MOECORE_INJECT_GRAD_OVERFLOW_AT"), 0);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <span>
 #include <stdexcept>
 
@@ -81,6 +82,32 @@ double DistributedAdamW::clip_grad_norm(const double max_norm) {
     }
   }
   return norm;
+}
+
+bool DistributedAdamW::unscale_grads_and_check_for_nan(const float inv_scale) {
+  bool found = false;
+  const auto visit = [&](Tensor& grad) {
+    if (inv_scale != 1.0f) ops::scale_(grad, inv_scale);
+    // Squares of fp32 values summed in double cannot overflow, so only an Inf or NaN element makes this non-finite.
+    if (!std::isfinite(ops::sum_squares(grad))) found = true;
+  };
+  if (replicated_) {
+    for (Param& p : params_) visit(p.grad);
+  } else {
+    for (const Piece& piece : pieces_) {
+      Tensor grad = grad_piece(piece);
+      visit(grad);
+    }
+  }
+  const parallel::ProcessGroup& world = ddp_.parallel().world;
+  if (world.size() == 1) return found;
+  const parallel::CommTimer timer(parallel::CommKind::kOther);
+  return parallel::sum_double(world, found ? 1.0 : 0.0) > 0.0;
+}
+
+void DistributedAdamW::inject_nonfinite_grad() {
+  Tensor grad = replicated_ ? params_.front().grad : (pieces_.empty() ? Tensor() : grad_piece(pieces_.front()));
+  if (grad.numel() > 0) grad.data<float>()[0] = std::numeric_limits<float>::infinity();
 }
 
 void DistributedAdamW::step(const double lr) {

@@ -25,6 +25,12 @@ class DistributedAdamW {
   // Scales the gradients this rank uses by max_norm / (norm + 1e-6) when norm > max_norm (torch's clip_grad_norm_);
   // max_norm <= 0 disables. Returns the norm before clipping.
   double clip_grad_norm(double max_norm);
+  // Loss scaling (Megatron's _unscale_main_grads_and_check_for_nan): multiplies the gradients this rank updates by
+  // inv_scale and returns whether any of them, on any rank, is Inf or NaN (a collective over the world, equal on
+  // every rank). inv_scale 1 only checks. Call after finish_grad_sync.
+  bool unscale_grads_and_check_for_nan(float inv_scale);
+  // Fault injection for the overflow tests: writes +Inf into the first gradient element this rank updates.
+  void inject_nonfinite_grad();
   // One AdamW update at learning rate lr, then (distributed optimizer) the parameter all-gather.
   void step(double lr);
   int64_t steps_taken() const { return replicated_ ? replicated_->steps_taken() : step_; }

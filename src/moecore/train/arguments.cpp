@@ -179,6 +179,9 @@ const std::vector<FlagSpec>& flag_table() {
      [](TrainingArgs& a, const FlagValue& v) { a.weight_decay = v.real(); }},
     {"--clip-grad", Arity::kOne, "X", "clip the global gradient L2 norm to X (default 1.0, 0 = off)",
      [](TrainingArgs& a, const FlagValue& v) { a.clip_grad = v.real(); }},
+    {"--loss-scale", Arity::kOne, "S",
+     "constant loss scale (with --use-distributed-optimizer); iterations with non-finite gradients are skipped",
+     [](TrainingArgs& a, const FlagValue& v) { a.loss_scale = v.real(); }},
     {"--seed", Arity::kOne, "N", "random seed (default 1234)",
      [](TrainingArgs& a, const FlagValue& v) { a.seed = v.integer(); }},
 

@@ -89,6 +89,8 @@ struct TrainingArgs {
   double adam_eps = 1e-8;          // --adam-eps
   double weight_decay = 0.01;      // --weight-decay
   double clip_grad = 1.0;          // --clip-grad (0 disables clipping)
+  // Loss scaling (optim/grad_scaler.h): a constant scale; iterations whose gradients are not finite are skipped.
+  std::optional<double> loss_scale;  // --loss-scale
 
   // Run control and logging.
   int64_t seed = 1234;         // --seed

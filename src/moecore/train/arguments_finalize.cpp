@@ -5,6 +5,7 @@
 #include <atomic>
 #include <charconv>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <string_view>
@@ -226,6 +227,13 @@ void finalize_parallel(TrainingArgs& args, const std::set<std::string>& given) {
             "--moe-shared-expert-intermediate-size (" + str(moe.shared_expert_intermediate_size) +
                 ") must be divisible by --tensor-model-parallel-size (" + str(args.tensor_model_parallel_size) + ")");
   }
+  // Megatron scales the loss only in its fp16 / bf16 optimizers and the distributed optimizer (optimizer/__init__.py);
+  // its fp32 optimizer would take --loss-scale and ignore it.
+  require(!args.loss_scale || args.use_distributed_optimizer,
+          "--loss-scale needs --use-distributed-optimizer (the fp32 optimizer does not scale the loss)");
+  require(!args.loss_scale || (std::isfinite(*args.loss_scale) && *args.loss_scale > 0.0 &&
+                               std::isfinite(static_cast<float>(*args.loss_scale))),
+          "--loss-scale must be a positive number that fits fp32");
   require(!args.overlap_param_gather || args.use_distributed_optimizer,
           "--overlap-param-gather requires --use-distributed-optimizer (as Megatron)");
   require(args.ddp_bucket_size >= 0, "--ddp-bucket-size must be non-negative (got " + str(args.ddp_bucket_size) + ")");

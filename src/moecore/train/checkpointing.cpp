@@ -1,5 +1,6 @@
 #include "moecore/train/checkpointing.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <ctime>
@@ -360,6 +361,11 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
       progress.consumed_train_samples = ckpt.i64("consumed_train_samples");
       progress.consumed_valid_samples = ckpt.i64("consumed_valid_samples");
       progress.floating_point_operations_so_far = ckpt.f64("num_floating_point_operations_so_far");
+      if (load_optim) {
+        // The scheduler counted only the successful iterations (loss scaling skips the others).
+        const int64_t scheduled = ckpt.i64("lr_scheduler.num_steps") / run_args.global_batch_size;
+        progress.skipped_iterations = std::clamp<int64_t>(progress.iteration - scheduled, 0, progress.iteration);
+      }
     }
   });
   log << "  successfully loaded checkpoint from " << run_args.load << " [ t 1/" << run_args.tensor_model_parallel_size

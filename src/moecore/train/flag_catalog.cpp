@@ -164,7 +164,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--fp16",
     "--bf16",
     "--grad-reduce-in-bf16",
-    "--loss-scale",
     "--initial-loss-scale",
     "--min-loss-scale",
     "--loss-scale-window",

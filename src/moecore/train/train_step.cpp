@@ -2,6 +2,7 @@
 
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <span>
 #include <string>
@@ -52,7 +53,10 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
     options.dropout_stream = static_cast<uint64_t>(iteration * num_microbatches + mine[static_cast<size_t>(m)]);
     return options;
   };
-  const double loss_scale = 1.0 / static_cast<double>(mine.size());
+  // The backward seed of each micro-batch's mean loss (Megatron's schedules.py: loss / num_microbatches, times the
+  // loss scale in backward_step via optimizer.scale_loss).
+  const double grad_scale = modules.grad_scaler != nullptr ? modules.grad_scaler->scale() : 1.0;
+  const double loss_scale = grad_scale / static_cast<double>(mine.size());
   microbatches.loss_scale = [loss_scale](int) { return loss_scale; };
   // Megatron turns overlap_p2p_comm off without virtual stages (arguments.py validate_args).
   microbatches.overlap_p2p_comm = args.overlap_p2p_comm && modules.model.num_chunks() > 1;
@@ -74,6 +78,22 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   return reduce_pipeline_loss(loss, parallel);
 }
 
+// Fault injection for the overflow tests: MOECORE_INJECT_GRAD_OVERFLOW_AT=<iteration> puts +Inf into a gradient
+// of that iteration after the reduction, as an fp16 overflow would.
+int64_t injected_overflow_iteration() {
+  static const int64_t at = [] {
+    const char* text = std::getenv("MOECORE_INJECT_GRAD_OVERFLOW_AT");
+    if (text == nullptr) return int64_t{-1};
+    char* end = nullptr;
+    const long long value = std::strtoll(text, &end, 10);
+    if (end == text || *end != '\0' || value < 1) {
+      throw ConfigError(std::string("MOECORE_INJECT_GRAD_OVERFLOW_AT must be an iteration number, got '") + text + "'");
+    }
+    return static_cast<int64_t>(value);
+  }();
+  return at;
+}
+
 }  // namespace
 
 StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, const parallel::ParallelState& parallel,
@@ -85,16 +105,28 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
     throw TrainingError("lm loss is " + std::string(std::isnan(result.lm_loss) ? "NaN" : "Inf") + " at iteration " +
                         std::to_string(iteration) + ": stopping; try a lower --lr or a smaller --init-method-std");
   }
-  {
-    const trace::Scope scope("clip grad norm", "optimizer");
-    result.grad_norm = modules.optimizer.clip_grad_norm(args.clip_grad);
+  if (iteration == injected_overflow_iteration()) modules.optimizer.inject_nonfinite_grad();
+  if (modules.grad_scaler != nullptr) {
+    GradScaler& scaler = *modules.grad_scaler;
+    const trace::Scope scope("unscale grads", "optimizer");
+    const bool found_inf = modules.optimizer.unscale_grads_and_check_for_nan(scaler.inv_scale());
+    scaler.update(found_inf);
+    result.loss_scale = scaler.scale();
+    result.skipped = found_inf;
   }
-  if (!std::isfinite(result.grad_norm)) {
-    throw TrainingError("grad norm is not finite at iteration " + std::to_string(iteration) + ": stopping");
-  }
-  {
+  // A skipped iteration (Megatron's optimizer.step returns update_successful = False) makes no clipping and no
+  // update, and the scheduler stays; the expert-bias update belongs to the gradient finalization
+  // (finalize_model_grads), which ran.
+  if (!result.skipped) {
+    {
+      const trace::Scope scope("clip grad norm", "optimizer");
+      result.grad_norm = modules.optimizer.clip_grad_norm(args.clip_grad);
+    }
+    if (!std::isfinite(result.grad_norm)) {
+      throw TrainingError("grad norm is not finite at iteration " + std::to_string(iteration) + ": stopping");
+    }
     const trace::Scope scope("optimizer step", "optimizer");
-    modules.optimizer.step(modules.schedule.lr_at(iteration - 1));
+    modules.optimizer.step(modules.schedule.lr_at(progress.successful_iterations()));
   }
   modules.model.finish_global_batch();
   result.moe_stats = modules.model.take_moe_stats();

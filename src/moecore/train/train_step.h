@@ -8,6 +8,7 @@
 #include "moecore/model/gpt_model.h"
 #include "moecore/optim/ddp.h"
 #include "moecore/optim/distributed_optimizer.h"
+#include "moecore/optim/grad_scaler.h"
 #include "moecore/optim/lr_schedule.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/train/arguments.h"
@@ -22,6 +23,9 @@ struct StepResult {
   // With --reset-attention-mask: the documents of the global batch (every DP rank's micro-batches), which the
   // FLOPs count and the log's real-token count use, as Megatron does for packed (THD) batches.
   std::optional<SeqlenStats> seqlen_stats;
+  // Loss scaling: the iteration's gradients were not finite, so it made no update (Megatron's skipped_iter).
+  bool skipped = false;
+  double loss_scale = 1.0;  // the scale after this iteration's update (the log's "loss scale")
 };
 
 struct TrainingModules {
@@ -30,11 +34,13 @@ struct TrainingModules {
   DistributedAdamW& optimizer;
   const LRSchedule& schedule;
   const GPTDataProvider& data;
+  GradScaler* grad_scaler = nullptr;  // --loss-scale; null: no loss scaling
 };
 
 // Iteration progress.iteration + 1 on training samples [consumed_train_samples, + global batch): throws
-// TrainingError (on every rank together) when the loss or the gradient norm is not finite. Does not advance
-// `progress`.
+// TrainingError (on every rank together) when the loss or the gradient norm is not finite; with loss scaling an
+// iteration whose gradients are not finite is skipped instead (result.skipped). The update uses the learning rate
+// after progress.iteration - progress.skipped_iterations successful iterations. Does not advance `progress`.
 StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, const parallel::ParallelState& parallel,
                       const TrainingProgress& progress);
 

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <filesystem>
 #include <iomanip>
+#include <optional>
 #include <ostream>
 #include <sstream>
 
@@ -101,7 +102,10 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   log.unsetf(std::ios::floatfield);
   log << std::setprecision(6);
   const LRSchedule schedule(lr_schedule_config(run_args));
-  const TrainingModules modules{model, *built.ddp, *built.optimizer, schedule, data};
+  std::optional<GradScaler> grad_scaler;
+  if (run_args.loss_scale) grad_scaler = GradScaler::constant(*run_args.loss_scale);
+  const TrainingModules modules{model,    *built.ddp, *built.optimizer,
+                                schedule, data,       grad_scaler ? &*grad_scaler : nullptr};
 
   TrainResult result;
   TrainingProgress& progress = result.progress;
@@ -137,6 +141,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
     StepResult step = train_step(run_args, modules, parallel, progress);
     progress.iteration += 1;
     progress.consumed_train_samples += args.global_batch_size;
+    progress.skipped_iterations += step.skipped ? 1 : 0;
     progress.floating_point_operations_so_far += logger.flops_of(step);
     train_seconds += std::chrono::duration<double>(Clock::now() - step_start).count();
     result.train_losses.push_back(step.lm_loss);

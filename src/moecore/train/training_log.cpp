@@ -1,7 +1,9 @@
 #include "moecore/train/training_log.h"
 
 #include <algorithm>
+#include <cmath>
 #include <iomanip>
+#include <limits>
 #include <ostream>
 #include <span>
 #include <sstream>
@@ -152,7 +154,7 @@ IterationLog TrainingLogger::iteration_log(const TrainingProgress& progress, con
   entry.consumed_samples = progress.consumed_train_samples;
   entry.elapsed_ms_per_iteration = seconds_per_iteration * 1000.0;
   if (args_.log_throughput) entry.throughput_tflops_per_gpu = throughput_per_gpu(seconds_per_iteration);
-  entry.learning_rate = schedule_.lr_at(progress.iteration);
+  entry.learning_rate = schedule_.lr_at(progress.successful_iterations());
   entry.global_batch_size = args_.global_batch_size;
   entry.losses = {{"lm loss", lm_loss}};
   for (const auto& named : moe_losses) entry.losses.push_back(named);
@@ -168,7 +170,16 @@ void TrainingLogger::start() {
 void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
   reduce_moe_stats(step.moe_stats, args_.model.moe, parallel_);
   moe_metrics_.add(step.moe_stats);
-  loss_sum_ += step.lm_loss;
+  // Megatron's training_log: losses are averaged over the advanced (not skipped) iterations; a skipped iteration
+  // with a non-finite loss counts as a nan iteration.
+  if (step.skipped) {
+    ++skipped_iterations_;
+    nan_iterations_ += std::isfinite(step.lm_loss) ? 0 : 1;
+  } else {
+    loss_sum_ += step.lm_loss;
+    ++advanced_iterations_;
+    loss_seen_ = true;
+  }
   flops_sum_ += flops_of(step);
   if (step.seqlen_stats) real_tokens_sum_ += step.seqlen_stats->tokens;
   ++iterations_;
@@ -178,9 +189,15 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
   const bool reset = iteration != first_iteration_;
   const double seconds_per_iter =
       std::chrono::duration<double>(Clock::now() - interval_start_).count() / static_cast<double>(iterations_);
-  IterationLog entry =
-      iteration_log(progress, seconds_per_iter, loss_sum_ / static_cast<double>(iterations_), moe_metrics_.losses(),
-                    step.grad_norm, format_log_timestamp(std::chrono::system_clock::now()));
+  // No lm loss before the first advanced iteration (Megatron has no such key yet); NaN is not printed.
+  const double lm_loss = loss_seen_ ? loss_sum_ / static_cast<double>(std::max<int64_t>(1, advanced_iterations_))
+                                    : std::numeric_limits<double>::quiet_NaN();
+  IterationLog entry = iteration_log(progress, seconds_per_iter, lm_loss, moe_metrics_.losses(), step.grad_norm,
+                                     format_log_timestamp(std::chrono::system_clock::now()));
+  entry.loss_scale = step.loss_scale;
+  if (step.skipped) entry.grad_norm.reset();  // Megatron: grad_norm is None for a skipped iteration
+  entry.skipped_iterations = skipped_iterations_;
+  entry.nan_iterations = nan_iterations_;
   if (step.seqlen_stats) {
     if (args_.log_throughput) {
       entry.throughput_tflops_per_gpu =
@@ -201,6 +218,9 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
   if (!reset) return;
   moe_metrics_.reset();
   loss_sum_ = 0.0;
+  advanced_iterations_ = 0;
+  skipped_iterations_ = 0;
+  nan_iterations_ = 0;
   flops_sum_ = 0.0;
   real_tokens_sum_ = 0;
   iterations_ = 0;

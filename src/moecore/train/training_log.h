@@ -63,10 +63,14 @@ class TrainingLogger {
   int64_t first_iteration_ = 1;
   // The interval since the last reset.
   Clock::time_point interval_start_;
-  double loss_sum_ = 0.0;
-  int64_t iterations_ = 0;
-  double flops_sum_ = 0.0;       // FLOPs of the interval's iterations
-  int64_t real_tokens_sum_ = 0;  // packed sequences: their real tokens
+  double loss_sum_ = 0.0;   // lm loss over the advanced iterations
+  int64_t iterations_ = 0;  // advanced + skipped
+  int64_t advanced_iterations_ = 0;
+  int64_t skipped_iterations_ = 0;  // loss scaling skipped them
+  int64_t nan_iterations_ = 0;      // skipped with a non-finite loss
+  bool loss_seen_ = false;          // an advanced iteration has been logged (Megatron's lm loss key exists)
+  double flops_sum_ = 0.0;          // FLOPs of the interval's iterations
+  int64_t real_tokens_sum_ = 0;     // packed sequences: their real tokens
   MoEMetrics moe_metrics_;
   bool report_memory_ = true;  // Megatron's report_memory_flag
 };

@@ -69,7 +69,7 @@ StateDict assemble(const GPTModel& model, const std::vector<AdamWMomentSlice>& s
   StateDict state;
   add_model_state(state, model);
   add_optimizer_state(state, model.params(), slices, step);
-  add_lr_scheduler_state(state, schedule, progress.iteration, weight_decay);
+  add_lr_scheduler_state(state, schedule, progress.successful_iterations(), weight_decay);
   add_progress_state(state, progress, seed);
   return state;
 }
