@@ -17,3 +17,7 @@ int run_layout(int argc, char** argv);
 
 // `moecore checkpoint DIR`: prints and verifies a checkpoint. argv[0] is "checkpoint".
 int run_checkpoint(int argc, char** argv);
+
+// `moecore quantize --recipe R --format F --as ROLE --input IN --output OUT`: quantizes a safetensors file's fp32
+// matrices with an FP8 / MXFP8 / NVFP4 recipe. argv[0] is "quantize".
+int run_quantize(int argc, char** argv);

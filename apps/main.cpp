@@ -14,7 +14,9 @@ void print_usage(std::ostream& out) {
          "  preprocess   tokenize JSONL into Megatron's indexed dataset (tools/preprocess_data.py's flags)\n"
          "  generate     continue a prompt with a HuggingFace-style export (--load DIR --prompt TEXT)\n"
          "  layout       print the process groups of a parallel layout (--world-size N, TP/PP/CP/EP/ETP flags)\n"
-         "  checkpoint   print a checkpoint's iteration, layout and tensors and verify every checksum (DIR)\n";
+         "  checkpoint   print a checkpoint's iteration, layout and tensors and verify every checksum (DIR)\n"
+         "  quantize     quantize a safetensors file's fp32 matrices with an FP8 / MXFP8 / NVFP4 recipe (--recipe "
+         "...)\n";
 }
 
 }  // namespace
@@ -34,7 +36,8 @@ int main(int argc, char** argv) {
   if (command == "generate") return run_generate(argc - 1, argv + 1);
   if (command == "layout") return run_layout(argc - 1, argv + 1);
   if (command == "checkpoint") return run_checkpoint(argc - 1, argv + 1);
+  if (command == "quantize") return run_quantize(argc - 1, argv + 1);
   std::cerr << "error: unknown command '" << command
-            << "' (commands: train, preprocess, generate, layout, checkpoint)\n";
+            << "' (commands: train, preprocess, generate, layout, checkpoint, quantize)\n";
   return 2;
 }

@@ -1,0 +1,56 @@
+// Delayed scaling (TE's DelayedScaling; Megatron's --fp8-recipe delayed with --fp8-amax-history-len,
+// --fp8-amax-compute-algo, --fp8-margin): one tensor's scale for this step comes from the amax history of earlier
+// steps; this step's amax is recorded while quantizing and pushed into the history after the step.
+//
+//   DelayedScaling state(1024, AmaxComputeAlgo::kMax, 0, ElementFormat::kE4M3);
+//   q = quantize(x, ..., {.tensor_scale = state.scale()}); state.record_amax(q.amax);   // forward of step t
+//   state.update();                                                                     // after the step
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "moecore/quant/fp8_formats.h"
+
+namespace moecore::quant {
+
+enum class AmaxComputeAlgo { kMax, kMostRecent };
+// "max" / "most_recent" (std::invalid_argument otherwise).
+AmaxComputeAlgo parse_amax_compute_algo(std::string_view name);
+
+class DelayedScaling {
+ public:
+  // history_len >= 1 and margin as Megatron's flags; the scale starts at 1 and the history at zeros (TE's
+  // initial fp8 meta). std::invalid_argument for history_len < 1 or an E2M1 format.
+  DelayedScaling(int64_t history_len, AmaxComputeAlgo algo, int margin, ElementFormat format);
+
+  // The encode scale of this step (quantize with it; decode scale 1 / scale).
+  float scale() const { return scale_; }
+  // Records this step's amax: slot 0 of the history keeps the max (NaN skipped) over every quantization of the
+  // tensor in the step, as the cast kernels' atomic max into amax_history[0].
+  void record_amax(float amax);
+  // TE's amax_and_scale_update after the step (transformer_engine/common/recipe/delayed_scaling.cu kernel_bulk, the
+  // kernel PyTorch's reduce_and_update_fp8_tensors calls), with a = this step's amax (slot 0):
+  //   a == 0:   nothing rolls and the scale stays.
+  //   a != 0:   the window is the L - 1 older amaxes and a; amax = max over it (algo max, NaN skipped) or a
+  //             (most_recent); the history rolls (the oldest leaves, a becomes the newest, slot 0 is zeroed).
+  //   scale = (format max x 2^-margin) / amax when amax is finite and > 0, else the previous scale; an infinite
+  //   quotient becomes FLT_MAX.
+  void update();
+
+  // The stored history, TE's layout: [0] this step's slot, [1] the oldest ... [L - 1] the newest.
+  const std::vector<float>& amax_history() const { return history_; }
+  AmaxComputeAlgo algo() const { return algo_; }
+  int margin() const { return margin_; }
+  ElementFormat format() const { return format_; }
+
+ private:
+  std::vector<float> history_;
+  AmaxComputeAlgo algo_;
+  int margin_;
+  ElementFormat format_;
+  float scale_ = 1.0f;
+};
+
+}  // namespace moecore::quant

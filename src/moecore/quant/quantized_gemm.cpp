@@ -1,0 +1,68 @@
+#include "moecore/quant/quantized_gemm.h"
+
+#include <stdexcept>
+#include <vector>
+
+#include "moecore/kernels/cpu/gemm.h"
+#include "moecore/quant/quantize.h"
+
+namespace moecore::quant {
+namespace {
+
+DelayedScaling* state_for(const QuantizedLinearConfig& config, const Role role) {
+  switch (role) {
+    case Role::kActivation: return config.x_state;
+    case Role::kWeight: return config.w_state;
+    case Role::kGradient: return config.dy_state;
+  }
+  return nullptr;
+}
+
+// The operand quantized for `usage` and decoded in its stored layout ([rows, cols] row-wise, [cols, rows]
+// column-wise, Hadamard-transformed where the recipe does so: the GEMM multiplies the transformed operands).
+std::vector<float> quantize_decoded(const float* x, const int64_t rows, const int64_t cols, const Role role,
+                                    const Usage usage, const QuantizedLinearConfig& config) {
+  const ElementFormat element = element_format_for(config.recipe, config.format, role);
+  const QuantSpec spec = make_spec(config.recipe, element, role);
+  QuantizeOptions options;
+  options.seed = config.seed;
+  options.rht_signs = config.rht_signs;
+  DelayedScaling* state = config.recipe == Recipe::kDelayed ? state_for(config, role) : nullptr;
+  if (config.recipe == Recipe::kDelayed) {
+    if (state == nullptr) throw std::invalid_argument("delayed scaling needs a DelayedScaling state per operand");
+    if (state->format() != element) {
+      throw std::invalid_argument("the " + role_name(role) + " delayed-scaling state is " +
+                                  format_name(state->format()) + ", the recipe quantizes it to " +
+                                  format_name(element));
+    }
+    options.tensor_scale = state->scale();
+  }
+  const QuantizedTensor q = quantize(x, rows, cols, spec, usage, options);
+  if (state != nullptr) state->record_amax(q.amax);
+  return q.decode();
+}
+
+}  // namespace
+
+void quantized_fprop(const float* x_TK, const float* w_NK, float* y_TN, const int64_t T, const int64_t K,
+                     const int64_t N, const QuantizedLinearConfig& config) {
+  const std::vector<float> x = quantize_decoded(x_TK, T, K, Role::kActivation, Usage::kRowwise, config);
+  const std::vector<float> w = quantize_decoded(w_NK, N, K, Role::kWeight, Usage::kRowwise, config);
+  kernels::cpu::sgemm(false, true, T, N, K, 1.0f, x.data(), K, w.data(), K, 0.0f, y_TN, N);
+}
+
+void quantized_dgrad(const float* dy_TN, const float* w_NK, float* dx_TK, const int64_t T, const int64_t K,
+                     const int64_t N, const QuantizedLinearConfig& config) {
+  const std::vector<float> dy = quantize_decoded(dy_TN, T, N, Role::kGradient, Usage::kRowwise, config);
+  const std::vector<float> w_KN = quantize_decoded(w_NK, N, K, Role::kWeight, Usage::kColumnwise, config);
+  kernels::cpu::sgemm(false, true, T, K, N, 1.0f, dy.data(), N, w_KN.data(), N, 0.0f, dx_TK, K);
+}
+
+void quantized_wgrad(const float* dy_TN, const float* x_TK, float* dw_NK, const int64_t T, const int64_t K,
+                     const int64_t N, const QuantizedLinearConfig& config) {
+  const std::vector<float> dy_NT = quantize_decoded(dy_TN, T, N, Role::kGradient, Usage::kColumnwise, config);
+  const std::vector<float> x_KT = quantize_decoded(x_TK, T, K, Role::kActivation, Usage::kColumnwise, config);
+  kernels::cpu::sgemm(false, true, N, K, T, 1.0f, dy_NT.data(), T, x_KT.data(), T, 0.0f, dw_NK, K);
+}
+
+}  // namespace moecore::quant

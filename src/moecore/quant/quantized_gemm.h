@@ -1,0 +1,47 @@
+// The three GEMMs of a linear layer y = x W^T with quantized operands, as TE's Linear quantizes them
+// (transformer_engine/pytorch/module/linear.py with the recipe's quantizers): each operand is quantized along the
+// GEMM's reduction dimension, then the product of the decoded operands is accumulated in fp32
+// (kernels::cpu::sgemm), which is what the tensor cores compute up to the accumulation order.
+//
+//   GEMM    product           reduction   operands (usage)
+//   fprop   y  = x W^T        K           x row-wise (activation), W row-wise (weight)
+//   dgrad   dx = dy W         N           dy row-wise (gradient), W column-wise (weight)
+//   wgrad   dW = dy^T x       T           dy column-wise (gradient), x column-wise (activation)
+//
+// Per recipe: tensorwise / delayed one scale per operand; blockwise 1x128 x and dy, 128x128 W; mxfp8 1x32
+// everywhere; nvfp4 1x16 x and dy, 16x16 W, stochastic rounding for dy, and the Hadamard transform on wgrad's
+// operands (column-wise x and dy, both along T, so it cancels in the product).
+#pragma once
+
+#include <cstdint>
+
+#include "moecore/quant/delayed_scaling.h"
+#include "moecore/quant/hadamard.h"
+#include "moecore/quant/recipe.h"
+
+namespace moecore::quant {
+
+struct QuantizedLinearConfig {
+  Recipe recipe = Recipe::kTensorwise;
+  Fp8Format format = Fp8Format::kHybrid;  // ignored by nvfp4
+  uint64_t seed = 0;                      // nvfp4 gradients' stochastic rounding
+  RhtSigns rht_signs = te_rht_signs();
+  // Delayed scaling: one state per operand (non-null under Recipe::kDelayed; their formats must match
+  // element_format_for). Each GEMM quantizes with state->scale() and records the operand's amax; the caller calls
+  // update() after the step.
+  DelayedScaling* x_state = nullptr;
+  DelayedScaling* w_state = nullptr;
+  DelayedScaling* dy_state = nullptr;
+};
+
+// y_TN = x_TK @ w_NK^T.
+void quantized_fprop(const float* x_TK, const float* w_NK, float* y_TN, int64_t T, int64_t K, int64_t N,
+                     const QuantizedLinearConfig& config);
+// dx_TK = dy_TN @ w_NK.
+void quantized_dgrad(const float* dy_TN, const float* w_NK, float* dx_TK, int64_t T, int64_t K, int64_t N,
+                     const QuantizedLinearConfig& config);
+// dw_NK = dy_TN^T @ x_TK.
+void quantized_wgrad(const float* dy_TN, const float* x_TK, float* dw_NK, int64_t T, int64_t K, int64_t N,
+                     const QuantizedLinearConfig& config);
+
+}  // namespace moecore::quant
