@@ -339,5 +339,50 @@ TEST(TrainLoop, NonFiniteGradientsSkipTheIterationUnderLossScaling) {
   ASSERT_EQ(unsetenv("MOECORE_INJECT_GRAD_OVERFLOW_AT"), 0);
 }
 
+TEST(TrainLoop, Bf16KeepsBf16WeightsFp32MainParamsAndResumesExactly) {
+  // --bf16: after training every weight is a bf16 value while the optimizer's fp32 main parameters carry the bits
+  // below (so the update is not lost to rounding); a run resumed from a checkpoint at iteration 2 continues exactly
+  // as the run that did not stop (the checkpoint holds the main parameters, not only the rounded weights).
+  const test::TempDir dir("train_loop");
+  const std::string prefix = write_corpus(dir);
+  std::vector<std::string> flags = loss_scale_run(4);
+  flags.push_back("--bf16");
+  std::ostringstream straight_log;
+  const TrainingArgs args = parse(base_flags(dir, prefix), flags);
+  const TrainResult straight = run_training(args, straight_log);
+  std::vector<std::string> first_half = flags;
+  first_half[1] = "2";  // --train-iters 2
+  first_half.insert(first_half.end(), {"--save", dir.path("ckpt"), "--save-interval", "2"});
+  std::ostringstream unused;
+  run_training(parse(base_flags(dir, prefix), first_half), unused);
+  std::vector<std::string> second_half = flags;
+  second_half.insert(second_half.end(), {"--load", dir.path("ckpt")});
+  std::ostringstream resumed_log;
+  const TrainResult resumed = run_training(parse(base_flags(dir, prefix), second_half), resumed_log);
+  ASSERT_EQ(resumed.train_losses.size(), 2u) << resumed_log.str();
+  EXPECT_EQ(resumed.train_losses[0], straight.train_losses[2]);
+  EXPECT_EQ(resumed.train_losses[1], straight.train_losses[3]);
+  EXPECT_EQ(resumed.last_valid_loss, straight.last_valid_loss);
+
+  // The weights and main parameters of a bf16 model after training.
+  const Vocabulary vocabulary = build_vocabulary(args);
+  const TrainingArgs run_args = with_padded_vocabulary(args, vocabulary);
+  ModelAndOptimizer built = build_model_and_optimizer(run_args, parallel::ParallelState::single_process());
+  built.optimizer->step(1e-2);  // zero gradients, but weight decay moves every decayed weight by a sub-bf16 amount
+  int64_t weights = 0, main_below_bf16 = 0;
+  for (const AdamWMomentSlice& slice : built.optimizer->moment_slices()) {
+    ASSERT_TRUE(slice.main_param.defined());
+    const Param& p = built.model->params()[static_cast<size_t>(slice.param)];
+    for (int64_t i = 0; i < p.value.numel(); ++i) {
+      const float w = p.value.data<float>()[i], main = slice.main_param.data<float>()[i];
+      ASSERT_EQ(w, bf16_to_fp32(fp32_to_bf16(w))) << p.name;
+      ASSERT_EQ(w, bf16_to_fp32(fp32_to_bf16(main))) << p.name;
+      main_below_bf16 += main != w ? 1 : 0;
+      ++weights;
+    }
+  }
+  EXPECT_GT(main_below_bf16, weights / 4);
+}
+
 }  // namespace
 }  // namespace moecore

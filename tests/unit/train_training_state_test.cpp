@@ -235,7 +235,7 @@ TEST(TrainingState, OptimizerPiecesAreFlatRanges) {
   params.push_back(make_param("b", {4}, InitKind::kZeros));
   const Tensor m_a(std::vector<int64_t>{3}, DType::kF32), v_a(std::vector<int64_t>{3}, DType::kF32);
   StateDict state;
-  add_optimizer_state(state, params, {AdamWMomentSlice{0, 2, 5, m_a, v_a}}, 4);
+  add_optimizer_state(state, params, {AdamWMomentSlice{0, 2, 5, m_a, v_a, Tensor()}}, 4);
   EXPECT_EQ(state.keys(), (std::vector<std::string>{"optimizer.state.exp_avg.a", "optimizer.state.exp_avg.b",
                                                     "optimizer.state.exp_avg_sq.a", "optimizer.state.exp_avg_sq.b",
                                                     "optimizer.step"}));
@@ -252,9 +252,10 @@ TEST(TrainingState, OptimizerPiecesAreFlatRanges) {
   EXPECT_EQ(state.i64("optimizer.step"), 4);
 
   StateDict twice;
-  EXPECT_THROW(
-      add_optimizer_state(twice, params, {AdamWMomentSlice{0, 0, 3, m_a, v_a}, AdamWMomentSlice{0, 3, 6, m_a, v_a}}, 1),
-      std::logic_error);
+  EXPECT_THROW(add_optimizer_state(
+                   twice, params,
+                   {AdamWMomentSlice{0, 0, 3, m_a, v_a, Tensor()}, AdamWMomentSlice{0, 3, 6, m_a, v_a, Tensor()}}, 1),
+               std::logic_error);
 }
 
 }  // namespace

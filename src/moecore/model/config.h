@@ -8,6 +8,7 @@
 
 #include "moecore/moe/moe_config.h"
 #include "moecore/ops/activation.h"
+#include "moecore/tensor/dtype.h"
 
 namespace moecore {
 
@@ -46,6 +47,9 @@ struct ModelConfig {
   // --cp-comm-type: one value for every layer, or one per layer (p2p, all_gather, a2a).
   std::vector<std::string> cp_comm_type = {"p2p"};
   MoEConfig moe;  // num_experts == 0: dense
+  // Megatron's params_dtype: kF32, or kBF16 / kF16 with --bf16 / --fp16 (weights and activations hold values of that
+  // dtype; the optimizer keeps fp32 main parameters).
+  DType params_dtype = DType::kF32;
 
   int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(kv_channels) * rotary_percent); }
   int64_t fc1_out() const { return activation == Activation::kSwiGLU ? 2 * ffn_hidden_size : ffn_hidden_size; }

@@ -12,6 +12,7 @@
 #include "moecore/ops/dropout.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/linear_cross_entropy.h"
+#include "moecore/ops/precision.h"
 #include "moecore/ops/rows.h"
 #include "moecore/util/trace.h"
 
@@ -175,7 +176,10 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const paralle
     word.sum_over_embedding_group = true;
     word.pipeline_copy = !pre_process;
   }
-  for (Param& p : params_) init_param(p, seed, config_.init_method_std, config_.num_layers);
+  for (Param& p : params_) {
+    init_param(p, seed, config_.init_method_std, config_.num_layers);
+    ops::round_to_dtype_(p.value, config_.params_dtype);  // the 16-bit model weights of --bf16 / --fp16
+  }
 }
 
 GPTModel::~GPTModel() = default;
@@ -287,8 +291,11 @@ Tensor GPTModel::output_and_loss_backward(MicroBatchContext& ctx, const double l
   Tensor dfinal_TH;
   if (ctx.output_dinput_TH.defined()) {
     Param& weight = m.output_layer.weight();
-    ops::scale_(ctx.output_dweight_VH, loss_scale);
-    ops::add_(weight.grad, ctx.output_dweight_VH);
+    {
+      const ops::ScopedActivationDType main_grads(DType::kF32);  // a weight gradient: no 16-bit rounding
+      ops::scale_(ctx.output_dweight_VH, loss_scale);
+      ops::add_(weight.grad, ctx.output_dweight_VH);
+    }
     ctx.output_dweight_VH = Tensor();
     ops::scale_(ctx.output_dinput_TH, loss_scale);
     dfinal_TH = m.output_layer.reduce_input_grad(ctx.output_dinput_TH);
@@ -312,6 +319,7 @@ Tensor GPTModel::output_and_loss_backward(MicroBatchContext& ctx, const double l
 double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int32_t* tokens_BS,
                          const int32_t* labels_BS, const float* loss_mask_BS, const int64_t B, const int64_t S,
                          const ForwardOptions& options, Tensor* logits_SBV) {
+  const ops::ScopedActivationDType precision(config_.params_dtype);
   if (config_.position_embedding_type == PositionEmbedding::kLearnedAbsolute && S > config_.max_position_embeddings) {
     throw std::invalid_argument("sequence length " + std::to_string(S) + " exceeds --max-position-embeddings");
   }
@@ -402,6 +410,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
 
 Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double loss_scale,
                           const Tensor* output_grad_TH) {
+  const ops::ScopedActivationDType precision(config_.params_dtype);
   if (!ctx || !ctx->training || ctx->chunk < 0 || ctx->chunk >= num_chunks()) {
     throw std::logic_error("backward needs the context of a training forward");
   }

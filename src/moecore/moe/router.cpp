@@ -22,6 +22,7 @@
 #include "moecore/moe/load_balancing.h"
 #include "moecore/moe/routing_math.h"
 #include "moecore/ops/linear.h"
+#include "moecore/ops/precision.h"
 #include "moecore/parallel/comm_stats.h"
 #include "moecore/tensor/rng.h"
 
@@ -207,6 +208,8 @@ RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64
                                  const uint64_t seed, const uint64_t jitter_key, RouterActivations& saved,
                                  const TokenRows& rows) {
   if (weight_ == nullptr) throw std::logic_error("TopKRouter::forward before bind()");
+  // The router computes in --moe-router-dtype (fp32 or fp64) under --bf16 / --fp16 too.
+  const ops::ScopedActivationDType router_precision(DType::kF32);
   const int64_t T = S * B;
   saved = RouterActivations{};
   saved.S = S;
@@ -542,6 +545,7 @@ void TopKRouter::logits_backward(std::vector<double>& dlogits_TE, const float* d
 
 void TopKRouter::backward(float* dx_TH, const float* dprobs_TE, const double aux_grad_scale,
                           const RouterActivations& saved, const RouterOutput& routing) {
+  const ops::ScopedActivationDType router_precision(DType::kF32);
   const int64_t T = saved.S * saved.B, H = hidden_, E = config_.num_experts;
   std::vector<double> dlogits_TE;
   logits_backward(dlogits_TE, dprobs_TE, aux_grad_scale, saved, routing);

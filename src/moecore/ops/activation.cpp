@@ -1,6 +1,7 @@
 #include "moecore/ops/activation.h"
 
 #include "moecore/ops/dispatch.h"
+#include "moecore/ops/precision.h"
 
 namespace moecore::ops {
 using detail::ptr;
@@ -18,6 +19,7 @@ void activation_forward(const Activation kind, Tensor& out_TF, const Tensor& inp
       case Activation::kSquaredReLU: k.squared_relu_forward(ptr<S>(out_TF), ptr<S>(inp_TF1), n); break;
     }
   });
+  detail::round_activations({&out_TF});
 }
 
 void activation_backward(const Activation kind, Tensor& dinp_TF1, const Tensor& dout_TF, const Tensor& inp_TF1) {
@@ -36,6 +38,7 @@ void activation_backward(const Activation kind, Tensor& dinp_TF1, const Tensor& 
         break;
     }
   });
+  detail::round_activations({&dinp_TF1});
 }
 
 }  // namespace moecore::ops

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "moecore/ops/dispatch.h"
+#include "moecore/ops/precision.h"
 
 namespace moecore::ops {
 using detail::ptr;
@@ -50,6 +51,7 @@ void attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, 
     k.attention_forward(ptr<S>(out_SBNd), ptr<S>(lse_BNS), ptr<S>(q_SBNd), ptr<S>(k_SBGd), ptr<S>(v_SBGd), dims,
                         dropout);
   });
+  detail::round_activations({&out_SBNd});  // lse stays fp32
 }
 
 void attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const Tensor& dout_SBNd,
@@ -63,6 +65,7 @@ void attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const
     k.attention_backward(ptr<S>(dq_SBNd), ptr<S>(dk_SBGd), ptr<S>(dv_SBGd), ptr<S>(dout_SBNd), ptr<S>(q_SBNd),
                          ptr<S>(k_SBGd), ptr<S>(v_SBGd), ptr<S>(out_SBNd), ptr<S>(lse_BNS), dims, dropout);
   });
+  detail::round_activations({&dq_SBNd, &dk_SBGd, &dv_SBGd});
 }
 
 void attention_merge(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& part_out_SBNd, const Tensor& part_lse_BNS,
@@ -77,6 +80,7 @@ void attention_merge(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& part_out_S
   detail::dispatch(op, out_SBNd, [&]<typename T>(auto k) {
     k.attention_merge(ptr<T>(out_SBNd), ptr<T>(lse_BNS), ptr<T>(part_out_SBNd), ptr<T>(part_lse_BNS), dims);
   });
+  detail::round_activations({&out_SBNd});
 }
 
 void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
@@ -88,6 +92,7 @@ void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, con
   detail::dispatch(op, inp_SBNd, [&]<typename T>(auto k) {
     k.rope_forward(ptr<T>(out_SBNd), ptr<T>(inp_SBNd), S, B, N, head_dim, rot_dim, base, position_offset);
   });
+  detail::round_activations({&out_SBNd});
 }
 
 void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
@@ -99,6 +104,7 @@ void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, 
   detail::dispatch(op, dout_SBNd, [&]<typename T>(auto k) {
     k.rope_backward(ptr<T>(dinp_SBNd), ptr<T>(dout_SBNd), S, B, N, head_dim, rot_dim, base, position_offset);
   });
+  detail::round_activations({&dinp_SBNd});
 }
 
 void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
@@ -111,6 +117,7 @@ void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, con
   detail::dispatch(op, inp_SBNd, [&]<typename T>(auto k) {
     k.rope_forward(ptr<T>(out_SBNd), ptr<T>(inp_SBNd), S, B, N, head_dim, rot_dim, base, positions_SB.data());
   });
+  detail::round_activations({&out_SBNd});
 }
 
 void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
@@ -123,6 +130,7 @@ void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, 
   detail::dispatch(op, dout_SBNd, [&]<typename T>(auto k) {
     k.rope_backward(ptr<T>(dinp_SBNd), ptr<T>(dout_SBNd), S, B, N, head_dim, rot_dim, base, positions_SB.data());
   });
+  detail::round_activations({&dinp_SBNd});
 }
 
 }  // namespace moecore::ops

@@ -1,6 +1,7 @@
 #include "moecore/ops/dropout.h"
 
 #include "moecore/ops/dispatch.h"
+#include "moecore/ops/precision.h"
 
 namespace moecore::ops {
 using detail::ptr;
@@ -11,6 +12,7 @@ void dropout_forward(Tensor& out, const Tensor& inp, const DropoutSpec& spec) {
   detail::check_numel(op, "out", out, inp.numel());
   detail::dispatch(op, inp,
                    [&]<typename T>(auto k) { k.dropout_forward(ptr<T>(out), ptr<T>(inp), inp.numel(), spec); });
+  detail::round_activations({&out});
 }
 
 void dropout_backward(Tensor& dinp, const Tensor& dout, const DropoutSpec& spec) {
@@ -19,6 +21,7 @@ void dropout_backward(Tensor& dinp, const Tensor& dout, const DropoutSpec& spec)
   detail::check_numel(op, "dinp", dinp, dout.numel());
   detail::dispatch(op, dout,
                    [&]<typename T>(auto k) { k.dropout_backward(ptr<T>(dinp), ptr<T>(dout), dout.numel(), spec); });
+  detail::round_activations({&dinp});
 }
 
 }  // namespace moecore::ops

@@ -2,6 +2,7 @@
 
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/optim.h"
+#include "moecore/ops/precision.h"
 
 namespace moecore::ops {
 using detail::ptr;
@@ -11,12 +12,14 @@ void add_(Tensor& y, const Tensor& x) {
   detail::check_tensors(op, {&y, &x});
   detail::check_numel(op, "x", x, y.numel());
   detail::dispatch(op, y, [&]<typename T>(auto k) { k.add_inplace(ptr<T>(y), ptr<T>(x), y.numel()); });
+  detail::round_activations({&y});
 }
 
 void scale_(Tensor& y, const double alpha) {
   constexpr const char* op = "scale_";
   detail::check_tensors(op, {&y});
   detail::dispatch(op, y, [&]<typename T>(auto k) { k.scale_inplace(ptr<T>(y), static_cast<T>(alpha), y.numel()); });
+  detail::round_activations({&y});
 }
 
 double sum_squares(const Tensor& x) {

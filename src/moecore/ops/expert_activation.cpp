@@ -1,6 +1,7 @@
 #include "moecore/ops/expert_activation.h"
 
 #include "moecore/ops/dispatch.h"
+#include "moecore/ops/precision.h"
 
 namespace moecore::ops {
 using detail::ptr;
@@ -26,6 +27,7 @@ void weighted_swiglu_forward(Tensor& h_TF, const Tensor& inp_T2F, const Tensor& 
   detail::dispatch(op, h_TF, [&]<typename S>(auto k) {
     k.weighted_swiglu_forward(ptr<S>(h_TF), ptr<S>(inp_T2F), ptr<S>(probs_T), T, F);
   });
+  detail::round_activations({&h_TF});
 }
 
 void weighted_swiglu_backward(Tensor& dinp_T2F, Tensor& dprobs_T, const Tensor& dh_TF, const Tensor& inp_T2F,
@@ -42,6 +44,7 @@ void weighted_swiglu_backward(Tensor& dinp_T2F, Tensor& dprobs_T, const Tensor& 
     k.weighted_swiglu_backward(ptr<S>(dinp_T2F), ptr<S>(dprobs_T), ptr<S>(dh_TF), ptr<S>(inp_T2F), ptr<S>(probs_T), T,
                                F);
   });
+  detail::round_activations({&dinp_T2F});
 }
 
 }  // namespace moecore::ops

@@ -1,6 +1,7 @@
 #include "moecore/ops/linear.h"
 
 #include "moecore/ops/dispatch.h"
+#include "moecore/ops/precision.h"
 
 namespace moecore::ops {
 using detail::opt;
@@ -16,6 +17,7 @@ void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_O
   detail::dispatch(op, out_TO, [&]<typename S>(auto k) {
     k.linear_forward(ptr<S>(out_TO), ptr<S>(inp_TI), ptr<S>(weight_OI), opt<S>(bias_O), T, I, O);
   });
+  detail::round_activations({&out_TO});
 }
 
 void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO, const Tensor* inp_TI,
@@ -33,6 +35,7 @@ void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const
     k.linear_backward(opt<S>(dinp_TI), opt<S>(dweight_OI), opt<S>(dbias_O), ptr<S>(dout_TO), opt<S>(inp_TI),
                       ptr<S>(weight_OI), T, I, O);
   });
+  detail::round_activations({dinp_TI});  // weight and bias gradients stay fp32 (main grads)
 }
 
 std::string gemm_library() { return kernels::cpu::gemm_library(); }

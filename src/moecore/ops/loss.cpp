@@ -1,6 +1,7 @@
 #include "moecore/ops/loss.h"
 
 #include "moecore/ops/dispatch.h"
+#include "moecore/ops/precision.h"
 
 namespace moecore::ops {
 using detail::ptr;
@@ -58,6 +59,7 @@ void cross_entropy_backward(Tensor& dlogits_TV, const Tensor& dlosses_T, const T
     k.cross_entropy_backward(ptr<S>(dlogits_TV), ptr<S>(dlosses_T), ptr<S>(logits_TV), ptr<S>(lse_T), targets_T.data(),
                              T, V);
   });
+  detail::round_activations({&dlogits_TV});
 }
 
 void vocab_ce_local_max(Tensor& max_T, const Tensor& logits_TVl) {
@@ -108,6 +110,7 @@ void vocab_ce_backward(Tensor& dlogits_TVl, const Tensor& dlosses_T, const Tenso
     k.vocab_ce_backward(ptr<S>(dlogits_TVl), ptr<S>(dlosses_T), ptr<S>(logits_TVl), ptr<S>(lse_T), targets_T.data(), T,
                         vocab_begin, Vl);
   });
+  detail::round_activations({&dlogits_TVl});
 }
 
 }  // namespace moecore::ops

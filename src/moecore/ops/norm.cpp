@@ -1,6 +1,7 @@
 #include "moecore/ops/norm.h"
 
 #include "moecore/ops/dispatch.h"
+#include "moecore/ops/precision.h"
 
 namespace moecore::ops {
 using detail::opt;
@@ -26,6 +27,7 @@ void rmsnorm_forward(Tensor& out_RD, Tensor& rstd_R, const Tensor& inp_RD, const
   detail::dispatch(op, inp_RD, [&]<typename S>(auto k) {
     k.rmsnorm_forward(ptr<S>(out_RD), ptr<S>(rstd_R), ptr<S>(inp_RD), ptr<S>(weight_D), R, D, eps);
   });
+  detail::round_activations({&out_RD});
 }
 
 void rmsnorm_backward(Tensor& dinp_RD, Tensor& dweight_D, const Tensor& dout_RD, const Tensor& inp_RD,
@@ -41,6 +43,7 @@ void rmsnorm_backward(Tensor& dinp_RD, Tensor& dweight_D, const Tensor& dout_RD,
     k.rmsnorm_backward(ptr<S>(dinp_RD), ptr<S>(dweight_D), ptr<S>(dout_RD), ptr<S>(inp_RD), ptr<S>(weight_D),
                        ptr<S>(rstd_R), R, D);
   });
+  detail::round_activations({&dinp_RD});
 }
 
 void layernorm_forward(Tensor& out_RD, Tensor& mean_R, Tensor& rstd_R, const Tensor& inp_RD, const Tensor& weight_D,
@@ -56,6 +59,7 @@ void layernorm_forward(Tensor& out_RD, Tensor& mean_R, Tensor& rstd_R, const Ten
     k.layernorm_forward(ptr<S>(out_RD), ptr<S>(mean_R), ptr<S>(rstd_R), ptr<S>(inp_RD), ptr<S>(weight_D),
                         opt<S>(bias_D), R, D, eps);
   });
+  detail::round_activations({&out_RD});
 }
 
 void layernorm_backward(Tensor& dinp_RD, Tensor& dweight_D, Tensor* dbias_D, const Tensor& dout_RD,
@@ -73,6 +77,7 @@ void layernorm_backward(Tensor& dinp_RD, Tensor& dweight_D, Tensor* dbias_D, con
     k.layernorm_backward(ptr<S>(dinp_RD), ptr<S>(dweight_D), opt<S>(dbias_D), ptr<S>(dout_RD), ptr<S>(inp_RD),
                          ptr<S>(weight_D), ptr<S>(mean_R), ptr<S>(rstd_R), R, D);
   });
+  detail::round_activations({&dinp_RD});
 }
 
 }  // namespace moecore::ops

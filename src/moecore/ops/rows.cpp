@@ -1,6 +1,7 @@
 #include "moecore/ops/rows.h"
 
 #include "moecore/ops/dispatch.h"
+#include "moecore/ops/precision.h"
 
 namespace moecore::ops {
 using detail::opt;
@@ -53,6 +54,7 @@ void add_bias_rows(Tensor& y_RW, const Tensor& bias_W) {
   detail::check_tensors(op, {&y_RW, &bias_W});
   const int64_t W = bias_W.numel(), R = rows_of(op, "y_RW", y_RW, W);
   detail::dispatch(op, y_RW, [&]<typename S>(auto k) { k.add_bias_rows(ptr<S>(y_RW), ptr<S>(bias_W), R, W); });
+  detail::round_activations({&y_RW});
 }
 
 void bias_grad_rows(Tensor& dbias_W, const Tensor& dy_RW) {
@@ -70,6 +72,7 @@ void scale_rows(Tensor& out_RW, const Tensor& x_RW, const Tensor& s_R) {
   detail::check_numel(op, "out_RW", out_RW, R * W);
   detail::dispatch(op, x_RW,
                    [&]<typename S>(auto k) { k.scale_rows(ptr<S>(out_RW), ptr<S>(x_RW), ptr<S>(s_R), R, W); });
+  detail::round_activations({&out_RW});
 }
 
 void scale_rows_backward(Tensor* dx_RW, Tensor* ds_R, const Tensor& dout_RW, const Tensor& x_RW, const Tensor& s_R) {
@@ -83,6 +86,7 @@ void scale_rows_backward(Tensor* dx_RW, Tensor* ds_R, const Tensor& dout_RW, con
   detail::dispatch(op, x_RW, [&]<typename S>(auto k) {
     k.scale_rows_backward(opt<S>(dx_RW), opt<S>(ds_R), ptr<S>(dout_RW), ptr<S>(x_RW), ptr<S>(s_R), R, W);
   });
+  detail::round_activations({dx_RW});
 }
 
 void add_outer(Tensor& y_RW, const Tensor& s_R, const Tensor& b_W) {
@@ -91,6 +95,7 @@ void add_outer(Tensor& y_RW, const Tensor& s_R, const Tensor& b_W) {
   const int64_t R = s_R.numel(), W = b_W.numel();
   detail::check_numel(op, "y_RW", y_RW, R * W);
   detail::dispatch(op, y_RW, [&]<typename S>(auto k) { k.add_outer(ptr<S>(y_RW), ptr<S>(s_R), ptr<S>(b_W), R, W); });
+  detail::round_activations({&y_RW});
 }
 
 void add_outer_backward(Tensor* ds_R, Tensor* db_W, const Tensor& dy_RW, const Tensor& s_R, const Tensor& b_W) {
@@ -111,6 +116,7 @@ void row_dot(Tensor& out_R, const Tensor& x_RW, const Tensor& w_W) {
   const int64_t W = w_W.numel(), R = rows_of(op, "x_RW", x_RW, W);
   detail::check_numel(op, "out_R", out_R, R);
   detail::dispatch(op, x_RW, [&]<typename S>(auto k) { k.row_dot(ptr<S>(out_R), ptr<S>(x_RW), ptr<S>(w_W), R, W); });
+  detail::round_activations({&out_R});
 }
 
 void sigmoid_forward(Tensor& out, const Tensor& x) {
@@ -118,6 +124,7 @@ void sigmoid_forward(Tensor& out, const Tensor& x) {
   detail::check_tensors(op, {&out, &x});
   detail::check_numel(op, "out", out, x.numel());
   detail::dispatch(op, x, [&]<typename S>(auto k) { k.sigmoid_forward(ptr<S>(out), ptr<S>(x), x.numel()); });
+  detail::round_activations({&out});
 }
 
 void sigmoid_backward(Tensor& dx, const Tensor& dout, const Tensor& y) {
@@ -127,6 +134,7 @@ void sigmoid_backward(Tensor& dx, const Tensor& dout, const Tensor& y) {
   detail::check_numel(op, "dx", dx, y.numel());
   detail::dispatch(op, y,
                    [&]<typename S>(auto k) { k.sigmoid_backward(ptr<S>(dx), ptr<S>(dout), ptr<S>(y), y.numel()); });
+  detail::round_activations({&dx});
 }
 
 void gather_rows(Tensor& out_RW, const Tensor& in_NW, const std::span<const int64_t> index_R) {
@@ -155,6 +163,7 @@ void scatter_add_rows(Tensor& out_NW, const Tensor& in_RW, const std::span<const
   detail::dispatch(op, out_NW, [&]<typename S>(auto k) {
     k.scatter_add_rows(ptr<S>(out_NW), ptr<S>(in_RW), index_R.data(), R, N, W);
   });
+  detail::round_activations({&out_NW});
 }
 
 void add_position_embedding(Tensor& x_TH, const Tensor& pos_PH, const int64_t B, const int64_t row_offset) {
@@ -165,6 +174,7 @@ void add_position_embedding(Tensor& x_TH, const Tensor& pos_PH, const int64_t B,
   detail::dispatch(op, x_TH, [&]<typename S>(auto k) {
     k.add_position_embedding(ptr<S>(x_TH), ptr<S>(pos_PH), T, B, H, row_offset);
   });
+  detail::round_activations({&x_TH});
 }
 
 void position_embedding_backward(Tensor& dpos_PH, const Tensor& dx_TH, const int64_t B, const int64_t row_offset) {

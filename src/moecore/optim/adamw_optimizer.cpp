@@ -1,9 +1,12 @@
 #include "moecore/optim/adamw_optimizer.h"
 
+#include <algorithm>
 #include <cmath>
+#include <stdexcept>
 
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/optim.h"
+#include "moecore/ops/precision.h"
 
 namespace moecore {
 
@@ -19,6 +22,12 @@ ops::AdamWHyper adamw_hyper(const AdamWOptions& options, const double lr, const 
   return hp;
 }
 
+void copy_main_to_model(Tensor& value, const Tensor& main, const DType params_dtype) {
+  if (value.numel() != main.numel()) throw std::logic_error("copy_main_to_model: sizes differ");
+  std::copy_n(main.data<float>(), main.numel(), value.data<float>());
+  ops::round_to_dtype_(value, params_dtype);
+}
+
 AdamWOptimizer::AdamWOptimizer(std::vector<Param>& params, const AdamWOptions& options)
     : params_(params), options_(options) {
   exp_avg_.reserve(params_.size());
@@ -26,7 +35,20 @@ AdamWOptimizer::AdamWOptimizer(std::vector<Param>& params, const AdamWOptions& o
   for (const Param& p : params_) {
     exp_avg_.emplace_back(p.value.shape(), DType::kF32, MemCategory::kOptimizer);
     exp_avg_sq_.emplace_back(p.value.shape(), DType::kF32, MemCategory::kOptimizer);
+    if (options_.params_dtype != DType::kF32) main_.emplace_back(p.value.shape(), DType::kF32, MemCategory::kOptimizer);
   }
+  main_params_from_model();
+}
+
+void AdamWOptimizer::main_params_from_model() {
+  for (size_t i = 0; i < main_.size(); ++i) {
+    std::copy_n(params_[i].value.data<float>(), main_[i].numel(), main_[i].data<float>());
+    ops::round_to_dtype_(params_[i].value, options_.params_dtype);
+  }
+}
+
+void AdamWOptimizer::model_from_main_params() {
+  for (size_t i = 0; i < main_.size(); ++i) copy_main_to_model(params_[i].value, main_[i], options_.params_dtype);
 }
 
 double AdamWOptimizer::grad_norm() const {
@@ -48,8 +70,10 @@ void AdamWOptimizer::step(const double lr) {
   ++step_;
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
-    ops::adamw_step(p.value, p.grad, exp_avg_[i], exp_avg_sq_[i], adamw_hyper(options_, lr, step_, p.no_weight_decay));
+    Tensor& target = main_.empty() ? p.value : main_[i];
+    ops::adamw_step(target, p.grad, exp_avg_[i], exp_avg_sq_[i], adamw_hyper(options_, lr, step_, p.no_weight_decay));
   }
+  model_from_main_params();
 }
 
 std::vector<AdamWMomentSlice> AdamWOptimizer::moment_slices() const {
@@ -57,7 +81,8 @@ std::vector<AdamWMomentSlice> AdamWOptimizer::moment_slices() const {
   slices.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     const int64_t n = exp_avg_[i].numel();
-    slices.push_back({static_cast<int>(i), 0, n, exp_avg_[i].view({n}), exp_avg_sq_[i].view({n})});
+    slices.push_back({static_cast<int>(i), 0, n, exp_avg_[i].view({n}), exp_avg_sq_[i].view({n}),
+                      main_.empty() ? Tensor() : main_[i].view({n})});
   }
   return slices;
 }

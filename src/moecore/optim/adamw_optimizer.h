@@ -12,6 +12,10 @@ namespace moecore {
 
 struct AdamWOptions {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
+  // The model weights' dtype (ModelConfig::params_dtype). 16-bit: the optimizer keeps fp32 main parameters, updates
+  // them and writes them back rounded (Megatron's Float16OptimizerWithFloat16Params / the distributed optimizer's
+  // fp32 shards).
+  DType params_dtype = DType::kF32;
 };
 
 // A run of one parameter's Adam moments held by this rank: flat elements [begin, end) of params[param]'s local
@@ -23,7 +27,11 @@ struct AdamWMomentSlice {
   int64_t begin = 0, end = 0;
   Tensor exp_avg;     // [end - begin]
   Tensor exp_avg_sq;  // [end - begin]
+  Tensor main_param;  // [end - begin] fp32 main parameters with 16-bit model weights; undefined otherwise
 };
+
+// Writes the fp32 `main` values into the model weights `value`, rounded to `params_dtype`.
+void copy_main_to_model(Tensor& value, const Tensor& main, DType params_dtype);
 
 // The kernel's hyper-parameters for update number `step` at learning rate lr (no decay on no_weight_decay params).
 ops::AdamWHyper adamw_hyper(const AdamWOptions& options, double lr, int64_t step, bool no_weight_decay);
@@ -44,12 +52,18 @@ class AdamWOptimizer {
   const AdamWOptions& options() const { return options_; }
   // Every parameter's moments, whole, in parameter order (see AdamWMomentSlice).
   std::vector<AdamWMomentSlice> moment_slices() const;
+  // 16-bit weights: main parameters := the model's current values (after loading weights without main parameters),
+  // then the model's values := the main parameters rounded; main parameters := after writing them (a checkpoint's
+  // fp32 parameters), the model's values rounded from them. No-ops with fp32 weights.
+  void main_params_from_model();
+  void model_from_main_params();
 
  private:
   std::vector<Param>& params_;
   AdamWOptions options_;
   std::vector<Tensor> exp_avg_;
   std::vector<Tensor> exp_avg_sq_;
+  std::vector<Tensor> main_;  // fp32 main parameters (16-bit weights only)
   int64_t step_ = 0;
 };
 

@@ -8,6 +8,7 @@
 
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/optim.h"
+#include "moecore/ops/precision.h"
 #include "moecore/parallel/comm_stats.h"
 
 namespace moecore {
@@ -24,6 +25,9 @@ DistributedAdamW::DistributedAdamW(DistributedDataParallel& ddp, std::vector<Par
   for (const auto& b : buckets) {
     exp_avg_.emplace_back(std::vector<int64_t>{b.shard_size}, DType::kF32, MemCategory::kOptimizer);
     exp_avg_sq_.emplace_back(std::vector<int64_t>{b.shard_size}, DType::kF32, MemCategory::kOptimizer);
+    if (options_.params_dtype != DType::kF32) {
+      main_.emplace_back(std::vector<int64_t>{b.shard_size}, DType::kF32, MemCategory::kOptimizer);
+    }
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     const DistributedDataParallel::Slot& slot = ddp_.slots()[i];
@@ -31,6 +35,38 @@ DistributedAdamW::DistributedAdamW(DistributedDataParallel& ddp, std::vector<Par
     const int64_t lo = std::max(slot.offset, b.shard_begin);
     const int64_t hi = std::min(slot.offset + slot.numel, b.shard_begin + b.shard_size);
     if (lo < hi) pieces_.push_back({static_cast<int>(i), slot.bucket, lo, hi - lo});
+  }
+  main_params_from_model();
+}
+
+Tensor DistributedAdamW::param_piece(const Piece& piece) const {
+  const auto& group = ddp_.groups()[static_cast<size_t>(ddp_.slots()[static_cast<size_t>(piece.param)].group)];
+  return group.param_buffer.slice_rows(piece.offset, piece.offset + piece.numel);
+}
+
+Tensor DistributedAdamW::main_piece(const Piece& piece) const {
+  const int64_t state = piece.offset - ddp_.buckets()[static_cast<size_t>(piece.bucket)].shard_begin;
+  return main_[static_cast<size_t>(piece.bucket)].slice_rows(state, state + piece.numel);
+}
+
+void DistributedAdamW::main_params_from_model() {
+  if (replicated_) return replicated_->main_params_from_model();
+  if (main_.empty()) return;
+  for (const Piece& piece : pieces_) {
+    const Tensor param = param_piece(piece);
+    Tensor main = main_piece(piece);
+    std::copy_n(param.data<float>(), piece.numel, main.data<float>());
+  }
+  // Every rank rounds the whole replicated model alike, so the shards gathered later agree with the rest.
+  for (Param& p : params_) ops::round_to_dtype_(p.value, options_.params_dtype);
+}
+
+void DistributedAdamW::model_from_main_params() {
+  if (replicated_) return replicated_->model_from_main_params();
+  if (main_.empty()) return;
+  for (const Piece& piece : pieces_) {
+    Tensor param = param_piece(piece);
+    copy_main_to_model(param, main_piece(piece), options_.params_dtype);
   }
 }
 
@@ -122,7 +158,10 @@ void DistributedAdamW::step(const double lr) {
     Tensor param = group.param_buffer.slice_rows(piece.offset, piece.offset + piece.numel);
     Tensor exp_avg = exp_avg_[static_cast<size_t>(piece.bucket)].slice_rows(state, state + piece.numel);
     Tensor exp_avg_sq = exp_avg_sq_[static_cast<size_t>(piece.bucket)].slice_rows(state, state + piece.numel);
-    ops::adamw_step(param, grad_piece(piece), exp_avg, exp_avg_sq, adamw_hyper(options_, lr, step_, p.no_weight_decay));
+    Tensor target = main_.empty() ? param : main_piece(piece);
+    ops::adamw_step(target, grad_piece(piece), exp_avg, exp_avg_sq,
+                    adamw_hyper(options_, lr, step_, p.no_weight_decay));
+    if (!main_.empty()) copy_main_to_model(param, target, options_.params_dtype);
   }
   ddp_.start_param_gather();
 }
@@ -137,7 +176,8 @@ std::vector<AdamWMomentSlice> DistributedAdamW::moment_slices() const {
     const auto bucket = static_cast<size_t>(piece.bucket);
     const int64_t begin = piece.offset - slot.offset;  // the piece's first element within the parameter
     slices.push_back({piece.param, begin, begin + piece.numel, exp_avg_[bucket].slice_rows(state, state + piece.numel),
-                      exp_avg_sq_[bucket].slice_rows(state, state + piece.numel)});
+                      exp_avg_sq_[bucket].slice_rows(state, state + piece.numel),
+                      main_.empty() ? Tensor() : main_piece(piece)});
   }
   return slices;
 }

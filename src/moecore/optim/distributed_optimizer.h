@@ -48,6 +48,10 @@ class DistributedAdamW {
   // every parameter whole; with it one slice per piece of a parameter inside this rank's bucket shards, in
   // registration order (a parameter wholly in other ranks' shards has none).
   std::vector<AdamWMomentSlice> moment_slices() const;
+  // 16-bit weights (see AdamWOptimizer): main parameters from the model's values (then the values rounded), or the
+  // model's values of this rank's shard from the main parameters. No-ops with fp32 weights.
+  void main_params_from_model();
+  void model_from_main_params();
 
  private:
   // A param's elements inside this rank's shard of its bucket: buffer offset and count.
@@ -60,6 +64,8 @@ class DistributedAdamW {
   bool counted_in_norm(const Param& p) const;
   // The piece's elements of its group's flat gradient buffer (a view).
   Tensor grad_piece(const Piece& piece) const;
+  Tensor param_piece(const Piece& piece) const;  // the model's values (the DDP's parameter buffer)
+  Tensor main_piece(const Piece& piece) const;   // the fp32 main parameters (16-bit weights only)
 
   DistributedDataParallel& ddp_;
   std::vector<Param>& params_;
@@ -68,6 +74,7 @@ class DistributedAdamW {
   std::vector<Piece> pieces_;                 // registration order
   std::vector<Tensor> exp_avg_;               // [bucket] -> [shard_size], kOptimizer
   std::vector<Tensor> exp_avg_sq_;
+  std::vector<Tensor> main_;  // [bucket] -> [shard_size] fp32 main parameters (16-bit weights only), kOptimizer
   int64_t step_ = 0;
 };
 

@@ -71,7 +71,7 @@ std::string normalization_name(const Normalization n) {
 bool is_vocab_key(const std::string& key) {
   for (const char* name : {"embedding.word_embeddings.weight", "output_layer.weight"}) {
     if (key == name || key == std::string("optimizer.state.exp_avg.") + name ||
-        key == std::string("optimizer.state.exp_avg_sq.") + name) {
+        key == std::string("optimizer.state.exp_avg_sq.") + name || key == std::string(kMainParamPrefix) + name) {
       return true;
     }
   }
@@ -137,6 +137,7 @@ void load_model_only(const LoadPlan& plan, const TrainingArgs& run_args, const C
     StateDict model_state;
     add_model_state(model_state, target.model);
     load_state(upcycle ? *upcycled : *stored, model_state, nullptr, is_vocab_key);
+    target.optimizer.main_params_from_model();
     target.optimizer.set_steps_taken(0);
     if (upcycle) progress.iteration = 1;
   });
@@ -322,13 +323,25 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
       throw CheckpointError("checkpoint " + plan.dir +
                             " has no optimizer state (saved with --no-save-optim): pass --no-load-optim or --finetune");
     }
+    // fp32 main parameters: loaded when the checkpoint has them (saved with 16-bit weights), else made from the
+    // loaded weights.
+    bool main_params_loaded = load_optim;
     load_state(
         ckpt, state,
         [&](const StateEntry& e) {
           if (e.local.dtype() != DType::kF32) return false;  // scalars are read below
+          if (e.key.starts_with(kMainParamPrefix) && (!load_optim || !ckpt.info(e.key))) {
+            main_params_loaded = false;
+            return false;
+          }
           return load_optim || !is_optimizer(e.key);
         },
         is_vocab_key);
+    if (main_params_loaded) {
+      target.optimizer.model_from_main_params();
+    } else {
+      target.optimizer.main_params_from_model();
+    }
     if (load_optim) {
       target.optimizer.set_steps_taken(ckpt.i64("optimizer.step"));
       if (!run_args.override_opt_param_scheduler && !run_args.use_checkpoint_opt_param_scheduler) {

@@ -162,7 +162,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--distrib-optim-fully-reshardable-mem-efficient",
     // mixed precision
     "--fp16",
-    "--bf16",
     "--grad-reduce-in-bf16",
     "--initial-loss-scale",
     "--min-loss-scale",

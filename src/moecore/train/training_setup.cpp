@@ -87,6 +87,7 @@ ModelAndOptimizer build_model_and_optimizer(const TrainingArgs& run_args, const 
   adam.beta2 = run_args.adam_beta2;
   adam.eps = run_args.adam_eps;
   adam.weight_decay = run_args.weight_decay;
+  adam.params_dtype = run_args.model.params_dtype;
   DdpOptions ddp_options;
   ddp_options.bucket_size = run_args.ddp_bucket_size;
   ddp_options.overlap_grad_reduce = run_args.overlap_grad_reduce;

@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace moecore {
 
@@ -18,18 +19,29 @@ void add_optimizer_state(StateDict& state, const std::vector<Param>& params,
     if (slice_of[i] != nullptr) throw std::logic_error("two optimizer moment slices of " + params[i].name);
     slice_of[i] = &s;
   }
-  for (const bool first : {true, false}) {
-    const std::string prefix = first ? "optimizer.state.exp_avg." : "optimizer.state.exp_avg_sq.";
+  // With 16-bit weights the fp32 main parameters are saved too (Megatron's optimizer state holds them), so a resume
+  // continues from the exact values rather than from the rounded weights.
+  const bool main_params = !slices.empty() && slices.front().main_param.defined();
+  enum class Kind { kExpAvg, kExpAvgSq, kMainParam };
+  std::vector<Kind> kinds = {Kind::kExpAvg, Kind::kExpAvgSq};
+  if (main_params) kinds.push_back(Kind::kMainParam);
+  for (const Kind kind : kinds) {
+    const std::string prefix = kind == Kind::kExpAvg     ? "optimizer.state.exp_avg."
+                               : kind == Kind::kExpAvgSq ? "optimizer.state.exp_avg_sq."
+                                                         : std::string(kMainParamPrefix);
+    const auto tensor_of = [kind](const AdamWMomentSlice& s) {
+      return kind == Kind::kExpAvg ? s.exp_avg : kind == Kind::kExpAvgSq ? s.exp_avg_sq : s.main_param;
+    };
     for (size_t i = 0; i < params.size(); ++i) {
       const Param& p = params[i];
       const AdamWMomentSlice* s = slice_of[i];
       StatePlacement placement{p.shard};
       if (s != nullptr && s->begin == 0 && s->end == p.value.numel()) {  // the whole local tensor
-        state.add_tensor(prefix + p.name, (first ? s->exp_avg : s->exp_avg_sq).view(p.value.shape()), placement);
+        state.add_tensor(prefix + p.name, tensor_of(*s).view(p.value.shape()), placement);
       } else if (s != nullptr) {  // a distributed-optimizer piece: a flat range of the local tensor
         placement.flat_begin = s->begin;
         placement.flat_end = s->end;
-        state.add_tensor(prefix + p.name, first ? s->exp_avg : s->exp_avg_sq, placement);
+        state.add_tensor(prefix + p.name, tensor_of(*s), placement);
       } else {  // wholly in other DP ranks' shards: an empty range, so every rank lists the same keys
         placement.flat_end = 0;
         state.add_tensor(prefix + p.name, Tensor(std::vector<int64_t>{0}, DType::kF32, MemCategory::kOptimizer),

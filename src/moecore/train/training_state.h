@@ -36,8 +36,12 @@ namespace moecore {
 // 3 inverse-square-root, 4 WSD).
 int64_t lr_decay_style_code(LRDecayStyle style);
 
+// Key prefix of the fp32 main parameters saved with 16-bit weights.
+inline constexpr const char* kMainParamPrefix = "optimizer.state.fp32_param.";
+
 // optimizer.state.exp_avg.* then optimizer.state.exp_avg_sq.* for every parameter in order (views of the optimizer's
-// states; at most one slice per parameter), then optimizer.step. `params` are the optimizer's parameters (slice.param
+// states; at most one slice per parameter), with 16-bit weights optimizer.state.fp32_param.* (the main parameters),
+// then optimizer.step. `params` are the optimizer's parameters (slice.param
 // indexes them).
 void add_optimizer_state(StateDict& state, const std::vector<Param>& params,
                          const std::vector<AdamWMomentSlice>& slices, int64_t step);

@@ -1,0 +1,43 @@
+// The dtype of a model's activations. Under --bf16 / --fp16 Megatron runs every module in 16 bits (Float16Module):
+// each kernel reads 16-bit inputs, computes in fp32 (GEMMs accumulate in fp32, norms, softmax and attention keep
+// fp32 statistics) and writes a 16-bit output. moecore's ops compute in fp32 and, while a ScopedActivationDType of
+// bf16 or fp16 is live, round every activation they write, and every activation gradient, to that dtype (round to
+// nearest even; fp16 overflows to Inf, which the loss scaler catches), so the values a layer hands to the next are
+// exactly the 16-bit values Megatron's would be, up to summation order. What stays fp32, as in Megatron: weight and
+// bias gradients (accumulated into fp32 main gradients), per-row statistics (norm rstd / mean, attention and
+// cross-entropy log-sum-exps), losses, and everything outside the scope (the router with --moe-router-dtype, the
+// optimizer). fp64 tensors (tests) are never rounded.
+#pragma once
+
+#include <initializer_list>
+
+#include "moecore/tensor/dtype.h"
+#include "moecore/tensor/tensor.h"
+
+namespace moecore::ops {
+
+// kF32 (no rounding), kBF16 or kF16: the innermost live ScopedActivationDType, else kF32.
+DType activation_dtype();
+
+// Sets the activation dtype until destroyed (process-wide, so OpenMP workers agree; nests and restores the previous
+// one; create and destroy it on one thread, outside parallel regions). std::invalid_argument for other dtypes.
+class ScopedActivationDType {
+ public:
+  explicit ScopedActivationDType(DType dtype);
+  ~ScopedActivationDType();
+  ScopedActivationDType(const ScopedActivationDType&) = delete;
+  ScopedActivationDType& operator=(const ScopedActivationDType&) = delete;
+
+ private:
+  int previous_;
+};
+
+// Rounds every element of an fp32 tensor to the nearest value of `dtype` (kBF16 / kF16; kF32: unchanged), in place.
+void round_to_dtype_(Tensor& t, DType dtype);
+
+namespace detail {
+// Rounds the fp32 tensors among `tensors` (null entries skipped) to activation_dtype().
+void round_activations(std::initializer_list<Tensor*> tensors);
+}  // namespace detail
+
+}  // namespace moecore::ops

@@ -1,0 +1,123 @@
+// 16-bit activations (ops/precision.h): every case of the op table, run on inputs that are 16-bit values, under
+// ScopedActivationDType(bf16 / fp16) against the same case run in plain fp32. Each tensor an op writes must come out
+// either exactly the fp32 result rounded to the 16-bit dtype (activations and activation gradients) or exactly the
+// fp32 result (statistics, losses, weight and bias gradients, optimizer state), as the header lists.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+#include <string>
+
+#include "moecore/ops/ops.h"
+#include "moecore/ops/precision.h"
+#include "unit/ops_test_cases.h"
+
+namespace moecore::ops {
+namespace {
+
+using test::Env;
+using test::OpCase;
+
+// Written tensors that stay fp32 under a 16-bit activation dtype.
+const std::set<std::string> kFp32Outputs = {"lse",   "plse",  "rstd",    "mean",       "losses",  "max",
+                                            "stats", "param", "exp_avg", "exp_avg_sq", "dweight", "dbias",
+                                            "db",    "dw",    "ds",      "dprobs",     "dpos"};
+
+float round_to(const float value, const DType dtype) {
+  return dtype == DType::kBF16 ? bf16_to_fp32(fp32_to_bf16(value)) : fp16_to_fp32(fp32_to_fp16(value));
+}
+
+Env inputs_in(const OpCase& c, const DType dtype) {
+  Env env = test::make_env(c, DType::kF32);
+  std::vector<std::string> names;
+  for (const auto& [name, t] : env.tensors()) names.push_back(name);
+  for (const std::string& name : names) round_to_dtype_(env(name), dtype);
+  return env;
+}
+
+// Every written tensor of `scoped` against `plain`: rounded, or (kFp32Outputs) equal. Counts rounded tensors.
+void expect_rounded_or_kept(const std::string& what, Env& plain, Env& scoped, const DType dtype, int& rounded) {
+  for (const auto& [name, want] : plain.tensors()) {
+    const Tensor& got = scoped(name);
+    const bool fp32 = kFp32Outputs.count(name) != 0;
+    bool changed = false;
+    for (int64_t i = 0; i < want.numel(); ++i) {
+      const float w = want.data<float>()[i];
+      const float expected = fp32 ? w : round_to(w, dtype);
+      changed = changed || expected != w;
+      ASSERT_EQ(got.data<float>()[i], expected) << what << ": " << name << "[" << i << "] under " << dtype_name(dtype)
+                                                << (fp32 ? " (stays fp32)" : " (rounded)");
+    }
+    rounded += changed ? 1 : 0;
+  }
+}
+
+// dst's tensors := src's values (deep copy, same shapes).
+void copy_values(Env& dst, const Env& src) {
+  for (const auto& [name, t] : src.tensors()) std::copy_n(t.data<float>(), t.numel(), dst(name).data<float>());
+}
+
+class OpsPrecision : public ::testing::TestWithParam<DType> {};
+
+TEST_P(OpsPrecision, ActivationsRoundAndStatisticsStayFp32) {
+  const DType dtype = GetParam();
+  int rounded = 0;
+  for (const OpCase& c : test::all_cases()) {
+    // Composite cases round inside (the fused output layer + loss its logits, the two-block ring attention its
+    // partial outputs before the merge), so their outputs are not a rounding of the fp32 run's.
+    const auto runs = [&](const char* op) { return std::find(c.ops.begin(), c.ops.end(), op) != c.ops.end(); };
+    if (runs("linear_cross_entropy") || runs("attention_merge")) continue;
+    Env plain = inputs_in(c, dtype);
+    Env scoped = inputs_in(c, dtype);
+    c.forward(plain);
+    {
+      const ScopedActivationDType precision(dtype);
+      ASSERT_EQ(activation_dtype(), dtype);
+      c.forward(scoped);
+    }
+    ASSERT_EQ(activation_dtype(), DType::kF32);
+    expect_rounded_or_kept(c.name + " forward", plain, scoped, dtype, rounded);
+    if (!c.has_backward()) continue;
+    // The backward reads forward outputs (attention's out), so both runs start from the scoped forward's state.
+    copy_values(plain, scoped);
+    c.backward(plain);
+    {
+      const ScopedActivationDType precision(dtype);
+      c.backward(scoped);
+    }
+    expect_rounded_or_kept(c.name + " backward", plain, scoped, dtype, rounded);
+  }
+  EXPECT_GT(rounded, 20);  // the check saw real rounding, not only already-representable values
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, OpsPrecision, ::testing::Values(DType::kBF16, DType::kF16),
+                         [](const auto& param_info) { return std::string(dtype_name(param_info.param)); });
+
+TEST(OpsPrecision, ScopesNestAndRejectOtherDtypes) {
+  EXPECT_EQ(activation_dtype(), DType::kF32);
+  {
+    const ScopedActivationDType outer(DType::kBF16);
+    {
+      const ScopedActivationDType inner(DType::kF32);
+      EXPECT_EQ(activation_dtype(), DType::kF32);
+    }
+    EXPECT_EQ(activation_dtype(), DType::kBF16);
+  }
+  EXPECT_EQ(activation_dtype(), DType::kF32);
+  EXPECT_THROW(ScopedActivationDType(DType::kF64), std::invalid_argument);
+  Tensor t(std::vector<int64_t>{3}, DType::kF32);
+  t.data<float>()[0] = 1.0f + 1.0f / 512.0f;  // halfway between bf16 neighbours 1 and 1 + 2^-7: to even, 1
+  t.data<float>()[1] = 70000.0f;              // beyond fp16's largest finite value
+  t.data<float>()[2] = 3.0f;
+  Tensor h = t.clone();
+  round_to_dtype_(t, DType::kBF16);
+  EXPECT_EQ(t.data<float>()[0], 1.0f);
+  EXPECT_EQ(t.data<float>()[2], 3.0f);
+  round_to_dtype_(h, DType::kF16);
+  EXPECT_TRUE(std::isinf(h.data<float>()[1]));
+  Tensor d(std::vector<int64_t>{1}, DType::kF64);
+  EXPECT_THROW(round_to_dtype_(d, DType::kBF16), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace moecore::ops
