@@ -232,7 +232,7 @@ TEST(TrainArguments, UnknownFlagSuggestsClosest) {
 TEST(TrainArguments, CataloguedMegatronFlagsAreNotImplementedYet) {
   for (const char* flag :
        {"--moe-latent-size", "--moe-use-legacy-grouped-gemm", "--recompute-granularity", "--fp8-format",
-        "--save-retain-interval", "--tensorboard-dir", "--wandb-project", "--fp16", "--ckpt-format"}) {
+        "--save-retain-interval", "--tensorboard-dir", "--wandb-project", "--ckpt-format"}) {
     EXPECT_EQ(error_of(with(minimal(), {flag, "1"})),
               std::string(flag) + " is a Megatron flag that moecore does not implement yet");
   }
@@ -453,7 +453,24 @@ TEST(TrainArguments, ParallelSizes) {
   EXPECT_EQ(error_of(with(minimal(), {"--overlap-param-gather"})),
             "--overlap-param-gather requires --use-distributed-optimizer (as Megatron)");
   EXPECT_EQ(error_of(with(minimal(), {"--loss-scale", "128"})),
-            "--loss-scale needs --use-distributed-optimizer (the fp32 optimizer does not scale the loss)");
+            "--loss-scale needs --fp16, --bf16 or --use-distributed-optimizer (the fp32 optimizer does not scale the "
+            "loss)");
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--loss-scale", "128", "--bf16"})).loss_scale, 128.0);
+  EXPECT_EQ(error_of(with(minimal(), {"--fp16", "--bf16"})), "--fp16 and --bf16 are mutually exclusive");
+  EXPECT_EQ(error_of(with(minimal(), {"--hysteresis", "3"})),
+            "--hysteresis sets fp16's dynamic loss scaling: it needs --fp16 without --loss-scale");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp16", "--loss-scale", "8", "--initial-loss-scale", "16"})),
+            "--initial-loss-scale sets fp16's dynamic loss scaling: it needs --fp16 without --loss-scale");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp16", "--min-loss-scale", "8", "--initial-loss-scale", "4"})),
+            "--min-loss-scale must not exceed --initial-loss-scale");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp16", "--loss-scale-window", "0"})),
+            "--loss-scale-window must be at least 1");
+  const TrainingArgs fp16 = parse_train_args(with(minimal(), {"--fp16", "--initial-loss-scale", "65536"}));
+  EXPECT_EQ(fp16.model.params_dtype, DType::kF16);
+  EXPECT_EQ(fp16.dynamic_loss_scale.initial_scale, 65536.0);
+  EXPECT_EQ(fp16.dynamic_loss_scale.hysteresis, 2);  // Megatron's defaults
+  EXPECT_EQ(fp16.dynamic_loss_scale.growth_interval, 1000);
+  EXPECT_EQ(fp16.dynamic_loss_scale.min_scale, 1.0);
   EXPECT_EQ(error_of(with(minimal(), {"--loss-scale", "0", "--use-distributed-optimizer"})),
             "--loss-scale must be a positive number that fits fp32");
   EXPECT_EQ(error_of(with(minimal(), {"--loss-scale", "1e39", "--use-distributed-optimizer"})),

@@ -384,5 +384,33 @@ TEST(TrainLoop, Bf16KeepsBf16WeightsFp32MainParamsAndResumesExactly) {
   EXPECT_GT(main_below_bf16, weights / 4);
 }
 
+TEST(TrainLoop, Fp16DynamicLossScalingSkipsAnOverflowAsMegatron) {
+  // --fp16 with the dynamic scaler (initial scale 2^16, hysteresis 2, window 2): the overflow injected at iteration 2
+  // is skipped with the scale unchanged (hysteresis 2 -> 1); iterations 3 and 4 are finite, so after the second of
+  // them the scale doubles. A non-finite loss alone would not stop the run (Megatron turns the NaN check off).
+  const test::TempDir dir("train_loop");
+  const std::string prefix = write_corpus(dir);
+  ASSERT_EQ(setenv("MOECORE_INJECT_GRAD_OVERFLOW_AT", "2", 1), 0);
+  std::vector<std::string> flags = loss_scale_run(4);
+  flags.insert(flags.end(), {"--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "2", "--log-interval",
+                             "1", "--use-distributed-optimizer"});
+  std::ostringstream out;
+  const TrainResult result = run_training(parse(base_flags(dir, prefix), flags), out);
+  ASSERT_EQ(unsetenv("MOECORE_INJECT_GRAD_OVERFLOW_AT"), 0);
+  const std::string log = out.str();
+  EXPECT_EQ(result.progress.skipped_iterations, 1);
+  const auto line = [&](const int iteration) {
+    const size_t at = log.find("] iteration        " + std::to_string(iteration) + "/       4 |");
+    return at == std::string::npos ? std::string() : log.substr(at, log.find('\n', at) - at);
+  };
+  EXPECT_NE(line(1).find(" loss scale: 65536.0 |"), std::string::npos) << log;
+  EXPECT_NE(line(2).find(" loss scale: 65536.0 |"), std::string::npos) << log;
+  EXPECT_NE(line(2).find(" number of skipped iterations:   1 |"), std::string::npos) << log;
+  EXPECT_NE(line(3).find(" loss scale: 65536.0 |"), std::string::npos) << log;
+  EXPECT_NE(line(4).find(" loss scale: 131072.0 |"), std::string::npos) << log;
+  for (const double loss : result.train_losses) EXPECT_TRUE(std::isfinite(loss));
+  EXPECT_LT(result.last_valid_loss, result.first_valid_loss);
+}
+
 }  // namespace
 }  // namespace moecore

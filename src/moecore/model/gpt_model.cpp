@@ -263,7 +263,10 @@ double GPTModel::output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH
     Tensor dlosses_T;
     if (ctx.training) {
       dlosses_T = activation_tensor({T});
-      std::copy(ctx.loss_weight_SB.begin(), ctx.loss_weight_SB.end(), dlosses_T.data<float>());
+      for (int64_t t = 0; t < T; ++t) {
+        dlosses_T.data<float>()[t] =
+            static_cast<float>(ctx.loss_weight_SB[static_cast<size_t>(t)] * ctx.output_grad_seed);
+      }
       ctx.output_dinput_TH = activation_tensor(input_TH.shape());
       ctx.output_dweight_VH = activation_tensor(weight_VH.shape());
     }
@@ -293,11 +296,11 @@ Tensor GPTModel::output_and_loss_backward(MicroBatchContext& ctx, const double l
     Param& weight = m.output_layer.weight();
     {
       const ops::ScopedActivationDType main_grads(DType::kF32);  // a weight gradient: no 16-bit rounding
-      ops::scale_(ctx.output_dweight_VH, loss_scale);
+      if (loss_scale != ctx.output_grad_seed) ops::scale_(ctx.output_dweight_VH, loss_scale / ctx.output_grad_seed);
       ops::add_(weight.grad, ctx.output_dweight_VH);
     }
     ctx.output_dweight_VH = Tensor();
-    ops::scale_(ctx.output_dinput_TH, loss_scale);
+    if (loss_scale != ctx.output_grad_seed) ops::scale_(ctx.output_dinput_TH, loss_scale / ctx.output_grad_seed);
     dfinal_TH = m.output_layer.reduce_input_grad(ctx.output_dinput_TH);
     ctx.output_dinput_TH = Tensor();
   } else {
@@ -397,6 +400,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     if (hooks_) hooks_->before_forward(static_cast<int>(config_.num_layers));
     const trace::Scope scope("output layer + loss forward", "forward");
     const ActivationOwnerScope owner(ActivationOwner::kOutputLoss);
+    ctx->output_grad_seed = options.backward_seed;
     loss = output_and_loss(*ctx, x_TH, labels_BS != nullptr, logits_SBV);
   }
   if (options.training) {

@@ -54,6 +54,10 @@ struct ForwardOptions {
   // positions 0..S-1 (rotary embeddings) and one document per sample.
   const int64_t* position_ids_BS = nullptr;
   const int32_t* document_ids_BS = nullptr;
+  // The backward seed this micro-batch's backward will be given (loss scale / micro-batches). The fused output layer
+  // forms the loss's gradients during the forward; with the seed known they are formed already scaled, as
+  // Megatron's scaled loss would give them, so that fp16 rounding sees the scaled values (no underflow).
+  double backward_seed = 1.0;
 };
 
 class GPTModel {

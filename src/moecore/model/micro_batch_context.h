@@ -37,6 +37,7 @@ class MicroBatchContext {
   // Fused output layer + loss: the loss's gradients (scale 1) w.r.t. the output layer's input (every token) and
   // weight, made during forward.
   Tensor output_dinput_TH, output_dweight_VH;
+  double output_grad_seed = 1.0;  // the seed output_dinput_TH / output_dweight_VH were formed with
 };
 
 }  // namespace moecore

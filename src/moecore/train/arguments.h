@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "moecore/model/config.h"
+#include "moecore/optim/grad_scaler.h"
 #include "moecore/optim/lr_schedule.h"
 #include "moecore/parallel/parallel_layout.h"
 #include "moecore/parallel/pipeline_layout.h"
@@ -91,6 +92,9 @@ struct TrainingArgs {
   double clip_grad = 1.0;          // --clip-grad (0 disables clipping)
   // Loss scaling (optim/grad_scaler.h): a constant scale; iterations whose gradients are not finite are skipped.
   std::optional<double> loss_scale;  // --loss-scale
+  // fp16 without --loss-scale: the dynamic scaler (--initial-loss-scale --min-loss-scale --loss-scale-window
+  // --hysteresis, Megatron's defaults).
+  DynamicLossScaleOptions dynamic_loss_scale;
 
   // Run control and logging.
   int64_t seed = 1234;         // --seed

@@ -227,16 +227,34 @@ void finalize_parallel(TrainingArgs& args, const std::set<std::string>& given) {
             "--moe-shared-expert-intermediate-size (" + str(moe.shared_expert_intermediate_size) +
                 ") must be divisible by --tensor-model-parallel-size (" + str(args.tensor_model_parallel_size) + ")");
   }
-  // Megatron scales the loss only in its fp16 / bf16 optimizers and the distributed optimizer (optimizer/__init__.py);
-  // its fp32 optimizer would take --loss-scale and ignore it.
-  require(!args.loss_scale || args.use_distributed_optimizer,
-          "--loss-scale needs --use-distributed-optimizer (the fp32 optimizer does not scale the loss)");
   require(!args.loss_scale || (std::isfinite(*args.loss_scale) && *args.loss_scale > 0.0 &&
                                std::isfinite(static_cast<float>(*args.loss_scale))),
           "--loss-scale must be a positive number that fits fp32");
   require(!args.overlap_param_gather || args.use_distributed_optimizer,
           "--overlap-param-gather requires --use-distributed-optimizer (as Megatron)");
   require(args.ddp_bucket_size >= 0, "--ddp-bucket-size must be non-negative (got " + str(args.ddp_bucket_size) + ")");
+}
+
+// Mixed precision and loss scaling (Megatron's arguments.py validate_args and optimizer/__init__.py).
+void finalize_precision(const TrainingArgs& args, const std::set<std::string>& given) {
+  require(!(given.contains("--fp16") && given.contains("--bf16")), "--fp16 and --bf16 are mutually exclusive");
+  const bool half = args.model.params_dtype == DType::kF16;
+  // Megatron scales the loss only in its fp16 / bf16 optimizers and the distributed optimizer; its fp32 optimizer
+  // would take --loss-scale and ignore it.
+  require(!args.loss_scale || half || args.model.params_dtype == DType::kBF16 || args.use_distributed_optimizer,
+          "--loss-scale needs --fp16, --bf16 or --use-distributed-optimizer (the fp32 optimizer does not scale the "
+          "loss)");
+  for (const char* flag : {"--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis"}) {
+    require(!given.contains(flag) || (half && !args.loss_scale),
+            std::string(flag) + " sets fp16's dynamic loss scaling: it needs --fp16 without --loss-scale");
+  }
+  if (half && !args.loss_scale) {
+    try {
+      (void)GradScaler::dynamic(args.dynamic_loss_scale);
+    } catch (const std::invalid_argument& e) {
+      throw ConfigError(e.what());
+    }
+  }
 }
 
 void finalize_training(TrainingArgs& args, const std::set<std::string>& given) {
@@ -425,6 +443,7 @@ void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given)
   finalize_pipeline(args);
   finalize_parallel(args, given);
   finalize_training(args, given);
+  finalize_precision(args, given);
   finalize_lr(args, given);
   finalize_data(args, given);
   finalize_checkpointing(args, given);

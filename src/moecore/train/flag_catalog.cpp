@@ -161,12 +161,7 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--dist-ckpt-optim-fully-reshardable",
     "--distrib-optim-fully-reshardable-mem-efficient",
     // mixed precision
-    "--fp16",
     "--grad-reduce-in-bf16",
-    "--initial-loss-scale",
-    "--min-loss-scale",
-    "--loss-scale-window",
-    "--hysteresis",
     "--fp32-residual-connection",
     "--apply-query-key-layer-scaling",
     "--attention-softmax-in-fp32",

@@ -46,17 +46,18 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
     }
     return batch;
   };
+  // The backward seed of each micro-batch's mean loss (Megatron's schedules.py: loss / num_microbatches, times the
+  // loss scale in backward_step via optimizer.scale_loss).
+  const double grad_scale = modules.grad_scaler != nullptr ? modules.grad_scaler->scale() : 1.0;
+  const double loss_scale = grad_scale / static_cast<double>(mine.size());
   microbatches.options = [&](const int m) {
     ForwardOptions options;
+    options.backward_seed = loss_scale;
     options.training = true;
     options.dropout_seed = static_cast<uint64_t>(args.seed);
     options.dropout_stream = static_cast<uint64_t>(iteration * num_microbatches + mine[static_cast<size_t>(m)]);
     return options;
   };
-  // The backward seed of each micro-batch's mean loss (Megatron's schedules.py: loss / num_microbatches, times the
-  // loss scale in backward_step via optimizer.scale_loss).
-  const double grad_scale = modules.grad_scaler != nullptr ? modules.grad_scaler->scale() : 1.0;
-  const double loss_scale = grad_scale / static_cast<double>(mine.size());
   microbatches.loss_scale = [loss_scale](int) { return loss_scale; };
   // Megatron turns overlap_p2p_comm off without virtual stages (arguments.py validate_args).
   microbatches.overlap_p2p_comm = args.overlap_p2p_comm && modules.model.num_chunks() > 1;
@@ -101,7 +102,10 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
   const int64_t iteration = progress.iteration + 1;
   StepResult result;
   result.lm_loss = forward_backward(args, modules, parallel, progress, result.seqlen_stats);
-  if (!std::isfinite(result.lm_loss)) {  // after the reduction, so every rank stops together
+  // With dynamic loss scaling a non-finite loss is the scaler's signal, not an error (Megatron turns
+  // check_for_nan_in_loss_and_grad off): its gradients are not finite either, so the iteration is skipped.
+  const bool dynamic_scaling = modules.grad_scaler != nullptr && modules.grad_scaler->is_dynamic();
+  if (!std::isfinite(result.lm_loss) && !dynamic_scaling) {  // after the reduction, so every rank stops together
     throw TrainingError("lm loss is " + std::string(std::isnan(result.lm_loss) ? "NaN" : "Inf") + " at iteration " +
                         std::to_string(iteration) + ": stopping; try a lower --lr or a smaller --init-method-std");
   }

@@ -103,7 +103,11 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   log << std::setprecision(6);
   const LRSchedule schedule(lr_schedule_config(run_args));
   std::optional<GradScaler> grad_scaler;
-  if (run_args.loss_scale) grad_scaler = GradScaler::constant(*run_args.loss_scale);
+  if (run_args.loss_scale) {
+    grad_scaler = GradScaler::constant(*run_args.loss_scale);
+  } else if (run_args.model.params_dtype == DType::kF16) {
+    grad_scaler = GradScaler::dynamic(run_args.dynamic_loss_scale);
+  }
   const TrainingModules modules{model,    *built.ddp, *built.optimizer,
                                 schedule, data,       grad_scaler ? &*grad_scaler : nullptr};
 
