@@ -307,10 +307,13 @@ TEST(KernelsGemmLowp, TwoThreadsGiveTheSameBoundAsOne) {
 
 // ---- path choice --------------------------------------------------------------------------------------------------
 
-TEST(KernelsGemmLowp, DefaultPathIsNativeOnlyWithDotProductInstructions) {
+TEST(KernelsGemmLowp, DefaultPathIsNativeOnlyWithAmx) {
   if (std::getenv("MOECORE_LOWP_GEMM") != nullptr) GTEST_SKIP() << "MOECORE_LOWP_GEMM is set";
   for (const LowpType type : kTypes) {
-    const bool native = cpu::cpu_has_lowp_dot(type) && cpu::lowp_native_available(type);
+    const bool native = cpu::cpu_has_lowp_amx(type) && cpu::lowp_native_available(type);
+    if (cpu::cpu_has_lowp_amx(type)) {
+      EXPECT_TRUE(cpu::cpu_has_lowp_dot(type)) << lowp_type_name(type);
+    }
     EXPECT_EQ(cpu::lowp_gemm_path(type), native ? LowpGemmPath::kNative : LowpGemmPath::kConvert)
         << lowp_type_name(type);
     const std::string library = cpu::gemm_lowp_library(type);
@@ -321,6 +324,11 @@ TEST(KernelsGemmLowp, DefaultPathIsNativeOnlyWithDotProductInstructions) {
   __builtin_cpu_init();
   EXPECT_EQ(cpu::cpu_has_lowp_dot(LowpType::kBF16),
             __builtin_cpu_supports("avx512bf16") != 0 || __builtin_cpu_supports("amx-bf16") != 0);
+  // AMX only where the CPU has the instructions.
+  if (__builtin_cpu_supports("amx-bf16") == 0) {
+    EXPECT_FALSE(cpu::cpu_has_lowp_amx(LowpType::kBF16));
+    EXPECT_FALSE(cpu::cpu_has_lowp_amx(LowpType::kF16));
+  }
 }
 
 TEST(KernelsGemmLowp, ScopedPathNestsAndRestores) {

@@ -12,6 +12,7 @@
 #pragma GCC diagnostic pop
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <stdexcept>
@@ -237,14 +238,15 @@ float round_to_odd_fp32(const double value) {
 }  // namespace
 
 bool convert_isa_supported(const ConvertIsa isa) {
-  __builtin_cpu_init();
-  switch (isa) {
-    case ConvertIsa::kScalar: return true;
-    case ConvertIsa::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-    case ConvertIsa::kAvx512: return __builtin_cpu_supports("avx512f");
-    case ConvertIsa::kAvx512Bf16: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
-  }
-  return false;
+  // Asked once per row of a GEMM tile, so the CPU is queried once.
+  static const std::array<bool, 4> supported = [] {
+    __builtin_cpu_init();
+    const bool avx512 = __builtin_cpu_supports("avx512f");
+    return std::array<bool, 4>{true, __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"), avx512,
+                               avx512 && __builtin_cpu_supports("avx512bf16")};
+  }();
+  const auto index = static_cast<size_t>(isa);
+  return index < supported.size() && supported[index];
 }
 
 ConvertIsa best_convert_isa() {

@@ -3,6 +3,7 @@
 // the fp32 sgemm (the convert path). Both sum in fp32 and round a low-precision output once.
 #include "moecore/kernels/cpu/gemm_lowp.h"
 
+#include <cpuid.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -53,17 +54,20 @@ void encode(const LowpType type, uint16_t* out, const float* in, const int64_t n
   type == LowpType::kBF16 ? encode_bf16(out, in, n, isa) : encode_fp16(out, in, n, isa);
 }
 
-// Rows of a strided matrix converted to / from a dense fp32 one, in parallel over rows when large.
+// Rows of a strided matrix converted to / from a dense fp32 one, in parallel over rows only when large: a tile
+// converts at several GB/s on one core, and every parallel region is one more barrier at which a busy machine can
+// stall both threads for a scheduling quantum.
+constexpr int64_t kParallelConvert = int64_t{1} << 21;
 void decode_rows(const LowpType type, float* out, const uint16_t* in, const int64_t ld_in, const int64_t rows,
                  const int64_t cols) {
   const ConvertIsa isa = best_convert_isa();
-#pragma omp parallel for schedule(static) if (rows * cols > (1 << 15))
+#pragma omp parallel for schedule(static) if (rows * cols > kParallelConvert)
   for (int64_t r = 0; r < rows; ++r) decode(type, out + r * cols, in + r * ld_in, cols, isa);
 }
 void encode_rows(const LowpType type, uint16_t* out, const int64_t ld_out, const float* in, const int64_t rows,
                  const int64_t cols) {
   const ConvertIsa isa = best_convert_isa();
-#pragma omp parallel for schedule(static) if (rows * cols > (1 << 15))
+#pragma omp parallel for schedule(static) if (rows * cols > kParallelConvert)
   for (int64_t r = 0; r < rows; ++r) encode(type, out + r * ld_out, in + r * cols, cols, isa);
 }
 
@@ -212,7 +216,14 @@ void gemm_native(const LowpType type, const bool trans_a, const bool trans_b, co
   const NativeKey key{
       type, std::is_same_v<CT, uint16_t>, trans_a, trans_b, bias_N != nullptr, M, N, K, lda, ldb, ldc, alpha,
       beta, omp_get_max_threads()};
-  const std::shared_ptr<const NativeGemm> gemm = native_gemm(key);
+  std::shared_ptr<const NativeGemm> gemm;
+  try {
+    gemm = native_gemm(key);
+  } catch (const dnnl::error& error) {
+    throw std::runtime_error("gemm_lowp: oneDNN has no " + std::string(lowp_type_name(type)) +
+                             " matmul for M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                             " K=" + std::to_string(K) + " (" + error.what() + ")");
+  }
   const dnnl::engine& engine = cpu_engine();
   thread_local std::vector<std::byte> scratch;
   const size_t scratch_bytes = gemm->pd.scratchpad_desc().get_size();
@@ -361,6 +372,13 @@ bool cpu_has_lowp_dot(const LowpType type) {
   return __builtin_cpu_supports("avx512fp16");
 }
 
+bool cpu_has_lowp_amx(const LowpType type) {
+  if (dnnl_get_effective_cpu_isa() != dnnl_cpu_isa_avx512_core_amx) return false;  // AMX-BF16 (and INT8) tiles
+  if (type == LowpType::kBF16) return true;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;  // AMX-FP16: CPUID leaf 7 subleaf 1, EAX bit 21
+  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) != 0 && (eax & (1u << 21)) != 0;
+}
+
 bool lowp_native_available(const LowpType type, std::string* why_not) {
   std::string reason;
   if (!kNativeBuilt) {
@@ -380,7 +398,7 @@ LowpGemmPath lowp_gemm_path(const LowpType type) {
   if (forced != kNoOverride) return static_cast<LowpGemmPath>(forced);
   const int from_env = env_path();
   if (from_env != kNoOverride) return static_cast<LowpGemmPath>(from_env);
-  return cpu_has_lowp_dot(type) && lowp_native_available(type) ? LowpGemmPath::kNative : LowpGemmPath::kConvert;
+  return cpu_has_lowp_amx(type) && lowp_native_available(type) ? LowpGemmPath::kNative : LowpGemmPath::kConvert;
 }
 
 ScopedLowpGemmPath::ScopedLowpGemmPath(const LowpGemmPath path)

@@ -43,6 +43,9 @@ std::string_view lowp_gemm_path_name(LowpGemmPath path);  // "native" / "convert
 // Whether the CPU has dot-product instructions for `type` that accumulate in fp32: AVX512_BF16 or AMX-BF16 for bf16,
 // AMX-FP16 or AVX512_FP16 for fp16 (the latter multiplies in fp16, so kernels widen the products to fp32).
 bool cpu_has_lowp_dot(LowpType type);
+// Whether those include a matrix unit this process may use: AMX tiles with bf16 (fp16) support, as oneDNN detects
+// them (its effective ISA includes AMX only where the kernel grants the tile state).
+bool cpu_has_lowp_amx(LowpType type);
 // Whether the native path can run `type` here: oneDNN builds a matmul for it that is not its reference loop. When
 // not, *why_not (if given) says why, e.g. "oneDNN 2.6.3 has no CPU fp16 matmul".
 bool lowp_native_available(LowpType type, std::string* why_not = nullptr);
@@ -52,7 +55,9 @@ LowpGemmPath parse_lowp_gemm_path(std::string_view value);
 
 // The path gemm_lowp and the linear functions take for `type`: the innermost live ScopedLowpGemmPath, else the
 // environment variable MOECORE_LOWP_GEMM ("native" or "convert"; read once; any other non-empty value throws
-// std::invalid_argument), else native iff cpu_has_lowp_dot(type) and lowp_native_available(type). A forced native
+// std::invalid_argument), else native iff cpu_has_lowp_amx(type) and lowp_native_available(type). Not on vector
+// dot products alone: vdpbf16ps peaks at the rate of the fp32 FMAs it replaces, and oneDNN 2.6.3's AVX512_BF16
+// matmul ran at 60-65% of the convert path on moecore's shapes (bench/RESULTS.md, bench_gemm_lowp). A forced native
 // path that is not available makes the GEMMs throw std::runtime_error saying why.
 LowpGemmPath lowp_gemm_path(LowpType type);
 
