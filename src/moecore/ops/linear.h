@@ -2,8 +2,9 @@
 // inputs may carry extra leading dimensions ([S, B, N, d] is read as [S*B, N*d]).
 // Low precision (Megatron's --bf16 / --fp16): with a bf16 or fp16 weight, the GEMM inputs (inp, weight, dout) share
 // the weight's dtype, products are summed in fp32, and each output (out, dinp, dweight, dbias) and the bias may be
-// fp32 or that low dtype (fp32 dweight / dbias: Megatron's fp32 main_grad with gradient_accumulation_fusion); a
-// low-precision output is rounded once.
+// fp32 or that low dtype (fp32 dweight / dbias: the fp32 main_grad that Megatron's
+// LinearWithGradAccumulationAndAsyncCommunication accumulates into under gradient_accumulation_fusion,
+// megatron/core/tensor_parallel/layers.py); a low-precision output is rounded once.
 #pragma once
 
 #include <string>
