@@ -57,7 +57,7 @@ LowpGemmPath parse_lowp_gemm_path(std::string_view value);
 // environment variable MOECORE_LOWP_GEMM ("native" or "convert"; read once; any other non-empty value throws
 // std::invalid_argument), else native iff cpu_has_lowp_amx(type) and lowp_native_available(type). Not on vector
 // dot products alone: vdpbf16ps peaks at the rate of the fp32 FMAs it replaces, and oneDNN 2.6.3's AVX512_BF16
-// matmul ran at 60-65% of the convert path on moecore's shapes (bench/RESULTS.md, bench_gemm_lowp). A forced native
+// matmul ran at 55-70% of the convert path on moecore's shapes (bench/RESULTS.md, bench_gemm_lowp). A forced native
 // path that is not available makes the GEMMs throw std::runtime_error saying why.
 LowpGemmPath lowp_gemm_path(LowpType type);
 
