@@ -7,6 +7,10 @@
 //     L = sum <out, w> for every differentiable input and parameter.
 //   OpsContract: calling a backward op twice accumulates exactly twice, or gives the same values, as its header says.
 //   OpsBadArgs: a wrong-sized or other-dtype tensor raises std::invalid_argument naming the op.
+// The low-precision cases (lowp_cases(): linear layers on bf16 / fp16 tensors with fp32 or low-precision outputs) run
+// OpsLowPrecision: each backend, and on kCpu each GEMM path (native, convert), against kReference forward and
+// backward, with a tolerance derived from the formats (see there); OpsLowPrecision.BadArgumentsAreRefused covers the
+// dtype mixes and shapes they refuse.
 // Hand-written checks below cover what a table cannot: the dropout mask from the counter RNG, AdamW's formula,
 // sum_squares / all_finite, in-place aliasing, two vocabulary-parallel ranks against the whole vocabulary, a
 // tensor-parallel attention shard against the one-process heads, the fused qkv layout, and backend selection.
@@ -15,10 +19,11 @@
 //   activation.h  activation_input_width activation_forward activation_backward
 //   attention.h   attention_forward attention_backward attention_merge rope_forward rope_backward
 //   backend.h     backend_name parse_backend active_backend ScopedBackend
+//   convert.h     convert
 //   dropout.h     dropout_forward dropout_backward
 //   elementwise.h add_ scale_ sum_squares all_finite
 //   expert_activation.h weighted_swiglu_forward weighted_swiglu_backward
-//   linear.h      linear_forward linear_backward
+//   linear.h      linear_forward linear_backward gemm_library gemm_lowp_library
 //   linear_cross_entropy.h  linear_cross_entropy linear_cross_entropy_chunk_rows
 //   loss.h        embedding_forward embedding_backward cross_entropy_forward cross_entropy_backward
 //                 vocab_ce_local_max vocab_ce_local_stats vocab_ce_finish vocab_ce_backward
@@ -31,15 +36,19 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
+#include <random>
 #include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/ops/ops.h"
 #include "moecore/tensor/rng.h"
 #include "unit/ops_test_cases.h"
@@ -64,6 +73,7 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "parse_backend",
                                                 "active_backend",
                                                 "ScopedBackend",
+                                                "convert",
                                                 "dropout_forward",
                                                 "dropout_backward",
                                                 "add_",
@@ -74,6 +84,8 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "weighted_swiglu_backward",
                                                 "linear_forward",
                                                 "linear_backward",
+                                                "gemm_library",
+                                                "gemm_lowp_library",
                                                 "linear_cross_entropy",
                                                 "linear_cross_entropy_chunk_rows",
                                                 "embedding_forward",
@@ -107,14 +119,16 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
 
 // Ops exercised by the hand-written tests below rather than (only) by the case table.
 const std::vector<std::string> kOpsInHandWrittenTests = {
-    "activation_input_width", "backend_name", "parse_backend", "active_backend",
-    "ScopedBackend",          "sum_squares",  "all_finite",    "linear_cross_entropy_chunk_rows"};
+    "activation_input_width", "backend_name",     "parse_backend", "active_backend",
+    "ScopedBackend",          "sum_squares",      "all_finite",    "linear_cross_entropy_chunk_rows",
+    "gemm_library",           "gemm_lowp_library"};
 
-// Ops whose bad arguments only OpsBadArgs.OtherArgumentErrors provokes (one tensor: no size or dtype mismatch).
-const std::vector<std::string> kOpsWithHandWrittenErrors = {"scale_", "sum_squares", "all_finite"};
-const std::vector<std::string> kOpsWithoutTensors = {"activation_input_width", "backend_name",
-                                                     "parse_backend",          "active_backend",
-                                                     "ScopedBackend",          "linear_cross_entropy_chunk_rows"};
+// Ops whose bad arguments only hand-written tests provoke (one tensor: no size or dtype mismatch; convert accepts
+// every floating dtype, so the table's fp64 swap is no error for it).
+const std::vector<std::string> kOpsWithHandWrittenErrors = {"scale_", "sum_squares", "all_finite", "convert"};
+const std::vector<std::string> kOpsWithoutTensors = {
+    "activation_input_width",          "backend_name", "parse_backend",    "active_backend", "ScopedBackend",
+    "linear_cross_entropy_chunk_rows", "gemm_library", "gemm_lowp_library"};
 
 constexpr Backend kBackends[] = {Backend::kCpu, Backend::kReference};
 constexpr DType kDTypes[] = {DType::kF32, DType::kF64};
@@ -807,6 +821,335 @@ TEST(LinearCrossEntropy, RefusesGradientsWithoutDlossesAndZeroChunks) {
   };
   expect_refused([&] { linear_cross_entropy(losses, inp, weight, targets, 0); });
   expect_refused([&] { linear_cross_entropy(losses, inp, weight, targets, 1, nullptr, &dinp, nullptr); });
+}
+
+// ---- low precision ----------------------------------------------------------------------------------------------
+
+// Tolerance of a low-precision output, derived from the formats. The inputs are exact in the low dtype and so are
+// their products in fp32 (8 + 8 or 11 + 11 significant bits), so the fast backend differs from the exact sum only by
+// its fp32 summation of the element's n terms, at most (n + 2) * 2^-24 * S_abs (S_abs: the sum of the terms'
+// absolute values; the 2 covers the old value or bias and a scaling), and by one final rounding to the output
+// format. The reference rounds the exact sum once. Two such roundings are at most one unit in the last place of the
+// output format apart (2^-7 of the element's binade for bf16, 2^-10 for fp16, 2^-23 for fp32):
+//   |fast - reference| <= ulp_out(max(|fast|, |reference|)) + (n + 2) * 2^-24 * S_abs.
+double ulp_of(const DType dtype, const double x) {
+  const int mantissa_bits = dtype == DType::kBF16 ? 7 : (dtype == DType::kF16 ? 10 : 23);
+  const int min_exponent = dtype == DType::kF16 ? -14 : -126;
+  return std::ldexp(1.0, std::max(x == 0.0 ? min_exponent : std::ilogb(x), min_exponent) - mantissa_bits);
+}
+
+::testing::AssertionResult lowp_close(const Tensor& got, const Tensor& want, const test::AbsSum& abs_sum) {
+  if (got.dtype() != want.dtype() || got.numel() != want.numel() ||
+      static_cast<size_t>(got.numel()) != abs_sum.values.size()) {
+    return ::testing::AssertionFailure() << "dtype or size differs";
+  }
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double g = test::get(got, i), w = test::get(want, i);
+    const double bound = ulp_of(got.dtype(), std::max(std::abs(g), std::abs(w))) +
+                         static_cast<double>(abs_sum.terms + 2) * 0x1p-24 * abs_sum.values[static_cast<size_t>(i)];
+    if (!(std::abs(g - w) <= bound)) {
+      return ::testing::AssertionFailure() << dtype_name(got.dtype()) << " element " << i << " is " << g
+                                           << ", reference " << w << ", bound " << bound;
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+Env make_lowp_env(const test::LowpCase& c) {
+  Env env(c.low, stream_key(c.name));
+  c.build(env);
+  return env;
+}
+
+// The GEMM paths of the fast backend for a case's dtype: convert always, native where oneDNN has kernels for it.
+std::vector<kernels::cpu::LowpGemmPath> lowp_paths(const DType low) {
+  const auto type = low == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
+  std::vector<kernels::cpu::LowpGemmPath> paths = {kernels::cpu::LowpGemmPath::kConvert};
+  if (kernels::cpu::lowp_native_available(type)) paths.push_back(kernels::cpu::LowpGemmPath::kNative);
+  return paths;
+}
+
+class OpsLowPrecision : public ::testing::TestWithParam<size_t> {};
+
+TEST_P(OpsLowPrecision, MatchesReferenceBackend) {
+  const test::LowpCase& c = test::lowp_cases()[GetParam()];
+  Env ref = make_lowp_env(c);
+  const auto initial = ref.snapshot();
+  const std::map<std::string, test::AbsSum> forward_sums = c.abs_sums(ref);
+  std::map<std::string, Tensor> ref_forward, ref_backward;
+  {
+    const ScopedBackend scope(Backend::kReference);
+    c.forward(ref);
+    ref_forward = ref.snapshot();
+    c.backward(ref);
+    ref_backward = ref.snapshot();
+  }
+  for (const Config& config : kConfigs) {
+    for (const auto path : lowp_paths(c.low)) {
+      if (config.backend == Backend::kReference && path != kernels::cpu::LowpGemmPath::kConvert) continue;
+      const kernels::cpu::ScopedLowpGemmPath path_scope(path);
+      const ThreadCount threads(config.threads);
+      const std::string what =
+          c.name + ", " + label(config, c.low) +
+          (config.backend == Backend::kCpu ? std::string(" ") + std::string(kernels::cpu::lowp_gemm_path_name(path))
+                                           : std::string());
+      Env fwd = make_lowp_env(c);
+      {
+        const ScopedBackend scope(config.backend);
+        c.forward(fwd);
+      }
+      for (const auto& [name, t] : fwd.tensors()) {
+        if (contains(c.outputs, name)) {
+          EXPECT_TRUE(lowp_close(t, ref_forward.at(name), forward_sums.at(name))) << what << " forward: " << name;
+        } else {
+          EXPECT_EQ(test::values(t), test::values(initial.at(name))) << what << " forward wrote into " << name;
+        }
+      }
+      // The backward alone, from the reference forward's tensors.
+      Env bwd = make_lowp_env(c);
+      {
+        const ScopedBackend scope(Backend::kReference);
+        c.forward(bwd);
+      }
+      const auto before = bwd.snapshot();
+      {
+        const ScopedBackend scope(config.backend);
+        c.backward(bwd);
+      }
+      for (const auto& [name, t] : bwd.tensors()) {
+        if (contains(c.grads, name)) {
+          EXPECT_TRUE(lowp_close(t, ref_backward.at(name), forward_sums.at(name))) << what << " backward: " << name;
+        } else {
+          EXPECT_EQ(test::values(t), test::values(before.at(name))) << what << " backward wrote into " << name;
+        }
+      }
+    }
+  }
+}
+
+std::string lowp_case_name(const ::testing::TestParamInfo<size_t>& param) {
+  return test::lowp_cases()[param.param].name;
+}
+
+std::vector<size_t> lowp_case_indices() {
+  std::vector<size_t> out(test::lowp_cases().size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = i;
+  return out;
+}
+INSTANTIATE_TEST_SUITE_P(AllLowpCases, OpsLowPrecision, ::testing::ValuesIn(lowp_case_indices()), lowp_case_name);
+
+// Both backends refuse dtype mixes a low-precision linear layer does not take, and wrong sizes, naming the op.
+TEST(OpsLowPrecision, BadArgumentsAreRefused) {
+  const auto rand = [](const std::vector<int64_t>& shape, const DType dtype) { return random_tensor(shape, dtype, 3); };
+  for (const DType low : {DType::kBF16, DType::kF16}) {
+    const DType other_low = low == DType::kBF16 ? DType::kF16 : DType::kBF16;
+    const Tensor weight = rand({5, 4}, low), inp = rand({3, 4}, low), dout = rand({3, 5}, low);
+    const Tensor bias = rand({5}, DType::kF32);
+    struct Bad {
+      std::string what;
+      std::function<void()> call;
+    };
+    Tensor out = rand({3, 5}, low);
+    std::vector<Bad> bads = {
+        {"fp32 input",
+         [&] {
+           linear_forward(out, rand({3, 4}, DType::kF32), weight);
+         }},
+        {"other low input",
+         [&] {
+           linear_forward(out, rand({3, 4}, other_low), weight);
+         }},
+        {"fp64 output",
+         [&] {
+           Tensor o = rand({3, 5}, DType::kF64);
+           linear_forward(o, inp, weight);
+         }},
+        {"other low output",
+         [&] {
+           Tensor o = rand({3, 5}, other_low);
+           linear_forward(o, inp, weight);
+         }},
+        {"int32 bias",
+         [&] {
+           const Tensor b({5}, DType::kI32);
+           linear_forward(out, inp, weight, &b);
+         }},
+        {"fp64 bias",
+         [&] {
+           const Tensor b = rand({5}, DType::kF64);
+           linear_forward(out, inp, weight, &b);
+         }},
+        {"low input, fp32 weight",
+         [&] {
+           linear_forward(out, inp, rand({5, 4}, DType::kF32));
+         }},
+        {"output size",
+         [&] {
+           Tensor o = rand({3, 6}, low);
+           linear_forward(o, inp, weight);
+         }},
+        {"input size",
+         [&] {
+           linear_forward(out, rand({3, 3}, low), weight);
+         }},
+        {"bias size",
+         [&] {
+           const Tensor b = rand({4}, low);
+           linear_forward(out, inp, weight, &b);
+         }},
+    };
+    Tensor dinp = rand({3, 4}, DType::kF32), dweight = rand({5, 4}, DType::kF32), dbias = rand({5}, DType::kF32);
+    std::vector<Bad> backward_bads = {
+        {"fp32 dout",
+         [&] {
+           linear_backward(&dinp, nullptr, nullptr, rand({3, 5}, DType::kF32), nullptr, weight);
+         }},
+        {"other low inp",
+         [&] {
+           linear_backward(&dinp, &dweight, nullptr, dout, &static_cast<const Tensor&>(rand({3, 4}, other_low)),
+                           weight);
+         }},
+        {"fp64 dinp",
+         [&] {
+           Tensor d = rand({3, 4}, DType::kF64);
+           linear_backward(&d, nullptr, nullptr, dout, nullptr, weight);
+         }},
+        {"other low dweight",
+         [&] {
+           Tensor d = rand({5, 4}, other_low);
+           linear_backward(nullptr, &d, nullptr, dout, &inp, weight);
+         }},
+        {"int64 dbias",
+         [&] {
+           Tensor d({5}, DType::kI64);
+           linear_backward(nullptr, nullptr, &d, dout, nullptr, weight);
+         }},
+        {"dinp size",
+         [&] {
+           Tensor d = rand({3, 5}, low);
+           linear_backward(&d, nullptr, nullptr, dout, nullptr, weight);
+         }},
+        {"dweight size",
+         [&] {
+           Tensor d = rand({4, 4}, DType::kF32);
+           linear_backward(nullptr, &d, nullptr, dout, &inp, weight);
+         }},
+        {"dbias size",
+         [&] {
+           Tensor d = rand({6}, DType::kF32);
+           linear_backward(nullptr, nullptr, &d, dout, nullptr, weight);
+         }},
+        {"dweight without inp", [&] { linear_backward(nullptr, &dweight, &dbias, dout, nullptr, weight); }},
+    };
+    for (const Backend backend : kBackends) {
+      const ScopedBackend scope(backend);
+      for (const auto& [list, op] :
+           {std::pair{&bads, "linear_forward: "}, std::pair{&backward_bads, "linear_backward: "}}) {
+        for (const Bad& bad : *list) {
+          const std::string what =
+              bad.what + " (" + std::string(dtype_name(low)) + " weight, " + std::string(backend_name(backend)) + ")";
+          try {
+            bad.call();
+            ADD_FAILURE() << what << ": no error";
+          } catch (const std::invalid_argument& error) {
+            EXPECT_EQ(std::string(error.what()).rfind(op, 0), 0u) << what << ": " << error.what();
+          }
+        }
+      }
+    }
+  }
+}
+
+// The values of every conversion pair against dtype.h's scalar functions, bit for bit, on both backends; and its
+// refusals.
+TEST(OpsConvert, EveryPairIsTheScalarRounding) {
+  // Exact in fp32 (so fp64 sources round as their fp32 twins): specials, the fp16 limits, denormals of each format.
+  std::vector<float> values = {0.0f,
+                               -0.0f,
+                               1.0f,
+                               -2.5f,
+                               65504.0f,
+                               65520.0f,
+                               1e-8f,
+                               3e-5f,
+                               1e-40f,
+                               3.0e38f,
+                               std::numeric_limits<float>::infinity(),
+                               -std::numeric_limits<float>::infinity(),
+                               std::numeric_limits<float>::quiet_NaN()};
+  std::mt19937 gen(17);
+  std::normal_distribution<float> normal(0.0f, 100.0f);
+  for (int i = 0; i < 39999; ++i) values.push_back(normal(gen));  // 40012 in all: two rows
+  const int64_t n = static_cast<int64_t>(values.size());
+  const auto bits_of = [](const Tensor& t, const int64_t i) -> uint64_t {
+    switch (dtype_size(t.dtype())) {
+      case 2: return t.data<uint16_t>()[i];
+      case 4: return std::bit_cast<uint32_t>(t.data<float>()[i]);
+      default: return std::bit_cast<uint64_t>(t.data<double>()[i]);
+    }
+  };
+  // The expected element: the value rounded to `dtype` by dtype.h (via fp32, exact here).
+  const auto expected = [](const float v, const DType from, const DType to) -> uint64_t {
+    float x = v;  // the source element's value
+    if (from == DType::kBF16) x = bf16_to_fp32(fp32_to_bf16(v));
+    if (from == DType::kF16) x = fp16_to_fp32(fp32_to_fp16(v));
+    switch (to) {
+      case DType::kBF16: return fp32_to_bf16(x);
+      case DType::kF16: return fp32_to_fp16(x);
+      case DType::kF32: return std::bit_cast<uint32_t>(x);
+      default: return std::bit_cast<uint64_t>(static_cast<double>(x));
+    }
+  };
+  const DType dtypes[] = {DType::kF32, DType::kF64, DType::kBF16, DType::kF16};
+  for (const Backend backend : kBackends) {
+    const ScopedBackend scope(backend);
+    for (const DType from : dtypes) {
+      Tensor wide({n}, DType::kF32);
+      std::copy(values.begin(), values.end(), wide.data<float>());
+      Tensor src({n}, from);
+      {
+        const ScopedBackend exact(Backend::kReference);
+        convert(src, wide);
+      }
+      for (const DType to : dtypes) {
+        Tensor dst({2, n / 2}, to);
+        convert(dst, src);
+        for (int64_t i = 0; i < n; ++i) {
+          const bool nan = std::isnan(values[static_cast<size_t>(i)]);
+          if (nan) {
+            EXPECT_TRUE(std::isnan(test::get(dst, i))) << dtype_name(from) << " -> " << dtype_name(to);
+            continue;
+          }
+          ASSERT_EQ(bits_of(dst, i), expected(values[static_cast<size_t>(i)], from, to))
+              << dtype_name(from) << " -> " << dtype_name(to) << " on " << backend_name(backend) << ", element " << i
+              << " = " << values[static_cast<size_t>(i)];
+        }
+      }
+    }
+  }
+  for (const Backend backend : kBackends) {
+    const ScopedBackend scope(backend);
+    const Tensor src = random_tensor({4, 3}, DType::kF32, 1);
+    const auto refused = [&](Tensor dst, const Tensor& from, const std::string& what) {
+      try {
+        convert(dst, from);
+        ADD_FAILURE() << what << ": no error";
+      } catch (const std::invalid_argument& error) {
+        EXPECT_EQ(std::string(error.what()).rfind("convert: ", 0), 0u) << what << ": " << error.what();
+      }
+    };
+    refused(Tensor({13}, DType::kBF16), src, "one element too many");
+    refused(Tensor({4, 3}, DType::kI32), src, "int32 destination");
+    refused(Tensor({4, 3}, DType::kF16), Tensor({4, 3}, DType::kU8), "uint8 source");
+    refused(Tensor(), src, "undefined destination");
+  }
+}
+
+TEST(OpsGemmLibrary, NamesTheLibraryOfEachDType) {
+  EXPECT_NE(gemm_library().find("sgemm"), std::string::npos) << gemm_library();
+  EXPECT_NE(gemm_lowp_library(DType::kBF16).find("bf16"), std::string::npos) << gemm_lowp_library(DType::kBF16);
+  EXPECT_NE(gemm_lowp_library(DType::kF16).find("fp16"), std::string::npos) << gemm_lowp_library(DType::kF16);
+  EXPECT_THROW(gemm_lowp_library(DType::kF32), std::invalid_argument);
 }
 
 }  // namespace

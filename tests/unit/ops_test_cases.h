@@ -13,6 +13,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -25,16 +26,23 @@
 
 namespace moecore::ops::test {
 
-// ---- element access in either floating type ---------------------------------------------------------------------
+// ---- element access in any floating type -----------------------------------------------------------------------
 
+// bf16 / fp16 elements are decoded exactly; set() rounds to them as dtype.h does.
 inline double get(const Tensor& t, const int64_t i) {
-  return t.dtype() == DType::kF64 ? t.data<double>()[i] : static_cast<double>(t.data<float>()[i]);
+  switch (t.dtype()) {
+    case DType::kF64: return t.data<double>()[i];
+    case DType::kBF16: return bf16_to_fp32(t.data<uint16_t>()[i]);
+    case DType::kF16: return fp16_to_fp32(t.data<uint16_t>()[i]);
+    default: return static_cast<double>(t.data<float>()[i]);
+  }
 }
 inline void set(Tensor& t, const int64_t i, const double value) {
-  if (t.dtype() == DType::kF64) {
-    t.data<double>()[i] = value;
-  } else {
-    t.data<float>()[i] = static_cast<float>(value);
+  switch (t.dtype()) {
+    case DType::kF64: t.data<double>()[i] = value; return;
+    case DType::kBF16: t.data<uint16_t>()[i] = fp32_to_bf16(static_cast<float>(value)); return;
+    case DType::kF16: t.data<uint16_t>()[i] = fp32_to_fp16(static_cast<float>(value)); return;
+    default: t.data<float>()[i] = static_cast<float>(value); return;
   }
 }
 inline std::vector<double> values(const Tensor& t) {
@@ -88,9 +96,10 @@ class Env {
 
   // A tensor of `shape` whose values have magnitude in [0.1, 1) * scale and a random sign (never zero, never near
   // a kink such as relu's), or are positive.
+  // `dtype` overrides the environment's (the low-precision cases mix dtypes).
   Tensor& rand(const std::string& name, std::vector<int64_t> shape, const double scale = 1.0,
-               const bool positive = false) {
-    Tensor t(std::move(shape), dtype_);
+               const bool positive = false, const std::optional<DType> dtype = std::nullopt) {
+    Tensor t(std::move(shape), dtype.value_or(dtype_));
     std::uniform_real_distribution<double> magnitude(0.1, 1.0);
     std::bernoulli_distribution negative(0.5);
     for (int64_t i = 0; i < t.numel(); ++i) {
@@ -952,6 +961,27 @@ inline OpCase position_embedding_case(const std::string& name, const int64_t T, 
   return c;
 }
 
+// Narrowing to bf16 and fp16, bf16 -> fp16, and widening back to the environment's dtype (values 30..300, so fp16
+// keeps them finite and normal). Both backends must agree bit for bit; OpsConvert checks the values themselves.
+inline OpCase convert_case(const std::string& name, const std::vector<int64_t>& shape) {
+  OpCase c{name, {"convert"}};
+  c.build = [=](Env& e) {
+    e.rand("src", shape, 300.0);
+    e.rand("bf16", shape, 1.0, false, DType::kBF16);
+    e.rand("fp16", shape, 1.0, false, DType::kF16);
+    e.rand("fp16_from_bf16", shape, 1.0, false, DType::kF16);
+    e.rand("back", shape);
+  };
+  c.forward = [](Env& e) {
+    convert(e("bf16"), e("src"));
+    convert(e("fp16"), e("src"));
+    convert(e("fp16_from_bf16"), e("bf16"));
+    convert(e("back"), e("fp16"));
+  };
+  c.outputs = {"bf16", "fp16", "fp16_from_bf16", "back"};
+  return c;
+}
+
 // Small shapes (T = 5..12 rows, odd widths) for every op, then "_large" shapes just past the fast kernels' OpenMP
 // thresholds (and two 64-row attention blocks), so the 2-thread runs take the parallel paths.
 inline const std::vector<OpCase>& all_cases() {
@@ -1013,6 +1043,7 @@ inline const std::vector<OpCase>& all_cases() {
         gather_rows_case("gather_rows", 6, 9, 4),
         scatter_add_rows_case("scatter_add_rows", 6, 9, 4),
         position_embedding_case("position_embedding", 10, 2, 6, 8, 4),
+        convert_case("convert", {6, 5}),
 
         linear_case("linear_large", {130, 8}, 131, true, true),
         rmsnorm_case("rmsnorm_large", 64, 257),
@@ -1044,7 +1075,128 @@ inline const std::vector<OpCase>& all_cases() {
         gather_rows_case("gather_rows_large", 128, 300, 64),
         scatter_add_rows_case("scatter_add_rows_large", 128, 300, 64),
         position_embedding_case("position_embedding_large", 260, 4, 65, 80, 12),
+        convert_case("convert_large", {300, 257}),
     };
+  }();
+  return cases;
+}
+
+// ---- low-precision cases ----------------------------------------------------------------------------------------
+
+// For each output or gradient of a low-precision case, per element: how many terms the op sums into it and the sum of
+// their absolute values, computed in double from the tensors before the op runs. OpsLowPrecision derives each
+// element's tolerance from them and from the output's format.
+struct AbsSum {
+  int64_t terms = 0;
+  std::vector<double> values;
+};
+
+// An op on bf16 / fp16 tensors (Megatron's --bf16 / --fp16): build() makes every tensor, including the output
+// gradients "d" + output and the gradient buffers, in the dtype the case gives it.
+struct LowpCase {
+  std::string name;
+  DType low;
+  std::function<void(Env&)> build, forward, backward;
+  std::vector<std::string> outputs, grads;
+  std::function<std::map<std::string, AbsSum>(Env&)> abs_sums;
+};
+
+// Which tensors of a low-precision linear case are fp32 (the others are in the low dtype).
+struct LinearFp32 {
+  bool out = false, bias = false, dinp = false, dweight = false, dbias = false;
+};
+
+inline LowpCase lowp_linear_case(const std::string& name, const DType low, const std::vector<int64_t>& inp_shape,
+                                 const int64_t O, const bool bias, const bool weight_grad, const LinearFp32 fp32) {
+  const int64_t I = inp_shape.back();
+  int64_t T = 1;
+  for (size_t i = 0; i + 1 < inp_shape.size(); ++i) T *= inp_shape[i];
+  std::vector<int64_t> out_shape = inp_shape;
+  out_shape.back() = O;
+  const auto dtype = [low](const bool is_fp32) { return is_fp32 ? DType::kF32 : low; };
+  LowpCase c;
+  c.name = name;
+  c.low = low;
+  c.build = [=](Env& e) {
+    e.rand("inp", inp_shape);
+    e.rand("weight", {O, I});
+    if (bias) e.rand("bias", {O}, 1.0, false, dtype(fp32.bias));
+    e.rand("out", out_shape, 1.0, false, dtype(fp32.out));
+    e.rand("dout", out_shape);
+    e.rand("dinp", inp_shape, 1.0, false, dtype(fp32.dinp));
+    if (weight_grad) e.rand("dweight", {O, I}, 1.0, false, dtype(fp32.dweight));
+    if (bias) e.rand("dbias", {O}, 1.0, false, dtype(fp32.dbias));
+  };
+  c.forward = [=](Env& e) { linear_forward(e("out"), e("inp"), e("weight"), bias ? &e("bias") : nullptr); };
+  c.backward = [=](Env& e) {
+    linear_backward(&e("dinp"), weight_grad ? &e("dweight") : nullptr, bias ? &e("dbias") : nullptr, e("dout"),
+                    weight_grad ? &e("inp") : nullptr, e("weight"));
+  };
+  c.outputs = {"out"};
+  c.grads = {"dinp"};
+  if (weight_grad) c.grads.push_back("dweight");
+  if (bias) c.grads.push_back("dbias");
+  c.abs_sums = [=](Env& e) {
+    const auto at = [&e](const std::string& t, const int64_t i) { return std::abs(get(e(t), i)); };
+    std::map<std::string, AbsSum> sums;
+    AbsSum& out = sums["out"];
+    out.terms = I + (bias ? 1 : 0);
+    AbsSum& dinp = sums["dinp"];
+    dinp.terms = O + 1;
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t o = 0; o < O; ++o) {
+        double sum = bias ? at("bias", o) : 0.0;
+        for (int64_t i = 0; i < I; ++i) sum += at("inp", t * I + i) * at("weight", o * I + i);
+        out.values.push_back(sum);
+      }
+      for (int64_t i = 0; i < I; ++i) {
+        double sum = at("dinp", t * I + i);
+        for (int64_t o = 0; o < O; ++o) sum += at("dout", t * O + o) * at("weight", o * I + i);
+        dinp.values.push_back(sum);
+      }
+    }
+    if (weight_grad) {
+      AbsSum& dweight = sums["dweight"];
+      dweight.terms = T + 1;
+      for (int64_t o = 0; o < O; ++o) {
+        for (int64_t i = 0; i < I; ++i) {
+          double sum = at("dweight", o * I + i);
+          for (int64_t t = 0; t < T; ++t) sum += at("dout", t * O + o) * at("inp", t * I + i);
+          dweight.values.push_back(sum);
+        }
+      }
+    }
+    if (bias) {
+      AbsSum& dbias = sums["dbias"];
+      dbias.terms = T + 1;
+      for (int64_t o = 0; o < O; ++o) {
+        double sum = at("dbias", o);
+        for (int64_t t = 0; t < T; ++t) sum += at("dout", t * O + o);
+        dbias.values.push_back(sum);
+      }
+    }
+    return sums;
+  };
+  return c;
+}
+
+// Each low dtype with: low outputs and fp32 main gradients (Megatron's --bf16 with gradient_accumulation_fusion),
+// fp32 outputs and low gradients, everything low, the input gradient alone, and a "_large" shape past the OpenMP
+// thresholds.
+inline const std::vector<LowpCase>& lowp_cases() {
+  static const std::vector<LowpCase> cases = [] {
+    std::vector<LowpCase> out;
+    for (const DType low : {DType::kBF16, DType::kF16}) {
+      const std::string prefix = "linear_" + std::string(low == DType::kBF16 ? "bf16" : "fp16");
+      const LinearFp32 main_grads{.dweight = true, .dbias = true};
+      const LinearFp32 fp32_outputs{.out = true, .bias = true, .dinp = true};
+      out.push_back(lowp_linear_case(prefix + "_main_grads", low, {2, 3, 7}, 9, true, true, main_grads));
+      out.push_back(lowp_linear_case(prefix + "_fp32_outputs", low, {5, 6}, 3, true, true, fp32_outputs));
+      out.push_back(lowp_linear_case(prefix + "_all_low", low, {4, 10}, 6, true, true, {}));
+      out.push_back(lowp_linear_case(prefix + "_input_grad_only", low, {11, 4}, 5, false, false, {}));
+      out.push_back(lowp_linear_case(prefix + "_large", low, {130, 8}, 131, true, true, main_grads));
+    }
+    return out;
   }();
   return cases;
 }

@@ -1,5 +1,11 @@
 #include "moecore/ops/linear.h"
 
+#include <initializer_list>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/precision.h"
 
@@ -7,13 +13,114 @@ namespace moecore::ops {
 using detail::opt;
 using detail::ptr;
 
+namespace {
+
+bool is_low(const DType dtype) { return dtype == DType::kBF16 || dtype == DType::kF16; }
+
+kernels::LowpType lowp_type(const char* op, const DType dtype) {
+  if (!is_low(dtype)) detail::fail(op, std::string(dtype_name(dtype)) + " is not a low-precision dtype");
+  return dtype == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
+}
+
+// Low-precision checks: every tensor defined and on the CPU; the GEMM inputs in the weight's dtype; each output
+// (and the bias) in that dtype or fp32.
+void check_lowp(const char* op, const DType low, std::initializer_list<std::pair<const char*, const Tensor*>> inputs,
+                std::initializer_list<std::pair<const char*, const Tensor*>> fp32_or_low) {
+  const auto check_defined = [op](const Tensor* t) {
+    if (!t->defined()) detail::fail(op, "an argument tensor is undefined");
+    if (t->device() != Device::kCPU) detail::fail(op, "no backend for device " + std::string(device_name(t->device())));
+  };
+  const std::string low_name(dtype_name(low));
+  for (const auto& [name, t] : inputs) {
+    if (t == nullptr) continue;
+    check_defined(t);
+    if (t->dtype() != low) {
+      detail::fail(op, "mixed dtypes: " + std::string(name) + " is " + std::string(dtype_name(t->dtype())) + ", the " +
+                           low_name + " weight's GEMM inputs must be " + low_name);
+    }
+  }
+  for (const auto& [name, t] : fp32_or_low) {
+    if (t == nullptr) continue;
+    check_defined(t);
+    if (t->dtype() != low && t->dtype() != DType::kF32) {
+      detail::fail(op, "mixed dtypes: " + std::string(name) + " is " + std::string(dtype_name(t->dtype())) +
+                           ", with a " + low_name + " weight it must be " + low_name + " or float32");
+    }
+  }
+}
+
+// Calls fn with t's data as float* (fp32, or null t) or uint16_t* (bf16 / fp16 bits).
+template <typename Fn>
+void with_data(Tensor* t, Fn&& fn) {
+  if (t == nullptr) {
+    fn(static_cast<float*>(nullptr));
+  } else if (t->dtype() == DType::kF32) {
+    fn(t->data<float>());
+  } else {
+    fn(t->data<uint16_t>());
+  }
+}
+template <typename Fn>
+void with_data(const Tensor* t, Fn&& fn) {
+  with_data(const_cast<Tensor*>(t), [&](auto* p) { fn(static_cast<const std::remove_pointer_t<decltype(p)>*>(p)); });
+}
+
+const uint16_t* bits(const Tensor* t) { return t == nullptr ? nullptr : t->data<uint16_t>(); }
+
+void linear_forward_lowp(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O,
+                         const int64_t T, const int64_t I, const int64_t O) {
+  const auto type = lowp_type("linear_forward", weight_OI.dtype());
+  const bool reference = active_backend() == Backend::kReference;
+  with_data(&out_TO, [&](auto* out) {
+    with_data(bias_O, [&](const auto* bias) {
+      if (reference) {
+        kernels::ref::linear_forward_lowp(type, out, bits(&inp_TI), bits(&weight_OI), bias, T, I, O);
+      } else {
+        kernels::cpu::linear_forward_lowp(type, out, bits(&inp_TI), bits(&weight_OI), bias, T, I, O);
+      }
+    });
+  });
+}
+
+void linear_backward_lowp(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO,
+                          const Tensor* inp_TI, const Tensor& weight_OI, const int64_t T, const int64_t I,
+                          const int64_t O) {
+  const auto type = lowp_type("linear_backward", weight_OI.dtype());
+  const bool reference = active_backend() == Backend::kReference;
+  with_data(dinp_TI, [&](auto* dinp) {
+    with_data(dweight_OI, [&](auto* dweight) {
+      with_data(dbias_O, [&](auto* dbias) {
+        if (reference) {
+          kernels::ref::linear_backward_lowp(type, dinp, dweight, dbias, bits(&dout_TO), bits(inp_TI), bits(&weight_OI),
+                                             T, I, O);
+        } else {
+          kernels::cpu::linear_backward_lowp(type, dinp, dweight, dbias, bits(&dout_TO), bits(inp_TI), bits(&weight_OI),
+                                             T, I, O);
+        }
+      });
+    });
+  });
+}
+
+}  // namespace
+
 void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O) {
   constexpr const char* op = "linear_forward";
-  detail::check_tensors(op, {&out_TO, &inp_TI, &weight_OI, bias_O});
+  const bool low = weight_OI.defined() && is_low(weight_OI.dtype());
+  if (low) {
+    check_lowp(op, weight_OI.dtype(), {{"inp_TI", &inp_TI}, {"weight_OI", &weight_OI}},
+               {{"out_TO", &out_TO}, {"bias_O", bias_O}});
+  } else {
+    detail::check_tensors(op, {&out_TO, &inp_TI, &weight_OI, bias_O});
+  }
   const int64_t O = weight_OI.dim(0), I = weight_OI.numel() / O, T = inp_TI.numel() / I;
   detail::check_numel(op, "inp_TI", inp_TI, T * I);
   detail::check_numel(op, "out_TO", out_TO, T * O);
   if (bias_O != nullptr) detail::check_numel(op, "bias_O", *bias_O, O);
+  if (low) {
+    linear_forward_lowp(out_TO, inp_TI, weight_OI, bias_O, T, I, O);
+    return;
+  }
   detail::dispatch(op, out_TO, [&]<typename S>(auto k) {
     k.linear_forward(ptr<S>(out_TO), ptr<S>(inp_TI), ptr<S>(weight_OI), opt<S>(bias_O), T, I, O);
   });
@@ -23,7 +130,13 @@ void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_O
 void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO, const Tensor* inp_TI,
                      const Tensor& weight_OI) {
   constexpr const char* op = "linear_backward";
-  detail::check_tensors(op, {dinp_TI, dweight_OI, dbias_O, &dout_TO, inp_TI, &weight_OI});
+  const bool low = weight_OI.defined() && is_low(weight_OI.dtype());
+  if (low) {
+    check_lowp(op, weight_OI.dtype(), {{"dout_TO", &dout_TO}, {"inp_TI", inp_TI}, {"weight_OI", &weight_OI}},
+               {{"dinp_TI", dinp_TI}, {"dweight_OI", dweight_OI}, {"dbias_O", dbias_O}});
+  } else {
+    detail::check_tensors(op, {dinp_TI, dweight_OI, dbias_O, &dout_TO, inp_TI, &weight_OI});
+  }
   if (dweight_OI != nullptr && inp_TI == nullptr) detail::fail(op, "dweight_OI needs inp_TI");
   const int64_t O = weight_OI.dim(0), I = weight_OI.numel() / O, T = dout_TO.numel() / O;
   detail::check_numel(op, "dout_TO", dout_TO, T * O);
@@ -31,6 +144,10 @@ void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const
   if (inp_TI != nullptr) detail::check_numel(op, "inp_TI", *inp_TI, T * I);
   if (dweight_OI != nullptr) detail::check_numel(op, "dweight_OI", *dweight_OI, O * I);
   if (dbias_O != nullptr) detail::check_numel(op, "dbias_O", *dbias_O, O);
+  if (low) {
+    linear_backward_lowp(dinp_TI, dweight_OI, dbias_O, dout_TO, inp_TI, weight_OI, T, I, O);
+    return;
+  }
   detail::dispatch(op, dout_TO, [&]<typename S>(auto k) {
     k.linear_backward(opt<S>(dinp_TI), opt<S>(dweight_OI), opt<S>(dbias_O), ptr<S>(dout_TO), opt<S>(inp_TI),
                       ptr<S>(weight_OI), T, I, O);
@@ -39,5 +156,9 @@ void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const
 }
 
 std::string gemm_library() { return kernels::cpu::gemm_library(); }
+
+std::string gemm_lowp_library(const DType dtype) {
+  return kernels::cpu::gemm_lowp_library(lowp_type("gemm_lowp_library", dtype));
+}
 
 }  // namespace moecore::ops

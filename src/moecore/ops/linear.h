@@ -1,5 +1,10 @@
 // Dense layers on tensors. Legend: T rows (tokens), I in features, O out features; T = inp.numel() / I, so
 // inputs may carry extra leading dimensions ([S, B, N, d] is read as [S*B, N*d]).
+// Low precision (Megatron's --bf16 / --fp16): with a bf16 or fp16 weight, the GEMM inputs (inp, weight, dout) share
+// the weight's dtype, products are summed in fp32, and each output (out, dinp, dweight, dbias) and the bias may be
+// fp32 or that low dtype (fp32 dweight / dbias: the fp32 main_grad that Megatron's
+// LinearWithGradAccumulationAndAsyncCommunication accumulates into under gradient_accumulation_fusion,
+// megatron/core/tensor_parallel/layers.py); a low-precision output is rounded once.
 #pragma once
 
 #include <string>
@@ -18,5 +23,8 @@ void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const
 // The fp32 GEMM library of the fast backend and the kernel family it picked for this CPU (the training log's first
 // lines name it), e.g. "oneDNN 2.6.3 sgemm, AVX-512 kernels".
 std::string gemm_library();
+// The same for bf16 or fp16 GEMMs: the path MOECORE_LOWP_GEMM or the CPU chose, e.g. "oneDNN 2.6.3 bf16 matmul,
+// brg:avx512_core_bf16 kernels" or "fp16 -> fp32 conversion (AVX-512 BF16) + oneDNN 2.6.3 sgemm, ...".
+std::string gemm_lowp_library(DType dtype);
 
 }  // namespace moecore::ops

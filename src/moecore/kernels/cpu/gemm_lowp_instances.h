@@ -1,0 +1,16 @@
+// Internal to gemm_lowp.cpp and gemm_lowp_ref.cpp: every output-type combination of gemm_lowp.h's templates (each
+// output float or uint16_t), expanded with the file's MOECORE_INSTANTIATE_* macros.
+MOECORE_INSTANTIATE_GEMM(float)
+MOECORE_INSTANTIATE_GEMM(uint16_t)
+MOECORE_INSTANTIATE_FORWARD(float, float)
+MOECORE_INSTANTIATE_FORWARD(float, uint16_t)
+MOECORE_INSTANTIATE_FORWARD(uint16_t, float)
+MOECORE_INSTANTIATE_FORWARD(uint16_t, uint16_t)
+MOECORE_INSTANTIATE_BACKWARD(float, float, float)
+MOECORE_INSTANTIATE_BACKWARD(float, float, uint16_t)
+MOECORE_INSTANTIATE_BACKWARD(float, uint16_t, float)
+MOECORE_INSTANTIATE_BACKWARD(float, uint16_t, uint16_t)
+MOECORE_INSTANTIATE_BACKWARD(uint16_t, float, float)
+MOECORE_INSTANTIATE_BACKWARD(uint16_t, float, uint16_t)
+MOECORE_INSTANTIATE_BACKWARD(uint16_t, uint16_t, float)
+MOECORE_INSTANTIATE_BACKWARD(uint16_t, uint16_t, uint16_t)

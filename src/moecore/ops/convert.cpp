@@ -1,0 +1,119 @@
+#include "moecore/ops/convert.h"
+
+#include <algorithm>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "moecore/kernels/cpu/convert.h"
+#include "moecore/ops/backend.h"
+#include "moecore/ops/dispatch.h"
+
+namespace moecore::ops {
+namespace {
+
+bool is_float(const DType dtype) {
+  return dtype == DType::kF32 || dtype == DType::kF64 || dtype == DType::kBF16 || dtype == DType::kF16;
+}
+
+// One backend's conversions, widening and narrowing through fp32 / fp64 as the pair needs.
+template <typename K>
+struct Converter {
+  template <typename Wide>
+  static void encode(const DType dtype, uint16_t* out, const Wide* in, const int64_t n) {
+    dtype == DType::kBF16 ? K::encode_bf16(out, in, n) : K::encode_fp16(out, in, n);
+  }
+  template <typename Wide>
+  static void decode(const DType dtype, Wide* out, const uint16_t* in, const int64_t n) {
+    dtype == DType::kBF16 ? K::decode_bf16(out, in, n) : K::decode_fp16(out, in, n);
+  }
+
+  static void run(Tensor& dst, const Tensor& src) {
+    const int64_t n = src.numel();
+    const DType from = src.dtype(), to = dst.dtype();
+    const bool low_from = dtype_size(from) == 2, low_to = dtype_size(to) == 2;
+    if (from == to) {
+      if (n > 0) std::memcpy(dst.data<std::byte>(), src.data<std::byte>(), src.nbytes());
+    } else if (from == DType::kF64 && to == DType::kF32) {
+      const double* in = src.data<double>();
+      float* out = dst.data<float>();
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
+    } else if (from == DType::kF32 && to == DType::kF64) {
+      std::copy_n(src.data<float>(), n, dst.data<double>());
+    } else if (low_to && !low_from) {
+      from == DType::kF32 ? encode(to, dst.data<uint16_t>(), src.data<float>(), n)
+                          : encode(to, dst.data<uint16_t>(), src.data<double>(), n);
+    } else if (low_from && !low_to) {
+      to == DType::kF32 ? decode(from, dst.data<float>(), src.data<uint16_t>(), n)
+                        : decode(from, dst.data<double>(), src.data<uint16_t>(), n);
+    } else {  // bf16 <-> fp16: exact to fp32, then one rounding
+      constexpr int64_t kChunk = 1 << 14;
+      std::vector<float> wide(static_cast<size_t>(std::min(n, kChunk)));
+      for (int64_t begin = 0; begin < n; begin += kChunk) {
+        const int64_t len = std::min(kChunk, n - begin);
+        decode(from, wide.data(), src.data<uint16_t>() + begin, len);
+        encode(to, dst.data<uint16_t>() + begin, wide.data(), len);
+      }
+    }
+  }
+};
+
+// The kernels' namespaces as types, so Converter can name their overload sets.
+struct CpuConvert {
+  template <typename... A>
+  static void encode_bf16(A... a) {
+    kernels::cpu::encode_bf16(a...);
+  }
+  template <typename... A>
+  static void encode_fp16(A... a) {
+    kernels::cpu::encode_fp16(a...);
+  }
+  template <typename... A>
+  static void decode_bf16(A... a) {
+    kernels::cpu::decode_bf16(a...);
+  }
+  template <typename... A>
+  static void decode_fp16(A... a) {
+    kernels::cpu::decode_fp16(a...);
+  }
+};
+struct RefConvert {
+  template <typename... A>
+  static void encode_bf16(A... a) {
+    kernels::ref::encode_bf16(a...);
+  }
+  template <typename... A>
+  static void encode_fp16(A... a) {
+    kernels::ref::encode_fp16(a...);
+  }
+  template <typename... A>
+  static void decode_bf16(A... a) {
+    kernels::ref::decode_bf16(a...);
+  }
+  template <typename... A>
+  static void decode_fp16(A... a) {
+    kernels::ref::decode_fp16(a...);
+  }
+};
+
+}  // namespace
+
+void convert(Tensor& dst, const Tensor& src) {
+  constexpr const char* op = "convert";
+  if (!dst.defined() || !src.defined()) detail::fail(op, "an argument tensor is undefined");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dst, &src}) {
+    if (!is_float(t->dtype())) detail::fail(op, "unsupported dtype " + std::string(dtype_name(t->dtype())));
+    if (t->device() != Device::kCPU) {
+      detail::fail(op, "no backend for device " + std::string(device_name(t->device())));
+    }
+  }
+  detail::check_numel(op, "dst", dst, src.numel());
+  if (active_backend() == Backend::kReference) {
+    Converter<RefConvert>::run(dst, src);
+  } else {
+    Converter<CpuConvert>::run(dst, src);
+  }
+}
+
+}  // namespace moecore::ops
