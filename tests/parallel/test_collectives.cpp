@@ -142,6 +142,48 @@ void test_all_reduce(const ProcessGroup& world) {
   world.all_reduce<float>(empty, ReduceOp::kSum);
 }
 
+// 16-bit sums on the wire: with two ranks there is one addition, so the result is exactly round(a + b) in the format;
+// with more, every partial sum is rounded, so the result is within one rounding per addition of the exact sum.
+void test_16bit_wire_sums(const ProcessGroup& world) {
+  using moecore::DType;
+  for (const DType format : {DType::kBF16, DType::kF16}) {
+    const auto encode = [format](const float v) {
+      return format == DType::kBF16 ? fp32_to_bf16(v) : moecore::fp32_to_fp16(v);
+    };
+    const auto decode = [format](const uint16_t b) {
+      return format == DType::kBF16 ? bf16_to_fp32(b) : moecore::fp16_to_fp32(b);
+    };
+    const double unit = format == DType::kBF16 ? 1.0 / 256.0 : 1.0 / 2048.0;  // half an ulp, relative
+    const size_t chunk = 7, n = chunk * static_cast<size_t>(world.size());
+    std::vector<uint16_t> data(n);
+    for (size_t i = 0; i < n; ++i) data[i] = encode(input_value(world.rank(), i, 31) * 1.37f);
+    const std::vector<uint16_t> input = data;
+    world.all_reduce_16bit_async(data, format).wait();
+    std::vector<uint16_t> shard(chunk);
+    world.reduce_scatter_16bit_async(input, shard, format).wait();
+    for (size_t i = 0; i < n; ++i) {
+      double exact = 0.0, magnitude = 0.0;
+      for (int r = 0; r < world.size(); ++r) {
+        const double v = decode(encode(input_value(r, i, 31) * 1.37f));
+        exact += v;
+        magnitude += std::abs(v);
+      }
+      const double got = decode(data[i]);
+      if (world.size() <= 2) {
+        check(got == decode(encode(static_cast<float>(exact))), at("16-bit all_reduce", i, got, exact));
+      } else {
+        check(std::abs(got - exact) <= unit * magnitude * (world.size() - 1),
+              at("16-bit all_reduce within its roundings", i, got, exact));
+      }
+      const size_t offset = chunk * static_cast<size_t>(world.rank());
+      if (i >= offset && i < offset + chunk && world.size() <= 2) {
+        check(decode(shard[i - offset]) == got,
+              at("16-bit reduce_scatter equals the all_reduce", i, decode(shard[i - offset]), got));
+      }
+    }
+  }
+}
+
 void test_reduce_scatter(const ProcessGroup& world) {
   const std::vector<int> ranks = all_ranks(world.size());
   const size_t chunk = 5, n = chunk * static_cast<size_t>(world.size());
@@ -585,6 +627,7 @@ std::vector<Test> make_tests(const ProcessGroup& world, const ProcessGroup& chec
       {"async", test_async},
       {"drive_progress", test_drive_progress},
       {"integers", test_integers},
+      {"16-bit wire sums", test_16bit_wire_sums},
   };
   for (const ProcessGroup* group : {&world, &checked}) {
     const std::string suffix = group->agreement_checks() ? " [checks on]" : " [checks off]";

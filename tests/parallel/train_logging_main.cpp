@@ -176,6 +176,35 @@ int main(int argc, char** argv) {
       if (failures > 0) std::cout << "one process:\n" << reference << "DP2:\n" << dp_log;
     }
 
+    // Communicated bytes (the [comm] line's MB per iteration), DP2 with the distributed optimizer: bf16 weights halve
+    // the parameter all-gather; gradients reduce in fp32 under --bf16 (Megatron's default) and in bf16, half the
+    // bytes, with --grad-reduce-in-bf16.
+    const auto comm_megabytes = [&](const std::vector<std::string>& extra, const std::string& kind) {
+      std::vector<std::string> run = flags(dir, 2);
+      run.insert(run.end(), {"--use-distributed-optimizer", "--eval-iters", "0"});
+      run.insert(run.end(), extra.begin(), extra.end());
+      std::ostringstream out;
+      moecore::run_training(moecore::parse_train_args(run, 2), out, dp2);
+      const std::string text = out.str();
+      const size_t line = text.rfind(" [comm] ");
+      if (line == std::string::npos) return std::nan("");
+      const size_t at = text.find(" " + kind + " ", line);
+      const size_t end = text.find('|', at);
+      const size_t mb = text.rfind(" / ", text.find(" MB", at));
+      if (at == std::string::npos || mb == std::string::npos || mb < at || mb > end) return std::nan("");
+      return std::stod(text.substr(mb + 3));
+    };
+    const double fp32_grad = comm_megabytes({}, "grad-reduce"), fp32_param = comm_megabytes({}, "param-gather");
+    const double bf16_grad = comm_megabytes({"--bf16"}, "grad-reduce");
+    const double bf16_param = comm_megabytes({"--bf16"}, "param-gather");
+    const double bf16_wire_grad = comm_megabytes({"--bf16", "--grad-reduce-in-bf16"}, "grad-reduce");
+    if (world.rank() == 0) {
+      check(fp32_grad > 0 && fp32_param > 0, "fp32 gradient and parameter bytes are logged");
+      check_close(bf16_grad, fp32_grad, 1e-9, "bf16: gradients still reduce in fp32");
+      check_close(bf16_param, fp32_param / 2, 1e-3, "bf16: the parameter all-gather moves half the bytes");
+      check_close(bf16_wire_grad, fp32_grad / 2, 1e-3, "--grad-reduce-in-bf16: half the gradient bytes");
+    }
+
     // Packed sequences (--reset-attention-mask): the FLOPs count runs over the documents of the global batch, which
     // DP2 sums over its two ranks' micro-batches; it must equal the one-process count, and fall below the unpacked
     // count (documents of 2..10 tokens in sequences of 16).

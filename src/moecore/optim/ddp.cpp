@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "moecore/ops/convert.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/parallel/comm_stats.h"
 
@@ -141,6 +142,14 @@ void DistributedDataParallel::build(const bool expert, const std::vector<int>& p
   for (const int b : group.buckets) {
     Bucket& bk = buckets_[static_cast<size_t>(b)];
     if (dist_opt) bk.comm_shard = Tensor({bk.shard_size}, DType::kF32, MemCategory::kComm);
+    const bool wire16 =
+        options_.grad_reduce_dtype != DType::kF32 || (dist_opt && options_.param_gather_dtype != DType::kF32);
+    if (wire16) {
+      const DType wire_dtype =
+          options_.grad_reduce_dtype != DType::kF32 ? options_.grad_reduce_dtype : options_.param_gather_dtype;
+      bk.wire = Tensor({bk.end - bk.begin}, wire_dtype, MemCategory::kComm);
+      if (dist_opt) bk.wire_shard = Tensor({bk.shard_size}, wire_dtype, MemCategory::kComm);
+    }
     for (const int m : bk.modules) module_buckets_[static_cast<size_t>(m - min_module_)].push_back(b);
   }
   groups_.push_back(std::move(group));
@@ -185,7 +194,16 @@ void DistributedDataParallel::launch(const int bucket_index) {
     Tensor bucket = g.grad_buffer.slice_rows(b.begin, b.end);
     ops::scale_(bucket, 1.0 / static_cast<double>(dp_cp));
   }
-  if (options_.use_distributed_optimizer) {
+  const DType wire = options_.grad_reduce_dtype;
+  parallel::CommStats::instance().add_bytes(CommKind::kGradReduce, static_cast<double>(n * dtype_size(wire)));
+  if (wire != DType::kF32) {
+    ops::convert(b.wire, g.grad_buffer.slice_rows(b.begin, b.end));
+    if (options_.use_distributed_optimizer) {
+      b.grad_work = g.pg.reduce_scatter_16bit_async(b.wire.span<uint16_t>(), b.wire_shard.span<uint16_t>(), wire);
+    } else {
+      b.grad_work = g.pg.all_reduce_16bit_async(b.wire.span<uint16_t>(), wire);
+    }
+  } else if (options_.use_distributed_optimizer) {
     b.grad_work = g.pg.reduce_scatter_async(std::span<const float>(data, n), b.comm_shard.span<float>(),
                                             parallel::ReduceOp::kSum);
   } else {
@@ -221,6 +239,16 @@ void DistributedDataParallel::finish_grad_sync() {
     const CommTimer timer(CommKind::kGradReduce);
     for (Bucket& b : buckets_) b.grad_work.wait();
   }
+  if (options_.grad_reduce_dtype != DType::kF32) {  // widen the 16-bit results
+    for (Bucket& b : buckets_) {
+      if (options_.use_distributed_optimizer) {
+        ops::convert(b.comm_shard, b.wire_shard);
+      } else {
+        Tensor grad = groups_[static_cast<size_t>(b.group)].grad_buffer.slice_rows(b.begin, b.end);
+        ops::convert(grad, b.wire);
+      }
+    }
+  }
   if (options_.use_distributed_optimizer) {
     for (Bucket& b : buckets_) {
       float* grad = groups_[static_cast<size_t>(b.group)].grad_buffer.data<float>() + b.shard_begin;
@@ -255,11 +283,28 @@ void DistributedDataParallel::start_param_gather() {
     wait_bucket_gather(b);
     if (b.grad_launched) b.grad_work.wait();  // comm_shard is the reduce-scatter's output
     Group& g = groups_[static_cast<size_t>(b.group)];
+    const CommTimer timer(CommKind::kParamGather);
+    const DType wire = options_.param_gather_dtype;
+    parallel::CommStats::instance().add_bytes(
+        CommKind::kParamGather, static_cast<double>(static_cast<size_t>(b.shard_size) * dtype_size(wire)));
+    if (wire != DType::kF32) {  // 16-bit weights travel in 16 bits (exact: they hold 16-bit values)
+      ops::convert(b.wire_shard, g.param_buffer.slice_rows(b.shard_begin, b.shard_begin + b.shard_size));
+      const std::span<const uint16_t> shard16 = b.wire_shard.span<uint16_t>();
+      b.decode_gather = true;
+      if (options_.overlap_param_gather) {
+        b.param_work = g.pg.all_gather_async(shard16, b.wire.span<uint16_t>());
+        b.param_work.trace_as("param gather, bucket " + std::to_string(bi));
+        b.param_in_flight = true;
+      } else {
+        g.pg.all_gather(shard16, b.wire.span<uint16_t>());
+        decode_param_gather(b);
+      }
+      continue;
+    }
     std::memcpy(b.comm_shard.data<float>(), g.param_buffer.data<float>() + b.shard_begin,
                 static_cast<size_t>(b.shard_size) * sizeof(float));
     const std::span<const float> shard(b.comm_shard.data<float>(), static_cast<size_t>(b.shard_size));
     const std::span<float> full(g.param_buffer.data<float>() + b.begin, static_cast<size_t>(b.end - b.begin));
-    const CommTimer timer(CommKind::kParamGather);
     if (options_.overlap_param_gather) {
       b.param_work = g.pg.all_gather_async(shard, full);
       b.param_work.trace_as("param gather, bucket " + std::to_string(bi));
@@ -275,6 +320,14 @@ void DistributedDataParallel::wait_bucket_gather(Bucket& bucket) {
   const CommTimer timer(CommKind::kParamGather);
   bucket.param_in_flight = false;
   bucket.param_work.wait();
+  decode_param_gather(bucket);
+}
+
+void DistributedDataParallel::decode_param_gather(Bucket& bucket) {
+  if (!bucket.decode_gather) return;
+  bucket.decode_gather = false;
+  Tensor full = groups_[static_cast<size_t>(bucket.group)].param_buffer.slice_rows(bucket.begin, bucket.end);
+  ops::convert(full, bucket.wire);
 }
 
 void DistributedDataParallel::before_forward(const int module) {

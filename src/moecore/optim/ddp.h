@@ -22,6 +22,12 @@ struct DdpOptions {
   bool overlap_grad_reduce = false;
   bool use_distributed_optimizer = false;
   bool overlap_param_gather = false;  // with the distributed optimizer only
+  // The dtype gradients travel in: fp32, or bf16 / fp16 (the fp32 bucket is rounded into a 16-bit buffer, reduced in
+  // 16 bits and widened back: Megatron's --grad-reduce-in-bf16, and fp16 without --accumulate-allreduce-grads-in-fp32).
+  DType grad_reduce_dtype = DType::kF32;
+  // The dtype of the distributed optimizer's parameter all-gather: the model weights' dtype (16-bit weights travel in
+  // 16 bits, exactly).
+  DType param_gather_dtype = DType::kF32;
 };
 
 class DistributedDataParallel : public ModelHooks {
@@ -33,9 +39,12 @@ class DistributedDataParallel : public ModelHooks {
     int group = 0;
     int64_t begin = 0, end = 0;
     int64_t shard_begin = 0, shard_size = 0;
-    std::vector<int> params;   // indices into the params vector, in buffer order
-    std::vector<int> modules;  // sorted, unique
-    Tensor comm_shard;         // distributed optimizer: reduce-scatter output and all-gather input [shard_size]
+    std::vector<int> params;     // indices into the params vector, in buffer order
+    std::vector<int> modules;    // sorted, unique
+    Tensor comm_shard;           // distributed optimizer: reduce-scatter output and all-gather input [shard_size]
+    Tensor wire;                 // 16-bit communication: the bucket's elements [end - begin]
+    Tensor wire_shard;           // 16-bit communication with the distributed optimizer: this rank's shard
+    bool decode_gather = false;  // a 16-bit parameter all-gather waits to be widened into the parameter buffer
     parallel::Work grad_work;
     parallel::Work param_work;
     bool grad_launched = false;
@@ -99,6 +108,7 @@ class DistributedDataParallel : public ModelHooks {
   void launch(int bucket_index);
   void allreduce_embedding_grads();
   void wait_bucket_gather(Bucket& bucket);
+  void decode_param_gather(Bucket& bucket);  // a finished 16-bit all-gather into the parameter buffer
   void reset_round();
 
   std::vector<Param>& params_;

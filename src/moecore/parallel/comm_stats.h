@@ -30,10 +30,19 @@ class CommStats {
   static CommStats& instance();
   void add(CommKind kind, double seconds) { seconds_[static_cast<size_t>(kind)] += seconds; }
   double seconds(CommKind kind) const { return seconds_[static_cast<size_t>(kind)]; }
-  void reset() { seconds_.fill(0.0); }
+  // Bytes this rank contributed to collectives of `kind` (the payload it sends into them: a bucket's elements x
+  // element size for a gradient all-reduce or reduce-scatter, its shard for a parameter all-gather). Recorded where
+  // the payload's dtype is chosen (the data-parallel buffers), so 16-bit communication shows as half the bytes.
+  void add_bytes(CommKind kind, double bytes) { bytes_[static_cast<size_t>(kind)] += bytes; }
+  double bytes(CommKind kind) const { return bytes_[static_cast<size_t>(kind)]; }
+  void reset() {
+    seconds_.fill(0.0);
+    bytes_.fill(0.0);
+  }
 
  private:
   std::array<double, static_cast<size_t>(CommKind::kCount)> seconds_{};
+  std::array<double, static_cast<size_t>(CommKind::kCount)> bytes_{};
 };
 
 class CommTimer {

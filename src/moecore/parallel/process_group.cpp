@@ -63,6 +63,8 @@ enum OpCode : int64_t {
   kReduceScatterAsync,
   kAllGatherAsync,
   kAllToAllVAsync,
+  kAllReduce16Async,
+  kReduceScatter16Async,
 };
 
 const char* op_name(int64_t code) {
@@ -80,6 +82,8 @@ const char* op_name(int64_t code) {
     case kReduceScatterAsync: return "reduce_scatter_async";
     case kAllGatherAsync: return "all_gather_async";
     case kAllToAllVAsync: return "all_to_all_v_async";
+    case kAllReduce16Async: return "all_reduce_16bit_async";
+    case kReduceScatter16Async: return "reduce_scatter_16bit_async";
     default: return "unknown operation";
   }
 }
@@ -731,6 +735,64 @@ double sum_double(const ProcessGroup& group, const double value) {
     sum += std::bit_cast<double>(std::array<float, 2>{all[2 * r], all[2 * r + 1]});
   }
   return sum;
+}
+
+namespace {
+
+// MPI user reductions on 16-bit floats: widen, add in fp32, round back (each partial sum rounded).
+template <uint16_t (*Encode)(float), float (*Decode)(uint16_t)>
+void sum_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const uint16_t*>(in);
+  auto* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = Encode(Decode(a[i]) + Decode(b[i]));
+}
+
+MPI_Op sum_16bit_op(const DType format) {
+  static MPI_Op bf16 = MPI_OP_NULL, fp16 = MPI_OP_NULL;
+  if (format == DType::kBF16) {
+    if (bf16 == MPI_OP_NULL)
+      check_mpi(MPI_Op_create(&sum_16bit<fp32_to_bf16, bf16_to_fp32>, 1, &bf16), "MPI_Op_create");
+    return bf16;
+  }
+  if (format == DType::kF16) {
+    if (fp16 == MPI_OP_NULL)
+      check_mpi(MPI_Op_create(&sum_16bit<fp32_to_fp16, fp16_to_fp32>, 1, &fp16), "MPI_Op_create");
+    return fp16;
+  }
+  throw CommError("16-bit reduction of " + std::string(dtype_name(format)) + ": expected bfloat16 or float16");
+}
+
+}  // namespace
+
+Work ProcessGroup::all_reduce_16bit_async(std::span<uint16_t> data, const DType format) const {
+  if (!comm_) return Work();
+  const MPI_Op op = sum_16bit_op(format);
+  const std::string local_error = data.size() > INT_MAX ? too_large(data.size()) : "";
+  verify(checks_, comm_->handle, rank_, kAllReduce16Async,
+         {{"dtype", static_cast<int64_t>(format)}, {"element count", static_cast<int64_t>(data.size())}}, local_error);
+  if (data.empty()) return Work();
+  auto state = std::make_unique<Work::State>();
+  state->what = "all_reduce_16bit_async";
+  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, data.data(), static_cast<int>(data.size()), MPI_UINT16_T, op, comm_->handle,
+                           &state->request),
+            state->what);
+  return Work(std::move(state));
+}
+
+Work ProcessGroup::reduce_scatter_16bit_async(std::span<const uint16_t> input, std::span<uint16_t> output,
+                                              const DType format) const {
+  if (!comm_) return self_copy(input, output, "reduce_scatter_16bit_async"), Work();
+  const MPI_Op op = sum_16bit_op(format);
+  verify(checks_, comm_->handle, rank_, kReduceScatter16Async,
+         {{"dtype", static_cast<int64_t>(format)}, {"output element count", static_cast<int64_t>(output.size())}},
+         reduce_scatter_error(input.size(), output.size(), size_));
+  if (output.empty()) return Work();
+  auto state = std::make_unique<Work::State>();
+  state->what = "reduce_scatter_16bit_async";
+  check_mpi(MPI_Ireduce_scatter_block(input.data(), output.data(), static_cast<int>(output.size()), MPI_UINT16_T, op,
+                                      comm_->handle, &state->request),
+            state->what);
+  return Work(std::move(state));
 }
 
 #define MOECORE_INSTANTIATE(T)                                                                                 \

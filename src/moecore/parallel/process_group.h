@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "moecore/parallel/mpi_runtime.h"
+#include "moecore/tensor/dtype.h"
 
 namespace moecore::parallel {
 
@@ -129,6 +130,11 @@ class ProcessGroup {
   Work all_reduce_async(std::span<T> data, ReduceOp op) const;
   template <CommElement T>
   Work reduce_scatter_async(std::span<const T> input, std::span<T> output, ReduceOp op) const;
+  // Sums of 16-bit floats reduced in 16 bits on the wire (format kBF16 or kF16 bits in uint16_t): every partial sum
+  // is rounded to the format, as NCCL reduces 16-bit buffers (Megatron's --grad-reduce-in-bf16, fp16 gradients), so
+  // half the bytes of fp32 travel and the result depends on the reduction order of the MPI library.
+  Work all_reduce_16bit_async(std::span<uint16_t> data, DType format) const;
+  Work reduce_scatter_16bit_async(std::span<const uint16_t> input, std::span<uint16_t> output, DType format) const;
   template <CommElement T>
   Work all_gather_async(std::span<const T> input, std::span<T> output) const;
   template <CommElement T>

@@ -183,7 +183,7 @@ const std::vector<FlagSpec>& flag_table() {
      "bf16 mixed precision: bf16 weights and activations, fp32 main parameters, gradients and optimizer states",
      [](TrainingArgs& a, const FlagValue&) { a.model.params_dtype = DType::kBF16; }},
     {"--fp16", Arity::kSwitch, "",
-     "fp16 mixed precision: fp16 weights and activations, fp32 main parameters, gradients (reduced in fp32) and "
+     "fp16 mixed precision: fp16 weights and activations, fp32 main parameters, gradients (reduced in fp16) and "
      "optimizer states, dynamic loss scaling unless --loss-scale",
      [](TrainingArgs& a, const FlagValue&) { a.model.params_dtype = DType::kF16; }},
     {"--initial-loss-scale", Arity::kOne, "S", "fp16 dynamic loss scaling: the first scale (default 2^32)",
@@ -196,6 +196,12 @@ const std::vector<FlagSpec>& flag_table() {
     {"--hysteresis", Arity::kOne, "N",
      "fp16 dynamic loss scaling: non-finite iterations before the scale starts halving (default 2)",
      [](TrainingArgs& a, const FlagValue& v) { a.dynamic_loss_scale.hysteresis = v.integer(); }},
+    {"--grad-reduce-in-bf16", Arity::kSwitch, "",
+     "with --bf16: reduce gradients over data parallelism in bf16 (half the bytes) instead of fp32",
+     [](TrainingArgs& a, const FlagValue&) { a.grad_reduce_in_bf16 = true; }},
+    {"--accumulate-allreduce-grads-in-fp32", Arity::kSwitch, "",
+     "reduce gradients in fp32 (the default with --bf16; with --fp16 they are reduced in fp16 otherwise)",
+     [](TrainingArgs& a, const FlagValue&) { a.accumulate_allreduce_grads_in_fp32 = true; }},
     {"--loss-scale", Arity::kOne, "S",
      "constant loss scale (with --use-distributed-optimizer); iterations with non-finite gradients are skipped",
      [](TrainingArgs& a, const FlagValue& v) { a.loss_scale = v.real(); }},

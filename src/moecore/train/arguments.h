@@ -95,6 +95,8 @@ struct TrainingArgs {
   // fp16 without --loss-scale: the dynamic scaler (--initial-loss-scale --min-loss-scale --loss-scale-window
   // --hysteresis, Megatron's defaults).
   DynamicLossScaleOptions dynamic_loss_scale;
+  bool grad_reduce_in_bf16 = false;                 // --grad-reduce-in-bf16 (bf16: reduce gradients in bf16)
+  bool accumulate_allreduce_grads_in_fp32 = false;  // --accumulate-allreduce-grads-in-fp32 (fp16: reduce in fp32)
 
   // Run control and logging.
   int64_t seed = 1234;         // --seed

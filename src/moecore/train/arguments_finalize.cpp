@@ -238,6 +238,10 @@ void finalize_parallel(TrainingArgs& args, const std::set<std::string>& given) {
 // Mixed precision and loss scaling (Megatron's arguments.py validate_args and optimizer/__init__.py).
 void finalize_precision(const TrainingArgs& args, const std::set<std::string>& given) {
   require(!(given.contains("--fp16") && given.contains("--bf16")), "--fp16 and --bf16 are mutually exclusive");
+  require(!args.grad_reduce_in_bf16 || args.model.params_dtype == DType::kBF16,
+          "--grad-reduce-in-bf16 needs --bf16 (fp32 and fp16 gradients are not reduced in bf16)");
+  require(!(args.grad_reduce_in_bf16 && args.accumulate_allreduce_grads_in_fp32),
+          "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each other");
   const bool half = args.model.params_dtype == DType::kF16;
   // Megatron scales the loss only in its fp16 / bf16 optimizers and the distributed optimizer; its fp32 optimizer
   // would take --loss-scale and ignore it.

@@ -161,11 +161,9 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--dist-ckpt-optim-fully-reshardable",
     "--distrib-optim-fully-reshardable-mem-efficient",
     // mixed precision
-    "--grad-reduce-in-bf16",
     "--fp32-residual-connection",
     "--apply-query-key-layer-scaling",
     "--attention-softmax-in-fp32",
-    "--accumulate-allreduce-grads-in-fp32",
     "--fp16-lm-cross-entropy",
     "--disable-bf16-reduced-precision-matmul",
     "--reuse-grad-buf-for-mxfp8-param-ag",

@@ -53,17 +53,26 @@ std::string memory_report(const int64_t iteration, const parallel::ParallelState
 std::string comm_report(const double seconds_per_iter, const int64_t iterations,
                         const parallel::ParallelState& parallel) {
   constexpr auto kKinds = static_cast<size_t>(parallel::CommKind::kCount);
-  std::vector<float> seconds(kKinds);
+  std::vector<float> seconds(kKinds), megabytes(kKinds);
   for (size_t k = 0; k < kKinds; ++k) {
-    seconds[k] = static_cast<float>(parallel::CommStats::instance().seconds(static_cast<parallel::CommKind>(k)));
+    const auto kind = static_cast<parallel::CommKind>(k);
+    seconds[k] = static_cast<float>(parallel::CommStats::instance().seconds(kind));
+    megabytes[k] = static_cast<float>(parallel::CommStats::instance().bytes(kind) / 1e6);
   }
   parallel.world.all_reduce(std::span<float>(seconds), parallel::ReduceOp::kMax);
+  parallel.world.all_reduce(std::span<float>(megabytes), parallel::ReduceOp::kMax);
   std::ostringstream out;
-  out << std::fixed << std::setprecision(1) << " [comm] per iteration, max over ranks (ms / share of step):";
+  out << std::fixed << std::setprecision(1)
+      << " [comm] per iteration, max over ranks (ms / share of step [/ MB sent]):";
   for (size_t k = 0; k < kKinds; ++k) {
     const double ms = 1000.0 * seconds[k] / static_cast<double>(iterations);
     out << " " << parallel::comm_kind_name(static_cast<parallel::CommKind>(k)) << " " << ms << " / "
-        << (seconds_per_iter > 0 ? 100.0 * ms / (1000.0 * seconds_per_iter) : 0.0) << "% |";
+        << (seconds_per_iter > 0 ? 100.0 * ms / (1000.0 * seconds_per_iter) : 0.0) << "%";
+    if (megabytes[k] > 0.0f) {
+      out << std::defaultfloat << std::setprecision(4) << " / " << megabytes[k] / static_cast<double>(iterations)
+          << " MB" << std::fixed << std::setprecision(1);
+    }
+    out << " |";
   }
   return out.str();
 }

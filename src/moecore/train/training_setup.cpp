@@ -93,6 +93,14 @@ ModelAndOptimizer build_model_and_optimizer(const TrainingArgs& run_args, const 
   ddp_options.overlap_grad_reduce = run_args.overlap_grad_reduce;
   ddp_options.use_distributed_optimizer = run_args.use_distributed_optimizer;
   ddp_options.overlap_param_gather = run_args.overlap_param_gather;
+  // Megatron: bf16 reduces gradients in fp32 unless --grad-reduce-in-bf16; fp16 in fp16 unless
+  // --accumulate-allreduce-grads-in-fp32 (arguments.py validate_args). 16-bit weights are all-gathered in 16 bits.
+  const DType params_dtype = run_args.model.params_dtype;
+  if (params_dtype == DType::kBF16 && run_args.grad_reduce_in_bf16) ddp_options.grad_reduce_dtype = DType::kBF16;
+  if (params_dtype == DType::kF16 && !run_args.accumulate_allreduce_grads_in_fp32) {
+    ddp_options.grad_reduce_dtype = DType::kF16;
+  }
+  ddp_options.param_gather_dtype = params_dtype;
   out.ddp = std::make_unique<DistributedDataParallel>(out.model->params(), parallel, ddp_options);
   out.model->set_hooks(out.ddp.get());
   out.optimizer = std::make_unique<DistributedAdamW>(*out.ddp, out.model->params(), adam);
