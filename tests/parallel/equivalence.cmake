@@ -39,6 +39,9 @@ set(equiv_pp_4l --num-layers 4 --moe-layer-freq [0,1,0,1] ${equiv_aux})
 # (No --eod-mask-loss: under CP each rank's loss is its own token mean, as Megatron, which equals the one-process
 # objective only when every rank has as many unmasked tokens.)
 set(equiv_packed ${equiv_aux} --mock-max-sequence-length 8 --reset-position-ids --reset-attention-mask)
+# bf16 mixed precision: 16-bit weights and activations, compared by the size of the updates (equivalence_main.cpp,
+# Tolerances: loss 1e-3, RMS difference over RMS update + one bf16 ulp 0.25; measured at most 0.13).
+set(equiv_bf16 ${equiv_aux} --bf16)
 
 set(equiv_dir ${CMAKE_CURRENT_BINARY_DIR}/equivalence)
 file(MAKE_DIRECTORY ${equiv_dir})
@@ -60,7 +63,7 @@ function(moecore_equiv name config np)
     set(config_args ${equiv_global_aux})
   elseif(config STREQUAL "capacity")
     set(config_args ${equiv_capacity})
-  elseif(config MATCHES "^pp" OR config STREQUAL "packed")
+  elseif(config MATCHES "^pp" OR config STREQUAL "packed" OR config STREQUAL "bf16")
     set(config_args ${equiv_${config}})
   endif()
   add_test(NAME dist.equiv.${name}
@@ -80,6 +83,7 @@ moecore_equiv_reference(pp_untied ${equiv_pp_untied})
 moecore_equiv_reference(pp_global_aux ${equiv_pp_global_aux})
 moecore_equiv_reference(pp_4l ${equiv_pp_4l})
 moecore_equiv_reference(packed ${equiv_packed})
+moecore_equiv_reference(bf16 ${equiv_bf16})
 
 moecore_equiv(dp2 aux 2)
 moecore_equiv(dp2_overlap aux 2 --overlap-grad-reduce --ddp-bucket-size 2000)
@@ -145,5 +149,15 @@ moecore_equiv(cp2_packed_a2a packed 2 --context-parallel-size 2 --cp-comm-type a
 moecore_equiv(pp2_cp2 pp_4l 4 --pipeline-model-parallel-size 2 --context-parallel-size 2)
 moecore_equiv(cp2_dp2_distopt aux 4 --context-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce
               --ddp-bucket-size 2000)
+
+
+# bf16 under the layouts, against the one-process bf16 run: the distributed optimizer with gradients reduced in bf16,
+# TP2 + SP with EP2 folded, CP2, and TP2 x EP2 over 4 ranks.
+moecore_equiv(bf16_dp2_distopt_grad_bf16 bf16 2 --use-distributed-optimizer --grad-reduce-in-bf16)
+moecore_equiv(bf16_tp2_ep2_folded bf16 2 --tensor-model-parallel-size 2 --sequence-parallel
+              --expert-model-parallel-size 2 --expert-tensor-parallel-size 1)
+moecore_equiv(bf16_cp2 bf16 2 --context-parallel-size 2)
+moecore_equiv(bf16_tp2_ep2 bf16 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2
+              --moe-token-dispatcher-type alltoall)
 
 set_tests_properties(${equiv_tests} PROPERTIES LABELS dist TIMEOUT 300 ENVIRONMENT "OMP_NUM_THREADS=1")
