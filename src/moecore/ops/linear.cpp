@@ -174,7 +174,7 @@ void linear_backward_quantized(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbia
                                const int64_t O, const quant::QuantizedLinearConfig& base_config) {
   constexpr const char* op = "linear_backward";
   quant::QuantizedLinearConfig config = base_config;
-  config.seed = quantization_seed(base_config.seed, detail::next_quantized_backward_call());
+  config.seed = quantization_seed(base_config.seed, gradient_fingerprint(dout_TO.data<float>(), T * O));
   const int64_t Tp = padded_row_count(T, config.recipe);
   const PaddedRows dy(dout_TO.data<float>(), T, O, Tp);
   if (dinp_TI != nullptr) {

@@ -31,18 +31,14 @@ class ScopedLinearQuantization {
   const quant::QuantizedLinearConfig* previous_;
 };
 
-// Stochastic rounding of NVFP4 gradients: each quantized linear_backward call draws its random bits from
-// quantization_seed(config.seed, n), n counting this process's quantized backward calls from 0, so a run is
-// reproducible from its seed while no two calls share a stream.
-uint64_t quantized_backward_calls();
-uint64_t quantization_seed(uint64_t base_seed, uint64_t call_index);
+// Stochastic rounding of NVFP4 gradients: a quantized linear_backward call draws its random bits from
+// quantization_seed(config.seed, gradient_fingerprint(dout)), so a run is reproducible from its seed, and no two
+// calls share a stream unless their gradients are identical, whatever order OpenMP workers make the calls in (the
+// experts' GEMMs run in parallel, so a call counter would not be reproducible).
+uint64_t gradient_fingerprint(const float* data, int64_t n);
+uint64_t quantization_seed(uint64_t base_seed, uint64_t fingerprint);
 
 // The row multiple a recipe's blocks need along the token dimension (mxfp8 32, nvfp4 16, others 1).
 int64_t quantization_row_multiple(quant::Recipe recipe);
-
-namespace detail {
-// The index of this quantized backward call (quantized_backward_calls() before it), advancing the count.
-uint64_t next_quantized_backward_call();
-}  // namespace detail
 
 }  // namespace moecore::ops
