@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # FP8 and FP4 training (--fp8-format / --fp8-recipe, --fp4-format / --fp4-recipe): a small MoE model trains 30
-# iterations under every implemented recipe with a falling validation loss, and --first-last-layers-bf16 runs.
+# iterations under every implemented recipe with a falling validation loss, --first-last-layers-bf16 runs, and an
+# nvfp4 run repeats bit for bit.
 # Widths are multiples of 32 so MXFP8's 1x32 and NVFP4's 16x16 blocks cover them.
 set -euo pipefail
 bin=$1
@@ -34,6 +35,13 @@ run() {
 for recipe in tensorwise blockwise mxfp8; do run "fp8-$recipe" --fp8-format hybrid --fp8-recipe "$recipe"; done
 run fp4-nvfp4 --fp4-format e2m1 --fp4-recipe nvfp4
 run fp8-first-last-bf16 --fp8-format e4m3 --fp8-recipe mxfp8 --first-last-layers-bf16
+# NVFP4's stochastic rounding is seeded from --seed and the gradients, not from call order: one thread repeats the
+# run bit for bit.
+OMP_NUM_THREADS=1 run fp4-nvfp4-one-thread --fp4-format e2m1 --fp4-recipe nvfp4
+losses_of() { grep -oE 'lm loss: [0-9.E+-]+|grad norm: [0-9.]+' "$work/$1.log"; }
+if [ "$(losses_of fp4-nvfp4)" != "$(losses_of fp4-nvfp4-one-thread)" ]; then
+  echo "FAIL: the nvfp4 run did not repeat with one thread"; failures=$((failures + 1))
+fi
 # The recipe Megatron defaults to is refused with a one-line error.
 if "$bin" train "${model[@]}" --fp8-format hybrid --fp8-recipe delayed > "$work/delayed.log" 2>&1; then
   echo "FAIL: --fp8-recipe delayed was accepted"; failures=$((failures + 1))
