@@ -143,6 +143,22 @@ TEST(OpsQuantizationScope, GradientsDrawSeedsFromTheirValues) {
   EXPECT_NE(quantization_seed(1, 0), quantization_seed(2, 0));
 }
 
+TEST(OpsQuantizationScope, NoRowsLeaveTheGradientsUnchanged) {  // an expert without tokens
+  std::mt19937 gen(3);
+  const Tensor x = Tensor::zeros({0, 32}), dy = Tensor::zeros({0, 32}), w = random_tensor({32, 32}, gen);
+  const Tensor dw0 = random_tensor({32, 32}, gen), db0 = random_tensor({32}, gen);
+  Tensor y = Tensor::zeros({0, 32}), dx = Tensor::zeros({0, 32}), dw = copy_of(dw0), db = copy_of(db0);
+  for (const Recipe recipe : {Recipe::kTensorwise, Recipe::kBlockwise, Recipe::kMxfp8, Recipe::kNvfp4}) {
+    QuantizedLinearConfig config;
+    config.recipe = recipe;
+    const ScopedLinearQuantization scope(&config);
+    linear_forward(y, x, w, &db);
+    linear_backward(&dx, &dw, &db, dy, &x, w);
+    expect_bitwise(dw.data<float>(), dw0.data<float>(), dw.numel(), "dweight");
+    expect_bitwise(db.data<float>(), db0.data<float>(), db.numel(), "dbias");
+  }
+}
+
 TEST(OpsQuantizationScope, FeaturesTheBlocksCannotCoverAreAnError) {
   std::mt19937 gen(9);
   const Tensor x = random_tensor({32, 40}, gen), w = random_tensor({32, 40}, gen);

@@ -151,6 +151,7 @@ void accumulate(float* dst, const float* src, const int64_t n) {
 void linear_forward_quantized(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O,
                               const int64_t T, const int64_t I, const int64_t O,
                               const quant::QuantizedLinearConfig& config) {
+  if (T == 0) return;  // no rows to quantize (an expert without tokens)
   const int64_t Tp = padded_row_count(T, config.recipe);
   const PaddedRows x(inp_TI.data<float>(), T, I, Tp);
   float* out = out_TO.data<float>();
@@ -173,6 +174,7 @@ void linear_backward_quantized(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbia
                                const Tensor* inp_TI, const Tensor& weight_OI, const int64_t T, const int64_t I,
                                const int64_t O, const quant::QuantizedLinearConfig& base_config) {
   constexpr const char* op = "linear_backward";
+  if (T == 0) return;  // every gradient gets a zero contribution
   quant::QuantizedLinearConfig config = base_config;
   config.seed = quantization_seed(base_config.seed, gradient_fingerprint(dout_TO.data<float>(), T * O));
   const int64_t Tp = padded_row_count(T, config.recipe);
