@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/quant/recipe.h"
 #include "moecore/train/arguments.h"
 #include "moecore/train/flag_catalog.h"
 
@@ -231,7 +232,7 @@ TEST(TrainArguments, UnknownFlagSuggestsClosest) {
 
 TEST(TrainArguments, CataloguedMegatronFlagsAreNotImplementedYet) {
   for (const char* flag :
-       {"--moe-latent-size", "--moe-use-legacy-grouped-gemm", "--recompute-granularity", "--fp8-format",
+       {"--moe-latent-size", "--moe-use-legacy-grouped-gemm", "--recompute-granularity", "--fp8-amax-history-len",
         "--save-retain-interval", "--tensorboard-dir", "--wandb-project", "--ckpt-format"}) {
     EXPECT_EQ(error_of(with(minimal(), {flag, "1"})),
               std::string(flag) + " is a Megatron flag that moecore does not implement yet");
@@ -242,6 +243,85 @@ TEST(TrainArguments, CataloguedMegatronFlagsAreNotImplementedYet) {
             "--moe-enable-routing-replay is a Megatron flag that moecore does not implement yet");
   EXPECT_EQ(error_of(with(minimal(), {"--moe-router-padding-for-quantization"})),
             "--moe-router-padding-for-quantization is a Megatron flag that moecore does not implement yet");
+}
+
+// FP8 / FP4 (Megatron's TransformerConfig fp8 / fp8_recipe / fp4 / fp4_recipe / first_last_layers_bf16).
+TEST(TrainArguments, Fp8AndFp4Flags) {
+  EXPECT_FALSE(parse_train_args(minimal()).model.quantization.has_value());
+  const TrainingArgs fp8 =
+      parse_train_args(with(minimal(), {"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--seed", "7"}));
+  ASSERT_TRUE(fp8.model.quantization.has_value());
+  EXPECT_EQ(fp8.model.quantization->recipe, quant::Recipe::kMxfp8);
+  EXPECT_EQ(fp8.model.quantization->format, quant::Fp8Format::kHybrid);
+  EXPECT_EQ(fp8.model.quantization->seed, 7u);
+  EXPECT_EQ(fp8.model.layer_quantization(0), &*fp8.model.quantization);
+  for (const char* recipe : {"tensorwise", "blockwise"}) {
+    const TrainingArgs a = parse_train_args(with(minimal(), {"--fp8-format", "e4m3", "--fp8-recipe", recipe}));
+    EXPECT_EQ(a.model.quantization->recipe, quant::parse_recipe(recipe));
+    EXPECT_EQ(a.model.quantization->format, quant::Fp8Format::kE4M3);
+  }
+  // --fp4-recipe defaults to nvfp4, as Megatron's fp4_recipe.
+  for (const Args& extra : {Args{"--fp4-format", "e2m1"}, Args{"--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"}}) {
+    EXPECT_EQ(parse_train_args(with(minimal(), extra)).model.quantization->recipe, quant::Recipe::kNvfp4);
+  }
+
+  // First / last layers in high precision (global layer numbers; 4 layers, 1 at the start, 2 at the end).
+  const TrainingArgs edges =
+      parse_train_args(with(without(minimal(), "--num-layers", 1),
+                            {"--num-layers", "4", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
+                             "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2"}));
+  EXPECT_EQ(edges.model.layer_quantization(0), nullptr);
+  EXPECT_NE(edges.model.layer_quantization(1), nullptr);
+  EXPECT_EQ(edges.model.layer_quantization(2), nullptr);
+  EXPECT_EQ(edges.model.layer_quantization(3), nullptr);
+  const TrainingArgs none = parse_train_args(
+      with(minimal(), {"--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--first-last-layers-bf16",
+                       "--num-layers-at-start-in-bf16", "0", "--num-layers-at-end-in-bf16", "0"}));
+  EXPECT_NE(none.model.layer_quantization(0), nullptr);
+  EXPECT_NE(none.model.layer_quantization(1), nullptr);
+
+  // Errors.
+  EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "hybrid", "--fp8-recipe", "delayed"})),
+            "--fp8-recipe delayed is not implemented yet (it needs per-module amax histories); use tensorwise, "
+            "blockwise or mxfp8");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "hybrid", "--fp8-recipe", "custom"})),
+            "--fp8-recipe custom is not implemented yet (moecore implements tensorwise, blockwise, mxfp8)");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "e5m2", "--fp8-recipe", "mxfp8"})),
+            "invalid value 'e5m2' for --fp8-format (choose from e4m3, hybrid)");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "hybrid"})),
+            "--fp8-format needs an explicit --fp8-recipe (tensorwise, blockwise or mxfp8): Megatron's default, "
+            "delayed, is not implemented yet");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp8-recipe", "mxfp8"})), "--fp8-recipe needs --fp8-format (e4m3 or hybrid)");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp4-recipe", "nvfp4"})), "--fp4-recipe needs --fp4-format e2m1");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp4-format", "e3m0"})),
+            "invalid value 'e3m0' for --fp4-format (choose from e2m1)");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp4-format", "e2m1", "--fp4-recipe", "custom"})),
+            "--fp4-recipe custom is not implemented yet (moecore implements nvfp4)");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--fp4-format", "e2m1"})),
+            "--fp4-format and --fp8-format cannot be used simultaneously; choose one");
+  EXPECT_EQ(error_of(with(minimal(), {"--first-last-layers-bf16"})),
+            "--first-last-layers-bf16 needs --fp8-format or --fp4-format (without them every layer is high "
+            "precision)");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp4-format", "e2m1", "--num-layers-at-start-in-bf16", "1"})),
+            "--num-layers-at-start-in-bf16 needs --first-last-layers-bf16");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp4-format", "e2m1", "--num-layers-at-end-in-bf16", "1"})),
+            "--num-layers-at-end-in-bf16 needs --first-last-layers-bf16");
+  EXPECT_EQ(error_of(with(minimal(),
+                          {"--fp4-format", "e2m1", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "3"})),
+            "--num-layers-at-start-in-bf16 (3) must be between 0 and the layers per pipeline stage (2)");
+  EXPECT_EQ(error_of(with(minimal(),
+                          {"--fp4-format", "e2m1", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "-1"})),
+            "--num-layers-at-end-in-bf16 (-1) must be between 0 and the layers per pipeline stage (2)");
+  EXPECT_EQ(error_of(with(without(minimal(), "--hidden-size", 1),
+                          {"--hidden-size", "48", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"})),
+            "--fp8-recipe mxfp8 needs linear layer widths divisible by 32: --hidden-size is 48");
+  EXPECT_EQ(error_of(with(minimal(), {"--ffn-hidden-size", "200", "--fp4-format", "e2m1"})),
+            "--fp4-recipe nvfp4 needs linear layer widths divisible by 16: --ffn-hidden-size per tensor-parallel "
+            "rank is 200");
+  // Per-tensor and blockwise scaling take any width.
+  EXPECT_NO_THROW(
+      parse_train_args(with(without(minimal(), "--hidden-size", 1),
+                            {"--hidden-size", "48", "--fp8-format", "hybrid", "--fp8-recipe", "blockwise"})));
 }
 
 // Megatron's checkpointing flags and their cross-checks (arguments.py, training.py).

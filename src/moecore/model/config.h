@@ -2,12 +2,14 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "moecore/moe/moe_config.h"
 #include "moecore/ops/activation.h"
+#include "moecore/quant/quantized_gemm.h"
 #include "moecore/tensor/dtype.h"
 
 namespace moecore {
@@ -50,10 +52,26 @@ struct ModelConfig {
   // Megatron's params_dtype: kF32, or kBF16 / kF16 with --bf16 / --fp16 (weights and activations hold values of that
   // dtype; the optimizer keeps fp32 main parameters).
   DType params_dtype = DType::kF32;
+  // --fp8-format / --fp8-recipe or --fp4-format / --fp4-recipe: the recipe the decoder layers' linear layers and
+  // experts quantize their GEMMs with (ops/quantization.h); unset: high precision.
+  std::optional<quant::QuantizedLinearConfig> quantization;
+  bool first_last_layers_bf16 = false;      // --first-last-layers-bf16
+  int64_t num_layers_at_start_in_bf16 = 1;  // --num-layers-at-start-in-bf16
+  int64_t num_layers_at_end_in_bf16 = 1;    // --num-layers-at-end-in-bf16
 
   int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(kv_channels) * rotary_percent); }
   int64_t fc1_out() const { return activation == Activation::kSwiGLU ? 2 * ffn_hidden_size : ffn_hidden_size; }
   int64_t qkv_out() const { return (num_attention_heads + 2 * num_query_groups) * kv_channels; }
+  // Megatron's is_first_last_bf16_layer (megatron/core/fp8_utils.py): global decoder layer `layer` is one of the
+  // first / last layers --first-last-layers-bf16 keeps unquantized.
+  bool is_first_last_bf16_layer(const int64_t layer) const {
+    if (!first_last_layers_bf16 || layer < 0) return false;
+    return layer < num_layers_at_start_in_bf16 || layer >= num_layers - num_layers_at_end_in_bf16;
+  }
+  // The quantization of global decoder layer `layer`'s linear layers, or null (high precision).
+  const quant::QuantizedLinearConfig* layer_quantization(const int64_t layer) const {
+    return quantization && !is_first_last_bf16_layer(layer) ? &*quantization : nullptr;
+  }
   // Throws ConfigError for the first inconsistent setting.
   void validate() const;
 };

@@ -4,6 +4,7 @@
 
 #include "moecore/ops/dropout.h"
 #include "moecore/ops/elementwise.h"
+#include "moecore/ops/quantization.h"
 #include "moecore/util/trace.h"
 
 namespace moecore {
@@ -76,6 +77,7 @@ TokenRows layer_rows(const LayerDropout& dropout, const int64_t T) {
 TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t index, std::vector<Param>& params,
                                    std::vector<Buffer>& buffers, const parallel::ParallelState& parallel)
     : config_(config),
+      index_(index),
       tp_(TensorParallel::attention(parallel)),
       prefix_("decoder.layers." + std::to_string(index) + ".") {
   const int module = static_cast<int>(index);
@@ -143,6 +145,9 @@ Tensor TransformerLayer::forward(const Tensor& x_TH, const int64_t S, const int6
   const int64_t T = S * B;
   const TokenRows rows = layer_rows(dropout, T).slice(tp_.row_offset(T), tp_.local_rows(T));
   const ActivationOwnerScope owner(ActivationOwner::kAttention);
+  // FP8 / FP4: the linear layers and experts quantize (Megatron's get_fp8_context around each layer); the router
+  // opens its own unquantized scope.
+  const ops::ScopedLinearQuantization quantization(config_.layer_quantization(index_));
   a.x_TH = x_TH;
   a.ln1_TH = activation_tensor(x_TH.shape());
   a.ln1_stats = ln1_.forward(a.ln1_TH, x_TH);
@@ -170,6 +175,7 @@ void TransformerLayer::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
                                 const LayerActivations& a) const {
   const int64_t T = S * B;
   const TokenRows rows = layer_rows(dropout, T).slice(tp_.row_offset(T), tp_.local_rows(T));
+  const ops::ScopedLinearQuantization quantization(config_.layer_quantization(index_));
 
   // MLP branch: out = x_mid + dropout(mlp(ln2(x_mid))).
   const ActivationOwnerScope owner(mlp_owner());

@@ -77,6 +77,7 @@ class TransformerLayer {
                     double aux_grad_scale, const MoELayerActivations& saved) const;
 
   ModelConfig config_;
+  int64_t index_;  // global layer number
   TensorParallel tp_;
   std::string prefix_;
   NormModule ln1_, ln2_;

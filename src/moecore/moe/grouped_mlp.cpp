@@ -8,12 +8,14 @@
 // expert with many rows gets GEMMs big enough to run near the GEMM's peak and an expert with few rows one task.
 // Tasks run largest first (dynamic schedule), which keeps both threads busy to the end when the experts' loads are
 // uneven. Tiles depend on the routing only, never on the thread count, so every row goes through the same GEMM
-// calls whatever the threads.
+// calls whatever the threads. Under FP8 / FP4 (ops/quantization.h) each expert is one tile: Megatron's
+// TEGroupedLinear quantizes each expert's rows as one tensor, and per-tensor scales must see all of them.
 #include <algorithm>
 
 #include "moecore/moe/experts_internal.h"
 #include "moecore/ops/expert_activation.h"
 #include "moecore/ops/linear.h"
+#include "moecore/ops/quantization.h"
 #include "moecore/ops/rows.h"
 #include "moecore/parallel/process_group.h"
 
@@ -30,9 +32,10 @@ struct RowTile {
 std::vector<RowTile> row_tiles(const std::vector<int64_t> &offsets_E1) {
   std::vector<RowTile> tiles;
   const int64_t E = static_cast<int64_t>(offsets_E1.size()) - 1;
+  const bool whole_experts = ops::linear_quantization() != nullptr;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t first = offsets_E1[e], rows = offsets_E1[e + 1] - first;
-    const int64_t n = (rows + kMaxTileRows - 1) / kMaxTileRows;
+    const int64_t n = whole_experts ? (rows > 0 ? 1 : 0) : (rows + kMaxTileRows - 1) / kMaxTileRows;
     for (int64_t i = 0; i < n; ++i) tiles.push_back({e, first + rows * i / n, first + rows * (i + 1) / n});
   }
   // Largest first (ties in expert order): the dynamic schedule then ends with the small tasks.

@@ -23,6 +23,7 @@
 #include "moecore/moe/routing_math.h"
 #include "moecore/ops/linear.h"
 #include "moecore/ops/precision.h"
+#include "moecore/ops/quantization.h"
 #include "moecore/parallel/comm_stats.h"
 #include "moecore/tensor/rng.h"
 
@@ -210,6 +211,8 @@ RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64
   if (weight_ == nullptr) throw std::logic_error("TopKRouter::forward before bind()");
   // The router computes in --moe-router-dtype (fp32 or fp64) under --bf16 / --fp16 too.
   const ops::ScopedActivationDType router_precision(DType::kF32);
+  // Megatron keeps the router out of FP8 / FP4 (a plain torch linear outside TE's modules).
+  const ops::ScopedLinearQuantization router_unquantized(nullptr);
   const int64_t T = S * B;
   saved = RouterActivations{};
   saved.S = S;
@@ -546,6 +549,7 @@ void TopKRouter::logits_backward(std::vector<double>& dlogits_TE, const float* d
 void TopKRouter::backward(float* dx_TH, const float* dprobs_TE, const double aux_grad_scale,
                           const RouterActivations& saved, const RouterOutput& routing) {
   const ops::ScopedActivationDType router_precision(DType::kF32);
+  const ops::ScopedLinearQuantization router_unquantized(nullptr);
   const int64_t T = saved.S * saved.B, H = hidden_, E = config_.num_experts;
   std::vector<double> dlogits_TE;
   logits_backward(dlogits_TE, dprobs_TE, aux_grad_scale, saved, routing);

@@ -8,6 +8,7 @@
 #include "moecore/moe/experts.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/linear.h"
+#include "moecore/ops/quantization.h"
 #include "moecore/ops/rows.h"
 
 namespace moecore {
@@ -91,7 +92,10 @@ void SharedExpertMLP::backward(float* dx_TH, const float* dout_TH, const float* 
   Tensor dz_T1 = activation_tensor({T, 1});
   ops::sigmoid_backward(dz_T1, dg_T, saved.gate_T);
   ops::add_outer(dx, dz_T1, gate_->value);
-  ops::linear_backward(nullptr, &gate_->grad, nullptr, dz_T1, &x, gate_->value);
+  {
+    const ops::ScopedLinearQuantization high_precision(nullptr);  // the gate is a plain [1, H] product in Megatron
+    ops::linear_backward(nullptr, &gate_->grad, nullptr, dz_T1, &x, gate_->value);
+  }
   mlp_.backward(dx, nullptr, dy_TH, nullptr, saved.mlp);
 }
 

@@ -1,13 +1,17 @@
 #include "moecore/ops/linear.h"
 
+#include <algorithm>
 #include <initializer_list>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/precision.h"
+#include "moecore/ops/quantization.h"
 
 namespace moecore::ops {
 using detail::opt;
@@ -102,6 +106,98 @@ void linear_backward_lowp(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, 
   });
 }
 
+// The quantization config that applies to these fp32 tensors, or null.
+const quant::QuantizedLinearConfig* quantization_for(const Tensor& weight_OI) {
+  return weight_OI.dtype() == DType::kF32 ? linear_quantization() : nullptr;
+}
+
+// A [T, C] fp32 operand with zero rows appended up to Tp rows (no copy when Tp == T).
+class PaddedRows {
+ public:
+  PaddedRows(const float* data, const int64_t T, const int64_t C, const int64_t Tp) : data_(data) {
+    if (Tp == T) return;
+    padded_.assign(static_cast<size_t>(Tp * C), 0.0f);
+    std::copy(data, data + T * C, padded_.begin());
+    data_ = padded_.data();
+  }
+  const float* data() const { return data_; }
+
+ private:
+  const float* data_;
+  std::vector<float> padded_;
+};
+
+int64_t padded_row_count(const int64_t T, const quant::Recipe recipe) {
+  const int64_t multiple = quantization_row_multiple(recipe);
+  return (T + multiple - 1) / multiple * multiple;
+}
+
+// Runs a quantized GEMM, reporting an operand the recipe cannot quantize as the op's error.
+template <typename Fn>
+void run_quantized(const char* op, Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::invalid_argument& e) {
+    detail::fail(op, e.what());
+  }
+}
+
+// dst[i] += src[i] for i < n.
+void accumulate(float* dst, const float* src, const int64_t n) {
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+void linear_forward_quantized(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O,
+                              const int64_t T, const int64_t I, const int64_t O,
+                              const quant::QuantizedLinearConfig& config) {
+  if (T == 0) return;  // no rows to quantize (an expert without tokens)
+  const int64_t Tp = padded_row_count(T, config.recipe);
+  const PaddedRows x(inp_TI.data<float>(), T, I, Tp);
+  float* out = out_TO.data<float>();
+  std::vector<float> padded_out;
+  if (Tp != T) padded_out.resize(static_cast<size_t>(Tp * O));
+  float* y = Tp == T ? out : padded_out.data();
+  run_quantized("linear_forward",
+                [&] { quant::quantized_fprop(x.data(), weight_OI.data<float>(), y, Tp, I, O, config); });
+  if (Tp != T) std::copy(y, y + T * O, out);
+  if (bias_O != nullptr) {  // added to the fp32 product, as TE's GEMM epilogue adds it
+    const float* bias = bias_O->data<float>();
+#pragma omp parallel for schedule(static) if (T * O > (1 << 16))
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t o = 0; o < O; ++o) out[t * O + o] += bias[o];
+    }
+  }
+}
+
+void linear_backward_quantized(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO,
+                               const Tensor* inp_TI, const Tensor& weight_OI, const int64_t T, const int64_t I,
+                               const int64_t O, const quant::QuantizedLinearConfig& base_config) {
+  constexpr const char* op = "linear_backward";
+  if (T == 0) return;  // every gradient gets a zero contribution
+  quant::QuantizedLinearConfig config = base_config;
+  config.seed = quantization_seed(base_config.seed, gradient_fingerprint(dout_TO.data<float>(), T * O));
+  const int64_t Tp = padded_row_count(T, config.recipe);
+  const PaddedRows dy(dout_TO.data<float>(), T, O, Tp);
+  if (dinp_TI != nullptr) {
+    std::vector<float> dx(static_cast<size_t>(Tp * I));
+    run_quantized(op, [&] { quant::quantized_dgrad(dy.data(), weight_OI.data<float>(), dx.data(), Tp, I, O, config); });
+    accumulate(dinp_TI->data<float>(), dx.data(), T * I);
+  }
+  if (dweight_OI != nullptr) {
+    const PaddedRows x(inp_TI->data<float>(), T, I, Tp);
+    std::vector<float> dw(static_cast<size_t>(O * I));
+    run_quantized(op, [&] { quant::quantized_wgrad(dy.data(), x.data(), dw.data(), Tp, I, O, config); });
+    accumulate(dweight_OI->data<float>(), dw.data(), O * I);
+  }
+  if (dbias_O != nullptr) {  // reduced from the unquantized gradient
+    detail::dispatch(op, dout_TO, [&]<typename S>(auto k) {
+      k.linear_backward(static_cast<S*>(nullptr), static_cast<S*>(nullptr), ptr<S>(*dbias_O), ptr<S>(dout_TO),
+                        static_cast<const S*>(nullptr), ptr<S>(weight_OI), T, I, O);
+    });
+  }
+}
+
 }  // namespace
 
 void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O) {
@@ -119,6 +215,11 @@ void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_O
   if (bias_O != nullptr) detail::check_numel(op, "bias_O", *bias_O, O);
   if (low) {
     linear_forward_lowp(out_TO, inp_TI, weight_OI, bias_O, T, I, O);
+    return;
+  }
+  if (const auto* config = quantization_for(weight_OI)) {
+    linear_forward_quantized(out_TO, inp_TI, weight_OI, bias_O, T, I, O, *config);
+    detail::round_activations({&out_TO});
     return;
   }
   detail::dispatch(op, out_TO, [&]<typename S>(auto k) {
@@ -146,6 +247,11 @@ void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const
   if (dbias_O != nullptr) detail::check_numel(op, "dbias_O", *dbias_O, O);
   if (low) {
     linear_backward_lowp(dinp_TI, dweight_OI, dbias_O, dout_TO, inp_TI, weight_OI, T, I, O);
+    return;
+  }
+  if (const auto* config = quantization_for(weight_OI)) {
+    linear_backward_quantized(dinp_TI, dweight_OI, dbias_O, dout_TO, inp_TI, weight_OI, T, I, O, *config);
+    detail::round_activations({dinp_TI});
     return;
   }
   detail::dispatch(op, dout_TO, [&]<typename S>(auto k) {

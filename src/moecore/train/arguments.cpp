@@ -186,6 +186,32 @@ const std::vector<FlagSpec>& flag_table() {
      "fp16 mixed precision: fp16 weights and activations, fp32 main parameters, gradients (reduced in fp16) and "
      "optimizer states, dynamic loss scaling unless --loss-scale",
      [](TrainingArgs& a, const FlagValue&) { a.model.params_dtype = DType::kF16; }},
+    {"--fp8-format", Arity::kOne, "{e4m3,hybrid}",
+     "quantize the decoder layers' linear layers and experts to FP8 (hybrid: E5M2 gradients); needs --fp8-recipe",
+     [](TrainingArgs& a, const FlagValue& v) { a.fp8_format = v.choice({"e4m3", "hybrid"}); }},
+    {"--fp8-recipe", Arity::kOne, "{tensorwise,blockwise,mxfp8}",
+     "FP8 scaling: per-tensor current scaling, 1x128 / 128x128 blocks, or MXFP8 1x32 blocks",
+     [](TrainingArgs& a, const FlagValue& v) {
+       if (v.text() == "delayed") {
+         throw ConfigError(
+             "--fp8-recipe delayed is not implemented yet (it needs per-module amax histories); use tensorwise, "
+             "blockwise or mxfp8");
+       }
+       a.fp8_recipe = v.choice({"tensorwise", "blockwise", "mxfp8"}, {"custom"});
+     }},
+    {"--fp4-format", Arity::kOne, "{e2m1}", "quantize the decoder layers' linear layers and experts to FP4 (E2M1)",
+     [](TrainingArgs& a, const FlagValue& v) { a.fp4_format = v.choice({"e2m1"}); }},
+    {"--fp4-recipe", Arity::kOne, "{nvfp4}", "FP4 scaling (default nvfp4: 1x16 blocks with E4M3 scales)",
+     [](TrainingArgs& a, const FlagValue& v) { a.fp4_recipe = v.choice({"nvfp4"}, {"custom"}); }},
+    {"--first-last-layers-bf16", Arity::kSwitch, "",
+     "with FP8 / FP4: keep the first and last decoder layers in high precision",
+     [](TrainingArgs& a, const FlagValue&) { a.model.first_last_layers_bf16 = true; }},
+    {"--num-layers-at-start-in-bf16", Arity::kOne, "N",
+     "with --first-last-layers-bf16: the first N decoder layers stay unquantized (default 1)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.num_layers_at_start_in_bf16 = v.integer(); }},
+    {"--num-layers-at-end-in-bf16", Arity::kOne, "N",
+     "with --first-last-layers-bf16: the last N decoder layers stay unquantized (default 1)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.num_layers_at_end_in_bf16 = v.integer(); }},
     {"--initial-loss-scale", Arity::kOne, "S", "fp16 dynamic loss scaling: the first scale (default 2^32)",
      [](TrainingArgs& a, const FlagValue& v) { a.dynamic_loss_scale.initial_scale = v.real(); }},
     {"--min-loss-scale", Arity::kOne, "S", "fp16 dynamic loss scaling: the smallest scale (default 1)",

@@ -97,6 +97,11 @@ struct TrainingArgs {
   DynamicLossScaleOptions dynamic_loss_scale;
   bool grad_reduce_in_bf16 = false;                 // --grad-reduce-in-bf16 (bf16: reduce gradients in bf16)
   bool accumulate_allreduce_grads_in_fp32 = false;  // --accumulate-allreduce-grads-in-fp32 (fp16: reduce in fp32)
+  // FP8 / FP4 linear layers, as given (finalize turns them into model.quantization).
+  std::optional<std::string> fp8_format;  // --fp8-format {e4m3,hybrid}
+  std::optional<std::string> fp8_recipe;  // --fp8-recipe {tensorwise,blockwise,mxfp8}
+  std::optional<std::string> fp4_format;  // --fp4-format e2m1
+  std::optional<std::string> fp4_recipe;  // --fp4-recipe nvfp4 (the default with --fp4-format)
 
   // Run control and logging.
   int64_t seed = 1234;         // --seed

@@ -9,7 +9,9 @@
 #include <cstdio>
 #include <iostream>
 #include <string_view>
+#include <utility>
 
+#include "moecore/quant/recipe.h"
 #include "moecore/train/pipeline_schedule.h"
 
 namespace moecore::detail {
@@ -261,6 +263,70 @@ void finalize_precision(const TrainingArgs& args, const std::set<std::string>& g
   }
 }
 
+// FP8 / FP4 linear layers (Megatron's TransformerConfig.__post_init__ and validate_args): the flags' pairing, the
+// first / last high-precision layers, and widths the recipe's blocks cover.
+void finalize_quantization(TrainingArgs& args, const std::set<std::string>& given) {
+  ModelConfig& model = args.model;
+  require(!(args.fp8_format && args.fp4_format),
+          "--fp4-format and --fp8-format cannot be used simultaneously; choose one");
+  require(!args.fp8_recipe || args.fp8_format, "--fp8-recipe needs --fp8-format (e4m3 or hybrid)");
+  require(!args.fp8_format || args.fp8_recipe,
+          "--fp8-format needs an explicit --fp8-recipe (tensorwise, blockwise or mxfp8): Megatron's default, delayed, "
+          "is not implemented yet");
+  require(!args.fp4_recipe || args.fp4_format, "--fp4-recipe needs --fp4-format e2m1");
+  const bool quantized = args.fp8_format || args.fp4_format;
+  require(!model.first_last_layers_bf16 || quantized,
+          "--first-last-layers-bf16 needs --fp8-format or --fp4-format (without them every layer is high precision)");
+  for (const char* flag : {"--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"}) {
+    require(!given.contains(flag) || model.first_last_layers_bf16,
+            std::string(flag) + " needs --first-last-layers-bf16");
+  }
+  model.quantization.reset();
+  if (!quantized) return;
+  quant::QuantizedLinearConfig config;
+  config.recipe = quant::parse_recipe(args.fp8_format ? *args.fp8_recipe : args.fp4_recipe.value_or("nvfp4"));
+  if (args.fp8_format) config.format = quant::parse_fp8_format(*args.fp8_format);
+  config.seed = static_cast<uint64_t>(args.seed);
+  if (model.first_last_layers_bf16) {
+    // Megatron bounds each count by the layers of one pipeline stage.
+    const int64_t per_stage = model.num_layers / args.pipeline_model_parallel_size;
+    for (const auto& [flag, count] : {std::pair{"--num-layers-at-start-in-bf16", model.num_layers_at_start_in_bf16},
+                                      std::pair{"--num-layers-at-end-in-bf16", model.num_layers_at_end_in_bf16}}) {
+      require(count >= 0 && count <= per_stage, std::string(flag) + " (" + str(count) +
+                                                    ") must be between 0 and the layers per pipeline stage (" +
+                                                    str(per_stage) + ")");
+    }
+  }
+  // mxfp8 blocks 32 elements along either dimension of every operand, nvfp4 16 (quant::check_quantizable); the
+  // token dimension is padded, the feature widths of this rank's linear layers must fit.
+  const int64_t multiple = config.recipe == quant::Recipe::kMxfp8   ? 32
+                           : config.recipe == quant::Recipe::kNvfp4 ? 16
+                                                                    : 1;
+  if (multiple > 1) {
+    const std::string recipe =
+        (args.fp8_format ? "--fp8-recipe " : "--fp4-recipe ") + quant::recipe_name(config.recipe);
+    const auto check = [&](const std::string& what, const int64_t width) {
+      require(width % multiple == 0,
+              recipe + " needs linear layer widths divisible by " + str(multiple) + ": " + what + " is " + str(width));
+    };
+    const int64_t tp = args.tensor_model_parallel_size;
+    const int64_t swiglu = model.activation == Activation::kSwiGLU ? 2 : 1;
+    check("--hidden-size", model.hidden_size);
+    check("the attention's qkv width per tensor-parallel rank", model.qkv_out() / tp);
+    check("the attention's projection width per tensor-parallel rank",
+          model.num_attention_heads * model.kv_channels / tp);
+    check("--ffn-hidden-size per tensor-parallel rank", model.ffn_hidden_size / tp);
+    check("fc1's width per tensor-parallel rank", swiglu * model.ffn_hidden_size / tp);
+    if (model.moe.enabled()) {
+      const int64_t etp = args.expert_tensor_parallel_size;
+      check("--moe-ffn-hidden-size per expert-tensor-parallel rank", model.moe.ffn_hidden_size / etp);
+      check("--moe-shared-expert-intermediate-size per tensor-parallel rank",
+            model.moe.shared_expert_intermediate_size / tp);
+    }
+  }
+  model.quantization = config;
+}
+
 void finalize_training(TrainingArgs& args, const std::set<std::string>& given) {
   require(args.micro_batch_size > 0, "--micro-batch-size must be positive (got " + str(args.micro_batch_size) + ")");
   require(args.train_iters > 0, "--train-iters must be positive (got " + str(args.train_iters) + ")");
@@ -448,6 +514,7 @@ void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given)
   finalize_parallel(args, given);
   finalize_training(args, given);
   finalize_precision(args, given);
+  finalize_quantization(args, given);
   finalize_lr(args, given);
   finalize_data(args, given);
   finalize_checkpointing(args, given);

@@ -1,0 +1,45 @@
+#include "moecore/ops/quantization.h"
+
+#include <atomic>
+#include <bit>
+
+namespace moecore::ops {
+namespace {
+
+std::atomic<const quant::QuantizedLinearConfig*> scoped_config{nullptr};
+
+}  // namespace
+
+const quant::QuantizedLinearConfig* linear_quantization() { return scoped_config.load(); }
+
+ScopedLinearQuantization::ScopedLinearQuantization(const quant::QuantizedLinearConfig* config)
+    : previous_(scoped_config.exchange(config)) {}
+
+ScopedLinearQuantization::~ScopedLinearQuantization() { scoped_config = previous_; }
+
+uint64_t gradient_fingerprint(const float* data, const int64_t n) {
+  // FNV-1a over the values' bit patterns and the count.
+  uint64_t hash = 0xCBF29CE484222325ULL ^ static_cast<uint64_t>(n);
+  for (int64_t i = 0; i < n; ++i) {
+    hash = (hash ^ std::bit_cast<uint32_t>(data[i])) * 0x100000001B3ULL;
+  }
+  return hash;
+}
+
+uint64_t quantization_seed(const uint64_t base_seed, const uint64_t fingerprint) {
+  // SplitMix64's finalizer over the pair.
+  uint64_t z = base_seed + 0x9E3779B97F4A7C15ULL * (fingerprint + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+int64_t quantization_row_multiple(const quant::Recipe recipe) {
+  switch (recipe) {
+    case quant::Recipe::kMxfp8: return 32;
+    case quant::Recipe::kNvfp4: return 16;
+    default: return 1;
+  }
+}
+
+}  // namespace moecore::ops
