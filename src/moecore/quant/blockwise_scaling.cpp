@@ -8,17 +8,7 @@
 namespace moecore::quant {
 
 QuantizedTensor quantize_blockwise(const float* x, const int64_t rows, const int64_t cols, const QuantSpec& spec) {
-  QuantizedTensor q;
-  q.recipe = Recipe::kBlockwise;
-  q.format = spec.element;
-  q.rows = rows;
-  q.cols = cols;
-  q.block_rows = spec.block_rows;
-  q.block_cols = spec.block_cols;
-  q.scale_rows = (rows + spec.block_rows - 1) / spec.block_rows;
-  q.scale_cols = (cols + spec.block_cols - 1) / spec.block_cols;
-  q.codes.resize(static_cast<size_t>(rows * cols));
-  q.scales.resize(static_cast<size_t>(q.scale_rows * q.scale_cols));
+  QuantizedTensor q = make_blocked(Recipe::kBlockwise, spec.element, rows, cols, spec, false);
   q.amax = abs_max(x, rows * cols);
   const float max_fp8 = format_max(spec.element);
 #pragma omp parallel for schedule(static) if (rows * cols > (1 << 16))

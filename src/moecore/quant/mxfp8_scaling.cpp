@@ -5,18 +5,7 @@
 namespace moecore::quant {
 
 QuantizedTensor quantize_mxfp8(const float* x, const int64_t rows, const int64_t cols, const QuantSpec& spec) {
-  QuantizedTensor q;
-  q.recipe = Recipe::kMxfp8;
-  q.format = spec.element;
-  q.rows = rows;
-  q.cols = cols;
-  q.block_rows = spec.block_rows;
-  q.block_cols = spec.block_cols;
-  q.scale_rows = rows / spec.block_rows;
-  q.scale_cols = cols / spec.block_cols;
-  q.codes.resize(static_cast<size_t>(rows * cols));
-  q.scales.resize(static_cast<size_t>(q.scale_rows * q.scale_cols));
-  q.scale_codes.resize(q.scales.size());
+  QuantizedTensor q = make_blocked(Recipe::kMxfp8, spec.element, rows, cols, spec, true);
   q.amax = abs_max(x, rows * cols);
   // Quantized_Limits<OType>::max_norm_rcp = 1.0 / max_norm, a double quotient stored as float (utils.cuh).
   const float max_norm_rcp = static_cast<float>(1.0 / static_cast<double>(format_max(spec.element)));

@@ -24,18 +24,7 @@ uint8_t nvfp4_block_scale_code(const float block_amax, const float s_enc) {
 
 QuantizedTensor quantize_nvfp4(const float* x, const int64_t rows, const int64_t cols, const QuantSpec& spec,
                                const RoundingStream* rounding) {
-  QuantizedTensor q;
-  q.recipe = Recipe::kNvfp4;
-  q.format = ElementFormat::kE2M1;
-  q.rows = rows;
-  q.cols = cols;
-  q.block_rows = spec.block_rows;
-  q.block_cols = spec.block_cols;
-  q.scale_rows = rows / spec.block_rows;
-  q.scale_cols = cols / spec.block_cols;
-  q.codes.resize(static_cast<size_t>(rows * cols));
-  q.scales.resize(static_cast<size_t>(q.scale_rows * q.scale_cols));
-  q.scale_codes.resize(q.scales.size());
+  QuantizedTensor q = make_blocked(Recipe::kNvfp4, ElementFormat::kE2M1, rows, cols, spec, true);
   q.amax = abs_max(x, rows * cols);
   const float s_enc = nvfp4_global_encode_scale(q.amax);
   const float s_dec = 1.0f / s_enc;

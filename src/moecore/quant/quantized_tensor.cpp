@@ -12,6 +12,23 @@ float QuantizedTensor::decode_element(const int64_t r, const int64_t c) const {
   return value * scale;
 }
 
+QuantizedTensor make_blocked(const Recipe recipe, const ElementFormat format, const int64_t rows, const int64_t cols,
+                             const QuantSpec& spec, const bool with_scale_codes) {
+  QuantizedTensor q;
+  q.recipe = recipe;
+  q.format = format;
+  q.rows = rows;
+  q.cols = cols;
+  q.block_rows = spec.block_rows;
+  q.block_cols = spec.block_cols;
+  q.scale_rows = (rows + spec.block_rows - 1) / spec.block_rows;
+  q.scale_cols = (cols + spec.block_cols - 1) / spec.block_cols;
+  q.codes.resize(static_cast<size_t>(rows * cols));
+  q.scales.resize(static_cast<size_t>(q.scale_rows * q.scale_cols));
+  if (with_scale_codes) q.scale_codes.resize(q.scales.size());
+  return q;
+}
+
 std::vector<float> QuantizedTensor::decode() const {
   std::vector<float> out(static_cast<size_t>(rows * cols));
   for (int64_t r = 0; r < rows; ++r) {

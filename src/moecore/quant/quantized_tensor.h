@@ -40,4 +40,9 @@ struct QuantizedTensor {
   std::vector<float> decode() const;
 };
 
+// A [rows, cols] tensor in blocks of spec.block_rows x spec.block_cols (a partial edge block is a block of its own):
+// recipe, format and block grid set, codes and scales (with scale_codes, their bytes too) allocated, amax 0.
+QuantizedTensor make_blocked(Recipe recipe, ElementFormat format, int64_t rows, int64_t cols, const QuantSpec& spec,
+                             bool with_scale_codes);
+
 }  // namespace moecore::quant
