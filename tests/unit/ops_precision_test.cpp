@@ -5,9 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <random>
 #include <set>
 #include <string>
 
+#include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/ops/ops.h"
 #include "moecore/ops/precision.h"
 #include "unit/ops_test_cases.h"
@@ -61,6 +64,9 @@ class OpsPrecision : public ::testing::TestWithParam<DType> {};
 
 TEST_P(OpsPrecision, ActivationsRoundAndStatisticsStayFp32) {
   const DType dtype = GetParam();
+  // The convert path is the plain fp32 GEMM on the 16-bit values, so the scoped linear layers match the fp32 run
+  // bit for bit; the native path sums in another order (LinearNativePathMatchesTheReference below).
+  const kernels::cpu::ScopedLowpGemmPath convert(kernels::cpu::LowpGemmPath::kConvert);
   int rounded = 0;
   for (const OpCase& c : test::all_cases()) {
     // Composite cases round inside (the fused output layer + loss its logits, the two-block ring attention its
@@ -97,6 +103,78 @@ TEST_P(OpsPrecision, ActivationsRoundAndStatisticsStayFp32) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, OpsPrecision, ::testing::Values(DType::kBF16, DType::kF16),
                          [](const auto& param_info) { return std::string(dtype_name(param_info.param)); });
+
+// A [rows, cols] fp32 tensor of random values representable in `dtype`.
+Tensor random_lowp_values(const int64_t rows, const int64_t cols, const DType dtype, std::mt19937& gen) {
+  Tensor t(std::vector<int64_t>{rows, cols}, DType::kF32);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = round_to(normal(gen), dtype);
+  return t;
+}
+
+// Under a 16-bit activation scope with the native path forced, ops::linear_forward / linear_backward on fp32 tensors
+// holding 16-bit values run the CPU's bf16 / fp16 GEMM on their bits. Each output must equal the sum computed in
+// double and rounded as the scope rounds: activations (out, dinp) to the 16-bit format, which the fp32-accumulated
+// sum reaches within one 16-bit ulp (the fp32 sum's own error, ~K * 2^-24 relative, is far below half an ulp, so only
+// ties can round the other way); fp32 weight gradients within 1e-5 relative to the sum of magnitudes (K = 96 products
+// at 2^-24 each).
+TEST_P(OpsPrecision, LinearNativePathMatchesTheReference) {
+  const DType dtype = GetParam();
+  const auto type = dtype == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
+  std::string why_not;
+  if (!kernels::cpu::lowp_native_available(type, &why_not)) GTEST_SKIP() << why_not;
+  const kernels::cpu::ScopedLowpGemmPath native(kernels::cpu::LowpGemmPath::kNative);
+  constexpr int64_t T = 37, I = 96, O = 80;
+  std::mt19937 gen(7);
+  const Tensor x_TI = random_lowp_values(T, I, dtype, gen);
+  const Tensor w_OI = random_lowp_values(O, I, dtype, gen);
+  Tensor b_O(std::vector<int64_t>{O}, DType::kF32);
+  std::copy_n(random_lowp_values(1, O, dtype, gen).data<float>(), O, b_O.data<float>());
+  const Tensor dy_TO = random_lowp_values(T, O, dtype, gen);
+  Tensor y_TO(std::vector<int64_t>{T, O}, DType::kF32);
+  Tensor dx_TI = Tensor::zeros({T, I}, DType::kF32);
+  Tensor dw_OI = Tensor::zeros({O, I}, DType::kF32);
+  {
+    const ScopedActivationDType precision(dtype);
+    linear_forward(y_TO, x_TI, w_OI, &b_O);
+    linear_backward(&dx_TI, &dw_OI, nullptr, dy_TO, &x_TI, w_OI);
+  }
+  const float* x = x_TI.data<float>();
+  const float* w = w_OI.data<float>();
+  const float* dy = dy_TO.data<float>();
+  const int precision_bits = dtype == DType::kBF16 ? 8 : 11;
+  const auto ulp_of = [&](const float v) {  // spacing of the 16-bit values around v (normal range)
+    int exponent = 0;
+    std::frexp(v, &exponent);
+    return std::ldexp(1.0f, exponent - precision_bits);
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t o = 0; o < O; ++o) {
+      double sum = b_O.data<float>()[o];
+      for (int64_t i = 0; i < I; ++i) sum += static_cast<double>(x[t * I + i]) * w[o * I + i];
+      const float expected = round_to(static_cast<float>(sum), dtype);
+      ASSERT_LE(std::abs(y_TO.data<float>()[t * O + o] - expected), ulp_of(expected)) << "out[" << t << "," << o << "]";
+      ASSERT_EQ(y_TO.data<float>()[t * O + o], round_to(y_TO.data<float>()[t * O + o], dtype));
+    }
+    for (int64_t i = 0; i < I; ++i) {
+      double sum = 0.0;
+      for (int64_t o = 0; o < O; ++o) sum += static_cast<double>(dy[t * O + o]) * w[o * I + i];
+      const float expected = round_to(static_cast<float>(sum), dtype);
+      ASSERT_LE(std::abs(dx_TI.data<float>()[t * I + i] - expected), ulp_of(expected))
+          << "dinp[" << t << "," << i << "]";
+    }
+  }
+  for (int64_t o = 0; o < O; ++o) {
+    for (int64_t i = 0; i < I; ++i) {
+      double sum = 0.0, magnitude = 0.0;
+      for (int64_t t = 0; t < T; ++t) {
+        sum += static_cast<double>(dy[t * O + o]) * x[t * I + i];
+        magnitude += std::abs(static_cast<double>(dy[t * O + o]) * x[t * I + i]);
+      }
+      ASSERT_NEAR(dw_OI.data<float>()[o * I + i], sum, 1e-5 * magnitude) << "dweight[" << o << "," << i << "]";
+    }
+  }
+}
 
 TEST(OpsPrecision, ScopesNestAndRejectOtherDtypes) {
   EXPECT_EQ(activation_dtype(), DType::kF32);

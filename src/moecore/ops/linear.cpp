@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <initializer_list>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "moecore/kernels/cpu/convert.h"
 #include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/precision.h"
@@ -104,6 +106,51 @@ void linear_backward_lowp(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, 
       });
     });
   });
+}
+
+// Under --bf16 / --fp16 the fp32 operands of a layer's GEMMs hold 16-bit values (every op rounds what it writes to
+// activation_dtype(), the optimizer rounds the weights), so the GEMM Megatron runs in 16 bits is this fp32 GEMM up
+// to summation order: that is the "convert" path of gemm_lowp.h. Where lowp_gemm_path picks "native", the operands'
+// 16-bit bits go to the CPU's bf16 / fp16 dot-product kernels instead (encoding them is exact). The result of
+// either path is rounded by the caller like every activation.
+std::optional<kernels::LowpType> native_lowp_type(const Tensor& weight_OI) {
+  if (weight_OI.dtype() != DType::kF32 || active_backend() == Backend::kReference) return std::nullopt;
+  const DType act = activation_dtype();
+  if (!is_low(act)) return std::nullopt;
+  const auto type = act == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
+  if (kernels::cpu::lowp_gemm_path(type) != kernels::cpu::LowpGemmPath::kNative) return std::nullopt;
+  return type;
+}
+
+// The 16-bit bits of n fp32 values (exact for values of that format).
+std::vector<uint16_t> encode_lowp(const kernels::LowpType type, const float* data, const int64_t n) {
+  std::vector<uint16_t> bits_n(static_cast<size_t>(n));
+  if (type == kernels::LowpType::kBF16) {
+    kernels::cpu::encode_bf16(bits_n.data(), data, n);
+  } else {
+    kernels::cpu::encode_fp16(bits_n.data(), data, n);
+  }
+  return bits_n;
+}
+
+void linear_forward_native(const kernels::LowpType type, Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI,
+                           const Tensor* bias_O, const int64_t T, const int64_t I, const int64_t O) {
+  const auto x = encode_lowp(type, inp_TI.data<float>(), T * I);
+  const auto w = encode_lowp(type, weight_OI.data<float>(), O * I);
+  kernels::cpu::linear_forward_lowp(type, out_TO.data<float>(), x.data(), w.data(),
+                                    bias_O ? bias_O->data<float>() : nullptr, T, I, O);
+}
+
+void linear_backward_native(const kernels::LowpType type, Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O,
+                            const Tensor& dout_TO, const Tensor* inp_TI, const Tensor& weight_OI, const int64_t T,
+                            const int64_t I, const int64_t O) {
+  const auto dy = encode_lowp(type, dout_TO.data<float>(), T * O);
+  const auto w = dinp_TI ? encode_lowp(type, weight_OI.data<float>(), O * I) : std::vector<uint16_t>();
+  const auto x = dweight_OI ? encode_lowp(type, inp_TI->data<float>(), T * I) : std::vector<uint16_t>();
+  kernels::cpu::linear_backward_lowp(type, dinp_TI ? dinp_TI->data<float>() : nullptr,
+                                     dweight_OI ? dweight_OI->data<float>() : nullptr,
+                                     dbias_O ? dbias_O->data<float>() : nullptr, dy.data(),
+                                     dweight_OI ? x.data() : nullptr, dinp_TI ? w.data() : nullptr, T, I, O);
 }
 
 // The quantization config that applies to these fp32 tensors, or null.
@@ -222,6 +269,11 @@ void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_O
     detail::round_activations({&out_TO});
     return;
   }
+  if (const auto type = native_lowp_type(weight_OI)) {
+    linear_forward_native(*type, out_TO, inp_TI, weight_OI, bias_O, T, I, O);
+    detail::round_activations({&out_TO});
+    return;
+  }
   detail::dispatch(op, out_TO, [&]<typename S>(auto k) {
     k.linear_forward(ptr<S>(out_TO), ptr<S>(inp_TI), ptr<S>(weight_OI), opt<S>(bias_O), T, I, O);
   });
@@ -251,6 +303,11 @@ void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const
   }
   if (const auto* config = quantization_for(weight_OI)) {
     linear_backward_quantized(dinp_TI, dweight_OI, dbias_O, dout_TO, inp_TI, weight_OI, T, I, O, *config);
+    detail::round_activations({dinp_TI});
+    return;
+  }
+  if (const auto type = native_lowp_type(weight_OI)) {
+    linear_backward_native(*type, dinp_TI, dweight_OI, dbias_O, dout_TO, inp_TI, weight_OI, T, I, O);
     detail::round_activations({dinp_TI});
     return;
   }
