@@ -537,6 +537,8 @@ TEST(TrainArguments, ParallelSizes) {
             "loss)");
   EXPECT_EQ(parse_train_args(with(minimal(), {"--loss-scale", "128", "--bf16"})).loss_scale, 128.0);
   EXPECT_EQ(error_of(with(minimal(), {"--fp16", "--bf16"})), "--fp16 and --bf16 are mutually exclusive");
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--bf16", "--attention-softmax-in-fp32"})).model.params_dtype,
+            DType::kBF16);
   EXPECT_EQ(error_of(with(minimal(), {"--hysteresis", "3"})),
             "--hysteresis sets fp16's dynamic loss scaling: it needs --fp16 without --loss-scale");
   EXPECT_EQ(error_of(with(minimal(), {"--fp16", "--loss-scale", "8", "--initial-loss-scale", "16"})),

@@ -186,6 +186,11 @@ const std::vector<FlagSpec>& flag_table() {
      "fp16 mixed precision: fp16 weights and activations, fp32 main parameters, gradients (reduced in fp16) and "
      "optimizer states, dynamic loss scaling unless --loss-scale",
      [](TrainingArgs& a, const FlagValue&) { a.model.params_dtype = DType::kF16; }},
+    // Megatron upcasts its unfused softmax with this flag; moecore's attention, like TE's fused attention, always
+    // computes the softmax and keeps the probabilities in fp32, so the flag states what every run does.
+    {"--attention-softmax-in-fp32", Arity::kSwitch, "",
+     "compute the attention softmax in fp32 (moecore's attention always does, as TE's fused attention)",
+     [](TrainingArgs&, const FlagValue&) {}},
     {"--fp8-format", Arity::kOne, "{e4m3,hybrid}",
      "quantize the decoder layers' linear layers and experts to FP8 (hybrid: E5M2 gradients); needs --fp8-recipe",
      [](TrainingArgs& a, const FlagValue& v) { a.fp8_format = v.choice({"e4m3", "hybrid"}); }},

@@ -163,7 +163,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     // mixed precision
     "--fp32-residual-connection",
     "--apply-query-key-layer-scaling",
-    "--attention-softmax-in-fp32",
     "--fp16-lm-cross-entropy",
     "--disable-bf16-reduced-precision-matmul",
     "--reuse-grad-buf-for-mxfp8-param-ag",
