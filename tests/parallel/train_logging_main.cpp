@@ -181,10 +181,13 @@ int main(int argc, char** argv) {
     // bytes, with --grad-reduce-in-bf16.
     const auto comm_megabytes = [&](const std::vector<std::string>& extra, const std::string& kind) {
       std::vector<std::string> run = flags(dir, 2);
-      run.insert(run.end(), {"--use-distributed-optimizer", "--eval-iters", "0"});
+      run.insert(run.end(), {"--eval-iters", "0"});
       run.insert(run.end(), extra.begin(), extra.end());
+      const bool tp2 = std::find(run.begin(), run.end(), "--tensor-model-parallel-size") != run.end();
+      if (!tp2) run.push_back("--use-distributed-optimizer");
+      const moecore::TrainingArgs comm_args = moecore::parse_train_args(run, 2);
       std::ostringstream out;
-      moecore::run_training(moecore::parse_train_args(run, 2), out, dp2);
+      moecore::run_training(comm_args, out, tp2 ? moecore::make_parallel_state(comm_args) : dp2);
       const std::string text = out.str();
       const size_t line = text.rfind(" [comm] ");
       if (line == std::string::npos) return std::nan("");
@@ -203,6 +206,17 @@ int main(int argc, char** argv) {
       check_close(bf16_grad, fp32_grad, 1e-9, "bf16: gradients still reduce in fp32");
       check_close(bf16_param, fp32_param / 2, 1e-3, "bf16: the parameter all-gather moves half the bytes");
       check_close(bf16_wire_grad, fp32_grad / 2, 1e-3, "--grad-reduce-in-bf16: half the gradient bytes");
+    }
+    // TP2 with sequence parallelism: the activations' gathers and reduce-scatters move 16-bit values under --bf16.
+    const std::vector<std::string> tp2_flags = {"--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                "--expert-tensor-parallel-size", "1"};
+    std::vector<std::string> tp2_bf16_flags = tp2_flags;
+    tp2_bf16_flags.push_back("--bf16");
+    const double fp32_tp = comm_megabytes(tp2_flags, "tensor-parallel");
+    const double bf16_tp = comm_megabytes(tp2_bf16_flags, "tensor-parallel");
+    if (world.rank() == 0) {
+      check(fp32_tp > 0, "fp32 tensor-parallel bytes are logged");
+      check_close(bf16_tp, fp32_tp / 2, 1e-3, "bf16: tensor-parallel activations move half the bytes");
     }
 
     // Packed sequences (--reset-attention-mask): the FLOPs count runs over the documents of the global batch, which

@@ -85,7 +85,7 @@ Tensor ColumnParallelLinear::reduce_input_grad(const Tensor& dinput_TI) const {
   // all-gather), or all-reduce it (backward of copy_to_tensor_model_parallel_region).
   if (tp_.sequence_sharded()) return tp_.reduce_scatter_rows(dinput_TI);
   Tensor sum_TI = dinput_TI;
-  tp_.all_reduce_(sum_TI);
+  tp_.all_reduce_activations_(sum_TI);
   return sum_TI;
 }
 
@@ -137,7 +137,7 @@ Tensor RowParallelLinear::forward(const Tensor& x_TI, LinearActivations& saved) 
   } else if (tp_.sequence_sharded()) {
     y_TO = tp_.reduce_scatter_rows(partial_TO);
   } else {
-    tp_.all_reduce_(partial_TO);
+    tp_.all_reduce_activations_(partial_TO);
     y_TO = std::move(partial_TO);
   }
   if (bias_ != nullptr && !options_.skip_bias_add) ops::add_bias_rows(y_TO, bias_->value);

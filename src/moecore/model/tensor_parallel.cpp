@@ -3,7 +3,10 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
+#include "moecore/ops/convert.h"
+#include "moecore/ops/precision.h"
 #include "moecore/parallel/comm_stats.h"
 
 namespace moecore {
@@ -18,6 +21,22 @@ Tensor activation_like(const Tensor& t, const int64_t rows) {
 void require_fp32(const Tensor& t, const char* what) {
   if (t.dtype() != DType::kF32)
     throw std::invalid_argument(std::string(what) + ": tensor-parallel collectives take fp32");
+}
+
+// Under --bf16 / --fp16 activations hold 16-bit values (ops/precision.h), so the tensor-parallel collectives move
+// them in 16 bits, as Megatron's 16-bit activations travel through NCCL: gathers are exact, sums round every partial
+// sum (ProcessGroup::all_reduce_16bit_async). kF32 outside a 16-bit scope.
+DType wire_dtype() { return ops::activation_dtype(); }
+
+Tensor to_wire(const Tensor& x, const DType wire) {
+  Tensor bits(x.shape(), wire, MemCategory::kActivations, x.device());
+  ops::convert(bits, x);
+  return bits;
+}
+
+void add_bytes(const int64_t elements, const DType wire) {
+  parallel::CommStats::instance().add_bytes(parallel::CommKind::kTensorParallel,
+                                            static_cast<double>(elements) * static_cast<double>(dtype_size(wire)));
 }
 
 }  // namespace
@@ -35,8 +54,20 @@ Tensor TensorParallel::all_gather_rows(const Tensor& shard_RW) const {
   if (size() == 1) return shard_RW;
   require_fp32(shard_RW, "all_gather_rows");
   Tensor full = activation_like(shard_RW, shard_RW.dim(0) * size());
-  const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
-  group_.all_gather(shard_RW.span<float>(), full.span<float>());
+  const DType wire = wire_dtype();
+  add_bytes(shard_RW.numel(), wire);
+  if (wire == DType::kF32) {
+    const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
+    group_.all_gather(shard_RW.span<float>(), full.span<float>());
+    return full;
+  }
+  const Tensor shard_bits = to_wire(shard_RW, wire);
+  Tensor full_bits = to_wire(full, wire);
+  {
+    const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
+    group_.all_gather(std::as_const(shard_bits).span<uint16_t>(), full_bits.span<uint16_t>());
+  }
+  ops::convert(full, full_bits);
   return full;
 }
 
@@ -48,8 +79,20 @@ Tensor TensorParallel::reduce_scatter_rows(const Tensor& full_RW) const {
                                 " rows are not divisible by the tensor-parallel size " + std::to_string(size()));
   }
   Tensor shard = activation_like(full_RW, full_RW.dim(0) / size());
-  const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
-  group_.reduce_scatter(full_RW.span<float>(), shard.span<float>(), parallel::ReduceOp::kSum);
+  const DType wire = wire_dtype();
+  add_bytes(full_RW.numel(), wire);
+  if (wire == DType::kF32) {
+    const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
+    group_.reduce_scatter(full_RW.span<float>(), shard.span<float>(), parallel::ReduceOp::kSum);
+    return shard;
+  }
+  const Tensor full_bits = to_wire(full_RW, wire);
+  Tensor shard_bits = to_wire(shard, wire);
+  {
+    const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
+    group_.reduce_scatter_16bit_async(full_bits.span<uint16_t>(), shard_bits.span<uint16_t>(), wire).wait();
+  }
+  ops::convert(shard, shard_bits);
   return shard;
 }
 
@@ -58,6 +101,24 @@ void TensorParallel::all_reduce_(Tensor& x, const parallel::ReduceOp op) const {
   require_fp32(x, "all_reduce_");
   const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
   group_.all_reduce(x.span<float>(), op);
+}
+
+void TensorParallel::all_reduce_activations_(Tensor& x) const {
+  if (size() == 1) return;
+  require_fp32(x, "all_reduce_activations_");
+  const DType wire = wire_dtype();
+  add_bytes(x.numel(), wire);
+  if (wire == DType::kF32) {
+    const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
+    group_.all_reduce(x.span<float>(), parallel::ReduceOp::kSum);
+    return;
+  }
+  Tensor bits = to_wire(x, wire);
+  {
+    const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
+    group_.all_reduce_16bit_async(bits.span<uint16_t>(), wire).wait();
+  }
+  ops::convert(x, bits);
 }
 
 Tensor TensorParallel::split_rows(const Tensor& full_RW) const {

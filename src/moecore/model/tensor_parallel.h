@@ -36,6 +36,9 @@ class TensorParallel {
   Tensor reduce_scatter_rows(const Tensor& full_RW) const;
   // Forward of reduce_from_tensor_model_parallel_region: x = sum (or max) over the group, in place.
   void all_reduce_(Tensor& x, parallel::ReduceOp op = parallel::ReduceOp::kSum) const;
+  // The same sum for activations and activation gradients: in 16 bits under a bf16 / fp16 activation dtype, as
+  // all_gather_rows and reduce_scatter_rows (statistics such as the vocabulary-parallel max use all_reduce_, fp32).
+  void all_reduce_activations_(Tensor& x) const;
   // Forward of scatter_to_sequence_parallel_region: a copy of this rank's rows of a replicated tensor.
   Tensor split_rows(const Tensor& full_RW) const;
 

@@ -31,7 +31,7 @@ Tensor VocabParallelEmbedding::forward(const std::span<const int32_t> ids_T) con
   Tensor partial_TH = activation_tensor({T, H_});
   ops::embedding_forward(partial_TH, ids_T, weight_->value, V_, vocab_begin_);
   if (tp_.sequence_sharded()) return tp_.reduce_scatter_rows(partial_TH);
-  tp_.all_reduce_(partial_TH);
+  tp_.all_reduce_activations_(partial_TH);
   return partial_TH;
 }
 
