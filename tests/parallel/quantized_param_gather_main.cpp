@@ -10,7 +10,8 @@
 //   - the parameter all-gather bytes per step, counted by hand: the shapes below are multiples of 128 elements, so
 //     no bucket is padded and the bytes are (2 bytes x high-precision elements + 1 byte per FP8 code, or 1/2 per
 //     E2M1 code) / group size + 4 bytes x scaling blocks (the amax all-reduce, which every rank sends whole).
-// Part 2 (2 ranks), whole training runs of a small MoE model with --bf16 --use-distributed-optimizer:
+// Part 2 (2 ranks; 4 ranks: TP2 x DP2, losses only), whole training runs of a small MoE model with --bf16
+// --use-distributed-optimizer:
 //   - the [comm] line's param-gather MB per iteration: the hand-counted figure, half the bf16 run's bytes for the
 //     quantized weights (a quarter with FP4) plus the amax bytes;
 //   - the losses of --fp8-param-gather runs against the same FP8 recipe without it (tolerances explained there).
@@ -339,14 +340,17 @@ struct Run {
   std::vector<float> weights;  // those weights' values, concatenated
 };
 
-Run train(const std::string& dir, const std::vector<std::string>& extra, const parallel::ParallelState& ps) {
+// A run over `ps` (world size `world`). The weights are inspected without tensor parallelism only: the gathered
+// one-process weight of a TP-sharded layer is made of shards quantized separately.
+Run train(const std::string& dir, const std::vector<std::string>& extra, const parallel::ParallelState& ps,
+          const int world = 2) {
   std::vector<std::string> flags = train_flags(dir);
   flags.insert(flags.end(), extra.begin(), extra.end());
   std::ostringstream log;
   Run run;
   const moecore::FullModelCallback inspect = [&](const moecore::GPTModel& model) {
     for (const Param& p : model.params()) {
-      if (!p.weight_quantization) continue;
+      if (!p.weight_quantization || ps.tp_size() > 1) continue;
       ++run.quantized_weights;
       const float* w = p.value.data<float>();
       run.weights.insert(run.weights.end(), w, w + p.value.numel());
@@ -358,7 +362,7 @@ Run train(const std::string& dir, const std::vector<std::string>& extra, const p
       }
     }
   };
-  const moecore::TrainResult result = moecore::run_training(moecore::parse_train_args(flags, 2), log, ps, inspect);
+  const moecore::TrainResult result = moecore::run_training(moecore::parse_train_args(flags, world), log, ps, inspect);
   run.losses = result.train_losses;
   const std::string text = log.str();
   const size_t line = text.rfind(" [comm] ");
@@ -372,14 +376,53 @@ Run train(const std::string& dir, const std::vector<std::string>& extra, const p
   return run;
 }
 
-void run_training_checks(const parallel::ParallelState& ps) {
-  const std::string dir = "dist_quantized_param_gather_work";
+const std::string kWorkDir = "dist_quantized_param_gather_work";
+
+void prepare_corpus(const parallel::ProcessGroup& world) {
   if (g_rank == 0) {
-    std::filesystem::remove_all(dir);
-    std::filesystem::create_directories(dir);
-    write_corpus(dir + "/corpus");
+    std::filesystem::remove_all(kWorkDir);
+    std::filesystem::create_directories(kWorkDir);
+    write_corpus(kWorkDir + "/corpus");
   }
-  parallel::sum_double(ps.world, 0.0);  // the corpus exists before rank 1 reads it
+  parallel::sum_double(world, 0.0);  // the corpus exists before the other ranks read it
+}
+
+// 4 ranks, TP2 x DP2 with sequence parallelism: each rank's weights are TP shards, quantized (by the GEMMs and by
+// the parameter all-gather alike) with the blocks of the local shard; the losses match the runs without the flag as
+// under plain data parallelism (same tolerance, same reasons).
+void run_tensor_parallel_checks() {
+  prepare_corpus(parallel::ProcessGroup::world());
+  for (const std::string recipe : {"tensorwise", "blockwise"}) {  // mxfp8: a qkv shard of 48 columns has no 1x32 blocks
+    const std::vector<std::string> flags = {"--tensor-model-parallel-size",
+                                            "2",
+                                            "--sequence-parallel",
+                                            "--expert-tensor-parallel-size",
+                                            "1",
+                                            "--fp8-format",
+                                            "e4m3",
+                                            "--fp8-recipe",
+                                            recipe};
+    std::vector<std::string> all = train_flags(kWorkDir);
+    all.insert(all.end(), flags.begin(), flags.end());
+    const parallel::ParallelState tp2 = moecore::make_parallel_state(moecore::parse_train_args(all, 4));
+    std::vector<std::string> with_flag = flags;
+    with_flag.push_back("--fp8-param-gather");
+    const Run plain = train(kWorkDir, flags, tp2, 4);
+    const Run gather = train(kWorkDir, with_flag, tp2, 4);
+    if (g_rank != 0) continue;
+    check(gather.losses.size() == 8 && plain.losses.size() == 8, "TP2 " + recipe + ": 8 losses");
+    for (size_t i = 0; i < gather.losses.size() && i < plain.losses.size(); ++i) {
+      const double diff = std::abs(gather.losses[i] - plain.losses[i]) / plain.losses[i];
+      check(diff <= 1e-5, "TP2 " + recipe + " iteration " + std::to_string(i + 1) + ": relative loss difference " +
+                              std::to_string(diff));
+    }
+  }
+  if (g_rank == 0) std::filesystem::remove_all(kWorkDir);
+}
+
+void run_training_checks(const parallel::ParallelState& ps) {
+  const std::string dir = kWorkDir;
+  prepare_corpus(ps.world);
 
   // Bytes per rank and iteration, by hand (2 ranks, bf16 weights). Dense params: word embeddings 128 x 32 (the
   // vocabulary 60 padded to 128), position embeddings 16 x 32, final norm 2 x 32 and per layer two norms 2 x 2 x 32,
@@ -533,6 +576,7 @@ int main(int argc, char** argv) {
     run_ddp_case({"bf16 without quantized gather", Recipe::kTensorwise, DType::kBF16, false}, ps);
   });
   if (world.size() == 2) guarded("training", [&] { run_training_checks(ps); });
+  if (world.size() == 4) guarded("training, TP2 x DP2", [&] { run_tensor_parallel_checks(); });
 
   if (g_rank == 0) std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
