@@ -324,6 +324,28 @@ TEST(TrainArguments, Fp8AndFp4Flags) {
                             {"--hidden-size", "48", "--fp8-format", "hybrid", "--fp8-recipe", "blockwise"})));
 }
 
+// --fp8-param-gather / --fp4-param-gather: Megatron's TransformerConfig ("fp8_param must be used together with fp8
+// mode.") and validate_args (distributed optimizer).
+TEST(TrainArguments, QuantizedParamGather) {
+  const TrainingArgs a = parse_train_args(with(minimal(), {"--use-distributed-optimizer", "--fp8-format", "e4m3",
+                                                           "--fp8-recipe", "tensorwise", "--fp8-param-gather"}));
+  EXPECT_TRUE(a.fp8_param_gather);
+  EXPECT_FALSE(a.fp4_param_gather);
+  EXPECT_TRUE(
+      parse_train_args(with(minimal(), {"--use-distributed-optimizer", "--fp4-format", "e2m1", "--fp4-param-gather"}))
+          .fp4_param_gather);
+  EXPECT_EQ(error_of(with(minimal(), {"--use-distributed-optimizer", "--fp8-param-gather"})),
+            "--fp8-param-gather must be used together with --fp8-format");
+  EXPECT_EQ(error_of(with(minimal(), {"--use-distributed-optimizer", "--fp4-format", "e2m1", "--fp8-param-gather"})),
+            "--fp8-param-gather must be used together with --fp8-format");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-param-gather"})),
+            "--fp8-param-gather only supported with distributed optimizer (--use-distributed-optimizer)");
+  EXPECT_EQ(error_of(with(minimal(), {"--use-distributed-optimizer", "--fp4-param-gather"})),
+            "--fp4-param-gather must be used together with --fp4-format");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp4-format", "e2m1", "--fp4-param-gather"})),
+            "--fp4-param-gather only supported with distributed optimizer (--use-distributed-optimizer)");
+}
+
 // Megatron's checkpointing flags and their cross-checks (arguments.py, training.py).
 TEST(TrainArguments, CheckpointFlags) {
   const TrainingArgs a = parse_train_args(

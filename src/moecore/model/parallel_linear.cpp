@@ -27,6 +27,7 @@ void check_divisible(const std::string& name, const int64_t features, const int6
 }
 
 void register_param(std::vector<Param>& params, Param p, const LinearOptions& options) {
+  p.linear_weight = p.name.ends_with(".weight");
   p.is_expert = options.is_expert;
   p.module = options.module;
   params.push_back(std::move(p));

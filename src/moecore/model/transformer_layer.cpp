@@ -87,6 +87,7 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
                       ") must be divisible by --tensor-model-parallel-size (" + std::to_string(tp_.size()) + ")");
   }
   const int64_t H = config.hidden_size;
+  const size_t first_param = params.size();
   NormModule::add_params(params, prefix_ + "input_layernorm", H, config.normalization, tp_.sequence_sharded(), module);
   attention_ = SelfAttention(config, prefix_, tp_, module, params, parallel.cp);
   NormModule::add_params(params, prefix_ + "pre_mlp_layernorm", H, config.normalization, tp_.sequence_sharded(),
@@ -100,6 +101,15 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
     mlp.bias = config.add_bias_linear;
     mlp.linear.module = module;
     mlp_ = MLP(prefix_ + "mlp.", H, mlp, tp_, params);
+  }
+  // The linear layers of a quantized layer (attention, MLP, shared and routed experts; not the router or the
+  // shared-expert gate, which are not linear layers) quantize their weights with the recipe's weight spec.
+  if (const quant::QuantizedLinearConfig* q = config.layer_quantization(index)) {
+    const quant::QuantSpec spec = quant::make_spec(
+        q->recipe, quant::element_format_for(q->recipe, q->format, quant::Role::kWeight), quant::Role::kWeight);
+    for (size_t i = first_param; i < params.size(); ++i) {
+      if (params[i].linear_weight) params[i].weight_quantization = spec;
+    }
   }
 }
 

@@ -23,6 +23,21 @@ constexpr int64_t kParamAlign = 16;
 
 int64_t align_up(const int64_t x, const int64_t a) { return (x + a - 1) / a * a; }
 
+bool packs_two_codes(const std::vector<Param>& params, const std::vector<int>& indices) {
+  return std::any_of(indices.begin(), indices.end(), [&](const int i) {
+    const auto& q = params[static_cast<size_t>(i)].weight_quantization;
+    return q && q->element == quant::ElementFormat::kE2M1;
+  });
+}
+
+// The elements [lo, hi) where a param's slot [offset, offset + numel) meets [begin, end); lo >= hi when disjoint.
+struct Overlap {
+  int64_t lo, hi;
+};
+Overlap overlap(const int64_t offset, const int64_t numel, const int64_t begin, const int64_t end) {
+  return {std::max(offset, begin), std::min(offset + numel, end)};
+}
+
 }  // namespace
 
 DistributedDataParallel::DistributedDataParallel(std::vector<Param>& params, const parallel::ParallelState& parallel,
@@ -30,6 +45,9 @@ DistributedDataParallel::DistributedDataParallel(std::vector<Param>& params, con
     : params_(params), parallel_(parallel), options_(options) {
   if (options_.overlap_param_gather && !options_.use_distributed_optimizer) {
     throw std::invalid_argument("overlap_param_gather requires the distributed optimizer");
+  }
+  if (options_.quantized_param_gather && !options_.use_distributed_optimizer) {
+    throw std::invalid_argument("quantized_param_gather requires the distributed optimizer");
   }
   if (options_.bucket_size < 0) throw std::invalid_argument("bucket_size must be >= 0");
   if (options_.bucket_size > 0) {
@@ -39,7 +57,7 @@ DistributedDataParallel::DistributedDataParallel(std::vector<Param>& params, con
   }  // else one bucket per group, as Megatron without overlap
 
   int min_module = 0, max_module = -1;
-  std::vector<int> dense, expert;
+  std::vector<int> dense, expert, dense_quantized, expert_quantized;
   for (int i = static_cast<int>(params_.size()) - 1; i >= 0; --i) {  // backward order
     const Param& p = params_[static_cast<size_t>(i)];
     if (!p.value.defined() || !p.grad.defined() || p.value.dtype() != DType::kF32 || p.grad.dtype() != DType::kF32 ||
@@ -47,7 +65,11 @@ DistributedDataParallel::DistributedDataParallel(std::vector<Param>& params, con
       throw std::invalid_argument("DistributedDataParallel: parameter " + p.name +
                                   " needs fp32 value and gradient of equal size");
     }
-    (p.is_expert ? expert : dense).push_back(i);
+    if (options_.quantized_param_gather && p.weight_quantization) {
+      (p.is_expert ? expert_quantized : dense_quantized).push_back(i);
+    } else {
+      (p.is_expert ? expert : dense).push_back(i);
+    }
     if (max_module < min_module) {
       min_module = max_module = p.module;
     } else {
@@ -62,20 +84,32 @@ DistributedDataParallel::DistributedDataParallel(std::vector<Param>& params, con
   tp_summed_.assign(params_.size(), 0);
   slots_.resize(params_.size());
 
-  if (!dense.empty()) build(false, dense);
-  if (!expert.empty()) build(true, expert);
+  if (!dense.empty()) build(false, false, dense);
+  if (!expert.empty()) build(true, false, expert);
+  if (!dense_quantized.empty()) build(false, true, dense_quantized);
+  if (!expert_quantized.empty()) build(true, true, expert_quantized);
 }
 
 DistributedDataParallel::~DistributedDataParallel() = default;
 
-void DistributedDataParallel::build(const bool expert, const std::vector<int>& param_indices) {
+void DistributedDataParallel::build(const bool expert, const bool quantized, const std::vector<int>& param_indices) {
   const int group_index = static_cast<int>(groups_.size());
   Group group;
   group.expert = expert;
+  group.quantized = quantized;
   group.pg = group.expert ? parallel_.edp : parallel_.dp_cp;
   const int64_t group_size = group.pg.size();
   const bool dist_opt = options_.use_distributed_optimizer;
-  const int64_t bucket_align = dist_opt ? std::lcm(group_size, int64_t{128}) : kParamAlign;
+  // Packed FP4 codes: every shard an even number of elements (params start at even offsets, kParamAlign).
+  const int64_t shard_multiple = quantized && packs_two_codes(params_, param_indices) ? 2 : 1;
+  if (shard_multiple == 2) {
+    for (const int i : param_indices) {
+      if (params_[static_cast<size_t>(i)].weight_quantization->element != quant::ElementFormat::kE2M1) {
+        throw std::invalid_argument("DistributedDataParallel: FP4 and FP8 weights in one quantized group");
+      }
+    }
+  }
+  const int64_t bucket_align = dist_opt ? std::lcm(group_size * shard_multiple, int64_t{128}) : kParamAlign;
 
   int64_t offset = 0;
   Bucket bucket;
@@ -142,8 +176,19 @@ void DistributedDataParallel::build(const bool expert, const std::vector<int>& p
   for (const int b : group.buckets) {
     Bucket& bk = buckets_[static_cast<size_t>(b)];
     if (dist_opt) bk.comm_shard = Tensor({bk.shard_size}, DType::kF32, MemCategory::kComm);
-    const bool wire16 =
-        options_.grad_reduce_dtype != DType::kF32 || (dist_opt && options_.param_gather_dtype != DType::kF32);
+    if (quantized) {
+      for (const int i : bk.params) {
+        const Param& p = params_[static_cast<size_t>(i)];
+        if (p.value.ndim() != 2) {
+          throw std::invalid_argument("DistributedDataParallel: quantized weight " + p.name + " is not 2-D");
+        }
+        bk.quantizers.emplace_back(p.value.dim(0), p.value.dim(1), *p.weight_quantization);
+      }
+      bk.codes = Tensor({(bk.end - bk.begin) / shard_multiple}, DType::kU8, MemCategory::kComm);
+      bk.code_shard = Tensor({bk.shard_size / shard_multiple}, DType::kU8, MemCategory::kComm);
+    }
+    const bool wire16 = options_.grad_reduce_dtype != DType::kF32 ||
+                        (dist_opt && !quantized && options_.param_gather_dtype != DType::kF32);
     if (wire16) {
       const DType wire_dtype =
           options_.grad_reduce_dtype != DType::kF32 ? options_.grad_reduce_dtype : options_.param_gather_dtype;
@@ -278,40 +323,139 @@ void DistributedDataParallel::allreduce_embedding_grads() {
 
 void DistributedDataParallel::start_param_gather() {
   if (!options_.use_distributed_optimizer) return;
-  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
-    Bucket& b = buckets_[bi];
-    wait_bucket_gather(b);
-    if (b.grad_launched) b.grad_work.wait();  // comm_shard is the reduce-scatter's output
-    Group& g = groups_[static_cast<size_t>(b.group)];
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) start_bucket_gather(static_cast<int>(bi));
+}
+
+void DistributedDataParallel::start_bucket_gather(const int bucket_index) {
+  Bucket& b = buckets_[static_cast<size_t>(bucket_index)];
+  wait_bucket_gather(b);
+  if (b.grad_launched) b.grad_work.wait();  // comm_shard is the reduce-scatter's output
+  Group& g = groups_[static_cast<size_t>(b.group)];
+  const std::string trace_name = "param gather, bucket " + std::to_string(bucket_index);
+  if (g.quantized) {  // the shard's codes travel, one byte per FP8 element or per two FP4 elements
+    quantize_shard(b);
     const CommTimer timer(CommKind::kParamGather);
-    const DType wire = options_.param_gather_dtype;
-    parallel::CommStats::instance().add_bytes(
-        CommKind::kParamGather, static_cast<double>(static_cast<size_t>(b.shard_size) * dtype_size(wire)));
-    if (wire != DType::kF32) {  // 16-bit weights travel in 16 bits (exact: they hold 16-bit values)
-      ops::convert(b.wire_shard, g.param_buffer.slice_rows(b.shard_begin, b.shard_begin + b.shard_size));
-      const std::span<const uint16_t> shard16 = b.wire_shard.span<uint16_t>();
-      b.decode_gather = true;
-      if (options_.overlap_param_gather) {
-        b.param_work = g.pg.all_gather_async(shard16, b.wire.span<uint16_t>());
-        b.param_work.trace_as("param gather, bucket " + std::to_string(bi));
-        b.param_in_flight = true;
-      } else {
-        g.pg.all_gather(shard16, b.wire.span<uint16_t>());
-        decode_param_gather(b);
-      }
-      continue;
-    }
-    std::memcpy(b.comm_shard.data<float>(), g.param_buffer.data<float>() + b.shard_begin,
-                static_cast<size_t>(b.shard_size) * sizeof(float));
-    const std::span<const float> shard(b.comm_shard.data<float>(), static_cast<size_t>(b.shard_size));
-    const std::span<float> full(g.param_buffer.data<float>() + b.begin, static_cast<size_t>(b.end - b.begin));
+    parallel::CommStats::instance().add_bytes(CommKind::kParamGather, static_cast<double>(b.code_shard.numel()));
+    const std::span<const uint8_t> shard = std::as_const(b.code_shard).span<uint8_t>();
+    b.decode_gather = true;
     if (options_.overlap_param_gather) {
-      b.param_work = g.pg.all_gather_async(shard, full);
-      b.param_work.trace_as("param gather, bucket " + std::to_string(bi));
+      b.param_work = g.pg.all_gather_async(shard, b.codes.span<uint8_t>());
+      b.param_work.trace_as(trace_name);
       b.param_in_flight = true;
     } else {
-      g.pg.all_gather(shard, full);
+      g.pg.all_gather(shard, b.codes.span<uint8_t>());
+      decode_param_gather(b);
     }
+    return;
+  }
+  const CommTimer timer(CommKind::kParamGather);
+  const DType wire = options_.param_gather_dtype;
+  parallel::CommStats::instance().add_bytes(CommKind::kParamGather,
+                                            static_cast<double>(static_cast<size_t>(b.shard_size) * dtype_size(wire)));
+  if (wire != DType::kF32) {  // 16-bit weights travel in 16 bits (exact: they hold 16-bit values)
+    ops::convert(b.wire_shard, g.param_buffer.slice_rows(b.shard_begin, b.shard_begin + b.shard_size));
+    const std::span<const uint16_t> shard16 = b.wire_shard.span<uint16_t>();
+    b.decode_gather = true;
+    if (options_.overlap_param_gather) {
+      b.param_work = g.pg.all_gather_async(shard16, b.wire.span<uint16_t>());
+      b.param_work.trace_as(trace_name);
+      b.param_in_flight = true;
+    } else {
+      g.pg.all_gather(shard16, b.wire.span<uint16_t>());
+      decode_param_gather(b);
+    }
+    return;
+  }
+  std::memcpy(b.comm_shard.data<float>(), g.param_buffer.data<float>() + b.shard_begin,
+              static_cast<size_t>(b.shard_size) * sizeof(float));
+  const std::span<const float> shard(b.comm_shard.data<float>(), static_cast<size_t>(b.shard_size));
+  const std::span<float> full(g.param_buffer.data<float>() + b.begin, static_cast<size_t>(b.end - b.begin));
+  if (options_.overlap_param_gather) {
+    b.param_work = g.pg.all_gather_async(shard, full);
+    b.param_work.trace_as(trace_name);
+    b.param_in_flight = true;
+  } else {
+    g.pg.all_gather(shard, full);
+  }
+}
+
+void DistributedDataParallel::quantize_shard(Bucket& bucket) {
+  Group& g = groups_[static_cast<size_t>(bucket.group)];
+  const float* values = g.param_buffer.data<float>();
+  const int64_t shard_end = bucket.shard_begin + bucket.shard_size;
+  // 1. Block amaxes of this rank's elements of every weight (zero for blocks it holds nothing of) ...
+  std::vector<size_t> first_block(bucket.params.size() + 1, 0);
+  for (size_t k = 0; k < bucket.params.size(); ++k) {
+    first_block[k + 1] = first_block[k] + static_cast<size_t>(bucket.quantizers[k].num_blocks());
+  }
+  std::vector<float> amax(first_block.back(), 0.0f);
+  const auto amax_of = [&](const size_t k) {
+    return std::span<float>(amax.data() + first_block[k], first_block[k + 1] - first_block[k]);
+  };
+  for (size_t k = 0; k < bucket.params.size(); ++k) {
+    const Slot& slot = slots_[static_cast<size_t>(bucket.params[k])];
+    const Overlap o = overlap(slot.offset, slot.numel, bucket.shard_begin, shard_end);
+    if (o.lo >= o.hi) continue;
+    bucket.quantizers[k].accumulate_amax(
+        o.lo - slot.offset, std::span<const float>(values + o.lo, static_cast<size_t>(o.hi - o.lo)), amax_of(k));
+  }
+  // 2. ... MAX-reduced over the group (TE's quantize_master_weights: one all-reduce of the packed amaxes) ...
+  {
+    const CommTimer timer(CommKind::kParamGather);
+    parallel::CommStats::instance().add_bytes(CommKind::kParamGather, static_cast<double>(amax.size() * sizeof(float)));
+    g.pg.all_reduce(std::span<float>(amax), parallel::ReduceOp::kMax);
+  }
+  // 3. ... give every rank the same scales; this rank encodes its elements (padding stays code 0).
+  const bool packed = bucket.code_shard.numel() != bucket.shard_size;
+  std::vector<uint8_t> unpacked;
+  uint8_t* codes = bucket.code_shard.data<uint8_t>();
+  if (packed) {
+    unpacked.assign(static_cast<size_t>(bucket.shard_size), 0);
+    codes = unpacked.data();
+  } else {
+    std::fill_n(codes, bucket.shard_size, uint8_t{0});
+  }
+  for (size_t k = 0; k < bucket.params.size(); ++k) {
+    quant::ShardedWeightQuantizer& q = bucket.quantizers[k];
+    q.set_scales(amax_of(k));
+    const Slot& slot = slots_[static_cast<size_t>(bucket.params[k])];
+    const Overlap o = overlap(slot.offset, slot.numel, bucket.shard_begin, shard_end);
+    if (o.lo >= o.hi) continue;
+    const auto n = static_cast<size_t>(o.hi - o.lo);
+    q.encode(o.lo - slot.offset, std::span<const float>(values + o.lo, n),
+             std::span<uint8_t>(codes + (o.lo - bucket.shard_begin), n));
+  }
+  if (packed) {  // two E2M1 codes per byte, the even element in the low nibble
+    uint8_t* out = bucket.code_shard.data<uint8_t>();
+    for (int64_t j = 0; j < bucket.code_shard.numel(); ++j) {
+      out[j] =
+          static_cast<uint8_t>(unpacked[static_cast<size_t>(2 * j)] | (unpacked[static_cast<size_t>(2 * j + 1)] << 4));
+    }
+  }
+}
+
+void DistributedDataParallel::decode_codes(Bucket& bucket) {
+  float* values = groups_[static_cast<size_t>(bucket.group)].param_buffer.data<float>();
+  const uint8_t* codes = std::as_const(bucket.codes).data<uint8_t>();
+  const bool packed = bucket.codes.numel() != bucket.end - bucket.begin;
+  const auto count = static_cast<int64_t>(bucket.params.size());
+#pragma omp parallel for schedule(dynamic) if (count > 1)
+  for (int64_t k = 0; k < count; ++k) {
+    const Slot& slot = slots_[static_cast<size_t>(bucket.params[static_cast<size_t>(k)])];
+    const int64_t at = slot.offset - bucket.begin;
+    const auto n = static_cast<size_t>(slot.numel);
+    std::vector<uint8_t> unpacked;
+    std::span<const uint8_t> param_codes(codes + at, packed ? 0 : n);
+    if (packed) {
+      unpacked.resize(n);
+      for (size_t j = 0; j < n; ++j) {
+        const int64_t e = at + static_cast<int64_t>(j);
+        const uint8_t byte = codes[e / 2];
+        unpacked[j] = static_cast<uint8_t>(e % 2 == 0 ? byte & 0x0F : byte >> 4);
+      }
+      param_codes = unpacked;
+    }
+    bucket.quantizers[static_cast<size_t>(k)].decode(0, param_codes, std::span<float>(values + slot.offset, n));
   }
 }
 
@@ -326,6 +470,7 @@ void DistributedDataParallel::wait_bucket_gather(Bucket& bucket) {
 void DistributedDataParallel::decode_param_gather(Bucket& bucket) {
   if (!bucket.decode_gather) return;
   bucket.decode_gather = false;
+  if (groups_[static_cast<size_t>(bucket.group)].quantized) return decode_codes(bucket);
   Tensor full = groups_[static_cast<size_t>(bucket.group)].param_buffer.slice_rows(bucket.begin, bucket.end);
   ops::convert(full, bucket.wire);
 }
@@ -340,6 +485,34 @@ void DistributedDataParallel::before_forward(const int module) {
 
 void DistributedDataParallel::wait_param_gather() {
   for (Bucket& b : buckets_) wait_bucket_gather(b);
+}
+
+bool DistributedDataParallel::has_quantized_groups() const {
+  return std::any_of(groups_.begin(), groups_.end(), [](const Group& g) { return g.quantized; });
+}
+
+void DistributedDataParallel::gather_quantized_params() {
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    if (!groups_[static_cast<size_t>(buckets_[bi].group)].quantized) continue;
+    start_bucket_gather(static_cast<int>(bi));
+    wait_bucket_gather(buckets_[bi]);
+  }
+}
+
+void DistributedDataParallel::quantize_replicated_weights() {
+  for (Bucket& b : buckets_) {
+    for (size_t k = 0; k < b.params.size() && !b.quantizers.empty(); ++k) {
+      Param& p = params_[static_cast<size_t>(b.params[k])];
+      quant::ShardedWeightQuantizer& q = b.quantizers[k];
+      const std::span<float> values = p.value.span<float>();
+      std::vector<float> amax(static_cast<size_t>(q.num_blocks()), 0.0f);
+      q.accumulate_amax(0, values, amax);
+      q.set_scales(amax);
+      std::vector<uint8_t> codes(values.size());
+      q.encode(0, values, codes);
+      q.decode(0, codes, values);
+    }
+  }
 }
 
 }  // namespace moecore

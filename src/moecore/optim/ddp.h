@@ -3,6 +3,25 @@
 // (dense params reduced over dp-cp, routed-expert params over expert-DP). Each buffer is cut into buckets of
 // whole params in backward order; a bucket is all-reduced (or reduce-scattered with the distributed optimizer) as
 // one collective, optionally launched as soon as the backward of its last module is done.
+//
+// Quantized parameter all-gather (Megatron's --fp8-param-gather / --fp4-param-gather, distributed optimizer only):
+// the weights the FP8 / FP4 GEMMs quantize (Param::weight_quantization) get groups of their own, dense and expert,
+// reduced over the same process groups. This follows Megatron, which keys its buffers by (param dtype, grad dtype)
+// and keeps FP8 params in a uint8 param buffer (megatron/core/distributed/param_and_grad_buffer.py,
+// distributed_data_parallel.py): a bucket then holds one kind of parameter only, so its all-gather moves one element
+// type (one byte per FP8 code, two E2M1 codes per byte) and never mixes codes with 16-bit values. After the
+// optimizer step the parameter buffer's shard holds the updated main parameters rounded to the weights' dtype (TE
+// casts the master weight to the model dtype first, transformer_engine/pytorch/tensor/utils.py
+// quantize_master_weights); start_param_gather then quantizes each such bucket's shard (quant/
+// sharded_weight_quantizer.h): block amaxes of the shard, MAX-reduced over the bucket's group (one small all-reduce
+// per bucket, counted as parameter all-gather bytes), the scales every rank derives alike, the shard's codes; it
+// all-gathers the codes and decodes them into the parameter buffer. The model thus holds the decoded weights, which
+// are exactly the whole weight's quantization whatever the shard cut; its GEMMs quantize them again, which
+// reproduces them for power-of-2 scales (blockwise, MXFP8) and up to the fp32 rounding of the scale for tensorwise
+// and NVFP4 (tests/unit/quant_sharded_weight_test.cpp). Differences from TE: the GEMM's column-wise (dgrad) copy of
+// an MXFP8 weight is quantized from the decoded row-wise weight (TE casts both copies from the master weight), and
+// Megatron's MXFP8 path all-gathers through the gradient buffer in high precision
+// (--reuse-grad-buf-for-mxfp8-param-ag) where moecore gathers the row-wise codes.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +31,7 @@
 #include "moecore/model/param.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
+#include "moecore/quant/sharded_weight_quantizer.h"
 
 namespace moecore {
 
@@ -28,6 +48,9 @@ struct DdpOptions {
   // The dtype of the distributed optimizer's parameter all-gather: the model weights' dtype (16-bit weights travel in
   // 16 bits, exactly).
   DType param_gather_dtype = DType::kF32;
+  // --fp8-param-gather / --fp4-param-gather: params with Param::weight_quantization get their own groups and are
+  // all-gathered as codes (see above). Needs the distributed optimizer.
+  bool quantized_param_gather = false;
 };
 
 class DistributedDataParallel : public ModelHooks {
@@ -44,7 +67,13 @@ class DistributedDataParallel : public ModelHooks {
     Tensor comm_shard;           // distributed optimizer: reduce-scatter output and all-gather input [shard_size]
     Tensor wire;                 // 16-bit communication: the bucket's elements [end - begin]
     Tensor wire_shard;           // 16-bit communication with the distributed optimizer: this rank's shard
-    bool decode_gather = false;  // a 16-bit parameter all-gather waits to be widened into the parameter buffer
+    bool decode_gather = false;  // a 16-bit or coded parameter all-gather waits to be decoded into the parameter buffer
+    // Quantized groups: the all-gather's codes (kU8; FP4 two per byte, the even element in the low nibble) of the
+    // bucket [(end - begin) / elements_per_byte] and of this rank's shard, and each param's quantizer (with the
+    // scales of the last gather), parallel to `params`.
+    Tensor codes;
+    Tensor code_shard;
+    std::vector<quant::ShardedWeightQuantizer> quantizers;
     parallel::Work grad_work;
     parallel::Work param_work;
     bool grad_launched = false;
@@ -59,6 +88,7 @@ class DistributedDataParallel : public ModelHooks {
   };
   struct Group {
     bool expert = false;
+    bool quantized = false;  // the weights of quantized linear layers, all-gathered as codes
     parallel::ProcessGroup pg = parallel::ProcessGroup::self();  // the gradient-reduction group
     Tensor grad_buffer;                                          // [numel], kGrads
     Tensor param_buffer;                                         // [numel], kParams (distributed optimizer only)
@@ -91,6 +121,14 @@ class DistributedDataParallel : public ModelHooks {
   void start_param_gather();
   // Finishes any in-flight all-gather (before evaluation / export / the next step).
   void wait_param_gather();
+  // Quantized groups: the all-gather of the quantized buckets only, synchronously (after the optimizer rewrote the
+  // parameter buffer's shards from loaded main parameters).
+  void gather_quantized_params();
+  // Quantized groups: every quantized weight, replicated whole on every rank (the initial or loaded model), replaced
+  // by its decoded quantization, computed locally (the same values a gather of its shards gives). Megatron creates
+  // such weights quantized (fp8_model_init) and the main parameters from their high-precision values.
+  void quantize_replicated_weights();
+  bool has_quantized_groups() const;
 
   const DdpOptions& options() const { return options_; }
   const parallel::ParallelState& parallel() const { return parallel_; }
@@ -103,7 +141,10 @@ class DistributedDataParallel : public ModelHooks {
   int64_t bucket_size() const { return bucket_size_; }
 
  private:
-  void build(bool expert, const std::vector<int>& param_indices);
+  void build(bool expert, bool quantized, const std::vector<int>& param_indices);
+  void start_bucket_gather(int bucket_index);
+  void quantize_shard(Bucket& bucket);  // the amax all-reduce and this rank's codes into bucket.code_shard
+  void decode_codes(Bucket& bucket);
   void tp_sum(int param_index);
   void launch(int bucket_index);
   void allreduce_embedding_grads();

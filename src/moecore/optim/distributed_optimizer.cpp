@@ -22,10 +22,13 @@ DistributedAdamW::DistributedAdamW(DistributedDataParallel& ddp, std::vector<Par
     return;
   }
   const auto& buckets = ddp_.buckets();
+  // Quantized weights (--fp8-param-gather) hold their decoded codes, so their fp32 main parameters live here even
+  // with fp32 weights (Megatron keeps every FP8 param in its float16 groups with an fp32 main copy).
+  const bool keep_main = options_.params_dtype != DType::kF32 || ddp_.has_quantized_groups();
   for (const auto& b : buckets) {
     exp_avg_.emplace_back(std::vector<int64_t>{b.shard_size}, DType::kF32, MemCategory::kOptimizer);
     exp_avg_sq_.emplace_back(std::vector<int64_t>{b.shard_size}, DType::kF32, MemCategory::kOptimizer);
-    if (options_.params_dtype != DType::kF32) {
+    if (keep_main) {
       main_.emplace_back(std::vector<int64_t>{b.shard_size}, DType::kF32, MemCategory::kOptimizer);
     }
   }
@@ -57,8 +60,10 @@ void DistributedAdamW::main_params_from_model() {
     Tensor main = main_piece(piece);
     std::copy_n(param.data<float>(), piece.numel, main.data<float>());
   }
-  // Every rank rounds the whole replicated model alike, so the shards gathered later agree with the rest.
+  // Every rank rounds the whole replicated model alike, so the shards gathered later agree with the rest; the
+  // quantized weights become their quantization (of the rounded values, as every later gather).
   for (Param& p : params_) ops::round_to_dtype_(p.value, options_.params_dtype);
+  ddp_.quantize_replicated_weights();
 }
 
 void DistributedAdamW::model_from_main_params() {
@@ -68,6 +73,8 @@ void DistributedAdamW::model_from_main_params() {
     Tensor param = param_piece(piece);
     copy_main_to_model(param, main_piece(piece), options_.params_dtype);
   }
+  // A quantized weight's scales depend on every shard: quantize and gather them now.
+  if (ddp_.has_quantized_groups()) ddp_.gather_quantized_params();
 }
 
 bool DistributedAdamW::counted_in_norm(const Param& p) const {

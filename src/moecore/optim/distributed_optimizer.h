@@ -48,8 +48,10 @@ class DistributedAdamW {
   // every parameter whole; with it one slice per piece of a parameter inside this rank's bucket shards, in
   // registration order (a parameter wholly in other ranks' shards has none).
   std::vector<AdamWMomentSlice> moment_slices() const;
-  // 16-bit weights (see AdamWOptimizer): main parameters from the model's values (then the values rounded), or the
-  // model's values of this rank's shard from the main parameters. No-ops with fp32 weights.
+  // 16-bit or quantized weights (see AdamWOptimizer): main parameters from the model's values (then the values
+  // rounded, the quantized weights replaced by their quantization), or the model's values of this rank's shard from
+  // the main parameters (the quantized weights then quantized and gathered: a collective). No-ops with fp32 weights
+  // and no quantized parameter all-gather.
   void main_params_from_model();
   void model_from_main_params();
 
@@ -74,7 +76,8 @@ class DistributedAdamW {
   std::vector<Piece> pieces_;                 // registration order
   std::vector<Tensor> exp_avg_;               // [bucket] -> [shard_size], kOptimizer
   std::vector<Tensor> exp_avg_sq_;
-  std::vector<Tensor> main_;  // [bucket] -> [shard_size] fp32 main parameters (16-bit weights only), kOptimizer
+  // [bucket] -> [shard_size] fp32 main parameters (16-bit or quantized weights only), kOptimizer
+  std::vector<Tensor> main_;
   int64_t step_ = 0;
 };
 

@@ -107,6 +107,8 @@ MPI_Datatype mpi_type() {
     return MPI_UINT16_T;
   } else if constexpr (std::is_same_v<T, int32_t>) {
     return MPI_INT32_T;
+  } else if constexpr (std::is_same_v<T, uint8_t>) {
+    return MPI_UINT8_T;
   } else {
     static_assert(std::is_same_v<T, int64_t>);
     return MPI_INT64_T;
@@ -121,6 +123,8 @@ int64_t dtype_code() {
     return 2;
   } else if constexpr (std::is_same_v<T, int32_t>) {
     return 3;
+  } else if constexpr (std::is_same_v<T, uint8_t>) {
+    return 5;
   } else {
     return 4;
   }
@@ -816,6 +820,7 @@ MOECORE_INSTANTIATE(float)
 MOECORE_INSTANTIATE(uint16_t)
 MOECORE_INSTANTIATE(int32_t)
 MOECORE_INSTANTIATE(int64_t)
+MOECORE_INSTANTIATE(uint8_t)
 #undef MOECORE_INSTANTIATE
 
 }  // namespace moecore::parallel

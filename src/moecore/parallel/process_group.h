@@ -30,10 +30,11 @@
 
 namespace moecore::parallel {
 
-// uint16_t always holds bf16 bits; int32_t / int64_t are integers (counts, indices), reduced exactly.
+// uint16_t always holds bf16 bits; int32_t / int64_t are integers (counts, indices), reduced exactly; uint8_t are
+// bytes (FP8 / FP4 codes), gathered and moved, reduced as unsigned integers.
 template <typename T>
-concept CommElement =
-    std::same_as<T, float> || std::same_as<T, uint16_t> || std::same_as<T, int32_t> || std::same_as<T, int64_t>;
+concept CommElement = std::same_as<T, float> || std::same_as<T, uint16_t> || std::same_as<T, int32_t> ||
+    std::same_as<T, int64_t> || std::same_as<T, uint8_t>;
 
 enum class ReduceOp : uint8_t { kSum, kMax };
 

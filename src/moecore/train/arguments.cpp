@@ -208,6 +208,14 @@ const std::vector<FlagSpec>& flag_table() {
      [](TrainingArgs& a, const FlagValue& v) { a.fp4_format = v.choice({"e2m1"}); }},
     {"--fp4-recipe", Arity::kOne, "{nvfp4}", "FP4 scaling (default nvfp4: 1x16 blocks with E4M3 scales)",
      [](TrainingArgs& a, const FlagValue& v) { a.fp4_recipe = v.choice({"nvfp4"}, {"custom"}); }},
+    {"--fp8-param-gather", Arity::kSwitch, "",
+     "with FP8 and the distributed optimizer: the quantized layers' weights are held as FP8 and all-gathered as "
+     "FP8 codes",
+     [](TrainingArgs& a, const FlagValue&) { a.fp8_param_gather = true; }},
+    {"--fp4-param-gather", Arity::kSwitch, "",
+     "with FP4 and the distributed optimizer: the quantized layers' weights are held as NVFP4 and all-gathered as "
+     "packed E2M1 codes",
+     [](TrainingArgs& a, const FlagValue&) { a.fp4_param_gather = true; }},
     {"--first-last-layers-bf16", Arity::kSwitch, "",
      "with FP8 / FP4: keep the first and last decoder layers in high precision",
      [](TrainingArgs& a, const FlagValue&) { a.model.first_last_layers_bf16 = true; }},

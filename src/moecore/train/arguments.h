@@ -102,6 +102,8 @@ struct TrainingArgs {
   std::optional<std::string> fp8_recipe;  // --fp8-recipe {tensorwise,blockwise,mxfp8}
   std::optional<std::string> fp4_format;  // --fp4-format e2m1
   std::optional<std::string> fp4_recipe;  // --fp4-recipe nvfp4 (the default with --fp4-format)
+  bool fp8_param_gather = false;          // --fp8-param-gather
+  bool fp4_param_gather = false;          // --fp4-param-gather
 
   // Run control and logging.
   int64_t seed = 1234;         // --seed

@@ -274,6 +274,16 @@ void finalize_quantization(TrainingArgs& args, const std::set<std::string>& give
           "--fp8-format needs an explicit --fp8-recipe (tensorwise, blockwise or mxfp8): Megatron's default, delayed, "
           "is not implemented yet");
   require(!args.fp4_recipe || args.fp4_format, "--fp4-recipe needs --fp4-format e2m1");
+  // Megatron: TransformerConfig.__post_init__ ("fp8_param must be used together with fp8 mode.") and validate_args
+  // (the distributed optimizer; FSDP and inference are not in moecore). --fp4-param-gather needs it too here.
+  require(!args.fp8_param_gather || args.fp8_format, "--fp8-param-gather must be used together with --fp8-format");
+  require(!args.fp4_param_gather || args.fp4_format, "--fp4-param-gather must be used together with --fp4-format");
+  require(!args.fp8_param_gather || args.use_distributed_optimizer,
+          "--fp8-param-gather only supported with distributed optimizer (--use-distributed-optimizer)");
+  require(!args.fp4_param_gather || args.use_distributed_optimizer,
+          "--fp4-param-gather only supported with distributed optimizer (--use-distributed-optimizer)");
+  require(!args.fp8_param_gather || args.fp8_recipe != "delayed",
+          "--fp8-param-gather is not implemented with --fp8-recipe delayed (use tensorwise, blockwise or mxfp8)");
   const bool quantized = args.fp8_format || args.fp4_format;
   require(!model.first_last_layers_bf16 || quantized,
           "--first-last-layers-bf16 needs --fp8-format or --fp4-format (without them every layer is high precision)");

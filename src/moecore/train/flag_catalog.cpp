@@ -298,9 +298,7 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--fp8-amax-compute-algo",
     "--no-fp8-wgrad",
     "--transformer-impl",
-    "--fp8-param-gather",
     "--fp4-quantizer-factory",
-    "--fp4-param-gather",
     "--te-rng-tracker",
     "--inference-rng-tracker",
     // precision-aware optimizer, hybrid / experimental models

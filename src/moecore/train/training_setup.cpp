@@ -101,6 +101,7 @@ ModelAndOptimizer build_model_and_optimizer(const TrainingArgs& run_args, const 
     ddp_options.grad_reduce_dtype = DType::kF16;
   }
   ddp_options.param_gather_dtype = params_dtype;
+  ddp_options.quantized_param_gather = run_args.fp8_param_gather || run_args.fp4_param_gather;
   out.ddp = std::make_unique<DistributedDataParallel>(out.model->params(), parallel, ddp_options);
   out.model->set_hooks(out.ddp.get());
   out.optimizer = std::make_unique<DistributedAdamW>(*out.ddp, out.model->params(), adam);
