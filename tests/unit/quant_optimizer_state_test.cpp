@@ -124,6 +124,29 @@ TEST(OptimizerState, Fp8IsE4M3ScaledByAbsmaxOver448) {
   EXPECT_EQ(static_cast<uint8_t>(stored[at]) & 0x7Fu, 0x7Eu);
 }
 
+// With scale 1 the stored code is the E4M3 cast itself: bit for bit the general-format encoder of fp8_formats.h over
+// a sweep of fp32 bit patterns (both signs, every binade, Inf and NaN) and at every midpoint between two E4M3 values
+// and its fp32 neighbours.
+TEST(OptimizerState, Fp8CastMatchesTheE4M3Encoder) {
+  std::vector<float> x;
+  for (uint64_t bits = 0; bits <= 0xFFFFFFFFu; bits += 977)
+    x.push_back(std::bit_cast<float>(static_cast<uint32_t>(bits)));
+  const std::vector<test::GridPoint>& grid = test::e4m3_grid();
+  for (size_t i = 0; i + 1 < grid.size(); ++i) {
+    const auto mid = static_cast<float>((grid[i].value + grid[i + 1].value) / 2);
+    for (const float v : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e9f)}) {
+      x.push_back(v);
+      x.push_back(-v);
+    }
+  }
+  for (const float v : {448.0f, 464.0f, 480.0f, 1e30f, INFINITY, -INFINITY, std::nanf(""), 0.0f, -0.0f}) x.push_back(v);
+  std::vector<std::byte> stored(x.size());
+  quant::encode_state(StateFormat::kFP8, 1.0f, x, stored);
+  for (size_t i = 0; i < x.size(); ++i) {
+    ASSERT_EQ(static_cast<uint8_t>(stored[i]), quant::encode_e4m3(x[i])) << "x=" << x[i];
+  }
+}
+
 TEST(OptimizerState, AnAllZeroStateStoresZeros) {
   const std::vector<float> zeros(5, 0.0f);
   for (const StateFormat f : {StateFormat::kF32, StateFormat::kF16, StateFormat::kBF16, StateFormat::kFP8}) {
