@@ -34,7 +34,7 @@ using quant::StateFormat;
 constexpr double kLr = 1e-2;
 
 AdamWOptions adam_options(const StateFormat m, const StateFormat v, const DType params_dtype = DType::kF32,
-                          const StateFormat main = StateFormat::kF32) {
+                          const StateFormat main = StateFormat::kF32, const bool remainders = false) {
   AdamWOptions o;
   o.beta1 = 0.9;
   o.beta2 = 0.95;
@@ -44,6 +44,7 @@ AdamWOptions adam_options(const StateFormat m, const StateFormat v, const DType 
   o.exp_avg_format = m;
   o.exp_avg_sq_format = v;
   o.main_params_format = main;
+  o.store_param_remainders = remainders;
   return o;
 }
 
@@ -207,6 +208,62 @@ TEST(PrecisionAwareOptimizer, Fp16MainParamsWithBf16Weights) {
                 std::ldexp(1.0, -8) * std::fabs(main_low[e]) + 2 * e1 + slack);
     }
   }
+}
+
+// TE's store_param_remainders: the fp32 main parameters kept as the bf16 weights + 16-bit remainders are exactly the
+// fp32 main parameters of the plain run (started from the same bf16 weights), step after step, and each weight is
+// its main value rounded to the nearest bf16, ties away from zero; the main copy takes 2 bytes per element.
+TEST(PrecisionAwareOptimizer, ParamRemaindersKeepTheExactMainParams) {
+  OptRun ref(adam_options(StateFormat::kF32, StateFormat::kF32, DType::kBF16));
+  OptRun rem(adam_options(StateFormat::kF32, StateFormat::kF32, DType::kBF16, StateFormat::kF32, true));
+  // Megatron's master starts as the bf16 weights (TE: zero remainders); give the plain run the same start.
+  for (const AdamWMomentSlice& s : ref.opt->moment_slices()) {
+    Tensor main = s.main_param;
+    main.copy_from(ref.params[static_cast<size_t>(s.param)].value.view({s.end - s.begin}));
+  }
+  int64_t elements = 0;
+  for (const auto& b : rem.ddp->buckets()) elements += b.shard_size;
+  EXPECT_EQ(rem.opt->state_bytes(), (4 + 4 + 2) * elements);
+  for (int step = 0; step <= 3; ++step) {
+    if (step > 0) {
+      ref.step(step);
+      rem.step(step);
+    }
+    const std::vector<AdamWMomentSlice> a = ref.opt->moment_slices(), b = rem.opt->moment_slices();
+    for (size_t i = 0; i < a.size(); ++i) {
+      const std::vector<float> main = values(a[i].main_param);
+      ASSERT_EQ(values(b[i].main_param), main) << "step " << step << " " << ref.params[i].name;
+      const std::vector<float> w = values(rem.params[i].value);
+      for (size_t e = 0; e < main.size(); ++e) ASSERT_EQ(w[e], test::bf16_nearest_ties_away(main[e]));
+    }
+  }
+  // Loading fp32 main parameters (a checkpoint) sets both halves; the weights follow.
+  std::vector<AdamWMomentSlice> slices = rem.opt->moment_slices();
+  std::vector<std::vector<float>> loaded;
+  for (AdamWMomentSlice& s : slices) {
+    float* m = s.main_param.data<float>();
+    for (int64_t e = 0; e < s.main_param.numel(); ++e) m[e] = m[e] * 1.5f + 1e-3f;
+    loaded.push_back(values(s.main_param));
+  }
+  rem.opt->load_moment_slices(slices);
+  const std::vector<AdamWMomentSlice> after = rem.opt->moment_slices();
+  for (size_t i = 0; i < after.size(); ++i) {
+    EXPECT_EQ(values(after[i].main_param), loaded[i]);
+    const std::vector<float> w = values(rem.params[i].value);
+    for (size_t e = 0; e < w.size(); ++e) ASSERT_EQ(w[e], test::bf16_nearest_ties_away(loaded[i][e]));
+  }
+  // Without the main parameters (a checkpoint of fp32 weights) nothing of them is loaded.
+  rem.opt->load_moment_slices(rem.opt->moment_slices(), false);
+  // A tie rounds away from zero: 1 + 2^-8 -> 1 + 2^-7 (RNE would give 1), and the join restores it.
+  Tensor main = Tensor::zeros({2}), weight = Tensor::zeros({2}), remainder = Tensor::zeros({2}, DType::kBF16);
+  main.data<float>()[0] = 1.0f + std::ldexp(1.0f, -8);
+  main.data<float>()[1] = -(1.0f + std::ldexp(1.0f, -8));
+  ops::split_param_remainders(main, weight, remainder);
+  EXPECT_EQ(weight.data<float>()[0], 1.0f + std::ldexp(1.0f, -7));
+  EXPECT_EQ(weight.data<float>()[1], -(1.0f + std::ldexp(1.0f, -7)));
+  Tensor joined = Tensor::zeros({2});
+  ops::join_param_remainders(weight, remainder, joined);
+  EXPECT_EQ(values(joined), values(main));
 }
 
 TEST(PrecisionAwareOptimizer, MomentSlicesAreUnscaledCopiesLoadedBackInAnyFormat) {

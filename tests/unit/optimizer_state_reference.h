@@ -67,6 +67,21 @@ inline double nearest_on_grid(const std::vector<GridPoint>& grid, const double x
   return std::signbit(x) ? -value : value;
 }
 
+// The bf16 value TE's store_param_remainders gives an fp32 main value: the nearest bf16 value, ties away from zero
+// (a low half of exactly 0x8000 reads as a negative int16, which rounds the high half up in magnitude).
+inline float bf16_nearest_ties_away(const float x) {
+  const std::vector<GridPoint>& grid = bf16_grid();
+  const double a = std::fabs(static_cast<double>(x));
+  const auto above =
+      std::lower_bound(grid.begin(), grid.end(), a, [](const GridPoint& p, const double v) { return p.value < v; });
+  double value = above->value;
+  if (above != grid.begin() && above->value != a) {
+    const double lo = (above - 1)->value;
+    value = a - lo < above->value - a ? lo : above->value;
+  }
+  return static_cast<float>(std::signbit(x) ? -value : value);
+}
+
 inline float reference_abs_max(const std::span<const float> x) {
   float m = 0.0f;
   for (const float v : x) m = std::max(m, std::fabs(v));

@@ -127,6 +127,11 @@ TEST(PrecisionAwareArgs, ValidationErrors) {
   EXPECT_NO_THROW(parse_train_args(pao({"--bf16", "--grad-reduce-in-bf16", "--main-grads-dtype", "bf16"})));
 }
 
+Args with_distributed_optimizer(Args a) {
+  a.push_back("--use-distributed-optimizer");
+  return a;
+}
+
 TrainingArgs run_args_of(const Args& flags) {
   const TrainingArgs args = parse_train_args(flags);
   return with_padded_vocabulary(args, build_vocabulary(args));
@@ -145,6 +150,12 @@ TEST(PrecisionAwareSetup, FlagsReachTheOptimizerAndDdp) {
   int64_t elements = 0;
   for (const auto& b : mo.ddp->buckets()) elements += b.shard_size;
   EXPECT_EQ(mo.optimizer->state_bytes(), elements * (1 + 2 + 2));
+
+  // --bf16 with fp32 main parameters: Megatron's store_param_remainders, 2 bytes per main parameter.
+  const ModelAndOptimizer remainders =
+      build_model_and_optimizer(run_args_of(pao({"--bf16"})), parallel::ParallelState::single_process());
+  EXPECT_TRUE(remainders.optimizer->options().store_param_remainders);
+  EXPECT_EQ(remainders.optimizer->state_bytes(), elements * (4 + 4 + 2));
 
   const ModelAndOptimizer plain =
       build_model_and_optimizer(run_args_of(tiny({"--bf16"})), parallel::ParallelState::single_process());
@@ -275,6 +286,32 @@ TEST(PrecisionAwareCheckpoint, Fp32MomentsLoadIntoReducedFormatsRounded) {
   }
   // TE owns the fp16 master: the checkpoint's weights are kept (Megatron loads the model weights as saved).
   EXPECT_EQ(loaded.weights(), saved.weights());
+}
+
+// bf16 weights: the remainder run's checkpoint holds its exact fp32 main parameters; a plain --bf16 run loads them as
+// they are (weights rounded to nearest even), and a remainder run loads a plain run's (weights rounded half away).
+TEST(PrecisionAwareCheckpoint, ParamRemaindersSaveAndLoadTheFp32MainParams) {
+  const test::TempDir dir("pao_ckpt");
+  for (const bool from_remainders : {true, false}) {
+    const std::string ckpt = dir.path(from_remainders ? "rem" : "plain");
+    const Args save = {"--bf16", "--save", ckpt, "--save-interval", "100"};
+    Trained saved(from_remainders ? pao(save) : tiny(with_distributed_optimizer(save)));
+    saved.steps(2);
+    saved.save();
+    const Args load = {"--bf16", "--load", ckpt};
+    Trained loaded(from_remainders ? tiny(with_distributed_optimizer(load)) : pao(load));
+    loaded.load();
+    EXPECT_EQ(loaded.states(), saved.states()) << "moments and fp32 main parameters, exactly";
+    const std::vector<std::vector<float>> w = loaded.weights();
+    for (const AdamWMomentSlice& s : loaded.mo.optimizer->moment_slices()) {
+      const std::vector<float>& wp = w[static_cast<size_t>(s.param)];
+      for (size_t e = 0; e < wp.size(); ++e) {
+        const float main = s.main_param.data<float>()[e];
+        ASSERT_EQ(wp[e], from_remainders ? static_cast<float>(test::nearest_on_grid(test::bf16_grid(), main))
+                                         : test::bf16_nearest_ties_away(main));
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -25,4 +25,9 @@ void encode_state(const Tensor& unscaled, StateFormat format, float scale, Tenso
 // unscaled := the fp32 values of `stored`.
 void decode_state(const Tensor& stored, StateFormat format, float scale, Tensor& unscaled);
 
+// fp32 main parameters as bf16 weights + 16-bit remainders (quant/optimizer_state.h). `remainder` holds the int16
+// bits in a 16-bit tensor (dtype kBF16 as a container); main and weight are fp32, all of one element count.
+void split_param_remainders(const Tensor& main, Tensor& weight, Tensor& remainder);
+void join_param_remainders(const Tensor& weight, const Tensor& remainder, Tensor& main);
+
 }  // namespace moecore::ops

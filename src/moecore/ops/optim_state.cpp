@@ -50,4 +50,31 @@ void decode_state(const Tensor& stored, const StateFormat format, const float sc
                       unscaled.span<float>());
 }
 
+namespace {
+
+void check_remainders(const char* op, const Tensor& main, const Tensor& weight, const Tensor& remainder) {
+  for (const Tensor* t : {&main, &weight, &remainder}) {
+    if (!t->defined() || t->device() != Device::kCPU) detail::fail(op, "needs defined CPU tensors");
+  }
+  if (main.dtype() != DType::kF32 || weight.dtype() != DType::kF32) detail::fail(op, "main and weight must be fp32");
+  if (dtype_size(remainder.dtype()) != 2) detail::fail(op, "remainders are 16-bit");
+  detail::check_numel(op, "weight", weight, main.numel());
+  detail::check_numel(op, "remainder", remainder, main.numel());
+}
+
+}  // namespace
+
+void split_param_remainders(const Tensor& main, Tensor& weight, Tensor& remainder) {
+  check_remainders("split_param_remainders", main, weight, remainder);
+  quant::split_param_remainders(main.span<float>(), weight.span<float>(),
+                                std::span<int16_t>(remainder.data<int16_t>(), static_cast<size_t>(remainder.numel())));
+}
+
+void join_param_remainders(const Tensor& weight, const Tensor& remainder, Tensor& main) {
+  check_remainders("join_param_remainders", main, weight, remainder);
+  quant::join_param_remainders(
+      weight.span<float>(), std::span<const int16_t>(remainder.data<int16_t>(), static_cast<size_t>(remainder.numel())),
+      main.span<float>());
+}
+
 }  // namespace moecore::ops

@@ -22,6 +22,10 @@ struct AdamWOptions {
   quant::StateFormat exp_avg_format = quant::StateFormat::kF32;
   quant::StateFormat exp_avg_sq_format = quant::StateFormat::kF32;
   quant::StateFormat main_params_format = quant::StateFormat::kF32;  // fp32 or fp16
+  // Megatron's OptimizerConfig.store_param_remainders (True there; used with the precision-aware optimizer): with bf16
+  // weights and fp32 main parameters these are kept as the weights plus 16-bit remainders (TE FusedAdam), half the
+  // bytes, exactly; the weights then round half away from zero. Ignored for other weights / main formats.
+  bool store_param_remainders = false;
 };
 
 // A run of one parameter's Adam moments held by this rank: flat elements [begin, end) of params[param]'s local

@@ -19,7 +19,10 @@ DistributedAdamW::DistributedAdamW(DistributedDataParallel& ddp, std::vector<Par
   if (&params != &ddp.params()) throw std::invalid_argument("DistributedAdamW: params differ from the DDP's");
   const bool reduced = options_.exp_avg_format != StateFormat::kF32 ||
                        options_.exp_avg_sq_format != StateFormat::kF32 ||
-                       options_.main_params_format != StateFormat::kF32;
+                       options_.main_params_format != StateFormat::kF32 || options_.store_param_remainders;
+  // TE keeps remainders only for bf16 weights with an fp32 master (fused_adam.py: store_param_remainders).
+  remainders_ = options_.store_param_remainders && options_.params_dtype == DType::kBF16 &&
+                options_.main_params_format == StateFormat::kF32;
   if (options_.main_params_format != StateFormat::kF32 &&
       (options_.main_params_format != StateFormat::kF16 || options_.params_dtype == DType::kF32)) {
     throw std::invalid_argument("DistributedAdamW: main parameters are fp32, or fp16 with 16-bit weights");
@@ -36,7 +39,12 @@ DistributedAdamW::DistributedAdamW(DistributedDataParallel& ddp, std::vector<Par
   for (const auto& b : buckets) {
     exp_avg_.push_back(storage(options_.exp_avg_format, b.shard_size));
     exp_avg_sq_.push_back(storage(options_.exp_avg_sq_format, b.shard_size));
-    if (options_.params_dtype != DType::kF32) main_.push_back(storage(options_.main_params_format, b.shard_size));
+    if (remainders_) {
+      // The int16 remainders, in a 16-bit tensor.
+      main_.emplace_back(std::vector<int64_t>{b.shard_size}, DType::kBF16, MemCategory::kOptimizer);
+    } else if (options_.params_dtype != DType::kF32) {
+      main_.push_back(storage(options_.main_params_format, b.shard_size));
+    }
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     const DistributedDataParallel::Slot& slot = ddp_.slots()[i];
@@ -45,12 +53,14 @@ DistributedAdamW::DistributedAdamW(DistributedDataParallel& ddp, std::vector<Par
     const int64_t lo = std::max(slot.offset, b.shard_begin);
     const int64_t hi = std::min(slot.offset + slot.numel, b.shard_begin + b.shard_size);
     if (lo >= hi) continue;
-    Piece piece{static_cast<int>(i), slot.bucket, lo, hi - lo, {}, {}, {}};
+    Piece piece{static_cast<int>(i), slot.bucket, lo, hi - lo, {}, {}, {}, {}};
     const int64_t state = lo - b.shard_begin;
     piece.exp_avg = ScaledState(exp_avg_[bucket].slice_rows(state, state + piece.numel), options_.exp_avg_format);
     piece.exp_avg_sq =
         ScaledState(exp_avg_sq_[bucket].slice_rows(state, state + piece.numel), options_.exp_avg_sq_format);
-    if (!main_.empty()) {
+    if (remainders_) {
+      piece.remainder = main_[bucket].slice_rows(state, state + piece.numel);
+    } else if (!main_.empty()) {
       piece.main = ScaledState(main_[bucket].slice_rows(state, state + piece.numel), options_.main_params_format);
     }
     pieces_.push_back(std::move(piece));
@@ -60,7 +70,7 @@ DistributedAdamW::DistributedAdamW(DistributedDataParallel& ddp, std::vector<Par
 
 bool DistributedAdamW::fp32_states() const {
   return options_.exp_avg_format == StateFormat::kF32 && options_.exp_avg_sq_format == StateFormat::kF32 &&
-         options_.main_params_format == StateFormat::kF32;
+         options_.main_params_format == StateFormat::kF32 && !remainders_;
 }
 
 Tensor DistributedAdamW::param_piece(const Piece& piece) const {
@@ -71,6 +81,11 @@ Tensor DistributedAdamW::param_piece(const Piece& piece) const {
 void DistributedAdamW::main_params_from_model() {
   if (replicated_) return replicated_->main_params_from_model();
   if (main_.empty()) return;
+  if (remainders_) {  // TE: the master is the bf16 weight with a zero remainder
+    for (Param& p : params_) ops::round_to_dtype_(p.value, options_.params_dtype);
+    for (Piece& piece : pieces_) piece.remainder.zero_();
+    return;
+  }
   for (Piece& piece : pieces_) piece.main.assign(param_piece(piece));
   // Every rank rounds the whole replicated model alike, so the shards gathered later agree with the rest.
   for (Param& p : params_) ops::round_to_dtype_(p.value, options_.params_dtype);
@@ -78,7 +93,7 @@ void DistributedAdamW::main_params_from_model() {
 
 void DistributedAdamW::model_from_main_params() {
   if (replicated_) return replicated_->model_from_main_params();
-  if (main_.empty()) return;
+  if (main_.empty() || remainders_) return;  // remainders: the weights are the main values' high halves
   if (options_.main_params_format != StateFormat::kF32) {
     // TE holds the master weights: the loaded model weights stay (rounded to their dtype), as Megatron's
     // precision-aware path copies main to model parameters only inside the optimizer step.
@@ -180,9 +195,10 @@ void DistributedAdamW::step(const double lr) {
     const Param& p = params_[static_cast<size_t>(piece.param)];
     const ops::AdamWHyper hyper = adamw_hyper(options_, lr, step_, p.no_weight_decay);
     Tensor param = param_piece(piece);
-    ScaledState* main = main_.empty() ? nullptr : &piece.main;
+    ScaledState* main = main_.empty() || remainders_ ? nullptr : &piece.main;
     if (!fp32) {
-      scaled_adamw_step(param, grad_piece(piece), piece.exp_avg, piece.exp_avg_sq, main, options_.params_dtype, hyper);
+      scaled_adamw_step(param, grad_piece(piece), piece.exp_avg, piece.exp_avg_sq, main, options_.params_dtype, hyper,
+                        remainders_ ? &piece.remainder : nullptr);
       continue;
     }
     Tensor exp_avg = piece.exp_avg.stored(), exp_avg_sq = piece.exp_avg_sq.stored();
@@ -199,18 +215,24 @@ std::vector<AdamWMomentSlice> DistributedAdamW::moment_slices() const {
   const auto tensor_of = [](const ScaledState& state) {
     return state.format() == StateFormat::kF32 ? state.stored() : state.unscaled();
   };
+  const auto main_param_of = [&](const Piece& piece) {
+    if (!remainders_) return tensor_of(piece.main);
+    Tensor main({piece.numel}, DType::kF32);
+    ops::join_param_remainders(param_piece(piece), piece.remainder, main);
+    return main;
+  };
   std::vector<AdamWMomentSlice> slices;
   slices.reserve(pieces_.size());
   for (const Piece& piece : pieces_) {
     const DistributedDataParallel::Slot& slot = ddp_.slots()[static_cast<size_t>(piece.param)];
     const int64_t begin = piece.offset - slot.offset;  // the piece's first element within the parameter
     slices.push_back({piece.param, begin, begin + piece.numel, tensor_of(piece.exp_avg), tensor_of(piece.exp_avg_sq),
-                      main_.empty() ? Tensor() : tensor_of(piece.main)});
+                      main_.empty() ? Tensor() : main_param_of(piece)});
   }
   return slices;
 }
 
-void DistributedAdamW::load_moment_slices(const std::vector<AdamWMomentSlice>& slices) {
+void DistributedAdamW::load_moment_slices(const std::vector<AdamWMomentSlice>& slices, const bool main_params) {
   if (replicated_) return;  // views: already written
   if (slices.size() != pieces_.size()) throw std::invalid_argument("load_moment_slices: not this optimizer's slices");
   for (size_t i = 0; i < pieces_.size(); ++i) {
@@ -221,7 +243,13 @@ void DistributedAdamW::load_moment_slices(const std::vector<AdamWMomentSlice>& s
     }
     piece.exp_avg.assign(slice.exp_avg);
     piece.exp_avg_sq.assign(slice.exp_avg_sq);
-    if (!main_.empty()) piece.main.assign(slice.main_param);
+    if (main_.empty() || !main_params) continue;
+    if (remainders_) {
+      Tensor param = param_piece(piece);
+      ops::split_param_remainders(slice.main_param, param, piece.remainder);
+    } else {
+      piece.main.assign(slice.main_param);
+    }
   }
 }
 

@@ -52,8 +52,9 @@ class DistributedAdamW {
   // as fp32 copies of their unscaled values (TE's get_unscaled_state), fp32 states as views.
   std::vector<AdamWMomentSlice> moment_slices() const;
   // After writing into moment_slices()' tensors (a checkpoint load): stores the copies of reduced-format states back,
-  // each with the scale of its new absmax (TE's set_scaled_state). `slices` must come from moment_slices().
-  void load_moment_slices(const std::vector<AdamWMomentSlice>& slices);
+  // each with the scale of its new absmax (TE's set_scaled_state); the main parameters only with `main_params`
+  // (remainders: the weights and remainders from the fp32 values). `slices` must come from moment_slices().
+  void load_moment_slices(const std::vector<AdamWMomentSlice>& slices, bool main_params = true);
   // Bytes of every optimizer state this rank stores (moments and main parameters, padding included).
   int64_t state_bytes() const;
   // 16-bit weights (see AdamWOptimizer): main parameters from the model's values (then the values rounded), or the
@@ -73,6 +74,7 @@ class DistributedAdamW {
     int64_t numel = 0;
     ScaledState exp_avg, exp_avg_sq;
     ScaledState main;  // 16-bit weights only
+    Tensor remainder;  // bf16 weights with store_param_remainders: the int16 remainders (a 16-bit tensor)
   };
   bool fp32_states() const;
   bool counted_in_norm(const Param& p) const;
@@ -87,8 +89,10 @@ class DistributedAdamW {
   std::vector<Piece> pieces_;                 // registration order
   std::vector<Tensor> exp_avg_;               // [bucket] -> [shard_size] in exp_avg_format, kOptimizer
   std::vector<Tensor> exp_avg_sq_;
-  std::vector<Tensor> main_;  // [bucket] -> [shard_size] main parameters (16-bit weights only), kOptimizer
+  // [bucket] -> [shard_size] main parameters (16-bit weights only; with remainders their low halves), kOptimizer
+  std::vector<Tensor> main_;
   int64_t step_ = 0;
+  bool remainders_ = false;  // main parameters as bf16 weights + 16-bit remainders
 };
 
 }  // namespace moecore

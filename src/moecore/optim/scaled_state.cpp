@@ -49,11 +49,13 @@ Tensor ScaledState::unscaled(const MemCategory category) const {
 }
 
 void scaled_adamw_step(Tensor& param, const Tensor& grad, ScaledState& exp_avg, ScaledState& exp_avg_sq,
-                       ScaledState* main, const DType params_dtype, const ops::AdamWHyper& hyper) {
+                       ScaledState* main, const DType params_dtype, const ops::AdamWHyper& hyper, Tensor* remainder) {
   const int64_t n = param.numel();
-  if (grad.numel() != n || exp_avg.numel() != n || exp_avg_sq.numel() != n || (main && main->numel() != n)) {
+  if (grad.numel() != n || exp_avg.numel() != n || exp_avg_sq.numel() != n || (main && main->numel() != n) ||
+      (remainder && remainder->numel() != n)) {
     throw std::invalid_argument("scaled_adamw_step: the piece's tensors differ in size");
   }
+  if (main && remainder) throw std::invalid_argument("scaled_adamw_step: main parameters or remainders, not both");
   if (n == 0) return;
   const Tensor param_flat = param.view({n}), grad_flat = grad.view({n});
   const int64_t chunk = std::min(n, kChunk);
@@ -73,6 +75,8 @@ void scaled_adamw_step(Tensor& param, const Tensor& grad, ScaledState& exp_avg, 
       exp_avg_sq.read(begin, v_K, old_v);
       if (main) {
         main->read(begin, p_K, old_main);
+      } else if (remainder) {
+        ops::join_param_remainders(param_K, remainder->slice_rows(begin, begin + k), p_K);
       } else {
         p_K.copy_from(param_K);
       }
@@ -85,6 +89,11 @@ void scaled_adamw_step(Tensor& param, const Tensor& grad, ScaledState& exp_avg, 
       }
       exp_avg.write(begin, m_K);
       exp_avg_sq.write(begin, v_K);
+      if (remainder) {
+        Tensor rem_K = remainder->slice_rows(begin, begin + k);
+        ops::split_param_remainders(p_K, param_K, rem_K);
+        continue;
+      }
       param_K.copy_from(p_K);
       if (main) {
         ops::round_to_dtype_(param_K, params_dtype);

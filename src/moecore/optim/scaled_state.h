@@ -55,8 +55,11 @@ class ScaledState {
 // rounded to params_dtype (before they are stored in main's format, as TE writes the model weights from the fp32
 // master inside the kernel). param and grad are flat fp32 tensors of the pieces' length. Works through fp32 chunks, so
 // no whole-piece fp32 copy is ever held: with a scaled format the updated chunks are computed twice, once for the new
-// absmax and once to store them (bit-identical: the same kernel on the same inputs).
+// absmax and once to store them (bit-identical: the same kernel on the same inputs). With `remainder` (bf16 weights,
+// no `main`) the fp32 main parameters are the weights joined with their 16-bit remainders, and the update is split
+// back into both (ops::split_param_remainders, TE's store_param_remainders).
 void scaled_adamw_step(Tensor& param, const Tensor& grad, ScaledState& exp_avg, ScaledState& exp_avg_sq,
-                       ScaledState* main, DType params_dtype, const ops::AdamWHyper& hyper);
+                       ScaledState* main, DType params_dtype, const ops::AdamWHyper& hyper,
+                       Tensor* remainder = nullptr);
 
 }  // namespace moecore

@@ -183,4 +183,37 @@ void decode_state(const StateFormat format, const float scale, const std::span<c
   }
 }
 
+void split_param_remainders(const std::span<const float> main, const std::span<float> weight,
+                            const std::span<int16_t> remainder) {
+  if (weight.size() != main.size() || remainder.size() != main.size()) {
+    throw std::invalid_argument("split_param_remainders: sizes differ");
+  }
+  const auto n = static_cast<int64_t>(main.size());
+#pragma omp parallel for schedule(static) if (n > kParallelWork)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = std::bit_cast<uint32_t>(main[static_cast<size_t>(i)]);
+    const auto rem = static_cast<int16_t>(static_cast<uint16_t>(bits & 0xFFFFu));
+    uint32_t high = bits >> 16;
+    if (rem < 0) ++high;  // "Round up"
+    remainder[static_cast<size_t>(i)] = rem;
+    weight[static_cast<size_t>(i)] = std::bit_cast<float>((high & 0xFFFFu) << 16);
+  }
+}
+
+void join_param_remainders(const std::span<const float> weight, const std::span<const int16_t> remainder,
+                           const std::span<float> main) {
+  if (weight.size() != main.size() || remainder.size() != main.size()) {
+    throw std::invalid_argument("join_param_remainders: sizes differ");
+  }
+  const auto n = static_cast<int64_t>(main.size());
+#pragma omp parallel for schedule(static) if (n > kParallelWork)
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t high = std::bit_cast<uint32_t>(weight[static_cast<size_t>(i)]) >> 16;
+    const int16_t rem = remainder[static_cast<size_t>(i)];
+    if (rem < 0) --high;  // "Undo rounding"
+    main[static_cast<size_t>(i)] =
+        std::bit_cast<float>(((high & 0xFFFFu) << 16) | static_cast<uint32_t>(static_cast<uint16_t>(rem)));
+  }
+}
+
 }  // namespace moecore::quant

@@ -37,4 +37,12 @@ void encode_state(StateFormat format, float scale, std::span<const float> x, std
 // x[i] = the unscaled fp32 value of stored[i].
 void decode_state(StateFormat format, float scale, std::span<const std::byte> stored, std::span<float> x);
 
+// fp32 main parameters stored as bf16 weights plus 16-bit remainders (TE's store_param_remainders, Megatron's
+// default with bf16 weights and fp32 main parameters; transformer_engine/common/multi_tensor/adam.cu): the weight is
+// the main value's high 16 bits, plus one when the low 16 bits, read as int16, are negative (round half away from
+// zero), and the remainder is those low 16 bits; joining undoes the increment and glues the halves back, exactly.
+// `weight` holds bf16 values in fp32.
+void split_param_remainders(std::span<const float> main, std::span<float> weight, std::span<int16_t> remainder);
+void join_param_remainders(std::span<const float> weight, std::span<const int16_t> remainder, std::span<float> main);
+
 }  // namespace moecore::quant

@@ -339,7 +339,7 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
           return load_optim || !is_optimizer(e.key);
         },
         is_vocab_key);
-    if (load_optim) target.optimizer.load_moment_slices(slices);
+    if (load_optim) target.optimizer.load_moment_slices(slices, main_params_loaded);
     if (main_params_loaded) {
       target.optimizer.model_from_main_params();
     } else {
