@@ -46,6 +46,13 @@ expect_error "Number of layers should be divisible by the pipeline-model-paralle
 expect_error "Number of decoder layers 3 must match --num-layers 2" "$bin" layout --world-size 2 \
   --pipeline-model-parallel-size 2 --num-layers 2 --pipeline-model-parallel-layout "Et|ttL"
 expect_error "flex is not available" "$bin" train "${base[@]}" --num-experts 4 --moe-token-dispatcher-type flex
+# The precision-aware optimizer: Megatron's dtype choices and its distributed-optimizer requirement.
+expect_error "--exp-avg-dtype can only be fp32 when not using precision-aware optimizer" "$bin" train "${base[@]}" \
+  --use-distributed-optimizer --exp-avg-dtype bf16
+expect_error "--use-precision-aware-optimizer only supported with distributed optimizer" "$bin" train "${base[@]}" \
+  --use-precision-aware-optimizer --exp-avg-dtype bf16
+expect_error "invalid value 'fp8' for --main-params-dtype (choose from fp32, fp16)" "$bin" train "${base[@]}" \
+  --use-distributed-optimizer --use-precision-aware-optimizer --bf16 --main-params-dtype fp8
 # Under mpirun the same errors come once (from rank 0) and every rank exits non-zero.
 if command -v mpirun >/dev/null; then
   mpi=(env OMP_NUM_THREADS=1 mpirun -q --allow-run-as-root --oversubscribe -np 2 "$bin" train "${base[@]}")

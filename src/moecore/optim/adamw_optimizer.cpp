@@ -30,6 +30,11 @@ void copy_main_to_model(Tensor& value, const Tensor& main, const DType params_dt
 
 AdamWOptimizer::AdamWOptimizer(std::vector<Param>& params, const AdamWOptions& options)
     : params_(params), options_(options) {
+  if (options_.exp_avg_format != quant::StateFormat::kF32 || options_.exp_avg_sq_format != quant::StateFormat::kF32 ||
+      options_.main_params_format != quant::StateFormat::kF32 || options_.store_param_remainders) {
+    throw std::invalid_argument(
+        "AdamWOptimizer keeps fp32 states: reduced-precision states need the distributed optimizer");
+  }
   exp_avg_.reserve(params_.size());
   exp_avg_sq_.reserve(params_.size());
   for (const Param& p : params_) {

@@ -16,12 +16,24 @@ struct AdamWOptions {
   // them and writes them back rounded (Megatron's Float16OptimizerWithFloat16Params / the distributed optimizer's
   // fp32 shards).
   DType params_dtype = DType::kF32;
+  // The precision-aware optimizer (Megatron's --use-precision-aware-optimizer, with the distributed optimizer only;
+  // optim/scaled_state.h): the formats the moments and, with 16-bit weights, the main parameters are stored in.
+  // AdamWOptimizer takes fp32 only.
+  quant::StateFormat exp_avg_format = quant::StateFormat::kF32;
+  quant::StateFormat exp_avg_sq_format = quant::StateFormat::kF32;
+  quant::StateFormat main_params_format = quant::StateFormat::kF32;  // fp32 or fp16
+  // Megatron's OptimizerConfig.store_param_remainders (True there; used with the precision-aware optimizer): with bf16
+  // weights and fp32 main parameters these are kept as the weights plus 16-bit remainders (TE FusedAdam), half the
+  // bytes, exactly; the weights then round half away from zero. Ignored for other weights / main formats.
+  bool store_param_remainders = false;
 };
 
 // A run of one parameter's Adam moments held by this rank: flat elements [begin, end) of params[param]'s local
-// tensor (its tensor-parallel shard, row-major), as views of the optimizer's fp32 states (writing them writes the
-// state). The replicated optimizer holds every parameter whole; the distributed optimizer the part of each parameter
-// inside this rank's shard of its bucket (Megatron's DistributedOptimizer param ranges).
+// tensor (its tensor-parallel shard, row-major): views of the optimizer's fp32 states (writing them writes the
+// state), or, for states stored in a reduced format, fp32 copies of their unscaled values (written back by
+// DistributedAdamW::load_moment_slices). The replicated optimizer holds every parameter whole; the distributed
+// optimizer the part of each parameter inside this rank's shard of its bucket (Megatron's DistributedOptimizer param
+// ranges).
 struct AdamWMomentSlice {
   int param = 0;
   int64_t begin = 0, end = 0;

@@ -10,6 +10,7 @@
 
 #include "moecore/ops/convert.h"
 #include "moecore/ops/elementwise.h"
+#include "moecore/ops/precision.h"
 #include "moecore/parallel/comm_stats.h"
 
 namespace moecore {
@@ -50,6 +51,9 @@ DistributedDataParallel::DistributedDataParallel(std::vector<Param>& params, con
     throw std::invalid_argument("quantized_param_gather requires the distributed optimizer");
   }
   if (options_.bucket_size < 0) throw std::invalid_argument("bucket_size must be >= 0");
+  if (options_.main_grad_dtype != DType::kF32 && options_.main_grad_dtype != DType::kBF16) {
+    throw std::invalid_argument("main_grad_dtype must be fp32 or bf16");
+  }
   if (options_.bucket_size > 0) {
     bucket_size_ = options_.bucket_size;
   } else if (options_.overlap_grad_reduce) {
@@ -80,6 +84,10 @@ DistributedDataParallel::DistributedDataParallel(std::vector<Param>& params, con
   min_module_ = min_module;
   const size_t num_modules = max_module >= min_module ? static_cast<size_t>(max_module - min_module + 1) : 0;
   module_buckets_.resize(num_modules);
+  module_params_.resize(num_modules);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    module_params_[static_cast<size_t>(params_[i].module - min_module)].push_back(static_cast<int>(i));
+  }
   module_done_.assign(num_modules, 0);
   tp_summed_.assign(params_.size(), 0);
   slots_.resize(params_.size());
@@ -259,10 +267,16 @@ void DistributedDataParallel::launch(const int bucket_index) {
 }
 
 void DistributedDataParallel::after_backward(const int module) {
+  const int m = module - min_module_;
+  const bool known = m >= 0 && m < static_cast<int>(module_done_.size());
+  if (known && options_.main_grad_dtype != DType::kF32) {
+    for (const int i : module_params_[static_cast<size_t>(m)]) {
+      ops::round_to_dtype_(params_[static_cast<size_t>(i)].grad, options_.main_grad_dtype);
+    }
+  }
   if (!options_.overlap_grad_reduce || !last_microbatch_) return;
   parallel::drive_progress();  // the buckets launched so far advance while backward goes on
-  const int m = module - min_module_;
-  if (m < 0 || m >= static_cast<int>(module_done_.size())) return;
+  if (!known) return;
   module_done_[static_cast<size_t>(m)] = 1;
   for (int i = static_cast<int>(params_.size()) - 1; i >= 0; --i) {
     if (params_[static_cast<size_t>(i)].module == module) tp_sum(i);

@@ -45,6 +45,11 @@ struct DdpOptions {
   // The dtype gradients travel in: fp32, or bf16 / fp16 (the fp32 bucket is rounded into a 16-bit buffer, reduced in
   // 16 bits and widened back: Megatron's --grad-reduce-in-bf16, and fp16 without --accumulate-allreduce-grads-in-fp32).
   DType grad_reduce_dtype = DType::kF32;
+  // The values the gradient buffer holds (Megatron's main_grad dtype): fp32, or bf16 (--main-grads-dtype bf16 with
+  // the precision-aware optimizer; give grad_reduce_dtype bf16 too). The buffer keeps fp32 storage, but after every
+  // micro-batch's backward of a module its gradients are rounded to bf16, so they accumulate over micro-batches in
+  // bf16 as in Megatron's bf16 buffer (which adds each micro-batch's gradient into bf16 main_grad).
+  DType main_grad_dtype = DType::kF32;
   // The dtype of the distributed optimizer's parameter all-gather: the model weights' dtype (16-bit weights travel in
   // 16 bits, exactly).
   DType param_gather_dtype = DType::kF32;
@@ -109,8 +114,8 @@ class DistributedDataParallel : public ModelHooks {
   void set_last_microbatch(bool last) { last_microbatch_ = last; }
   // overlap_param_gather: waits for the all-gathers of the buckets holding module's params.
   void before_forward(int module) override;
-  // overlap_grad_reduce on the last micro-batch: TP sums of module's grad_sum_over_tp params, then launches every
-  // bucket whose modules are all done.
+  // main_grad_dtype bf16: rounds module's gradients to bf16 (every micro-batch). overlap_grad_reduce on the last
+  // micro-batch: TP sums of module's grad_sum_over_tp params, then launches every bucket whose modules are all done.
   void after_backward(int module) override;
   // Launches whatever has not been launched, waits for all. Afterwards every Param::grad holds the gradient summed
   // over the group and divided by the dp-cp size; with the distributed optimizer only this rank's shard of each
@@ -161,6 +166,7 @@ class DistributedDataParallel : public ModelHooks {
   std::vector<Slot> slots_;
   int min_module_ = 0;
   std::vector<std::vector<int>> module_buckets_;  // [module - min_module_] -> buckets holding its params
+  std::vector<std::vector<int>> module_params_;   // [module - min_module_] -> its params
   std::vector<char> module_done_;                 // [module - min_module_]
   std::vector<char> tp_summed_;                   // [param]
   bool last_microbatch_ = true;

@@ -17,29 +17,65 @@ DistributedAdamW::DistributedAdamW(DistributedDataParallel& ddp, std::vector<Par
                                    const AdamWOptions& options)
     : ddp_(ddp), params_(params), options_(options) {
   if (&params != &ddp.params()) throw std::invalid_argument("DistributedAdamW: params differ from the DDP's");
+  const bool reduced = options_.exp_avg_format != StateFormat::kF32 ||
+                       options_.exp_avg_sq_format != StateFormat::kF32 ||
+                       options_.main_params_format != StateFormat::kF32 || options_.store_param_remainders;
+  // TE keeps remainders only for bf16 weights with an fp32 master (fused_adam.py: store_param_remainders).
+  // A quantized weight (--fp8-param-gather) holds decoded codes, not the high half of its main value: no remainders
+  // there, as TE stores them only for bf16 params.
+  remainders_ = options_.store_param_remainders && options_.params_dtype == DType::kBF16 &&
+                options_.main_params_format == StateFormat::kF32 && !ddp_.has_quantized_groups();
+  if (options_.main_params_format != StateFormat::kF32 &&
+      (options_.main_params_format != StateFormat::kF16 || options_.params_dtype == DType::kF32)) {
+    throw std::invalid_argument("DistributedAdamW: main parameters are fp32, or fp16 with 16-bit weights");
+  }
   if (!ddp_.options().use_distributed_optimizer) {
+    if (reduced) throw std::invalid_argument("reduced-precision optimizer states need the distributed optimizer");
     replicated_.emplace(params_, options_);
     return;
   }
+  const auto storage = [](const StateFormat format, const int64_t n) {
+    return Tensor(std::vector<int64_t>{n}, ops::state_storage_dtype(format), MemCategory::kOptimizer);
+  };
   const auto& buckets = ddp_.buckets();
   // Quantized weights (--fp8-param-gather) hold their decoded codes, so their fp32 main parameters live here even
   // with fp32 weights (Megatron keeps every FP8 param in its float16 groups with an fp32 main copy).
   const bool keep_main = options_.params_dtype != DType::kF32 || ddp_.has_quantized_groups();
   for (const auto& b : buckets) {
-    exp_avg_.emplace_back(std::vector<int64_t>{b.shard_size}, DType::kF32, MemCategory::kOptimizer);
-    exp_avg_sq_.emplace_back(std::vector<int64_t>{b.shard_size}, DType::kF32, MemCategory::kOptimizer);
-    if (keep_main) {
-      main_.emplace_back(std::vector<int64_t>{b.shard_size}, DType::kF32, MemCategory::kOptimizer);
+    exp_avg_.push_back(storage(options_.exp_avg_format, b.shard_size));
+    exp_avg_sq_.push_back(storage(options_.exp_avg_sq_format, b.shard_size));
+    if (remainders_) {
+      // The int16 remainders, in a 16-bit tensor.
+      main_.emplace_back(std::vector<int64_t>{b.shard_size}, DType::kBF16, MemCategory::kOptimizer);
+    } else if (keep_main) {
+      main_.push_back(storage(options_.main_params_format, b.shard_size));
     }
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     const DistributedDataParallel::Slot& slot = ddp_.slots()[i];
-    const auto& b = buckets[static_cast<size_t>(slot.bucket)];
+    const auto bucket = static_cast<size_t>(slot.bucket);
+    const auto& b = buckets[bucket];
     const int64_t lo = std::max(slot.offset, b.shard_begin);
     const int64_t hi = std::min(slot.offset + slot.numel, b.shard_begin + b.shard_size);
-    if (lo < hi) pieces_.push_back({static_cast<int>(i), slot.bucket, lo, hi - lo});
+    if (lo >= hi) continue;
+    Piece piece{static_cast<int>(i), slot.bucket, lo, hi - lo, {}, {}, {}, {}};
+    const int64_t state = lo - b.shard_begin;
+    piece.exp_avg = ScaledState(exp_avg_[bucket].slice_rows(state, state + piece.numel), options_.exp_avg_format);
+    piece.exp_avg_sq =
+        ScaledState(exp_avg_sq_[bucket].slice_rows(state, state + piece.numel), options_.exp_avg_sq_format);
+    if (remainders_) {
+      piece.remainder = main_[bucket].slice_rows(state, state + piece.numel);
+    } else if (!main_.empty()) {
+      piece.main = ScaledState(main_[bucket].slice_rows(state, state + piece.numel), options_.main_params_format);
+    }
+    pieces_.push_back(std::move(piece));
   }
   main_params_from_model();
+}
+
+bool DistributedAdamW::fp32_states() const {
+  return options_.exp_avg_format == StateFormat::kF32 && options_.exp_avg_sq_format == StateFormat::kF32 &&
+         options_.main_params_format == StateFormat::kF32 && !remainders_;
 }
 
 Tensor DistributedAdamW::param_piece(const Piece& piece) const {
@@ -47,19 +83,15 @@ Tensor DistributedAdamW::param_piece(const Piece& piece) const {
   return group.param_buffer.slice_rows(piece.offset, piece.offset + piece.numel);
 }
 
-Tensor DistributedAdamW::main_piece(const Piece& piece) const {
-  const int64_t state = piece.offset - ddp_.buckets()[static_cast<size_t>(piece.bucket)].shard_begin;
-  return main_[static_cast<size_t>(piece.bucket)].slice_rows(state, state + piece.numel);
-}
-
 void DistributedAdamW::main_params_from_model() {
   if (replicated_) return replicated_->main_params_from_model();
   if (main_.empty()) return;
-  for (const Piece& piece : pieces_) {
-    const Tensor param = param_piece(piece);
-    Tensor main = main_piece(piece);
-    std::copy_n(param.data<float>(), piece.numel, main.data<float>());
+  if (remainders_) {  // TE: the master is the bf16 weight with a zero remainder
+    for (Param& p : params_) ops::round_to_dtype_(p.value, options_.params_dtype);
+    for (Piece& piece : pieces_) piece.remainder.zero_();
+    return;
   }
+  for (Piece& piece : pieces_) piece.main.assign(param_piece(piece));
   // Every rank rounds the whole replicated model alike, so the shards gathered later agree with the rest; the
   // quantized weights become their quantization (of the rounded values, as every later gather).
   for (Param& p : params_) ops::round_to_dtype_(p.value, options_.params_dtype);
@@ -68,10 +100,16 @@ void DistributedAdamW::main_params_from_model() {
 
 void DistributedAdamW::model_from_main_params() {
   if (replicated_) return replicated_->model_from_main_params();
-  if (main_.empty()) return;
+  if (main_.empty() || remainders_) return;  // remainders: the weights are the main values' high halves
+  if (options_.main_params_format != StateFormat::kF32) {
+    // TE holds the master weights: the loaded model weights stay (rounded to their dtype), as Megatron's
+    // precision-aware path copies main to model parameters only inside the optimizer step.
+    for (Param& p : params_) ops::round_to_dtype_(p.value, options_.params_dtype);
+    return;
+  }
   for (const Piece& piece : pieces_) {
     Tensor param = param_piece(piece);
-    copy_main_to_model(param, main_piece(piece), options_.params_dtype);
+    copy_main_to_model(param, piece.main.stored(), options_.params_dtype);
   }
   // A quantized weight's scales depend on every shard: quantize and gather them now.
   if (ddp_.has_quantized_groups()) ddp_.gather_quantized_params();
@@ -121,6 +159,7 @@ double DistributedAdamW::clip_grad_norm(const double max_norm) {
       for (const Piece& piece : pieces_) {
         Tensor grad = grad_piece(piece);
         ops::scale_(grad, coeff);
+        ops::round_to_dtype_(grad, ddp_.options().main_grad_dtype);  // bf16 main grads are scaled in bf16
       }
     }
   }
@@ -130,7 +169,10 @@ double DistributedAdamW::clip_grad_norm(const double max_norm) {
 bool DistributedAdamW::unscale_grads_and_check_for_nan(const float inv_scale) {
   bool found = false;
   const auto visit = [&](Tensor& grad) {
-    if (inv_scale != 1.0f) ops::scale_(grad, inv_scale);
+    if (inv_scale != 1.0f) {
+      ops::scale_(grad, inv_scale);
+      ops::round_to_dtype_(grad, ddp_.options().main_grad_dtype);  // bf16 main grads are unscaled in bf16
+    }
     // Squares of fp32 values summed in double cannot overflow, so only an Inf or NaN element makes this non-finite.
     if (!std::isfinite(ops::sum_squares(grad))) found = true;
   };
@@ -157,36 +199,83 @@ void DistributedAdamW::step(const double lr) {
   if (replicated_) return replicated_->step(lr);
   ddp_.wait_param_gather();  // the gather writes this rank's shard too
   ++step_;
-  for (const Piece& piece : pieces_) {
+  const bool fp32 = fp32_states();
+  for (Piece& piece : pieces_) {
     const Param& p = params_[static_cast<size_t>(piece.param)];
-    auto& group = ddp_.groups()[static_cast<size_t>(ddp_.slots()[static_cast<size_t>(piece.param)].group)];
-    const auto& bucket = ddp_.buckets()[static_cast<size_t>(piece.bucket)];
-    const int64_t state = piece.offset - bucket.shard_begin;
-    Tensor param = group.param_buffer.slice_rows(piece.offset, piece.offset + piece.numel);
-    Tensor exp_avg = exp_avg_[static_cast<size_t>(piece.bucket)].slice_rows(state, state + piece.numel);
-    Tensor exp_avg_sq = exp_avg_sq_[static_cast<size_t>(piece.bucket)].slice_rows(state, state + piece.numel);
-    Tensor target = main_.empty() ? param : main_piece(piece);
-    ops::adamw_step(target, grad_piece(piece), exp_avg, exp_avg_sq,
-                    adamw_hyper(options_, lr, step_, p.no_weight_decay));
-    if (!main_.empty()) copy_main_to_model(param, target, options_.params_dtype);
+    const ops::AdamWHyper hyper = adamw_hyper(options_, lr, step_, p.no_weight_decay);
+    Tensor param = param_piece(piece);
+    ScaledState* main = main_.empty() || remainders_ ? nullptr : &piece.main;
+    if (!fp32) {
+      scaled_adamw_step(param, grad_piece(piece), piece.exp_avg, piece.exp_avg_sq, main, options_.params_dtype, hyper,
+                        remainders_ ? &piece.remainder : nullptr);
+      continue;
+    }
+    Tensor exp_avg = piece.exp_avg.stored(), exp_avg_sq = piece.exp_avg_sq.stored();
+    Tensor target = main ? main->stored() : param;
+    ops::adamw_step(target, grad_piece(piece), exp_avg, exp_avg_sq, hyper);
+    if (main) copy_main_to_model(param, target, options_.params_dtype);
   }
   ddp_.start_param_gather();
 }
 
 std::vector<AdamWMomentSlice> DistributedAdamW::moment_slices() const {
   if (replicated_) return replicated_->moment_slices();
+  // fp32 states as views, reduced ones as fp32 copies (TE's get_unscaled_state).
+  const auto tensor_of = [](const ScaledState& state) {
+    return state.format() == StateFormat::kF32 ? state.stored() : state.unscaled();
+  };
+  const auto main_param_of = [&](const Piece& piece) {
+    if (!remainders_) return tensor_of(piece.main);
+    Tensor main({piece.numel}, DType::kF32);
+    ops::join_param_remainders(param_piece(piece), piece.remainder, main);
+    return main;
+  };
   std::vector<AdamWMomentSlice> slices;
   slices.reserve(pieces_.size());
   for (const Piece& piece : pieces_) {
     const DistributedDataParallel::Slot& slot = ddp_.slots()[static_cast<size_t>(piece.param)];
-    const int64_t state = piece.offset - ddp_.buckets()[static_cast<size_t>(piece.bucket)].shard_begin;
-    const auto bucket = static_cast<size_t>(piece.bucket);
     const int64_t begin = piece.offset - slot.offset;  // the piece's first element within the parameter
-    slices.push_back({piece.param, begin, begin + piece.numel, exp_avg_[bucket].slice_rows(state, state + piece.numel),
-                      exp_avg_sq_[bucket].slice_rows(state, state + piece.numel),
-                      main_.empty() ? Tensor() : main_piece(piece)});
+    slices.push_back({piece.param, begin, begin + piece.numel, tensor_of(piece.exp_avg), tensor_of(piece.exp_avg_sq),
+                      main_.empty() ? Tensor() : main_param_of(piece)});
   }
   return slices;
+}
+
+void DistributedAdamW::load_moment_slices(const std::vector<AdamWMomentSlice>& slices, const bool main_params) {
+  if (replicated_) return;  // views: already written
+  if (slices.size() != pieces_.size()) throw std::invalid_argument("load_moment_slices: not this optimizer's slices");
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    Piece& piece = pieces_[i];
+    const AdamWMomentSlice& slice = slices[i];
+    if (slice.param != piece.param || slice.end - slice.begin != piece.numel) {
+      throw std::invalid_argument("load_moment_slices: not this optimizer's slices");
+    }
+    piece.exp_avg.assign(slice.exp_avg);
+    piece.exp_avg_sq.assign(slice.exp_avg_sq);
+    if (main_.empty() || !main_params) continue;
+    if (remainders_) {
+      Tensor param = param_piece(piece);
+      ops::split_param_remainders(slice.main_param, param, piece.remainder);
+    } else {
+      piece.main.assign(slice.main_param);
+    }
+  }
+}
+
+int64_t DistributedAdamW::state_bytes() const {
+  if (replicated_) {
+    int64_t bytes = 0;
+    for (const AdamWMomentSlice& s : replicated_->moment_slices()) {
+      bytes += static_cast<int64_t>(s.exp_avg.nbytes() + s.exp_avg_sq.nbytes() +
+                                    (s.main_param.defined() ? s.main_param.nbytes() : 0));
+    }
+    return bytes;
+  }
+  int64_t bytes = 0;
+  for (const std::vector<Tensor>* states : {&exp_avg_, &exp_avg_sq_, &main_}) {
+    for (const Tensor& t : *states) bytes += static_cast<int64_t>(t.nbytes());
+  }
+  return bytes;
 }
 
 }  // namespace moecore

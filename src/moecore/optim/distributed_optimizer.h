@@ -1,7 +1,8 @@
 // AdamW over the buffers of a DistributedDataParallel. Without the distributed optimizer every rank updates every
 // parameter (exactly AdamWOptimizer). With it (Megatron's DistributedOptimizer) each rank keeps fp32 Adam states
 // only for its shard of every bucket, updates that shard (weight decay per element from the owning param) and
-// all-gathers the updated parameters over the bucket's group.
+// all-gathers the updated parameters over the bucket's group. With the precision-aware optimizer the shard's moments
+// and main parameters are stored in reduced formats, one scale per parameter piece (optim/scaled_state.h).
 #pragma once
 
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include "moecore/model/param.h"
 #include "moecore/optim/adamw_optimizer.h"
 #include "moecore/optim/ddp.h"
+#include "moecore/optim/scaled_state.h"
 
 namespace moecore {
 
@@ -46,39 +48,53 @@ class DistributedAdamW {
   bool distributed() const { return !replicated_.has_value(); }
   // This rank's Adam moments by parameter element range (see AdamWMomentSlice): without the distributed optimizer
   // every parameter whole; with it one slice per piece of a parameter inside this rank's bucket shards, in
-  // registration order (a parameter wholly in other ranks' shards has none).
+  // registration order (a parameter wholly in other ranks' shards has none). States stored in a reduced format come
+  // as fp32 copies of their unscaled values (TE's get_unscaled_state), fp32 states as views.
   std::vector<AdamWMomentSlice> moment_slices() const;
+  // After writing into moment_slices()' tensors (a checkpoint load): stores the copies of reduced-format states back,
+  // each with the scale of its new absmax (TE's set_scaled_state); the main parameters only with `main_params`
+  // (remainders: the weights and remainders from the fp32 values). `slices` must come from moment_slices().
+  void load_moment_slices(const std::vector<AdamWMomentSlice>& slices, bool main_params = true);
+  // Bytes of every optimizer state this rank stores (moments and main parameters, padding included).
+  int64_t state_bytes() const;
   // 16-bit or quantized weights (see AdamWOptimizer): main parameters from the model's values (then the values
   // rounded, the quantized weights replaced by their quantization), or the model's values of this rank's shard from
-  // the main parameters (the quantized weights then quantized and gathered: a collective). No-ops with fp32 weights
-  // and no quantized parameter all-gather.
+  // the main parameters (the quantized weights then quantized and gathered: a collective; fp16 main parameters: the
+  // model's values are kept, rounded, as Megatron keeps a checkpoint's weights when TransformerEngine owns the master
+  // weights). No-ops with fp32 weights and no quantized parameter all-gather.
   void main_params_from_model();
   void model_from_main_params();
 
  private:
-  // A param's elements inside this rank's shard of its bucket: buffer offset and count.
+  // A param's elements inside this rank's shard of its bucket: buffer offset and count, and its states (views of the
+  // bucket's state buffers).
   struct Piece {
     int param = 0;
     int bucket = 0;
     int64_t offset = 0;
     int64_t numel = 0;
+    ScaledState exp_avg, exp_avg_sq;
+    ScaledState main;  // 16-bit weights only
+    Tensor remainder;  // bf16 weights with store_param_remainders: the int16 remainders (a 16-bit tensor)
   };
+  bool fp32_states() const;
   bool counted_in_norm(const Param& p) const;
   // The piece's elements of its group's flat gradient buffer (a view).
   Tensor grad_piece(const Piece& piece) const;
   Tensor param_piece(const Piece& piece) const;  // the model's values (the DDP's parameter buffer)
-  Tensor main_piece(const Piece& piece) const;   // the fp32 main parameters (16-bit weights only)
 
   DistributedDataParallel& ddp_;
   std::vector<Param>& params_;
   AdamWOptions options_;
   std::optional<AdamWOptimizer> replicated_;  // without the distributed optimizer
   std::vector<Piece> pieces_;                 // registration order
-  std::vector<Tensor> exp_avg_;               // [bucket] -> [shard_size], kOptimizer
+  std::vector<Tensor> exp_avg_;               // [bucket] -> [shard_size] in exp_avg_format, kOptimizer
   std::vector<Tensor> exp_avg_sq_;
-  // [bucket] -> [shard_size] fp32 main parameters (16-bit or quantized weights only), kOptimizer
+  // [bucket] -> [shard_size] main parameters (16-bit or quantized weights only; with remainders their low halves),
+  // kOptimizer
   std::vector<Tensor> main_;
   int64_t step_ = 0;
+  bool remainders_ = false;  // main parameters as bf16 weights + 16-bit remainders
 };
 
 }  // namespace moecore

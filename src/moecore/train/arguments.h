@@ -97,6 +97,12 @@ struct TrainingArgs {
   DynamicLossScaleOptions dynamic_loss_scale;
   bool grad_reduce_in_bf16 = false;                 // --grad-reduce-in-bf16 (bf16: reduce gradients in bf16)
   bool accumulate_allreduce_grads_in_fp32 = false;  // --accumulate-allreduce-grads-in-fp32 (fp16: reduce in fp32)
+  // The precision-aware optimizer (optim/scaled_state.h; Megatron's names fp32, fp16, bf16, fp8; all fp32 without it).
+  bool use_precision_aware_optimizer = false;  // --use-precision-aware-optimizer
+  std::string main_grads_dtype = "fp32";       // --main-grads-dtype {fp32,bf16}
+  std::string main_params_dtype = "fp32";      // --main-params-dtype {fp32,fp16}
+  std::string exp_avg_dtype = "fp32";          // --exp-avg-dtype {fp32,fp16,bf16,fp8}
+  std::string exp_avg_sq_dtype = "fp32";       // --exp-avg-sq-dtype {fp32,fp16,bf16,fp8}
   // FP8 / FP4 linear layers, as given (finalize turns them into model.quantization).
   std::optional<std::string> fp8_format;  // --fp8-format {e4m3,hybrid}
   std::optional<std::string> fp8_recipe;  // --fp8-recipe {tensorwise,blockwise,mxfp8}

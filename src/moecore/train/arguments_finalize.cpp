@@ -263,6 +263,35 @@ void finalize_precision(const TrainingArgs& args, const std::set<std::string>& g
   }
 }
 
+// The precision-aware optimizer (Megatron's OptimizerConfig.__post_init__, optimizer/__init__.py and validate_args).
+void finalize_precision_aware_optimizer(const TrainingArgs& args) {
+  const std::pair<const char*, const std::string*> dtypes[] = {{"--main-grads-dtype", &args.main_grads_dtype},
+                                                               {"--main-params-dtype", &args.main_params_dtype},
+                                                               {"--exp-avg-dtype", &args.exp_avg_dtype},
+                                                               {"--exp-avg-sq-dtype", &args.exp_avg_sq_dtype}};
+  if (!args.use_precision_aware_optimizer) {
+    for (const auto& [flag, value] : dtypes) {
+      require(*value == "fp32", std::string(flag) +
+                                    " can only be fp32 when not using precision-aware optimizer (add "
+                                    "--use-precision-aware-optimizer)");
+    }
+    return;
+  }
+  require(args.optimizer == "adam", "--use-precision-aware-optimizer only supported with adam");
+  require(
+      args.use_distributed_optimizer,
+      "--use-precision-aware-optimizer only supported with distributed optimizer (add --use-distributed-optimizer)");
+  if (args.main_grads_dtype == "bf16") {
+    // Megatron's buffer holds the weights' dtype unless it accumulates in fp32: bf16 main grads exist only with --bf16.
+    require(args.model.params_dtype == DType::kBF16,
+            "--main-grads-dtype bf16 needs --bf16 (fp32 and fp16 weights keep gradients of their own dtype)");
+    require(!args.accumulate_allreduce_grads_in_fp32,
+            "--main-grads-dtype can only be fp32 when --accumulate-allreduce-grads-in-fp32 is set");
+  }
+  require(args.main_params_dtype == "fp32" || args.model.params_dtype != DType::kF32,
+          "--main-params-dtype fp16 needs --bf16 or --fp16 (fp32 weights are their own main parameters)");
+}
+
 // FP8 / FP4 linear layers (Megatron's TransformerConfig.__post_init__ and validate_args): the flags' pairing, the
 // first / last high-precision layers, and widths the recipe's blocks cover.
 void finalize_quantization(TrainingArgs& args, const std::set<std::string>& given) {
@@ -524,6 +553,7 @@ void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given)
   finalize_parallel(args, given);
   finalize_training(args, given);
   finalize_precision(args, given);
+  finalize_precision_aware_optimizer(args);
   finalize_quantization(args, given);
   finalize_lr(args, given);
   finalize_data(args, given);

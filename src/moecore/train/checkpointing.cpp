@@ -317,7 +317,9 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
           << run_args.model.vocab_size << " (--make-vocab-size-divisible-by x TP): the rows both have are loaded; "
           << "padded rows take part in the softmax, so the loss is not the saved run's" << std::endl;
     }
-    StateDict state = training_state(target.model, target.optimizer, target.schedule, progress, run_args.seed);
+    // Reduced-format optimizer states load through fp32 copies, stored back after the load.
+    const std::vector<AdamWMomentSlice> slices = target.optimizer.moment_slices();
+    StateDict state = training_state(target.model, target.optimizer, slices, target.schedule, progress, run_args.seed);
     const auto is_optimizer = [](const std::string& key) { return key.starts_with("optimizer."); };
     if (load_optim && !ckpt.info("optimizer.step")) {
       throw CheckpointError("checkpoint " + plan.dir +
@@ -337,6 +339,7 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
           return load_optim || !is_optimizer(e.key);
         },
         is_vocab_key);
+    if (load_optim) target.optimizer.load_moment_slices(slices, main_params_loaded);
     if (main_params_loaded) {
       target.optimizer.model_from_main_params();
     } else {

@@ -301,12 +301,7 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--fp4-quantizer-factory",
     "--te-rng-tracker",
     "--inference-rng-tracker",
-    // precision-aware optimizer, hybrid / experimental models
-    "--use-precision-aware-optimizer",
-    "--main-grads-dtype",
-    "--main-params-dtype",
-    "--exp-avg-dtype",
-    "--exp-avg-sq-dtype",
+    // hybrid / experimental models
     "--enable-experimental",
     "--spec",
     "--hybrid-attention-ratio",

@@ -99,6 +99,17 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   const double total_parameters = one_process_parameter_count(model);
   log << "> number of parameters: " << static_cast<int64_t>(total_parameters) << " (" << std::setprecision(2)
       << std::fixed << total_parameters / 1e6 << "M)" << std::endl;
+  if (run_args.use_precision_aware_optimizer) {
+    const double state_mb = static_cast<double>(built.optimizer->state_bytes()) / (1024.0 * 1024.0);
+    log << "> precision-aware optimizer: exp_avg " << run_args.exp_avg_dtype << ", exp_avg_sq "
+        << run_args.exp_avg_sq_dtype << ", main params "
+        << (run_args.model.params_dtype == DType::kF32 ? "(the fp32 weights)"
+            : run_args.model.params_dtype == DType::kBF16 && run_args.main_params_dtype == "fp32"
+                ? "fp32 (bf16 weights + 16-bit remainders)"
+                : run_args.main_params_dtype)
+        << ", main grads " << run_args.main_grads_dtype << "; optimizer states " << std::setprecision(2) << state_mb
+        << " MB on rank 0" << std::endl;
+  }
   log.unsetf(std::ios::floatfield);
   log << std::setprecision(6);
   const LRSchedule schedule(lr_schedule_config(run_args));

@@ -88,6 +88,15 @@ ModelAndOptimizer build_model_and_optimizer(const TrainingArgs& run_args, const 
   adam.eps = run_args.adam_eps;
   adam.weight_decay = run_args.weight_decay;
   adam.params_dtype = run_args.model.params_dtype;
+  // The precision-aware optimizer's state formats (all fp32 without --use-precision-aware-optimizer).
+  adam.exp_avg_format = quant::parse_state_format(run_args.exp_avg_dtype);
+  adam.exp_avg_sq_format = quant::parse_state_format(run_args.exp_avg_sq_dtype);
+  if (run_args.model.params_dtype != DType::kF32) {
+    adam.main_params_format = quant::parse_state_format(run_args.main_params_dtype);
+  }
+  // Megatron's store_param_remainders (OptimizerConfig default True, no flag; TE applies it to bf16 weights with an
+  // fp32 master).
+  adam.store_param_remainders = run_args.use_precision_aware_optimizer;
   DdpOptions ddp_options;
   ddp_options.bucket_size = run_args.ddp_bucket_size;
   ddp_options.overlap_grad_reduce = run_args.overlap_grad_reduce;
@@ -102,6 +111,12 @@ ModelAndOptimizer build_model_and_optimizer(const TrainingArgs& run_args, const 
   }
   ddp_options.param_gather_dtype = params_dtype;
   ddp_options.quantized_param_gather = run_args.fp8_param_gather || run_args.fp4_param_gather;
+  // --main-grads-dtype bf16 (Megatron: no fp32 accumulation, so the main_grad buffer is the bf16 weights' dtype):
+  // gradients accumulate over micro-batches and reduce in bf16.
+  if (run_args.main_grads_dtype == "bf16") {
+    ddp_options.main_grad_dtype = DType::kBF16;
+    ddp_options.grad_reduce_dtype = DType::kBF16;
+  }
   out.ddp = std::make_unique<DistributedDataParallel>(out.model->params(), parallel, ddp_options);
   out.model->set_hooks(out.ddp.get());
   out.optimizer = std::make_unique<DistributedAdamW>(*out.ddp, out.model->params(), adam);

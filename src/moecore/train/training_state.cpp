@@ -94,6 +94,12 @@ StateDict training_state(const GPTModel& model, const DistributedAdamW& optimize
                   progress, seed);
 }
 
+StateDict training_state(const GPTModel& model, const DistributedAdamW& optimizer,
+                         const std::vector<AdamWMomentSlice>& slices, const LRSchedule& schedule,
+                         const TrainingProgress& progress, const int64_t seed) {
+  return assemble(model, slices, optimizer.steps_taken(), optimizer.options().weight_decay, schedule, progress, seed);
+}
+
 StateDict training_state(const GPTModel& model, const AdamWOptimizer& optimizer, const LRSchedule& schedule,
                          const TrainingProgress& progress, const int64_t seed) {
   return assemble(model, optimizer.moment_slices(), optimizer.steps_taken(), optimizer.options().weight_decay, schedule,

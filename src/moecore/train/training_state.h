@@ -7,6 +7,10 @@
 //   optimizer.state.exp_avg_sq.<param name>  global shape = the parameter's; placed by the parameter's shard and, with
 //                                            the distributed optimizer, the flat range of the parameter's local
 //                                            tensor this rank's moments cover
+//   optimizer.state.fp32_param.<param name>  fp32, with 16-bit weights: the main parameters, placed as the moments
+//                                            (the precision-aware optimizer's reduced-format states are saved as
+//                                            their unscaled fp32 values, as Megatron's get_unscaled_state, so any
+//                                            --exp-avg-dtype / --main-params-dtype loads them)
 //   optimizer.step                        int64, Adam updates taken (the bias-correction count)
 //   lr_scheduler.{max_lr, min_lr, lr_warmup_steps, lr_decay_steps, start_wd, end_wd}   float64
 //   lr_scheduler.{num_steps, lr_decay_style}                                           int64
@@ -56,6 +60,11 @@ void add_progress_state(StateDict& state, const TrainingProgress& progress, int6
 // optimizer. With the distributed optimizer, call after the parameter all-gather of the last step has finished
 // (DistributedDataParallel::wait_param_gather).
 StateDict training_state(const GPTModel& model, const DistributedAdamW& optimizer, const LRSchedule& schedule,
+                         const TrainingProgress& progress, int64_t seed);
+// The same over given moment slices (optimizer.moment_slices()): a loader keeps them to hand the loaded values back
+// with DistributedAdamW::load_moment_slices (reduced-format states come as fp32 copies).
+StateDict training_state(const GPTModel& model, const DistributedAdamW& optimizer,
+                         const std::vector<AdamWMomentSlice>& slices, const LRSchedule& schedule,
                          const TrainingProgress& progress, int64_t seed);
 // The same for an AdamWOptimizer built over model.params() (one process, no DDP).
 StateDict training_state(const GPTModel& model, const AdamWOptimizer& optimizer, const LRSchedule& schedule,
