@@ -2,9 +2,11 @@
 // (e.g. "decoder.layers.0.self_attention.linear_qkv.weight").
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "moecore/quant/delayed_linear_scaling.h"
 #include "moecore/tensor/tensor.h"
 
 namespace moecore {
@@ -43,6 +45,12 @@ struct Param {
   bool sum_over_embedding_group = false;
   // The last stage's copy of that weight: left out of the gradient norm, which counts the first stage's.
   bool pipeline_copy = false;
+  // The weight of a ColumnParallelLinear / RowParallelLinear: a GEMM the FP8 / FP4 recipes quantize when it runs in
+  // a decoder layer (the output layer runs outside every layer's quantization).
+  bool linear_weight = false;
+  // --fp8-recipe delayed: the GEMM's scaling state (TE's fp8_meta: amax histories and scales), made by the decoder
+  // layer that owns the linear layer; training state, saved in checkpoints (train/training_state.h).
+  std::unique_ptr<quant::DelayedLinearScaling> delayed_scaling;
 
   bool tensor_sharded() const { return shard.num_shards > 1; }
 };

@@ -80,6 +80,7 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
       index_(index),
       tp_(TensorParallel::attention(parallel)),
       prefix_("decoder.layers." + std::to_string(index) + ".") {
+  const size_t first_param = params.size();
   const int module = static_cast<int>(index);
   const bool moe_layer = config.moe.is_moe_layer(index);
   if (!moe_layer && config.ffn_hidden_size % tp_.size() != 0) {
@@ -100,6 +101,17 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
     mlp.bias = config.add_bias_linear;
     mlp.linear.module = module;
     mlp_ = MLP(prefix_ + "mlp.", H, mlp, tp_, params);
+  }
+  // FP8 delayed scaling: each linear layer of the decoder layer (attention, MLP, shared and routed experts) keeps its
+  // scaling state beside its weight, as each TE module keeps its fp8_meta.
+  const quant::QuantizedLinearConfig* quantization = config.layer_quantization(index);
+  if (quantization != nullptr && quantization->recipe == quant::Recipe::kDelayed) {
+    for (size_t i = first_param; i < params.size(); ++i) {
+      if (params[i].linear_weight) {
+        params[i].delayed_scaling =
+            std::make_unique<quant::DelayedLinearScaling>(quantization->delayed, quantization->format);
+      }
+    }
   }
 }
 
