@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # FP8 and FP4 training (--fp8-format / --fp8-recipe, --fp4-format / --fp4-recipe): a small MoE model trains 30
 # iterations under every implemented recipe with a falling validation loss, --first-last-layers-bf16 runs, and an
-# nvfp4 run repeats bit for bit.
+# nvfp4 run repeats bit for bit. Delayed scaling (Megatron's default recipe, also with --fp8-amax-history-len /
+# --fp8-amax-compute-algo max / --fp8-margin) trains, and a run saved at iteration 15 and resumed prints exactly the
+# uninterrupted run's iterations 16-30 (the amax histories and scales are in the checkpoint). The routing-map padding
+# (--moe-router-padding-for-quantization and its alias) trains; its and delayed scaling's invalid pairings are
+# one-line errors.
 # Widths are multiples of 32 so MXFP8's 1x32 and NVFP4's 16x16 blocks cover them.
 set -euo pipefail
 bin=$1
@@ -42,11 +46,49 @@ losses_of() { grep -oE 'lm loss: [0-9.E+-]+|grad norm: [0-9.]+' "$work/$1.log"; 
 if [ "$(losses_of fp4-nvfp4)" != "$(losses_of fp4-nvfp4-one-thread)" ]; then
   echo "FAIL: the nvfp4 run did not repeat with one thread"; failures=$((failures + 1))
 fi
-# The recipe Megatron defaults to is refused with a one-line error.
-if "$bin" train "${model[@]}" --fp8-format hybrid --fp8-recipe delayed > "$work/delayed.log" 2>&1; then
-  echo "FAIL: --fp8-recipe delayed was accepted"; failures=$((failures + 1))
-elif ! grep -q "delayed is not implemented yet" "$work/delayed.log"; then
-  echo "FAIL: --fp8-recipe delayed: unexpected error"; tail -2 "$work/delayed.log"; failures=$((failures + 1))
+# Delayed scaling: --fp8-format alone means Megatron's default recipe, delayed.
+run fp8-delayed-default --fp8-format hybrid
+delayed=(--fp8-format e4m3 --fp8-recipe delayed --fp8-amax-history-len 4 --fp8-amax-compute-algo max --fp8-margin 1
+         --log-interval 1)
+run fp8-delayed-history "${delayed[@]}"
+# Resume: save at 15 and stop, resume to 30; the iteration lines 16-30 (without wall-clock fields) must match the
+# uninterrupted run's.
+lines() { grep -E "iteration +(1[6-9]|2[0-9]|30)/|validation loss at iteration 30" "$1" |
+  sed -E 's/^ *\[[^]]*\] //; s/elapsed time per iteration \(ms\): [0-9.]+ \| //'; }
+if "$bin" train "${model[@]}" "${delayed[@]}" --save "$work/delayed-ckpt" --save-interval 15 --exit-interval 15 \
+     > "$work/delayed-part1.log" 2>&1 &&
+   "$bin" train "${model[@]}" "${delayed[@]}" --load "$work/delayed-ckpt" > "$work/delayed-part2.log" 2>&1; then
+  if [ "$(lines "$work/fp8-delayed-history.log" | wc -l)" -lt 16 ] ||
+     [ "$(lines "$work/fp8-delayed-history.log")" != "$(lines "$work/delayed-part2.log")" ]; then
+    diff <(lines "$work/fp8-delayed-history.log") <(lines "$work/delayed-part2.log") | head -5
+    echo "FAIL: the resumed delayed-scaling run differs from the uninterrupted one"; failures=$((failures + 1))
+  else
+    echo "ok: the delayed-scaling run resumed at iteration 15 repeats iterations 16-30 bit for bit"
+  fi
+else
+  echo "FAIL: the delayed-scaling save / resume runs failed"; tail -3 "$work"/delayed-*.log; failures=$((failures + 1))
 fi
+# Routing-map padding to the recipe's alignment (32 for mxfp8, 16 for delayed).
+run fp8-mxfp8-router-padding --fp8-format hybrid --fp8-recipe mxfp8 --moe-router-padding-for-quantization
+run fp8-delayed-router-padding --fp8-format hybrid --moe-router-padding-for-fp8
+expect_error() {  # NAME REGEX ARGS...
+  local name=$1 regex=$2
+  shift 2
+  if "$bin" train "${model[@]}" "$@" > "$work/$name.log" 2>&1; then
+    echo "FAIL: $name was accepted"; failures=$((failures + 1))
+  elif ! grep -qE -- "$regex" "$work/$name.log"; then
+    echo "FAIL: $name: unexpected error"; tail -2 "$work/$name.log"; failures=$((failures + 1))
+  else
+    echo "ok: $name is refused"
+  fi
+}
+expect_error delayed-first-last "delayed scaling does not support first / last layer in BF16" --fp8-format hybrid \
+  --first-last-layers-bf16
+expect_error margin-without-delayed "--fp8-margin sets delayed scaling" --fp8-format hybrid --fp8-recipe mxfp8 \
+  --fp8-margin 1
+expect_error padding-without-fp8 "--moe-router-padding-for-quantization needs --fp8-format or --fp4-format" \
+  --moe-router-padding-for-quantization
+expect_error padding-allgather "allgather dispatcher does not support --moe-router-padding-for-quantization" \
+  --fp8-format hybrid --moe-router-padding-for-quantization --moe-token-dispatcher-type allgather
 echo "$failures failed"
 [ $failures -eq 0 ]

@@ -58,9 +58,9 @@ class QuantGemm : public ::testing::TestWithParam<Case> {
     w_state.record_amax(1.5f * abs_max_of(w_NK));
     dy_state.record_amax(1.5f * abs_max_of(dy_TN));
     for (DelayedScaling* s : {&x_state, &w_state, &dy_state}) s->update();
-    config.x_state = &x_state;
-    config.w_state = &w_state;
-    config.dy_state = &dy_state;
+    config.x = x_state.operand();
+    config.w = w_state.operand();
+    config.dy = dy_state.operand();
   }
 
   // The operand as TE quantizes it for one GEMM, decoded in its stored layout.

@@ -232,7 +232,7 @@ TEST(TrainArguments, UnknownFlagSuggestsClosest) {
 
 TEST(TrainArguments, CataloguedMegatronFlagsAreNotImplementedYet) {
   for (const char* flag :
-       {"--moe-latent-size", "--moe-use-legacy-grouped-gemm", "--recompute-granularity", "--fp8-amax-history-len",
+       {"--moe-latent-size", "--moe-use-legacy-grouped-gemm", "--recompute-granularity", "--fp8-interval",
         "--save-retain-interval", "--tensorboard-dir", "--wandb-project", "--ckpt-format"}) {
     EXPECT_EQ(error_of(with(minimal(), {flag, "1"})),
               std::string(flag) + " is a Megatron flag that moecore does not implement yet");
@@ -241,8 +241,8 @@ TEST(TrainArguments, CataloguedMegatronFlagsAreNotImplementedYet) {
             "--use-checkpoint-args is a Megatron flag that moecore does not implement yet");
   EXPECT_EQ(error_of(with(minimal(), {"--moe-enable-routing-replay"})),
             "--moe-enable-routing-replay is a Megatron flag that moecore does not implement yet");
-  EXPECT_EQ(error_of(with(minimal(), {"--moe-router-padding-for-quantization"})),
-            "--moe-router-padding-for-quantization is a Megatron flag that moecore does not implement yet");
+  EXPECT_EQ(error_of(with(minimal(), {"--moe-permute-fusion"})),
+            "--moe-permute-fusion is a Megatron flag that moecore does not implement yet");
 }
 
 // FP8 / FP4 (Megatron's TransformerConfig fp8 / fp8_recipe / fp4 / fp4_recipe / first_last_layers_bf16).
@@ -281,16 +281,10 @@ TEST(TrainArguments, Fp8AndFp4Flags) {
   EXPECT_NE(none.model.layer_quantization(1), nullptr);
 
   // Errors.
-  EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "hybrid", "--fp8-recipe", "delayed"})),
-            "--fp8-recipe delayed is not implemented yet (it needs per-module amax histories); use tensorwise, "
-            "blockwise or mxfp8");
   EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "hybrid", "--fp8-recipe", "custom"})),
-            "--fp8-recipe custom is not implemented yet (moecore implements tensorwise, blockwise, mxfp8)");
+            "--fp8-recipe custom is not implemented yet (moecore implements delayed, tensorwise, blockwise, mxfp8)");
   EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "e5m2", "--fp8-recipe", "mxfp8"})),
             "invalid value 'e5m2' for --fp8-format (choose from e4m3, hybrid)");
-  EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "hybrid"})),
-            "--fp8-format needs an explicit --fp8-recipe (tensorwise, blockwise or mxfp8): Megatron's default, "
-            "delayed, is not implemented yet");
   EXPECT_EQ(error_of(with(minimal(), {"--fp8-recipe", "mxfp8"})), "--fp8-recipe needs --fp8-format (e4m3 or hybrid)");
   EXPECT_EQ(error_of(with(minimal(), {"--fp4-recipe", "nvfp4"})), "--fp4-recipe needs --fp4-format e2m1");
   EXPECT_EQ(error_of(with(minimal(), {"--fp4-format", "e3m0"})),
@@ -344,6 +338,62 @@ TEST(TrainArguments, QuantizedParamGather) {
             "--fp4-param-gather must be used together with --fp4-format");
   EXPECT_EQ(error_of(with(minimal(), {"--fp4-format", "e2m1", "--fp4-param-gather"})),
             "--fp4-param-gather only supported with distributed optimizer (--use-distributed-optimizer)");
+// Delayed scaling (TransformerConfig fp8_recipe "delayed", the default; fp8_amax_history_len 1,
+// fp8_amax_compute_algo most_recent, fp8_margin 0).
+TEST(TrainArguments, Fp8DelayedScalingFlags) {
+  for (const Args& extra :
+       {Args{"--fp8-format", "hybrid"}, Args{"--fp8-format", "hybrid", "--fp8-recipe", "delayed"}}) {
+    const TrainingArgs a = parse_train_args(with(minimal(), extra));
+    ASSERT_TRUE(a.model.quantization.has_value());
+    EXPECT_EQ(a.model.quantization->recipe, quant::Recipe::kDelayed);
+    EXPECT_EQ(a.model.quantization->delayed.amax_history_len, 1);
+    EXPECT_EQ(a.model.quantization->delayed.amax_compute_algo, quant::AmaxComputeAlgo::kMostRecent);
+    EXPECT_EQ(a.model.quantization->delayed.margin, 0);
+  }
+  const TrainingArgs set = parse_train_args(with(minimal(), {"--fp8-format", "e4m3", "--fp8-amax-history-len", "16",
+                                                             "--fp8-amax-compute-algo", "max", "--fp8-margin", "2"}));
+  EXPECT_EQ(set.model.quantization->delayed.amax_history_len, 16);
+  EXPECT_EQ(set.model.quantization->delayed.amax_compute_algo, quant::AmaxComputeAlgo::kMax);
+  EXPECT_EQ(set.model.quantization->delayed.margin, 2);
+  EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "hybrid", "--fp8-amax-history-len", "0"})),
+            "--fp8-amax-history-len must be at least 1 (got 0)");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "hybrid", "--fp8-amax-compute-algo", "mean"})),
+            "invalid value 'mean' for --fp8-amax-compute-algo (choose from most_recent, max)");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-margin", "1"})),
+            "--fp8-margin sets delayed scaling: it needs --fp8-format with --fp8-recipe delayed (the default)");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp8-amax-history-len", "4"})),
+            "--fp8-amax-history-len sets delayed scaling: it needs --fp8-format with --fp8-recipe delayed (the "
+            "default)");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "hybrid", "--first-last-layers-bf16"})),
+            "delayed scaling does not support first / last layer in BF16: --first-last-layers-bf16 needs "
+            "--fp8-recipe tensorwise, blockwise or mxfp8");
+}
+
+// --moe-router-padding-for-quantization / --moe-router-padding-for-fp8 (TransformerConfig.__post_init__, moe_utils.py
+// get_align_size_for_quantization).
+Args minimal_moe();
+TEST(TrainArguments, RouterPaddingForQuantization) {
+  const Args moe = with(minimal_moe(), {"--moe-token-dispatcher-type", "alltoall"});
+  EXPECT_EQ(parse_train_args(with(moe, {"--fp8-format", "hybrid"})).model.moe.router_padding_multiple, 0);
+  const std::vector<std::pair<Args, int64_t>> cases = {
+      {{"--fp8-format", "hybrid", "--moe-router-padding-for-quantization"}, 16},
+      {{"--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--moe-router-padding-for-fp8"}, 16},
+      {{"--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--moe-router-padding-for-quantization"}, 16},
+      {{"--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--moe-router-padding-for-quantization"}, 32},
+      {{"--fp4-format", "e2m1", "--moe-router-padding-for-fp8"}, 128}};
+  for (const auto& [extra, multiple] : cases) {
+    EXPECT_EQ(parse_train_args(with(moe, extra)).model.moe.router_padding_multiple, multiple) << extra.back();
+  }
+  EXPECT_EQ(error_of(with(moe, {"--moe-router-padding-for-quantization"})),
+            "--moe-router-padding-for-quantization needs --fp8-format or --fp4-format");
+  EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "hybrid", "--moe-router-padding-for-quantization"})),
+            "--moe-router-padding-for-quantization requires --num-experts (a positive number of experts)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--fp8-format", "hybrid", "--moe-router-padding-for-quantization"})),
+            "the allgather dispatcher does not support --moe-router-padding-for-quantization (use "
+            "--moe-token-dispatcher-type alltoall)");
+  EXPECT_EQ(error_of(with(moe, {"--fp8-format", "hybrid", "--moe-router-padding-for-quantization",
+                                "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"})),
+            "--moe-router-padding-for-quantization with --moe-pad-expert-input-to-capacity is not implemented yet");
 }
 
 // Megatron's checkpointing flags and their cross-checks (arguments.py, training.py).

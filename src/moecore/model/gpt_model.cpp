@@ -176,6 +176,7 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const paralle
     word.sum_over_embedding_group = true;
     word.pipeline_copy = !pre_process;
   }
+  delayed_scaling_ = DelayedScalingStates(params_, parallel_.tp_dp_cp);
   for (Param& p : params_) {
     init_param(p, seed, config_.init_method_std, config_.num_layers);
     ops::round_to_dtype_(p.value, config_.params_dtype);  // the 16-bit model weights of --bf16 / --fp16
@@ -382,6 +383,9 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     input_TH = Tensor();
   }
   ctx->layers.resize(count);
+  if (options.is_first_microbatch) {
+    delayed_scaling_.set_first_microbatch(stage.first_layer, stage.first_layer + stage.num_layers);
+  }
   for (size_t i = 0; i < count; ++i) {
     const int64_t layer = stage.first_layer + static_cast<int64_t>(i);
     TransformerLayer& module = m.layers[first + i];
@@ -394,6 +398,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     x_TH = module.forward(x_TH, S_local, B, dropout, saved);
     if (options.training && module.is_moe()) record_moe_stats(layer, saved.moe.routing);
   }
+  if (options.training) delayed_scaling_.after_forward();  // TE's autocast exit around the decoder block
   ctx->output_TH = x_TH;
   double loss = 0.0;
   if (stage.post_process) {
@@ -452,6 +457,7 @@ Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double l
     dx_TH = std::move(dprev_TH);
     if (hooks_) hooks_->after_backward(static_cast<int>(layer));
   }
+  delayed_scaling_.after_backward();  // at the end of the first FP8 module's backward, as TE
   if (!stage.pre_process) return dx_TH;
   const trace::Scope scope("embedding backward", "backward");
   const ActivationOwnerScope owner(ActivationOwner::kEmbedding);

@@ -6,7 +6,8 @@
 //   mlp.linear_fc2.{weight,bias} [H, F]               decoder.final_layernorm.{weight,bias} [H]
 //   output_layer.weight [V, H] (only with --untie-embeddings-and-output-weights)
 // Buffers (not trained, part of the training state): decoder.layers.{i}.mlp.router.expert_bias [E] fp32 on MoE layers
-// with --moe-router-enable-expert-bias.
+// with --moe-router-enable-expert-bias. Under --fp8-recipe delayed each decoder-layer linear's weight Param also
+// carries the linear's FP8 scaling state (delayed_scaling()).
 // The fused qkv rows are grouped as Megatron's: for each query group g, its N/G query heads, then k, then v.
 // Activations are [S, B, ...] (sequence-major, as Megatron), token row t = s * B + b.
 #pragma once
@@ -17,6 +18,7 @@
 
 #include "moecore/model/buffer.h"
 #include "moecore/model/config.h"
+#include "moecore/model/delayed_scaling_states.h"
 #include "moecore/model/micro_batch_context.h"
 #include "moecore/model/model_hooks.h"
 #include "moecore/model/param.h"
@@ -54,6 +56,10 @@ struct ForwardOptions {
   // positions 0..S-1 (rotary embeddings) and one document per sample.
   const int64_t* position_ids_BS = nullptr;
   const int32_t* document_ids_BS = nullptr;
+  // Megatron's is_first_microbatch (schedules.py: the first micro-batch of a forward_backward call, per model
+  // chunk): under FP8 delayed scaling the chunk's linear layers cast their weights afresh; later micro-batches reuse
+  // the FP8 weights of the first (DelayedLinearScaling::weight_for_forward).
+  bool is_first_microbatch = true;
   // The backward seed this micro-batch's backward will be given (loss scale / micro-batches). The fused output layer
   // forms the loss's gradients during the forward; with the seed known they are formed already scaled, as
   // Megatron's scaled loss would give them, so that fp16 rounding sees the scaled values (no underflow).
@@ -124,6 +130,11 @@ class GPTModel {
   Buffer* expert_bias(int64_t layer);
   const Buffer* expert_bias(int64_t layer) const;
 
+  // FP8 delayed scaling (--fp8-recipe delayed): the scaling states of this rank's linear layers, in parameter order;
+  // empty under other recipes. A training forward / backward reduces and updates them (delayed_scaling_states.h).
+  DelayedScalingStates& delayed_scaling() { return delayed_scaling_; }
+  const DelayedScalingStates& delayed_scaling() const { return delayed_scaling_; }
+
   // Logits for the last position of each sequence (generation, one process only): tokens_BS [B, S] -> [B, V].
   Tensor last_logits(const int32_t* tokens_BS, int64_t B, int64_t S);
 
@@ -145,6 +156,7 @@ class GPTModel {
   std::vector<Buffer> buffers_;
   std::unique_ptr<Modules> modules_;
   MoEStats moe_stats_;
+  DelayedScalingStates delayed_scaling_;
 };
 
 }  // namespace moecore

@@ -26,8 +26,8 @@ void check_divisible(const std::string& name, const int64_t features, const int6
   }
 }
 
-void register_param(std::vector<Param>& params, Param p, const LinearOptions& options) {
-  p.linear_weight = p.name.ends_with(".weight");
+void register_param(std::vector<Param>& params, Param p, const LinearOptions& options, const bool weight = false) {
+  p.linear_weight = weight;
   p.is_expert = options.is_expert;
   p.module = options.module;
   params.push_back(std::move(p));
@@ -44,7 +44,7 @@ ColumnParallelLinear::ColumnParallelLinear(const std::string& name, const int64_
   out_local_ = out_features / n;
   if (options.shared_weight.empty()) {
     const ParamShard shard{0, options.segments, n, tp.rank(), {out_features, in_features}};
-    register_param(params, make_sharded_param(name + ".weight", shard, options.init), options);
+    register_param(params, make_sharded_param(name + ".weight", shard, options.init), options, true);
   }
   if (options.bias) {
     const ParamShard bias_shard{0, options.segments, n, tp.rank(), {out_features}};
@@ -63,7 +63,8 @@ Tensor ColumnParallelLinear::forward(const Tensor& x_TI, LinearActivations& save
   const int64_t T = saved.input_TI.dim(0);
   Tensor y_TO = activation_tensor({T, out_local_});
   ops::linear_forward(y_TO, saved.input_TI, weight_->value,
-                      options_.skip_bias_add || bias_ == nullptr ? nullptr : &bias_->value);
+                      options_.skip_bias_add || bias_ == nullptr ? nullptr : &bias_->value,
+                      weight_->delayed_scaling.get(), &saved.delayed);
   parallel::drive_progress();
   return y_TO;
 }
@@ -72,7 +73,7 @@ void ColumnParallelLinear::backward_weights(const Tensor& dy_TO, const LinearAct
   require_bound(weight_, name_);
   const bool with_bias = bias_ != nullptr && !options_.skip_bias_add;
   ops::linear_backward(nullptr, &weight_->grad, with_bias ? &bias_->grad : nullptr, dy_TO, &saved.input_TI,
-                       weight_->value);
+                       weight_->value, weight_->delayed_scaling.get(), &saved.delayed);
   parallel::drive_progress();
 }
 
@@ -94,12 +95,14 @@ void ColumnParallelLinear::backward(Tensor& dx_TI, const Tensor& dy_TO, const Li
   backward_weights(dy_TO, saved);
   const bool communicates = tp_.size() > 1 && !options_.explicit_expert_comm;
   if (!communicates) {
-    ops::linear_backward(&dx_TI, nullptr, nullptr, dy_TO, nullptr, weight_->value);
+    ops::linear_backward(&dx_TI, nullptr, nullptr, dy_TO, nullptr, weight_->value, weight_->delayed_scaling.get(),
+                         &saved.delayed);
     parallel::drive_progress();
     return;
   }
   Tensor dinput_TI = activation_tensor(saved.input_TI.shape());
-  ops::linear_backward(&dinput_TI, nullptr, nullptr, dy_TO, nullptr, weight_->value);
+  ops::linear_backward(&dinput_TI, nullptr, nullptr, dy_TO, nullptr, weight_->value, weight_->delayed_scaling.get(),
+                       &saved.delayed);
   parallel::drive_progress();
   ops::add_(dx_TI, reduce_input_grad(dinput_TI));
 }
@@ -111,7 +114,7 @@ RowParallelLinear::RowParallelLinear(const std::string& name, const int64_t in_f
   check_divisible(name, in_features, n, "input features");
   in_local_ = in_features / n;
   const ParamShard shard{1, 1, n, tp.rank(), {out_features, in_features}};
-  register_param(params, make_sharded_param(name + ".weight", shard, options.init), options);
+  register_param(params, make_sharded_param(name + ".weight", shard, options.init), options, true);
   if (options.bias) {
     // Replicated; under sequence parallelism each rank's gradient covers only its rows, so it is summed over TP.
     Param bias = make_param(name + ".bias", {out_features}, InitKind::kZeros);
@@ -130,7 +133,7 @@ Tensor RowParallelLinear::forward(const Tensor& x_TI, LinearActivations& saved) 
   saved.input_TI = x_TI;
   const int64_t T = x_TI.dim(0), O = weight_->value.dim(0);
   Tensor partial_TO = activation_tensor({T, O});
-  ops::linear_forward(partial_TO, x_TI, weight_->value, nullptr);
+  ops::linear_forward(partial_TO, x_TI, weight_->value, nullptr, weight_->delayed_scaling.get(), &saved.delayed);
   parallel::drive_progress();
   Tensor y_TO;
   if (options_.explicit_expert_comm || tp_.size() == 1) {
@@ -150,7 +153,8 @@ void RowParallelLinear::backward(Tensor& dx_TI, const Tensor& dy_TO, const Linea
   if (bias_ != nullptr && !options_.skip_bias_add) ops::bias_grad_rows(bias_->grad, dy_TO);
   const bool gather = tp_.sequence_sharded() && !options_.explicit_expert_comm;
   const Tensor dy_full_TO = gather ? tp_.all_gather_rows(dy_TO) : dy_TO;
-  ops::linear_backward(&dx_TI, &weight_->grad, nullptr, dy_full_TO, &saved.input_TI, weight_->value);
+  ops::linear_backward(&dx_TI, &weight_->grad, nullptr, dy_full_TO, &saved.input_TI, weight_->value,
+                       weight_->delayed_scaling.get(), &saved.delayed);
   parallel::drive_progress();
 }
 

@@ -32,9 +32,11 @@ struct LinearOptions {
   std::string shared_weight;
 };
 
-// What a linear layer's backward needs: its input as the GEMM saw it (all tokens).
+// What a linear layer's backward needs: its input as the GEMM saw it (all tokens), and under FP8 delayed scaling
+// the scales its forward quantized the input and the weight with.
 struct LinearActivations {
   Tensor input_TI;
+  quant::DelayedForwardScales delayed;
 };
 
 class ColumnParallelLinear {

@@ -2,10 +2,12 @@
 // (e.g. "decoder.layers.0.self_attention.linear_qkv.weight").
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "moecore/quant/delayed_linear_scaling.h"
 #include "moecore/quant/recipe.h"
 #include "moecore/tensor/tensor.h"
 
@@ -45,13 +47,17 @@ struct Param {
   bool sum_over_embedding_group = false;
   // The last stage's copy of that weight: left out of the gradient norm, which counts the first stage's.
   bool pipeline_copy = false;
-  // The weight of a tensor-parallel linear layer (ColumnParallelLinear / RowParallelLinear): [out, in] locally.
+  // The weight of a ColumnParallelLinear / RowParallelLinear: a GEMM the FP8 / FP4 recipes quantize when it runs in
+  // a decoder layer (the output layer runs outside every layer's quantization).
   bool linear_weight = false;
   // Linear weights of decoder layers that run quantized (--fp8-format / --fp4-format, outside
   // --first-last-layers-bf16): how the layer's GEMMs quantize this weight row-wise (quant::make_spec(recipe, element,
   // Role::kWeight)). The blocks are those of this rank's local [rows, cols] tensor: a tensor-parallel shard is
   // quantized on its own, as TE's Linear quantizes each rank's weight. Unset for every other param.
   std::optional<quant::QuantSpec> weight_quantization;
+  // --fp8-recipe delayed: the GEMM's scaling state (TE's fp8_meta: amax histories and scales), made by the decoder
+  // layer that owns the linear layer; training state, saved in checkpoints (train/training_state.h).
+  std::unique_ptr<quant::DelayedLinearScaling> delayed_scaling;
 
   bool tensor_sharded() const { return shard.num_shards > 1; }
 };

@@ -80,6 +80,7 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
       index_(index),
       tp_(TensorParallel::attention(parallel)),
       prefix_("decoder.layers." + std::to_string(index) + ".") {
+  const size_t first_param = params.size();
   const int module = static_cast<int>(index);
   const bool moe_layer = config.moe.is_moe_layer(index);
   if (!moe_layer && config.ffn_hidden_size % tp_.size() != 0) {
@@ -103,12 +104,17 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
     mlp_ = MLP(prefix_ + "mlp.", H, mlp, tp_, params);
   }
   // The linear layers of a quantized layer (attention, MLP, shared and routed experts; not the router or the
-  // shared-expert gate, which are not linear layers) quantize their weights with the recipe's weight spec.
+  // shared-expert gate, which are not linear layers) quantize their weights with the recipe's weight spec; under FP8
+  // delayed scaling each keeps its scaling state beside its weight, as each TE module keeps its fp8_meta.
   if (const quant::QuantizedLinearConfig* q = config.layer_quantization(index)) {
     const quant::QuantSpec spec = quant::make_spec(
         q->recipe, quant::element_format_for(q->recipe, q->format, quant::Role::kWeight), quant::Role::kWeight);
     for (size_t i = first_param; i < params.size(); ++i) {
-      if (params[i].linear_weight) params[i].weight_quantization = spec;
+      if (!params[i].linear_weight) continue;
+      params[i].weight_quantization = spec;
+      if (q->recipe == quant::Recipe::kDelayed) {
+        params[i].delayed_scaling = std::make_unique<quant::DelayedLinearScaling>(q->delayed, q->format);
+      }
     }
   }
 }

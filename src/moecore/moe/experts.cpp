@@ -7,6 +7,8 @@
 #include <string>
 
 #include "moecore/moe/experts_internal.h"
+#include "moecore/ops/linear.h"
+#include "moecore/ops/quantization.h"
 
 namespace moecore {
 namespace experts_detail {
@@ -84,6 +86,19 @@ void ExpertMLPBase::forward(float *y_RH, const float *x_RH, const float *probs_R
   saved.probs_R = Tensor::from_blob(probs_R, {R}).clone(MemCategory::kActivations);
   Tensor y = Tensor::from_blob(y_RH, {R, H_});
   run_forward(offsets_E1, y, saved);
+  // FP8 delayed scaling: TE's GroupedLinear casts every expert's weight, and Megatron's SequentialMLP runs every
+  // expert, with tokens or not, so an expert without rows still records its weights' amaxes (a forward of no rows).
+  const quant::QuantizedLinearConfig *quantization = ops::linear_quantization();
+  if (quantization == nullptr || quantization->recipe != quant::Recipe::kDelayed) return;
+  for (int64_t e = 0; e < E_; ++e) {
+    if (offsets_E1[e + 1] != offsets_E1[e]) continue;
+    const MLP &expert = experts_[static_cast<size_t>(e)];
+    for (const Param *w : {&expert.fc1().weight(), &expert.fc2().weight()}) {
+      const int64_t out = w->value.dim(0), in = w->value.numel() / out;
+      Tensor none_out = Tensor::zeros({0, out}), none_in = Tensor::zeros({0, in});
+      ops::linear_forward(none_out, none_in, w->value, nullptr, w->delayed_scaling.get());
+    }
+  }
 }
 
 void ExpertMLPBase::backward(float *dx_RH, float *dprobs_R, const float *dy_RH, const ExpertActivations &saved) {

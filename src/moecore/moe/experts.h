@@ -32,6 +32,8 @@ struct ExpertActivations {
   Tensor probs_R;
   std::vector<int64_t> tokens_per_expert_E;
   std::vector<MLPActivations> per_expert;  // SequentialMLP: each expert's MLP activations
+  // GroupedMLP under FP8 delayed scaling: the scales each expert's fc1 / fc2 forward quantized with.
+  std::vector<quant::DelayedForwardScales> fc1_delayed_E, fc2_delayed_E;
 };
 
 class ExpertMLP {

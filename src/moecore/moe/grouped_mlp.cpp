@@ -83,15 +83,20 @@ class GroupedMLP final : public ExpertMLPBase {
     const Tensor &fc1_in = probs_on_input_ ? saved.xs_RH : saved.x_RH;
     const std::vector<RowTile> tiles = row_tiles(offsets_E1);
     const auto n_tiles = static_cast<int64_t>(tiles.size());
+    saved.fc1_delayed_E.assign(static_cast<size_t>(E_), {});
+    saved.fc2_delayed_E.assign(static_cast<size_t>(E_), {});
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_tiles; ++i) {
       const RowTile &tile = tiles[static_cast<size_t>(i)];
-      const MLP &expert = experts_[static_cast<size_t>(tile.expert)];
+      const auto e = static_cast<size_t>(tile.expert);
+      const MLP &expert = experts_[e];
       const Tensor probs = saved.probs_R.slice_rows(tile.begin, tile.end);
       Tensor fc1 = saved.fc1_RF1.slice_rows(tile.begin, tile.end);
       const Param *b1 = expert.fc1().bias();
-      ops::linear_forward(fc1, fc1_in.slice_rows(tile.begin, tile.end), expert.fc1().weight().value,
-                          b1 ? &b1->value : nullptr);
+      const Param &w1 = expert.fc1().weight(), &w2 = expert.fc2().weight();
+      // Under FP8 delayed scaling each expert is one tile (row_tiles), so no two tasks touch one scaling state.
+      ops::linear_forward(fc1, fc1_in.slice_rows(tile.begin, tile.end), w1.value, b1 ? &b1->value : nullptr,
+                          w1.delayed_scaling.get(), &saved.fc1_delayed_E[e]);
       // fc2's input: h = swiglu(fc1) * p (saved), the activation itself (probs on the input), or act * p in a
       // tile-sized buffer (kept in cache, not saved: backward recomputes it).
       Tensor h;
@@ -105,7 +110,8 @@ class GroupedMLP final : public ExpertMLPBase {
       }
       Tensor y = y_RH.slice_rows(tile.begin, tile.end);
       const Param *b2 = fc2_bias(tile.expert);
-      ops::linear_forward(y, h, expert.fc2().weight().value, probs_on_input_ && b2 ? &b2->value : nullptr);
+      ops::linear_forward(y, h, w2.value, probs_on_input_ && b2 ? &b2->value : nullptr, w2.delayed_scaling.get(),
+                          &saved.fc2_delayed_E[e]);
       if (!probs_on_input_ && b2) ops::add_outer(y, probs, b2->value);  // y = W2 (act p) + p b2
     }
   }
@@ -117,7 +123,10 @@ class GroupedMLP final : public ExpertMLPBase {
     const Tensor dy = buf.dy_RH.slice_rows(tile.begin, tile.end);
     Tensor dprobs = buf.dprobs_R.slice_rows(tile.begin, tile.end);
     Tensor dh = activation_tensor({tile.end - tile.begin, F_});
-    ops::linear_backward(&dh, nullptr, nullptr, dy, nullptr, expert.fc2().weight().value);
+    const Param &w2 = expert.fc2().weight();
+    const auto e = static_cast<size_t>(tile.expert);
+    ops::linear_backward(&dh, nullptr, nullptr, dy, nullptr, w2.value, w2.delayed_scaling.get(),
+                         &saved.fc2_delayed_E[e]);
     Tensor dfc1 = buf.dfc1_RF1.slice_rows(tile.begin, tile.end);
     const Tensor fc1 = saved.fc1_RF1.slice_rows(tile.begin, tile.end);
     const Param &w1 = expert.fc1().weight();
@@ -130,14 +139,16 @@ class GroupedMLP final : public ExpertMLPBase {
       }
       if (const Param *b2 = fc2_bias(tile.expert)) ops::add_outer_backward(&dprobs, nullptr, dy, probs, b2->value);
       Tensor dx = buf.dx_RH.slice_rows(tile.begin, tile.end);
-      ops::linear_backward(&dx, nullptr, nullptr, dfc1, nullptr, w1.value);
+      ops::linear_backward(&dx, nullptr, nullptr, dfc1, nullptr, w1.value, w1.delayed_scaling.get(),
+                           &saved.fc1_delayed_E[e]);
       return;
     }
     mlp_activation_backward(activation_, dfc1, nullptr, dh, fc1, saved.act_RF.slice_rows(tile.begin, tile.end),
                             nullptr);
     // fc1 input x * p: dx += d(fc1 input) p, dp = <d(fc1 input), x>.
     Tensor dxs = buf.dxs_RH.slice_rows(tile.begin, tile.end);
-    ops::linear_backward(&dxs, nullptr, nullptr, dfc1, nullptr, w1.value);
+    ops::linear_backward(&dxs, nullptr, nullptr, dfc1, nullptr, w1.value, w1.delayed_scaling.get(),
+                         &saved.fc1_delayed_E[e]);
     Tensor dx = buf.dx_RH.slice_rows(tile.begin, tile.end);
     ops::scale_rows_backward(&dx, &dprobs, dxs, saved.x_RH.slice_rows(tile.begin, tile.end), probs);
   }
@@ -152,7 +163,7 @@ class GroupedMLP final : public ExpertMLPBase {
       const Tensor &fc1_in = probs_on_input_ ? saved.xs_RH : saved.x_RH;
       const Tensor in = fc1_in.slice_rows(begin, end);
       ops::linear_backward(nullptr, &w1.grad, b1 ? &b1->grad : nullptr, buf.dfc1_RF1.slice_rows(begin, end), &in,
-                           w1.value);
+                           w1.value, w1.delayed_scaling.get(), &saved.fc1_delayed_E[static_cast<size_t>(task.expert)]);
       return;
     }
     Param &w2 = expert.fc2().weight();
@@ -165,7 +176,8 @@ class GroupedMLP final : public ExpertMLPBase {
       h = activation_tensor({end - begin, F_});
       ops::scale_rows(h, saved.act_RF.slice_rows(begin, end), saved.probs_R.slice_rows(begin, end));
     }
-    ops::linear_backward(nullptr, &w2.grad, probs_on_input_ && b2 ? &b2->grad : nullptr, dy, &h, w2.value);
+    ops::linear_backward(nullptr, &w2.grad, probs_on_input_ && b2 ? &b2->grad : nullptr, dy, &h, w2.value,
+                         w2.delayed_scaling.get(), &saved.fc2_delayed_E[static_cast<size_t>(task.expert)]);
     if (!probs_on_input_ && b2) {  // d(p b2)/d b2 = p
       ops::add_outer_backward(nullptr, &b2->grad, dy, saved.probs_R.slice_rows(begin, end), b2->value);
     }

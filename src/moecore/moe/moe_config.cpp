@@ -199,6 +199,15 @@ void MoEConfig::validate(const int64_t num_layers) const {
           "--moe-layer-freq pattern has " + str(static_cast<int64_t>(moe_layer_pattern.size())) +
               " entries but --num-layers is " + str(num_layers));
 
+  // Routing-map padding for quantization (TransformerConfig.__post_init__).
+  require(router_padding_multiple >= 0,
+          "the routing-map padding multiple must not be negative (got " + str(router_padding_multiple) + ")");
+  require(router_padding_multiple == 0 || dispatcher_type == TokenDispatcherType::kAllToAll,
+          "the allgather dispatcher does not support --moe-router-padding-for-quantization (use "
+          "--moe-token-dispatcher-type alltoall)");
+  require(router_padding_multiple == 0 || !pad_expert_input_to_capacity,
+          "--moe-router-padding-for-quantization with --moe-pad-expert-input-to-capacity is not implemented yet");
+
   // Router.
   require(topk >= 1, "--moe-router-topk must be positive (got " + str(topk) + ")");
   require(topk <= num_experts,

@@ -43,6 +43,9 @@ struct MoEConfig {
   bool shared_expert_overlap = false;           // --moe-shared-expert-overlap
   bool per_layer_logging = false;               // --moe-per-layer-logging
   TokenDispatcherType dispatcher_type = TokenDispatcherType::kAllGather;  // --moe-token-dispatcher-type
+  // --moe-router-padding-for-quantization: each rank pads its routing map before dispatch so every expert's count is
+  // a multiple of this (the recipe's align_size_for_quantization; 0: off; routing_padding.h).
+  int64_t router_padding_multiple = 0;
 
   bool enabled() const { return num_experts > 0; }
   bool is_moe_layer(int64_t layer) const {

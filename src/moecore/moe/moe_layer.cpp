@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "moecore/moe/routing_padding.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/util/trace.h"
 
@@ -39,19 +40,26 @@ void MoELayer::forward(float* out_TH, const float* x_TH, const int64_t S, const 
     const trace::Scope scope("router forward", "moe");
     saved.routing = router_->forward(x_TH, S, B, training, seed, key, saved.router, rows);
   }
+  // --moe-router-padding-for-quantization: the dispatcher moves the padded map; the router's statistics and
+  // backward keep the unpadded one (routing_padding.h).
+  RouterOutput padded;
+  if (config_.moe.router_padding_multiple > 0) {
+    padded = padded_routing(saved.routing, T, config_.moe.num_experts, config_.moe.router_padding_multiple);
+  }
+  const RouterOutput& dispatched = config_.moe.router_padding_multiple > 0 ? padded : saved.routing;
   Tensor x_RH, shared_TH;
   if (overlap_shared_) {
     // Megatron's --moe-shared-expert-overlap: the shared experts run after the router, while the dispatch
     // all-to-all is in flight; their output joins the routed one after combine, as without overlap.
     shared_TH = Tensor(std::vector<int64_t>{T, H}, DType::kF32, MemCategory::kActivations);
     const trace::Scope scope("dispatch", "moe");
-    x_RH = dispatcher_->dispatch_overlapped(x_TH, T, H, saved.routing, saved.dispatch, [&] {
+    x_RH = dispatcher_->dispatch_overlapped(x_TH, T, H, dispatched, saved.dispatch, [&] {
       const trace::Scope shared_scope("shared experts forward", "moe");
       shared_->forward(shared_TH.data<float>(), x_TH, T, saved.shared);
     });
   } else {
     const trace::Scope scope("dispatch", "moe");
-    x_RH = dispatcher_->dispatch(x_TH, T, H, saved.routing, saved.dispatch);
+    x_RH = dispatcher_->dispatch(x_TH, T, H, dispatched, saved.dispatch);
   }
   const int64_t R = x_RH.dim(0);
   Tensor y_RH(std::vector<int64_t>{R, H}, DType::kF32, MemCategory::kActivations);

@@ -1,6 +1,7 @@
 #include "moecore/ops/linear.h"
 
 #include <algorithm>
+#include <cmath>
 #include <initializer_list>
 #include <optional>
 #include <stdexcept>
@@ -195,10 +196,29 @@ void accumulate(float* dst, const float* src, const int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
 }
 
+// max |x_i| over n values (NaN skipped), the amax a cast records.
+float abs_max(const float* x, const int64_t n) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  return amax;
+}
+
 void linear_forward_quantized(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O,
                               const int64_t T, const int64_t I, const int64_t O,
-                              const quant::QuantizedLinearConfig& config) {
-  if (T == 0) return;  // no rows to quantize (an expert without tokens)
+                              const quant::QuantizedLinearConfig& base_config, quant::DelayedLinearScaling* delayed,
+                              quant::DelayedForwardScales* forward_scales) {
+  quant::QuantizedLinearConfig config = base_config;
+  if (config.recipe == quant::Recipe::kDelayed) {
+    if (delayed == nullptr) detail::fail("linear_forward", "FP8 delayed scaling needs the layer's scaling state");
+    config.x = delayed->input();
+    config.w = delayed->weight_for_forward();
+    if (forward_scales != nullptr) *forward_scales = {config.x.scale, config.w.scale};
+    // A forward without rows (an expert without tokens) still casts the weight in TE, recording its amax.
+    if (T == 0 && config.w.amax != nullptr) {
+      quant::record_amax(config.w.amax, abs_max(weight_OI.data<float>(), O * I));
+    }
+  }
+  if (T == 0) return;  // no rows to quantize
   const int64_t Tp = padded_row_count(T, config.recipe);
   const PaddedRows x(inp_TI.data<float>(), T, I, Tp);
   float* out = out_TO.data<float>();
@@ -219,10 +239,21 @@ void linear_forward_quantized(Tensor& out_TO, const Tensor& inp_TI, const Tensor
 
 void linear_backward_quantized(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO,
                                const Tensor* inp_TI, const Tensor& weight_OI, const int64_t T, const int64_t I,
-                               const int64_t O, const quant::QuantizedLinearConfig& base_config) {
+                               const int64_t O, const quant::QuantizedLinearConfig& base_config,
+                               quant::DelayedLinearScaling* delayed,
+                               const quant::DelayedForwardScales* forward_scales) {
   constexpr const char* op = "linear_backward";
   if (T == 0) return;  // every gradient gets a zero contribution
   quant::QuantizedLinearConfig config = base_config;
+  if (config.recipe == quant::Recipe::kDelayed) {
+    if (delayed == nullptr || forward_scales == nullptr) {
+      detail::fail(op, "FP8 delayed scaling needs the layer's scaling state and its forward's scales");
+    }
+    // x and W at the scales their forward used, as TE saves them quantized for both usages (not recorded again).
+    config.x = {forward_scales->input, nullptr};
+    config.w = {forward_scales->weight, nullptr};
+    config.dy = delayed->grad_output();
+  }
   config.seed = quantization_seed(base_config.seed, gradient_fingerprint(dout_TO.data<float>(), T * O));
   const int64_t Tp = padded_row_count(T, config.recipe);
   const PaddedRows dy(dout_TO.data<float>(), T, O, Tp);
@@ -247,7 +278,8 @@ void linear_backward_quantized(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbia
 
 }  // namespace
 
-void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O) {
+void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O,
+                    quant::DelayedLinearScaling* delayed, quant::DelayedForwardScales* forward_scales) {
   constexpr const char* op = "linear_forward";
   const bool low = weight_OI.defined() && is_low(weight_OI.dtype());
   if (low) {
@@ -265,7 +297,7 @@ void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_O
     return;
   }
   if (const auto* config = quantization_for(weight_OI)) {
-    linear_forward_quantized(out_TO, inp_TI, weight_OI, bias_O, T, I, O, *config);
+    linear_forward_quantized(out_TO, inp_TI, weight_OI, bias_O, T, I, O, *config, delayed, forward_scales);
     detail::round_activations({&out_TO});
     return;
   }
@@ -281,7 +313,8 @@ void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_O
 }
 
 void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO, const Tensor* inp_TI,
-                     const Tensor& weight_OI) {
+                     const Tensor& weight_OI, quant::DelayedLinearScaling* delayed,
+                     const quant::DelayedForwardScales* forward_scales) {
   constexpr const char* op = "linear_backward";
   const bool low = weight_OI.defined() && is_low(weight_OI.dtype());
   if (low) {
@@ -302,7 +335,8 @@ void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const
     return;
   }
   if (const auto* config = quantization_for(weight_OI)) {
-    linear_backward_quantized(dinp_TI, dweight_OI, dbias_O, dout_TO, inp_TI, weight_OI, T, I, O, *config);
+    linear_backward_quantized(dinp_TI, dweight_OI, dbias_O, dout_TO, inp_TI, weight_OI, T, I, O, *config, delayed,
+                              forward_scales);
     detail::round_activations({dinp_TI});
     return;
   }

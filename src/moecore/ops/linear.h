@@ -9,16 +9,25 @@
 
 #include <string>
 
+#include "moecore/quant/delayed_linear_scaling.h"
 #include "moecore/tensor/tensor.h"
 
 namespace moecore::ops {
 
+// FP8 delayed scaling (ops/quantization.h, under a ScopedLinearQuantization with quant::Recipe::kDelayed): `delayed`
+// is the layer's scaling state (Param::delayed_scaling of the weight) and `forward_scales` the micro-batch's record
+// of the scales its forward quantized x and W with: linear_forward fills it, linear_backward reads it. Other
+// recipes and high precision ignore both.
+
 // out_TO = inp_TI @ weight_OI^T (+ bias_O). Overwrites out.
-void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O = nullptr);
+void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O = nullptr,
+                    quant::DelayedLinearScaling* delayed = nullptr,
+                    quant::DelayedForwardScales* forward_scales = nullptr);
 // dinp_TI += dout_TO @ weight_OI; dweight_OI += dout_TO^T @ inp_TI; dbias_O += column sums of dout_TO.
 // Null outputs are skipped; inp_TI may be null when dweight_OI is.
 void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO, const Tensor* inp_TI,
-                     const Tensor& weight_OI);
+                     const Tensor& weight_OI, quant::DelayedLinearScaling* delayed = nullptr,
+                     const quant::DelayedForwardScales* forward_scales = nullptr);
 
 // The fp32 GEMM library of the fast backend and the kernel family it picked for this CPU (the training log's first
 // lines name it), e.g. "oneDNN 2.6.3 sgemm, AVX-512 kernels".

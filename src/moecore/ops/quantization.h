@@ -5,7 +5,10 @@
 // high precision, as TE adds the bias in the GEMM epilogue and reduces dbias from the unquantized gradient.
 // Row counts that do not fit the recipe's block (mxfp8: 32 rows, nvfp4: 16) are padded with zero rows, as
 // Megatron's Fp8Padding pads each expert's tokens (megatron/core/transformer/moe/experts.py): zero rows add nothing
-// to the products and do not change any scale. bf16 / fp16 and fp64 tensors are never quantized.
+// to the products and do not change any scale. bf16 / fp16 and fp64 tensors are never quantized. Under
+// quant::Recipe::kDelayed the config carries only the recipe's options: each call names its layer's
+// quant::DelayedLinearScaling (the linear ops' `delayed` argument), whose scales it quantizes with and whose amax
+// histories it records into.
 #pragma once
 
 #include <cstdint>

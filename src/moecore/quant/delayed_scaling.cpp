@@ -13,6 +13,10 @@ AmaxComputeAlgo parse_amax_compute_algo(const std::string_view name) {
   throw std::invalid_argument("unknown amax compute algo '" + std::string(name) + "' (choices: max, most_recent)");
 }
 
+std::string amax_compute_algo_name(const AmaxComputeAlgo algo) {
+  return algo == AmaxComputeAlgo::kMax ? "max" : "most_recent";
+}
+
 DelayedScaling::DelayedScaling(const int64_t history_len, const AmaxComputeAlgo algo, const int margin,
                                const ElementFormat format)
     : algo_(algo), margin_(margin), format_(format) {
@@ -24,27 +28,33 @@ DelayedScaling::DelayedScaling(const int64_t history_len, const AmaxComputeAlgo 
   history_.assign(static_cast<size_t>(history_len), 0.0f);
 }
 
-void DelayedScaling::record_amax(const float amax) { history_[0] = std::fmax(history_[0], amax); }
+void DelayedScaling::record_amax(const float amax) { moecore::quant::record_amax(history_.data(), amax); }
 
 void DelayedScaling::update() {
-  const int64_t length = static_cast<int64_t>(history_.size());
-  const float last_amax = history_[0];
+  update_amax_history_and_scale(history_.data(), static_cast<int64_t>(history_.size()), 1, scale_, algo_, margin_,
+                                format_);
+}
+
+void record_amax(float* const slot, const float amax) { *slot = std::fmax(*slot, amax); }
+
+void update_amax_history_and_scale(float* const history, const int64_t length, const int64_t stride, float& scale,
+                                   const AmaxComputeAlgo algo, const int margin, const ElementFormat format) {
+  // transformer_engine/common/recipe/delayed_scaling.cu, kernel_bulk.
+  const float last_amax = history[0];
   float amax = 0.0f;
-  if (last_amax != 0.0f) {  // a NaN amax compares unequal and rolls in, as in TE
-    std::vector<float> rolled(history_.size());
-    for (int64_t i = 0; i < length; ++i) {
-      const float a = i < length - 1 ? history_[i + 1] : last_amax;
+  if (last_amax != 0.0f) {                  // a NaN amax compares unequal and rolls in, as in TE
+    for (int64_t i = 0; i < length; ++i) {  // in place: entry i reads entry i + 1 before i + 1 is written
+      const float a = i < length - 1 ? history[(i + 1) * stride] : last_amax;
       amax = std::fmax(amax, a);
-      rolled[i] = i > 0 ? a : 0.0f;
+      history[i * stride] = i > 0 ? a : 0.0f;
     }
-    history_ = std::move(rolled);
   }
-  if (algo_ == AmaxComputeAlgo::kMostRecent) amax = last_amax;
+  if (algo == AmaxComputeAlgo::kMostRecent) amax = last_amax;
   // scaled_max = fp8_dtype_max(fp8_dtype) * std::pow(2.f, -margin)
-  const float scaled_max = format_max(format_) * std::pow(2.0f, static_cast<float>(-margin_));
-  float scale = std::isfinite(amax) && amax > 0.0f ? scaled_max / amax : scale_;
-  if (std::isinf(scale)) scale = std::numeric_limits<float>::max();
-  scale_ = scale;
+  const float scaled_max = format_max(format) * std::pow(2.0f, static_cast<float>(-margin));
+  float next = std::isfinite(amax) && amax > 0.0f ? scaled_max / amax : scale;
+  if (std::isinf(next)) next = std::numeric_limits<float>::max();
+  scale = next;
 }
 
 }  // namespace moecore::quant

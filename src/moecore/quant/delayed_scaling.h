@@ -5,9 +5,11 @@
 //   DelayedScaling state(1024, AmaxComputeAlgo::kMax, 0, ElementFormat::kE4M3);
 //   q = quantize(x, ..., {.tensor_scale = state.scale()}); state.record_amax(q.amax);   // forward of step t
 //   state.update();                                                                     // after the step
+// A linear layer's three operands keep their state together in TE's layout (delayed_linear_scaling.h).
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -18,6 +20,22 @@ namespace moecore::quant {
 enum class AmaxComputeAlgo { kMax, kMostRecent };
 // "max" / "most_recent" (std::invalid_argument otherwise).
 AmaxComputeAlgo parse_amax_compute_algo(std::string_view name);
+std::string amax_compute_algo_name(AmaxComputeAlgo algo);
+
+// One operand of a quantized GEMM under delayed scaling: the encode scale it is quantized with, and where its amax
+// is max-recorded (NaN skipped; the history's slot 0), or null when this quantization is not recorded.
+struct DelayedOperand {
+  float scale = 1.0f;
+  float* amax = nullptr;
+};
+// *slot = max(*slot, amax), NaN skipped, as the cast kernels' atomic max.
+void record_amax(float* slot, float amax);
+
+// TE's amax_and_scale_update for one tensor (the rules under DelayedScaling::update) on a history of `length`
+// entries `stride` floats apart (a column of TE's [L, n] amax_history): history[0] this step's amax, then the older
+// ones, oldest first. `scale` is read (the previous scale) and written.
+void update_amax_history_and_scale(float* history, int64_t length, int64_t stride, float& scale, AmaxComputeAlgo algo,
+                                   int margin, ElementFormat format);
 
 class DelayedScaling {
  public:
@@ -27,6 +45,8 @@ class DelayedScaling {
 
   // The encode scale of this step (quantize with it; decode scale 1 / scale).
   float scale() const { return scale_; }
+  // This state as a GEMM operand: its scale, its amax recorded into slot 0.
+  DelayedOperand operand() { return {scale_, history_.data()}; }
   // Records this step's amax: slot 0 of the history keeps the max (NaN skipped) over every quantization of the
   // tensor in the step, as the cast kernels' atomic max into amax_history[0].
   void record_amax(float amax);

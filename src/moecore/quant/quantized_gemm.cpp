@@ -1,6 +1,5 @@
 #include "moecore/quant/quantized_gemm.h"
 
-#include <stdexcept>
 #include <vector>
 
 #include "moecore/kernels/cpu/gemm.h"
@@ -9,13 +8,13 @@
 namespace moecore::quant {
 namespace {
 
-DelayedScaling* state_for(const QuantizedLinearConfig& config, const Role role) {
+const DelayedOperand& delayed_operand(const QuantizedLinearConfig& config, const Role role) {
   switch (role) {
-    case Role::kActivation: return config.x_state;
-    case Role::kWeight: return config.w_state;
-    case Role::kGradient: return config.dy_state;
+    case Role::kActivation: return config.x;
+    case Role::kWeight: return config.w;
+    case Role::kGradient: break;
   }
-  return nullptr;
+  return config.dy;
 }
 
 // The operand quantized for `usage` and decoded in its stored layout ([rows, cols] row-wise, [cols, rows]
@@ -27,18 +26,10 @@ std::vector<float> quantize_decoded(const float* x, const int64_t rows, const in
   QuantizeOptions options;
   options.seed = config.seed;
   options.rht_signs = config.rht_signs;
-  DelayedScaling* state = config.recipe == Recipe::kDelayed ? state_for(config, role) : nullptr;
-  if (config.recipe == Recipe::kDelayed) {
-    if (state == nullptr) throw std::invalid_argument("delayed scaling needs a DelayedScaling state per operand");
-    if (state->format() != element) {
-      throw std::invalid_argument("the " + role_name(role) + " delayed-scaling state is " +
-                                  format_name(state->format()) + ", the recipe quantizes it to " +
-                                  format_name(element));
-    }
-    options.tensor_scale = state->scale();
-  }
+  const DelayedOperand* delayed = config.recipe == Recipe::kDelayed ? &delayed_operand(config, role) : nullptr;
+  if (delayed != nullptr) options.tensor_scale = delayed->scale;
   const QuantizedTensor q = quantize(x, rows, cols, spec, usage, options);
-  if (state != nullptr) state->record_amax(q.amax);
+  if (delayed != nullptr && delayed->amax != nullptr) record_amax(delayed->amax, q.amax);
   return q.decode();
 }
 

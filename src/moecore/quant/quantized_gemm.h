@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "moecore/quant/delayed_linear_scaling.h"
 #include "moecore/quant/delayed_scaling.h"
 #include "moecore/quant/hadamard.h"
 #include "moecore/quant/recipe.h"
@@ -26,12 +27,11 @@ struct QuantizedLinearConfig {
   Fp8Format format = Fp8Format::kHybrid;  // ignored by nvfp4
   uint64_t seed = 0;                      // nvfp4 gradients' stochastic rounding
   RhtSigns rht_signs = te_rht_signs();
-  // Delayed scaling: one state per operand (non-null under Recipe::kDelayed; their formats must match
-  // element_format_for). Each GEMM quantizes with state->scale() and records the operand's amax; the caller calls
-  // update() after the step.
-  DelayedScaling* x_state = nullptr;
-  DelayedScaling* w_state = nullptr;
-  DelayedScaling* dy_state = nullptr;
+  // Recipe::kDelayed: the options of every layer's scaling state (delayed_linear_scaling.h), and for one GEMM call
+  // each operand's scale and amax slot (the layer's state gives them; its formats are element_format_for's). The
+  // caller updates the states after the step.
+  DelayedScalingOptions delayed;
+  DelayedOperand x, w, dy;
 };
 
 // y_TN = x_TK @ w_NK^T.

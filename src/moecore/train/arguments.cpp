@@ -192,18 +192,21 @@ const std::vector<FlagSpec>& flag_table() {
      "compute the attention softmax in fp32 (moecore's attention always does, as TE's fused attention)",
      [](TrainingArgs&, const FlagValue&) {}},
     {"--fp8-format", Arity::kOne, "{e4m3,hybrid}",
-     "quantize the decoder layers' linear layers and experts to FP8 (hybrid: E5M2 gradients); needs --fp8-recipe",
+     "quantize the decoder layers' linear layers and experts to FP8 (hybrid: E5M2 gradients)",
      [](TrainingArgs& a, const FlagValue& v) { a.fp8_format = v.choice({"e4m3", "hybrid"}); }},
-    {"--fp8-recipe", Arity::kOne, "{tensorwise,blockwise,mxfp8}",
-     "FP8 scaling: per-tensor current scaling, 1x128 / 128x128 blocks, or MXFP8 1x32 blocks",
+    {"--fp8-recipe", Arity::kOne, "{delayed,tensorwise,blockwise,mxfp8}",
+     "FP8 scaling (default delayed: per-tensor scales from an amax history; per-tensor current scaling, 1x128 / "
+     "128x128 blocks, or MXFP8 1x32 blocks)",
      [](TrainingArgs& a, const FlagValue& v) {
-       if (v.text() == "delayed") {
-         throw ConfigError(
-             "--fp8-recipe delayed is not implemented yet (it needs per-module amax histories); use tensorwise, "
-             "blockwise or mxfp8");
-       }
-       a.fp8_recipe = v.choice({"tensorwise", "blockwise", "mxfp8"}, {"custom"});
+       a.fp8_recipe = v.choice({"delayed", "tensorwise", "blockwise", "mxfp8"}, {"custom"});
      }},
+    {"--fp8-amax-history-len", Arity::kOne, "N", "--fp8-recipe delayed: amax history length (default 1)",
+     [](TrainingArgs& a, const FlagValue& v) { a.fp8_amax_history_len = v.integer(); }},
+    {"--fp8-amax-compute-algo", Arity::kOne, "{most_recent,max}",
+     "--fp8-recipe delayed: scale from the newest amax or the history's maximum (default most_recent)",
+     [](TrainingArgs& a, const FlagValue& v) { a.fp8_amax_compute_algo = v.choice({"most_recent", "max"}); }},
+    {"--fp8-margin", Arity::kOne, "N", "--fp8-recipe delayed: scale = FP8 max x 2^-N / amax (default 0)",
+     [](TrainingArgs& a, const FlagValue& v) { a.fp8_margin = v.integer(); }},
     {"--fp4-format", Arity::kOne, "{e2m1}", "quantize the decoder layers' linear layers and experts to FP4 (E2M1)",
      [](TrainingArgs& a, const FlagValue& v) { a.fp4_format = v.choice({"e2m1"}); }},
     {"--fp4-recipe", Arity::kOne, "{nvfp4}", "FP4 scaling (default nvfp4: 1x16 blocks with E4M3 scales)",
@@ -394,6 +397,12 @@ const std::vector<FlagSpec>& flag_table() {
      }},
     {"--moe-pad-expert-input-to-capacity", Arity::kSwitch, "", "pad every expert's input to its capacity",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.pad_expert_input_to_capacity = true; }},
+    {"--moe-router-padding-for-quantization", Arity::kSwitch, "",
+     "with FP8 / FP4: pad each rank's routing map so every expert's token count is a multiple of the recipe's "
+     "alignment (zero-probability tokens)",
+     [](TrainingArgs& a, const FlagValue&) { a.moe_router_padding_for_quantization = true; }},
+    {"--moe-router-padding-for-fp8", Arity::kSwitch, "", "alias of --moe-router-padding-for-quantization",
+     [](TrainingArgs& a, const FlagValue&) { a.moe_router_padding_for_quantization = true; }},
     {"--moe-token-dispatcher-type", Arity::kOne, "{allgather,alltoall}", "token dispatcher (default allgather)",
      [](TrainingArgs& a, const FlagValue& v) {
        if (v.text() == "flex") {

@@ -105,11 +105,14 @@ struct TrainingArgs {
   std::string exp_avg_sq_dtype = "fp32";       // --exp-avg-sq-dtype {fp32,fp16,bf16,fp8}
   // FP8 / FP4 linear layers, as given (finalize turns them into model.quantization).
   std::optional<std::string> fp8_format;  // --fp8-format {e4m3,hybrid}
-  std::optional<std::string> fp8_recipe;  // --fp8-recipe {tensorwise,blockwise,mxfp8}
-  std::optional<std::string> fp4_format;  // --fp4-format e2m1
-  std::optional<std::string> fp4_recipe;  // --fp4-recipe nvfp4 (the default with --fp4-format)
-  bool fp8_param_gather = false;          // --fp8-param-gather
-  bool fp4_param_gather = false;          // --fp4-param-gather
+  std::optional<std::string> fp8_recipe;  // --fp8-recipe {delayed,tensorwise,blockwise,mxfp8} (default delayed)
+  int64_t fp8_amax_history_len = 1;       // --fp8-amax-history-len (delayed)
+  std::string fp8_amax_compute_algo = "most_recent";  // --fp8-amax-compute-algo {most_recent,max} (delayed)
+  int64_t fp8_margin = 0;                             // --fp8-margin (delayed)
+  std::optional<std::string> fp4_format;              // --fp4-format e2m1
+  std::optional<std::string> fp4_recipe;              // --fp4-recipe nvfp4 (the default with --fp4-format)
+  bool fp8_param_gather = false;                      // --fp8-param-gather
+  bool fp4_param_gather = false;                      // --fp4-param-gather
 
   // Run control and logging.
   int64_t seed = 1234;         // --seed
@@ -136,6 +139,8 @@ struct TrainingArgs {
   // Mixture of Experts: the rest lives in model.moe.
   std::string moe_layer_freq = "1";                     // --moe-layer-freq text, expanded into moe_layer_pattern
   std::string moe_token_dispatcher_type = "allgather";  // --moe-token-dispatcher-type
+  // --moe-router-padding-for-quantization / --moe-router-padding-for-fp8 (finalize sets model.moe's multiple).
+  bool moe_router_padding_for_quantization = false;
 
   // Parallelism (the world size comes from the launcher: mpirun -np N). CP > 1 is rejected for now.
   int64_t tensor_model_parallel_size = 1;    // --tensor-model-parallel-size

@@ -11,6 +11,7 @@
 #include <string_view>
 #include <utility>
 
+#include "moecore/moe/routing_padding.h"
 #include "moecore/quant/recipe.h"
 #include "moecore/train/pipeline_schedule.h"
 
@@ -299,9 +300,20 @@ void finalize_quantization(TrainingArgs& args, const std::set<std::string>& give
   require(!(args.fp8_format && args.fp4_format),
           "--fp4-format and --fp8-format cannot be used simultaneously; choose one");
   require(!args.fp8_recipe || args.fp8_format, "--fp8-recipe needs --fp8-format (e4m3 or hybrid)");
-  require(!args.fp8_format || args.fp8_recipe,
-          "--fp8-format needs an explicit --fp8-recipe (tensorwise, blockwise or mxfp8): Megatron's default, delayed, "
-          "is not implemented yet");
+  // Megatron's default recipe is delayed (transformer_config.py: fp8_recipe = "delayed").
+  const bool delayed = args.fp8_format && args.fp8_recipe.value_or("delayed") == "delayed";
+  for (const char* flag : {"--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-margin"}) {
+    require(!given.contains(flag) || delayed,
+            std::string(flag) + " sets delayed scaling: it needs --fp8-format with --fp8-recipe delayed (the default)");
+  }
+  require(args.fp8_amax_history_len >= 1,
+          "--fp8-amax-history-len must be at least 1 (got " + str(args.fp8_amax_history_len) + ")");
+  require(args.fp8_margin >= -1000 && args.fp8_margin <= 1000,
+          "--fp8-margin must be between -1000 and 1000 (got " + str(args.fp8_margin) + ")");
+  // TransformerConfig.__post_init__: per-layer autocasts would break the block-wide amax reduction.
+  require(!(delayed && model.first_last_layers_bf16),
+          "delayed scaling does not support first / last layer in BF16: --first-last-layers-bf16 needs --fp8-recipe "
+          "tensorwise, blockwise or mxfp8");
   require(!args.fp4_recipe || args.fp4_format, "--fp4-recipe needs --fp4-format e2m1");
   // Megatron: TransformerConfig.__post_init__ ("fp8_param must be used together with fp8 mode.") and validate_args
   // (the distributed optimizer; FSDP and inference are not in moecore). --fp4-param-gather needs it too here.
@@ -311,7 +323,7 @@ void finalize_quantization(TrainingArgs& args, const std::set<std::string>& give
           "--fp8-param-gather only supported with distributed optimizer (--use-distributed-optimizer)");
   require(!args.fp4_param_gather || args.use_distributed_optimizer,
           "--fp4-param-gather only supported with distributed optimizer (--use-distributed-optimizer)");
-  require(!args.fp8_param_gather || args.fp8_recipe != "delayed",
+  require(!args.fp8_param_gather || !delayed,
           "--fp8-param-gather is not implemented with --fp8-recipe delayed (use tensorwise, blockwise or mxfp8)");
   const bool quantized = args.fp8_format || args.fp4_format;
   require(!model.first_last_layers_bf16 || quantized,
@@ -320,11 +332,19 @@ void finalize_quantization(TrainingArgs& args, const std::set<std::string>& give
     require(!given.contains(flag) || model.first_last_layers_bf16,
             std::string(flag) + " needs --first-last-layers-bf16");
   }
+  // TransformerConfig.__post_init__: "fp8/fp4 must be specified when moe_router_padding_for_quantization is True".
+  require(!args.moe_router_padding_for_quantization || quantized,
+          "--moe-router-padding-for-quantization needs --fp8-format or --fp4-format");
   model.quantization.reset();
+  model.moe.router_padding_multiple = 0;
   if (!quantized) return;
   quant::QuantizedLinearConfig config;
-  config.recipe = quant::parse_recipe(args.fp8_format ? *args.fp8_recipe : args.fp4_recipe.value_or("nvfp4"));
+  config.recipe =
+      quant::parse_recipe(args.fp8_format ? args.fp8_recipe.value_or("delayed") : args.fp4_recipe.value_or("nvfp4"));
   if (args.fp8_format) config.format = quant::parse_fp8_format(*args.fp8_format);
+  config.delayed.amax_history_len = args.fp8_amax_history_len;
+  config.delayed.amax_compute_algo = quant::parse_amax_compute_algo(args.fp8_amax_compute_algo);
+  config.delayed.margin = static_cast<int>(args.fp8_margin);
   config.seed = static_cast<uint64_t>(args.seed);
   if (model.first_last_layers_bf16) {
     // Megatron bounds each count by the layers of one pipeline stage.
@@ -364,6 +384,10 @@ void finalize_quantization(TrainingArgs& args, const std::set<std::string>& give
     }
   }
   model.quantization = config;
+  if (args.moe_router_padding_for_quantization) {
+    model.moe.router_padding_multiple = align_size_for_quantization(config.recipe);
+    model.moe.validate(model.num_layers);  // the dispatcher and capacity rules of the padding
+  }
 }
 
 void finalize_training(TrainingArgs& args, const std::set<std::string>& given) {

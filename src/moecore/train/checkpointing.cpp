@@ -328,10 +328,23 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
     // fp32 main parameters: loaded when the checkpoint has them (saved with 16-bit weights), else made from the
     // loaded weights.
     bool main_params_loaded = load_optim;
+    bool delayed_scaling_missing = false;
     load_state(
         ckpt, state,
         [&](const StateEntry& e) {
           if (e.local.dtype() != DType::kF32) return false;  // scalars are read below
+          if (is_delayed_scaling_key(e.key)) {
+            const std::optional<StoredTensorInfo> stored = ckpt.info(e.key);
+            if (!stored) {  // saved under another recipe (TE's extra state then holds no FP8 meta): fresh state
+              delayed_scaling_missing = true;
+              return false;
+            }
+            if (stored->global_shape != e.global_shape) {
+              throw ConfigError("checkpoint " + plan.dir + " holds FP8 amax histories of " +
+                                std::to_string(stored->global_shape.front()) + " entries, this run's " +
+                                "--fp8-amax-history-len is " + std::to_string(e.global_shape.front()));
+            }
+          }
           if (e.key.starts_with(kMainParamPrefix) && (!load_optim || !ckpt.info(e.key))) {
             main_params_loaded = false;
             return false;
@@ -340,6 +353,10 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
         },
         is_vocab_key);
     if (load_optim) target.optimizer.load_moment_slices(slices, main_params_loaded);
+    if (delayed_scaling_missing) {
+      log << "WARNING: checkpoint " << plan.dir << " has no FP8 delayed-scaling state (saved under another recipe): "
+          << "the amax histories start empty and the scales at 1" << std::endl;
+    }
     if (main_params_loaded) {
       target.optimizer.model_from_main_params();
     } else {
@@ -430,6 +447,9 @@ void Checkpointer::save(const CheckpointTarget& target, const TrainingProgress& 
   log_ << "[" << now_text(true) << "] saving checkpoint at iteration " << iter7(progress.iteration) << " to " << root
        << " in " << kShardedFormat << " format" << std::endl;
   target.ddp.wait_param_gather();
+  // FP8 delayed scaling: amaxes recorded since the last update (evaluation's) differ between the ranks of the amax
+  // group until the next reduction; reduce them now so the one saved copy is every rank's.
+  target.model.delayed_scaling().reduce_pending();
   const StateDict full = training_state(target.model, target.optimizer, target.schedule, progress, args_.seed);
   StateDict state;
   for (const StateEntry& e : full.entries()) {

@@ -101,6 +101,8 @@ class Executor {
     const Key key{microbatch, chunk};
     ForwardOptions options = microbatches_.options(microbatch);
     options.chunk = chunk;
+    // Megatron's is_first_microbatch_for_model_chunk: the chunk's first micro-batch of this forward_backward call.
+    options.is_first_microbatch = microbatch == 0;
     if (!stage.pre_process) {
       model_.set_input_tensor(take_received(inputs_, pending_inputs_, key, "received activation"), chunk);
     }

@@ -138,8 +138,12 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
     // after training read the validation samples Megatron's would.
     log << "> validation before training" << std::endl;
     int64_t own_cursor = 0;
+    // It leaves the FP8 delayed-scaling state as it found it (evaluation records amaxes into the histories), so that
+    // training, and a resumed run, proceed as Megatron's.
+    const std::vector<float> scaling = model.delayed_scaling().snapshot();
     result.first_valid_loss =
         evaluate_and_print(run_args, model, data, parallel, validation_prefix_during_training(0), own_cursor, log);
+    model.delayed_scaling().restore(scaling);
   }
 
   // Training: Megatron's train() loop.

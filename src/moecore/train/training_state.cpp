@@ -73,6 +73,25 @@ void add_progress_state(StateDict& state, const TrainingProgress& progress, cons
   state.add_i64("rng.seed", seed);
 }
 
+bool is_delayed_scaling_key(const std::string& key) { return key.find(kDelayedScalingInfix) != std::string::npos; }
+
+void add_delayed_scaling_state(StateDict& state, const DelayedScalingStates& states) {
+  using quant::DelayedLinearScaling;
+  for (const DelayedScalingEntry& e : states.entries()) {
+    DelayedLinearScaling& s = *e.state;
+    const int64_t L = s.options().amax_history_len;
+    const auto add = [&](const char* field, const std::span<float> data, const std::vector<int64_t>& shape) {
+      StatePlacement replicated;
+      replicated.shard.full_shape = shape;
+      state.add_tensor(e.name + kDelayedScalingInfix + field, Tensor::from_blob(data.data(), shape), replicated);
+    };
+    add("scale_fwd", s.scale_fwd(), {DelayedLinearScaling::kForwardSlots});
+    add("amax_history_fwd", s.amax_history_fwd(), {L, DelayedLinearScaling::kForwardSlots});
+    add("scale_bwd", s.scale_bwd(), {DelayedLinearScaling::kBackwardSlots});
+    add("amax_history_bwd", s.amax_history_bwd(), {L, DelayedLinearScaling::kBackwardSlots});
+  }
+}
+
 namespace {
 
 StateDict assemble(const GPTModel& model, const std::vector<AdamWMomentSlice>& slices, const int64_t step,
@@ -80,6 +99,7 @@ StateDict assemble(const GPTModel& model, const std::vector<AdamWMomentSlice>& s
                    const int64_t seed) {
   StateDict state;
   add_model_state(state, model);
+  add_delayed_scaling_state(state, model.delayed_scaling());
   add_optimizer_state(state, model.params(), slices, step);
   add_lr_scheduler_state(state, schedule, progress.successful_iterations(), weight_decay);
   add_progress_state(state, progress, seed);

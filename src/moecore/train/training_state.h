@@ -3,6 +3,12 @@
 //   <param name>                          fp32, each model parameter (moecore's parameters are the fp32 master
 //                                         weights: there is no separate master copy)
 //   <buffer name>                         e.g. decoder.layers.{i}.mlp.router.expert_bias [E] fp32, replicated
+//   <linear>._extra_state.scale_fwd [2], .amax_history_fwd [L, 2], .scale_bwd [1], .amax_history_bwd [L, 1]
+//                                         fp32, replicated: with --fp8-recipe delayed, each decoder-layer linear's
+//                                         scaling state (quant/delayed_linear_scaling.h; TE's fp8_meta, which Megatron
+//                                         saves as the module's _extra_state), e.g.
+//                                         decoder.layers.0.self_attention.linear_qkv._extra_state.scale_fwd,
+//                                         decoder.layers.1.mlp.experts.local_experts.3.linear_fc1._extra_state...
 //   optimizer.state.exp_avg.<param name>     fp32, Adam's moments under Megatron's fully reshardable optimizer keys;
 //   optimizer.state.exp_avg_sq.<param name>  global shape = the parameter's; placed by the parameter's shard and, with
 //                                            the distributed optimizer, the flat range of the parameter's local
@@ -25,6 +31,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "moecore/ckpt/state_dict.h"
@@ -49,6 +56,10 @@ inline constexpr const char* kMainParamPrefix = "optimizer.state.fp32_param.";
 // indexes them).
 void add_optimizer_state(StateDict& state, const std::vector<Param>& params,
                          const std::vector<AdamWMomentSlice>& slices, int64_t step);
+// The FP8 delayed-scaling entries (views of the live states) and their key test.
+inline constexpr const char* kDelayedScalingInfix = "._extra_state.";
+void add_delayed_scaling_state(StateDict& state, const DelayedScalingStates& states);
+bool is_delayed_scaling_key(const std::string& key);
 // lr_scheduler.*: the scheduler after `completed_iterations` iterations (num_steps = that x global batch size);
 // weight_decay is the constant decay (start_wd = end_wd: moecore has no decay increment).
 void add_lr_scheduler_state(StateDict& state, const LRSchedule& schedule, int64_t completed_iterations,

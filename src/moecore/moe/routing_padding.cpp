@@ -1,0 +1,50 @@
+#include "moecore/moe/routing_padding.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace moecore {
+
+int64_t align_size_for_quantization(const quant::Recipe recipe) {
+  switch (recipe) {
+    case quant::Recipe::kMxfp8: return 32;
+    case quant::Recipe::kNvfp4: return 128;
+    default: return 16;
+  }
+}
+
+std::vector<int64_t> pad_routing_map(std::vector<uint8_t>& routing_map_TE, const int64_t T, const int64_t E,
+                                     const int64_t pad_multiple) {
+  if (pad_multiple < 1 || static_cast<int64_t>(routing_map_TE.size()) != T * E) {
+    throw std::invalid_argument("pad_routing_map: a [" + std::to_string(T) + ", " + std::to_string(E) + "] map needs " +
+                                std::to_string(T * E) + " entries and a positive multiple, got " +
+                                std::to_string(routing_map_TE.size()) + " and " + std::to_string(pad_multiple));
+  }
+  std::vector<int64_t> count_E(static_cast<size_t>(E), 0);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t e = 0; e < E; ++e) count_E[static_cast<size_t>(e)] += routing_map_TE[t * E + e] != 0;
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t& count = count_E[static_cast<size_t>(e)];
+    int64_t missing = (pad_multiple - count % pad_multiple) % pad_multiple;  // (-count) mod pad_multiple
+    for (int64_t t = 0; t < T && missing > 0; ++t) {
+      uint8_t& routed = routing_map_TE[t * E + e];
+      if (routed != 0) continue;
+      routed = 1;
+      ++count;
+      --missing;
+    }
+  }
+  return count_E;
+}
+
+RouterOutput padded_routing(const RouterOutput& routing, const int64_t T, const int64_t E, const int64_t pad_multiple) {
+  RouterOutput out;
+  out.probs_TE = routing.probs_TE;
+  out.routing_map_TE = routing.routing_map_TE;
+  out.capacity = routing.capacity;
+  out.tokens_per_expert_E = pad_routing_map(out.routing_map_TE, T, E, pad_multiple);
+  return out;
+}
+
+}  // namespace moecore
