@@ -88,7 +88,6 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
                       ") must be divisible by --tensor-model-parallel-size (" + std::to_string(tp_.size()) + ")");
   }
   const int64_t H = config.hidden_size;
-  const size_t first_param = params.size();
   NormModule::add_params(params, prefix_ + "input_layernorm", H, config.normalization, tp_.sequence_sharded(), module);
   attention_ = SelfAttention(config, prefix_, tp_, module, params, parallel.cp);
   NormModule::add_params(params, prefix_ + "pre_mlp_layernorm", H, config.normalization, tp_.sequence_sharded(),
