@@ -1,19 +1,33 @@
 #include "moecore/ops/precision.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+
+#include "moecore/kernels/cpu/convert.h"
 
 namespace moecore::ops {
 namespace {
 
 std::atomic<int> scoped_dtype{static_cast<int>(DType::kF32)};
 
-template <uint16_t (*Encode)(float), float (*Decode)(uint16_t)>
+// Rounds in chunks through the vectorised conversions of kernels/cpu/convert.h (bit for bit the scalar functions of
+// dtype.h): narrow a chunk to 16-bit bits, widen it back.
+template <void (*Encode)(uint16_t*, const float*, int64_t, kernels::cpu::ConvertIsa),
+          void (*Decode)(float*, const uint16_t*, int64_t, kernels::cpu::ConvertIsa)>
 void round_all(float* data, const int64_t n) {
+  constexpr int64_t kChunk = 2048;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  const kernels::cpu::ConvertIsa isa = kernels::cpu::best_convert_isa();
 #pragma omp parallel for schedule(static) if (n > (1 << 16))
-  for (int64_t i = 0; i < n; ++i) data[i] = Decode(Encode(data[i]));
+  for (int64_t c = 0; c < chunks; ++c) {
+    uint16_t bits[kChunk];
+    const int64_t begin = c * kChunk, len = std::min(kChunk, n - begin);
+    Encode(bits, data + begin, len, isa);
+    Decode(data + begin, bits, len, isa);
+  }
 }
 
 }  // namespace
@@ -36,8 +50,9 @@ void round_to_dtype_(Tensor& t, const DType dtype) {
     throw std::invalid_argument("round_to_dtype_: expected a float32 tensor, got " +
                                 std::string(dtype_name(t.dtype())));
   }
-  if (dtype == DType::kBF16) return round_all<fp32_to_bf16, bf16_to_fp32>(t.data<float>(), t.numel());
-  if (dtype == DType::kF16) return round_all<fp32_to_fp16, fp16_to_fp32>(t.data<float>(), t.numel());
+  using kernels::cpu::decode_bf16, kernels::cpu::decode_fp16, kernels::cpu::encode_bf16, kernels::cpu::encode_fp16;
+  if (dtype == DType::kBF16) return round_all<encode_bf16, decode_bf16>(t.data<float>(), t.numel());
+  if (dtype == DType::kF16) return round_all<encode_fp16, decode_fp16>(t.data<float>(), t.numel());
   throw std::invalid_argument("round_to_dtype_: cannot round to " + std::string(dtype_name(dtype)));
 }
 
