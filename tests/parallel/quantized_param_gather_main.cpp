@@ -354,8 +354,11 @@ Run train(const std::string& dir, const std::vector<std::string>& extra, const p
       ++run.quantized_weights;
       const float* w = p.value.data<float>();
       run.weights.insert(run.weights.end(), w, w + p.value.numel());
+      quant::QuantizeOptions options;  // delayed scaling: the weight's current scale (the last gather's)
+      if (p.delayed_scaling) options.tensor_scale = p.delayed_scaling->scale_fwd()[1];
       const std::vector<float> again =
-          quant::quantize(w, p.value.dim(0), p.value.dim(1), *p.weight_quantization, quant::Usage::kRowwise).decode();
+          quant::quantize(w, p.value.dim(0), p.value.dim(1), *p.weight_quantization, quant::Usage::kRowwise, options)
+              .decode();
       for (size_t i = 0; i < again.size(); ++i) {
         const double change = again[i] == w[i] ? 0.0 : std::abs(again[i] - w[i]) / std::abs(w[i]);
         run.requantize_change = std::max(run.requantize_change, change);
@@ -455,12 +458,22 @@ void run_training_checks(const parallel::ParallelState& ps) {
     int64_t code_bytes;
     int64_t blocks;
     bool pow2;  // power-of-2 scales: the weights are exactly their own quantization
+    // Delayed scaling: the gathered one-process model that `train` inspects has fresh scaling states (scale 1), so
+    // its weights are not checked against their quantization here (quant_sharded_weight_test covers the codes). And
+    // the loss tolerance is wider: with the flag the initial weights are held as their quantization at TE's initial
+    // scale 1 (fp8_model_init), so iteration 1's recorded weight amaxes are those of the FP8 weights instead of the
+    // bf16 ones; the GEMMs of iteration 1 are identical (difference 0), and from iteration 2 the scales differ by the
+    // FP8 rounding of one amax per weight, which moves the loss by less than quantizing at all does (printed as "vs
+    // bf16", up to ~9e-4): 5e-4.
+    bool delayed = false;
   };
   const std::vector<Quantized> recipes = {
       {{"--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"}, 12288, 20, false},
       {{"--fp8-format", "e4m3", "--fp8-recipe", "blockwise"}, 12288, 20, true},
       {{"--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"}, 12288, 768, true},
       {{"--fp4-format", "e2m1"}, 6144, 96, false},
+      // Delayed scaling: each weight cast with its current scale, one amax per weight (recorded into its history).
+      {{"--fp8-format", "e4m3", "--fp8-recipe", "delayed"}, 12288, 20, false, true},
   };
   std::vector<double> blockwise_losses;
   for (const Quantized& r : recipes) {
@@ -478,10 +491,11 @@ void run_training_checks(const parallel::ParallelState& ps) {
           name + ": param-gather " + std::to_string(gather.param_megabytes) + " MB, by hand " + std::to_string(want));
     check(plain.param_megabytes == bf16.param_megabytes, name + " without the flag gathers bf16");
     check(gather.quantized_weights == 20 && plain.quantized_weights == 20, name + ": 20 quantized weights");
-    check(gather.requantize_change <= (r.pow2 ? 0.0 : std::ldexp(1.0, -20)),
+    check(r.delayed || gather.requantize_change <= (r.pow2 ? 0.0 : std::ldexp(1.0, -20)),
           name + ": the trained weights are their own quantization (change " +
               std::to_string(gather.requantize_change) + ")");
-    check(plain.requantize_change > 1e-3, name + " without the flag: bf16 weights, not on the quantization grid");
+    check(r.delayed || plain.requantize_change > 1e-3,
+          name + " without the flag: bf16 weights, not on the quantization grid");
     check(gather.losses.size() == 8 && plain.losses.size() == 8, name + ": 8 losses");
     for (size_t i = 0; i < gather.losses.size() && i < plain.losses.size(); ++i) {
       const double diff = std::abs(gather.losses[i] - plain.losses[i]) / plain.losses[i];
@@ -490,7 +504,7 @@ void run_training_checks(const parallel::ParallelState& ps) {
           "%.3g)\n",
           name.c_str(), i + 1, gather.losses[i], plain.losses[i], diff,
           std::abs(plain.losses[i] - bf16.losses[i]) / bf16.losses[i]);
-      check(diff <= 1e-5,
+      check(diff <= (r.delayed ? (i == 0 ? 0.0 : 5e-4) : 1e-5),
             name + " iteration " + std::to_string(i + 1) + ": relative loss difference " + std::to_string(diff));
     }
   }

@@ -2,7 +2,7 @@
 // cut anywhere, mid-block included) must give the codes and decoded values of the whole weight quantized at once by
 // quant::quantize (the weight's fprop quantization), bit for bit. Also: re-quantizing the decoded weight (what the
 // GEMM does with the gathered weight) changes nothing for power-of-2 scales and only the fp32 rounding of the scale
-// for tensorwise and NVFP4.
+// for tensorwise and NVFP4. Delayed scaling encodes every piece with the scale it is given.
 #include <gtest/gtest.h>
 
 #include <bit>
@@ -127,9 +127,45 @@ INSTANTIATE_TEST_SUITE_P(Recipes, ShardedWeight,
                                            Case{Recipe::kMxfp8, ElementFormat::kE4M3, 64, 96},
                                            Case{Recipe::kNvfp4, ElementFormat::kE2M1, 48, 64}));
 
-TEST(ShardedWeightQuantizer, RejectsDelayedScalingAndShapesTheRecipeCannotBlock) {
-  EXPECT_THROW(ShardedWeightQuantizer(32, 32, make_spec(Recipe::kDelayed, ElementFormat::kE4M3, Role::kWeight)),
-               std::invalid_argument);
+// Delayed scaling: the scale comes from the weight's amax history, not the data, so every piece is encoded with the
+// given scale; the codes and values are those of quantize() with that tensor scale (a scale of 2^5 saturates the
+// weight's largest elements, 2^-3 below its amax x 448 leaves them unsaturated).
+TEST(ShardedWeightQuantizer, DelayedScalingEncodesEveryPieceWithTheGivenScale) {
+  const QuantSpec spec = make_spec(Recipe::kDelayed, ElementFormat::kE4M3, Role::kWeight);
+  constexpr int64_t rows = 48, cols = 40, n = rows * cols;
+  const std::vector<float> x = weight_values(rows, cols);
+  for (const float scale : {32.0f, 0.125f, 3.7f}) {
+    QuantizeOptions options;
+    options.tensor_scale = scale;
+    const QuantizedTensor whole = quantize(x.data(), rows, cols, spec, Usage::kRowwise, options);
+    const std::vector<float> whole_decoded = whole.decode();
+    for (const std::vector<int64_t>& cut : cuts(n)) {
+      ShardedWeightQuantizer q(rows, cols, spec);
+      ASSERT_EQ(q.num_blocks(), 1);
+      std::vector<float> amax(1, 0.0f);
+      EXPECT_THROW(q.set_scales(amax), std::logic_error);  // delayed scaling takes no scale from the data
+      q.set_tensor_scale(scale);
+      std::vector<uint8_t> codes(static_cast<size_t>(n));
+      for (size_t p = 0; p + 1 < cut.size(); ++p) {
+        const auto len = static_cast<size_t>(cut[p + 1] - cut[p]);
+        q.encode(cut[p], std::span<const float>(x.data() + cut[p], len),
+                 std::span<uint8_t>(codes.data() + cut[p], len));
+      }
+      EXPECT_EQ(codes, whole.codes) << "scale " << scale << ", " << cut.size() - 1 << " pieces";
+      std::vector<float> decoded(static_cast<size_t>(n));
+      q.decode(0, codes, decoded);
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(std::bit_cast<uint32_t>(decoded[static_cast<size_t>(i)]),
+                  std::bit_cast<uint32_t>(whole_decoded[static_cast<size_t>(i)]))
+            << "element " << i;
+      }
+    }
+  }
+  ShardedWeightQuantizer current(4, 4, make_spec(Recipe::kTensorwise, ElementFormat::kE4M3, Role::kWeight));
+  EXPECT_THROW(current.set_tensor_scale(2.0f), std::logic_error);  // current scaling computes its own
+}
+
+TEST(ShardedWeightQuantizer, RejectsShapesTheRecipeCannotBlock) {
   EXPECT_THROW(ShardedWeightQuantizer(32, 40, make_spec(Recipe::kMxfp8, ElementFormat::kE4M3, Role::kWeight)),
                std::invalid_argument);
   ShardedWeightQuantizer q(4, 4, make_spec(Recipe::kTensorwise, ElementFormat::kE4M3, Role::kWeight));

@@ -1,6 +1,7 @@
 #include "moecore/optim/ddp.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 #include <span>
@@ -431,7 +432,16 @@ void DistributedDataParallel::quantize_shard(Bucket& bucket) {
   }
   for (size_t k = 0; k < bucket.params.size(); ++k) {
     quant::ShardedWeightQuantizer& q = bucket.quantizers[k];
-    q.set_scales(amax_of(k));
+    Param& param = params_[static_cast<size_t>(bucket.params[k])];
+    if (param.delayed_scaling) {
+      // Delayed scaling (TE's cast_master_weights_to_fp8 with Float8Quantizer): the weight's current scale from its
+      // amax history, the shard amaxes' maximum recorded into the history's pending row (the weight's slot).
+      std::span<float> pending = param.delayed_scaling->pending_forward_amaxes();
+      pending[1] = std::fmax(pending[1], amax_of(k)[0]);
+      q.set_tensor_scale(param.delayed_scaling->scale_fwd()[1]);
+    } else {
+      q.set_scales(amax_of(k));
+    }
     const Slot& slot = slots_[static_cast<size_t>(bucket.params[k])];
     const Overlap o = overlap(slot.offset, slot.numel, bucket.shard_begin, shard_end);
     if (o.lo >= o.hi) continue;
@@ -521,7 +531,11 @@ void DistributedDataParallel::quantize_replicated_weights() {
       const std::span<float> values = p.value.span<float>();
       std::vector<float> amax(static_cast<size_t>(q.num_blocks()), 0.0f);
       q.accumulate_amax(0, values, amax);
-      q.set_scales(amax);
+      if (p.delayed_scaling) {  // the weight's current scale (1 before any update, TE's initial fp8_meta)
+        q.set_tensor_scale(p.delayed_scaling->scale_fwd()[1]);
+      } else {
+        q.set_scales(amax);
+      }
       std::vector<uint8_t> codes(values.size());
       q.encode(0, values, codes);
       q.decode(0, codes, values);

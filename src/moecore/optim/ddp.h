@@ -14,7 +14,8 @@
 // casts the master weight to the model dtype first, transformer_engine/pytorch/tensor/utils.py
 // quantize_master_weights); start_param_gather then quantizes each such bucket's shard (quant/
 // sharded_weight_quantizer.h): block amaxes of the shard, MAX-reduced over the bucket's group (one small all-reduce
-// per bucket, counted as parameter all-gather bytes), the scales every rank derives alike, the shard's codes; it
+// per bucket, counted as parameter all-gather bytes), the scales every rank derives alike (delayed scaling: the
+// weight's current scale, the amax recorded into its history), the shard's codes; it
 // all-gathers the codes and decodes them into the parameter buffer. The model thus holds the decoded weights, which
 // are exactly the whole weight's quantization whatever the shard cut; its GEMMs quantize them again, which
 // reproduces them for power-of-2 scales (blockwise, MXFP8) and up to the fp32 rounding of the scale for tensorwise

@@ -27,11 +27,6 @@ void check_range(const int64_t begin, const size_t n, const int64_t numel, const
 
 ShardedWeightQuantizer::ShardedWeightQuantizer(const int64_t rows, const int64_t cols, const QuantSpec& spec)
     : spec_(spec), rows_(rows), cols_(cols) {
-  if (spec.recipe == Recipe::kDelayed) {
-    throw std::invalid_argument(
-        "a weight quantized from shards needs current scaling: delayed scaling takes its "
-        "scale from an amax history");
-  }
   check_quantizable(rows, cols, spec);
   const bool per_tensor = spec.block_rows == 0 || spec.block_cols == 0;
   block_rows_ = per_tensor ? std::max<int64_t>(rows, 1) : spec.block_rows;
@@ -69,7 +64,7 @@ void ShardedWeightQuantizer::set_scales(const std::span<const float> amax) {
   const float s_dec = 1.0f / s_enc;
   for (size_t b = 0; b < amax.size(); ++b) {
     switch (spec_.recipe) {
-      case Recipe::kDelayed: throw std::logic_error("delayed scaling");
+      case Recipe::kDelayed: throw std::logic_error("delayed scaling takes its scale from set_tensor_scale");
       case Recipe::kTensorwise: {
         const float scale = current_scaling_scale(amax[b], spec_);
         encode_factor_[b] = scale;
@@ -98,6 +93,13 @@ void ShardedWeightQuantizer::set_scales(const std::span<const float> amax) {
       }
     }
   }
+  scales_set_ = true;
+}
+
+void ShardedWeightQuantizer::set_tensor_scale(const float scale) {
+  if (spec_.recipe != Recipe::kDelayed) throw std::logic_error("set_tensor_scale: only delayed scaling");
+  encode_factor_[0] = scale;
+  decode_scale_[0] = reciprocal(scale);  // as quantize_with_tensor_scale
   scales_set_ = true;
 }
 

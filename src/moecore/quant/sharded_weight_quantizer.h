@@ -24,7 +24,8 @@
 //   blockwise   128x128 blocks; compute_scale_from_amax with power-of-2 scales, decode scale 1 / scale
 //   mxfp8       1x32 blocks; E8M0 exponent from amax / fp8 max rounded up
 //   nvfp4       16x16 blocks; global amax = max over the blocks' amaxes, E4M3 block scales from it
-// Delayed scaling takes its scale from an amax history, not from the data: not supported here (invalid_argument).
+//   delayed     one block; the scale is given (set_tensor_scale: the weight's current scale from its amax history,
+//               TE's cast_master_weights_to_fp8 for delayed scaling); the reduced amax goes into that history
 #pragma once
 
 #include <cstdint>
@@ -38,7 +39,7 @@ namespace moecore::quant {
 class ShardedWeightQuantizer {
  public:
   // A row-major [rows, cols] weight quantized row-wise with `spec` (make_spec(..., Role::kWeight)). Throws
-  // std::invalid_argument for delayed scaling or a shape the recipe cannot quantize (check_quantizable).
+  // std::invalid_argument for a shape the recipe cannot quantize (check_quantizable).
   ShardedWeightQuantizer(int64_t rows, int64_t cols, const QuantSpec& spec);
 
   int64_t rows() const { return rows_; }
@@ -54,6 +55,8 @@ class ShardedWeightQuantizer {
   void accumulate_amax(int64_t begin, std::span<const float> x, std::span<float> amax) const;
   // The scales from the whole weight's block amaxes (after the MAX reduction over every piece).
   void set_scales(std::span<const float> amax);
+  // Delayed scaling: the per-tensor encode scale, given (decode scale 1 / scale).
+  void set_tensor_scale(float scale);
   // Codes of the flat elements [begin, begin + x.size()): one byte each (E2M1 unpacked, 0..15). After set_scales.
   void encode(int64_t begin, std::span<const float> x, std::span<uint8_t> codes) const;
   // The decoded values of codes of the flat elements [begin, begin + codes.size()), as QuantizedTensor::decode.

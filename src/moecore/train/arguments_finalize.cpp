@@ -323,8 +323,6 @@ void finalize_quantization(TrainingArgs& args, const std::set<std::string>& give
           "--fp8-param-gather only supported with distributed optimizer (--use-distributed-optimizer)");
   require(!args.fp4_param_gather || args.use_distributed_optimizer,
           "--fp4-param-gather only supported with distributed optimizer (--use-distributed-optimizer)");
-  require(!args.fp8_param_gather || !delayed,
-          "--fp8-param-gather is not implemented with --fp8-recipe delayed (use tensorwise, blockwise or mxfp8)");
   const bool quantized = args.fp8_format || args.fp4_format;
   require(!model.first_last_layers_bf16 || quantized,
           "--first-last-layers-bf16 needs --fp8-format or --fp4-format (without them every layer is high precision)");
