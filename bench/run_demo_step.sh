@@ -10,13 +10,7 @@ a=$1
 b=$2
 rounds=${3:-3}
 echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(lscpu | sed -n 's/^Model name: *//p')"
-args=()
-while read -r flag value; do
-  case "$flag" in --train-iters | --log-interval | --eval-interval | --eval-iters | --split) continue ;; esac
-  args+=("$flag")
-  if [ -n "$value" ]; then args+=("$value"); fi
-done < <(grep -v '^#' configs/demo.args | grep -v '^\s*$')
-args+=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50256 --train-iters 16 --log-interval 8 --lr-warmup-iters 2 --eval-iters 1 --threads 2)
+source bench/demo_step_args.sh
 run() {
   "$1/moecore" train "${args[@]}" 2>&1 | sed -n 's/.*iteration *16\/.*elapsed time per iteration (ms): \([0-9.]*\).*/\1/p'
 }

@@ -10,13 +10,7 @@ cd "$(dirname "$0")/.."
 build=$1
 rounds=${2:-3}
 echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(lscpu | sed -n 's/^Model name: *//p')"
-args=()
-while read -r flag value; do
-  case "$flag" in --train-iters | --log-interval | --eval-interval | --eval-iters | --split) continue ;; esac
-  args+=("$flag")
-  if [ -n "$value" ]; then args+=("$value"); fi
-done < <(grep -v '^#' configs/demo.args | grep -v '^\s*$')
-args+=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50256 --train-iters 16 --log-interval 8 --lr-warmup-iters 2 --eval-iters 1 --threads 2)
+source bench/demo_step_args.sh
 # label|MOECORE_LOWP_GEMM|flags
 variants=("fp32|convert|" "bf16 convert|convert|--bf16" "bf16 native|native|--bf16" "fp16 convert|convert|--fp16"
   "fp16 native|native|--fp16")
