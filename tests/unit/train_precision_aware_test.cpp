@@ -199,7 +199,8 @@ struct Trained {
     progress.iteration = 2;
     progress.consumed_train_samples = 4;
     std::ostringstream log;
-    Checkpointer checkpointer(args, parallel::ParallelState::single_process(), log);
+    const parallel::ParallelState single = parallel::ParallelState::single_process();  // the checkpointer keeps it
+    Checkpointer checkpointer(args, single, log);
     checkpointer.save(target(), progress, false);
   }
 
