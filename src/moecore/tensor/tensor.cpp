@@ -51,13 +51,31 @@ Tensor::Tensor(std::vector<int64_t> shape, const DType dtype, const MemCategory 
   for (const int64_t d : shape_) {
     if (d < 0) throw std::invalid_argument("tensor shape has a negative dimension");
   }
-  storage_ = std::make_shared<Storage>(nbytes(), category, device);
+  const size_t bytes = nbytes();
+  try {
+    storage_ = std::make_shared<Storage>(bytes, category, device);
+  } catch (const std::bad_alloc&) {
+    throw std::runtime_error("out of memory: cannot allocate " + std::to_string(bytes >> 20) + " MiB for a " +
+                             shape_str() + " " + std::string(dtype_name(dtype_)) + " tensor");
+  }
 }
 
 int64_t Tensor::numel() const {
   int64_t n = 1;
-  for (const int64_t d : shape_) n *= d;
+  for (const int64_t d : shape_) {
+    if (__builtin_mul_overflow(n, d, &n)) {
+      throw std::overflow_error("tensor shape " + shape_str() + " has more elements than 64-bit integers hold");
+    }
+  }
   return n;
+}
+
+size_t Tensor::nbytes() const {
+  size_t bytes = 0;
+  if (__builtin_mul_overflow(static_cast<size_t>(numel()), dtype_size(dtype_), &bytes)) {
+    throw std::overflow_error("tensor shape " + shape_str() + " has more bytes than 64-bit integers hold");
+  }
+  return bytes;
 }
 
 std::string Tensor::shape_str() const {

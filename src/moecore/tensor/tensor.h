@@ -63,8 +63,8 @@ class Tensor {
   const std::vector<int64_t>& shape() const { return shape_; }
   int64_t dim(int i) const { return shape_.at(static_cast<size_t>(i < 0 ? i + ndim() : i)); }
   int ndim() const { return static_cast<int>(shape_.size()); }
-  int64_t numel() const;
-  size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
+  int64_t numel() const;  // throws std::overflow_error where the shape's product overflows
+  size_t nbytes() const;
   std::string shape_str() const;
 
   template <typename T>
