@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "moecore/quant/recipe.h"
@@ -192,10 +193,12 @@ TEST(TrainArguments, GroupQueryAttention) {
 
 TEST(TrainArguments, EqualsSyntaxAndLastWins) {
   const TrainingArgs args = parse_train_args(
-      with(minimal(), {"--num-layers=6", "--lr=1e-3", "--num-layers", "5", "--seed=7", "--seed", "-3"}));
+      with(minimal(), {"--num-layers=6", "--lr=1e-3", "--num-layers", "5", "--seed=7", "--seed", "8", "--fp8-format",
+                       "e4m3", "--fp8-margin", "-3"}));
   EXPECT_EQ(args.model.num_layers, 5);
   EXPECT_DOUBLE_EQ(args.lr, 1e-3);
-  EXPECT_EQ(args.seed, -3);  // a negative number is a value, not a flag
+  EXPECT_EQ(args.seed, 8);
+  EXPECT_EQ(args.fp8_margin, -3);  // a negative number is a value, not a flag
   // The switch pair with one destination: the last one wins, as argparse.
   EXPECT_TRUE(parse_train_args(with(minimal(), {"--disable-bias-linear", "--add-bias-linear"})).model.add_bias_linear);
   EXPECT_FALSE(parse_train_args(with(minimal(), {"--add-bias-linear", "--disable-bias-linear"})).model.add_bias_linear);
@@ -827,6 +830,45 @@ TEST(TrainArguments, MoecoreFlags) {
   EXPECT_TRUE(mentions(error_of(with(minimal(), {"--threads", "-1"})), "--threads must be non-negative"));
   EXPECT_EQ(error_of(with(minimal(), {"--export-hf="})),
             "invalid value '' for --export-hf: expected a non-empty value");
+}
+
+// Every size flag has an upper limit named in its error, so no product built from them (shapes, bytes, samples)
+// wraps around; values a user could mean pass.
+TEST(TrainArguments, UpperLimits) {
+  EXPECT_EQ(error_of(with(minimal(), {"--max-position-embeddings", "288230376151711744"})),
+            "--max-position-embeddings 288230376151711744 is above the limit of 16777216");
+  EXPECT_EQ(error_of(with(minimal(), {"--ffn-hidden-size", "4611686018427387904"})),
+            "--ffn-hidden-size 4611686018427387904 is above the limit of 16777216");
+  EXPECT_EQ(error_of(with(minimal(), {"--make-vocab-size-divisible-by", "288230376151711744"})),
+            "--make-vocab-size-divisible-by 288230376151711744 is above the limit of 2147483647 (token ids are "
+            "32-bit integers)");
+  EXPECT_EQ(error_of(with(minimal(), {"--train-iters", "4611686018427387904"})),
+            "--train-iters 4611686018427387904 is above the limit of 1099511627776");
+  EXPECT_EQ(error_of(with(minimal(), {"--lr", "1e4"})),
+            "--lr 1e4 is above the limit of 1 (Adam moves every weight by about the learning rate each step)");
+  EXPECT_TRUE(
+      mentions(error_of(with(with(minimal(), {"--num-experts", "8"}), {"--moe-router-topk-scaling-factor", "1e38"})),
+               "--moe-router-topk-scaling-factor 1e38 is above the limit of 100"));
+  const std::string too_many_threads = std::to_string(std::max(1u, std::thread::hardware_concurrency()) + 1);
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--threads", too_many_threads})),
+                       "--threads " + too_many_threads + " is above the limit of"));
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--threads", "2147483648"})), "--threads 2147483648 is above"));
+  // Seeds are numpy RandomState seeds: [0, 2^32).
+  EXPECT_EQ(error_of(with(minimal(), {"--seed", "-1"})), "--seed -1 is negative (seeds are between 0 and 2^32 - 1)");
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--seed", "4294967296"})), "--seed 4294967296 is above the limit"));
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--seed", "4294967295"})).seed, 4294967295);
+  // Products of flags within their limits are checked: 2^40 iterations x 2^31 sequences overflow.
+  EXPECT_EQ(error_of(with(minimal(), {"--train-iters", "1099511627776", "--global-batch-size", "2147483648",
+                                      "--micro-batch-size", "1"})),
+            "--train-iters (1099511627776) x --global-batch-size (2147483648) is more tokens than 64-bit integers "
+            "count");
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--adam-eps", "0"})), "--adam-eps must be positive (got 0)"));
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--weight-decay", "5000", "--lr", "1e-3"})),
+                       "--weight-decay (5000) x --lr (0.001) must be below 1"));
+  // Large values a user could mean are accepted.
+  const TrainingArgs large = parse_train_args(with(minimal(), {"--train-iters", "1000000000", "--global-batch-size",
+                                                               "4096", "--micro-batch-size", "1", "--lr", "1"}));
+  EXPECT_EQ(large.train_iters, 1000000000);
 }
 
 // The smallest valid MoE command line: minimal() plus --num-experts.

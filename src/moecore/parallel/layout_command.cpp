@@ -191,6 +191,12 @@ LayoutCommandArgs parse_layout_command_args(const std::vector<std::string>& args
       continue;
     }
     const int value = parse_positive(flag, text);
+    // The layout lists every rank's groups: a million ranks is beyond any cluster and still prints in seconds.
+    constexpr int kMaxWorldSize = 1 << 20;
+    if (value > kMaxWorldSize) {
+      throw LayoutError(std::string(flag) + " " + std::string(text) + " is above the limit of " +
+                        std::to_string(kMaxWorldSize) + " ranks");
+    }
     if (flag == "--world-size") world_size = value;
     if (flag == "--tensor-model-parallel-size") sizes.tensor_model_parallel_size = value;
     if (flag == "--pipeline-model-parallel-size") sizes.pipeline_model_parallel_size = value;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <climits>
 
 #include "moecore/tokenizer/gpt2_bpe.h"
 #include "moecore/tokenizer/null_tokenizer.h"
@@ -43,8 +44,18 @@ int64_t padded_vocab_size(int64_t vocab_size, int64_t make_vocab_size_divisible_
   if (tensor_parallel_size < 1) {
     throw TokenizerError("--tensor-model-parallel-size must be >= 1, got " + std::to_string(tensor_parallel_size));
   }
-  const int64_t multiple = make_vocab_size_divisible_by * tensor_parallel_size;
-  return (vocab_size + multiple - 1) / multiple * multiple;
+  // Token ids are int32 (the indexed dataset, the embedding's lookups): the padded vocabulary must stay below 2^31.
+  int64_t multiple = 0;
+  int64_t padded = 0;
+  if (__builtin_mul_overflow(make_vocab_size_divisible_by, tensor_parallel_size, &multiple) ||
+      __builtin_add_overflow(vocab_size, multiple - 1, &padded) ||
+      (padded = padded / multiple * multiple) > INT32_MAX) {
+    throw TokenizerError("the vocabulary of " + std::to_string(vocab_size) +
+                         " tokens padded to a multiple of --make-vocab-size-divisible-by (" +
+                         std::to_string(make_vocab_size_divisible_by) + ") x --tensor-model-parallel-size (" +
+                         std::to_string(tensor_parallel_size) + ") exceeds 2^31 - 1 token ids");
+  }
+  return padded;
 }
 
 }  // namespace moecore

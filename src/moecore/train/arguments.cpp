@@ -6,10 +6,12 @@
 #include <charconv>
 #include <climits>
 #include <cmath>
+#include <cstdio>
 #include <initializer_list>
 #include <optional>
 #include <set>
 #include <string_view>
+#include <thread>
 
 #include "moecore/tokenizer/tokenizer.h"
 #include "moecore/train/arguments_finalize.h"
@@ -18,6 +20,26 @@
 
 namespace moecore {
 namespace {
+
+// Upper limits of the size flags: far above any model trained today, and small enough that shapes, parameter counts
+// and bytes built from a few of them stay within 64-bit integers (checked where they are multiplied).
+constexpr int64_t kMaxWidth = int64_t{1} << 24;      // hidden, ffn and head sizes
+constexpr int64_t kMaxCount = int64_t{1} << 16;      // layers, heads, query groups, amax history
+constexpr int64_t kMaxPositions = int64_t{1} << 24;  // sequence length, position table, generated tokens
+constexpr int64_t kMaxExperts = int64_t{1} << 20;
+constexpr int64_t kMaxVocab = INT32_MAX;  // token ids are int32 in the indexed dataset and the model
+constexpr std::string_view kVocabWhy = "token ids are 32-bit integers";
+constexpr int64_t kMaxBatch = int64_t{1} << 31;
+constexpr int64_t kMaxIterations = int64_t{1} << 40;
+constexpr int64_t kMaxElements = int64_t{1} << 40;
+constexpr double kMaxLossCoeff = 100.0;
+constexpr double kMaxCapacityFactor = 1000.0;
+constexpr std::string_view kLrWhy = "Adam moves every weight by about the learning rate each step";
+
+int64_t hardware_threads() {
+  const unsigned threads = std::thread::hardware_concurrency();
+  return threads == 0 ? 1024 : static_cast<int64_t>(threads);
+}
 
 // The values given to one flag occurrence.
 struct FlagValue {
@@ -48,6 +70,30 @@ struct FlagValue {
       fail("a finite number");
     }
     return value;
+  }
+
+  // Upper limits: a value beyond what a user could mean is an error naming the flag and the limit (the lower limits
+  // are checked with the other flags in arguments_finalize.cpp). Sizes stay far enough below 2^63 that the products
+  // built from them (shapes, bytes, samples, tokens) are checked, never wrapped.
+  int64_t integer_up_to(const int64_t max, const std::string_view why = {}) const {
+    const int64_t value = integer();
+    if (value > max) too_large(std::to_string(max), why);
+    return value;
+  }
+
+  double real_up_to(const double max, const std::string_view why = {}) const {
+    const double value = real();
+    if (value > max) {
+      char limit[32];
+      std::snprintf(limit, sizeof(limit), "%g", max);
+      too_large(limit, why);
+    }
+    return value;
+  }
+
+  [[noreturn]] void too_large(const std::string& limit, const std::string_view why) const {
+    throw ConfigError(std::string(flag) + " " + text() + " is above the limit of " + limit +
+                      (why.empty() ? "" : " (" + std::string(why) + ")"));
   }
 
   const std::string& non_empty_text() const {
@@ -103,33 +149,33 @@ const std::vector<FlagSpec>& flag_table() {
   static const std::vector<FlagSpec> table = {
     // Network size.
     {"--num-layers", Arity::kOne, "N", "number of transformer layers (required)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.num_layers = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.num_layers = v.integer_up_to(kMaxCount); }},
     {"--hidden-size", Arity::kOne, "N", "transformer hidden size (required)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.hidden_size = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.hidden_size = v.integer_up_to(kMaxWidth); }},
     {"--ffn-hidden-size", Arity::kOne, "N", "MLP hidden size (default 4*hidden, with --swiglu int(8*hidden/3/64)*64)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.ffn_hidden_size = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.ffn_hidden_size = v.integer_up_to(kMaxWidth); }},
     {"--num-attention-heads", Arity::kOne, "N", "number of attention heads (required)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.num_attention_heads = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.num_attention_heads = v.integer_up_to(kMaxCount); }},
     {"--group-query-attention", Arity::kSwitch, "", "use grouped-query attention (see --num-query-groups)",
      [](TrainingArgs& a, const FlagValue&) { a.group_query_attention = true; }},
     {"--num-query-groups", Arity::kOne, "N", "key/value groups with --group-query-attention (default 1)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.num_query_groups = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.num_query_groups = v.integer_up_to(kMaxCount); }},
     {"--kv-channels", Arity::kOne, "N", "head dimension (default hidden/heads)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.kv_channels = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.kv_channels = v.integer_up_to(kMaxWidth); }},
     {"--seq-length", Arity::kOne, "N", "sequence length (required)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.seq_length = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.seq_length = v.integer_up_to(kMaxPositions); }},
     {"--max-position-embeddings", Arity::kOne, "N",
      "position-embedding table size (required with learned_absolute, else default --seq-length)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.max_position_embeddings = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.max_position_embeddings = v.integer_up_to(kMaxPositions); }},
     {"--make-vocab-size-divisible-by", Arity::kOne, "N", "pad the vocabulary to a multiple of N (default 128)",
-     [](TrainingArgs& a, const FlagValue& v) { a.make_vocab_size_divisible_by = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.make_vocab_size_divisible_by = v.integer_up_to(kMaxVocab, kVocabWhy); }},
     {"--normalization", Arity::kOne, "{LayerNorm,RMSNorm}", "normalization layer (default LayerNorm)",
      [](TrainingArgs& a, const FlagValue& v) {
        a.model.normalization =
            v.choice({"LayerNorm", "RMSNorm"}) == "LayerNorm" ? Normalization::kLayerNorm : Normalization::kRMSNorm;
      }},
     {"--norm-epsilon", Arity::kOne, "X", "epsilon of LayerNorm/RMSNorm (default 1e-5)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.norm_epsilon = v.real(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.norm_epsilon = v.real_up_to(1.0); }},
     {"--swiglu", Arity::kSwitch, "", "gated SiLU MLP instead of GeLU",
      [](TrainingArgs& a, const FlagValue&) { a.model.activation = Activation::kSwiGLU; }},
     {"--squared-relu", Arity::kSwitch, "", "squared-ReLU MLP instead of GeLU",
@@ -152,7 +198,7 @@ const std::vector<FlagSpec>& flag_table() {
     {"--rotary-percent", Arity::kOne, "X", "fraction of the head dimension rotated by RoPE (default 1.0)",
      [](TrainingArgs& a, const FlagValue& v) { a.model.rotary_percent = v.real(); }},
     {"--init-method-std", Arity::kOne, "X", "std of the normal weight initialization (default 0.02)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.init_method_std = v.real(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.init_method_std = v.real_up_to(1.0); }},
     {"--attention-dropout", Arity::kOne, "X", "dropout after the attention softmax (default 0.1)",
      [](TrainingArgs& a, const FlagValue& v) { a.model.attention_dropout = v.real(); }},
     {"--hidden-dropout", Arity::kOne, "X", "dropout on the residual branches (default 0.1)",
@@ -162,11 +208,11 @@ const std::vector<FlagSpec>& flag_table() {
 
     // Training.
     {"--micro-batch-size", Arity::kOne, "N", "sequences per micro batch (required)",
-     [](TrainingArgs& a, const FlagValue& v) { a.micro_batch_size = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.micro_batch_size = v.integer_up_to(kMaxBatch); }},
     {"--global-batch-size", Arity::kOne, "N", "sequences per iteration (default micro batch * data parallel)",
-     [](TrainingArgs& a, const FlagValue& v) { a.global_batch_size = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.global_batch_size = v.integer_up_to(kMaxBatch); }},
     {"--train-iters", Arity::kOne, "N", "number of training iterations (required)",
-     [](TrainingArgs& a, const FlagValue& v) { a.train_iters = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.train_iters = v.integer_up_to(kMaxIterations); }},
     {"--optimizer", Arity::kOne, "{adam}", "optimizer (default adam, i.e. AdamW)",
      [](TrainingArgs& a, const FlagValue& v) { a.optimizer = v.choice({"adam"}, {"sgd", "muon", "dist_muon"}); }},
     {"--adam-beta1", Arity::kOne, "X", "Adam beta1 (default 0.9)",
@@ -174,7 +220,7 @@ const std::vector<FlagSpec>& flag_table() {
     {"--adam-beta2", Arity::kOne, "X", "Adam beta2 (default 0.999)",
      [](TrainingArgs& a, const FlagValue& v) { a.adam_beta2 = v.real(); }},
     {"--adam-eps", Arity::kOne, "X", "Adam epsilon (default 1e-8)",
-     [](TrainingArgs& a, const FlagValue& v) { a.adam_eps = v.real(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.adam_eps = v.real_up_to(1.0); }},
     {"--weight-decay", Arity::kOne, "X", "decoupled weight decay (default 0.01)",
      [](TrainingArgs& a, const FlagValue& v) { a.weight_decay = v.real(); }},
     {"--clip-grad", Arity::kOne, "X", "clip the global gradient L2 norm to X (default 1.0, 0 = off)",
@@ -201,7 +247,7 @@ const std::vector<FlagSpec>& flag_table() {
        a.fp8_recipe = v.choice({"delayed", "tensorwise", "blockwise", "mxfp8"}, {"custom"});
      }},
     {"--fp8-amax-history-len", Arity::kOne, "N", "--fp8-recipe delayed: amax history length (default 1)",
-     [](TrainingArgs& a, const FlagValue& v) { a.fp8_amax_history_len = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.fp8_amax_history_len = v.integer_up_to(kMaxCount); }},
     {"--fp8-amax-compute-algo", Arity::kOne, "{most_recent,max}",
      "--fp8-recipe delayed: scale from the newest amax or the history's maximum (default most_recent)",
      [](TrainingArgs& a, const FlagValue& v) { a.fp8_amax_compute_algo = v.choice({"most_recent", "max"}); }},
@@ -264,32 +310,35 @@ const std::vector<FlagSpec>& flag_table() {
      "constant loss scale (with --use-distributed-optimizer); iterations with non-finite gradients are skipped",
      [](TrainingArgs& a, const FlagValue& v) { a.loss_scale = v.real(); }},
     {"--seed", Arity::kOne, "N", "random seed (default 1234)",
-     [](TrainingArgs& a, const FlagValue& v) { a.seed = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.seed = v.integer_up_to(UINT32_MAX, "numpy's RandomState takes seeds below 2^32");
+       if (a.seed < 0) throw ConfigError("--seed " + v.text() + " is negative (seeds are between 0 and 2^32 - 1)");
+     }},
 
     // Learning rate.
     {"--lr", Arity::kOne, "X", "peak learning rate (required)",
-     [](TrainingArgs& a, const FlagValue& v) { a.lr = v.real(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.lr = v.real_up_to(1.0, kLrWhy); }},
     {"--min-lr", Arity::kOne, "X", "learning rate at the end of the decay (default 0)",
-     [](TrainingArgs& a, const FlagValue& v) { a.min_lr = v.real(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.min_lr = v.real_up_to(1.0, kLrWhy); }},
     {"--lr-decay-style", Arity::kOne, "{constant,linear,cosine,inverse-square-root,WSD}", "default linear",
      [](TrainingArgs& a, const FlagValue& v) {
        a.lr_decay_style = *parse_lr_decay_style(
            v.choice({"constant", "linear", "cosine", "inverse-square-root", "WSD"}));
      }},
     {"--lr-decay-iters", Arity::kOne, "N", "iterations of the decay (default --train-iters)",
-     [](TrainingArgs& a, const FlagValue& v) { a.lr_decay_iters = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.lr_decay_iters = v.integer_up_to(kMaxIterations); }},
     {"--lr-warmup-iters", Arity::kOne, "N", "iterations of linear warmup (default 0)",
-     [](TrainingArgs& a, const FlagValue& v) { a.lr_warmup_iters = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.lr_warmup_iters = v.integer_up_to(kMaxIterations); }},
     {"--lr-warmup-fraction", Arity::kOne, "X", "warmup as a fraction of the decay iterations",
      [](TrainingArgs& a, const FlagValue& v) { a.lr_warmup_fraction = v.real(); }},
     {"--lr-warmup-init", Arity::kOne, "X", "learning rate at the start of warmup (default 0)",
-     [](TrainingArgs& a, const FlagValue& v) { a.lr_warmup_init = v.real(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.lr_warmup_init = v.real_up_to(1.0, kLrWhy); }},
     {"--lr-wsd-decay-style", Arity::kOne, "{exponential,linear,cosine,minus_sqrt}", "WSD anneal (default exponential)",
      [](TrainingArgs& a, const FlagValue& v) {
        a.lr_wsd_decay_style = *parse_wsd_decay_style(v.choice({"exponential", "linear", "cosine", "minus_sqrt"}));
      }},
     {"--lr-wsd-decay-iters", Arity::kOne, "N", "iterations of the WSD anneal phase",
-     [](TrainingArgs& a, const FlagValue& v) { a.lr_wsd_decay_iters = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.lr_wsd_decay_iters = v.integer_up_to(kMaxIterations); }},
 
     // Logging and evaluation.
     {"--log-interval", Arity::kOne, "N", "print the iteration line every N iterations (default 100)",
@@ -299,7 +348,7 @@ const std::vector<FlagSpec>& flag_table() {
     {"--eval-interval", Arity::kOne, "N", "evaluate every N iterations (default: only after training)",
      [](TrainingArgs& a, const FlagValue& v) { a.eval_interval = v.integer(); }},
     {"--eval-iters", Arity::kOne, "N", "batches per evaluation (default 100)",
-     [](TrainingArgs& a, const FlagValue& v) { a.eval_iters = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.eval_iters = v.integer_up_to(kMaxIterations); }},
 
     // Data and tokenizer.
     {"--data-path", Arity::kList, "PATH...", "dataset prefix(es), optionally weighted: W1 P1 W2 P2 ...",
@@ -328,18 +377,18 @@ const std::vector<FlagSpec>& flag_table() {
     {"--merge-file", Arity::kOne, "FILE", "GPT-2 merges.txt",
      [](TrainingArgs& a, const FlagValue& v) { a.merge_file = v.non_empty_text(); }},
     {"--vocab-size", Arity::kOne, "N", "NullTokenizer vocabulary size before EOD and padding",
-     [](TrainingArgs& a, const FlagValue& v) { a.vocab_size = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.vocab_size = v.integer_up_to(kMaxVocab, kVocabWhy); }},
 
     // Mixture of Experts (model.moe; cross-flag checks in MoEConfig::validate).
     {"--num-experts", Arity::kOne, "E", "number of experts; enables MoE (default none: dense)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.num_experts = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.num_experts = v.integer_up_to(kMaxExperts); }},
     {"--moe-ffn-hidden-size", Arity::kOne, "N", "hidden size of each expert's MLP (default --ffn-hidden-size)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.ffn_hidden_size = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.ffn_hidden_size = v.integer_up_to(kMaxWidth); }},
     {"--moe-layer-freq", Arity::kOne, "N|PATTERN",
      "MoE every N layers from layer 0, or a 0/1 list such as ([0]*3+[1]*9) (default 1)",
      [](TrainingArgs& a, const FlagValue& v) { a.moe_layer_freq = v.text(); }},
     {"--moe-router-topk", Arity::kOne, "K", "experts per token (default 2)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.topk = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.topk = v.integer_up_to(kMaxExperts); }},
     {"--moe-router-score-function", Arity::kOne, "{softmax,sigmoid,sqrtsoftplus}", "router score (default softmax)",
      [](TrainingArgs& a, const FlagValue& v) {
        const std::string& name = v.choice({"softmax", "sigmoid", "sqrtsoftplus"});
@@ -350,11 +399,11 @@ const std::vector<FlagSpec>& flag_table() {
     {"--moe-router-pre-softmax", Arity::kSwitch, "", "softmax over all experts before the top-k (softmax only)",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.pre_softmax = true; }},
     {"--moe-router-topk-scaling-factor", Arity::kOne, "X", "multiply the routing probabilities by X (default none)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.topk_scaling_factor = v.real(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.topk_scaling_factor = v.real_up_to(kMaxLossCoeff, "it multiplies routing probabilities; DeepSeek-V3 uses 2.5"); }},
     {"--moe-router-num-groups", Arity::kOne, "G", "expert groups for group-limited routing",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.num_groups = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.num_groups = v.integer_up_to(kMaxExperts); }},
     {"--moe-router-group-topk", Arity::kOne, "N", "groups each token may use (with --moe-router-num-groups)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.group_topk = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.group_topk = v.integer_up_to(kMaxExperts); }},
     {"--moe-input-jitter-eps", Arity::kOne, "X", "multiply the router input by Uniform(1-X, 1+X) (default off)",
      [](TrainingArgs& a, const FlagValue& v) { a.model.moe.input_jitter_eps = v.real(); }},
     {"--moe-router-dtype", Arity::kOne, "{fp32,fp64}", "router precision (default fp32, the model dtype)",
@@ -364,7 +413,7 @@ const std::vector<FlagSpec>& flag_table() {
     {"--moe-router-enable-expert-bias", Arity::kSwitch, "", "aux-loss-free balancing with an expert bias (sigmoid)",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.enable_expert_bias = true; }},
     {"--moe-router-bias-update-rate", Arity::kOne, "X", "expert bias step per global batch (default 1e-3)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.bias_update_rate = v.real(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.bias_update_rate = v.real_up_to(1.0); }},
     {"--moe-router-force-load-balancing", Arity::kSwitch, "", "route on random logits (benchmarking only)",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.force_load_balancing = true; }},
     {"--moe-router-load-balancing-type", Arity::kList, "{aux_loss,seq_aux_loss,global_aux_loss,sinkhorn,none}...",
@@ -381,13 +430,13 @@ const std::vector<FlagSpec>& flag_table() {
      }},
     {"--moe-aux-loss-coeff", Arity::kList, "X...", "coefficient of each load-balancing loss (default 0)",
      [](TrainingArgs& a, const FlagValue& v) {
-       a.model.moe.aux_loss_coeffs = v.each([](const FlagValue& one) { return one.real(); });
+       a.model.moe.aux_loss_coeffs = v.each([](const FlagValue& one) { return one.real_up_to(kMaxLossCoeff); });
      }},
     {"--moe-z-loss-coeff", Arity::kOne, "X", "router z-loss coefficient (default off)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.z_loss_coeff = v.real(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.z_loss_coeff = v.real_up_to(kMaxLossCoeff); }},
     {"--moe-expert-capacity-factor", Arity::kOne, "X", "expert capacity factor; negative = dropless (default dropless)",
      [](TrainingArgs& a, const FlagValue& v) {
-       const double factor = v.real();
+       const double factor = v.real_up_to(kMaxCapacityFactor);
        a.model.moe.capacity_factor = factor < 0.0 ? std::nullopt : std::optional<double>(factor);
      }},
     {"--moe-token-drop-policy", Arity::kOne, "{probs,position}", "which tokens an expert over capacity drops",
@@ -418,7 +467,7 @@ const std::vector<FlagSpec>& flag_table() {
     {"--moe-grouped-gemm", Arity::kSwitch, "", "run all local experts as one grouped GEMM",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.grouped_gemm = true; }},
     {"--moe-shared-expert-intermediate-size", Arity::kOne, "N", "total MLP size of the shared experts (default none)",
-     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.shared_expert_intermediate_size = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.model.moe.shared_expert_intermediate_size = v.integer_up_to(kMaxWidth); }},
     {"--moe-shared-expert-gate", Arity::kSwitch, "", "gate the shared experts' output by sigmoid(x w)",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.shared_expert_gate = true; }},
     {"--moe-shared-expert-overlap", Arity::kSwitch, "",
@@ -477,7 +526,7 @@ const std::vector<FlagSpec>& flag_table() {
     {"--overlap-param-gather", Arity::kSwitch, "", "all-gather parameters while the next forward runs",
      [](TrainingArgs& a, const FlagValue&) { a.overlap_param_gather = true; }},
     {"--ddp-bucket-size", Arity::kOne, "N", "gradient bucket size in elements (default max(40M, 1M * DP))",
-     [](TrainingArgs& a, const FlagValue& v) { a.ddp_bucket_size = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.ddp_bucket_size = v.integer_up_to(kMaxElements); }},
 
     // Checkpointing.
     {"--save", Arity::kOne, "DIR", "save checkpoints to DIR (iter_NNNNNNN folders + latest_checkpointed_iteration.txt)",
@@ -521,7 +570,7 @@ const std::vector<FlagSpec>& flag_table() {
     {"--moe-use-upcycling", Arity::kSwitch, "", "build the MoE model from the dense checkpoint of --load",
      [](TrainingArgs& a, const FlagValue&) { a.moe_use_upcycling = true; }},
     {"--moe-upcycling-granularity", Arity::kOne, "N", "split the dense MLP into N experts' worth (default 1)",
-     [](TrainingArgs& a, const FlagValue& v) { a.moe_upcycling_granularity = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.moe_upcycling_granularity = v.integer_up_to(kMaxWidth); }},
 
     // Profiling.
     {"--profile", Arity::kSwitch, "", "write a Chrome/Perfetto trace of --profile-step-start..--profile-step-end",
@@ -541,7 +590,7 @@ const std::vector<FlagSpec>& flag_table() {
     {"--sample-prompt", Arity::kOne, "TEXT", "after training, generate a continuation of TEXT (moecore)",
      [](TrainingArgs& a, const FlagValue& v) { a.sample_prompt = v.non_empty_text(); }},
     {"--sample-tokens", Arity::kOne, "N", "tokens to generate for --sample-prompt (default 32, moecore)",
-     [](TrainingArgs& a, const FlagValue& v) { a.sample_tokens = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.sample_tokens = v.integer_up_to(kMaxPositions); }},
     {"--mock-max-sequence-length", Arity::kOne, "N",
      "--mock-data documents up to N tokens (default 4096, moecore): smaller packs more documents per sequence",
      [](TrainingArgs& a, const FlagValue& v) {
@@ -549,7 +598,7 @@ const std::vector<FlagSpec>& flag_table() {
        if (a.mock_max_sequence_length > INT32_MAX) v.fail("at most 2^31 - 1");
      }},
     {"--threads", Arity::kOne, "N", "CPU threads, 0 = all cores (default 0, moecore)",
-     [](TrainingArgs& a, const FlagValue& v) { a.threads = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.threads = v.integer_up_to(hardware_threads(), "the hardware threads of this machine"); }},
   };
   return table;
 }

@@ -414,9 +414,36 @@ void finalize_training(TrainingArgs& args, const std::set<std::string>& given) {
           "--adam-beta1 must be in [0, 1) (got " + str(args.adam_beta1) + ")");
   require(args.adam_beta2 >= 0.0 && args.adam_beta2 < 1.0,
           "--adam-beta2 must be in [0, 1) (got " + str(args.adam_beta2) + ")");
-  require(args.adam_eps >= 0.0, "--adam-eps must be non-negative (got " + str(args.adam_eps) + ")");
+  require(args.adam_eps > 0.0, "--adam-eps must be positive (got " + str(args.adam_eps) +
+                                   "): Adam divides by sqrt(exp_avg_sq) + eps, and exp_avg_sq is 0 wherever every "
+                                   "gradient so far was 0");
   require(args.weight_decay >= 0.0, "--weight-decay must be non-negative (got " + str(args.weight_decay) + ")");
+  require(args.weight_decay * args.lr < 1.0, "--weight-decay (" + str(args.weight_decay) + ") x --lr (" + str(args.lr) +
+                                                 ") must be below 1: AdamW shrinks every weight by that fraction "
+                                                 "each step");
   require(args.clip_grad >= 0.0, "--clip-grad must be non-negative (got " + str(args.clip_grad) + ")");
+
+  // The samples and tokens the run reads, as the data loader will compute them.
+  const auto product = [](const std::vector<std::pair<std::string, int64_t>>& factors, const std::string& what) {
+    int64_t value = 1;
+    std::string named;
+    for (const auto& [name, factor] : factors) {
+      named += (named.empty() ? "" : " x ") + name + " (" + str(factor) + ")";
+      require(!__builtin_mul_overflow(value, factor, &value),
+              named + " is more " + what + " than 64-bit integers count");
+    }
+    return value;
+  };
+  const int64_t eval_points = args.eval_interval ? args.train_iters / *args.eval_interval + 1 : 1;
+  product({{"--train-iters", args.train_iters},
+           {"--global-batch-size", args.global_batch_size},
+           {"--seq-length", args.model.seq_length}},
+          "tokens");
+  product({{"evaluations", eval_points},
+           {"--eval-iters", args.eval_iters},
+           {"--global-batch-size", args.global_batch_size},
+           {"--seq-length", args.model.seq_length}},
+          "tokens");
 
   require(args.log_interval > 0, "--log-interval must be positive (got " + str(args.log_interval) + ")");
   require(!args.eval_interval || *args.eval_interval > 0,

@@ -15,6 +15,7 @@
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/evaluation.h"
 #include "moecore/train/final_export.h"
+#include "moecore/train/memory_estimate.h"
 #include "moecore/train/train_step.h"
 #include "moecore/train/training_log.h"
 #include "moecore/train/training_setup.h"
@@ -86,6 +87,13 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   // Setup: vocabulary, data, model and optimizer.
   const Vocabulary vocabulary = build_vocabulary(args);
   TrainingArgs run_args = with_padded_vocabulary(args, vocabulary);
+  const MemoryEstimate memory = estimate_memory(run_args);
+  parallel::run_on_all_ranks(parallel.world, [&] {
+    if (const std::optional<double> available = available_memory_per_rank()) check_memory_fits(memory, *available);
+  });
+  log << "> memory estimate per rank: " << format_bytes(memory.total()) << " (parameters "
+      << format_bytes(memory.parameters) << ", gradients " << format_bytes(memory.gradients) << ", optimizer "
+      << format_bytes(memory.optimizer) << ", activations " << format_bytes(memory.activations) << ")" << std::endl;
   LoadPlan load_plan;
   parallel::run_on_all_ranks(parallel.world, [&] { load_plan = plan_load(run_args, log); });
   if (load_plan.seed) run_args.seed = *load_plan.seed;  // the checkpoint's RNG stream goes on

@@ -1,0 +1,153 @@
+#include "moecore/train/memory_estimate.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "moecore/model/config.h"
+
+namespace moecore {
+namespace {
+
+constexpr double kFloatBytes = 4.0;  // weights, gradients, states and activations are fp32 buffers
+
+struct ParameterCounts {
+  double dense = 0;    // replicated or split over tensor parallelism
+  double experts = 0;  // split over expert and expert-tensor parallelism
+};
+
+// One decoder layer's parameters, from the shapes in ARCHITECTURE.md's parameter table.
+ParameterCounts layer_parameters(const ModelConfig& m, const bool moe_layer) {
+  const double h = static_cast<double>(m.hidden_size);
+  const double bias = m.add_bias_linear ? 1.0 : 0.0;
+  const double norm = m.normalization == Normalization::kLayerNorm ? 2.0 : 1.0;
+  const double attention_width = static_cast<double>(m.num_attention_heads * m.kv_channels);
+  ParameterCounts counts;
+  counts.dense = static_cast<double>(m.qkv_out()) * (h + bias) + h * attention_width + bias * h + 2.0 * norm * h;
+  if (m.qk_layernorm) counts.dense += 2.0 * norm * static_cast<double>(m.kv_channels);
+  const double glu = m.activation == Activation::kSwiGLU ? 2.0 : 1.0;
+  const auto mlp = [&](const double width) { return glu * width * (h + bias) + h * width + bias * h; };
+  if (!moe_layer) {
+    counts.dense += mlp(static_cast<double>(m.ffn_hidden_size));
+    return counts;
+  }
+  const MoEConfig& moe = m.moe;
+  counts.dense += static_cast<double>(moe.num_experts) * (h + bias);  // router
+  const double shared = static_cast<double>(moe.shared_expert_intermediate_size);
+  if (shared > 0) counts.dense += glu * shared * h + h * shared + (moe.shared_expert_gate ? h : 0.0);
+  counts.experts = static_cast<double>(moe.num_experts) * mlp(static_cast<double>(moe.ffn_hidden_size));
+  return counts;
+}
+
+// Floats backward keeps per token of one decoder layer (inputs of the norms, GEMMs and activation function), a
+// lower estimate: the attention keeps its log-sum-exp, never the S x S probabilities.
+double layer_activation_floats(const ModelConfig& m, const bool moe_layer) {
+  const double h = static_cast<double>(m.hidden_size);
+  const double attention_width = static_cast<double>(m.num_attention_heads * m.kv_channels);
+  double floats = 4.0 * h + static_cast<double>(m.qkv_out()) + attention_width;
+  const double glu = m.activation == Activation::kSwiGLU ? 2.0 : 1.0;
+  if (!moe_layer) return floats + (glu + 1.0) * static_cast<double>(m.ffn_hidden_size);
+  const MoEConfig& moe = m.moe;
+  floats += static_cast<double>(moe.topk) * (2.0 * h + (glu + 1.0) * static_cast<double>(moe.ffn_hidden_size));
+  return floats + (glu + 1.0) * static_cast<double>(moe.shared_expert_intermediate_size);
+}
+
+}  // namespace
+
+MemoryEstimate estimate_memory(const TrainingArgs& args) {
+  const ModelConfig& m = args.model;
+  const double tp = static_cast<double>(args.tensor_model_parallel_size);
+  const double pp = static_cast<double>(args.pipeline_model_parallel_size);
+  const double expert_shards = static_cast<double>(args.expert_model_parallel_size * args.expert_tensor_parallel_size);
+  const double dp = static_cast<double>(args.data_parallel_size);
+
+  // The first pipeline stage: the embedding and its share of the layers (the layers' mix of dense and MoE is taken
+  // over the whole model).
+  double dense = 0, experts = 0, activation_floats = 0;
+  for (int64_t layer = 0; layer < m.num_layers; ++layer) {
+    const bool moe_layer = m.moe.is_moe_layer(layer);
+    const ParameterCounts counts = layer_parameters(m, moe_layer);
+    dense += counts.dense;
+    experts += counts.experts;
+    activation_floats += layer_activation_floats(m, moe_layer);
+  }
+  const double h = static_cast<double>(m.hidden_size);
+  const double vocab = static_cast<double>(m.vocab_size);
+  double embedding = vocab * h;
+  if (m.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
+    embedding += static_cast<double>(m.max_position_embeddings) * h;
+  }
+  const double final_norm = (m.normalization == Normalization::kLayerNorm ? 2.0 : 1.0) * h;
+  const double output = pp == 1 ? (m.untie_embeddings_and_output_weights ? vocab * h : 0.0) + final_norm : 0.0;
+  const double local_parameters = (embedding + output + dense / pp) / tp + experts / pp / expert_shards;
+
+  MemoryEstimate estimate;
+  estimate.parameters = local_parameters * kFloatBytes;
+  estimate.gradients = local_parameters * kFloatBytes;
+  const double states = m.params_dtype == DType::kF32 ? 2.0 : 3.0;  // exp_avg, exp_avg_sq (+ main params)
+  estimate.optimizer = local_parameters * kFloatBytes * states / (args.use_distributed_optimizer ? dp : 1.0);
+
+  const double tokens = static_cast<double>(m.seq_length) * static_cast<double>(args.micro_batch_size) /
+                        static_cast<double>(args.context_parallel_size) / tp;
+  const double microbatches =
+      static_cast<double>(args.global_batch_size) / dp / static_cast<double>(args.micro_batch_size);
+  const double live_microbatches = pp == 1 ? 1.0 : std::min(pp, microbatches);
+  const double logits_chunk = std::min(64.0 * 1024 * 1024, tokens * vocab * kFloatBytes);
+  estimate.activations = tokens * activation_floats / pp * kFloatBytes * live_microbatches + logits_chunk;
+
+  const double gbs = static_cast<double>(args.global_batch_size);
+  const double eval_points = args.eval_interval ? static_cast<double>(args.train_iters / *args.eval_interval + 1) : 1.0;
+  const double samples =
+      static_cast<double>(args.train_iters) * gbs + (eval_points + 1.0) * static_cast<double>(args.eval_iters) * gbs;
+  // Per sample: the sample index (two int64), the shuffle index (int64) and about one document-index entry (int32).
+  estimate.data_indices = samples * 28.0;
+  return estimate;
+}
+
+std::optional<double> available_memory_per_rank() {
+  std::ifstream meminfo("/proc/meminfo");
+  if (!meminfo) return std::nullopt;
+  double available_kib = -1, swap_free_kib = 0;
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    std::istringstream fields(line);
+    std::string key;
+    double kib = 0;
+    if (!(fields >> key >> kib)) continue;
+    if (key == "MemAvailable:") available_kib = kib;
+    if (key == "SwapFree:") swap_free_kib = kib;
+  }
+  if (available_kib < 0) return std::nullopt;
+  double local_ranks = 1;
+  if (const char* local_size = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) {
+    local_ranks = std::max(1.0, std::atof(local_size));
+  }
+  return (available_kib + swap_free_kib) * 1024.0 / local_ranks;
+}
+
+std::string format_bytes(const double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double value = bytes;
+  size_t unit = 0;
+  while (value >= 1024.0 && unit + 1 < std::size(units)) {
+    value /= 1024.0;
+    ++unit;
+  }
+  char text[48];
+  std::snprintf(text, sizeof(text), value < 1e6 ? "%.1f %s" : "%.3g %s", value, units[unit]);
+  return text;
+}
+
+void check_memory_fits(const MemoryEstimate& estimate, const double available) {
+  if (estimate.total() <= available) return;
+  throw ConfigError("this configuration needs about " + format_bytes(estimate.total()) + " per rank (parameters " +
+                    format_bytes(estimate.parameters) + ", gradients " + format_bytes(estimate.gradients) +
+                    ", optimizer " + format_bytes(estimate.optimizer) + ", activations " +
+                    format_bytes(estimate.activations) + ", data indices " + format_bytes(estimate.data_indices) +
+                    ") but " + format_bytes(available) +
+                    " of memory is available to it: use a smaller model, batch or --train-iters, or more ranks");
+}
+
+}  // namespace moecore

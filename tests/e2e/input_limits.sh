@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Sizes, counts and values beyond what a user could mean end before any training step with one line naming the flag
+# and the limit (or, for a configuration too large for the machine, the memory it would need); never a crash, a
+# hang, a wrapped number or a silently wrong run. A model that diverges stops with the iteration.
+set -u
+bin=$1
+src=$2
+work=$3
+rm -rf "$work" && mkdir -p "$work"
+export OMP_NUM_THREADS=1
+failures=0
+model=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
+       --micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer
+       --vocab-size 128 --eval-iters 1)
+base=("${model[@]}" --mock-data)
+
+# expect_early_error "pattern" args...: exit code in [1, 127], one line on stderr holding the pattern, and no
+# iteration logged on stdout.
+expect_early_error() {
+  local pattern=$1
+  shift
+  timeout 120 "$@" >"$work/out.txt" 2>"$work/err.txt"
+  local rc=$?
+  local err
+  err=$(cat "$work/err.txt")
+  if [ $rc -eq 0 ] || [ $rc -ge 124 ]; then
+    echo "FAIL: exit code $rc for: $*"; failures=$((failures + 1)); return
+  fi
+  if ! grep -qF -- "$pattern" <<<"$err"; then
+    echo "FAIL: expected '$pattern' in: $err"; failures=$((failures + 1)); return
+  fi
+  if [ "$(grep -c . <<<"$err")" -ne 1 ]; then
+    echo "FAIL: expected one line, got: $err"; failures=$((failures + 1)); return
+  fi
+  if grep -q " iteration " "$work/out.txt"; then
+    echo "FAIL: '$pattern' came after training started"; failures=$((failures + 1)); return
+  fi
+  echo "ok: $pattern"
+}
+
+# Shapes whose element counts overflowed 64-bit integers (heap corruption, misleading errors).
+expect_early_error "--max-position-embeddings 288230376151711744 is above the limit of 16777216" \
+  "$bin" train "${base[@]}" --max-position-embeddings 288230376151711744 --seq-length 2048
+expect_early_error "--ffn-hidden-size 4611686018427387904 is above the limit" \
+  "$bin" train "${base[@]}" --ffn-hidden-size 4611686018427387904
+expect_early_error "--make-vocab-size-divisible-by 288230376151711744 is above the limit" \
+  "$bin" train "${base[@]}" --make-vocab-size-divisible-by 288230376151711744
+expect_early_error "exceeds 2^31 - 1 token ids" "$bin" train "${base[@]}" --vocab-size 2147483600
+# Thread counts: beyond the machine (OpenMP crashed), beyond int (silently truncated).
+expect_early_error "--threads 100000 is above the limit" "$bin" train "${base[@]}" --threads 100000
+expect_early_error "--threads 2147483648 is above the limit" "$bin" train "${base[@]}" --threads 2147483648
+# Iterations: train_iters x global batch overflowed and the dataset build spun forever; within the limit, the
+# sample indices alone would not fit.
+expect_early_error "--train-iters 4611686018427387904 is above the limit of 1099511627776" \
+  "$bin" train "${base[@]}" --train-iters 4611686018427387904
+expect_early_error "x --global-batch-size (2147483648) is more tokens than 64-bit integers count" \
+  "$bin" train "${base[@]}" --train-iters 1099511627776 --global-batch-size 2147483648 --micro-batch-size 1
+expect_early_error "of memory is available to it" "$bin" train "${base[@]}" --train-iters 1099511627776
+# Memory: a model too large for the machine is refused with the numbers, not std::bad_alloc.
+expect_early_error "this configuration needs about" "$bin" train "${base[@]}" --hidden-size 1048576 \
+  --num-attention-heads 1
+# Values no run could mean, accepted silently or misreported before.
+expect_early_error "--moe-router-topk-scaling-factor 1e38 is above the limit of 100" \
+  "$bin" train "${base[@]}" --num-experts 4 --moe-router-topk-scaling-factor 1e38
+expect_early_error "--seed -1 is negative" "$bin" train "${base[@]}" --seed -1
+expect_early_error "--adam-eps must be positive (got 0)" "$bin" train "${base[@]}" --adam-eps 0
+expect_early_error "--lr 1e4 is above the limit of 1" "$bin" train "${base[@]}" --lr 1e4
+expect_early_error "--world-size 100000000 is above the limit of 1048576 ranks" "$bin" layout --world-size 100000000 \
+  --num-layers 4
+
+# A run whose values overflow still stops with the iteration: under --fp16 (constant loss scale, so no iteration is
+# skipped) a HF checkpoint whose MLP weights are 1e6, finite but beyond fp16's 65504, makes the first loss NaN.
+if /usr/bin/python3 -c "import numpy" 2>/dev/null; then
+  llama=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
+         --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --lr-warmup-iters 1 --eval-iters 0 --mock-data
+         --tokenizer-type NullTokenizer --vocab-size 128 --swiglu --normalization RMSNorm --position-embedding-type rope
+         --disable-bias-linear)
+  "$bin" train "${llama[@]}" --train-iters 2 --export-hf "$work/hf" >"$work/export.log" 2>&1 ||
+    { echo "FAIL: export run"; cat "$work/export.log"; failures=$((failures + 1)); }
+  PYTHONPATH="$src/tests/oracle" /usr/bin/python3 - "$work/hf/model.safetensors" <<'PY'
+import sys
+import numpy as np
+import st
+tensors, metadata = st.load(sys.argv[1])
+name = "model.layers.0.mlp.down_proj.weight"
+tensors[name] = np.full_like(tensors[name], 1e6)
+st.save(sys.argv[1], tensors, metadata)
+PY
+  "$bin" train "${llama[@]}" --train-iters 4 --load "$work/hf" --fp16 --loss-scale 1 >"$work/diverge.log" 2>"$work/diverge.err"
+  rc=$?
+  if [ $rc -eq 0 ] || [ $rc -ge 124 ] || ! grep -q "at iteration 1" "$work/diverge.err"; then
+    echo "FAIL: diverging run: exit $rc, $(cat "$work/diverge.err")"; failures=$((failures + 1))
+  else
+    echo "ok: diverging run stops: $(cat "$work/diverge.err")"
+  fi
+fi
+
+echo "$failures failed"
+[ $failures -eq 0 ]
