@@ -65,6 +65,8 @@ expect_early_error "--moe-router-topk-scaling-factor 1e38 is above the limit of 
 expect_early_error "--seed -1 is negative" "$bin" train "${base[@]}" --seed -1
 expect_early_error "--adam-eps must be positive (got 0)" "$bin" train "${base[@]}" --adam-eps 0
 expect_early_error "--lr 1e4 is above the limit of 1" "$bin" train "${base[@]}" --lr 1e4
+expect_early_error "--tensor-model-parallel-size 4294967298 is above the limit of 1048576" \
+  "$bin" train "${base[@]}" --tensor-model-parallel-size 4294967298
 expect_early_error "--world-size 100000000 is above the limit of 1048576 ranks" "$bin" layout --world-size 100000000 \
   --num-layers 4
 

@@ -32,6 +32,7 @@ constexpr std::string_view kVocabWhy = "token ids are 32-bit integers";
 constexpr int64_t kMaxBatch = int64_t{1} << 31;
 constexpr int64_t kMaxIterations = int64_t{1} << 40;
 constexpr int64_t kMaxElements = int64_t{1} << 40;
+constexpr int64_t kMaxRanks = int64_t{1} << 20;  // parallel sizes, as `moecore layout --world-size`
 constexpr double kMaxLossCoeff = 100.0;
 constexpr double kMaxCapacityFactor = 1000.0;
 constexpr std::string_view kLrWhy = "Adam moves every weight by about the learning rate each step";
@@ -127,8 +128,8 @@ struct FlagValue {
     return parsed;
   }
 
-  int64_t parallel_size() const {
-    const int64_t size = integer();
+  int64_t parallel_size(const int64_t max = kMaxRanks) const {
+    const int64_t size = integer_up_to(max);
     if (size < 1) throw ConfigError(std::string(flag) + " must be positive (got " + text() + ")");
     return size;
   }
@@ -594,8 +595,7 @@ const std::vector<FlagSpec>& flag_table() {
     {"--mock-max-sequence-length", Arity::kOne, "N",
      "--mock-data documents up to N tokens (default 4096, moecore): smaller packs more documents per sequence",
      [](TrainingArgs& a, const FlagValue& v) {
-       a.mock_max_sequence_length = v.parallel_size();
-       if (a.mock_max_sequence_length > INT32_MAX) v.fail("at most 2^31 - 1");
+       a.mock_max_sequence_length = v.parallel_size(INT32_MAX);
      }},
     {"--threads", Arity::kOne, "N", "CPU threads, 0 = all cores (default 0, moecore)",
      [](TrainingArgs& a, const FlagValue& v) { a.threads = v.integer_up_to(hardware_threads(), "the hardware threads of this machine"); }},
