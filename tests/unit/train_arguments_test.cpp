@@ -192,9 +192,9 @@ TEST(TrainArguments, GroupQueryAttention) {
 }
 
 TEST(TrainArguments, EqualsSyntaxAndLastWins) {
-  const TrainingArgs args = parse_train_args(
-      with(minimal(), {"--num-layers=6", "--lr=1e-3", "--num-layers", "5", "--seed=7", "--seed", "8", "--fp8-format",
-                       "e4m3", "--fp8-margin", "-3"}));
+  const TrainingArgs args =
+      parse_train_args(with(minimal(), {"--num-layers=6", "--lr=1e-3", "--num-layers", "5", "--seed=7", "--seed", "8",
+                                        "--fp8-format", "e4m3", "--fp8-margin", "-3"}));
   EXPECT_EQ(args.model.num_layers, 5);
   EXPECT_DOUBLE_EQ(args.lr, 1e-3);
   EXPECT_EQ(args.seed, 8);
