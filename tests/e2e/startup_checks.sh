@@ -68,6 +68,15 @@ expect_early_error "--save: /proc/moecore_ckpt cannot be created: cannot create 
   --save-interval 10 --save /proc/moecore_ckpt
 expect_early_error "--load $work/a_file is a file, not a checkpoint folder" "${mock[@]}" --load "$work/a_file"
 
+# Under mpirun: the export folder is checked on rank 0 (the rank that writes it), and every rank stops at once.
+if command -v mpirun >/dev/null; then
+  mpi=(env OMP_NUM_THREADS=1 mpirun -q --allow-run-as-root --oversubscribe -np 2 "$bin" train)
+  expect_error "--export-hf: $work/a_file exists and is not a folder" "${mpi[@]}" "${mock[@]}" "${llama[@]}" \
+    --global-batch-size 4 --export-hf "$work/a_file" && echo "ok: mpirun -np 2: --export-hf checked on rank 0"
+  expect_error "--save: $work/a_file exists and is not a folder" "${mpi[@]}" "${mock[@]}" --global-batch-size 4 \
+    --save-interval 10 --save "$work/a_file" && echo "ok: mpirun -np 2: --save"
+fi
+
 # --sample-prompt with the NullTokenizer: ids, not words.
 expect_early_error "--sample-prompt: NullTokenizer: 'hello' is not an integer" "${mock[@]}" --sample-prompt hello
 
@@ -89,6 +98,9 @@ expect_early_error "--split '-1,1,1': weight '-1' is negative (split weights mus
   "${data[@]}" --data-path "$work/ids_text_document" --split -1,1,1
 expect_early_error "--data-path $work/ids_text_document: token id 1000 in sequence 0 is outside the tokenizer's vocabulary [0, 101)" \
   "${data[@]}" --data-path "$work/ids_text_document" --split 1,1,0
+# 5 documents split 98,2,0: the valid split gets documents [round(4.9), round(5)) = [5, 5), none.
+expect_early_error "the valid split has no documents (sequences [5, 5) of 5); use more data or change --split" \
+  "${data[@]}" --data-path "$work/ids_text_document" --split 98,2,0 --vocab-size 1000
 # An unweighted blend holds one epoch of each dataset: 2 documents of 21 tokens, (42 - 1) // 16 = 2 samples each.
 expect_early_error "--split '1,1,0': the train split holds 4 samples of 16 tokens, the run reads 6" \
   "${data[@]}" --data-path "$work/ids_text_document" "$work/ids_text_document" --split 1,1,0 --vocab-size 1000 \
