@@ -13,7 +13,7 @@ rm -rf "$work" && mkdir -p "$work"
 export OMP_NUM_THREADS=1
 dense=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
   --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --lr-warmup-iters 2 --log-interval 1 --eval-iters 2
-  --mock-data --split 90,10,0 --tokenizer-type NullTokenizer --vocab-size 300 --seed 3 --swiglu --normalization RMSNorm
+  --mock-data --tokenizer-type NullTokenizer --vocab-size 300 --seed 3 --swiglu --normalization RMSNorm
   --attention-dropout 0 --hidden-dropout 0 --position-embedding-type rope --disable-bias-linear
   --make-vocab-size-divisible-by 256)
 moe=(--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01)

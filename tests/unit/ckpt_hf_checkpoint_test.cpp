@@ -274,6 +274,62 @@ TEST_F(HfCheckpointTest, ConfigProblemsNameTheFileAndField) {
   EXPECT_THROW(read_hf_config(path("nowhere")), std::runtime_error);
 }
 
+// Integer fields are integers in range: nlohmann would truncate 2.5 to 2 and turn 2^70 (a double) into garbage.
+TEST_F(HfCheckpointTest, IntegerFieldsMustBeIntegersInRange) {
+  const std::string base = kLlamaConfig;
+  const auto with = [&](const std::string& from, const std::string& to) {
+    std::string text = base;
+    text.replace(text.find(from), from.size(), to);
+    return text;
+  };
+  fs::create_directories(path("bad"));
+  const std::string file = path("bad") + "/config.json";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {with("\"num_hidden_layers\": 3", "\"num_hidden_layers\": 2.5"),
+       file + ": field 'num_hidden_layers' must be an integer (got 2.5)"},
+      {with("\"num_hidden_layers\": 3", "\"num_hidden_layers\": 3.0"),
+       file + ": field 'num_hidden_layers' must be an integer (got 3.0)"},
+      {with("\"hidden_size\": 64", "\"hidden_size\": 1180591620717411303424"),  // 2^70
+       file + ": field 'hidden_size' is out of range (got 1.1805916207174113e+21)"},
+      {with("\"vocab_size\": 320", "\"vocab_size\": 9223372036854775808"),  // 2^63: uint64, not int64
+       file + ": field 'vocab_size' is out of range (got 9223372036854775808)"},
+      {with("\"num_key_value_heads\": 2", "\"num_key_value_heads\": true"),
+       file + ": field 'num_key_value_heads' must be an integer (got true)"},
+  };
+  for (const auto& [text, expected] : cases) {
+    SCOPED_TRACE(expected);
+    write_text(path("bad/config.json"), text);
+    try {
+      read_hf_config(path("bad"));
+      ADD_FAILURE() << "no error";
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(std::string(e.what()), expected);
+    }
+  }
+}
+
+// The export's folder rules, checkable before training: absent, or an earlier export (replaced whole); never a file
+// or a folder with other files, also as DIR.tmp.
+TEST_F(HfCheckpointTest, ExportFolderProblemsAreKnownBeforeExporting) {
+  EXPECT_EQ(hf_export_dir_problem(path("fresh")), "");
+  EXPECT_EQ(hf_export_dir_problem(path("a/b/c")), "");  // parents are created
+  GPTModel model(llama_config(), 3);
+  export_hf(model, HfExportInfo{}, path("earlier"));
+  EXPECT_EQ(hf_export_dir_problem(path("earlier")), "");
+  write_text(path("file"), "x");
+  EXPECT_EQ(hf_export_dir_problem(path("file")), path("file") + " exists and is not a folder");
+  fs::create_directories(path("notes"));
+  write_text(path("notes/notes.txt"), "keep");
+  EXPECT_EQ(hf_export_dir_problem(path("notes")),
+            "refusing to replace " + path("notes") + ": it holds 'notes.txt', which an export does not write");
+  fs::create_directories(path("out.tmp"));
+  write_text(path("out.tmp/x"), "x");
+  EXPECT_NE(hf_export_dir_problem(path("out")).find("refusing to replace " + path("out.tmp")), std::string::npos);
+  EXPECT_EQ(hf_export_dir_problem(""), "empty output folder name");
+  const std::string unwritable = hf_export_dir_problem("/proc/moecore_export");  // /proc takes no files, even root's
+  EXPECT_EQ(unwritable.rfind("cannot create a file in /proc: ", 0), 0u) << unwritable;
+}
+
 TEST_F(HfCheckpointTest, LoadRejectsMissingAndMisshapenTensors) {
   GPTModel model(llama_config(), 5);
   const std::string out = path("export");

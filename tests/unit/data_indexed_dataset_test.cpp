@@ -227,6 +227,15 @@ TEST_F(DataIndexedCorruptFiles, MissingFiles) {
   expect_data_error([&] { IndexedDataset dataset(dir_.path("absent")); }, "absent.idx: cannot open");
 }
 
+TEST_F(DataIndexedCorruptFiles, FolderInPlaceOfAFile) {
+  fs::remove(prefix_ + ".bin");
+  fs::create_directory(prefix_ + ".bin");  // its st_size (4096 on ext4) once read as "truncated ... found 4096"
+  expect_data_error([&] { IndexedDataset dataset(prefix_); }, ".bin is a folder, not the dataset's token file");
+  fs::remove(prefix_ + ".idx");
+  fs::create_directory(prefix_ + ".idx");
+  expect_data_error([&] { IndexedDataset dataset(prefix_); }, ".idx is a folder, not the dataset's index file");
+}
+
 TEST_F(DataIndexedCorruptFiles, GetOutOfRange) {
   const IndexedDataset dataset(prefix_);
   EXPECT_EQ(dataset.get(1, 1, 1), (std::vector<int32_t>{16}));

@@ -241,6 +241,20 @@ TEST_F(PreprocessTest, BadInputGivesOneLineErrors) {
   EXPECT_NE(message.find("missing.jsonl"), std::string::npos) << message;
 }
 
+// Megatron writes an empty dataset for an empty input; moecore stops, since training on it could only fail later.
+TEST_F(PreprocessTest, InputWithoutTokensIsAnError) {
+  const std::vector<std::string> null_args = {"--output-prefix", prefix(), "--tokenizer-type", "NullTokenizer",
+                                              "--vocab-size",    "100",    "--workers",        "1"};
+  const std::string empty = write_input({});
+  std::string message = error_of(with(null_args, {"--input", empty}));
+  EXPECT_EQ(message, "no documents in --input " + empty);
+  message = error_of(with(null_args, {"--input", write_input({R"({"text": []})", R"({"text": []})"})}));
+  EXPECT_NE(message.find("the 2 documents hold no tokens under key 'text'"), std::string::npos) << message;
+  message = error_of(with(null_args, {"--input", dir_.string()}));
+  EXPECT_EQ(message, "--input " + dir_.string() + " is a folder, not a JSONL file");
+  EXPECT_FALSE(any_output_left()) << "a failed run must not leave output files";
+}
+
 TEST_F(PreprocessTest, FlagErrors) {
   const std::string input = write_input({R"({"text": "1"})"});
   const std::vector<std::string> ok = {

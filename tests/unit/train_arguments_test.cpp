@@ -750,6 +750,14 @@ TEST(TrainArguments, DataSources) {
   EXPECT_TRUE(mentions(error_of(with(minimal(), {"--split", "90,x,5"})), "'x' is not a non-negative number"));
   EXPECT_TRUE(mentions(error_of(with(minimal(), {"--split", "1,1,1,1"})), "at most three"));
   EXPECT_TRUE(mentions(error_of(with(minimal(), {"--split", "0,0"})), "sum to zero"));
+  // "-1,1,1" is a value (no flag starts with "-1"), judged by --split's own check.
+  EXPECT_EQ(error_of(with(no_data, {"--data-path", "a", "--split", "-1,1,1"})),
+            "--split '-1,1,1': weight '-1' is negative (split weights must be non-negative)");
+  EXPECT_EQ(error_of(with(no_data, {"--data-path", "a", "--split", "1,-0.5"})),
+            "--split '1,-0.5': weight '-0.5' is negative (split weights must be non-negative)");
+  // Megatron always splits mock data 1,1,1: a --split would be ignored.
+  EXPECT_EQ(error_of(with(minimal(), {"--split", "0,1,0"})),
+            "--split does not apply to --mock-data (mock data is always split 1,1,1, as in Megatron); drop --split");
 }
 
 // --reset-position-ids / --reset-attention-mask are Megatron switches (arguments.py _add_data_args): parsed, listed in

@@ -11,11 +11,14 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <stdexcept>
+#include <type_traits>
 
 #include "moecore/ckpt/hf_layout.h"
 #include "moecore/ckpt/hf_moe_config.h"
 #include "moecore/ckpt/hf_state_source.h"
+#include "moecore/ckpt/json_integer.h"
 #include "moecore/ckpt/state_dict.h"
+#include "moecore/util/output_folder.h"
 
 namespace moecore {
 namespace {
@@ -148,19 +151,19 @@ void write_json(const fs::path& path, const json& j) {
   write_file_atomically(path.string(), std::as_bytes(std::span(text.data(), text.size())));
 }
 
-// A folder we may delete or replace: absent, or holding only files an export writes.
-void require_replaceable(const fs::path& dir) {
+// Why `dir` may not be deleted or replaced, or "": it must be absent, or a folder holding only files an export writes.
+std::string replace_problem(const fs::path& dir) {
   std::error_code ec;
-  if (!fs::exists(dir, ec)) return;
-  if (!fs::is_directory(dir, ec))
-    throw std::runtime_error("HF export: " + dir.string() + " exists and is not a folder");
-  for (const auto& entry : fs::directory_iterator(dir)) {
+  if (!fs::exists(dir, ec)) return "";
+  if (!fs::is_directory(dir, ec)) return dir.string() + " exists and is not a folder";
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
     if (!kExportFiles.contains(name)) {
-      throw std::runtime_error("HF export: refusing to replace " + dir.string() + ": it holds '" + name +
-                               "', which an export does not write");
+      return "refusing to replace " + dir.string() + ": it holds '" + name + "', which an export does not write";
     }
   }
+  if (ec) return "cannot list " + dir.string() + ": " + ec.message();
+  return "";
 }
 
 // Puts the finished `tmp` folder in place of `target`: an atomic swap where the kernel offers one.
@@ -181,10 +184,10 @@ void swap_in(const fs::path& tmp, const fs::path& target) {
   fs::remove_all(old);
 }
 
+// `dir` without a trailing separator; empty for an empty name.
 fs::path normalized_dir(const std::string& dir) {
   fs::path p = fs::path(dir).lexically_normal();
   if (p.filename().empty()) p = p.parent_path();
-  if (p.empty()) throw std::runtime_error("HF export: empty output folder name");
   return p;
 }
 
@@ -195,6 +198,11 @@ fs::path normalized_dir(const std::string& dir) {
 template <typename T>
 T field(const json& j, const fs::path& file, const std::string& key) {
   if (!j.contains(key) || j[key].is_null()) config_fail(file, "missing field '" + key + "'");
+  if constexpr (std::is_same_v<T, int64_t>) {
+    return json_integer(j[key], file.string() + ": field '" + key + "'");
+  } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+    return json_integer_list(j[key], file.string() + ": field '" + key + "'");
+  }
   try {
     return j[key].get<T>();
   } catch (const json::exception&) {
@@ -375,6 +383,19 @@ std::string hf_model_type(const ModelConfig& c, const std::string& requested) {
   return "moecore_moe";
 }
 
+std::string hf_export_dir_problem(const std::string& dir) {
+  const fs::path target = normalized_dir(dir);
+  if (target.empty()) return "empty output folder name";
+  fs::path tmp = target;
+  tmp += ".tmp";
+  for (const fs::path& path : {target, tmp}) {
+    if (std::string problem = replace_problem(path); !problem.empty()) return problem;
+  }
+  // DIR.tmp is made next to DIR, then renamed over it: the parent folder must take new entries.
+  const fs::path parent = fs::absolute(target).parent_path();
+  return folder_write_problem(parent.string());
+}
+
 void export_hf(const GPTModel& model, const HfExportInfo& info, const std::string& dir) {
   const ModelConfig& c = model.config();
   const std::string model_type = hf_model_type(c, info.model_type);
@@ -407,11 +428,12 @@ void export_hf(const GPTModel& model, const HfExportInfo& info, const std::strin
     }
   }
 
+  if (const std::string problem = hf_export_dir_problem(dir); !problem.empty()) {
+    throw std::runtime_error("HF export: " + problem);
+  }
   const fs::path target = normalized_dir(dir);
   fs::path tmp = target;
   tmp += ".tmp";
-  require_replaceable(target);
-  require_replaceable(tmp);
   fs::remove_all(tmp);
   fs::create_directories(tmp);
   write_safetensors((tmp / "model.safetensors").string(), tensors, {{"format", "pt"}});

@@ -87,6 +87,12 @@ struct HfImportOptions {
 // "HF export as mixtral cannot represent X" when the requested type does not fit.
 std::string hf_model_type(const ModelConfig& config, const std::string& requested = "");
 
+// Why an export cannot write DIR, or "" when it can: DIR and DIR.tmp must be absent or folders holding only files an
+// export writes (an earlier export is replaced whole; a folder with other files is never mixed into), and DIR's
+// parent folder must exist (or be creatable) and take new files. export_hf throws
+// std::runtime_error("HF export: " + problem).
+std::string hf_export_dir_problem(const std::string& dir);
+
 // Writes DIR/config.json, DIR/generation_config.json and DIR/model.safetensors into DIR.tmp, then swaps it in for
 // DIR, so a failure leaves any earlier export intact. Refuses to replace a DIR holding files it did not write.
 void export_hf(const GPTModel& model, const HfExportInfo& info, const std::string& dir);

@@ -1,7 +1,10 @@
 #include "moecore/ckpt/hf_moe_config.h"
 
 #include <initializer_list>
+#include <type_traits>
 #include <vector>
+
+#include "moecore/ckpt/json_integer.h"
 
 namespace moecore {
 namespace {
@@ -29,6 +32,7 @@ class BlockReader {
   template <typename T>
   T get(const std::string& key) const {
     if (!block_.contains(key)) throw ConfigError(where(key) + " is missing");
+    if constexpr (std::is_same_v<T, int64_t>) return json_integer(block_.at(key), where(key));
     try {
       return block_.at(key).get<T>();
     } catch (const json::exception&) {
@@ -125,13 +129,14 @@ void read_moe_config_block(const json& block, const std::string& file, ModelConf
   c.ffn_hidden_size = r.get<int64_t>("ffn_hidden_size");
   m.num_experts = r.get<int64_t>("num_experts");
   m.ffn_hidden_size = r.get<int64_t>("moe_ffn_hidden_size");
-  const std::vector<int> pattern = r.get<std::vector<int>>("moe_layer_freq");
+  const std::vector<int64_t> pattern =
+      json_integer_list(r.get<nlohmann::json>("moe_layer_freq"), r.where("moe_layer_freq"));
   if (static_cast<int64_t>(pattern.size()) != c.num_layers) {
     throw ConfigError(r.where("moe_layer_freq") + " has " + std::to_string(pattern.size()) + " entries for " +
                       std::to_string(c.num_layers) + " layers");
   }
   m.moe_layer_pattern.clear();
-  for (const int flag : pattern) {
+  for (const int64_t flag : pattern) {
     if (flag != 0 && flag != 1) throw ConfigError(r.where("moe_layer_freq") + " entries must be 0 or 1");
     m.moe_layer_pattern.push_back(flag == 1);
   }

@@ -14,6 +14,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <utility>
 
@@ -228,6 +230,11 @@ struct IndexedDataset::Mapping {
       ::close(fd);
       throw DataError(path + ": cannot stat: " + std::strerror(errno));
     }
+    if (!S_ISREG(info.st_mode)) {
+      ::close(fd);
+      throw DataError(path + (S_ISDIR(info.st_mode) ? " is a folder" : " is not a regular file") +
+                      ", not the dataset's token file");
+    }
     size = static_cast<size_t>(info.st_size);
     if (size < expected_size) {
       ::close(fd);
@@ -256,6 +263,10 @@ struct IndexedDataset::Mapping {
 
 IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
   const std::string path = idx_path(prefix_);
+  if (std::error_code ec; std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec)) {
+    throw DataError(path + (std::filesystem::is_directory(path, ec) ? " is a folder" : " is not a regular file") +
+                    ", not the dataset's index file");
+  }
   std::ifstream idx(path, std::ios::binary | std::ios::ate);
   if (!idx) throw DataError(path + ": cannot open: " + std::strerror(errno));
   const int64_t file_size = static_cast<int64_t>(idx.tellg());

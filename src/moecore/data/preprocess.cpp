@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -318,6 +319,10 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 PreprocessStats preprocess(const PreprocessOptions& options) {
   const auto startup_start = std::chrono::steady_clock::now();
+  std::error_code ec;
+  if (std::filesystem::is_directory(options.input, ec)) {
+    throw std::runtime_error("--input " + options.input + " is a folder, not a JSONL file");
+  }
   std::ifstream input(options.input, std::ios::binary);
   if (!input) throw std::runtime_error("cannot open --input " + options.input);
   if (!options.quiet) std::cout << "Opening " << options.input << std::endl;
@@ -375,6 +380,14 @@ PreprocessStats preprocess(const PreprocessOptions& options) {
                      static_cast<long long>(stats.documents), static_cast<double>(stats.documents) / elapsed,
                      static_cast<double>(stats.input_bytes) / elapsed / 1024.0 / 1024.0);
       }
+    }
+  }
+  // An empty dataset would only fail later, in training (Megatron writes one without a word).
+  if (stats.documents == 0) throw std::runtime_error("no documents in --input " + options.input);
+  for (size_t k = 0; k < writers.size(); ++k) {
+    if (stats.tokens_per_key[k] == 0) {
+      throw std::runtime_error("--input " + options.input + ": the " + std::to_string(stats.documents) +
+                               " documents hold no tokens under key '" + options.json_keys[k] + "'");
     }
   }
   for (IndexedDatasetWriter& writer : writers) writer.finalize();

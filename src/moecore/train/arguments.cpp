@@ -611,9 +611,11 @@ const FlagSpec* find_flag(const std::string_view name) {
   return nullptr;
 }
 
-// argparse treats a token starting with '-' as a flag unless it is a negative number.
+// argparse treats a token starting with '-' as a flag unless it is a negative number. No flag starts with "-" and a
+// digit or '.', so such a token ("-1,1,1") is a value, which the flag's own check then judges.
 bool looks_like_flag(const std::string_view token) {
   if (token.size() < 2 || token.front() != '-') return false;
+  if (token[1] == '.' || (token[1] >= '0' && token[1] <= '9')) return false;
   double number = 0.0;
   const auto [end, error] = std::from_chars(token.data(), token.data() + token.size(), number);
   return !(error == std::errc() && end == token.data() + token.size());

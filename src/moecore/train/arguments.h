@@ -2,8 +2,8 @@
 //
 // Syntax (as argparse with allow_abbrev=False): `--flag value` or `--flag=value`; switches (store_true) take no
 // value; list flags (--data-path) take every following token up to the next flag; a flag given twice: last wins.
-// A token that starts with '-' and is not a negative number is a flag, so a string value that starts with '-' must
-// be written `--flag=value`.
+// A token that starts with '-' and is not a negative number is a flag (unless a digit or '.' follows the '-', as in
+// "-1,1,1": no flag is named so), so a string value that starts with '-' must be written `--flag=value`.
 //
 // Errors (one line each, thrown as ConfigError):
 //   unknown flag               "unknown flag --num-layer (did you mean --num-layers?)"
@@ -20,7 +20,8 @@
 //   --num-query-groups         heads without --group-query-attention; with it, the flag's value (Megatron default 1)
 //   --global-batch-size        micro batch * data-parallel size (1 in this single-process engine)
 //   --lr-decay-iters           --train-iters
-//   --split                    "969, 30, 1" when --data-path is given without --split (Megatron's legacy default)
+//   --split                    "969, 30, 1" when --data-path is given without --split (Megatron's legacy default);
+//                              an error with --mock-data, which Megatron always splits 1,1,1
 //   --max-position-embeddings  Megatron requires it always; moecore requires it only with learned_absolute position
 //                              embeddings (where it sizes a table) and otherwise defaults it to --seq-length.
 //

@@ -491,6 +491,8 @@ void check_split(const std::string& split) {
   while (start <= normalized.size()) {
     const size_t comma = std::min(normalized.find(',', start), normalized.size());
     const std::string part = trim(std::string_view(normalized).substr(start, comma - start));
+    require(!parses_as_number(part) || to_number(part) >= 0.0,
+            "--split '" + split + "': weight '" + part + "' is negative (split weights must be non-negative)");
     require(parses_as_number(part) && to_number(part) >= 0.0,
             "--split '" + split + "': '" + part + "' is not a non-negative number");
     total += to_number(part);
@@ -511,6 +513,10 @@ void finalize_data(TrainingArgs& args, const std::set<std::string>& given) {
   check_data_path(args.data_path);
   if (has_path && !given.contains("--split")) args.split = "969, 30, 1";  // Megatron's legacy default
   if (!args.split.empty() || given.contains("--split")) check_split(args.split);
+  // Megatron splits mock data "1,1,1" whatever --split says (megatron/core/datasets/blended_megatron_dataset_config.py
+  // __post_init__).
+  require(!(args.mock_data && given.contains("--split")),
+          "--split does not apply to --mock-data (mock data is always split 1,1,1, as in Megatron); drop --split");
 
   require(!args.tokenizer_type.empty(),
           "--tokenizer-type is required (GPT2BPETokenizer with --vocab-file and --merge-file, or NullTokenizer with "
