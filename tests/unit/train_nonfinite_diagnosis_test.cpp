@@ -84,14 +84,34 @@ TEST(NonFiniteDiagnosis, TheLastFiniteLossCountsWhenTheCurrentOneIsNot) {
 
 TEST(NonFiniteDiagnosis, ASteadyLossMeansOneBatchOverflowed) {
   NonFiniteDiagnosis d = base();
-  d.step = {3, 4.1, kNaN, 1e-3};
+  d.step = {3, 4.1, -kNaN, 1e-3};  // printed "nan", not "-nan"
   d.previous_losses = {4.3, 4.2};
+  d.scan.largest_weight = 0.9;
   d.scan.last_grad = NonFiniteTensor{0, "decoder.layers.0.mlp.linear_fc2.weight (NaN at element 9)"};
   EXPECT_EQ(describe_nonfinite(d),
             "grad norm is not finite at iteration 3 (lm loss 4.1, grad norm nan, learning rate 0.001): the weights "
             "are finite and the loss had not grown (4.2 at iteration 2), so this batch overflowed the forward or "
             "backward pass; the backward pass first produced non-finite gradients in decoder layer 0 "
             "(decoder.layers.0.mlp.linear_fc2.weight (NaN at element 9)); check the data and the model's scale flags");
+}
+
+TEST(NonFiniteDiagnosis, LargeFiniteWeightsWithASteadyLossPointAtTheLr) {
+  // Adam with --lr 1e4 moves weights by ~1e4 per step: the softmax saturates (loss ln V, zero gradients) until the
+  // backward overflows, so the loss never grew.
+  NonFiniteDiagnosis d = base();
+  d.lr = 1e4;
+  d.step = {6, 10.83, kNaN, 5e3};
+  d.previous_losses = {10.83, 10.83, 10.83, 10.83, 10.83};
+  d.scan.largest_weight = 3.5e4;
+  d.scan.last_grad = NonFiniteTensor{2, "decoder.final_layernorm.weight (NaN at element 2)"};
+  EXPECT_EQ(describe_nonfinite(d),
+            "grad norm is not finite at iteration 6 (lm loss 10.83, grad norm nan, learning rate 5000): the weights "
+            "are finite but grew large (largest |w| 3.5e+04, initialized with std 0.02), so the updates overflowed "
+            "the model; the backward pass first produced non-finite gradients in the output layer "
+            "(decoder.final_layernorm.weight (NaN at element 2)); lower --lr (now 1e+04)");
+  // Weights of a normal size (RMSNorm weights are 1) do not count as grown.
+  d.scan.largest_weight = 1.5;
+  EXPECT_NE(describe_nonfinite(d).find("the loss had not grown"), std::string::npos);
 }
 
 TEST(NonFiniteDiagnosis, TheFirstIterationOfARun) {

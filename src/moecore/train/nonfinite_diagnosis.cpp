@@ -11,6 +11,7 @@ namespace moecore {
 namespace {
 
 std::string number(const double value) {
+  if (std::isnan(value)) return "nan";  // never "-nan"
   std::ostringstream out;
   out.precision(4);
   out << value;
@@ -55,18 +56,26 @@ NonFiniteScan scan_model_for_nonfinite(const GPTModel& model, const parallel::Pr
     if (local.first_weight && local.first_weight->module <= p.module) continue;
     if (std::optional<NonFiniteTensor> weight = describe_tensor(p, p.value)) local.first_weight = std::move(weight);
   }
+  for (const Param& p : model.params()) {
+    if (!p.value.defined() || p.value.dtype() != DType::kF32) continue;
+    for (const float w : p.value.span<const float>()) {
+      if (std::isfinite(w)) local.largest_weight = std::max(local.largest_weight, static_cast<double>(std::fabs(w)));
+    }
+  }
   for (const Param& p : model.params()) {  // the backward pass reaches the highest module first
     if (local.last_grad && local.last_grad->module >= p.module) continue;
     if (std::optional<NonFiniteTensor> grad = describe_tensor(p, p.grad)) local.last_grad = std::move(grad);
   }
   if (world.size() == 1) return local;
-  const std::vector<std::string> all =
-      parallel::all_gather_text(world, encode(local.first_weight) + "\n" + encode(local.last_grad));
+  const std::vector<std::string> all = parallel::all_gather_text(
+      world, encode(local.first_weight) + "\n" + encode(local.last_grad) + "\n" + std::to_string(local.largest_weight));
   NonFiniteScan scan;
   for (const std::string& text : all) {
     const size_t newline = text.find('\n');
+    const size_t second = text.find('\n', newline + 1);
     const std::optional<NonFiniteTensor> weight = decode(text.substr(0, newline));
-    const std::optional<NonFiniteTensor> grad = decode(text.substr(newline + 1));
+    const std::optional<NonFiniteTensor> grad = decode(text.substr(newline + 1, second - newline - 1));
+    scan.largest_weight = std::max(scan.largest_weight, std::stod(text.substr(second + 1)));
     if (weight && (!scan.first_weight || weight->module < scan.first_weight->module)) scan.first_weight = weight;
     if (grad && (!scan.last_grad || grad->module > scan.last_grad->module)) scan.last_grad = grad;
   }
@@ -120,6 +129,13 @@ std::string describe_nonfinite(const NonFiniteDiagnosis& d) {
              std::to_string(latest.first) + ", so training diverged" + where + "; lower --lr (now " + number(d.lr) +
              ")" + (d.clip_grad <= 0.0 ? " and clip the gradients (--clip-grad 1.0)" : "");
     }
+  }
+  // Adam moves every weight by up to about lr per step: weights far beyond their initial scale mean the updates
+  // outgrew the model even when the loss did not show it (a saturated softmax gives ln V and zero gradients).
+  if (d.scan.largest_weight > std::max(10.0, 1000.0 * d.init_method_std)) {
+    return line + ": the weights are finite but grew large (largest |w| " + number(d.scan.largest_weight) +
+           ", initialized with std " + number(d.init_method_std) + "), so the updates overflowed the model" + where +
+           "; lower --lr (now " + number(d.lr) + ")";
   }
   if (d.previous_losses.empty()) {
     return line + ": the weights are finite, so the forward or backward pass of the initial model overflowed" + where +

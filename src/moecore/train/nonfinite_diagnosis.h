@@ -47,6 +47,7 @@ struct NonFiniteTensor {
 struct NonFiniteScan {
   std::optional<NonFiniteTensor> first_weight;
   std::optional<NonFiniteTensor> last_grad;
+  double largest_weight = 0.0;  // the largest finite |weight|
 };
 NonFiniteScan scan_model_for_nonfinite(const GPTModel& model, const parallel::ProcessGroup& world);
 
@@ -55,11 +56,12 @@ struct NonFiniteDiagnosis {
   std::vector<double> previous_losses;       // lm loss of the iterations of this run before step.iteration
   std::optional<double> previous_grad_norm;  // the grad norm of the last update made
   NonFiniteScan scan;
-  int64_t num_layers = 0;     // to name module L "the output layer"
-  double lr = 0.0;            // --lr
-  double adam_eps = 1e-8;     // --adam-eps
-  double weight_decay = 0.0;  // --weight-decay
-  double clip_grad = 1.0;     // --clip-grad
+  int64_t num_layers = 0;         // to name module L "the output layer"
+  double lr = 0.0;                // --lr
+  double adam_eps = 1e-8;         // --adam-eps
+  double weight_decay = 0.0;      // --weight-decay
+  double clip_grad = 1.0;         // --clip-grad
+  double init_method_std = 0.02;  // --init-method-std
 };
 
 // One line: what was not finite at which iteration with that iteration's values, what led there and what to change.

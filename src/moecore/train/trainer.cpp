@@ -167,7 +167,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
                                    previous_grad_norm,        scan_model_for_nonfinite(model, parallel.world),
                                    run_args.model.num_layers, run_args.lr,
                                    run_args.adam_eps,         run_args.weight_decay,
-                                   run_args.clip_grad};
+                                   run_args.clip_grad,        run_args.model.init_method_std};
       throw TrainingError(describe_nonfinite(diagnosis));
     }
     if (!step.skipped) previous_grad_norm = step.grad_norm;
