@@ -20,6 +20,7 @@ int run_generate(int argc, char** argv) {
     }
     const auto model = moecore::load_hf(args.load_dir);
     const auto tokenizer = moecore::build_tokenizer(moecore::generate_tokenizer_options(args));
+    moecore::check_sampling_against_vocabulary(args, tokenizer->vocab_size());
     moecore::SamplingOptions sampling;
     sampling.max_new_tokens = args.max_new_tokens;
     sampling.temperature = args.temperature;

@@ -9,6 +9,7 @@
 #include "moecore/parallel/mpi_runtime.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
+#include "moecore/train/argument_agreement.h"
 #include "moecore/train/arguments.h"
 #include "moecore/train/trainer.h"
 
@@ -20,7 +21,16 @@ namespace {
 // that rank, which aborts the job so no peer waits forever in a collective.
 int train_main(const std::vector<std::string>& args, const int rank, const int world_size) {
   try {
-    const moecore::TrainingArgs parsed = moecore::parse_train_args(args, world_size);
+    // Every rank must run the same job: the effective flags are compared with rank 0's first, then parsed on every
+    // rank together, so that a failure on some ranks only (a per-rank --threads value) ends all of them.
+    moecore::TrainingArgs parsed;
+    if (world_size > 1) {
+      const moecore::parallel::ProcessGroup world = moecore::parallel::ProcessGroup::world();
+      moecore::check_ranks_agree_on_arguments(world, args);
+      moecore::parallel::run_on_all_ranks(world, [&] { parsed = moecore::parse_train_args(args, world_size); });
+    } else {
+      parsed = moecore::parse_train_args(args, world_size);
+    }
     if (parsed.help_requested) {
       if (rank == 0) std::cout << "usage: moecore train [flags]\n\n" << moecore::train_flags_help();
       return 0;
@@ -32,6 +42,8 @@ int train_main(const std::vector<std::string>& args, const int rank, const int w
       throw;
     } catch (const moecore::parallel::GroupFailure&) {
       throw;  // every rank failed alike (run_on_all_ranks): reported once, by rank 0, with a clean exit
+    } catch (const moecore::TrainingError&) {
+      throw;  // a non-finite loss or gradient norm stops every rank together with the same message
     } catch (const std::exception& e) {
       std::cout.flush();
       std::cerr << "error: " << (world_size > 1 ? "[rank " + std::to_string(rank) + "] " : std::string()) << e.what()

@@ -13,6 +13,7 @@
 #include "moecore/ckpt/hf_moe_config.h"
 #include "moecore/ckpt/model_state_keys.h"
 #include "moecore/ckpt/safetensors.h"
+#include "moecore/tensor/finite_check.h"
 
 namespace moecore {
 namespace {
@@ -91,6 +92,8 @@ Tensor assemble(const HfFiles& files, const std::vector<HfTensorMap>& maps, cons
     } catch (const std::runtime_error& e) {
       throw std::runtime_error(at.header->path + ": tensor '" + map.hf_name + "': " + e.what());
     }
+    // A NaN or Inf weight would make every forward non-finite (generation then prints token 0 forever).
+    require_finite(values, map.hf_name);
     const float* src = values.data<float>();
     for (const HfRowRange& r : hf_row_ranges(map, shape[0])) {
       const size_t n = static_cast<size_t>((r.end - r.begin) * row_numel);

@@ -19,6 +19,7 @@
 #include "moecore/ckpt/checksum.h"
 #include "moecore/ckpt/safetensors.h"
 #include "moecore/parallel/agreement.h"
+#include "moecore/tensor/finite_check.h"
 
 namespace moecore {
 namespace fs = std::filesystem;
@@ -277,6 +278,24 @@ bool ShardedSave::finalize(const bool blocking) {
 
 // ---------------------------------------------------------------- loading
 
+namespace {
+
+// The row-major index in the global tensor of element `index` of a stored piece.
+int64_t global_flat_index(const StateBox& box, const std::vector<int64_t>& global_shape, const int64_t index) {
+  int64_t in_box = box.flat_begin + index;
+  int64_t global = 0;
+  int64_t stride = 1;
+  for (size_t d = box.shape.size(); d-- > 0;) {
+    const int64_t coordinate = box.shape[d] == 0 ? 0 : in_box % box.shape[d];
+    in_box = box.shape[d] == 0 ? 0 : in_box / box.shape[d];
+    global += (box.offsets[d] + coordinate) * stride;
+    stride *= global_shape[d];
+  }
+  return global;
+}
+
+}  // namespace
+
 void ShardedCheckpoint::fail(const std::string& file, const std::string& problem) const {
   throw CheckpointError((fs::path(dir_) / file).string() + ": " + problem);
 }
@@ -403,6 +422,11 @@ Tensor ShardedCheckpoint::read_piece(const std::string& key, const Stored& store
   ::close(fd);
   if (crc32_text(crc32_of(std::span<const std::byte>(out.data<std::byte>(), static_cast<size_t>(n)))) != piece.crc32) {
     fail(piece.file, "checksum mismatch in tensor " + key + " (the file is corrupted)");
+  }
+  // Intact bytes may still hold NaN or Inf (a run saved after its update diverged): such a state cannot train.
+  if (const std::optional<NonFiniteElement> bad = first_nonfinite(out)) {
+    fail(piece.file, key + " holds a non-finite value (" + nonfinite_name(bad->value) + ") at element " +
+                         std::to_string(global_flat_index(piece.box, stored.info.global_shape, bad->index)));
   }
   return out;
 }

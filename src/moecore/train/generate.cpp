@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 
+#include "moecore/tensor/finite_check.h"
 #include "moecore/tensor/rng.h"
 
 namespace moecore {
@@ -47,6 +49,12 @@ std::vector<int32_t> generate(GPTModel& model, std::vector<int32_t> prompt, cons
     const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(prompt.size()) - context);
     const int64_t length = static_cast<int64_t>(prompt.size()) - start;
     const Tensor logits_BV = model.last_logits(prompt.data() + start, 1, length);
+    // Finite weights can still overflow in the forward; argmax over NaN logits would print token 0 forever.
+    if (const std::optional<NonFiniteElement> bad = first_nonfinite(logits_BV)) {
+      throw std::runtime_error("the model computed a non-finite logit (" + nonfinite_name(bad->value) +
+                               ") for token id " + std::to_string(bad->index) + " at generation step " +
+                               std::to_string(step + 1));
+    }
     const int32_t next = sample_next(logits_BV.data<float>(), model.config().vocab_size, options,
                                      rng.uniform(static_cast<uint64_t>(step)));
     prompt.push_back(next);

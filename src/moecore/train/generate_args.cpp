@@ -1,8 +1,10 @@
 #include "moecore/train/generate_args.h"
 
 #include <charconv>
+#include <cmath>
 #include <functional>
 #include <map>
+#include <type_traits>
 
 #include "moecore/model/config.h"
 #include "moecore/util/flag_suggest.h"
@@ -16,6 +18,12 @@ T parse_number(const std::string& flag, const std::string& text) {
   const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
   if (error != std::errc() || end != text.data() + text.size()) {
     throw ConfigError("invalid value '" + text + "' for " + flag + ": expected a number");
+  }
+  if constexpr (std::is_floating_point_v<T>) {
+    // from_chars reads "nan" and "inf": a sampling parameter must be a number to sample with.
+    if (!std::isfinite(value)) {
+      throw ConfigError("invalid value '" + text + "' for " + flag + ": expected a finite number");
+    }
   }
   return value;
 }
@@ -73,6 +81,14 @@ GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
   if (out.temperature < 0) throw ConfigError("--temperature must be >= 0");
   if (out.top_k < 0) throw ConfigError("--top-k must be >= 0");
   return out;
+}
+
+void check_sampling_against_vocabulary(const GenerateArgs& args, const int64_t vocab_size) {
+  // Megatron's torch_sampling.py asserts "top-k is larger than logit size."
+  if (args.top_k > vocab_size) {
+    throw ConfigError("--top-k " + std::to_string(args.top_k) + " is larger than the vocabulary (" +
+                      std::to_string(vocab_size) + " tokens)");
+  }
 }
 
 TokenizerOptions generate_tokenizer_options(const GenerateArgs& args) {

@@ -2,8 +2,8 @@
 //   --load DIR               HuggingFace-style export (config.json + model.safetensors), e.g. from --export-hf
 //   --prompt TEXT            text to continue (required)
 //   --max-new-tokens N       tokens to produce (default 64)
-//   --temperature T          0 = greedy (default); > 0 samples from softmax(logits / T)
-//   --top-k K                sample among the K most likely tokens (0 = all)
+//   --temperature T          0 = greedy (default); > 0 samples from softmax(logits / T); finite
+//   --top-k K                sample among the K most likely tokens (0 = all; at most the vocabulary)
 //   --seed N                 sampling seed (default 1234)
 //   --tokenizer-type, --vocab-file, --merge-file
 //                            the tokenizer; default GPT2BPETokenizer with DIR/vocab.json and DIR/merges.txt
@@ -32,6 +32,8 @@ struct GenerateArgs {
 
 // Throws ConfigError with one line (unknown flag with a suggestion, bad value, missing --load / --prompt).
 GenerateArgs parse_generate_args(const std::vector<std::string>& args);
+// Throws ConfigError when --top-k exceeds the tokenizer's vocabulary (the ids sampling may produce).
+void check_sampling_against_vocabulary(const GenerateArgs& args, int64_t vocab_size);
 std::string generate_usage();
 TokenizerOptions generate_tokenizer_options(const GenerateArgs& args);
 

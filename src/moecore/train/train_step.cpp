@@ -10,6 +10,7 @@
 
 #include "moecore/parallel/comm_stats.h"
 #include "moecore/train/batch_schedule.h"
+#include "moecore/train/nonfinite_diagnosis.h"
 #include "moecore/train/pipeline_executor.h"
 #include "moecore/train/pipeline_schedule.h"
 #include "moecore/train/trainer.h"
@@ -105,9 +106,10 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
   // With dynamic loss scaling a non-finite loss is the scaler's signal, not an error (Megatron turns
   // check_for_nan_in_loss_and_grad off): its gradients are not finite either, so the iteration is skipped.
   const bool dynamic_scaling = modules.grad_scaler != nullptr && modules.grad_scaler->is_dynamic();
+  // The lr this iteration's update uses (for the message when it stops).
+  const double learning_rate = modules.schedule.lr_at(progress.successful_iterations());
   if (!std::isfinite(result.lm_loss) && !dynamic_scaling) {  // after the reduction, so every rank stops together
-    throw TrainingError("lm loss is " + std::string(std::isnan(result.lm_loss) ? "NaN" : "Inf") + " at iteration " +
-                        std::to_string(iteration) + ": stopping; try a lower --lr or a smaller --init-method-std");
+    throw NonFiniteStep(NonFiniteStepFacts{iteration, result.lm_loss, std::nullopt, learning_rate});
   }
   if (iteration == injected_overflow_iteration()) modules.optimizer.inject_nonfinite_grad();
   if (modules.grad_scaler != nullptr) {
@@ -126,11 +128,11 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
       const trace::Scope scope("clip grad norm", "optimizer");
       result.grad_norm = modules.optimizer.clip_grad_norm(args.clip_grad);
     }
-    if (!std::isfinite(result.grad_norm)) {
-      throw TrainingError("grad norm is not finite at iteration " + std::to_string(iteration) + ": stopping");
+    if (!std::isfinite(result.grad_norm)) {  // reduced over every rank
+      throw NonFiniteStep(NonFiniteStepFacts{iteration, result.lm_loss, result.grad_norm, learning_rate});
     }
     const trace::Scope scope("optimizer step", "optimizer");
-    modules.optimizer.step(modules.schedule.lr_at(progress.successful_iterations()));
+    modules.optimizer.step(learning_rate);
   }
   modules.model.finish_global_batch();
   result.moe_stats = modules.model.take_moe_stats();

@@ -16,6 +16,7 @@
 #include "moecore/train/evaluation.h"
 #include "moecore/train/final_export.h"
 #include "moecore/train/memory_estimate.h"
+#include "moecore/train/nonfinite_diagnosis.h"
 #include "moecore/train/startup_checks.h"
 #include "moecore/train/train_step.h"
 #include "moecore/train/training_log.h"
@@ -170,13 +171,25 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   TrainingLogger logger(run_args, parallel, log);
   double train_seconds = 0.0;
   logger.start();
+  std::optional<double> previous_grad_norm;  // of the last update made (for the message when a step stops)
   const bool profiled_rank = args.profile && std::find(args.profile_ranks.begin(), args.profile_ranks.end(),
                                                        parallel.rank) != args.profile_ranks.end();
   while (progress.iteration < args.train_iters) {
     // Megatron's window: the steps taken while progress.iteration is in [--profile-step-start, --profile-step-end).
     if (profiled_rank && progress.iteration == args.profile_step_start) trace::start(parallel.rank);
     const auto step_start = Clock::now();
-    StepResult step = train_step(run_args, modules, parallel, progress);
+    StepResult step;
+    try {
+      step = train_step(run_args, modules, parallel, progress);
+    } catch (const NonFiniteStep& failure) {
+      NonFiniteDiagnosis diagnosis{failure.facts(),           result.train_losses,
+                                   previous_grad_norm,        scan_model_for_nonfinite(model, parallel.world),
+                                   run_args.model.num_layers, run_args.lr,
+                                   run_args.adam_eps,         run_args.weight_decay,
+                                   run_args.clip_grad,        run_args.model.init_method_std};
+      throw TrainingError(describe_nonfinite(diagnosis));
+    }
+    if (!step.skipped) previous_grad_norm = step.grad_norm;
     progress.iteration += 1;
     progress.consumed_train_samples += args.global_batch_size;
     progress.skipped_iterations += step.skipped ? 1 : 0;
