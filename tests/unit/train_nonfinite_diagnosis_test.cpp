@@ -123,6 +123,15 @@ TEST(NonFiniteDiagnosis, TheFirstIterationOfARun) {
   d.scan.first_weight = NonFiniteTensor{-1, "embedding.word_embeddings.weight (Inf at element 2)"};
   EXPECT_NE(describe_nonfinite(d).find("the weights were not finite before the first update of this run"),
             std::string::npos);
+  EXPECT_NE(describe_nonfinite(d).find("check --init-method-std"), std::string::npos);
+  // Weights that came from --load point at the checkpoint; under --fp16 at fp16's range.
+  d.loaded_from = "ckpt/hf";
+  d.fp16 = true;
+  EXPECT_NE(describe_nonfinite(d).find("they come from --load ckpt/hf: check its values (a weight beyond fp16's 65504 "
+                                       "becomes Inf under --fp16)"),
+            std::string::npos);
+  d.loaded_from.clear();
+  d.fp16 = false;
   // A run resumed at iteration 100: its first iteration is 101, and no losses of this run came before.
   d.step.iteration = 101;
   d.scan.first_weight.reset();

@@ -95,7 +95,11 @@ std::string describe_nonfinite(const NonFiniteDiagnosis& d) {
   if (d.scan.first_weight) {
     if (d.previous_losses.empty()) {
       return line + ": the weights were not finite before the first update of this run (first: " +
-             d.scan.first_weight->description + "); check --init-method-std";
+             d.scan.first_weight->description + "); " +
+             (d.loaded_from.empty()
+                  ? std::string("check --init-method-std")
+                  : "they come from --load " + d.loaded_from + ": check its values" +
+                        (d.fp16 ? " (a weight beyond fp16's 65504 becomes Inf under --fp16)" : std::string()));
     }
     line += ": the optimizer step of iteration " + std::to_string(n - 1) + " turned finite gradients (grad norm " +
             (d.previous_grad_norm ? number(*d.previous_grad_norm) : std::string("unknown")) +

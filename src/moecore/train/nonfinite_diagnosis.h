@@ -62,6 +62,8 @@ struct NonFiniteDiagnosis {
   double weight_decay = 0.0;      // --weight-decay
   double clip_grad = 1.0;         // --clip-grad
   double init_method_std = 0.02;  // --init-method-std
+  std::string loaded_from;        // --load, where the run started from a checkpoint or HF folder
+  bool fp16 = false;              // --fp16: weights are rounded to fp16
 };
 
 // One line: what was not finite at which iteration with that iteration's values, what led there and what to change.
