@@ -79,6 +79,15 @@ if /usr/bin/python3 -c "import numpy" 2>/dev/null; then
          --disable-bias-linear)
   "$bin" train "${llama[@]}" --train-iters 2 --export-hf "$work/hf" >"$work/export.log" 2>&1 ||
     { echo "FAIL: export run"; cat "$work/export.log"; failures=$((failures + 1)); }
+  # generate reads the NullTokenizer's ids as `train` does, and bounds the tokens it is asked for.
+  if "$bin" generate --load "$work/hf" --prompt "1 2 3" --max-new-tokens 4 --tokenizer-type NullTokenizer \
+    --vocab-size 128 >"$work/generate.txt" 2>&1; then
+    echo "ok: generate with the NullTokenizer: $(tr '\n' ' ' <"$work/generate.txt")"
+  else
+    echo "FAIL: generate with the NullTokenizer: $(cat "$work/generate.txt")"; failures=$((failures + 1))
+  fi
+  expect_early_error "--max-new-tokens 4611686018427387904 is above the limit" "$bin" generate --load "$work/hf" \
+    --prompt "1 2 3" --max-new-tokens 4611686018427387904 --tokenizer-type NullTokenizer --vocab-size 128
   PYTHONPATH="$src/tests/oracle" /usr/bin/python3 - "$work/hf/model.safetensors" <<'PY'
 import sys
 import numpy as np

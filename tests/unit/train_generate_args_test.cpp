@@ -44,5 +44,17 @@ TEST(GenerateArgs, TopKRange) {
   EXPECT_NO_THROW(check_sampling_against_vocabulary(args, 128));
 }
 
+TEST(GenerateArgs, NewTokensAndNullTokenizer) {
+  EXPECT_EQ(error_of({"--max-new-tokens", "4611686018427387904"}),
+            "--max-new-tokens 4611686018427387904 is above the limit of 16777216");
+  EXPECT_EQ(error_of({"--tokenizer-type", "NullTokenizer"}),
+            "--tokenizer-type NullTokenizer requires --vocab-size (as `moecore train`)");
+  EXPECT_EQ(error_of({"--vocab-size", "100"}), "--vocab-size is used only with --tokenizer-type NullTokenizer");
+  const GenerateArgs args = parse_generate_args(
+      {"--load", "dir", "--prompt", "1 2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"});
+  // As `moecore train`: ids 0..99 and the EOD id 100.
+  EXPECT_EQ(build_tokenizer(generate_tokenizer_options(args))->vocab_size(), 101);
+}
+
 }  // namespace
 }  // namespace moecore

@@ -32,7 +32,8 @@ T parse_number(const std::string& flag, const std::string& text) {
 
 std::string generate_usage() {
   return "usage: moecore generate --load DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]\n"
-         "                        [--seed N] [--tokenizer-type T --vocab-file F --merge-file F]\n";
+         "                        [--seed N] [--tokenizer-type GPT2BPETokenizer --vocab-file F --merge-file F |\n"
+         "                         --tokenizer-type NullTokenizer --vocab-size N]\n";
 }
 
 GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
@@ -48,6 +49,7 @@ GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
       {"--tokenizer-type", [&](const std::string& v) { out.tokenizer_type = v; }},
       {"--vocab-file", [&](const std::string& v) { out.vocab_file = v; }},
       {"--merge-file", [&](const std::string& v) { out.merge_file = v; }},
+      {"--vocab-size", [&](const std::string& v) { out.vocab_size = parse_number<int64_t>("--vocab-size", v); }},
   };
   std::vector<std::string> known;
   for (const auto& [name, setter] : setters) known.push_back(name);
@@ -78,6 +80,18 @@ GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
   if (out.load_dir.empty()) throw ConfigError("--load DIR is required (a directory written by --export-hf)");
   if (out.prompt.empty()) throw ConfigError("--prompt TEXT is required");
   if (out.max_new_tokens < 0) throw ConfigError("--max-new-tokens must be >= 0");
+  // Each new token extends the sequence; a table of 2^24 positions is moecore's limit for --seq-length too.
+  constexpr int64_t kMaxNewTokens = int64_t{1} << 24;
+  if (out.max_new_tokens > kMaxNewTokens) {
+    throw ConfigError("--max-new-tokens " + std::to_string(out.max_new_tokens) + " is above the limit of " +
+                      std::to_string(kMaxNewTokens));
+  }
+  if (out.tokenizer_type == "NullTokenizer" && !out.vocab_size) {
+    throw ConfigError("--tokenizer-type NullTokenizer requires --vocab-size (as `moecore train`)");
+  }
+  if (out.vocab_size && out.tokenizer_type != "NullTokenizer") {
+    throw ConfigError("--vocab-size is used only with --tokenizer-type NullTokenizer");
+  }
   if (out.temperature < 0) throw ConfigError("--temperature must be >= 0");
   if (out.top_k < 0) throw ConfigError("--top-k must be >= 0");
   return out;
@@ -96,6 +110,7 @@ TokenizerOptions generate_tokenizer_options(const GenerateArgs& args) {
   options.type = args.tokenizer_type;
   options.vocab_file = args.vocab_file.empty() ? args.load_dir + "/vocab.json" : args.vocab_file;
   options.merge_file = args.merge_file.empty() ? args.load_dir + "/merges.txt" : args.merge_file;
+  options.vocab_size = args.vocab_size.value_or(-1);
   return options;
 }
 

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,8 +26,9 @@ struct GenerateArgs {
   int64_t top_k = 0;
   uint64_t seed = 1234;
   std::string tokenizer_type = "GPT2BPETokenizer";
-  std::string vocab_file;  // default DIR/vocab.json
-  std::string merge_file;  // default DIR/merges.txt
+  std::string vocab_file;             // default DIR/vocab.json
+  std::string merge_file;             // default DIR/merges.txt
+  std::optional<int64_t> vocab_size;  // NullTokenizer: ids below it, the last one EOD (as `moecore train`)
   bool help_requested = false;
 };
 
