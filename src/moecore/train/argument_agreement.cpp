@@ -1,7 +1,6 @@
 #include "moecore/train/argument_agreement.h"
 
 #include <algorithm>
-#include <charconv>
 #include <map>
 #include <string_view>
 
@@ -12,14 +11,6 @@
 namespace moecore {
 namespace {
 
-// As parse_train_args: a token that starts with '-' and is not a number is a flag.
-bool looks_like_flag(const std::string_view token) {
-  if (token.size() < 2 || token.front() != '-') return false;
-  double number = 0.0;
-  const auto [end, error] = std::from_chars(token.data(), token.data() + token.size(), number);
-  return !(error == std::errc() && end == token.data() + token.size());
-}
-
 // Flag name -> the values of its last occurrence. Tokens before the first flag are kept under the name "".
 using EffectiveFlags = std::map<std::string, std::vector<std::string>>;
 
@@ -27,7 +18,7 @@ EffectiveFlags effective_flags(const std::vector<std::string>& args) {
   EffectiveFlags flags;
   std::vector<std::string>* current = nullptr;
   for (const std::string& token : args) {
-    if (!looks_like_flag(token)) {
+    if (!looks_like_train_flag(token)) {
       if (current == nullptr) current = &flags[""];
       current->push_back(token);
       continue;

@@ -611,16 +611,6 @@ const FlagSpec* find_flag(const std::string_view name) {
   return nullptr;
 }
 
-// argparse treats a token starting with '-' as a flag unless it is a negative number. No flag starts with "-" and a
-// digit or '.', so such a token ("-1,1,1") is a value, which the flag's own check then judges.
-bool looks_like_flag(const std::string_view token) {
-  if (token.size() < 2 || token.front() != '-') return false;
-  if (token[1] == '.' || (token[1] >= '0' && token[1] <= '9')) return false;
-  double number = 0.0;
-  const auto [end, error] = std::from_chars(token.data(), token.data() + token.size(), number);
-  return !(error == std::errc() && end == token.data() + token.size());
-}
-
 [[noreturn]] void throw_unknown_flag(const std::string& name) {
   std::vector<std::string> candidates = implemented_train_flags();
   for (const std::string_view flag : unimplemented_megatron_flags()) candidates.emplace_back(flag);
@@ -641,6 +631,16 @@ ParallelSizes parallel_sizes(const TrainingArgs& args) {
   return sizes;
 }
 
+// argparse treats a token starting with '-' as a flag unless it is a negative number. No flag starts with "-" and a
+// digit or '.', so such a token ("-1,1,1") is a value, which the flag's own check then judges.
+bool looks_like_train_flag(const std::string_view token) {
+  if (token.size() < 2 || token.front() != '-') return false;
+  if (token[1] == '.' || (token[1] >= '0' && token[1] <= '9')) return false;
+  double number = 0.0;
+  const auto [end, error] = std::from_chars(token.data(), token.data() + token.size(), number);
+  return !(error == std::errc() && end == token.data() + token.size());
+}
+
 TrainingArgs parse_train_args(const std::vector<std::string>& args, const int64_t world_size) {
   TrainingArgs parsed;
   parsed.world_size = world_size;
@@ -654,7 +654,7 @@ TrainingArgs parse_train_args(const std::vector<std::string>& args, const int64_
   std::set<std::string> given;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& token = args[i];
-    if (!looks_like_flag(token)) {
+    if (!looks_like_train_flag(token)) {
       throw ConfigError("unexpected argument '" + token + "' (flags start with --; a value belongs after its flag)");
     }
     const size_t equals = token.find('=');
@@ -672,12 +672,12 @@ TrainingArgs parse_train_args(const std::vector<std::string>& args, const int64_
       if (spec->arity == Arity::kSwitch) throw ConfigError(name + " takes no value (got '" + token + "')");
       value.values.push_back(token.substr(equals + 1));
     } else if (spec->arity == Arity::kOne) {
-      if (i + 1 >= args.size() || looks_like_flag(args[i + 1])) {
+      if (i + 1 >= args.size() || looks_like_train_flag(args[i + 1])) {
         throw ConfigError(name + " expects a value (" + std::string(spec->metavar) + ")");
       }
       value.values.push_back(args[++i]);
     } else if (spec->arity == Arity::kList) {
-      while (i + 1 < args.size() && !looks_like_flag(args[i + 1])) value.values.push_back(args[++i]);
+      while (i + 1 < args.size() && !looks_like_train_flag(args[i + 1])) value.values.push_back(args[++i]);
       if (value.values.empty())
         throw ConfigError(name + " expects at least one value (" + std::string(spec->metavar) + ")");
     }

@@ -53,6 +53,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moecore/model/config.h"
@@ -218,6 +219,8 @@ std::string train_flags_help();
 
 // Every implemented flag name (with "--"), in table order.
 std::vector<std::string> implemented_train_flags();
+// Whether a command-line token is a flag (argparse's rule: not a value such as -3 or -1,1,1).
+bool looks_like_train_flag(std::string_view token);
 
 // The layout sizes these arguments describe (world size, TP, PP, CP, EP, ETP, rank order).
 ParallelSizes parallel_sizes(const TrainingArgs& args);
