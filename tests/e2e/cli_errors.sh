@@ -6,28 +6,12 @@ src=$2
 work=$3
 rm -rf "$work" && mkdir -p "$work"
 failures=0
+source "$src/tests/e2e/expect.sh"
 model=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
        --micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer
        --vocab-size 128 --eval-iters 1)
 base=("${model[@]}" --mock-data)
 
-expect_error() {  # expect_error "pattern" args...
-  local pattern=$1
-  shift
-  local out
-  out=$("$@" 2>&1 >/dev/null)
-  local rc=$?
-  if [ $rc -eq 0 ] || [ $rc -ge 128 ]; then
-    echo "FAIL: exit code $rc for: $*"; failures=$((failures + 1)); return
-  fi
-  if ! grep -q -- "$pattern" <<<"$out"; then
-    echo "FAIL: expected '$pattern' in: $out"; failures=$((failures + 1)); return
-  fi
-  if [ "$(grep -c . <<<"$out")" -ne 1 ]; then
-    echo "FAIL: expected one line, got: $out"; failures=$((failures + 1)); return
-  fi
-  echo "ok: $pattern"
-}
 
 expect_error "unknown command 'trian'" "$bin" trian
 expect_error "unknown flag --num-layer (did you mean --num-layers?)" "$bin" train "${base[@]}" --num-layer 3
@@ -75,7 +59,7 @@ if command -v mpirun >/dev/null; then
     --pipeline-model-parallel-layout "Et|ttL"
   expect_error "--pipeline-model-parallel-layout" "${mpi[@]}" --pipeline-model-parallel-size 2 \
     --pipeline-model-parallel-layout "Et|t(L"
-  expect_error "should range in \[PP=2 , M=1\]" "${mpi[@]}" --num-layers 4 --pipeline-model-parallel-size 2 \
+  expect_error "should range in [PP=2 , M=1]" "${mpi[@]}" --num-layers 4 --pipeline-model-parallel-size 2 \
     --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 2
 fi
 expect_error "unknown flag --promt" "$bin" generate --load "$work" --promt hi

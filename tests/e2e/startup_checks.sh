@@ -8,49 +8,28 @@ src=$2
 work=$3
 rm -rf "$work" && mkdir -p "$work"
 failures=0
+source "$src/tests/e2e/expect.sh"
+expect_train_error() { local pattern=$1; shift; expect_early_error "$pattern" "$bin" train "$@"; }
 model=(--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --max-position-embeddings 16
        --micro-batch-size 2 --global-batch-size 2 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer
        --vocab-size 100 --eval-iters 1 --log-interval 1 --threads 1)
 llama=(--normalization RMSNorm --swiglu --ffn-hidden-size 64 --position-embedding-type rope --disable-bias-linear)
 mock=("${model[@]}" --mock-data)
 
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
 
-expect_error() {  # expect_error "pattern" command args...: one error line on stderr, exit code in [1, 128)
-  local pattern=$1
-  shift
-  "$@" >"$work/stdout" 2>"$work/stderr"
-  local rc=$?
-  local err
-  err=$(cat "$work/stderr")
-  if [ $rc -eq 0 ] || [ $rc -ge 128 ]; then fail "exit code $rc for: $* ($err)"; return 1; fi
-  if ! grep -qF -- "$pattern" <<<"$err"; then fail "expected '$pattern' in: $err"; return 1; fi
-  if [ "$(grep -c . <<<"$err")" -ne 1 ]; then fail "expected one line, got: $err"; return 1; fi
-  return 0
-}
 
-expect_early_error() {  # expect_early_error "pattern" train args...: as expect_error, before the model is built
-  local pattern=$1
-  shift
-  expect_error "$pattern" "$bin" train "$@" || return
-  if grep -qE 'number of parameters|training \.\.\.|iteration +[0-9]' "$work/stdout"; then
-    fail "'$pattern' came after the run started: $(grep -E 'parameters|training|iteration' "$work/stdout" | head -2)"
-    return
-  fi
-  echo "ok: $pattern"
-}
 
 # --export-hf: a folder the export can write, and a model HF can hold.
-expect_early_error "HF export supports llama/qwen3-style models (RMSNorm, SwiGLU, RoPE); this model has --normalization LayerNorm" \
+expect_train_error "HF export supports llama/qwen3-style models (RMSNorm, SwiGLU, RoPE); this model has --normalization LayerNorm" \
   "${mock[@]}" --export-hf "$work/hf_layernorm"
 [ -e "$work/hf_layernorm" ] && fail "a refused export left $work/hf_layernorm"
-expect_early_error "--export-hf: cannot create a file in /proc" "${mock[@]}" "${llama[@]}" --export-hf /proc/moecore_hf
+expect_train_error "--export-hf: cannot create a file in /proc" "${mock[@]}" "${llama[@]}" --export-hf /proc/moecore_hf
 : > "$work/a_file"
-expect_early_error "--export-hf: $work/a_file exists and is not a folder" "${mock[@]}" "${llama[@]}" --export-hf "$work/a_file"
+expect_train_error "--export-hf: $work/a_file exists and is not a folder" "${mock[@]}" "${llama[@]}" --export-hf "$work/a_file"
 mkdir -p "$work/notes" && echo keep > "$work/notes/notes.txt"
-expect_early_error "--export-hf: refusing to replace $work/notes: it holds 'notes.txt', which an export does not write" \
+expect_train_error "--export-hf: refusing to replace $work/notes: it holds 'notes.txt', which an export does not write" \
   "${mock[@]}" "${llama[@]}" --export-hf "$work/notes"
-expect_early_error "--save $work/run/ckpt lies in the --export-hf folder $work/run, which an export replaces whole" \
+expect_train_error "--save $work/run/ckpt lies in the --export-hf folder $work/run, which an export replaces whole" \
   "${mock[@]}" "${llama[@]}" --export-hf "$work/run" --save-interval 10 --save "$work/run/ckpt"
 # An earlier export is replaced whole, as a second save_pretrained into the same folder would overwrite it.
 for attempt in 1 2; do
@@ -61,24 +40,24 @@ done
 [ -f "$work/hf/config.json" ] && [ ! -e "$work/hf.tmp" ] && echo "ok: a second export replaces the first"
 
 # --save and --load.
-expect_early_error "--save: $work/a_file exists and is not a folder" "${mock[@]}" --save-interval 10 --save "$work/a_file"
-expect_early_error "--save: $work/a_file/ckpt cannot be created: $work/a_file is not a folder" "${mock[@]}" \
+expect_train_error "--save: $work/a_file exists and is not a folder" "${mock[@]}" --save-interval 10 --save "$work/a_file"
+expect_train_error "--save: $work/a_file/ckpt cannot be created: $work/a_file is not a folder" "${mock[@]}" \
   --save-interval 10 --save "$work/a_file/ckpt"
-expect_early_error "--save: /proc/moecore_ckpt cannot be created: cannot create a file in /proc" "${mock[@]}" \
+expect_train_error "--save: /proc/moecore_ckpt cannot be created: cannot create a file in /proc" "${mock[@]}" \
   --save-interval 10 --save /proc/moecore_ckpt
-expect_early_error "--load $work/a_file is a file, not a checkpoint folder" "${mock[@]}" --load "$work/a_file"
+expect_train_error "--load $work/a_file is a file, not a checkpoint folder" "${mock[@]}" --load "$work/a_file"
 
 # Under mpirun: the export folder is checked on rank 0 (the rank that writes it), and every rank stops at once.
 if command -v mpirun >/dev/null; then
   mpi=(env OMP_NUM_THREADS=1 mpirun -q --allow-run-as-root --oversubscribe -np 2 "$bin" train)
-  expect_error "--export-hf: $work/a_file exists and is not a folder" "${mpi[@]}" "${mock[@]}" "${llama[@]}" \
+  check_one_line_error "--export-hf: $work/a_file exists and is not a folder" "${mpi[@]}" "${mock[@]}" "${llama[@]}" \
     --global-batch-size 4 --export-hf "$work/a_file" && echo "ok: mpirun -np 2: --export-hf checked on rank 0"
-  expect_error "--save: $work/a_file exists and is not a folder" "${mpi[@]}" "${mock[@]}" --global-batch-size 4 \
+  check_one_line_error "--save: $work/a_file exists and is not a folder" "${mpi[@]}" "${mock[@]}" --global-batch-size 4 \
     --save-interval 10 --save "$work/a_file" && echo "ok: mpirun -np 2: --save"
 fi
 
 # --sample-prompt with the NullTokenizer: ids, not words.
-expect_early_error "--sample-prompt: NullTokenizer: 'hello' is not an integer" "${mock[@]}" --sample-prompt hello
+expect_train_error "--sample-prompt: NullTokenizer: 'hello' is not an integer" "${mock[@]}" --sample-prompt hello
 
 # Data: the splits the run reads, the vocabulary of the data (ids up to 919 and EOD 1000 against a vocabulary of
 # 100 + EOD), folders in place of files.
@@ -88,25 +67,25 @@ printf '{"text": "%s"}\n' "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20" "
 "$bin" preprocess --input "$work/ids.jsonl" --output-prefix "$work/ids" --tokenizer-type NullTokenizer \
   --vocab-size 1000 --append-eod --workers 1 >/dev/null 2>&1 || fail "preprocess of $work/ids.jsonl"
 data=("${model[@]}" --data-cache-path "$work/cache")
-expect_early_error "--split does not apply to --mock-data (mock data is always split 1,1,1, as in Megatron); drop --split" \
+expect_train_error "--split does not apply to --mock-data (mock data is always split 1,1,1, as in Megatron); drop --split" \
   "${mock[@]}" --split 0,1,0
-expect_early_error "--split '0,1,0': the train split has weight 0, so there is nothing to train on" \
+expect_train_error "--split '0,1,0': the train split has weight 0, so there is nothing to train on" \
   "${data[@]}" --data-path "$work/ids_text_document" --split 0,1,0 --vocab-size 1000
-expect_early_error "--split '100,0,0': the valid split has weight 0, so --eval-interval 1 would evaluate nothing" \
+expect_train_error "--split '100,0,0': the valid split has weight 0, so --eval-interval 1 would evaluate nothing" \
   "${data[@]}" --data-path "$work/ids_text_document" --split 100,0,0 --eval-interval 1 --vocab-size 1000
-expect_early_error "--split '-1,1,1': weight '-1' is negative (split weights must be non-negative)" \
+expect_train_error "--split '-1,1,1': weight '-1' is negative (split weights must be non-negative)" \
   "${data[@]}" --data-path "$work/ids_text_document" --split -1,1,1
-expect_early_error "--data-path $work/ids_text_document: token id 1000 in sequence 0 is outside the tokenizer's vocabulary [0, 101)" \
+expect_train_error "--data-path $work/ids_text_document: token id 1000 in sequence 0 is outside the tokenizer's vocabulary [0, 101)" \
   "${data[@]}" --data-path "$work/ids_text_document" --split 1,1,0
 # 5 documents split 98,2,0: the valid split gets documents [round(4.9), round(5)) = [5, 5), none.
-expect_early_error "the valid split has no documents (sequences [5, 5) of 5); use more data or change --split" \
+expect_train_error "the valid split has no documents (sequences [5, 5) of 5); use more data or change --split" \
   "${data[@]}" --data-path "$work/ids_text_document" --split 98,2,0 --vocab-size 1000
 # An unweighted blend holds one epoch of each dataset: 2 documents of 21 tokens, (42 - 1) // 16 = 2 samples each.
-expect_early_error "--split '1,1,0': the train split holds 4 samples of 16 tokens, the run reads 6" \
+expect_train_error "--split '1,1,0': the train split holds 4 samples of 16 tokens, the run reads 6" \
   "${data[@]}" --data-path "$work/ids_text_document" "$work/ids_text_document" --split 1,1,0 --vocab-size 1000 \
   --train-iters 3
 mkdir -p "$work/folder_data.bin" && cp "$work/ids_text_document.idx" "$work/folder_data.idx"
-expect_early_error "$work/folder_data.bin is a folder, not the dataset's token file" \
+expect_train_error "$work/folder_data.bin is a folder, not the dataset's token file" \
   "${data[@]}" --data-path "$work/folder_data" --vocab-size 1000
 
 # preprocess: an input without documents is an error, not an empty dataset.
