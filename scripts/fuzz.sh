@@ -15,6 +15,7 @@ export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 for name in $HARNESSES; do
   dict=()
   [[ -f tests/fuzz/dict/$name.dict ]] && dict=(--dict "tests/fuzz/dict/$name.dict")
+  case $name in preprocess | safetensors | hf_config | sharded_checkpoint) dict+=(--dict tests/fuzz/dict/json.dict) ;; esac
   "$BUILD/tests/fuzz/fuzz_$name" --runs "$RUNS" --seed "$SEED" --max-len 4096 --timeout 20 "${dict[@]}" \
     --artifacts "$BUILD/fuzz-artifacts" "tests/fuzz/corpus/$name" "tests/fuzz/regressions/$name"
 done

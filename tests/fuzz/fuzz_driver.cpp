@@ -1,14 +1,14 @@
 // A seeded mutation driver for the libFuzzer-style harnesses (tests/fuzz/fuzz_*.cpp) when they are not built with
 // -fsanitize=fuzzer: every build links each harness with this main() so the bounded runs are ordinary CTest tests.
 //
-//   fuzz_NAME [--runs N] [--seed S] [--max-len L] [--dict FILE] [--timeout SECONDS] [--artifacts DIR] CORPUS_DIR...
+//   fuzz_NAME [--runs N] [--seed S] [--max-len L] [--dict FILE]... [--timeout SECONDS] [--artifacts DIR] CORPUS_DIR...
 //
 // First every file under the corpus folders (seeds and the regression corpus) is replayed, then N inputs are made
 // from them by a deterministic RNG seeded with S: bit flips, bytes set to 0 / 0xff / 0x7f / 0x80, little-endian
 // boundary integers written in place, chunks inserted, erased or duplicated, two inputs spliced, dictionary tokens
-// (libFuzzer's dict format) and boundary numbers inserted as text. A harness that crashes or trips a sanitizer ends
-// the process (the input is saved first); one input running past --timeout seconds is a hang, reported and saved
-// the same way. Success prints "fuzz NAME: N inputs, 0 crashes".
+// (libFuzzer's dict format; --dict may repeat) and boundary numbers inserted as text. A harness that crashes or trips a
+// sanitizer ends the process (the input is saved first); one input running past --timeout seconds is a hang, reported
+// and saved the same way. Success prints "fuzz NAME: N inputs, 0 crashes".
 #include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
@@ -34,9 +34,7 @@
 #define MOECORE_FUZZ_ASAN 1
 #endif
 #endif
-#if defined(MOECORE_FUZZ_ASAN)
-#include <sanitizer/common_interface_defs.h>
-#else
+#if !defined(MOECORE_FUZZ_ASAN)
 #include <sys/resource.h>
 #endif
 
@@ -44,8 +42,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
 
 #if defined(MOECORE_FUZZ_ASAN)
 // An allocation above 2 GiB from an input of a few kilobytes is a finding (libFuzzer's -malloc_limit_mb does the
-// same); ASAN_OPTIONS given by the caller still override these defaults.
-extern "C" const char* __asan_default_options() { return "max_allocation_size_mb=2048:allocator_may_return_null=0"; }
+// same). A sanitizer report ends in abort(), whose handler below saves the input. ASAN_OPTIONS / UBSAN_OPTIONS given
+// by the caller still override these defaults.
+extern "C" const char* __asan_default_options() {
+  return "max_allocation_size_mb=2048:allocator_may_return_null=0:abort_on_error=1";
+}
+extern "C" const char* __ubsan_default_options() { return "abort_on_error=1:print_stacktrace=1"; }
 #endif
 
 namespace {
@@ -107,10 +109,6 @@ void on_fatal_signal(int sig) {
   ::raise(sig);
 }
 
-#if defined(MOECORE_FUZZ_ASAN)
-void on_sanitizer_death() { save_current("crash"); }
-#endif
-
 void on_terminate() {
   save_current("crash");
   write_str(2, "fuzz: the harness let an exception escape (std::terminate)\n");
@@ -121,9 +119,7 @@ void install_handlers() {
   ::signal(SIGALRM, on_alarm);
   for (const int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::signal(sig, on_fatal_signal);
   std::set_terminate(on_terminate);
-#if defined(MOECORE_FUZZ_ASAN)
-  __sanitizer_set_death_callback(on_sanitizer_death);
-#else
+#if !defined(MOECORE_FUZZ_ASAN)
   // Without ASan an input that asks for a huge allocation would be served lazily and then touched: cap the address
   // space so it fails as std::bad_alloc instead of exhausting the machine.
   const rlimit limit{rlim_t{16} << 30, rlim_t{16} << 30};
@@ -362,7 +358,7 @@ int main(int argc, char** argv) {
   uint64_t runs = 1000;
   uint64_t seed = 1;
   uint64_t max_len = 4096;
-  std::string dict_path;
+  std::vector<std::string> dict_paths;
   std::string artifacts = ".";
   std::vector<std::string> corpus_dirs;
   for (int i = 1; i < argc; ++i) {
@@ -377,7 +373,7 @@ int main(int argc, char** argv) {
       g_timeout_s = static_cast<unsigned>(std::clamp<uint64_t>(number_arg(i, argc, argv), 1, 3600));
     } else if (arg == "--dict") {
       if (i + 1 >= argc) usage("--dict needs a value");
-      dict_path = argv[++i];
+      dict_paths.emplace_back(argv[++i]);
     } else if (arg == "--artifacts") {
       if (i + 1 >= argc) usage("--artifacts needs a value");
       artifacts = argv[++i];
@@ -403,7 +399,11 @@ int main(int argc, char** argv) {
   std::sort(files.begin(), files.end());
   std::vector<Bytes> corpus;
   for (const fs::path& file : files) corpus.push_back(read_file(file));
-  const std::vector<Bytes> dict = dict_path.empty() ? std::vector<Bytes>{} : read_dict(dict_path);
+  std::vector<Bytes> dict;
+  for (const std::string& path : dict_paths) {
+    const std::vector<Bytes> tokens = read_dict(path);
+    dict.insert(dict.end(), tokens.begin(), tokens.end());
+  }
 
   const auto start = std::chrono::steady_clock::now();
   for (size_t i = 0; i < corpus.size(); ++i) run_one(corpus[i], files[i].string());

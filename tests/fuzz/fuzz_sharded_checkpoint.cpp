@@ -58,6 +58,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     (void)moecore::read_tracker(root.path().string());
   } catch (const std::exception& error) {
     moecore::fuzz::expected_error(error);
+    if (std::string_view(error.what()).find('\n') != std::string_view::npos) {
+      moecore::fuzz::property_failed("the tracker's error is not one line");
+    }
   }
   try {
     open_checkpoint(iter_dir);

@@ -351,6 +351,16 @@ TEST_F(ShardedCheckpointTest, Tracker) {
   EXPECT_EQ(read_tracker(root_.string()), 0);
   std::ofstream(tracker_path(root_.string())) << "12a";
   EXPECT_THROW(read_tracker(root_.string()), std::runtime_error);
+  // Another file's text in the tracker: its start, control bytes escaped, on one line.
+  std::ofstream(tracker_path(root_.string())) << "{\n \"format\": \"moecore_sharded\",\n \"format_version\": 1\n}\n";
+  try {
+    read_tracker(root_.string());
+    ADD_FAILURE() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("found '{\\x0a \"format\": \"moecore_sharded\",\\x0a \"format...'"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace
