@@ -255,6 +255,10 @@ TEST_F(HfCheckpointTest, ConfigProblemsNameTheFileAndField) {
       {with("\"hidden_size\": 64,", ""), "hidden_size"},
       {with("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 3"), "num-query-groups"},
       {with("\"vocab_size\": 320", "\"vocab_size\": \"many\""), "vocab_size"},
+      // 2^33 layers (a layer pattern of 8 Gbit and a loop over it before), and a negative count
+      {with("\"num_hidden_layers\": 3", "\"num_hidden_layers\": 8589934592"),
+       "num_hidden_layers 8589934592 is outside [1, 1048576]"},
+      {with("\"num_hidden_layers\": 3", "\"num_hidden_layers\": -1"), "num_hidden_layers -1 is outside [1, 1048576]"},
   };
   fs::create_directories(path("bad"));
   for (const auto& [text, phrase] : cases) {

@@ -6,6 +6,9 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <limits>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 #include <string>
@@ -317,6 +320,43 @@ TEST_F(ShardedCheckpointTest, DamageGivesOneLineErrorsNamingFileAndTensor) {
   expect_error("metadata.json: missing");
 }
 
+// Sizes in metadata.json that overflow int64 arithmetic are one-line errors (found by tests/fuzz, whose
+// regressions/sharded_checkpoint holds these inputs).
+TEST_F(ShardedCheckpointTest, OverflowingSizesInMetadataAreErrors) {
+  const std::string dir = save(make_state(1), 5, false);
+  std::string original;
+  {
+    std::ifstream in(dir + "/metadata.json");
+    original.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const auto expect_error = [&](const std::function<void(nlohmann::ordered_json&)>& damage, const std::string& want) {
+    nlohmann::ordered_json metadata = nlohmann::ordered_json::parse(original);
+    damage(metadata["tensors"]["layer.weight"]);
+    std::ofstream(dir + "/metadata.json", std::ios::trunc) << metadata.dump(1);
+    try {
+      const ShardedCheckpoint ckpt(dir);
+      FAIL() << "no error, expected " << want;
+    } catch (const CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  };
+  // offset + shape of a piece at 2^63 - 1 overflowed the inside-the-tensor check
+  expect_error(
+      [](auto& t) {
+        t["pieces"][0]["offsets"] = {std::numeric_limits<int64_t>::max(), 0};
+      },
+      "a piece of layer.weight lies outside the tensor");
+  // [2^40, 2^40] fp32: 2^82 bytes
+  const int64_t big = int64_t{1} << 40;
+  expect_error(
+      [&](auto& t) {
+        t["shape"] = {big, big};
+        t["pieces"][0]["shape"] = {big, big};
+      },
+      "layer.weight byte count overflows 64-bit integers (4398046511104 x 1099511627776)");
+  expect_error([](auto& t) { t["shape"] = {-6, 4}; }, "layer.weight has a negative dimension");
+}
+
 // `moecore checkpoint DIR`: iteration, tensors and pieces, then every checksum; a damaged file is an error.
 TEST_F(ShardedCheckpointTest, InspectCommandPrintsAndVerifies) {
   const std::string dir = save(make_state(1), 9, false);
@@ -351,6 +391,16 @@ TEST_F(ShardedCheckpointTest, Tracker) {
   EXPECT_EQ(read_tracker(root_.string()), 0);
   std::ofstream(tracker_path(root_.string())) << "12a";
   EXPECT_THROW(read_tracker(root_.string()), std::runtime_error);
+  // Another file's text in the tracker: its start, control bytes escaped, on one line.
+  std::ofstream(tracker_path(root_.string())) << "{\n \"format\": \"moecore_sharded\",\n \"format_version\": 1\n}\n";
+  try {
+    read_tracker(root_.string());
+    ADD_FAILURE() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("found '{\\x0a \"format\": \"moecore_sharded\",\\x0a \"format...'"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

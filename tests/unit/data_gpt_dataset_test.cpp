@@ -12,6 +12,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <random>
@@ -289,6 +290,16 @@ TEST(DataGptDataset, IndicesAreCachedAndReloaded) {
   save_npy_atomic(base + "shuffle_index.npy", NpyDType::kU4, {static_cast<int64_t>(bad.size())}, bad);
   expect_data_error([&] { GPTDataset damaged(sequences, DatasetSplit::kTrain, 0, 30, 200, config); },
                     "not a permutation");
+  save_npy_atomic(base + "shuffle_index.npy", NpyDType::kU4, {static_cast<int64_t>(shuffle.values.size())},
+                  shuffle.values);
+  // A sample offset past its sequence (these hold at most 30 tokens); 2^63 - 1 overflowed the token arithmetic.
+  for (const int64_t offset : {int64_t{31}, std::numeric_limits<int64_t>::max()}) {
+    std::vector<int64_t> rows = sample.values;
+    rows.back() = offset;
+    save_npy_atomic(base + "sample_index.npy", NpyDType::kI8, sample.shape, rows);
+    expect_data_error([&] { GPTDataset damaged(sequences, DatasetSplit::kTrain, 0, 30, 200, config); },
+                      "has offset " + std::to_string(offset) + " past its sequence");
+  }
   std::ofstream(base + "sample_index.npy", std::ios::trunc) << "garbage";
   expect_data_error([&] { GPTDataset damaged(sequences, DatasetSplit::kTrain, 0, 30, 200, config); },
                     "sample_index.npy: not a .npy file");

@@ -37,7 +37,16 @@ std::optional<int64_t> read_tracker(const std::string& root) {
   while (!text.empty() && (text.back() == '\n' || text.back() == ' ' || text.back() == '\r')) text.pop_back();
   if (text == "release") return 0;
   if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos || text.size() > 18) {
-    throw std::runtime_error(path + ": expected an iteration number or 'release', found '" + text + "'");
+    // The file's start, control bytes escaped, so the error stays one line.
+    std::string shown;
+    for (const char c : text.substr(0, 40)) {
+      const auto byte = static_cast<unsigned char>(c);
+      char escaped[8];
+      std::snprintf(escaped, sizeof escaped, "\\x%02x", byte);
+      shown += byte < 0x20 || byte == 0x7f ? std::string(escaped) : std::string(1, c);
+    }
+    if (text.size() > 40) shown += "...";
+    throw std::runtime_error(path + ": expected an iteration number or 'release', found '" + shown + "'");
   }
   return std::stoll(text);
 }

@@ -299,6 +299,13 @@ ModelConfig read_typed_config(const std::string& dir, const HfImportOptions& opt
 
   ModelConfig c;
   c.num_layers = field<int64_t>(j, file, "num_hidden_layers");
+  // Checked before the MoE fields size a per-layer pattern by it: every layer is several tensors of the weights file,
+  // so no checkpoint holds a million layers.
+  constexpr int64_t kMaxLayers = int64_t{1} << 20;
+  if (c.num_layers < 1 || c.num_layers > kMaxLayers) {
+    config_fail(file, "num_hidden_layers " + std::to_string(c.num_layers) + " is outside [1, " +
+                          std::to_string(kMaxLayers) + "]");
+  }
   c.hidden_size = field<int64_t>(j, file, "hidden_size");
   c.ffn_hidden_size = field<int64_t>(j, file, "intermediate_size");
   c.num_attention_heads = field<int64_t>(j, file, "num_attention_heads");

@@ -20,6 +20,7 @@
 #include "moecore/ckpt/safetensors.h"
 #include "moecore/parallel/agreement.h"
 #include "moecore/tensor/finite_check.h"
+#include "moecore/util/checked_math.h"
 
 namespace moecore {
 namespace fs = std::filesystem;
@@ -320,6 +321,12 @@ ShardedCheckpoint::ShardedCheckpoint(std::string iter_dir) : dir_(std::move(iter
       Stored s;
       s.info.dtype = dtype_from_code(t.at("dtype").get<std::string>(), meta_path);
       s.info.global_shape = t.at("shape").get<std::vector<int64_t>>();
+      // Non-negative dimensions whose byte count fits int64: every piece's box lies inside, so its sizes fit too.
+      int64_t global_bytes = static_cast<int64_t>(dtype_size(s.info.dtype));
+      for (const int64_t d : s.info.global_shape) {
+        if (d < 0) fail("metadata.json", key + " has a negative dimension");
+        global_bytes = checked_mul(global_bytes, d, key + " byte count");
+      }
       for (const ojson& p : t.at("pieces")) {
         Piece piece;
         piece.file = p.at("file").get<std::string>();
@@ -336,7 +343,8 @@ ShardedCheckpoint::ShardedCheckpoint(std::string iter_dir) : dir_(std::move(iter
         bool inside = piece.box.offsets.size() == rank && piece.box.shape.size() == rank;
         for (size_t d = 0; inside && d < rank; ++d) {
           inside = piece.box.offsets[d] >= 0 && piece.box.shape[d] >= 0 &&
-                   piece.box.offsets[d] + piece.box.shape[d] <= s.info.global_shape[d];
+                   piece.box.shape[d] <= s.info.global_shape[d] &&
+                   piece.box.offsets[d] <= s.info.global_shape[d] - piece.box.shape[d];
         }
         if (inside && piece.box.flat()) {
           inside = piece.box.flat_begin >= 0 && piece.box.flat_begin <= piece.box.flat_end &&
@@ -386,8 +394,9 @@ ShardedCheckpoint::ShardedCheckpoint(std::string iter_dir) : dir_(std::move(iter
       const StoredFile& f = files_.at(p.file);
       const auto it = f.offsets.find(p.name);
       const int64_t nbytes = p.box.numel() * static_cast<int64_t>(dtype_size(s.info.dtype));
-      if (it == f.offsets.end() || it->second.second - it->second.first != nbytes ||
-          f.data_start + it->second.second > f.bytes) {
+      // Offsets come from the file: compared so that nothing can overflow.
+      if (it == f.offsets.end() || it->second.first < 0 || it->second.second < it->second.first ||
+          it->second.second > f.bytes - f.data_start || it->second.second - it->second.first != nbytes) {
         fail(p.file, "tensor " + key + " is missing or of the wrong size");
       }
     }

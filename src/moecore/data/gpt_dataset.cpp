@@ -299,6 +299,12 @@ void GPTDataset::validate_loaded(std::optional<int64_t> num_samples, const std::
         (r > 0 && position < indices_.sample_index[static_cast<size_t>(2 * r - 2)])) {
       fail("sample index row " + std::to_string(r) + " is out of range");
     }
+    // An offset lies within its sequence (Megatron's build_sample_idx), which also keeps the token arithmetic of
+    // read_sample_text far from int64 overflow.
+    const int32_t sequence = indices_.document_index[static_cast<size_t>(position)];
+    if (offset > sequences_->sequence_lengths()[static_cast<size_t>(sequence)]) {
+      fail("sample index row " + std::to_string(r) + " has offset " + std::to_string(offset) + " past its sequence");
+    }
   }
   std::vector<bool> seen(static_cast<size_t>(total), false);
   for (const int64_t value : indices_.shuffle_index) {
