@@ -17,6 +17,7 @@
 #include "moecore/data/preprocess.h"
 #include "moecore/train/arguments.h"
 #include "moecore/train/generate_args.h"
+#include "moecore/train/memory_estimate.h"
 
 namespace {
 
@@ -57,7 +58,9 @@ void fuzz_train(const std::vector<std::string>& args, const int64_t world_size) 
   (void)moecore::parallel_sizes(parsed);
   (void)moecore::pipeline_split_flags(parsed);
   (void)moecore::lr_schedule_config(parsed);
-  (void)moecore::padded_vocab_size(50257, parsed);
+  moecore::TrainingArgs with_vocabulary = parsed;
+  with_vocabulary.model.vocab_size = moecore::padded_vocab_size(50257, parsed);
+  (void)moecore::estimate_memory(with_vocabulary).total();
 }
 
 void fuzz_generate(const std::vector<std::string>& args) {
