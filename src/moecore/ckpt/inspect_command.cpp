@@ -40,7 +40,7 @@ int checkpoint_inspect_main(const std::vector<std::string>& args, std::ostream& 
     for (const auto& p : t["pieces"]) {
       out << " " << p["file"].get<std::string>() << "@" << shape_text(p["offsets"].get<std::vector<int64_t>>()) << "+"
           << shape_text(p["shape"].get<std::vector<int64_t>>());
-      if (p.contains("flat_range")) out << "{" << p["flat_range"][0] << ":" << p["flat_range"][1] << "}";
+      if (p.contains("flat_range")) out << "{" << p["flat_range"].at(0) << ":" << p["flat_range"].at(1) << "}";
     }
     out << "\n";
   }

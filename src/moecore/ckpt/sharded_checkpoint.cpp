@@ -13,6 +13,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 #include <utility>
 
 #include "moecore/ckpt/checkpoint_dir.h"
@@ -334,8 +335,11 @@ ShardedCheckpoint::ShardedCheckpoint(std::string iter_dir) : dir_(std::move(iter
         piece.box.offsets = p.at("offsets").get<std::vector<int64_t>>();
         piece.box.shape = p.at("shape").get<std::vector<int64_t>>();
         if (p.contains("flat_range")) {
-          piece.box.flat_begin = p["flat_range"][0].get<int64_t>();
-          piece.box.flat_end = p["flat_range"][1].get<int64_t>();
+          const ojson& range = p.at("flat_range");
+          if (!range.is_array() || range.size() != 2)
+            fail("metadata.json", key + " has a flat_range that is not a pair");
+          piece.box.flat_begin = range.at(0).get<int64_t>();
+          piece.box.flat_end = range.at(1).get<int64_t>();
         }
         piece.crc32 = p.at("crc32").get<std::string>();
         if (!files_.contains(piece.file)) fail("metadata.json", key + " names an unlisted file " + piece.file);
@@ -383,7 +387,10 @@ ShardedCheckpoint::ShardedCheckpoint(std::string iter_dir) : dir_(std::move(iter
       const json parsed = json::parse(header);
       for (const auto& [tname, t] : parsed.items()) {
         if (tname == "__metadata__") continue;
-        f.offsets[tname] = {t.at("data_offsets")[0].get<int64_t>(), t.at("data_offsets")[1].get<int64_t>()};
+        const json& offsets = t.at("data_offsets");
+        if (!offsets.is_array() || offsets.size() != 2)
+          throw std::invalid_argument(tname + " data_offsets is not a pair");
+        f.offsets[tname] = {offsets.at(0).get<int64_t>(), offsets.at(1).get<int64_t>()};
       }
     } catch (const std::exception& e) {
       fail(name, std::string("corrupted safetensors header (") + e.what() + ")");
