@@ -355,6 +355,35 @@ TEST_F(ShardedCheckpointTest, OverflowingSizesInMetadataAreErrors) {
       },
       "layer.weight byte count overflows 64-bit integers (4398046511104 x 1099511627776)");
   expect_error([](auto& t) { t["shape"] = {-6, 4}; }, "layer.weight has a negative dimension");
+  // A flat_range that is not a pair was read past its end.
+  expect_error([](auto& t) { t["pieces"][0]["flat_range"] = {3}; }, "layer.weight has a flat_range that is not a pair");
+}
+
+// A rank file whose header gives a tensor one data offset instead of two was read past the JSON array (found by
+// tests/fuzz: regressions/sharded_checkpoint/rank_file_one_data_offset).
+TEST_F(ShardedCheckpointTest, RankFileDataOffsetsMustBePairs) {
+  const std::string dir = save(make_state(1), 5, false);
+  const std::string file = dir + "/rank_00000.safetensors";
+  std::string bytes;
+  {
+    std::ifstream in(file, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  // "[0,N]" -> "[N  ]": one offset, the file's size unchanged (metadata.json records it).
+  const size_t open = bytes.find("\"data_offsets\":[0,");
+  ASSERT_NE(open, std::string::npos);
+  const size_t begin = open + std::string("\"data_offsets\":[").size();
+  const size_t end = bytes.find(']', begin);
+  const std::string end_offset = bytes.substr(begin + 2, end - begin - 2);
+  bytes.replace(begin, end - begin, end_offset + std::string(end - begin - end_offset.size(), ' '));
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  try {
+    const ShardedCheckpoint ckpt(dir);
+    FAIL() << "no error for a one-element data_offsets";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("data_offsets is not a pair"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos);
+  }
 }
 
 // `moecore checkpoint DIR`: iteration, tensors and pieces, then every checksum; a damaged file is an error.
