@@ -379,13 +379,16 @@ Run train(const std::string& dir, const std::vector<std::string>& extra, const p
   return run;
 }
 
-const std::string kWorkDir = "dist_quantized_param_gather_work";
+// One folder per launch size: ctest runs the 2- and 4-rank launches at the same time.
+std::string work_dir() {
+  return "dist_quantized_param_gather_work_np" + std::to_string(parallel::ProcessGroup::world().size());
+}
 
 void prepare_corpus(const parallel::ProcessGroup& world) {
   if (g_rank == 0) {
-    std::filesystem::remove_all(kWorkDir);
-    std::filesystem::create_directories(kWorkDir);
-    write_corpus(kWorkDir + "/corpus");
+    std::filesystem::remove_all(work_dir());
+    std::filesystem::create_directories(work_dir());
+    write_corpus(work_dir() + "/corpus");
   }
   parallel::sum_double(world, 0.0);  // the corpus exists before the other ranks read it
 }
@@ -405,13 +408,13 @@ void run_tensor_parallel_checks() {
                                             "e4m3",
                                             "--fp8-recipe",
                                             recipe};
-    std::vector<std::string> all = train_flags(kWorkDir);
+    std::vector<std::string> all = train_flags(work_dir());
     all.insert(all.end(), flags.begin(), flags.end());
     const parallel::ParallelState tp2 = moecore::make_parallel_state(moecore::parse_train_args(all, 4));
     std::vector<std::string> with_flag = flags;
     with_flag.push_back("--fp8-param-gather");
-    const Run plain = train(kWorkDir, flags, tp2, 4);
-    const Run gather = train(kWorkDir, with_flag, tp2, 4);
+    const Run plain = train(work_dir(), flags, tp2, 4);
+    const Run gather = train(work_dir(), with_flag, tp2, 4);
     if (g_rank != 0) continue;
     check(gather.losses.size() == 8 && plain.losses.size() == 8, "TP2 " + recipe + ": 8 losses");
     for (size_t i = 0; i < gather.losses.size() && i < plain.losses.size(); ++i) {
@@ -420,11 +423,11 @@ void run_tensor_parallel_checks() {
                               std::to_string(diff));
     }
   }
-  if (g_rank == 0) std::filesystem::remove_all(kWorkDir);
+  if (g_rank == 0) std::filesystem::remove_all(work_dir());
 }
 
 void run_training_checks(const parallel::ParallelState& ps) {
-  const std::string dir = kWorkDir;
+  const std::string dir = work_dir();
   prepare_corpus(ps.world);
 
   // Bytes per rank and iteration, by hand (2 ranks, bf16 weights). Dense params: word embeddings 128 x 32 (the
