@@ -27,7 +27,8 @@ int run_generate(int argc, char** argv) {
     sampling.top_k = args.top_k;
     sampling.seed = args.seed;
     sampling.vocab_limit = tokenizer->vocab_size();
-    std::cout << args.prompt << std::flush;
+    // The NullTokenizer's text is ids separated by spaces: the new ids follow the prompt's after one.
+    std::cout << args.prompt << (args.tokenizer_type == "NullTokenizer" ? " " : "") << std::flush;
     std::vector<int32_t> produced;
     std::string printed;
     moecore::generate(*model, tokenizer->tokenize(args.prompt), sampling, [&](const int32_t id) {
