@@ -182,18 +182,18 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
     try {
       step = train_step(run_args, modules, parallel, progress);
     } catch (const NonFiniteStep& failure) {
-      NonFiniteDiagnosis diagnosis{failure.facts(),
-                                   result.train_losses,
-                                   previous_grad_norm,
-                                   scan_model_for_nonfinite(model, parallel.world),
-                                   run_args.model.num_layers,
-                                   run_args.lr,
-                                   run_args.adam_eps,
-                                   run_args.weight_decay,
-                                   run_args.clip_grad,
-                                   run_args.model.init_method_std,
-                                   run_args.load,
-                                   run_args.model.params_dtype == DType::kF16};
+      const NonFiniteDiagnosis diagnosis{.step = failure.facts(),
+                                         .previous_losses = result.train_losses,
+                                         .previous_grad_norm = previous_grad_norm,
+                                         .scan = scan_model_for_nonfinite(model, parallel.world),
+                                         .num_layers = run_args.model.num_layers,
+                                         .lr = run_args.lr,
+                                         .adam_eps = run_args.adam_eps,
+                                         .weight_decay = run_args.weight_decay,
+                                         .clip_grad = run_args.clip_grad,
+                                         .init_method_std = run_args.model.init_method_std,
+                                         .loaded_from = run_args.load,
+                                         .fp16 = run_args.model.params_dtype == DType::kF16};
       throw TrainingError(describe_nonfinite(diagnosis));
     }
     if (!step.skipped) previous_grad_norm = step.grad_norm;

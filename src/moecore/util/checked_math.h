@@ -1,10 +1,8 @@
-// Integer arithmetic on sizes derived from user input (shapes, bytes, samples, tokens): every product and sum is
-// checked, and an overflow becomes std::overflow_error naming what was being computed, instead of a wrapped value
-// that later allocates too little or loops forever.
+// Products of sizes derived from user input (shapes, bytes, samples, tokens): an overflow becomes std::overflow_error
+// naming what was being computed, instead of a wrapped value that later allocates too little or loops forever.
 #pragma once
 
 #include <cstdint>
-#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -18,21 +16,6 @@ inline int64_t checked_mul(const int64_t a, const int64_t b, const std::string_v
     throw std::overflow_error(std::string(what) + " overflows 64-bit integers (" + std::to_string(a) + " x " +
                               std::to_string(b) + ")");
   }
-  return product;
-}
-
-inline int64_t checked_add(const int64_t a, const int64_t b, const std::string_view what) {
-  int64_t sum = 0;
-  if (__builtin_add_overflow(a, b, &sum)) {
-    throw std::overflow_error(std::string(what) + " overflows 64-bit integers (" + std::to_string(a) + " + " +
-                              std::to_string(b) + ")");
-  }
-  return sum;
-}
-
-inline int64_t checked_product(const std::initializer_list<int64_t> factors, const std::string_view what) {
-  int64_t product = 1;
-  for (const int64_t f : factors) product = checked_mul(product, f, what);
   return product;
 }
 
