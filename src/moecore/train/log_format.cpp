@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <ctime>
 
+#include "moecore/train/flops.h"
+
 namespace moecore {
 namespace {
 
@@ -98,34 +100,7 @@ std::string validation_rule(const std::string_view validation_line) {
 
 double num_floating_point_operations_packed(const ModelConfig& config, const double tokens,
                                             const double seqlen_squared_sum) {
-  if (config.vocab_size <= 0) throw ConfigError("FLOPs count needs the padded vocabulary size (vocab_size is 0)");
-  constexpr double kForwardBackward = 3.0;  // forward, weight gradient, input gradient
-  constexpr double kFma = 2.0;              // a multiply-add is two floating-point operations
-  const double mlp_gemms = config.activation == Activation::kSwiGLU ? 3.0 : 2.0;
-  const auto hidden = static_cast<double>(config.hidden_size);
-  const auto layers = static_cast<double>(config.num_layers);
-  const auto query_size = static_cast<double>(config.kv_channels * config.num_attention_heads);
-  const auto key_value_size = static_cast<double>(config.kv_channels * config.num_query_groups);
-
-  const double projections_per_token = kForwardBackward * kFma *
-                                       (hidden * (query_size + 2.0 * key_value_size)  // QKV projection
-                                        + query_size * hidden);                       // output projection
-  // QK^T and (QK^T)V over L^2 / 2 query-key pairs of each causal sequence (or document) of length L.
-  const double core_attention = kForwardBackward * kFma * query_size * seqlen_squared_sum / 2.0 * 2.0;
-  // Megatron counts MLP layers from the MoE layer pattern: a dense layer runs ffn, a MoE layer runs top-k experts of
-  // moe_ffn plus the shared experts (the router GEMM is not counted).
-  int64_t moe_layers = 0;
-  for (int64_t layer = 0; layer < config.num_layers; ++layer) moe_layers += config.moe.is_moe_layer(layer) ? 1 : 0;
-  const auto dense_layers = static_cast<double>(config.num_layers - moe_layers);
-  const double moe_ffn = static_cast<double>(
-      config.moe.ffn_hidden_size > 0 ? config.moe.ffn_hidden_size : config.ffn_hidden_size);  // Megatron's fallback
-  const double moe_width_per_layer =
-      moe_ffn * static_cast<double>(config.moe.topk) + static_cast<double>(config.moe.shared_expert_intermediate_size);
-  const double mlp_per_token = kForwardBackward * kFma * hidden * mlp_gemms *
-                               (static_cast<double>(config.ffn_hidden_size) * dense_layers +
-                                moe_width_per_layer * static_cast<double>(moe_layers));
-  const double logit_per_token = kForwardBackward * kFma * hidden * static_cast<double>(config.vocab_size);
-  return tokens * (mlp_per_token + projections_per_token * layers + logit_per_token) + core_attention * layers;
+  return num_floating_point_operations(flops_shape(config), tokens, seqlen_squared_sum);
 }
 
 double num_floating_point_operations(const ModelConfig& config, const int64_t batch_size, const int64_t seq_length) {

@@ -57,17 +57,13 @@ std::string format_validation_log(int64_t iteration, const NamedValues& losses);
 // Megatron prints a rule of '-' * (len(line) + 1) above and below the validation line.
 std::string validation_rule(std::string_view validation_line);
 
-// Megatron's num_floating_point_operations for a GPT, dense or MoE (no MTP, no MLA): forward + backward FLOPs of one
-// iteration of `batch_size` sequences of `seq_length` tokens, with the causal attention term and the logit layer over
-// the padded vocabulary (config.vocab_size, which must be set). SwiGLU counts 3 MLP GEMMs (x = 3), other activations
-// 2 (x = 2). With MoE (config.moe.enabled()), N_moe layers of the layer pattern count 6*h*x*(ffn_m*k + sh) per token
-// (moe ffn size ffn_m, top-k k, shared-expert size sh) and the N_dense others 6*h*x*ffn, as Megatron's formula; the
-// router GEMM is not counted (nor by Megatron).
+// Megatron's num_floating_point_operations (flops.h) of a model moecore trains (no MTP, no MLA): forward + backward
+// FLOPs of one iteration of `batch_size` sequences of `seq_length` tokens. config.vocab_size (the padded vocabulary)
+// must be set.
 double num_floating_point_operations(const ModelConfig& config, int64_t batch_size, int64_t seq_length);
-// The same for packed sequences (Megatron's training.py: num_floating_point_operations with
-// total_real_tokens_in_batch and seqlen_squared_sum_in_batch): every per-token term over `tokens` = sum_i L_i, the
-// causal attention term over sum_i L_i^2 (documents attend only within themselves). With one document per
-// sequence (tokens = B * S, squared sum = B * S^2) it equals the form above.
+// The same for packed sequences: every per-token term over `tokens` = sum_i L_i, the causal attention term over
+// sum_i L_i^2 (documents attend only within themselves). With one document per sequence (tokens = B * S, squared
+// sum = B * S^2) it equals the form above.
 double num_floating_point_operations_packed(const ModelConfig& config, double tokens, double seqlen_squared_sum);
 
 // Megatron's throughput (training.py: training_log): the FLOPs of one global batch / (seconds per iteration * 1e12 *
