@@ -21,3 +21,7 @@ int run_checkpoint(int argc, char** argv);
 // `moecore quantize --recipe R --format F --as ROLE --input IN --output OUT`: quantizes a safetensors file's fp32
 // matrices with an FP8 / MXFP8 / NVFP4 recipe. argv[0] is "quantize".
 int run_quantize(int argc, char** argv);
+
+// `moecore plan --num-gpus N [--gpu NAME] <model, batch and layout flags> [--search] [--json]`: memory, FLOPs and
+// step-time estimates of a training run. argv[0] is "plan".
+int run_plan(int argc, char** argv);

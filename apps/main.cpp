@@ -16,7 +16,8 @@ void print_usage(std::ostream& out) {
          "  layout       print the process groups of a parallel layout (--world-size N, TP/PP/CP/EP/ETP flags)\n"
          "  checkpoint   print a checkpoint's iteration, layout and tensors and verify every checksum (DIR)\n"
          "  quantize     quantize a safetensors file's fp32 matrices with an FP8 / MXFP8 / NVFP4 recipe (--recipe "
-         "...)\n";
+         "...)\n"
+         "  plan         memory, FLOPs and step time of a training run on a GPU cluster; --search ranks layouts\n";
 }
 
 }  // namespace
@@ -37,7 +38,8 @@ int main(int argc, char** argv) {
   if (command == "layout") return run_layout(argc - 1, argv + 1);
   if (command == "checkpoint") return run_checkpoint(argc - 1, argv + 1);
   if (command == "quantize") return run_quantize(argc - 1, argv + 1);
+  if (command == "plan") return run_plan(argc - 1, argv + 1);
   std::cerr << "error: unknown command '" << command
-            << "' (commands: train, preprocess, generate, layout, checkpoint, quantize)\n";
+            << "' (commands: train, preprocess, generate, layout, checkpoint, quantize, plan)\n";
   return 2;
 }

@@ -1,0 +1,491 @@
+#include "moecore/plan/memory_model.h"
+
+#include <algorithm>
+#include <map>
+
+#include "moecore/parallel/pipeline_layout.h"
+#include "moecore/train/pipeline_schedule.h"
+
+namespace moecore::plan {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Parameters (elements), split by how ranks hold them.
+struct ParamCounts {
+  double tp_sharded = 0;  // split over tensor parallelism, replicated over data parallelism
+  double replicated = 0;  // norms, router, MLA down-projections: whole on every tensor-parallel rank
+  double experts = 0;     // routed experts: split over expert and expert-tensor parallelism
+
+  ParamCounts& operator+=(const ParamCounts& o) {
+    tp_sharded += o.tp_sharded;
+    replicated += o.replicated;
+    experts += o.experts;
+    return *this;
+  }
+};
+
+double norm_size(const ModelConfig& c) { return c.normalization == Normalization::kLayerNorm ? 2.0 : 1.0; }
+
+// Megatron's theoretical_memory_usage.py counts, with MLA's down-projections replicated over tensor parallelism as
+// Megatron builds them (linear_q_down_proj / linear_kv_down_proj are not split).
+ParamCounts attention_params(const PlanModel& model) {
+  const ModelConfig& c = model.config;
+  const double h = static_cast<double>(c.hidden_size);
+  const double ns = norm_size(c);
+  const double bias = c.add_bias_linear ? 1.0 : 0.0;
+  ParamCounts p;
+  p.replicated += 2.0 * ns * h;  // input_layernorm, pre_mlp_layernorm
+  if (model.mla) {
+    const MlaShape& m = *model.mla;
+    const double n = static_cast<double>(c.num_attention_heads);
+    const double q_head = static_cast<double>(m.qk_head_dim + m.qk_pos_emb_head_dim);
+    if (m.q_lora_rank) {
+      const double r = static_cast<double>(*m.q_lora_rank);
+      p.replicated += h * r + ns * r;  // q down-projection, q_layernorm
+      p.tp_sharded += r * n * q_head;  // q up-projection
+    } else {
+      p.tp_sharded += h * n * q_head;
+    }
+    const double kv = static_cast<double>(m.kv_lora_rank);
+    p.replicated += h * (kv + static_cast<double>(m.qk_pos_emb_head_dim)) + ns * kv;
+    p.tp_sharded += kv * n * static_cast<double>(m.qk_head_dim + m.v_head_dim);
+    p.tp_sharded += n * static_cast<double>(m.v_head_dim) * h + bias * h;
+    return p;
+  }
+  const double qkv = static_cast<double>(c.qkv_out());
+  const double q = static_cast<double>(c.num_attention_heads * c.kv_channels);
+  p.tp_sharded += qkv * (h + bias) + q * h + bias * h;
+  if (c.qk_layernorm) p.replicated += 2.0 * ns * static_cast<double>(c.kv_channels);
+  return p;
+}
+
+ParamCounts mlp_params(const ModelConfig& c, const bool moe_layer) {
+  const double h = static_cast<double>(c.hidden_size);
+  const double bias = c.add_bias_linear ? 1.0 : 0.0;
+  const double glu = c.activation == Activation::kSwiGLU ? 2.0 : 1.0;
+  const auto mlp = [&](const double width, const double b) { return glu * width * (h + b) + width * h + b * h; };
+  ParamCounts p;
+  if (!moe_layer) {
+    p.tp_sharded += mlp(static_cast<double>(c.ffn_hidden_size), bias);
+    return p;
+  }
+  const MoEConfig& moe = c.moe;
+  p.replicated += static_cast<double>(moe.num_experts) * h;  // router
+  const double shared = static_cast<double>(moe.shared_expert_intermediate_size);
+  if (shared > 0) {
+    p.tp_sharded += mlp(shared, 0.0);
+    if (moe.shared_expert_gate) p.replicated += h;
+  }
+  p.experts += static_cast<double>(moe.num_experts) * mlp(static_cast<double>(moe.ffn_hidden_size), bias);
+  return p;
+}
+
+ParamCounts layer_params(const PlanModel& model, const bool moe_layer) {
+  ParamCounts p = attention_params(model);
+  p += mlp_params(model.config, moe_layer);
+  return p;
+}
+
+bool last_layer_is_moe(const ModelConfig& c) { return c.moe.enabled() && c.moe.is_moe_layer(c.num_layers - 1); }
+
+// An MTP block: one transformer layer of the last decoder layer's kind, enorm and hnorm, eh_proj [2h -> h] and its
+// own final norm (Megatron's MultiTokenPredictionLayer); it shares the embedding and output layer.
+ParamCounts mtp_params(const PlanModel& model) {
+  const ModelConfig& c = model.config;
+  const double h = static_cast<double>(c.hidden_size);
+  ParamCounts p = layer_params(model, last_layer_is_moe(c));
+  p.replicated += 3.0 * norm_size(c) * h;
+  p.tp_sharded += 2.0 * h * h;
+  return p;
+}
+
+double embedding_params(const ModelConfig& c) {
+  double e = static_cast<double>(c.vocab_size) * static_cast<double>(c.hidden_size);
+  if (c.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
+    e += static_cast<double>(c.max_position_embeddings) * static_cast<double>(c.hidden_size);
+  }
+  return e;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Activations: what one layer keeps for backward per micro-batch on one rank.
+enum class Discard { kNone, kLayernorm, kMlaUpProj, kMoeAct };
+enum class Module { kAttention, kMlp, kMoe, kShared, kOther };
+
+struct Saved {
+  const char* group;     // shown in the breakdown
+  double elements = 0;   // on this rank, per micro-batch
+  double bytes_per = 2;  // high-precision bytes per element
+  Discard discard = Discard::kNone;
+  Module module = Module::kOther;
+  bool module_input = false;  // kept by a whole-module recompute of `module` (its input)
+  // Under FP8 a linear layer keeps its input quantized (one byte per element): kOnly when the linear is the
+  // tensor's only keeper (the high-precision copy is freed), kExtra when another op keeps it too.
+  enum class Fp8 { kNo, kOnly, kExtra } fp8 = Fp8::kNo;
+};
+
+struct ActivationContext {
+  const PlanArgs& args;
+  double tokens = 0;   // per micro-batch on a rank before the sequence-parallel split: s * b / CP
+  double seq_div = 1;  // TP under sequence parallelism
+  double tp = 1, etp = 1;
+  double act_bytes = 2;  // the activations' dtype
+  bool fp8 = false;
+  bool cpu_engine = false;
+};
+
+std::vector<Saved> layer_saved(const ActivationContext& x, const bool moe_layer) {
+  const PlanModel& model = x.args.model;
+  const ModelConfig& c = model.config;
+  const double h = static_cast<double>(c.hidden_size);
+  const double t = x.tokens, ts = x.tokens / x.seq_div;
+  const double a = x.act_bytes;
+  std::vector<Saved> s;
+  const auto add = [&](const char* group, double elements, double bytes, Discard d, Module m, Saved::Fp8 f,
+                       bool module_input = false) {
+    s.push_back(Saved{group, elements, bytes, d, m, module_input, f});
+  };
+  using F = Saved::Fp8;
+  // Attention block. The norm keeps its input (the layer input); column-parallel linears keep their input before
+  // the sequence-parallel all-gather (Megatron's LinearWithGradAccumulationAndAsyncCommunication).
+  add("attention norm", ts * h, a, Discard::kNone, Module::kAttention, F::kNo);
+  add("attention norm", ts * h, a, Discard::kLayernorm, Module::kAttention, F::kOnly);
+  if (model.mla) {
+    const MlaShape& m = *model.mla;
+    const double n = static_cast<double>(c.num_attention_heads) / x.tp;
+    // Down-projections are not split over TP: their outputs (and the q / kv norms') are whole on each TP rank.
+    if (m.q_lora_rank) {
+      const double r = static_cast<double>(*m.q_lora_rank);
+      add("attention projections", t * r, a, Discard::kNone, Module::kAttention, F::kNo);         // q_layernorm in
+      add("attention projections", t * r, a, Discard::kLayernorm, Module::kAttention, F::kOnly);  // q up-proj in
+    }
+    const double kv = static_cast<double>(m.kv_lora_rank);
+    add("attention projections", t * kv, a, Discard::kNone, Module::kAttention, F::kNo);
+    add("attention projections", t * kv, a, Discard::kLayernorm, Module::kAttention, F::kOnly);
+    const double qk = static_cast<double>(m.qk_head_dim + m.qk_pos_emb_head_dim);
+    // Q and K after RoPE and V: the up-projections' outputs, kept by the attention kernel.
+    add("core attention", t * n * (2.0 * qk + static_cast<double>(m.v_head_dim)), a, Discard::kMlaUpProj,
+        Module::kAttention, F::kNo);
+    add("core attention", t * n * static_cast<double>(m.v_head_dim), a, Discard::kNone, Module::kAttention,
+        F::kExtra);                                                               // O (and linear_proj's input)
+    add("core attention", t * n, 4, Discard::kNone, Module::kAttention, F::kNo);  // softmax log-sum-exp
+  } else {
+    const double n = static_cast<double>(c.num_attention_heads) / x.tp;
+    const double g = static_cast<double>(c.num_query_groups) / x.tp;
+    const double d = static_cast<double>(c.kv_channels);
+    add("core attention", t * (n + 2.0 * g) * d, a, Discard::kNone, Module::kAttention, F::kNo);
+    add("core attention", t * n * d, a, Discard::kNone, Module::kAttention, F::kExtra);
+    add("core attention", t * n, 4, Discard::kNone, Module::kAttention, F::kNo);
+  }
+  if (c.hidden_dropout > 0) add("dropout masks", 2.0 * ts * h, 1, Discard::kNone, Module::kOther, F::kNo);
+
+  // MLP block.
+  const double glu = c.activation == Activation::kSwiGLU ? 2.0 : 1.0;
+  add("mlp norm", ts * h, a, Discard::kNone, Module::kOther, F::kNo);
+  if (!moe_layer) {
+    const double f = static_cast<double>(c.ffn_hidden_size) / x.tp;
+    add("mlp norm", ts * h, a, Discard::kLayernorm, Module::kMlp, F::kOnly, true);
+    add("dense mlp", t * glu * f, a, Discard::kNone, Module::kMlp, F::kNo);
+    add("dense mlp", t * f, a, Discard::kNone, Module::kMlp, F::kOnly);
+    return s;
+  }
+  const MoEConfig& moe = c.moe;
+  const double k = static_cast<double>(moe.topk);
+  const double experts = static_cast<double>(moe.num_experts);
+  // The router's input is the same tensor as the shared experts' and the dispatcher's: kept in high precision.
+  add("mlp norm", ts * h, a, Discard::kLayernorm, Module::kMoe, F::kNo, true);
+  add("router", ts * experts * 2.0, 4, Discard::kNone, Module::kMoe, F::kNo);  // fp32 logits and scores
+  // Routed tokens at the experts: each token's k copies, all-gathered over expert-TP (balanced routing).
+  const double routed = ts * k * x.etp;
+  const double fm = static_cast<double>(moe.ffn_hidden_size) / x.etp;
+  add("routed experts", routed * h, a, Discard::kNone, Module::kMoe, F::kOnly);       // fc1 input
+  add("routed experts", routed * glu * fm, a, Discard::kNone, Module::kMoe, F::kNo);  // fc1 output
+  add("routed experts", routed * fm, a, Discard::kMoeAct, Module::kMoe, F::kOnly);    // fc2 input
+  if (!x.args.memory_efficient_permutation) {
+    add("routed experts", ts * k * h, a, Discard::kNone, Module::kMoe, F::kNo);  // fc2 output, for d(prob)
+  }
+  const double sh = static_cast<double>(moe.shared_expert_intermediate_size) / x.tp;
+  if (sh > 0) {
+    add("shared experts", 0.0, a, Discard::kNone, Module::kShared, F::kExtra);  // fc1 input: the norm output
+    if (x.fp8) s.back().elements = ts * h;
+    add("shared experts", t * glu * sh, a, Discard::kNone, Module::kShared, F::kNo);
+    add("shared experts", t * sh, a, Discard::kNone, Module::kShared, F::kOnly);
+  }
+  return s;
+}
+
+struct ModuleTotals {
+  std::map<std::string, double> by_group;
+  double total = 0;
+  double largest = 0;  // the largest single tensor (for backward's transient gradient buffers)
+  void add(const std::string& group, const double bytes) {
+    by_group[group] += bytes;
+    total += bytes;
+    largest = std::max(largest, bytes);
+  }
+};
+
+// Bytes one layer keeps per micro-batch after recompute and FP8 choices.
+ModuleTotals kept_bytes(const ActivationContext& x, const std::vector<Saved>& saved) {
+  const Recompute& r = x.args.recompute;
+  ModuleTotals totals;
+  for (const Saved& item : saved) {
+    const bool whole_module = (item.module == Module::kMlp && r.has("mlp")) ||
+                              (item.module == Module::kMoe && r.has("moe")) ||
+                              (item.module == Module::kShared && (r.has("shared_experts") || r.has("moe")));
+    if (whole_module && !item.module_input) continue;
+    const bool discarded = (item.discard == Discard::kLayernorm && r.has("layernorm")) ||
+                           (item.discard == Discard::kMlaUpProj && r.has("mla_up_proj")) ||
+                           (item.discard == Discard::kMoeAct && r.has("moe_act"));
+    if (discarded) continue;
+    double bytes = item.elements * item.bytes_per;
+    if (x.fp8 && item.fp8 == Saved::Fp8::kOnly) bytes = item.elements;
+    if (x.fp8 && item.fp8 == Saved::Fp8::kExtra) bytes += item.elements;
+    if (bytes > 0) totals.add(item.group, bytes);
+  }
+  return totals;
+}
+
+// What a model chunk holds besides its decoder layers.
+ModuleTotals chunk_extras(const ActivationContext& x, const bool embedding, const bool loss, const int64_t mtp) {
+  const ModelConfig& c = x.args.model.config;
+  const double h = static_cast<double>(c.hidden_size);
+  const double ts = x.tokens / x.seq_div;
+  const double vocab = static_cast<double>(c.vocab_size) / x.tp;
+  const double a = x.act_bytes;
+  ModuleTotals totals;
+  if (embedding) {
+    totals.add("embedding", x.tokens * 8.0);  // token ids (int64)
+    if (c.hidden_dropout > 0) totals.add("embedding", ts * h);
+  }
+  // The output layer's input and Megatron's vocabulary-parallel cross entropy's fp32 softmax [tokens, V / TP].
+  const auto output_layer = [&] {
+    totals.add("output layer", 2.0 * ts * h * a);  // final norm input and output
+    totals.add("output layer", x.tokens * vocab * 4.0);
+  };
+  if (loss) output_layer();
+  for (int64_t i = 0; i < mtp; ++i) {
+    const ModuleTotals layer = kept_bytes(x, layer_saved(x, last_layer_is_moe(c)));
+    totals.add("mtp", layer.total);
+    totals.add("mtp", 4.0 * ts * h * a);  // enorm and hnorm inputs, eh_proj input [2h]
+    totals.add("mtp", 2.0 * ts * h * a + x.tokens * vocab * 4.0);
+  }
+  return totals;
+}
+
+struct Chunk {
+  ModuleTotals kept;     // per micro-batch
+  double transient = 0;  // on top of the kept bytes while its backward runs
+  int64_t layers = 0;
+  int64_t mtp = 0;
+};
+
+Chunk make_chunk(const ActivationContext& x, const parallel::PipelineStage& stage, const int64_t mtp) {
+  const ModelConfig& c = x.args.model.config;
+  const Recompute& r = x.args.recompute;
+  const double h = static_cast<double>(c.hidden_size);
+  const double ts = x.tokens / x.seq_div;
+  Chunk chunk;
+  chunk.layers = stage.num_layers;
+  chunk.mtp = mtp;
+  std::vector<double> layer_totals;
+  for (int64_t l = stage.first_layer; l < stage.end_layer(); ++l) {
+    const bool moe_layer = c.moe.enabled() && c.moe.is_moe_layer(l);
+    ModuleTotals layer = kept_bytes(x, layer_saved(x, moe_layer));
+    layer_totals.push_back(layer.total);
+    chunk.transient = std::max(chunk.transient, 2.0 * layer.largest);
+    const int64_t index = l - stage.first_layer;
+    // Full recompute (Megatron's TransformerBlock._checkpointed_forward): only each checkpoint's input is kept.
+    const bool checkpointed = r.granularity == Recompute::Granularity::kFull &&
+                              (r.method == Recompute::Method::kUniform || index < r.num_layers);
+    if (checkpointed) {
+      const bool first_of_group = r.method == Recompute::Method::kBlock || index % r.num_layers == 0;
+      if (first_of_group) chunk.kept.add("checkpointed layer inputs", ts * h * x.act_bytes);
+      continue;
+    }
+    for (const auto& [group, bytes] : layer.by_group) chunk.kept.add(group, bytes);
+  }
+  if (r.granularity == Recompute::Granularity::kFull && !layer_totals.empty()) {
+    // Backward re-runs one checkpoint at a time: its layers' activations exist again while it runs.
+    const int64_t group = r.method == Recompute::Method::kUniform ? r.num_layers : 1;
+    double rerun = 0;
+    for (size_t i = 0; i < layer_totals.size(); i += static_cast<size_t>(group)) {
+      double sum = 0;
+      for (size_t j = i; j < std::min(layer_totals.size(), i + static_cast<size_t>(group)); ++j) sum += layer_totals[j];
+      rerun = std::max(rerun, sum);
+    }
+    chunk.transient += rerun;
+  }
+  const ModuleTotals extras = chunk_extras(x, stage.has_embedding, stage.has_loss, mtp);
+  for (const auto& [group, bytes] : extras.by_group) chunk.kept.add(group, bytes);
+  return chunk;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+struct Bytes {
+  double weight = 4, grad = 4, optimizer = 8;  // per parameter; optimizer before the distributed optimizer's split
+};
+
+Bytes bytes_per_parameter(const PlanArgs& args) {
+  const TrainingArgs& t = args.train;
+  const bool low = t.model.params_dtype != DType::kF32;
+  const auto size_of = [](const std::string& dtype) { return dtype == "fp32" ? 4.0 : dtype == "fp8" ? 1.0 : 2.0; };
+  Bytes b;
+  b.weight = low ? 2.0 : 4.0;
+  if (args.cluster.moecore_cpu_engine) {
+    // moecore keeps weights and gradients as fp32 buffers; 16-bit weights get fp32 main parameters in the optimizer.
+    b.weight = 4.0;
+    b.grad = 4.0;
+  } else {
+    if ((t.fp8_param_gather || t.fp4_param_gather) && t.use_distributed_optimizer) {
+      b.weight = t.fp4_param_gather ? 0.5 : 1.0;
+    }
+    if (t.model.params_dtype == DType::kBF16) {
+      b.grad = t.grad_reduce_in_bf16 || t.main_grads_dtype == "bf16" ? 2.0 : 4.0;
+    } else if (t.model.params_dtype == DType::kF16) {
+      b.grad = t.accumulate_allreduce_grads_in_fp32 ? 4.0 : 2.0;
+    }
+  }
+  const double main = low ? size_of(t.main_params_dtype) : 0.0;
+  b.optimizer = main + size_of(t.exp_avg_dtype) + size_of(t.exp_avg_sq_dtype);
+  return b;
+}
+
+}  // namespace
+
+double count_parameters(const PlanModel& model) {
+  const ModelConfig& c = model.config;
+  ParamCounts p;
+  for (int64_t l = 0; l < c.num_layers; ++l) p += layer_params(model, c.moe.enabled() && c.moe.is_moe_layer(l));
+  for (int64_t i = 0; i < model.mtp_num_layers; ++i) p += mtp_params(model);
+  double total =
+      p.tp_sharded + p.replicated + p.experts + embedding_params(c) + norm_size(c) * static_cast<double>(c.hidden_size);
+  if (c.untie_embeddings_and_output_weights) total += static_cast<double>(c.vocab_size * c.hidden_size);
+  return total;
+}
+
+const StageMemory& MemoryPlan::worst() const {
+  return *std::max_element(stages.begin(), stages.end(),
+                           [](const StageMemory& a, const StageMemory& b) { return a.total() < b.total(); });
+}
+
+MemoryPlan estimate_plan_memory(const PlanArgs& args) {
+  const TrainingArgs& t = args.train;
+  const PlanModel& model = args.model;
+  const ModelConfig& c = model.config;
+  const parallel::PipelineLayout layout(pipeline_split_flags(t));
+  const int pp = layout.pipeline_size(), vpp = layout.virtual_pipeline_size();
+  const double tp = static_cast<double>(t.tensor_model_parallel_size);
+  const double cp = static_cast<double>(t.context_parallel_size);
+  const double ep = static_cast<double>(t.expert_model_parallel_size);
+  const double etp = static_cast<double>(t.expert_tensor_parallel_size);
+  const double world = static_cast<double>(t.world_size);
+  const double dp_cp = world / (tp * static_cast<double>(pp));  // the distributed optimizer's dense group
+  const double edp = world / (etp * ep * static_cast<double>(pp));
+  const Bytes b = bytes_per_parameter(args);
+
+  ActivationContext x{args};
+  x.tokens = static_cast<double>(c.seq_length) * static_cast<double>(t.micro_batch_size) / cp;
+  x.seq_div = t.sequence_parallel ? tp : 1.0;
+  x.tp = tp;
+  x.etp = etp;
+  x.cpu_engine = args.cluster.moecore_cpu_engine;
+  x.act_bytes = !x.cpu_engine && c.params_dtype != DType::kF32 ? 2.0 : 4.0;
+  x.fp8 = !x.cpu_engine && (t.fp8_format.has_value() || t.fp4_format.has_value());
+
+  // Where the MTP layers sit: the layout's 'm' cells, else Megatron's default, the last stage.
+  std::map<int64_t, int64_t> mtp_at;  // virtual stage index (v * PP + r) -> MTP layers
+  if (!args.mtp_stages.empty()) {
+    for (const auto& [stage, count] : args.mtp_stages) mtp_at[stage] += count;
+  } else if (model.mtp_num_layers > 0) {
+    mtp_at[static_cast<int64_t>(vpp) * pp - 1] += model.mtp_num_layers;
+  }
+
+  const int64_t microbatches = t.global_batch_size / (t.micro_batch_size * t.data_parallel_size);
+  MemoryPlan plan;
+  plan.total_parameters = count_parameters(model);
+  for (int r = 0; r < pp; ++r) {
+    StageMemory stage;
+    stage.pp_rank = r;
+    ParamCounts params;
+    double embedding = 0;
+    std::vector<Chunk> chunks;
+    bool holds_embedding = false;
+    for (int v = 0; v < vpp; ++v) {
+      const parallel::PipelineStage& s = layout.stage(r, v);
+      const int64_t mtp = mtp_at.count(static_cast<int64_t>(v) * pp + r) ? mtp_at[static_cast<int64_t>(v) * pp + r] : 0;
+      for (int64_t l = s.first_layer; l < s.end_layer(); ++l) {
+        params += layer_params(model, c.moe.enabled() && c.moe.is_moe_layer(l));
+      }
+      for (int64_t i = 0; i < mtp; ++i) params += mtp_params(model);
+      if (s.has_embedding) {
+        embedding += embedding_params(c);
+        holds_embedding = true;
+      }
+      if (s.has_loss) {
+        params.replicated += norm_size(c) * static_cast<double>(c.hidden_size);
+        // The output layer: its own weight, or (tied) the embedding's copy on a last stage without the embedding.
+        if (c.untie_embeddings_and_output_weights || !s.has_embedding) {
+          embedding += static_cast<double>(c.vocab_size) * static_cast<double>(c.hidden_size);
+        }
+      }
+      // MTP embeds the shifted tokens with the word embedding: a stage without it keeps a copy.
+      if (mtp > 0 && !s.has_embedding && !holds_embedding) embedding += embedding_params(c);
+      stage.decoder_layers += s.num_layers;
+      stage.mtp_layers += mtp;
+      chunks.push_back(make_chunk(x, s, mtp));
+    }
+    const double dense = (params.tp_sharded + embedding) / tp + params.replicated;
+    const double experts = params.experts / (ep * etp);
+    stage.weights = (dense + experts) * b.weight;
+    stage.grads = (dense + experts) * b.grad;
+    const double dense_share = t.use_distributed_optimizer ? dp_cp : 1.0;
+    const double expert_share = t.use_distributed_optimizer ? edp : 1.0;
+    stage.main_weights_and_optimizer = dense * b.optimizer / dense_share + experts * b.optimizer / expert_share;
+
+    // Run this rank's schedule: contexts live from their forward to their backward.
+    const PipelineSchedule schedule = make_schedule(pp, r, vpp, static_cast<int>(microbatches),
+                                                    static_cast<int>(t.microbatch_group_size_per_vp_stage));
+    std::vector<int64_t> live(static_cast<size_t>(vpp), 0), live_at_peak(static_cast<size_t>(vpp), 0);
+    double live_bytes = 0, peak = 0;
+    for (const PipelineAction& action : schedule.actions) {
+      if (!action.is_compute()) continue;
+      const Chunk& chunk = chunks[static_cast<size_t>(action.chunk)];
+      if (action.op == PipelineOp::kForward) {
+        live_bytes += chunk.kept.total;
+        ++live[static_cast<size_t>(action.chunk)];
+        continue;
+      }
+      if (live_bytes + chunk.transient > peak) {
+        peak = live_bytes + chunk.transient;
+        live_at_peak = live;
+        stage.activations_by_module.clear();
+        stage.activations_by_module.push_back({"backward transient", chunk.transient});
+      }
+      live_bytes -= chunk.kept.total;
+      --live[static_cast<size_t>(action.chunk)];
+    }
+    stage.activations = peak;
+    std::map<std::string, double> by_group;
+    for (size_t v = 0; v < chunks.size(); ++v) {
+      stage.live_chunks_at_peak += live_at_peak[v];
+      for (const auto& [group, bytes] : chunks[v].kept.by_group) {
+        by_group[group] += bytes * static_cast<double>(live_at_peak[v]);
+      }
+    }
+    for (const auto& [group, bytes] : by_group) stage.activations_by_module.push_back({group, bytes});
+
+    // Communication buffers of one MoE layer (all-to-all send and receive) or of a TP all-gather.
+    const double ts = x.tokens / x.seq_div;
+    double comm = tp > 1 ? x.tokens * static_cast<double>(c.hidden_size) * x.act_bytes : 0.0;
+    if (c.moe.enabled() && ep * etp > 1) {
+      comm = std::max(
+          comm, 2.0 * ts * static_cast<double>(c.moe.topk) * etp * static_cast<double>(c.hidden_size) * x.act_bytes);
+    }
+    stage.comm_buffers = comm;
+    plan.stages.push_back(std::move(stage));
+  }
+  return plan;
+}
+
+}  // namespace moecore::plan

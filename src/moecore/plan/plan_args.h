@@ -1,0 +1,88 @@
+// `moecore plan` command line: train's model, batch, precision and layout flags (parsed by train's parser, with
+// its checks and messages), Megatron's MLA / MTP / recompute flags, which training does not run yet but the planner
+// counts, and the cluster.
+//
+// Planner flags (the rest go to train's parser, see train/arguments.h):
+//   --hf-config FILE         the model from a HuggingFace config.json (flags given as well override it)
+//   --vocab-size N           the tokenizer's vocabulary (the HF config's vocab_size); padded as Megatron does to a
+//                            multiple of --make-vocab-size-divisible-by x TP. Default 32000.
+//   --multi-latent-attention, --q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim,
+//   --mtp-num-layers         Megatron's flags and defaults
+//   --recompute-granularity {full,selective}, --recompute-method {uniform,block}, --recompute-num-layers N,
+//   --recompute-modules M... (core_attn moe_act layernorm mla_up_proj mlp moe shared_experts),
+//   --recompute-activations  Megatron's flags, validated as Megatron's validate_args / TransformerConfig
+//   --no-moe-memory-efficient-permutation
+//                            the routed experts' probabilities applied after fc2, at the combine (the fc2 output is
+//                            kept for their gradient) instead of between the activation and fc2 (Megatron's and
+//                            moecore's default, the report's memory-efficient permutation)
+//   --moe-token-dispatcher-type {allgather,alltoall,flex}, --overlap-moe-expert-parallel-comm (Megatron's 1F1B
+//                            all-to-all overlap)
+//   --num-gpus N (required), --gpu NAME (default H100), --gpu-memory-gib, --peak-tflops-bf16, --peak-tflops-fp8,
+//   --peak-tflops-fp4, --hbm-tbps, --gpus-per-domain, --intra-domain-gbps, --inter-domain-gbps
+//   --search                 rank every valid layout of --num-gpus GPUs
+//   --top N                  with --search, print the N best (default 10; --json lists all)
+//   --json                   one JSON object instead of text
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moecore/plan/cluster.h"
+#include "moecore/plan/plan_model.h"
+#include "moecore/train/arguments.h"
+
+namespace moecore::plan {
+
+// Megatron's recompute settings (transformer_config.py recompute_*; arguments.py validate_args).
+struct Recompute {
+  enum class Granularity { kNone, kFull, kSelective };
+  enum class Method { kNone, kUniform, kBlock };
+  Granularity granularity = Granularity::kNone;
+  Method method = Method::kNone;
+  int64_t num_layers = 0;            // --recompute-num-layers (full)
+  std::vector<std::string> modules;  // --recompute-modules (selective; default core_attn)
+
+  bool has(const std::string& module) const;
+};
+
+// The layout flags of one candidate (the search's unit): TP, PP, VPP, CP, EP, ETP.
+struct LayoutChoice {
+  int64_t tp = 1, pp = 1, vpp = 1, cp = 1, ep = 1, etp = 1;
+  std::optional<std::string> pipeline_layout;  // --pipeline-model-parallel-layout (with 'm' cells)
+  std::string describe() const;                // "TP1 PP4 VPP4 CP1 EP64 ETP1"
+};
+
+struct PlanArgs {
+  TrainingArgs train;  // parsed by train's parser with world size = --num-gpus
+  PlanModel model;     // train.model with the padded vocabulary, MLA and MTP
+  Recompute recompute;
+  bool memory_efficient_permutation = true;
+  std::string dispatcher = "alltoall";  // as given (flex is modelled as the all-to-all)
+  bool overlap_moe_expert_parallel_comm = false;
+  LayoutChoice layout;  // as given (the pipeline layout with its MTP cells)
+  Cluster cluster;
+  int64_t num_gpus = 0;
+  int64_t vocab_size = 32000;  // before padding
+  bool search = false;
+  int64_t top = 10;
+  bool json = false;
+  bool help_requested = false;
+  // The flags handed to train's parser, without the layout flags the search varies (to rebuild candidates).
+  std::vector<std::string> model_flags;
+  // Position of the MTP layers in --pipeline-model-parallel-layout ('m' cells), as (stage index, count); empty
+  // without a layout: Megatron puts them on the last stage.
+  std::vector<std::pair<int64_t, int64_t>> mtp_stages;
+};
+
+// Throws ConfigError (one line) on any problem.
+PlanArgs parse_plan_args(const std::vector<std::string>& args);
+
+// `base` re-parsed with `layout`'s flags instead of its own; throws ConfigError with train's message when the
+// layout is invalid for the model (a size that does not divide, Megatron's constraints).
+PlanArgs with_layout(const PlanArgs& base, const LayoutChoice& layout);
+
+std::string plan_flags_help();
+
+}  // namespace moecore::plan

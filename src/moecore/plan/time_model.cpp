@@ -1,0 +1,315 @@
+#include "moecore/plan/time_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "moecore/parallel/pipeline_layout.h"
+#include "moecore/plan/plan_flops.h"
+
+namespace moecore::plan {
+namespace {
+
+// Efficiency table: the share of the precision's dense peak a large GEMM reaches (cuBLAS / TransformerEngine on
+// Hopper and Blackwell), of the BF16 peak for flash attention (forward + backward), and the share of the link
+// bandwidth a collective reaches (NCCL ring / all-to-all; DeepEP and HybridEP on "flex").
+struct Efficiency {
+  double gemm_bf16 = 0.72;
+  double gemm_fp8 = 0.58;  // quantization kernels and scaling overheads included
+  double gemm_fp4 = 0.45;
+  double attention = 0.50;
+  double dim_half = 192.0;  // a GEMM whose smallest dimension is this reaches half of its large-size efficiency
+  double collective = 0.80;
+  double alltoall = 0.60;           // NCCL all-to-all
+  double alltoall_flex = 0.80;      // DeepEP / HybridEP
+  double memory_passes = 6.0;       // elementwise passes over a layer's saved activations (forward + backward)
+  double layer_overhead_s = 60e-6;  // launch and synchronisation per MoE layer, forward + backward
+};
+
+// One rank's bytes in a collective over `group` ranks laid out `stride` apart in the rank order: the part that
+// crosses an NVLink domain goes at the inter-domain rate.
+double transfer_seconds(const Cluster& cl, const double bytes, const double group, const double stride,
+                        const double efficiency, const int64_t steps) {
+  if (group <= 1 || bytes <= 0) return 0.0;
+  const double span = group * stride;
+  const double domain = static_cast<double>(cl.gpus_per_domain);
+  const bool crosses = span > domain;
+  const double local_share = crosses ? std::max(0.0, std::min(1.0, (domain / stride) / group)) : 1.0;
+  const double intra = bytes * local_share / (cl.intra_domain_gbps * 1e9 * efficiency);
+  const double inter = crosses ? bytes * (1.0 - local_share) / (cl.inter_domain_gbps * 1e9 * efficiency) : 0.0;
+  const double alpha =
+      static_cast<double>(steps) * (crosses ? cl.inter_domain_latency_us : cl.intra_domain_latency_us) * 1e-6;
+  return alpha + std::max(intra, inter);
+}
+
+double gemm_seconds(const double flops, const double smallest_dim, const double peak_tflops, const double efficiency,
+                    const Efficiency& e) {
+  if (flops <= 0) return 0.0;
+  const double size_factor = smallest_dim / (smallest_dim + e.dim_half);
+  return flops / (peak_tflops * 1e12 * efficiency * size_factor);
+}
+
+struct LayerWork {
+  double gemm_flops = 0;       // forward GEMM FLOPs on this rank per micro-batch
+  double expert_flops = 0;     // of which routed experts (grouped GEMMs)
+  double attention_flops = 0;  // forward core attention
+  double recompute_gemm_flops = 0;
+  double recompute_attention_flops = 0;
+  double saved_bytes = 0;      // activations touched by elementwise work
+  double tp_bytes = 0;         // per TP collective
+  int64_t tp_collectives = 0;  // forward + backward
+  double a2a_bytes = 0;        // per all-to-all, leaving this rank
+  int64_t a2a_count = 0;       // forward + backward (recompute of the MoE layer adds two)
+  double cp_bytes = 0;         // key / value bytes a CP ring step sends (forward + backward)
+  bool moe = false;
+};
+
+}  // namespace
+
+StepTime estimate_step_time(const PlanArgs& args) {
+  const Efficiency e;
+  const TrainingArgs& t = args.train;
+  const PlanModel& model = args.model;
+  const ModelConfig& c = model.config;
+  const Cluster& cl = args.cluster;
+  const parallel::PipelineLayout layout(pipeline_split_flags(t));
+  const int pp = layout.pipeline_size(), vpp = layout.virtual_pipeline_size();
+  const double tp = static_cast<double>(t.tensor_model_parallel_size);
+  const double cp = static_cast<double>(t.context_parallel_size);
+  const double ep = static_cast<double>(t.expert_model_parallel_size);
+  const double etp = static_cast<double>(t.expert_tensor_parallel_size);
+  const double world = static_cast<double>(t.world_size);
+  const double dp = static_cast<double>(t.data_parallel_size);
+  const double seq = static_cast<double>(c.seq_length);
+  const double tokens = seq * static_cast<double>(t.micro_batch_size);  // per micro-batch and model replica
+  const double h = static_cast<double>(c.hidden_size);
+  const double a = c.params_dtype != DType::kF32 ? 2.0 : 4.0;
+  const double glu_gemms = c.activation == Activation::kSwiGLU ? 3.0 : 2.0;
+  const bool fp8 = t.fp8_format.has_value(), fp4 = t.fp4_format.has_value();
+  const double linear_peak = fp4 ? cl.peak_tflops_fp4 : fp8 ? cl.peak_tflops_fp8 : cl.peak_tflops_bf16;
+  const double linear_eff = fp4 ? e.gemm_fp4 : fp8 ? e.gemm_fp8 : e.gemm_bf16;
+  const double local_tokens = tokens / (tp * cp);  // each rank's share of one micro-batch's token work
+  const Recompute& r = args.recompute;
+
+  // Forward work of one layer on one rank. The FLOPs are Megatron's per-token terms (the FLOPs formula / 3), split
+  // evenly over the TP x CP ranks of a model replica (routed experts too, under balanced routing).
+  const auto layer_work = [&](const bool moe_layer) {
+    LayerWork w;
+    w.moe = moe_layer;
+    double attn_linear = 0, attn_core = 0, up_proj = 0;
+    if (model.mla) {
+      const MlaShape& m = *model.mla;
+      const double n = static_cast<double>(c.num_attention_heads);
+      const double qk = static_cast<double>(m.qk_head_dim + m.qk_pos_emb_head_dim);
+      const double q_term = m.q_lora_rank ? static_cast<double>(*m.q_lora_rank) * (h + n * qk + 1.0) : h * n * qk;
+      const double kv = static_cast<double>(m.kv_lora_rank);
+      attn_linear = 2.0 * (q_term + kv * (h + n * static_cast<double>(m.qk_head_dim + m.v_head_dim) + 1.0) +
+                           h * static_cast<double>(m.qk_pos_emb_head_dim) + n * static_cast<double>(m.v_head_dim) * h);
+      up_proj = 2.0 * ((m.q_lora_rank ? static_cast<double>(*m.q_lora_rank) * n * qk : 0.0) +
+                       kv * n * static_cast<double>(m.qk_head_dim + m.v_head_dim));
+      attn_core = (n * qk + n * static_cast<double>(m.v_head_dim)) * seq;  // causal: QK^T and PV over s/2 keys
+    } else {
+      const double q = static_cast<double>(c.num_attention_heads * c.kv_channels);
+      const double kv = static_cast<double>(c.num_query_groups * c.kv_channels);
+      attn_linear = 2.0 * (h * (q + 2.0 * kv) + q * h);
+      attn_core = 2.0 * q * seq;
+    }
+    double mlp = 0, experts = 0;
+    if (moe_layer) {
+      const MoEConfig& moe = c.moe;
+      experts = 2.0 * glu_gemms * h * static_cast<double>(moe.ffn_hidden_size * moe.topk);
+      mlp = 2.0 * glu_gemms * h * static_cast<double>(moe.shared_expert_intermediate_size) +
+            2.0 * h * static_cast<double>(moe.num_experts);
+    } else {
+      mlp = 2.0 * glu_gemms * h * static_cast<double>(c.ffn_hidden_size);
+    }
+    w.gemm_flops = (attn_linear + mlp + experts) * local_tokens;
+    w.expert_flops = experts * local_tokens;
+    w.attention_flops = attn_core * local_tokens;
+    // Recomputation repeats forward work in backward.
+    if (r.granularity == Recompute::Granularity::kFull) {
+      w.recompute_gemm_flops = w.gemm_flops;
+      w.recompute_attention_flops = w.attention_flops;
+    } else {
+      if (r.has("mla_up_proj")) w.recompute_gemm_flops += up_proj * local_tokens;
+      if (r.has("mlp") && !moe_layer) w.recompute_gemm_flops += mlp * local_tokens;
+      if (r.has("moe") && moe_layer) w.recompute_gemm_flops += (mlp + experts) * local_tokens;
+      if (r.has("shared_experts") && moe_layer && !r.has("moe")) {
+        w.recompute_gemm_flops +=
+            2.0 * glu_gemms * h * static_cast<double>(c.moe.shared_expert_intermediate_size) * local_tokens;
+      }
+      if (r.has("core_attn")) w.recompute_attention_flops += w.attention_flops;
+    }
+    // Elementwise and data-movement work: about the layer's saved activations, several passes.
+    const double per_token_saved =
+        (moe_layer ? (6.0 * h +
+                      static_cast<double>(c.moe.topk) * (2.0 * h + 3.0 * static_cast<double>(c.moe.ffn_hidden_size)))
+                   : (6.0 * h + 3.0 * static_cast<double>(c.ffn_hidden_size) / 1.0)) *
+        a;
+    w.saved_bytes = per_token_saved * local_tokens;
+    // Tensor parallelism: with sequence parallelism an all-gather and a reduce-scatter around each of the two
+    // blocks, in forward and in backward; without it an all-reduce (twice the bytes) per block and direction.
+    if (tp > 1) {
+      w.tp_bytes = tokens / cp * h * a * (tp - 1.0) / tp;
+      w.tp_collectives = t.sequence_parallel ? 8 : 8;
+    }
+    if (moe_layer && ep * etp > 1) {
+      // Dispatch and combine, forward and backward: each rank's k copies of its tokens, the share leaving it.
+      w.a2a_bytes = tokens / (tp * cp) * static_cast<double>(c.moe.topk) * h * a * (ep - 1.0) / ep;
+      w.a2a_count = 4 + ((r.has("moe") || r.granularity == Recompute::Granularity::kFull) ? 2 : 0);
+    }
+    if (cp > 1) {
+      const double kv_width =
+          model.mla
+              ? static_cast<double>(c.num_attention_heads) *
+                    static_cast<double>(model.mla->qk_head_dim + model.mla->qk_pos_emb_head_dim + model.mla->v_head_dim)
+              : 2.0 * static_cast<double>(c.num_query_groups * c.kv_channels);
+      w.cp_bytes = tokens / cp * kv_width / tp * a;
+    }
+    return w;
+  };
+  const LayerWork dense_work = layer_work(false);
+  const LayerWork moe_work = c.moe.enabled() ? layer_work(true) : dense_work;
+
+  const double dispatch_eff = args.dispatcher == "flex" ? e.alltoall_flex : e.alltoall;
+  // Seconds of one micro-batch's forward + backward of one layer on a rank (compute, and exposed communication).
+  struct LayerSeconds {
+    double compute = 0, recompute = 0, tp = 0, ep = 0, cp = 0;
+  };
+  const auto layer_seconds = [&](const LayerWork& w) {
+    LayerSeconds s;
+    const double expert_tokens = tokens / (tp * cp) * static_cast<double>(c.moe.topk) * etp /
+                                 std::max(1.0, static_cast<double>(c.moe.num_experts) / ep);
+    const double dense_dim = std::min(h, local_tokens * tp);
+    const double gemm = gemm_seconds(w.gemm_flops - w.expert_flops, dense_dim, linear_peak, linear_eff, e) +
+                        gemm_seconds(w.expert_flops, std::max(1.0, expert_tokens), linear_peak, linear_eff, e);
+    const double attention = w.attention_flops / (cl.peak_tflops_bf16 * 1e12 * e.attention);
+    const double memory = e.memory_passes * w.saved_bytes / (cl.hbm_tbps * 1e12);
+    const double overhead = w.moe ? e.layer_overhead_s : e.layer_overhead_s / 3.0;
+    // Backward runs the GEMMs twice (input and weight gradients) and the attention about 2.5 times.
+    s.compute = 3.0 * gemm + 3.5 * attention + memory + overhead;
+    const double dense_frac = w.gemm_flops > 0 ? 1.0 : 0.0;
+    (void)dense_frac;
+    s.recompute = gemm_seconds(w.recompute_gemm_flops, dense_dim, linear_peak, linear_eff, e) +
+                  w.recompute_attention_flops / (cl.peak_tflops_bf16 * 1e12 * e.attention);
+    s.compute += s.recompute;
+    // TP group: consecutive ranks. Exposed in full (Megatron overlaps it only with --tp-comm-overlap).
+    s.tp = static_cast<double>(w.tp_collectives) *
+           transfer_seconds(cl, w.tp_bytes, tp, 1.0, e.collective, static_cast<int64_t>(tp - 1.0));
+    // EP group of the expert grid: ETP-strided ranks; EP x ETP within a domain stays on NVLink.
+    const double a2a = transfer_seconds(cl, w.a2a_bytes, ep, etp, dispatch_eff, 1);
+    double exposed_share = 1.0;
+    if (args.overlap_moe_expert_parallel_comm)
+      exposed_share = 0.25;  // hidden behind another micro-batch
+    else if (c.moe.shared_expert_overlap)
+      exposed_share = 0.85;
+    s.ep = static_cast<double>(w.a2a_count) * a2a * exposed_share;
+    if (etp > 1 && w.moe) {
+      // Expert-TP all-gather before the experts and reduce-scatter after them, forward and backward.
+      s.ep += 4.0 * transfer_seconds(cl, tokens / (tp * cp) * static_cast<double>(c.moe.topk) * h * a * (etp - 1.0),
+                                     etp, 1.0, e.collective, static_cast<int64_t>(etp - 1.0));
+    }
+    // CP ring: key / value blocks travel CP - 1 steps forward and twice that backward, behind the attention.
+    if (cp > 1) {
+      const double ring = 3.0 * (cp - 1.0) * transfer_seconds(cl, w.cp_bytes, 2.0, tp, e.collective, 1);
+      s.cp = std::max(0.0, ring - 3.5 * attention);
+    }
+    return s;
+  };
+  const LayerSeconds dense_s = layer_seconds(dense_work);
+  const LayerSeconds moe_s = layer_seconds(moe_work);
+
+  // Embedding, output layer and MTP heads.
+  const double vocab = static_cast<double>(c.vocab_size);
+  const double logits_s = 3.0 * gemm_seconds(2.0 * h * vocab * local_tokens, std::min(h, local_tokens * tp),
+                                             cl.peak_tflops_bf16, e.gemm_bf16, e) +
+                          3.0 * local_tokens * vocab / tp * 4.0 / (cl.hbm_tbps * 1e12);
+
+  const int64_t microbatches = t.global_batch_size / (t.micro_batch_size * t.data_parallel_size);
+  StepTime out;
+  double slowest = -1;
+  double slowest_chunk = 0;
+  LayerSeconds slowest_parts;
+  for (int rank = 0; rank < pp; ++rank) {
+    LayerSeconds parts;
+    double largest_chunk = 0;
+    for (int v = 0; v < vpp; ++v) {
+      const parallel::PipelineStage& s = layout.stage(rank, v);
+      double chunk = 0;
+      for (int64_t l = s.first_layer; l < s.end_layer(); ++l) {
+        const LayerSeconds& ls = c.moe.enabled() && c.moe.is_moe_layer(l) ? moe_s : dense_s;
+        parts.compute += ls.compute;
+        parts.recompute += ls.recompute;
+        parts.tp += ls.tp;
+        parts.ep += ls.ep;
+        parts.cp += ls.cp;
+        chunk += ls.compute + ls.tp + ls.ep + ls.cp;
+      }
+      if (s.has_loss) {
+        parts.compute += logits_s;
+        chunk += logits_s;
+      }
+      const bool last_chunk = rank == pp - 1 && v == vpp - 1;
+      if (last_chunk && model.mtp_num_layers > 0) {
+        const bool mtp_moe = c.moe.enabled() && c.moe.is_moe_layer(c.num_layers - 1);
+        const LayerSeconds& ls = mtp_moe ? moe_s : dense_s;
+        const double mtp = static_cast<double>(model.mtp_num_layers) * (ls.compute + ls.tp + ls.ep + logits_s);
+        parts.compute += static_cast<double>(model.mtp_num_layers) * (ls.compute + logits_s);
+        parts.tp += static_cast<double>(model.mtp_num_layers) * ls.tp;
+        parts.ep += static_cast<double>(model.mtp_num_layers) * ls.ep;
+        chunk += mtp;
+      }
+      largest_chunk = std::max(largest_chunk, chunk);
+    }
+    const double per_mb = parts.compute + parts.tp + parts.ep + parts.cp;
+    if (per_mb > slowest) {
+      slowest = per_mb;
+      slowest_parts = parts;
+      slowest_chunk = largest_chunk;
+      out.slowest_pp_rank = rank;
+    }
+  }
+  const double m = static_cast<double>(microbatches);
+  out.compute_s = m * slowest_parts.compute;
+  out.recompute_s = m * slowest_parts.recompute;
+  out.tp_comm_s = m * slowest_parts.tp;
+  out.ep_comm_s = m * slowest_parts.ep;
+  out.cp_comm_s = m * slowest_parts.cp;
+  // Pipeline p2p: one activation (and one gradient) per micro-batch and chunk boundary, mostly overlapped.
+  if (pp > 1) {
+    const double p2p_bytes = tokens / (cp * (t.sequence_parallel ? tp : 1.0)) * h * a;
+    out.pp_comm_s = 0.2 * 2.0 * m * static_cast<double>(vpp) *
+                    transfer_seconds(cl, p2p_bytes, 2.0, tp * cp * dp * ep / ep, e.collective, 1);
+    // Bubble: (PP - 1) stage-steps; the interleaved schedule's stage-step is one chunk (1 / VPP of the rank).
+    out.bubble_s = static_cast<double>(pp - 1) * (vpp > 1 ? slowest / static_cast<double>(vpp) : slowest);
+    (void)slowest_chunk;
+  }
+  // Data parallelism: gradients reduce-scattered (distributed optimizer) or all-reduced, parameters all-gathered;
+  // overlapped with backward / the next forward when asked for, except about the last chunk's share.
+  const MemoryPlan memory = estimate_plan_memory(args);
+  const StageMemory& worst = memory.stages[static_cast<size_t>(out.slowest_pp_rank)];
+  const double grad_bytes = worst.grads;
+  const double param_bytes = worst.weights;
+  const double dp_group = world / (tp * static_cast<double>(pp));  // dense data-parallel x context-parallel ranks
+  double dp_s = 0;
+  if (dp_group > 1) {
+    const double factor = (dp_group - 1.0) / dp_group;
+    if (t.use_distributed_optimizer) {
+      dp_s = transfer_seconds(cl, grad_bytes * factor, dp_group, tp, e.collective, 1) +
+             transfer_seconds(cl, param_bytes * factor, dp_group, tp, e.collective, 1);
+    } else {
+      dp_s = transfer_seconds(cl, 2.0 * grad_bytes * factor, dp_group, tp, e.collective, 1);
+    }
+  }
+  const double dp_hidden = (t.overlap_grad_reduce ? 0.5 : 0.0) + (t.overlap_param_gather ? 0.4 : 0.0);
+  out.dp_comm_s = dp_s * (1.0 - std::min(0.9, dp_hidden));
+  // Optimizer: reads and writes the main weights, both moments and the gradients of this rank's shard.
+  out.optimizer_s = 3.0 * (worst.main_weights_and_optimizer + grad_bytes + param_bytes) / (cl.hbm_tbps * 1e12);
+  out.total_s = out.compute_s + out.tp_comm_s + out.ep_comm_s + out.cp_comm_s + out.pp_comm_s + out.bubble_s +
+                out.dp_comm_s + out.optimizer_s;
+  out.flops_per_step = flops_per_step(model, t.global_batch_size);
+  out.tflops_per_gpu = out.flops_per_step / (out.total_s * 1e12 * world);
+  out.tokens_per_s_per_gpu = static_cast<double>(t.global_batch_size) * seq / (out.total_s * world);
+  return out;
+}
+
+}  // namespace moecore::plan
