@@ -26,8 +26,13 @@ Cluster make(const char* name, double memory_gib, double bf16, double fp8, doubl
   c.gpus_per_domain = domain;
   c.intra_domain_gbps = intra;
   c.inter_domain_gbps = inter;
-  c.intra_domain_latency_us = 3.0;
-  c.inter_domain_latency_us = 8.0;
+  c.intra_domain_latency_us = 10.0;
+  c.inter_domain_latency_us = 20.0;
+  return c;
+}
+
+Cluster with_attention(Cluster c, const double efficiency) {
+  c.attention_efficiency = efficiency;
   return c;
 }
 
@@ -39,9 +44,9 @@ Cluster cluster_preset(const std::string& name) {
   // Memory in GiB as the CUDA driver reports it, less about 2 GiB of context and allocator reserve.
   if (name == "H100") return make("H100", 77.0, 989, 1979, 0, 3.35, 8, 450, 50);
   if (name == "H200") return make("H200", 129.0, 989, 1979, 0, 4.8, 8, 450, 50);
-  if (name == "B200") return make("B200", 166.0, 2250, 4500, 9000, 8.0, 8, 900, 50);
-  if (name == "GB200") return make("GB200", 171.0, 2500, 5000, 10000, 8.0, 72, 900, 50);
-  if (name == "GB300") return make("GB300", 266.0, 2500, 5000, 15000, 8.0, 72, 900, 100);
+  if (name == "B200") return with_attention(make("B200", 166.0, 2250, 4500, 9000, 8.0, 8, 900, 50), 0.33);
+  if (name == "GB200") return with_attention(make("GB200", 171.0, 2500, 5000, 10000, 8.0, 72, 900, 50), 0.33);
+  if (name == "GB300") return with_attention(make("GB300", 266.0, 2500, 5000, 15000, 8.0, 72, 900, 100), 0.5);
   if (name == "cpu") {
     // One moecore process per "GPU"; fp32 only (bf16 / fp8 GEMMs run through fp32 tiles on most CPUs).
     Cluster c = make("cpu", 4.0, 0.05, 0.05, 0, 0.02, 1 << 20, 5, 5);

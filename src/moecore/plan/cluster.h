@@ -21,6 +21,9 @@ struct Cluster {
   double inter_domain_gbps = 0;        // network bandwidth per GPU and direction between domains, GB/s
   double intra_domain_latency_us = 0;  // alpha of the alpha-beta model inside a domain
   double inter_domain_latency_us = 0;  // and across domains
+  // Flash attention (forward + backward) as a share of the BF16 peak: the softmax's exponentials run on the
+  // special-function units, which Blackwell Ultra (GB300) doubles over Blackwell (GB200, B200).
+  double attention_efficiency = 0.45;
   bool moecore_cpu_engine = false;     // moecore's own CPU engine (fp32 storage), not Megatron on GPUs
 };
 

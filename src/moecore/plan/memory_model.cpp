@@ -174,6 +174,8 @@ std::vector<Saved> layer_saved(const ActivationContext& x, const bool moe_layer)
     const double g = static_cast<double>(c.num_query_groups) / x.tp;
     const double d = static_cast<double>(c.kv_channels);
     add("core attention", t * (n + 2.0 * g) * d, a, Discard::kNone, Module::kAttention, F::kNo);
+    // --qk-layernorm: the per-head norms keep the projected queries and keys.
+    if (c.qk_layernorm) add("core attention", t * (n + g) * d, a, Discard::kNone, Module::kAttention, F::kNo);
     add("core attention", t * n * d, a, Discard::kNone, Module::kAttention, F::kExtra);
     add("core attention", t * n, 4, Discard::kNone, Module::kAttention, F::kNo);
   }

@@ -13,16 +13,15 @@ namespace {
 // Hopper and Blackwell), of the BF16 peak for flash attention (forward + backward), and the share of the link
 // bandwidth a collective reaches (NCCL ring / all-to-all; DeepEP and HybridEP on "flex").
 struct Efficiency {
-  double gemm_bf16 = 0.72;
-  double gemm_fp8 = 0.58;  // quantization kernels and scaling overheads included
-  double gemm_fp4 = 0.45;
-  double attention = 0.50;
+  double gemm_bf16 = 0.62;
+  double gemm_fp8 = 0.48;  // quantization kernels and scaling overheads included
+  double gemm_fp4 = 0.38;
   double dim_half = 192.0;  // a GEMM whose smallest dimension is this reaches half of its large-size efficiency
-  double collective = 0.80;
+  double collective = 0.60;
   double alltoall = 0.60;           // NCCL all-to-all
   double alltoall_flex = 0.80;      // DeepEP / HybridEP
-  double memory_passes = 6.0;       // elementwise passes over a layer's saved activations (forward + backward)
-  double layer_overhead_s = 60e-6;  // launch and synchronisation per MoE layer, forward + backward
+  double memory_passes = 8.0;       // elementwise passes over a layer's saved activations (forward + backward)
+  double layer_overhead_s = 400e-6;  // launch and synchronisation per MoE layer, forward + backward
 };
 
 // One rank's bytes in a collective over `group` ranks laid out `stride` apart in the rank order: the part that
@@ -179,10 +178,14 @@ StepTime estimate_step_time(const PlanArgs& args) {
     LayerSeconds s;
     const double expert_tokens = tokens / (tp * cp) * static_cast<double>(c.moe.topk) * etp /
                                  std::max(1.0, static_cast<double>(c.moe.num_experts) / ep);
-    const double dense_dim = std::min(h, local_tokens * tp);
+    // The smallest GEMM dimension: tensor parallelism splits the weights' hidden / ffn side, expert-TP the
+    // experts' ffn side; the tokens per expert bound the grouped GEMMs.
+    const double dense_dim = std::min(h / tp, local_tokens * tp);
+    const double expert_dim =
+        std::min({std::max(1.0, expert_tokens), static_cast<double>(c.moe.ffn_hidden_size) / etp, h});
     const double gemm = gemm_seconds(w.gemm_flops - w.expert_flops, dense_dim, linear_peak, linear_eff, e) +
-                        gemm_seconds(w.expert_flops, std::max(1.0, expert_tokens), linear_peak, linear_eff, e);
-    const double attention = w.attention_flops / (cl.peak_tflops_bf16 * 1e12 * e.attention);
+                        gemm_seconds(w.expert_flops, expert_dim, linear_peak, linear_eff, e);
+    const double attention = w.attention_flops / (cl.peak_tflops_bf16 * 1e12 * cl.attention_efficiency);
     const double memory = e.memory_passes * w.saved_bytes / (cl.hbm_tbps * 1e12);
     const double overhead = w.moe ? e.layer_overhead_s : e.layer_overhead_s / 3.0;
     // Backward runs the GEMMs twice (input and weight gradients) and the attention about 2.5 times.
@@ -190,7 +193,7 @@ StepTime estimate_step_time(const PlanArgs& args) {
     const double dense_frac = w.gemm_flops > 0 ? 1.0 : 0.0;
     (void)dense_frac;
     s.recompute = gemm_seconds(w.recompute_gemm_flops, dense_dim, linear_peak, linear_eff, e) +
-                  w.recompute_attention_flops / (cl.peak_tflops_bf16 * 1e12 * e.attention);
+                  w.recompute_attention_flops / (cl.peak_tflops_bf16 * 1e12 * cl.attention_efficiency);
     s.compute += s.recompute;
     // TP group: consecutive ranks. Exposed in full (Megatron overlaps it only with --tp-comm-overlap).
     s.tp = static_cast<double>(w.tp_collectives) *
@@ -199,7 +202,7 @@ StepTime estimate_step_time(const PlanArgs& args) {
     const double a2a = transfer_seconds(cl, w.a2a_bytes, ep, etp, dispatch_eff, 1);
     double exposed_share = 1.0;
     if (args.overlap_moe_expert_parallel_comm)
-      exposed_share = 0.25;  // hidden behind another micro-batch
+      exposed_share = 0.35;  // hidden behind another micro-batch
     else if (c.moe.shared_expert_overlap)
       exposed_share = 0.85;
     s.ep = static_cast<double>(w.a2a_count) * a2a * exposed_share;
