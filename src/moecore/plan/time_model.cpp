@@ -18,9 +18,9 @@ struct Efficiency {
   double gemm_fp4 = 0.38;
   double dim_half = 192.0;  // a GEMM whose smallest dimension is this reaches half of its large-size efficiency
   double collective = 0.60;
-  double alltoall = 0.60;           // NCCL all-to-all
-  double alltoall_flex = 0.80;      // DeepEP / HybridEP
-  double memory_passes = 8.0;       // elementwise passes over a layer's saved activations (forward + backward)
+  double alltoall = 0.60;            // NCCL all-to-all
+  double alltoall_flex = 0.80;       // DeepEP / HybridEP
+  double memory_passes = 8.0;        // elementwise passes over a layer's saved activations (forward + backward)
   double layer_overhead_s = 400e-6;  // launch and synchronisation per MoE layer, forward + backward
 };
 
