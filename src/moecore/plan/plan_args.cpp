@@ -67,6 +67,8 @@ struct Parser {
   std::vector<std::string> layout_switches;   // --account-for-* as given
   bool have_tokenizer = false, have_mbs = false, have_iters = false, have_lr = false, have_data = false;
   bool have_mla_field = false;
+  bool vocab_given = false;
+  std::string tokenizer;
   std::optional<int64_t> mtp;
   MlaShape mla;
   bool mla_on = false;
@@ -134,6 +136,7 @@ void parse_tokens(Parser& p, const std::vector<std::string>& tokens, const bool 
       parse_tokens(p, megatron_flags_from_hf_config(value()), true);
     } else if (flag == "--vocab-size") {
       p.out.vocab_size = to_integer(flag, value(), 1, INT32_MAX);
+      p.vocab_given = true;
     } else if (flag == "--multi-latent-attention") {
       switch_only();
       p.mla_on = true;
@@ -214,7 +217,10 @@ void parse_tokens(Parser& p, const std::vector<std::string>& tokens, const bool 
       switch_only();
       p.layout_switches.push_back(flag);
     } else {
-      if (flag == "--tokenizer-type") p.have_tokenizer = true;
+      if (flag == "--tokenizer-type") {
+        p.have_tokenizer = true;
+        p.tokenizer = inline_value ? *inline_value : (i + 1 < tokens.size() ? tokens[i + 1] : "");
+      }
       if (flag == "--micro-batch-size") p.have_mbs = true;
       if (flag == "--train-iters") p.have_iters = true;
       if (flag == "--lr") p.have_lr = true;
@@ -369,6 +375,15 @@ PlanArgs parse_plan_args(const std::vector<std::string>& args) {
   if (!p.have_tokenizer) {
     p.rest.insert(p.rest.end(),
                   {"--tokenizer-type", "NullTokenizer", "--vocab-size", std::to_string(out.vocab_size - 1)});
+  } else {
+    // With train's --tokenizer-type NullTokenizer, --vocab-size means what it means to train: the vocabulary
+    // before the end-of-document token.
+    require(p.tokenizer == "NullTokenizer",
+            "moecore plan reads the vocabulary from --vocab-size (or --tokenizer-type NullTokenizer --vocab-size), "
+            "not from tokenizer files");
+    require(p.vocab_given, "--tokenizer-type NullTokenizer needs --vocab-size");
+    p.rest.insert(p.rest.end(), {"--vocab-size", std::to_string(out.vocab_size)});
+    out.vocab_size += 1;
   }
   // train implements the allgather and alltoall dispatchers; flex (DeepEP / HybridEP) moves the same bytes.
   p.rest.insert(p.rest.end(),
