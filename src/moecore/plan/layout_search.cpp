@@ -20,6 +20,44 @@ std::string gib(const double bytes) {
   return text;
 }
 
+// Why each fitting layout ranks where it does: the best against the runner-up, the others against the best, by
+// the step-time part that differs most.
+void explain_ranking(std::vector<Candidate>& sorted) {
+  if (sorted.empty() || !sorted.front().fits) return;
+  const auto parts = [](const StepTime& t) {
+    return std::vector<std::pair<const char*, double>>{{"compute", t.compute_s},
+                                                       {"exposed TP communication", t.tp_comm_s},
+                                                       {"exposed CP communication", t.cp_comm_s},
+                                                       {"exposed EP communication", t.ep_comm_s},
+                                                       {"exposed PP communication", t.pp_comm_s},
+                                                       {"exposed DP communication", t.dp_comm_s},
+                                                       {"pipeline bubble", t.bubble_s},
+                                                       {"optimizer step", t.optimizer_s}};
+  };
+  const auto largest_difference = [&](const StepTime& slower, const StepTime& faster) {
+    const auto a = parts(slower), b = parts(faster);
+    size_t worst = 0;
+    for (size_t i = 1; i < a.size(); ++i) {
+      if (a[i].second - b[i].second > a[worst].second - b[worst].second) worst = i;
+    }
+    char text[160];
+    std::snprintf(text, sizeof(text), "%s %.3f s vs %.3f s", a[worst].first, a[worst].second, b[worst].second);
+    return std::string(text);
+  };
+  const StepTime& best = *sorted.front().time;
+  if (sorted.size() > 1 && sorted[1].fits) {
+    sorted.front().reason = "fastest that fits; the runner-up loses on " + largest_difference(*sorted[1].time, best);
+  } else {
+    sorted.front().reason = "the only layout that fits";
+  }
+  for (size_t i = 1; i < sorted.size() && sorted[i].fits; ++i) {
+    char text[64];
+    std::snprintf(text, sizeof(text),
+                  "%.1f%% slower than the best: ", 100.0 * (sorted[i].time->total_s / best.total_s - 1.0));
+    sorted[i].reason = text + largest_difference(*sorted[i].time, best);
+  }
+}
+
 }  // namespace
 
 std::optional<std::string> balanced_pipeline_layout(const int64_t num_layers, const int64_t mtp_layers,
@@ -62,8 +100,7 @@ std::vector<Candidate> search_layouts(const PlanArgs& args) {
         if ((cp & (cp - 1)) != 0) continue;
         const int64_t dp = gpus / (tp * pp * cp);
         (void)dp;
-        for (const int64_t etp : {int64_t{1}, tp}) {
-          if (etp != 1 && etp == tp && tp == 1) continue;
+        for (const int64_t etp : tp > 1 ? std::vector<int64_t>{1, tp} : std::vector<int64_t>{1}) {
           for (const int64_t ep : divisors(std::min(experts, gpus / (pp * etp)), gpus)) {
             if (!c.moe.enabled() && ep > 1) continue;
             if ((gpus / pp) % (ep * etp) != 0) continue;
@@ -115,6 +152,7 @@ std::vector<Candidate> search_layouts(const PlanArgs& args) {
     if (a.memory) return a.memory->total() < b.memory->total();
     return false;
   });
+  explain_ranking(out);
   return out;
 }
 
