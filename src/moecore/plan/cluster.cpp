@@ -10,7 +10,7 @@ namespace {
 
 // Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM: 80 GB HBM3, 3.35 TB/s, BF16 989 TFLOP/s and FP8 1979
 // TFLOP/s dense, NVLink 900 GB/s bidirectional); H200 datasheet (141 GB HBM3e, 4.8 TB/s, same Tensor Cores);
-// DGX B200 datasheet (8 x 180 GB, 8 TB/s, FP8 72 PFLOP/s = 4.5 per GPU dense... per GPU BF16 2.25, FP4 9 PFLOP/s);
+// DGX B200 datasheet (180 GB HBM3e, 8 TB/s; per GPU dense BF16 2.25, FP8 4.5, FP4 9 PFLOP/s);
 // GB200 NVL72 (186 GB HBM3e, 8 TB/s, per GPU BF16 2.5, FP8 5, FP4 10 PFLOP/s dense; NVLink 5 1.8 TB/s
 // bidirectional; ConnectX-7 400 Gb/s); GB300 NVL72 (288 GB HBM3e, 8 TB/s, BF16 2.5, FP8 5, FP4 15 PFLOP/s dense;
 // ConnectX-8 800 Gb/s). The CPU preset's peak is a per-core fp32 figure for moecore's oneDNN GEMMs (bench/RESULTS.md).
