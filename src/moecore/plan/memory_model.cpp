@@ -4,6 +4,7 @@
 #include <map>
 
 #include "moecore/parallel/pipeline_layout.h"
+#include "moecore/plan/moecore_engine_memory.h"
 #include "moecore/train/pipeline_schedule.h"
 
 namespace moecore::plan {
@@ -367,11 +368,13 @@ double count_parameters(const PlanModel& model) {
 }
 
 const StageMemory& MemoryPlan::worst() const {
+  if (worst_over_ranks) return *worst_over_ranks;
   return *std::max_element(stages.begin(), stages.end(),
                            [](const StageMemory& a, const StageMemory& b) { return a.total() < b.total(); });
 }
 
 MemoryPlan estimate_plan_memory(const PlanArgs& args) {
+  if (args.cluster.moecore_cpu_engine) return moecore_engine_memory(args);
   const TrainingArgs& t = args.train;
   const PlanModel& model = args.model;
   const ModelConfig& c = model.config;

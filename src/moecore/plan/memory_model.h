@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,14 +31,21 @@ struct StageMemory {
   int64_t live_chunks_at_peak = 0;                // (micro-batch, model chunk) contexts alive at the peak
   int64_t decoder_layers = 0;                     // decoder layers on this rank
   int64_t mtp_layers = 0;
+  // moecore's CPU engine: its log's "total peak" (the categories peak at different moments, see
+  // moecore_engine_memory.h); unset: the sum of the categories.
+  std::optional<double> total_override;
 
   double weights_and_grads() const { return weights + grads; }
-  double total() const { return weights + grads + main_weights_and_optimizer + activations + comm_buffers; }
+  double total() const {
+    return total_override ? *total_override : weights + grads + main_weights_and_optimizer + activations + comm_buffers;
+  }
 };
 
 struct MemoryPlan {
-  std::vector<StageMemory> stages;   // by pp rank
-  double total_parameters = 0;       // the whole model, MTP included
+  std::vector<StageMemory> stages;  // by pp rank
+  double total_parameters = 0;      // the whole model, MTP included
+  // moecore's CPU engine: each category the maximum over the ranks (its log); worst() returns it when set.
+  std::optional<StageMemory> worst_over_ranks;
   const StageMemory& worst() const;  // the rank holding the most
 };
 

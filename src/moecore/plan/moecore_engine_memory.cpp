@@ -1,0 +1,316 @@
+// moecore's MemoryTracker categories per pipeline rank (see moecore_engine_memory.h). The terms follow what moecore's
+// modules allocate as owned Tensors (std::vectors are not tracked): parameters and DDP buffers
+// (src/moecore/distributed/ddp.cpp), the optimizers (AdamWOptimizer, DistributedAdamW), and the activations saved
+// per micro-batch context by transformer_layer.cpp, attention.cpp, mlp.cpp, moe_layer.cpp, grouped_mlp.cpp and
+// gpt_model.cpp, with the live contexts of train/pipeline_schedule.cpp.
+#include "moecore/plan/moecore_engine_memory.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+
+#include "moecore/parallel/pipeline_layout.h"
+#include "moecore/train/arguments.h"
+
+namespace moecore::plan {
+namespace {
+
+struct Shape {
+  double h = 0, n = 0, g = 0, d = 0, f = 0, fm = 0, k = 0, sh = 0, experts = 0, vocab = 0;
+  double glu = 1, nrm = 1, bias = 1;
+  bool qk_norm = false, shared_gate = false, expert_bias = false, learned_pos = false, untied = false;
+  double max_pos = 0;
+};
+
+struct Layout {
+  double tp = 1, cp = 1, ep = 1, etp = 1, world = 1, dp = 1, edp = 1;
+  bool sp = false;
+};
+
+Shape shape_of(const ModelConfig& c) {
+  Shape s;
+  s.h = static_cast<double>(c.hidden_size);
+  s.n = static_cast<double>(c.num_attention_heads);
+  s.g = static_cast<double>(c.num_query_groups);
+  s.d = static_cast<double>(c.kv_channels);
+  s.f = static_cast<double>(c.ffn_hidden_size);
+  s.fm = static_cast<double>(c.moe.ffn_hidden_size);
+  s.k = static_cast<double>(c.moe.topk);
+  s.sh = static_cast<double>(c.moe.shared_expert_intermediate_size);
+  s.experts = static_cast<double>(c.moe.num_experts);
+  s.vocab = static_cast<double>(c.vocab_size);
+  s.glu = c.activation == Activation::kSwiGLU ? 2.0 : 1.0;
+  s.nrm = c.normalization == Normalization::kLayerNorm ? 2.0 : 1.0;  // weight (+bias); rstd (+mean)
+  s.bias = c.add_bias_linear ? 1.0 : 0.0;
+  s.qk_norm = c.qk_layernorm;
+  s.shared_gate = c.moe.shared_expert_gate;
+  s.expert_bias = c.moe.enable_expert_bias;
+  s.learned_pos = c.position_embedding_type == PositionEmbedding::kLearnedAbsolute;
+  s.max_pos = static_cast<double>(c.max_position_embeddings);
+  s.untied = c.untie_embeddings_and_output_weights;
+  return s;
+}
+
+// Parameter elements of one decoder layer on one rank: the dense group (TP-sharded or replicated), the expert group
+// and the params-category buffers without gradients (the router's expert bias).
+struct LayerParams {
+  double dense = 0, expert = 0, buffers = 0;
+};
+
+LayerParams layer_params(const Shape& s, const Layout& l, const bool moe) {
+  LayerParams p;
+  p.dense = s.nrm * s.h;                                     // input norm
+  p.dense += (s.n + 2 * s.g) * s.d * (s.h + s.bias) / l.tp;  // linear_qkv
+  if (s.qk_norm) p.dense += 2 * s.nrm * s.d;                 // q / k norms
+  p.dense += s.h * s.n * s.d / l.tp + s.bias * s.h;          // linear_proj (bias replicated)
+  p.dense += s.nrm * s.h;                                    // pre-MLP norm
+  if (!moe) {
+    p.dense += s.glu * s.f / l.tp * (s.h + s.bias) + s.h * s.f / l.tp + s.bias * s.h;
+    return p;
+  }
+  p.dense += s.experts * s.h + s.bias * s.experts;  // router (replicated over TP)
+  if (s.sh > 0) p.dense += s.glu * s.sh / l.tp * s.h + s.h * s.sh / l.tp + (s.shared_gate ? s.h : 0);
+  const double fml = s.fm / l.etp;
+  p.expert = s.experts / l.ep * (s.glu * fml * (s.h + s.bias) + s.h * fml + s.bias * s.h);
+  if (s.expert_bias) p.buffers = s.experts;
+  return p;
+}
+
+double dtype_bytes(const std::string& dtype) { return dtype == "fp32" ? 4.0 : dtype == "fp8" ? 1.0 : 2.0; }
+
+// Activation elements of one micro-batch on one rank (all fp32).
+struct Tokens {
+  double t = 0;   // local (CP) sequence tokens of the TP group
+  double ta = 0;  // residual-stream rows (T / TP under sequence parallelism)
+  double tm = 0;  // MoE rows: moecore always sequence-shards the MoE layer under TP (TransformerLayer::moe_forward)
+  double r = 0;   // rows reaching this rank's local experts (dropless, balanced routing)
+};
+
+double attention_saved(const Shape& s, const Layout& l, const Tokens& x) {
+  const double nl = s.n / l.tp, gl = s.g / l.tp;
+  double a = x.ta * (s.h + s.nrm);  // input norm output + stats
+  if (l.sp) a += x.t * s.h;         // ColumnParallelLinear keeps the all-gathered input
+  a += x.t * (nl + 2 * gl) * s.d;   // q, k, v as core attention sees them
+  if (s.qk_norm) a += x.t * ((nl + gl) * s.d + (nl + gl) * s.nrm);
+  a += x.t * nl * s.d + x.t * nl;  // core attention output, log-sum-exp
+  a += x.ta * s.h;                 // x_mid
+  return a;
+}
+
+double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool moe) {
+  double a = x.ta * (s.h + s.nrm) + x.ta * s.h;  // pre-MLP norm output + stats, layer output
+  if (!moe) return a + (l.sp ? x.t * s.h : 0) + x.t * s.glu * s.f / l.tp + x.t * s.f / l.tp;
+  const double fml = s.fm / l.etp;
+  a += x.tm * s.h + x.tm * s.experts;        // router input copy, probs
+  a += x.r * (s.h + 1 + s.glu * fml + fml);  // dispatched rows + probs, fc1 output, fc2 input
+  if (s.sh > 0) {
+    a += (l.tp > 1 ? x.t * s.h : 0) + x.t * s.glu * s.sh / l.tp + x.t * s.sh / l.tp;
+    if (s.shared_gate) a += x.tm + x.tm * s.h;
+  }
+  return a;
+}
+
+// The largest transient of a layer's backward (the first layer of the chunk to run backward).
+double backward_transient(const Shape& s, const Layout& l, const Tokens& x, const bool moe) {
+  if (moe) {
+    double t = 3 * x.ta * s.h + x.tm * s.h + 2 * x.r * s.h + x.r * s.glu * s.fm / l.etp;
+    if (l.tp > 1 && !l.sp) t += 2 * x.tm * s.h;
+    return t;
+  }
+  return 3 * x.ta * s.h + x.t * s.f / l.tp + x.t * s.glu * s.f / l.tp + (l.tp > 1 ? x.t * s.h : 0) +
+         (l.sp ? x.t * s.h : 0);
+}
+
+struct Owners {
+  double attention = 0, mlp = 0, moe = 0, embedding = 0, output = 0, other = 0;
+  double total() const { return attention + mlp + moe + embedding + output + other; }
+  std::vector<NamedBytes> named(const double bytes_per_element) const {
+    std::vector<NamedBytes> out;
+    const auto add = [&](const char* name, const double elements) {
+      if (elements != 0) out.push_back({name, elements * bytes_per_element});
+    };
+    add("attention", attention);
+    add("mlp", mlp);
+    add("moe", moe);
+    add("embedding", embedding);
+    add("output layer + loss", output);
+    add("other", other);
+    return out;
+  }
+};
+
+}  // namespace
+
+MemoryPlan moecore_engine_memory(const PlanArgs& args) {
+  const TrainingArgs& t = args.train;
+  const ModelConfig& c = args.model.config;
+  const Shape s = shape_of(c);
+  const parallel::PipelineLayout pipeline(pipeline_split_flags(t));
+  const int pp = pipeline.pipeline_size(), vpp = pipeline.virtual_pipeline_size();
+
+  Layout l;
+  l.tp = static_cast<double>(t.tensor_model_parallel_size);
+  l.cp = static_cast<double>(t.context_parallel_size);
+  l.ep = static_cast<double>(t.expert_model_parallel_size);
+  l.etp = static_cast<double>(t.expert_tensor_parallel_size);
+  l.world = static_cast<double>(t.world_size);
+  l.dp = static_cast<double>(t.data_parallel_size);
+  l.edp = l.world / (static_cast<double>(pp) * l.ep * l.etp);
+  l.sp = t.sequence_parallel && t.tensor_model_parallel_size > 1;
+
+  Tokens x;
+  x.t = static_cast<double>(c.seq_length) * static_cast<double>(t.micro_batch_size) / l.cp;
+  x.ta = l.sp ? x.t / l.tp : x.t;
+  x.tm = l.tp > 1 ? x.t / l.tp : x.t;
+  x.r = l.etp * x.tm * s.k;
+
+  const bool low_precision = c.params_dtype != DType::kF32;
+  const bool distopt = t.use_distributed_optimizer;
+  const bool pa = t.use_precision_aware_optimizer;
+  const int64_t microbatches = t.global_batch_size / (t.data_parallel_size * t.micro_batch_size);
+  const int64_t group = t.microbatch_group_size_per_vp_stage > 0 ? t.microbatch_group_size_per_vp_stage : pp;
+  const double vocab_local = s.vocab / l.tp;
+
+  MemoryPlan plan;
+  StageMemory worst;
+  worst.pp_rank = -1;
+  for (int r = 0; r < pp; ++r) {
+    const bool first = r == 0, last = r == pp - 1;
+    // ---- parameters, gradients, optimizer, communication buffers ----
+    double dense = 0, expert = 0, buffers = 0;
+    int64_t layers = 0;
+    std::optional<bool> last_layer_moe;
+    for (int v = 0; v < vpp; ++v) {
+      const parallel::PipelineStage& chunk = pipeline.stage(r, v);
+      for (int64_t layer = chunk.first_layer; layer < chunk.end_layer(); ++layer) {
+        const bool moe = c.moe.is_moe_layer(layer);
+        const LayerParams p = layer_params(s, l, moe);
+        dense += p.dense;
+        expert += p.expert;
+        buffers += p.buffers;
+        last_layer_moe = moe;
+        ++layers;
+      }
+    }
+    if (first) dense += vocab_local * s.h + (s.learned_pos ? s.max_pos * s.h : 0);
+    if (last) dense += s.nrm * s.h + (s.untied || !first ? vocab_local * s.h : 0);
+    const double params = dense + expert;
+    const double params_current = 4 * (params + buffers);
+    // ddp.cpp builds each group's flat parameter buffer (dense, then expert) while the parameters still exist.
+    const double params_peak = params_current + (distopt ? 4 * std::max(dense, expert) : 0);
+    const double grads = 4 * params;  // fp32 main gradients always
+    const double shard = distopt ? dense / (l.dp * l.cp) + expert / l.edp : params;
+    const double exp_avg = pa ? dtype_bytes(t.exp_avg_dtype) : 4.0;
+    const double exp_avg_sq = pa ? dtype_bytes(t.exp_avg_sq_dtype) : 4.0;
+    const std::string main_dtype = pa ? t.main_params_dtype : "fp32";
+    double optimizer = (exp_avg + exp_avg_sq) * shard;
+    if (low_precision) {
+      // 16-bit parameters: fp32 main parameters, fp16 ones, or int16 remainders of bf16 (the precision-aware
+      // optimizer's store_param_remainders).
+      const bool two_bytes = pa && ((c.params_dtype == DType::kBF16 && main_dtype == "fp32") || main_dtype == "fp16");
+      optimizer += (two_bytes ? 2.0 : 4.0) * shard;
+    }
+    double optimizer_peak = optimizer;
+    if (pa && (exp_avg != 4 || exp_avg_sq != 4 || main_dtype != "fp32" || low_precision)) {
+      // scaled_adamw_step: three fp32 chunks of at most 2^18 elements of one parameter's piece of the shard.
+      const double experts_local = std::max(1.0, s.experts / l.ep);
+      const double piece = std::max({vocab_local * s.h, s.h * (s.n + 2 * s.g) * s.d / l.tp,
+                                     s.experts * s.glu * s.fm * s.h / (l.ep * l.etp) / experts_local});
+      optimizer_peak += 12 * std::min(piece, 262144.0);
+    }
+    double comm = distopt ? 4 * shard : 0;  // DistributedAdamW's fp32 comm shard
+    const bool wire16 = t.grad_reduce_in_bf16 || t.main_grads_dtype == "bf16" ||
+                        (c.params_dtype == DType::kF16 && !t.accumulate_allreduce_grads_in_fp32) ||
+                        (distopt && low_precision);
+    if (wire16) comm += 2 * params + (distopt ? 2 * shard : 0);
+    if (distopt && (t.fp8_param_gather || t.fp4_param_gather)) {
+      const double code = t.fp4_param_gather ? 0.5 : 1.0;  // quantized parameter codes + their shard
+      comm += code * (params + shard);
+    }
+
+    // ---- activations (fp32 elements) ----
+    int64_t live = 1;
+    if (pp > 1 && vpp == 1) {
+      live = std::min<int64_t>(pp - r, microbatches);
+    } else if (pp > 1) {
+      live = std::min<int64_t>(2 * (pp - r - 1) + (vpp - 1) * group + 1, microbatches * vpp);
+    }
+    // The largest context of one chunk: its input, its layers' saved tensors, less the output sent on.
+    Owners context;
+    for (int v = 0; v < vpp; ++v) {
+      const parallel::PipelineStage& chunk = pipeline.stage(r, v);
+      Owners o;
+      (chunk.has_embedding ? o.embedding : o.other) += x.ta * s.h;
+      for (int64_t layer = chunk.first_layer; layer < chunk.end_layer(); ++layer) {
+        const bool moe = c.moe.is_moe_layer(layer);
+        o.attention += attention_saved(s, l, x);
+        (moe ? o.moe : o.mlp) += ffn_saved(s, l, x, moe);
+      }
+      if (!(last && vpp == 1)) o.other -= x.ta * s.h;
+      if (o.total() > context.total()) context = o;
+    }
+    Owners backward;
+    backward.attention = static_cast<double>(live) * context.attention;
+    backward.mlp = static_cast<double>(live) * context.mlp;
+    backward.moe = static_cast<double>(live) * context.moe;
+    backward.embedding = static_cast<double>(live) * context.embedding;
+    backward.other = static_cast<double>(live) * context.other;
+    if (last_layer_moe) {
+      (*last_layer_moe ? backward.moe : backward.mlp) += backward_transient(s, l, x, *last_layer_moe);
+    }
+    backward.other += x.ta * s.h;  // dprev
+    if (last) {
+      backward.output += x.ta * s.h + x.ta * (s.h + s.nrm);  // the output's dx, the final norm's saved output
+    } else {
+      backward.other += 2 * x.ta * s.h;  // received gradient + its clone
+    }
+    Owners peak = backward;
+    if (last) {
+      // Forward at the loss: the fused linear-cross-entropy keeps the final norm output, the input gradient and a
+      // full output weight gradient per micro-batch, plus its logits chunk (64 MiB of fp32) and loss vectors.
+      Owners forward = backward;
+      forward.mlp = static_cast<double>(live) * context.mlp;
+      forward.moe = static_cast<double>(live) * context.moe;
+      forward.other = static_cast<double>(live) * context.other;
+      const double chunk_rows = std::min(x.t, std::max(1.0, std::floor(67108864.0 / (4 * vocab_local))));
+      forward.output = x.ta * (s.h + s.nrm) + x.t * s.h + vocab_local * s.h + chunk_rows * vocab_local +
+                       (l.sp ? x.t * s.h : 0) + 3 * x.t;
+      if (forward.total() > backward.total()) peak = forward;
+    }
+
+    StageMemory stage;
+    stage.pp_rank = r;
+    stage.weights = params_peak;
+    stage.grads = grads;
+    stage.main_weights_and_optimizer = optimizer_peak;
+    stage.activations = 4 * peak.total();
+    stage.comm_buffers = comm;
+    stage.activations_by_module = peak.named(4.0);
+    stage.live_chunks_at_peak = live;
+    stage.decoder_layers = layers;
+    // The log's total peak: the categories at one moment (parameters after DDP's build, no optimizer step chunks).
+    stage.total_override = params_current + grads + optimizer + stage.activations + comm;
+
+    // moecore's log: each category the maximum over the ranks, the total peak the maximum of the ranks' totals.
+    if (worst.pp_rank < 0 || stage.activations > worst.activations) {
+      worst.activations = stage.activations;
+      worst.activations_by_module = stage.activations_by_module;
+      worst.live_chunks_at_peak = stage.live_chunks_at_peak;
+    }
+    worst.weights = std::max(worst.weights, stage.weights);
+    worst.grads = std::max(worst.grads, stage.grads);
+    worst.main_weights_and_optimizer = std::max(worst.main_weights_and_optimizer, stage.main_weights_and_optimizer);
+    worst.comm_buffers = std::max(worst.comm_buffers, stage.comm_buffers);
+    if (worst.pp_rank < 0 || stage.total() > worst.total()) {
+      worst.pp_rank = r;
+      worst.decoder_layers = layers;
+    }
+    worst.total_override = std::max(worst.total_override.value_or(0), stage.total());
+    plan.stages.push_back(stage);
+  }
+  plan.total_parameters = count_parameters(args.model);
+  plan.worst_over_ranks = worst;
+  return plan;
+}
+
+}  // namespace moecore::plan

@@ -1,0 +1,19 @@
+// Memory of moecore's own CPU engine (`moecore plan --gpu cpu`): what its MemoryTracker
+// (src/moecore/tensor/memory_tracker.cpp) counts per category for one training step, as the training log prints it:
+// each category's peak over the step, the maximum over the ranks, and the "total peak" of all categories (the
+// communication buffers included). Every tensor is fp32 storage whatever the precision flags, so the terms differ
+// from the GPU model (memory_model.cpp): moecore's fused output layer keeps a weight gradient per live micro-batch,
+// the distributed optimizer builds its flat parameter buffer while the parameters still exist, etc.
+#pragma once
+
+#include "moecore/plan/memory_model.h"
+#include "moecore/plan/plan_args.h"
+
+namespace moecore::plan {
+
+// One StageMemory per pipeline rank; weights = the params category's peak, main_weights_and_optimizer = the optimizer
+// category's peak, comm_buffers = the comm category, total() = the log's total peak. MemoryPlan::worst() is the
+// per-category maximum over the ranks (moecore's log line).
+MemoryPlan moecore_engine_memory(const PlanArgs& args);
+
+}  // namespace moecore::plan

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# `moecore plan`'s memory model against moecore's own measurements: for several layouts of the tiny MoE configs, a
+# short `moecore train` run prints the MemoryTracker's peak per category (the "memory (MB...)" log line, MiB, each
+# the maximum over the ranks), and `moecore plan` with the same model and layout flags (--json, the CPU engine) must
+# give memory_mib.{params,grads,optimizer,activations} within 10% of those peaks and memory_mib.total within 10% of
+# the "total peak". Skips (77) only when mpirun is missing.
+set -u
+bin=$1
+src=$2
+work=$3
+rm -rf "$work" && mkdir -p "$work"
+mpirun=$(command -v mpirun || true)
+[ -n "$mpirun" ] || { echo "skipped: no mpirun"; exit 77; }
+failures=0
+source "$src/tests/e2e/expect.sh"
+tolerance=10  # percent
+
+# A config file's flags ("#" lines are comments), one word per element.
+config_flags() {
+  grep -v '^[[:space:]]*#' "$src/configs/$1.args" | tr -s ' \n' '\n\n' | grep -v '^$'
+}
+
+# The flags `plan` describes the same run with: the config's model, batch and tokenizer flags, without the
+# training-loop flags (iterations, learning rate, logging, evaluation, the data source).
+plan_flags() {
+  local skip=0 word
+  local -A drop=([--train-iters]=1 [--lr]=1 [--lr-warmup-iters]=1 [--lr-decay-style]=1 [--log-interval]=1
+    [--eval-interval]=1 [--eval-iters]=1)
+  while read -r word; do
+    if [ $skip = 1 ]; then skip=0; continue; fi
+    if [ -n "${drop[$word]:-}" ]; then skip=1; continue; fi
+    [ "$word" = --mock-data ] && continue
+    echo "$word"
+  done < <(config_flags "$1")
+}
+
+# check NAME NP CONFIG LAYOUT-FLAGS...: train 2 iterations on NP ranks, then compare `plan`'s memory_mib.
+check() {
+  local name=$1 np=$2 config=$3
+  shift 3
+  local -a train_flags plan_args
+  mapfile -t train_flags < <(config_flags "$config")
+  mapfile -t plan_args < <(plan_flags "$config")
+  local log="$work/$name.train.log"
+  local -a launch=(env OMP_NUM_THREADS=1)
+  [ "$np" -gt 1 ] && launch+=("$mpirun" -q --allow-run-as-root --oversubscribe -np "$np")
+  if ! timeout 300 "${launch[@]}" "$bin" train "${train_flags[@]}" --train-iters 2 --lr-warmup-iters 1 \
+    --log-interval 1 --eval-interval 1000 --eval-iters 0 "$@" >"$log" 2>&1; then
+    tail -5 "$log"
+    fail "$name: moecore train failed ($log)"
+    return
+  fi
+  local measured
+  if ! measured=$(grep 'memory (MB' "$log" | tail -1 | python3 -c '
+import json, re, sys
+line = sys.stdin.read()
+peaks = {k: float(v) for k, v in re.findall(r"(params|grads|optimizer|activations): [0-9.]+ \(peak ([0-9.]+)\)", line)}
+peaks["total"] = float(re.search(r"total peak: ([0-9.]+)", line).group(1))
+assert len(peaks) == 5, line
+print(json.dumps(peaks))'); then
+    fail "$name: no memory line in $log"
+    return
+  fi
+  echo "measured $name (np $np, $config $*): $measured"
+  local plan_json="$work/$name.plan.json"
+  if ! timeout 120 "$bin" plan "${plan_args[@]}" "$@" --num-gpus "$np" --gpu cpu --json >"$plan_json" \
+    2>"$work/$name.plan.err"; then
+    fail "$name: moecore plan failed: $(head -c 300 "$work/$name.plan.err")"
+    return
+  fi
+  local verdict
+  verdict=$(python3 - "$measured" "$plan_json" "$tolerance" <<'PY'
+import json, sys
+measured = json.loads(sys.argv[1])
+tolerance = float(sys.argv[3])
+try:
+    with open(sys.argv[2]) as f:
+        planned = json.load(f)["memory_mib"]
+except (OSError, ValueError, KeyError, TypeError) as e:
+    print(f"FAIL plan --json has no memory_mib object ({e})")
+    sys.exit()
+bad = []
+parts = []
+for key in ("params", "grads", "optimizer", "activations", "total"):
+    m = measured[key]
+    p = planned.get(key) if isinstance(planned, dict) else None
+    if not isinstance(p, (int, float)):
+        bad.append(f"{key}: no number in memory_mib")
+        continue
+    err = 100.0 * (p - m) / m if m else (0.0 if p == 0 else float("inf"))
+    parts.append(f"{key} {m:.1f}/{p:.1f} MiB ({err:+.1f}%)")
+    if abs(err) > tolerance:
+        bad.append(f"{key} planned {p:.2f} MiB, measured {m:.1f} MiB ({err:+.1f}%)")
+print(("FAIL " + "; ".join(bad)) if bad else ("ok " + ", ".join(parts)))
+PY
+)
+  case $verdict in
+    ok*) echo "ok: $name: ${verdict#ok }" ;;
+    *) fail "$name: ${verdict#FAIL }" ;;
+  esac
+}
+
+check one-process 1 qwen3-moe-tiny
+check tp2-sp 2 qwen3-moe-tiny --tensor-model-parallel-size 2 --sequence-parallel
+check ep2 2 deepseek-v3-tiny --expert-model-parallel-size 2
+check pp2-vpp2 2 qwen3-moe-tiny --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 \
+  --micro-batch-size 2
+check dp2-distopt-bf16 2 deepseek-v3-tiny --use-distributed-optimizer --bf16
+check cp2 2 qwen3-moe-tiny --context-parallel-size 2
+
+[ $failures -eq 0 ] || { echo "$failures failure(s)"; exit 1; }
+echo "e2e ok"
