@@ -1,6 +1,6 @@
 // moecore's MemoryTracker categories per pipeline rank (see moecore_engine_memory.h). The terms follow what moecore's
 // modules allocate as owned Tensors (std::vectors are not tracked): parameters and DDP buffers
-// (src/moecore/distributed/ddp.cpp), the optimizers (AdamWOptimizer, DistributedAdamW), and the activations saved
+// (src/moecore/optim/ddp.cpp), the optimizers (AdamWOptimizer, DistributedAdamW), and the activations saved
 // per micro-batch context by transformer_layer.cpp, attention.cpp, mlp.cpp, moe_layer.cpp, grouped_mlp.cpp and
 // gpt_model.cpp, with the live contexts of train/pipeline_schedule.cpp.
 #include "moecore/plan/moecore_engine_memory.h"
