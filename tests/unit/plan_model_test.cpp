@@ -108,11 +108,10 @@ TEST(PlanMemory, DeepSeekV3SavingsOfEachOptimization) {
                            Flags{"--recompute-granularity", "selective", "--recompute-modules", "moe_act"})
                          .total());
   expect_within(swiglu, 3.8, 0.15, "moe_act recompute under FP8");
-  // FP8 activations, "about 16 GB": the model keeps linear inputs in one byte except where another op keeps the
-  // BF16 tensor as well (attention's output for the attention backward, the MoE norm output for the router).
-  const double fp8_saving = base - fp8_base;
-  EXPECT_GT(fp8_saving, 10.0);
-  EXPECT_LT(fp8_saving, 20.0);
+  // FP8 activations, "about 16 GB": linear layers keep their inputs in one byte, except linear_proj, which keeps
+  // the attention output the attention backward keeps anyway (Megatron's set_save_original_input), and the shared
+  // experts' fc1, whose input the router keeps in BF16.
+  expect_within(base - fp8_base, 16.0, 0.20, "FP8 activations");
 }
 
 struct Table20Row {

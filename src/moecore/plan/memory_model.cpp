@@ -132,6 +132,9 @@ struct ActivationContext {
   double tp = 1, etp = 1;
   double act_bytes = 2;  // the activations' dtype
   bool fp8 = false;
+  // Megatron sets linear_proj to keep its original input, not a quantized copy, except under delayed scaling
+  // (attention.py / multi_latent_attention.py: set_save_original_input, TransformerEngine >= 2.6).
+  bool proj_keeps_original = false;
   bool cpu_engine = false;
 };
 
@@ -147,6 +150,9 @@ std::vector<Saved> layer_saved(const ActivationContext& x, const bool moe_layer)
     s.push_back(Saved{group, elements, bytes, d, m, module_input, f});
   };
   using F = Saved::Fp8;
+  // The attention output is kept by the attention kernel for its backward; linear_proj adds a quantized copy only
+  // when it does not keep the original.
+  const F o_fp8 = x.proj_keeps_original ? F::kNo : F::kExtra;
   // Attention block. The norm keeps its input (the layer input); column-parallel linears keep their input before
   // the sequence-parallel all-gather (Megatron's LinearWithGradAccumulationAndAsyncCommunication).
   add("attention norm", ts * h, a, Discard::kNone, Module::kAttention, F::kNo);
@@ -168,7 +174,7 @@ std::vector<Saved> layer_saved(const ActivationContext& x, const bool moe_layer)
     add("core attention", t * n * (2.0 * qk + static_cast<double>(m.v_head_dim)), a, Discard::kMlaUpProj,
         Module::kAttention, F::kNo);
     add("core attention", t * n * static_cast<double>(m.v_head_dim), a, Discard::kNone, Module::kAttention,
-        F::kExtra);                                                               // O (and linear_proj's input)
+        o_fp8);                                                                   // O (and linear_proj's input)
     add("core attention", t * n, 4, Discard::kNone, Module::kAttention, F::kNo);  // softmax log-sum-exp
   } else {
     const double n = static_cast<double>(c.num_attention_heads) / x.tp;
@@ -177,7 +183,7 @@ std::vector<Saved> layer_saved(const ActivationContext& x, const bool moe_layer)
     add("core attention", t * (n + 2.0 * g) * d, a, Discard::kNone, Module::kAttention, F::kNo);
     // --qk-layernorm: the per-head norms keep the projected queries and keys.
     if (c.qk_layernorm) add("core attention", t * (n + g) * d, a, Discard::kNone, Module::kAttention, F::kNo);
-    add("core attention", t * n * d, a, Discard::kNone, Module::kAttention, F::kExtra);
+    add("core attention", t * n * d, a, Discard::kNone, Module::kAttention, o_fp8);
     add("core attention", t * n, 4, Discard::kNone, Module::kAttention, F::kNo);
   }
   if (c.hidden_dropout > 0) add("dropout masks", 2.0 * ts * h, 1, Discard::kNone, Module::kOther, F::kNo);
@@ -209,8 +215,9 @@ std::vector<Saved> layer_saved(const ActivationContext& x, const bool moe_layer)
   }
   const double sh = static_cast<double>(moe.shared_expert_intermediate_size) / x.tp;
   if (sh > 0) {
-    add("shared experts", 0.0, a, Discard::kNone, Module::kShared, F::kExtra);  // fc1 input: the norm output
-    if (x.fp8) s.back().elements = ts * h;
+    // fc1's input is the norm output; under FP8 fc1 adds a quantized copy, except with layernorm recompute, where
+    // Megatron makes it keep the (discarded, recomputed) original (MoELayer.set_for_recompute_pre_mlp_layernorm).
+    if (x.fp8) add("shared experts", ts * h, 0, Discard::kLayernorm, Module::kShared, F::kExtra);
     add("shared experts", t * glu * sh, a, Discard::kNone, Module::kShared, F::kNo);
     add("shared experts", t * sh, a, Discard::kNone, Module::kShared, F::kOnly);
   }
@@ -397,6 +404,7 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
   x.cpu_engine = args.cluster.moecore_cpu_engine;
   x.act_bytes = !x.cpu_engine && c.params_dtype != DType::kF32 ? 2.0 : 4.0;
   x.fp8 = !x.cpu_engine && (t.fp8_format.has_value() || t.fp4_format.has_value());
+  x.proj_keeps_original = t.fp4_format.has_value() || t.fp8_recipe.value_or("delayed") != "delayed";
 
   // Where the MTP layers sit: the layout's 'm' cells, else Megatron's default, the last stage.
   std::map<int64_t, int64_t> mtp_at;  // virtual stage index (v * PP + r) -> MTP layers
