@@ -1,5 +1,6 @@
-// One body for the cpu:: (parallel) and ref:: (serial) vocabulary-parallel kernels: the per-row math is the same
-// naive loop, the fast version only spreads rows over threads. Included by vocab_parallel.cpp and
+// One body for the cpu:: (parallel) and ref:: (serial) vocabulary-parallel kernels: the reference runs the naive
+// per-row loops; the fast version spreads rows over threads and uses the dense cross entropy's vectorised row
+// pieces (softmax_rows.h). Included by vocab_parallel.cpp and
 // vocab_parallel_ref.cpp only.
 #pragma once
 
@@ -10,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "moecore/kernels/cpu/softmax_rows.h"
 #include "moecore/kernels/cpu/vocab_parallel.h"
 
 namespace moecore::kernels::vocab_parallel_impl {
@@ -53,9 +55,14 @@ template <bool kParallel, typename T>
 void local_max(T* max_T, const T* logits_TVl, const int64_t n_tokens, const int64_t V_local) {
 #pragma omp parallel for schedule(static) if (kParallel)
   for (int64_t t = 0; t < n_tokens; ++t) {
-    T m = -std::numeric_limits<T>::infinity();
-    for (int64_t v = 0; v < V_local; ++v) m = std::max(m, logits_TVl[t * V_local + v]);
-    max_T[t] = m;
+    if constexpr (kParallel) {
+      max_T[t] = V_local > 0 ? cpu::softmax_rows::row_max(logits_TVl + t * V_local, V_local)
+                             : -std::numeric_limits<T>::infinity();
+    } else {
+      T m = -std::numeric_limits<T>::infinity();
+      for (int64_t v = 0; v < V_local; ++v) m = std::max(m, logits_TVl[t * V_local + v]);
+      max_T[t] = m;
+    }
   }
 }
 
@@ -67,7 +74,12 @@ void local_stats(T* stats_2T, const T* logits_TVl, const T* max_T, const int32_t
   for (int64_t t = 0; t < n_tokens; ++t) {
     const T* row = logits_TVl + t * V_local;
     double sum = 0.0;
-    for (int64_t v = 0; v < V_local; ++v) sum += std::exp(static_cast<double>(row[v] - max_T[t]));
+    if constexpr (kParallel) {
+      // The shift is the max over every shard: a finite shift >= this shard's logits (an all -inf row sums to 0).
+      if (std::isfinite(max_T[t])) sum = cpu::softmax_rows::sum_exp(row, V_local, max_T[t]);
+    } else {
+      for (int64_t v = 0; v < V_local; ++v) sum += std::exp(static_cast<double>(row[v] - max_T[t]));
+    }
     stats_2T[t] = static_cast<T>(sum);
     const int64_t col = targets_T[t] - vocab_begin;
     stats_2T[n_tokens + t] = (col >= 0 && col < V_local) ? row[col] : T(0);
@@ -91,7 +103,11 @@ void ce_backward(T* dlogits_TVl, const T* dlosses_T, const T* logits_TVl, const 
     const T* row = logits_TVl + t * V_local;
     T* drow = dlogits_TVl + t * V_local;
     const T scale = dlosses_T[t], lse = lse_T[t];
-    for (int64_t v = 0; v < V_local; ++v) drow[v] = scale * std::exp(row[v] - lse);
+    if constexpr (kParallel) {
+      cpu::softmax_rows::scaled_softmax(drow, row, V_local, lse, scale);
+    } else {
+      for (int64_t v = 0; v < V_local; ++v) drow[v] = scale * std::exp(row[v] - lse);
+    }
     const int64_t col = targets_T[t] - vocab_begin;
     if (col >= 0 && col < V_local) drow[col] -= scale;
   }

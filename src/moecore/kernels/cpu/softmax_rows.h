@@ -1,0 +1,128 @@
+// Row-wise softmax pieces shared by the fast cross-entropy kernels (loss.cpp) and the vocabulary-parallel ones
+// (vocab_parallel.cpp): max-subtracted exponentials vectorised for float (AVX2 + FMA chosen at run time, so a
+// portable build uses it too). Internal to kernels/cpu.
+#pragma once
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define MOECORE_HAVE_AVX2_PATH 1
+#define MOECORE_AVX2_FMA __attribute__((target("avx2,fma")))
+#endif
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+
+#include "moecore/kernels/cpu/vector_isa.h"
+
+namespace moecore::kernels::cpu::softmax_rows {
+// Internal linkage, as where these lived before: each including file gets its own (run-time dispatched) copies.
+namespace {
+
+// exp(x) for float with Cody-Waite range reduction and Cephes' degree-6 polynomial (about 1 ulp), written with
+// plain arithmetic so the loops below vectorise (glibc's expf is a scalar call). Inputs are <= 0 here
+// (max-subtracted); below -87 the result flushes to 0.
+inline float exp_nonpositive(float x) {
+  const bool underflow = x < -87.0f;
+  x = underflow ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const float scale = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return underflow ? 0.0f : y * scale;
+}
+
+#if defined(MOECORE_HAVE_AVX2_PATH)
+// True when this CPU runs the AVX2 + FMA functions below (tested once).
+inline bool cpu_has_avx2_fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+// Eight lanes of exp_nonpositive.
+MOECORE_AVX2_FMA inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(exponent)));
+}
+
+// The 8-aligned prefix of sum_exp; returns how many elements it consumed.
+MOECORE_AVX2_FMA inline int64_t sum_exp_avx2(double& sum, const float* row, const int64_t V, const float shift) {
+  int64_t v = 0;
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 shift8 = _mm256_set1_ps(shift);
+  for (; v + 8 <= V; v += 8)
+    acc = _mm256_add_ps(acc, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row + v), shift8)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (const float lane : lanes) sum += lane;
+  return v;
+}
+
+// The 8-aligned prefix of scaled_softmax; returns how many elements it wrote.
+MOECORE_AVX2_FMA inline int64_t scaled_softmax_avx2(float* out, const float* row, const int64_t V, const float lse,
+                                                    const float scale) {
+  int64_t v = 0;
+  const __m256 lse8 = _mm256_set1_ps(lse), scale8 = _mm256_set1_ps(scale);
+  for (; v + 8 <= V; v += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row + v), lse8));
+    _mm256_storeu_ps(out + v, _mm256_mul_ps(scale8, e));
+  }
+  return v;
+}
+#endif
+
+// Sum over v of exp(row[v] - shift), for shift >= max(row).
+inline double sum_exp(const float* row, const int64_t V, const float shift) {
+  int64_t v = 0;
+  double sum = 0.0;
+#if defined(MOECORE_HAVE_AVX2_PATH)
+  if (cpu_has_avx2_fma()) v = sum_exp_avx2(sum, row, V, shift);
+#endif
+  for (; v < V; ++v) sum += exp_nonpositive(row[v] - shift);
+  return sum;
+}
+inline double sum_exp(const double* row, const int64_t V, const double shift) {
+  double sum = 0.0;
+  for (int64_t v = 0; v < V; ++v) sum += std::exp(row[v] - shift);
+  return sum;
+}
+
+inline void scaled_softmax(float* out, const float* row, const int64_t V, const float lse, const float scale) {
+  int64_t v = 0;
+#if defined(MOECORE_HAVE_AVX2_PATH)
+  if (cpu_has_avx2_fma()) v = scaled_softmax_avx2(out, row, V, lse, scale);
+#endif
+  for (; v < V; ++v) out[v] = scale * exp_nonpositive(row[v] - lse);
+}
+inline void scaled_softmax(double* out, const double* row, const int64_t V, const double lse, const double scale) {
+  for (int64_t v = 0; v < V; ++v) out[v] = scale * std::exp(row[v] - lse);
+}
+
+template <typename T>
+MOECORE_VECTOR_CLONES T row_max(const T* row, int64_t V) {
+  T best = row[0];
+#pragma omp simd reduction(max : best)
+  for (int64_t v = 1; v < V; ++v) best = row[v] > best ? row[v] : best;
+  return best;
+}
+
+}  // namespace
+}  // namespace moecore::kernels::cpu::softmax_rows
