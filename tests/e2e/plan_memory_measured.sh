@@ -15,24 +15,7 @@ failures=0
 source "$src/tests/e2e/expect.sh"
 tolerance=10  # percent
 
-# A config file's flags ("#" lines are comments), one word per element.
-config_flags() {
-  grep -v '^[[:space:]]*#' "$src/configs/$1.args" | tr -s ' \n' '\n\n' | grep -v '^$'
-}
-
-# The flags `plan` describes the same run with: the config's model, batch and tokenizer flags, without the
-# training-loop flags (iterations, learning rate, logging, evaluation, the data source).
-plan_flags() {
-  local skip=0 word
-  local -A drop=([--train-iters]=1 [--lr]=1 [--lr-warmup-iters]=1 [--lr-decay-style]=1 [--log-interval]=1
-    [--eval-interval]=1 [--eval-iters]=1)
-  while read -r word; do
-    if [ $skip = 1 ]; then skip=0; continue; fi
-    if [ -n "${drop[$word]:-}" ]; then skip=1; continue; fi
-    [ "$word" = --mock-data ] && continue
-    echo "$word"
-  done < <(config_flags "$1")
-}
+source "$src/tests/e2e/plan_runs.sh"
 
 # check NAME NP CONFIG LAYOUT-FLAGS...: train 2 iterations on NP ranks, then compare `plan`'s memory_mib.
 check() {
@@ -42,10 +25,8 @@ check() {
   mapfile -t train_flags < <(config_flags "$config")
   mapfile -t plan_args < <(plan_flags "$config")
   local log="$work/$name.train.log"
-  local -a launch=(env OMP_NUM_THREADS=1)
-  [ "$np" -gt 1 ] && launch+=("$mpirun" -q --allow-run-as-root --oversubscribe -np "$np")
-  if ! timeout 300 "${launch[@]}" "$bin" train "${train_flags[@]}" --train-iters 2 --lr-warmup-iters 1 \
-    --log-interval 1 --eval-interval 1000 --eval-iters 0 "$@" >"$log" 2>&1; then
+  if ! train_on "$np" "$log" "${train_flags[@]}" --train-iters 2 --lr-warmup-iters 1 --log-interval 1 \
+    --eval-interval 1000 --eval-iters 0 "$@"; then
     tail -5 "$log"
     fail "$name: moecore train failed ($log)"
     return

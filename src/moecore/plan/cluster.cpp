@@ -1,9 +1,11 @@
 #include "moecore/plan/cluster.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <thread>
 
 #include "moecore/model/config.h"
+#include "moecore/plan/cpu_probe.h"
 
 namespace moecore::plan {
 namespace {
@@ -48,10 +50,16 @@ Cluster cluster_preset(const std::string& name) {
   if (name == "GB200") return with_attention(make("GB200", 171.0, 2500, 5000, 10000, 8.0, 72, 900, 50), 0.33);
   if (name == "GB300") return with_attention(make("GB300", 266.0, 2500, 5000, 15000, 8.0, 72, 900, 100), 0.5);
   if (name == "cpu") {
-    // One moecore process per "GPU"; fp32 only (bf16 / fp8 GEMMs run through fp32 tiles on most CPUs).
-    Cluster c = make("cpu", 4.0, 0.05, 0.05, 0, 0.02, 1 << 20, 5, 5);
+    // One core per rank; its figures measured on this machine (cpu_probe.h). moecore computes in fp32 whatever the
+    // precision flags, so every peak is the fp32 GEMM rate; MPI's shared-memory transport copies at memcpy speed.
+    const CpuProbe& probe = probe_cpu();
+    const double tflops = probe.sgemm_gflops / 1e3;
+    Cluster c = make("cpu", probe.memory_gib, tflops, tflops, tflops, probe.copy_gbps / 1e3,
+                     static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency())), probe.copy_gbps / 2.0,
+                     probe.copy_gbps / 2.0);
     c.moecore_cpu_engine = true;
-    c.intra_domain_latency_us = c.inter_domain_latency_us = 20.0;
+    c.attention_efficiency = 0.3;
+    c.intra_domain_latency_us = c.inter_domain_latency_us = 10.0;
     return c;
   }
   std::string known;
@@ -62,8 +70,8 @@ Cluster cluster_preset(const std::string& name) {
 std::string describe_cluster(const Cluster& c) {
   char line[320];
   std::snprintf(line, sizeof(line),
-                "%s: %.0f GiB, BF16 %.0f / FP8 %.0f / FP4 %.0f TFLOP/s, HBM %.2f TB/s, %lld GPUs per NVLink domain at "
-                "%.0f GB/s, %.0f GB/s between domains",
+                "%s: %.0f GiB, BF16 %.4g / FP8 %.4g / FP4 %.4g TFLOP/s, HBM %.3g TB/s, %lld GPUs per NVLink domain at "
+                "%.3g GB/s, %.3g GB/s between domains",
                 c.name.c_str(), c.memory_gib, c.peak_tflops_bf16, c.peak_tflops_fp8, c.peak_tflops_fp4, c.hbm_tbps,
                 static_cast<long long>(c.gpus_per_domain), c.intra_domain_gbps, c.inter_domain_gbps);
   return line;

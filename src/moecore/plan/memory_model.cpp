@@ -406,13 +406,7 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
   x.fp8 = !x.cpu_engine && (t.fp8_format.has_value() || t.fp4_format.has_value());
   x.proj_keeps_original = t.fp4_format.has_value() || t.fp8_recipe.value_or("delayed") != "delayed";
 
-  // Where the MTP layers sit: the layout's 'm' cells, else Megatron's default, the last stage.
-  std::map<int64_t, int64_t> mtp_at;  // virtual stage index (v * PP + r) -> MTP layers
-  if (!args.mtp_stages.empty()) {
-    for (const auto& [stage, count] : args.mtp_stages) mtp_at[stage] += count;
-  } else if (model.mtp_num_layers > 0) {
-    mtp_at[static_cast<int64_t>(vpp) * pp - 1] += model.mtp_num_layers;
-  }
+  const std::map<int64_t, int64_t> mtp_at = mtp_layers_by_stage(args, pp, vpp);
 
   const int64_t microbatches = t.global_batch_size / (t.micro_batch_size * t.data_parallel_size);
   MemoryPlan plan;
@@ -426,7 +420,8 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
     bool holds_embedding = false;
     for (int v = 0; v < vpp; ++v) {
       const parallel::PipelineStage& s = layout.stage(r, v);
-      const int64_t mtp = mtp_at.count(static_cast<int64_t>(v) * pp + r) ? mtp_at[static_cast<int64_t>(v) * pp + r] : 0;
+      const auto mtp_it = mtp_at.find(static_cast<int64_t>(v) * pp + r);
+      const int64_t mtp = mtp_it == mtp_at.end() ? 0 : mtp_it->second;
       for (int64_t l = s.first_layer; l < s.end_layer(); ++l) {
         params += layer_params(model, c.moe.enabled() && c.moe.is_moe_layer(l));
       }

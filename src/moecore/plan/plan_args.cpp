@@ -432,6 +432,15 @@ PlanArgs with_layout(const PlanArgs& base, const LayoutChoice& layout) {
   return out;
 }
 
+std::map<int64_t, int64_t> mtp_layers_by_stage(const PlanArgs& args, const int pp, const int vpp) {
+  std::map<int64_t, int64_t> at;
+  for (const auto& [stage, count] : args.mtp_stages) at[stage] += count;
+  if (at.empty() && args.model.mtp_num_layers > 0) {
+    at[static_cast<int64_t>(vpp) * pp - 1] = args.model.mtp_num_layers;
+  }
+  return at;
+}
+
 std::string plan_flags_help() {
   std::string text =
       "usage: moecore plan --num-gpus N [--gpu NAME] <train's model, batch, precision and layout flags> "

@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -82,6 +83,9 @@ PlanArgs parse_plan_args(const std::vector<std::string>& args);
 // `base` re-parsed with `layout`'s flags instead of its own; throws ConfigError with train's message when the
 // layout is invalid for the model (a size that does not divide, Megatron's constraints).
 PlanArgs with_layout(const PlanArgs& base, const LayoutChoice& layout);
+
+// MTP layers per virtual stage (index v * PP + r): the layout's 'm' cells, else Megatron's default, the last stage.
+std::map<int64_t, int64_t> mtp_layers_by_stage(const PlanArgs& args, int pp, int vpp);
 
 std::string plan_flags_help();
 

@@ -66,6 +66,18 @@ nlohmann::json time_json(const StepTime& t) {
           {"dp_comm", t.dp_comm_s}, {"bubble", t.bubble_s},       {"optimizer", t.optimizer_s}};
 }
 
+nlohmann::json cluster_json(const Cluster& c) {
+  return {{"name", c.name},
+          {"memory_gib", c.memory_gib},
+          {"peak_tflops_bf16", c.peak_tflops_bf16},
+          {"peak_tflops_fp8", c.peak_tflops_fp8},
+          {"peak_tflops_fp4", c.peak_tflops_fp4},
+          {"hbm_tbps", c.hbm_tbps},
+          {"gpus_per_domain", c.gpus_per_domain},
+          {"intra_domain_gbps", c.intra_domain_gbps},
+          {"inter_domain_gbps", c.inter_domain_gbps}};
+}
+
 nlohmann::json result_json(const PlanArgs& args, const LayoutChoice& layout, const StageMemory& memory,
                            const StepTime& time, const bool fits) {
   nlohmann::json j;
@@ -125,6 +137,7 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out) {
       nlohmann::json j;
       j["flops_per_token"] = per_token;
       j["flops_per_step"] = per_step;
+      j["cluster"] = cluster_json(args.cluster);
       j["layouts"] = nlohmann::json::array();
       for (const Candidate& c : candidates) {
         nlohmann::json entry;
@@ -166,6 +179,7 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out) {
     nlohmann::json j = result_json(args, args.layout, worst, time, fits);
     j["flops_per_token"] = per_token;
     j["flops_per_step"] = per_step;
+    j["cluster"] = cluster_json(args.cluster);
     j["parameters"] = memory.total_parameters;
     j["microbatches"] = args.train.global_batch_size / (args.train.micro_batch_size * args.train.data_parallel_size);
     out << j.dump(1) << "\n";

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "moecore/parallel/pipeline_layout.h"
 #include "moecore/plan/plan_flops.h"
@@ -62,10 +63,21 @@ struct LayerWork {
   bool moe = false;
 };
 
+// moecore's CPU engine: the probe's GEMM rate is already an achieved rate, collectives are shared-memory copies, and
+// there are no kernel launches.
+Efficiency cpu_efficiency() {
+  Efficiency e;
+  e.gemm_bf16 = e.gemm_fp8 = e.gemm_fp4 = 1.0;
+  e.dim_half = 32.0;
+  e.collective = e.alltoall = e.alltoall_flex = 1.0;
+  e.layer_overhead_s = 0.0;
+  return e;
+}
+
 }  // namespace
 
 StepTime estimate_step_time(const PlanArgs& args) {
-  const Efficiency e;
+  const Efficiency e = args.cluster.moecore_cpu_engine ? cpu_efficiency() : Efficiency{};
   const TrainingArgs& t = args.train;
   const PlanModel& model = args.model;
   const ModelConfig& c = model.config;
@@ -77,7 +89,6 @@ StepTime estimate_step_time(const PlanArgs& args) {
   const double ep = static_cast<double>(t.expert_model_parallel_size);
   const double etp = static_cast<double>(t.expert_tensor_parallel_size);
   const double world = static_cast<double>(t.world_size);
-  const double dp = static_cast<double>(t.data_parallel_size);
   const double seq = static_cast<double>(c.seq_length);
   const double tokens = seq * static_cast<double>(t.micro_batch_size);  // per micro-batch and model replica
   const double h = static_cast<double>(c.hidden_size);
@@ -229,45 +240,35 @@ StepTime estimate_step_time(const PlanArgs& args) {
 
   const int64_t microbatches = t.global_batch_size / (t.micro_batch_size * t.data_parallel_size);
   StepTime out;
-  double slowest = -1;
-  double slowest_chunk = 0;
+  const std::map<int64_t, int64_t> mtp_at = mtp_layers_by_stage(args, pp, vpp);
+  const bool mtp_moe = c.moe.enabled() && c.moe.is_moe_layer(c.num_layers - 1);
+  const LayerSeconds& mtp_s = mtp_moe ? moe_s : dense_s;
+  double slowest = -1, all_ranks = 0;
   LayerSeconds slowest_parts;
   for (int rank = 0; rank < pp; ++rank) {
     LayerSeconds parts;
-    double largest_chunk = 0;
+    const auto add = [&](const LayerSeconds& ls, const double times) {
+      parts.compute += times * ls.compute;
+      parts.recompute += times * ls.recompute;
+      parts.tp += times * ls.tp;
+      parts.ep += times * ls.ep;
+      parts.cp += times * ls.cp;
+    };
     for (int v = 0; v < vpp; ++v) {
       const parallel::PipelineStage& s = layout.stage(rank, v);
-      double chunk = 0;
-      for (int64_t l = s.first_layer; l < s.end_layer(); ++l) {
-        const LayerSeconds& ls = c.moe.enabled() && c.moe.is_moe_layer(l) ? moe_s : dense_s;
-        parts.compute += ls.compute;
-        parts.recompute += ls.recompute;
-        parts.tp += ls.tp;
-        parts.ep += ls.ep;
-        parts.cp += ls.cp;
-        chunk += ls.compute + ls.tp + ls.ep + ls.cp;
+      for (int64_t l = s.first_layer; l < s.end_layer(); ++l)
+        add(c.moe.enabled() && c.moe.is_moe_layer(l) ? moe_s : dense_s, 1.0);
+      if (s.has_loss) parts.compute += logits_s;
+      if (const auto it = mtp_at.find(static_cast<int64_t>(v) * pp + rank); it != mtp_at.end()) {
+        add(mtp_s, static_cast<double>(it->second));
+        parts.compute += static_cast<double>(it->second) * logits_s;
       }
-      if (s.has_loss) {
-        parts.compute += logits_s;
-        chunk += logits_s;
-      }
-      const bool last_chunk = rank == pp - 1 && v == vpp - 1;
-      if (last_chunk && model.mtp_num_layers > 0) {
-        const bool mtp_moe = c.moe.enabled() && c.moe.is_moe_layer(c.num_layers - 1);
-        const LayerSeconds& ls = mtp_moe ? moe_s : dense_s;
-        const double mtp = static_cast<double>(model.mtp_num_layers) * (ls.compute + ls.tp + ls.ep + logits_s);
-        parts.compute += static_cast<double>(model.mtp_num_layers) * (ls.compute + logits_s);
-        parts.tp += static_cast<double>(model.mtp_num_layers) * ls.tp;
-        parts.ep += static_cast<double>(model.mtp_num_layers) * ls.ep;
-        chunk += mtp;
-      }
-      largest_chunk = std::max(largest_chunk, chunk);
     }
     const double per_mb = parts.compute + parts.tp + parts.ep + parts.cp;
+    all_ranks += per_mb;
     if (per_mb > slowest) {
       slowest = per_mb;
       slowest_parts = parts;
-      slowest_chunk = largest_chunk;
       out.slowest_pp_rank = rank;
     }
   }
@@ -277,14 +278,15 @@ StepTime estimate_step_time(const PlanArgs& args) {
   out.tp_comm_s = m * slowest_parts.tp;
   out.ep_comm_s = m * slowest_parts.ep;
   out.cp_comm_s = m * slowest_parts.cp;
-  // Pipeline p2p: one activation (and one gradient) per micro-batch and chunk boundary, mostly overlapped.
   if (pp > 1) {
+    // Pipeline p2p: one activation (and one gradient) per micro-batch and chunk boundary, mostly overlapped; the
+    // pp group's ranks are world / PP apart.
     const double p2p_bytes = tokens / (cp * (t.sequence_parallel ? tp : 1.0)) * h * a;
     out.pp_comm_s = 0.2 * 2.0 * m * static_cast<double>(vpp) *
-                    transfer_seconds(cl, p2p_bytes, 2.0, tp * cp * dp * ep / ep, e.collective, 1);
-    // Bubble: (PP - 1) stage-steps; the interleaved schedule's stage-step is one chunk (1 / VPP of the rank).
-    out.bubble_s = static_cast<double>(pp - 1) * (vpp > 1 ? slowest / static_cast<double>(vpp) : slowest);
-    (void)slowest_chunk;
+                    transfer_seconds(cl, p2p_bytes, 2.0, world / static_cast<double>(pp), e.collective, 1);
+    // Bubble: the fill and drain of the other ranks around the slowest one's M micro-batches (with equal ranks
+    // Megatron's (PP - 1) x t for 1F1B); the interleaved schedule fills and drains one chunk (1 / VPP) at a time.
+    out.bubble_s = (all_ranks - slowest) / static_cast<double>(vpp);
   }
   // Data parallelism: gradients reduce-scattered (distributed optimizer) or all-reduced, parameters all-gathered;
   // overlapped with backward / the next forward when asked for, except about the last chunk's share.
