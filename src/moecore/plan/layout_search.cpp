@@ -34,14 +34,20 @@ void explain_ranking(std::vector<Candidate>& sorted) {
                                                        {"pipeline bubble", t.bubble_s},
                                                        {"optimizer step", t.optimizer_s}};
   };
+  // The part that grows most from `faster` to `slower`, and the one that shrinks most, if any.
   const auto largest_difference = [&](const StepTime& slower, const StepTime& faster) {
     const auto a = parts(slower), b = parts(faster);
-    size_t worst = 0;
+    size_t most = 0, least = 0;
     for (size_t i = 1; i < a.size(); ++i) {
-      if (a[i].second - b[i].second > a[worst].second - b[worst].second) worst = i;
+      if (a[i].second - b[i].second > a[most].second - b[most].second) most = i;
+      if (a[i].second - b[i].second < a[least].second - b[least].second) least = i;
     }
-    char text[160];
-    std::snprintf(text, sizeof(text), "%s %.3f s vs %.3f s", a[worst].first, a[worst].second, b[worst].second);
+    char text[200];
+    int used = std::snprintf(text, sizeof(text), "%s %.3f s vs %.3f s", a[most].first, a[most].second, b[most].second);
+    if (a[least].second < b[least].second && used > 0) {
+      std::snprintf(text + used, sizeof(text) - static_cast<size_t>(used), " (it saves %.3f s of %s)",
+                    b[least].second - a[least].second, a[least].first);
+    }
     return std::string(text);
   };
   const StepTime& best = *sorted.front().time;
@@ -126,7 +132,7 @@ std::vector<Candidate> search_layouts(const PlanArgs& args) {
                 const PlanArgs plan = with_layout(args, layout);
                 const MemoryPlan memory = estimate_plan_memory(plan);
                 candidate.memory = memory.worst();
-                candidate.time = estimate_step_time(plan);
+                candidate.time = estimate_step_time(plan, memory);
                 const double limit = args.cluster.memory_gib * kGiB;
                 candidate.fits = candidate.memory->total() <= limit;
                 if (!candidate.fits) {

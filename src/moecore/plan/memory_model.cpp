@@ -386,14 +386,9 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
   const PlanModel& model = args.model;
   const ModelConfig& c = model.config;
   const parallel::PipelineLayout layout(pipeline_split_flags(t));
-  const int pp = layout.pipeline_size(), vpp = layout.virtual_pipeline_size();
-  const double tp = static_cast<double>(t.tensor_model_parallel_size);
-  const double cp = static_cast<double>(t.context_parallel_size);
-  const double ep = static_cast<double>(t.expert_model_parallel_size);
-  const double etp = static_cast<double>(t.expert_tensor_parallel_size);
-  const double world = static_cast<double>(t.world_size);
-  const double dp_cp = world / (tp * static_cast<double>(pp));  // the distributed optimizer's dense group
-  const double edp = world / (etp * ep * static_cast<double>(pp));
+  const LayoutSizes sizes = layout_sizes(args);
+  const int pp = sizes.pp, vpp = sizes.vpp;
+  const double tp = sizes.tp, cp = sizes.cp, ep = sizes.ep, etp = sizes.etp;
   const Bytes b = bytes_per_parameter(args);
 
   ActivationContext x{args};
@@ -408,7 +403,7 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
 
   const std::map<int64_t, int64_t> mtp_at = mtp_layers_by_stage(args, pp, vpp);
 
-  const int64_t microbatches = t.global_batch_size / (t.micro_batch_size * t.data_parallel_size);
+  const int64_t microbatches = sizes.microbatches;
   MemoryPlan plan;
   plan.total_parameters = count_parameters(model);
   for (int r = 0; r < pp; ++r) {
@@ -447,8 +442,8 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
     const double experts = params.experts / (ep * etp);
     stage.weights = (dense + experts) * b.weight;
     stage.grads = (dense + experts) * b.grad;
-    const double dense_share = t.use_distributed_optimizer ? dp_cp : 1.0;
-    const double expert_share = t.use_distributed_optimizer ? edp : 1.0;
+    const double dense_share = t.use_distributed_optimizer ? sizes.dp_cp() : 1.0;
+    const double expert_share = t.use_distributed_optimizer ? sizes.edp() : 1.0;
     stage.main_weights_and_optimizer = dense * b.optimizer / dense_share + experts * b.optimizer / expert_share;
 
     // Run this rank's schedule: contexts live from their forward to their backward.

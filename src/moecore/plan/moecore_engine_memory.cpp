@@ -11,6 +11,7 @@
 
 #include "moecore/parallel/pipeline_layout.h"
 #include "moecore/train/arguments.h"
+#include "moecore/train/pipeline_schedule.h"
 
 namespace moecore::plan {
 namespace {
@@ -22,9 +23,8 @@ struct Shape {
   double max_pos = 0;
 };
 
-struct Layout {
-  double tp = 1, cp = 1, ep = 1, etp = 1, world = 1, dp = 1, edp = 1;
-  bool sp = false;
+struct Layout : LayoutSizes {
+  bool sp = false;  // sequence parallelism in effect (TP > 1)
 };
 
 Shape shape_of(const ModelConfig& c) {
@@ -148,14 +148,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
   const parallel::PipelineLayout pipeline(pipeline_split_flags(t));
   const int pp = pipeline.pipeline_size(), vpp = pipeline.virtual_pipeline_size();
 
-  Layout l;
-  l.tp = static_cast<double>(t.tensor_model_parallel_size);
-  l.cp = static_cast<double>(t.context_parallel_size);
-  l.ep = static_cast<double>(t.expert_model_parallel_size);
-  l.etp = static_cast<double>(t.expert_tensor_parallel_size);
-  l.world = static_cast<double>(t.world_size);
-  l.dp = static_cast<double>(t.data_parallel_size);
-  l.edp = l.world / (static_cast<double>(pp) * l.ep * l.etp);
+  Layout l{layout_sizes(args)};
   l.sp = t.sequence_parallel && t.tensor_model_parallel_size > 1;
 
   Tokens x;
@@ -167,8 +160,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
   const bool low_precision = c.params_dtype != DType::kF32;
   const bool distopt = t.use_distributed_optimizer;
   const bool pa = t.use_precision_aware_optimizer;
-  const int64_t microbatches = t.global_batch_size / (t.data_parallel_size * t.micro_batch_size);
-  const int64_t group = t.microbatch_group_size_per_vp_stage > 0 ? t.microbatch_group_size_per_vp_stage : pp;
+  const int64_t microbatches = l.microbatches;
   const double vocab_local = s.vocab / l.tp;
 
   MemoryPlan plan;
@@ -199,7 +191,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     // ddp.cpp builds each group's flat parameter buffer (dense, then expert) while the parameters still exist.
     const double params_peak = params_current + (distopt ? 4 * std::max(dense, expert) : 0);
     const double grads = 4 * params;  // fp32 main gradients always
-    const double shard = distopt ? dense / (l.dp * l.cp) + expert / l.edp : params;
+    const double shard = distopt ? dense / (l.dp * l.cp) + expert / l.edp() : params;
     const double exp_avg = pa ? dtype_bytes(t.exp_avg_dtype) : 4.0;
     const double exp_avg_sq = pa ? dtype_bytes(t.exp_avg_sq_dtype) : 4.0;
     const std::string main_dtype = pa ? t.main_params_dtype : "fp32";
@@ -229,12 +221,12 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     }
 
     // ---- activations (fp32 elements) ----
-    int64_t live = 1;
-    if (pp > 1 && vpp == 1) {
-      live = std::min<int64_t>(pp - r, microbatches);
-    } else if (pp > 1) {
-      live = std::min<int64_t>(2 * (pp - r - 1) + (vpp - 1) * group + 1, microbatches * vpp);
-    }
+    // Contexts alive at the first backward: the schedule's warm-up forwards and one more.
+    const int64_t live =
+        std::min<int64_t>(pipeline_warmup_microbatches(pp, r, vpp, static_cast<int>(microbatches),
+                                                       static_cast<int>(t.microbatch_group_size_per_vp_stage), false) +
+                              1,
+                          microbatches * vpp);
     // The largest context of one chunk: its input, its layers' saved tensors, less the output sent on.
     Owners context;
     for (int v = 0; v < vpp; ++v) {

@@ -432,6 +432,22 @@ PlanArgs with_layout(const PlanArgs& base, const LayoutChoice& layout) {
   return out;
 }
 
+LayoutSizes layout_sizes(const PlanArgs& args) {
+  const TrainingArgs& t = args.train;
+  const parallel::PipelineLayout pipeline(pipeline_split_flags(t));
+  LayoutSizes l;
+  l.pp = pipeline.pipeline_size();
+  l.vpp = pipeline.virtual_pipeline_size();
+  l.tp = static_cast<double>(t.tensor_model_parallel_size);
+  l.cp = static_cast<double>(t.context_parallel_size);
+  l.ep = static_cast<double>(t.expert_model_parallel_size);
+  l.etp = static_cast<double>(t.expert_tensor_parallel_size);
+  l.world = static_cast<double>(t.world_size);
+  l.dp = static_cast<double>(t.data_parallel_size);
+  l.microbatches = t.global_batch_size / (t.micro_batch_size * t.data_parallel_size);
+  return l;
+}
+
 std::map<int64_t, int64_t> mtp_layers_by_stage(const PlanArgs& args, const int pp, const int vpp) {
   std::map<int64_t, int64_t> at;
   for (const auto& [stage, count] : args.mtp_stages) at[stage] += count;

@@ -84,6 +84,17 @@ PlanArgs parse_plan_args(const std::vector<std::string>& args);
 // layout is invalid for the model (a size that does not divide, Megatron's constraints).
 PlanArgs with_layout(const PlanArgs& base, const LayoutChoice& layout);
 
+// A parsed layout's sizes as the models use them: the pipeline split's PP and virtual stages, Megatron's groups
+// (the distributed optimizer's dense dp x cp group, expert-DP) and the micro-batches per step of each DP rank.
+struct LayoutSizes {
+  int pp = 1, vpp = 1;
+  double tp = 1, cp = 1, ep = 1, etp = 1, world = 1, dp = 1;
+  int64_t microbatches = 1;
+  double dp_cp() const { return world / (tp * pp); }
+  double edp() const { return world / (etp * ep * pp); }
+};
+LayoutSizes layout_sizes(const PlanArgs& args);
+
 // MTP layers per virtual stage (index v * PP + r): the layout's 'm' cells, else Megatron's default, the last stage.
 std::map<int64_t, int64_t> mtp_layers_by_stage(const PlanArgs& args, int pp, int vpp);
 

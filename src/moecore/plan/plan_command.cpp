@@ -173,7 +173,7 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out) {
   }
   const MemoryPlan memory = estimate_plan_memory(args);
   const StageMemory& worst = memory.worst();
-  const StepTime time = estimate_step_time(args);
+  const StepTime time = estimate_step_time(args, memory);
   const bool fits = worst.total() <= args.cluster.memory_gib * kGiB;
   if (args.json) {
     nlohmann::json j = result_json(args, args.layout, worst, time, fits);
@@ -181,15 +181,15 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out) {
     j["flops_per_step"] = per_step;
     j["cluster"] = cluster_json(args.cluster);
     j["parameters"] = memory.total_parameters;
-    j["microbatches"] = args.train.global_batch_size / (args.train.micro_batch_size * args.train.data_parallel_size);
+    j["microbatches"] = layout_sizes(args).microbatches;
     out << j.dump(1) << "\n";
     return 0;
   }
   out << "model: " << fixed(memory.total_parameters / 1e9, 2) << " B parameters; " << args.num_gpus << " x "
       << describe_cluster(args.cluster) << "\n";
   out << "layout: " << args.layout.describe() << ", DP " << args.train.data_parallel_size << "; "
-      << args.train.global_batch_size / (args.train.micro_batch_size * args.train.data_parallel_size)
-      << " micro-batches of " << args.train.micro_batch_size << " x " << model.config.seq_length << " tokens\n";
+      << layout_sizes(args).microbatches << " micro-batches of " << args.train.micro_batch_size << " x "
+      << model.config.seq_length << " tokens\n";
   out << "FLOPs: " << sci(per_token) << " per token, " << sci(per_step) << " per step (Megatron's count)\n";
   print_memory(out, worst, args.cluster.memory_gib);
   if (!fits) out << "does not fit: " << fixed((worst.total() - args.cluster.memory_gib * kGiB) / kGiB) << " GiB over\n";

@@ -76,19 +76,16 @@ Efficiency cpu_efficiency() {
 
 }  // namespace
 
-StepTime estimate_step_time(const PlanArgs& args) {
+StepTime estimate_step_time(const PlanArgs& args, const MemoryPlan& memory) {
   const Efficiency e = args.cluster.moecore_cpu_engine ? cpu_efficiency() : Efficiency{};
   const TrainingArgs& t = args.train;
   const PlanModel& model = args.model;
   const ModelConfig& c = model.config;
   const Cluster& cl = args.cluster;
   const parallel::PipelineLayout layout(pipeline_split_flags(t));
-  const int pp = layout.pipeline_size(), vpp = layout.virtual_pipeline_size();
-  const double tp = static_cast<double>(t.tensor_model_parallel_size);
-  const double cp = static_cast<double>(t.context_parallel_size);
-  const double ep = static_cast<double>(t.expert_model_parallel_size);
-  const double etp = static_cast<double>(t.expert_tensor_parallel_size);
-  const double world = static_cast<double>(t.world_size);
+  const LayoutSizes sizes = layout_sizes(args);
+  const int pp = sizes.pp, vpp = sizes.vpp;
+  const double tp = sizes.tp, cp = sizes.cp, ep = sizes.ep, etp = sizes.etp, world = sizes.world;
   const double seq = static_cast<double>(c.seq_length);
   const double tokens = seq * static_cast<double>(t.micro_batch_size);  // per micro-batch and model replica
   const double h = static_cast<double>(c.hidden_size);
@@ -197,12 +194,10 @@ StepTime estimate_step_time(const PlanArgs& args) {
     const double gemm = gemm_seconds(w.gemm_flops - w.expert_flops, dense_dim, linear_peak, linear_eff, e) +
                         gemm_seconds(w.expert_flops, expert_dim, linear_peak, linear_eff, e);
     const double attention = w.attention_flops / (cl.peak_tflops_bf16 * 1e12 * cl.attention_efficiency);
-    const double memory = e.memory_passes * w.saved_bytes / (cl.hbm_tbps * 1e12);
+    const double memory_bound = e.memory_passes * w.saved_bytes / (cl.hbm_tbps * 1e12);
     const double overhead = w.moe ? e.layer_overhead_s : e.layer_overhead_s / 3.0;
     // Backward runs the GEMMs twice (input and weight gradients) and the attention about 2.5 times.
-    s.compute = 3.0 * gemm + 3.5 * attention + memory + overhead;
-    const double dense_frac = w.gemm_flops > 0 ? 1.0 : 0.0;
-    (void)dense_frac;
+    s.compute = 3.0 * gemm + 3.5 * attention + memory_bound + overhead;
     s.recompute = gemm_seconds(w.recompute_gemm_flops, dense_dim, linear_peak, linear_eff, e) +
                   w.recompute_attention_flops / (cl.peak_tflops_bf16 * 1e12 * cl.attention_efficiency);
     s.compute += s.recompute;
@@ -238,7 +233,6 @@ StepTime estimate_step_time(const PlanArgs& args) {
                                              cl.peak_tflops_bf16, e.gemm_bf16, e) +
                           3.0 * local_tokens * vocab / tp * 4.0 / (cl.hbm_tbps * 1e12);
 
-  const int64_t microbatches = t.global_batch_size / (t.micro_batch_size * t.data_parallel_size);
   StepTime out;
   const std::map<int64_t, int64_t> mtp_at = mtp_layers_by_stage(args, pp, vpp);
   const bool mtp_moe = c.moe.enabled() && c.moe.is_moe_layer(c.num_layers - 1);
@@ -272,7 +266,7 @@ StepTime estimate_step_time(const PlanArgs& args) {
       out.slowest_pp_rank = rank;
     }
   }
-  const double m = static_cast<double>(microbatches);
+  const double m = static_cast<double>(sizes.microbatches);
   out.compute_s = m * slowest_parts.compute;
   out.recompute_s = m * slowest_parts.recompute;
   out.tp_comm_s = m * slowest_parts.tp;
@@ -290,7 +284,6 @@ StepTime estimate_step_time(const PlanArgs& args) {
   }
   // Data parallelism: gradients reduce-scattered (distributed optimizer) or all-reduced, parameters all-gathered;
   // overlapped with backward / the next forward when asked for, except about the last chunk's share.
-  const MemoryPlan memory = estimate_plan_memory(args);
   const StageMemory& worst = memory.stages[static_cast<size_t>(out.slowest_pp_rank)];
   const double grad_bytes = worst.grads;
   const double param_bytes = worst.weights;
@@ -316,5 +309,7 @@ StepTime estimate_step_time(const PlanArgs& args) {
   out.tokens_per_s_per_gpu = static_cast<double>(t.global_batch_size) * seq / (out.total_s * world);
   return out;
 }
+
+StepTime estimate_step_time(const PlanArgs& args) { return estimate_step_time(args, estimate_plan_memory(args)); }
 
 }  // namespace moecore::plan

@@ -29,6 +29,9 @@ struct StepTime {
   int64_t slowest_pp_rank = 0;
 };
 
+// `memory` is estimate_plan_memory(args) (the data-parallel collectives move the slowest rank's weights and
+// gradients); the one-argument form computes it.
+StepTime estimate_step_time(const PlanArgs& args, const MemoryPlan& memory);
 StepTime estimate_step_time(const PlanArgs& args);
 
 }  // namespace moecore::plan
