@@ -292,6 +292,9 @@ TEST(PlanArgs, BadInputIsOneLineError) {
   };
   const Flags model = hf("mixtral_8x7b") + Flags{"--seq-length", "4096"};
   EXPECT_NE(message(model).find("--num-gpus"), std::string::npos);
+  EXPECT_EQ(message(model + Flags{"--num-gpu", "8"}), "unknown flag --num-gpu (did you mean --num-gpus?)");
+  EXPECT_EQ(message(model + Flags{"--num-layer", "8", "--num-gpus", "8"}),
+            "unknown flag --num-layer (did you mean --num-layers?)");
   EXPECT_NE(message(model + Flags{"--num-gpus", "8", "--gpu", "A100"}).find("unknown GPU 'A100'"), std::string::npos);
   EXPECT_NE(message(model + Flags{"--num-gpus", "8", "--recompute-granularity", "full"}).find("--recompute-method"),
             std::string::npos);

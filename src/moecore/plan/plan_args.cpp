@@ -8,6 +8,7 @@
 
 #include "moecore/parallel/pipeline_layout.h"
 #include "moecore/plan/hf_flags.h"
+#include "moecore/train/flag_catalog.h"
 #include "moecore/util/flag_suggest.h"
 
 namespace moecore::plan {
@@ -366,6 +367,18 @@ PlanArgs parse_plan_args(const std::vector<std::string>& args) {
   Parser p(out);
   parse_tokens(p, args, false);
   if (out.help_requested) return out;
+  // Unknown flags first, with suggestions from train's flags and the planner's (train's parser would suggest only
+  // its own); Megatron flags moecore does not implement get train's message from its parser.
+  std::vector<std::string> known = implemented_train_flags();
+  const std::vector<std::string> planner = planner_flags();
+  known.insert(known.end(), planner.begin(), planner.end());
+  for (const std::string& token : p.rest) {
+    if (!looks_like_train_flag(token)) continue;
+    const std::string flag = token.substr(0, token.find('='));
+    if (std::find(known.begin(), known.end(), flag) != known.end() || is_unimplemented_megatron_flag(flag)) continue;
+    const std::string closest = closest_flag(flag, known);
+    throw ConfigError("unknown flag " + flag + (closest.empty() ? "" : " (did you mean " + closest + "?)"));
+  }
   require(out.num_gpus > 0, "missing required flag: --num-gpus");
   // train's required flags that do not shape a plan.
   if (!p.have_mbs) p.rest.insert(p.rest.end(), {"--micro-batch-size", "1"});
