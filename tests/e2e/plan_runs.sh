@@ -1,4 +1,4 @@
-# Shared by the plan_*_measured.sh scripts (sourced): a config file's flags, the subset `moecore plan` takes, and a
+# Shared by tests/e2e/plan_memory_measured.sh and bench/run_plan_time.sh (sourced): a config file's flags, the subset `moecore plan` takes, and a
 # training run on NP ranks of one core each (what `moecore plan --gpu cpu` models: one rank per core).
 # Needs $src, $bin and $mpirun.
 
