@@ -197,5 +197,103 @@ TEST(LRSchedule, StyleNamesRoundTrip) {
   EXPECT_EQ(parse_lr_decay_style("wsd"), std::nullopt);  // Megatron's choice is spelled "WSD"
 }
 
+// Megatron's num_steps counts samples: after a resume with a smaller global batch, each iteration moves the schedule
+// by the new batch, from the samples the checkpoint recorded.
+TEST(LRSchedule, PositionIsASampleCount) {
+  LRSchedule schedule(base_config(LRDecayStyle::kLinear));  // 8 samples per iteration
+  for (int i = 0; i < 20; ++i) schedule.step(8);
+  EXPECT_EQ(schedule.num_steps(), 160.0);
+  EXPECT_NEAR(schedule.lr(), kMin + (1.0 - (160.0 - 80.0) / (880.0 - 80.0)) * (kMax - kMin), kTol);
+  LRScheduleConfig smaller = base_config(LRDecayStyle::kLinear);
+  smaller.global_batch_size = 4;
+  LRSchedule resumed(smaller);
+  SchedulerState stored = schedule.state();
+  resumed.load(stored, SchedulerLoadMode::kUseCheckpoint);  // the checkpoint's sample lengths
+  resumed.step(4);
+  EXPECT_EQ(resumed.num_steps(), 164.0);
+  EXPECT_NEAR(resumed.lr(), kMin + (1.0 - (164.0 - 80.0) / (880.0 - 80.0)) * (kMax - kMin), kTol);
+  // The flags' lengths at the new batch (warmup 40, decay 440 samples) differ from the stored ones.
+  LRSchedule checked(smaller);
+  try {
+    checked.load(stored, SchedulerLoadMode::kCheck);
+    ADD_FAILURE() << "a differing warmup length was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("lr_warmup_steps 40 but the checkpoint has 80"), std::string::npos)
+        << e.what();
+  }
+  LRSchedule overridden(smaller);
+  overridden.load(stored, SchedulerLoadMode::kOverride);
+  EXPECT_EQ(overridden.decay_steps(), 440.0);
+  EXPECT_EQ(overridden.num_steps(), 160.0);  // the checkpoint's position; the trainer resets it to the samples
+}
+
+TEST(LRSchedule, LoadChecksEveryField) {
+  const LRScheduleConfig config = base_config(LRDecayStyle::kCosine);
+  const SchedulerState good = LRSchedule(config).state();
+  const auto rejects = [&](SchedulerState stored, const std::string& flag) {
+    LRSchedule schedule(config);
+    try {
+      schedule.load(stored, SchedulerLoadMode::kCheck);
+      ADD_FAILURE() << "accepted a checkpoint differing in " << flag;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(flag), std::string::npos) << e.what();
+    }
+  };
+  SchedulerState s = good;
+  s.max_lr = 1e-3;
+  rejects(s, "--lr ");
+  s = good;
+  s.min_lr = 0.0;
+  rejects(s, "--min-lr");
+  s = good;
+  s.lr_decay_style = LRDecayStyle::kLinear;
+  rejects(s, "--lr-decay-style");
+  s = good;
+  s.lr_decay_steps = 1000.0;
+  rejects(s, "--lr-decay-iters");
+  s = good;
+  s.start_wd = s.end_wd = 0.5;
+  rejects(s, "--start-weight-decay");
+  s = good;
+  s.wd_incr_steps = 7.0;
+  rejects(s, "--train-iters");
+  s = good;
+  s.wd_incr_style = WDIncrStyle::kLinear;
+  rejects(s, "--weight-decay-incr-style");
+  LRSchedule same(config);
+  s = good;
+  s.num_steps = 24.0;
+  same.load(s, SchedulerLoadMode::kCheck);
+  EXPECT_EQ(same.num_steps(), 24.0);
+  // A checkpoint's values that make no schedule are refused whatever the mode.
+  s = good;
+  s.lr_warmup_steps = 2000.0;
+  s.lr_decay_steps = 1000.0;
+  LRSchedule taken(config);
+  EXPECT_THROW(taken.load(s, SchedulerLoadMode::kUseCheckpoint), ConfigError);
+}
+
+// Megatron's get_wd: start + coeff (end - start), coeff = ratio (linear) or 0.5 (cos(pi (1 - ratio)) + 1) (cosine),
+// ratio = num_steps / wd_incr_steps; end_wd past the increment.
+TEST(LRSchedule, WeightDecayIncrement) {
+  LRScheduleConfig config = base_config(LRDecayStyle::kLinear);
+  config.start_wd = 0.01;
+  config.end_wd = 0.1;
+  config.wd_incr_iters = 100;  // 800 samples
+  config.wd_incr_style = WDIncrStyle::kLinear;
+  const LRSchedule linear(config);
+  EXPECT_NEAR(linear.wd_at_steps(0.0), 0.01, 1e-15);
+  EXPECT_NEAR(linear.wd_at_steps(200.0), 0.01 + 0.25 * 0.09, 1e-15);
+  EXPECT_NEAR(linear.wd_at_steps(800.0), 0.1, 1e-15);
+  EXPECT_NEAR(linear.wd_at_steps(5000.0), 0.1, 1e-15);
+  config.wd_incr_style = WDIncrStyle::kCosine;
+  const LRSchedule cosine(config);
+  EXPECT_NEAR(cosine.wd_at_steps(200.0), 0.01 + 0.5 * (std::cos(std::numbers::pi * 0.75) + 1.0) * 0.09, 1e-15);
+  config.wd_incr_style = WDIncrStyle::kConstant;
+  EXPECT_THROW(LRSchedule{config}, ConfigError);  // constant needs start == end
+  config.start_wd = 0.1;
+  EXPECT_NEAR(LRSchedule(config).wd_at_steps(200.0), 0.1, 1e-15);
+}
+
 }  // namespace
 }  // namespace moecore

@@ -133,8 +133,8 @@ TEST(TrainingState, KeysInOrderWithGlobalShapes) {
   for (const char* key :
        {"optimizer.step", "lr_scheduler.max_lr", "lr_scheduler.lr_warmup_steps", "lr_scheduler.num_steps",
         "lr_scheduler.lr_decay_style", "lr_scheduler.lr_decay_steps", "lr_scheduler.min_lr", "lr_scheduler.start_wd",
-        "lr_scheduler.end_wd", "iteration", "consumed_train_samples", "consumed_valid_samples",
-        "num_floating_point_operations_so_far", "rng.seed"}) {
+        "lr_scheduler.end_wd", "lr_scheduler.wd_incr_steps", "lr_scheduler.wd_incr_style", "iteration",
+        "consumed_train_samples", "consumed_valid_samples", "num_floating_point_operations_so_far", "rng.seed"}) {
     want.emplace_back(key);
   }
   EXPECT_EQ(state.keys(), want);
@@ -170,7 +170,8 @@ TEST(TrainingState, KeysInOrderWithGlobalShapes) {
 TEST(TrainingState, ScalarsHoldProgressSchedulerAndSeed) {
   const TrainingArgs args = tiny_moe_args();
   const ModelAndOptimizer mo = build_model_and_optimizer(args, parallel::ParallelState::single_process());
-  const LRSchedule schedule(lr_schedule_config(args));
+  LRSchedule schedule(lr_schedule_config(args));
+  for (int i = 0; i < 3; ++i) schedule.step(args.global_batch_size);
   TrainingProgress progress;
   progress.iteration = 3;
   progress.consumed_train_samples = 24;
@@ -192,6 +193,8 @@ TEST(TrainingState, ScalarsHoldProgressSchedulerAndSeed) {
   EXPECT_EQ(state.f64("lr_scheduler.min_lr"), 1e-5);
   EXPECT_EQ(state.f64("lr_scheduler.start_wd"), 0.05);
   EXPECT_EQ(state.f64("lr_scheduler.end_wd"), 0.05);
+  EXPECT_EQ(state.f64("lr_scheduler.wd_incr_steps"), 10.0 * 8.0);  // --train-iters x global batch
+  EXPECT_EQ(state.i64("lr_scheduler.wd_incr_style"), 0);           // constant
 }
 
 class TrainingStateMoments : public testing::TestWithParam<bool> {};

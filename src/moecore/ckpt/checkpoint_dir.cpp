@@ -28,6 +28,16 @@ std::string tracker_path(const std::string& root) {
 }
 
 std::optional<int64_t> read_tracker(const std::string& root) {
+  const std::optional<TrackerEntry> entry = read_tracker_entry(root);
+  if (!entry) return std::nullopt;
+  return entry->iteration;
+}
+
+std::string checkpoint_dir(const std::string& root, const TrackerEntry& entry) {
+  return entry.release ? (std::filesystem::path(root) / "release").string() : iteration_dir(root, entry.iteration);
+}
+
+std::optional<TrackerEntry> read_tracker_entry(const std::string& root) {
   const std::string path = tracker_path(root);
   std::ifstream in(path);
   if (!in) return std::nullopt;
@@ -35,7 +45,7 @@ std::optional<int64_t> read_tracker(const std::string& root) {
   buffer << in.rdbuf();
   std::string text = buffer.str();
   while (!text.empty() && (text.back() == '\n' || text.back() == ' ' || text.back() == '\r')) text.pop_back();
-  if (text == "release") return 0;
+  if (text == "release") return TrackerEntry{0, true};
   if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos || text.size() > 18) {
     // The file's start, control bytes escaped, so the error stays one line.
     std::string shown;
@@ -48,7 +58,7 @@ std::optional<int64_t> read_tracker(const std::string& root) {
     if (text.size() > 40) shown += "...";
     throw std::runtime_error(path + ": expected an iteration number or 'release', found '" + shown + "'");
   }
-  return std::stoll(text);
+  return TrackerEntry{std::stoll(text), false};
 }
 
 void write_tracker(const std::string& root, const int64_t iteration) {

@@ -62,6 +62,8 @@ class AdamWOptimizer {
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t steps) { step_ = steps; }  // a checkpoint's count (Adam's bias correction)
   const AdamWOptions& options() const { return options_; }
+  // The scheduler's weight decay for the next step (Megatron's param_group['weight_decay']).
+  void set_weight_decay(double weight_decay) { options_.weight_decay = weight_decay; }
   // Every parameter's moments, whole, in parameter order (see AdamWMomentSlice).
   std::vector<AdamWMomentSlice> moment_slices() const;
   // 16-bit weights: main parameters := the model's current values (after loading weights without main parameters),

@@ -1,6 +1,7 @@
 #include "moecore/optim/distributed_optimizer.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <span>
@@ -167,27 +168,36 @@ double DistributedAdamW::clip_grad_norm(const double max_norm) {
 }
 
 bool DistributedAdamW::unscale_grads_and_check_for_nan(const float inv_scale) {
-  bool found = false;
-  const auto visit = [&](Tensor& grad) {
+  const NonFiniteGrads found = unscale_grads_and_check_for_nan(inv_scale, inv_scale);
+  return found.dense || found.expert;
+}
+
+DistributedAdamW::NonFiniteGrads DistributedAdamW::unscale_grads_and_check_for_nan(const float dense_inv_scale,
+                                                                                   const float expert_inv_scale) {
+  std::array<float, 2> found = {0.0f, 0.0f};  // dense, expert
+  const auto visit = [&](Tensor& grad, const bool expert) {
+    const float inv_scale = expert ? expert_inv_scale : dense_inv_scale;
     if (inv_scale != 1.0f) {
       ops::scale_(grad, inv_scale);
       ops::round_to_dtype_(grad, ddp_.options().main_grad_dtype);  // bf16 main grads are unscaled in bf16
     }
     // Squares of fp32 values summed in double cannot overflow, so only an Inf or NaN element makes this non-finite.
-    if (!std::isfinite(ops::sum_squares(grad))) found = true;
+    if (!std::isfinite(ops::sum_squares(grad))) found[expert ? 1 : 0] = 1.0f;
   };
   if (replicated_) {
-    for (Param& p : params_) visit(p.grad);
+    for (Param& p : params_) visit(p.grad, p.is_expert);
   } else {
     for (const Piece& piece : pieces_) {
       Tensor grad = grad_piece(piece);
-      visit(grad);
+      visit(grad, params_[static_cast<size_t>(piece.param)].is_expert);
     }
   }
   const parallel::ProcessGroup& world = ddp_.parallel().world;
-  if (world.size() == 1) return found;
-  const parallel::CommTimer timer(parallel::CommKind::kOther);
-  return parallel::sum_double(world, found ? 1.0 : 0.0) > 0.0;
+  if (world.size() > 1) {
+    const parallel::CommTimer timer(parallel::CommKind::kOther);
+    world.all_reduce(std::span<float>(found), parallel::ReduceOp::kMax);
+  }
+  return {found[0] > 0.0f, found[1] > 0.0f};
 }
 
 void DistributedAdamW::inject_nonfinite_grad() {

@@ -31,6 +31,13 @@ class DistributedAdamW {
   // inv_scale and returns whether any of them, on any rank, is Inf or NaN (a collective over the world, equal on
   // every rank). inv_scale 1 only checks. Call after finish_grad_sync.
   bool unscale_grads_and_check_for_nan(float inv_scale);
+  // The same with Megatron's two optimizers' scalers: the routed experts' gradients (Param::is_expert) unscaled by
+  // expert_inv_scale, the others by dense_inv_scale; whether each group holds an Inf or NaN, on any rank.
+  struct NonFiniteGrads {
+    bool dense = false;
+    bool expert = false;
+  };
+  NonFiniteGrads unscale_grads_and_check_for_nan(float dense_inv_scale, float expert_inv_scale);
   // Fault injection for the overflow tests: writes +Inf into the first gradient element this rank updates.
   void inject_nonfinite_grad();
   // One AdamW update at learning rate lr, then (distributed optimizer) the parameter all-gather.
@@ -44,6 +51,11 @@ class DistributedAdamW {
     }
   }
   const AdamWOptions& options() const { return options_; }
+  // The scheduler's weight decay for the next step (Megatron's param_group['weight_decay']).
+  void set_weight_decay(double weight_decay) {
+    options_.weight_decay = weight_decay;
+    if (replicated_) replicated_->set_weight_decay(weight_decay);
+  }
   // True with --use-distributed-optimizer (each DP rank holds the moments of its shard only).
   bool distributed() const { return !replicated_.has_value(); }
   // This rank's Adam moments by parameter element range (see AdamWMomentSlice): without the distributed optimizer

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 namespace moecore {
 
@@ -54,6 +55,20 @@ class GradScaler {
   int64_t hysteresis_ = 1;
   int64_t growth_tracker_ = 0;
   int64_t hysteresis_tracker_ = 0;
+};
+
+// The loss scalers of a run, as Megatron's ChainedOptimizer holds them (_get_megatron_optimizer_based_on_param_groups
+// builds one scaler per optimizer): the dense parameters' optimizer first, the routed experts' second when the model
+// has routed experts. Each scaler unscales and checks its own parameters' gradients and updates on its own overflow;
+// the iteration is skipped when either overflowed. The backward is seeded with the first scaler's scale
+// (ChainedOptimizer.get_loss_scale), which is also the log's "loss scale".
+struct LossScalers {
+  std::optional<GradScaler> dense;
+  std::optional<GradScaler> expert;
+
+  bool enabled() const { return dense.has_value(); }
+  bool dynamic() const { return dense.has_value() && dense->is_dynamic(); }
+  float backward_scale() const { return dense ? dense->scale() : 1.0f; }
 };
 
 }  // namespace moecore

@@ -224,6 +224,15 @@ const std::vector<FlagSpec>& flag_table() {
      [](TrainingArgs& a, const FlagValue& v) { a.adam_eps = v.real_up_to(1.0); }},
     {"--weight-decay", Arity::kOne, "X", "decoupled weight decay (default 0.01)",
      [](TrainingArgs& a, const FlagValue& v) { a.weight_decay = v.real(); }},
+    {"--start-weight-decay", Arity::kOne, "X", "weight decay at iteration 0 of a linear / cosine increase",
+     [](TrainingArgs& a, const FlagValue& v) { a.start_weight_decay = v.real(); }},
+    {"--end-weight-decay", Arity::kOne, "X", "weight decay at --train-iters of a linear / cosine increase",
+     [](TrainingArgs& a, const FlagValue& v) { a.end_weight_decay = v.real(); }},
+    {"--weight-decay-incr-style", Arity::kOne, "{constant,linear,cosine}",
+     "weight decay from --start-weight-decay to --end-weight-decay over the run (default constant: --weight-decay)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.weight_decay_incr_style = *parse_wd_incr_style(v.choice({"constant", "linear", "cosine"}));
+     }},
     {"--clip-grad", Arity::kOne, "X", "clip the global gradient L2 norm to X (default 1.0, 0 = off)",
      [](TrainingArgs& a, const FlagValue& v) { a.clip_grad = v.real(); }},
     {"--bf16", Arity::kSwitch, "",
@@ -562,11 +571,24 @@ const std::vector<FlagSpec>& flag_table() {
      [](TrainingArgs& a, const FlagValue& v) { a.exit_interval = v.integer(); }},
     {"--exit-duration-in-mins", Arity::kOne, "X", "save and exit after X minutes of running",
      [](TrainingArgs& a, const FlagValue& v) { a.exit_duration_in_mins = v.real(); }},
-    {"--exit-signal-handler", Arity::kSwitch, "", "on SIGTERM: finish the iteration, save, exit 0",
+    {"--exit-signal-handler", Arity::kSwitch, "", "on --exit-signal: finish the iteration, save, exit 0",
      [](TrainingArgs& a, const FlagValue&) { a.exit_signal_handler = true; }},
-    {"--override-opt_param-scheduler", Arity::kSwitch, "", "take the LR schedule from the flags, not the checkpoint",
+    {"--exit-signal", Arity::kOne, "SIGNAL", "the signal --exit-signal-handler catches (default SIGTERM)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.exit_signal = v.choice({"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGXCPU"});
+     }},
+    {"--non-persistent-global-ckpt-dir", Arity::kOne, "DIR",
+     "where non-persistent checkpoints go and are looked for (default SAVE/non_persistent, LOAD/non_persistent)",
+     [](TrainingArgs& a, const FlagValue& v) { a.non_persistent_global_ckpt_dir = v.non_empty_text(); }},
+    {"--override-opt_param-scheduler", Arity::kSwitch, "",
+     "on --load, take the LR and weight-decay schedule from the flags and its position from the consumed samples",
      [](TrainingArgs& a, const FlagValue&) { a.override_opt_param_scheduler = true; }},
-    {"--use-checkpoint-opt_param-scheduler", Arity::kSwitch, "", "take the LR schedule from the checkpoint",
+    {"--override-opt-param-scheduler", Arity::kSwitch, "", "the same as --override-opt_param-scheduler",
+     [](TrainingArgs& a, const FlagValue&) { a.override_opt_param_scheduler = true; }},
+    {"--use-checkpoint-opt_param-scheduler", Arity::kSwitch, "",
+     "on --load, take the LR and weight-decay schedule from the checkpoint",
+     [](TrainingArgs& a, const FlagValue&) { a.use_checkpoint_opt_param_scheduler = true; }},
+    {"--use-checkpoint-opt-param-scheduler", Arity::kSwitch, "", "the same as --use-checkpoint-opt_param-scheduler",
      [](TrainingArgs& a, const FlagValue&) { a.use_checkpoint_opt_param_scheduler = true; }},
     {"--moe-use-upcycling", Arity::kSwitch, "", "build the MoE model from the dense checkpoint of --load",
      [](TrainingArgs& a, const FlagValue&) { a.moe_use_upcycling = true; }},
@@ -738,6 +760,10 @@ LRScheduleConfig lr_schedule_config(const TrainingArgs& args) {
   config.decay_style = args.lr_decay_style;
   config.wsd_decay_iters = args.lr_wsd_decay_iters;
   config.wsd_decay_style = args.lr_wsd_decay_style;
+  config.start_wd = args.start_weight_decay.value_or(args.weight_decay);
+  config.end_wd = args.end_weight_decay.value_or(args.weight_decay);
+  config.wd_incr_iters = args.train_iters;
+  config.wd_incr_style = args.weight_decay_incr_style;
   return config;
 }
 

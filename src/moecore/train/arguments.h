@@ -86,12 +86,15 @@ struct TrainingArgs {
   WSDDecayStyle lr_wsd_decay_style = WSDDecayStyle::kExponential;  // --lr-wsd-decay-style
 
   // Optimizer (Adam with decoupled weight decay, Megatron's "adam").
-  std::string optimizer = "adam";  // --optimizer
-  double adam_beta1 = 0.9;         // --adam-beta1
-  double adam_beta2 = 0.999;       // --adam-beta2
-  double adam_eps = 1e-8;          // --adam-eps
-  double weight_decay = 0.01;      // --weight-decay
-  double clip_grad = 1.0;          // --clip-grad (0 disables clipping)
+  std::string optimizer = "adam";                                // --optimizer
+  double adam_beta1 = 0.9;                                       // --adam-beta1
+  double adam_beta2 = 0.999;                                     // --adam-beta2
+  double adam_eps = 1e-8;                                        // --adam-eps
+  double weight_decay = 0.01;                                    // --weight-decay
+  std::optional<double> start_weight_decay;                      // --start-weight-decay
+  std::optional<double> end_weight_decay;                        // --end-weight-decay
+  WDIncrStyle weight_decay_incr_style = WDIncrStyle::kConstant;  // --weight-decay-incr-style
+  double clip_grad = 1.0;                                        // --clip-grad (0 disables clipping)
   // Loss scaling (optim/grad_scaler.h): a constant scale; iterations whose gradients are not finite are skipped.
   std::optional<double> loss_scale;  // --loss-scale
   // fp16 without --loss-scale: the dynamic scaler (--initial-loss-scale --min-loss-scale --loss-scale-window
@@ -186,11 +189,13 @@ struct TrainingArgs {
   std::string non_persistent_ckpt_type;                 // --non-persistent-ckpt-type (global)
   std::optional<int64_t> exit_interval;                 // --exit-interval
   std::optional<double> exit_duration_in_mins;          // --exit-duration-in-mins
-  bool exit_signal_handler = false;                     // --exit-signal-handler (SIGTERM)
-  bool override_opt_param_scheduler = false;            // --override-opt_param-scheduler
-  bool use_checkpoint_opt_param_scheduler = false;      // --use-checkpoint-opt_param-scheduler
-  bool moe_use_upcycling = false;                       // --moe-use-upcycling
-  int64_t moe_upcycling_granularity = 1;                // --moe-upcycling-granularity
+  bool exit_signal_handler = false;                     // --exit-signal-handler
+  std::string exit_signal = "SIGTERM";                  // --exit-signal: the signal the handler catches
+  std::string non_persistent_global_ckpt_dir;       // --non-persistent-global-ckpt-dir (default SAVE/non_persistent)
+  bool override_opt_param_scheduler = false;        // --override-opt_param-scheduler
+  bool use_checkpoint_opt_param_scheduler = false;  // --use-checkpoint-opt_param-scheduler
+  bool moe_use_upcycling = false;                   // --moe-use-upcycling
+  int64_t moe_upcycling_granularity = 1;            // --moe-upcycling-granularity
 
   // Profiling (Megatron's _add_profiling_args): a Chrome / Perfetto trace of iterations
   // (profile_step_start, profile_step_end] on the ranks listed, written to --profile-dir/trace_rank<R>.json.

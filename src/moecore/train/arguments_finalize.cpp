@@ -558,6 +558,19 @@ void finalize_checkpointing(TrainingArgs& args, const std::set<std::string>& giv
           "--exit-duration-in-mins must be non-negative");
   require(!(args.override_opt_param_scheduler && args.use_checkpoint_opt_param_scheduler),
           "both --override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are given (pick one)");
+  require(!given.contains("--exit-signal") || args.exit_signal_handler, "--exit-signal requires --exit-signal-handler");
+  require(args.non_persistent_global_ckpt_dir.empty() || args.non_persistent_ckpt_type == "global",
+          "--non-persistent-global-ckpt-dir requires --non-persistent-ckpt-type global");
+  // Megatron's validate_args: the constant style takes --weight-decay, the others both ends.
+  if (args.weight_decay_incr_style == WDIncrStyle::kConstant) {
+    require(!args.start_weight_decay && !args.end_weight_decay,
+            "--start-weight-decay / --end-weight-decay need --weight-decay-incr-style linear or cosine "
+            "(the constant style uses --weight-decay)");
+  } else {
+    require(args.start_weight_decay && args.end_weight_decay, "--weight-decay-incr-style " +
+                                                                  to_string(args.weight_decay_incr_style) +
+                                                                  " needs --start-weight-decay and --end-weight-decay");
+  }
   require(!given.contains("--moe-upcycling-granularity") || args.moe_use_upcycling,
           "--moe-upcycling-granularity requires --moe-use-upcycling");
   require(args.moe_upcycling_granularity > 0, "--moe-upcycling-granularity must be positive");

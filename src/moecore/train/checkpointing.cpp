@@ -6,6 +6,7 @@
 #include <ctime>
 #include <filesystem>
 #include <iomanip>
+#include <map>
 #include <ostream>
 #include <sstream>
 
@@ -16,6 +17,7 @@
 #include "moecore/model/config.h"
 #include "moecore/parallel/agreement.h"
 #include "moecore/train/training_state.h"
+#include "moecore/util/process_start.h"
 
 namespace moecore {
 namespace fs = std::filesystem;
@@ -24,8 +26,34 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-volatile std::sig_atomic_t g_sigterm_received = 0;
-extern "C" void on_sigterm(int) { g_sigterm_received = 1; }
+volatile std::sig_atomic_t g_exit_signal_received = 0;
+extern "C" void on_exit_signal(int) { g_exit_signal_received = 1; }
+
+int signal_number(const std::string& name) {
+  static const std::map<std::string, int> numbers = {{"SIGTERM", SIGTERM}, {"SIGINT", SIGINT},   {"SIGHUP", SIGHUP},
+                                                     {"SIGQUIT", SIGQUIT}, {"SIGUSR1", SIGUSR1}, {"SIGUSR2", SIGUSR2},
+                                                     {"SIGALRM", SIGALRM}, {"SIGXCPU", SIGXCPU}};
+  const auto it = numbers.find(name);
+  if (it == numbers.end()) throw ConfigError("--exit-signal " + name + " is not a signal moecore can catch");
+  return it->second;
+}
+
+// Megatron's cleanup_old_non_persistent_checkpoint(leave_ckpt_num=1), before a non-persistent save: every iter_*
+// folder but the newest goes, so the previous one survives until the new one is complete.
+void cleanup_old_non_persistent_checkpoints(const std::string& root) {
+  if (!fs::is_directory(root)) return;
+  std::vector<std::pair<int64_t, fs::path>> iterations;
+  for (const auto& entry : fs::directory_iterator(root)) {
+    const std::string name = entry.path().filename().string();
+    if (!name.starts_with("iter_") || name.size() == 5 ||
+        name.find_first_not_of("0123456789", 5) != std::string::npos || name.size() > 5 + 18) {
+      continue;
+    }
+    iterations.emplace_back(std::stoll(name.substr(5)), entry.path());
+  }
+  std::sort(iterations.begin(), iterations.end());
+  for (size_t i = 0; i + 1 < iterations.size(); ++i) fs::remove_all(iterations[i].second);
+}
 
 std::string now_text(const bool micros) {
   const auto now = std::chrono::system_clock::now();
@@ -78,17 +106,58 @@ bool is_vocab_key(const std::string& key) {
   return false;
 }
 
-// Where --load points: a non-persistent checkpoint wins when its iteration is at least the persistent one.
-std::optional<std::pair<std::string, int64_t>> find_checkpoint(const TrainingArgs& args) {
-  if (args.ckpt_step) return std::make_pair(iteration_dir(args.load, *args.ckpt_step), *args.ckpt_step);
-  const std::optional<int64_t> persistent = read_tracker(args.load);
-  const std::string np_root = (fs::path(args.load) / "non_persistent").string();
-  const std::optional<int64_t> non_persistent = read_tracker(np_root);
-  if (non_persistent && (!persistent || *non_persistent >= *persistent)) {
-    return std::make_pair(iteration_dir(np_root, *non_persistent), *non_persistent);
+// The dynamic loss scalers' state (Megatron's MixedPrecisionOptimizer.load_state_dict: an fp16 run from a checkpoint
+// without it keeps its initial scale).
+void load_grad_scalers(const ShardedCheckpoint& ckpt, LossScalers& scalers, std::ostream& log) {
+  for (const bool expert : {false, true}) {
+    std::optional<GradScaler>& scaler = expert ? scalers.expert : scalers.dense;
+    if (!scaler || !scaler->is_dynamic()) continue;
+    const std::string prefix = grad_scaler_prefix(scalers, expert);
+    if (!ckpt.info(prefix + "scale")) {
+      log << "***WARNING*** found an old checkpoint, will not load grad scaler (" << prefix << "* missing in "
+          << ckpt.dir() << ")" << std::endl;
+      continue;
+    }
+    GradScaler::State state;
+    state.scale = static_cast<float>(ckpt.f64(prefix + "scale"));
+    state.growth_tracker = ckpt.i64(prefix + "growth_tracker");
+    state.hysteresis_tracker = ckpt.i64(prefix + "hysteresis_tracker");
+    try {
+      scaler->load_state(state);
+    } catch (const std::invalid_argument& e) {
+      throw CheckpointError("checkpoint " + ckpt.dir() + ": " + prefix + "*: " + e.what());
+    }
   }
-  if (persistent) return std::make_pair(iteration_dir(args.load, *persistent), *persistent);
-  return std::nullopt;
+}
+
+struct FoundCheckpoint {
+  std::string dir;
+  int64_t iteration = 0;
+  bool release = false;
+};
+
+// Where --load points (Megatron's _load_base_checkpoint): the tracker's iteration or --ckpt-step; with
+// --non-persistent-ckpt-type global, the non-persistent checkpoint wins when its iteration is at least that one.
+std::optional<FoundCheckpoint> find_checkpoint(const TrainingArgs& args, std::ostream& log) {
+  std::optional<TrackerEntry> persistent = read_tracker_entry(args.load);
+  if (args.ckpt_step) persistent = TrackerEntry{*args.ckpt_step, false};
+  if (args.non_persistent_ckpt_type == "global") {
+    const std::string np_root = non_persistent_root(args, args.load);
+    const std::optional<TrackerEntry> non_persistent = read_tracker_entry(np_root);
+    if (non_persistent && non_persistent->release) {
+      throw CheckpointError(tracker_path(np_root) + ": a non-persistent checkpoint cannot be a release checkpoint");
+    }
+    if (!non_persistent) {
+      log << "WARNING: could not find the metadata file " << tracker_path(np_root) << "\n"
+          << "    will not load any non-persistent checkpoint" << std::endl;
+    } else if (!persistent || non_persistent->iteration >= persistent->iteration) {
+      return FoundCheckpoint{iteration_dir(np_root, non_persistent->iteration), non_persistent->iteration, false};
+    } else {
+      log << "WARNING: non-persistent checkpoints are older than persistent checkpoint" << std::endl;
+    }
+  }
+  if (!persistent) return std::nullopt;
+  return FoundCheckpoint{checkpoint_dir(args.load, *persistent), persistent->iteration, persistent->release};
 }
 
 // A HuggingFace folder (training starts at iteration 0 with a fresh optimizer), or Megatron's upcycling of a dense
@@ -146,6 +215,11 @@ void load_model_only(const LoadPlan& plan, const TrainingArgs& run_args, const C
 }
 
 }  // namespace
+
+std::string non_persistent_root(const TrainingArgs& args, const std::string& root) {
+  if (!args.non_persistent_global_ckpt_dir.empty()) return args.non_persistent_global_ckpt_dir;
+  return (fs::path(root) / "non_persistent").string();
+}
 
 ojson checkpoint_args(const TrainingArgs& a) {
   const ModelConfig& m = a.model;
@@ -218,14 +292,15 @@ LoadPlan plan_load(const TrainingArgs& args, std::ostream& log) {
     throw ConfigError("--moe-use-upcycling: " + args.save +
                       " already holds a checkpoint (upcycling is for the first run only; resume without the flag)");
   }
-  const bool has_tracker = fs::exists(tracker_path(args.load)) ||
-                           fs::exists(tracker_path((fs::path(args.load) / "non_persistent").string()));
+  const bool has_tracker =
+      fs::exists(tracker_path(args.load)) ||
+      (args.non_persistent_ckpt_type == "global" && fs::exists(tracker_path(non_persistent_root(args, args.load))));
   if (!has_tracker && !args.ckpt_step && fs::exists(fs::path(args.load) / "config.json")) {
     plan.kind = LoadPlan::Kind::kHuggingFace;
     plan.dir = args.load;
     return plan;
   }
-  const auto found = find_checkpoint(args);
+  const std::optional<FoundCheckpoint> found = find_checkpoint(args, log);
   if (!found) {
     if (args.exit_on_missing_checkpoint) {
       throw CheckpointError("--exit-on-missing-checkpoint is set but no checkpoint was found under load directory '" +
@@ -237,11 +312,13 @@ LoadPlan plan_load(const TrainingArgs& args, std::ostream& log) {
     return plan;
   }
   plan.kind = LoadPlan::Kind::kSharded;
-  plan.dir = found->first;
-  plan.iteration = found->second;
+  plan.dir = found->dir;
+  plan.iteration = found->iteration;
+  plan.release = found->release;
   plan.checkpoint = std::make_shared<const ShardedCheckpoint>(plan.dir);  // validates metadata.json and every file
   const ShardedCheckpoint& ckpt = *plan.checkpoint;
-  if (!args.no_load_rng && !args.finetune && !args.moe_use_upcycling) {
+  // Megatron loads no RNG state from a release checkpoint.
+  if (!args.no_load_rng && !args.finetune && !args.moe_use_upcycling && !plan.release) {
     if (!ckpt.info("rng.seed")) {
       throw CheckpointError("checkpoint " + plan.dir +
                             " has no RNG state (saved with --no-save-rng): pass --no-load-rng or --finetune");
@@ -249,37 +326,6 @@ LoadPlan plan_load(const TrainingArgs& args, std::ostream& log) {
     plan.seed = ckpt.i64("rng.seed");
   }
   return plan;
-}
-
-TrainingArgs with_checkpoint_lr_schedule(const TrainingArgs& run_args, const LoadPlan& plan) {
-  if (!run_args.use_checkpoint_opt_param_scheduler || plan.kind != LoadPlan::Kind::kSharded || run_args.finetune ||
-      run_args.no_load_optim) {
-    return run_args;
-  }
-  const ShardedCheckpoint& ckpt = *plan.checkpoint;
-  if (!ckpt.info("lr_scheduler.max_lr")) {
-    throw CheckpointError(
-        "checkpoint " + plan.dir +
-        " has no LR scheduler state (saved with --no-save-optim) for --use-checkpoint-opt_param-scheduler");
-  }
-  TrainingArgs out = run_args;
-  const int64_t gbs = run_args.global_batch_size;
-  const auto iters = [&](const std::string& key) {
-    const double samples = ckpt.f64(key);
-    if (std::fmod(samples, static_cast<double>(gbs)) != 0.0) {
-      throw ConfigError("--use-checkpoint-opt_param-scheduler: the checkpoint's " + key + " (" +
-                        std::to_string(static_cast<int64_t>(samples)) +
-                        " samples) is not a whole number of iterations of --global-batch-size " + std::to_string(gbs));
-    }
-    return static_cast<int64_t>(samples) / gbs;
-  };
-  out.lr = ckpt.f64("lr_scheduler.max_lr");
-  out.min_lr = ckpt.f64("lr_scheduler.min_lr");
-  out.lr_warmup_iters = iters("lr_scheduler.lr_warmup_steps");
-  out.lr_warmup_fraction.reset();
-  out.lr_decay_iters = iters("lr_scheduler.lr_decay_steps");
-  out.lr_decay_style = static_cast<LRDecayStyle>(ckpt.i64("lr_scheduler.lr_decay_style"));
-  return out;
 }
 
 void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const CheckpointTarget& target,
@@ -292,8 +338,11 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
                           std::chrono::duration<double, std::milli>(Clock::now() - start).count(), log);
     return;
   }
-  log << " loading distributed checkpoint from " << run_args.load << " at iteration " << plan.iteration << std::endl;
-  const bool load_optim = !run_args.no_load_optim && !run_args.finetune;
+  log << " loading " << (plan.release ? "release " : "") << "distributed checkpoint from " << run_args.load
+      << " at iteration " << plan.iteration << std::endl;
+  // Megatron's load_checkpoint: the optimizer and the scheduler (and the loss scalers in the optimizer's state) only
+  // when neither --no-load-optim nor --finetune is given and the checkpoint is not a release.
+  const bool load_optim = !run_args.no_load_optim && !run_args.finetune && !plan.release;
   parallel::run_on_all_ranks(parallel.world, [&] {
     const ShardedCheckpoint& ckpt = *plan.checkpoint;
     // Model flags must match.
@@ -364,41 +413,35 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
     }
     if (load_optim) {
       target.optimizer.set_steps_taken(ckpt.i64("optimizer.step"));
-      if (!run_args.override_opt_param_scheduler && !run_args.use_checkpoint_opt_param_scheduler) {
-        // Megatron's OptimizerParamScheduler._check_and_set: the flags must agree with the checkpoint.
-        const LRSchedule& s = target.schedule;
-        const std::vector<std::tuple<std::string, std::string, double, double>> checks = {
-            {"lr_scheduler.max_lr", "--lr", ckpt.f64("lr_scheduler.max_lr"), s.config().max_lr},
-            {"lr_scheduler.min_lr", "--min-lr", ckpt.f64("lr_scheduler.min_lr"), s.config().min_lr},
-            {"lr_scheduler.lr_warmup_steps", "--lr-warmup-iters", ckpt.f64("lr_scheduler.lr_warmup_steps"),
-             s.warmup_steps()},
-            {"lr_scheduler.lr_decay_steps", "--lr-decay-iters", ckpt.f64("lr_scheduler.lr_decay_steps"),
-             s.decay_steps()},
-            {"lr_scheduler.lr_decay_style", "--lr-decay-style",
-             static_cast<double>(ckpt.i64("lr_scheduler.lr_decay_style")),
-             static_cast<double>(lr_decay_style_code(s.config().decay_style))}};
-        for (const auto& [key, flag, stored, now] : checks) {
-          if (stored != now) {
-            std::ostringstream msg;
-            msg << "OptimizerParamScheduler: " << flag << " gives " << key << " " << now << " but the checkpoint has "
-                << stored << " (pass --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler)";
-            throw ConfigError(msg.str());
-          }
-        }
+      const std::optional<SchedulerState> stored = stored_scheduler_state(ckpt, target.schedule.state());
+      if (!stored) {
+        throw CheckpointError("checkpoint " + plan.dir +
+                              " has no LR scheduler state (saved with --no-save-optim): pass --no-load-optim");
       }
+      target.schedule.load(*stored, run_args.override_opt_param_scheduler         ? SchedulerLoadMode::kOverride
+                                    : run_args.use_checkpoint_opt_param_scheduler ? SchedulerLoadMode::kUseCheckpoint
+                                                                                  : SchedulerLoadMode::kCheck);
+      if (target.loss_scalers != nullptr) load_grad_scalers(ckpt, *target.loss_scalers, log);
     } else {
       target.optimizer.set_steps_taken(0);
     }
+    // Megatron: the iteration and samples unless --finetune (a release checkpoint starts at iteration 0); the FLOPs
+    // so far always.
     if (!run_args.finetune) {
-      progress.iteration = ckpt.i64("iteration");
-      progress.consumed_train_samples = ckpt.i64("consumed_train_samples");
-      progress.consumed_valid_samples = ckpt.i64("consumed_valid_samples");
+      progress.iteration = plan.release ? 0 : ckpt.i64("iteration");
+      if (ckpt.info("consumed_train_samples")) progress.consumed_train_samples = ckpt.i64("consumed_train_samples");
+      if (ckpt.info("consumed_valid_samples")) progress.consumed_valid_samples = ckpt.i64("consumed_valid_samples");
+    }
+    if (ckpt.info("num_floating_point_operations_so_far")) {
       progress.floating_point_operations_so_far = ckpt.f64("num_floating_point_operations_so_far");
-      if (load_optim) {
-        // The scheduler counted only the successful iterations (loss scaling skips the others).
-        const int64_t scheduled = ckpt.i64("lr_scheduler.num_steps") / run_args.global_batch_size;
-        progress.skipped_iterations = std::clamp<int64_t>(progress.iteration - scheduled, 0, progress.iteration);
-      }
+    }
+    // --override-opt_param-scheduler: the schedule's position from the consumed samples (Megatron's load_checkpoint).
+    if (load_optim && run_args.override_opt_param_scheduler &&
+        target.schedule.num_steps() != static_cast<double>(progress.consumed_train_samples)) {
+      log << " > WARNING: scheduler num_steps (" << static_cast<int64_t>(target.schedule.num_steps())
+          << ") differs from consumed_train_samples (" << progress.consumed_train_samples
+          << "). Resetting scheduler num_steps to match consumed_train_samples." << std::endl;
+      target.schedule.set_num_steps(static_cast<double>(progress.consumed_train_samples));
     }
   });
   log << "  successfully loaded checkpoint from " << run_args.load << " [ t 1/" << run_args.tensor_model_parallel_size
@@ -408,19 +451,24 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
 }
 
 Checkpointer::Checkpointer(const TrainingArgs& run_args, const parallel::ParallelState& parallel, std::ostream& log)
-    : args_(run_args), parallel_(parallel), log_(log), start_(Clock::now()) {
+    : args_(run_args), parallel_(parallel), log_(log) {
+  // Megatron's start time: the earliest process start of the job.
+  std::vector<int64_t> negated_start_ms{-std::llround(process_start_seconds() * 1000.0)};
+  parallel_.world.all_reduce(std::span<int64_t>(negated_start_ms), parallel::ReduceOp::kMax);
+  start_seconds_ = static_cast<double>(-negated_start_ms[0]) / 1000.0;
   if (args_.exit_signal_handler) {
-    g_sigterm_received = 0;
+    g_exit_signal_received = 0;
+    exit_signal_ = signal_number(args_.exit_signal);
     struct sigaction action {};
-    action.sa_handler = on_sigterm;
+    action.sa_handler = on_exit_signal;
     sigemptyset(&action.sa_mask);
-    sigaction(SIGTERM, &action, &previous_sigterm_);
+    sigaction(exit_signal_, &action, &previous_handler_);
     handler_installed_ = true;
   }
 }
 
 Checkpointer::~Checkpointer() {
-  if (handler_installed_) sigaction(SIGTERM, &previous_sigterm_, nullptr);
+  if (handler_installed_) sigaction(exit_signal_, &previous_handler_, nullptr);
   // A pending async save is finished by finish(); an exception path drops it (its folder stays .tmp, never named).
 }
 
@@ -428,29 +476,24 @@ void Checkpointer::wait_for_pending() {
   if (!pending_) return;
   pending_->finalize(true);
   log_ << "  [" << now_text(true) << "] successfully saved checkpoint from iteration " << iter7(pending_->iteration())
-       << " to " << args_.save << " [ t 1/" << args_.tensor_model_parallel_size << ", p 1/"
-       << args_.pipeline_model_parallel_size << " ]" << std::endl;
-  if (pending_non_persistent_ && parallel_.rank == 0) {  // only the newest non-persistent checkpoint is kept
-    const fs::path root = fs::path(args_.save) / "non_persistent";
-    for (const auto& entry : fs::directory_iterator(root)) {
-      const std::string name = entry.path().filename().string();
-      if (name.starts_with("iter_") && name != iteration_dir_name(pending_->iteration())) fs::remove_all(entry.path());
-    }
-  }
+       << " to " << (pending_non_persistent_ ? non_persistent_root(args_, args_.save) : args_.save) << " [ t 1/"
+       << args_.tensor_model_parallel_size << ", p 1/" << args_.pipeline_model_parallel_size << " ]" << std::endl;
   pending_.reset();
 }
 
 void Checkpointer::save(const CheckpointTarget& target, const TrainingProgress& progress, const bool non_persistent) {
   wait_for_pending();
   const auto start = Clock::now();
-  const std::string root = non_persistent ? (fs::path(args_.save) / "non_persistent").string() : args_.save;
+  const std::string root = non_persistent ? non_persistent_root(args_, args_.save) : args_.save;
+  if (non_persistent && parallel_.rank == 0) cleanup_old_non_persistent_checkpoints(root);
   log_ << "[" << now_text(true) << "] saving checkpoint at iteration " << iter7(progress.iteration) << " to " << root
        << " in " << kShardedFormat << " format" << std::endl;
   target.ddp.wait_param_gather();
   // FP8 delayed scaling: amaxes recorded since the last update (evaluation's) differ between the ranks of the amax
   // group until the next reduction; reduce them now so the one saved copy is every rank's.
   target.model.delayed_scaling().reduce_pending();
-  const StateDict full = training_state(target.model, target.optimizer, target.schedule, progress, args_.seed);
+  StateDict full = training_state(target.model, target.optimizer, target.schedule, progress, args_.seed);
+  if (target.loss_scalers != nullptr) add_grad_scaler_state(full, *target.loss_scalers);
   StateDict state;
   for (const StateEntry& e : full.entries()) {
     if (args_.no_save_optim && (e.key.starts_with("optimizer.") || e.key.starts_with("lr_scheduler."))) continue;
@@ -483,12 +526,12 @@ bool Checkpointer::after_iteration(const CheckpointTarget& target, const Trainin
   const int64_t it = progress.iteration;
   const bool can_save = !args_.save.empty();
   if (args_.exit_signal_handler) {
-    std::vector<int64_t> received{g_sigterm_received ? 1 : 0};
+    std::vector<int64_t> received{g_exit_signal_received ? 1 : 0};
     parallel_.world.all_reduce(std::span<int64_t>(received), parallel::ReduceOp::kMax);
     if (received[0] != 0) {
       if (can_save) save(target, progress, false);
       wait_for_pending();
-      print_datetime("exiting program after receiving SIGTERM.", log_);
+      print_datetime("exiting program after receiving " + args_.exit_signal + ".", log_);
       return true;
     }
   }
@@ -501,7 +544,8 @@ bool Checkpointer::after_iteration(const CheckpointTarget& target, const Trainin
     saved = true;
   }
   if (args_.exit_duration_in_mins) {
-    const double minutes = std::chrono::duration<double>(Clock::now() - start_).count() / 60.0;
+    const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    const double minutes = (now - start_seconds_) / 60.0;
     std::vector<int64_t> done{minutes > *args_.exit_duration_in_mins ? 1 : 0};
     parallel_.world.all_reduce(std::span<int64_t>(done), parallel::ReduceOp::kMax);
     if (done[0] != 0) {

@@ -3,27 +3,32 @@
 //
 // Save (--save DIR --save-interval N): DIR/iter_%07d/ and DIR/latest_checkpointed_iteration.txt, after every N-th
 // iteration and after the last one (when not a multiple of N), with Megatron's log lines and the save time
-// ("(min, max) time across ranks (ms)" / "save-checkpoint"). --no-save-optim drops the optimizer and scheduler state,
-// --no-save-rng the RNG seed. --async-save writes in the background; the next save, or the end of the run, waits for
-// it; the tracker names it only once every rank has written. --non-persistent-save-interval M
-// (--non-persistent-ckpt-type global) also saves into DIR/non_persistent/ every M iterations when the persistent save
-// did not fire, keeping only the newest there.
+// ("(min, max) time across ranks (ms)" / "save-checkpoint"). --no-save-optim drops the optimizer (loss scalers
+// included) and scheduler state, --no-save-rng the RNG seed. --async-save writes in the background; the next save, or
+// the end of the run, waits for it; the tracker names it only once every rank has written.
+// --non-persistent-save-interval M (--non-persistent-ckpt-type global) also saves into DIR/non_persistent/ (or
+// --non-persistent-global-ckpt-dir) every M iterations when the persistent save did not fire; before each such save
+// every non-persistent checkpoint but the newest is removed (Megatron's cleanup_old_non_persistent_checkpoint).
 //
-// Load (--load DIR): the tracker's iteration (or --ckpt-step; a non-persistent checkpoint of a later or equal
-// iteration wins), in any parallel layout: each rank reads the pieces that overlap its own shards. Model flags must
+// Load (--load DIR): the tracker's iteration (or --ckpt-step; with --non-persistent-ckpt-type global a non-persistent
+// checkpoint of a later or equal iteration wins), in any parallel layout: each rank reads the pieces that overlap its
+// own shards. A `release` tracker names DIR/release: its weights, at iteration 0, nothing else. Model flags must
 // equal the saved ones (one line naming the first that differs); parallel sizes, batch sizes and thread counts may
-// change. Restored: parameters and buffers (the router's expert bias); Adam moments and step (not with
-// --no-load-optim or --finetune); the LR schedule, checked against the flags unless --override-opt_param-scheduler
-// (the flags win) or --use-checkpoint-opt_param-scheduler (the checkpoint wins); iteration, consumed samples and
-// FLOPs so far (not with --finetune, which starts at iteration 0); the RNG seed (not with --no-load-rng or
-// --finetune; moecore's RNG is a counter keyed by seed and position, so it reloads in any layout, where Megatron
-// drops it on a TP/PP change). No tracker: a fresh start, or an error with --exit-on-missing-checkpoint. DIR may
-// also be a HuggingFace folder (config.json): its weights under any layout, iteration 0, fresh optimizer.
-// --moe-use-upcycling builds the MoE model from a dense checkpoint (moecore's or HuggingFace's; ckpt/upcycling.h).
+// change. Restored: parameters and buffers (the router's expert bias); Adam moments and step, the fp16 loss scalers
+// and the LR / weight-decay scheduler (none of them with --no-load-optim or --finetune: the schedule then restarts at
+// step 0), the scheduler's fields checked against the flags unless --override-opt_param-scheduler (the flags win and
+// the position becomes the consumed samples) or --use-checkpoint-opt_param-scheduler (the checkpoint wins);
+// iteration and consumed samples (not with --finetune, which starts at iteration 0); the FLOPs so far (always); the
+// RNG seed (not with --no-load-rng or --finetune; moecore's RNG is a counter keyed by seed and position, so it reloads
+// in any layout, where Megatron drops it on a TP/PP change). No tracker: a fresh start, or an error with
+// --exit-on-missing-checkpoint. DIR may also be a HuggingFace folder (config.json): its weights under any layout,
+// iteration 0, fresh optimizer. --moe-use-upcycling builds the MoE model from a dense checkpoint (moecore's or
+// HuggingFace's; ckpt/upcycling.h).
 //
-// Exits (Megatron's checkpoint_and_decide_exit, after each iteration): SIGTERM with --exit-signal-handler, then the
-// regular saves, then --exit-duration-in-mins (minutes since the start, any rank), then --exit-interval; each saves
-// first (with --save) and ends the run with exit status 0, skipping the evaluation and export after training.
+// Exits (Megatron's checkpoint_and_decide_exit, after each iteration): --exit-signal (default SIGTERM) with
+// --exit-signal-handler, then the regular saves, then --exit-duration-in-mins (minutes since the earliest process
+// start of the job, decided together by every rank), then --exit-interval; each saves first (with --save) and ends the
+// run with exit status 0, skipping the evaluation and export after training.
 #pragma once
 
 #include <chrono>
@@ -37,6 +42,7 @@
 #include "moecore/ckpt/sharded_checkpoint.h"
 #include "moecore/model/gpt_model.h"
 #include "moecore/optim/distributed_optimizer.h"
+#include "moecore/optim/grad_scaler.h"
 #include "moecore/optim/lr_schedule.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/train/arguments.h"
@@ -55,6 +61,7 @@ struct LoadPlan {
   Kind kind = Kind::kNone;
   std::string dir;  // the iteration folder, or the HF folder
   int64_t iteration = 0;
+  bool release = false;         // DIR/release: weights only, iteration 0 (Megatron's release checkpoints)
   std::optional<int64_t> seed;  // the checkpoint's RNG seed when it is to be loaded
   // kSharded: the iteration folder, opened and validated once (metadata.json, every file's size and header).
   std::shared_ptr<const ShardedCheckpoint> checkpoint;
@@ -67,16 +74,17 @@ struct CheckpointTarget {
   GPTModel& model;
   DistributedDataParallel& ddp;
   DistributedAdamW& optimizer;
-  const LRSchedule& schedule;
+  LRSchedule& schedule;
   int64_t vocab_tokens = 0;  // the tokenizer's vocabulary before padding: the embedding rows a checkpoint must hold
+  LossScalers* loss_scalers = nullptr;  // saved and loaded with the optimizer state
 };
 
 // Loads `plan` into `target` and `progress` as described above (collective; every rank fails together with one
 // line).
 void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const CheckpointTarget& target,
                      TrainingProgress& progress, const parallel::ParallelState& parallel, std::ostream& log);
-// With --use-checkpoint-opt_param-scheduler: `run_args` with the LR flags the checkpoint's scheduler recorded.
-TrainingArgs with_checkpoint_lr_schedule(const TrainingArgs& run_args, const LoadPlan& plan);
+// Where non-persistent checkpoints of `root` live: --non-persistent-global-ckpt-dir, else root/non_persistent.
+std::string non_persistent_root(const TrainingArgs& args, const std::string& root);
 
 // Saves, async saves and exits during training.
 class Checkpointer {
@@ -103,8 +111,9 @@ class Checkpointer {
   std::unique_ptr<ShardedSave> pending_;
   bool pending_non_persistent_ = false;
   int64_t last_saved_ = -1;
-  std::chrono::steady_clock::time_point start_;
-  struct sigaction previous_sigterm_ {};
+  double start_seconds_ = 0.0;  // the job's start (--exit-duration-in-mins), Unix seconds
+  int exit_signal_ = SIGTERM;
+  struct sigaction previous_handler_ {};
   bool handler_installed_ = false;
 };
 

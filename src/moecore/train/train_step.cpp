@@ -49,7 +49,7 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   };
   // The backward seed of each micro-batch's mean loss (Megatron's schedules.py: loss / num_microbatches, times the
   // loss scale in backward_step via optimizer.scale_loss).
-  const double grad_scale = modules.grad_scaler != nullptr ? modules.grad_scaler->scale() : 1.0;
+  const double grad_scale = modules.loss_scalers.backward_scale();
   const double loss_scale = grad_scale / static_cast<double>(mine.size());
   microbatches.options = [&](const int m) {
     ForwardOptions options;
@@ -105,20 +105,23 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
   result.lm_loss = forward_backward(args, modules, parallel, progress, result.seqlen_stats);
   // With dynamic loss scaling a non-finite loss is the scaler's signal, not an error (Megatron turns
   // check_for_nan_in_loss_and_grad off): its gradients are not finite either, so the iteration is skipped.
-  const bool dynamic_scaling = modules.grad_scaler != nullptr && modules.grad_scaler->is_dynamic();
+  LossScalers& scalers = modules.loss_scalers;
+  const bool dynamic_scaling = scalers.dynamic();
   // The lr this iteration's update uses (for the message when it stops).
-  const double learning_rate = modules.schedule.lr_at(progress.successful_iterations());
+  const double learning_rate = modules.schedule.lr();
   if (!std::isfinite(result.lm_loss) && !dynamic_scaling) {  // after the reduction, so every rank stops together
     throw NonFiniteStep(NonFiniteStepFacts{iteration, result.lm_loss, std::nullopt, learning_rate});
   }
   if (iteration == injected_overflow_iteration()) modules.optimizer.inject_nonfinite_grad();
-  if (modules.grad_scaler != nullptr) {
-    GradScaler& scaler = *modules.grad_scaler;
+  if (scalers.enabled()) {
     const trace::Scope scope("unscale grads", "optimizer");
-    const bool found_inf = modules.optimizer.unscale_grads_and_check_for_nan(scaler.inv_scale());
-    scaler.update(found_inf);
-    result.loss_scale = scaler.scale();
-    result.skipped = found_inf;
+    const GradScaler& expert = scalers.expert ? *scalers.expert : *scalers.dense;
+    const DistributedAdamW::NonFiniteGrads found =
+        modules.optimizer.unscale_grads_and_check_for_nan(scalers.dense->inv_scale(), expert.inv_scale());
+    scalers.dense->update(found.dense);
+    if (scalers.expert) scalers.expert->update(found.expert);
+    result.loss_scale = scalers.dense->scale();
+    result.skipped = found.dense || found.expert;
   }
   // A skipped iteration (Megatron's optimizer.step returns update_successful = False) makes no clipping and no
   // update, and the scheduler stays; the expert-bias update belongs to the gradient finalization
@@ -132,7 +135,9 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
       throw NonFiniteStep(NonFiniteStepFacts{iteration, result.lm_loss, result.grad_norm, learning_rate});
     }
     const trace::Scope scope("optimizer step", "optimizer");
+    modules.optimizer.set_weight_decay(modules.schedule.weight_decay());
     modules.optimizer.step(learning_rate);
+    modules.schedule.step(args.global_batch_size);
   }
   modules.model.finish_global_batch();
   result.moe_stats = modules.model.take_moe_stats();

@@ -32,16 +32,16 @@ struct TrainingModules {
   GPTModel& model;
   DistributedDataParallel& ddp;
   DistributedAdamW& optimizer;
-  const LRSchedule& schedule;
+  LRSchedule& schedule;
   const GPTDataProvider& data;
-  GradScaler* grad_scaler = nullptr;  // --loss-scale; null: no loss scaling
+  LossScalers& loss_scalers;  // --fp16's dynamic scalers or a constant --loss-scale; empty: no loss scaling
 };
 
 // Iteration progress.iteration + 1 on training samples [consumed_train_samples, + global batch): throws
 // NonFiniteStep (train/nonfinite_diagnosis.h; on every rank together) when the loss or the gradient norm is not finite;
 // with loss scaling an iteration whose gradients are not finite is skipped instead (result.skipped). The update uses
-// the learning rate after progress.iteration - progress.skipped_iterations successful iterations. Does not advance
-// `progress`.
+// the scheduler's learning rate and weight decay; a successful update steps the scheduler by the global batch size
+// (Megatron's train_step). Does not advance `progress`.
 StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, const parallel::ParallelState& parallel,
                       const TrainingProgress& progress);
 

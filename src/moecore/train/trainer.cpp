@@ -108,7 +108,6 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   LoadPlan load_plan;
   parallel::run_on_all_ranks(parallel.world, [&] { load_plan = plan_load(run_args, log); });
   if (load_plan.seed) run_args.seed = *load_plan.seed;  // the checkpoint's RNG stream goes on
-  run_args = with_checkpoint_lr_schedule(run_args, load_plan);
   log << "> padded vocab (size: " << vocabulary.unpadded_size << ") with "
       << vocabulary.padded_size - vocabulary.unpadded_size << " dummy tokens (new size: " << vocabulary.padded_size
       << ")" << std::endl;
@@ -132,19 +131,23 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   }
   log.unsetf(std::ios::floatfield);
   log << std::setprecision(6);
-  const LRSchedule schedule(lr_schedule_config(run_args));
-  std::optional<GradScaler> grad_scaler;
-  if (run_args.loss_scale) {
-    grad_scaler = GradScaler::constant(*run_args.loss_scale);
-  } else if (run_args.model.params_dtype == DType::kF16) {
-    grad_scaler = GradScaler::dynamic(run_args.dynamic_loss_scale);
+  LRSchedule schedule(lr_schedule_config(run_args));
+  // Megatron's optimizers: the dense parameters' and, with routed experts, the experts' (each with its own scaler).
+  LossScalers loss_scalers;
+  const auto make_scaler = [&] {
+    return run_args.loss_scale ? GradScaler::constant(*run_args.loss_scale)
+                               : GradScaler::dynamic(run_args.dynamic_loss_scale);
+  };
+  if (run_args.loss_scale || run_args.model.params_dtype == DType::kF16) {
+    loss_scalers.dense = make_scaler();
+    if (run_args.model.moe.enabled()) loss_scalers.expert = make_scaler();
   }
-  const TrainingModules modules{model,    *built.ddp, *built.optimizer,
-                                schedule, data,       grad_scaler ? &*grad_scaler : nullptr};
+  const TrainingModules modules{model, *built.ddp, *built.optimizer, schedule, data, loss_scalers};
 
   TrainResult result;
   TrainingProgress& progress = result.progress;
-  const CheckpointTarget checkpoint_target{model, *built.ddp, *built.optimizer, schedule, vocabulary.unpadded_size};
+  const CheckpointTarget checkpoint_target{
+      model, *built.ddp, *built.optimizer, schedule, vocabulary.unpadded_size, &loss_scalers};
   load_checkpoint(load_plan, run_args, checkpoint_target, progress, parallel, log);
   load_plan.checkpoint.reset();  // the checkpoint's metadata is not needed while training
   Checkpointer checkpointer(run_args, parallel, log);
@@ -168,7 +171,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
 
   // Training: Megatron's train() loop.
   log << "> training ..." << std::endl;
-  TrainingLogger logger(run_args, parallel, log);
+  TrainingLogger logger(run_args, schedule, parallel, log);
   double train_seconds = 0.0;
   logger.start();
   std::optional<double> previous_grad_norm;  // of the last update made (for the message when a step stops)
@@ -199,7 +202,6 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
     if (!step.skipped) previous_grad_norm = step.grad_norm;
     progress.iteration += 1;
     progress.consumed_train_samples += args.global_batch_size;
-    progress.skipped_iterations += step.skipped ? 1 : 0;
     progress.floating_point_operations_so_far += logger.flops_of(step);
     train_seconds += std::chrono::duration<double>(Clock::now() - step_start).count();
     result.train_losses.push_back(step.lm_loss);

@@ -130,11 +130,12 @@ void reduce_moe_stats(MoEStats& stats, const MoEConfig& config, const parallel::
   stats = std::move(out);
 }
 
-TrainingLogger::TrainingLogger(const TrainingArgs& run_args, const parallel::ParallelState& parallel, std::ostream& log)
+TrainingLogger::TrainingLogger(const TrainingArgs& run_args, const LRSchedule& schedule,
+                               const parallel::ParallelState& parallel, std::ostream& log)
     : args_(run_args),
       parallel_(parallel),
       log_(log),
-      schedule_(lr_schedule_config(run_args)),
+      schedule_(schedule),
       flops_per_iteration_(
           num_floating_point_operations(run_args.model, run_args.global_batch_size, run_args.model.seq_length)),
       moe_metrics_(run_args.model.moe) {}
@@ -163,7 +164,7 @@ IterationLog TrainingLogger::iteration_log(const TrainingProgress& progress, con
   entry.consumed_samples = progress.consumed_train_samples;
   entry.elapsed_ms_per_iteration = seconds_per_iteration * 1000.0;
   if (args_.log_throughput) entry.throughput_tflops_per_gpu = throughput_per_gpu(seconds_per_iteration);
-  entry.learning_rate = schedule_.lr_at(progress.successful_iterations());
+  entry.learning_rate = schedule_.lr();
   entry.global_batch_size = args_.global_batch_size;
   entry.losses = {{"lm loss", lm_loss}};
   for (const auto& named : moe_losses) entry.losses.push_back(named);

@@ -33,7 +33,9 @@ class TrainingLogger {
   using Clock = std::chrono::steady_clock;
 
   // `run_args` with the padded vocabulary (the FLOPs count needs it). Logs to `log` (rank 0's stream).
-  TrainingLogger(const TrainingArgs& run_args, const parallel::ParallelState& parallel, std::ostream& log);
+  // `schedule` is the run's scheduler: each line prints its learning rate after the iteration's step.
+  TrainingLogger(const TrainingArgs& run_args, const LRSchedule& schedule, const parallel::ParallelState& parallel,
+                 std::ostream& log);
 
   // Megatron's num_floating_point_operations of one global batch of unpacked sequences.
   double flops_per_iteration() const { return flops_per_iteration_; }
@@ -58,7 +60,7 @@ class TrainingLogger {
   const TrainingArgs& args_;
   const parallel::ParallelState& parallel_;
   std::ostream& log_;
-  LRSchedule schedule_;
+  const LRSchedule& schedule_;
   double flops_per_iteration_ = 0.0;
   int64_t first_iteration_ = 1;
   // The interval since the last reset.

@@ -12,9 +12,6 @@ struct TrainingProgress {
   int64_t consumed_train_samples = 0;  // training samples read (iteration x global batch size)
   int64_t consumed_valid_samples = 0;  // validation samples read by the evaluations during and after training
   double floating_point_operations_so_far = 0.0;  // Megatron's num_floating_point_operations summed per iteration
-  // Iterations skipped by loss scaling (non-finite gradients): the LR schedule counts only the others.
-  int64_t skipped_iterations = 0;
-  int64_t successful_iterations() const { return iteration - skipped_iterations; }
 };
 
 }  // namespace moecore

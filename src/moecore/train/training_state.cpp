@@ -8,6 +8,13 @@ namespace moecore {
 
 int64_t lr_decay_style_code(const LRDecayStyle style) { return static_cast<int64_t>(style); }
 
+LRDecayStyle lr_decay_style_from_code(const int64_t code) {
+  if (code < 0 || code > static_cast<int64_t>(LRDecayStyle::kWSD)) {
+    throw CheckpointError("lr_scheduler.lr_decay_style " + std::to_string(code) + " is not a decay style");
+  }
+  return static_cast<LRDecayStyle>(code);
+}
+
 void add_optimizer_state(StateDict& state, const std::vector<Param>& params,
                          const std::vector<AdamWMomentSlice>& slices, const int64_t step) {
   std::vector<const AdamWMomentSlice*> slice_of(params.size(), nullptr);
@@ -52,17 +59,59 @@ void add_optimizer_state(StateDict& state, const std::vector<Param>& params,
   state.add_i64("optimizer.step", step);
 }
 
-void add_lr_scheduler_state(StateDict& state, const LRSchedule& schedule, const int64_t completed_iterations,
-                            const double weight_decay) {
-  const LRScheduleConfig& c = schedule.config();
-  state.add_f64("lr_scheduler.max_lr", c.max_lr);
-  state.add_f64("lr_scheduler.lr_warmup_steps", schedule.warmup_steps());
-  state.add_i64("lr_scheduler.num_steps", completed_iterations * c.global_batch_size);
-  state.add_i64("lr_scheduler.lr_decay_style", lr_decay_style_code(c.decay_style));
-  state.add_f64("lr_scheduler.lr_decay_steps", schedule.decay_steps());
-  state.add_f64("lr_scheduler.min_lr", c.min_lr);
-  state.add_f64("lr_scheduler.start_wd", weight_decay);
-  state.add_f64("lr_scheduler.end_wd", weight_decay);
+void add_lr_scheduler_state(StateDict& state, const LRSchedule& schedule) {
+  const SchedulerState& s = schedule.state();
+  state.add_f64("lr_scheduler.max_lr", s.max_lr);
+  state.add_f64("lr_scheduler.lr_warmup_steps", s.lr_warmup_steps);
+  state.add_i64("lr_scheduler.num_steps", static_cast<int64_t>(s.num_steps));
+  state.add_i64("lr_scheduler.lr_decay_style", lr_decay_style_code(s.lr_decay_style));
+  state.add_f64("lr_scheduler.lr_decay_steps", s.lr_decay_steps);
+  state.add_f64("lr_scheduler.min_lr", s.min_lr);
+  state.add_f64("lr_scheduler.start_wd", s.start_wd);
+  state.add_f64("lr_scheduler.end_wd", s.end_wd);
+  state.add_f64("lr_scheduler.wd_incr_steps", s.wd_incr_steps);
+  state.add_i64("lr_scheduler.wd_incr_style", static_cast<int64_t>(s.wd_incr_style));
+}
+
+std::optional<SchedulerState> stored_scheduler_state(const ShardedCheckpoint& ckpt, const SchedulerState& mine) {
+  if (!ckpt.info("lr_scheduler.max_lr")) return std::nullopt;
+  SchedulerState s = mine;
+  s.max_lr = ckpt.f64("lr_scheduler.max_lr");
+  s.lr_warmup_steps = ckpt.f64("lr_scheduler.lr_warmup_steps");
+  s.num_steps = static_cast<double>(ckpt.i64("lr_scheduler.num_steps"));
+  s.lr_decay_style = lr_decay_style_from_code(ckpt.i64("lr_scheduler.lr_decay_style"));
+  s.lr_decay_steps = ckpt.f64("lr_scheduler.lr_decay_steps");
+  s.min_lr = ckpt.f64("lr_scheduler.min_lr");
+  s.start_wd = ckpt.f64("lr_scheduler.start_wd");
+  s.end_wd = ckpt.f64("lr_scheduler.end_wd");
+  // Checkpoints of moecore versions that kept a constant decay have no increment fields: nothing to check there.
+  if (ckpt.info("lr_scheduler.wd_incr_steps")) {
+    s.wd_incr_steps = ckpt.f64("lr_scheduler.wd_incr_steps");
+    const int64_t style = ckpt.i64("lr_scheduler.wd_incr_style");
+    if (style < 0 || style > static_cast<int64_t>(WDIncrStyle::kCosine)) {
+      throw CheckpointError("checkpoint " + ckpt.dir() + ": lr_scheduler.wd_incr_style " + std::to_string(style) +
+                            " is not a weight-decay increment style");
+    }
+    s.wd_incr_style = static_cast<WDIncrStyle>(style);
+  }
+  return s;
+}
+
+std::string grad_scaler_prefix(const LossScalers& scalers, const bool expert) {
+  if (!scalers.expert) return "optimizer.grad_scaler.";
+  return expert ? "optimizer.1.grad_scaler." : "optimizer.0.grad_scaler.";
+}
+
+void add_grad_scaler_state(StateDict& state, const LossScalers& scalers) {
+  for (const bool expert : {false, true}) {
+    const std::optional<GradScaler>& scaler = expert ? scalers.expert : scalers.dense;
+    if (!scaler || !scaler->is_dynamic()) continue;  // Megatron's ConstantGradScaler has an empty state
+    const GradScaler::State s = scaler->state();
+    const std::string prefix = grad_scaler_prefix(scalers, expert);
+    state.add_f64(prefix + "scale", static_cast<double>(s.scale));
+    state.add_i64(prefix + "growth_tracker", s.growth_tracker);
+    state.add_i64(prefix + "hysteresis_tracker", s.hysteresis_tracker);
+  }
 }
 
 void add_progress_state(StateDict& state, const TrainingProgress& progress, const int64_t seed) {
@@ -95,13 +144,12 @@ void add_delayed_scaling_state(StateDict& state, const DelayedScalingStates& sta
 namespace {
 
 StateDict assemble(const GPTModel& model, const std::vector<AdamWMomentSlice>& slices, const int64_t step,
-                   const double weight_decay, const LRSchedule& schedule, const TrainingProgress& progress,
-                   const int64_t seed) {
+                   const LRSchedule& schedule, const TrainingProgress& progress, const int64_t seed) {
   StateDict state;
   add_model_state(state, model);
   add_delayed_scaling_state(state, model.delayed_scaling());
   add_optimizer_state(state, model.params(), slices, step);
-  add_lr_scheduler_state(state, schedule, progress.successful_iterations(), weight_decay);
+  add_lr_scheduler_state(state, schedule);
   add_progress_state(state, progress, seed);
   return state;
 }
@@ -110,20 +158,18 @@ StateDict assemble(const GPTModel& model, const std::vector<AdamWMomentSlice>& s
 
 StateDict training_state(const GPTModel& model, const DistributedAdamW& optimizer, const LRSchedule& schedule,
                          const TrainingProgress& progress, const int64_t seed) {
-  return assemble(model, optimizer.moment_slices(), optimizer.steps_taken(), optimizer.options().weight_decay, schedule,
-                  progress, seed);
+  return assemble(model, optimizer.moment_slices(), optimizer.steps_taken(), schedule, progress, seed);
 }
 
 StateDict training_state(const GPTModel& model, const DistributedAdamW& optimizer,
                          const std::vector<AdamWMomentSlice>& slices, const LRSchedule& schedule,
                          const TrainingProgress& progress, const int64_t seed) {
-  return assemble(model, slices, optimizer.steps_taken(), optimizer.options().weight_decay, schedule, progress, seed);
+  return assemble(model, slices, optimizer.steps_taken(), schedule, progress, seed);
 }
 
 StateDict training_state(const GPTModel& model, const AdamWOptimizer& optimizer, const LRSchedule& schedule,
                          const TrainingProgress& progress, const int64_t seed) {
-  return assemble(model, optimizer.moment_slices(), optimizer.steps_taken(), optimizer.options().weight_decay, schedule,
-                  progress, seed);
+  return assemble(model, optimizer.moment_slices(), optimizer.steps_taken(), schedule, progress, seed);
 }
 
 }  // namespace moecore

@@ -18,10 +18,15 @@
 //                                            their unscaled fp32 values, as Megatron's get_unscaled_state, so any
 //                                            --exp-avg-dtype / --main-params-dtype loads them)
 //   optimizer.step                        int64, Adam updates taken (the bias-correction count)
-//   lr_scheduler.{max_lr, min_lr, lr_warmup_steps, lr_decay_steps, start_wd, end_wd}   float64
-//   lr_scheduler.{num_steps, lr_decay_style}                                           int64
-//                                         Megatron's OptimizerParamScheduler.state_dict (sample units; decay style
-//                                         as the LRDecayStyle code, see lr_decay_style_code)
+//   optimizer.grad_scaler.{scale (float64), growth_tracker, hysteresis_tracker (int64)}
+//                                         fp16's dynamic loss scaler (Megatron's optimizer state_dict 'grad_scaler';
+//                                         a constant scale has none); with routed experts Megatron's two chained
+//                                         optimizers' scalers, optimizer.0.grad_scaler.* (dense) and
+//                                         optimizer.1.grad_scaler.* (experts)
+//   lr_scheduler.{max_lr, min_lr, lr_warmup_steps, lr_decay_steps, start_wd, end_wd, wd_incr_steps}   float64
+//   lr_scheduler.{num_steps, lr_decay_style, wd_incr_style}                                          int64
+//                                         Megatron's OptimizerParamScheduler.state_dict (sample units: num_steps is
+//                                         the samples of the successful iterations; styles as their enum codes)
 //   iteration, consumed_train_samples, consumed_valid_samples                         int64
 //   num_floating_point_operations_so_far                                              float64
 //   rng.seed                               int64, the run seed (every random draw is a counter RNG keyed by it)
@@ -31,13 +36,16 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "moecore/ckpt/sharded_checkpoint.h"
 #include "moecore/ckpt/state_dict.h"
 #include "moecore/model/gpt_model.h"
 #include "moecore/optim/adamw_optimizer.h"
 #include "moecore/optim/distributed_optimizer.h"
+#include "moecore/optim/grad_scaler.h"
 #include "moecore/optim/lr_schedule.h"
 #include "moecore/train/training_progress.h"
 
@@ -60,10 +68,15 @@ void add_optimizer_state(StateDict& state, const std::vector<Param>& params,
 inline constexpr const char* kDelayedScalingInfix = "._extra_state.";
 void add_delayed_scaling_state(StateDict& state, const DelayedScalingStates& states);
 bool is_delayed_scaling_key(const std::string& key);
-// lr_scheduler.*: the scheduler after `completed_iterations` iterations (num_steps = that x global batch size);
-// weight_decay is the constant decay (start_wd = end_wd: moecore has no decay increment).
-void add_lr_scheduler_state(StateDict& state, const LRSchedule& schedule, int64_t completed_iterations,
-                            double weight_decay);
+// lr_scheduler.*: the scheduler's state (Megatron's OptimizerParamScheduler.state_dict).
+void add_lr_scheduler_state(StateDict& state, const LRSchedule& schedule);
+// The scheduler state a checkpoint holds (fields it lacks taken from `mine`); nullopt without one (--no-save-optim).
+std::optional<SchedulerState> stored_scheduler_state(const ShardedCheckpoint& ckpt, const SchedulerState& mine);
+// The decay style of a stored code (CheckpointError for a code that is none).
+LRDecayStyle lr_decay_style_from_code(int64_t code);
+// optimizer[.0|.1].grad_scaler.*: the dynamic loss scalers' state (none for a constant scale or no scaling).
+void add_grad_scaler_state(StateDict& state, const LossScalers& scalers);
+std::string grad_scaler_prefix(const LossScalers& scalers, bool expert);
 // iteration, consumed samples, FLOPs so far, rng.seed.
 void add_progress_state(StateDict& state, const TrainingProgress& progress, int64_t seed);
 
