@@ -158,11 +158,12 @@ expect_error "load optimizer missing" "no optimizer state .*--no-load-optim" \
 grep -q "iteration  *3/" "$work/nlo.log" && ! grep -q "iteration  *2/" "$work/nlo.log" || fail "--no-load-optim: not at iteration 2"
 "$bin" train "${model[@]}" --train-iters 4 --load "$work/run" --finetune >"$work/ft.log" 2>&1
 grep -q "iteration  *1/" "$work/ft.log" || fail "--finetune did not start at iteration 0"
-# Non-persistent saves keep only the newest; --exit-duration-in-mins saves and exits.
+# Non-persistent saves (1, 2, 4, 5) remove all but the newest before each save (Megatron's
+# cleanup_old_non_persistent_checkpoint), so 4 and 5 remain; --exit-duration-in-mins saves and exits.
 "$bin" train "${model[@]}" --train-iters 5 --save "$work/np" --save-interval 3 --non-persistent-save-interval 1 \
   --non-persistent-ckpt-type global >"$work/np.log" 2>&1
-[ "$(ls "$work/np/non_persistent" | grep -c '^iter_')" = 1 ] && [ -d "$work/np/non_persistent/iter_0000005" ] ||
-  { ls -R "$work/np"; fail "non-persistent: not only the newest kept"; }
+[ "$(ls "$work/np/non_persistent" | grep -c '^iter_')" = 2 ] && [ -d "$work/np/non_persistent/iter_0000005" ] &&
+  [ -d "$work/np/non_persistent/iter_0000004" ] || { ls -R "$work/np"; fail "non-persistent: not the newest two kept"; }
 [ -d "$work/np/iter_0000003" ] && [ -d "$work/np/iter_0000005" ] && [ "$(cat "$work/np/latest_checkpointed_iteration.txt")" = 5 ] ||
   fail "non-persistent: persistent saves at 3 and 5 (the final one) expected"
 "$bin" train "${model[@]}" --train-iters 5 --save "$work/dur" --save-interval 100 --exit-duration-in-mins 0 \

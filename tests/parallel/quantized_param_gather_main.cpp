@@ -524,8 +524,10 @@ void run_training_checks(const parallel::ParallelState& ps) {
   std::vector<std::string> load_only = first_half;
   load_only.insert(load_only.end(), {"--load", dir + "/ckpt"});
   const Run loaded = train(dir, load_only, ps);
+  // The longer run's weight-decay length (--train-iters x batch) differs from the saved run's: the scheduler comes
+  // from the flags (the weight decay is constant, so the numbers are those of the uninterrupted run).
   std::vector<std::string> second_half = blockwise;
-  second_half.insert(second_half.end(), {"--load", dir + "/ckpt"});
+  second_half.insert(second_half.end(), {"--load", dir + "/ckpt", "--override-opt_param-scheduler"});
   const Run resumed = train(dir, second_half, ps);
   if (g_rank == 0) {
     check(!saved.weights.empty() && bit_equal(saved.weights.data(), loaded.weights.data(), saved.weights.size()) &&

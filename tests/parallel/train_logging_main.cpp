@@ -157,7 +157,8 @@ int main(int argc, char** argv) {
     // Throughput: what the logger passes to Megatron's formula.
     const moecore::TrainingArgs run_args = moecore::with_padded_vocabulary(args, moecore::build_vocabulary(args));
     std::ostringstream unused;
-    const moecore::TrainingLogger logger(run_args, dp2, unused);
+    const moecore::LRSchedule schedule(moecore::lr_schedule_config(run_args));
+    const moecore::TrainingLogger logger(run_args, schedule, dp2, unused);
     const double flops = moecore::num_floating_point_operations(run_args.model, 4, 16);
     check(logger.flops_per_iteration() == flops, "FLOPs per iteration are the global batch's");
     check_close(logger.throughput_per_gpu(0.5), flops / (0.5 * 1e12 * 2), 1e-12, "TFLOP/s/GPU divides by world 2");
