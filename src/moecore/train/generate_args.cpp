@@ -36,8 +36,8 @@ T parse_number(const std::string& flag, const std::string& text) {
 
 std::string generate_usage() {
   return "usage: moecore generate --load DIR (--prompt TEXT | --prompt-file PATH) [--max-new-tokens N]\n"
-         "                        [--temperature T] [--top-k K]\n"
-         "                        [--seed N] [--tokenizer-type GPT2BPETokenizer --vocab-file F --merge-file F |\n"
+         "                        [--temperature T] [--top-k K] [--seed N]\n"
+         "                        [--tokenizer-type GPT2BPETokenizer --vocab-file F --merge-file F |\n"
          "                         --tokenizer-type NullTokenizer --vocab-size N]\n";
 }
 
