@@ -20,7 +20,10 @@ int run_generate(int argc, char** argv) {
     }
     const auto model = moecore::load_hf(args.load_dir);
     const auto tokenizer = moecore::build_tokenizer(moecore::generate_tokenizer_options(args));
+    moecore::check_tokenizer_against_model(args, tokenizer->vocab_size(), model->config().vocab_size);
     moecore::check_sampling_against_vocabulary(args, tokenizer->vocab_size());
+    const std::vector<int32_t> prompt = tokenizer->tokenize(args.prompt);
+    moecore::check_prompt(*model, prompt);
     moecore::SamplingOptions sampling;
     sampling.max_new_tokens = args.max_new_tokens;
     sampling.temperature = args.temperature;
@@ -31,7 +34,7 @@ int run_generate(int argc, char** argv) {
     std::cout << args.prompt << (args.tokenizer_type == "NullTokenizer" ? " " : "") << std::flush;
     std::vector<int32_t> produced;
     std::string printed;
-    moecore::generate(*model, tokenizer->tokenize(args.prompt), sampling, [&](const int32_t id) {
+    moecore::generate(*model, prompt, sampling, [&](const int32_t id) {
       // Print the text as it grows; byte-level BPE pieces may end mid-character, so print the new suffix.
       produced.push_back(id);
       const std::string text = tokenizer->detokenize(produced);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <exception>
+#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <limits>
@@ -117,12 +118,14 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return text + "]";
 }
 
-// Error statistics of decoded against x over the finite inputs.
+// Error statistics of decoded against x over the finite inputs, and how many inputs were not finite.
 struct ErrorStats {
   double max_abs_error = 0;
   double relative_rms_error = 0;
   double saturated_share = 0;  // coded at the format's largest magnitude below |x|: clipped by saturation
   double zeroed_share = 0;     // non-zero inputs decoded to zero (underflow)
+  int64_t nonfinite = 0;       // NaN / Inf inputs
+  int64_t nonfinite_kept = 0;  // of those, decoded to a finite value (a satfinite cast of Inf)
 };
 
 ErrorStats error_stats(const float* x, const std::vector<float>& decoded, const std::vector<float>& stored_max,
@@ -131,7 +134,11 @@ ErrorStats error_stats(const float* x, const std::vector<float>& decoded, const 
   double err2 = 0, ref2 = 0;
   int64_t finite = 0, saturated = 0, zeroed = 0;
   for (int64_t i = 0; i < n; ++i) {
-    if (!std::isfinite(x[i])) continue;
+    if (!std::isfinite(x[i])) {
+      ++stats.nonfinite;
+      if (std::isfinite(decoded[i])) ++stats.nonfinite_kept;
+      continue;
+    }
     ++finite;
     const double err = std::fabs(double(decoded[i]) - x[i]);
     stats.max_abs_error = std::max(stats.max_abs_error, err);
@@ -161,7 +168,17 @@ std::vector<float> at_max_mask(const quant::QuantizedTensor& q, const int64_t ro
   return mask;
 }
 
+// Writing the output over the input (the same path, or another path or link to the same file) would destroy it.
+void check_output_is_not_input(const std::string& input, const std::string& output) {
+  std::error_code ec;
+  if (std::filesystem::exists(output, ec) && std::filesystem::equivalent(input, output, ec) && !ec) {
+    throw std::invalid_argument("--output " + output + " is the --input file " + input +
+                                ": writing it would destroy the input; choose another --output");
+  }
+}
+
 int quantize_main(const QuantizeArgs& args) {
+  check_output_is_not_input(args.input, args.output);
   const SafetensorsFile file = read_safetensors(args.input);
   if (file.tensors.empty()) throw std::invalid_argument(args.input + ": no tensors");
   const quant::QuantSpec spec = quant::make_spec(args.recipe, args.format, args.role);
@@ -209,7 +226,8 @@ int quantize_main(const QuantizeArgs& args) {
          << (q.rht ? " (Hadamard)" : "") << ", blocks " << q.block_rows << 'x' << q.block_cols << ": max abs error "
          << std::setprecision(6) << stats.max_abs_error << ", relative RMS error " << stats.relative_rms_error
          << std::fixed << std::setprecision(2) << ", saturated " << 100 * stats.saturated_share << "%, zeroed "
-         << 100 * stats.zeroed_share << '%';
+         << 100 * stats.zeroed_share << "%, non-finite inputs " << stats.nonfinite;
+    if (stats.nonfinite_kept > 0) line << " (" << stats.nonfinite_kept << " decoded finite)";
     std::cout << line.str() << '\n';
   }
   const SafetensorsMetadata metadata = {{"recipe", quant::recipe_name(args.recipe)},

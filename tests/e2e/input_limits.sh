@@ -43,6 +43,13 @@ expect_early_error "--moe-router-topk-scaling-factor 1e38 is above the limit of 
 expect_early_error "--seed -1 is negative" "$bin" train "${base[@]}" --seed -1
 expect_early_error "--adam-eps must be positive (got 0)" "$bin" train "${base[@]}" --adam-eps 0
 expect_early_error "--lr 1e4 is above the limit of 1" "$bin" train "${base[@]}" --lr 1e4
+# A delayed-scaling margin beyond E4M3's 17.8 binades quantizes everything to 0 or saturates it; a constant loss scale
+# below 2^-24 turns every gradient into 0 (and 1 / scale into Inf: every iteration skipped, exit 0).
+expect_early_error "--fp8-margin must be between -17 and 17 (got 60)" "$bin" train "${base[@]}" --fp8-format e4m3 \
+  --fp8-margin 60
+expect_early_error "--fp8-margin must be between -17 and 17 (got -60)" "$bin" train "${base[@]}" --fp8-format hybrid \
+  --fp8-margin -60
+expect_early_error "--loss-scale 1e-45 is below 2^-24" "$bin" train "${base[@]}" --bf16 --loss-scale 1e-45
 expect_early_error "--tensor-model-parallel-size 4294967298 is above the limit of 1048576" \
   "$bin" train "${base[@]}" --tensor-model-parallel-size 4294967298
 expect_early_error "--world-size 100000000 is above the limit of 1048576 ranks" "$bin" layout --world-size 100000000 \
@@ -66,6 +73,25 @@ if /usr/bin/python3 -c "import numpy" 2>/dev/null; then
   fi
   expect_early_error "--max-new-tokens 4611686018427387904 is above the limit" "$bin" generate --load "$work/hf" \
     --prompt "1 2 3" --max-new-tokens 4611686018427387904 --tokenizer-type NullTokenizer --vocab-size 128
+  # The model's context is 32 positions and its embedding 256 rows (128 ids + EOD, padded to a multiple of 128): a
+  # longer prompt was cut without a word, a larger NullTokenizer's ids read zero rows.
+  null=(--tokenizer-type NullTokenizer --vocab-size 128)
+  expect_early_error "the prompt is 40 tokens, longer than the model's context of 32 tokens" "$bin" generate \
+    --load "$work/hf" --prompt "$(seq -s ' ' 1 40)" "${null[@]}"
+  expect_early_error "--vocab-size 300 gives a NullTokenizer of 301 tokens (the ids and end-of-document), more than \
+the model's 256 embedding rows" "$bin" generate --load "$work/hf" --prompt "1 2 3" --tokenizer-type NullTokenizer \
+    --vocab-size 300
+  seq -s ' ' 1 8 >"$work/prompt.txt"
+  if "$bin" generate --load "$work/hf" --prompt-file "$work/prompt.txt" --max-new-tokens 2 "${null[@]}" \
+    >"$work/generate_file.txt" 2>&1 && grep -q "^1 2 3 4 5 6 7 8 [0-9]* [0-9]*$" "$work/generate_file.txt"; then
+    echo "ok: generate --prompt-file: $(cat "$work/generate_file.txt")"
+  else
+    fail "generate --prompt-file: $(cat "$work/generate_file.txt")"
+  fi
+  expect_early_error "--prompt-file $work/none.txt: no such file" "$bin" generate --load "$work/hf" \
+    --prompt-file "$work/none.txt" "${null[@]}"
+  expect_early_error "--sample-prompt is 40 tokens, longer than --seq-length 32" "$bin" train "${llama[@]}" \
+    --train-iters 2 --sample-prompt "$(seq -s ' ' 1 40)"
   PYTHONPATH="$src/tests/oracle" /usr/bin/python3 - "$work/hf/model.safetensors" <<'PY'
 import sys
 import numpy as np

@@ -252,9 +252,19 @@ def quantize_nvfp4(x, br, rbits=None):
         factor = np.minimum(F32(1) / (s_b * s_dec).astype(np.float32), FLT_MAX).astype(np.float32)
         scaled = (x * per_element(factor, x.shape, br, 16)).astype(np.float32)
         codes = encode("e2m1", scaled) if rbits is None else e2m1_stochastic(scaled, rbits.reshape(x.shape))
+    # E2M1 has no NaN: moecore marks a block holding a NaN with the E4M3 NaN scale (TE's cast would decode the NaN as
+    # a finite +6 x scale); the codes stay the cast's.
+    s_b = np.where(block_has_nan(x, br, 16), F32(np.nan), s_b).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
         final = ((s_b * g_amax).astype(np.float32) * (F32(1) / F32(2688))).astype(np.float32)
         decoded = (decode("e2m1", codes) * per_element(final, x.shape, br, 16)).astype(np.float32)
     return codes, s_b, decoded, g_amax
+
+
+def block_has_nan(x, br, bc):
+    """Whether each br x bc block holds a NaN (the shape's multiples of the block)."""
+    rows, cols = x.shape
+    return np.isnan(x).reshape(rows // br, br, cols // bc, bc).any(axis=(1, 3))
 
 
 def amax(x):

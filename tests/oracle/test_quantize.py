@@ -205,6 +205,46 @@ class QuantizeOracle(unittest.TestCase):
             self.assertRegex(proc.stderr, r"^error: [^\n]*absent[^\n]*\n$")
         self.assertFalse(os.path.exists(out))
 
+    def test_output_over_the_input_is_refused(self):
+        src = os.path.join(self.tmp.name, "keep.safetensors")
+        st.save(src, {"w": np.ones((32, 32), dtype=np.float32)})
+        with open(src, "rb") as f:
+            before = f.read()
+        link = os.path.join(self.tmp.name, "keep_link.safetensors")
+        if not os.path.lexists(link):
+            os.symlink(src, link)
+        same = {"same path": src, "another spelling": os.path.join(self.tmp.name, ".", "keep.safetensors"),
+                "a symlink": link}
+        for label, output in same.items():
+            with self.subTest(label):
+                proc = run(["--recipe", "mxfp8", "--format", "e4m3", "--as", "weight", "--input", src,
+                            "--output", output])
+                self.assertNotEqual(proc.returncode, 0)
+                self.assertRegex(proc.stderr, r"^error: --output [^\n]* is the --input file [^\n]*\n$")
+                with open(src, "rb") as f:
+                    self.assertEqual(f.read(), before)
+
+    def test_statistics_count_nonfinite_inputs(self):
+        path = os.path.join(self.tmp.name, "nonfinite.safetensors")
+        x = np.ones((32, 32), dtype=np.float32)
+        x[4, 7] = np.nan
+        x[9, 1] = np.inf
+        st.save(path, {"x": x})
+        out = os.path.join(self.tmp.name, "nonfinite_out.safetensors")
+        proc = run(["--recipe", "tensorwise", "--format", "e4m3", "--as", "weight", "--input", path, "--output", out])
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertIn("non-finite inputs 2 (1 decoded finite)", proc.stdout)  # Inf saturates to 448, NaN stays NaN
+        del x
+        nan_only = {"y": np.ones((32, 32), dtype=np.float32)}
+        nan_only["y"][4, 7] = np.nan
+        st.save(path, nan_only)
+        proc = run(["--recipe", "nvfp4", "--format", "e4m3", "--as", "activation", "--input", path, "--output", out])
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertRegex(proc.stdout, r"non-finite inputs 1\n")  # E2M1 has no NaN: the block's scale carries it
+        decoded = st.load(out)[0]["y.decoded"]
+        self.assertTrue(np.isnan(decoded[4, 7]))
+        self.assertEqual(int(np.isnan(decoded).sum()), 16)  # the 1 x 16 block holding the NaN
+
 
 class ReferenceSelfChecks(unittest.TestCase):
     """The numpy model's own hand-checked values."""

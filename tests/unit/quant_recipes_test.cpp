@@ -218,6 +218,23 @@ TEST(QuantRecipes, Nvfp4TwoLevelScales) {
   EXPECT_EQ(q.decode()[32], 0.0f);
 }
 
+TEST(QuantRecipes, Nvfp4NanDecodesToNan) {
+  // E2M1 has no NaN: the cast writes +6 for it (TE's satfinite) with the block scale of its finite neighbours, and the
+  // block's scale becomes the E4M3 NaN, so the whole block decodes to NaN; other blocks are untouched.
+  std::vector<float> x(16 * 32, 1.0f);
+  x[5] = std::numeric_limits<float>::quiet_NaN();
+  for (const Role role : {Role::kActivation, Role::kWeight}) {
+    const QuantizedTensor q = rowwise(x, 16, 32, Recipe::kNvfp4, ElementFormat::kE4M3, role);
+    EXPECT_EQ(q.amax, 1.0f);  // the global amax skips NaN
+    EXPECT_EQ(q.codes[5], 0x7);
+    EXPECT_EQ(q.scale_codes[0], 0x7F);
+    EXPECT_TRUE(std::isnan(q.scales[0]));
+    EXPECT_TRUE(std::isnan(q.decode()[5]));
+    EXPECT_TRUE(std::isnan(q.decode()[0]));  // the NaN's block
+    EXPECT_FLOAT_EQ(q.decode()[16], 1.0f);   // the block beside it (cols 16..31 of row 0)
+  }
+}
+
 TEST(QuantRecipes, Nvfp4GlobalScaleEdges) {
   EXPECT_EQ(nvfp4_global_encode_scale(0.0f), 1.0f);
   EXPECT_EQ(nvfp4_global_encode_scale(kInf), 1.0f);

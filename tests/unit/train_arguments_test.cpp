@@ -372,6 +372,18 @@ TEST(TrainArguments, Fp8DelayedScalingFlags) {
   EXPECT_EQ(error_of(with(minimal(), {"--fp8-amax-history-len", "4"})),
             "--fp8-amax-history-len sets delayed scaling: it needs --fp8-format with --fp8-recipe delayed (the "
             "default)");
+  // E4M3 spans 2^-9 .. 448 (17.8 binades): margins up to 17 keep the scaled amax representable.
+  for (const char* margin : {"17", "-17"}) {
+    EXPECT_EQ(parse_train_args(with(minimal(), {"--fp8-format", "hybrid", "--fp8-margin", margin}))
+                  .model.quantization->delayed.margin,
+              std::stoi(margin));
+  }
+  for (const char* margin : {"18", "-18", "60", "-60", "1000"}) {
+    EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "e4m3", "--fp8-margin", margin})),
+              "--fp8-margin must be between -17 and 17 (got " + std::string(margin) +
+                  "): scaled values are E4M3's max 448 x 2^-margin, and E4M3 spans 2^-9 .. 448, so beyond that a "
+                  "positive margin quantizes every element to 0 and a negative one saturates nearly all");
+  }
   EXPECT_EQ(error_of(with(minimal(), {"--fp8-format", "hybrid", "--first-last-layers-bf16"})),
             "delayed scaling does not support first / last layer in BF16: --first-last-layers-bf16 needs "
             "--fp8-recipe tensorwise, blockwise or mxfp8");
@@ -639,6 +651,15 @@ TEST(TrainArguments, ParallelSizes) {
             "--loss-scale must be a positive number that fits fp32");
   EXPECT_EQ(parse_train_args(with(minimal(), {"--loss-scale", "128", "--use-distributed-optimizer"})).loss_scale,
             128.0);
+  // A constant scale below fp16's smallest subnormal makes every scaled gradient 0 (and 1 / scale leaves fp32).
+  EXPECT_EQ(error_of(with(minimal(), {"--loss-scale", "1e-45", "--bf16"})),
+            "--loss-scale 1e-45 is below 2^-24 (5.96e-08): scaled gradients would underflow to 0 (fp16's "
+            "smallest subnormal is 2^-24)");
+  EXPECT_EQ(error_of(with(minimal(), {"--loss-scale", "1e-8", "--fp16"})),
+            "--loss-scale 1e-08 is below 2^-24 (5.96e-08): scaled gradients would underflow to 0 (fp16's smallest "
+            "subnormal is 2^-24)");
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--loss-scale", "5.9604644775390625e-08", "--fp16"})).loss_scale,
+            0x1p-24);
   EXPECT_EQ(error_of(with(minimal(), {"--expert-model-parallel-size", "2"})),
             "world size 1 is not divisible by expert-tensor-parallel-size (1) x expert-model-parallel-size (2) x "
             "pipeline-model-parallel-size (1)");

@@ -1,11 +1,13 @@
 // `moecore generate` sampling flags: non-finite numbers and out-of-range values are one-line errors.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "moecore/model/config.h"
 #include "moecore/train/generate_args.h"
+#include "test_temp_dir.h"
 
 namespace moecore {
 namespace {
@@ -54,6 +56,67 @@ TEST(GenerateArgs, NewTokensAndNullTokenizer) {
       {"--load", "dir", "--prompt", "1 2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"});
   // As `moecore train`: ids 0..99 and the EOD id 100.
   EXPECT_EQ(build_tokenizer(generate_tokenizer_options(args))->vocab_size(), 101);
+}
+
+std::string file_error(const std::vector<std::string>& args) {
+  try {
+    parse_generate_args(args);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(GenerateArgs, PromptFile) {
+  const test::TempDir dir("generate_args");
+  const auto write = [&](const std::string& name, const std::string& bytes) {
+    std::ofstream(dir.path(name), std::ios::binary) << bytes;
+    return dir.path(name);
+  };
+  // The text as written, less the newline that ends its last line.
+  const std::string text = write("prompt.txt", "Call me Ishmael.\nSome years ago\u2014never mind how long.\n");
+  EXPECT_EQ(parse_generate_args({"--load", "dir", "--prompt-file", text}).prompt,
+            "Call me Ishmael.\nSome years ago\u2014never mind how long.");
+  EXPECT_EQ(parse_generate_args({"--load", "dir", "--prompt-file", write("crlf.txt", "1 2 3\r\n")}).prompt, "1 2 3");
+  const std::string missing = dir.path("missing.txt");
+  EXPECT_EQ(file_error({"--load", "dir", "--prompt-file", missing}), "--prompt-file " + missing + ": no such file");
+  EXPECT_EQ(file_error({"--load", "dir", "--prompt-file", dir.path().string()}),
+            "--prompt-file " + dir.path().string() + " is a directory, not a text file");
+  for (const char* empty : {"", "\n"}) {
+    const std::string path = write("empty.txt", empty);
+    EXPECT_EQ(file_error({"--load", "dir", "--prompt-file", path}), "--prompt-file " + path + " is empty");
+  }
+  const std::string latin1 = write("latin1.txt", "caf\xe9\n");
+  EXPECT_EQ(file_error({"--load", "dir", "--prompt-file", latin1}),
+            "--prompt-file " + latin1 + " is not UTF-8 text (an invalid byte at offset 3)");
+  EXPECT_EQ(file_error({"--load", "dir", "--prompt", "hi", "--prompt-file", text}),
+            "--prompt and --prompt-file are mutually exclusive: give one");
+  EXPECT_EQ(file_error({"--load", "dir"}), "--prompt TEXT or --prompt-file PATH is required");
+}
+
+TEST(GenerateArgs, TokenizerMustFitTheModel) {
+  const GenerateArgs null_args = parse_generate_args(
+      {"--load", "ckpt", "--prompt", "1 2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300"});
+  try {
+    check_tokenizer_against_model(null_args, 301, 256);
+    ADD_FAILURE() << "a tokenizer larger than the model's embedding must be rejected";
+  } catch (const ConfigError& e) {
+    EXPECT_STREQ(e.what(),
+                 "--vocab-size 300 gives a NullTokenizer of 301 tokens (the ids and end-of-document), more than the "
+                 "model's 256 embedding rows (ckpt/config.json vocab_size): use the tokenizer the model was trained "
+                 "with");
+  }
+  EXPECT_NO_THROW(check_tokenizer_against_model(null_args, 256, 256));
+  EXPECT_NO_THROW(check_tokenizer_against_model(null_args, 129, 256));  // a padded vocabulary
+  const GenerateArgs gpt2 = parse_generate_args({"--load", "ckpt", "--prompt", "hi"});
+  try {
+    check_tokenizer_against_model(gpt2, 50257, 512);
+    ADD_FAILURE() << "a tokenizer larger than the model's embedding must be rejected";
+  } catch (const ConfigError& e) {
+    EXPECT_STREQ(e.what(),
+                 "the tokenizer has 50257 tokens, more than the model's 512 embedding rows (ckpt/config.json "
+                 "vocab_size): use the tokenizer the model was trained with");
+  }
 }
 
 }  // namespace

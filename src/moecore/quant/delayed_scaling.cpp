@@ -17,6 +17,15 @@ std::string amax_compute_algo_name(const AmaxComputeAlgo algo) {
   return algo == AmaxComputeAlgo::kMax ? "max" : "most_recent";
 }
 
+int delayed_margin_limit(const ElementFormat format) {
+  switch (format) {
+    case ElementFormat::kE4M3: return 17;  // floor(log2(448 / 2^-9)) = floor(17.807)
+    case ElementFormat::kE5M2: return 31;  // floor(log2(57344 / 2^-16)) = floor(31.807)
+    case ElementFormat::kE2M1: break;
+  }
+  throw std::invalid_argument("delayed scaling quantizes to FP8, not e2m1");
+}
+
 DelayedScaling::DelayedScaling(const int64_t history_len, const AmaxComputeAlgo algo, const int margin,
                                const ElementFormat format)
     : algo_(algo), margin_(margin), format_(format) {

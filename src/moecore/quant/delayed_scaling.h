@@ -37,6 +37,12 @@ void record_amax(float* slot, float amax);
 void update_amax_history_and_scale(float* history, int64_t length, int64_t stride, float& scale, AmaxComputeAlgo algo,
                                    int margin, ElementFormat format);
 
+// The largest |margin| that leaves a format's range usable: the scaled amax is format max x 2^-margin, and the format
+// spans its smallest subnormal to its max (E4M3 2^-9 .. 448, 17.8 binades; E5M2 2^-16 .. 57344, 31.8). A margin
+// beyond floor(log2(max / smallest subnormal)) puts the amax itself below the smallest subnormal (every element
+// quantizes to 0); its negative saturates every element above amax x 2^margin. 17 for E4M3, 31 for E5M2.
+int delayed_margin_limit(ElementFormat format);
+
 class DelayedScaling {
  public:
   // history_len >= 1 and margin as Megatron's flags; the scale starts at 1 and the history at zeros (TE's

@@ -7,6 +7,20 @@
 #include "moecore/quant/stochastic_rounding.h"
 
 namespace moecore::quant {
+namespace {
+
+constexpr uint8_t kE4M3NanCode = 0x7F;
+
+bool has_nan_block(const float* x, const int64_t ld, const int64_t rows, const int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      if (std::isnan(x[r * ld + c])) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
 
 float nvfp4_global_encode_scale(const float global_amax) {
   constexpr float kFp8Max = 448.0f;
@@ -37,8 +51,10 @@ QuantizedTensor quantize_nvfp4(const float* x, const int64_t rows, const int64_t
       const uint8_t scale_code = nvfp4_block_scale_code(block_amax, s_enc);
       const float block_scale = decode_e4m3(scale_code);
       const float factor = std::fmin(1.0f / (block_scale * s_dec), std::numeric_limits<float>::max());
-      q.scale_codes[br * q.scale_cols + bc] = scale_code;
-      q.scales[br * q.scale_cols + bc] = block_scale;
+      // E2M1 has no NaN: a block holding one keeps its codes and gets the E4M3 NaN scale, so it decodes to NaN.
+      const bool nan_block = has_nan_block(x + r0 * cols + c0, cols, spec.block_rows, spec.block_cols);
+      q.scale_codes[br * q.scale_cols + bc] = nan_block ? kE4M3NanCode : scale_code;
+      q.scales[br * q.scale_cols + bc] = nan_block ? std::numeric_limits<float>::quiet_NaN() : block_scale;
       for (int64_t r = r0; r < r0 + spec.block_rows; ++r) {
         for (int64_t c = c0; c < c0 + spec.block_cols; ++c) {
           const int64_t i = r * cols + c;

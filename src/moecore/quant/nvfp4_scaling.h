@@ -29,6 +29,9 @@ struct RoundingStream {
 //   per block: s = e4m3 block scale; encode factor = min(1 / (float(s) x S_dec), FLT_MAX)
 //   codes = e2m1(x x factor): round to nearest even, or stochastic when `rounding` is non-null
 // Decoded as e2m1 x ((float(s) x global amax) x 1 / 2688) (QuantizedTensor::decode_element).
+// NaN: E2M1 has no NaN code, and TE's cast writes a NaN element as +6 (satfinite) with the block scale of its finite
+// neighbours (the amax skips NaN), so the NaN would decode to a finite number. moecore keeps those codes but stores
+// the E4M3 NaN (0x7F) as the scale of a block holding a NaN: the block decodes to NaN and the NaN reaches the loss.
 QuantizedTensor quantize_nvfp4(const float* x, int64_t rows, int64_t cols, const QuantSpec& spec,
                                const RoundingStream* rounding);
 

@@ -261,7 +261,7 @@ const std::vector<FlagSpec>& flag_table() {
     {"--fp8-amax-compute-algo", Arity::kOne, "{most_recent,max}",
      "--fp8-recipe delayed: scale from the newest amax or the history's maximum (default most_recent)",
      [](TrainingArgs& a, const FlagValue& v) { a.fp8_amax_compute_algo = v.choice({"most_recent", "max"}); }},
-    {"--fp8-margin", Arity::kOne, "N", "--fp8-recipe delayed: scale = FP8 max x 2^-N / amax (default 0)",
+    {"--fp8-margin", Arity::kOne, "N", "--fp8-recipe delayed: scale = FP8 max x 2^-N / amax, N in [-17, 17] (E4M3's 2^-9 .. 448 range; default 0)",
      [](TrainingArgs& a, const FlagValue& v) { a.fp8_margin = v.integer(); }},
     {"--fp4-format", Arity::kOne, "{e2m1}", "quantize the decoder layers' linear layers and experts to FP4 (E2M1)",
      [](TrainingArgs& a, const FlagValue& v) { a.fp4_format = v.choice({"e2m1"}); }},
@@ -317,7 +317,8 @@ const std::vector<FlagSpec>& flag_table() {
      "precision-aware optimizer: Adam's second moment (fp16 / fp8 E4M3 scaled per tensor; the update runs in fp32)",
      [](TrainingArgs& a, const FlagValue& v) { a.exp_avg_sq_dtype = v.choice({"fp32", "fp16", "bf16", "fp8"}); }},
     {"--loss-scale", Arity::kOne, "S",
-     "constant loss scale (with --use-distributed-optimizer); iterations with non-finite gradients are skipped",
+     "constant loss scale, at least 2^-24 (with --use-distributed-optimizer); iterations with non-finite gradients "
+     "are skipped",
      [](TrainingArgs& a, const FlagValue& v) { a.loss_scale = v.real(); }},
     {"--seed", Arity::kOne, "N", "random seed (default 1234)",
      [](TrainingArgs& a, const FlagValue& v) {

@@ -7,11 +7,13 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <string_view>
 #include <utility>
 
 #include "moecore/moe/routing_padding.h"
+#include "moecore/quant/delayed_scaling.h"
 #include "moecore/quant/recipe.h"
 #include "moecore/train/pipeline_schedule.h"
 
@@ -233,6 +235,13 @@ void finalize_parallel(TrainingArgs& args, const std::set<std::string>& given) {
   require(!args.loss_scale || (std::isfinite(*args.loss_scale) && *args.loss_scale > 0.0 &&
                                std::isfinite(static_cast<float>(*args.loss_scale))),
           "--loss-scale must be a positive number that fits fp32");
+  // The scale multiplies the gradients in the weights' dtype: below fp16's smallest subnormal 2^-24 even a gradient of
+  // magnitude 1 underflows to 0 (fp16), and the unscaling factor 1 / scale leaves fp32 before 2^-128 (Inf x 0 = NaN,
+  // every iteration skipped). A scale below 1 only guards against overflow; 2^-24 is far beyond any real need.
+  constexpr double kMinLossScale = 0x1p-24;
+  require(!args.loss_scale || *args.loss_scale >= kMinLossScale,
+          "--loss-scale " + str(args.loss_scale.value_or(0.0)) +
+              " is below 2^-24 (5.96e-08): scaled gradients would underflow to 0 (fp16's smallest subnormal is 2^-24)");
   require(!args.overlap_param_gather || args.use_distributed_optimizer,
           "--overlap-param-gather requires --use-distributed-optimizer (as Megatron)");
   require(args.ddp_bucket_size >= 0, "--ddp-bucket-size must be non-negative (got " + str(args.ddp_bucket_size) + ")");
@@ -308,8 +317,13 @@ void finalize_quantization(TrainingArgs& args, const std::set<std::string>& give
   }
   require(args.fp8_amax_history_len >= 1,
           "--fp8-amax-history-len must be at least 1 (got " + str(args.fp8_amax_history_len) + ")");
-  require(args.fp8_margin >= -1000 && args.fp8_margin <= 1000,
-          "--fp8-margin must be between -1000 and 1000 (got " + str(args.fp8_margin) + ")");
+  // Both --fp8-format choices quantize the forward operands to E4M3, the narrower format: its range bounds the margin.
+  const int64_t margin_limit = quant::delayed_margin_limit(quant::ElementFormat::kE4M3);
+  require(std::abs(args.fp8_margin) <= margin_limit,
+          "--fp8-margin must be between -" + str(margin_limit) + " and " + str(margin_limit) + " (got " +
+              str(args.fp8_margin) +
+              "): scaled values are E4M3's max 448 x 2^-margin, and E4M3 spans 2^-9 .. 448, "
+              "so beyond that a positive margin quantizes every element to 0 and a negative one saturates nearly all");
   // TransformerConfig.__post_init__: per-layer autocasts would break the block-wide amax reduction.
   require(!(delayed && model.first_last_layers_bf16),
           "delayed scaling does not support first / last layer in BF16: --first-last-layers-bf16 needs --fp8-recipe "

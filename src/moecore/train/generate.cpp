@@ -5,6 +5,7 @@
 #include <numeric>
 #include <optional>
 #include <stdexcept>
+#include <string>
 
 #include "moecore/tensor/finite_check.h"
 #include "moecore/tensor/rng.h"
@@ -40,9 +41,26 @@ int32_t sample_next(const float* logits_V, int64_t V, const SamplingOptions& opt
   return ids[keep - 1];
 }
 
+void check_prompt(const GPTModel& model, const std::span<const int32_t> prompt) {
+  if (prompt.empty()) throw std::invalid_argument("generate: the prompt has no tokens");
+  const int64_t context = model.config().seq_length;
+  if (static_cast<int64_t>(prompt.size()) > context) {
+    throw std::invalid_argument("the prompt is " + std::to_string(prompt.size()) +
+                                " tokens, longer than the model's context of " + std::to_string(context) +
+                                " tokens: shorten it");
+  }
+  const int64_t rows = model.config().vocab_size;
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    if (prompt[i] < 0 || prompt[i] >= rows) {
+      throw std::invalid_argument("prompt token " + std::to_string(i) + " is id " + std::to_string(prompt[i]) +
+                                  ", outside the model's " + std::to_string(rows) + " embedding rows");
+    }
+  }
+}
+
 std::vector<int32_t> generate(GPTModel& model, std::vector<int32_t> prompt, const SamplingOptions& options,
                               const std::function<void(int32_t)>& on_token) {
-  if (prompt.empty()) throw std::invalid_argument("generate: the prompt has no tokens");
+  check_prompt(model, prompt);
   const int64_t context = model.config().seq_length;
   const CounterRng rng(options.seed, stream_key("generate"));
   for (int64_t step = 0; step < options.max_new_tokens; ++step) {

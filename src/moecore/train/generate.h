@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <vector>
 
 #include "moecore/model/gpt_model.h"
@@ -18,8 +19,13 @@ struct SamplingOptions {
   int32_t stop_token = -1;  // stop after producing it; -1 = never
 };
 
-// Appends up to max_new_tokens ids to `prompt`. The context is cut to the model's --seq-length (the most
-// recent tokens). on_token, if set, is called with each new id as it is produced.
+// std::invalid_argument when the prompt is empty, longer than the model's context (--seq-length; Megatron's
+// inference engine refuses such a prompt too) or holds an id outside the model's embedding rows.
+void check_prompt(const GPTModel& model, std::span<const int32_t> prompt);
+
+// Appends up to max_new_tokens ids to `prompt` (checked by check_prompt). Once the prompt and the new tokens outgrow
+// the model's --seq-length, the context is its most recent tokens. on_token, if set, is called with each new id as it
+// is produced.
 std::vector<int32_t> generate(GPTModel& model, std::vector<int32_t> prompt, const SamplingOptions& options,
                               const std::function<void(int32_t)>& on_token = {});
 

@@ -2,11 +2,15 @@
 
 #include <charconv>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <type_traits>
 
 #include "moecore/model/config.h"
+#include "moecore/tokenizer/utf8.h"
 #include "moecore/util/flag_suggest.h"
 
 namespace moecore {
@@ -31,8 +35,9 @@ T parse_number(const std::string& flag, const std::string& text) {
 }  // namespace
 
 std::string generate_usage() {
-  return "usage: moecore generate --load DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]\n"
-         "                        [--seed N] [--tokenizer-type GPT2BPETokenizer --vocab-file F --merge-file F |\n"
+  return "usage: moecore generate --load DIR (--prompt TEXT | --prompt-file PATH) [--max-new-tokens N]\n"
+         "                        [--temperature T] [--top-k K] [--seed N]\n"
+         "                        [--tokenizer-type GPT2BPETokenizer --vocab-file F --merge-file F |\n"
          "                         --tokenizer-type NullTokenizer --vocab-size N]\n";
 }
 
@@ -41,6 +46,7 @@ GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
   const std::map<std::string, std::function<void(const std::string&)>> setters = {
       {"--load", [&](const std::string& v) { out.load_dir = v; }},
       {"--prompt", [&](const std::string& v) { out.prompt = v; }},
+      {"--prompt-file", [&](const std::string& v) { out.prompt_file = v; }},
       {"--max-new-tokens",
        [&](const std::string& v) { out.max_new_tokens = parse_number<int64_t>("--max-new-tokens", v); }},
       {"--temperature", [&](const std::string& v) { out.temperature = parse_number<double>("--temperature", v); }},
@@ -78,7 +84,11 @@ GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
     it->second(value);
   }
   if (out.load_dir.empty()) throw ConfigError("--load DIR is required (a directory written by --export-hf)");
-  if (out.prompt.empty()) throw ConfigError("--prompt TEXT is required");
+  if (!out.prompt_file.empty()) {
+    if (!out.prompt.empty()) throw ConfigError("--prompt and --prompt-file are mutually exclusive: give one");
+    out.prompt = read_prompt_file(out.prompt_file);
+  }
+  if (out.prompt.empty()) throw ConfigError("--prompt TEXT or --prompt-file PATH is required");
   if (out.max_new_tokens < 0) throw ConfigError("--max-new-tokens must be >= 0");
   // Each new token extends the sequence; a table of 2^24 positions is moecore's limit for --seq-length too.
   constexpr int64_t kMaxNewTokens = int64_t{1} << 24;
@@ -103,6 +113,46 @@ void check_sampling_against_vocabulary(const GenerateArgs& args, const int64_t v
     throw ConfigError("--top-k " + std::to_string(args.top_k) + " is larger than the vocabulary (" +
                       std::to_string(vocab_size) + " tokens)");
   }
+}
+
+void check_tokenizer_against_model(const GenerateArgs& args, const int64_t tokenizer_vocab_size,
+                                   const int64_t model_rows) {
+  if (tokenizer_vocab_size <= model_rows) return;
+  const std::string tokenizer = args.tokenizer_type == "NullTokenizer"
+                                    ? "--vocab-size " + std::to_string(*args.vocab_size) +
+                                          " gives a NullTokenizer of " + std::to_string(tokenizer_vocab_size) +
+                                          " tokens (the ids and end-of-document)"
+                                    : "the tokenizer has " + std::to_string(tokenizer_vocab_size) + " tokens";
+  throw ConfigError(tokenizer + ", more than the model's " + std::to_string(model_rows) + " embedding rows (" +
+                    args.load_dir + "/config.json vocab_size): use the tokenizer the model was trained with");
+}
+
+std::string read_prompt_file(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  if (!fs::exists(status)) throw ConfigError("--prompt-file " + path + ": no such file");
+  if (fs::is_directory(status)) throw ConfigError("--prompt-file " + path + " is a directory, not a text file");
+  std::ifstream in(path, std::ios::binary);
+  std::string text;
+  if (in) text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  if (!in || in.bad()) throw ConfigError("--prompt-file " + path + ": cannot be read");
+  for (size_t pos = 0; pos < text.size();) {
+    const utf8::DecodedChar c = utf8::decode(text, pos);
+    if (!c.valid) {
+      throw ConfigError("--prompt-file " + path + " is not UTF-8 text (an invalid byte at offset " +
+                        std::to_string(pos) + ")");
+    }
+    pos += c.length;
+  }
+  // The newline that ends a text file's last line is not part of the prompt.
+  if (text.ends_with("\r\n")) {
+    text.resize(text.size() - 2);
+  } else if (text.ends_with('\n')) {
+    text.pop_back();
+  }
+  if (text.empty()) throw ConfigError("--prompt-file " + path + " is empty");
+  return text;
 }
 
 TokenizerOptions generate_tokenizer_options(const GenerateArgs& args) {

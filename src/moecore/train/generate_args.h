@@ -1,6 +1,7 @@
 // `moecore generate` flags:
 //   --load DIR               HuggingFace-style export (config.json + model.safetensors), e.g. from --export-hf
-//   --prompt TEXT            text to continue (required)
+//   --prompt TEXT            text to continue (this or --prompt-file is required)
+//   --prompt-file PATH       the text to continue from a UTF-8 file (one final newline dropped)
 //   --max-new-tokens N       tokens to produce (default 64)
 //   --temperature T          0 = greedy (default); > 0 samples from softmax(logits / T); finite
 //   --top-k K                sample among the K most likely tokens (0 = all; at most the vocabulary)
@@ -21,6 +22,7 @@ namespace moecore {
 struct GenerateArgs {
   std::string load_dir;
   std::string prompt;
+  std::string prompt_file;  // --prompt-file: its text is read into `prompt`
   int64_t max_new_tokens = 64;
   double temperature = 0.0;
   int64_t top_k = 0;
@@ -36,6 +38,12 @@ struct GenerateArgs {
 GenerateArgs parse_generate_args(const std::vector<std::string>& args);
 // Throws ConfigError when --top-k exceeds the tokenizer's vocabulary (the ids sampling may produce).
 void check_sampling_against_vocabulary(const GenerateArgs& args, int64_t vocab_size);
+// Throws ConfigError when the tokenizer has more tokens than the model's embedding rows (config.json vocab_size):
+// its ids would fall outside the model. Fewer tokens is a padded vocabulary, as `moecore train` pads it.
+void check_tokenizer_against_model(const GenerateArgs& args, int64_t tokenizer_vocab_size, int64_t model_rows);
+// The text of --prompt-file PATH: UTF-8, one final "\n" (or "\r\n") dropped. ConfigError naming the file when it is
+// missing, unreadable, not UTF-8 or empty.
+std::string read_prompt_file(const std::string& path);
 std::string generate_usage();
 TokenizerOptions generate_tokenizer_options(const GenerateArgs& args);
 

@@ -40,6 +40,11 @@ void check_sample_prompt(const TrainingArgs& args, const Vocabulary& vocabulary)
     throw ConfigError("--sample-prompt: " + std::string(e.what()));
   }
   if (tokens.empty()) throw ConfigError("--sample-prompt '" + args.sample_prompt + "' has no tokens");
+  // The sample after training would refuse it (generate.h check_prompt): say so before training.
+  if (static_cast<int64_t>(tokens.size()) > args.model.seq_length) {
+    throw ConfigError("--sample-prompt is " + std::to_string(tokens.size()) + " tokens, longer than --seq-length " +
+                      std::to_string(args.model.seq_length));
+  }
 }
 
 }  // namespace
