@@ -174,6 +174,11 @@ TEST(NonFiniteDiagnosis, ANormOverflowNamesTheNormWithAFiniteLoss) {
   d.loaded_from = "ckpt/hf";
   EXPECT_NE(describe_nonfinite(d).find("the weights come from --load ckpt/hf (largest |w| 4e+20): check its values"),
             std::string::npos);
+  // A LayerNorm whose mean overflowed outputs NaN: the loss is not finite, and the norm is still the cause named.
+  d.step.lm_loss = kNaN;
+  EXPECT_NE(describe_nonfinite(d).find("3.4e+20): its output is not usable (lm loss nan); the weights come from"),
+            std::string::npos)
+      << describe_nonfinite(d);
 }
 
 TEST(FiniteCheck, FindsTheFirstNonFiniteElementInEveryFloatingDtype) {

@@ -54,8 +54,11 @@ std::string headline(const NonFiniteStepFacts& facts) {
 // Which weights grew too large for the norm's input, and what to change.
 std::string describe_norm_overflow_step(const NonFiniteDiagnosis& d) {
   const NonFiniteStepFacts& step = d.step;
-  std::string line = headline(step) + ": the norm outputs zeros there, so the lm loss (" + number(step.lm_loss) +
-                     ") stays finite but training learns nothing; ";
+  const std::string effect = std::isfinite(step.lm_loss)
+                                 ? "the norm outputs zeros there, so the lm loss (" + number(step.lm_loss) +
+                                       ") stays finite but training learns nothing"
+                                 : "its output is not usable (lm loss " + number(step.lm_loss) + ")";
+  const std::string line = headline(step) + ": " + effect + "; ";
   const std::string largest = d.scan.first_weight ? "first non-finite: " + d.scan.first_weight->description
                                                   : "largest |w| " + number(d.scan.largest_weight);
   if (!d.previous_losses.empty()) {
