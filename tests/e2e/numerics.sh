@@ -2,7 +2,9 @@
 # Non-finite numbers end a command with one line naming where they are:
 #   - a NaN weight in a HuggingFace folder (for `generate` and `train --load`) and in a moecore checkpoint;
 #   - `generate` sampling flags that are not finite or out of range;
-#   - a training run whose gradients overflow stops with the iteration, its loss and the cause.
+#   - a training run whose gradients overflow stops with the iteration, its loss and the cause;
+#   - a norm whose sum of squares overflows fp32 (it would output zeros and leave the loss at ln V) stops training,
+#     validation and generation with the norm's name (huge loaded weights).
 set -u
 bin=$1
 src=$2
@@ -74,6 +76,42 @@ expect_error "grad norm is not finite at iteration 2 (lm loss " \
   env MOECORE_INJECT_GRAD_OVERFLOW_AT=2 "$bin" train "${model[@]}" --train-iters 3
 expect_error "the weights are finite and the loss had not grown" \
   env MOECORE_INJECT_GRAD_OVERFLOW_AT=2 "$bin" train "${model[@]}" --train-iters 3
+
+# Word embeddings of +-1e20 (finite, so the load accepts them): the first norm's sum of squares, 32 x 1e40,
+# overflows fp32. Without the check the run trains to the end at loss ln V with zero gradients.
+cp -r "$work/hf" "$work/hf_huge"
+/usr/bin/python3 - "$work/hf_huge/model.safetensors" model.embed_tokens.weight <<'PY'
+import json, struct, sys, pathlib
+path, name = pathlib.Path(sys.argv[1]), sys.argv[2]
+data = bytearray(path.read_bytes())
+(n,) = struct.unpack("<Q", data[:8])
+info = json.loads(data[8:8 + n])[name]
+width = {"F32": 4, "BF16": 2}[info["dtype"]]
+begin, end = 8 + n + info["data_offsets"][0], 8 + n + info["data_offsets"][1]
+for i, at in enumerate(range(begin, end, width)):
+    data[at:at + width] = struct.pack("<f", 1e20 if i % 2 == 0 else -1e20)[4 - width:]
+path.write_bytes(data)
+PY
+[ $? -eq 0 ] || { echo "FAIL: could not write the huge weights"; exit 1; }
+overflow="decoder.layers.0.input_layernorm's sum of squares overflowed fp32 (input rows with |x| up to"
+# Training: the embeddings reach the norm through dropout (x 1 / 0.9).
+expect_error "iteration 1: $overflow 1.1e+20): the norm outputs zeros there, so the lm loss (10.83) stays finite" \
+  "$bin" train "${model[@]}" --train-iters 3 --load "$work/hf_huge"
+grep -q "iteration  *1/" "$work/expect.stdout" && fail "iteration 1 was logged before the overflow stopped the run"
+expect_error "the weights come from --load $work/hf_huge (largest |w| 1e+20): check its values" \
+  "$bin" train "${model[@]}" --train-iters 3 --load "$work/hf_huge"
+# Validation before training and generation run the same model without dropout.
+expect_error "validation at iteration 0: $overflow 1e+20): the norm outputs zeros there" \
+  "$bin" train "${model[@]}" --eval-iters 1 --eval-interval 100 --train-iters 3 --load "$work/hf_huge"
+expect_error "$overflow 1e+20) at generation step 1: the norm outputs zeros there, so the logits ignore the prompt" \
+  "$bin" generate --load "$work/hf_huge" --prompt "The" --max-new-tokens 2
+# Two pipeline stages: rank 0's first overflowing norm is layer 0's, rank 1's layer 1's; every rank stops at
+# iteration 1 with the same line, naming the first in model order.
+if command -v mpirun >/dev/null; then
+  expect_error "iteration 1: $overflow 1.1e+20): the norm outputs zeros there" \
+    timeout 120 mpirun -q --allow-run-as-root --oversubscribe -np 2 "$bin" train "${model[@]}" --train-iters 3 \
+    --load "$work/hf_huge" --pipeline-model-parallel-size 2
+fi
 
 [ $failures -eq 0 ] || { echo "$failures failure(s)"; exit 1; }
 echo "e2e ok"

@@ -716,6 +716,14 @@ TEST(TrainArguments, BatchSizes) {
   EXPECT_EQ(error_of(with(minimal(), {"--micro-batch-size", "0"})), "--micro-batch-size must be positive (got 0)");
 }
 
+TEST(TrainArguments, LogAndEvaluationIntervals) {
+  EXPECT_EQ(error_of(with(minimal(), {"--eval-interval", "0"})), "--eval-interval must be positive (got 0)");
+  EXPECT_EQ(error_of(with(minimal(), {"--eval-interval", "-3"})), "--eval-interval must be positive (got -3)");
+  EXPECT_EQ(error_of(with(minimal(), {"--log-interval", "0"})), "--log-interval must be positive (got 0)");
+  EXPECT_EQ(error_of(with(minimal(), {"--eval-iters", "-1"})), "--eval-iters must be non-negative (got -1)");
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--eval-interval", "7"})).eval_interval, 7);
+}
+
 TEST(TrainArguments, LearningRateFlags) {
   const TrainingArgs args =
       parse_train_args(with(minimal(), {"--min-lr", "3e-5", "--lr-decay-style", "WSD", "--lr-decay-iters", "90",

@@ -6,6 +6,7 @@
 #include <limits>
 #include <string>
 
+#include "moecore/model/norm_overflow.h"
 #include "moecore/tensor/finite_check.h"
 #include "moecore/train/nonfinite_diagnosis.h"
 
@@ -136,6 +137,48 @@ TEST(NonFiniteDiagnosis, TheFirstIterationOfARun) {
   d.step.iteration = 101;
   d.scan.first_weight.reset();
   EXPECT_NE(describe_nonfinite(d).find("lm loss is NaN at iteration 101"), std::string::npos);
+}
+
+// A norm whose sum of squares overflowed outputs zeros: the loss is a finite ln V, and the message names the norm
+// with advice for where the large weights came from.
+TEST(NonFiniteDiagnosis, ANormOverflowNamesTheNormWithAFiniteLoss) {
+  NonFiniteDiagnosis d = base();
+  d.init_method_std = 0.02;
+  const NormOverflow overflow{.module = 1,
+                              .name = "decoder.layers.1.input_layernorm",
+                              .layernorm = false,
+                              .dtype = DType::kF32,
+                              .largest_input = 3.4e20};
+  d.step = {3, 10.83, std::nullopt, 1e-3, overflow};
+  d.previous_losses = {10.9, 10.85};
+  d.scan.largest_weight = 2.5e19;
+  EXPECT_STREQ(NonFiniteStep(d.step).what(),
+               "iteration 3: decoder.layers.1.input_layernorm's sum of squares overflowed fp32 (input rows with |x| "
+               "up to 3.4e+20)");
+  EXPECT_EQ(describe_nonfinite(d),
+            "iteration 3: decoder.layers.1.input_layernorm's sum of squares overflowed fp32 (input rows with |x| up "
+            "to 3.4e+20): the norm outputs zeros there, so the lm loss (10.83) stays finite but training learns "
+            "nothing; the weights grew during training (largest |w| 2.5e+19, initialized with std 0.02): lower --lr "
+            "(now 0.001)");
+
+  // The first iteration of a run: the initial weights, or the loaded ones.
+  d.previous_losses.clear();
+  d.step.iteration = 1;
+  d.step.norm_overflow->layernorm = true;
+  d.init_method_std = 1e20;
+  d.scan.largest_weight = 4e20;
+  EXPECT_EQ(describe_nonfinite(d),
+            "iteration 1: decoder.layers.1.input_layernorm's variance overflowed fp32 (input rows with |x| up to "
+            "3.4e+20): the norm outputs zeros there, so the lm loss (10.83) stays finite but training learns nothing; "
+            "the initial weights are too large (largest |w| 4e+20): check --init-method-std (now 1e+20)");
+  d.loaded_from = "ckpt/hf";
+  EXPECT_NE(describe_nonfinite(d).find("the weights come from --load ckpt/hf (largest |w| 4e+20): check its values"),
+            std::string::npos);
+  // A LayerNorm whose mean overflowed outputs NaN: the loss is not finite, and the norm is still the cause named.
+  d.step.lm_loss = kNaN;
+  EXPECT_NE(describe_nonfinite(d).find("3.4e+20): its output is not usable (lm loss nan); the weights come from"),
+            std::string::npos)
+      << describe_nonfinite(d);
 }
 
 TEST(FiniteCheck, FindsTheFirstNonFiniteElementInEveryFloatingDtype) {

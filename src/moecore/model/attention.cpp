@@ -50,12 +50,14 @@ SelfAttention::SelfAttention(const ModelConfig& config, const std::string& prefi
   proj_ = RowParallelLinear(prefix_ + "linear_proj", N * d, H, tp, proj, params);
 }
 
-void SelfAttention::bind(std::vector<Param>& params) {
+void SelfAttention::bind(std::vector<Param>& params, NormOverflowLog* norm_overflow_log) {
   qkv_.bind(params);
   proj_.bind(params);
   if (config_.qk_layernorm) {
-    q_norm_ = NormModule::bind(params, prefix_ + "q_layernorm", config_.normalization, config_.norm_epsilon);
-    k_norm_ = NormModule::bind(params, prefix_ + "k_layernorm", config_.normalization, config_.norm_epsilon);
+    q_norm_ = NormModule::bind(params, prefix_ + "q_layernorm", config_.normalization, config_.norm_epsilon,
+                               norm_overflow_log);
+    k_norm_ = NormModule::bind(params, prefix_ + "k_layernorm", config_.normalization, config_.norm_epsilon,
+                               norm_overflow_log);
   }
 }
 

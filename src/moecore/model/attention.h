@@ -34,7 +34,7 @@ class SelfAttention {
   // cp: the context-parallel group the layer's sequence is split over (self() without context parallelism).
   SelfAttention(const ModelConfig& config, const std::string& prefix, const TensorParallel& tp, int module,
                 std::vector<Param>& params, const parallel::ProcessGroup& cp = parallel::ProcessGroup::self());
-  void bind(std::vector<Param>& params);
+  void bind(std::vector<Param>& params, NormOverflowLog* norm_overflow_log);
 
   // x_TH: the normed layer input (this rank's rows) -> the projected output (this rank's rows), bias included.
   // S: the local sequence (S / CP positions); `sequence` gives the positions, documents and the CP split.

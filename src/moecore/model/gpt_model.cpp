@@ -160,7 +160,7 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const paralle
     m.cross_entropy = VocabParallelCrossEntropy(m.tp, V, m.tp.rank() * (V / m.tp.size()));
   }
   // params_ and buffers_ are complete: pointers into them stay valid from here on.
-  for (TransformerLayer& layer : m.layers) layer.bind(params_, buffers_);
+  for (TransformerLayer& layer : m.layers) layer.bind(params_, buffers_, &norm_overflows_);
   if (pre_process) {
     m.word_embeddings.bind(params_);
     if (config_.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
@@ -168,7 +168,8 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const paralle
     }
   }
   if (post_process) {
-    m.final_norm = NormModule::bind(params_, "decoder.final_layernorm", config_.normalization, config_.norm_epsilon);
+    m.final_norm = NormModule::bind(params_, "decoder.final_layernorm", config_.normalization, config_.norm_epsilon,
+                                    &norm_overflows_);
     m.output_layer.bind(params_);
   }
   if (tied && parallel_.pp_size() > 1 && (pre_process || post_process)) {
@@ -483,6 +484,8 @@ void GPTModel::record_moe_stats(const int64_t layer, const RouterOutput& routing
     moe_stats_.tokens_per_expert[slot][e] += routing.tokens_per_expert_E[e];
   }
 }
+
+std::optional<NormOverflow> GPTModel::take_norm_overflow() { return norm_overflows_.take(); }
 
 MoEStats GPTModel::take_moe_stats() {
   MoEStats out = std::move(moe_stats_);

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "moecore/model/buffer.h"
@@ -21,6 +22,7 @@
 #include "moecore/model/delayed_scaling_states.h"
 #include "moecore/model/micro_batch_context.h"
 #include "moecore/model/model_hooks.h"
+#include "moecore/model/norm_overflow.h"
 #include "moecore/model/param.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/tensor/tensor.h"
@@ -125,6 +127,10 @@ class GPTModel {
   // router updates (expert-bias sign rule, global aux-loss reset). No-ops for a dense model.
   MoEStats take_moe_stats();
   void finish_global_batch();
+  // The first norm (in model order) of this rank whose statistics overflowed in a forward since the last call (then
+  // reset): its output was zeros, which the loss does not show (model/norm_overflow.h). Training, evaluation and
+  // generation check it after their forwards.
+  std::optional<NormOverflow> take_norm_overflow();
   // The router's expert-bias buffer decoder.layers.{layer}.mlp.router.expert_bias [E] (global layer index; exports,
   // tests); null for a dense layer, a layer outside this stage, or without --moe-router-enable-expert-bias.
   Buffer* expert_bias(int64_t layer);
@@ -156,6 +162,7 @@ class GPTModel {
   std::vector<Buffer> buffers_;
   std::unique_ptr<Modules> modules_;
   MoEStats moe_stats_;
+  NormOverflowLog norm_overflows_;
   DelayedScalingStates delayed_scaling_;
 };
 

@@ -1,8 +1,34 @@
 #include "moecore/model/norm_module.h"
 
+#include <algorithm>
+#include <cmath>
+#include <optional>
+
 #include "moecore/ops/norm.h"
 
 namespace moecore {
+namespace {
+
+// The largest |x| of the finite rows whose statistics overflowed (rstd 0, or NaN from a LayerNorm mean of Inf and
+// -Inf); nullopt when there is none.
+template <typename T>
+std::optional<double> largest_overflowed_row(const T* x_RD, const T* rstd_R, const int64_t rows, const int64_t D) {
+  std::optional<double> largest;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (rstd_R[r] > T(0)) continue;  // 1 / sqrt(a finite statistic + eps) is positive
+    double row_largest = 0.0;
+    bool finite = true;
+    for (int64_t d = 0; d < D && finite; ++d) {
+      const double value = static_cast<double>(x_RD[r * D + d]);
+      finite = std::isfinite(value);
+      row_largest = std::max(row_largest, std::fabs(value));
+    }
+    if (finite) largest = std::max(largest.value_or(0.0), row_largest);
+  }
+  return largest;
+}
+
+}  // namespace
 
 void NormModule::add_params(std::vector<Param>& params, const std::string& name, const int64_t width,
                             const Normalization kind, const bool grad_sum_over_tp, const int module) {
@@ -17,23 +43,41 @@ void NormModule::add_params(std::vector<Param>& params, const std::string& name,
 }
 
 NormModule NormModule::bind(std::vector<Param>& params, const std::string& name, const Normalization kind,
-                            const double eps) {
+                            const double eps, NormOverflowLog* overflow_log) {
   return NormModule(kind, eps, find_param(params, name + ".weight"),
-                    kind == Normalization::kLayerNorm ? find_param(params, name + ".bias") : nullptr);
+                    kind == Normalization::kLayerNorm ? find_param(params, name + ".bias") : nullptr, name,
+                    overflow_log);
 }
 
 NormStats NormModule::forward(Tensor& out_RD, const Tensor& inp_RD) const {
   const int64_t rows = inp_RD.numel() / weight_->value.numel();
   NormStats stats;
   stats.rstd_R = Tensor({rows}, DType::kF32, MemCategory::kActivations);
+  int64_t nonfinite_rows = 0;
   if (kind_ == Normalization::kRMSNorm) {
-    ops::rmsnorm_forward(out_RD, stats.rstd_R, inp_RD, weight_->value, eps_);
+    nonfinite_rows = ops::rmsnorm_forward(out_RD, stats.rstd_R, inp_RD, weight_->value, eps_);
   } else {
     stats.mean_R = Tensor({rows}, DType::kF32, MemCategory::kActivations);
-    ops::layernorm_forward(out_RD, stats.mean_R, stats.rstd_R, inp_RD, weight_->value, bias_ ? &bias_->value : nullptr,
-                           eps_);
+    nonfinite_rows = ops::layernorm_forward(out_RD, stats.mean_R, stats.rstd_R, inp_RD, weight_->value,
+                                            bias_ ? &bias_->value : nullptr, eps_);
   }
+  if (nonfinite_rows > 0 && overflow_log_ != nullptr) record_overflow(inp_RD, stats.rstd_R);
   return stats;
+}
+
+void NormModule::record_overflow(const Tensor& inp_RD, const Tensor& rstd_R) const {
+  // Only finite rows: a row holding Inf or NaN makes a NaN output, which the loss check reports.
+  const int64_t D = weight_->value.numel();
+  const std::optional<double> largest =
+      inp_RD.dtype() == DType::kF64
+          ? largest_overflowed_row(inp_RD.data<double>(), rstd_R.data<double>(), rstd_R.numel(), D)
+          : largest_overflowed_row(inp_RD.data<float>(), rstd_R.data<float>(), rstd_R.numel(), D);
+  if (!largest) return;
+  overflow_log_->record(NormOverflow{.module = weight_->module,
+                                     .name = name_,
+                                     .layernorm = kind_ == Normalization::kLayerNorm,
+                                     .dtype = inp_RD.dtype(),
+                                     .largest_input = *largest});
 }
 
 void NormModule::backward(Tensor& dinp_RD, const Tensor& dout_RD, const Tensor& inp_RD, const NormStats& stats) const {

@@ -118,10 +118,13 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
   }
 }
 
-void TransformerLayer::bind(std::vector<Param>& params, std::vector<Buffer>& buffers) {
-  ln1_ = NormModule::bind(params, prefix_ + "input_layernorm", config_.normalization, config_.norm_epsilon);
-  ln2_ = NormModule::bind(params, prefix_ + "pre_mlp_layernorm", config_.normalization, config_.norm_epsilon);
-  attention_.bind(params);
+void TransformerLayer::bind(std::vector<Param>& params, std::vector<Buffer>& buffers,
+                            NormOverflowLog* norm_overflow_log) {
+  ln1_ = NormModule::bind(params, prefix_ + "input_layernorm", config_.normalization, config_.norm_epsilon,
+                          norm_overflow_log);
+  ln2_ = NormModule::bind(params, prefix_ + "pre_mlp_layernorm", config_.normalization, config_.norm_epsilon,
+                          norm_overflow_log);
+  attention_.bind(params, norm_overflow_log);
   if (moe_) {
     moe_->bind(params, &buffers);
   } else {

@@ -53,8 +53,9 @@ class TransformerLayer {
   // "decoder.layers.{index}.", the global index).
   TransformerLayer(const ModelConfig& config, int64_t index, std::vector<Param>& params, std::vector<Buffer>& buffers,
                    const parallel::ParallelState& parallel);
-  // Resolves parameter and buffer pointers once `params` and `buffers` no longer grow.
-  void bind(std::vector<Param>& params, std::vector<Buffer>& buffers);
+  // Resolves parameter and buffer pointers once `params` and `buffers` no longer grow; the norms record overflows
+  // into norm_overflow_log (the model's; may be null).
+  void bind(std::vector<Param>& params, std::vector<Buffer>& buffers, NormOverflowLog* norm_overflow_log);
 
   // x_TH (this rank's rows) -> out_TH (same rows). S, B: the micro-batch. Collective over TP (and the expert grid
   // on MoE layers). Fills `saved` when dropout.training (backward will follow).

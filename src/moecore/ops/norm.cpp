@@ -18,16 +18,19 @@ int64_t rows_of(const char* op, const Tensor& inp_RD, const Tensor& weight_D) {
 
 }  // namespace
 
-void rmsnorm_forward(Tensor& out_RD, Tensor& rstd_R, const Tensor& inp_RD, const Tensor& weight_D, const double eps) {
+int64_t rmsnorm_forward(Tensor& out_RD, Tensor& rstd_R, const Tensor& inp_RD, const Tensor& weight_D,
+                        const double eps) {
   constexpr const char* op = "rmsnorm_forward";
   detail::check_tensors(op, {&out_RD, &rstd_R, &inp_RD, &weight_D});
   const int64_t D = weight_D.numel(), R = rows_of(op, inp_RD, weight_D);
   detail::check_numel(op, "out_RD", out_RD, R * D);
   detail::check_numel(op, "rstd_R", rstd_R, R);
+  int64_t nonfinite_rows = 0;
   detail::dispatch(op, inp_RD, [&]<typename S>(auto k) {
-    k.rmsnorm_forward(ptr<S>(out_RD), ptr<S>(rstd_R), ptr<S>(inp_RD), ptr<S>(weight_D), R, D, eps);
+    nonfinite_rows = k.rmsnorm_forward(ptr<S>(out_RD), ptr<S>(rstd_R), ptr<S>(inp_RD), ptr<S>(weight_D), R, D, eps);
   });
   detail::round_activations({&out_RD});
+  return nonfinite_rows;
 }
 
 void rmsnorm_backward(Tensor& dinp_RD, Tensor& dweight_D, const Tensor& dout_RD, const Tensor& inp_RD,
@@ -46,8 +49,8 @@ void rmsnorm_backward(Tensor& dinp_RD, Tensor& dweight_D, const Tensor& dout_RD,
   detail::round_activations({&dinp_RD});
 }
 
-void layernorm_forward(Tensor& out_RD, Tensor& mean_R, Tensor& rstd_R, const Tensor& inp_RD, const Tensor& weight_D,
-                       const Tensor* bias_D, const double eps) {
+int64_t layernorm_forward(Tensor& out_RD, Tensor& mean_R, Tensor& rstd_R, const Tensor& inp_RD, const Tensor& weight_D,
+                          const Tensor* bias_D, const double eps) {
   constexpr const char* op = "layernorm_forward";
   detail::check_tensors(op, {&out_RD, &mean_R, &rstd_R, &inp_RD, &weight_D, bias_D});
   const int64_t D = weight_D.numel(), R = rows_of(op, inp_RD, weight_D);
@@ -55,11 +58,13 @@ void layernorm_forward(Tensor& out_RD, Tensor& mean_R, Tensor& rstd_R, const Ten
   detail::check_numel(op, "mean_R", mean_R, R);
   detail::check_numel(op, "rstd_R", rstd_R, R);
   if (bias_D != nullptr) detail::check_numel(op, "bias_D", *bias_D, D);
+  int64_t nonfinite_rows = 0;
   detail::dispatch(op, inp_RD, [&]<typename S>(auto k) {
-    k.layernorm_forward(ptr<S>(out_RD), ptr<S>(mean_R), ptr<S>(rstd_R), ptr<S>(inp_RD), ptr<S>(weight_D),
-                        opt<S>(bias_D), R, D, eps);
+    nonfinite_rows = k.layernorm_forward(ptr<S>(out_RD), ptr<S>(mean_R), ptr<S>(rstd_R), ptr<S>(inp_RD),
+                                         ptr<S>(weight_D), opt<S>(bias_D), R, D, eps);
   });
   detail::round_activations({&out_RD});
+  return nonfinite_rows;
 }
 
 void layernorm_backward(Tensor& dinp_RD, Tensor& dweight_D, Tensor* dbias_D, const Tensor& dout_RD,

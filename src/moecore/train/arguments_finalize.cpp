@@ -448,6 +448,11 @@ void finalize_training(TrainingArgs& args, const std::set<std::string>& given) {
     }
     return value;
   };
+  // Before the evaluation count divides by --eval-interval.
+  require(args.log_interval > 0, "--log-interval must be positive (got " + str(args.log_interval) + ")");
+  require(!args.eval_interval || *args.eval_interval > 0,
+          "--eval-interval must be positive (got " + str(args.eval_interval.value_or(0)) + ")");
+  require(args.eval_iters >= 0, "--eval-iters must be non-negative (got " + str(args.eval_iters) + ")");
   const int64_t eval_points = args.eval_interval ? args.train_iters / *args.eval_interval + 1 : 1;
   product({{"--train-iters", args.train_iters},
            {"--global-batch-size", args.global_batch_size},
@@ -458,11 +463,6 @@ void finalize_training(TrainingArgs& args, const std::set<std::string>& given) {
            {"--global-batch-size", args.global_batch_size},
            {"--seq-length", args.model.seq_length}},
           "tokens");
-
-  require(args.log_interval > 0, "--log-interval must be positive (got " + str(args.log_interval) + ")");
-  require(!args.eval_interval || *args.eval_interval > 0,
-          "--eval-interval must be positive (got " + str(args.eval_interval.value_or(0)) + ")");
-  require(args.eval_iters >= 0, "--eval-iters must be non-negative (got " + str(args.eval_iters) + ")");
 }
 
 void finalize_lr(TrainingArgs& args, const std::set<std::string>& given) {

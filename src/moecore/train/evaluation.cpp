@@ -2,13 +2,18 @@
 
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <ostream>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "moecore/train/batch_schedule.h"
 #include "moecore/train/log_format.h"
+#include "moecore/train/norm_overflow_check.h"
 #include "moecore/train/pipeline_executor.h"
 #include "moecore/train/pipeline_schedule.h"
+#include "moecore/train/trainer.h"
 
 namespace moecore {
 namespace {
@@ -16,10 +21,18 @@ namespace {
 // Training forwards use streams iteration * micro-batches + g, far below this.
 constexpr uint64_t kEvalStreamBase = uint64_t{1} << 40;
 
+std::string format_number(const double value) {
+  std::ostringstream out;
+  out.precision(4);
+  out << value;
+  return out.str();
+}
+
 }  // namespace
 
 double evaluate(const TrainingArgs& args, GPTModel& model, const GPTDataProvider& data,
-                const parallel::ParallelState& parallel, const int64_t first_sample, int64_t& samples_read) {
+                const parallel::ParallelState& parallel, const int64_t first_sample, int64_t& samples_read,
+                const std::string_view prefix) {
   const int64_t available = data.num_samples(DatasetSplit::kValid);
   const int64_t num_microbatches = args.global_batch_size / args.micro_batch_size;
   const std::vector<int64_t> mine = local_microbatches(num_microbatches, parallel.dp_size(), parallel.dp_rank());
@@ -56,14 +69,23 @@ double evaluate(const TrainingArgs& args, GPTModel& model, const GPTDataProvider
     batch_start += args.global_batch_size;
   }
   samples_read = args.eval_iters * args.global_batch_size;
-  return reduce_pipeline_loss(loss, parallel);
+  const double reduced = reduce_pipeline_loss(loss, parallel);
+  if (const std::optional<NormOverflow> overflow = agree_on_norm_overflow(model, parallel.world)) {
+    throw TrainingError(
+        "validation at " + std::string(prefix) + ": " + describe_norm_overflow(*overflow) +
+        ": the norm outputs zeros there, so the validation loss (" + format_number(reduced) +
+        ") is meaningless; check the weights (" +
+        (args.load.empty() ? "--init-method-std " + format_number(args.model.init_method_std) : "--load " + args.load) +
+        ", --lr " + format_number(args.lr) + ")");
+  }
+  return reduced;
 }
 
 double evaluate_and_print(const TrainingArgs& args, GPTModel& model, const GPTDataProvider& data,
                           const parallel::ParallelState& parallel, const std::string_view prefix,
                           int64_t& consumed_valid_samples, std::ostream& log) {
   int64_t samples_read = 0;
-  const double loss = evaluate(args, model, data, parallel, consumed_valid_samples, samples_read);
+  const double loss = evaluate(args, model, data, parallel, consumed_valid_samples, samples_read, prefix);
   consumed_valid_samples += samples_read;
   const std::string line = format_validation_log(prefix, {{"lm loss", loss}});
   const std::string rule = validation_rule(line);

@@ -16,8 +16,11 @@ namespace moecore {
 // Megatron's evaluate(): eval_iters global batches of the validation split from sample `first_sample` (wrapping to
 // sample 0 when the split runs out), dealt to DP ranks as training batches are; the lm loss is token-weighted over
 // all of them ([loss sum, tokens] reduced over dp-cp). Returns the loss; `samples_read` gets eval_iters x gbs.
+// Throws TrainingError on every rank, naming the norm and `prefix`, when a norm overflowed on any rank (its output
+// was zeros: the loss is meaningless).
 double evaluate(const TrainingArgs& args, GPTModel& model, const GPTDataProvider& data,
-                const parallel::ParallelState& parallel, int64_t first_sample, int64_t& samples_read);
+                const parallel::ParallelState& parallel, int64_t first_sample, int64_t& samples_read,
+                std::string_view prefix);
 
 // Megatron's evaluate_and_print_results: evaluates from `consumed_valid_samples` (advancing it) and prints
 // " validation loss at <prefix> | lm loss value: ... | lm loss PPL: ... | " between two rules. Returns the loss.

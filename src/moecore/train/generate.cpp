@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "moecore/model/norm_overflow.h"
 #include "moecore/tensor/finite_check.h"
 #include "moecore/tensor/rng.h"
 
@@ -67,6 +68,12 @@ std::vector<int32_t> generate(GPTModel& model, std::vector<int32_t> prompt, cons
     const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(prompt.size()) - context);
     const int64_t length = static_cast<int64_t>(prompt.size()) - start;
     const Tensor logits_BV = model.last_logits(prompt.data() + start, 1, length);
+    // A norm whose sum of squares overflowed outputs zeros: finite logits that ignore the prompt.
+    if (const std::optional<NormOverflow> overflow = model.take_norm_overflow()) {
+      throw std::runtime_error(describe_norm_overflow(*overflow) + " at generation step " + std::to_string(step + 1) +
+                               ": the norm outputs zeros there, so the logits ignore the prompt; check the model's "
+                               "weights");
+    }
     // Finite weights can still overflow in the forward; argmax over NaN logits would print token 0 forever.
     if (const std::optional<NonFiniteElement> bad = first_nonfinite(logits_BV)) {
       throw std::runtime_error("the model computed a non-finite logit (" + nonfinite_name(bad->value) +

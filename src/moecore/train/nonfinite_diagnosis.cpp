@@ -42,13 +42,39 @@ std::optional<NonFiniteTensor> decode(const std::string& text) {
   return NonFiniteTensor{std::stoll(text.substr(0, tab)), text.substr(tab + 1)};
 }
 
+std::string headline(const NonFiniteStepFacts& facts) {
+  if (facts.norm_overflow) {
+    return "iteration " + std::to_string(facts.iteration) + ": " + describe_norm_overflow(*facts.norm_overflow);
+  }
+  return facts.grad_norm
+             ? "grad norm is not finite at iteration " + std::to_string(facts.iteration)
+             : "lm loss is " + nonfinite_name(facts.lm_loss) + " at iteration " + std::to_string(facts.iteration);
+}
+
+// Which weights grew too large for the norm's input, and what to change.
+std::string describe_norm_overflow_step(const NonFiniteDiagnosis& d) {
+  const NonFiniteStepFacts& step = d.step;
+  const std::string effect = std::isfinite(step.lm_loss)
+                                 ? "the norm outputs zeros there, so the lm loss (" + number(step.lm_loss) +
+                                       ") stays finite but training learns nothing"
+                                 : "its output is not usable (lm loss " + number(step.lm_loss) + ")";
+  const std::string line = headline(step) + ": " + effect + "; ";
+  const std::string largest = d.scan.first_weight ? "first non-finite: " + d.scan.first_weight->description
+                                                  : "largest |w| " + number(d.scan.largest_weight);
+  if (!d.previous_losses.empty()) {
+    return line + "the weights grew during training (" + largest + ", initialized with std " +
+           number(d.init_method_std) + "): lower --lr (now " + number(d.lr) + ")";
+  }
+  if (!d.loaded_from.empty()) {
+    return line + "the weights come from --load " + d.loaded_from + " (" + largest + "): check its values";
+  }
+  return line + "the initial weights are too large (" + largest + "): check --init-method-std (now " +
+         number(d.init_method_std) + ")";
+}
+
 }  // namespace
 
-NonFiniteStep::NonFiniteStep(const NonFiniteStepFacts& facts)
-    : TrainingError(facts.grad_norm ? "grad norm is not finite at iteration " + std::to_string(facts.iteration)
-                                    : "lm loss is " + nonfinite_name(facts.lm_loss) + " at iteration " +
-                                          std::to_string(facts.iteration)),
-      facts_(facts) {}
+NonFiniteStep::NonFiniteStep(const NonFiniteStepFacts& facts) : TrainingError(headline(facts)), facts_(facts) {}
 
 NonFiniteScan scan_model_for_nonfinite(const GPTModel& model, const parallel::ProcessGroup& world) {
   NonFiniteScan local;
@@ -83,6 +109,7 @@ NonFiniteScan scan_model_for_nonfinite(const GPTModel& model, const parallel::Pr
 }
 
 std::string describe_nonfinite(const NonFiniteDiagnosis& d) {
+  if (d.step.norm_overflow) return describe_norm_overflow_step(d);
   const NonFiniteStepFacts& step = d.step;
   const int64_t n = step.iteration;
   std::string line = step.grad_norm ? "grad norm is not finite at iteration " + std::to_string(n) + " (lm loss " +

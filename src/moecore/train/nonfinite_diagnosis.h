@@ -6,6 +6,8 @@
 // nan"). moecore stops at the same points and also says what led there, from what is cheap to know: the losses of the
 // iterations before, the first weight that is not finite (the last optimizer step made it from finite gradients) and
 // the module closest to the loss whose gradient is not finite (where the backward pass overflowed first).
+// A norm whose sum of squares overflows (model/norm_overflow.h) outputs zeros and leaves the loss finite (ln V, zero
+// gradients): moecore stops on it too, naming the norm, where Megatron would train on.
 #pragma once
 
 #include <cstdint>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "moecore/model/gpt_model.h"
+#include "moecore/model/norm_overflow.h"
 #include "moecore/parallel/process_group.h"
 #include "moecore/train/trainer.h"
 
@@ -25,6 +28,8 @@ struct NonFiniteStepFacts {
   double lm_loss = 0.0;             // the iteration's loss, reduced over the global batch
   std::optional<double> grad_norm;  // set when the loss was finite and the norm was not
   double learning_rate = 0.0;       // the rate this iteration's update would have used
+  std::optional<NormOverflow> norm_overflow =
+      std::nullopt;  // set when a norm's statistics overflowed (the loss may be finite)
 };
 
 class NonFiniteStep : public TrainingError {
@@ -66,7 +71,8 @@ struct NonFiniteDiagnosis {
   bool fp16 = false;              // --fp16: weights are rounded to fp16
 };
 
-// One line: what was not finite at which iteration with that iteration's values, what led there and what to change.
+// One line: what was not finite (or which norm overflowed) at which iteration with that iteration's values, what led
+// there and what to change.
 std::string describe_nonfinite(const NonFiniteDiagnosis& diagnosis);
 
 }  // namespace moecore

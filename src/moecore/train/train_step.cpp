@@ -4,13 +4,16 @@
 #include <cmath>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moecore/parallel/comm_stats.h"
 #include "moecore/train/batch_schedule.h"
 #include "moecore/train/nonfinite_diagnosis.h"
+#include "moecore/train/norm_overflow_check.h"
 #include "moecore/train/pipeline_executor.h"
 #include "moecore/train/pipeline_schedule.h"
 #include "moecore/train/trainer.h"
@@ -109,6 +112,11 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
   const bool dynamic_scaling = scalers.dynamic();
   // The lr this iteration's update uses (for the message when it stops).
   const double learning_rate = modules.schedule.lr();
+  // A norm that overflowed output zeros: the loss is finite but meaningless (agreed over every rank).
+  if (std::optional<NormOverflow> overflow = agree_on_norm_overflow(modules.model, parallel.world)) {
+    throw NonFiniteStep(
+        NonFiniteStepFacts{iteration, result.lm_loss, std::nullopt, learning_rate, std::move(overflow)});
+  }
   if (!std::isfinite(result.lm_loss) && !dynamic_scaling) {  // after the reduction, so every rank stops together
     throw NonFiniteStep(NonFiniteStepFacts{iteration, result.lm_loss, std::nullopt, learning_rate});
   }

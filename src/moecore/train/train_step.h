@@ -38,10 +38,11 @@ struct TrainingModules {
 };
 
 // Iteration progress.iteration + 1 on training samples [consumed_train_samples, + global batch): throws
-// NonFiniteStep (train/nonfinite_diagnosis.h; on every rank together) when the loss or the gradient norm is not finite;
-// with loss scaling an iteration whose gradients are not finite is skipped instead (result.skipped). The update uses
-// the scheduler's learning rate and weight decay; a successful update steps the scheduler by the global batch size
-// (Megatron's train_step). Does not advance `progress`.
+// NonFiniteStep (train/nonfinite_diagnosis.h; on every rank together) when a norm of any rank overflowed in the
+// forwards (model/norm_overflow.h), or the loss or the gradient norm is not finite; with loss scaling an iteration
+// whose gradients are not finite is skipped instead (result.skipped). The update uses the scheduler's learning rate
+// and weight decay; a successful update steps the scheduler by the global batch size (Megatron's train_step). Does
+// not advance `progress`.
 StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, const parallel::ParallelState& parallel,
                       const TrainingProgress& progress);
 

@@ -45,16 +45,19 @@ class PartialSums {
   std::vector<T> sums_;
 };
 
-// One row of each kernel (the hot loops, compiled per vector ISA).
+// One row of each kernel (the hot loops, compiled per vector ISA). The forward rows return whether their statistics
+// are finite.
 template <typename T>
-MOECORE_VECTOR_CLONES T rmsnorm_row(T* y, const T* x, const T* weight_D, const int64_t D, const T eps) {
+MOECORE_VECTOR_CLONES bool rmsnorm_row(T* y, T& rstd_out, const T* x, const T* weight_D, const int64_t D, const T eps) {
   T sum_sq = T(0);
 #pragma omp simd reduction(+ : sum_sq)
   for (int64_t d = 0; d < D; ++d) sum_sq += x[d] * x[d];
-  const T rstd = T(1) / std::sqrt(sum_sq / static_cast<T>(D) + eps);
+  const T mean_sq = sum_sq / static_cast<T>(D);
+  const T rstd = T(1) / std::sqrt(mean_sq + eps);
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) y[d] = x[d] * rstd * weight_D[d];
-  return rstd;
+  rstd_out = rstd;
+  return std::isfinite(mean_sq);
 }
 
 // dx (may be null) += the input gradient of the row; dweight_part += its weight gradient.
@@ -74,7 +77,7 @@ MOECORE_VECTOR_CLONES void rmsnorm_row_backward(T* dx, T* dweight_part, const T*
 }
 
 template <typename T>
-MOECORE_VECTOR_CLONES void layernorm_row(T* y, T& mean_out, T& rstd_out, const T* x, const T* weight_D, const T* bias_D,
+MOECORE_VECTOR_CLONES bool layernorm_row(T* y, T& mean_out, T& rstd_out, const T* x, const T* weight_D, const T* bias_D,
                                          const int64_t D, const T eps) {
   T sum = T(0);
 #pragma omp simd reduction(+ : sum)
@@ -83,7 +86,8 @@ MOECORE_VECTOR_CLONES void layernorm_row(T* y, T& mean_out, T& rstd_out, const T
   T sum_sq = T(0);
 #pragma omp simd reduction(+ : sum_sq)
   for (int64_t d = 0; d < D; ++d) sum_sq += (x[d] - mean) * (x[d] - mean);
-  const T rstd = T(1) / std::sqrt(sum_sq / static_cast<T>(D) + eps);
+  const T var = sum_sq / static_cast<T>(D);
+  const T rstd = T(1) / std::sqrt(var + eps);
   if (bias_D != nullptr) {
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) y[d] = (x[d] - mean) * rstd * weight_D[d] + bias_D[d];
@@ -93,6 +97,7 @@ MOECORE_VECTOR_CLONES void layernorm_row(T* y, T& mean_out, T& rstd_out, const T
   }
   mean_out = mean;
   rstd_out = rstd;
+  return std::isfinite(var);  // an overflowed mean makes the variance Inf or NaN too
 }
 
 template <typename T>
@@ -125,13 +130,15 @@ MOECORE_VECTOR_CLONES void layernorm_row_backward(T* dx, T* dweight_part, T* dbi
 }  // namespace
 
 template <typename T>
-void rmsnorm_forward(T* out_RD, T* rstd_R, const T* inp_RD, const T* weight_D, const int64_t n_rows, const int64_t D,
-                     const double eps) {
+int64_t rmsnorm_forward(T* out_RD, T* rstd_R, const T* inp_RD, const T* weight_D, const int64_t n_rows, const int64_t D,
+                        const double eps) {
   const T eps_t = static_cast<T>(eps);
-#pragma omp parallel for schedule(static) num_threads(threads_for(n_rows, D))
+  int64_t nonfinite_rows = 0;
+#pragma omp parallel for schedule(static) num_threads(threads_for(n_rows, D)) reduction(+ : nonfinite_rows)
   for (int64_t r = 0; r < n_rows; ++r) {
-    rstd_R[r] = rmsnorm_row(out_RD + r * D, inp_RD + r * D, weight_D, D, eps_t);
+    if (!rmsnorm_row(out_RD + r * D, rstd_R[r], inp_RD + r * D, weight_D, D, eps_t)) ++nonfinite_rows;
   }
+  return nonfinite_rows;
 }
 
 template <typename T>
@@ -152,13 +159,17 @@ void rmsnorm_backward(T* dinp_RD, T* dweight_D, const T* dout_RD, const T* inp_R
 }
 
 template <typename T>
-void layernorm_forward(T* out_RD, T* mean_R, T* rstd_R, const T* inp_RD, const T* weight_D, const T* bias_D,
-                       const int64_t n_rows, const int64_t D, const double eps) {
+int64_t layernorm_forward(T* out_RD, T* mean_R, T* rstd_R, const T* inp_RD, const T* weight_D, const T* bias_D,
+                          const int64_t n_rows, const int64_t D, const double eps) {
   const T eps_t = static_cast<T>(eps);
-#pragma omp parallel for schedule(static) num_threads(threads_for(n_rows, D))
+  int64_t nonfinite_rows = 0;
+#pragma omp parallel for schedule(static) num_threads(threads_for(n_rows, D)) reduction(+ : nonfinite_rows)
   for (int64_t r = 0; r < n_rows; ++r) {
-    layernorm_row(out_RD + r * D, mean_R[r], rstd_R[r], inp_RD + r * D, weight_D, bias_D, D, eps_t);
+    if (!layernorm_row(out_RD + r * D, mean_R[r], rstd_R[r], inp_RD + r * D, weight_D, bias_D, D, eps_t)) {
+      ++nonfinite_rows;
+    }
   }
+  return nonfinite_rows;
 }
 
 template <typename T>
@@ -180,10 +191,10 @@ void layernorm_backward(T* dinp_RD, T* dweight_D, T* dbias_D, const T* dout_RD, 
   partial.reduce(dbias_D, 1);
 }
 
-#define MOECORE_INSTANTIATE(T)                                                                            \
-  template void rmsnorm_forward<T>(T*, T*, const T*, const T*, int64_t, int64_t, double);                 \
-  template void rmsnorm_backward<T>(T*, T*, const T*, const T*, const T*, const T*, int64_t, int64_t);    \
-  template void layernorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, double); \
+#define MOECORE_INSTANTIATE(T)                                                                               \
+  template int64_t rmsnorm_forward<T>(T*, T*, const T*, const T*, int64_t, int64_t, double);                 \
+  template void rmsnorm_backward<T>(T*, T*, const T*, const T*, const T*, const T*, int64_t, int64_t);       \
+  template int64_t layernorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, double); \
   template void layernorm_backward<T>(T*, T*, T*, const T*, const T*, const T*, const T*, const T*, int64_t, int64_t);
 MOECORE_INSTANTIATE(float)
 MOECORE_INSTANTIATE(double)

@@ -6,15 +6,19 @@
 namespace moecore::kernels::ref {
 
 template <typename T>
-void rmsnorm_forward(T* out_RD, T* rstd_R, const T* inp_RD, const T* weight_D, const int64_t n_rows, const int64_t D,
-                     const double eps) {
+int64_t rmsnorm_forward(T* out_RD, T* rstd_R, const T* inp_RD, const T* weight_D, const int64_t n_rows, const int64_t D,
+                        const double eps) {
+  int64_t nonfinite_rows = 0;
   for (int64_t r = 0; r < n_rows; ++r) {
     T sum_sq = 0;
     for (int64_t d = 0; d < D; ++d) sum_sq += inp_RD[r * D + d] * inp_RD[r * D + d];
-    const T rstd = T(1) / std::sqrt(sum_sq / T(D) + T(eps));
+    const T mean_sq = sum_sq / T(D);
+    const T rstd = T(1) / std::sqrt(mean_sq + T(eps));
     for (int64_t d = 0; d < D; ++d) out_RD[r * D + d] = inp_RD[r * D + d] * rstd * weight_D[d];
     rstd_R[r] = rstd;
+    if (!std::isfinite(mean_sq)) ++nonfinite_rows;
   }
+  return nonfinite_rows;
 }
 
 // y_i = w_i x_i s with s = (mean(x^2) + eps)^(-1/2); ds/dx_j = -s^3 x_j / D, so
@@ -36,8 +40,9 @@ void rmsnorm_backward(T* dinp_RD, T* dweight_D, const T* dout_RD, const T* inp_R
 }
 
 template <typename T>
-void layernorm_forward(T* out_RD, T* mean_R, T* rstd_R, const T* inp_RD, const T* weight_D, const T* bias_D,
-                       const int64_t n_rows, const int64_t D, const double eps) {
+int64_t layernorm_forward(T* out_RD, T* mean_R, T* rstd_R, const T* inp_RD, const T* weight_D, const T* bias_D,
+                          const int64_t n_rows, const int64_t D, const double eps) {
+  int64_t nonfinite_rows = 0;
   for (int64_t r = 0; r < n_rows; ++r) {
     const T* x = inp_RD + r * D;
     T sum = 0;
@@ -52,7 +57,9 @@ void layernorm_forward(T* out_RD, T* mean_R, T* rstd_R, const T* inp_RD, const T
     }
     mean_R[r] = mean;
     rstd_R[r] = rstd;
+    if (!std::isfinite(mean) || !std::isfinite(var)) ++nonfinite_rows;
   }
+  return nonfinite_rows;
 }
 
 // With xhat = (x - mean) s and g = w dy: dx_j = s (g_j - mean(g) - xhat_j mean(g xhat)).
@@ -79,10 +86,10 @@ void layernorm_backward(T* dinp_RD, T* dweight_D, T* dbias_D, const T* dout_RD, 
   }
 }
 
-#define MOECORE_INSTANTIATE(T)                                                                            \
-  template void rmsnorm_forward<T>(T*, T*, const T*, const T*, int64_t, int64_t, double);                 \
-  template void rmsnorm_backward<T>(T*, T*, const T*, const T*, const T*, const T*, int64_t, int64_t);    \
-  template void layernorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, double); \
+#define MOECORE_INSTANTIATE(T)                                                                               \
+  template int64_t rmsnorm_forward<T>(T*, T*, const T*, const T*, int64_t, int64_t, double);                 \
+  template void rmsnorm_backward<T>(T*, T*, const T*, const T*, const T*, const T*, int64_t, int64_t);       \
+  template int64_t layernorm_forward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int64_t, double); \
   template void layernorm_backward<T>(T*, T*, T*, const T*, const T*, const T*, const T*, const T*, int64_t, int64_t);
 MOECORE_INSTANTIATE(float)
 MOECORE_INSTANTIATE(double)
