@@ -1,18 +1,15 @@
 #include "moecore/util/trace.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <cstdio>
-#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "moecore/util/replace_file.h"
 
 namespace moecore::trace {
 namespace {
@@ -208,33 +205,9 @@ void write(const std::string& path) {
     }
   }
   out += "\n]}\n";
-  // A temporary beside `path`, renamed over it once complete: a failed write never leaves a partial trace under the
-  // final name, and the temporary is removed.
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const auto fail = [&](const char* what, const int error) {
-    ::unlink(tmp.c_str());
-    throw std::runtime_error(path + ": cannot write the trace (" + what + ": " + std::strerror(error) + ")");
-  };
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail("cannot create the temporary file", errno);
-  size_t written = 0;
-  while (written < out.size()) {
-    const ssize_t n = ::write(fd, out.data() + written, out.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int error = n == 0 ? ENOSPC : errno;
-      ::close(fd);
-      fail("write failed", error);
-    }
-    written += static_cast<size_t>(n);
+  if (const std::string problem = replace_file(path, out); !problem.empty()) {
+    throw std::runtime_error(path + ": cannot write the trace (" + problem + ")");
   }
-  if (::fsync(fd) != 0) {
-    const int error = errno;
-    ::close(fd);
-    fail("fsync failed", error);
-  }
-  if (::close(fd) != 0) fail("close failed", errno);
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) fail("rename failed", errno);
 }
 
 }  // namespace moecore::trace
