@@ -137,6 +137,9 @@ if has_mpi; then
   full_disk_stops "mpirun -np 2: full disk stops every rank" \
     "error: saving checkpoint at iteration 4 failed: $mnt/run/$nospace" "${two[@]}"
   previous_checkpoint_resumes "mpirun -np 2, full disk" "${two[@]}"
+  full_disk_stops "mpirun -np 2: full disk stops every rank of an --async-save run" \
+    "error: saving checkpoint at iteration 4 failed: $mnt/run/$nospace" "${two[@]}" --async-save
+  previous_checkpoint_resumes "mpirun -np 2, full disk, --async-save" "${two[@]}"
   expect_error "rank_00001.safetensors: fsync failed: Input/output error" "${mpi[@]}" -x MOECORE_CKPT_FAIL_AT=fsync:1 \
     "$bin" train "${model[@]}" --expert-model-parallel-size 2 --train-iters 6 --load "$mnt/run" --save "$mnt/run" \
     --save-interval 2 && echo "ok: mpirun -np 2: an fsync failing on rank 1"
