@@ -1,3 +1,6 @@
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <exception>
 #include <iostream>
 #include <string>
@@ -49,6 +52,14 @@ int train_main(const std::vector<std::string>& args, const int rank, const int w
       std::cerr << "error: " << (world_size > 1 ? "[rank " + std::to_string(rank) + "] " : std::string()) << e.what()
                 << '\n';
       if (world_size > 1) moecore::parallel::abort_world(1);
+      return 1;
+    }
+    // The log's last lines (standard output may be a file on a disk that filled up).
+    std::cout.flush();
+    if (std::fflush(stdout) != 0 || std::ferror(stdout) != 0 || !std::cout) {
+      const int error = errno;
+      std::cerr << "error: writing the training log to standard output failed"
+                << (error != 0 ? std::string(": ") + std::strerror(error) : std::string()) << '\n';
       return 1;
     }
     return 0;

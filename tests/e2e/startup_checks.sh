@@ -46,6 +46,23 @@ expect_train_error "--save: $work/a_file/ckpt cannot be created: $work/a_file is
 expect_train_error "--save: /proc/moecore_ckpt cannot be created: cannot create a file in /proc" "${mock[@]}" \
   --save-interval 10 --save /proc/moecore_ckpt
 expect_train_error "--load $work/a_file is a file, not a checkpoint folder" "${mock[@]}" --load "$work/a_file"
+# --save into a folder whose newest checkpoint is another model's: refused before training (the folder untouched),
+# unless --save-overwrite-other-model; the same model restarted without --load is warned that the tracker goes back.
+"$bin" train "${mock[@]}" --train-iters 4 --save-interval 2 --save "$work/shared" >/dev/null 2>&1 ||
+  fail "a first run saving into $work/shared"
+expect_train_error "--save $work/shared holds another model's checkpoint: iteration 4 was saved with --hidden-size 32, this run has 48 (pass --save-overwrite-other-model" \
+  "${model[@]}" --mock-data --hidden-size 48 --train-iters 4 --save-interval 2 --save "$work/shared"
+[ "$(cat "$work/shared/latest_checkpointed_iteration.txt")" = 4 ] || fail "a refused --save moved the tracker"
+"$bin" train "${mock[@]}" --train-iters 3 --save-interval 2 --save "$work/shared" >"$work/back.log" 2>&1 ||
+  fail "the same model restarted without --load: $(tail -1 "$work/back.log")"
+if [ "$(grep -c "^WARNING: --save $work/shared: .* names iteration 4, this run starts at iteration 0 and its first save (iteration 2) moves it back" "$work/back.log")" = 1 ]; then
+  echo "ok: the tracker going back is warned of"
+else
+  fail "no warning that the tracker goes back: $(grep WARNING "$work/back.log")"
+fi
+"$bin" train "${model[@]}" --mock-data --hidden-size 48 --train-iters 4 --save-interval 2 --save "$work/shared" \
+  --save-overwrite-other-model >"$work/over.log" 2>&1 && [ "$(cat "$work/shared/latest_checkpointed_iteration.txt")" = 4 ] &&
+  echo "ok: --save-overwrite-other-model saves over another model" || fail "--save-overwrite-other-model: $(tail -1 "$work/over.log")"
 
 # Under mpirun: the export folder is checked on rank 0 (the rank that writes it), and every rank stops at once.
 if command -v mpirun >/dev/null; then

@@ -429,6 +429,20 @@ TEST(TrainArguments, CheckpointFlags) {
   EXPECT_EQ(parse_train_args(with(minimal(), {"--save", "x", "--persistent-save-interval", "7"})).save_interval, 7);
   EXPECT_EQ(error_of(with(minimal(), {"--save", "x"})), "--save requires --save-interval (as Megatron)");
   EXPECT_EQ(error_of(with(minimal(), {"--save-interval", "3"})), "--save-interval requires --save");
+  // moecore's save-side choices: what a failed save does, and saving over another model's checkpoints.
+  const Args saving = {"--save", "x", "--save-interval", "2"};
+  EXPECT_FALSE(parse_train_args(with(minimal(), saving)).continue_after_failed_save);
+  EXPECT_TRUE(
+      parse_train_args(with(minimal(), with(saving, {"--ckpt-save-failure", "continue"}))).continue_after_failed_save);
+  EXPECT_FALSE(
+      parse_train_args(with(minimal(), with(saving, {"--ckpt-save-failure", "stop"}))).continue_after_failed_save);
+  EXPECT_EQ(error_of(with(minimal(), with(saving, {"--ckpt-save-failure", "retry"}))),
+            "invalid value 'retry' for --ckpt-save-failure (choose from stop, continue)");
+  EXPECT_EQ(error_of(with(minimal(), {"--ckpt-save-failure", "continue"})), "--ckpt-save-failure requires --save");
+  EXPECT_TRUE(
+      parse_train_args(with(minimal(), with(saving, {"--save-overwrite-other-model"}))).save_overwrite_other_model);
+  EXPECT_EQ(error_of(with(minimal(), {"--save-overwrite-other-model"})),
+            "--save-overwrite-other-model requires --save");
   EXPECT_EQ(error_of(with(minimal(), {"--finetune"})), "--finetune requires --load");
   EXPECT_EQ(error_of(with(minimal(), {"--save", "x", "--save-interval", "0"})),
             "--save-interval must be positive (got 0)");

@@ -8,7 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "moecore/ckpt/checkpoint_dir.h"
 #include "moecore/data/indexed_dataset.h"
+#include "moecore/train/checkpointing.h"
 #include "moecore/train/startup_checks.h"
 #include "test_temp_dir.h"
 
@@ -74,6 +76,56 @@ TEST(TrainStartupChecks, SaveAndLoadFolders) {
   EXPECT_EQ(outputs_error(with(base(), {"--load", dir.path("file")})),
             "--load " + dir.path("file") + " is a file, not a checkpoint folder");
   EXPECT_EQ(outputs_error(with(base(), {"--load", dir.path("absent")})), "");  // Megatron: a fresh start
+}
+
+// A save folder whose tracker names `iteration`, saved (metadata.json only) with the model flags of `args`.
+void fake_checkpoint(const std::string& dir, const Args& args, const int64_t iteration) {
+  fs::create_directories(iteration_dir(dir, iteration));
+  const nlohmann::ordered_json metadata = {
+      {"format", "moecore_sharded"}, {"iteration", iteration}, {"args", checkpoint_args(parse_train_args(args))}};
+  std::ofstream(fs::path(iteration_dir(dir, iteration)) / "metadata.json") << metadata.dump(1);
+  write_tracker(dir, iteration);
+}
+
+TEST(TrainStartupChecks, SaveFolderOfAnotherModelIsRefused) {
+  const test::TempDir dir("startup");
+  const std::string run = dir.path("run");
+  fake_checkpoint(run, base(), 4);
+  const Args save = {"--save-interval", "10", "--save", run};
+  EXPECT_EQ(outputs_error(with(base(), save)), "");  // the same model: its own folder
+  Args wider = base();
+  wider[3] = "32";  // --hidden-size
+  EXPECT_EQ(outputs_error(with(wider, save)),
+            "--save " + run + " holds another model's checkpoint: iteration 4 was saved with --hidden-size 16, this " +
+                "run has 32 (pass --save-overwrite-other-model to save over it, or choose another --save folder)");
+  EXPECT_EQ(outputs_error(with(wider, with(save, {"--save-overwrite-other-model"}))), "");
+  // A resume from the same folder: the load compares the flags (with its own message).
+  EXPECT_EQ(outputs_error(with(wider, with(save, {"--load", run + "/"}))), "");
+  // A tracker naming a folder without moecore model flags.
+  fs::remove(fs::path(iteration_dir(run, 4)) / "metadata.json");
+  EXPECT_EQ(outputs_error(with(base(), save)),
+            "--save " + run + ": its latest checkpoint (iteration 4) has no moecore model flags in " +
+                iteration_dir(run, 4) + "/metadata.json (pass --save-overwrite-other-model to save over it, or " +
+                "choose another --save folder)");
+  EXPECT_EQ(outputs_error(with(base(), {"--save-interval", "10", "--save", dir.path("empty")})), "");
+}
+
+TEST(TrainStartupChecks, TrackerGoingBackIsNamed) {
+  const test::TempDir dir("startup");
+  const std::string run = dir.path("run");
+  const auto warning = [&](const Args& extra, const int64_t start) {
+    return save_tracker_regression(parse_train_args(with(with(base(), {"--save", run}), extra)), start);
+  };
+  EXPECT_EQ(warning({"--save-interval", "2"}, 0), "");  // no tracker yet
+  fake_checkpoint(run, base(), 4);
+  EXPECT_EQ(warning({"--save-interval", "2"}, 0),
+            "--save " + run + ": " + tracker_path(run) + " names iteration 4, this run starts at iteration 0 and " +
+                "its first save (iteration 2) moves it back (to continue that run, pass --load " + run + ")");
+  EXPECT_EQ(warning({"--save-interval", "4"}, 0), "");                 // saves iteration 4 again: not back
+  EXPECT_EQ(warning({"--save-interval", "2", "--load", run}, 4), "");  // the resume
+  EXPECT_EQ(warning({"--save-interval", "1", "--load", run, "--ckpt-step", "2"}, 2),
+            "--save " + run + ": " + tracker_path(run) + " names iteration 4, this run starts at iteration 2 and " +
+                "its first save (iteration 3) moves it back");
 }
 
 TEST(TrainStartupChecks, ExportNeedsAnExportableModelAndAUsableFolder) {

@@ -3,7 +3,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -69,10 +71,11 @@ void write_tracker(const std::string& root, const int64_t iteration) {
 
 void sync_directory(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) throw std::runtime_error(dir + ": cannot open the folder to sync it");
+  if (fd < 0) throw std::runtime_error(dir + ": cannot open the folder to sync it: " + std::strerror(errno));
   const int rc = ::fsync(fd);
+  const int error = errno;
   ::close(fd);
-  if (rc != 0) throw std::runtime_error(dir + ": fsync of the folder failed");
+  if (rc != 0) throw std::runtime_error(dir + ": fsync of the folder failed: " + std::strerror(error));
 }
 
 }  // namespace moecore

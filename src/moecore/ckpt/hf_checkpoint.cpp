@@ -403,6 +403,21 @@ std::string hf_export_dir_problem(const std::string& dir) {
   return folder_write_problem(parent.string());
 }
 
+namespace {
+
+void write_export(const std::vector<NamedTensor>& tensors, const ModelConfig& c, const std::string& model_type,
+                  const HfExportInfo& info, const fs::path& tmp, const fs::path& target);
+
+// A failed file operation as "PATH: OS error" (std::filesystem's own text reads "filesystem error: ... [PATH]").
+std::string io_error_text(const std::exception& e) {
+  if (const auto* fs_error = dynamic_cast<const fs::filesystem_error*>(&e)) {
+    return fs_error->path1().string() + ": " + fs_error->code().message();
+  }
+  return e.what();
+}
+
+}  // namespace
+
 void export_hf(const GPTModel& model, const HfExportInfo& info, const std::string& dir) {
   const ModelConfig& c = model.config();
   const std::string model_type = hf_model_type(c, info.model_type);
@@ -441,6 +456,20 @@ void export_hf(const GPTModel& model, const HfExportInfo& info, const std::strin
   const fs::path target = normalized_dir(dir);
   fs::path tmp = target;
   tmp += ".tmp";
+  try {
+    write_export(tensors, c, model_type, info, tmp, target);
+  } catch (const std::exception& e) {
+    std::error_code ignored;  // a folder that cannot take writes may refuse the removal too
+    fs::remove_all(tmp, ignored);
+    throw std::runtime_error("HF export to " + target.string() + " failed: " + io_error_text(e));
+  }
+}
+
+namespace {
+
+// The files of an export into `tmp`, then `tmp` swapped in for `target`.
+void write_export(const std::vector<NamedTensor>& tensors, const ModelConfig& c, const std::string& model_type,
+                  const HfExportInfo& info, const fs::path& tmp, const fs::path& target) {
   fs::remove_all(tmp);
   fs::create_directories(tmp);
   write_safetensors((tmp / "model.safetensors").string(), tensors, {{"format", "pt"}});
@@ -458,6 +487,8 @@ void export_hf(const GPTModel& model, const HfExportInfo& info, const std::strin
   }
   swap_in(tmp, target);
 }
+
+}  // namespace
 
 ModelConfig read_hf_config(const std::string& dir, const HfImportOptions& options) {
   std::string model_type;

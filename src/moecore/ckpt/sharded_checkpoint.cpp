@@ -66,10 +66,35 @@ DType dtype_from_code(const std::string& code, const std::string& where) {
   throw CheckpointError(where + ": unknown dtype '" + code + "'");
 }
 
-// Writes `chunks` one after the other into a new file at `path`, fsynced; returns the CRC-32 of all the bytes.
-uint32_t write_all(const std::string& path, const std::vector<std::span<const std::byte>>& chunks) {
+// Fault injection for the write-fault tests: MOECORE_CKPT_FAIL_AT=<stage>[:<rank>] makes a step of the save fail on
+// every rank (or world rank <rank> only) as the OS would: "fsync" (the fsync of a file this rank writes reports EIO).
+bool fault_injected(const char* stage, const int rank) {
+  const char* at = std::getenv("MOECORE_CKPT_FAIL_AT");
+  if (at == nullptr) return false;
+  const std::string spec = at;
+  const size_t colon = spec.find(':');
+  if (spec.substr(0, colon) != stage) return false;
+  return colon == std::string::npos || spec.substr(colon + 1) == std::to_string(rank);
+}
+
+int checked_fsync(const int fd, const int rank) {
+  if (fault_injected("fsync", rank)) {
+    errno = EIO;
+    return -1;
+  }
+  return ::fsync(fd);
+}
+
+// Writes `chunks` one after the other into a new file at `path`, fsynced; returns the CRC-32 of all the bytes. Every
+// failure names the file and the OS error.
+uint32_t write_all(const std::string& path, const std::vector<std::span<const std::byte>>& chunks, const int rank) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw CheckpointError(path + ": cannot create: " + std::strerror(errno));
+  const auto fail = [&](const char* what) {
+    const std::string reason = std::strerror(errno);
+    ::close(fd);
+    throw CheckpointError(path + ": " + what + ": " + reason);
+  };
   uint32_t crc = 0;
   for (const std::span<const std::byte> chunk : chunks) {
     crc = crc32_of(chunk, crc);
@@ -77,16 +102,26 @@ uint32_t write_all(const std::string& path, const std::vector<std::span<const st
     while (written < chunk.size()) {
       const ssize_t n = ::write(fd, chunk.data() + written, chunk.size() - written);
       if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        const std::string reason = std::strerror(errno);
-        ::close(fd);
-        throw CheckpointError(path + ": write failed: " + reason);
-      }
+      if (n == 0) errno = ENOSPC;  // no progress: the device takes no more bytes
+      if (n <= 0) fail("write failed");
       written += static_cast<size_t>(n);
     }
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) throw CheckpointError(path + ": flush failed: " + std::strerror(errno));
+  if (checked_fsync(fd, rank) != 0) fail("fsync failed");
+  if (::close(fd) != 0) throw CheckpointError(path + ": close failed: " + std::strerror(errno));
   return crc;
+}
+
+// Creates `dir` (and its parents with `parents`) as a folder; a CheckpointError naming it and the OS error otherwise.
+void make_folder(const fs::path& dir, const bool parents) {
+  std::error_code ec;
+  if (parents) {
+    fs::create_directories(dir, ec);
+  } else {
+    fs::create_directory(dir, ec);
+  }
+  if (ec) throw CheckpointError(dir.string() + ": cannot create the folder: " + ec.message());
+  if (!fs::is_directory(dir, ec)) throw CheckpointError(dir.string() + ": exists and is not a folder");
 }
 
 // Fault injection for the crash tests: MOECORE_CKPT_KILL_AT=<stage>[:<rank>] kills this process (every rank, or
@@ -144,12 +179,20 @@ ShardedSave::ShardedSave(const StateDict& state, const parallel::ProcessGroup& w
 
   // Rank 0 prepares a fresh ITER.tmp (a save killed earlier may have left one).
   const std::string tmp = tmp_dir_of(final_dir());
-  parallel::run_on_all_ranks(world_, [&] {
-    if (world_.rank() != 0) return;
-    fs::create_directories(root_);
-    fs::remove_all(tmp);
-    fs::create_directory(tmp);
-  });
+  try {
+    parallel::run_on_all_ranks(world_, [&] {
+      if (world_.rank() != 0) return;
+      make_folder(root_, true);
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      if (ec) throw CheckpointError(tmp + ": cannot remove what an unfinished save left: " + ec.message());
+      make_folder(tmp, false);
+    });
+    if (!async) parallel::run_on_all_ranks(world_, [this] { write_file(); });
+  } catch (const parallel::GroupFailure&) {
+    discard_partial_save();
+    throw;
+  }
   if (async) {
     writer_ = std::thread([this] {
       try {
@@ -160,7 +203,6 @@ ShardedSave::ShardedSave(const StateDict& state, const parallel::ProcessGroup& w
       writer_done_ = true;
     });
   } else {
-    parallel::run_on_all_ranks(world_, [this] { write_file(); });
     writer_done_ = true;
   }
 }
@@ -170,6 +212,13 @@ ShardedSave::~ShardedSave() {
 }
 
 std::string ShardedSave::final_dir() const { return iteration_dir(root_, info_.iteration); }
+
+void ShardedSave::discard_partial_save() {
+  pieces_.clear();  // frees the async copies
+  if (world_.rank() != 0) return;
+  std::error_code ignored;  // a folder that cannot take writes may refuse the removal too; readers ignore ITER.tmp
+  fs::remove_all(tmp_dir_of(final_dir()), ignored);
+}
 
 void ShardedSave::write_file() {
   if (pieces_.empty()) return;
@@ -187,7 +236,7 @@ void ShardedSave::write_file() {
     chunks.emplace_back(p.values.data<std::byte>(), p.values.nbytes());
     bytes_written_ += static_cast<int64_t>(p.values.nbytes());
   }
-  file_crc32_ = crc32_text(write_all((fs::path(tmp_dir_of(final_dir())) / file_name_).string(), chunks));
+  file_crc32_ = crc32_text(write_all((fs::path(tmp_dir_of(final_dir())) / file_name_).string(), chunks, world_.rank()));
   maybe_die_at("shard_written", world_.rank());
 }
 
@@ -199,6 +248,18 @@ bool ShardedSave::finalize(const bool blocking) {
     if (all_done[0] != world_.size()) return false;
   }
   if (writer_.joinable()) writer_.join();
+  try {
+    complete();
+  } catch (const parallel::GroupFailure&) {
+    discard_partial_save();
+    throw;
+  }
+  pieces_.clear();  // frees the async copies
+  finalized_ = true;
+  return true;
+}
+
+void ShardedSave::complete() {
   parallel::run_on_all_ranks(world_, [this] {
     if (writer_error_) std::rethrow_exception(writer_error_);
   });
@@ -257,7 +318,8 @@ bool ShardedSave::finalize(const bool blocking) {
     }
     const std::string tmp = tmp_dir_of(final_dir());
     const std::string text = meta.dump(1);
-    write_all((fs::path(tmp) / "metadata.json").string(), {std::as_bytes(std::span(text.data(), text.size()))});
+    write_all((fs::path(tmp) / "metadata.json").string(), {std::as_bytes(std::span(text.data(), text.size()))},
+              world_.rank());
     sync_directory(tmp);
     maybe_die_at("metadata_written", world_.rank());
     const std::string target = final_dir();
@@ -265,7 +327,8 @@ bool ShardedSave::finalize(const bool blocking) {
       if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0) {
         throw CheckpointError(target + ": cannot replace the folder: " + std::strerror(errno));
       }
-      fs::remove_all(tmp);
+      std::error_code ec;
+      fs::remove_all(tmp, ec);  // the replaced iteration; what stays of it is ignored by readers (ITER.tmp)
     } else if (::rename(tmp.c_str(), target.c_str()) != 0) {
       throw CheckpointError(target + ": cannot move the new checkpoint into place: " + std::strerror(errno));
     }
@@ -273,9 +336,6 @@ bool ShardedSave::finalize(const bool blocking) {
     maybe_die_at("renamed", world_.rank());
     write_tracker(root_, info_.iteration);
   });
-  pieces_.clear();  // frees the async copies
-  finalized_ = true;
-  return true;
 }
 
 // ---------------------------------------------------------------- loading

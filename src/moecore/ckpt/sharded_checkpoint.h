@@ -48,7 +48,8 @@ class ShardedSave {
  public:
   // Collective over `world`: plans which rank writes each piece of `state`, creates ROOT/iter_N.tmp (rank 0) and
   // writes this rank's file, in a background thread with `async` (the bytes copied first, so training may go on).
-  // Throws CheckpointError on every rank when any rank fails.
+  // Throws parallel::GroupFailure on every rank when any rank fails (its message names the file and the OS error);
+  // ITER.tmp is then removed.
   ShardedSave(const StateDict& state, const parallel::ProcessGroup& world, std::string root, CheckpointInfo info,
               bool async);
   ~ShardedSave();
@@ -57,7 +58,8 @@ class ShardedSave {
 
   // Collective. Non-blocking: returns false while any rank is still writing. Otherwise (or blocking) waits for this
   // rank's writer, then rank 0 writes metadata.json, moves the folder into place and updates the tracker. Returns
-  // true once done (and on every later call). Throws CheckpointError on every rank when any rank failed.
+  // true once done (and on every later call). Throws parallel::GroupFailure on every rank when any rank failed (the
+  // tracker is then unchanged, ITER.tmp removed).
   bool finalize(bool blocking);
   bool finalized() const { return finalized_; }
   int64_t iteration() const { return info_.iteration; }
@@ -74,7 +76,9 @@ class ShardedSave {
     Tensor values;     // a view of the live state, or a copy with async
     std::string crc32;
   };
-  void write_file();  // this rank's pieces -> rank_NNNNN.safetensors (runs in the thread with async)
+  void write_file();            // this rank's pieces -> rank_NNNNN.safetensors (runs in the thread with async)
+  void complete();              // every rank written: metadata.json, the folder moved into place, the tracker
+  void discard_partial_save();  // after a failure: rank 0 removes ITER.tmp
 
   parallel::ProcessGroup world_;
   std::string root_;

@@ -1,5 +1,4 @@
-// Whole-file writes that never leave a half-written file under the final name: the bytes go to a temporary
-// beside the target (unique per process and call), which is then renamed over it.
+// Whole-file writes that never leave a half-written file under the final name (util/replace_file.h).
 #pragma once
 
 #include <string>
@@ -7,7 +6,7 @@
 
 namespace moecore {
 
-// Throws DataError naming the path on any failure.
+// Throws DataError naming the path and the OS error on any failure.
 void write_file_atomic(const std::string& path, std::string_view bytes);
 
 // Whole file as bytes; throws DataError when it cannot be read.

@@ -185,6 +185,8 @@ struct TrainingArgs {
   std::optional<int64_t> ckpt_step;                     // --ckpt-step
   bool exit_on_missing_checkpoint = false;              // --exit-on-missing-checkpoint
   bool async_save = false;                              // --async-save
+  bool continue_after_failed_save = false;              // --ckpt-save-failure continue (moecore; default stop)
+  bool save_overwrite_other_model = false;              // --save-overwrite-other-model (moecore)
   std::optional<int64_t> non_persistent_save_interval;  // --non-persistent-save-interval
   std::string non_persistent_ckpt_type;                 // --non-persistent-ckpt-type (global)
   std::optional<int64_t> exit_interval;                 // --exit-interval

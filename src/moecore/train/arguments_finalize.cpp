@@ -554,8 +554,9 @@ void finalize_checkpointing(TrainingArgs& args, const std::set<std::string>& giv
   require(args.save.empty() || args.save_interval.has_value(), "--save requires --save-interval (as Megatron)");
   require(!args.save_interval || *args.save_interval > 0,
           "--save-interval must be positive (got " + str(args.save_interval.value_or(0)) + ")");
-  for (const char* flag : {"--save-interval", "--no-save-optim", "--no-save-rng", "--async-save",
-                           "--non-persistent-save-interval", "--persistent-save-interval"}) {
+  for (const char* flag :
+       {"--save-interval", "--no-save-optim", "--no-save-rng", "--async-save", "--non-persistent-save-interval",
+        "--persistent-save-interval", "--ckpt-save-failure", "--save-overwrite-other-model"}) {
     require(!given.contains(flag) || !args.save.empty(), std::string(flag) + " requires --save");
   }
   for (const char* flag : {"--no-load-optim", "--no-load-rng", "--finetune", "--ckpt-step",

@@ -40,19 +40,27 @@ int signal_number(const std::string& name) {
 
 // Megatron's cleanup_old_non_persistent_checkpoint(leave_ckpt_num=1), before a non-persistent save: every iter_*
 // folder but the newest goes, so the previous one survives until the new one is complete.
-void cleanup_old_non_persistent_checkpoints(const std::string& root) {
-  if (!fs::is_directory(root)) return;
+void cleanup_old_non_persistent_checkpoints(const std::string& root, std::ostream& log) {
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return;
   std::vector<std::pair<int64_t, fs::path>> iterations;
-  for (const auto& entry : fs::directory_iterator(root)) {
-    const std::string name = entry.path().filename().string();
-    if (!name.starts_with("iter_") || name.size() == 5 ||
-        name.find_first_not_of("0123456789", 5) != std::string::npos || name.size() > 5 + 18) {
+  for (auto entry = fs::directory_iterator(root, ec); !ec && entry != fs::directory_iterator(); entry.increment(ec)) {
+    const std::string name = entry->path().filename().string();
+    if (!name.starts_with("iter_") || name.size() == 5 || name.size() > 5 + 18 ||
+        name.find_first_not_of("0123456789", 5) != std::string::npos) {
       continue;
     }
-    iterations.emplace_back(std::stoll(name.substr(5)), entry.path());
+    iterations.emplace_back(std::stoll(name.substr(5)), entry->path());
   }
   std::sort(iterations.begin(), iterations.end());
-  for (size_t i = 0; i + 1 < iterations.size(); ++i) fs::remove_all(iterations[i].second);
+  for (size_t i = 0; i + 1 < iterations.size(); ++i) {
+    std::error_code removal;
+    fs::remove_all(iterations[i].second, removal);
+    if (removal) {
+      log << "WARNING: cannot remove the older non-persistent checkpoint " << iterations[i].second.string() << ": "
+          << removal.message() << std::endl;
+    }
+  }
 }
 
 std::string now_text(const bool micros) {
@@ -472,20 +480,60 @@ Checkpointer::~Checkpointer() {
   // A pending async save is finished by finish(); an exception path drops it (its folder stays .tmp, never named).
 }
 
-void Checkpointer::wait_for_pending() {
+void Checkpointer::wait_for_pending() { complete_pending(true); }
+
+void Checkpointer::complete_pending(const bool blocking) {
   if (!pending_) return;
-  pending_->finalize(true);
-  log_ << "  [" << now_text(true) << "] successfully saved checkpoint from iteration " << iter7(pending_->iteration())
-       << " to " << (pending_non_persistent_ ? non_persistent_root(args_, args_.save) : args_.save) << " [ t 1/"
-       << args_.tensor_model_parallel_size << ", p 1/" << args_.pipeline_model_parallel_size << " ]" << std::endl;
+  const int64_t iteration = pending_->iteration();
+  const bool non_persistent = pending_non_persistent_;
+  try {
+    if (!pending_->finalize(blocking)) return;
+  } catch (const parallel::GroupFailure& e) {
+    pending_.reset();
+    handle_failed_save(iteration, non_persistent, e.what());
+    return;
+  }
   pending_.reset();
+  if (!non_persistent) last_saved_ = iteration;
+  log_ << "  [" << now_text(true) << "] successfully saved checkpoint from iteration " << iter7(iteration) << " to "
+       << (non_persistent ? non_persistent_root(args_, args_.save) : args_.save) << " [ t 1/"
+       << args_.tensor_model_parallel_size << ", p 1/" << args_.pipeline_model_parallel_size << " ]" << std::endl;
+}
+
+void Checkpointer::handle_failed_save(const int64_t iteration, const bool non_persistent, const std::string& why) {
+  const std::string root = non_persistent ? non_persistent_root(args_, args_.save) : args_.save;
+  std::string newest = "no checkpoint is saved in " + root;
+  try {
+    if (const std::optional<int64_t> tracked = read_tracker(root)) {
+      newest = tracker_path(root) + " still names iteration " + std::to_string(*tracked);
+    }
+  } catch (const std::exception&) {
+    newest = tracker_path(root) + " is unreadable";
+  }
+  const std::string message = "saving checkpoint at iteration " + std::to_string(iteration) + " failed: " + why;
+  if (!args_.continue_after_failed_save) {
+    // Every rank saw the same failure (the save agrees on it), so the run stops as one.
+    throw parallel::GroupFailure(message + " (" + newest + "; --ckpt-save-failure continue trains on without it)");
+  }
+  ++failed_saves_;
+  log_ << "WARNING: " << message << "; training goes on without it (--ckpt-save-failure continue), " << newest
+       << std::endl;
+}
+
+void Checkpointer::report_failed_saves() {
+  if (failed_saves_ == 0) return;
+  log_ << "WARNING: " << failed_saves_ << " checkpoint save" << (failed_saves_ == 1 ? "" : "s")
+       << " failed during this run (--ckpt-save-failure continue); "
+       << (last_saved_ >= 0 ? "the newest saved by this run is iteration " + std::to_string(last_saved_)
+                            : std::string("this run saved no checkpoint"))
+       << std::endl;
 }
 
 void Checkpointer::save(const CheckpointTarget& target, const TrainingProgress& progress, const bool non_persistent) {
   wait_for_pending();
   const auto start = Clock::now();
   const std::string root = non_persistent ? non_persistent_root(args_, args_.save) : args_.save;
-  if (non_persistent && parallel_.rank == 0) cleanup_old_non_persistent_checkpoints(root);
+  if (non_persistent && parallel_.rank == 0) cleanup_old_non_persistent_checkpoints(root, log_);
   log_ << "[" << now_text(true) << "] saving checkpoint at iteration " << iter7(progress.iteration) << " to " << root
        << " in " << kShardedFormat << " format" << std::endl;
   target.ddp.wait_param_gather();
@@ -507,10 +555,11 @@ void Checkpointer::save(const CheckpointTarget& target, const TrainingProgress& 
   try {
     pending_ = std::make_unique<ShardedSave>(state, parallel_.world, root, info, args_.async_save);
   } catch (const parallel::GroupFailure& e) {
-    throw CheckpointError(std::string("saving checkpoint failed: ") + e.what());
+    handle_failed_save(progress.iteration, non_persistent, e.what());
+    return;
   }
   pending_non_persistent_ = non_persistent;
-  if (!non_persistent) last_saved_ = progress.iteration;
+  if (!non_persistent) last_started_ = progress.iteration;
   if (args_.async_save) {
     log_ << "  [" << now_text(true) << "] scheduled an async checkpoint save at iteration " << iter7(progress.iteration)
          << " to " << root << std::endl;
@@ -522,7 +571,7 @@ void Checkpointer::save(const CheckpointTarget& target, const TrainingProgress& 
 }
 
 bool Checkpointer::after_iteration(const CheckpointTarget& target, const TrainingProgress& progress) {
-  if (pending_ && pending_->finalize(false)) wait_for_pending();  // logs the completion
+  complete_pending(false);  // logs the completion of an async save that has finished
   const int64_t it = progress.iteration;
   const bool can_save = !args_.save.empty();
   if (args_.exit_signal_handler) {
@@ -531,6 +580,7 @@ bool Checkpointer::after_iteration(const CheckpointTarget& target, const Trainin
     if (received[0] != 0) {
       if (can_save) save(target, progress, false);
       wait_for_pending();
+      report_failed_saves();
       print_datetime("exiting program after receiving " + args_.exit_signal + ".", log_);
       return true;
     }
@@ -551,6 +601,7 @@ bool Checkpointer::after_iteration(const CheckpointTarget& target, const Trainin
     if (done[0] != 0) {
       if (can_save && !saved) save(target, progress, false);
       wait_for_pending();
+      report_failed_saves();
       print_datetime("exiting program after " + std::to_string(minutes) + " minutes", log_);
       return true;
     }
@@ -558,6 +609,7 @@ bool Checkpointer::after_iteration(const CheckpointTarget& target, const Trainin
   if (args_.exit_interval && it % *args_.exit_interval == 0) {
     if (can_save && !saved) save(target, progress, false);
     wait_for_pending();
+    report_failed_saves();
     print_datetime("exiting program at iteration " + std::to_string(it), log_);
     return true;
   }
@@ -565,11 +617,12 @@ bool Checkpointer::after_iteration(const CheckpointTarget& target, const Trainin
 }
 
 void Checkpointer::finish(const CheckpointTarget& target, const TrainingProgress& progress) {
-  if (!args_.save.empty() && progress.iteration != 0 && progress.iteration != last_saved_ &&
+  if (!args_.save.empty() && progress.iteration != 0 && progress.iteration != last_started_ &&
       progress.iteration % *args_.save_interval != 0) {
     save(target, progress, false);
   }
   wait_for_pending();
+  report_failed_saves();
 }
 
 }  // namespace moecore

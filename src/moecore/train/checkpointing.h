@@ -25,6 +25,11 @@
 // iteration 0, fresh optimizer. --moe-use-upcycling builds the MoE model from a dense checkpoint (moecore's or
 // HuggingFace's; ckpt/upcycling.h).
 //
+// A failed save (a full disk, a folder that became read-only, an I/O error; every rank learns of it) removes its
+// ITER.tmp and never moves the tracker. By default the run then stops with one line naming the file and the OS error
+// (the previous checkpoint stays the one to resume from); with --ckpt-save-failure continue it warns with one line
+// per failed save, trains on, and names the count at the end (Megatron has no such choice: a failed save raises).
+//
 // Exits (Megatron's checkpoint_and_decide_exit, after each iteration): --exit-signal (default SIGTERM) with
 // --exit-signal-handler, then the regular saves, then --exit-duration-in-mins (minutes since the earliest process
 // start of the job, decided together by every rank), then --exit-interval; each saves first (with --save) and ends the
@@ -101,16 +106,23 @@ class Checkpointer {
   void finish(const CheckpointTarget& target, const TrainingProgress& progress);
   // Saves now (persistent, or into DIR/non_persistent).
   void save(const CheckpointTarget& target, const TrainingProgress& progress, bool non_persistent);
-  int64_t last_saved_iteration() const { return last_saved_; }  // persistent saves
+  int64_t last_saved_iteration() const { return last_saved_; }  // persistent saves that completed
 
  private:
   void wait_for_pending();
+  // Finalizes the pending save (non-blocking: only when every rank has written); logs it or handles its failure.
+  void complete_pending(bool blocking);
+  // Stops the run (parallel::GroupFailure, the same on every rank) or, with --ckpt-save-failure continue, warns.
+  void handle_failed_save(int64_t iteration, bool non_persistent, const std::string& why);
+  void report_failed_saves();
   const TrainingArgs& args_;
   const parallel::ParallelState& parallel_;
   std::ostream& log_;
   std::unique_ptr<ShardedSave> pending_;
   bool pending_non_persistent_ = false;
   int64_t last_saved_ = -1;
+  int64_t last_started_ = -1;  // the last persistent save begun (it may still be in flight, or have failed)
+  int64_t failed_saves_ = 0;
   double start_seconds_ = 0.0;  // the job's start (--exit-duration-in-mins), Unix seconds
   int exit_signal_ = SIGTERM;
   struct sigaction previous_handler_ {};

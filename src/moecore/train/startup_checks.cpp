@@ -4,11 +4,16 @@
 #include <array>
 #include <exception>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
 
+#include "moecore/ckpt/checkpoint_dir.h"
 #include "moecore/ckpt/hf_checkpoint.h"
 #include "moecore/data/blended_dataset.h"
 #include "moecore/data/indexed_dataset.h"
 #include "moecore/data/split.h"
+#include "moecore/train/checkpointing.h"
 #include "moecore/util/output_folder.h"
 
 namespace moecore {
@@ -28,6 +33,55 @@ bool within_folder(const std::string& inner, const std::string& outer) {
   if (in.filename().empty()) in = in.parent_path();  // "run/" -> "run"
   if (out.filename().empty()) out = out.parent_path();
   return std::mismatch(out.begin(), out.end(), in.begin(), in.end()).first == out.end();
+}
+
+// Whether `a` and `b` name the same folder (resolved through links as far as they exist).
+bool same_folder(const std::string& a, const std::string& b) {
+  std::error_code ec;
+  if (fs::equivalent(a, b, ec)) return true;
+  const fs::path left = fs::weakly_canonical(fs::absolute(a), ec);
+  if (ec) return false;
+  const fs::path right = fs::weakly_canonical(fs::absolute(b), ec);
+  return !ec && left.lexically_normal() == right.lexically_normal();
+}
+
+// The tracker of save folder `dir`, or nullopt when it has none or one that names no iteration (a save rewrites it).
+std::optional<int64_t> tracked_iteration(const std::string& dir) {
+  try {
+    return read_tracker(dir);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+// --save DIR whose newest checkpoint is another model's: its "args"."model" in metadata.json differs from this run's
+// (compared flag by flag, as a load compares them). A resume (--load the same folder) is the load's to check.
+void check_save_folder_model(const TrainingArgs& args) {
+  if (args.save_overwrite_other_model || (!args.load.empty() && same_folder(args.save, args.load))) return;
+  const std::optional<int64_t> tracked = tracked_iteration(args.save);
+  if (!tracked) return;
+  const std::string override_hint =
+      " (pass --save-overwrite-other-model to save over it, or choose another --save folder)";
+  const std::string metadata_path = (fs::path(iteration_dir(args.save, *tracked)) / "metadata.json").string();
+  nlohmann::ordered_json saved;
+  try {
+    std::ifstream in(metadata_path);
+    if (!in) throw std::runtime_error("missing");
+    saved = nlohmann::ordered_json::parse(in).at("args").at("model");
+    if (!saved.is_object()) throw std::runtime_error("not an object");
+  } catch (const std::exception&) {
+    throw ConfigError("--save " + args.save + ": its latest checkpoint (iteration " + str(*tracked) +
+                      ") has no moecore model flags in " + metadata_path + override_hint);
+  }
+  const nlohmann::ordered_json mine = checkpoint_args(args).at("model");
+  for (const auto& [flag, value] : mine.items()) {
+    if (!saved.contains(flag) || saved[flag] != value) {
+      throw ConfigError("--save " + args.save + " holds another model's checkpoint: iteration " + str(*tracked) +
+                        " was saved with " + flag + " " +
+                        (saved.contains(flag) ? saved[flag].dump() : std::string("(absent)")) + ", this run has " +
+                        value.dump() + override_hint);
+    }
+  }
 }
 
 void check_sample_prompt(const TrainingArgs& args, const Vocabulary& vocabulary) {
@@ -54,6 +108,7 @@ void check_outputs(const TrainingArgs& run_args, const Vocabulary& vocabulary, c
     if (const std::string problem = folder_write_problem(run_args.save); !problem.empty()) {
       throw ConfigError("--save: " + problem);
     }
+    check_save_folder_model(run_args);
   }
   if (!run_args.load.empty()) {
     std::error_code ec;
@@ -74,6 +129,18 @@ void check_outputs(const TrainingArgs& run_args, const Vocabulary& vocabulary, c
     }
   }
   check_sample_prompt(run_args, vocabulary);
+}
+
+std::string save_tracker_regression(const TrainingArgs& args, const int64_t start_iteration) {
+  if (args.save.empty() || !args.save_interval || start_iteration >= args.train_iters) return "";
+  const std::optional<int64_t> tracked = tracked_iteration(args.save);
+  const int64_t first_save =
+      std::min((start_iteration / *args.save_interval + 1) * *args.save_interval, args.train_iters);
+  if (!tracked || first_save >= *tracked) return "";
+  return "--save " + args.save + ": " + tracker_path(args.save) + " names iteration " + str(*tracked) +
+         ", this run starts at iteration " + str(start_iteration) + " and its first save (iteration " +
+         str(first_save) + ") moves it back" +
+         (args.load.empty() ? " (to continue that run, pass --load " + args.save + ")" : "");
 }
 
 void check_split_weights(const TrainingArgs& args) {

@@ -17,8 +17,14 @@ namespace moecore {
 // --save: a folder the run can create and write into. --load: not a file (a missing folder is Megatron's fresh
 // start). --export-hf (`writes_export`: on the rank that exports): the model has an HF model type
 // (hf_model_type's message), the folder is usable (hf_export_dir_problem), and --save does not lie in it.
-// --sample-prompt: the tokenizer turns it into at least one token.
+// --sample-prompt: the tokenizer turns it into at least one token. --save holding checkpoints whose newest one was
+// saved with other model flags (or is not moecore's) is refused unless --save-overwrite-other-model (a resume with
+// --load of the same folder is checked by the load instead).
 void check_outputs(const TrainingArgs& run_args, const Vocabulary& vocabulary, bool writes_export);
+
+// The one-line warning (without "WARNING: ") when a run starting at `start_iteration` would save an iteration below
+// the one --save's tracker names (the tracker would go back: e.g. the same run restarted without --load); "" when not.
+std::string save_tracker_regression(const TrainingArgs& args, int64_t start_iteration);
 
 // --split against what the run reads from --data-path: the train split needs a positive weight, and so does the
 // valid split when --eval-interval asks for evaluations (moecore, like Megatron, evaluates only when the valid split

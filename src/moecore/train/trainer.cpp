@@ -3,7 +3,9 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <iomanip>
 #include <optional>
@@ -53,9 +55,20 @@ double print_unigram_baseline(const TrainingArgs& args, const GPTDataProvider& d
   return baseline;
 }
 
+// A log that can no longer be written (standard output redirected to a full disk) stops the run at once: a run that
+// trains on unlogged is a silent failure. The failing flush sets errno just before the stream turns bad.
+void check_log_written(const std::ostream& log) {
+  if (log.good()) return;
+  const int error = errno;
+  throw std::runtime_error(std::string("writing the training log failed") +
+                           (error != 0 ? std::string(": ") + std::strerror(error) : std::string()));
+}
+
 void write_trace(const TrainingArgs& args, const int rank, std::ostream& log) {
   trace::stop();
-  std::filesystem::create_directories(args.profile_dir);
+  std::error_code ec;
+  std::filesystem::create_directories(args.profile_dir, ec);
+  if (ec) throw std::runtime_error("--profile-dir " + args.profile_dir + ": cannot create the folder: " + ec.message());
   const std::string path =
       (std::filesystem::path(args.profile_dir) / ("trace_rank" + std::to_string(rank) + ".json")).string();
   trace::write(path);
@@ -150,6 +163,9 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
       model, *built.ddp, *built.optimizer, schedule, vocabulary.unpadded_size, &loss_scalers};
   load_checkpoint(load_plan, run_args, checkpoint_target, progress, parallel, log);
   load_plan.checkpoint.reset();  // the checkpoint's metadata is not needed while training
+  if (const std::string warning = save_tracker_regression(run_args, progress.iteration); !warning.empty()) {
+    log << "WARNING: " << warning << std::endl;
+  }
   Checkpointer checkpointer(run_args, parallel, log);
   if (run_args.moe_use_upcycling) checkpointer.save(checkpoint_target, progress, false);  // Megatron's iteration 1
   const bool has_valid = data.has_split(DatasetSplit::kValid) && args.eval_iters > 0;
@@ -206,6 +222,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
     train_seconds += std::chrono::duration<double>(Clock::now() - step_start).count();
     result.train_losses.push_back(step.lm_loss);
     logger.record(progress, std::move(step));
+    check_log_written(log);
     // Megatron: `if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid`, the last iteration
     // included (the evaluation after training then reads the next validation samples).
     if (has_valid && args.eval_interval && progress.iteration % *args.eval_interval == 0) {

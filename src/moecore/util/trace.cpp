@@ -1,16 +1,15 @@
 #include "moecore/util/trace.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <fstream>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "moecore/util/replace_file.h"
 
 namespace moecore::trace {
 namespace {
@@ -206,14 +205,9 @@ void write(const std::string& path) {
     }
   }
   out += "\n]}\n";
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream file(tmp, std::ios::binary | std::ios::trunc);
-    if (!file || !file.write(out.data(), static_cast<std::streamsize>(out.size())) || !file.flush()) {
-      throw std::runtime_error(path + ": cannot write the trace");
-    }
+  if (const std::string problem = replace_file(path, out); !problem.empty()) {
+    throw std::runtime_error(path + ": cannot write the trace (" + problem + ")");
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error(path + ": cannot write the trace");
 }
 
 }  // namespace moecore::trace
