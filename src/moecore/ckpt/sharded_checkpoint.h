@@ -24,18 +24,11 @@
 #include <thread>
 #include <vector>
 
+#include "moecore/ckpt/checkpoint_metadata.h"
 #include "moecore/ckpt/state_source.h"
 #include "moecore/parallel/process_group.h"
 
 namespace moecore {
-
-inline constexpr const char* kShardedFormat = "moecore_sharded";
-inline constexpr int kShardedFormatVersion = 1;
-
-class CheckpointError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 // What metadata.json records besides the tensors.
 struct CheckpointInfo {
@@ -127,6 +120,8 @@ class ShardedCheckpoint final : public StateSource {
     StoredTensorInfo info;
     std::vector<Piece> pieces;
   };
+  // Each file's size, safetensors header (entries = the metadata's pieces) and recorded CRC-32.
+  void check_files();
   Tensor read_piece(const std::string& key, const Stored& stored, const Piece& piece) const;
   [[noreturn]] void fail(const std::string& file, const std::string& problem) const;
 
