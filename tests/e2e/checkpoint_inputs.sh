@@ -20,6 +20,7 @@ model=("${config[@]}" --train-iters 2 --lr-warmup-iters 1 --eval-iters 0 --log-i
 "$bin" train "${model[@]}" --save "$work/run" --save-interval 2 >"$work/save.log" 2>&1 ||
   { tail -3 "$work/save.log"; echo "FAIL: the first save"; exit 1; }
 "$bin" checkpoint "$work/run" >/dev/null || { echo "FAIL: the saved checkpoint does not verify"; exit 1; }
+"$bin" train "${model[@]}" --load "$work/run" >"$work/load.log" 2>&1 || { tail -3 "$work/load.log"; echo "FAIL: reload"; exit 1; }
 
 # damaged NAME PYTHON: a copy of the checkpoint as $work/NAME whose metadata.json (`m`) PYTHON edits.
 damaged() {
@@ -32,7 +33,7 @@ exec(edit)
 json.dump(m, open(path, "w"), indent=1)
 PY
 }
-load() { "$bin" train "${model[@]}" --train-iters 4 --load "$work/$1"; }
+load() { "$bin" train "${model[@]}" --load "$work/$1"; }  # the saved run's flags: a good copy loads
 meta="iter_0000002/metadata.json"
 
 # A value of the wrong type where metadata.json holds an object: the field's JSON path, not
