@@ -82,9 +82,11 @@ class ShardedSave {
   bool finalized_ = false;
 };
 
-// A saved iteration folder, read with the checks of the format: metadata.json parsed and validated, every file
-// present with its recorded size and a safetensors header agreeing with the metadata; pieces read on demand and
-// checked against their CRC-32. Every problem is a CheckpointError naming the file (and tensor).
+// A saved iteration folder, read with the checks of the format (docs/checkpoint-format.md "What a reader checks"):
+// metadata.json validated field by field (checkpoint_metadata.h), every file present with its recorded size, a valid
+// safetensors file whose entries are exactly the metadata's pieces, and its recorded CRC-32 consistent with its
+// header and its pieces' CRC-32s; each tensor's pieces holding each element once; pieces read on demand and checked
+// against their CRC-32. Every problem is a CheckpointError naming the file (and field or tensor).
 class ShardedCheckpoint final : public StateSource {
  public:
   explicit ShardedCheckpoint(std::string iter_dir);
