@@ -40,14 +40,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     parsed = moecore::parse_safetensors(bytes, "input");
     ++valid;
   } catch (const std::exception& error) {
-    moecore::fuzz::expected_error(error);
+    moecore::fuzz::expected_named_error(error);
   }
   try {
     const moecore::SafetensorsFile file = moecore::read_safetensors(path);
     ++valid;
     if (file.tensors.size() != parsed.tensors.size()) moecore::fuzz::property_failed("read and parse disagree");
   } catch (const std::exception& error) {
-    moecore::fuzz::expected_error(error);
+    moecore::fuzz::expected_named_error(error);
   }
   try {
     const moecore::SafetensorsHeader header = moecore::read_safetensors_header(path);
@@ -60,7 +60,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (is_float(tensor.dtype())) (void)moecore::to_float32(tensor);
     }
   } catch (const std::exception& error) {
-    moecore::fuzz::expected_error(error);
+    moecore::fuzz::expected_named_error(error);
   }
   if (valid != 0 && valid != 3) moecore::fuzz::property_failed("the three readers disagree on validity");
   if (valid == 3) {
@@ -78,7 +78,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
     } catch (const std::exception& error) {
       // encode_safetensors refuses what the reader accepts only for reasons it names (e.g. a "__metadata__" name).
-      moecore::fuzz::expected_error(error);
+      moecore::fuzz::expected_named_error(error);
     }
   }
   return 0;

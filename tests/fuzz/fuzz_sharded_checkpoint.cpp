@@ -65,7 +65,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     open_checkpoint(iter_dir);
   } catch (const std::exception& error) {
-    moecore::fuzz::expected_error(error);
+    moecore::fuzz::expected_named_error(error);
   }
   return 0;
 }

@@ -83,6 +83,16 @@ inline void expected_error(const std::exception& error) {
   }
 }
 
+// As expected_error, for parsers whose messages name the file and field: a raw "[json.exception...]" text (nlohmann's
+// own, naming neither) is a finding too.
+inline void expected_named_error(const std::exception& error) {
+  expected_error(error);
+  if (std::string_view(error.what()).find("json.exception") != std::string_view::npos) {
+    std::fprintf(stderr, "fuzz harness: raw JSON exception text: %s\n", error.what());
+    std::abort();
+  }
+}
+
 // A property of valid input that does not hold: a finding.
 [[noreturn]] inline void property_failed(const std::string& what) {
   std::fprintf(stderr, "fuzz harness: property failed: %s\n", what.c_str());

@@ -5,7 +5,7 @@
 #   reshard: saved at 3 under layout A (--exit-interval 3), loaded under layout B, iterations 4-6 give the one-process
 #   losses within 1e-5 relative: 1 -> TP2xEP2, TP2xEP2 -> EP4, EP4 + distributed optimizer -> DP2, ETP2xEP2 -> 1;
 #   pipelines (the same model with 4 layers): PP2 x TP2 -> PP4, PP2 x TP2 -> EP2 (PP 1), and PP2 x TP2 resumed;
-#   CP2 -> 1.
+#   CP2 -> 1; and every checkpoint saved passes `moecore checkpoint`.
 set -euo pipefail
 bin=$1
 mpirun=$2
@@ -100,4 +100,12 @@ close_losses "PP2xTP2 -> EP2" "$work/pp_ref.log" "$work/r6.log"
 run 2 "$work/cp2.log" --context-parallel-size 2 --save "$work/cp2" --save-interval 3 --exit-interval 3
 run 1 "$work/r7.log" --load "$work/cp2"
 close_losses "CP2 -> 1" "$work/ref.log" "$work/r7.log"
+
+# Every checkpoint saved above, in each layout (tensor-parallel boxes, distributed-optimizer flat ranges, pipeline
+# stages, expert shards), passes `moecore checkpoint`: pieces tiling each tensor, file checksums, the state its model
+# flags imply.
+for dir in "$work"/*/iter_*; do
+  "$bin" checkpoint "$dir" >"$work/verify.log" 2>&1 || { cat "$work/verify.log"; echo "FAIL: $dir does not verify"; exit 1; }
+done
+echo "ok: every saved layout verifies"
 echo "checkpoint layouts: all passed"

@@ -217,6 +217,14 @@ TEST_F(SafetensorsTest, CorruptFilesFailWithOneClearLine) {
       {"metadata value", hand_built(R"({"__metadata__":{"k":3}})", {}), "not a string"},
       {"overflowing shape",
        hand_built(R"({"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}})", eight), "overflows"},
+      // 2^62 elements of 4 bytes: the byte count wrapped to 0 ("needs 0 bytes")
+      {"byte count wraps",
+       hand_built(R"({"a":{"dtype":"F32","shape":[2147483648,2147483648],"data_offsets":[0,0]}})", {}),
+       "is too large: tensor 'a' byte count overflows 64-bit integers"},
+      // 2^63 elements: beyond int64 (a Tensor of that shape cannot exist)
+      {"elements beyond int64",
+       hand_built(R"({"a":{"dtype":"U8","shape":[4294967296,2147483648],"data_offsets":[0,9223372036854775808]}})", {}),
+       "is too large"},
   };
   for (const CorruptCase& c : cases) {
     SCOPED_TRACE(c.label);

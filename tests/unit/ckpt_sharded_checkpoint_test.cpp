@@ -12,10 +12,12 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "moecore/ckpt/checkpoint_dir.h"
 #include "moecore/ckpt/inspect_command.h"
+#include "moecore/ckpt/piece_coverage.h"
 #include "moecore/ckpt/sharded_checkpoint.h"
 #include "moecore/ckpt/state_source.h"
 
@@ -345,7 +347,7 @@ TEST_F(ShardedCheckpointTest, OverflowingSizesInMetadataAreErrors) {
       [](auto& t) {
         t["pieces"][0]["offsets"] = {std::numeric_limits<int64_t>::max(), 0};
       },
-      "a piece of layer.weight lies outside the tensor");
+      "\"tensors.layer.weight.pieces[0]\" lies outside the tensor [6, 4]");
   // [2^40, 2^40] fp32: 2^82 bytes
   const int64_t big = int64_t{1} << 40;
   expect_error(
@@ -354,9 +356,10 @@ TEST_F(ShardedCheckpointTest, OverflowingSizesInMetadataAreErrors) {
         t["pieces"][0]["shape"] = {big, big};
       },
       "layer.weight byte count overflows 64-bit integers (4398046511104 x 1099511627776)");
-  expect_error([](auto& t) { t["shape"] = {-6, 4}; }, "layer.weight has a negative dimension");
+  expect_error([](auto& t) { t["shape"] = {-6, 4}; }, "\"tensors.layer.weight.shape\" has a negative dimension");
   // A flat_range that is not a pair was read past its end.
-  expect_error([](auto& t) { t["pieces"][0]["flat_range"] = {3}; }, "layer.weight has a flat_range that is not a pair");
+  expect_error([](auto& t) { t["pieces"][0]["flat_range"] = {3}; },
+               "\"tensors.layer.weight.pieces[0].flat_range\" is not a pair");
 }
 
 // A rank file whose header gives a tensor one data offset instead of two was read past the JSON array (found by
@@ -381,9 +384,177 @@ TEST_F(ShardedCheckpointTest, RankFileDataOffsetsMustBePairs) {
     const ShardedCheckpoint ckpt(dir);
     FAIL() << "no error for a one-element data_offsets";
   } catch (const CheckpointError& e) {
-    EXPECT_NE(std::string(e.what()).find("data_offsets is not a pair"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("is not two non-negative integers"), std::string::npos) << e.what();
     EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos);
   }
+}
+
+// Rewrites dir's metadata.json with `damage` applied, opens and verifies the checkpoint, and returns the error
+// (empty when it opened and verified).
+std::string error_after(const std::string& dir, const std::function<void(nlohmann::ordered_json&)>& damage) {
+  const std::string path = dir + "/metadata.json";
+  std::string original;
+  {
+    std::ifstream in(path);
+    original.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  nlohmann::ordered_json metadata = nlohmann::ordered_json::parse(original);
+  damage(metadata);
+  std::ofstream(path, std::ios::trunc) << metadata.dump(1);
+  std::string error;
+  try {
+    const ShardedCheckpoint ckpt(dir);
+    ckpt.verify();
+  } catch (const CheckpointError& e) {
+    error = e.what();
+  }
+  std::ofstream(path, std::ios::trunc) << original;
+  return error;
+}
+
+// A value of the wrong JSON type anywhere in metadata.json is one line naming the file and the field's path (it
+// was a raw "[json.exception.type_error.304]", or went unnoticed until a load used the field).
+TEST_F(ShardedCheckpointTest, MetadataOfTheWrongTypeNamesTheField) {
+  const std::string dir = save(make_state(1), 5, false);
+  using J = nlohmann::ordered_json;
+  const std::vector<std::tuple<std::string, std::function<void(J&)>, std::string>> cases = {
+      {"top", [](J& m) { m = nullptr; }, "metadata.json: must be a JSON object, got null"},
+      {"args", [](J& m) { m["args"] = nullptr; }, "metadata.json: \"args\" must be an object, got null"},
+      {"args.model", [](J& m) { m["args"]["model"] = nullptr; },
+       "metadata.json: \"args.model\" must be an object, got null"},
+      {"args.training", [](J& m) { m["args"]["training"] = J::array(); },
+       "metadata.json: \"args.training\" must be an object, got an array"},
+      {"layout", [](J& m) { m["layout"] = 3; }, "metadata.json: \"layout\" must be an object, got 3"},
+      {"no layout", [](J& m) { m.erase("layout"); }, "metadata.json: \"layout\" is missing"},
+      {"iteration", [](J& m) { m["iteration"] = "5"; },
+       "metadata.json: \"iteration\" must be an integer within 64 bits, got \"5\""},
+      {"format_version", [](J& m) { m["format_version"] = 1.5; },
+       "metadata.json: \"format_version\" must be an integer within 64 bits, got 1.5"},
+      {"files", [](J& m) { m["files"] = nullptr; }, "metadata.json: \"files\" must be an object, got null"},
+      {"file entry", [](J& m) { m["files"]["rank_00000.safetensors"] = nullptr; },
+       "metadata.json: \"files.rank_00000.safetensors\" must be an object, got null"},
+      {"file bytes", [](J& m) { m["files"]["rank_00000.safetensors"]["bytes"] = -1; },
+       "metadata.json: \"files.rank_00000.safetensors.bytes\" must not be negative, got -1"},
+      {"file crc", [](J& m) { m["files"]["rank_00000.safetensors"]["crc32"] = 7; },
+       "metadata.json: \"files.rank_00000.safetensors.crc32\" must be a string, got 7"},
+      {"tensors", [](J& m) { m["tensors"] = "x"; }, "metadata.json: \"tensors\" must be an object, got \"x\""},
+      {"tensor", [](J& m) { m["tensors"]["half"] = nullptr; },
+       "metadata.json: \"tensors.half\" must be an object, got null"},
+      {"dtype", [](J& m) { m["tensors"]["half"]["dtype"] = nullptr; },
+       "metadata.json: \"tensors.half.dtype\" must be a string, got null"},
+      {"shape", [](J& m) { m["tensors"]["half"]["shape"] = {2.5}; },
+       "metadata.json: \"tensors.half.shape[0]\" must be an integer within 64 bits, got 2.5"},
+      {"pieces", [](J& m) { m["tensors"]["half"]["pieces"] = J::object(); },
+       "metadata.json: \"tensors.half.pieces\" must be an array, got an object"},
+      {"piece", [](J& m) { m["tensors"]["half"]["pieces"][0] = nullptr; },
+       "metadata.json: \"tensors.half.pieces[0]\" must be an object, got null"},
+      {"piece file", [](J& m) { m["tensors"]["half"]["pieces"][0]["file"] = true; },
+       "metadata.json: \"tensors.half.pieces[0].file\" must be a string, got true"},
+      {"piece offsets", [](J& m) { m["tensors"]["half"]["pieces"][0]["offsets"] = nullptr; },
+       "metadata.json: \"tensors.half.pieces[0].offsets\" must be an array, got null"},
+      {"piece crc", [](J& m) { m["tensors"]["half"]["pieces"][0].erase("crc32"); },
+       "metadata.json: \"tensors.half.pieces[0].crc32\" is missing"},
+      {"flat_range", [](J& m) { m["tensors"]["half"]["pieces"][0]["flat_range"] = nullptr; },
+       "metadata.json: \"tensors.half.pieces[0].flat_range\" must be an array, got null"},
+  };
+  for (const auto& [name, damage, want] : cases) {
+    const std::string error = error_after(dir, damage);
+    EXPECT_NE(error.find(want), std::string::npos) << name << ": " << error;
+    EXPECT_EQ(error.find("json.exception"), std::string::npos) << name << ": " << error;
+    EXPECT_EQ(error.find('\n'), std::string::npos) << name << ": " << error;
+  }
+  EXPECT_EQ(error_after(dir, [](J&) {}), "");  // the file restored
+}
+
+// Pieces must hold every element of their tensor exactly once: a gap (the tensor's shape grown) passed verification,
+// and a gap hidden by an overlap of the same size loaded the overlapping piece twice and left the gap unset.
+TEST_F(ShardedCheckpointTest, PiecesMustCoverTheirTensorExactlyOnce) {
+  StateDict state = make_state(1);
+  state.add_tensor("other.weight", random_tensor({6, 4}, 9), placement({6, 4}, 0, 1, 1, 0));
+  const std::string dir = save(state, 5, false);
+  using J = nlohmann::ordered_json;
+  EXPECT_NE(error_after(dir,
+                        [](J& m) {
+                          m["tensors"]["layer.weight"]["shape"] = {12, 4};
+                        })
+                .find("metadata.json: the pieces of layer.weight leave element 24 out of its [12, 4] elements"),
+            std::string::npos);
+  // other.weight's piece also as rows 0..5 of layer.weight [12, 4]: 48 elements, rows 0..5 twice, rows 6..11 never.
+  const auto doubled = [](J& m) {
+    m["tensors"]["layer.weight"]["shape"] = {12, 4};
+    J piece = m["tensors"]["other.weight"]["pieces"][0];
+    m["tensors"]["layer.weight"]["pieces"].push_back(piece);
+    m["tensors"].erase("other.weight");
+  };
+  EXPECT_NE(error_after(dir, doubled).find("the pieces of layer.weight overlap at element 0"), std::string::npos)
+      << error_after(dir, doubled);
+}
+
+TEST(PieceCoverage, FlatRangesAndBoxesTileOrNot) {
+  const auto box = [](std::vector<int64_t> offsets, std::vector<int64_t> shape, int64_t b = 0, int64_t e = -1) {
+    return StateBox{std::move(offsets), std::move(shape), b, e};
+  };
+  EXPECT_EQ(piece_coverage_problem({4, 6}, {box({0, 0}, {4, 3}), box({0, 3}, {4, 3})}), std::nullopt);
+  EXPECT_EQ(piece_coverage_problem({4, 6}, {box({0, 0}, {4, 6}, 0, 10), box({0, 0}, {4, 6}, 10, 24)}), std::nullopt);
+  EXPECT_EQ(piece_coverage_problem({4, 6}, {box({0, 0}, {4, 6}, 0, 10), box({0, 0}, {4, 6}, 11, 24)}),
+            "leave element 10 out");
+  EXPECT_EQ(piece_coverage_problem({4, 6}, {box({0, 0}, {4, 3}), box({0, 2}, {4, 3})}), "overlap at element 2");
+  EXPECT_EQ(piece_coverage_problem({4, 6}, {box({0, 0}, {4, 6}, 0, 12), box({2, 0}, {2, 6})}), std::nullopt);
+  EXPECT_EQ(piece_coverage_problem({4, 6}, {box({0, 0}, {4, 6}, 0, 13), box({2, 0}, {2, 6})}), "overlap at element 12");
+  EXPECT_EQ(piece_coverage_problem({4, 6}, {box({0, 0}, {4, 6}, 3, 9), box({0, 0}, {4, 3})}), "overlap at element 6");
+  EXPECT_EQ(piece_coverage_problem({}, {box({}, {})}), std::nullopt);
+  EXPECT_EQ(piece_coverage_problem({}, {}), "leave element 0 out");
+  EXPECT_EQ(piece_coverage_problem({0, 5}, {}), std::nullopt);
+  // A flat range of one element of a huge box visits one row, not all of them.
+  EXPECT_EQ(piece_coverage_problem({int64_t{1} << 40, 1}, {box({0, 0}, {int64_t{1} << 40, 1}, 7, 8)}),
+            "leave element 0 out");
+}
+
+// The file's recorded CRC-32 is checked on opening (from its header's bytes and its pieces' CRC-32s, which each read
+// checks), so a load notices a damaged header or a wrong checksum in metadata.json, not only `verify`.
+TEST_F(ShardedCheckpointTest, FileChecksumIsCheckedOnOpening) {
+  const std::string dir = save(make_state(1), 5, false);
+  const auto open_error = [&] {
+    try {
+      const ShardedCheckpoint ckpt(dir);
+    } catch (const CheckpointError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(open_error(), "");
+  std::string metadata;
+  {
+    std::ifstream in(dir + "/metadata.json");
+    metadata.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  nlohmann::ordered_json damaged = nlohmann::ordered_json::parse(metadata);
+  std::string& crc = damaged["files"]["rank_00000.safetensors"]["crc32"].get_ref<std::string&>();
+  crc[0] = crc[0] == '0' ? '1' : '0';
+  std::ofstream(dir + "/metadata.json", std::ios::trunc) << damaged.dump(1);
+  EXPECT_NE(open_error().find("rank_00000.safetensors: checksum mismatch"), std::string::npos) << open_error();
+  std::ofstream(dir + "/metadata.json", std::ios::trunc) << metadata;
+  // The header's entries in reverse order: the same size and meaning, other bytes (a damage no parser notices).
+  const std::string file = dir + "/rank_00000.safetensors";
+  std::string bytes;
+  {
+    std::ifstream in(file, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(bytes[static_cast<size_t>(i)]);
+  const std::string header = bytes.substr(8, header_len);
+  const nlohmann::ordered_json entries = nlohmann::ordered_json::parse(header);
+  nlohmann::ordered_json reversed = nlohmann::ordered_json::object();
+  for (auto it = entries.rbegin(); it != entries.rend(); ++it) reversed[it.key()] = it.value();
+  std::string reordered = reversed.dump();
+  ASSERT_LE(reordered.size(), header.size());
+  reordered.resize(header.size(), ' ');
+  ASSERT_NE(reordered, header);
+  std::string spaced = bytes;
+  spaced.replace(8, header.size(), reordered);
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << spaced;
+  EXPECT_NE(open_error().find("rank_00000.safetensors: checksum mismatch"), std::string::npos) << open_error();
 }
 
 // `moecore checkpoint DIR`: iteration, tensors and pieces, then every checksum; a damaged file is an error.

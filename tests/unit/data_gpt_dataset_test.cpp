@@ -342,6 +342,11 @@ TEST(DataGptNpy, RoundTripAndErrors) {
   expect_data_error([&] { npy_decode(good.substr(0, good.size() - 1), "z.npy"); }, "z.npy: .npy size mismatch");
   expect_data_error([&] { npy_decode("hello world", "w.npy"); }, "w.npy: not a .npy file");
   expect_data_error([&] { npy_encode(NpyDType::kU4, {1}, {-1}); }, "does not fit <u4");
+  // 2^14 x 2^50 elements in a 16 KiB file: the element count wrapped to 0 ("expected 128 bytes").
+  const std::string header = "{'descr': '<i2', 'fortran_order': False, 'shape': (16384, 1125899906842624), }";
+  std::string wrapping = std::string("\x93NUMPY\x01\x00", 8) + static_cast<char>(header.size()) + '\0' + header;
+  wrapping.append(16384, '\0');
+  expect_data_error([&] { npy_decode(wrapping, "big.npy"); }, "big.npy: .npy shape (16384, 1125899906842624) exceeds");
 }
 
 // --- splits -----------------------------------------------------------------------------------------------------

@@ -18,6 +18,10 @@ uint32_t crc32_of(const std::span<const std::byte> bytes, const uint32_t running
   return static_cast<uint32_t>(crc);
 }
 
+uint32_t crc32_combine_of(const uint32_t first, const uint32_t second, const int64_t second_bytes) {
+  return static_cast<uint32_t>(::crc32_combine(first, second, static_cast<z_off_t>(second_bytes)));
+}
+
 std::string crc32_text(const uint32_t crc) {
   char text[9];
   std::snprintf(text, sizeof text, "%08x", crc);

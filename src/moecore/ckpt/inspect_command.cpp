@@ -10,7 +10,8 @@
 namespace moecore {
 namespace fs = std::filesystem;
 
-int checkpoint_inspect_main(const std::vector<std::string>& args, std::ostream& out) {
+int checkpoint_inspect_main(const std::vector<std::string>& args, std::ostream& out,
+                            const std::function<void(const ShardedCheckpoint&)>& check_contents) {
   if (args.size() == 1 && (args[0] == "-h" || args[0] == "--help")) {
     out << "usage: moecore checkpoint DIR   (a --save folder or one of its iter_NNNNNNN folders)\n";
     return 0;
@@ -44,6 +45,7 @@ int checkpoint_inspect_main(const std::vector<std::string>& args, std::ostream& 
     }
     out << "\n";
   }
+  if (check_contents) check_contents(ckpt);
   ckpt.verify();
   out << "verified: every checksum matches" << std::endl;
   return 0;

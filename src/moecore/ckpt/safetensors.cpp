@@ -13,6 +13,8 @@
 #include <set>
 #include <stdexcept>
 
+#include "moecore/util/checked_math.h"
+
 namespace moecore {
 namespace {
 
@@ -72,15 +74,17 @@ Entry parse_entry(const std::string& source, const std::string& name, const json
   if (!dtype_from_code(code, entry.dtype)) {
     fail(source, where + " has unsupported dtype '" + code + "' (supported: F32, F64, BF16, F16, I32, I64, U8)");
   }
-  uint64_t numel = 1;
   for (const json& dim : value["shape"]) {
-    if (!dim.is_number_unsigned())
-      fail(source, where + " shape " + value["shape"].dump() + " is not non-negative integers");
-    const uint64_t d = dim.get<uint64_t>();
-    if (d > static_cast<uint64_t>(INT64_MAX) || __builtin_mul_overflow(numel, d, &numel)) {
-      fail(source, where + " shape " + value["shape"].dump() + " overflows");
+    if (!dim.is_number_unsigned() || dim.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+      fail(source, where + " shape " + value["shape"].dump() + " is not non-negative integers within 64 bits");
     }
-    entry.shape.push_back(static_cast<int64_t>(d));
+    entry.shape.push_back(dim.get<int64_t>());
+  }
+  int64_t expected_bytes = static_cast<int64_t>(dtype_size(entry.dtype));
+  try {
+    for (const int64_t d : entry.shape) expected_bytes = checked_mul(expected_bytes, d, where + " byte count");
+  } catch (const std::overflow_error& e) {
+    fail(source, where + " shape " + value["shape"].dump() + " of " + code + " is too large: " + e.what());
   }
   const json& offsets = value["data_offsets"];
   if (offsets.size() != 2 || !offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned()) {
@@ -89,9 +93,7 @@ Entry parse_entry(const std::string& source, const std::string& name, const json
   entry.begin = offsets[0].get<uint64_t>();
   entry.end = offsets[1].get<uint64_t>();
   if (entry.end < entry.begin) fail(source, where + " data_offsets " + offsets.dump() + " end before begin");
-  uint64_t expected_bytes = 0;
-  if (__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(entry.dtype)), &expected_bytes) ||
-      expected_bytes != entry.end - entry.begin) {
+  if (static_cast<uint64_t>(expected_bytes) != entry.end - entry.begin) {
     fail(source, where + " shape " + value["shape"].dump() + " of " + code + " needs " +
                      std::to_string(expected_bytes) + " bytes but data_offsets " + offsets.dump() + " span " +
                      std::to_string(entry.end - entry.begin));
@@ -144,8 +146,10 @@ std::vector<Entry> parse_header(const std::string_view header_text, const uint64
   json header;
   try {
     header = json::parse(header_text, watch_keys);
-  } catch (const json::exception& e) {
-    fail(source, std::string("header is not valid JSON (") + e.what() + ")");
+  } catch (const json::parse_error& e) {
+    fail(source, "header is not valid JSON (error at byte " + std::to_string(e.byte) + ")");
+  } catch (const json::exception&) {  // 1e999: a number beyond a double
+    fail(source, "header is not valid JSON (a number out of range)");
   }
   if (!header.is_object()) fail(source, "header is not a JSON object");
   if (!duplicate.empty()) fail(source, "header names tensor '" + duplicate + "' twice");
@@ -241,6 +245,7 @@ SafetensorsHeader read_safetensors_header(const std::string& path) {
   }
   SafetensorsHeader header;
   header.path = path;
+  header.data_start = 8 + header_bytes;
   for (const Entry& e : parse_header(header_text, file_bytes - 8 - header_bytes, path, header.metadata)) {
     header.tensors.push_back(
         SafetensorsTensorInfo{e.name, e.dtype, e.shape, 8 + header_bytes + e.begin, e.end - e.begin});

@@ -48,6 +48,7 @@ struct SafetensorsHeader {
   std::string path;
   std::vector<SafetensorsTensorInfo> tensors;  // in byte-buffer order
   SafetensorsMetadata metadata;
+  uint64_t data_start = 0;  // 8 + the header length: the file offset of the byte buffer
   const SafetensorsTensorInfo* find(const std::string& name) const;  // null when absent
 };
 // Reads and validates the header (every rule read_safetensors checks) against the file's size.

@@ -18,10 +18,10 @@
 
 #include "moecore/ckpt/checkpoint_dir.h"
 #include "moecore/ckpt/checksum.h"
+#include "moecore/ckpt/piece_coverage.h"
 #include "moecore/ckpt/safetensors.h"
 #include "moecore/parallel/agreement.h"
 #include "moecore/tensor/finite_check.h"
-#include "moecore/util/checked_math.h"
 
 namespace moecore {
 namespace fs = std::filesystem;
@@ -57,13 +57,6 @@ Tensor piece_view(const Tensor& local, const PlacedBox& placed) {
   return local.view({local.numel()})
       .slice_rows(placed.local_begin, placed.local_begin + placed.box.numel())
       .view(shape);
-}
-
-DType dtype_from_code(const std::string& code, const std::string& where) {
-  for (const DType d : {DType::kF32, DType::kF64, DType::kBF16, DType::kF16, DType::kI32, DType::kI64, DType::kU8}) {
-    if (safetensors_dtype_code(d) == code) return d;
-  }
-  throw CheckpointError(where + ": unknown dtype '" + code + "'");
 }
 
 // Fault injection for the write-fault tests: MOECORE_CKPT_FAIL_AT=<stage>[:<rank>] makes a step of the save fail on
@@ -369,63 +362,35 @@ ShardedCheckpoint::ShardedCheckpoint(std::string iter_dir) : dir_(std::move(iter
   if (!in) fail("metadata.json", "missing (not a complete moecore checkpoint)");
   try {
     metadata_ = ojson::parse(in);
-    if (metadata_.value("format", "") != kShardedFormat) fail("metadata.json", "not a moecore_sharded checkpoint");
-    if (metadata_.at("format_version").get<int>() != kShardedFormatVersion) {
-      fail("metadata.json", "format version " + metadata_.at("format_version").dump() + " is not supported (1 is)");
-    }
-    iteration_ = metadata_.at("iteration").get<int64_t>();
-    for (const auto& [name, f] : metadata_.at("files").items()) {
-      if (name.find('/') != std::string::npos || name.starts_with(".")) fail("metadata.json", "bad file name " + name);
-      files_[name] = StoredFile{f.at("bytes").get<int64_t>(), f.at("crc32").get<std::string>(), 0, {}};
-    }
-    for (const auto& [key, t] : metadata_.at("tensors").items()) {
-      Stored s;
-      s.info.dtype = dtype_from_code(t.at("dtype").get<std::string>(), meta_path);
-      s.info.global_shape = t.at("shape").get<std::vector<int64_t>>();
-      // Non-negative dimensions whose byte count fits int64: every piece's box lies inside, so its sizes fit too.
-      int64_t global_bytes = static_cast<int64_t>(dtype_size(s.info.dtype));
-      for (const int64_t d : s.info.global_shape) {
-        if (d < 0) fail("metadata.json", key + " has a negative dimension");
-        global_bytes = checked_mul(global_bytes, d, key + " byte count");
-      }
-      for (const ojson& p : t.at("pieces")) {
-        Piece piece;
-        piece.file = p.at("file").get<std::string>();
-        piece.name = p.at("name").get<std::string>();
-        piece.box.offsets = p.at("offsets").get<std::vector<int64_t>>();
-        piece.box.shape = p.at("shape").get<std::vector<int64_t>>();
-        if (p.contains("flat_range")) {
-          const ojson& range = p.at("flat_range");
-          if (!range.is_array() || range.size() != 2)
-            fail("metadata.json", key + " has a flat_range that is not a pair");
-          piece.box.flat_begin = range.at(0).get<int64_t>();
-          piece.box.flat_end = range.at(1).get<int64_t>();
-        }
-        piece.crc32 = p.at("crc32").get<std::string>();
-        if (!files_.contains(piece.file)) fail("metadata.json", key + " names an unlisted file " + piece.file);
-        const size_t rank = s.info.global_shape.size();
-        bool inside = piece.box.offsets.size() == rank && piece.box.shape.size() == rank;
-        for (size_t d = 0; inside && d < rank; ++d) {
-          inside = piece.box.offsets[d] >= 0 && piece.box.shape[d] >= 0 &&
-                   piece.box.shape[d] <= s.info.global_shape[d] &&
-                   piece.box.offsets[d] <= s.info.global_shape[d] - piece.box.shape[d];
-        }
-        if (inside && piece.box.flat()) {
-          inside = piece.box.flat_begin >= 0 && piece.box.flat_begin <= piece.box.flat_end &&
-                   piece.box.flat_end <= piece.box.box_numel();
-        }
-        if (!inside) fail("metadata.json", "a piece of " + key + " lies outside the tensor");
-        s.pieces.push_back(std::move(piece));
-      }
-      order_.push_back(key);
-      tensors_.emplace(key, std::move(s));
-    }
-  } catch (const CheckpointError&) {
-    throw;
-  } catch (const std::exception& e) {
-    fail("metadata.json", std::string("malformed: ") + e.what());
+  } catch (const ojson::parse_error& e) {
+    fail("metadata.json", "malformed: not valid JSON (error at byte " + std::to_string(e.byte) + ")");
+  } catch (const ojson::exception&) {  // 1e999: a number beyond a double
+    fail("metadata.json", "malformed: a number out of range");
   }
-  // Every file: present, of its recorded size, with a safetensors header that agrees with the metadata.
+  const CheckpointMetadata parsed = parse_checkpoint_metadata(metadata_, meta_path);
+  iteration_ = parsed.iteration;
+  for (const auto& [name, f] : parsed.files) files_[name] = StoredFile{f.bytes, f.crc32, 0, {}};
+  for (const MetadataTensor& t : parsed.tensors) {
+    Stored s{t.info, {}};
+    for (const MetadataPiece& p : t.pieces) s.pieces.push_back(Piece{p.file, p.name, p.box, p.crc32});
+    order_.push_back(t.key);
+    tensors_.emplace(t.key, std::move(s));
+  }
+  check_files();
+  // Every element stored exactly once (the pieces' sizes are now backed by the files' bytes).
+  for (const auto& [key, s] : tensors_) {
+    std::vector<StateBox> boxes;
+    for (const Piece& p : s.pieces) boxes.push_back(p.box);
+    if (const std::optional<std::string> problem = piece_coverage_problem(s.info.global_shape, boxes)) {
+      fail("metadata.json", "the pieces of " + key + " " + *problem + " of its " + shape_text(s.info.global_shape) +
+                                " elements (each must be stored exactly once)");
+    }
+  }
+}
+
+void ShardedCheckpoint::check_files() {
+  // Every file: present, of its recorded size, a valid safetensors file.
+  std::map<std::string, SafetensorsHeader> headers;
   for (auto& [name, f] : files_) {
     const fs::path path = fs::path(dir_) / name;
     std::error_code ec;
@@ -434,38 +399,48 @@ ShardedCheckpoint::ShardedCheckpoint(std::string iter_dir) : dir_(std::move(iter
     if (static_cast<int64_t>(size) != f.bytes) {
       fail(name, "truncated or resized: " + std::to_string(size) + " bytes instead of " + std::to_string(f.bytes));
     }
-    std::ifstream file(path, std::ios::binary);
-    unsigned char len_bytes[8] = {};
-    file.read(reinterpret_cast<char*>(len_bytes), 8);
-    uint64_t header_len = 0;
-    for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
-    if (!file || header_len > static_cast<uint64_t>(f.bytes) - 8) fail(name, "corrupted safetensors header length");
-    std::string header(header_len, '\0');
-    file.read(header.data(), static_cast<std::streamsize>(header_len));
-    f.data_start = 8 + static_cast<int64_t>(header_len);
     try {
-      const json parsed = json::parse(header);
-      for (const auto& [tname, t] : parsed.items()) {
-        if (tname == "__metadata__") continue;
-        const json& offsets = t.at("data_offsets");
-        if (!offsets.is_array() || offsets.size() != 2)
-          throw std::invalid_argument(tname + " data_offsets is not a pair");
-        f.offsets[tname] = {offsets.at(0).get<int64_t>(), offsets.at(1).get<int64_t>()};
-      }
-    } catch (const std::exception& e) {
-      fail(name, std::string("corrupted safetensors header (") + e.what() + ")");
+      headers[name] = read_safetensors_header(path.string());
+    } catch (const std::runtime_error& e) {
+      throw CheckpointError(e.what());
     }
+    f.data_start = static_cast<int64_t>(headers[name].data_start);
   }
+  // Each entry of a file is one piece of the metadata, of the piece's dtype and shape.
+  std::map<std::pair<std::string, std::string>, std::string> piece_crcs;  // (file, entry) -> the piece's CRC-32
   for (const auto& [key, s] : tensors_) {
     for (const Piece& p : s.pieces) {
-      const StoredFile& f = files_.at(p.file);
-      const auto it = f.offsets.find(p.name);
-      const int64_t nbytes = p.box.numel() * static_cast<int64_t>(dtype_size(s.info.dtype));
-      // Offsets come from the file: compared so that nothing can overflow.
-      if (it == f.offsets.end() || it->second.first < 0 || it->second.second < it->second.first ||
-          it->second.second > f.bytes - f.data_start || it->second.second - it->second.first != nbytes) {
-        fail(p.file, "tensor " + key + " is missing or of the wrong size");
+      const SafetensorsTensorInfo* entry = headers.at(p.file).find(p.name);
+      const std::vector<int64_t> shape = p.box.flat() ? std::vector<int64_t>{p.box.numel()} : p.box.shape;
+      if (entry == nullptr || entry->dtype != s.info.dtype || entry->shape != shape) {
+        fail(p.file, "tensor " + key + " is missing or of the wrong size (entry '" + p.name +
+                         "': " + safetensors_dtype_code(s.info.dtype) + " " + shape_text(shape) + " expected)");
       }
+      if (!piece_crcs.emplace(std::make_pair(p.file, p.name), p.crc32).second) {
+        fail("metadata.json", "two pieces name entry '" + p.name + "' of " + p.file);
+      }
+      files_.at(p.file).offsets[p.name] = {
+          static_cast<int64_t>(entry->file_offset) - files_.at(p.file).data_start,
+          static_cast<int64_t>(entry->file_offset + entry->nbytes) - files_.at(p.file).data_start};
+    }
+  }
+  // The file's CRC-32 from its header's bytes and its pieces' CRC-32s (safetensors leaves no gaps): the recorded
+  // file checksum is checked without reading the tensors, whose bytes each load checks against their pieces' CRCs.
+  for (const auto& [name, f] : files_) {
+    const SafetensorsHeader& header = headers.at(name);
+    std::string head(static_cast<size_t>(f.data_start), '\0');
+    std::ifstream file(fs::path(dir_) / name, std::ios::binary);
+    if (!file.read(head.data(), static_cast<std::streamsize>(head.size()))) fail(name, "cannot read the header");
+    uint32_t crc = crc32_of(std::as_bytes(std::span(head.data(), head.size())));
+    for (const SafetensorsTensorInfo& entry : header.tensors) {
+      const auto it = piece_crcs.find({name, entry.name});
+      if (it == piece_crcs.end()) fail(name, "holds tensor '" + entry.name + "' that metadata.json does not list");
+      crc = crc32_combine_of(crc, static_cast<uint32_t>(std::stoul(it->second, nullptr, 16)),
+                             static_cast<int64_t>(entry.nbytes));
+    }
+    if (crc32_text(crc) != f.crc32) {
+      fail(name, "checksum mismatch: the file's header and its pieces' CRC-32s give " + crc32_text(crc) +
+                     ", metadata.json records " + f.crc32 + " (the file or metadata.json is corrupted)");
     }
   }
 }

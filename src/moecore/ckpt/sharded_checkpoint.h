@@ -24,18 +24,11 @@
 #include <thread>
 #include <vector>
 
+#include "moecore/ckpt/checkpoint_metadata.h"
 #include "moecore/ckpt/state_source.h"
 #include "moecore/parallel/process_group.h"
 
 namespace moecore {
-
-inline constexpr const char* kShardedFormat = "moecore_sharded";
-inline constexpr int kShardedFormatVersion = 1;
-
-class CheckpointError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 // What metadata.json records besides the tensors.
 struct CheckpointInfo {
@@ -93,9 +86,11 @@ class ShardedSave {
   bool finalized_ = false;
 };
 
-// A saved iteration folder, read with the checks of the format: metadata.json parsed and validated, every file
-// present with its recorded size and a safetensors header agreeing with the metadata; pieces read on demand and
-// checked against their CRC-32. Every problem is a CheckpointError naming the file (and tensor).
+// A saved iteration folder, read with the checks of the format (docs/checkpoint-format.md "What a reader checks"):
+// metadata.json validated field by field (checkpoint_metadata.h), every file present with its recorded size, a valid
+// safetensors file whose entries are exactly the metadata's pieces, and its recorded CRC-32 consistent with its
+// header and its pieces' CRC-32s; each tensor's pieces holding each element once; pieces read on demand and checked
+// against their CRC-32. Every problem is a CheckpointError naming the file (and field or tensor).
 class ShardedCheckpoint final : public StateSource {
  public:
   explicit ShardedCheckpoint(std::string iter_dir);
@@ -131,6 +126,8 @@ class ShardedCheckpoint final : public StateSource {
     StoredTensorInfo info;
     std::vector<Piece> pieces;
   };
+  // Each file's size, safetensors header (entries = the metadata's pieces) and recorded CRC-32.
+  void check_files();
   Tensor read_piece(const std::string& key, const Stored& stored, const Piece& piece) const;
   [[noreturn]] void fail(const std::string& file, const std::string& problem) const;
 

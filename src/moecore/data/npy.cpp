@@ -7,6 +7,7 @@
 
 #include "moecore/data/atomic_file.h"
 #include "moecore/data/indexed_dataset.h"
+#include "moecore/util/checked_math.h"
 
 namespace moecore {
 
@@ -43,7 +44,7 @@ const DTypeInfo& info(NpyDType dtype) {
 
 int64_t element_count(const std::vector<int64_t>& shape) {
   int64_t count = 1;
-  for (const int64_t dim : shape) count *= dim;
+  for (const int64_t dim : shape) count = checked_mul(count, dim, "npy element count");
   return count;
 }
 
@@ -197,10 +198,11 @@ NpyArray npy_decode(std::string_view bytes, const std::string& name) {
   array.shape = parse_shape(dict_value(header, "shape", name), name);
   int64_t count = 1;
   for (const int64_t dim : array.shape) {
-    count *= dim;
-    if (count > static_cast<int64_t>(bytes.size())) {  // more elements than bytes: truncated or corrupt
+    // More elements than bytes: truncated or corrupt. Compared before multiplying: (2^14, 2^50) wrapped to 0.
+    if (dim != 0 && count > static_cast<int64_t>(bytes.size()) / dim) {
       throw DataError(name + ": .npy shape " + shape_repr(array.shape) + " exceeds the file size");
     }
+    count *= dim;
   }
   const size_t data_begin = header_begin + header_length;
   const size_t expected = data_begin + static_cast<size_t>(count) * type->bytes;

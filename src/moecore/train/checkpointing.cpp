@@ -16,6 +16,7 @@
 #include "moecore/ckpt/upcycling.h"
 #include "moecore/model/config.h"
 #include "moecore/parallel/agreement.h"
+#include "moecore/train/checkpoint_contents.h"
 #include "moecore/train/training_state.h"
 #include "moecore/util/process_start.h"
 
@@ -354,7 +355,7 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
   parallel::run_on_all_ranks(parallel.world, [&] {
     const ShardedCheckpoint& ckpt = *plan.checkpoint;
     // Model flags must match.
-    const ojson& saved = ckpt.metadata().at("args").at("model");
+    const ojson& saved = recorded_model_flags(ckpt);
     const ojson mine = checkpoint_args(run_args).at("model");
     for (const auto& [flag, value] : mine.items()) {
       if (!saved.contains(flag) || saved[flag] != value) {
