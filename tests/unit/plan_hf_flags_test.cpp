@@ -419,5 +419,99 @@ TEST(PlanHfFlags, Errors) {
   EXPECT_NE(error_of(dir.path("absent.json")).find("cannot open"), std::string::npos);
 }
 
+// Values of the right type that no model has: each error names the file and the field, not the train flag the field
+// becomes.
+TEST(PlanHfFlags, OutOfRangeValuesNameTheField) {
+  const test::TempDir dir("plan_hf_values");
+  const auto expect_error = [&](const std::string& name, const json& changes, const std::string& expected) {
+    const std::string message = error_of(edited(dir, name, changes));
+    EXPECT_NE(message.find(expected), std::string::npos) << message;
+    EXPECT_EQ(message.find("--"), std::string::npos) << message;
+  };
+  expect_error("mixtral_8x7b", {{"num_hidden_layers", -3}},
+               "field 'num_hidden_layers' must be a positive integer (got -3)");
+  expect_error("mixtral_8x7b", {{"num_hidden_layers", 100000}},
+               "field 'num_hidden_layers' is 100000, above the limit of 65536");
+  expect_error("mixtral_8x7b", {{"hidden_size", 0}}, "field 'hidden_size' must be a positive integer (got 0)");
+  expect_error("mixtral_8x7b", {{"hidden_size", int64_t{1} << 40}},
+               "field 'hidden_size' is 1099511627776, above the limit of 16777216");
+  expect_error("mixtral_8x7b", {{"hidden_size", 4100}},
+               "field 'hidden_size' (4100) is not a multiple of num_attention_heads (32) and no head_dim is given");
+  expect_error("mixtral_8x7b", {{"intermediate_size", -14336}},
+               "field 'intermediate_size' must be a positive integer (got -14336)");
+  expect_error("mixtral_8x7b", {{"num_attention_heads", 0}},
+               "field 'num_attention_heads' must be a positive integer (got 0)");
+  expect_error("mixtral_8x7b", {{"num_key_value_heads", -8}},
+               "field 'num_key_value_heads' must be a positive integer (got -8)");
+  expect_error("mixtral_8x7b", {{"num_key_value_heads", 5}},
+               "field 'num_key_value_heads' (5) must divide num_attention_heads (32)");
+  expect_error("mixtral_8x7b", {{"max_position_embeddings", -1}},
+               "field 'max_position_embeddings' must be a positive integer (got -1)");
+  expect_error("mixtral_8x7b", {{"vocab_size", 0}}, "field 'vocab_size' must be a positive integer (got 0)");
+  expect_error("mixtral_8x7b", {{"vocab_size", int64_t{1} << 33}},
+               "field 'vocab_size' is 8589934592, above the limit of 2147483647");
+  expect_error("mixtral_8x7b", {{"num_local_experts", 0}},
+               "field 'num_local_experts' must be a positive integer (got 0)");
+  expect_error("mixtral_8x7b", {{"num_experts_per_tok", 9}},
+               "field 'num_experts_per_tok' is 9, above the routed experts (8)");
+  expect_error("mixtral_8x7b", {{"rms_norm_eps", -1e-5}}, "field 'rms_norm_eps' must be a number in (0, 1] (got");
+  expect_error("qwen3_30b_a3b", {{"head_dim", 0}}, "field 'head_dim' must be a positive integer (got 0)");
+  expect_error("qwen3_30b_a3b", {{"moe_intermediate_size", -768}},
+               "field 'moe_intermediate_size' must be a positive integer (got -768)");
+  expect_error("qwen3_30b_a3b", {{"decoder_sparse_step", 0}},
+               "field 'decoder_sparse_step' must be a positive integer (got 0)");
+  expect_error("deepseek_v3", {{"kv_lora_rank", 0}}, "field 'kv_lora_rank' must be a positive integer (got 0)");
+  expect_error("deepseek_v3", {{"qk_rope_head_dim", -64}},
+               "field 'qk_rope_head_dim' must be a non-negative integer (got -64)");
+  expect_error("deepseek_v3", {{"n_group", 7}}, "field 'n_group' (7) must divide n_routed_experts (256)");
+  expect_error("deepseek_v3", {{"topk_group", 9}}, "field 'topk_group' is 9, above n_group (8)");
+  expect_error("deepseek_v3", {{"n_shared_experts", -1}},
+               "field 'n_shared_experts' must be a non-negative integer (got -1)");
+  expect_error("deepseek_v3", {{"num_nextn_predict_layers", -1}},
+               "field 'num_nextn_predict_layers' must be a non-negative integer (got -1)");
+  expect_error("deepseek_v3", {{"routed_scaling_factor", 0}},
+               "field 'routed_scaling_factor' must be a number in (0, 100] (got 0)");
+  expect_error("qwen3_30b_a3b", {{"partial_rotary_factor", 1.5}},
+               "field 'partial_rotary_factor' must be a number in (0, 1] (got 1.5)");
+}
+
+// A model folder reads its config.json, as HuggingFace's from_pretrained does; a folder without one is named as such.
+TEST(PlanHfFlags, ModelFolder) {
+  const test::TempDir dir("plan_hf_folder");
+  fs::create_directories(dir.path("mixtral"));
+  fs::copy_file(fixture("mixtral_8x7b"), dir.path("mixtral/config.json"));
+  EXPECT_EQ(megatron_flags_from_hf_config(dir.path("mixtral")), kMixtral8x7B);
+
+  fs::create_directories(dir.path("empty"));
+  EXPECT_NE(error_of(dir.path("empty")).find("a folder without config.json"), std::string::npos);
+
+  fs::create_directories(dir.path("bad"));
+  write_file(dir, "bad/config.json", "{\"model_type\": \"mixtral\", \"num_hidden_layers\": -3}");
+  const std::string message = error_of(dir.path("bad/config.json"));
+  EXPECT_NE(message.find("field 'num_hidden_layers' must be a positive integer (got -3)"), std::string::npos);
+  try {
+    megatron_flags_from_hf_config(dir.path("bad"));
+    ADD_FAILURE() << "no error for the folder";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()), message);  // the folder's error names its config.json
+  }
+
+  // A folder whose config.json is a folder itself.
+  fs::create_directories(dir.path("odd/config.json"));
+  try {
+    megatron_flags_from_hf_config(dir.path("odd"));
+    ADD_FAILURE() << "no error for odd/config.json";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()), dir.path("odd/config.json") + ": a folder, not a config.json file");
+  }
+}
+
+TEST(PlanHfFlags, InvalidJsonWithoutLibraryText) {
+  const test::TempDir dir("plan_hf_json");
+  const std::string message = error_of(write_file(dir, "broken.json", "{\"model_type\": \"mixtral\","));
+  EXPECT_NE(message.find("not valid JSON (parse error at line 1, column"), std::string::npos) << message;
+  EXPECT_EQ(message.find("json.exception"), std::string::npos) << message;
+}
+
 }  // namespace
 }  // namespace moecore::plan

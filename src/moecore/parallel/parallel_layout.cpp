@@ -17,6 +17,8 @@ int64_t product_capped(const int a, const int b, const int c, const int64_t cap)
   return std::min<int64_t>(ab * c, cap + 1);
 }
 
+bool pp_is_last(const std::string& order) { return order.size() >= 2 && order.compare(order.size() - 2, 2, "pp") == 0; }
+
 std::string format_groups(const RankGroups& groups) {
   std::ostringstream text;
   for (const auto& group : groups) {
@@ -29,21 +31,32 @@ std::string format_groups(const RankGroups& groups) {
 
 }  // namespace
 
-ParallelLayout::ParallelLayout(const ParallelSizes& sizes) : sizes_(sizes) {
+namespace {
+
+// Everything ParallelLayout checks before it lists the groups: the sizes, the divisions, the order string and the
+// data-parallel sizes of the two grids.
+struct CheckedGrids {
+  int data_parallel_size = 1;
+  int expert_tensor_parallel_size = 1;
+  int expert_data_parallel_size = 1;
+  RankGenerator dense;
+  RankGenerator expert;
+};
+
+CheckedGrids check_grids(const ParallelSizes& sizes) {
   require_positive("--world-size", sizes.world_size);
   require_positive("--tensor-model-parallel-size", sizes.tensor_model_parallel_size);
   require_positive("--pipeline-model-parallel-size", sizes.pipeline_model_parallel_size);
   require_positive("--context-parallel-size", sizes.context_parallel_size);
   require_positive("--expert-model-parallel-size", sizes.expert_model_parallel_size);
-  expert_tensor_parallel_size_ = sizes.expert_tensor_parallel_size.value_or(sizes.tensor_model_parallel_size);
-  require_positive("--expert-tensor-parallel-size", expert_tensor_parallel_size_);
+  const int etp = sizes.expert_tensor_parallel_size.value_or(sizes.tensor_model_parallel_size);
+  require_positive("--expert-tensor-parallel-size", etp);
 
   const int world = sizes.world_size;
   const int tp = sizes.tensor_model_parallel_size;
   const int pp = sizes.pipeline_model_parallel_size;
   const int cp = sizes.context_parallel_size;
   const int ep = sizes.expert_model_parallel_size;
-  const int etp = expert_tensor_parallel_size_;
 
   const int64_t dense_model_size = product_capped(tp, pp, cp, world);
   if (world % dense_model_size != 0) {
@@ -51,26 +64,42 @@ ParallelLayout::ParallelLayout(const ParallelSizes& sizes) : sizes_(sizes) {
                       std::to_string(tp) + ") x pipeline-model-parallel-size (" + std::to_string(pp) +
                       ") x context-parallel-size (" + std::to_string(cp) + ")");
   }
-  data_parallel_size_ = static_cast<int>(world / dense_model_size);
+  const int dp = static_cast<int>(world / dense_model_size);
   const int64_t expert_model_size = product_capped(etp, ep, pp, world);
   if (world % expert_model_size != 0) {
     throw LayoutError("world size " + std::to_string(world) + " is not divisible by expert-tensor-parallel-size (" +
                       std::to_string(etp) + ") x expert-model-parallel-size (" + std::to_string(ep) +
                       ") x pipeline-model-parallel-size (" + std::to_string(pp) + ")");
   }
-  expert_data_parallel_size_ = static_cast<int>(world / expert_model_size);
+  const int edp = static_cast<int>(world / expert_model_size);
 
-  const RankGenerator dense_grid(tp, /*ep=*/1, data_parallel_size_, pp, cp, sizes.order);
-  const RankGenerator expert_grid(etp, ep, expert_data_parallel_size_, pp, /*cp=*/1, sizes.order);
-  order_ = dense_grid.order();
-
-  const bool pp_last = sizes.order.size() >= 2 && sizes.order.compare(sizes.order.size() - 2, 2, "pp") == 0;
-  if (!pp_last && pp > 1 && expert_data_parallel_size_ != data_parallel_size_) {
+  CheckedGrids grids{dp, etp, edp, RankGenerator(tp, /*ep=*/1, dp, pp, cp, sizes.order),
+                     RankGenerator(etp, ep, edp, pp, /*cp=*/1, sizes.order)};
+  if (!pp_is_last(sizes.order) && pp > 1 && edp != dp) {
     throw LayoutError("rank order '" + sizes.order + "' does not end in pp, so with pipeline-model-parallel-size " +
-                      std::to_string(pp) + " the data-parallel size of the attention grid (" +
-                      std::to_string(data_parallel_size_) + ") and of the expert grid (" +
-                      std::to_string(expert_data_parallel_size_) + ") must be equal");
+                      std::to_string(pp) + " the data-parallel size of the attention grid (" + std::to_string(dp) +
+                      ") and of the expert grid (" + std::to_string(edp) + ") must be equal");
   }
+  return grids;
+}
+
+void check_same_pp_groups(const RankGroups& dense, const RankGroups& expert, const std::string& order) {
+  if (dense != expert) {
+    throw LayoutError("rank order '" + order + "' gives different pipeline groups to the attention grid " +
+                      format_groups(dense) + " and the expert grid " + format_groups(expert));
+  }
+}
+
+}  // namespace
+
+ParallelLayout::ParallelLayout(const ParallelSizes& sizes) : sizes_(sizes) {
+  const CheckedGrids grids = check_grids(sizes);
+  data_parallel_size_ = grids.data_parallel_size;
+  expert_tensor_parallel_size_ = grids.expert_tensor_parallel_size;
+  expert_data_parallel_size_ = grids.expert_data_parallel_size;
+  const RankGenerator& dense_grid = grids.dense;
+  const RankGenerator& expert_grid = grids.expert;
+  order_ = dense_grid.order();
 
   dense_.tp = dense_grid.get_ranks("tp");
   dense_.cp = dense_grid.get_ranks("cp");
@@ -87,10 +116,16 @@ ParallelLayout::ParallelLayout(const ParallelSizes& sizes) : sizes_(sizes) {
   expert_.dp = expert_grid.get_ranks("dp");
   expert_.pp = expert_grid.get_ranks("pp");
 
-  if (dense_.pp != expert_.pp) {
-    throw LayoutError("rank order '" + sizes.order + "' gives different pipeline groups to the attention grid " +
-                      format_groups(dense_.pp) + " and the expert grid " + format_groups(expert_.pp));
+  check_same_pp_groups(dense_.pp, expert_.pp, sizes.order);
+}
+
+int checked_data_parallel_size(const ParallelSizes& sizes) {
+  const CheckedGrids grids = check_grids(sizes);
+  // pp last (slowest) in both grids, or PP 1: pp group r is {r + k x world / PP} in each, the same groups.
+  if (!pp_is_last(sizes.order) && sizes.pipeline_model_parallel_size > 1) {
+    check_same_pp_groups(grids.dense.get_ranks("pp"), grids.expert.get_ranks("pp"), sizes.order);
   }
+  return grids.data_parallel_size;
 }
 
 std::vector<NamedRankGroups> ParallelLayout::dense_kinds() const {

@@ -75,6 +75,10 @@ class ParallelLayout {
   ExpertGroups expert_;
 };
 
+// ParallelLayout(sizes).data_parallel_size() with the same checks and messages, without listing every group (O(1)
+// for Megatron's orders ending in pp, whatever the world size): for parsers and planners that need no groups.
+int checked_data_parallel_size(const ParallelSizes& sizes);
+
 // Index of the group that holds `rank` (the colour of a communicator split); throws LayoutError if none does.
 int group_index_of(const RankGroups& groups, int rank);
 

@@ -3,12 +3,13 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <stdexcept>
 #include <utility>
 
-#include "moecore/ckpt/hf_layout.h"
 #include "moecore/ckpt/json_integer.h"
 #include "moecore/model/config.h"
 #include "moecore/util/checked_math.h"
@@ -18,7 +19,22 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr int64_t kMaxLayers = int64_t{1} << 16;  // train's limit on --num-layers (arguments.cpp kMaxCount)
+namespace fs = std::filesystem;
+
+// train's limits on the flags the fields become (arguments.cpp), checked here to name the field.
+constexpr int64_t kMaxCount = int64_t{1} << 16;      // layers, heads, query groups
+constexpr int64_t kMaxWidth = int64_t{1} << 24;      // hidden, ffn and head sizes
+constexpr int64_t kMaxPositions = int64_t{1} << 24;  // the position table
+constexpr int64_t kMaxExperts = int64_t{1} << 20;
+constexpr int64_t kMaxVocab = INT32_MAX;  // token ids are 32-bit integers
+
+// The shortest text that reads back as `value` (1e-06, 2.5).
+std::string real_text(const double value) {
+  char buf[64];
+  const auto [end, error] = std::to_chars(buf, buf + sizeof(buf), value);
+  if (error != std::errc()) throw std::logic_error("to_chars failed on a double");
+  return std::string(buf, end);
+}
 
 // The fields of one config.json; every error is one line naming the file and the field.
 class HfConfig {
@@ -36,11 +52,32 @@ class HfConfig {
   std::optional<int64_t> optional_integer(const std::string& key) const {
     return has(key) ? std::optional<int64_t>(integer(key)) : std::nullopt;
   }
+
+  // An integer field in [min, max] (min 0 or 1): "field 'hidden_size' must be a positive integer (got -3)";
+  // `max_is` names another field the maximum comes from.
+  int64_t integer_in(const std::string& key, const int64_t min, const int64_t max,
+                     const std::string& max_is = "") const {
+    return checked_range(key, integer(key), min, max, max_is);
+  }
+  std::optional<int64_t> optional_integer_in(const std::string& key, const int64_t min, const int64_t max,
+                                             const std::string& max_is = "") const {
+    const std::optional<int64_t> value = optional_integer(key);
+    if (value) checked_range(key, *value, min, max, max_is);
+    return value;
+  }
   std::vector<int64_t> integer_list_or_empty(const std::string& key) const {
     return has(key) ? json_integer_list(j_[key], where(key)) : std::vector<int64_t>{};
   }
 
   std::optional<double> optional_real(const std::string& key) const { return optional_real_in(j_, key); }
+  // A number field in (0, max].
+  std::optional<double> optional_positive_real(const std::string& key, const double max) const {
+    const std::optional<double> value = optional_real(key);
+    if (value && !(*value > 0.0 && *value <= max)) {
+      fail("field '" + key + "' must be a number in (0, " + real_text(max) + "] (got " + j_[key].dump() + ")");
+    }
+    return value;
+  }
   std::optional<double> optional_real_in(const json& object, const std::string& key) const {
     if (!object.contains(key) || object[key].is_null()) return std::nullopt;
     if (!object[key].is_number()) fail("field '" + key + "' must be a number (got " + object[key].dump() + ")");
@@ -71,17 +108,22 @@ class HfConfig {
  private:
   std::string where(const std::string& key) const { return path_ + ": field '" + key + "'"; }
 
+  int64_t checked_range(const std::string& key, const int64_t value, const int64_t min, const int64_t max,
+                        const std::string& max_is) const {
+    if (value < min) {
+      fail("field '" + key + "' must be a " + (min > 0 ? "positive" : "non-negative") + " integer (got " +
+           std::to_string(value) + ")");
+    }
+    if (value > max) {
+      fail("field '" + key + "' is " + std::to_string(value) + ", above " +
+           (max_is.empty() ? "the limit of " + std::to_string(max) : max_is + " (" + std::to_string(max) + ")"));
+    }
+    return value;
+  }
+
   std::string path_;
   json j_;
 };
-
-// The shortest text that reads back as `value` (1e-06, 2.5).
-std::string real_text(const double value) {
-  char buf[64];
-  const auto [end, error] = std::to_chars(buf, buf + sizeof(buf), value);
-  if (error != std::errc()) throw std::logic_error("to_chars failed on a double");
-  return std::string(buf, end);
-}
 
 class FlagList {
  public:
@@ -152,25 +194,36 @@ int64_t vocab_divisor(const int64_t vocab_size) {
 }
 
 void add_attention(const HfConfig& c, const Family family, FlagList& flags) {
-  const int64_t heads = c.integer("num_attention_heads");
+  const int64_t heads = c.integer_in("num_attention_heads", 1, kMaxCount);
   flags.add("--num-attention-heads", heads);
   if (family == Family::kDeepSeek) {
     // Multi-latent attention (model_bridge.py CONFIG_MAPPING, MLA block); num_key_value_heads and head_dim do not
     // apply. q_lora_rank null (DeepSeek-V2-Lite): queries are projected straight from the hidden state.
     flags.add("--multi-latent-attention");
-    if (const auto q_lora_rank = c.optional_integer("q_lora_rank")) flags.add("--q-lora-rank", *q_lora_rank);
-    flags.add("--kv-lora-rank", c.integer("kv_lora_rank"));
-    flags.add("--qk-head-dim", c.integer("qk_nope_head_dim"));
-    flags.add("--qk-pos-emb-head-dim", c.integer("qk_rope_head_dim"));
-    flags.add("--v-head-dim", c.integer("v_head_dim"));
+    if (const auto q_lora_rank = c.optional_integer_in("q_lora_rank", 1, kMaxWidth)) {
+      flags.add("--q-lora-rank", *q_lora_rank);
+    }
+    flags.add("--kv-lora-rank", c.integer_in("kv_lora_rank", 1, kMaxWidth));
+    flags.add("--qk-head-dim", c.integer_in("qk_nope_head_dim", 1, kMaxWidth));
+    flags.add("--qk-pos-emb-head-dim", c.integer_in("qk_rope_head_dim", 0, kMaxWidth));
+    flags.add("--v-head-dim", c.integer_in("v_head_dim", 1, kMaxWidth));
     return;
   }
-  const int64_t groups = c.optional_integer("num_key_value_heads").value_or(heads);
+  const int64_t groups = c.optional_integer_in("num_key_value_heads", 1, kMaxCount).value_or(heads);
+  if (heads % groups != 0) {
+    c.fail("field 'num_key_value_heads' (" + std::to_string(groups) + ") must divide num_attention_heads (" +
+           std::to_string(heads) + ")");
+  }
   if (groups != heads) {
     flags.add("--group-query-attention");
     flags.add("--num-query-groups", groups);
   }
-  if (const auto head_dim = c.optional_integer("head_dim")) flags.add("--kv-channels", *head_dim);
+  if (const auto head_dim = c.optional_integer_in("head_dim", 1, kMaxWidth)) {
+    flags.add("--kv-channels", *head_dim);
+  } else if (const int64_t hidden = c.integer("hidden_size"); hidden % heads != 0) {
+    c.fail("field 'hidden_size' (" + std::to_string(hidden) + ") is not a multiple of num_attention_heads (" +
+           std::to_string(heads) + ") and no head_dim is given");
+  }
 }
 
 void add_biases(const HfConfig& c, FlagList& flags) {
@@ -193,7 +246,7 @@ void add_rope(const HfConfig& c, FlagList& flags) {
     }
     flags.add("--rotary-base", static_cast<int64_t>(*theta));
   }
-  if (const auto percent = c.optional_real("partial_rotary_factor"); percent && *percent != 1.0) {
+  if (const auto percent = c.optional_positive_real("partial_rotary_factor", 1.0); percent && *percent != 1.0) {
     flags.add("--rotary-percent", real_text(*percent));
   }
 }
@@ -203,8 +256,7 @@ std::vector<bool> moe_layers(const HfConfig& c, const Family family, const int64
   std::vector<bool> moe(static_cast<size_t>(num_layers), true);
   if (family == Family::kQwenMoe) {
     // transformers Qwen3MoeDecoderLayer: MoE iff not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0.
-    const int64_t step = c.optional_integer("decoder_sparse_step").value_or(1);
-    if (step < 1) c.fail("field 'decoder_sparse_step' must be positive (got " + std::to_string(step) + ")");
+    const int64_t step = c.optional_integer_in("decoder_sparse_step", 1, kMaxCount).value_or(1);
     for (int64_t layer = 0; layer < num_layers; ++layer) moe[static_cast<size_t>(layer)] = (layer + 1) % step == 0;
     for (const int64_t dense : c.integer_list_or_empty("mlp_only_layers")) {
       if (dense < 0 || dense >= num_layers) {
@@ -221,8 +273,7 @@ std::vector<bool> moe_layers(const HfConfig& c, const Family family, const int64
       c.fail("field 'first_k_dense_replace' is " + std::to_string(first_dense) + " for a " +
              std::to_string(num_layers) + "-layer model");
     }
-    const int64_t every = c.optional_integer("moe_layer_freq").value_or(1);
-    if (every < 1) c.fail("field 'moe_layer_freq' must be positive (got " + std::to_string(every) + ")");
+    const int64_t every = c.optional_integer_in("moe_layer_freq", 1, kMaxCount).value_or(1);
     for (int64_t layer = 0; layer < num_layers; ++layer) {
       moe[static_cast<size_t>(layer)] = layer >= first_dense && layer % every == 0;
     }
@@ -233,7 +284,8 @@ std::vector<bool> moe_layers(const HfConfig& c, const Family family, const int64
   return {};
 }
 
-void add_deepseek_routing(const HfConfig& c, const bool v3, const int64_t topk, FlagList& flags) {
+void add_deepseek_routing(const HfConfig& c, const bool v3, const int64_t experts, const int64_t topk,
+                          FlagList& flags) {
   // Class defaults of transformers' DeepseekV3Config and DeepSeek-V2's configuration_deepseek.py.
   const std::string scoring = c.string_or("scoring_func", v3 ? "sigmoid" : "softmax");
   const std::string method = c.string_or("topk_method", v3 ? "noaux_tc" : "greedy");
@@ -258,12 +310,17 @@ void add_deepseek_routing(const HfConfig& c, const bool v3, const int64_t topk, 
   if (method != "greedy" && method != "gready") {
     // Group-limited routing: Megatron's group_limited_topk ranks a group by the sum of its top experts (DeepSeek-V3's
     // rule; DeepSeek-V2 ranks by the maximum), which picks other experts but costs the same.
-    if (const int64_t groups = c.optional_integer("n_group").value_or(1); groups > 1) {
+    if (const int64_t groups = c.optional_integer_in("n_group", 1, experts, "the routed experts").value_or(1);
+        groups > 1) {
+      if (experts % groups != 0) {
+        c.fail("field 'n_group' (" + std::to_string(groups) + ") must divide n_routed_experts (" +
+               std::to_string(experts) + ")");
+      }
       flags.add("--moe-router-num-groups", groups);
-      flags.add("--moe-router-group-topk", c.integer("topk_group"));
+      flags.add("--moe-router-group-topk", c.integer_in("topk_group", 1, groups, "n_group"));
     }
   }
-  if (const auto scale = c.optional_real("routed_scaling_factor"); scale && *scale != 1.0) {
+  if (const auto scale = c.optional_positive_real("routed_scaling_factor", 100.0); scale && *scale != 1.0) {
     flags.add("--moe-router-topk-scaling-factor", real_text(*scale));
   }
   // noaux_tc: the router's e_score_correction_bias (Megatron's expert_bias).
@@ -272,11 +329,13 @@ void add_deepseek_routing(const HfConfig& c, const bool v3, const int64_t topk, 
 
 void add_moe(const HfConfig& c, const Family family, const int64_t num_layers, FlagList& flags) {
   if (family == Family::kDense) return;
-  const int64_t experts = c.integer(family == Family::kMixtral    ? "num_local_experts"
-                                    : family == Family::kDeepSeek ? "n_routed_experts"
-                                                                  : "num_experts");
-  const int64_t expert_ffn = c.integer(family == Family::kMixtral ? "intermediate_size" : "moe_intermediate_size");
-  const int64_t topk = c.integer("num_experts_per_tok");
+  const int64_t experts = c.integer_in(family == Family::kMixtral    ? "num_local_experts"
+                                       : family == Family::kDeepSeek ? "n_routed_experts"
+                                                                     : "num_experts",
+                                       1, kMaxExperts);
+  const int64_t expert_ffn =
+      c.integer_in(family == Family::kMixtral ? "intermediate_size" : "moe_intermediate_size", 1, kMaxWidth);
+  const int64_t topk = c.integer_in("num_experts_per_tok", 1, experts, "the routed experts");
   flags.add("--num-experts", experts);
   flags.add("--moe-ffn-hidden-size", expert_ffn);
   flags.add("--moe-router-topk", topk);
@@ -284,11 +343,15 @@ void add_moe(const HfConfig& c, const Family family, const int64_t num_layers, F
     flags.add("--moe-layer-freq", layer_freq_expression(moe));
   }
   if (family == Family::kDeepSeek) {
-    if (const int64_t shared = c.optional_integer("n_shared_experts").value_or(0); shared != 0) {
-      flags.add("--moe-shared-expert-intermediate-size",
-                checked_mul(shared, expert_ffn, c.string_or("model_type", "") + " shared expert size"));
+    if (const int64_t shared = c.optional_integer_in("n_shared_experts", 0, kMaxExperts).value_or(0); shared != 0) {
+      const int64_t size = checked_mul(shared, expert_ffn, "the shared experts' size");
+      if (size > kMaxWidth) {
+        c.fail("fields 'n_shared_experts' x 'moe_intermediate_size' (" + std::to_string(size) +
+               ") are above the limit of " + std::to_string(kMaxWidth));
+      }
+      flags.add("--moe-shared-expert-intermediate-size", size);
     }
-    add_deepseek_routing(c, c.string_or("model_type", "") == "deepseek_v3", topk, flags);
+    add_deepseek_routing(c, c.string_or("model_type", "") == "deepseek_v3", experts, topk, flags);
   } else if (family == Family::kQwenMoe) {
     // transformers Qwen3MoeConfig: norm_topk_prob defaults to false; Megatron-Bridge qwen3_moe_bridge.py:
     // moe_router_pre_softmax = not norm_topk_prob.
@@ -297,15 +360,40 @@ void add_moe(const HfConfig& c, const Family family, const int64_t num_layers, F
   // Mixtral: softmax over the top-k logits (MixtralSparseMoeBlock), Megatron's default.
 }
 
+// `path` itself, or the config.json of a model folder.
+std::string config_file(const std::string& path) {
+  std::error_code error;
+  if (!fs::is_directory(path, error)) return path;
+  const fs::path file = fs::path(path) / "config.json";
+  if (!fs::exists(file, error)) {
+    throw ConfigError(path +
+                      ": a folder without config.json (--hf-config takes a HuggingFace config.json or the "
+                      "model folder holding it)");
+  }
+  return file.string();
+}
+
+json read_config(const std::string& path) {
+  std::error_code error;
+  if (fs::is_directory(path, error)) throw ConfigError(path + ": a folder, not a config.json file");
+  std::ifstream in(path);
+  if (!in) throw ConfigError(path + ": cannot open");
+  try {
+    return json::parse(in);
+  } catch (const json::parse_error& e) {
+    // what() is "[json.exception.parse_error.101] parse error at line 1, column 28: ...": keep what follows the tag.
+    const std::string what = e.what();
+    const size_t tag_end = what.find("] ");
+    throw ConfigError(path + ": not valid JSON (" + (tag_end == std::string::npos ? what : what.substr(tag_end + 2)) +
+                      ")");
+  }
+}
+
 }  // namespace
 
-std::vector<std::string> megatron_flags_from_hf_config(const std::string& path) {
-  json j;
-  try {
-    j = read_json_file(path);
-  } catch (const std::runtime_error& e) {
-    throw ConfigError(e.what());
-  }
+std::vector<std::string> megatron_flags_from_hf_config(const std::string& given_path) {
+  const std::string path = config_file(given_path);
+  json j = read_config(path);
   if (!j.is_object()) throw ConfigError(path + ": not a JSON object");
   const HfConfig c(path, std::move(j));
   const ModelType type = model_type_of(c);
@@ -316,22 +404,19 @@ std::vector<std::string> megatron_flags_from_hf_config(const std::string& path) 
   check_full_attention(c, type_name);
 
   FlagList flags;
-  const int64_t num_layers = c.integer("num_hidden_layers");
-  if (num_layers < 1 || num_layers > kMaxLayers) {
-    c.fail("num_hidden_layers " + std::to_string(num_layers) + " is outside [1, " + std::to_string(kMaxLayers) + "]");
-  }
+  const int64_t num_layers = c.integer_in("num_hidden_layers", 1, kMaxCount);
   flags.add("--num-layers", num_layers);
-  flags.add("--hidden-size", c.integer("hidden_size"));
-  flags.add("--ffn-hidden-size", c.integer("intermediate_size"));
+  flags.add("--hidden-size", c.integer_in("hidden_size", 1, kMaxWidth));
+  flags.add("--ffn-hidden-size", c.integer_in("intermediate_size", 1, kMaxWidth));
   add_attention(c, type.family, flags);
-  flags.add("--max-position-embeddings", c.integer("max_position_embeddings"));
-  const int64_t vocab_size = c.integer("vocab_size");
+  flags.add("--max-position-embeddings", c.integer_in("max_position_embeddings", 1, kMaxPositions));
+  const int64_t vocab_size = c.integer_in("vocab_size", 1, kMaxVocab);
   flags.add("--vocab-size", vocab_size);
-  if (vocab_size > 0 && vocab_divisor(vocab_size) != 128) {
+  if (vocab_divisor(vocab_size) != 128) {
     flags.add("--make-vocab-size-divisible-by", vocab_divisor(vocab_size));
   }
   flags.add("--normalization", "RMSNorm");
-  if (const auto eps = c.optional_real("rms_norm_eps")) flags.add("--norm-epsilon", real_text(*eps));
+  if (const auto eps = c.optional_positive_real("rms_norm_eps", 1.0)) flags.add("--norm-epsilon", real_text(*eps));
   flags.add("--swiglu");
   add_biases(c, flags);
   if (type.qk_layernorm) flags.add("--qk-layernorm");
@@ -340,8 +425,7 @@ std::vector<std::string> megatron_flags_from_hf_config(const std::string& path) 
   add_moe(c, type.family, num_layers, flags);
   if (type.family == Family::kDeepSeek) {
     // Multi-token prediction modules after the decoder (model_bridge.py: num_nextn_predict_layers -> mtp_num_layers).
-    const int64_t mtp = c.optional_integer("num_nextn_predict_layers").value_or(0);
-    if (mtp < 0) c.fail("field 'num_nextn_predict_layers' must not be negative (got " + std::to_string(mtp) + ")");
+    const int64_t mtp = c.optional_integer_in("num_nextn_predict_layers", 0, kMaxCount).value_or(0);
     if (mtp > 0) flags.add("--mtp-num-layers", mtp);
   }
   return flags.take();

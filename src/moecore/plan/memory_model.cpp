@@ -5,7 +5,7 @@
 
 #include "moecore/parallel/pipeline_layout.h"
 #include "moecore/plan/moecore_engine_memory.h"
-#include "moecore/train/pipeline_schedule.h"
+#include "moecore/plan/pipeline_peak.h"
 
 namespace moecore::plan {
 namespace {
@@ -446,29 +446,17 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
     const double expert_share = t.use_distributed_optimizer ? sizes.edp() : 1.0;
     stage.main_weights_and_optimizer = dense * b.optimizer / dense_share + experts * b.optimizer / expert_share;
 
-    // Run this rank's schedule: contexts live from their forward to their backward.
-    const PipelineSchedule schedule = make_schedule(pp, r, vpp, static_cast<int>(microbatches),
-                                                    static_cast<int>(t.microbatch_group_size_per_vp_stage));
-    std::vector<int64_t> live(static_cast<size_t>(vpp), 0), live_at_peak(static_cast<size_t>(vpp), 0);
-    double live_bytes = 0, peak = 0;
-    for (const PipelineAction& action : schedule.actions) {
-      if (!action.is_compute()) continue;
-      const Chunk& chunk = chunks[static_cast<size_t>(action.chunk)];
-      if (action.op == PipelineOp::kForward) {
-        live_bytes += chunk.kept.total;
-        ++live[static_cast<size_t>(action.chunk)];
-        continue;
-      }
-      if (live_bytes + chunk.transient > peak) {
-        peak = live_bytes + chunk.transient;
-        live_at_peak = live;
-        stage.activations_by_module.clear();
-        stage.activations_by_module.push_back({"backward transient", chunk.transient});
-      }
-      live_bytes -= chunk.kept.total;
-      --live[static_cast<size_t>(action.chunk)];
-    }
-    stage.activations = peak;
+    // Contexts live from their forward to their backward; the peak is reached as some backward starts.
+    std::vector<ChunkActivations> per_chunk;
+    for (const Chunk& chunk : chunks) per_chunk.push_back({chunk.kept.total, chunk.transient});
+    const PipelinePeak peak = pipeline_activation_peak(
+        {.pp = pp, .rank = r, .vpp = vpp, .microbatches = microbatches, .group = t.microbatch_group_size_per_vp_stage},
+        per_chunk);
+    const std::vector<int64_t>& live_at_peak = peak.live;
+    stage.activations = peak.bytes;
+    if (peak.found)
+      stage.activations_by_module.push_back(
+          {"backward transient", per_chunk[static_cast<size_t>(peak.chunk)].transient});
     std::map<std::string, double> by_group;
     for (size_t v = 0; v < chunks.size(); ++v) {
       stage.live_chunks_at_peak += live_at_peak[v];

@@ -1,8 +1,8 @@
 // What each pipeline rank of a training run holds: weights, gradients, main weights and optimizer states,
 // activations by module at their peak, and communication buffers. Sources, per term, in ARCHITECTURE.md ("The
 // planner's models"): Megatron's theoretical_memory_usage.py for parameters and bytes per parameter, what Megatron /
-// TransformerEngine modules save for backward for activations, and Megatron's pipeline schedules (the schedule is
-// run, not approximated) for the number of micro-batches alive at the peak.
+// TransformerEngine modules save for backward for activations, and Megatron's pipeline schedules (exact closed forms
+// over the schedule's order, pipeline_peak.h, not an approximation) for the micro-batches alive at the peak.
 #pragma once
 
 #include <cstdint>

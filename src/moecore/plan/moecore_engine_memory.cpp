@@ -10,8 +10,9 @@
 #include <optional>
 
 #include "moecore/parallel/pipeline_layout.h"
+#include "moecore/plan/pipeline_peak.h"
 #include "moecore/train/arguments.h"
-#include "moecore/train/pipeline_schedule.h"
+#include "moecore/util/checked_math.h"
 
 namespace moecore::plan {
 namespace {
@@ -222,11 +223,13 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
 
     // ---- activations (fp32 elements) ----
     // Contexts alive at the first backward: the schedule's warm-up forwards and one more.
-    const int64_t live =
-        std::min<int64_t>(pipeline_warmup_microbatches(pp, r, vpp, static_cast<int>(microbatches),
-                                                       static_cast<int>(t.microbatch_group_size_per_vp_stage), false) +
-                              1,
-                          microbatches * vpp);
+    const int64_t live = std::min<int64_t>(warmup_microbatches({.pp = pp,
+                                                                .rank = r,
+                                                                .vpp = vpp,
+                                                                .microbatches = microbatches,
+                                                                .group = t.microbatch_group_size_per_vp_stage}) +
+                                               1,
+                                           checked_mul(microbatches, vpp, "virtual micro-batches"));
     // The largest context of one chunk: its input, its layers' saved tensors, less the output sent on.
     Owners context;
     for (int v = 0; v < vpp; ++v) {

@@ -473,7 +473,7 @@ std::map<int64_t, int64_t> mtp_layers_by_stage(const PlanArgs& args, const int p
 std::string plan_flags_help() {
   std::string text =
       "usage: moecore plan --num-gpus N [--gpu NAME] <train's model, batch, precision and layout flags> "
-      "[--hf-config FILE] [--search] [--json]\n\nGPU presets:\n";
+      "[--hf-config CONFIG_JSON_OR_FOLDER] [--search] [--json]\n\nGPU presets:\n";
   for (const std::string& name : cluster_preset_names()) text += "  " + describe_cluster(cluster_preset(name)) + "\n";
   text += "\nplanner flags: ";
   for (const std::string& flag : planner_flags()) text += flag + " ";

@@ -3,7 +3,8 @@
 // counts, and the cluster.
 //
 // Planner flags (the rest go to train's parser, see train/arguments.h):
-//   --hf-config FILE         the model from a HuggingFace config.json (flags given as well override it)
+//   --hf-config PATH         the model from a HuggingFace config.json, or the model folder holding it (flags given as
+//                            well override it)
 //   --vocab-size N           the tokenizer's vocabulary (the HF config's vocab_size); padded as Megatron does to a
 //                            multiple of --make-vocab-size-divisible-by x TP. Default 32000.
 //   --multi-latent-attention, --q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim,

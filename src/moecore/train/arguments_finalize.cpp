@@ -201,7 +201,7 @@ void finalize_parallel(TrainingArgs& args, const std::set<std::string>& given) {
   }
   if (args.tensor_model_parallel_size == 1) args.sequence_parallel = false;  // as Megatron
   try {
-    args.data_parallel_size = ParallelLayout(parallel_sizes(args)).data_parallel_size();
+    args.data_parallel_size = checked_data_parallel_size(parallel_sizes(args));
   } catch (const LayoutError& e) {
     throw ConfigError(e.what());
   }
@@ -420,9 +420,8 @@ void finalize_training(TrainingArgs& args, const std::set<std::string>& given) {
           "--num-virtual-stages-per-pipeline-rank, --num-layers-per-virtual-pipeline-stage or a layout with virtual "
           "stages)");
   check_pipeline_schedule_sizes(static_cast<int>(args.pipeline_model_parallel_size), 0,
-                                static_cast<int>(args.virtual_pipeline_model_parallel_size),
-                                static_cast<int>(std::min<int64_t>(microbatches, INT32_MAX)),
-                                static_cast<int>(args.microbatch_group_size_per_vp_stage));
+                                static_cast<int>(args.virtual_pipeline_model_parallel_size), microbatches,
+                                args.microbatch_group_size_per_vp_stage);
 
   require(args.adam_beta1 >= 0.0 && args.adam_beta1 < 1.0,
           "--adam-beta1 must be in [0, 1) (got " + str(args.adam_beta1) + ")");

@@ -279,8 +279,8 @@ int pipeline_warmup_microbatches(const int pp_size, const int pp_rank, const int
   return std::min((pp_size - pp_rank - 1) * 2 + (vpp_size - 1) * group, total);
 }
 
-void check_pipeline_schedule_sizes(const int pp_size, const int pp_rank, const int vpp_size, const int num_microbatches,
-                                   const int microbatch_group_size) {
+void check_pipeline_schedule_sizes(const int pp_size, const int pp_rank, const int vpp_size,
+                                   const int64_t num_microbatches, const int64_t microbatch_group_size) {
   if (pp_size < 1)
     throw ConfigError("pipeline-model-parallel size must be positive (got " + std::to_string(pp_size) + ")");
   if (pp_rank < 0 || pp_rank >= pp_size) {
@@ -302,12 +302,12 @@ void check_pipeline_schedule_sizes(const int pp_size, const int pp_rank, const i
   if (pp_size == 1 || vpp_size == 1) return;
   // schedules.py:forward_backward_pipelining_with_interleaving (its ValueError, with the space its text lacks before
   // "should", and its RuntimeError).
-  const int group = microbatch_group_size > 0 ? microbatch_group_size : pp_size;
+  const int64_t group = microbatch_group_size > 0 ? microbatch_group_size : pp_size;
   if (group > num_microbatches || group < pp_size) {
     throw ConfigError("The number of contiguous micro-batches in a virtual pipeline stage should range in [PP=" +
                       std::to_string(pp_size) + " , M=" + std::to_string(num_microbatches) + "]");
   }
-  const int final_group_size = num_microbatches % group;
+  const int64_t final_group_size = num_microbatches % group;
   if (final_group_size > 0 && final_group_size < pp_size) {
     throw ConfigError(
         "The remainder of M (the total micro-batches) divided by N (number of contiguous micro-batches in a "

@@ -110,8 +110,8 @@ int pipeline_warmup_microbatches(int pp_size, int pp_rank, int vpp_size, int num
 // forward_backward_pipelining_with_interleaving); throws ConfigError with Megatron's text. microbatch_group_size 0
 // means the default, PP (ModelParallelConfig.__post_init__); it is checked only for the interleaved schedule, as
 // Megatron does.
-void check_pipeline_schedule_sizes(int pp_size, int pp_rank, int vpp_size, int num_microbatches,
-                                   int microbatch_group_size);
+void check_pipeline_schedule_sizes(int pp_size, int pp_rank, int vpp_size, int64_t num_microbatches,
+                                   int64_t microbatch_group_size);
 
 // The schedule of pp rank `pp_rank`: no pipelining for PP 1, 1F1B for VPP 1, else the interleaved schedule as
 // Megatron runs it with --no-overlap-p2p-communication: one combined p2p call per steady-state iteration, which waits
