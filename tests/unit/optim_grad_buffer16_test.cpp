@@ -96,11 +96,16 @@ TEST_P(GradBuffer16, AccumulatesIn16BitsAsMegatron) {
   EXPECT_GT(differs_from_fp32, 0) << "the per-micro-batch rounding shows against an fp32 accumulation";
 }
 
+INSTANTIATE_TEST_SUITE_P(Dtypes, GradBuffer16,
+                         ::testing::Values(GradBufferCase{DType::kBF16, false}, GradBufferCase{DType::kBF16, true},
+                                           GradBufferCase{DType::kF16, false}, GradBufferCase{DType::kF16, true}));
+
 // Two micro-batches of 40000 in one element: 80000 overflows fp16 (max 65504) in a 16-bit accumulation but not in
 // fp32; the optimizer's unscale check (Megatron's _unscale_main_grads_and_check_for_nan) reports the Inf.
-TEST_P(GradBuffer16, Fp16AccumulationOverflowIsFoundByTheUnscaleCheck) {
-  const bool dist_opt = GetParam().dist_opt;
-  if (GetParam().grad_dtype != DType::kF16) GTEST_SKIP() << "bf16 does not overflow at 80000";
+class Fp16GradBuffer : public ::testing::TestWithParam<bool> {};  // with the distributed optimizer or without
+
+TEST_P(Fp16GradBuffer, AccumulationOverflowIsFoundByTheUnscaleCheck) {
+  const bool dist_opt = GetParam();
   const auto run = [&](const DType grad_dtype, bool& inf_after_accumulation) {
     std::vector<Param> params = make_model();
     DistributedDataParallel ddp(params, parallel::ParallelState::single_process(), ddp_options(grad_dtype, dist_opt));
@@ -127,9 +132,7 @@ TEST_P(GradBuffer16, Fp16AccumulationOverflowIsFoundByTheUnscaleCheck) {
   EXPECT_FALSE(inf32);
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, GradBuffer16,
-                         ::testing::Values(GradBufferCase{DType::kBF16, false}, GradBufferCase{DType::kBF16, true},
-                                           GradBufferCase{DType::kF16, false}, GradBufferCase{DType::kF16, true}));
+INSTANTIATE_TEST_SUITE_P(DistributedOptimizer, Fp16GradBuffer, ::testing::Bool());
 
 // Megatron's clip_grad_by_total_norm_fp32: clip_coeff = max_norm / (norm + 1e-6), applied when below 1, so a norm
 // just under max_norm is clipped too; a norm well under it is not.

@@ -118,7 +118,9 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
     const bool found_inf = modules.optimizer.unscale_grads_and_check_for_nan(scaler.inv_scale());
     scaler.update(found_inf);
     result.loss_scale = scaler.scale();
-    result.skipped = found_inf;
+    // Only the dynamic scaler skips an overflowing iteration; under a constant --loss-scale Megatron keeps
+    // check_for_nan_in_loss_and_grad, so non-finite gradients stop the run (at the grad norm below).
+    result.skipped = found_inf && scaler.is_dynamic();
   }
   // A skipped iteration (Megatron's optimizer.step returns update_successful = False) makes no clipping and no
   // update, and the scheduler stays; the expert-bias update belongs to the gradient finalization
