@@ -2,7 +2,8 @@
 # Non-finite numbers end a command with one line naming where they are:
 #   - a NaN weight in a HuggingFace folder (for `generate` and `train --load`) and in a moecore checkpoint;
 #   - `generate` sampling flags that are not finite or out of range;
-#   - a training run whose gradients overflow stops with the iteration, its loss and the cause;
+#   - a training run whose gradients overflow stops with the iteration, its loss and the cause (also under a constant
+#     --loss-scale; only fp16's dynamic scaler skips such an iteration);
 #   - a norm whose sum of squares overflows fp32 (it would output zeros and leave the loss at ln V) stops training,
 #     validation and generation with the norm's name (huge loaded weights).
 set -u
@@ -76,6 +77,11 @@ expect_error "grad norm is not finite at iteration 2 (lm loss " \
   env MOECORE_INJECT_GRAD_OVERFLOW_AT=2 "$bin" train "${model[@]}" --train-iters 3
 expect_error "the weights are finite and the loss had not grown" \
   env MOECORE_INJECT_GRAD_OVERFLOW_AT=2 "$bin" train "${model[@]}" --train-iters 3
+# A constant --loss-scale does not skip the iteration as fp16's dynamic scaler does: the run stops with it.
+for precision in --bf16 --fp16; do
+  expect_error "grad norm is not finite at iteration 2 (lm loss " \
+    env MOECORE_INJECT_GRAD_OVERFLOW_AT=2 "$bin" train "${model[@]}" --train-iters 3 $precision --loss-scale 1024
+done
 
 # Word embeddings of +-1e20 (finite, so the load accepts them): the first norm's sum of squares, 32 x 1e40,
 # overflows fp32. Without the check the run trains to the end at loss ln V with zero gradients.

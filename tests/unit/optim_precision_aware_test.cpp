@@ -73,8 +73,7 @@ struct OptRun {
     DdpOptions ddp_options;
     ddp_options.use_distributed_optimizer = true;
     ddp_options.param_gather_dtype = options.params_dtype;
-    ddp_options.main_grad_dtype = main_grad_dtype;
-    if (main_grad_dtype != DType::kF32) ddp_options.grad_reduce_dtype = main_grad_dtype;
+    ddp_options.grad_dtype = main_grad_dtype;
     ddp = std::make_unique<DistributedDataParallel>(params, parallel::ParallelState::single_process(), ddp_options);
     opt = std::make_unique<DistributedAdamW>(*ddp, params, options);
   }

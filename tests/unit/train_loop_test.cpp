@@ -279,15 +279,18 @@ TEST(TrainLoop, PowerOfTwoLossScaleTrainsBitIdentically) {
   EXPECT_NE(scaled_log.str().find(" loss scale: 1024.0 |"), std::string::npos) << scaled_log.str();
 }
 
-TEST(TrainLoop, NonFiniteGradientsSkipTheIterationUnderLossScaling) {
-  // Iteration 2's gradients overflow: with a loss scale it is skipped as Megatron skips it (no update, the LR
-  // schedule stays, "number of skipped iterations" counts it, no grad norm, the lm loss averages the advanced
-  // iterations), and the run continues; without one, training stops naming the iteration.
+TEST(TrainLoop, NonFiniteGradientsSkipTheIterationUnderDynamicLossScaling) {
+  // Iteration 2's gradients overflow: with fp16's dynamic loss scaler it is skipped as Megatron skips it (no update,
+  // the LR schedule stays, "number of skipped iterations" counts it, no grad norm, the lm loss averages the advanced
+  // iterations), and the run continues; without loss scaling, or with a constant --loss-scale (Megatron keeps
+  // check_for_nan_in_loss_and_grad there), training stops naming the iteration.
   const test::TempDir dir("train_loop");
   const std::string prefix = write_corpus(dir);
+  const std::vector<std::string> dynamic = {"--fp16", "--initial-loss-scale", "1024"};
   ASSERT_EQ(setenv("MOECORE_INJECT_GRAD_OVERFLOW_AT", "2", 1), 0);
   std::vector<std::string> flags = loss_scale_run(3);
-  flags.insert(flags.end(), {"--loss-scale", "1", "--log-interval", "1", "--lr-warmup-iters", "2"});
+  flags.insert(flags.end(), dynamic.begin(), dynamic.end());
+  flags.insert(flags.end(), {"--log-interval", "1", "--lr-warmup-iters", "2"});
   std::ostringstream out;
   const TrainResult skipped = run_training(parse(base_flags(dir, prefix), flags), out);
   const std::string log = out.str();
@@ -317,23 +320,30 @@ TEST(TrainLoop, NonFiniteGradientsSkipTheIterationUnderLossScaling) {
 
   // Skipping made no update: a run of 2 iterations with iteration 2 skipped ends where a 1-iteration run ends.
   std::vector<std::string> two = loss_scale_run(2);
-  two.insert(two.end(), {"--loss-scale", "1", "--lr-warmup-iters", "2"});
+  two.insert(two.end(), dynamic.begin(), dynamic.end());
+  two.insert(two.end(), {"--lr-warmup-iters", "2"});
   std::ostringstream unused;
   const TrainResult two_with_skip = run_training(parse(base_flags(dir, prefix), two), unused);
   ASSERT_EQ(unsetenv("MOECORE_INJECT_GRAD_OVERFLOW_AT"), 0);
   std::vector<std::string> one = loss_scale_run(1);
+  one.insert(one.end(), dynamic.begin(), dynamic.end());
   one.insert(one.end(), {"--lr-warmup-iters", "2", "--eval-interval", "1"});
   const TrainResult one_iteration = run_training(parse(base_flags(dir, prefix), one), unused);
   EXPECT_EQ(two_with_skip.last_valid_loss, one_iteration.last_valid_loss);
 
-  // Without loss scaling an Inf gradient stops the run.
+  // Without loss scaling, or with a constant loss scale, an Inf gradient stops the run.
   ASSERT_EQ(setenv("MOECORE_INJECT_GRAD_OVERFLOW_AT", "2", 1), 0);
-  std::vector<std::string> unscaled = loss_scale_run(3);
-  try {
-    run_training(parse(base_flags(dir, prefix), unscaled), unused);
-    ADD_FAILURE() << "an Inf gradient without loss scaling must stop training";
-  } catch (const TrainingError& e) {
-    EXPECT_NE(std::string(e.what()).find("grad norm is not finite at iteration 2"), std::string::npos) << e.what();
+  for (const std::vector<std::string>& scaling :
+       {std::vector<std::string>{}, std::vector<std::string>{"--loss-scale", "1"},
+        std::vector<std::string>{"--fp16", "--loss-scale", "1024"}}) {
+    std::vector<std::string> stopping = loss_scale_run(3);
+    stopping.insert(stopping.end(), scaling.begin(), scaling.end());
+    try {
+      run_training(parse(base_flags(dir, prefix), stopping), unused);
+      ADD_FAILURE() << "an Inf gradient must stop training with " << testing::PrintToString(scaling);
+    } catch (const TrainingError& e) {
+      EXPECT_NE(std::string(e.what()).find("grad norm is not finite at iteration 2"), std::string::npos) << e.what();
+    }
   }
   ASSERT_EQ(unsetenv("MOECORE_INJECT_GRAD_OVERFLOW_AT"), 0);
 }

@@ -145,8 +145,7 @@ TEST(PrecisionAwareSetup, FlagsReachTheOptimizerAndDdp) {
   EXPECT_EQ(o.exp_avg_format, StateFormat::kFP8);
   EXPECT_EQ(o.exp_avg_sq_format, StateFormat::kF16);
   EXPECT_EQ(o.main_params_format, StateFormat::kF16);
-  EXPECT_EQ(mo.ddp->options().main_grad_dtype, DType::kBF16);
-  EXPECT_EQ(mo.ddp->options().grad_reduce_dtype, DType::kBF16);
+  EXPECT_EQ(mo.ddp->options().grad_dtype, DType::kBF16);
   int64_t elements = 0;
   for (const auto& b : mo.ddp->buckets()) elements += b.shard_size;
   EXPECT_EQ(mo.optimizer->state_bytes(), elements * (1 + 2 + 2));
@@ -160,8 +159,26 @@ TEST(PrecisionAwareSetup, FlagsReachTheOptimizerAndDdp) {
   const ModelAndOptimizer plain =
       build_model_and_optimizer(run_args_of(tiny({"--bf16"})), parallel::ParallelState::single_process());
   EXPECT_EQ(plain.optimizer->options().exp_avg_format, StateFormat::kF32);
-  EXPECT_EQ(plain.ddp->options().main_grad_dtype, DType::kF32);
-  EXPECT_EQ(plain.ddp->options().grad_reduce_dtype, DType::kF32);
+  EXPECT_EQ(plain.ddp->options().grad_dtype, DType::kF32);
+  EXPECT_FALSE(plain.optimizer->options().decoupled_grads);
+  EXPECT_TRUE(mo.optimizer->options().decoupled_grads);
+}
+
+// Megatron's grad buffer dtype: one 16-bit buffer for --grad-reduce-in-bf16 and --main-grads-dtype bf16, fp16 under
+// --fp16 unless --accumulate-allreduce-grads-in-fp32.
+TEST(PrecisionAwareSetup, GradBufferDtypeAsMegatron) {
+  const auto grad_dtype = [](const Args& flags) {
+    return build_model_and_optimizer(run_args_of(flags), parallel::ParallelState::single_process())
+        .ddp->options()
+        .grad_dtype;
+  };
+  EXPECT_EQ(grad_dtype(tiny({"--bf16", "--grad-reduce-in-bf16"})), DType::kBF16);
+  EXPECT_EQ(grad_dtype(pao({"--bf16", "--grad-reduce-in-bf16"})), DType::kBF16);
+  EXPECT_EQ(grad_dtype(pao({"--bf16", "--main-grads-dtype", "bf16"})), DType::kBF16);
+  EXPECT_EQ(grad_dtype(tiny({"--fp16"})), DType::kF16);
+  EXPECT_EQ(grad_dtype(tiny({"--fp16", "--accumulate-allreduce-grads-in-fp32"})), DType::kF32);
+  EXPECT_EQ(grad_dtype(tiny({"--bf16"})), DType::kF32);
+  EXPECT_EQ(grad_dtype(tiny({})), DType::kF32);
 }
 
 // A gradient value for element i of parameter `name`, a few binades.

@@ -62,11 +62,17 @@ double AdamWOptimizer::grad_norm() const {
   return std::sqrt(sum);
 }
 
+std::optional<float> clip_coefficient(const double max_norm, const double norm) {
+  if (!(max_norm > 0.0)) return std::nullopt;
+  const double coeff = max_norm / (norm + 1e-6);
+  if (!(coeff < 1.0)) return std::nullopt;
+  return static_cast<float>(coeff);  // the scale kernel's fp32 factor
+}
+
 double AdamWOptimizer::clip_grad_norm(const double max_norm) {
   const double norm = grad_norm();
-  if (max_norm > 0.0 && norm > max_norm) {
-    const auto coeff = static_cast<float>(max_norm / (norm + 1e-6));
-    for (Param& p : params_) ops::scale_(p.grad, coeff);
+  if (const std::optional<float> coeff = clip_coefficient(max_norm, norm)) {
+    for (Param& p : params_) ops::scale_(p.grad, *coeff);
   }
   return norm;
 }

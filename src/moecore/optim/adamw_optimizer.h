@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "moecore/model/param.h"
@@ -26,7 +27,15 @@ struct AdamWOptions {
   // weights and fp32 main parameters these are kept as the weights plus 16-bit remainders (TE FusedAdam), half the
   // bytes, exactly; the weights then round half away from zero. Ignored for other weights / main formats.
   bool store_param_remainders = false;
+  // The precision-aware optimizer (TE FusedAdam) reads the DDP's 16-bit gradient buffer as it is (Megatron's
+  // decoupled_grad), so unscaling and clipping multiply 16-bit values in place and round to 16 bits; otherwise the
+  // optimizer works on fp32 copies of the gradients (Megatron's main_param.grad = main_grad.float()).
+  bool decoupled_grads = false;
 };
+
+// Megatron's clip_grad_by_total_norm_fp32: the gradients are scaled by max_norm / (norm + 1e-6) when that is below 1
+// (also for a norm just under max_norm); none when max_norm <= 0 (clipping off) or the coefficient is not below 1.
+std::optional<float> clip_coefficient(double max_norm, double norm);
 
 // A run of one parameter's Adam moments held by this rank: flat elements [begin, end) of params[param]'s local
 // tensor (its tensor-parallel shard, row-major): views of the optimizer's fp32 states (writing them writes the
@@ -54,8 +63,7 @@ class AdamWOptimizer {
 
   // L2 norm of all gradients together (computed in double).
   double grad_norm() const;
-  // Scales every gradient by max_norm / (norm + 1e-6) when norm > max_norm (torch's clip_grad_norm_);
-  // max_norm <= 0 disables. Returns the norm before clipping.
+  // Scales every gradient by clip_coefficient(max_norm, norm) when there is one. Returns the norm before clipping.
   double clip_grad_norm(double max_norm);
   // One AdamW update of every parameter at learning rate lr.
   void step(double lr);

@@ -52,8 +52,8 @@ DistributedDataParallel::DistributedDataParallel(std::vector<Param>& params, con
     throw std::invalid_argument("quantized_param_gather requires the distributed optimizer");
   }
   if (options_.bucket_size < 0) throw std::invalid_argument("bucket_size must be >= 0");
-  if (options_.main_grad_dtype != DType::kF32 && options_.main_grad_dtype != DType::kBF16) {
-    throw std::invalid_argument("main_grad_dtype must be fp32 or bf16");
+  if (options_.grad_dtype != DType::kF32 && options_.grad_dtype != DType::kBF16 && options_.grad_dtype != DType::kF16) {
+    throw std::invalid_argument("grad_dtype must be fp32, bf16 or fp16");
   }
   if (options_.bucket_size > 0) {
     bucket_size_ = options_.bucket_size;
@@ -196,11 +196,10 @@ void DistributedDataParallel::build(const bool expert, const bool quantized, con
       bk.codes = Tensor({(bk.end - bk.begin) / shard_multiple}, DType::kU8, MemCategory::kComm);
       bk.code_shard = Tensor({bk.shard_size / shard_multiple}, DType::kU8, MemCategory::kComm);
     }
-    const bool wire16 = options_.grad_reduce_dtype != DType::kF32 ||
-                        (dist_opt && !quantized && options_.param_gather_dtype != DType::kF32);
+    const bool wire16 =
+        options_.grad_dtype != DType::kF32 || (dist_opt && !quantized && options_.param_gather_dtype != DType::kF32);
     if (wire16) {
-      const DType wire_dtype =
-          options_.grad_reduce_dtype != DType::kF32 ? options_.grad_reduce_dtype : options_.param_gather_dtype;
+      const DType wire_dtype = options_.grad_dtype != DType::kF32 ? options_.grad_dtype : options_.param_gather_dtype;
       bk.wire = Tensor({bk.end - bk.begin}, wire_dtype, MemCategory::kComm);
       if (dist_opt) bk.wire_shard = Tensor({bk.shard_size}, wire_dtype, MemCategory::kComm);
     }
@@ -230,7 +229,16 @@ void DistributedDataParallel::tp_sum(const int param_index) {
   Param& p = params_[static_cast<size_t>(param_index)];
   if (!p.grad_sum_over_tp || p.is_expert || parallel_.tp.size() == 1) return;
   const CommTimer timer(CommKind::kGradReduce);
-  parallel_.tp.all_reduce(p.grad.span<float>(), parallel::ReduceOp::kSum);
+  all_reduce_grads(parallel_.tp, p.grad.span<float>());
+}
+
+void DistributedDataParallel::all_reduce_grads(const parallel::ProcessGroup& pg, const std::span<float> grads) {
+  if (options_.grad_dtype == DType::kF32) return pg.all_reduce(grads, parallel::ReduceOp::kSum);
+  Tensor values = Tensor::from_blob(grads.data(), {static_cast<int64_t>(grads.size())});
+  Tensor wire({values.numel()}, options_.grad_dtype, MemCategory::kComm);
+  ops::convert(wire, values);
+  pg.all_reduce_16bit_async(wire.span<uint16_t>(), options_.grad_dtype).wait();
+  ops::convert(values, wire);
 }
 
 void DistributedDataParallel::launch(const int bucket_index) {
@@ -241,17 +249,21 @@ void DistributedDataParallel::launch(const int bucket_index) {
   const CommTimer timer(CommKind::kGradReduce);
   float* data = g.grad_buffer.data<float>() + b.begin;
   const auto n = static_cast<size_t>(b.end - b.begin);
-  // Megatron scales before the collective; expert grads use the same 1 / dp-cp factor (they already hold the
-  // tokens of every EP rank).
+  Tensor bucket = g.grad_buffer.slice_rows(b.begin, b.end);
+  const DType wire = options_.grad_dtype;
+  // Gradients written without after_backward (none in training) become buffer values first.
+  if (wire != DType::kF32) ops::round_to_dtype_(bucket, wire);
+  // Megatron's gradient_scaling_factor, applied to the buffer before the collective (in its dtype: a 16-bit buffer's
+  // product is rounded to 16 bits); expert grads use the same 1 / dp-cp factor (they already hold the tokens of
+  // every EP rank).
   const int dp_cp = parallel_.dp_cp.size();
   if (dp_cp > 1) {
-    Tensor bucket = g.grad_buffer.slice_rows(b.begin, b.end);
     ops::scale_(bucket, 1.0 / static_cast<double>(dp_cp));
+    if (wire != DType::kF32) ops::round_to_dtype_(bucket, wire);
   }
-  const DType wire = options_.grad_reduce_dtype;
   parallel::CommStats::instance().add_bytes(CommKind::kGradReduce, static_cast<double>(n * dtype_size(wire)));
   if (wire != DType::kF32) {
-    ops::convert(b.wire, g.grad_buffer.slice_rows(b.begin, b.end));
+    ops::convert(b.wire, bucket);  // exact: the bucket holds 16-bit values
     if (options_.use_distributed_optimizer) {
       b.grad_work = g.pg.reduce_scatter_16bit_async(b.wire.span<uint16_t>(), b.wire_shard.span<uint16_t>(), wire);
     } else {
@@ -270,9 +282,9 @@ void DistributedDataParallel::launch(const int bucket_index) {
 void DistributedDataParallel::after_backward(const int module) {
   const int m = module - min_module_;
   const bool known = m >= 0 && m < static_cast<int>(module_done_.size());
-  if (known && options_.main_grad_dtype != DType::kF32) {
+  if (known && options_.grad_dtype != DType::kF32) {
     for (const int i : module_params_[static_cast<size_t>(m)]) {
-      ops::round_to_dtype_(params_[static_cast<size_t>(i)].grad, options_.main_grad_dtype);
+      ops::round_to_dtype_(params_[static_cast<size_t>(i)].grad, options_.grad_dtype);
     }
   }
   if (!options_.overlap_grad_reduce || !last_microbatch_) return;
@@ -299,7 +311,7 @@ void DistributedDataParallel::finish_grad_sync() {
     const CommTimer timer(CommKind::kGradReduce);
     for (Bucket& b : buckets_) b.grad_work.wait();
   }
-  if (options_.grad_reduce_dtype != DType::kF32) {  // widen the 16-bit results
+  if (options_.grad_dtype != DType::kF32) {  // widen the 16-bit results
     for (Bucket& b : buckets_) {
       if (options_.use_distributed_optimizer) {
         ops::convert(b.comm_shard, b.wire_shard);
@@ -331,8 +343,7 @@ void DistributedDataParallel::allreduce_embedding_grads() {
     const int64_t end = options_.use_distributed_optimizer ? b.shard_begin + b.shard_size : slot.offset + slot.numel;
     float* grad = groups_[static_cast<size_t>(slot.group)].grad_buffer.data<float>();
     const CommTimer timer(CommKind::kGradReduce);
-    parallel_.embedding.all_reduce(std::span<float>(grad + begin, static_cast<size_t>(end - begin)),
-                                   parallel::ReduceOp::kSum);
+    all_reduce_grads(parallel_.embedding, std::span<float>(grad + begin, static_cast<size_t>(end - begin)));
   }
 }
 

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "moecore/model/model_hooks.h"
@@ -43,14 +44,15 @@ struct DdpOptions {
   bool overlap_grad_reduce = false;
   bool use_distributed_optimizer = false;
   bool overlap_param_gather = false;  // with the distributed optimizer only
-  // The dtype gradients travel in: fp32, or bf16 / fp16 (the fp32 bucket is rounded into a 16-bit buffer, reduced in
-  // 16 bits and widened back: Megatron's --grad-reduce-in-bf16, and fp16 without --accumulate-allreduce-grads-in-fp32).
-  DType grad_reduce_dtype = DType::kF32;
-  // The values the gradient buffer holds (Megatron's main_grad dtype): fp32, or bf16 (--main-grads-dtype bf16 with
-  // the precision-aware optimizer; give grad_reduce_dtype bf16 too). The buffer keeps fp32 storage, but after every
-  // micro-batch's backward of a module its gradients are rounded to bf16, so they accumulate over micro-batches in
-  // bf16 as in Megatron's bf16 buffer (which adds each micro-batch's gradient into bf16 main_grad).
-  DType main_grad_dtype = DType::kF32;
+  // The gradient buffer's dtype (Megatron's grad_dtype: fp32 with accumulate_allreduce_grads_in_fp32, else the 16-bit
+  // weights' dtype: --grad-reduce-in-bf16 or --main-grads-dtype bf16 under --bf16, and --fp16 without
+  // --accumulate-allreduce-grads-in-fp32). 16-bit: the buffer holds 16-bit values in fp32 storage and follows
+  // Megatron's order (param_and_grad_buffer.py): each micro-batch's weight gradients are added into it and the sum
+  // rounded to 16 bits after the module's backward (the gradient-accumulation fusion's GEMM into main_grad), so the
+  // accumulation over micro-batches is 16-bit (fp16 can overflow to Inf); start_grad_sync multiplies the bucket by
+  // the 1/dp-cp gradient_scaling_factor in 16 bits; the all-reduce / reduce-scatter sums in 16 bits on the wire; the
+  // TP and embedding-group sums too. The optimizer reads the result as fp32 values.
+  DType grad_dtype = DType::kF32;
   // The dtype of the distributed optimizer's parameter all-gather: the model weights' dtype (16-bit weights travel in
   // 16 bits, exactly).
   DType param_gather_dtype = DType::kF32;
@@ -115,7 +117,8 @@ class DistributedDataParallel : public ModelHooks {
   void set_last_microbatch(bool last) { last_microbatch_ = last; }
   // overlap_param_gather: waits for the all-gathers of the buckets holding module's params.
   void before_forward(int module) override;
-  // main_grad_dtype bf16: rounds module's gradients to bf16 (every micro-batch). overlap_grad_reduce on the last
+  // A 16-bit grad_dtype: rounds module's gradients to it (every micro-batch; a module's gradients must be handed over
+  // here before the next micro-batch adds to them). overlap_grad_reduce on the last
   // micro-batch: TP sums of module's grad_sum_over_tp params, then launches every bucket whose modules are all done.
   void after_backward(int module) override;
   // Launches whatever has not been launched, waits for all. Afterwards every Param::grad holds the gradient summed
@@ -153,6 +156,7 @@ class DistributedDataParallel : public ModelHooks {
   void decode_codes(Bucket& bucket);
   void tp_sum(int param_index);
   void launch(int bucket_index);
+  void all_reduce_grads(const parallel::ProcessGroup& pg, std::span<float> grads);  // in grad_dtype
   void allreduce_embedding_grads();
   void wait_bucket_gather(Bucket& bucket);
   void decode_param_gather(Bucket& bucket);  // a finished 16-bit all-gather into the parameter buffer

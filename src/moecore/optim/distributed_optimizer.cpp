@@ -74,6 +74,10 @@ DistributedAdamW::DistributedAdamW(DistributedDataParallel& ddp, std::vector<Par
   main_params_from_model();
 }
 
+DType DistributedAdamW::decoupled_grad_dtype() const {
+  return options_.decoupled_grads ? ddp_.options().grad_dtype : DType::kF32;
+}
+
 bool DistributedAdamW::fp32_states() const {
   return options_.exp_avg_format == StateFormat::kF32 && options_.exp_avg_sq_format == StateFormat::kF32 &&
          options_.main_params_format == StateFormat::kF32 && !remainders_;
@@ -152,15 +156,14 @@ double DistributedAdamW::grad_norm() const {
 
 double DistributedAdamW::clip_grad_norm(const double max_norm) {
   const double norm = grad_norm();
-  if (max_norm > 0.0 && norm > max_norm) {
-    const auto coeff = static_cast<float>(max_norm / (norm + 1e-6));
+  if (const std::optional<float> coeff = clip_coefficient(max_norm, norm)) {
     if (replicated_) {
-      for (Param& p : params_) ops::scale_(p.grad, coeff);
+      for (Param& p : params_) ops::scale_(p.grad, *coeff);
     } else {
       for (const Piece& piece : pieces_) {
         Tensor grad = grad_piece(piece);
-        ops::scale_(grad, coeff);
-        ops::round_to_dtype_(grad, ddp_.options().main_grad_dtype);  // bf16 main grads are scaled in bf16
+        ops::scale_(grad, *coeff);
+        ops::round_to_dtype_(grad, decoupled_grad_dtype());
       }
     }
   }
@@ -179,7 +182,7 @@ DistributedAdamW::NonFiniteGrads DistributedAdamW::unscale_grads_and_check_for_n
     const float inv_scale = expert ? expert_inv_scale : dense_inv_scale;
     if (inv_scale != 1.0f) {
       ops::scale_(grad, inv_scale);
-      ops::round_to_dtype_(grad, ddp_.options().main_grad_dtype);  // bf16 main grads are unscaled in bf16
+      ops::round_to_dtype_(grad, decoupled_grad_dtype());
     }
     // Squares of fp32 values summed in double cannot overflow, so only an Inf or NaN element makes this non-finite.
     if (!std::isfinite(ops::sum_squares(grad))) found[expert ? 1 : 0] = 1.0f;

@@ -24,8 +24,8 @@ class DistributedAdamW {
   // Global L2 norm over the unique gradient elements of the whole world (each replicated element counted once);
   // a collective over the world group, equal on every rank. Call after finish_grad_sync.
   double grad_norm() const;
-  // Scales the gradients this rank uses by max_norm / (norm + 1e-6) when norm > max_norm (torch's clip_grad_norm_);
-  // max_norm <= 0 disables. Returns the norm before clipping.
+  // Scales the gradients this rank uses by clip_coefficient(max_norm, norm) when there is one (Megatron's
+  // clip_grad_by_total_norm_fp32). Returns the norm before clipping.
   double clip_grad_norm(double max_norm);
   // Loss scaling (Megatron's _unscale_main_grads_and_check_for_nan): multiplies the gradients this rank updates by
   // inv_scale and returns whether any of them, on any rank, is Inf or NaN (a collective over the world, equal on
@@ -90,6 +90,8 @@ class DistributedAdamW {
     Tensor remainder;  // bf16 weights with store_param_remainders: the int16 remainders (a 16-bit tensor)
   };
   bool fp32_states() const;
+  // The dtype unscaling and clipping round the gradients to: the buffer's with decoupled_grads, else fp32.
+  DType decoupled_grad_dtype() const;
   bool counted_in_norm(const Param& p) const;
   // The piece's elements of its group's flat gradient buffer (a view).
   Tensor grad_piece(const Piece& piece) const;

@@ -129,7 +129,9 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
     scalers.dense->update(found.dense);
     if (scalers.expert) scalers.expert->update(found.expert);
     result.loss_scale = scalers.dense->scale();
-    result.skipped = found.dense || found.expert;
+    // Only the dynamic scaler skips an overflowing iteration; under a constant --loss-scale Megatron keeps
+    // check_for_nan_in_loss_and_grad, so non-finite gradients stop the run (at the grad norm below).
+    result.skipped = (found.dense || found.expert) && scalers.dynamic();
   }
   // A skipped iteration (Megatron's optimizer.step returns update_successful = False) makes no clipping and no
   // update, and the scheduler stays; the expert-bias update belongs to the gradient finalization

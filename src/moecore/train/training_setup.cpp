@@ -97,26 +97,23 @@ ModelAndOptimizer build_model_and_optimizer(const TrainingArgs& run_args, const 
   // Megatron's store_param_remainders (OptimizerConfig default True, no flag; TE applies it to bf16 weights with an
   // fp32 master).
   adam.store_param_remainders = run_args.use_precision_aware_optimizer;
+  adam.decoupled_grads = run_args.use_precision_aware_optimizer;
   DdpOptions ddp_options;
   ddp_options.bucket_size = run_args.ddp_bucket_size;
   ddp_options.overlap_grad_reduce = run_args.overlap_grad_reduce;
   ddp_options.use_distributed_optimizer = run_args.use_distributed_optimizer;
   ddp_options.overlap_param_gather = run_args.overlap_param_gather;
-  // Megatron: bf16 reduces gradients in fp32 unless --grad-reduce-in-bf16; fp16 in fp16 unless
-  // --accumulate-allreduce-grads-in-fp32 (arguments.py validate_args). 16-bit weights are all-gathered in 16 bits.
+  // Megatron's grad buffer dtype (arguments.py validate_args, distributed_data_parallel.py): fp32 when gradients
+  // accumulate and reduce in fp32, else the 16-bit weights' dtype. bf16 accumulates in fp32 unless
+  // --grad-reduce-in-bf16 or --main-grads-dtype bf16 (both give one bf16 buffer); fp16 accumulates in fp16 unless
+  // --accumulate-allreduce-grads-in-fp32. 16-bit weights are all-gathered in 16 bits.
   const DType params_dtype = run_args.model.params_dtype;
-  if (params_dtype == DType::kBF16 && run_args.grad_reduce_in_bf16) ddp_options.grad_reduce_dtype = DType::kBF16;
-  if (params_dtype == DType::kF16 && !run_args.accumulate_allreduce_grads_in_fp32) {
-    ddp_options.grad_reduce_dtype = DType::kF16;
-  }
+  const bool bf16_grads =
+      params_dtype == DType::kBF16 && (run_args.grad_reduce_in_bf16 || run_args.main_grads_dtype == "bf16");
+  const bool fp16_grads = params_dtype == DType::kF16 && !run_args.accumulate_allreduce_grads_in_fp32;
+  if (bf16_grads || fp16_grads) ddp_options.grad_dtype = params_dtype;
   ddp_options.param_gather_dtype = params_dtype;
   ddp_options.quantized_param_gather = run_args.fp8_param_gather || run_args.fp4_param_gather;
-  // --main-grads-dtype bf16 (Megatron: no fp32 accumulation, so the main_grad buffer is the bf16 weights' dtype):
-  // gradients accumulate over micro-batches and reduce in bf16.
-  if (run_args.main_grads_dtype == "bf16") {
-    ddp_options.main_grad_dtype = DType::kBF16;
-    ddp_options.grad_reduce_dtype = DType::kBF16;
-  }
   out.ddp = std::make_unique<DistributedDataParallel>(out.model->params(), parallel, ddp_options);
   out.model->set_hooks(out.ddp.get());
   out.optimizer = std::make_unique<DistributedAdamW>(*out.ddp, out.model->params(), adam);
