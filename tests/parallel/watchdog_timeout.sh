@@ -27,26 +27,31 @@ timeout -s KILL 300 "$mpirun" --allow-run-as-root --oversubscribe -np 2 "$bin" t
   >"$work/log" 2>&1 &
 guard=$!
 
-# The ranks: mpirun's children (mpirun is the child of `timeout`), rank 1 by Open MPI's environment.
+# The processes: mpirun is the child of `timeout`, the ranks are mpirun's children (rank 1 by Open MPI's
+# environment). Recorded while the job runs, so the cleanup finds them even once their parents are gone.
+launchers=""
+ranks=""
 rank1=""
+find_processes() {
+  launchers=$(pgrep -P "$guard")
+  ranks=$(for launcher in $launchers; do pgrep -P "$launcher"; done)
+}
 cleanup() {
-  [ -n "$rank1" ] && kill -KILL "$rank1" 2>/dev/null
-  kill -KILL "$guard" 2>/dev/null
-  for launcher in $(pgrep -P "$guard"); do kill -KILL "$launcher" 2>/dev/null; done
+  # shellcheck disable=SC2086
+  kill -KILL $ranks $launchers "$guard" 2>/dev/null
 }
 trap cleanup EXIT
 fail() { echo "FAIL: $1"; tail -20 "$work/log"; exit 1; }
 
 for _ in $(seq 240); do
+  find_processes
   grep -qE ' iteration +[0-9]+/ +[0-9]+ \|' "$work/log" && break
   kill -0 "$guard" 2>/dev/null || fail "training ended before logging an iteration"
   sleep 0.5
 done
 grep -qE ' iteration +[0-9]+/ +[0-9]+ \|' "$work/log" || fail "no iteration logged within 120 s"
-for launcher in $(pgrep -P "$guard"); do
-  for child in $(pgrep -P "$launcher"); do
-    if tr '\0' '\n' <"/proc/$child/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=1'; then rank1=$child; fi
-  done
+for child in $ranks; do
+  if tr '\0' '\n' <"/proc/$child/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=1'; then rank1=$child; fi
 done
 [ -n "$rank1" ] || fail "could not find rank 1's process"
 kill -STOP "$rank1"
