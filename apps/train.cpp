@@ -12,6 +12,7 @@
 #include "moecore/parallel/mpi_runtime.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
+#include "moecore/parallel/watchdog.h"
 #include "moecore/train/argument_agreement.h"
 #include "moecore/train/arguments.h"
 #include "moecore/train/trainer.h"
@@ -34,6 +35,7 @@ int train_main(const std::vector<std::string>& args, const int rank, const int w
     } else {
       parsed = moecore::parse_train_args(args, world_size);
     }
+    moecore::parallel::set_collective_timeout(parsed.distributed_timeout_minutes * 60.0);
     if (parsed.help_requested) {
       if (rank == 0) std::cout << "usage: moecore train [flags]\n\n" << moecore::train_flags_help();
       return 0;

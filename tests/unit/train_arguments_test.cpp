@@ -883,6 +883,23 @@ TEST(TrainArguments, MoecoreFlags) {
             "invalid value '' for --export-hf: expected a non-empty value");
 }
 
+// Megatron's --distributed-timeout-minutes: the bound of every collective wait (default 10 minutes); fractions of a
+// minute are allowed.
+TEST(TrainArguments, DistributedTimeoutMinutes) {
+  EXPECT_EQ(parse_train_args(minimal()).distributed_timeout_minutes, 10.0);
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--distributed-timeout-minutes", "0.1"})).distributed_timeout_minutes,
+            0.1);
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--distributed-timeout-minutes", "30"})).distributed_timeout_minutes,
+            30.0);
+  EXPECT_EQ(error_of(with(minimal(), {"--distributed-timeout-minutes", "0"})),
+            "--distributed-timeout-minutes must be positive (got 0)");
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--distributed-timeout-minutes", "-1"})),
+                       "--distributed-timeout-minutes must be positive"));
+  EXPECT_EQ(error_of(with(minimal(), {"--distributed-timeout-minutes", "ten"})),
+            "invalid value 'ten' for --distributed-timeout-minutes: expected a finite number");
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--distributed-timeout-minutes", "1e9"})), "above the limit"));
+}
+
 // Every size flag has an upper limit named in its error, so no product built from them (shapes, bytes, samples)
 // wraps around; values a user could mean pass.
 TEST(TrainArguments, UpperLimits) {

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 namespace moecore::parallel {
 namespace {
@@ -50,6 +52,22 @@ ParallelState ParallelState::create(const ParallelSizes& sizes, const bool seque
   const bool end_stage = r == stages.front() || r == stages.back();
   state.embedding =
       world.split(end_stage ? pipeline : static_cast<int>(dense.pp.size()) + r, r == stages.front() ? 0 : 1);
+  // Names in watchdog reports, as the fields above.
+  for (const auto& [group, name] :
+       std::initializer_list<std::pair<const ProcessGroup*, const char*>>{{&state.tp, "tp"},
+                                                                          {&state.cp, "cp"},
+                                                                          {&state.dp, "dp"},
+                                                                          {&state.dp_cp, "dp_cp"},
+                                                                          {&state.tp_cp, "tp_cp"},
+                                                                          {&state.tp_dp_cp, "tp_dp_cp"},
+                                                                          {&state.ep, "ep"},
+                                                                          {&state.etp, "etp"},
+                                                                          {&state.tp_ep, "tp_ep"},
+                                                                          {&state.edp, "edp"},
+                                                                          {&state.pp, "pp"},
+                                                                          {&state.embedding, "embedding"}}) {
+    group->set_name(name);
+  }
   return state;
 }
 

@@ -7,13 +7,18 @@
 #include <array>
 #include <bit>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 
+#include "moecore/parallel/arrival_board.h"
+#include "moecore/parallel/watchdog.h"
 #include "moecore/tensor/dtype.h"
 #include "moecore/util/trace.h"
 
@@ -21,7 +26,25 @@ namespace moecore::parallel {
 
 struct ProcessGroup::Comm {
   MPI_Comm handle = MPI_COMM_NULL;
-  explicit Comm(MPI_Comm comm) : handle(comm) {}
+  std::string name;              // in watchdog reports
+  std::vector<int> world_ranks;  // of the members, by group rank
+  int board_slot = -1;           // this group's slot on the arrival board
+  int64_t started = 0;           // collectives this rank started on the group
+  int64_t completed = 0;         // and saw complete
+  explicit Comm(MPI_Comm comm, std::string group_name) : handle(comm), name(std::move(group_name)) {
+    MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+    MPI_Comm_group(comm, &group);
+    MPI_Comm_group(MPI_COMM_WORLD, &world);
+    int size = 0;
+    MPI_Group_size(group, &size);
+    std::vector<int> members(static_cast<size_t>(size));
+    std::iota(members.begin(), members.end(), 0);
+    world_ranks.resize(members.size());
+    MPI_Group_translate_ranks(group, size, members.data(), world, world_ranks.data());
+    MPI_Group_free(&group);
+    MPI_Group_free(&world);
+    board_slot = arrival_board::claim_slot(comm);
+  }
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
   ~Comm() {
@@ -31,8 +54,19 @@ struct ProcessGroup::Comm {
   }
 };
 
+// One operation as the watchdog sees it: where it runs, which collective of the group it is (0 for point to point)
+// and its flight-recorder entry.
+struct Operation {
+  std::shared_ptr<ProcessGroup::Comm> comm;
+  const char* op = "";
+  int64_t sequence = 0;
+  int peer = -1;  // point to point: the other group rank
+  uint64_t record = 0;
+};
+
 struct Work::State {
   MPI_Request request = MPI_REQUEST_NULL;
+  Operation operation;
   std::string what;                // operation name for error messages
   std::vector<float> staging_in;   // bf16 widened to fp32
   std::vector<float> staging_out;  // fp32 result to round into the bf16 output
@@ -94,6 +128,77 @@ void check_mpi(int rc, const std::string& what) {
   int length = 0;
   MPI_Error_string(rc, text, &length);
   throw CommError(what + ": MPI error: " + std::string(text, static_cast<size_t>(length)));
+}
+
+// ---------------------------------------------------------------- watchdog
+
+// A collective on `comm`: the group's next sequence number, published on the arrival board (a store, no message).
+Operation begin_collective(const std::shared_ptr<ProcessGroup::Comm>& comm, const char* op, const size_t elements) {
+  const int64_t sequence = ++comm->started;
+  arrival_board::publish_started(comm->board_slot, sequence);
+  const uint64_t record = flight_recorder().start(
+      {.op = op, .group = comm->name, .sequence = sequence, .elements = static_cast<int64_t>(elements)});
+  return Operation{comm, op, sequence, -1, record};
+}
+
+// A point-to-point transfer with group rank `peer`.
+Operation begin_transfer(const std::shared_ptr<ProcessGroup::Comm>& comm, const char* op, const int peer,
+                         const size_t elements) {
+  const uint64_t record = flight_recorder().start(
+      {.op = op, .group = comm->name, .peer = peer, .elements = static_cast<int64_t>(elements)});
+  return Operation{comm, op, 0, peer, record};
+}
+
+void finished(const Operation& operation) {
+  flight_recorder().complete(operation.record);
+  if (operation.sequence > 0) arrival_board::publish_completed(operation.comm->board_slot, ++operation.comm->completed);
+}
+
+// How long the report watches the peers' beats on the arrival board, and waits for each read of it.
+constexpr double kBoardWatchSeconds = 1.0;
+constexpr double kBoardReadSeconds = 5.0;
+
+// The wait for `operation` passed the timeout: one line on stderr, then the whole job ends (a rank left waiting
+// would hang, and the ranks that did not arrive may never come).
+[[noreturn]] void report_timeout(const Operation& operation) {
+  flight_recorder().timed_out(operation.record);
+  const ProcessGroup::Comm& comm = *operation.comm;
+  const std::string group = "process group " + comm.name + " (ranks " + join_ranks(comm.world_ranks) + ")";
+  const std::string minutes = timeout_minutes_text(collective_timeout().value_or(0.0));
+  std::string line;
+  if (operation.sequence > 0) {
+    const std::vector<PeerProgress> peers =
+        arrival_board::read(comm.board_slot, comm.world_ranks, kBoardWatchSeconds, kBoardReadSeconds);
+    line = "error: collective " + std::string(operation.op) + " on " + group + " did not complete within " + minutes +
+           " minutes: " + describe_arrivals(comm.world_ranks, operation.sequence, peers);
+  } else {
+    const bool sends = std::string_view(operation.op) == "send";
+    const std::string peer = std::to_string(comm.world_ranks[static_cast<size_t>(operation.peer)]);
+    line = "error: " + std::string(operation.op) + (sends ? " to rank " : " from rank ") + peer + " on " + group +
+           " did not complete within " + minutes + " minutes: rank " + peer + " did not post the matching " +
+           (sends ? "receive" : "send");
+  }
+  line += " (last collectives: " + flight_recorder().summary(6) + ")";
+  std::fprintf(stderr, "%s\n", line.c_str());
+  std::fflush(stderr);
+  abort_world(1);
+}
+
+// Waits for `request` (MPI_Test between yields) until it completes or the collective timeout passes (then reports
+// and ends the job). MPI errors throw CommError naming `what`. The operation's record stays open: an operation may
+// wait for several requests (the agreement check, then the collective).
+void wait_request(MPI_Request& request, MPI_Status* status, const Operation& operation, const std::string& what) {
+  int rc = MPI_SUCCESS;
+  const bool complete = poll_until(
+      [&] {
+        int flag = 0;
+        arrival_board::beat();
+        rc = MPI_Test(&request, &flag, status);
+        return rc != MPI_SUCCESS || flag != 0;
+      },
+      wait_deadline());
+  if (!complete) report_timeout(operation);
+  check_mpi(rc, what);
 }
 
 template <typename T>
@@ -165,7 +270,7 @@ struct Field {
 // The agreement check: one MAX all-reduce of each field and its negation (so max == -min means agreement), plus
 // the highest group rank whose arguments failed local validation. Throws the same kind of error on every rank.
 // Without checks (`checked` false) only this rank's local error is raised, on this rank.
-void verify(bool checked, MPI_Comm comm, int rank, int64_t op, std::initializer_list<Field> fields,
+void verify(bool checked, const Operation& operation, int rank, int64_t op, std::initializer_list<Field> fields,
             const std::string& local_error) {
   if (!checked) {
     if (!local_error.empty())
@@ -181,8 +286,12 @@ void verify(bool checked, MPI_Comm comm, int rank, int64_t op, std::initializer_
     values.push_back(-field.value);
   }
   values.push_back(local_error.empty() ? 0 : rank + 1);
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_INT64_T, MPI_MAX, comm),
-            std::string(op_name(op)) + ": agreement check");
+  const std::string what = std::string(op_name(op)) + ": agreement check";
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_INT64_T, MPI_MAX,
+                           operation.comm->handle, &request),
+            what);
+  wait_request(request, MPI_STATUS_IGNORE, operation, what);
   const std::string name = op_name(op);
   if (values[0] != -values[1]) {
     throw CommError(name + ": ranks called different collectives (" + op_name(-values[1]) + " vs " +
@@ -250,6 +359,7 @@ void forget(const Work::State* state) {
 void complete(Work::State& state) {
   state.done = true;
   forget(&state);
+  if (state.operation.comm) finished(state.operation);
   if (state.finish) state.finish();
   if (trace::enabled()) {
     trace::record_on_track("comm in flight", state.trace_name.empty() ? state.what : state.trace_name, "comm",
@@ -276,6 +386,7 @@ bool test_state(Work::State& state) {
 void drive_progress() {
   auto& states = in_flight();
   if (states.empty()) return;
+  arrival_board::beat();
   const std::vector<Work::State*> snapshot = states;  // completing one removes it from the list
   for (Work::State* state : snapshot) test_state(*state);
 }
@@ -316,15 +427,18 @@ void Work::wait() {
   State& state = *state_;
   int finalized = 0;
   MPI_Finalized(&finalized);
-  const int rc =
-      finalized ? MPI_SUCCESS : MPI_Wait(&state.request, state.track_status ? &state.status : MPI_STATUS_IGNORE);
-  if (finalized || rc != MPI_SUCCESS) {
+  if (finalized) {
     state.done = true;
     forget(&state);
+    throw CommError(state.what + ": MPI was finalized before the operation was waited on");
   }
-  if (finalized) throw CommError(state.what + ": MPI was finalized before the operation was waited on");
-  check_mpi(rc, state.what);
-  complete(state);
+  // Bounded by the collective timeout from the start of this wait (an operation in flight under a long
+  // computation is not late until someone waits for it).
+  const auto poll = [&state] {
+    arrival_board::beat();
+    return test_state(state);
+  };
+  if (!poll_until(poll, wait_deadline())) report_timeout(state.operation);
 }
 
 bool Work::test() {
@@ -385,7 +499,8 @@ ProcessGroup ProcessGroup::world() {
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     MPI_Comm dup = MPI_COMM_NULL;
     check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &dup), "world: MPI_Comm_dup");
-    auto comm = std::make_shared<Comm>(dup);
+    arrival_board::open();
+    auto comm = std::make_shared<Comm>(dup, "world");
     MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
     int rank = 0, size = 1;
     MPI_Comm_rank(dup, &rank);
@@ -395,13 +510,22 @@ ProcessGroup ProcessGroup::world() {
   return world_group;
 }
 
+std::string ProcessGroup::name() const { return comm_ ? comm_->name : "self"; }
+
+void ProcessGroup::set_name(std::string name) const {
+  if (comm_) comm_->name = std::move(name);
+}
+
 ProcessGroup ProcessGroup::split(int color, int key) const {
   if (!comm_) return self_check(color >= 0, "split: color is negative"), *this;
   const std::string local_error = color < 0 ? "color " + std::to_string(color) + " is negative" : "";
-  verify(checks_, comm_->handle, rank_, kSplit, {}, local_error);
+  const Operation operation = begin_collective(comm_, "split", 0);
+  verify(checks_, operation, rank_, kSplit, {}, local_error);
   MPI_Comm sub = MPI_COMM_NULL;
+  // MPI has no non-blocking split: start-up only, not bounded by the collective timeout.
   check_mpi(MPI_Comm_split(comm_->handle, color, key, &sub), "split");
-  auto comm = std::make_shared<Comm>(sub);
+  finished(operation);
+  auto comm = std::make_shared<Comm>(sub, comm_->name + "/" + std::to_string(color));
   MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN);
   int rank = 0, size = 1;
   MPI_Comm_rank(sub, &rank);
@@ -411,28 +535,39 @@ ProcessGroup ProcessGroup::split(int color, int key) const {
 
 void ProcessGroup::barrier() const {
   if (!comm_) return;
-  verify(checks_, comm_->handle, rank_, kBarrier, {}, "");
-  check_mpi(MPI_Barrier(comm_->handle), "barrier");
+  const Operation operation = begin_collective(comm_, "barrier", 0);
+  verify(checks_, operation, rank_, kBarrier, {}, "");
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Ibarrier(comm_->handle, &request), "barrier");
+  wait_request(request, MPI_STATUS_IGNORE, operation, "barrier");
+  finished(operation);
 }
 
 template <CommElement T>
 void ProcessGroup::all_reduce(std::span<T> data, ReduceOp op) const {
   if (!comm_) return;
   const std::string local_error = data.size() > INT_MAX ? too_large(data.size()) : "";
-  verify(checks_, comm_->handle, rank_, kAllReduce,
+  const Operation operation = begin_collective(comm_, "all_reduce", data.size());
+  verify(checks_, operation, rank_, kAllReduce,
          {{"dtype", dtype_code<T>()},
           {"reduce op", static_cast<int64_t>(op)},
           {"element count", static_cast<int64_t>(data.size())}},
          local_error);
-  if (data.empty()) return;
+  if (data.empty()) return finished(operation);
   const int count = static_cast<int>(data.size());
+  MPI_Request request = MPI_REQUEST_NULL;
   if constexpr (kIsBf16<T>) {
     std::vector<float> values = widen(data);
-    check_mpi(MPI_Allreduce(MPI_IN_PLACE, values.data(), count, MPI_FLOAT, mpi_op(op), comm_->handle), "all_reduce");
+    check_mpi(MPI_Iallreduce(MPI_IN_PLACE, values.data(), count, MPI_FLOAT, mpi_op(op), comm_->handle, &request),
+              "all_reduce");
+    wait_request(request, MPI_STATUS_IGNORE, operation, "all_reduce");
     narrow(values, data);
   } else {
-    check_mpi(MPI_Allreduce(MPI_IN_PLACE, data.data(), count, mpi_type<T>(), mpi_op(op), comm_->handle), "all_reduce");
+    check_mpi(MPI_Iallreduce(MPI_IN_PLACE, data.data(), count, mpi_type<T>(), mpi_op(op), comm_->handle, &request),
+              "all_reduce");
+    wait_request(request, MPI_STATUS_IGNORE, operation, "all_reduce");
   }
+  finished(operation);
 }
 
 namespace {
@@ -458,35 +593,46 @@ std::string all_gather_error(size_t input_size, size_t output_size, int group_si
 template <CommElement T>
 void ProcessGroup::reduce_scatter(std::span<const T> input, std::span<T> output, ReduceOp op) const {
   if (!comm_) return self_copy(input, output, "reduce_scatter");
-  verify(checks_, comm_->handle, rank_, kReduceScatter,
+  const Operation operation = begin_collective(comm_, "reduce_scatter", input.size());
+  verify(checks_, operation, rank_, kReduceScatter,
          {{"dtype", dtype_code<T>()},
           {"reduce op", static_cast<int64_t>(op)},
           {"output element count", static_cast<int64_t>(output.size())}},
          reduce_scatter_error(input.size(), output.size(), size_));
-  if (output.empty()) return;
+  if (output.empty()) return finished(operation);
   const int count = static_cast<int>(output.size());
+  MPI_Request request = MPI_REQUEST_NULL;
   if constexpr (kIsBf16<T>) {
     const std::vector<float> values = widen(input);
     std::vector<float> reduced(output.size());
-    check_mpi(MPI_Reduce_scatter_block(values.data(), reduced.data(), count, MPI_FLOAT, mpi_op(op), comm_->handle),
-              "reduce_scatter");
+    check_mpi(
+        MPI_Ireduce_scatter_block(values.data(), reduced.data(), count, MPI_FLOAT, mpi_op(op), comm_->handle, &request),
+        "reduce_scatter");
+    wait_request(request, MPI_STATUS_IGNORE, operation, "reduce_scatter");
     narrow(reduced, output);
   } else {
-    check_mpi(MPI_Reduce_scatter_block(input.data(), output.data(), count, mpi_type<T>(), mpi_op(op), comm_->handle),
+    check_mpi(MPI_Ireduce_scatter_block(input.data(), output.data(), count, mpi_type<T>(), mpi_op(op), comm_->handle,
+                                        &request),
               "reduce_scatter");
+    wait_request(request, MPI_STATUS_IGNORE, operation, "reduce_scatter");
   }
+  finished(operation);
 }
 
 template <CommElement T>
 void ProcessGroup::all_gather(std::span<const T> input, std::span<T> output) const {
   if (!comm_) return self_copy(input, output, "all_gather");
-  verify(checks_, comm_->handle, rank_, kAllGather,
+  const Operation operation = begin_collective(comm_, "all_gather", input.size());
+  verify(checks_, operation, rank_, kAllGather,
          {{"dtype", dtype_code<T>()}, {"element count per rank", static_cast<int64_t>(input.size())}},
          all_gather_error(input.size(), output.size(), size_));
-  if (input.empty()) return;
-  check_mpi(MPI_Allgather(input.data(), static_cast<int>(input.size()), mpi_type<T>(), output.data(),
-                          static_cast<int>(input.size()), mpi_type<T>(), comm_->handle),
+  if (input.empty()) return finished(operation);
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Iallgather(input.data(), static_cast<int>(input.size()), mpi_type<T>(), output.data(),
+                           static_cast<int>(input.size()), mpi_type<T>(), comm_->handle, &request),
             "all_gather");
+  wait_request(request, MPI_STATUS_IGNORE, operation, "all_gather");
+  finished(operation);
 }
 
 std::vector<size_t> ProcessGroup::exchange_counts(std::span<const size_t> send_counts) const {
@@ -497,11 +643,15 @@ std::vector<size_t> ProcessGroup::exchange_counts(std::span<const size_t> send_c
                                       ? ""
                                       : "send_counts has " + std::to_string(send_counts.size()) +
                                             " entries, expected the group size " + std::to_string(size_);
-  verify(checks_, comm_->handle, rank_, kExchangeCounts, {}, local_error);
+  const Operation operation = begin_collective(comm_, "exchange_counts", send_counts.size());
+  verify(checks_, operation, rank_, kExchangeCounts, {}, local_error);
   std::vector<uint64_t> sent(send_counts.begin(), send_counts.end());
   std::vector<uint64_t> received(sent.size());
-  check_mpi(MPI_Alltoall(sent.data(), 1, MPI_UINT64_T, received.data(), 1, MPI_UINT64_T, comm_->handle),
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Ialltoall(sent.data(), 1, MPI_UINT64_T, received.data(), 1, MPI_UINT64_T, comm_->handle, &request),
             "exchange_counts");
+  wait_request(request, MPI_STATUS_IGNORE, operation, "exchange_counts");
+  finished(operation);
   return std::vector<size_t>(received.begin(), received.end());
 }
 
@@ -509,19 +659,23 @@ namespace {
 
 // Checks the splits locally, then that every rank's recv_counts match what its peers send; fills the int
 // counts/displacements MPI needs. Collective; throws on every rank on any problem.
-void prepare_all_to_all_v(bool checked, MPI_Comm comm, int rank, int size, int64_t op, int64_t dtype, size_t input_size,
-                          std::span<const size_t> send_counts, size_t output_size, std::span<const size_t> recv_counts,
-                          Work::State& state) {
+void prepare_all_to_all_v(bool checked, const Operation& operation, int rank, int size, int64_t op, int64_t dtype,
+                          size_t input_size, std::span<const size_t> send_counts, size_t output_size,
+                          std::span<const size_t> recv_counts, Work::State& state) {
   std::string local_error =
       check_split(send_counts, input_size, size, "send_counts", state.send_counts, state.send_displs);
   if (local_error.empty()) {
     local_error = check_split(recv_counts, output_size, size, "recv_counts", state.recv_counts, state.recv_displs);
   }
-  verify(checked, comm, rank, op, {{"dtype", dtype}}, local_error);
+  verify(checked, operation, rank, op, {{"dtype", dtype}}, local_error);
   if (!checked) return;
   std::vector<int> peer_sends(static_cast<size_t>(size));
-  check_mpi(MPI_Alltoall(state.send_counts.data(), 1, MPI_INT, peer_sends.data(), 1, MPI_INT, comm),
-            std::string(op_name(op)) + ": count exchange");
+  const std::string what = std::string(op_name(op)) + ": count exchange";
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Ialltoall(state.send_counts.data(), 1, MPI_INT, peer_sends.data(), 1, MPI_INT, operation.comm->handle,
+                          &request),
+            what);
+  wait_request(request, MPI_STATUS_IGNORE, operation, what);
   std::string mismatch;
   for (int src = 0; src < size && mismatch.empty(); ++src) {
     if (peer_sends[static_cast<size_t>(src)] != state.recv_counts[static_cast<size_t>(src)]) {
@@ -530,7 +684,7 @@ void prepare_all_to_all_v(bool checked, MPI_Comm comm, int rank, int size, int64
                  std::to_string(peer_sends[static_cast<size_t>(src)]);
     }
   }
-  verify(checked, comm, rank, kAllToAllVCounts, {}, mismatch);
+  verify(checked, operation, rank, kAllToAllVCounts, {}, mismatch);
 }
 
 }  // namespace
@@ -540,12 +694,15 @@ void ProcessGroup::all_to_all_v(std::span<const T> input, std::span<const size_t
                                 std::span<const size_t> recv_counts) const {
   if (!comm_) return self_all_to_all(input, send_counts, output, recv_counts);
   Work::State state;
-  prepare_all_to_all_v(checks_, comm_->handle, rank_, size_, kAllToAllV, dtype_code<T>(), input.size(), send_counts,
+  const Operation operation = begin_collective(comm_, "all_to_all_v", input.size());
+  prepare_all_to_all_v(checks_, operation, rank_, size_, kAllToAllV, dtype_code<T>(), input.size(), send_counts,
                        output.size(), recv_counts, state);
-  check_mpi(MPI_Alltoallv(ptr_or_dummy(input.data()), state.send_counts.data(), state.send_displs.data(), mpi_type<T>(),
-                          ptr_or_dummy(output.data()), state.recv_counts.data(), state.recv_displs.data(),
-                          mpi_type<T>(), comm_->handle),
+  check_mpi(MPI_Ialltoallv(ptr_or_dummy(input.data()), state.send_counts.data(), state.send_displs.data(),
+                           mpi_type<T>(), ptr_or_dummy(output.data()), state.recv_counts.data(),
+                           state.recv_displs.data(), mpi_type<T>(), comm_->handle, &state.request),
             "all_to_all_v");
+  wait_request(state.request, MPI_STATUS_IGNORE, operation, "all_to_all_v");
+  finished(operation);
 }
 
 template <CommElement T>
@@ -557,11 +714,16 @@ void ProcessGroup::broadcast(std::span<T> data, int root) const {
   } else if (data.size() > INT_MAX) {
     local_error = too_large(data.size());
   }
-  verify(checks_, comm_->handle, rank_, kBroadcast,
+  const Operation operation = begin_collective(comm_, "broadcast", data.size());
+  verify(checks_, operation, rank_, kBroadcast,
          {{"dtype", dtype_code<T>()}, {"root", root}, {"element count", static_cast<int64_t>(data.size())}},
          local_error);
-  if (data.empty()) return;
-  check_mpi(MPI_Bcast(data.data(), static_cast<int>(data.size()), mpi_type<T>(), root, comm_->handle), "broadcast");
+  if (data.empty()) return finished(operation);
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Ibcast(data.data(), static_cast<int>(data.size()), mpi_type<T>(), root, comm_->handle, &request),
+            "broadcast");
+  wait_request(request, MPI_STATUS_IGNORE, operation, "broadcast");
+  finished(operation);
 }
 
 namespace {
@@ -583,8 +745,14 @@ void ProcessGroup::send(std::span<const T> data, int dst, int tag) const {
   std::string error = peer_error(dst, rank_, size_, "destination");
   if (error.empty() && data.size() > INT_MAX) error = too_large(data.size());
   if (!error.empty()) throw CommError("send on rank " + std::to_string(rank_) + ": " + error);
-  check_mpi(MPI_Send(ptr_or_dummy(data.data()), static_cast<int>(data.size()), mpi_type<T>(), dst, tag, comm_->handle),
-            "send to rank " + std::to_string(dst));
+  const std::string what = "send to rank " + std::to_string(dst);
+  const Operation operation = begin_transfer(comm_, "send", dst, data.size());
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Isend(ptr_or_dummy(data.data()), static_cast<int>(data.size()), mpi_type<T>(), dst, tag, comm_->handle,
+                      &request),
+            what);
+  wait_request(request, MPI_STATUS_IGNORE, operation, what);
+  finished(operation);
 }
 
 template <CommElement T>
@@ -594,10 +762,14 @@ void ProcessGroup::recv(std::span<T> data, int src, int tag) const {
   if (error.empty() && data.size() > INT_MAX) error = too_large(data.size());
   if (!error.empty()) throw CommError("recv on rank " + std::to_string(rank_) + ": " + error);
   const std::string what = "recv on rank " + std::to_string(rank_) + " from rank " + std::to_string(src);
+  const Operation operation = begin_transfer(comm_, "recv", src, data.size());
   MPI_Status status;
-  check_mpi(MPI_Recv(ptr_or_dummy(data.data()), static_cast<int>(data.size()), mpi_type<T>(), src, tag, comm_->handle,
-                     &status),
+  MPI_Request request = MPI_REQUEST_NULL;
+  check_mpi(MPI_Irecv(ptr_or_dummy(data.data()), static_cast<int>(data.size()), mpi_type<T>(), src, tag, comm_->handle,
+                      &request),
             what);
+  wait_request(request, &status, operation, what);
+  finished(operation);
   int received = 0;
   check_mpi(MPI_Get_count(&status, mpi_type<T>(), &received), what);
   if (static_cast<size_t>(received) != data.size()) {
@@ -616,6 +788,7 @@ Work ProcessGroup::send_async(std::span<const T> data, int dst, int tag) const {
   if (!error.empty()) throw CommError("send_async on rank " + std::to_string(rank_) + ": " + error);
   auto state = std::make_unique<Work::State>();
   state->what = "send to rank " + std::to_string(dst);
+  state->operation = begin_transfer(comm_, "send", dst, data.size());
   check_mpi(MPI_Isend(ptr_or_dummy(data.data()), static_cast<int>(data.size()), mpi_type<T>(), dst, tag, comm_->handle,
                       &state->request),
             state->what);
@@ -630,6 +803,7 @@ Work ProcessGroup::recv_async(std::span<T> data, int src, int tag) const {
   if (!error.empty()) throw CommError("recv_async on rank " + std::to_string(rank_) + ": " + error);
   auto state = std::make_unique<Work::State>();
   state->what = "recv on rank " + std::to_string(rank_) + " from rank " + std::to_string(src);
+  state->operation = begin_transfer(comm_, "recv", src, data.size());
   check_mpi(MPI_Irecv(ptr_or_dummy(data.data()), static_cast<int>(data.size()), mpi_type<T>(), src, tag, comm_->handle,
                       &state->request),
             state->what);
@@ -649,14 +823,16 @@ template <CommElement T>
 Work ProcessGroup::all_reduce_async(std::span<T> data, ReduceOp op) const {
   if (!comm_) return Work();
   const std::string local_error = data.size() > INT_MAX ? too_large(data.size()) : "";
-  verify(checks_, comm_->handle, rank_, kAllReduceAsync,
+  const Operation operation = begin_collective(comm_, "all_reduce_async", data.size());
+  verify(checks_, operation, rank_, kAllReduceAsync,
          {{"dtype", dtype_code<T>()},
           {"reduce op", static_cast<int64_t>(op)},
           {"element count", static_cast<int64_t>(data.size())}},
          local_error);
-  if (data.empty()) return Work();
+  if (data.empty()) return finished(operation), Work();
   auto state = std::make_unique<Work::State>();
   state->what = "all_reduce_async";
+  state->operation = operation;
   const int count = static_cast<int>(data.size());
   if constexpr (kIsBf16<T>) {
     state->staging_in = widen(data);
@@ -675,14 +851,16 @@ Work ProcessGroup::all_reduce_async(std::span<T> data, ReduceOp op) const {
 template <CommElement T>
 Work ProcessGroup::reduce_scatter_async(std::span<const T> input, std::span<T> output, ReduceOp op) const {
   if (!comm_) return self_copy(input, output, "reduce_scatter_async"), Work();
-  verify(checks_, comm_->handle, rank_, kReduceScatterAsync,
+  const Operation operation = begin_collective(comm_, "reduce_scatter_async", input.size());
+  verify(checks_, operation, rank_, kReduceScatterAsync,
          {{"dtype", dtype_code<T>()},
           {"reduce op", static_cast<int64_t>(op)},
           {"output element count", static_cast<int64_t>(output.size())}},
          reduce_scatter_error(input.size(), output.size(), size_));
-  if (output.empty()) return Work();
+  if (output.empty()) return finished(operation), Work();
   auto state = std::make_unique<Work::State>();
   state->what = "reduce_scatter_async";
+  state->operation = operation;
   const int count = static_cast<int>(output.size());
   if constexpr (kIsBf16<T>) {
     state->staging_in = widen(input);
@@ -702,12 +880,14 @@ Work ProcessGroup::reduce_scatter_async(std::span<const T> input, std::span<T> o
 template <CommElement T>
 Work ProcessGroup::all_gather_async(std::span<const T> input, std::span<T> output) const {
   if (!comm_) return self_copy(input, output, "all_gather_async"), Work();
-  verify(checks_, comm_->handle, rank_, kAllGatherAsync,
+  const Operation operation = begin_collective(comm_, "all_gather_async", input.size());
+  verify(checks_, operation, rank_, kAllGatherAsync,
          {{"dtype", dtype_code<T>()}, {"element count per rank", static_cast<int64_t>(input.size())}},
          all_gather_error(input.size(), output.size(), size_));
-  if (input.empty()) return Work();
+  if (input.empty()) return finished(operation), Work();
   auto state = std::make_unique<Work::State>();
   state->what = "all_gather_async";
+  state->operation = operation;
   check_mpi(MPI_Iallgather(input.data(), static_cast<int>(input.size()), mpi_type<T>(), output.data(),
                            static_cast<int>(input.size()), mpi_type<T>(), comm_->handle, &state->request),
             state->what);
@@ -720,7 +900,8 @@ Work ProcessGroup::all_to_all_v_async(std::span<const T> input, std::span<const 
   if (!comm_) return self_all_to_all(input, send_counts, output, recv_counts), Work();
   auto state = std::make_unique<Work::State>();
   state->what = "all_to_all_v_async";
-  prepare_all_to_all_v(checks_, comm_->handle, rank_, size_, kAllToAllVAsync, dtype_code<T>(), input.size(),
+  state->operation = begin_collective(comm_, "all_to_all_v_async", input.size());
+  prepare_all_to_all_v(checks_, state->operation, rank_, size_, kAllToAllVAsync, dtype_code<T>(), input.size(),
                        send_counts, output.size(), recv_counts, *state);
   check_mpi(MPI_Ialltoallv(ptr_or_dummy(input.data()), state->send_counts.data(), state->send_displs.data(),
                            mpi_type<T>(), ptr_or_dummy(output.data()), state->recv_counts.data(),
@@ -772,11 +953,13 @@ Work ProcessGroup::all_reduce_16bit_async(std::span<uint16_t> data, const DType 
   if (!comm_) return Work();
   const MPI_Op op = sum_16bit_op(format);
   const std::string local_error = data.size() > INT_MAX ? too_large(data.size()) : "";
-  verify(checks_, comm_->handle, rank_, kAllReduce16Async,
+  const Operation operation = begin_collective(comm_, "all_reduce_16bit_async", data.size());
+  verify(checks_, operation, rank_, kAllReduce16Async,
          {{"dtype", static_cast<int64_t>(format)}, {"element count", static_cast<int64_t>(data.size())}}, local_error);
-  if (data.empty()) return Work();
+  if (data.empty()) return finished(operation), Work();
   auto state = std::make_unique<Work::State>();
   state->what = "all_reduce_16bit_async";
+  state->operation = operation;
   check_mpi(MPI_Iallreduce(MPI_IN_PLACE, data.data(), static_cast<int>(data.size()), MPI_UINT16_T, op, comm_->handle,
                            &state->request),
             state->what);
@@ -787,12 +970,14 @@ Work ProcessGroup::reduce_scatter_16bit_async(std::span<const uint16_t> input, s
                                               const DType format) const {
   if (!comm_) return self_copy(input, output, "reduce_scatter_16bit_async"), Work();
   const MPI_Op op = sum_16bit_op(format);
-  verify(checks_, comm_->handle, rank_, kReduceScatter16Async,
+  const Operation operation = begin_collective(comm_, "reduce_scatter_16bit_async", input.size());
+  verify(checks_, operation, rank_, kReduceScatter16Async,
          {{"dtype", static_cast<int64_t>(format)}, {"output element count", static_cast<int64_t>(output.size())}},
          reduce_scatter_error(input.size(), output.size(), size_));
-  if (output.empty()) return Work();
+  if (output.empty()) return finished(operation), Work();
   auto state = std::make_unique<Work::State>();
   state->what = "reduce_scatter_16bit_async";
+  state->operation = operation;
   check_mpi(MPI_Ireduce_scatter_block(input.data(), output.data(), static_cast<int>(output.size()), MPI_UINT16_T, op,
                                       comm_->handle, &state->request),
             state->what);

@@ -15,6 +15,10 @@
 // of a group must use the same setting. With them off, arguments that are invalid on this rank (counts that do not
 // fit the buffers) still raise CommError, on this rank only.
 // MPI errors are returned (MPI_ERRORS_RETURN), not fatal, and surface as CommError with MPI's error string.
+// Every wait (blocking collectives run as their non-blocking MPI forms plus a wait; Work::wait) is bounded by the
+// collective timeout of watchdog.h when one is set: a wait that passes it prints one line naming the operation, the
+// group and the ranks that did not arrive, and ends the job (MPI_Abort). split() is not bounded (MPI has no
+// non-blocking split).
 #pragma once
 
 #include <concepts>
@@ -86,6 +90,10 @@ class ProcessGroup {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // The group's name in watchdog reports ("dp", "tp", ...), shared by every handle of the communicator: "world",
+  // a split "<parent>/<color>" until named, "self" for the single-process group.
+  std::string name() const;
+  void set_name(std::string name) const;
 
   // Agreement checks of this handle (and of groups split from it afterwards); world() starts from
   // MOECORE_CHECK_COLLECTIVES, self() has nothing to check.

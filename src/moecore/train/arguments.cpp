@@ -35,6 +35,7 @@ constexpr int64_t kMaxElements = int64_t{1} << 40;
 constexpr int64_t kMaxRanks = int64_t{1} << 20;  // parallel sizes, as `moecore layout --world-size`
 constexpr double kMaxLossCoeff = 100.0;
 constexpr double kMaxCapacityFactor = 1000.0;
+constexpr double kMaxTimeoutMinutes = 1e7;  // about 19 years: longer means no bound
 constexpr std::string_view kLrWhy = "Adam moves every weight by about the learning rate each step";
 
 int64_t hardware_threads() {
@@ -538,6 +539,10 @@ const std::vector<FlagSpec>& flag_table() {
      [](TrainingArgs& a, const FlagValue&) { a.overlap_param_gather = true; }},
     {"--ddp-bucket-size", Arity::kOne, "N", "gradient bucket size in elements (default max(40M, 1M * DP))",
      [](TrainingArgs& a, const FlagValue& v) { a.ddp_bucket_size = v.integer_up_to(kMaxElements); }},
+    {"--distributed-timeout-minutes", Arity::kOne, "N",
+     "end the job when a collective or point-to-point wait lasts N minutes, naming the ranks that did not arrive "
+     "(default 10; fractions allowed)",
+     [](TrainingArgs& a, const FlagValue& v) { a.distributed_timeout_minutes = v.real_up_to(kMaxTimeoutMinutes); }},
 
     // Checkpointing.
     {"--save", Arity::kOne, "DIR", "save checkpoints to DIR (iter_NNNNNNN folders + latest_checkpointed_iteration.txt)",

@@ -172,6 +172,7 @@ struct TrainingArgs {
   bool overlap_grad_reduce = false;                // --overlap-grad-reduce
   bool overlap_param_gather = false;               // --overlap-param-gather
   int64_t ddp_bucket_size = 0;                     // --ddp-bucket-size (0: Megatron's default)
+  double distributed_timeout_minutes = 10.0;       // --distributed-timeout-minutes: bound of every collective wait
 
   // Checkpointing (megatron/training/arguments.py _add_checkpointing_args; semantics in train/checkpointing.h).
   std::string save;                                     // --save DIR

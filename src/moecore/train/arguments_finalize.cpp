@@ -405,6 +405,8 @@ void finalize_quantization(TrainingArgs& args, const std::set<std::string>& give
 void finalize_training(TrainingArgs& args, const std::set<std::string>& given) {
   require(args.micro_batch_size > 0, "--micro-batch-size must be positive (got " + str(args.micro_batch_size) + ")");
   require(args.train_iters > 0, "--train-iters must be positive (got " + str(args.train_iters) + ")");
+  require(args.distributed_timeout_minutes > 0.0,
+          "--distributed-timeout-minutes must be positive (got " + str(args.distributed_timeout_minutes) + ")");
   const int64_t micro_times_dp = args.micro_batch_size * args.data_parallel_size;
   if (!given.contains("--global-batch-size")) args.global_batch_size = micro_times_dp;
   require(args.global_batch_size > 0, "--global-batch-size must be positive (got " + str(args.global_batch_size) + ")");

@@ -164,7 +164,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--model-parallel-size",
     "--overlap-p2p-communication-warmup-flush",
     "--distributed-backend",
-    "--distributed-timeout-minutes",
     "--distributed-timeout-seconds-after-init",
     "--defer-embedding-wgrad-compute",
     "--wgrad-deferral-limit",
