@@ -61,6 +61,17 @@ grep -q "number of skipped iterations:   [1-9]" "$work/fp16_full.log" || fail "f
 echo "ok: --fp16 MoE resumed at 10 prints iterations 11-20 as the uninterrupted run ($(lines "$work/fp16_b.log" 11 |
   grep -oE 'loss scale: [0-9.]+'))"
 
+# The skipped-iteration counts of the first lines: at 2^32 the first iterations overflow. Megatron's training_log
+# does not reset its counters after the run's first line (should_reset = not is_first_iteration), so the line of
+# iteration 2 counts iterations 1 and 2, and the next lines one interval each.
+"$bin" train "${moe[@]}" --fp16 --exit-interval 3 >"$work/fp16_first.log" 2>&1 || fail "fp16 first iterations"
+for want in "1 1" "2 2" "3 1"; do
+  set -- $want
+  lines "$work/fp16_first.log" "$1" | grep -q "number of skipped iterations: *$2 |" ||
+    fail "fp16: the line of iteration $1 does not count $2 skipped iterations: $(lines "$work/fp16_first.log" "$1")"
+done
+echo "ok: --fp16's first lines count skipped iterations as Megatron's training_log"
+
 # The checkpoint holds both scalers under Megatron's chained-optimizer keys.
 for key in optimizer.0.grad_scaler.scale optimizer.1.grad_scaler.growth_tracker optimizer.1.grad_scaler.hysteresis_tracker; do
   grep -q "$key" "$work/fp16/iter_0000010/metadata.json" || fail "fp16 checkpoint: no $key"
