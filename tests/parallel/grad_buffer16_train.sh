@@ -5,8 +5,8 @@
 # both set grad_reduce_in_fp32=False, one bf16 buffer that accumulates the micro-batches, is scaled by 1/DP and
 # reduce-scattered in bf16. (Without --use-precision-aware-optimizer, --grad-reduce-in-bf16 reduces the same bf16
 # gradients, but the optimizer differs as Megatron's does: its fp32 main parameters start from the fp32
-# initialisation, where TE's remainders start from the bf16 weights, and it clips and unscales fp32 copies of the
-# gradients, where TE reads the bf16 buffer in place.)
+# gradients, where TE reads the bf16 buffer in place: with clipping off and no loss scale the two give the same
+# parameters after a step, checked last.)
 set -euo pipefail
 bin=$1
 mpirun=$2
@@ -42,4 +42,46 @@ for rank in rank_00000 rank_00001; do
     echo "FAIL: $rank: the states after 2 steps differ"; failures=$((failures + 1))
   fi
 done
+# --grad-reduce-in-bf16 alone against --use-precision-aware-optimizer --main-grads-dtype bf16: the same parameters
+# after a step (clipping off: Megatron clips fp32 copies on one path and the bf16 buffer on the other).
+plain=()
+for f in "${common[@]}"; do [ "$f" = --use-precision-aware-optimizer ] || plain+=("$f"); done
+run_with() {  # run_with NAME FLAGS...: common flags without the precision-aware optimizer
+  local name=$1
+  shift
+  if ! "$mpirun" --allow-run-as-root --oversubscribe -np 2 "$bin" train "${recipe[@]}" "${plain[@]}" \
+      --save "$work/$name" --clip-grad 0 --train-iters 2 --exit-interval 1 --save-interval 1 "$@" >"$work/$name.log" 2>&1; then
+    echo "FAIL: $name did not train:"; tail -5 "$work/$name.log"; exit 1
+  fi
+}
+run_with plain_grad_reduce_bf16 --grad-reduce-in-bf16
+run_with pao_main_grads_bf16 --use-precision-aware-optimizer --main-grads-dtype bf16
+if /usr/bin/python3 - "$work/plain_grad_reduce_bf16/iter_0000001" "$work/pao_main_grads_bf16/iter_0000001" <<'PY'
+import json, sys
+def params(folder):
+    meta = json.load(open(folder + "/metadata.json"))
+    out = {}
+    for key, t in meta["tensors"].items():
+        if key.startswith("optimizer.") or key.startswith("lr_scheduler.") or not t["shape"]:
+            continue
+        for piece in t["pieces"]:
+            raw = open(folder + "/" + piece["file"], "rb").read()
+            n = int.from_bytes(raw[:8], "little")
+            header = json.loads(raw[8:8 + n])
+            begin, end = header[piece["name"]]["data_offsets"]
+            out[(key, tuple(piece["offsets"]))] = raw[8 + n + begin:8 + n + end]
+    return out
+a, b = params(sys.argv[1]), params(sys.argv[2])
+bad = [k for k in a if a[k] != b.get(k)]
+if bad or len(a) != len(b) or not a:
+    print("differ:", bad[:5], len(a), len(b))
+    sys.exit(1)
+print(len(a), "parameter pieces identical")
+PY
+then
+  echo "ok: --grad-reduce-in-bf16 and --use-precision-aware-optimizer --main-grads-dtype bf16: the same parameters after a step"
+else
+  echo "FAIL: --grad-reduce-in-bf16 and --use-precision-aware-optimizer --main-grads-dtype bf16 differ after a step"
+  failures=$((failures + 1))
+fi
 [ $failures -eq 0 ]

@@ -45,10 +45,12 @@ AdamWOptimizer::AdamWOptimizer(std::vector<Param>& params, const AdamWOptions& o
   main_params_from_model();
 }
 
+// Megatron's main parameters are the 16-bit model parameters widened (DistributedOptimizer's
+// shard_model_param.clone().float(), Float16OptimizerWithFloat16Params alike): the weights are rounded first.
 void AdamWOptimizer::main_params_from_model() {
   for (size_t i = 0; i < main_.size(); ++i) {
-    std::copy_n(params_[i].value.data<float>(), main_[i].numel(), main_[i].data<float>());
     ops::round_to_dtype_(params_[i].value, options_.params_dtype);
+    std::copy_n(params_[i].value.data<float>(), main_[i].numel(), main_[i].data<float>());
   }
 }
 

@@ -96,10 +96,11 @@ void DistributedAdamW::main_params_from_model() {
     for (Piece& piece : pieces_) piece.remainder.zero_();
     return;
   }
-  for (Piece& piece : pieces_) piece.main.assign(param_piece(piece));
-  // Every rank rounds the whole replicated model alike, so the shards gathered later agree with the rest; the
-  // quantized weights become their quantization (of the rounded values, as every later gather).
+  // Megatron's main parameters are the 16-bit model parameters widened (shard_model_param.clone().float()): every
+  // rank rounds the whole replicated model alike (so the shards gathered later agree with the rest), then copies its
+  // shard; the quantized weights become their quantization (of the rounded values, as every later gather).
   for (Param& p : params_) ops::round_to_dtype_(p.value, options_.params_dtype);
+  for (Piece& piece : pieces_) piece.main.assign(param_piece(piece));
   ddp_.quantize_replicated_weights();
 }
 
