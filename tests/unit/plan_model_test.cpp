@@ -114,6 +114,41 @@ TEST(PlanMemory, DeepSeekV3SavingsOfEachOptimization) {
   expect_within(base - fp8_base, 16.0, 0.20, "FP8 activations");
 }
 
+// The precision-aware optimizer's main parameters: bf16 weights' fp32 master as 16-bit remainders where Megatron
+// stores them (TE holding the master weights: no FP8, --fp8-recipe delayed, FP4), a full fp32 copy under the other FP8
+// recipes (optimizer_config.py: use_precision_aware_optimizer_no_fp8_or_ds_fp8). Per shard element 4 + 4 + 2 bytes
+// against 4 + 4 + 4; moecore's CPU engine counts the same 2 bytes per element.
+TEST(PlanMemory, PrecisionAwareMainParamsAsMegatron) {
+  const Flags base = hf("mixtral_8x7b") + kCommon +
+                     Flags{"--use-precision-aware-optimizer",
+                           "--seq-length",
+                           "4096",
+                           "--num-gpus",
+                           "64",
+                           "--micro-batch-size",
+                           "1",
+                           "--global-batch-size",
+                           "256",
+                           "--expert-model-parallel-size",
+                           "8"};
+  for (const char* gpu : {"H100", "cpu"}) {
+    const auto optimizer = [&](const Flags& extra) {
+      return worst(base + Flags{"--gpu", gpu} + extra).main_weights_and_optimizer;
+    };
+    const double remainders = optimizer({});
+    EXPECT_EQ(optimizer({"--fp8-format", "e4m3"}), remainders) << gpu << ": delayed";
+    EXPECT_EQ(optimizer({"--fp4-format", "e2m1"}), remainders) << gpu << ": FP4";
+    for (const char* recipe : {"tensorwise", "blockwise", "mxfp8"}) {
+      const double full = optimizer({"--fp8-format", "e4m3", "--fp8-recipe", recipe});
+      if (std::string(gpu) == "H100") {
+        EXPECT_NEAR(full / remainders, 12.0 / 10.0, 1e-9) << gpu << " " << recipe;
+      } else {
+        EXPECT_GT(full, remainders * 1.1) << gpu << " " << recipe;
+      }
+    }
+  }
+}
+
 struct Table20Row {
   const char* what;
   double measured_tflops;  // Table 11

@@ -12,6 +12,7 @@
 
 #include "moecore/train/arguments.h"
 #include "moecore/train/checkpointing.h"
+#include "moecore/train/optimizer_master.h"
 #include "moecore/train/training_setup.h"
 #include "optimizer_state_reference.h"
 #include "test_temp_dir.h"
@@ -162,6 +163,47 @@ TEST(PrecisionAwareSetup, FlagsReachTheOptimizerAndDdp) {
   EXPECT_EQ(plain.ddp->options().grad_dtype, DType::kF32);
   EXPECT_FALSE(plain.optimizer->options().decoupled_grads);
   EXPECT_TRUE(mo.optimizer->options().decoupled_grads);
+}
+
+// Megatron keeps bf16 weights' fp32 main parameters as 16-bit remainders only where TE's FusedAdam holds the master
+// weights (optimizer_config.py: use_precision_aware_optimizer_no_fp8_or_ds_fp8, fp8_recipe None or "delayed"): FP8
+// recipes tensorwise / blockwise / mxfp8 with fp32 main parameters keep a full fp32 master (and fp32 gradient
+// copies); without FP8, under delayed scaling and under FP4 the remainders stay.
+TEST(PrecisionAwareSetup, Fp8RecipesBeyondDelayedKeepAFullFp32Master) {
+  struct Case {
+    Args flags;
+    bool remainders;
+    bool te_master;  // TE's FusedAdam holds the master weights and reads the gradient buffer (decoupled_grad)
+  };
+  const std::vector<Case> cases = {
+      {{"--bf16"}, true, true},
+      {{"--bf16", "--fp8-format", "e4m3"}, true, true},  // delayed, Megatron's default recipe
+      {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"}, true, true},
+      {{"--bf16", "--fp4-format", "e2m1"}, true, true},  // Megatron's fp8_recipe stays "delayed"
+      {{"--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"}, false, false},
+      {{"--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "blockwise"}, false, false},
+      {{"--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"}, false, false},
+      {{"--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-param-gather"}, false, false},
+      {{"--bf16", "--fp8-format", "e4m3", "--fp8-param-gather"}, false, true},  // quantized weights: no remainders
+      {{"--bf16", "--fp4-format", "e2m1", "--fp4-param-gather"}, false, true},
+      // fp16 main parameters: TE holds them whatever the recipe.
+      {{"--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--main-params-dtype", "fp16"}, false, true},
+  };
+  for (const Case& c : cases) {
+    std::string what;
+    for (const std::string& f : c.flags) what += f + " ";
+    const TrainingArgs args = run_args_of(pao(c.flags));
+    EXPECT_EQ(stores_param_remainders(args), c.remainders) << what;
+    EXPECT_EQ(te_holds_master_weights(args), c.te_master) << what;
+    const ModelAndOptimizer mo = build_model_and_optimizer(args, parallel::ParallelState::single_process());
+    EXPECT_EQ(mo.optimizer->options().store_param_remainders, c.remainders) << what;
+    EXPECT_EQ(mo.optimizer->stores_param_remainders(), c.remainders) << what;
+    EXPECT_EQ(mo.optimizer->options().decoupled_grads, c.te_master) << what;
+    int64_t elements = 0;
+    for (const auto& b : mo.ddp->buckets()) elements += b.shard_size;
+    const int64_t main_bytes = c.remainders ? 2 : args.main_params_dtype == "fp16" ? 2 : 4;
+    EXPECT_EQ(mo.optimizer->state_bytes(), elements * (4 + 4 + main_bytes)) << what;
+  }
 }
 
 // Megatron's grad buffer dtype: one 16-bit buffer for --grad-reduce-in-bf16 and --main-grads-dtype bf16, fp16 under

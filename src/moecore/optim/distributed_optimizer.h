@@ -67,6 +67,8 @@ class DistributedAdamW {
   // each with the scale of its new absmax (TE's set_scaled_state); the main parameters only with `main_params`
   // (remainders: the weights and remainders from the fp32 values). `slices` must come from moment_slices().
   void load_moment_slices(const std::vector<AdamWMomentSlice>& slices, bool main_params = true);
+  // True when the fp32 main parameters are the bf16 weights plus 16-bit remainders (not a full fp32 copy).
+  bool stores_param_remainders() const { return remainders_; }
   // Bytes of every optimizer state this rank stores (moments and main parameters, padding included).
   int64_t state_bytes() const;
   // 16-bit or quantized weights (see AdamWOptimizer): main parameters from the model's values (then the values

@@ -12,6 +12,7 @@
 #include "moecore/parallel/pipeline_layout.h"
 #include "moecore/plan/pipeline_peak.h"
 #include "moecore/train/arguments.h"
+#include "moecore/train/optimizer_master.h"
 #include "moecore/util/checked_math.h"
 
 namespace moecore::plan {
@@ -199,8 +200,8 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     double optimizer = (exp_avg + exp_avg_sq) * shard;
     if (low_precision) {
       // 16-bit parameters: fp32 main parameters, fp16 ones, or int16 remainders of bf16 (the precision-aware
-      // optimizer's store_param_remainders).
-      const bool two_bytes = pa && ((c.params_dtype == DType::kBF16 && main_dtype == "fp32") || main_dtype == "fp16");
+      // optimizer's store_param_remainders, where Megatron stores them).
+      const bool two_bytes = stores_param_remainders(t) || main_dtype == "fp16";
       optimizer += (two_bytes ? 2.0 : 4.0) * shard;
     }
     double optimizer_peak = optimizer;

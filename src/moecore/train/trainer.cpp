@@ -135,10 +135,10 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
     const double state_mb = static_cast<double>(built.optimizer->state_bytes()) / (1024.0 * 1024.0);
     log << "> precision-aware optimizer: exp_avg " << run_args.exp_avg_dtype << ", exp_avg_sq "
         << run_args.exp_avg_sq_dtype << ", main params "
-        << (run_args.model.params_dtype == DType::kF32 ? "(the fp32 weights)"
-            : run_args.model.params_dtype == DType::kBF16 && run_args.main_params_dtype == "fp32"
-                ? "fp32 (bf16 weights + 16-bit remainders)"
-                : run_args.main_params_dtype)
+        << (run_args.model.params_dtype == DType::kF32   ? "(the fp32 weights)"
+            : built.optimizer->stores_param_remainders() ? "fp32 (bf16 weights + 16-bit remainders)"
+            : run_args.main_params_dtype == "fp32"       ? "fp32 (a full copy)"
+                                                         : run_args.main_params_dtype)
         << ", main grads " << run_args.main_grads_dtype << "; optimizer states " << std::setprecision(2) << state_mb
         << " MB on rank 0" << std::endl;
   }

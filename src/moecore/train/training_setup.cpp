@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "moecore/parallel/pipeline_layout.h"
+#include "moecore/train/optimizer_master.h"
 
 namespace moecore {
 
@@ -94,10 +95,9 @@ ModelAndOptimizer build_model_and_optimizer(const TrainingArgs& run_args, const 
   if (run_args.model.params_dtype != DType::kF32) {
     adam.main_params_format = quant::parse_state_format(run_args.main_params_dtype);
   }
-  // Megatron's store_param_remainders (OptimizerConfig default True, no flag; TE applies it to bf16 weights with an
-  // fp32 master).
-  adam.store_param_remainders = run_args.use_precision_aware_optimizer;
-  adam.decoupled_grads = run_args.use_precision_aware_optimizer;
+  // Megatron's store_param_remainders (OptimizerConfig default True, no flag) where TE holds the master weights.
+  adam.store_param_remainders = stores_param_remainders(run_args);
+  adam.decoupled_grads = te_holds_master_weights(run_args);
   DdpOptions ddp_options;
   ddp_options.bucket_size = run_args.ddp_bucket_size;
   ddp_options.overlap_grad_reduce = run_args.overlap_grad_reduce;
