@@ -1,12 +1,14 @@
 #include "moecore/model/context_parallel_attention.h"
 
 #include <cstring>
+#include <initializer_list>
 #include <span>
 #include <utility>
 #include <vector>
 
 #include "moecore/model/config.h"
 #include "moecore/ops/elementwise.h"
+#include "moecore/ops/precision.h"
 #include "moecore/parallel/comm_stats.h"
 
 namespace moecore {
@@ -17,6 +19,16 @@ constexpr int kKeyValueGradTag = 12;
 
 Tensor activations(std::vector<int64_t> shape) {
   return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
+}
+
+// Attention that spans several kernel calls (the ring's steps, a reduce-scatter of partial key / value gradients)
+// keeps its partial results in fp32 and rounds them to the activation dtype once, as TransformerEngine's
+// AttnFuncWithCPAndKVP2P corrects each step's output in fp32 and casts once: the ops inside run under an fp32
+// scope, and round_once applies the caller's dtype to what the attention hands back (an op would round it so).
+void round_once(const DType activation_dtype, std::initializer_list<Tensor*> tensors) {
+  for (Tensor* t : tensors) {
+    if (t->dtype() == DType::kF32) ops::round_to_dtype_(*t, activation_dtype);
+  }
 }
 
 // The block fields of dims for queries at q_index against keys at k_index (documents when packed).
@@ -203,8 +215,11 @@ void context_parallel_attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const
     return;
   }
   // p2p ring: step 0 is this rank's own block; each later step's keys arrive while the previous block computes.
+  // The running (out, lse) stays fp32 across the steps; out is rounded once after the last merge.
+  const DType activation_dtype = ops::activation_dtype();
   const int P = cp.size();
   Tensor k_cur = k_SBGd, v_cur = v_SBGd;
+  const ops::ScopedActivationDType fp32_ring(DType::kF32);
   for (int step = 0; step < P; ++step) {
     RingTransfer transfer;
     if (step + 1 < P) transfer.start({&k_cur, &v_cur}, cp, kKeyValueTag);
@@ -222,6 +237,7 @@ void context_parallel_attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const
       v_cur = std::move(next[1]);
     }
   }
+  round_once(activation_dtype, {&out_SBNd});
 }
 
 void context_parallel_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const Tensor& dout_SBNd,
@@ -236,13 +252,17 @@ void context_parallel_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tenso
   }
   const std::vector<int64_t> local = seq.local_index();
   if (type == CpCommType::kAllGather) {
+    // Every rank's share of the key / value gradients is summed in fp32 and rounded once.
     const Block b = block(seq, local, all_indices(seq));
     const Tensor k_all = gather_sequence(k_SBGd, cp), v_all = gather_sequence(v_SBGd, cp);
     Tensor dk_all = activations(k_all.shape()), dv_all = activations(v_all.shape());
+    const DType activation_dtype = ops::activation_dtype();
+    const ops::ScopedActivationDType fp32_shares(DType::kF32);
     ops::attention_backward(dq_SBNd, dk_all, dv_all, dout_SBNd, q_SBNd, k_all, v_all, out_SBNd, lse_BNS,
                             b.bind(dims, seq.S), dropout);
     reduce_scatter_add(dk_SBGd, dk_all, cp);
     reduce_scatter_add(dv_SBGd, dv_all, cp);
+    round_once(activation_dtype, {&dq_SBNd, &dk_SBGd, &dv_SBGd});
     return;
   }
   if (type == CpCommType::kA2A) {
@@ -255,14 +275,21 @@ void context_parallel_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tenso
     const ops::AttentionDims hd = b.bind(head_shard_dims(dims, cp), seq.S);
     Tensor dq_h = activations(q_h.shape()), dk_h = activations(k_h.shape()), dv_h = activations(v_h.shape());
     const Tensor lse_h = lse_BNS.view({B, N / cp.size(), seq.S});
+    // The head-shard gradients stay fp32 until they are added to the caller's: one rounding.
+    const DType activation_dtype = ops::activation_dtype();
+    const ops::ScopedActivationDType fp32_shards(DType::kF32);
     ops::attention_backward(dq_h, dk_h, dv_h, dout_h, q_h, k_h, v_h, out_h, lse_h, hd, dropout);
     ops::add_(dq_SBNd, heads_to_sequence(dq_h, N, d, cp));
     ops::add_(dk_SBGd, heads_to_sequence(dk_h, G, d, cp));
     ops::add_(dv_SBGd, heads_to_sequence(dv_h, G, d, cp));
+    round_once(activation_dtype, {&dq_SBNd, &dk_SBGd, &dv_SBGd});
     return;
   }
   // p2p ring: keys, values and their gradient buffers travel together; after CP steps the buffers of every block
-  // have collected each rank's share, and one last transfer brings them home.
+  // have collected each rank's share, and one last transfer brings them home. dq and the travelling dk, dv buffers
+  // accumulate in fp32 across the steps and are rounded once at the end.
+  const DType activation_dtype = ops::activation_dtype();
+  const ops::ScopedActivationDType fp32_ring(DType::kF32);
   const int P = cp.size();
   Tensor k_cur = k_SBGd, v_cur = v_SBGd;
   Tensor dk_cur = activations(k_SBGd.shape()), dv_cur = activations(v_SBGd.shape());
@@ -285,6 +312,7 @@ void context_parallel_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tenso
       ops::add_(dv_SBGd, home[1]);
     }
   }
+  round_once(activation_dtype, {&dq_SBNd, &dk_SBGd, &dv_SBGd});
 }
 
 }  // namespace moecore

@@ -9,7 +9,10 @@
 //              N / CP query heads and G / CP key/value groups), whole-sequence attention, all-to-all back.
 // The causal mask, the documents of packed sequences and the dropout counters all use each row's index in the
 // whole sequence (SequenceInfo), so every layout computes the one-process attention and draws its dropout mask.
-// With one CP rank all three are the plain attention over the local sequence.
+// With one CP rank all three are the plain attention over the local sequence. Under a 16-bit activation dtype
+// (ops/precision.h) the partial results stay fp32 across the kernel calls (the ring's running output, its dq / dk / dv
+// accumulators, gradients before a reduce-scatter or all-to-all) and what is returned is rounded once, as
+// TransformerEngine's ring attention casts once: the fp32 result rounded to 16 bits.
 #pragma once
 
 #include <cstdint>
