@@ -471,6 +471,9 @@ Checkpointer::Checkpointer(const TrainingArgs& run_args, const parallel::Paralle
     struct sigaction action {};
     action.sa_handler = on_exit_signal;
     sigemptyset(&action.sa_mask);
+    // System calls the signal interrupts are restarted (as Python retries them for Megatron's handler, PEP 475):
+    // a write, read or fsync failing with EINTR would end the run instead of the save the signal asks for.
+    action.sa_flags = SA_RESTART;
     sigaction(exit_signal_, &action, &previous_handler_);
     handler_installed_ = true;
   }
