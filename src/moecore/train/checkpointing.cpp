@@ -1,5 +1,8 @@
 #include "moecore/train/checkpointing.h"
 
+#include <omp.h>
+#include <pthread.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -476,11 +479,35 @@ Checkpointer::Checkpointer(const TrainingArgs& run_args, const parallel::Paralle
     action.sa_flags = SA_RESTART;
     sigaction(exit_signal_, &action, &previous_handler_);
     handler_installed_ = true;
+    // The training threads (this one and OpenMP's) block the signal: it stays pending until the check after the
+    // iteration takes it (sigtimedwait), so it never interrupts a kernel. Threads that do not block it (MPI's) run
+    // the handler, which only sets the flag.
+    sigset_t signal_set;
+    sigemptyset(&signal_set);
+    sigaddset(&signal_set, exit_signal_);
+    pthread_sigmask(SIG_BLOCK, &signal_set, &previous_mask_);
+#pragma omp parallel
+    {
+      if (omp_get_thread_num() != 0) pthread_sigmask(SIG_BLOCK, &signal_set, nullptr);
+    }
   }
 }
 
+bool Checkpointer::exit_signal_pending() const {
+  if (g_exit_signal_received) return true;
+  sigset_t signal_set;
+  sigemptyset(&signal_set);
+  sigaddset(&signal_set, exit_signal_);
+  const timespec no_wait{0, 0};
+  if (sigtimedwait(&signal_set, nullptr, &no_wait) == exit_signal_) g_exit_signal_received = 1;
+  return g_exit_signal_received != 0;
+}
+
 Checkpointer::~Checkpointer() {
-  if (handler_installed_) sigaction(exit_signal_, &previous_handler_, nullptr);
+  if (!handler_installed_) return;
+  // A signal still pending reaches this run's handler when unblocked, not the previous disposition.
+  pthread_sigmask(SIG_SETMASK, &previous_mask_, nullptr);
+  sigaction(exit_signal_, &previous_handler_, nullptr);
   // A pending async save is finished by finish(); an exception path drops it (its folder stays .tmp, never named).
 }
 
@@ -579,7 +606,7 @@ bool Checkpointer::after_iteration(const CheckpointTarget& target, const Trainin
   const int64_t it = progress.iteration;
   const bool can_save = !args_.save.empty();
   if (args_.exit_signal_handler) {
-    std::vector<int64_t> received{g_exit_signal_received ? 1 : 0};
+    std::vector<int64_t> received{exit_signal_pending() ? 1 : 0};
     parallel_.world.all_reduce(std::span<int64_t>(received), parallel::ReduceOp::kMax);
     if (received[0] != 0) {
       if (can_save) save(target, progress, false);

@@ -126,6 +126,9 @@ class Checkpointer {
   double start_seconds_ = 0.0;  // the job's start (--exit-duration-in-mins), Unix seconds
   int exit_signal_ = SIGTERM;
   struct sigaction previous_handler_ {};
+  sigset_t previous_mask_{};
+  // The exit signal arrived: the handler's flag, or the signal pending on the threads that block it (taken here).
+  bool exit_signal_pending() const;
   bool handler_installed_ = false;
 };
 
