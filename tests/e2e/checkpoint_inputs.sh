@@ -11,11 +11,8 @@ rm -rf "$work" && mkdir -p "$work"
 export OMP_NUM_THREADS=1
 failures=0
 source "$src/tests/e2e/expect.sh"
-config=()
-while read -r flag value; do
-  config+=("$flag")
-  if [ -n "$value" ]; then config+=("$value"); fi
-done < <(grep -v '^#' "$src/configs/mixtral-tiny.args" | grep -v '^\s*$')
+source "$src/tests/recipe.sh"
+mapfile -t config < <(recipe "$src" mixtral-tiny)
 model=("${config[@]}" --train-iters 2 --lr-warmup-iters 1 --eval-iters 0 --log-interval 1)
 "$bin" train "${model[@]}" --save "$work/run" --save-interval 2 >"$work/save.log" 2>&1 ||
   { tail -3 "$work/save.log"; echo "FAIL: the first save"; exit 1; }

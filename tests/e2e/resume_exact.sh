@@ -20,14 +20,8 @@ export OMP_NUM_THREADS=1
 failures=0
 source "$src/tests/e2e/expect.sh"
 stop() { fail "$@"; exit 1; }
-recipe() {  # the flags of configs/NAME.args
-  local flag value
-  while read -r flag value; do
-    printf '%s\n' "$flag"
-    if [ -n "$value" ]; then printf '%s\n' "$value"; fi
-  done < <(grep -v '^#' "$src/configs/$1.args" | grep -v '^\s*$')
-}
-mapfile -t moe < <(recipe mixtral-tiny)
+source "$src/tests/recipe.sh"
+mapfile -t moe < <(recipe "$src" mixtral-tiny)
 # Smaller than the recipe so the test stays quick; every iteration logged, no evaluation.
 moe+=(--num-layers 2 --seq-length 64 --max-position-embeddings 64 --train-iters 20 --log-interval 1 --eval-iters 0
   --lr-decay-style linear)

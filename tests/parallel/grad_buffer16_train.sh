@@ -14,18 +14,15 @@ src=$3
 work=$4
 rm -rf "$work" && mkdir -p "$work"
 export OMP_NUM_THREADS=1
-recipe=()
-while read -r flag value; do
-  recipe+=("$flag")
-  if [ -n "$value" ]; then recipe+=("$value"); fi
-done < <(grep -v '^#' "$src/configs/mixtral-tiny.args" | grep -v '^\s*$')
+source "$src/tests/recipe.sh"
+mapfile -t model < <(recipe "$src" mixtral-tiny)
 common=(--global-batch-size 16 --train-iters 2 --lr-warmup-iters 1 --log-interval 1 --eval-iters 0 --bf16 --use-distributed-optimizer
   --use-precision-aware-optimizer --save-interval 2)
 
 run() {  # run NAME FLAGS...
   local name=$1
   shift
-  if ! "$mpirun" --allow-run-as-root --oversubscribe -np 2 "$bin" train "${recipe[@]}" "${common[@]}" \
+  if ! "$mpirun" --allow-run-as-root --oversubscribe -np 2 "$bin" train "${model[@]}" "${common[@]}" \
       --save "$work/$name" "$@" > "$work/$name.log" 2>&1; then
     echo "FAIL: $name did not train:"; tail -5 "$work/$name.log"; exit 1
   fi
@@ -49,7 +46,7 @@ for f in "${common[@]}"; do [ "$f" = --use-precision-aware-optimizer ] || plain+
 run_with() {  # run_with NAME FLAGS...: common flags without the precision-aware optimizer
   local name=$1
   shift
-  if ! "$mpirun" --allow-run-as-root --oversubscribe -np 2 "$bin" train "${recipe[@]}" "${plain[@]}" \
+  if ! "$mpirun" --allow-run-as-root --oversubscribe -np 2 "$bin" train "${model[@]}" "${plain[@]}" \
       --save "$work/$name" --clip-grad 0 --train-iters 2 --exit-interval 1 --save-interval 1 "$@" >"$work/$name.log" 2>&1; then
     echo "FAIL: $name did not train:"; tail -5 "$work/$name.log"; exit 1
   fi

@@ -15,11 +15,8 @@ export OMP_NUM_THREADS=1
 timeout_minutes=0.1
 bound=$((6 + 30))  # the timeout in seconds + 30 s
 
-args=()
-while read -r flag value; do
-  args+=("$flag")
-  if [ -n "$value" ]; then args+=("$value"); fi
-done < <(grep -v '^#' "$src/configs/mixtral-tiny.args" | grep -v '^\s*$')
+source "$src/tests/recipe.sh"
+mapfile -t args < <(recipe "$src" mixtral-tiny)
 
 # `timeout` guards against a hang of the whole job; the bound checked below is much shorter.
 timeout -s KILL 300 "$mpirun" --allow-run-as-root --oversubscribe -np 2 "$bin" train "${args[@]}" \

@@ -13,38 +13,14 @@
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/training_setup.h"
 #include "moecore/util/process_start.h"
+#include "test_recipe.h"
 
 namespace moecore {
 namespace {
 
-TrainingArgs tiny_args(const std::string& exit_minutes) {
-  const std::vector<std::string> flags = {"--num-layers",
-                                          "1",
-                                          "--hidden-size",
-                                          "16",
-                                          "--num-attention-heads",
-                                          "2",
-                                          "--seq-length",
-                                          "8",
-                                          "--max-position-embeddings",
-                                          "8",
-                                          "--micro-batch-size",
-                                          "1",
-                                          "--global-batch-size",
-                                          "1",
-                                          "--train-iters",
-                                          "4",
-                                          "--lr",
-                                          "1e-3",
-                                          "--mock-data",
-                                          "--tokenizer-type",
-                                          "NullTokenizer",
-                                          "--vocab-size",
-                                          "64",
-                                          "--eval-iters",
-                                          "0",
-                                          "--exit-duration-in-mins",
-                                          exit_minutes};
+TrainingArgs recipe_args(const std::string& exit_minutes) {
+  std::vector<std::string> flags = test::recipe_flags("mixtral-tiny");
+  flags.insert(flags.end(), {"--eval-iters", "0", "--exit-duration-in-mins", exit_minutes});
   const TrainingArgs args = parse_train_args(flags);
   return with_padded_vocabulary(args, build_vocabulary(args));
 }
@@ -58,7 +34,7 @@ bool exits_after_first_iteration(const TrainingArgs& args, std::ostringstream& l
   const parallel::ParallelState parallel = parallel::ParallelState::single_process();
   ModelAndOptimizer mo = build_model_and_optimizer(args, parallel);
   LRSchedule schedule(lr_schedule_config(args));
-  const CheckpointTarget target{*mo.model, *mo.ddp, *mo.optimizer, schedule, 64};
+  const CheckpointTarget target{*mo.model, *mo.ddp, *mo.optimizer, schedule, args.model.vocab_size};
   Checkpointer checkpointer(args, parallel, log);
   TrainingProgress progress;
   progress.iteration = 1;
@@ -70,10 +46,10 @@ TEST(ExitConditions, DurationCountsFromTheProcessStart) {
   // (the Checkpointer) began.
   while (seconds_since_process_start() < 0.7) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   std::ostringstream log;
-  EXPECT_TRUE(exits_after_first_iteration(tiny_args("0.01"), log));
+  EXPECT_TRUE(exits_after_first_iteration(recipe_args("0.01"), log));
   EXPECT_NE(log.str().find("exiting program after"), std::string::npos) << log.str();
   std::ostringstream not_yet;
-  EXPECT_FALSE(exits_after_first_iteration(tiny_args("10"), not_yet)) << not_yet.str();
+  EXPECT_FALSE(exits_after_first_iteration(recipe_args("10"), not_yet)) << not_yet.str();
 }
 
 }  // namespace

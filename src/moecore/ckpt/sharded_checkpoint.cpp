@@ -59,15 +59,21 @@ Tensor piece_view(const Tensor& local, const PlacedBox& placed) {
       .view(shape);
 }
 
-// Fault injection for the write-fault tests: MOECORE_CKPT_FAIL_AT=<stage>[:<rank>] makes a step of the save fail on
-// every rank (or world rank <rank> only) as the OS would: "fsync" (the fsync of a file this rank writes reports EIO).
-bool fault_injected(const char* stage, const int rank) {
-  const char* at = std::getenv("MOECORE_CKPT_FAIL_AT");
+// Whether the fault-injection variable `env` (<stage>[:<rank>]) names `stage` for this world rank (every rank when
+// no rank is given).
+bool fault_spec_matches(const char* env, const char* stage, const int rank) {
+  const char* at = std::getenv(env);
   if (at == nullptr) return false;
   const std::string spec = at;
   const size_t colon = spec.find(':');
   if (spec.substr(0, colon) != stage) return false;
   return colon == std::string::npos || spec.substr(colon + 1) == std::to_string(rank);
+}
+
+// Fault injection for the write-fault tests: MOECORE_CKPT_FAIL_AT=<stage>[:<rank>] makes a step of the save fail on
+// every rank (or world rank <rank> only) as the OS would: "fsync" (the fsync of a file this rank writes reports EIO).
+bool fault_injected(const char* stage, const int rank) {
+  return fault_spec_matches("MOECORE_CKPT_FAIL_AT", stage, rank);
 }
 
 int checked_fsync(const int fd, const int rank) {
@@ -122,13 +128,7 @@ void make_folder(const fs::path& dir, const bool parents) {
 // "shard_written" (this rank's file is on disk), "metadata_written" (rank 0, before the folder is renamed),
 // "renamed" (rank 0, before the tracker is updated).
 void maybe_die_at(const char* stage, const int rank) {
-  const char* at = std::getenv("MOECORE_CKPT_KILL_AT");
-  if (at == nullptr) return;
-  const std::string spec = at;
-  const size_t colon = spec.find(':');
-  if (spec.substr(0, colon) != stage) return;
-  if (colon != std::string::npos && spec.substr(colon + 1) != std::to_string(rank)) return;
-  ::raise(SIGKILL);
+  if (fault_spec_matches("MOECORE_CKPT_KILL_AT", stage, rank)) ::raise(SIGKILL);
 }
 
 }  // namespace
