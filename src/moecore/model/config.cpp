@@ -36,6 +36,21 @@ void ModelConfig::validate() const {
                 std::to_string(rotary_dim()) + ")");
     require(rotary_base > 0, "--rotary-base must be positive");
   }
+  if (position_embedding_type == PositionEmbedding::kYarn || (mla && mla->rope_type == RopeType::kYarn)) {
+    require(yarn.rotary_scaling_factor > 0, "--rotary-scaling-factor must be positive");
+    require(yarn.original_max_position_embeddings > 0, "--yarn-original-max-position-embeddings must be positive");
+    require(yarn.beta_fast > 0 && yarn.beta_slow > 0, "--yarn-beta-fast and --yarn-beta-slow must be positive");
+    require(rotary_base > 1, "--rotary-base must be above 1 under YaRN");
+  }
+  if (mla) {
+    require(mla->q_lora_rank >= 0, "--q-lora-rank must be positive");
+    require(mla->kv_lora_rank > 0, "--kv-lora-rank must be positive");
+    require(mla->qk_head_dim > 0 && mla->v_head_dim > 0, "--qk-head-dim and --v-head-dim must be positive");
+    require(mla->qk_pos_emb_head_dim > 0 && mla->qk_pos_emb_head_dim % 2 == 0,
+            "--qk-pos-emb-head-dim must be positive and even (got " + std::to_string(mla->qk_pos_emb_head_dim) + ")");
+  }
+  require(mtp_num_layers >= 0, "--mtp-num-layers must not be negative");
+  require(mtp_loss_scaling_factor >= 0, "--mtp-loss-scaling-factor must not be negative");
 }
 
 std::string to_string(const Normalization value) {
@@ -54,6 +69,7 @@ std::string to_string(const PositionEmbedding value) {
     case PositionEmbedding::kLearnedAbsolute: return "learned_absolute";
     case PositionEmbedding::kRope: return "rope";
     case PositionEmbedding::kNone: return "none";
+    case PositionEmbedding::kYarn: return "yarn";
   }
   return "?";
 }

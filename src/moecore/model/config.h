@@ -22,7 +22,40 @@ class ConfigError : public std::runtime_error {
 
 enum class Normalization { kLayerNorm, kRMSNorm };
 using ops::Activation;
-enum class PositionEmbedding { kLearnedAbsolute, kRope, kNone };
+// kYarn: Megatron's --position-embedding-type yarn for standard attention (YarnRotaryEmbedding's frequencies; the
+// GPT model drops its concentration factor, gpt_model.py).
+enum class PositionEmbedding { kLearnedAbsolute, kRope, kNone, kYarn };
+// Megatron's --rope-type: the rotary embedding of multi-latent attention (MLATransformerConfig.rope_type).
+enum class RopeType { kRope, kYarn };
+
+// YaRN (Megatron's YarnRotaryEmbedding, yarn_rotary_pos_embedding.py): the frequencies blend the original and the
+// scaled (1 / rotary_scaling_factor) ones over a ramp between the dimensions that make beta_fast and beta_slow
+// rotations in original_max_position_embeddings positions; cos / sin are multiplied by the concentration factor
+// get_mscale(s, mscale) / get_mscale(s, mscale_all_dim) where Megatron applies it (multi-latent attention).
+struct YarnConfig {
+  double rotary_scaling_factor = 1.0;               // --rotary-scaling-factor
+  double mscale = 1.0;                              // --mscale
+  double mscale_all_dim = 0.0;                      // --mscale-all-dim
+  int64_t original_max_position_embeddings = 4096;  // --yarn-original-max-position-embeddings
+  double beta_fast = 32.0;                          // --yarn-beta-fast
+  double beta_slow = 1.0;                           // --yarn-beta-slow
+  bool correction_range_round_to_int = true;        // --[no-]yarn-correction-range-round-to-int
+};
+
+// Megatron's multi-latent attention (--multi-latent-attention, MLATransformerConfig; multi_latent_attention.py):
+// queries from a low-rank latent (q_lora_rank; 0: linear_q_proj straight from the hidden state), keys and values
+// from one latent of kv_lora_rank shared by all heads plus one rope key of qk_pos_emb_head_dim per token.
+// Query / key heads are qk_head_dim + qk_pos_emb_head_dim wide, value heads v_head_dim.
+struct MlaConfig {
+  int64_t q_lora_rank = 0;               // --q-lora-rank (Megatron's None: 0)
+  int64_t kv_lora_rank = 32;             // --kv-lora-rank
+  int64_t qk_head_dim = 128;             // --qk-head-dim (the part of a query / key head without RoPE)
+  int64_t qk_pos_emb_head_dim = 64;      // --qk-pos-emb-head-dim
+  int64_t v_head_dim = 128;              // --v-head-dim
+  RopeType rope_type = RopeType::kYarn;  // --rope-type (MLA's default: yarn)
+
+  int64_t q_head_dim() const { return qk_head_dim + qk_pos_emb_head_dim; }
+};
 
 struct ModelConfig {
   int64_t num_layers = 0;           // --num-layers
@@ -42,6 +75,12 @@ struct ModelConfig {
   PositionEmbedding position_embedding_type = PositionEmbedding::kLearnedAbsolute;
   double rotary_base = 10000.0;
   double rotary_percent = 1.0;
+  YarnConfig yarn;               // --position-embedding-type yarn, or multi-latent attention with --rope-type yarn
+  std::optional<MlaConfig> mla;  // --multi-latent-attention (then kv_channels and num_query_groups are unused)
+  // --mtp-num-layers D (0: none): D Multi-Token Prediction depths after the decoder (multi_token_prediction.py),
+  // their losses weighted by --mtp-loss-scaling-factor / D.
+  int64_t mtp_num_layers = 0;
+  double mtp_loss_scaling_factor = 0.1;
   double init_method_std = 0.02;
   double attention_dropout = 0.1;
   double hidden_dropout = 0.1;
