@@ -6,7 +6,8 @@
 //                  [--eps 1e-8] [--microbatches 1] [--export-hf DIR] [--export-hf-bf16] [--import-hf DIR]
 //
 // C.json holds ModelConfig fields by name (enums as strings: "RMSNorm", "swiglu", "rope", ...), and optionally
-// "moe": {MoEConfig fields by name} (tests/oracle/twin_moe.py MOE_DEFAULTS lists them). W.safetensors holds
+// "moe": {MoEConfig fields by name} (tests/oracle/twin_moe.py MOE_DEFAULTS lists them), "mla": {MlaConfig fields}
+// and "yarn": {YarnConfig fields} (tests/oracle/twin_mla.py lists both). W.safetensors holds
 // every parameter under its Megatron name; B.safetensors holds tokens and labels [B, S] (int32/int64) and optionally
 // loss_mask [B, S], and the twin's optional packed-sequence inputs position_ids / document_ids [B, S] (positions of
 // the rows, documents that attention does not cross).
@@ -182,6 +183,58 @@ MoEConfig moe_fields(const json& j, const std::string& path) {
   return m;
 }
 
+// The "mla" object: MlaConfig fields by name (rope_type "yarn" or "rope").
+MlaConfig mla_fields(const json& j, const std::string& path) {
+  if (!j.is_object()) throw std::runtime_error(path + ": \"mla\" must be an object or null");
+  MlaConfig m;
+  for (const auto& [key, value] : j.items()) {
+    if (key == "q_lora_rank") {
+      m.q_lora_rank = value;
+    } else if (key == "kv_lora_rank") {
+      m.kv_lora_rank = value;
+    } else if (key == "qk_head_dim") {
+      m.qk_head_dim = value;
+    } else if (key == "qk_pos_emb_head_dim") {
+      m.qk_pos_emb_head_dim = value;
+    } else if (key == "v_head_dim") {
+      m.v_head_dim = value;
+    } else if (key == "rope_type") {
+      const std::string v = value;
+      if (v != "yarn" && v != "rope") throw std::runtime_error(path + ": mla.rope_type " + v);
+      m.rope_type = v == "yarn" ? RopeType::kYarn : RopeType::kRope;
+    } else {
+      throw std::runtime_error(path + ": unknown mla config field '" + key + "'");
+    }
+  }
+  return m;
+}
+
+// The "yarn" object: YarnConfig fields by name.
+YarnConfig yarn_fields(const json& j, const std::string& path) {
+  if (!j.is_object()) throw std::runtime_error(path + ": \"yarn\" must be an object");
+  YarnConfig y;
+  for (const auto& [key, value] : j.items()) {
+    if (key == "rotary_scaling_factor") {
+      y.rotary_scaling_factor = value;
+    } else if (key == "mscale") {
+      y.mscale = value;
+    } else if (key == "mscale_all_dim") {
+      y.mscale_all_dim = value;
+    } else if (key == "original_max_position_embeddings") {
+      y.original_max_position_embeddings = value;
+    } else if (key == "beta_fast") {
+      y.beta_fast = value;
+    } else if (key == "beta_slow") {
+      y.beta_slow = value;
+    } else if (key == "correction_range_round_to_int") {
+      y.correction_range_round_to_int = value;
+    } else {
+      throw std::runtime_error(path + ": unknown yarn config field '" + key + "'");
+    }
+  }
+  return y;
+}
+
 ModelConfig config_from_json(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw std::runtime_error(path + ": cannot open");
@@ -233,6 +286,10 @@ ModelConfig config_fields(const json& j, const std::string& path) {
       c.untie_embeddings_and_output_weights = value;
     else if (key == "moe") {
       if (!value.is_null()) c.moe = moe_fields(value, path);
+    } else if (key == "mla") {
+      if (!value.is_null()) c.mla = mla_fields(value, path);
+    } else if (key == "yarn") {
+      if (!value.is_null()) c.yarn = yarn_fields(value, path);
     } else if (key == "normalization") {
       const std::string v = value;
       if (v != "LayerNorm" && v != "RMSNorm") throw std::runtime_error(path + ": normalization " + v);
@@ -255,6 +312,8 @@ ModelConfig config_fields(const json& j, const std::string& path) {
         c.position_embedding_type = PositionEmbedding::kRope;
       else if (v == "none")
         c.position_embedding_type = PositionEmbedding::kNone;
+      else if (v == "yarn")
+        c.position_embedding_type = PositionEmbedding::kYarn;
       else
         throw std::runtime_error(path + ": position_embedding_type " + v);
     } else {
