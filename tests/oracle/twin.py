@@ -21,6 +21,8 @@ MoE (config "moe", see twin_moe.py): on layers with moe_layer_pattern[i] = 1 the
 (router, experts, shared experts) with Megatron's aux / z losses attached to the graph (the reported loss stays the lm
 loss); per-layer router state (expert bias, global aux counts) lives in new_moe_state(cfg) and is advanced once per
 global batch by finish_global_batch(cfg, state).
+Multi-latent attention (config "mla") and YaRN rotary embeddings (config "yarn", position_embedding_type "yarn"):
+twin_mla.py.
 
 Command line:
   twin.py megatron --config C.json --weights W.safetensors --batch B.safetensors --out O.safetensors
