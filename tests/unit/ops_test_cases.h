@@ -321,6 +321,36 @@ inline OpCase rope_positions_case(const std::string& name, const RopeShape& r, c
   return c;
 }
 
+// Any rotary embedding (kernels/cpu/rope.h): YaRN frequencies, a cos / sin factor, multi-latent attention's
+// de-interleaved layout, over per-row positions.
+inline OpCase rope_spec_case(const std::string& name, const int64_t S, const int64_t B, const int64_t N,
+                             const kernels::RopeSpec& spec, const std::vector<int64_t>& positions) {
+  const int64_t d = spec.head_dim;
+  OpCase c{name, {"rope_forward", "rope_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("inp", {S, B, N, d});
+    e.rand("out", {S, B, N, d});
+  };
+  c.forward = [=](Env& e) { rope_forward(e("out"), e("inp"), S, B, spec, positions); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) { rope_backward(e("dinp"), e("dout"), S, B, spec, positions); };
+  c.grads = {{"inp", "dinp", kAcc}};
+  c.bad_args = {{kFwd, "inp", "rope_forward"}, {kFwd, "out", "rope_forward"}, {kBwd, "dinp", "rope_backward"}};
+  return c;
+}
+
+// A multi-latent attention rope spec: YaRN frequencies over rot_dim channels (scaling factor 40 over an original
+// length of 16 positions, so the ramp lies inside the channels), concentration 1.2, the de-interleaved layout.
+inline kernels::RopeSpec mla_yarn_spec(const int64_t head_dim, const int64_t rot_dim, const bool interleaved) {
+  kernels::YarnParams yarn;
+  yarn.scaling_factor = 40.0;
+  yarn.original_max_position_embeddings = 16;
+  yarn.beta_fast = 4.0;
+  yarn.beta_slow = 0.5;
+  return kernels::RopeSpec{head_dim, kernels::yarn_inv_freq(rot_dim, 10000.0, yarn), 1.2f, interleaved};
+}
+
 // Positions of S rows of B batch rows restarting at 0 every `period` rows, shifted by b in batch row b.
 inline std::vector<int64_t> document_positions(const int64_t S, const int64_t B, const int64_t period) {
   std::vector<int64_t> positions(static_cast<size_t>(S * B));
@@ -1019,6 +1049,9 @@ inline const std::vector<OpCase>& all_cases() {
                             cp_block(2, 0, 0, 3, 2, {5}), cp_block(2, 0, 1, 3, 2, {5})),
         rope_positions_case("rope_document_positions", {6, 2, 3, 8, 6, 10000.0, 0}, document_positions(6, 2, 4)),
         rope_positions_case("rope_cp_positions", {6, 2, 3, 8, 8, 10000.0, 0}, repeat_per_batch(cp_rows(3, 1, 3), 2)),
+        rope_spec_case("rope_mla_yarn", 6, 2, 3, mla_yarn_spec(8, 8, true), document_positions(6, 2, 6)),
+        rope_spec_case("rope_mla_partial", 5, 2, 2, mla_yarn_spec(10, 6, true), document_positions(5, 2, 3)),
+        rope_spec_case("rope_yarn_halves", 6, 1, 3, mla_yarn_spec(8, 8, false), document_positions(6, 1, 6)),
         activation_case("gelu", Activation::kGelu, 7, 5),
         activation_case("swiglu", Activation::kSwiGLU, 7, 5),
         activation_case("squared_relu", Activation::kSquaredReLU, 7, 5),
@@ -1056,6 +1089,7 @@ inline const std::vector<OpCase>& all_cases() {
                             cp_block(2, 1, 1, 35, 2, {60}), cp_block(2, 1, 0, 35, 2, {60})),
         attention_merge_case("attention_merge_large", attention_dims(70, 2, 4, 64)),
         rope_positions_case("rope_large_positions", {40, 2, 4, 64, 32, 10000.0, 0}, document_positions(40, 2, 13)),
+        rope_spec_case("rope_mla_large", 40, 2, 4, mla_yarn_spec(64, 64, true), document_positions(40, 2, 40)),
         activation_case("gelu_large", Activation::kGelu, 33, 1025),
         activation_case("swiglu_large", Activation::kSwiGLU, 33, 1025),
         activation_case("squared_relu_large", Activation::kSquaredReLU, 33, 1025),

@@ -133,4 +133,30 @@ void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, 
   detail::round_activations({&dinp_SBNd});
 }
 
+void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const RopeSpec& spec,
+                  const std::span<const int64_t> positions_SB) {
+  constexpr const char* op = "rope_forward";
+  detail::check_tensors(op, {&out_SBNd, &inp_SBNd});
+  const int64_t N = heads_of(op, inp_SBNd, S, B, spec.head_dim);
+  detail::check_numel(op, "out_SBNd", out_SBNd, inp_SBNd.numel());
+  check_positions(op, positions_SB, S, B);
+  detail::dispatch(op, inp_SBNd, [&]<typename T>(auto k) {
+    k.rope_forward(ptr<T>(out_SBNd), ptr<T>(inp_SBNd), S, B, N, spec, positions_SB.data());
+  });
+  detail::round_activations({&out_SBNd});
+}
+
+void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, const int64_t B, const RopeSpec& spec,
+                   const std::span<const int64_t> positions_SB) {
+  constexpr const char* op = "rope_backward";
+  detail::check_tensors(op, {&dinp_SBNd, &dout_SBNd});
+  const int64_t N = heads_of(op, dout_SBNd, S, B, spec.head_dim);
+  detail::check_numel(op, "dinp_SBNd", dinp_SBNd, dout_SBNd.numel());
+  check_positions(op, positions_SB, S, B);
+  detail::dispatch(op, dout_SBNd, [&]<typename T>(auto k) {
+    k.rope_backward(ptr<T>(dinp_SBNd), ptr<T>(dout_SBNd), S, B, N, spec, positions_SB.data());
+  });
+  detail::round_activations({&dinp_SBNd});
+}
+
 }  // namespace moecore::ops

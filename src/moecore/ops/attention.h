@@ -9,12 +9,14 @@
 
 #include "moecore/kernels/cpu/attention.h"
 #include "moecore/kernels/cpu/dropout.h"
+#include "moecore/kernels/cpu/rotary_frequencies.h"
 #include "moecore/tensor/tensor.h"
 
 namespace moecore::ops {
 
 using kernels::AttentionDims;
 using kernels::DropoutSpec;
+using kernels::RopeSpec;
 
 void attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, const Tensor& k_SBGd,
                        const Tensor& v_SBGd, const AttentionDims& dims, const DropoutSpec& dropout);
@@ -38,5 +40,11 @@ void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, int64_t S, int64_t B
                   double base, std::span<const int64_t> positions_SB);
 void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, int64_t S, int64_t B, int64_t head_dim, int64_t rot_dim,
                    double base, std::span<const int64_t> positions_SB);
+// Any rotary embedding (frequencies, cos / sin factor, multi-latent attention's layout: kernels/cpu/rope.h) over
+// spec.head_dim-wide head vectors, positions_SB [S * B] as above.
+void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, int64_t S, int64_t B, const RopeSpec& spec,
+                  std::span<const int64_t> positions_SB);
+void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, int64_t S, int64_t B, const RopeSpec& spec,
+                   std::span<const int64_t> positions_SB);
 
 }  // namespace moecore::ops
