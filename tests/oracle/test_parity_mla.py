@@ -7,7 +7,8 @@ micro-batches of 2 sequences, the float32 / float64 routing premise, the aux-onl
 Cases: MLA with and without q-lora, with qk_layernorm (RMSNorm; LayerNorm with biases), MLA + YaRN with DeepSeek-V3's
 scaling (s 40, mscale = mscale_all_dim = 1) and with a concentration factor != 1, MLA rope_type rope (also with
 rotary_percent 0.5), MLA on packed sequences (position ids + documents), standard attention with
-position_embedding_type yarn (rounded and fractional ramp bounds, rotary_percent ignored, concentration dropped), and
+position_embedding_type yarn (rounded and fractional ramp bounds, rotary_percent ignored, a concentration factor
+!= 1, which Megatron's Attention applies), and
 MLA with MoE layers (DeepSeek-V3-like sigmoid router with expert bias and groups, shared expert, a dense first layer).
 
 No gradient element is structurally zero here (MLA has no query / key biases; yarn rotates every key channel of

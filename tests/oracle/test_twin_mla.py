@@ -3,8 +3,9 @@
   * YaRN for DeepSeek-V3's numbers (dr 64, base 1e4, original length 4096, s 40, mscale = mscale_all_dim = 1):
     ramp bounds 10 / 23, concentration factor 1, softmax scale 0.135234..., and the blended frequencies, all from
     plain math written here; also the low == high (+0.001) and the unrounded (fractional) ramp bounds.
-  * position_embedding_type yarn for standard attention: dim = kv_channels whatever rotary_percent, no concentration
-    factor (GPTModel drops it), against plain math.
+  * position_embedding_type yarn for standard attention: dim = kv_channels whatever rotary_percent, cos / sin times
+    the concentration factor (Megatron's Attention applies it; GPTModel only discards YarnRotaryEmbedding's copy),
+    against plain math.
   * The MLA attention of the twin against an independent float64 numpy formulation with explicit loops over
     samples, tokens and heads, RoPE as complex rotations of the (even, odd) channel pairs in the weights' own layout,
     for q-lora / no q-lora, qk_layernorm (RMSNorm and LayerNorm), yarn and rope rope types (with rotary_percent),
@@ -233,7 +234,8 @@ class YarnTest(unittest.TestCase):
         self.assertFalse(np.allclose(got, plain_yarn_inv_freq(16, 1e4, 5.0, 256, 8.0, 0.5, True), rtol=1e-4))
 
     def test_standard_attention_yarn(self):
-        """GPTModel's yarn: kv_channels wide whatever rotary_percent, no concentration factor, config's rounding."""
+        """Standard attention's yarn: kv_channels wide whatever rotary_percent, concentration factor, config's
+        rounding."""
         yarn = {"rotary_scaling_factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.0,  # concentration 1.1386
                 "original_max_position_embeddings": 64, "beta_fast": 8.0, "beta_slow": 1.0,
                 "correction_range_round_to_int": False}
@@ -244,8 +246,10 @@ class YarnTest(unittest.TestCase):
         self.assertEqual(rot_dim, 12)
         inv = plain_yarn_inv_freq(12, 1e4, 4.0, 64, 8.0, 1.0, False)
         angles = positions.numpy()[..., None] * inv
-        np.testing.assert_allclose(cos.numpy(), np.cos(np.concatenate([angles, angles], -1)), atol=1e-6)
-        np.testing.assert_allclose(sin.numpy(), np.sin(np.concatenate([angles, angles], -1)), atol=1e-6)
+        factor = plain_mscale(4.0, 1.0) / plain_mscale(4.0, 0.0)
+        self.assertGreater(factor, 1.1)
+        np.testing.assert_allclose(cos.numpy(), factor * np.cos(np.concatenate([angles, angles], -1)), atol=1e-6)
+        np.testing.assert_allclose(sin.numpy(), factor * np.sin(np.concatenate([angles, angles], -1)), atol=1e-6)
 
     def test_model_runs_yarn_standard_attention(self):
         cfg = {**BASE, "num_layers": 2, "kv_channels": 4, "num_query_groups": 3, "position_embedding_type": "yarn",

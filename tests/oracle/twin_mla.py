@@ -21,8 +21,10 @@ Where YaRN is used:
   * MLA with rope_type "yarn": dim = qk_pos_emb_head_dim, rotary_percent ignored, cos / sin multiplied by c.
     correction_range_round_to_int is always True there (MultiLatentAttention does not pass the config's value).
   * standard attention with position_embedding_type "yarn" (GPTModel's yarn branch): dim = kv_channels (rotary_percent
-    ignored: YarnRotaryEmbedding's dim is kv_channels), and c is dropped (`rotary_pos_emb, _ = self.rotary_pos_emb(..)`
-    in gpt_model.py), so cos / sin are plain; the config's correction_range_round_to_int is used.
+    ignored: YarnRotaryEmbedding's dim is kv_channels); the config's correction_range_round_to_int is used. GPTModel
+    discards the factor YarnRotaryEmbedding returns (`rotary_pos_emb, _ = self.rotary_pos_emb(..)`), but Attention
+    multiplies cos / sin by the same c itself (attention.py: apply_rotary_pos_emb(..., mscale=
+    self._yarn_concentration_factor), from the config's yarn_* fields that argument_utils sets for yarn), so c applies.
   * MLA with rope_type "rope": RotaryEmbedding(qk_pos_emb_head_dim, rotary_percent, rotary_base), c = 1.
 
 MLA attention per layer, h = input_layernorm(x) [S, B, H], N heads, dq = qk_head_dim, dr = qk_pos_emb_head_dim,
@@ -126,11 +128,11 @@ def cos_sin(inv_freq, S, dtype, positions_SB=None, scale=1.0):
 
 
 def standard_yarn_cos_sin(c, S, dtype, positions_SB=None):
-    """position_embedding_type yarn (GPTModel): dim = kv_channels, no concentration factor. Returns (cos, sin,
-    rot_dim) for twin._apply_rope."""
+    """position_embedding_type yarn (standard attention): dim = kv_channels, cos / sin times the concentration factor.
+    Returns (cos, sin, rot_dim) for twin._apply_rope."""
     yarn = c["yarn"]
     inv_freq = yarn_inv_freq(c["kv_channels"], c["rotary_base"], yarn, yarn["correction_range_round_to_int"])
-    cos, sin = cos_sin(inv_freq, S, dtype, positions_SB)
+    cos, sin = cos_sin(inv_freq, S, dtype, positions_SB, concentration_factor(yarn))
     return cos, sin, 2 * inv_freq.numel()
 
 
