@@ -156,7 +156,13 @@ TEST(ModelStateKeys, MatchBuiltModels) {
   ModelConfig relu2_moe = qwen3_moe_config();
   relu2_moe.activation = Activation::kSquaredReLU;
   relu2_moe.add_bias_linear = true;  // router bias, expert biases
-  std::vector<ModelConfig> configs = {gpt2, relu2_moe};
+  ModelConfig mla = qwen3_moe_config();  // multi-latent attention with a q latent and its norms
+  mla.mla = MlaConfig{24, 16, 8, 4, 12, RopeType::kYarn};
+  mla.qk_layernorm = true;
+  ModelConfig mla_plain = gpt2;  // multi-latent attention without a q latent or norms, with linear biases
+  mla_plain.mla = MlaConfig{0, 16, 8, 4, 12, RopeType::kRope};
+  mla_plain.qk_layernorm = false;
+  std::vector<ModelConfig> configs = {gpt2, relu2_moe, mla, mla_plain};
   for (const Architecture& a : architectures()) configs.push_back(a.config);
   for (const ModelConfig& c : configs) {
     const GPTModel model(c, 3);

@@ -29,7 +29,8 @@
 //                 vocab_ce_local_max vocab_ce_local_stats vocab_ce_finish vocab_ce_backward
 //   norm.h        rmsnorm_forward rmsnorm_backward layernorm_forward layernorm_backward
 //   optim.h       adamw_step
-//   rows.h        split_qkv merge_qkv add_bias_rows bias_grad_rows scale_rows scale_rows_backward add_outer
+//   rows.h        split_qkv merge_qkv copy_columns add_bias_rows bias_grad_rows scale_rows scale_rows_backward
+//   add_outer
 //                 add_outer_backward row_dot sigmoid_forward sigmoid_backward gather_rows scatter_add_rows
 //                 add_position_embedding
 //                 position_embedding_backward
@@ -103,6 +104,7 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "adamw_step",
                                                 "split_qkv",
                                                 "merge_qkv",
+                                                "copy_columns",
                                                 "add_bias_rows",
                                                 "bias_grad_rows",
                                                 "scale_rows",

@@ -813,6 +813,23 @@ inline OpCase split_qkv_case(const std::string& name, const QkvShape& s) {
   return c;
 }
 
+// copy_columns as the split of [R, a + b] rows into the b-wide block at column a (forward) and its gradient added
+// back (backward: the same op with accumulate).
+inline OpCase copy_columns_case(const std::string& name, const int64_t R, const int64_t a, const int64_t b) {
+  OpCase c{name, {"copy_columns"}};
+  c.build = [=](Env& e) {
+    e.rand("x", {R, a + b});
+    e.rand("y", {R, b});
+  };
+  c.forward = [=](Env& e) { copy_columns(e("y"), b, 0, e("x"), a + b, a, b); };
+  c.outputs = {"y"};
+  c.loss = {"y"};
+  c.backward = [=](Env& e) { copy_columns(e("dx"), a + b, a, e("dy"), b, 0, b, true); };
+  c.grads = {{"x", "dx", kAcc}};
+  c.bad_args = {{kFwd, "x", "copy_columns"}, {kFwd, "y", "copy_columns"}, {kBwd, "dx", "copy_columns"}};
+  return c;
+}
+
 inline OpCase merge_qkv_case(const std::string& name, const QkvShape& s) {
   OpCase c{name, {"merge_qkv", "split_qkv"}};
   c.build = [=](Env& e) { build_qkv(e, s); };
@@ -1068,6 +1085,7 @@ inline const std::vector<OpCase>& all_cases() {
         adamw_case("adamw_step", {4, 7}),
         split_qkv_case("split_qkv", {5, 4, 2, 3}),
         merge_qkv_case("merge_qkv", {5, 4, 2, 3}),
+        copy_columns_case("copy_columns", 7, 5, 3),
         add_bias_rows_case("add_bias_rows", 6, 7),
         scale_rows_case("scale_rows", 8, 5),
         add_outer_case("add_outer", 8, 5),

@@ -351,6 +351,9 @@ ModelConfig read_typed_config(const std::string& dir, const HfImportOptions& opt
 
 std::string hf_model_type(const ModelConfig& c, const std::string& requested) {
   const std::string prefix = "HF export supports llama/qwen3-style models (RMSNorm, SwiGLU, RoPE); this model has ";
+  if (c.mla) {
+    throw ConfigError("HF export of multi-latent attention (DeepseekV3ForCausalLM) is not implemented yet");
+  }
   if (c.normalization != Normalization::kRMSNorm)
     throw ConfigError(prefix + "--normalization " + to_string(c.normalization));
   if (c.activation != Activation::kSwiGLU) throw ConfigError(prefix + "activation " + to_string(c.activation));

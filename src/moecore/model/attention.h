@@ -46,6 +46,10 @@ class SelfAttention {
 
  private:
   ops::AttentionDims dims(int64_t S, int64_t B) const;
+  bool has_rope() const {
+    return config_.position_embedding_type == PositionEmbedding::kRope ||
+           config_.position_embedding_type == PositionEmbedding::kYarn;
+  }
 
   ModelConfig config_;
   std::string prefix_;
@@ -55,6 +59,7 @@ class SelfAttention {
   ColumnParallelLinear qkv_;
   RowParallelLinear proj_;
   NormModule q_norm_, k_norm_;
+  ops::RopeSpec rope_;
 };
 
 }  // namespace moecore

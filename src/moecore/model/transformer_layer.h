@@ -12,6 +12,7 @@
 #include "moecore/model/attention.h"
 #include "moecore/model/buffer.h"
 #include "moecore/model/config.h"
+#include "moecore/model/mla_attention.h"
 #include "moecore/model/mlp.h"
 #include "moecore/model/norm_module.h"
 #include "moecore/model/param.h"
@@ -40,7 +41,8 @@ struct LayerActivations {
   Tensor ln1_TH;
   NormStats ln1_stats;
   AttentionActivations attention;
-  Tensor x_mid_TH;  // after the attention residual
+  MlaActivations mla_attention;  // multi-latent attention's (--multi-latent-attention)
+  Tensor x_mid_TH;               // after the attention residual
   Tensor ln2_TH;
   NormStats ln2_stats;
   MLPActivations mlp;       // dense layers
@@ -82,7 +84,8 @@ class TransformerLayer {
   TensorParallel tp_;
   std::string prefix_;
   NormModule ln1_, ln2_;
-  SelfAttention attention_;
+  SelfAttention attention_;        // standard attention, or
+  MLASelfAttention mla_;           // multi-latent attention (config.mla)
   MLP mlp_;                        // dense layers
   std::unique_ptr<MoELayer> moe_;  // MoE layers: replaces the dense MLP
 };

@@ -61,6 +61,47 @@ void check_required(const std::set<std::string>& given) {
   require(missing.empty(), "missing required flag(s): " + missing);
 }
 
+// Multi-latent attention and the rotary embeddings (Megatron's MLATransformerConfig and
+// TransformerConfig.__post_init__ checks); moecore refuses the flags Megatron would accept and not use.
+void finalize_attention(TrainingArgs& args, const std::set<std::string>& given) {
+  ModelConfig& model = args.model;
+  const PositionEmbedding position = model.position_embedding_type;
+  if (args.multi_latent_attention) {
+    require(!args.rotary_interleaved, "rotary_interleaved does not work with multi_latent_attention.");
+    require(!args.group_query_attention, "--multi-latent-attention cannot be combined with --group-query-attention");
+    require(!given.contains("--kv-channels"),
+            "--kv-channels is not used by --multi-latent-attention (its heads are --qk-head-dim + "
+            "--qk-pos-emb-head-dim wide for queries and keys, --v-head-dim for values)");
+    require(!given.contains("--q-lora-rank") || args.mla.q_lora_rank > 0, "--q-lora-rank must be positive");
+    model.mla = args.mla;
+  } else {
+    for (const char* flag : {"--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+                             "--v-head-dim", "--rope-type", "--mscale", "--mscale-all-dim"}) {
+      require(!given.contains(flag), std::string(flag) + " requires --multi-latent-attention");
+    }
+  }
+  require(!args.rotary_interleaved, "--rotary-interleaved is not implemented yet");
+  const bool mla_yarn = model.mla && model.mla->rope_type == RopeType::kYarn;
+  const bool mla_rope = model.mla && model.mla->rope_type == RopeType::kRope;
+  if (position != PositionEmbedding::kYarn && !mla_yarn) {
+    for (const char* flag : {"--yarn-original-max-position-embeddings", "--yarn-beta-fast", "--yarn-beta-slow",
+                             "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int"}) {
+      require(!given.contains(flag), std::string(flag) +
+                                         " only applies with --position-embedding-type yarn or "
+                                         "--multi-latent-attention's --rope-type yarn");
+    }
+  }
+  require(!given.contains("--rotary-scaling-factor") || position == PositionEmbedding::kYarn || model.mla,
+          "--rotary-scaling-factor only applies with --position-embedding-type yarn or --multi-latent-attention");
+  const bool rotary = position == PositionEmbedding::kRope || position == PositionEmbedding::kYarn || model.mla;
+  require(!given.contains("--rotary-base") || rotary,
+          "--rotary-base only applies with --position-embedding-type rope or yarn, or --multi-latent-attention");
+  // YarnRotaryEmbedding rotates every channel whatever --rotary-percent says.
+  require(!given.contains("--rotary-percent") || position == PositionEmbedding::kRope || mla_rope,
+          "--rotary-percent only applies with --position-embedding-type rope or --multi-latent-attention's "
+          "--rope-type rope");
+}
+
 // Mixture of Experts: Megatron's defaults that depend on other flags, then MoEConfig::validate. Runs after the dense
 // --ffn-hidden-size default (the expert size defaults to it).
 void finalize_moe(TrainingArgs& args, const std::set<std::string>& given) {
@@ -146,11 +187,7 @@ void finalize_model(TrainingArgs& args, const std::set<std::string>& given) {
           "--max-position-embeddings (" + str(model.max_position_embeddings) + ") must be at least --seq-length (" +
               str(model.seq_length) + ")");
 
-  if (model.position_embedding_type != PositionEmbedding::kRope) {
-    for (const char* flag : {"--rotary-base", "--rotary-percent"}) {
-      require(!given.contains(flag), std::string(flag) + " only applies with --position-embedding-type rope");
-    }
-  }
+  finalize_attention(args, given);
 
   finalize_moe(args, given);
 

@@ -31,7 +31,8 @@ namespace moecore::kernels {
 
 struct AttentionDims {
   int64_t S = 0, B = 0, N = 0, G = 0, head_dim = 0;
-  double scale = 0.0;  // usually 1/sqrt(head_dim)
+  double scale = 0.0;      // usually 1/sqrt(head_dim)
+  int64_t v_head_dim = 0;  // value / output head size (0: head_dim)
   // Tensor parallelism: these N heads are heads [dropout_head_offset, + N) of dropout_total_heads (0: N), and the
   // dropout counters use the global head index, so every layout draws the one-process mask.
   int64_t dropout_total_heads = 0, dropout_head_offset = 0;
