@@ -4,12 +4,13 @@ twin| / max |twin| < 1e-4 per tensor; logits, loss, every gradient, every parame
 losses, grad norms). Dense cases run one micro-batch per step; MoE cases run test_parity_moe.py's protocol (2
 micro-batches of 2 sequences, the float32 / float64 routing premise, the aux-only gradient comparison).
 
-Cases: MLA with and without q-lora, with qk_layernorm (RMSNorm; LayerNorm with biases), MLA + YaRN with DeepSeek-V3's
-scaling (s 40, mscale = mscale_all_dim = 1) and with a concentration factor != 1, MLA rope_type rope (also with
-rotary_percent 0.5), MLA on packed sequences (position ids + documents), standard attention with
-position_embedding_type yarn (rounded and fractional ramp bounds, rotary_percent ignored, a concentration factor
-!= 1, which Megatron's Attention applies), and
-MLA with MoE layers (DeepSeek-V3-like sigmoid router with expert bias and groups, shared expert, a dense first layer).
+Cases: MLA with and without q-lora (v_head_dim != qk_head_dim + qk_pos_emb_head_dim throughout), with qk_layernorm
+(RMSNorm; LayerNorm with biases), MLA + YaRN with DeepSeek-V3's scaling (s 40, mscale = mscale_all_dim = 1), with a
+concentration factor != 1 and with correction_range_round_to_int false (which MLA ignores), MLA rope_type rope (also
+with rotary_percent 0.5), MLA on packed sequences (position ids + documents), standard attention with
+position_embedding_type yarn (rounded and fractional ramp bounds, rotary_percent ignored, a concentration factor != 1,
+which Megatron's Attention applies), and MLA with MoE layers (DeepSeek-V3-like sigmoid router with expert bias and
+groups, shared expert, a dense first layer).
 
 No gradient element is structurally zero here (MLA has no query / key biases; yarn rotates every key channel of
 standard attention), so nothing is left out of the step comparisons.
@@ -45,6 +46,10 @@ MOE = {**test_parity_moe.MOE, "score_function": "sigmoid", "enable_expert_bias":
 CONFIGS = {
     "mla_q_lora_yarn_default": {**LLAMA, "mla": MLA},
     "mla_no_q_lora": {**LLAMA, "mla": {**MLA, "q_lora_rank": 0}},
+    # MLA's YarnRotaryEmbedding always rounds the ramp bounds (MultiLatentAttention does not pass the flag; bounds
+    # 1.31 / 2.81 -> 1 / 3 here), so correction_range_round_to_int false changes nothing for MLA
+    "mla_yarn_ignores_unrounded_flag": {**LLAMA, "mla": MLA,
+                                        "yarn": {**DSV3_YARN, "correction_range_round_to_int": False}},
     "mla_qk_layernorm_dsv3_yarn": {**LLAMA, "qk_layernorm": True, "mla": MLA, "yarn": DSV3_YARN},
     "mla_no_q_lora_qk_layernorm": {**LLAMA, "qk_layernorm": True, "mla": {**MLA, "q_lora_rank": 0},
                                    "yarn": DSV3_YARN},

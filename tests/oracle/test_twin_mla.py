@@ -217,6 +217,16 @@ class YarnTest(unittest.TestCase):
         angles = np.outer(np.arange(5), expected)
         np.testing.assert_allclose(sin.numpy()[:, :32], factor * np.sin(angles), atol=1e-6)
 
+    def test_mla_always_rounds(self):
+        """MultiLatentAttention builds YarnRotaryEmbedding without correction_range_round_to_int: always rounded."""
+        cfg = {**BASE, "mla": MLA, "yarn": {**DSV3_YARN, "correction_range_round_to_int": False}}
+        unrounded, _ = twin_mla.mla_cos_sin(twin.full_config(cfg), 7, torch.float64)
+        rounded, _ = twin_mla.mla_cos_sin(twin.full_config({**cfg, "yarn": DSV3_YARN}), 7, torch.float64)
+        self.assertTrue(torch.equal(unrounded, rounded))
+        yarn = twin_mla.full_yarn_config(DSV3_YARN)
+        self.assertNotEqual(twin_mla.correction_range(8, 1e4, yarn, False),
+                            twin_mla.correction_range(8, 1e4, yarn, True))
+
     def test_low_equals_high_and_fractional_bounds(self):
         # original length 4, dim 8: both bounds clamp to 0, so high becomes 0.001 and ramp = [0, 1, 1, 1]
         yarn = twin_mla.full_yarn_config({"rotary_scaling_factor": 5.0, "original_max_position_embeddings": 4})
