@@ -73,10 +73,13 @@ void finalize_attention(TrainingArgs& args, const std::set<std::string>& given) 
             "--kv-channels is not used by --multi-latent-attention (its heads are --qk-head-dim + "
             "--qk-pos-emb-head-dim wide for queries and keys, --v-head-dim for values)");
     require(!given.contains("--q-lora-rank") || args.mla.q_lora_rank > 0, "--q-lora-rank must be positive");
+    require(position != PositionEmbedding::kYarn,
+            "--position-embedding-type yarn does not apply to --multi-latent-attention (its rotary embedding is "
+            "--rope-type; use --position-embedding-type rope)");
     model.mla = args.mla;
   } else {
-    for (const char* flag : {"--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
-                             "--v-head-dim", "--rope-type", "--mscale", "--mscale-all-dim"}) {
+    for (const char* flag :
+         {"--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--rope-type"}) {
       require(!given.contains(flag), std::string(flag) + " requires --multi-latent-attention");
     }
   }
@@ -91,8 +94,14 @@ void finalize_attention(TrainingArgs& args, const std::set<std::string>& given) 
                                          "--multi-latent-attention's --rope-type yarn");
     }
   }
-  require(!given.contains("--rotary-scaling-factor") || position == PositionEmbedding::kYarn || model.mla,
-          "--rotary-scaling-factor only applies with --position-embedding-type yarn or --multi-latent-attention");
+  for (const char* flag : {"--rotary-scaling-factor", "--mscale", "--mscale-all-dim"}) {
+    require(!given.contains(flag) || position == PositionEmbedding::kYarn || model.mla,
+            std::string(flag) + " only applies with --position-embedding-type yarn or --multi-latent-attention");
+  }
+  // MultiLatentAttention builds YarnRotaryEmbedding without correction_range_round_to_int: always rounded.
+  require(!given.contains("--no-yarn-correction-range-round-to-int") || !model.mla,
+          "--no-yarn-correction-range-round-to-int does not apply to --multi-latent-attention (Megatron's MLA always "
+          "rounds YaRN's correction range)");
   const bool rotary = position == PositionEmbedding::kRope || position == PositionEmbedding::kYarn || model.mla;
   require(!given.contains("--rotary-base") || rotary,
           "--rotary-base only applies with --position-embedding-type rope or yarn, or --multi-latent-attention");
