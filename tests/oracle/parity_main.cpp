@@ -3,7 +3,8 @@
 //
 //   moecore_parity --config C.json --weights W.safetensors --batch B.safetensors --out O.safetensors
 //                  [--steps N] [--lr 1e-3] [--weight-decay 0.1] [--clip-grad 1.0] [--beta1 0.9] [--beta2 0.999]
-//                  [--eps 1e-8] [--microbatches 1] [--export-hf DIR] [--export-hf-bf16] [--import-hf DIR]
+//                  [--eps 1e-8] [--microbatches 1] [--export-hf DIR] [--export-hf-bf16] [--export-hf-type T]
+//                  [--import-hf DIR]
 //
 // C.json holds ModelConfig fields by name (enums as strings: "RMSNorm", "swiglu", "rope", ...), and optionally
 // "moe": {MoEConfig fields by name} (tests/oracle/twin_moe.py MOE_DEFAULTS lists them), "mla": {MlaConfig fields}
@@ -44,7 +45,7 @@ namespace {
 using json = nlohmann::json;
 
 struct Args {
-  std::string config, weights, batch, out, export_hf, import_hf;
+  std::string config, weights, batch, out, export_hf, import_hf, export_hf_type;
   int64_t steps = 0, microbatches = 1;
   double lr = 1e-3, weight_decay = 0.1, clip_grad = 1.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   bool export_bf16 = false;
@@ -52,9 +53,13 @@ struct Args {
 
 Args parse_args(int argc, char** argv) {
   Args a;
-  const std::map<std::string, std::string*> strings = {{"--config", &a.config},       {"--weights", &a.weights},
-                                                       {"--batch", &a.batch},         {"--out", &a.out},
-                                                       {"--export-hf", &a.export_hf}, {"--import-hf", &a.import_hf}};
+  const std::map<std::string, std::string*> strings = {{"--config", &a.config},
+                                                       {"--weights", &a.weights},
+                                                       {"--batch", &a.batch},
+                                                       {"--out", &a.out},
+                                                       {"--export-hf", &a.export_hf},
+                                                       {"--import-hf", &a.import_hf},
+                                                       {"--export-hf-type", &a.export_hf_type}};
   const std::map<std::string, double*> doubles = {{"--lr", &a.lr},
                                                   {"--weight-decay", &a.weight_decay},
                                                   {"--clip-grad", &a.clip_grad},
@@ -417,6 +422,7 @@ int run(int argc, char** argv) {
   }
   if (!args.export_hf.empty()) {
     HfExportInfo info;
+    info.model_type = args.export_hf_type;
     if (args.export_bf16) info.dtype = DType::kBF16;
     export_hf(*model, info, args.export_hf);
   }

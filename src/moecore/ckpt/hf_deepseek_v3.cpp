@@ -165,7 +165,12 @@ void read_deepseek_v3_fields(const json& j, const std::string& file, ModelConfig
   c.kv_channels = c.hidden_size / c.num_attention_heads;  // Megatron's default; multi-latent attention ignores it
   c.num_query_groups = c.num_attention_heads;
   a.rope_type = RopeType::kRope;
-  const json rope = j.contains("rope_scaling") ? j["rope_scaling"] : json(nullptr);
+  // rope_scaling, or newer transformers' rope_parameters (rope_type "default" for none).
+  json rope = j.contains("rope_scaling") ? j["rope_scaling"] : json(nullptr);
+  if (rope.is_null() && j.contains("rope_parameters") && j["rope_parameters"].is_object() &&
+      j["rope_parameters"].value("rope_type", std::string("default")) != "default") {
+    rope = j["rope_parameters"];
+  }
   if (!rope.is_null()) {
     if (!rope.is_object()) fail(file, "rope_scaling must be an object or null");
     const std::string type = rope.value("rope_type", rope.value("type", std::string()));
