@@ -429,9 +429,21 @@ void finalize_quantization(TrainingArgs& args, const std::set<std::string>& give
     const int64_t tp = args.tensor_model_parallel_size;
     const int64_t swiglu = model.activation == Activation::kSwiGLU ? 2 : 1;
     check("--hidden-size", model.hidden_size);
-    check("the attention's qkv width per tensor-parallel rank", model.qkv_out() / tp);
-    check("the attention's projection width per tensor-parallel rank",
-          model.num_attention_heads * model.kv_channels / tp);
+    if (model.mla) {
+      const MlaConfig& a = *model.mla;
+      const int64_t heads = model.num_attention_heads / tp;
+      if (a.q_lora_rank > 0) check("--q-lora-rank", a.q_lora_rank);
+      check("--kv-lora-rank", a.kv_lora_rank);
+      check("linear_kv_down_proj's width (--kv-lora-rank + --qk-pos-emb-head-dim)",
+            a.kv_lora_rank + a.qk_pos_emb_head_dim);
+      check("the query projection's width per tensor-parallel rank", heads * a.q_head_dim());
+      check("linear_kv_up_proj's width per tensor-parallel rank", heads * (a.qk_head_dim + a.v_head_dim));
+      check("the attention's projection width per tensor-parallel rank", heads * a.v_head_dim);
+    } else {
+      check("the attention's qkv width per tensor-parallel rank", model.qkv_out() / tp);
+      check("the attention's projection width per tensor-parallel rank",
+            model.num_attention_heads * model.kv_channels / tp);
+    }
     check("--ffn-hidden-size per tensor-parallel rank", model.ffn_hidden_size / tp);
     check("fc1's width per tensor-parallel rank", swiglu * model.ffn_hidden_size / tp);
     if (model.moe.enabled()) {
