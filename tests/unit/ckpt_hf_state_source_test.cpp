@@ -181,7 +181,7 @@ TEST(ModelStateKeys, MatchBuiltModels) {
   gpt2.qk_layernorm = true;
   ModelConfig relu2_moe = qwen3_moe_config();
   relu2_moe.activation = Activation::kSquaredReLU;
-  relu2_moe.add_bias_linear = true;  // router bias, expert biases
+  relu2_moe.add_bias_linear = true;      // router bias, expert biases
   ModelConfig mla = qwen3_moe_config();  // multi-latent attention with a q latent and its norms
   mla.mla = MlaConfig{24, 16, 8, 4, 12, RopeType::kYarn};
   mla.qk_layernorm = true;

@@ -84,8 +84,7 @@ ModelConfig recorded_model_config(const ShardedCheckpoint& checkpoint) {
   c.activation = flags.boolean("--swiglu") ? Activation::kSwiGLU : Activation::kGelu;
   c.add_bias_linear = flags.boolean("--add-bias-linear");
   c.qk_layernorm = flags.boolean("--qk-layernorm");
-  const std::string position =
-      flags.text("--position-embedding-type", {"rope", "yarn", "none", "learned_absolute"});
+  const std::string position = flags.text("--position-embedding-type", {"rope", "yarn", "none", "learned_absolute"});
   c.position_embedding_type = position == "rope"   ? PositionEmbedding::kRope
                               : position == "yarn" ? PositionEmbedding::kYarn
                               : position == "none" ? PositionEmbedding::kNone

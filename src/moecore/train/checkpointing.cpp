@@ -235,22 +235,21 @@ std::string non_persistent_root(const TrainingArgs& args, const std::string& roo
 
 ojson checkpoint_args(const TrainingArgs& a) {
   const ModelConfig& m = a.model;
-  ojson model = {
-      {"--num-layers", m.num_layers},
-      {"--hidden-size", m.hidden_size},
-      {"--ffn-hidden-size", m.ffn_hidden_size},
-      {"--num-attention-heads", m.num_attention_heads},
-      {"--num-query-groups", m.num_query_groups},
-      {"--kv-channels", m.kv_channels},
-      {"--normalization", normalization_name(m.normalization)},
-      {"--swiglu", m.activation == Activation::kSwiGLU},
-      {"--add-bias-linear", m.add_bias_linear},
-      {"--qk-layernorm", m.qk_layernorm},
-      {"--position-embedding-type", to_string(m.position_embedding_type)},
-      {"--rotary-base", m.rotary_base},
-      {"--rotary-percent", m.rotary_percent},
-      {"--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights},
-      {"--num-experts", m.moe.num_experts}};
+  ojson model = {{"--num-layers", m.num_layers},
+                 {"--hidden-size", m.hidden_size},
+                 {"--ffn-hidden-size", m.ffn_hidden_size},
+                 {"--num-attention-heads", m.num_attention_heads},
+                 {"--num-query-groups", m.num_query_groups},
+                 {"--kv-channels", m.kv_channels},
+                 {"--normalization", normalization_name(m.normalization)},
+                 {"--swiglu", m.activation == Activation::kSwiGLU},
+                 {"--add-bias-linear", m.add_bias_linear},
+                 {"--qk-layernorm", m.qk_layernorm},
+                 {"--position-embedding-type", to_string(m.position_embedding_type)},
+                 {"--rotary-base", m.rotary_base},
+                 {"--rotary-percent", m.rotary_percent},
+                 {"--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights},
+                 {"--num-experts", m.moe.num_experts}};
   if (m.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
     model["--max-position-embeddings"] = m.max_position_embeddings;
   }
