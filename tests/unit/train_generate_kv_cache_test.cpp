@@ -169,16 +169,26 @@ TEST(GenerateKvCache, SlidingWindow) {
   }
 }
 
-// Models the cache cannot serve exactly fall back to the re-run: MoE token dropping counts the forward's tokens.
-TEST(GenerateKvCache, TokenDroppingFallsBackToTheFullRerun) {
-  const ModelConfig config = recipe_model("mixtral-tiny", {"--moe-expert-capacity-factor", "1.0"});
+// Models the cache cannot serve exactly fall back to the re-run: MoE token dropping counts the forward's tokens;
+// 16-bit activations round the decode's last-bit differences to whole 16-bit steps.
+void expect_full_rerun(const ModelConfig& config) {
   GPTModel model(config, 5);
   EXPECT_NE(kv_cache_unsupported_reason(model), "");
   KvCache cache(config, config.seq_length);
   EXPECT_THROW(model.decode_logits(cache, std::vector<int32_t>{1, 2}), std::logic_error);
   SamplingOptions options;
-  options.max_new_tokens = 3;
-  EXPECT_EQ(generate(model, {1, 2, 3}, options).size(), 6u);
+  options.max_new_tokens = 12;
+  const std::vector<int32_t> cached = generate(model, {1, 2, 3}, options);
+  options.kv_cache = false;
+  EXPECT_EQ(cached, generate(model, {1, 2, 3}, options));
+}
+
+TEST(GenerateKvCache, TokenDroppingFallsBackToTheFullRerun) {
+  expect_full_rerun(recipe_model("mixtral-tiny", with(kSpread, {"--moe-expert-capacity-factor", "1.0"})));
+}
+
+TEST(GenerateKvCache, SixteenBitActivationsFallBackToTheFullRerun) {
+  expect_full_rerun(recipe_model("mixtral-tiny", with(kSpread, {"--bf16"})));
 }
 
 }  // namespace

@@ -78,6 +78,7 @@ std::string kv_cache_unsupported_reason(const GPTModel& model) {
     return "--moe-expert-capacity-factor drops tokens by the forward's token count";
   }
   if (config.quantization) return "quantized linear layers scale over the forward's whole input";
+  if (config.params_dtype != DType::kF32) return "16-bit activations round the decode's last-bit differences";
   return "";
 }
 

@@ -52,7 +52,10 @@ class GPTModel;
 // decoding needs the whole model in one process (no tensor, context or pipeline split: generation gathers the model
 // first) and no computation whose result for a token depends on the other tokens of the forward: MoE token dropping
 // (--moe-expert-capacity-factor: an expert's capacity counts the forward's tokens) and quantized linear layers
-// (FP8 / FP4 scales over the whole input) are such.
+// (FP8 / FP4 scales over the whole input) are such. In fp32 the decode's numbers differ from the full forward's only
+// in the last bits (a one-row GEMM and a one-query attention sum in another order; ~1e-7 relative); 16-bit
+// activations (--bf16 / --fp16) would round those to whole 16-bit steps, which flip near-tied greedy picks, so they
+// are refused too.
 std::string kv_cache_unsupported_reason(const GPTModel& model);
 
 }  // namespace moecore
