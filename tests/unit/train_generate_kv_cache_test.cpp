@@ -177,7 +177,7 @@ void expect_full_rerun(const ModelConfig& config) {
   KvCache cache(config, config.seq_length);
   EXPECT_THROW(model.decode_logits(cache, std::vector<int32_t>{1, 2}), std::logic_error);
   SamplingOptions options;
-  options.max_new_tokens = 12;
+  options.max_new_tokens = 24;
   const std::vector<int32_t> cached = generate(model, {1, 2, 3}, options);
   options.kv_cache = false;
   EXPECT_EQ(cached, generate(model, {1, 2, 3}, options));
