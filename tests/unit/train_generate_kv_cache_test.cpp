@@ -172,15 +172,16 @@ TEST(GenerateKvCache, SlidingWindow) {
 // Models the cache cannot serve exactly fall back to the re-run: MoE token dropping counts the forward's tokens;
 // 16-bit activations round the decode's last-bit differences to whole 16-bit steps.
 void expect_full_rerun(const ModelConfig& config) {
-  GPTModel model(config, 5);
+  GPTModel model(config, 1234);
   EXPECT_NE(kv_cache_unsupported_reason(model), "");
   KvCache cache(config, config.seq_length);
   EXPECT_THROW(model.decode_logits(cache, std::vector<int32_t>{1, 2}), std::logic_error);
   SamplingOptions options;
   options.max_new_tokens = 24;
-  const std::vector<int32_t> cached = generate(model, {1, 2, 3}, options);
+  const std::vector<int32_t> prompt = prompt_of(9, config.vocab_size);
+  const std::vector<int32_t> cached = generate(model, prompt, options);
   options.kv_cache = false;
-  EXPECT_EQ(cached, generate(model, {1, 2, 3}, options));
+  EXPECT_EQ(cached, generate(model, prompt, options));
 }
 
 TEST(GenerateKvCache, TokenDroppingFallsBackToTheFullRerun) {
