@@ -102,6 +102,31 @@ ModelConfig moecore_moe_config() {
   return c;
 }
 
+// DeepSeek-V3 in miniature: multi-latent attention with a q latent, YaRN (DeepSeek-V3's factor 40 and mscales),
+// sigmoid routing over 4 groups (top 2 groups for top-4 experts), expert bias, scaling factor, one shared expert and a
+// dense first layer.
+ModelConfig deepseek_v3_config() {
+  ModelConfig c = moe_base(3);
+  c.qk_layernorm = true;
+  c.mla = MlaConfig{24, 16, 8, 4, 12, RopeType::kYarn};
+  c.num_query_groups = c.num_attention_heads;  // no GQA with multi-latent attention
+  c.yarn.rotary_scaling_factor = 40.0;
+  c.yarn.mscale = 1.0;
+  c.yarn.mscale_all_dim = 1.0;
+  c.moe.moe_layer_pattern = {false, true, true};
+  c.moe.num_experts = 8;
+  c.moe.topk = 4;
+  c.moe.score_function = RouterScoreFunction::kSigmoid;
+  c.moe.num_groups = 4;
+  c.moe.group_topk = 2;
+  c.moe.enable_expert_bias = true;
+  c.moe.topk_scaling_factor = 2.5;
+  c.moe.shared_expert_intermediate_size = 24;
+  c.moe.load_balancing_types = {LoadBalancingType::kSeqAuxLoss};
+  c.moe.aux_loss_coeffs = {1e-4};
+  return c;
+}
+
 struct Architecture {
   std::string model_type;
   ModelConfig config;
@@ -112,7 +137,8 @@ std::vector<Architecture> architectures() {
           {"qwen3", qwen3_config()},
           {"mixtral", mixtral_config()},
           {"qwen3_moe", qwen3_moe_config()},
-          {"moecore_moe", moecore_moe_config()}};
+          {"moecore_moe", moecore_moe_config()},
+          {"deepseek_v3", deepseek_v3_config()}};
 }
 
 // Distinct random values in every parameter and buffer, so a misplaced row cannot go unnoticed.

@@ -752,7 +752,11 @@ TEST(TrainArguments, MultiLatentAttentionAndYarn) {
                        "--kv-channels is not used by --multi-latent-attention"));
   EXPECT_EQ(error_of(with(minimal(), {"--multi-latent-attention", "--qk-pos-emb-head-dim", "5"})),
             "--qk-pos-emb-head-dim must be positive and even (got 5)");
-  EXPECT_EQ(error_of(with(minimal(), {"--mscale", "1.0"})), "--mscale requires --multi-latent-attention");
+  EXPECT_EQ(error_of(with(minimal(), {"--mscale", "1.0"})),
+            "--mscale only applies with --position-embedding-type yarn or --multi-latent-attention");
+  EXPECT_TRUE(
+      mentions(error_of(with(minimal(), {"--multi-latent-attention", "--no-yarn-correction-range-round-to-int"})),
+               "Megatron's MLA always rounds"));
   EXPECT_EQ(error_of(with(minimal(), {"--yarn-beta-fast", "16"})),
             "--yarn-beta-fast only applies with --position-embedding-type yarn or --multi-latent-attention's "
             "--rope-type yarn");

@@ -35,8 +35,7 @@ class KeyList {
       }
       add(prefix + "linear_kv_down_proj.weight", {m.kv_lora_rank + m.qk_pos_emb_head_dim, H}, InitKind::kNormal);
       if (c.qk_layernorm) norm(prefix + "kv_layernorm", m.kv_lora_rank, c.normalization);
-      add(prefix + "linear_kv_up_proj.weight", {N * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank},
-          InitKind::kNormal);
+      add(prefix + "linear_kv_up_proj.weight", {N * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank}, InitKind::kNormal);
       attention_width = N * m.v_head_dim;
     } else {
       add(prefix + "linear_qkv.weight", {c.qkv_out(), H}, InitKind::kNormal);

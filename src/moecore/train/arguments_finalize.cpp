@@ -73,10 +73,13 @@ void finalize_attention(TrainingArgs& args, const std::set<std::string>& given) 
             "--kv-channels is not used by --multi-latent-attention (its heads are --qk-head-dim + "
             "--qk-pos-emb-head-dim wide for queries and keys, --v-head-dim for values)");
     require(!given.contains("--q-lora-rank") || args.mla.q_lora_rank > 0, "--q-lora-rank must be positive");
+    require(position != PositionEmbedding::kYarn,
+            "--position-embedding-type yarn does not apply to --multi-latent-attention (its rotary embedding is "
+            "--rope-type; use --position-embedding-type rope)");
     model.mla = args.mla;
   } else {
-    for (const char* flag : {"--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
-                             "--v-head-dim", "--rope-type", "--mscale", "--mscale-all-dim"}) {
+    for (const char* flag :
+         {"--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--rope-type"}) {
       require(!given.contains(flag), std::string(flag) + " requires --multi-latent-attention");
     }
   }
@@ -91,8 +94,14 @@ void finalize_attention(TrainingArgs& args, const std::set<std::string>& given) 
                                          "--multi-latent-attention's --rope-type yarn");
     }
   }
-  require(!given.contains("--rotary-scaling-factor") || position == PositionEmbedding::kYarn || model.mla,
-          "--rotary-scaling-factor only applies with --position-embedding-type yarn or --multi-latent-attention");
+  for (const char* flag : {"--rotary-scaling-factor", "--mscale", "--mscale-all-dim"}) {
+    require(!given.contains(flag) || position == PositionEmbedding::kYarn || model.mla,
+            std::string(flag) + " only applies with --position-embedding-type yarn or --multi-latent-attention");
+  }
+  // MultiLatentAttention builds YarnRotaryEmbedding without correction_range_round_to_int: always rounded.
+  require(!given.contains("--no-yarn-correction-range-round-to-int") || !model.mla,
+          "--no-yarn-correction-range-round-to-int does not apply to --multi-latent-attention (Megatron's MLA always "
+          "rounds YaRN's correction range)");
   const bool rotary = position == PositionEmbedding::kRope || position == PositionEmbedding::kYarn || model.mla;
   require(!given.contains("--rotary-base") || rotary,
           "--rotary-base only applies with --position-embedding-type rope or yarn, or --multi-latent-attention");
@@ -420,9 +429,21 @@ void finalize_quantization(TrainingArgs& args, const std::set<std::string>& give
     const int64_t tp = args.tensor_model_parallel_size;
     const int64_t swiglu = model.activation == Activation::kSwiGLU ? 2 : 1;
     check("--hidden-size", model.hidden_size);
-    check("the attention's qkv width per tensor-parallel rank", model.qkv_out() / tp);
-    check("the attention's projection width per tensor-parallel rank",
-          model.num_attention_heads * model.kv_channels / tp);
+    if (model.mla) {
+      const MlaConfig& a = *model.mla;
+      const int64_t heads = model.num_attention_heads / tp;
+      if (a.q_lora_rank > 0) check("--q-lora-rank", a.q_lora_rank);
+      check("--kv-lora-rank", a.kv_lora_rank);
+      check("linear_kv_down_proj's width (--kv-lora-rank + --qk-pos-emb-head-dim)",
+            a.kv_lora_rank + a.qk_pos_emb_head_dim);
+      check("the query projection's width per tensor-parallel rank", heads * a.q_head_dim());
+      check("linear_kv_up_proj's width per tensor-parallel rank", heads * (a.qk_head_dim + a.v_head_dim));
+      check("the attention's projection width per tensor-parallel rank", heads * a.v_head_dim);
+    } else {
+      check("the attention's qkv width per tensor-parallel rank", model.qkv_out() / tp);
+      check("the attention's projection width per tensor-parallel rank",
+            model.num_attention_heads * model.kv_channels / tp);
+    }
     check("--ffn-hidden-size per tensor-parallel rank", model.ffn_hidden_size / tp);
     check("fc1's width per tensor-parallel rank", swiglu * model.ffn_hidden_size / tp);
     if (model.moe.enabled()) {
