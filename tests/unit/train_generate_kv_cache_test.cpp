@@ -93,35 +93,37 @@ TEST(GenerateKvCache, YarnPositions) {
 
 TEST(GenerateKvCache, MoeMixtral) { expect_same_greedy_tokens(recipe_model("mixtral-tiny", kSpread), 9, 24); }
 
-TEST(GenerateKvCache, MoeDeepSeekLike) { expect_same_greedy_tokens(recipe_model("deepseek-v3-tiny", kSpread), 9, 24); }
-
-// Multi-latent attention; v_head_dim = qk_head_dim + qk_pos_emb_head_dim until the attention kernels take a
-// different value head size.
-const std::vector<std::string> kMla = {"--multi-latent-attention",
-                                       "--kv-lora-rank",
-                                       "24",
-                                       "--qk-head-dim",
-                                       "16",
-                                       "--qk-pos-emb-head-dim",
-                                       "8",
-                                       "--v-head-dim",
-                                       "24",
-                                       "--qk-layernorm"};
-
-TEST(GenerateKvCache, MlaWithoutQLatentRope) {
-  expect_same_greedy_tokens(recipe_model("deepseek-v3-tiny", with(with(kSpread, kMla), {"--rope-type", "rope"}),
-                                         {"--position-embedding-type"}),
-                            9, 24);
+// deepseek-v3-tiny is DeepSeek-V3's architecture: multi-latent attention with a q latent and qk-layernorm, YaRN,
+// v_head_dim (32) other than qk_head_dim + qk_pos_emb_head_dim (48), a dense first layer, then MoE layers.
+TEST(GenerateKvCache, MlaWithQLatentYarn) {
+  expect_same_greedy_tokens(recipe_model("deepseek-v3-tiny", kSpread), 9, 24);
 }
 
-TEST(GenerateKvCache, MlaWithQLatentYarn) {
-  expect_same_greedy_tokens(
-      recipe_model("deepseek-v3-tiny",
-                   with(with(kSpread, kMla),
-                        {"--q-lora-rank", "40", "--rope-type", "yarn", "--rotary-scaling-factor", "4", "--mscale",
-                         "1.0", "--mscale-all-dim", "1.0", "--yarn-original-max-position-embeddings", "32"}),
-                   {"--position-embedding-type"}),
-      9, 24);
+const std::set<std::string> kMlaFlags = {
+    "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank",          "--qk-head-dim",
+    "--qk-pos-emb-head-dim",    "--v-head-dim",  "--rotary-scaling-factor", "--mscale",
+    "--mscale-all-dim"};
+
+// The same MoE layers under standard attention.
+TEST(GenerateKvCache, MoeDeepSeekLikeStandardAttention) {
+  expect_same_greedy_tokens(recipe_model("deepseek-v3-tiny", kSpread, kMlaFlags), 9, 24);
+}
+
+// Without a q latent, plain RoPE, v_head_dim = qk_head_dim + qk_pos_emb_head_dim.
+const std::vector<std::string> kMlaNoQLatent = {"--multi-latent-attention",
+                                                "--kv-lora-rank",
+                                                "24",
+                                                "--qk-head-dim",
+                                                "16",
+                                                "--qk-pos-emb-head-dim",
+                                                "8",
+                                                "--v-head-dim",
+                                                "24",
+                                                "--rope-type",
+                                                "rope"};
+
+TEST(GenerateKvCache, MlaWithoutQLatentRope) {
+  expect_same_greedy_tokens(recipe_model("deepseek-v3-tiny", with(kSpread, kMlaNoQLatent), kMlaFlags), 9, 24);
 }
 
 // The decode step's logits are the full forward's at the last position: after a prefill of the prompt, and after
@@ -153,8 +155,8 @@ TEST(GenerateKvCache, DecodeLogitsEqualFullForwardStandardAttention) {
 }
 
 TEST(GenerateKvCache, DecodeLogitsEqualFullForwardMla) {
-  expect_decode_logits_match(
-      recipe_model("deepseek-v3-tiny", with(kMla, {"--q-lora-rank", "40"}), {"--position-embedding-type"}));
+  expect_decode_logits_match(recipe_model("deepseek-v3-tiny", {}));
+  expect_decode_logits_match(recipe_model("deepseek-v3-tiny", kMlaNoQLatent, kMlaFlags));
 }
 
 // Prompt + new tokens outgrow --seq-length 16: the window keeps the most recent 16 tokens at positions 0..15, so
