@@ -137,4 +137,42 @@ void SelfAttention::backward(Tensor& dx_TH, const Tensor& dout_TH, const int64_t
   qkv_.backward(dx_TH, dqkv_TQ, a.qkv);
 }
 
+Tensor SelfAttention::forward_decode(const Tensor& x_TH, const std::span<const int64_t> positions,
+                                     LayerKvCache& cache) const {
+  const int64_t T = x_TH.dim(0), N = heads_, G = groups_, d = config_.kv_channels;
+  LinearActivations unused_qkv, unused_proj;
+  Tensor qkv_TQ = qkv_.forward(x_TH, unused_qkv);
+  Tensor q_TNd = activation_tensor({T, N, d});
+  Tensor k_TGd = activation_tensor({T, G, d});
+  Tensor v_TGd = activation_tensor({T, G, d});
+  ops::split_qkv(q_TNd, k_TGd, v_TGd, qkv_TQ, N, G, d);
+  qkv_TQ = Tensor();
+  if (config_.qk_layernorm) {
+    Tensor q_normed = activation_tensor({T, N, d});
+    Tensor k_normed = activation_tensor({T, G, d});
+    q_norm_.forward(q_normed, q_TNd);
+    k_norm_.forward(k_normed, k_TGd);
+    q_TNd = std::move(q_normed);
+    k_TGd = std::move(k_normed);
+  }
+  if (has_rope()) {
+    Tensor q_rot = activation_tensor({T, N, d});
+    Tensor k_rot = activation_tensor({T, G, d});
+    ops::rope_forward(q_rot, q_TNd, T, 1, rope_, positions);
+    ops::rope_forward(k_rot, k_TGd, T, 1, rope_, positions);
+    q_TNd = std::move(q_rot);
+    k_TGd = std::move(k_rot);
+  }
+  cache.write(positions, k_TGd, v_TGd);
+  const int64_t Sk = attended_positions(positions);
+  ops::AttentionDims decode = dims(T, 1);
+  decode.Sk = Sk;
+  decode.q_index = positions.data();
+  Tensor attn_TNd = activation_tensor({T, N, d});
+  Tensor lse_BNS = activation_tensor({1, N, T});
+  ops::attention_forward(attn_TNd, lse_BNS, q_TNd, cache.first_SX.slice_rows(0, Sk).view({Sk, 1, G, d}),
+                         cache.second_SY.slice_rows(0, Sk).view({Sk, 1, G, d}), decode, ops::DropoutSpec{});
+  return proj_.forward(attn_TNd, unused_proj);
+}
+
 }  // namespace moecore

@@ -220,4 +220,64 @@ void MLASelfAttention::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
   q_down_.backward(dx_TH, dcq_TlQ, a.q_down);
 }
 
+Tensor MLASelfAttention::forward_decode(const Tensor& x_TH, const std::span<const int64_t> positions,
+                                        LayerKvCache& cache) const {
+  const int64_t T = x_TH.dim(0), N = heads_;
+  const int64_t dq = mla_.qk_head_dim, dr = mla_.qk_pos_emb_head_dim, dv = mla_.v_head_dim, dqk = dq + dr;
+  const int64_t L = mla_.kv_lora_rank, Q = mla_.q_lora_rank;
+  LinearActivations unused;
+  Tensor q_TQ;
+  if (q_latent()) {
+    Tensor cq_TQ = q_down_.forward(x_TH, unused);
+    if (config_.qk_layernorm) {
+      Tensor normed_TQ = activation_tensor({T, Q});
+      q_norm_.forward(normed_TQ, cq_TQ);
+      cq_TQ = std::move(normed_TQ);
+    }
+    q_TQ = q_up_.forward(cq_TQ, unused);
+  } else {
+    q_TQ = q_up_.forward(x_TH, unused);
+  }
+  // The new tokens' normed latents and rotated rope keys join the cache.
+  Tensor ckv_TC = kv_down_.forward(x_TH, unused);
+  Tensor latent_TL = columns(ckv_TC, L + dr, 0, L, {T, L});
+  const Tensor k_rope_TR = columns(ckv_TC, L + dr, L, dr, {T, dr});
+  ckv_TC = Tensor();
+  if (config_.qk_layernorm) {
+    Tensor normed_TL = activation_tensor({T, L});
+    kv_norm_.forward(normed_TL, latent_TL);
+    latent_TL = std::move(normed_TL);
+  }
+  Tensor k_rot_TR = activation_tensor({T, dr});
+  ops::rope_forward(k_rot_TR, k_rope_TR, T, 1, rope_, positions);
+  cache.write(positions, latent_TL, k_rot_TR);
+  latent_TL = k_rot_TR = Tensor();
+
+  const Tensor q_rope_TNr = columns(q_TQ, dqk, dq, dr, {T, N, dr});
+  Tensor q_rot_TNr = activation_tensor({T, N, dr});
+  ops::rope_forward(q_rot_TNr, q_rope_TNr, T, 1, rope_, positions);
+  Tensor q_TNk = activation_tensor({T, N, dqk});
+  ops::copy_columns(q_TNk, dqk, 0, q_TQ, dqk, 0, dq);
+  ops::copy_columns(q_TNk, dqk, dq, q_rot_TNr, dr, 0, dr);
+  q_TQ = Tensor();
+
+  // Keys and values of every attended position, uncompressed from the cached latents.
+  const int64_t Sk = attended_positions(positions);
+  Tensor kv_SK = kv_up_.forward(cache.first_SX.slice_rows(0, Sk), unused);
+  Tensor k_SNk = activation_tensor({Sk, N, dqk});
+  ops::copy_columns(k_SNk, dqk, 0, kv_SK, dq + dv, 0, dq);
+  const Tensor k_rot_SR = cache.second_SY.slice_rows(0, Sk);
+  for (int64_t h = 0; h < N; ++h) ops::copy_columns(k_SNk, N * dqk, h * dqk + dq, k_rot_SR, dr, 0, dr);
+  const Tensor v_SNv = columns(kv_SK, dq + dv, dq, dv, {Sk, N, dv});
+  kv_SK = Tensor();
+
+  ops::AttentionDims decode = dims(T, 1);
+  decode.Sk = Sk;
+  decode.q_index = positions.data();
+  Tensor attn_TNv = activation_tensor({T, N, dv});
+  Tensor lse_BNS = activation_tensor({1, N, T});
+  ops::attention_forward(attn_TNv, lse_BNS, q_TNk, k_SNk, v_SNv, decode, ops::DropoutSpec{});
+  return proj_.forward(attn_TNv, unused);
+}
+
 }  // namespace moecore

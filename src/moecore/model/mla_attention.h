@@ -19,11 +19,13 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "moecore/model/config.h"
 #include "moecore/model/context_parallel_attention.h"
+#include "moecore/model/kv_cache.h"
 #include "moecore/model/norm_module.h"
 #include "moecore/model/parallel_linear.h"
 #include "moecore/model/sequence_info.h"
@@ -53,6 +55,11 @@ class MLASelfAttention {
                  const SequenceInfo& sequence) const;
   void backward(Tensor& dx_TH, const Tensor& dout_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout,
                 const MlaActivations& saved, const SequenceInfo& sequence) const;
+  // Incremental decoding as SelfAttention::forward_decode: the new tokens' normed kv latents and rotated rope keys
+  // go into `cache`; k_nope and v of the attended positions are recomputed from the cached latents through
+  // linear_kv_up_proj (Megatron's uncompress_kv_from_cache; no weight absorption, so the numbers are the full
+  // forward's).
+  Tensor forward_decode(const Tensor& x_TH, std::span<const int64_t> positions, LayerKvCache& cache) const;
 
  private:
   ops::AttentionDims dims(int64_t S, int64_t B) const;

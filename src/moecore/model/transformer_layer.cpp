@@ -244,4 +244,25 @@ void TransformerLayer::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
   ln1_.backward(dx_TH, dln1_TH, a.x_TH, a.ln1_stats);
 }
 
+Tensor TransformerLayer::forward_decode(const Tensor& x_TH, const std::span<const int64_t> positions,
+                                        LayerKvCache& cache) const {
+  const int64_t T = x_TH.dim(0);
+  const LayerDropout inference;  // no dropout, no router jitter
+  const TokenRows rows = TokenRows::contiguous(0, T);
+  const ops::ScopedLinearQuantization quantization(config_.layer_quantization(index_));
+  Tensor ln1_TH = activation_tensor(x_TH.shape());
+  ln1_.forward(ln1_TH, x_TH);
+  const Tensor attn_out_TH =
+      config_.mla ? mla_.forward_decode(ln1_TH, positions, cache) : attention_.forward_decode(ln1_TH, positions, cache);
+  ln1_TH = Tensor();
+  const Tensor x_mid_TH = dropout_add(attn_out_TH, x_TH, dropout_spec(inference, 0.0, kAfterAttention), rows);
+  Tensor ln2_TH = activation_tensor(x_TH.shape());
+  ln2_.forward(ln2_TH, x_mid_TH);
+  MoELayerActivations moe_scratch;
+  MLPActivations mlp_scratch;
+  const Tensor mlp_out_TH =
+      moe_ ? moe_forward(ln2_TH, T, 1, inference, moe_scratch) : mlp_.forward(ln2_TH, nullptr, mlp_scratch);
+  return dropout_add(mlp_out_TH, x_mid_TH, dropout_spec(inference, 0.0, kAfterMlp), rows);
+}
+
 }  // namespace moecore

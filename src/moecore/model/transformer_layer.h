@@ -6,12 +6,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "moecore/model/attention.h"
 #include "moecore/model/buffer.h"
 #include "moecore/model/config.h"
+#include "moecore/model/kv_cache.h"
 #include "moecore/model/mla_attention.h"
 #include "moecore/model/mlp.h"
 #include "moecore/model/norm_module.h"
@@ -66,6 +68,9 @@ class TransformerLayer {
   // carry into the gradient (the micro-batch's loss scale).
   void backward(Tensor& dx_TH, const Tensor& dout_TH, int64_t S, int64_t B, const LayerDropout& dropout,
                 double aux_grad_scale, const LayerActivations& saved) const;
+  // Incremental decoding (inference, one process, one sequence): the forward of the new tokens x_TH [T, H] at
+  // `positions`, attending the positions `cache` holds up to each one's own (attention's forward_decode).
+  Tensor forward_decode(const Tensor& x_TH, std::span<const int64_t> positions, LayerKvCache& cache) const;
 
   bool is_moe() const { return moe_ != nullptr; }
   MoELayer* moe() { return moe_.get(); }
