@@ -766,6 +766,14 @@ TEST(TrainArguments, MultiLatentAttentionAndYarn) {
   EXPECT_EQ(error_of(with(minimal(), {"--position-embedding-type", "yarn", "--rotary-percent", "0.5"})),
             "--rotary-percent only applies with --position-embedding-type rope or --multi-latent-attention's "
             "--rope-type rope");
+  // Heads over TP (TransformerConfig.__post_init__'s text) and over CP for a2a, with multi-latent attention.
+  EXPECT_EQ(error_of(with(minimal(), {"--multi-latent-attention", "--tensor-model-parallel-size", "3"}), 3),
+            "num_attention_heads (4) must be a multiple of tensor_model_parallel_size (3).");
+  EXPECT_TRUE(
+      mentions(error_of(with(minimal(), {"--multi-latent-attention", "--context-parallel-size", "8", "--cp-comm-type",
+                                         "a2a", "--seq-length", "64", "--max-position-embeddings", "64"}),
+                        8),
+               "--cp-comm-type a2a needs --num-attention-heads (4)"));
   EXPECT_EQ(error_of(with(minimal(), {"--rotary-scaling-factor", "4"})),
             "--rotary-scaling-factor only applies with --position-embedding-type yarn or --multi-latent-attention");
 }

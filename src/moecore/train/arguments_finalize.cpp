@@ -254,7 +254,11 @@ void finalize_parallel(TrainingArgs& args, const std::set<std::string>& given) {
   const ModelConfig& model = args.model;
   const int64_t tp = args.tensor_model_parallel_size;
   finalize_context_parallel(args);
-  require(model.num_attention_heads % tp == 0 && model.num_query_groups % tp == 0,
+  // TransformerConfig.__post_init__'s text.
+  require(model.num_attention_heads % tp == 0, "num_attention_heads (" + str(model.num_attention_heads) +
+                                                   ") must be a multiple of tensor_model_parallel_size (" + str(tp) +
+                                                   ").");
+  require(model.num_query_groups % tp == 0,
           "--num-attention-heads (" + str(model.num_attention_heads) + ") and --num-query-groups (" +
               str(model.num_query_groups) + ") must be divisible by --tensor-model-parallel-size (" + str(tp) + ")");
   require(model.ffn_hidden_size % tp == 0, "--ffn-hidden-size (" + str(model.ffn_hidden_size) +
