@@ -120,13 +120,13 @@ struct Grads {
 
 // dv: the value head width (0: kD).
 void run_case(const ProcessGroup& cp, const CpCommType type, const DType dtype, const int64_t dv) {
-  const int64_t kDv = dv > 0 ? dv : kD;
+  const int64_t v_width = dv > 0 ? dv : kD;
   const std::string name = std::string(cp_comm_type_name(type)) + " " + std::string(dtype_name(dtype)) + " cp" +
-                           std::to_string(cp.size()) + " dv " + std::to_string(kDv) + " rank " +
+                           std::to_string(cp.size()) + " dv " + std::to_string(v_width) + " rank " +
                            std::to_string(cp.rank());
   const Tensor q_all = random_tensor({kS, kB, kN, kD}, 1, dtype), k_all = random_tensor({kS, kB, kG, kD}, 2, dtype),
-               v_all = random_tensor({kS, kB, kG, kDv}, 3, dtype),
-               dout_all = random_tensor({kS, kB, kN, kDv}, 4, dtype);
+               v_all = random_tensor({kS, kB, kG, v_width}, 3, dtype),
+               dout_all = random_tensor({kS, kB, kN, v_width}, 4, dtype);
   SequenceInfo seq;
   seq.S = kS;
   seq.B = kB;
@@ -147,12 +147,12 @@ void run_case(const ProcessGroup& cp, const CpCommType type, const DType dtype, 
   const ops::DropoutSpec no_dropout;
 
   // Forward: under the 16-bit scope, and in fp32.
-  Tensor out16({S_l, kB, kN, kDv}, DType::kF32), lse16({kB, kN, S_l}, DType::kF32);
+  Tensor out16({S_l, kB, kN, v_width}, DType::kF32), lse16({kB, kN, S_l}, DType::kF32);
   {
     const ops::ScopedActivationDType scope(dtype);
     context_parallel_attention_forward(out16, lse16, q, k, v, dims, no_dropout, seq, cp, type);
   }
-  Tensor out32({S_l, kB, kN, kDv}, DType::kF32), lse32({kB, kN, S_l}, DType::kF32);
+  Tensor out32({S_l, kB, kN, v_width}, DType::kF32), lse32({kB, kN, S_l}, DType::kF32);
   context_parallel_attention_forward(out32, lse32, q, k, v, dims, no_dropout, seq, cp, type);
   const int64_t fwd_bad = mismatches_rounded_once(out16, out32, dtype);
   check(fwd_bad == 0, name + ": forward output is the fp32 output rounded once (" + std::to_string(fwd_bad) + " of " +
@@ -162,7 +162,7 @@ void run_case(const ProcessGroup& cp, const CpCommType type, const DType dtype, 
   check(same_lse, name + ": forward lse is the fp32 lse");
 
   // The one-process fp32 attention over the whole sequence, at this rank's rows.
-  Tensor out_one({kS, kB, kN, kDv}, DType::kF32), lse_one({kB, kN, kS}, DType::kF32);
+  Tensor out_one({kS, kB, kN, v_width}, DType::kF32), lse_one({kB, kN, kS}, DType::kF32);
   SequenceInfo one = seq;
   one.cp_rank = 0;
   one.cp_size = 1;
@@ -178,7 +178,7 @@ void run_case(const ProcessGroup& cp, const CpCommType type, const DType dtype, 
   const auto start = [&] {
     return Grads{random_tensor({S_l, kB, kN, kD}, 10 + cp.rank(), dtype),
                  random_tensor({S_l, kB, kG, kD}, 20 + cp.rank(), dtype),
-                 random_tensor({S_l, kB, kG, kDv}, 30 + cp.rank(), dtype)};
+                 random_tensor({S_l, kB, kG, v_width}, 30 + cp.rank(), dtype)};
   };
   Grads g16 = start(), g32 = start();
   {
@@ -202,10 +202,10 @@ void run_case(const ProcessGroup& cp, const CpCommType type, const DType dtype, 
     std::fill_n(t.data<float>(), t.numel(), 0.0f);
     return t;
   };
-  Grads g_cp{zeros(S_l, kN, kD), zeros(S_l, kG, kD), zeros(S_l, kG, kDv)};
+  Grads g_cp{zeros(S_l, kN, kD), zeros(S_l, kG, kD), zeros(S_l, kG, v_width)};
   context_parallel_attention_backward(g_cp.dq, g_cp.dk, g_cp.dv, dout, q, k, v, out32, lse32, dims, no_dropout, seq, cp,
                                       type);
-  Grads g_one{zeros(kS, kN, kD), zeros(kS, kG, kD), zeros(kS, kG, kDv)};
+  Grads g_one{zeros(kS, kN, kD), zeros(kS, kG, kD), zeros(kS, kG, v_width)};
   context_parallel_attention_backward(g_one.dq, g_one.dk, g_one.dv, dout_all, q_all, k_all, v_all, out_one, lse_one,
                                       one_dims, no_dropout, one, ProcessGroup::self(), type);
   const std::pair<const char*, std::pair<const Tensor*, const Tensor*>> vs_one[] = {

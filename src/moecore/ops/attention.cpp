@@ -34,10 +34,14 @@ struct AttentionTensors {
   const Tensor &q, &k, &v, &out;
 };
 
-void check_attention(const char* op, const AttentionDims& dims, const AttentionTensors& t, const Tensor& lse) {
+void check_value_dim(const char* op, const AttentionDims& dims) {
   if (dims.v_head_dim < 0) {
     detail::fail(op, "v_head_dim=" + std::to_string(dims.v_head_dim) + " is negative (0: head_dim)");
   }
+}
+
+void check_attention(const char* op, const AttentionDims& dims, const AttentionTensors& t, const Tensor& lse) {
+  check_value_dim(op, dims);
   const int64_t S = dims.S, Sk = dims.Sk > 0 ? dims.Sk : dims.S, B = dims.B, d = dims.head_dim, dv = value_dim(dims);
   check_shape(op, t.q_name, t.q, {{"S", S}, {"B", B}, {"N", dims.N}, {"d", d}});
   check_shape(op, t.k_name, t.k, {{"Sk", Sk}, {"B", B}, {"G", dims.G}, {"d", d}});
@@ -99,6 +103,7 @@ void attention_merge(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& part_out_S
                      const AttentionDims& dims) {
   constexpr const char* op = "attention_merge";
   detail::check_tensors(op, {&out_SBNd, &lse_BNS, &part_out_SBNd, &part_lse_BNS});
+  check_value_dim(op, dims);
   const int64_t rows = dims.S * dims.B * dims.N, dv = value_dim(dims);
   check_shape(op, "out_SBNd", out_SBNd, {{"S", dims.S}, {"B", dims.B}, {"N", dims.N}, {"dv", dv}});
   detail::check_numel(op, "lse_BNS", lse_BNS, rows);

@@ -1,11 +1,11 @@
 // Fast causal GQA attention, flash-style (Dao, "FlashAttention-2", 2023, algorithms 1 and 2): a task takes a block
-// of query rows of every head of one kv group (the heads share each K/V tile, read in place from the [S, B, G, d]
-// tensors), walks the keys up to the diagonal in tiles that stay in cache, and keeps an online softmax (running row
-// max and sum, the output accumulator rescaled when the max grows), so no [rows, S] tile is ever formed. Tiles above
-// the diagonal are skipped; the block's own keys, where the mask cuts, go in narrow tiles against only the rows that
-// see them. Backward recomputes the probabilities of each tile from the saved lse. Products are single-threaded GEMMs
-// (gemm.h) inside OpenMP loops; the element-wise loops (vectorised exp, fast_exp.h; the dropout mask's Philox) are
-// compiled per vector ISA (vector_isa.h).
+// of query rows of every head of one kv group (the heads share each K/V tile, read in place from the [Sk, B, G, d]
+// and [Sk, B, G, dv] tensors), walks the keys up to the diagonal in tiles that stay in cache, and keeps an online
+// softmax (running row max and sum, the output accumulator rescaled when the max grows), so no [rows, S] tile is ever
+// formed. Tiles above the diagonal are skipped; the block's own keys, where the mask cuts, go in narrow tiles against
+// only the rows that see them. Backward recomputes the probabilities of each tile from the saved lse. Products are
+// single-threaded GEMMs (gemm.h) inside OpenMP loops; the element-wise loops (vectorised exp, fast_exp.h; the dropout
+// mask's Philox) are compiled per vector ISA (vector_isa.h).
 //
 // Every output element is a fixed sequence of tile operations whatever the thread count: a task owns its outputs
 // (forward: its query rows; backward: dK, dV of its key tile or all tiles of its group, dQ of its query block), and
