@@ -194,6 +194,23 @@ TEST(PlanFlops, TinyMlaWithMtpByHand) {
   EXPECT_DOUBLE_EQ(flops_per_step(direct_queries, 3), 127440.0);
 }
 
+// The training log counts what the engine builds: a ModelConfig with multi-latent attention and MTP depths gives the
+// hand-computed count above through train's flops_shape, as the planner's model does.
+TEST(PlanFlops, TrainsShapeOfAnMlaMtpModelIsThePlannersCount) {
+  const PlanModel model = tiny_mla_mtp();
+  ModelConfig config = model.config;
+  config.mla = MlaConfig{4, 2, 3, 1, 2, RopeType::kYarn};
+  config.mtp_num_layers = 1;
+  const FlopsShape shape = moecore::flops_shape(config);
+  ASSERT_TRUE(shape.mla.has_value());
+  EXPECT_EQ(shape.mla->q_lora_rank, std::optional<int64_t>(4));
+  EXPECT_EQ(shape.mtp_num_layers, 1);
+  EXPECT_DOUBLE_EQ(num_floating_point_operations(shape, 4.0, 16.0) / 4.0, 10692.0);
+  config.mla->q_lora_rank = 0;  // queries from the hidden state (Megatron's None)
+  EXPECT_FALSE(moecore::flops_shape(config).mla->q_lora_rank.has_value());
+  EXPECT_DOUBLE_EQ(num_floating_point_operations(moecore::flops_shape(config), 4.0, 16.0) / 4.0, 10620.0);
+}
+
 TEST(PlanFlops, MtpLayerOfADenseLastLayerIsDense) {
   // The pattern reversed (MoE, then dense): the MTP layer now counts a dense MLP, 6*8*3*16 = 2304 per token, instead of
   // a MoE one, 6*8*(4*2*3 + 4*3) = 1728: 576 more per token.
