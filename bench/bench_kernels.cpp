@@ -1,7 +1,7 @@
 // Times the fast kernels against their naive references at training sizes; prints one line per kernel.
 // usage: bench_kernels [--threads N] [--repeats N] [--attention] [--case NAME] [--no-ref]
 //   --attention: only the attention cases; --case: only that attention case (demo, moe, gqa, drop, long, long4k,
-//   cp4, long4kdrop, cp4drop, docs, mla, mla192); --no-ref: skip the naive references (slow).
+//   cp4, long4kdrop, cp4drop, docs, mla, mla192, tinymla, tinygqa); --no-ref: skip the naive references (slow).
 #include <omp.h>
 
 #include <algorithm>
@@ -236,7 +236,8 @@ void bench_attention(const AttentionCase& c, const int repeats, const bool allow
 // attention dropout, and a long sequence with GQA; then S = 4096 with GQA in one process (long4k), split over two
 // context-parallel ranks (cp4: 4 chunks, each rank 2 ring steps of 2048 x 2048 blocks, without and with dropout),
 // and as packed documents of 512 tokens (the block path skipping the key tiles of other documents); multi-latent
-// attention's heads (DeepSeek-V3: q / k 192 wide, values 128) and the same with 192-wide values.
+// attention's heads (DeepSeek-V3: q / k 192 wide, values 128) and the same with 192-wide values; the attention of
+// configs/deepseek-v3-tiny.args (4 heads of 32 + 16, values 32) and of its GQA counterpart (4 heads of 32, 2 groups).
 const AttentionCase kAttentionCases[] = {
     {"demo", 256, 8, 8, 8, 64, 0.0f, true},
     {"moe", 512, 4, 8, 8, 64, 0.0f, false},
@@ -250,6 +251,8 @@ const AttentionCase kAttentionCases[] = {
     {"docs", 4096, 1, 8, 2, 64, 0.0f, false, 0, 512},
     {"mla", 1024, 1, 16, 16, 192, 0.0f, false, 0, 0, 128},
     {"mla192", 1024, 1, 16, 16, 192, 0.0f, false},
+    {"tinymla", 256, 4, 4, 4, 48, 0.0f, false, 0, 0, 32},
+    {"tinygqa", 256, 4, 4, 2, 32, 0.0f, false},
 };
 
 }  // namespace
