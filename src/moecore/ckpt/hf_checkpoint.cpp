@@ -454,12 +454,11 @@ void export_hf(const GPTModel& model, const HfExportInfo& info, const std::strin
   }
   // The routers' expert-bias buffers (aux-loss-free balancing) travel under DeepSeek-V3's name, in fp32; DeepSeek-V3's
   // router always adds one, zeros standing for none.
-  for (int64_t layer = 0; layer < c.num_layers; ++layer) {
-    const Buffer* bias = c.moe.enable_expert_bias ? model.expert_bias(layer) : nullptr;
-    if (bias != nullptr) {
-      tensors.emplace_back(hf_expert_bias_name(layer), bias->value.clone());
-    } else if (model_type == "deepseek_v3" && c.moe.is_moe_layer(layer)) {
-      tensors.emplace_back(hf_expert_bias_name(layer), Tensor({c.moe.num_experts}, DType::kF32));
+  for (const auto& [hf_name, buffer_name] : hf_expert_bias_buffers(c, model_type)) {
+    if (c.moe.enable_expert_bias) {
+      tensors.emplace_back(hf_name, model.buffer(buffer_name).value.clone());
+    } else if (model_type == "deepseek_v3") {
+      tensors.emplace_back(hf_name, Tensor({c.moe.num_experts}, DType::kF32));
     }
   }
   for (const auto& [name, p] : params) {

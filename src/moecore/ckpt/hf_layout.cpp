@@ -89,8 +89,26 @@ void push_mla_attention(std::vector<HfTensorMap>& layout, const ModelConfig& c, 
 
 }  // namespace
 
+std::string hf_layer_prefix(const int64_t layer) { return "model.layers." + std::to_string(layer) + "."; }
+
 std::string hf_expert_bias_name(const int64_t layer) {
-  return "model.layers." + std::to_string(layer) + ".mlp.gate.e_score_correction_bias";
+  return hf_layer_prefix(layer) + "mlp.gate.e_score_correction_bias";
+}
+
+std::vector<std::pair<std::string, std::string>> hf_expert_bias_buffers(const ModelConfig& c,
+                                                                        const std::string& model_type) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (int64_t layer = 0; layer < c.num_layers; ++layer) {
+    if (!c.moe.is_moe_layer(layer)) continue;
+    out.emplace_back(hf_expert_bias_name(layer), "decoder.layers." + std::to_string(layer) + ".mlp.router.expert_bias");
+  }
+  if (model_type == "deepseek_v3" && c.num_layers > 0 && c.moe.is_moe_layer(c.num_layers - 1)) {
+    for (int64_t k = 0; k < c.mtp_num_layers; ++k) {
+      out.emplace_back(hf_expert_bias_name(c.num_layers + k),
+                       "mtp.layers." + std::to_string(k) + ".mtp_model_layer.mlp.router.expert_bias");
+    }
+  }
+  return out;
 }
 
 std::vector<HfTensorMap> hf_layout(const ModelConfig& c, const std::string& model_type) {
@@ -108,10 +126,8 @@ std::vector<HfTensorMap> hf_layout(const ModelConfig& c, const std::string& mode
       c.add_bias_linear ? std::vector<std::string>{"weight", "bias"} : std::vector<std::string>{"weight"};
 
   std::vector<HfTensorMap> layout;
-  layout.push_back({"model.embed_tokens.weight", "embedding.word_embeddings.weight", {}});
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string P = "model.layers." + std::to_string(i) + ".";
-    const std::string M = "decoder.layers." + std::to_string(i) + ".";
+  // One transformer layer: HF prefix P, moecore prefix M.
+  const auto push_layer = [&](const std::string& P, const std::string& M, const bool moe) {
     layout.push_back({P + "input_layernorm.weight", M + "input_layernorm.weight", {}});
     if (c.mla) {
       push_mla_attention(layout, c, P + "self_attn.", M + "self_attention.");
@@ -119,15 +135,31 @@ std::vector<HfTensorMap> hf_layout(const ModelConfig& c, const std::string& mode
       push_standard_attention(layout, c, P + "self_attn.", M + "self_attention.", suffixes, q_rows, k_rows, v_rows);
     }
     layout.push_back({P + "post_attention_layernorm.weight", M + "pre_mlp_layernorm.weight", {}});
-    if (c.moe.is_moe_layer(i)) {
+    if (moe) {
       push_moe_layer(layout, c, model_type, P, M, suffixes);
     } else {
       push_swiglu_mlp(layout, P + "mlp.gate_proj", P + "mlp.up_proj", P + "mlp.down_proj", M + "mlp.linear_fc1",
                       M + "mlp.linear_fc2", c.ffn_hidden_size, suffixes);
     }
+  };
+  layout.push_back({"model.embed_tokens.weight", "embedding.word_embeddings.weight", {}});
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    push_layer(hf_layer_prefix(i), "decoder.layers." + std::to_string(i) + ".", c.moe.is_moe_layer(i));
   }
   layout.push_back({"model.norm.weight", "decoder.final_layernorm.weight", {}});
   if (c.untie_embeddings_and_output_weights) layout.push_back({"lm_head.weight", "output_layer.weight", {}});
+  // DeepSeek-V3's Multi-Token Prediction depths: HF layer num_hidden_layers + k (Megatron-Bridge's deepseek
+  // common.py), built like the last decoder layer.
+  if (model_type == "deepseek_v3") {
+    for (int64_t k = 0; k < c.mtp_num_layers; ++k) {
+      const std::string P = hf_layer_prefix(c.num_layers + k), M = "mtp.layers." + std::to_string(k) + ".";
+      layout.push_back({P + "enorm.weight", M + "enorm.weight", {}});
+      layout.push_back({P + "hnorm.weight", M + "hnorm.weight", {}});
+      layout.push_back({P + "eh_proj.weight", M + "eh_proj.weight", {}});
+      push_layer(P, M + "mtp_model_layer.", c.moe.is_moe_layer(c.num_layers - 1));
+      layout.push_back({P + "shared_head.norm.weight", M + "final_layernorm.weight", {}});
+    }
+  }
   return layout;
 }
 

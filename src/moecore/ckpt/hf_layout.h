@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moecore/model/config.h"
@@ -27,8 +28,14 @@ struct HfTensorMap {
 // buffers are not in it: hf_expert_bias_name).
 std::vector<HfTensorMap> hf_layout(const ModelConfig& c, const std::string& model_type);
 
-// The HF name of the expert-bias buffer of decoder layer `layer` (DeepSeek-V3's e_score_correction_bias).
+// "model.layers.{layer}." (DeepSeek-V3's MTP depth k is layer num_hidden_layers + k).
+std::string hf_layer_prefix(int64_t layer);
+// The HF name of the expert-bias buffer of HF layer `layer` (DeepSeek-V3's e_score_correction_bias).
 std::string hf_expert_bias_name(int64_t layer);
+// (HF name, moecore buffer name) of every MoE layer's expert-bias buffer: the decoder's, and under deepseek_v3 the MTP
+// depths' (mtp.layers.k.mtp_model_layer.mlp.router.expert_bias) when the last decoder layer is a MoE layer.
+std::vector<std::pair<std::string, std::string>> hf_expert_bias_buffers(const ModelConfig& c,
+                                                                        const std::string& model_type);
 
 // The row ranges `map` takes of a parameter with `megatron_rows` rows (all of them when map.rows is empty).
 // The JSON document in `path` (config.json, the shard index); std::runtime_error "PATH: cannot open" / "PATH: not

@@ -72,10 +72,9 @@ bool is_floating(const DType dtype) {
 std::map<std::string, std::vector<HfTensorMap>> maps_by_key(const ModelConfig& config, const std::string& model_type) {
   std::map<std::string, std::vector<HfTensorMap>> by_key;
   for (HfTensorMap& map : hf_layout(config, model_type)) by_key[map.megatron_name].push_back(std::move(map));
-  for (int64_t layer = 0; layer < config.num_layers; ++layer) {
-    if (!config.moe.is_moe_layer(layer) || !config.moe.enable_expert_bias) continue;
-    const std::string key = "decoder.layers." + std::to_string(layer) + ".mlp.router.expert_bias";
-    by_key[key].push_back(HfTensorMap{hf_expert_bias_name(layer), key, {}});
+  if (!config.moe.enable_expert_bias) return by_key;
+  for (const auto& [hf_name, key] : hf_expert_bias_buffers(config, model_type)) {
+    by_key[key].push_back(HfTensorMap{hf_name, key, {}});
   }
   return by_key;
 }
@@ -140,7 +139,14 @@ std::unique_ptr<GlobalTensorSource> hf_state_source(const std::string& dir, cons
     if (used.contains(name)) continue;
     const bool tied_head = name == "lm_head.weight" && !config.untie_embeddings_and_output_weights;
     const bool rope_buffer = name.ends_with(".rotary_emb.inv_freq");  // older checkpoints store it
-    if (!tied_head && !rope_buffer) {
+    // DeepSeek-V3's MTP layers may hold copies of the embedding and output head; Megatron shares the model's own
+    // (Megatron-Bridge maps none of them).
+    bool mtp_copy = false;
+    for (int64_t k = 0; model_type == "deepseek_v3" && k < config.mtp_num_layers; ++k) {
+      const std::string P = hf_layer_prefix(config.num_layers + k);
+      mtp_copy |= name == P + "embed_tokens.weight" || name == P + "shared_head.head.weight";
+    }
+    if (!tied_head && !rope_buffer && !mtp_copy) {
       throw std::runtime_error(located.header->path + ": tensor '" + name + "' has no place in a " + model_type +
                                " model with this config");
     }
