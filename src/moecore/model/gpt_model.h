@@ -38,6 +38,13 @@ struct MoEStats {
   std::vector<std::vector<int64_t>> tokens_per_expert;     // [MoE layer][expert]
 };
 
+// Multi-Token Prediction losses (unscaled, each depth's mean over its unmasked tokens) summed over the training
+// forwards since the last GPTModel::take_mtp_stats().
+struct MtpStats {
+  int64_t num_forwards = 0;
+  std::vector<double> loss_sums;  // [depth]
+};
+
 // The part of the model one pipeline stage builds (Megatron's pre_process / post_process): decoder layers
 // [first_layer, first_layer + num_layers) under their global numbers, with the embedding (pre_process) and the
 // final norm, output layer and loss (post_process). The default is the whole model.
@@ -126,6 +133,9 @@ class GPTModel {
   // MoE: statistics of the training forwards since the last call (then reset), and the once-per-global-batch
   // router updates (expert-bias sign rule, global aux-loss reset). No-ops for a dense model.
   MoEStats take_moe_stats();
+  // --mtp-num-layers: the depths' losses of the training forwards since the last call (then reset); empty on a stage
+  // without the loss.
+  MtpStats take_mtp_stats();
   void finish_global_batch();
   // The first norm (in model order) of this rank whose statistics overflowed in a forward since the last call (then
   // reset): its output was zeros, which the loss does not show (model/norm_overflow.h). Training, evaluation and
@@ -150,6 +160,9 @@ class GPTModel {
   void embed_backward(const Tensor& dx_TH, const MicroBatchContext& ctx) const;
   double output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH, bool with_labels, Tensor* logits_SBV) const;
   Tensor output_and_loss_backward(MicroBatchContext& ctx, double loss_scale) const;
+  MtpBatch mtp_batch(const MicroBatchContext& ctx) const;
+  MtpForwardOptions mtp_options(const MicroBatchContext& ctx, double backward_seed) const;
+  void mtp_forward(MicroBatchContext& ctx, const ForwardOptions& options);
 
   struct Modules;
   ModelConfig config_;
@@ -162,6 +175,7 @@ class GPTModel {
   std::vector<Buffer> buffers_;
   std::unique_ptr<Modules> modules_;
   MoEStats moe_stats_;
+  MtpStats mtp_stats_;
   NormOverflowLog norm_overflows_;
   DelayedScalingStates delayed_scaling_;
 };

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "moecore/model/multi_token_prediction.h"
 #include "moecore/model/norm_module.h"
 #include "moecore/model/parallel_linear.h"
 #include "moecore/model/sequence_info.h"
@@ -19,6 +20,7 @@ class MicroBatchContext {
   int64_t S = 0, B = 0;
   std::vector<int32_t> tokens_SB, labels_SB;
   std::vector<float> loss_weight_SB;  // mask / number of unmasked tokens
+  std::vector<float> loss_mask_SB;    // the mask itself
   double loss_tokens = 0.0;           // this rank's unmasked tokens
   uint64_t dropout_seed = 0;
   uint64_t dropout_stream = 0;
@@ -38,6 +40,7 @@ class MicroBatchContext {
   // weight, made during forward.
   Tensor output_dinput_TH, output_dweight_VH;
   double output_grad_seed = 1.0;  // the seed output_dinput_TH / output_dweight_VH were formed with
+  MtpActivations mtp;             // --mtp-num-layers (post-process)
 };
 
 }  // namespace moecore

@@ -34,8 +34,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--onnx-safe",
     "--bert-no-binary-head",
     "--multi-latent-attention",
-    "--mtp-num-layers",
-    "--mtp-loss-scaling-factor",
     // regularization / optimizer variants
     "--sgd-momentum",
     "--muon-momentum",
