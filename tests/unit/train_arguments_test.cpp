@@ -170,6 +170,27 @@ TEST(TrainArguments, ModelFlags) {
   EXPECT_EQ(squared.model.activation, Activation::kSquaredReLU);
 }
 
+TEST(TrainArguments, MultiTokenPrediction) {
+  const Args rope = with(minimal(), {"--position-embedding-type", "rope"});
+  const TrainingArgs none = parse_train_args(rope);
+  EXPECT_EQ(none.model.mtp_num_layers, 0);
+  EXPECT_DOUBLE_EQ(none.model.mtp_loss_scaling_factor, 0.1);  // Megatron's default
+  const TrainingArgs args = parse_train_args(with(rope, {"--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"}));
+  EXPECT_EQ(args.model.mtp_num_layers, 2);
+  EXPECT_DOUBLE_EQ(args.model.mtp_loss_scaling_factor, 0.3);
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--position-embedding-type", "none", "--mtp-num-layers", "1"}))
+                .model.mtp_num_layers,
+            1);
+  // Megatron's validate_args message, word for word.
+  EXPECT_EQ(error_of(with(minimal(), {"--mtp-num-layers", "1"})),
+            "Multi-Token Prediction (MTP) is not supported with learned_absolute position embedding type.The "
+            "supported position embedding types are rope and none.");
+  EXPECT_TRUE(mentions(error_of(with(rope, {"--mtp-num-layers", "-1"})), "--mtp-num-layers"));
+  EXPECT_EQ(error_of(with(rope, {"--mtp-num-layers", "1", "--reset-attention-mask"})),
+            "--mtp-num-layers is not supported with packed sequences (--reset-position-ids / --reset-attention-mask) "
+            "yet");
+}
+
 TEST(TrainArguments, SwigluFfnDefaultAsMegatron) {
   // int((4 * 4096 * 2 / 3) / 64) * 64: 10922.67 / 64 = 170.67 -> 170 * 64 = 10880.
   Args args = without(without(minimal(), "--hidden-size", 1), "--num-attention-heads", 1);

@@ -105,6 +105,7 @@ FlopsShape flops_shape(const ModelConfig& config) {
     shape.shared_expert_intermediate_size = config.moe.shared_expert_intermediate_size;
   }
   shape.padded_vocab_size = config.vocab_size;
+  shape.mtp_num_layers = config.mtp_num_layers;
   return shape;
 }
 
