@@ -156,7 +156,15 @@ TEST(ModelStateKeys, MatchBuiltModels) {
   ModelConfig relu2_moe = qwen3_moe_config();
   relu2_moe.activation = Activation::kSquaredReLU;
   relu2_moe.add_bias_linear = true;  // router bias, expert biases
-  std::vector<ModelConfig> configs = {gpt2, relu2_moe};
+  // Multi-Token Prediction depths after the head (MoE depth layers with expert-bias buffers; LayerNorm, untied).
+  ModelConfig mtp_moe = qwen3_moe_config();
+  mtp_moe.mtp_num_layers = 2;
+  mtp_moe.moe.enable_expert_bias = true;
+  mtp_moe.moe.score_function = RouterScoreFunction::kSigmoid;
+  ModelConfig mtp_layernorm = gpt2;
+  mtp_layernorm.mtp_num_layers = 1;
+  mtp_layernorm.untie_embeddings_and_output_weights = true;
+  std::vector<ModelConfig> configs = {gpt2, relu2_moe, mtp_moe, mtp_layernorm};
   for (const Architecture& a : architectures()) configs.push_back(a.config);
   for (const ModelConfig& c : configs) {
     const GPTModel model(c, 3);

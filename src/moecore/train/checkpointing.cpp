@@ -253,6 +253,8 @@ ojson checkpoint_args(const TrainingArgs& a) {
       {"--rotary-percent", m.rotary_percent},
       {"--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights},
       {"--num-experts", m.moe.num_experts}};
+  // Recorded only with Multi-Token Prediction, so checkpoints of models without it keep their flags.
+  if (m.mtp_num_layers > 0) model["--mtp-num-layers"] = m.mtp_num_layers;
   if (m.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
     model["--max-position-embeddings"] = m.max_position_embeddings;
   }
@@ -365,6 +367,12 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
         throw ConfigError("checkpoint " + plan.dir + " was saved with " + flag + " " +
                           (saved.contains(flag) ? saved[flag].dump() : std::string("(absent)")) + ", this run has " +
                           value.dump() + " (model flags must match; parallel and batch sizes may change)");
+      }
+    }
+    for (const auto& [flag, value] : saved.items()) {  // a recorded flag this run does not have (e.g. MTP off)
+      if (!mine.contains(flag)) {
+        throw ConfigError("checkpoint " + plan.dir + " was saved with " + flag + " " + value.dump() +
+                          ", this run has (absent) (model flags must match; parallel and batch sizes may change)");
       }
     }
     const std::optional<StoredTensorInfo> embedding = ckpt.info("embedding.word_embeddings.weight");
