@@ -150,31 +150,23 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const paralle
                            static_cast<int>(L));
     LinearOptions output;
     output.module = static_cast<int>(L);
-    if (tied && pre_process) {
-      output.shared_weight = kWordEmbeddings;
-    } else if (tied) {
-      // A last stage without the embedding holds its own copy of the tied weight under the embedding's name: the
-      // counter-RNG init makes it equal to the first stage's; keeping the copies' gradients summed is the pipeline
-      // schedule's job (Megatron's embedding group).
-      output.shared_weight = kWordEmbeddings;
-      params_.push_back(
-          make_sharded_param(kWordEmbeddings, ParamShard{0, 1, m.tp.size(), m.tp.rank(), {V, H}}, InitKind::kNormal));
+    if (tied) output.shared_weight = kWordEmbeddings;
+    if (!pre_process && (tied || config_.mtp_num_layers > 0)) {
+      // A last stage without the embedding holds its own copy of the word embedding under the embedding's name, for
+      // the tied output layer and the Multi-Token Prediction input: the counter-RNG init makes it equal to the first
+      // stage's; keeping the copies' gradients summed is the pipeline schedule's job (Megatron's embedding group).
+      m.word_embeddings = VocabParallelEmbedding(kWordEmbeddings, V, H, m.tp, params_);
     }
     m.output_layer = ColumnParallelLinear("output_layer", H, V, m.tp, output, params_);
     m.cross_entropy = VocabParallelCrossEntropy(m.tp, V, m.tp.rank() * (V / m.tp.size()));
     if (config_.mtp_num_layers > 0) {
-      if (!pre_process) {
-        throw ConfigError(
-            "--mtp-num-layers needs the word embedding on the last pipeline stage: not supported with "
-            "--pipeline-model-parallel-size > 1 yet");
-      }
       m.mtp = MultiTokenPrediction(config_, static_cast<int>(L), params_, buffers_, parallel_);
     }
   }
   // params_ and buffers_ are complete: pointers into them stay valid from here on.
   for (TransformerLayer& layer : m.layers) layer.bind(params_, buffers_, &norm_overflows_);
+  if (pre_process || (post_process && (tied || config_.mtp_num_layers > 0))) m.word_embeddings.bind(params_);
   if (pre_process) {
-    m.word_embeddings.bind(params_);
     if (config_.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
       m.position_embeddings = &param("embedding.position_embeddings.weight");
     }
@@ -185,7 +177,7 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const paralle
     m.output_layer.bind(params_);
     m.mtp.bind(params_, buffers_, &norm_overflows_, &m.word_embeddings, &m.output_layer, &m.cross_entropy);
   }
-  if (tied && parallel_.pp_size() > 1 && (pre_process || post_process)) {
+  if ((tied || config_.mtp_num_layers > 0) && parallel_.pp_size() > 1 && (pre_process || post_process)) {
     Param& word = param(kWordEmbeddings);
     word.sum_over_embedding_group = true;
     word.pipeline_copy = !pre_process;
@@ -426,7 +418,10 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     const ActivationOwnerScope owner(ActivationOwner::kOutputLoss);
     ctx->output_grad_seed = options.backward_seed;
     loss = output_and_loss(*ctx, x_TH, labels_BS != nullptr, logits_SBV);
-    if (m.mtp.depths() > 0 && labels_BS != nullptr) mtp_forward(*ctx, options);
+    if (m.mtp.depths() > 0 && labels_BS != nullptr) {
+      if (tokens_BS == nullptr) throw std::invalid_argument("the Multi-Token Prediction depths need the tokens");
+      mtp_forward(*ctx, options);
+    }
   }
   if (options.training) {
     if (!moe_stats_.moe_layers.empty()) ++moe_stats_.num_forwards;

@@ -759,6 +759,7 @@ parallel::PipelineSplitFlags pipeline_split_flags(const TrainingArgs& args) {
   flags.num_layers_per_virtual_pipeline_stage = args.num_layers_per_virtual_pipeline_stage;
   flags.num_virtual_stages_per_pipeline_rank = args.num_virtual_stages_per_pipeline_rank;
   flags.overlap_p2p_comm = args.overlap_p2p_comm;
+  flags.mtp_num_layers = args.model.mtp_num_layers;
   return flags;
 }
 

@@ -645,7 +645,6 @@ void finalize_mtp(const TrainingArgs& args) {
   const auto unsupported = [](const bool ok, const std::string& what) {
     require(ok, "--mtp-num-layers is not supported with " + what + " yet");
   };
-  unsupported(args.pipeline_model_parallel_size == 1, "--pipeline-model-parallel-size > 1");
   unsupported(args.context_parallel_size == 1, "--context-parallel-size > 1");
   unsupported(!args.reset_position_ids && !args.reset_attention_mask,
               "packed sequences (--reset-position-ids / --reset-attention-mask)");
