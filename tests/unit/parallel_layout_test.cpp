@@ -363,7 +363,7 @@ TEST(LayoutCommand, PipelineSplitErrors) {
             "--pipeline-model-parallel-size 2)");
   EXPECT_NE(layout_command_error({"--world-size", "4", "--pipeline-model-parallel-size", "4", "--num-layers", "4",
                                   "--pipeline-model-parallel-layout", "Et|t|t|tmL"})
-                .find("MTP layers"),
+                .find("Number of mtp layers in layout must match mtp_num_layers"),
             std::string::npos);
 }
 

@@ -560,9 +560,9 @@ TEST(TrainArguments, PipelineSplitFlags) {
             "should be greater than 1 (--pipeline-model-parallel-size 1, 2 virtual stages per rank)");
   EXPECT_EQ(error_of(with(minimal(), {"--decoder-first-pipeline-num-layers", "0"})),
             "--decoder-first-pipeline-num-layers must be larger than 0 (got 0)");
-  EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-layout", "Et|tmL"})),
-            "--pipeline-model-parallel-layout: 'm' (a multi-token prediction layer) is not supported: moecore has no "
-            "MTP layers");
+  EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-layout", "EttmL"})),
+            "--pipeline-model-parallel-layout: Number of mtp layers in layout must match mtp_num_layers (1 in the "
+            "layout, --mtp-num-layers 0)");
   EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-layout", "EtttL"})),
             "--pipeline-model-parallel-layout: Number of decoder layers 3 must match --num-layers 2");
   EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-layout"})),
