@@ -73,7 +73,6 @@ std::unique_ptr<MicroBatchContext> make_context(const int32_t* tokens_BS, const 
   ctx->tokens_SB.assign(static_cast<size_t>(T), 0);
   ctx->labels_SB.assign(static_cast<size_t>(T), 0);
   ctx->loss_weight_SB.assign(static_cast<size_t>(T), 0.0f);
-  ctx->loss_mask_SB.assign(static_cast<size_t>(T), 0.0f);
   double mask_sum = 0.0;
   for (const TokenRows::Run& run : rows.runs()) {
     for (int64_t i = 0; i < run.count; ++i) {
@@ -82,7 +81,6 @@ std::unique_ptr<MicroBatchContext> make_context(const int32_t* tokens_BS, const 
       if (tokens_BS) ctx->tokens_SB[t] = tokens_BS[b * S + s];
       if (labels_BS) ctx->labels_SB[t] = labels_BS[b * S + s];
       ctx->loss_weight_SB[t] = loss_mask_BS ? loss_mask_BS[b * S + s] : 1.0f;
-      ctx->loss_mask_SB[t] = ctx->loss_weight_SB[t];
       mask_sum += ctx->loss_weight_SB[t];
     }
   }
@@ -420,7 +418,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     loss = output_and_loss(*ctx, x_TH, labels_BS != nullptr, logits_SBV);
     if (m.mtp.depths() > 0 && labels_BS != nullptr) {
       if (tokens_BS == nullptr) throw std::invalid_argument("the Multi-Token Prediction depths need the tokens");
-      mtp_forward(*ctx, options);
+      mtp_forward(*ctx, options, tokens_BS, labels_BS, loss_mask_BS);
     }
   }
   if (options.training) {
@@ -500,9 +498,9 @@ void GPTModel::record_moe_stats(const int64_t layer, const RouterOutput& routing
   }
 }
 
-MtpBatch GPTModel::mtp_batch(const MicroBatchContext& ctx) const {
-  if (parallel_.cp_size() > 1) throw ConfigError("--mtp-num-layers is not supported with context parallelism yet");
-  return MtpBatch{ctx.S, ctx.B, ctx.tokens_SB, ctx.labels_SB, ctx.loss_mask_SB, &ctx.rows, &ctx.sequence};
+MtpBatch GPTModel::mtp_batch(const MicroBatchContext& ctx, const int32_t* tokens_BS, const int32_t* labels_BS,
+                             const float* loss_mask_BS) const {
+  return MtpBatch{ctx.S, ctx.B, ctx.sequence.S, tokens_BS, labels_BS, loss_mask_BS, &ctx.rows, &ctx.sequence};
 }
 
 MtpForwardOptions GPTModel::mtp_options(const MicroBatchContext& ctx, const double backward_seed) const {
@@ -519,11 +517,13 @@ MtpForwardOptions GPTModel::mtp_options(const MicroBatchContext& ctx, const doub
   return options;
 }
 
-void GPTModel::mtp_forward(MicroBatchContext& ctx, const ForwardOptions& options) {
+void GPTModel::mtp_forward(MicroBatchContext& ctx, const ForwardOptions& options, const int32_t* tokens_BS,
+                           const int32_t* labels_BS, const float* loss_mask_BS) {
   const trace::Scope scope("mtp forward", "forward");
   const ActivationOwnerScope owner(ActivationOwner::kOutputLoss);
   const std::vector<double> losses =
-      modules_->mtp.forward(ctx.final_out_TH, mtp_batch(ctx), mtp_options(ctx, options.backward_seed), ctx.mtp);
+      modules_->mtp.forward(ctx.final_out_TH, mtp_batch(ctx, tokens_BS, labels_BS, loss_mask_BS),
+                            mtp_options(ctx, options.backward_seed), ctx.mtp);
   if (!options.training) return;
   mtp_stats_.loss_sums.resize(losses.size(), 0.0);
   for (size_t k = 0; k < losses.size(); ++k) {

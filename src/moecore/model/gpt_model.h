@@ -160,9 +160,12 @@ class GPTModel {
   void embed_backward(const Tensor& dx_TH, const MicroBatchContext& ctx) const;
   double output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH, bool with_labels, Tensor* logits_SBV) const;
   Tensor output_and_loss_backward(MicroBatchContext& ctx, double loss_scale) const;
-  MtpBatch mtp_batch(const MicroBatchContext& ctx) const;
+  // The micro-batch as the MTP block reads it (the whole [B, S] arrays in forward; backward needs none of them).
+  MtpBatch mtp_batch(const MicroBatchContext& ctx, const int32_t* tokens_BS = nullptr,
+                     const int32_t* labels_BS = nullptr, const float* loss_mask_BS = nullptr) const;
   MtpForwardOptions mtp_options(const MicroBatchContext& ctx, double backward_seed) const;
-  void mtp_forward(MicroBatchContext& ctx, const ForwardOptions& options);
+  void mtp_forward(MicroBatchContext& ctx, const ForwardOptions& options, const int32_t* tokens_BS,
+                   const int32_t* labels_BS, const float* loss_mask_BS);
 
   struct Modules;
   ModelConfig config_;

@@ -20,7 +20,6 @@ class MicroBatchContext {
   int64_t S = 0, B = 0;
   std::vector<int32_t> tokens_SB, labels_SB;
   std::vector<float> loss_weight_SB;  // mask / number of unmasked tokens
-  std::vector<float> loss_mask_SB;    // the mask itself
   double loss_tokens = 0.0;           // this rank's unmasked tokens
   uint64_t dropout_seed = 0;
   uint64_t dropout_stream = 0;

@@ -20,12 +20,18 @@ Tensor activation_tensor(std::vector<int64_t> shape) {
   return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
 }
 
-// Megatron's roll_tensor(shifts=-1) along the sequence of [S, B] values (t = s * B + b): the last position gets 0.
+// Megatron's roll_tensor(shifts=-1) applied `shift` times along the sequence, for this rank's rows: row t (global
+// position s of sample b) gets x[b, s + shift], 0 past the end. Under context parallelism this is what roll_tensor's
+// boundary exchange between the CP ranks produces; here every rank holds the whole micro-batch.
 template <typename T>
-std::vector<T> roll_left(std::span<const T> x_SB, const int64_t S, const int64_t B) {
-  std::vector<T> out(x_SB.size(), T(0));
-  for (int64_t s = 0; s + 1 < S; ++s) {
-    std::copy_n(x_SB.begin() + (s + 1) * B, B, out.begin() + s * B);
+std::vector<T> shifted_rows(const T* x_BS, const MtpBatch& batch, const int64_t shift, const T fill_without_x) {
+  std::vector<T> out(static_cast<size_t>(batch.rows->count()), T(0));
+  for (const TokenRows::Run& run : batch.rows->runs()) {
+    for (int64_t i = 0; i < run.count; ++i) {
+      const int64_t g = run.global + i, s = g / batch.B + shift, b = g % batch.B;
+      if (s < batch.full_S)
+        out[static_cast<size_t>(run.local + i)] = x_BS ? x_BS[b * batch.full_S + s] : fill_without_x;
+    }
   }
   return out;
 }
@@ -147,9 +153,6 @@ std::vector<double> MultiTokenPrediction::forward(const Tensor& h0_TH, const Mtp
     saved.depths.resize(static_cast<size_t>(D));
     saved.output_dweight_VH = activation_tensor(output_layer_->weight().value.shape());
   }
-  std::vector<int32_t> tokens(batch.tokens_SB.begin(), batch.tokens_SB.end());
-  std::vector<int32_t> labels(batch.labels_SB.begin(), batch.labels_SB.end());
-  std::vector<float> mask(batch.loss_mask_SB.begin(), batch.loss_mask_SB.end());
   std::vector<double> losses;
   Tensor hidden_TH = h0_TH;
   for (int64_t k = 0; k < D; ++k) {
@@ -157,9 +160,9 @@ std::vector<double> MultiTokenPrediction::forward(const Tensor& h0_TH, const Mtp
     const trace::Scope scope("mtp depth ", k, " forward", "forward");
     MtpDepthActivations scratch;
     MtpDepthActivations& a = options.training ? saved.depths[d] : scratch;
-    tokens = roll_left<int32_t>(tokens, S, B);
-    labels = roll_left<int32_t>(labels, S, B);
-    mask = roll_left<float>(mask, S, B);
+    const std::vector<int32_t> tokens = shifted_rows<int32_t>(batch.tokens_BS, batch, k + 1, 0);
+    const std::vector<int32_t> labels = shifted_rows<int32_t>(batch.labels_BS, batch, k + 1, 0);
+    const std::vector<float> mask = shifted_rows<float>(batch.loss_mask_BS, batch, k + 1, 1.0f);
     const Tensor emb_TH = word_embeddings_->forward(tokens);
     a.embedded_TH = activation_tensor(emb_TH.shape());
     for (const TokenRows::Run& run : local.runs()) {

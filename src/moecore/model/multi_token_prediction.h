@@ -54,11 +54,12 @@ struct MtpActivations {
 
 // The micro-batch as the block reads it.
 struct MtpBatch {
-  int64_t S = 0, B = 0;                 // the micro-batch
-  std::span<const int32_t> tokens_SB;   // all T tokens
-  std::span<const int32_t> labels_SB;   // all T tokens
-  std::span<const float> loss_mask_SB;  // all T tokens
-  const TokenRows* rows = nullptr;      // where the rows sit in the one-process micro-batch
+  int64_t S = 0, B = 0;                 // this rank's sequence (a context-parallel rank's share) and batch
+  int64_t full_S = 0;                   // the whole sequence
+  const int32_t* tokens_BS = nullptr;   // the whole micro-batch [B, full_S]
+  const int32_t* labels_BS = nullptr;   // [B, full_S]
+  const float* loss_mask_BS = nullptr;  // [B, full_S]; null: all ones
+  const TokenRows* rows = nullptr;      // where this rank's S * B rows sit in the one-process micro-batch
   const SequenceInfo* sequence = nullptr;
 };
 
