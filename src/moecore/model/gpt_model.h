@@ -5,6 +5,7 @@
 //   decoder.layers.{i}.pre_mlp_layernorm.{weight,bias} mlp.linear_fc1.{weight,bias} [F or 2F, H]
 //   mlp.linear_fc2.{weight,bias} [H, F]               decoder.final_layernorm.{weight,bias} [H]
 //   output_layer.weight [V, H] (only with --untie-embeddings-and-output-weights)
+//   mtp.layers.{k}.* (with --mtp-num-layers, on the loss stage: multi_token_prediction.h)
 // Buffers (not trained, part of the training state): decoder.layers.{i}.mlp.router.expert_bias [E] fp32 on MoE layers
 // with --moe-router-enable-expert-bias. Under --fp8-recipe delayed each decoder-layer linear's weight Param also
 // carries the linear's FP8 scaling state (delayed_scaling()).

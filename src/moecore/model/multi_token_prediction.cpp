@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <stdexcept>
 
 #include "moecore/ops/dropout.h"
 #include "moecore/ops/elementwise.h"

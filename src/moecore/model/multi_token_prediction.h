@@ -14,7 +14,6 @@
 #pragma once
 
 #include <cstdint>
-#include <span>
 #include <string>
 #include <vector>
 
@@ -36,7 +35,7 @@ namespace moecore {
 
 // What one depth's backward needs.
 struct MtpDepthActivations {
-  std::vector<int32_t> tokens_SB;  // this depth's input ids (all T tokens)
+  std::vector<int32_t> tokens_SB;  // this depth's input ids (this rank's S * B rows)
   Tensor embedded_TH;              // enorm input: the embedding after dropout
   Tensor hidden_in_TH;             // hnorm input: the previous depth's output (h_0: the decoder's)
   NormStats enorm_stats, hnorm_stats, final_stats;
@@ -68,7 +67,7 @@ struct MtpForwardOptions {
   uint64_t dropout_seed = 0;
   std::vector<uint64_t> layer_streams;   // per depth: the layer's dropout stream
   std::vector<uint64_t> embedding_keys;  // per depth: the embedding dropout's counter key
-  double backward_seed = 1.0;
+  double backward_seed = 1.0;            // the micro-batch's backward seed (ForwardOptions::backward_seed)
 };
 
 class MultiTokenPrediction {
