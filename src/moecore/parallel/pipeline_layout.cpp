@@ -166,6 +166,7 @@ PipelineLayout::PipelineLayout(const PipelineSplitFlags& flags) : flags_(flags) 
   require(pp <= kMaxChunks,
           std::string(kPipelineSizeFlag) + " " + str(pp) + " is more than moecore supports (" + str(kMaxChunks) + ")");
   require(flags.num_layers >= 1, "--num-layers must be positive (got " + str(flags.num_layers) + ")");
+  require(flags.mtp_num_layers >= 0, "--mtp-num-layers must not be negative (got " + str(flags.mtp_num_layers) + ")");
   require(flags.num_layers <= kMaxLayers,
           "--num-layers " + str(flags.num_layers) + " is more than moecore supports (" + str(kMaxLayers) + ")");
   const bool first_set = flags.decoder_first_pipeline_num_layers.has_value();
