@@ -33,14 +33,34 @@ CONFIGS = {
     "mtp2_dense_last_layer_layernorm_bias": {"normalization": "LayerNorm", "activation": "gelu",
                                              "position_embedding_type": "rope", "add_bias_linear": True,
                                              "mtp_num_layers": 2, "moe": moe(moe_layer_pattern=[1, 0])},
+    # packed documents (--reset-position-ids / --reset-attention-mask): the depths shift over the whole sequence, as
+    # Megatron's roll_tensor without THD parameters, and attend within documents at the documents' positions
+    "moe_mtp2_packed_documents": {**LLAMA, "mtp_num_layers": 2, "ids": "packed", "moe": moe()},
     "moe_mtp2_no_position_seq_aux": {**LLAMA, "position_embedding_type": "none", "mtp_num_layers": 2,
                                      "mtp_loss_scaling_factor": 1.0,
                                      "moe": moe(load_balancing_types=["seq_aux_loss"], aux_loss_coeffs=[1e-2])},
 }
 
 
+def packed_ids(batch, seed):
+    """Documents of random lengths per sample (1-3 cuts) and positions restarting in each, as test_parity.py's."""
+    B, S = batch["tokens"].shape
+    rng = np.random.default_rng(seed)
+    documents = np.zeros((B, S), dtype=np.int32)
+    positions = np.zeros((B, S), dtype=np.int64)
+    for b in range(B):
+        cuts = np.sort(rng.choice(np.arange(1, S), size=rng.integers(1, 4), replace=False))
+        documents[b] = np.searchsorted(cuts, np.arange(S), side="right")
+        positions[b] = np.arange(S) - np.concatenate([[0], cuts])[documents[b]]
+    return {**batch, "position_ids": positions, "document_ids": documents}
+
+
 def run_config(parity_exe, label, overrides, workdir, seed):
+    overrides = dict(overrides)
+    ids = overrides.pop("ids", None)
     cfg, weights, batch = test_parity_moe.prepare(label, overrides, seed)
+    if ids == "packed":
+        batch = packed_ids(batch, seed + 2)
     failures = [f"{label}: {line}" for line in test_parity_moe.routing_premise(cfg, weights, batch)]
     ref = twin.run_megatron(cfg, weights, batch, test_parity.STEPS, test_parity.LR, test_parity.WEIGHT_DECAY,
                             test_parity.CLIP_GRAD, eps=test_parity.ADAM_EPS, dtype=torch.float32,

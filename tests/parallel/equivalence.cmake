@@ -48,6 +48,8 @@ set(equiv_mtp ${equiv_aux} --mtp-num-layers 2 --mtp-loss-scaling-factor 0.5)
 # for the MTP input, summed over the embedding group).
 set(equiv_pp_mtp --num-layers 4 --moe-layer-freq [0,1,0,1] ${equiv_mtp})
 set(equiv_pp_mtp_untied ${equiv_pp_mtp} --untie-embeddings-and-output-weights)
+# MTP over packed documents (the depths shift over the whole sequence, as Megatron's roll_tensor without THD).
+set(equiv_mtp_packed ${equiv_packed} --mtp-num-layers 2)
 
 set(equiv_dir ${CMAKE_CURRENT_BINARY_DIR}/equivalence)
 file(MAKE_DIRECTORY ${equiv_dir})
@@ -69,7 +71,7 @@ function(moecore_equiv name config np)
     set(config_args ${equiv_global_aux})
   elseif(config STREQUAL "capacity")
     set(config_args ${equiv_capacity})
-  elseif(config MATCHES "^pp" OR config STREQUAL "packed" OR config STREQUAL "bf16" OR config STREQUAL "mtp")
+  elseif(config MATCHES "^pp" OR config STREQUAL "packed" OR config STREQUAL "bf16" OR config MATCHES "^mtp")
     set(config_args ${equiv_${config}})
   endif()
   add_test(NAME dist.equiv.${name}
@@ -92,6 +94,7 @@ moecore_equiv_reference(packed ${equiv_packed})
 moecore_equiv_reference(bf16 ${equiv_bf16})
 moecore_equiv_reference(mtp ${equiv_mtp})
 moecore_equiv_reference(pp_mtp ${equiv_pp_mtp})
+moecore_equiv_reference(mtp_packed ${equiv_mtp_packed})
 moecore_equiv_reference(pp_mtp_untied ${equiv_pp_mtp_untied})
 
 moecore_equiv(dp2 aux 2)
@@ -170,6 +173,8 @@ moecore_equiv(mtp_tp2_sp_ep2_folded mtp 2 --tensor-model-parallel-size 2 --seque
               --expert-model-parallel-size 2 --expert-tensor-parallel-size 1)
 moecore_equiv(mtp_etp2_ep2 mtp 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2
               --expert-tensor-parallel-size 2 --moe-token-dispatcher-type alltoall)
+moecore_equiv(mtp_packed_dp2 mtp_packed 2)
+moecore_equiv(mtp_packed_tp2_sp mtp_packed 2 --tensor-model-parallel-size 2 --sequence-parallel)
 moecore_equiv(mtp_pp2 pp_mtp 2 --pipeline-model-parallel-size 2)
 moecore_equiv(mtp_pp2_untied pp_mtp_untied 2 --pipeline-model-parallel-size 2)
 moecore_equiv(mtp_pp2_vpp2 pp_mtp 2 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2)

@@ -186,9 +186,8 @@ TEST(TrainArguments, MultiTokenPrediction) {
             "Multi-Token Prediction (MTP) is not supported with learned_absolute position embedding type.The "
             "supported position embedding types are rope and none.");
   EXPECT_TRUE(mentions(error_of(with(rope, {"--mtp-num-layers", "-1"})), "--mtp-num-layers"));
-  EXPECT_EQ(error_of(with(rope, {"--mtp-num-layers", "1", "--reset-attention-mask"})),
-            "--mtp-num-layers is not supported with packed sequences (--reset-position-ids / --reset-attention-mask) "
-            "yet");
+  EXPECT_EQ(error_of(with(rope, {"--mtp-num-layers", "1", "--fp8-format", "e4m3"})),
+            "--mtp-num-layers is not supported with --fp8-format / --fp4-format yet");
 }
 
 TEST(TrainArguments, SwigluFfnDefaultAsMegatron) {

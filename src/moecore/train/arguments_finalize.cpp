@@ -645,8 +645,6 @@ void finalize_mtp(const TrainingArgs& args) {
   const auto unsupported = [](const bool ok, const std::string& what) {
     require(ok, "--mtp-num-layers is not supported with " + what + " yet");
   };
-  unsupported(!args.reset_position_ids && !args.reset_attention_mask,
-              "packed sequences (--reset-position-ids / --reset-attention-mask)");
   unsupported(!args.fp8_format && !args.fp4_format, "--fp8-format / --fp4-format");
 }
 
