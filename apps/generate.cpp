@@ -29,6 +29,7 @@ int run_generate(int argc, char** argv) {
     sampling.temperature = args.temperature;
     sampling.top_k = args.top_k;
     sampling.seed = args.seed;
+    sampling.kv_cache = args.kv_cache;
     sampling.vocab_limit = tokenizer->vocab_size();
     // The NullTokenizer's text is ids separated by spaces: the new ids follow the prompt's after one.
     std::cout << args.prompt << (args.tokenizer_type == "NullTokenizer" ? " " : "") << std::flush;

@@ -1,7 +1,7 @@
 // Times the fast kernels against their naive references at training sizes; prints one line per kernel.
 // usage: bench_kernels [--threads N] [--repeats N] [--attention] [--case NAME] [--no-ref]
 //   --attention: only the attention cases; --case: only that attention case (demo, moe, gqa, drop, long, long4k,
-//   cp4, long4kdrop, cp4drop, docs); --no-ref: skip the naive references (slow).
+//   cp4, long4kdrop, cp4drop, docs, mla, mla192); --no-ref: skip the naive references (slow).
 #include <omp.h>
 
 #include <algorithm>
@@ -79,6 +79,7 @@ struct AttentionCase {
   // every rank's attention run as cp ring steps (a key block each, merged); the times are the sums over all ranks.
   int64_t cp = 0;
   int64_t document = 0;  // > 0: packed documents of this many rows (block path, no attention across documents)
+  int64_t dv = 0;        // > 0: value heads this wide (multi-latent attention; not with cp)
 };
 
 // Rows of rank r: chunks r and 2 cp - 1 - r of `chunk` rows.
@@ -192,12 +193,16 @@ void bench_attention(const AttentionCase& c, const int repeats, const bool allow
   dims.G = c.G;
   dims.head_dim = c.d;
   dims.scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+  dims.v_head_dim = c.dv;
+  const int64_t value_dim = c.dv > 0 ? c.dv : c.d;
   const size_t q_size = static_cast<size_t>(dims.S * dims.B * dims.N * dims.head_dim);
   const size_t kv_size = static_cast<size_t>(dims.S * dims.B * dims.G * dims.head_dim);
+  const size_t out_size = static_cast<size_t>(dims.S * dims.B * dims.N * value_dim);
+  const size_t v_size = static_cast<size_t>(dims.S * dims.B * dims.G * value_dim);
   const std::vector<float> q = random_floats(q_size, 2, 1.0f), k = random_floats(kv_size, 3, 1.0f),
-                           v = random_floats(kv_size, 4, 1.0f), dout = random_floats(q_size, 5, 1.0f);
-  std::vector<float> out(q_size), lse(static_cast<size_t>(dims.B * dims.N * dims.S)), dq(q_size), dk(kv_size),
-      dv(kv_size);
+                           v = random_floats(v_size, 4, 1.0f), dout = random_floats(out_size, 5, 1.0f);
+  std::vector<float> out(out_size), lse(static_cast<size_t>(dims.B * dims.N * dims.S)), dq(q_size), dk(kv_size),
+      dv(v_size);
   const kernels::DropoutSpec dropout{c.dropout, 7, 11};
   std::vector<int32_t> documents_SB;
   if (c.document > 0) {
@@ -219,23 +224,32 @@ void bench_attention(const AttentionCase& c, const int repeats, const bool allow
         },
         n);
     std::printf(
-        "attention     %-4s %-7s S=%ld B=%ld N=%ld G=%ld d=%ld p=%.1f%s fp32: forward %.1f ms, backward %.1f ms\n",
+        "attention     %-4s %-7s S=%ld B=%ld N=%ld G=%ld d=%ld%s p=%.1f%s fp32: forward %.1f ms, backward %.1f ms\n",
         fast ? "cpu" : "ref", c.name, static_cast<long>(c.S), static_cast<long>(c.B), static_cast<long>(c.N),
-        static_cast<long>(c.G), static_cast<long>(c.d), static_cast<double>(c.dropout),
-        c.document > 0 ? (" documents of " + std::to_string(c.document)).c_str() : "", fwd, bwd);
+        static_cast<long>(c.G), static_cast<long>(c.d), c.dv > 0 ? (" dv=" + std::to_string(c.dv)).c_str() : "",
+        static_cast<double>(c.dropout), c.document > 0 ? (" documents of " + std::to_string(c.document)).c_str() : "",
+        fwd, bwd);
   }
 }
 
 // The demo model's shape, the MoE benchmark's (S=512, B=4, 8 heads of 64), a GQA variant of it, the same with
 // attention dropout, and a long sequence with GQA; then S = 4096 with GQA in one process (long4k), split over two
 // context-parallel ranks (cp4: 4 chunks, each rank 2 ring steps of 2048 x 2048 blocks, without and with dropout),
-// and as packed documents of 512 tokens (the block path skipping the key tiles of other documents).
+// and as packed documents of 512 tokens (the block path skipping the key tiles of other documents); multi-latent
+// attention's heads (DeepSeek-V3: q / k 192 wide, values 128) and the same with 192-wide values.
 const AttentionCase kAttentionCases[] = {
-    {"demo", 256, 8, 8, 8, 64, 0.0f, true},         {"moe", 512, 4, 8, 8, 64, 0.0f, false},
-    {"gqa", 512, 4, 8, 2, 64, 0.0f, false},         {"drop", 512, 4, 8, 8, 64, 0.1f, false},
-    {"long", 2048, 1, 8, 2, 64, 0.0f, false},       {"long4k", 4096, 1, 8, 2, 64, 0.0f, false},
-    {"cp4", 4096, 1, 8, 2, 64, 0.0f, false, 2},     {"long4kdrop", 4096, 1, 8, 2, 64, 0.1f, false},
-    {"cp4drop", 4096, 1, 8, 2, 64, 0.1f, false, 2}, {"docs", 4096, 1, 8, 2, 64, 0.0f, false, 0, 512},
+    {"demo", 256, 8, 8, 8, 64, 0.0f, true},
+    {"moe", 512, 4, 8, 8, 64, 0.0f, false},
+    {"gqa", 512, 4, 8, 2, 64, 0.0f, false},
+    {"drop", 512, 4, 8, 8, 64, 0.1f, false},
+    {"long", 2048, 1, 8, 2, 64, 0.0f, false},
+    {"long4k", 4096, 1, 8, 2, 64, 0.0f, false},
+    {"cp4", 4096, 1, 8, 2, 64, 0.0f, false, 2},
+    {"long4kdrop", 4096, 1, 8, 2, 64, 0.1f, false},
+    {"cp4drop", 4096, 1, 8, 2, 64, 0.1f, false, 2},
+    {"docs", 4096, 1, 8, 2, 64, 0.0f, false, 0, 512},
+    {"mla", 1024, 1, 16, 16, 192, 0.0f, false, 0, 0, 128},
+    {"mla192", 1024, 1, 16, 16, 192, 0.0f, false},
 };
 
 }  // namespace

@@ -71,6 +71,21 @@ if /usr/bin/python3 -c "import numpy" 2>/dev/null; then
   else
     echo "FAIL: generate with the NullTokenizer: $(cat "$work/generate.txt")"; failures=$((failures + 1))
   fi
+  # The key / value cache gives the re-run's tokens, also once prompt + new tokens outgrow the 32-token context and
+  # the window slides (the cache starts over at every step then). Sampled: this barely trained model's greedy
+  # continuation is one token over and over.
+  for cache in "" --no-kv-cache; do
+    "$bin" generate --load "$work/hf" --prompt "1 2 3" --max-new-tokens 40 --temperature 1 --seed 7 \
+      --tokenizer-type NullTokenizer --vocab-size 128 $cache >"$work/generate_window${cache}.txt" 2>&1 ||
+      fail "generate $cache: $(cat "$work/generate_window${cache}.txt")"
+  done
+  if cmp -s "$work/generate_window.txt" "$work/generate_window--no-kv-cache.txt" &&
+    [ "$(wc -w <"$work/generate_window.txt")" -eq 43 ]; then
+    echo "ok: generate with and without the kv cache: $(cat "$work/generate_window.txt")"
+  else
+    fail "generate with / without the kv cache differ: $(cat "$work/generate_window.txt") vs \
+$(cat "$work/generate_window--no-kv-cache.txt")"
+  fi
   expect_early_error "--max-new-tokens 4611686018427387904 is above the limit" "$bin" generate --load "$work/hf" \
     --prompt "1 2 3" --max-new-tokens 4611686018427387904 --tokenizer-type NullTokenizer --vocab-size 128
   # The model's context is 32 positions and its embedding 256 rows (128 ids + EOD, padded to a multiple of 128): a

@@ -63,7 +63,7 @@ no_mtp=()
 for ((i = 0; i < ${#mtp[@]}; i++)); do
   case "${mtp[$i]}" in --mtp-num-layers | --mtp-loss-scaling-factor) i=$((i + 1)) ;; *) no_mtp+=("${mtp[$i]}") ;; esac
 done
-expect_error "was saved with --mtp-num-layers 2, this run has (absent)" \
+expect_error "was saved with --mtp-num-layers 2, this run has none" \
   "$bin" train "${no_mtp[@]}" --load "$work/ckpt"
 expect_error "was saved with --mtp-num-layers 2, this run has 1" "$bin" train "${mtp[@]}" --mtp-num-layers 1 \
   --load "$work/ckpt"

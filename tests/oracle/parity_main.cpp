@@ -3,10 +3,12 @@
 //
 //   moecore_parity --config C.json --weights W.safetensors --batch B.safetensors --out O.safetensors
 //                  [--steps N] [--lr 1e-3] [--weight-decay 0.1] [--clip-grad 1.0] [--beta1 0.9] [--beta2 0.999]
-//                  [--eps 1e-8] [--microbatches 1] [--export-hf DIR] [--export-hf-bf16] [--import-hf DIR]
+//                  [--eps 1e-8] [--microbatches 1] [--export-hf DIR] [--export-hf-bf16] [--export-hf-type T]
+//                  [--import-hf DIR]
 //
 // C.json holds ModelConfig fields by name (enums as strings: "RMSNorm", "swiglu", "rope", ...), and optionally
-// "moe": {MoEConfig fields by name} (tests/oracle/twin_moe.py MOE_DEFAULTS lists them). W.safetensors holds
+// "moe": {MoEConfig fields by name} (tests/oracle/twin_moe.py MOE_DEFAULTS lists them), "mla": {MlaConfig fields}
+// and "yarn": {YarnConfig fields} (tests/oracle/twin_mla.py lists both). W.safetensors holds
 // every parameter under its Megatron name; B.safetensors holds tokens and labels [B, S] (int32/int64) and optionally
 // loss_mask [B, S], and the twin's optional packed-sequence inputs position_ids / document_ids [B, S] (positions of
 // the rows, documents that attention does not cross).
@@ -44,7 +46,7 @@ namespace {
 using json = nlohmann::json;
 
 struct Args {
-  std::string config, weights, batch, out, export_hf, import_hf;
+  std::string config, weights, batch, out, export_hf, import_hf, export_hf_type;
   int64_t steps = 0, microbatches = 1;
   double lr = 1e-3, weight_decay = 0.1, clip_grad = 1.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   bool export_bf16 = false;
@@ -52,9 +54,13 @@ struct Args {
 
 Args parse_args(int argc, char** argv) {
   Args a;
-  const std::map<std::string, std::string*> strings = {{"--config", &a.config},       {"--weights", &a.weights},
-                                                       {"--batch", &a.batch},         {"--out", &a.out},
-                                                       {"--export-hf", &a.export_hf}, {"--import-hf", &a.import_hf}};
+  const std::map<std::string, std::string*> strings = {{"--config", &a.config},
+                                                       {"--weights", &a.weights},
+                                                       {"--batch", &a.batch},
+                                                       {"--out", &a.out},
+                                                       {"--export-hf", &a.export_hf},
+                                                       {"--import-hf", &a.import_hf},
+                                                       {"--export-hf-type", &a.export_hf_type}};
   const std::map<std::string, double*> doubles = {{"--lr", &a.lr},
                                                   {"--weight-decay", &a.weight_decay},
                                                   {"--clip-grad", &a.clip_grad},
@@ -183,6 +189,58 @@ MoEConfig moe_fields(const json& j, const std::string& path) {
   return m;
 }
 
+// The "mla" object: MlaConfig fields by name (rope_type "yarn" or "rope").
+MlaConfig mla_fields(const json& j, const std::string& path) {
+  if (!j.is_object()) throw std::runtime_error(path + ": \"mla\" must be an object or null");
+  MlaConfig m;
+  for (const auto& [key, value] : j.items()) {
+    if (key == "q_lora_rank") {
+      m.q_lora_rank = value;
+    } else if (key == "kv_lora_rank") {
+      m.kv_lora_rank = value;
+    } else if (key == "qk_head_dim") {
+      m.qk_head_dim = value;
+    } else if (key == "qk_pos_emb_head_dim") {
+      m.qk_pos_emb_head_dim = value;
+    } else if (key == "v_head_dim") {
+      m.v_head_dim = value;
+    } else if (key == "rope_type") {
+      const std::string v = value;
+      if (v != "yarn" && v != "rope") throw std::runtime_error(path + ": mla.rope_type " + v);
+      m.rope_type = v == "yarn" ? RopeType::kYarn : RopeType::kRope;
+    } else {
+      throw std::runtime_error(path + ": unknown mla config field '" + key + "'");
+    }
+  }
+  return m;
+}
+
+// The "yarn" object: YarnConfig fields by name.
+YarnConfig yarn_fields(const json& j, const std::string& path) {
+  if (!j.is_object()) throw std::runtime_error(path + ": \"yarn\" must be an object");
+  YarnConfig y;
+  for (const auto& [key, value] : j.items()) {
+    if (key == "rotary_scaling_factor") {
+      y.rotary_scaling_factor = value;
+    } else if (key == "mscale") {
+      y.mscale = value;
+    } else if (key == "mscale_all_dim") {
+      y.mscale_all_dim = value;
+    } else if (key == "original_max_position_embeddings") {
+      y.original_max_position_embeddings = value;
+    } else if (key == "beta_fast") {
+      y.beta_fast = value;
+    } else if (key == "beta_slow") {
+      y.beta_slow = value;
+    } else if (key == "correction_range_round_to_int") {
+      y.correction_range_round_to_int = value;
+    } else {
+      throw std::runtime_error(path + ": unknown yarn config field '" + key + "'");
+    }
+  }
+  return y;
+}
+
 ModelConfig config_from_json(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw std::runtime_error(path + ": cannot open");
@@ -238,6 +296,10 @@ ModelConfig config_fields(const json& j, const std::string& path) {
       c.mtp_loss_scaling_factor = value;
     else if (key == "moe") {
       if (!value.is_null()) c.moe = moe_fields(value, path);
+    } else if (key == "mla") {
+      if (!value.is_null()) c.mla = mla_fields(value, path);
+    } else if (key == "yarn") {
+      if (!value.is_null()) c.yarn = yarn_fields(value, path);
     } else if (key == "normalization") {
       const std::string v = value;
       if (v != "LayerNorm" && v != "RMSNorm") throw std::runtime_error(path + ": normalization " + v);
@@ -260,6 +322,8 @@ ModelConfig config_fields(const json& j, const std::string& path) {
         c.position_embedding_type = PositionEmbedding::kRope;
       else if (v == "none")
         c.position_embedding_type = PositionEmbedding::kNone;
+      else if (v == "yarn")
+        c.position_embedding_type = PositionEmbedding::kYarn;
       else
         throw std::runtime_error(path + ": position_embedding_type " + v);
     } else {
@@ -363,6 +427,7 @@ int run(int argc, char** argv) {
   }
   if (!args.export_hf.empty()) {
     HfExportInfo info;
+    info.model_type = args.export_hf_type;
     if (args.export_bf16) info.dtype = DType::kBF16;
     export_hf(*model, info, args.export_hf);
   }

@@ -19,6 +19,7 @@ import torch
 sys.dont_write_bytecode = True  # keep the source tree clean
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_parity  # noqa: E402
+import test_parity_mla  # noqa: E402
 import test_parity_moe  # noqa: E402
 import twin  # noqa: E402
 
@@ -36,6 +37,9 @@ CONFIGS = {
     # packed documents (--reset-position-ids / --reset-attention-mask): the depths shift over the whole sequence, as
     # Megatron's roll_tensor without THD parameters, and attend within documents at the documents' positions
     "moe_mtp2_packed_documents": {**LLAMA, "mtp_num_layers": 2, "ids": "packed", "moe": moe()},
+    # DeepSeek-V3-like: multi-latent attention (q latent, qk norms, YaRN) and a sigmoid MoE with expert bias; the depth
+    # layer is built as the last decoder layer, MLA included
+    "moe_mla_dsv3_like_mtp1": {**test_parity_mla.CONFIGS["moe_mla_dsv3_like"], "mtp_num_layers": 1},
     "moe_mtp2_no_position_seq_aux": {**LLAMA, "position_embedding_type": "none", "mtp_num_layers": 2,
                                      "mtp_loss_scaling_factor": 1.0,
                                      "moe": moe(load_balancing_types=["seq_aux_loss"], aux_loss_coeffs=[1e-2])},

@@ -21,6 +21,8 @@ MoE (config "moe", see twin_moe.py): on layers with moe_layer_pattern[i] = 1 the
 (router, experts, shared experts) with Megatron's aux / z losses attached to the graph (the reported loss stays the lm
 loss); per-layer router state (expert bias, global aux counts) lives in new_moe_state(cfg) and is advanced once per
 global batch by finish_global_batch(cfg, state).
+Multi-latent attention (config "mla") and YaRN rotary embeddings (config "yarn", position_embedding_type "yarn"):
+twin_mla.py.
 
 Command line:
   twin.py megatron --config C.json --weights W.safetensors --batch B.safetensors --out O.safetensors
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st  # noqa: E402
+import twin_mla  # noqa: E402
 import twin_moe  # noqa: E402
 import twin_mtp  # noqa: E402
 
@@ -50,6 +53,8 @@ CONFIG_DEFAULTS = {
     "rotary_percent": 1.0, "init_method_std": 0.02, "attention_dropout": 0.0, "hidden_dropout": 0.0,
     "untie_embeddings_and_output_weights": False,
     "moe": None,  # MoE settings (twin_moe.MOE_DEFAULTS names, as the C++ MoEConfig); None or num_experts 0: dense
+    "mla": None,  # multi-latent attention (twin_mla.MLA_DEFAULTS names, as the C++ MlaConfig); None: standard
+    "yarn": None,  # YaRN settings (twin_mla.YARN_DEFAULTS names, as the C++ YarnConfig); None: the defaults
     "mtp_num_layers": 0, "mtp_loss_scaling_factor": 0.1,  # Multi-Token Prediction (twin_mtp.py)
 }
 
@@ -64,6 +69,11 @@ def full_config(config):
         out["moe"] = twin_moe.full_moe_config(out["moe"], out["num_layers"], out["ffn_hidden_size"])
         if out["moe"]["num_experts"] <= 0:
             out["moe"] = None
+    out["mla"] = twin_mla.full_mla_config(out["mla"])
+    out["yarn"] = twin_mla.full_yarn_config(out["yarn"])
+    if out["mla"] is not None and out["position_embedding_type"] == "yarn":
+        # MLA builds its own rotary embedding (mla.rope_type) and rejects GPTModel's yarn table.
+        raise ValueError("position_embedding_type yarn is for standard attention; MLA uses mla.rope_type")
     return out
 
 
@@ -93,19 +103,22 @@ def param_specs(cfg):
         if layer_norm:
             specs.append((prefix + ".bias", (size,), "norm_bias"))
 
-    def linear(prefix, out_features, in_features):
+    def linear(prefix, out_features, in_features, has_bias=None):
         specs.append((prefix + ".weight", (out_features, in_features), "weight"))
-        if bias:
+        if bias if has_bias is None else has_bias:
             specs.append((prefix + ".bias", (out_features,), "bias"))
 
     for i in range(L):
         p = f"decoder.layers.{i}."
         norm(p + "input_layernorm", H)
-        linear(p + "self_attention.linear_qkv", (N + 2 * G) * d, H)
-        if c["qk_layernorm"]:
-            norm(p + "self_attention.q_layernorm", d)
-            norm(p + "self_attention.k_layernorm", d)
-        linear(p + "self_attention.linear_proj", H, N * d)
+        if c["mla"] is not None:
+            twin_mla.mla_param_specs(p, c, linear, norm)
+        else:
+            linear(p + "self_attention.linear_qkv", (N + 2 * G) * d, H)
+            if c["qk_layernorm"]:
+                norm(p + "self_attention.q_layernorm", d)
+                norm(p + "self_attention.k_layernorm", d)
+            linear(p + "self_attention.linear_proj", H, N * d)
         norm(p + "pre_mlp_layernorm", H)
         if is_moe_layer(c, i):
             specs.extend(twin_moe.moe_param_specs(p, c["moe"], H, c["activation"], bias))
@@ -230,6 +243,31 @@ def attention_mask(S, document_ids_BS=None):
     return causal[None] & same_document
 
 
+def _standard_attention(h, params, p, c, cos, sin, rot_dim, allowed):
+    """linear_proj(attention(linear_qkv(h))) of one layer with grouped-query attention; cos / sin None: no RoPE."""
+    N, G, d = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"]
+    heads_per_group = N // G
+    S, B = h.shape[:2]
+    qkv = _linear(h, params, p + "self_attention.linear_qkv").view(S, B, G, (heads_per_group + 2) * d)
+    q = qkv[..., : heads_per_group * d].reshape(S, B, N, d)  # head n = g * heads_per_group + j
+    k = qkv[..., heads_per_group * d: (heads_per_group + 1) * d]  # [S, B, G, d]
+    v = qkv[..., (heads_per_group + 1) * d:]
+    if c["qk_layernorm"]:
+        q = _norm(q, params, p + "self_attention.q_layernorm", c)
+        k = _norm(k, params, p + "self_attention.k_layernorm", c)
+    if cos is not None:
+        q = _apply_rope(q, cos, sin, rot_dim)
+        k = _apply_rope(k, cos, sin, rot_dim)
+    k = k.repeat_interleave(heads_per_group, dim=2)  # query head n reads group n // heads_per_group
+    v = v.repeat_interleave(heads_per_group, dim=2)
+    q_BNSd, k_BNSd, v_BNSd = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    scores = q_BNSd @ k_BNSd.transpose(-1, -2) / math.sqrt(d)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    context = torch.softmax(scores, dim=-1) @ v_BNSd  # [B, N, S, d]
+    context = context.permute(2, 0, 1, 3).reshape(S, B, N * d)
+    return _linear(context, params, p + "self_attention.linear_proj")
+
+
 def megatron_forward(params, cfg, tokens_BS, labels_BS, loss_mask_BS, moe_state=None, aux_grad_scale=1.0,
                      training=True, return_moe_info=False, position_ids_BS=None, document_ids_BS=None):
     """Returns (logits [S, B, V], loss) or, with return_moe_info, (logits, loss, moe_info). `params` maps Megatron
@@ -245,8 +283,7 @@ def megatron_forward(params, cfg, tokens_BS, labels_BS, loss_mask_BS, moe_state=
     if c["moe"] is not None and moe_state is None:
         moe_state = new_moe_state(cfg, {k: v.detach() for k, v in params.items() if k.endswith("expert_bias")})
     moe_info = {"aux_total": 0.0, "layers": {}}
-    N, G, d = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"]
-    heads_per_group = N // G
+    d = c["kv_channels"]
     B, S = tokens_BS.shape
     dtype = params["embedding.word_embeddings.weight"].dtype
     tokens_SB = tokens_BS.t()
@@ -265,34 +302,25 @@ def megatron_forward(params, cfg, tokens_BS, labels_BS, loss_mask_BS, moe_state=
             x = x + params["embedding.position_embeddings.weight"][torch.arange(S)][:, None, :]
         else:
             x = x + params["embedding.position_embeddings.weight"][positions_SB]
-    rope = c["position_embedding_type"] == "rope"
-    if rope:
+    rope = c["position_embedding_type"] in ("rope", "yarn") and c["mla"] is None
+    if rope and c["position_embedding_type"] == "yarn":
+        cos, sin, rot_dim = twin_mla.standard_yarn_cos_sin(c, S, dtype, positions_SB)
+    elif rope:
         rot_dim = int(d * c["rotary_percent"])
         cos, sin = _rope_cos_sin(S, rot_dim, c["rotary_base"], dtype, positions_SB)
+    if c["mla"] is not None:
+        mla_cos, mla_sin = twin_mla.mla_cos_sin(c, S, dtype, positions_SB)
     allowed = attention_mask(S, document_ids_BS)  # [S, S] or [B, S, S]
     allowed = allowed if allowed.dim() == 2 else allowed[:, None]  # [B, 1, S, S] against scores [B, N, S, S]
 
     for i in range(c["num_layers"]):
         p = f"decoder.layers.{i}."
         h = _norm(x, params, p + "input_layernorm", c)
-        qkv = _linear(h, params, p + "self_attention.linear_qkv").view(S, B, G, (heads_per_group + 2) * d)
-        q = qkv[..., : heads_per_group * d].reshape(S, B, N, d)  # head n = g * heads_per_group + j
-        k = qkv[..., heads_per_group * d: (heads_per_group + 1) * d]  # [S, B, G, d]
-        v = qkv[..., (heads_per_group + 1) * d:]
-        if c["qk_layernorm"]:
-            q = _norm(q, params, p + "self_attention.q_layernorm", c)
-            k = _norm(k, params, p + "self_attention.k_layernorm", c)
-        if rope:
-            q = _apply_rope(q, cos, sin, rot_dim)
-            k = _apply_rope(k, cos, sin, rot_dim)
-        k = k.repeat_interleave(heads_per_group, dim=2)  # query head n reads group n // heads_per_group
-        v = v.repeat_interleave(heads_per_group, dim=2)
-        q_BNSd, k_BNSd, v_BNSd = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        scores = q_BNSd @ k_BNSd.transpose(-1, -2) / math.sqrt(d)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        context = torch.softmax(scores, dim=-1) @ v_BNSd  # [B, N, S, d]
-        context = context.permute(2, 0, 1, 3).reshape(S, B, N * d)
-        x = x + _linear(context, params, p + "self_attention.linear_proj")
+        if c["mla"] is not None:
+            x = x + twin_mla.mla_attention(h, params, p, c, mla_cos, mla_sin, allowed, _norm)
+        else:
+            x = x + _standard_attention(h, params, p, c, cos if rope else None, sin if rope else None,
+                                        rot_dim if rope else 0, allowed)
         h = _norm(x, params, p + "pre_mlp_layernorm", c)
         if is_moe_layer(c, i):
             y, info = twin_moe.moe_layer_forward(h, params, p, c["moe"], lambda t: _activation(t, c), moe_state[i],
@@ -310,7 +338,8 @@ def megatron_forward(params, cfg, tokens_BS, labels_BS, loss_mask_BS, moe_state=
         x, moe_info["mtp_losses"] = twin_mtp.attach(
             x, params, c, tokens_SB, labels_BS.t(), loss_mask_BS.t(),
             {"rope": (cos, sin, rot_dim) if rope else None, "allowed": allowed, "moe_state": moe_state,
-             "moe_info": moe_info, "training": training, "aux_grad_scale": aux_grad_scale})
+             "mla_rope": (mla_cos, mla_sin) if c["mla"] is not None else None, "moe_info": moe_info,
+             "training": training, "aux_grad_scale": aux_grad_scale})
     w_out = params["output_layer.weight" if c["untie_embeddings_and_output_weights"] else
                    "embedding.word_embeddings.weight"]
     logits = x @ w_out.t()  # [S, B, V]

@@ -13,11 +13,10 @@ gives it the gradient aux_grad_scale (Megatron's MTPLossAutoScaler with the main
 reported loss stays the lm loss. The depth layers' MoE routers keep their state in moe_state[L + k] and report their
 info under layer L + k (Megatron logs an MTP router after the decoder's layers).
 """
-import math
-
 import torch
 import torch.nn.functional as F
 
+import twin_mla
 import twin_moe
 
 
@@ -51,31 +50,17 @@ def roll_left(x_SB):
 
 
 def _layer(x, params, p, c, layer_index, ctx):
-    """One pre-norm transformer layer (attention + MLP or MoE) under prefix p, as twin.megatron_forward's."""
+    """One pre-norm transformer layer (standard or multi-latent attention, then MLP or MoE) under prefix p, as
+    twin.megatron_forward's decoder layers."""
     import twin  # the twin's helpers (imported here: twin imports this module)
 
-    S, B, _ = x.shape
-    N, G, d = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"]
-    heads_per_group = N // G
     h = twin._norm(x, params, p + "input_layernorm", c)
-    qkv = twin._linear(h, params, p + "self_attention.linear_qkv").view(S, B, G, (heads_per_group + 2) * d)
-    q = qkv[..., : heads_per_group * d].reshape(S, B, N, d)
-    k = qkv[..., heads_per_group * d: (heads_per_group + 1) * d]
-    v = qkv[..., (heads_per_group + 1) * d:]
-    if c["qk_layernorm"]:
-        q = twin._norm(q, params, p + "self_attention.q_layernorm", c)
-        k = twin._norm(k, params, p + "self_attention.k_layernorm", c)
-    if ctx["rope"] is not None:
-        cos, sin, rot_dim = ctx["rope"]
-        q = twin._apply_rope(q, cos, sin, rot_dim)
-        k = twin._apply_rope(k, cos, sin, rot_dim)
-    k = k.repeat_interleave(heads_per_group, dim=2)
-    v = v.repeat_interleave(heads_per_group, dim=2)
-    q_BNSd, k_BNSd, v_BNSd = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    scores = q_BNSd @ k_BNSd.transpose(-1, -2) / math.sqrt(d)
-    scores = scores.masked_fill(~ctx["allowed"], float("-inf"))
-    context = (torch.softmax(scores, dim=-1) @ v_BNSd).permute(2, 0, 1, 3).reshape(S, B, N * d)
-    x = x + twin._linear(context, params, p + "self_attention.linear_proj")
+    if c["mla"] is not None:
+        mla_cos, mla_sin = ctx["mla_rope"]
+        x = x + twin_mla.mla_attention(h, params, p, c, mla_cos, mla_sin, ctx["allowed"], twin._norm)
+    else:
+        cos, sin, rot_dim = ctx["rope"] if ctx["rope"] is not None else (None, None, 0)
+        x = x + twin._standard_attention(h, params, p, c, cos, sin, rot_dim, ctx["allowed"])
     h = twin._norm(x, params, p + "pre_mlp_layernorm", c)
     if twin.is_moe_layer(c, c["num_layers"] - 1):
         state = ctx["moe_state"].setdefault(layer_index, twin_moe.RouterState(c["moe"]["num_experts"]))
@@ -91,8 +76,8 @@ def _layer(x, params, p, c, layer_index, ctx):
 
 def attach(x, params, c, tokens_SB, labels_SB, mask_SB, ctx):
     """x: the decoder's normed output [S, B, H]. Returns (x with the weighted MTP loss attached, [loss_k floats]).
-    ctx: {"rope": (cos, sin, rot_dim) or None, "allowed": attention mask, "moe_state": dict, "moe_info": dict,
-    "training": bool, "aux_grad_scale": float}."""
+    ctx: {"rope": (cos, sin, rot_dim) or None, "mla_rope": (cos, sin) of MLA or None, "allowed": attention mask,
+    "moe_state": dict, "moe_info": dict, "training": bool, "aux_grad_scale": float}."""
     import twin
 
     D, L = c["mtp_num_layers"], c["num_layers"]

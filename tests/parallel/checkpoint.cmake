@@ -12,3 +12,10 @@ if(MPIRUN_EXECUTABLE AND TARGET moecore)
                    ${CMAKE_CURRENT_BINARY_DIR}/profile_trace)
   set_tests_properties(dist.profile_trace PROPERTIES LABELS dist TIMEOUT 300)
 endif()
+# The tiny DeepSeek-V3 saved under TP2 x PP2 and continued under EP2 and in one process (checkpoint_deepseek.sh).
+if(MPIRUN_EXECUTABLE AND TARGET moecore)
+  add_test(NAME dist.checkpoint.deepseek
+           COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/checkpoint_deepseek.sh $<TARGET_FILE:moecore> ${MPIRUN_EXECUTABLE}
+                   ${CMAKE_CURRENT_BINARY_DIR}/checkpoint_deepseek)
+  set_tests_properties(dist.checkpoint.deepseek PROPERTIES LABELS dist TIMEOUT 300)
+endif()

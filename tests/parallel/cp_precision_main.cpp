@@ -7,8 +7,11 @@
 //   rounded once from a value within fp32 rounding of the exact one always is; per-step rounding drifts by up to
 //   CP half-ulps and leaves them);
 // - backward: dq, dk, dv (accumulated onto non-zero 16-bit gradients) under the scope equal the fp32 run's rounded
-//   once, bit for bit.
+//   once, bit for bit;
+// - fp32 backward: dq, dk, dv equal the one-process fp32 attention's gradients at this rank's rows.
+// Each with value heads as wide as the query / key heads (16), narrower (12: multi-latent attention) and wider (24).
 // Exit status 1 on any mismatch, on any rank.
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -78,14 +81,19 @@ int64_t mismatches_rounded_once(const Tensor& got, const Tensor& want, const DTy
   return bad;
 }
 
-// Elements of `got` that are not one of the two `dtype` values around `exact`.
+// Elements of `got` that are not one of the two `dtype` values around `exact`, nor the rounding of a value within
+// fp32 summation error of it (1e-6 of the largest |exact|): an entry that cancels to near zero keeps the absolute
+// error of its summands, far more than a 16-bit ulp of its own tiny magnitude.
 int64_t outside_neighbours(const Tensor& got, const Tensor& exact, const DType dtype) {
+  float largest = 0.0f;
+  for (int64_t i = 0; i < exact.numel(); ++i) largest = std::max(largest, std::abs(exact.data<float>()[i]));
+  const float summation_error = 1e-6f * largest;
   int64_t bad = 0;
   for (int64_t i = 0; i < got.numel(); ++i) {
     const float x = exact.data<float>()[i], y = got.data<float>()[i];
     const uint16_t nearest = bits_of(x, dtype);
     const float r = value_of(nearest, dtype);
-    bool ok = y == r;
+    bool ok = y == r || (round_to(x - summation_error, dtype) <= y && y <= round_to(x + summation_error, dtype));
     for (const uint16_t other : {static_cast<uint16_t>(nearest + 1), static_cast<uint16_t>(nearest - 1)}) {
       const float o = value_of(other, dtype);
       ok = ok || (y == o && (o - x) * (r - x) <= 0.0f);
@@ -95,15 +103,30 @@ int64_t outside_neighbours(const Tensor& got, const Tensor& exact, const DType d
   return bad;
 }
 
+// max |got - want| / max |want|.
+double normwise_error(const Tensor& got, const Tensor& want) {
+  double error = 0.0, largest = 0.0;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double g = got.data<float>()[i], w = want.data<float>()[i];
+    error = std::max(error, std::abs(g - w));
+    largest = std::max(largest, std::abs(w));
+  }
+  return largest > 0.0 ? error / largest : error;
+}
+
 struct Grads {
   Tensor dq, dk, dv;
 };
 
-void run_case(const ProcessGroup& cp, const CpCommType type, const DType dtype) {
+// dv: the value head width (0: kD).
+void run_case(const ProcessGroup& cp, const CpCommType type, const DType dtype, const int64_t dv) {
+  const int64_t v_width = dv > 0 ? dv : kD;
   const std::string name = std::string(cp_comm_type_name(type)) + " " + std::string(dtype_name(dtype)) + " cp" +
-                           std::to_string(cp.size()) + " rank " + std::to_string(cp.rank());
+                           std::to_string(cp.size()) + " dv " + std::to_string(v_width) + " rank " +
+                           std::to_string(cp.rank());
   const Tensor q_all = random_tensor({kS, kB, kN, kD}, 1, dtype), k_all = random_tensor({kS, kB, kG, kD}, 2, dtype),
-               v_all = random_tensor({kS, kB, kG, kD}, 3, dtype), dout_all = random_tensor({kS, kB, kN, kD}, 4, dtype);
+               v_all = random_tensor({kS, kB, kG, v_width}, 3, dtype),
+               dout_all = random_tensor({kS, kB, kN, v_width}, 4, dtype);
   SequenceInfo seq;
   seq.S = kS;
   seq.B = kB;
@@ -120,15 +143,16 @@ void run_case(const ProcessGroup& cp, const CpCommType type, const DType dtype) 
   dims.G = kG;
   dims.head_dim = kD;
   dims.scale = 1.0 / std::sqrt(static_cast<double>(kD));
+  dims.v_head_dim = dv;
   const ops::DropoutSpec no_dropout;
 
   // Forward: under the 16-bit scope, and in fp32.
-  Tensor out16({S_l, kB, kN, kD}, DType::kF32), lse16({kB, kN, S_l}, DType::kF32);
+  Tensor out16({S_l, kB, kN, v_width}, DType::kF32), lse16({kB, kN, S_l}, DType::kF32);
   {
     const ops::ScopedActivationDType scope(dtype);
     context_parallel_attention_forward(out16, lse16, q, k, v, dims, no_dropout, seq, cp, type);
   }
-  Tensor out32({S_l, kB, kN, kD}, DType::kF32), lse32({kB, kN, S_l}, DType::kF32);
+  Tensor out32({S_l, kB, kN, v_width}, DType::kF32), lse32({kB, kN, S_l}, DType::kF32);
   context_parallel_attention_forward(out32, lse32, q, k, v, dims, no_dropout, seq, cp, type);
   const int64_t fwd_bad = mismatches_rounded_once(out16, out32, dtype);
   check(fwd_bad == 0, name + ": forward output is the fp32 output rounded once (" + std::to_string(fwd_bad) + " of " +
@@ -138,7 +162,7 @@ void run_case(const ProcessGroup& cp, const CpCommType type, const DType dtype) 
   check(same_lse, name + ": forward lse is the fp32 lse");
 
   // The one-process fp32 attention over the whole sequence, at this rank's rows.
-  Tensor out_one({kS, kB, kN, kD}, DType::kF32), lse_one({kB, kN, kS}, DType::kF32);
+  Tensor out_one({kS, kB, kN, v_width}, DType::kF32), lse_one({kB, kN, kS}, DType::kF32);
   SequenceInfo one = seq;
   one.cp_rank = 0;
   one.cp_size = 1;
@@ -154,7 +178,7 @@ void run_case(const ProcessGroup& cp, const CpCommType type, const DType dtype) 
   const auto start = [&] {
     return Grads{random_tensor({S_l, kB, kN, kD}, 10 + cp.rank(), dtype),
                  random_tensor({S_l, kB, kG, kD}, 20 + cp.rank(), dtype),
-                 random_tensor({S_l, kB, kG, kD}, 30 + cp.rank(), dtype)};
+                 random_tensor({S_l, kB, kG, v_width}, 30 + cp.rank(), dtype)};
   };
   Grads g16 = start(), g32 = start();
   {
@@ -171,6 +195,29 @@ void run_case(const ProcessGroup& cp, const CpCommType type, const DType dtype) 
     check(bad == 0, name + ": backward " + what + " is the fp32 " + what + " rounded once (" + std::to_string(bad) +
                         " of " + std::to_string(pair.first->numel()) + " elements differ)");
   }
+
+  // The fp32 backward from the fp32 forward against the one-process fp32 attention's gradients at this rank's rows.
+  const auto zeros = [](const int64_t rows, const int64_t heads, const int64_t width) {
+    Tensor t({rows, kB, heads, width}, DType::kF32);
+    std::fill_n(t.data<float>(), t.numel(), 0.0f);
+    return t;
+  };
+  Grads g_cp{zeros(S_l, kN, kD), zeros(S_l, kG, kD), zeros(S_l, kG, v_width)};
+  context_parallel_attention_backward(g_cp.dq, g_cp.dk, g_cp.dv, dout, q, k, v, out32, lse32, dims, no_dropout, seq, cp,
+                                      type);
+  Grads g_one{zeros(kS, kN, kD), zeros(kS, kG, kD), zeros(kS, kG, v_width)};
+  context_parallel_attention_backward(g_one.dq, g_one.dk, g_one.dv, dout_all, q_all, k_all, v_all, out_one, lse_one,
+                                      one_dims, no_dropout, one, ProcessGroup::self(), type);
+  const std::pair<const char*, std::pair<const Tensor*, const Tensor*>> vs_one[] = {
+      {"dq", {&g_cp.dq, &g_one.dq}}, {"dk", {&g_cp.dk, &g_one.dk}}, {"dv", {&g_cp.dv, &g_one.dv}}};
+  for (const auto& [what, pair] : vs_one) {
+    const double error = normwise_error(*pair.first, rows_at(*pair.second, local));
+    check(error < 1e-5, name + ": fp32 backward " + what + " is the one-process " + what + " (normwise error " +
+                            std::to_string(error) + ")");
+  }
+  const double out_error = normwise_error(out32, rows_at(out_one, local));
+  check(out_error < 1e-5,
+        name + ": fp32 forward output is the one-process output (normwise error " + std::to_string(out_error) + ")");
 }
 
 }  // namespace
@@ -179,7 +226,9 @@ int main(int argc, char** argv) {
   const parallel::MpiRuntime mpi(&argc, &argv);
   const ProcessGroup world = ProcessGroup::world();
   for (const CpCommType type : {CpCommType::kP2P, CpCommType::kAllGather, CpCommType::kA2A}) {
-    for (const DType dtype : {DType::kBF16, DType::kF16}) run_case(world, type, dtype);
+    for (const DType dtype : {DType::kBF16, DType::kF16}) {
+      for (const int64_t dv : {0, 12, 24}) run_case(world, type, dtype, dv);
+    }
   }
   std::vector<float> failed = {static_cast<float>(failures)};
   world.all_reduce<float>(std::span<float>(failed), parallel::ReduceOp::kMax);

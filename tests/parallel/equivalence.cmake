@@ -194,4 +194,38 @@ moecore_equiv(bf16_cp2 bf16 2 --context-parallel-size 2)
 moecore_equiv(bf16_tp2_ep2 bf16 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2
               --moe-token-dispatcher-type alltoall)
 
+# The tiny DeepSeek-V3 recipe (configs/deepseek-v3-tiny.args: multi-latent attention with YaRN, sigmoid group-limited
+# routing with expert bias, a shared expert, a dense first layer), 5 steps of 8 sequences of 64 tokens, under the
+# layouts DeepSeek-V3 trains with: TP2 + SP, CP2 (p2p and a2a), EP2 folded over TP2, DP2 with the distributed
+# optimizer.
+file(STRINGS ${CMAKE_SOURCE_DIR}/configs/deepseek-v3-tiny.args dsv3_recipe_lines REGEX "^[^#]")
+set(equiv_dsv3)
+foreach(line IN LISTS dsv3_recipe_lines)
+  separate_arguments(words UNIX_COMMAND "${line}")
+  list(APPEND equiv_dsv3 ${words})
+endforeach()
+# 1023 tokens + EOD = 1024 rows under any TP <= 8 (the recipe's 1024 + 1 pads to 1152 rows on one rank, 1280 on TP2:
+# a different model, as in Megatron).
+list(APPEND equiv_dsv3 --train-iters 5 --lr-warmup-iters 1 --eval-interval 100 --eval-iters 1 --log-interval 1
+     --micro-batch-size 2 --global-batch-size 8 --seq-length 64 --vocab-size 1023 --adam-eps 1e-6 --seed 7)
+add_test(NAME dist.equiv.dsv3.reference COMMAND dist_equivalence_test --out ${equiv_dir}/dsv3.bin -- ${equiv_dsv3})
+set_tests_properties(dist.equiv.dsv3.reference PROPERTIES FIXTURES_SETUP equiv_dsv3)
+set(equiv_tests ${equiv_tests} dist.equiv.dsv3.reference)
+function(moecore_equiv_dsv3 name np)
+  if(NOT MPIRUN_EXECUTABLE)
+    return()
+  endif()
+  add_test(NAME dist.equiv.dsv3_${name}
+           COMMAND ${MPIRUN_EXECUTABLE} --allow-run-as-root --oversubscribe -np ${np}
+                   $<TARGET_FILE:dist_equivalence_test> --compare ${equiv_dir}/dsv3.bin -- ${equiv_dsv3} ${ARGN})
+  set_tests_properties(dist.equiv.dsv3_${name} PROPERTIES FIXTURES_REQUIRED equiv_dsv3)
+  set(equiv_tests ${equiv_tests} dist.equiv.dsv3_${name} PARENT_SCOPE)
+endfunction()
+moecore_equiv_dsv3(tp2_sp 2 --tensor-model-parallel-size 2 --sequence-parallel)
+moecore_equiv_dsv3(cp2_p2p 2 --context-parallel-size 2 --cp-comm-type p2p)
+moecore_equiv_dsv3(cp2_a2a 2 --context-parallel-size 2 --cp-comm-type a2a)
+moecore_equiv_dsv3(tp2_sp_ep2_folded 2 --tensor-model-parallel-size 2 --sequence-parallel
+                   --expert-model-parallel-size 2 --expert-tensor-parallel-size 1)
+moecore_equiv_dsv3(dp2_distopt 2 --use-distributed-optimizer)
+
 set_tests_properties(${equiv_tests} PROPERTIES LABELS dist TIMEOUT 300 ENVIRONMENT "OMP_NUM_THREADS=1")

@@ -416,7 +416,8 @@ TEST_F(HfMoeTest, ChoosesAndRefusesModelTypes) {
   c = mixtral_config();
   c.normalization = Normalization::kLayerNorm;
   refused(c, "", "LayerNorm");  // no HF or moecore_moe layout for LayerNorm models
-  refused(mixtral_config(), "deepseek_v3", "unknown model_type");
+  refused(mixtral_config(), "deepseek_v3", "cannot represent standard attention");
+  refused(mixtral_config(), "deepseek_v2", "unknown model_type");
 
   // A refused export writes nothing.
   c = mixtral_config();

@@ -102,6 +102,31 @@ ModelConfig moecore_moe_config() {
   return c;
 }
 
+// DeepSeek-V3 in miniature: multi-latent attention with a q latent, YaRN (DeepSeek-V3's factor 40 and mscales),
+// sigmoid routing over 4 groups (top 2 groups for top-4 experts), expert bias, scaling factor, one shared expert and a
+// dense first layer.
+ModelConfig deepseek_v3_config() {
+  ModelConfig c = moe_base(3);
+  c.qk_layernorm = true;
+  c.mla = MlaConfig{24, 16, 8, 4, 12, RopeType::kYarn};
+  c.num_query_groups = c.num_attention_heads;  // no GQA with multi-latent attention
+  c.yarn.rotary_scaling_factor = 40.0;
+  c.yarn.mscale = 1.0;
+  c.yarn.mscale_all_dim = 1.0;
+  c.moe.moe_layer_pattern = {false, true, true};
+  c.moe.num_experts = 8;
+  c.moe.topk = 4;
+  c.moe.score_function = RouterScoreFunction::kSigmoid;
+  c.moe.num_groups = 4;
+  c.moe.group_topk = 2;
+  c.moe.enable_expert_bias = true;
+  c.moe.topk_scaling_factor = 2.5;
+  c.moe.shared_expert_intermediate_size = 24;
+  c.moe.load_balancing_types = {LoadBalancingType::kSeqAuxLoss};
+  c.moe.aux_loss_coeffs = {1e-4};
+  return c;
+}
+
 struct Architecture {
   std::string model_type;
   ModelConfig config;
@@ -112,7 +137,8 @@ std::vector<Architecture> architectures() {
           {"qwen3", qwen3_config()},
           {"mixtral", mixtral_config()},
           {"qwen3_moe", qwen3_moe_config()},
-          {"moecore_moe", moecore_moe_config()}};
+          {"moecore_moe", moecore_moe_config()},
+          {"deepseek_v3", deepseek_v3_config()}};
 }
 
 // Distinct random values in every parameter and buffer, so a misplaced row cannot go unnoticed.
@@ -155,8 +181,14 @@ TEST(ModelStateKeys, MatchBuiltModels) {
   gpt2.qk_layernorm = true;
   ModelConfig relu2_moe = qwen3_moe_config();
   relu2_moe.activation = Activation::kSquaredReLU;
-  relu2_moe.add_bias_linear = true;  // router bias, expert biases
-  // Multi-Token Prediction depths after the head (MoE depth layers with expert-bias buffers; LayerNorm, untied).
+  relu2_moe.add_bias_linear = true;      // router bias, expert biases
+  ModelConfig mla = qwen3_moe_config();  // multi-latent attention with a q latent and its norms
+  mla.mla = MlaConfig{24, 16, 8, 4, 12, RopeType::kYarn};
+  mla.qk_layernorm = true;
+  ModelConfig mla_plain = gpt2;  // multi-latent attention without a q latent or norms, with linear biases
+  mla_plain.mla = MlaConfig{0, 16, 8, 4, 12, RopeType::kRope};
+  mla_plain.qk_layernorm = false;
+  // Multi-Token Prediction depths after the head (MoE depth layers with expert-bias buffers; LayerNorm, untied; MLA).
   ModelConfig mtp_moe = qwen3_moe_config();
   mtp_moe.mtp_num_layers = 2;
   mtp_moe.moe.enable_expert_bias = true;
@@ -164,7 +196,9 @@ TEST(ModelStateKeys, MatchBuiltModels) {
   ModelConfig mtp_layernorm = gpt2;
   mtp_layernorm.mtp_num_layers = 1;
   mtp_layernorm.untie_embeddings_and_output_weights = true;
-  std::vector<ModelConfig> configs = {gpt2, relu2_moe, mtp_moe, mtp_layernorm};
+  ModelConfig mtp_mla = mla;
+  mtp_mla.mtp_num_layers = 1;
+  std::vector<ModelConfig> configs = {gpt2, relu2_moe, mla, mla_plain, mtp_moe, mtp_layernorm, mtp_mla};
   for (const Architecture& a : architectures()) configs.push_back(a.config);
   for (const ModelConfig& c : configs) {
     const GPTModel model(c, 3);

@@ -3,7 +3,8 @@
 // Block attention (query / key indices, documents, Sk != S): fast vs reference on packed documents, context-parallel
 // chunks and random index sets, rows that see no key, the counters of the dropout mask, and the ring-attention
 // identity: a sequence split over context-parallel ranks and key blocks, forward per block + attention_merge and
-// backward per block with the final out / lse, equals the one-process attention and its gradients.
+// backward per block with the final out / lse, equals the one-process attention and its gradients. Value heads of
+// another width than the query / key heads (multi-latent attention, AttentionDims::v_head_dim) on all of these paths.
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -29,15 +30,19 @@ using test::random_vector;
 
 struct Shape {
   int64_t S, B, N, G, d;
+  int64_t dv = 0;  // value head width (0: d)
+  int64_t value_dim() const { return dv > 0 ? dv : d; }
 };
 
 AttentionDims make_dims(const Shape& shape) {
-  return AttentionDims{shape.S, shape.B, shape.N, shape.G, shape.d, 1.0 / std::sqrt(static_cast<double>(shape.d))};
+  AttentionDims dims{shape.S, shape.B, shape.N, shape.G, shape.d, 1.0 / std::sqrt(static_cast<double>(shape.d))};
+  dims.v_head_dim = shape.dv;
+  return dims;
 }
 
 std::string describe(const Shape& s) {
   return "S=" + std::to_string(s.S) + " B=" + std::to_string(s.B) + " N=" + std::to_string(s.N) +
-         " G=" + std::to_string(s.G) + " d=" + std::to_string(s.d);
+         " G=" + std::to_string(s.G) + " d=" + std::to_string(s.d) + " dv=" + std::to_string(s.dv);
 }
 
 // Restores the OpenMP thread count when a test changes it.
@@ -58,8 +63,8 @@ struct Problem {
       : dims(make_dims(shape)),
         q(random_vector<T>(shape.S * shape.B * shape.N * shape.d, seed, T(-2), T(2))),
         k(random_vector<T>(shape.S * shape.B * shape.G * shape.d, seed + 1, T(-2), T(2))),
-        v(random_vector<T>(shape.S * shape.B * shape.G * shape.d, seed + 2)),
-        dout(random_vector<T>(q.size(), seed + 3)) {}
+        v(random_vector<T>(shape.S * shape.B * shape.G * shape.value_dim(), seed + 2)),
+        dout(random_vector<T>(shape.S * shape.B * shape.N * shape.value_dim(), seed + 3)) {}
   AttentionDims dims;
   std::vector<T> q, k, v, dout;
 };
@@ -71,7 +76,7 @@ struct Forward {
 
 template <typename T, bool kFast>
 Forward<T> run_forward(const Problem<T>& pb, const DropoutSpec& drop) {
-  Forward<T> f{std::vector<T>(pb.q.size()), std::vector<T>(pb.dims.B * pb.dims.N * pb.dims.S)};
+  Forward<T> f{std::vector<T>(pb.dout.size()), std::vector<T>(pb.dims.B * pb.dims.N * pb.dims.S)};
   if constexpr (kFast) {
     cpu::attention_forward(f.out.data(), f.lse.data(), pb.q.data(), pb.k.data(), pb.v.data(), pb.dims, drop);
   } else {
@@ -210,7 +215,8 @@ void expect_backward_matches_finite_differences(const Shape& shape, const Dropou
 }
 
 TEST(AttentionTest, BackwardMatchesFiniteDifferences) {
-  for (const Shape& shape : {Shape{5, 2, 4, 2, 3}, Shape{4, 1, 2, 2, 2}, Shape{6, 1, 3, 1, 2}}) {
+  for (const Shape& shape : {Shape{5, 2, 4, 2, 3}, Shape{4, 1, 2, 2, 2}, Shape{6, 1, 3, 1, 2}, Shape{5, 2, 4, 2, 3, 2},
+                             Shape{4, 1, 2, 1, 2, 5}}) {
     for (const DropoutSpec& drop : {kNoDropout, kDropout}) {
       expect_backward_matches_finite_differences<true>(shape, drop);
       expect_backward_matches_finite_differences<false>(shape, drop);
@@ -265,8 +271,8 @@ const std::vector<Shape> kTiledShapes = {{600, 1, 4, 2, 16}, {257, 2, 8, 2, 8}, 
                                          {129, 3, 4, 1, 12}, {520, 1, 2, 2, 8}, {150, 2, 6, 2, 8}};
 
 template <typename T>
-void expect_tiled_matches_ref(double tol) {
-  for (const Shape& shape : kTiledShapes) {
+void expect_shapes_match_ref(const std::vector<Shape>& shapes, double tol) {
+  for (const Shape& shape : shapes) {
     for (const DropoutSpec& drop : {kNoDropout, kDropout}) {
       SCOPED_TRACE(describe(shape) + " p=" + std::to_string(drop.p));
       const Problem<T> pb(shape, 70);
@@ -287,8 +293,32 @@ void expect_tiled_matches_ref(double tol) {
   }
 }
 
-TEST(AttentionTest, TiledShapesMatchRefFloat) { expect_tiled_matches_ref<float>(1e-5); }
-TEST(AttentionTest, TiledShapesMatchRefDouble) { expect_tiled_matches_ref<double>(1e-12); }
+TEST(AttentionTest, TiledShapesMatchRefFloat) { expect_shapes_match_ref<float>(kTiledShapes, 1e-5); }
+TEST(AttentionTest, TiledShapesMatchRefDouble) { expect_shapes_match_ref<double>(kTiledShapes, 1e-12); }
+
+// Value heads narrower and wider than the query / key heads (multi-latent attention: d = 192, dv = 128): one block on
+// one thread, several query blocks and key tiles in parallel, GQA, MQA and MHA.
+const std::vector<Shape> kValueHeadShapes = {{7, 2, 4, 2, 8, 5},     {65, 2, 4, 1, 12, 8},  {130, 2, 4, 4, 16, 24},
+                                             {257, 2, 8, 2, 24, 16}, {300, 1, 8, 1, 8, 12}, {600, 1, 4, 2, 16, 4}};
+
+TEST(AttentionTest, ValueHeadSizeMatchesRefFloat) { expect_shapes_match_ref<float>(kValueHeadShapes, 1e-5); }
+TEST(AttentionTest, ValueHeadSizeMatchesRefDouble) { expect_shapes_match_ref<double>(kValueHeadShapes, 1e-12); }
+
+// v_head_dim = head_dim is the default (0): the same bits.
+TEST(AttentionTest, ValueHeadSizeEqualToHeadDimIsTheDefault) {
+  for (const Shape& shape : {Shape{130, 2, 4, 4, 16}, Shape{600, 1, 4, 2, 16}}) {
+    SCOPED_TRACE(describe(shape));
+    const Problem<float> pb(shape, 85);
+    Problem<float> explicit_dv = pb;
+    explicit_dv.dims.v_head_dim = shape.d;
+    const Forward<float> a = run_forward<float, true>(pb, kDropout),
+                         b = run_forward<float, true>(explicit_dv, kDropout);
+    EXPECT_TRUE(a.out == b.out && a.lse == b.lse);
+    const Grads<float> ga = run_backward<float, true>(pb, a, kDropout, false);
+    const Grads<float> gb = run_backward<float, true>(explicit_dv, a, kDropout, false);
+    EXPECT_TRUE(ga.dq == gb.dq && ga.dk == gb.dk && ga.dv == gb.dv);
+  }
+}
 
 // Every output element is computed in a fixed order whatever the thread count: forward and both backward schedules
 // (per group on 1 thread or many groups, per key tile / query block otherwise) give the same bits.
@@ -358,8 +388,8 @@ struct BlockProblem {
         Sk(key_rows),
         q(random_vector<T>(s.S * s.B * s.N * s.d, seed, T(-2), T(2))),
         k(random_vector<T>(key_rows * s.B * s.G * s.d, seed + 1, T(-2), T(2))),
-        v(random_vector<T>(key_rows * s.B * s.G * s.d, seed + 2)),
-        dout(random_vector<T>(q.size(), seed + 3)) {}
+        v(random_vector<T>(key_rows * s.B * s.G * s.value_dim(), seed + 2)),
+        dout(random_vector<T>(s.S * s.B * s.N * s.value_dim(), seed + 3)) {}
   AttentionDims dims() const {
     AttentionDims dims = make_dims(shape);
     dims.Sk = Sk;
@@ -380,7 +410,7 @@ struct BlockProblem {
 
 template <typename T>
 Forward<T> block_forward(const bool fast, const BlockProblem<T>& pb, const DropoutSpec& drop) {
-  Forward<T> f{std::vector<T>(pb.q.size(), T(7)), std::vector<T>(pb.shape.B * pb.shape.N * pb.shape.S, T(7))};
+  Forward<T> f{std::vector<T>(pb.dout.size(), T(7)), std::vector<T>(pb.shape.B * pb.shape.N * pb.shape.S, T(7))};
   (fast ? cpu::attention_forward<T> : ref::attention_forward<T>)(f.out.data(), f.lse.data(), pb.q.data(), pb.k.data(),
                                                                  pb.v.data(), pb.dims(), drop);
   return f;
@@ -488,18 +518,19 @@ bool all_finite(const std::vector<T>& x) {
 
 // Block problems of every kind the general path meets, with query blocks of 128, 64 and 32 rows and several key
 // tiles: packed documents (self-attention), context-parallel ring steps (diagonal, lower and upper triangle) with and
-// without documents, random index sets with Sk != S (rows that see no key), and a key set with gaps in its indices.
+// without documents, random index sets with Sk != S (rows that see no key), and a key set with gaps in its indices;
+// value heads dv wide (0: as wide as the query / key heads).
 template <typename T>
-std::vector<std::pair<std::string, BlockProblem<T>>> block_problems() {
+std::vector<std::pair<std::string, BlockProblem<T>>> block_problems(const int64_t dv = 0) {
   std::vector<std::pair<std::string, BlockProblem<T>>> out;
   {
-    BlockProblem<T> pb(Shape{300, 2, 4, 2, 16}, 300, 110);
+    BlockProblem<T> pb(Shape{300, 2, 4, 2, 16, dv}, 300, 110);
     pb.q_doc = pb.k_doc = random_documents(300, 2, 90, 1);
     out.emplace_back("documents", pb);
   }
   // Ring steps of rank r against rank s's keys, cp = 3, chunks of 70 rows: L = 420.
   for (const auto& [r, s] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {2, 0}, {0, 2}}) {
-    BlockProblem<T> pb(Shape{140, 2, 8, 2, 8}, 140, 120 + static_cast<uint64_t>(r));
+    BlockProblem<T> pb(Shape{140, 2, 8, 2, 8, dv}, 140, 120 + static_cast<uint64_t>(r));
     pb.q_index = cp_rows(3, r, 70);
     pb.k_index = cp_rows(3, s, 70);
     pb.dropout_seq_len = 420;
@@ -511,7 +542,7 @@ std::vector<std::pair<std::string, BlockProblem<T>>> block_problems() {
     out.emplace_back("cp_documents_r" + std::to_string(r) + "_s" + std::to_string(s), pb);
   }
   {
-    BlockProblem<T> pb(Shape{150, 2, 4, 1, 12}, 230, 130);  // MQA, 64-row blocks
+    BlockProblem<T> pb(Shape{150, 2, 4, 1, 12, dv}, 230, 130);  // MQA, 64-row blocks
     pb.q_index = random_index_set(150, 400, 3);
     pb.k_index = random_index_set(230, 380, 4);  // indices from 20: the queries below see no key
     for (int64_t& index : pb.k_index) index += 20;
@@ -524,7 +555,7 @@ std::vector<std::pair<std::string, BlockProblem<T>>> block_problems() {
     out.emplace_back("random_indices_documents", pb);
   }
   {
-    BlockProblem<T> pb(Shape{97, 1, 4, 2, 8}, 260, 140);  // queries past the keys; key indices with gaps
+    BlockProblem<T> pb(Shape{97, 1, 4, 2, 8, dv}, 260, 140);  // queries past the keys; key indices with gaps
     pb.q_index.resize(97);
     std::iota(pb.q_index.begin(), pb.q_index.end(), 500);
     for (int64_t j = 0; j < 260; ++j) pb.k_index.push_back(2 * j + (j > 100 ? 37 : 0));
@@ -532,7 +563,7 @@ std::vector<std::pair<std::string, BlockProblem<T>>> block_problems() {
     out.emplace_back("gapped_keys", pb);
   }
   {
-    BlockProblem<T> pb(Shape{70, 3, 8, 1, 8}, 200, 150);  // Sk != S without indices: query i sees keys 0..i
+    BlockProblem<T> pb(Shape{70, 3, 8, 1, 8, dv}, 200, 150);  // Sk != S without indices: query i sees keys 0..i
     pb.dropout_seq_len = 200;
     out.emplace_back("more_keys_than_queries", pb);
   }
@@ -540,10 +571,10 @@ std::vector<std::pair<std::string, BlockProblem<T>>> block_problems() {
 }
 
 template <typename T>
-void expect_block_matches_ref(const double tol) {
-  for (const auto& [name, pb] : block_problems<T>()) {
+void expect_block_matches_ref(const double tol, const int64_t dv = 0) {
+  for (const auto& [name, pb] : block_problems<T>(dv)) {
     for (const DropoutSpec& drop : {kNoDropout, kDropout}) {
-      SCOPED_TRACE(name + " p=" + std::to_string(drop.p));
+      SCOPED_TRACE(name + " dv=" + std::to_string(dv) + " p=" + std::to_string(drop.p));
       const Forward<T> fast = block_forward(true, pb, drop);
       const Forward<T> naive = block_forward(false, pb, drop);
       EXPECT_TRUE(all_finite(fast.out));
@@ -567,6 +598,9 @@ void expect_block_matches_ref(const double tol) {
 
 TEST(BlockAttentionTest, MatchesRefFloat) { expect_block_matches_ref<float>(1e-5); }
 TEST(BlockAttentionTest, MatchesRefDouble) { expect_block_matches_ref<double>(1e-12); }
+// Value heads 5 wide (narrower than every problem's query / key heads) in float, 20 wide (wider) in double.
+TEST(BlockAttentionTest, ValueHeadSizeMatchesRefFloat) { expect_block_matches_ref<float>(1e-5, 5); }
+TEST(BlockAttentionTest, ValueHeadSizeMatchesRefDouble) { expect_block_matches_ref<double>(1e-12, 20); }
 
 // The mask, pair by pair: key j is visible to query i iff k_index[j] <= q_index[i] and the documents agree. Changing
 // the values of the keys a query row does not see leaves its output unchanged; a row that sees no key has out 0 and
@@ -726,19 +760,12 @@ TEST(BlockAttentionTest, ResultsDoNotDependOnThreadCount) {
   }
 }
 
-// d(sum(out * dout)) / d(q, k, v) by central differences against the analytic backward, on block problems (indices,
-// documents, Sk != S, rows without keys).
-TEST(BlockAttentionTest, BackwardMatchesFiniteDifferences) {
-  BlockProblem<double> pb(Shape{6, 2, 4, 2, 3}, 7, 180);
-  pb.q_index = {3, 9, 4, 12, 0, 7};
-  pb.k_index = {2, 8, 3, 11, 5, 1, 13};
-  pb.q_doc = {1, 2, 1, 2, 2, 2, 1, 2, 1, 1, 2, 2};
-  pb.k_doc = {1, 2, 2, 2, 1, 1, 2, 1, 1, 2, 1, 1, 2, 2};
-  pb.dropout_seq_len = 14;
+void expect_block_backward_matches_finite_differences(const BlockProblem<double>& pb) {
   const ThreadCount one_thread(1);
   for (const DropoutSpec& drop : {kNoDropout, kDropout}) {
     for (const bool fast : {true, false}) {
-      SCOPED_TRACE(std::string(fast ? "cpu" : "ref") + " p=" + std::to_string(drop.p));
+      SCOPED_TRACE(std::string(fast ? "cpu" : "ref") + " dv=" + std::to_string(pb.shape.dv) +
+                   " p=" + std::to_string(drop.p));
       auto loss_of = [&](int which) {
         return [&pb, &drop, fast, which](const std::vector<double>& x) {
           BlockProblem<double> perturbed = pb;
@@ -756,15 +783,29 @@ TEST(BlockAttentionTest, BackwardMatchesFiniteDifferences) {
   }
 }
 
+// d(sum(out * dout)) / d(q, k, v) by central differences against the analytic backward, on block problems (indices,
+// documents, Sk != S, rows without keys), with value heads as wide as, narrower than and wider than the q / k heads.
+TEST(BlockAttentionTest, BackwardMatchesFiniteDifferences) {
+  for (const int64_t dv : {0, 2, 5}) {
+    BlockProblem<double> pb(Shape{6, 2, 4, 2, 3, dv}, 7, 180);
+    pb.q_index = {3, 9, 4, 12, 0, 7};
+    pb.k_index = {2, 8, 3, 11, 5, 1, 13};
+    pb.q_doc = {1, 2, 1, 2, 2, 2, 1, 2, 1, 1, 2, 2};
+    pb.k_doc = {1, 2, 2, 2, 1, 1, 2, 1, 1, 2, 1, 1, 2, 2};
+    pb.dropout_seq_len = 14;
+    expect_block_backward_matches_finite_differences(pb);
+  }
+}
+
 // Ring attention over cp ranks: rank r holds rows chunks r and 2 cp - 1 - r of the sequence; at step t it attends
 // to the keys of rank (r - t) mod cp, merges the block into its (out, lse), and in backward runs each block with the
 // final out and lse, adding dq and sending the block's dk, dv home. Gathered over ranks this is the one-process
-// attention (forward, lse, dq, dk, dv), with and without dropout and documents.
+// attention (forward, lse, dq, dk, dv), with and without dropout and documents, with value heads dv wide (0: d).
 template <typename T>
 void expect_ring_split_equals_whole(const bool fast, const int64_t cp, const bool documents, const DropoutSpec& drop,
-                                    const double tol) {
+                                    const double tol, const int64_t dv = 0) {
   const int64_t chunk = 23, L = 2 * cp * chunk;
-  const Shape whole_shape{L, 2, 4, 2, 8};
+  const Shape whole_shape{L, 2, 4, 2, 8, dv};
   const Shape& sh = whole_shape;
   BlockProblem<T> whole(whole_shape, L, 200 + static_cast<uint64_t>(cp));
   if (documents) whole.q_doc = whole.k_doc = random_documents(L, sh.B, 40, 9);
@@ -773,17 +814,18 @@ void expect_ring_split_equals_whole(const bool fast, const int64_t cp, const boo
   block_backward(fast, want_grads, whole, want, drop);
 
   const int64_t q_width = sh.B * sh.N * sh.d, kv_width = sh.B * sh.G * sh.d;
-  Forward<T> got{std::vector<T>(whole.q.size()), std::vector<T>(want.lse.size())};
+  const int64_t out_width = sh.B * sh.N * sh.value_dim(), v_width = sh.B * sh.G * sh.value_dim();
+  Forward<T> got{std::vector<T>(whole.dout.size()), std::vector<T>(want.lse.size())};
   Grads<T> got_grads{std::vector<T>(whole.q.size()), std::vector<T>(whole.k.size()), std::vector<T>(whole.v.size())};
   // A rank's block problem against rank s's keys.
   auto block = [&](const int64_t r, const int64_t s) {
-    BlockProblem<T> pb(Shape{2 * chunk, sh.B, sh.N, sh.G, sh.d}, 2 * chunk, 0);
+    BlockProblem<T> pb(Shape{2 * chunk, sh.B, sh.N, sh.G, sh.d, sh.dv}, 2 * chunk, 0);
     pb.q_index = cp_rows(cp, r, chunk);
     pb.k_index = cp_rows(cp, s, chunk);
     pb.q = take_rows(whole.q, pb.q_index, q_width);
-    pb.dout = take_rows(whole.dout, pb.q_index, q_width);
+    pb.dout = take_rows(whole.dout, pb.q_index, out_width);
     pb.k = take_rows(whole.k, pb.k_index, kv_width);
-    pb.v = take_rows(whole.v, pb.k_index, kv_width);
+    pb.v = take_rows(whole.v, pb.k_index, v_width);
     if (documents) {
       pb.q_doc = take_rows(whole.q_doc, pb.q_index, sh.B);
       pb.k_doc = take_rows(whole.k_doc, pb.k_index, sh.B);
@@ -805,9 +847,9 @@ void expect_ring_split_equals_whole(const bool fast, const int64_t cp, const boo
                                                                  part.lse.data(), dims);
     }
     const std::vector<int64_t> rows = cp_rows(cp, r, chunk);
-    EXPECT_LT(normwise_rel_error(acc.out, take_rows(want.out, rows, q_width)), tol) << "rank " << r;
+    EXPECT_LT(normwise_rel_error(acc.out, take_rows(want.out, rows, out_width)), tol) << "rank " << r;
     EXPECT_TRUE(lse_agree(acc.lse, take_columns(want.lse, rows, L), tol)) << "rank " << r;
-    add_rows(got.out, acc.out, rows, q_width);
+    add_rows(got.out, acc.out, rows, out_width);
     // Backward in the reverse ring order, every block with the final out and lse.
     std::vector<T> dq(rows.size() * q_width);
     for (int64_t t = cp - 1; t >= 0; --t) {
@@ -817,7 +859,7 @@ void expect_ring_split_equals_whole(const bool fast, const int64_t cp, const boo
       block_backward(fast, g, pb, acc, drop);
       dq = std::move(g.dq);
       add_rows(got_grads.dk, g.dk, pb.k_index, kv_width);
-      add_rows(got_grads.dv, g.dv, pb.k_index, kv_width);
+      add_rows(got_grads.dv, g.dv, pb.k_index, v_width);
     }
     add_rows(got_grads.dq, dq, rows, q_width);
   }
@@ -846,13 +888,30 @@ void expect_ring_splits(const double tol) {
 TEST(BlockAttentionTest, RingSplitEqualsWholeFloat) { expect_ring_splits<float>(1e-5); }
 TEST(BlockAttentionTest, RingSplitEqualsWholeDouble) { expect_ring_splits<double>(1e-12); }
 
-// attention_merge on its own: -inf on either side, both, neither; fast vs reference vs the formula.
-TEST(BlockAttentionTest, MergeHandlesRowsWithoutKeys) {
-  const AttentionDims dims = make_dims(Shape{3, 2, 2, 2, 5});
+// The ring with value heads narrower (multi-latent attention) and wider than the query / key heads (d = 8): the
+// merge and the per-block backward with the final out and lse work on dv-wide rows.
+TEST(BlockAttentionTest, RingSplitEqualsWholeWithValueHeadSize) {
+  for (const int64_t dv : {5, 12}) {
+    for (const int64_t cp : {2, 3}) {
+      for (const bool fast : {true, false}) {
+        if (!fast && cp != 2) continue;  // the reference is slow: one case
+        SCOPED_TRACE(std::string(fast ? "cpu" : "ref") + " dv=" + std::to_string(dv) + " cp=" + std::to_string(cp));
+        expect_ring_split_equals_whole<float>(fast, cp, true, kDropout, 1e-5, dv);
+        expect_ring_split_equals_whole<double>(fast, cp, true, kDropout, 1e-12, dv);
+      }
+    }
+  }
+}
+
+void expect_merge_handles_rows_without_keys(const Shape& shape) {
+  SCOPED_TRACE(describe(shape));
+  const AttentionDims dims = make_dims(shape);
+  const int64_t width = shape.value_dim();
   const double inf = std::numeric_limits<double>::infinity();
   const std::vector<double> lse_a = {0.5, -inf, 2.0, -inf, 1.0, 30.0, -2.0, -inf, 0.0, 1.0, 2.0, 3.0};
   const std::vector<double> lse_b = {-inf, 1.5, 2.5, -inf, 1.0, -30.0, 0.0, 0.7, -inf, 3.0, 2.0, 1.0};
-  const std::vector<double> out_a = random_vector<double>(3 * 2 * 2 * 5, 210), out_b = random_vector<double>(60, 211);
+  const std::vector<double> out_a = random_vector<double>(3 * 2 * 2 * width, 210),
+                            out_b = random_vector<double>(3 * 2 * 2 * width, 211);
   for (const bool fast : {true, false}) {
     std::vector<double> out = out_a, lse = lse_a;
     (fast ? cpu::attention_merge<double> : ref::attention_merge<double>)(out.data(), lse.data(), out_b.data(),
@@ -866,8 +925,8 @@ TEST(BlockAttentionTest, MergeHandlesRowsWithoutKeys) {
         if (!std::isinf(want_lse)) {
           EXPECT_NEAR(lse[at], want_lse, 1e-12) << at;
         }
-        for (int64_t c = 0; c < 5; ++c) {
-          const size_t o = static_cast<size_t>((i * 4 + bh) * 5 + c);
+        for (int64_t c = 0; c < width; ++c) {
+          const size_t o = static_cast<size_t>((i * 4 + bh) * width + c);
           double want = out_a[o];  // both -inf: untouched
           if (!std::isinf(want_lse)) {
             want = (a == -inf ? 0.0 : std::exp(a - want_lse) * out_a[o]) +
@@ -877,6 +936,14 @@ TEST(BlockAttentionTest, MergeHandlesRowsWithoutKeys) {
         }
       }
     }
+  }
+}
+
+// attention_merge on its own: -inf on either side, both, neither; fast vs reference vs the formula.
+// Rows are dv wide: v_head_dim 0 (head_dim 5), 3 and 7.
+TEST(BlockAttentionTest, MergeHandlesRowsWithoutKeys) {
+  for (const int64_t dv : {0, 3, 7}) {
+    expect_merge_handles_rows_without_keys(Shape{3, 2, 2, 2, 5, dv});
   }
 }
 
@@ -903,6 +970,15 @@ TEST(BlockAttentionTest, RejectsBadArguments) {
   forward(past_dropout_len, kDropout);
   BlockProblem<float> keys_past_len = pb;  // 5 key rows, identity indices, L = 4
   forward(keys_past_len, kDropout);
+  BlockProblem<float> negative_value_dim = pb;
+  negative_value_dim.shape.dv = -1;
+  forward(negative_value_dim, kNoDropout);
+  AttentionDims merge_dims = negative_value_dim.dims();
+  for (const bool fast : {true, false}) {
+    EXPECT_THROW((fast ? cpu::attention_merge<float> : ref::attention_merge<float>)(out.data(), lse.data(), out.data(),
+                                                                                    lse.data(), merge_dims),
+                 std::invalid_argument);
+  }
 }
 
 TEST(AttentionTest, RejectsBadArguments) {

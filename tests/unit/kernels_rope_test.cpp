@@ -2,6 +2,7 @@
 // (packed documents, context-parallel chunks), fast vs reference, and backward vs central finite differences.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -307,6 +308,90 @@ TEST(RopeTest, RejectsBadRotDim) {
   EXPECT_THROW(cpu::rope_forward<float>(buf.data(), buf.data(), 1, 1, 1, 8, 10, 10000.0), std::invalid_argument);
   EXPECT_THROW(cpu::rope_backward<float>(buf.data(), buf.data(), 1, 1, 1, 8, -2, 10000.0), std::invalid_argument);
   EXPECT_THROW(ref::rope_forward<float>(buf.data(), buf.data(), 1, 1, 1, 8, 7, 10000.0), std::invalid_argument);
+}
+
+// Multi-latent attention's layout (Megatron's rope_utils.py, mla_rotary_interleaved): channel pairs (2i, 2i+1) are
+// rotated and written to (i, i + rot/2); cos and sin carry the attention factor.
+TEST(RopeTest, MlaInterleavedLayoutByHand) {
+  const std::vector<float> inv_freq = {0.5f, 0.125f};
+  const float factor = 1.5f;
+  const RopeSpec spec{5, inv_freq, factor, true};
+  const std::vector<double> x = {0.3, -0.7, 1.1, 0.4, 2.0};  // [a, b, c, d | pass]
+  const std::vector<int64_t> positions = {3};
+  for (const bool fast : {true, false}) {
+    std::vector<double> y(5);
+    if (fast) {
+      cpu::rope_forward<double>(y.data(), x.data(), 1, 1, 1, spec, positions.data());
+    } else {
+      ref::rope_forward<double>(y.data(), x.data(), 1, 1, 1, spec, positions.data());
+    }
+    const double c0 = std::cos(3.0f * 0.5f) * factor, s0 = std::sin(3.0f * 0.5f) * factor;
+    const double c1 = std::cos(3.0f * 0.125f) * factor, s1 = std::sin(3.0f * 0.125f) * factor;
+    EXPECT_NEAR(y[0], 0.3 * c0 - (-0.7) * s0, 1e-6);
+    EXPECT_NEAR(y[1], 1.1 * c1 - 0.4 * s1, 1e-6);
+    EXPECT_NEAR(y[2], -0.7 * c0 + 0.3 * s0, 1e-6);
+    EXPECT_NEAR(y[3], 0.4 * c1 + 1.1 * s1, 1e-6);
+    EXPECT_EQ(y[4], 2.0);
+  }
+}
+
+// The interleaved backward against central finite differences, fast and reference.
+TEST(RopeTest, MlaInterleavedBackwardMatchesFiniteDifferences) {
+  const int64_t S = 3, B = 2, N = 2, d = 6;
+  YarnParams yarn;
+  yarn.scaling_factor = 8.0;
+  yarn.original_max_position_embeddings = 8;
+  const RopeSpec spec{d, yarn_inv_freq(4, 10000.0, yarn), 0.9f, true};
+  const std::vector<int64_t> positions = {0, 5, 1, 6, 2, 7};
+  const std::vector<double> x = random_vector<double>(S * B * N * d, 11);
+  const std::vector<double> w = random_vector<double>(S * B * N * d, 12);  // loss = sum(w * y)
+  for (const bool fast : {true, false}) {
+    const auto forward = [&](const std::vector<double>& in) {
+      std::vector<double> y(in.size());
+      if (fast) {
+        cpu::rope_forward<double>(y.data(), in.data(), S, B, N, spec, positions.data());
+      } else {
+        ref::rope_forward<double>(y.data(), in.data(), S, B, N, spec, positions.data());
+      }
+      double loss = 0;
+      for (size_t i = 0; i < y.size(); ++i) loss += w[i] * y[i];
+      return loss;
+    };
+    std::vector<double> dx(x.size(), 0.0);
+    if (fast) {
+      cpu::rope_backward<double>(dx.data(), w.data(), S, B, N, spec, positions.data());
+    } else {
+      ref::rope_backward<double>(dx.data(), w.data(), S, B, N, spec, positions.data());
+    }
+    EXPECT_LT(max_rel_error(dx, numeric_grad(forward, x)), 1e-6) << (fast ? "fast" : "reference");
+  }
+}
+
+// YaRN with DeepSeek-V3's settings (rope dim 64, base 10000, original length 4096, factor 40, beta 32 / 1): the ramp
+// spans dimensions 10..23 (Megatron's _yarn_find_correction_range), below it the original frequencies, above it
+// the interpolated ones, and the concentration factor is 1 for mscale = mscale_all_dim.
+TEST(RopeTest, YarnFrequenciesOfDeepSeekV3) {
+  YarnParams yarn;
+  yarn.scaling_factor = 40.0;
+  const YarnRange range = yarn_correction_range(64, 10000.0, yarn);
+  EXPECT_EQ(range.low, 10.0);
+  EXPECT_EQ(range.high, 23.0);
+  const std::vector<float> inv_freq = yarn_inv_freq(64, 10000.0, yarn);
+  ASSERT_EQ(inv_freq.size(), 32u);
+  for (int i = 0; i < 32; ++i) {
+    const double extra = std::pow(10000.0, -2.0 * i / 64.0), inter = extra / 40.0;
+    const double ramp = std::clamp((i - 10.0) / 13.0, 0.0, 1.0);
+    EXPECT_NEAR(inv_freq[static_cast<size_t>(i)], inter * ramp + extra * (1 - ramp), 2e-7 * extra) << i;
+  }
+  EXPECT_DOUBLE_EQ(yarn_concentration_factor(40.0, 1.0, 1.0), 1.0);
+  EXPECT_NEAR(yarn_concentration_factor(40.0, 1.0, 0.0), 0.1 * std::log(40.0) + 1.0, 1e-12);
+  EXPECT_DOUBLE_EQ(yarn_get_mscale(1.0, 1.0), 1.0);
+  // Unrounded range and equal ends (the +0.001 guard keeps the ramp finite).
+  yarn.round_to_int = false;
+  const YarnRange exact = yarn_correction_range(64, 10000.0, yarn);
+  EXPECT_NEAR(exact.low, 64 * std::log(4096 / (32 * 2 * M_PI)) / (2 * std::log(10000.0)), 1e-12);
+  yarn.beta_fast = yarn.beta_slow = 1.0;
+  for (const float f : yarn_inv_freq(64, 10000.0, yarn)) EXPECT_TRUE(std::isfinite(f));
 }
 
 }  // namespace

@@ -104,5 +104,32 @@ TEST(ModelQuantizedLayers, FirstAndLastLayersStayHighPrecision) {
   EXPECT_EQ(stage_results(quantized(true, 0, 0)), all);
 }
 
+// Multi-latent attention's five projections are linear layers of the quantized layer: each weight carries the
+// recipe's weight quantization (and, under delayed scaling, its own scaling state), and the layer's numbers change.
+TEST(ModelQuantizedLayers, MultiLatentAttentionProjectionsQuantize) {
+  ModelConfig plain = three_layer_moe();
+  plain.mla = MlaConfig{16, 16, 8, 16, 16, RopeType::kYarn};  // every width a multiple of nvfp4's 16
+  plain.qk_layernorm = true;
+  for (const quant::Recipe recipe : {quant::Recipe::kDelayed, quant::Recipe::kNvfp4}) {
+    ModelConfig c = plain;
+    quant::QuantizedLinearConfig q;
+    q.recipe = recipe;
+    q.format = quant::Fp8Format::kE4M3;
+    c.quantization = q;
+    const GPTModel model(c, kSeed);
+    int projections = 0;
+    for (const Param& p : model.params()) {
+      if (p.name.find("self_attention.linear_") == std::string::npos) continue;
+      ++projections;
+      EXPECT_TRUE(p.weight_quantization.has_value()) << p.name;
+      EXPECT_EQ(p.delayed_scaling != nullptr, recipe == quant::Recipe::kDelayed) << p.name;
+    }
+    EXPECT_EQ(projections, 3 * 5);  // q_down, q_up, kv_down, kv_up, proj in each layer
+    const auto quantized_results = stage_results(c);
+    const auto plain_results = stage_results(plain);
+    for (size_t layer = 0; layer < 3; ++layer) EXPECT_NE(quantized_results[layer], plain_results[layer]) << layer;
+  }
+}
+
 }  // namespace
 }  // namespace moecore

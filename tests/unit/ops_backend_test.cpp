@@ -29,7 +29,8 @@
 //                 vocab_ce_local_max vocab_ce_local_stats vocab_ce_finish vocab_ce_backward
 //   norm.h        rmsnorm_forward rmsnorm_backward layernorm_forward layernorm_backward
 //   optim.h       adamw_step
-//   rows.h        split_qkv merge_qkv add_bias_rows bias_grad_rows scale_rows scale_rows_backward add_outer
+//   rows.h        split_qkv merge_qkv copy_columns add_bias_rows bias_grad_rows scale_rows scale_rows_backward
+//   add_outer
 //                 add_outer_backward row_dot sigmoid_forward sigmoid_backward gather_rows scatter_add_rows
 //                 add_position_embedding
 //                 position_embedding_backward
@@ -103,6 +104,7 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "adamw_step",
                                                 "split_qkv",
                                                 "merge_qkv",
+                                                "copy_columns",
                                                 "add_bias_rows",
                                                 "bias_grad_rows",
                                                 "scale_rows",
@@ -700,6 +702,28 @@ TEST(OpsBadArgs, OtherArgumentErrors) {
   Tensor aq({2, 1, 1, 8}, DType::kF32), alse({1, 1, 2}, DType::kF32);
   expect_invalid("attention_forward",
                  [&] { attention_forward(aq, alse, aq, aq, aq, keys_documents_only, DropoutSpec{}); });
+  // Value heads of v_head_dim = 5: v and out of the query / key width are refused, naming the tensor and dv; a
+  // negative v_head_dim is refused.
+  const AttentionDims narrow_values = test::attention_dims(2, 1, 1, 1, 5);
+  Tensor av({2, 1, 1, 5}, DType::kF32);
+  for (const Backend backend : kBackends) {
+    const ScopedBackend scope(backend);
+    for (const bool wide_v : {true, false}) {
+      try {
+        attention_forward(wide_v ? av : aq, alse, aq, aq, wide_v ? aq : av, narrow_values, DropoutSpec{});
+        ADD_FAILURE() << "attention_forward accepted " << (wide_v ? "v" : "out") << " 8 wide with v_head_dim 5";
+      } catch (const std::invalid_argument& error) {
+        const std::string message = error.what();
+        EXPECT_EQ(message.rfind(std::string("attention_forward: ") + (wide_v ? "v_SBGd" : "out_SBNd"), 0), 0u)
+            << message;
+        EXPECT_NE(message.find("dv=5"), std::string::npos) << message;
+      }
+    }
+  }
+  AttentionDims negative_value_dim = test::attention_dims(2, 1, 1, 1, -1);
+  expect_invalid("attention_forward",
+                 [&] { attention_forward(aq, alse, aq, aq, aq, negative_value_dim, DropoutSpec{}); });
+  expect_invalid("attention_merge", [&] { attention_merge(aq, alse, aq, alse, negative_value_dim); });
 
   Tensor tokens({6, 3}, DType::kF32), pos({2, 3}, DType::kF32);
   expect_invalid("add_position_embedding", [&] { add_position_embedding(tokens, pos, 2, 1); });

@@ -321,6 +321,36 @@ inline OpCase rope_positions_case(const std::string& name, const RopeShape& r, c
   return c;
 }
 
+// Any rotary embedding (kernels/cpu/rope.h): YaRN frequencies, a cos / sin factor, multi-latent attention's
+// de-interleaved layout, over per-row positions.
+inline OpCase rope_spec_case(const std::string& name, const int64_t S, const int64_t B, const int64_t N,
+                             const kernels::RopeSpec& spec, const std::vector<int64_t>& positions) {
+  const int64_t d = spec.head_dim;
+  OpCase c{name, {"rope_forward", "rope_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("inp", {S, B, N, d});
+    e.rand("out", {S, B, N, d});
+  };
+  c.forward = [=](Env& e) { rope_forward(e("out"), e("inp"), S, B, spec, positions); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) { rope_backward(e("dinp"), e("dout"), S, B, spec, positions); };
+  c.grads = {{"inp", "dinp", kAcc}};
+  c.bad_args = {{kFwd, "inp", "rope_forward"}, {kFwd, "out", "rope_forward"}, {kBwd, "dinp", "rope_backward"}};
+  return c;
+}
+
+// A multi-latent attention rope spec: YaRN frequencies over rot_dim channels (scaling factor 40 over an original
+// length of 16 positions, so the ramp lies inside the channels), concentration 1.2, the de-interleaved layout.
+inline kernels::RopeSpec mla_yarn_spec(const int64_t head_dim, const int64_t rot_dim, const bool interleaved) {
+  kernels::YarnParams yarn;
+  yarn.scaling_factor = 40.0;
+  yarn.original_max_position_embeddings = 16;
+  yarn.beta_fast = 4.0;
+  yarn.beta_slow = 0.5;
+  return kernels::RopeSpec{head_dim, kernels::yarn_inv_freq(rot_dim, 10000.0, yarn), 1.2f, interleaved};
+}
+
 // Positions of S rows of B batch rows restarting at 0 every `period` rows, shifted by b in batch row b.
 inline std::vector<int64_t> document_positions(const int64_t S, const int64_t B, const int64_t period) {
   std::vector<int64_t> positions(static_cast<size_t>(S * B));
@@ -380,18 +410,20 @@ inline std::vector<int32_t> documents_SB(const std::vector<int64_t>& rows, const
   return doc;
 }
 
+inline int64_t value_dim(const AttentionDims& dims) { return dims.v_head_dim > 0 ? dims.v_head_dim : dims.head_dim; }
+
 // GQA with N = 4 query heads over G = 2 groups (or a tensor-parallel shard of them); with arrays, a block of the
-// sequence (indices, documents, Sk key rows).
+// sequence (indices, documents, Sk key rows). Value heads are dims.v_head_dim wide (0: head_dim).
 inline OpCase attention_case(const std::string& name, const AttentionDims& base_dims, const DropoutSpec& dropout,
                              const BlockArraysPtr& arrays = nullptr) {
   const int64_t S = base_dims.S, B = base_dims.B, N = base_dims.N, G = base_dims.G, d = base_dims.head_dim;
-  const int64_t Sk = arrays && arrays->Sk > 0 ? arrays->Sk : S;
+  const int64_t Sk = arrays && arrays->Sk > 0 ? arrays->Sk : S, dv = value_dim(base_dims);
   OpCase c{name, {"attention_forward", "attention_backward"}};
   c.build = [=](Env& e) {
     e.rand("q", {S, B, N, d}, 1.5);
     e.rand("k", {Sk, B, G, d}, 1.5);
-    e.rand("v", {Sk, B, G, d});
-    e.rand("out", {S, B, N, d});
+    e.rand("v", {Sk, B, G, dv});
+    e.rand("out", {S, B, N, dv});
     e.rand("lse", {B, N, S});
   };
   c.forward = [=](Env& e) {
@@ -418,6 +450,14 @@ inline AttentionDims attention_dims(const int64_t S, const int64_t B, const int6
   dims.G = G;
   dims.head_dim = 8;
   dims.scale = 1.0 / std::sqrt(8.0);
+  return dims;
+}
+
+// The same with value heads dv wide (multi-latent attention).
+inline AttentionDims attention_dims(const int64_t S, const int64_t B, const int64_t N, const int64_t G,
+                                    const int64_t dv) {
+  AttentionDims dims = attention_dims(S, B, N, G);
+  dims.v_head_dim = dv;
   return dims;
 }
 
@@ -449,7 +489,7 @@ inline BlockArraysPtr packed_documents(const int64_t S, const int64_t B, const s
 // attention_merge alone: (out0, lse0) merged with (pout, plse) into (out, lse); some rows of either side (and of
 // both) saw no key (lse -inf).
 inline OpCase attention_merge_case(const std::string& name, const AttentionDims& dims) {
-  const int64_t S = dims.S, B = dims.B, N = dims.N, d = dims.head_dim;
+  const int64_t S = dims.S, B = dims.B, N = dims.N, d = value_dim(dims);
   OpCase c{name, {"attention_merge"}};
   c.build = [=](Env& e) {
     e.rand("out0", {S, B, N, d});
@@ -480,17 +520,18 @@ inline OpCase attention_merge_case(const std::string& name, const AttentionDims&
 // this is the gradient of the merged attention.
 inline OpCase attention_ring_case(const std::string& name, const AttentionDims& base_dims, const DropoutSpec& dropout,
                                   const BlockArraysPtr& a, const BlockArraysPtr& b) {
-  const int64_t S = base_dims.S, B = base_dims.B, N = base_dims.N, G = base_dims.G, d = base_dims.head_dim;
+  const int64_t S = base_dims.S, B = base_dims.B, N = base_dims.N, G = base_dims.G, d = base_dims.head_dim,
+                dv = value_dim(base_dims);
   OpCase c{name, {"attention_forward", "attention_merge", "attention_backward"}};
   c.build = [=](Env& e) {
     e.rand("q", {S, B, N, d}, 1.5);
     e.rand("ka", {a->Sk, B, G, d}, 1.5);
-    e.rand("va", {a->Sk, B, G, d});
+    e.rand("va", {a->Sk, B, G, dv});
     e.rand("kb", {b->Sk, B, G, d}, 1.5);
-    e.rand("vb", {b->Sk, B, G, d});
-    e.rand("out", {S, B, N, d});
+    e.rand("vb", {b->Sk, B, G, dv});
+    e.rand("out", {S, B, N, dv});
     e.rand("lse", {B, N, S});
-    e.rand("pout", {S, B, N, d});
+    e.rand("pout", {S, B, N, dv});
     e.rand("plse", {B, N, S});
   };
   c.forward = [=](Env& e) {
@@ -783,6 +824,23 @@ inline OpCase split_qkv_case(const std::string& name, const QkvShape& s) {
   return c;
 }
 
+// copy_columns as the split of [R, a + b] rows into the b-wide block at column a (forward) and its gradient added
+// back (backward: the same op with accumulate).
+inline OpCase copy_columns_case(const std::string& name, const int64_t R, const int64_t a, const int64_t b) {
+  OpCase c{name, {"copy_columns"}};
+  c.build = [=](Env& e) {
+    e.rand("x", {R, a + b});
+    e.rand("y", {R, b});
+  };
+  c.forward = [=](Env& e) { copy_columns(e("y"), b, 0, e("x"), a + b, a, b); };
+  c.outputs = {"y"};
+  c.loss = {"y"};
+  c.backward = [=](Env& e) { copy_columns(e("dx"), a + b, a, e("dy"), b, 0, b, true); };
+  c.grads = {{"x", "dx", kAcc}};
+  c.bad_args = {{kFwd, "x", "copy_columns"}, {kFwd, "y", "copy_columns"}, {kBwd, "dx", "copy_columns"}};
+  return c;
+}
+
 inline OpCase merge_qkv_case(const std::string& name, const QkvShape& s) {
   OpCase c{name, {"merge_qkv", "split_qkv"}};
   c.build = [=](Env& e) { build_qkv(e, s); };
@@ -1017,8 +1075,19 @@ inline const std::vector<OpCase>& all_cases() {
         attention_merge_case("attention_merge", attention_dims(5, 2, 3, 3)),
         attention_ring_case("attention_ring_two_blocks", attention_dims(6, 2, 4, 2), attn_dropout,
                             cp_block(2, 0, 0, 3, 2, {5}), cp_block(2, 0, 1, 3, 2, {5})),
+        // Value heads narrower (5) and wider (11) than the 8-wide query / key heads (multi-latent attention).
+        attention_case("attention_value_heads", attention_dims(6, 2, 4, 2, 5), no_dropout),
+        attention_case("attention_wide_value_heads_dropout", attention_dims(7, 2, 4, 1, 11), attn_dropout),
+        attention_case("attention_value_heads_cp_block_documents", attention_dims(6, 2, 4, 2, 3), attn_dropout,
+                       cp_block(2, 0, 1, 3, 2, {4, 10})),
+        attention_merge_case("attention_merge_value_heads", attention_dims(5, 2, 3, 3, 4)),
+        attention_ring_case("attention_ring_value_heads", attention_dims(6, 2, 4, 2, 5), attn_dropout,
+                            cp_block(2, 0, 0, 3, 2, {5}), cp_block(2, 0, 1, 3, 2, {5})),
         rope_positions_case("rope_document_positions", {6, 2, 3, 8, 6, 10000.0, 0}, document_positions(6, 2, 4)),
         rope_positions_case("rope_cp_positions", {6, 2, 3, 8, 8, 10000.0, 0}, repeat_per_batch(cp_rows(3, 1, 3), 2)),
+        rope_spec_case("rope_mla_yarn", 6, 2, 3, mla_yarn_spec(8, 8, true), document_positions(6, 2, 6)),
+        rope_spec_case("rope_mla_partial", 5, 2, 2, mla_yarn_spec(10, 6, true), document_positions(5, 2, 3)),
+        rope_spec_case("rope_yarn_halves", 6, 1, 3, mla_yarn_spec(8, 8, false), document_positions(6, 1, 6)),
         activation_case("gelu", Activation::kGelu, 7, 5),
         activation_case("swiglu", Activation::kSwiGLU, 7, 5),
         activation_case("squared_relu", Activation::kSquaredReLU, 7, 5),
@@ -1035,6 +1104,7 @@ inline const std::vector<OpCase>& all_cases() {
         adamw_case("adamw_step", {4, 7}),
         split_qkv_case("split_qkv", {5, 4, 2, 3}),
         merge_qkv_case("merge_qkv", {5, 4, 2, 3}),
+        copy_columns_case("copy_columns", 7, 5, 3),
         add_bias_rows_case("add_bias_rows", 6, 7),
         scale_rows_case("scale_rows", 8, 5),
         add_outer_case("add_outer", 8, 5),
@@ -1055,7 +1125,10 @@ inline const std::vector<OpCase>& all_cases() {
         attention_ring_case("attention_large_ring", attention_dims(70, 2, 4, 2), attn_dropout,
                             cp_block(2, 1, 1, 35, 2, {60}), cp_block(2, 1, 0, 35, 2, {60})),
         attention_merge_case("attention_merge_large", attention_dims(70, 2, 4, 64)),
+        attention_case("attention_large_value_heads_dropout", attention_dims(70, 2, 4, 2, 4), attn_dropout,
+                       cp_block(2, 1, 0, 35, 2, {30})),
         rope_positions_case("rope_large_positions", {40, 2, 4, 64, 32, 10000.0, 0}, document_positions(40, 2, 13)),
+        rope_spec_case("rope_mla_large", 40, 2, 4, mla_yarn_spec(64, 64, true), document_positions(40, 2, 40)),
         activation_case("gelu_large", Activation::kGelu, 33, 1025),
         activation_case("swiglu_large", Activation::kSwiGLU, 33, 1025),
         activation_case("squared_relu_large", Activation::kSquaredReLU, 33, 1025),

@@ -728,9 +728,74 @@ TEST(TrainArguments, ModelValidation) {
             "--max-position-embeddings (16) must be at least --seq-length (32)");
   EXPECT_TRUE(mentions(error_of(with(minimal(), {"--hidden-dropout", "1.5"})), "--hidden-dropout"));
   EXPECT_EQ(error_of(with(minimal(), {"--rotary-base", "500000"})),
-            "--rotary-base only applies with --position-embedding-type rope");
+            "--rotary-base only applies with --position-embedding-type rope or yarn, or --multi-latent-attention");
   EXPECT_EQ(error_of(with(minimal(), {"--position-embedding-type", "mrope"})),
-            "--position-embedding-type mrope is not implemented yet (moecore implements learned_absolute, rope, none)");
+            "--position-embedding-type mrope is not implemented yet (moecore implements learned_absolute, rope, yarn, "
+            "none)");
+}
+
+// Multi-latent attention and YaRN: Megatron's flags and defaults (MLATransformerConfig with the CLI's defaults:
+// no q latent, kv_lora_rank 32, 128 / 64 / 128 heads, rope type yarn), its errors, and moecore's refusal of flags
+// that would be accepted and not used.
+TEST(TrainArguments, MultiLatentAttentionAndYarn) {
+  const TrainingArgs mla = parse_train_args(with(minimal(), {"--multi-latent-attention"}));
+  ASSERT_TRUE(mla.model.mla.has_value());
+  EXPECT_EQ(mla.model.mla->q_lora_rank, 0);
+  EXPECT_EQ(mla.model.mla->kv_lora_rank, 32);
+  EXPECT_EQ(mla.model.mla->qk_head_dim, 128);
+  EXPECT_EQ(mla.model.mla->qk_pos_emb_head_dim, 64);
+  EXPECT_EQ(mla.model.mla->v_head_dim, 128);
+  EXPECT_EQ(mla.model.mla->rope_type, RopeType::kYarn);
+  EXPECT_EQ(mla.model.yarn.rotary_scaling_factor, 1.0);
+  EXPECT_EQ(mla.model.yarn.mscale_all_dim, 0.0);
+  EXPECT_EQ(mla.model.yarn.original_max_position_embeddings, 4096);
+  const TrainingArgs dsv3 = parse_train_args(
+      with(minimal(), {"--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+                       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "12", "--rope-type", "rope",
+                       "--rotary-scaling-factor", "40", "--mscale", "1.0", "--mscale-all-dim", "1.0"}));
+  EXPECT_EQ(dsv3.model.mla->q_lora_rank, 24);
+  EXPECT_EQ(dsv3.model.mla->v_head_dim, 12);
+  EXPECT_EQ(dsv3.model.mla->rope_type, RopeType::kRope);
+  EXPECT_EQ(dsv3.model.yarn.rotary_scaling_factor, 40.0);
+  EXPECT_EQ(dsv3.model.yarn.mscale_all_dim, 1.0);
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--position-embedding-type", "yarn", "--yarn-beta-fast", "16"}))
+                .model.yarn.beta_fast,
+            16.0);
+
+  EXPECT_EQ(error_of(with(minimal(), {"--multi-latent-attention", "--rotary-interleaved"})),
+            "rotary_interleaved does not work with multi_latent_attention.");
+  EXPECT_EQ(error_of(with(minimal(), {"--rotary-interleaved"})), "--rotary-interleaved is not implemented yet");
+  EXPECT_EQ(error_of(with(minimal(), {"--q-lora-rank", "8"})), "--q-lora-rank requires --multi-latent-attention");
+  EXPECT_EQ(error_of(with(minimal(), {"--multi-latent-attention", "--group-query-attention"})),
+            "--multi-latent-attention cannot be combined with --group-query-attention");
+  EXPECT_TRUE(mentions(error_of(with(minimal(), {"--multi-latent-attention", "--kv-channels", "16"})),
+                       "--kv-channels is not used by --multi-latent-attention"));
+  EXPECT_EQ(error_of(with(minimal(), {"--multi-latent-attention", "--qk-pos-emb-head-dim", "5"})),
+            "--qk-pos-emb-head-dim must be positive and even (got 5)");
+  EXPECT_EQ(error_of(with(minimal(), {"--mscale", "1.0"})),
+            "--mscale only applies with --position-embedding-type yarn or --multi-latent-attention");
+  EXPECT_TRUE(
+      mentions(error_of(with(minimal(), {"--multi-latent-attention", "--no-yarn-correction-range-round-to-int"})),
+               "Megatron's MLA always rounds"));
+  EXPECT_EQ(error_of(with(minimal(), {"--yarn-beta-fast", "16"})),
+            "--yarn-beta-fast only applies with --position-embedding-type yarn or --multi-latent-attention's "
+            "--rope-type yarn");
+  EXPECT_EQ(error_of(with(minimal(), {"--multi-latent-attention", "--rope-type", "rope", "--yarn-beta-slow", "2"})),
+            "--yarn-beta-slow only applies with --position-embedding-type yarn or --multi-latent-attention's "
+            "--rope-type yarn");
+  EXPECT_EQ(error_of(with(minimal(), {"--position-embedding-type", "yarn", "--rotary-percent", "0.5"})),
+            "--rotary-percent only applies with --position-embedding-type rope or --multi-latent-attention's "
+            "--rope-type rope");
+  // Heads over TP (TransformerConfig.__post_init__'s text) and over CP for a2a, with multi-latent attention.
+  EXPECT_EQ(error_of(with(minimal(), {"--multi-latent-attention", "--tensor-model-parallel-size", "3"}), 3),
+            "num_attention_heads (4) must be a multiple of tensor_model_parallel_size (3).");
+  EXPECT_TRUE(
+      mentions(error_of(with(minimal(), {"--multi-latent-attention", "--context-parallel-size", "8", "--cp-comm-type",
+                                         "a2a", "--seq-length", "64", "--max-position-embeddings", "64"}),
+                        8),
+               "--cp-comm-type a2a needs --num-attention-heads (4)"));
+  EXPECT_EQ(error_of(with(minimal(), {"--rotary-scaling-factor", "4"})),
+            "--rotary-scaling-factor only applies with --position-embedding-type yarn or --multi-latent-attention");
 }
 
 TEST(TrainArguments, MaxPositionEmbeddings) {

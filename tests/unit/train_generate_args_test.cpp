@@ -58,6 +58,12 @@ TEST(GenerateArgs, NewTokensAndNullTokenizer) {
   EXPECT_EQ(build_tokenizer(generate_tokenizer_options(args))->vocab_size(), 101);
 }
 
+TEST(GenerateArgs, NoKvCacheSwitch) {
+  EXPECT_TRUE(parse_generate_args({"--load", "dir", "--prompt", "hi"}).kv_cache);
+  EXPECT_FALSE(parse_generate_args({"--load", "dir", "--no-kv-cache", "--prompt", "hi"}).kv_cache);
+  EXPECT_EQ(error_of({"--no-kv-cache=1"}), "--no-kv-cache takes no value");
+}
+
 std::string file_error(const std::vector<std::string>& args) {
   try {
     parse_generate_args(args);

@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <type_traits>
 
+#include "moecore/ckpt/hf_deepseek_v3.h"
 #include "moecore/ckpt/hf_layout.h"
 #include "moecore/ckpt/hf_moe_config.h"
 #include "moecore/ckpt/hf_state_source.h"
@@ -60,6 +61,7 @@ bool is_moe_type(const std::string& model_type) {
 }
 
 std::string architecture_of(const std::string& model_type) {
+  if (model_type == "deepseek_v3") return "DeepseekV3ForCausalLM";
   if (model_type == "llama") return "LlamaForCausalLM";
   if (model_type == "qwen3") return "Qwen3ForCausalLM";
   if (model_type == "mixtral") return "MixtralForCausalLM";
@@ -137,6 +139,7 @@ json hf_config_json(const ModelConfig& c, const std::string& model_type, const H
     j["norm_topk_prob"] = !m.pre_softmax;  // post-softmax == softmax over all, top-k, renormalised
   }
   if (model_type == "moecore_moe") j["qk_layernorm"] = c.qk_layernorm;
+  if (model_type == "deepseek_v3") add_deepseek_v3_fields(j, c);
   if (is_moe_type(model_type)) {
     j["num_experts_per_tok"] = m.topk;
     j["router_aux_loss_coef"] = router_aux_loss_coef(m);
@@ -277,19 +280,22 @@ ModelConfig read_typed_config(const std::string& dir, const HfImportOptions& opt
   const json j = read_json_file(file.string());
   if (!j.is_object()) config_fail(file, "not a JSON object");
   model_type = field_or<std::string>(j, file, "model_type", "");
-  if (model_type != "llama" && model_type != "qwen3" && !is_moe_type(model_type)) {
-    config_fail(file, "HF import supports model_type llama, qwen3, mixtral, qwen3_moe or moecore_moe, not '" +
-                          model_type + "'");
+  const bool deepseek = model_type == "deepseek_v3";
+  if (model_type != "llama" && model_type != "qwen3" && !is_moe_type(model_type) && !deepseek) {
+    config_fail(file,
+                "HF import supports model_type llama, qwen3, mixtral, qwen3_moe, moecore_moe or deepseek_v3, "
+                "not '" +
+                    model_type + "'");
   }
   const std::string act = field_or<std::string>(j, file, "hidden_act", "silu");
   if (act != "silu") config_fail(file, "hidden_act '" + act + "' is not supported (SwiGLU needs silu)");
-  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+  if (!deepseek && j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
     config_fail(file, "rope_scaling " + j["rope_scaling"].dump() + " is not supported");
   }
   double rope_theta = 10000.0;
   if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {  // newer transformers
     const json& rp = j["rope_parameters"];
-    if (rp.value("rope_type", std::string("default")) != "default") {
+    if (!deepseek && rp.value("rope_type", std::string("default")) != "default") {
       config_fail(file, "rope_parameters " + rp.dump() + " is not supported");
     }
     rope_theta = field_or<double>(rp, file, "rope_theta", rope_theta);
@@ -338,6 +344,7 @@ ModelConfig read_typed_config(const std::string& dir, const HfImportOptions& opt
   c.hidden_dropout = options.hidden_dropout;
   c.untie_embeddings_and_output_weights = !field_or<bool>(j, file, "tie_word_embeddings", false);
   if (is_moe_type(model_type)) read_moe_fields(j, file, model_type, c);
+  if (deepseek) read_deepseek_v3_fields(j, file.string(), c);
   try {
     c.validate();
     if (c.moe.enabled()) c.moe.validate(c.num_layers);
@@ -358,9 +365,17 @@ std::string hf_model_type(const ModelConfig& c, const std::string& requested) {
     throw ConfigError(prefix + "--position-embedding-type " + to_string(c.position_embedding_type));
   }
   if (c.rotary_percent != 1.0) throw ConfigError(prefix + "--rotary-percent " + std::to_string(c.rotary_percent));
+  if (c.mla || requested == "deepseek_v3") {
+    if (!requested.empty() && requested != "deepseek_v3") {
+      throw ConfigError("HF export as " + requested + ": this model has --multi-latent-attention (deepseek_v3)");
+    }
+    const std::string misfit = deepseek_v3_misfit(c);
+    if (!misfit.empty()) throw ConfigError("HF export as deepseek_v3 cannot represent " + misfit);
+    return "deepseek_v3";
+  }
   if (!requested.empty() && requested != "llama" && requested != "qwen3" && !is_moe_type(requested)) {
     throw ConfigError("HF export: unknown model_type '" + requested +
-                      "' (llama, qwen3, mixtral, qwen3_moe or moecore_moe)");
+                      "' (llama, qwen3, mixtral, qwen3_moe, moecore_moe or deepseek_v3)");
   }
   if (!c.moe.enabled()) {
     if (is_moe_type(requested)) throw ConfigError("HF export as " + requested + " needs a MoE model (--num-experts)");
@@ -437,11 +452,15 @@ void export_hf(const GPTModel& model, const HfExportInfo& info, const std::strin
     Tensor hf = gather_rows(map, value);
     tensors.emplace_back(map.hf_name, info.dtype == DType::kBF16 ? to_bf16(hf) : hf);
   }
-  // The routers' expert-bias buffers (aux-loss-free balancing) travel under DeepSeek-V3's name, in fp32.
+  // The routers' expert-bias buffers (aux-loss-free balancing) travel under DeepSeek-V3's name, in fp32; DeepSeek-V3's
+  // router always adds one, zeros standing for none.
   for (int64_t layer = 0; layer < c.num_layers; ++layer) {
     const Buffer* bias = c.moe.enable_expert_bias ? model.expert_bias(layer) : nullptr;
-    if (bias == nullptr) continue;
-    tensors.emplace_back(hf_expert_bias_name(layer), bias->value.clone());
+    if (bias != nullptr) {
+      tensors.emplace_back(hf_expert_bias_name(layer), bias->value.clone());
+    } else if (model_type == "deepseek_v3" && c.moe.is_moe_layer(layer)) {
+      tensors.emplace_back(hf_expert_bias_name(layer), Tensor({c.moe.num_experts}, DType::kF32));
+    }
   }
   for (const auto& [name, p] : params) {
     // The Multi-Token Prediction depths are training heads outside the HF architectures moecore writes (HF's

@@ -1,7 +1,12 @@
 // HuggingFace export/import of GPT models: config.json + model.safetensors (+ generation_config.json).
 // Dense models: LlamaForCausalLM ("llama") or, with --qk-layernorm, Qwen3ForCausalLM ("qwen3").
 // MoE models (--num-experts): MixtralForCausalLM ("mixtral"), Qwen3MoeForCausalLM ("qwen3_moe"), or moecore's own
-// "moecore_moe" for what HF's classes cannot compute (e.g. the DeepSeek-V3-like config without MLA).
+// "moecore_moe" for what HF's classes cannot compute (e.g. a DeepSeek-V3-like config without MLA). Models with
+// multi-latent attention: DeepseekV3ForCausalLM ("deepseek_v3", hf_deepseek_v3.h: the MLA tensors one to one as
+// P self_attn.{q_a_proj, q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}
+// <-> M self_attention.{linear_q_down_proj, q_layernorm, linear_q_up_proj (linear_q_proj), linear_kv_down_proj,
+// kv_layernorm, linear_kv_up_proj, linear_proj}, the MoE layers as qwen3_moe's names plus shared experts and
+// e_score_correction_bias).
 //
 // Name mapping (layer i; P = "model.layers.{i}.", M = "decoder.layers.{i}."):
 //   model.embed_tokens.weight              embedding.word_embeddings.weight

@@ -52,6 +52,41 @@ void push_moe_layer(std::vector<HfTensorMap>& layout, const ModelConfig& c, cons
   }
 }
 
+// Fused qkv rows split into HF's q / k / v projections (per query group), the output projection, q / k norms.
+void push_standard_attention(std::vector<HfTensorMap>& layout, const ModelConfig& c, const std::string& hf,
+                             const std::string& mc, const std::vector<std::string>& suffixes,
+                             const std::vector<HfRowRange>& q_rows, const std::vector<HfRowRange>& k_rows,
+                             const std::vector<HfRowRange>& v_rows) {
+  for (const std::string& s : suffixes) {
+    layout.push_back({hf + "q_proj." + s, mc + "linear_qkv." + s, q_rows});
+    layout.push_back({hf + "k_proj." + s, mc + "linear_qkv." + s, k_rows});
+    layout.push_back({hf + "v_proj." + s, mc + "linear_qkv." + s, v_rows});
+    layout.push_back({hf + "o_proj." + s, mc + "linear_proj." + s, {}});
+  }
+  if (c.qk_layernorm) {
+    layout.push_back({hf + "q_norm.weight", mc + "q_layernorm.weight", {}});
+    layout.push_back({hf + "k_norm.weight", mc + "k_layernorm.weight", {}});
+  }
+}
+
+// Multi-latent attention as DeepSeek-V3's HF files name it (Megatron-Bridge's deepseek common.py): one to one, the
+// rows in the same order (per head [nope | rope] and [k_nope | v]; [latent | k_rope] in kv_a_proj_with_mqa).
+void push_mla_attention(std::vector<HfTensorMap>& layout, const ModelConfig& c, const std::string& hf,
+                        const std::string& mc) {
+  if (c.mla->q_lora_rank > 0) {
+    layout.push_back({hf + "q_a_proj.weight", mc + "linear_q_down_proj.weight", {}});
+    if (c.qk_layernorm) layout.push_back({hf + "q_a_layernorm.weight", mc + "q_layernorm.weight", {}});
+    layout.push_back({hf + "q_b_proj.weight", mc + "linear_q_up_proj.weight", {}});
+  } else {
+    layout.push_back({hf + "q_proj.weight", mc + "linear_q_proj.weight", {}});
+  }
+  layout.push_back({hf + "kv_a_proj_with_mqa.weight", mc + "linear_kv_down_proj.weight", {}});
+  if (c.qk_layernorm) layout.push_back({hf + "kv_a_layernorm.weight", mc + "kv_layernorm.weight", {}});
+  layout.push_back({hf + "kv_b_proj.weight", mc + "linear_kv_up_proj.weight", {}});
+  layout.push_back({hf + "o_proj.weight", mc + "linear_proj.weight", {}});
+  if (c.add_bias_linear) layout.push_back({hf + "o_proj.bias", mc + "linear_proj.bias", {}});
+}
+
 }  // namespace
 
 std::string hf_expert_bias_name(const int64_t layer) {
@@ -78,15 +113,10 @@ std::vector<HfTensorMap> hf_layout(const ModelConfig& c, const std::string& mode
     const std::string P = "model.layers." + std::to_string(i) + ".";
     const std::string M = "decoder.layers." + std::to_string(i) + ".";
     layout.push_back({P + "input_layernorm.weight", M + "input_layernorm.weight", {}});
-    for (const std::string& s : suffixes) {
-      layout.push_back({P + "self_attn.q_proj." + s, M + "self_attention.linear_qkv." + s, q_rows});
-      layout.push_back({P + "self_attn.k_proj." + s, M + "self_attention.linear_qkv." + s, k_rows});
-      layout.push_back({P + "self_attn.v_proj." + s, M + "self_attention.linear_qkv." + s, v_rows});
-      layout.push_back({P + "self_attn.o_proj." + s, M + "self_attention.linear_proj." + s, {}});
-    }
-    if (c.qk_layernorm) {
-      layout.push_back({P + "self_attn.q_norm.weight", M + "self_attention.q_layernorm.weight", {}});
-      layout.push_back({P + "self_attn.k_norm.weight", M + "self_attention.k_layernorm.weight", {}});
+    if (c.mla) {
+      push_mla_attention(layout, c, P + "self_attn.", M + "self_attention.");
+    } else {
+      push_standard_attention(layout, c, P + "self_attn.", M + "self_attention.", suffixes, q_rows, k_rows, v_rows);
     }
     layout.push_back({P + "post_attention_layernorm.weight", M + "pre_mlp_layernorm.weight", {}});
     if (c.moe.is_moe_layer(i)) {

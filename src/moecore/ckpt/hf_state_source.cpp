@@ -214,6 +214,33 @@ void check_hf_config_matches(const std::string& dir, const ModelConfig& config) 
     fail_mismatch(type_field, "(RoPE over the whole head)", "--rotary-percent " + number_text(config.rotary_percent));
   }
   same_double("rope_theta", hf.rotary_base, "--rotary-base", config.rotary_base);
+  if (hf.mla.has_value() != config.mla.has_value()) {
+    fail_mismatch(type_field, hf.mla ? "(multi-latent attention)" : "(standard attention)",
+                  config.mla ? "--multi-latent-attention" : "no --multi-latent-attention");
+  }
+  if (hf.mla) {
+    const MlaConfig &a = *hf.mla, &b = *config.mla;
+    same_int("q_lora_rank", a.q_lora_rank, "--q-lora-rank", b.q_lora_rank);
+    same_int("kv_lora_rank", a.kv_lora_rank, "--kv-lora-rank", b.kv_lora_rank);
+    same_int("qk_nope_head_dim", a.qk_head_dim, "--qk-head-dim", b.qk_head_dim);
+    same_int("qk_rope_head_dim", a.qk_pos_emb_head_dim, "--qk-pos-emb-head-dim", b.qk_pos_emb_head_dim);
+    same_int("v_head_dim", a.v_head_dim, "--v-head-dim", b.v_head_dim);
+    if (a.rope_type != b.rope_type) {
+      fail_mismatch("rope_scaling", a.rope_type == RopeType::kYarn ? "yarn" : "null",
+                    std::string("--rope-type ") + (b.rope_type == RopeType::kYarn ? "yarn" : "rope"));
+    }
+    if (a.rope_type == RopeType::kYarn) {
+      const YarnConfig &y = hf.yarn, &z = config.yarn;
+      same_double("rope_scaling.factor", y.rotary_scaling_factor, "--rotary-scaling-factor", z.rotary_scaling_factor);
+      same_int("rope_scaling.original_max_position_embeddings", y.original_max_position_embeddings,
+               "--yarn-original-max-position-embeddings", z.original_max_position_embeddings);
+      same_double("rope_scaling.beta_fast", y.beta_fast, "--yarn-beta-fast", z.beta_fast);
+      same_double("rope_scaling.beta_slow", y.beta_slow, "--yarn-beta-slow", z.beta_slow);
+      same_double("rope_scaling.mscale", y.mscale, "--mscale", z.mscale);
+      same_double("rope_scaling.mscale_all_dim", y.mscale_all_dim, "--mscale-all-dim", z.mscale_all_dim);
+    }
+    same_int("num_nextn_predict_layers", hf.mtp_num_layers, "--mtp-num-layers", config.mtp_num_layers);
+  }
   if (hf.qk_layernorm != config.qk_layernorm) {
     fail_mismatch(moecore_moe ? "qk_layernorm" : type_field,
                   moecore_moe ? bool_text(hf.qk_layernorm) : (hf.qk_layernorm ? "(q/k norms)" : "(no q/k norms)"),

@@ -42,13 +42,41 @@ class KeyList {
     norm(prefix + "hnorm", H, c.normalization);
     add(prefix + "eh_proj.weight", {H, 2 * H}, InitKind::kNormal);
   }
+  // model/attention.cpp or, with config.mla, model/mla_attention.cpp.
+  void attention(const std::string& prefix, const ModelConfig& c) {
+    const int64_t H = c.hidden_size, N = c.num_attention_heads;
+    int64_t attention_width = N * c.kv_channels;
+    if (c.mla) {
+      const MlaConfig& m = *c.mla;
+      if (m.q_lora_rank > 0) {
+        add(prefix + "linear_q_down_proj.weight", {m.q_lora_rank, H}, InitKind::kNormal);
+        if (c.qk_layernorm) norm(prefix + "q_layernorm", m.q_lora_rank, c.normalization);
+        add(prefix + "linear_q_up_proj.weight", {N * m.q_head_dim(), m.q_lora_rank}, InitKind::kNormal);
+      } else {
+        add(prefix + "linear_q_proj.weight", {N * m.q_head_dim(), H}, InitKind::kNormal);
+      }
+      add(prefix + "linear_kv_down_proj.weight", {m.kv_lora_rank + m.qk_pos_emb_head_dim, H}, InitKind::kNormal);
+      if (c.qk_layernorm) norm(prefix + "kv_layernorm", m.kv_lora_rank, c.normalization);
+      add(prefix + "linear_kv_up_proj.weight", {N * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank}, InitKind::kNormal);
+      attention_width = N * m.v_head_dim;
+    } else {
+      add(prefix + "linear_qkv.weight", {c.qkv_out(), H}, InitKind::kNormal);
+      if (c.add_bias_linear) add(prefix + "linear_qkv.bias", {c.qkv_out()}, InitKind::kZeros);
+      if (c.qk_layernorm) {
+        norm(prefix + "q_layernorm", c.kv_channels, c.normalization);
+        norm(prefix + "k_layernorm", c.kv_channels, c.normalization);
+      }
+    }
+    add(prefix + "linear_proj.weight", {H, attention_width}, InitKind::kScaledNormal);
+    if (c.add_bias_linear) add(prefix + "linear_proj.bias", {H}, InitKind::kZeros);
+  }
   std::vector<ModelStateKey> keys_;
 };
 
 }  // namespace
 
 std::vector<ModelStateKey> model_state_keys(const ModelConfig& c) {
-  const int64_t H = c.hidden_size, d = c.kv_channels;
+  const int64_t H = c.hidden_size;
   KeyList list;
   list.add("embedding.word_embeddings.weight", {c.vocab_size, H}, InitKind::kNormal);
   if (c.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
@@ -63,14 +91,7 @@ std::vector<ModelStateKey> model_state_keys(const ModelConfig& c) {
     const std::string M = depth < 0 ? "decoder.layers." + std::to_string(i) + "."
                                     : "mtp.layers." + std::to_string(depth) + ".mtp_model_layer.";
     list.norm(M + "input_layernorm", H, c.normalization);
-    list.add(M + "self_attention.linear_qkv.weight", {c.qkv_out(), H}, InitKind::kNormal);
-    if (c.add_bias_linear) list.add(M + "self_attention.linear_qkv.bias", {c.qkv_out()}, InitKind::kZeros);
-    if (c.qk_layernorm) {
-      list.norm(M + "self_attention.q_layernorm", d, c.normalization);
-      list.norm(M + "self_attention.k_layernorm", d, c.normalization);
-    }
-    list.add(M + "self_attention.linear_proj.weight", {H, c.num_attention_heads * d}, InitKind::kScaledNormal);
-    if (c.add_bias_linear) list.add(M + "self_attention.linear_proj.bias", {H}, InitKind::kZeros);
+    list.attention(M + "self_attention.", c);
     list.norm(M + "pre_mlp_layernorm", H, c.normalization);
     if (!c.moe.is_moe_layer(i)) {
       list.mlp(M + "mlp.", H, c.ffn_hidden_size, c.activation, c.add_bias_linear);

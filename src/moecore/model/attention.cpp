@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "moecore/model/rotary_embedding.h"
 #include "moecore/ops/attention.h"
 #include "moecore/ops/rows.h"
 
@@ -33,6 +34,7 @@ SelfAttention::SelfAttention(const ModelConfig& config, const std::string& prefi
                       "--context-parallel-size (" + std::to_string(cp.size()) + ")");
   }
   head_offset_ = tp.rank() * heads_;
+  if (has_rope()) rope_ = attention_rope_spec(config);
   LinearOptions qkv;
   qkv.bias = config.add_bias_linear;
   qkv.module = module;
@@ -86,12 +88,11 @@ Tensor SelfAttention::forward(const Tensor& x_TH, const int64_t S, const int64_t
     a.q_norm_stats = q_norm_.forward(a.q_TNd, a.q_raw_TNd);
     a.k_norm_stats = k_norm_.forward(a.k_TGd, a.k_raw_TGd);
   }
-  if (config_.position_embedding_type == PositionEmbedding::kRope) {
-    const int64_t rot = config_.rotary_dim();
+  if (has_rope()) {
     Tensor q_rot = activation_tensor({T, N, d});
     Tensor k_rot = activation_tensor({T, G, d});
-    ops::rope_forward(q_rot, a.q_TNd, S, B, d, rot, config_.rotary_base, sequence.positions_SB);
-    ops::rope_forward(k_rot, a.k_TGd, S, B, d, rot, config_.rotary_base, sequence.positions_SB);
+    ops::rope_forward(q_rot, a.q_TNd, S, B, rope_, sequence.positions_SB);
+    ops::rope_forward(k_rot, a.k_TGd, S, B, rope_, sequence.positions_SB);
     a.q_TNd = std::move(q_rot);
     a.k_TGd = std::move(k_rot);
   }
@@ -114,12 +115,11 @@ void SelfAttention::backward(Tensor& dx_TH, const Tensor& dout_TH, const int64_t
   context_parallel_attention_backward(dq_TNd, dk_TGd, dv_TGd, dattn_TNd, a.q_TNd, a.k_TGd, a.v_TGd, a.attn_TNd,
                                       a.lse_BNS, dims(S, B), dropout, sequence, cp_, cp_type_);
   dattn_TNd = Tensor();
-  if (config_.position_embedding_type == PositionEmbedding::kRope) {
-    const int64_t rot = config_.rotary_dim();
+  if (has_rope()) {
     Tensor dq_pre = activation_tensor({T, N, d});
     Tensor dk_pre = activation_tensor({T, G, d});
-    ops::rope_backward(dq_pre, dq_TNd, S, B, d, rot, config_.rotary_base, sequence.positions_SB);
-    ops::rope_backward(dk_pre, dk_TGd, S, B, d, rot, config_.rotary_base, sequence.positions_SB);
+    ops::rope_backward(dq_pre, dq_TNd, S, B, rope_, sequence.positions_SB);
+    ops::rope_backward(dk_pre, dk_TGd, S, B, rope_, sequence.positions_SB);
     dq_TNd = std::move(dq_pre);
     dk_TGd = std::move(dk_pre);
   }
@@ -135,6 +135,44 @@ void SelfAttention::backward(Tensor& dx_TH, const Tensor& dout_TH, const int64_t
   ops::merge_qkv(dqkv_TQ, dq_TNd, dk_TGd, dv_TGd, N, G, d);
   dq_TNd = dk_TGd = dv_TGd = Tensor();
   qkv_.backward(dx_TH, dqkv_TQ, a.qkv);
+}
+
+Tensor SelfAttention::forward_decode(const Tensor& x_TH, const std::span<const int64_t> positions,
+                                     LayerKvCache& cache) const {
+  const int64_t T = x_TH.dim(0), N = heads_, G = groups_, d = config_.kv_channels;
+  LinearActivations unused_qkv, unused_proj;
+  Tensor qkv_TQ = qkv_.forward(x_TH, unused_qkv);
+  Tensor q_TNd = activation_tensor({T, N, d});
+  Tensor k_TGd = activation_tensor({T, G, d});
+  Tensor v_TGd = activation_tensor({T, G, d});
+  ops::split_qkv(q_TNd, k_TGd, v_TGd, qkv_TQ, N, G, d);
+  qkv_TQ = Tensor();
+  if (config_.qk_layernorm) {
+    Tensor q_normed = activation_tensor({T, N, d});
+    Tensor k_normed = activation_tensor({T, G, d});
+    q_norm_.forward(q_normed, q_TNd);
+    k_norm_.forward(k_normed, k_TGd);
+    q_TNd = std::move(q_normed);
+    k_TGd = std::move(k_normed);
+  }
+  if (has_rope()) {
+    Tensor q_rot = activation_tensor({T, N, d});
+    Tensor k_rot = activation_tensor({T, G, d});
+    ops::rope_forward(q_rot, q_TNd, T, 1, rope_, positions);
+    ops::rope_forward(k_rot, k_TGd, T, 1, rope_, positions);
+    q_TNd = std::move(q_rot);
+    k_TGd = std::move(k_rot);
+  }
+  cache.write(positions, k_TGd, v_TGd);
+  const int64_t Sk = attended_positions(positions);
+  ops::AttentionDims decode = dims(T, 1);
+  decode.Sk = Sk;
+  decode.q_index = positions.data();
+  Tensor attn_TNd = activation_tensor({T, N, d});
+  Tensor lse_BNS = activation_tensor({1, N, T});
+  ops::attention_forward(attn_TNd, lse_BNS, q_TNd, cache.first_SX.slice_rows(0, Sk).view({Sk, 1, G, d}),
+                         cache.second_SY.slice_rows(0, Sk).view({Sk, 1, G, d}), decode, ops::DropoutSpec{});
+  return proj_.forward(attn_TNd, unused_proj);
 }
 
 }  // namespace moecore

@@ -6,11 +6,13 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "moecore/model/config.h"
 #include "moecore/model/context_parallel_attention.h"
+#include "moecore/model/kv_cache.h"
 #include "moecore/model/norm_module.h"
 #include "moecore/model/parallel_linear.h"
 #include "moecore/model/sequence_info.h"
@@ -43,9 +45,17 @@ class SelfAttention {
   // dx_TH += d(out)/d(x)^T dout_TH; parameter gradients accumulate.
   void backward(Tensor& dx_TH, const Tensor& dout_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout,
                 const AttentionActivations& saved, const SequenceInfo& sequence) const;
+  // Incremental decoding (inference, one process, one sequence): x_TH the normed input of the new tokens at
+  // `positions` (one each). Their keys and values go into `cache` at their positions; each new token attends the
+  // cached positions up to its own. Returns the projected output of the new tokens, bias included.
+  Tensor forward_decode(const Tensor& x_TH, std::span<const int64_t> positions, LayerKvCache& cache) const;
 
  private:
   ops::AttentionDims dims(int64_t S, int64_t B) const;
+  bool has_rope() const {
+    return config_.position_embedding_type == PositionEmbedding::kRope ||
+           config_.position_embedding_type == PositionEmbedding::kYarn;
+  }
 
   ModelConfig config_;
   std::string prefix_;
@@ -55,6 +65,7 @@ class SelfAttention {
   ColumnParallelLinear qkv_;
   RowParallelLinear proj_;
   NormModule q_norm_, k_norm_;
+  ops::RopeSpec rope_;
 };
 
 }  // namespace moecore

@@ -22,8 +22,8 @@ class ConfigError : public std::runtime_error {
 
 enum class Normalization { kLayerNorm, kRMSNorm };
 using ops::Activation;
-// kYarn: Megatron's --position-embedding-type yarn for standard attention (YarnRotaryEmbedding's frequencies; the
-// GPT model drops its concentration factor, gpt_model.py).
+// kYarn: Megatron's --position-embedding-type yarn for standard attention (YarnRotaryEmbedding's frequencies and
+// concentration factor, attention.py).
 enum class PositionEmbedding { kLearnedAbsolute, kRope, kNone, kYarn };
 // Megatron's --rope-type: the rotary embedding of multi-latent attention (MLATransformerConfig.rope_type).
 enum class RopeType { kRope, kYarn };
@@ -31,7 +31,7 @@ enum class RopeType { kRope, kYarn };
 // YaRN (Megatron's YarnRotaryEmbedding, yarn_rotary_pos_embedding.py): the frequencies blend the original and the
 // scaled (1 / rotary_scaling_factor) ones over a ramp between the dimensions that make beta_fast and beta_slow
 // rotations in original_max_position_embeddings positions; cos / sin are multiplied by the concentration factor
-// get_mscale(s, mscale) / get_mscale(s, mscale_all_dim) where Megatron applies it (multi-latent attention).
+// get_mscale(s, mscale) / get_mscale(s, mscale_all_dim).
 struct YarnConfig {
   double rotary_scaling_factor = 1.0;               // --rotary-scaling-factor
   double mscale = 1.0;                              // --mscale

@@ -114,6 +114,8 @@ Tensor heads_to_sequence(const Tensor& x_h, const int64_t X, const int64_t d, co
   return out;
 }
 
+int64_t value_dim(const ops::AttentionDims& dims) { return dims.v_head_dim > 0 ? dims.v_head_dim : dims.head_dim; }
+
 ops::AttentionDims head_shard_dims(ops::AttentionDims dims, const parallel::ProcessGroup& cp) {
   const int64_t N = dims.N;
   dims.N /= cp.size();
@@ -202,16 +204,16 @@ void context_parallel_attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const
     return;
   }
   if (type == CpCommType::kA2A) {
-    const int64_t N = dims.N, G = dims.G, d = dims.head_dim, B = seq.B;
+    const int64_t N = dims.N, G = dims.G, d = dims.head_dim, dv = value_dim(dims), B = seq.B;
     const Tensor q_h = sequence_to_heads(q_SBNd, N, d, cp), k_h = sequence_to_heads(k_SBGd, G, d, cp),
-                 v_h = sequence_to_heads(v_SBGd, G, d, cp);
+                 v_h = sequence_to_heads(v_SBGd, G, dv, cp);
     const std::vector<int64_t> index = all_indices(seq);
     const Block b = block(seq, index, index);
     const ops::AttentionDims hd = b.bind(head_shard_dims(dims, cp), seq.S);
-    Tensor out_h = activations(q_h.shape());
+    Tensor out_h = activations({q_h.shape()[0], N / cp.size(), dv});
     Tensor lse_h = lse_BNS.view({B, N / cp.size(), seq.S});
     ops::attention_forward(out_h, lse_h, q_h, k_h, v_h, hd, dropout);
-    out_SBNd.copy_from(heads_to_sequence(out_h, N, d, cp));
+    out_SBNd.copy_from(heads_to_sequence(out_h, N, dv, cp));
     return;
   }
   // p2p ring: step 0 is this rank's own block; each later step's keys arrive while the previous block computes.
@@ -266,10 +268,10 @@ void context_parallel_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tenso
     return;
   }
   if (type == CpCommType::kA2A) {
-    const int64_t N = dims.N, G = dims.G, d = dims.head_dim, B = seq.B;
+    const int64_t N = dims.N, G = dims.G, d = dims.head_dim, dv = value_dim(dims), B = seq.B;
     const Tensor q_h = sequence_to_heads(q_SBNd, N, d, cp), k_h = sequence_to_heads(k_SBGd, G, d, cp),
-                 v_h = sequence_to_heads(v_SBGd, G, d, cp), out_h = sequence_to_heads(out_SBNd, N, d, cp),
-                 dout_h = sequence_to_heads(dout_SBNd, N, d, cp);
+                 v_h = sequence_to_heads(v_SBGd, G, dv, cp), out_h = sequence_to_heads(out_SBNd, N, dv, cp),
+                 dout_h = sequence_to_heads(dout_SBNd, N, dv, cp);
     const std::vector<int64_t> index = all_indices(seq);
     const Block b = block(seq, index, index);
     const ops::AttentionDims hd = b.bind(head_shard_dims(dims, cp), seq.S);
@@ -281,11 +283,12 @@ void context_parallel_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tenso
     ops::attention_backward(dq_h, dk_h, dv_h, dout_h, q_h, k_h, v_h, out_h, lse_h, hd, dropout);
     ops::add_(dq_SBNd, heads_to_sequence(dq_h, N, d, cp));
     ops::add_(dk_SBGd, heads_to_sequence(dk_h, G, d, cp));
-    ops::add_(dv_SBGd, heads_to_sequence(dv_h, G, d, cp));
+    ops::add_(dv_SBGd, heads_to_sequence(dv_h, G, dv, cp));
     round_once(activation_dtype, {&dq_SBNd, &dk_SBGd, &dv_SBGd});
     return;
   }
-  // p2p ring: keys, values and their gradient buffers travel together; after CP steps the buffers of every block
+  // p2p ring: keys, values and their gradient buffers travel together (each at its own shape: values and their
+  // gradients may be narrower than keys, dims.v_head_dim); after CP steps the buffers of every block
   // have collected each rank's share, and one last transfer brings them home. dq and the travelling dk, dv buffers
   // accumulate in fp32 across the steps and are rounded once at the end.
   const DType activation_dtype = ops::activation_dtype();

@@ -31,8 +31,9 @@ enum class CpCommType : uint8_t { kP2P, kAllGather, kA2A };
 CpCommType parse_cp_comm_type(const std::string& name);
 const char* cp_comm_type_name(CpCommType type);
 
-// q_SBNd [S/CP, B, N, d], k/v_SBGd [S/CP, B, G, d] this rank's rows; dims gives N, G, head_dim, scale and the
-// tensor-parallel dropout heads (its S, B and block fields are set here). out_SBNd, lse_BNS [B, N, S/CP] are
+// q_SBNd [S/CP, B, N, d], k_SBGd [S/CP, B, G, d], v_SBGd [S/CP, B, G, dv] this rank's rows; dims gives N, G,
+// head_dim (d), v_head_dim (dv, 0: d), scale and the tensor-parallel dropout heads (its S, B and block fields are set
+// here). out_SBNd [S/CP, B, N, dv], lse_BNS [B, N, S/CP] are
 // overwritten (under a2a lse holds the head-shard layout [B, N/CP, S] that backward reads back). Collective over cp.
 void context_parallel_attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, const Tensor& k_SBGd,
                                         const Tensor& v_SBGd, ops::AttentionDims dims, const ops::DropoutSpec& dropout,

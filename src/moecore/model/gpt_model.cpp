@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "moecore/model/multi_token_prediction.h"
+#include "moecore/model/kv_cache.h"
 #include "moecore/model/norm_module.h"
 #include "moecore/model/parallel_linear.h"
 #include "moecore/model/tensor_parallel.h"
@@ -584,6 +585,38 @@ Tensor GPTModel::last_logits(const int32_t* tokens_BS, const int64_t B, const in
   Tensor out_BV(std::vector<int64_t>{B, V}, DType::kF32);
   std::memcpy(out_BV.data<float>(), logits_SBV.data<float>() + (S - 1) * B * V, sizeof(float) * B * V);
   return out_BV;
+}
+
+Tensor GPTModel::decode_logits(KvCache& cache, const std::span<const int32_t> new_tokens) {
+  if (const std::string why = kv_cache_unsupported_reason(*this); !why.empty()) {
+    throw std::logic_error("incremental decoding is not exact here: " + why);
+  }
+  const int64_t T = static_cast<int64_t>(new_tokens.size()), start = cache.length();
+  if (T == 0 || start + T > cache.capacity()) {
+    throw std::invalid_argument("decode_logits: " + std::to_string(T) + " new tokens after " + std::to_string(start) +
+                                " cached positions do not fit the cache of " + std::to_string(cache.capacity()));
+  }
+  if (config_.position_embedding_type == PositionEmbedding::kLearnedAbsolute &&
+      start + T > config_.max_position_embeddings) {
+    throw std::invalid_argument("sequence length " + std::to_string(start + T) + " exceeds --max-position-embeddings");
+  }
+  const ops::ScopedActivationDType precision(config_.params_dtype);
+  const Modules& m = *modules_;
+  Tensor emb_TH = m.word_embeddings.forward(new_tokens);
+  if (m.position_embeddings) ops::add_position_embedding(emb_TH, m.position_embeddings->value, 1, start);
+  Tensor x_TH = activation_tensor(emb_TH.shape());
+  ops::dropout_forward(x_TH, emb_TH, embedding_dropout(config_, false, 0, 0, start));
+  emb_TH = Tensor();
+  std::vector<int64_t> positions(static_cast<size_t>(T));
+  for (int64_t i = 0; i < T; ++i) positions[static_cast<size_t>(i)] = start + i;
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    x_TH = m.layers[i].forward_decode(x_TH, positions, cache.layer(static_cast<int64_t>(i)));
+  }
+  cache.advance(T);
+  Tensor final_1H = activation_tensor({1, config_.hidden_size});
+  m.final_norm.forward(final_1H, x_TH.slice_rows(T - 1, T));
+  LinearActivations unused;
+  return m.output_layer.forward(final_1H, unused);
 }
 
 }  // namespace moecore

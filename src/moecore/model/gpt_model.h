@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "moecore/model/buffer.h"
@@ -29,6 +30,8 @@
 #include "moecore/tensor/tensor.h"
 
 namespace moecore {
+
+class KvCache;
 
 // MoE routing statistics summed over the training forwards since the last GPTModel::take_moe_stats().
 struct MoEStats {
@@ -154,6 +157,10 @@ class GPTModel {
 
   // Logits for the last position of each sequence (generation, one process only): tokens_BS [B, S] -> [B, V].
   Tensor last_logits(const int32_t* tokens_BS, int64_t B, int64_t S);
+  // Incremental decoding (generation, one process, model/kv_cache.h): the new tokens of one sequence run as
+  // positions cache.length(), cache.length() + 1, ... attending every cached position up to their own, and join the
+  // cache. Returns the logits [1, V] of the last new token: those last_logits gives over the whole sequence.
+  Tensor decode_logits(KvCache& cache, std::span<const int32_t> new_tokens);
 
  private:
   void record_moe_stats(int64_t layer, const RouterOutput& routing);

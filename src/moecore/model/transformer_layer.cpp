@@ -92,7 +92,11 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
   }
   const int64_t H = config.hidden_size;
   NormModule::add_params(params, prefix_ + "input_layernorm", H, config.normalization, tp_.sequence_sharded(), module);
-  attention_ = SelfAttention(config, prefix_, tp_, module, params, parallel.cp);
+  if (config.mla) {
+    mla_ = MLASelfAttention(config, prefix_, tp_, module, params, parallel.cp);
+  } else {
+    attention_ = SelfAttention(config, prefix_, tp_, module, params, parallel.cp);
+  }
   NormModule::add_params(params, prefix_ + "pre_mlp_layernorm", H, config.normalization, tp_.sequence_sharded(),
                          module);
   if (moe_layer) {
@@ -127,7 +131,11 @@ void TransformerLayer::bind(std::vector<Param>& params, std::vector<Buffer>& buf
                           norm_overflow_log);
   ln2_ = NormModule::bind(params, prefix_ + "pre_mlp_layernorm", config_.normalization, config_.norm_epsilon,
                           norm_overflow_log);
-  attention_.bind(params, norm_overflow_log);
+  if (config_.mla) {
+    mla_.bind(params, norm_overflow_log);
+  } else {
+    attention_.bind(params, norm_overflow_log);
+  }
   if (moe_) {
     moe_->bind(params, &buffers);
   } else {
@@ -176,8 +184,10 @@ Tensor TransformerLayer::forward(const Tensor& x_TH, const int64_t S, const int6
   {
     const trace::Scope scope("attention forward", "forward");
     SequenceInfo plain;
-    attn_out_TH = attention_.forward(a.ln1_TH, S, B, dropout_spec(dropout, config_.attention_dropout, kAttentionProbs),
-                                     a.attention, sequence_of(dropout, S, B, plain));
+    const ops::DropoutSpec probs = dropout_spec(dropout, config_.attention_dropout, kAttentionProbs);
+    attn_out_TH = config_.mla
+                      ? mla_.forward(a.ln1_TH, S, B, probs, a.mla_attention, sequence_of(dropout, S, B, plain))
+                      : attention_.forward(a.ln1_TH, S, B, probs, a.attention, sequence_of(dropout, S, B, plain));
   }
   a.x_mid_TH = dropout_add(attn_out_TH, x_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterAttention), rows);
   MemoryTracker::instance().set_owner(mlp_owner());
@@ -226,11 +236,36 @@ void TransformerLayer::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
   {
     const trace::Scope scope("attention backward", "backward");
     SequenceInfo plain;
-    attention_.backward(dln1_TH, dattn_TH, S, B, dropout_spec(dropout, config_.attention_dropout, kAttentionProbs),
-                        a.attention, sequence_of(dropout, S, B, plain));
+    const ops::DropoutSpec probs = dropout_spec(dropout, config_.attention_dropout, kAttentionProbs);
+    if (config_.mla) {
+      mla_.backward(dln1_TH, dattn_TH, S, B, probs, a.mla_attention, sequence_of(dropout, S, B, plain));
+    } else {
+      attention_.backward(dln1_TH, dattn_TH, S, B, probs, a.attention, sequence_of(dropout, S, B, plain));
+    }
   }
   dattn_TH = Tensor();
   ln1_.backward(dx_TH, dln1_TH, a.x_TH, a.ln1_stats);
+}
+
+Tensor TransformerLayer::forward_decode(const Tensor& x_TH, const std::span<const int64_t> positions,
+                                        LayerKvCache& cache) const {
+  const int64_t T = x_TH.dim(0);
+  const LayerDropout inference;  // no dropout, no router jitter
+  const TokenRows rows = TokenRows::contiguous(0, T);
+  const ops::ScopedLinearQuantization quantization(config_.layer_quantization(index_));
+  Tensor ln1_TH = activation_tensor(x_TH.shape());
+  ln1_.forward(ln1_TH, x_TH);
+  const Tensor attn_out_TH =
+      config_.mla ? mla_.forward_decode(ln1_TH, positions, cache) : attention_.forward_decode(ln1_TH, positions, cache);
+  ln1_TH = Tensor();
+  const Tensor x_mid_TH = dropout_add(attn_out_TH, x_TH, dropout_spec(inference, 0.0, kAfterAttention), rows);
+  Tensor ln2_TH = activation_tensor(x_TH.shape());
+  ln2_.forward(ln2_TH, x_mid_TH);
+  MoELayerActivations moe_scratch;
+  MLPActivations mlp_scratch;
+  const Tensor mlp_out_TH =
+      moe_ ? moe_forward(ln2_TH, T, 1, inference, moe_scratch) : mlp_.forward(ln2_TH, nullptr, mlp_scratch);
+  return dropout_add(mlp_out_TH, x_mid_TH, dropout_spec(inference, 0.0, kAfterMlp), rows);
 }
 
 }  // namespace moecore

@@ -6,12 +6,15 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "moecore/model/attention.h"
 #include "moecore/model/buffer.h"
 #include "moecore/model/config.h"
+#include "moecore/model/kv_cache.h"
+#include "moecore/model/mla_attention.h"
 #include "moecore/model/mlp.h"
 #include "moecore/model/norm_module.h"
 #include "moecore/model/param.h"
@@ -40,7 +43,8 @@ struct LayerActivations {
   Tensor ln1_TH;
   NormStats ln1_stats;
   AttentionActivations attention;
-  Tensor x_mid_TH;  // after the attention residual
+  MlaActivations mla_attention;  // multi-latent attention's (--multi-latent-attention)
+  Tensor x_mid_TH;               // after the attention residual
   Tensor ln2_TH;
   NormStats ln2_stats;
   MLPActivations mlp;       // dense layers
@@ -74,6 +78,9 @@ class TransformerLayer {
   // carry into the gradient (the micro-batch's loss scale).
   void backward(Tensor& dx_TH, const Tensor& dout_TH, int64_t S, int64_t B, const LayerDropout& dropout,
                 double aux_grad_scale, const LayerActivations& saved) const;
+  // Incremental decoding (inference, one process, one sequence): the forward of the new tokens x_TH [T, H] at
+  // `positions`, attending the positions `cache` holds up to each one's own (attention's forward_decode).
+  Tensor forward_decode(const Tensor& x_TH, std::span<const int64_t> positions, LayerKvCache& cache) const;
 
   bool is_moe() const { return moe_ != nullptr; }
   MoELayer* moe() { return moe_.get(); }
@@ -92,7 +99,8 @@ class TransformerLayer {
   TensorParallel tp_;
   std::string prefix_;
   NormModule ln1_, ln2_;
-  SelfAttention attention_;
+  SelfAttention attention_;        // standard attention, or
+  MLASelfAttention mla_;           // multi-latent attention (config.mla)
   MLP mlp_;                        // dense layers
   std::unique_ptr<MoELayer> moe_;  // MoE layers: replaces the dense MLP
 };

@@ -1,7 +1,9 @@
 #include "moecore/ops/attention.h"
 
+#include <initializer_list>
 #include <span>
 #include <string>
+#include <utility>
 
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/precision.h"
@@ -10,14 +12,42 @@ namespace moecore::ops {
 using detail::ptr;
 namespace {
 
-void check_attention(const char* op, const AttentionDims& dims, const Tensor& q, const Tensor& k, const Tensor& v,
-                     const Tensor& out, const Tensor& lse) {
-  const int64_t T = dims.S * dims.B, Tk = (dims.Sk > 0 ? dims.Sk : dims.S) * dims.B, d = dims.head_dim;
-  detail::check_numel(op, "q_SBNd", q, T * dims.N * d);
-  detail::check_numel(op, "k_SBGd", k, Tk * dims.G * d);
-  detail::check_numel(op, "v_SBGd", v, Tk * dims.G * d);
-  detail::check_numel(op, "out_SBNd", out, T * dims.N * d);
-  detail::check_numel(op, "lse_BNS", lse, T * dims.N);
+int64_t value_dim(const AttentionDims& dims) { return dims.v_head_dim > 0 ? dims.v_head_dim : dims.head_dim; }
+
+// x holds the elements of the shape `dims` (named sizes, e.g. {"Sk", 6}, {"dv", 4}).
+void check_shape(const char* op, const char* name, const Tensor& x,
+                 const std::initializer_list<std::pair<const char*, int64_t>> dims) {
+  int64_t expected = 1;
+  std::string shape;
+  for (const auto& [dim, n] : dims) {
+    expected *= n;
+    shape += (shape.empty() ? "" : ", ") + std::string(dim) + "=" + std::to_string(n);
+  }
+  if (x.numel() == expected) return;
+  detail::fail(op, std::string(name) + " is " + x.shape_str() + " (" + std::to_string(x.numel()) +
+                       " elements), expected [" + shape + "] (" + std::to_string(expected) + " elements)");
+}
+
+// q (or dq) [S, B, N, d], k / dk [Sk, B, G, d], v / dv [Sk, B, G, dv], out / dout [S, B, N, dv], lse [B, N, S].
+struct AttentionTensors {
+  const char *q_name, *k_name, *v_name, *out_name;
+  const Tensor &q, &k, &v, &out;
+};
+
+void check_value_dim(const char* op, const AttentionDims& dims) {
+  if (dims.v_head_dim < 0) {
+    detail::fail(op, "v_head_dim=" + std::to_string(dims.v_head_dim) + " is negative (0: head_dim)");
+  }
+}
+
+void check_attention(const char* op, const AttentionDims& dims, const AttentionTensors& t, const Tensor& lse) {
+  check_value_dim(op, dims);
+  const int64_t S = dims.S, Sk = dims.Sk > 0 ? dims.Sk : dims.S, B = dims.B, d = dims.head_dim, dv = value_dim(dims);
+  check_shape(op, t.q_name, t.q, {{"S", S}, {"B", B}, {"N", dims.N}, {"d", d}});
+  check_shape(op, t.k_name, t.k, {{"Sk", Sk}, {"B", B}, {"G", dims.G}, {"d", d}});
+  check_shape(op, t.v_name, t.v, {{"Sk", Sk}, {"B", B}, {"G", dims.G}, {"dv", dv}});
+  check_shape(op, t.out_name, t.out, {{"S", S}, {"B", B}, {"N", dims.N}, {"dv", dv}});
+  detail::check_numel(op, "lse_BNS", lse, S * B * dims.N);
   if ((dims.q_document_SB == nullptr) != (dims.k_document_SB == nullptr)) {
     detail::fail(op, "documents given for " + std::string(dims.q_document_SB != nullptr ? "queries" : "keys") +
                          " only (give q_document_SB and k_document_SB, or neither)");
@@ -46,7 +76,7 @@ void attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, 
                        const Tensor& v_SBGd, const AttentionDims& dims, const DropoutSpec& dropout) {
   constexpr const char* op = "attention_forward";
   detail::check_tensors(op, {&out_SBNd, &lse_BNS, &q_SBNd, &k_SBGd, &v_SBGd});
-  check_attention(op, dims, q_SBNd, k_SBGd, v_SBGd, out_SBNd, lse_BNS);
+  check_attention(op, dims, {"q_SBNd", "k_SBGd", "v_SBGd", "out_SBNd", q_SBNd, k_SBGd, v_SBGd, out_SBNd}, lse_BNS);
   detail::dispatch(op, q_SBNd, [&]<typename S>(auto k) {
     k.attention_forward(ptr<S>(out_SBNd), ptr<S>(lse_BNS), ptr<S>(q_SBNd), ptr<S>(k_SBGd), ptr<S>(v_SBGd), dims,
                         dropout);
@@ -59,8 +89,9 @@ void attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const
                         const Tensor& lse_BNS, const AttentionDims& dims, const DropoutSpec& dropout) {
   constexpr const char* op = "attention_backward";
   detail::check_tensors(op, {&dq_SBNd, &dk_SBGd, &dv_SBGd, &dout_SBNd, &q_SBNd, &k_SBGd, &v_SBGd, &out_SBNd, &lse_BNS});
-  check_attention(op, dims, q_SBNd, k_SBGd, v_SBGd, out_SBNd, lse_BNS);
-  check_attention(op, dims, dq_SBNd, dk_SBGd, dv_SBGd, dout_SBNd, lse_BNS);
+  check_attention(op, dims, {"q_SBNd", "k_SBGd", "v_SBGd", "out_SBNd", q_SBNd, k_SBGd, v_SBGd, out_SBNd}, lse_BNS);
+  check_attention(op, dims, {"dq_SBNd", "dk_SBGd", "dv_SBGd", "dout_SBNd", dq_SBNd, dk_SBGd, dv_SBGd, dout_SBNd},
+                  lse_BNS);
   detail::dispatch(op, q_SBNd, [&]<typename S>(auto k) {
     k.attention_backward(ptr<S>(dq_SBNd), ptr<S>(dk_SBGd), ptr<S>(dv_SBGd), ptr<S>(dout_SBNd), ptr<S>(q_SBNd),
                          ptr<S>(k_SBGd), ptr<S>(v_SBGd), ptr<S>(out_SBNd), ptr<S>(lse_BNS), dims, dropout);
@@ -72,10 +103,11 @@ void attention_merge(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& part_out_S
                      const AttentionDims& dims) {
   constexpr const char* op = "attention_merge";
   detail::check_tensors(op, {&out_SBNd, &lse_BNS, &part_out_SBNd, &part_lse_BNS});
-  const int64_t rows = dims.S * dims.B * dims.N;
-  detail::check_numel(op, "out_SBNd", out_SBNd, rows * dims.head_dim);
+  check_value_dim(op, dims);
+  const int64_t rows = dims.S * dims.B * dims.N, dv = value_dim(dims);
+  check_shape(op, "out_SBNd", out_SBNd, {{"S", dims.S}, {"B", dims.B}, {"N", dims.N}, {"dv", dv}});
   detail::check_numel(op, "lse_BNS", lse_BNS, rows);
-  detail::check_numel(op, "part_out_SBNd", part_out_SBNd, rows * dims.head_dim);
+  check_shape(op, "part_out_SBNd", part_out_SBNd, {{"S", dims.S}, {"B", dims.B}, {"N", dims.N}, {"dv", dv}});
   detail::check_numel(op, "part_lse_BNS", part_lse_BNS, rows);
   detail::dispatch(op, out_SBNd, [&]<typename T>(auto k) {
     k.attention_merge(ptr<T>(out_SBNd), ptr<T>(lse_BNS), ptr<T>(part_out_SBNd), ptr<T>(part_lse_BNS), dims);
@@ -129,6 +161,32 @@ void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, 
   check_positions(op, positions_SB, S, B);
   detail::dispatch(op, dout_SBNd, [&]<typename T>(auto k) {
     k.rope_backward(ptr<T>(dinp_SBNd), ptr<T>(dout_SBNd), S, B, N, head_dim, rot_dim, base, positions_SB.data());
+  });
+  detail::round_activations({&dinp_SBNd});
+}
+
+void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const RopeSpec& spec,
+                  const std::span<const int64_t> positions_SB) {
+  constexpr const char* op = "rope_forward";
+  detail::check_tensors(op, {&out_SBNd, &inp_SBNd});
+  const int64_t N = heads_of(op, inp_SBNd, S, B, spec.head_dim);
+  detail::check_numel(op, "out_SBNd", out_SBNd, inp_SBNd.numel());
+  check_positions(op, positions_SB, S, B);
+  detail::dispatch(op, inp_SBNd, [&]<typename T>(auto k) {
+    k.rope_forward(ptr<T>(out_SBNd), ptr<T>(inp_SBNd), S, B, N, spec, positions_SB.data());
+  });
+  detail::round_activations({&out_SBNd});
+}
+
+void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, const int64_t B, const RopeSpec& spec,
+                   const std::span<const int64_t> positions_SB) {
+  constexpr const char* op = "rope_backward";
+  detail::check_tensors(op, {&dinp_SBNd, &dout_SBNd});
+  const int64_t N = heads_of(op, dout_SBNd, S, B, spec.head_dim);
+  detail::check_numel(op, "dinp_SBNd", dinp_SBNd, dout_SBNd.numel());
+  check_positions(op, positions_SB, S, B);
+  detail::dispatch(op, dout_SBNd, [&]<typename T>(auto k) {
+    k.rope_backward(ptr<T>(dinp_SBNd), ptr<T>(dout_SBNd), S, B, N, spec, positions_SB.data());
   });
   detail::round_activations({&dinp_SBNd});
 }

@@ -1,6 +1,7 @@
 // Causal GQA attention and rotary embeddings on tensors (semantics: kernels/cpu/attention.h, rope.h).
-// q_SBNd [S, B, N, d], k_SBGd / v_SBGd [Sk, B, G, d] (Sk = dims.Sk, or S when 0), lse_BNS [B, N, S]. Backward
-// accumulates. Block attention (context parallelism, packed sequences): dims.q_index [S], k_index [Sk],
+// q_SBNd [S, B, N, d], k_SBGd [Sk, B, G, d], v_SBGd [Sk, B, G, dv], out_SBNd [S, B, N, dv] (Sk = dims.Sk, or S when
+// 0; d = dims.head_dim, dv = dims.v_head_dim, or d when 0), lse_BNS [B, N, S]; gradients have their tensor's shape.
+// Backward accumulates. Block attention (context parallelism, packed sequences): dims.q_index [S], k_index [Sk],
 // q_document_SB [S, B], k_document_SB [Sk, B] point at caller-owned arrays of those sizes.
 #pragma once
 
@@ -9,12 +10,14 @@
 
 #include "moecore/kernels/cpu/attention.h"
 #include "moecore/kernels/cpu/dropout.h"
+#include "moecore/kernels/cpu/rotary_frequencies.h"
 #include "moecore/tensor/tensor.h"
 
 namespace moecore::ops {
 
 using kernels::AttentionDims;
 using kernels::DropoutSpec;
+using kernels::RopeSpec;
 
 void attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, const Tensor& k_SBGd,
                        const Tensor& v_SBGd, const AttentionDims& dims, const DropoutSpec& dropout);
@@ -22,7 +25,8 @@ void attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const
                         const Tensor& q_SBNd, const Tensor& k_SBGd, const Tensor& v_SBGd, const Tensor& out_SBNd,
                         const Tensor& lse_BNS, const AttentionDims& dims, const DropoutSpec& dropout);
 // In place: (out, lse) over one key set and (part_out, part_lse) over another become the attention over both
-// (ring attention's merge of a step's block; -inf lse: a row that saw no key). Uses S, B, N, head_dim of dims.
+// (ring attention's merge of a step's block; -inf lse: a row that saw no key). out and part_out are [S, B, N, dv];
+// uses S, B, N, head_dim and v_head_dim of dims.
 void attention_merge(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& part_out_SBNd, const Tensor& part_lse_BNS,
                      const AttentionDims& dims);
 
@@ -38,5 +42,11 @@ void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, int64_t S, int64_t B
                   double base, std::span<const int64_t> positions_SB);
 void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, int64_t S, int64_t B, int64_t head_dim, int64_t rot_dim,
                    double base, std::span<const int64_t> positions_SB);
+// Any rotary embedding (frequencies, cos / sin factor, multi-latent attention's layout: kernels/cpu/rope.h) over
+// spec.head_dim-wide head vectors, positions_SB [S * B] as above.
+void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, int64_t S, int64_t B, const RopeSpec& spec,
+                  std::span<const int64_t> positions_SB);
+void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, int64_t S, int64_t B, const RopeSpec& spec,
+                   std::span<const int64_t> positions_SB);
 
 }  // namespace moecore::ops

@@ -65,6 +65,7 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, all_finite)                  \
     MOECORE_FORWARD(ns, split_qkv)                   \
     MOECORE_FORWARD(ns, merge_qkv)                   \
+    MOECORE_FORWARD(ns, copy_columns)                \
     MOECORE_FORWARD(ns, add_bias_rows)               \
     MOECORE_FORWARD(ns, bias_grad_rows)              \
     MOECORE_FORWARD(ns, scale_rows)                  \

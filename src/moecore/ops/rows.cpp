@@ -49,6 +49,23 @@ void merge_qkv(Tensor& qkv_TQ, const Tensor& q_TNd, const Tensor& k_TGd, const T
   });
 }
 
+void copy_columns(Tensor& dst, const int64_t dst_width, const int64_t dst_col, const Tensor& src,
+                  const int64_t src_width, const int64_t src_col, const int64_t width, const bool accumulate) {
+  constexpr const char* op = "copy_columns";
+  detail::check_tensors(op, {&dst, &src});
+  if (width < 0 || dst_col < 0 || src_col < 0 || dst_col + width > dst_width || src_col + width > src_width) {
+    detail::fail(op, "columns [" + std::to_string(src_col) + ", +" + std::to_string(width) + ") of rows " +
+                         std::to_string(src_width) + " wide into [" + std::to_string(dst_col) + ", +" +
+                         std::to_string(width) + ") of rows " + std::to_string(dst_width) + " wide");
+  }
+  const int64_t R = rows_of(op, "src", src, src_width);
+  detail::check_numel(op, "dst", dst, R * dst_width);
+  detail::dispatch(op, src, [&]<typename S>(auto k) {
+    k.copy_columns(ptr<S>(dst), dst_width, dst_col, ptr<S>(src), src_width, src_col, R, width, accumulate);
+  });
+  detail::round_activations({&dst});
+}
+
 void add_bias_rows(Tensor& y_RW, const Tensor& bias_W) {
   constexpr const char* op = "add_bias_rows";
   detail::check_tensors(op, {&y_RW, &bias_W});

@@ -14,6 +14,11 @@ void split_qkv(Tensor& q_TNd, Tensor& k_TGd, Tensor& v_TGd, const Tensor& qkv_TQ
 void merge_qkv(Tensor& qkv_TQ, const Tensor& q_TNd, const Tensor& k_TGd, const Tensor& v_TGd, int64_t N, int64_t G,
                int64_t d);
 
+// Columns [src_col, src_col + width) of every src_width-wide row of src go to columns [dst_col, dst_col + width) of
+// the same row of dst (dst_width-wide rows, as many): overwritten, or added with accumulate. Splits and joins of
+// per-head sub-vectors ([T, N, a + b] <-> [T, N, a], [T, N, b] as rows of width a + b, a and b).
+void copy_columns(Tensor& dst, int64_t dst_width, int64_t dst_col, const Tensor& src, int64_t src_width,
+                  int64_t src_col, int64_t width, bool accumulate = false);
 void add_bias_rows(Tensor& y_RW, const Tensor& bias_W);     // y_RW += bias_W
 void bias_grad_rows(Tensor& dbias_W, const Tensor& dy_RW);  // dbias_W += column sums (in order, in double)
 

@@ -23,14 +23,27 @@ struct Shape {
   double glu = 1, nrm = 1, bias = 1;
   bool qk_norm = false, shared_gate = false, expert_bias = false, learned_pos = false, untied = false;
   double max_pos = 0;
+  // Multi-latent attention (model/mla_attention.h): q latent (0: none), kv latent, query / key and value head widths,
+  // rope channels.
+  bool mla = false;
+  double q_rank = 0, kv_rank = 0, dqk = 0, dv = 0, dr = 0;
 };
 
 struct Layout : LayoutSizes {
   bool sp = false;  // sequence parallelism in effect (TP > 1)
 };
 
-Shape shape_of(const ModelConfig& c) {
+Shape shape_of(const PlanModel& model) {
+  const ModelConfig& c = model.config;
   Shape s;
+  if (model.mla) {
+    s.mla = true;
+    s.q_rank = static_cast<double>(model.mla->q_lora_rank.value_or(0));
+    s.kv_rank = static_cast<double>(model.mla->kv_lora_rank);
+    s.dr = static_cast<double>(model.mla->qk_pos_emb_head_dim);
+    s.dqk = static_cast<double>(model.mla->qk_head_dim) + s.dr;
+    s.dv = static_cast<double>(model.mla->v_head_dim);
+  }
   s.h = static_cast<double>(c.hidden_size);
   s.n = static_cast<double>(c.num_attention_heads);
   s.g = static_cast<double>(c.num_query_groups);
@@ -59,13 +72,25 @@ struct LayerParams {
   double dense = 0, expert = 0, buffers = 0;
 };
 
+// The attention's parameter elements on one rank (standard or multi-latent).
+double attention_params(const Shape& s, const Layout& l) {
+  if (!s.mla) {
+    double p = (s.n + 2 * s.g) * s.d * (s.h + s.bias) / l.tp;  // linear_qkv
+    if (s.qk_norm) p += 2 * s.nrm * s.d;                       // q / k norms
+    return p + s.h * s.n * s.d / l.tp + s.bias * s.h;          // linear_proj (bias replicated)
+  }
+  // Down projections and latent norms replicated over TP, up projections and linear_proj split by heads.
+  double p = s.q_rank > 0 ? s.q_rank * s.h + s.n * s.dqk * s.q_rank / l.tp : s.n * s.dqk * s.h / l.tp;
+  p += (s.kv_rank + s.dr) * s.h + s.n * (s.dqk - s.dr + s.dv) * s.kv_rank / l.tp;
+  if (s.qk_norm) p += s.nrm * (s.kv_rank + s.q_rank);
+  return p + s.h * s.n * s.dv / l.tp + s.bias * s.h;
+}
+
 LayerParams layer_params(const Shape& s, const Layout& l, const bool moe) {
   LayerParams p;
-  p.dense = s.nrm * s.h;                                     // input norm
-  p.dense += (s.n + 2 * s.g) * s.d * (s.h + s.bias) / l.tp;  // linear_qkv
-  if (s.qk_norm) p.dense += 2 * s.nrm * s.d;                 // q / k norms
-  p.dense += s.h * s.n * s.d / l.tp + s.bias * s.h;          // linear_proj (bias replicated)
-  p.dense += s.nrm * s.h;                                    // pre-MLP norm
+  p.dense = s.nrm * s.h;  // input norm
+  p.dense += attention_params(s, l);
+  p.dense += s.nrm * s.h;  // pre-MLP norm
   if (!moe) {
     p.dense += s.glu * s.f / l.tp * (s.h + s.bias) + s.h * s.f / l.tp + s.bias * s.h;
     return p;
@@ -91,8 +116,18 @@ struct Tokens {
 double attention_saved(const Shape& s, const Layout& l, const Tokens& x) {
   const double nl = s.n / l.tp, gl = s.g / l.tp;
   double a = x.ta * (s.h + s.nrm);  // input norm output + stats
-  if (l.sp) a += x.t * s.h;         // ColumnParallelLinear keeps the all-gathered input
-  a += x.t * (nl + 2 * gl) * s.d;   // q, k, v as core attention sees them
+  if (s.mla) {
+    // The up projections keep their (all-gathered) normed latents, the norms their inputs and statistics; the core
+    // attention q, k (dq + dr wide), v and its output (dv wide), the log-sum-exp.
+    const double latents = s.q_rank + s.kv_rank;
+    a += (l.sp ? x.t : x.ta) * latents;
+    if (s.qk_norm) a += x.ta * latents + x.ta * s.nrm * ((s.q_rank > 0 ? 1 : 0) + 1);
+    if (s.q_rank == 0 && l.sp) a += x.t * s.h;  // linear_q_proj's all-gathered input
+    a += x.t * nl * (2 * s.dqk + 2 * s.dv) + x.t * nl;
+    return a + x.ta * s.h;  // x_mid
+  }
+  if (l.sp) a += x.t * s.h;        // ColumnParallelLinear keeps the all-gathered input
+  a += x.t * (nl + 2 * gl) * s.d;  // q, k, v as core attention sees them
   if (s.qk_norm) a += x.t * ((nl + gl) * s.d + (nl + gl) * s.nrm);
   a += x.t * nl * s.d + x.t * nl;  // core attention output, log-sum-exp
   a += x.ta * s.h;                 // x_mid
@@ -146,7 +181,7 @@ struct Owners {
 MemoryPlan moecore_engine_memory(const PlanArgs& args) {
   const TrainingArgs& t = args.train;
   const ModelConfig& c = args.model.config;
-  const Shape s = shape_of(c);
+  const Shape s = shape_of(args.model);
   const parallel::PipelineLayout pipeline(pipeline_split_flags(t));
   const int pp = pipeline.pipeline_size(), vpp = pipeline.virtual_pipeline_size();
 

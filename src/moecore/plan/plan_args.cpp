@@ -141,21 +141,18 @@ void parse_tokens(Parser& p, const std::vector<std::string>& tokens, const bool 
     } else if (flag == "--multi-latent-attention") {
       switch_only();
       p.mla_on = true;
-    } else if (flag == "--q-lora-rank") {
-      p.mla.q_lora_rank = to_integer(flag, value(), 1, kMaxWidth);
+      p.rest.push_back(flag);  // train builds multi-latent attention too (its memory on --gpu cpu)
+    } else if (flag == "--q-lora-rank" || flag == "--kv-lora-rank" || flag == "--qk-head-dim" ||
+               flag == "--qk-pos-emb-head-dim" || flag == "--v-head-dim") {
+      const std::string text = value();
+      const int64_t number = to_integer(flag, text, flag == "--qk-pos-emb-head-dim" ? 0 : 1, kMaxWidth);
+      if (flag == "--q-lora-rank") p.mla.q_lora_rank = number;
+      if (flag == "--kv-lora-rank") p.mla.kv_lora_rank = number;
+      if (flag == "--qk-head-dim") p.mla.qk_head_dim = number;
+      if (flag == "--qk-pos-emb-head-dim") p.mla.qk_pos_emb_head_dim = number;
+      if (flag == "--v-head-dim") p.mla.v_head_dim = number;
       p.have_mla_field = true;
-    } else if (flag == "--kv-lora-rank") {
-      p.mla.kv_lora_rank = to_integer(flag, value(), 1, kMaxWidth);
-      p.have_mla_field = true;
-    } else if (flag == "--qk-head-dim") {
-      p.mla.qk_head_dim = to_integer(flag, value(), 1, kMaxWidth);
-      p.have_mla_field = true;
-    } else if (flag == "--qk-pos-emb-head-dim") {
-      p.mla.qk_pos_emb_head_dim = to_integer(flag, value(), 0, kMaxWidth);
-      p.have_mla_field = true;
-    } else if (flag == "--v-head-dim") {
-      p.mla.v_head_dim = to_integer(flag, value(), 1, kMaxWidth);
-      p.have_mla_field = true;
+      p.rest.insert(p.rest.end(), {flag, text});
     } else if (flag == "--mtp-num-layers") {
       p.mtp = to_integer(flag, value(), 0, 1 << 16);
     } else if (flag == "--recompute-granularity") {

@@ -189,13 +189,52 @@ const std::vector<FlagSpec>& flag_table() {
      [](TrainingArgs& a, const FlagValue&) { a.model.add_bias_linear = true; }},
     {"--qk-layernorm", Arity::kSwitch, "", "normalize queries and keys per head",
      [](TrainingArgs& a, const FlagValue&) { a.model.qk_layernorm = true; }},
-    {"--position-embedding-type", Arity::kOne, "{learned_absolute,rope,none}", "default learned_absolute",
+    {"--position-embedding-type", Arity::kOne, "{learned_absolute,rope,yarn,none}", "default learned_absolute",
      [](TrainingArgs& a, const FlagValue& v) {
-       const std::string& type = v.choice({"learned_absolute", "rope", "none"}, {"mrope", "relative"});
+       const std::string& type = v.choice({"learned_absolute", "rope", "yarn", "none"}, {"mrope", "relative"});
        a.model.position_embedding_type = type == "rope"   ? PositionEmbedding::kRope
+                                         : type == "yarn" ? PositionEmbedding::kYarn
                                          : type == "none" ? PositionEmbedding::kNone
                                                           : PositionEmbedding::kLearnedAbsolute;
      }},
+    {"--rotary-interleaved", Arity::kSwitch, "", "interleaved rotary layout (not implemented; refused with MLA)",
+     [](TrainingArgs& a, const FlagValue&) { a.rotary_interleaved = true; }},
+    // Multi-latent attention (Megatron's MLATransformerConfig flags and CLI defaults).
+    {"--multi-latent-attention", Arity::kSwitch, "", "DeepSeek-V2/V3 multi-latent attention",
+     [](TrainingArgs& a, const FlagValue&) { a.multi_latent_attention = true; }},
+    {"--q-lora-rank", Arity::kOne, "N", "query latent rank (default: none, queries straight from the hidden state)",
+     [](TrainingArgs& a, const FlagValue& v) { a.mla.q_lora_rank = v.integer_up_to(kMaxWidth); }},
+    {"--kv-lora-rank", Arity::kOne, "N", "key/value latent rank (default 32)",
+     [](TrainingArgs& a, const FlagValue& v) { a.mla.kv_lora_rank = v.integer_up_to(kMaxWidth); }},
+    {"--qk-head-dim", Arity::kOne, "N", "query/key head channels without RoPE (default 128)",
+     [](TrainingArgs& a, const FlagValue& v) { a.mla.qk_head_dim = v.integer_up_to(kMaxWidth); }},
+    {"--qk-pos-emb-head-dim", Arity::kOne, "N", "query/key RoPE channels (default 64)",
+     [](TrainingArgs& a, const FlagValue& v) { a.mla.qk_pos_emb_head_dim = v.integer_up_to(kMaxWidth); }},
+    {"--v-head-dim", Arity::kOne, "N", "value head channels (default 128)",
+     [](TrainingArgs& a, const FlagValue& v) { a.mla.v_head_dim = v.integer_up_to(kMaxWidth); }},
+    {"--rope-type", Arity::kOne, "{rope,yarn}", "rotary embedding of multi-latent attention (default yarn)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.mla.rope_type = v.choice({"rope", "yarn"}) == "rope" ? RopeType::kRope : RopeType::kYarn;
+     }},
+    // YaRN (multi-latent attention's rope, or --position-embedding-type yarn).
+    {"--rotary-scaling-factor", Arity::kOne, "X", "YaRN scaling factor (default 1.0)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.yarn.rotary_scaling_factor = v.real_up_to(1e6); }},
+    {"--mscale", Arity::kOne, "X", "YaRN mscale (default 1.0)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.yarn.mscale = v.real_up_to(1e6); }},
+    {"--mscale-all-dim", Arity::kOne, "X", "YaRN mscale_all_dim (default 0.0)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.yarn.mscale_all_dim = v.real_up_to(1e6); }},
+    {"--yarn-original-max-position-embeddings", Arity::kOne, "N", "YaRN's original context length (default 4096)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.model.yarn.original_max_position_embeddings = v.integer_up_to(kMaxPositions);
+     }},
+    {"--yarn-beta-fast", Arity::kOne, "X", "YaRN beta_fast (default 32)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.yarn.beta_fast = v.real_up_to(1e6); }},
+    {"--yarn-beta-slow", Arity::kOne, "X", "YaRN beta_slow (default 1)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.yarn.beta_slow = v.real_up_to(1e6); }},
+    {"--yarn-correction-range-round-to-int", Arity::kSwitch, "", "round YaRN's ramp ends to integers (default)",
+     [](TrainingArgs& a, const FlagValue&) { a.model.yarn.correction_range_round_to_int = true; }},
+    {"--no-yarn-correction-range-round-to-int", Arity::kSwitch, "", "keep YaRN's ramp ends fractional",
+     [](TrainingArgs& a, const FlagValue&) { a.model.yarn.correction_range_round_to_int = false; }},
     {"--rotary-base", Arity::kOne, "N", "RoPE base (integer, default 10000)",
      [](TrainingArgs& a, const FlagValue& v) { a.model.rotary_base = static_cast<double>(v.integer()); }},
     {"--rotary-percent", Arity::kOne, "X", "fraction of the head dimension rotated by RoPE (default 1.0)",

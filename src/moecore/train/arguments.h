@@ -67,6 +67,9 @@ namespace moecore {
 struct TrainingArgs {
   ModelConfig model;                           // vocab_size stays 0 (see above)
   bool group_query_attention = false;          // --group-query-attention
+  bool multi_latent_attention = false;         // --multi-latent-attention: model.mla = mla
+  MlaConfig mla;                               // --q-lora-rank ... --rope-type, staged until finalize
+  bool rotary_interleaved = false;             // --rotary-interleaved (refused: with MLA as Megatron refuses it)
   int64_t make_vocab_size_divisible_by = 128;  // --make-vocab-size-divisible-by
 
   // Batches and length of training.

@@ -61,6 +61,56 @@ void check_required(const std::set<std::string>& given) {
   require(missing.empty(), "missing required flag(s): " + missing);
 }
 
+// Multi-latent attention and the rotary embeddings (Megatron's MLATransformerConfig and
+// TransformerConfig.__post_init__ checks); moecore refuses the flags Megatron would accept and not use.
+void finalize_attention(TrainingArgs& args, const std::set<std::string>& given) {
+  ModelConfig& model = args.model;
+  const PositionEmbedding position = model.position_embedding_type;
+  if (args.multi_latent_attention) {
+    require(!args.rotary_interleaved, "rotary_interleaved does not work with multi_latent_attention.");
+    require(!args.group_query_attention, "--multi-latent-attention cannot be combined with --group-query-attention");
+    require(!given.contains("--kv-channels"),
+            "--kv-channels is not used by --multi-latent-attention (its heads are --qk-head-dim + "
+            "--qk-pos-emb-head-dim wide for queries and keys, --v-head-dim for values)");
+    require(!given.contains("--q-lora-rank") || args.mla.q_lora_rank > 0, "--q-lora-rank must be positive");
+    require(position != PositionEmbedding::kYarn,
+            "--position-embedding-type yarn does not apply to --multi-latent-attention (its rotary embedding is "
+            "--rope-type; use --position-embedding-type rope)");
+    model.mla = args.mla;
+  } else {
+    for (const char* flag :
+         {"--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--rope-type"}) {
+      require(!given.contains(flag), std::string(flag) + " requires --multi-latent-attention");
+    }
+  }
+  require(!args.rotary_interleaved, "--rotary-interleaved is not implemented yet");
+  const bool mla_yarn = model.mla && model.mla->rope_type == RopeType::kYarn;
+  const bool mla_rope = model.mla && model.mla->rope_type == RopeType::kRope;
+  if (position != PositionEmbedding::kYarn && !mla_yarn) {
+    for (const char* flag : {"--yarn-original-max-position-embeddings", "--yarn-beta-fast", "--yarn-beta-slow",
+                             "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int"}) {
+      require(!given.contains(flag), std::string(flag) +
+                                         " only applies with --position-embedding-type yarn or "
+                                         "--multi-latent-attention's --rope-type yarn");
+    }
+  }
+  for (const char* flag : {"--rotary-scaling-factor", "--mscale", "--mscale-all-dim"}) {
+    require(!given.contains(flag) || position == PositionEmbedding::kYarn || model.mla,
+            std::string(flag) + " only applies with --position-embedding-type yarn or --multi-latent-attention");
+  }
+  // MultiLatentAttention builds YarnRotaryEmbedding without correction_range_round_to_int: always rounded.
+  require(!given.contains("--no-yarn-correction-range-round-to-int") || !model.mla,
+          "--no-yarn-correction-range-round-to-int does not apply to --multi-latent-attention (Megatron's MLA always "
+          "rounds YaRN's correction range)");
+  const bool rotary = position == PositionEmbedding::kRope || position == PositionEmbedding::kYarn || model.mla;
+  require(!given.contains("--rotary-base") || rotary,
+          "--rotary-base only applies with --position-embedding-type rope or yarn, or --multi-latent-attention");
+  // YarnRotaryEmbedding rotates every channel whatever --rotary-percent says.
+  require(!given.contains("--rotary-percent") || position == PositionEmbedding::kRope || mla_rope,
+          "--rotary-percent only applies with --position-embedding-type rope or --multi-latent-attention's "
+          "--rope-type rope");
+}
+
 // Mixture of Experts: Megatron's defaults that depend on other flags, then MoEConfig::validate. Runs after the dense
 // --ffn-hidden-size default (the expert size defaults to it).
 void finalize_moe(TrainingArgs& args, const std::set<std::string>& given) {
@@ -146,11 +196,7 @@ void finalize_model(TrainingArgs& args, const std::set<std::string>& given) {
           "--max-position-embeddings (" + str(model.max_position_embeddings) + ") must be at least --seq-length (" +
               str(model.seq_length) + ")");
 
-  if (model.position_embedding_type != PositionEmbedding::kRope) {
-    for (const char* flag : {"--rotary-base", "--rotary-percent"}) {
-      require(!given.contains(flag), std::string(flag) + " only applies with --position-embedding-type rope");
-    }
-  }
+  finalize_attention(args, given);
 
   finalize_moe(args, given);
 
@@ -208,7 +254,11 @@ void finalize_parallel(TrainingArgs& args, const std::set<std::string>& given) {
   const ModelConfig& model = args.model;
   const int64_t tp = args.tensor_model_parallel_size;
   finalize_context_parallel(args);
-  require(model.num_attention_heads % tp == 0 && model.num_query_groups % tp == 0,
+  // TransformerConfig.__post_init__'s text.
+  require(model.num_attention_heads % tp == 0, "num_attention_heads (" + str(model.num_attention_heads) +
+                                                   ") must be a multiple of tensor_model_parallel_size (" + str(tp) +
+                                                   ").");
+  require(model.num_query_groups % tp == 0,
           "--num-attention-heads (" + str(model.num_attention_heads) + ") and --num-query-groups (" +
               str(model.num_query_groups) + ") must be divisible by --tensor-model-parallel-size (" + str(tp) + ")");
   require(model.ffn_hidden_size % tp == 0, "--ffn-hidden-size (" + str(model.ffn_hidden_size) +
@@ -383,9 +433,21 @@ void finalize_quantization(TrainingArgs& args, const std::set<std::string>& give
     const int64_t tp = args.tensor_model_parallel_size;
     const int64_t swiglu = model.activation == Activation::kSwiGLU ? 2 : 1;
     check("--hidden-size", model.hidden_size);
-    check("the attention's qkv width per tensor-parallel rank", model.qkv_out() / tp);
-    check("the attention's projection width per tensor-parallel rank",
-          model.num_attention_heads * model.kv_channels / tp);
+    if (model.mla) {
+      const MlaConfig& a = *model.mla;
+      const int64_t heads = model.num_attention_heads / tp;
+      if (a.q_lora_rank > 0) check("--q-lora-rank", a.q_lora_rank);
+      check("--kv-lora-rank", a.kv_lora_rank);
+      check("linear_kv_down_proj's width (--kv-lora-rank + --qk-pos-emb-head-dim)",
+            a.kv_lora_rank + a.qk_pos_emb_head_dim);
+      check("the query projection's width per tensor-parallel rank", heads * a.q_head_dim());
+      check("linear_kv_up_proj's width per tensor-parallel rank", heads * (a.qk_head_dim + a.v_head_dim));
+      check("the attention's projection width per tensor-parallel rank", heads * a.v_head_dim);
+    } else {
+      check("the attention's qkv width per tensor-parallel rank", model.qkv_out() / tp);
+      check("the attention's projection width per tensor-parallel rank",
+            model.num_attention_heads * model.kv_channels / tp);
+    }
     check("--ffn-hidden-size per tensor-parallel rank", model.ffn_hidden_size / tp);
     check("fc1's width per tensor-parallel rank", swiglu * model.ffn_hidden_size / tp);
     if (model.moe.enabled()) {

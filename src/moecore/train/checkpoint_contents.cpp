@@ -84,10 +84,22 @@ ModelConfig recorded_model_config(const ShardedCheckpoint& checkpoint) {
   c.activation = flags.boolean("--swiglu") ? Activation::kSwiGLU : Activation::kGelu;
   c.add_bias_linear = flags.boolean("--add-bias-linear");
   c.qk_layernorm = flags.boolean("--qk-layernorm");
-  const std::string position = flags.text("--position-embedding-type", {"rope", "none", "learned_absolute"});
+  const std::string position = flags.text("--position-embedding-type", {"rope", "yarn", "none", "learned_absolute"});
   c.position_embedding_type = position == "rope"   ? PositionEmbedding::kRope
+                              : position == "yarn" ? PositionEmbedding::kYarn
                               : position == "none" ? PositionEmbedding::kNone
                                                    : PositionEmbedding::kLearnedAbsolute;
+  if (recorded_model_flags(checkpoint).contains("--multi-latent-attention") &&
+      flags.boolean("--multi-latent-attention")) {
+    MlaConfig mla;
+    mla.q_lora_rank = flags.size("--q-lora-rank");
+    mla.kv_lora_rank = flags.size("--kv-lora-rank");
+    mla.qk_head_dim = flags.size("--qk-head-dim");
+    mla.qk_pos_emb_head_dim = flags.size("--qk-pos-emb-head-dim");
+    mla.v_head_dim = flags.size("--v-head-dim");
+    mla.rope_type = flags.text("--rope-type", {"rope", "yarn"}) == "rope" ? RopeType::kRope : RopeType::kYarn;
+    c.mla = mla;
+  }
   if (c.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
     c.max_position_embeddings = flags.size("--max-position-embeddings");
   }

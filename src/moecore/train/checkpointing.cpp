@@ -235,28 +235,43 @@ std::string non_persistent_root(const TrainingArgs& args, const std::string& roo
 
 ojson checkpoint_args(const TrainingArgs& a) {
   const ModelConfig& m = a.model;
-  ojson model = {
-      {"--num-layers", m.num_layers},
-      {"--hidden-size", m.hidden_size},
-      {"--ffn-hidden-size", m.ffn_hidden_size},
-      {"--num-attention-heads", m.num_attention_heads},
-      {"--num-query-groups", m.num_query_groups},
-      {"--kv-channels", m.kv_channels},
-      {"--normalization", normalization_name(m.normalization)},
-      {"--swiglu", m.activation == Activation::kSwiGLU},
-      {"--add-bias-linear", m.add_bias_linear},
-      {"--qk-layernorm", m.qk_layernorm},
-      {"--position-embedding-type", m.position_embedding_type == PositionEmbedding::kRope   ? "rope"
-                                    : m.position_embedding_type == PositionEmbedding::kNone ? "none"
-                                                                                            : "learned_absolute"},
-      {"--rotary-base", m.rotary_base},
-      {"--rotary-percent", m.rotary_percent},
-      {"--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights},
-      {"--num-experts", m.moe.num_experts}};
+  ojson model = {{"--num-layers", m.num_layers},
+                 {"--hidden-size", m.hidden_size},
+                 {"--ffn-hidden-size", m.ffn_hidden_size},
+                 {"--num-attention-heads", m.num_attention_heads},
+                 {"--num-query-groups", m.num_query_groups},
+                 {"--kv-channels", m.kv_channels},
+                 {"--normalization", normalization_name(m.normalization)},
+                 {"--swiglu", m.activation == Activation::kSwiGLU},
+                 {"--add-bias-linear", m.add_bias_linear},
+                 {"--qk-layernorm", m.qk_layernorm},
+                 {"--position-embedding-type", to_string(m.position_embedding_type)},
+                 {"--rotary-base", m.rotary_base},
+                 {"--rotary-percent", m.rotary_percent},
+                 {"--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights},
+                 {"--num-experts", m.moe.num_experts}};
   // Recorded only with Multi-Token Prediction, so checkpoints of models without it keep their flags.
   if (m.mtp_num_layers > 0) model["--mtp-num-layers"] = m.mtp_num_layers;
   if (m.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
     model["--max-position-embeddings"] = m.max_position_embeddings;
+  }
+  if (m.mla) {
+    model["--multi-latent-attention"] = true;
+    model["--q-lora-rank"] = m.mla->q_lora_rank;
+    model["--kv-lora-rank"] = m.mla->kv_lora_rank;
+    model["--qk-head-dim"] = m.mla->qk_head_dim;
+    model["--qk-pos-emb-head-dim"] = m.mla->qk_pos_emb_head_dim;
+    model["--v-head-dim"] = m.mla->v_head_dim;
+    model["--rope-type"] = m.mla->rope_type == RopeType::kYarn ? "yarn" : "rope";
+  }
+  if (m.mla || m.position_embedding_type == PositionEmbedding::kYarn) {
+    model["--rotary-scaling-factor"] = m.yarn.rotary_scaling_factor;
+    model["--mscale"] = m.yarn.mscale;
+    model["--mscale-all-dim"] = m.yarn.mscale_all_dim;
+    model["--yarn-original-max-position-embeddings"] = m.yarn.original_max_position_embeddings;
+    model["--yarn-beta-fast"] = m.yarn.beta_fast;
+    model["--yarn-beta-slow"] = m.yarn.beta_slow;
+    model["--yarn-correction-range-round-to-int"] = m.yarn.correction_range_round_to_int;
   }
   if (m.moe.enabled()) {
     std::string pattern;
@@ -369,10 +384,10 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
                           value.dump() + " (model flags must match; parallel and batch sizes may change)");
       }
     }
-    for (const auto& [flag, value] : saved.items()) {  // a recorded flag this run does not have (e.g. MTP off)
+    for (const auto& [flag, value] : saved.items()) {
       if (!mine.contains(flag)) {
         throw ConfigError("checkpoint " + plan.dir + " was saved with " + flag + " " + value.dump() +
-                          ", this run has (absent) (model flags must match; parallel and batch sizes may change)");
+                          ", this run has none (model flags must match; parallel and batch sizes may change)");
       }
     }
     const std::optional<StoredTensorInfo> embedding = ckpt.info("embedding.word_embeddings.weight");

@@ -18,7 +18,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--relative-attention-num-buckets",
     "--relative-attention-max-distance",
     "--use-rotary-position-embeddings",
-    "--rotary-interleaved",
     "--rotary-seq-len-interpolation-factor",
     "--use-rope-scaling",
     "--rope-scaling-factor",
@@ -33,7 +32,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--glu-linear-offset",
     "--onnx-safe",
     "--bert-no-binary-head",
-    "--multi-latent-attention",
     // regularization / optimizer variants
     "--sgd-momentum",
     "--muon-momentum",
@@ -88,7 +86,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--use-fused-weighted-squared-relu",
     "--no-bias-dropout-fusion",
     "--no-rope-fusion",
-    "--rope-type",
     "--cross-entropy-loss-fusion",
     "--cross-entropy-fusion-impl",
     "--use-flash-attn",
@@ -269,15 +266,7 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--overlap-moe-expert-parallel-comm",
     "--delay-wgrad-compute",
     "--moe-pad-experts-for-cuda-graph-inference",
-    // multi-latent attention
-    "--q-lora-rank",
-    "--kv-lora-rank",
-    "--qk-head-dim",
-    "--qk-pos-emb-head-dim",
-    "--v-head-dim",
-    "--rotary-scaling-factor",
-    "--mscale",
-    "--mscale-all-dim",
+    // multi-latent attention (inference)
     "--cache-mla-latents",
     // transformer engine, fp8 / fp4
     "--fp8-quantizer-factory",

@@ -105,6 +105,15 @@ FlopsShape flops_shape(const ModelConfig& config) {
     shape.shared_expert_intermediate_size = config.moe.shared_expert_intermediate_size;
   }
   shape.padded_vocab_size = config.vocab_size;
+  if (config.mla) {
+    FlopsMlaShape mla;
+    if (config.mla->q_lora_rank > 0) mla.q_lora_rank = config.mla->q_lora_rank;
+    mla.kv_lora_rank = config.mla->kv_lora_rank;
+    mla.qk_head_dim = config.mla->qk_head_dim;
+    mla.qk_pos_emb_head_dim = config.mla->qk_pos_emb_head_dim;
+    mla.v_head_dim = config.mla->v_head_dim;
+    shape.mla = mla;
+  }
   shape.mtp_num_layers = config.mtp_num_layers;
   return shape;
 }

@@ -48,8 +48,8 @@ struct FlopsShape {
 // out of range).
 double num_floating_point_operations(const FlopsShape& shape, double tokens, double seqlen_squared_sum);
 
-// The shape of a model moecore trains: GQA / MHA attention, no MLA, no MTP; moe_ffn_hidden_size already falls back
-// to ffn_hidden_size when --moe-ffn-hidden-size is unset.
+// The shape of a model moecore trains (GQA / MHA or multi-latent attention, MTP depths); moe_ffn_hidden_size
+// already falls back to ffn_hidden_size when --moe-ffn-hidden-size is unset.
 FlopsShape flops_shape(const ModelConfig& config);
 
 }  // namespace moecore

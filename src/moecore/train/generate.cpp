@@ -4,9 +4,11 @@
 #include <cmath>
 #include <numeric>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 
+#include "moecore/model/kv_cache.h"
 #include "moecore/model/norm_overflow.h"
 #include "moecore/tensor/finite_check.h"
 #include "moecore/tensor/rng.h"
@@ -59,15 +61,46 @@ void check_prompt(const GPTModel& model, const std::span<const int32_t> prompt) 
   }
 }
 
+namespace {
+
+// The logits of the next token after `context` (the window's tokens), one step of generation: through the cache
+// (only the tokens it does not hold yet run) or by re-running the whole window. window_start is the window's first
+// index in the whole text; when it moves, every position changes and the cache starts over.
+class NextTokenLogits {
+ public:
+  NextTokenLogits(GPTModel& model, const bool use_cache) : model_(model) {
+    if (use_cache && kv_cache_unsupported_reason(model).empty()) {
+      cache_.emplace(model.config(), model.config().seq_length);
+    }
+  }
+
+  Tensor operator()(const std::span<const int32_t> window, const int64_t window_start) {
+    if (!cache_) return model_.last_logits(window.data(), 1, static_cast<int64_t>(window.size()));
+    if (window_start != cache_start_) {
+      cache_->clear();
+      cache_start_ = window_start;
+    }
+    return model_.decode_logits(*cache_, window.subspan(static_cast<size_t>(cache_->length())));
+  }
+
+ private:
+  GPTModel& model_;
+  std::optional<KvCache> cache_;
+  int64_t cache_start_ = 0;
+};
+
+}  // namespace
+
 std::vector<int32_t> generate(GPTModel& model, std::vector<int32_t> prompt, const SamplingOptions& options,
                               const std::function<void(int32_t)>& on_token) {
   check_prompt(model, prompt);
   const int64_t context = model.config().seq_length;
   const CounterRng rng(options.seed, stream_key("generate"));
+  NextTokenLogits next_logits(model, options.kv_cache);
   for (int64_t step = 0; step < options.max_new_tokens; ++step) {
     const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(prompt.size()) - context);
-    const int64_t length = static_cast<int64_t>(prompt.size()) - start;
-    const Tensor logits_BV = model.last_logits(prompt.data() + start, 1, length);
+    const std::span<const int32_t> window(prompt.data() + start, prompt.size() - static_cast<size_t>(start));
+    const Tensor logits_BV = next_logits(window, start);
     // A norm whose sum of squares overflowed outputs zeros: finite logits that ignore the prompt.
     if (const std::optional<NormOverflow> overflow = model.take_norm_overflow()) {
       throw std::runtime_error(describe_norm_overflow(*overflow) + " at generation step " + std::to_string(step + 1) +

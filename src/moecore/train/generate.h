@@ -17,6 +17,10 @@ struct SamplingOptions {
   uint64_t seed = 1234;
   int64_t vocab_limit = 0;  // ids >= this (vocabulary padding) are never produced; 0 = no limit
   int32_t stop_token = -1;  // stop after producing it; -1 = never
+  // Keep a key / value cache (model/kv_cache.h) so each new token runs as one position; false: re-run the whole
+  // context for every token (the reference the cache is tested against). Either gives the same tokens. Models the
+  // cache cannot serve exactly (kv_cache_unsupported_reason) always re-run the context.
+  bool kv_cache = true;
 };
 
 // std::invalid_argument when the prompt is empty, longer than the model's context (--seq-length; Megatron's
@@ -24,8 +28,10 @@ struct SamplingOptions {
 void check_prompt(const GPTModel& model, std::span<const int32_t> prompt);
 
 // Appends up to max_new_tokens ids to `prompt` (checked by check_prompt). Once the prompt and the new tokens outgrow
-// the model's --seq-length, the context is its most recent tokens. on_token, if set, is called with each new id as it
-// is produced.
+// the model's --seq-length, the context is its most recent tokens, at positions 0.. of the window. on_token, if set,
+// is called with each new id as it is produced. With the cache the prompt is one prefill, then each token one
+// position; once the window slides every position changes, so each further token re-prefills the window (exact, and
+// as costly as the re-run).
 std::vector<int32_t> generate(GPTModel& model, std::vector<int32_t> prompt, const SamplingOptions& options,
                               const std::function<void(int32_t)>& on_token = {});
 

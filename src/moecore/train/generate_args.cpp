@@ -36,7 +36,7 @@ T parse_number(const std::string& flag, const std::string& text) {
 
 std::string generate_usage() {
   return "usage: moecore generate --load DIR (--prompt TEXT | --prompt-file PATH) [--max-new-tokens N]\n"
-         "                        [--temperature T] [--top-k K] [--seed N]\n"
+         "                        [--temperature T] [--top-k K] [--seed N] [--no-kv-cache]\n"
          "                        [--tokenizer-type GPT2BPETokenizer --vocab-file F --merge-file F |\n"
          "                         --tokenizer-type NullTokenizer --vocab-size N]\n";
 }
@@ -59,6 +59,8 @@ GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
   };
   std::vector<std::string> known;
   for (const auto& [name, setter] : setters) known.push_back(name);
+  constexpr const char* kNoKvCache = "--no-kv-cache";  // the one switch (no value)
+  known.push_back(kNoKvCache);
   for (size_t i = 0; i < args.size(); ++i) {
     std::string flag = args[i];
     if (flag == "-h" || flag == "--help") {
@@ -71,6 +73,11 @@ GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
       value = flag.substr(eq + 1);
       flag = flag.substr(0, eq);
       has_value = true;
+    }
+    if (flag == kNoKvCache) {
+      if (has_value) throw ConfigError(flag + " takes no value");
+      out.kv_cache = false;
+      continue;
     }
     const auto it = setters.find(flag);
     if (it == setters.end()) {

@@ -6,6 +6,8 @@
 //   --temperature T          0 = greedy (default); > 0 samples from softmax(logits / T); finite
 //   --top-k K                sample among the K most likely tokens (0 = all; at most the vocabulary)
 //   --seed N                 sampling seed (default 1234)
+//   --no-kv-cache            re-run the whole context for every new token instead of keeping a key / value cache
+//                            (the reference the cache is checked against; the same tokens, slower)
 //   --tokenizer-type, --vocab-file, --merge-file
 //                            the tokenizer; default GPT2BPETokenizer with DIR/vocab.json and DIR/merges.txt
 #pragma once
@@ -27,6 +29,7 @@ struct GenerateArgs {
   double temperature = 0.0;
   int64_t top_k = 0;
   uint64_t seed = 1234;
+  bool kv_cache = true;  // false: --no-kv-cache
   std::string tokenizer_type = "GPT2BPETokenizer";
   std::string vocab_file;             // default DIR/vocab.json
   std::string merge_file;             // default DIR/merges.txt

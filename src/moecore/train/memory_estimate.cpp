@@ -18,15 +18,45 @@ struct ParameterCounts {
   double experts = 0;  // split over expert and expert-tensor parallelism
 };
 
+// The attention's parameters: standard (fused qkv, optional q/k norms) or multi-latent (model/mla_attention.h).
+double attention_parameters(const ModelConfig& m) {
+  const double h = static_cast<double>(m.hidden_size), n = static_cast<double>(m.num_attention_heads);
+  const double bias = m.add_bias_linear ? 1.0 : 0.0;
+  const double norm = m.normalization == Normalization::kLayerNorm ? 2.0 : 1.0;
+  if (!m.mla) {
+    const double width = n * static_cast<double>(m.kv_channels);
+    const double qk_norms = m.qk_layernorm ? 2.0 * norm * static_cast<double>(m.kv_channels) : 0.0;
+    return static_cast<double>(m.qkv_out()) * (h + bias) + h * width + bias * h + qk_norms;
+  }
+  const MlaConfig& a = *m.mla;
+  const double q_rank = static_cast<double>(a.q_lora_rank), kv_rank = static_cast<double>(a.kv_lora_rank);
+  const double dqk = static_cast<double>(a.q_head_dim()), dv = static_cast<double>(a.v_head_dim);
+  double count = a.q_lora_rank > 0 ? q_rank * h + n * dqk * q_rank : n * dqk * h;
+  count += (kv_rank + static_cast<double>(a.qk_pos_emb_head_dim)) * h;
+  count += n * (static_cast<double>(a.qk_head_dim) + dv) * kv_rank + h * n * dv + bias * h;
+  if (m.qk_layernorm) count += norm * (kv_rank + (a.q_lora_rank > 0 ? q_rank : 0.0));
+  return count;
+}
+
+// Floats the attention keeps per token for backward (its GEMM inputs, core-attention inputs and output).
+double attention_activation_floats(const ModelConfig& m) {
+  const double h = static_cast<double>(m.hidden_size), n = static_cast<double>(m.num_attention_heads);
+  if (!m.mla) {
+    return static_cast<double>(m.qkv_out()) + n * static_cast<double>(m.kv_channels);
+  }
+  const MlaConfig& a = *m.mla;
+  const double dqk = static_cast<double>(a.q_head_dim()), dv = static_cast<double>(a.v_head_dim);
+  const double latents = 2.0 * static_cast<double>(a.q_lora_rank + a.kv_lora_rank);  // up inputs (+ pre-norm)
+  return h + latents + 2.0 * n * dqk + 2.0 * n * dv;
+}
+
 // One decoder layer's parameters, from the shapes in ARCHITECTURE.md's parameter table.
 ParameterCounts layer_parameters(const ModelConfig& m, const bool moe_layer) {
   const double h = static_cast<double>(m.hidden_size);
   const double bias = m.add_bias_linear ? 1.0 : 0.0;
   const double norm = m.normalization == Normalization::kLayerNorm ? 2.0 : 1.0;
-  const double attention_width = static_cast<double>(m.num_attention_heads * m.kv_channels);
   ParameterCounts counts;
-  counts.dense = static_cast<double>(m.qkv_out()) * (h + bias) + h * attention_width + bias * h + 2.0 * norm * h;
-  if (m.qk_layernorm) counts.dense += 2.0 * norm * static_cast<double>(m.kv_channels);
+  counts.dense = attention_parameters(m) + 2.0 * norm * h;
   const double glu = m.activation == Activation::kSwiGLU ? 2.0 : 1.0;
   const auto mlp = [&](const double width) { return glu * width * (h + bias) + h * width + bias * h; };
   if (!moe_layer) {
@@ -45,8 +75,7 @@ ParameterCounts layer_parameters(const ModelConfig& m, const bool moe_layer) {
 // lower estimate: the attention keeps its log-sum-exp, never the S x S probabilities.
 double layer_activation_floats(const ModelConfig& m, const bool moe_layer) {
   const double h = static_cast<double>(m.hidden_size);
-  const double attention_width = static_cast<double>(m.num_attention_heads * m.kv_channels);
-  double floats = 4.0 * h + static_cast<double>(m.qkv_out()) + attention_width;
+  double floats = 4.0 * h + attention_activation_floats(m);
   const double glu = m.activation == Activation::kSwiGLU ? 2.0 : 1.0;
   if (!moe_layer) return floats + (glu + 1.0) * static_cast<double>(m.ffn_hidden_size);
   const MoEConfig& moe = m.moe;

@@ -85,7 +85,7 @@ void check_save_folder_model(const TrainingArgs& args) {
   for (const auto& [flag, value] : saved.items()) {  // a recorded flag this run does not have (e.g. MTP off)
     if (!mine.contains(flag)) {
       throw ConfigError("--save " + args.save + " holds another model's checkpoint: iteration " + str(*tracked) +
-                        " was saved with " + flag + " " + value.dump() + ", this run has (absent)" + override_hint);
+                        " was saved with " + flag + " " + value.dump() + ", this run has none" + override_hint);
     }
   }
 }

@@ -1,11 +1,11 @@
 // Fast causal GQA attention, flash-style (Dao, "FlashAttention-2", 2023, algorithms 1 and 2): a task takes a block
-// of query rows of every head of one kv group (the heads share each K/V tile, read in place from the [S, B, G, d]
-// tensors), walks the keys up to the diagonal in tiles that stay in cache, and keeps an online softmax (running row
-// max and sum, the output accumulator rescaled when the max grows), so no [rows, S] tile is ever formed. Tiles above
-// the diagonal are skipped; the block's own keys, where the mask cuts, go in narrow tiles against only the rows that
-// see them. Backward recomputes the probabilities of each tile from the saved lse. Products are single-threaded GEMMs
-// (gemm.h) inside OpenMP loops; the element-wise loops (vectorised exp, fast_exp.h; the dropout mask's Philox) are
-// compiled per vector ISA (vector_isa.h).
+// of query rows of every head of one kv group (the heads share each K/V tile, read in place from the [Sk, B, G, d]
+// and [Sk, B, G, dv] tensors), walks the keys up to the diagonal in tiles that stay in cache, and keeps an online
+// softmax (running row max and sum, the output accumulator rescaled when the max grows), so no [rows, S] tile is ever
+// formed. Tiles above the diagonal are skipped; the block's own keys, where the mask cuts, go in narrow tiles against
+// only the rows that see them. Backward recomputes the probabilities of each tile from the saved lse. Products are
+// single-threaded GEMMs (gemm.h) inside OpenMP loops; the element-wise loops (vectorised exp, fast_exp.h; the dropout
+// mask's Philox) are compiled per vector ISA (vector_isa.h).
 //
 // Every output element is a fixed sequence of tile operations whatever the thread count: a task owns its outputs
 // (forward: its query rows; backward: dK, dV of its key tile or all tiles of its group, dQ of its query block), and
@@ -126,7 +126,8 @@ struct BlockLayout {
   std::vector<int32_t> q_docs, k_docs;
 };
 
-// Strides and offsets of the [S, B, N, d] / [Sk, B, G, d] layouts, the blocking, and the general path's indices.
+// Strides and offsets of the [S, B, N, d] / [Sk, B, G, d] layouts (q, k; out and v have dv channels), the blocking,
+// and the general path's indices.
 struct Geometry {
   Geometry(const AttentionDims& dims, const BlockLayout& layout)
       : S(dims.S),
@@ -135,9 +136,11 @@ struct Geometry {
         N(dims.N),
         G(dims.G),
         d(dims.head_dim),
+        dv(detail::value_dim(dims)),
         heads_per_group(dims.N / dims.G),
         ld_q(dims.B * dims.N * dims.head_dim),
         ld_kv(dims.B * dims.G * dims.head_dim),
+        ld_v(dims.B * dims.G * dv),
         block_rows(std::clamp<int64_t>(std::bit_floor(static_cast<uint64_t>(kPackedRows / heads_per_group)),
                                        kMinBlockRows, kMaxBlockRows)),
         diagonal_tile(std::min(block_rows, kDiagonalTile)),
@@ -153,9 +156,11 @@ struct Geometry {
         k_run_end(layout.k_run_end) {}
   int64_t q_offset(int64_t i, int64_t b, int64_t h) const { return ((i * B + b) * N + h) * d; }
   int64_t kv_offset(int64_t j, int64_t b, int64_t g) const { return ((j * B + b) * G + g) * d; }
-  int64_t row_offset(int64_t b, int64_t h) const { return (b * N + h) * S; }  // into lse_BNS
+  int64_t out_offset(int64_t i, int64_t b, int64_t h) const { return ((i * B + b) * N + h) * dv; }  // out, dout
+  int64_t v_offset(int64_t j, int64_t b, int64_t g) const { return ((j * B + b) * G + g) * dv; }    // v, dv
+  int64_t row_offset(int64_t b, int64_t h) const { return (b * N + h) * S; }                        // into lse_BNS
   int64_t n_query_blocks() const { return (S + block_rows - 1) / block_rows; }
-  bool parallel() const { return S * Sk * B * N * d > kParallelWork; }
+  bool parallel() const { return S * Sk * B * N * (d + dv) / 2 > kParallelWork; }
   int64_t q_pos(int64_t i) const { return general ? q_index[i] : i; }
   // Key row j (general path) is visible to query row i of batch row b.
   bool sees(int64_t b, int64_t i, int64_t j) const {
@@ -169,8 +174,8 @@ struct Geometry {
            static_cast<uint64_t>(dropout_len);
   }
 
-  int64_t S, Sk, B, N, G, d, heads_per_group, ld_q, ld_kv, block_rows, diagonal_tile, packed_rows, dropout_heads,
-      dropout_head_offset, dropout_len;
+  int64_t S, Sk, B, N, G, d, dv, heads_per_group, ld_q, ld_kv, ld_v, block_rows, diagonal_tile, packed_rows,
+      dropout_heads, dropout_head_offset, dropout_len;
   bool general;  // block attention: the masks come from q_index, k_index and the documents
   const int64_t *q_index, *k_index;
   const int32_t *q_doc_BS, *k_doc_BS;
@@ -461,13 +466,13 @@ void for_each_key_tile(const Geometry& geo, const Block& blk, int64_t tile, F&& 
   }
 }
 
-// Copies the block's rows of a [S, B, N, d] tensor into x_Md ([block.rows, d]): each query position's heads of the
-// group are one contiguous run of hpg * d values.
+// Copies the block's rows of a [S, B, N, width] tensor into x_Md ([block.rows, width]): each query position's heads
+// of the group are one contiguous run of hpg * width values.
 template <typename T>
-void pack_rows(T* x_Md, const T* x_SBNd, const Geometry& geo, const Block& blk) {
-  const int64_t run = blk.hpg * geo.d;
+void pack_rows(T* x_Md, const T* x_SBNd, const int64_t width, const Geometry& geo, const Block& blk) {
+  const int64_t run = blk.hpg * width;
   for (int64_t i = blk.i0; i < blk.i1; ++i) {
-    std::memcpy(x_Md + (i - blk.i0) * run, x_SBNd + geo.q_offset(i, blk.b, blk.h0), sizeof(T) * run);
+    std::memcpy(x_Md + (i - blk.i0) * run, x_SBNd + ((i * geo.B + blk.b) * geo.N + blk.h0) * width, sizeof(T) * run);
   }
 }
 
@@ -522,8 +527,8 @@ MOECORE_VECTOR_CLONES void forward_tile(T* s_MC, T* m_M, T* l_M, T* o_Md, const 
     }
     if ((j0 > 0 || geo.general) && row_max != m_M[p]) {
       const T rescale = exp_of(m_M[p] - row_max);
-      T* o_row = o_Md + p * geo.d;
-      for (int64_t c = 0; c < geo.d; ++c) o_row[c] *= rescale;
+      T* o_row = o_Md + p * geo.dv;
+      for (int64_t c = 0; c < geo.dv; ++c) o_row[c] *= rescale;
       l_M[p] = l_M[p] * rescale + sum;
     } else {
       l_M[p] += sum;
@@ -532,21 +537,21 @@ MOECORE_VECTOR_CLONES void forward_tile(T* s_MC, T* m_M, T* l_M, T* o_Md, const 
   }
 }
 
-// out = o / l (times 1 / (1 - p) under dropout), lse = m + log(l), into the [S, B, N, d] and [B, N, S] outputs; a
+// out = o / l (times 1 / (1 - p) under dropout), lse = m + log(l), into the [S, B, N, dv] and [B, N, S] outputs; a
 // row that saw no key (l = 0, general path only) gets out = 0, lse = -inf.
 template <typename T>
 MOECORE_VECTOR_CLONES void forward_finish(T* out_SBNd, T* lse_BNS, const T* o_Md, const T* m_M, const T* l_M,
                                           const Geometry& geo, const Block& blk, const MaskStream& mask) {
   for (int64_t p = 0; p < blk.rows; ++p) {
     if (l_M[p] == T(0)) {
-      std::fill_n(out_SBNd + geo.q_offset(blk.query(p), blk.b, blk.head(p)), geo.d, T(0));
+      std::fill_n(out_SBNd + geo.out_offset(blk.query(p), blk.b, blk.head(p)), geo.dv, T(0));
       lse_BNS[geo.row_offset(blk.b, blk.head(p)) + blk.query(p)] = -std::numeric_limits<T>::infinity();
       continue;
     }
     const T inv = static_cast<T>(mask.keep_scale / static_cast<double>(l_M[p]));
-    const T* o_row = o_Md + p * geo.d;
-    T* out_row = out_SBNd + geo.q_offset(blk.query(p), blk.b, blk.head(p));
-    for (int64_t c = 0; c < geo.d; ++c) out_row[c] = o_row[c] * inv;
+    const T* o_row = o_Md + p * geo.dv;
+    T* out_row = out_SBNd + geo.out_offset(blk.query(p), blk.b, blk.head(p));
+    for (int64_t c = 0; c < geo.dv; ++c) out_row[c] = o_row[c] * inv;
     lse_BNS[geo.row_offset(blk.b, blk.head(p)) + blk.query(p)] =
         static_cast<T>(static_cast<double>(m_M[p]) + std::log(static_cast<double>(l_M[p])));
   }
@@ -554,31 +559,31 @@ MOECORE_VECTOR_CLONES void forward_finish(T* out_SBNd, T* lse_BNS, const T* o_Md
 
 template <typename T>
 struct ForwardScratch {
-  static int64_t size(const Geometry& geo) { return geo.packed_rows * (2 * geo.d + kKeyTileForward + 2); }
+  static int64_t size(const Geometry& geo) { return geo.packed_rows * (geo.d + geo.dv + kKeyTileForward + 2); }
   ForwardScratch(T* base, const Geometry& geo)
       : q_Md(base),
         o_Md(q_Md + geo.packed_rows * geo.d),
-        s_MC(o_Md + geo.packed_rows * geo.d),
+        s_MC(o_Md + geo.packed_rows * geo.dv),
         m_M(s_MC + geo.packed_rows * kKeyTileForward),
         l_M(m_M + geo.packed_rows) {}
-  T *q_Md, *o_Md, *s_MC, *m_M, *l_M;
+  T *q_Md, *o_Md, *s_MC, *m_M, *l_M;  // o_Md: [packed rows, dv]
 };
 
 template <typename T>
 void forward_block(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd, const T* v_SBGd, const Geometry& geo,
                    double scale, const MaskStream& mask, const Block& blk, ForwardScratch<T>& sc) {
-  pack_rows(sc.q_Md, q_SBNd, geo, blk);
+  pack_rows(sc.q_Md, q_SBNd, geo.d, geo, blk);
   std::fill(sc.m_M, sc.m_M + blk.rows, -std::numeric_limits<T>::infinity());
   std::fill(sc.l_M, sc.l_M + blk.rows, T(0));
-  if (geo.general) std::fill(sc.o_Md, sc.o_Md + blk.rows * geo.d, T(0));  // its first tile need not be key 0's
+  if (geo.general) std::fill(sc.o_Md, sc.o_Md + blk.rows * geo.dv, T(0));  // its first tile need not be key 0's
   for_each_key_tile(geo, blk, kKeyTileForward, [&](const KeyTile& tile) {
     const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
     T* s_MC = sc.s_MC + tile.p0 * tile.cols;
     gemm_rm(false, true, rows, tile.cols, geo.d, static_cast<T>(scale), sc.q_Md + tile.p0 * geo.d, geo.d,
             k_SBGd + kv_off, geo.ld_kv, T(0), s_MC, tile.cols);
     forward_tile(sc.s_MC, sc.m_M, sc.l_M, sc.o_Md, geo, blk, tile, mask);
-    gemm_rm(false, false, rows, geo.d, tile.cols, T(1), s_MC, tile.cols, v_SBGd + kv_off, geo.ld_kv,
-            T(tile.j0 == 0 && !geo.general ? 0 : 1), sc.o_Md + tile.p0 * geo.d, geo.d);
+    gemm_rm(false, false, rows, geo.dv, tile.cols, T(1), s_MC, tile.cols, v_SBGd + geo.v_offset(tile.j0, blk.b, blk.g),
+            geo.ld_v, T(tile.j0 == 0 && !geo.general ? 0 : 1), sc.o_Md + tile.p0 * geo.dv, geo.dv);
   });
   forward_finish(out_SBNd, lse_BNS, sc.o_Md, sc.m_M, sc.l_M, geo, blk, mask);
 }
@@ -639,24 +644,24 @@ MOECORE_VECTOR_CLONES void backward_tile(T* pd_MC, T* ds_MC, const T* lse_M, con
 
 template <typename T>
 struct BackwardScratch {
-  static int64_t size(const Geometry& geo) { return geo.packed_rows * (3 * geo.d + 2 * kKeyTileBackward + 2); }
+  static int64_t size(const Geometry& geo) { return geo.packed_rows * (2 * geo.d + geo.dv + 2 * kKeyTileBackward + 2); }
   BackwardScratch(T* base, const Geometry& geo)
       : q_Md(base),
         dout_Md(q_Md + geo.packed_rows * geo.d),
-        dq_Md(dout_Md + geo.packed_rows * geo.d),
+        dq_Md(dout_Md + geo.packed_rows * geo.dv),
         pd_MC(dq_Md + geo.packed_rows * geo.d),
         ds_MC(pd_MC + geo.packed_rows * kKeyTileBackward),
         lse_M(ds_MC + geo.packed_rows * kKeyTileBackward),
         delta_M(lse_M + geo.packed_rows) {}
-  T *q_Md, *dout_Md, *dq_Md, *pd_MC, *ds_MC, *lse_M, *delta_M;
+  T *q_Md, *dout_Md, *dq_Md, *pd_MC, *ds_MC, *lse_M, *delta_M;  // dout_Md: [packed rows, dv]
 };
 
 // Packs q, dout, lse and delta of a block (and zeroes its dq on the general path, where its first tile need not
 // be key 0's).
 template <typename T>
 void load_block(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block& blk) {
-  pack_rows(sc.q_Md, in.q, in.geo, blk);
-  pack_rows(sc.dout_Md, in.dout, in.geo, blk);
+  pack_rows(sc.q_Md, in.q, in.geo.d, in.geo, blk);
+  pack_rows(sc.dout_Md, in.dout, in.geo.dv, in.geo, blk);
   if (in.geo.general) std::fill(sc.dq_Md, sc.dq_Md + blk.rows * in.geo.d, T(0));
   for (int64_t p = 0; p < blk.rows; ++p) {
     const int64_t at = in.geo.row_offset(blk.b, blk.head(p)) + blk.query(p);
@@ -672,8 +677,8 @@ void compute_tile(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Blo
   const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
   gemm_rm(false, true, rows, tile.cols, geo.d, static_cast<T>(in.scale), sc.q_Md + tile.p0 * geo.d, geo.d,
           in.k + kv_off, geo.ld_kv, T(0), sc.pd_MC + tile.p0 * tile.cols, tile.cols);
-  gemm_rm(false, true, rows, tile.cols, geo.d, T(1), sc.dout_Md + tile.p0 * geo.d, geo.d, in.v + kv_off, geo.ld_kv,
-          T(0), sc.ds_MC + tile.p0 * tile.cols, tile.cols);
+  gemm_rm(false, true, rows, tile.cols, geo.dv, T(1), sc.dout_Md + tile.p0 * geo.dv, geo.dv,
+          in.v + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v, T(0), sc.ds_MC + tile.p0 * tile.cols, tile.cols);
   backward_tile(sc.pd_MC, sc.ds_MC, sc.lse_M, sc.delta_M, in, blk, tile);
 }
 
@@ -683,8 +688,8 @@ void accumulate_dk_dv(T* dk_SBGd, T* dv_SBGd, const BackwardScratch<T>& sc, cons
                       const Block& blk, const KeyTile& tile) {
   const Geometry& geo = in.geo;
   const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
-  gemm_rm(true, false, tile.cols, geo.d, rows, T(1), sc.pd_MC + tile.p0 * tile.cols, tile.cols,
-          sc.dout_Md + tile.p0 * geo.d, geo.d, T(1), dv_SBGd + kv_off, geo.ld_kv);
+  gemm_rm(true, false, tile.cols, geo.dv, rows, T(1), sc.pd_MC + tile.p0 * tile.cols, tile.cols,
+          sc.dout_Md + tile.p0 * geo.dv, geo.dv, T(1), dv_SBGd + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v);
   gemm_rm(true, false, tile.cols, geo.d, rows, T(1), sc.ds_MC + tile.p0 * tile.cols, tile.cols,
           sc.q_Md + tile.p0 * geo.d, geo.d, T(1), dk_SBGd + kv_off, geo.ld_kv);
 }
@@ -791,10 +796,10 @@ template <typename T>
 MOECORE_VECTOR_CLONES void row_dots(T* delta_BNS, const T* dout_SBNd, const T* out_SBNd, const Geometry& geo,
                                     int64_t i) {
   for (int64_t bh = 0; bh < geo.B * geo.N; ++bh) {
-    const T* dout_row = dout_SBNd + (i * geo.B * geo.N + bh) * geo.d;
-    const T* out_row = out_SBNd + (i * geo.B * geo.N + bh) * geo.d;
+    const T* dout_row = dout_SBNd + (i * geo.B * geo.N + bh) * geo.dv;
+    const T* out_row = out_SBNd + (i * geo.B * geo.N + bh) * geo.dv;
     double dot = 0.0;
-    for (int64_t c = 0; c < geo.d; ++c) dot += static_cast<double>(dout_row[c]) * static_cast<double>(out_row[c]);
+    for (int64_t c = 0; c < geo.dv; ++c) dot += static_cast<double>(dout_row[c]) * static_cast<double>(out_row[c]);
     delta_BNS[bh * geo.S + i] = static_cast<T>(dot);
   }
 }
@@ -803,7 +808,7 @@ MOECORE_VECTOR_CLONES void row_dots(T* delta_BNS, const T* dout_SBNd, const T* o
 template <typename T>
 MOECORE_VECTOR_CLONES void merge_position(T* out_SBNd, T* lse_BNS, const T* part_out_SBNd, const T* part_lse_BNS,
                                           const AttentionDims& dims, const int64_t i) {
-  const int64_t S = dims.S, BN = dims.B * dims.N, d = dims.head_dim;
+  const int64_t S = dims.S, BN = dims.B * dims.N, d = detail::value_dim(dims);
   constexpr double kMinusInf = -std::numeric_limits<double>::infinity();
   for (int64_t bh = 0; bh < BN; ++bh) {
     const double a = static_cast<double>(lse_BNS[bh * S + i]), p = static_cast<double>(part_lse_BNS[bh * S + i]);
@@ -871,7 +876,7 @@ template <typename T>
 void attention_merge(T* out_SBNd, T* lse_BNS, const T* part_out_SBNd, const T* part_lse_BNS,
                      const AttentionDims& dims) {
   detail::check_merge_args(dims, "attention_merge");
-#pragma omp parallel for schedule(static) if (dims.S * dims.B * dims.N * dims.head_dim > (int64_t{1} << 16))
+#pragma omp parallel for schedule(static) if (dims.S * dims.B * dims.N * detail::value_dim(dims) > (int64_t{1} << 16))
   for (int64_t i = 0; i < dims.S; ++i) merge_position(out_SBNd, lse_BNS, part_out_SBNd, part_lse_BNS, dims, i);
 }
 

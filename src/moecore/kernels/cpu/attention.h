@@ -1,8 +1,9 @@
 // Causal scaled-dot-product attention with grouped-query attention, over the whole sequence or over one block of
 // it (context parallelism, packed sequences).
-// q_SBNd [S, B, N, d], k_SBGd and v_SBGd [Sk, B, G, d] (Sk = S unless AttentionDims::Sk says otherwise); query head
-// h reads kv group h / (N / G). out_SBNd = softmax(mask(q k^T * scale)) v, with dropout (DropoutSpec) on the
-// probabilities.
+// q_SBNd [S, B, N, d], k_SBGd [Sk, B, G, d], v_SBGd [Sk, B, G, dv] (Sk = S unless AttentionDims::Sk says
+// otherwise; dv = AttentionDims::v_head_dim, d unless set: multi-latent attention's value heads are narrower than its
+// query / key heads); query head h reads kv group h / (N / G). out_SBNd [S, B, N, dv] = softmax(mask(q k^T * scale))
+// v, with dropout (DropoutSpec) on the probabilities. dout_SBNd is out's shape, dq q's, dk k's, dv v's.
 //
 // The mask: key row j is visible to query row i (batch b) iff k_index[j] <= q_index[i] (causal, on the rows' indices
 // in the whole sequence) and, with documents, q_document_SB[i, b] == k_document_SB[j, b] (Megatron's
@@ -30,8 +31,8 @@
 namespace moecore::kernels {
 
 struct AttentionDims {
-  int64_t S = 0, B = 0, N = 0, G = 0, head_dim = 0;
-  double scale = 0.0;  // usually 1/sqrt(head_dim)
+  int64_t S = 0, B = 0, N = 0, G = 0, head_dim = 0;  // head_dim: the width d of the query and key heads
+  double scale = 0.0;                                // usually 1/sqrt(head_dim)
   // Tensor parallelism: these N heads are heads [dropout_head_offset, + N) of dropout_total_heads (0: N), and the
   // dropout counters use the global head index, so every layout draws the one-process mask.
   int64_t dropout_total_heads = 0, dropout_head_offset = 0;
@@ -46,6 +47,8 @@ struct AttentionDims {
   const int32_t* k_document_SB = nullptr;
   // The sequence length L of the dropout counters (0: S); with dropout every index must be below it.
   int64_t dropout_seq_len = 0;
+  // The width dv of the value heads, hence of out, dout and dv (0: head_dim; TransformerEngine's v_channels).
+  int64_t v_head_dim = 0;
 };
 
 #define MOECORE_ATTENTION_DECL                                                                                      \
@@ -64,7 +67,8 @@ struct AttentionDims {
 // merged attention, the final merged ones).
 // attention_merge: in place, (out, lse) over key set A and (part_out, part_lse) over a disjoint key set B become
 // the attention over A and B: lse = log(exp(lse) + exp(part_lse)), out = out exp(lse_A - lse) + part_out
-// exp(lse_B - lse) (either side may be -inf: a row that saw no key). Uses S, B, N, head_dim of dims.
+// exp(lse_B - lse) (either side may be -inf: a row that saw no key). out and part_out are [S, B, N, dv]. Uses S,
+// B, N, head_dim and v_head_dim of dims.
 
 namespace cpu {
 MOECORE_ATTENTION_DECL

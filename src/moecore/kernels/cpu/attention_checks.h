@@ -10,6 +10,7 @@
 namespace moecore::kernels::detail {
 
 inline int64_t key_rows(const AttentionDims& dims) { return dims.Sk > 0 ? dims.Sk : dims.S; }
+inline int64_t value_dim(const AttentionDims& dims) { return dims.v_head_dim > 0 ? dims.v_head_dim : dims.head_dim; }
 inline int64_t dropout_seq_len(const AttentionDims& dims) {
   return dims.dropout_seq_len > 0 ? dims.dropout_seq_len : dims.S;
 }
@@ -29,12 +30,13 @@ inline void check_indices(const int64_t* index, const int64_t n, const int64_t l
 
 inline void check_attention_args(const AttentionDims& dims, const DropoutSpec& dropout, const std::string& fn) {
   if (dims.S < 0 || dims.B < 0 || dims.N <= 0 || dims.G <= 0 || dims.head_dim <= 0 || dims.N % dims.G != 0 ||
-      dims.Sk < 0 || dims.dropout_seq_len < 0) {
-    throw std::invalid_argument(fn + ": bad dims S=" + std::to_string(dims.S) + " Sk=" + std::to_string(dims.Sk) +
-                                " B=" + std::to_string(dims.B) + " N=" + std::to_string(dims.N) +
-                                " G=" + std::to_string(dims.G) + " head_dim=" + std::to_string(dims.head_dim) +
-                                " dropout_seq_len=" + std::to_string(dims.dropout_seq_len) +
-                                " (need N, G, head_dim > 0, N divisible by G, Sk and dropout_seq_len >= 0)");
+      dims.Sk < 0 || dims.dropout_seq_len < 0 || dims.v_head_dim < 0) {
+    throw std::invalid_argument(
+        fn + ": bad dims S=" + std::to_string(dims.S) + " Sk=" + std::to_string(dims.Sk) +
+        " B=" + std::to_string(dims.B) + " N=" + std::to_string(dims.N) + " G=" + std::to_string(dims.G) +
+        " head_dim=" + std::to_string(dims.head_dim) + " v_head_dim=" + std::to_string(dims.v_head_dim) +
+        " dropout_seq_len=" + std::to_string(dims.dropout_seq_len) +
+        " (need N, G, head_dim > 0, N divisible by G, Sk, v_head_dim and dropout_seq_len >= 0)");
   }
   if (!(dropout.p >= 0.0f && dropout.p < 1.0f)) {
     throw std::invalid_argument(fn + ": dropout p=" + std::to_string(dropout.p) + " is outside [0, 1)");
@@ -58,10 +60,11 @@ inline void check_attention_args(const AttentionDims& dims, const DropoutSpec& d
 }
 
 inline void check_merge_args(const AttentionDims& dims, const std::string& fn) {
-  if (dims.S < 0 || dims.B < 0 || dims.N <= 0 || dims.head_dim <= 0) {
+  if (dims.S < 0 || dims.B < 0 || dims.N <= 0 || dims.head_dim <= 0 || dims.v_head_dim < 0) {
     throw std::invalid_argument(fn + ": bad dims S=" + std::to_string(dims.S) + " B=" + std::to_string(dims.B) +
                                 " N=" + std::to_string(dims.N) + " head_dim=" + std::to_string(dims.head_dim) +
-                                " (need N, head_dim > 0)");
+                                " v_head_dim=" + std::to_string(dims.v_head_dim) +
+                                " (need N, head_dim > 0, v_head_dim >= 0)");
   }
 }
 

@@ -73,7 +73,7 @@ void attention_forward(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd
                        const AttentionDims& dims, const DropoutSpec& dropout) {
   detail::check_attention_args(dims, dropout, "ref::attention_forward");
   const Mask mask(dims, dropout);
-  const int64_t S = dims.S, Sk = mask.Sk, B = dims.B, N = dims.N, G = dims.G, d = dims.head_dim;
+  const int64_t S = dims.S, Sk = mask.Sk, B = dims.B, N = dims.N, G = dims.G, dv = detail::value_dim(dims);
   std::vector<double> s, M(Sk);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < N; ++h) {
@@ -95,12 +95,12 @@ void attention_forward(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd
           row[j] = visible ? std::exp(row[j] - lse) : 0.0;
           M[j] = visible ? mask.multiplier(b, h, i, j) : 0.0;
         }
-        for (int64_t c = 0; c < d; ++c) {
+        for (int64_t c = 0; c < dv; ++c) {
           double acc = 0.0;
           for (int64_t j = 0; j < Sk; ++j) {
-            acc += row[j] * M[j] * static_cast<double>(v_SBGd[((j * B + b) * G + g) * d + c]);
+            acc += row[j] * M[j] * static_cast<double>(v_SBGd[((j * B + b) * G + g) * dv + c]);
           }
-          out_SBNd[((i * B + b) * N + h) * d + c] = static_cast<T>(acc);
+          out_SBNd[((i * B + b) * N + h) * dv + c] = static_cast<T>(acc);
         }
       }
     }
@@ -113,7 +113,8 @@ void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, 
                         const DropoutSpec& dropout) {
   detail::check_attention_args(dims, dropout, "ref::attention_backward");
   const Mask mask(dims, dropout);
-  const int64_t S = dims.S, Sk = mask.Sk, B = dims.B, N = dims.N, G = dims.G, d = dims.head_dim;
+  const int64_t S = dims.S, Sk = mask.Sk, B = dims.B, N = dims.N, G = dims.G, d = dims.head_dim,
+                dv = detail::value_dim(dims);
   std::vector<double> s, P(S * Sk), M(S * Sk), dS(S * Sk);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < N; ++h) {
@@ -121,9 +122,10 @@ void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, 
       head_scores(s, q_SBNd, k_SBGd, dims, mask, b, h);
       auto q_at = [&](int64_t i, int64_t c) { return static_cast<double>(q_SBNd[((i * B + b) * N + h) * d + c]); };
       auto dout_at = [&](int64_t i, int64_t c) {
-        return static_cast<double>(dout_SBNd[((i * B + b) * N + h) * d + c]);
+        return static_cast<double>(dout_SBNd[((i * B + b) * N + h) * dv + c]);
       };
-      auto kv_index = [&](int64_t j, int64_t c) { return ((j * B + b) * G + g) * d + c; };
+      auto k_index = [&](int64_t j, int64_t c) { return ((j * B + b) * G + g) * d + c; };
+      auto v_index = [&](int64_t j, int64_t c) { return ((j * B + b) * G + g) * dv + c; };
       // P = exp(s - lse) (0 where masked), M = the dropout multipliers.
       for (int64_t i = 0; i < S; ++i) {
         const double lse = static_cast<double>(lse_BNS[(b * N + h) * S + i]);
@@ -135,23 +137,23 @@ void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, 
       }
       // dV += (P * M)^T dout.
       for (int64_t j = 0; j < Sk; ++j) {
-        for (int64_t c = 0; c < d; ++c) {
+        for (int64_t c = 0; c < dv; ++c) {
           double acc = 0.0;
           for (int64_t i = 0; i < S; ++i) acc += P[i * Sk + j] * M[i * Sk + j] * dout_at(i, c);
-          dv_SBGd[kv_index(j, c)] += static_cast<T>(acc);
+          dv_SBGd[v_index(j, c)] += static_cast<T>(acc);
         }
       }
       // dP = (dout v^T) * M; dS = P * (dP - dout . out).
       for (int64_t i = 0; i < S; ++i) {
         double delta = 0.0;
-        for (int64_t c = 0; c < d; ++c) {
-          delta += dout_at(i, c) * static_cast<double>(out_SBNd[((i * B + b) * N + h) * d + c]);
+        for (int64_t c = 0; c < dv; ++c) {
+          delta += dout_at(i, c) * static_cast<double>(out_SBNd[((i * B + b) * N + h) * dv + c]);
         }
         for (int64_t j = 0; j < Sk; ++j) {
           dS[i * Sk + j] = 0.0;
           if (P[i * Sk + j] == 0.0) continue;
           double dot = 0.0;
-          for (int64_t c = 0; c < d; ++c) dot += dout_at(i, c) * static_cast<double>(v_SBGd[kv_index(j, c)]);
+          for (int64_t c = 0; c < dv; ++c) dot += dout_at(i, c) * static_cast<double>(v_SBGd[v_index(j, c)]);
           dS[i * Sk + j] = P[i * Sk + j] * (dot * M[i * Sk + j] - delta);
         }
       }
@@ -159,7 +161,7 @@ void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, 
       for (int64_t i = 0; i < S; ++i) {
         for (int64_t c = 0; c < d; ++c) {
           double acc = 0.0;
-          for (int64_t j = 0; j < Sk; ++j) acc += dS[i * Sk + j] * static_cast<double>(k_SBGd[kv_index(j, c)]);
+          for (int64_t j = 0; j < Sk; ++j) acc += dS[i * Sk + j] * static_cast<double>(k_SBGd[k_index(j, c)]);
           dq_SBNd[((i * B + b) * N + h) * d + c] += static_cast<T>(acc * dims.scale);
         }
       }
@@ -167,7 +169,7 @@ void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, 
         for (int64_t c = 0; c < d; ++c) {
           double acc = 0.0;
           for (int64_t i = 0; i < S; ++i) acc += dS[i * Sk + j] * q_at(i, c);
-          dk_SBGd[kv_index(j, c)] += static_cast<T>(acc * dims.scale);
+          dk_SBGd[k_index(j, c)] += static_cast<T>(acc * dims.scale);
         }
       }
     }
@@ -178,7 +180,7 @@ template <typename T>
 void attention_merge(T* out_SBNd, T* lse_BNS, const T* part_out_SBNd, const T* part_lse_BNS,
                      const AttentionDims& dims) {
   detail::check_merge_args(dims, "ref::attention_merge");
-  const int64_t S = dims.S, B = dims.B, N = dims.N, d = dims.head_dim;
+  const int64_t S = dims.S, B = dims.B, N = dims.N, dv = detail::value_dim(dims);
   for (int64_t i = 0; i < S; ++i) {
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < N; ++h) {
@@ -188,9 +190,9 @@ void attention_merge(T* out_SBNd, T* lse_BNS, const T* part_out_SBNd, const T* p
         if (m == kMinusInf) continue;  // neither side saw a key
         const double lse = m + std::log(std::exp(a - m) + std::exp(p - m));
         const double wa = std::exp(a - lse), wp = std::exp(p - lse);
-        T* out = out_SBNd + ((i * B + b) * N + h) * d;
-        const T* part = part_out_SBNd + ((i * B + b) * N + h) * d;
-        for (int64_t c = 0; c < d; ++c) {
+        T* out = out_SBNd + ((i * B + b) * N + h) * dv;
+        const T* part = part_out_SBNd + ((i * B + b) * N + h) * dv;
+        for (int64_t c = 0; c < dv; ++c) {
           // A side that saw no key has weight 0 and contributes nothing, whatever its row holds.
           const double from_a = wa > 0.0 ? wa * static_cast<double>(out[c]) : 0.0;
           const double from_p = wp > 0.0 ? wp * static_cast<double>(part[c]) : 0.0;

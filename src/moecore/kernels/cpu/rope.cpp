@@ -1,6 +1,6 @@
-// Fast rotary embedding: the cos/sin table is built once per call ([S, rot_dim/2], fp32 recipe of rope.h; with
-// per-row positions one row per position in their range, or one per (s, b) when that range is longer), then all
-// (s, b, n) head vectors are rotated in parallel.
+// Fast rotary embedding: the cos/sin table is built once per call ([S, rot_dim/2], fp32 recipe of rope.h and
+// rotary_frequencies.h; with per-row positions one row per position in their range, or one per (s, b) when that
+// range is longer), then all (s, b, n) head vectors are rotated in parallel.
 #include "moecore/kernels/cpu/rope.h"
 
 #include <algorithm>
@@ -22,6 +22,18 @@ void check_rope_args(const int64_t head_dim, const int64_t rot_dim, const double
   if (!(base > 0.0)) throw std::invalid_argument("rope: base " + std::to_string(base) + " must be positive");
 }
 
+void check_spec(const RopeSpec& spec) {
+  if (spec.rot_dim() > spec.head_dim) {
+    throw std::invalid_argument("rope: rot_dim " + std::to_string(spec.rot_dim()) + " exceeds head_dim " +
+                                std::to_string(spec.head_dim));
+  }
+}
+
+RopeSpec spec_of(const int64_t head_dim, const int64_t rot_dim, const double base) {
+  check_rope_args(head_dim, rot_dim, base);
+  return RopeSpec{head_dim, rot_dim > 0 ? rope_inv_freq(rot_dim, base) : std::vector<float>{}};
+}
+
 // Positions of rows (s, b): present and >= 0.
 void check_positions(const int64_t* positions_SB, const int64_t n) {
   if (positions_SB == nullptr) throw std::invalid_argument("rope: positions_SB is null");
@@ -33,8 +45,8 @@ void check_positions(const int64_t* positions_SB, const int64_t n) {
   }
 }
 
-// cos/sin of angle[r, i] = position(r) * inv_freq[i] for table rows r < n_rows, everything in fp32 as Megatron
-// computes it.
+// cos/sin of angle[r, i] = position(r) * inv_freq[i] for table rows r < n_rows, times the attention factor,
+// everything in fp32 as Megatron computes it ((cos(freqs) * mscale).to(dtype)).
 template <typename T>
 struct RopeTable {
   std::vector<T> cos_SH;
@@ -42,20 +54,17 @@ struct RopeTable {
 };
 
 template <typename T, typename PositionOf>
-RopeTable<T> make_table(const int64_t S, const int64_t half, const double base, PositionOf position_of) {
-  std::vector<float> inv_freq_H(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i) {
-    const float exponent = static_cast<float>(2 * i) / static_cast<float>(2 * half);
-    inv_freq_H[static_cast<size_t>(i)] = 1.0f / std::pow(static_cast<float>(base), exponent);
-  }
+RopeTable<T> make_table(const int64_t S, const RopeSpec& spec, PositionOf position_of) {
+  const int64_t half = spec.rot_dim() / 2;
+  const float factor = spec.attention_factor;
   RopeTable<T> table{std::vector<T>(static_cast<size_t>(S * half)), std::vector<T>(static_cast<size_t>(S * half))};
 #pragma omp parallel for schedule(static) if (S * half > 4096)
   for (int64_t s = 0; s < S; ++s) {
     const float position = static_cast<float>(position_of(s));
     for (int64_t i = 0; i < half; ++i) {
-      const float angle = position * inv_freq_H[static_cast<size_t>(i)];
-      table.cos_SH[static_cast<size_t>(s * half + i)] = static_cast<T>(std::cos(angle));
-      table.sin_SH[static_cast<size_t>(s * half + i)] = static_cast<T>(std::sin(angle));
+      const float angle = position * spec.inv_freq[static_cast<size_t>(i)];
+      table.cos_SH[static_cast<size_t>(s * half + i)] = static_cast<T>(std::cos(angle) * factor);
+      table.sin_SH[static_cast<size_t>(s * half + i)] = static_cast<T>(std::sin(angle) * factor);
     }
   }
   return table;
@@ -65,15 +74,14 @@ RopeTable<T> make_table(const int64_t S, const int64_t half, const double base, 
 // longer than the S * B rows, else row s * B + b for row (s, b).
 template <typename T>
 struct PositionsTable {
-  PositionsTable(const int64_t* positions_SB, const int64_t rows, const int64_t half, const double base)
-      : positions(positions_SB) {
+  PositionsTable(const int64_t* positions_SB, const int64_t rows, const RopeSpec& spec) : positions(positions_SB) {
     const auto [lo, hi] = std::minmax_element(positions_SB, positions_SB + rows);
     by_position = rows > 0 && *hi - *lo < rows;
     first = rows > 0 ? *lo : 0;
     if (by_position) {
-      table = make_table<T>(*hi - *lo + 1, half, base, [this](const int64_t r) { return first + r; });
+      table = make_table<T>(*hi - *lo + 1, spec, [this](const int64_t r) { return first + r; });
     } else {
-      table = make_table<T>(rows, half, base, [positions_SB](const int64_t r) { return positions_SB[r]; });
+      table = make_table<T>(rows, spec, [positions_SB](const int64_t r) { return positions_SB[r]; });
     }
   }
   int64_t row_of(const int64_t sb) const { return by_position ? positions[sb] - first : sb; }
@@ -84,15 +92,25 @@ struct PositionsTable {
   RopeTable<T> table;
 };
 
-// One head vector, compiled per vector ISA.
+// One head vector, compiled per vector ISA. Pair i is (x[i], x[i + half]), or (x[2i], x[2i + 1]) in multi-latent
+// attention's layout; the output is always in halves.
 template <typename T>
 MOECORE_VECTOR_CLONES void rope_row(T* y, const T* x, const T* cos_H, const T* sin_H, const int64_t half,
-                                    const int64_t rot_dim, const int64_t head_dim) {
+                                    const int64_t rot_dim, const int64_t head_dim, const bool interleaved) {
+  if (interleaved) {
 #pragma omp simd
-  for (int64_t i = 0; i < half; ++i) {
-    const T x1 = x[i], x2 = x[i + half];
-    y[i] = x1 * cos_H[i] - x2 * sin_H[i];
-    y[i + half] = x2 * cos_H[i] + x1 * sin_H[i];
+    for (int64_t i = 0; i < half; ++i) {
+      const T x1 = x[2 * i], x2 = x[2 * i + 1];
+      y[i] = x1 * cos_H[i] - x2 * sin_H[i];
+      y[i + half] = x2 * cos_H[i] + x1 * sin_H[i];
+    }
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const T x1 = x[i], x2 = x[i + half];
+      y[i] = x1 * cos_H[i] - x2 * sin_H[i];
+      y[i + half] = x2 * cos_H[i] + x1 * sin_H[i];
+    }
   }
   std::copy(x + rot_dim, x + head_dim, y + rot_dim);
 }
@@ -100,12 +118,21 @@ MOECORE_VECTOR_CLONES void rope_row(T* y, const T* x, const T* cos_H, const T* s
 // Transpose of the 2x2 rotation [[c, -s], [s, c]] acting on (x1, x2), accumulated into dx.
 template <typename T>
 MOECORE_VECTOR_CLONES void rope_row_backward(T* dx, const T* dy, const T* cos_H, const T* sin_H, const int64_t half,
-                                             const int64_t rot_dim, const int64_t head_dim) {
+                                             const int64_t rot_dim, const int64_t head_dim, const bool interleaved) {
+  if (interleaved) {
 #pragma omp simd
-  for (int64_t i = 0; i < half; ++i) {
-    const T dy1 = dy[i], dy2 = dy[i + half];
-    dx[i] += dy1 * cos_H[i] + dy2 * sin_H[i];
-    dx[i + half] += dy2 * cos_H[i] - dy1 * sin_H[i];
+    for (int64_t i = 0; i < half; ++i) {
+      const T dy1 = dy[i], dy2 = dy[i + half];
+      dx[2 * i] += dy1 * cos_H[i] + dy2 * sin_H[i];
+      dx[2 * i + 1] += dy2 * cos_H[i] - dy1 * sin_H[i];
+    }
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const T dy1 = dy[i], dy2 = dy[i + half];
+      dx[i] += dy1 * cos_H[i] + dy2 * sin_H[i];
+      dx[i + half] += dy2 * cos_H[i] - dy1 * sin_H[i];
+    }
   }
 #pragma omp simd
   for (int64_t c = rot_dim; c < head_dim; ++c) dx[c] += dy[c];
@@ -115,71 +142,99 @@ MOECORE_VECTOR_CLONES void rope_row_backward(T* dx, const T* dy, const T* cos_H,
 
 template <typename T>
 void rope_forward(T* out_SBNd, const T* inp_SBNd, const int64_t S, const int64_t B, const int64_t N,
-                  const int64_t head_dim, const int64_t rot_dim, const double base, const int64_t position_offset) {
-  check_rope_args(head_dim, rot_dim, base);
-  const int64_t half = rot_dim / 2;
-  const RopeTable<T> table =
-      make_table<T>(S, half, base, [position_offset](const int64_t s) { return s + position_offset; });
+                  const RopeSpec& spec, const int64_t position_offset) {
+  check_spec(spec);
+  const int64_t half = spec.rot_dim() / 2, head_dim = spec.head_dim;
+  const RopeTable<T> table = make_table<T>(S, spec, [position_offset](const int64_t s) { return s + position_offset; });
   const int64_t heads_per_pos = B * N;
 #pragma omp parallel for schedule(static) if (S * heads_per_pos * head_dim > 16384)
   for (int64_t row = 0; row < S * heads_per_pos; ++row) {
     const T* cos_H = table.cos_SH.data() + (row / heads_per_pos) * half;
     const T* sin_H = table.sin_SH.data() + (row / heads_per_pos) * half;
-    rope_row(out_SBNd + row * head_dim, inp_SBNd + row * head_dim, cos_H, sin_H, half, rot_dim, head_dim);
+    rope_row(out_SBNd + row * head_dim, inp_SBNd + row * head_dim, cos_H, sin_H, half, 2 * half, head_dim,
+             spec.mla_interleaved);
   }
 }
 
 template <typename T>
 void rope_backward(T* dinp_SBNd, const T* dout_SBNd, const int64_t S, const int64_t B, const int64_t N,
-                   const int64_t head_dim, const int64_t rot_dim, const double base, const int64_t position_offset) {
-  check_rope_args(head_dim, rot_dim, base);
-  const int64_t half = rot_dim / 2;
-  const RopeTable<T> table =
-      make_table<T>(S, half, base, [position_offset](const int64_t s) { return s + position_offset; });
+                   const RopeSpec& spec, const int64_t position_offset) {
+  check_spec(spec);
+  const int64_t half = spec.rot_dim() / 2, head_dim = spec.head_dim;
+  const RopeTable<T> table = make_table<T>(S, spec, [position_offset](const int64_t s) { return s + position_offset; });
   const int64_t heads_per_pos = B * N;
 #pragma omp parallel for schedule(static) if (S * heads_per_pos * head_dim > 16384)
   for (int64_t row = 0; row < S * heads_per_pos; ++row) {
     const T* cos_H = table.cos_SH.data() + (row / heads_per_pos) * half;
     const T* sin_H = table.sin_SH.data() + (row / heads_per_pos) * half;
-    rope_row_backward(dinp_SBNd + row * head_dim, dout_SBNd + row * head_dim, cos_H, sin_H, half, rot_dim, head_dim);
+    rope_row_backward(dinp_SBNd + row * head_dim, dout_SBNd + row * head_dim, cos_H, sin_H, half, 2 * half, head_dim,
+                      spec.mla_interleaved);
   }
 }
 
 template <typename T>
 void rope_forward(T* out_SBNd, const T* inp_SBNd, const int64_t S, const int64_t B, const int64_t N,
-                  const int64_t head_dim, const int64_t rot_dim, const double base, const int64_t* positions_SB) {
-  check_rope_args(head_dim, rot_dim, base);
+                  const RopeSpec& spec, const int64_t* positions_SB) {
+  check_spec(spec);
   check_positions(positions_SB, S * B);
-  const int64_t half = rot_dim / 2;
-  const PositionsTable<T> table(positions_SB, S * B, half, base);
+  const int64_t half = spec.rot_dim() / 2, head_dim = spec.head_dim;
+  const PositionsTable<T> table(positions_SB, S * B, spec);
 #pragma omp parallel for schedule(static) if (S * B * N * head_dim > 16384)
   for (int64_t row = 0; row < S * B * N; ++row) {
     const int64_t at = table.row_of(row / N) * half;
     rope_row(out_SBNd + row * head_dim, inp_SBNd + row * head_dim, table.table.cos_SH.data() + at,
-             table.table.sin_SH.data() + at, half, rot_dim, head_dim);
+             table.table.sin_SH.data() + at, half, 2 * half, head_dim, spec.mla_interleaved);
   }
 }
 
 template <typename T>
 void rope_backward(T* dinp_SBNd, const T* dout_SBNd, const int64_t S, const int64_t B, const int64_t N,
-                   const int64_t head_dim, const int64_t rot_dim, const double base, const int64_t* positions_SB) {
-  check_rope_args(head_dim, rot_dim, base);
+                   const RopeSpec& spec, const int64_t* positions_SB) {
+  check_spec(spec);
   check_positions(positions_SB, S * B);
-  const int64_t half = rot_dim / 2;
-  const PositionsTable<T> table(positions_SB, S * B, half, base);
+  const int64_t half = spec.rot_dim() / 2, head_dim = spec.head_dim;
+  const PositionsTable<T> table(positions_SB, S * B, spec);
 #pragma omp parallel for schedule(static) if (S * B * N * head_dim > 16384)
   for (int64_t row = 0; row < S * B * N; ++row) {
     const int64_t at = table.row_of(row / N) * half;
     rope_row_backward(dinp_SBNd + row * head_dim, dout_SBNd + row * head_dim, table.table.cos_SH.data() + at,
-                      table.table.sin_SH.data() + at, half, rot_dim, head_dim);
+                      table.table.sin_SH.data() + at, half, 2 * half, head_dim, spec.mla_interleaved);
   }
 }
 
-#define MOECORE_INSTANTIATE(T)                                                                                      \
-  template void rope_forward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t);        \
-  template void rope_backward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t);       \
-  template void rope_forward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, const int64_t*); \
-  template void rope_backward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, const int64_t*);
+template <typename T>
+void rope_forward(T* out_SBNd, const T* inp_SBNd, const int64_t S, const int64_t B, const int64_t N,
+                  const int64_t head_dim, const int64_t rot_dim, const double base, const int64_t position_offset) {
+  rope_forward(out_SBNd, inp_SBNd, S, B, N, spec_of(head_dim, rot_dim, base), position_offset);
+}
+
+template <typename T>
+void rope_backward(T* dinp_SBNd, const T* dout_SBNd, const int64_t S, const int64_t B, const int64_t N,
+                   const int64_t head_dim, const int64_t rot_dim, const double base, const int64_t position_offset) {
+  rope_backward(dinp_SBNd, dout_SBNd, S, B, N, spec_of(head_dim, rot_dim, base), position_offset);
+}
+
+template <typename T>
+void rope_forward(T* out_SBNd, const T* inp_SBNd, const int64_t S, const int64_t B, const int64_t N,
+                  const int64_t head_dim, const int64_t rot_dim, const double base, const int64_t* positions_SB) {
+  rope_forward(out_SBNd, inp_SBNd, S, B, N, spec_of(head_dim, rot_dim, base), positions_SB);
+}
+
+template <typename T>
+void rope_backward(T* dinp_SBNd, const T* dout_SBNd, const int64_t S, const int64_t B, const int64_t N,
+                   const int64_t head_dim, const int64_t rot_dim, const double base, const int64_t* positions_SB) {
+  rope_backward(dinp_SBNd, dout_SBNd, S, B, N, spec_of(head_dim, rot_dim, base), positions_SB);
+}
+
+#define MOECORE_INSTANTIATE(T)                                                                                       \
+  template void rope_forward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t);         \
+  template void rope_backward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t);        \
+  template void rope_forward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, const int64_t*);  \
+  template void rope_backward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, const int64_t*); \
+  template void rope_forward<T>(T*, const T*, int64_t, int64_t, int64_t, const RopeSpec&, int64_t);                  \
+  template void rope_backward<T>(T*, const T*, int64_t, int64_t, int64_t, const RopeSpec&, int64_t);                 \
+  template void rope_forward<T>(T*, const T*, int64_t, int64_t, int64_t, const RopeSpec&, const int64_t*);           \
+  template void rope_backward<T>(T*, const T*, int64_t, int64_t, int64_t, const RopeSpec&, const int64_t*);
 MOECORE_INSTANTIATE(float)
 MOECORE_INSTANTIATE(double)
 #undef MOECORE_INSTANTIATE

@@ -29,6 +29,21 @@ void split_qkv(T* q_TNd, T* k_TGd, T* v_TGd, const T* qkv_TQ, const int64_t n_to
 }
 
 template <typename T>
+void copy_columns(T* dst, const int64_t dst_width, const int64_t dst_col, const T* src, const int64_t src_width,
+                  const int64_t src_col, const int64_t R, const int64_t width, const bool accumulate) {
+#pragma omp parallel for schedule(static) if (R * width > kParallelMin)
+  for (int64_t r = 0; r < R; ++r) {
+    T* out = dst + r * dst_width + dst_col;
+    const T* in = src + r * src_width + src_col;
+    if (accumulate) {
+      for (int64_t c = 0; c < width; ++c) out[c] += in[c];
+    } else {
+      std::memcpy(out, in, sizeof(T) * static_cast<size_t>(width));
+    }
+  }
+}
+
+template <typename T>
 void merge_qkv(T* qkv_TQ, const T* q_TNd, const T* k_TGd, const T* v_TGd, const int64_t n_tokens, const int64_t N,
                const int64_t G, const int64_t d) {
   const int64_t per_group = N / G, Q = (N + 2 * G) * d;
@@ -212,21 +227,22 @@ void position_embedding_backward(T* dpos_PH, const T* dx_TH, const int64_t n_tok
   }
 }
 
-#define MOECORE_INSTANTIATE(T)                                                                      \
-  template void split_qkv<T>(T*, T*, T*, const T*, int64_t, int64_t, int64_t, int64_t);             \
-  template void merge_qkv<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t, int64_t); \
-  template void add_bias_rows<T>(T*, const T*, int64_t, int64_t);                                   \
-  template void bias_grad_rows<T>(T*, const T*, int64_t, int64_t);                                  \
-  template void scale_rows<T>(T*, const T*, const T*, int64_t, int64_t);                            \
-  template void scale_rows_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int64_t);     \
-  template void add_outer<T>(T*, const T*, const T*, int64_t, int64_t);                             \
-  template void add_outer_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int64_t);      \
-  template void row_dot<T>(T*, const T*, const T*, int64_t, int64_t);                               \
-  template void sigmoid_forward<T>(T*, const T*, int64_t);                                          \
-  template void sigmoid_backward<T>(T*, const T*, const T*, int64_t);                               \
-  template void gather_rows<T>(T*, const T*, const int64_t*, int64_t, int64_t, int64_t);            \
-  template void scatter_add_rows<T>(T*, const T*, const int64_t*, int64_t, int64_t, int64_t);       \
-  template void add_position_embedding<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t);        \
+#define MOECORE_INSTANTIATE(T)                                                                             \
+  template void split_qkv<T>(T*, T*, T*, const T*, int64_t, int64_t, int64_t, int64_t);                    \
+  template void merge_qkv<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t, int64_t);        \
+  template void copy_columns<T>(T*, int64_t, int64_t, const T*, int64_t, int64_t, int64_t, int64_t, bool); \
+  template void add_bias_rows<T>(T*, const T*, int64_t, int64_t);                                          \
+  template void bias_grad_rows<T>(T*, const T*, int64_t, int64_t);                                         \
+  template void scale_rows<T>(T*, const T*, const T*, int64_t, int64_t);                                   \
+  template void scale_rows_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int64_t);            \
+  template void add_outer<T>(T*, const T*, const T*, int64_t, int64_t);                                    \
+  template void add_outer_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int64_t);             \
+  template void row_dot<T>(T*, const T*, const T*, int64_t, int64_t);                                      \
+  template void sigmoid_forward<T>(T*, const T*, int64_t);                                                 \
+  template void sigmoid_backward<T>(T*, const T*, const T*, int64_t);                                      \
+  template void gather_rows<T>(T*, const T*, const int64_t*, int64_t, int64_t, int64_t);                   \
+  template void scatter_add_rows<T>(T*, const T*, const int64_t*, int64_t, int64_t, int64_t);              \
+  template void add_position_embedding<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t);               \
   template void position_embedding_backward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t);
 MOECORE_INSTANTIATE(float)
 MOECORE_INSTANTIATE(double)

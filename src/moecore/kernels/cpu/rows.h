@@ -14,6 +14,12 @@ namespace moecore::kernels {
   template <typename T>                                                                                              \
   void merge_qkv(T* qkv_TQ, const T* q_TNd, const T* k_TGd, const T* v_TGd, int64_t n_tokens, int64_t N, int64_t G,  \
                  int64_t d);                                                                                         \
+  /* Columns [src_col, src_col + width) of each of R rows of src (rows src_width wide) go to columns                 \
+     [dst_col, dst_col + width) of the same row of dst (rows dst_width wide): overwritten, or added with accumulate. \
+     Splits and joins of per-head sub-vectors (multi-latent attention's [nope | rope] heads). */                     \
+  template <typename T>                                                                                              \
+  void copy_columns(T* dst, int64_t dst_width, int64_t dst_col, const T* src, int64_t src_width, int64_t src_col,    \
+                    int64_t R, int64_t width, bool accumulate);                                                      \
   /* y_RW += bias_W on every row. */                                                                                 \
   template <typename T>                                                                                              \
   void add_bias_rows(T* y_RW, const T* bias_W, int64_t R, int64_t W);                                                \

@@ -1,0 +1,82 @@
+// Megatron's multi-latent attention (megatron/core/transformer/multi_latent_attention.py, MLASelfAttention with the
+// local spec's standalone q / kv norms), DeepSeek-V2/V3's attention:
+//   cq     = linear_q_down_proj(x)                 [T, q_lora]        replicated over TP (Megatron's "duplicated")
+//   q      = linear_q_up_proj(q_layernorm(cq))     [T, N, dq + dr]    column-parallel over heads
+//            (without --q-lora-rank: q = linear_q_proj(x))
+//   ckv    = linear_kv_down_proj(x)                [T, kv_lora + dr]  replicated: [latent | k_rope]
+//   kv     = linear_kv_up_proj(kv_layernorm(latent)) [T, N, dq + dv]  column-parallel; per head [k_nope | v]
+//   query  = [q_nope | rope(q_rope)], key = [k_nope | rope(k_rope)] (one rope key per token, shared by every head),
+//   out    = linear_proj(softmax(query key^T * scale) v)   row-parallel over heads
+// RoPE (model/rotary_embedding.h) in MLA's de-interleaved layout on the dr rope channels only; the softmax scale is
+// get_mscale(rotary_scaling_factor, mscale_all_dim)^2 / sqrt(dq + dr). The q / kv norms exist only with
+// --qk-layernorm (q_layernorm only with a q latent). Under sequence parallelism each rank projects its sequence shard
+// down; the up projections all-gather the normed latents (ColumnParallelLinear), k_rope is all-gathered here and its
+// gradient reduce-scattered; the replicated down projections and norms see a shard of the tokens, so their
+// gradients are summed over TP (Param::grad_sum_over_tp, Megatron's finalize_model_grads). Without sequence
+// parallelism every rank sees every token and only k_rope's gradient (each rank's heads' share) is all-reduced.
+// Legend: T tokens, Tl this rank's rows, N this rank's heads, dq / dr / dv qk_head_dim / qk_pos_emb_head_dim /
+// v_head_dim.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "moecore/model/config.h"
+#include "moecore/model/context_parallel_attention.h"
+#include "moecore/model/kv_cache.h"
+#include "moecore/model/norm_module.h"
+#include "moecore/model/parallel_linear.h"
+#include "moecore/model/sequence_info.h"
+#include "moecore/ops/attention.h"
+#include "moecore/tensor/tensor.h"
+
+namespace moecore {
+
+struct MlaActivations {
+  LinearActivations q_down, q_up, kv_down, kv_up, proj;  // q_up: linear_q_proj's without a q latent
+  Tensor cq_TlQ, latent_TlL;                             // the latents before their norms (only with --qk-layernorm)
+  NormStats q_norm_stats, kv_norm_stats;
+  Tensor q_TNk, k_TNk, v_TNv;  // core attention inputs, k = dq + dr wide
+  Tensor attn_TNv;
+  Tensor lse_BNS;
+};
+
+class MLASelfAttention {
+ public:
+  MLASelfAttention() = default;
+  MLASelfAttention(const ModelConfig& config, const std::string& prefix, const TensorParallel& tp, int module,
+                   std::vector<Param>& params, const parallel::ProcessGroup& cp = parallel::ProcessGroup::self());
+  void bind(std::vector<Param>& params, NormOverflowLog* norm_overflow_log);
+
+  // As SelfAttention: x_TH the normed layer input (this rank's rows) -> the projected output, bias included.
+  Tensor forward(const Tensor& x_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout, MlaActivations& saved,
+                 const SequenceInfo& sequence) const;
+  void backward(Tensor& dx_TH, const Tensor& dout_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout,
+                const MlaActivations& saved, const SequenceInfo& sequence) const;
+  // Incremental decoding as SelfAttention::forward_decode: the new tokens' normed kv latents and rotated rope keys
+  // go into `cache`; k_nope and v of the attended positions are recomputed from the cached latents through
+  // linear_kv_up_proj (Megatron's uncompress_kv_from_cache; no weight absorption, so the numbers are the full
+  // forward's).
+  Tensor forward_decode(const Tensor& x_TH, std::span<const int64_t> positions, LayerKvCache& cache) const;
+
+ private:
+  ops::AttentionDims dims(int64_t S, int64_t B) const;
+  bool q_latent() const { return mla_.q_lora_rank > 0; }
+
+  ModelConfig config_;
+  MlaConfig mla_;
+  std::string prefix_;
+  TensorParallel tp_;
+  int64_t heads_ = 0, head_offset_ = 0;
+  parallel::ProcessGroup cp_ = parallel::ProcessGroup::self();
+  CpCommType cp_type_ = CpCommType::kP2P;
+  ColumnParallelLinear q_down_, q_up_, kv_down_, kv_up_;  // q_up_ is linear_q_proj without a q latent
+  RowParallelLinear proj_;
+  NormModule q_norm_, kv_norm_;
+  ops::RopeSpec rope_;
+  double softmax_scale_ = 0;
+};
+
+}  // namespace moecore
