@@ -4,8 +4,8 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "moecore/model/multi_token_prediction.h"
 #include "moecore/model/kv_cache.h"
+#include "moecore/model/multi_token_prediction.h"
 #include "moecore/model/norm_module.h"
 #include "moecore/model/parallel_linear.h"
 #include "moecore/model/tensor_parallel.h"
