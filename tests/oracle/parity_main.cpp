@@ -18,7 +18,8 @@
 // (MoE expert-bias update), clip, AdamW step, record step{k+1}.<name>. Step 0 also records logits [S, B, V], loss and
 // grad.<name> (before clipping). MoE models also record, per forward, load_balancing_loss [(N+1) M, n_moe_layers,
 // n_types] and z_loss [(N+1) M, n_moe_layers] (logged values, loss / coeff), and with expert bias
-// step{k+1}.decoder.layers.{i}.mlp.router.expert_bias [E].
+// step{k+1}.decoder.layers.{i}.mlp.router.expert_bias [E]. With "mtp_num_layers" D, the MoE records list the MTP
+// depths' MoE layers after the decoder's, and mtp_losses [(N+1) M, D] holds each forward's unscaled depth losses.
 // With --microbatches M (dividing B) every step is a global batch of M micro-batches of B / M consecutive batch rows,
 // as the trainer runs them: forward and backward(1 / M) each (the lm and the aux / z gradients scaled by 1 / M), the
 // loss is the mean of the micro-batch losses, logits are the micro-batches' concatenated along B.
@@ -289,6 +290,10 @@ ModelConfig config_fields(const json& j, const std::string& path) {
       c.hidden_dropout = value;
     else if (key == "untie_embeddings_and_output_weights")
       c.untie_embeddings_and_output_weights = value;
+    else if (key == "mtp_num_layers")
+      c.mtp_num_layers = value;
+    else if (key == "mtp_loss_scaling_factor")
+      c.mtp_loss_scaling_factor = value;
     else if (key == "moe") {
       if (!value.is_null()) c.moe = moe_fields(value, path);
     } else if (key == "mla") {
@@ -456,6 +461,7 @@ int run(int argc, char** argv) {
   std::vector<NamedTensor> out;
   std::vector<double> losses, grad_norms;
   std::vector<double> lb_logs, z_logs;  // flattened [step][MoE layer][type] and [step][MoE layer]
+  std::vector<double> mtp_logs;         // flattened [forward][depth]
   int64_t n_moe_layers = 0, n_types = 0;
   const bool is_moe = model->config().moe.enabled();
   const int64_t M = args.microbatches;
@@ -485,6 +491,11 @@ int run(int argc, char** argv) {
         for (const auto& per_type : stats.load_balancing_losses)
           lb_logs.insert(lb_logs.end(), per_type.begin(), per_type.end());
         z_logs.insert(z_logs.end(), stats.z_losses.begin(), stats.z_losses.end());
+      }
+      if (model->config().mtp_num_layers > 0) {
+        const MtpStats stats = model->take_mtp_stats();
+        if (stats.num_forwards != 1) throw std::runtime_error("expected the MTP losses of exactly one forward");
+        mtp_logs.insert(mtp_logs.end(), stats.loss_sums.begin(), stats.loss_sums.end());
       }
       if (step < args.steps) model->backward(std::move(ctx), 1.0 / static_cast<double>(M));
     }
@@ -519,6 +530,10 @@ int run(int argc, char** argv) {
     const int64_t forwards = static_cast<int64_t>(losses.size()) * M;
     out.emplace_back("load_balancing_loss", f64_tensor(lb_logs, {forwards, n_moe_layers, n_types}));
     out.emplace_back("z_loss", f64_tensor(z_logs, {forwards, n_moe_layers}));
+  }
+  if (model->config().mtp_num_layers > 0) {
+    const int64_t forwards = static_cast<int64_t>(losses.size()) * M;
+    out.emplace_back("mtp_losses", f64_tensor(mtp_logs, {forwards, model->config().mtp_num_layers}));
   }
   write_safetensors(args.out, out);
   return 0;

@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st  # noqa: E402
 import twin_mla  # noqa: E402
 import twin_moe  # noqa: E402
+import twin_mtp  # noqa: E402
 
 CONFIG_DEFAULTS = {
     "num_layers": 0, "hidden_size": 0, "ffn_hidden_size": 0, "num_attention_heads": 0, "num_query_groups": 0,
@@ -54,6 +55,7 @@ CONFIG_DEFAULTS = {
     "moe": None,  # MoE settings (twin_moe.MOE_DEFAULTS names, as the C++ MoEConfig); None or num_experts 0: dense
     "mla": None,  # multi-latent attention (twin_mla.MLA_DEFAULTS names, as the C++ MlaConfig); None: standard
     "yarn": None,  # YaRN settings (twin_mla.YARN_DEFAULTS names, as the C++ YarnConfig); None: the defaults
+    "mtp_num_layers": 0, "mtp_loss_scaling_factor": 0.1,  # Multi-Token Prediction (twin_mtp.py)
 }
 
 
@@ -126,7 +128,7 @@ def param_specs(cfg):
     norm("decoder.final_layernorm", H)
     if c["untie_embeddings_and_output_weights"]:
         specs.append(("output_layer.weight", (V, H), "weight"))
-    return specs
+    return specs + twin_mtp.param_specs(c, specs)
 
 
 def random_params(cfg, seed):
@@ -332,6 +334,12 @@ def megatron_forward(params, cfg, tokens_BS, labels_BS, loss_mask_BS, moe_state=
             x = x + _linear(h, params, p + "mlp.linear_fc2")
 
     x = _norm(x, params, "decoder.final_layernorm", c)
+    if c["mtp_num_layers"]:
+        x, moe_info["mtp_losses"] = twin_mtp.attach(
+            x, params, c, tokens_SB, labels_BS.t(), loss_mask_BS.t(),
+            {"rope": (cos, sin, rot_dim) if rope else None, "allowed": allowed, "moe_state": moe_state,
+             "mla_rope": (mla_cos, mla_sin) if c["mla"] is not None else None, "moe_info": moe_info,
+             "training": training, "aux_grad_scale": aux_grad_scale})
     w_out = params["output_layer.weight" if c["untie_embeddings_and_output_weights"] else
                    "embedding.word_embeddings.weight"]
     logits = x @ w_out.t()  # [S, B, V]
@@ -383,7 +391,7 @@ def run_megatron(cfg, weights, batch, steps=0, lr=1e-3, weight_decay=0.1, clip_g
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
     out = {}
-    losses, grad_norms, lb_logs, z_logs = [], [], [], []
+    losses, grad_norms, lb_logs, z_logs, mtp_logs = [], [], [], [], []
     if tokens.shape[0] % microbatches:
         raise ValueError(f"microbatches {microbatches} does not divide the batch size {tokens.shape[0]}")
     rows = tokens.shape[0] // microbatches
@@ -402,6 +410,7 @@ def run_megatron(cfg, weights, batch, steps=0, lr=1e-3, weight_decay=0.1, clip_g
             layers = [moe_info["layers"][i] for i in sorted(moe_info["layers"])]
             lb_logs.append([info["load_balancing_loss"] for info in layers])
             z_logs.append([info["z_loss"] for info in layers])
+            mtp_logs.append(moe_info.get("mtp_losses", []))
             if step < steps:
                 (loss * (lm_weight / microbatches)).backward()
         losses.append(loss_sum / microbatches)
@@ -427,6 +436,8 @@ def run_megatron(cfg, weights, batch, steps=0, lr=1e-3, weight_decay=0.1, clip_g
             out[f"step{step + 1}.{n}"] = moe_state[layer].expert_bias.numpy().copy()
     out["losses"] = np.array(losses, dtype=np.float64)
     out["grad_norms"] = np.array(grad_norms, dtype=np.float64)
+    if full_config(cfg)["mtp_num_layers"]:
+        out["mtp_losses"] = np.array(mtp_logs, dtype=np.float64)
     if moe_state:
         out["load_balancing_loss"] = np.array(lb_logs, dtype=np.float64)
         out["z_loss"] = np.array(z_logs, dtype=np.float64)

@@ -42,6 +42,14 @@ set(equiv_packed ${equiv_aux} --mock-max-sequence-length 8 --reset-position-ids 
 # bf16 mixed precision: 16-bit weights and activations, compared by the size of the updates (equivalence_main.cpp,
 # Tolerances: loss 1e-3, RMS difference over RMS update + one bf16 ulp 0.25; measured at most 0.13).
 set(equiv_bf16 ${equiv_aux} --bf16)
+# Multi-Token Prediction: two depths after the MoE last layer (MoE depth layers, their embedding and layer dropout).
+set(equiv_mtp ${equiv_aux} --mtp-num-layers 2 --mtp-loss-scaling-factor 0.5)
+# MTP under pipelines: 4 layers (the last MoE), tied and untied (the loss stage keeps a copy of the word embedding
+# for the MTP input, summed over the embedding group).
+set(equiv_pp_mtp --num-layers 4 --moe-layer-freq [0,1,0,1] ${equiv_mtp})
+set(equiv_pp_mtp_untied ${equiv_pp_mtp} --untie-embeddings-and-output-weights)
+# MTP over packed documents (the depths shift over the whole sequence, as Megatron's roll_tensor without THD).
+set(equiv_mtp_packed ${equiv_packed} --mtp-num-layers 2)
 
 set(equiv_dir ${CMAKE_CURRENT_BINARY_DIR}/equivalence)
 file(MAKE_DIRECTORY ${equiv_dir})
@@ -63,7 +71,7 @@ function(moecore_equiv name config np)
     set(config_args ${equiv_global_aux})
   elseif(config STREQUAL "capacity")
     set(config_args ${equiv_capacity})
-  elseif(config MATCHES "^pp" OR config STREQUAL "packed" OR config STREQUAL "bf16")
+  elseif(config MATCHES "^pp" OR config STREQUAL "packed" OR config STREQUAL "bf16" OR config MATCHES "^mtp")
     set(config_args ${equiv_${config}})
   endif()
   add_test(NAME dist.equiv.${name}
@@ -84,6 +92,10 @@ moecore_equiv_reference(pp_global_aux ${equiv_pp_global_aux})
 moecore_equiv_reference(pp_4l ${equiv_pp_4l})
 moecore_equiv_reference(packed ${equiv_packed})
 moecore_equiv_reference(bf16 ${equiv_bf16})
+moecore_equiv_reference(mtp ${equiv_mtp})
+moecore_equiv_reference(pp_mtp ${equiv_pp_mtp})
+moecore_equiv_reference(mtp_packed ${equiv_mtp_packed})
+moecore_equiv_reference(pp_mtp_untied ${equiv_pp_mtp_untied})
 
 moecore_equiv(dp2 aux 2)
 moecore_equiv(dp2_overlap aux 2 --overlap-grad-reduce --ddp-bucket-size 2000)
@@ -150,6 +162,28 @@ moecore_equiv(pp2_cp2 pp_4l 4 --pipeline-model-parallel-size 2 --context-paralle
 moecore_equiv(cp2_dp2_distopt aux 4 --context-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce
               --ddp-bucket-size 2000)
 
+
+# Multi-Token Prediction under DP with the distributed optimizer, TP (eh_proj column-parallel, gathered, then the
+# sequence shard under SP), EP and TP x EP.
+moecore_equiv(mtp_dp2_distopt mtp 2 --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 2000)
+moecore_equiv(mtp_tp2 mtp 2 --tensor-model-parallel-size 2)
+moecore_equiv(mtp_tp2_sp mtp 2 --tensor-model-parallel-size 2 --sequence-parallel)
+moecore_equiv(mtp_ep2 mtp 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall)
+moecore_equiv(mtp_tp2_sp_ep2_folded mtp 2 --tensor-model-parallel-size 2 --sequence-parallel
+              --expert-model-parallel-size 2 --expert-tensor-parallel-size 1)
+moecore_equiv(mtp_etp2_ep2 mtp 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2
+              --expert-tensor-parallel-size 2 --moe-token-dispatcher-type alltoall)
+moecore_equiv(mtp_packed_dp2 mtp_packed 2)
+moecore_equiv(mtp_packed_tp2_sp mtp_packed 2 --tensor-model-parallel-size 2 --sequence-parallel)
+moecore_equiv(mtp_pp2 pp_mtp 2 --pipeline-model-parallel-size 2)
+moecore_equiv(mtp_pp2_untied pp_mtp_untied 2 --pipeline-model-parallel-size 2)
+moecore_equiv(mtp_pp2_vpp2 pp_mtp 2 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2)
+moecore_equiv(mtp_pp2_layout_untied pp_mtp_untied 2 --pipeline-model-parallel-size 2
+              --pipeline-model-parallel-layout Et|tttmmL)
+moecore_equiv(mtp_pp2_tp2_sp pp_mtp 4 --pipeline-model-parallel-size 2 --tensor-model-parallel-size 2
+              --sequence-parallel)
+moecore_equiv(mtp_pp2_dp2_distopt_untied pp_mtp_untied 4 --pipeline-model-parallel-size 2 --use-distributed-optimizer
+              --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000)
 
 # bf16 under the layouts, against the one-process bf16 run: the distributed optimizer with gradients reduced in bf16,
 # TP2 + SP with EP2 folded, CP2, and TP2 x EP2 over 4 ranks.

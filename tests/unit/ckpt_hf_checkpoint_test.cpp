@@ -141,6 +141,30 @@ TEST_F(HfCheckpointTest, ExportPlacesEveryRowAndLoadsBackExactly) {
   }
 }
 
+// A model trained with Multi-Token Prediction exports its main model: every other parameter loads back exactly and the
+// logits are the same; the mtp.layers.* heads are left out.
+TEST_F(HfCheckpointTest, MtpModelExportsTheMainModel) {
+  ModelConfig c = llama_config();
+  c.mtp_num_layers = 2;
+  GPTModel model(c, 1);
+  randomize(model, 7);
+  const std::string out = path("export_mtp");
+  export_hf(model, HfExportInfo{}, out);
+  const std::unique_ptr<GPTModel> loaded = load_hf(out, HfImportOptions{.seq_length = c.seq_length});
+  EXPECT_EQ(loaded->config().mtp_num_layers, 0);
+  size_t main_params = 0;
+  for (const Param& p : model.params()) {
+    if (p.name.starts_with("mtp.")) continue;
+    ++main_params;
+    const Tensor& back = loaded->param(p.name).value;
+    EXPECT_EQ(std::memcmp(back.data<float>(), p.value.data<float>(), p.value.nbytes()), 0) << p.name;
+  }
+  EXPECT_EQ(loaded->params().size(), main_params);
+  const std::vector<int32_t> tokens = {5, 17, 3, 90, 41, 8};
+  const Tensor a = model.last_logits(tokens.data(), 1, 6), b = loaded->last_logits(tokens.data(), 1, 6);
+  EXPECT_EQ(std::memcmp(a.data<float>(), b.data<float>(), a.nbytes()), 0);
+}
+
 TEST_F(HfCheckpointTest, RefusesModelsHfCannotRepresent) {
   const auto expect_refusal = [](ModelConfig c, const std::string& detail) {
     try {

@@ -188,7 +188,17 @@ TEST(ModelStateKeys, MatchBuiltModels) {
   ModelConfig mla_plain = gpt2;  // multi-latent attention without a q latent or norms, with linear biases
   mla_plain.mla = MlaConfig{0, 16, 8, 4, 12, RopeType::kRope};
   mla_plain.qk_layernorm = false;
-  std::vector<ModelConfig> configs = {gpt2, relu2_moe, mla, mla_plain};
+  // Multi-Token Prediction depths after the head (MoE depth layers with expert-bias buffers; LayerNorm, untied; MLA).
+  ModelConfig mtp_moe = qwen3_moe_config();
+  mtp_moe.mtp_num_layers = 2;
+  mtp_moe.moe.enable_expert_bias = true;
+  mtp_moe.moe.score_function = RouterScoreFunction::kSigmoid;
+  ModelConfig mtp_layernorm = gpt2;
+  mtp_layernorm.mtp_num_layers = 1;
+  mtp_layernorm.untie_embeddings_and_output_weights = true;
+  ModelConfig mtp_mla = mla;
+  mtp_mla.mtp_num_layers = 1;
+  std::vector<ModelConfig> configs = {gpt2, relu2_moe, mla, mla_plain, mtp_moe, mtp_layernorm, mtp_mla};
   for (const Architecture& a : architectures()) configs.push_back(a.config);
   for (const ModelConfig& c : configs) {
     const GPTModel model(c, 3);

@@ -337,6 +337,18 @@ TEST(LayoutCommand, PrintsVirtualStages) {
   EXPECT_NE(empty.find("    pp rank 1, virtual stage 0: no layers\n"), std::string::npos) << empty;
 }
 
+// Multi-Token Prediction depths print on the loss stage, by default and from the layout's 'm's.
+TEST(LayoutCommand, PrintsMtpLayers) {
+  const std::vector<std::string> grid = {
+      "--world-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--mtp-num-layers", "2"};
+  EXPECT_NE(run_layout_command(grid).find("    pp rank 1: layers 2-3 + loss + 2 MTP layers\n"), std::string::npos);
+  std::vector<std::string> by_hand = grid;
+  by_hand.insert(by_hand.end(), {"--pipeline-model-parallel-layout", "Et|tttmmL"});
+  EXPECT_NE(run_layout_command(by_hand).find("    pp rank 1: layers 1-3 + loss + 2 MTP layers\n"), std::string::npos);
+  EXPECT_EQ(layout_command_error({"--world-size", "1", "--num-layers", "2", "--mtp-num-layers", "-1"}),
+            "--mtp-num-layers must not be negative (got -1)");
+}
+
 TEST(LayoutCommand, PipelineSplitErrors) {
   EXPECT_EQ(layout_command_error({"--world-size", "4", "--decoder-first-pipeline-num-layers", "2"}),
             "moecore layout: --decoder-first-pipeline-num-layers needs --num-layers (the split counts decoder layers)");
@@ -363,7 +375,7 @@ TEST(LayoutCommand, PipelineSplitErrors) {
             "--pipeline-model-parallel-size 2)");
   EXPECT_NE(layout_command_error({"--world-size", "4", "--pipeline-model-parallel-size", "4", "--num-layers", "4",
                                   "--pipeline-model-parallel-layout", "Et|t|t|tmL"})
-                .find("MTP layers"),
+                .find("Number of mtp layers in layout must match mtp_num_layers"),
             std::string::npos);
 }
 

@@ -569,8 +569,8 @@ TEST(PipelineSplitErrors, Layout) {
                        "The length of --pipeline-model-parallel-layout must be divisible by "
                        "--pipeline-model-parallel-size (num_stages=3, pipeline_model_parallel_size=2)"));
   EXPECT_TRUE(contains(layout_error(2, 2, "Et|tmL"),
-                       "--pipeline-model-parallel-layout: 'm' (a multi-token prediction layer) is not supported: "
-                       "moecore has no MTP layers"));
+                       "--pipeline-model-parallel-layout: Number of mtp layers in layout must match mtp_num_layers (1 "
+                       "in the layout, --mtp-num-layers 0)"));
   EXPECT_TRUE(contains(layout_error(2, 2, "tE|tL"),
                        "--pipeline-model-parallel-layout: The first layer must be embedding, but got decoder"));
   EXPECT_TRUE(contains(layout_error(2, 2, "Et|Lt"), "The last layer must be loss, but got decoder"));
@@ -580,6 +580,41 @@ TEST(PipelineSplitErrors, Layout) {
   EXPECT_TRUE(contains(layout_error(2, 2, "ELt|tL"), "Loss must be specified exactly once"));
   EXPECT_TRUE(contains(layout_error(3, 2, "Et|tL"), "Number of decoder layers 2 must match --num-layers 3"));
   EXPECT_TRUE(contains(layout_error(3, 2, "Et|tx"), "Invalid layer character: x"));
+}
+
+// Multi-Token Prediction depths: on the loss stage by default, where the layout's 'm's are otherwise, with
+// validate_layer_layout's checks; moecore runs them only beside the loss.
+TEST(PipelineSplit, MultiTokenPrediction) {
+  PipelineSplitFlags flags = split(4, 2);
+  flags.mtp_num_layers = 2;
+  const PipelineLayout uniform(flags);
+  EXPECT_EQ(uniform.stage(0, 0).mtp_layers, 0);
+  EXPECT_EQ(uniform.stage(1, 0).mtp_layers, 2);
+  flags.pipeline_model_parallel_layout = "Et|tttmmL";
+  const PipelineLayout by_hand(flags);
+  EXPECT_EQ(by_hand.stage(1, 0).num_layers, 3);
+  EXPECT_EQ(by_hand.stage(1, 0).mtp_layers, 2);
+
+  const auto mtp_error = [](const int64_t num_layers, const int64_t pp, const std::string& text) {
+    PipelineSplitFlags f = split(num_layers, pp);
+    f.mtp_num_layers = 2;
+    f.pipeline_model_parallel_layout = text;
+    return error_of(f);
+  };
+  const std::string prefix = "--pipeline-model-parallel-layout: ";
+  EXPECT_EQ(mtp_error(2, 2, "Et|tmL"),
+            prefix + "Number of mtp layers in layout must match mtp_num_layers (1 in the layout, --mtp-num-layers 2)");
+  EXPECT_EQ(mtp_error(2, 2, "Etm|mtL"), prefix + "decoder layers must be placed before MTP layers");
+  EXPECT_EQ(mtp_error(2, 2, "Et|tm||mL"),
+            prefix +
+                "Currently we restrict that the MTP should be always in the last virtual pipeline stage of that "
+                "rank. But got 'tm' (pipeline rank 1, virtual stage 0)");
+  EXPECT_EQ(mtp_error(2, 2, "Ettm|mL"),
+            prefix + "All of the MTP layers must be in the same one virtual pipeline stage");
+  EXPECT_EQ(mtp_error(2, 2, "Ettmm|L"),
+            prefix +
+                "Multi-Token Prediction layers on a stage without the loss (Megatron's standalone MTP stage) are "
+                "not supported by moecore yet: put the 'm's beside the 'L'");
 }
 
 TEST(PipelineSplitErrors, SizesAndLookups) {

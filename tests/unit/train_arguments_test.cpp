@@ -170,6 +170,26 @@ TEST(TrainArguments, ModelFlags) {
   EXPECT_EQ(squared.model.activation, Activation::kSquaredReLU);
 }
 
+TEST(TrainArguments, MultiTokenPrediction) {
+  const Args rope = with(minimal(), {"--position-embedding-type", "rope"});
+  const TrainingArgs none = parse_train_args(rope);
+  EXPECT_EQ(none.model.mtp_num_layers, 0);
+  EXPECT_DOUBLE_EQ(none.model.mtp_loss_scaling_factor, 0.1);  // Megatron's default
+  const TrainingArgs args = parse_train_args(with(rope, {"--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"}));
+  EXPECT_EQ(args.model.mtp_num_layers, 2);
+  EXPECT_DOUBLE_EQ(args.model.mtp_loss_scaling_factor, 0.3);
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--position-embedding-type", "none", "--mtp-num-layers", "1"}))
+                .model.mtp_num_layers,
+            1);
+  // Megatron's validate_args message, word for word.
+  EXPECT_EQ(error_of(with(minimal(), {"--mtp-num-layers", "1"})),
+            "Multi-Token Prediction (MTP) is not supported with learned_absolute position embedding type.The "
+            "supported position embedding types are rope and none.");
+  EXPECT_TRUE(mentions(error_of(with(rope, {"--mtp-num-layers", "-1"})), "--mtp-num-layers"));
+  EXPECT_EQ(error_of(with(rope, {"--mtp-num-layers", "1", "--fp8-format", "e4m3"})),
+            "--mtp-num-layers is not supported with --fp8-format / --fp4-format yet");
+}
+
 TEST(TrainArguments, SwigluFfnDefaultAsMegatron) {
   // int((4 * 4096 * 2 / 3) / 64) * 64: 10922.67 / 64 = 170.67 -> 170 * 64 = 10880.
   Args args = without(without(minimal(), "--hidden-size", 1), "--num-attention-heads", 1);
@@ -539,9 +559,9 @@ TEST(TrainArguments, PipelineSplitFlags) {
             "should be greater than 1 (--pipeline-model-parallel-size 1, 2 virtual stages per rank)");
   EXPECT_EQ(error_of(with(minimal(), {"--decoder-first-pipeline-num-layers", "0"})),
             "--decoder-first-pipeline-num-layers must be larger than 0 (got 0)");
-  EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-layout", "Et|tmL"})),
-            "--pipeline-model-parallel-layout: 'm' (a multi-token prediction layer) is not supported: moecore has no "
-            "MTP layers");
+  EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-layout", "EttmL"})),
+            "--pipeline-model-parallel-layout: Number of mtp layers in layout must match mtp_num_layers (1 in the "
+            "layout, --mtp-num-layers 0)");
   EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-layout", "EtttL"})),
             "--pipeline-model-parallel-layout: Number of decoder layers 3 must match --num-layers 2");
   EXPECT_EQ(error_of(with(minimal(), {"--pipeline-model-parallel-layout"})),

@@ -230,6 +230,22 @@ TEST(LogFormat, FlopsMoEAsMegatron) {
   EXPECT_DOUBLE_EQ(flops, 129761280.0);
 }
 
+// Megatron's MTP term: each depth adds one layer like the last decoder layer, its norms and eh_proj (3h + 2h^2 per
+// token, forward) and the shared output layer once more.
+TEST(LogFormat, FlopsMtpCountsTheDepths) {
+  ModelConfig config = small_moe_config();
+  const double without = num_floating_point_operations(config, 3, 32);
+  config.mtp_num_layers = 2;
+  const double tokens = 3 * 32, h = static_cast<double>(config.hidden_size);
+  ModelConfig one_layer = config;  // the last (MoE) layer alone: attention + MoE MLP + logits
+  one_layer.num_layers = 1;
+  one_layer.moe.moe_layer_pattern = {true};
+  one_layer.mtp_num_layers = 0;
+  const double layer_and_logits = hand_counted_moe_flops(one_layer, 3, 32);
+  const double projection = 3 * 2 * tokens * (3 * h + 2 * h * h);
+  EXPECT_DOUBLE_EQ(num_floating_point_operations(config, 3, 32), without + 2 * (layer_and_logits + projection));
+}
+
 TEST(LogFormat, FlopsMoEVariants) {
   ModelConfig config = small_moe_config();
   // The same model with every layer dense (no --num-experts) counts ffn everywhere, whatever the moe fields say.

@@ -99,7 +99,8 @@ std::string hf_model_type(const ModelConfig& config, const std::string& requeste
 std::string hf_export_dir_problem(const std::string& dir);
 
 // Writes DIR/config.json, DIR/generation_config.json and DIR/model.safetensors into DIR.tmp, then swaps it in for
-// DIR, so a failure leaves any earlier export intact. Refuses to replace a DIR holding files it did not write.
+// DIR, so a failure leaves any earlier export intact. Refuses to replace a DIR holding files it did not write. The
+// Multi-Token Prediction depths (mtp.*) are left out: the export is the main model.
 void export_hf(const GPTModel& model, const HfExportInfo& info, const std::string& dir);
 
 // The ModelConfig described by DIR/config.json (model_type llama, qwen3, mixtral, qwen3_moe or moecore_moe); throws

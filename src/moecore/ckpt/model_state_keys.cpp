@@ -1,5 +1,7 @@
 #include "moecore/ckpt/model_state_keys.h"
 
+#include <algorithm>
+
 namespace moecore {
 namespace {
 
@@ -19,6 +21,26 @@ class KeyList {
     if (bias) add(prefix + "linear_fc1.bias", {F1}, InitKind::kZeros);
     add(prefix + "linear_fc2.weight", {H, F}, InitKind::kScaledNormal);
     if (bias) add(prefix + "linear_fc2.bias", {H}, InitKind::kZeros);
+  }
+  // GPTModel's final norm and output layer, registered after the decoder layers and before any MTP depth.
+  void head(const ModelConfig& c) {
+    norm("decoder.final_layernorm", c.hidden_size, c.normalization);
+    if (c.untie_embeddings_and_output_weights) {
+      add("output_layer.weight", {c.vocab_size, c.hidden_size}, InitKind::kNormal);
+    }
+  }
+  // Before MTP depth k's layer: what precedes it (the head, or depth k-1's final norm), then enorm, hnorm, eh_proj.
+  void mtp_depth(const ModelConfig& c, const int64_t k) {
+    const int64_t H = c.hidden_size;
+    if (k == 0) {
+      head(c);
+    } else {
+      norm("mtp.layers." + std::to_string(k - 1) + ".final_layernorm", H, c.normalization);
+    }
+    const std::string prefix = "mtp.layers." + std::to_string(k) + ".";
+    norm(prefix + "enorm", H, c.normalization);
+    norm(prefix + "hnorm", H, c.normalization);
+    add(prefix + "eh_proj.weight", {H, 2 * H}, InitKind::kNormal);
   }
   // model/attention.cpp or, with config.mla, model/mla_attention.cpp.
   void attention(const std::string& prefix, const ModelConfig& c) {
@@ -61,8 +83,13 @@ std::vector<ModelStateKey> model_state_keys(const ModelConfig& c) {
     list.add("embedding.position_embeddings.weight", {c.max_position_embeddings, H}, InitKind::kNormal);
   }
   std::vector<ModelStateKey> buffers;
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string M = "decoder.layers." + std::to_string(i) + ".";
+  // The decoder layers, then one layer per Multi-Token Prediction depth, built as the last decoder layer.
+  for (int64_t slot = 0; slot < c.num_layers + c.mtp_num_layers; ++slot) {
+    const int64_t depth = slot - c.num_layers;
+    if (depth >= 0) list.mtp_depth(c, depth);
+    const int64_t i = std::min(slot, c.num_layers - 1);
+    const std::string M = depth < 0 ? "decoder.layers." + std::to_string(i) + "."
+                                    : "mtp.layers." + std::to_string(depth) + ".mtp_model_layer.";
     list.norm(M + "input_layernorm", H, c.normalization);
     list.attention(M + "self_attention.", c);
     list.norm(M + "pre_mlp_layernorm", H, c.normalization);
@@ -86,8 +113,11 @@ std::vector<ModelStateKey> model_state_keys(const ModelConfig& c) {
       if (m.shared_expert_gate) list.add(M + "mlp.shared_experts.gate_weight", {1, H}, InitKind::kNormal);
     }
   }
-  list.norm("decoder.final_layernorm", H, c.normalization);
-  if (c.untie_embeddings_and_output_weights) list.add("output_layer.weight", {c.vocab_size, H}, InitKind::kNormal);
+  if (c.mtp_num_layers > 0) {
+    list.norm("mtp.layers." + std::to_string(c.mtp_num_layers - 1) + ".final_layernorm", H, c.normalization);
+  } else {
+    list.head(c);
+  }
   std::vector<ModelStateKey> keys = std::move(list.keys_);
   keys.insert(keys.end(), buffers.begin(), buffers.end());
   return keys;

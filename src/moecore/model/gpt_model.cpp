@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "moecore/model/kv_cache.h"
+#include "moecore/model/multi_token_prediction.h"
 #include "moecore/model/norm_module.h"
 #include "moecore/model/parallel_linear.h"
 #include "moecore/model/tensor_parallel.h"
@@ -27,6 +28,7 @@ struct GPTModel::Modules {
   NormModule final_norm;                   // post_process
   ColumnParallelLinear output_layer;       // post_process: vocabulary-parallel, never gathered
   VocabParallelCrossEntropy cross_entropy;
+  MultiTokenPrediction mtp;  // post_process with --mtp-num-layers
 };
 
 namespace {
@@ -147,23 +149,23 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const paralle
                            static_cast<int>(L));
     LinearOptions output;
     output.module = static_cast<int>(L);
-    if (tied && pre_process) {
-      output.shared_weight = kWordEmbeddings;
-    } else if (tied) {
-      // A last stage without the embedding holds its own copy of the tied weight under the embedding's name: the
-      // counter-RNG init makes it equal to the first stage's; keeping the copies' gradients summed is the pipeline
-      // schedule's job (Megatron's embedding group).
-      output.shared_weight = kWordEmbeddings;
-      params_.push_back(
-          make_sharded_param(kWordEmbeddings, ParamShard{0, 1, m.tp.size(), m.tp.rank(), {V, H}}, InitKind::kNormal));
+    if (tied) output.shared_weight = kWordEmbeddings;
+    if (!pre_process && (tied || config_.mtp_num_layers > 0)) {
+      // A last stage without the embedding holds its own copy of the word embedding under the embedding's name, for
+      // the tied output layer and the Multi-Token Prediction input: the counter-RNG init makes it equal to the first
+      // stage's; keeping the copies' gradients summed is the pipeline schedule's job (Megatron's embedding group).
+      m.word_embeddings = VocabParallelEmbedding(kWordEmbeddings, V, H, m.tp, params_);
     }
     m.output_layer = ColumnParallelLinear("output_layer", H, V, m.tp, output, params_);
     m.cross_entropy = VocabParallelCrossEntropy(m.tp, V, m.tp.rank() * (V / m.tp.size()));
+    if (config_.mtp_num_layers > 0) {
+      m.mtp = MultiTokenPrediction(config_, static_cast<int>(L), params_, buffers_, parallel_);
+    }
   }
   // params_ and buffers_ are complete: pointers into them stay valid from here on.
   for (TransformerLayer& layer : m.layers) layer.bind(params_, buffers_, &norm_overflows_);
+  if (pre_process || (post_process && (tied || config_.mtp_num_layers > 0))) m.word_embeddings.bind(params_);
   if (pre_process) {
-    m.word_embeddings.bind(params_);
     if (config_.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
       m.position_embeddings = &param("embedding.position_embeddings.weight");
     }
@@ -172,8 +174,9 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const paralle
     m.final_norm = NormModule::bind(params_, "decoder.final_layernorm", config_.normalization, config_.norm_epsilon,
                                     &norm_overflows_);
     m.output_layer.bind(params_);
+    m.mtp.bind(params_, buffers_, &norm_overflows_, &m.word_embeddings, &m.output_layer, &m.cross_entropy);
   }
-  if (tied && parallel_.pp_size() > 1 && (pre_process || post_process)) {
+  if ((tied || config_.mtp_num_layers > 0) && parallel_.pp_size() > 1 && (pre_process || post_process)) {
     Param& word = param(kWordEmbeddings);
     word.sum_over_embedding_group = true;
     word.pipeline_copy = !pre_process;
@@ -317,6 +320,11 @@ Tensor GPTModel::output_and_loss_backward(MicroBatchContext& ctx, const double l
     ctx.logits_TV = Tensor();
     ctx.output_layer = LinearActivations();
   }
+  if (!ctx.mtp.depths.empty()) {
+    const Tensor dmtp_TH = m.mtp.backward(ctx.mtp, mtp_batch(ctx), loss_scale, loss_scale * parallel_.cp_size(),
+                                          mtp_options(ctx, ctx.mtp.grad_seed));
+    ops::add_(dfinal_TH, dmtp_TH);
+  }
   Tensor dx_TH = activation_tensor(ctx.output_TH.shape());
   m.final_norm.backward(dx_TH, dfinal_TH, ctx.output_TH, ctx.final_stats);
   return dx_TH;
@@ -409,9 +417,14 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     const ActivationOwnerScope owner(ActivationOwner::kOutputLoss);
     ctx->output_grad_seed = options.backward_seed;
     loss = output_and_loss(*ctx, x_TH, labels_BS != nullptr, logits_SBV);
+    if (m.mtp.depths() > 0 && labels_BS != nullptr) {
+      if (tokens_BS == nullptr) throw std::invalid_argument("the Multi-Token Prediction depths need the tokens");
+      mtp_forward(*ctx, options, tokens_BS, labels_BS, loss_mask_BS);
+    }
   }
   if (options.training) {
     if (!moe_stats_.moe_layers.empty()) ++moe_stats_.num_forwards;
+    if (!ctx->mtp.depths.empty()) ++mtp_stats_.num_forwards;
     ctx_out = std::move(ctx);
   } else if (!stage.post_process) {
     ctx_out = std::move(ctx);  // the caller reads output_TH
@@ -486,6 +499,50 @@ void GPTModel::record_moe_stats(const int64_t layer, const RouterOutput& routing
   }
 }
 
+MtpBatch GPTModel::mtp_batch(const MicroBatchContext& ctx, const int32_t* tokens_BS, const int32_t* labels_BS,
+                             const float* loss_mask_BS) const {
+  return MtpBatch{ctx.S, ctx.B, ctx.sequence.S, tokens_BS, labels_BS, loss_mask_BS, &ctx.rows, &ctx.sequence};
+}
+
+MtpForwardOptions GPTModel::mtp_options(const MicroBatchContext& ctx, const double backward_seed) const {
+  MtpForwardOptions options;
+  options.training = ctx.training;
+  options.dropout_seed = ctx.dropout_seed;
+  options.backward_seed = backward_seed;
+  for (int64_t k = 0; k < config_.mtp_num_layers; ++k) {
+    options.layer_streams.push_back(layer_stream(ctx.dropout_stream, mtp_layer_number(config_.num_layers, k)));
+    // A layer-style key (stream x 4 + site) of a layer number no decoder layer has.
+    options.embedding_keys.push_back(layer_stream(ctx.dropout_stream, mtp_embedding_number(config_.num_layers, k)) * 4 +
+                                     kEmbeddingDropoutSite);
+  }
+  return options;
+}
+
+void GPTModel::mtp_forward(MicroBatchContext& ctx, const ForwardOptions& options, const int32_t* tokens_BS,
+                           const int32_t* labels_BS, const float* loss_mask_BS) {
+  const trace::Scope scope("mtp forward", "forward");
+  const ActivationOwnerScope owner(ActivationOwner::kOutputLoss);
+  const std::vector<double> losses =
+      modules_->mtp.forward(ctx.final_out_TH, mtp_batch(ctx, tokens_BS, labels_BS, loss_mask_BS),
+                            mtp_options(ctx, options.backward_seed), ctx.mtp);
+  if (!options.training) return;
+  mtp_stats_.loss_sums.resize(losses.size(), 0.0);
+  for (size_t k = 0; k < losses.size(); ++k) {
+    mtp_stats_.loss_sums[k] += losses[k];
+    const TransformerLayer& layer = modules_->mtp.layers()[k];
+    if (layer.is_moe()) {
+      // Megatron's router records an MTP layer's statistics after the decoder's layers (layer_number + num_layers).
+      record_moe_stats(config_.num_layers + static_cast<int64_t>(k), ctx.mtp.depths[k].layer.moe.routing);
+    }
+  }
+}
+
+MtpStats GPTModel::take_mtp_stats() {
+  MtpStats out = std::move(mtp_stats_);
+  mtp_stats_ = MtpStats();
+  return out;
+}
+
 std::optional<NormOverflow> GPTModel::take_norm_overflow() { return norm_overflows_.take(); }
 
 MoEStats GPTModel::take_moe_stats() {
@@ -496,6 +553,9 @@ MoEStats GPTModel::take_moe_stats() {
 
 void GPTModel::finish_global_batch() {
   for (TransformerLayer& layer : modules_->layers) {
+    if (layer.is_moe()) layer.moe()->finish_global_batch();
+  }
+  for (TransformerLayer& layer : modules_->mtp.layers()) {
     if (layer.is_moe()) layer.moe()->finish_global_batch();
   }
 }

@@ -5,6 +5,7 @@
 //   decoder.layers.{i}.pre_mlp_layernorm.{weight,bias} mlp.linear_fc1.{weight,bias} [F or 2F, H]
 //   mlp.linear_fc2.{weight,bias} [H, F]               decoder.final_layernorm.{weight,bias} [H]
 //   output_layer.weight [V, H] (only with --untie-embeddings-and-output-weights)
+//   mtp.layers.{k}.* (with --mtp-num-layers, on the loss stage: multi_token_prediction.h)
 // Buffers (not trained, part of the training state): decoder.layers.{i}.mlp.router.expert_bias [E] fp32 on MoE layers
 // with --moe-router-enable-expert-bias. Under --fp8-recipe delayed each decoder-layer linear's weight Param also
 // carries the linear's FP8 scaling state (delayed_scaling()).
@@ -39,6 +40,13 @@ struct MoEStats {
   std::vector<std::vector<double>> load_balancing_losses;  // [MoE layer][balancing type], logged values (loss / coeff)
   std::vector<double> z_losses;                            // [MoE layer], z-loss / coeff
   std::vector<std::vector<int64_t>> tokens_per_expert;     // [MoE layer][expert]
+};
+
+// Multi-Token Prediction losses (unscaled, each depth's mean over its unmasked tokens) summed over the training
+// forwards since the last GPTModel::take_mtp_stats().
+struct MtpStats {
+  int64_t num_forwards = 0;
+  std::vector<double> loss_sums;  // [depth]
 };
 
 // The part of the model one pipeline stage builds (Megatron's pre_process / post_process): decoder layers
@@ -129,6 +137,9 @@ class GPTModel {
   // MoE: statistics of the training forwards since the last call (then reset), and the once-per-global-batch
   // router updates (expert-bias sign rule, global aux-loss reset). No-ops for a dense model.
   MoEStats take_moe_stats();
+  // --mtp-num-layers: the depths' losses of the training forwards since the last call (then reset); empty on a stage
+  // without the loss.
+  MtpStats take_mtp_stats();
   void finish_global_batch();
   // The first norm (in model order) of this rank whose statistics overflowed in a forward since the last call (then
   // reset): its output was zeros, which the loss does not show (model/norm_overflow.h). Training, evaluation and
@@ -157,6 +168,12 @@ class GPTModel {
   void embed_backward(const Tensor& dx_TH, const MicroBatchContext& ctx) const;
   double output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH, bool with_labels, Tensor* logits_SBV) const;
   Tensor output_and_loss_backward(MicroBatchContext& ctx, double loss_scale) const;
+  // The micro-batch as the MTP block reads it (the whole [B, S] arrays in forward; backward needs none of them).
+  MtpBatch mtp_batch(const MicroBatchContext& ctx, const int32_t* tokens_BS = nullptr,
+                     const int32_t* labels_BS = nullptr, const float* loss_mask_BS = nullptr) const;
+  MtpForwardOptions mtp_options(const MicroBatchContext& ctx, double backward_seed) const;
+  void mtp_forward(MicroBatchContext& ctx, const ForwardOptions& options, const int32_t* tokens_BS,
+                   const int32_t* labels_BS, const float* loss_mask_BS);
 
   struct Modules;
   ModelConfig config_;
@@ -169,6 +186,7 @@ class GPTModel {
   std::vector<Buffer> buffers_;
   std::unique_ptr<Modules> modules_;
   MoEStats moe_stats_;
+  MtpStats mtp_stats_;
   NormOverflowLog norm_overflows_;
   DelayedScalingStates delayed_scaling_;
 };

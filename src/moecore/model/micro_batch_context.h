@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "moecore/model/multi_token_prediction.h"
 #include "moecore/model/norm_module.h"
 #include "moecore/model/parallel_linear.h"
 #include "moecore/model/sequence_info.h"
@@ -38,6 +39,7 @@ class MicroBatchContext {
   // weight, made during forward.
   Tensor output_dinput_TH, output_dweight_VH;
   double output_grad_seed = 1.0;  // the seed output_dinput_TH / output_dweight_VH were formed with
+  MtpActivations mtp;             // --mtp-num-layers (post-process)
 };
 
 }  // namespace moecore

@@ -76,12 +76,15 @@ TokenRows layer_rows(const LayerDropout& dropout, const int64_t T) {
 
 TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t index, std::vector<Param>& params,
                                    std::vector<Buffer>& buffers, const parallel::ParallelState& parallel)
-    : config_(config),
-      index_(index),
-      tp_(TensorParallel::attention(parallel)),
-      prefix_("decoder.layers." + std::to_string(index) + ".") {
+    : TransformerLayer(config, index, params, buffers, parallel,
+                       LayerPlacement{"decoder.layers." + std::to_string(index) + ".", static_cast<int>(index)}) {}
+
+TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t index, std::vector<Param>& params,
+                                   std::vector<Buffer>& buffers, const parallel::ParallelState& parallel,
+                                   const LayerPlacement& placement)
+    : config_(config), index_(index), tp_(TensorParallel::attention(parallel)), prefix_(placement.prefix) {
   const size_t first_param = params.size();
-  const int module = static_cast<int>(index);
+  const int module = placement.module;
   const bool moe_layer = config.moe.is_moe_layer(index);
   if (!moe_layer && config.ffn_hidden_size % tp_.size() != 0) {
     throw ConfigError("--ffn-hidden-size (" + std::to_string(config.ffn_hidden_size) +

@@ -51,12 +51,22 @@ struct LayerActivations {
   MoELayerActivations moe;  // MoE layers
 };
 
+// Where a layer's parameters live: a decoder layer's are named "decoder.layers.{index}." and completed by backward
+// hook `index`; a Multi-Token Prediction depth builds a decoder layer's structure under a name of its own.
+struct LayerPlacement {
+  std::string prefix;
+  int module = 0;  // Param::module
+};
+
 class TransformerLayer {
  public:
   // Registers this layer's parameters into `params` and buffers into `buffers` (names prefixed
   // "decoder.layers.{index}.", the global index).
   TransformerLayer(const ModelConfig& config, int64_t index, std::vector<Param>& params, std::vector<Buffer>& buffers,
                    const parallel::ParallelState& parallel);
+  // The structure of decoder layer `index` (dense or MoE, its quantization) under `placement`'s names.
+  TransformerLayer(const ModelConfig& config, int64_t index, std::vector<Param>& params, std::vector<Buffer>& buffers,
+                   const parallel::ParallelState& parallel, const LayerPlacement& placement);
   // Resolves parameter and buffer pointers once `params` and `buffers` no longer grow; the norms record overflows
   // into norm_overflow_log (the model's; may be null).
   void bind(std::vector<Param>& params, std::vector<Buffer>& buffers, NormOverflowLog* norm_overflow_log);

@@ -33,6 +33,7 @@ const std::vector<std::string_view> kSplitIntFlags = {
     "--decoder-last-pipeline-num-layers",
     "--num-layers-per-virtual-pipeline-stage",
     "--num-virtual-stages-per-pipeline-rank",
+    "--mtp-num-layers",
 };
 
 bool is_one_of(const std::vector<std::string_view>& flags, const std::string_view flag) {
@@ -140,7 +141,8 @@ std::string layout_usage() {
          "  --account-for-embedding-in-pipeline-split     count the embedding as a layer in the uniform split\n"
          "  --account-for-loss-in-pipeline-split          count the loss as a layer in the uniform split\n"
          "  --pipeline-model-parallel-layout TEXT         stages by hand, e.g. \"Et|(tt|)*2,tL\" (E embedding,\n"
-         "                                                t decoder layer, L loss, | between stages)\n"
+         "                                                t decoder layer, L loss, m MTP layer, | between stages)\n"
+         "  --mtp-num-layers N                            Multi-Token Prediction depths (on the loss stage)\n"
          "  --num-layers-per-virtual-pipeline-stage N     layers per virtual stage (interleaved schedule)\n"
          "  --num-virtual-stages-per-pipeline-rank N      virtual stages per pipeline rank (interleaved schedule)\n";
 }
@@ -188,6 +190,7 @@ LayoutCommandArgs parse_layout_command_args(const std::vector<std::string>& args
       if (flag == "--num-virtual-stages-per-pipeline-rank") {
         split.num_virtual_stages_per_pipeline_rank = parse_integer(flag, text);
       }
+      if (flag == "--mtp-num-layers") split.mtp_num_layers = parse_integer(flag, text);
       continue;
     }
     const int value = parse_positive(flag, text);
@@ -258,6 +261,7 @@ void print_pipeline_stages(const parallel::PipelineLayout& pipeline, std::ostrea
     out << ": " << layer_range(stage);
     if (stage.has_embedding) out << " + embedding";
     if (stage.has_loss) out << " + loss";
+    if (stage.mtp_layers > 0) out << " + " << stage.mtp_layers << " MTP layers";
     out << '\n';
   }
 }

@@ -166,6 +166,7 @@ PipelineLayout::PipelineLayout(const PipelineSplitFlags& flags) : flags_(flags) 
   require(pp <= kMaxChunks,
           std::string(kPipelineSizeFlag) + " " + str(pp) + " is more than moecore supports (" + str(kMaxChunks) + ")");
   require(flags.num_layers >= 1, "--num-layers must be positive (got " + str(flags.num_layers) + ")");
+  require(flags.mtp_num_layers >= 0, "--mtp-num-layers must not be negative (got " + str(flags.mtp_num_layers) + ")");
   require(flags.num_layers <= kMaxLayers,
           "--num-layers " + str(flags.num_layers) + " is more than moecore supports (" + str(kMaxLayers) + ")");
   const bool first_set = flags.decoder_first_pipeline_num_layers.has_value();
@@ -194,12 +195,6 @@ PipelineLayout::PipelineLayout(const PipelineSplitFlags& flags) : flags_(flags) 
   std::vector<std::string> cells;
   if (flags.pipeline_model_parallel_layout) {
     cells = parse_pipeline_layout(*flags.pipeline_model_parallel_layout);
-    for (const std::string& cell : cells) {
-      require(cell.find('m') == std::string::npos,
-              std::string(kLayoutFlag) +
-                  ": 'm' (a multi-token prediction layer) is not supported: moecore has no "
-                  "MTP layers");
-    }
     const auto num_stages = static_cast<int64_t>(cells.size());
     require(num_stages % pp == 0, "The length of " + std::string(kLayoutFlag) + " must be divisible by " +
                                       kPipelineSizeFlag + " (num_stages=" + str(num_stages) +
@@ -277,6 +272,14 @@ PipelineLayout::PipelineLayout(const PipelineSplitFlags& flags) : flags_(flags) 
   }
   stages_.front().has_embedding = true;
   stages_.back().has_loss = true;
+  if (!flags.pipeline_model_parallel_layout) stages_.back().mtp_layers = flags.mtp_num_layers;
+  for (const PipelineStage& chunk : stages_) {
+    require(chunk.mtp_layers == 0 || chunk.has_loss,
+            std::string(kLayoutFlag) +
+                ": Multi-Token Prediction layers on a stage without the loss (Megatron's "
+                "standalone MTP stage) are not supported by moecore yet: put the 'm's beside "
+                "the 'L'");
+  }
 }
 
 // PipelineParallelLayerLayout.validate_layer_layout, get_layer_offset and get_num_layers_to_build.
@@ -292,6 +295,30 @@ void PipelineLayout::split_by_layout(const std::vector<std::string>& cells) {
   const auto decoders = static_cast<int64_t>(std::count(flat.begin(), flat.end(), 't'));
   require(decoders == flags_.num_layers,
           prefix + "Number of decoder layers " + str(decoders) + " must match --num-layers " + str(flags_.num_layers));
+  // The MTP checks of validate_layer_layout, in its order.
+  const auto mtps = static_cast<int64_t>(std::count(flat.begin(), flat.end(), 'm'));
+  require(mtps == flags_.mtp_num_layers, prefix + "Number of mtp layers in layout must match mtp_num_layers (" +
+                                             str(mtps) + " in the layout, --mtp-num-layers " +
+                                             str(flags_.mtp_num_layers) + ")");
+  require(flat.find('m') == std::string::npos || flat.find('t', flat.find('m')) == std::string::npos,
+          prefix + "decoder layers must be placed before MTP layers");
+  const auto cell_of = [&](const int r, const int v) {
+    return cells[static_cast<size_t>(v) * static_cast<size_t>(pipeline_size_) + static_cast<size_t>(r)];
+  };
+  for (int r = 0; r < pipeline_size_; ++r) {
+    for (int v = 0; v + 1 < virtual_pipeline_size_; ++v) {
+      require(cell_of(r, v).find('m') == std::string::npos,
+              prefix +
+                  "Currently we restrict that the MTP should be always in the last virtual pipeline stage of "
+                  "that rank. But got '" +
+                  cell_of(r, v) + "' (pipeline rank " + str(r) + ", virtual stage " + str(v) + ")");
+    }
+  }
+  for (int r = 0; r < pipeline_size_; ++r) {
+    const std::string& last = cell_of(r, virtual_pipeline_size_ - 1);
+    require(last.find('m') == std::string::npos || std::count(last.begin(), last.end(), 'm') == flags_.mtp_num_layers,
+            prefix + "All of the MTP layers must be in the same one virtual pipeline stage");
+  }
   // Stage i is (pp = i % PP, virtual stage = i / PP); layers are numbered in stage order.
   int64_t next_layer = 0;
   for (size_t i = 0; i < cells.size(); ++i) {
@@ -300,6 +327,7 @@ void PipelineLayout::split_by_layout(const std::vector<std::string>& cells) {
     PipelineStage& chunk = stages_[static_cast<size_t>(r * virtual_pipeline_size_ + v)];
     chunk.first_layer = next_layer;
     chunk.num_layers = static_cast<int64_t>(std::count(cells[i].begin(), cells[i].end(), 't'));
+    chunk.mtp_layers = static_cast<int64_t>(std::count(cells[i].begin(), cells[i].end(), 'm'));
     next_layer += chunk.num_layers;
   }
 }

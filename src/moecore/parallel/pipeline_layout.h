@@ -49,6 +49,7 @@ struct PipelineSplitFlags {
   // Megatron's overlap_p2p_comm (default true; --no-overlap-p2p-communication clears it). Here it only selects the
   // interleaved schedule's size rule: VPP > 1 needs PP > 1 with it, PP > 2 without.
   bool overlap_p2p_comm = true;
+  int64_t mtp_num_layers = 0;  // --mtp-num-layers: every depth on the loss stage, or where a layout's 'm's are
 };
 
 // One model chunk: the decoder layers [first_layer, first_layer + num_layers) of pipeline rank pp_rank, virtual
@@ -60,6 +61,7 @@ struct PipelineStage {
   int64_t num_layers = 0;      // 0 for an empty stage of a layout
   bool has_embedding = false;  // Megatron's pre_process
   bool has_loss = false;       // Megatron's post_process: final norm, output layer and loss
+  int64_t mtp_layers = 0;      // Multi-Token Prediction depths (all of them, or none)
 
   int64_t end_layer() const { return first_layer + num_layers; }
 };

@@ -23,8 +23,9 @@ namespace {
 
 // Upper limits of the size flags: far above any model trained today, and small enough that shapes, parameter counts
 // and bytes built from a few of them stay within 64-bit integers (checked where they are multiplied).
-constexpr int64_t kMaxWidth = int64_t{1} << 24;      // hidden, ffn and head sizes
-constexpr int64_t kMaxCount = int64_t{1} << 16;      // layers, heads, query groups, amax history
+constexpr int64_t kMaxWidth = int64_t{1} << 24;  // hidden, ffn and head sizes
+constexpr int64_t kMaxCount = int64_t{1} << 16;  // layers, heads, query groups, amax history
+constexpr int64_t kMaxMtpDepths = 64;
 constexpr int64_t kMaxPositions = int64_t{1} << 24;  // sequence length, position table, generated tokens
 constexpr int64_t kMaxExperts = int64_t{1} << 20;
 constexpr int64_t kMaxVocab = INT32_MAX;  // token ids are int32 in the indexed dataset and the model
@@ -246,6 +247,11 @@ const std::vector<FlagSpec>& flag_table() {
      [](TrainingArgs& a, const FlagValue& v) { a.model.hidden_dropout = v.real(); }},
     {"--untie-embeddings-and-output-weights", Arity::kSwitch, "", "separate output layer weight",
      [](TrainingArgs& a, const FlagValue&) { a.model.untie_embeddings_and_output_weights = true; }},
+    {"--mtp-num-layers", Arity::kOne, "N", "Multi-Token Prediction depths after the decoder (default none)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.mtp_num_layers = v.integer_up_to(kMaxMtpDepths); }},
+    {"--mtp-loss-scaling-factor", Arity::kOne, "X",
+     "weight of the mean Multi-Token Prediction loss over the depths (default 0.1)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.mtp_loss_scaling_factor = v.real(); }},
 
     // Training.
     {"--micro-batch-size", Arity::kOne, "N", "sequences per micro batch (required)",
@@ -792,6 +798,7 @@ parallel::PipelineSplitFlags pipeline_split_flags(const TrainingArgs& args) {
   flags.num_layers_per_virtual_pipeline_stage = args.num_layers_per_virtual_pipeline_stage;
   flags.num_virtual_stages_per_pipeline_rank = args.num_virtual_stages_per_pipeline_rank;
   flags.overlap_p2p_comm = args.overlap_p2p_comm;
+  flags.mtp_num_layers = args.model.mtp_num_layers;
   return flags;
 }
 

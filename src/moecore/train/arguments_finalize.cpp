@@ -690,6 +690,26 @@ void finalize_packed_sequences(const TrainingArgs& args) {
           "ids are not implemented)");
 }
 
+// Multi-Token Prediction (--mtp-num-layers): Megatron's validate_args checks, then what moecore does not run yet.
+void finalize_mtp(const TrainingArgs& args) {
+  const ModelConfig& model = args.model;
+  require(model.mtp_num_layers >= 0, "--mtp-num-layers must be non-negative (got " + str(model.mtp_num_layers) + ")");
+  if (model.mtp_num_layers == 0) return;
+  // Megatron's message, word for word (arguments.py).
+  require(model.position_embedding_type == PositionEmbedding::kRope ||
+              model.position_embedding_type == PositionEmbedding::kNone,
+          "Multi-Token Prediction (MTP) is not supported with " + to_string(model.position_embedding_type) +
+              " position embedding type.The supported position embedding types are rope and none.");
+  // The counter RNG keys layers 0..1022 (two numbers per depth after the decoder's layers).
+  require(model.num_layers + 2 * model.mtp_num_layers < 1023, "--num-layers (" + str(model.num_layers) +
+                                                                  ") + 2 x --mtp-num-layers (" +
+                                                                  str(model.mtp_num_layers) + ") must be below 1023");
+  const auto unsupported = [](const bool ok, const std::string& what) {
+    require(ok, "--mtp-num-layers is not supported with " + what + " yet");
+  };
+  unsupported(!args.fp8_format && !args.fp4_format, "--fp8-format / --fp4-format");
+}
+
 }  // namespace
 
 void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given) {
@@ -707,6 +727,7 @@ void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given)
   finalize_profiling(args, given);
   finalize_moecore(args, given);
   finalize_packed_sequences(args);
+  finalize_mtp(args);
 }
 
 }  // namespace moecore::detail

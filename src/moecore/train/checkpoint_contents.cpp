@@ -104,6 +104,7 @@ ModelConfig recorded_model_config(const ShardedCheckpoint& checkpoint) {
     c.max_position_embeddings = flags.size("--max-position-embeddings");
   }
   c.untie_embeddings_and_output_weights = flags.boolean("--untie-embeddings-and-output-weights");
+  if (recorded_model_flags(checkpoint).contains("--mtp-num-layers")) c.mtp_num_layers = flags.size("--mtp-num-layers");
   c.moe.num_experts = flags.size("--num-experts");
   if (c.moe.enabled()) {
     c.moe.ffn_hidden_size = flags.size("--moe-ffn-hidden-size");

@@ -250,6 +250,8 @@ ojson checkpoint_args(const TrainingArgs& a) {
                  {"--rotary-percent", m.rotary_percent},
                  {"--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights},
                  {"--num-experts", m.moe.num_experts}};
+  // Recorded only with Multi-Token Prediction, so checkpoints of models without it keep their flags.
+  if (m.mtp_num_layers > 0) model["--mtp-num-layers"] = m.mtp_num_layers;
   if (m.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
     model["--max-position-embeddings"] = m.max_position_embeddings;
   }

@@ -32,8 +32,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--glu-linear-offset",
     "--onnx-safe",
     "--bert-no-binary-head",
-    "--mtp-num-layers",
-    "--mtp-loss-scaling-factor",
     // regularization / optimizer variants
     "--sgd-momentum",
     "--muon-momentum",

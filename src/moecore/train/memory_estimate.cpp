@@ -110,6 +110,15 @@ MemoryEstimate estimate_memory(const TrainingArgs& args) {
   }
   const double final_norm = (m.normalization == Normalization::kLayerNorm ? 2.0 : 1.0) * h;
   const double output = pp == 1 ? (m.untie_embeddings_and_output_weights ? vocab * h : 0.0) + final_norm : 0.0;
+  // Multi-Token Prediction depths, on the loss stage (the first one only with PP 1): each a layer like the last
+  // decoder layer, eh_proj [H, 2H] and three norms; backward keeps each depth's layer activations and hidden states,
+  // and the depths' output-layer weight gradient.
+  const double depths = pp == 1 ? static_cast<double>(m.mtp_num_layers) : 0.0;
+  const bool last_moe = m.moe.is_moe_layer(m.num_layers - 1);
+  const ParameterCounts depth_layer = layer_parameters(m, last_moe);
+  dense += depths * (depth_layer.dense + 2.0 * h * h + 3.0 * final_norm);
+  experts += depths * depth_layer.experts;
+  activation_floats += depths * (layer_activation_floats(m, last_moe) + 8.0 * h);
   const double local_parameters = (embedding + output + dense / pp) / tp + experts / pp / expert_shards;
 
   MemoryEstimate estimate;
@@ -124,7 +133,9 @@ MemoryEstimate estimate_memory(const TrainingArgs& args) {
       static_cast<double>(args.global_batch_size) / dp / static_cast<double>(args.micro_batch_size);
   const double live_microbatches = pp == 1 ? 1.0 : std::min(pp, microbatches);
   const double logits_chunk = std::min(64.0 * 1024 * 1024, tokens * vocab * kFloatBytes);
-  estimate.activations = tokens * activation_floats / pp * kFloatBytes * live_microbatches + logits_chunk;
+  const double mtp_output_grad = depths > 0 ? vocab * h / tp * kFloatBytes * live_microbatches : 0.0;
+  estimate.activations =
+      tokens * activation_floats / pp * kFloatBytes * live_microbatches + logits_chunk + mtp_output_grad;
 
   const double gbs = static_cast<double>(args.global_batch_size);
   const double eval_points = args.eval_interval ? static_cast<double>(args.train_iters / *args.eval_interval + 1) : 1.0;

@@ -117,7 +117,8 @@ class Executor {
     if (microbatches_.document_ids) options.document_ids_BS = data.document_ids_BS.data();
     {
       const trace::Scope scope(step_name("forward", microbatch, chunk), "step");
-      mean_loss = model_.forward(ctx, stage.pre_process ? data.tokens_BS.data() : nullptr,
+      // The loss stage reads the tokens too: the Multi-Token Prediction depths embed them.
+      mean_loss = model_.forward(ctx, stage.pre_process || stage.post_process ? data.tokens_BS.data() : nullptr,
                                  stage.post_process ? data.labels_BS.data() : nullptr,
                                  stage.post_process ? data.loss_mask_BS.data() : nullptr, microbatches_.B,
                                  microbatches_.S, options);

@@ -82,6 +82,12 @@ void check_save_folder_model(const TrainingArgs& args) {
                         value.dump() + override_hint);
     }
   }
+  for (const auto& [flag, value] : saved.items()) {  // a recorded flag this run does not have (e.g. MTP off)
+    if (!mine.contains(flag)) {
+      throw ConfigError("--save " + args.save + " holds another model's checkpoint: iteration " + str(*tracked) +
+                        " was saved with " + flag + " " + value.dump() + ", this run has none" + override_hint);
+    }
+  }
 }
 
 void check_sample_prompt(const TrainingArgs& args, const Vocabulary& vocabulary) {

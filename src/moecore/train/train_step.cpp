@@ -99,6 +99,22 @@ int64_t injected_overflow_iteration() {
   return at;
 }
 
+// The depths' losses as Megatron logs them: the loss stage's ranks hold their micro-batches' sums (every TP rank the
+// same), the others nothing; the sum over the world divided by the forwards summed alike is the mean over every
+// micro-batch.
+std::vector<double> reduce_mtp_losses(const MtpStats& stats, const int64_t depths,
+                                      const parallel::ParallelState& parallel) {
+  std::vector<double> losses;
+  if (depths == 0) return losses;
+  const parallel::CommTimer timer(parallel::CommKind::kOther);
+  const double forwards = parallel::sum_double(parallel.world, static_cast<double>(stats.num_forwards));
+  for (size_t k = 0; k < static_cast<size_t>(depths); ++k) {
+    const double local = k < stats.loss_sums.size() ? stats.loss_sums[k] : 0.0;
+    losses.push_back(parallel::sum_double(parallel.world, local) / std::max(forwards, 1.0));
+  }
+  return losses;
+}
+
 }  // namespace
 
 StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, const parallel::ParallelState& parallel,
@@ -151,6 +167,7 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
   }
   modules.model.finish_global_batch();
   result.moe_stats = modules.model.take_moe_stats();
+  result.mtp_losses = reduce_mtp_losses(modules.model.take_mtp_stats(), args.model.mtp_num_layers, parallel);
   // The micro-batches this rank ran (a stage without MoE layers counts them too, so the statistics reduced over the
   // pipeline divide by the same number everywhere).
   if (args.model.moe.enabled()) {

@@ -20,6 +20,9 @@ struct StepResult {
   double lm_loss = 0.0;    // token-weighted over the global batch (every micro-batch of every DP rank)
   double grad_norm = 0.0;  // before clipping
   MoEStats moe_stats;      // this rank's router statistics of the iteration (not yet reduced over ranks)
+  // --mtp-num-layers: each depth's unscaled loss averaged over the global batch's micro-batches (Megatron's
+  // MTPLossLoggingHelper: summed over micro-batches x 1 / num_microbatches, averaged over DP x CP); every rank.
+  std::vector<double> mtp_losses;
   // With --reset-attention-mask: the documents of the global batch (every DP rank's micro-batches), which the
   // FLOPs count and the log's real-token count use, as Megatron does for packed (THD) batches.
   std::optional<SeqlenStats> seqlen_stats;

@@ -83,13 +83,17 @@ bool logs_iteration(const int64_t iteration, const int64_t log_interval, const i
   return iteration % log_interval == 0 || iteration == first_iteration;
 }
 
-void reduce_moe_stats(MoEStats& stats, const MoEConfig& config, const parallel::ParallelState& parallel) {
+void reduce_moe_stats(MoEStats& stats, const ModelConfig& model, const parallel::ParallelState& parallel) {
+  const MoEConfig& config = model.moe;
   if (parallel.world.size() == 1 || !config.enabled()) return;
   // Every MoE layer of the model in layer order, zero where this rank does not hold the layer: the sum over the
   // world is Megatron's sum over PP (each layer lives on one stage), then over tp-dp-cp.
   std::vector<int64_t> layers;
   for (int64_t l = 0; l < static_cast<int64_t>(config.moe_layer_pattern.size()); ++l) {
     if (config.is_moe_layer(l)) layers.push_back(l);
+  }
+  if (config.is_moe_layer(model.num_layers - 1)) {
+    for (int64_t k = 0; k < model.mtp_num_layers; ++k) layers.push_back(model.num_layers + k);
   }
   const size_t types = config.load_balancing_types.size();
   const auto E = static_cast<size_t>(config.num_experts);
@@ -178,7 +182,7 @@ void TrainingLogger::start() {
 }
 
 void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
-  reduce_moe_stats(step.moe_stats, args_.model.moe, parallel_);
+  reduce_moe_stats(step.moe_stats, args_.model, parallel_);
   moe_metrics_.add(step.moe_stats);
   // Megatron's training_log: losses are averaged over the advanced (not skipped) iterations; a skipped iteration
   // with a non-finite loss counts as a nan iteration.
@@ -192,6 +196,9 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
   }
   flops_sum_ += flops_of(step);
   if (step.seqlen_stats) real_tokens_sum_ += step.seqlen_stats->tokens;
+  // Megatron adds "mtp_k loss" to its total_loss_dict every iteration and divides by the advanced iterations.
+  mtp_loss_sums_.resize(step.mtp_losses.size(), 0.0);
+  for (size_t k = 0; k < step.mtp_losses.size(); ++k) mtp_loss_sums_[k] += step.mtp_losses[k];
   ++iterations_;
   const int64_t iteration = progress.iteration;
   if (!logs_iteration(iteration, args_.log_interval, first_iteration_)) return;
@@ -202,7 +209,12 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
   // No lm loss before the first advanced iteration (Megatron has no such key yet); NaN is not printed.
   const double lm_loss = loss_seen_ ? loss_sum_ / static_cast<double>(std::max<int64_t>(1, advanced_iterations_))
                                     : std::numeric_limits<double>::quiet_NaN();
-  IterationLog entry = iteration_log(progress, seconds_per_iter, lm_loss, moe_metrics_.losses(), step.grad_norm,
+  NamedValues extra_losses = moe_metrics_.losses();
+  for (size_t k = 0; k < mtp_loss_sums_.size(); ++k) {
+    extra_losses.emplace_back("mtp_" + std::to_string(k + 1) + " loss",
+                              mtp_loss_sums_[k] / static_cast<double>(std::max<int64_t>(1, advanced_iterations_)));
+  }
+  IterationLog entry = iteration_log(progress, seconds_per_iter, lm_loss, extra_losses, step.grad_norm,
                                      format_log_timestamp(std::chrono::system_clock::now()));
   entry.loss_scale = step.loss_scale;
   if (step.skipped) entry.grad_norm.reset();  // Megatron: grad_norm is None for a skipped iteration
@@ -227,6 +239,7 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
   }
   if (!reset) return;
   moe_metrics_.reset();
+  std::fill(mtp_loss_sums_.begin(), mtp_loss_sums_.end(), 0.0);
   loss_sum_ = 0.0;
   advanced_iterations_ = 0;
   skipped_iterations_ = 0;

@@ -26,7 +26,8 @@ bool logs_iteration(int64_t iteration, int64_t log_interval, int64_t first_itera
 // when the router asked for it. aux / seq-aux losses: summed over tp-cp, averaged over DP; global aux loss: summed
 // over tp-dp-cp, not averaged (router.py: _apply_global_aux_loss, needs_dp_avg=False); z-loss: averaged over tp-dp-cp
 // (moecore's ranks hold their 1/|tp-cp| share, so the tp-cp sum averaged over DP). Token counts: summed.
-void reduce_moe_stats(MoEStats& stats, const MoEConfig& config, const parallel::ParallelState& parallel);
+// The MoE layers of the Multi-Token Prediction depths (when the last decoder layer is one) follow the decoder's.
+void reduce_moe_stats(MoEStats& stats, const ModelConfig& model, const parallel::ParallelState& parallel);
 
 class TrainingLogger {
  public:
@@ -74,7 +75,8 @@ class TrainingLogger {
   double flops_sum_ = 0.0;          // FLOPs of the interval's iterations
   int64_t real_tokens_sum_ = 0;     // packed sequences: their real tokens
   MoEMetrics moe_metrics_;
-  bool report_memory_ = true;  // Megatron's report_memory_flag
+  std::vector<double> mtp_loss_sums_;  // --mtp-num-layers: each depth's loss over the interval's iterations
+  bool report_memory_ = true;          // Megatron's report_memory_flag
 };
 
 }  // namespace moecore
