@@ -462,9 +462,9 @@ void export_hf(const GPTModel& model, const HfExportInfo& info, const std::strin
     }
   }
   for (const auto& [name, p] : params) {
-    // The Multi-Token Prediction depths are training heads outside the HF architectures moecore writes (HF's
-    // DeepSeek-V3 modeling drops them on load too): the export is the main model.
-    if (name.starts_with("mtp.")) continue;
+    // The Multi-Token Prediction depths: DeepSeek-V3's format holds them as layers num_hidden_layers + k (HF's
+    // modeling drops them on load); the other formats have no place for them, so their export is the main model.
+    if (model_type != "deepseek_v3" && name.starts_with("mtp.")) continue;
     if (rows_exported[name] != p->value.dim(0)) {
       throw ConfigError("HF export: parameter " + name + " has no HF counterpart (the " + model_type +
                         " mapping does not cover it)");

@@ -23,7 +23,7 @@ void export_to_hf(const TrainingArgs& args, const GPTModel& full_model, const Vo
   }
   export_hf(full_model, info, args.export_hf_dir);
   log << "> exported HuggingFace checkpoint to " << args.export_hf_dir << std::endl;
-  if (args.model.mtp_num_layers > 0) {
+  if (args.model.mtp_num_layers > 0 && !args.model.mla) {  // DeepSeek-V3's format (MLA) carries the depths
     log << "> the export leaves out the " << args.model.mtp_num_layers
         << " Multi-Token Prediction depth(s) (mtp.layers.*): the HF model is the main model" << std::endl;
   }
