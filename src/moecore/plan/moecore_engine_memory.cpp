@@ -209,6 +209,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     double dense = 0, expert = 0, buffers = 0;
     int64_t layers = 0;
     std::optional<bool> last_layer_moe;
+    int64_t mtp_depths = 0;
     for (int v = 0; v < vpp; ++v) {
       const parallel::PipelineStage& chunk = pipeline.stage(r, v);
       for (int64_t layer = chunk.first_layer; layer < chunk.end_layer(); ++layer) {
@@ -220,7 +221,19 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
         last_layer_moe = moe;
         ++layers;
       }
+      mtp_depths += chunk.mtp_layers;
     }
+    // Multi-Token Prediction depths (model/multi_token_prediction.h): each a layer like the last decoder layer,
+    // enorm, hnorm and final_layernorm, eh_proj [H, 2H] column-parallel; a stage without the embedding keeps its own
+    // copy of the word embedding for their input where it has none for the output layer (untied).
+    const bool last_moe = c.num_layers > 0 && c.moe.is_moe_layer(c.num_layers - 1);
+    for (int64_t k = 0; k < mtp_depths; ++k) {
+      const LayerParams p = layer_params(s, l, last_moe);
+      dense += p.dense + 3 * s.nrm * s.h + 2 * s.h * s.h / l.tp;
+      expert += p.expert;
+      buffers += p.buffers;
+    }
+    if (mtp_depths > 0 && !first && s.untied) dense += vocab_local * s.h;
     if (first) dense += vocab_local * s.h + (s.learned_pos ? s.max_pos * s.h : 0);
     if (last) dense += s.nrm * s.h + (s.untied || !first ? vocab_local * s.h : 0);
     const double params = dense + expert;
@@ -277,10 +290,19 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
         o.attention += attention_saved(s, l, x);
         (moe ? o.moe : o.mlp) += ffn_saved(s, l, x, moe);
       }
+      for (int64_t k = 0; k < chunk.mtp_layers; ++k) {
+        // Per depth: the embedding, the previous hidden state, the layer's output, the loss's input gradient, the
+        // norms' statistics, eh_proj's (gathered) input [2H], and the layer's own saved tensors.
+        o.output += x.ta * (4 * s.h + 3 * s.nrm) + (l.sp ? x.t : x.ta) * 2 * s.h;
+        o.attention += attention_saved(s, l, x);
+        (last_moe ? o.moe : o.mlp) += ffn_saved(s, l, x, last_moe);
+      }
+      if (chunk.mtp_layers > 0) o.output += vocab_local * s.h;  // the depths' output-layer weight gradient
       if (!(last && vpp == 1)) o.other -= x.ta * s.h;
       if (o.total() > context.total()) context = o;
     }
     Owners backward;
+    backward.output = static_cast<double>(live) * context.output;
     backward.attention = static_cast<double>(live) * context.attention;
     backward.mlp = static_cast<double>(live) * context.mlp;
     backward.moe = static_cast<double>(live) * context.moe;
@@ -304,8 +326,8 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
       forward.moe = static_cast<double>(live) * context.moe;
       forward.other = static_cast<double>(live) * context.other;
       const double chunk_rows = std::min(x.t, std::max(1.0, std::floor(67108864.0 / (4 * vocab_local))));
-      forward.output = x.ta * (s.h + s.nrm) + x.t * s.h + vocab_local * s.h + chunk_rows * vocab_local +
-                       (l.sp ? x.t * s.h : 0) + 3 * x.t;
+      forward.output = static_cast<double>(live) * context.output + x.ta * (s.h + s.nrm) + x.t * s.h +
+                       vocab_local * s.h + chunk_rows * vocab_local + (l.sp ? x.t * s.h : 0) + 3 * x.t;
       if (forward.total() > backward.total()) peak = forward;
     }
 

@@ -154,7 +154,9 @@ void parse_tokens(Parser& p, const std::vector<std::string>& tokens, const bool 
       p.have_mla_field = true;
       p.rest.insert(p.rest.end(), {flag, text});
     } else if (flag == "--mtp-num-layers") {
-      p.mtp = to_integer(flag, value(), 0, 1 << 16);
+      const std::string text = value();
+      p.mtp = to_integer(flag, text, 0, 1 << 16);
+      p.rest.insert(p.rest.end(), {flag, text});  // train builds the depths too (their memory on --gpu cpu)
     } else if (flag == "--recompute-granularity") {
       p.granularity = value();
       require(*p.granularity == "full" || *p.granularity == "selective",
