@@ -1,7 +1,8 @@
 """moecore's DeepSeek-V3 HF export / import (model_type deepseek_v3) against the twins:
 
 1. moecore_parity --export-hf: every exported tensor equals test_twin_hf_deepseek.to_hf's independent conversion of
-   the Megatron weights bit for bit (no other tensor is written), config.json carries the fields transformers'
+   the Megatron weights bit for bit (no other tensor is written; MTP depths as layers num_hidden_layers + k),
+   config.json carries the fields transformers'
    DeepseekV3Config reads, and twin_hf_deepseek's DeepseekV3ForCausalLM forward on the folder gives the C++ logits.
 2. HF -> moecore -> HF: --import-hf of the export gives the C++ logits, and exporting the imported model again writes
    the same tensors bit for bit and the same config.json.
@@ -43,6 +44,9 @@ CONFIGS = {
                  "original_max_position_embeddings": 64, "beta_fast": 4.0}},
     "rope_type_rope_two_dense_layers": {"mla": {**MLA, "rope_type": "rope"}, "rotary_base": 500.0,
                                         "moe": {**MOE, "moe_layer_pattern": [0, 0, 1]}},
+    # DeepSeek-V3's Multi-Token Prediction depths: HF layers num_hidden_layers + k
+    "dsv3_like_mtp2": {"mla": MLA, "moe": MOE, "mtp_num_layers": 2,
+                       "yarn": {"rotary_scaling_factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
 }
 # Fields of transformers' DeepseekV3Config the export must write (values checked against the model).
 REQUIRED_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -72,6 +76,38 @@ def run_parity(exe, *args):
     return subprocess.run([exe, *args], capture_output=True, text=True)
 
 
+def mtp_to_hf(cfg, weights):
+    """The HF tensors of the MTP depths (Megatron-Bridge's mapping): depth k is HF layer L + k, its transformer layer
+    converted as decoder layer L + k of an (L + D)-layer model would be, plus enorm, hnorm, eh_proj and
+    shared_head.norm (= final_layernorm)."""
+    L, D = cfg["num_layers"], cfg.get("mtp_num_layers", 0)
+    if not D:
+        return {}
+    c = twin.full_config(cfg)
+    pattern = list(c["moe"]["moe_layer_pattern"])
+    longer = {**cfg, "num_layers": L + D, "mtp_num_layers": 0,
+              "moe": {**cfg["moe"], "moe_layer_pattern": pattern + [pattern[-1]] * D}}
+    renamed = dict(weights)
+    out = {}
+    for k in range(D):
+        depth = f"mtp.layers.{k}."
+        for name, value in weights.items():
+            if name.startswith(depth + "mtp_model_layer."):
+                renamed[f"decoder.layers.{L + k}." + name[len(depth + "mtp_model_layer."):]] = value
+        bias = f"decoder.layers.{L + k}.mlp.router.expert_bias"
+        renamed.setdefault(bias, np.zeros(c["moe"]["num_experts"], dtype=np.float32))  # the twin keeps none
+        hf = f"model.layers.{L + k}."
+        out[hf + "enorm.weight"] = weights[depth + "enorm.weight"]
+        out[hf + "hnorm.weight"] = weights[depth + "hnorm.weight"]
+        out[hf + "eh_proj.weight"] = weights[depth + "eh_proj.weight"]
+        out[hf + "shared_head.norm.weight"] = weights[depth + "final_layernorm.weight"]
+    _, converted = test_twin_hf_deepseek.to_hf(longer, renamed)
+    for k in range(D):
+        hf = f"model.layers.{L + k}."
+        out.update({name: value for name, value in converted.items() if name.startswith(hf)})
+    return out
+
+
 def check_model(chk, exe, label, overrides, workdir, seed):
     cfg = {**BASE, **overrides}
     # random non-zero expert biases too, so their mapping and their use in HF's routing are both exercised
@@ -86,6 +122,7 @@ def check_model(chk, exe, label, overrides, workdir, seed):
     tokens = torch.tensor(batch["tokens"], dtype=torch.long)
     expected_config, expected = test_twin_hf_deepseek.to_hf(cfg, weights)
     expected = {k: v for k, v in expected.items() if not k.startswith(f"model.layers.{cfg['num_layers']}.")}
+    expected.update(mtp_to_hf(cfg, weights))
     errors = {}
 
     # 1. Export.
@@ -100,7 +137,8 @@ def check_model(chk, exe, label, overrides, workdir, seed):
               f"{label}: model_type / architectures {config.get('model_type')} {config.get('architectures')}")
     for key in REQUIRED_FIELDS:
         if key == "num_nextn_predict_layers":
-            chk.check(config.get(key) == 0, f"{label}: config.json {key} = {config.get(key)!r}, expected 0")
+            want = cfg.get("mtp_num_layers", 0)
+            chk.check(config.get(key) == want, f"{label}: config.json {key} = {config.get(key)!r}, expected {want}")
             continue
         want = expected_config[key]
         got = config.get(key)

@@ -104,7 +104,7 @@ ModelConfig moecore_moe_config() {
 
 // DeepSeek-V3 in miniature: multi-latent attention with a q latent, YaRN (DeepSeek-V3's factor 40 and mscales),
 // sigmoid routing over 4 groups (top 2 groups for top-4 experts), expert bias, scaling factor, one shared expert and a
-// dense first layer.
+// dense first layer, and one Multi-Token Prediction depth.
 ModelConfig deepseek_v3_config() {
   ModelConfig c = moe_base(3);
   c.qk_layernorm = true;
@@ -124,6 +124,7 @@ ModelConfig deepseek_v3_config() {
   c.moe.shared_expert_intermediate_size = 24;
   c.moe.load_balancing_types = {LoadBalancingType::kSeqAuxLoss};
   c.moe.aux_loss_coeffs = {1e-4};
+  c.mtp_num_layers = 1;  // HF layer 3
   return c;
 }
 
