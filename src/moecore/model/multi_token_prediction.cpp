@@ -7,6 +7,7 @@
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/linear_cross_entropy.h"
 #include "moecore/ops/precision.h"
+#include "moecore/ops/rows.h"
 #include "moecore/util/trace.h"
 
 namespace moecore {
@@ -39,24 +40,15 @@ std::vector<T> shifted_rows(const T* x_BS, const MtpBatch& batch, const int64_t 
 Tensor concat_columns(const Tensor& x_TH, const Tensor& y_TH) {
   const int64_t T = x_TH.dim(0), H = x_TH.dim(1);
   Tensor out = activation_tensor({T, 2 * H});
-  float* o = out.data<float>();
-  const float* x = x_TH.data<float>();
-  const float* y = y_TH.data<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    std::memcpy(o + t * 2 * H, x + t * H, sizeof(float) * static_cast<size_t>(H));
-    std::memcpy(o + t * 2 * H + H, y + t * H, sizeof(float) * static_cast<size_t>(H));
-  }
+  ops::copy_columns(out, 2 * H, 0, x_TH, H, 0, H);
+  ops::copy_columns(out, 2 * H, H, y_TH, H, 0, H);
   return out;
 }
 
 // Columns [begin, begin + width) of x_TW.
 Tensor column_block(const Tensor& x_TW, const int64_t begin, const int64_t width) {
-  const int64_t T = x_TW.dim(0), W = x_TW.dim(1);
-  Tensor out = activation_tensor({T, width});
-  for (int64_t t = 0; t < T; ++t) {
-    std::memcpy(out.data<float>() + t * width, x_TW.data<float>() + t * W + begin,
-                sizeof(float) * static_cast<size_t>(width));
-  }
+  Tensor out = activation_tensor({x_TW.dim(0), width});
+  ops::copy_columns(out, width, 0, x_TW, x_TW.dim(1), begin, width);
   return out;
 }
 
