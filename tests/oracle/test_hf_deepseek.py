@@ -14,7 +14,6 @@ Usage: /usr/bin/python3 test_hf_deepseek.py --parity PATH/TO/moecore_parity
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -27,9 +26,9 @@ import st  # noqa: E402
 import test_twin_hf_deepseek  # noqa: E402
 import twin  # noqa: E402
 import twin_hf_deepseek  # noqa: E402
-from test_parity import make_batch, rel_error  # noqa: E402
+from test_hf_export import Checker, run_parity  # noqa: E402
+from test_parity import make_batch  # noqa: E402
 
-TOLERANCE = 1e-4
 BASE = {**test_twin_hf_deepseek.BASE, "seq_length": 16, "max_position_embeddings": 16, "num_query_groups": 4,
         "kv_channels": 8, "attention_dropout": 0.0, "hidden_dropout": 0.0}  # kv_channels = hidden / heads, unused by MLA
 MLA = test_twin_hf_deepseek.MLA  # value heads 6 wide, query / key heads 16
@@ -55,25 +54,6 @@ REQUIRED_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_h
                    "rope_scaling", "rope_theta", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
                    "num_nextn_predict_layers", "rope_interleave", "hidden_size", "intermediate_size",
                    "num_hidden_layers", "num_attention_heads", "vocab_size")
-
-
-class Checker:
-    def __init__(self):
-        self.failures = []
-
-    def check(self, ok, message):
-        if not ok:
-            self.failures.append(message)
-        return ok
-
-    def close(self, label, a, b):
-        err = rel_error(a, b)
-        self.check(err < TOLERANCE, f"{label}: rel error {err:.3e} >= {TOLERANCE:g}")
-        return err
-
-
-def run_parity(exe, *args):
-    return subprocess.run([exe, *args], capture_output=True, text=True)
 
 
 def mtp_to_hf(cfg, weights):

@@ -14,23 +14,7 @@ mapfile -t model < <(recipe "$src" deepseek-v3-tiny)
 # 1023 tokens + EOD pad to the same 1024 rows on one rank and on TP2.
 model+=(--train-iters 6 --lr-warmup-iters 1 --eval-iters 0 --eval-interval 100 --log-interval 1 --micro-batch-size 2
   --global-batch-size 8 --seq-length 64 --vocab-size 1023 --seed 7)
-run() {  # run NP LOG ARGS...
-  local np=$1 log=$2
-  shift 2
-  if [ "$np" = 1 ]; then
-    "$bin" train "${model[@]}" "$@" >"$log" 2>&1 || { cat "$log"; echo "FAIL: run failed ($log)"; exit 1; }
-  else
-    "$mpirun" --allow-run-as-root --oversubscribe -np "$np" "$bin" train "${model[@]}" "$@" >"$log" 2>&1 ||
-      { cat "$log"; echo "FAIL: run failed ($log)"; exit 1; }
-  fi
-}
-losses() { grep -E "iteration +[4-6]/" "$1" | sed -E 's/.*lm loss: ([0-9.E+-]+).*/\1/'; }
-close_losses() {  # NAME REF OTHER
-  paste <(losses "$2") <(losses "$3") | awk -v name="$1" '
-    { n++; d = $1 - $2; if (d < 0) d = -d; r = d / ($1 < 0 ? -$1 : $1); if (r > worst) worst = r }
-    END { if (n != 3 || worst > 1e-5) { printf "FAIL: %s: %d losses, worst relative difference %.3g\n", name, n, worst; exit 1 }
-          printf "ok: %s: losses within %.3g relative\n", name, worst }'
-}
+source "$(dirname "$0")/layout_runs.sh"
 run 1 "$work/ref.log"
 run 4 "$work/tp2pp2.log" --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 \
   --save "$work/tp2pp2" --save-interval 3 --exit-interval 3

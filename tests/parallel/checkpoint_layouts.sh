@@ -26,21 +26,11 @@ tp2ep2=(--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parall
 ep4=(--expert-model-parallel-size 4)
 etp2ep2=(--tensor-model-parallel-size 2 --expert-model-parallel-size 2 --expert-tensor-parallel-size 2)
 
-run() {  # run NP LOG ARGS...
-  local np=$1 log=$2
-  shift 2
-  if [ "$np" = 1 ]; then
-    "$bin" train "${model[@]}" "$@" >"$log" 2>&1 || { cat "$log"; echo "FAIL: run failed ($log)"; exit 1; }
-  else
-    "$mpirun" --allow-run-as-root --oversubscribe -np "$np" "$bin" train "${model[@]}" "$@" >"$log" 2>&1 ||
-      { cat "$log"; echo "FAIL: run failed ($log)"; exit 1; }
-  fi
-}
+source "$(dirname "$0")/layout_runs.sh"
 pp_layers=(--num-layers 4 --moe-layer-freq [0,1,0,1])
 pp2tp2=("${pp_layers[@]}" --pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
 # The iteration lines of iterations 4-6 without the wall-clock fields.
 lines() { grep -E "iteration +[4-6]/" "$1" | sed -E 's/^ *\[[^]]*\] //; s/elapsed time per iteration \(ms\): [0-9.]+ \| //'; }
-losses() { lines "$1" | sed -E 's/.*lm loss: ([0-9.E+-]+).*/\1/'; }
 same_lines() {  # NAME A B
   if ! diff <(lines "$2") <(lines "$3") >/dev/null || [ "$(lines "$2" | wc -l)" != 3 ]; then
     diff <(lines "$2") <(lines "$3") || true
@@ -48,12 +38,6 @@ same_lines() {  # NAME A B
     exit 1
   fi
   echo "ok: $1 resumes bit for bit"
-}
-close_losses() {  # NAME REF OTHER
-  paste <(losses "$2") <(losses "$3") | awk -v name="$1" '
-    { n++; d = $1 - $2; if (d < 0) d = -d; r = d / ($1 < 0 ? -$1 : $1); if (r > worst) worst = r }
-    END { if (n != 3 || worst > 1e-5) { printf "FAIL: %s: %d losses, worst relative difference %.3g\n", name, n, worst; exit 1 }
-          printf "ok: %s: losses within %.3g relative\n", name, worst }'
 }
 
 # The one-process reference, saving at 3 and 6.

@@ -185,6 +185,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
   const parallel::PipelineLayout pipeline(pipeline_split_flags(t));
   const int pp = pipeline.pipeline_size(), vpp = pipeline.virtual_pipeline_size();
 
+  const std::map<int64_t, int64_t> mtp_at = mtp_layers_by_stage(args, pp, vpp);  // virtual stage v * pp + r
   Layout l{layout_sizes(args)};
   l.sp = t.sequence_parallel && t.tensor_model_parallel_size > 1;
 
@@ -221,7 +222,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
         last_layer_moe = moe;
         ++layers;
       }
-      mtp_depths += chunk.mtp_layers;
+      if (const auto it = mtp_at.find(static_cast<int64_t>(v) * pp + r); it != mtp_at.end()) mtp_depths += it->second;
     }
     // Multi-Token Prediction depths (model/multi_token_prediction.h): each a layer like the last decoder layer,
     // enorm, hnorm and final_layernorm, eh_proj [H, 2H] column-parallel; a stage without the embedding keeps its own
@@ -290,14 +291,16 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
         o.attention += attention_saved(s, l, x);
         (moe ? o.moe : o.mlp) += ffn_saved(s, l, x, moe);
       }
-      for (int64_t k = 0; k < chunk.mtp_layers; ++k) {
+      const auto mtp_here = mtp_at.find(static_cast<int64_t>(v) * pp + r);
+      const int64_t chunk_mtp = mtp_here == mtp_at.end() ? 0 : mtp_here->second;
+      for (int64_t k = 0; k < chunk_mtp; ++k) {
         // Per depth: the embedding, the previous hidden state, the layer's output, the loss's input gradient, the
         // norms' statistics, eh_proj's (gathered) input [2H], and the layer's own saved tensors.
         o.output += x.ta * (4 * s.h + 3 * s.nrm) + (l.sp ? x.t : x.ta) * 2 * s.h;
         o.attention += attention_saved(s, l, x);
         (last_moe ? o.moe : o.mlp) += ffn_saved(s, l, x, last_moe);
       }
-      if (chunk.mtp_layers > 0) o.output += vocab_local * s.h;  // the depths' output-layer weight gradient
+      if (chunk_mtp > 0) o.output += vocab_local * s.h;  // the depths' output-layer weight gradient
       if (!(last && vpp == 1)) o.other -= x.ta * s.h;
       if (o.total() > context.total()) context = o;
     }

@@ -311,10 +311,12 @@ std::vector<std::string> train_tokens(const PlanArgs& args, const LayoutChoice& 
   add("--expert-model-parallel-size", layout.ep);
   add("--expert-tensor-parallel-size", layout.etp);
   if (layout.pipeline_layout) {
-    // moecore's pipeline split has no MTP cells: they are taken out here and placed by the planner.
+    // The MTP cells are placed by the planner (mtp_layers_by_stage), which models Megatron's standalone MTP stages
+    // too; train's split gets the layout without them, and so no MTP depths of its own.
     std::vector<std::string> cells = parallel::parse_pipeline_layout(*layout.pipeline_layout);
     for (std::string& cell : cells) cell.erase(std::remove(cell.begin(), cell.end(), 'm'), cell.end());
     tokens.push_back("--pipeline-model-parallel-layout=" + join_cells(cells));
+    tokens.insert(tokens.end(), {"--mtp-num-layers", "0"});
   } else {
     if (layout.vpp > 1) add("--num-virtual-stages-per-pipeline-rank", layout.vpp);
     for (const auto& [flag, value] : split_values) {

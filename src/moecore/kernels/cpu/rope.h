@@ -16,19 +16,8 @@
 
 namespace moecore::kernels {
 
+// The base overloads are RotaryEmbedding's frequencies (rope_spec) through the RopeSpec ones.
 #define MOECORE_ROPE_DECL                                                                                     \
-  template <typename T>                                                                                       \
-  void rope_forward(T* out_SBNd, const T* inp_SBNd, int64_t S, int64_t B, int64_t N, int64_t head_dim,        \
-                    int64_t rot_dim, double base, int64_t position_offset = 0);                               \
-  template <typename T>                                                                                       \
-  void rope_backward(T* dinp_SBNd, const T* dout_SBNd, int64_t S, int64_t B, int64_t N, int64_t head_dim,     \
-                     int64_t rot_dim, double base, int64_t position_offset = 0);                              \
-  template <typename T>                                                                                       \
-  void rope_forward(T* out_SBNd, const T* inp_SBNd, int64_t S, int64_t B, int64_t N, int64_t head_dim,        \
-                    int64_t rot_dim, double base, const int64_t* positions_SB);                               \
-  template <typename T>                                                                                       \
-  void rope_backward(T* dinp_SBNd, const T* dout_SBNd, int64_t S, int64_t B, int64_t N, int64_t head_dim,     \
-                     int64_t rot_dim, double base, const int64_t* positions_SB);                              \
   template <typename T>                                                                                       \
   void rope_forward(T* out_SBNd, const T* inp_SBNd, int64_t S, int64_t B, int64_t N, const RopeSpec& spec,    \
                     int64_t position_offset);                                                                 \
@@ -40,7 +29,27 @@ namespace moecore::kernels {
                     const int64_t* positions_SB);                                                             \
   template <typename T>                                                                                       \
   void rope_backward(T* dinp_SBNd, const T* dout_SBNd, int64_t S, int64_t B, int64_t N, const RopeSpec& spec, \
-                     const int64_t* positions_SB);
+                     const int64_t* positions_SB);                                                            \
+  template <typename T>                                                                                       \
+  void rope_forward(T* out_SBNd, const T* inp_SBNd, int64_t S, int64_t B, int64_t N, int64_t head_dim,        \
+                    int64_t rot_dim, double base, int64_t position_offset = 0) {                              \
+    rope_forward(out_SBNd, inp_SBNd, S, B, N, rope_spec(head_dim, rot_dim, base), position_offset);           \
+  }                                                                                                           \
+  template <typename T>                                                                                       \
+  void rope_backward(T* dinp_SBNd, const T* dout_SBNd, int64_t S, int64_t B, int64_t N, int64_t head_dim,     \
+                     int64_t rot_dim, double base, int64_t position_offset = 0) {                             \
+    rope_backward(dinp_SBNd, dout_SBNd, S, B, N, rope_spec(head_dim, rot_dim, base), position_offset);        \
+  }                                                                                                           \
+  template <typename T>                                                                                       \
+  void rope_forward(T* out_SBNd, const T* inp_SBNd, int64_t S, int64_t B, int64_t N, int64_t head_dim,        \
+                    int64_t rot_dim, double base, const int64_t* positions_SB) {                              \
+    rope_forward(out_SBNd, inp_SBNd, S, B, N, rope_spec(head_dim, rot_dim, base), positions_SB);              \
+  }                                                                                                           \
+  template <typename T>                                                                                       \
+  void rope_backward(T* dinp_SBNd, const T* dout_SBNd, int64_t S, int64_t B, int64_t N, int64_t head_dim,     \
+                     int64_t rot_dim, double base, const int64_t* positions_SB) {                             \
+    rope_backward(dinp_SBNd, dout_SBNd, S, B, N, rope_spec(head_dim, rot_dim, base), positions_SB);           \
+  }
 
 namespace cpu {
 MOECORE_ROPE_DECL

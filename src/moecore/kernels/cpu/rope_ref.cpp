@@ -10,17 +10,6 @@
 namespace moecore::kernels::ref {
 namespace {
 
-void check_rope_args(const int64_t head_dim, const int64_t rot_dim, const double base) {
-  if (rot_dim < 0 || rot_dim > head_dim || rot_dim % 2 != 0 || !(base > 0.0)) {
-    throw std::invalid_argument("rope: bad rot_dim " + std::to_string(rot_dim) + " or base " + std::to_string(base));
-  }
-}
-
-RopeSpec spec_of(const int64_t head_dim, const int64_t rot_dim, const double base) {
-  check_rope_args(head_dim, rot_dim, base);
-  return RopeSpec{head_dim, rot_dim > 0 ? rope_inv_freq(rot_dim, base) : std::vector<float>{}};
-}
-
 // cos and sin of frequency i at position p, in fp32 like torch: angle = float(p) * inv_freq[i];
 // (cos(angle) * factor, sin(angle) * factor).
 template <typename T>
@@ -139,38 +128,10 @@ void rope_backward(T* dinp_SBNd, const T* dout_SBNd, const int64_t S, const int6
   }
 }
 
-template <typename T>
-void rope_forward(T* out_SBNd, const T* inp_SBNd, const int64_t S, const int64_t B, const int64_t N,
-                  const int64_t head_dim, const int64_t rot_dim, const double base, const int64_t position_offset) {
-  rope_forward(out_SBNd, inp_SBNd, S, B, N, spec_of(head_dim, rot_dim, base), position_offset);
-}
-
-template <typename T>
-void rope_backward(T* dinp_SBNd, const T* dout_SBNd, const int64_t S, const int64_t B, const int64_t N,
-                   const int64_t head_dim, const int64_t rot_dim, const double base, const int64_t position_offset) {
-  rope_backward(dinp_SBNd, dout_SBNd, S, B, N, spec_of(head_dim, rot_dim, base), position_offset);
-}
-
-template <typename T>
-void rope_forward(T* out_SBNd, const T* inp_SBNd, const int64_t S, const int64_t B, const int64_t N,
-                  const int64_t head_dim, const int64_t rot_dim, const double base, const int64_t* positions_SB) {
-  rope_forward(out_SBNd, inp_SBNd, S, B, N, spec_of(head_dim, rot_dim, base), positions_SB);
-}
-
-template <typename T>
-void rope_backward(T* dinp_SBNd, const T* dout_SBNd, const int64_t S, const int64_t B, const int64_t N,
-                   const int64_t head_dim, const int64_t rot_dim, const double base, const int64_t* positions_SB) {
-  rope_backward(dinp_SBNd, dout_SBNd, S, B, N, spec_of(head_dim, rot_dim, base), positions_SB);
-}
-
-#define MOECORE_INSTANTIATE(T)                                                                                       \
-  template void rope_forward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t);         \
-  template void rope_backward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t);        \
-  template void rope_forward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, const int64_t*);  \
-  template void rope_backward<T>(T*, const T*, int64_t, int64_t, int64_t, int64_t, int64_t, double, const int64_t*); \
-  template void rope_forward<T>(T*, const T*, int64_t, int64_t, int64_t, const RopeSpec&, int64_t);                  \
-  template void rope_backward<T>(T*, const T*, int64_t, int64_t, int64_t, const RopeSpec&, int64_t);                 \
-  template void rope_forward<T>(T*, const T*, int64_t, int64_t, int64_t, const RopeSpec&, const int64_t*);           \
+#define MOECORE_INSTANTIATE(T)                                                                             \
+  template void rope_forward<T>(T*, const T*, int64_t, int64_t, int64_t, const RopeSpec&, int64_t);        \
+  template void rope_backward<T>(T*, const T*, int64_t, int64_t, int64_t, const RopeSpec&, int64_t);       \
+  template void rope_forward<T>(T*, const T*, int64_t, int64_t, int64_t, const RopeSpec&, const int64_t*); \
   template void rope_backward<T>(T*, const T*, int64_t, int64_t, int64_t, const RopeSpec&, const int64_t*);
 MOECORE_INSTANTIATE(float)
 MOECORE_INSTANTIATE(double)

@@ -28,6 +28,15 @@ std::vector<float> rope_inv_freq(const int64_t rot_dim, const double base) {
   return inv_freq;
 }
 
+RopeSpec rope_spec(const int64_t head_dim, const int64_t rot_dim, const double base) {
+  if (rot_dim < 0 || rot_dim > head_dim || rot_dim % 2 != 0) {
+    throw std::invalid_argument("rope: rot_dim " + std::to_string(rot_dim) +
+                                " must be even and in [0, head_dim=" + std::to_string(head_dim) + "]");
+  }
+  if (!(base > 0.0)) throw std::invalid_argument("rope: base " + std::to_string(base) + " must be positive");
+  return RopeSpec{head_dim, rot_dim > 0 ? rope_inv_freq(rot_dim, base) : std::vector<float>{}};
+}
+
 YarnRange yarn_correction_range(const int64_t dim, const double base, const YarnParams& yarn) {
   const auto correction_dim = [&](const double rotations) {
     return static_cast<double>(dim) *

@@ -37,6 +37,8 @@ struct YarnParams {
 
 // RotaryEmbedding's frequencies over rot_dim channels (even, > 0); base > 0.
 std::vector<float> rope_inv_freq(int64_t rot_dim, double base);
+// RotaryEmbedding over the first rot_dim (even, in [0, head_dim]) channels of head_dim-wide heads; base > 0.
+RopeSpec rope_spec(int64_t head_dim, int64_t rot_dim, double base);
 // YarnRotaryEmbedding's frequencies over dim channels (even, > 0); base > 1.
 std::vector<float> yarn_inv_freq(int64_t dim, double base, const YarnParams& yarn);
 // The correction range [low, high] of YaRN's ramp (before the equal-ends adjustment).
