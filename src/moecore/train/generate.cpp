@@ -68,10 +68,9 @@ namespace {
 // index in the whole text; when it moves, every position changes and the cache starts over.
 class NextTokenLogits {
  public:
-  NextTokenLogits(GPTModel& model, const bool use_cache) : model_(model) {
-    if (use_cache && kv_cache_unsupported_reason(model).empty()) {
-      cache_.emplace(model.config(), model.config().seq_length);
-    }
+  // capacity: the most positions a window holds (the cache's rows are allocated at once).
+  NextTokenLogits(GPTModel& model, const bool use_cache, const int64_t capacity) : model_(model) {
+    if (use_cache && kv_cache_unsupported_reason(model).empty()) cache_.emplace(model.config(), capacity);
   }
 
   Tensor operator()(const std::span<const int32_t> window, const int64_t window_start) {
@@ -96,7 +95,10 @@ std::vector<int32_t> generate(GPTModel& model, std::vector<int32_t> prompt, cons
   check_prompt(model, prompt);
   const int64_t context = model.config().seq_length;
   const CounterRng rng(options.seed, stream_key("generate"));
-  NextTokenLogits next_logits(model, options.kv_cache);
+  // The window never outgrows the prompt and the new tokens (an imported model's context can be 160k positions).
+  const int64_t longest =
+      std::min(context, static_cast<int64_t>(prompt.size()) + std::max<int64_t>(options.max_new_tokens, 0));
+  NextTokenLogits next_logits(model, options.kv_cache, longest);
   for (int64_t step = 0; step < options.max_new_tokens; ++step) {
     const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(prompt.size()) - context);
     const std::span<const int32_t> window(prompt.data() + start, prompt.size() - static_cast<size_t>(start));
