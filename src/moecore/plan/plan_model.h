@@ -1,5 +1,6 @@
-// The model a plan is made for: train's ModelConfig plus what training does not build yet but the planner must
-// count (Megatron's multi-latent attention and multi-token prediction).
+// The model a plan is made for: train's ModelConfig plus the planner's own view of Megatron's multi-latent attention
+// and multi-token prediction (Megatron's optional q latent; MTP depths placed by layouts on stages of their own,
+// which moecore's engine does not run).
 #pragma once
 
 #include <cstdint>
