@@ -4,6 +4,7 @@
 
 #include "moecore/model/rotary_embedding.h"
 #include "moecore/ops/attention.h"
+#include "moecore/ops/linear.h"
 #include "moecore/ops/rows.h"
 
 namespace moecore {
@@ -261,22 +262,44 @@ Tensor MLASelfAttention::forward_decode(const Tensor& x_TH, const std::span<cons
   ops::copy_columns(q_TNk, dqk, dq, q_rot_TNr, dr, 0, dr);
   q_TQ = Tensor();
 
-  // Keys and values of every attended position, uncompressed from the cached latents.
-  const int64_t Sk = attended_positions(positions);
-  Tensor kv_SK = kv_up_.forward(cache.first_SX.slice_rows(0, Sk), unused);
-  Tensor k_SNk = activation_tensor({Sk, N, dqk});
-  ops::copy_columns(k_SNk, dqk, 0, kv_SK, dq + dv, 0, dq);
-  const Tensor k_rot_SR = cache.second_SY.slice_rows(0, Sk);
-  for (int64_t h = 0; h < N; ++h) ops::copy_columns(k_SNk, N * dqk, h * dqk + dq, k_rot_SR, dr, 0, dr);
-  const Tensor v_SNv = columns(kv_SK, dq + dv, dq, dv, {Sk, N, dv});
-  kv_SK = Tensor();
+  // Attention in the latent space (DeepSeek-V2/V3's absorbed form): head h's k_nope is W_uk[h] latent and its value
+  // W_uv[h] latent (the rows of linear_kv_up_proj), so q_nope . k_nope = (W_uk[h]^T q_nope) . latent and the output
+  // is W_uv[h] (sum_j p_j latent_j). Every head then attends the same keys [latent | rope key] and values [latent]
+  // (one key / value group), and no step recomputes k_nope or v over the cached positions.
+  const int64_t Sk = attended_positions(positions), K = L + dr;
+  const Tensor& w_up = kv_up_.weight().value;  // [N (dq + dv), L], per head [W_uk (dq rows); W_uv (dv rows)]
+  Tensor q_TNK = activation_tensor({T, N, K});
+  Tensor q_nope_Tq = activation_tensor({T, dq});
+  for (int64_t h = 0; h < N; ++h) {
+    ops::copy_columns(q_nope_Tq, dq, 0, q_TNk, N * dqk, h * dqk, dq);
+    // q_abs = q_nope W_uk[h]: the linear layer's input-gradient product (dinp += dout @ weight) into zeros.
+    Tensor q_abs_TL = activation_tensor({T, L});
+    ops::linear_backward(&q_abs_TL, nullptr, nullptr, q_nope_Tq, nullptr,
+                         w_up.slice_rows(h * (dq + dv), h * (dq + dv) + dq));
+    ops::copy_columns(q_TNK, N * K, h * K, q_abs_TL, L, 0, L);
+    ops::copy_columns(q_TNK, N * K, h * K + L, q_TNk, N * dqk, h * dqk + dq, dr);
+  }
+  q_TNk = Tensor();
+  Tensor k_SK = activation_tensor({Sk, 1, K});
+  ops::copy_columns(k_SK, K, 0, cache.first_SX.slice_rows(0, Sk), L, 0, L);
+  ops::copy_columns(k_SK, K, L, cache.second_SY.slice_rows(0, Sk), dr, 0, dr);
+  const Tensor v_SL = cache.first_SX.slice_rows(0, Sk);
 
-  ops::AttentionDims decode = dims(T, 1);
+  ops::AttentionDims decode{T, 1, N, 1, K, softmax_scale_};
+  decode.v_head_dim = L;
   decode.Sk = Sk;
   decode.q_index = positions.data();
-  Tensor attn_TNv = activation_tensor({T, N, dv});
+  Tensor attn_latent_TNL = activation_tensor({T, N, L});
   Tensor lse_BNS = activation_tensor({1, N, T});
-  ops::attention_forward(attn_TNv, lse_BNS, q_TNk, k_SNk, v_SNv, decode, ops::DropoutSpec{});
+  ops::attention_forward(attn_latent_TNL, lse_BNS, q_TNK, k_SK, v_SL, decode, ops::DropoutSpec{});
+  Tensor attn_TNv = activation_tensor({T, N, dv});
+  Tensor head_latent_TL = activation_tensor({T, L});
+  Tensor out_Tv = activation_tensor({T, dv});
+  for (int64_t h = 0; h < N; ++h) {
+    ops::copy_columns(head_latent_TL, L, 0, attn_latent_TNL, N * L, h * L, L);
+    ops::linear_forward(out_Tv, head_latent_TL, w_up.slice_rows(h * (dq + dv) + dq, (h + 1) * (dq + dv)));
+    ops::copy_columns(attn_TNv, N * dv, h * dv, out_Tv, dv, 0, dv);
+  }
   return proj_.forward(attn_TNv, unused);
 }
 

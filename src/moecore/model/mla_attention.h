@@ -56,9 +56,9 @@ class MLASelfAttention {
   void backward(Tensor& dx_TH, const Tensor& dout_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout,
                 const MlaActivations& saved, const SequenceInfo& sequence) const;
   // Incremental decoding as SelfAttention::forward_decode: the new tokens' normed kv latents and rotated rope keys
-  // go into `cache`; k_nope and v of the attended positions are recomputed from the cached latents through
-  // linear_kv_up_proj (Megatron's uncompress_kv_from_cache; no weight absorption, so the numbers are the full
-  // forward's).
+  // go into `cache`, and attention runs in the latent space with linear_kv_up_proj absorbed into the query and the
+  // output (DeepSeek-V2/V3 inference), so no step recomputes k_nope or v over the cached positions; the same numbers
+  // as the full forward up to the fp32 summation order.
   Tensor forward_decode(const Tensor& x_TH, std::span<const int64_t> positions, LayerKvCache& cache) const;
 
  private:
