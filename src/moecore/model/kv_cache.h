@@ -3,8 +3,8 @@
 // re-running the whole context. Row p of a layer's cache holds position p.
 //   standard attention: first = keys [capacity, G, d] (after qk-layernorm and RoPE), second = values [capacity, G, d]
 //   multi-latent attention (what DeepSeek-V3's inference caches): first = the kv latent [capacity, kv_lora_rank]
-//     (after kv_layernorm), second = the rotated rope key [capacity, qk_pos_emb_head_dim]; k_nope and v are
-//     recomputed from the latent through linear_kv_up_proj (Megatron's MLA uncompress_kv_from_cache)
+//     (after kv_layernorm), second = the rotated rope key [capacity, qk_pos_emb_head_dim]; attention runs in the
+//     latent space with linear_kv_up_proj absorbed (MLASelfAttention::forward_decode)
 // Values are fp32 (activations are fp32 tensors, rounded to the 16-bit activation dtype where the model runs in it).
 #pragma once
 
