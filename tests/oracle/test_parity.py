@@ -229,19 +229,33 @@ def run_matrix(configs, run_one, seed_base, keep, summary_prefix=""):
         sys.exit(1)
 
 
-def main():
+def matrix_main(configs, run_config, seed_base, passed_text, twin_only_text=None, summary_prefix=""):
+    """The command line of a parity matrix: --parity PATH (or, when twin_only_text is given, --twin-only: the twin
+    side and premise checks only, run_config then gets None as the executable), --only NAME, --keep DIR; runs
+    run_config(parity, label, overrides, workdir, seed) over the configs."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--parity", required=True, help="path to the moecore_parity executable")
+    parser.add_argument("--parity", required=twin_only_text is None, help="path to the moecore_parity executable")
+    if twin_only_text is not None:
+        parser.add_argument("--twin-only", action="store_true", help="run only the twin and the premise checks")
     parser.add_argument("--only", help="run only this config")
     parser.add_argument("--keep", help="write the files here and keep them")
     args = parser.parse_args()
+    twin_only = getattr(args, "twin_only", False)
+    if not args.parity and not twin_only:
+        sys.exit("give --parity PATH or --twin-only")
     torch.set_num_threads(1)
-    configs = {k: v for k, v in CONFIGS.items() if args.only in (None, k)}
-    if not configs:
-        sys.exit(f"unknown config {args.only}; known: {', '.join(CONFIGS)}")
-    run_matrix(configs, lambda label, overrides, workdir, seed: run_config(args.parity, label, overrides, workdir, seed),
-               seed_base=1000, keep=args.keep, summary_prefix="max rel error per group: ")
-    print("all parity comparisons passed")
+    selected = {k: v for k, v in configs.items() if args.only in (None, k)}
+    if not selected:
+        sys.exit(f"unknown config {args.only}; known: {', '.join(configs)}")
+    parity = None if twin_only else args.parity
+    run_matrix(selected, lambda label, overrides, workdir, seed: run_config(parity, label, overrides, workdir, seed),
+               seed_base=seed_base, keep=args.keep, summary_prefix=summary_prefix)
+    print(passed_text if parity else twin_only_text)
+
+
+def main():
+    matrix_main(CONFIGS, run_config, seed_base=1000, passed_text="all parity comparisons passed",
+                summary_prefix="max rel error per group: ")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Usage: /usr/bin/python3 test_parity_mla.py --parity PATH/TO/moecore_parity [--on
        /usr/bin/python3 test_parity_mla.py --twin-only      (runs the twin side and the premise checks only)
 Registered in CTest as oracle_parity_mla (label oracle).
 """
-import argparse
 import os
 import sys
 
@@ -128,23 +127,7 @@ def run_config(parity_exe, label, overrides, workdir, seed):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--parity", help="path to the moecore_parity executable")
-    parser.add_argument("--twin-only", action="store_true", help="run only the twin and the premise checks")
-    parser.add_argument("--only", help="run only this config")
-    parser.add_argument("--keep", help="write the files here and keep them")
-    args = parser.parse_args()
-    if not args.parity and not args.twin_only:
-        sys.exit("give --parity PATH or --twin-only")
-    torch.set_num_threads(1)
-    configs = {k: v for k, v in CONFIGS.items() if args.only in (None, k)}
-    if not configs:
-        sys.exit(f"unknown config {args.only}; known: {', '.join(CONFIGS)}")
-    parity = None if args.twin_only else args.parity
-    test_parity.run_matrix(configs, lambda label, overrides, workdir, seed: run_config(parity, label, overrides,
-                                                                                       workdir, seed),
-                           seed_base=5000, keep=args.keep)
-    print("all MLA / YaRN parity comparisons passed" if parity else "twin side of the MLA / YaRN parity matrix ok")
+    test_parity.matrix_main(CONFIGS, run_config, seed_base=5000, passed_text="all MLA / YaRN parity comparisons passed", twin_only_text="twin side of the MLA / YaRN parity matrix ok")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ Premise check as test_parity_moe.py: the float32 and float64 twins route every t
 Usage: /usr/bin/python3 test_parity_mtp.py --parity PATH/TO/moecore_parity [--only NAME] [--keep DIR]
 Registered in CTest as oracle_parity_mtp (label oracle).
 """
-import argparse
 import os
 import sys
 
@@ -81,19 +80,7 @@ def run_config(parity_exe, label, overrides, workdir, seed):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--parity", required=True, help="path to the moecore_parity executable")
-    parser.add_argument("--only", help="run only this config")
-    parser.add_argument("--keep", help="write the files here and keep them")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    configs = {k: v for k, v in CONFIGS.items() if args.only in (None, k)}
-    if not configs:
-        sys.exit(f"unknown config {args.only}; known: {', '.join(CONFIGS)}")
-    test_parity.run_matrix(configs, lambda label, overrides, workdir, seed: run_config(args.parity, label, overrides,
-                                                                                       workdir, seed),
-                           seed_base=5000, keep=args.keep)
-    print("all MTP parity comparisons passed")
+    test_parity.matrix_main(CONFIGS, run_config, seed_base=5000, passed_text="all MTP parity comparisons passed")
 
 
 if __name__ == "__main__":
