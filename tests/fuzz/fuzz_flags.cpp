@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "fuzz_util.h"
+#include "moecore/config/arguments.h"
+#include "moecore/config/memory_estimate.h"
 #include "moecore/data/preprocess.h"
-#include "moecore/train/arguments.h"
 #include "moecore/train/generate_args.h"
-#include "moecore/train/memory_estimate.h"
 
 namespace {
 

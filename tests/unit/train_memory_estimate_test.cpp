@@ -5,9 +5,9 @@
 #include <string>
 #include <vector>
 
+#include "moecore/config/arguments.h"
+#include "moecore/config/memory_estimate.h"
 #include "moecore/parallel/parallel_state.h"
-#include "moecore/train/arguments.h"
-#include "moecore/train/memory_estimate.h"
 #include "moecore/train/training_setup.h"
 
 namespace moecore {

@@ -2,17 +2,17 @@
 // modules allocate as owned Tensors (std::vectors are not tracked): parameters and DDP buffers
 // (src/moecore/optim/ddp.cpp), the optimizers (AdamWOptimizer, DistributedAdamW), and the activations saved
 // per micro-batch context by transformer_layer.cpp, attention.cpp, mlp.cpp, moe_layer.cpp, grouped_mlp.cpp and
-// gpt_model.cpp, with the live contexts of train/pipeline_schedule.cpp.
+// gpt_model.cpp, with the live contexts of pipeline/pipeline_schedule.cpp.
 #include "moecore/plan/moecore_engine_memory.h"
 
 #include <algorithm>
 #include <cmath>
 #include <optional>
 
-#include "moecore/parallel/pipeline_layout.h"
+#include "moecore/config/arguments.h"
+#include "moecore/config/optimizer_master.h"
+#include "moecore/pipeline/pipeline_layout.h"
 #include "moecore/plan/pipeline_peak.h"
-#include "moecore/train/arguments.h"
-#include "moecore/train/optimizer_master.h"
 #include "moecore/util/checked_math.h"
 
 namespace moecore::plan {

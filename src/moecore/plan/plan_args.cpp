@@ -6,9 +6,9 @@
 #include <map>
 #include <set>
 
-#include "moecore/parallel/pipeline_layout.h"
+#include "moecore/config/flag_catalog.h"
+#include "moecore/pipeline/pipeline_layout.h"
 #include "moecore/plan/hf_flags.h"
-#include "moecore/train/flag_catalog.h"
 #include "moecore/util/flag_suggest.h"
 
 namespace moecore::plan {

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <map>
 
-#include "moecore/parallel/pipeline_layout.h"
+#include "moecore/pipeline/pipeline_layout.h"
 #include "moecore/plan/plan_flops.h"
 
 namespace moecore::plan {

@@ -8,11 +8,11 @@
 #include <string>
 #include <vector>
 
+#include "moecore/pipeline/pipeline_schedule.h"
 #include "moecore/train/batch_schedule.h"
 #include "moecore/train/log_format.h"
 #include "moecore/train/norm_overflow_check.h"
 #include "moecore/train/pipeline_executor.h"
-#include "moecore/train/pipeline_schedule.h"
 #include "moecore/train/trainer.h"
 
 namespace moecore {

@@ -11,11 +11,11 @@
 #include <vector>
 
 #include "moecore/parallel/comm_stats.h"
+#include "moecore/pipeline/pipeline_schedule.h"
 #include "moecore/train/batch_schedule.h"
 #include "moecore/train/nonfinite_diagnosis.h"
 #include "moecore/train/norm_overflow_check.h"
 #include "moecore/train/pipeline_executor.h"
-#include "moecore/train/pipeline_schedule.h"
 #include "moecore/train/trainer.h"
 #include "moecore/util/trace.h"
 

@@ -12,12 +12,12 @@
 #include <ostream>
 #include <sstream>
 
+#include "moecore/config/memory_estimate.h"
 #include "moecore/ops/linear.h"
 #include "moecore/parallel/agreement.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/evaluation.h"
 #include "moecore/train/final_export.h"
-#include "moecore/train/memory_estimate.h"
 #include "moecore/train/nonfinite_diagnosis.h"
 #include "moecore/train/startup_checks.h"
 #include "moecore/train/train_step.h"

@@ -5,8 +5,8 @@
 #include <ostream>
 #include <vector>
 
-#include "moecore/parallel/pipeline_layout.h"
-#include "moecore/train/optimizer_master.h"
+#include "moecore/config/optimizer_master.h"
+#include "moecore/pipeline/pipeline_layout.h"
 
 namespace moecore {
 

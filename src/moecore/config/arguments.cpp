@@ -1,6 +1,6 @@
 // The flag table of `moecore train` and the tokenizer of the command line. Defaults live in TrainingArgs; derived
 // defaults and cross-flag checks in arguments_finalize.cpp.
-#include "moecore/train/arguments.h"
+#include "moecore/config/arguments.h"
 
 #include <algorithm>
 #include <charconv>
@@ -13,9 +13,9 @@
 #include <string_view>
 #include <thread>
 
+#include "moecore/config/arguments_finalize.h"
+#include "moecore/config/flag_catalog.h"
 #include "moecore/tokenizer/tokenizer.h"
-#include "moecore/train/arguments_finalize.h"
-#include "moecore/train/flag_catalog.h"
 #include "moecore/util/flag_suggest.h"
 
 namespace moecore {

@@ -8,9 +8,9 @@
 #include <thread>
 #include <vector>
 
+#include "moecore/config/arguments.h"
+#include "moecore/config/flag_catalog.h"
 #include "moecore/quant/recipe.h"
-#include "moecore/train/arguments.h"
-#include "moecore/train/flag_catalog.h"
 
 namespace moecore {
 namespace {

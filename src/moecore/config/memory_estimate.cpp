@@ -1,4 +1,4 @@
-#include "moecore/train/memory_estimate.h"
+#include "moecore/config/memory_estimate.h"
 
 #include <algorithm>
 #include <cstdio>

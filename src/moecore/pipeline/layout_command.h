@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "moecore/parallel/parallel_layout.h"
-#include "moecore/parallel/pipeline_layout.h"
+#include "moecore/pipeline/pipeline_layout.h"
 
 namespace moecore {
 

@@ -1,4 +1,4 @@
-#include "moecore/parallel/pipeline_layout.h"
+#include "moecore/pipeline/pipeline_layout.h"
 
 #include <algorithm>
 #include <cstddef>

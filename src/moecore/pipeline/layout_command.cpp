@@ -1,4 +1,4 @@
-#include "moecore/parallel/layout_command.h"
+#include "moecore/pipeline/layout_command.h"
 
 #include <algorithm>
 #include <charconv>

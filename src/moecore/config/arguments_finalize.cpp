@@ -1,5 +1,5 @@
 // Derived defaults and cross-flag validation of `moecore train` (Megatron's validate_args, for the implemented flags).
-#include "moecore/train/arguments_finalize.h"
+#include "moecore/config/arguments_finalize.h"
 
 #include <algorithm>
 #include <atomic>
@@ -13,9 +13,9 @@
 #include <utility>
 
 #include "moecore/moe/routing_padding.h"
+#include "moecore/pipeline/pipeline_schedule.h"
 #include "moecore/quant/delayed_scaling.h"
 #include "moecore/quant/recipe.h"
-#include "moecore/train/pipeline_schedule.h"
 
 namespace moecore::detail {
 namespace {
@@ -209,7 +209,7 @@ void finalize_model(TrainingArgs& args, const std::set<std::string>& given) {
   without_vocab.validate();
 }
 
-// Megatron's pipeline split checks (parallel/pipeline_layout.h) and the virtual pipeline size. `moecore train` does
+// Megatron's pipeline split checks (pipeline/pipeline_layout.h) and the virtual pipeline size. `moecore train` does
 // not run pipeline parallelism yet: after the split flags are validated, PP > 1 is rejected.
 void finalize_pipeline(TrainingArgs& args) {
   try {

@@ -60,7 +60,7 @@
 #include "moecore/optim/grad_scaler.h"
 #include "moecore/optim/lr_schedule.h"
 #include "moecore/parallel/parallel_layout.h"
-#include "moecore/parallel/pipeline_layout.h"
+#include "moecore/pipeline/pipeline_layout.h"
 
 namespace moecore {
 
@@ -153,7 +153,7 @@ struct TrainingArgs {
   // Parallelism (the world size comes from the launcher: mpirun -np N). CP > 1 is rejected for now.
   int64_t tensor_model_parallel_size = 1;    // --tensor-model-parallel-size
   int64_t pipeline_model_parallel_size = 1;  // --pipeline-model-parallel-size
-  // The pipeline split (parallel/pipeline_layout.h): which decoder layers each pipeline rank and virtual stage holds.
+  // The pipeline split (pipeline/pipeline_layout.h): which decoder layers each pipeline rank and virtual stage holds.
   std::optional<int64_t> decoder_first_pipeline_num_layers;      // --decoder-first-pipeline-num-layers
   std::optional<int64_t> decoder_last_pipeline_num_layers;       // --decoder-last-pipeline-num-layers
   bool account_for_embedding_in_pipeline_split = false;          // --account-for-embedding-in-pipeline-split

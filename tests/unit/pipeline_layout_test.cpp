@@ -1,13 +1,13 @@
-// Megatron's pipeline split (parallel/pipeline_layout.h). The expected assignments are the examples of Megatron's
+// Megatron's pipeline split (pipeline/pipeline_layout.h). The expected assignments are the examples of Megatron's
 // own docs and code comments (transformer_block.py get_num_layers_to_build, pipeline_parallel_layer_layout.py,
 // the --pipeline-model-parallel-layout help) and hand-worked cases of Megatron's formulas, not moecore's output.
+#include "moecore/pipeline/pipeline_layout.h"
+
 #include <gtest/gtest.h>
 
 #include <string>
 #include <utility>
 #include <vector>
-
-#include "moecore/parallel/pipeline_layout.h"
 
 namespace moecore::parallel {
 namespace {
