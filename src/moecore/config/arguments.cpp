@@ -16,7 +16,7 @@
 #include "moecore/config/arguments_finalize.h"
 #include "moecore/config/flag_catalog.h"
 #include "moecore/tokenizer/tokenizer.h"
-#include "moecore/util/flag_suggest.h"
+#include "moecore/util/flag_parser.h"
 
 namespace moecore {
 namespace {
@@ -44,112 +44,11 @@ int64_t hardware_threads() {
   return threads == 0 ? 1024 : static_cast<int64_t>(threads);
 }
 
-// The values given to one flag occurrence.
-struct FlagValue {
-  std::string_view flag;
-  std::vector<std::string> values;
-
-  const std::string& text() const { return values.front(); }
-
-  [[noreturn]] void fail(const std::string& expected) const {
-    throw ConfigError("invalid value '" + text() + "' for " + std::string(flag) + ": expected " + expected);
-  }
-
-  int64_t integer() const {
-    std::string_view digits = text();
-    if (!digits.empty() && digits.front() == '+') digits.remove_prefix(1);
-    int64_t value = 0;
-    const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
-    if (digits.empty() || error != std::errc() || end != digits.data() + digits.size()) fail("an integer");
-    return value;
-  }
-
-  double real() const {
-    std::string_view digits = text();
-    if (!digits.empty() && digits.front() == '+') digits.remove_prefix(1);
-    double value = 0.0;
-    const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
-    if (digits.empty() || error != std::errc() || end != digits.data() + digits.size() || !std::isfinite(value)) {
-      fail("a finite number");
-    }
-    return value;
-  }
-
-  // Upper limits: a value beyond what a user could mean is an error naming the flag and the limit (the lower limits
-  // are checked with the other flags in arguments_finalize.cpp). Sizes stay far enough below 2^63 that the products
-  // built from them (shapes, bytes, samples, tokens) are checked, never wrapped.
-  int64_t integer_up_to(const int64_t max, const std::string_view why = {}) const {
-    const int64_t value = integer();
-    if (value > max) too_large(std::to_string(max), why);
-    return value;
-  }
-
-  double real_up_to(const double max, const std::string_view why = {}) const {
-    const double value = real();
-    if (value > max) {
-      char limit[32];
-      std::snprintf(limit, sizeof(limit), "%g", max);
-      too_large(limit, why);
-    }
-    return value;
-  }
-
-  [[noreturn]] void too_large(const std::string& limit, const std::string_view why) const {
-    throw ConfigError(std::string(flag) + " " + text() + " is above the limit of " + limit +
-                      (why.empty() ? "" : " (" + std::string(why) + ")"));
-  }
-
-  const std::string& non_empty_text() const {
-    if (text().empty()) fail("a non-empty value");
-    return text();
-  }
-
-  // `implemented` are accepted; `megatron_only` are Megatron's other choices, reported as not implemented yet.
-  const std::string& choice(std::initializer_list<std::string_view> implemented,
-                            std::initializer_list<std::string_view> megatron_only = {}) const {
-    const auto join = [](std::initializer_list<std::string_view> names) {
-      std::string joined;
-      for (const std::string_view name : names) joined += (joined.empty() ? "" : ", ") + std::string(name);
-      return joined;
-    };
-    if (std::find(implemented.begin(), implemented.end(), text()) != implemented.end()) return text();
-    if (std::find(megatron_only.begin(), megatron_only.end(), text()) != megatron_only.end()) {
-      throw ConfigError(std::string(flag) + " " + text() + " is not implemented yet (moecore implements " +
-                        join(implemented) + ")");
-    }
-    std::string all = join(implemented);
-    if (megatron_only.size() > 0) all += ", " + join(megatron_only);
-    throw ConfigError("invalid value '" + text() + "' for " + std::string(flag) + " (choose from " + all + ")");
-  }
-
-  // Every value of a list flag (nargs='+'), each parsed by `parse` and named in its own error.
-  template <typename Parse>
-  auto each(Parse parse) const {
-    std::vector<decltype(parse(FlagValue{flag, {values.front()}}))> parsed;
-    for (const std::string& value : values) parsed.push_back(parse(FlagValue{flag, {value}}));
-    return parsed;
-  }
-
-  int64_t parallel_size(const int64_t max = kMaxRanks) const {
-    const int64_t size = integer_up_to(max);
-    if (size < 1) throw ConfigError(std::string(flag) + " must be positive (got " + text() + ")");
-    return size;
-  }
-};
-
-enum class Arity { kSwitch, kOne, kList };
-
-struct FlagSpec {
-  std::string_view name;
-  Arity arity;
-  std::string_view metavar;
-  std::string_view help;
-  void (*apply)(TrainingArgs&, const FlagValue&);
-};
+using TrainFlag = FlagSpec<TrainingArgs>;
 
 // clang-format off
-const std::vector<FlagSpec>& flag_table() {
-  static const std::vector<FlagSpec> table = {
+const std::vector<TrainFlag>& flag_table() {
+  static const std::vector<TrainFlag> table = {
     // Network size.
     {"--num-layers", Arity::kOne, "N", "number of transformer layers (required)",
      [](TrainingArgs& a, const FlagValue& v) { a.model.num_layers = v.integer_up_to(kMaxCount); }},
@@ -535,9 +434,9 @@ const std::vector<FlagSpec>& flag_table() {
 
     // Parallelism: the world size is the number of processes mpirun launched.
     {"--tensor-model-parallel-size", Arity::kOne, "N", "tensor parallel size (heads, ffn, vocabulary)",
-     [](TrainingArgs& a, const FlagValue& v) { a.tensor_model_parallel_size = v.parallel_size(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.tensor_model_parallel_size = v.positive_up_to(kMaxRanks); }},
     {"--pipeline-model-parallel-size", Arity::kOne, "N", "pipeline parallel size (`moecore layout` prints the split)",
-     [](TrainingArgs& a, const FlagValue& v) { a.pipeline_model_parallel_size = v.parallel_size(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.pipeline_model_parallel_size = v.positive_up_to(kMaxRanks); }},
     {"--decoder-first-pipeline-num-layers", Arity::kOne, "N", "decoder layers of the first pipeline stage",
      [](TrainingArgs& a, const FlagValue& v) { a.decoder_first_pipeline_num_layers = v.integer(); }},
     {"--decoder-last-pipeline-num-layers", Arity::kOne, "N", "decoder layers of the last pipeline stage",
@@ -558,9 +457,9 @@ const std::vector<FlagSpec>& flag_table() {
      [](TrainingArgs& a, const FlagValue&) { a.overlap_p2p_comm = false; }},
     {"--microbatch-group-size-per-virtual-pipeline-stage", Arity::kOne, "N",
      "interleaved schedule: micro-batches run through a model chunk before the next (default: PP)",
-     [](TrainingArgs& a, const FlagValue& v) { a.microbatch_group_size_per_vp_stage = v.parallel_size(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.microbatch_group_size_per_vp_stage = v.positive_up_to(kMaxRanks); }},
     {"--context-parallel-size", Arity::kOne, "N", "context parallel size (sequence split over N ranks)",
-     [](TrainingArgs& a, const FlagValue& v) { a.context_parallel_size = v.parallel_size(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.context_parallel_size = v.positive_up_to(kMaxRanks); }},
     {"--cp-comm-type", Arity::kList, "TYPE...",
      "context-parallel attention: p2p (ring), all_gather or a2a (Ulysses); one value or one per layer",
      [](TrainingArgs& a, const FlagValue& v) {
@@ -569,9 +468,9 @@ const std::vector<FlagSpec>& flag_table() {
        });
      }},
     {"--expert-model-parallel-size", Arity::kOne, "N", "expert parallel size (experts split over EP ranks)",
-     [](TrainingArgs& a, const FlagValue& v) { a.expert_model_parallel_size = v.parallel_size(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.expert_model_parallel_size = v.positive_up_to(kMaxRanks); }},
     {"--expert-tensor-parallel-size", Arity::kOne, "N", "expert tensor parallel size (default: TP size)",
-     [](TrainingArgs& a, const FlagValue& v) { a.expert_tensor_parallel_size = v.parallel_size(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.expert_tensor_parallel_size = v.positive_up_to(kMaxRanks); }},
     {"--use-tp-pp-dp-mapping", Arity::kSwitch, "", "rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp",
      [](TrainingArgs& a, const FlagValue&) { a.use_tp_pp_dp_mapping = true; }},
     {"--sequence-parallel", Arity::kSwitch, "", "shard norms / dropout / residuals over the sequence across TP",
@@ -674,7 +573,7 @@ const std::vector<FlagSpec>& flag_table() {
     {"--mock-max-sequence-length", Arity::kOne, "N",
      "--mock-data documents up to N tokens (default 4096, moecore): smaller packs more documents per sequence",
      [](TrainingArgs& a, const FlagValue& v) {
-       a.mock_max_sequence_length = v.parallel_size(INT32_MAX);
+       a.mock_max_sequence_length = v.positive_up_to(INT32_MAX);
      }},
     {"--threads", Arity::kOne, "N", "CPU threads, 0 = all cores (default 0, moecore)",
      [](TrainingArgs& a, const FlagValue& v) { a.threads = v.integer_up_to(hardware_threads(), "the hardware threads of this machine"); }},
@@ -682,19 +581,6 @@ const std::vector<FlagSpec>& flag_table() {
   return table;
 }
 // clang-format on
-
-const FlagSpec* find_flag(const std::string_view name) {
-  for (const FlagSpec& spec : flag_table()) {
-    if (spec.name == name) return &spec;
-  }
-  return nullptr;
-}
-
-[[noreturn]] void throw_unknown_flag(const std::string& name) {
-  std::vector<std::string> candidates = implemented_train_flags();
-  for (const std::string_view flag : unimplemented_megatron_flags()) candidates.emplace_back(flag);
-  throw ConfigError(unknown_flag_message(name, candidates));
-}
 
 }  // namespace
 
@@ -710,81 +596,30 @@ ParallelSizes parallel_sizes(const TrainingArgs& args) {
   return sizes;
 }
 
-// argparse treats a token starting with '-' as a flag unless it is a negative number. No flag starts with "-" and a
-// digit or '.', so such a token ("-1,1,1") is a value, which the flag's own check then judges.
-bool looks_like_train_flag(const std::string_view token) {
-  if (token.size() < 2 || token.front() != '-') return false;
-  if (token[1] == '.' || (token[1] >= '0' && token[1] <= '9')) return false;
-  double number = 0.0;
-  const auto [end, error] = std::from_chars(token.data(), token.data() + token.size(), number);
-  return !(error == std::errc() && end == token.data() + token.size());
-}
+bool looks_like_train_flag(const std::string_view token) { return looks_like_flag(token); }
 
 TrainingArgs parse_train_args(const std::vector<std::string>& args, const int64_t world_size) {
   TrainingArgs parsed;
   parsed.world_size = world_size;
-  for (const std::string& token : args) {
-    if (token == "--help" || token == "-h") {
+  FlagParserOptions options;
+  options.is_megatron_only = [](const std::string_view name) { return is_unimplemented_megatron_flag(name); };
+  for (const std::string_view flag : unimplemented_megatron_flags()) options.megatron_names.emplace_back(flag);
+  try {
+    const ParsedFlags flags = parse_flags(flag_table(), args, parsed, options);
+    if (flags.help_requested) {
       parsed.help_requested = true;
       return parsed;
     }
+    detail::finalize_train_args(parsed, flags.given);
+  } catch (const FlagError& error) {
+    throw ConfigError(error.what());
   }
-
-  std::set<std::string> given;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& token = args[i];
-    if (!looks_like_train_flag(token)) {
-      throw ConfigError("unexpected argument '" + token + "' (flags start with --; a value belongs after its flag)");
-    }
-    const size_t equals = token.find('=');
-    const std::string name = token.substr(0, equals);
-    const FlagSpec* spec = find_flag(name);
-    if (spec == nullptr) {
-      if (is_unimplemented_megatron_flag(name)) {
-        throw ConfigError(name + " is a Megatron flag that moecore does not implement yet");
-      }
-      throw_unknown_flag(name);
-    }
-
-    FlagValue value{spec->name, {}};
-    if (equals != std::string::npos) {
-      if (spec->arity == Arity::kSwitch) throw ConfigError(name + " takes no value (got '" + token + "')");
-      value.values.push_back(token.substr(equals + 1));
-    } else if (spec->arity == Arity::kOne) {
-      if (i + 1 >= args.size() || looks_like_train_flag(args[i + 1])) {
-        throw ConfigError(name + " expects a value (" + std::string(spec->metavar) + ")");
-      }
-      value.values.push_back(args[++i]);
-    } else if (spec->arity == Arity::kList) {
-      while (i + 1 < args.size() && !looks_like_train_flag(args[i + 1])) value.values.push_back(args[++i]);
-      if (value.values.empty())
-        throw ConfigError(name + " expects at least one value (" + std::string(spec->metavar) + ")");
-    }
-    given.insert(name);
-    spec->apply(parsed, value);
-  }
-
-  detail::finalize_train_args(parsed, given);
   return parsed;
 }
 
-std::string train_flags_help() {
-  std::string help;
-  for (const FlagSpec& spec : flag_table()) {
-    std::string usage(2, ' ');
-    usage.append(spec.name);
-    if (!spec.metavar.empty()) usage.append(1, ' ').append(spec.metavar);
-    usage.resize(std::max<size_t>(usage.size() + 2, 48), ' ');
-    help.append(usage).append(spec.help).append(1, '\n');
-  }
-  return help;
-}
+std::string train_flags_help() { return flags_help(flag_table()); }
 
-std::vector<std::string> implemented_train_flags() {
-  std::vector<std::string> names;
-  for (const FlagSpec& spec : flag_table()) names.emplace_back(spec.name);
-  return names;
-}
+std::vector<std::string> implemented_train_flags() { return flag_names(flag_table()); }
 
 parallel::PipelineSplitFlags pipeline_split_flags(const TrainingArgs& args) {
   parallel::PipelineSplitFlags flags;
