@@ -3,7 +3,7 @@
 #include <string>
 #include <vector>
 
-#include "commands.h"
+#include "moecore/cli/commands.h"
 #include "moecore/ckpt/inspect_command.h"
 #include "moecore/train/checkpoint_contents.h"
 

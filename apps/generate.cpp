@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "commands.h"
+#include "moecore/cli/commands.h"
 #include "moecore/ckpt/hf_checkpoint.h"
 #include "moecore/tokenizer/tokenizer.h"
 #include "moecore/train/generate_args.h"

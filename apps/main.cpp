@@ -3,7 +3,7 @@
 #include <iostream>
 #include <string_view>
 
-#include "commands.h"
+#include "moecore/cli/commands.h"
 
 namespace {
 

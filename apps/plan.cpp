@@ -3,7 +3,7 @@
 #include <string>
 #include <vector>
 
-#include "commands.h"
+#include "moecore/cli/commands.h"
 #include "moecore/plan/plan_command.h"
 
 int run_plan(int argc, char** argv) {

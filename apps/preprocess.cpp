@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "commands.h"
+#include "moecore/cli/commands.h"
 
 int run_preprocess(int argc, char** argv) {
   try {

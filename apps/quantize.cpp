@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "commands.h"
+#include "moecore/cli/commands.h"
 #include "moecore/ckpt/safetensors.h"
 #include "moecore/util/flag_suggest.h"
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "commands.h"
+#include "moecore/cli/commands.h"
 #include "moecore/config/arguments.h"
 #include "moecore/model/config.h"
 #include "moecore/parallel/agreement.h"

@@ -1,5 +1,5 @@
-// Entry points of the `moecore` subcommands; apps/main.cpp dispatches `moecore NAME ARGS...` to them.
-// Each returns the process exit status and reports errors as one "error: ..." line on stderr.
+// Entry points of the `moecore` subcommands (src/moecore/cli/); apps/main.cpp dispatches `moecore NAME ARGS...` to
+// them. Each returns the process exit status and reports errors as one "error: ..." line on stderr.
 #pragma once
 
 // `moecore preprocess`: Megatron's tools/preprocess_data.py (JSONL -> indexed dataset). argv[0] is
