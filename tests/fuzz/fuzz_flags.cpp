@@ -16,8 +16,8 @@
 #include "fuzz_util.h"
 #include "moecore/config/arguments.h"
 #include "moecore/config/memory_estimate.h"
-#include "moecore/data/preprocess.h"
-#include "moecore/train/generate_args.h"
+#include "moecore/cli/preprocess_command.h"
+#include "moecore/cli/generate_args.h"
 
 namespace {
 

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "moecore/ckpt/checkpoint_dir.h"
-#include "moecore/ckpt/inspect_command.h"
+#include "moecore/ckpt/checkpoint_inspect.h"
 #include "moecore/ckpt/piece_coverage.h"
 #include "moecore/ckpt/sharded_checkpoint.h"
 #include "moecore/ckpt/state_source.h"
@@ -561,7 +561,7 @@ TEST_F(ShardedCheckpointTest, FileChecksumIsCheckedOnOpening) {
 TEST_F(ShardedCheckpointTest, InspectCommandPrintsAndVerifies) {
   const std::string dir = save(make_state(1), 9, false);
   std::ostringstream out;
-  EXPECT_EQ(checkpoint_inspect_main({root_.string()}, out), 0);  // the save folder: its tracker's iteration
+  EXPECT_EQ(inspect_checkpoint(root_.string(), out), 0);  // the save folder: its tracker's iteration
   const std::string text = out.str();
   EXPECT_NE(text.find("checkpoint " + dir), std::string::npos) << text;
   EXPECT_NE(text.find("iteration 9"), std::string::npos) << text;
@@ -570,15 +570,15 @@ TEST_F(ShardedCheckpointTest, InspectCommandPrintsAndVerifies) {
   EXPECT_NE(text.find("half BF16 [5]"), std::string::npos) << text;
   EXPECT_NE(text.find("verified: every checksum matches"), std::string::npos) << text;
   std::ostringstream again;
-  EXPECT_EQ(checkpoint_inspect_main({dir}, again), 0);  // one iteration folder
+  EXPECT_EQ(inspect_checkpoint(dir, again), 0);  // one iteration folder
   {
     std::fstream f(dir + "/rank_00000.safetensors", std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(-2, std::ios::end);
     f.put('\x7f');
   }
   std::ostringstream damaged;
-  EXPECT_THROW(checkpoint_inspect_main({dir}, damaged), CheckpointError);
-  EXPECT_THROW(checkpoint_inspect_main({(root_ / "nothing").string()}, damaged), std::runtime_error);
+  EXPECT_THROW(inspect_checkpoint(dir, damaged), CheckpointError);
+  EXPECT_THROW(inspect_checkpoint((root_ / "nothing").string(), damaged), std::runtime_error);
 }
 
 TEST_F(ShardedCheckpointTest, Tracker) {

@@ -162,5 +162,18 @@ TEST(FlagParser, PositionalsAndPassedOnTokens) {
   EXPECT_EQ(passed.passed_on, (std::vector<std::string>{"--lr", "0.1", "--seq-length=8"}));
 }
 
+TEST(FlagParser, AbbreviationsOnlyWhenAllowed) {
+  EXPECT_EQ(error_of({"--num-lay", "4"}), "unknown flag --num-lay");
+  FlagParserOptions abbrev;
+  abbrev.allow_abbrev = true;
+  abbrev.megatron_names = {"--rate-limit"};
+  abbrev.is_megatron_only = [](const std::string_view name) { return name == "--rate-limit"; };
+  EXPECT_EQ(parse({"--num-lay", "4"}, abbrev).layers, 4);
+  EXPECT_EQ(parse({"--num-lay=5"}, abbrev).layers, 5);
+  EXPECT_EQ(error_of({"--rat", "1"}, abbrev), "ambiguous option --rat could match --rate, --rate-limit");
+  EXPECT_EQ(error_of({"--rate-l", "1"}, abbrev), "--rate-limit is a Megatron flag that moecore does not implement yet");
+  EXPECT_EQ(error_of({"--fa=1"}, abbrev), "--fast takes no value (got '--fa=1')");
+}
+
 }  // namespace
 }  // namespace moecore

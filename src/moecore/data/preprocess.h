@@ -1,6 +1,7 @@
 // `moecore preprocess`: Megatron's tools/preprocess_data.py. Reads JSONL (one JSON object = one document per
 // line), tokenizes the text under each --json-keys key on --workers threads, and writes Megatron indexed
-// datasets {output_prefix}_{key}_document.bin/.idx, documents in input order.
+// datasets {output_prefix}_{key}_document.bin/.idx, documents in input order. The command line is
+// cli/preprocess_command.h.
 #pragma once
 
 #include <cstdint>
@@ -33,15 +34,8 @@ struct PreprocessStats {
   double seconds = 0.0;                 // tokenizing and writing, after start-up
 };
 
-// Parses preprocess_data.py's flags (argparse rules: --flag value or --flag=value, unambiguous prefixes).
-// Throws std::invalid_argument with one line for an unknown, malformed, missing or unsupported flag.
-PreprocessOptions parse_preprocess_args(const std::vector<std::string>& args);
-
 // Runs the conversion. Throws (one line) on unreadable input, malformed JSON (with its line number), a
 // missing key, text the tokenizer rejects, or an unwritable output.
 PreprocessStats preprocess(const PreprocessOptions& options);
-
-// parse_preprocess_args + preprocess: the body of `moecore preprocess ARGS...`.
-void preprocess_main(const std::vector<std::string>& args);
 
 }  // namespace moecore

@@ -109,6 +109,25 @@ std::optional<Match> find_row(const std::vector<FlagRow>& rows, const std::strin
   return std::nullopt;
 }
 
+// allow_abbrev: the one flag (table row or Megatron-only name) that starts with `name`, "" when none does.
+std::string expand_prefix(const std::vector<FlagRow>& rows, const std::string& name, const FlagParserOptions& options) {
+  std::vector<std::string> matches;
+  const auto consider = [&](const std::string_view flag) {
+    if (name.size() > 2 && flag.starts_with(name)) matches.emplace_back(flag);
+  };
+  for (const FlagRow& row : rows) {
+    consider(row.name);
+    if (!row.negation.empty()) consider(row.negation);
+  }
+  for (const std::string& flag : options.megatron_names) consider(flag);
+  if (matches.size() > 1) {
+    std::string message = "ambiguous option " + name + " could match";
+    for (size_t i = 0; i < matches.size(); ++i) message += (i ? ", " : " ") + matches[i];
+    throw FlagError(message);
+  }
+  return matches.empty() ? std::string() : matches.front();
+}
+
 [[noreturn]] void throw_unknown(const std::vector<FlagRow>& rows, const std::string& name,
                                 const FlagParserOptions& options) {
   if (options.is_megatron_only && options.is_megatron_only(name)) {
@@ -150,8 +169,14 @@ ParsedFlags parse_flag_rows(const std::vector<FlagRow>& rows, const std::vector<
       throw FlagError("unexpected argument '" + token + "' (flags start with --; a value belongs after its flag)");
     }
     const size_t equals = token.find('=');
-    const std::string name = token.substr(0, equals);
-    const std::optional<Match> match = find_row(rows, name);
+    std::string name = token.substr(0, equals);
+    std::optional<Match> match = find_row(rows, name);
+    if (!match && options.allow_abbrev) {
+      if (std::string full = expand_prefix(rows, name, options); !full.empty()) {
+        name = std::move(full);
+        match = find_row(rows, name);
+      }
+    }
     if (!match) {
       if (options.pass_unknown) {
         parsed.passed_on.push_back(token);

@@ -10,6 +10,7 @@
 // Errors (one line each, thrown as FlagError; every command words them the same):
 //   unknown flag           "unknown flag --num-layer (did you mean --num-layers?)"
 //   Megatron flag not built "--moe-latent-size is a Megatron flag that moecore does not implement yet"
+//   ambiguous prefix       "ambiguous option --w could match --workers, --workers-to-check" (allow_abbrev only)
 //   stray token            "unexpected argument 'x' (flags start with --; a value belongs after its flag)"
 //   switch given a value   "--swiglu takes no value (got '--swiglu=1')"
 //   missing value          "--num-layers expects a value (N)" / "--data-path expects at least one value (PATH...)"
@@ -93,6 +94,10 @@ struct FlagParserOptions {
   bool pass_unknown = false;
   // Tokens that are no flag are handed back as positional arguments instead of refused.
   bool positionals = false;
+  // argparse's allow_abbrev (the default of plain argparse parsers, such as tools/preprocess_data.py's; Megatron's
+  // training parser turns it off): a unique prefix of a flag (among the table and megatron_names) names it;
+  // "ambiguous option --w could match --workers, --workers-to-check" when several flags start with it.
+  bool allow_abbrev = false;
 };
 
 struct ParsedFlags {

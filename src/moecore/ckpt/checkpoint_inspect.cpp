@@ -1,4 +1,4 @@
-#include "moecore/ckpt/inspect_command.h"
+#include "moecore/ckpt/checkpoint_inspect.h"
 
 #include <filesystem>
 #include <ostream>
@@ -10,14 +10,8 @@
 namespace moecore {
 namespace fs = std::filesystem;
 
-int checkpoint_inspect_main(const std::vector<std::string>& args, std::ostream& out,
-                            const std::function<void(const ShardedCheckpoint&)>& check_contents) {
-  if (args.size() == 1 && (args[0] == "-h" || args[0] == "--help")) {
-    out << "usage: moecore checkpoint DIR   (a --save folder or one of its iter_NNNNNNN folders)\n";
-    return 0;
-  }
-  if (args.size() != 1) throw ConfigError("usage: moecore checkpoint DIR (one folder)");
-  std::string dir = args[0];
+int inspect_checkpoint(std::string dir, std::ostream& out,
+                       const std::function<void(const ShardedCheckpoint&)>& check_contents) {
   if (!fs::exists(fs::path(dir) / "metadata.json")) {
     const std::optional<int64_t> latest = read_tracker(dir);
     if (!latest)

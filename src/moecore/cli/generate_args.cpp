@@ -1,94 +1,73 @@
-#include "moecore/train/generate_args.h"
+#include "moecore/cli/generate_args.h"
 
 #include <charconv>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <iterator>
-#include <map>
-#include <type_traits>
 
 #include "moecore/model/config.h"
 #include "moecore/tokenizer/utf8.h"
-#include "moecore/util/flag_suggest.h"
+#include "moecore/util/flag_parser.h"
 
 namespace moecore {
 namespace {
 
-template <typename T>
-T parse_number(const std::string& flag, const std::string& text) {
-  T value{};
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (error != std::errc() || end != text.data() + text.size()) {
-    throw ConfigError("invalid value '" + text + "' for " + flag + ": expected a number");
-  }
-  if constexpr (std::is_floating_point_v<T>) {
-    // from_chars reads "nan" and "inf": a sampling parameter must be a number to sample with.
-    if (!std::isfinite(value)) {
-      throw ConfigError("invalid value '" + text + "' for " + flag + ": expected a finite number");
-    }
-  }
-  return value;
+// clang-format off
+const std::vector<FlagSpec<GenerateArgs>>& generate_flag_table() {
+  static const std::vector<FlagSpec<GenerateArgs>> table = {
+    {"--load", Arity::kOne, "DIR", "HuggingFace-style export (config.json + model.safetensors), e.g. from --export-hf",
+     [](GenerateArgs& a, const FlagValue& v) { a.load_dir = v.text(); }},
+    {"--prompt", Arity::kOne, "TEXT", "text to continue (this or --prompt-file is required)",
+     [](GenerateArgs& a, const FlagValue& v) { a.prompt = v.text(); }},
+    {"--prompt-file", Arity::kOne, "PATH", "the text to continue from a UTF-8 file (one final newline dropped)",
+     [](GenerateArgs& a, const FlagValue& v) { a.prompt_file = v.text(); }},
+    {"--max-new-tokens", Arity::kOne, "N", "tokens to produce (default 64)",
+     [](GenerateArgs& a, const FlagValue& v) { a.max_new_tokens = v.integer(); }},
+    {"--temperature", Arity::kOne, "T", "0 = greedy (default); > 0 samples from softmax(logits / T)",
+     [](GenerateArgs& a, const FlagValue& v) { a.temperature = v.real(); }},
+    {"--top-k", Arity::kOne, "K", "sample among the K most likely tokens (0 = all; at most the vocabulary)",
+     [](GenerateArgs& a, const FlagValue& v) { a.top_k = v.integer(); }},
+    {"--seed", Arity::kOne, "N", "sampling seed (default 1234)",
+     [](GenerateArgs& a, const FlagValue& v) {
+       const std::string& text = v.text();
+       const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), a.seed);
+       if (text.empty() || error != std::errc() || end != text.data() + text.size()) v.fail("a non-negative integer");
+     }},
+    {"--kv-cache", Arity::kSwitch, "",
+     "keep a key / value cache (default); --no-kv-cache re-runs the whole context for every new token (the "
+     "reference the cache is checked against)",
+     [](GenerateArgs& a, const FlagValue& v) { a.kv_cache = !v.negated; }, "--no-kv-cache"},
+    {"--tokenizer-type", Arity::kOne, "TYPE", "GPT2BPETokenizer (default, DIR/vocab.json and DIR/merges.txt) or "
+     "NullTokenizer",
+     [](GenerateArgs& a, const FlagValue& v) { a.tokenizer_type = v.text(); }},
+    {"--vocab-file", Arity::kOne, "F", "GPT2BPETokenizer's vocabulary (default DIR/vocab.json)",
+     [](GenerateArgs& a, const FlagValue& v) { a.vocab_file = v.text(); }},
+    {"--merge-file", Arity::kOne, "F", "GPT2BPETokenizer's merges (default DIR/merges.txt)",
+     [](GenerateArgs& a, const FlagValue& v) { a.merge_file = v.text(); }},
+    {"--vocab-size", Arity::kOne, "N", "NullTokenizer: ids below N, then end-of-document (as `moecore train`)",
+     [](GenerateArgs& a, const FlagValue& v) { a.vocab_size = v.integer(); }},
+  };
+  return table;
 }
+// clang-format on
 
 }  // namespace
 
 std::string generate_usage() {
-  return "usage: moecore generate --load DIR (--prompt TEXT | --prompt-file PATH) [--max-new-tokens N]\n"
-         "                        [--temperature T] [--top-k K] [--seed N] [--no-kv-cache]\n"
-         "                        [--tokenizer-type GPT2BPETokenizer --vocab-file F --merge-file F |\n"
-         "                         --tokenizer-type NullTokenizer --vocab-size N]\n";
+  return "usage: moecore generate --load DIR (--prompt TEXT | --prompt-file PATH) [flags]\n\n" +
+         flags_help(generate_flag_table());
 }
 
 GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
   GenerateArgs out;
-  const std::map<std::string, std::function<void(const std::string&)>> setters = {
-      {"--load", [&](const std::string& v) { out.load_dir = v; }},
-      {"--prompt", [&](const std::string& v) { out.prompt = v; }},
-      {"--prompt-file", [&](const std::string& v) { out.prompt_file = v; }},
-      {"--max-new-tokens",
-       [&](const std::string& v) { out.max_new_tokens = parse_number<int64_t>("--max-new-tokens", v); }},
-      {"--temperature", [&](const std::string& v) { out.temperature = parse_number<double>("--temperature", v); }},
-      {"--top-k", [&](const std::string& v) { out.top_k = parse_number<int64_t>("--top-k", v); }},
-      {"--seed", [&](const std::string& v) { out.seed = parse_number<uint64_t>("--seed", v); }},
-      {"--tokenizer-type", [&](const std::string& v) { out.tokenizer_type = v; }},
-      {"--vocab-file", [&](const std::string& v) { out.vocab_file = v; }},
-      {"--merge-file", [&](const std::string& v) { out.merge_file = v; }},
-      {"--vocab-size", [&](const std::string& v) { out.vocab_size = parse_number<int64_t>("--vocab-size", v); }},
-  };
-  std::vector<std::string> known;
-  for (const auto& [name, setter] : setters) known.push_back(name);
-  constexpr const char* kNoKvCache = "--no-kv-cache";  // the one switch (no value)
-  known.push_back(kNoKvCache);
-  for (size_t i = 0; i < args.size(); ++i) {
-    std::string flag = args[i];
-    if (flag == "-h" || flag == "--help") {
+  try {
+    if (parse_flags(generate_flag_table(), args, out).help_requested) {
       out.help_requested = true;
       return out;
     }
-    std::string value;
-    bool has_value = false;
-    if (const size_t eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-      has_value = true;
-    }
-    if (flag == kNoKvCache) {
-      if (has_value) throw ConfigError(flag + " takes no value");
-      out.kv_cache = false;
-      continue;
-    }
-    const auto it = setters.find(flag);
-    if (it == setters.end()) {
-      if (flag.rfind("-", 0) != 0) throw ConfigError("unexpected argument '" + flag + "' (flags start with --)");
-      throw ConfigError(unknown_flag_message(flag, known));
-    }
-    if (!has_value) {
-      if (i + 1 >= args.size()) throw ConfigError(flag + " needs a value");
-      value = args[++i];
-    }
-    it->second(value);
+  } catch (const FlagError& error) {
+    throw ConfigError(error.what());
   }
   if (out.load_dir.empty()) throw ConfigError("--load DIR is required (a directory written by --export-hf)");
   if (!out.prompt_file.empty()) {

@@ -5,8 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "moecore/cli/generate_args.h"
 #include "moecore/model/config.h"
-#include "moecore/train/generate_args.h"
 #include "test_temp_dir.h"
 
 namespace moecore {
@@ -34,7 +34,7 @@ TEST(GenerateArgs, TemperatureMustBeFinite) {
 
 TEST(GenerateArgs, TopKRange) {
   EXPECT_EQ(error_of({"--top-k", "-1"}), "--top-k must be >= 0");
-  EXPECT_EQ(error_of({"--top-k", "1.5"}), "invalid value '1.5' for --top-k: expected a number");
+  EXPECT_EQ(error_of({"--top-k", "1.5"}), "invalid value '1.5' for --top-k: expected an integer");
   GenerateArgs args = parse_generate_args({"--load", "dir", "--prompt", "hi", "--top-k", "129"});
   try {
     check_sampling_against_vocabulary(args, 128);
@@ -61,7 +61,8 @@ TEST(GenerateArgs, NewTokensAndNullTokenizer) {
 TEST(GenerateArgs, NoKvCacheSwitch) {
   EXPECT_TRUE(parse_generate_args({"--load", "dir", "--prompt", "hi"}).kv_cache);
   EXPECT_FALSE(parse_generate_args({"--load", "dir", "--no-kv-cache", "--prompt", "hi"}).kv_cache);
-  EXPECT_EQ(error_of({"--no-kv-cache=1"}), "--no-kv-cache takes no value");
+  EXPECT_EQ(error_of({"--no-kv-cache=1"}), "--no-kv-cache takes no value (got '--no-kv-cache=1')");
+  EXPECT_TRUE(parse_generate_args({"--load", "dir", "--no-kv-cache", "--kv-cache", "--prompt", "hi"}).kv_cache);
 }
 
 std::string file_error(const std::vector<std::string>& args) {

@@ -1,4 +1,4 @@
-// `moecore generate` flags:
+// `moecore generate` flags (the common flag parser, util/flag_parser.h):
 //   --load DIR               HuggingFace-style export (config.json + model.safetensors), e.g. from --export-hf
 //   --prompt TEXT            text to continue (this or --prompt-file is required)
 //   --prompt-file PATH       the text to continue from a UTF-8 file (one final newline dropped)
@@ -6,8 +6,10 @@
 //   --temperature T          0 = greedy (default); > 0 samples from softmax(logits / T); finite
 //   --top-k K                sample among the K most likely tokens (0 = all; at most the vocabulary)
 //   --seed N                 sampling seed (default 1234)
-//   --no-kv-cache            re-run the whole context for every new token instead of keeping a key / value cache
-//                            (the reference the cache is checked against; the same tokens, slower)
+//   --kv-cache / --no-kv-cache
+//                            keep a key / value cache (default), or re-run the whole context for every new token
+//                            instead of keeping a key / value cache (the reference the cache is checked against; the
+//                            same tokens, slower)
 //   --tokenizer-type, --vocab-file, --merge-file
 //                            the tokenizer; default GPT2BPETokenizer with DIR/vocab.json and DIR/merges.txt
 #pragma once

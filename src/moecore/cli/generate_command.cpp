@@ -1,15 +1,14 @@
-#include "moecore/train/generate.h"
-
 #include <exception>
 #include <filesystem>
 #include <iostream>
 #include <string>
 #include <vector>
 
-#include "moecore/cli/commands.h"
 #include "moecore/ckpt/hf_checkpoint.h"
+#include "moecore/cli/commands.h"
+#include "moecore/cli/generate_args.h"
 #include "moecore/tokenizer/tokenizer.h"
-#include "moecore/train/generate_args.h"
+#include "moecore/train/generate.h"
 
 int run_generate(int argc, char** argv) {
   try {

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "moecore/cli/preprocess_command.h"
 #include "moecore/data/indexed_dataset.h"
-#include "moecore/data/preprocess.h"
 #include "moecore/tokenizer/tokenizer.h"
 
 namespace moecore {
@@ -261,25 +261,28 @@ TEST_F(PreprocessTest, FlagErrors) {
       "--input",      input, "--output-prefix", prefix(), "--tokenizer-type", "NullTokenizer",
       "--vocab-size", "10",  "--workers",       "1"};
   EXPECT_EQ(error_of(ok), "no error");
-  EXPECT_NE(error_of(with(ok, {"--bogus"})).find("unknown flag --bogus for moecore preprocess"), std::string::npos);
-  EXPECT_NE(error_of(with(ok, {"--worker", "2"})).find("ambiguous option --worker"), std::string::npos);
-  EXPECT_EQ(error_of(with(ok, {"--apend-eod"})),
-            "unknown flag --apend-eod for moecore preprocess (did you mean --append-eod?)");
+  EXPECT_NE(error_of(with(ok, {"--bogus"})).find("unknown flag --bogus"), std::string::npos);
+  EXPECT_EQ(error_of(with(ok, {"--worker", "2"})),
+            "ambiguous option --worker could match --workers, --workers-to-check");
+  EXPECT_EQ(error_of(with(ok, {"--max-doc", "2"})),
+            "--max-documents is a Megatron flag that moecore does not implement yet");
+  EXPECT_EQ(error_of(with(ok, {"--apend-eod"})), "unknown flag --apend-eod (did you mean --append-eod?)");
   EXPECT_EQ(error_of({"--input", input, "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"}),
             "the following arguments are required: --output-prefix --workers");
   EXPECT_NE(error_of(with(ok, {"--split-sentences"})).find("--split-sentences is not implemented in moecore"),
             std::string::npos);
   EXPECT_NE(error_of(with(ok, {"--partitions", "2"})).find("only 1 partition"), std::string::npos);
-  EXPECT_EQ(error_of(with(ok, {"--workers", "two"})), "argument --workers: invalid int value: 'two'");
+  EXPECT_EQ(error_of(with(ok, {"--workers", "two"})), "invalid value 'two' for --workers: expected an integer");
   EXPECT_EQ(error_of(with(ok, {"--workers", "0"})), "--workers must be >= 1, got 0");
   EXPECT_EQ(error_of(with(ok, {"--tokenizer-model", "m.model"})),
-            "flag --tokenizer-model is a Megatron flag not implemented in moecore preprocess yet");
+            "--tokenizer-model is a Megatron flag that moecore does not implement yet");
   EXPECT_EQ(error_of(with(ok, {"--tokenizer-type", "Llama2Tokenizer"})),
             "tokenizer type Llama2Tokenizer is a Megatron tokenizer not implemented in moecore yet");
   EXPECT_EQ(error_of(with(ok, {"--tokenizer-type", "Foo"})), "unknown tokenizer type Foo");
-  EXPECT_EQ(error_of(with(ok, {"--append-eod=yes"})), "argument --append-eod: ignored explicit argument 'yes'");
-  EXPECT_EQ(error_of(with(ok, {"stray"})), "unrecognized argument: stray");
-  EXPECT_EQ(error_of(with(ok, {"--json-keys"})), "argument --json-keys: expected at least one argument");
+  EXPECT_EQ(error_of(with(ok, {"--append-eod=yes"})), "--append-eod takes no value (got '--append-eod=yes')");
+  EXPECT_EQ(error_of(with(ok, {"stray"})),
+            "unexpected argument 'stray' (flags start with --; a value belongs after its flag)");
+  EXPECT_EQ(error_of(with(ok, {"--json-keys"})), "--json-keys expects at least one value (KEY...)");
   EXPECT_EQ(error_of(with(ok, {"--json-keys", "text", "text"})), "--json-keys lists 'text' twice");
   // Accepted forms: --flag=value, unambiguous prefixes (argparse), flags Megatron accepts with no effect here.
   EXPECT_EQ(error_of({"--input=" + input, "--output-prefix", prefix(), "--tokenizer-t", "NullTokenizer", "--vocab-s",
