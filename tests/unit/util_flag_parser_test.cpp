@@ -131,6 +131,12 @@ TEST(FlagParser, ValueHelpers) {
   EXPECT_THROW(zero.positive_up_to(8), FlagError);
   EXPECT_EQ((FlagValue{"--world-size", {"8"}}.positive_up_to(8)), 8);
   EXPECT_THROW((FlagValue{"--dir", {""}}.non_empty_text()), FlagError);
+  try {
+    (void)FlagValue{"--top", {"0"}}.integer_in(1, 9);
+    ADD_FAILURE() << "0 is outside [1, 9]";
+  } catch (const FlagError& error) {
+    EXPECT_STREQ(error.what(), "--top must be in [1, 9], got 0");
+  }
 }
 
 TEST(FlagParser, HelpAnywhereStopsParsing) {
@@ -157,9 +163,11 @@ TEST(FlagParser, PositionalsAndPassedOnTokens) {
   const ParsedFlags with_dir = parse_flags(table(), {"DIR", "--fast"}, parsed, positionals);
   EXPECT_EQ(with_dir.positional, std::vector<std::string>{"DIR"});
   FlagParserOptions pass;
-  pass.pass_unknown = true;
-  const ParsedFlags passed = parse_flags(table(), {"--lr", "0.1", "--fast", "--seq-length=8"}, parsed, pass);
-  EXPECT_EQ(passed.passed_on, (std::vector<std::string>{"--lr", "0.1", "--seq-length=8"}));
+  std::vector<std::string> passed_on;
+  pass.pass_on = [&](const std::string& token) { passed_on.push_back(token); };
+  parse_flags(table(), {"--lr", "0.1", "--fast", "--seq-length=8"}, parsed, pass);
+  EXPECT_EQ(passed_on, (std::vector<std::string>{"--lr", "0.1", "--seq-length=8"}));
+  EXPECT_TRUE(parsed.fast);
 }
 
 TEST(FlagParser, AbbreviationsOnlyWhenAllowed) {

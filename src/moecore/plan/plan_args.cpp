@@ -9,6 +9,7 @@
 #include "moecore/config/flag_catalog.h"
 #include "moecore/pipeline/pipeline_layout.h"
 #include "moecore/plan/hf_flags.h"
+#include "moecore/util/flag_parser.h"
 #include "moecore/util/flag_suggest.h"
 
 namespace moecore::plan {
@@ -45,21 +46,6 @@ double to_real(const std::string& flag, const std::string& text, const double ma
 constexpr int64_t kMaxWidth = int64_t{1} << 24;
 constexpr int64_t kMaxGpus = int64_t{1} << 20;
 
-// Layout flags: the search replaces them; the rest of train's flags describe the model and the batch.
-const std::set<std::string> kLayoutValueFlags = {"--tensor-model-parallel-size",
-                                                 "--pipeline-model-parallel-size",
-                                                 "--context-parallel-size",
-                                                 "--expert-model-parallel-size",
-                                                 "--expert-tensor-parallel-size",
-                                                 "--pipeline-model-parallel-layout",
-                                                 "--decoder-first-pipeline-num-layers",
-                                                 "--decoder-last-pipeline-num-layers",
-                                                 "--num-virtual-stages-per-pipeline-rank",
-                                                 "--num-layers-per-virtual-pipeline-stage"};
-
-const std::vector<std::string> kRecomputeModules = {"core_attn", "moe_act", "layernorm",     "mla_up_proj",
-                                                    "mlp",       "moe",     "shared_experts"};
-
 struct Parser {
   explicit Parser(PlanArgs& o) : out(o) {}
   PlanArgs& out;
@@ -77,159 +63,149 @@ struct Parser {
   std::optional<int64_t> recompute_layers;
   std::optional<std::vector<std::string>> modules;
   bool recompute_activations = false;
+  bool in_hf_config = false;  // parsing the flags of --hf-config
+  std::optional<std::string> gpu;
+  std::vector<std::pair<std::string, std::string>> overrides;  // cluster flags, applied over the --gpu preset
 };
 
-std::vector<std::string> planner_flags() {
-  return {"--hf-config",
-          "--vocab-size",
-          "--multi-latent-attention",
-          "--q-lora-rank",
-          "--kv-lora-rank",
-          "--qk-head-dim",
-          "--qk-pos-emb-head-dim",
-          "--v-head-dim",
-          "--mtp-num-layers",
-          "--recompute-granularity",
-          "--recompute-method",
-          "--recompute-num-layers",
-          "--recompute-modules",
-          "--recompute-activations",
-          "--no-moe-memory-efficient-permutation",
-          "--moe-token-dispatcher-type",
-          "--overlap-moe-expert-parallel-comm",
-          "--num-gpus",
-          "--gpu",
-          "--gpu-memory-gib",
-          "--peak-tflops-bf16",
-          "--peak-tflops-fp8",
-          "--peak-tflops-fp4",
-          "--hbm-tbps",
-          "--gpus-per-domain",
-          "--intra-domain-gbps",
-          "--inter-domain-gbps",
-          "--search",
-          "--top",
-          "--json",
-          "--help"};
+int64_t mla_field(Parser& p, const FlagValue& v, const int64_t min) {
+  const int64_t number = v.integer_in(min, kMaxWidth);
+  p.have_mla_field = true;
+  p.rest.insert(p.rest.end(), {std::string(v.flag), v.text()});
+  return number;
 }
 
-// Splits "--flag=value" and walks the tokens, taking the planner's flags and passing the others on.
-void parse_tokens(Parser& p, const std::vector<std::string>& tokens, const bool from_hf) {
-  std::optional<std::string> gpu;
-  std::vector<std::pair<std::string, std::string>> overrides;
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    std::string flag = tokens[i];
-    std::optional<std::string> inline_value;
-    if (flag.rfind("--", 0) == 0) {
-      if (const size_t eq = flag.find('='); eq != std::string::npos) {
-        inline_value = flag.substr(eq + 1);
-        flag = flag.substr(0, eq);
-      }
-    }
-    const auto value = [&]() -> std::string {
-      if (inline_value) return *inline_value;
-      require(i + 1 < tokens.size() && !looks_like_train_flag(tokens[i + 1]), flag + " expects a value");
-      return tokens[++i];
-    };
-    const auto switch_only = [&] { require(!inline_value, flag + " takes no value"); };
-    if (flag == "--hf-config") {
-      require(!from_hf, "--hf-config: nested --hf-config");
-      parse_tokens(p, megatron_flags_from_hf_config(value()), true);
-    } else if (flag == "--vocab-size") {
-      p.out.vocab_size = to_integer(flag, value(), 1, INT32_MAX);
-      p.vocab_given = true;
-    } else if (flag == "--multi-latent-attention") {
-      switch_only();
-      p.mla_on = true;
-      p.rest.push_back(flag);  // train builds multi-latent attention too (its memory on --gpu cpu)
-    } else if (flag == "--q-lora-rank" || flag == "--kv-lora-rank" || flag == "--qk-head-dim" ||
-               flag == "--qk-pos-emb-head-dim" || flag == "--v-head-dim") {
-      const std::string text = value();
-      const int64_t number = to_integer(flag, text, flag == "--qk-pos-emb-head-dim" ? 0 : 1, kMaxWidth);
-      if (flag == "--q-lora-rank") p.mla.q_lora_rank = number;
-      if (flag == "--kv-lora-rank") p.mla.kv_lora_rank = number;
-      if (flag == "--qk-head-dim") p.mla.qk_head_dim = number;
-      if (flag == "--qk-pos-emb-head-dim") p.mla.qk_pos_emb_head_dim = number;
-      if (flag == "--v-head-dim") p.mla.v_head_dim = number;
-      p.have_mla_field = true;
-      p.rest.insert(p.rest.end(), {flag, text});
-    } else if (flag == "--mtp-num-layers") {
-      const std::string text = value();
-      p.mtp = to_integer(flag, text, 0, 1 << 16);
-      p.rest.insert(p.rest.end(), {flag, text});  // train builds the depths too (their memory on --gpu cpu)
-    } else if (flag == "--recompute-granularity") {
-      p.granularity = value();
-      require(*p.granularity == "full" || *p.granularity == "selective",
-              "invalid choice '" + *p.granularity + "' for --recompute-granularity (choose from full, selective)");
-    } else if (flag == "--recompute-method") {
-      p.method = value();
-      require(*p.method == "uniform" || *p.method == "block",
-              "invalid choice '" + *p.method + "' for --recompute-method (choose from uniform, block)");
-    } else if (flag == "--recompute-num-layers") {
-      p.recompute_layers = to_integer(flag, value(), 1, 1 << 16);
-    } else if (flag == "--recompute-modules") {
-      std::vector<std::string> list;
-      if (inline_value) list.push_back(*inline_value);
-      while (i + 1 < tokens.size() && !looks_like_train_flag(tokens[i + 1])) list.push_back(tokens[++i]);
-      require(!list.empty(), "--recompute-modules expects at least one module");
-      for (const std::string& m : list) {
-        std::string known;
-        for (const std::string& k : kRecomputeModules) known += (known.empty() ? "" : ", ") + k;
-        require(std::find(kRecomputeModules.begin(), kRecomputeModules.end(), m) != kRecomputeModules.end(),
-                "invalid choice '" + m + "' for --recompute-modules (choose from " + known + ")");
-      }
-      p.modules = list;
-    } else if (flag == "--recompute-activations") {
-      switch_only();
-      p.recompute_activations = true;
-    } else if (flag == "--no-moe-memory-efficient-permutation") {
-      switch_only();
-      p.out.memory_efficient_permutation = false;
-    } else if (flag == "--moe-token-dispatcher-type") {
-      const std::string type = value();
-      require(type == "allgather" || type == "alltoall" || type == "flex",
-              "invalid choice '" + type + "' for --moe-token-dispatcher-type (choose from allgather, alltoall, flex)");
-      p.out.dispatcher = type;
-    } else if (flag == "--overlap-moe-expert-parallel-comm") {
-      switch_only();
-      p.out.overlap_moe_expert_parallel_comm = true;
-    } else if (flag == "--num-gpus") {
-      p.out.num_gpus = to_integer(flag, value(), 1, kMaxGpus);
-    } else if (flag == "--gpu") {
-      gpu = value();
-    } else if (flag == "--gpu-memory-gib" || flag == "--peak-tflops-bf16" || flag == "--peak-tflops-fp8" ||
-               flag == "--peak-tflops-fp4" || flag == "--hbm-tbps" || flag == "--intra-domain-gbps" ||
-               flag == "--inter-domain-gbps" || flag == "--gpus-per-domain") {
-      overrides.emplace_back(flag, value());
-    } else if (flag == "--search") {
-      switch_only();
-      p.out.search = true;
-    } else if (flag == "--top") {
-      p.out.top = to_integer(flag, value(), 1, 1 << 20);
-    } else if (flag == "--json") {
-      switch_only();
-      p.out.json = true;
-    } else if (flag == "--help" || flag == "-h") {
-      p.out.help_requested = true;
-    } else if (kLayoutValueFlags.count(flag)) {
-      p.layout[flag] = value();
-    } else if (flag == "--account-for-embedding-in-pipeline-split" || flag == "--account-for-loss-in-pipeline-split") {
-      switch_only();
-      p.layout_switches.push_back(flag);
-    } else {
-      if (flag == "--tokenizer-type") {
-        p.have_tokenizer = true;
-        p.tokenizer = inline_value ? *inline_value : (i + 1 < tokens.size() ? tokens[i + 1] : "");
-      }
-      if (flag == "--micro-batch-size") p.have_mbs = true;
-      if (flag == "--train-iters") p.have_iters = true;
-      if (flag == "--lr") p.have_lr = true;
-      if (flag == "--data-path" || flag == "--mock-data") p.have_data = true;
-      p.rest.push_back(tokens[i]);
-    }
+void parse_tokens(Parser& p, const std::vector<std::string>& tokens);
+
+void add_layout_value(Parser& p, const FlagValue& v) { p.layout[std::string(v.flag)] = v.text(); }
+void add_cluster_override(Parser& p, const FlagValue& v) { p.overrides.emplace_back(v.flag, v.text()); }
+
+// The planner's own flags; the rest go to train's parser. Flags train builds too are passed on as well.
+// clang-format off
+const std::vector<FlagSpec<Parser>>& planner_flag_table() {
+  static const std::vector<FlagSpec<Parser>> table = {
+    {"--hf-config", Arity::kOne, "PATH", "the model from a HuggingFace config.json or the folder holding it",
+     [](Parser& p, const FlagValue& v) {
+       require(!p.in_hf_config, "--hf-config: nested --hf-config");
+       p.in_hf_config = true;
+       parse_tokens(p, megatron_flags_from_hf_config(v.text()));
+       p.in_hf_config = false;
+     }},
+    {"--vocab-size", Arity::kOne, "N", "the tokenizer's vocabulary (default 32000)",
+     [](Parser& p, const FlagValue& v) {
+       p.out.vocab_size = v.integer_in(1, INT32_MAX);
+       p.vocab_given = true;
+     }},
+    {"--multi-latent-attention", Arity::kSwitch, "", "multi-latent attention",
+     [](Parser& p, const FlagValue& v) {
+       p.mla_on = true;
+       p.rest.emplace_back(v.flag);  // train builds multi-latent attention too (its memory on --gpu cpu)
+     }},
+    {"--q-lora-rank", Arity::kOne, "N", "MLA query latent rank",
+     [](Parser& p, const FlagValue& v) { p.mla.q_lora_rank = mla_field(p, v, 1); }},
+    {"--kv-lora-rank", Arity::kOne, "N", "MLA key / value latent rank",
+     [](Parser& p, const FlagValue& v) { p.mla.kv_lora_rank = mla_field(p, v, 1); }},
+    {"--qk-head-dim", Arity::kOne, "N", "MLA query / key channels without RoPE",
+     [](Parser& p, const FlagValue& v) { p.mla.qk_head_dim = mla_field(p, v, 1); }},
+    {"--qk-pos-emb-head-dim", Arity::kOne, "N", "MLA query / key RoPE channels",
+     [](Parser& p, const FlagValue& v) { p.mla.qk_pos_emb_head_dim = mla_field(p, v, 0); }},
+    {"--v-head-dim", Arity::kOne, "N", "MLA value channels",
+     [](Parser& p, const FlagValue& v) { p.mla.v_head_dim = mla_field(p, v, 1); }},
+    {"--mtp-num-layers", Arity::kOne, "N", "Multi-Token Prediction depths",
+     [](Parser& p, const FlagValue& v) {
+       p.mtp = v.integer_in(0, 1 << 16);
+       p.rest.insert(p.rest.end(), {std::string(v.flag), v.text()});  // train builds the depths too
+     }},
+    {"--recompute-granularity", Arity::kOne, "{full,selective}", "Megatron's activation recomputation",
+     [](Parser& p, const FlagValue& v) { p.granularity = v.choice({"full", "selective"}); }},
+    {"--recompute-method", Arity::kOne, "{uniform,block}", "with --recompute-granularity full",
+     [](Parser& p, const FlagValue& v) { p.method = v.choice({"uniform", "block"}); }},
+    {"--recompute-num-layers", Arity::kOne, "N", "with --recompute-granularity full",
+     [](Parser& p, const FlagValue& v) { p.recompute_layers = v.integer_in(1, 1 << 16); }},
+    {"--recompute-modules", Arity::kList, "M...",
+     "with --recompute-granularity selective: core_attn moe_act layernorm mla_up_proj mlp moe shared_experts",
+     [](Parser& p, const FlagValue& v) {
+       p.modules = v.each([](const FlagValue& one) {
+         return one.choice({"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"});
+       });
+     }},
+    {"--recompute-activations", Arity::kSwitch, "", "--recompute-granularity selective",
+     [](Parser& p, const FlagValue&) { p.recompute_activations = true; }},
+    {"--no-moe-memory-efficient-permutation", Arity::kSwitch, "",
+     "routed experts' probabilities applied at the combine (the fc2 output kept for their gradient)",
+     [](Parser& p, const FlagValue&) { p.out.memory_efficient_permutation = false; }},
+    {"--moe-token-dispatcher-type", Arity::kOne, "{allgather,alltoall,flex}", "the dispatcher (flex is modelled as "
+     "the all-to-all)",
+     [](Parser& p, const FlagValue& v) { p.out.dispatcher = v.choice({"allgather", "alltoall", "flex"}); }},
+    {"--overlap-moe-expert-parallel-comm", Arity::kSwitch, "", "Megatron's 1F1B all-to-all overlap",
+     [](Parser& p, const FlagValue&) { p.out.overlap_moe_expert_parallel_comm = true; }},
+    {"--num-gpus", Arity::kOne, "N", "GPUs of the run (required)",
+     [](Parser& p, const FlagValue& v) { p.out.num_gpus = v.integer_in(1, kMaxGpus); }},
+    {"--gpu", Arity::kOne, "NAME", "GPU preset (default H100)", [](Parser& p, const FlagValue& v) { p.gpu = v.text(); }},
+    {"--gpu-memory-gib", Arity::kOne, "X", "override the preset", add_cluster_override},
+    {"--peak-tflops-bf16", Arity::kOne, "X", "override the preset", add_cluster_override},
+    {"--peak-tflops-fp8", Arity::kOne, "X", "override the preset", add_cluster_override},
+    {"--peak-tflops-fp4", Arity::kOne, "X", "override the preset", add_cluster_override},
+    {"--hbm-tbps", Arity::kOne, "X", "override the preset", add_cluster_override},
+    {"--gpus-per-domain", Arity::kOne, "N", "override the preset", add_cluster_override},
+    {"--intra-domain-gbps", Arity::kOne, "X", "override the preset", add_cluster_override},
+    {"--inter-domain-gbps", Arity::kOne, "X", "override the preset", add_cluster_override},
+    {"--search", Arity::kSwitch, "", "rank every valid layout of --num-gpus GPUs",
+     [](Parser& p, const FlagValue&) { p.out.search = true; }},
+    {"--top", Arity::kOne, "N", "with --search, print the N best (default 10)",
+     [](Parser& p, const FlagValue& v) { p.out.top = v.integer_in(1, 1 << 20); }},
+    {"--json", Arity::kSwitch, "", "one JSON object instead of text", [](Parser& p, const FlagValue&) { p.out.json = true; }},
+    // Layout flags: the search replaces them (train's parser checks them for each layout).
+    {"--tensor-model-parallel-size", Arity::kOne, "N", "TP", add_layout_value},
+    {"--pipeline-model-parallel-size", Arity::kOne, "N", "PP", add_layout_value},
+    {"--context-parallel-size", Arity::kOne, "N", "CP", add_layout_value},
+    {"--expert-model-parallel-size", Arity::kOne, "N", "EP", add_layout_value},
+    {"--expert-tensor-parallel-size", Arity::kOne, "N", "expert TP", add_layout_value},
+    {"--pipeline-model-parallel-layout", Arity::kOne, "TEXT", "stages by hand", add_layout_value},
+    {"--decoder-first-pipeline-num-layers", Arity::kOne, "N", "uneven split", add_layout_value},
+    {"--decoder-last-pipeline-num-layers", Arity::kOne, "N", "uneven split", add_layout_value},
+    {"--num-virtual-stages-per-pipeline-rank", Arity::kOne, "N", "interleaved schedule", add_layout_value},
+    {"--num-layers-per-virtual-pipeline-stage", Arity::kOne, "N", "interleaved schedule", add_layout_value},
+    {"--account-for-embedding-in-pipeline-split", Arity::kSwitch, "", "uniform split",
+     [](Parser& p, const FlagValue& v) { p.layout_switches.emplace_back(v.flag); }},
+    {"--account-for-loss-in-pipeline-split", Arity::kSwitch, "", "uniform split",
+     [](Parser& p, const FlagValue& v) { p.layout_switches.emplace_back(v.flag); }},
+  };
+  return table;
+}
+// clang-format on
+
+// Walks the tokens, taking the planner's flags and passing the others on to train's parser.
+void parse_tokens(Parser& p, const std::vector<std::string>& tokens) {
+  FlagParserOptions options;
+  options.pass_on = [&p](const std::string& token) { p.rest.push_back(token); };
+  try {
+    if (parse_flags(planner_flag_table(), tokens, p, options).help_requested) p.out.help_requested = true;
+  } catch (const FlagError& error) {
+    throw ConfigError(error.what());
   }
-  if (gpu) p.out.cluster = cluster_preset(*gpu);
-  for (const auto& [flag, text] : overrides) {
+}
+
+// What train's flags among the passed-on tokens tell the planner.
+void note_train_flags(Parser& p) {
+  for (size_t i = 0; i < p.rest.size(); ++i) {
+    const std::string& token = p.rest[i];
+    const std::string flag = token.substr(0, token.find('='));
+    if (flag == "--tokenizer-type") {
+      p.have_tokenizer = true;
+      p.tokenizer = flag.size() < token.size() ? token.substr(flag.size() + 1)
+                                               : (i + 1 < p.rest.size() ? p.rest[i + 1] : "");
+    }
+    if (flag == "--micro-batch-size") p.have_mbs = true;
+    if (flag == "--train-iters") p.have_iters = true;
+    if (flag == "--lr") p.have_lr = true;
+    if (flag == "--data-path" || flag == "--mock-data") p.have_data = true;
+  }
+}
+
+void apply_cluster(Parser& p) {
+  if (p.gpu) p.out.cluster = cluster_preset(*p.gpu);
+  for (const auto& [flag, text] : p.overrides) {
     Cluster& c = p.out.cluster;
     if (flag == "--gpus-per-domain") {
       c.gpus_per_domain = to_integer(flag, text, 1, kMaxGpus);
@@ -366,12 +342,14 @@ PlanArgs parse_plan_args(const std::vector<std::string>& args) {
   PlanArgs out;
   out.cluster = cluster_preset("H100");
   Parser p(out);
-  parse_tokens(p, args, false);
+  parse_tokens(p, args);
   if (out.help_requested) return out;
+  apply_cluster(p);
+  note_train_flags(p);
   // Unknown flags first, with suggestions from train's flags and the planner's (train's parser would suggest only
   // its own); Megatron flags moecore does not implement get train's message from its parser.
   std::vector<std::string> known = implemented_train_flags();
-  const std::vector<std::string> planner = planner_flags();
+  const std::vector<std::string> planner = flag_names(planner_flag_table());
   known.insert(known.end(), planner.begin(), planner.end());
   for (const std::string& token : p.rest) {
     if (!looks_like_train_flag(token)) continue;
@@ -476,9 +454,8 @@ std::string plan_flags_help() {
       "usage: moecore plan --num-gpus N [--gpu NAME] <train's model, batch, precision and layout flags> "
       "[--hf-config CONFIG_JSON_OR_FOLDER] [--search] [--json]\n\nGPU presets:\n";
   for (const std::string& name : cluster_preset_names()) text += "  " + describe_cluster(cluster_preset(name)) + "\n";
-  text += "\nplanner flags: ";
-  for (const std::string& flag : planner_flags()) text += flag + " ";
-  return text + "\n";
+  return text + "\nplanner flags (train's flags describe the model, the batch and the layout):\n" +
+         flags_help(planner_flag_table());
 }
 
 }  // namespace moecore::plan

@@ -61,6 +61,15 @@ int64_t FlagValue::positive_up_to(const int64_t max) const {
   return value;
 }
 
+int64_t FlagValue::integer_in(const int64_t min, const int64_t max) const {
+  const int64_t value = integer();
+  if (value < min || value > max) {
+    throw FlagError(std::string(flag) + " must be in [" + std::to_string(min) + ", " + std::to_string(max) +
+                    "], got " + text());
+  }
+  return value;
+}
+
 const std::string& FlagValue::non_empty_text() const {
   if (text().empty()) fail("a non-empty value");
   return text();
@@ -162,8 +171,8 @@ ParsedFlags parse_flag_rows(const std::vector<FlagRow>& rows, const std::vector<
         parsed.positional.push_back(token);
         continue;
       }
-      if (options.pass_unknown) {
-        parsed.passed_on.push_back(token);
+      if (options.pass_on) {
+        options.pass_on(token);
         continue;
       }
       throw FlagError("unexpected argument '" + token + "' (flags start with --; a value belongs after its flag)");
@@ -178,8 +187,8 @@ ParsedFlags parse_flag_rows(const std::vector<FlagRow>& rows, const std::vector<
       }
     }
     if (!match) {
-      if (options.pass_unknown) {
-        parsed.passed_on.push_back(token);
+      if (options.pass_on) {
+        options.pass_on(token);
         continue;
       }
       throw_unknown(rows, name, options);

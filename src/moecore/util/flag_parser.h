@@ -54,6 +54,8 @@ struct FlagValue {
 
   // An integer in [1, max]: "--flag must be positive (got 0)" below, the limit error above.
   int64_t positive_up_to(int64_t max) const;
+  // An integer in [min, max]: "--flag must be in [min, max], got X" outside.
+  int64_t integer_in(int64_t min, int64_t max) const;
 
   const std::string& non_empty_text() const;
 
@@ -89,9 +91,9 @@ struct FlagParserOptions {
   // yet" instead of "unknown flag"; these names are did-you-mean candidates too.
   std::function<bool(std::string_view)> is_megatron_only;
   std::vector<std::string> megatron_names;  // did-you-mean candidates besides the table
-  // Tokens that are no flag of the table (and their values) are handed back in order instead of refused (a command
-  // that passes them on to another parser, as `moecore plan` to train's).
-  bool pass_unknown = false;
+  // When set, tokens that are no flag of the table (unknown flags, their values, stray tokens) are handed to it in
+  // order instead of refused: a command that passes them on to another parser, as `moecore plan` to train's.
+  std::function<void(const std::string& token)> pass_on;
   // Tokens that are no flag are handed back as positional arguments instead of refused.
   bool positionals = false;
   // argparse's allow_abbrev (the default of plain argparse parsers, such as tools/preprocess_data.py's; Megatron's
@@ -103,7 +105,6 @@ struct FlagParserOptions {
 struct ParsedFlags {
   bool help_requested = false;          // --help / -h anywhere: nothing else was parsed
   std::set<std::string> given;          // table names of the flags that appeared (a `--no-` form under its own)
-  std::vector<std::string> passed_on;   // pass_unknown: unknown flags and their values, in order
   std::vector<std::string> positional;  // positionals: the non-flag tokens, in order
 };
 
