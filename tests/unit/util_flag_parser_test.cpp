@@ -127,6 +127,8 @@ TEST(FlagParser, ValueHelpers) {
   EXPECT_EQ(error_of({"--mode", "d"}), "invalid value 'd' for --mode (choose from a, b, c)");
   EXPECT_EQ(error_of({"--ranks", "1", "x"}), "invalid value 'x' for --ranks: expected an integer");
   EXPECT_EQ(parse({"--num-layers=+7"}).layers, 7);
+  EXPECT_EQ((FlagValue{"--seed", {"18446744073709551615"}}.unsigned_integer()), UINT64_MAX);
+  EXPECT_THROW((FlagValue{"--seed", {"-1"}}.unsigned_integer()), FlagError);
   const FlagValue zero{"--world-size", {"0"}};
   EXPECT_THROW(zero.positive_up_to(8), FlagError);
   EXPECT_EQ((FlagValue{"--world-size", {"8"}}.positive_up_to(8)), 8);

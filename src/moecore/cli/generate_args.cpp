@@ -29,11 +29,7 @@ const std::vector<FlagSpec<GenerateArgs>>& generate_flag_table() {
     {"--top-k", Arity::kOne, "K", "sample among the K most likely tokens (0 = all; at most the vocabulary)",
      [](GenerateArgs& a, const FlagValue& v) { a.top_k = v.integer(); }},
     {"--seed", Arity::kOne, "N", "sampling seed (default 1234)",
-     [](GenerateArgs& a, const FlagValue& v) {
-       const std::string& text = v.text();
-       const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), a.seed);
-       if (text.empty() || error != std::errc() || end != text.data() + text.size()) v.fail("a non-negative integer");
-     }},
+     [](GenerateArgs& a, const FlagValue& v) { a.seed = v.unsigned_integer(); }},
     {"--kv-cache", Arity::kSwitch, "",
      "keep a key / value cache (default); --no-kv-cache re-runs the whole context for every new token (the "
      "reference the cache is checked against)",

@@ -1,10 +1,11 @@
+#include "moecore/plan/plan_command.h"
+
 #include <exception>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "moecore/cli/commands.h"
-#include "moecore/plan/plan_command.h"
 
 int run_plan(int argc, char** argv) {
   try {

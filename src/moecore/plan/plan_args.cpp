@@ -193,8 +193,8 @@ void note_train_flags(Parser& p) {
     const std::string flag = token.substr(0, token.find('='));
     if (flag == "--tokenizer-type") {
       p.have_tokenizer = true;
-      p.tokenizer = flag.size() < token.size() ? token.substr(flag.size() + 1)
-                                               : (i + 1 < p.rest.size() ? p.rest[i + 1] : "");
+      p.tokenizer =
+          flag.size() < token.size() ? token.substr(flag.size() + 1) : (i + 1 < p.rest.size() ? p.rest[i + 1] : "");
     }
     if (flag == "--micro-batch-size") p.have_mbs = true;
     if (flag == "--train-iters") p.have_iters = true;

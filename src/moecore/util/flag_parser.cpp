@@ -23,6 +23,15 @@ int64_t FlagValue::integer() const {
   return value;
 }
 
+uint64_t FlagValue::unsigned_integer() const {
+  std::string_view digits = text();
+  if (!digits.empty() && digits.front() == '+') digits.remove_prefix(1);
+  uint64_t value = 0;
+  const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+  if (digits.empty() || error != std::errc() || end != digits.data() + digits.size()) fail("a non-negative integer");
+  return value;
+}
+
 double FlagValue::real() const {
   std::string_view digits = text();
   if (!digits.empty() && digits.front() == '+') digits.remove_prefix(1);
@@ -64,8 +73,8 @@ int64_t FlagValue::positive_up_to(const int64_t max) const {
 int64_t FlagValue::integer_in(const int64_t min, const int64_t max) const {
   const int64_t value = integer();
   if (value < min || value > max) {
-    throw FlagError(std::string(flag) + " must be in [" + std::to_string(min) + ", " + std::to_string(max) +
-                    "], got " + text());
+    throw FlagError(std::string(flag) + " must be in [" + std::to_string(min) + ", " + std::to_string(max) + "], got " +
+                    text());
   }
   return value;
 }

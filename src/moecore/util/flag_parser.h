@@ -44,8 +44,9 @@ struct FlagValue {
 
   [[noreturn]] void fail(const std::string& expected) const;
 
-  int64_t integer() const;  // a decimal integer, optional leading '+'
-  double real() const;      // a finite number
+  int64_t integer() const;            // a decimal integer, optional leading '+'
+  uint64_t unsigned_integer() const;  // a decimal integer in [0, 2^64) (seeds)
+  double real() const;                // a finite number
 
   // Upper limits: a value beyond what a user could mean is an error naming the flag, the limit and why.
   int64_t integer_up_to(int64_t max, std::string_view why = {}) const;

@@ -1,7 +1,5 @@
 // `moecore quantize`: quantizes every 2-D fp32 tensor of a safetensors file with one of TransformerEngine's
 // recipes (the training path's code, quant/quantize.h) and writes codes, scales and decoded values.
-#include "moecore/quant/quantize.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -10,16 +8,16 @@
 #include <iomanip>
 #include <iostream>
 #include <limits>
-#include <map>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "moecore/cli/commands.h"
 #include "moecore/ckpt/safetensors.h"
-#include "moecore/util/flag_suggest.h"
+#include "moecore/cli/commands.h"
+#include "moecore/quant/quantize.h"
+#include "moecore/util/flag_parser.h"
 
 namespace {
 
@@ -42,7 +40,7 @@ const char* kUsage =
     "rounds nvfp4 codes stochastically with --seed (default 1234). --usage columnwise quantizes along the first\n"
     "dimension (stored transposed, [cols, rows]), with nvfp4's random Hadamard transform for activations and\n"
     "gradients; NAME.decoded is then transposed back with the transform undone. mxfp8 needs both dimensions\n"
-    "divisible by 32, nvfp4 by 16.\n";
+    "divisible by 32, nvfp4 by 16.\n\n";
 
 struct QuantizeArgs {
   quant::Recipe recipe = quant::Recipe::kTensorwise;
@@ -55,60 +53,51 @@ struct QuantizeArgs {
   bool help = false;
 };
 
-std::string flag_value(const std::vector<std::string>& args, size_t& i) {
-  if (i + 1 >= args.size()) throw std::invalid_argument(args[i] + " needs a value");
-  return args[++i];
+// clang-format off
+const std::vector<FlagSpec<QuantizeArgs>>& quantize_flag_table() {
+  static const std::vector<FlagSpec<QuantizeArgs>> table = {
+    {"--recipe", Arity::kOne, "{tensorwise,blockwise,mxfp8,nvfp4}", "TransformerEngine's scaling recipe (required)",
+     [](QuantizeArgs& a, const FlagValue& v) {
+       a.recipe = quant::parse_recipe(v.text());
+       if (a.recipe == quant::Recipe::kDelayed) {
+         throw FlagError("--recipe delayed needs an amax history over steps; choices: tensorwise, blockwise, "
+                         "mxfp8, nvfp4");
+       }
+     }},
+    {"--format", Arity::kOne, "{e4m3,e5m2}", "FP8 element format (required; ignored for nvfp4)",
+     [](QuantizeArgs& a, const FlagValue& v) {
+       a.format = v.choice({"e4m3", "e5m2"}) == "e4m3" ? quant::ElementFormat::kE4M3 : quant::ElementFormat::kE5M2;
+     }},
+    {"--as", Arity::kOne, "{activation,weight,gradient}", "the tensors' role (required)",
+     [](QuantizeArgs& a, const FlagValue& v) { a.role = quant::parse_role(v.text()); }},
+    {"--input", Arity::kOne, "IN.safetensors", "fp32 tensors to quantize (required)",
+     [](QuantizeArgs& a, const FlagValue& v) { a.input = v.text(); }},
+    {"--output", Arity::kOne, "OUT.safetensors", "codes, scales and decoded values (required)",
+     [](QuantizeArgs& a, const FlagValue& v) { a.output = v.text(); }},
+    {"--usage", Arity::kOne, "{rowwise,columnwise}", "quantize along rows (default) or the first dimension",
+     [](QuantizeArgs& a, const FlagValue& v) { a.usage = quant::parse_usage(v.text()); }},
+    {"--seed", Arity::kOne, "N", "nvfp4 --as gradient: stochastic-rounding seed (default 1234)",
+     [](QuantizeArgs& a, const FlagValue& v) { a.seed = v.unsigned_integer(); }},
+  };
+  return table;
 }
+// clang-format on
 
 QuantizeArgs parse_args(const std::vector<std::string>& args) {
-  const std::vector<std::string> known = {"--recipe", "--format", "--as",   "--input",
-                                          "--output", "--usage",  "--seed", "--help"};
   QuantizeArgs parsed;
-  std::map<std::string, std::string> values;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& flag = args[i];
-    if (flag == "--help" || flag == "-h") {
-      parsed.help = true;
-      return parsed;
-    }
-    if (std::find(known.begin(), known.end(), flag) == known.end()) {
-      throw std::invalid_argument("moecore quantize: " + unknown_flag_message(flag, known));
-    }
-    values[flag] = flag_value(args, i);
+  ParsedFlags flags;
+  try {
+    flags = parse_flags(quantize_flag_table(), args, parsed);
+  } catch (const FlagError& error) {
+    throw std::invalid_argument(error.what());
+  }
+  if (flags.help_requested) {
+    parsed.help = true;
+    return parsed;
   }
   for (const char* required : {"--recipe", "--format", "--as", "--input", "--output"}) {
-    if (!values.contains(required)) throw std::invalid_argument(std::string("missing ") + required);
+    if (!flags.given.contains(required)) throw std::invalid_argument(std::string("missing ") + required);
   }
-  parsed.recipe = quant::parse_recipe(values["--recipe"]);
-  if (parsed.recipe == quant::Recipe::kDelayed) {
-    throw std::invalid_argument(
-        "--recipe delayed needs an amax history over steps; choices: tensorwise, blockwise, "
-        "mxfp8, nvfp4");
-  }
-  const std::string& format = values["--format"];
-  if (format == "e4m3") {
-    parsed.format = quant::ElementFormat::kE4M3;
-  } else if (format == "e5m2") {
-    parsed.format = quant::ElementFormat::kE5M2;
-  } else {
-    throw std::invalid_argument("unknown format '" + format + "' (choices: e4m3, e5m2)");
-  }
-  parsed.role = quant::parse_role(values["--as"]);
-  if (values.contains("--usage")) parsed.usage = quant::parse_usage(values["--usage"]);
-  if (values.contains("--seed")) {
-    const std::string& text = values["--seed"];
-    size_t end = 0;
-    try {
-      if (text.empty() || text[0] == '-') throw std::invalid_argument(text);
-      parsed.seed = std::stoull(text, &end);
-    } catch (const std::exception&) {
-      end = 0;
-    }
-    if (end == 0 || end != text.size())
-      throw std::invalid_argument("--seed expects a non-negative integer, got '" + text + "'");
-  }
-  parsed.input = values["--input"];
-  parsed.output = values["--output"];
   return parsed;
 }
 
@@ -245,7 +234,7 @@ int run_quantize(int argc, char** argv) {
   try {
     const QuantizeArgs args = parse_args(std::vector<std::string>(argv + 1, argv + argc));
     if (args.help) {
-      std::cout << kUsage;
+      std::cout << kUsage << flags_help(quantize_flag_table());
       return 0;
     }
     return quantize_main(args);
