@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "fuzz_util.h"
+#include "moecore/cli/generate_args.h"
+#include "moecore/cli/preprocess_command.h"
 #include "moecore/config/arguments.h"
 #include "moecore/config/memory_estimate.h"
-#include "moecore/cli/preprocess_command.h"
-#include "moecore/cli/generate_args.h"
 
 namespace {
 
