@@ -19,27 +19,10 @@ void require(const bool ok, const std::string& message) {
   if (!ok) throw ConfigError(message);
 }
 
-int64_t to_integer(const std::string& flag, const std::string& text, const int64_t min, const int64_t max) {
-  int64_t value = 0;
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  require(!text.empty() && error == std::errc() && end == text.data() + text.size(),
-          "invalid value '" + text + "' for " + flag + ": expected an integer");
-  require(value >= min && value <= max,
-          flag + " must be in [" + std::to_string(min) + ", " + std::to_string(max) + "], got " + text);
-  return value;
-}
-
-double to_real(const std::string& flag, const std::string& text, const double max) {
-  size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  require(used == text.size() && used > 0, "invalid value '" + text + "' for " + flag + ": expected a number");
-  require(value > 0 && value <= max,
-          flag + " must be in (0, " + std::to_string(static_cast<int64_t>(max)) + "], got " + text);
+// A cluster figure: a finite number in (0, 1e9].
+double cluster_figure(const FlagValue& v) {
+  const double value = v.real_up_to(1e9);
+  if (value <= 0) throw FlagError(std::string(v.flag) + " must be positive (got " + v.text() + ")");
   return value;
 }
 
@@ -49,9 +32,9 @@ constexpr int64_t kMaxGpus = int64_t{1} << 20;
 struct Parser {
   explicit Parser(PlanArgs& o) : out(o) {}
   PlanArgs& out;
-  std::vector<std::string> rest;              // for train's parser, in order
-  std::map<std::string, std::string> layout;  // layout flag -> value (last wins)
-  std::vector<std::string> layout_switches;   // --account-for-* as given
+  std::vector<std::string> rest;             // for train's parser, in order
+  std::map<std::string, FlagValue> layout;   // layout flag -> value (last wins)
+  std::vector<std::string> layout_switches;  // --account-for-* as given
   bool have_tokenizer = false, have_mbs = false, have_iters = false, have_lr = false, have_data = false;
   bool have_mla_field = false;
   bool vocab_given = false;
@@ -65,7 +48,7 @@ struct Parser {
   bool recompute_activations = false;
   bool in_hf_config = false;  // parsing the flags of --hf-config
   std::optional<std::string> gpu;
-  std::vector<std::pair<std::string, std::string>> overrides;  // cluster flags, applied over the --gpu preset
+  std::vector<FlagValue> overrides;  // cluster flags, applied over the --gpu preset
 };
 
 int64_t mla_field(Parser& p, const FlagValue& v, const int64_t min) {
@@ -77,8 +60,8 @@ int64_t mla_field(Parser& p, const FlagValue& v, const int64_t min) {
 
 void parse_tokens(Parser& p, const std::vector<std::string>& tokens);
 
-void add_layout_value(Parser& p, const FlagValue& v) { p.layout[std::string(v.flag)] = v.text(); }
-void add_cluster_override(Parser& p, const FlagValue& v) { p.overrides.emplace_back(v.flag, v.text()); }
+void add_layout_value(Parser& p, const FlagValue& v) { p.layout.insert_or_assign(std::string(v.flag), v); }
+void add_cluster_override(Parser& p, const FlagValue& v) { p.overrides.push_back(v); }
 
 // The planner's own flags; the rest go to train's parser. Flags train builds too are passed on as well.
 // clang-format off
@@ -179,11 +162,7 @@ const std::vector<FlagSpec<Parser>>& planner_flag_table() {
 void parse_tokens(Parser& p, const std::vector<std::string>& tokens) {
   FlagParserOptions options;
   options.pass_on = [&p](const std::string& token) { p.rest.push_back(token); };
-  try {
-    if (parse_flags(planner_flag_table(), tokens, p, options).help_requested) p.out.help_requested = true;
-  } catch (const FlagError& error) {
-    throw ConfigError(error.what());
-  }
+  if (parse_flags(planner_flag_table(), tokens, p, options).help_requested) p.out.help_requested = true;
 }
 
 // What train's flags among the passed-on tokens tell the planner.
@@ -205,13 +184,14 @@ void note_train_flags(Parser& p) {
 
 void apply_cluster(Parser& p) {
   if (p.gpu) p.out.cluster = cluster_preset(*p.gpu);
-  for (const auto& [flag, text] : p.overrides) {
+  for (const FlagValue& value : p.overrides) {
     Cluster& c = p.out.cluster;
+    const std::string_view flag = value.flag;
     if (flag == "--gpus-per-domain") {
-      c.gpus_per_domain = to_integer(flag, text, 1, kMaxGpus);
+      c.gpus_per_domain = value.integer_in(1, kMaxGpus);
       continue;
     }
-    const double v = to_real(flag, text, 1e9);
+    const double v = cluster_figure(value);
     if (flag == "--gpu-memory-gib") c.memory_gib = v;
     if (flag == "--peak-tflops-bf16") c.peak_tflops_bf16 = v;
     if (flag == "--peak-tflops-fp8") c.peak_tflops_fp8 = v;
@@ -338,7 +318,9 @@ std::string LayoutChoice::describe() const {
          std::to_string(cp) + " EP" + std::to_string(ep) + " ETP" + std::to_string(etp);
 }
 
-PlanArgs parse_plan_args(const std::vector<std::string>& args) {
+namespace {
+
+PlanArgs parse_plan_flags(const std::vector<std::string>& args) {
   PlanArgs out;
   out.cluster = cluster_preset("H100");
   Parser p(out);
@@ -392,7 +374,7 @@ PlanArgs parse_plan_args(const std::vector<std::string>& args) {
 
   LayoutChoice layout;
   const auto take = [&](const std::string& flag, int64_t& field) {
-    if (const auto it = p.layout.find(flag); it != p.layout.end()) field = to_integer(flag, it->second, 1, kMaxGpus);
+    if (const auto it = p.layout.find(flag); it != p.layout.end()) field = it->second.integer_in(1, kMaxGpus);
   };
   take("--tensor-model-parallel-size", layout.tp);
   take("--pipeline-model-parallel-size", layout.pp);
@@ -403,10 +385,10 @@ PlanArgs parse_plan_args(const std::vector<std::string>& args) {
   std::map<std::string, std::string> split_values;
   for (const char* flag : {"--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                            "--num-layers-per-virtual-pipeline-stage"}) {
-    if (const auto it = p.layout.find(flag); it != p.layout.end()) split_values[flag] = it->second;
+    if (const auto it = p.layout.find(flag); it != p.layout.end()) split_values[flag] = it->second.text();
   }
   if (const auto it = p.layout.find("--pipeline-model-parallel-layout"); it != p.layout.end()) {
-    layout.pipeline_layout = it->second;
+    layout.pipeline_layout = it->second.text();
   }
   take("--num-virtual-stages-per-pipeline-rank", layout.vpp);
   finish(out, layout, p.layout_switches, split_values);
@@ -416,6 +398,16 @@ PlanArgs parse_plan_args(const std::vector<std::string>& args) {
             "--multi-latent-attention cannot be combined with --group-query-attention");
   }
   return out;
+}
+
+}  // namespace
+
+PlanArgs parse_plan_args(const std::vector<std::string>& args) {
+  try {
+    return parse_plan_flags(args);
+  } catch (const FlagError& error) {
+    throw ConfigError(error.what());
+  }
 }
 
 PlanArgs with_layout(const PlanArgs& base, const LayoutChoice& layout) {
