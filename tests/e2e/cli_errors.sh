@@ -68,6 +68,22 @@ if command -v mpirun >/dev/null; then
 fi
 expect_error "unknown flag --promt" "$bin" generate --load "$work" --promt hi
 
+# Every command parses through one flag parser (util/flag_parser.h): the same problem, the same words.
+for command in train preprocess generate layout checkpoint quantize plan; do
+  expect_error "unknown flag --zzzzzzzz" "$bin" $command --zzzzzzzz
+done
+expect_error "--swiglu takes no value (got '--swiglu=1')" "$bin" train "${base[@]}" --swiglu=1
+expect_error "--append-eod takes no value (got '--append-eod=1')" "$bin" preprocess --append-eod=1
+expect_error "--no-kv-cache takes no value (got '--no-kv-cache=1')" "$bin" generate --no-kv-cache=1
+expect_error "--use-tp-pp-dp-mapping takes no value (got '--use-tp-pp-dp-mapping=1')" "$bin" layout \
+  --use-tp-pp-dp-mapping=1
+expect_error "--json takes no value (got '--json=1')" "$bin" plan --json=1
+expect_error "--world-size expects a value (N)" "$bin" layout --world-size
+expect_error "--input expects a value (IN.safetensors)" "$bin" quantize --input
+expect_error "--top-k expects a value (K)" "$bin" generate --top-k --seed 1
+expect_error "invalid value 'x' for --top: expected an integer" "$bin" plan --top x
+expect_error "invalid value 'x' for --workers: expected an integer" "$bin" preprocess --workers x
+
 # Corrupt data: an index with a bad magic, and a .bin cut short.
 printf 'NOTANIDX\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0' > "$work/bad.idx"
 : > "$work/bad.bin"
