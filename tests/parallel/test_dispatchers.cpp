@@ -54,6 +54,12 @@ bool near(double got, double expected, double tol) {
 
 constexpr int64_t kE = 8, kH = 5, kK = 2;
 
+// Tensor views of a test's vectors, rows of width W; ref() lets a view stand for an output argument.
+Tensor view(const std::vector<float>& v, const int64_t W) {
+  return Tensor::from_blob(v.data(), {static_cast<int64_t>(v.size()) / W, W});
+}
+Tensor& ref(Tensor&& t) { return t; }
+
 enum class Case { kTopK, kCapacityDrop, kCapacityPad, kStarved, kLargeCounts };
 const char* case_name(Case c) {
   switch (c) {
@@ -199,10 +205,10 @@ Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, c
   const std::vector<ExpectedRow> expected_R = expected_rows(ps, type, world_data);
 
   DispatchState state;
-  const Tensor x_RH = dispatcher->dispatch(mine.x_TH.data(), T, H, mine.routing, state);
+  const Tensor x_RH = dispatcher->dispatch(view(mine.x_TH, H), mine.routing, state);
   const int64_t R = x_RH.dim(0);
   check(x_RH.dim(1) == H, label + ": x_RH width");
-  check(static_cast<int64_t>(state.expert_R.size()) == R && static_cast<int64_t>(state.probs_R.size()) == R &&
+  check(static_cast<int64_t>(state.expert_R.size()) == R && state.probs_R.numel() == R &&
             static_cast<int64_t>(expected_R.size()) == R,
         label + ": state sizes (R = " + std::to_string(R) + ", expected " + std::to_string(expected_R.size()) + ")");
   // The local dispatcher (a group of one) knows each row's token, the allgather one also its source rank; the
@@ -248,12 +254,13 @@ Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, c
     }
     const float* row = x_RH.data<float>() + r * H;
     if (t < 0) {
-      check(state.probs_R[r] == 0.0f, label + ": padding prob");
+      check(state.probs_R.data<float>()[r] == 0.0f, label + ": padding prob");
       for (int64_t h = 0; h < H; ++h) check(row[h] == 0.0f, label + ": padding row");
       continue;
     }
     check(src.routing.routing_map_TE[t * E + first_expert + le] == 1, label + ": row routed to its expert");
-    check(state.probs_R[r] == src.routing.probs_TE.data<float>()[t * E + first_expert + le], label + ": row prob");
+    check(state.probs_R.data<float>()[r] == src.routing.probs_TE.data<float>()[t * E + first_expert + le],
+          label + ": row prob");
     for (int64_t h = 0; h < H; ++h) {
       check(row[h] == src.x_TH[t * H + h], label + ": row " + std::to_string(r) + " values");
     }
@@ -265,29 +272,30 @@ Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, c
   };
   std::vector<float> y_RH(static_cast<size_t>(R * H));
   for (int64_t r = 0; r < R; ++r) {
-    for (int64_t h = 0; h < H; ++h) y_RH[r * H + h] = x_RH.data<float>()[r * H + h] * factor(r) * state.probs_R[r];
+    for (int64_t h = 0; h < H; ++h)
+      y_RH[r * H + h] = x_RH.data<float>()[r * H + h] * factor(r) * state.probs_R.data<float>()[r];
   }
   Result res;
   const float base = 0.25f;  // combine and the backward adjoints add into their outputs
   res.out_TH.assign(static_cast<size_t>(T * H), base);
-  dispatcher->combine(res.out_TH.data(), y_RH.data(), state);
+  dispatcher->combine(ref(view(res.out_TH, H)), view(y_RH, H), state);
 
   // Backward of the objective <out, dout>.
   std::vector<float> dy_RH(static_cast<size_t>(R * H), 99.0f);
-  dispatcher->combine_backward(dy_RH.data(), mine.dout_TH.data(), state);
+  dispatcher->combine_backward(ref(view(dy_RH, H)), view(mine.dout_TH, H), state);
   std::vector<float> dx_RH(static_cast<size_t>(R * H)), dprobs_R(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r) {
     double dot = 0.0;
     for (int64_t h = 0; h < H; ++h) {
-      dx_RH[r * H + h] = dy_RH[r * H + h] * factor(r) * state.probs_R[r];
+      dx_RH[r * H + h] = dy_RH[r * H + h] * factor(r) * state.probs_R.data<float>()[r];
       dot += static_cast<double>(dy_RH[r * H + h]) * x_RH.data<float>()[r * H + h];
     }
     dprobs_R[r] = static_cast<float>(dot) * factor(r);
   }
   res.dx_TH.assign(static_cast<size_t>(T * H), base);
-  dispatcher->dispatch_backward(res.dx_TH.data(), dx_RH.data(), state);
+  dispatcher->dispatch_backward(ref(view(res.dx_TH, H)), view(dx_RH, H), state);
   res.dprobs_TE.assign(static_cast<size_t>(T * E), base);
-  dispatcher->probs_backward(res.dprobs_TE.data(), dprobs_R.data(), state);
+  dispatcher->probs_backward(ref(view(res.dprobs_TE, E)), view(dprobs_R, 1), state);
 
   // Reference over this rank's tokens.
   const float* p_TE = mine.routing.probs_TE.data<float>();

@@ -61,8 +61,11 @@ LayerRun run_layer(const quant::QuantizedLinearConfig* config) {
   run.out_TH.resize(x_TH.size());
   MoELayerActivations saved;
   const ops::ScopedLinearQuantization scope(config);  // as TransformerLayer opens it
-  layer.forward(run.out_TH.data(), x_TH.data(), kS, kB, TokenRows{}, true, 1, 2, saved);
-  layer.backward(dx_TH.data(), dout_TH.data(), x_TH.data(), 1.0, saved);
+  const Tensor x = Tensor::from_blob(x_TH.data(), {kS * kB, kH});
+  const Tensor out = layer.forward(x, kS, kB, TokenRows{}, true, 1, 2, saved);
+  const Tensor dx = layer.backward(Tensor::from_blob(dout_TH.data(), {kS * kB, kH}), x, 1.0, saved);
+  std::copy_n(out.data<float>(), out.numel(), run.out_TH.begin());
+  std::copy_n(dx.data<float>(), dx.numel(), dx_TH.begin());
   run.logits_TE = saved.router.logits_TE;
   return run;
 }

@@ -18,6 +18,7 @@
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/kernels/cpu/loss.h"
 #include "moecore/kernels/cpu/norm.h"
+#include "moecore/kernels/cpu/permute.h"
 #include "moecore/kernels/cpu/rope.h"
 #include "moecore/kernels/cpu/rows.h"
 #include "moecore/kernels/cpu/vocab_parallel.h"
@@ -79,6 +80,11 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, scatter_add_rows)            \
     MOECORE_FORWARD(ns, add_position_embedding)      \
     MOECORE_FORWARD(ns, position_embedding_backward) \
+    MOECORE_FORWARD(ns, moe_permute)                 \
+    MOECORE_FORWARD(ns, moe_unpermute)               \
+    MOECORE_FORWARD(ns, moe_unpermute_backward)      \
+    MOECORE_FORWARD(ns, sort_chunks)                 \
+    MOECORE_FORWARD(ns, unsort_chunks)               \
   };
 #define MOECORE_FORWARD(ns, name)                          \
   template <typename... Args>                              \

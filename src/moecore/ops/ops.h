@@ -11,6 +11,7 @@
 #include "moecore/ops/linear.h"
 #include "moecore/ops/linear_cross_entropy.h"
 #include "moecore/ops/loss.h"
+#include "moecore/ops/moe_rows.h"
 #include "moecore/ops/norm.h"
 #include "moecore/ops/optim.h"
 #include "moecore/ops/rows.h"
