@@ -25,6 +25,7 @@
 //   expert_activation.h weighted_swiglu_forward weighted_swiglu_backward
 //   linear.h      linear_forward linear_backward gemm_library gemm_lowp_library
 //   linear_cross_entropy.h  linear_cross_entropy linear_cross_entropy_chunk_rows
+//   moe_rows.h    moe_permute moe_unpermute moe_unpermute_backward sort_chunks unsort_chunks
 //   loss.h        embedding_forward embedding_backward cross_entropy_forward cross_entropy_backward
 //                 vocab_ce_local_max vocab_ce_local_stats vocab_ce_finish vocab_ce_backward
 //   norm.h        rmsnorm_forward rmsnorm_backward layernorm_forward layernorm_backward
@@ -117,7 +118,12 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "gather_rows",
                                                 "scatter_add_rows",
                                                 "add_position_embedding",
-                                                "position_embedding_backward"};
+                                                "position_embedding_backward",
+                                                "moe_permute",
+                                                "moe_unpermute",
+                                                "moe_unpermute_backward",
+                                                "sort_chunks",
+                                                "unsort_chunks"};
 
 // Ops exercised by the hand-written tests below rather than (only) by the case table.
 const std::vector<std::string> kOpsInHandWrittenTests = {
@@ -687,6 +693,19 @@ TEST(OpsBadArgs, OtherArgumentErrors) {
   const std::vector<int64_t> past_end = {1, 4};
   expect_invalid("gather_rows", [&] { gather_rows(rows, table, past_end); });
   expect_invalid("scatter_add_rows", [&] { scatter_add_rows(table, rows, past_end); });
+  expect_invalid("moe_permute", [&] { moe_permute(rows, table, past_end); });
+  expect_invalid("moe_unpermute", [&] { moe_unpermute(table, rows, past_end); });
+  expect_invalid("moe_unpermute_backward", [&] { moe_unpermute_backward(&rows, nullptr, table, past_end); });
+  Tensor probs2({2}, DType::kF32);
+  const std::vector<int64_t> in_range = {1, 3};
+  expect_invalid("moe_unpermute_backward",
+                 [&] { moe_unpermute_backward(&rows, &probs2, table, in_range); });  // dprobs without probs
+  const std::vector<int64_t> first_past = {3}, two_rows = {2}, overlap_first = {0, 1};
+  const std::vector<int64_t> overlap_rows = {2, 2};
+  Tensor four_rows({4, 3}, DType::kF32);
+  expect_invalid("sort_chunks", [&] { sort_chunks(rows, table, first_past, two_rows); });
+  expect_invalid("unsort_chunks", [&] { unsort_chunks(table, rows, first_past, two_rows); });
+  expect_invalid("unsort_chunks", [&] { unsort_chunks(table, four_rows, overlap_first, overlap_rows); });
 
   Tensor q({2, 3, 2}, DType::kF32), kv({2, 2, 2}, DType::kF32), qkv({2, 14}, DType::kF32);
   expect_invalid("split_qkv", [&] { split_qkv(q, kv, kv, qkv, 3, 2, 2); });

@@ -998,6 +998,113 @@ inline OpCase scatter_add_rows_case(const std::string& name, const int64_t N, co
   return c;
 }
 
+// Megatron's permute of N token rows into R expert rows (rows repeat; -1: padding rows), and back.
+inline OpCase moe_permute_case(const std::string& name, const int64_t N, const int64_t R, const int64_t W) {
+  const std::vector<int64_t> index = spread_row_index(R, N);
+  OpCase c{name, {"moe_permute", "moe_unpermute"}};
+  c.build = [=](Env& e) {
+    e.rand("in", {N, W});
+    e.rand("out", {R, W});
+  };
+  c.forward = [=](Env& e) { moe_permute(e("out"), e("in"), index); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) { moe_unpermute(e("din"), e("dout"), index); };
+  c.grads = {{"in", "din", kAcc}};
+  c.bad_args = {{kFwd, "out", "moe_permute"}, {kFwd, "in", "moe_permute"}, {kBwd, "din", "moe_unpermute"}};
+  return c;
+}
+
+// Megatron's unpermute: R expert rows scatter-added into N tokens, weighted by their probabilities or not.
+inline OpCase moe_unpermute_case(const std::string& name, const int64_t N, const int64_t R, const int64_t W,
+                                 const bool probs) {
+  const std::vector<int64_t> index = spread_row_index(R, N);
+  OpCase c{name, {"moe_unpermute", "moe_unpermute_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("out0", {N, W});
+    e.rand("in", {R, W});
+    if (probs) e.rand("probs", {R}, 1.0, true);
+    e.rand("out", {N, W});
+  };
+  c.forward = [=](Env& e) {
+    reset(e("out"), e("out0"));
+    moe_unpermute(e("out"), e("in"), index, probs ? &e("probs") : nullptr);
+  };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) {
+    if (probs) {
+      moe_unpermute_backward(&e("din"), &e("dprobs"), e("dout"), index, &e("probs"), &e("in"));
+    } else {
+      moe_unpermute_backward(&e("din"), nullptr, e("dout"), index);
+    }
+  };
+  c.grads = {{"in", "din", kOver}};
+  if (probs) c.grads.push_back({"probs", "dprobs", kOver});
+  c.bad_args = {{kFwd, "in", "moe_unpermute"}, {kFwd, "out", "moe_unpermute"}, {kBwd, "din", "moe_unpermute_backward"}};
+  if (probs) {
+    c.bad_args.push_back({kFwd, "probs", "moe_unpermute"});
+    c.bad_args.push_back({kBwd, "dprobs", "moe_unpermute_backward"});
+  }
+  return c;
+}
+
+// C chunks of N rows (sizes 0, 1, 2, ..., in a shuffled order) tiling the first rows of N: Megatron's
+// sort_chunks_by_idxs of the all-to-all output; the rows after the last chunk belong to none (a padded buffer).
+struct ChunkList {
+  std::vector<int64_t> first, rows;
+  int64_t total = 0;
+};
+inline ChunkList shuffled_chunks(const int64_t C) {
+  ChunkList ch;
+  std::vector<int64_t> first_C(static_cast<size_t>(C)), rows_C(static_cast<size_t>(C));
+  for (int64_t c = 0; c < C; ++c) {
+    first_C[static_cast<size_t>(c)] = ch.total;
+    rows_C[static_cast<size_t>(c)] = c % 4;
+    ch.total += c % 4;
+  }
+  for (int64_t i = 0; i < C; ++i) {
+    const auto c = static_cast<size_t>((5 * i + 2) % C);
+    ch.first.push_back(first_C[c]);
+    ch.rows.push_back(rows_C[c]);
+  }
+  return ch;
+}
+
+inline OpCase sort_chunks_case(const std::string& name, const int64_t C, const int64_t W) {
+  const ChunkList ch = shuffled_chunks(C);
+  const int64_t N = ch.total + 3;
+  OpCase c{name, {"sort_chunks", "unsort_chunks"}};
+  c.build = [=](Env& e) {
+    e.rand("in", {N, W});
+    e.rand("out", {ch.total, W});
+  };
+  c.forward = [=](Env& e) { sort_chunks(e("out"), e("in"), ch.first, ch.rows); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) { unsort_chunks(e("din"), e("dout"), ch.first, ch.rows); };
+  c.grads = {{"in", "din", kOver}};
+  c.bad_args = {{kFwd, "out", "sort_chunks"}, {kFwd, "in", "sort_chunks"}, {kBwd, "din", "unsort_chunks"}};
+  return c;
+}
+
+inline OpCase unsort_chunks_case(const std::string& name, const int64_t C, const int64_t W) {
+  const ChunkList ch = shuffled_chunks(C);
+  const int64_t N = ch.total + 3;
+  OpCase c{name, {"unsort_chunks", "sort_chunks"}};
+  c.build = [=](Env& e) {
+    e.rand("in", {ch.total, W});
+    e.rand("out", {N, W});
+  };
+  c.forward = [=](Env& e) { unsort_chunks(e("out"), e("in"), ch.first, ch.rows); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) { sort_chunks(e("din"), e("dout"), ch.first, ch.rows); };
+  c.grads = {{"in", "din", kOver}};
+  c.bad_args = {{kFwd, "out", "unsort_chunks"}, {kFwd, "in", "unsort_chunks"}, {kBwd, "din", "sort_chunks"}};
+  return c;
+}
+
 // T = S B token rows starting at one-process row row_offset (a sequence shard) over P positions.
 inline OpCase position_embedding_case(const std::string& name, const int64_t T, const int64_t B, const int64_t H,
                                       const int64_t P, const int64_t row_offset) {
@@ -1112,6 +1219,11 @@ inline const std::vector<OpCase>& all_cases() {
         sigmoid_case("sigmoid", {8, 5}),
         gather_rows_case("gather_rows", 6, 9, 4),
         scatter_add_rows_case("scatter_add_rows", 6, 9, 4),
+        moe_permute_case("moe_permute", 6, 9, 4),
+        moe_unpermute_case("moe_unpermute", 6, 9, 4, false),
+        moe_unpermute_case("moe_unpermute_probs", 6, 9, 4, true),
+        sort_chunks_case("sort_chunks", 9, 4),
+        unsort_chunks_case("unsort_chunks", 9, 4),
         position_embedding_case("position_embedding", 10, 2, 6, 8, 4),
         convert_case("convert", {6, 5}),
 
@@ -1147,6 +1259,10 @@ inline const std::vector<OpCase>& all_cases() {
         sigmoid_case("sigmoid_large", {130, 129}),
         gather_rows_case("gather_rows_large", 128, 300, 64),
         scatter_add_rows_case("scatter_add_rows_large", 128, 300, 64),
+        moe_permute_case("moe_permute_large", 128, 300, 64),
+        moe_unpermute_case("moe_unpermute_probs_large", 128, 300, 64, true),
+        sort_chunks_case("sort_chunks_large", 96, 129),
+        unsort_chunks_case("unsort_chunks_large", 96, 129),
         position_embedding_case("position_embedding_large", 260, 4, 65, 80, 12),
         convert_case("convert_large", {300, 257}),
     };
