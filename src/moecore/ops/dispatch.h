@@ -16,6 +16,7 @@
 #include "moecore/kernels/cpu/elementwise.h"
 #include "moecore/kernels/cpu/expert_activation.h"
 #include "moecore/kernels/cpu/gemm.h"
+#include "moecore/kernels/cpu/grouped_linear.h"
 #include "moecore/kernels/cpu/loss.h"
 #include "moecore/kernels/cpu/norm.h"
 #include "moecore/kernels/cpu/permute.h"
@@ -85,6 +86,8 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, moe_unpermute_backward)      \
     MOECORE_FORWARD(ns, sort_chunks)                 \
     MOECORE_FORWARD(ns, unsort_chunks)               \
+    MOECORE_FORWARD(ns, grouped_linear_forward)      \
+    MOECORE_FORWARD(ns, grouped_linear_backward)     \
   };
 #define MOECORE_FORWARD(ns, name)                          \
   template <typename... Args>                              \
