@@ -25,6 +25,7 @@
 //   expert_activation.h weighted_swiglu_forward weighted_swiglu_backward
 //   linear.h      linear_forward linear_backward gemm_library gemm_lowp_library
 //   linear_cross_entropy.h  linear_cross_entropy linear_cross_entropy_chunk_rows
+//   grouped_linear.h  grouped_linear_forward grouped_linear_backward
 //   moe_rows.h    moe_permute moe_unpermute moe_unpermute_backward sort_chunks unsort_chunks
 //   loss.h        embedding_forward embedding_backward cross_entropy_forward cross_entropy_backward
 //                 vocab_ce_local_max vocab_ce_local_stats vocab_ce_finish vocab_ce_backward
@@ -123,7 +124,9 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "moe_unpermute",
                                                 "moe_unpermute_backward",
                                                 "sort_chunks",
-                                                "unsort_chunks"};
+                                                "unsort_chunks",
+                                                "grouped_linear_forward",
+                                                "grouped_linear_backward"};
 
 // Ops exercised by the hand-written tests below rather than (only) by the case table.
 const std::vector<std::string> kOpsInHandWrittenTests = {
@@ -706,6 +709,19 @@ TEST(OpsBadArgs, OtherArgumentErrors) {
   expect_invalid("sort_chunks", [&] { sort_chunks(rows, table, first_past, two_rows); });
   expect_invalid("unsort_chunks", [&] { unsort_chunks(table, rows, first_past, two_rows); });
   expect_invalid("unsort_chunks", [&] { unsort_chunks(table, four_rows, overlap_first, overlap_rows); });
+
+  Tensor w0({5, 3}, DType::kF32), w1({5, 3}, DType::kF32), grouped_out({4, 5}, DType::kF32);
+  const std::vector<const Tensor*> two_weights = {&w0, &w1};
+  const std::vector<int64_t> three_offsets = {0, 1, 4}, decreasing = {0, 3, 2}, one_offset = {0};
+  expect_invalid("grouped_linear_forward",
+                 [&] { grouped_linear_forward(grouped_out, table, two_weights, {}, one_offset); });
+  expect_invalid("grouped_linear_forward",
+                 [&] { grouped_linear_forward(grouped_out, table, two_weights, {}, decreasing); });
+  expect_invalid("grouped_linear_forward", [&] { grouped_linear_forward(grouped_out, table, {}, {}, one_offset); });
+  const std::vector<Tensor*> two_grads = {&w0, &w1};
+  expect_invalid("grouped_linear_backward", [&] {  // weight gradients need the input
+    grouped_linear_backward(nullptr, two_grads, {}, grouped_out, nullptr, two_weights, three_offsets);
+  });
 
   Tensor q({2, 3, 2}, DType::kF32), kv({2, 2, 2}, DType::kF32), qkv({2, 14}, DType::kF32);
   expect_invalid("split_qkv", [&] { split_qkv(q, kv, kv, qkv, 3, 2, 2); });
