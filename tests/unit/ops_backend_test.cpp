@@ -26,6 +26,7 @@
 //   linear.h      linear_forward linear_backward gemm_library gemm_lowp_library
 //   linear_cross_entropy.h  linear_cross_entropy linear_cross_entropy_chunk_rows
 //   grouped_linear.h  grouped_linear_forward grouped_linear_backward
+//   init.h        normal_fill
 //   moe_rows.h    moe_permute moe_unpermute moe_unpermute_backward sort_chunks unsort_chunks
 //   loss.h        embedding_forward embedding_backward cross_entropy_forward cross_entropy_backward
 //                 vocab_ce_local_max vocab_ce_local_stats vocab_ce_finish vocab_ce_backward
@@ -126,7 +127,8 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "sort_chunks",
                                                 "unsort_chunks",
                                                 "grouped_linear_forward",
-                                                "grouped_linear_backward"};
+                                                "grouped_linear_backward",
+                                                "normal_fill"};
 
 // Ops exercised by the hand-written tests below rather than (only) by the case table.
 const std::vector<std::string> kOpsInHandWrittenTests = {
@@ -136,7 +138,8 @@ const std::vector<std::string> kOpsInHandWrittenTests = {
 
 // Ops whose bad arguments only hand-written tests provoke (one tensor: no size or dtype mismatch; convert accepts
 // every floating dtype, so the table's fp64 swap is no error for it).
-const std::vector<std::string> kOpsWithHandWrittenErrors = {"scale_", "sum_squares", "all_finite", "convert"};
+const std::vector<std::string> kOpsWithHandWrittenErrors = {"scale_", "sum_squares", "all_finite", "convert",
+                                                            "normal_fill"};
 const std::vector<std::string> kOpsWithoutTensors = {
     "activation_input_width",          "backend_name", "parse_backend",    "active_backend", "ScopedBackend",
     "linear_cross_entropy_chunk_rows", "gemm_library", "gemm_lowp_library"};
@@ -684,6 +687,13 @@ TEST(OpsBadArgs, OtherArgumentErrors) {
   expect_invalid("scale_", [&] { scale_(bf16, 2.0); });
   expect_invalid("sum_squares", [&] { sum_squares(bf16); });
   expect_invalid("all_finite", [&] { all_finite(bf16); });
+  const std::vector<int64_t> two_runs = {0, 8};
+  expect_invalid("normal_fill", [&] { normal_fill(bf16, two_runs, 6, 1, 2, 0.02); });
+  Tensor eleven({11}, DType::kF32);
+  expect_invalid("normal_fill", [&] { normal_fill(eleven, two_runs, 6, 1, 2, 0.02); });  // 2 runs of 6
+  const std::vector<int64_t> negative_first = {-6, 0};
+  Tensor ten({10}, DType::kF32);
+  expect_invalid("normal_fill", [&] { normal_fill(ten, negative_first, 5, 1, 2, 0.02); });
   expect_invalid("add_", [&] { add_(bf16, bf16_b); });
   expect_invalid("add_", [&] { add_(undefined, x); });
   expect_invalid("sum_squares", [&] { sum_squares(undefined); });

@@ -1202,6 +1202,16 @@ inline OpCase convert_case(const std::string& name, const std::vector<int64_t>& 
   return c;
 }
 
+// A shard's runs of the one-process tensor's counter-RNG normal draws (runs out of order, as a sharded dimension
+// gives them).
+inline OpCase normal_fill_case(const std::string& name, const std::vector<int64_t>& first_R, const int64_t run) {
+  OpCase c{name, {"normal_fill"}};
+  c.build = [=](Env& e) { e.rand("out", {static_cast<int64_t>(first_R.size()), run}); };
+  c.forward = [=](Env& e) { normal_fill(e("out"), first_R, run, 1234, 99, 0.02); };
+  c.outputs = {"out"};
+  return c;
+}
+
 // Small shapes (T = 5..12 rows, odd widths) for every op, then "_large" shapes just past the fast kernels' OpenMP
 // thresholds (and two 64-row attention blocks), so the 2-thread runs take the parallel paths.
 inline const std::vector<OpCase>& all_cases() {
@@ -1281,6 +1291,7 @@ inline const std::vector<OpCase>& all_cases() {
         unsort_chunks_case("unsort_chunks", 9, 4),
         grouped_linear_case("grouped_linear", {3, 0, 5, 1}, 6, 4, false),
         grouped_linear_case("grouped_linear_bias", {2, 4, 0}, 5, 7, true),
+        normal_fill_case("normal_fill", {40, 0, 90, 10}, 7),
         position_embedding_case("position_embedding", 10, 2, 6, 8, 4),
         convert_case("convert", {6, 5}),
 
@@ -1321,6 +1332,7 @@ inline const std::vector<OpCase>& all_cases() {
         sort_chunks_case("sort_chunks_large", 96, 129),
         unsort_chunks_case("unsort_chunks_large", 96, 129),
         grouped_linear_case("grouped_linear_large", {300, 10, 0, 530}, 65, 33, true),
+        normal_fill_case("normal_fill_large", {0, 40000, 20000}, 9000),
         position_embedding_case("position_embedding_large", 260, 4, 65, 80, 12),
         convert_case("convert_large", {300, 257}),
     };

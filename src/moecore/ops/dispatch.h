@@ -19,6 +19,7 @@
 #include "moecore/kernels/cpu/grouped_linear.h"
 #include "moecore/kernels/cpu/loss.h"
 #include "moecore/kernels/cpu/norm.h"
+#include "moecore/kernels/cpu/normal_fill.h"
 #include "moecore/kernels/cpu/permute.h"
 #include "moecore/kernels/cpu/rope.h"
 #include "moecore/kernels/cpu/rows.h"
@@ -88,6 +89,7 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, unsort_chunks)               \
     MOECORE_FORWARD(ns, grouped_linear_forward)      \
     MOECORE_FORWARD(ns, grouped_linear_backward)     \
+    MOECORE_FORWARD(ns, normal_fill)                 \
   };
 #define MOECORE_FORWARD(ns, name)                          \
   template <typename... Args>                              \
