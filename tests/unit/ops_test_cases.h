@@ -1206,9 +1206,9 @@ inline OpCase convert_case(const std::string& name, const std::vector<int64_t>& 
 // gives them).
 inline OpCase normal_fill_case(const std::string& name, const std::vector<int64_t>& first_R, const int64_t run) {
   OpCase c{name, {"normal_fill"}};
-  c.build = [=](Env& e) { e.rand("out", {static_cast<int64_t>(first_R.size()), run}); };
-  c.forward = [=](Env& e) { normal_fill(e("out"), first_R, run, 1234, 99, 0.02); };
-  c.outputs = {"out"};
+  c.build = [=](Env& e) { e.rand("param", {static_cast<int64_t>(first_R.size()), run}); };
+  c.forward = [=](Env& e) { normal_fill(e("param"), first_R, run, 1234, 99, 0.02); };
+  c.outputs = {"param"};
   return c;
 }
 
