@@ -34,6 +34,9 @@
 //                 add_outer_backward row_dot sigmoid_forward sigmoid_backward gather_rows scatter_add_rows
 //                 add_position_embedding
 //                 position_embedding_backward
+//   routing.h     topk_routing_forward topk_routing_backward sinkhorn expert_capacity routing_map aux_scores_forward
+//                 aux_scores_backward aux_loss_sums switch_loss switch_loss_backward z_loss_forward z_loss_backward
+//                 expert_bias_update
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -117,20 +120,33 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "gather_rows",
                                                 "scatter_add_rows",
                                                 "add_position_embedding",
-                                                "position_embedding_backward"};
+                                                "position_embedding_backward",
+                                                "topk_routing_forward",
+                                                "topk_routing_backward",
+                                                "sinkhorn",
+                                                "expert_capacity",
+                                                "routing_map",
+                                                "aux_scores_forward",
+                                                "aux_scores_backward",
+                                                "aux_loss_sums",
+                                                "switch_loss",
+                                                "switch_loss_backward",
+                                                "z_loss_forward",
+                                                "z_loss_backward",
+                                                "expert_bias_update"};
 
 // Ops exercised by the hand-written tests below rather than (only) by the case table.
 const std::vector<std::string> kOpsInHandWrittenTests = {
-    "activation_input_width", "backend_name",     "parse_backend", "active_backend",
-    "ScopedBackend",          "sum_squares",      "all_finite",    "linear_cross_entropy_chunk_rows",
-    "gemm_library",           "gemm_lowp_library"};
+    "activation_input_width", "backend_name",      "parse_backend",  "active_backend",
+    "ScopedBackend",          "sum_squares",       "all_finite",     "linear_cross_entropy_chunk_rows",
+    "gemm_library",           "gemm_lowp_library", "expert_capacity"};
 
 // Ops whose bad arguments only hand-written tests provoke (one tensor: no size or dtype mismatch; convert accepts
 // every floating dtype, so the table's fp64 swap is no error for it).
 const std::vector<std::string> kOpsWithHandWrittenErrors = {"scale_", "sum_squares", "all_finite", "convert"};
 const std::vector<std::string> kOpsWithoutTensors = {
-    "activation_input_width",          "backend_name", "parse_backend",    "active_backend", "ScopedBackend",
-    "linear_cross_entropy_chunk_rows", "gemm_library", "gemm_lowp_library"};
+    "activation_input_width",          "backend_name", "parse_backend",     "active_backend", "ScopedBackend",
+    "linear_cross_entropy_chunk_rows", "gemm_library", "gemm_lowp_library", "expert_capacity"};
 
 constexpr Backend kBackends[] = {Backend::kCpu, Backend::kReference};
 constexpr DType kDTypes[] = {DType::kF32, DType::kF64};
@@ -745,6 +761,14 @@ TEST(OpsBadArgs, OtherArgumentErrors) {
 }
 
 // ---- backend selection ------------------------------------------------------------------------------------------
+
+// Megatron's get_capacity: ceil(tokens * topk / experts * capacity_factor).
+TEST(OpsRouting, ExpertCapacityIsMegatronsCeiling) {
+  EXPECT_EQ(expert_capacity(10, 2, 4, 1.5), 8);   // 5 * 1.5 = 7.5 -> 8
+  EXPECT_EQ(expert_capacity(12, 2, 8, 1.0), 3);   // exactly 3
+  EXPECT_EQ(expert_capacity(7, 1, 3, 1.0), 3);    // 2.33 -> 3
+  EXPECT_EQ(expert_capacity(16, 2, 4, 0.25), 2);  // 8 * 0.25
+}
 
 TEST(OpsBackendSelection, ParseNameAndNestedScopes) {
   EXPECT_EQ(parse_backend("cpu"), Backend::kCpu);

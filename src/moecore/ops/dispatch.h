@@ -19,6 +19,7 @@
 #include "moecore/kernels/cpu/loss.h"
 #include "moecore/kernels/cpu/norm.h"
 #include "moecore/kernels/cpu/rope.h"
+#include "moecore/kernels/cpu/routing.h"
 #include "moecore/kernels/cpu/rows.h"
 #include "moecore/kernels/cpu/vocab_parallel.h"
 #include "moecore/ops/backend.h"
@@ -79,6 +80,18 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, scatter_add_rows)            \
     MOECORE_FORWARD(ns, add_position_embedding)      \
     MOECORE_FORWARD(ns, position_embedding_backward) \
+    MOECORE_FORWARD(ns, topk_routing_forward)        \
+    MOECORE_FORWARD(ns, topk_routing_backward)       \
+    MOECORE_FORWARD(ns, sinkhorn)                    \
+    MOECORE_FORWARD(ns, routing_map)                 \
+    MOECORE_FORWARD(ns, aux_scores_forward)          \
+    MOECORE_FORWARD(ns, aux_scores_backward)         \
+    MOECORE_FORWARD(ns, aux_loss_sums)               \
+    MOECORE_FORWARD(ns, switch_loss)                 \
+    MOECORE_FORWARD(ns, switch_loss_backward)        \
+    MOECORE_FORWARD(ns, z_loss_forward)              \
+    MOECORE_FORWARD(ns, z_loss_backward)             \
+    MOECORE_FORWARD(ns, expert_bias_update)          \
   };
 #define MOECORE_FORWARD(ns, name)                          \
   template <typename... Args>                              \

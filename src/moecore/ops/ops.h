@@ -13,4 +13,5 @@
 #include "moecore/ops/loss.h"
 #include "moecore/ops/norm.h"
 #include "moecore/ops/optim.h"
+#include "moecore/ops/routing.h"
 #include "moecore/ops/rows.h"
