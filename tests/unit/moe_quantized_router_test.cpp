@@ -63,7 +63,11 @@ LayerRun run_layer(const quant::QuantizedLinearConfig* config) {
   const ops::ScopedLinearQuantization scope(config);  // as TransformerLayer opens it
   layer.forward(run.out_TH.data(), x_TH.data(), kS, kB, TokenRows{}, true, 1, 2, saved);
   layer.backward(dx_TH.data(), dout_TH.data(), x_TH.data(), 1.0, saved);
-  run.logits_TE = saved.router.logits_TE;
+  const Tensor& logits = saved.router.logits_TE;
+  for (int64_t i = 0; i < logits.numel(); ++i) {
+    run.logits_TE.push_back(logits.dtype() == DType::kF32 ? static_cast<double>(logits.data<float>()[i])
+                                                          : logits.data<double>()[i]);
+  }
   return run;
 }
 

@@ -39,6 +39,24 @@ std::vector<float> random_floats(const int64_t n, const uint32_t seed, const flo
   return v;
 }
 
+// The saved logits as doubles (either router dtype), and the top-k selection as a dense [T, E] 0/1 map.
+std::vector<double> logits_of(const RouterActivations& saved) {
+  const Tensor& l = saved.logits_TE;
+  std::vector<double> out(static_cast<size_t>(l.numel()));
+  for (int64_t i = 0; i < l.numel(); ++i) {
+    out[static_cast<size_t>(i)] =
+        l.dtype() == DType::kF32 ? static_cast<double>(l.data<float>()[i]) : l.data<double>()[i];
+  }
+  return out;
+}
+std::vector<uint8_t> selected_of(const RouterActivations& saved) {
+  const int64_t E = saved.logits_TE.dim(1), k = saved.selected_TK.dim(1);
+  std::vector<uint8_t> out(static_cast<size_t>(saved.logits_TE.numel()), 0);
+  const int32_t* idx = saved.selected_TK.data<int32_t>();
+  for (int64_t i = 0; i < saved.selected_TK.numel(); ++i) out[static_cast<size_t>((i / k) * E + idx[i])] = 1;
+  return out;
+}
+
 std::vector<float> bias_of(const TopKRouter& router) {
   const std::span<const float> bias = router.expert_bias();
   return {bias.begin(), bias.end()};
@@ -119,8 +137,8 @@ TEST(Router, Fp32MatchesFp64ToFloatPrecision) {
   const RouterOutput o32 = r32.router->forward(x.data(), S, B, false, 0, 0, a32);
   EXPECT_EQ(o64.routing_map_TE, o32.routing_map_TE);
   for (int64_t i = 0; i < T * E; ++i) {
-    EXPECT_NEAR(a32.logits_TE[i], a64.logits_TE[i], 1e-6 * (1 + std::abs(a64.logits_TE[i])));
-    EXPECT_EQ(a32.logits_TE[i], static_cast<double>(static_cast<float>(a32.logits_TE[i])));
+    EXPECT_NEAR(logits_of(a32)[i], logits_of(a64)[i], 1e-6 * (1 + std::abs(logits_of(a64)[i])));
+    EXPECT_EQ(logits_of(a32)[i], static_cast<double>(static_cast<float>(logits_of(a32)[i])));
     EXPECT_NEAR(o32.probs_TE.data<float>()[i], o64.probs_TE.data<float>()[i], 1e-6);
   }
 }
@@ -403,7 +421,7 @@ TEST(Router, CapacityDropping) {
     RouterActivations act;
     const RouterOutput out = r.router->forward(x.data(), S, B, true, 0, 0, act);
     EXPECT_EQ(out.capacity, 4);
-    EXPECT_EQ(count_ones(act.selected_TE), T * k);
+    EXPECT_EQ(count_ones(selected_of(act)), T * k);
     const int64_t routed = count_ones(out.routing_map_TE);
     EXPECT_LT(routed, T * k);
     const float* probs = out.probs_TE.data<float>();
@@ -415,21 +433,21 @@ TEST(Router, CapacityDropping) {
       for (int64_t t = 0; t < T; ++t) {
         const size_t i = static_cast<size_t>(t * E + e);
         column += out.routing_map_TE[i];
-        EXPECT_LE(out.routing_map_TE[i], act.selected_TE[i]);
+        EXPECT_LE(out.routing_map_TE[i], selected_of(act)[i]);
         if (!out.routing_map_TE[i]) {
           EXPECT_EQ(probs[i], 0.0f);
         }
         if (out.routing_map_TE[i]) {
           min_kept = std::min(min_kept, static_cast<double>(probs[i]));
           last_kept = t;
-        } else if (act.selected_TE[i]) {
+        } else if (selected_of(act)[i]) {
           first_dropped = std::min(first_dropped, t);
           // the prob the token would have had: post-softmax over its two selected logits
           double other = 0.0;
           for (int64_t j = 0; j < E; ++j) {
-            if (j != e && act.selected_TE[t * E + j]) other = act.logits_TE[t * E + j];
+            if (j != e && selected_of(act)[t * E + j]) other = logits_of(act)[t * E + j];
           }
-          max_dropped = std::max(max_dropped, 1.0 / (1.0 + std::exp(other - act.logits_TE[i])));
+          max_dropped = std::max(max_dropped, 1.0 / (1.0 + std::exp(other - logits_of(act)[i])));
         }
       }
       EXPECT_LE(column, 4);
@@ -471,11 +489,11 @@ TEST(Router, PaddingToCapacityRoutesRealTokensWithProbabilityZero) {
       for (int64_t t = 0; t < T; ++t) {
         const size_t i = static_cast<size_t>(t * E + e);
         column += pad.routing_map_TE[i];
-        EXPECT_EQ(pad.routing_map_TE[i] && a_pad.selected_TE[i], drop.routing_map_TE[i] != 0) << t << "," << e;
+        EXPECT_EQ(pad.routing_map_TE[i] && selected_of(a_pad)[i], drop.routing_map_TE[i] != 0) << t << "," << e;
         EXPECT_EQ(pad.probs_TE.data<float>()[i], drop.probs_TE.data<float>()[i]);
         kept += drop.routing_map_TE[i];
-        if (!a_pad.selected_TE[i]) unselected.push_back(t);
-        if (pad.routing_map_TE[i] && !a_pad.selected_TE[i]) padding_tokens.push_back(t);
+        if (!selected_of(a_pad)[i]) unselected.push_back(t);
+        if (pad.routing_map_TE[i] && !selected_of(a_pad)[i]) padding_tokens.push_back(t);
       }
       EXPECT_EQ(column, C);
       ASSERT_GE(static_cast<int64_t>(unselected.size()), C - kept);
@@ -513,7 +531,7 @@ TEST(Router, GroupLimitedRoutingUsesAtMostGroupTopkGroups) {
       std::vector<double> s(static_cast<size_t>(E));
       double sum = 0.0;
       for (int64_t e = 0; e < E; ++e) {
-        const double l = act.logits_TE[t * E + e];
+        const double l = logits_of(act)[t * E + e];
         s[e] = fn == RouterScoreFunction::kSigmoid ? 1.0 / (1.0 + std::exp(-l)) : std::exp(l);
         sum += s[e];
       }
@@ -587,10 +605,10 @@ TEST(Router, ExpertBiasSteersSelectionAndMovesBySignRule) {
     EXPECT_EQ(out.routing_map_TE[t * E + 2], 1);
     double sum = 0.0;
     for (int64_t e = 0; e < E; ++e) {
-      if (out.routing_map_TE[t * E + e]) sum += 1.0 / (1.0 + std::exp(-act.logits_TE[t * E + e]));
+      if (out.routing_map_TE[t * E + e]) sum += 1.0 / (1.0 + std::exp(-logits_of(act)[t * E + e]));
     }
     for (int64_t e = 0; e < E; ++e) {
-      const double s = 1.0 / (1.0 + std::exp(-act.logits_TE[t * E + e]));
+      const double s = 1.0 / (1.0 + std::exp(-logits_of(act)[t * E + e]));
       // fp32 probabilities (Megatron's topk_routing_with_score_function)
       EXPECT_NEAR(out.probs_TE.data<float>()[t * E + e], out.routing_map_TE[t * E + e] ? s / sum : 0.0, 1e-7);
     }
@@ -623,7 +641,7 @@ TEST(Router, InputJitterInTrainingAndEvaluation) {
   }
   EXPECT_GT(changed, T * H / 2);
   EXPECT_GT(differs_by_key, T * H / 2);
-  EXPECT_EQ(eval.logits_TE, train.logits_TE);
+  EXPECT_EQ(logits_of(eval), logits_of(train));
   EXPECT_EQ(out.routing_map_TE, out_again.routing_map_TE);
   // The evaluation logits are those of the jittered input, not of x.
   MoEConfig plain = config;
@@ -631,7 +649,7 @@ TEST(Router, InputJitterInTrainingAndEvaluation) {
   RouterUnderTest r_plain(plain, H, false, 51);
   RouterActivations no_jitter;
   r_plain.router->forward(x.data(), S, B, false, 5, 6, no_jitter);
-  EXPECT_NE(eval.logits_TE, no_jitter.logits_TE);
+  EXPECT_NE(logits_of(eval), logits_of(no_jitter));
 }
 
 TEST(Router, ForceLoadBalancingReplacesLogitsWithNoise) {
@@ -643,10 +661,10 @@ TEST(Router, ForceLoadBalancingReplacesLogitsWithNoise) {
   RouterActivations a1, a2;
   r1.router->forward(x.data(), S, B, true, 1, 2, a1);
   r2.router->forward(x.data(), S, B, true, 1, 2, a2);
-  EXPECT_EQ(a1.logits_TE, a2.logits_TE);  // independent of the gate weight
+  EXPECT_EQ(logits_of(a1), logits_of(a2));  // independent of the gate weight
   double mean = 0.0, var = 0.0;
-  for (const double l : a1.logits_TE) mean += l / (T * E);
-  for (const double l : a1.logits_TE) var += (l - mean) * (l - mean) / (T * E);
+  for (const double l : logits_of(a1)) mean += l / (T * E);
+  for (const double l : logits_of(a1)) var += (l - mean) * (l - mean) / (T * E);
   EXPECT_NEAR(mean, 0.0, 0.15);
   EXPECT_NEAR(var, 1.0, 0.2);
 }
@@ -668,7 +686,7 @@ TEST(Router, ShardDrawsTheOneProcessRandomNumbers) {
       ASSERT_EQ(shard.input_TH.data<float>()[i], full.input_TH.data<float>()[s0 * B * H + i]) << i;
     }
     for (int64_t i = 0; i < S_shard * B * E; ++i) {
-      ASSERT_EQ(shard.logits_TE[static_cast<size_t>(i)], full.logits_TE[static_cast<size_t>(s0 * B * E + i)]) << i;
+      ASSERT_EQ(logits_of(shard)[static_cast<size_t>(i)], logits_of(full)[static_cast<size_t>(s0 * B * E + i)]) << i;
     }
   }
 }
@@ -803,8 +821,9 @@ TEST(Router, Fp64RouterComputesScoresInFp32AsMegatron) {
     RouterActivations act;
     const RouterOutput out = r.router->forward(x.data(), S, B, true, 0, 0, act);
     int64_t differs_from_fp64_scores = 0;
+    const std::vector<double> act_logits = logits_of(act);
     for (int64_t t = 0; t < T; ++t) {
-      std::vector<double> l(act.logits_TE.begin() + t * E, act.logits_TE.begin() + (t + 1) * E);
+      std::vector<double> l(act_logits.begin() + t * E, act_logits.begin() + (t + 1) * E);
       for (int64_t e = 0; e < E; ++e) {  // the logits themselves are fp64 (x W^T + b in double)
         double dot = r.bias->value.data<float>()[e];
         for (int64_t h = 0; h < H; ++h)
@@ -1073,11 +1092,11 @@ double objective(RouterUnderTest& r, const FdCase& c, const std::vector<float>& 
   RouterActivations warm;
   if (c.warmup) r.router->forward(x_warm.data(), S, B, true, 9, 1, warm);
   out = r.router->forward(x.data(), S, B, true, 9, 2, act);
-  const std::vector<double> probs = naive_probs(c.config, act.logits_TE, sel, map, S * B);
+  const std::vector<double> warm_logits = c.warmup ? logits_of(warm) : std::vector<double>{};
+  const std::vector<double> probs = naive_probs(c.config, logits_of(act), sel, map, S * B);
   double f = 0.0;
   for (size_t i = 0; i < G.size(); ++i) f += G[i] * probs[i];
-  return f +
-         naive_aux_objective(c.config, act.logits_TE, c.warmup ? &warm.logits_TE : nullptr, S, B, aux_scale, nullptr);
+  return f + naive_aux_objective(c.config, logits_of(act), c.warmup ? &warm_logits : nullptr, S, B, aux_scale, nullptr);
 }
 
 std::vector<FdCase> fd_cases() {
@@ -1179,12 +1198,12 @@ TEST(RouterBackward, MatchesFiniteDifferences) {
     const std::vector<uint8_t> none(static_cast<size_t>(T * E), 0);
     objective(r, c, x, x_warm, G, aux_scale, S, B, none, none, act, out);
     const std::vector<uint8_t> base_map = out.routing_map_TE;
-    const std::vector<uint8_t> base_selected = act.selected_TE;
+    const std::vector<uint8_t> base_selected = selected_of(act);
     EXPECT_GT(count_ones(base_map), 0);
     if (c.config.capacity_factor.has_value() && !c.config.pad_expert_input_to_capacity) {
       EXPECT_LT(count_ones(base_map), count_ones(base_selected));  // tokens were dropped
     }
-    const std::vector<double> naive = naive_probs(c.config, act.logits_TE, base_selected, base_map, T);
+    const std::vector<double> naive = naive_probs(c.config, logits_of(act), base_selected, base_map, T);
     for (int64_t i = 0; i < T * E; ++i) {
       EXPECT_NEAR(out.probs_TE.data<float>()[i], naive[i], 1e-6 * (1.0 + std::abs(naive[i]))) << "probs " << i;
     }
@@ -1196,7 +1215,8 @@ TEST(RouterBackward, MatchesFiniteDifferences) {
         r.router->forward(x.data(), S, B, true, 9, 2, act);
       }
       std::vector<double> losses;
-      naive_aux_objective(c.config, act.logits_TE, c.warmup ? &warm.logits_TE : nullptr, S, B, 1.0, &losses);
+      const std::vector<double> warm_logits = c.warmup ? logits_of(warm) : std::vector<double>{};
+      naive_aux_objective(c.config, logits_of(act), c.warmup ? &warm_logits : nullptr, S, B, 1.0, &losses);
       for (size_t i = 0; i < out.load_balancing_losses.size(); ++i) {
         EXPECT_NEAR(out.load_balancing_losses[i], losses[i], 1e-6 * losses[i]) << "loss " << i;
       }
@@ -1216,11 +1236,11 @@ TEST(RouterBackward, MatchesFiniteDifferences) {
       *value = static_cast<float>(saved + h);
       const double up = static_cast<double>(*value);
       const double f_plus = objective(r, c, x, x_warm, G, aux_scale, S, B, base_selected, base_map, a, o);
-      const bool stable_plus = a.selected_TE == base_selected && o.routing_map_TE == base_map;
+      const bool stable_plus = selected_of(a) == base_selected && o.routing_map_TE == base_map;
       *value = static_cast<float>(saved - h);
       const double down = static_cast<double>(*value);
       const double f_minus = objective(r, c, x, x_warm, G, aux_scale, S, B, base_selected, base_map, a, o);
-      const bool stable_minus = a.selected_TE == base_selected && o.routing_map_TE == base_map;
+      const bool stable_minus = selected_of(a) == base_selected && o.routing_map_TE == base_map;
       *value = saved;
       ASSERT_TRUE(stable_plus && stable_minus) << what << "[" << index << "]: selection changed, pick other inputs";
       const double fd = (f_plus - f_minus) / (up - down);
