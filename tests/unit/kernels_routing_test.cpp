@@ -4,6 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
 #include <vector>
 
 #include "kernel_test_util.h"
@@ -132,6 +136,107 @@ TEST(RoutingKernels, AuxScoresZLossAndSumsMatchReference) {
   const double z_ref = ref::z_loss_forward<double>(lse_ref.data(), logits.data(), n, E);
   EXPECT_NEAR(z_fast, z_ref, 1e-12 * z_ref);
   EXPECT_LT(test::max_rel_error(lse_fast, lse_ref, 1e-12), 1e-12);
+}
+
+// Values with many exact ties (a few levels) and some -inf entries, or continuous ones.
+std::vector<double> tied_or_random(const int64_t n, const uint32_t seed, const int levels) {
+  std::mt19937 gen(seed);
+  std::vector<double> v(static_cast<size_t>(n));
+  if (levels == 0) {
+    std::normal_distribution<double> dist(0.0, 1.0);
+    for (double& x : v) x = dist(gen);
+    return v;
+  }
+  std::uniform_int_distribution<int> level(0, levels);
+  for (double& x : v) {
+    const int l = level(gen);
+    x = l == 0 ? -std::numeric_limits<double>::infinity() : 0.125 * l;
+  }
+  return v;
+}
+
+// The selection alone (softmax scores without pre-softmax rank the raw logits): the one-pass top-k (and the sorting
+// one past 16) picks exactly what the reference's full sort picks, in the same order, with ties and -inf.
+std::vector<int32_t> selection(const bool fast, const std::vector<double>& v, const int64_t E, const int64_t k,
+                               const int64_t groups, const int64_t group_topk) {
+  TopkRoutingSpec spec;
+  spec.num_groups = groups;
+  spec.group_topk = group_topk;
+  std::vector<int32_t> idx(static_cast<size_t>(k));
+  std::vector<double> probs(static_cast<size_t>(k));
+  (fast ? cpu::topk_routing_forward<double> : ref::topk_routing_forward<double>)(idx.data(), probs.data(), v.data(),
+                                                                                 nullptr, nullptr, 1, E, k, spec);
+  return idx;
+}
+
+TEST(RoutingKernels, TopkEqualsTheFullSortWithTiesAndInfinities) {
+  for (const int64_t E : {1, 2, 7, 64, 257}) {
+    for (const int64_t k : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{8}, int64_t{16}, int64_t{20}}) {
+      if (k > E) continue;
+      for (uint32_t seed = 0; seed < 20; ++seed) {
+        const std::vector<double> v = tied_or_random(E, seed + 100, seed % 2 == 0 ? 0 : 1 + static_cast<int>(seed % 5));
+        ASSERT_EQ(selection(true, v, E, k, 0, 0), selection(false, v, E, k, 0, 0))
+            << "E " << E << " k " << k << " seed " << seed;
+      }
+    }
+  }
+  struct Case {
+    int64_t E, k, groups, group_topk;
+  };
+  for (const Case c : {Case{8, 2, 4, 2}, Case{8, 3, 4, 2}, Case{64, 4, 8, 2}, Case{256, 8, 8, 4}, Case{128, 6, 64, 3},
+                       Case{160, 4, 80, 4}, Case{64, 18, 8, 3}}) {
+    for (uint32_t seed = 0; seed < 20; ++seed) {
+      const std::vector<double> v = tied_or_random(c.E, seed + 200, seed % 2 == 0 ? 0 : 2 + static_cast<int>(seed % 4));
+      ASSERT_EQ(selection(true, v, c.E, c.k, c.groups, c.group_topk),
+                selection(false, v, c.E, c.k, c.groups, c.group_topk))
+          << "E " << c.E << " groups " << c.groups << " seed " << seed;
+    }
+  }
+}
+
+// The bucketed capacity mask against the reference's stable sort over all tokens: probs with ties, zeros and
+// negatives, every policy, dropping and padding, capacities from 0 past T.
+TEST(RoutingKernels, CapacityMaskEqualsTheReferenceOnRandomData) {
+  const int64_t T = 37;
+  for (const int64_t E : {1, 4, 16}) {
+    for (const int64_t k : {int64_t{1}, int64_t{2}, int64_t{4}}) {
+      if (k > E) continue;
+      for (uint32_t seed = 0; seed < 12; ++seed) {
+        std::mt19937 gen(seed + 300);
+        std::vector<int32_t> idx(static_cast<size_t>(T * k));
+        std::vector<double> probs(static_cast<size_t>(T * k));
+        std::vector<int32_t> order(static_cast<size_t>(E));
+        std::uniform_int_distribution<int> level(-1, 6);
+        for (int64_t t = 0; t < T; ++t) {
+          std::iota(order.begin(), order.end(), 0);
+          std::shuffle(order.begin(), order.end(), gen);
+          for (int64_t i = 0; i < k; ++i) {
+            idx[static_cast<size_t>(t * k + i)] = order[static_cast<size_t>(i)];
+            probs[static_cast<size_t>(t * k + i)] = 0.125 * level(gen);
+          }
+        }
+        for (const RoutingDropPolicy policy : {RoutingDropPolicy::kProbs, RoutingDropPolicy::kPosition}) {
+          for (const bool pad : {false, true}) {
+            for (const int64_t capacity :
+                 {int64_t{-1}, int64_t{0}, int64_t{1}, int64_t{3}, T * k / E, T - 1, T, T + 5}) {
+              std::vector<uint8_t> map_fast(static_cast<size_t>(T * E), 7), map_ref(map_fast.size(), 9);
+              std::vector<double> p_fast(map_fast.size(), 7.0), p_ref(map_fast.size(), 9.0);
+              std::vector<int64_t> c_fast(static_cast<size_t>(E), 7), c_ref(c_fast.size(), 9);
+              cpu::routing_map<double>(map_fast.data(), p_fast.data(), c_fast.data(), idx.data(), probs.data(), T, E, k,
+                                       capacity, policy, pad);
+              ref::routing_map<double>(map_ref.data(), p_ref.data(), c_ref.data(), idx.data(), probs.data(), T, E, k,
+                                       capacity, policy, pad);
+              const std::string what = "E " + std::to_string(E) + " k " + std::to_string(k) + " seed " +
+                                       std::to_string(seed) + " capacity " + std::to_string(capacity);
+              ASSERT_EQ(map_fast, map_ref) << what;
+              ASSERT_EQ(p_fast, p_ref) << what;
+              ASSERT_EQ(c_fast, c_ref) << what;
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 // Megatron's order for one expert over all tokens: positive probs descending (ties to the earlier token), then the

@@ -38,7 +38,7 @@ void MoELayer::forward(float* out_TH, const float* x_TH, const int64_t S, const 
   const int64_t T = S * B, H = config_.hidden_size;
   {
     const trace::Scope scope("router forward", "moe");
-    saved.routing = router_->forward(x_TH, S, B, training, seed, key, saved.router, rows);
+    saved.routing = router_->forward(Tensor::from_blob(x_TH, {T, H}), S, B, training, seed, key, saved.router, rows);
   }
   // --moe-router-padding-for-quantization: the dispatcher moves the padded map; the router's statistics and
   // backward keep the unpadded one (routing_padding.h).
@@ -119,7 +119,8 @@ void MoELayer::backward(float* dx_TH, const float* dout_TH, const float* x_TH, c
   {
     const trace::Scope scope("router backward", "moe");
     dispatcher_->probs_backward(dprobs_TE.data<float>(), dprobs_R.data(), state);
-    router_->backward(dx_TH, dprobs_TE.data<float>(), aux_grad_scale, saved.router, saved.routing);
+    Tensor dx = Tensor::from_blob(dx_TH, {T, H});
+    router_->backward(&dx, dprobs_TE, aux_grad_scale, saved.router, saved.routing);
   }
   if (overlap_shared_) {
     Tensor dx = Tensor::from_blob(dx_TH, {T, H});

@@ -157,7 +157,7 @@ void TopKRouter::bind(std::vector<Param>& params, std::vector<Buffer>* buffers) 
   }
 }
 
-RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64_t B, const bool training,
+RouterOutput TopKRouter::forward(const Tensor& x_TH, const int64_t S, const int64_t B, const bool training,
                                  const uint64_t seed, const uint64_t jitter_key, RouterActivations& saved,
                                  const TokenRows& rows) {
   if (weight_ == nullptr) throw std::logic_error("TopKRouter::forward before bind()");
@@ -175,8 +175,11 @@ RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64
   saved.rows = rows.count() == 0 ? TokenRows::contiguous(0, T) : rows;
   if (saved.rows.count() != T) throw std::invalid_argument("router: token rows do not match the input");
 
-  saved.input_TH = Tensor({T, hidden_}, DType::kF32, MemCategory::kActivations);
-  jittered_input(saved.input_TH.data<float>(), x_TH, T, saved);
+  if (!x_TH.defined() || x_TH.dtype() != DType::kF32 || x_TH.numel() != T * hidden_) {
+    throw std::invalid_argument("router: the input must be fp32 [" + std::to_string(T) + ", " +
+                                std::to_string(hidden_) + "], got " + (x_TH.defined() ? x_TH.shape_str() : "none"));
+  }
+  jittered_input(saved, x_TH);
   compute_logits(saved);
   const Tensor probs_TK = route_tokens(saved, training);
 
@@ -191,17 +194,15 @@ RouterOutput TopKRouter::forward(const float* x_TH, const int64_t S, const int64
 }
 
 // Megatron's TopKRouter.apply_input_jitter: input * Uniform(1 - eps, 1 + eps), in training and in evaluation.
-void TopKRouter::jittered_input(float* input_TH, const float* x_TH, const int64_t T,
-                                const RouterActivations& saved) const {
-  const int64_t H = hidden_;
-  if (config_.input_jitter_eps <= 0) {
-    std::copy(x_TH, x_TH + T * H, input_TH);
-    return;
-  }
+void TopKRouter::jittered_input(RouterActivations& saved, const Tensor& x_TH) const {
+  const int64_t T = saved.S * saved.B, H = hidden_;
+  saved.input_TH = Tensor({T, H}, DType::kF32, MemCategory::kActivations);
+  saved.input_TH.copy_from(x_TH);
+  if (config_.input_jitter_eps <= 0) return;
   const CounterRng rng(saved.jitter_seed, saved.jitter_key);
-  (void)T;
+  float* input = saved.input_TH.data<float>();
   for_each_element(saved.rows, H, [&](const int64_t i, const uint64_t key) {
-    input_TH[i] = x_TH[i] * jitter_factor(rng, key, config_.input_jitter_eps);
+    input[i] *= jitter_factor(rng, key, config_.input_jitter_eps);
   });
 }
 
@@ -273,12 +274,11 @@ void TopKRouter::apply_capacity(RouterOutput& out, const RouterActivations& save
   const ops::RoutingDropPolicy policy = config_.drop_policy == TokenDropPolicy::kProbs
                                             ? ops::RoutingDropPolicy::kProbs
                                             : ops::RoutingDropPolicy::kPosition;
-  out.routing_map_TE.resize(static_cast<size_t>(T * E));
-  Tensor map_TE = Tensor::from_blob(out.routing_map_TE.data(), {T, E});
+  out.routing_map_TE = Tensor({T, E}, DType::kU8, MemCategory::kActivations);
   out.tokens_per_expert_E.resize(static_cast<size_t>(E));
   Tensor counts_E = Tensor::from_blob(out.tokens_per_expert_E.data(), {E});
   Tensor probs_TE({T, E}, probs_TK.dtype(), MemCategory::kActivations);
-  ops::routing_map(map_TE, probs_TE, counts_E, saved.selected_TK, probs_TK, out.capacity, policy,
+  ops::routing_map(out.routing_map_TE, probs_TE, counts_E, saved.selected_TK, probs_TK, out.capacity, policy,
                    config_.pad_expert_input_to_capacity);
   out.probs_TE = as_dtype(probs_TE, DType::kF32);
 }
@@ -374,16 +374,15 @@ void TopKRouter::record_expert_bias_counts(const RouterOutput& out) {
   }
 }
 
-Tensor TopKRouter::logits_backward(const float* dprobs_TE, const double aux_grad_scale, const RouterActivations& saved,
+Tensor TopKRouter::logits_backward(const Tensor& dprobs_TE, const double aux_grad_scale, const RouterActivations& saved,
                                    const RouterOutput& routing) const {
   const int64_t T = saved.S * saved.B, E = config_.num_experts;
   // Gradients in double whatever the router dtype (the fp64 form of fp32 logits is exact).
   const Tensor logits64_TE = as_dtype(saved.logits_TE, DType::kF64);
   Tensor dlogits_TE = Tensor::zeros({T, E}, DType::kF64);
-  const Tensor dprobs64_TE =
-      as_dtype(Tensor::from_blob(const_cast<float*>(dprobs_TE), {T, E}), DType::kF64);  // NOLINT: read only
-  const Tensor map_TE = Tensor::from_blob(const_cast<uint8_t*>(routing.routing_map_TE.data()), {T, E});  // read only
-  ops::topk_routing_backward(dlogits_TE, dprobs64_TE, &map_TE, saved.selected_TK, logits64_TE, routing_spec());
+  const Tensor dprobs64_TE = as_dtype(dprobs_TE.view({T, E}), DType::kF64);
+  ops::topk_routing_backward(dlogits_TE, dprobs64_TE, &routing.routing_map_TE, saved.selected_TK, logits64_TE,
+                             routing_spec());
   if (saved.aux_grad_BE.defined()) {
     // d(objective)/d(aux score) = aux_grad_scale * d(aux losses)/d(score) (MoEAuxLossAutoScaler).
     Tensor aux_grad_BE = saved.aux_grad_BE.clone();
@@ -398,11 +397,19 @@ Tensor TopKRouter::logits_backward(const float* dprobs_TE, const double aux_grad
   return dlogits_TE;
 }
 
-void TopKRouter::backward(float* dx_TH, const float* dprobs_TE, const double aux_grad_scale,
+void TopKRouter::backward(Tensor* dx_TH, const Tensor& dprobs_TE, const double aux_grad_scale,
                           const RouterActivations& saved, const RouterOutput& routing) {
   const ops::ScopedActivationDType router_precision(DType::kF32);
   const ops::ScopedLinearQuantization router_unquantized(nullptr);
   const int64_t T = saved.S * saved.B, H = hidden_, E = config_.num_experts;
+  if (dx_TH != nullptr && (dx_TH->dtype() != DType::kF32 || dx_TH->numel() != T * H)) {
+    throw std::invalid_argument("router backward: dx must be fp32 [" + std::to_string(T) + ", " + std::to_string(H) +
+                                "], got " + dx_TH->shape_str());
+  }
+  if (dprobs_TE.dtype() != DType::kF32 || dprobs_TE.numel() != T * E) {
+    throw std::invalid_argument("router backward: dprobs must be fp32 [" + std::to_string(T) + ", " +
+                                std::to_string(E) + "], got " + dprobs_TE.shape_str());
+  }
   const Tensor dlogits_TE = logits_backward(dprobs_TE, aux_grad_scale, saved, routing);
 
   // dW += dlogits^T x, db += sum_t dlogits, dx += (dlogits W) * jitter, in the router dtype.
@@ -412,7 +419,7 @@ void TopKRouter::backward(float* dx_TH, const float* dprobs_TE, const double aux
   if (dx_TH != nullptr && (jitter || !fp32)) {
     dx_jittered = Tensor::zeros({T, H}, fp32 ? DType::kF32 : DType::kF64, MemCategory::kActivations);
   }
-  Tensor dx_direct = dx_TH != nullptr && !dx_jittered.defined() ? Tensor::from_blob(dx_TH, {T, H}) : Tensor();
+  Tensor dx_direct = dx_TH != nullptr && !dx_jittered.defined() ? dx_TH->view({T, H}) : Tensor();
   Tensor* dx = dx_jittered.defined() ? &dx_jittered : (dx_direct.defined() ? &dx_direct : nullptr);
   // The bias gradient sums the gradient the GEMMs see (fp32: the rounded one), in double, token order.
   const Tensor dlogits_router = as_dtype(dlogits_TE, fp32 ? DType::kF32 : DType::kF64);
@@ -432,10 +439,11 @@ void TopKRouter::backward(float* dx_TH, const float* dprobs_TE, const double aux
   }
   if (!dx_jittered.defined()) return;
   const CounterRng jitter_rng(saved.jitter_seed, saved.jitter_key);
+  float* dx_out = dx_TH->data<float>();
   for_each_element(saved.rows, H, [&](const int64_t i, const uint64_t key) {
     const double factor = jitter ? jitter_factor(jitter_rng, key, config_.input_jitter_eps) : 1.0;
     const double d = fp32 ? static_cast<double>(dx_jittered.data<float>()[i]) : dx_jittered.data<double>()[i];
-    dx_TH[i] += static_cast<float>(d * factor);
+    dx_out[i] += static_cast<float>(d * factor);
   });
 }
 

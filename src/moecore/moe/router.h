@@ -30,7 +30,7 @@ namespace moecore {
 // The routing decision for one micro-batch.
 struct RouterOutput {
   Tensor probs_TE;                           // fp32 [T, E]: the weight of each selected (and kept) expert, 0 elsewhere
-  std::vector<uint8_t> routing_map_TE;       // [T, E]: 1 where token t goes to expert e (after capacity dropping)
+  Tensor routing_map_TE;                     // kU8 [T, E]: 1 where token t goes to expert e (after capacity dropping)
   std::vector<int64_t> tokens_per_expert_E;  // column sums of routing_map (with padding: the capacity C each)
   int64_t capacity = -1;                     // C when a capacity factor is set, else -1
   // Loss values for logging, each divided by its coefficient as Megatron logs them (0 when off).
@@ -79,14 +79,14 @@ class TopKRouter {
   // the one-process micro-batch (default: rows 0..S*B-1): the jitter and forced-balance draws are keyed by the
   // one-process element index, so every layout draws the same numbers. Collective over tp-cp (and tp-dp-cp with
   // global_aux_loss) when aux losses are on. Logged losses are this rank's share (sum over tp-cp for the total).
-  RouterOutput forward(const float* x_TH, int64_t S, int64_t B, bool training, uint64_t seed, uint64_t jitter_key,
+  RouterOutput forward(const Tensor& x_TH, int64_t S, int64_t B, bool training, uint64_t seed, uint64_t jitter_key,
                        RouterActivations& saved, const TokenRows& rows = TokenRows());
 
-  // dprobs_TE: d(objective)/d(probs_TE) from the experts (zero where not routed). aux_grad_scale: the factor the
-  // auxiliary and z losses carry into the objective's gradient (Megatron: loss_scale * cp / num_microbatches;
-  // here 1 / num_microbatches). `routing` is what forward returned with `saved`. Accumulates into dx_TH (nullable)
-  // and the router parameters' gradients.
-  void backward(float* dx_TH, const float* dprobs_TE, double aux_grad_scale, const RouterActivations& saved,
+  // dprobs_TE: fp32 [T, E], d(objective)/d(probs_TE) from the experts (zero where not routed). aux_grad_scale: the
+  // factor the auxiliary and z losses carry into the objective's gradient (Megatron: loss_scale * cp /
+  // num_microbatches; here 1 / num_microbatches). `routing` is what forward returned with `saved`. Accumulates into
+  // dx_TH (nullable) and the router parameters' gradients.
+  void backward(Tensor* dx_TH, const Tensor& dprobs_TE, double aux_grad_scale, const RouterActivations& saved,
                 const RouterOutput& routing);
 
   // Once per global batch (after the optimizer step): the expert-bias sign rule, then counts reset; and the
@@ -116,7 +116,7 @@ class TopKRouter {
   int64_t global_aux_steps_ = 0;                 // micro-batches accumulated (Megatron's ga_steps)
 
   // The steps of forward, one job each.
-  void jittered_input(float* input_TH, const float* x_TH, int64_t T, const RouterActivations& saved) const;
+  void jittered_input(RouterActivations& saved, const Tensor& x_TH) const;
   void compute_logits(RouterActivations& saved) const;
   // Top-k selection (saved.selected_TK) and its probabilities probs_TK in the router dtype.
   Tensor route_tokens(RouterActivations& saved, bool training) const;
@@ -130,7 +130,7 @@ class TopKRouter {
   void record_expert_bias_counts(const RouterOutput& out);
   // d(objective)/d(logits) [T, E] fp64: the probabilities' backward (dropped experts carry no gradient), the aux
   // losses through their scores and the z-loss.
-  Tensor logits_backward(const float* dprobs_TE, double aux_grad_scale, const RouterActivations& saved,
+  Tensor logits_backward(const Tensor& dprobs_TE, double aux_grad_scale, const RouterActivations& saved,
                          const RouterOutput& routing) const;
   ops::TopkRoutingSpec routing_spec() const;
 };

@@ -17,9 +17,11 @@ namespace moecore {
 namespace detail {
 
 void check_routing(const RouterOutput &routing, const int64_t T, const int64_t E) {
-  if (static_cast<int64_t>(routing.routing_map_TE.size()) != T * E) {
-    throw std::invalid_argument("token dispatcher: routing map has " + std::to_string(routing.routing_map_TE.size()) +
-                                " entries, expected T*E = " + std::to_string(T * E));
+  if (!routing.routing_map_TE.defined() || routing.routing_map_TE.dtype() != DType::kU8 ||
+      routing.routing_map_TE.numel() != T * E) {
+    throw std::invalid_argument("token dispatcher: routing map has " +
+                                std::to_string(routing.routing_map_TE.defined() ? routing.routing_map_TE.numel() : 0) +
+                                " entries, expected kU8 T*E = " + std::to_string(T * E));
   }
   if (!routing.probs_TE.defined() || routing.probs_TE.numel() != T * E || routing.probs_TE.dtype() != DType::kF32) {
     throw std::invalid_argument("token dispatcher: probs must be fp32 [T, E] = [" + std::to_string(T) + ", " +
@@ -66,8 +68,8 @@ class LocalDispatcher final : public TokenDispatcher {
     state.H = H;
     state.E = E;
     state.tokens_per_expert_E = routing.tokens_per_expert_E;
-    detail::ExpertMajorRows rows = detail::expert_major_rows(routing.routing_map_TE.data(), probs_TE, T, E, 0, E,
-                                                             routing.tokens_per_expert_E, routing.capacity);
+    detail::ExpertMajorRows rows = detail::expert_major_rows(routing.routing_map_TE.data<uint8_t>(), probs_TE, T, E, 0,
+                                                             E, routing.tokens_per_expert_E, routing.capacity);
     state.source_token_R = std::move(rows.token_R);
     state.probs_R = std::move(rows.probs_R);
     for (int64_t e = 0; e < E; ++e) {

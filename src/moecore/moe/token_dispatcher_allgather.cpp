@@ -39,7 +39,7 @@ class AllGatherDispatcher final : public TokenDispatcher {
     std::memcpy(mine.data(), x_TH, sizeof(float) * static_cast<size_t>(T * H));
     std::memcpy(mine.data() + T * H, routing.probs_TE.data<float>(), sizeof(float) * static_cast<size_t>(T * E));
     float *map_part = mine.data() + T * H + T * E;
-    for (int64_t i = 0; i < T * E; ++i) map_part[i] = routing.routing_map_TE[i] != 0 ? 1.0f : 0.0f;
+    for (int64_t i = 0; i < T * E; ++i) map_part[i] = routing.routing_map_TE.data<uint8_t>()[i] != 0 ? 1.0f : 0.0f;
     float *counts_part = map_part + T * E;
     for (int64_t e = 0; e < E; ++e) counts_part[e] = static_cast<float>(routing.tokens_per_expert_E[e]);
     std::vector<float> all(static_cast<size_t>(S * chunk));

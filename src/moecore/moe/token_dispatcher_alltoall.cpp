@@ -152,8 +152,8 @@ class AllToAllDispatcher final : public TokenDispatcher {
     state.E = E;
 
     // Local permutation over all experts; EP rank d's experts form one contiguous block of it.
-    ExpertMajorRows rows = expert_major_rows(routing.routing_map_TE.data(), routing.probs_TE.data<float>(), T, E, 0, E,
-                                             routing.tokens_per_expert_E, routing.capacity);
+    ExpertMajorRows rows = expert_major_rows(routing.routing_map_TE.data<uint8_t>(), routing.probs_TE.data<float>(), T,
+                                             E, 0, E, routing.tokens_per_expert_E, routing.capacity);
     state.sent_token_L = std::move(rows.token_R);
     std::vector<float> sent_probs_L = std::move(rows.probs_R);
     state.ep_send_rows.assign(static_cast<size_t>(EP), 0);
