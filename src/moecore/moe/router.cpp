@@ -9,9 +9,9 @@
 // The probabilities are fp32 numbers. Gradients are computed in double; an fp32 router's logits and their gradients go
 // through fp32 GEMMs (the fast backend's sgemm), an fp64 router's through fp64 ones.
 //
-// Cost: besides the logits GEMMs (T H E), one pass over each token's E logits (top-k kept in one scan, the aux
-// scores), parallel over tokens; the dense [T, E] map and probs the dispatcher takes are written from the k selected
-// experts of each token, and the switch losses keep per-column sums, not [T, E] gradients.
+// The computing is the routing ops' (ops/routing.h: per-token kernels, parallel over tokens); the router orders them,
+// sums the token counts over tp-cp / tp-dp-cp and keeps the global-aux and expert-bias bookkeeping. The switch losses
+// keep per-column sums, and their gradient is one row per sequence ([B, E]), not [T, E].
 #include "moecore/moe/router.h"
 
 #include <algorithm>
