@@ -7,13 +7,7 @@
 # and the training log fail the same way on a full disk, leaving no partial file under its final name.
 # Needs root (mount -t tmpfs): exits 77 (skipped) where mounting is not permitted.
 set -u
-bin=$1
-src=$2
-work=$3
-rm -rf "$work" && mkdir -p "$work"
-failures=0
-source "$src/tests/e2e/expect.sh"
-export OMP_NUM_THREADS=1
+source "$(dirname "$0")/lib/setup.sh" "$@"
 
 mnt="$work/mnt"
 mkdir -p "$mnt"

@@ -3,13 +3,7 @@
 # and the limit (or, for a configuration too large for the machine, the memory it would need); never a crash, a
 # hang, a wrapped number or a silently wrong run. A model that diverges stops with the iteration.
 set -u
-bin=$1
-src=$2
-work=$3
-rm -rf "$work" && mkdir -p "$work"
-export OMP_NUM_THREADS=1
-failures=0
-source "$src/tests/e2e/expect.sh"
+source "$(dirname "$0")/lib/setup.sh" "$@"
 model=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
        --micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer
        --vocab-size 128 --eval-iters 1)
