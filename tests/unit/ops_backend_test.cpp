@@ -1,8 +1,8 @@
 // Every op of src/moecore/ops on every backend, in the spirit of ggml's tests/test-backend-ops.cpp. Each case of
 // ops_test_cases.h runs four ways:
-//   OpsConsistency: fp32 and fp64, forward and backward under each backend (kCpu at 1 and 2 OpenMP threads,
-//     kReference) against kReference on identical inputs, outputs and gradient buffers pre-filled with the same
-//     random values; tensors an op must not write are checked unchanged.
+//   OpsConsistency: fp32 and fp64, forward and backward of kCpu (at 1 and 2 OpenMP threads) against kReference on
+//     identical inputs, outputs and gradient buffers pre-filled with the same random values; under both backends,
+//     tensors an op must not write are checked unchanged.
 //   OpsGradient: fp64, on kCpu and kReference, the backward op with dout = w against central finite differences of
 //     L = sum <out, w> for every differentiable input and parameter.
 //   OpsContract: calling a backward op twice accumulates exactly twice, or gives the same values, as its header says.
@@ -153,12 +153,12 @@ class ThreadCount {
   int saved_;
 };
 
-// A backend at a thread count.
+// A backend at a thread count: the fast backend's configurations, each compared with the reference backend.
 struct Config {
   Backend backend;
   int threads;
 };
-constexpr Config kConfigs[] = {{Backend::kCpu, 1}, {Backend::kCpu, 2}, {Backend::kReference, 1}};
+constexpr Config kConfigs[] = {{Backend::kCpu, 1}, {Backend::kCpu, 2}};
 
 std::string label(const Config& config, const DType dtype) {
   return label(config.backend, dtype) + " threads=" + std::to_string(config.threads);
@@ -174,16 +174,25 @@ std::vector<std::string> grad_names(const OpCase& c) {
   return names;
 }
 
+// Every tensor not in `names` bit-identical to `unchanged`'s: the op wrote only what it may write.
+void expect_unchanged_except(const Env& got, const std::vector<std::string>& names,
+                             const std::map<std::string, Tensor>& unchanged, const std::string& what) {
+  for (const auto& [name, t] : got.tensors()) {
+    if (!contains(names, name)) {
+      EXPECT_EQ(test::values(t), test::values(unchanged.at(name))) << what << ": wrote into " << name;
+    }
+  }
+}
+
 // Tensors in `names` close to `want`'s (tol); every other tensor bit-identical to `unchanged`'s.
 void expect_state(const Env& got, const std::map<std::string, Tensor>& want, const std::vector<std::string>& names,
                   const std::map<std::string, Tensor>& unchanged, const double tol, const std::string& what) {
   for (const auto& [name, t] : got.tensors()) {
     if (contains(names, name)) {
       EXPECT_TRUE(close(t, want.at(name), tol)) << what << ": " << name;
-    } else {
-      EXPECT_EQ(test::values(t), test::values(unchanged.at(name))) << what << ": wrote into " << name;
     }
   }
+  expect_unchanged_except(got, names, unchanged, what);
 }
 
 // ---- the case table, four ways ----------------------------------------------------------------------------------
@@ -218,16 +227,20 @@ TEST_P(OpsConsistency, MatchesReferenceBackend) {
   for (const DType dtype : kDTypes) {
     const double tol = consistency_tol(dtype);
     const auto initial = make_env(c, dtype).snapshot();
-    // Reference results: forward, then backward from the reference forward's saved tensors.
+    // Reference results: forward, then backward from the reference forward's saved tensors, each writing only its
+    // outputs.
     Env ref = make_env(c, dtype);
     std::map<std::string, Tensor> ref_forward, ref_backward;
     {
       const ScopedBackend scope(Backend::kReference);
       c.forward(ref);
       ref_forward = ref.snapshot();
+      expect_unchanged_except(ref, c.outputs, initial, c.name + " forward, " + label(Backend::kReference, dtype));
       if (c.has_backward()) {
         c.backward(ref);
         ref_backward = ref.snapshot();
+        expect_unchanged_except(ref, grad_names(c), ref_forward,
+                                c.name + " backward, " + label(Backend::kReference, dtype));
       }
     }
     for (const Config& config : kConfigs) {
@@ -652,9 +665,21 @@ TEST(OpsRows, SplitQkvFollowsMegatronsLayout) {
 }
 
 TEST(OpsActivation, InputWidthIsTwiceForSwiGLU) {
-  static_assert(activation_input_width(Activation::kSwiGLU, 5) == 10);
-  static_assert(activation_input_width(Activation::kGelu, 5) == 5);
-  static_assert(activation_input_width(Activation::kSquaredReLU, 5) == 5);
+  for (const int64_t F : {1, 5, 64}) {
+    EXPECT_EQ(activation_input_width(Activation::kSwiGLU, F), 2 * F);
+    EXPECT_EQ(activation_input_width(Activation::kGelu, F), F);
+    EXPECT_EQ(activation_input_width(Activation::kSquaredReLU, F), F);
+  }
+  // The widths the model builds its fc1 layers with are the activation's inputs: activation_forward accepts an
+  // [T, activation_input_width(kind, F)] input for an [T, F] output and refuses another width.
+  for (const Activation kind : {Activation::kGelu, Activation::kSwiGLU, Activation::kSquaredReLU}) {
+    const int64_t T = 3, F = 4;
+    Tensor out({T, F}, DType::kF32);
+    const Tensor inp({T, activation_input_width(kind, F)}, DType::kF32);
+    EXPECT_NO_THROW(activation_forward(kind, out, inp));
+    const Tensor wrong({T, activation_input_width(kind, F) + 1}, DType::kF32);
+    EXPECT_THROW(activation_forward(kind, out, wrong), std::invalid_argument);
+  }
 }
 
 // Errors the case table cannot provoke: unsupported dtypes, undefined tensors, index and id ranges.
@@ -905,18 +930,17 @@ TEST_P(OpsLowPrecision, MatchesReferenceBackend) {
     const ScopedBackend scope(Backend::kReference);
     c.forward(ref);
     ref_forward = ref.snapshot();
+    expect_unchanged_except(ref, c.outputs, initial, c.name + ", " + label(Backend::kReference, c.low) + " forward");
     c.backward(ref);
     ref_backward = ref.snapshot();
+    expect_unchanged_except(ref, c.grads, ref_forward, c.name + ", " + label(Backend::kReference, c.low) + " backward");
   }
   for (const Config& config : kConfigs) {
     for (const auto path : lowp_paths(c.low)) {
-      if (config.backend == Backend::kReference && path != kernels::cpu::LowpGemmPath::kConvert) continue;
       const kernels::cpu::ScopedLowpGemmPath path_scope(path);
       const ThreadCount threads(config.threads);
       const std::string what =
-          c.name + ", " + label(config, c.low) +
-          (config.backend == Backend::kCpu ? std::string(" ") + std::string(kernels::cpu::lowp_gemm_path_name(path))
-                                           : std::string());
+          c.name + ", " + label(config, c.low) + " " + std::string(kernels::cpu::lowp_gemm_path_name(path));
       Env fwd = make_lowp_env(c);
       {
         const ScopedBackend scope(config.backend);
