@@ -9,18 +9,17 @@
 // - published-style HF configs without moecore's block are read as HF's classes interpret them;
 // - models or configs HF cannot represent are refused with one line naming what.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <random>
 #include <string>
 
 #include "moecore/ckpt/hf_checkpoint.h"
 #include "moecore/ckpt/safetensors.h"
+#include "unit/hf_fixture.h"
 
 namespace moecore {
 namespace {
@@ -28,30 +27,11 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
+using test::randomize;
+
+// The shared MoE model with aux_loss (0.01) and a z-loss (1e-3).
 ModelConfig base_config(const int64_t num_layers) {
-  ModelConfig c;
-  c.num_layers = num_layers;
-  c.hidden_size = 32;
-  c.ffn_hidden_size = 48;
-  c.num_attention_heads = 4;
-  c.num_query_groups = 2;
-  c.kv_channels = 8;
-  c.seq_length = 8;
-  c.max_position_embeddings = 64;
-  c.vocab_size = 80;
-  c.normalization = Normalization::kRMSNorm;
-  c.norm_epsilon = 1e-6;
-  c.activation = Activation::kSwiGLU;
-  c.add_bias_linear = false;
-  c.position_embedding_type = PositionEmbedding::kRope;
-  c.rotary_base = 1e6;
-  c.attention_dropout = 0.0;
-  c.hidden_dropout = 0.0;
-  c.untie_embeddings_and_output_weights = true;
-  c.moe.num_experts = 4;
-  c.moe.ffn_hidden_size = 24;
-  c.moe.moe_layer_pattern.assign(static_cast<size_t>(num_layers), true);
-  c.moe.topk = 2;
+  ModelConfig c = test::hf_moe_config(num_layers);
   c.moe.load_balancing_types = {LoadBalancingType::kAuxLoss};
   c.moe.aux_loss_coeffs = {0.01};
   c.moe.z_loss_coeff = 1e-3;
@@ -90,14 +70,6 @@ ModelConfig deepseek_like_config() {
   c.moe.shared_expert_gate = true;
   c.moe.grouped_gemm = true;
   return c;
-}
-
-void randomize(GPTModel& model, const uint64_t seed) {
-  std::mt19937_64 gen(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (Param& p : model.params()) {
-    for (float& v : p.value.span<float>()) v = dist(gen);
-  }
 }
 
 void expect_same_moe(const MoEConfig& a, const MoEConfig& b) {
@@ -163,14 +135,8 @@ void expect_rows(const SafetensorsFile& file, const std::string& hf, const GPTMo
   }
 }
 
-class HfMoeTest : public ::testing::Test {
+class HfMoeTest : public test::HfFolderTest {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("moecore_hf_moe_test_" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
   void write_text(const std::string& name, const std::string& text) const { std::ofstream(path(name)) << text; }
   json read_config(const std::string& export_dir) const {
     std::ifstream in(export_dir + "/config.json");
@@ -220,8 +186,6 @@ class HfMoeTest : public ::testing::Test {
     EXPECT_EQ(std::memcmp(before.data<float>(), after.data<float>(), before.nbytes()), 0);
     return config;
   }
-
-  fs::path dir_;
 };
 
 TEST_F(HfMoeTest, MixtralNamesConfigAndExactRoundTrip) {
