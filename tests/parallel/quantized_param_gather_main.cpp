@@ -36,6 +36,7 @@
 #include "moecore/quant/quantize.h"
 #include "moecore/train/trainer.h"
 #include "moecore/train/training_setup.h"
+#include "parallel/dist_checks.h"
 
 namespace {
 
@@ -44,29 +45,13 @@ using moecore::Param;
 using moecore::quant::ElementFormat;
 using moecore::quant::QuantSpec;
 using moecore::quant::Recipe;
+using moecore::test::check;
+using moecore::test::g_failures;
+using moecore::test::g_rank;
+using moecore::test::mix;
+using moecore::test::name_hash;
 namespace parallel = moecore::parallel;
 namespace quant = moecore::quant;
-
-int g_rank = 0;
-int g_failures = 0;
-
-void check(const bool ok, const std::string& what) {
-  if (ok) return;
-  if (++g_failures <= 20) std::fprintf(stderr, "[rank %d] check failed: %s\n", g_rank, what.c_str());
-}
-
-uint64_t mix(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ULL;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
-
-uint64_t name_hash(const std::string& name) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (const char c : name) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ULL;
-  return h;
-}
 
 // In [-1, 1] times a magnitude that changes every 16 rows (2^-4 .. 2^1), so blocks get different scales.
 float init_value(const std::string& name, const int64_t i, const int64_t cols) {

@@ -25,18 +25,14 @@
 #include "moecore/train/trainer.h"
 #include "moecore/train/training_setup.h"
 #include "moecore/train/training_state.h"
+#include "parallel/dist_checks.h"
 
 namespace {
 
+using moecore::test::check;
+using moecore::test::g_failures;
+using moecore::test::g_rank;
 using namespace moecore;  // NOLINT: a test driver
-
-int g_rank = 0;
-int g_failures = 0;
-
-void check(const bool condition, const std::string& what) {
-  if (condition) return;
-  if (++g_failures <= 20) std::fprintf(stderr, "[rank %d] check failed: %s\n", g_rank, what.c_str());
-}
 
 std::vector<std::string> model_flags() {
   return {"--num-layers",
