@@ -37,6 +37,7 @@
 #include "moecore/train/trainer.h"
 #include "moecore/train/training_setup.h"
 #include "parallel/dist_checks.h"
+#include "unit/test_recipe.h"
 
 namespace {
 
@@ -263,56 +264,15 @@ void write_corpus(const std::string& prefix) {
 }
 
 std::vector<std::string> train_flags(const std::string& dir) {
-  return {"--num-layers",
-          "2",
-          "--hidden-size",
-          "32",
-          "--num-attention-heads",
-          "4",
-          "--seq-length",
-          "16",
-          "--max-position-embeddings",
-          "16",
-          "--attention-dropout",
-          "0",
-          "--hidden-dropout",
-          "0",
-          "--ffn-hidden-size",
-          "64",
-          "--micro-batch-size",
-          "2",
-          "--global-batch-size",
-          "4",
-          "--train-iters",
-          "8",
-          "--lr",
-          "3e-3",
-          "--log-interval",
-          "1",
-          "--eval-iters",
-          "0",
-          "--tokenizer-type",
-          "NullTokenizer",
-          "--vocab-size",
-          "60",
-          "--data-path",
-          dir + "/corpus",
-          "--split",
-          "100,0,0",
-          "--data-cache-path",
-          dir + "/cache",
-          "--seed",
-          "5",
-          "--num-experts",
-          "4",
-          "--moe-ffn-hidden-size",
-          "32",
-          "--moe-router-topk",
-          "2",
-          "--moe-aux-loss-coeff",
-          "0.01",
-          "--use-distributed-optimizer",
-          "--bf16"};
+  // clang-format off
+  return moecore::test::recipe_flags("tiny-moe", {
+      "--attention-dropout", "0", "--hidden-dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "4",
+      "--train-iters", "8", "--lr", "3e-3", "--log-interval", "1", "--eval-iters", "0",
+      "--tokenizer-type", "NullTokenizer", "--vocab-size", "60", "--data-path", dir + "/corpus",
+      "--split", "100,0,0", "--data-cache-path", dir + "/cache", "--seed", "5", "--moe-aux-loss-coeff", "0.01",
+      "--use-distributed-optimizer", "--bf16"
+  });
+  // clang-format on
 }
 
 struct Run {

@@ -11,35 +11,21 @@
 #include "moecore/quant/recipe.h"
 #include "moecore/train/arguments.h"
 #include "moecore/train/flag_catalog.h"
+#include "unit/test_recipe.h"
 
 namespace moecore {
 namespace {
 
 using Args = std::vector<std::string>;
 
-// The smallest valid command line.
+// The smallest valid command line: the tiny dense model on mock data.
 Args minimal() {
-  return {"--num-layers",
-          "2",
-          "--hidden-size",
-          "64",
-          "--num-attention-heads",
-          "4",
-          "--seq-length",
-          "32",
-          "--max-position-embeddings",
-          "32",
-          "--train-iters",
-          "100",
-          "--lr",
-          "3e-4",
-          "--micro-batch-size",
-          "2",
-          "--mock-data",
-          "--tokenizer-type",
-          "NullTokenizer",
-          "--vocab-size",
-          "1000"};
+  // clang-format off
+  return test::recipe_flags("tiny-dense", {
+      "--train-iters", "100", "--lr", "3e-4", "--micro-batch-size", "2", "--mock-data",
+      "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"
+  });
+  // clang-format on
 }
 
 Args with(Args args, const Args& extra) {

@@ -9,6 +9,7 @@
 #include "moecore/train/arguments.h"
 #include "moecore/train/memory_estimate.h"
 #include "moecore/train/training_setup.h"
+#include "unit/test_recipe.h"
 
 namespace moecore {
 namespace {
@@ -16,27 +17,12 @@ namespace {
 using Args = std::vector<std::string>;
 
 Args tiny_dense() {
-  return {"--num-layers",
-          "2",
-          "--hidden-size",
-          "64",
-          "--num-attention-heads",
-          "4",
-          "--seq-length",
-          "32",
-          "--max-position-embeddings",
-          "32",
-          "--train-iters",
-          "10",
-          "--lr",
-          "1e-3",
-          "--micro-batch-size",
-          "2",
-          "--mock-data",
-          "--tokenizer-type",
-          "NullTokenizer",
-          "--vocab-size",
-          "999"};
+  // clang-format off
+  return test::recipe_flags("tiny-dense", {
+      "--train-iters", "10", "--lr", "1e-3", "--micro-batch-size", "2", "--mock-data",
+      "--tokenizer-type", "NullTokenizer", "--vocab-size", "999"
+  });
+  // clang-format on
 }
 
 TrainingArgs finalized(Args args, const Args& extra = {}) {

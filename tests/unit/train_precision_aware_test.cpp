@@ -16,6 +16,7 @@
 #include "moecore/train/training_setup.h"
 #include "optimizer_state_reference.h"
 #include "test_temp_dir.h"
+#include "unit/test_recipe.h"
 
 namespace moecore {
 namespace {
@@ -24,39 +25,12 @@ using quant::StateFormat;
 using Args = std::vector<std::string>;
 
 Args tiny(const Args& extra = {}) {
-  Args a = {"--num-layers",
-            "2",
-            "--hidden-size",
-            "32",
-            "--num-attention-heads",
-            "4",
-            "--seq-length",
-            "16",
-            "--max-position-embeddings",
-            "16",
-            "--ffn-hidden-size",
-            "64",
-            "--micro-batch-size",
-            "2",
-            "--global-batch-size",
-            "2",
-            "--train-iters",
-            "4",
-            "--lr",
-            "1e-3",
-            "--mock-data",
-            "--tokenizer-type",
-            "NullTokenizer",
-            "--vocab-size",
-            "250",
-            "--seed",
-            "5",
-            "--num-experts",
-            "4",
-            "--moe-ffn-hidden-size",
-            "32",
-            "--moe-router-topk",
-            "2"};
+  // clang-format off
+  Args a = test::recipe_flags("tiny-moe", {
+      "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data",
+      "--tokenizer-type", "NullTokenizer", "--vocab-size", "250", "--seed", "5"
+  });
+  // clang-format on
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
 }
