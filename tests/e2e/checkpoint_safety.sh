@@ -9,8 +9,8 @@
 #     --no-load-optim behave as Megatron's; `moecore checkpoint` prints and verifies.
 set -euo pipefail
 source "$(dirname "$0")/lib/setup.sh" "$@"
-model=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
-  --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --lr-warmup-iters 2 --log-interval 1 --eval-iters 0
+mapfile -t model < <(recipe "$src" tiny-dense)
+model+=(--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --lr-warmup-iters 2 --log-interval 1 --eval-iters 0
   --mock-data --tokenizer-type NullTokenizer --vocab-size 300 --seed 3 --num-experts 4 --moe-router-topk 2
   --moe-router-enable-expert-bias --moe-router-score-function sigmoid)
 fail() { echo "FAIL: $*"; exit 1; }

@@ -20,10 +20,10 @@ mkdir -p "$rw"
 mount -t tmpfs -o size=64m tmpfs "$rw" || { umount -l "$mnt"; echo "FAIL: mount of a second tmpfs"; exit 1; }
 trap 'umount -l "$mnt" 2>/dev/null; umount -l "$rw" 2>/dev/null' EXIT
 
-model=(--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16
-  --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --log-interval 1 --eval-iters 0 --mock-data
-  --tokenizer-type NullTokenizer --vocab-size 100 --seed 3 --num-experts 4 --moe-router-topk 2 --threads 1)
-llama=(--normalization RMSNorm --swiglu --ffn-hidden-size 64 --position-embedding-type rope --disable-bias-linear)
+mapfile -t model < <(recipe "$src" tiny-moe)
+model+=(--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --log-interval 1 --eval-iters 0 --mock-data
+  --tokenizer-type NullTokenizer --vocab-size 100 --seed 3 --threads 1)
+llama=(--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear)
 mpi=(timeout 300 mpirun -q --allow-run-as-root --oversubscribe -np 2)
 has_mpi() { command -v mpirun >/dev/null; }
 

@@ -2,9 +2,7 @@
 # Bad command lines end with exit code != 0 and one clear line naming the problem; never a crash.
 set -u
 source "$(dirname "$0")/lib/setup.sh" "$@"
-model=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
-       --micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer
-       --vocab-size 128 --eval-iters 1)
+model=("${quick_dense[@]}")
 base=("${model[@]}" --mock-data)
 
 

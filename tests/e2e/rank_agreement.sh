@@ -4,9 +4,7 @@
 set -u
 source "$(dirname "$0")/lib/setup.sh" "$@"
 command -v mpirun >/dev/null || { echo "skipped: no mpirun"; exit 0; }
-base=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
-  --micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer
-  --vocab-size 128 --eval-iters 1 --mock-data)
+base=("${quick_dense[@]}" --mock-data)
 mpmd() {  # mpmd "rank 0 flags" "rank 1 flags": a 2-rank job
   # shellcheck disable=SC2086
   timeout 120 env OMP_NUM_THREADS=1 mpirun -q --allow-run-as-root --oversubscribe \
