@@ -46,11 +46,7 @@ using moecore::Param;
 using moecore::quant::ElementFormat;
 using moecore::quant::QuantSpec;
 using moecore::quant::Recipe;
-using moecore::test::check;
-using moecore::test::g_failures;
-using moecore::test::g_rank;
-using moecore::test::mix;
-using moecore::test::name_hash;
+using namespace moecore::test;  // NOLINT: check, g_rank, g_failures, mix, name_hash (dist_checks.h)
 namespace parallel = moecore::parallel;
 namespace quant = moecore::quant;
 

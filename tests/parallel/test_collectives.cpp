@@ -32,9 +32,7 @@ using moecore::parallel::MpiRuntime;
 using moecore::parallel::ProcessGroup;
 using moecore::parallel::ReduceOp;
 using moecore::parallel::Work;
-using moecore::test::check;
-using moecore::test::g_failures;
-using moecore::test::g_rank;
+using namespace moecore::test;  // NOLINT: check, g_rank, g_failures (dist_checks.h)
 
 // A pseudo-random multiple of 1/16 in [-255/16, 255/16], never zero: exact in bf16 (at most 8 significant bits),
 // sums over a few ranks are exact in fp32 whatever the reduction order (so results compare exactly), and bf16

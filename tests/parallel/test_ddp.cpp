@@ -32,11 +32,7 @@ using moecore::MemoryTracker;
 using moecore::ParallelSizes;
 using moecore::Param;
 using moecore::ParamShard;
-using moecore::test::check;
-using moecore::test::g_failures;
-using moecore::test::g_rank;
-using moecore::test::mix;
-using moecore::test::name_hash;
+using namespace moecore::test;  // NOLINT: check, g_rank, g_failures, mix, name_hash (dist_checks.h)
 namespace parallel = moecore::parallel;
 
 // Initial value of element f of the one-process tensor `name`: in [-1, 1].

@@ -39,9 +39,7 @@ using moecore::parallel::MpiRuntime;
 using moecore::parallel::ParallelState;
 using moecore::parallel::ProcessGroup;
 using moecore::parallel::ReduceOp;
-using moecore::test::check;
-using moecore::test::g_failures;
-using moecore::test::g_rank;
+using namespace moecore::test;  // NOLINT: check, g_rank, g_failures (dist_checks.h)
 
 bool near(double got, double expected, double tol) {
   return std::abs(got - expected) <= tol * (1.0 + std::abs(expected));

@@ -26,9 +26,7 @@
 
 namespace {
 
-using moecore::test::check;
-using moecore::test::g_failures;
-using moecore::test::g_rank;
+using namespace moecore::test;  // NOLINT: check, g_rank, g_failures (dist_checks.h)
 using namespace moecore;
 using parallel::ParallelState;
 using parallel::ProcessGroup;

@@ -30,10 +30,8 @@
 
 namespace {
 
-using moecore::test::check;
-using moecore::test::g_failures;
-using moecore::test::g_rank;
-using namespace moecore;  // NOLINT: a test driver
+using namespace moecore::test;  // NOLINT: check, g_rank, g_failures (dist_checks.h)
+using namespace moecore;        // NOLINT: a test driver
 
 std::vector<std::string> model_flags() {
   std::vector<std::string> flags = test::training_state_flags();
