@@ -12,11 +12,13 @@
 #include "moecore/train/arguments.h"
 #include "moecore/train/flag_catalog.h"
 #include "unit/test_recipe.h"
+#include "unit/train_args_error.h"
 
 namespace moecore {
 namespace {
 
 using Args = std::vector<std::string>;
+using test::error_of;
 
 // The smallest valid command line: the tiny dense model on mock data.
 Args minimal() {
@@ -43,15 +45,6 @@ Args without(const Args& args, const std::string& flag, const int values) {
     result.push_back(args[i]);
   }
   return result;
-}
-
-std::string error_of(const Args& args) {
-  try {
-    parse_train_args(args);
-  } catch (const ConfigError& error) {
-    return error.what();
-  }
-  return "<no error>";
 }
 
 bool mentions(const std::string& message, const std::string& needle) {
@@ -588,15 +581,6 @@ TEST(TrainArguments, PipelineSplitFlags) {
   const TrainingArgs pp4 = parse_train_args(with(no_overlap, {"--pipeline-model-parallel-size", "4"}), 4);
   EXPECT_FALSE(pp4.overlap_p2p_comm);
   EXPECT_FALSE(pipeline_split_flags(pp4).overlap_p2p_comm);
-}
-
-std::string error_of(const Args& args, const int world_size) {
-  try {
-    parse_train_args(args, world_size);
-  } catch (const ConfigError& error) {
-    return error.what();
-  }
-  return "<no error>";
 }
 
 // The schedule's requirements on this DP rank's micro-batches (Megatron's schedules.py), checked with the flags.

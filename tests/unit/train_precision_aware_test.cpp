@@ -17,12 +17,14 @@
 #include "optimizer_state_reference.h"
 #include "test_temp_dir.h"
 #include "unit/test_recipe.h"
+#include "unit/train_args_error.h"
 
 namespace moecore {
 namespace {
 
 using quant::StateFormat;
 using Args = std::vector<std::string>;
+using test::error_of;
 
 Args tiny(const Args& extra = {}) {
   // clang-format off
@@ -33,15 +35,6 @@ Args tiny(const Args& extra = {}) {
   // clang-format on
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
-}
-
-std::string error_of(const Args& args) {
-  try {
-    parse_train_args(args);
-  } catch (const ConfigError& error) {
-    return error.what();
-  }
-  return "<no error>";
 }
 
 const Args kPao = {"--use-distributed-optimizer", "--use-precision-aware-optimizer"};
