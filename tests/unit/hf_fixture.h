@@ -5,9 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
 
+#include "moecore/ckpt/hf_checkpoint.h"
 #include "moecore/model/gpt_model.h"
 #include "unit/test_temp_dir.h"
 
@@ -65,10 +68,37 @@ inline void randomize(GPTModel& model, const uint64_t seed, const RandomBuffers 
   }
 }
 
+// TEXT with its first FROM replaced by TO.
+inline std::string replaced(std::string text, const std::string& from, const std::string& to) {
+  text.replace(text.find(from), from.size(), to);
+  return text;
+}
+
 // A test with a fresh folder of its own: path(NAME) is a file or folder in it.
 class HfFolderTest : public ::testing::Test {
  protected:
   std::string path(const std::string& name) const { return dir_.path(name); }
+
+  // The error read_hf_config gives for the folder bad/ whose config.json holds TEXT (a test failure if none).
+  std::string config_error(const std::string& text) const {
+    std::filesystem::create_directories(path("bad"));
+    std::ofstream(path("bad/config.json")) << text;
+    try {
+      read_hf_config(path("bad"));
+      ADD_FAILURE() << "no error";
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+    return "";
+  }
+
+  // config_error(TEXT) names the file and holds PHRASE.
+  void expect_config_error(const std::string& text, const std::string& phrase) const {
+    SCOPED_TRACE(phrase);
+    const std::string message = config_error(text);
+    EXPECT_NE(message.find("config.json"), std::string::npos) << message;
+    EXPECT_NE(message.find(phrase), std::string::npos) << message;
+  }
 
  private:
   TempDir dir_{"hf"};
