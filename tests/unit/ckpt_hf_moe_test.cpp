@@ -53,21 +53,11 @@ ModelConfig qwen3_moe_config() {
 // DeepSeek-V3-like without MLA: sigmoid scores, group-limited routing, expert bias, scaling factor, seq_aux_loss,
 // a gated shared expert, the first layer dense.
 ModelConfig deepseek_like_config() {
-  ModelConfig c = base_config(3);
-  c.moe.moe_layer_pattern = {false, true, true};
-  c.moe.num_experts = 8;
-  c.moe.topk = 4;
-  c.moe.score_function = RouterScoreFunction::kSigmoid;
-  c.moe.num_groups = 4;
-  c.moe.group_topk = 2;
-  c.moe.enable_expert_bias = true;
+  ModelConfig c = test::hf_deepseek_like_config();
   c.moe.bias_update_rate = 2e-3;
-  c.moe.topk_scaling_factor = 2.5;
   c.moe.load_balancing_types = {LoadBalancingType::kSeqAuxLoss};
   c.moe.aux_loss_coeffs = {1e-4};
   c.moe.z_loss_coeff = 0.0;
-  c.moe.shared_expert_intermediate_size = 20;
-  c.moe.shared_expert_gate = true;
   c.moe.grouped_gemm = true;
   return c;
 }

@@ -59,18 +59,8 @@ ModelConfig qwen3_moe_config() {
 // DeepSeek-V3-like without MLA: sigmoid scores, groups, expert bias, scaling factor, a gated shared expert, a dense
 // first layer, linear biases (no: shared experts need --disable-bias-linear) and q/k norms.
 ModelConfig moecore_moe_config() {
-  ModelConfig c = test::hf_moe_config(3);
+  ModelConfig c = test::hf_deepseek_like_config();
   c.qk_layernorm = true;
-  c.moe.moe_layer_pattern = {false, true, true};
-  c.moe.num_experts = 8;
-  c.moe.topk = 4;
-  c.moe.score_function = RouterScoreFunction::kSigmoid;
-  c.moe.num_groups = 4;
-  c.moe.group_topk = 2;
-  c.moe.enable_expert_bias = true;
-  c.moe.topk_scaling_factor = 2.5;
-  c.moe.shared_expert_intermediate_size = 20;
-  c.moe.shared_expert_gate = true;
   return c;
 }
 

@@ -52,6 +52,23 @@ inline ModelConfig hf_moe_config(const int64_t num_layers) {
   return c;
 }
 
+// DeepSeek-V3-like without MLA (HF's moecore_moe): hf_moe_config(3) with a dense first layer, 8 experts, sigmoid
+// scores, top-4 of the top-2 of 4 groups, an expert bias, scaling factor 2.5 and a gated shared expert of width 20.
+inline ModelConfig hf_deepseek_like_config() {
+  ModelConfig c = hf_moe_config(3);
+  c.moe.moe_layer_pattern = {false, true, true};
+  c.moe.num_experts = 8;
+  c.moe.topk = 4;
+  c.moe.score_function = RouterScoreFunction::kSigmoid;
+  c.moe.num_groups = 4;
+  c.moe.group_topk = 2;
+  c.moe.enable_expert_bias = true;
+  c.moe.topk_scaling_factor = 2.5;
+  c.moe.shared_expert_intermediate_size = 20;
+  c.moe.shared_expert_gate = true;
+  return c;
+}
+
 enum class RandomBuffers : bool { kNo, kYes };
 
 // Distinct random values in every parameter (then, with RandomBuffers::kYes, every buffer), so a misplaced row cannot
