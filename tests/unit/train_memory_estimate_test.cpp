@@ -89,7 +89,7 @@ TEST(MemoryEstimate, ShardsOverParallelRanks) {
   // TP 2 halves the dense part; the distributed optimizer splits the states over the data-parallel ranks.
   const TrainingArgs one = finalized(tiny_dense(), {"--disable-bias-linear", "--normalization", "RMSNorm"});
   TrainingArgs sharded = one;
-  sharded.tensor_model_parallel_size = 2;
+  sharded.parallel.tensor_model_parallel_size = 2;
   sharded.data_parallel_size = 4;
   sharded.use_distributed_optimizer = true;
   EXPECT_DOUBLE_EQ(estimate_memory(sharded).parameters, estimate_memory(one).parameters / 2);

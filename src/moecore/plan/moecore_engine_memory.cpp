@@ -182,12 +182,12 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
   const TrainingArgs& t = args.train;
   const ModelConfig& c = args.model.config;
   const Shape s = shape_of(args.model);
-  const parallel::PipelineLayout pipeline(pipeline_split_flags(t));
+  const parallel::PipelineLayout pipeline = pipeline_layout(t);
   const int pp = pipeline.pipeline_size(), vpp = pipeline.virtual_pipeline_size();
 
   const std::map<int64_t, int64_t> mtp_at = mtp_layers_by_stage(args, pp, vpp);  // virtual stage v * pp + r
   Layout l{layout_sizes(args)};
-  l.sp = t.sequence_parallel && t.tensor_model_parallel_size > 1;
+  l.sp = t.sequence_parallel && t.parallel.tensor_model_parallel_size > 1;
 
   Tokens x;
   x.t = static_cast<double>(c.seq_length) * static_cast<double>(t.micro_batch_size) / l.cp;
