@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "moecore/train/pipeline_schedule.h"
+#include "moecore/pipeline/pipeline_schedule.h"
 
 namespace moecore {
 

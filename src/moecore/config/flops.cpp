@@ -1,4 +1,4 @@
-#include "moecore/train/flops.h"
+#include "moecore/config/flops.h"
 
 #include <string>
 

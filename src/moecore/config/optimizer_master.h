@@ -3,7 +3,7 @@
 // master as 16-bit remainders) or Megatron's distributed optimizer (a full fp32 master, fp32 gradient copies).
 #pragma once
 
-#include "moecore/train/arguments.h"
+#include "moecore/config/arguments.h"
 
 namespace moecore {
 

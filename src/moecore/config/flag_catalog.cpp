@@ -1,4 +1,4 @@
-#include "moecore/train/flag_catalog.h"
+#include "moecore/config/flag_catalog.h"
 
 #include <algorithm>
 #include <array>

@@ -1,4 +1,4 @@
-#include "moecore/parallel/layout_command.h"
+#include "moecore/pipeline/layout_command.h"
 
 #include <algorithm>
 #include <charconv>
@@ -150,7 +150,8 @@ std::string layout_usage() {
 LayoutCommandArgs parse_layout_command_args(const std::vector<std::string>& args) {
   LayoutCommandArgs parsed;
   ParallelSizes& sizes = parsed.sizes;
-  parallel::PipelineSplitFlags split;
+  parallel::PipelineSplitFlags& split = parsed.pipeline_split;
+  parallel::PipelineShape shape;
   std::optional<int> world_size;
   std::optional<int> num_layers;
   std::string first_split_flag;  // the first split flag given, to name when --num-layers is missing
@@ -190,7 +191,7 @@ LayoutCommandArgs parse_layout_command_args(const std::vector<std::string>& args
       if (flag == "--num-virtual-stages-per-pipeline-rank") {
         split.num_virtual_stages_per_pipeline_rank = parse_integer(flag, text);
       }
-      if (flag == "--mtp-num-layers") split.mtp_num_layers = parse_integer(flag, text);
+      if (flag == "--mtp-num-layers") shape.mtp_num_layers = parse_integer(flag, text);
       continue;
     }
     const int value = parse_positive(flag, text);
@@ -214,9 +215,9 @@ LayoutCommandArgs parse_layout_command_args(const std::vector<std::string>& args
     throw LayoutError("moecore layout: " + first_split_flag + " needs --num-layers (the split counts decoder layers)");
   }
   if (num_layers) {
-    split.num_layers = *num_layers;
-    split.pipeline_model_parallel_size = sizes.pipeline_model_parallel_size;
-    parsed.pipeline = split;
+    shape.num_layers = *num_layers;
+    shape.pipeline_model_parallel_size = sizes.pipeline_model_parallel_size;
+    parsed.pipeline = shape;
   }
   return parsed;
 }
@@ -245,7 +246,8 @@ int layout_main(const std::vector<std::string>& args, std::ostream& out) {
   const ParallelLayout layout(parsed.sizes);
   // Both are validated before anything is printed.
   const std::optional<parallel::PipelineLayout> pipeline =
-      parsed.pipeline ? std::optional<parallel::PipelineLayout>(std::in_place, *parsed.pipeline) : std::nullopt;
+      parsed.pipeline ? std::optional<parallel::PipelineLayout>(std::in_place, *parsed.pipeline, parsed.pipeline_split)
+                      : std::nullopt;
   print_layout(layout, out);
   if (pipeline) print_pipeline_stages(*pipeline, out);
   return 0;

@@ -1,4 +1,4 @@
-#include "moecore/train/pipeline_simulator.h"
+#include "moecore/pipeline/pipeline_simulator.h"
 
 #include <algorithm>
 #include <map>

@@ -1,6 +1,8 @@
 // Megatron's pipeline schedules as action lists (pipeline_schedule.h) and the simulator that runs them together
 // (pipeline_simulator.h): Megatron's own examples, the warm-up counts, a grid of sizes that must all complete with
 // every transfer matched and the data flow respected, the bubble against Narayanan et al. 2021, and the errors.
+#include "moecore/pipeline/pipeline_schedule.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,8 +12,7 @@
 #include <vector>
 
 #include "moecore/model/config.h"
-#include "moecore/train/pipeline_schedule.h"
-#include "moecore/train/pipeline_simulator.h"
+#include "moecore/pipeline/pipeline_simulator.h"
 
 namespace moecore {
 namespace {

@@ -1,4 +1,4 @@
-#include "moecore/train/optimizer_master.h"
+#include "moecore/config/optimizer_master.h"
 
 namespace moecore {
 

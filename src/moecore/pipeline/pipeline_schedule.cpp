@@ -1,4 +1,4 @@
-#include "moecore/train/pipeline_schedule.h"
+#include "moecore/pipeline/pipeline_schedule.h"
 
 #include <algorithm>
 #include <string>

@@ -4,7 +4,7 @@
 #include <set>
 #include <string>
 
-#include "moecore/train/arguments.h"
+#include "moecore/config/arguments.h"
 
 namespace moecore::detail {
 

@@ -5,7 +5,7 @@
 #include <optional>
 #include <string>
 
-#include "moecore/train/arguments.h"
+#include "moecore/config/arguments.h"
 
 namespace moecore {
 
