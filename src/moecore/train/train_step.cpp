@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "moecore/ops/device.h"
 #include "moecore/parallel/comm_stats.h"
 #include "moecore/pipeline/pipeline_schedule.h"
 #include "moecore/train/batch_schedule.h"
@@ -69,6 +70,9 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   microbatches.document_ids = args.reset_attention_mask;
   modules.ddp.zero_grad();
   const TokenWeightedLoss loss = run_pipeline_schedule(schedule, modules.model, &modules.ddp, parallel, microbatches);
+  // The step's kernels are done before the collectives read the gradients on the host (the model's device is the
+  // CPU, where this returns at once).
+  ops::synchronize(Device::kCPU);
   {
     const trace::Scope scope("finish grad sync", "step");
     modules.ddp.finish_grad_sync();
