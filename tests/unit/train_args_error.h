@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "moecore/train/arguments.h"
+#include "moecore/config/arguments.h"
 
 namespace moecore::test {
 

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "moecore/train/arguments.h"
+#include "moecore/config/arguments.h"
+#include "moecore/config/optimizer_master.h"
 #include "moecore/train/checkpointing.h"
-#include "moecore/train/optimizer_master.h"
 #include "moecore/train/training_setup.h"
 #include "optimizer_state_reference.h"
 #include "test_temp_dir.h"

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "moecore/train/arguments.h"
+#include "moecore/config/arguments.h"
 #include "moecore/train/training_setup.h"
 #include "moecore/train/training_state.h"
 #include "unit/training_state_fixture.h"

@@ -16,10 +16,11 @@
 
 namespace moecore {
 
-// 64-byte aligned, zero-initialised bytes, counted under one MemCategory for their lifetime.
+// 64-byte aligned, zero-initialised bytes from the device's allocator, counted under one MemCategory for their
+// lifetime.
 class Storage {
  public:
-  // Throws std::runtime_error for a device this build cannot allocate on.
+  // Throws std::runtime_error for a device this build cannot allocate on (allocator.h).
   Storage(size_t bytes, MemCategory category, Device device = Device::kCPU);
   ~Storage();
   // Borrowed: memory owned elsewhere; neither freed nor counted by the MemoryTracker.
@@ -32,6 +33,8 @@ class Storage {
   size_t bytes() const { return bytes_; }
   MemCategory category() const { return category_; }
   Device device() const { return device_; }
+  // "" unless something wrote outside the allocation (the reference device's guard bytes).
+  std::string outside_writes() const;
 
  private:
   std::byte* data_;  // owned (freed in the destructor) unless borrowed
@@ -89,10 +92,13 @@ class Tensor {
   // Rows [begin, end) of the first dimension, sharing storage.
   Tensor slice_rows(int64_t begin, int64_t end) const;
   Tensor clone(MemCategory category = MemCategory::kOther) const;
+  // A copy on `device` (between host-accessible devices).
+  Tensor to(Device device, MemCategory category = MemCategory::kOther) const;
   void zero_();
   void copy_from(const Tensor& other);  // same dtype and numel
 
  private:
+  friend std::string outside_writes(const Tensor& t);
   std::shared_ptr<Storage> storage_;
   size_t offset_bytes_ = 0;
   std::vector<int64_t> shape_;
@@ -108,5 +114,8 @@ Tensor Tensor::from_blob(T* data, std::vector<int64_t> shape) {
       std::make_shared<Storage>(reinterpret_cast<std::byte*>(const_cast<std::remove_const_t<T>*>(data)), out.nbytes());
   return out;
 }
+
+// "" unless a kernel wrote outside the tensor's storage (detected on the reference device).
+std::string outside_writes(const Tensor& t);
 
 }  // namespace moecore
