@@ -22,6 +22,7 @@
 #include "moecore/parallel/mpi_runtime.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
+#include "parallel/dist_checks.h"
 
 namespace {
 
@@ -38,15 +39,7 @@ using moecore::parallel::MpiRuntime;
 using moecore::parallel::ParallelState;
 using moecore::parallel::ProcessGroup;
 using moecore::parallel::ReduceOp;
-
-int g_rank = 0;
-int g_check_failures = 0;
-
-void check(bool condition, const std::string& what) {
-  if (condition) return;
-  ++g_check_failures;
-  if (g_check_failures <= 10) std::fprintf(stderr, "[rank %d] check failed: %s\n", g_rank, what.c_str());
-}
+using namespace moecore::test;  // NOLINT: check, g_rank, g_failures (dist_checks.h)
 
 bool near(double got, double expected, double tol) {
   return std::abs(got - expected) <= tol * (1.0 + std::abs(expected));
@@ -454,14 +447,14 @@ int main(int argc, char** argv) {
     int passed = 0;
     for (const Layout& layout : layouts_for(world.size())) {
       for (const Case c : {Case::kTopK, Case::kCapacityDrop, Case::kCapacityPad, Case::kStarved, Case::kLargeCounts}) {
-        g_check_failures = 0;
+        g_failures = 0;
         try {
           test_layout_case(world, layout, c);
         } catch (const std::exception& error) {
-          ++g_check_failures;
+          ++g_failures;
           std::fprintf(stderr, "[rank %d] %s/%s threw: %s\n", g_rank, layout.name.c_str(), case_name(c), error.what());
         }
-        std::vector<float> failed = {g_check_failures > 0 ? 1.0f : 0.0f};
+        std::vector<float> failed = {g_failures > 0 ? 1.0f : 0.0f};
         world.all_reduce<float>(failed, ReduceOp::kMax);
         if (failed[0] > 0)
           ++failed_total;

@@ -11,13 +11,29 @@
 #include <set>
 #include <vector>
 
-#include "moecore/ops/backend.h"
+#include "moecore/ops/device.h"
 #include "moecore/ops/routing.h"
 
 namespace moecore::ops {
 namespace {
 
-constexpr Backend kBackends[] = {Backend::kCpu, Backend::kReference};
+constexpr Device kDevices[] = {Device::kCPU, Device::kReference};
+
+// The device each test's tensors are made on (tensor_on, tensor_of, zeros_on).
+Device test_device = Device::kCPU;
+class TestDevice {
+ public:
+  explicit TestDevice(const Device device) : previous_(test_device) { test_device = device; }
+  ~TestDevice() { test_device = previous_; }
+  TestDevice(const TestDevice&) = delete;
+  TestDevice& operator=(const TestDevice&) = delete;
+
+ private:
+  Device previous_;
+};
+Tensor tensor_on(std::vector<int64_t> shape, const DType dtype) {
+  return Tensor(std::move(shape), dtype, MemCategory::kOther, test_device);
+}
 
 std::vector<double> random_values(const int64_t n, const uint32_t seed, const double scale = 1.0) {
   std::mt19937 gen(seed);
@@ -28,13 +44,13 @@ std::vector<double> random_values(const int64_t n, const uint32_t seed, const do
 }
 
 Tensor tensor_of(std::vector<double>& v, const std::vector<int64_t>& shape) {
-  return Tensor::from_blob(v.data(), shape);
+  return Tensor::from_blob(v.data(), shape, test_device);
 }
 
 // k random distinct experts per token (the top-k of random values), as kI32 [T, k].
 Tensor random_topk(const int64_t T, const int64_t E, const int64_t k, const uint32_t seed) {
   const std::vector<double> values = random_values(T * E, seed);
-  Tensor idx({T, k}, DType::kI32);
+  Tensor idx = tensor_on({T, k}, DType::kI32);
   std::vector<int64_t> order(static_cast<size_t>(E));
   for (int64_t t = 0; t < T; ++t) {
     std::iota(order.begin(), order.end(), int64_t{0});
@@ -68,20 +84,21 @@ double naive_aux(const std::vector<double>& scores, const Tensor& idx, const std
 double aux_loss_chain(std::vector<double>& scores, const Tensor& idx, const int64_t S, const int64_t B, const int64_t E,
                       const int64_t k, const double coeff, const bool seq, std::vector<double>* dscores_TE) {
   const int64_t T = S * B;
-  Tensor sums_E({E}, DType::kF64), sums_BE({B, E}, DType::kF64), counts_BE({B, E}, DType::kF64);
-  aux_loss_sums(sums_E, sums_BE, counts_BE, tensor_of(scores, {T, E}), idx, B);
-  Tensor grad_BE = Tensor::zeros({B, E}, DType::kF64);
+  Tensor sums_E = tensor_on({E}, DType::kF64), sums_BE = tensor_on({B, E}, DType::kF64),
+         counts_BE = tensor_on({B, E}, DType::kF64);
+  aux_loss_sums(sums_E, sums_BE, counts_BE, tensor_of(scores, {T, E}), idx.to(test_device), B);
+  Tensor grad_BE = tensor_on({B, E}, DType::kF64);
   double loss = 0.0;
   if (seq) {
     const SwitchLossSpec spec{static_cast<double>(S), k, E, coeff / static_cast<double>(B)};
     loss = switch_loss(sums_BE, counts_BE, spec);
     switch_loss_backward(grad_BE, counts_BE, spec, 1.0);
   } else {
-    Tensor counts_E = Tensor::zeros({E}, DType::kF64);
+    Tensor counts_E = tensor_on({E}, DType::kF64);
     for (int64_t j = 0; j < B * E; ++j) counts_E.data<double>()[j % E] += counts_BE.data<double>()[j];
     const SwitchLossSpec spec{static_cast<double>(T), k, E, coeff};
     loss = switch_loss(sums_E, counts_E, spec);
-    Tensor grad_E = Tensor::zeros({E}, DType::kF64);
+    Tensor grad_E = tensor_on({E}, DType::kF64);
     switch_loss_backward(grad_E, counts_E, spec, 1.0);
     for (int64_t j = 0; j < B * E; ++j) grad_BE.data<double>()[j] = grad_E.data<double>()[j % E];
   }
@@ -105,8 +122,8 @@ TEST(RoutingOps, UniformScoresGiveExactlyTheCoefficient) {
   std::vector<double> scores(static_cast<size_t>(T * E), 1.0 / E);
   // Any routing with k experts per token: f sums to 1 and P_e = 1/E, so the loss is coeff.
   const Tensor idx = random_topk(T, E, k, 7);
-  for (const Backend backend : kBackends) {
-    const ScopedBackend scope(backend);
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
     EXPECT_DOUBLE_EQ(aux_loss_chain(scores, idx, T, 1, E, k, 0.01, false, nullptr), 0.01);
   }
 }
@@ -122,8 +139,8 @@ TEST(RoutingOps, AuxAndSeqAuxLossesMatchNaiveFormulas) {
     for (int64_t s = 0; s < S; ++s) rows.push_back(s * B + b);
     expected_seq += naive_aux(scores, idx, rows, E, k, 0.2) / B;
   }
-  for (const Backend backend : kBackends) {
-    const ScopedBackend scope(backend);
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
     EXPECT_NEAR(aux_loss_chain(scores, idx, S, B, E, k, 0.3, false, nullptr),
                 naive_aux(scores, idx, all_rows(T), E, k, 0.3), 1e-14);
     EXPECT_NEAR(aux_loss_chain(scores, idx, S, B, E, k, 0.2, true, nullptr), expected_seq, 1e-14);
@@ -137,8 +154,8 @@ TEST(RoutingOps, AuxLossGradientsMatchFiniteDifferences) {
   const int64_t S = 4, B = 2, E = 5, k = 2, T = S * B;
   const Tensor idx = random_topk(T, E, k, 21);
   std::vector<double> scores = random_values(T * E, 22);
-  for (const Backend backend : kBackends) {
-    const ScopedBackend scope(backend);
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
     for (const bool seq : {false, true}) {
       std::vector<double> grad(static_cast<size_t>(T * E), 0.0);
       aux_loss_chain(scores, idx, S, B, E, k, 0.7, seq, &grad);
@@ -165,10 +182,10 @@ double raw_score(const RoutingScore fn, const double l) {
 TEST(RoutingOps, AuxScoresAreFp32NormalisedScoresAndTheirTopk) {
   const int64_t T = 3, E = 6, k = 2;
   std::vector<double> logits = random_values(T * E, 31, 1.5);
-  for (const Backend backend : kBackends) {
-    const ScopedBackend scope(backend);
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
     for (const RoutingScore fn : {RoutingScore::kSoftmax, RoutingScore::kSigmoid, RoutingScore::kSqrtSoftplus}) {
-      Tensor scores({T, E}, DType::kF64), idx({T, k}, DType::kI32);
+      Tensor scores = tensor_on({T, E}, DType::kF64), idx = tensor_on({T, k}, DType::kI32);
       aux_scores_forward(scores, idx, tensor_of(logits, {T, E}), fn, true);
       for (int64_t t = 0; t < T; ++t) {
         double raw_sum = 0.0, sum = 0.0, kth = 1e300, best_unselected = -1e300;
@@ -203,10 +220,10 @@ TEST(RoutingOps, ZLossValueAndGradient) {
     for (int64_t e = 0; e < E; ++e) sum += std::exp(logits[static_cast<size_t>(t * E + e)]);
     expected += std::log(sum) * std::log(sum) / T;
   }
-  for (const Backend backend : kBackends) {
-    const ScopedBackend scope(backend);
-    Tensor lse({T}, DType::kF64);
-    Tensor dlogits = Tensor::zeros({T, E}, DType::kF64);
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
+    Tensor lse = tensor_on({T}, DType::kF64);
+    Tensor dlogits = tensor_on({T, E}, DType::kF64);
     EXPECT_NEAR(z_loss_forward(lse, tensor_of(logits, {T, E}), 0.3), 0.3 * expected, 1e-13);
     z_loss_backward(dlogits, tensor_of(logits, {T, E}), lse, 0.3 * 0.5);  // grad_scale 0.5
     const double h = 1e-6;
@@ -223,12 +240,12 @@ TEST(RoutingOps, ZLossValueAndGradient) {
 }
 
 TEST(RoutingOps, ExpertBiasSignRuleByHand) {
-  for (const Backend backend : kBackends) {
-    const ScopedBackend scope(backend);
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
     std::vector<float> bias = {0.5f, -0.25f, 0.0f, 1.0f};
     std::vector<double> counts = {3.0, 1.0, 2.0, 2.0};
     // mean = 2: expert 0 is over-loaded (bias down), expert 1 under-loaded (up), 2 and 3 balanced (unchanged).
-    Tensor bias_E = Tensor::from_blob(bias.data(), {4});
+    Tensor bias_E = Tensor::from_blob(bias.data(), {4}, test_device);
     expert_bias_update(bias_E, tensor_of(counts, {4}), 0.125);
     EXPECT_EQ(bias, (std::vector<float>{0.375f, -0.125f, 0.0f, 1.0f}));
   }
@@ -241,14 +258,14 @@ std::vector<int32_t> select(std::vector<double> values, const int64_t k, const i
   TopkRoutingSpec spec;
   spec.num_groups = groups;
   spec.group_topk = group_topk;
-  Tensor idx({1, k}, DType::kI32), probs({1, k}, DType::kF64);
+  Tensor idx = tensor_on({1, k}, DType::kI32), probs = tensor_on({1, k}, DType::kF64);
   topk_routing_forward(idx, probs, tensor_of(values, {1, E}), nullptr, nullptr, spec);
   return {idx.data<int32_t>(), idx.data<int32_t>() + k};
 }
 
 TEST(RoutingOps, TopkTiesGoToTheLowerIndexAndGroupsByHand) {
-  for (const Backend backend : kBackends) {
-    const ScopedBackend scope(backend);
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
     EXPECT_EQ(select({1.0, 3.0, 2.0, 3.0, 2.0}, 3), (std::vector<int32_t>{1, 3, 2}));
     // 4 groups of 2; k = 2, group_topk = 2: group score = its best value (top-1 of each group).
     // Group scores: g0 = 0.9, g1 = 0.8, g2 = 0.85, g3 = 0.1 -> groups 0 and 2 -> experts 0 (0.9) and 4 (0.85),
@@ -262,19 +279,19 @@ TEST(RoutingOps, TopkTiesGoToTheLowerIndexAndGroupsByHand) {
 }
 
 TEST(RoutingOps, SqrtSoftplusFollowsTorchThreshold) {
-  for (const Backend backend : kBackends) {
-    const ScopedBackend scope(backend);
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
     TopkRoutingSpec spec;
     spec.score = RoutingScore::kSqrtSoftplus;
     spec.fp32_scores = false;
     std::vector<double> logits = {25.0, 0.0};  // softplus(25) = 25 exactly above torch's threshold 20
-    Tensor idx({2, 1}, DType::kI32), probs({2, 1}, DType::kF64);
+    Tensor idx = tensor_on({2, 1}, DType::kI32), probs = tensor_on({2, 1}, DType::kF64);
     topk_routing_forward(idx, probs, tensor_of(logits, {2, 1}), nullptr, nullptr, spec);
     EXPECT_DOUBLE_EQ(probs.data<double>()[0], 5.0);
     EXPECT_NEAR(probs.data<double>()[1], std::sqrt(std::log(2.0)), 1e-15);
     // d sqrt(softplus(l)) / dl = sigmoid(l) / (2 sqrt(softplus(l))); above the threshold softplus' = 1.
     std::vector<double> dprobs = {1.0, 1.0};
-    Tensor dlogits = Tensor::zeros({2, 1}, DType::kF64);
+    Tensor dlogits = tensor_on({2, 1}, DType::kF64);
     topk_routing_backward(dlogits, tensor_of(dprobs, {2, 1}), nullptr, idx, tensor_of(logits, {2, 1}), spec);
     EXPECT_DOUBLE_EQ(dlogits.data<double>()[0], 1.0 / 10.0);
     EXPECT_NEAR(dlogits.data<double>()[1], 0.5 / (2.0 * std::sqrt(std::log(2.0))), 1e-15);
@@ -284,9 +301,9 @@ TEST(RoutingOps, SqrtSoftplusFollowsTorchThreshold) {
 TEST(RoutingOps, SinkhornBalancesColumnsAndRows) {
   const int64_t T = 16, E = 4;
   std::vector<double> logits = random_values(T * E, 51);
-  for (const Backend backend : kBackends) {
-    const ScopedBackend scope(backend);
-    Tensor balanced({T, E}, DType::kF64);
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
+    Tensor balanced = tensor_on({T, E}, DType::kF64);
     sinkhorn(balanced, tensor_of(logits, {T, E}));
     for (int64_t e = 0; e < E; ++e) {
       double col = 0.0;
@@ -308,12 +325,13 @@ std::vector<uint8_t> column0(const std::vector<uint8_t>& sel0, const std::vector
                              const int64_t capacity, const RoutingDropPolicy policy) {
   const auto T = static_cast<int64_t>(sel0.size());
   const int64_t E = 2;
-  Tensor idx({T, 1}, DType::kI32), probs({T, 1}, DType::kF64);
+  Tensor idx = tensor_on({T, 1}, DType::kI32), probs = tensor_on({T, 1}, DType::kF64);
   for (int64_t t = 0; t < T; ++t) {
     idx.data<int32_t>()[t] = sel0[static_cast<size_t>(t)] ? 0 : 1;
     probs.data<double>()[t] = sel0[static_cast<size_t>(t)] ? probs0[static_cast<size_t>(t)] : 0.25;
   }
-  Tensor map({T, E}, DType::kU8), probs_TE({T, E}, DType::kF64), counts({E}, DType::kI64);
+  Tensor map = tensor_on({T, E}, DType::kU8), probs_TE = tensor_on({T, E}, DType::kF64),
+         counts = tensor_on({E}, DType::kI64);
   routing_map(map, probs_TE, counts, idx, probs, capacity, policy, true);
   std::vector<uint8_t> out;
   for (int64_t t = 0; t < T; ++t) out.push_back(map.data<uint8_t>()[t * E]);
@@ -321,8 +339,8 @@ std::vector<uint8_t> column0(const std::vector<uint8_t>& sel0, const std::vector
 }
 
 TEST(RoutingOps, CapacityMaskPolicies) {
-  for (const Backend backend : kBackends) {
-    const ScopedBackend scope(backend);
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
     // 5 tokens, tokens 0, 1, 3, 4 selected (token 2 not: prob 0).
     const std::vector<uint8_t> selected = {1, 1, 0, 1, 1};
     const std::vector<double> probs = {0.2, 0.5, 0.0, 0.9, 0.5};

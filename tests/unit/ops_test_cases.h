@@ -93,16 +93,18 @@ inline ::testing::AssertionResult close(const Tensor& got, const Tensor& want, c
 
 class Env {
  public:
-  Env(const DType dtype, const uint64_t seed) : dtype_(dtype), gen_(seed) {}
+  Env(const DType dtype, const uint64_t seed, const Device device = Device::kCPU)
+      : dtype_(dtype), device_(device), gen_(seed) {}
 
   DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
 
   // A tensor of `shape` whose values have magnitude in [0.1, 1) * scale and a random sign (never zero, never near
   // a kink such as relu's), or are positive.
   // `dtype` overrides the environment's (the low-precision cases mix dtypes).
   Tensor& rand(const std::string& name, std::vector<int64_t> shape, const double scale = 1.0,
                const bool positive = false, const std::optional<DType> dtype = std::nullopt) {
-    Tensor t(std::move(shape), dtype.value_or(dtype_));
+    Tensor t(std::move(shape), dtype.value_or(dtype_), MemCategory::kOther, device_);
     std::uniform_real_distribution<double> magnitude(0.1, 1.0);
     std::bernoulli_distribution negative(0.5);
     for (int64_t i = 0; i < t.numel(); ++i) {
@@ -130,8 +132,23 @@ class Env {
     return out;
   }
 
+  // Every tensor moved to `device` (copies: the values stay).
+  void to(const Device device) {
+    for (auto& [name, t] : tensors_) t = t.to(device);
+    device_ = device;
+  }
+
+  // What some kernel wrote outside a tensor of this environment (the reference device's guard bytes), or "".
+  std::string outside_writes() const {
+    for (const auto& [name, t] : tensors_) {
+      if (const std::string problem = moecore::outside_writes(t); !problem.empty()) return name + ": " + problem;
+    }
+    return "";
+  }
+
  private:
   DType dtype_;
+  Device device_;
   std::mt19937_64 gen_;
   std::map<std::string, Tensor> tensors_;
 };
@@ -172,8 +189,8 @@ struct OpCase {
 
 // The case's tensors for `dtype`: build(), then w_o for each loss output and each gradient buffer, all random and
 // the same for a given case and dtype (the seed is the case name's stream key).
-inline Env make_env(const OpCase& c, const DType dtype) {
-  Env env(dtype, stream_key(c.name));
+inline Env make_env(const OpCase& c, const DType dtype, const Device device = Device::kCPU) {
+  Env env(dtype, stream_key(c.name), device);
   c.build(env);
   for (const std::string& o : c.loss) env.rand("d" + o, env(o).shape());
   for (const GradOf& g : c.grads) env.rand(g.grad, env(g.input).shape());
@@ -708,7 +725,7 @@ inline OpCase linear_cross_entropy_case(const std::string& name, const int64_t V
   c.loss = {"losses"};
   c.backward = [=](Env& e) {
     const VocabShard s = shard();
-    Tensor scratch_losses({T}, e.dtype());
+    Tensor scratch_losses({T}, e.dtype(), MemCategory::kOther, e.device());
     linear_cross_entropy(scratch_losses, e("inp"), e("weight"), targets, chunk, &e("dlosses"), &e("dinp"),
                          &e("dweight"), split ? &s : nullptr);
   };

@@ -3,8 +3,8 @@
 
 #include "moecore/ops/activation.h"
 #include "moecore/ops/attention.h"
-#include "moecore/ops/backend.h"
 #include "moecore/ops/convert.h"
+#include "moecore/ops/device.h"
 #include "moecore/ops/dropout.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/expert_activation.h"
