@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "commands.h"
-#include "moecore/parallel/layout_command.h"
+#include "moecore/pipeline/layout_command.h"
 
 int run_layout(int argc, char** argv) {
   try {

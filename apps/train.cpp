@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "moecore/config/arguments.h"
 #include "moecore/model/config.h"
 #include "moecore/parallel/agreement.h"
 #include "moecore/parallel/mpi_runtime.h"
@@ -14,7 +15,6 @@
 #include "moecore/parallel/process_group.h"
 #include "moecore/parallel/watchdog.h"
 #include "moecore/train/argument_agreement.h"
-#include "moecore/train/arguments.h"
 #include "moecore/train/trainer.h"
 
 namespace {

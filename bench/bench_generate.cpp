@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "moecore/config/arguments.h"
 #include "moecore/model/kv_cache.h"
-#include "moecore/train/arguments.h"
 #include "moecore/train/training_setup.h"
 
 namespace {

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "moecore/train/pipeline_schedule.h"
-#include "moecore/train/pipeline_simulator.h"
+#include "moecore/pipeline/pipeline_schedule.h"
+#include "moecore/pipeline/pipeline_simulator.h"
 
 int main(int argc, char** argv) {
   using namespace moecore;

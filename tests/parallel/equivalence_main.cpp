@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "moecore/config/arguments.h"
 #include "moecore/parallel/mpi_runtime.h"
 #include "moecore/parallel/parallel_state.h"
-#include "moecore/train/arguments.h"
 #include "moecore/train/trainer.h"
 #include "moecore/train/training_setup.h"
 

@@ -15,11 +15,11 @@
 #include <vector>
 
 #include "../unit/test_recipe.h"
+#include "moecore/config/arguments.h"
 #include "moecore/model/gpt_model.h"
 #include "moecore/parallel/mpi_runtime.h"
 #include "moecore/parallel/parallel_layout.h"
 #include "moecore/parallel/process_group.h"
-#include "moecore/train/arguments.h"
 
 namespace {
 

@@ -22,6 +22,7 @@
 #include "moecore/parallel/mpi_runtime.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
+#include "parallel/dist_checks.h"
 
 namespace {
 
@@ -38,15 +39,7 @@ using moecore::parallel::MpiRuntime;
 using moecore::parallel::ParallelState;
 using moecore::parallel::ProcessGroup;
 using moecore::parallel::ReduceOp;
-
-int g_rank = 0;
-int g_check_failures = 0;
-
-void check(bool condition, const std::string& what) {
-  if (condition) return;
-  ++g_check_failures;
-  if (g_check_failures <= 10) std::fprintf(stderr, "[rank %d] check failed: %s\n", g_rank, what.c_str());
-}
+using namespace moecore::test;  // NOLINT: check, g_rank, g_failures (dist_checks.h)
 
 bool near(double got, double expected, double tol) {
   return std::abs(got - expected) <= tol * (1.0 + std::abs(expected));
@@ -93,7 +86,7 @@ RankData make_data(const int rank, const int64_t T, const Case c, const int64_t 
   RouterOutput& r = d.routing;
   r.probs_TE = Tensor({T, kE}, DType::kF32);
   std::fill_n(r.probs_TE.data<float>(), T * kE, 0.0f);
-  r.routing_map_TE.assign(static_cast<size_t>(T * kE), 0);
+  r.routing_map_TE = Tensor::zeros({T, kE}, DType::kU8);
   r.tokens_per_expert_E.assign(static_cast<size_t>(kE), 0);
   const int64_t first = c == Case::kStarved ? starve_end : 0;
   std::vector<int64_t> experts(static_cast<size_t>(kE - first));
@@ -102,7 +95,7 @@ RankData make_data(const int rank, const int64_t T, const Case c, const int64_t 
     std::shuffle(experts.begin(), experts.end(), gen);
     for (int64_t j = 0; j < kK; ++j) {
       const int64_t e = experts[static_cast<size_t>(j)];
-      r.routing_map_TE[t * kE + e] = 1;
+      r.routing_map_TE.data<uint8_t>()[t * kE + e] = 1;
       r.probs_TE.data<float>()[t * kE + e] = prob(gen);
     }
   }
@@ -111,9 +104,9 @@ RankData make_data(const int rank, const int64_t T, const Case c, const int64_t 
   for (int64_t e = 0; e < kE; ++e) {
     int64_t kept = 0;
     for (int64_t t = 0; t < T; ++t) {
-      if (r.routing_map_TE[t * kE + e] == 0) continue;
+      if (r.routing_map_TE.data<uint8_t>()[t * kE + e] == 0) continue;
       if (capped && kept == C) {
-        r.routing_map_TE[t * kE + e] = 0;
+        r.routing_map_TE.data<uint8_t>()[t * kE + e] = 0;
         r.probs_TE.data<float>()[t * kE + e] = 0.0f;
       } else {
         ++kept;
@@ -143,7 +136,7 @@ void append_rows(std::vector<ExpectedRow>& rows, const RankData& data, const int
                  const int64_t e) {
   int64_t routed = 0;
   for (int64_t t = 0; t < data.T; ++t) {
-    if (data.routing.routing_map_TE[t * kE + e] == 0) continue;
+    if (data.routing.routing_map_TE.data<uint8_t>()[t * kE + e] == 0) continue;
     rows.push_back({member, source, t});
     ++routed;
   }
@@ -258,7 +251,8 @@ Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, c
       for (int64_t h = 0; h < H; ++h) check(row[h] == 0.0f, label + ": padding row");
       continue;
     }
-    check(src.routing.routing_map_TE[t * E + first_expert + le] == 1, label + ": row routed to its expert");
+    check(src.routing.routing_map_TE.data<uint8_t>()[t * E + first_expert + le] == 1,
+          label + ": row routed to its expert");
     check(state.probs_R.data<float>()[r] == src.routing.probs_TE.data<float>()[t * E + first_expert + le],
           label + ": row prob");
     for (int64_t h = 0; h < H; ++h) {
@@ -304,7 +298,7 @@ Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, c
     for (int64_t h = 0; h < H; ++h) dot += static_cast<double>(mine.dout_TH[t * H + h]) * mine.x_TH[t * H + h];
     std::vector<double> out_ref(static_cast<size_t>(H), base), dx_ref(static_cast<size_t>(H), base);
     for (int64_t e = 0; e < E; ++e) {
-      const bool routed = mine.routing.routing_map_TE[t * E + e] != 0;
+      const bool routed = mine.routing.routing_map_TE.data<uint8_t>()[t * E + e] != 0;
       const double p = p_TE[t * E + e], w = static_cast<double>(e + 1);
       for (int64_t h = 0; h < H && routed; ++h) {
         out_ref[h] += w * p * mine.x_TH[t * H + h];
@@ -461,14 +455,14 @@ int main(int argc, char** argv) {
     int passed = 0;
     for (const Layout& layout : layouts_for(world.size())) {
       for (const Case c : {Case::kTopK, Case::kCapacityDrop, Case::kCapacityPad, Case::kStarved, Case::kLargeCounts}) {
-        g_check_failures = 0;
+        g_failures = 0;
         try {
           test_layout_case(world, layout, c);
         } catch (const std::exception& error) {
-          ++g_check_failures;
+          ++g_failures;
           std::fprintf(stderr, "[rank %d] %s/%s threw: %s\n", g_rank, layout.name.c_str(), case_name(c), error.what());
         }
-        std::vector<float> failed = {g_check_failures > 0 ? 1.0f : 0.0f};
+        std::vector<float> failed = {g_failures > 0 ? 1.0f : 0.0f};
         world.all_reduce<float>(failed, ReduceOp::kMax);
         if (failed[0] > 0)
           ++failed_total;

@@ -22,9 +22,11 @@
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
 #include "moecore/tensor/rng.h"
+#include "parallel/dist_checks.h"
 
 namespace {
 
+using namespace moecore::test;  // NOLINT: check, g_rank, g_failures (dist_checks.h)
 using namespace moecore;
 using parallel::ParallelState;
 using parallel::ProcessGroup;
@@ -35,15 +37,6 @@ constexpr uint64_t kSeed = 1234, kKey = 77;
 constexpr int kModule = 3;
 constexpr int64_t kS = 8, kB = 2, kH = 16;
 constexpr double kAuxGradScale = 0.5;
-
-int g_rank = 0;
-int g_failures = 0;
-
-void check(const bool ok, const std::string& what) {
-  if (ok) return;
-  ++g_failures;
-  std::fprintf(stderr, "[rank %d] check failed: %s\n", g_rank, what.c_str());
-}
 
 // max |a - b| <= rtol * max |b| (and both finite).
 void check_close(const std::vector<double>& actual, const std::vector<double>& expected, const std::string& what) {

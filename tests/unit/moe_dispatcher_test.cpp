@@ -28,7 +28,7 @@ using test::random_vector;
 RouterOutput uniform_topk_routing(const int64_t T, const int64_t E, const int64_t k, const uint64_t seed) {
   RouterOutput out;
   out.probs_TE = Tensor({T, E}, DType::kF32);
-  out.routing_map_TE.assign(static_cast<size_t>(T * E), 0);
+  out.routing_map_TE = Tensor::zeros({T, E}, DType::kU8);
   out.tokens_per_expert_E.assign(static_cast<size_t>(E), 0);
   std::mt19937_64 gen(seed);
   std::vector<int64_t> experts(static_cast<size_t>(E));
@@ -37,7 +37,7 @@ RouterOutput uniform_topk_routing(const int64_t T, const int64_t E, const int64_
     std::shuffle(experts.begin(), experts.end(), gen);
     for (int64_t j = 0; j < k; ++j) {
       const int64_t e = experts[static_cast<size_t>(j)];
-      out.routing_map_TE[t * E + e] = 1;
+      out.routing_map_TE.data<uint8_t>()[t * E + e] = 1;
       out.probs_TE.data<float>()[t * E + e] = 1.0f / static_cast<float>(k);
       ++out.tokens_per_expert_E[e];
     }
@@ -50,9 +50,9 @@ void drop_to_capacity(RouterOutput& routing, const int64_t T, const int64_t E, c
   for (int64_t e = 0; e < E; ++e) {
     int64_t kept = 0;
     for (int64_t t = 0; t < T; ++t) {
-      if (routing.routing_map_TE[t * E + e] == 0) continue;
+      if (routing.routing_map_TE.data<uint8_t>()[t * E + e] == 0) continue;
       if (kept == C) {
-        routing.routing_map_TE[t * E + e] = 0;
+        routing.routing_map_TE.data<uint8_t>()[t * E + e] = 0;
         routing.probs_TE.data<float>()[t * E + e] = 0.0f;
       } else {
         ++kept;
@@ -73,7 +73,8 @@ TEST(LocalDispatcherTest, PermutesExpertMajorWithTokensAscending) {
     RouterOutput distinct = routing;
     distinct.probs_TE = Tensor({T, E}, DType::kF32);
     for (int64_t i = 0; i < T * E; ++i) {
-      distinct.probs_TE.data<float>()[i] = routing.routing_map_TE[i] ? 0.001f * static_cast<float>(i + 1) : 0.0f;
+      distinct.probs_TE.data<float>()[i] =
+          routing.routing_map_TE.data<uint8_t>()[i] ? 0.001f * static_cast<float>(i + 1) : 0.0f;
     }
     const auto x_TH = random_vector<float>(static_cast<size_t>(T * H), 2);
     auto dispatcher = make_local_dispatcher();
@@ -83,7 +84,7 @@ TEST(LocalDispatcherTest, PermutesExpertMajorWithTokensAscending) {
     std::vector<int64_t> expected_source, expected_expert;
     for (int64_t e = 0; e < E; ++e) {
       for (int64_t t = 0; t < T; ++t) {
-        if (routing.routing_map_TE[t * E + e]) {
+        if (routing.routing_map_TE.data<uint8_t>()[t * E + e]) {
           expected_source.push_back(t);
           expected_expert.push_back(e);
         }
@@ -153,7 +154,7 @@ TEST(LocalDispatcherTest, DispatchBackwardAccumulates) {
   int64_t r = 0;
   for (int64_t e = 0; e < E; ++e) {
     for (int64_t t = 0; t < T; ++t) {
-      if (!routing.routing_map_TE[t * E + e]) continue;
+      if (!routing.routing_map_TE.data<uint8_t>()[t * E + e]) continue;
       for (int64_t h = 0; h < H; ++h) expected[t * H + h] += dx_RH[r * H + h];
       ++r;
     }
@@ -165,6 +166,7 @@ TEST(LocalDispatcherTest, PadToCapacityGivesExactlyCRowsPerExpert) {
   const int64_t T = 30, E = 4, k = 2, H = 6, C = 12;  // 60 slots over 4 experts: some exceed C, some fall short
   RouterOutput padded = uniform_topk_routing(T, E, k, 7);
   RouterOutput dropped = padded;
+  dropped.routing_map_TE = padded.routing_map_TE.clone();
   drop_to_capacity(padded, T, E, C, /*pad=*/true);
   drop_to_capacity(dropped, T, E, C, /*pad=*/false);
   const auto x_TH = random_vector<float>(static_cast<size_t>(T * H), 8);
@@ -246,7 +248,7 @@ TEST(LocalDispatcherTest, ProbsBackwardScattersIntoRoutedEntries) {
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t i = t * E + e;
-      const float added = routing.routing_map_TE[i] ? static_cast<float>(i) + 0.25f : 0.0f;
+      const float added = routing.routing_map_TE.data<uint8_t>()[i] ? static_cast<float>(i) + 0.25f : 0.0f;
       EXPECT_FLOAT_EQ(dprobs_TE[i], dprobs0_TE[i] + added);
     }
   }
@@ -262,7 +264,7 @@ TEST(LocalDispatcherTest, InconsistentRoutingThrows) {
   wrong_counts.tokens_per_expert_E[0] += 1;  // no capacity: padding not allowed
   EXPECT_THROW(dispatcher->dispatch(view(x_TH, H), wrong_counts, state), std::invalid_argument);
   RouterOutput short_map = routing;
-  short_map.routing_map_TE.pop_back();
+  short_map.routing_map_TE = Tensor({T * E - 1}, DType::kU8);  // one entry short
   EXPECT_THROW(dispatcher->dispatch(view(x_TH, H), short_map, state), std::invalid_argument);
 }
 

@@ -66,7 +66,11 @@ LayerRun run_layer(const quant::QuantizedLinearConfig* config) {
   const Tensor dx = layer.backward(Tensor::from_blob(dout_TH.data(), {kS * kB, kH}), x, 1.0, saved);
   std::copy_n(out.data<float>(), out.numel(), run.out_TH.begin());
   std::copy_n(dx.data<float>(), dx.numel(), dx_TH.begin());
-  run.logits_TE = saved.router.logits_TE;
+  const Tensor& logits = saved.router.logits_TE;
+  for (int64_t i = 0; i < logits.numel(); ++i) {
+    run.logits_TE.push_back(logits.dtype() == DType::kF32 ? static_cast<double>(logits.data<float>()[i])
+                                                          : logits.data<double>()[i]);
+  }
   return run;
 }
 

@@ -34,6 +34,9 @@ inline double get(const Tensor& t, const int64_t i) {
     case DType::kF64: return t.data<double>()[i];
     case DType::kBF16: return bf16_to_fp32(t.data<uint16_t>()[i]);
     case DType::kF16: return fp16_to_fp32(t.data<uint16_t>()[i]);
+    case DType::kI32: return t.data<int32_t>()[i];
+    case DType::kI64: return static_cast<double>(t.data<int64_t>()[i]);
+    case DType::kU8: return t.data<uint8_t>()[i];
     default: return static_cast<double>(t.data<float>()[i]);
   }
 }
@@ -90,16 +93,18 @@ inline ::testing::AssertionResult close(const Tensor& got, const Tensor& want, c
 
 class Env {
  public:
-  Env(const DType dtype, const uint64_t seed) : dtype_(dtype), gen_(seed) {}
+  Env(const DType dtype, const uint64_t seed, const Device device = Device::kCPU)
+      : dtype_(dtype), device_(device), gen_(seed) {}
 
   DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
 
   // A tensor of `shape` whose values have magnitude in [0.1, 1) * scale and a random sign (never zero, never near
   // a kink such as relu's), or are positive.
   // `dtype` overrides the environment's (the low-precision cases mix dtypes).
   Tensor& rand(const std::string& name, std::vector<int64_t> shape, const double scale = 1.0,
                const bool positive = false, const std::optional<DType> dtype = std::nullopt) {
-    Tensor t(std::move(shape), dtype.value_or(dtype_));
+    Tensor t(std::move(shape), dtype.value_or(dtype_), MemCategory::kOther, device_);
     std::uniform_real_distribution<double> magnitude(0.1, 1.0);
     std::bernoulli_distribution negative(0.5);
     for (int64_t i = 0; i < t.numel(); ++i) {
@@ -108,6 +113,9 @@ class Env {
     }
     return tensors_[name] = std::move(t);
   }
+
+  // A tensor built by the case itself (integer indices, maps, a fixed pattern).
+  Tensor& put(const std::string& name, Tensor t) { return tensors_[name] = std::move(t); }
 
   Tensor& operator()(const std::string& name) {
     const auto it = tensors_.find(name);
@@ -124,8 +132,23 @@ class Env {
     return out;
   }
 
+  // Every tensor moved to `device` (copies: the values stay).
+  void to(const Device device) {
+    for (auto& [name, t] : tensors_) t = t.to(device);
+    device_ = device;
+  }
+
+  // What some kernel wrote outside a tensor of this environment (the reference device's guard bytes), or "".
+  std::string outside_writes() const {
+    for (const auto& [name, t] : tensors_) {
+      if (const std::string problem = moecore::outside_writes(t); !problem.empty()) return name + ": " + problem;
+    }
+    return "";
+  }
+
  private:
   DType dtype_;
+  Device device_;
   std::mt19937_64 gen_;
   std::map<std::string, Tensor> tensors_;
 };
@@ -166,8 +189,8 @@ struct OpCase {
 
 // The case's tensors for `dtype`: build(), then w_o for each loss output and each gradient buffer, all random and
 // the same for a given case and dtype (the seed is the case name's stream key).
-inline Env make_env(const OpCase& c, const DType dtype) {
-  Env env(dtype, stream_key(c.name));
+inline Env make_env(const OpCase& c, const DType dtype, const Device device = Device::kCPU) {
+  Env env(dtype, stream_key(c.name), device);
   c.build(env);
   for (const std::string& o : c.loss) env.rand("d" + o, env(o).shape());
   for (const GradOf& g : c.grads) env.rand(g.grad, env(g.input).shape());
@@ -702,7 +725,7 @@ inline OpCase linear_cross_entropy_case(const std::string& name, const int64_t V
   c.loss = {"losses"};
   c.backward = [=](Env& e) {
     const VocabShard s = shard();
-    Tensor scratch_losses({T}, e.dtype());
+    Tensor scratch_losses({T}, e.dtype(), MemCategory::kOther, e.device());
     linear_cross_entropy(scratch_losses, e("inp"), e("weight"), targets, chunk, &e("dlosses"), &e("dinp"),
                          &e("dweight"), split ? &s : nullptr);
   };
@@ -1212,6 +1235,169 @@ inline OpCase normal_fill_case(const std::string& name, const std::vector<int64_
   return c;
 }
 
+// ---- routing (ops/routing.h) ------------------------------------------------------------------------------------
+
+// Scores in the tensor's precision (fp32_scores off), so finite differences in fp64 see a smooth function.
+inline TopkRoutingSpec routing_spec(const RoutingScore score, const bool pre_softmax = false) {
+  TopkRoutingSpec spec;
+  spec.score = score;
+  spec.pre_softmax = pre_softmax;
+  spec.fp32_scores = false;
+  return spec;
+}
+
+// An integer tensor of `shape` filled with value_of(i).
+template <typename I>
+inline Tensor int_tensor(const std::vector<int64_t>& shape, const std::function<int64_t(int64_t)>& value_of) {
+  Tensor t(shape, dtype_of<I>());
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<I>()[i] = static_cast<I>(value_of(i));
+  return t;
+}
+
+// The router's chain: top-k routing, then the routing map (capacity < 0: none), backward through both.
+struct RoutingCaseOptions {
+  bool bias = false, select = false;
+  int64_t capacity = -1;
+  RoutingDropPolicy policy = RoutingDropPolicy::kProbs;
+  bool pad = false;
+};
+inline OpCase topk_routing_case(const std::string& name, const int64_t n, const int64_t E, const int64_t k,
+                                const TopkRoutingSpec& spec, const RoutingCaseOptions& o = {}) {
+  OpCase c{name, {"topk_routing_forward", "routing_map", "topk_routing_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("logits", {n, E}, 2.0);
+    if (o.bias) e.rand("bias", {E}, 0.3, false, DType::kF32);
+    if (o.select) e.rand("select", {n, E}, 1.0, true);
+    e.put("idx", int_tensor<int32_t>({n, k}, [](int64_t) { return 0; }));
+    e.rand("probs", {n, k});
+    e.put("map", int_tensor<uint8_t>({n, E}, [](int64_t i) { return i % 2; }));
+    e.rand("probs_TE", {n, E});
+    e.put("counts", int_tensor<int64_t>({E}, [](int64_t i) { return i + 3; }));
+  };
+  c.forward = [=](Env& e) {
+    topk_routing_forward(e("idx"), e("probs"), e("logits"), o.bias ? &e("bias") : nullptr,
+                         o.select ? &e("select") : nullptr, spec);
+    routing_map(e("map"), e("probs_TE"), e("counts"), e("idx"), e("probs"), o.capacity, o.policy, o.pad);
+  };
+  c.outputs = {"idx", "probs", "map", "probs_TE", "counts"};
+  c.loss = {"probs_TE"};
+  c.backward = [=](Env& e) {
+    topk_routing_backward(e("dlogits"), e("dprobs_TE"), &e("map"), e("idx"), e("logits"), spec);
+  };
+  c.grads = {{"logits", "dlogits", kAcc}};
+  c.bad_args = {{kFwd, "logits", "topk_routing_forward"},
+                {kFwd, "idx", "topk_routing_forward"},
+                {kFwd, "probs", "topk_routing_forward"},
+                {kFwd, "probs_TE", "routing_map"},
+                {kFwd, "map", "routing_map"},
+                {kFwd, "counts", "routing_map"},
+                {kBwd, "dlogits", "topk_routing_backward"},
+                {kBwd, "dprobs_TE", "topk_routing_backward"}};
+  if (o.bias) c.bad_args.push_back({kFwd, "bias", "topk_routing_forward"});
+  return c;
+}
+
+inline OpCase sinkhorn_case(const std::string& name, const int64_t n, const int64_t E) {
+  OpCase c{name, {"sinkhorn"}};
+  c.build = [=](Env& e) {
+    e.rand("logits", {n, E}, 2.0);
+    e.rand("out", {n, E});
+  };
+  c.forward = [](Env& e) { sinkhorn(e("out"), e("logits")); };
+  c.outputs = {"out"};
+  c.bad_args = {{kFwd, "out", "sinkhorn"}, {kFwd, "logits", "sinkhorn"}};
+  return c;
+}
+
+inline OpCase aux_scores_case(const std::string& name, const int64_t n, const int64_t E, const int64_t k,
+                              const RoutingScore score) {
+  OpCase c{name, {"aux_scores_forward", "aux_scores_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("logits", {n, E}, 2.0);
+    e.rand("scores", {n, E});
+    e.put("idx", int_tensor<int32_t>({n, k}, [](int64_t) { return 0; }));
+  };
+  c.forward = [=](Env& e) { aux_scores_forward(e("scores"), e("idx"), e("logits"), score, false); };
+  c.outputs = {"scores", "idx"};
+  c.loss = {"scores"};
+  c.backward = [=](Env& e) { aux_scores_backward(e("dlogits"), e("dscores"), e("scores"), e("logits"), score); };
+  c.grads = {{"logits", "dlogits", kAcc}};
+  c.bad_args = {{kFwd, "scores", "aux_scores_forward"},
+                {kFwd, "idx", "aux_scores_forward"},
+                {kBwd, "dlogits", "aux_scores_backward"},
+                {kBwd, "dscores", "aux_scores_backward"}};
+  return c;
+}
+
+inline OpCase aux_loss_sums_case(const std::string& name, const int64_t n, const int64_t B, const int64_t E,
+                                 const int64_t k) {
+  OpCase c{name, {"aux_loss_sums"}};
+  c.build = [=](Env& e) {
+    e.rand("scores", {n, E}, 1.0, true);
+    e.put("idx", int_tensor<int32_t>({n, k}, [=](const int64_t i) { return ((i / k) * 3 + i % k) % E; }));
+    e.rand("sums_E", {E});
+    e.rand("sums_BE", {B, E});
+    e.rand("counts_BE", {B, E});
+  };
+  c.forward = [=](Env& e) { aux_loss_sums(e("sums_E"), e("sums_BE"), e("counts_BE"), e("scores"), e("idx"), B); };
+  c.outputs = {"sums_E", "sums_BE", "counts_BE"};
+  c.bad_args = {
+      {kFwd, "sums_E", "aux_loss_sums"}, {kFwd, "counts_BE", "aux_loss_sums"}, {kFwd, "scores", "aux_loss_sums"}};
+  return c;
+}
+
+inline OpCase switch_loss_case(const std::string& name, const int64_t J) {
+  const SwitchLossSpec spec{.total_tokens = 12.0, .topk = 2, .num_experts = 5, .coeff = 0.3};
+  OpCase c{name, {"switch_loss", "switch_loss_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("sums", {J}, 1.0, true);
+    e.rand("counts", {J}, 4.0, true);
+    e.rand("loss", {1});
+  };
+  c.forward = [=](Env& e) { set(e("loss"), 0, switch_loss(e("sums"), e("counts"), spec)); };
+  c.outputs = {"loss"};
+  c.loss = {"loss"};
+  c.backward = [=](Env& e) { switch_loss_backward(e("dsums"), e("counts"), spec, get(e("dloss"), 0)); };
+  c.grads = {{"sums", "dsums", kAcc}};
+  c.bad_args = {{kFwd, "counts", "switch_loss"}, {kBwd, "dsums", "switch_loss_backward"}};
+  return c;
+}
+
+inline OpCase z_loss_case(const std::string& name, const int64_t n, const int64_t E) {
+  constexpr double coeff = 0.7;
+  OpCase c{name, {"z_loss_forward", "z_loss_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("logits", {n, E}, 2.0);
+    e.rand("lse", {n});
+    e.rand("z", {1});
+  };
+  c.forward = [=](Env& e) { set(e("z"), 0, z_loss_forward(e("lse"), e("logits"), coeff)); };
+  c.outputs = {"lse", "z"};
+  c.loss = {"z"};
+  c.backward = [=](Env& e) { z_loss_backward(e("dlogits"), e("logits"), e("lse"), coeff * get(e("dz"), 0)); };
+  c.grads = {{"logits", "dlogits", kAcc}};
+  c.bad_args = {{kFwd, "lse", "z_loss_forward"}, {kBwd, "dlogits", "z_loss_backward"}};
+  return c;
+}
+
+// The expert bias is fp32 whatever the counts' dtype.
+inline OpCase expert_bias_update_case(const std::string& name, const int64_t E) {
+  OpCase c{name, {"expert_bias_update"}};
+  c.build = [=](Env& e) {
+    e.rand("bias0", {E}, 0.1, false, DType::kF32);
+    e.rand("bias", {E}, 0.1, false, DType::kF32);
+    e.put("counts", Tensor({E}, e.dtype()));
+    for (int64_t i = 0; i < E; ++i) set(e("counts"), i, static_cast<double>((i * 7) % 5));
+  };
+  c.forward = [](Env& e) {
+    reset(e("bias"), e("bias0"));
+    expert_bias_update(e("bias"), e("counts"), 1e-3);
+  };
+  c.outputs = {"bias"};
+  c.bad_args = {{kFwd, "bias", "expert_bias_update"}};
+  return c;
+}
+
 // Small shapes (T = 5..12 rows, odd widths) for every op, then "_large" shapes just past the fast kernels' OpenMP
 // thresholds (and two 64-row attention blocks), so the 2-thread runs take the parallel paths.
 inline const std::vector<OpCase>& all_cases() {
@@ -1294,6 +1480,42 @@ inline const std::vector<OpCase>& all_cases() {
         normal_fill_case("normal_fill", {40, 0, 90, 10}, 7),
         position_embedding_case("position_embedding", 10, 2, 6, 8, 4),
         convert_case("convert", {6, 5}),
+        topk_routing_case("topk_routing_softmax", 7, 6, 2, routing_spec(RoutingScore::kSoftmax)),
+        topk_routing_case("topk_routing_pre_softmax_capacity", 9, 5, 2, routing_spec(RoutingScore::kSoftmax, true),
+                          {.capacity = 3}),
+        topk_routing_case("topk_routing_sigmoid_groups_bias_pad", 8, 8, 3,
+                          [] {
+                            TopkRoutingSpec spec = routing_spec(RoutingScore::kSigmoid);
+                            spec.num_groups = 4;
+                            spec.group_topk = 2;
+                            spec.scaling_factor = 2.5;
+                            return spec;
+                          }(),
+                          {.bias = true, .capacity = 4, .policy = RoutingDropPolicy::kPosition, .pad = true}),
+        topk_routing_case("topk_routing_sqrtsoftplus_top1", 6, 5, 1, routing_spec(RoutingScore::kSqrtSoftplus),
+                          {.capacity = 2, .policy = RoutingDropPolicy::kPosition}),
+        topk_routing_case("topk_routing_sinkhorn_top1", 7, 4, 1,
+                          [] {
+                            TopkRoutingSpec spec = routing_spec(RoutingScore::kSoftmax);
+                            spec.sinkhorn = true;
+                            return spec;
+                          }(),
+                          {.select = true}),
+        topk_routing_case("topk_routing_sinkhorn_top2", 7, 5, 2,
+                          [] {
+                            TopkRoutingSpec spec = routing_spec(RoutingScore::kSoftmax);
+                            spec.sinkhorn = true;
+                            return spec;
+                          }(),
+                          {.select = true}),
+        sinkhorn_case("sinkhorn", 9, 4),
+        aux_scores_case("aux_scores_softmax", 7, 6, 2, RoutingScore::kSoftmax),
+        aux_scores_case("aux_scores_sigmoid", 7, 6, 2, RoutingScore::kSigmoid),
+        aux_scores_case("aux_scores_sqrtsoftplus", 6, 5, 3, RoutingScore::kSqrtSoftplus),
+        aux_loss_sums_case("aux_loss_sums", 8, 2, 5, 2),
+        switch_loss_case("switch_loss", 10),
+        z_loss_case("z_loss", 7, 5),
+        expert_bias_update_case("expert_bias_update", 6),
 
         linear_case("linear_large", {130, 8}, 131, true, true),
         rmsnorm_case("rmsnorm_large", 64, 257),
@@ -1335,6 +1557,10 @@ inline const std::vector<OpCase>& all_cases() {
         normal_fill_case("normal_fill_large", {0, 40000, 20000}, 9000),
         position_embedding_case("position_embedding_large", 260, 4, 65, 80, 12),
         convert_case("convert_large", {300, 257}),
+        topk_routing_case("topk_routing_large", 130, 130, 4, routing_spec(RoutingScore::kSigmoid),
+                          {.bias = true, .capacity = 5}),
+        aux_scores_case("aux_scores_large", 130, 130, 4, RoutingScore::kSoftmax),
+        z_loss_case("z_loss_large", 130, 130),
     };
   }();
   return cases;

@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "moecore/ckpt/hf_layout.h"
+#include "moecore/config/arguments.h"
 #include "moecore/model/config.h"
 #include "moecore/plan/hf_flags.h"
-#include "moecore/train/arguments.h"
 #include "test_temp_dir.h"
 
 namespace moecore::plan {

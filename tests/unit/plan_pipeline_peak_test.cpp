@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "moecore/model/config.h"
+#include "moecore/pipeline/pipeline_schedule.h"
 #include "moecore/plan/pipeline_peak.h"
-#include "moecore/train/pipeline_schedule.h"
 
 namespace moecore::plan {
 namespace {

@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "moecore/train/arguments.h"
+#include "moecore/config/arguments.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/training_setup.h"
 #include "moecore/util/process_start.h"

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "moecore/config/arguments.h"
 #include "moecore/model/kv_cache.h"
-#include "moecore/train/arguments.h"
 #include "moecore/train/generate.h"
 #include "moecore/train/training_setup.h"
 #include "test_recipe.h"

@@ -55,7 +55,7 @@ Tensor MoELayer::forward(const Tensor& x_TH, const int64_t S, const int64_t B, c
   const Tensor x = x_TH.view({T, H});
   {
     const trace::Scope scope("router forward", "moe");
-    saved.routing = router_->forward(x.data<float>(), S, B, training, seed, key, saved.router, rows);
+    saved.routing = router_->forward(x, S, B, training, seed, key, saved.router, rows);
   }
   // --moe-router-padding-for-quantization: the dispatcher moves the padded map; the router's statistics and
   // backward keep the unpadded one (routing_padding.h).
@@ -144,7 +144,7 @@ Tensor MoELayer::backward(const Tensor& dout_TH, const Tensor& x_TH, const doubl
   {
     const trace::Scope scope("router backward", "moe");
     dispatcher_->probs_backward(dprobs_TE, dprobs_R, state);
-    router_->backward(dx_TH.data<float>(), dprobs_TE.data<float>(), aux_grad_scale, saved.router, saved.routing);
+    router_->backward(&dx_TH, dprobs_TE, aux_grad_scale, saved.router, saved.routing);
   }
   if (overlap_shared_) {
     ops::add_(dx_TH, shared_dx_TH);

@@ -16,9 +16,10 @@
 namespace moecore::detail {
 
 // The router's [T, E] routing map as bytes (1: token t goes to expert e), the one place the dispatchers read it.
-inline const uint8_t* routing_map_bytes(const RouterOutput& routing) { return routing.routing_map_TE.data(); }
+inline const uint8_t* routing_map_bytes(const RouterOutput& routing) { return routing.routing_map_TE.data<uint8_t>(); }
 inline int64_t routing_map_entries(const RouterOutput& routing) {
-  return static_cast<int64_t>(routing.routing_map_TE.size());
+  const Tensor& map = routing.routing_map_TE;
+  return map.defined() && map.dtype() == DType::kU8 ? map.numel() : 0;
 }
 
 // Throws std::invalid_argument unless routing holds an fp32 [T, E] probs tensor and a [T, E] map.

@@ -64,11 +64,13 @@ void check_per_expert(const char* op, const char* name, const Tensor& like, cons
 // The grouped kernels cover fp32 / fp64 GEMMs; FP8 / FP4 and the native 16-bit path go through ops::linear.
 bool per_expert_path(const Tensor& like) {
   if (like.dtype() != DType::kF32) return false;
-  if (linear_quantization() != nullptr) return true;
-  const DType act = activation_dtype();
-  if (active_backend() == Backend::kReference || (act != DType::kBF16 && act != DType::kF16)) return false;
+  if (linear_quantization(like.device()) != nullptr) return true;
+  const DType act = activation_dtype(like.device());
+  if (act != DType::kBF16 && act != DType::kF16) return false;
   const auto type = act == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
-  return kernels::cpu::lowp_gemm_path(type) == kernels::cpu::LowpGemmPath::kNative;
+  bool native = false;
+  detail::with_kernels("grouped_linear", like.device(), [&](auto k) { native = k.lowp_gemm_native(type); });
+  return native;
 }
 
 template <typename S>

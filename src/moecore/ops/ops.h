@@ -3,8 +3,8 @@
 
 #include "moecore/ops/activation.h"
 #include "moecore/ops/attention.h"
-#include "moecore/ops/backend.h"
 #include "moecore/ops/convert.h"
+#include "moecore/ops/device.h"
 #include "moecore/ops/dropout.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/expert_activation.h"
@@ -16,4 +16,5 @@
 #include "moecore/ops/moe_rows.h"
 #include "moecore/ops/norm.h"
 #include "moecore/ops/optim.h"
+#include "moecore/ops/routing.h"
 #include "moecore/ops/rows.h"

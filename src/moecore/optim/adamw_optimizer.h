@@ -24,7 +24,7 @@ struct AdamWOptions {
   quant::StateFormat exp_avg_sq_format = quant::StateFormat::kF32;
   quant::StateFormat main_params_format = quant::StateFormat::kF32;  // fp32 or fp16
   // Megatron's OptimizerConfig.store_param_remainders where TE's FusedAdam holds the master weights (the trainer sets
-  // it as Megatron does, train/optimizer_master.h): with bf16 weights and fp32 main parameters these are kept as the
+  // it as Megatron does, config/optimizer_master.h): with bf16 weights and fp32 main parameters these are kept as the
   // weights plus 16-bit remainders, half the bytes, exactly; the weights then round half away from zero. Ignored for
   // other weights / main formats and for quantized weights.
   bool store_param_remainders = false;

@@ -22,7 +22,7 @@ DistributedAdamW::DistributedAdamW(DistributedDataParallel& ddp, std::vector<Par
                        options_.exp_avg_sq_format != StateFormat::kF32 ||
                        options_.main_params_format != StateFormat::kF32 || options_.store_param_remainders;
   // TE keeps remainders only for bf16 weights with an fp32 master (fused_adam.py: store_param_remainders), and only
-  // where it holds the master weights (the option is set as Megatron does, train/optimizer_master.h). A quantized
+  // where it holds the master weights (the option is set as Megatron does, config/optimizer_master.h). A quantized
   // weight (--fp8-param-gather) holds decoded codes, not the high half of its main value: no remainders there.
   remainders_ = options_.store_param_remainders && options_.params_dtype == DType::kBF16 &&
                 options_.main_params_format == StateFormat::kF32 && !ddp_.has_quantized_groups();

@@ -8,8 +8,8 @@
 #include <thread>
 #include <vector>
 
+#include "moecore/config/memory_estimate.h"
 #include "moecore/kernels/cpu/gemm.h"
-#include "moecore/train/memory_estimate.h"
 
 namespace moecore::plan {
 namespace {

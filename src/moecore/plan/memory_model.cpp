@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <map>
 
-#include "moecore/parallel/pipeline_layout.h"
+#include "moecore/config/optimizer_master.h"
+#include "moecore/pipeline/pipeline_layout.h"
 #include "moecore/plan/moecore_engine_memory.h"
 #include "moecore/plan/pipeline_peak.h"
-#include "moecore/train/optimizer_master.h"
 
 namespace moecore::plan {
 namespace {
@@ -357,7 +357,7 @@ Bytes bytes_per_parameter(const PlanArgs& args) {
       b.grad = t.accumulate_allreduce_grads_in_fp32 ? 4.0 : 2.0;
     }
   }
-  // bf16 weights' fp32 main parameters as 16-bit remainders where Megatron stores them (train/optimizer_master.h).
+  // bf16 weights' fp32 main parameters as 16-bit remainders where Megatron stores them (config/optimizer_master.h).
   const double main = !low ? 0.0 : stores_param_remainders(t) ? 2.0 : size_of(t.main_params_dtype);
   b.optimizer = main + size_of(t.exp_avg_dtype) + size_of(t.exp_avg_sq_dtype);
   return b;
@@ -387,7 +387,7 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
   const TrainingArgs& t = args.train;
   const PlanModel& model = args.model;
   const ModelConfig& c = model.config;
-  const parallel::PipelineLayout layout(pipeline_split_flags(t));
+  const parallel::PipelineLayout layout = pipeline_layout(t);
   const LayoutSizes sizes = layout_sizes(args);
   const int pp = sizes.pp, vpp = sizes.vpp;
   const double tp = sizes.tp, cp = sizes.cp, ep = sizes.ep, etp = sizes.etp;

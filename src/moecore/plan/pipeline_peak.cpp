@@ -5,7 +5,7 @@
 #include <stdexcept>
 
 #include "moecore/model/config.h"
-#include "moecore/train/pipeline_schedule.h"
+#include "moecore/pipeline/pipeline_schedule.h"
 #include "moecore/util/checked_math.h"
 
 namespace moecore::plan {

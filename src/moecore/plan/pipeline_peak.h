@@ -1,4 +1,4 @@
-// The activation peak of one pipeline rank under Megatron's schedules (train/pipeline_schedule.h: no pipelining,
+// The activation peak of one pipeline rank under Megatron's schedules (pipeline/pipeline_schedule.h: no pipelining,
 // 1F1B, interleaved), from closed forms over the schedule's order instead of its action list: the same answer as
 // running make_schedule's actions, in O(VPP^2) work for any number of micro-batches (2^31 included).
 //

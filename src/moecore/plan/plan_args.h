@@ -2,7 +2,7 @@
 // its checks and messages), Megatron's MLA / MTP / recompute flags, which training does not run yet but the planner
 // counts, and the cluster.
 //
-// Planner flags (the rest go to train's parser, see train/arguments.h):
+// Planner flags (the rest go to train's parser, see config/arguments.h):
 //   --hf-config PATH         the model from a HuggingFace config.json, or the model folder holding it (flags given as
 //                            well override it)
 //   --vocab-size N           the tokenizer's vocabulary (the HF config's vocab_size); padded as Megatron does to a
@@ -31,9 +31,9 @@
 #include <string>
 #include <vector>
 
+#include "moecore/config/arguments.h"
 #include "moecore/plan/cluster.h"
 #include "moecore/plan/plan_model.h"
-#include "moecore/train/arguments.h"
 
 namespace moecore::plan {
 

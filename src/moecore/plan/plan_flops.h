@@ -1,11 +1,11 @@
-// The planner's FLOPs model: Megatron's num_floating_point_operations (train/flops.h) of a PlanModel, with its
+// The planner's FLOPs model: Megatron's num_floating_point_operations (config/flops.h) of a PlanModel, with its
 // multi-latent attention and multi-token prediction.
 #pragma once
 
 #include <cstdint>
 
+#include "moecore/config/flops.h"
 #include "moecore/plan/plan_model.h"
-#include "moecore/train/flops.h"
 
 namespace moecore::plan {
 

@@ -4,9 +4,9 @@
 #include <map>
 #include <string_view>
 
+#include "moecore/config/arguments.h"
 #include "moecore/model/config.h"
 #include "moecore/parallel/agreement.h"
-#include "moecore/train/arguments.h"
 
 namespace moecore {
 namespace {

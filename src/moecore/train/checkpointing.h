@@ -45,12 +45,12 @@
 #include <string>
 
 #include "moecore/ckpt/sharded_checkpoint.h"
+#include "moecore/config/arguments.h"
 #include "moecore/model/gpt_model.h"
 #include "moecore/optim/distributed_optimizer.h"
 #include "moecore/optim/grad_scaler.h"
 #include "moecore/optim/lr_schedule.h"
 #include "moecore/parallel/parallel_state.h"
-#include "moecore/train/arguments.h"
 #include "moecore/train/training_progress.h"
 
 namespace moecore {

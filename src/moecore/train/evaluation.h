@@ -6,10 +6,10 @@
 #include <string>
 #include <string_view>
 
+#include "moecore/config/arguments.h"
 #include "moecore/data/data_loader.h"
 #include "moecore/model/gpt_model.h"
 #include "moecore/parallel/parallel_state.h"
-#include "moecore/train/arguments.h"
 
 namespace moecore {
 

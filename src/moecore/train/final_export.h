@@ -4,10 +4,10 @@
 
 #include <iosfwd>
 
+#include "moecore/config/arguments.h"
 #include "moecore/model/gpt_model.h"
 #include "moecore/optim/ddp.h"
 #include "moecore/parallel/parallel_state.h"
-#include "moecore/train/arguments.h"
 #include "moecore/train/trainer.h"
 #include "moecore/train/training_setup.h"
 

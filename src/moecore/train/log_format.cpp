@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <ctime>
 
-#include "moecore/train/flops.h"
+#include "moecore/config/flops.h"
 
 namespace moecore {
 namespace {

@@ -12,8 +12,8 @@
 #include "moecore/model/gpt_model.h"
 #include "moecore/optim/ddp.h"
 #include "moecore/parallel/parallel_state.h"
+#include "moecore/pipeline/pipeline_schedule.h"
 #include "moecore/train/batch_schedule.h"
-#include "moecore/train/pipeline_schedule.h"
 
 namespace moecore {
 

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "moecore/config/arguments.h"
 #include "moecore/data/data_loader.h"
-#include "moecore/train/arguments.h"
 #include "moecore/train/training_setup.h"
 
 namespace moecore {

@@ -4,6 +4,7 @@
 
 #include <optional>
 
+#include "moecore/config/arguments.h"
 #include "moecore/data/data_loader.h"
 #include "moecore/model/gpt_model.h"
 #include "moecore/optim/ddp.h"
@@ -11,7 +12,6 @@
 #include "moecore/optim/grad_scaler.h"
 #include "moecore/optim/lr_schedule.h"
 #include "moecore/parallel/parallel_state.h"
-#include "moecore/train/arguments.h"
 #include "moecore/train/training_progress.h"
 
 namespace moecore {

@@ -7,9 +7,9 @@
 #include <stdexcept>
 #include <vector>
 
+#include "moecore/config/arguments.h"
 #include "moecore/model/gpt_model.h"
 #include "moecore/parallel/parallel_state.h"
-#include "moecore/train/arguments.h"
 #include "moecore/train/training_progress.h"
 
 namespace moecore {

@@ -7,9 +7,9 @@
 #include <cstdint>
 #include <iosfwd>
 
+#include "moecore/config/arguments.h"
 #include "moecore/optim/lr_schedule.h"
 #include "moecore/parallel/parallel_state.h"
-#include "moecore/train/arguments.h"
 #include "moecore/train/log_format.h"
 #include "moecore/train/moe_logging.h"
 #include "moecore/train/train_step.h"

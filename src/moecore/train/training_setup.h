@@ -6,13 +6,13 @@
 #include <iosfwd>
 #include <memory>
 
+#include "moecore/config/arguments.h"
 #include "moecore/data/data_loader.h"
 #include "moecore/model/gpt_model.h"
 #include "moecore/optim/ddp.h"
 #include "moecore/optim/distributed_optimizer.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/tokenizer/tokenizer.h"
-#include "moecore/train/arguments.h"
 
 namespace moecore {
 
