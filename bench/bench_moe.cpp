@@ -112,12 +112,13 @@ void bench_experts(const int64_t E, const int64_t rows, const int64_t H, const i
   const std::vector<float> x_RH = random_floats(static_cast<size_t>(rows * H), 11, 1.0f);
   const std::vector<float> probs_R = random_floats(static_cast<size_t>(rows), 12, 0.3f);
   const std::vector<float> dy_RH = random_floats(static_cast<size_t>(rows * H), 13, 1e-2f);
-  std::vector<float> y_RH(static_cast<size_t>(rows * H)), dx_RH(y_RH.size()), dprobs_R(static_cast<size_t>(rows));
+  std::vector<float> dx_RH(static_cast<size_t>(rows * H)), dprobs_R(static_cast<size_t>(rows));
+  const Tensor x = Tensor::from_blob(x_RH.data(), {rows, H}), probs = Tensor::from_blob(probs_R.data(), {rows});
+  const Tensor dy = Tensor::from_blob(dy_RH.data(), {rows, H});
+  Tensor dx = Tensor::from_blob(dx_RH.data(), {rows, H}), dprobs = Tensor::from_blob(dprobs_R.data(), {rows});
   ExpertActivations saved;
-  const Timing fwd =
-      time_ms([] {}, [&] { experts->forward(y_RH.data(), x_RH.data(), probs_R.data(), tokens_E, saved); }, repeats);
-  const Timing bwd =
-      time_ms([] {}, [&] { experts->backward(dx_RH.data(), dprobs_R.data(), dy_RH.data(), saved); }, repeats);
+  const Timing fwd = time_ms([] {}, [&] { experts->forward(x, probs, tokens_E, saved); }, repeats);
+  const Timing bwd = time_ms([] {}, [&] { experts->backward(dx, dprobs, dy, saved); }, repeats);
   // fc1 H -> 2F and fc2 F -> H: 2 * rows * H * 3F multiply-adds forward, twice that backward.
   const double fwd_flop = 2.0 * static_cast<double>(rows) * static_cast<double>(H) * 3.0 * static_cast<double>(F);
   std::printf(

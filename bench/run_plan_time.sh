@@ -13,8 +13,8 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mpirun=$(command -v mpirun) || { echo "needs mpirun"; exit 2; }
 failures=0
-source "$src/tests/e2e/expect.sh"
-source "$src/tests/e2e/plan_runs.sh"
+source "$src/tests/e2e/lib/expect.sh"
+source "$src/tests/e2e/lib/plan_runs.sh"
 tie=1.25
 
 mapfile -t train_flags < <(config_flags_without demo --split --lr-warmup-iters --train-iters --log-interval \

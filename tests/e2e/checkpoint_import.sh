@@ -6,13 +6,9 @@
 #   - --moe-use-upcycling from a dense moecore checkpoint and from a dense HF folder: the upcycled MoE model's
 #     validation loss before training equals the dense model's, it saves iteration 1 and trains on.
 set -euo pipefail
-bin=$1
-src=$2
-work=$3
-rm -rf "$work" && mkdir -p "$work"
-export OMP_NUM_THREADS=1
-dense=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
-  --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --lr-warmup-iters 2 --log-interval 1 --eval-iters 2
+source "$(dirname "$0")/lib/setup.sh" "$@"
+mapfile -t dense < <(recipe "$src" tiny-dense)
+dense+=(--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --lr-warmup-iters 2 --log-interval 1 --eval-iters 2
   --mock-data --tokenizer-type NullTokenizer --vocab-size 300 --seed 3 --swiglu --normalization RMSNorm
   --attention-dropout 0 --hidden-dropout 0 --position-embedding-type rope --disable-bias-linear
   --make-vocab-size-divisible-by 256)

@@ -4,14 +4,7 @@
 # `moecore checkpoint` each end with one `error:` line naming the file and the field or tensor (never a raw JSON
 # exception), and `moecore checkpoint` reports "verified" only for a checkpoint that such a load accepts.
 set -u
-bin=$1
-src=$2
-work=$3
-rm -rf "$work" && mkdir -p "$work"
-export OMP_NUM_THREADS=1
-failures=0
-source "$src/tests/e2e/expect.sh"
-source "$src/tests/recipe.sh"
+source "$(dirname "$0")/lib/setup.sh" "$@"
 mapfile -t config < <(recipe "$src" mixtral-tiny)
 model=("${config[@]}" --train-iters 2 --lr-warmup-iters 1 --eval-iters 0 --log-interval 1)
 "$bin" train "${model[@]}" --save "$work/run" --save-interval 2 >"$work/save.log" 2>&1 ||

@@ -8,13 +8,9 @@
 #   - --async-save gives the same checkpoint bytes as a synchronous save; --no-save-optim / --finetune /
 #     --no-load-optim behave as Megatron's; `moecore checkpoint` prints and verifies.
 set -euo pipefail
-bin=$1
-src=$2
-work=$3
-rm -rf "$work" && mkdir -p "$work"
-export OMP_NUM_THREADS=1
-model=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
-  --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --lr-warmup-iters 2 --log-interval 1 --eval-iters 0
+source "$(dirname "$0")/lib/setup.sh" "$@"
+mapfile -t model < <(recipe "$src" tiny-dense)
+model+=(--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --lr-warmup-iters 2 --log-interval 1 --eval-iters 0
   --mock-data --tokenizer-type NullTokenizer --vocab-size 300 --seed 3 --num-experts 4 --moe-router-topk 2
   --moe-router-enable-expert-bias --moe-router-score-function sigmoid)
 fail() { echo "FAIL: $*"; exit 1; }

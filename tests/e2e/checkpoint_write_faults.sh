@@ -7,13 +7,7 @@
 # and the training log fail the same way on a full disk, leaving no partial file under its final name.
 # Needs root (mount -t tmpfs): exits 77 (skipped) where mounting is not permitted.
 set -u
-bin=$1
-src=$2
-work=$3
-rm -rf "$work" && mkdir -p "$work"
-failures=0
-source "$src/tests/e2e/expect.sh"
-export OMP_NUM_THREADS=1
+source "$(dirname "$0")/lib/setup.sh" "$@"
 
 mnt="$work/mnt"
 mkdir -p "$mnt"
@@ -26,10 +20,10 @@ mkdir -p "$rw"
 mount -t tmpfs -o size=64m tmpfs "$rw" || { umount -l "$mnt"; echo "FAIL: mount of a second tmpfs"; exit 1; }
 trap 'umount -l "$mnt" 2>/dev/null; umount -l "$rw" 2>/dev/null' EXIT
 
-model=(--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16
-  --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --log-interval 1 --eval-iters 0 --mock-data
-  --tokenizer-type NullTokenizer --vocab-size 100 --seed 3 --num-experts 4 --moe-router-topk 2 --threads 1)
-llama=(--normalization RMSNorm --swiglu --ffn-hidden-size 64 --position-embedding-type rope --disable-bias-linear)
+mapfile -t model < <(recipe "$src" tiny-moe)
+model+=(--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --log-interval 1 --eval-iters 0 --mock-data
+  --tokenizer-type NullTokenizer --vocab-size 100 --seed 3 --threads 1)
+llama=(--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear)
 mpi=(timeout 300 mpirun -q --allow-run-as-root --oversubscribe -np 2)
 has_mpi() { command -v mpirun >/dev/null; }
 

@@ -1,15 +1,8 @@
 #!/usr/bin/env bash
 # Bad command lines end with exit code != 0 and one clear line naming the problem; never a crash.
 set -u
-bin=$1
-src=$2
-work=$3
-rm -rf "$work" && mkdir -p "$work"
-failures=0
-source "$src/tests/e2e/expect.sh"
-model=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
-       --micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer
-       --vocab-size 128 --eval-iters 1)
+source "$(dirname "$0")/lib/setup.sh" "$@"
+model=("${quick_dense[@]}")
 base=("${model[@]}" --mock-data)
 
 

@@ -3,16 +3,8 @@
 # and the limit (or, for a configuration too large for the machine, the memory it would need); never a crash, a
 # hang, a wrapped number or a silently wrong run. A model that diverges stops with the iteration.
 set -u
-bin=$1
-src=$2
-work=$3
-rm -rf "$work" && mkdir -p "$work"
-export OMP_NUM_THREADS=1
-failures=0
-source "$src/tests/e2e/expect.sh"
-model=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
-       --micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer
-       --vocab-size 128 --eval-iters 1)
+source "$(dirname "$0")/lib/setup.sh" "$@"
+model=("${quick_dense[@]}")
 base=("${model[@]}" --mock-data)
 
 
@@ -58,10 +50,8 @@ expect_early_error "--world-size 100000000 is above the limit of 1048576 ranks" 
 # A run whose values overflow still stops with the iteration: under --fp16 (constant loss scale, so no iteration is
 # skipped) a HF checkpoint whose MLP weights are 1e6, finite but beyond fp16's 65504, makes the first loss NaN.
 if /usr/bin/python3 -c "import numpy" 2>/dev/null; then
-  llama=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
-         --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --lr-warmup-iters 1 --eval-iters 0 --mock-data
-         --tokenizer-type NullTokenizer --vocab-size 128 --swiglu --normalization RMSNorm --position-embedding-type rope
-         --disable-bias-linear)
+  llama=("${quick_dense[@]}" --lr-warmup-iters 1 --eval-iters 0 --mock-data --swiglu --normalization RMSNorm
+         --position-embedding-type rope --disable-bias-linear)
   "$bin" train "${llama[@]}" --train-iters 2 --export-hf "$work/hf" >"$work/export.log" 2>&1 ||
     { echo "FAIL: export run"; cat "$work/export.log"; failures=$((failures + 1)); }
   # generate reads the NullTokenizer's ids as `train` does, and bounds the tokens it is asked for.

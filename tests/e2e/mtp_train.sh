@@ -7,15 +7,8 @@
 #   - loading it without MTP, or with another depth count, is refused in one line naming --mtp-num-layers;
 #   - Megatron's position-embedding check.
 set -euo pipefail
-bin=$1
-src=$2
-work=$3
-rm -rf "$work" && mkdir -p "$work"
-export OMP_NUM_THREADS=1
-failures=0
-source "$src/tests/e2e/expect.sh"
+source "$(dirname "$0")/lib/setup.sh" "$@"
 stop() { fail "$@"; exit 1; }
-source "$src/tests/recipe.sh"
 mapfile -t mtp < <(recipe "$src" mixtral-tiny-mtp)
 # --vocab-size 1023: with the NullTokenizer's EOD, 1024 rows padded alike under TP 1 and 2.
 mtp+=(--num-layers 2 --seq-length 32 --max-position-embeddings 32 --train-iters 8 --log-interval 1 --eval-iters 0

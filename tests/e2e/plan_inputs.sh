@@ -3,12 +3,7 @@
 # naming the file and the field), and sizes near 2^31 (a search over 2^20 GPUs with a global batch of 2^31 sequences
 # answers, under a generous time bound, instead of walking every micro-batch).
 set -u
-bin=$1
-src=$2
-work=$3
-rm -rf "$work" && mkdir -p "$work"
-failures=0
-source "$src/tests/e2e/expect.sh"
+source "$(dirname "$0")/lib/setup.sh" "$@"
 configs="$src/tests/unit/data/hf_configs"
 run=(--seq-length 4096 --micro-batch-size 1 --global-batch-size 64 --num-gpus 8 --gpu H100)
 

@@ -5,17 +5,12 @@
 # give memory_mib.{params,grads,optimizer,activations} within 10% of those peaks and memory_mib.total within 10% of
 # the "total peak". Skips (77) only when mpirun is missing.
 set -u
-bin=$1
-src=$2
-work=$3
-rm -rf "$work" && mkdir -p "$work"
+source "$(dirname "$0")/lib/setup.sh" "$@"
 mpirun=$(command -v mpirun || true)
 [ -n "$mpirun" ] || { echo "skipped: no mpirun"; exit 77; }
-failures=0
-source "$src/tests/e2e/expect.sh"
 tolerance=10  # percent
 
-source "$src/tests/e2e/plan_runs.sh"
+source "$src/tests/e2e/lib/plan_runs.sh"
 
 # check NAME NP CONFIG LAYOUT-FLAGS...: train 2 iterations on NP ranks, then compare `plan`'s memory_mib.
 check() {

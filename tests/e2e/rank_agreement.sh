@@ -2,16 +2,9 @@
 # Ranks of one job started with different flags (mpirun's MPMD syntax gives each rank its own command line) stop at
 # start-up with one line naming the first differing flag, on every rank, with a non-zero exit; no hang.
 set -u
-bin=$1
-src=$2
-work=$3
-rm -rf "$work" && mkdir -p "$work"
+source "$(dirname "$0")/lib/setup.sh" "$@"
 command -v mpirun >/dev/null || { echo "skipped: no mpirun"; exit 0; }
-failures=0
-source "$src/tests/e2e/expect.sh"
-base=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
-  --micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer
-  --vocab-size 128 --eval-iters 1 --mock-data)
+base=("${quick_dense[@]}" --mock-data)
 mpmd() {  # mpmd "rank 0 flags" "rank 1 flags": a 2-rank job
   # shellcheck disable=SC2086
   timeout 120 env OMP_NUM_THREADS=1 mpirun -q --allow-run-as-root --oversubscribe \

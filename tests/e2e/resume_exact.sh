@@ -12,15 +12,8 @@
 #     --non-persistent-global-ckpt-dir, the previous one kept while the next is written;
 #   - --exit-signal chooses the signal --exit-signal-handler catches.
 set -euo pipefail
-bin=$1
-src=$2
-work=$3
-rm -rf "$work" && mkdir -p "$work"
-export OMP_NUM_THREADS=1
-failures=0
-source "$src/tests/e2e/expect.sh"
+source "$(dirname "$0")/lib/setup.sh" "$@"
 stop() { fail "$@"; exit 1; }
-source "$src/tests/recipe.sh"
 mapfile -t moe < <(recipe "$src" mixtral-tiny)
 # Smaller than the recipe so the test stays quick; every iteration logged, no evaluation.
 moe+=(--num-layers 2 --seq-length 64 --max-position-embeddings 64 --train-iters 20 --log-interval 1 --eval-iters 0

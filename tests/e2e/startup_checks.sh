@@ -3,12 +3,7 @@
 # != 0 and < 128, and nothing of training printed before it (no model built: no "number of parameters" line, no
 # "training ..." or iteration line). Also the input errors of preprocess, datasets and HF config.json.
 set -u
-bin=$1
-src=$2
-work=$3
-rm -rf "$work" && mkdir -p "$work"
-failures=0
-source "$src/tests/e2e/expect.sh"
+source "$(dirname "$0")/lib/setup.sh" "$@"
 expect_train_error() { local pattern=$1; shift; expect_early_error "$pattern" "$bin" train "$@"; }
 model=(--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --max-position-embeddings 16
        --micro-batch-size 2 --global-batch-size 2 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer

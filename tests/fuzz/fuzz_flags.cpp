@@ -55,8 +55,7 @@ void fuzz_train(const std::vector<std::string>& args, const int64_t world_size) 
   const moecore::TrainingArgs parsed = moecore::parse_train_args(args, world_size);
   if (parsed.help_requested) return;
   // What the trainer computes from the arguments before it allocates anything.
-  (void)moecore::parallel_sizes(parsed);
-  (void)moecore::pipeline_split_flags(parsed);
+  (void)moecore::pipeline_shape(parsed);
   (void)moecore::lr_schedule_config(parsed);
   moecore::TrainingArgs with_vocabulary = parsed;
   with_vocabulary.model.vocab_size = moecore::padded_vocab_size(50257, parsed);

@@ -14,7 +14,7 @@
 
 #include "fuzz_npy_fixture.h"
 #include "fuzz_util.h"
-#include "moecore/data/atomic_file.h"
+#include "moecore/data/file_bytes.h"
 #include "moecore/data/npy.h"
 
 namespace {

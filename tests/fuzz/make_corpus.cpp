@@ -21,7 +21,7 @@
 #include "moecore/ckpt/sharded_checkpoint.h"
 #include "moecore/ckpt/state_dict.h"
 #include "moecore/config/arguments.h"
-#include "moecore/data/atomic_file.h"
+#include "moecore/data/file_bytes.h"
 #include "moecore/data/indexed_dataset.h"
 #include "moecore/data/npy.h"
 #include "moecore/model/gpt_model.h"

@@ -357,7 +357,7 @@ std::string expert_bias_name(const int64_t layer) {
   return "decoder.layers." + std::to_string(layer) + kExpertBiasSuffix;
 }
 
-// Like load_megatron_safetensors, but also accepts the routers' expert-bias buffers (state, not parameters).
+// Every parameter and the routers' expert-bias buffers (state, not parameters) from one Megatron-named file.
 void load_weights(GPTModel& model, const std::string& path) {
   const SafetensorsFile file = read_safetensors(path);
   std::set<std::string> expected;

@@ -14,7 +14,7 @@ mapfile -t model < <(recipe "$src" deepseek-v3-tiny)
 # 1023 tokens + EOD pad to the same 1024 rows on one rank and on TP2.
 model+=(--train-iters 6 --lr-warmup-iters 1 --eval-iters 0 --eval-interval 100 --log-interval 1 --micro-batch-size 2
   --global-batch-size 8 --seq-length 64 --vocab-size 1023 --seed 7)
-source "$(dirname "$0")/layout_runs.sh"
+source "$(dirname "$0")/lib/layout_runs.sh"
 run 1 "$work/ref.log"
 run 4 "$work/tp2pp2.log" --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 \
   --save "$work/tp2pp2" --save-interval 3 --exit-interval 3

@@ -26,7 +26,7 @@ tp2ep2=(--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parall
 ep4=(--expert-model-parallel-size 4)
 etp2ep2=(--tensor-model-parallel-size 2 --expert-model-parallel-size 2 --expert-tensor-parallel-size 2)
 
-source "$(dirname "$0")/layout_runs.sh"
+source "$(dirname "$0")/lib/layout_runs.sh"
 pp_layers=(--num-layers 4 --moe-layer-freq [0,1,0,1])
 pp2tp2=("${pp_layers[@]}" --pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
 # The iteration lines of iterations 4-6 without the wall-clock fields.

@@ -3,6 +3,3 @@
 add_executable(dist_mtp_cp_test mtp_cp_main.cpp)
 target_link_libraries(dist_mtp_cp_test PRIVATE moecore_train)
 moecore_mpi_test(dist.mtp_cp dist_mtp_cp_test 2)
-if(MPIRUN_EXECUTABLE)
-  set_property(TEST dist.mtp_cp.np2 APPEND PROPERTY ENVIRONMENT MOECORE_SOURCE_DIR=${CMAKE_SOURCE_DIR})
-endif()

@@ -22,6 +22,7 @@
 
 #include "moecore/parallel/mpi_runtime.h"
 #include "moecore/train/trainer.h"
+#include "unit/test_recipe.h"
 
 namespace {
 
@@ -33,50 +34,15 @@ void check(const bool ok, const std::string& what) {
 }
 
 std::vector<std::string> flags(const std::vector<std::string>& extra) {
-  std::vector<std::string> f = {"--num-layers",
-                                "2",
-                                "--hidden-size",
-                                "64",
-                                "--num-attention-heads",
-                                "4",
-                                "--seq-length",
-                                "32",
-                                "--max-position-embeddings",
-                                "32",
-                                "--ffn-hidden-size",
-                                "128",
-                                "--micro-batch-size",
-                                "2",
-                                "--global-batch-size",
-                                "8",
-                                "--train-iters",
-                                "8",
-                                "--lr",
-                                "3e-3",
-                                "--lr-warmup-iters",
-                                "2",
-                                "--log-interval",
-                                "1",
-                                "--eval-iters",
-                                "0",
-                                "--mock-data",
-                                "--tokenizer-type",
-                                "NullTokenizer",
-                                "--vocab-size",
-                                "500",
-                                "--seed",
-                                "3",
-                                "--num-experts",
-                                "4",
-                                "--moe-ffn-hidden-size",
-                                "64",
-                                "--moe-router-topk",
-                                "2",
-                                "--moe-aux-loss-coeff",
-                                "1e-2",
-                                "--use-distributed-optimizer",
-                                "--ddp-bucket-size",
-                                "20000"};
+  // clang-format off
+  std::vector<std::string> f = moecore::test::recipe_flags("tiny-dense", {
+      "--ffn-hidden-size", "128", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "8",
+      "--lr", "3e-3", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0", "--mock-data",
+      "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--seed", "3", "--num-experts", "4",
+      "--moe-ffn-hidden-size", "64", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+      "--use-distributed-optimizer", "--ddp-bucket-size", "20000"
+  });
+  // clang-format on
   f.insert(f.end(), extra.begin(), extra.end());
   return f;
 }

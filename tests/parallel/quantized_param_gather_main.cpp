@@ -36,6 +36,8 @@
 #include "moecore/quant/quantize.h"
 #include "moecore/train/trainer.h"
 #include "moecore/train/training_setup.h"
+#include "parallel/dist_checks.h"
+#include "unit/test_recipe.h"
 
 namespace {
 
@@ -44,29 +46,9 @@ using moecore::Param;
 using moecore::quant::ElementFormat;
 using moecore::quant::QuantSpec;
 using moecore::quant::Recipe;
+using namespace moecore::test;  // NOLINT: check, g_rank, g_failures, mix, name_hash (dist_checks.h)
 namespace parallel = moecore::parallel;
 namespace quant = moecore::quant;
-
-int g_rank = 0;
-int g_failures = 0;
-
-void check(const bool ok, const std::string& what) {
-  if (ok) return;
-  if (++g_failures <= 20) std::fprintf(stderr, "[rank %d] check failed: %s\n", g_rank, what.c_str());
-}
-
-uint64_t mix(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ULL;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
-
-uint64_t name_hash(const std::string& name) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (const char c : name) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ULL;
-  return h;
-}
 
 // In [-1, 1] times a magnitude that changes every 16 rows (2^-4 .. 2^1), so blocks get different scales.
 float init_value(const std::string& name, const int64_t i, const int64_t cols) {
@@ -278,56 +260,15 @@ void write_corpus(const std::string& prefix) {
 }
 
 std::vector<std::string> train_flags(const std::string& dir) {
-  return {"--num-layers",
-          "2",
-          "--hidden-size",
-          "32",
-          "--num-attention-heads",
-          "4",
-          "--seq-length",
-          "16",
-          "--max-position-embeddings",
-          "16",
-          "--attention-dropout",
-          "0",
-          "--hidden-dropout",
-          "0",
-          "--ffn-hidden-size",
-          "64",
-          "--micro-batch-size",
-          "2",
-          "--global-batch-size",
-          "4",
-          "--train-iters",
-          "8",
-          "--lr",
-          "3e-3",
-          "--log-interval",
-          "1",
-          "--eval-iters",
-          "0",
-          "--tokenizer-type",
-          "NullTokenizer",
-          "--vocab-size",
-          "60",
-          "--data-path",
-          dir + "/corpus",
-          "--split",
-          "100,0,0",
-          "--data-cache-path",
-          dir + "/cache",
-          "--seed",
-          "5",
-          "--num-experts",
-          "4",
-          "--moe-ffn-hidden-size",
-          "32",
-          "--moe-router-topk",
-          "2",
-          "--moe-aux-loss-coeff",
-          "0.01",
-          "--use-distributed-optimizer",
-          "--bf16"};
+  // clang-format off
+  return moecore::test::recipe_flags("tiny-moe", {
+      "--attention-dropout", "0", "--hidden-dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "4",
+      "--train-iters", "8", "--lr", "3e-3", "--log-interval", "1", "--eval-iters", "0",
+      "--tokenizer-type", "NullTokenizer", "--vocab-size", "60", "--data-path", dir + "/corpus",
+      "--split", "100,0,0", "--data-cache-path", dir + "/cache", "--seed", "5", "--moe-aux-loss-coeff", "0.01",
+      "--use-distributed-optimizer", "--bf16"
+  });
+  // clang-format on
 }
 
 struct Run {

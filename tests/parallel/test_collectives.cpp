@@ -21,6 +21,7 @@
 #include "moecore/parallel/process_group.h"
 #include "moecore/tensor/dtype.h"
 #include "moecore/util/trace.h"
+#include "parallel/dist_checks.h"
 
 namespace {
 
@@ -31,15 +32,7 @@ using moecore::parallel::MpiRuntime;
 using moecore::parallel::ProcessGroup;
 using moecore::parallel::ReduceOp;
 using moecore::parallel::Work;
-
-int g_rank = 0;
-int g_check_failures = 0;  // failed checks in the current test on this rank
-
-void check(bool condition, const std::string& what) {
-  if (condition) return;
-  ++g_check_failures;
-  std::fprintf(stderr, "[rank %d] check failed: %s\n", g_rank, what.c_str());
-}
+using namespace moecore::test;  // NOLINT: check, g_rank, g_failures (dist_checks.h)
 
 // A pseudo-random multiple of 1/16 in [-255/16, 255/16], never zero: exact in bf16 (at most 8 significant bits),
 // sums over a few ranks are exact in fp32 whatever the reduction order (so results compare exactly), and bf16
@@ -652,14 +645,14 @@ int main(int argc, char** argv) {
     const std::vector<Test> tests = make_tests(world, checked, env_checks);
     std::vector<float> failed(tests.size(), 0.0f);
     for (size_t t = 0; t < tests.size(); ++t) {
-      g_check_failures = 0;
+      g_failures = 0;
       try {
         tests[t].second();
       } catch (const std::exception& error) {
-        ++g_check_failures;
+        ++g_failures;
         std::fprintf(stderr, "[rank %d] %s threw: %s\n", g_rank, tests[t].first.c_str(), error.what());
       }
-      failed[t] = g_check_failures > 0 ? 1.0f : 0.0f;
+      failed[t] = g_failures > 0 ? 1.0f : 0.0f;
     }
     world.all_reduce<float>(failed, ReduceOp::kMax);  // a test fails if it failed on any rank
     int passed = 0;

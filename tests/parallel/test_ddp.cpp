@@ -18,6 +18,7 @@
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
 #include "moecore/tensor/memory_tracker.h"
+#include "parallel/dist_checks.h"
 
 namespace {
 
@@ -31,28 +32,8 @@ using moecore::MemoryTracker;
 using moecore::ParallelSizes;
 using moecore::Param;
 using moecore::ParamShard;
+using namespace moecore::test;  // NOLINT: check, g_rank, g_failures, mix, name_hash (dist_checks.h)
 namespace parallel = moecore::parallel;
-
-int g_rank = 0;
-int g_check_failures = 0;
-
-void check(const bool condition, const std::string& what) {
-  if (condition) return;
-  if (++g_check_failures <= 10) std::fprintf(stderr, "[rank %d] check failed: %s\n", g_rank, what.c_str());
-}
-
-uint64_t mix(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ULL;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
-
-uint64_t name_hash(const std::string& name) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (const char c : name) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ULL;
-  return h;
-}
 
 // Initial value of element f of the one-process tensor `name`: in [-1, 1].
 float init_value(const std::string& name, const int64_t f) {
@@ -337,7 +318,7 @@ int main(int argc, char** argv) {
   int passed = 0, failed = 0;
   for (const Layout& layout : layouts) {
     for (const Config& config : configs) {
-      g_check_failures = 0;
+      g_failures = 0;
       std::string error;
       try {
         run_case(layout, config);
@@ -346,7 +327,7 @@ int main(int argc, char** argv) {
         check(false, "exception: " + error);
       }
       // A case fails when any rank failed.
-      std::vector<float> flag{static_cast<float>(g_check_failures > 0)};
+      std::vector<float> flag{static_cast<float>(g_failures > 0)};
       if (world_size > 1) parallel::ProcessGroup::world().all_reduce(std::span<float>(flag), parallel::ReduceOp::kMax);
       const bool ok = flag[0] == 0.0f;
       (ok ? passed : failed) += 1;

@@ -17,6 +17,7 @@
 #include "moecore/model/gpt_model.h"
 #include "moecore/parallel/mpi_runtime.h"
 #include "moecore/parallel/parallel_state.h"
+#include "unit/tiny_model_fixture.h"
 
 namespace {
 
@@ -29,33 +30,10 @@ constexpr uint64_t kSeed = 21;
 int g_rank = 0;
 int g_failures = 0;
 
+// The tiny MoE model over kS positions, delayed scaling with an amax history of 2 and algo max.
 ModelConfig config() {
-  ModelConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 32;
-  c.ffn_hidden_size = 64;
-  c.num_attention_heads = 4;
-  c.num_query_groups = 4;
-  c.kv_channels = 8;
-  c.seq_length = kS;
-  c.max_position_embeddings = kS;
-  c.vocab_size = 64;
-  c.normalization = Normalization::kRMSNorm;
-  c.activation = Activation::kSwiGLU;
-  c.add_bias_linear = false;
-  c.position_embedding_type = PositionEmbedding::kRope;
-  c.attention_dropout = 0.0;
-  c.hidden_dropout = 0.0;
-  c.moe.num_experts = 4;
-  c.moe.ffn_hidden_size = 32;
-  c.moe.topk = 2;
-  c.moe.grouped_gemm = true;
-  c.moe.moe_layer_pattern = {false, true};
-  quant::QuantizedLinearConfig q;
-  q.recipe = quant::Recipe::kDelayed;
-  q.format = quant::Fp8Format::kHybrid;
-  q.delayed = {2, quant::AmaxComputeAlgo::kMax, 0};
-  c.quantization = q;
+  ModelConfig c = test::tiny_moe_config(kS);
+  c.quantization = test::fp8_delayed(2, quant::AmaxComputeAlgo::kMax);
   return c;
 }
 

@@ -22,6 +22,7 @@
 #include "moecore/parallel/mpi_runtime.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
+#include "parallel/dist_checks.h"
 
 namespace {
 
@@ -38,21 +39,19 @@ using moecore::parallel::MpiRuntime;
 using moecore::parallel::ParallelState;
 using moecore::parallel::ProcessGroup;
 using moecore::parallel::ReduceOp;
-
-int g_rank = 0;
-int g_check_failures = 0;
-
-void check(bool condition, const std::string& what) {
-  if (condition) return;
-  ++g_check_failures;
-  if (g_check_failures <= 10) std::fprintf(stderr, "[rank %d] check failed: %s\n", g_rank, what.c_str());
-}
+using namespace moecore::test;  // NOLINT: check, g_rank, g_failures (dist_checks.h)
 
 bool near(double got, double expected, double tol) {
   return std::abs(got - expected) <= tol * (1.0 + std::abs(expected));
 }
 
 constexpr int64_t kE = 8, kH = 5, kK = 2;
+
+// Tensor views of a test's vectors, rows of width W; ref() lets a view stand for an output argument.
+Tensor view(const std::vector<float>& v, const int64_t W) {
+  return Tensor::from_blob(v.data(), {static_cast<int64_t>(v.size()) / W, W});
+}
+Tensor& ref(Tensor&& t) { return t; }
 
 enum class Case { kTopK, kCapacityDrop, kCapacityPad, kStarved, kLargeCounts };
 const char* case_name(Case c) {
@@ -87,7 +86,7 @@ RankData make_data(const int rank, const int64_t T, const Case c, const int64_t 
   RouterOutput& r = d.routing;
   r.probs_TE = Tensor({T, kE}, DType::kF32);
   std::fill_n(r.probs_TE.data<float>(), T * kE, 0.0f);
-  r.routing_map_TE.assign(static_cast<size_t>(T * kE), 0);
+  r.routing_map_TE = Tensor::zeros({T, kE}, DType::kU8);
   r.tokens_per_expert_E.assign(static_cast<size_t>(kE), 0);
   const int64_t first = c == Case::kStarved ? starve_end : 0;
   std::vector<int64_t> experts(static_cast<size_t>(kE - first));
@@ -96,7 +95,7 @@ RankData make_data(const int rank, const int64_t T, const Case c, const int64_t 
     std::shuffle(experts.begin(), experts.end(), gen);
     for (int64_t j = 0; j < kK; ++j) {
       const int64_t e = experts[static_cast<size_t>(j)];
-      r.routing_map_TE[t * kE + e] = 1;
+      r.routing_map_TE.data<uint8_t>()[t * kE + e] = 1;
       r.probs_TE.data<float>()[t * kE + e] = prob(gen);
     }
   }
@@ -105,9 +104,9 @@ RankData make_data(const int rank, const int64_t T, const Case c, const int64_t 
   for (int64_t e = 0; e < kE; ++e) {
     int64_t kept = 0;
     for (int64_t t = 0; t < T; ++t) {
-      if (r.routing_map_TE[t * kE + e] == 0) continue;
+      if (r.routing_map_TE.data<uint8_t>()[t * kE + e] == 0) continue;
       if (capped && kept == C) {
-        r.routing_map_TE[t * kE + e] = 0;
+        r.routing_map_TE.data<uint8_t>()[t * kE + e] = 0;
         r.probs_TE.data<float>()[t * kE + e] = 0.0f;
       } else {
         ++kept;
@@ -137,7 +136,7 @@ void append_rows(std::vector<ExpectedRow>& rows, const RankData& data, const int
                  const int64_t e) {
   int64_t routed = 0;
   for (int64_t t = 0; t < data.T; ++t) {
-    if (data.routing.routing_map_TE[t * kE + e] == 0) continue;
+    if (data.routing.routing_map_TE.data<uint8_t>()[t * kE + e] == 0) continue;
     rows.push_back({member, source, t});
     ++routed;
   }
@@ -199,10 +198,10 @@ Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, c
   const std::vector<ExpectedRow> expected_R = expected_rows(ps, type, world_data);
 
   DispatchState state;
-  const Tensor x_RH = dispatcher->dispatch(mine.x_TH.data(), T, H, mine.routing, state);
+  const Tensor x_RH = dispatcher->dispatch(view(mine.x_TH, H), mine.routing, state);
   const int64_t R = x_RH.dim(0);
   check(x_RH.dim(1) == H, label + ": x_RH width");
-  check(static_cast<int64_t>(state.expert_R.size()) == R && static_cast<int64_t>(state.probs_R.size()) == R &&
+  check(static_cast<int64_t>(state.expert_R.size()) == R && state.probs_R.numel() == R &&
             static_cast<int64_t>(expected_R.size()) == R,
         label + ": state sizes (R = " + std::to_string(R) + ", expected " + std::to_string(expected_R.size()) + ")");
   // The local dispatcher (a group of one) knows each row's token, the allgather one also its source rank; the
@@ -248,12 +247,14 @@ Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, c
     }
     const float* row = x_RH.data<float>() + r * H;
     if (t < 0) {
-      check(state.probs_R[r] == 0.0f, label + ": padding prob");
+      check(state.probs_R.data<float>()[r] == 0.0f, label + ": padding prob");
       for (int64_t h = 0; h < H; ++h) check(row[h] == 0.0f, label + ": padding row");
       continue;
     }
-    check(src.routing.routing_map_TE[t * E + first_expert + le] == 1, label + ": row routed to its expert");
-    check(state.probs_R[r] == src.routing.probs_TE.data<float>()[t * E + first_expert + le], label + ": row prob");
+    check(src.routing.routing_map_TE.data<uint8_t>()[t * E + first_expert + le] == 1,
+          label + ": row routed to its expert");
+    check(state.probs_R.data<float>()[r] == src.routing.probs_TE.data<float>()[t * E + first_expert + le],
+          label + ": row prob");
     for (int64_t h = 0; h < H; ++h) {
       check(row[h] == src.x_TH[t * H + h], label + ": row " + std::to_string(r) + " values");
     }
@@ -265,29 +266,30 @@ Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, c
   };
   std::vector<float> y_RH(static_cast<size_t>(R * H));
   for (int64_t r = 0; r < R; ++r) {
-    for (int64_t h = 0; h < H; ++h) y_RH[r * H + h] = x_RH.data<float>()[r * H + h] * factor(r) * state.probs_R[r];
+    for (int64_t h = 0; h < H; ++h)
+      y_RH[r * H + h] = x_RH.data<float>()[r * H + h] * factor(r) * state.probs_R.data<float>()[r];
   }
   Result res;
   const float base = 0.25f;  // combine and the backward adjoints add into their outputs
   res.out_TH.assign(static_cast<size_t>(T * H), base);
-  dispatcher->combine(res.out_TH.data(), y_RH.data(), state);
+  dispatcher->combine(ref(view(res.out_TH, H)), view(y_RH, H), state);
 
   // Backward of the objective <out, dout>.
   std::vector<float> dy_RH(static_cast<size_t>(R * H), 99.0f);
-  dispatcher->combine_backward(dy_RH.data(), mine.dout_TH.data(), state);
+  dispatcher->combine_backward(ref(view(dy_RH, H)), view(mine.dout_TH, H), state);
   std::vector<float> dx_RH(static_cast<size_t>(R * H)), dprobs_R(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r) {
     double dot = 0.0;
     for (int64_t h = 0; h < H; ++h) {
-      dx_RH[r * H + h] = dy_RH[r * H + h] * factor(r) * state.probs_R[r];
+      dx_RH[r * H + h] = dy_RH[r * H + h] * factor(r) * state.probs_R.data<float>()[r];
       dot += static_cast<double>(dy_RH[r * H + h]) * x_RH.data<float>()[r * H + h];
     }
     dprobs_R[r] = static_cast<float>(dot) * factor(r);
   }
   res.dx_TH.assign(static_cast<size_t>(T * H), base);
-  dispatcher->dispatch_backward(res.dx_TH.data(), dx_RH.data(), state);
+  dispatcher->dispatch_backward(ref(view(res.dx_TH, H)), view(dx_RH, H), state);
   res.dprobs_TE.assign(static_cast<size_t>(T * E), base);
-  dispatcher->probs_backward(res.dprobs_TE.data(), dprobs_R.data(), state);
+  dispatcher->probs_backward(ref(view(res.dprobs_TE, E)), view(dprobs_R, 1), state);
 
   // Reference over this rank's tokens.
   const float* p_TE = mine.routing.probs_TE.data<float>();
@@ -296,7 +298,7 @@ Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, c
     for (int64_t h = 0; h < H; ++h) dot += static_cast<double>(mine.dout_TH[t * H + h]) * mine.x_TH[t * H + h];
     std::vector<double> out_ref(static_cast<size_t>(H), base), dx_ref(static_cast<size_t>(H), base);
     for (int64_t e = 0; e < E; ++e) {
-      const bool routed = mine.routing.routing_map_TE[t * E + e] != 0;
+      const bool routed = mine.routing.routing_map_TE.data<uint8_t>()[t * E + e] != 0;
       const double p = p_TE[t * E + e], w = static_cast<double>(e + 1);
       for (int64_t h = 0; h < H && routed; ++h) {
         out_ref[h] += w * p * mine.x_TH[t * H + h];
@@ -453,14 +455,14 @@ int main(int argc, char** argv) {
     int passed = 0;
     for (const Layout& layout : layouts_for(world.size())) {
       for (const Case c : {Case::kTopK, Case::kCapacityDrop, Case::kCapacityPad, Case::kStarved, Case::kLargeCounts}) {
-        g_check_failures = 0;
+        g_failures = 0;
         try {
           test_layout_case(world, layout, c);
         } catch (const std::exception& error) {
-          ++g_check_failures;
+          ++g_failures;
           std::fprintf(stderr, "[rank %d] %s/%s threw: %s\n", g_rank, layout.name.c_str(), case_name(c), error.what());
         }
-        std::vector<float> failed = {g_check_failures > 0 ? 1.0f : 0.0f};
+        std::vector<float> failed = {g_failures > 0 ? 1.0f : 0.0f};
         world.all_reduce<float>(failed, ReduceOp::kMax);
         if (failed[0] > 0)
           ++failed_total;

@@ -22,9 +22,11 @@
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
 #include "moecore/tensor/rng.h"
+#include "parallel/dist_checks.h"
 
 namespace {
 
+using namespace moecore::test;  // NOLINT: check, g_rank, g_failures (dist_checks.h)
 using namespace moecore;
 using parallel::ParallelState;
 using parallel::ProcessGroup;
@@ -35,15 +37,6 @@ constexpr uint64_t kSeed = 1234, kKey = 77;
 constexpr int kModule = 3;
 constexpr int64_t kS = 8, kB = 2, kH = 16;
 constexpr double kAuxGradScale = 0.5;
-
-int g_rank = 0;
-int g_failures = 0;
-
-void check(const bool ok, const std::string& what) {
-  if (ok) return;
-  ++g_failures;
-  std::fprintf(stderr, "[rank %d] check failed: %s\n", g_rank, what.c_str());
-}
 
 // max |a - b| <= rtol * max |b| (and both finite).
 void check_close(const std::vector<double>& actual, const std::vector<double>& expected, const std::string& what) {
@@ -207,8 +200,11 @@ Reference run_reference(const ModelConfig& layout_config, const int dp) {
     const std::vector<float> x = random_rows(2 * d, T * kH), dout = random_rows(2 * d + 1, T * kH);
     std::vector<float> out(static_cast<size_t>(T * kH)), dx(static_cast<size_t>(T * kH), 0.0f);
     MoELayerActivations saved;
-    layer.forward(out.data(), x.data(), kS, kB, TokenRows(), true, kSeed, kKey, saved);
-    layer.backward(dx.data(), dout.data(), x.data(), kAuxGradScale, saved);
+    const Tensor x_TH = Tensor::from_blob(x.data(), {T, kH});
+    const Tensor out_TH = layer.forward(x_TH, kS, kB, TokenRows(), true, kSeed, kKey, saved);
+    const Tensor dx_TH = layer.backward(Tensor::from_blob(dout.data(), {T, kH}), x_TH, kAuxGradScale, saved);
+    std::copy_n(out_TH.data<float>(), out_TH.numel(), out.begin());
+    std::copy_n(dx_TH.data<float>(), dx_TH.numel(), dx.begin());
     ref.out.push_back(to_double(out.data(), T * kH));
     ref.dx.push_back(to_double(dx.data(), T * kH));
     ref.losses.push_back(logged_losses(saved.routing));
@@ -296,9 +292,12 @@ std::string run_case(const Case& c, const Layout& layout, const ProcessGroup& wo
   for (Param& p : params) p.grad.zero_();
   std::vector<float> out(static_cast<size_t>(T_loc * kH)), dx(static_cast<size_t>(T_loc * kH), 0.0f);
   MoELayerActivations saved;
-  layer.forward(out.data(), x.data() + offset * kH, S_loc, kB, TokenRows::contiguous(offset, T_loc), true, kSeed, kKey,
-                saved);
-  layer.backward(dx.data(), dout.data() + offset * kH, x.data() + offset * kH, kAuxGradScale, saved);
+  const Tensor x_TH = Tensor::from_blob(x.data() + offset * kH, {T_loc, kH});
+  const Tensor out_TH = layer.forward(x_TH, S_loc, kB, TokenRows::contiguous(offset, T_loc), true, kSeed, kKey, saved);
+  const Tensor dx_TH =
+      layer.backward(Tensor::from_blob(dout.data() + offset * kH, {T_loc, kH}), x_TH, kAuxGradScale, saved);
+  std::copy_n(out_TH.data<float>(), out_TH.numel(), out.begin());
+  std::copy_n(dx_TH.data<float>(), dx_TH.numel(), dx.begin());
 
   auto slice = [&](const std::vector<double>& full) {
     return std::vector<double>(full.begin() + offset * kH, full.begin() + (offset + T_loc) * kH);

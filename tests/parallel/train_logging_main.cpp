@@ -23,6 +23,7 @@
 #include "moecore/train/trainer.h"
 #include "moecore/train/training_log.h"
 #include "moecore/train/training_setup.h"
+#include "unit/test_recipe.h"
 
 namespace {
 
@@ -63,58 +64,15 @@ void write_corpus(const std::string& prefix) {
 }
 
 std::vector<std::string> flags(const std::string& dir, const int micro_batch_size) {
-  return {"--num-layers",
-          "2",
-          "--hidden-size",
-          "32",
-          "--num-attention-heads",
-          "4",
-          "--seq-length",
-          "16",
-          "--max-position-embeddings",
-          "16",
-          "--attention-dropout",
-          "0",
-          "--hidden-dropout",
-          "0",
-          "--ffn-hidden-size",
-          "64",
-          "--micro-batch-size",
-          std::to_string(micro_batch_size),
-          "--global-batch-size",
-          "4",
-          "--train-iters",
-          "2",
-          "--lr",
-          "1e-3",
-          "--log-interval",
-          "1",
-          "--eval-iters",
-          "1",
-          "--tokenizer-type",
-          "NullTokenizer",
-          "--vocab-size",
-          "60",
-          "--data-path",
-          dir + "/corpus",
-          "--split",
-          "70,30,0",
-          "--data-cache-path",
-          dir + "/cache",
-          "--eod-mask-loss",
-          "--seed",
-          "11",
-          "--num-experts",
-          "4",
-          "--moe-ffn-hidden-size",
-          "32",
-          "--moe-router-topk",
-          "2",
-          "--moe-router-load-balancing-type",
-          "global_aux_loss",
-          "--moe-aux-loss-coeff",
-          "0.01",
-          "--log-throughput"};
+  // clang-format off
+  return moecore::test::recipe_flags("tiny-moe", {
+      "--attention-dropout", "0", "--hidden-dropout", "0", "--micro-batch-size", std::to_string(micro_batch_size),
+      "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "1",
+      "--tokenizer-type", "NullTokenizer", "--vocab-size", "60", "--data-path", dir + "/corpus",
+      "--split", "70,30,0", "--data-cache-path", dir + "/cache", "--eod-mask-loss", "--seed", "11",
+      "--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "0.01", "--log-throughput"
+  });
+  // clang-format on
 }
 
 }  // namespace

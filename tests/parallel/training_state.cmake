@@ -13,4 +13,5 @@ if(MPIRUN_EXECUTABLE)
                    $<TARGET_FILE:dist_training_state_test> --use-distributed-optimizer)
   list(APPEND training_state_tests dist.training_state.tp2_ep2 dist.training_state.tp2_ep2_distopt)
 endif()
-set_tests_properties(${training_state_tests} PROPERTIES LABELS dist TIMEOUT 300 ENVIRONMENT "OMP_NUM_THREADS=1")
+set_tests_properties(${training_state_tests} PROPERTIES LABELS dist TIMEOUT 300
+                     ENVIRONMENT "OMP_NUM_THREADS=1;MOECORE_SOURCE_DIR=${CMAKE_SOURCE_DIR}")

@@ -25,77 +25,18 @@
 #include "moecore/train/trainer.h"
 #include "moecore/train/training_setup.h"
 #include "moecore/train/training_state.h"
+#include "parallel/dist_checks.h"
+#include "unit/training_state_fixture.h"
 
 namespace {
 
-using namespace moecore;  // NOLINT: a test driver
-
-int g_rank = 0;
-int g_failures = 0;
-
-void check(const bool condition, const std::string& what) {
-  if (condition) return;
-  if (++g_failures <= 20) std::fprintf(stderr, "[rank %d] check failed: %s\n", g_rank, what.c_str());
-}
+using namespace moecore::test;  // NOLINT: check, g_rank, g_failures (dist_checks.h)
+using namespace moecore;        // NOLINT: a test driver
 
 std::vector<std::string> model_flags() {
-  return {"--num-layers",
-          "2",
-          "--hidden-size",
-          "32",
-          "--num-attention-heads",
-          "4",
-          "--seq-length",
-          "16",
-          "--max-position-embeddings",
-          "16",
-          "--ffn-hidden-size",
-          "64",
-          "--swiglu",
-          "--disable-bias-linear",
-          "--normalization",
-          "RMSNorm",
-          "--untie-embeddings-and-output-weights",
-          "--micro-batch-size",
-          "2",
-          "--global-batch-size",
-          "8",
-          "--train-iters",
-          "10",
-          "--lr",
-          "1e-3",
-          "--min-lr",
-          "1e-5",
-          "--lr-warmup-iters",
-          "2",
-          "--lr-decay-style",
-          "cosine",
-          "--weight-decay",
-          "0.05",
-          "--mock-data",
-          "--tokenizer-type",
-          "NullTokenizer",
-          "--vocab-size",
-          "250",
-          "--seed",
-          "7",
-          "--num-experts",
-          "4",
-          "--moe-ffn-hidden-size",
-          "32",
-          "--moe-router-topk",
-          "2",
-          "--moe-layer-freq",
-          "[0,1]",
-          "--moe-grouped-gemm",
-          "--moe-shared-expert-intermediate-size",
-          "32",
-          "--moe-shared-expert-gate",
-          "--moe-router-score-function",
-          "sigmoid",
-          "--moe-router-enable-expert-bias",
-          "--moe-token-dispatcher-type",
-          "alltoall"};
+  std::vector<std::string> flags = test::training_state_flags();
+  flags.insert(flags.end(), {"--moe-token-dispatcher-type", "alltoall"});
+  return flags;
 }
 
 TrainingArgs padded_args(const std::vector<std::string>& flags, const int64_t world_size) {

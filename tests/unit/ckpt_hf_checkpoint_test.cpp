@@ -3,64 +3,35 @@
 // hand-written llama/qwen3 configs, and clear errors for what HF cannot represent. (The forward-level check, the
 // export's logits under an HF-style PyTorch forward, is tests/oracle/test_hf_export.py.)
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <random>
 #include <string>
 
 #include "moecore/ckpt/hf_checkpoint.h"
 #include "moecore/ckpt/safetensors.h"
+#include "unit/hf_fixture.h"
 
 namespace moecore {
 namespace {
 
 namespace fs = std::filesystem;
 
+using test::randomize;
+
+// The shared llama-style model with a sequence of 16, a vocabulary of 96 and Llama 3's RoPE base.
 ModelConfig llama_config() {
-  ModelConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 32;
-  c.ffn_hidden_size = 48;
-  c.num_attention_heads = 4;
-  c.num_query_groups = 2;
-  c.kv_channels = 8;
+  ModelConfig c = test::hf_llama_config();
   c.seq_length = 16;
-  c.max_position_embeddings = 64;
   c.vocab_size = 96;
-  c.normalization = Normalization::kRMSNorm;
-  c.norm_epsilon = 1e-6;
-  c.activation = Activation::kSwiGLU;
-  c.add_bias_linear = false;
-  c.position_embedding_type = PositionEmbedding::kRope;
   c.rotary_base = 500000.0;
-  c.attention_dropout = 0.0;
-  c.hidden_dropout = 0.0;
   return c;
 }
 
-// Overwrites every parameter with distinct random values so a misplaced row cannot go unnoticed.
-void randomize(GPTModel& model, uint64_t seed) {
-  std::mt19937_64 gen(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (Param& p : model.params()) {
-    for (float& v : p.value.span<float>()) v = dist(gen);
-  }
-}
-
-class HfCheckpointTest : public ::testing::Test {
+class HfCheckpointTest : public test::HfFolderTest {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("moecore_hf_test_" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
   void write_text(const std::string& file, const std::string& text) const { std::ofstream(file) << text; }
-
-  fs::path dir_;
 };
 
 TEST_F(HfCheckpointTest, ExportPlacesEveryRowAndLoadsBackExactly) {
@@ -264,11 +235,8 @@ TEST_F(HfCheckpointTest, ReadsLlamaAndQwen3Configs) {
 }
 
 TEST_F(HfCheckpointTest, ConfigProblemsNameTheFileAndField) {
-  const std::string base = kLlamaConfig;
-  const auto with = [&](const std::string& from, const std::string& to) {
-    std::string text = base;
-    text.replace(text.find(from), from.size(), to);
-    return text;
+  const auto with = [](const std::string& from, const std::string& to) {
+    return test::replaced(kLlamaConfig, from, to);
   };
   const std::vector<std::pair<std::string, std::string>> cases = {
       {with("\"model_type\": \"llama\"", "\"model_type\": \"gpt2\""), "model_type"},
@@ -284,19 +252,7 @@ TEST_F(HfCheckpointTest, ConfigProblemsNameTheFileAndField) {
        "num_hidden_layers 8589934592 is outside [1, 1048576]"},
       {with("\"num_hidden_layers\": 3", "\"num_hidden_layers\": -1"), "num_hidden_layers -1 is outside [1, 1048576]"},
   };
-  fs::create_directories(path("bad"));
-  for (const auto& [text, phrase] : cases) {
-    SCOPED_TRACE(phrase);
-    write_text(path("bad/config.json"), text);
-    try {
-      read_hf_config(path("bad"));
-      ADD_FAILURE() << "no error";
-    } catch (const ConfigError& e) {
-      const std::string message = e.what();
-      EXPECT_NE(message.find("config.json"), std::string::npos) << message;
-      EXPECT_NE(message.find(phrase), std::string::npos) << message;
-    }
-  }
+  for (const auto& [text, phrase] : cases) expect_config_error(text, phrase);
   write_text(path("bad/config.json"), "{ not json");
   EXPECT_THROW(read_hf_config(path("bad")), std::runtime_error);
   EXPECT_THROW(read_hf_config(path("nowhere")), std::runtime_error);
@@ -304,13 +260,9 @@ TEST_F(HfCheckpointTest, ConfigProblemsNameTheFileAndField) {
 
 // Integer fields are integers in range: nlohmann would truncate 2.5 to 2 and turn 2^70 (a double) into garbage.
 TEST_F(HfCheckpointTest, IntegerFieldsMustBeIntegersInRange) {
-  const std::string base = kLlamaConfig;
-  const auto with = [&](const std::string& from, const std::string& to) {
-    std::string text = base;
-    text.replace(text.find(from), from.size(), to);
-    return text;
+  const auto with = [](const std::string& from, const std::string& to) {
+    return test::replaced(kLlamaConfig, from, to);
   };
-  fs::create_directories(path("bad"));
   const std::string file = path("bad") + "/config.json";
   const std::vector<std::pair<std::string, std::string>> cases = {
       {with("\"num_hidden_layers\": 3", "\"num_hidden_layers\": 2.5"),
@@ -324,16 +276,7 @@ TEST_F(HfCheckpointTest, IntegerFieldsMustBeIntegersInRange) {
       {with("\"num_key_value_heads\": 2", "\"num_key_value_heads\": true"),
        file + ": field 'num_key_value_heads' must be an integer (got true)"},
   };
-  for (const auto& [text, expected] : cases) {
-    SCOPED_TRACE(expected);
-    write_text(path("bad/config.json"), text);
-    try {
-      read_hf_config(path("bad"));
-      ADD_FAILURE() << "no error";
-    } catch (const ConfigError& e) {
-      EXPECT_EQ(std::string(e.what()), expected);
-    }
-  }
+  for (const auto& [text, expected] : cases) EXPECT_EQ(config_error(text), expected);
 }
 
 // The export's folder rules, checkable before training: absent, or an earlier export (replaced whole); never a file

@@ -9,18 +9,17 @@
 // - published-style HF configs without moecore's block are read as HF's classes interpret them;
 // - models or configs HF cannot represent are refused with one line naming what.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <random>
 #include <string>
 
 #include "moecore/ckpt/hf_checkpoint.h"
 #include "moecore/ckpt/safetensors.h"
+#include "unit/hf_fixture.h"
 
 namespace moecore {
 namespace {
@@ -28,30 +27,11 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
+using test::randomize;
+
+// The shared MoE model with aux_loss (0.01) and a z-loss (1e-3).
 ModelConfig base_config(const int64_t num_layers) {
-  ModelConfig c;
-  c.num_layers = num_layers;
-  c.hidden_size = 32;
-  c.ffn_hidden_size = 48;
-  c.num_attention_heads = 4;
-  c.num_query_groups = 2;
-  c.kv_channels = 8;
-  c.seq_length = 8;
-  c.max_position_embeddings = 64;
-  c.vocab_size = 80;
-  c.normalization = Normalization::kRMSNorm;
-  c.norm_epsilon = 1e-6;
-  c.activation = Activation::kSwiGLU;
-  c.add_bias_linear = false;
-  c.position_embedding_type = PositionEmbedding::kRope;
-  c.rotary_base = 1e6;
-  c.attention_dropout = 0.0;
-  c.hidden_dropout = 0.0;
-  c.untie_embeddings_and_output_weights = true;
-  c.moe.num_experts = 4;
-  c.moe.ffn_hidden_size = 24;
-  c.moe.moe_layer_pattern.assign(static_cast<size_t>(num_layers), true);
-  c.moe.topk = 2;
+  ModelConfig c = test::hf_moe_config(num_layers);
   c.moe.load_balancing_types = {LoadBalancingType::kAuxLoss};
   c.moe.aux_loss_coeffs = {0.01};
   c.moe.z_loss_coeff = 1e-3;
@@ -73,31 +53,13 @@ ModelConfig qwen3_moe_config() {
 // DeepSeek-V3-like without MLA: sigmoid scores, group-limited routing, expert bias, scaling factor, seq_aux_loss,
 // a gated shared expert, the first layer dense.
 ModelConfig deepseek_like_config() {
-  ModelConfig c = base_config(3);
-  c.moe.moe_layer_pattern = {false, true, true};
-  c.moe.num_experts = 8;
-  c.moe.topk = 4;
-  c.moe.score_function = RouterScoreFunction::kSigmoid;
-  c.moe.num_groups = 4;
-  c.moe.group_topk = 2;
-  c.moe.enable_expert_bias = true;
+  ModelConfig c = test::hf_deepseek_like_config();
   c.moe.bias_update_rate = 2e-3;
-  c.moe.topk_scaling_factor = 2.5;
   c.moe.load_balancing_types = {LoadBalancingType::kSeqAuxLoss};
   c.moe.aux_loss_coeffs = {1e-4};
   c.moe.z_loss_coeff = 0.0;
-  c.moe.shared_expert_intermediate_size = 20;
-  c.moe.shared_expert_gate = true;
   c.moe.grouped_gemm = true;
   return c;
-}
-
-void randomize(GPTModel& model, const uint64_t seed) {
-  std::mt19937_64 gen(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (Param& p : model.params()) {
-    for (float& v : p.value.span<float>()) v = dist(gen);
-  }
 }
 
 void expect_same_moe(const MoEConfig& a, const MoEConfig& b) {
@@ -163,14 +125,8 @@ void expect_rows(const SafetensorsFile& file, const std::string& hf, const GPTMo
   }
 }
 
-class HfMoeTest : public ::testing::Test {
+class HfMoeTest : public test::HfFolderTest {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("moecore_hf_moe_test_" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
   void write_text(const std::string& name, const std::string& text) const { std::ofstream(path(name)) << text; }
   json read_config(const std::string& export_dir) const {
     std::ifstream in(export_dir + "/config.json");
@@ -220,8 +176,6 @@ class HfMoeTest : public ::testing::Test {
     EXPECT_EQ(std::memcmp(before.data<float>(), after.data<float>(), before.nbytes()), 0);
     return config;
   }
-
-  fs::path dir_;
 };
 
 TEST_F(HfMoeTest, MixtralNamesConfigAndExactRoundTrip) {
@@ -484,28 +438,15 @@ TEST_F(HfMoeTest, ReadsPublishedStyleConfigsAsHfInterpretsThem) {
 }
 
 TEST_F(HfMoeTest, MoeConfigProblemsNameTheFileAndField) {
-  fs::create_directories(path("bad"));
-  const auto expect_error = [&](const std::string& text, const std::string& phrase) {
-    SCOPED_TRACE(phrase);
-    write_text("bad/config.json", text);
-    try {
-      read_hf_config(path("bad"));
-      ADD_FAILURE() << "no error";
-    } catch (const ConfigError& e) {
-      const std::string message = e.what();
-      EXPECT_NE(message.find("config.json"), std::string::npos) << message;
-      EXPECT_NE(message.find(phrase), std::string::npos) << message;
-    }
-  };
   json qwen = json::parse(kQwen3MoeConfig);
   qwen["attention_bias"] = true;
-  expect_error(qwen.dump(), "attention_bias");
+  expect_config_error(qwen.dump(), "attention_bias");
   qwen = json::parse(kQwen3MoeConfig);
   qwen.erase("num_experts_per_tok");
-  expect_error(qwen.dump(), "num_experts_per_tok");
+  expect_config_error(qwen.dump(), "num_experts_per_tok");
   qwen = json::parse(kQwen3MoeConfig);
   qwen["num_experts_per_tok"] = 17;  // more than num_experts
-  expect_error(qwen.dump(), "topk");
+  expect_config_error(qwen.dump(), "topk");
 
   // moecore's block: required for moecore_moe; malformed entries are named; for mixtral it cannot smuggle in a
   // forward HF would not compute.
@@ -514,22 +455,22 @@ TEST_F(HfMoeTest, MoeConfigProblemsNameTheFileAndField) {
   json ds = read_config(path("ds"));
   json no_block = ds;
   no_block.erase("moecore_moe_config");
-  expect_error(no_block.dump(), "moecore_moe_config");
+  expect_config_error(no_block.dump(), "moecore_moe_config");
   json bad_score = ds;
   bad_score["moecore_moe_config"]["moe_router_score_function"] = "tanh";
-  expect_error(bad_score.dump(), "moe_router_score_function");
+  expect_config_error(bad_score.dump(), "moe_router_score_function");
   json short_pattern = ds;
   short_pattern["moecore_moe_config"]["moe_layer_freq"] = json::array({1, 1});
-  expect_error(short_pattern.dump(), "moe_layer_freq");
+  expect_config_error(short_pattern.dump(), "moe_layer_freq");
   json disagree = ds;
   disagree["num_experts"] = 3;
-  expect_error(disagree.dump(), "num_experts");
+  expect_config_error(disagree.dump(), "num_experts");
 
   GPTModel mixtral(mixtral_config(), 4);
   export_hf(mixtral, HfExportInfo{}, path("mx"));
   json mx = read_config(path("mx"));
   mx["moecore_moe_config"]["moe_expert_capacity_factor"] = 1.5;
-  expect_error(mx.dump(), "--moe-expert-capacity-factor");
+  expect_config_error(mx.dump(), "--moe-expert-capacity-factor");
 }
 
 }  // namespace

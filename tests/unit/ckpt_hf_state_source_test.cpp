@@ -13,7 +13,6 @@
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <random>
 #include <string>
 
 #include "moecore/ckpt/hf_checkpoint.h"
@@ -21,6 +20,7 @@
 #include "moecore/ckpt/model_state_keys.h"
 #include "moecore/ckpt/safetensors.h"
 #include "moecore/ckpt/state_dict.h"
+#include "unit/hf_fixture.h"
 #include "unit/test_temp_dir.h"
 
 namespace moecore {
@@ -28,26 +28,10 @@ namespace {
 
 using json = nlohmann::json;
 
+// The shared llama-style model with linear biases (tied output).
 ModelConfig llama_config() {
-  ModelConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 32;
-  c.ffn_hidden_size = 48;
-  c.num_attention_heads = 4;
-  c.num_query_groups = 2;
-  c.kv_channels = 8;
-  c.seq_length = 8;
-  c.max_position_embeddings = 64;
-  c.vocab_size = 80;
-  c.normalization = Normalization::kRMSNorm;
-  c.norm_epsilon = 1e-6;
-  c.activation = Activation::kSwiGLU;
+  ModelConfig c = test::hf_llama_config();
   c.add_bias_linear = true;
-  c.position_embedding_type = PositionEmbedding::kRope;
-  c.rotary_base = 1e6;
-  c.attention_dropout = 0.0;
-  c.hidden_dropout = 0.0;
-  c.untie_embeddings_and_output_weights = false;  // tied: no lm_head
   return c;
 }
 
@@ -59,22 +43,10 @@ ModelConfig qwen3_config() {
   return c;
 }
 
-ModelConfig moe_base(const int64_t num_layers) {
-  ModelConfig c = llama_config();
-  c.num_layers = num_layers;
-  c.add_bias_linear = false;
-  c.untie_embeddings_and_output_weights = true;
-  c.moe.num_experts = 4;
-  c.moe.ffn_hidden_size = 24;
-  c.moe.moe_layer_pattern.assign(static_cast<size_t>(num_layers), true);
-  c.moe.topk = 2;
-  return c;
-}
-
-ModelConfig mixtral_config() { return moe_base(2); }
+ModelConfig mixtral_config() { return test::hf_moe_config(2); }
 
 ModelConfig qwen3_moe_config() {
-  ModelConfig c = moe_base(3);
+  ModelConfig c = test::hf_moe_config(3);
   c.qk_layernorm = true;
   c.untie_embeddings_and_output_weights = false;
   c.moe.moe_layer_pattern = {false, true, true};
@@ -87,18 +59,8 @@ ModelConfig qwen3_moe_config() {
 // DeepSeek-V3-like without MLA: sigmoid scores, groups, expert bias, scaling factor, a gated shared expert, a dense
 // first layer, linear biases (no: shared experts need --disable-bias-linear) and q/k norms.
 ModelConfig moecore_moe_config() {
-  ModelConfig c = moe_base(3);
+  ModelConfig c = test::hf_deepseek_like_config();
   c.qk_layernorm = true;
-  c.moe.moe_layer_pattern = {false, true, true};
-  c.moe.num_experts = 8;
-  c.moe.topk = 4;
-  c.moe.score_function = RouterScoreFunction::kSigmoid;
-  c.moe.num_groups = 4;
-  c.moe.group_topk = 2;
-  c.moe.enable_expert_bias = true;
-  c.moe.topk_scaling_factor = 2.5;
-  c.moe.shared_expert_intermediate_size = 20;
-  c.moe.shared_expert_gate = true;
   return c;
 }
 
@@ -106,7 +68,7 @@ ModelConfig moecore_moe_config() {
 // sigmoid routing over 4 groups (top 2 groups for top-4 experts), expert bias, scaling factor, one shared expert and a
 // dense first layer, and one Multi-Token Prediction depth.
 ModelConfig deepseek_v3_config() {
-  ModelConfig c = moe_base(3);
+  ModelConfig c = test::hf_moe_config(3);
   c.qk_layernorm = true;
   c.mla = MlaConfig{24, 16, 8, 4, 12, RopeType::kYarn};
   c.num_query_groups = c.num_attention_heads;  // no GQA with multi-latent attention
@@ -143,16 +105,7 @@ std::vector<Architecture> architectures() {
 }
 
 // Distinct random values in every parameter and buffer, so a misplaced row cannot go unnoticed.
-void randomize(GPTModel& model, const uint64_t seed) {
-  std::mt19937_64 gen(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (Param& p : model.params()) {
-    for (float& v : p.value.span<float>()) v = dist(gen);
-  }
-  for (Buffer& b : model.named_buffers()) {
-    for (float& v : b.value.span<float>()) v = dist(gen);
-  }
-}
+void randomize(GPTModel& model, const uint64_t seed) { test::randomize(model, seed, test::RandomBuffers::kYes); }
 
 bool bit_equal(const Tensor& a, const Tensor& b) {
   return a.shape() == b.shape() && a.dtype() == b.dtype() &&
@@ -396,7 +349,7 @@ TEST(HfStateSource, ConfigMismatchNamesTheFieldAndTheFlag) {
   c.qk_layernorm = true;
   expect_line(dense_dir, c, "HF config.json model_type llama (no q/k norms) does not match --qk-layernorm");
   c = llama_config();
-  c.moe = moe_base(2).moe;
+  c.moe = test::hf_moe_config(2).moe;
   expect_line(dense_dir, c, "HF config.json model_type llama (dense) does not match --num-experts 4");
 
   c = qwen3_moe_config();

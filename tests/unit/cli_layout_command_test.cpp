@@ -117,9 +117,9 @@ TEST(LayoutCommand, ParsesPipelineSplitFlags) {
        "--pipeline-model-parallel-layout", "Et|tL", "--account-for-embedding-in-pipeline-split",
        "--account-for-loss-in-pipeline-split"});
   ASSERT_TRUE(parsed.pipeline.has_value());
-  const parallel::PipelineSplitFlags& split = *parsed.pipeline;
-  EXPECT_EQ(split.num_layers, 28);
-  EXPECT_EQ(split.pipeline_model_parallel_size, 4);
+  EXPECT_EQ(parsed.pipeline->num_layers, 28);
+  EXPECT_EQ(parsed.pipeline->pipeline_model_parallel_size, 4);
+  const parallel::PipelineSplitFlags& split = parsed.pipeline_split;
   EXPECT_EQ(split.decoder_first_pipeline_num_layers, 4);
   EXPECT_EQ(split.decoder_last_pipeline_num_layers, 8);
   EXPECT_EQ(split.num_virtual_stages_per_pipeline_rank, 2);

@@ -11,35 +11,23 @@
 #include "moecore/config/arguments.h"
 #include "moecore/config/flag_catalog.h"
 #include "moecore/quant/recipe.h"
+#include "unit/test_recipe.h"
+#include "unit/train_args_error.h"
 
 namespace moecore {
 namespace {
 
 using Args = std::vector<std::string>;
+using test::error_of;
 
-// The smallest valid command line.
+// The smallest valid command line: the tiny dense model on mock data.
 Args minimal() {
-  return {"--num-layers",
-          "2",
-          "--hidden-size",
-          "64",
-          "--num-attention-heads",
-          "4",
-          "--seq-length",
-          "32",
-          "--max-position-embeddings",
-          "32",
-          "--train-iters",
-          "100",
-          "--lr",
-          "3e-4",
-          "--micro-batch-size",
-          "2",
-          "--mock-data",
-          "--tokenizer-type",
-          "NullTokenizer",
-          "--vocab-size",
-          "1000"};
+  // clang-format off
+  return test::recipe_flags("tiny-dense", {
+      "--train-iters", "100", "--lr", "3e-4", "--micro-batch-size", "2", "--mock-data",
+      "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"
+  });
+  // clang-format on
 }
 
 Args with(Args args, const Args& extra) {
@@ -57,15 +45,6 @@ Args without(const Args& args, const std::string& flag, const int values) {
     result.push_back(args[i]);
   }
   return result;
-}
-
-std::string error_of(const Args& args) {
-  try {
-    parse_train_args(args);
-  } catch (const ConfigError& error) {
-    return error.what();
-  }
-  return "<no error>";
 }
 
 bool mentions(const std::string& message, const std::string& needle) {
@@ -117,8 +96,8 @@ TEST(TrainArguments, MegatronDefaults) {
   EXPECT_TRUE(args.mock_data);
   EXPECT_TRUE(args.split.empty());
   EXPECT_EQ(args.vocab_size, 1000);
-  EXPECT_EQ(args.tensor_model_parallel_size, 1);
-  EXPECT_EQ(args.expert_tensor_parallel_size, 1);
+  EXPECT_EQ(args.parallel.tensor_model_parallel_size, 1);
+  EXPECT_EQ(args.parallel.expert_tensor_parallel_size, 1);
   EXPECT_EQ(args.data_parallel_size, 1);
   EXPECT_EQ(args.threads, 0);
   EXPECT_EQ(args.sample_tokens, 32);
@@ -513,45 +492,41 @@ TEST(TrainArguments, CatalogIsLargeAndDisjointFromImplementedFlags) {
   for (const std::string& flag : implemented) EXPECT_TRUE(mentions(help, flag)) << flag;
 }
 
-// The pipeline split flags (Megatron's names; the split itself is tested in parallel_pipeline_layout_test.cpp):
+// The pipeline split flags (Megatron's names; the split itself is tested in pipeline_layout_test.cpp):
 // parsed, validated by `moecore train` before anything runs, and PP > 1 still rejected after them.
 TEST(TrainArguments, PipelineSplitFlags) {
   const TrainingArgs defaults = parse_train_args(minimal());
-  EXPECT_FALSE(defaults.decoder_first_pipeline_num_layers.has_value());
-  EXPECT_FALSE(defaults.decoder_last_pipeline_num_layers.has_value());
-  EXPECT_FALSE(defaults.account_for_embedding_in_pipeline_split);
-  EXPECT_FALSE(defaults.account_for_loss_in_pipeline_split);
-  EXPECT_FALSE(defaults.pipeline_model_parallel_layout.has_value());
-  EXPECT_FALSE(defaults.num_layers_per_virtual_pipeline_stage.has_value());
-  EXPECT_FALSE(defaults.num_virtual_stages_per_pipeline_rank.has_value());
+  EXPECT_FALSE(defaults.pipeline_split.decoder_first_pipeline_num_layers.has_value());
+  EXPECT_FALSE(defaults.pipeline_split.decoder_last_pipeline_num_layers.has_value());
+  EXPECT_FALSE(defaults.pipeline_split.account_for_embedding_in_pipeline_split);
+  EXPECT_FALSE(defaults.pipeline_split.account_for_loss_in_pipeline_split);
+  EXPECT_FALSE(defaults.pipeline_split.pipeline_model_parallel_layout.has_value());
+  EXPECT_FALSE(defaults.pipeline_split.num_layers_per_virtual_pipeline_stage.has_value());
+  EXPECT_FALSE(defaults.pipeline_split.num_virtual_stages_per_pipeline_rank.has_value());
   EXPECT_EQ(defaults.virtual_pipeline_model_parallel_size, 1);
 
   // Valid in one stage (minimal() has 2 layers).
   const TrainingArgs accounted = parse_train_args(
       with(minimal(), {"--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
                        "--num-layers-per-virtual-pipeline-stage", "4"}));
-  EXPECT_TRUE(accounted.account_for_embedding_in_pipeline_split);
-  EXPECT_TRUE(accounted.account_for_loss_in_pipeline_split);
-  EXPECT_EQ(accounted.num_layers_per_virtual_pipeline_stage, 4);
+  EXPECT_TRUE(accounted.pipeline_split.account_for_embedding_in_pipeline_split);
+  EXPECT_TRUE(accounted.pipeline_split.account_for_loss_in_pipeline_split);
+  EXPECT_EQ(accounted.pipeline_split.num_layers_per_virtual_pipeline_stage, 4);
   EXPECT_EQ(accounted.virtual_pipeline_model_parallel_size, 1);  // (2 + 2) / 4 per stage
   const TrainingArgs uneven = parse_train_args(with(minimal(), {"--decoder-first-pipeline-num-layers", "2"}));
-  EXPECT_EQ(uneven.decoder_first_pipeline_num_layers, 2);
+  EXPECT_EQ(uneven.pipeline_split.decoder_first_pipeline_num_layers, 2);
   const TrainingArgs last = parse_train_args(with(minimal(), {"--decoder-last-pipeline-num-layers=2"}));
-  EXPECT_EQ(last.decoder_last_pipeline_num_layers, 2);
+  EXPECT_EQ(last.pipeline_split.decoder_last_pipeline_num_layers, 2);
   const TrainingArgs layout = parse_train_args(with(minimal(), {"--pipeline-model-parallel-layout", "E,t*2,L"}));
-  EXPECT_EQ(layout.pipeline_model_parallel_layout, "E,t*2,L");
+  EXPECT_EQ(layout.pipeline_split.pipeline_model_parallel_layout, "E,t*2,L");
   const TrainingArgs stages = parse_train_args(with(minimal(), {"--num-virtual-stages-per-pipeline-rank", "1"}));
-  EXPECT_EQ(stages.num_virtual_stages_per_pipeline_rank, 1);
+  EXPECT_EQ(stages.pipeline_split.num_virtual_stages_per_pipeline_rank, 1);
 
-  const parallel::PipelineSplitFlags split = pipeline_split_flags(accounted);
-  EXPECT_EQ(split.num_layers, 2);
-  EXPECT_EQ(split.pipeline_model_parallel_size, 1);
-  EXPECT_TRUE(split.account_for_embedding_in_pipeline_split);
-  EXPECT_TRUE(split.account_for_loss_in_pipeline_split);
-  EXPECT_EQ(split.num_layers_per_virtual_pipeline_stage, 4);
-  EXPECT_TRUE(split.overlap_p2p_comm);  // Megatron's default
-  EXPECT_EQ(pipeline_split_flags(layout).pipeline_model_parallel_layout, "E,t*2,L");
-  EXPECT_EQ(pipeline_split_flags(uneven).decoder_first_pipeline_num_layers, 2);
+  EXPECT_TRUE(accounted.pipeline_split.overlap_p2p_comm);  // Megatron's default
+  const parallel::PipelineShape shape = pipeline_shape(accounted);
+  EXPECT_EQ(shape.num_layers, 2);
+  EXPECT_EQ(shape.pipeline_model_parallel_size, 1);
+  EXPECT_EQ(shape.mtp_num_layers, 0);
 
   // Megatron's errors, as ConfigError.
   EXPECT_EQ(error_of(with(minimal(), {"--num-virtual-stages-per-pipeline-rank", "2"})),
@@ -592,7 +567,7 @@ TEST(TrainArguments, PipelineSplitFlags) {
       "context-parallel-size (1)");
   const TrainingArgs pp2 = parse_train_args(
       with(minimal(), {"--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tL"}), 2);
-  EXPECT_EQ(pp2.pipeline_model_parallel_size, 2);
+  EXPECT_EQ(pp2.parallel.pipeline_model_parallel_size, 2);
   EXPECT_EQ(pp2.data_parallel_size, 1);
   // Without overlapped p2p communication the interleaved schedule needs PP > 2, as Megatron.
   const Args no_overlap = with(minimal(), {"--num-layers", "8", "--num-virtual-stages-per-pipeline-rank", "2",
@@ -600,17 +575,7 @@ TEST(TrainArguments, PipelineSplitFlags) {
   EXPECT_TRUE(mentions(error_of(with(no_overlap, {"--pipeline-model-parallel-size", "2"})),
                        "pipeline-model-parallel size should be greater than 2"));
   const TrainingArgs pp4 = parse_train_args(with(no_overlap, {"--pipeline-model-parallel-size", "4"}), 4);
-  EXPECT_FALSE(pp4.overlap_p2p_comm);
-  EXPECT_FALSE(pipeline_split_flags(pp4).overlap_p2p_comm);
-}
-
-std::string error_of(const Args& args, const int world_size) {
-  try {
-    parse_train_args(args, world_size);
-  } catch (const ConfigError& error) {
-    return error.what();
-  }
-  return "<no error>";
+  EXPECT_FALSE(pp4.pipeline_split.overlap_p2p_comm);
 }
 
 // The schedule's requirements on this DP rank's micro-batches (Megatron's schedules.py), checked with the flags.
@@ -655,7 +620,7 @@ TEST(TrainArguments, ParallelSizes) {
             "context-parallel-size (1)");
   const TrainingArgs tp2 = parse_train_args(with(minimal(), {"--tensor-model-parallel-size", "2"}), 8);
   EXPECT_EQ(tp2.data_parallel_size, 4);
-  EXPECT_EQ(tp2.expert_tensor_parallel_size, 2);  // defaults to the TP size, as Megatron
+  EXPECT_EQ(tp2.parallel.expert_tensor_parallel_size, 2);  // defaults to the TP size, as Megatron
   EXPECT_EQ(error_of(with(minimal(), {"--overlap-param-gather"})),
             "--overlap-param-gather requires --use-distributed-optimizer (as Megatron)");
   EXPECT_EQ(error_of(with(minimal(), {"--loss-scale", "128"})),
@@ -917,7 +882,7 @@ TEST(TrainArguments, PackedSequenceFlags) {
 TEST(TrainArguments, ContextParallelFlags) {
   const Args cp2 = with(minimal(), {"--context-parallel-size", "2"});
   const TrainingArgs args = parse_train_args(with(cp2, {"--cp-comm-type", "a2a"}), 4);
-  EXPECT_EQ(args.context_parallel_size, 2);
+  EXPECT_EQ(args.parallel.context_parallel_size, 2);
   EXPECT_EQ(args.data_parallel_size, 2);
   EXPECT_EQ(args.model.cp_comm_type, (std::vector<std::string>{"a2a"}));
   EXPECT_EQ(parse_train_args(cp2, 2).model.cp_comm_type, (std::vector<std::string>{"p2p"}));  // Megatron's default

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "moecore/model/gpt_model.h"
+#include "unit/tiny_model_fixture.h"
 
 namespace moecore {
 namespace {
@@ -24,34 +25,11 @@ constexpr int64_t kB = 2, kS = 8;
 constexpr uint64_t kSeed = 99;
 constexpr float kE4M3Max = 448.0f;
 
+// The tiny MoE model with a shared expert of width 32, under delayed scaling.
 ModelConfig delayed_moe(const int64_t L, const quant::AmaxComputeAlgo algo) {
-  ModelConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 32;
-  c.ffn_hidden_size = 64;
-  c.num_attention_heads = 4;
-  c.num_query_groups = 4;
-  c.kv_channels = 8;
-  c.seq_length = kS;
-  c.max_position_embeddings = 16;
-  c.vocab_size = 64;
-  c.normalization = Normalization::kRMSNorm;
-  c.activation = Activation::kSwiGLU;
-  c.add_bias_linear = false;
-  c.position_embedding_type = PositionEmbedding::kRope;
-  c.attention_dropout = 0.0;
-  c.hidden_dropout = 0.0;
-  c.moe.num_experts = 4;
-  c.moe.ffn_hidden_size = 32;
-  c.moe.topk = 2;
-  c.moe.grouped_gemm = true;
+  ModelConfig c = test::tiny_moe_config(kS);
   c.moe.shared_expert_intermediate_size = 32;
-  c.moe.moe_layer_pattern = {false, true};
-  quant::QuantizedLinearConfig q;
-  q.recipe = quant::Recipe::kDelayed;
-  q.format = quant::Fp8Format::kHybrid;
-  q.delayed = {L, algo, 0};
-  c.quantization = q;
+  c.quantization = test::fp8_delayed(L, algo);
   return c;
 }
 

@@ -9,28 +9,19 @@
 
 #include "moecore/model/gpt_model.h"
 #include "moecore/model/norm_overflow.h"
+#include "unit/tiny_model_fixture.h"
 
 namespace moecore {
 namespace {
 
 constexpr int64_t kB = 2, kS = 8;
 
+// The tiny dense model over kS positions (the embedding reaches the first norm unscaled: no dropout).
 ModelConfig tiny_config(const Normalization normalization, const bool qk_layernorm = false) {
-  ModelConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 32;
-  c.ffn_hidden_size = 64;
-  c.num_attention_heads = 4;
-  c.num_query_groups = 4;
-  c.kv_channels = 8;
-  c.seq_length = kS;
+  ModelConfig c = test::tiny_dense_config(kS);
   c.max_position_embeddings = kS;
-  c.vocab_size = 64;
   c.normalization = normalization;
   c.qk_layernorm = qk_layernorm;
-  c.add_bias_linear = false;
-  c.hidden_dropout = 0.0;  // the embedding reaches the first norm unscaled
-  c.attention_dropout = 0.0;
   return c;
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "moecore/model/gpt_model.h"
+#include "unit/tiny_model_fixture.h"
 
 namespace moecore {
 namespace {
@@ -17,26 +18,12 @@ namespace {
 constexpr int64_t kB = 2, kS = 8;
 constexpr uint64_t kSeed = 1234;
 
+// The tiny MoE model with 3 layers (MoE, dense, MoE), a vocabulary of 96, sequential experts.
 ModelConfig three_layer_moe() {
-  ModelConfig c;
+  ModelConfig c = test::tiny_moe_config(kS);
   c.num_layers = 3;
-  c.hidden_size = 32;
-  c.ffn_hidden_size = 64;
-  c.num_attention_heads = 4;
-  c.num_query_groups = 4;
-  c.kv_channels = 8;
-  c.seq_length = kS;
-  c.max_position_embeddings = 16;
   c.vocab_size = 96;
-  c.normalization = Normalization::kRMSNorm;
-  c.activation = Activation::kSwiGLU;
-  c.add_bias_linear = false;
-  c.position_embedding_type = PositionEmbedding::kRope;
-  c.attention_dropout = 0.0;
-  c.hidden_dropout = 0.0;
-  c.moe.num_experts = 4;
-  c.moe.ffn_hidden_size = 32;
-  c.moe.topk = 2;
+  c.moe.grouped_gemm = false;
   c.moe.moe_layer_pattern = {true, false, true};
   return c;
 }

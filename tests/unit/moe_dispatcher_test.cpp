@@ -16,13 +16,19 @@
 namespace moecore {
 namespace {
 
+// Tensor views of a test's vectors, rows of width W; ref() lets a view stand for an output argument.
+Tensor view(const std::vector<float>& v, const int64_t W) {
+  return Tensor::from_blob(v.data(), {static_cast<int64_t>(v.size()) / W, W});
+}
+Tensor& ref(Tensor&& t) { return t; }
+
 using test::random_vector;
 
 // Top-k routing of T tokens over E experts: k distinct random experts per token, each with prob 1/k.
 RouterOutput uniform_topk_routing(const int64_t T, const int64_t E, const int64_t k, const uint64_t seed) {
   RouterOutput out;
   out.probs_TE = Tensor({T, E}, DType::kF32);
-  out.routing_map_TE.assign(static_cast<size_t>(T * E), 0);
+  out.routing_map_TE = Tensor::zeros({T, E}, DType::kU8);
   out.tokens_per_expert_E.assign(static_cast<size_t>(E), 0);
   std::mt19937_64 gen(seed);
   std::vector<int64_t> experts(static_cast<size_t>(E));
@@ -31,7 +37,7 @@ RouterOutput uniform_topk_routing(const int64_t T, const int64_t E, const int64_
     std::shuffle(experts.begin(), experts.end(), gen);
     for (int64_t j = 0; j < k; ++j) {
       const int64_t e = experts[static_cast<size_t>(j)];
-      out.routing_map_TE[t * E + e] = 1;
+      out.routing_map_TE.data<uint8_t>()[t * E + e] = 1;
       out.probs_TE.data<float>()[t * E + e] = 1.0f / static_cast<float>(k);
       ++out.tokens_per_expert_E[e];
     }
@@ -44,9 +50,9 @@ void drop_to_capacity(RouterOutput& routing, const int64_t T, const int64_t E, c
   for (int64_t e = 0; e < E; ++e) {
     int64_t kept = 0;
     for (int64_t t = 0; t < T; ++t) {
-      if (routing.routing_map_TE[t * E + e] == 0) continue;
+      if (routing.routing_map_TE.data<uint8_t>()[t * E + e] == 0) continue;
       if (kept == C) {
-        routing.routing_map_TE[t * E + e] = 0;
+        routing.routing_map_TE.data<uint8_t>()[t * E + e] = 0;
         routing.probs_TE.data<float>()[t * E + e] = 0.0f;
       } else {
         ++kept;
@@ -67,17 +73,18 @@ TEST(LocalDispatcherTest, PermutesExpertMajorWithTokensAscending) {
     RouterOutput distinct = routing;
     distinct.probs_TE = Tensor({T, E}, DType::kF32);
     for (int64_t i = 0; i < T * E; ++i) {
-      distinct.probs_TE.data<float>()[i] = routing.routing_map_TE[i] ? 0.001f * static_cast<float>(i + 1) : 0.0f;
+      distinct.probs_TE.data<float>()[i] =
+          routing.routing_map_TE.data<uint8_t>()[i] ? 0.001f * static_cast<float>(i + 1) : 0.0f;
     }
     const auto x_TH = random_vector<float>(static_cast<size_t>(T * H), 2);
     auto dispatcher = make_local_dispatcher();
     DispatchState state;
-    const Tensor x_RH = dispatcher->dispatch(x_TH.data(), T, H, distinct, state);
+    const Tensor x_RH = dispatcher->dispatch(view(x_TH, H), distinct, state);
 
     std::vector<int64_t> expected_source, expected_expert;
     for (int64_t e = 0; e < E; ++e) {
       for (int64_t t = 0; t < T; ++t) {
-        if (routing.routing_map_TE[t * E + e]) {
+        if (routing.routing_map_TE.data<uint8_t>()[t * E + e]) {
           expected_source.push_back(t);
           expected_expert.push_back(e);
         }
@@ -90,7 +97,7 @@ TEST(LocalDispatcherTest, PermutesExpertMajorWithTokensAscending) {
     EXPECT_EQ(state.tokens_per_expert_E, routing.tokens_per_expert_E);
     for (size_t r = 0; r < expected_source.size(); ++r) {
       const int64_t t = expected_source[r], e = expected_expert[r];
-      EXPECT_FLOAT_EQ(state.probs_R[r], 0.001f * static_cast<float>(t * E + e + 1));
+      EXPECT_FLOAT_EQ(state.probs_R.data<float>()[r], 0.001f * static_cast<float>(t * E + e + 1));
       for (int64_t h = 0; h < H; ++h) EXPECT_EQ(x_RH.data<float>()[r * H + h], x_TH[t * H + h]);
     }
   }
@@ -103,31 +110,31 @@ TEST(LocalDispatcherTest, DroplessRoundTripRestoresInputAndGradient) {
     const auto x_TH = random_vector<float>(static_cast<size_t>(T * H), 20 + k);
     auto dispatcher = make_local_dispatcher();
     DispatchState state;
-    const Tensor x_RH = dispatcher->dispatch(x_TH.data(), T, H, routing, state);
+    const Tensor x_RH = dispatcher->dispatch(view(x_TH, H), routing, state);
     const int64_t R = x_RH.dim(0);
     ASSERT_EQ(R, T * k);
 
     // Forward: y = x * prob per row, combined: sum_j x / k = x.
     std::vector<float> y_RH(static_cast<size_t>(R * H));
     for (int64_t r = 0; r < R; ++r) {
-      for (int64_t h = 0; h < H; ++h) y_RH[r * H + h] = x_RH.data<float>()[r * H + h] * state.probs_R[r];
+      for (int64_t h = 0; h < H; ++h) y_RH[r * H + h] = x_RH.data<float>()[r * H + h] * state.probs_R.data<float>()[r];
     }
     std::vector<float> out_TH(static_cast<size_t>(T * H), 0.0f);
-    dispatcher->combine(out_TH.data(), y_RH.data(), state);
+    dispatcher->combine(ref(view(out_TH, H)), view(y_RH, H), state);
     for (int64_t i = 0; i < T * H; ++i) EXPECT_NEAR(out_TH[i], x_TH[i], 1e-6) << "k=" << k;
 
     // Backward: dout -> combine_backward -> * prob -> dispatch_backward gives dout back.
     const auto dout_TH = random_vector<float>(static_cast<size_t>(T * H), 30 + k);
     std::vector<float> dy_RH(static_cast<size_t>(R * H), 99.0f);  // overwritten
-    dispatcher->combine_backward(dy_RH.data(), dout_TH.data(), state);
+    dispatcher->combine_backward(ref(view(dy_RH, H)), view(dout_TH, H), state);
     for (int64_t r = 0; r < R; ++r) {
       for (int64_t h = 0; h < H; ++h) {
         EXPECT_EQ(dy_RH[r * H + h], dout_TH[state.source_token_R[r] * H + h]);
-        dy_RH[r * H + h] *= state.probs_R[r];
+        dy_RH[r * H + h] *= state.probs_R.data<float>()[r];
       }
     }
     std::vector<float> dx_TH(static_cast<size_t>(T * H), 0.0f);
-    dispatcher->dispatch_backward(dx_TH.data(), dy_RH.data(), state);
+    dispatcher->dispatch_backward(ref(view(dx_TH, H)), view(dy_RH, H), state);
     for (int64_t i = 0; i < T * H; ++i) EXPECT_NEAR(dx_TH[i], dout_TH[i], 1e-6) << "k=" << k;
   }
 }
@@ -138,16 +145,16 @@ TEST(LocalDispatcherTest, DispatchBackwardAccumulates) {
   const auto x_TH = random_vector<float>(static_cast<size_t>(T * H), 4);
   auto dispatcher = make_local_dispatcher();
   DispatchState state;
-  dispatcher->dispatch(x_TH.data(), T, H, routing, state);
+  dispatcher->dispatch(view(x_TH, H), routing, state);
   const auto dx_RH = random_vector<float>(static_cast<size_t>(T * k * H), 5);
   const auto dx0_TH = random_vector<float>(static_cast<size_t>(T * H), 6);
   auto dx_TH = dx0_TH;
-  dispatcher->dispatch_backward(dx_TH.data(), dx_RH.data(), state);
+  dispatcher->dispatch_backward(ref(view(dx_TH, H)), view(dx_RH, H), state);
   std::vector<double> expected(dx0_TH.begin(), dx0_TH.end());
   int64_t r = 0;
   for (int64_t e = 0; e < E; ++e) {
     for (int64_t t = 0; t < T; ++t) {
-      if (!routing.routing_map_TE[t * E + e]) continue;
+      if (!routing.routing_map_TE.data<uint8_t>()[t * E + e]) continue;
       for (int64_t h = 0; h < H; ++h) expected[t * H + h] += dx_RH[r * H + h];
       ++r;
     }
@@ -159,14 +166,15 @@ TEST(LocalDispatcherTest, PadToCapacityGivesExactlyCRowsPerExpert) {
   const int64_t T = 30, E = 4, k = 2, H = 6, C = 12;  // 60 slots over 4 experts: some exceed C, some fall short
   RouterOutput padded = uniform_topk_routing(T, E, k, 7);
   RouterOutput dropped = padded;
+  dropped.routing_map_TE = padded.routing_map_TE.clone();
   drop_to_capacity(padded, T, E, C, /*pad=*/true);
   drop_to_capacity(dropped, T, E, C, /*pad=*/false);
   const auto x_TH = random_vector<float>(static_cast<size_t>(T * H), 8);
   auto dispatcher = make_local_dispatcher();
 
   DispatchState pad_state, drop_state;
-  const Tensor xp_RH = dispatcher->dispatch(x_TH.data(), T, H, padded, pad_state);
-  const Tensor xd_RH = dispatcher->dispatch(x_TH.data(), T, H, dropped, drop_state);
+  const Tensor xp_RH = dispatcher->dispatch(view(x_TH, H), padded, pad_state);
+  const Tensor xd_RH = dispatcher->dispatch(view(x_TH, H), dropped, drop_state);
   ASSERT_EQ(xp_RH.dim(0), E * C);
   EXPECT_EQ(pad_state.tokens_per_expert_E, std::vector<int64_t>(static_cast<size_t>(E), C));
   int64_t padding_rows = 0;
@@ -181,11 +189,11 @@ TEST(LocalDispatcherTest, PadToCapacityGivesExactlyCRowsPerExpert) {
                                            drop_state.tokens_per_expert_E.begin() + e, int64_t{0}) +
                            j;
         EXPECT_EQ(pad_state.source_token_R[r], drop_state.source_token_R[rd]);
-        EXPECT_EQ(pad_state.probs_R[r], drop_state.probs_R[rd]);
+        EXPECT_EQ(pad_state.probs_R.data<float>()[r], drop_state.probs_R.data<float>()[rd]);
       } else {
         ++padding_rows;
         EXPECT_EQ(pad_state.source_token_R[r], -1);
-        EXPECT_EQ(pad_state.probs_R[r], 0.0f);
+        EXPECT_EQ(pad_state.probs_R.data<float>()[r], 0.0f);
         for (int64_t h = 0; h < H; ++h) EXPECT_EQ(xp_RH.data<float>()[r * H + h], 0.0f);
       }
     }
@@ -203,14 +211,14 @@ TEST(LocalDispatcherTest, PadToCapacityGivesExactlyCRowsPerExpert) {
     return y;
   };
   std::vector<float> out_pad(static_cast<size_t>(T * H), 0.0f), out_drop(static_cast<size_t>(T * H), 0.0f);
-  dispatcher->combine(out_pad.data(), expert_out(xp_RH, pad_state).data(), pad_state);
-  dispatcher->combine(out_drop.data(), expert_out(xd_RH, drop_state).data(), drop_state);
+  dispatcher->combine(ref(view(out_pad, H)), view(expert_out(xp_RH, pad_state), H), pad_state);
+  dispatcher->combine(ref(view(out_drop, H)), view(expert_out(xd_RH, drop_state), H), drop_state);
   EXPECT_EQ(out_pad, out_drop);
 
   // combine_backward writes zeros into padding rows.
   const auto dout_TH = random_vector<float>(static_cast<size_t>(T * H), 9);
   std::vector<float> dy_RH(static_cast<size_t>(E * C * H), 5.0f);
-  dispatcher->combine_backward(dy_RH.data(), dout_TH.data(), pad_state);
+  dispatcher->combine_backward(ref(view(dy_RH, H)), view(dout_TH, H), pad_state);
   for (int64_t r = 0; r < E * C; ++r) {
     for (int64_t h = 0; h < H; ++h) {
       const int64_t t = pad_state.source_token_R[r];
@@ -226,7 +234,7 @@ TEST(LocalDispatcherTest, ProbsBackwardScattersIntoRoutedEntries) {
   const auto x_TH = random_vector<float>(static_cast<size_t>(T * H), 13);
   auto dispatcher = make_local_dispatcher();
   DispatchState state;
-  dispatcher->dispatch(x_TH.data(), T, H, routing, state);
+  dispatcher->dispatch(view(x_TH, H), routing, state);
   const int64_t R = static_cast<int64_t>(state.source_token_R.size());
   // dprobs_R encodes its (token, expert) so misplacement shows; padding rows get a value that must be ignored.
   std::vector<float> dprobs_R(static_cast<size_t>(R));
@@ -236,11 +244,11 @@ TEST(LocalDispatcherTest, ProbsBackwardScattersIntoRoutedEntries) {
   }
   const auto dprobs0_TE = random_vector<float>(static_cast<size_t>(T * E), 14);
   auto dprobs_TE = dprobs0_TE;
-  dispatcher->probs_backward(dprobs_TE.data(), dprobs_R.data(), state);
+  dispatcher->probs_backward(ref(view(dprobs_TE, E)), view(dprobs_R, 1), state);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t i = t * E + e;
-      const float added = routing.routing_map_TE[i] ? static_cast<float>(i) + 0.25f : 0.0f;
+      const float added = routing.routing_map_TE.data<uint8_t>()[i] ? static_cast<float>(i) + 0.25f : 0.0f;
       EXPECT_FLOAT_EQ(dprobs_TE[i], dprobs0_TE[i] + added);
     }
   }
@@ -254,10 +262,10 @@ TEST(LocalDispatcherTest, InconsistentRoutingThrows) {
   RouterOutput routing = uniform_topk_routing(T, E, 1, 16);
   RouterOutput wrong_counts = routing;
   wrong_counts.tokens_per_expert_E[0] += 1;  // no capacity: padding not allowed
-  EXPECT_THROW(dispatcher->dispatch(x_TH.data(), T, H, wrong_counts, state), std::invalid_argument);
+  EXPECT_THROW(dispatcher->dispatch(view(x_TH, H), wrong_counts, state), std::invalid_argument);
   RouterOutput short_map = routing;
-  short_map.routing_map_TE.pop_back();
-  EXPECT_THROW(dispatcher->dispatch(x_TH.data(), T, H, short_map, state), std::invalid_argument);
+  short_map.routing_map_TE = Tensor({T * E - 1}, DType::kU8);  // one entry short
+  EXPECT_THROW(dispatcher->dispatch(view(x_TH, H), short_map, state), std::invalid_argument);
 }
 
 TEST(TokenDispatcherFactoryTest, SingleProcessGivesTheLocalPermutationForBothTypes) {
@@ -266,11 +274,11 @@ TEST(TokenDispatcherFactoryTest, SingleProcessGivesTheLocalPermutationForBothTyp
   const auto x_TH = random_vector<float>(static_cast<size_t>(T * H), 22);
   const parallel::ParallelState parallel = parallel::ParallelState::single_process();
   DispatchState expected_state;
-  const Tensor expected_RH = make_local_dispatcher()->dispatch(x_TH.data(), T, H, routing, expected_state);
+  const Tensor expected_RH = make_local_dispatcher()->dispatch(view(x_TH, H), routing, expected_state);
   for (const TokenDispatcherType type : {TokenDispatcherType::kAllGather, TokenDispatcherType::kAllToAll}) {
     auto dispatcher = make_token_dispatcher(type, E, parallel);
     DispatchState state;
-    const Tensor x_RH = dispatcher->dispatch(x_TH.data(), T, H, routing, state);
+    const Tensor x_RH = dispatcher->dispatch(view(x_TH, H), routing, state);
     ASSERT_EQ(x_RH.dim(0), expected_RH.dim(0));
     EXPECT_EQ(state.source_token_R, expected_state.source_token_R);
     EXPECT_EQ(state.expert_R, expected_state.expert_R);

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <string>
@@ -20,6 +21,12 @@ namespace {
 using test::random_vector;
 
 constexpr int64_t kH = 24, kF = 20;
+
+// Tensor views of a test's vectors, rows of width W; ref() lets a view stand for an output argument.
+Tensor view(const std::vector<float>& v, const int64_t W) {
+  return Tensor::from_blob(v.data(), {static_cast<int64_t>(v.size()) / W, W});
+}
+Tensor& ref(Tensor&& t) { return t; }
 const std::vector<int64_t> kTokensPerExpert{37, 0, 130, 1, 0, 9};  // uneven, two experts idle
 
 // ---- double reference ----------------------------------------------------------------------------------------
@@ -237,10 +244,11 @@ ExpertRun run_experts(const ExpertSetup& s, std::vector<Param>& params, ExpertML
   ExpertRun run;
   run.y.assign(static_cast<size_t>(in.R * kH), 7.0f);  // overwritten
   ExpertActivations saved;
-  experts.forward(run.y.data(), in.x.data(), in.probs.data(), in.tokens_per_expert, saved);
+  const Tensor y = experts.forward(view(in.x, kH), view(in.probs, 1).view({in.R}), in.tokens_per_expert, saved);
+  std::copy_n(y.data<float>(), y.numel(), run.y.begin());
   run.dx = in.dx0;
   run.dprobs.assign(static_cast<size_t>(in.R), 123.0f);  // overwritten
-  experts.backward(run.dx.data(), run.dprobs.data(), in.dy.data(), saved);
+  experts.backward(ref(view(run.dx, kH)), ref(view(run.dprobs, 1).view({in.R})), view(in.dy, kH), saved);
   (void)s;
   for (Param& p : params)
     run.grads[p.name] = std::vector<float>(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
@@ -538,10 +546,10 @@ TEST(ExpertsTest, BadInputThrows) {
   std::vector<Param> params;
   auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params);
   experts->bind(params);
-  std::vector<float> x(kH), y(kH), p(1, 1.0f);
+  std::vector<float> x(kH), p(1, 1.0f);
   ExpertActivations saved;
-  EXPECT_THROW(experts->forward(y.data(), x.data(), p.data(), {1, 0}, saved), std::invalid_argument);
-  EXPECT_THROW(experts->forward(y.data(), x.data(), p.data(), {1, 0, 0, 0, -1, 1}, saved), std::invalid_argument);
+  EXPECT_THROW(experts->forward(view(x, kH), view(p, 1).view({1}), {1, 0}, saved), std::invalid_argument);
+  EXPECT_THROW(experts->forward(view(x, kH), view(p, 1).view({1}), {1, 0, 0, 0, -1, 1}, saved), std::invalid_argument);
   s.moe.ffn_hidden_size = 0;
   std::vector<Param> more;
   EXPECT_THROW(make_experts(s.moe, s.model, "x.", more), ConfigError);
@@ -617,9 +625,9 @@ TEST(SharedExpertsTest, MatchesReferenceWithAndWithoutGate) {
       const auto dx0 = random_vector<float>(static_cast<size_t>(T * kH), 4);
       auto out = out0;
       SharedExpertActivations saved;
-      shared.forward(out.data(), x.data(), T, saved);
+      shared.forward(ref(view(out, kH)), view(x, kH), saved);
       auto dx = dx0;
-      shared.backward(dx.data(), dout.data(), x.data(), T, saved);
+      shared.backward(ref(view(dx, kH)), view(dout, kH), view(x, kH), saved);
 
       const std::string pre = "decoder.layers.1.mlp.shared_experts.";
       RefMLP m;

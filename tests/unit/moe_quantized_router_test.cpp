@@ -61,9 +61,16 @@ LayerRun run_layer(const quant::QuantizedLinearConfig* config) {
   run.out_TH.resize(x_TH.size());
   MoELayerActivations saved;
   const ops::ScopedLinearQuantization scope(config);  // as TransformerLayer opens it
-  layer.forward(run.out_TH.data(), x_TH.data(), kS, kB, TokenRows{}, true, 1, 2, saved);
-  layer.backward(dx_TH.data(), dout_TH.data(), x_TH.data(), 1.0, saved);
-  run.logits_TE = saved.router.logits_TE;
+  const Tensor x = Tensor::from_blob(x_TH.data(), {kS * kB, kH});
+  const Tensor out = layer.forward(x, kS, kB, TokenRows{}, true, 1, 2, saved);
+  const Tensor dx = layer.backward(Tensor::from_blob(dout_TH.data(), {kS * kB, kH}), x, 1.0, saved);
+  std::copy_n(out.data<float>(), out.numel(), run.out_TH.begin());
+  std::copy_n(dx.data<float>(), dx.numel(), dx_TH.begin());
+  const Tensor& logits = saved.router.logits_TE;
+  for (int64_t i = 0; i < logits.numel(); ++i) {
+    run.logits_TE.push_back(logits.dtype() == DType::kF32 ? static_cast<double>(logits.data<float>()[i])
+                                                          : logits.data<double>()[i]);
+  }
   return run;
 }
 

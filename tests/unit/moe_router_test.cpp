@@ -12,9 +12,8 @@
 #include <vector>
 
 #include "moecore/model/config.h"
-#include "moecore/moe/load_balancing.h"
 #include "moecore/moe/router.h"
-#include "moecore/moe/routing_math.h"
+#include "moecore/ops/routing.h"
 
 namespace moecore {
 namespace {
@@ -37,6 +36,39 @@ std::vector<float> random_floats(const int64_t n, const uint32_t seed, const flo
   std::vector<float> v(static_cast<size_t>(n));
   for (float& x : v) x = dist(gen);
   return v;
+}
+
+// The saved logits as doubles (either router dtype), and the top-k selection as a dense [T, E] 0/1 map.
+std::vector<double> logits_of(const RouterActivations& saved) {
+  const Tensor& l = saved.logits_TE;
+  std::vector<double> out(static_cast<size_t>(l.numel()));
+  for (int64_t i = 0; i < l.numel(); ++i) {
+    out[static_cast<size_t>(i)] =
+        l.dtype() == DType::kF32 ? static_cast<double>(l.data<float>()[i]) : l.data<double>()[i];
+  }
+  return out;
+}
+std::vector<uint8_t> selected_of(const RouterActivations& saved) {
+  const int64_t E = saved.logits_TE.dim(1), k = saved.selected_TK.dim(1);
+  std::vector<uint8_t> out(static_cast<size_t>(saved.logits_TE.numel()), 0);
+  const int32_t* idx = saved.selected_TK.data<int32_t>();
+  for (int64_t i = 0; i < saved.selected_TK.numel(); ++i) out[static_cast<size_t>((i / k) * E + idx[i])] = 1;
+  return out;
+}
+
+// A 1-D view of n floats of x from `offset` (n < 0: the rest): the router's token rows.
+Tensor in(const std::vector<float>& x, const int64_t offset = 0, const int64_t n = -1) {
+  const int64_t count = n < 0 ? static_cast<int64_t>(x.size()) - offset : n;
+  return Tensor::from_blob(const_cast<float*>(x.data()) + offset, {count});
+}
+std::vector<uint8_t> map_of(const RouterOutput& out) {
+  const std::span<const uint8_t> map = out.routing_map_TE.span<uint8_t>();
+  return {map.begin(), map.end()};
+}
+void run_backward(TopKRouter& router, std::vector<float>& dx, const std::vector<float>& dprobs, const double scale,
+                  const RouterActivations& act, const RouterOutput& out) {
+  Tensor dx_TH = Tensor::from_blob(dx.data(), {static_cast<int64_t>(dx.size())});
+  router.backward(&dx_TH, in(dprobs), scale, act, out);
 }
 
 std::vector<float> bias_of(const TopKRouter& router) {
@@ -84,9 +116,9 @@ TEST(Router, ShapesAndDroplessRouting) {
   RouterUnderTest r(config, H, false, 1);
   const std::vector<float> x = random_floats(T * H, 2);
   RouterActivations act;
-  const RouterOutput out = r.router->forward(x.data(), S, B, true, 3, 4, act);
+  const RouterOutput out = r.router->forward(in(x), S, B, true, 3, 4, act);
   EXPECT_EQ(out.probs_TE.shape(), (std::vector<int64_t>{T, E}));
-  EXPECT_EQ(out.routing_map_TE.size(), static_cast<size_t>(T * E));
+  EXPECT_EQ(map_of(out).size(), static_cast<size_t>(T * E));
   EXPECT_EQ(out.tokens_per_expert_E.size(), static_cast<size_t>(E));
   EXPECT_EQ(out.capacity, -1);
   EXPECT_EQ(out.load_balancing_losses.size(), 1u);
@@ -98,8 +130,8 @@ TEST(Router, ShapesAndDroplessRouting) {
     double sum = 0.0;
     int selected = 0;
     for (int64_t e = 0; e < E; ++e) {
-      EXPECT_EQ(out.routing_map_TE[t * E + e] != 0, p[t * E + e] > 0);
-      selected += out.routing_map_TE[t * E + e];
+      EXPECT_EQ(map_of(out)[t * E + e] != 0, p[t * E + e] > 0);
+      selected += map_of(out)[t * E + e];
       sum += p[t * E + e];
     }
     EXPECT_EQ(selected, k);
@@ -115,12 +147,12 @@ TEST(Router, Fp32MatchesFp64ToFloatPrecision) {
   RouterUnderTest r32(config, H, true, 5);
   const std::vector<float> x = random_floats(T * H, 6);
   RouterActivations a64, a32;
-  const RouterOutput o64 = r64.router->forward(x.data(), S, B, false, 0, 0, a64);
-  const RouterOutput o32 = r32.router->forward(x.data(), S, B, false, 0, 0, a32);
-  EXPECT_EQ(o64.routing_map_TE, o32.routing_map_TE);
+  const RouterOutput o64 = r64.router->forward(in(x), S, B, false, 0, 0, a64);
+  const RouterOutput o32 = r32.router->forward(in(x), S, B, false, 0, 0, a32);
+  EXPECT_EQ(map_of(o64), map_of(o32));
   for (int64_t i = 0; i < T * E; ++i) {
-    EXPECT_NEAR(a32.logits_TE[i], a64.logits_TE[i], 1e-6 * (1 + std::abs(a64.logits_TE[i])));
-    EXPECT_EQ(a32.logits_TE[i], static_cast<double>(static_cast<float>(a32.logits_TE[i])));
+    EXPECT_NEAR(logits_of(a32)[i], logits_of(a64)[i], 1e-6 * (1 + std::abs(logits_of(a64)[i])));
+    EXPECT_EQ(logits_of(a32)[i], static_cast<double>(static_cast<float>(logits_of(a32)[i])));
     EXPECT_NEAR(o32.probs_TE.data<float>()[i], o64.probs_TE.data<float>()[i], 1e-6);
   }
 }
@@ -151,13 +183,13 @@ TEST(Router, Fp32BackwardMatchesFp64ToFloatPrecision) {
       std::copy(dw0.begin(), dw0.end(), r.weight->grad.data<float>());
       std::copy(db0.begin(), db0.end(), r.bias->grad.data<float>());
       RouterActivations act;
-      outs[fp32] = r.router->forward(x.data(), S, B, true, 3, 4, act);
+      outs[fp32] = r.router->forward(in(x), S, B, true, 3, 4, act);
       dx[fp32] = dx0;
-      r.router->backward(dx[fp32].data(), dprobs.data(), 0.5, act, outs[fp32]);
+      run_backward(*r.router, dx[fp32], dprobs, 0.5, act, outs[fp32]);
       dw[fp32].assign(r.weight->grad.data<float>(), r.weight->grad.data<float>() + E * H);
       db[fp32].assign(r.bias->grad.data<float>(), r.bias->grad.data<float>() + E);
     }
-    ASSERT_EQ(outs[true].routing_map_TE, outs[false].routing_map_TE);
+    ASSERT_EQ(map_of(outs[true]), map_of(outs[false]));
     auto close = [](const std::vector<float>& got, const std::vector<float>& want, const std::vector<float>& start,
                     const char* what) {
       double moved = 0.0;
@@ -183,15 +215,15 @@ TEST(Router, PreVersusPostSoftmaxByHand) {
   RouterUnderTest pre(config, E, false, 1);
   set_identity(*pre.weight, E);
   RouterActivations act;
-  const RouterOutput o_post = post.router->forward(x.data(), 1, 1, false, 0, 0, act);
-  const RouterOutput o_pre = pre.router->forward(x.data(), 1, 1, false, 0, 0, act);
+  const RouterOutput o_post = post.router->forward(in(x), 1, 1, false, 0, 0, act);
+  const RouterOutput o_pre = pre.router->forward(in(x), 1, 1, false, 0, 0, act);
   // post: softmax over the selected logits {2, 1}; pre: softmax over all four, no renormalisation.
   EXPECT_NEAR(o_post.probs_TE.data<float>()[1], 0.7310585786300049, 1e-7);
   EXPECT_NEAR(o_post.probs_TE.data<float>()[0], 0.2689414213699951, 1e-7);
   EXPECT_NEAR(o_pre.probs_TE.data<float>()[1], 0.6439142598879722, 1e-7);
   EXPECT_NEAR(o_pre.probs_TE.data<float>()[0], 0.23688281808991013, 1e-7);
   for (const RouterOutput* o : {&o_post, &o_pre}) {
-    EXPECT_EQ(o->routing_map_TE, (std::vector<uint8_t>{1, 1, 0, 0}));
+    EXPECT_EQ(map_of(*o), (std::vector<uint8_t>{1, 1, 0, 0}));
     EXPECT_EQ(o->probs_TE.data<float>()[2], 0.0f);
   }
 }
@@ -207,8 +239,8 @@ TEST(Router, SigmoidNormalisationAndScalingByHand) {
   RouterUnderTest r(config, E, false, 1);
   set_identity(*r.weight, E);
   RouterActivations act;
-  const RouterOutput out = r.router->forward(x.data(), 1, 1, false, 0, 0, act);
-  EXPECT_EQ(out.routing_map_TE, (std::vector<uint8_t>{0, 1, 0, 1}));
+  const RouterOutput out = r.router->forward(in(x), 1, 1, false, 0, 0, act);
+  EXPECT_EQ(map_of(out), (std::vector<uint8_t>{0, 1, 0, 1}));
   EXPECT_NEAR(out.probs_TE.data<float>()[3], 1.3636363636363638, 2e-7);
   EXPECT_NEAR(out.probs_TE.data<float>()[1], 1.1363636363636365, 2e-7);
   // k = 1: the raw score, not renormalised.
@@ -216,7 +248,7 @@ TEST(Router, SigmoidNormalisationAndScalingByHand) {
   config.topk_scaling_factor.reset();
   RouterUnderTest r1(config, E, false, 1);
   set_identity(*r1.weight, E);
-  const RouterOutput out1 = r1.router->forward(x.data(), 1, 1, false, 0, 0, act);
+  const RouterOutput out1 = r1.router->forward(in(x), 1, 1, false, 0, 0, act);
   EXPECT_NEAR(out1.probs_TE.data<float>()[3], 0.9, 1e-7);
 }
 
@@ -272,7 +304,7 @@ TEST(Router, AuxLossesMatchHandComputedValues) {
     EXPECT_GT(aux, 1.03);  // unbalanced: a formula that ignores the counts or the scores gives another value
     EXPECT_GT(std::abs(seq - aux), 0.05);
     RouterActivations act;
-    const RouterOutput out = r.router->forward(x.data(), S, B, true, 0, 0, act);
+    const RouterOutput out = r.router->forward(in(x), S, B, true, 0, 0, act);
     // The scores are fp32 numbers (Megatron's compute_routing_scores_for_aux_loss): relative 1e-7.
     EXPECT_NEAR(out.load_balancing_losses[0], aux, 1e-7 * aux);
     EXPECT_NEAR(out.load_balancing_losses[1], seq, 1e-7 * seq);
@@ -288,7 +320,7 @@ TEST(Router, SeqAuxEqualsAuxForBatchOne) {
   RouterUnderTest r(config, H, false, 3);
   const std::vector<float> x = random_floats(S * H, 4);
   RouterActivations act;
-  const RouterOutput out = r.router->forward(x.data(), S, 1, true, 0, 0, act);
+  const RouterOutput out = r.router->forward(in(x), S, 1, true, 0, 0, act);
   EXPECT_GT(out.load_balancing_losses[0], 1.0);  // random routing is not perfectly balanced
   EXPECT_NEAR(out.load_balancing_losses[0], out.load_balancing_losses[1], 1e-12);
 }
@@ -332,18 +364,18 @@ TEST(Router, GlobalAuxAccumulatesOverMicroBatchesAndResets) {
     return static_cast<double>(E) / (k * T * T) * sum;
   };
   RouterActivations act;
-  const double first = r.router->forward(xa.data(), S, B, true, 0, 0, act).load_balancing_losses[0];
+  const double first = r.router->forward(in(xa), S, B, true, 0, 0, act).load_balancing_losses[0];
   // The scores are fp32 numbers (Megatron's compute_routing_scores_for_aux_loss): relative 1e-7.
   EXPECT_NEAR(first, loss_of(Pa, ca), 1e-7);
-  const double second = r.router->forward(xb.data(), S, B, true, 0, 1, act).load_balancing_losses[0];
+  const double second = r.router->forward(in(xb), S, B, true, 0, 1, act).load_balancing_losses[0];
   std::vector<double> averaged(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) averaged[e] = (ca[e] + cb[e]) / 2;
   EXPECT_NEAR(second, loss_of(Pb, averaged), 1e-7);
   EXPECT_GT(std::abs(second - loss_of(Pb, cb)), 1e-6);  // the counts of micro-batch A matter
   // Evaluation forwards do not accumulate.
-  r.router->forward(xa.data(), S, B, false, 0, 2, act);
+  r.router->forward(in(xa), S, B, false, 0, 2, act);
   r.router->finish_global_batch();
-  const double after_reset = r.router->forward(xb.data(), S, B, true, 0, 3, act).load_balancing_losses[0];
+  const double after_reset = r.router->forward(in(xb), S, B, true, 0, 3, act).load_balancing_losses[0];
   EXPECT_NEAR(after_reset, loss_of(Pb, cb), 1e-7);
 }
 
@@ -374,9 +406,9 @@ TEST(Router, AuxAndZGradientOnlyWithNonZeroCoefficient) {
     RouterUnderTest r(config, H, true, 12);
     r.zero_grads();
     RouterActivations act;
-    const RouterOutput out = r.router->forward(x.data(), S, B, true, 0, 0, act);
+    const RouterOutput out = r.router->forward(in(x), S, B, true, 0, 0, act);
     std::vector<float> dx(static_cast<size_t>(T * H), 0.0f);
-    r.router->backward(dx.data(), zero_dprobs.data(), 1.0, act, out);
+    run_backward(*r.router, dx, zero_dprobs, 1.0, act, out);
     double norm = 0.0;
     for (const float g : r.weight->grad.span<float>()) norm += std::abs(g);
     for (const float g : r.bias->grad.span<float>()) norm += std::abs(g);
@@ -401,10 +433,10 @@ TEST(Router, CapacityDropping) {
     RouterUnderTest r(config, H, true, 22);
     r.bias->value.data<float>()[0] = 3.0f;  // expert 0 is everyone's favourite: tokens must be dropped
     RouterActivations act;
-    const RouterOutput out = r.router->forward(x.data(), S, B, true, 0, 0, act);
+    const RouterOutput out = r.router->forward(in(x), S, B, true, 0, 0, act);
     EXPECT_EQ(out.capacity, 4);
-    EXPECT_EQ(count_ones(act.selected_TE), T * k);
-    const int64_t routed = count_ones(out.routing_map_TE);
+    EXPECT_EQ(count_ones(selected_of(act)), T * k);
+    const int64_t routed = count_ones(map_of(out));
     EXPECT_LT(routed, T * k);
     const float* probs = out.probs_TE.data<float>();
     int64_t slots = 0;
@@ -414,22 +446,22 @@ TEST(Router, CapacityDropping) {
       int64_t last_kept = -1, first_dropped = T;
       for (int64_t t = 0; t < T; ++t) {
         const size_t i = static_cast<size_t>(t * E + e);
-        column += out.routing_map_TE[i];
-        EXPECT_LE(out.routing_map_TE[i], act.selected_TE[i]);
-        if (!out.routing_map_TE[i]) {
+        column += map_of(out)[i];
+        EXPECT_LE(map_of(out)[i], selected_of(act)[i]);
+        if (!map_of(out)[i]) {
           EXPECT_EQ(probs[i], 0.0f);
         }
-        if (out.routing_map_TE[i]) {
+        if (map_of(out)[i]) {
           min_kept = std::min(min_kept, static_cast<double>(probs[i]));
           last_kept = t;
-        } else if (act.selected_TE[i]) {
+        } else if (selected_of(act)[i]) {
           first_dropped = std::min(first_dropped, t);
           // the prob the token would have had: post-softmax over its two selected logits
           double other = 0.0;
           for (int64_t j = 0; j < E; ++j) {
-            if (j != e && act.selected_TE[t * E + j]) other = act.logits_TE[t * E + j];
+            if (j != e && selected_of(act)[t * E + j]) other = logits_of(act)[t * E + j];
           }
-          max_dropped = std::max(max_dropped, 1.0 / (1.0 + std::exp(other - act.logits_TE[i])));
+          max_dropped = std::max(max_dropped, 1.0 / (1.0 + std::exp(other - logits_of(act)[i])));
         }
       }
       EXPECT_LE(column, 4);
@@ -460,8 +492,8 @@ TEST(Router, PaddingToCapacityRoutesRealTokensWithProbabilityZero) {
     RouterUnderTest padding(config, H, true, 22);
     dropping.bias->value.data<float>()[0] = padding.bias->value.data<float>()[0] = 3.0f;
     RouterActivations a_drop, a_pad;
-    const RouterOutput drop = dropping.router->forward(x.data(), S, B, true, 0, 0, a_drop);
-    const RouterOutput pad = padding.router->forward(x.data(), S, B, true, 0, 0, a_pad);
+    const RouterOutput drop = dropping.router->forward(in(x), S, B, true, 0, 0, a_drop);
+    const RouterOutput pad = padding.router->forward(in(x), S, B, true, 0, 0, a_pad);
     EXPECT_EQ(pad.capacity, C);
     EXPECT_EQ(pad.tokens_per_expert_E, std::vector<int64_t>(E, C));
     int64_t padded_rows = 0;
@@ -470,12 +502,12 @@ TEST(Router, PaddingToCapacityRoutesRealTokensWithProbabilityZero) {
       std::vector<int64_t> padding_tokens, unselected;
       for (int64_t t = 0; t < T; ++t) {
         const size_t i = static_cast<size_t>(t * E + e);
-        column += pad.routing_map_TE[i];
-        EXPECT_EQ(pad.routing_map_TE[i] && a_pad.selected_TE[i], drop.routing_map_TE[i] != 0) << t << "," << e;
+        column += map_of(pad)[i];
+        EXPECT_EQ(map_of(pad)[i] && selected_of(a_pad)[i], map_of(drop)[i] != 0) << t << "," << e;
         EXPECT_EQ(pad.probs_TE.data<float>()[i], drop.probs_TE.data<float>()[i]);
-        kept += drop.routing_map_TE[i];
-        if (!a_pad.selected_TE[i]) unselected.push_back(t);
-        if (pad.routing_map_TE[i] && !a_pad.selected_TE[i]) padding_tokens.push_back(t);
+        kept += map_of(drop)[i];
+        if (!selected_of(a_pad)[i]) unselected.push_back(t);
+        if (map_of(pad)[i] && !selected_of(a_pad)[i]) padding_tokens.push_back(t);
       }
       EXPECT_EQ(column, C);
       ASSERT_GE(static_cast<int64_t>(unselected.size()), C - kept);
@@ -490,10 +522,10 @@ TEST(Router, PaddingToCapacityRoutesRealTokensWithProbabilityZero) {
   config.pad_expert_input_to_capacity = true;
   RouterUnderTest r(config, H, true, 22);
   RouterActivations act;
-  const RouterOutput out = r.router->forward(x.data(), S, B, true, 0, 0, act);
+  const RouterOutput out = r.router->forward(in(x), S, B, true, 0, 0, act);
   EXPECT_EQ(out.capacity, 24);
   EXPECT_EQ(out.tokens_per_expert_E, std::vector<int64_t>(E, T));
-  EXPECT_EQ(count_ones(out.routing_map_TE), T * E);
+  EXPECT_EQ(count_ones(map_of(out)), T * E);
 }
 
 TEST(Router, GroupLimitedRoutingUsesAtMostGroupTopkGroups) {
@@ -507,13 +539,13 @@ TEST(Router, GroupLimitedRoutingUsesAtMostGroupTopkGroups) {
     config.group_topk = g;
     RouterUnderTest r(config, H, false, 32);
     RouterActivations act;
-    const RouterOutput out = r.router->forward(x.data(), S, B, false, 0, 0, act);
+    const RouterOutput out = r.router->forward(in(x), S, B, false, 0, 0, act);
     int64_t differs_from_plain_topk = 0;
     for (int64_t t = 0; t < T; ++t) {
       std::vector<double> s(static_cast<size_t>(E));
       double sum = 0.0;
       for (int64_t e = 0; e < E; ++e) {
-        const double l = act.logits_TE[t * E + e];
+        const double l = logits_of(act)[t * E + e];
         s[e] = fn == RouterScoreFunction::kSigmoid ? 1.0 / (1.0 + std::exp(-l)) : std::exp(l);
         sum += s[e];
       }
@@ -541,7 +573,7 @@ TEST(Router, GroupLimitedRoutingUsesAtMostGroupTopkGroups) {
         plain_set.insert(plain[i].second);
       }
       for (int64_t e = 0; e < E; ++e) {
-        if (out.routing_map_TE[t * E + e]) {
+        if (map_of(out)[t * E + e]) {
           got.insert(e);
           groups_hit.insert(e / (E / G));
         }
@@ -564,11 +596,11 @@ TEST(Router, ExpertBiasSteersSelectionAndMovesBySignRule) {
   const std::vector<float> x = random_floats(T * H, 42);
   RouterActivations act;
   // Evaluation forwards do not count tokens: the bias stays 0.
-  r.router->forward(x.data(), S, B, false, 0, 0, act);
+  r.router->forward(in(x), S, B, false, 0, 0, act);
   r.router->finish_global_batch();
   EXPECT_EQ(bias_of(*r.router), (std::vector<float>(4, 0.0f)));
-  const RouterOutput out1 = r.router->forward(x.data(), S, B, true, 0, 0, act);
-  const RouterOutput out2 = r.router->forward(x.data(), S, B, true, 0, 1, act);
+  const RouterOutput out1 = r.router->forward(in(x), S, B, true, 0, 0, act);
+  const RouterOutput out2 = r.router->forward(in(x), S, B, true, 0, 1, act);
   std::vector<float> expected(static_cast<size_t>(E));
   double mean = 0.0;
   for (int64_t e = 0; e < E; ++e) mean += 2.0 * out1.tokens_per_expert_E[e] / E;
@@ -582,17 +614,17 @@ TEST(Router, ExpertBiasSteersSelectionAndMovesBySignRule) {
 
   // A large bias forces expert 2 into every selection; the probs still come from the unbiased scores.
   r.router->set_expert_bias(std::vector<float>{0.0f, 0.0f, 10.0f, 0.0f});
-  const RouterOutput out = r.router->forward(x.data(), S, B, false, 0, 0, act);
+  const RouterOutput out = r.router->forward(in(x), S, B, false, 0, 0, act);
   for (int64_t t = 0; t < T; ++t) {
-    EXPECT_EQ(out.routing_map_TE[t * E + 2], 1);
+    EXPECT_EQ(map_of(out)[t * E + 2], 1);
     double sum = 0.0;
     for (int64_t e = 0; e < E; ++e) {
-      if (out.routing_map_TE[t * E + e]) sum += 1.0 / (1.0 + std::exp(-act.logits_TE[t * E + e]));
+      if (map_of(out)[t * E + e]) sum += 1.0 / (1.0 + std::exp(-logits_of(act)[t * E + e]));
     }
     for (int64_t e = 0; e < E; ++e) {
-      const double s = 1.0 / (1.0 + std::exp(-act.logits_TE[t * E + e]));
+      const double s = 1.0 / (1.0 + std::exp(-logits_of(act)[t * E + e]));
       // fp32 probabilities (Megatron's topk_routing_with_score_function)
-      EXPECT_NEAR(out.probs_TE.data<float>()[t * E + e], out.routing_map_TE[t * E + e] ? s / sum : 0.0, 1e-7);
+      EXPECT_NEAR(out.probs_TE.data<float>()[t * E + e], map_of(out)[t * E + e] ? s / sum : 0.0, 1e-7);
     }
   }
 }
@@ -606,10 +638,10 @@ TEST(Router, InputJitterInTrainingAndEvaluation) {
   RouterUnderTest r(config, H, false, 51);
   const std::vector<float> x = random_floats(T * H, 52);
   RouterActivations train, eval, eval_again, eval_other_key;
-  r.router->forward(x.data(), S, B, true, 5, 6, train);
-  const RouterOutput out = r.router->forward(x.data(), S, B, false, 5, 6, eval);
-  const RouterOutput out_again = r.router->forward(x.data(), S, B, false, 5, 6, eval_again);
-  r.router->forward(x.data(), S, B, false, 5, 7, eval_other_key);
+  r.router->forward(in(x), S, B, true, 5, 6, train);
+  const RouterOutput out = r.router->forward(in(x), S, B, false, 5, 6, eval);
+  const RouterOutput out_again = r.router->forward(in(x), S, B, false, 5, 6, eval_again);
+  r.router->forward(in(x), S, B, false, 5, 7, eval_other_key);
   int64_t changed = 0, differs_by_key = 0;
   for (int64_t i = 0; i < T * H; ++i) {
     const float jittered = eval.input_TH.data<float>()[i];
@@ -623,15 +655,15 @@ TEST(Router, InputJitterInTrainingAndEvaluation) {
   }
   EXPECT_GT(changed, T * H / 2);
   EXPECT_GT(differs_by_key, T * H / 2);
-  EXPECT_EQ(eval.logits_TE, train.logits_TE);
-  EXPECT_EQ(out.routing_map_TE, out_again.routing_map_TE);
+  EXPECT_EQ(logits_of(eval), logits_of(train));
+  EXPECT_EQ(map_of(out), map_of(out_again));
   // The evaluation logits are those of the jittered input, not of x.
   MoEConfig plain = config;
   plain.input_jitter_eps = 0.0;
   RouterUnderTest r_plain(plain, H, false, 51);
   RouterActivations no_jitter;
-  r_plain.router->forward(x.data(), S, B, false, 5, 6, no_jitter);
-  EXPECT_NE(eval.logits_TE, no_jitter.logits_TE);
+  r_plain.router->forward(in(x), S, B, false, 5, 6, no_jitter);
+  EXPECT_NE(logits_of(eval), logits_of(no_jitter));
 }
 
 TEST(Router, ForceLoadBalancingReplacesLogitsWithNoise) {
@@ -641,12 +673,12 @@ TEST(Router, ForceLoadBalancingReplacesLogitsWithNoise) {
   RouterUnderTest r1(config, H, false, 61), r2(config, H, false, 62);
   const std::vector<float> x = random_floats(T * H, 63);
   RouterActivations a1, a2;
-  r1.router->forward(x.data(), S, B, true, 1, 2, a1);
-  r2.router->forward(x.data(), S, B, true, 1, 2, a2);
-  EXPECT_EQ(a1.logits_TE, a2.logits_TE);  // independent of the gate weight
+  r1.router->forward(in(x), S, B, true, 1, 2, a1);
+  r2.router->forward(in(x), S, B, true, 1, 2, a2);
+  EXPECT_EQ(logits_of(a1), logits_of(a2));  // independent of the gate weight
   double mean = 0.0, var = 0.0;
-  for (const double l : a1.logits_TE) mean += l / (T * E);
-  for (const double l : a1.logits_TE) var += (l - mean) * (l - mean) / (T * E);
+  for (const double l : logits_of(a1)) mean += l / (T * E);
+  for (const double l : logits_of(a1)) var += (l - mean) * (l - mean) / (T * E);
   EXPECT_NEAR(mean, 0.0, 0.15);
   EXPECT_NEAR(var, 1.0, 0.2);
 }
@@ -662,13 +694,14 @@ TEST(Router, ShardDrawsTheOneProcessRandomNumbers) {
     RouterUnderTest r(config, H, false, 71);
     const std::vector<float> x = random_floats(T * H, 72);
     RouterActivations full, shard;
-    r.router->forward(x.data(), S, B, true, 5, 6, full);
-    r.router->forward(x.data() + s0 * B * H, S_shard, B, true, 5, 6, shard, TokenRows::contiguous(s0 * B, S_shard * B));
+    r.router->forward(in(x), S, B, true, 5, 6, full);
+    r.router->forward(in(x, s0 * B * H, S_shard * B * H), S_shard, B, true, 5, 6, shard,
+                      TokenRows::contiguous(s0 * B, S_shard * B));
     for (int64_t i = 0; i < S_shard * B * H; ++i) {
       ASSERT_EQ(shard.input_TH.data<float>()[i], full.input_TH.data<float>()[s0 * B * H + i]) << i;
     }
     for (int64_t i = 0; i < S_shard * B * E; ++i) {
-      ASSERT_EQ(shard.logits_TE[static_cast<size_t>(i)], full.logits_TE[static_cast<size_t>(s0 * B * E + i)]) << i;
+      ASSERT_EQ(logits_of(shard)[static_cast<size_t>(i)], logits_of(full)[static_cast<size_t>(s0 * B * E + i)]) << i;
     }
   }
 }
@@ -742,9 +775,15 @@ TEST(Router, GroupLimitedTopkUsesFloorDivisionByHand) {
   const std::vector<double> scores = {0.9, 0.05, 0.6, 0.55, 0.7, 0.1};
   // group scores (best expert): 0.9, 0.6, 0.7 -> groups {0, 2}; top-3 of {0.9, 0.05, 0.7, 0.1} = experts 0, 4, 5.
   // (top-2 sums 0.95, 1.15, 0.8 would keep groups {1, 0} and pick experts 0, 2, 3.)
-  std::vector<int64_t> idx(k);
-  routing::group_limited_topk(idx.data(), scores.data(), E, k, 3, 2);
-  EXPECT_EQ(idx, (std::vector<int64_t>{0, 4, 5}));
+  {
+    std::vector<double> values = scores;
+    ops::TopkRoutingSpec spec;  // softmax without pre-softmax: the selection ranks the values themselves
+    spec.num_groups = 3;
+    spec.group_topk = 2;
+    Tensor idx({1, k}, DType::kI32), probs({1, k}, DType::kF64);
+    ops::topk_routing_forward(idx, probs, Tensor::from_blob(values.data(), {1, E}), nullptr, nullptr, spec);
+    EXPECT_EQ(std::vector<int32_t>(idx.data<int32_t>(), idx.data<int32_t>() + k), (std::vector<int32_t>{0, 4, 5}));
+  }
 
   MoEConfig config = base_config(E, k);
   config.score_function = RouterScoreFunction::kSigmoid;
@@ -755,8 +794,8 @@ TEST(Router, GroupLimitedTopkUsesFloorDivisionByHand) {
   std::vector<float> x(E);
   for (int64_t e = 0; e < E; ++e) x[e] = static_cast<float>(std::log(scores[e] / (1.0 - scores[e])));
   RouterActivations act;
-  const RouterOutput out = r.router->forward(x.data(), 1, 1, false, 0, 0, act);
-  EXPECT_EQ(out.routing_map_TE, (std::vector<uint8_t>{1, 0, 0, 0, 1, 1}));
+  const RouterOutput out = r.router->forward(in(x), 1, 1, false, 0, 0, act);
+  EXPECT_EQ(map_of(out), (std::vector<uint8_t>{1, 0, 0, 0, 1, 1}));
   const float* p = out.probs_TE.data<float>();
   EXPECT_NEAR(p[0], 0.9 / 1.7, 1e-6);
   EXPECT_NEAR(p[4], 0.7 / 1.7, 1e-6);
@@ -801,10 +840,11 @@ TEST(Router, Fp64RouterComputesScoresInFp32AsMegatron) {
     if (variant == 0) config.aux_loss_coeffs = {0.1};
     RouterUnderTest r(config, H, true, 82);
     RouterActivations act;
-    const RouterOutput out = r.router->forward(x.data(), S, B, true, 0, 0, act);
+    const RouterOutput out = r.router->forward(in(x), S, B, true, 0, 0, act);
     int64_t differs_from_fp64_scores = 0;
+    const std::vector<double> act_logits = logits_of(act);
     for (int64_t t = 0; t < T; ++t) {
-      std::vector<double> l(act.logits_TE.begin() + t * E, act.logits_TE.begin() + (t + 1) * E);
+      std::vector<double> l(act_logits.begin() + t * E, act_logits.begin() + (t + 1) * E);
       for (int64_t e = 0; e < E; ++e) {  // the logits themselves are fp64 (x W^T + b in double)
         double dot = r.bias->value.data<float>()[e];
         for (int64_t h = 0; h < H; ++h)
@@ -827,10 +867,8 @@ TEST(Router, Fp64RouterComputesScoresInFp32AsMegatron) {
           expected[e] = static_cast<float>(s[e]) / (sum + 1e-20f) * scale;
           fp64[e] = 1.0 / (1.0 + std::exp(-l[e])) / sum64 * scale;
         }
-        // The aux losses' scores: fp32 sigmoid normalised over all experts in fp32.
-        std::vector<double> aux(E);
-        std::vector<uint8_t> aux_map(E);
-        load_balancing::aux_scores(aux.data(), aux_map.data(), l.data(), 1, E, k, config.score_function);
+        // The aux losses' scores the router saved: fp32 sigmoid normalised over all experts in fp32.
+        const double* aux = act.aux_scores_TE.data<double>() + t * E;
         float all = 0.0f;
         for (int64_t e = 0; e < E; ++e) all += static_cast<float>(s[e]);
         for (int64_t e = 0; e < E; ++e) {
@@ -882,17 +920,17 @@ TEST(Router, PreSoftmaxHasNoEffectWithoutSoftmaxScores) {
     config.pre_softmax = true;
     RouterUnderTest pre(config, H, true, 93);
     RouterActivations a_plain, a_pre;
-    const RouterOutput o_plain = plain.router->forward(x.data(), S, B, true, 0, 0, a_plain);
-    const RouterOutput o_pre = pre.router->forward(x.data(), S, B, true, 0, 0, a_pre);
-    EXPECT_EQ(o_pre.routing_map_TE, o_plain.routing_map_TE);
+    const RouterOutput o_plain = plain.router->forward(in(x), S, B, true, 0, 0, a_plain);
+    const RouterOutput o_pre = pre.router->forward(in(x), S, B, true, 0, 0, a_pre);
+    EXPECT_EQ(map_of(o_pre), map_of(o_plain));
     for (int64_t i = 0; i < T * E; ++i) EXPECT_EQ(o_pre.probs_TE.data<float>()[i], o_plain.probs_TE.data<float>()[i]);
     EXPECT_EQ(o_pre.load_balancing_losses, o_plain.load_balancing_losses);
     EXPECT_EQ(o_pre.z_loss, o_plain.z_loss);
     plain.zero_grads();
     pre.zero_grads();
     std::vector<float> dx_plain(static_cast<size_t>(T * H), 0.0f), dx_pre(static_cast<size_t>(T * H), 0.0f);
-    plain.router->backward(dx_plain.data(), dprobs.data(), 0.5, a_plain, o_plain);
-    pre.router->backward(dx_pre.data(), dprobs.data(), 0.5, a_pre, o_pre);
+    run_backward(*plain.router, dx_plain, dprobs, 0.5, a_plain, o_plain);
+    run_backward(*pre.router, dx_pre, dprobs, 0.5, a_pre, o_pre);
     EXPECT_EQ(dx_pre, dx_plain);
     for (int64_t i = 0; i < E * H; ++i)
       EXPECT_EQ(pre.weight->grad.data<float>()[i], plain.weight->grad.data<float>()[i]);
@@ -1071,13 +1109,13 @@ double objective(RouterUnderTest& r, const FdCase& c, const std::vector<float>& 
   r.router->finish_global_batch();
   r.router->set_expert_bias(bias);  // keep the selection bias fixed across evaluations
   RouterActivations warm;
-  if (c.warmup) r.router->forward(x_warm.data(), S, B, true, 9, 1, warm);
-  out = r.router->forward(x.data(), S, B, true, 9, 2, act);
-  const std::vector<double> probs = naive_probs(c.config, act.logits_TE, sel, map, S * B);
+  if (c.warmup) r.router->forward(in(x_warm), S, B, true, 9, 1, warm);
+  out = r.router->forward(in(x), S, B, true, 9, 2, act);
+  const std::vector<double> warm_logits = c.warmup ? logits_of(warm) : std::vector<double>{};
+  const std::vector<double> probs = naive_probs(c.config, logits_of(act), sel, map, S * B);
   double f = 0.0;
   for (size_t i = 0; i < G.size(); ++i) f += G[i] * probs[i];
-  return f +
-         naive_aux_objective(c.config, act.logits_TE, c.warmup ? &warm.logits_TE : nullptr, S, B, aux_scale, nullptr);
+  return f + naive_aux_objective(c.config, logits_of(act), c.warmup ? &warm_logits : nullptr, S, B, aux_scale, nullptr);
 }
 
 std::vector<FdCase> fd_cases() {
@@ -1178,13 +1216,13 @@ TEST(RouterBackward, MatchesFiniteDifferences) {
     RouterOutput out;
     const std::vector<uint8_t> none(static_cast<size_t>(T * E), 0);
     objective(r, c, x, x_warm, G, aux_scale, S, B, none, none, act, out);
-    const std::vector<uint8_t> base_map = out.routing_map_TE;
-    const std::vector<uint8_t> base_selected = act.selected_TE;
+    const std::vector<uint8_t> base_map = map_of(out);
+    const std::vector<uint8_t> base_selected = selected_of(act);
     EXPECT_GT(count_ones(base_map), 0);
     if (c.config.capacity_factor.has_value() && !c.config.pad_expert_input_to_capacity) {
       EXPECT_LT(count_ones(base_map), count_ones(base_selected));  // tokens were dropped
     }
-    const std::vector<double> naive = naive_probs(c.config, act.logits_TE, base_selected, base_map, T);
+    const std::vector<double> naive = naive_probs(c.config, logits_of(act), base_selected, base_map, T);
     for (int64_t i = 0; i < T * E; ++i) {
       EXPECT_NEAR(out.probs_TE.data<float>()[i], naive[i], 1e-6 * (1.0 + std::abs(naive[i]))) << "probs " << i;
     }
@@ -1192,11 +1230,12 @@ TEST(RouterBackward, MatchesFiniteDifferences) {
       RouterActivations warm;
       if (c.warmup) {  // replay the warm-up micro-batch for the naive global aux counts
         r.router->finish_global_batch();
-        r.router->forward(x_warm.data(), S, B, true, 9, 1, warm);
-        r.router->forward(x.data(), S, B, true, 9, 2, act);
+        r.router->forward(in(x_warm), S, B, true, 9, 1, warm);
+        r.router->forward(in(x), S, B, true, 9, 2, act);
       }
       std::vector<double> losses;
-      naive_aux_objective(c.config, act.logits_TE, c.warmup ? &warm.logits_TE : nullptr, S, B, 1.0, &losses);
+      const std::vector<double> warm_logits = c.warmup ? logits_of(warm) : std::vector<double>{};
+      naive_aux_objective(c.config, logits_of(act), c.warmup ? &warm_logits : nullptr, S, B, 1.0, &losses);
       for (size_t i = 0; i < out.load_balancing_losses.size(); ++i) {
         EXPECT_NEAR(out.load_balancing_losses[i], losses[i], 1e-6 * losses[i]) << "loss " << i;
       }
@@ -1207,7 +1246,7 @@ TEST(RouterBackward, MatchesFiniteDifferences) {
     for (int64_t i = 0; i < T * E; ++i) dprobs[i] = base_map[i] ? static_cast<float>(G[i]) : 0.0f;
     r.zero_grads();
     std::vector<float> dx(static_cast<size_t>(T * H), 0.0f);
-    r.router->backward(dx.data(), dprobs.data(), aux_scale, act, out);
+    run_backward(*r.router, dx, dprobs, aux_scale, act, out);
 
     auto check = [&](float* value, const double analytic, const char* what, const int64_t index, const double tol) {
       const float saved = *value;
@@ -1216,11 +1255,11 @@ TEST(RouterBackward, MatchesFiniteDifferences) {
       *value = static_cast<float>(saved + h);
       const double up = static_cast<double>(*value);
       const double f_plus = objective(r, c, x, x_warm, G, aux_scale, S, B, base_selected, base_map, a, o);
-      const bool stable_plus = a.selected_TE == base_selected && o.routing_map_TE == base_map;
+      const bool stable_plus = selected_of(a) == base_selected && map_of(o) == base_map;
       *value = static_cast<float>(saved - h);
       const double down = static_cast<double>(*value);
       const double f_minus = objective(r, c, x, x_warm, G, aux_scale, S, B, base_selected, base_map, a, o);
-      const bool stable_minus = a.selected_TE == base_selected && o.routing_map_TE == base_map;
+      const bool stable_minus = selected_of(a) == base_selected && map_of(o) == base_map;
       *value = saved;
       ASSERT_TRUE(stable_plus && stable_minus) << what << "[" << index << "]: selection changed, pick other inputs";
       const double fd = (f_plus - f_minus) / (up - down);

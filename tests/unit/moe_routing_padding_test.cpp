@@ -111,14 +111,18 @@ LayerRun run_layer(const bool grouped, const bool bias, const int64_t padding) {
   run.out_TH.resize(x_TH.size());
   run.dx_TH.assign(x_TH.size(), 0.0f);
   MoELayerActivations saved;
-  layer.forward(run.out_TH.data(), x_TH.data(), kS, kB, TokenRows{}, true, 1, 2, saved);
-  layer.backward(run.dx_TH.data(), dout_TH.data(), x_TH.data(), 1.0, saved);
+  const Tensor x = Tensor::from_blob(x_TH.data(), {kS * kB, kH});
+  const Tensor out = layer.forward(x, kS, kB, TokenRows{}, true, 1, 2, saved);
+  const Tensor dx = layer.backward(Tensor::from_blob(dout_TH.data(), {kS * kB, kH}), x, 1.0, saved);
+  std::copy_n(out.data<float>(), out.numel(), run.out_TH.begin());
+  std::copy_n(dx.data<float>(), dx.numel(), run.dx_TH.begin());
   for (const Param& p : params) run.grads.emplace_back(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
   run.router_tokens_E = saved.routing.tokens_per_expert_E;
   run.dispatched_E = saved.dispatch.tokens_per_expert_E;
   run.losses = saved.routing.load_balancing_losses;
   run.losses.push_back(saved.routing.z_loss);
-  run.probs_R = saved.dispatch.probs_R;
+  const Tensor& probs_R = saved.dispatch.probs_R;
+  run.probs_R.assign(probs_R.data<float>(), probs_R.data<float>() + probs_R.numel());
   return run;
 }
 

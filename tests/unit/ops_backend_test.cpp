@@ -1,30 +1,34 @@
-// Every op of src/moecore/ops on every backend, in the spirit of ggml's tests/test-backend-ops.cpp. Each case of
+// Every op of src/moecore/ops on every device, in the spirit of ggml's tests/test-backend-ops.cpp. Each case of
 // ops_test_cases.h runs four ways:
-//   OpsConsistency: fp32 and fp64, forward and backward under each backend (kCpu at 1 and 2 OpenMP threads,
-//     kReference) against kReference on identical inputs, outputs and gradient buffers pre-filled with the same
-//     random values; tensors an op must not write are checked unchanged.
-//   OpsGradient: fp64, on kCpu and kReference, the backward op with dout = w against central finite differences of
+//   OpsConsistency: fp32 and fp64, forward and backward on the CPU device (at 1 and 2 OpenMP threads) against the
+//     reference device on identical inputs, outputs and gradient buffers pre-filled with the same random values;
+//     tensors an op must not write are checked unchanged, and after every op on the reference device no tensor's
+//     guard bytes are touched (no kernel wrote outside its outputs).
+//   OpsGradient: fp64, on both devices, the backward op with dout = w against central finite differences of
 //     L = sum <out, w> for every differentiable input and parameter.
 //   OpsContract: calling a backward op twice accumulates exactly twice, or gives the same values, as its header says.
 //   OpsBadArgs: a wrong-sized or other-dtype tensor raises std::invalid_argument naming the op.
 // The low-precision cases (lowp_cases(): linear layers on bf16 / fp16 tensors with fp32 or low-precision outputs) run
-// OpsLowPrecision: each backend, and on kCpu each GEMM path (native, convert), against kReference forward and
+// OpsLowPrecision: each device, and on the CPU each GEMM path (native, convert), against the reference forward and
 // backward, with a tolerance derived from the formats (see there); OpsLowPrecision.BadArgumentsAreRefused covers the
 // dtype mixes and shapes they refuse.
 // Hand-written checks below cover what a table cannot: the dropout mask from the counter RNG, AdamW's formula,
 // sum_squares / all_finite, in-place aliasing, two vocabulary-parallel ranks against the whole vocabulary, a
-// tensor-parallel attention shard against the one-process heads, the fused qkv layout, and backend selection.
+// tensor-parallel attention shard against the one-process heads, the fused qkv layout, and the devices.
 //
 // Ops in src/moecore/ops/*.h (kOpsInHeaders; OpsCoverage checks every one is exercised):
 //   activation.h  activation_input_width activation_forward activation_backward
 //   attention.h   attention_forward attention_backward attention_merge rope_forward rope_backward
-//   backend.h     backend_name parse_backend active_backend ScopedBackend
 //   convert.h     convert
+//   device.h      supports synchronize
 //   dropout.h     dropout_forward dropout_backward
 //   elementwise.h add_ scale_ sum_squares all_finite
 //   expert_activation.h weighted_swiglu_forward weighted_swiglu_backward
 //   linear.h      linear_forward linear_backward gemm_library gemm_lowp_library
 //   linear_cross_entropy.h  linear_cross_entropy linear_cross_entropy_chunk_rows
+//   grouped_linear.h  grouped_linear_forward grouped_linear_backward
+//   init.h        normal_fill
+//   moe_rows.h    moe_permute moe_unpermute moe_unpermute_backward sort_chunks unsort_chunks
 //   loss.h        embedding_forward embedding_backward cross_entropy_forward cross_entropy_backward
 //                 vocab_ce_local_max vocab_ce_local_stats vocab_ce_finish vocab_ce_backward
 //   norm.h        rmsnorm_forward rmsnorm_backward layernorm_forward layernorm_backward
@@ -34,6 +38,9 @@
 //                 add_outer_backward row_dot sigmoid_forward sigmoid_backward gather_rows scatter_add_rows
 //                 add_position_embedding
 //                 position_embedding_backward
+//   routing.h     topk_routing_forward topk_routing_backward sinkhorn expert_capacity routing_map aux_scores_forward
+//                 aux_scores_backward aux_loss_sums switch_loss switch_loss_backward z_loss_forward z_loss_backward
+//                 expert_bias_update
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -70,11 +77,9 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "attention_merge",
                                                 "rope_forward",
                                                 "rope_backward",
-                                                "backend_name",
-                                                "parse_backend",
-                                                "active_backend",
-                                                "ScopedBackend",
                                                 "convert",
+                                                "supports",
+                                                "synchronize",
                                                 "dropout_forward",
                                                 "dropout_backward",
                                                 "add_",
@@ -117,28 +122,65 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "gather_rows",
                                                 "scatter_add_rows",
                                                 "add_position_embedding",
-                                                "position_embedding_backward"};
+                                                "position_embedding_backward",
+                                                "moe_permute",
+                                                "moe_unpermute",
+                                                "moe_unpermute_backward",
+                                                "sort_chunks",
+                                                "unsort_chunks",
+                                                "grouped_linear_forward",
+                                                "grouped_linear_backward",
+                                                "normal_fill",
+                                                "topk_routing_forward",
+                                                "topk_routing_backward",
+                                                "sinkhorn",
+                                                "expert_capacity",
+                                                "routing_map",
+                                                "aux_scores_forward",
+                                                "aux_scores_backward",
+                                                "aux_loss_sums",
+                                                "switch_loss",
+                                                "switch_loss_backward",
+                                                "z_loss_forward",
+                                                "z_loss_backward",
+                                                "expert_bias_update"};
 
 // Ops exercised by the hand-written tests below rather than (only) by the case table.
 const std::vector<std::string> kOpsInHandWrittenTests = {
-    "activation_input_width", "backend_name",     "parse_backend", "active_backend",
-    "ScopedBackend",          "sum_squares",      "all_finite",    "linear_cross_entropy_chunk_rows",
-    "gemm_library",           "gemm_lowp_library"};
+    "activation_input_width",          "supports",     "synchronize",       "sum_squares",    "all_finite",
+    "linear_cross_entropy_chunk_rows", "gemm_library", "gemm_lowp_library", "expert_capacity"};
 
 // Ops whose bad arguments only hand-written tests provoke (one tensor: no size or dtype mismatch; convert accepts
 // every floating dtype, so the table's fp64 swap is no error for it).
-const std::vector<std::string> kOpsWithHandWrittenErrors = {"scale_", "sum_squares", "all_finite", "convert"};
+const std::vector<std::string> kOpsWithHandWrittenErrors = {"scale_", "sum_squares", "all_finite", "convert",
+                                                            "normal_fill"};
 const std::vector<std::string> kOpsWithoutTensors = {
-    "activation_input_width",          "backend_name", "parse_backend",    "active_backend", "ScopedBackend",
-    "linear_cross_entropy_chunk_rows", "gemm_library", "gemm_lowp_library"};
+    "activation_input_width", "supports",          "synchronize",    "linear_cross_entropy_chunk_rows",
+    "gemm_library",           "gemm_lowp_library", "expert_capacity"};
 
-constexpr Backend kBackends[] = {Backend::kCpu, Backend::kReference};
+constexpr Device kDevices[] = {Device::kCPU, Device::kReference};
+
+// The device the hand-written tests below create their tensors on (random_tensor, tensor_on).
+Device test_device = Device::kCPU;
+class TestDevice {
+ public:
+  explicit TestDevice(const Device device) : previous_(test_device) { test_device = device; }
+  ~TestDevice() { test_device = previous_; }
+  TestDevice(const TestDevice&) = delete;
+  TestDevice& operator=(const TestDevice&) = delete;
+
+ private:
+  Device previous_;
+};
+Tensor tensor_on(std::vector<int64_t> shape, const DType dtype) {
+  return Tensor(std::move(shape), dtype, MemCategory::kOther, test_device);
+}
 constexpr DType kDTypes[] = {DType::kF32, DType::kF64};
 
 double consistency_tol(const DType dtype) { return dtype == DType::kF32 ? 1e-5 : 1e-12; }
 
-std::string label(const Backend backend, const DType dtype) {
-  return std::string(backend_name(backend)) + " " + std::string(dtype_name(dtype));
+std::string label(const Device device, const DType dtype) {
+  return std::string(device_name(device)) + " " + std::string(dtype_name(dtype));
 }
 
 // Restores the OpenMP thread count when a test changes it.
@@ -153,15 +195,15 @@ class ThreadCount {
   int saved_;
 };
 
-// A backend at a thread count.
+// The device compared with the reference device, at a thread count.
 struct Config {
-  Backend backend;
+  Device device;
   int threads;
 };
-constexpr Config kConfigs[] = {{Backend::kCpu, 1}, {Backend::kCpu, 2}, {Backend::kReference, 1}};
+constexpr Config kConfigs[] = {{Device::kCPU, 1}, {Device::kCPU, 2}};
 
 std::string label(const Config& config, const DType dtype) {
-  return label(config.backend, dtype) + " threads=" + std::to_string(config.threads);
+  return label(config.device, dtype) + " threads=" + std::to_string(config.threads);
 }
 
 bool contains(const std::vector<std::string>& names, const std::string& name) {
@@ -174,16 +216,25 @@ std::vector<std::string> grad_names(const OpCase& c) {
   return names;
 }
 
+// Every tensor not in `names` bit-identical to `unchanged`'s: the op wrote only what it may write.
+void expect_unchanged_except(const Env& got, const std::vector<std::string>& names,
+                             const std::map<std::string, Tensor>& unchanged, const std::string& what) {
+  for (const auto& [name, t] : got.tensors()) {
+    if (!contains(names, name)) {
+      EXPECT_EQ(test::values(t), test::values(unchanged.at(name))) << what << ": wrote into " << name;
+    }
+  }
+}
+
 // Tensors in `names` close to `want`'s (tol); every other tensor bit-identical to `unchanged`'s.
 void expect_state(const Env& got, const std::map<std::string, Tensor>& want, const std::vector<std::string>& names,
                   const std::map<std::string, Tensor>& unchanged, const double tol, const std::string& what) {
   for (const auto& [name, t] : got.tensors()) {
     if (contains(names, name)) {
       EXPECT_TRUE(close(t, want.at(name), tol)) << what << ": " << name;
-    } else {
-      EXPECT_EQ(test::values(t), test::values(unchanged.at(name))) << what << ": wrote into " << name;
     }
   }
+  expect_unchanged_except(got, names, unchanged, what);
 }
 
 // ---- the case table, four ways ----------------------------------------------------------------------------------
@@ -213,43 +264,45 @@ class OpsGradient : public ::testing::TestWithParam<size_t> {};
 class OpsContract : public ::testing::TestWithParam<size_t> {};
 class OpsBadArgs : public ::testing::TestWithParam<size_t> {};
 
-TEST_P(OpsConsistency, MatchesReferenceBackend) {
+// Runs `op` on `env`; on the reference device, then checks that no kernel wrote outside a tensor of `env`.
+template <typename Op>
+void run_checked(const Op& op, Env& env, const std::string& what) {
+  op(env);
+  if (env.device() == Device::kReference) {
+    EXPECT_EQ(env.outside_writes(), "") << what;
+  }
+}
+
+TEST_P(OpsConsistency, MatchesReferenceDevice) {
   const OpCase& c = test::all_cases()[GetParam()];
   for (const DType dtype : kDTypes) {
     const double tol = consistency_tol(dtype);
     const auto initial = make_env(c, dtype).snapshot();
-    // Reference results: forward, then backward from the reference forward's saved tensors.
-    Env ref = make_env(c, dtype);
+    // Reference results: forward, then backward from the reference forward's saved tensors, each writing only its
+    // outputs.
+    Env ref = make_env(c, dtype, Device::kReference);
     std::map<std::string, Tensor> ref_forward, ref_backward;
-    {
-      const ScopedBackend scope(Backend::kReference);
-      c.forward(ref);
-      ref_forward = ref.snapshot();
-      if (c.has_backward()) {
-        c.backward(ref);
-        ref_backward = ref.snapshot();
-      }
+    run_checked(c.forward, ref, c.name + " forward on the reference device");
+    ref_forward = ref.snapshot();
+    expect_unchanged_except(ref, c.outputs, initial, c.name + " forward, " + label(Device::kReference, dtype));
+    if (c.has_backward()) {
+      run_checked(c.backward, ref, c.name + " backward on the reference device");
+      ref_backward = ref.snapshot();
+      expect_unchanged_except(ref, grad_names(c), ref_forward,
+                              c.name + " backward, " + label(Device::kReference, dtype));
     }
     for (const Config& config : kConfigs) {
       const ThreadCount threads(config.threads);
-      Env fwd = make_env(c, dtype);
-      {
-        const ScopedBackend scope(config.backend);
-        c.forward(fwd);
-      }
+      Env fwd = make_env(c, dtype, config.device);
+      c.forward(fwd);
       expect_state(fwd, ref_forward, c.outputs, initial, tol, c.name + " forward, " + label(config, dtype));
       if (!c.has_backward()) continue;
-      // The backward alone: same saved tensors (reference forward), then this backend's backward.
-      Env bwd = make_env(c, dtype);
-      {
-        const ScopedBackend scope(Backend::kReference);
-        c.forward(bwd);
-      }
+      // The backward alone: same saved tensors (reference forward), then this device's backward.
+      Env bwd = make_env(c, dtype, Device::kReference);
+      c.forward(bwd);
+      bwd.to(config.device);
       const auto before = bwd.snapshot();
-      {
-        const ScopedBackend scope(config.backend);
-        c.backward(bwd);
-      }
+      c.backward(bwd);
       expect_state(bwd, ref_backward, grad_names(c), before, tol, c.name + " backward, " + label(config, dtype));
     }
   }
@@ -271,9 +324,8 @@ TEST_P(OpsGradient, MatchesFiniteDifferences) {
   constexpr double eps = 1e-6, tol = 1e-6;
   // One thread: the thousands of forward calls stay cheap on a loaded machine; OpsConsistency covers 2 threads.
   const ThreadCount one_thread(1);
-  for (const Backend backend : kBackends) {
-    const ScopedBackend scope(backend);
-    Env env = make_env(c, DType::kF64);
+  for (const Device device : kDevices) {
+    Env env = make_env(c, DType::kF64, device);
     for (const test::GradOf& g : c.grads) env(g.grad).zero_();
     c.forward(env);
     c.backward(env);
@@ -293,7 +345,7 @@ TEST_P(OpsGradient, MatchesFiniteDifferences) {
         analytic.push_back(test::get(env(g.grad), i));
       }
       EXPECT_TRUE(close(analytic, numeric, tol))
-          << c.name << " on " << backend_name(backend) << ": d loss / d " << g.input;
+          << c.name << " on " << device_name(device) << ": d loss / d " << g.input;
     }
   }
 }
@@ -301,14 +353,11 @@ TEST_P(OpsGradient, MatchesFiniteDifferences) {
 TEST_P(OpsContract, AccumulatesOrOverwritesAsDocumented) {
   const OpCase& c = test::all_cases()[GetParam()];
   constexpr double tol = 1e-12;
-  for (const Backend backend : kBackends) {
-    Env env = make_env(c, DType::kF64);
+  for (const Device device : kDevices) {
+    Env env = make_env(c, DType::kF64, Device::kReference);
     const auto prefill = env.snapshot();
-    {
-      const ScopedBackend scope(Backend::kReference);
-      c.forward(env);
-    }
-    const ScopedBackend scope(backend);
+    c.forward(env);
+    env.to(device);
     for (const test::GradOf& g : c.grads) env(g.grad).zero_();
     c.backward(env);
     const auto once = env.snapshot();
@@ -317,7 +366,7 @@ TEST_P(OpsContract, AccumulatesOrOverwritesAsDocumented) {
     for (const test::GradOf& g : c.grads) env(g.grad).copy_from(prefill.at(g.grad));
     c.backward(env);
     for (const test::GradOf& g : c.grads) {
-      const std::string what = c.name + " on " + std::string(backend_name(backend)) + ": " + g.grad;
+      const std::string what = c.name + " on " + std::string(device_name(device)) + ": " + g.grad;
       const std::vector<double> one = test::values(once.at(g.grad)), pre = test::values(prefill.at(g.grad));
       ASSERT_TRUE(std::any_of(one.begin(), one.end(), [](const double v) { return v != 0.0; })) << what << " is 0";
       std::vector<double> want_twice = one, want_prefilled = one;
@@ -339,17 +388,15 @@ TEST_P(OpsBadArgs, WrongSizeOrDTypeNamesTheOp) {
   const OpCase& c = test::all_cases()[GetParam()];
   for (const test::BadArg& bad : c.bad_args) {
     for (const bool wrong_size : {true, false}) {
-      for (const Backend backend : kBackends) {
-        Env env = make_env(c, DType::kF32);
-        if (bad.phase == test::Phase::kBackward) {
-          const ScopedBackend scope(Backend::kReference);
-          c.forward(env);
-        }
+      for (const Device device : kDevices) {
+        Env env = make_env(c, DType::kF32, Device::kReference);
+        if (bad.phase == test::Phase::kBackward) c.forward(env);
+        env.to(device);
         Tensor& t = env(bad.tensor);
-        t = wrong_size ? Tensor({t.numel() + 1}, DType::kF32) : Tensor(t.shape(), DType::kF64);
+        t = wrong_size ? Tensor({t.numel() + 1}, DType::kF32, MemCategory::kOther, device)
+                       : Tensor(t.shape(), DType::kF64, MemCategory::kOther, device);
         const std::string what = c.name + ": " + bad.tensor + (wrong_size ? " one element too many" : " in fp64") +
-                                 " on " + std::string(backend_name(backend));
-        const ScopedBackend scope(backend);
+                                 " on " + std::string(device_name(device));
         try {
           bad.phase == test::Phase::kForward ? c.forward(env) : c.backward(env);
           ADD_FAILURE() << what << ": no error";
@@ -378,7 +425,7 @@ TEST(OpsCoverage, EveryOpInTheHeadersIsExercised) {
     EXPECT_EQ(c.has_backward(), !c.loss.empty()) << c.name;
     for (const test::BadArg& bad : c.bad_args) refused.insert(bad.op);
   }
-  // Every op on tensors is given bad arguments somewhere (backend.h and activation_input_width take none).
+  // Every op on tensors is given bad arguments somewhere (device.h and activation_input_width take none).
   for (const std::string& op : kOpsInHeaders) {
     if (contains(kOpsWithoutTensors, op)) continue;
     EXPECT_TRUE(refused.count(op)) << op << " is never given bad arguments";
@@ -388,7 +435,7 @@ TEST(OpsCoverage, EveryOpInTheHeadersIsExercised) {
 // ---- hand-written checks ----------------------------------------------------------------------------------------
 
 Tensor random_tensor(const std::vector<int64_t>& shape, const DType dtype, const uint64_t seed, double scale = 1.0) {
-  Env env(dtype, seed);
+  Env env(dtype, seed, test_device);
   return env.rand("t", shape, scale);
 }
 
@@ -400,7 +447,7 @@ Tensor slice_axis(const Tensor& x, const int axis, const int64_t begin, const in
   for (int i = axis + 1; i < x.ndim(); ++i) inner *= shape[static_cast<size_t>(i)];
   const int64_t width = shape[static_cast<size_t>(axis)];
   shape[static_cast<size_t>(axis)] = end - begin;
-  Tensor out(shape, x.dtype());
+  Tensor out(shape, x.dtype(), MemCategory::kOther, x.device());
   int64_t n = 0;
   for (int64_t o = 0; o < outer; ++o) {
     for (int64_t a = begin; a < end; ++a) {
@@ -413,7 +460,7 @@ Tensor slice_axis(const Tensor& x, const int axis, const int64_t begin, const in
 // Concatenation along the last axis of tensors with the same leading shape.
 Tensor concat_columns(const Tensor& a, const Tensor& b) {
   const int64_t wa = a.dim(-1), wb = b.dim(-1), rows = a.numel() / wa;
-  Tensor out({rows, wa + wb}, a.dtype());
+  Tensor out({rows, wa + wb}, a.dtype(), MemCategory::kOther, a.device());
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < wa; ++j) test::set(out, r * (wa + wb) + j, test::get(a, r * wa + j));
     for (int64_t j = 0; j < wb; ++j) test::set(out, r * (wa + wb) + wa + j, test::get(b, r * wb + j));
@@ -425,9 +472,9 @@ TEST(OpsDropout, MaskIsTheCounterRngAndBackwardAppliesIt) {
   const DropoutSpec spec = test::test_dropout();
   const CounterRng rng(spec.seed, spec.key);
   const double keep_scale = 1.0 / (1.0 - static_cast<double>(spec.p));
-  for (const Backend backend : kBackends) {
+  for (const Device device : kDevices) {
     for (const DType dtype : kDTypes) {
-      const ScopedBackend scope(backend);
+      const TestDevice scope(device);
       const Tensor inp = random_tensor({9, 7}, dtype, 1), dout = random_tensor({9, 7}, dtype, 2);
       const Tensor prefill = random_tensor({9, 7}, dtype, 3);
       Tensor out = random_tensor({9, 7}, dtype, 4), dinp = prefill.clone();
@@ -443,8 +490,8 @@ TEST(OpsDropout, MaskIsTheCounterRngAndBackwardAppliesIt) {
       }
       ASSERT_GT(dropped, 0);
       ASSERT_LT(dropped, inp.numel());
-      EXPECT_TRUE(close(test::values(out), want_out, consistency_tol(dtype))) << label(backend, dtype);
-      EXPECT_TRUE(close(test::values(dinp), want_dinp, consistency_tol(dtype))) << label(backend, dtype);
+      EXPECT_TRUE(close(test::values(out), want_out, consistency_tol(dtype))) << label(device, dtype);
+      EXPECT_TRUE(close(test::values(dinp), want_dinp, consistency_tol(dtype))) << label(device, dtype);
     }
   }
 }
@@ -454,11 +501,11 @@ TEST(OpsAdamW, OneStepMatchesTheFormula) {
   const OpCase& c = *std::find_if(test::all_cases().begin(), test::all_cases().end(),
                                   [](const OpCase& x) { return x.name == "adamw_step"; });
   const AdamWHyper h = test::test_adamw_hyper();
-  for (const Backend backend : kBackends) {
+  for (const Device device : kDevices) {
     for (const DType dtype : kDTypes) {
       Env env = make_env(c, dtype);
       {
-        const ScopedBackend scope(backend);
+        const TestDevice scope(device);
         c.forward(env);
       }
       std::vector<double> param, m, v;
@@ -475,27 +522,27 @@ TEST(OpsAdamW, OneStepMatchesTheFormula) {
         v.push_back(vi);
       }
       const double tol = dtype == DType::kF32 ? 1e-6 : 1e-14;
-      EXPECT_TRUE(close(test::values(env("param")), param, tol)) << label(backend, dtype);
-      EXPECT_TRUE(close(test::values(env("exp_avg")), m, tol)) << label(backend, dtype);
-      EXPECT_TRUE(close(test::values(env("exp_avg_sq")), v, tol)) << label(backend, dtype);
+      EXPECT_TRUE(close(test::values(env("param")), param, tol)) << label(device, dtype);
+      EXPECT_TRUE(close(test::values(env("exp_avg")), m, tol)) << label(device, dtype);
+      EXPECT_TRUE(close(test::values(env("exp_avg_sq")), v, tol)) << label(device, dtype);
     }
   }
 }
 
 TEST(OpsElementwise, SumSquaresAndAllFinite) {
-  for (const Backend backend : kBackends) {
+  for (const Device device : kDevices) {
     for (const DType dtype : kDTypes) {
-      const ScopedBackend scope(backend);
+      const TestDevice scope(device);
       Tensor x = random_tensor({13, 11}, dtype, 5, 3.0);
       double want = 0.0;
       for (int64_t i = 0; i < x.numel(); ++i) want += test::get(x, i) * test::get(x, i);
-      EXPECT_NEAR(sum_squares(x), want, 1e-12 * want) << label(backend, dtype);
-      EXPECT_TRUE(all_finite(x)) << label(backend, dtype);
+      EXPECT_NEAR(sum_squares(x), want, 1e-12 * want) << label(device, dtype);
+      EXPECT_TRUE(all_finite(x)) << label(device, dtype);
       for (const double bad : {std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
                                std::numeric_limits<double>::quiet_NaN()}) {
         Tensor y = x.clone();
         test::set(y, 100, bad);
-        EXPECT_FALSE(all_finite(y)) << label(backend, dtype) << " with " << bad;
+        EXPECT_FALSE(all_finite(y)) << label(device, dtype) << " with " << bad;
       }
     }
   }
@@ -505,13 +552,13 @@ TEST(OpsElementwise, SumSquaresAndAllFinite) {
 TEST(OpsInPlace, AliasedOutputsMatchSeparateOnes) {
   const std::vector<int32_t> targets = {0, 12, 5, 5, 7, 1, 11, 3};
   const DropoutSpec spec = test::test_dropout();
-  for (const Backend backend : kBackends) {
+  for (const Device device : kDevices) {
     for (const DType dtype : kDTypes) {
-      const ScopedBackend scope(backend);
+      const TestDevice scope(device);
       const double tol = consistency_tol(dtype);
-      const std::string what = label(backend, dtype);
+      const std::string what = label(device, dtype);
       const Tensor logits = random_tensor({8, 13}, dtype, 6, 3.0), dlosses = random_tensor({8}, dtype, 7);
-      Tensor losses({8}, dtype), lse({8}, dtype), dlogits({8, 13}, dtype);
+      Tensor losses = tensor_on({8}, dtype), lse = tensor_on({8}, dtype), dlogits = tensor_on({8, 13}, dtype);
       cross_entropy_forward(losses, lse, logits, targets);
       cross_entropy_backward(dlogits, dlosses, logits, lse, targets);
       Tensor in_place = logits.clone();
@@ -524,7 +571,7 @@ TEST(OpsInPlace, AliasedOutputsMatchSeparateOnes) {
       EXPECT_TRUE(close(in_place, dlogits, tol)) << what << " vocab_ce_backward";
 
       const Tensor x = random_tensor({9, 7}, dtype, 8), s = random_tensor({9}, dtype, 9);
-      Tensor out({9, 7}, dtype);
+      Tensor out = tensor_on({9, 7}, dtype);
       dropout_forward(out, x, spec);
       in_place = x.clone();
       dropout_forward(in_place, in_place, spec);
@@ -543,27 +590,28 @@ TEST(OpsInPlace, AliasedOutputsMatchSeparateOnes) {
 TEST(OpsVocabParallel, TwoRanksEqualTheWholeVocabulary) {
   constexpr int64_t T = 8, V = 12, Vl = 6, D = 5;
   const std::vector<int32_t> ids = {0, 11, 5, 6, 7, 3, 6, 10};
-  for (const Backend backend : kBackends) {
+  for (const Device device : kDevices) {
     for (const DType dtype : kDTypes) {
-      const ScopedBackend scope(backend);
+      const TestDevice scope(device);
       const double tol = consistency_tol(dtype);
-      const std::string what = label(backend, dtype);
+      const std::string what = label(device, dtype);
       const Tensor logits = random_tensor({T, V}, dtype, 10, 3.0), dlosses = random_tensor({T}, dtype, 11);
-      Tensor losses({T}, dtype), lse({T}, dtype), dlogits({T, V}, dtype);
+      Tensor losses = tensor_on({T}, dtype), lse = tensor_on({T}, dtype), dlogits = tensor_on({T, V}, dtype);
       cross_entropy_forward(losses, lse, logits, ids);
       cross_entropy_backward(dlogits, dlosses, logits, lse, ids);
 
       const Tensor part[2] = {slice_axis(logits, 1, 0, Vl), slice_axis(logits, 1, Vl, V)};
-      Tensor max[2] = {Tensor({T}, dtype), Tensor({T}, dtype)};
+      Tensor max[2] = {tensor_on({T}, dtype), tensor_on({T}, dtype)};
       for (int r = 0; r < 2; ++r) vocab_ce_local_max(max[r], part[r]);
-      Tensor group_max({T}, dtype), group_stats({2, T}, dtype), stats({2, T}, dtype);
+      Tensor group_max = tensor_on({T}, dtype), group_stats = tensor_on({2, T}, dtype),
+             stats = tensor_on({2, T}, dtype);
       for (int64_t t = 0; t < T; ++t) test::set(group_max, t, std::max(test::get(max[0], t), test::get(max[1], t)));
       for (int r = 0; r < 2; ++r) {
         vocab_ce_local_stats(stats, part[r], group_max, ids, V, r * Vl);
         add_(group_stats, stats);
       }
-      Tensor vp_losses({T}, dtype), vp_lse({T}, dtype),
-          vp_dlogits[2] = {Tensor({T, Vl}, dtype), Tensor({T, Vl}, dtype)};
+      Tensor vp_losses = tensor_on({T}, dtype), vp_lse = tensor_on({T}, dtype),
+             vp_dlogits[2] = {tensor_on({T, Vl}, dtype), tensor_on({T, Vl}, dtype)};
       vocab_ce_finish(vp_losses, vp_lse, group_max, group_stats);
       for (int r = 0; r < 2; ++r) vocab_ce_backward(vp_dlogits[r], dlosses, part[r], vp_lse, ids, r * Vl);
       EXPECT_TRUE(close(vp_losses, losses, tol)) << what;
@@ -571,10 +619,11 @@ TEST(OpsVocabParallel, TwoRanksEqualTheWholeVocabulary) {
       EXPECT_TRUE(close(concat_columns(vp_dlogits[0], vp_dlogits[1]), dlogits, tol)) << what;
 
       const Tensor weight = random_tensor({V, D}, dtype, 12), dout = random_tensor({T, D}, dtype, 13);
-      Tensor out({T, D}, dtype), dweight({V, D}, dtype), vp_out({T, D}, dtype), piece({T, D}, dtype);
+      Tensor out = tensor_on({T, D}, dtype), dweight = tensor_on({V, D}, dtype), vp_out = tensor_on({T, D}, dtype),
+             piece = tensor_on({T, D}, dtype);
       embedding_forward(out, ids, weight, V);
       embedding_backward(dweight, dout, ids);
-      Tensor vp_dweight[2] = {Tensor({Vl, D}, dtype), Tensor({Vl, D}, dtype)};
+      Tensor vp_dweight[2] = {tensor_on({Vl, D}, dtype), tensor_on({Vl, D}, dtype)};
       for (int r = 0; r < 2; ++r) {
         embedding_forward(piece, ids, slice_axis(weight, 0, r * Vl, (r + 1) * Vl), V, r * Vl);
         add_(vp_out, piece);
@@ -597,22 +646,24 @@ TEST(OpsAttention, TensorParallelShardEqualsTheOneProcessHeads) {
   shard.dropout_total_heads = 4;
   shard.dropout_head_offset = 2;
   const int64_t S = full.S, B = full.B, d = full.head_dim;
-  for (const Backend backend : kBackends) {
+  for (const Device device : kDevices) {
     for (const DType dtype : kDTypes) {
-      const ScopedBackend scope(backend);
+      const TestDevice scope(device);
       const double tol = consistency_tol(dtype);
-      const std::string what = label(backend, dtype);
+      const std::string what = label(device, dtype);
       const Tensor q = random_tensor({S, B, 4, d}, dtype, 14, 1.5), k = random_tensor({S, B, 2, d}, dtype, 15, 1.5);
       const Tensor v = random_tensor({S, B, 2, d}, dtype, 16), dout = random_tensor({S, B, 4, d}, dtype, 17);
-      Tensor out({S, B, 4, d}, dtype), lse({B, 4, S}, dtype);
-      Tensor dq({S, B, 4, d}, dtype), dk({S, B, 2, d}, dtype), dv({S, B, 2, d}, dtype);
+      Tensor out = tensor_on({S, B, 4, d}, dtype), lse = tensor_on({B, 4, S}, dtype);
+      Tensor dq = tensor_on({S, B, 4, d}, dtype), dk = tensor_on({S, B, 2, d}, dtype),
+             dv = tensor_on({S, B, 2, d}, dtype);
       attention_forward(out, lse, q, k, v, full, dropout);
       attention_backward(dq, dk, dv, dout, q, k, v, out, lse, full, dropout);
 
       const Tensor sq = slice_axis(q, 2, 2, 4), sk = slice_axis(k, 2, 1, 2), sv = slice_axis(v, 2, 1, 2);
       const Tensor sdout = slice_axis(dout, 2, 2, 4);
-      Tensor sout({S, B, 2, d}, dtype), slse({B, 2, S}, dtype);
-      Tensor sdq({S, B, 2, d}, dtype), sdk({S, B, 1, d}, dtype), sdv({S, B, 1, d}, dtype);
+      Tensor sout = tensor_on({S, B, 2, d}, dtype), slse = tensor_on({B, 2, S}, dtype);
+      Tensor sdq = tensor_on({S, B, 2, d}, dtype), sdk = tensor_on({S, B, 1, d}, dtype),
+             sdv = tensor_on({S, B, 1, d}, dtype);
       attention_forward(sout, slse, sq, sk, sv, shard, dropout);
       attention_backward(sdq, sdk, sdv, sdout, sq, sk, sv, sout, slse, shard, dropout);
       EXPECT_TRUE(close(sout, slice_axis(out, 2, 2, 4), tol)) << what;
@@ -627,11 +678,12 @@ TEST(OpsAttention, TensorParallelShardEqualsTheOneProcessHeads) {
 // Megatron's fused qkv row, per query group g: [N/G query heads | k | v], each d wide.
 TEST(OpsRows, SplitQkvFollowsMegatronsLayout) {
   constexpr int64_t T = 3, N = 4, G = 2, d = 2, heads_per_group = N / G;
-  for (const Backend backend : kBackends) {
-    const ScopedBackend scope(backend);
-    Tensor qkv({T, (N + 2 * G) * d}, DType::kF64);
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
+    Tensor qkv = tensor_on({T, (N + 2 * G) * d}, DType::kF64);
     for (int64_t i = 0; i < qkv.numel(); ++i) test::set(qkv, i, static_cast<double>(i + 1));
-    Tensor q({T, N, d}, DType::kF64), k({T, G, d}, DType::kF64), v({T, G, d}, DType::kF64);
+    Tensor q = tensor_on({T, N, d}, DType::kF64), k = tensor_on({T, G, d}, DType::kF64),
+           v = tensor_on({T, G, d}, DType::kF64);
     split_qkv(q, k, v, qkv, N, G, d);
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t g = 0; g < G; ++g) {
@@ -645,138 +697,252 @@ TEST(OpsRows, SplitQkvFollowsMegatronsLayout) {
         }
       }
     }
-    Tensor merged({T, (N + 2 * G) * d}, DType::kF64);
+    Tensor merged = tensor_on({T, (N + 2 * G) * d}, DType::kF64);
     merge_qkv(merged, q, k, v, N, G, d);
-    EXPECT_EQ(test::values(merged), test::values(qkv)) << backend_name(backend);
+    EXPECT_EQ(test::values(merged), test::values(qkv)) << device_name(device);
   }
 }
 
 TEST(OpsActivation, InputWidthIsTwiceForSwiGLU) {
-  static_assert(activation_input_width(Activation::kSwiGLU, 5) == 10);
-  static_assert(activation_input_width(Activation::kGelu, 5) == 5);
-  static_assert(activation_input_width(Activation::kSquaredReLU, 5) == 5);
+  for (const int64_t F : {1, 5, 64}) {
+    EXPECT_EQ(activation_input_width(Activation::kSwiGLU, F), 2 * F);
+    EXPECT_EQ(activation_input_width(Activation::kGelu, F), F);
+    EXPECT_EQ(activation_input_width(Activation::kSquaredReLU, F), F);
+  }
+  // The widths the model builds its fc1 layers with are the activation's inputs: activation_forward accepts an
+  // [T, activation_input_width(kind, F)] input for an [T, F] output and refuses another width.
+  for (const Activation kind : {Activation::kGelu, Activation::kSwiGLU, Activation::kSquaredReLU}) {
+    const int64_t T = 3, F = 4;
+    Tensor out({T, F}, DType::kF32);
+    const Tensor inp({T, activation_input_width(kind, F)}, DType::kF32);
+    EXPECT_NO_THROW(activation_forward(kind, out, inp));
+    const Tensor wrong({T, activation_input_width(kind, F) + 1}, DType::kF32);
+    EXPECT_THROW(activation_forward(kind, out, wrong), std::invalid_argument);
+  }
 }
 
 // Errors the case table cannot provoke: unsupported dtypes, undefined tensors, index and id ranges.
 TEST(OpsBadArgs, OtherArgumentErrors) {
   const auto expect_invalid = [](const std::string& op, const auto& call) {
-    for (const Backend backend : kBackends) {
-      const ScopedBackend scope(backend);
-      try {
-        call();
-        ADD_FAILURE() << op << " on " << backend_name(backend) << ": no error";
-      } catch (const std::invalid_argument& error) {
-        EXPECT_EQ(std::string(error.what()).rfind(op + ": ", 0), 0u) << error.what();
-      }
+    try {
+      call();
+      ADD_FAILURE() << op << " on " << device_name(test_device) << ": no error";
+    } catch (const std::invalid_argument& error) {
+      EXPECT_EQ(std::string(error.what()).rfind(op + ": ", 0), 0u) << error.what();
     }
   };
-  Tensor bf16({4, 3}, DType::kBF16), bf16_b({4, 3}, DType::kBF16), undefined;
-  const Tensor x = random_tensor({4, 3}, DType::kF32, 18);
-  expect_invalid("scale_", [&] { scale_(bf16, 2.0); });
-  expect_invalid("sum_squares", [&] { sum_squares(bf16); });
-  expect_invalid("all_finite", [&] { all_finite(bf16); });
-  expect_invalid("add_", [&] { add_(bf16, bf16_b); });
-  expect_invalid("add_", [&] { add_(undefined, x); });
-  expect_invalid("sum_squares", [&] { sum_squares(undefined); });
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
+    Tensor bf16 = tensor_on({4, 3}, DType::kBF16), bf16_b = tensor_on({4, 3}, DType::kBF16), undefined;
+    const Tensor x = random_tensor({4, 3}, DType::kF32, 18);
+    expect_invalid("scale_", [&] { scale_(bf16, 2.0); });
+    expect_invalid("sum_squares", [&] { sum_squares(bf16); });
+    expect_invalid("all_finite", [&] { all_finite(bf16); });
+    expect_invalid("add_", [&] { add_(bf16, bf16_b); });
+    expect_invalid("add_", [&] { add_(undefined, x); });
+    expect_invalid("sum_squares", [&] { sum_squares(undefined); });
 
-  Tensor dweight({5, 3}, DType::kF32), dout({4, 5}, DType::kF32);
-  const Tensor weight = random_tensor({5, 3}, DType::kF32, 19);
-  expect_invalid("linear_backward", [&] { linear_backward(nullptr, &dweight, nullptr, dout, nullptr, weight); });
+    Tensor dweight = tensor_on({5, 3}, DType::kF32), dout = tensor_on({4, 5}, DType::kF32);
+    const Tensor weight = random_tensor({5, 3}, DType::kF32, 19);
+    expect_invalid("linear_backward", [&] { linear_backward(nullptr, &dweight, nullptr, dout, nullptr, weight); });
 
-  Tensor rows({2, 3}, DType::kF32), table({4, 3}, DType::kF32);
-  const std::vector<int64_t> past_end = {1, 4};
-  expect_invalid("gather_rows", [&] { gather_rows(rows, table, past_end); });
-  expect_invalid("scatter_add_rows", [&] { scatter_add_rows(table, rows, past_end); });
+    Tensor rows({2, 3}, DType::kF32), table({4, 3}, DType::kF32);
+    const std::vector<int64_t> past_end = {1, 4};
+    expect_invalid("gather_rows", [&] { gather_rows(rows, table, past_end); });
+    expect_invalid("scatter_add_rows", [&] { scatter_add_rows(table, rows, past_end); });
+    expect_invalid("moe_permute", [&] { moe_permute(rows, table, past_end); });
+    expect_invalid("moe_unpermute", [&] { moe_unpermute(table, rows, past_end); });
+    expect_invalid("moe_unpermute_backward", [&] { moe_unpermute_backward(&rows, nullptr, table, past_end); });
+    Tensor probs2({2}, DType::kF32);
+    const std::vector<int64_t> in_range = {1, 3};
+    expect_invalid("moe_unpermute_backward",
+                   [&] { moe_unpermute_backward(&rows, &probs2, table, in_range); });  // dprobs without probs
+    const std::vector<int64_t> first_past = {3}, two_rows = {2}, overlap_first = {0, 1};
+    const std::vector<int64_t> overlap_rows = {2, 2};
+    Tensor four_rows({4, 3}, DType::kF32);
+    expect_invalid("sort_chunks", [&] { sort_chunks(rows, table, first_past, two_rows); });
+    expect_invalid("unsort_chunks", [&] { unsort_chunks(table, rows, first_past, two_rows); });
+    expect_invalid("unsort_chunks", [&] { unsort_chunks(table, four_rows, overlap_first, overlap_rows); });
 
-  Tensor q({2, 3, 2}, DType::kF32), kv({2, 2, 2}, DType::kF32), qkv({2, 14}, DType::kF32);
-  expect_invalid("split_qkv", [&] { split_qkv(q, kv, kv, qkv, 3, 2, 2); });
+    Tensor w0({5, 3}, DType::kF32), w1({5, 3}, DType::kF32), grouped_out({4, 5}, DType::kF32);
+    const std::vector<const Tensor*> two_weights = {&w0, &w1};
+    const std::vector<int64_t> three_offsets = {0, 1, 4}, decreasing = {0, 3, 2}, one_offset = {0};
+    expect_invalid("grouped_linear_forward",
+                   [&] { grouped_linear_forward(grouped_out, table, two_weights, {}, one_offset); });
+    expect_invalid("grouped_linear_forward",
+                   [&] { grouped_linear_forward(grouped_out, table, two_weights, {}, decreasing); });
+    expect_invalid("grouped_linear_forward", [&] { grouped_linear_forward(grouped_out, table, {}, {}, one_offset); });
+    const std::vector<Tensor*> two_grads = {&w0, &w1};
+    expect_invalid("grouped_linear_backward", [&] {  // weight gradients need the input
+      grouped_linear_backward(nullptr, two_grads, {}, grouped_out, nullptr, two_weights, three_offsets);
+    });
+    Tensor rows = tensor_on({2, 3}, DType::kF32), table = tensor_on({4, 3}, DType::kF32);
+    const std::vector<int64_t> past_end = {1, 4};
+    expect_invalid("gather_rows", [&] { gather_rows(rows, table, past_end); });
+    expect_invalid("scatter_add_rows", [&] { scatter_add_rows(table, rows, past_end); });
 
-  Tensor rope_x({2, 3, 1, 4}, DType::kF32);
-  const std::vector<int64_t> five_positions = {0, 1, 2, 3, 4};
-  expect_invalid("rope_forward", [&] { rope_forward(rope_x, rope_x, 2, 3, 4, 4, 10000.0, five_positions); });
-  expect_invalid("rope_backward", [&] { rope_backward(rope_x, rope_x, 2, 3, 4, 4, 10000.0, five_positions); });
+    Tensor q = tensor_on({2, 3, 2}, DType::kF32), kv = tensor_on({2, 2, 2}, DType::kF32),
+           qkv = tensor_on({2, 14}, DType::kF32);
+    expect_invalid("split_qkv", [&] { split_qkv(q, kv, kv, qkv, 3, 2, 2); });
 
-  AttentionDims keys_documents_only = test::attention_dims(2, 1, 1, 1);
-  const std::vector<int32_t> documents = {0, 0};
-  keys_documents_only.k_document_SB = documents.data();
-  Tensor aq({2, 1, 1, 8}, DType::kF32), alse({1, 1, 2}, DType::kF32);
-  expect_invalid("attention_forward",
-                 [&] { attention_forward(aq, alse, aq, aq, aq, keys_documents_only, DropoutSpec{}); });
-  // Value heads of v_head_dim = 5: v and out of the query / key width are refused, naming the tensor and dv; a
-  // negative v_head_dim is refused.
-  const AttentionDims narrow_values = test::attention_dims(2, 1, 1, 1, 5);
-  Tensor av({2, 1, 1, 5}, DType::kF32);
-  for (const Backend backend : kBackends) {
-    const ScopedBackend scope(backend);
-    for (const bool wide_v : {true, false}) {
-      try {
-        attention_forward(wide_v ? av : aq, alse, aq, aq, wide_v ? aq : av, narrow_values, DropoutSpec{});
-        ADD_FAILURE() << "attention_forward accepted " << (wide_v ? "v" : "out") << " 8 wide with v_head_dim 5";
-      } catch (const std::invalid_argument& error) {
-        const std::string message = error.what();
-        EXPECT_EQ(message.rfind(std::string("attention_forward: ") + (wide_v ? "v_SBGd" : "out_SBNd"), 0), 0u)
-            << message;
-        EXPECT_NE(message.find("dv=5"), std::string::npos) << message;
+    Tensor rope_x = tensor_on({2, 3, 1, 4}, DType::kF32);
+    const std::vector<int64_t> five_positions = {0, 1, 2, 3, 4};
+    expect_invalid("rope_forward", [&] { rope_forward(rope_x, rope_x, 2, 3, 4, 4, 10000.0, five_positions); });
+    expect_invalid("rope_backward", [&] { rope_backward(rope_x, rope_x, 2, 3, 4, 4, 10000.0, five_positions); });
+
+    AttentionDims keys_documents_only = test::attention_dims(2, 1, 1, 1);
+    const std::vector<int32_t> documents = {0, 0};
+    keys_documents_only.k_document_SB = documents.data();
+    Tensor aq = tensor_on({2, 1, 1, 8}, DType::kF32), alse = tensor_on({1, 1, 2}, DType::kF32);
+    expect_invalid("attention_forward",
+                   [&] { attention_forward(aq, alse, aq, aq, aq, keys_documents_only, DropoutSpec{}); });
+    // Value heads of v_head_dim = 5: v and out of the query / key width are refused, naming the tensor and dv; a
+    // negative v_head_dim is refused.
+    const AttentionDims narrow_values = test::attention_dims(2, 1, 1, 1, 5);
+    Tensor av = tensor_on({2, 1, 1, 5}, DType::kF32);
+    {
+      for (const bool wide_v : {true, false}) {
+        try {
+          attention_forward(wide_v ? av : aq, alse, aq, aq, wide_v ? aq : av, narrow_values, DropoutSpec{});
+          ADD_FAILURE() << "attention_forward accepted " << (wide_v ? "v" : "out") << " 8 wide with v_head_dim 5";
+        } catch (const std::invalid_argument& error) {
+          const std::string message = error.what();
+          EXPECT_EQ(message.rfind(std::string("attention_forward: ") + (wide_v ? "v_SBGd" : "out_SBNd"), 0), 0u)
+              << message;
+          EXPECT_NE(message.find("dv=5"), std::string::npos) << message;
+        }
       }
     }
-  }
-  AttentionDims negative_value_dim = test::attention_dims(2, 1, 1, 1, -1);
-  expect_invalid("attention_forward",
-                 [&] { attention_forward(aq, alse, aq, aq, aq, negative_value_dim, DropoutSpec{}); });
-  expect_invalid("attention_merge", [&] { attention_merge(aq, alse, aq, alse, negative_value_dim); });
+    AttentionDims negative_value_dim = test::attention_dims(2, 1, 1, 1, -1);
+    expect_invalid("attention_forward",
+                   [&] { attention_forward(aq, alse, aq, aq, aq, negative_value_dim, DropoutSpec{}); });
+    expect_invalid("attention_merge", [&] { attention_merge(aq, alse, aq, alse, negative_value_dim); });
 
-  Tensor tokens({6, 3}, DType::kF32), pos({2, 3}, DType::kF32);
-  expect_invalid("add_position_embedding", [&] { add_position_embedding(tokens, pos, 2, 1); });
-  expect_invalid("position_embedding_backward", [&] { position_embedding_backward(pos, tokens, 2, 1); });
+    Tensor tokens = tensor_on({6, 3}, DType::kF32), pos = tensor_on({2, 3}, DType::kF32);
+    expect_invalid("add_position_embedding", [&] { add_position_embedding(tokens, pos, 2, 1); });
+    expect_invalid("position_embedding_backward", [&] { position_embedding_backward(pos, tokens, 2, 1); });
 
-  // Ids outside [0, V) are std::out_of_range (loss.h).
-  for (const Backend backend : kBackends) {
-    const ScopedBackend scope(backend);
-    const std::vector<int32_t> too_big = {1, 13}, negative = {-1, 2};
-    Tensor emb({2, 3}, DType::kF32), losses({2}, DType::kF32), lse({2}, DType::kF32), stats({2, 2}, DType::kF32);
-    const Tensor vocab = random_tensor({13, 3}, DType::kF32, 20), logits = random_tensor({2, 13}, DType::kF32, 21);
-    const Tensor maxima = random_tensor({2}, DType::kF32, 22);
-    EXPECT_THROW(embedding_forward(emb, too_big, vocab, 13), std::out_of_range) << backend_name(backend);
-    EXPECT_THROW(embedding_forward(emb, negative, vocab, 13), std::out_of_range) << backend_name(backend);
-    EXPECT_THROW(cross_entropy_forward(losses, lse, logits, too_big), std::out_of_range) << backend_name(backend);
-    EXPECT_THROW(vocab_ce_local_stats(stats, logits, maxima, negative, 13, 0), std::out_of_range)
-        << backend_name(backend);
-  }
-}
-
-// ---- backend selection ------------------------------------------------------------------------------------------
-
-TEST(OpsBackendSelection, ParseNameAndNestedScopes) {
-  EXPECT_EQ(parse_backend("cpu"), Backend::kCpu);
-  EXPECT_EQ(parse_backend("reference"), Backend::kReference);
-  for (const Backend backend : kBackends) EXPECT_EQ(parse_backend(backend_name(backend)), backend);
-  try {
-    parse_backend("cuda");
-    ADD_FAILURE() << "parse_backend accepted cuda";
-  } catch (const std::invalid_argument& error) {
-    EXPECT_NE(std::string(error.what()).find("'cuda'"), std::string::npos) << error.what();
-  }
-
-  const Backend outside = active_backend();  // MOECORE_BACKEND or kCpu
-  {
-    const ScopedBackend reference(Backend::kReference);
-    EXPECT_EQ(active_backend(), Backend::kReference);
+    // Ids outside [0, V) are std::out_of_range (loss.h).
     {
-      const ScopedBackend cpu(Backend::kCpu);
-      EXPECT_EQ(active_backend(), Backend::kCpu);
+      const std::vector<int32_t> too_big = {1, 13}, negative = {-1, 2};
+      Tensor emb = tensor_on({2, 3}, DType::kF32), losses = tensor_on({2}, DType::kF32),
+             lse = tensor_on({2}, DType::kF32), stats = tensor_on({2, 2}, DType::kF32);
+      const Tensor vocab = random_tensor({13, 3}, DType::kF32, 20), logits = random_tensor({2, 13}, DType::kF32, 21);
+      const Tensor maxima = random_tensor({2}, DType::kF32, 22);
+      EXPECT_THROW(embedding_forward(emb, too_big, vocab, 13), std::out_of_range) << device_name(device);
+      EXPECT_THROW(embedding_forward(emb, negative, vocab, 13), std::out_of_range) << device_name(device);
+      EXPECT_THROW(cross_entropy_forward(losses, lse, logits, too_big), std::out_of_range) << device_name(device);
+      EXPECT_THROW(vocab_ce_local_stats(stats, logits, maxima, negative, 13, 0), std::out_of_range)
+          << device_name(device);
     }
-    EXPECT_EQ(active_backend(), Backend::kReference);
-    // The choice is process-wide, so the OpenMP workers of a caller run the same backend.
-    Backend other = Backend::kCpu;
-    std::thread([&] { other = active_backend(); }).join();
-    EXPECT_EQ(other, Backend::kReference);
   }
-  EXPECT_EQ(active_backend(), outside);
 }
 
-// The scope really changes the kernels: the reference linear layer sums in double (one rounding per output), the
-// fast one is OpenBLAS's fp32 sgemm, whose result differs in the last bits for a long inner dimension.
-TEST(OpsBackendSelection, ScopeSelectsTheKernels) {
+// Megatron's get_capacity: ceil(tokens * topk / experts * capacity_factor).
+TEST(OpsRouting, ExpertCapacityIsMegatronsCeiling) {
+  EXPECT_EQ(expert_capacity(10, 2, 4, 1.5), 8);   // 5 * 1.5 = 7.5 -> 8
+  EXPECT_EQ(expert_capacity(12, 2, 8, 1.0), 3);   // exactly 3
+  EXPECT_EQ(expert_capacity(7, 1, 3, 1.0), 3);    // 2.33 -> 3
+  EXPECT_EQ(expert_capacity(16, 2, 4, 0.25), 2);  // 8 * 0.25
+}
+
+// The MoE row moves', the grouped linear layer's and the initialiser's argument errors.
+TEST(OpsBadArgs, MoeRowsGroupedLinearAndInitErrors) {
+  const auto expect_invalid = [](const std::string& op, const auto& call) {
+    try {
+      call();
+      ADD_FAILURE() << op << " on " << device_name(test_device) << ": no error";
+    } catch (const std::invalid_argument& error) {
+      EXPECT_EQ(std::string(error.what()).rfind(op + ": ", 0), 0u) << error.what();
+    }
+  };
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
+    Tensor bf16 = tensor_on({4, 3}, DType::kBF16), rows = tensor_on({2, 3}, DType::kF32),
+           table = tensor_on({4, 3}, DType::kF32);
+    const std::vector<int64_t> past_end = {1, 4};
+    const std::vector<int64_t> two_runs = {0, 8};
+    expect_invalid("normal_fill", [&] { normal_fill(bf16, two_runs, 6, 1, 2, 0.02); });
+    Tensor eleven = tensor_on({11}, DType::kF32);
+    expect_invalid("normal_fill", [&] { normal_fill(eleven, two_runs, 6, 1, 2, 0.02); });  // 2 runs of 6
+    const std::vector<int64_t> negative_first = {-6, 0};
+    Tensor ten = tensor_on({10}, DType::kF32);
+    expect_invalid("normal_fill", [&] { normal_fill(ten, negative_first, 5, 1, 2, 0.02); });
+    expect_invalid("moe_permute", [&] { moe_permute(rows, table, past_end); });
+    expect_invalid("moe_unpermute", [&] { moe_unpermute(table, rows, past_end); });
+    expect_invalid("moe_unpermute_backward", [&] { moe_unpermute_backward(&rows, nullptr, table, past_end); });
+    Tensor probs2 = tensor_on({2}, DType::kF32);
+    const std::vector<int64_t> in_range = {1, 3};
+    expect_invalid("moe_unpermute_backward",
+                   [&] { moe_unpermute_backward(&rows, &probs2, table, in_range); });  // dprobs without probs
+    const std::vector<int64_t> first_past = {3}, two_rows = {2}, overlap_first = {0, 1};
+    const std::vector<int64_t> overlap_rows = {2, 2};
+    Tensor four_rows = tensor_on({4, 3}, DType::kF32);
+    expect_invalid("sort_chunks", [&] { sort_chunks(rows, table, first_past, two_rows); });
+    expect_invalid("unsort_chunks", [&] { unsort_chunks(table, rows, first_past, two_rows); });
+    expect_invalid("unsort_chunks", [&] { unsort_chunks(table, four_rows, overlap_first, overlap_rows); });
+
+    Tensor w0 = tensor_on({5, 3}, DType::kF32), w1 = tensor_on({5, 3}, DType::kF32),
+           grouped_out = tensor_on({4, 5}, DType::kF32);
+    const std::vector<const Tensor*> two_weights = {&w0, &w1};
+    const std::vector<int64_t> three_offsets = {0, 1, 4}, decreasing = {0, 3, 2}, one_offset = {0};
+    expect_invalid("grouped_linear_forward",
+                   [&] { grouped_linear_forward(grouped_out, table, two_weights, {}, one_offset); });
+    expect_invalid("grouped_linear_forward",
+                   [&] { grouped_linear_forward(grouped_out, table, two_weights, {}, decreasing); });
+    expect_invalid("grouped_linear_forward", [&] { grouped_linear_forward(grouped_out, table, {}, {}, one_offset); });
+    const std::vector<Tensor*> two_grads = {&w0, &w1};
+    expect_invalid("grouped_linear_backward", [&] {  // weight gradients need the input
+      grouped_linear_backward(nullptr, two_grads, {}, grouped_out, nullptr, two_weights, three_offsets);
+    });
+  }
+}
+
+// ---- devices ----------------------------------------------------------------------------------------------------
+
+TEST(OpsDevices, SupportsWhatTheKernelTablesHold) {
+  for (const Device device : kDevices) {
+    for (const DType dtype : kDTypes) EXPECT_TRUE(supports("rmsnorm_forward", dtype, device)) << label(device, dtype);
+    EXPECT_TRUE(supports("linear_forward", DType::kBF16, device));
+    EXPECT_TRUE(supports("convert", DType::kF16, device));
+    EXPECT_FALSE(supports("rmsnorm_forward", DType::kBF16, device));
+    EXPECT_FALSE(supports("linear_forward", DType::kI32, device));
+    EXPECT_NO_THROW(synchronize(device));
+  }
+  EXPECT_FALSE(supports("linear_forward", DType::kF32, Device::kCUDA));
+  EXPECT_THROW(synchronize(Device::kCUDA), std::runtime_error);
+  try {
+    Tensor({4}, DType::kF32, MemCategory::kOther, Device::kCUDA);
+    ADD_FAILURE() << "allocated on cuda";
+  } catch (const std::runtime_error& error) {
+    EXPECT_NE(std::string(error.what()).find("no allocator for it"), std::string::npos) << error.what();
+  }
+}
+
+// The reference device's guard bytes: a write one element past the end, or before the start, of an allocation is
+// named; the harness checks this after every op on the reference device.
+TEST(OpsDevices, ReferenceGuardsCatchWritesOutsideAnAllocation) {
+  Tensor t({3, 5}, DType::kF32, MemCategory::kOther, Device::kReference);
+  EXPECT_EQ(outside_writes(t), "");
+  for (const int64_t offset : {t.numel(), int64_t{-1}}) {
+    float* element = t.data<float>() + offset;
+    const float saved = *element;
+    *element = 1.0f;
+    const std::string problem = outside_writes(t);
+    EXPECT_NE(problem.find(offset < 0 ? "before the start of a 60-byte" : "past the end of a 60-byte"),
+              std::string::npos)
+        << problem;
+    *element = saved;  // repaired, so freeing it does not abort
+  }
+  EXPECT_EQ(outside_writes(t), "");
+  // A slice of the same storage is checked against the whole allocation.
+  EXPECT_EQ(outside_writes(t.slice_rows(1, 2)), "");
+  EXPECT_EQ(outside_writes(Tensor({3}, DType::kF32)), "") << "the CPU device has no guards to check";
+}
+
+// The device picks the kernels: the reference linear layer sums in double (one rounding per output), the fast one
+// is the fp32 sgemm, whose result differs in the last bits for a long inner dimension.
+TEST(OpsDevices, EachDeviceRunsItsOwnKernels) {
   constexpr int64_t T = 4, I = 1024, O = 8;
   const Tensor inp = random_tensor({T, I}, DType::kF32, 23), weight = random_tensor({O, I}, DType::kF32, 24);
   std::vector<float> rounded_exact;
@@ -787,20 +953,21 @@ TEST(OpsBackendSelection, ScopeSelectsTheKernels) {
       rounded_exact.push_back(static_cast<float>(acc));
     }
   }
-  Tensor ref_out({T, O}, DType::kF32), cpu_out({T, O}, DType::kF32);
-  {
-    const ScopedBackend scope(Backend::kReference);
-    linear_forward(ref_out, inp, weight);
-  }
-  {
-    const ScopedBackend scope(Backend::kCpu);
-    linear_forward(cpu_out, inp, weight);
-  }
+  Tensor ref_out({T, O}, DType::kF32, MemCategory::kOther, Device::kReference), cpu_out({T, O}, DType::kF32);
+  linear_forward(ref_out, inp.to(Device::kReference), weight.to(Device::kReference));
+  linear_forward(cpu_out, inp, weight);
   const std::vector<float> ref(ref_out.span<float>().begin(), ref_out.span<float>().end());
   const std::vector<float> cpu(cpu_out.span<float>().begin(), cpu_out.span<float>().end());
   EXPECT_EQ(ref, rounded_exact);
   EXPECT_NE(cpu, rounded_exact);
   EXPECT_TRUE(close(cpu_out, ref_out, 1e-5));
+  // Tensors of two devices in one op are refused, naming the op.
+  try {
+    linear_forward(cpu_out, inp.to(Device::kReference), weight);
+    ADD_FAILURE() << "linear_forward mixed devices";
+  } catch (const std::invalid_argument& error) {
+    EXPECT_EQ(std::string(error.what()).rfind("linear_forward: ", 0), 0u) << error.what();
+  }
 }
 
 // The chunk size bounds the transient logits and changes nothing else: losses and gradients from chunks of 1, 3 and
@@ -810,14 +977,16 @@ TEST(LinearCrossEntropy, ChunkingChangesNothing) {
   const std::vector<int32_t> targets = {3, 0, 10, 4, 4, 7, 1, 9};
   const Tensor inp = random_tensor({T, I}, DType::kF64, 31), weight = random_tensor({V, I}, DType::kF64, 32, 2.0);
   const Tensor dlosses = random_tensor({T}, DType::kF64, 33);
-  Tensor logits({T, V}, DType::kF64), losses({T}, DType::kF64), lse({T}, DType::kF64);
+  Tensor logits = tensor_on({T, V}, DType::kF64), losses = tensor_on({T}, DType::kF64),
+         lse = tensor_on({T}, DType::kF64);
   linear_forward(logits, inp, weight);
   cross_entropy_forward(losses, lse, logits, targets);
   cross_entropy_backward(logits, dlosses, logits, lse, targets);
-  Tensor dinp({T, I}, DType::kF64), dweight({V, I}, DType::kF64);
+  Tensor dinp = tensor_on({T, I}, DType::kF64), dweight = tensor_on({V, I}, DType::kF64);
   linear_backward(&dinp, &dweight, nullptr, logits, &inp, weight);
   for (const int64_t chunk : {int64_t{1}, int64_t{3}, T, 2 * T}) {
-    Tensor fused_losses({T}, DType::kF64), fused_dinp({T, I}, DType::kF64), fused_dweight({V, I}, DType::kF64);
+    Tensor fused_losses = tensor_on({T}, DType::kF64), fused_dinp = tensor_on({T, I}, DType::kF64),
+           fused_dweight = tensor_on({V, I}, DType::kF64);
     linear_cross_entropy(fused_losses, inp, weight, targets, chunk, &dlosses, &fused_dinp, &fused_dweight);
     EXPECT_TRUE(close(fused_losses, losses, 1e-12)) << "chunk " << chunk;
     EXPECT_TRUE(close(fused_dinp, dinp, 1e-12)) << "chunk " << chunk;
@@ -833,7 +1002,7 @@ TEST(LinearCrossEntropy, ChunkRowsFollowTheBudget) {
 
 TEST(LinearCrossEntropy, RefusesGradientsWithoutDlossesAndZeroChunks) {
   const Tensor inp = random_tensor({2, 3}, DType::kF32, 1), weight = random_tensor({5, 3}, DType::kF32, 2);
-  Tensor losses({2}, DType::kF32), dinp({2, 3}, DType::kF32);
+  Tensor losses = tensor_on({2}, DType::kF32), dinp = tensor_on({2, 3}, DType::kF32);
   const std::vector<int32_t> targets = {1, 4};
   const auto expect_refused = [](const auto& call) {
     try {
@@ -879,8 +1048,8 @@ double ulp_of(const DType dtype, const double x) {
   return ::testing::AssertionSuccess();
 }
 
-Env make_lowp_env(const test::LowpCase& c) {
-  Env env(c.low, stream_key(c.name));
+Env make_lowp_env(const test::LowpCase& c, const Device device) {
+  Env env(c.low, stream_key(c.name), device);
   c.build(env);
   return env;
 }
@@ -895,33 +1064,26 @@ std::vector<kernels::cpu::LowpGemmPath> lowp_paths(const DType low) {
 
 class OpsLowPrecision : public ::testing::TestWithParam<size_t> {};
 
-TEST_P(OpsLowPrecision, MatchesReferenceBackend) {
+TEST_P(OpsLowPrecision, MatchesReferenceDevice) {
   const test::LowpCase& c = test::lowp_cases()[GetParam()];
-  Env ref = make_lowp_env(c);
+  Env ref = make_lowp_env(c, Device::kReference);
   const auto initial = ref.snapshot();
   const std::map<std::string, test::AbsSum> forward_sums = c.abs_sums(ref);
   std::map<std::string, Tensor> ref_forward, ref_backward;
-  {
-    const ScopedBackend scope(Backend::kReference);
-    c.forward(ref);
-    ref_forward = ref.snapshot();
-    c.backward(ref);
-    ref_backward = ref.snapshot();
-  }
+  run_checked(c.forward, ref, c.name + " forward on the reference device");
+  ref_forward = ref.snapshot();
+  expect_unchanged_except(ref, c.outputs, initial, c.name + ", " + label(Device::kReference, c.low) + " forward");
+  run_checked(c.backward, ref, c.name + " backward on the reference device");
+  ref_backward = ref.snapshot();
+  expect_unchanged_except(ref, c.grads, ref_forward, c.name + ", " + label(Device::kReference, c.low) + " backward");
   for (const Config& config : kConfigs) {
     for (const auto path : lowp_paths(c.low)) {
-      if (config.backend == Backend::kReference && path != kernels::cpu::LowpGemmPath::kConvert) continue;
       const kernels::cpu::ScopedLowpGemmPath path_scope(path);
       const ThreadCount threads(config.threads);
       const std::string what =
-          c.name + ", " + label(config, c.low) +
-          (config.backend == Backend::kCpu ? std::string(" ") + std::string(kernels::cpu::lowp_gemm_path_name(path))
-                                           : std::string());
-      Env fwd = make_lowp_env(c);
-      {
-        const ScopedBackend scope(config.backend);
-        c.forward(fwd);
-      }
+          c.name + ", " + label(config, c.low) + " " + std::string(kernels::cpu::lowp_gemm_path_name(path));
+      Env fwd = make_lowp_env(c, config.device);
+      c.forward(fwd);
       for (const auto& [name, t] : fwd.tensors()) {
         if (contains(c.outputs, name)) {
           EXPECT_TRUE(lowp_close(t, ref_forward.at(name), forward_sums.at(name))) << what << " forward: " << name;
@@ -930,16 +1092,11 @@ TEST_P(OpsLowPrecision, MatchesReferenceBackend) {
         }
       }
       // The backward alone, from the reference forward's tensors.
-      Env bwd = make_lowp_env(c);
-      {
-        const ScopedBackend scope(Backend::kReference);
-        c.forward(bwd);
-      }
+      Env bwd = make_lowp_env(c, Device::kReference);
+      c.forward(bwd);
+      bwd.to(config.device);
       const auto before = bwd.snapshot();
-      {
-        const ScopedBackend scope(config.backend);
-        c.backward(bwd);
-      }
+      c.backward(bwd);
       for (const auto& [name, t] : bwd.tensors()) {
         if (contains(c.grads, name)) {
           EXPECT_TRUE(lowp_close(t, ref_backward.at(name), forward_sums.at(name))) << what << " backward: " << name;
@@ -962,121 +1119,123 @@ std::vector<size_t> lowp_case_indices() {
 }
 INSTANTIATE_TEST_SUITE_P(AllLowpCases, OpsLowPrecision, ::testing::ValuesIn(lowp_case_indices()), lowp_case_name);
 
-// Both backends refuse dtype mixes a low-precision linear layer does not take, and wrong sizes, naming the op.
+// Both devices refuse dtype mixes a low-precision linear layer does not take, and wrong sizes, naming the op.
 TEST(OpsLowPrecision, BadArgumentsAreRefused) {
   const auto rand = [](const std::vector<int64_t>& shape, const DType dtype) { return random_tensor(shape, dtype, 3); };
-  for (const DType low : {DType::kBF16, DType::kF16}) {
-    const DType other_low = low == DType::kBF16 ? DType::kF16 : DType::kBF16;
-    const Tensor weight = rand({5, 4}, low), inp = rand({3, 4}, low), dout = rand({3, 5}, low);
-    const Tensor bias = rand({5}, DType::kF32);
-    struct Bad {
-      std::string what;
-      std::function<void()> call;
-    };
-    Tensor out = rand({3, 5}, low);
-    std::vector<Bad> bads = {
-        {"fp32 input",
-         [&] {
-           linear_forward(out, rand({3, 4}, DType::kF32), weight);
-         }},
-        {"other low input",
-         [&] {
-           linear_forward(out, rand({3, 4}, other_low), weight);
-         }},
-        {"fp64 output",
-         [&] {
-           Tensor o = rand({3, 5}, DType::kF64);
-           linear_forward(o, inp, weight);
-         }},
-        {"other low output",
-         [&] {
-           Tensor o = rand({3, 5}, other_low);
-           linear_forward(o, inp, weight);
-         }},
-        {"int32 bias",
-         [&] {
-           const Tensor b({5}, DType::kI32);
-           linear_forward(out, inp, weight, &b);
-         }},
-        {"fp64 bias",
-         [&] {
-           const Tensor b = rand({5}, DType::kF64);
-           linear_forward(out, inp, weight, &b);
-         }},
-        {"low input, fp32 weight",
-         [&] {
-           linear_forward(out, inp, rand({5, 4}, DType::kF32));
-         }},
-        {"output size",
-         [&] {
-           Tensor o = rand({3, 6}, low);
-           linear_forward(o, inp, weight);
-         }},
-        {"input size",
-         [&] {
-           linear_forward(out, rand({3, 3}, low), weight);
-         }},
-        {"bias size",
-         [&] {
-           const Tensor b = rand({4}, low);
-           linear_forward(out, inp, weight, &b);
-         }},
-    };
-    Tensor dinp = rand({3, 4}, DType::kF32), dweight = rand({5, 4}, DType::kF32), dbias = rand({5}, DType::kF32);
-    std::vector<Bad> backward_bads = {
-        {"fp32 dout",
-         [&] {
-           linear_backward(&dinp, nullptr, nullptr, rand({3, 5}, DType::kF32), nullptr, weight);
-         }},
-        {"other low inp",
-         [&] {
-           linear_backward(&dinp, &dweight, nullptr, dout, &static_cast<const Tensor&>(rand({3, 4}, other_low)),
-                           weight);
-         }},
-        {"fp64 dinp",
-         [&] {
-           Tensor d = rand({3, 4}, DType::kF64);
-           linear_backward(&d, nullptr, nullptr, dout, nullptr, weight);
-         }},
-        {"other low dweight",
-         [&] {
-           Tensor d = rand({5, 4}, other_low);
-           linear_backward(nullptr, &d, nullptr, dout, &inp, weight);
-         }},
-        {"int64 dbias",
-         [&] {
-           Tensor d({5}, DType::kI64);
-           linear_backward(nullptr, nullptr, &d, dout, nullptr, weight);
-         }},
-        {"dinp size",
-         [&] {
-           Tensor d = rand({3, 5}, low);
-           linear_backward(&d, nullptr, nullptr, dout, nullptr, weight);
-         }},
-        {"dweight size",
-         [&] {
-           Tensor d = rand({4, 4}, DType::kF32);
-           linear_backward(nullptr, &d, nullptr, dout, &inp, weight);
-         }},
-        {"dbias size",
-         [&] {
-           Tensor d = rand({6}, DType::kF32);
-           linear_backward(nullptr, nullptr, &d, dout, nullptr, weight);
-         }},
-        {"dweight without inp", [&] { linear_backward(nullptr, &dweight, &dbias, dout, nullptr, weight); }},
-    };
-    for (const Backend backend : kBackends) {
-      const ScopedBackend scope(backend);
-      for (const auto& [list, op] :
-           {std::pair{&bads, "linear_forward: "}, std::pair{&backward_bads, "linear_backward: "}}) {
-        for (const Bad& bad : *list) {
-          const std::string what =
-              bad.what + " (" + std::string(dtype_name(low)) + " weight, " + std::string(backend_name(backend)) + ")";
-          try {
-            bad.call();
-            ADD_FAILURE() << what << ": no error";
-          } catch (const std::invalid_argument& error) {
-            EXPECT_EQ(std::string(error.what()).rfind(op, 0), 0u) << what << ": " << error.what();
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
+    for (const DType low : {DType::kBF16, DType::kF16}) {
+      const DType other_low = low == DType::kBF16 ? DType::kF16 : DType::kBF16;
+      const Tensor weight = rand({5, 4}, low), inp = rand({3, 4}, low), dout = rand({3, 5}, low);
+      const Tensor bias = rand({5}, DType::kF32);
+      struct Bad {
+        std::string what;
+        std::function<void()> call;
+      };
+      Tensor out = rand({3, 5}, low);
+      std::vector<Bad> bads = {
+          {"fp32 input",
+           [&] {
+             linear_forward(out, rand({3, 4}, DType::kF32), weight);
+           }},
+          {"other low input",
+           [&] {
+             linear_forward(out, rand({3, 4}, other_low), weight);
+           }},
+          {"fp64 output",
+           [&] {
+             Tensor o = rand({3, 5}, DType::kF64);
+             linear_forward(o, inp, weight);
+           }},
+          {"other low output",
+           [&] {
+             Tensor o = rand({3, 5}, other_low);
+             linear_forward(o, inp, weight);
+           }},
+          {"int32 bias",
+           [&] {
+             const Tensor b = tensor_on({5}, DType::kI32);
+             linear_forward(out, inp, weight, &b);
+           }},
+          {"fp64 bias",
+           [&] {
+             const Tensor b = rand({5}, DType::kF64);
+             linear_forward(out, inp, weight, &b);
+           }},
+          {"low input, fp32 weight",
+           [&] {
+             linear_forward(out, inp, rand({5, 4}, DType::kF32));
+           }},
+          {"output size",
+           [&] {
+             Tensor o = rand({3, 6}, low);
+             linear_forward(o, inp, weight);
+           }},
+          {"input size",
+           [&] {
+             linear_forward(out, rand({3, 3}, low), weight);
+           }},
+          {"bias size",
+           [&] {
+             const Tensor b = rand({4}, low);
+             linear_forward(out, inp, weight, &b);
+           }},
+      };
+      Tensor dinp = rand({3, 4}, DType::kF32), dweight = rand({5, 4}, DType::kF32), dbias = rand({5}, DType::kF32);
+      std::vector<Bad> backward_bads = {
+          {"fp32 dout",
+           [&] {
+             linear_backward(&dinp, nullptr, nullptr, rand({3, 5}, DType::kF32), nullptr, weight);
+           }},
+          {"other low inp",
+           [&] {
+             linear_backward(&dinp, &dweight, nullptr, dout, &static_cast<const Tensor&>(rand({3, 4}, other_low)),
+                             weight);
+           }},
+          {"fp64 dinp",
+           [&] {
+             Tensor d = rand({3, 4}, DType::kF64);
+             linear_backward(&d, nullptr, nullptr, dout, nullptr, weight);
+           }},
+          {"other low dweight",
+           [&] {
+             Tensor d = rand({5, 4}, other_low);
+             linear_backward(nullptr, &d, nullptr, dout, &inp, weight);
+           }},
+          {"int64 dbias",
+           [&] {
+             Tensor d = tensor_on({5}, DType::kI64);
+             linear_backward(nullptr, nullptr, &d, dout, nullptr, weight);
+           }},
+          {"dinp size",
+           [&] {
+             Tensor d = rand({3, 5}, low);
+             linear_backward(&d, nullptr, nullptr, dout, nullptr, weight);
+           }},
+          {"dweight size",
+           [&] {
+             Tensor d = rand({4, 4}, DType::kF32);
+             linear_backward(nullptr, &d, nullptr, dout, &inp, weight);
+           }},
+          {"dbias size",
+           [&] {
+             Tensor d = rand({6}, DType::kF32);
+             linear_backward(nullptr, nullptr, &d, dout, nullptr, weight);
+           }},
+          {"dweight without inp", [&] { linear_backward(nullptr, &dweight, &dbias, dout, nullptr, weight); }},
+      };
+      {
+        for (const auto& [list, op] :
+             {std::pair{&bads, "linear_forward: "}, std::pair{&backward_bads, "linear_backward: "}}) {
+          for (const Bad& bad : *list) {
+            const std::string what =
+                bad.what + " (" + std::string(dtype_name(low)) + " weight, " + std::string(device_name(device)) + ")";
+            try {
+              bad.call();
+              ADD_FAILURE() << what << ": no error";
+            } catch (const std::invalid_argument& error) {
+              EXPECT_EQ(std::string(error.what()).rfind(op, 0), 0u) << what << ": " << error.what();
+            }
           }
         }
       }
@@ -1084,7 +1243,7 @@ TEST(OpsLowPrecision, BadArgumentsAreRefused) {
   }
 }
 
-// The values of every conversion pair against dtype.h's scalar functions, bit for bit, on both backends; and its
+// The values of every conversion pair against dtype.h's scalar functions, bit for bit, on both devices; and its
 // refusals.
 TEST(OpsConvert, EveryPairIsTheScalarRounding) {
   // Exact in fp32 (so fp64 sources round as their fp32 twins): specials, the fp16 limits, denormals of each format.
@@ -1125,18 +1284,16 @@ TEST(OpsConvert, EveryPairIsTheScalarRounding) {
     }
   };
   const DType dtypes[] = {DType::kF32, DType::kF64, DType::kBF16, DType::kF16};
-  for (const Backend backend : kBackends) {
-    const ScopedBackend scope(backend);
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
     for (const DType from : dtypes) {
-      Tensor wide({n}, DType::kF32);
+      Tensor wide({n}, DType::kF32, MemCategory::kOther, Device::kReference);
       std::copy(values.begin(), values.end(), wide.data<float>());
-      Tensor src({n}, from);
-      {
-        const ScopedBackend exact(Backend::kReference);
-        convert(src, wide);
-      }
+      Tensor src_on_reference({n}, from, MemCategory::kOther, Device::kReference);
+      convert(src_on_reference, wide);  // the source elements from the reference conversion
+      const Tensor src = src_on_reference.to(device);
       for (const DType to : dtypes) {
-        Tensor dst({2, n / 2}, to);
+        Tensor dst = tensor_on({2, n / 2}, to);
         convert(dst, src);
         for (int64_t i = 0; i < n; ++i) {
           const bool nan = std::isnan(values[static_cast<size_t>(i)]);
@@ -1145,14 +1302,14 @@ TEST(OpsConvert, EveryPairIsTheScalarRounding) {
             continue;
           }
           ASSERT_EQ(bits_of(dst, i), expected(values[static_cast<size_t>(i)], from, to))
-              << dtype_name(from) << " -> " << dtype_name(to) << " on " << backend_name(backend) << ", element " << i
+              << dtype_name(from) << " -> " << dtype_name(to) << " on " << device_name(device) << ", element " << i
               << " = " << values[static_cast<size_t>(i)];
         }
       }
     }
   }
-  for (const Backend backend : kBackends) {
-    const ScopedBackend scope(backend);
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
     const Tensor src = random_tensor({4, 3}, DType::kF32, 1);
     const auto refused = [&](Tensor dst, const Tensor& from, const std::string& what) {
       try {
@@ -1162,9 +1319,9 @@ TEST(OpsConvert, EveryPairIsTheScalarRounding) {
         EXPECT_EQ(std::string(error.what()).rfind("convert: ", 0), 0u) << what << ": " << error.what();
       }
     };
-    refused(Tensor({13}, DType::kBF16), src, "one element too many");
-    refused(Tensor({4, 3}, DType::kI32), src, "int32 destination");
-    refused(Tensor({4, 3}, DType::kF16), Tensor({4, 3}, DType::kU8), "uint8 source");
+    refused(tensor_on({13}, DType::kBF16), src, "one element too many");
+    refused(tensor_on({4, 3}, DType::kI32), src, "int32 destination");
+    refused(tensor_on({4, 3}, DType::kF16), tensor_on({4, 3}, DType::kU8), "uint8 source");
     refused(Tensor(), src, "undefined destination");
   }
 }

@@ -1,6 +1,6 @@
 // The norm ops report rows whose statistics are not finite: a finite row whose sum of squares (LayerNorm: variance,
 // or mean) overflows the type gets rstd 1 / sqrt(Inf) = 0 and an output of zeros, which nothing after it notices.
-// Every backend (the fast kernels at 1 and 2 OpenMP threads, the reference) and both types count the same rows.
+// Every device (the CPU at 1 and 2 OpenMP threads, the reference) and both types count the same rows.
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -11,7 +11,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "moecore/ops/backend.h"
 #include "moecore/ops/norm.h"
 
 namespace moecore::ops {
@@ -47,9 +46,11 @@ template <typename T>
 NormRun forward_rows(const bool layernorm, const Tensor& x) {
   const int64_t R = x.numel() / kD;
   const DType dtype = x.dtype();
-  Tensor out({R, kD}, dtype), mean({R}, dtype), rstd({R}, dtype);
-  const Tensor w = ones<T>(kD);
-  Tensor bias({kD}, dtype);
+  const Device device = x.device();
+  Tensor out({R, kD}, dtype, MemCategory::kOther, device), mean({R}, dtype, MemCategory::kOther, device),
+      rstd({R}, dtype, MemCategory::kOther, device);
+  const Tensor w = ones<T>(kD).to(device);
+  Tensor bias({kD}, dtype, MemCategory::kOther, device);
   for (T& v : bias.span<T>()) v = T(0);
   NormRun result;
   result.nonfinite_rows =
@@ -61,11 +62,11 @@ NormRun forward_rows(const bool layernorm, const Tensor& x) {
 
 struct Backends {
   const char* name;
-  Backend backend;
+  Device device;
   int threads;
 };
 constexpr Backends kBackends[] = {
-    {"cpu 1 thread", Backend::kCpu, 1}, {"cpu 2 threads", Backend::kCpu, 2}, {"reference", Backend::kReference, 1}};
+    {"cpu 1 thread", Device::kCPU, 1}, {"cpu 2 threads", Device::kCPU, 2}, {"reference", Device::kReference, 1}};
 
 class OpsNormOverflow : public ::testing::TestWithParam<bool> {};  // LayerNorm?
 
@@ -75,10 +76,9 @@ TEST_P(OpsNormOverflow, Fp32RowsBeyondTheRangeAreCountedAndOutputZeros) {
   const Tensor x = alternating_rows<float>({1e20, 1.0, 1e18, 1e20});
   for (const Backends& b : kBackends) {
     SCOPED_TRACE(b.name);
-    const ScopedBackend scope(b.backend);
     const int threads = omp_get_max_threads();
     omp_set_num_threads(b.threads);
-    const NormRun r = forward_rows<float>(layernorm, x);
+    const NormRun r = forward_rows<float>(layernorm, x.to(b.device));
     omp_set_num_threads(threads);
     EXPECT_EQ(r.nonfinite_rows, 2);
     // What makes it silent: rstd 0 and a finite output of zeros.
@@ -92,14 +92,12 @@ TEST_P(OpsNormOverflow, Fp64HoldsWhatOverflowsFp32) {
   const Tensor x = alternating_rows<double>({1e20, 1.0});
   for (const Backends& b : kBackends) {
     SCOPED_TRACE(b.name);
-    const ScopedBackend scope(b.backend);
-    EXPECT_EQ(forward_rows<double>(GetParam(), x).nonfinite_rows, 0);
+    EXPECT_EQ(forward_rows<double>(GetParam(), x.to(b.device)).nonfinite_rows, 0);
   }
   const Tensor huge = alternating_rows<double>({1e160, 1.0});  // 1e320 overflows fp64
   for (const Backends& b : kBackends) {
     SCOPED_TRACE(b.name);
-    const ScopedBackend scope(b.backend);
-    EXPECT_EQ(forward_rows<double>(GetParam(), huge).nonfinite_rows, 1);
+    EXPECT_EQ(forward_rows<double>(GetParam(), huge.to(b.device)).nonfinite_rows, 1);
   }
 }
 
@@ -110,10 +108,9 @@ TEST_P(OpsNormOverflow, ManyRowsOnTheParallelPath) {
   const Tensor x = alternating_rows<float>(values);
   for (const Backends& b : kBackends) {
     SCOPED_TRACE(b.name);
-    const ScopedBackend scope(b.backend);
     const int threads = omp_get_max_threads();
     omp_set_num_threads(b.threads);
-    EXPECT_EQ(forward_rows<float>(GetParam(), x).nonfinite_rows, 171);
+    EXPECT_EQ(forward_rows<float>(GetParam(), x.to(b.device)).nonfinite_rows, 171);
     omp_set_num_threads(threads);
   }
 }
@@ -128,8 +125,7 @@ TEST(OpsNormOverflowLayerNorm, AnOverflowingMeanIsCountedAndAConstantHugeRowIsNo
   }
   for (const Backends& b : kBackends) {
     SCOPED_TRACE(b.name);
-    const ScopedBackend scope(b.backend);
-    EXPECT_EQ(forward_rows<float>(true, x).nonfinite_rows, 1);
+    EXPECT_EQ(forward_rows<float>(true, x.to(b.device)).nonfinite_rows, 1);
   }
 }
 
@@ -138,8 +134,7 @@ TEST(OpsNormOverflowRMSNorm, NonFiniteInputRowsAreCountedToo) {
   x.data<float>()[kD + 3] = std::numeric_limits<float>::quiet_NaN();
   for (const Backends& b : kBackends) {
     SCOPED_TRACE(b.name);
-    const ScopedBackend scope(b.backend);
-    EXPECT_EQ(forward_rows<float>(false, x).nonfinite_rows, 1);
+    EXPECT_EQ(forward_rows<float>(false, x.to(b.device)).nonfinite_rows, 1);
   }
 }
 

@@ -34,6 +34,9 @@ inline double get(const Tensor& t, const int64_t i) {
     case DType::kF64: return t.data<double>()[i];
     case DType::kBF16: return bf16_to_fp32(t.data<uint16_t>()[i]);
     case DType::kF16: return fp16_to_fp32(t.data<uint16_t>()[i]);
+    case DType::kI32: return t.data<int32_t>()[i];
+    case DType::kI64: return static_cast<double>(t.data<int64_t>()[i]);
+    case DType::kU8: return t.data<uint8_t>()[i];
     default: return static_cast<double>(t.data<float>()[i]);
   }
 }
@@ -90,16 +93,18 @@ inline ::testing::AssertionResult close(const Tensor& got, const Tensor& want, c
 
 class Env {
  public:
-  Env(const DType dtype, const uint64_t seed) : dtype_(dtype), gen_(seed) {}
+  Env(const DType dtype, const uint64_t seed, const Device device = Device::kCPU)
+      : dtype_(dtype), device_(device), gen_(seed) {}
 
   DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
 
   // A tensor of `shape` whose values have magnitude in [0.1, 1) * scale and a random sign (never zero, never near
   // a kink such as relu's), or are positive.
   // `dtype` overrides the environment's (the low-precision cases mix dtypes).
   Tensor& rand(const std::string& name, std::vector<int64_t> shape, const double scale = 1.0,
                const bool positive = false, const std::optional<DType> dtype = std::nullopt) {
-    Tensor t(std::move(shape), dtype.value_or(dtype_));
+    Tensor t(std::move(shape), dtype.value_or(dtype_), MemCategory::kOther, device_);
     std::uniform_real_distribution<double> magnitude(0.1, 1.0);
     std::bernoulli_distribution negative(0.5);
     for (int64_t i = 0; i < t.numel(); ++i) {
@@ -108,6 +113,9 @@ class Env {
     }
     return tensors_[name] = std::move(t);
   }
+
+  // A tensor built by the case itself (integer indices, maps, a fixed pattern).
+  Tensor& put(const std::string& name, Tensor t) { return tensors_[name] = std::move(t); }
 
   Tensor& operator()(const std::string& name) {
     const auto it = tensors_.find(name);
@@ -124,8 +132,23 @@ class Env {
     return out;
   }
 
+  // Every tensor moved to `device` (copies: the values stay).
+  void to(const Device device) {
+    for (auto& [name, t] : tensors_) t = t.to(device);
+    device_ = device;
+  }
+
+  // What some kernel wrote outside a tensor of this environment (the reference device's guard bytes), or "".
+  std::string outside_writes() const {
+    for (const auto& [name, t] : tensors_) {
+      if (const std::string problem = moecore::outside_writes(t); !problem.empty()) return name + ": " + problem;
+    }
+    return "";
+  }
+
  private:
   DType dtype_;
+  Device device_;
   std::mt19937_64 gen_;
   std::map<std::string, Tensor> tensors_;
 };
@@ -166,8 +189,8 @@ struct OpCase {
 
 // The case's tensors for `dtype`: build(), then w_o for each loss output and each gradient buffer, all random and
 // the same for a given case and dtype (the seed is the case name's stream key).
-inline Env make_env(const OpCase& c, const DType dtype) {
-  Env env(dtype, stream_key(c.name));
+inline Env make_env(const OpCase& c, const DType dtype, const Device device = Device::kCPU) {
+  Env env(dtype, stream_key(c.name), device);
   c.build(env);
   for (const std::string& o : c.loss) env.rand("d" + o, env(o).shape());
   for (const GradOf& g : c.grads) env.rand(g.grad, env(g.input).shape());
@@ -702,7 +725,7 @@ inline OpCase linear_cross_entropy_case(const std::string& name, const int64_t V
   c.loss = {"losses"};
   c.backward = [=](Env& e) {
     const VocabShard s = shard();
-    Tensor scratch_losses({T}, e.dtype());
+    Tensor scratch_losses({T}, e.dtype(), MemCategory::kOther, e.device());
     linear_cross_entropy(scratch_losses, e("inp"), e("weight"), targets, chunk, &e("dlosses"), &e("dinp"),
                          &e("dweight"), split ? &s : nullptr);
   };
@@ -998,6 +1021,168 @@ inline OpCase scatter_add_rows_case(const std::string& name, const int64_t N, co
   return c;
 }
 
+// Megatron's permute of N token rows into R expert rows (rows repeat; -1: padding rows), and back.
+inline OpCase moe_permute_case(const std::string& name, const int64_t N, const int64_t R, const int64_t W) {
+  const std::vector<int64_t> index = spread_row_index(R, N);
+  OpCase c{name, {"moe_permute", "moe_unpermute"}};
+  c.build = [=](Env& e) {
+    e.rand("in", {N, W});
+    e.rand("out", {R, W});
+  };
+  c.forward = [=](Env& e) { moe_permute(e("out"), e("in"), index); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) { moe_unpermute(e("din"), e("dout"), index); };
+  c.grads = {{"in", "din", kAcc}};
+  c.bad_args = {{kFwd, "out", "moe_permute"}, {kFwd, "in", "moe_permute"}, {kBwd, "din", "moe_unpermute"}};
+  return c;
+}
+
+// Megatron's unpermute: R expert rows scatter-added into N tokens, weighted by their probabilities or not.
+inline OpCase moe_unpermute_case(const std::string& name, const int64_t N, const int64_t R, const int64_t W,
+                                 const bool probs) {
+  const std::vector<int64_t> index = spread_row_index(R, N);
+  OpCase c{name, {"moe_unpermute", "moe_unpermute_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("out0", {N, W});
+    e.rand("in", {R, W});
+    if (probs) e.rand("probs", {R}, 1.0, true);
+    e.rand("out", {N, W});
+  };
+  c.forward = [=](Env& e) {
+    reset(e("out"), e("out0"));
+    moe_unpermute(e("out"), e("in"), index, probs ? &e("probs") : nullptr);
+  };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) {
+    if (probs) {
+      moe_unpermute_backward(&e("din"), &e("dprobs"), e("dout"), index, &e("probs"), &e("in"));
+    } else {
+      moe_unpermute_backward(&e("din"), nullptr, e("dout"), index);
+    }
+  };
+  c.grads = {{"in", "din", kOver}};
+  if (probs) c.grads.push_back({"probs", "dprobs", kOver});
+  c.bad_args = {{kFwd, "in", "moe_unpermute"}, {kFwd, "out", "moe_unpermute"}, {kBwd, "din", "moe_unpermute_backward"}};
+  if (probs) {
+    c.bad_args.push_back({kFwd, "probs", "moe_unpermute"});
+    c.bad_args.push_back({kBwd, "dprobs", "moe_unpermute_backward"});
+  }
+  return c;
+}
+
+// C chunks of N rows (sizes 0, 1, 2, ..., in a shuffled order) tiling the first rows of N: Megatron's
+// sort_chunks_by_idxs of the all-to-all output; the rows after the last chunk belong to none (a padded buffer).
+struct ChunkList {
+  std::vector<int64_t> first, rows;
+  int64_t total = 0;
+};
+inline ChunkList shuffled_chunks(const int64_t C) {
+  ChunkList ch;
+  std::vector<int64_t> first_C(static_cast<size_t>(C)), rows_C(static_cast<size_t>(C));
+  for (int64_t c = 0; c < C; ++c) {
+    first_C[static_cast<size_t>(c)] = ch.total;
+    rows_C[static_cast<size_t>(c)] = c % 4;
+    ch.total += c % 4;
+  }
+  for (int64_t i = 0; i < C; ++i) {
+    const auto c = static_cast<size_t>((5 * i + 2) % C);
+    ch.first.push_back(first_C[c]);
+    ch.rows.push_back(rows_C[c]);
+  }
+  return ch;
+}
+
+inline OpCase sort_chunks_case(const std::string& name, const int64_t C, const int64_t W) {
+  const ChunkList ch = shuffled_chunks(C);
+  const int64_t N = ch.total + 3;
+  OpCase c{name, {"sort_chunks", "unsort_chunks"}};
+  c.build = [=](Env& e) {
+    e.rand("in", {N, W});
+    e.rand("out", {ch.total, W});
+  };
+  c.forward = [=](Env& e) { sort_chunks(e("out"), e("in"), ch.first, ch.rows); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) { unsort_chunks(e("din"), e("dout"), ch.first, ch.rows); };
+  c.grads = {{"in", "din", kOver}};
+  c.bad_args = {{kFwd, "out", "sort_chunks"}, {kFwd, "in", "sort_chunks"}, {kBwd, "din", "unsort_chunks"}};
+  return c;
+}
+
+inline OpCase unsort_chunks_case(const std::string& name, const int64_t C, const int64_t W) {
+  const ChunkList ch = shuffled_chunks(C);
+  const int64_t N = ch.total + 3;
+  OpCase c{name, {"unsort_chunks", "sort_chunks"}};
+  c.build = [=](Env& e) {
+    e.rand("in", {ch.total, W});
+    e.rand("out", {N, W});
+  };
+  c.forward = [=](Env& e) { unsort_chunks(e("out"), e("in"), ch.first, ch.rows); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) { sort_chunks(e("din"), e("dout"), ch.first, ch.rows); };
+  c.grads = {{"in", "din", kOver}};
+  c.bad_args = {{kFwd, "out", "unsort_chunks"}, {kFwd, "in", "unsort_chunks"}, {kBwd, "din", "sort_chunks"}};
+  return c;
+}
+
+// The linear layers of E experts over their rows of one buffer (rows_E per expert, zero allowed), with biases or not.
+inline OpCase grouped_linear_case(const std::string& name, const std::vector<int64_t>& rows_E, const int64_t I,
+                                  const int64_t O, const bool bias) {
+  const auto E = static_cast<int64_t>(rows_E.size());
+  std::vector<int64_t> offsets(1, 0);
+  for (const int64_t rows : rows_E) offsets.push_back(offsets.back() + rows);
+  const int64_t R = offsets.back();
+  auto name_of = [](const char* stem, const int64_t e) {
+    std::string out = stem;
+    out += std::to_string(e);
+    return out;
+  };
+  OpCase c{name, {"grouped_linear_forward", "grouped_linear_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("x", {R, I});
+    for (int64_t x = 0; x < E; ++x) {
+      e.rand(name_of("w", x), {O, I});
+      if (bias) e.rand(name_of("b", x), {O});
+      if (rows_E[static_cast<size_t>(x)] > 0) continue;
+      // An expert without rows: its gradient buffers must stay as they are (no gradient to check).
+      e.rand(name_of("dw", x), {O, I});
+      if (bias) e.rand(name_of("db", x), {O});
+    }
+    e.rand("out", {R, O});
+  };
+  auto all = [=](Env& e, const char* stem, const bool present) {
+    std::vector<Tensor*> out;
+    for (int64_t x = 0; present && x < E; ++x) out.push_back(&e(name_of(stem, x)));
+    return out;
+  };
+  c.forward = [=](Env& e) {
+    const std::vector<Tensor*> w = all(e, "w", true), b = all(e, "b", bias);
+    grouped_linear_forward(e("out"), e("x"), std::vector<const Tensor*>(w.begin(), w.end()),
+                           std::vector<const Tensor*>(b.begin(), b.end()), offsets);
+  };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) {
+    const std::vector<Tensor*> w = all(e, "w", true);
+    grouped_linear_backward(&e("dx"), all(e, "dw", true), all(e, "db", bias), e("dout"), &e("x"),
+                            std::vector<const Tensor*>(w.begin(), w.end()), offsets);
+  };
+  c.grads = {{"x", "dx", kAcc}};
+  for (int64_t x = 0; x < E; ++x) {
+    if (rows_E[static_cast<size_t>(x)] == 0) continue;
+    c.grads.push_back({name_of("w", x), name_of("dw", x), kAcc});
+    if (bias) c.grads.push_back({name_of("b", x), name_of("db", x), kAcc});
+  }
+  c.bad_args = {{kFwd, "out", "grouped_linear_forward"},  {kFwd, "x", "grouped_linear_forward"},
+                {kFwd, "w1", "grouped_linear_forward"},   {kBwd, "dx", "grouped_linear_backward"},
+                {kBwd, "dw0", "grouped_linear_backward"}, {kBwd, "dout", "grouped_linear_backward"}};
+  if (bias) c.bad_args.push_back({kFwd, "b0", "grouped_linear_forward"});
+  return c;
+}
+
 // T = S B token rows starting at one-process row row_offset (a sequence shard) over P positions.
 inline OpCase position_embedding_case(const std::string& name, const int64_t T, const int64_t B, const int64_t H,
                                       const int64_t P, const int64_t row_offset) {
@@ -1037,6 +1222,179 @@ inline OpCase convert_case(const std::string& name, const std::vector<int64_t>& 
     convert(e("back"), e("fp16"));
   };
   c.outputs = {"bf16", "fp16", "fp16_from_bf16", "back"};
+  return c;
+}
+
+// A shard's runs of the one-process tensor's counter-RNG normal draws (runs out of order, as a sharded dimension
+// gives them).
+inline OpCase normal_fill_case(const std::string& name, const std::vector<int64_t>& first_R, const int64_t run) {
+  OpCase c{name, {"normal_fill"}};
+  c.build = [=](Env& e) { e.rand("param", {static_cast<int64_t>(first_R.size()), run}); };
+  c.forward = [=](Env& e) { normal_fill(e("param"), first_R, run, 1234, 99, 0.02); };
+  c.outputs = {"param"};
+  return c;
+}
+
+// ---- routing (ops/routing.h) ------------------------------------------------------------------------------------
+
+// Scores in the tensor's precision (fp32_scores off), so finite differences in fp64 see a smooth function.
+inline TopkRoutingSpec routing_spec(const RoutingScore score, const bool pre_softmax = false) {
+  TopkRoutingSpec spec;
+  spec.score = score;
+  spec.pre_softmax = pre_softmax;
+  spec.fp32_scores = false;
+  return spec;
+}
+
+// An integer tensor of `shape` filled with value_of(i).
+template <typename I>
+inline Tensor int_tensor(const std::vector<int64_t>& shape, const std::function<int64_t(int64_t)>& value_of) {
+  Tensor t(shape, dtype_of<I>());
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<I>()[i] = static_cast<I>(value_of(i));
+  return t;
+}
+
+// The router's chain: top-k routing, then the routing map (capacity < 0: none), backward through both.
+struct RoutingCaseOptions {
+  bool bias = false, select = false;
+  int64_t capacity = -1;
+  RoutingDropPolicy policy = RoutingDropPolicy::kProbs;
+  bool pad = false;
+};
+inline OpCase topk_routing_case(const std::string& name, const int64_t n, const int64_t E, const int64_t k,
+                                const TopkRoutingSpec& spec, const RoutingCaseOptions& o = {}) {
+  OpCase c{name, {"topk_routing_forward", "routing_map", "topk_routing_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("logits", {n, E}, 2.0);
+    if (o.bias) e.rand("bias", {E}, 0.3, false, DType::kF32);
+    if (o.select) e.rand("select", {n, E}, 1.0, true);
+    e.put("idx", int_tensor<int32_t>({n, k}, [](int64_t) { return 0; }));
+    e.rand("probs", {n, k});
+    e.put("map", int_tensor<uint8_t>({n, E}, [](int64_t i) { return i % 2; }));
+    e.rand("probs_TE", {n, E});
+    e.put("counts", int_tensor<int64_t>({E}, [](int64_t i) { return i + 3; }));
+  };
+  c.forward = [=](Env& e) {
+    topk_routing_forward(e("idx"), e("probs"), e("logits"), o.bias ? &e("bias") : nullptr,
+                         o.select ? &e("select") : nullptr, spec);
+    routing_map(e("map"), e("probs_TE"), e("counts"), e("idx"), e("probs"), o.capacity, o.policy, o.pad);
+  };
+  c.outputs = {"idx", "probs", "map", "probs_TE", "counts"};
+  c.loss = {"probs_TE"};
+  c.backward = [=](Env& e) {
+    topk_routing_backward(e("dlogits"), e("dprobs_TE"), &e("map"), e("idx"), e("logits"), spec);
+  };
+  c.grads = {{"logits", "dlogits", kAcc}};
+  c.bad_args = {{kFwd, "logits", "topk_routing_forward"},
+                {kFwd, "idx", "topk_routing_forward"},
+                {kFwd, "probs", "topk_routing_forward"},
+                {kFwd, "probs_TE", "routing_map"},
+                {kFwd, "map", "routing_map"},
+                {kFwd, "counts", "routing_map"},
+                {kBwd, "dlogits", "topk_routing_backward"},
+                {kBwd, "dprobs_TE", "topk_routing_backward"}};
+  if (o.bias) c.bad_args.push_back({kFwd, "bias", "topk_routing_forward"});
+  return c;
+}
+
+inline OpCase sinkhorn_case(const std::string& name, const int64_t n, const int64_t E) {
+  OpCase c{name, {"sinkhorn"}};
+  c.build = [=](Env& e) {
+    e.rand("logits", {n, E}, 2.0);
+    e.rand("out", {n, E});
+  };
+  c.forward = [](Env& e) { sinkhorn(e("out"), e("logits")); };
+  c.outputs = {"out"};
+  c.bad_args = {{kFwd, "out", "sinkhorn"}, {kFwd, "logits", "sinkhorn"}};
+  return c;
+}
+
+inline OpCase aux_scores_case(const std::string& name, const int64_t n, const int64_t E, const int64_t k,
+                              const RoutingScore score) {
+  OpCase c{name, {"aux_scores_forward", "aux_scores_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("logits", {n, E}, 2.0);
+    e.rand("scores", {n, E});
+    e.put("idx", int_tensor<int32_t>({n, k}, [](int64_t) { return 0; }));
+  };
+  c.forward = [=](Env& e) { aux_scores_forward(e("scores"), e("idx"), e("logits"), score, false); };
+  c.outputs = {"scores", "idx"};
+  c.loss = {"scores"};
+  c.backward = [=](Env& e) { aux_scores_backward(e("dlogits"), e("dscores"), e("scores"), e("logits"), score); };
+  c.grads = {{"logits", "dlogits", kAcc}};
+  c.bad_args = {{kFwd, "scores", "aux_scores_forward"},
+                {kFwd, "idx", "aux_scores_forward"},
+                {kBwd, "dlogits", "aux_scores_backward"},
+                {kBwd, "dscores", "aux_scores_backward"}};
+  return c;
+}
+
+inline OpCase aux_loss_sums_case(const std::string& name, const int64_t n, const int64_t B, const int64_t E,
+                                 const int64_t k) {
+  OpCase c{name, {"aux_loss_sums"}};
+  c.build = [=](Env& e) {
+    e.rand("scores", {n, E}, 1.0, true);
+    e.put("idx", int_tensor<int32_t>({n, k}, [=](const int64_t i) { return ((i / k) * 3 + i % k) % E; }));
+    e.rand("sums_E", {E});
+    e.rand("sums_BE", {B, E});
+    e.rand("counts_BE", {B, E});
+  };
+  c.forward = [=](Env& e) { aux_loss_sums(e("sums_E"), e("sums_BE"), e("counts_BE"), e("scores"), e("idx"), B); };
+  c.outputs = {"sums_E", "sums_BE", "counts_BE"};
+  c.bad_args = {
+      {kFwd, "sums_E", "aux_loss_sums"}, {kFwd, "counts_BE", "aux_loss_sums"}, {kFwd, "scores", "aux_loss_sums"}};
+  return c;
+}
+
+inline OpCase switch_loss_case(const std::string& name, const int64_t J) {
+  const SwitchLossSpec spec{.total_tokens = 12.0, .topk = 2, .num_experts = 5, .coeff = 0.3};
+  OpCase c{name, {"switch_loss", "switch_loss_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("sums", {J}, 1.0, true);
+    e.rand("counts", {J}, 4.0, true);
+    e.rand("loss", {1});
+  };
+  c.forward = [=](Env& e) { set(e("loss"), 0, switch_loss(e("sums"), e("counts"), spec)); };
+  c.outputs = {"loss"};
+  c.loss = {"loss"};
+  c.backward = [=](Env& e) { switch_loss_backward(e("dsums"), e("counts"), spec, get(e("dloss"), 0)); };
+  c.grads = {{"sums", "dsums", kAcc}};
+  c.bad_args = {{kFwd, "counts", "switch_loss"}, {kBwd, "dsums", "switch_loss_backward"}};
+  return c;
+}
+
+inline OpCase z_loss_case(const std::string& name, const int64_t n, const int64_t E) {
+  constexpr double coeff = 0.7;
+  OpCase c{name, {"z_loss_forward", "z_loss_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("logits", {n, E}, 2.0);
+    e.rand("lse", {n});
+    e.rand("z", {1});
+  };
+  c.forward = [=](Env& e) { set(e("z"), 0, z_loss_forward(e("lse"), e("logits"), coeff)); };
+  c.outputs = {"lse", "z"};
+  c.loss = {"z"};
+  c.backward = [=](Env& e) { z_loss_backward(e("dlogits"), e("logits"), e("lse"), coeff * get(e("dz"), 0)); };
+  c.grads = {{"logits", "dlogits", kAcc}};
+  c.bad_args = {{kFwd, "lse", "z_loss_forward"}, {kBwd, "dlogits", "z_loss_backward"}};
+  return c;
+}
+
+// The expert bias is fp32 whatever the counts' dtype.
+inline OpCase expert_bias_update_case(const std::string& name, const int64_t E) {
+  OpCase c{name, {"expert_bias_update"}};
+  c.build = [=](Env& e) {
+    e.rand("bias0", {E}, 0.1, false, DType::kF32);
+    e.rand("bias", {E}, 0.1, false, DType::kF32);
+    e.put("counts", Tensor({E}, e.dtype()));
+    for (int64_t i = 0; i < E; ++i) set(e("counts"), i, static_cast<double>((i * 7) % 5));
+  };
+  c.forward = [](Env& e) {
+    reset(e("bias"), e("bias0"));
+    expert_bias_update(e("bias"), e("counts"), 1e-3);
+  };
+  c.outputs = {"bias"};
+  c.bad_args = {{kFwd, "bias", "expert_bias_update"}};
   return c;
 }
 
@@ -1112,8 +1470,52 @@ inline const std::vector<OpCase>& all_cases() {
         sigmoid_case("sigmoid", {8, 5}),
         gather_rows_case("gather_rows", 6, 9, 4),
         scatter_add_rows_case("scatter_add_rows", 6, 9, 4),
+        moe_permute_case("moe_permute", 6, 9, 4),
+        moe_unpermute_case("moe_unpermute", 6, 9, 4, false),
+        moe_unpermute_case("moe_unpermute_probs", 6, 9, 4, true),
+        sort_chunks_case("sort_chunks", 9, 4),
+        unsort_chunks_case("unsort_chunks", 9, 4),
+        grouped_linear_case("grouped_linear", {3, 0, 5, 1}, 6, 4, false),
+        grouped_linear_case("grouped_linear_bias", {2, 4, 0}, 5, 7, true),
+        normal_fill_case("normal_fill", {40, 0, 90, 10}, 7),
         position_embedding_case("position_embedding", 10, 2, 6, 8, 4),
         convert_case("convert", {6, 5}),
+        topk_routing_case("topk_routing_softmax", 7, 6, 2, routing_spec(RoutingScore::kSoftmax)),
+        topk_routing_case("topk_routing_pre_softmax_capacity", 9, 5, 2, routing_spec(RoutingScore::kSoftmax, true),
+                          {.capacity = 3}),
+        topk_routing_case("topk_routing_sigmoid_groups_bias_pad", 8, 8, 3,
+                          [] {
+                            TopkRoutingSpec spec = routing_spec(RoutingScore::kSigmoid);
+                            spec.num_groups = 4;
+                            spec.group_topk = 2;
+                            spec.scaling_factor = 2.5;
+                            return spec;
+                          }(),
+                          {.bias = true, .capacity = 4, .policy = RoutingDropPolicy::kPosition, .pad = true}),
+        topk_routing_case("topk_routing_sqrtsoftplus_top1", 6, 5, 1, routing_spec(RoutingScore::kSqrtSoftplus),
+                          {.capacity = 2, .policy = RoutingDropPolicy::kPosition}),
+        topk_routing_case("topk_routing_sinkhorn_top1", 7, 4, 1,
+                          [] {
+                            TopkRoutingSpec spec = routing_spec(RoutingScore::kSoftmax);
+                            spec.sinkhorn = true;
+                            return spec;
+                          }(),
+                          {.select = true}),
+        topk_routing_case("topk_routing_sinkhorn_top2", 7, 5, 2,
+                          [] {
+                            TopkRoutingSpec spec = routing_spec(RoutingScore::kSoftmax);
+                            spec.sinkhorn = true;
+                            return spec;
+                          }(),
+                          {.select = true}),
+        sinkhorn_case("sinkhorn", 9, 4),
+        aux_scores_case("aux_scores_softmax", 7, 6, 2, RoutingScore::kSoftmax),
+        aux_scores_case("aux_scores_sigmoid", 7, 6, 2, RoutingScore::kSigmoid),
+        aux_scores_case("aux_scores_sqrtsoftplus", 6, 5, 3, RoutingScore::kSqrtSoftplus),
+        aux_loss_sums_case("aux_loss_sums", 8, 2, 5, 2),
+        switch_loss_case("switch_loss", 10),
+        z_loss_case("z_loss", 7, 5),
+        expert_bias_update_case("expert_bias_update", 6),
 
         linear_case("linear_large", {130, 8}, 131, true, true),
         rmsnorm_case("rmsnorm_large", 64, 257),
@@ -1147,8 +1549,18 @@ inline const std::vector<OpCase>& all_cases() {
         sigmoid_case("sigmoid_large", {130, 129}),
         gather_rows_case("gather_rows_large", 128, 300, 64),
         scatter_add_rows_case("scatter_add_rows_large", 128, 300, 64),
+        moe_permute_case("moe_permute_large", 128, 300, 64),
+        moe_unpermute_case("moe_unpermute_probs_large", 128, 300, 64, true),
+        sort_chunks_case("sort_chunks_large", 96, 129),
+        unsort_chunks_case("unsort_chunks_large", 96, 129),
+        grouped_linear_case("grouped_linear_large", {300, 10, 0, 530}, 65, 33, true),
+        normal_fill_case("normal_fill_large", {0, 40000, 20000}, 9000),
         position_embedding_case("position_embedding_large", 260, 4, 65, 80, 12),
         convert_case("convert_large", {300, 257}),
+        topk_routing_case("topk_routing_large", 130, 130, 4, routing_spec(RoutingScore::kSigmoid),
+                          {.bias = true, .capacity = 5}),
+        aux_scores_case("aux_scores_large", 130, 130, 4, RoutingScore::kSoftmax),
+        z_loss_case("z_loss_large", 130, 130),
     };
   }();
   return cases;

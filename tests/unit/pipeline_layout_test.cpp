@@ -14,12 +14,17 @@ namespace {
 
 using Ranges = std::vector<std::pair<int64_t, int64_t>>;  // [first, last] per virtual stage; {first, first - 1}: none
 
-PipelineSplitFlags split(const int64_t num_layers, const int64_t pp) {
-  PipelineSplitFlags flags;
+// One case's input: the layers to split and the split flags, set field by field.
+struct Split : PipelineShape, PipelineSplitFlags {};
+
+Split split(const int64_t num_layers, const int64_t pp) {
+  Split flags;
   flags.num_layers = num_layers;
   flags.pipeline_model_parallel_size = pp;
   return flags;
 }
+
+PipelineLayout layout_of(const Split& input) { return PipelineLayout(input, input); }
 
 // The virtual stages of one pp rank as inclusive layer ranges.
 Ranges ranges_of(const PipelineLayout& layout, const int pp_rank) {
@@ -58,9 +63,9 @@ void expect_consistent(const PipelineLayout& layout) {
   EXPECT_EQ(static_cast<int>(layout.stages().size()), layout.pipeline_size() * layout.virtual_pipeline_size());
 }
 
-std::string error_of(const PipelineSplitFlags& flags) {
+std::string error_of(const Split& flags) {
   try {
-    PipelineLayout layout(flags);
+    PipelineLayout layout = layout_of(flags);
   } catch (const LayoutError& e) {
     const std::string message = e.what();
     EXPECT_EQ(message.find('\n'), std::string::npos) << message;
@@ -79,7 +84,7 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
   } while (0)
 
 TEST(PipelineSplit, NoPipelineIsOneStageWithEverything) {
-  const PipelineLayout layout(split(12, 1));
+  const PipelineLayout layout = layout_of(split(12, 1));
   EXPECT_EQ(layout.pipeline_size(), 1);
   EXPECT_EQ(layout.virtual_pipeline_size(), 1);
   EXPECT_FALSE(layout.interleaved());
@@ -90,7 +95,7 @@ TEST(PipelineSplit, NoPipelineIsOneStageWithEverything) {
 }
 
 TEST(PipelineSplit, UniformSplitsContiguously) {
-  const PipelineLayout layout(split(8, 4));
+  const PipelineLayout layout = layout_of(split(8, 4));
   for (int r = 0; r < 4; ++r) EXPECT_EQ(ranges_of(layout, r), (Ranges{{2 * r, 2 * r + 1}}));
   expect_consistent(layout);
 }
@@ -98,13 +103,13 @@ TEST(PipelineSplit, UniformSplitsContiguously) {
 // transformer_block.py get_num_layers_to_build's comment: 8 layers, 2 stages, 2 virtual stages.
 TEST(PipelineSplit, InterleavedEightLayersTwoStagesTwoChunks) {
   for (const bool per_rank_flag : {true, false}) {
-    PipelineSplitFlags flags = split(8, 2);
+    Split flags = split(8, 2);
     if (per_rank_flag) {
       flags.num_virtual_stages_per_pipeline_rank = 2;
     } else {
       flags.num_layers_per_virtual_pipeline_stage = 2;  // VPP = (8 / 2) / 2
     }
-    const PipelineLayout layout(flags);
+    const PipelineLayout layout = layout_of(flags);
     EXPECT_EQ(layout.virtual_pipeline_size(), 2);
     EXPECT_TRUE(layout.interleaved());
     EXPECT_EQ(ranges_of(layout, 0), (Ranges{{0, 1}, {4, 5}}));
@@ -115,9 +120,9 @@ TEST(PipelineSplit, InterleavedEightLayersTwoStagesTwoChunks) {
 
 // The same comment: 8 layers, 2 stages, 4 model chunks: stage 0 [0] [2] [4] [6], stage 1 [1] [3] [5] [7].
 TEST(PipelineSplit, InterleavedEightLayersTwoStagesFourChunks) {
-  PipelineSplitFlags flags = split(8, 2);
+  Split flags = split(8, 2);
   flags.num_layers_per_virtual_pipeline_stage = 1;
-  const PipelineLayout layout(flags);
+  const PipelineLayout layout = layout_of(flags);
   EXPECT_EQ(layout.virtual_pipeline_size(), 4);
   EXPECT_EQ(ranges_of(layout, 0), (Ranges{{0, 0}, {2, 2}, {4, 4}, {6, 6}}));
   EXPECT_EQ(ranges_of(layout, 1), (Ranges{{1, 1}, {3, 3}, {5, 5}, {7, 7}}));
@@ -126,10 +131,10 @@ TEST(PipelineSplit, InterleavedEightLayersTwoStagesFourChunks) {
 
 TEST(PipelineSplit, AccountingForEmbeddingAndLoss) {
   // 14 layers + embedding + loss = 16 over PP 4: [0-2] [3-6] [7-10] [11-13].
-  PipelineSplitFlags flags = split(14, 4);
+  Split flags = split(14, 4);
   flags.account_for_embedding_in_pipeline_split = true;
   flags.account_for_loss_in_pipeline_split = true;
-  const PipelineLayout layout(flags);
+  const PipelineLayout layout = layout_of(flags);
   EXPECT_EQ(ranges_of(layout, 0), (Ranges{{0, 2}}));
   EXPECT_EQ(ranges_of(layout, 1), (Ranges{{3, 6}}));
   EXPECT_EQ(ranges_of(layout, 2), (Ranges{{7, 10}}));
@@ -139,7 +144,7 @@ TEST(PipelineSplit, AccountingForEmbeddingAndLoss) {
   // The same with PP 2 and two virtual stages: pp0 [0-2] [7-10], pp1 [3-6] [11-13].
   flags.pipeline_model_parallel_size = 2;
   flags.num_virtual_stages_per_pipeline_rank = 2;
-  const PipelineLayout interleaved(flags);
+  const PipelineLayout interleaved = layout_of(flags);
   EXPECT_EQ(ranges_of(interleaved, 0), (Ranges{{0, 2}, {7, 10}}));
   EXPECT_EQ(ranges_of(interleaved, 1), (Ranges{{3, 6}, {11, 13}}));
   expect_consistent(interleaved);
@@ -147,14 +152,14 @@ TEST(PipelineSplit, AccountingForEmbeddingAndLoss) {
   // --num-layers-per-virtual-pipeline-stage counts the embedding and loss too: (16 / 2) / 4 = 2 chunks.
   flags.num_virtual_stages_per_pipeline_rank.reset();
   flags.num_layers_per_virtual_pipeline_stage = 4;
-  EXPECT_EQ(PipelineLayout(flags).virtual_pipeline_size(), 2);
+  EXPECT_EQ(layout_of(flags).virtual_pipeline_size(), 2);
 }
 
 TEST(PipelineSplit, AccountingForOnlyOneSide) {
   // 7 layers + embedding over PP 4: the first stage gives one place to the embedding.
-  PipelineSplitFlags flags = split(7, 4);
+  Split flags = split(7, 4);
   flags.account_for_embedding_in_pipeline_split = true;
-  const PipelineLayout embedding(flags);
+  const PipelineLayout embedding = layout_of(flags);
   EXPECT_EQ(ranges_of(embedding, 0), (Ranges{{0, 0}}));
   EXPECT_EQ(ranges_of(embedding, 1), (Ranges{{1, 2}}));
   EXPECT_EQ(ranges_of(embedding, 3), (Ranges{{5, 6}}));
@@ -162,24 +167,24 @@ TEST(PipelineSplit, AccountingForOnlyOneSide) {
 
   flags.account_for_embedding_in_pipeline_split = false;
   flags.account_for_loss_in_pipeline_split = true;
-  const PipelineLayout loss(flags);
+  const PipelineLayout loss = layout_of(flags);
   EXPECT_EQ(ranges_of(loss, 0), (Ranges{{0, 1}}));
   EXPECT_EQ(ranges_of(loss, 3), (Ranges{{6, 6}}));
   expect_consistent(loss);
 
   // One stage holds the embedding and the loss: all layers.
-  PipelineSplitFlags one = split(5, 1);
+  Split one = split(5, 1);
   one.account_for_embedding_in_pipeline_split = true;
   one.account_for_loss_in_pipeline_split = true;
-  EXPECT_EQ(ranges_of(PipelineLayout(one), 0), (Ranges{{0, 4}}));
+  EXPECT_EQ(ranges_of(layout_of(one), 0), (Ranges{{0, 4}}));
 }
 
 TEST(PipelineSplit, UnevenFirstAndLast) {
   // 30 layers, PP 4, first 6, last 6: [0-5] [6-14] [15-23] [24-29].
-  PipelineSplitFlags flags = split(30, 4);
+  Split flags = split(30, 4);
   flags.decoder_first_pipeline_num_layers = 6;
   flags.decoder_last_pipeline_num_layers = 6;
-  const PipelineLayout layout(flags);
+  const PipelineLayout layout = layout_of(flags);
   EXPECT_EQ(ranges_of(layout, 0), (Ranges{{0, 5}}));
   EXPECT_EQ(ranges_of(layout, 1), (Ranges{{6, 14}}));
   EXPECT_EQ(ranges_of(layout, 2), (Ranges{{15, 23}}));
@@ -190,11 +195,11 @@ TEST(PipelineSplit, UnevenFirstAndLast) {
 TEST(PipelineSplit, UnevenInterleaved) {
   // 28 layers, PP 4, VPP 2, first 4, last 8: pp0 [0,1] [14,15]; pp1 [2-5] [16-19]; pp2 [6-9] [20-23];
   // pp3 [10-13] [24-27].
-  PipelineSplitFlags flags = split(28, 4);
+  Split flags = split(28, 4);
   flags.num_virtual_stages_per_pipeline_rank = 2;
   flags.decoder_first_pipeline_num_layers = 4;
   flags.decoder_last_pipeline_num_layers = 8;
-  const PipelineLayout layout(flags);
+  const PipelineLayout layout = layout_of(flags);
   EXPECT_EQ(ranges_of(layout, 0), (Ranges{{0, 1}, {14, 15}}));
   EXPECT_EQ(ranges_of(layout, 1), (Ranges{{2, 5}, {16, 19}}));
   EXPECT_EQ(ranges_of(layout, 2), (Ranges{{6, 9}, {20, 23}}));
@@ -204,46 +209,46 @@ TEST(PipelineSplit, UnevenInterleaved) {
 
 TEST(PipelineSplit, UnevenOneSideOnly) {
   // First only: 10 layers, PP 3, first 2: the other two ranks share 8.
-  PipelineSplitFlags first = split(10, 3);
+  Split first = split(10, 3);
   first.decoder_first_pipeline_num_layers = 2;
-  const PipelineLayout first_layout(first);
+  const PipelineLayout first_layout = layout_of(first);
   EXPECT_EQ(ranges_of(first_layout, 0), (Ranges{{0, 1}}));
   EXPECT_EQ(ranges_of(first_layout, 1), (Ranges{{2, 5}}));
   EXPECT_EQ(ranges_of(first_layout, 2), (Ranges{{6, 9}}));
   expect_consistent(first_layout);
 
   // Last only: 10 layers, PP 3, last 4: [0-2] [3-5] [6-9].
-  PipelineSplitFlags last = split(10, 3);
+  Split last = split(10, 3);
   last.decoder_last_pipeline_num_layers = 4;
-  const PipelineLayout last_layout(last);
+  const PipelineLayout last_layout = layout_of(last);
   EXPECT_EQ(ranges_of(last_layout, 0), (Ranges{{0, 2}}));
   EXPECT_EQ(ranges_of(last_layout, 1), (Ranges{{3, 5}}));
   EXPECT_EQ(ranges_of(last_layout, 2), (Ranges{{6, 9}}));
   expect_consistent(last_layout);
 
   // Last only, interleaved: 12 layers, PP 2, VPP 2, last 4: T = 8/2 + 4/2 = 6 per round.
-  PipelineSplitFlags interleaved = split(12, 2);
+  Split interleaved = split(12, 2);
   interleaved.num_virtual_stages_per_pipeline_rank = 2;
   interleaved.decoder_last_pipeline_num_layers = 4;
-  const PipelineLayout interleaved_layout(interleaved);
+  const PipelineLayout interleaved_layout = layout_of(interleaved);
   EXPECT_EQ(ranges_of(interleaved_layout, 0), (Ranges{{0, 3}, {6, 9}}));
   EXPECT_EQ(ranges_of(interleaved_layout, 1), (Ranges{{4, 5}, {10, 11}}));
   expect_consistent(interleaved_layout);
 
   // PP 1 with the first count equal to every layer: one stage (Megatron accepts it).
-  PipelineSplitFlags one = split(6, 1);
+  Split one = split(6, 1);
   one.decoder_first_pipeline_num_layers = 6;
-  EXPECT_EQ(ranges_of(PipelineLayout(one), 0), (Ranges{{0, 5}}));
+  EXPECT_EQ(ranges_of(layout_of(one), 0), (Ranges{{0, 5}}));
 }
 
 // PP 2 with both counts and VPP 2: no middle rank (Megatron's offset formula divides by the middle rank count,
 // 0 here; nothing is in the middle).
 TEST(PipelineSplit, UnevenTwoRanksInterleaved) {
-  PipelineSplitFlags flags = split(12, 2);
+  Split flags = split(12, 2);
   flags.num_virtual_stages_per_pipeline_rank = 2;
   flags.decoder_first_pipeline_num_layers = 4;
   flags.decoder_last_pipeline_num_layers = 8;
-  const PipelineLayout layout(flags);
+  const PipelineLayout layout = layout_of(flags);
   EXPECT_EQ(ranges_of(layout, 0), (Ranges{{0, 1}, {6, 7}}));
   EXPECT_EQ(ranges_of(layout, 1), (Ranges{{2, 5}, {8, 11}}));
   expect_consistent(layout);
@@ -252,9 +257,9 @@ TEST(PipelineSplit, UnevenTwoRanksInterleaved) {
 // pipeline_parallel_layer_layout.py: "Et|tt|tt|tL" with PP 2 is VPP 2: pp0/v0 [0]; pp1/v0 [1,2]; pp0/v1 [3,4];
 // pp1/v1 [5].
 TEST(PipelineSplit, LayoutExampleInterleaved) {
-  PipelineSplitFlags flags = split(6, 2);
+  Split flags = split(6, 2);
   flags.pipeline_model_parallel_layout = "Et|tt|tt|tL";
-  const PipelineLayout layout(flags);
+  const PipelineLayout layout = layout_of(flags);
   EXPECT_EQ(layout.virtual_pipeline_size(), 2);
   EXPECT_EQ(ranges_of(layout, 0), (Ranges{{0, 0}, {3, 4}}));
   EXPECT_EQ(ranges_of(layout, 1), (Ranges{{1, 2}, {5, 5}}));
@@ -265,9 +270,9 @@ TEST(PipelineSplit, LayoutExampleInterleaved) {
 
 // "E(tt|)*2,tL" with PP 3 is "Ett|tt|tL": pp0 embedding + [0,1]; pp1 [2,3]; pp2 [4] + loss.
 TEST(PipelineSplit, LayoutExampleWithRepeat) {
-  PipelineSplitFlags flags = split(5, 3);
+  Split flags = split(5, 3);
   flags.pipeline_model_parallel_layout = "E(tt|)*2,tL";
-  const PipelineLayout layout(flags);
+  const PipelineLayout layout = layout_of(flags);
   EXPECT_EQ(layout.virtual_pipeline_size(), 1);
   EXPECT_FALSE(layout.interleaved());
   EXPECT_EQ(ranges_of(layout, 0), (Ranges{{0, 1}}));
@@ -282,18 +287,18 @@ TEST(PipelineSplit, LayoutExampleWithRepeat) {
 // when E / L sit in a later / earlier stage after empty ones: Megatron's pre_process / post_process follow the
 // ranks, the layout's E and L only have to come first / last in layer order.
 TEST(PipelineSplit, LayoutEmptyStages) {
-  PipelineSplitFlags flags = split(4, 2);
+  Split flags = split(4, 2);
   flags.pipeline_model_parallel_layout = "Ett||tt|L";
-  const PipelineLayout layout(flags);
+  const PipelineLayout layout = layout_of(flags);
   EXPECT_EQ(layout.virtual_pipeline_size(), 2);
   EXPECT_EQ(layout.stage(1, 0).num_layers, 0);
   EXPECT_EQ(layout.stage(1, 1).num_layers, 0);
   EXPECT_EQ(ranges_of(layout, 0), (Ranges{{0, 1}, {2, 3}}));
   expect_consistent(layout);
 
-  PipelineSplitFlags shifted = split(2, 3);
+  Split shifted = split(2, 3);
   shifted.pipeline_model_parallel_layout = "|Et|tL";
-  const PipelineLayout shifted_layout(shifted);
+  const PipelineLayout shifted_layout = layout_of(shifted);
   EXPECT_EQ(shifted_layout.stage(0, 0).num_layers, 0);
   EXPECT_TRUE(shifted_layout.stage(0, 0).has_embedding);
   EXPECT_FALSE(shifted_layout.stage(1, 0).has_embedding);
@@ -367,7 +372,7 @@ TEST(PipelineLayoutGrammar, InvalidCharacters) {
 }
 
 TEST(PipelineSplitErrors, VirtualPipelineSources) {
-  PipelineSplitFlags two = split(8, 2);
+  Split two = split(8, 2);
   two.num_layers_per_virtual_pipeline_stage = 2;
   two.num_virtual_stages_per_pipeline_rank = 2;
   EXPECT_ERROR(two,
@@ -375,31 +380,31 @@ TEST(PipelineSplitErrors, VirtualPipelineSources) {
                "--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank, "
                "--pipeline-model-parallel-layout (got --num-layers-per-virtual-pipeline-stage and "
                "--num-virtual-stages-per-pipeline-rank)");
-  PipelineSplitFlags with_layout = split(2, 2);
+  Split with_layout = split(2, 2);
   with_layout.num_virtual_stages_per_pipeline_rank = 1;
   with_layout.pipeline_model_parallel_layout = "Et|tL";
   EXPECT_ERROR(with_layout, "No more than one of the following arguments");
 
-  PipelineSplitFlags zero = split(8, 2);
+  Split zero = split(8, 2);
   zero.num_layers_per_virtual_pipeline_stage = 0;
   EXPECT_ERROR(zero, "--num-layers-per-virtual-pipeline-stage must be positive (got 0)");
-  PipelineSplitFlags negative = split(8, 2);
+  Split negative = split(8, 2);
   negative.num_virtual_stages_per_pipeline_rank = -1;
   EXPECT_ERROR(negative, "--num-virtual-stages-per-pipeline-rank must be positive (got -1)");
 
-  PipelineSplitFlags uneven = split(8, 2);
+  Split uneven = split(8, 2);
   uneven.num_layers_per_virtual_pipeline_stage = 2;
   uneven.decoder_first_pipeline_num_layers = 4;
   EXPECT_ERROR(uneven,
                "please use --num-virtual-stages-per-pipeline-rank to specify virtual pipeline parallel degree when "
                "enable uneven pipeline parallelism");
 
-  PipelineSplitFlags not_divisible = split(9, 2);
+  Split not_divisible = split(9, 2);
   not_divisible.num_layers_per_virtual_pipeline_stage = 1;
   EXPECT_ERROR(not_divisible,
                "--num-layers-per-virtual-pipeline-stage: number of layers of the model must be divisible pipeline "
                "model parallel size (--num-layers 9, --pipeline-model-parallel-size 2)");
-  PipelineSplitFlags per_stage = split(12, 2);
+  Split per_stage = split(12, 2);
   per_stage.num_layers_per_virtual_pipeline_stage = 4;
   EXPECT_ERROR(per_stage,
                "--num-layers-per-virtual-pipeline-stage: number of layers per pipeline stage must be divisible "
@@ -408,26 +413,26 @@ TEST(PipelineSplitErrors, VirtualPipelineSources) {
 
 TEST(PipelineSplitErrors, VirtualPipelineDerivations) {
   // One virtual stage is Megatron's None: no interleaving, so PP 1 is fine.
-  PipelineSplitFlags one = split(8, 1);
+  Split one = split(8, 1);
   one.num_virtual_stages_per_pipeline_rank = 1;
-  EXPECT_FALSE(PipelineLayout(one).interleaved());
-  PipelineSplitFlags whole_rank = split(8, 2);
+  EXPECT_FALSE(layout_of(one).interleaved());
+  Split whole_rank = split(8, 2);
   whole_rank.num_layers_per_virtual_pipeline_stage = 4;
-  EXPECT_EQ(PipelineLayout(whole_rank).virtual_pipeline_size(), 1);
-  PipelineSplitFlags six_stages = split(6, 3);
+  EXPECT_EQ(layout_of(whole_rank).virtual_pipeline_size(), 1);
+  Split six_stages = split(6, 3);
   six_stages.pipeline_model_parallel_layout = "Et|t|t|t|t|tL";
-  EXPECT_EQ(PipelineLayout(six_stages).virtual_pipeline_size(), 2);
+  EXPECT_EQ(layout_of(six_stages).virtual_pipeline_size(), 2);
 
   // The interleaved schedule needs PP > 1 (PP > 2 without p2p overlap).
-  PipelineSplitFlags single = split(8, 1);
+  Split single = split(8, 1);
   single.num_virtual_stages_per_pipeline_rank = 2;
   EXPECT_ERROR(single,
                "--num-virtual-stages-per-pipeline-rank: When interleaved schedule is used, pipeline-model-parallel "
                "size should be greater than 1 (--pipeline-model-parallel-size 1, 2 virtual stages per rank)");
-  PipelineSplitFlags single_layout = split(2, 1);
+  Split single_layout = split(2, 1);
   single_layout.pipeline_model_parallel_layout = "Et|tL";
   EXPECT_ERROR(single_layout, "--pipeline-model-parallel-layout: When interleaved schedule is used");
-  PipelineSplitFlags no_overlap = split(8, 2);
+  Split no_overlap = split(8, 2);
   no_overlap.num_virtual_stages_per_pipeline_rank = 2;
   no_overlap.overlap_p2p_comm = false;
   EXPECT_ERROR(no_overlap,
@@ -436,14 +441,14 @@ TEST(PipelineSplitErrors, VirtualPipelineDerivations) {
                "communication batch (--pipeline-model-parallel-size 2)");
   no_overlap.num_layers = 12;
   no_overlap.pipeline_model_parallel_size = 3;
-  EXPECT_EQ(PipelineLayout(no_overlap).virtual_pipeline_size(), 2);
+  EXPECT_EQ(layout_of(no_overlap).virtual_pipeline_size(), 2);
 }
 
 TEST(PipelineSplitErrors, UniformNotDivisible) {
   EXPECT_ERROR(split(7, 2),
                "Number of layers should be divisible by the pipeline-model-parallel size (--num-layers 7, "
                "--pipeline-model-parallel-size 2)");
-  PipelineSplitFlags accounted = split(7, 4);
+  Split accounted = split(7, 4);
   accounted.account_for_embedding_in_pipeline_split = true;
   accounted.account_for_loss_in_pipeline_split = true;
   EXPECT_ERROR(accounted,
@@ -451,10 +456,10 @@ TEST(PipelineSplitErrors, UniformNotDivisible) {
                "(embedding) + 1 (loss) = 9, --pipeline-model-parallel-size 4)");
   // Without the embedding counted, 8 layers split over PP 4 fine.
   accounted.account_for_embedding_in_pipeline_split = false;
-  EXPECT_NO_THROW(PipelineLayout{accounted});
+  EXPECT_NO_THROW(layout_of(accounted));
 
   // With --num-virtual-stages-per-pipeline-rank: get_num_layers_to_build's checks.
-  PipelineSplitFlags chunks = split(7, 2);
+  Split chunks = split(7, 2);
   chunks.num_virtual_stages_per_pipeline_rank = 2;
   EXPECT_ERROR(chunks, "--num-layers 7 should be divisible by --pipeline-model-parallel-size 2");
   chunks.num_layers = 6;
@@ -463,7 +468,7 @@ TEST(PipelineSplitErrors, UniformNotDivisible) {
                "(--num-virtual-stages-per-pipeline-rank)");
 
   // And TransformerConfig's, when the embedding / loss are counted.
-  PipelineSplitFlags counted = split(8, 2);
+  Split counted = split(8, 2);
   counted.num_virtual_stages_per_pipeline_rank = 2;
   counted.account_for_embedding_in_pipeline_split = true;
   EXPECT_ERROR(counted,
@@ -476,14 +481,14 @@ TEST(PipelineSplitErrors, UniformNotDivisible) {
 }
 
 TEST(PipelineSplitErrors, ModesCombined) {
-  PipelineSplitFlags uneven_accounted = split(8, 2);
+  Split uneven_accounted = split(8, 2);
   uneven_accounted.decoder_first_pipeline_num_layers = 3;
   uneven_accounted.account_for_loss_in_pipeline_split = true;
   EXPECT_ERROR(uneven_accounted,
                "--decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers cannot be set at the same "
                "time with --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split");
 
-  PipelineSplitFlags layout = split(2, 2);
+  Split layout = split(2, 2);
   layout.pipeline_model_parallel_layout = "Et|tL";
   layout.decoder_last_pipeline_num_layers = 1;
   EXPECT_ERROR(layout,
@@ -498,20 +503,20 @@ TEST(PipelineSplitErrors, ModesCombined) {
 }
 
 TEST(PipelineSplitErrors, Uneven) {
-  PipelineSplitFlags first_zero = split(8, 2);
+  Split first_zero = split(8, 2);
   first_zero.decoder_first_pipeline_num_layers = 0;
   EXPECT_ERROR(first_zero, "--decoder-first-pipeline-num-layers must be larger than 0 (got 0)");
-  PipelineSplitFlags last_negative = split(8, 2);
+  Split last_negative = split(8, 2);
   last_negative.decoder_last_pipeline_num_layers = -2;
   EXPECT_ERROR(last_negative, "--decoder-last-pipeline-num-layers must be larger than 0 (got -2)");
 
-  PipelineSplitFlags first_vpp = split(12, 4);
+  Split first_vpp = split(12, 4);
   first_vpp.num_virtual_stages_per_pipeline_rank = 2;
   first_vpp.decoder_first_pipeline_num_layers = 3;
   EXPECT_ERROR(first_vpp,
                "--decoder-first-pipeline-num-layers: number of layers at first stage: 3 must be divisible by virtual "
                "pipeline parallel degree 2");
-  PipelineSplitFlags last_vpp = split(12, 4);
+  Split last_vpp = split(12, 4);
   last_vpp.num_virtual_stages_per_pipeline_rank = 2;
   last_vpp.decoder_last_pipeline_num_layers = 5;
   EXPECT_ERROR(last_vpp,
@@ -520,21 +525,21 @@ TEST(PipelineSplitErrors, Uneven) {
 
   // 8 layers, PP 2, first 3, last 3: 2 layers left and no middle rank; PP 3, first 4, last 4: a middle rank, no
   // layers.
-  PipelineSplitFlags no_middle_rank = split(8, 2);
+  Split no_middle_rank = split(8, 2);
   no_middle_rank.decoder_first_pipeline_num_layers = 3;
   no_middle_rank.decoder_last_pipeline_num_layers = 3;
   EXPECT_ERROR(no_middle_rank, "Mismatch: 2 middle layers remaining but 0 middle PP stages available");
-  PipelineSplitFlags no_middle_layers = split(8, 3);
+  Split no_middle_layers = split(8, 3);
   no_middle_layers.decoder_first_pipeline_num_layers = 4;
   no_middle_layers.decoder_last_pipeline_num_layers = 4;
   EXPECT_ERROR(no_middle_layers, "Mismatch: 0 middle layers remaining but 1 middle PP stages available");
 
-  PipelineSplitFlags middle = split(11, 4);
+  Split middle = split(11, 4);
   middle.decoder_first_pipeline_num_layers = 3;
   middle.decoder_last_pipeline_num_layers = 3;
   EXPECT_ERROR(middle,
                "number of layers at middle stage: 5 must be divisible by the middle pipeline model parallel size 2");
-  PipelineSplitFlags middle_vpp = split(10, 4);
+  Split middle_vpp = split(10, 4);
   middle_vpp.num_virtual_stages_per_pipeline_rank = 2;
   middle_vpp.decoder_first_pipeline_num_layers = 2;
   middle_vpp.decoder_last_pipeline_num_layers = 2;
@@ -543,25 +548,25 @@ TEST(PipelineSplitErrors, Uneven) {
                "degree 2");
 
   // moecore's: counts beyond --num-layers, and both counts in a single stage.
-  PipelineSplitFlags too_many = split(8, 2);
+  Split too_many = split(8, 2);
   too_many.decoder_first_pipeline_num_layers = 10;
   EXPECT_ERROR(too_many,
                "--decoder-first-pipeline-num-layers (10) and --decoder-last-pipeline-num-layers (0) hold more layers "
                "than --num-layers (8)");
-  PipelineSplitFlags single = split(8, 1);
+  Split single = split(8, 1);
   single.decoder_first_pipeline_num_layers = 3;
   single.decoder_last_pipeline_num_layers = 5;
   EXPECT_ERROR(single,
                "--decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers together need "
                "--pipeline-model-parallel-size >= 2");
-  PipelineSplitFlags single_short = split(8, 1);
+  Split single_short = split(8, 1);
   single_short.decoder_first_pipeline_num_layers = 3;
   EXPECT_ERROR(single_short, "Mismatch: 5 middle layers remaining but 0 middle PP stages available");
 }
 
 TEST(PipelineSplitErrors, Layout) {
   const auto layout_error = [](const int64_t num_layers, const int64_t pp, const std::string& text) {
-    PipelineSplitFlags flags = split(num_layers, pp);
+    Split flags = split(num_layers, pp);
     flags.pipeline_model_parallel_layout = text;
     return error_of(flags);
   };
@@ -585,18 +590,18 @@ TEST(PipelineSplitErrors, Layout) {
 // Multi-Token Prediction depths: on the loss stage by default, where the layout's 'm's are otherwise, with
 // validate_layer_layout's checks; moecore runs them only beside the loss.
 TEST(PipelineSplit, MultiTokenPrediction) {
-  PipelineSplitFlags flags = split(4, 2);
+  Split flags = split(4, 2);
   flags.mtp_num_layers = 2;
-  const PipelineLayout uniform(flags);
+  const PipelineLayout uniform = layout_of(flags);
   EXPECT_EQ(uniform.stage(0, 0).mtp_layers, 0);
   EXPECT_EQ(uniform.stage(1, 0).mtp_layers, 2);
   flags.pipeline_model_parallel_layout = "Et|tttmmL";
-  const PipelineLayout by_hand(flags);
+  const PipelineLayout by_hand = layout_of(flags);
   EXPECT_EQ(by_hand.stage(1, 0).num_layers, 3);
   EXPECT_EQ(by_hand.stage(1, 0).mtp_layers, 2);
 
   const auto mtp_error = [](const int64_t num_layers, const int64_t pp, const std::string& text) {
-    PipelineSplitFlags f = split(num_layers, pp);
+    Split f = split(num_layers, pp);
     f.mtp_num_layers = 2;
     f.pipeline_model_parallel_layout = text;
     return error_of(f);
@@ -620,7 +625,7 @@ TEST(PipelineSplit, MultiTokenPrediction) {
 TEST(PipelineSplitErrors, SizesAndLookups) {
   EXPECT_ERROR(split(8, 0), "--pipeline-model-parallel-size must be positive (got 0)");
   EXPECT_ERROR(split(0, 1), "--num-layers must be positive (got 0)");
-  const PipelineLayout layout(split(8, 2));
+  const PipelineLayout layout = layout_of(split(8, 2));
   EXPECT_THROW(layout.stage(2, 0), LayoutError);
   EXPECT_THROW(layout.stage(0, 1), LayoutError);
   EXPECT_THROW(layout.stage_of_layer(8), LayoutError);

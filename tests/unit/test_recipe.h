@@ -28,4 +28,12 @@ inline std::vector<std::string> recipe_flags(const std::string& name) {
   return flags;
 }
 
+// The recipe's flags followed by EXTRA: what a test adds (data, tokenizer, batch, schedule) or varies (a later flag
+// wins, as in `moecore train`).
+inline std::vector<std::string> recipe_flags(const std::string& name, const std::vector<std::string>& extra) {
+  std::vector<std::string> flags = recipe_flags(name);
+  flags.insert(flags.end(), extra.begin(), extra.end());
+  return flags;
+}
+
 }  // namespace moecore::test

@@ -9,6 +9,7 @@
 #include "moecore/config/memory_estimate.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/train/training_setup.h"
+#include "unit/test_recipe.h"
 
 namespace moecore {
 namespace {
@@ -16,27 +17,12 @@ namespace {
 using Args = std::vector<std::string>;
 
 Args tiny_dense() {
-  return {"--num-layers",
-          "2",
-          "--hidden-size",
-          "64",
-          "--num-attention-heads",
-          "4",
-          "--seq-length",
-          "32",
-          "--max-position-embeddings",
-          "32",
-          "--train-iters",
-          "10",
-          "--lr",
-          "1e-3",
-          "--micro-batch-size",
-          "2",
-          "--mock-data",
-          "--tokenizer-type",
-          "NullTokenizer",
-          "--vocab-size",
-          "999"};
+  // clang-format off
+  return test::recipe_flags("tiny-dense", {
+      "--train-iters", "10", "--lr", "1e-3", "--micro-batch-size", "2", "--mock-data",
+      "--tokenizer-type", "NullTokenizer", "--vocab-size", "999"
+  });
+  // clang-format on
 }
 
 TrainingArgs finalized(Args args, const Args& extra = {}) {
@@ -89,7 +75,7 @@ TEST(MemoryEstimate, ShardsOverParallelRanks) {
   // TP 2 halves the dense part; the distributed optimizer splits the states over the data-parallel ranks.
   const TrainingArgs one = finalized(tiny_dense(), {"--disable-bias-linear", "--normalization", "RMSNorm"});
   TrainingArgs sharded = one;
-  sharded.tensor_model_parallel_size = 2;
+  sharded.parallel.tensor_model_parallel_size = 2;
   sharded.data_parallel_size = 4;
   sharded.use_distributed_optimizer = true;
   EXPECT_DOUBLE_EQ(estimate_memory(sharded).parameters, estimate_memory(one).parameters / 2);

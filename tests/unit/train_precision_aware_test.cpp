@@ -16,58 +16,25 @@
 #include "moecore/train/training_setup.h"
 #include "optimizer_state_reference.h"
 #include "test_temp_dir.h"
+#include "unit/test_recipe.h"
+#include "unit/train_args_error.h"
 
 namespace moecore {
 namespace {
 
 using quant::StateFormat;
 using Args = std::vector<std::string>;
+using test::error_of;
 
 Args tiny(const Args& extra = {}) {
-  Args a = {"--num-layers",
-            "2",
-            "--hidden-size",
-            "32",
-            "--num-attention-heads",
-            "4",
-            "--seq-length",
-            "16",
-            "--max-position-embeddings",
-            "16",
-            "--ffn-hidden-size",
-            "64",
-            "--micro-batch-size",
-            "2",
-            "--global-batch-size",
-            "2",
-            "--train-iters",
-            "4",
-            "--lr",
-            "1e-3",
-            "--mock-data",
-            "--tokenizer-type",
-            "NullTokenizer",
-            "--vocab-size",
-            "250",
-            "--seed",
-            "5",
-            "--num-experts",
-            "4",
-            "--moe-ffn-hidden-size",
-            "32",
-            "--moe-router-topk",
-            "2"};
+  // clang-format off
+  Args a = test::recipe_flags("tiny-moe", {
+      "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data",
+      "--tokenizer-type", "NullTokenizer", "--vocab-size", "250", "--seed", "5"
+  });
+  // clang-format on
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
-}
-
-std::string error_of(const Args& args) {
-  try {
-    parse_train_args(args);
-  } catch (const ConfigError& error) {
-    return error.what();
-  }
-  return "<no error>";
 }
 
 const Args kPao = {"--use-distributed-optimizer", "--use-precision-aware-optimizer"};

@@ -14,6 +14,7 @@
 #include "moecore/config/arguments.h"
 #include "moecore/train/training_setup.h"
 #include "moecore/train/training_state.h"
+#include "unit/training_state_fixture.h"
 
 namespace moecore {
 namespace {
@@ -21,63 +22,8 @@ namespace {
 constexpr const char* kExpertBias = "decoder.layers.1.mlp.router.expert_bias";
 
 TrainingArgs tiny_moe_args(const bool distributed_optimizer = false) {
-  std::vector<std::string> flags = {"--num-layers",
-                                    "2",
-                                    "--hidden-size",
-                                    "32",
-                                    "--num-attention-heads",
-                                    "4",
-                                    "--seq-length",
-                                    "16",
-                                    "--max-position-embeddings",
-                                    "16",
-                                    "--ffn-hidden-size",
-                                    "64",
-                                    "--swiglu",
-                                    "--disable-bias-linear",
-                                    "--normalization",
-                                    "RMSNorm",
-                                    "--untie-embeddings-and-output-weights",
-                                    "--micro-batch-size",
-                                    "2",
-                                    "--global-batch-size",
-                                    "8",
-                                    "--train-iters",
-                                    "10",
-                                    "--lr",
-                                    "1e-3",
-                                    "--min-lr",
-                                    "1e-5",
-                                    "--lr-warmup-iters",
-                                    "2",
-                                    "--lr-decay-iters",
-                                    "10",
-                                    "--lr-decay-style",
-                                    "cosine",
-                                    "--weight-decay",
-                                    "0.05",
-                                    "--mock-data",
-                                    "--tokenizer-type",
-                                    "NullTokenizer",
-                                    "--vocab-size",
-                                    "250",
-                                    "--seed",
-                                    "7",
-                                    "--num-experts",
-                                    "4",
-                                    "--moe-ffn-hidden-size",
-                                    "32",
-                                    "--moe-router-topk",
-                                    "2",
-                                    "--moe-layer-freq",
-                                    "[0,1]",
-                                    "--moe-grouped-gemm",
-                                    "--moe-shared-expert-intermediate-size",
-                                    "32",
-                                    "--moe-shared-expert-gate",
-                                    "--moe-router-score-function",
-                                    "sigmoid",
-                                    "--moe-router-enable-expert-bias"};
+  std::vector<std::string> flags = test::training_state_flags();
+  flags.insert(flags.end(), {"--lr-decay-iters", "10"});
   if (distributed_optimizer) flags.emplace_back("--use-distributed-optimizer");
   const TrainingArgs args = parse_train_args(flags);
   return with_padded_vocabulary(args, build_vocabulary(args));

@@ -61,7 +61,7 @@
 #include <memory>
 #include <string>
 
-#include "moecore/ckpt/megatron_safetensors.h"
+#include "moecore/ckpt/safetensors.h"
 #include "moecore/model/config.h"
 #include "moecore/model/gpt_model.h"
 

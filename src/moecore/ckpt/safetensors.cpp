@@ -1,8 +1,5 @@
 #include "moecore/ckpt/safetensors.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <cerrno>
@@ -13,6 +10,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "moecore/util/atomic_file.h"
 #include "moecore/util/checked_math.h"
 
 namespace moecore {
@@ -320,30 +318,10 @@ std::vector<std::byte> encode_safetensors(const std::vector<NamedTensor>& tensor
 }
 
 void write_file_atomically(const std::string& path, const std::span<const std::byte> bytes) {
-  const std::string tmp_path = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail(path, std::string("cannot create temporary file ") + tmp_path + ": " + std::strerror(errno));
-  size_t written = 0;
-  while (written < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const std::string reason = std::strerror(errno);
-      ::close(fd);
-      ::unlink(tmp_path.c_str());
-      fail(path, "write failed: " + reason);
-    }
-    written += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    const std::string reason = std::strerror(errno);
-    ::unlink(tmp_path.c_str());
-    fail(path, "flush failed: " + reason);
-  }
-  if (::rename(tmp_path.c_str(), path.c_str()) != 0) {
-    const std::string reason = std::strerror(errno);
-    ::unlink(tmp_path.c_str());
-    fail(path, "rename from " + tmp_path + " failed: " + reason);
+  if (const std::string problem =
+          replace_file(path, std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+      !problem.empty()) {
+    fail(path, problem);
   }
 }
 

@@ -18,6 +18,7 @@ constexpr int64_t kMaxWorldSize = int64_t{1} << 20;
 struct LayoutFlags {
   ParallelSizes sizes;
   parallel::PipelineSplitFlags split;
+  int64_t mtp_num_layers = 0;
   std::optional<int> world_size;
   std::optional<int> num_layers;
   std::string first_split_flag;  // the first split flag given, to name when --num-layers is missing
@@ -84,7 +85,7 @@ const std::vector<FlagSpec<LayoutFlags>>& layout_flag_table() {
     {"--mtp-num-layers", Arity::kOne, "N", "Multi-Token Prediction depths (on the loss stage)",
      [](LayoutFlags& f, const FlagValue& v) {
        f.saw_split_flag(v.flag);
-       f.split.mtp_num_layers = v.integer();
+       f.mtp_num_layers = v.integer();
      }},
     {"--num-layers-per-virtual-pipeline-stage", Arity::kOne, "N", "layers per virtual stage (interleaved schedule)",
      [](LayoutFlags& f, const FlagValue& v) {
@@ -127,10 +128,13 @@ LayoutCommandArgs parse_layout_command_args(const std::vector<std::string>& args
     throw LayoutError("moecore layout: " + flags.first_split_flag +
                       " needs --num-layers (the split counts decoder layers)");
   }
+  parsed.pipeline_split = flags.split;
   if (flags.num_layers) {
-    flags.split.num_layers = *flags.num_layers;
-    flags.split.pipeline_model_parallel_size = parsed.sizes.pipeline_model_parallel_size;
-    parsed.pipeline = flags.split;
+    parallel::PipelineShape shape;
+    shape.num_layers = *flags.num_layers;
+    shape.pipeline_model_parallel_size = parsed.sizes.pipeline_model_parallel_size;
+    shape.mtp_num_layers = flags.mtp_num_layers;
+    parsed.pipeline = shape;
   }
   return parsed;
 }
@@ -147,7 +151,8 @@ int layout_main(const std::vector<std::string>& args, std::ostream& out) {
   const ParallelLayout layout(parsed.sizes);
   // Both are validated before anything is printed.
   const std::optional<parallel::PipelineLayout> pipeline =
-      parsed.pipeline ? std::optional<parallel::PipelineLayout>(std::in_place, *parsed.pipeline) : std::nullopt;
+      parsed.pipeline ? std::optional<parallel::PipelineLayout>(std::in_place, *parsed.pipeline, parsed.pipeline_split)
+                      : std::nullopt;
   print_layout(layout, out);
   if (pipeline) print_pipeline_stages(*pipeline, out);
   return 0;

@@ -14,8 +14,10 @@ namespace moecore {
 
 struct LayoutCommandArgs {
   ParallelSizes sizes;
-  // Set when --num-layers is given: the pipeline split to print (its PP is sizes.pipeline_model_parallel_size).
-  std::optional<parallel::PipelineSplitFlags> pipeline;
+  // Set when --num-layers is given: the layers to split (its PP is sizes.pipeline_model_parallel_size), split by
+  // pipeline_split.
+  std::optional<parallel::PipelineShape> pipeline;
+  parallel::PipelineSplitFlags pipeline_split;
 };
 
 // Parses the flags of `moecore layout` (args exclude the command name) through the common flag parser:

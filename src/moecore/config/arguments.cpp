@@ -434,32 +434,32 @@ const std::vector<TrainFlag>& flag_table() {
 
     // Parallelism: the world size is the number of processes mpirun launched.
     {"--tensor-model-parallel-size", Arity::kOne, "N", "tensor parallel size (heads, ffn, vocabulary)",
-     [](TrainingArgs& a, const FlagValue& v) { a.tensor_model_parallel_size = v.positive_up_to(kMaxRanks); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.parallel.tensor_model_parallel_size = v.positive_up_to(kMaxRanks); }},
     {"--pipeline-model-parallel-size", Arity::kOne, "N", "pipeline parallel size (`moecore layout` prints the split)",
-     [](TrainingArgs& a, const FlagValue& v) { a.pipeline_model_parallel_size = v.positive_up_to(kMaxRanks); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.parallel.pipeline_model_parallel_size = v.positive_up_to(kMaxRanks); }},
     {"--decoder-first-pipeline-num-layers", Arity::kOne, "N", "decoder layers of the first pipeline stage",
-     [](TrainingArgs& a, const FlagValue& v) { a.decoder_first_pipeline_num_layers = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.pipeline_split.decoder_first_pipeline_num_layers = v.integer(); }},
     {"--decoder-last-pipeline-num-layers", Arity::kOne, "N", "decoder layers of the last pipeline stage",
-     [](TrainingArgs& a, const FlagValue& v) { a.decoder_last_pipeline_num_layers = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.pipeline_split.decoder_last_pipeline_num_layers = v.integer(); }},
     {"--account-for-embedding-in-pipeline-split", Arity::kSwitch, "", "count the embedding as a layer in the split",
-     [](TrainingArgs& a, const FlagValue&) { a.account_for_embedding_in_pipeline_split = true; }},
+     [](TrainingArgs& a, const FlagValue&) { a.pipeline_split.account_for_embedding_in_pipeline_split = true; }},
     {"--account-for-loss-in-pipeline-split", Arity::kSwitch, "", "count the loss as a layer in the split",
-     [](TrainingArgs& a, const FlagValue&) { a.account_for_loss_in_pipeline_split = true; }},
+     [](TrainingArgs& a, const FlagValue&) { a.pipeline_split.account_for_loss_in_pipeline_split = true; }},
     {"--pipeline-model-parallel-layout", Arity::kOne, "LAYOUT",
      "pipeline stages by hand, e.g. \"Et|(tt|)*2,tL\" (E embedding, t layer, L loss)",
-     [](TrainingArgs& a, const FlagValue& v) { a.pipeline_model_parallel_layout = v.text(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.pipeline_split.pipeline_model_parallel_layout = v.text(); }},
     {"--num-layers-per-virtual-pipeline-stage", Arity::kOne, "N", "layers per virtual pipeline stage",
-     [](TrainingArgs& a, const FlagValue& v) { a.num_layers_per_virtual_pipeline_stage = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.pipeline_split.num_layers_per_virtual_pipeline_stage = v.integer(); }},
     {"--num-virtual-stages-per-pipeline-rank", Arity::kOne, "N", "virtual pipeline stages per pipeline rank",
-     [](TrainingArgs& a, const FlagValue& v) { a.num_virtual_stages_per_pipeline_rank = v.integer(); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.pipeline_split.num_virtual_stages_per_pipeline_rank = v.integer(); }},
     {"--no-overlap-p2p-communication", Arity::kSwitch, "",
      "interleaved schedule: wait for each transfer at its p2p call instead of when its step needs it",
-     [](TrainingArgs& a, const FlagValue&) { a.overlap_p2p_comm = false; }},
+     [](TrainingArgs& a, const FlagValue&) { a.pipeline_split.overlap_p2p_comm = false; }},
     {"--microbatch-group-size-per-virtual-pipeline-stage", Arity::kOne, "N",
      "interleaved schedule: micro-batches run through a model chunk before the next (default: PP)",
      [](TrainingArgs& a, const FlagValue& v) { a.microbatch_group_size_per_vp_stage = v.positive_up_to(kMaxRanks); }},
     {"--context-parallel-size", Arity::kOne, "N", "context parallel size (sequence split over N ranks)",
-     [](TrainingArgs& a, const FlagValue& v) { a.context_parallel_size = v.positive_up_to(kMaxRanks); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.parallel.context_parallel_size = v.positive_up_to(kMaxRanks); }},
     {"--cp-comm-type", Arity::kList, "TYPE...",
      "context-parallel attention: p2p (ring), all_gather or a2a (Ulysses); one value or one per layer",
      [](TrainingArgs& a, const FlagValue& v) {
@@ -468,11 +468,11 @@ const std::vector<TrainFlag>& flag_table() {
        });
      }},
     {"--expert-model-parallel-size", Arity::kOne, "N", "expert parallel size (experts split over EP ranks)",
-     [](TrainingArgs& a, const FlagValue& v) { a.expert_model_parallel_size = v.positive_up_to(kMaxRanks); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.parallel.expert_model_parallel_size = v.positive_up_to(kMaxRanks); }},
     {"--expert-tensor-parallel-size", Arity::kOne, "N", "expert tensor parallel size (default: TP size)",
-     [](TrainingArgs& a, const FlagValue& v) { a.expert_tensor_parallel_size = v.positive_up_to(kMaxRanks); }},
+     [](TrainingArgs& a, const FlagValue& v) { a.parallel.expert_tensor_parallel_size = v.positive_up_to(kMaxRanks); }},
     {"--use-tp-pp-dp-mapping", Arity::kSwitch, "", "rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp",
-     [](TrainingArgs& a, const FlagValue&) { a.use_tp_pp_dp_mapping = true; }},
+     [](TrainingArgs& a, const FlagValue&) { a.parallel.order = kTpPpDpRankOrder; }},
     {"--sequence-parallel", Arity::kSwitch, "", "shard norms / dropout / residuals over the sequence across TP",
      [](TrainingArgs& a, const FlagValue&) { a.sequence_parallel = true; }},
     {"--use-distributed-optimizer", Arity::kSwitch, "", "shard fp32 master weights and Adam states over DP",
@@ -584,23 +584,12 @@ const std::vector<TrainFlag>& flag_table() {
 
 }  // namespace
 
-ParallelSizes parallel_sizes(const TrainingArgs& args) {
-  ParallelSizes sizes;
-  sizes.world_size = static_cast<int>(args.world_size);
-  sizes.tensor_model_parallel_size = static_cast<int>(args.tensor_model_parallel_size);
-  sizes.pipeline_model_parallel_size = static_cast<int>(args.pipeline_model_parallel_size);
-  sizes.context_parallel_size = static_cast<int>(args.context_parallel_size);
-  sizes.expert_model_parallel_size = static_cast<int>(args.expert_model_parallel_size);
-  sizes.expert_tensor_parallel_size = static_cast<int>(args.expert_tensor_parallel_size);
-  sizes.order = args.use_tp_pp_dp_mapping ? kTpPpDpRankOrder : kDefaultRankOrder;
-  return sizes;
-}
-
 bool looks_like_train_flag(const std::string_view token) { return looks_like_flag(token); }
 
-TrainingArgs parse_train_args(const std::vector<std::string>& args, const int64_t world_size) {
+
+TrainingArgs parse_train_args(const std::vector<std::string>& args, const int world_size) {
   TrainingArgs parsed;
-  parsed.world_size = world_size;
+  parsed.parallel.world_size = world_size;
   FlagParserOptions options;
   options.is_megatron_only = [](const std::string_view name) { return is_unimplemented_megatron_flag(name); };
   for (const std::string_view flag : unimplemented_megatron_flags()) options.megatron_names.emplace_back(flag);
@@ -621,24 +610,16 @@ std::string train_flags_help() { return flags_help(flag_table()); }
 
 std::vector<std::string> implemented_train_flags() { return flag_names(flag_table()); }
 
-parallel::PipelineSplitFlags pipeline_split_flags(const TrainingArgs& args) {
-  parallel::PipelineSplitFlags flags;
-  flags.num_layers = args.model.num_layers;
-  flags.pipeline_model_parallel_size = args.pipeline_model_parallel_size;
-  flags.decoder_first_pipeline_num_layers = args.decoder_first_pipeline_num_layers;
-  flags.decoder_last_pipeline_num_layers = args.decoder_last_pipeline_num_layers;
-  flags.account_for_embedding_in_pipeline_split = args.account_for_embedding_in_pipeline_split;
-  flags.account_for_loss_in_pipeline_split = args.account_for_loss_in_pipeline_split;
-  flags.pipeline_model_parallel_layout = args.pipeline_model_parallel_layout;
-  flags.num_layers_per_virtual_pipeline_stage = args.num_layers_per_virtual_pipeline_stage;
-  flags.num_virtual_stages_per_pipeline_rank = args.num_virtual_stages_per_pipeline_rank;
-  flags.overlap_p2p_comm = args.overlap_p2p_comm;
-  flags.mtp_num_layers = args.model.mtp_num_layers;
-  return flags;
+parallel::PipelineShape pipeline_shape(const TrainingArgs& args) {
+  return {args.model.num_layers, args.parallel.pipeline_model_parallel_size, args.model.mtp_num_layers};
+}
+
+parallel::PipelineLayout pipeline_layout(const TrainingArgs& args) {
+  return parallel::PipelineLayout(pipeline_shape(args), args.pipeline_split);
 }
 
 int64_t padded_vocab_size(const int64_t vocab_size, const TrainingArgs& args) {
-  return padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size);
+  return padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.parallel.tensor_model_parallel_size);
 }
 
 LRScheduleConfig lr_schedule_config(const TrainingArgs& args) {

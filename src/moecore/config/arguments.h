@@ -150,32 +150,21 @@ struct TrainingArgs {
   // --moe-router-padding-for-quantization / --moe-router-padding-for-fp8 (finalize sets model.moe's multiple).
   bool moe_router_padding_for_quantization = false;
 
-  // Parallelism (the world size comes from the launcher: mpirun -np N). CP > 1 is rejected for now.
-  int64_t tensor_model_parallel_size = 1;    // --tensor-model-parallel-size
-  int64_t pipeline_model_parallel_size = 1;  // --pipeline-model-parallel-size
-  // The pipeline split (pipeline/pipeline_layout.h): which decoder layers each pipeline rank and virtual stage holds.
-  std::optional<int64_t> decoder_first_pipeline_num_layers;      // --decoder-first-pipeline-num-layers
-  std::optional<int64_t> decoder_last_pipeline_num_layers;       // --decoder-last-pipeline-num-layers
-  bool account_for_embedding_in_pipeline_split = false;          // --account-for-embedding-in-pipeline-split
-  bool account_for_loss_in_pipeline_split = false;               // --account-for-loss-in-pipeline-split
-  std::optional<std::string> pipeline_model_parallel_layout;     // --pipeline-model-parallel-layout
-  std::optional<int64_t> num_layers_per_virtual_pipeline_stage;  // --num-layers-per-virtual-pipeline-stage
-  std::optional<int64_t> num_virtual_stages_per_pipeline_rank;   // --num-virtual-stages-per-pipeline-rank
-  int64_t virtual_pipeline_model_parallel_size = 1;              // derived: virtual stages per rank (1: none)
-  bool overlap_p2p_comm = true;                    // --no-overlap-p2p-communication clears it (interleaved only)
-  int64_t microbatch_group_size_per_vp_stage = 0;  // --microbatch-group-size-per-virtual-pipeline-stage (0: PP)
-  int64_t context_parallel_size = 1;               // --context-parallel-size
-  int64_t expert_model_parallel_size = 1;          // --expert-model-parallel-size
-  int64_t expert_tensor_parallel_size = 1;         // --expert-tensor-parallel-size (default: the TP size, as Megatron)
-  int64_t world_size = 1;                          // processes launched
-  int64_t data_parallel_size = 1;                  // derived: world / (TP * PP * CP)
-  bool use_tp_pp_dp_mapping = false;               // --use-tp-pp-dp-mapping
-  bool sequence_parallel = false;                  // --sequence-parallel
-  bool use_distributed_optimizer = false;          // --use-distributed-optimizer
-  bool overlap_grad_reduce = false;                // --overlap-grad-reduce
-  bool overlap_param_gather = false;               // --overlap-param-gather
-  int64_t ddp_bucket_size = 0;                     // --ddp-bucket-size (0: Megatron's default)
-  double distributed_timeout_minutes = 10.0;       // --distributed-timeout-minutes: bound of every collective wait
+  // Parallelism: the layout's sizes (TP, PP, CP, EP, ETP, the rank order of --use-tp-pp-dp-mapping) and the world
+  // size, which comes from the launcher (mpirun -np N). ETP is set to the TP size after parsing unless given.
+  ParallelSizes parallel;
+  // The pipeline split (pipeline/pipeline_layout.h): which decoder layers each pipeline rank and virtual stage holds;
+  // pipeline_layout(args) builds it.
+  parallel::PipelineSplitFlags pipeline_split;
+  int64_t virtual_pipeline_model_parallel_size = 1;  // derived: virtual stages per rank (1: none)
+  int64_t microbatch_group_size_per_vp_stage = 0;    // --microbatch-group-size-per-virtual-pipeline-stage (0: PP)
+  int64_t data_parallel_size = 1;                    // derived: world / (TP * PP * CP)
+  bool sequence_parallel = false;                    // --sequence-parallel
+  bool use_distributed_optimizer = false;            // --use-distributed-optimizer
+  bool overlap_grad_reduce = false;                  // --overlap-grad-reduce
+  bool overlap_param_gather = false;                 // --overlap-param-gather
+  int64_t ddp_bucket_size = 0;                       // --ddp-bucket-size (0: Megatron's default)
+  double distributed_timeout_minutes = 10.0;         // --distributed-timeout-minutes: bound of every collective wait
 
   // Checkpointing (megatron/training/arguments.py _add_checkpointing_args; semantics in train/checkpointing.h).
   std::string save;                                     // --save DIR
@@ -223,7 +212,7 @@ struct TrainingArgs {
 
 // Parses the arguments that follow `moecore train`. Throws ConfigError with one line on any problem.
 // world_size: the number of processes launched (the data-parallel size is derived from it).
-TrainingArgs parse_train_args(const std::vector<std::string>& args, int64_t world_size = 1);
+TrainingArgs parse_train_args(const std::vector<std::string>& args, int world_size = 1);
 
 // One line per implemented flag: name, value placeholder and a short description (for --help).
 std::string train_flags_help();
@@ -233,11 +222,10 @@ std::vector<std::string> implemented_train_flags();
 // Whether a command-line token is a flag (argparse's rule: not a value such as -3 or -1,1,1).
 bool looks_like_train_flag(std::string_view token);
 
-// The layout sizes these arguments describe (world size, TP, PP, CP, EP, ETP, rank order).
-ParallelSizes parallel_sizes(const TrainingArgs& args);
-
-// The pipeline split these arguments describe (num_layers, PP, the split flags and overlap_p2p_comm).
-parallel::PipelineSplitFlags pipeline_split_flags(const TrainingArgs& args);
+// What the pipeline splits: the model's decoder layers and MTP depths over args.parallel's PP ranks.
+parallel::PipelineShape pipeline_shape(const TrainingArgs& args);
+// The pipeline split these arguments describe; throws LayoutError (one line) on a bad split.
+parallel::PipelineLayout pipeline_layout(const TrainingArgs& args);
 
 // Megatron's padded vocabulary: the smallest multiple of make_vocab_size_divisible_by * TP that holds `vocab_size`.
 int64_t padded_vocab_size(int64_t vocab_size, const TrainingArgs& args);

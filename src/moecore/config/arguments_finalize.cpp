@@ -25,6 +25,7 @@ void require(const bool ok, const std::string& message) {
 }
 
 std::string str(const int64_t value) { return std::to_string(value); }
+std::string str(const int value) { return std::to_string(value); }
 
 std::string str(const double value) {
   char buffer[32];
@@ -213,8 +214,7 @@ void finalize_model(TrainingArgs& args, const std::set<std::string>& given) {
 // not run pipeline parallelism yet: after the split flags are validated, PP > 1 is rejected.
 void finalize_pipeline(TrainingArgs& args) {
   try {
-    args.virtual_pipeline_model_parallel_size =
-        parallel::PipelineLayout(pipeline_split_flags(args)).virtual_pipeline_size();
+    args.virtual_pipeline_model_parallel_size = pipeline_layout(args).virtual_pipeline_size();
   } catch (const LayoutError& e) {
     throw ConfigError(e.what());
   }
@@ -224,7 +224,7 @@ void finalize_pipeline(TrainingArgs& args) {
 // 2 x CP chunks of every sequence; a2a splits each tensor-parallel rank's heads over CP.
 void finalize_context_parallel(const TrainingArgs& args) {
   const ModelConfig& model = args.model;
-  const int64_t cp = args.context_parallel_size, tp = args.tensor_model_parallel_size;
+  const int64_t cp = args.parallel.context_parallel_size, tp = args.parallel.tensor_model_parallel_size;
   require(model.cp_comm_type.size() == 1 || static_cast<int64_t>(model.cp_comm_type.size()) == model.num_layers,
           "--cp-comm-type takes one value or one per layer (" + str(model.num_layers) + "), got " +
               str(static_cast<int64_t>(model.cp_comm_type.size())));
@@ -243,16 +243,16 @@ void finalize_context_parallel(const TrainingArgs& args) {
 // Megatron's parallel-size checks; the layout itself validates the grid (LayoutError carries one line).
 void finalize_parallel(TrainingArgs& args, const std::set<std::string>& given) {
   if (!given.contains("--expert-tensor-parallel-size")) {
-    args.expert_tensor_parallel_size = args.tensor_model_parallel_size;
+    args.parallel.expert_tensor_parallel_size = args.parallel.tensor_model_parallel_size;
   }
-  if (args.tensor_model_parallel_size == 1) args.sequence_parallel = false;  // as Megatron
+  if (args.parallel.tensor_model_parallel_size == 1) args.sequence_parallel = false;  // as Megatron
   try {
-    args.data_parallel_size = checked_data_parallel_size(parallel_sizes(args));
+    args.data_parallel_size = checked_data_parallel_size(args.parallel);
   } catch (const LayoutError& e) {
     throw ConfigError(e.what());
   }
   const ModelConfig& model = args.model;
-  const int64_t tp = args.tensor_model_parallel_size;
+  const int64_t tp = args.parallel.tensor_model_parallel_size;
   finalize_context_parallel(args);
   // TransformerConfig.__post_init__'s text.
   require(model.num_attention_heads % tp == 0, "num_attention_heads (" + str(model.num_attention_heads) +
@@ -267,7 +267,7 @@ void finalize_parallel(TrainingArgs& args, const std::set<std::string>& given) {
           "--seq-length (" + str(model.seq_length) + ") must be divisible by --tensor-model-parallel-size (" + str(tp) +
               ") with --sequence-parallel or MoE layers");
   const MoEConfig& moe = model.moe;
-  const int64_t ep = args.expert_model_parallel_size, etp = args.expert_tensor_parallel_size;
+  const int64_t ep = args.parallel.expert_model_parallel_size, etp = args.parallel.expert_tensor_parallel();
   if (!moe.enabled()) {
     require(ep == 1, "--expert-model-parallel-size " + str(ep) + " needs a MoE model (--num-experts)");
   } else {
@@ -278,9 +278,10 @@ void finalize_parallel(TrainingArgs& args, const std::set<std::string>& given) {
                                                 ")");
     require(!args.model.add_bias_linear || etp == 1,
             "MoE expert biases need --expert-tensor-parallel-size 1 (as Megatron); add --disable-bias-linear");
-    require(moe.shared_expert_intermediate_size % args.tensor_model_parallel_size == 0,
+    require(moe.shared_expert_intermediate_size % args.parallel.tensor_model_parallel_size == 0,
             "--moe-shared-expert-intermediate-size (" + str(moe.shared_expert_intermediate_size) +
-                ") must be divisible by --tensor-model-parallel-size (" + str(args.tensor_model_parallel_size) + ")");
+                ") must be divisible by --tensor-model-parallel-size (" +
+                str(args.parallel.tensor_model_parallel_size) + ")");
   }
   require(!args.loss_scale || (std::isfinite(*args.loss_scale) && *args.loss_scale > 0.0 &&
                                std::isfinite(static_cast<float>(*args.loss_scale))),
@@ -410,7 +411,7 @@ void finalize_quantization(TrainingArgs& args, const std::set<std::string>& give
   config.seed = static_cast<uint64_t>(args.seed);
   if (model.first_last_layers_bf16) {
     // Megatron bounds each count by the layers of one pipeline stage.
-    const int64_t per_stage = model.num_layers / args.pipeline_model_parallel_size;
+    const int64_t per_stage = model.num_layers / args.parallel.pipeline_model_parallel_size;
     for (const auto& [flag, count] : {std::pair{"--num-layers-at-start-in-bf16", model.num_layers_at_start_in_bf16},
                                       std::pair{"--num-layers-at-end-in-bf16", model.num_layers_at_end_in_bf16}}) {
       require(count >= 0 && count <= per_stage, std::string(flag) + " (" + str(count) +
@@ -430,7 +431,7 @@ void finalize_quantization(TrainingArgs& args, const std::set<std::string>& give
       require(width % multiple == 0,
               recipe + " needs linear layer widths divisible by " + str(multiple) + ": " + what + " is " + str(width));
     };
-    const int64_t tp = args.tensor_model_parallel_size;
+    const int64_t tp = args.parallel.tensor_model_parallel_size;
     const int64_t swiglu = model.activation == Activation::kSwiGLU ? 2 : 1;
     check("--hidden-size", model.hidden_size);
     if (model.mla) {
@@ -451,7 +452,7 @@ void finalize_quantization(TrainingArgs& args, const std::set<std::string>& give
     check("--ffn-hidden-size per tensor-parallel rank", model.ffn_hidden_size / tp);
     check("fc1's width per tensor-parallel rank", swiglu * model.ffn_hidden_size / tp);
     if (model.moe.enabled()) {
-      const int64_t etp = args.expert_tensor_parallel_size;
+      const int64_t etp = args.parallel.expert_tensor_parallel();
       check("--moe-ffn-hidden-size per expert-tensor-parallel rank", model.moe.ffn_hidden_size / etp);
       check("--moe-shared-expert-intermediate-size per tensor-parallel rank",
             model.moe.shared_expert_intermediate_size / tp);
@@ -483,7 +484,7 @@ void finalize_training(TrainingArgs& args, const std::set<std::string>& given) {
           "--microbatch-group-size-per-virtual-pipeline-stage applies to the interleaved schedule only (set "
           "--num-virtual-stages-per-pipeline-rank, --num-layers-per-virtual-pipeline-stage or a layout with virtual "
           "stages)");
-  check_pipeline_schedule_sizes(static_cast<int>(args.pipeline_model_parallel_size), 0,
+  check_pipeline_schedule_sizes(static_cast<int>(args.parallel.pipeline_model_parallel_size), 0,
                                 static_cast<int>(args.virtual_pipeline_model_parallel_size), microbatches,
                                 args.microbatch_group_size_per_vp_stage);
 
@@ -670,8 +671,8 @@ void finalize_profiling(const TrainingArgs& args, const std::set<std::string>& g
           "--profile-step-end (" + str(args.profile_step_end) + ") must be greater than --profile-step-start (" +
               str(args.profile_step_start) + ")");
   for (const int64_t r : args.profile_ranks) {
-    require(r >= 0 && r < args.world_size,
-            "--profile-ranks: rank " + str(r) + " is not in the world of " + str(args.world_size) + " processes");
+    require(r >= 0 && r < args.parallel.world_size, "--profile-ranks: rank " + str(r) + " is not in the world of " +
+                                                        str(args.parallel.world_size) + " processes");
   }
 }
 

@@ -87,9 +87,10 @@ double layer_activation_floats(const ModelConfig& m, const bool moe_layer) {
 
 MemoryEstimate estimate_memory(const TrainingArgs& args) {
   const ModelConfig& m = args.model;
-  const double tp = static_cast<double>(args.tensor_model_parallel_size);
-  const double pp = static_cast<double>(args.pipeline_model_parallel_size);
-  const double expert_shards = static_cast<double>(args.expert_model_parallel_size * args.expert_tensor_parallel_size);
+  const double tp = static_cast<double>(args.parallel.tensor_model_parallel_size);
+  const double pp = static_cast<double>(args.parallel.pipeline_model_parallel_size);
+  const double expert_shards =
+      static_cast<double>(int64_t{args.parallel.expert_model_parallel_size} * args.parallel.expert_tensor_parallel());
   const double dp = static_cast<double>(args.data_parallel_size);
 
   // The first pipeline stage: the embedding and its share of the layers (the layers' mix of dense and MoE is taken
@@ -128,7 +129,7 @@ MemoryEstimate estimate_memory(const TrainingArgs& args) {
   estimate.optimizer = local_parameters * kFloatBytes * states / (args.use_distributed_optimizer ? dp : 1.0);
 
   const double tokens = static_cast<double>(m.seq_length) * static_cast<double>(args.micro_batch_size) /
-                        static_cast<double>(args.context_parallel_size) / tp;
+                        static_cast<double>(args.parallel.context_parallel_size) / tp;
   const double microbatches =
       static_cast<double>(args.global_batch_size) / dp / static_cast<double>(args.micro_batch_size);
   const double live_microbatches = pp == 1 ? 1.0 : std::min(pp, microbatches);

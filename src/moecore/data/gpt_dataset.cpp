@@ -9,9 +9,10 @@
 #include <system_error>
 #include <utility>
 
-#include "moecore/data/atomic_file.h"
+#include "moecore/data/file_bytes.h"
 #include "moecore/data/npy.h"
 #include "moecore/tensor/rng.h"
+#include "moecore/util/json_string.h"
 
 namespace moecore {
 
@@ -19,23 +20,6 @@ namespace {
 
 constexpr int64_t kExtraToken = 1;                 // Megatron's add_extra_token_to_sequence (always on)
 constexpr double kSeparateFinalEpochRatio = 0.80;  // Megatron's threshold for a separately shuffled last epoch
-
-std::string json_string(const std::string& text) {
-  std::string out = "\"";
-  for (const char c : text) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char escaped[8];
-      std::snprintf(escaped, sizeof(escaped), "\\u%04x", static_cast<unsigned>(c));
-      out += escaped;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
 
 std::string hex64(uint64_t value) {
   char text[17];

@@ -28,13 +28,10 @@ namespace {
 constexpr char kIndexMagic[9] = {'M', 'M', 'I', 'D', 'I', 'D', 'X', '\0', '\0'};
 constexpr uint64_t kIndexVersion = 1;
 constexpr int64_t kIndexHeaderBytes = 9 + 8 + 1 + 8 + 8;
+constexpr size_t kWriteChunkBytes = size_t{1} << 20;  // token bytes buffered before a write
 
 std::string bin_path(const std::string& prefix) { return prefix + ".bin"; }
 std::string idx_path(const std::string& prefix) { return prefix + ".idx"; }
-// Temporaries live beside their targets so the final rename stays on one filesystem (atomic); the process id
-// keeps concurrent writers of the same prefix from sharing one.
-std::string temp_path(const std::string& path) { return path + ".tmp." + std::to_string(::getpid()); }
-
 const char* dtype_name(IndexedDType dtype) {
   switch (dtype) {
     case IndexedDType::kU8: return "uint8";
@@ -112,12 +109,6 @@ void widen_tokens(IndexedDType dtype, const char* src, int64_t count, int32_t* d
   }
 }
 
-void rename_or_throw(const std::string& from, const std::string& to) {
-  if (std::rename(from.c_str(), to.c_str()) != 0) {
-    throw DataError(to + ": cannot rename " + from + " into place: " + std::strerror(errno));
-  }
-}
-
 }  // namespace
 
 IndexedDType optimal_token_dtype(int64_t vocab_size) {
@@ -132,17 +123,23 @@ IndexedDatasetWriter::IndexedDatasetWriter(std::string prefix, IndexedDType dtyp
   if (!is_integer_dtype(dtype_) || dtype_bytes(dtype_) == 0) {
     throw DataError(idx_path(prefix_) + ": token dtype must be an integer type, got " + dtype_name(dtype_));
   }
-  const std::string path = temp_path(bin_path(prefix_));
-  bin_.open(path, std::ios::binary | std::ios::trunc);
-  if (!bin_) throw DataError(path + ": cannot open for writing: " + std::strerror(errno));
+  try {
+    bin_.emplace(bin_path(prefix_));
+  } catch (const FileWriteError& e) {
+    throw DataError(bin_path(prefix_) + ": " + e.what());
+  }
 }
 
-IndexedDatasetWriter::~IndexedDatasetWriter() {
-  // An unfinished dataset leaves no temporary behind (and never touches a previous PREFIX.bin/.idx).
-  if (bin_.is_open() && !finalized_) {
-    bin_.close();
-    std::remove(temp_path(bin_path(prefix_)).c_str());
+// An unfinished dataset leaves no temporary behind (AtomicFile) and never touches a previous PREFIX.bin/.idx.
+IndexedDatasetWriter::~IndexedDatasetWriter() = default;
+
+void IndexedDatasetWriter::flush_pending() {
+  try {
+    bin_->write(pending_);
+  } catch (const FileWriteError& e) {
+    throw DataError(bin_path(prefix_) + ": " + e.what());
   }
+  pending_.clear();
 }
 
 void IndexedDatasetWriter::add_sequence(const std::vector<int32_t>& tokens) {
@@ -152,8 +149,7 @@ void IndexedDatasetWriter::add_sequence(const std::vector<int32_t>& tokens) {
                     " tokens exceeds the int32 length field");
   }
   const auto [lo, hi] = dtype_range(dtype_);
-  std::string bytes;
-  bytes.reserve(tokens.size() * static_cast<size_t>(dtype_bytes(dtype_)));
+  std::string& bytes = pending_;
   for (const int32_t token : tokens) {
     if (token < lo || token > hi) {
       throw DataError(bin_path(prefix_) + ": token id " + std::to_string(token) + " does not fit dtype " +
@@ -169,8 +165,7 @@ void IndexedDatasetWriter::add_sequence(const std::vector<int32_t>& tokens) {
       default: break;  // rejected in the constructor
     }
   }
-  bin_.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  if (!bin_) throw DataError(temp_path(bin_path(prefix_)) + ": write failed");
+  if (pending_.size() >= kWriteChunkBytes) flush_pending();
   sequence_lengths_.push_back(static_cast<int32_t>(tokens.size()));
 }
 
@@ -181,8 +176,7 @@ void IndexedDatasetWriter::end_document() {
 
 void IndexedDatasetWriter::finalize() {
   if (finalized_) return;
-  bin_.close();
-  if (!bin_) throw DataError(temp_path(bin_path(prefix_)) + ": close failed");
+  flush_pending();
 
   const uint64_t sequence_count = sequence_lengths_.size();
   const uint64_t document_count = document_indices_.size();
@@ -201,16 +195,14 @@ void IndexedDatasetWriter::finalize() {
   }
   for (const int64_t index : document_indices_) append_le<int64_t>(header, index);
 
-  const std::string idx_temp = temp_path(idx_path(prefix_));
-  {
-    std::ofstream idx(idx_temp, std::ios::binary | std::ios::trunc);
-    if (!idx) throw DataError(idx_temp + ": cannot open for writing: " + std::strerror(errno));
-    idx.write(header.data(), static_cast<std::streamsize>(header.size()));
-    idx.close();
-    if (!idx) throw DataError(idx_temp + ": write failed");
+  try {
+    AtomicFile idx(idx_path(prefix_));
+    idx.write(header);
+    bin_->commit();
+    idx.commit();
+  } catch (const FileWriteError& e) {
+    throw DataError(prefix_ + ": " + e.what());
   }
-  rename_or_throw(temp_path(bin_path(prefix_)), bin_path(prefix_));
-  rename_or_throw(idx_temp, idx_path(prefix_));
   finalized_ = true;
 }
 

@@ -4,11 +4,13 @@
 #pragma once
 
 #include <cstdint>
-#include <fstream>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "moecore/util/atomic_file.h"
 
 namespace moecore {
 
@@ -42,10 +44,13 @@ class IndexedDatasetWriter {
  private:
   std::string prefix_;
   IndexedDType dtype_;
-  std::ofstream bin_;
+  std::optional<AtomicFile> bin_;  // PREFIX.bin, put in place by finalize()
+  std::string pending_;            // token bytes not yet written
   std::vector<int32_t> sequence_lengths_;
   std::vector<int64_t> document_indices_{0};
   bool finalized_ = false;
+
+  void flush_pending();
 };
 
 // Memory-mapped reader. Validates the header, sizes and pointers on open; throws DataError.

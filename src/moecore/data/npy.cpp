@@ -5,7 +5,7 @@
 #include <limits>
 #include <utility>
 
-#include "moecore/data/atomic_file.h"
+#include "moecore/data/file_bytes.h"
 #include "moecore/data/indexed_dataset.h"
 #include "moecore/util/checked_math.h"
 

@@ -4,7 +4,9 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
+#include "moecore/ops/init.h"
 #include "moecore/tensor/rng.h"
 
 namespace moecore {
@@ -86,11 +88,19 @@ void init_param(Param& param, const uint64_t seed, const double std, const int64
     case InitKind::kScaledNormal: {
       const double sigma =
           param.init == InitKind::kNormal ? std : std / std::sqrt(2.0 * static_cast<double>(num_layers));
-      const CounterRng rng(seed, stream_key(param.name));
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; ++i) {
-        value[i] = static_cast<float>(sigma * rng.normal(static_cast<uint64_t>(full_index(param.shard, i))));
+      // The local elements are runs of consecutive one-process elements: one per segment chunk of the sharded
+      // dimension (the whole tensor when it is not sharded).
+      int64_t run = n;
+      if (param.shard.num_shards > 1) {
+        run = param.shard.full_shape[static_cast<size_t>(param.shard.dim)] / param.shard.num_shards /
+              param.shard.segments;
+        for (size_t d = static_cast<size_t>(param.shard.dim) + 1; d < param.shard.full_shape.size(); ++d) {
+          run *= param.shard.full_shape[d];
+        }
       }
+      std::vector<int64_t> first_R(static_cast<size_t>(run == 0 ? 0 : n / run));
+      for (size_t r = 0; r < first_R.size(); ++r) first_R[r] = full_index(param.shard, static_cast<int64_t>(r) * run);
+      ops::normal_fill(param.value, first_R, run, seed, stream_key(param.name), sigma);
       return;
     }
   }

@@ -148,24 +148,20 @@ void TransformerLayer::bind(std::vector<Param>& params, std::vector<Buffer>& buf
 Tensor TransformerLayer::moe_forward(const Tensor& x_TH, const int64_t S, const int64_t B, const LayerDropout& dropout,
                                      MoELayerActivations& saved) const {
   const TensorParallel moe_tp = tp_.sequence_sharded_always();
-  const int64_t T = S * B, H = config_.hidden_size;
+  const int64_t T = S * B;
   const Tensor x_shard = tp_.to_sequence_shard(x_TH);
-  Tensor out_shard = activation_tensor({moe_tp.local_rows(T), H});
-  moe_->forward(out_shard.data<float>(), x_shard.data<float>(), S / tp_.size(), B,
-                layer_rows(dropout, T).slice(moe_tp.row_offset(T), moe_tp.local_rows(T)), dropout.training,
-                dropout.seed, dropout.stream * 4 + kMoeRouterJitter, saved);
+  const Tensor out_shard = moe_->forward(x_shard, S / tp_.size(), B,
+                                         layer_rows(dropout, T).slice(moe_tp.row_offset(T), moe_tp.local_rows(T)),
+                                         dropout.training, dropout.seed, dropout.stream * 4 + kMoeRouterJitter, saved);
   return tp_.from_sequence_shard(out_shard);
 }
 
-void TransformerLayer::moe_backward(Tensor& dx_TH, const Tensor& dout_TH, const Tensor& x_TH, const int64_t S,
-                                    const int64_t B, const double aux_grad_scale,
+void TransformerLayer::moe_backward(Tensor& dx_TH, const Tensor& dout_TH, const Tensor& x_TH, const int64_t /*S*/,
+                                    const int64_t /*B*/, const double aux_grad_scale,
                                     const MoELayerActivations& saved) const {
-  const TensorParallel moe_tp = tp_.sequence_sharded_always();
-  const int64_t T = S * B, H = config_.hidden_size;
   const Tensor dout_shard = tp_.from_sequence_shard_backward(dout_TH);
   const Tensor x_shard = tp_.to_sequence_shard(x_TH);
-  Tensor dx_shard = activation_tensor({moe_tp.local_rows(T), H});
-  moe_->backward(dx_shard.data<float>(), dout_shard.data<float>(), x_shard.data<float>(), aux_grad_scale, saved);
+  const Tensor dx_shard = moe_->backward(dout_shard, x_shard, aux_grad_scale, saved);
   ops::add_(dx_TH, tp_.to_sequence_shard_backward(dx_shard));
 }
 

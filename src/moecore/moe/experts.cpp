@@ -76,20 +76,38 @@ void ExpertMLPBase::bind(std::vector<Param> &params) {
   for (MLP &expert : experts_) expert.bind(params);
 }
 
-void ExpertMLPBase::forward(float *y_RH, const float *x_RH, const float *probs_R,
-                            const std::vector<int64_t> &tokens_per_expert_E, ExpertActivations &saved) {
+namespace {
+
+// Throws std::invalid_argument unless t is an fp32 tensor of `shape`'s elements.
+void check_rows(const char *name, const Tensor &t, const std::vector<int64_t> &shape) {
+  int64_t n = 1;
+  for (const int64_t d : shape) n *= d;
+  if (!t.defined() || t.dtype() != DType::kF32 || t.numel() != n) {
+    std::string want;
+    for (const int64_t d : shape) want += (want.empty() ? "" : ", ") + std::to_string(d);
+    throw std::invalid_argument(std::string("experts: ") + name + " must be fp32 [" + want + "], got " +
+                                (t.defined() ? t.shape_str() : std::string("none")));
+  }
+}
+
+}  // namespace
+
+Tensor ExpertMLPBase::forward(const Tensor &x_RH, const Tensor &probs_R,
+                              const std::vector<int64_t> &tokens_per_expert_E, ExpertActivations &saved) {
   const std::vector<int64_t> offsets_E1 = expert_offsets(tokens_per_expert_E, E_);
   const int64_t R = offsets_E1.back();
+  check_rows("x_RH", x_RH, {R, H_});
+  check_rows("probs_R", probs_R, {R});
   saved = ExpertActivations{};
   saved.tokens_per_expert_E = tokens_per_expert_E;
-  saved.x_RH = Tensor::from_blob(x_RH, {R, H_}).clone(MemCategory::kActivations);
-  saved.probs_R = Tensor::from_blob(probs_R, {R}).clone(MemCategory::kActivations);
-  Tensor y = Tensor::from_blob(y_RH, {R, H_});
+  saved.x_RH = x_RH.view({R, H_});
+  saved.probs_R = probs_R.view({R});
+  Tensor y(std::vector<int64_t>{R, H_}, DType::kF32, MemCategory::kActivations);
   run_forward(offsets_E1, y, saved);
   // FP8 delayed scaling: TE's GroupedLinear casts every expert's weight, and Megatron's SequentialMLP runs every
   // expert, with tokens or not, so an expert without rows still records its weights' amaxes (a forward of no rows).
   const quant::QuantizedLinearConfig *quantization = ops::linear_quantization();
-  if (quantization == nullptr || quantization->recipe != quant::Recipe::kDelayed) return;
+  if (quantization == nullptr || quantization->recipe != quant::Recipe::kDelayed) return y;
   for (int64_t e = 0; e < E_; ++e) {
     if (offsets_E1[e + 1] != offsets_E1[e]) continue;
     const MLP &expert = experts_[static_cast<size_t>(e)];
@@ -99,15 +117,18 @@ void ExpertMLPBase::forward(float *y_RH, const float *x_RH, const float *probs_R
       ops::linear_forward(none_out, none_in, w->value, nullptr, w->delayed_scaling.get());
     }
   }
+  return y;
 }
 
-void ExpertMLPBase::backward(float *dx_RH, float *dprobs_R, const float *dy_RH, const ExpertActivations &saved) {
+void ExpertMLPBase::backward(Tensor &dx_RH, Tensor &dprobs_R, const Tensor &dy_RH, const ExpertActivations &saved) {
   const std::vector<int64_t> offsets_E1 = expert_offsets(saved.tokens_per_expert_E, E_);
   const int64_t R = offsets_E1.back();
-  Tensor dx = Tensor::from_blob(dx_RH, {R, H_});
-  Tensor dprobs = Tensor::from_blob(dprobs_R, {R});
-  const Tensor dy = Tensor::from_blob(dy_RH, {R, H_});
-  run_backward(offsets_E1, dx, dprobs, dy, saved);
+  check_rows("dx_RH", dx_RH, {R, H_});
+  check_rows("dprobs_R", dprobs_R, {R});
+  check_rows("dy_RH", dy_RH, {R, H_});
+  Tensor dx = dx_RH.view({R, H_});
+  Tensor dprobs = dprobs_R.view({R});
+  run_backward(offsets_E1, dx, dprobs, dy_RH.view({R, H_}), saved);
 }
 
 }  // namespace experts_detail

@@ -24,7 +24,7 @@
 namespace moecore {
 
 struct ExpertActivations {
-  Tensor x_RH;     // expert input rows (a copy of what the dispatcher delivered)
+  Tensor x_RH;     // expert input rows: the dispatcher's tensor itself (shared storage, not a copy)
   Tensor xs_RH;    // with --moe-apply-probs-on-input: x * p, fc1's input; else empty
   Tensor fc1_RF1;  // GroupedMLP: fc1 output of every row
   Tensor act_RF;   // GroupedMLP: activation output, before the probability (not with weighted SwiGLU)
@@ -40,11 +40,13 @@ class ExpertMLP {
  public:
   virtual ~ExpertMLP() = default;
   virtual void bind(std::vector<Param>& params) = 0;
-  // y_RH (overwritten) = expert(x_RH) with probs applied; keeps what backward needs in `saved`.
-  virtual void forward(float* y_RH, const float* x_RH, const float* probs_R,
-                       const std::vector<int64_t>& tokens_per_expert_E, ExpertActivations& saved) = 0;
-  // Accumulates dx_RH and the expert parameters' gradients; OVERWRITES dprobs_R (d objective / d prob per row).
-  virtual void backward(float* dx_RH, float* dprobs_R, const float* dy_RH, const ExpertActivations& saved) = 0;
+  // Returns y_RH [R, H] = expert(x_RH) with probs applied (x_RH fp32 [R, H], probs_R fp32 [R], R the sum of
+  // tokens_per_expert_E); keeps what backward needs in `saved`, x_RH and probs_R by reference (shared storage).
+  virtual Tensor forward(const Tensor& x_RH, const Tensor& probs_R, const std::vector<int64_t>& tokens_per_expert_E,
+                         ExpertActivations& saved) = 0;
+  // Accumulates dx_RH [R, H] and the expert parameters' gradients; OVERWRITES dprobs_R [R] (d objective / d prob
+  // per row).
+  virtual void backward(Tensor& dx_RH, Tensor& dprobs_R, const Tensor& dy_RH, const ExpertActivations& saved) = 0;
 };
 
 // --moe-grouped-gemm: GroupedMLP (all local experts in one grouped GEMM over variable row counts),
@@ -74,11 +76,10 @@ class SharedExpertMLP {
   SharedExpertMLP(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix, std::vector<Param>& params,
                   const parallel::ParallelState& parallel = parallel::ParallelState::single_process(), int module = -1);
   void bind(std::vector<Param>& params);
-  // out_TH += shared(x_TH) on this rank's T tokens (a sequence shard under TP; collective over TP).
-  void forward(float* out_TH, const float* x_TH, int64_t T, SharedExpertActivations& saved) const;
+  // out_TH += shared(x_TH) on this rank's tokens (fp32 [T, H], a sequence shard under TP; collective over TP).
+  void forward(Tensor& out_TH, const Tensor& x_TH, SharedExpertActivations& saved) const;
   // Accumulates dx_TH and parameter gradients from dout_TH.
-  void backward(float* dx_TH, const float* dout_TH, const float* x_TH, int64_t T,
-                const SharedExpertActivations& saved) const;
+  void backward(Tensor& dx_TH, const Tensor& dout_TH, const Tensor& x_TH, const SharedExpertActivations& saved) const;
 
  private:
   MoEConfig moe_;

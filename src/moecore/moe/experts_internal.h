@@ -23,9 +23,9 @@ class ExpertMLPBase : public ExpertMLP {
   ExpertMLPBase(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix, std::vector<Param>& params,
                 const parallel::ParallelState& parallel, int module);
   void bind(std::vector<Param>& params) final;
-  void forward(float* y_RH, const float* x_RH, const float* probs_R, const std::vector<int64_t>& tokens_per_expert_E,
-               ExpertActivations& saved) final;
-  void backward(float* dx_RH, float* dprobs_R, const float* dy_RH, const ExpertActivations& saved) final;
+  Tensor forward(const Tensor& x_RH, const Tensor& probs_R, const std::vector<int64_t>& tokens_per_expert_E,
+                 ExpertActivations& saved) final;
+  void backward(Tensor& dx_RH, Tensor& dprobs_R, const Tensor& dy_RH, const ExpertActivations& saved) final;
 
  protected:
   // How the per-expert work runs: the only difference between the two implementations. offsets_E1: exclusive

@@ -1,6 +1,9 @@
 #include "moecore/moe/moe_layer.h"
 
-#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "moecore/moe/routing_padding.h"
 #include "moecore/ops/elementwise.h"
@@ -33,12 +36,26 @@ void MoELayer::bind(std::vector<Param>& params, std::vector<Buffer>* buffers) {
   if (shared_) shared_->bind(params);
 }
 
-void MoELayer::forward(float* out_TH, const float* x_TH, const int64_t S, const int64_t B, const TokenRows& rows,
-                       const bool training, const uint64_t seed, const uint64_t key, MoELayerActivations& saved) const {
+namespace {
+
+Tensor activation_tensor(std::vector<int64_t> shape) {
+  return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
+}
+
+}  // namespace
+
+Tensor MoELayer::forward(const Tensor& x_TH, const int64_t S, const int64_t B, const TokenRows& rows,
+                         const bool training, const uint64_t seed, const uint64_t key,
+                         MoELayerActivations& saved) const {
   const int64_t T = S * B, H = config_.hidden_size;
+  if (!x_TH.defined() || x_TH.dtype() != DType::kF32 || x_TH.numel() != T * H) {
+    throw std::invalid_argument("MoE layer: x_TH must be fp32 [S*B, H] = [" + std::to_string(T) + ", " +
+                                std::to_string(H) + "], got " + (x_TH.defined() ? x_TH.shape_str() : "none"));
+  }
+  const Tensor x = x_TH.view({T, H});
   {
     const trace::Scope scope("router forward", "moe");
-    saved.routing = router_->forward(x_TH, S, B, training, seed, key, saved.router, rows);
+    saved.routing = router_->forward(x, S, B, training, seed, key, saved.router, rows);
   }
   // --moe-router-padding-for-quantization: the dispatcher moves the padded map; the router's statistics and
   // backward keep the unpadded one (routing_padding.h).
@@ -51,83 +68,91 @@ void MoELayer::forward(float* out_TH, const float* x_TH, const int64_t S, const 
   if (overlap_shared_) {
     // Megatron's --moe-shared-expert-overlap: the shared experts run after the router, while the dispatch
     // all-to-all is in flight; their output joins the routed one after combine, as without overlap.
-    shared_TH = Tensor(std::vector<int64_t>{T, H}, DType::kF32, MemCategory::kActivations);
-    const trace::Scope scope("dispatch", "moe");
-    x_RH = dispatcher_->dispatch_overlapped(x_TH, T, H, dispatched, saved.dispatch, [&] {
+    shared_TH = activation_tensor({T, H});
+    const std::function<void()> shared_forward = [&] {
       const trace::Scope shared_scope("shared experts forward", "moe");
-      shared_->forward(shared_TH.data<float>(), x_TH, T, saved.shared);
-    });
+      shared_->forward(shared_TH, x, saved.shared);
+    };
+    const trace::Scope scope("dispatch", "moe");
+    x_RH = dispatcher_->dispatch_overlapped(x, dispatched, saved.dispatch, &shared_forward);
   } else {
     const trace::Scope scope("dispatch", "moe");
-    x_RH = dispatcher_->dispatch(x_TH, T, H, dispatched, saved.dispatch);
+    x_RH = dispatcher_->dispatch(x, dispatched, saved.dispatch);
   }
-  const int64_t R = x_RH.dim(0);
-  Tensor y_RH(std::vector<int64_t>{R, H}, DType::kF32, MemCategory::kActivations);
+  Tensor y_RH;
   {
     const trace::Scope scope("experts forward", "moe");
-    experts_->forward(y_RH.data<float>(), x_RH.data<float>(), saved.dispatch.probs_R.data(),
-                      saved.dispatch.tokens_per_expert_E, saved.experts);
+    y_RH = experts_->forward(x_RH, saved.dispatch.probs_R, saved.dispatch.tokens_per_expert_E, saved.experts);
   }
-  std::memset(out_TH, 0, sizeof(float) * static_cast<size_t>(T * H));
+  x_RH = Tensor();
+  Tensor out_TH = activation_tensor({T, H});
   {
     const trace::Scope scope("combine", "moe");
-    dispatcher_->combine(out_TH, y_RH.data<float>(), saved.dispatch);
+    dispatcher_->combine(out_TH, y_RH, saved.dispatch);
   }
   if (overlap_shared_) {
-    Tensor out = Tensor::from_blob(out_TH, {T, H});
-    ops::add_(out, shared_TH);
+    ops::add_(out_TH, shared_TH);
   } else if (shared_) {
     const trace::Scope scope("shared experts forward", "moe");
-    shared_->forward(out_TH, x_TH, T, saved.shared);
+    shared_->forward(out_TH, x, saved.shared);
   }
+  return out_TH;
 }
 
-void MoELayer::backward(float* dx_TH, const float* dout_TH, const float* x_TH, const double aux_grad_scale,
-                        const MoELayerActivations& saved) const {
+Tensor MoELayer::backward(const Tensor& dout_TH, const Tensor& x_TH, const double aux_grad_scale,
+                          const MoELayerActivations& saved) const {
   const DispatchState& state = saved.dispatch;
   // Local tokens over all experts; R rows of this rank's local experts (what the experts received).
   const int64_t T = saved.router.S * saved.router.B, H = config_.hidden_size, E = config_.moe.num_experts;
   const int64_t R = saved.experts.x_RH.dim(0);
-  Tensor dy_RH(std::vector<int64_t>{R, H}, DType::kF32, MemCategory::kActivations);
+  if (!dout_TH.defined() || dout_TH.dtype() != DType::kF32 || dout_TH.numel() != T * H || !x_TH.defined() ||
+      x_TH.numel() != T * H) {
+    throw std::invalid_argument("MoE layer: dout_TH and x_TH must be fp32 [" + std::to_string(T) + ", " +
+                                std::to_string(H) + "]");
+  }
+  const Tensor dout = dout_TH.view({T, H}), x = x_TH.view({T, H});
+  Tensor dx_TH = activation_tensor({T, H});
+  Tensor dy_RH = activation_tensor({R, H});
   Tensor shared_dx_TH;
   if (overlap_shared_) {
     // The shared experts' backward runs while the output gradients travel to the experts; their input gradient
     // joins the routed one at the end, so the sum's order matches the layer without overlap but for the gate.
-    shared_dx_TH = Tensor(std::vector<int64_t>{T, H}, DType::kF32, MemCategory::kActivations);
-    const trace::Scope scope("combine backward", "moe");
-    dispatcher_->combine_backward_overlapped(dy_RH.data<float>(), dout_TH, state, [&] {
+    shared_dx_TH = activation_tensor({T, H});
+    const std::function<void()> shared_backward = [&] {
       const trace::Scope shared_scope("shared experts backward", "moe");
-      shared_->backward(shared_dx_TH.data<float>(), dout_TH, x_TH, T, saved.shared);
-    });
+      shared_->backward(shared_dx_TH, dout, x, saved.shared);
+    };
+    const trace::Scope scope("combine backward", "moe");
+    dispatcher_->combine_backward(dy_RH, dout, state, &shared_backward);
   } else {
     const trace::Scope scope("combine backward", "moe");
-    dispatcher_->combine_backward(dy_RH.data<float>(), dout_TH, state);
+    dispatcher_->combine_backward(dy_RH, dout, state);
   }
-  Tensor dx_RH(std::vector<int64_t>{R, H}, DType::kF32, MemCategory::kActivations);
-  std::vector<float> dprobs_R(static_cast<size_t>(R));
+  Tensor dx_RH = activation_tensor({R, H});
+  Tensor dprobs_R = activation_tensor({R});
   {
     const trace::Scope scope("experts backward", "moe");
-    experts_->backward(dx_RH.data<float>(), dprobs_R.data(), dy_RH.data<float>(), saved.experts);
+    experts_->backward(dx_RH, dprobs_R, dy_RH, saved.experts);
   }
   dy_RH = Tensor();
   {
     const trace::Scope scope("dispatch backward", "moe");
-    dispatcher_->dispatch_backward(dx_TH, dx_RH.data<float>(), state);
+    dispatcher_->dispatch_backward(dx_TH, dx_RH, state);
   }
   dx_RH = Tensor();
-  Tensor dprobs_TE(std::vector<int64_t>{T, E}, DType::kF32, MemCategory::kActivations);
+  Tensor dprobs_TE = activation_tensor({T, E});
   {
     const trace::Scope scope("router backward", "moe");
-    dispatcher_->probs_backward(dprobs_TE.data<float>(), dprobs_R.data(), state);
-    router_->backward(dx_TH, dprobs_TE.data<float>(), aux_grad_scale, saved.router, saved.routing);
+    dispatcher_->probs_backward(dprobs_TE, dprobs_R, state);
+    router_->backward(&dx_TH, dprobs_TE, aux_grad_scale, saved.router, saved.routing);
   }
   if (overlap_shared_) {
-    Tensor dx = Tensor::from_blob(dx_TH, {T, H});
-    ops::add_(dx, shared_dx_TH);
+    ops::add_(dx_TH, shared_dx_TH);
   } else if (shared_) {
     const trace::Scope scope("shared experts backward", "moe");
-    shared_->backward(dx_TH, dout_TH, x_TH, T, saved.shared);
+    shared_->backward(dx_TH, dout, x, saved.shared);
   }
+  return dx_TH;
 }
 
 void MoELayer::finish_global_batch() { router_->finish_global_batch(); }

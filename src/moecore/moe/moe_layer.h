@@ -35,15 +35,16 @@ class MoELayer {
            const parallel::ParallelState& parallel, int module, std::vector<Buffer>* buffers = nullptr);
   void bind(std::vector<Param>& params, std::vector<Buffer>* buffers = nullptr);
 
-  // out_TH (overwritten) = moe(x_TH) on this rank's tokens: x_TH [S*B, H] holds the micro-batch's one-process rows
+  // Returns out_TH = moe(x_TH) on this rank's tokens: x_TH fp32 [S*B, H] holds the micro-batch's one-process rows
   // `rows` (counter-RNG keys; empty: rows 0..S*B-1). Under TP every TP rank holds a different sequence shard (the
   // sequence-parallel region), so router statistics are reduced over tp-cp and shared experts gather the sequence over
   // TP. The routing decision is kept in `saved.routing`. Collective over the layout's groups.
-  void forward(float* out_TH, const float* x_TH, int64_t S, int64_t B, const TokenRows& rows, bool training,
-               uint64_t seed, uint64_t key, MoELayerActivations& saved) const;
-  // Accumulates dx_TH and every parameter gradient; aux_grad_scale as TopKRouter::backward.
-  void backward(float* dx_TH, const float* dout_TH, const float* x_TH, double aux_grad_scale,
-                const MoELayerActivations& saved) const;
+  Tensor forward(const Tensor& x_TH, int64_t S, int64_t B, const TokenRows& rows, bool training, uint64_t seed,
+                 uint64_t key, MoELayerActivations& saved) const;
+  // Returns dx_TH (d objective / d x_TH) and accumulates every parameter gradient; aux_grad_scale as
+  // TopKRouter::backward.
+  Tensor backward(const Tensor& dout_TH, const Tensor& x_TH, double aux_grad_scale,
+                  const MoELayerActivations& saved) const;
   // Once per global batch, after the optimizer step: expert-bias update and global aux-loss reset.
   void finish_global_batch();
 

@@ -21,6 +21,7 @@
 #include "moecore/model/param.h"
 #include "moecore/model/token_rows.h"
 #include "moecore/moe/moe_config.h"
+#include "moecore/ops/routing.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/tensor/tensor.h"
 
@@ -29,7 +30,7 @@ namespace moecore {
 // The routing decision for one micro-batch.
 struct RouterOutput {
   Tensor probs_TE;                           // fp32 [T, E]: the weight of each selected (and kept) expert, 0 elsewhere
-  std::vector<uint8_t> routing_map_TE;       // [T, E]: 1 where token t goes to expert e (after capacity dropping)
+  Tensor routing_map_TE;                     // kU8 [T, E]: 1 where token t goes to expert e (after capacity dropping)
   std::vector<int64_t> tokens_per_expert_E;  // column sums of routing_map (with padding: the capacity C each)
   int64_t capacity = -1;                     // C when a capacity factor is set, else -1
   // Loss values for logging, each divided by its coefficient as Megatron logs them (0 when off).
@@ -41,15 +42,14 @@ struct RouterOutput {
 // the caller keeps and passes back to backward.
 struct RouterActivations {
   int64_t S = 0, B = 0;
-  Tensor input_TH;                   // router input after jitter, fp32
-  std::vector<double> logits_TE;     // in router dtype precision (fp32 values are stored rounded to float)
-  std::vector<uint8_t> selected_TE;  // top-k selection before capacity dropping / padding
-  std::vector<int32_t> selected_TK;  // the same selection as the k experts of each token, in selection order
-  std::vector<float> aux_scores_TE;  // the aux losses' scores (fp32); empty when no aux loss is on
-  std::vector<double> aux_grad_BE;   // d(sum of aux losses)/d(aux score of token t, expert e): row t % B; empty
-                                     // when no aux loss is on (the switch losses' gradient depends on the column)
-  std::vector<double> lse_T;         // logsumexp of each token's logits when the z-loss is on
-  bool training = false;             // forward ran in training mode (aux / z losses attached)
+  Tensor input_TH;        // router input after jitter, fp32
+  Tensor logits_TE;       // [T, E] in the router dtype (fp32 or fp64)
+  Tensor selected_TK;     // kI32 [T, K]: the top-k selection before capacity dropping / padding, in selection order
+  Tensor aux_scores_TE;   // fp64 [T, E]: the aux losses' scores (fp32 values); undefined when no aux loss is on
+  Tensor aux_grad_BE;     // fp64 [B, E]: d(sum of aux losses)/d(aux score of token t, expert e), row t % B; undefined
+                          // when no aux loss is on (the switch losses' gradient depends on the column)
+  Tensor lse_T;           // fp64 [T]: logsumexp of each token's logits when the z-loss is on
+  bool training = false;  // forward ran in training mode (aux / z losses attached)
   uint64_t jitter_seed = 0, jitter_key = 0;  // regenerate the input jitter factors in backward
   TokenRows rows;                            // the local tokens' one-process rows (RNG keys)
 };
@@ -79,14 +79,14 @@ class TopKRouter {
   // the one-process micro-batch (default: rows 0..S*B-1): the jitter and forced-balance draws are keyed by the
   // one-process element index, so every layout draws the same numbers. Collective over tp-cp (and tp-dp-cp with
   // global_aux_loss) when aux losses are on. Logged losses are this rank's share (sum over tp-cp for the total).
-  RouterOutput forward(const float* x_TH, int64_t S, int64_t B, bool training, uint64_t seed, uint64_t jitter_key,
+  RouterOutput forward(const Tensor& x_TH, int64_t S, int64_t B, bool training, uint64_t seed, uint64_t jitter_key,
                        RouterActivations& saved, const TokenRows& rows = TokenRows());
 
-  // dprobs_TE: d(objective)/d(probs_TE) from the experts (zero where not routed). aux_grad_scale: the factor the
-  // auxiliary and z losses carry into the objective's gradient (Megatron: loss_scale * cp / num_microbatches;
-  // here 1 / num_microbatches). `routing` is what forward returned with `saved`. Accumulates into dx_TH (nullable)
-  // and the router parameters' gradients.
-  void backward(float* dx_TH, const float* dprobs_TE, double aux_grad_scale, const RouterActivations& saved,
+  // dprobs_TE: fp32 [T, E], d(objective)/d(probs_TE) from the experts (zero where not routed). aux_grad_scale: the
+  // factor the auxiliary and z losses carry into the objective's gradient (Megatron: loss_scale * cp /
+  // num_microbatches; here 1 / num_microbatches). `routing` is what forward returned with `saved`. Accumulates into
+  // dx_TH (nullable) and the router parameters' gradients.
+  void backward(Tensor* dx_TH, const Tensor& dprobs_TE, double aux_grad_scale, const RouterActivations& saved,
                 const RouterOutput& routing);
 
   // Once per global batch (after the optimizer step): the expert-bias sign rule, then counts reset; and the
@@ -116,26 +116,23 @@ class TopKRouter {
   int64_t global_aux_steps_ = 0;                 // micro-batches accumulated (Megatron's ga_steps)
 
   // The steps of forward, one job each.
-  void jittered_input(float* input_TH, const float* x_TH, int64_t T, const RouterActivations& saved) const;
-  void compute_logits(std::vector<double>& logits_TE, const float* input_TH, int64_t T,
-                      const RouterActivations& saved) const;
-  // Per token (parallel over tokens): scores, top-k selection and probabilities before capacity (saved.selected_TK,
-  // probs_TK fp32 values); in training with aux losses the aux scores (saved.aux_scores_TE) and their top-k
-  // (aux_TK); with the z-loss each token's logsumexp (saved.lse_T).
-  void route_tokens(RouterActivations& saved, std::vector<double>& probs_TK, std::vector<int32_t>& aux_TK,
-                    bool training) const;
+  void jittered_input(RouterActivations& saved, const Tensor& x_TH) const;
+  void compute_logits(RouterActivations& saved) const;
+  // Top-k selection (saved.selected_TK) and its probabilities probs_TK in the router dtype.
+  Tensor route_tokens(RouterActivations& saved, bool training) const;
   // The dense routing map, probs and tokens per expert, after capacity dropping / padding.
-  void apply_capacity(RouterOutput& out, const RouterActivations& saved, const std::vector<double>& probs_TK) const;
+  void apply_capacity(RouterOutput& out, const RouterActivations& saved, const Tensor& probs_TK) const;
   // Aux / seq-aux / global-aux losses and the z-loss (training): logged values in `out`, gradients in `saved`.
-  void attach_losses(RouterOutput& out, RouterActivations& saved, const std::vector<int32_t>& aux_TK);
+  void attach_losses(RouterOutput& out, RouterActivations& saved);
   // Updates the global-aux accumulation with this micro-batch's local counts; dscores_E += the loss's gradient.
-  double global_aux_loss(const double* score_sums_E, const std::vector<double>& local_counts_E, int64_t T, double coeff,
-                         double* dscores_E);
+  double global_aux_loss(const Tensor& score_sums_E, const std::vector<double>& local_counts_E, int64_t T, double coeff,
+                         Tensor& dscores_E);
   void record_expert_bias_counts(const RouterOutput& out);
-  // d(objective)/d(logits) of every token (parallel over tokens): the probabilities' backward (dropped experts carry
-  // no gradient), the aux losses through their scores and the z-loss.
-  void logits_backward(std::vector<double>& dlogits_TE, const float* dprobs_TE, double aux_grad_scale,
-                       const RouterActivations& saved, const RouterOutput& routing) const;
+  // d(objective)/d(logits) [T, E] fp64: the probabilities' backward (dropped experts carry no gradient), the aux
+  // losses through their scores and the z-loss.
+  Tensor logits_backward(const Tensor& dprobs_TE, double aux_grad_scale, const RouterActivations& saved,
+                         const RouterOutput& routing) const;
+  ops::TopkRoutingSpec routing_spec() const;
 };
 
 }  // namespace moecore

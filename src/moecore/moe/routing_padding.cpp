@@ -13,7 +13,7 @@ int64_t align_size_for_quantization(const quant::Recipe recipe) {
   }
 }
 
-std::vector<int64_t> pad_routing_map(std::vector<uint8_t>& routing_map_TE, const int64_t T, const int64_t E,
+std::vector<int64_t> pad_routing_map(const std::span<uint8_t> routing_map_TE, const int64_t T, const int64_t E,
                                      const int64_t pad_multiple) {
   if (pad_multiple < 1 || static_cast<int64_t>(routing_map_TE.size()) != T * E) {
     throw std::invalid_argument("pad_routing_map: a [" + std::to_string(T) + ", " + std::to_string(E) + "] map needs " +
@@ -41,9 +41,9 @@ std::vector<int64_t> pad_routing_map(std::vector<uint8_t>& routing_map_TE, const
 RouterOutput padded_routing(const RouterOutput& routing, const int64_t T, const int64_t E, const int64_t pad_multiple) {
   RouterOutput out;
   out.probs_TE = routing.probs_TE;
-  out.routing_map_TE = routing.routing_map_TE;
+  out.routing_map_TE = routing.routing_map_TE.clone(MemCategory::kActivations);
   out.capacity = routing.capacity;
-  out.tokens_per_expert_E = pad_routing_map(out.routing_map_TE, T, E, pad_multiple);
+  out.tokens_per_expert_E = pad_routing_map(out.routing_map_TE.span<uint8_t>(), T, E, pad_multiple);
   return out;
 }
 

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "moecore/moe/router.h"
@@ -22,7 +23,7 @@ namespace moecore {
 int64_t align_size_for_quantization(quant::Recipe recipe);
 
 // Megatron's pad_routing_map on routing_map_TE [T, E] (0 / 1) in place; returns the padded column sums [E].
-std::vector<int64_t> pad_routing_map(std::vector<uint8_t>& routing_map_TE, int64_t T, int64_t E, int64_t pad_multiple);
+std::vector<int64_t> pad_routing_map(std::span<uint8_t> routing_map_TE, int64_t T, int64_t E, int64_t pad_multiple);
 
 // `routing` with its map padded to `pad_multiple` and tokens_per_expert_E recounted; probs_TE is shared (the padded
 // entries read the 0 it holds there). Not for pad-to-capacity routings (the map and counts disagree there).

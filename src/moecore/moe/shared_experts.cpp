@@ -20,6 +20,15 @@ Tensor activation_tensor(std::vector<int64_t> shape) {
 
 std::string gate_name(const std::string& prefix) { return prefix + "mlp.shared_experts.gate_weight"; }
 
+// Rows of H in an fp32 token tensor; throws std::invalid_argument otherwise.
+int64_t rows_of(const char* name, const Tensor& t, const int64_t H) {
+  if (!t.defined() || t.dtype() != DType::kF32 || t.numel() % H != 0) {
+    throw std::invalid_argument(std::string("shared experts: ") + name + " must be fp32 rows of " + std::to_string(H) +
+                                ", got " + (t.defined() ? t.shape_str() : std::string("none")));
+  }
+  return t.numel() / H;
+}
+
 }  // namespace
 
 SharedExpertMLP::SharedExpertMLP(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix,
@@ -56,12 +65,11 @@ void SharedExpertMLP::bind(std::vector<Param>& params) {
   gate_ = moe_.shared_expert_gate ? find_param(params, gate_name(prefix_)) : nullptr;
 }
 
-void SharedExpertMLP::forward(float* out_TH, const float* x_TH, const int64_t T, SharedExpertActivations& saved) const {
-  const int64_t H = model_.hidden_size;
-  const Tensor x = Tensor::from_blob(x_TH, {T, H});
-  Tensor out = Tensor::from_blob(out_TH, {T, H});
+void SharedExpertMLP::forward(Tensor& out, const Tensor& x, SharedExpertActivations& saved) const {
+  const int64_t H = model_.hidden_size, T = rows_of("x_TH", x, H);
+  if (out.numel() != T * H) throw std::invalid_argument("shared experts: out_TH must hold [T, H] = " + x.shape_str());
   saved = SharedExpertActivations{};
-  Tensor y_TH = mlp_.forward(x, nullptr, saved.mlp);
+  Tensor y_TH = mlp_.forward(x.view({T, H}), nullptr, saved.mlp);
   if (gate_ == nullptr) {
     ops::add_(out, y_TH);
     return;
@@ -75,12 +83,12 @@ void SharedExpertMLP::forward(float* out_TH, const float* x_TH, const int64_t T,
   saved.y_TH = std::move(y_TH);
 }
 
-void SharedExpertMLP::backward(float* dx_TH, const float* dout_TH, const float* x_TH, const int64_t T,
+void SharedExpertMLP::backward(Tensor& dx, const Tensor& dout, const Tensor& x,
                                const SharedExpertActivations& saved) const {
-  const int64_t H = model_.hidden_size;
-  const Tensor x = Tensor::from_blob(x_TH, {T, H});
-  const Tensor dout = Tensor::from_blob(dout_TH, {T, H});
-  Tensor dx = Tensor::from_blob(dx_TH, {T, H});
+  const int64_t H = model_.hidden_size, T = rows_of("x_TH", x, H);
+  if (dx.numel() != T * H || dout.numel() != T * H) {
+    throw std::invalid_argument("shared experts: dx_TH and dout_TH must hold [T, H] = " + x.shape_str());
+  }
   if (gate_ == nullptr) {
     mlp_.backward(dx, nullptr, dout, nullptr, saved.mlp);
     return;

@@ -1,24 +1,22 @@
-// Single-process token dispatcher: permutes tokens into expert-major order
-// (Megatron's permute with a routing map: experts in order, tokens ascending
-// within each expert) and restores them by scatter-add. Shapes: T tokens, H
-// hidden, E experts, R permuted rows (sum of tokens_per_expert_E). Also the
-// helpers every dispatcher shares and the factory.
+// Single-process token dispatcher: permutes tokens into expert-major order (Megatron's permute with a routing map:
+// experts in order, tokens ascending within each expert) and restores them by scatter-add (unpermute). Shapes: T
+// tokens, H hidden, E experts, R permuted rows (sum of tokens_per_expert_E). Also the helpers every dispatcher
+// shares and the factory.
 #include "moecore/moe/token_dispatcher.h"
 
-#include <algorithm>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "moecore/moe/token_dispatcher_internal.h"
-#include "moecore/ops/rows.h"
+#include "moecore/ops/moe_rows.h"
+#include "moecore/ops/precision.h"
 
 namespace moecore {
 namespace detail {
 
 void check_routing(const RouterOutput &routing, const int64_t T, const int64_t E) {
-  if (static_cast<int64_t>(routing.routing_map_TE.size()) != T * E) {
-    throw std::invalid_argument("token dispatcher: routing map has " + std::to_string(routing.routing_map_TE.size()) +
+  if (routing_map_entries(routing) != T * E) {
+    throw std::invalid_argument("token dispatcher: routing map has " + std::to_string(routing_map_entries(routing)) +
                                 " entries, expected T*E = " + std::to_string(T * E));
   }
   if (!routing.probs_TE.defined() || routing.probs_TE.numel() != T * E || routing.probs_TE.dtype() != DType::kF32) {
@@ -27,22 +25,17 @@ void check_routing(const RouterOutput &routing, const int64_t T, const int64_t E
   }
 }
 
-void scatter_add_rows(float *out_NH, const int64_t N, const float *rows_RH, const std::vector<int64_t> &index_R,
-                      const int64_t H) {
-  Tensor out = Tensor::from_blob(out_NH, {N, H});
-  ops::scatter_add_rows(out, Tensor::from_blob(rows_RH, {static_cast<int64_t>(index_R.size()), H}), index_R);
+void check_tokens(const char *dispatcher, const Tensor &x_TH) {
+  if (!x_TH.defined() || x_TH.dtype() != DType::kF32 || x_TH.ndim() != 2 || x_TH.dim(1) <= 0) {
+    throw std::invalid_argument(std::string(dispatcher) + ": tokens must be an fp32 [T, H] tensor with H > 0, got " +
+                                (x_TH.defined() ? x_TH.shape_str() : std::string("none")));
+  }
 }
 
-void gather_rows(float *dst_RH, const float *src_NH, const std::vector<int64_t> &index_R, const int64_t H) {
-  const auto R = static_cast<int64_t>(index_R.size());
-  int64_t N = 0;  // the rows of src the index reaches
-  for (const int64_t n : index_R) N = std::max(N, n + 1);
-  Tensor dst = Tensor::from_blob(dst_RH, {R, H});
-  if (N == 0) {
-    dst.zero_();
-    return;
-  }
-  ops::gather_rows(dst, Tensor::from_blob(src_NH, {N, H}), index_R);
+Tensor probs_tensor(const std::vector<float> &probs_R) {
+  Tensor out = activation_rows({static_cast<int64_t>(probs_R.size())});
+  out.copy_from(Tensor::from_blob(probs_R.data(), {static_cast<int64_t>(probs_R.size())}));
+  return out;
 }
 
 }  // namespace detail
@@ -51,53 +44,65 @@ namespace {
 
 class LocalDispatcher final : public TokenDispatcher {
  public:
-  Tensor dispatch(const float *x_TH, const int64_t T, const int64_t H, const RouterOutput &routing,
-                  DispatchState &state) override {
+  DispatchBuffers dispatch_preprocess(const Tensor &x_TH, const RouterOutput &routing, DispatchState &state) override {
     const int64_t E = static_cast<int64_t>(routing.tokens_per_expert_E.size());
-    if (T < 0 || H <= 0 || E <= 0) {
-      throw std::invalid_argument("token dispatcher: bad sizes T=" + std::to_string(T) + " H=" + std::to_string(H) +
-                                  " E=" + std::to_string(E));
-    }
+    detail::check_tokens("token dispatcher", x_TH);
+    const int64_t T = x_TH.dim(0), H = x_TH.dim(1);
+    if (E <= 0) throw std::invalid_argument("token dispatcher: bad sizes T=" + std::to_string(T) + " E=0");
     detail::check_routing(routing, T, E);
-    const float *probs_TE = routing.probs_TE.data<float>();
 
     state = DispatchState{};
     state.T = T;
     state.H = H;
     state.E = E;
     state.tokens_per_expert_E = routing.tokens_per_expert_E;
-    detail::ExpertMajorRows rows = detail::expert_major_rows(routing.routing_map_TE.data(), probs_TE, T, E, 0, E,
-                                                             routing.tokens_per_expert_E, routing.capacity);
+    detail::ExpertMajorRows rows =
+        detail::expert_major_rows(detail::routing_map_bytes(routing), routing.probs_TE.data<float>(), T, E, 0, E,
+                                  routing.tokens_per_expert_E, routing.capacity);
     state.source_token_R = std::move(rows.token_R);
-    state.probs_R = std::move(rows.probs_R);
     for (int64_t e = 0; e < E; ++e) {
       state.expert_R.insert(state.expert_R.end(), static_cast<size_t>(routing.tokens_per_expert_E[e]), e);
     }
-
-    const int64_t R = static_cast<int64_t>(state.source_token_R.size());
-    Tensor x_RH({R, H}, DType::kF32, MemCategory::kActivations);
-    detail::gather_rows(x_RH.data<float>(), x_TH, state.source_token_R, H);
-    return x_RH;
+    DispatchBuffers out{detail::activation_rows({static_cast<int64_t>(state.source_token_R.size()), H}),
+                        detail::probs_tensor(rows.probs_R)};
+    ops::moe_permute(out.rows, x_TH, state.source_token_R);
+    return out;
   }
 
-  void combine(float *out_TH, const float *y_RH, const DispatchState &state) override {
-    detail::scatter_add_rows(out_TH, state.T, y_RH, state.source_token_R, state.H);
+  // One process: nothing to exchange.
+  DispatchBuffers token_dispatch(const DispatchBuffers &local, DispatchState & /*state*/,
+                                 const std::function<void()> *overlapped) override {
+    if (overlapped) (*overlapped)();
+    return local;
   }
 
-  void combine_backward(float *dy_RH, const float *dout_TH, const DispatchState &state) override {
-    detail::gather_rows(dy_RH, dout_TH, state.source_token_R, state.H);
+  Tensor dispatch_postprocess(const DispatchBuffers &received, DispatchState &state) override {
+    state.probs_R = received.probs;
+    return received.rows;
   }
 
-  void dispatch_backward(float *dx_TH, const float *dx_RH, const DispatchState &state) override {
-    detail::scatter_add_rows(dx_TH, state.T, dx_RH, state.source_token_R, state.H);
+  Tensor combine_preprocess(const Tensor &y_RH, const DispatchState & /*state*/) override { return y_RH; }
+  Tensor token_combine(const Tensor &rows, const DispatchState & /*state*/) override { return rows; }
+  void combine_postprocess(Tensor &out_TH, const Tensor &rows, const DispatchState &state) override {
+    ops::moe_unpermute(out_TH, rows, state.source_token_R);
   }
 
-  void probs_backward(float *dprobs_TE, const float *dprobs_R, const DispatchState &state) override {
-    const int64_t R = static_cast<int64_t>(state.source_token_R.size());
-    for (int64_t r = 0; r < R; ++r) {
+  void combine_backward(Tensor &dy_RH, const Tensor &dout_TH, const DispatchState &state,
+                        const std::function<void()> *overlapped) override {
+    if (overlapped) (*overlapped)();
+    ops::moe_unpermute_backward(&dy_RH, nullptr, dout_TH, state.source_token_R);
+  }
+
+  void probs_backward(Tensor &dprobs_TE, const Tensor &dprobs_R, const DispatchState &state) override {
+    // Each (token, expert) pair is one element of the [T E, 1] view.
+    std::vector<int64_t> element_R(state.source_token_R.size());
+    for (size_t r = 0; r < element_R.size(); ++r) {
       const int64_t t = state.source_token_R[r];
-      if (t >= 0) dprobs_TE[t * state.E + state.expert_R[r]] += dprobs_R[r];
+      element_R[r] = t < 0 ? -1 : t * state.E + state.expert_R[r];
     }
+    Tensor dprobs = dprobs_TE.view({state.T * state.E, 1});
+    const ops::ScopedActivationDType fp32(DType::kF32);  // router gradients stay fp32
+    ops::moe_unpermute(dprobs, dprobs_R, element_R);
   }
 };
 

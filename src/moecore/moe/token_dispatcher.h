@@ -21,53 +21,81 @@ namespace moecore {
 // (-1 for a padding row) and belongs to expert expert_R[r].
 struct DispatchState {
   int64_t T = 0, H = 0, E = 0;
+  int64_t capacity = -1;  // the router's capacity C (-1: none)
   std::vector<int64_t> source_token_R;
   std::vector<int64_t> expert_R;
-  std::vector<float> probs_R;                // router prob of (source token, expert), 0 for padding rows
+  Tensor probs_R;                            // fp32 [R]: router prob of (source token, expert), 0 for padding rows
   std::vector<int64_t> tokens_per_expert_E;  // rows per local expert, in row order
 
   // Distributed dispatchers only (empty for the local one). The allgather dispatcher fills source_token_R with the
   // tokens of the owner rank source_rank_R (its rank in the ETP x EP group) and expert_R with local experts; the
   // alltoall dispatcher leaves both empty, as Megatron's (its expert side only knows the exchanged counts).
   std::vector<int64_t> source_rank_R;  // -1 for padding rows
-  // Row r's place in the buffer the dispatcher gathers: allgather: gathered token (rank * T + token, -1 for
-  // padding); alltoall: row in the ETP-gathered [ETP, etp_max_rows] buffer of all-to-all outputs.
+  // allgather: row r's gathered token (rank * T + token, -1 for padding).
   std::vector<int64_t> gathered_row_R;
   // alltoall: this rank's permuted rows in the order sent (token, -1 for padding; global expert), rows to and from
-  // each EP rank, rows each ETP rank got from its all-to-all, and their maximum.
+  // each EP rank, rows each ETP rank got from its all-to-all, and their maximum; the expert input's chunks in the
+  // ETP-gathered [ETP, etp_max_rows] buffer of all-to-all outputs, in expert-major order (sort_chunks_by_idxs).
   std::vector<int64_t> sent_token_L, sent_expert_L;
   std::vector<size_t> ep_send_rows, ep_recv_rows;
   std::vector<int64_t> etp_rows;
   int64_t etp_max_rows = 0;
+  std::vector<int64_t> sorted_first_C, sorted_rows_C;
 };
 
+// What one phase hands to the next: token rows [N, H] and, in dispatch, their probabilities (fp32 [N]). What the
+// rows are between two phases is the dispatcher's business (e.g. the allgather dispatcher gathers one packed buffer).
+struct DispatchBuffers {
+  Tensor rows;
+  Tensor probs;
+};
+
+// A dispatcher runs in Megatron's phases (token_dispatcher.py), so a schedule can interleave them with other work
+// (EP overlap): dispatch_preprocess (local permutation and index bookkeeping), token_dispatch (the collectives),
+// dispatch_postprocess (rows sorted by local expert); combine_preprocess, token_combine (the collectives),
+// combine_postprocess (unpermute: scatter-add into tokens). Row moves are ops (ops/moe_rows.h); the dispatchers
+// keep only communication and index bookkeeping. Every tensor is fp32.
 class TokenDispatcher {
  public:
   virtual ~TokenDispatcher() = default;
-  // x_TH -> x_RH (returned, [R, H]) grouped by expert; fills `state`.
-  virtual Tensor dispatch(const float* x_TH, int64_t T, int64_t H, const RouterOutput& routing,
-                          DispatchState& state) = 0;
-  // out_TH += sum over rows r of y_RH[r] into token source_token_R[r] (scatter-add; padding rows skipped).
-  virtual void combine(float* out_TH, const float* y_RH, const DispatchState& state) = 0;
-  // Backward of combine: dy_RH[r] = dout_TH[source_token_R[r]] (0 for padding rows). Overwrites dy_RH.
-  virtual void combine_backward(float* dy_RH, const float* dout_TH, const DispatchState& state) = 0;
-  // Backward of dispatch: dx_TH[source_token_R[r]] += dx_RH[r].
-  virtual void dispatch_backward(float* dx_TH, const float* dx_RH, const DispatchState& state) = 0;
-  // dprobs_TE[source_token_R[r], expert_R[r]] += dprobs_R[r].
-  virtual void probs_backward(float* dprobs_TE, const float* dprobs_R, const DispatchState& state) = 0;
 
-  // dispatch and combine_backward (both move token rows to the experts) running `overlapped` while the rows are in
-  // flight (--moe-shared-expert-overlap); a dispatcher with no exchange to hide runs it first.
-  virtual Tensor dispatch_overlapped(const float* x_TH, int64_t T, int64_t H, const RouterOutput& routing,
-                                     DispatchState& state, const std::function<void()>& overlapped) {
-    overlapped();
-    return dispatch(x_TH, T, H, routing, state);
+  // Phases of dispatch; fill `state`. `overlapped` (may be null) runs while the token rows are in flight
+  // (--moe-shared-expert-overlap); a dispatcher with no exchange to hide runs it first.
+  virtual DispatchBuffers dispatch_preprocess(const Tensor& x_TH, const RouterOutput& routing,
+                                              DispatchState& state) = 0;
+  virtual DispatchBuffers token_dispatch(const DispatchBuffers& local, DispatchState& state,
+                                         const std::function<void()>* overlapped) = 0;
+  // Returns x_RH grouped by local expert and sets state.probs_R.
+  virtual Tensor dispatch_postprocess(const DispatchBuffers& received, DispatchState& state) = 0;
+  // Phases of combine: expert rows y_RH -> what the collectives move -> out_TH += its tokens' rows.
+  virtual Tensor combine_preprocess(const Tensor& y_RH, const DispatchState& state) = 0;
+  virtual Tensor token_combine(const Tensor& rows, const DispatchState& state) = 0;
+  virtual void combine_postprocess(Tensor& out_TH, const Tensor& rows, const DispatchState& state) = 0;
+
+  // x_TH [T, H] -> x_RH [R, H] grouped by expert (the three dispatch phases); fills `state`.
+  Tensor dispatch(const Tensor& x_TH, const RouterOutput& routing, DispatchState& state) {
+    return dispatch_overlapped(x_TH, routing, state, nullptr);
   }
-  virtual void combine_backward_overlapped(float* dy_RH, const float* dout_TH, const DispatchState& state,
-                                           const std::function<void()>& overlapped) {
-    overlapped();
-    combine_backward(dy_RH, dout_TH, state);
+  Tensor dispatch_overlapped(const Tensor& x_TH, const RouterOutput& routing, DispatchState& state,
+                             const std::function<void()>* overlapped) {
+    const DispatchBuffers local = dispatch_preprocess(x_TH, routing, state);
+    return dispatch_postprocess(token_dispatch(local, state, overlapped), state);
   }
+  // out_TH += sum over rows r of y_RH[r] into token source_token_R[r] (scatter-add; padding rows skipped).
+  void combine(Tensor& out_TH, const Tensor& y_RH, const DispatchState& state) {
+    combine_postprocess(out_TH, token_combine(combine_preprocess(y_RH, state), state), state);
+  }
+
+  // Backward of combine: dy_RH[r] = dout_TH[source_token_R[r]] (0 for padding rows). Overwrites dy_RH [R, H].
+  // `overlapped` as in dispatch_overlapped.
+  virtual void combine_backward(Tensor& dy_RH, const Tensor& dout_TH, const DispatchState& state,
+                                const std::function<void()>* overlapped = nullptr) = 0;
+  // Backward of dispatch: dx_TH[source_token_R[r]] += dx_RH[r] (the combine phases).
+  void dispatch_backward(Tensor& dx_TH, const Tensor& dx_RH, const DispatchState& state) {
+    combine(dx_TH, dx_RH, state);
+  }
+  // dprobs_TE[source_token_R[r], expert_R[r]] += dprobs_R[r] (fp32 [T, E] and [R]).
+  virtual void probs_backward(Tensor& dprobs_TE, const Tensor& dprobs_R, const DispatchState& state) = 0;
 };
 
 // Single-process dispatcher (all experts local).

@@ -4,13 +4,14 @@
 // padded to C). Combine scatter-adds the expert outputs into a gathered [S T, H] buffer that is reduce-scattered
 // back to [T, H]: that sum also adds the partial outputs of the ETP ranks.
 #include <algorithm>
-#include <cstring>
-#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "moecore/moe/token_dispatcher_internal.h"
+#include "moecore/ops/elementwise.h"
+#include "moecore/ops/moe_rows.h"
+#include "moecore/ops/precision.h"
 #include "moecore/parallel/comm_stats.h"
 
 namespace moecore::detail {
@@ -24,47 +25,60 @@ class AllGatherDispatcher final : public TokenDispatcher {
         first_expert_(parallel.ep_rank() * (num_experts / parallel.ep_size())),
         group_(parallel.tp_ep) {}
 
-  Tensor dispatch(const float *x_TH, const int64_t T, const int64_t H, const RouterOutput &routing,
-                  DispatchState &state) override {
-    if (T < 0 || H <= 0 || static_cast<int64_t>(routing.tokens_per_expert_E.size()) != E_) {
+  // One buffer per rank for one all-gather: [x_TH | probs_TE | map_TE | tokens_per_expert_E] (counts are exact in
+  // fp32), H-wide rows, so the gathered tokens of rank s are rows [s P, s P + T) of the gathered buffer.
+  DispatchBuffers dispatch_preprocess(const Tensor &x_TH, const RouterOutput &routing, DispatchState &state) override {
+    check_tokens("allgather dispatcher", x_TH);
+    const int64_t T = x_TH.dim(0), H = x_TH.dim(1), E = E_;
+    if (static_cast<int64_t>(routing.tokens_per_expert_E.size()) != E_) {
       throw std::invalid_argument("allgather dispatcher: bad sizes T=" + std::to_string(T) + " H=" + std::to_string(H) +
                                   " E=" + std::to_string(routing.tokens_per_expert_E.size()) +
                                   ", expected E=" + std::to_string(E_));
     }
     check_routing(routing, T, E_);
-    const int64_t S = group_.size(), E = E_;
-    // One all-gather of [x_TH | probs_TE | map_TE | tokens_per_expert_E] per rank (counts are exact in fp32).
-    const int64_t chunk = T * H + 2 * T * E + E;
-    std::vector<float> mine(static_cast<size_t>(chunk));
-    std::memcpy(mine.data(), x_TH, sizeof(float) * static_cast<size_t>(T * H));
-    std::memcpy(mine.data() + T * H, routing.probs_TE.data<float>(), sizeof(float) * static_cast<size_t>(T * E));
-    float *map_part = mine.data() + T * H + T * E;
-    for (int64_t i = 0; i < T * E; ++i) map_part[i] = routing.routing_map_TE[i] != 0 ? 1.0f : 0.0f;
-    float *counts_part = map_part + T * E;
-    for (int64_t e = 0; e < E; ++e) counts_part[e] = static_cast<float>(routing.tokens_per_expert_E[e]);
-    std::vector<float> all(static_cast<size_t>(S * chunk));
-    {
-      parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-      group_.all_gather<float>(mine, all);
-    }
-    mine = std::vector<float>();
-
     state = DispatchState{};
     state.T = T;
     state.H = H;
     state.E = E;
-    // Each source's rows for the local experts, then laid out expert-major: [local expert][source][token].
+    state.capacity = routing.capacity;
+    Tensor packed = activation_rows({packed_rows(T, H), H});
+    packed.slice_rows(0, T).copy_from(x_TH);
+    float *probs_part = packed.data<float>() + T * H;
+    Tensor::from_blob(probs_part, {T * E}).copy_from(routing.probs_TE);
+    float *map_part = probs_part + T * E;
+    const uint8_t *map_TE = routing_map_bytes(routing);
+    for (int64_t i = 0; i < T * E; ++i) map_part[i] = map_TE[i] != 0 ? 1.0f : 0.0f;
+    float *counts_part = map_part + T * E;
+    for (int64_t e = 0; e < E; ++e) counts_part[e] = static_cast<float>(routing.tokens_per_expert_E[e]);
+    return {std::move(packed), Tensor()};
+  }
+
+  DispatchBuffers token_dispatch(const DispatchBuffers &local, DispatchState & /*state*/,
+                                 const std::function<void()> *overlapped) override {
+    if (overlapped) (*overlapped)();
+    Tensor all = activation_rows({group_.size() * local.rows.dim(0), local.rows.dim(1)});
+    parallel::CommTimer timer(parallel::CommKind::kAllToAll);
+    group_.all_gather<float>(local.rows.span<float>(), all.span<float>());
+    return {std::move(all), Tensor()};
+  }
+
+  // Each source's rows for the local experts, laid out expert-major: [local expert][source][token].
+  Tensor dispatch_postprocess(const DispatchBuffers &received, DispatchState &state) override {
+    const int64_t S = group_.size(), T = state.T, H = state.H, E = E_, P = packed_rows(T, H);
+    const float *all = received.rows.data<float>();
     std::vector<ExpertMajorRows> by_source;
     by_source.reserve(static_cast<size_t>(S));
     for (int64_t s = 0; s < S; ++s) {
-      const float *base = all.data() + s * chunk;
+      const float *base = all + s * P * H;
       std::vector<int64_t> rows_X(static_cast<size_t>(El_));
       for (int64_t le = 0; le < El_; ++le) {
         rows_X[static_cast<size_t>(le)] = static_cast<int64_t>(base[T * H + 2 * T * E + first_expert_ + le]);
       }
       by_source.push_back(expert_major_rows(base + T * H + T * E, base + T * H, T, E, first_expert_,
-                                            first_expert_ + El_, rows_X, routing.capacity));
+                                            first_expert_ + El_, rows_X, state.capacity));
     }
+    std::vector<float> probs_R;
+    std::vector<int64_t> packed_row_R;  // row r's row in the gathered packed buffer
     state.tokens_per_expert_E.assign(static_cast<size_t>(El_), 0);
     for (int64_t le = 0; le < El_; ++le) {
       for (int64_t s = 0; s < S; ++s) {
@@ -72,77 +86,74 @@ class AllGatherDispatcher final : public TokenDispatcher {
         for (int64_t r = src.offsets_X1[le]; r < src.offsets_X1[le + 1]; ++r) {
           const int64_t t = src.token_R[static_cast<size_t>(r)];
           state.source_token_R.push_back(t);
-          state.probs_R.push_back(src.probs_R[static_cast<size_t>(r)]);
+          probs_R.push_back(src.probs_R[static_cast<size_t>(r)]);
           state.source_rank_R.push_back(t < 0 ? -1 : s);
           state.gathered_row_R.push_back(t < 0 ? -1 : s * T + t);
+          packed_row_R.push_back(t < 0 ? -1 : s * P + t);
         }
         state.tokens_per_expert_E[le] += src.offsets_X1[le + 1] - src.offsets_X1[le];
       }
       state.expert_R.insert(state.expert_R.end(), static_cast<size_t>(state.tokens_per_expert_E[le]), le);
     }
-
-    const int64_t R = static_cast<int64_t>(state.source_token_R.size());
-    Tensor x_RH({R, H}, DType::kF32, MemCategory::kActivations);
-    // Gathered x rows of rank s start at s * chunk, not s * T * H: gather row by row.
-#pragma omp parallel for schedule(static) if (R * H > 16384)
-    for (int64_t r = 0; r < R; ++r) {
-      float *dst = x_RH.data<float>() + r * H;
-      const int64_t t = state.source_token_R[r];
-      if (t < 0) {
-        std::fill_n(dst, H, 0.0f);
-      } else {
-        std::memcpy(dst, all.data() + state.source_rank_R[r] * chunk + t * H, sizeof(float) * static_cast<size_t>(H));
-      }
-    }
+    state.probs_R = probs_tensor(probs_R);
+    Tensor x_RH = activation_rows({static_cast<int64_t>(packed_row_R.size()), H});
+    ops::moe_permute(x_RH, received.rows, packed_row_R);
     return x_RH;
   }
 
-  void combine(float *out_TH, const float *y_RH, const DispatchState &state) override {
-    scatter_and_reduce(out_TH, y_RH, state);
+  // Every rank's rows scatter-added into the gathered [S T, H] buffer ...
+  Tensor combine_preprocess(const Tensor &y_RH, const DispatchState &state) override {
+    Tensor all = activation_rows({group_.size() * state.T, state.H});
+    ops::moe_unpermute(all, y_RH, state.gathered_row_R);
+    return all;
+  }
+  // ... summed over the group, this rank's slice ...
+  Tensor token_combine(const Tensor &all, const DispatchState &state) override {
+    Tensor mine = activation_rows({state.T, state.H});
+    parallel::CommTimer timer(parallel::CommKind::kAllToAll);
+    group_.reduce_scatter<float>(all.span<float>(), mine.span<float>(), parallel::ReduceOp::kSum);
+    return mine;
+  }
+  // ... added to the output.
+  void combine_postprocess(Tensor &out_TH, const Tensor &mine, const DispatchState & /*state*/) override {
+    const ops::ScopedActivationDType fp32(DType::kF32);  // the reduced sum is added as it came (16-bit rows summed)
+    ops::add_(out_TH, mine);
   }
 
-  void combine_backward(float *dy_RH, const float *dout_TH, const DispatchState &state) override {
-    const int64_t T = state.T, H = state.H;
-    std::vector<float> all(static_cast<size_t>(group_.size() * T * H));
+  void combine_backward(Tensor &dy_RH, const Tensor &dout_TH, const DispatchState &state,
+                        const std::function<void()> *overlapped) override {
+    if (overlapped) (*overlapped)();
+    Tensor all = activation_rows({group_.size() * state.T, state.H});
     {
       parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-      group_.all_gather<float>(std::span<const float>(dout_TH, static_cast<size_t>(T * H)), all);
+      group_.all_gather<float>(dout_TH.span<float>(), all.span<float>());
     }
-    gather_rows(dy_RH, all.data(), state.gathered_row_R, H);
+    ops::moe_unpermute_backward(&dy_RH, nullptr, all, state.gathered_row_R);
   }
 
-  void dispatch_backward(float *dx_TH, const float *dx_RH, const DispatchState &state) override {
-    scatter_and_reduce(dx_TH, dx_RH, state);
-  }
-
-  void probs_backward(float *dprobs_TE, const float *dprobs_R, const DispatchState &state) override {
+  void probs_backward(Tensor &dprobs_TE, const Tensor &dprobs_R, const DispatchState &state) override {
     const int64_t T = state.T, E = state.E;
-    std::vector<float> all(static_cast<size_t>(group_.size() * T * E), 0.0f);
-    const int64_t R = static_cast<int64_t>(state.gathered_row_R.size());
-    for (int64_t r = 0; r < R; ++r) {
+    std::vector<int64_t> element_R(state.gathered_row_R.size());
+    for (size_t r = 0; r < element_R.size(); ++r) {
       const int64_t g = state.gathered_row_R[r];
-      if (g >= 0) all[g * E + first_expert_ + state.expert_R[r]] += dprobs_R[r];
+      element_R[r] = g < 0 ? -1 : g * E + first_expert_ + state.expert_R[r];
     }
-    std::vector<float> mine(static_cast<size_t>(T * E));
+    const ops::ScopedActivationDType fp32(DType::kF32);  // router gradients stay fp32
+    Tensor all = activation_rows({group_.size() * T * E, 1});
+    ops::moe_unpermute(all, dprobs_R, element_R);
+    Tensor mine = activation_rows({T, E});
     {
       parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-      group_.reduce_scatter<float>(all, mine, parallel::ReduceOp::kSum);
+      group_.reduce_scatter<float>(all.span<float>(), mine.span<float>(), parallel::ReduceOp::kSum);
     }
-    for (int64_t i = 0; i < T * E; ++i) dprobs_TE[i] += mine[i];
+    ops::add_(dprobs_TE, mine);
   }
 
  private:
-  // out_TH += this rank's slice of the sum over the group of every rank's rows scatter-added into [S T, H].
-  void scatter_and_reduce(float *out_TH, const float *rows_RH, const DispatchState &state) const {
-    const int64_t T = state.T, H = state.H, S = group_.size();
-    std::vector<float> all(static_cast<size_t>(S * T * H), 0.0f);
-    scatter_add_rows(all.data(), S * T, rows_RH, state.gathered_row_R, H);
-    std::vector<float> mine(static_cast<size_t>(T * H));
-    {
-      parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-      group_.reduce_scatter<float>(all, mine, parallel::ReduceOp::kSum);
-    }
-    for (int64_t i = 0; i < T * H; ++i) out_TH[i] += mine[i];
+  // Rows of H floats one rank's packed buffer takes.
+  int64_t packed_rows(const int64_t T, const int64_t H) const {
+    const int64_t floats = T * H + 2 * T * E_ + E_;
+    return (floats + H - 1) / H;
   }
 
   int64_t E_, El_, first_expert_;

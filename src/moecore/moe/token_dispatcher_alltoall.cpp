@@ -12,7 +12,6 @@
 // The expert side knows each row's local expert (expert_R) and prob, not its source token: as in Megatron, the
 // state's source_token_R and source_rank_R stay empty; the sender keeps its own rows (sent_token_L) for combine.
 #include <algorithm>
-#include <cstring>
 #include <functional>
 #include <numeric>
 #include <span>
@@ -21,6 +20,8 @@
 #include <vector>
 
 #include "moecore/moe/token_dispatcher_internal.h"
+#include "moecore/ops/moe_rows.h"
+#include "moecore/ops/precision.h"
 #include "moecore/parallel/comm_stats.h"
 
 namespace moecore::detail {
@@ -98,48 +99,12 @@ class AllToAllDispatcher final : public TokenDispatcher {
   AllToAllDispatcher(const int64_t num_experts, const parallel::ParallelState &parallel)
       : E_(num_experts), El_(num_experts / parallel.ep_size()), ep_(parallel.ep), etp_(parallel.etp) {}
 
-  Tensor dispatch(const float *x_TH, const int64_t T, const int64_t H, const RouterOutput &routing,
-                  DispatchState &state) override {
-    return dispatch_impl(x_TH, T, H, routing, state, nullptr);
-  }
-
-  Tensor dispatch_overlapped(const float *x_TH, const int64_t T, const int64_t H, const RouterOutput &routing,
-                             DispatchState &state, const std::function<void()> &overlapped) override {
-    return dispatch_impl(x_TH, T, H, routing, state, &overlapped);
-  }
-
-  void combine(float *out_TH, const float *y_RH, const DispatchState &state) override {
-    const std::vector<float> rows_LH = from_experts(unsort(y_RH, state.H, state), state.H, state);
-    scatter_add_rows(out_TH, state.T, rows_LH.data(), state.sent_token_L, state.H);
-  }
-
-  void combine_backward(float *dy_RH, const float *dout_TH, const DispatchState &state) override {
-    combine_backward_impl(dy_RH, dout_TH, state, nullptr);
-  }
-
-  void combine_backward_overlapped(float *dy_RH, const float *dout_TH, const DispatchState &state,
-                                   const std::function<void()> &overlapped) override {
-    combine_backward_impl(dy_RH, dout_TH, state, &overlapped);
-  }
-
-  void dispatch_backward(float *dx_TH, const float *dx_RH, const DispatchState &state) override {
-    combine(dx_TH, dx_RH, state);
-  }
-
-  void probs_backward(float *dprobs_TE, const float *dprobs_R, const DispatchState &state) override {
-    const std::vector<float> dprobs_L = from_experts(unsort(dprobs_R, 1, state), 1, state);
-    const int64_t L = static_cast<int64_t>(dprobs_L.size());
-    for (int64_t l = 0; l < L; ++l) {
-      const int64_t t = state.sent_token_L[l];
-      if (t >= 0) dprobs_TE[t * state.E + state.sent_expert_L[l]] += dprobs_L[l];
-    }
-  }
-
- private:
-  // `overlapped` (may be null) runs while the token rows are in flight.
-  Tensor dispatch_impl(const float *x_TH, const int64_t T, const int64_t H, const RouterOutput &routing,
-                       DispatchState &state, const std::function<void()> *overlapped) {
-    if (T < 0 || H <= 0 || static_cast<int64_t>(routing.tokens_per_expert_E.size()) != E_) {
+  // Local permutation over all experts (EP rank d's experts form one contiguous block of it) and the count
+  // exchange that plans the all-to-all (Megatron's preprocess).
+  DispatchBuffers dispatch_preprocess(const Tensor &x_TH, const RouterOutput &routing, DispatchState &state) override {
+    check_tokens("alltoall dispatcher", x_TH);
+    const int64_t T = x_TH.dim(0), H = x_TH.dim(1);
+    if (static_cast<int64_t>(routing.tokens_per_expert_E.size()) != E_) {
       throw std::invalid_argument("alltoall dispatcher: bad sizes T=" + std::to_string(T) + " H=" + std::to_string(H) +
                                   " E=" + std::to_string(routing.tokens_per_expert_E.size()) +
                                   ", expected E=" + std::to_string(E_));
@@ -150,12 +115,11 @@ class AllToAllDispatcher final : public TokenDispatcher {
     state.T = T;
     state.H = H;
     state.E = E;
+    state.capacity = routing.capacity;
 
-    // Local permutation over all experts; EP rank d's experts form one contiguous block of it.
-    ExpertMajorRows rows = expert_major_rows(routing.routing_map_TE.data(), routing.probs_TE.data<float>(), T, E, 0, E,
+    ExpertMajorRows rows = expert_major_rows(routing_map_bytes(routing), routing.probs_TE.data<float>(), T, E, 0, E,
                                              routing.tokens_per_expert_E, routing.capacity);
     state.sent_token_L = std::move(rows.token_R);
-    std::vector<float> sent_probs_L = std::move(rows.probs_R);
     state.ep_send_rows.assign(static_cast<size_t>(EP), 0);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t expert_rows = routing.tokens_per_expert_E[e];
@@ -168,82 +132,106 @@ class AllToAllDispatcher final : public TokenDispatcher {
     state.etp_rows = plan.etp_rows;
     state.etp_max_rows = plan.etp_max_rows;
     state.tokens_per_expert_E = plan.tokens_per_expert_El;
-
-    const int64_t L = static_cast<int64_t>(state.sent_token_L.size());
-    std::vector<float> sent_LH(static_cast<size_t>(L * H));
-    gather_rows(sent_LH.data(), x_TH, state.sent_token_L, H);  // padding rows are zero
-    const std::vector<float> gathered_x = to_experts(sent_LH, H, state, overlapped);
-    sent_LH = std::vector<float>();
-    const std::vector<float> gathered_probs = to_experts(sent_probs_L, 1, state);
-
-    const int64_t R = std::accumulate(plan.tokens_per_expert_El.begin(), plan.tokens_per_expert_El.end(), int64_t{0});
-    state.gathered_row_R.reserve(static_cast<size_t>(R));
-    state.expert_R.reserve(static_cast<size_t>(R));
     for (const RowChunk &chunk : plan.sorted_chunks) {
-      for (int64_t i = 0; i < chunk.rows; ++i) state.gathered_row_R.push_back(chunk.first_row + i);
+      state.sorted_first_C.push_back(chunk.first_row);
+      state.sorted_rows_C.push_back(chunk.rows);
       state.expert_R.insert(state.expert_R.end(), static_cast<size_t>(chunk.rows), chunk.local_expert);
     }
-    Tensor x_RH({R, H}, DType::kF32, MemCategory::kActivations);
-    gather_rows(x_RH.data<float>(), gathered_x.data(), state.gathered_row_R, H);
-    state.probs_R.resize(static_cast<size_t>(R));
-    gather_rows(state.probs_R.data(), gathered_probs.data(), state.gathered_row_R, 1);
+
+    DispatchBuffers out{activation_rows({static_cast<int64_t>(state.sent_token_L.size()), H}),
+                        probs_tensor(rows.probs_R)};
+    ops::moe_permute(out.rows, x_TH, state.sent_token_L);  // padding rows are zero
+    return out;
+  }
+
+  // The rows, then their probabilities, to the experts' ranks.
+  DispatchBuffers token_dispatch(const DispatchBuffers &local, DispatchState &state,
+                                 const std::function<void()> *overlapped) override {
+    DispatchBuffers out;
+    out.rows = to_experts(local.rows, state, overlapped);
+    out.probs = to_experts(local.probs.view({local.probs.numel(), 1}), state);
+    return out;
+  }
+
+  // sort_chunks_by_idxs: [ETP rank][EP source][local expert] -> [local expert][ETP rank][EP source].
+  Tensor dispatch_postprocess(const DispatchBuffers &received, DispatchState &state) override {
+    const int64_t R = std::accumulate(state.sorted_rows_C.begin(), state.sorted_rows_C.end(), int64_t{0});
+    Tensor x_RH = activation_rows({R, state.H});
+    ops::sort_chunks(x_RH, received.rows, state.sorted_first_C, state.sorted_rows_C);
+    state.probs_R = activation_rows({R});
+    Tensor probs_R1 = state.probs_R.view({R, 1});
+    ops::sort_chunks(probs_R1, received.probs, state.sorted_first_C, state.sorted_rows_C);
     return x_RH;
   }
 
-  void combine_backward_impl(float *dy_RH, const float *dout_TH, const DispatchState &state,
-                             const std::function<void()> *overlapped) const {
-    const int64_t H = state.H;
-    std::vector<float> rows_LH(state.sent_token_L.size() * static_cast<size_t>(H));
-    gather_rows(rows_LH.data(), dout_TH, state.sent_token_L, H);
-    const std::vector<float> gathered = to_experts(rows_LH, H, state, overlapped);
-    gather_rows(dy_RH, gathered.data(), state.gathered_row_R, H);
+  Tensor combine_preprocess(const Tensor &y_RH, const DispatchState &state) override { return unsort(y_RH, state); }
+  Tensor token_combine(const Tensor &gathered, const DispatchState &state) override {
+    return from_experts(gathered, state);
+  }
+  void combine_postprocess(Tensor &out_TH, const Tensor &rows_LH, const DispatchState &state) override {
+    ops::moe_unpermute(out_TH, rows_LH, state.sent_token_L);
   }
 
-  // Rows in send order (W values each) -> all-to-all over EP -> all-gather over ETP: [ETP, etp_max_rows, W].
+  void combine_backward(Tensor &dy_RH, const Tensor &dout_TH, const DispatchState &state,
+                        const std::function<void()> *overlapped) override {
+    Tensor rows_LH = activation_rows({static_cast<int64_t>(state.sent_token_L.size()), state.H});
+    ops::moe_permute(rows_LH, dout_TH, state.sent_token_L);
+    const Tensor gathered = to_experts(rows_LH, state, overlapped);
+    ops::sort_chunks(dy_RH, gathered, state.sorted_first_C, state.sorted_rows_C);
+  }
+
+  void probs_backward(Tensor &dprobs_TE, const Tensor &dprobs_R, const DispatchState &state) override {
+    const Tensor dprobs_L = from_experts(unsort(dprobs_R.view({dprobs_R.numel(), 1}), state), state);
+    std::vector<int64_t> element_L(state.sent_token_L.size());
+    for (size_t l = 0; l < element_L.size(); ++l) {
+      const int64_t t = state.sent_token_L[l];
+      element_L[l] = t < 0 ? -1 : t * state.E + state.sent_expert_L[l];
+    }
+    Tensor dprobs = dprobs_TE.view({state.T * state.E, 1});
+    const ops::ScopedActivationDType fp32(DType::kF32);  // router gradients stay fp32
+    ops::moe_unpermute(dprobs, dprobs_L, element_L);
+  }
+
+ private:
+  // Rows in send order [L, W] -> all-to-all over EP -> all-gather over ETP: [ETP etp_max_rows, W].
   // `overlapped` (may be null) runs between starting the all-to-all and waiting for it.
-  std::vector<float> to_experts(const std::vector<float> &rows_LW, const int64_t W, const DispatchState &state,
-                                const std::function<void()> *overlapped = nullptr) const {
-    const int64_t M = state.etp_max_rows, ETP = etp_.size();
-    std::vector<float> received(static_cast<size_t>(M * W), 0.0f);
-    std::vector<float> gathered(static_cast<size_t>(ETP * M * W));
+  Tensor to_experts(const Tensor &rows_LW, const DispatchState &state,
+                    const std::function<void()> *overlapped = nullptr) const {
+    const int64_t M = state.etp_max_rows, ETP = etp_.size(), W = rows_LW.dim(1);
+    Tensor received = activation_rows({M, W});
+    Tensor gathered = activation_rows({ETP * M, W});
     parallel::Work exchange;
     {
       parallel::CommTimer timer(parallel::CommKind::kAllToAll);
       exchange = ep_.all_to_all_v_async<float>(
-          rows_LW, scaled(state.ep_send_rows, W),
-          std::span<float>(received.data(), static_cast<size_t>(total(state.ep_recv_rows) * W)),
+          rows_LW.span<float>(), scaled(state.ep_send_rows, W),
+          received.span<float>().first(static_cast<size_t>(total(state.ep_recv_rows) * W)),
           scaled(state.ep_recv_rows, W));
     }
     exchange.trace_as(overlapped ? "all-to-all under the shared experts" : "all-to-all");
     if (overlapped) (*overlapped)();
     parallel::CommTimer timer(parallel::CommKind::kAllToAll);
     exchange.wait();
-    etp_.all_gather<float>(received, gathered);
+    etp_.all_gather<float>(received.span<float>(), gathered.span<float>());
     return gathered;
   }
 
-  // The reverse: [ETP, etp_max_rows, W] summed over ETP (reduce-scatter) -> all-to-all back: rows in send order.
-  std::vector<float> from_experts(const std::vector<float> &gathered, const int64_t W,
-                                  const DispatchState &state) const {
-    const int64_t M = state.etp_max_rows;
-    std::vector<float> reduced(static_cast<size_t>(M * W));
-    std::vector<float> rows_LW(state.sent_token_L.size() * static_cast<size_t>(W));
+  // The reverse: [ETP etp_max_rows, W] summed over ETP (reduce-scatter) -> all-to-all back: rows in send order.
+  Tensor from_experts(const Tensor &gathered, const DispatchState &state) const {
+    const int64_t M = state.etp_max_rows, W = gathered.dim(1);
+    Tensor reduced = activation_rows({M, W});
+    Tensor rows_LW = activation_rows({static_cast<int64_t>(state.sent_token_L.size()), W});
     parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-    etp_.reduce_scatter<float>(gathered, reduced, parallel::ReduceOp::kSum);
-    ep_.all_to_all_v<float>(std::span<const float>(reduced.data(), static_cast<size_t>(total(state.ep_recv_rows) * W)),
-                            scaled(state.ep_recv_rows, W), rows_LW, scaled(state.ep_send_rows, W));
+    etp_.reduce_scatter<float>(gathered.span<float>(), reduced.span<float>(), parallel::ReduceOp::kSum);
+    ep_.all_to_all_v<float>(reduced.span<float>().first(static_cast<size_t>(total(state.ep_recv_rows) * W)),
+                            scaled(state.ep_recv_rows, W), rows_LW.span<float>(), scaled(state.ep_send_rows, W));
     return rows_LW;
   }
 
-  // Rows of the expert-major order [R, W] back to their places in the zero-padded [ETP, etp_max_rows, W] buffer.
-  std::vector<float> unsort(const float *rows_RW, const int64_t W, const DispatchState &state) const {
-    std::vector<float> gathered(static_cast<size_t>(etp_.size() * state.etp_max_rows * W), 0.0f);
-    const int64_t R = static_cast<int64_t>(state.gathered_row_R.size());
-#pragma omp parallel for schedule(static) if (R * W > 16384)
-    for (int64_t r = 0; r < R; ++r) {
-      std::memcpy(gathered.data() + state.gathered_row_R[r] * W, rows_RW + r * W,
-                  sizeof(float) * static_cast<size_t>(W));
-    }
+  // Rows of the expert-major order [R, W] back to their places in the zero-padded [ETP etp_max_rows, W] buffer.
+  Tensor unsort(const Tensor &rows_RW, const DispatchState &state) const {
+    Tensor gathered = activation_rows({etp_.size() * state.etp_max_rows, rows_RW.dim(1)});
+    ops::unsort_chunks(gathered, rows_RW, state.sorted_first_C, state.sorted_rows_C);
     return gathered;
   }
 

@@ -15,15 +15,25 @@
 
 namespace moecore::detail {
 
+// The router's [T, E] routing map as bytes (1: token t goes to expert e), the one place the dispatchers read it.
+inline const uint8_t* routing_map_bytes(const RouterOutput& routing) { return routing.routing_map_TE.data<uint8_t>(); }
+inline int64_t routing_map_entries(const RouterOutput& routing) {
+  const Tensor& map = routing.routing_map_TE;
+  return map.defined() && map.dtype() == DType::kU8 ? map.numel() : 0;
+}
+
 // Throws std::invalid_argument unless routing holds an fp32 [T, E] probs tensor and a [T, E] map.
 void check_routing(const RouterOutput& routing, int64_t T, int64_t E);
+// Throws std::invalid_argument unless x_TH is an fp32 [T, H] tensor of this rank's tokens with H > 0.
+void check_tokens(const char* dispatcher, const Tensor& x_TH);
 
-// out_NH[index_R[r]] += rows_RH[r] for every r with index_R[r] >= 0. Each destination sums its rows in ascending
-// row order (parallel over destinations), so the result does not depend on the thread count.
-void scatter_add_rows(float* out_NH, int64_t N, const float* rows_RH, const std::vector<int64_t>& index_R, int64_t H);
+// A fresh fp32 activation tensor (zeros).
+inline Tensor activation_rows(std::vector<int64_t> shape) {
+  return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
+}
 
-// dst_RH[r] = src_NH[index_R[r]] (zeros where index_R[r] < 0).
-void gather_rows(float* dst_RH, const float* src_NH, const std::vector<int64_t>& index_R, int64_t H);
+// probs_R as a tensor [R] (fp32).
+Tensor probs_tensor(const std::vector<float>& probs_R);
 
 // Calls fn(e) for every e in [e_begin, e_end) where row_E[e] is set, in ascending order. A byte map is read eight
 // entries at a time, skipping zero words: a token selects k of E experts, so most words are empty.

@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "moecore/kernels/cpu/convert.h"
-#include "moecore/ops/backend.h"
 #include "moecore/ops/dispatch.h"
 
 namespace moecore::ops {
@@ -17,7 +16,7 @@ bool is_float(const DType dtype) {
   return dtype == DType::kF32 || dtype == DType::kF64 || dtype == DType::kBF16 || dtype == DType::kF16;
 }
 
-// One backend's conversions, widening and narrowing through fp32 / fp64 as the pair needs.
+// One device's conversions, widening and narrowing through fp32 / fp64 as the pair needs.
 template <typename K>
 struct Converter {
   template <typename Wide>
@@ -59,44 +58,6 @@ struct Converter {
   }
 };
 
-// The kernels' namespaces as types, so Converter can name their overload sets.
-struct CpuConvert {
-  template <typename... A>
-  static void encode_bf16(A... a) {
-    kernels::cpu::encode_bf16(a...);
-  }
-  template <typename... A>
-  static void encode_fp16(A... a) {
-    kernels::cpu::encode_fp16(a...);
-  }
-  template <typename... A>
-  static void decode_bf16(A... a) {
-    kernels::cpu::decode_bf16(a...);
-  }
-  template <typename... A>
-  static void decode_fp16(A... a) {
-    kernels::cpu::decode_fp16(a...);
-  }
-};
-struct RefConvert {
-  template <typename... A>
-  static void encode_bf16(A... a) {
-    kernels::ref::encode_bf16(a...);
-  }
-  template <typename... A>
-  static void encode_fp16(A... a) {
-    kernels::ref::encode_fp16(a...);
-  }
-  template <typename... A>
-  static void decode_bf16(A... a) {
-    kernels::ref::decode_bf16(a...);
-  }
-  template <typename... A>
-  static void decode_fp16(A... a) {
-    kernels::ref::decode_fp16(a...);
-  }
-};
-
 }  // namespace
 
 void convert(Tensor& dst, const Tensor& src) {
@@ -104,16 +65,13 @@ void convert(Tensor& dst, const Tensor& src) {
   if (!dst.defined() || !src.defined()) detail::fail(op, "an argument tensor is undefined");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&dst, &src}) {
     if (!is_float(t->dtype())) detail::fail(op, "unsupported dtype " + std::string(dtype_name(t->dtype())));
-    if (t->device() != Device::kCPU) {
-      detail::fail(op, "no backend for device " + std::string(device_name(t->device())));
-    }
+  }
+  if (dst.device() != src.device()) {
+    detail::fail(op, "tensors on different devices (" + std::string(device_name(dst.device())) + ", " +
+                         std::string(device_name(src.device())) + ")");
   }
   detail::check_numel(op, "dst", dst, src.numel());
-  if (active_backend() == Backend::kReference) {
-    Converter<RefConvert>::run(dst, src);
-  } else {
-    Converter<CpuConvert>::run(dst, src);
-  }
+  detail::with_kernels(op, dst.device(), [&](auto kernels) { Converter<decltype(kernels)>::run(dst, src); });
 }
 
 }  // namespace moecore::ops

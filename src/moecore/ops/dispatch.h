@@ -1,6 +1,7 @@
-// Internal to src/moecore/ops: routes an op to the active backend's kernels for a tensor's device and dtype.
+// Internal to src/moecore/ops: routes an op to the kernel table of its tensors' device (ops/device.h).
 // Usage inside an op:  dispatch("linear_forward", out, [&]<typename T>(auto k) { k.linear_forward(ptr<T>(out), ...);
-// }); `k` is a table whose static members forward to kernels::cpu or kernels::ref.
+// }); `k` is the device's table, whose static members forward to kernels::cpu (Device::kCPU) or kernels::ref
+// (Device::kReference). Ops on other dtypes (16-bit, quantized) take the table with with_kernels().
 #pragma once
 
 #include <cstdint>
@@ -12,16 +13,23 @@
 #include "moecore/kernels/cpu/activation.h"
 #include "moecore/kernels/cpu/adamw.h"
 #include "moecore/kernels/cpu/attention.h"
+#include "moecore/kernels/cpu/convert.h"
 #include "moecore/kernels/cpu/dropout.h"
 #include "moecore/kernels/cpu/elementwise.h"
 #include "moecore/kernels/cpu/expert_activation.h"
 #include "moecore/kernels/cpu/gemm.h"
+#include "moecore/kernels/cpu/grouped_linear.h"
+#include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/kernels/cpu/loss.h"
 #include "moecore/kernels/cpu/norm.h"
+#include "moecore/kernels/cpu/normal_fill.h"
+#include "moecore/kernels/cpu/permute.h"
 #include "moecore/kernels/cpu/rope.h"
+#include "moecore/kernels/cpu/routing.h"
 #include "moecore/kernels/cpu/rows.h"
 #include "moecore/kernels/cpu/vocab_parallel.h"
-#include "moecore/ops/backend.h"
+#include "moecore/ops/device.h"
+#include "moecore/quant/quantized_gemm.h"
 #include "moecore/tensor/tensor.h"
 
 namespace moecore::ops::detail {
@@ -79,14 +87,54 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, scatter_add_rows)            \
     MOECORE_FORWARD(ns, add_position_embedding)      \
     MOECORE_FORWARD(ns, position_embedding_backward) \
+    MOECORE_FORWARD(ns, linear_forward_lowp)         \
+    MOECORE_FORWARD(ns, linear_backward_lowp)        \
+    MOECORE_FORWARD(ns, lowp_gemm_native)            \
+    MOECORE_FORWARD(ns, encode_bf16)                 \
+    MOECORE_FORWARD(ns, encode_fp16)                 \
+    MOECORE_FORWARD(ns, decode_bf16)                 \
+    MOECORE_FORWARD(ns, decode_fp16)                 \
+    MOECORE_FORWARD(ns, round_bf16)                  \
+    MOECORE_FORWARD(ns, round_fp16)                  \
+    MOECORE_FORWARD(ns, abs_max)                     \
+    MOECORE_QUANTIZED(quantized_fprop)               \
+    MOECORE_QUANTIZED(quantized_dgrad)               \
+    MOECORE_QUANTIZED(quantized_wgrad)               \
+    MOECORE_FORWARD(ns, topk_routing_forward)        \
+    MOECORE_FORWARD(ns, topk_routing_backward)       \
+    MOECORE_FORWARD(ns, sinkhorn)                    \
+    MOECORE_FORWARD(ns, routing_map)                 \
+    MOECORE_FORWARD(ns, aux_scores_forward)          \
+    MOECORE_FORWARD(ns, aux_scores_backward)         \
+    MOECORE_FORWARD(ns, aux_loss_sums)               \
+    MOECORE_FORWARD(ns, switch_loss)                 \
+    MOECORE_FORWARD(ns, switch_loss_backward)        \
+    MOECORE_FORWARD(ns, z_loss_forward)              \
+    MOECORE_FORWARD(ns, z_loss_backward)             \
+    MOECORE_FORWARD(ns, expert_bias_update)          \
+    MOECORE_FORWARD(ns, moe_permute)                 \
+    MOECORE_FORWARD(ns, moe_unpermute)               \
+    MOECORE_FORWARD(ns, moe_unpermute_backward)      \
+    MOECORE_FORWARD(ns, sort_chunks)                 \
+    MOECORE_FORWARD(ns, unsort_chunks)               \
+    MOECORE_FORWARD(ns, grouped_linear_forward)      \
+    MOECORE_FORWARD(ns, grouped_linear_backward)     \
+    MOECORE_FORWARD(ns, normal_fill)                 \
   };
 #define MOECORE_FORWARD(ns, name)                          \
   template <typename... Args>                              \
   static decltype(auto) name(Args&&... args) {             \
     return kernels::ns::name(std::forward<Args>(args)...); \
   }
+// The quantized GEMMs (TransformerEngine's numerics, quant/) serve both host devices: they are their own reference.
+#define MOECORE_QUANTIZED(name)                      \
+  template <typename... Args>                        \
+  static decltype(auto) name(Args&&... args) {       \
+    return quant::name(std::forward<Args>(args)...); \
+  }
 MOECORE_KERNEL_TABLE(CpuKernels, cpu)
 MOECORE_KERNEL_TABLE(RefKernels, ref)
+#undef MOECORE_QUANTIZED
 #undef MOECORE_FORWARD
 #undef MOECORE_KERNEL_TABLE
 
@@ -114,22 +162,27 @@ void check_tensors(const char* op, std::initializer_list<const Tensor*> tensors)
 // t.numel() == expected.
 void check_numel(const char* op, const char* name, const Tensor& t, int64_t expected);
 
-// Calls fn.template operator()<T>(kernel table) for the dtype of `like` on the active backend of its device.
+// Calls fn(kernel table of `device`).
+template <typename Fn>
+void with_kernels(const char* op, const Device device, Fn&& fn) {
+  switch (device) {
+    case Device::kCPU: fn(CpuKernels{}); return;
+    case Device::kReference: fn(RefKernels{}); return;
+    case Device::kCUDA: break;
+  }
+  fail(op, "no kernels for device " + std::string(device_name(device)));
+}
+
+// Calls fn.template operator()<T>(kernel table) for the dtype of `like` (fp32 or fp64) on the table of its device.
 template <typename Fn>
 void dispatch(const char* op, const Tensor& like, Fn&& fn) {
-  if (like.device() != Device::kCPU) fail(op, "no backend for device " + std::string(device_name(like.device())));
-  auto run = [&](auto kernels) {
+  with_kernels(op, like.device(), [&](auto kernels) {
     switch (like.dtype()) {
       case DType::kF32: fn.template operator()<float>(kernels); return;
       case DType::kF64: fn.template operator()<double>(kernels); return;
       default: fail(op, "unsupported dtype " + std::string(dtype_name(like.dtype())));
     }
-  };
-  if (active_backend() == Backend::kReference) {
-    run(RefKernels{});
-  } else {
-    run(CpuKernels{});
-  }
+  });
 }
 
 }  // namespace moecore::ops::detail

@@ -33,9 +33,10 @@ kernels::LowpType lowp_type(const char* op, const DType dtype) {
 // (and the bias) in that dtype or fp32.
 void check_lowp(const char* op, const DType low, std::initializer_list<std::pair<const char*, const Tensor*>> inputs,
                 std::initializer_list<std::pair<const char*, const Tensor*>> fp32_or_low) {
-  const auto check_defined = [op](const Tensor* t) {
+  const Device device = inputs.begin()->second->device();
+  const auto check_defined = [op, device](const Tensor* t) {
     if (!t->defined()) detail::fail(op, "an argument tensor is undefined");
-    if (t->device() != Device::kCPU) detail::fail(op, "no backend for device " + std::string(device_name(t->device())));
+    if (t->device() != device) detail::fail(op, "tensors on different devices");
   };
   const std::string low_name(dtype_name(low));
   for (const auto& [name, t] : inputs) {
@@ -76,15 +77,13 @@ const uint16_t* bits(const Tensor* t) { return t == nullptr ? nullptr : t->data<
 
 void linear_forward_lowp(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O,
                          const int64_t T, const int64_t I, const int64_t O) {
-  const auto type = lowp_type("linear_forward", weight_OI.dtype());
-  const bool reference = active_backend() == Backend::kReference;
-  with_data(&out_TO, [&](auto* out) {
-    with_data(bias_O, [&](const auto* bias) {
-      if (reference) {
-        kernels::ref::linear_forward_lowp(type, out, bits(&inp_TI), bits(&weight_OI), bias, T, I, O);
-      } else {
-        kernels::cpu::linear_forward_lowp(type, out, bits(&inp_TI), bits(&weight_OI), bias, T, I, O);
-      }
+  constexpr const char* op = "linear_forward";
+  const auto type = lowp_type(op, weight_OI.dtype());
+  detail::with_kernels(op, weight_OI.device(), [&](auto k) {
+    with_data(&out_TO, [&](auto* out) {
+      with_data(bias_O, [&](const auto* bias) {
+        k.linear_forward_lowp(type, out, bits(&inp_TI), bits(&weight_OI), bias, T, I, O);
+      });
     });
   });
 }
@@ -92,148 +91,128 @@ void linear_forward_lowp(Tensor& out_TO, const Tensor& inp_TI, const Tensor& wei
 void linear_backward_lowp(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO,
                           const Tensor* inp_TI, const Tensor& weight_OI, const int64_t T, const int64_t I,
                           const int64_t O) {
-  const auto type = lowp_type("linear_backward", weight_OI.dtype());
-  const bool reference = active_backend() == Backend::kReference;
-  with_data(dinp_TI, [&](auto* dinp) {
-    with_data(dweight_OI, [&](auto* dweight) {
-      with_data(dbias_O, [&](auto* dbias) {
-        if (reference) {
-          kernels::ref::linear_backward_lowp(type, dinp, dweight, dbias, bits(&dout_TO), bits(inp_TI), bits(&weight_OI),
-                                             T, I, O);
-        } else {
-          kernels::cpu::linear_backward_lowp(type, dinp, dweight, dbias, bits(&dout_TO), bits(inp_TI), bits(&weight_OI),
-                                             T, I, O);
-        }
+  constexpr const char* op = "linear_backward";
+  const auto type = lowp_type(op, weight_OI.dtype());
+  detail::with_kernels(op, weight_OI.device(), [&](auto k) {
+    with_data(dinp_TI, [&](auto* dinp) {
+      with_data(dweight_OI, [&](auto* dweight) {
+        with_data(dbias_O, [&](auto* dbias) {
+          k.linear_backward_lowp(type, dinp, dweight, dbias, bits(&dout_TO), bits(inp_TI), bits(&weight_OI), T, I, O);
+        });
       });
     });
   });
 }
 
 // Under --bf16 / --fp16 the fp32 operands of a layer's GEMMs hold 16-bit values (every op rounds what it writes to
-// activation_dtype(), the optimizer rounds the weights), so the GEMM Megatron runs in 16 bits is this fp32 GEMM up
-// to summation order: that is the "convert" path of gemm_lowp.h. Where lowp_gemm_path picks "native", the operands'
-// 16-bit bits go to the CPU's bf16 / fp16 dot-product kernels instead (encoding them is exact). The result of
-// either path is rounded by the caller like every activation.
-std::optional<kernels::LowpType> native_lowp_type(const Tensor& weight_OI) {
-  if (weight_OI.dtype() != DType::kF32 || active_backend() == Backend::kReference) return std::nullopt;
-  const DType act = activation_dtype();
+// the activation dtype, the optimizer rounds the weights), so the GEMM Megatron runs in 16 bits is this fp32 GEMM up
+// to summation order: that is the "convert" path of gemm_lowp.h. Where the device's table says the native path
+// applies, the operands' 16-bit bits go to the CPU's bf16 / fp16 dot-product kernels instead (encoding them is
+// exact). The result of either path is rounded by the caller like every activation.
+std::optional<kernels::LowpType> native_lowp_type(const char* op, const Tensor& weight_OI) {
+  if (weight_OI.dtype() != DType::kF32) return std::nullopt;
+  const DType act = activation_dtype(weight_OI.device());
   if (!is_low(act)) return std::nullopt;
   const auto type = act == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
-  if (kernels::cpu::lowp_gemm_path(type) != kernels::cpu::LowpGemmPath::kNative) return std::nullopt;
-  return type;
+  bool native = false;
+  detail::with_kernels(op, weight_OI.device(), [&](auto k) { native = k.lowp_gemm_native(type); });
+  return native ? std::optional(type) : std::nullopt;
 }
 
-// The 16-bit bits of n fp32 values (exact for values of that format).
-std::vector<uint16_t> encode_lowp(const kernels::LowpType type, const float* data, const int64_t n) {
-  std::vector<uint16_t> bits_n(static_cast<size_t>(n));
-  if (type == kernels::LowpType::kBF16) {
-    kernels::cpu::encode_bf16(bits_n.data(), data, n);
-  } else {
-    kernels::cpu::encode_fp16(bits_n.data(), data, n);
-  }
+// The 16-bit bits of an fp32 tensor's values (exact for values of that format), on its device.
+Tensor encode_lowp(const char* op, const kernels::LowpType type, const Tensor& t) {
+  Tensor bits_n({t.numel()}, type == kernels::LowpType::kBF16 ? DType::kBF16 : DType::kF16, MemCategory::kOther,
+                t.device());
+  detail::with_kernels(op, t.device(), [&](auto k) {
+    type == kernels::LowpType::kBF16 ? k.encode_bf16(bits_n.data<uint16_t>(), t.data<float>(), t.numel())
+                                     : k.encode_fp16(bits_n.data<uint16_t>(), t.data<float>(), t.numel());
+  });
   return bits_n;
 }
 
 void linear_forward_native(const kernels::LowpType type, Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI,
                            const Tensor* bias_O, const int64_t T, const int64_t I, const int64_t O) {
-  const auto x = encode_lowp(type, inp_TI.data<float>(), T * I);
-  const auto w = encode_lowp(type, weight_OI.data<float>(), O * I);
-  kernels::cpu::linear_forward_lowp(type, out_TO.data<float>(), x.data(), w.data(),
-                                    bias_O ? bias_O->data<float>() : nullptr, T, I, O);
+  constexpr const char* op = "linear_forward";
+  const Tensor x = encode_lowp(op, type, inp_TI);
+  const Tensor w = encode_lowp(op, type, weight_OI);
+  detail::with_kernels(op, weight_OI.device(), [&](auto k) {
+    k.linear_forward_lowp(type, out_TO.data<float>(), bits(&x), bits(&w), bias_O ? bias_O->data<float>() : nullptr, T,
+                          I, O);
+  });
 }
 
 void linear_backward_native(const kernels::LowpType type, Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O,
                             const Tensor& dout_TO, const Tensor* inp_TI, const Tensor& weight_OI, const int64_t T,
                             const int64_t I, const int64_t O) {
-  const auto dy = encode_lowp(type, dout_TO.data<float>(), T * O);
-  const auto w = dinp_TI ? encode_lowp(type, weight_OI.data<float>(), O * I) : std::vector<uint16_t>();
-  const auto x = dweight_OI ? encode_lowp(type, inp_TI->data<float>(), T * I) : std::vector<uint16_t>();
-  kernels::cpu::linear_backward_lowp(type, dinp_TI ? dinp_TI->data<float>() : nullptr,
-                                     dweight_OI ? dweight_OI->data<float>() : nullptr,
-                                     dbias_O ? dbias_O->data<float>() : nullptr, dy.data(),
-                                     dweight_OI ? x.data() : nullptr, dinp_TI ? w.data() : nullptr, T, I, O);
+  constexpr const char* op = "linear_backward";
+  const Tensor dy = encode_lowp(op, type, dout_TO);
+  const Tensor w = dinp_TI ? encode_lowp(op, type, weight_OI) : Tensor();
+  const Tensor x = dweight_OI ? encode_lowp(op, type, *inp_TI) : Tensor();
+  detail::with_kernels(op, weight_OI.device(), [&](auto k) {
+    k.linear_backward_lowp(type, dinp_TI ? dinp_TI->data<float>() : nullptr,
+                           dweight_OI ? dweight_OI->data<float>() : nullptr, dbias_O ? dbias_O->data<float>() : nullptr,
+                           bits(&dy), dweight_OI ? bits(&x) : nullptr, dinp_TI ? bits(&w) : nullptr, T, I, O);
+  });
 }
 
 // The quantization config that applies to these fp32 tensors, or null.
 const quant::QuantizedLinearConfig* quantization_for(const Tensor& weight_OI) {
-  return weight_OI.dtype() == DType::kF32 ? linear_quantization() : nullptr;
+  return weight_OI.dtype() == DType::kF32 ? linear_quantization(weight_OI.device()) : nullptr;
 }
 
-// A [T, C] fp32 operand with zero rows appended up to Tp rows (no copy when Tp == T).
-class PaddedRows {
- public:
-  PaddedRows(const float* data, const int64_t T, const int64_t C, const int64_t Tp) : data_(data) {
-    if (Tp == T) return;
-    padded_.assign(static_cast<size_t>(Tp * C), 0.0f);
-    std::copy(data, data + T * C, padded_.begin());
-    data_ = padded_.data();
-  }
-  const float* data() const { return data_; }
-
- private:
-  const float* data_;
-  std::vector<float> padded_;
-};
+// A [T, C] fp32 operand with zero rows appended up to Tp rows, on its device (the tensor itself when Tp == T).
+Tensor padded_rows(const Tensor& t, const int64_t T, const int64_t C, const int64_t Tp) {
+  if (Tp == T) return t;
+  Tensor padded({Tp, C}, DType::kF32, MemCategory::kOther, t.device());
+  std::copy_n(t.data<float>(), T * C, padded.data<float>());
+  return padded;
+}
 
 int64_t padded_row_count(const int64_t T, const quant::Recipe recipe) {
   const int64_t multiple = quantization_row_multiple(recipe);
   return (T + multiple - 1) / multiple * multiple;
 }
 
-// Runs a quantized GEMM, reporting an operand the recipe cannot quantize as the op's error.
+// Runs a quantized GEMM from the device's table, reporting an operand the recipe cannot quantize as the op's error.
 template <typename Fn>
-void run_quantized(const char* op, Fn&& fn) {
+void run_quantized(const char* op, const Device device, Fn&& fn) {
   try {
-    fn();
+    detail::with_kernels(op, device, fn);
   } catch (const std::invalid_argument& e) {
     detail::fail(op, e.what());
   }
-}
-
-// dst[i] += src[i] for i < n.
-void accumulate(float* dst, const float* src, const int64_t n) {
-#pragma omp parallel for schedule(static) if (n > (1 << 16))
-  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
-}
-
-// max |x_i| over n values (NaN skipped), the amax a cast records.
-float abs_max(const float* x, const int64_t n) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-  return amax;
 }
 
 void linear_forward_quantized(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O,
                               const int64_t T, const int64_t I, const int64_t O,
                               const quant::QuantizedLinearConfig& base_config, quant::DelayedLinearScaling* delayed,
                               quant::DelayedForwardScales* forward_scales) {
+  constexpr const char* op = "linear_forward";
+  const Device device = weight_OI.device();
   quant::QuantizedLinearConfig config = base_config;
   if (config.recipe == quant::Recipe::kDelayed) {
-    if (delayed == nullptr) detail::fail("linear_forward", "FP8 delayed scaling needs the layer's scaling state");
+    if (delayed == nullptr) detail::fail(op, "FP8 delayed scaling needs the layer's scaling state");
     config.x = delayed->input();
     config.w = delayed->weight_for_forward();
     if (forward_scales != nullptr) *forward_scales = {config.x.scale, config.w.scale};
     // A forward without rows (an expert without tokens) still casts the weight in TE, recording its amax.
     if (T == 0 && config.w.amax != nullptr) {
-      quant::record_amax(config.w.amax, abs_max(weight_OI.data<float>(), O * I));
+      float amax = 0.0f;
+      detail::with_kernels(op, device, [&](auto k) { amax = k.abs_max(weight_OI.data<float>(), O * I); });
+      quant::record_amax(config.w.amax, amax);
     }
   }
   if (T == 0) return;  // no rows to quantize
   const int64_t Tp = padded_row_count(T, config.recipe);
-  const PaddedRows x(inp_TI.data<float>(), T, I, Tp);
-  float* out = out_TO.data<float>();
-  std::vector<float> padded_out;
-  if (Tp != T) padded_out.resize(static_cast<size_t>(Tp * O));
-  float* y = Tp == T ? out : padded_out.data();
-  run_quantized("linear_forward",
-                [&] { quant::quantized_fprop(x.data(), weight_OI.data<float>(), y, Tp, I, O, config); });
-  if (Tp != T) std::copy(y, y + T * O, out);
+  const Tensor x = padded_rows(inp_TI, T, I, Tp);
+  Tensor y = Tp == T ? out_TO : Tensor({Tp, O}, DType::kF32, MemCategory::kOther, device);
+  run_quantized(op, device, [&](auto k) {
+    k.quantized_fprop(x.data<float>(), weight_OI.data<float>(), y.data<float>(), Tp, I, O, config);
+  });
+  if (Tp != T) std::copy_n(y.data<float>(), T * O, out_TO.data<float>());
   if (bias_O != nullptr) {  // added to the fp32 product, as TE's GEMM epilogue adds it
-    const float* bias = bias_O->data<float>();
-#pragma omp parallel for schedule(static) if (T * O > (1 << 16))
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t o = 0; o < O; ++o) out[t * O + o] += bias[o];
-    }
+    detail::with_kernels(op, device,
+                         [&](auto k) { k.add_bias_rows(out_TO.data<float>(), bias_O->data<float>(), T, O); });
   }
 }
 
@@ -244,6 +223,7 @@ void linear_backward_quantized(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbia
                                const quant::DelayedForwardScales* forward_scales) {
   constexpr const char* op = "linear_backward";
   if (T == 0) return;  // every gradient gets a zero contribution
+  const Device device = weight_OI.device();
   quant::QuantizedLinearConfig config = base_config;
   if (config.recipe == quant::Recipe::kDelayed) {
     if (delayed == nullptr || forward_scales == nullptr) {
@@ -256,17 +236,21 @@ void linear_backward_quantized(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbia
   }
   config.seed = quantization_seed(base_config.seed, gradient_fingerprint(dout_TO.data<float>(), T * O));
   const int64_t Tp = padded_row_count(T, config.recipe);
-  const PaddedRows dy(dout_TO.data<float>(), T, O, Tp);
+  const Tensor dy = padded_rows(dout_TO, T, O, Tp);
   if (dinp_TI != nullptr) {
-    std::vector<float> dx(static_cast<size_t>(Tp * I));
-    run_quantized(op, [&] { quant::quantized_dgrad(dy.data(), weight_OI.data<float>(), dx.data(), Tp, I, O, config); });
-    accumulate(dinp_TI->data<float>(), dx.data(), T * I);
+    Tensor dx({Tp, I}, DType::kF32, MemCategory::kOther, device);
+    run_quantized(op, device, [&](auto k) {
+      k.quantized_dgrad(dy.data<float>(), weight_OI.data<float>(), dx.data<float>(), Tp, I, O, config);
+      k.add_inplace(dinp_TI->data<float>(), dx.data<float>(), T * I);
+    });
   }
   if (dweight_OI != nullptr) {
-    const PaddedRows x(inp_TI->data<float>(), T, I, Tp);
-    std::vector<float> dw(static_cast<size_t>(O * I));
-    run_quantized(op, [&] { quant::quantized_wgrad(dy.data(), x.data(), dw.data(), Tp, I, O, config); });
-    accumulate(dweight_OI->data<float>(), dw.data(), O * I);
+    const Tensor x = padded_rows(*inp_TI, T, I, Tp);
+    Tensor dw({O, I}, DType::kF32, MemCategory::kOther, device);
+    run_quantized(op, device, [&](auto k) {
+      k.quantized_wgrad(dy.data<float>(), x.data<float>(), dw.data<float>(), Tp, I, O, config);
+      k.add_inplace(dweight_OI->data<float>(), dw.data<float>(), O * I);
+    });
   }
   if (dbias_O != nullptr) {  // reduced from the unquantized gradient
     detail::dispatch(op, dout_TO, [&]<typename S>(auto k) {
@@ -301,7 +285,7 @@ void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_O
     detail::round_activations({&out_TO});
     return;
   }
-  if (const auto type = native_lowp_type(weight_OI)) {
+  if (const auto type = native_lowp_type(op, weight_OI)) {
     linear_forward_native(*type, out_TO, inp_TI, weight_OI, bias_O, T, I, O);
     detail::round_activations({&out_TO});
     return;
@@ -340,7 +324,7 @@ void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const
     detail::round_activations({dinp_TI});
     return;
   }
-  if (const auto type = native_lowp_type(weight_OI)) {
+  if (const auto type = native_lowp_type(op, weight_OI)) {
     linear_backward_native(*type, dinp_TI, dweight_OI, dbias_O, dout_TO, inp_TI, weight_OI, T, I, O);
     detail::round_activations({dinp_TI});
     return;

@@ -52,7 +52,7 @@ void linear_cross_entropy(Tensor& losses_T, const Tensor& input_TI, const Tensor
 
   const Tensor x_TI = input_TI.view({T, I});
   Tensor loss_T = losses_T.view({T});
-  Tensor logits_buffer({std::min(chunk_rows, T), Vl}, dtype, MemCategory::kActivations);
+  Tensor logits_buffer({std::min(chunk_rows, T), Vl}, dtype, MemCategory::kActivations, input_TI.device());
   for (int64_t t0 = 0; t0 < T; t0 += chunk_rows) {
     const int64_t t1 = std::min(T, t0 + chunk_rows), n = t1 - t0;
     const std::span<const int32_t> targets_n = targets_T.subspan(static_cast<size_t>(t0), static_cast<size_t>(n));
@@ -60,12 +60,12 @@ void linear_cross_entropy(Tensor& losses_T, const Tensor& input_TI, const Tensor
     Tensor logits_nV = logits_buffer.slice_rows(0, n);
     linear_forward(logits_nV, x_nI, weight_VI);
     Tensor loss_n = loss_T.slice_rows(t0, t1);
-    Tensor lse_n({n}, dtype, MemCategory::kActivations);
+    Tensor lse_n({n}, dtype, MemCategory::kActivations, input_TI.device());
     if (split) {
-      Tensor max_n({n}, dtype, MemCategory::kActivations);
+      Tensor max_n({n}, dtype, MemCategory::kActivations, input_TI.device());
       vocab_ce_local_max(max_n, logits_nV);
       shard->reduce_max(max_n);
-      Tensor stats_2n({2 * n}, dtype, MemCategory::kActivations);
+      Tensor stats_2n({2 * n}, dtype, MemCategory::kActivations, input_TI.device());
       vocab_ce_local_stats(stats_2n, logits_nV, max_n, targets_n, shard->V, shard->vocab_begin);
       shard->reduce_sum(stats_2n);
       vocab_ce_finish(loss_n, lse_n, max_n, stats_2n);

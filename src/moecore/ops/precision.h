@@ -16,19 +16,21 @@
 
 namespace moecore::ops {
 
-// kF32 (no rounding), kBF16 or kF16: the innermost live ScopedActivationDType, else kF32.
-DType activation_dtype();
+// kF32 (no rounding), kBF16 or kF16: the innermost live ScopedActivationDType of `device`, else kF32.
+DType activation_dtype(Device device = Device::kCPU);
 
-// Sets the activation dtype until destroyed (process-wide, so OpenMP workers agree; nests and restores the previous
-// one; create and destroy it on one thread, outside parallel regions). std::invalid_argument for other dtypes.
+// Sets the activation dtype of the ops on `device` until destroyed (for every thread, so OpenMP workers agree; nests
+// and restores the previous one; create and destroy it on one thread, outside parallel regions).
+// std::invalid_argument for other dtypes.
 class ScopedActivationDType {
  public:
-  explicit ScopedActivationDType(DType dtype);
+  explicit ScopedActivationDType(DType dtype, Device device = Device::kCPU);
   ~ScopedActivationDType();
   ScopedActivationDType(const ScopedActivationDType&) = delete;
   ScopedActivationDType& operator=(const ScopedActivationDType&) = delete;
 
  private:
+  Device device_;
   int previous_;
 };
 
@@ -36,7 +38,7 @@ class ScopedActivationDType {
 void round_to_dtype_(Tensor& t, DType dtype);
 
 namespace detail {
-// Rounds the fp32 tensors among `tensors` (null entries skipped) to activation_dtype().
+// Rounds the fp32 tensors among `tensors` (null entries skipped) to the activation dtype of their device.
 void round_activations(std::initializer_list<Tensor*> tensors);
 }  // namespace detail
 

@@ -1,21 +1,27 @@
 #include "moecore/ops/quantization.h"
 
+#include <array>
 #include <atomic>
 #include <bit>
 
 namespace moecore::ops {
 namespace {
 
-std::atomic<const quant::QuantizedLinearConfig*> scoped_config{nullptr};
+// Per device, so a second device's model can run with its own recipe.
+std::array<std::atomic<const quant::QuantizedLinearConfig*>, 3> scoped_config{nullptr, nullptr, nullptr};
+
+std::atomic<const quant::QuantizedLinearConfig*>& scoped_config_of(const Device device) {
+  return scoped_config.at(static_cast<size_t>(device));
+}
 
 }  // namespace
 
-const quant::QuantizedLinearConfig* linear_quantization() { return scoped_config.load(); }
+const quant::QuantizedLinearConfig* linear_quantization(const Device device) { return scoped_config_of(device).load(); }
 
-ScopedLinearQuantization::ScopedLinearQuantization(const quant::QuantizedLinearConfig* config)
-    : previous_(scoped_config.exchange(config)) {}
+ScopedLinearQuantization::ScopedLinearQuantization(const quant::QuantizedLinearConfig* config, const Device device)
+    : device_(device), previous_(scoped_config_of(device).exchange(config)) {}
 
-ScopedLinearQuantization::~ScopedLinearQuantization() { scoped_config = previous_; }
+ScopedLinearQuantization::~ScopedLinearQuantization() { scoped_config_of(device_) = previous_; }
 
 uint64_t gradient_fingerprint(const float* data, const int64_t n) {
   // FNV-1a over the values' bit patterns and the count.

@@ -14,23 +14,25 @@
 #include <cstdint>
 
 #include "moecore/quant/quantized_gemm.h"
+#include "moecore/tensor/device.h"
 
 namespace moecore::ops {
 
-// The innermost live ScopedLinearQuantization's config, or null (high precision).
-const quant::QuantizedLinearConfig* linear_quantization();
+// The innermost live ScopedLinearQuantization's config of `device`, or null (high precision).
+const quant::QuantizedLinearConfig* linear_quantization(Device device = Device::kCPU);
 
-// Sets the quantization of linear layers until destroyed (process-wide, so OpenMP workers agree; nests and
-// restores the previous one; null switches quantization off, as Megatron keeps its router and bf16 layers
+// Sets the quantization of the linear layers on `device` until destroyed (for every thread, so OpenMP workers agree;
+// nests and restores the previous one; null switches quantization off, as Megatron keeps its router and bf16 layers
 // unquantized). The config must outlive the scope. Create and destroy it on one thread, outside parallel regions.
 class ScopedLinearQuantization {
  public:
-  explicit ScopedLinearQuantization(const quant::QuantizedLinearConfig* config);
+  explicit ScopedLinearQuantization(const quant::QuantizedLinearConfig* config, Device device = Device::kCPU);
   ~ScopedLinearQuantization();
   ScopedLinearQuantization(const ScopedLinearQuantization&) = delete;
   ScopedLinearQuantization& operator=(const ScopedLinearQuantization&) = delete;
 
  private:
+  Device device_;
   const quant::QuantizedLinearConfig* previous_;
 };
 

@@ -49,7 +49,7 @@ CheckedGrids check_grids(const ParallelSizes& sizes) {
   require_positive("--pipeline-model-parallel-size", sizes.pipeline_model_parallel_size);
   require_positive("--context-parallel-size", sizes.context_parallel_size);
   require_positive("--expert-model-parallel-size", sizes.expert_model_parallel_size);
-  const int etp = sizes.expert_tensor_parallel_size.value_or(sizes.tensor_model_parallel_size);
+  const int etp = sizes.expert_tensor_parallel();
   require_positive("--expert-tensor-parallel-size", etp);
 
   const int world = sizes.world_size;

@@ -24,6 +24,9 @@ struct ParallelSizes {
   int expert_model_parallel_size = 1;
   std::optional<int> expert_tensor_parallel_size;  // unset: the tensor-parallel size, as in Megatron
   std::string order = kDefaultRankOrder;
+
+  // The expert tensor-parallel size in effect.
+  int expert_tensor_parallel() const { return expert_tensor_parallel_size.value_or(tensor_model_parallel_size); }
 };
 
 // Groups of the attention grid (ep = 1 there). dp_cp reduces dense gradients; tp_cp reduces router statistics

@@ -112,16 +112,16 @@ std::string layer_name(const char c) {
 }
 
 // "--num-layers 7 + 1 (embedding) = 8": the layer count the uniform split divides, as Megatron's num_layers there.
-std::string counted_layers(const PipelineSplitFlags& flags, const int64_t counted) {
-  std::string text = "--num-layers " + str(flags.num_layers);
+std::string counted_layers(const PipelineShape& shape, const PipelineSplitFlags& flags, const int64_t counted) {
+  std::string text = "--num-layers " + str(shape.num_layers);
   if (flags.account_for_embedding_in_pipeline_split) text += " + 1 (embedding)";
   if (flags.account_for_loss_in_pipeline_split) text += " + 1 (loss)";
-  if (counted != flags.num_layers) text += " = " + str(counted);
+  if (counted != shape.num_layers) text += " = " + str(counted);
   return text;
 }
 
-int64_t counted_layer_total(const PipelineSplitFlags& flags) {
-  return flags.num_layers + (flags.account_for_embedding_in_pipeline_split ? 1 : 0) +
+int64_t counted_layer_total(const PipelineShape& shape, const PipelineSplitFlags& flags) {
+  return shape.num_layers + (flags.account_for_embedding_in_pipeline_split ? 1 : 0) +
          (flags.account_for_loss_in_pipeline_split ? 1 : 0);
 }
 
@@ -160,15 +160,16 @@ std::vector<std::string> parse_pipeline_layout(const std::string& layout) {
   return stages;
 }
 
-PipelineLayout::PipelineLayout(const PipelineSplitFlags& flags) : flags_(flags) {
-  const int64_t pp = flags.pipeline_model_parallel_size;
+PipelineLayout::PipelineLayout(const PipelineShape& shape, const PipelineSplitFlags& flags)
+    : shape_(shape), flags_(flags) {
+  const int64_t pp = shape.pipeline_model_parallel_size;
   require(pp >= 1, std::string(kPipelineSizeFlag) + " must be positive (got " + str(pp) + ")");
   require(pp <= kMaxChunks,
           std::string(kPipelineSizeFlag) + " " + str(pp) + " is more than moecore supports (" + str(kMaxChunks) + ")");
-  require(flags.num_layers >= 1, "--num-layers must be positive (got " + str(flags.num_layers) + ")");
-  require(flags.mtp_num_layers >= 0, "--mtp-num-layers must not be negative (got " + str(flags.mtp_num_layers) + ")");
-  require(flags.num_layers <= kMaxLayers,
-          "--num-layers " + str(flags.num_layers) + " is more than moecore supports (" + str(kMaxLayers) + ")");
+  require(shape.num_layers >= 1, "--num-layers must be positive (got " + str(shape.num_layers) + ")");
+  require(shape.mtp_num_layers >= 0, "--mtp-num-layers must not be negative (got " + str(shape.mtp_num_layers) + ")");
+  require(shape.num_layers <= kMaxLayers,
+          "--num-layers " + str(shape.num_layers) + " is more than moecore supports (" + str(kMaxLayers) + ")");
   const bool first_set = flags.decoder_first_pipeline_num_layers.has_value();
   const bool last_set = flags.decoder_last_pipeline_num_layers.has_value();
   const bool accounts = flags.account_for_embedding_in_pipeline_split || flags.account_for_loss_in_pipeline_split;
@@ -190,7 +191,7 @@ PipelineLayout::PipelineLayout(const PipelineSplitFlags& flags) : flags_(flags) 
     require(!value || *value >= 1, std::string(flag) + " must be positive (got " + str(value.value_or(0)) + ")");
   }
 
-  const int64_t counted = counted_layer_total(flags);
+  const int64_t counted = counted_layer_total(shape, flags);
   int64_t vpp = 1;
   std::vector<std::string> cells;
   if (flags.pipeline_model_parallel_layout) {
@@ -208,7 +209,8 @@ PipelineLayout::PipelineLayout(const PipelineSplitFlags& flags) : flags_(flags) 
                                          kLastFlag + ")");
     require(counted % pp == 0, std::string(kLayersPerStageFlag) +
                                    ": number of layers of the model must be divisible pipeline model parallel size (" +
-                                   counted_layers(flags, counted) + ", " + kPipelineSizeFlag + " " + str(pp) + ")");
+                                   counted_layers(shape, flags, counted) + ", " + kPipelineSizeFlag + " " + str(pp) +
+                                   ")");
     const int64_t per_rank = counted / pp;
     const int64_t per_chunk = *flags.num_layers_per_virtual_pipeline_stage;
     require(per_rank % per_chunk == 0, std::string(kLayersPerStageFlag) +
@@ -221,7 +223,8 @@ PipelineLayout::PipelineLayout(const PipelineSplitFlags& flags) : flags_(flags) 
     vpp = *flags.num_virtual_stages_per_pipeline_rank;
   } else if (!first_set && !last_set) {
     require(counted % pp == 0, "Number of layers should be divisible by the pipeline-model-parallel size (" +
-                                   counted_layers(flags, counted) + ", " + kPipelineSizeFlag + " " + str(pp) + ")");
+                                   counted_layers(shape, flags, counted) + ", " + kPipelineSizeFlag + " " + str(pp) +
+                                   ")");
   }
   require(vpp <= kMaxChunks / pp, std::string(kPipelineSizeFlag) + " " + str(pp) + " x " + str(vpp) +
                                       " virtual stages is more model chunks than moecore supports (" + str(kMaxChunks) +
@@ -272,7 +275,7 @@ PipelineLayout::PipelineLayout(const PipelineSplitFlags& flags) : flags_(flags) 
   }
   stages_.front().has_embedding = true;
   stages_.back().has_loss = true;
-  if (!flags.pipeline_model_parallel_layout) stages_.back().mtp_layers = flags.mtp_num_layers;
+  if (!flags.pipeline_model_parallel_layout) stages_.back().mtp_layers = shape.mtp_num_layers;
   for (const PipelineStage& chunk : stages_) {
     require(chunk.mtp_layers == 0 || chunk.has_loss,
             std::string(kLayoutFlag) +
@@ -293,13 +296,13 @@ void PipelineLayout::split_by_layout(const std::vector<std::string>& cells) {
   require(std::count(flat.begin(), flat.end(), 'E') == 1, prefix + "Embedding must be specified exactly once");
   require(std::count(flat.begin(), flat.end(), 'L') == 1, prefix + "Loss must be specified exactly once");
   const auto decoders = static_cast<int64_t>(std::count(flat.begin(), flat.end(), 't'));
-  require(decoders == flags_.num_layers,
-          prefix + "Number of decoder layers " + str(decoders) + " must match --num-layers " + str(flags_.num_layers));
+  require(decoders == shape_.num_layers,
+          prefix + "Number of decoder layers " + str(decoders) + " must match --num-layers " + str(shape_.num_layers));
   // The MTP checks of validate_layer_layout, in its order.
   const auto mtps = static_cast<int64_t>(std::count(flat.begin(), flat.end(), 'm'));
-  require(mtps == flags_.mtp_num_layers, prefix + "Number of mtp layers in layout must match mtp_num_layers (" +
+  require(mtps == shape_.mtp_num_layers, prefix + "Number of mtp layers in layout must match mtp_num_layers (" +
                                              str(mtps) + " in the layout, --mtp-num-layers " +
-                                             str(flags_.mtp_num_layers) + ")");
+                                             str(shape_.mtp_num_layers) + ")");
   require(flat.find('m') == std::string::npos || flat.find('t', flat.find('m')) == std::string::npos,
           prefix + "decoder layers must be placed before MTP layers");
   const auto cell_of = [&](const int r, const int v) {
@@ -316,7 +319,7 @@ void PipelineLayout::split_by_layout(const std::vector<std::string>& cells) {
   }
   for (int r = 0; r < pipeline_size_; ++r) {
     const std::string& last = cell_of(r, virtual_pipeline_size_ - 1);
-    require(last.find('m') == std::string::npos || std::count(last.begin(), last.end(), 'm') == flags_.mtp_num_layers,
+    require(last.find('m') == std::string::npos || std::count(last.begin(), last.end(), 'm') == shape_.mtp_num_layers,
             prefix + "All of the MTP layers must be in the same one virtual pipeline stage");
   }
   // Stage i is (pp = i % PP, virtual stage = i / PP); layers are numbered in stage order.
@@ -334,7 +337,7 @@ void PipelineLayout::split_by_layout(const std::vector<std::string>& cells) {
 
 // TransformerConfig's uneven checks, get_num_layers_to_build and get_transformer_layer_offset.
 void PipelineLayout::split_uneven() {
-  const int64_t pp = pipeline_size_, vpp = virtual_pipeline_size_, num_layers = flags_.num_layers;
+  const int64_t pp = pipeline_size_, vpp = virtual_pipeline_size_, num_layers = shape_.num_layers;
   const bool first_set = flags_.decoder_first_pipeline_num_layers.has_value();
   const bool last_set = flags_.decoder_last_pipeline_num_layers.has_value();
   const int64_t first = flags_.decoder_first_pipeline_num_layers.value_or(0);
@@ -393,11 +396,12 @@ void PipelineLayout::split_uniform() {
   const int64_t pp = pipeline_size_, vpp = virtual_pipeline_size_;
   const bool embedding = flags_.account_for_embedding_in_pipeline_split;
   const bool loss = flags_.account_for_loss_in_pipeline_split;
-  const int64_t counted = counted_layer_total(flags_);
+  const int64_t counted = counted_layer_total(shape_, flags_);
   if (embedding || loss) {
     const std::string accounted = std::string(kEmbeddingFlag) + " or " + kLossFlag;
     require(counted % pp == 0, "num_layers: " + str(counted) + " after enable " + accounted + " must be divisible by " +
-                                   kPipelineSizeFlag + " " + str(pp) + " (" + counted_layers(flags_, counted) + ")");
+                                   kPipelineSizeFlag + " " + str(pp) + " (" + counted_layers(shape_, flags_, counted) +
+                                   ")");
     require((counted / pp) % vpp == 0, "number of layers on each pipeline rank: " + str(counted / pp) +
                                            " (after enable " + accounted +
                                            ") must be divisible by virtual_pipeline_model_parallel_size " + str(vpp) +
@@ -431,7 +435,7 @@ const PipelineStage& PipelineLayout::stage_of_layer(const int64_t layer) const {
   for (const PipelineStage& chunk : stages_) {
     if (layer >= chunk.first_layer && layer < chunk.end_layer()) return chunk;
   }
-  throw LayoutError("no pipeline stage holds decoder layer " + str(layer) + " (--num-layers " + str(flags_.num_layers) +
+  throw LayoutError("no pipeline stage holds decoder layer " + str(layer) + " (--num-layers " + str(shape_.num_layers) +
                     ")");
 }
 

@@ -35,10 +35,15 @@
 
 namespace moecore::parallel {
 
-// The flags that decide the split (Megatron's names and defaults).
+// What is split: the model's decoder layers (and Multi-Token Prediction depths) over the pipeline ranks.
+struct PipelineShape {
+  int64_t num_layers = 0;                    // --num-layers
+  int64_t pipeline_model_parallel_size = 1;  // --pipeline-model-parallel-size
+  int64_t mtp_num_layers = 0;  // --mtp-num-layers: every depth on the loss stage, or where a layout's 'm's are
+};
+
+// The flags that choose the split (Megatron's names and defaults).
 struct PipelineSplitFlags {
-  int64_t num_layers = 0;                                        // --num-layers
-  int64_t pipeline_model_parallel_size = 1;                      // --pipeline-model-parallel-size
   std::optional<int64_t> decoder_first_pipeline_num_layers;      // --decoder-first-pipeline-num-layers
   std::optional<int64_t> decoder_last_pipeline_num_layers;       // --decoder-last-pipeline-num-layers
   bool account_for_embedding_in_pipeline_split = false;          // --account-for-embedding-in-pipeline-split
@@ -49,7 +54,6 @@ struct PipelineSplitFlags {
   // Megatron's overlap_p2p_comm (default true; --no-overlap-p2p-communication clears it). Here it only selects the
   // interleaved schedule's size rule: VPP > 1 needs PP > 1 with it, PP > 2 without.
   bool overlap_p2p_comm = true;
-  int64_t mtp_num_layers = 0;  // --mtp-num-layers: every depth on the loss stage, or where a layout's 'm's are
 };
 
 // One model chunk: the decoder layers [first_layer, first_layer + num_layers) of pipeline rank pp_rank, virtual
@@ -69,10 +73,11 @@ struct PipelineStage {
 class PipelineLayout {
  public:
   // Validates the flags as Megatron does and computes every chunk; throws LayoutError (one line) otherwise.
-  explicit PipelineLayout(const PipelineSplitFlags& flags);
+  PipelineLayout(const PipelineShape& shape, const PipelineSplitFlags& flags);
 
+  const PipelineShape& shape() const { return shape_; }
   const PipelineSplitFlags& flags() const { return flags_; }
-  int64_t num_layers() const { return flags_.num_layers; }
+  int64_t num_layers() const { return shape_.num_layers; }
   int pipeline_size() const { return pipeline_size_; }
   // Virtual stages per pipeline rank; 1 without virtual pipelining (Megatron's None).
   int virtual_pipeline_size() const { return virtual_pipeline_size_; }
@@ -98,6 +103,7 @@ class PipelineLayout {
   void split_uneven();
   void split_uniform();
 
+  PipelineShape shape_;
   PipelineSplitFlags flags_;
   int pipeline_size_ = 1;
   int virtual_pipeline_size_ = 1;

@@ -387,7 +387,7 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
   const TrainingArgs& t = args.train;
   const PlanModel& model = args.model;
   const ModelConfig& c = model.config;
-  const parallel::PipelineLayout layout(pipeline_split_flags(t));
+  const parallel::PipelineLayout layout = pipeline_layout(t);
   const LayoutSizes sizes = layout_sizes(args);
   const int pp = sizes.pp, vpp = sizes.vpp;
   const double tp = sizes.tp, cp = sizes.cp, ep = sizes.ep, etp = sizes.etp;

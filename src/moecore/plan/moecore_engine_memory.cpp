@@ -18,10 +18,13 @@
 namespace moecore::plan {
 namespace {
 
+// The model's sizes as doubles (products of them exceed 64-bit integers on the largest configurations) and its
+// switches, read from the config.
 struct Shape {
+  const ModelConfig& config;
   double h = 0, n = 0, g = 0, d = 0, f = 0, fm = 0, k = 0, sh = 0, experts = 0, vocab = 0;
   double glu = 1, nrm = 1, bias = 1;
-  bool qk_norm = false, shared_gate = false, expert_bias = false, learned_pos = false, untied = false;
+  bool learned_pos = false;
   double max_pos = 0;
   // Multi-latent attention (model/mla_attention.h): q latent (0: none), kv latent, query / key and value head widths,
   // rope channels.
@@ -35,7 +38,7 @@ struct Layout : LayoutSizes {
 
 Shape shape_of(const PlanModel& model) {
   const ModelConfig& c = model.config;
-  Shape s;
+  Shape s{c};
   if (model.mla) {
     s.mla = true;
     s.q_rank = static_cast<double>(model.mla->q_lora_rank.value_or(0));
@@ -57,12 +60,8 @@ Shape shape_of(const PlanModel& model) {
   s.glu = c.activation == Activation::kSwiGLU ? 2.0 : 1.0;
   s.nrm = c.normalization == Normalization::kLayerNorm ? 2.0 : 1.0;  // weight (+bias); rstd (+mean)
   s.bias = c.add_bias_linear ? 1.0 : 0.0;
-  s.qk_norm = c.qk_layernorm;
-  s.shared_gate = c.moe.shared_expert_gate;
-  s.expert_bias = c.moe.enable_expert_bias;
   s.learned_pos = c.position_embedding_type == PositionEmbedding::kLearnedAbsolute;
   s.max_pos = static_cast<double>(c.max_position_embeddings);
-  s.untied = c.untie_embeddings_and_output_weights;
   return s;
 }
 
@@ -76,13 +75,13 @@ struct LayerParams {
 double attention_params(const Shape& s, const Layout& l) {
   if (!s.mla) {
     double p = (s.n + 2 * s.g) * s.d * (s.h + s.bias) / l.tp;  // linear_qkv
-    if (s.qk_norm) p += 2 * s.nrm * s.d;                       // q / k norms
+    if (s.config.qk_layernorm) p += 2 * s.nrm * s.d;           // q / k norms
     return p + s.h * s.n * s.d / l.tp + s.bias * s.h;          // linear_proj (bias replicated)
   }
   // Down projections and latent norms replicated over TP, up projections and linear_proj split by heads.
   double p = s.q_rank > 0 ? s.q_rank * s.h + s.n * s.dqk * s.q_rank / l.tp : s.n * s.dqk * s.h / l.tp;
   p += (s.kv_rank + s.dr) * s.h + s.n * (s.dqk - s.dr + s.dv) * s.kv_rank / l.tp;
-  if (s.qk_norm) p += s.nrm * (s.kv_rank + s.q_rank);
+  if (s.config.qk_layernorm) p += s.nrm * (s.kv_rank + s.q_rank);
   return p + s.h * s.n * s.dv / l.tp + s.bias * s.h;
 }
 
@@ -96,10 +95,10 @@ LayerParams layer_params(const Shape& s, const Layout& l, const bool moe) {
     return p;
   }
   p.dense += s.experts * s.h + s.bias * s.experts;  // router (replicated over TP)
-  if (s.sh > 0) p.dense += s.glu * s.sh / l.tp * s.h + s.h * s.sh / l.tp + (s.shared_gate ? s.h : 0);
+  if (s.sh > 0) p.dense += s.glu * s.sh / l.tp * s.h + s.h * s.sh / l.tp + (s.config.moe.shared_expert_gate ? s.h : 0);
   const double fml = s.fm / l.etp;
   p.expert = s.experts / l.ep * (s.glu * fml * (s.h + s.bias) + s.h * fml + s.bias * s.h);
-  if (s.expert_bias) p.buffers = s.experts;
+  if (s.config.moe.enable_expert_bias) p.buffers = s.experts;
   return p;
 }
 
@@ -121,14 +120,14 @@ double attention_saved(const Shape& s, const Layout& l, const Tokens& x) {
     // attention q, k (dq + dr wide), v and its output (dv wide), the log-sum-exp.
     const double latents = s.q_rank + s.kv_rank;
     a += (l.sp ? x.t : x.ta) * latents;
-    if (s.qk_norm) a += x.ta * latents + x.ta * s.nrm * ((s.q_rank > 0 ? 1 : 0) + 1);
+    if (s.config.qk_layernorm) a += x.ta * latents + x.ta * s.nrm * ((s.q_rank > 0 ? 1 : 0) + 1);
     if (s.q_rank == 0 && l.sp) a += x.t * s.h;  // linear_q_proj's all-gathered input
     a += x.t * nl * (2 * s.dqk + 2 * s.dv) + x.t * nl;
     return a + x.ta * s.h;  // x_mid
   }
   if (l.sp) a += x.t * s.h;        // ColumnParallelLinear keeps the all-gathered input
   a += x.t * (nl + 2 * gl) * s.d;  // q, k, v as core attention sees them
-  if (s.qk_norm) a += x.t * ((nl + gl) * s.d + (nl + gl) * s.nrm);
+  if (s.config.qk_layernorm) a += x.t * ((nl + gl) * s.d + (nl + gl) * s.nrm);
   a += x.t * nl * s.d + x.t * nl;  // core attention output, log-sum-exp
   a += x.ta * s.h;                 // x_mid
   return a;
@@ -142,7 +141,7 @@ double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool mo
   a += x.r * (s.h + 1 + s.glu * fml + fml);  // dispatched rows + probs, fc1 output, fc2 input
   if (s.sh > 0) {
     a += (l.tp > 1 ? x.t * s.h : 0) + x.t * s.glu * s.sh / l.tp + x.t * s.sh / l.tp;
-    if (s.shared_gate) a += x.tm + x.tm * s.h;
+    if (s.config.moe.shared_expert_gate) a += x.tm + x.tm * s.h;
   }
   return a;
 }
@@ -182,12 +181,12 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
   const TrainingArgs& t = args.train;
   const ModelConfig& c = args.model.config;
   const Shape s = shape_of(args.model);
-  const parallel::PipelineLayout pipeline(pipeline_split_flags(t));
+  const parallel::PipelineLayout pipeline = pipeline_layout(t);
   const int pp = pipeline.pipeline_size(), vpp = pipeline.virtual_pipeline_size();
 
   const std::map<int64_t, int64_t> mtp_at = mtp_layers_by_stage(args, pp, vpp);  // virtual stage v * pp + r
   Layout l{layout_sizes(args)};
-  l.sp = t.sequence_parallel && t.tensor_model_parallel_size > 1;
+  l.sp = t.sequence_parallel && t.parallel.tensor_model_parallel_size > 1;
 
   Tokens x;
   x.t = static_cast<double>(c.seq_length) * static_cast<double>(t.micro_batch_size) / l.cp;
@@ -234,9 +233,9 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
       expert += p.expert;
       buffers += p.buffers;
     }
-    if (mtp_depths > 0 && !first && s.untied) dense += vocab_local * s.h;
+    if (mtp_depths > 0 && !first && s.config.untie_embeddings_and_output_weights) dense += vocab_local * s.h;
     if (first) dense += vocab_local * s.h + (s.learned_pos ? s.max_pos * s.h : 0);
-    if (last) dense += s.nrm * s.h + (s.untied || !first ? vocab_local * s.h : 0);
+    if (last) dense += s.nrm * s.h + (s.config.untie_embeddings_and_output_weights || !first ? vocab_local * s.h : 0);
     const double params = dense + expert;
     const double params_current = 4 * (params + buffers);
     // ddp.cpp builds each group's flat parameter buffer (dense, then expert) while the parameters still exist.

@@ -286,7 +286,7 @@ std::vector<std::string> train_tokens(const PlanArgs& args, const LayoutChoice& 
 
 void finish(PlanArgs& out, const LayoutChoice& layout, const std::vector<std::string>& split_switches,
             const std::map<std::string, std::string>& split_values) {
-  out.train = parse_train_args(train_tokens(out, layout, split_switches, split_values), out.num_gpus);
+  out.train = parse_train_args(train_tokens(out, layout, split_switches, split_values), static_cast<int>(out.num_gpus));
   // NullTokenizer's vocabulary is --vocab-size + 1 (EOD): the planner's --vocab-size is the whole vocabulary.
   out.model.config = out.train.model;
   out.model.config.vocab_size = padded_vocab_size(out.vocab_size, out.train);
@@ -418,15 +418,15 @@ PlanArgs with_layout(const PlanArgs& base, const LayoutChoice& layout) {
 
 LayoutSizes layout_sizes(const PlanArgs& args) {
   const TrainingArgs& t = args.train;
-  const parallel::PipelineLayout pipeline(pipeline_split_flags(t));
+  const parallel::PipelineLayout pipeline = pipeline_layout(t);
   LayoutSizes l;
   l.pp = pipeline.pipeline_size();
   l.vpp = pipeline.virtual_pipeline_size();
-  l.tp = static_cast<double>(t.tensor_model_parallel_size);
-  l.cp = static_cast<double>(t.context_parallel_size);
-  l.ep = static_cast<double>(t.expert_model_parallel_size);
-  l.etp = static_cast<double>(t.expert_tensor_parallel_size);
-  l.world = static_cast<double>(t.world_size);
+  l.tp = static_cast<double>(t.parallel.tensor_model_parallel_size);
+  l.cp = static_cast<double>(t.parallel.context_parallel_size);
+  l.ep = static_cast<double>(t.parallel.expert_model_parallel_size);
+  l.etp = static_cast<double>(t.parallel.expert_tensor_parallel());
+  l.world = static_cast<double>(t.parallel.world_size);
   l.dp = static_cast<double>(t.data_parallel_size);
   l.microbatches = t.global_batch_size / (t.micro_batch_size * t.data_parallel_size);
   return l;

@@ -82,7 +82,7 @@ StepTime estimate_step_time(const PlanArgs& args, const MemoryPlan& memory) {
   const PlanModel& model = args.model;
   const ModelConfig& c = model.config;
   const Cluster& cl = args.cluster;
-  const parallel::PipelineLayout layout(pipeline_split_flags(t));
+  const parallel::PipelineLayout layout = pipeline_layout(t);
   const LayoutSizes sizes = layout_sizes(args);
   const int pp = sizes.pp, vpp = sizes.vpp;
   const double tp = sizes.tp, cp = sizes.cp, ep = sizes.ep, etp = sizes.etp, world = sizes.world;

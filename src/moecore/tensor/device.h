@@ -1,5 +1,10 @@
-// Where a tensor's storage lives. Ops dispatch on it (src/moecore/ops/backend.h); this build allocates on the CPU
-// only, and the enum leaves room for an accelerator backend.
+// Where a tensor's storage lives. Each device has an allocator (tensor/allocator.h) and a kernel table
+// (ops/device.h); ops dispatch on their tensors' device.
+//   kCPU        the fast CPU kernels (OpenMP, oneDNN, run-time vector paths)
+//   kReference  the naive reference kernels on host memory, every allocation fenced by guard bytes that are checked
+//               when it is freed (and by the op-test harness after every op): proof that no kernel writes outside
+//               its outputs
+//   kCUDA       named for an accelerator backend; this build has no allocator or kernels for it
 #pragma once
 
 #include <cstdint>
@@ -7,14 +12,18 @@
 
 namespace moecore {
 
-enum class Device : uint8_t { kCPU, kCUDA };
+enum class Device : uint8_t { kCPU, kReference, kCUDA };
 
 constexpr std::string_view device_name(const Device device) {
   switch (device) {
     case Device::kCPU: return "cpu";
+    case Device::kReference: return "reference";
     case Device::kCUDA: return "cuda";
   }
   return "unknown";
 }
+
+// Whether the host may read and write the device's memory directly (the CPU and the reference device).
+constexpr bool host_accessible(const Device device) { return device != Device::kCUDA; }
 
 }  // namespace moecore

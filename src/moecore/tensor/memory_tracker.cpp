@@ -38,9 +38,9 @@ std::string_view activation_owner_name(const ActivationOwner owner) {
   return "unknown";
 }
 
-MemoryTracker& MemoryTracker::instance() {
-  static MemoryTracker tracker;
-  return tracker;
+MemoryTracker& MemoryTracker::instance(const Device device) {
+  static std::array<MemoryTracker, 3> trackers;
+  return trackers.at(static_cast<size_t>(device));
 }
 
 ActivationOwner MemoryTracker::on_alloc(const MemCategory category, const size_t bytes) {

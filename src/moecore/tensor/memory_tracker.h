@@ -10,6 +10,8 @@
 #include <mutex>
 #include <string_view>
 
+#include "moecore/tensor/device.h"
+
 namespace moecore {
 
 enum class MemCategory : uint8_t { kParams, kGrads, kOptimizer, kActivations, kComm, kOther, kCount };
@@ -24,7 +26,8 @@ class MemoryTracker {
  public:
   static constexpr size_t kOwners = static_cast<size_t>(ActivationOwner::kCount);
 
-  static MemoryTracker& instance();
+  // Each device has its own tracker: the bytes of one device never mix with another's.
+  static MemoryTracker& instance(Device device = Device::kCPU);
 
   // Returns the owner the bytes are counted under (the current one); on_free takes it back.
   ActivationOwner on_alloc(MemCategory category, size_t bytes);

@@ -1,49 +1,31 @@
 #include "moecore/tensor/tensor.h"
 
-#include <malloc.h>
-
 #include <cstdlib>
 #include <cstring>
 #include <new>
 #include <sstream>
 #include <stdexcept>
 
+#include "moecore/tensor/allocator.h"
+
 namespace moecore {
-namespace {
-
-// Training allocates and frees the same large activation buffers every step. glibc serves blocks above its
-// mmap threshold with fresh mappings, which page-fault on every first touch; keeping them in the heap
-// lets each step reuse the previous step's pages.
-bool keep_large_blocks_in_heap() {
-  mallopt(M_MMAP_THRESHOLD, 1 << 30);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
-  return true;
-}
-
-}  // namespace
 
 Storage::Storage(const size_t bytes, const MemCategory category, const Device device)
-    : bytes_(bytes), category_(category), device_(device) {
-  if (device != Device::kCPU) {
-    throw std::runtime_error("cannot allocate a tensor on " + std::string(device_name(device)) +
-                             ": this build of moecore has only the CPU device");
-  }
-  static const bool heap_configured = keep_large_blocks_in_heap();
-  (void)heap_configured;
-  const size_t rounded = (bytes + 63) / 64 * 64;
-  data_ = static_cast<std::byte*>(std::aligned_alloc(64, rounded == 0 ? 64 : rounded));
-  if (data_ == nullptr) throw std::bad_alloc();
-  std::memset(data_, 0, rounded == 0 ? 64 : rounded);
-  owner_ = MemoryTracker::instance().on_alloc(category_, bytes_);
+    : data_(allocator_for(device).allocate(bytes)), bytes_(bytes), category_(category), device_(device) {
+  owner_ = MemoryTracker::instance(device_).on_alloc(category_, bytes_);
 }
 
-Storage::Storage(std::byte* borrowed, const size_t bytes)
-    : data_(borrowed), bytes_(bytes), category_(MemCategory::kOther), device_(Device::kCPU), owned_(false) {}
+Storage::Storage(std::byte* borrowed, const size_t bytes, const Device device)
+    : data_(borrowed), bytes_(bytes), category_(MemCategory::kOther), device_(device), owned_(false) {
+  if (!host_accessible(device)) {
+    throw std::runtime_error("a view of host memory cannot be on " + std::string(device_name(device)));
+  }
+}
 
 Storage::~Storage() {
   if (!owned_) return;
-  MemoryTracker::instance().on_free(category_, owner_, bytes_);
-  std::free(data_);
+  MemoryTracker::instance(device_).on_free(category_, owner_, bytes_);
+  allocator_for(device_).deallocate(data_, bytes_);
 }
 
 Tensor::Tensor(std::vector<int64_t> shape, const DType dtype, const MemCategory category, const Device device)
@@ -112,6 +94,23 @@ Tensor Tensor::clone(const MemCategory category) const {
   if (nbytes() > 0) std::memcpy(out.data<std::byte>(), data<std::byte>(), nbytes());
   return out;
 }
+
+Tensor Tensor::to(const Device device, const MemCategory category) const {
+  if (!defined()) throw std::logic_error("to() of an undefined tensor");
+  if (!host_accessible(device) || !host_accessible(this->device())) {
+    throw std::runtime_error("cannot copy a tensor from " + std::string(device_name(this->device())) + " to " +
+                             std::string(device_name(device)) + ": no transfer between them in this build");
+  }
+  Tensor out(shape_, dtype_, category, device);
+  if (nbytes() > 0) std::memcpy(out.data<std::byte>(), data<std::byte>(), nbytes());
+  return out;
+}
+
+std::string Storage::outside_writes() const {
+  return owned_ ? allocator_for(device_).outside_writes(data_, bytes_) : "";
+}
+
+std::string outside_writes(const Tensor& t) { return t.defined() ? t.storage_->outside_writes() : ""; }
 
 void Tensor::zero_() {
   if (defined() && nbytes() > 0) std::memset(data<std::byte>(), 0, nbytes());

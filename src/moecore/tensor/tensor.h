@@ -16,14 +16,16 @@
 
 namespace moecore {
 
-// 64-byte aligned, zero-initialised bytes, counted under one MemCategory for their lifetime.
+// 64-byte aligned, zero-initialised bytes from the device's allocator, counted under one MemCategory for their
+// lifetime.
 class Storage {
  public:
-  // Throws std::runtime_error for a device this build cannot allocate on.
+  // Throws std::runtime_error for a device this build cannot allocate on (allocator.h).
   Storage(size_t bytes, MemCategory category, Device device = Device::kCPU);
   ~Storage();
   // Borrowed: memory owned elsewhere; neither freed nor counted by the MemoryTracker.
-  Storage(std::byte* borrowed, size_t bytes);
+  // `device` must be host-accessible (the CPU or the reference device; no guards around borrowed memory).
+  Storage(std::byte* borrowed, size_t bytes, Device device = Device::kCPU);
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 
@@ -32,6 +34,8 @@ class Storage {
   size_t bytes() const { return bytes_; }
   MemCategory category() const { return category_; }
   Device device() const { return device_; }
+  // "" unless something wrote outside the allocation (the reference device's guard bytes).
+  std::string outside_writes() const;
 
  private:
   std::byte* data_;  // owned (freed in the destructor) unless borrowed
@@ -53,9 +57,10 @@ class Tensor {
     return Tensor(std::move(shape), dtype, category);
   }
 
-  // A view of CPU memory owned by the caller (like torch::from_blob): valid only while that memory lives.
+  // A view of host memory owned by the caller (like torch::from_blob), on a host-accessible device: valid only
+  // while that memory lives.
   template <typename T>
-  static Tensor from_blob(T* data, std::vector<int64_t> shape);
+  static Tensor from_blob(T* data, std::vector<int64_t> shape, Device device = Device::kCPU);
 
   bool defined() const { return storage_ != nullptr; }
   DType dtype() const { return dtype_; }
@@ -89,10 +94,13 @@ class Tensor {
   // Rows [begin, end) of the first dimension, sharing storage.
   Tensor slice_rows(int64_t begin, int64_t end) const;
   Tensor clone(MemCategory category = MemCategory::kOther) const;
+  // A copy on `device` (between host-accessible devices).
+  Tensor to(Device device, MemCategory category = MemCategory::kOther) const;
   void zero_();
   void copy_from(const Tensor& other);  // same dtype and numel
 
  private:
+  friend std::string outside_writes(const Tensor& t);
   std::shared_ptr<Storage> storage_;
   size_t offset_bytes_ = 0;
   std::vector<int64_t> shape_;
@@ -100,13 +108,16 @@ class Tensor {
 };
 
 template <typename T>
-Tensor Tensor::from_blob(T* data, std::vector<int64_t> shape) {
+Tensor Tensor::from_blob(T* data, std::vector<int64_t> shape, const Device device) {
   Tensor out;
   out.shape_ = std::move(shape);
   out.dtype_ = dtype_of<std::remove_const_t<T>>();
-  out.storage_ =
-      std::make_shared<Storage>(reinterpret_cast<std::byte*>(const_cast<std::remove_const_t<T>*>(data)), out.nbytes());
+  out.storage_ = std::make_shared<Storage>(reinterpret_cast<std::byte*>(const_cast<std::remove_const_t<T>*>(data)),
+                                           out.nbytes(), device);
   return out;
 }
+
+// "" unless a kernel wrote outside the tensor's storage (detected on the reference device).
+std::string outside_writes(const Tensor& t);
 
 }  // namespace moecore

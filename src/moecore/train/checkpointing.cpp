@@ -222,8 +222,9 @@ void load_model_only(const LoadPlan& plan, const TrainingArgs& run_args, const C
     target.optimizer.set_steps_taken(0);
     if (upcycle) progress.iteration = 1;
   });
-  log << "  successfully loaded checkpoint from " << plan.dir << " [ t 1/" << run_args.tensor_model_parallel_size
-      << ", p 1/" << run_args.pipeline_model_parallel_size << " ] at iteration " << progress.iteration << std::endl;
+  log << "  successfully loaded checkpoint from " << plan.dir << " [ t 1/"
+      << run_args.parallel.tensor_model_parallel_size << ", p 1/" << run_args.parallel.pipeline_model_parallel_size
+      << " ] at iteration " << progress.iteration << std::endl;
 }
 
 }  // namespace
@@ -303,11 +304,11 @@ ojson checkpoint_args(const TrainingArgs& a) {
 
 ojson checkpoint_layout(const TrainingArgs& args, const parallel::ParallelState& parallel) {
   return {{"world_size", parallel.world.size()},
-          {"tensor_model_parallel_size", args.tensor_model_parallel_size},
-          {"pipeline_model_parallel_size", args.pipeline_model_parallel_size},
-          {"context_parallel_size", args.context_parallel_size},
-          {"expert_model_parallel_size", args.expert_model_parallel_size},
-          {"expert_tensor_parallel_size", args.expert_tensor_parallel_size},
+          {"tensor_model_parallel_size", args.parallel.tensor_model_parallel_size},
+          {"pipeline_model_parallel_size", args.parallel.pipeline_model_parallel_size},
+          {"context_parallel_size", args.parallel.context_parallel_size},
+          {"expert_model_parallel_size", args.parallel.expert_model_parallel_size},
+          {"expert_tensor_parallel_size", args.parallel.expert_tensor_parallel()},
           {"data_parallel_size", parallel.dp_size()},
           {"sequence_parallel", args.sequence_parallel},
           {"use_distributed_optimizer", args.use_distributed_optimizer}};
@@ -479,8 +480,9 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
       target.schedule.set_num_steps(static_cast<double>(progress.consumed_train_samples));
     }
   });
-  log << "  successfully loaded checkpoint from " << run_args.load << " [ t 1/" << run_args.tensor_model_parallel_size
-      << ", p 1/" << run_args.pipeline_model_parallel_size << " ] at iteration " << progress.iteration << std::endl;
+  log << "  successfully loaded checkpoint from " << run_args.load << " [ t 1/"
+      << run_args.parallel.tensor_model_parallel_size << ", p 1/" << run_args.parallel.pipeline_model_parallel_size
+      << " ] at iteration " << progress.iteration << std::endl;
   log_time_across_ranks(parallel, "load-checkpoint",
                         std::chrono::duration<double, std::milli>(Clock::now() - start).count(), log);
 }
@@ -551,7 +553,8 @@ void Checkpointer::complete_pending(const bool blocking) {
   if (!non_persistent) last_saved_ = iteration;
   log_ << "  [" << now_text(true) << "] successfully saved checkpoint from iteration " << iter7(iteration) << " to "
        << (non_persistent ? non_persistent_root(args_, args_.save) : args_.save) << " [ t 1/"
-       << args_.tensor_model_parallel_size << ", p 1/" << args_.pipeline_model_parallel_size << " ]" << std::endl;
+       << args_.parallel.tensor_model_parallel_size << ", p 1/" << args_.parallel.pipeline_model_parallel_size << " ]"
+       << std::endl;
 }
 
 void Checkpointer::handle_failed_save(const int64_t iteration, const bool non_persistent, const std::string& why) {

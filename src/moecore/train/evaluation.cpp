@@ -46,7 +46,7 @@ double evaluate(const TrainingArgs& args, GPTModel& model, const GPTDataProvider
     PipelineMicrobatches microbatches;
     microbatches.B = args.micro_batch_size;
     microbatches.S = args.model.seq_length;
-    microbatches.overlap_p2p_comm = args.overlap_p2p_comm && model.num_chunks() > 1;
+    microbatches.overlap_p2p_comm = args.pipeline_split.overlap_p2p_comm && model.num_chunks() > 1;
     microbatches.position_ids = args.reset_position_ids;
     microbatches.document_ids = args.reset_attention_mask;
     microbatches.batch = [&](const int m) {

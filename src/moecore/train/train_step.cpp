@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "moecore/ops/device.h"
 #include "moecore/parallel/comm_stats.h"
 #include "moecore/pipeline/pipeline_schedule.h"
 #include "moecore/train/batch_schedule.h"
@@ -64,11 +65,14 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   };
   microbatches.loss_scale = [loss_scale](int) { return loss_scale; };
   // Megatron turns overlap_p2p_comm off without virtual stages (arguments.py validate_args).
-  microbatches.overlap_p2p_comm = args.overlap_p2p_comm && modules.model.num_chunks() > 1;
+  microbatches.overlap_p2p_comm = args.pipeline_split.overlap_p2p_comm && modules.model.num_chunks() > 1;
   microbatches.position_ids = args.reset_position_ids;
   microbatches.document_ids = args.reset_attention_mask;
   modules.ddp.zero_grad();
   const TokenWeightedLoss loss = run_pipeline_schedule(schedule, modules.model, &modules.ddp, parallel, microbatches);
+  // The step's kernels are done before the collectives read the gradients on the host (the model's device is the
+  // CPU, where this returns at once).
+  ops::synchronize(Device::kCPU);
   {
     const trace::Scope scope("finish grad sync", "step");
     modules.ddp.finish_grad_sync();

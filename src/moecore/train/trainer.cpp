@@ -35,10 +35,10 @@ constexpr int64_t kStartupTokenScan = int64_t{1} << 22;
 
 void print_layout(const TrainingArgs& args, const parallel::ParallelState& parallel, std::ostream& log) {
   if (parallel.world.size() == 1) return;
-  log << "> " << parallel.world.size() << " ranks: TP " << args.tensor_model_parallel_size << ", EP "
-      << args.expert_model_parallel_size << ", ETP " << args.expert_tensor_parallel_size << ", DP "
+  log << "> " << parallel.world.size() << " ranks: TP " << args.parallel.tensor_model_parallel_size << ", EP "
+      << args.parallel.expert_model_parallel_size << ", ETP " << args.parallel.expert_tensor_parallel() << ", DP "
       << parallel.dp_size() << ", expert DP " << parallel.edp.size()
-      << (parallel.sequence_parallel && args.tensor_model_parallel_size > 1 ? ", sequence parallel" : "")
+      << (parallel.sequence_parallel && args.parallel.tensor_model_parallel_size > 1 ? ", sequence parallel" : "")
       << (args.use_distributed_optimizer ? ", distributed optimizer" : "") << std::endl;
 }
 
@@ -84,17 +84,17 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& log) {
 
 parallel::ParallelState make_parallel_state(const TrainingArgs& args) {
   if (!parallel::launched_by_mpi()) {
-    if (args.world_size != 1) throw ConfigError("a layout of several ranks needs mpirun");
+    if (args.parallel.world_size != 1) throw ConfigError("a layout of several ranks needs mpirun");
     return parallel::ParallelState::single_process();
   }
-  return parallel::ParallelState::create(parallel_sizes(args), args.sequence_parallel, parallel::ProcessGroup::world());
+  return parallel::ParallelState::create(args.parallel, args.sequence_parallel, parallel::ProcessGroup::world());
 }
 
 TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, const parallel::ParallelState& parallel,
                          const FullModelCallback& on_full_model) {
   if (args.threads > 0) omp_set_num_threads(static_cast<int>(args.threads));
-  if (parallel.world.size() != args.world_size) {
-    throw ConfigError("the arguments were parsed for " + std::to_string(args.world_size) + " processes, but " +
+  if (parallel.world.size() != args.parallel.world_size) {
+    throw ConfigError("the arguments were parsed for " + std::to_string(args.parallel.world_size) + " processes, but " +
                       std::to_string(parallel.world.size()) + " run");
   }
   std::ostringstream discarded;

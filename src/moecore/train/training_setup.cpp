@@ -76,7 +76,7 @@ GPTDataProvider build_data(const TrainingArgs& run_args, const int32_t eod_id, s
 ModelAndOptimizer build_model_and_optimizer(const TrainingArgs& run_args, const parallel::ParallelState& parallel) {
   ModelAndOptimizer out;
   // This pipeline rank's model chunks, one per virtual stage (Megatron's get_model).
-  const parallel::PipelineLayout pipeline(pipeline_split_flags(run_args));
+  const parallel::PipelineLayout pipeline = pipeline_layout(run_args);
   std::vector<StageSpec> chunks;
   for (int v = 0; v < pipeline.virtual_pipeline_size(); ++v) {
     const parallel::PipelineStage& stage = pipeline.stage(parallel.pp_rank(), v);

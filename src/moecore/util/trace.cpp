@@ -9,7 +9,8 @@
 #include <utility>
 #include <vector>
 
-#include "moecore/util/replace_file.h"
+#include "moecore/util/atomic_file.h"
+#include "moecore/util/json_string.h"
 
 namespace moecore::trace {
 namespace {
@@ -102,23 +103,6 @@ void append_event(Recorder& r, const std::string& name, const char* category, co
   r.events.push_back(Event{name, category, us(begin), std::max<int64_t>(us(end) - us(begin), 0), tid});
 }
 
-void append_json_string(std::string& out, const std::string& text) {
-  out += '"';
-  for (const char c : text) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char escaped[8];
-      std::snprintf(escaped, sizeof escaped, "\\u%04x", c);
-      out += escaped;
-    } else {
-      out += c;
-    }
-  }
-  out += '"';
-}
-
 }  // namespace
 
 void start(const int rank) {
@@ -193,12 +177,12 @@ void write(const std::string& path) {
     for (size_t tid = 0; tid < track_names.size(); ++tid) {
       out += ",\n{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": " + pid + ", \"tid\": " + std::to_string(tid) +
              ", \"args\": {\"name\": ";
-      append_json_string(out, track_names[tid]);
+      out += json_string(track_names[tid]);
       out += "}}";
     }
     for (const Event& e : events) {
       out += ",\n{\"name\": ";
-      append_json_string(out, e.name);
+      out += json_string(e.name);
       out += ", \"cat\": \"" + std::string(e.category) + "\", \"ph\": \"X\", \"ts\": " + std::to_string(e.begin_us) +
              ", \"dur\": " + std::to_string(e.duration_us) + ", \"pid\": " + pid +
              ", \"tid\": " + std::to_string(e.tid) + "}";

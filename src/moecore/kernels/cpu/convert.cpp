@@ -351,4 +351,28 @@ void decode_fp16(double* out, const uint16_t* in, const int64_t n) {
   });
 }
 
+namespace {
+
+// Rounds in chunks through the vector paths (bit for bit the scalar functions of dtype.h): narrow a chunk to
+// 16-bit bits, widen it back.
+template <void (*Encode)(uint16_t*, const float*, int64_t, ConvertIsa),
+          void (*Decode)(float*, const uint16_t*, int64_t, ConvertIsa)>
+void round_through(float* data, const int64_t n) {
+  constexpr int64_t kChunk = 2048;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  const ConvertIsa isa = best_convert_isa();
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+  for (int64_t c = 0; c < chunks; ++c) {
+    uint16_t bits[kChunk];
+    const int64_t begin = c * kChunk, len = std::min(kChunk, n - begin);
+    Encode(bits, data + begin, len, isa);
+    Decode(data + begin, bits, len, isa);
+  }
+}
+
+}  // namespace
+
+void round_bf16(float* data, const int64_t n) { round_through<encode_bf16, decode_bf16>(data, n); }
+void round_fp16(float* data, const int64_t n) { round_through<encode_fp16, decode_fp16>(data, n); }
+
 }  // namespace moecore::kernels::cpu

@@ -20,7 +20,10 @@ namespace moecore::kernels {
   void decode_fp16(double* out, const uint16_t* in, int64_t n);                    \
   /* `value` rounded once to bf16 / fp16 bits (RNE; NaN and overflow as above). */ \
   uint16_t round_to_bf16(double value);                                            \
-  uint16_t round_to_fp16(double value);
+  uint16_t round_to_fp16(double value);                                            \
+  /* Each of n fp32 values replaced by its nearest bf16 / fp16 value, in place. */ \
+  void round_bf16(float* data, int64_t n);                                         \
+  void round_fp16(float* data, int64_t n);
 
 namespace cpu {
 MOECORE_CONVERT_DECL

@@ -66,4 +66,11 @@ void decode_fp16(double* out, const uint16_t* in, const int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = moecore::fp16_to_fp32(in[i]);
 }
 
+void round_bf16(float* data, const int64_t n) {
+  for (int64_t i = 0; i < n; ++i) data[i] = bf16_to_fp32(round_to_bf16(data[i]));
+}
+void round_fp16(float* data, const int64_t n) {
+  for (int64_t i = 0; i < n; ++i) data[i] = fp16_to_fp32(round_to_fp16(data[i]));
+}
+
 }  // namespace moecore::kernels::ref

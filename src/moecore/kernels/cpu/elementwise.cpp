@@ -69,6 +69,13 @@ bool all_finite(const T* x, const int64_t n) {
   return n_bad == 0;
 }
 
+float abs_max(const float* x, const int64_t n) {
+  float amax = 0.0f;
+#pragma omp parallel for schedule(static) reduction(max : amax) if (n > kParallelMin)
+  for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  return amax;
+}
+
 #define MOECORE_INSTANTIATE(T)                         \
   template void add_inplace<T>(T*, const T*, int64_t); \
   template void scale_inplace<T>(T*, T, int64_t);      \

@@ -13,7 +13,9 @@ namespace moecore::kernels {
   template <typename T>                                                           \
   double sum_squares(const T* x, int64_t n); /* sum x^2, accumulated in double */ \
   template <typename T>                                                           \
-  bool all_finite(const T* x, int64_t n);
+  bool all_finite(const T* x, int64_t n);                                         \
+  /* max |x_i| (NaN skipped): the amax an FP8 cast records */                     \
+  float abs_max(const float* x, int64_t n);
 
 namespace cpu {
 MOECORE_ELEMENTWISE_DECL

@@ -407,6 +407,8 @@ ScopedLowpGemmPath::~ScopedLowpGemmPath() { g_path_override.store(previous_); }
 
 std::string gemm_lowp_library(const LowpType type) { return gemm_lowp_library(type, lowp_gemm_path(type)); }
 
+bool lowp_gemm_native(const LowpType type) { return lowp_gemm_path(type) == LowpGemmPath::kNative; }
+
 std::string gemm_lowp_library(const LowpType type, const LowpGemmPath path) {
   const std::string name(lowp_type_name(type));
   if (path == LowpGemmPath::kConvert) {

@@ -78,11 +78,15 @@ class ScopedLowpGemmPath {
 // (AVX-512 BF16) + oneDNN 2.6.3 sgemm, AVX-512 BF16 kernels"; the first form for lowp_gemm_path(type).
 std::string gemm_lowp_library(LowpType type);
 std::string gemm_lowp_library(LowpType type, LowpGemmPath path);
+// Whether a 16-bit layer's fp32-held operands go to the native 16-bit GEMM (lowp_gemm_path(type) is kNative).
+bool lowp_gemm_native(LowpType type);
 }  // namespace cpu
 
 namespace ref {
 MOECORE_GEMM_LOWP_DECL
-}
+// The reference always takes the fp32 "convert" path.
+inline bool lowp_gemm_native(LowpType) { return false; }
+}  // namespace ref
 #undef MOECORE_GEMM_LOWP_DECL
 
 }  // namespace moecore::kernels

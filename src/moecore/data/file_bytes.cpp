@@ -1,4 +1,4 @@
-#include "moecore/data/atomic_file.h"
+#include "moecore/data/file_bytes.h"
 
 #include <cerrno>
 #include <cstring>
@@ -6,7 +6,7 @@
 #include <sstream>
 
 #include "moecore/data/indexed_dataset.h"
-#include "moecore/util/replace_file.h"
+#include "moecore/util/atomic_file.h"
 
 namespace moecore {
 

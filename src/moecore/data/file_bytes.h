@@ -1,4 +1,4 @@
-// Whole-file writes that never leave a half-written file under the final name (util/replace_file.h).
+// Whole files as bytes for the data layer: written through util/atomic_file.h, errors as DataError.
 #pragma once
 
 #include <string>

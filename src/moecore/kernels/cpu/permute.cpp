@@ -1,0 +1,132 @@
+// Token permutation kernels (OpenMP over rows or destinations; plain copies and in-order sums, so every result is
+// the same bit for bit whatever the thread count).
+#include "moecore/kernels/cpu/permute.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace moecore::kernels::cpu {
+namespace {
+constexpr int64_t kParallelMin = 16384;
+}  // namespace
+
+template <typename T>
+void moe_permute(T* out_RW, const T* in_NW, const int64_t* index_R, const int64_t R, const int64_t /*N*/,
+                 const int64_t W) {
+#pragma omp parallel for schedule(static) if (R * W > kParallelMin)
+  for (int64_t r = 0; r < R; ++r) {
+    T* out = out_RW + r * W;
+    if (index_R[r] < 0) {
+      std::fill_n(out, W, T(0));
+    } else {
+      std::memcpy(out, in_NW + index_R[r] * W, sizeof(T) * static_cast<size_t>(W));
+    }
+  }
+}
+
+template <typename T>
+void moe_unpermute(T* out_NW, const T* in_RW, const int64_t* index_R, const T* probs_R, const int64_t R,
+                   const int64_t N, const int64_t W) {
+  // The rows of each destination in ascending order (CSR), so destinations run in parallel.
+  std::vector<int64_t> begin_N1(static_cast<size_t>(N + 1), 0);
+  for (int64_t r = 0; r < R; ++r) {
+    if (index_R[r] >= 0) ++begin_N1[static_cast<size_t>(index_R[r] + 1)];
+  }
+  for (int64_t n = 0; n < N; ++n) begin_N1[n + 1] += begin_N1[n];
+  std::vector<int64_t> rows(static_cast<size_t>(begin_N1.back()));
+  std::vector<int64_t> fill(begin_N1.begin(), begin_N1.end() - 1);
+  for (int64_t r = 0; r < R; ++r) {
+    if (index_R[r] >= 0) rows[static_cast<size_t>(fill[static_cast<size_t>(index_R[r])]++)] = r;
+  }
+#pragma omp parallel for schedule(static) if (N * W > kParallelMin)
+  for (int64_t n = 0; n < N; ++n) {
+    T* out = out_NW + n * W;
+    for (int64_t i = begin_N1[n]; i < begin_N1[n + 1]; ++i) {
+      const int64_t r = rows[static_cast<size_t>(i)];
+      const T* row = in_RW + r * W;
+      if (probs_R == nullptr) {
+#pragma omp simd
+        for (int64_t w = 0; w < W; ++w) out[w] += row[w];
+      } else {
+        const T p = probs_R[r];
+#pragma omp simd
+        for (int64_t w = 0; w < W; ++w) out[w] += p * row[w];
+      }
+    }
+  }
+}
+
+template <typename T>
+void moe_unpermute_backward(T* din_RW, T* dprobs_R, const T* dout_NW, const T* in_RW, const int64_t* index_R,
+                            const T* probs_R, const int64_t R, const int64_t W) {
+#pragma omp parallel for schedule(static) if (R * W > kParallelMin)
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = index_R[r];
+    if (din_RW != nullptr) {
+      T* din = din_RW + r * W;
+      if (n < 0) {
+        std::fill_n(din, W, T(0));
+      } else if (probs_R == nullptr) {
+        std::memcpy(din, dout_NW + n * W, sizeof(T) * static_cast<size_t>(W));
+      } else {
+        const T p = probs_R[r];
+        const T* dout = dout_NW + n * W;
+#pragma omp simd
+        for (int64_t w = 0; w < W; ++w) din[w] = p * dout[w];
+      }
+    }
+    if (dprobs_R != nullptr) {
+      double dot = 0.0;
+      if (n >= 0) {
+        const T* dout = dout_NW + n * W;
+        const T* in = in_RW + r * W;
+        for (int64_t w = 0; w < W; ++w) dot += static_cast<double>(dout[w]) * static_cast<double>(in[w]);
+      }
+      dprobs_R[r] = static_cast<T>(dot);
+    }
+  }
+}
+
+template <typename T>
+void sort_chunks(T* out_RW, const T* in_NW, const int64_t* first_C, const int64_t* rows_C, const int64_t C,
+                 const int64_t W) {
+  std::vector<int64_t> out_first_C1(static_cast<size_t>(C + 1), 0);
+  for (int64_t c = 0; c < C; ++c) out_first_C1[c + 1] = out_first_C1[c] + rows_C[c];
+#pragma omp parallel for schedule(dynamic, 1) if (out_first_C1[C] * W > kParallelMin)
+  for (int64_t c = 0; c < C; ++c) {
+    std::memcpy(out_RW + out_first_C1[c] * W, in_NW + first_C[c] * W, sizeof(T) * static_cast<size_t>(rows_C[c] * W));
+  }
+}
+
+template <typename T>
+void unsort_chunks(T* out_NW, const T* in_RW, const int64_t* first_C, const int64_t* rows_C, const int64_t C,
+                   const int64_t N, const int64_t W) {
+  // Rows no chunk covers are zero: mark the covered ones, clear the rest, then copy the chunks.
+  std::vector<uint8_t> covered_N(static_cast<size_t>(N), 0);
+  std::vector<int64_t> in_first_C1(static_cast<size_t>(C + 1), 0);
+  for (int64_t c = 0; c < C; ++c) {
+    in_first_C1[c + 1] = in_first_C1[c] + rows_C[c];
+    std::fill_n(covered_N.begin() + first_C[c], rows_C[c], uint8_t{1});
+  }
+#pragma omp parallel for schedule(static) if (N * W > kParallelMin)
+  for (int64_t n = 0; n < N; ++n) {
+    if (covered_N[static_cast<size_t>(n)] == 0) std::fill_n(out_NW + n * W, W, T(0));
+  }
+#pragma omp parallel for schedule(dynamic, 1) if (in_first_C1[C] * W > kParallelMin)
+  for (int64_t c = 0; c < C; ++c) {
+    std::memcpy(out_NW + first_C[c] * W, in_RW + in_first_C1[c] * W, sizeof(T) * static_cast<size_t>(rows_C[c] * W));
+  }
+}
+
+#define MOECORE_INSTANTIATE(T)                                                                                     \
+  template void moe_permute<T>(T*, const T*, const int64_t*, int64_t, int64_t, int64_t);                           \
+  template void moe_unpermute<T>(T*, const T*, const int64_t*, const T*, int64_t, int64_t, int64_t);               \
+  template void moe_unpermute_backward<T>(T*, T*, const T*, const T*, const int64_t*, const T*, int64_t, int64_t); \
+  template void sort_chunks<T>(T*, const T*, const int64_t*, const int64_t*, int64_t, int64_t);                    \
+  template void unsort_chunks<T>(T*, const T*, const int64_t*, const int64_t*, int64_t, int64_t, int64_t);
+MOECORE_INSTANTIATE(float)
+MOECORE_INSTANTIATE(double)
+#undef MOECORE_INSTANTIATE
+
+}  // namespace moecore::kernels::cpu
