@@ -66,13 +66,15 @@ void bench_router(const int64_t E, const int64_t T, const int64_t H, const int r
   TopKRouter router(config, H, false, "decoder.layers.0.", params);
   router.bind(params);
   fill(params[0], 7, 0.02f);
-  const std::vector<float> x_TH = random_floats(static_cast<size_t>(T * H), 8, 1.0f);
-  const std::vector<float> dprobs_TE = random_floats(static_cast<size_t>(T * E), 9, 1e-3f);
-  std::vector<float> dx_TH(static_cast<size_t>(T * H));
+  std::vector<float> x_values = random_floats(static_cast<size_t>(T * H), 8, 1.0f);
+  std::vector<float> dprobs_values = random_floats(static_cast<size_t>(T * E), 9, 1e-3f);
+  const Tensor x_TH = Tensor::from_blob(x_values.data(), {T, H});
+  const Tensor dprobs_TE = Tensor::from_blob(dprobs_values.data(), {T, E});
+  Tensor dx_TH({T, H}, DType::kF32);
   RouterActivations saved;
   RouterOutput out;
-  const Timing fwd = time_ms([] {}, [&] { out = router.forward(x_TH.data(), T, 1, true, 1, 2, saved); }, repeats);
-  const Timing bwd = time_ms([] {}, [&] { router.backward(dx_TH.data(), dprobs_TE.data(), 0.5, saved, out); }, repeats);
+  const Timing fwd = time_ms([] {}, [&] { out = router.forward(x_TH, T, 1, true, 1, 2, saved); }, repeats);
+  const Timing bwd = time_ms([] {}, [&] { router.backward(&dx_TH, dprobs_TE, 0.5, saved, out); }, repeats);
   std::printf("router  E=%4lld T=%lld H=%lld  forward %8.3f ms (min %8.3f)  backward %8.3f ms (min %8.3f)\n",
               static_cast<long long>(E), static_cast<long long>(T), static_cast<long long>(H), fwd.median_ms,
               fwd.min_ms, bwd.median_ms, bwd.min_ms);

@@ -37,18 +37,8 @@ echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $cpu, ISA:${isa:- no a
 
 # The models as moecore flags (the twin reads the same list; it ignores the flags that only steer the run).
 run_flags=(--mock-data --tokenizer-type NullTokenizer --eval-iters 0 --lr-warmup-iters 1 --threads "$threads")
-e16=(--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512
-  --micro-batch-size 4 --global-batch-size 4 --num-experts 16 --moe-router-topk 2 --moe-ffn-hidden-size 512
-  --vocab-size 32000 --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear
-  --attention-dropout 0.0 --hidden-dropout 0.0 --moe-token-dispatcher-type alltoall --moe-grouped-gemm
-  --clip-grad 1.0 --lr 1e-4 --log-throughput "${run_flags[@]}")
-demo=()
-while read -r flag value; do
-  case "$flag" in --train-iters | --log-interval | --eval-interval | --eval-iters | --split | --lr-warmup-iters) continue ;; esac
-  demo+=("$flag")
-  if [ -n "$value" ]; then demo+=("$value"); fi
-done < <(grep -v '^#' configs/demo.args | grep -v '^\s*$')
-demo+=(--vocab-size 50256 "${run_flags[@]}")
+# shellcheck source=bench/moe_step_models.sh
+source bench/moe_step_models.sh
 
 # measured RSS_FILE CMD...: runs CMD, writes its peak resident set size (MiB) to RSS_FILE.
 measured() {

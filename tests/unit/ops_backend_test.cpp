@@ -60,6 +60,7 @@
 #include "moecore/ops/ops.h"
 #include "moecore/tensor/rng.h"
 #include "unit/ops_test_cases.h"
+#include "unit/test_device.h"
 
 namespace moecore::ops {
 namespace {
@@ -158,23 +159,9 @@ const std::vector<std::string> kOpsWithoutTensors = {
     "activation_input_width", "supports",          "synchronize",    "linear_cross_entropy_chunk_rows",
     "gemm_library",           "gemm_lowp_library", "expert_capacity"};
 
-constexpr Device kDevices[] = {Device::kCPU, Device::kReference};
-
-// The device the hand-written tests below create their tensors on (random_tensor, tensor_on).
-Device test_device = Device::kCPU;
-class TestDevice {
- public:
-  explicit TestDevice(const Device device) : previous_(test_device) { test_device = device; }
-  ~TestDevice() { test_device = previous_; }
-  TestDevice(const TestDevice&) = delete;
-  TestDevice& operator=(const TestDevice&) = delete;
-
- private:
-  Device previous_;
-};
-Tensor tensor_on(std::vector<int64_t> shape, const DType dtype) {
-  return Tensor(std::move(shape), dtype, MemCategory::kOther, test_device);
-}
+using test::kDevices;
+using test::tensor_on;
+using test::TestDevice;
 constexpr DType kDTypes[] = {DType::kF32, DType::kF64};
 
 double consistency_tol(const DType dtype) { return dtype == DType::kF32 ? 1e-5 : 1e-12; }
@@ -435,7 +422,7 @@ TEST(OpsCoverage, EveryOpInTheHeadersIsExercised) {
 // ---- hand-written checks ----------------------------------------------------------------------------------------
 
 Tensor random_tensor(const std::vector<int64_t>& shape, const DType dtype, const uint64_t seed, double scale = 1.0) {
-  Env env(dtype, seed, test_device);
+  Env env(dtype, seed, test::test_device());
   return env.rand("t", shape, scale);
 }
 
@@ -726,7 +713,7 @@ TEST(OpsBadArgs, OtherArgumentErrors) {
   const auto expect_invalid = [](const std::string& op, const auto& call) {
     try {
       call();
-      ADD_FAILURE() << op << " on " << device_name(test_device) << ": no error";
+      ADD_FAILURE() << op << " on " << device_name(test::test_device()) << ": no error";
     } catch (const std::invalid_argument& error) {
       EXPECT_EQ(std::string(error.what()).rfind(op + ": ", 0), 0u) << error.what();
     }
@@ -746,36 +733,6 @@ TEST(OpsBadArgs, OtherArgumentErrors) {
     const Tensor weight = random_tensor({5, 3}, DType::kF32, 19);
     expect_invalid("linear_backward", [&] { linear_backward(nullptr, &dweight, nullptr, dout, nullptr, weight); });
 
-    Tensor rows({2, 3}, DType::kF32), table({4, 3}, DType::kF32);
-    const std::vector<int64_t> past_end = {1, 4};
-    expect_invalid("gather_rows", [&] { gather_rows(rows, table, past_end); });
-    expect_invalid("scatter_add_rows", [&] { scatter_add_rows(table, rows, past_end); });
-    expect_invalid("moe_permute", [&] { moe_permute(rows, table, past_end); });
-    expect_invalid("moe_unpermute", [&] { moe_unpermute(table, rows, past_end); });
-    expect_invalid("moe_unpermute_backward", [&] { moe_unpermute_backward(&rows, nullptr, table, past_end); });
-    Tensor probs2({2}, DType::kF32);
-    const std::vector<int64_t> in_range = {1, 3};
-    expect_invalid("moe_unpermute_backward",
-                   [&] { moe_unpermute_backward(&rows, &probs2, table, in_range); });  // dprobs without probs
-    const std::vector<int64_t> first_past = {3}, two_rows = {2}, overlap_first = {0, 1};
-    const std::vector<int64_t> overlap_rows = {2, 2};
-    Tensor four_rows({4, 3}, DType::kF32);
-    expect_invalid("sort_chunks", [&] { sort_chunks(rows, table, first_past, two_rows); });
-    expect_invalid("unsort_chunks", [&] { unsort_chunks(table, rows, first_past, two_rows); });
-    expect_invalid("unsort_chunks", [&] { unsort_chunks(table, four_rows, overlap_first, overlap_rows); });
-
-    Tensor w0({5, 3}, DType::kF32), w1({5, 3}, DType::kF32), grouped_out({4, 5}, DType::kF32);
-    const std::vector<const Tensor*> two_weights = {&w0, &w1};
-    const std::vector<int64_t> three_offsets = {0, 1, 4}, decreasing = {0, 3, 2}, one_offset = {0};
-    expect_invalid("grouped_linear_forward",
-                   [&] { grouped_linear_forward(grouped_out, table, two_weights, {}, one_offset); });
-    expect_invalid("grouped_linear_forward",
-                   [&] { grouped_linear_forward(grouped_out, table, two_weights, {}, decreasing); });
-    expect_invalid("grouped_linear_forward", [&] { grouped_linear_forward(grouped_out, table, {}, {}, one_offset); });
-    const std::vector<Tensor*> two_grads = {&w0, &w1};
-    expect_invalid("grouped_linear_backward", [&] {  // weight gradients need the input
-      grouped_linear_backward(nullptr, two_grads, {}, grouped_out, nullptr, two_weights, three_offsets);
-    });
     Tensor rows = tensor_on({2, 3}, DType::kF32), table = tensor_on({4, 3}, DType::kF32);
     const std::vector<int64_t> past_end = {1, 4};
     expect_invalid("gather_rows", [&] { gather_rows(rows, table, past_end); });
@@ -851,7 +808,7 @@ TEST(OpsBadArgs, MoeRowsGroupedLinearAndInitErrors) {
   const auto expect_invalid = [](const std::string& op, const auto& call) {
     try {
       call();
-      ADD_FAILURE() << op << " on " << device_name(test_device) << ": no error";
+      ADD_FAILURE() << op << " on " << device_name(test::test_device()) << ": no error";
     } catch (const std::invalid_argument& error) {
       EXPECT_EQ(std::string(error.what()).rfind(op + ": ", 0), 0u) << error.what();
     }

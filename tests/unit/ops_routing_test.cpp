@@ -13,27 +13,14 @@
 
 #include "moecore/ops/device.h"
 #include "moecore/ops/routing.h"
+#include "unit/test_device.h"
 
 namespace moecore::ops {
 namespace {
 
-constexpr Device kDevices[] = {Device::kCPU, Device::kReference};
-
-// The device each test's tensors are made on (tensor_on, tensor_of, zeros_on).
-Device test_device = Device::kCPU;
-class TestDevice {
- public:
-  explicit TestDevice(const Device device) : previous_(test_device) { test_device = device; }
-  ~TestDevice() { test_device = previous_; }
-  TestDevice(const TestDevice&) = delete;
-  TestDevice& operator=(const TestDevice&) = delete;
-
- private:
-  Device previous_;
-};
-Tensor tensor_on(std::vector<int64_t> shape, const DType dtype) {
-  return Tensor(std::move(shape), dtype, MemCategory::kOther, test_device);
-}
+using test::kDevices;
+using test::tensor_on;
+using test::TestDevice;
 
 std::vector<double> random_values(const int64_t n, const uint32_t seed, const double scale = 1.0) {
   std::mt19937 gen(seed);
@@ -44,7 +31,7 @@ std::vector<double> random_values(const int64_t n, const uint32_t seed, const do
 }
 
 Tensor tensor_of(std::vector<double>& v, const std::vector<int64_t>& shape) {
-  return Tensor::from_blob(v.data(), shape, test_device);
+  return Tensor::from_blob(v.data(), shape, test::test_device());
 }
 
 // k random distinct experts per token (the top-k of random values), as kI32 [T, k].
@@ -86,7 +73,7 @@ double aux_loss_chain(std::vector<double>& scores, const Tensor& idx, const int6
   const int64_t T = S * B;
   Tensor sums_E = tensor_on({E}, DType::kF64), sums_BE = tensor_on({B, E}, DType::kF64),
          counts_BE = tensor_on({B, E}, DType::kF64);
-  aux_loss_sums(sums_E, sums_BE, counts_BE, tensor_of(scores, {T, E}), idx.to(test_device), B);
+  aux_loss_sums(sums_E, sums_BE, counts_BE, tensor_of(scores, {T, E}), idx.to(test::test_device()), B);
   Tensor grad_BE = tensor_on({B, E}, DType::kF64);
   double loss = 0.0;
   if (seq) {
@@ -245,7 +232,7 @@ TEST(RoutingOps, ExpertBiasSignRuleByHand) {
     std::vector<float> bias = {0.5f, -0.25f, 0.0f, 1.0f};
     std::vector<double> counts = {3.0, 1.0, 2.0, 2.0};
     // mean = 2: expert 0 is over-loaded (bias down), expert 1 under-loaded (up), 2 and 3 balanced (unchanged).
-    Tensor bias_E = Tensor::from_blob(bias.data(), {4}, test_device);
+    Tensor bias_E = Tensor::from_blob(bias.data(), {4}, test::test_device());
     expert_bias_update(bias_E, tensor_of(counts, {4}), 0.125);
     EXPECT_EQ(bias, (std::vector<float>{0.375f, -0.125f, 0.0f, 1.0f}));
   }

@@ -1,24 +1,20 @@
 // `moecore train` command line: Megatron-LM's flag names and defaults (megatron/training/arguments.py) -> TrainingArgs.
 //
-// Syntax (as argparse with allow_abbrev=False): `--flag value` or `--flag=value`; switches (store_true) take no
-// value; list flags (--data-path) take every following token up to the next flag; a flag given twice: last wins.
-// A token that starts with '-' and is not a negative number is a flag (unless a digit or '.' follows the '-', as in
-// "-1,1,1": no flag is named so), so a string value that starts with '-' must be written `--flag=value`.
+// Syntax: util/flag_parser.h, the parser of every command (as argparse with allow_abbrev=False): `--flag value` or
+// `--flag=value`; switches take no value; list flags (--data-path) take every following token up to the next flag;
+// a flag given twice: last wins; a string value that starts with '-' must be written `--flag=value`.
 //
 // Errors (one line each, thrown as ConfigError):
 //   unknown flag               "unknown flag --num-layer (did you mean --num-layers?)"
 //   Megatron flag not built    "--moe-latent-size is a Megatron flag that moecore does not implement yet"
 //   bad value                  "invalid value 'abc' for --num-layers: expected an integer"
 //   inconsistent settings      one line naming the flags involved.
-//   data flag the model ignores "--reset-attention-mask: the model does not read document masks yet" (for now also
-//                              --reset-position-ids: the data pipeline fills the batch's ids, the model does not
-//                              read them yet)
 //
 // Defaults that depend on other flags are filled as Megatron's validate_args does:
 //   --ffn-hidden-size          4 * hidden, or int((4 * hidden * 2 / 3) / 64) * 64 with --swiglu
 //   --kv-channels              hidden / heads (hidden must divide)
 //   --num-query-groups         heads without --group-query-attention; with it, the flag's value (Megatron default 1)
-//   --global-batch-size        micro batch * data-parallel size (1 in this single-process engine)
+//   --global-batch-size        micro batch * data-parallel size
 //   --lr-decay-iters           --train-iters
 //   --split                    "969, 30, 1" when --data-path is given without --split (Megatron's legacy default);
 //                              an error with --mock-data, which Megatron always splits 1,1,1

@@ -112,7 +112,6 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, z_loss_forward)              \
     MOECORE_FORWARD(ns, z_loss_backward)             \
     MOECORE_FORWARD(ns, expert_bias_update)          \
-    MOECORE_FORWARD(ns, moe_permute)                 \
     MOECORE_FORWARD(ns, moe_unpermute)               \
     MOECORE_FORWARD(ns, moe_unpermute_backward)      \
     MOECORE_FORWARD(ns, sort_chunks)                 \

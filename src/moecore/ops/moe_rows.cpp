@@ -59,7 +59,7 @@ void moe_permute(Tensor& out_RW, const Tensor& in_NW, const std::span<const int6
   detail::check_numel(op, "out_RW", out_RW, R * W);
   check_index(op, index_R, N);
   detail::dispatch(op, out_RW,
-                   [&]<typename S>(auto k) { k.moe_permute(ptr<S>(out_RW), ptr<S>(in_NW), index_R.data(), R, N, W); });
+                   [&]<typename S>(auto k) { k.gather_rows(ptr<S>(out_RW), ptr<S>(in_NW), index_R.data(), R, N, W); });
 }
 
 void moe_unpermute(Tensor& out_NW, const Tensor& in_RW, const std::span<const int64_t> index_R, const Tensor* probs_R) {

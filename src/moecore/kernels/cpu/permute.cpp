@@ -12,20 +12,6 @@ constexpr int64_t kParallelMin = 16384;
 }  // namespace
 
 template <typename T>
-void moe_permute(T* out_RW, const T* in_NW, const int64_t* index_R, const int64_t R, const int64_t /*N*/,
-                 const int64_t W) {
-#pragma omp parallel for schedule(static) if (R * W > kParallelMin)
-  for (int64_t r = 0; r < R; ++r) {
-    T* out = out_RW + r * W;
-    if (index_R[r] < 0) {
-      std::fill_n(out, W, T(0));
-    } else {
-      std::memcpy(out, in_NW + index_R[r] * W, sizeof(T) * static_cast<size_t>(W));
-    }
-  }
-}
-
-template <typename T>
 void moe_unpermute(T* out_NW, const T* in_RW, const int64_t* index_R, const T* probs_R, const int64_t R,
                    const int64_t N, const int64_t W) {
   // The rows of each destination in ascending order (CSR), so destinations run in parallel.
@@ -120,7 +106,6 @@ void unsort_chunks(T* out_NW, const T* in_RW, const int64_t* first_C, const int6
 }
 
 #define MOECORE_INSTANTIATE(T)                                                                                     \
-  template void moe_permute<T>(T*, const T*, const int64_t*, int64_t, int64_t, int64_t);                           \
   template void moe_unpermute<T>(T*, const T*, const int64_t*, const T*, int64_t, int64_t, int64_t);               \
   template void moe_unpermute_backward<T>(T*, T*, const T*, const T*, const int64_t*, const T*, int64_t, int64_t); \
   template void sort_chunks<T>(T*, const T*, const int64_t*, const int64_t*, int64_t, int64_t);                    \

@@ -1,4 +1,5 @@
-// Token permutation kernels of the MoE layer (Megatron's moe_utils.py: permute, unpermute, sort_chunks_by_idxs).
+// Token permutation kernels of the MoE layer (Megatron's moe_utils.py: unpermute, sort_chunks_by_idxs; permute is
+// the row gather of rows.h).
 // Rows of width W; an index of -1 names no row (a padding row of the expert input).
 #pragma once
 
@@ -7,9 +8,6 @@
 namespace moecore::kernels {
 
 #define MOECORE_PERMUTE_DECL                                                                                         \
-  /* Megatron's permute: out_RW[r] = in_NW[index_R[r]], a zero row where index_R[r] < 0 (overwrites). */             \
-  template <typename T>                                                                                              \
-  void moe_permute(T* out_RW, const T* in_NW, const int64_t* index_R, int64_t R, int64_t N, int64_t W);              \
   /* Megatron's unpermute: out_NW[index_R[r]] += probs_R[r] * in_RW[r] (probs_R null: weight 1), rows with a         \
      negative index skipped. Each destination sums its rows in ascending r, whatever the thread count. */            \
   template <typename T>                                                                                              \

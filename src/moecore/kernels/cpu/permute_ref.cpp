@@ -6,14 +6,6 @@
 namespace moecore::kernels::ref {
 
 template <typename T>
-void moe_permute(T* out_RW, const T* in_NW, const int64_t* index_R, const int64_t R, const int64_t /*N*/,
-                 const int64_t W) {
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t w = 0; w < W; ++w) out_RW[r * W + w] = index_R[r] < 0 ? T(0) : in_NW[index_R[r] * W + w];
-  }
-}
-
-template <typename T>
 void moe_unpermute(T* out_NW, const T* in_RW, const int64_t* index_R, const T* probs_R, const int64_t R,
                    const int64_t /*N*/, const int64_t W) {
   for (int64_t r = 0; r < R; ++r) {
@@ -63,7 +55,6 @@ void unsort_chunks(T* out_NW, const T* in_RW, const int64_t* first_C, const int6
 }
 
 #define MOECORE_INSTANTIATE(T)                                                                                     \
-  template void moe_permute<T>(T*, const T*, const int64_t*, int64_t, int64_t, int64_t);                           \
   template void moe_unpermute<T>(T*, const T*, const int64_t*, const T*, int64_t, int64_t, int64_t);               \
   template void moe_unpermute_backward<T>(T*, T*, const T*, const T*, const int64_t*, const T*, int64_t, int64_t); \
   template void sort_chunks<T>(T*, const T*, const int64_t*, const int64_t*, int64_t, int64_t);                    \
