@@ -114,8 +114,11 @@ class Env {
     return tensors_[name] = std::move(t);
   }
 
-  // A tensor built by the case itself (integer indices, maps, a fixed pattern).
-  Tensor& put(const std::string& name, Tensor t) { return tensors_[name] = std::move(t); }
+  // A tensor built by the case itself (integer indices, maps, a fixed pattern), put on the environment's device (a
+  // copy when it was made elsewhere).
+  Tensor& put(const std::string& name, Tensor t) {
+    return tensors_[name] = t.device() == device_ ? std::move(t) : t.to(device_);
+  }
 
   Tensor& operator()(const std::string& name) {
     const auto it = tensors_.find(name);

@@ -586,7 +586,6 @@ const std::vector<TrainFlag>& flag_table() {
 
 bool looks_like_train_flag(const std::string_view token) { return looks_like_flag(token); }
 
-
 TrainingArgs parse_train_args(const std::vector<std::string>& args, const int world_size) {
   TrainingArgs parsed;
   parsed.parallel.world_size = world_size;

@@ -12,13 +12,17 @@ using detail::ptr;
 
 namespace {
 
-void check_dtype(const char* op, const char* name, const Tensor& t, const DType dtype) {
+// t is defined, of `dtype`, on the device of the op's other tensors (`like`).
+void check_dtype(const char* op, const char* name, const Tensor& t, const DType dtype, const Tensor& like) {
   if (!t.defined()) fail(op, std::string(name) + " is undefined");
   if (t.dtype() != dtype) {
     fail(op, std::string(name) + " is " + std::string(dtype_name(t.dtype())) + ", expected " +
                  std::string(dtype_name(dtype)));
   }
-  if (t.device() != Device::kCPU) fail(op, std::string(name) + " is not on the CPU");
+  if (t.device() != like.device()) {
+    fail(op, std::string(name) + " is on " + std::string(device_name(t.device())) + ", the other tensors on " +
+                 std::string(device_name(like.device())));
+  }
 }
 
 // A 2-D [rows, cols] tensor's sizes.
@@ -33,7 +37,7 @@ void selection_sizes(const char* op, const Tensor& logits_TE, const Tensor& idx_
                      int64_t& k) {
   detail::check_tensors(op, {&logits_TE});
   matrix(op, "logits_TE", logits_TE, n, E);
-  check_dtype(op, "idx_TK", idx_TK, DType::kI32);
+  check_dtype(op, "idx_TK", idx_TK, DType::kI32, logits_TE);
   int64_t rows = 0;
   matrix(op, "idx_TK", idx_TK, rows, k);
   if (rows != n) fail(op, "idx_TK has " + std::to_string(rows) + " rows for " + std::to_string(n) + " tokens");
@@ -62,7 +66,7 @@ void topk_routing_forward(Tensor& idx_TK, Tensor& probs_TK, const Tensor& logits
   detail::check_numel(op, "probs_TK", probs_TK, n * k);
   if (select_TE != nullptr) detail::check_numel(op, "select_TE", *select_TE, n * E);
   if (bias_E != nullptr) {
-    check_dtype(op, "bias_E", *bias_E, DType::kF32);
+    check_dtype(op, "bias_E", *bias_E, DType::kF32, logits_TE);
     detail::check_numel(op, "bias_E", *bias_E, E);
   }
   if (spec.group_topk > 0 && (spec.num_groups <= 0 || E % spec.num_groups != 0 || spec.group_topk > spec.num_groups ||
@@ -86,7 +90,7 @@ void topk_routing_backward(Tensor& dlogits_TE, const Tensor& dprobs_TE, const Te
   detail::check_numel(op, "dlogits_TE", dlogits_TE, n * E);
   detail::check_numel(op, "dprobs_TE", dprobs_TE, n * E);
   if (map_TE != nullptr) {
-    check_dtype(op, "map_TE", *map_TE, DType::kU8);
+    check_dtype(op, "map_TE", *map_TE, DType::kU8, logits_TE);
     detail::check_numel(op, "map_TE", *map_TE, n * E);
   }
   check_indices(op, idx_TK, E);
@@ -117,13 +121,13 @@ void routing_map(Tensor& map_TE, Tensor& probs_TE, Tensor& counts_E, const Tenso
   detail::check_tensors(op, {&probs_TE, &probs_TK});
   int64_t n = 0, E = 0, k = 0, rows = 0;
   matrix(op, "probs_TE", probs_TE, n, E);
-  check_dtype(op, "idx_TK", idx_TK, DType::kI32);
+  check_dtype(op, "idx_TK", idx_TK, DType::kI32, probs_TE);
   matrix(op, "idx_TK", idx_TK, rows, k);
   if (rows != n) fail(op, "idx_TK has " + std::to_string(rows) + " rows for " + std::to_string(n) + " tokens");
   detail::check_numel(op, "probs_TK", probs_TK, n * k);
-  check_dtype(op, "map_TE", map_TE, DType::kU8);
+  check_dtype(op, "map_TE", map_TE, DType::kU8, probs_TE);
   detail::check_numel(op, "map_TE", map_TE, n * E);
-  check_dtype(op, "counts_E", counts_E, DType::kI64);
+  check_dtype(op, "counts_E", counts_E, DType::kI64, probs_TE);
   detail::check_numel(op, "counts_E", counts_E, E);
   check_indices(op, idx_TK, E);
   detail::dispatch(op, probs_TE, [&]<typename S>(auto kt) {
@@ -229,7 +233,7 @@ void z_loss_backward(Tensor& dlogits_TE, const Tensor& logits_TE, const Tensor& 
 void expert_bias_update(Tensor& bias_E, const Tensor& counts_E, const double rate) {
   constexpr const char* op = "expert_bias_update";
   detail::check_tensors(op, {&counts_E});
-  check_dtype(op, "bias_E", bias_E, DType::kF32);
+  check_dtype(op, "bias_E", bias_E, DType::kF32, counts_E);
   const int64_t E = bias_E.numel();
   detail::check_numel(op, "counts_E", counts_E, E);
   detail::dispatch(op, counts_E,
