@@ -1,6 +1,6 @@
 // DistributedDataParallel + DistributedAdamW in one process: the bucket layout (backward order, whole params,
 // size threshold, padding), gradient views into the flat buffers, and bit-identical results to AdamWOptimizer for
-// every option combination. The multi-rank behaviour is tested under mpirun in tests/dist/test_ddp.cpp.
+// every option combination. The multi-rank behaviour is tested under mpirun in tests/parallel/test_ddp.cpp.
 #include <gtest/gtest.h>
 
 #include <cstring>
