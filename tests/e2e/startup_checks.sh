@@ -5,8 +5,8 @@
 set -u
 source "$(dirname "$0")/lib/setup.sh" "$@"
 expect_train_error() { local pattern=$1; shift; expect_early_error "$pattern" "$bin" train "$@"; }
-model=(--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --max-position-embeddings 16
-       --micro-batch-size 2 --global-batch-size 2 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer
+mapfile -t model < <(recipe "$src" tiny-one-layer)
+model+=(--hidden-size 32 --micro-batch-size 2 --global-batch-size 2 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer
        --vocab-size 100 --eval-iters 1 --log-interval 1 --threads 1)
 llama=(--normalization RMSNorm --swiglu --ffn-hidden-size 64 --position-embedding-type rope --disable-bias-linear)
 mock=("${model[@]}" --mock-data)

@@ -18,6 +18,7 @@
 #include "moecore/train/trainer.h"
 #include "moecore/train/training_setup.h"
 #include "test_temp_dir.h"
+#include "unit/test_recipe.h"
 
 namespace moecore {
 namespace {
@@ -42,47 +43,37 @@ std::string write_corpus(const test::TempDir& dir) {
 }
 
 std::vector<std::string> base_flags(const test::TempDir& dir, const std::string& prefix) {
-  return {"--num-layers",
-          "1",
-          "--hidden-size",
-          "16",
-          "--num-attention-heads",
-          "2",
-          "--seq-length",
-          "16",
-          "--max-position-embeddings",
-          "16",
-          "--attention-dropout",
-          "0",
-          "--hidden-dropout",
-          "0",
-          "--micro-batch-size",
-          "1",
-          "--global-batch-size",
-          "4",
-          "--lr",
-          "0",
-          "--min-lr",
-          "0",
-          "--log-interval",
-          "1",
-          "--eval-iters",
-          "1",
-          "--tokenizer-type",
-          "NullTokenizer",
-          "--vocab-size",
-          std::to_string(kVocab),
-          "--data-path",
-          prefix,
-          "--split",
-          "50,50,0",
-          "--data-cache-path",
-          dir.path("cache"),
-          "--eod-mask-loss",
-          "--seed",
-          "5",
-          "--threads",
-          "1"};
+  return test::recipe_flags("tiny-one-layer", {"--attention-dropout",
+                                               "0",
+                                               "--hidden-dropout",
+                                               "0",
+                                               "--micro-batch-size",
+                                               "1",
+                                               "--global-batch-size",
+                                               "4",
+                                               "--lr",
+                                               "0",
+                                               "--min-lr",
+                                               "0",
+                                               "--log-interval",
+                                               "1",
+                                               "--eval-iters",
+                                               "1",
+                                               "--tokenizer-type",
+                                               "NullTokenizer",
+                                               "--vocab-size",
+                                               std::to_string(kVocab),
+                                               "--data-path",
+                                               prefix,
+                                               "--split",
+                                               "50,50,0",
+                                               "--data-cache-path",
+                                               dir.path("cache"),
+                                               "--eod-mask-loss",
+                                               "--seed",
+                                               "5",
+                                               "--threads",
+                                               "1"});
 }
 
 TrainingArgs parse(std::vector<std::string> flags, const std::vector<std::string>& extra) {

@@ -13,6 +13,7 @@
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/startup_checks.h"
 #include "test_temp_dir.h"
+#include "unit/test_recipe.h"
 
 namespace moecore {
 namespace {
@@ -22,11 +23,9 @@ using Args = std::vector<std::string>;
 
 // A small dense model on mock data with NullTokenizer (ids 0..99, EOD 100), LayerNorm as Megatron's default.
 Args base() {
-  // clang-format off
-  return {"--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
-          "--max-position-embeddings", "16", "--train-iters", "4", "--lr", "1e-3", "--micro-batch-size", "2",
-          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"};
-  // clang-format on
+  return test::recipe_flags("tiny-one-layer",
+                            {"--train-iters", "4", "--lr", "1e-3", "--micro-batch-size", "2", "--mock-data",
+                             "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"});
 }
 Args llama_style() {
   Args args = base();
@@ -93,8 +92,7 @@ TEST(TrainStartupChecks, SaveFolderOfAnotherModelIsRefused) {
   fake_checkpoint(run, base(), 4);
   const Args save = {"--save-interval", "10", "--save", run};
   EXPECT_EQ(outputs_error(with(base(), save)), "");  // the same model: its own folder
-  Args wider = base();
-  wider[3] = "32";  // --hidden-size
+  const Args wider = with(base(), {"--hidden-size", "32"});
   EXPECT_EQ(outputs_error(with(wider, save)),
             "--save " + run + " holds another model's checkpoint: iteration 4 was saved with --hidden-size 16, this " +
                 "run has 32 (pass --save-overwrite-other-model to save over it, or choose another --save folder)");
