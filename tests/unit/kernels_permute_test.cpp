@@ -106,6 +106,20 @@ TYPED_TEST(PermuteKernels, UnpermuteBackwardEqualsReference) {
   }
 }
 
+// A rank that receives no rows holds empty (null) buffers: empty chunks move nothing, and unsort zeroes the rows no
+// chunk covers (the sanitizer build checks that no null pointer reaches memcpy).
+TYPED_TEST(PermuteKernels, EmptyChunksOfEmptyBuffersMoveNothing) {
+  using T = TypeParam;
+  const std::vector<int64_t> first = {0, 0}, rows = {0, 0};
+  for (const int threads : {1, 2}) {
+    omp_set_num_threads(threads);
+    cpu::sort_chunks(static_cast<T*>(nullptr), static_cast<const T*>(nullptr), first.data(), rows.data(), 2, kW);
+    std::vector<T> out(2 * kW, T(5));
+    cpu::unsort_chunks(out.data(), static_cast<const T*>(nullptr), first.data(), rows.data(), 2, 2, kW);
+    ASSERT_EQ(out, std::vector<T>(2 * kW, T(0))) << threads << " threads";
+  }
+}
+
 TYPED_TEST(PermuteKernels, SortAndUnsortChunksEqualReferenceAndInvert) {
   using T = TypeParam;
   const int64_t C = 24;

@@ -81,6 +81,7 @@ void sort_chunks(T* out_RW, const T* in_NW, const int64_t* first_C, const int64_
   for (int64_t c = 0; c < C; ++c) out_first_C1[c + 1] = out_first_C1[c] + rows_C[c];
 #pragma omp parallel for schedule(dynamic, 1) if (out_first_C1[C] * W > kParallelMin)
   for (int64_t c = 0; c < C; ++c) {
+    if (rows_C[c] * W == 0) continue;  // an empty chunk (its buffers may be null)
     std::memcpy(out_RW + out_first_C1[c] * W, in_NW + first_C[c] * W, sizeof(T) * static_cast<size_t>(rows_C[c] * W));
   }
 }
@@ -101,6 +102,7 @@ void unsort_chunks(T* out_NW, const T* in_RW, const int64_t* first_C, const int6
   }
 #pragma omp parallel for schedule(dynamic, 1) if (in_first_C1[C] * W > kParallelMin)
   for (int64_t c = 0; c < C; ++c) {
+    if (rows_C[c] * W == 0) continue;  // an empty chunk (its buffers may be null)
     std::memcpy(out_NW + first_C[c] * W, in_RW + in_first_C1[c] * W, sizeof(T) * static_cast<size_t>(rows_C[c] * W));
   }
 }
