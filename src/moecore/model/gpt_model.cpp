@@ -406,7 +406,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     LayerActivations& saved = options.training ? ctx->layers[i] : scratch;
     const trace::Scope scope("layer ", layer, " forward", "forward");
     x_TH = module.forward(x_TH, S_local, B, dropout, saved);
-    if (options.training && module.is_moe()) record_moe_stats(layer, saved.moe.routing);
+    if (options.training && module.is_moe()) moe_metrics_.record(layer, saved.moe.routing);
   }
   if (options.training) delayed_scaling_.after_forward();  // TE's autocast exit around the decoder block
   ctx->output_TH = x_TH;
@@ -423,7 +423,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     }
   }
   if (options.training) {
-    if (!moe_stats_.moe_layers.empty()) ++moe_stats_.num_forwards;
+    moe_metrics_.count_forward();
     if (!ctx->mtp.depths.empty()) ++mtp_stats_.num_forwards;
     ctx_out = std::move(ctx);
   } else if (!stage.post_process) {
@@ -481,24 +481,6 @@ Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double l
   return Tensor();
 }
 
-void GPTModel::record_moe_stats(const int64_t layer, const RouterOutput& routing) {
-  size_t slot = 0;
-  while (slot < moe_stats_.moe_layers.size() && moe_stats_.moe_layers[slot] != layer) ++slot;
-  if (slot == moe_stats_.moe_layers.size()) {
-    moe_stats_.moe_layers.push_back(layer);
-    moe_stats_.load_balancing_losses.emplace_back(routing.load_balancing_losses.size(), 0.0);
-    moe_stats_.z_losses.push_back(0.0);
-    moe_stats_.tokens_per_expert.emplace_back(routing.tokens_per_expert_E.size(), 0);
-  }
-  for (size_t j = 0; j < routing.load_balancing_losses.size(); ++j) {
-    moe_stats_.load_balancing_losses[slot][j] += routing.load_balancing_losses[j];
-  }
-  moe_stats_.z_losses[slot] += routing.z_loss;
-  for (size_t e = 0; e < routing.tokens_per_expert_E.size(); ++e) {
-    moe_stats_.tokens_per_expert[slot][e] += routing.tokens_per_expert_E[e];
-  }
-}
-
 MtpBatch GPTModel::mtp_batch(const MicroBatchContext& ctx, const int32_t* tokens_BS, const int32_t* labels_BS,
                              const float* loss_mask_BS) const {
   return MtpBatch{ctx.S, ctx.B, ctx.sequence.S, tokens_BS, labels_BS, loss_mask_BS, &ctx.rows, &ctx.sequence};
@@ -532,7 +514,7 @@ void GPTModel::mtp_forward(MicroBatchContext& ctx, const ForwardOptions& options
     const TransformerLayer& layer = modules_->mtp.layers()[k];
     if (layer.is_moe()) {
       // Megatron's router records an MTP layer's statistics after the decoder's layers (layer_number + num_layers).
-      record_moe_stats(config_.num_layers + static_cast<int64_t>(k), ctx.mtp.depths[k].layer.moe.routing);
+      moe_metrics_.record(config_.num_layers + static_cast<int64_t>(k), ctx.mtp.depths[k].layer.moe.routing);
     }
   }
 }
@@ -545,11 +527,7 @@ MtpStats GPTModel::take_mtp_stats() {
 
 std::optional<NormOverflow> GPTModel::take_norm_overflow() { return norm_overflows_.take(); }
 
-MoEStats GPTModel::take_moe_stats() {
-  MoEStats out = std::move(moe_stats_);
-  moe_stats_ = MoEStats();
-  return out;
-}
+MoEStats GPTModel::take_moe_stats() { return moe_metrics_.take(); }
 
 void GPTModel::finish_global_batch() {
   for (TransformerLayer& layer : modules_->layers) {

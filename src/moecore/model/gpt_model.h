@@ -26,21 +26,13 @@
 #include "moecore/model/model_hooks.h"
 #include "moecore/model/norm_overflow.h"
 #include "moecore/model/param.h"
+#include "moecore/moe/moe_metrics_tracker.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/tensor/tensor.h"
 
 namespace moecore {
 
 class KvCache;
-
-// MoE routing statistics summed over the training forwards since the last GPTModel::take_moe_stats().
-struct MoEStats {
-  int64_t num_forwards = 0;
-  std::vector<int64_t> moe_layers;                         // model index of each MoE layer
-  std::vector<std::vector<double>> load_balancing_losses;  // [MoE layer][balancing type], logged values (loss / coeff)
-  std::vector<double> z_losses;                            // [MoE layer], z-loss / coeff
-  std::vector<std::vector<int64_t>> tokens_per_expert;     // [MoE layer][expert]
-};
 
 // Multi-Token Prediction losses (unscaled, each depth's mean over its unmasked tokens) summed over the training
 // forwards since the last GPTModel::take_mtp_stats().
@@ -163,7 +155,6 @@ class GPTModel {
   Tensor decode_logits(KvCache& cache, std::span<const int32_t> new_tokens);
 
  private:
-  void record_moe_stats(int64_t layer, const RouterOutput& routing);
   Tensor embed(MicroBatchContext& ctx, const ForwardOptions& options) const;
   void embed_backward(const Tensor& dx_TH, const MicroBatchContext& ctx) const;
   double output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH, bool with_labels, Tensor* logits_SBV) const;
@@ -185,7 +176,7 @@ class GPTModel {
   std::vector<Param> params_;
   std::vector<Buffer> buffers_;
   std::unique_ptr<Modules> modules_;
-  MoEStats moe_stats_;
+  MoEMetricsTracker moe_metrics_;  // the MoE layers' statistics of the training forwards
   MtpStats mtp_stats_;
   NormOverflowLog norm_overflows_;
   DelayedScalingStates delayed_scaling_;
