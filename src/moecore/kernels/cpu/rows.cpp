@@ -7,6 +7,8 @@
 #include <cstring>
 #include <vector>
 
+#include "moecore/kernels/cpu/rows_by_destination.h"
+
 namespace moecore::kernels::cpu {
 namespace {
 constexpr int64_t kParallelMin = 16384;
@@ -178,17 +180,9 @@ void gather_rows(T* out_RW, const T* in_NW, const int64_t* index_R, const int64_
 template <typename T>
 void scatter_add_rows(T* out_NW, const T* in_RW, const int64_t* index_R, const int64_t R, const int64_t N,
                       const int64_t W) {
-  // For each destination, the rows that go to it in ascending order (CSR), so destinations run in parallel.
-  std::vector<int64_t> begin_N1(static_cast<size_t>(N + 1), 0);
-  for (int64_t r = 0; r < R; ++r) {
-    if (index_R[r] >= 0) ++begin_N1[static_cast<size_t>(index_R[r] + 1)];
-  }
-  for (int64_t n = 0; n < N; ++n) begin_N1[n + 1] += begin_N1[n];
-  std::vector<int64_t> rows(static_cast<size_t>(begin_N1.back()));
-  std::vector<int64_t> fill(begin_N1.begin(), begin_N1.end() - 1);
-  for (int64_t r = 0; r < R; ++r) {
-    if (index_R[r] >= 0) rows[static_cast<size_t>(fill[static_cast<size_t>(index_R[r])]++)] = r;
-  }
+  const detail::RowsByDestination by_destination = detail::rows_by_destination(index_R, R, N);
+  const std::vector<int64_t>& begin_N1 = by_destination.begin_N1;
+  const std::vector<int64_t>& rows = by_destination.rows;
 #pragma omp parallel for schedule(static) if (N * W > kParallelMin)
   for (int64_t n = 0; n < N; ++n) {
     T* out = out_NW + n * W;
