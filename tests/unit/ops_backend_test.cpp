@@ -708,16 +708,19 @@ TEST(OpsActivation, InputWidthIsTwiceForSwiGLU) {
   }
 }
 
+// `call` on the current test device raises std::invalid_argument whose message starts with "op: ".
+template <typename Call>
+void expect_invalid(const std::string& op, const Call& call) {
+  try {
+    call();
+    ADD_FAILURE() << op << " on " << device_name(test::test_device()) << ": no error";
+  } catch (const std::invalid_argument& error) {
+    EXPECT_EQ(std::string(error.what()).rfind(op + ": ", 0), 0u) << error.what();
+  }
+}
+
 // Errors the case table cannot provoke: unsupported dtypes, undefined tensors, index and id ranges.
 TEST(OpsBadArgs, OtherArgumentErrors) {
-  const auto expect_invalid = [](const std::string& op, const auto& call) {
-    try {
-      call();
-      ADD_FAILURE() << op << " on " << device_name(test::test_device()) << ": no error";
-    } catch (const std::invalid_argument& error) {
-      EXPECT_EQ(std::string(error.what()).rfind(op + ": ", 0), 0u) << error.what();
-    }
-  };
   for (const Device device : kDevices) {
     const TestDevice scope(device);
     Tensor bf16 = tensor_on({4, 3}, DType::kBF16), bf16_b = tensor_on({4, 3}, DType::kBF16), undefined;
@@ -805,14 +808,6 @@ TEST(OpsRouting, ExpertCapacityIsMegatronsCeiling) {
 
 // The MoE row moves', the grouped linear layer's and the initialiser's argument errors.
 TEST(OpsBadArgs, MoeRowsGroupedLinearAndInitErrors) {
-  const auto expect_invalid = [](const std::string& op, const auto& call) {
-    try {
-      call();
-      ADD_FAILURE() << op << " on " << device_name(test::test_device()) << ": no error";
-    } catch (const std::invalid_argument& error) {
-      EXPECT_EQ(std::string(error.what()).rfind(op + ": ", 0), 0u) << error.what();
-    }
-  };
   for (const Device device : kDevices) {
     const TestDevice scope(device);
     Tensor bf16 = tensor_on({4, 3}, DType::kBF16), rows = tensor_on({2, 3}, DType::kF32),
