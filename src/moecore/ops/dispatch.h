@@ -20,12 +20,14 @@
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/kernels/cpu/grouped_linear.h"
+#include "moecore/kernels/cpu/input_jitter.h"
 #include "moecore/kernels/cpu/loss.h"
 #include "moecore/kernels/cpu/norm.h"
 #include "moecore/kernels/cpu/normal_fill.h"
 #include "moecore/kernels/cpu/permute.h"
 #include "moecore/kernels/cpu/rope.h"
 #include "moecore/kernels/cpu/routing.h"
+#include "moecore/kernels/cpu/routing_padding.h"
 #include "moecore/kernels/cpu/rows.h"
 #include "moecore/kernels/cpu/vocab_parallel.h"
 #include "moecore/ops/device.h"
@@ -112,6 +114,9 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, z_loss_forward)              \
     MOECORE_FORWARD(ns, z_loss_backward)             \
     MOECORE_FORWARD(ns, expert_bias_update)          \
+    MOECORE_FORWARD(ns, input_jitter_forward)        \
+    MOECORE_FORWARD(ns, input_jitter_backward)       \
+    MOECORE_FORWARD(ns, pad_routing_map)             \
     MOECORE_FORWARD(ns, moe_unpermute)               \
     MOECORE_FORWARD(ns, moe_unpermute_backward)      \
     MOECORE_FORWARD(ns, sort_chunks)                 \
