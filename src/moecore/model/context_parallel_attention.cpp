@@ -90,7 +90,7 @@ Tensor sequence_to_heads(const Tensor& x, const int64_t X, const int64_t d, cons
   Tensor out = activations({P * rows, Xp, d});
   const std::vector<size_t> counts(static_cast<size_t>(P), static_cast<size_t>(part));
   const parallel::CommTimer timer(parallel::CommKind::kContextParallel);
-  cp.all_to_all_v<float>(std::as_const(send).span<float>(), counts, out.span<float>(), counts);
+  cp.all_to_all_v(send, counts, out, counts);
   return out;
 }
 
@@ -101,7 +101,7 @@ Tensor heads_to_sequence(const Tensor& x_h, const int64_t X, const int64_t d, co
   const std::vector<size_t> counts(static_cast<size_t>(P), static_cast<size_t>(part));
   {
     const parallel::CommTimer timer(parallel::CommKind::kContextParallel);
-    cp.all_to_all_v<float>(x_h.span<float>(), counts, received.span<float>(), counts);
+    cp.all_to_all_v(x_h, counts, received, counts);
   }
   Tensor out = activations({rows, X, d});
   const float* src = received.data<float>();
@@ -131,7 +131,7 @@ Tensor gather_sequence(const Tensor& x, const parallel::ProcessGroup& cp) {
   shape[0] *= cp.size();
   Tensor out = activations(shape);
   const parallel::CommTimer timer(parallel::CommKind::kContextParallel);
-  cp.all_gather<float>(x.span<float>(), out.span<float>());
+  cp.all_gather(x, out);
   return out;
 }
 
@@ -139,7 +139,7 @@ void reduce_scatter_add(Tensor& local, const Tensor& all, const parallel::Proces
   Tensor mine = activations(local.shape());
   {
     const parallel::CommTimer timer(parallel::CommKind::kContextParallel);
-    cp.reduce_scatter<float>(all.span<float>(), mine.span<float>(), parallel::ReduceOp::kSum);
+    cp.reduce_scatter(all, mine, parallel::ReduceOp::kSum);
   }
   ops::add_(local, mine);
 }
@@ -155,9 +155,9 @@ struct RingTransfer {
     const int next = (cp.rank() + 1) % cp.size(), prev = (cp.rank() - 1 + cp.size()) % cp.size();
     for (const Tensor* t : outgoing) {
       incoming.push_back(activations(t->shape()));
-      works.push_back(cp.recv_async<float>(incoming.back().span<float>(), prev, tag));
+      works.push_back(cp.recv_async(incoming.back(), prev, tag));
     }
-    for (const Tensor* t : outgoing) works.push_back(cp.send_async<float>(t->span<float>(), next, tag));
+    for (const Tensor* t : outgoing) works.push_back(cp.send_async(*t, next, tag));
   }
   std::vector<Tensor> finish() {
     const parallel::CommTimer timer(parallel::CommKind::kContextParallel);

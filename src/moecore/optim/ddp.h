@@ -156,7 +156,7 @@ class DistributedDataParallel : public ModelHooks {
   void decode_codes(Bucket& bucket);
   void tp_sum(int param_index);
   void launch(int bucket_index);
-  void all_reduce_grads(const parallel::ProcessGroup& pg, std::span<float> grads);  // in grad_dtype
+  void all_reduce_grads(const parallel::ProcessGroup& pg, Tensor& grads);  // in grad_dtype
   void allreduce_embedding_grads();
   void wait_bucket_gather(Bucket& bucket);
   void decode_param_gather(Bucket& bucket);  // a finished 16-bit all-gather into the parameter buffer

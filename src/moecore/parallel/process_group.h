@@ -172,6 +172,9 @@ class ProcessGroup {
   Work all_gather_async(const Tensor& input, Tensor& output) const;
   Work all_to_all_v_async(const Tensor& input, std::span<const size_t> send_counts, Tensor& output,
                           std::span<const size_t> recv_counts) const;
+  // The 16-bit wire sums above on kBF16 / kF16 tensors: the format is the tensor's dtype.
+  Work all_reduce_16bit_async(Tensor& data) const;
+  Work reduce_scatter_16bit_async(const Tensor& input, Tensor& output) const;
 
  private:
   ProcessGroup(std::shared_ptr<Comm> comm, int rank, int size, bool checks);

@@ -171,4 +171,32 @@ Work ProcessGroup::recv_async(Tensor& data, const int src, const int tag) const 
                       [&]<typename T>(T) { return recv_async<T>(elements<T>(data), src, tag); });
 }
 
+namespace {
+
+void check_16bit(const char* op, const Tensor& t) {
+  if (t.dtype() != DType::kBF16 && t.dtype() != DType::kF16) {
+    throw CommError(std::string(op) + ": 16-bit sums need a bfloat16 or float16 tensor, got " +
+                    std::string(dtype_name(t.dtype())));
+  }
+}
+
+}  // namespace
+
+Work ProcessGroup::all_reduce_16bit_async(Tensor& data) const {
+  constexpr const char* name = "all_reduce_16bit_async";
+  check_host(name, data, "data");
+  check_16bit(name, data);
+  return all_reduce_16bit_async(elements<uint16_t>(data), data.dtype());
+}
+
+Work ProcessGroup::reduce_scatter_16bit_async(const Tensor& input, Tensor& output) const {
+  constexpr const char* name = "reduce_scatter_16bit_async";
+  check_host(name, input, "input");
+  check_host(name, output, "output");
+  check_same_dtype(name, input, output);
+  check_16bit(name, input);
+  check_chunks(name, input, "input", output, size_);
+  return reduce_scatter_16bit_async(elements<uint16_t>(input), elements<uint16_t>(output), input.dtype());
+}
+
 }  // namespace moecore::parallel
