@@ -3,6 +3,7 @@
 #include <string>
 
 #include "moecore/ops/dispatch.h"
+#include "moecore/ops/precision.h"
 
 namespace moecore::ops {
 using detail::ptr;
@@ -31,6 +32,7 @@ void input_jitter_forward(Tensor& out, const Tensor& inp, const std::span<const 
   detail::dispatch(op, inp, [&]<typename T>(auto k) {
     k.input_jitter_forward(ptr<T>(out), ptr<T>(inp), first_R.data(), R, run, spec);
   });
+  detail::round_activations({&out});
 }
 
 void input_jitter_backward(Tensor& dinp, const Tensor& dout, const std::span<const int64_t> first_R, const int64_t run,
@@ -43,6 +45,7 @@ void input_jitter_backward(Tensor& dinp, const Tensor& dout, const std::span<con
   detail::dispatch(op, dout, [&]<typename T>(auto k) {
     k.input_jitter_backward(ptr<T>(dinp), ptr<T>(dout), first_R.data(), R, run, spec);
   });
+  detail::round_activations({&dinp});
 }
 
 }  // namespace moecore::ops
