@@ -105,8 +105,8 @@ ops::RoutingScore routing_score(const RouterScoreFunction fn) {
 }  // namespace
 
 TopKRouter::TopKRouter(const MoEConfig& config, const int64_t hidden, const bool add_bias, const std::string& prefix,
-                       std::vector<Param>& params, const parallel::ParallelState& parallel, const int module,
-                       std::vector<Buffer>* buffers)
+                       ParamStore& params, const parallel::ParallelState& parallel, const int module,
+                       BufferStore* buffers)
     : config_(config),
       hidden_(hidden),
       add_bias_(add_bias),
@@ -128,41 +128,27 @@ TopKRouter::TopKRouter(const MoEConfig& config, const int64_t hidden, const bool
                       "the experts of group_topk groups");
   }
   // Replicated over TP while each TP rank routes only its sequence shard: gradients are summed over TP.
-  auto add = [&](const std::string& name, const std::vector<int64_t>& shape) {
+  auto add = [&](const std::string& name, const std::vector<int64_t>& shape) -> Param& {
     Param p = make_param(prefix_ + name, shape, InitKind::kNormal);
     p.grad_sum_over_tp = true;
     p.module = module;
-    params.push_back(std::move(p));
+    return params.push_back(std::move(p));
   };
-  add("mlp.router.weight", {E, hidden});
+  weight_ = &add("mlp.router.weight", {E, hidden});
   // Megatron initialises the router bias with init_method too.
-  if (add_bias_) add("mlp.router.bias", {E});
+  if (add_bias_) bias_ = &add("mlp.router.bias", {E});
   if (config.enable_expert_bias) {
     has_expert_bias_ = true;
-    (buffers != nullptr ? *buffers : own_buffers_).push_back(make_buffer(prefix_ + "mlp.router.expert_bias", {E}));
+    expert_bias_ =
+        &(buffers != nullptr ? *buffers : own_buffers_).push_back(make_buffer(prefix_ + "mlp.router.expert_bias", {E}));
     local_tokens_per_expert_.assign(static_cast<size_t>(E), 0.0);
   }
   global_aux_counts_.assign(static_cast<size_t>(E), 0.0);
 }
 
-void TopKRouter::bind(std::vector<Param>& params, std::vector<Buffer>* buffers) {
-  if (has_expert_bias_) {
-    expert_bias_ = find_buffer(buffers != nullptr ? *buffers : own_buffers_, prefix_ + "mlp.router.expert_bias");
-  }
-  weight_ = bias_ = nullptr;
-  for (Param& p : params) {
-    if (p.name == prefix_ + "mlp.router.weight") weight_ = &p;
-    if (p.name == prefix_ + "mlp.router.bias") bias_ = &p;
-  }
-  if (weight_ == nullptr || (add_bias_ && bias_ == nullptr)) {
-    throw std::logic_error("router parameters under " + prefix_ + "mlp.router were not registered");
-  }
-}
-
 RouterOutput TopKRouter::forward(const Tensor& x_TH, const int64_t S, const int64_t B, const bool training,
                                  const uint64_t seed, const uint64_t jitter_key, RouterActivations& saved,
                                  const TokenRows& rows) {
-  if (weight_ == nullptr) throw std::logic_error("TopKRouter::forward before bind()");
   // The router computes in --moe-router-dtype (fp32 or fp64) under --bf16 / --fp16 too.
   const ops::ScopedActivationDType router_precision(DType::kF32);
   // Megatron keeps the router out of FP8 / FP4 (a plain torch linear outside TE's modules).
@@ -454,13 +440,11 @@ void TopKRouter::finish_global_batch() {
 
 std::span<const float> TopKRouter::expert_bias() const {
   if (!has_expert_bias_) return {};
-  if (expert_bias_ == nullptr) throw std::logic_error("TopKRouter::expert_bias before bind()");
   return expert_bias_->value.span<float>();
 }
 
 std::span<float> TopKRouter::expert_bias() {
   if (!has_expert_bias_) return {};
-  if (expert_bias_ == nullptr) throw std::logic_error("TopKRouter::expert_bias before bind()");
   return expert_bias_->value.span<float>();
 }
 

@@ -36,8 +36,9 @@
 
 namespace moecore::ops::detail {
 
-#define MOECORE_KERNEL_TABLE(Name, ns)               \
+#define MOECORE_KERNEL_TABLE(Name, ns, device)       \
   struct Name {                                      \
+    static constexpr Device kDevice = device;        \
     MOECORE_FORWARD(ns, gemm)                        \
     MOECORE_FORWARD(ns, linear_forward)              \
     MOECORE_FORWARD(ns, linear_backward)             \
@@ -130,14 +131,15 @@ namespace moecore::ops::detail {
   static decltype(auto) name(Args&&... args) {             \
     return kernels::ns::name(std::forward<Args>(args)...); \
   }
-// The quantized GEMMs (TransformerEngine's numerics, quant/) serve both host devices: they are their own reference.
-#define MOECORE_QUANTIZED(name)                      \
-  template <typename... Args>                        \
-  static decltype(auto) name(Args&&... args) {       \
-    return quant::name(std::forward<Args>(args)...); \
+// The quantized GEMMs (TransformerEngine's numerics, quant/) serve both host devices: they are their own reference,
+// staging their quantized operands on the table's device.
+#define MOECORE_QUANTIZED(name)                               \
+  template <typename... Args>                                 \
+  static decltype(auto) name(Args&&... args) {                \
+    return quant::name(std::forward<Args>(args)..., kDevice); \
   }
-MOECORE_KERNEL_TABLE(CpuKernels, cpu)
-MOECORE_KERNEL_TABLE(RefKernels, ref)
+MOECORE_KERNEL_TABLE(CpuKernels, cpu, Device::kCPU)
+MOECORE_KERNEL_TABLE(RefKernels, ref, Device::kReference)
 #undef MOECORE_QUANTIZED
 #undef MOECORE_FORWARD
 #undef MOECORE_KERNEL_TABLE

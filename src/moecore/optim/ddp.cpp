@@ -25,7 +25,7 @@ constexpr int64_t kParamAlign = 16;
 
 int64_t align_up(const int64_t x, const int64_t a) { return (x + a - 1) / a * a; }
 
-bool packs_two_codes(const std::vector<Param>& params, const std::vector<int>& indices) {
+bool packs_two_codes(const ParamStore& params, const std::vector<int>& indices) {
   return std::any_of(indices.begin(), indices.end(), [&](const int i) {
     const auto& q = params[static_cast<size_t>(i)].weight_quantization;
     return q && q->element == quant::ElementFormat::kE2M1;
@@ -42,7 +42,7 @@ Overlap overlap(const int64_t offset, const int64_t numel, const int64_t begin, 
 
 }  // namespace
 
-DistributedDataParallel::DistributedDataParallel(std::vector<Param>& params, const parallel::ParallelState& parallel,
+DistributedDataParallel::DistributedDataParallel(ParamStore& params, const parallel::ParallelState& parallel,
                                                  const DdpOptions& options)
     : params_(params), parallel_(parallel), options_(options) {
   if (options_.overlap_param_gather && !options_.use_distributed_optimizer) {
