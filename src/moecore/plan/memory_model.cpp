@@ -291,7 +291,7 @@ struct Chunk {
   int64_t mtp = 0;
 };
 
-Chunk make_chunk(const ActivationContext& x, const parallel::PipelineStage& stage, const int64_t mtp) {
+Chunk make_chunk(const ActivationContext& x, const PipelineStage& stage, const int64_t mtp) {
   const ModelConfig& c = x.args.model.config;
   const Recompute& r = x.args.recompute;
   const double h = static_cast<double>(c.hidden_size);
@@ -387,7 +387,7 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
   const TrainingArgs& t = args.train;
   const PlanModel& model = args.model;
   const ModelConfig& c = model.config;
-  const parallel::PipelineLayout layout = pipeline_layout(t);
+  const PipelineLayout layout = pipeline_layout(t);
   const LayoutSizes sizes = layout_sizes(args);
   const int pp = sizes.pp, vpp = sizes.vpp;
   const double tp = sizes.tp(), cp = sizes.cp(), ep = sizes.ep(), etp = sizes.etp();
@@ -416,7 +416,7 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
     std::vector<Chunk> chunks;
     bool holds_embedding = false;
     for (int v = 0; v < vpp; ++v) {
-      const parallel::PipelineStage& s = layout.stage(r, v);
+      const PipelineStage& s = layout.stage(r, v);
       const auto mtp_it = mtp_at.find(static_cast<int64_t>(v) * pp + r);
       const int64_t mtp = mtp_it == mtp_at.end() ? 0 : mtp_it->second;
       for (int64_t l = s.first_layer; l < s.end_layer(); ++l) {

@@ -182,7 +182,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
   const TrainingArgs& t = args.train;
   const ModelConfig& c = args.model.config;
   const Shape s = shape_of(args.model);
-  const parallel::PipelineLayout pipeline = pipeline_layout(t);
+  const PipelineLayout pipeline = pipeline_layout(t);
   const int pp = pipeline.pipeline_size(), vpp = pipeline.virtual_pipeline_size();
 
   const std::map<int64_t, int64_t> mtp_at = mtp_layers_by_stage(args, pp, vpp);  // virtual stage v * pp + r
@@ -212,7 +212,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     std::optional<bool> last_layer_moe;
     int64_t mtp_depths = 0;
     for (int v = 0; v < vpp; ++v) {
-      const parallel::PipelineStage& chunk = pipeline.stage(r, v);
+      const PipelineStage& chunk = pipeline.stage(r, v);
       for (int64_t layer = chunk.first_layer; layer < chunk.end_layer(); ++layer) {
         const bool moe = c.moe.is_moe_layer(layer);
         const LayerParams p = layer_params(s, l, moe);
@@ -283,7 +283,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     // The largest context of one chunk: its input, its layers' saved tensors, less the output sent on.
     Owners context;
     for (int v = 0; v < vpp; ++v) {
-      const parallel::PipelineStage& chunk = pipeline.stage(r, v);
+      const PipelineStage& chunk = pipeline.stage(r, v);
       Owners o;
       (chunk.has_embedding ? o.embedding : o.other) += x.ta * s.h;
       for (int64_t layer = chunk.first_layer; layer < chunk.end_layer(); ++layer) {

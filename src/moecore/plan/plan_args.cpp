@@ -268,7 +268,7 @@ std::vector<std::string> train_tokens(const PlanArgs& args, const LayoutChoice& 
   if (layout.pipeline_layout) {
     // The MTP cells are placed by the planner (mtp_layers_by_stage), which models Megatron's standalone MTP stages
     // too; train's split gets the layout without them, and so no MTP depths of its own.
-    std::vector<std::string> cells = parallel::parse_pipeline_layout(*layout.pipeline_layout);
+    std::vector<std::string> cells = parse_pipeline_layout(*layout.pipeline_layout);
     for (std::string& cell : cells) cell.erase(std::remove(cell.begin(), cell.end(), 'm'), cell.end());
     tokens.push_back("--pipeline-model-parallel-layout=" + join_cells(cells));
     tokens.insert(tokens.end(), {"--mtp-num-layers", "0"});
@@ -297,7 +297,7 @@ void finish(PlanArgs& out, const LayoutChoice& layout, const std::vector<std::st
   out.layout.vpp = out.train.virtual_pipeline_model_parallel_size;
   out.mtp_stages.clear();
   if (layout.pipeline_layout) {
-    const std::vector<std::string> cells = parallel::parse_pipeline_layout(*layout.pipeline_layout);
+    const std::vector<std::string> cells = parse_pipeline_layout(*layout.pipeline_layout);
     int64_t total = 0;
     for (size_t s = 0; s < cells.size(); ++s) {
       const auto count = static_cast<int64_t>(std::count(cells[s].begin(), cells[s].end(), 'm'));
@@ -417,7 +417,7 @@ PlanArgs with_layout(const PlanArgs& base, const LayoutChoice& layout) {
 
 LayoutSizes layout_sizes(const PlanArgs& args) {
   const TrainingArgs& t = args.train;
-  const parallel::PipelineLayout pipeline = pipeline_layout(t);
+  const PipelineLayout pipeline = pipeline_layout(t);
   LayoutSizes l;
   l.pp = pipeline.pipeline_size();
   l.vpp = pipeline.virtual_pipeline_size();

@@ -82,7 +82,7 @@ StepTime estimate_step_time(const PlanArgs& args, const MemoryPlan& memory) {
   const PlanModel& model = args.model;
   const ModelConfig& c = model.config;
   const Cluster& cl = args.cluster;
-  const parallel::PipelineLayout layout = pipeline_layout(t);
+  const PipelineLayout layout = pipeline_layout(t);
   const LayoutSizes sizes = layout_sizes(args);
   const int pp = sizes.pp, vpp = sizes.vpp;
   const double tp = sizes.tp(), cp = sizes.cp(), ep = sizes.ep(), etp = sizes.etp(), world = sizes.world();
@@ -248,7 +248,7 @@ StepTime estimate_step_time(const PlanArgs& args, const MemoryPlan& memory) {
       parts.cp += times * ls.cp;
     };
     for (int v = 0; v < vpp; ++v) {
-      const parallel::PipelineStage& s = layout.stage(rank, v);
+      const PipelineStage& s = layout.stage(rank, v);
       for (int64_t l = s.first_layer; l < s.end_layer(); ++l)
         add(c.moe.enabled() && c.moe.is_moe_layer(l) ? moe_s : dense_s, 1.0);
       if (s.has_loss) parts.compute += logits_s;
