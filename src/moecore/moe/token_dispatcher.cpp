@@ -4,10 +4,12 @@
 // shares and the factory.
 #include "moecore/moe/token_dispatcher.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
 #include "moecore/moe/token_dispatcher_internal.h"
+#include "moecore/ops/expert_rows.h"
 #include "moecore/ops/moe_rows.h"
 #include "moecore/ops/precision.h"
 
@@ -30,6 +32,17 @@ void check_tokens(const char *dispatcher, const Tensor &x_TH) {
     throw std::invalid_argument(std::string(dispatcher) + ": tokens must be an fp32 [T, H] tensor with H > 0, got " +
                                 (x_TH.defined() ? x_TH.shape_str() : std::string("none")));
   }
+}
+
+Tensor expert_major_rows(std::vector<int64_t> &token_R, const Tensor &map_TE, const Tensor &probs_TE,
+                         const int64_t e_begin, const std::span<const int64_t> rows_X, const int64_t capacity) {
+  int64_t R = 0;
+  for (const int64_t rows : rows_X) R += std::max<int64_t>(rows, 0);  // the op refuses a negative count
+  token_R.resize(static_cast<size_t>(R));
+  Tensor tokens = Tensor::from_blob(token_R.data(), {R}, map_TE.device());
+  Tensor probs_R({R}, DType::kF32, MemCategory::kActivations, map_TE.device());
+  ops::expert_major_rows(tokens, probs_R, map_TE, probs_TE, e_begin, rows_X, capacity);
+  return probs_R;
 }
 
 Tensor probs_tensor(const std::vector<float> &probs_R) {
@@ -56,15 +69,14 @@ class LocalDispatcher final : public TokenDispatcher {
     state.H = H;
     state.E = E;
     state.tokens_per_expert_E = routing.tokens_per_expert_E;
-    detail::ExpertMajorRows rows =
-        detail::expert_major_rows(detail::routing_map_bytes(routing), routing.probs_TE.data<float>(), T, E, 0, E,
-                                  routing.tokens_per_expert_E, routing.capacity);
-    state.source_token_R = std::move(rows.token_R);
+    Tensor probs_R =
+        detail::expert_major_rows(state.source_token_R, routing.routing_map_TE.view({T, E}),
+                                  routing.probs_TE.view({T, E}), 0, routing.tokens_per_expert_E, routing.capacity);
     for (int64_t e = 0; e < E; ++e) {
       state.expert_R.insert(state.expert_R.end(), static_cast<size_t>(routing.tokens_per_expert_E[e]), e);
     }
     DispatchBuffers out{detail::activation_rows({static_cast<int64_t>(state.source_token_R.size()), H}),
-                        detail::probs_tensor(rows.probs_R)};
+                        std::move(probs_R)};
     ops::moe_permute(out.rows, x_TH, state.source_token_R);
     return out;
   }

@@ -5,6 +5,7 @@
 // outputs into a gathered [S T, H] buffer that is reduce-scattered back to [T, H]: that sum also adds the partial
 // outputs of the ETP ranks.
 #include <algorithm>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -78,26 +79,35 @@ class AllGatherDispatcher final : public TokenDispatcher {
     const uint8_t *maps = state.routing_map.data<uint8_t>();
     const float *probs = received.probs.data<float>();
     const int64_t *counts = state.expert_counts.data<int64_t>();
-    std::vector<ExpertMajorRows> by_source;
-    by_source.reserve(static_cast<size_t>(S));
+    // Source s's rows for the local experts: tokens token_SR[s], probabilities probs_SR[s], expert le's from
+    // first_SX1[s][le].
+    std::vector<std::vector<int64_t>> token_SR(static_cast<size_t>(S)), first_SX1(static_cast<size_t>(S));
+    std::vector<Tensor> probs_SR;
+    probs_SR.reserve(static_cast<size_t>(S));
     for (int64_t s = 0; s < S; ++s) {
-      const std::vector<int64_t> rows_X(counts + s * E + first_expert_, counts + s * E + first_expert_ + El_);
-      by_source.push_back(expert_major_rows(maps + s * T * E, probs + s * T * E, T, E, first_expert_,
-                                            first_expert_ + El_, rows_X, state.capacity));
+      const std::span<const int64_t> rows_X(counts + s * E + first_expert_, static_cast<size_t>(El_));
+      probs_SR.push_back(
+          expert_major_rows(token_SR[static_cast<size_t>(s)], Tensor::from_blob(maps + s * T * E, {T, E}),
+                            Tensor::from_blob(probs + s * T * E, {T, E}), first_expert_, rows_X, state.capacity));
+      std::vector<int64_t> &first_X1 = first_SX1[static_cast<size_t>(s)];
+      first_X1.assign(static_cast<size_t>(El_ + 1), 0);
+      for (int64_t le = 0; le < El_; ++le) first_X1[le + 1] = first_X1[le] + rows_X[static_cast<size_t>(le)];
     }
     std::vector<float> probs_R;
     state.tokens_per_expert_E.assign(static_cast<size_t>(El_), 0);
     for (int64_t le = 0; le < El_; ++le) {
       for (int64_t s = 0; s < S; ++s) {
-        const ExpertMajorRows &src = by_source[static_cast<size_t>(s)];
-        for (int64_t r = src.offsets_X1[le]; r < src.offsets_X1[le + 1]; ++r) {
-          const int64_t t = src.token_R[static_cast<size_t>(r)];
+        const std::vector<int64_t> &token_R = token_SR[static_cast<size_t>(s)];
+        const std::vector<int64_t> &first_X1 = first_SX1[static_cast<size_t>(s)];
+        const float *source_probs_R = probs_SR[static_cast<size_t>(s)].data<float>();
+        for (int64_t r = first_X1[le]; r < first_X1[le + 1]; ++r) {
+          const int64_t t = token_R[static_cast<size_t>(r)];
           state.source_token_R.push_back(t);
-          probs_R.push_back(src.probs_R[static_cast<size_t>(r)]);
+          probs_R.push_back(source_probs_R[r]);
           state.source_rank_R.push_back(t < 0 ? -1 : s);
           state.gathered_row_R.push_back(t < 0 ? -1 : s * T + t);
         }
-        state.tokens_per_expert_E[le] += src.offsets_X1[le + 1] - src.offsets_X1[le];
+        state.tokens_per_expert_E[le] += first_X1[le + 1] - first_X1[le];
       }
       state.expert_R.insert(state.expert_R.end(), static_cast<size_t>(state.tokens_per_expert_E[le]), le);
     }

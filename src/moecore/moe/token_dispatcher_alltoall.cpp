@@ -117,9 +117,8 @@ class AllToAllDispatcher final : public TokenDispatcher {
     state.E = E;
     state.capacity = routing.capacity;
 
-    ExpertMajorRows rows = expert_major_rows(routing_map_bytes(routing), routing.probs_TE.data<float>(), T, E, 0, E,
-                                             routing.tokens_per_expert_E, routing.capacity);
-    state.sent_token_L = std::move(rows.token_R);
+    Tensor probs_L = expert_major_rows(state.sent_token_L, routing.routing_map_TE.view({T, E}),
+                                       routing.probs_TE.view({T, E}), 0, routing.tokens_per_expert_E, routing.capacity);
     state.ep_send_rows.assign(static_cast<size_t>(EP), 0);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t expert_rows = routing.tokens_per_expert_E[e];
@@ -138,8 +137,7 @@ class AllToAllDispatcher final : public TokenDispatcher {
       state.expert_R.insert(state.expert_R.end(), static_cast<size_t>(chunk.rows), chunk.local_expert);
     }
 
-    DispatchBuffers out{activation_rows({static_cast<int64_t>(state.sent_token_L.size()), H}),
-                        probs_tensor(rows.probs_R)};
+    DispatchBuffers out{activation_rows({static_cast<int64_t>(state.sent_token_L.size()), H}), std::move(probs_L)};
     ops::moe_permute(out.rows, x_TH, state.sent_token_L);  // padding rows are zero
     return out;
   }

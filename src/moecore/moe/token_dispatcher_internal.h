@@ -2,8 +2,8 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 #include <memory>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -15,8 +15,7 @@
 
 namespace moecore::detail {
 
-// The router's [T, E] routing map as bytes (1: token t goes to expert e), the one place the dispatchers read it.
-inline const uint8_t* routing_map_bytes(const RouterOutput& routing) { return routing.routing_map_TE.data<uint8_t>(); }
+// The number of entries of the router's [T, E] byte routing map (1: token t goes to expert e); 0 when it is none.
 inline int64_t routing_map_entries(const RouterOutput& routing) {
   const Tensor& map = routing.routing_map_TE;
   return map.defined() && map.dtype() == DType::kU8 ? map.numel() : 0;
@@ -35,71 +34,13 @@ inline Tensor activation_rows(std::vector<int64_t> shape) {
 // probs_R as a tensor [R] (fp32).
 Tensor probs_tensor(const std::vector<float>& probs_R);
 
-// Calls fn(e) for every e in [e_begin, e_end) where row_E[e] is set, in ascending order. A byte map is read eight
-// entries at a time, skipping zero words: a token selects k of E experts, so most words are empty.
-template <typename MapT, typename Fn>
-void for_each_selected(const MapT* row_E, const int64_t e_begin, const int64_t e_end, Fn&& fn) {
-  int64_t e = e_begin;
-  if constexpr (sizeof(MapT) == 1) {
-    for (; e + 8 <= e_end; e += 8) {
-      uint64_t word = 0;
-      std::memcpy(&word, row_E + e, sizeof word);
-      if (word == 0) continue;
-      for (int64_t i = 0; i < 8; ++i) {
-        if (row_E[e + i] != MapT{0}) fn(e + i);
-      }
-    }
-  }
-  for (; e < e_end; ++e) {
-    if (row_E[e] != MapT{0}) fn(e);
-  }
-}
-
-// The rows of experts [e_begin, e_end) of one source's [T, E] map in expert-major order: each expert's routed tokens
-// ascending, then padding rows (token -1, prob 0) up to rows_X[e - e_begin] when the router padded to capacity.
-// Two passes over the map row by row (count, place): the cost is the map's size over eight, not E strided scans.
-struct ExpertMajorRows {
-  std::vector<int64_t> offsets_X1;  // expert e's rows are [offsets_X1[e - e_begin], offsets_X1[e - e_begin + 1])
-  std::vector<int64_t> token_R;
-  std::vector<float> probs_R;
-};
-
-template <typename MapT>
-ExpertMajorRows expert_major_rows(const MapT* map_TE, const float* probs_TE, const int64_t T, const int64_t E,
-                                  const int64_t e_begin, const int64_t e_end, const std::vector<int64_t>& rows_X,
-                                  const int64_t capacity) {
-  const auto X = static_cast<size_t>(e_end - e_begin);
-  std::vector<int64_t> routed_X(X, 0);
-  for (int64_t t = 0; t < T; ++t) {
-    for_each_selected(map_TE + t * E, e_begin, e_end,
-                      [&](const int64_t e) { ++routed_X[static_cast<size_t>(e - e_begin)]; });
-  }
-  ExpertMajorRows out;
-  out.offsets_X1.assign(X + 1, 0);
-  for (size_t x = 0; x < X; ++x) {
-    const int64_t rows = rows_X[x], routed = routed_X[x];
-    // Pad-to-capacity: the router reports C rows per expert while the map holds at most C tokens.
-    if (rows != routed && (capacity < 0 || rows != capacity || routed > rows)) {
-      throw std::invalid_argument(std::string("token dispatcher: expert ") +
-                                  std::to_string(e_begin + static_cast<int64_t>(x)) + " has " + std::to_string(routed) +
-                                  " routed tokens but tokens_per_expert says " + std::to_string(rows) + " (capacity " +
-                                  std::to_string(capacity) + ")");
-    }
-    out.offsets_X1[x + 1] = out.offsets_X1[x] + rows;
-  }
-  const auto R = static_cast<size_t>(out.offsets_X1[X]);
-  out.token_R.assign(R, -1);
-  out.probs_R.assign(R, 0.0f);
-  std::vector<int64_t> next_X(out.offsets_X1.begin(), out.offsets_X1.end() - 1);
-  for (int64_t t = 0; t < T; ++t) {
-    for_each_selected(map_TE + t * E, e_begin, e_end, [&](const int64_t e) {
-      const auto r = static_cast<size_t>(next_X[static_cast<size_t>(e - e_begin)]++);
-      out.token_R[r] = t;
-      out.probs_R[r] = probs_TE[t * E + e];
-    });
-  }
-  return out;
-}
+// The rows of experts [e_begin, e_begin + rows_X.size()) of one source's [T, E] map in expert-major order
+// (ops::expert_major_rows: each expert's routed tokens ascending, then padding rows, token -1 and prob 0, up to
+// rows_X when the router padded to capacity): the tokens into token_R (resized to the rows), their probabilities
+// returned as an fp32 activation tensor [R]. Throws std::invalid_argument naming an expert whose routed count
+// disagrees with rows_X.
+Tensor expert_major_rows(std::vector<int64_t>& token_R, const Tensor& map_TE, const Tensor& probs_TE, int64_t e_begin,
+                         std::span<const int64_t> rows_X, int64_t capacity);
 
 // Rows the alltoall dispatcher moves to this rank's local experts, per (ETP rank j, EP source s, local expert le):
 // what Megatron's MoEAlltoAllTokenDispatcher.preprocess calls num_global_tokens_per_local_expert

@@ -17,6 +17,7 @@
 #include "moecore/kernels/cpu/dropout.h"
 #include "moecore/kernels/cpu/elementwise.h"
 #include "moecore/kernels/cpu/expert_activation.h"
+#include "moecore/kernels/cpu/expert_rows.h"
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/kernels/cpu/grouped_linear.h"
@@ -118,6 +119,8 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, input_jitter_forward)        \
     MOECORE_FORWARD(ns, input_jitter_backward)       \
     MOECORE_FORWARD(ns, pad_routing_map)             \
+    MOECORE_FORWARD(ns, expert_routed_counts)        \
+    MOECORE_FORWARD(ns, expert_major_rows)           \
     MOECORE_FORWARD(ns, moe_unpermute)               \
     MOECORE_FORWARD(ns, moe_unpermute_backward)      \
     MOECORE_FORWARD(ns, sort_chunks)                 \
