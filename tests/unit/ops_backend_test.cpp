@@ -43,6 +43,7 @@
 //                 expert_bias_update
 //   input_jitter.h  input_jitter_forward input_jitter_backward
 //   routing_padding.h  pad_routing_map
+//   expert_rows.h  expert_major_rows
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -149,7 +150,8 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "expert_bias_update",
                                                 "input_jitter_forward",
                                                 "input_jitter_backward",
-                                                "pad_routing_map"};
+                                                "pad_routing_map",
+                                                "expert_major_rows"};
 
 // Ops exercised by the hand-written tests below rather than (only) by the case table.
 const std::vector<std::string> kOpsInHandWrittenTests = {

@@ -1,6 +1,7 @@
-// The routing ops (ops/routing.h), the input jitter (ops/input_jitter.h) and the routing-map padding
-// (ops/routing_padding.h) against Megatron's moe_utils.py formulas: naive references, hand-computed values
-// and float64 finite differences of the whole loss chains (scores -> column sums -> switch loss), on both backends.
+// The routing ops (ops/routing.h), the input jitter (ops/input_jitter.h), the routing-map padding
+// (ops/routing_padding.h) and the dispatchers' expert-major rows (ops/expert_rows.h) against Megatron's moe_utils.py
+// formulas: naive references, hand-computed values and float64 finite differences of the whole loss chains (scores ->
+// column sums -> switch loss), on both backends.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,9 +11,12 @@
 #include <numeric>
 #include <random>
 #include <set>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "moecore/ops/device.h"
+#include "moecore/ops/expert_rows.h"
 #include "moecore/ops/input_jitter.h"
 #include "moecore/ops/routing.h"
 #include "moecore/ops/routing_padding.h"
@@ -401,6 +405,54 @@ TEST(RoutingOps, PadRoutingMapTakesTheLowestUnroutedTokens) {
     EXPECT_EQ(std::vector<int64_t>(counts.data<int64_t>(), counts.data<int64_t>() + 3),
               (std::vector<int64_t>{4, 4, 4}));
     EXPECT_THROW(pad_routing_map(map, counts, 0), std::invalid_argument);
+  }
+}
+
+// Megatron's permute indices (routing_map.T.nonzero(), probs.T.masked_select(routing_map.T)) for experts [1, 3) of
+// a [5, 4] map, then padding rows up to the capacity; an expert whose routed count disagrees with its rows is named.
+TEST(RoutingOps, ExpertMajorRowsListEachExpertsTokensThenPadding) {
+  const std::vector<uint8_t> map_values = {0, 1, 1, 0,  //
+                                           1, 0, 1, 0,  //
+                                           0, 1, 0, 1,  //
+                                           0, 0, 1, 1,  //
+                                           0, 1, 0, 0};
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
+    Tensor map = tensor_on({5, 4}, DType::kU8), probs = tensor_on({5, 4}, DType::kF32);
+    std::copy(map_values.begin(), map_values.end(), map.data<uint8_t>());
+    for (int64_t i = 0; i < 20; ++i) probs.data<float>()[i] = 0.5f + static_cast<float>(i);
+    const auto rows = [&](const std::vector<int64_t>& rows_X, const int64_t capacity) {
+      const int64_t R = std::accumulate(rows_X.begin(), rows_X.end(), int64_t{0});
+      Tensor token = tensor_on({R}, DType::kI64), probs_R = tensor_on({R}, DType::kF32);
+      std::fill_n(token.data<int64_t>(), R, int64_t{77});
+      expert_major_rows(token, probs_R, map, probs, 1, rows_X, capacity);
+      return std::pair{std::vector<int64_t>(token.data<int64_t>(), token.data<int64_t>() + R),
+                       std::vector<float>(probs_R.data<float>(), probs_R.data<float>() + R)};
+    };
+    // Expert 1: tokens 0, 2, 4; expert 2: tokens 0, 1, 3.
+    const auto exact = rows({3, 3}, -1);
+    EXPECT_EQ(exact.first, (std::vector<int64_t>{0, 2, 4, 0, 1, 3}));
+    EXPECT_EQ(exact.second, (std::vector<float>{1.5f, 9.5f, 17.5f, 2.5f, 6.5f, 14.5f}));
+    const auto padded = rows({4, 4}, 4);
+    EXPECT_EQ(padded.first, (std::vector<int64_t>{0, 2, 4, -1, 0, 1, 3, -1}));
+    EXPECT_EQ(padded.second, (std::vector<float>{1.5f, 9.5f, 17.5f, 0.0f, 2.5f, 6.5f, 14.5f, 0.0f}));
+
+    const auto message = [&](const std::vector<int64_t>& rows_X, const int64_t capacity) -> std::string {
+      try {
+        rows(rows_X, capacity);
+      } catch (const std::invalid_argument& error) {
+        return error.what();
+      }
+      return "no error";
+    };
+    EXPECT_EQ(message({3, 2}, -1),
+              "token dispatcher: expert 2 has 3 routed tokens but tokens_per_expert says 2 (capacity -1)");
+    EXPECT_EQ(message({4, 4}, -1),
+              "token dispatcher: expert 1 has 3 routed tokens but tokens_per_expert says 4 (capacity -1)");
+    EXPECT_EQ(message({2, 2}, 2),  // more routed tokens than the capacity
+              "token dispatcher: expert 1 has 3 routed tokens but tokens_per_expert says 2 (capacity 2)");
+    EXPECT_EQ(message({3, 4}, 5),  // padded rows other than the capacity
+              "token dispatcher: expert 2 has 3 routed tokens but tokens_per_expert says 4 (capacity 5)");
   }
 }
 

@@ -13,6 +13,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -1443,6 +1444,37 @@ inline OpCase pad_routing_map_case(const std::string& name, const int64_t T, con
   return c;
 }
 
+// ---- the dispatchers' expert-major rows (ops/expert_rows.h) -------------------------------------------------------
+
+// Experts [e_begin, e_begin + X) of a sparse [T, E] map (about one entry in five set; some experts get none). With
+// a capacity, every expert reports `capacity` rows (at least its routed count), so most end in padding rows.
+inline OpCase expert_major_rows_case(const std::string& name, const int64_t T, const int64_t E, const int64_t e_begin,
+                                     const int64_t X, const int64_t capacity) {
+  const auto routed = [E](const int64_t i) { return (i * 7 + i / 3) % 5 == 0 && i % E % 4 != 1 ? 1 : 0; };
+  std::vector<int64_t> rows_X(static_cast<size_t>(X), 0);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t x = 0; x < X; ++x) rows_X[static_cast<size_t>(x)] += routed(t * E + e_begin + x);
+  }
+  if (capacity >= 0) std::fill(rows_X.begin(), rows_X.end(), capacity);
+  const int64_t R = std::accumulate(rows_X.begin(), rows_X.end(), int64_t{0});
+  OpCase c{name, {"expert_major_rows"}};
+  c.build = [=](Env& e) {
+    e.put("map", int_tensor<uint8_t>({T, E}, routed));
+    e.rand("probs", {T, E}, 1.0, true);
+    e.put("token", int_tensor<int64_t>({R}, [](int64_t i) { return 1000 + i; }));
+    e.rand("probs_R", {R});
+  };
+  c.forward = [=](Env& e) {
+    expert_major_rows(e("token"), e("probs_R"), e("map"), e("probs"), e_begin, rows_X, capacity);
+  };
+  c.outputs = {"token", "probs_R"};
+  c.bad_args = {{kFwd, "map", "expert_major_rows"},
+                {kFwd, "probs", "expert_major_rows"},
+                {kFwd, "token", "expert_major_rows"},
+                {kFwd, "probs_R", "expert_major_rows"}};
+  return c;
+}
+
 // Small shapes (T = 5..12 rows, odd widths) for every op, then "_large" shapes just past the fast kernels' OpenMP
 // thresholds (and two 64-row attention blocks), so the 2-thread runs take the parallel paths.
 inline const std::vector<OpCase>& all_cases() {
@@ -1564,6 +1596,9 @@ inline const std::vector<OpCase>& all_cases() {
         input_jitter_case("input_jitter", 6, 7),
         pad_routing_map_case("pad_routing_map", 9, 6, 4),
         pad_routing_map_case("pad_routing_map_short_columns", 7, 5, 16),
+        expert_major_rows_case("expert_major_rows", 9, 6, 0, 6, -1),
+        expert_major_rows_case("expert_major_rows_local_experts", 12, 21, 2, 17, -1),
+        expert_major_rows_case("expert_major_rows_padded_to_capacity", 12, 21, 5, 11, 6),
 
         linear_case("linear_large", {130, 8}, 131, true, true),
         rmsnorm_case("rmsnorm_large", 64, 257),
@@ -1611,6 +1646,7 @@ inline const std::vector<OpCase>& all_cases() {
         z_loss_case("z_loss_large", 130, 130),
         input_jitter_case("input_jitter_large", 130, 97),
         pad_routing_map_case("pad_routing_map_large", 300, 260, 16),
+        expert_major_rows_case("expert_major_rows_large", 300, 260, 64, 128, 110),
     };
   }();
   return cases;
