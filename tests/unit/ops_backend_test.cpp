@@ -27,6 +27,7 @@
 //   linear.h      linear_forward linear_backward gemm_library gemm_lowp_library
 //   linear_cross_entropy.h  linear_cross_entropy linear_cross_entropy_chunk_rows
 //   grouped_linear.h  grouped_linear_forward grouped_linear_backward
+//   grouped_mlp.h grouped_mlp_fused grouped_mlp_forward grouped_mlp_backward
 //   init.h        normal_fill
 //   moe_rows.h    moe_permute moe_unpermute moe_unpermute_backward sort_chunks unsort_chunks
 //   loss.h        embedding_forward embedding_backward cross_entropy_forward cross_entropy_backward
@@ -131,6 +132,9 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "unsort_chunks",
                                                 "grouped_linear_forward",
                                                 "grouped_linear_backward",
+                                                "grouped_mlp_fused",
+                                                "grouped_mlp_forward",
+                                                "grouped_mlp_backward",
                                                 "normal_fill",
                                                 "topk_routing_forward",
                                                 "topk_routing_backward",
@@ -148,16 +152,16 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
 
 // Ops exercised by the hand-written tests below rather than (only) by the case table.
 const std::vector<std::string> kOpsInHandWrittenTests = {
-    "activation_input_width",          "supports",     "synchronize",       "sum_squares",    "all_finite",
-    "linear_cross_entropy_chunk_rows", "gemm_library", "gemm_lowp_library", "expert_capacity"};
+    "activation_input_width",          "supports",     "synchronize",       "sum_squares",     "all_finite",
+    "linear_cross_entropy_chunk_rows", "gemm_library", "gemm_lowp_library", "expert_capacity", "grouped_mlp_fused"};
 
 // Ops whose bad arguments only hand-written tests provoke (one tensor: no size or dtype mismatch; convert accepts
 // every floating dtype, so the table's fp64 swap is no error for it).
 const std::vector<std::string> kOpsWithHandWrittenErrors = {"scale_", "sum_squares", "all_finite", "convert",
                                                             "normal_fill"};
 const std::vector<std::string> kOpsWithoutTensors = {
-    "activation_input_width", "supports",          "synchronize",    "linear_cross_entropy_chunk_rows",
-    "gemm_library",           "gemm_lowp_library", "expert_capacity"};
+    "activation_input_width", "supports",          "synchronize",     "linear_cross_entropy_chunk_rows",
+    "gemm_library",           "gemm_lowp_library", "expert_capacity", "grouped_mlp_fused"};
 
 using test::kDevices;
 using test::tensor_on;
@@ -856,6 +860,7 @@ TEST(OpsDevices, SupportsWhatTheKernelTablesHold) {
   for (const Device device : kDevices) {
     for (const DType dtype : kDTypes) EXPECT_TRUE(supports("rmsnorm_forward", dtype, device)) << label(device, dtype);
     EXPECT_TRUE(supports("linear_forward", DType::kBF16, device));
+    EXPECT_TRUE(grouped_mlp_fused(device));  // fp32 without quantization (the rest: ops_grouped_mlp_test)
     EXPECT_TRUE(supports("convert", DType::kF16, device));
     EXPECT_FALSE(supports("rmsnorm_forward", DType::kBF16, device));
     EXPECT_FALSE(supports("linear_forward", DType::kI32, device));
