@@ -1131,61 +1131,6 @@ inline OpCase unsort_chunks_case(const std::string& name, const int64_t C, const
   return c;
 }
 
-// The linear layers of E experts over their rows of one buffer (rows_E per expert, zero allowed), with biases or not.
-inline OpCase grouped_linear_case(const std::string& name, const std::vector<int64_t>& rows_E, const int64_t I,
-                                  const int64_t O, const bool bias) {
-  const auto E = static_cast<int64_t>(rows_E.size());
-  std::vector<int64_t> offsets(1, 0);
-  for (const int64_t rows : rows_E) offsets.push_back(offsets.back() + rows);
-  const int64_t R = offsets.back();
-  auto name_of = [](const char* stem, const int64_t e) {
-    std::string out = stem;
-    out += std::to_string(e);
-    return out;
-  };
-  OpCase c{name, {"grouped_linear_forward", "grouped_linear_backward"}};
-  c.build = [=](Env& e) {
-    e.rand("x", {R, I});
-    for (int64_t x = 0; x < E; ++x) {
-      e.rand(name_of("w", x), {O, I});
-      if (bias) e.rand(name_of("b", x), {O});
-      if (rows_E[static_cast<size_t>(x)] > 0) continue;
-      // An expert without rows: its gradient buffers must stay as they are (no gradient to check).
-      e.rand(name_of("dw", x), {O, I});
-      if (bias) e.rand(name_of("db", x), {O});
-    }
-    e.rand("out", {R, O});
-  };
-  auto all = [=](Env& e, const char* stem, const bool present) {
-    std::vector<Tensor*> out;
-    for (int64_t x = 0; present && x < E; ++x) out.push_back(&e(name_of(stem, x)));
-    return out;
-  };
-  c.forward = [=](Env& e) {
-    const std::vector<Tensor*> w = all(e, "w", true), b = all(e, "b", bias);
-    grouped_linear_forward(e("out"), e("x"), std::vector<const Tensor*>(w.begin(), w.end()),
-                           std::vector<const Tensor*>(b.begin(), b.end()), offsets);
-  };
-  c.outputs = {"out"};
-  c.loss = {"out"};
-  c.backward = [=](Env& e) {
-    const std::vector<Tensor*> w = all(e, "w", true);
-    grouped_linear_backward(&e("dx"), all(e, "dw", true), all(e, "db", bias), e("dout"), &e("x"),
-                            std::vector<const Tensor*>(w.begin(), w.end()), offsets);
-  };
-  c.grads = {{"x", "dx", kAcc}};
-  for (int64_t x = 0; x < E; ++x) {
-    if (rows_E[static_cast<size_t>(x)] == 0) continue;
-    c.grads.push_back({name_of("w", x), name_of("dw", x), kAcc});
-    if (bias) c.grads.push_back({name_of("b", x), name_of("db", x), kAcc});
-  }
-  c.bad_args = {{kFwd, "out", "grouped_linear_forward"},  {kFwd, "x", "grouped_linear_forward"},
-                {kFwd, "w1", "grouped_linear_forward"},   {kBwd, "dx", "grouped_linear_backward"},
-                {kBwd, "dw0", "grouped_linear_backward"}, {kBwd, "dout", "grouped_linear_backward"}};
-  if (bias) c.bad_args.push_back({kFwd, "b0", "grouped_linear_forward"});
-  return c;
-}
-
 // The MLPs of E experts over their rows of one buffer (rows_E per expert, zero allowed): an activation, the
 // probability after it or on the input, biases or not. An expert above 256 rows spans several of the fast kernel's
 // tiles.
@@ -1576,8 +1521,6 @@ inline const std::vector<OpCase>& all_cases() {
         moe_unpermute_case("moe_unpermute_probs", 6, 9, 4, true),
         sort_chunks_case("sort_chunks", 9, 4),
         unsort_chunks_case("unsort_chunks", 9, 4),
-        grouped_linear_case("grouped_linear", {3, 0, 5, 1}, 6, 4, false),
-        grouped_linear_case("grouped_linear_bias", {2, 4, 0}, 5, 7, true),
         grouped_mlp_case("grouped_mlp_weighted_swiglu", {3, 0, 5, 1}, 6, 4, Activation::kSwiGLU, false, false),
         grouped_mlp_case("grouped_mlp_gelu_bias", {2, 4, 0}, 5, 7, Activation::kGelu, false, true),
         grouped_mlp_case("grouped_mlp_swiglu_bias_probs_on_input", {0, 3, 2}, 6, 4, Activation::kSwiGLU, true, true),
@@ -1659,7 +1602,6 @@ inline const std::vector<OpCase>& all_cases() {
         moe_unpermute_case("moe_unpermute_probs_large", 128, 300, 64, true),
         sort_chunks_case("sort_chunks_large", 96, 129),
         unsort_chunks_case("unsort_chunks_large", 96, 129),
-        grouped_linear_case("grouped_linear_large", {300, 10, 0, 530}, 65, 33, true),
         grouped_mlp_case("grouped_mlp_weighted_swiglu_bias_large", {300, 10, 0, 530}, 33, 17, Activation::kSwiGLU,
                          false, true),
         grouped_mlp_case("grouped_mlp_gelu_probs_on_input_large", {0, 260, 7}, 20, 9, Activation::kGelu, true, true),
