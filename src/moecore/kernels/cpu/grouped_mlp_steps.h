@@ -4,14 +4,37 @@
 // kernel runs them on row tiles in parallel, the reference on each expert's rows in turn.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 #include "moecore/kernels/cpu/grouped_mlp.h"
 
 namespace moecore::kernels::grouped_mlp_detail {
+
+// A zeroed, 64-byte aligned buffer of n values (the alignment of the tensors' allocator, which the GEMMs and the
+// vector loops are tuned for).
+template <typename T>
+class Scratch {
+ public:
+  explicit Scratch(const int64_t n) {
+    const size_t bytes = (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64;
+    data_ = static_cast<T*>(std::aligned_alloc(64, bytes == 0 ? 64 : bytes));
+    if (data_ == nullptr) throw std::bad_alloc();
+    std::memset(static_cast<void*>(data_), 0, bytes);
+  }
+  ~Scratch() { std::free(data_); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  T* data() const { return data_; }
+
+ private:
+  T* data_ = nullptr;
+};
 
 template <typename K, typename T>
 class Steps {
@@ -34,7 +57,6 @@ class Steps {
     round(fc1, n * F1);
     // fc2's input: h = swiglu(fc1) p (saved), the activation itself (probs on the input), or act p in a tile-sized
     // buffer (kept in cache, not saved: backward recomputes it).
-    std::vector<T> scaled;
     const T* h = nullptr;
     if (s_.weighted_swiglu()) {
       T* h_saved = h_RF + begin * F;
@@ -46,12 +68,12 @@ class Steps {
       activation_forward(act, fc1, n);
       round(act, n * F);
       h = act;
-      if (!s_.probs_on_input) {
-        scaled.resize(static_cast<size_t>(n * F));
-        K::scale_rows(scaled.data(), act, probs, n, F);
-        round(scaled.data(), n * F);
-        h = scaled.data();
-      }
+    }
+    const Scratch<T> scaled(s_.weighted_swiglu() || s_.probs_on_input ? 0 : n * F);
+    if (!s_.weighted_swiglu() && !s_.probs_on_input) {
+      K::scale_rows(scaled.data(), h, probs, n, F);
+      round(scaled.data(), n * F);
+      h = scaled.data();
     }
     T* y = y_RH + begin * H;
     const T* b2 = fc2_bias(e);
@@ -71,7 +93,7 @@ class Steps {
     const T* dy = dy_RH + begin * H;
     T* dprobs = dprobs_R + begin;
     T* dx = dx_RH + begin * H;
-    std::vector<T> dh(static_cast<size_t>(n * F));
+    const Scratch<T> dh(n * F);
     K::linear_backward(dh.data(), null(), null(), dy, cnull(), w_.fc2_weight_E[e], n, F, H);
     round(dh.data(), n * F);
     T* dfc1 = dfc1_RF1 + begin * F1;
@@ -81,7 +103,7 @@ class Steps {
       if (s_.weighted_swiglu()) {
         K::weighted_swiglu_backward(dfc1, dprobs, dh.data(), fc1, probs, n, F);
       } else {
-        std::vector<T> dact(static_cast<size_t>(n * F));
+        const Scratch<T> dact(n * F);
         K::scale_rows_backward(dact.data(), dprobs, dh.data(), act_RF + begin * F, probs, n, F);
         round(dact.data(), n * F);
         activation_backward(dfc1, dact.data(), fc1, n);
@@ -95,7 +117,7 @@ class Steps {
     activation_backward(dfc1, dh.data(), fc1, n);
     round(dfc1, n * F1);
     // fc1 input x p: dx += d(fc1 input) p, dp = <d(fc1 input), x>.
-    std::vector<T> dxs(static_cast<size_t>(n * H));
+    const Scratch<T> dxs(n * H);
     K::linear_backward(dxs.data(), null(), null(), dfc1, cnull(), w1, n, H, F1);
     round(dxs.data(), n * H);
     K::scale_rows_backward(dx, dprobs, dxs.data(), x_RH + begin * H, probs, n, H);
@@ -118,10 +140,10 @@ class Steps {
     T* db2 = entry(g.fc2_bias_E, e);
     // fc2's input: saved (weighted SwiGLU, or the activation itself with probs on the input), else recomputed as
     // act p in a buffer of this expert's rows.
-    std::vector<T> scaled;
+    const bool recompute = !s_.weighted_swiglu() && !s_.probs_on_input;
+    const Scratch<T> scaled(recompute ? n * F : 0);
     const T* h = s_.weighted_swiglu() ? h_RF + begin * F : act_RF + begin * F;
-    if (!s_.weighted_swiglu() && !s_.probs_on_input) {
-      scaled.resize(static_cast<size_t>(n * F));
+    if (recompute) {
       K::scale_rows(scaled.data(), h, probs, n, F);
       round(scaled.data(), n * F);
       h = scaled.data();
