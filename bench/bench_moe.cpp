@@ -62,9 +62,8 @@ void bench_router(const int64_t E, const int64_t T, const int64_t H, const int r
   config.topk = 2;
   config.load_balancing_types = {LoadBalancingType::kAuxLoss};
   config.aux_loss_coeffs = {1e-2};
-  std::vector<Param> params;
+  ParamStore params;
   TopKRouter router(config, H, false, "decoder.layers.0.", params);
-  router.bind(params);
   fill(params[0], 7, 0.02f);
   std::vector<float> x_values = random_floats(static_cast<size_t>(T * H), 8, 1.0f);
   std::vector<float> dprobs_values = random_floats(static_cast<size_t>(T * E), 9, 1e-3f);
@@ -94,9 +93,8 @@ void bench_experts(const int64_t E, const int64_t rows, const int64_t H, const i
   moe.ffn_hidden_size = F;
   moe.topk = 2;
   moe.grouped_gemm = true;
-  std::vector<Param> params;
+  ParamStore params;
   auto experts = make_experts(moe, model, "decoder.layers.0.", params);
-  experts->bind(params);
   uint64_t key = 100;
   for (Param& p : params) fill(p, ++key, 0.02f);
 

@@ -67,7 +67,6 @@ bool in_ranges(std::span<const CodePointRange> table, char32_t cp) {{
 
 }}  // namespace
 
-const char* unicode_version() {{ return "{unicodedata.unidata_version}"; }}
 bool is_letter(char32_t cp) {{ return in_ranges(kLetterRanges, cp); }}
 bool is_number(char32_t cp) {{ return in_ranges(kNumberRanges, cp); }}
 

@@ -29,6 +29,7 @@ using moecore::DdpOptions;
 using moecore::DistributedDataParallel;
 using moecore::DType;
 using moecore::Param;
+using moecore::ParamStore;
 namespace parallel = moecore::parallel;
 
 int g_failures = 0;
@@ -38,8 +39,8 @@ void check(const bool ok, const std::string& what) {
   if (++g_failures <= 10) std::fprintf(stderr, "check failed: %s\n", what.c_str());
 }
 
-std::vector<Param> make_model() {
-  std::vector<Param> params;
+ParamStore make_model() {
+  ParamStore params;
   const auto add = [&](const std::string& name, const std::vector<int64_t>& shape, const int module) {
     Param p = moecore::make_param(name, shape, moecore::InitKind::kNormal);
     p.module = module;
@@ -90,7 +91,7 @@ bool owned(const DistributedDataParallel& ddp, const size_t param, const int64_t
 
 void run_reference_case(const Case& c, const parallel::ParallelState& ps) {
   constexpr int kMicroBatches = 3;
-  std::vector<Param> params = make_model();
+  ParamStore params = make_model();
   DistributedDataParallel ddp(params, ps, options_of(c));
   const int rank = ps.dp_cp.rank(), dp = ps.dp_cp.size();
   ddp.zero_grad();
@@ -133,7 +134,7 @@ void run_reference_case(const Case& c, const parallel::ParallelState& ps) {
 }
 
 void run_overflow_case(const Case& c, const parallel::ParallelState& ps) {
-  std::vector<Param> params = make_model();
+  ParamStore params = make_model();
   DistributedDataParallel ddp(params, ps, options_of(c));
   moecore::AdamWOptions adam;
   adam.params_dtype = DType::kF16;

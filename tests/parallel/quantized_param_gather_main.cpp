@@ -43,6 +43,7 @@ namespace {
 
 using moecore::DType;
 using moecore::Param;
+using moecore::ParamStore;
 using moecore::quant::ElementFormat;
 using moecore::quant::QuantSpec;
 using moecore::quant::Recipe;
@@ -148,7 +149,7 @@ using Weights = std::vector<std::vector<float>>;
 
 Weights run_ddp_case(const Case& c, const parallel::ParallelState& ps) {
   const std::vector<WeightSpec> specs = model();
-  std::vector<Param> params;
+  ParamStore params;
   for (const WeightSpec& w : specs) {
     Param p =
         moecore::make_param(w.name, w.cols == 1 ? std::vector<int64_t>{w.rows} : std::vector<int64_t>{w.rows, w.cols},

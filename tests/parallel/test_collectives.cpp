@@ -20,13 +20,17 @@
 
 #include "moecore/parallel/process_group.h"
 #include "moecore/tensor/dtype.h"
+#include "moecore/tensor/tensor.h"
 #include "moecore/util/trace.h"
 #include "parallel/dist_checks.h"
 
 namespace {
 
 using moecore::bf16_to_fp32;
+using moecore::Device;
+using moecore::DType;
 using moecore::fp32_to_bf16;
+using moecore::Tensor;
 using moecore::parallel::CommError;
 using moecore::parallel::MpiRuntime;
 using moecore::parallel::ProcessGroup;
@@ -602,6 +606,137 @@ void test_check_setting(const ProcessGroup& world, const bool env_checks) {
 }
 
 // `checked` is `world` with agreement checks switched on.
+// ---------------------------------------------------------------- tensor forms
+
+// A [rows, cols] tensor of `dtype` on `device` holding inputs_f32(rank, ..., salt) (bf16 / fp16: rounded; integers:
+// times 16, exact).
+Tensor input_tensor(const int rank, const int64_t rows, const int64_t cols, const DType dtype, const uint64_t salt,
+                    const Device device = Device::kCPU) {
+  Tensor t({rows, cols}, dtype, moecore::MemCategory::kOther, device);
+  const std::vector<float> values = inputs_f32(rank, static_cast<size_t>(rows * cols), salt);
+  for (size_t i = 0; i < values.size(); ++i) {
+    switch (dtype) {
+      case DType::kF32: t.data<float>()[i] = values[i]; break;
+      case DType::kF64: t.data<double>()[i] = values[i]; break;
+      case DType::kBF16: t.data<uint16_t>()[i] = fp32_to_bf16(values[i]); break;
+      case DType::kF16: t.data<uint16_t>()[i] = moecore::fp32_to_fp16(values[i]); break;
+      case DType::kI64: t.data<int64_t>()[i] = static_cast<int64_t>(values[i] * 16); break;
+      case DType::kU8: t.data<uint8_t>()[i] = static_cast<uint8_t>(static_cast<int>(values[i] * 16) & 0xff); break;
+      default: break;
+    }
+  }
+  return t;
+}
+
+// Whether two tensors hold the same bytes.
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.data<std::byte>(), b.data<std::byte>(), a.nbytes()) == 0;
+}
+
+// Each rank's block of a gathered tensor is that rank's input, bit for bit, for every dtype a move takes (fp64 and
+// fp16 included), on both host devices; reductions equal the span forms'.
+void test_tensor_forms(const ProcessGroup& world) {
+  const int size = world.size(), rank = world.rank();
+  for (const Device device : {Device::kCPU, Device::kReference}) {
+    const std::string on = std::string(" on ") + std::string(moecore::device_name(device));
+    for (const DType dtype : {DType::kF32, DType::kF64, DType::kBF16, DType::kF16, DType::kI64, DType::kU8}) {
+      const std::string what = std::string(moecore::dtype_name(dtype)) + on;
+      const Tensor mine = input_tensor(rank, 3, 5, dtype, 61, device);
+      Tensor all({size * 3, 5}, dtype, moecore::MemCategory::kOther, device);
+      world.all_gather(mine, all);
+      Tensor all_async({size * 3, 5}, dtype, moecore::MemCategory::kOther, device);
+      world.all_gather_async(mine, all_async).wait();
+      for (int r = 0; r < size; ++r) {
+        const Tensor want = input_tensor(r, 3, 5, dtype, 61, device);
+        check(same_bits(all.slice_rows(r * 3, r * 3 + 3), want), what + ": all_gather block " + std::to_string(r));
+        check(same_bits(all_async.slice_rows(r * 3, r * 3 + 3), want),
+              what + ": all_gather_async block " + std::to_string(r));
+      }
+      Tensor root_data = input_tensor(0, 2, 3, dtype, 62, device);
+      Tensor data = input_tensor(rank, 2, 3, dtype, 62, device);
+      world.broadcast(data, 0);
+      check(same_bits(data, root_data), what + ": broadcast");
+    }
+    // Sums and maxima: the span forms' results.
+    for (const DType dtype : {DType::kF32, DType::kBF16, DType::kI64}) {
+      const std::string what = std::string(moecore::dtype_name(dtype)) + on;
+      for (const ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax}) {
+        Tensor data = input_tensor(rank, 4, 3, dtype, 63, device);
+        Tensor want = data.clone();
+        world.all_reduce(data, op);
+        if (dtype == DType::kF32) world.all_reduce<float>(want.span<float>(), op);
+        if (dtype == DType::kBF16) world.all_reduce<uint16_t>(want.span<uint16_t>(), op);
+        if (dtype == DType::kI64) world.all_reduce<int64_t>(want.span<int64_t>(), op);
+        check(same_bits(data, want), what + ": all_reduce");
+        Tensor again = input_tensor(rank, 4, 3, dtype, 63, device);
+        world.all_reduce_async(again, op).wait();
+        check(same_bits(again, want), what + ": all_reduce_async");
+      }
+      const Tensor input = input_tensor(rank, 2 * size, 3, dtype, 64, device);
+      Tensor out({2, 3}, dtype, moecore::MemCategory::kOther, device), out_async = out.clone();
+      world.reduce_scatter(input, out, ReduceOp::kSum);
+      world.reduce_scatter_async(input, out_async, ReduceOp::kSum).wait();
+      Tensor full = input.clone();
+      if (dtype == DType::kF32) world.all_reduce<float>(full.span<float>(), ReduceOp::kSum);
+      if (dtype == DType::kBF16) world.all_reduce<uint16_t>(full.span<uint16_t>(), ReduceOp::kSum);
+      if (dtype == DType::kI64) world.all_reduce<int64_t>(full.span<int64_t>(), ReduceOp::kSum);
+      check(same_bits(out, full.slice_rows(2 * rank, 2 * rank + 2)), what + ": reduce_scatter");
+      check(same_bits(out_async, full.slice_rows(2 * rank, 2 * rank + 2)), what + ": reduce_scatter_async");
+    }
+    // All-to-all of fp16 bits with uneven counts, blocking and not.
+    const AllToAllCase c = make_all_to_all_case(rank, size, false);
+    Tensor send({static_cast<int64_t>(c.send_bits.size())}, DType::kF16, moecore::MemCategory::kOther, device);
+    std::memcpy(send.data<uint16_t>(), c.send_bits.data(), c.send_bits.size() * sizeof(uint16_t));
+    Tensor received({static_cast<int64_t>(c.expected_bits.size())}, DType::kF16, moecore::MemCategory::kOther, device);
+    Tensor received_async = received.clone();
+    world.all_to_all_v(send, c.send_counts, received, c.recv_counts);
+    world.all_to_all_v_async(send, c.send_counts, received_async, c.recv_counts).wait();
+    const std::vector<uint16_t> got(received.data<uint16_t>(), received.data<uint16_t>() + received.numel());
+    const std::vector<uint16_t> got_async(received_async.data<uint16_t>(),
+                                          received_async.data<uint16_t>() + received_async.numel());
+    check(got == c.expected_bits, "fp16 all_to_all_v" + on);
+    check(got_async == c.expected_bits, "fp16 all_to_all_v_async" + on);
+    // A ring: rank r sends its fp64 tensor to r + 1, blocking and not.
+    if (size > 1) {
+      const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+      const Tensor out_msg = input_tensor(rank, 2, 2, DType::kF64, 65, device);
+      Tensor in_msg({2, 2}, DType::kF64, moecore::MemCategory::kOther, device), in_async = in_msg.clone();
+      Work receiving = world.recv_async(in_async, prev, 7);
+      Work sending = world.send_async(out_msg, next, 7);
+      receiving.wait();
+      sending.wait();
+      if (rank % 2 == 0) {
+        world.send(out_msg, next, 8);
+        world.recv(in_msg, prev, 8);
+      } else {
+        world.recv(in_msg, prev, 8);
+        world.send(out_msg, next, 8);
+      }
+      const Tensor want = input_tensor(prev, 2, 2, DType::kF64, 65, device);
+      check(same_bits(in_msg, want), "fp64 send / recv" + on);
+      check(same_bits(in_async, want), "fp64 send_async / recv_async" + on);
+    }
+  }
+}
+
+// Tensor forms refuse, on this rank and before any communication, what the span forms cannot express: a reduction
+// of a dtype without one, tensors of two dtypes, sizes that do not fit.
+void test_tensor_errors(const ProcessGroup& world) {
+  const int size = world.size();
+  Tensor f64({4}, DType::kF64), f16({4}, DType::kF16);
+  expect_comm_error("fp64 all_reduce", [&] { world.all_reduce(f64, ReduceOp::kSum); });
+  expect_comm_error("fp16 all_reduce_async", [&] { world.all_reduce_async(f16, ReduceOp::kSum); });
+  Tensor f32_in({3}, DType::kF32), bf16_out({3 * size}, DType::kBF16), f32_short({3 * size + 1}, DType::kF32);
+  expect_comm_error("all_gather fp32 into bf16", [&] { world.all_gather(f32_in, bf16_out); });
+  expect_comm_error("all_gather into a wrong size", [&] { world.all_gather(f32_in, f32_short); });
+  expect_comm_error("reduce_scatter from a wrong size",
+                    [&] { world.reduce_scatter(f32_short, f32_in, ReduceOp::kSum); });
+  expect_comm_error("undefined tensor", [&] {
+    Tensor none;
+    world.broadcast(none, 0);
+  });
+}
+
 std::vector<Test> make_tests(const ProcessGroup& world, const ProcessGroup& checked, const bool env_checks) {
   std::vector<Test> tests = {{"check setting", [&world, env_checks] { test_check_setting(world, env_checks); }}};
   if (env_checks) {  // checks from the environment alone catch disagreements
@@ -621,12 +756,14 @@ std::vector<Test> make_tests(const ProcessGroup& world, const ProcessGroup& chec
       {"drive_progress", test_drive_progress},
       {"integers", test_integers},
       {"16-bit wire sums", test_16bit_wire_sums},
+      {"tensor forms", test_tensor_forms},
   };
   for (const ProcessGroup* group : {&world, &checked}) {
     const std::string suffix = group->agreement_checks() ? " [checks on]" : " [checks off]";
     for (const auto& [name, fn] : results) tests.emplace_back(name + suffix, [group, fn] { fn(*group); });
   }
   tests.emplace_back("local errors [checks off]", [&world] { test_local_errors(world); });
+  tests.emplace_back("tensor form errors [checks off]", [&world] { test_tensor_errors(world); });
   tests.emplace_back("mismatches [checks on]", [&checked] { test_mismatches(checked); });
   return tests;
 }

@@ -32,6 +32,7 @@ using moecore::MemoryTracker;
 using moecore::ParallelSizes;
 using moecore::Param;
 using moecore::ParamShard;
+using moecore::ParamStore;
 using namespace moecore::test;  // NOLINT: check, g_rank, g_failures, mix, name_hash (dist_checks.h)
 namespace parallel = moecore::parallel;
 
@@ -143,12 +144,12 @@ void run_case(const Layout& layout, const Config& config) {
   const int dp_cp = ps.dp_cp.size(), edp = ps.edp.size();
 
   const std::vector<Spec> local_specs = model_specs(ps.ep_rank(), ep);
-  std::vector<Param> params;
+  ParamStore params;
   for (const Spec& s : local_specs) {
     params.push_back(s.expert ? make(s, etp, ps.etp_rank()) : make(s, tp, ps.tp_rank()));
   }
   const std::vector<Spec> ref_specs = model_specs(0, 1);
-  std::vector<Param> ref;
+  ParamStore ref;
   for (const Spec& s : ref_specs) ref.push_back(make(s, 1, 0));
   std::vector<Param*> ref_of;  // local param -> its one-process reference
   for (const Param& p : params) {

@@ -189,9 +189,8 @@ Reference run_reference(const ModelConfig& layout_config, const int dp) {
   const std::string prefix = "decoder.layers.3.";
   ModelConfig config = layout_config;
   config.moe.shared_expert_overlap = false;  // the plain layer is the reference of the overlapped one
-  std::vector<Param> params;
+  ParamStore params;
   MoELayer layer(config, prefix, params, ParallelState::single_process(), kModule);
-  layer.bind(params);
   for (Param& p : params) init_param(p, kSeed, config.init_method_std, config.num_layers);
   Reference ref;
   const int64_t T = kS * kB;
@@ -240,7 +239,7 @@ std::string run_case(const Case& c, const Layout& layout, const ProcessGroup& wo
   const ModelConfig& config = c.config;
 
   if (config.add_bias_linear && ps.etp_size() > 1) {  // Megatron: MoE bias only with ETP 1
-    std::vector<Param> params;
+    ParamStore params;
     bool threw = false;
     try {
       MoELayer layer(config, prefix, params, ps, kModule);
@@ -263,9 +262,8 @@ std::string run_case(const Case& c, const Layout& layout, const ProcessGroup& wo
           tag + ": reference expert bias did not move");
   }
 
-  std::vector<Param> params;
+  ParamStore params;
   MoELayer layer(config, prefix, params, ps, kModule);
-  layer.bind(params);
   for (Param& p : params) init_param(p, kSeed, config.init_method_std, config.num_layers);
 
   // Registration: this EP rank's experts under global names, flags.

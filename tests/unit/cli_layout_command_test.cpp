@@ -119,7 +119,7 @@ TEST(LayoutCommand, ParsesPipelineSplitFlags) {
   ASSERT_TRUE(parsed.pipeline.has_value());
   EXPECT_EQ(parsed.pipeline->num_layers, 28);
   EXPECT_EQ(parsed.pipeline->pipeline_model_parallel_size, 4);
-  const parallel::PipelineSplitFlags& split = parsed.pipeline_split;
+  const PipelineSplitFlags& split = parsed.pipeline_split;
   EXPECT_EQ(split.decoder_first_pipeline_num_layers, 4);
   EXPECT_EQ(split.decoder_last_pipeline_num_layers, 8);
   EXPECT_EQ(split.num_virtual_stages_per_pipeline_rank, 2);

@@ -523,7 +523,7 @@ TEST(TrainArguments, PipelineSplitFlags) {
   EXPECT_EQ(stages.pipeline_split.num_virtual_stages_per_pipeline_rank, 1);
 
   EXPECT_TRUE(accounted.pipeline_split.overlap_p2p_comm);  // Megatron's default
-  const parallel::PipelineShape shape = pipeline_shape(accounted);
+  const PipelineShape shape = pipeline_shape(accounted);
   EXPECT_EQ(shape.num_layers, 2);
   EXPECT_EQ(shape.pipeline_model_parallel_size, 1);
   EXPECT_EQ(shape.mtp_num_layers, 0);

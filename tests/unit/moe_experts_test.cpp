@@ -184,7 +184,7 @@ ExpertSetup make_setup(const Activation a, const bool bias, const bool probs_on_
   return s;
 }
 
-Param* find_or_null(std::vector<Param>& params, const std::string& name) {
+Param* find_or_null(ParamStore& params, const std::string& name) {
   for (Param& p : params) {
     if (p.name == name) return &p;
   }
@@ -192,7 +192,7 @@ Param* find_or_null(std::vector<Param>& params, const std::string& name) {
 }
 
 // Fills every value and gradient with reproducible random numbers (gradients nonzero to check accumulation).
-void randomize(std::vector<Param>& params, const uint64_t seed) {
+void randomize(ParamStore& params, const uint64_t seed) {
   uint64_t s = seed;
   for (Param& p : params) {
     const auto v = random_vector<float>(static_cast<size_t>(p.value.numel()), ++s, -0.4f, 0.4f);
@@ -240,7 +240,7 @@ ExpertInputs make_inputs(const uint64_t seed, const std::vector<int64_t>& tokens
   return in;
 }
 
-ExpertRun run_experts(const ExpertSetup& s, std::vector<Param>& params, ExpertMLP& experts, const ExpertInputs& in) {
+ExpertRun run_experts(const ExpertSetup& s, ParamStore& params, ExpertMLP& experts, const ExpertInputs& in) {
   ExpertRun run;
   run.y.assign(static_cast<size_t>(in.R * kH), 7.0f);  // overwritten
   ExpertActivations saved;
@@ -265,7 +265,7 @@ struct ReferenceRun {
   std::vector<RefMLP> grads;
 };
 
-ReferenceRun reference_run(std::vector<Param>& params, const Activation a, const bool bias, const bool poi,
+ReferenceRun reference_run(ParamStore& params, const Activation a, const bool bias, const bool poi,
                            const ExpertInputs& in) {
   const int64_t E = static_cast<int64_t>(in.tokens_per_expert.size());
   std::vector<RefMLP> mlps(static_cast<size_t>(E));
@@ -330,7 +330,7 @@ TEST(ExpertsTest, RegistersMegatronNamesShapesAndInits) {
   for (const bool bias : {false, true}) {
     for (const Activation a : {Activation::kSwiGLU, Activation::kGelu}) {
       ExpertSetup s = make_setup(a, bias, false, true);
-      std::vector<Param> params;
+      ParamStore params;
       auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params);
       const int64_t E = s.moe.num_experts, F1 = a == Activation::kSwiGLU ? 2 * kF : kF;
       ASSERT_EQ(static_cast<int64_t>(params.size()), E * (bias ? 4 : 2));
@@ -426,12 +426,11 @@ TEST(ExpertsTest, GroupedAndSequentialMatchReferenceAndEachOther) {
         const ExpertInputs in = make_inputs(100);
         std::map<bool, ExpertRun> runs;
         std::map<std::string, std::vector<float>> grad0;
-        std::vector<Param> ref_params;
+        ParamStore ref_params;
         for (const bool grouped : {false, true}) {
           const ExpertSetup s = make_setup(a, bias, poi, grouped);
-          std::vector<Param> params;
+          ParamStore params;
           auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params);
-          experts->bind(params);
           randomize(params, 42);  // same values and starting gradients for both
           if (!grouped) {
             for (const Param& p : params)
@@ -477,12 +476,11 @@ TEST(ExpertsTest, GroupedSplitsBigExpertsIntoTilesIndependentlyOfThreads) {
         const ExpertSetup s = make_setup(a, bias, poi, true, static_cast<int64_t>(tokens.size()));
         const ExpertInputs in = make_inputs(200, tokens);
         std::map<int, ExpertRun> runs;
-        std::vector<Param> params;
+        ParamStore params;
         std::map<std::string, std::vector<float>> grad0;
         for (const int n : {1, 2}) {
-          params.clear();
+          params = ParamStore();
           auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params);
-          experts->bind(params);
           randomize(params, 43);
           for (const Param& p : params)
             grad0[p.name] = std::vector<float>(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
@@ -504,9 +502,8 @@ TEST(ExpertsTest, GroupedSplitsBigExpertsIntoTilesIndependentlyOfThreads) {
 TEST(ExpertsTest, IdleExpertsKeepPresentZeroGradients) {
   for (const bool grouped : {false, true}) {
     const ExpertSetup s = make_setup(Activation::kSwiGLU, true, false, grouped);
-    std::vector<Param> params;
+    ParamStore params;
     auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params);
-    experts->bind(params);
     randomize(params, 5);
     for (Param& p : params) p.grad.zero_();
     const ExpertInputs in = make_inputs(7);
@@ -529,7 +526,7 @@ TEST(ExpertsTest, IdleExpertsKeepPresentZeroGradients) {
 
 TEST(ExpertsTest, ParametersAreExpertParametersOfTheirModule) {
   ExpertSetup s = make_setup(Activation::kSwiGLU, true, false, false);
-  std::vector<Param> params;
+  ParamStore params;
   auto experts =
       make_experts(s.moe, s.model, "decoder.layers.1.", params, parallel::ParallelState::single_process(), 1);
   ASSERT_FALSE(params.empty());
@@ -543,15 +540,14 @@ TEST(ExpertsTest, ParametersAreExpertParametersOfTheirModule) {
 
 TEST(ExpertsTest, BadInputThrows) {
   ExpertSetup s = make_setup(Activation::kGelu, false, false, true);
-  std::vector<Param> params;
+  ParamStore params;
   auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params);
-  experts->bind(params);
   std::vector<float> x(kH), p(1, 1.0f);
   ExpertActivations saved;
   EXPECT_THROW(experts->forward(view(x, kH), view(p, 1).view({1}), {1, 0}, saved), std::invalid_argument);
   EXPECT_THROW(experts->forward(view(x, kH), view(p, 1).view({1}), {1, 0, 0, 0, -1, 1}, saved), std::invalid_argument);
   s.moe.ffn_hidden_size = 0;
-  std::vector<Param> more;
+  ParamStore more;
   EXPECT_THROW(make_experts(s.moe, s.model, "x.", more), ConfigError);
 }
 
@@ -561,7 +557,7 @@ TEST(SharedExpertsTest, RegistersParameters) {
   for (const bool gate : {false, true}) {
     ExpertSetup s = make_setup(Activation::kSwiGLU, false, false, false);
     s.moe.shared_expert_gate = gate;
-    std::vector<Param> params;
+    ParamStore params;
     SharedExpertMLP shared(s.moe, s.model, "decoder.layers.1.", params);
     ASSERT_EQ(params.size(), gate ? 3u : 2u);
     const Param* w1 = find_or_null(params, "decoder.layers.1.mlp.shared_experts.linear_fc1.weight");
@@ -590,7 +586,7 @@ TEST(SharedExpertsTest, MoELayerRefusesLinearBias) {
   ExpertSetup s = make_setup(Activation::kGelu, true, false, false);
   s.model.moe = s.moe;
   s.model.moe.moe_layer_pattern = std::vector<bool>(static_cast<size_t>(s.model.num_layers), true);
-  std::vector<Param> params;
+  ParamStore params;
   try {
     MoELayer layer(s.model, "decoder.layers.0.", params, parallel::ParallelState::single_process(), 0);
     ADD_FAILURE() << "no ConfigError for shared experts with --add-bias-linear";
@@ -600,7 +596,7 @@ TEST(SharedExpertsTest, MoELayerRefusesLinearBias) {
                  "(as Megatron)");
   }
   s.model.add_bias_linear = false;
-  std::vector<Param> no_bias_params;
+  ParamStore no_bias_params;
   EXPECT_NO_THROW(MoELayer(s.model, "decoder.layers.0.", no_bias_params, parallel::ParallelState::single_process(), 0));
 }
 
@@ -612,9 +608,8 @@ TEST(SharedExpertsTest, MatchesReferenceWithAndWithoutGate) {
       // SharedExpertMLP itself ignores add_bias_linear (no bias); MoELayer refuses the combination (next test).
       ExpertSetup s = make_setup(a, true, false, false);
       s.moe.shared_expert_gate = gate;
-      std::vector<Param> params;
+      ParamStore params;
       SharedExpertMLP shared(s.moe, s.model, "decoder.layers.1.", params);
-      shared.bind(params);
       randomize(params, 77);
       std::map<std::string, std::vector<float>> grad0;
       for (const Param& p : params)

@@ -45,9 +45,8 @@ struct LayerRun {
 
 LayerRun run_layer(const quant::QuantizedLinearConfig* config) {
   const ModelConfig model = moe_model();
-  std::vector<Param> params;
+  ParamStore params;
   MoELayer layer(model, "decoder.layers.0.", params, parallel::ParallelState::single_process(), 0);
-  layer.bind(params);
   std::mt19937 gen(42);
   std::normal_distribution<float> normal(0.0f, 0.3f);
   for (Param& p : params) {

@@ -77,14 +77,13 @@ std::vector<float> bias_of(const TopKRouter& router) {
 }
 
 struct RouterUnderTest {
-  std::vector<Param> params;
+  ParamStore params;
   std::unique_ptr<TopKRouter> router;
   Param* weight = nullptr;
   Param* bias = nullptr;
 
   RouterUnderTest(const MoEConfig& config, const int64_t H, const bool add_bias, const uint32_t seed) {
     router = std::make_unique<TopKRouter>(config, H, add_bias, "decoder.layers.0.", params);
-    router->bind(params);
     for (Param& p : params) {
       if (p.name == "decoder.layers.0.mlp.router.weight") weight = &p;
       if (p.name == "decoder.layers.0.mlp.router.bias") bias = &p;
@@ -706,14 +705,14 @@ TEST(Router, ShardDrawsTheOneProcessRandomNumbers) {
   }
 }
 
-// The expert bias is a named buffer (Megatron's mlp.router.expert_bias) in the list the router was given, resolved
-// by name in bind(); the sign-rule update writes that buffer.
+// The expert bias is a named buffer (Megatron's mlp.router.expert_bias) in the list the router was given, the router
+// using it from its constructor on; the sign-rule update writes that buffer.
 TEST(Router, ExpertBiasIsARegisteredBuffer) {
   MoEConfig config = base_config(4, 2);
   config.score_function = RouterScoreFunction::kSigmoid;
   config.enable_expert_bias = true;
-  std::vector<Param> params;
-  std::vector<Buffer> buffers;
+  ParamStore params;
+  BufferStore buffers;
   TopKRouter router(config, 8, false, "decoder.layers.3.", params, parallel::ParallelState::single_process(), 3,
                     &buffers);
   ASSERT_EQ(buffers.size(), 1u);
@@ -721,26 +720,21 @@ TEST(Router, ExpertBiasIsARegisteredBuffer) {
   EXPECT_EQ(buffers[0].value.shape(), (std::vector<int64_t>{4}));
   EXPECT_EQ(buffers[0].value.dtype(), DType::kF32);
   EXPECT_EQ(buffers[0].shard.num_shards, 1);
-  router.bind(params, &buffers);
   router.set_expert_bias(std::vector<float>{0.5f, -1.0f, 0.0f, 2.0f});
   EXPECT_EQ(buffers[0].value.data<float>()[1], -1.0f);
   buffers[0].value.data<float>()[2] = 7.0f;
   EXPECT_EQ(bias_of(router), (std::vector<float>{0.5f, -1.0f, 7.0f, 2.0f}));
   // Without expert bias: no buffer, an empty bias.
-  std::vector<Param> plain_params;
-  std::vector<Buffer> plain_buffers;
+  ParamStore plain_params;
+  BufferStore plain_buffers;
   TopKRouter plain(base_config(4, 2), 8, false, "decoder.layers.3.", plain_params,
                    parallel::ParallelState::single_process(), 3, &plain_buffers);
-  plain.bind(plain_params, &plain_buffers);
   EXPECT_TRUE(plain_buffers.empty());
   EXPECT_TRUE(plain.expert_bias().empty());
-  // Bound against a list that lacks the buffer: a logic error naming it.
-  std::vector<Buffer> empty;
-  EXPECT_THROW(router.bind(params, &empty), std::logic_error);
 }
 
 TEST(Router, ParametersAreSummedOverTensorParallelAndCarryTheModule) {
-  std::vector<Param> params;
+  ParamStore params;
   TopKRouter router(base_config(4, 2), 8, true, "decoder.layers.2.", params, parallel::ParallelState::single_process(),
                     2);
   ASSERT_EQ(params.size(), 2u);
@@ -752,7 +746,7 @@ TEST(Router, ParametersAreSummedOverTensorParallelAndCarryTheModule) {
 }
 
 TEST(Router, BadConfigurationThrows) {
-  std::vector<Param> params;
+  ParamStore params;
   MoEConfig config = base_config(4, 5);
   EXPECT_THROW(TopKRouter(config, 8, false, "", params), ConfigError);
   config = base_config(6, 2);

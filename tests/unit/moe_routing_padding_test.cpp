@@ -95,9 +95,8 @@ LayerRun run_layer(const bool grouped, const bool bias, const int64_t padding) {
   ModelConfig model = moe_model(grouped, bias);
   model.moe.router_padding_multiple = padding;
   model.moe.validate(1);
-  std::vector<Param> params;
+  ParamStore params;
   MoELayer layer(model, "decoder.layers.0.", params, parallel::ParallelState::single_process(), 0);
-  layer.bind(params);
   std::mt19937 gen(11);
   std::normal_distribution<float> normal(0.0f, 0.3f);
   for (Param& p : params) {

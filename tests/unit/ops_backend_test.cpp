@@ -41,6 +41,8 @@
 //   routing.h     topk_routing_forward topk_routing_backward sinkhorn expert_capacity routing_map aux_scores_forward
 //                 aux_scores_backward aux_loss_sums switch_loss switch_loss_backward z_loss_forward z_loss_backward
 //                 expert_bias_update
+//   input_jitter.h  input_jitter_forward input_jitter_backward
+//   routing_padding.h  pad_routing_map
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -145,7 +147,10 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "switch_loss_backward",
                                                 "z_loss_forward",
                                                 "z_loss_backward",
-                                                "expert_bias_update"};
+                                                "expert_bias_update",
+                                                "input_jitter_forward",
+                                                "input_jitter_backward",
+                                                "pad_routing_map"};
 
 // Ops exercised by the hand-written tests below rather than (only) by the case table.
 const std::vector<std::string> kOpsInHandWrittenTests = {

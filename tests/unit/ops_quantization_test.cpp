@@ -66,15 +66,15 @@ TEST_P(OpsQuantization, LinearOpsEqualTheQuantizedGemms) {
   // The expected values: the quant GEMMs on padded operands, the bias and dbias unquantized.
   const std::vector<float> x_pad = padded(x, T, I, Tp), dy_pad = padded(dy, T, O, Tp);
   std::vector<float> y_want(static_cast<size_t>(Tp * O));
-  quant::quantized_fprop(x_pad.data(), w.data<float>(), y_want.data(), Tp, I, O, config);
+  quant::quantized_fprop(x_pad.data(), w.data<float>(), y_want.data(), Tp, I, O, config, Device::kCPU);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t o = 0; o < O; ++o) y_want[t * O + o] += b.data<float>()[o];
   }
   QuantizedLinearConfig backward_config = config;
   backward_config.seed = quantization_seed(config.seed, gradient_fingerprint(dy.data<float>(), T * O));
   std::vector<float> dx_want(static_cast<size_t>(Tp * I)), dw_want(static_cast<size_t>(O * I));
-  quant::quantized_dgrad(dy_pad.data(), w.data<float>(), dx_want.data(), Tp, I, O, backward_config);
-  quant::quantized_wgrad(dy_pad.data(), x_pad.data(), dw_want.data(), Tp, I, O, backward_config);
+  quant::quantized_dgrad(dy_pad.data(), w.data<float>(), dx_want.data(), Tp, I, O, backward_config, Device::kCPU);
+  quant::quantized_wgrad(dy_pad.data(), x_pad.data(), dw_want.data(), Tp, I, O, backward_config, Device::kCPU);
   for (int64_t i = 0; i < T * I; ++i) dx_want[i] += dx0.data<float>()[i];
   for (int64_t i = 0; i < O * I; ++i) dw_want[i] += dw0.data<float>()[i];
   Tensor db_want = copy_of(db0);
@@ -157,6 +157,37 @@ TEST(OpsQuantizationScope, NoRowsLeaveTheGradientsUnchanged) {  // an expert wit
     expect_bitwise(dw.data<float>(), dw0.data<float>(), dw.numel(), "dweight");
     expect_bitwise(db.data<float>(), db0.data<float>(), db.numel(), "dbias");
   }
+}
+
+// The quantized operands are staged in the layer's device memory: its MemoryTracker counts them and, on the
+// reference device, its guard bytes fence them.
+TEST(OpsQuantizationScope, QuantizedOperandsLiveOnTheLayersDevice) {
+  constexpr int64_t T = 64, I = 64, O = 32;
+  std::mt19937 gen(11);
+  const Tensor x = random_tensor({T, I}, gen).to(Device::kReference);
+  const Tensor w = random_tensor({O, I}, gen).to(Device::kReference);
+  const Tensor dy = random_tensor({T, O}, gen).to(Device::kReference);
+  Tensor y({T, O}, DType::kF32, MemCategory::kOther, Device::kReference);
+  Tensor dx({T, I}, DType::kF32, MemCategory::kOther, Device::kReference);
+  Tensor dw({O, I}, DType::kF32, MemCategory::kOther, Device::kReference);
+  MemoryTracker& tracker = MemoryTracker::instance(Device::kReference);
+  QuantizedLinearConfig config;
+  config.recipe = Recipe::kTensorwise;
+  const ScopedLinearQuantization scope(&config, Device::kReference);
+
+  tracker.reset_peaks();
+  const int64_t before = tracker.current(MemCategory::kOther);
+  linear_forward(y, x, w);
+  EXPECT_EQ(tracker.current(MemCategory::kOther), before);                         // freed after the GEMM
+  const int64_t operands = (T * I + O * I) * static_cast<int64_t>(sizeof(float));  // x and w decoded
+  EXPECT_GE(tracker.peak(MemCategory::kOther) - before, operands);
+
+  tracker.reset_peaks();
+  linear_backward(&dx, &dw, nullptr, dy, &x, w);
+  // wgrad holds dy and x decoded (column-wise) beside its output dw.
+  const int64_t wgrad = (T * O + T * I + O * I) * static_cast<int64_t>(sizeof(float));
+  EXPECT_GE(tracker.peak(MemCategory::kOther) - before, wgrad);
+  for (const Tensor* t : {&y, &dx, &dw}) EXPECT_EQ(outside_writes(*t), "");
 }
 
 TEST(OpsQuantizationScope, FeaturesTheBlocksCannotCoverAreAnError) {

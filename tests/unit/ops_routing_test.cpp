@@ -1,4 +1,5 @@
-// The routing ops (ops/routing.h) against Megatron's moe_utils.py formulas: naive references, hand-computed values
+// The routing ops (ops/routing.h), the input jitter (ops/input_jitter.h) and the routing-map padding
+// (ops/routing_padding.h) against Megatron's moe_utils.py formulas: naive references, hand-computed values
 // and float64 finite differences of the whole loss chains (scores -> column sums -> switch loss), on both backends.
 #include <gtest/gtest.h>
 
@@ -12,7 +13,10 @@
 #include <vector>
 
 #include "moecore/ops/device.h"
+#include "moecore/ops/input_jitter.h"
 #include "moecore/ops/routing.h"
+#include "moecore/ops/routing_padding.h"
+#include "moecore/tensor/rng.h"
 #include "unit/test_device.h"
 
 namespace moecore::ops {
@@ -346,6 +350,57 @@ TEST(RoutingOps, CapacityMaskPolicies) {
     EXPECT_EQ(column0(zeros, zero_probs, 3, RoutingDropPolicy::kProbs), (std::vector<uint8_t>{0, 1, 1, 1, 0}));
     EXPECT_EQ(column0(zeros, zero_probs, 5, RoutingDropPolicy::kProbs), (std::vector<uint8_t>{1, 1, 1, 1, 1}));
     EXPECT_EQ(column0(zeros, zero_probs, 4, RoutingDropPolicy::kProbs), (std::vector<uint8_t>{0, 1, 1, 1, 1}));
+  }
+}
+
+// Megatron's apply_input_jitter: factor Uniform(1 - eps, 1 + eps) = low + (high - low) u in fp32 with u the counter
+// RNG's uniform at the element's one-process counter; backward multiplies by the same factor.
+TEST(RoutingOps, InputJitterIsTheCounterRngUniform) {
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
+    constexpr int64_t R = 3, W = 5;
+    const std::vector<int64_t> first_R = {40, 0, 15};  // rows 8, 0 and 3 of the one-process [., 5] tensor
+    const InputJitterSpec spec{0.01, 1234, 77};
+    Tensor inp = tensor_on({R, W}, DType::kF32), out = tensor_on({R, W}, DType::kF32);
+    Tensor dout = tensor_on({R, W}, DType::kF32), dinp = tensor_on({R, W}, DType::kF32);
+    for (int64_t i = 0; i < R * W; ++i) {
+      inp.data<float>()[i] = 0.25f * static_cast<float>(i - 7);
+      dout.data<float>()[i] = 0.5f + 0.125f * static_cast<float>(i);
+      dinp.data<float>()[i] = 1.0f;
+    }
+    input_jitter_forward(out, inp, first_R, W, spec);
+    input_jitter_backward(dinp, dout, first_R, W, spec);
+    const CounterRng rng(spec.seed, spec.key);
+    const float low = static_cast<float>(1.0 - spec.eps), high = static_cast<float>(1.0 + spec.eps);
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t j = 0; j < W; ++j) {
+        const int64_t i = r * W + j;
+        const float factor = low + (high - low) * rng.uniform(static_cast<uint64_t>(first_R[r] + j));
+        EXPECT_EQ(out.data<float>()[i], inp.data<float>()[i] * factor) << "element " << i;
+        EXPECT_EQ(dinp.data<float>()[i], 1.0f + dout.data<float>()[i] * factor) << "element " << i;
+      }
+    }
+    // eps 0: every factor is 1.
+    input_jitter_forward(out, inp, first_R, W, InputJitterSpec{0.0, 1234, 77});
+    for (int64_t i = 0; i < R * W; ++i) EXPECT_EQ(out.data<float>()[i], inp.data<float>()[i]);
+    EXPECT_THROW(input_jitter_forward(out, inp, first_R, W, InputJitterSpec{-0.1, 1, 2}), std::invalid_argument);
+    EXPECT_THROW(input_jitter_forward(out, inp, std::vector<int64_t>{0, 5}, W, spec), std::invalid_argument);
+  }
+}
+
+// Megatron's pad_routing_map: each expert takes its first (-count mod multiple) unrouted tokens, lowest first.
+TEST(RoutingOps, PadRoutingMapTakesTheLowestUnroutedTokens) {
+  for (const Device device : kDevices) {
+    const TestDevice scope(device);
+    const std::vector<uint8_t> before = {1, 0, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0};  // T = 6, E = 3
+    const std::vector<uint8_t> after = {1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 1, 1, 0, 0};
+    Tensor map = tensor_on({6, 3}, DType::kU8), counts = tensor_on({3}, DType::kI64);
+    std::copy(before.begin(), before.end(), map.data<uint8_t>());
+    pad_routing_map(map, counts, 4);
+    EXPECT_EQ(std::vector<uint8_t>(map.data<uint8_t>(), map.data<uint8_t>() + 18), after);
+    EXPECT_EQ(std::vector<int64_t>(counts.data<int64_t>(), counts.data<int64_t>() + 3),
+              (std::vector<int64_t>{4, 4, 4}));
+    EXPECT_THROW(pad_routing_map(map, counts, 0), std::invalid_argument);
   }
 }
 

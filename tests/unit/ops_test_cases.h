@@ -1444,6 +1444,48 @@ inline OpCase expert_bias_update_case(const std::string& name, const int64_t E) 
   return c;
 }
 
+// ---- router input jitter and routing-map padding (ops/input_jitter.h, ops/routing_padding.h) -------------------
+
+// Rows whose counters are out of order (a context-parallel shard's two chunks of the one-process rows).
+inline std::vector<int64_t> shard_counters(const int64_t R, const int64_t run) {
+  std::vector<int64_t> first_R;
+  for (int64_t r = 0; r < R; ++r) first_R.push_back((r < R / 2 ? 3 * R + r : r) * run);
+  return first_R;
+}
+
+inline OpCase input_jitter_case(const std::string& name, const int64_t R, const int64_t run) {
+  const InputJitterSpec spec{0.3, 1234, 55};
+  const std::vector<int64_t> first_R = shard_counters(R, run);
+  OpCase c{name, {"input_jitter_forward", "input_jitter_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("inp", {R, run});
+    e.rand("out", {R, run});
+  };
+  c.forward = [=](Env& e) { input_jitter_forward(e("out"), e("inp"), first_R, run, spec); };
+  c.outputs = {"out"};
+  c.loss = {"out"};
+  c.backward = [=](Env& e) { input_jitter_backward(e("dinp"), e("dout"), first_R, run, spec); };
+  c.grads = {{"inp", "dinp", kAcc}};
+  c.bad_args = {{kFwd, "out", "input_jitter_forward"},
+                {kFwd, "inp", "input_jitter_forward"},
+                {kBwd, "dinp", "input_jitter_backward"}};
+  return c;
+}
+
+// A sparse map (about one entry in five set): most experts need padding; with a multiple past the unrouted tokens
+// some stay short.
+inline OpCase pad_routing_map_case(const std::string& name, const int64_t T, const int64_t E, const int64_t multiple) {
+  OpCase c{name, {"pad_routing_map"}};
+  c.build = [=](Env& e) {
+    e.put("map", int_tensor<uint8_t>({T, E}, [](int64_t i) { return (i * 7 + i / 3) % 5 == 0 ? 1 : 0; }));
+    e.put("counts", int_tensor<int64_t>({E}, [](int64_t i) { return i + 3; }));
+  };
+  c.forward = [=](Env& e) { pad_routing_map(e("map"), e("counts"), multiple); };
+  c.outputs = {"map", "counts"};
+  c.bad_args = {{kFwd, "map", "pad_routing_map"}, {kFwd, "counts", "pad_routing_map"}};
+  return c;
+}
+
 // Small shapes (T = 5..12 rows, odd widths) for every op, then "_large" shapes just past the fast kernels' OpenMP
 // thresholds (and two 64-row attention blocks), so the 2-thread runs take the parallel paths.
 inline const std::vector<OpCase>& all_cases() {
@@ -1565,6 +1607,9 @@ inline const std::vector<OpCase>& all_cases() {
         switch_loss_case("switch_loss", 10),
         z_loss_case("z_loss", 7, 5),
         expert_bias_update_case("expert_bias_update", 6),
+        input_jitter_case("input_jitter", 6, 7),
+        pad_routing_map_case("pad_routing_map", 9, 6, 4),
+        pad_routing_map_case("pad_routing_map_short_columns", 7, 5, 16),
 
         linear_case("linear_large", {130, 8}, 131, true, true),
         rmsnorm_case("rmsnorm_large", 64, 257),
@@ -1612,6 +1657,8 @@ inline const std::vector<OpCase>& all_cases() {
                           {.bias = true, .capacity = 5}),
         aux_scores_case("aux_scores_large", 130, 130, 4, RoutingScore::kSoftmax),
         z_loss_case("z_loss_large", 130, 130),
+        input_jitter_case("input_jitter_large", 130, 97),
+        pad_routing_map_case("pad_routing_map_large", 300, 260, 16),
     };
   }();
   return cases;

@@ -14,8 +14,8 @@
 namespace moecore {
 namespace {
 
-std::vector<Param> dense_and_expert() {
-  std::vector<Param> params;
+ParamStore dense_and_expert() {
+  ParamStore params;
   for (const bool expert : {false, true}) {
     Param p = make_param(expert ? "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
                                 : "decoder.layers.0.self_attention.linear_qkv.weight",
@@ -31,7 +31,7 @@ std::vector<Param> dense_and_expert() {
 class ChainedScalers : public ::testing::TestWithParam<bool> {};  // the distributed optimizer or not
 
 TEST_P(ChainedScalers, EachGroupUnscaledAndCheckedByItsOwnScaler) {
-  std::vector<Param> params = dense_and_expert();
+  ParamStore params = dense_and_expert();
   DdpOptions options;
   options.use_distributed_optimizer = GetParam();
   DistributedDataParallel ddp(params, parallel::ParallelState::single_process(), options);

@@ -18,8 +18,8 @@ namespace moecore {
 namespace {
 
 // Registration order; modules -1..3, two expert params, two 1-D no-decay params.
-std::vector<Param> make_model() {
-  std::vector<Param> params;
+ParamStore make_model() {
+  ParamStore params;
   const auto add = [&](const std::string& name, const std::vector<int64_t>& shape, const int module,
                        const bool expert) {
     Param p = make_param(name, shape, InitKind::kNormal);
@@ -40,7 +40,7 @@ std::vector<Param> make_model() {
   return params;
 }
 
-void fill_grads(std::vector<Param>& params, const int step, const int mb, const int module) {
+void fill_grads(ParamStore& params, const int step, const int mb, const int module) {
   for (Param& p : params) {
     if (p.module != module) continue;
     const CounterRng rng(static_cast<uint64_t>(step * 10 + mb), stream_key(p.name));
@@ -66,9 +66,9 @@ TEST_P(DdpSingleProcess, BitIdenticalToAdamW) {
   options.overlap_param_gather = c.overlap_param;
   const AdamWOptions adam{0.9, 0.95, 1e-8, 0.1};
 
-  std::vector<Param> ref = make_model();
+  ParamStore ref = make_model();
   AdamWOptimizer ref_opt(ref, adam);
-  std::vector<Param> params = make_model();
+  ParamStore params = make_model();
   DistributedDataParallel ddp(params, parallel::ParallelState::single_process(), options);
   DistributedAdamW opt(ddp, params, adam);
 
@@ -111,7 +111,7 @@ INSTANTIATE_TEST_SUITE_P(Options, DdpSingleProcess,
                                            Combo{1, true, true, true}));
 
 TEST(Ddp, BucketsFollowBackwardOrderAndKeepParamsWhole) {
-  std::vector<Param> params = make_model();
+  ParamStore params = make_model();
   DdpOptions options;
   options.bucket_size = 200;
   DistributedDataParallel ddp(params, parallel::ParallelState::single_process(), options);
@@ -134,14 +134,14 @@ TEST(Ddp, BucketsFollowBackwardOrderAndKeepParamsWhole) {
               ddp.groups()[static_cast<size_t>(slot.group)].grad_buffer.data<float>() + slot.offset);
   }
   // Megatron's default without overlap: one bucket per group.
-  std::vector<Param> params2 = make_model();
+  ParamStore params2 = make_model();
   DistributedDataParallel ddp2(params2, parallel::ParallelState::single_process(), DdpOptions{});
   EXPECT_EQ(ddp2.buckets().size(), 2u);
 }
 
 TEST(Ddp, DistributedOptimizerRebindsValuesAndPadsBuckets) {
-  std::vector<Param> params = make_model();
-  const std::vector<Param> before = make_model();
+  ParamStore params = make_model();
+  const ParamStore before = make_model();
   DdpOptions options;
   options.bucket_size = 200;
   options.use_distributed_optimizer = true;
@@ -162,7 +162,7 @@ TEST(Ddp, DistributedOptimizerRebindsValuesAndPadsBuckets) {
 // A fresh model's zero gradients are released before the flat buffer exists (the gradients' peak memory is one
 // copy); gradients already holding values are carried into the buffer.
 TEST(Ddp, GradientsMoveIntoTheBufferWithoutASecondCopy) {
-  std::vector<Param> params = make_model();
+  ParamStore params = make_model();
   params[1].grad.data<float>()[5] = 2.5f;  // one gradient with a value, the rest zero
   MemoryTracker& memory = MemoryTracker::instance();
   int64_t old_bytes = 0;
@@ -181,7 +181,7 @@ TEST(Ddp, GradientsMoveIntoTheBufferWithoutASecondCopy) {
 }
 
 TEST(Ddp, OverlapParamGatherNeedsDistributedOptimizer) {
-  std::vector<Param> params = make_model();
+  ParamStore params = make_model();
   DdpOptions options;
   options.overlap_param_gather = true;
   EXPECT_THROW(DistributedDataParallel(params, parallel::ParallelState::single_process(), options),

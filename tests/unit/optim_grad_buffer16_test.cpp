@@ -20,8 +20,8 @@
 namespace moecore {
 namespace {
 
-std::vector<Param> make_model() {
-  std::vector<Param> params;
+ParamStore make_model() {
+  ParamStore params;
   const auto add = [&](const std::string& name, const std::vector<int64_t>& shape, const int module) {
     Param p = make_param(name, shape, InitKind::kNormal);
     p.module = module;
@@ -59,7 +59,7 @@ class GradBuffer16 : public ::testing::TestWithParam<GradBufferCase> {};
 // reduction leaves the values; the optimizer reads them as fp32.
 TEST_P(GradBuffer16, AccumulatesIn16BitsAsMegatron) {
   const auto [grad_dtype, dist_opt] = GetParam();
-  std::vector<Param> params = make_model();
+  ParamStore params = make_model();
   DistributedDataParallel ddp(params, parallel::ParallelState::single_process(), ddp_options(grad_dtype, dist_opt));
   std::vector<std::vector<float>> want;
   for (const Param& p : params) want.emplace_back(static_cast<size_t>(p.grad.numel()), 0.0f);
@@ -107,7 +107,7 @@ class Fp16GradBuffer : public ::testing::TestWithParam<bool> {};  // with the di
 TEST_P(Fp16GradBuffer, AccumulationOverflowIsFoundByTheUnscaleCheck) {
   const bool dist_opt = GetParam();
   const auto run = [&](const DType grad_dtype, bool& inf_after_accumulation) {
-    std::vector<Param> params = make_model();
+    ParamStore params = make_model();
     DistributedDataParallel ddp(params, parallel::ParallelState::single_process(), ddp_options(grad_dtype, dist_opt));
     AdamWOptions adam;
     adam.params_dtype = DType::kF16;
@@ -138,7 +138,7 @@ INSTANTIATE_TEST_SUITE_P(DistributedOptimizer, Fp16GradBuffer, ::testing::Bool()
 // just under max_norm is clipped too; a norm well under it is not.
 TEST(GradClipping, MegatronThreshold) {
   const auto clipped = [](const double norm_target) {
-    std::vector<Param> params;
+    ParamStore params;
     params.push_back(make_param("w", {1}, InitKind::kZeros));
     params[0].grad.data<float>()[0] = static_cast<float>(norm_target);
     AdamWOptimizer opt(params, AdamWOptions{});

@@ -48,8 +48,8 @@ AdamWOptions adam_options(const StateFormat m, const StateFormat v, const DType 
   return o;
 }
 
-std::vector<Param> make_params() {
-  std::vector<Param> params;
+ParamStore make_params() {
+  ParamStore params;
   const auto add = [&](const std::string& name, const std::vector<int64_t>& shape, const int module) {
     Param p = make_param(name, shape, InitKind::kNormal);
     p.module = module;
@@ -65,7 +65,7 @@ std::vector<Param> make_params() {
 
 // One process with the distributed optimizer: every parameter is one piece of the rank's shard.
 struct OptRun {
-  std::vector<Param> params = make_params();
+  ParamStore params = make_params();
   std::unique_ptr<DistributedDataParallel> ddp;
   std::unique_ptr<DistributedAdamW> opt;
 
@@ -323,7 +323,7 @@ TEST(PrecisionAwareOptimizer, MomentSlicesAreUnscaledCopiesLoadedBackInAnyFormat
 
 TEST(PrecisionAwareOptimizer, StateMemoryFallsWithTheFormat) {
   const MemoryTracker& mem = MemoryTracker::instance();
-  std::vector<Param> params = make_params();
+  ParamStore params = make_params();
   DdpOptions ddp_options;
   ddp_options.use_distributed_optimizer = true;
   DistributedDataParallel ddp(params, parallel::ParallelState::single_process(), ddp_options);
@@ -347,7 +347,7 @@ TEST(PrecisionAwareOptimizer, StateMemoryFallsWithTheFormat) {
 
 TEST(PrecisionAwareOptimizer, Fp16MainParamsHalveTheMainCopy) {
   const MemoryTracker& mem = MemoryTracker::instance();
-  std::vector<Param> params = make_params();
+  ParamStore params = make_params();
   DdpOptions ddp_options;
   ddp_options.use_distributed_optimizer = true;
   ddp_options.param_gather_dtype = DType::kBF16;
@@ -361,12 +361,12 @@ TEST(PrecisionAwareOptimizer, Fp16MainParamsHalveTheMainCopy) {
 }
 
 TEST(PrecisionAwareOptimizer, RejectsWhatItCannotStore) {
-  std::vector<Param> params = make_params();
+  ParamStore params = make_params();
   DistributedDataParallel replicated(params, parallel::ParallelState::single_process(), DdpOptions{});
   EXPECT_THROW((DistributedAdamW{replicated, params, adam_options(StateFormat::kBF16, StateFormat::kF32)}),
                std::invalid_argument);
   EXPECT_THROW((AdamWOptimizer{params, adam_options(StateFormat::kF32, StateFormat::kFP8)}), std::invalid_argument);
-  std::vector<Param> sharded = make_params();
+  ParamStore sharded = make_params();
   DdpOptions ddp_options;
   ddp_options.use_distributed_optimizer = true;
   DistributedDataParallel ddp(sharded, parallel::ParallelState::single_process(), ddp_options);

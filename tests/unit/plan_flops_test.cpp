@@ -45,7 +45,7 @@ PlanModel deepseek_v3() {
   c.moe.ffn_hidden_size = 2048;
   c.moe.topk = 8;
   c.moe.shared_expert_intermediate_size = 2048;
-  model.mla = MlaShape{
+  c.mla = MlaConfig{
       .q_lora_rank = 1536, .kv_lora_rank = 512, .qk_head_dim = 128, .qk_pos_emb_head_dim = 64, .v_head_dim = 128};
   return model;
 }
@@ -124,7 +124,7 @@ TEST(PlanFlops, DeepSeekV3AsMegatron) {
 
 TEST(PlanFlops, DeepSeekV3WithMtpAsMegatron) {
   PlanModel model = deepseek_v3();
-  model.mtp_num_layers = 1;  // Megatron args: mtp_num_layers 1
+  model.config.mtp_num_layers = 1;  // Megatron args: mtp_num_layers 1
   expect_relative(flops_per_token(model), 259992950784.0);
   expect_relative(flops_per_step(model, 8192), 8.723915787561075e+18);
 }
@@ -168,9 +168,8 @@ PlanModel tiny_mla_mtp() {
   c.moe.ffn_hidden_size = 4;
   c.moe.topk = 2;
   c.moe.shared_expert_intermediate_size = 4;
-  model.mla =
-      MlaShape{.q_lora_rank = 4, .kv_lora_rank = 2, .qk_head_dim = 3, .qk_pos_emb_head_dim = 1, .v_head_dim = 2};
-  model.mtp_num_layers = 1;
+  c.mla = MlaConfig{.q_lora_rank = 4, .kv_lora_rank = 2, .qk_head_dim = 3, .qk_pos_emb_head_dim = 1, .v_head_dim = 2};
+  c.mtp_num_layers = 1;
   return model;
 }
 
@@ -189,7 +188,7 @@ TEST(PlanFlops, TinyMlaWithMtpByHand) {
   // Without q_lora_rank the queries come straight from the hidden state: q term 8*2*(3+1) = 64 instead of 68, so
   // 6 * 4 * 3 layers = 72 FLOPs less per token.
   PlanModel direct_queries = model;
-  direct_queries.mla->q_lora_rank.reset();
+  direct_queries.config.mla->q_lora_rank = 0;  // Megatron's None
   EXPECT_DOUBLE_EQ(flops_per_token(direct_queries), 10620.0);
   EXPECT_DOUBLE_EQ(flops_per_step(direct_queries, 3), 127440.0);
 }
@@ -234,7 +233,7 @@ TEST(PlanFlops, WithoutMlaOrMtpIsTrainsCount) {
 TEST(PlanFlops, BadInputIsAConfigError) {
   PlanModel model = tiny_mla_mtp();
   EXPECT_THROW(flops_per_step(model, 0), ConfigError);
-  model.mtp_num_layers = -1;
+  model.config.mtp_num_layers = -1;
   EXPECT_THROW(flops_per_token(model), ConfigError);
   model = tiny_mla_mtp();
   model.config.seq_length = 0;
@@ -243,7 +242,7 @@ TEST(PlanFlops, BadInputIsAConfigError) {
   model.config.vocab_size = 0;
   EXPECT_THROW(flops_per_token(model), ConfigError);
   model = tiny_mla_mtp();
-  model.mla->kv_lora_rank = 0;
+  model.config.mla->kv_lora_rank = 0;
   EXPECT_THROW(flops_per_token(model), ConfigError);
 }
 

@@ -133,7 +133,7 @@ class QuantGemm : public ::testing::TestWithParam<Case> {
 
 TEST_P(QuantGemm, Fprop) {
   std::vector<float> y(T * N), expected(T * N), exact(T * N);
-  quantized_fprop(x_TK.data(), w_NK.data(), y.data(), T, K, N, config);
+  quantized_fprop(x_TK.data(), w_NK.data(), y.data(), T, K, N, config, Device::kCPU);
   const auto xq = expected_operand(x_TK, T, K, Role::kActivation, false);
   const auto wq = expected_operand(w_NK, N, K, Role::kWeight, false);
   kernels::ref::gemm<float>(false, true, T, N, K, 1.0f, xq.data(), K, wq.data(), K, 0.0f, expected.data(), N);
@@ -147,7 +147,7 @@ TEST_P(QuantGemm, Fprop) {
 
 TEST_P(QuantGemm, Dgrad) {
   std::vector<float> dx(T * K), expected(T * K), exact(T * K);
-  quantized_dgrad(dy_TN.data(), w_NK.data(), dx.data(), T, K, N, config);
+  quantized_dgrad(dy_TN.data(), w_NK.data(), dx.data(), T, K, N, config, Device::kCPU);
   const auto dyq = expected_operand(dy_TN, T, N, Role::kGradient, false);
   const auto wq_KN = expected_operand(w_NK, N, K, Role::kWeight, true);
   kernels::ref::gemm<float>(false, true, T, K, N, 1.0f, dyq.data(), N, wq_KN.data(), N, 0.0f, expected.data(), K);
@@ -157,7 +157,7 @@ TEST_P(QuantGemm, Dgrad) {
 
 TEST_P(QuantGemm, Wgrad) {
   std::vector<float> dw(N * K), expected(N * K), exact(N * K);
-  quantized_wgrad(dy_TN.data(), x_TK.data(), dw.data(), T, K, N, config);
+  quantized_wgrad(dy_TN.data(), x_TK.data(), dw.data(), T, K, N, config, Device::kCPU);
   const auto dyq_NT = expected_operand(dy_TN, T, N, Role::kGradient, true);
   const auto xq_KT = expected_operand(x_TK, T, K, Role::kActivation, true);
   kernels::ref::gemm<float>(false, true, N, K, T, 1.0f, dyq_NT.data(), T, xq_KT.data(), T, 0.0f, expected.data(), K);

@@ -93,7 +93,8 @@ TEST(QuantHadamard, ColumnwiseNvfp4ActivationsAreTransformedAlongTheFirstDimensi
       quantize(x.data(), rows, cols, make_spec(Recipe::kNvfp4, ElementFormat::kE2M1, Role::kWeight), Usage::kColumnwise)
           .rht);
   // decode_to_source undoes the transform: close to x at NVFP4 precision.
-  const std::vector<float> back = decode_to_source(q);
+  const Tensor decoded = decode_to_source(q);
+  const float* back = decoded.data<float>();
   double err = 0, ref = 0;
   for (size_t i = 0; i < x.size(); ++i) {
     err += (back[i] - x[i]) * (back[i] - x[i]);

@@ -179,7 +179,7 @@ INSTANTIATE_TEST_SUITE_P(ReplicatedAndDistributed, TrainingStateMoments, testing
 // Distributed-optimizer pieces become flat ranges of the parameter's local tensor; a parameter with no piece on this
 // rank is listed with an empty range so every rank has the same keys.
 TEST(TrainingState, OptimizerPiecesAreFlatRanges) {
-  std::vector<Param> params;
+  ParamStore params;
   params.push_back(make_param("a", {2, 3}, InitKind::kZeros));
   params.push_back(make_param("b", {4}, InitKind::kZeros));
   const Tensor m_a(std::vector<int64_t>{3}, DType::kF32), v_a(std::vector<int64_t>{3}, DType::kF32);

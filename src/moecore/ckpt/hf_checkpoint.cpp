@@ -1,7 +1,5 @@
 #include "moecore/ckpt/hf_checkpoint.h"
 
-#include <fcntl.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -19,6 +17,7 @@
 #include "moecore/ckpt/hf_state_source.h"
 #include "moecore/ckpt/json_integer.h"
 #include "moecore/ckpt/state_dict.h"
+#include "moecore/util/atomic_directory.h"
 #include "moecore/util/output_folder.h"
 
 namespace moecore {
@@ -167,24 +166,6 @@ std::string replace_problem(const fs::path& dir) {
   }
   if (ec) return "cannot list " + dir.string() + ": " + ec.message();
   return "";
-}
-
-// Puts the finished `tmp` folder in place of `target`: an atomic swap where the kernel offers one.
-void swap_in(const fs::path& tmp, const fs::path& target) {
-  if (!fs::exists(target)) {
-    fs::rename(tmp, target);
-    return;
-  }
-  if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
-    fs::remove_all(tmp);  // now holds the previous export
-    return;
-  }
-  fs::path old = target;
-  old += ".old";
-  fs::remove_all(old);
-  fs::rename(target, old);
-  fs::rename(tmp, target);
-  fs::remove_all(old);
 }
 
 // `dir` without a trailing separator; empty for an empty name.
@@ -506,7 +487,7 @@ void write_export(const std::vector<NamedTensor>& tensors, const ModelConfig& c,
                                                {"eos_token", "<|endoftext|>"},
                                                {"unk_token", "<|endoftext|>"}});
   }
-  swap_in(tmp, target);
+  replace_directory(tmp.string(), target.string());
 }
 
 }  // namespace

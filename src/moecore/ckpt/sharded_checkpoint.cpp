@@ -1,7 +1,6 @@
 #include "moecore/ckpt/sharded_checkpoint.h"
 
 #include <fcntl.h>
-#include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -22,6 +21,7 @@
 #include "moecore/ckpt/safetensors.h"
 #include "moecore/parallel/agreement.h"
 #include "moecore/tensor/finite_check.h"
+#include "moecore/util/atomic_directory.h"
 
 namespace moecore {
 namespace fs = std::filesystem;
@@ -316,14 +316,10 @@ void ShardedSave::complete() {
     sync_directory(tmp);
     maybe_die_at("metadata_written", world_.rank());
     const std::string target = final_dir();
-    if (fs::exists(target)) {  // saving an iteration again: swap atomically, then drop the old one
-      if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0) {
-        throw CheckpointError(target + ": cannot replace the folder: " + std::strerror(errno));
-      }
-      std::error_code ec;
-      fs::remove_all(tmp, ec);  // the replaced iteration; what stays of it is ignored by readers (ITER.tmp)
-    } else if (::rename(tmp.c_str(), target.c_str()) != 0) {
-      throw CheckpointError(target + ": cannot move the new checkpoint into place: " + std::strerror(errno));
+    try {  // saving an iteration again replaces it; what stays of the old copy is ignored by readers (ITER.tmp)
+      replace_directory(tmp, target);
+    } catch (const FileWriteError& e) {
+      throw CheckpointError(std::string("checkpoint save: ") + e.what());
     }
     sync_directory(root_);
     maybe_die_at("renamed", world_.rank());

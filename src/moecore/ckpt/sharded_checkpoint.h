@@ -57,7 +57,6 @@ class ShardedSave {
   bool finalized() const { return finalized_; }
   int64_t iteration() const { return info_.iteration; }
   std::string final_dir() const;
-  int64_t bytes_written() const { return bytes_written_; }  // by this rank
 
  private:
   struct Piece {

@@ -17,7 +17,7 @@ constexpr int64_t kMaxWorldSize = int64_t{1} << 20;
 
 struct LayoutFlags {
   ParallelSizes sizes;
-  parallel::PipelineSplitFlags split;
+  PipelineSplitFlags split;
   int64_t mtp_num_layers = 0;
   std::optional<int> world_size;
   std::optional<int> num_layers;
@@ -130,7 +130,7 @@ LayoutCommandArgs parse_layout_command_args(const std::vector<std::string>& args
   }
   parsed.pipeline_split = flags.split;
   if (flags.num_layers) {
-    parallel::PipelineShape shape;
+    PipelineShape shape;
     shape.num_layers = *flags.num_layers;
     shape.pipeline_model_parallel_size = parsed.sizes.pipeline_model_parallel_size;
     shape.mtp_num_layers = flags.mtp_num_layers;
@@ -150,8 +150,8 @@ int layout_main(const std::vector<std::string>& args, std::ostream& out) {
   const LayoutCommandArgs parsed = parse_layout_command_args(args);
   const ParallelLayout layout(parsed.sizes);
   // Both are validated before anything is printed.
-  const std::optional<parallel::PipelineLayout> pipeline =
-      parsed.pipeline ? std::optional<parallel::PipelineLayout>(std::in_place, *parsed.pipeline, parsed.pipeline_split)
+  const std::optional<PipelineLayout> pipeline =
+      parsed.pipeline ? std::optional<PipelineLayout>(std::in_place, *parsed.pipeline, parsed.pipeline_split)
                       : std::nullopt;
   print_layout(layout, out);
   if (pipeline) print_pipeline_stages(*pipeline, out);

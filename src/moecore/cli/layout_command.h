@@ -16,8 +16,8 @@ struct LayoutCommandArgs {
   ParallelSizes sizes;
   // Set when --num-layers is given: the layers to split (its PP is sizes.pipeline_model_parallel_size), split by
   // pipeline_split.
-  std::optional<parallel::PipelineShape> pipeline;
-  parallel::PipelineSplitFlags pipeline_split;
+  std::optional<PipelineShape> pipeline;
+  PipelineSplitFlags pipeline_split;
 };
 
 // Parses the flags of `moecore layout` (args exclude the command name) through the common flag parser:

@@ -117,8 +117,7 @@ struct ErrorStats {
   int64_t nonfinite_kept = 0;  // of those, decoded to a finite value (a satfinite cast of Inf)
 };
 
-ErrorStats error_stats(const float* x, const std::vector<float>& decoded, const std::vector<float>& stored_max,
-                       const int64_t n) {
+ErrorStats error_stats(const float* x, const float* decoded, const std::vector<float>& stored_max, const int64_t n) {
   ErrorStats stats;
   double err2 = 0, ref2 = 0;
   int64_t finite = 0, saturated = 0, zeroed = 0;
@@ -197,9 +196,7 @@ int quantize_main(const QuantizeArgs& args) {
     std::copy(q.codes.begin(), q.codes.end(), codes.data<uint8_t>());
     Tensor scales({q.scale_rows, q.scale_cols}, DType::kF32);
     std::copy(q.scales.begin(), q.scales.end(), scales.data<float>());
-    const std::vector<float> decoded_values = quant::decode_to_source(q, options.rht_signs);
-    Tensor decoded({rows, cols}, DType::kF32);
-    std::copy(decoded_values.begin(), decoded_values.end(), decoded.data<float>());
+    const Tensor decoded = quant::decode_to_source(q, options.rht_signs);
     outputs.emplace_back(name + ".codes", codes);
     outputs.emplace_back(name + ".scales", scales);
     outputs.emplace_back(name + ".decoded", decoded);
@@ -208,7 +205,7 @@ int quantize_main(const QuantizeArgs& args) {
       global_amax.data<float>()[0] = q.amax;
       outputs.emplace_back(name + ".global_amax", global_amax);
     }
-    const ErrorStats stats = error_stats(x, decoded_values, at_max_mask(q, rows, cols), rows * cols);
+    const ErrorStats stats = error_stats(x, decoded.data<float>(), at_max_mask(q, rows, cols), rows * cols);
     std::ostringstream line;
     line << name << ' ' << shape_text({rows, cols}) << ": " << quant::recipe_name(args.recipe) << ' '
          << quant::format_name(q.format) << ' ' << quant::role_name(args.role) << ' ' << quant::usage_name(args.usage)

@@ -609,12 +609,12 @@ std::string train_flags_help() { return flags_help(flag_table()); }
 
 std::vector<std::string> implemented_train_flags() { return flag_names(flag_table()); }
 
-parallel::PipelineShape pipeline_shape(const TrainingArgs& args) {
+PipelineShape pipeline_shape(const TrainingArgs& args) {
   return {args.model.num_layers, args.parallel.pipeline_model_parallel_size, args.model.mtp_num_layers};
 }
 
-parallel::PipelineLayout pipeline_layout(const TrainingArgs& args) {
-  return parallel::PipelineLayout(pipeline_shape(args), args.pipeline_split);
+PipelineLayout pipeline_layout(const TrainingArgs& args) {
+  return PipelineLayout(pipeline_shape(args), args.pipeline_split);
 }
 
 int64_t padded_vocab_size(const int64_t vocab_size, const TrainingArgs& args) {

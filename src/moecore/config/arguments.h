@@ -151,7 +151,7 @@ struct TrainingArgs {
   ParallelSizes parallel;
   // The pipeline split (pipeline/pipeline_layout.h): which decoder layers each pipeline rank and virtual stage holds;
   // pipeline_layout(args) builds it.
-  parallel::PipelineSplitFlags pipeline_split;
+  PipelineSplitFlags pipeline_split;
   int64_t virtual_pipeline_model_parallel_size = 1;  // derived: virtual stages per rank (1: none)
   int64_t microbatch_group_size_per_vp_stage = 0;    // --microbatch-group-size-per-virtual-pipeline-stage (0: PP)
   int64_t data_parallel_size = 1;                    // derived: world / (TP * PP * CP)
@@ -219,9 +219,9 @@ std::vector<std::string> implemented_train_flags();
 bool looks_like_train_flag(std::string_view token);
 
 // What the pipeline splits: the model's decoder layers and MTP depths over args.parallel's PP ranks.
-parallel::PipelineShape pipeline_shape(const TrainingArgs& args);
+PipelineShape pipeline_shape(const TrainingArgs& args);
 // The pipeline split these arguments describe; throws LayoutError (one line) on a bad split.
-parallel::PipelineLayout pipeline_layout(const TrainingArgs& args);
+PipelineLayout pipeline_layout(const TrainingArgs& args);
 
 // Megatron's padded vocabulary: the smallest multiple of make_vocab_size_divisible_by * TP that holds `vocab_size`.
 int64_t padded_vocab_size(int64_t vocab_size, const TrainingArgs& args);

@@ -16,7 +16,8 @@ Tensor activation_tensor(std::vector<int64_t> shape) {
 }  // namespace
 
 SelfAttention::SelfAttention(const ModelConfig& config, const std::string& prefix, const TensorParallel& tp,
-                             const int module, std::vector<Param>& params, const parallel::ProcessGroup& cp)
+                             const int module, NormOverflowLog* norm_overflow_log, ParamStore& params,
+                             const parallel::ProcessGroup& cp)
     : config_(config), prefix_(prefix + "self_attention."), cp_(cp) {
   const std::vector<std::string>& types = config.cp_comm_type;
   cp_type_ = parse_cp_comm_type(types.size() == 1 ? types[0] : types.at(static_cast<size_t>(module)));
@@ -42,25 +43,15 @@ SelfAttention::SelfAttention(const ModelConfig& config, const std::string& prefi
   qkv_ = ColumnParallelLinear(prefix_ + "linear_qkv", H, config.qkv_out(), tp, qkv, params);
   if (config.qk_layernorm) {  // shared by all heads; each TP rank sees only its own heads
     const bool partial = tp.size() > 1;
-    NormModule::add_params(params, prefix_ + "q_layernorm", d, config.normalization, partial, module);
-    NormModule::add_params(params, prefix_ + "k_layernorm", d, config.normalization, partial, module);
+    const NormOptions norm = norm_options(config, partial, module, norm_overflow_log);
+    q_norm_ = NormModule(prefix_ + "q_layernorm", d, norm, params);
+    k_norm_ = NormModule(prefix_ + "k_layernorm", d, norm, params);
   }
   LinearOptions proj;
   proj.bias = config.add_bias_linear;
   proj.init = InitKind::kScaledNormal;
   proj.module = module;
   proj_ = RowParallelLinear(prefix_ + "linear_proj", N * d, H, tp, proj, params);
-}
-
-void SelfAttention::bind(std::vector<Param>& params, NormOverflowLog* norm_overflow_log) {
-  qkv_.bind(params);
-  proj_.bind(params);
-  if (config_.qk_layernorm) {
-    q_norm_ = NormModule::bind(params, prefix_ + "q_layernorm", config_.normalization, config_.norm_epsilon,
-                               norm_overflow_log);
-    k_norm_ = NormModule::bind(params, prefix_ + "k_layernorm", config_.normalization, config_.norm_epsilon,
-                               norm_overflow_log);
-  }
 }
 
 ops::AttentionDims SelfAttention::dims(const int64_t S, const int64_t B) const {

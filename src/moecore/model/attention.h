@@ -34,9 +34,10 @@ class SelfAttention {
  public:
   SelfAttention() = default;
   // cp: the context-parallel group the layer's sequence is split over (self() without context parallelism).
+  // norm_overflow_log (may be null): where the q/k norms record overflows.
   SelfAttention(const ModelConfig& config, const std::string& prefix, const TensorParallel& tp, int module,
-                std::vector<Param>& params, const parallel::ProcessGroup& cp = parallel::ProcessGroup::self());
-  void bind(std::vector<Param>& params, NormOverflowLog* norm_overflow_log);
+                NormOverflowLog* norm_overflow_log, ParamStore& params,
+                const parallel::ProcessGroup& cp = parallel::ProcessGroup::self());
 
   // x_TH: the normed layer input (this rank's rows) -> the projected output (this rank's rows), bias included.
   // S: the local sequence (S / CP positions); `sequence` gives the positions, documents and the CP split.

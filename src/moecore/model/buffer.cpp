@@ -14,7 +14,7 @@ Buffer make_buffer(std::string name, const std::vector<int64_t>& shape, const DT
   return b;
 }
 
-Buffer* find_buffer(std::vector<Buffer>& buffers, const std::string& name) {
+Buffer* find_buffer(BufferStore& buffers, const std::string& name) {
   for (Buffer& b : buffers) {
     if (b.name == name) return &b;
   }

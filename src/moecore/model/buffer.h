@@ -1,7 +1,7 @@
 // A named buffer: model state that is not trained by the optimizer but is part of the model (PyTorch's
 // register_buffer, Megatron's buffers), e.g. the router's aux-loss-free balancing bias
-// "decoder.layers.{i}.mlp.router.expert_bias" [E] fp32. Modules register buffers into the model's list at
-// construction and resolve them by name once the list no longer grows, exactly as parameters.
+// "decoder.layers.{i}.mlp.router.expert_bias" [E] fp32. Modules register buffers into the model's BufferStore in
+// their constructors and keep references to them, exactly as parameters.
 #pragma once
 
 #include <string>
@@ -18,10 +18,13 @@ struct Buffer {
   ParamShard shard;  // where this rank's tensor sits in the one-process tensor (num_shards 1: replicated)
 };
 
+// The model's buffers in registration order; a registered Buffer never moves (model/stable_store.h).
+using BufferStore = StableStore<Buffer>;
+
 // A zero-filled, replicated buffer of `shape` and `dtype`.
 Buffer make_buffer(std::string name, const std::vector<int64_t>& shape, DType dtype = DType::kF32);
 
 // The buffer named `name`; throws std::logic_error when it was not registered.
-Buffer* find_buffer(std::vector<Buffer>& buffers, const std::string& name);
+Buffer* find_buffer(BufferStore& buffers, const std::string& name);
 
 }  // namespace moecore

@@ -35,7 +35,7 @@ void round_once(const DType activation_dtype, std::initializer_list<Tensor*> ten
 struct Block {
   std::vector<int64_t> q_index, k_index;
   std::vector<int32_t> q_documents, k_documents;
-  ops::AttentionDims bind(ops::AttentionDims dims, const int64_t S_whole) const {
+  ops::AttentionDims apply_to(ops::AttentionDims dims, const int64_t S_whole) const {
     if (!q_index.empty()) dims.S = static_cast<int64_t>(q_index.size());
     if (!k_index.empty()) dims.Sk = static_cast<int64_t>(k_index.size());
     dims.q_index = q_index.empty() ? nullptr : q_index.data();
@@ -90,7 +90,7 @@ Tensor sequence_to_heads(const Tensor& x, const int64_t X, const int64_t d, cons
   Tensor out = activations({P * rows, Xp, d});
   const std::vector<size_t> counts(static_cast<size_t>(P), static_cast<size_t>(part));
   const parallel::CommTimer timer(parallel::CommKind::kContextParallel);
-  cp.all_to_all_v<float>(std::as_const(send).span<float>(), counts, out.span<float>(), counts);
+  cp.all_to_all_v(send, counts, out, counts);
   return out;
 }
 
@@ -101,7 +101,7 @@ Tensor heads_to_sequence(const Tensor& x_h, const int64_t X, const int64_t d, co
   const std::vector<size_t> counts(static_cast<size_t>(P), static_cast<size_t>(part));
   {
     const parallel::CommTimer timer(parallel::CommKind::kContextParallel);
-    cp.all_to_all_v<float>(x_h.span<float>(), counts, received.span<float>(), counts);
+    cp.all_to_all_v(x_h, counts, received, counts);
   }
   Tensor out = activations({rows, X, d});
   const float* src = received.data<float>();
@@ -131,7 +131,7 @@ Tensor gather_sequence(const Tensor& x, const parallel::ProcessGroup& cp) {
   shape[0] *= cp.size();
   Tensor out = activations(shape);
   const parallel::CommTimer timer(parallel::CommKind::kContextParallel);
-  cp.all_gather<float>(x.span<float>(), out.span<float>());
+  cp.all_gather(x, out);
   return out;
 }
 
@@ -139,7 +139,7 @@ void reduce_scatter_add(Tensor& local, const Tensor& all, const parallel::Proces
   Tensor mine = activations(local.shape());
   {
     const parallel::CommTimer timer(parallel::CommKind::kContextParallel);
-    cp.reduce_scatter<float>(all.span<float>(), mine.span<float>(), parallel::ReduceOp::kSum);
+    cp.reduce_scatter(all, mine, parallel::ReduceOp::kSum);
   }
   ops::add_(local, mine);
 }
@@ -155,9 +155,9 @@ struct RingTransfer {
     const int next = (cp.rank() + 1) % cp.size(), prev = (cp.rank() - 1 + cp.size()) % cp.size();
     for (const Tensor* t : outgoing) {
       incoming.push_back(activations(t->shape()));
-      works.push_back(cp.recv_async<float>(incoming.back().span<float>(), prev, tag));
+      works.push_back(cp.recv_async(incoming.back(), prev, tag));
     }
-    for (const Tensor* t : outgoing) works.push_back(cp.send_async<float>(t->span<float>(), next, tag));
+    for (const Tensor* t : outgoing) works.push_back(cp.send_async(*t, next, tag));
   }
   std::vector<Tensor> finish() {
     const parallel::CommTimer timer(parallel::CommKind::kContextParallel);
@@ -193,14 +193,14 @@ void context_parallel_attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const
                                         const SequenceInfo& seq, const parallel::ProcessGroup& cp,
                                         const CpCommType type) {
   if (cp.size() == 1) {
-    ops::attention_forward(out_SBNd, lse_BNS, q_SBNd, k_SBGd, v_SBGd, whole(seq).bind(dims, seq.S), dropout);
+    ops::attention_forward(out_SBNd, lse_BNS, q_SBNd, k_SBGd, v_SBGd, whole(seq).apply_to(dims, seq.S), dropout);
     return;
   }
   const std::vector<int64_t> local = seq.local_index();
   if (type == CpCommType::kAllGather) {
     const Block b = block(seq, local, all_indices(seq));
     const Tensor k_all = gather_sequence(k_SBGd, cp), v_all = gather_sequence(v_SBGd, cp);
-    ops::attention_forward(out_SBNd, lse_BNS, q_SBNd, k_all, v_all, b.bind(dims, seq.S), dropout);
+    ops::attention_forward(out_SBNd, lse_BNS, q_SBNd, k_all, v_all, b.apply_to(dims, seq.S), dropout);
     return;
   }
   if (type == CpCommType::kA2A) {
@@ -209,7 +209,7 @@ void context_parallel_attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const
                  v_h = sequence_to_heads(v_SBGd, G, dv, cp);
     const std::vector<int64_t> index = all_indices(seq);
     const Block b = block(seq, index, index);
-    const ops::AttentionDims hd = b.bind(head_shard_dims(dims, cp), seq.S);
+    const ops::AttentionDims hd = b.apply_to(head_shard_dims(dims, cp), seq.S);
     Tensor out_h = activations({q_h.shape()[0], N / cp.size(), dv});
     Tensor lse_h = lse_BNS.view({B, N / cp.size(), seq.S});
     ops::attention_forward(out_h, lse_h, q_h, k_h, v_h, hd, dropout);
@@ -227,11 +227,11 @@ void context_parallel_attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const
     if (step + 1 < P) transfer.start({&k_cur, &v_cur}, cp, kKeyValueTag);
     const Block b = block(seq, local, seq.index_of_rank(ring_source(cp, step)));
     if (step == 0) {
-      ops::attention_forward(out_SBNd, lse_BNS, q_SBNd, k_cur, v_cur, b.bind(dims, seq.S), dropout);
+      ops::attention_forward(out_SBNd, lse_BNS, q_SBNd, k_cur, v_cur, b.apply_to(dims, seq.S), dropout);
     } else {
       Tensor part_out = activations(out_SBNd.shape()), part_lse = activations(lse_BNS.shape());
-      ops::attention_forward(part_out, part_lse, q_SBNd, k_cur, v_cur, b.bind(dims, seq.S), dropout);
-      ops::attention_merge(out_SBNd, lse_BNS, part_out, part_lse, b.bind(dims, seq.S));
+      ops::attention_forward(part_out, part_lse, q_SBNd, k_cur, v_cur, b.apply_to(dims, seq.S), dropout);
+      ops::attention_merge(out_SBNd, lse_BNS, part_out, part_lse, b.apply_to(dims, seq.S));
     }
     if (step + 1 < P) {
       std::vector<Tensor> next = transfer.finish();
@@ -249,7 +249,7 @@ void context_parallel_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tenso
                                          const parallel::ProcessGroup& cp, const CpCommType type) {
   if (cp.size() == 1) {
     ops::attention_backward(dq_SBNd, dk_SBGd, dv_SBGd, dout_SBNd, q_SBNd, k_SBGd, v_SBGd, out_SBNd, lse_BNS,
-                            whole(seq).bind(dims, seq.S), dropout);
+                            whole(seq).apply_to(dims, seq.S), dropout);
     return;
   }
   const std::vector<int64_t> local = seq.local_index();
@@ -261,7 +261,7 @@ void context_parallel_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tenso
     const DType activation_dtype = ops::activation_dtype();
     const ops::ScopedActivationDType fp32_shares(DType::kF32);
     ops::attention_backward(dq_SBNd, dk_all, dv_all, dout_SBNd, q_SBNd, k_all, v_all, out_SBNd, lse_BNS,
-                            b.bind(dims, seq.S), dropout);
+                            b.apply_to(dims, seq.S), dropout);
     reduce_scatter_add(dk_SBGd, dk_all, cp);
     reduce_scatter_add(dv_SBGd, dv_all, cp);
     round_once(activation_dtype, {&dq_SBNd, &dk_SBGd, &dv_SBGd});
@@ -274,7 +274,7 @@ void context_parallel_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tenso
                  dout_h = sequence_to_heads(dout_SBNd, N, dv, cp);
     const std::vector<int64_t> index = all_indices(seq);
     const Block b = block(seq, index, index);
-    const ops::AttentionDims hd = b.bind(head_shard_dims(dims, cp), seq.S);
+    const ops::AttentionDims hd = b.apply_to(head_shard_dims(dims, cp), seq.S);
     Tensor dq_h = activations(q_h.shape()), dk_h = activations(k_h.shape()), dv_h = activations(v_h.shape());
     const Tensor lse_h = lse_BNS.view({B, N / cp.size(), seq.S});
     // The head-shard gradients stay fp32 until they are added to the caller's: one rounding.
@@ -299,7 +299,7 @@ void context_parallel_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tenso
   for (int step = 0; step < P; ++step) {
     const Block b = block(seq, local, seq.index_of_rank(ring_source(cp, step)));
     ops::attention_backward(dq_SBNd, dk_cur, dv_cur, dout_SBNd, q_SBNd, k_cur, v_cur, out_SBNd, lse_BNS,
-                            b.bind(dims, seq.S), dropout);
+                            b.apply_to(dims, seq.S), dropout);
     RingTransfer transfer;
     if (step + 1 < P) {
       transfer.start({&k_cur, &v_cur, &dk_cur, &dv_cur}, cp, kKeyValueGradTag);

@@ -19,7 +19,7 @@ int64_t layer_of(const std::string& name) {
 
 }  // namespace
 
-DelayedScalingStates::DelayedScalingStates(std::vector<Param>& params, const parallel::ProcessGroup& amax_group)
+DelayedScalingStates::DelayedScalingStates(ParamStore& params, const parallel::ProcessGroup& amax_group)
     : amax_group_(amax_group) {
   for (Param& p : params) {
     if (!p.delayed_scaling) continue;

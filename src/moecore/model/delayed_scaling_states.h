@@ -43,7 +43,7 @@ class DelayedScalingStates {
  public:
   DelayedScalingStates() = default;
   // The states of `params` (those with a delayed_scaling), in parameter order; params must not grow afterwards.
-  DelayedScalingStates(std::vector<Param>& params, const parallel::ProcessGroup& amax_group);
+  DelayedScalingStates(ParamStore& params, const parallel::ProcessGroup& amax_group);
 
   bool empty() const { return entries_.empty(); }
   const std::vector<DelayedScalingEntry>& entries() const { return entries_; }

@@ -134,19 +134,20 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const paralle
       Param pos =
           make_param("embedding.position_embeddings.weight", {config_.max_position_embeddings, H}, InitKind::kNormal);
       pos.grad_sum_over_tp = m.tp.sequence_sharded();  // added on the local sequence shard
-      params_.push_back(std::move(pos));
+      m.position_embeddings = &params_.push_back(std::move(pos));
     }
   }
   for (const StageSpec& chunk : chunks_) {
     chunk_first_module_.push_back(m.layers.size());
     for (int64_t i = chunk.first_layer; i < chunk.first_layer + chunk.num_layers; ++i) {
-      m.layers.emplace_back(config_, i, params_, buffers_, parallel_);
+      m.layers.emplace_back(config_, i, params_, buffers_, parallel_, &norm_overflows_);
     }
   }
   chunk_first_module_.push_back(m.layers.size());
   if (post_process) {
-    NormModule::add_params(params_, "decoder.final_layernorm", H, config_.normalization, m.tp.sequence_sharded(),
-                           static_cast<int>(L));
+    m.final_norm =
+        NormModule("decoder.final_layernorm", H,
+                   norm_options(config_, m.tp.sequence_sharded(), static_cast<int>(L), &norm_overflows_), params_);
     LinearOptions output;
     output.module = static_cast<int>(L);
     if (tied) output.shared_weight = kWordEmbeddings;
@@ -159,22 +160,9 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const paralle
     m.output_layer = ColumnParallelLinear("output_layer", H, V, m.tp, output, params_);
     m.cross_entropy = VocabParallelCrossEntropy(m.tp, V, m.tp.rank() * (V / m.tp.size()));
     if (config_.mtp_num_layers > 0) {
-      m.mtp = MultiTokenPrediction(config_, static_cast<int>(L), params_, buffers_, parallel_);
+      m.mtp = MultiTokenPrediction(config_, static_cast<int>(L), params_, buffers_, parallel_, &norm_overflows_,
+                                   &m.word_embeddings, &m.output_layer, &m.cross_entropy);
     }
-  }
-  // params_ and buffers_ are complete: pointers into them stay valid from here on.
-  for (TransformerLayer& layer : m.layers) layer.bind(params_, buffers_, &norm_overflows_);
-  if (pre_process || (post_process && (tied || config_.mtp_num_layers > 0))) m.word_embeddings.bind(params_);
-  if (pre_process) {
-    if (config_.position_embedding_type == PositionEmbedding::kLearnedAbsolute) {
-      m.position_embeddings = &param("embedding.position_embeddings.weight");
-    }
-  }
-  if (post_process) {
-    m.final_norm = NormModule::bind(params_, "decoder.final_layernorm", config_.normalization, config_.norm_epsilon,
-                                    &norm_overflows_);
-    m.output_layer.bind(params_);
-    m.mtp.bind(params_, buffers_, &norm_overflows_, &m.word_embeddings, &m.output_layer, &m.cross_entropy);
   }
   if ((tied || config_.mtp_num_layers > 0) && parallel_.pp_size() > 1 && (pre_process || post_process)) {
     Param& word = param(kWordEmbeddings);

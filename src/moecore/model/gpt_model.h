@@ -91,13 +91,13 @@ class GPTModel {
   const parallel::ParallelState& parallel() const { return parallel_; }
   // Hooks called around each module's forward and backward (the DDP engine); null: none. Not owned.
   void set_hooks(ModelHooks* hooks) { hooks_ = hooks; }
-  std::vector<Param>& params() { return params_; }
-  const std::vector<Param>& params() const { return params_; }
+  ParamStore& params() { return params_; }
+  const ParamStore& params() const { return params_; }
   Param& param(const std::string& name);  // throws std::out_of_range naming it
   const Param& param(const std::string& name) const;
   // The buffers of this rank's modules, in registration order (layer by layer).
-  std::vector<Buffer>& named_buffers() { return buffers_; }
-  const std::vector<Buffer>& named_buffers() const { return buffers_; }
+  BufferStore& named_buffers() { return buffers_; }
+  const BufferStore& named_buffers() const { return buffers_; }
   Buffer& buffer(const std::string& name);  // throws std::out_of_range naming it
   const Buffer& buffer(const std::string& name) const;
   int64_t num_parameters() const;
@@ -173,8 +173,8 @@ class GPTModel {
   std::vector<size_t> chunk_first_module_;  // index of each chunk's first layer in the layer list; + one past the end
   std::vector<Tensor> inputs_TH_;           // per chunk
   ModelHooks* hooks_ = nullptr;
-  std::vector<Param> params_;
-  std::vector<Buffer> buffers_;
+  ParamStore params_;
+  BufferStore buffers_;
   std::unique_ptr<Modules> modules_;
   MoEMetricsTracker moe_metrics_;  // the MoE layers' statistics of the training forwards
   MtpStats mtp_stats_;

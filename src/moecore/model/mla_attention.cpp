@@ -25,7 +25,8 @@ Tensor columns(const Tensor& from, const int64_t from_width, const int64_t col, 
 }  // namespace
 
 MLASelfAttention::MLASelfAttention(const ModelConfig& config, const std::string& prefix, const TensorParallel& tp,
-                                   const int module, std::vector<Param>& params, const parallel::ProcessGroup& cp)
+                                   const int module, NormOverflowLog* norm_overflow_log, ParamStore& params,
+                                   const parallel::ProcessGroup& cp)
     : config_(config), mla_(config.mla.value()), prefix_(prefix + "self_attention."), tp_(tp), cp_(cp) {
   const std::vector<std::string>& types = config.cp_comm_type;
   cp_type_ = parse_cp_comm_type(types.size() == 1 ? types[0] : types.at(static_cast<size_t>(module)));
@@ -46,24 +47,18 @@ MLASelfAttention::MLASelfAttention(const ModelConfig& config, const std::string&
   linear.module = module;
   const TensorParallel replicated;  // Megatron's duplicated linear: the whole weight on every rank, no communication
   const bool partial = tp.sequence_sharded();
-  const auto sum_grads_over_tp = [&](const std::string& name) {
-    find_param(params, name + ".weight")->grad_sum_over_tp = partial;
-  };
+  const NormOptions norm = norm_options(config, partial, module, norm_overflow_log);
   if (q_latent()) {
     q_down_ = ColumnParallelLinear(prefix_ + "linear_q_down_proj", H, mla_.q_lora_rank, replicated, linear, params);
-    sum_grads_over_tp(prefix_ + "linear_q_down_proj");
-    if (config.qk_layernorm) {
-      NormModule::add_params(params, prefix_ + "q_layernorm", mla_.q_lora_rank, config.normalization, partial, module);
-    }
+    q_down_.weight().grad_sum_over_tp = partial;
+    if (config.qk_layernorm) q_norm_ = NormModule(prefix_ + "q_layernorm", mla_.q_lora_rank, norm, params);
     q_up_ = ColumnParallelLinear(prefix_ + "linear_q_up_proj", mla_.q_lora_rank, N * dqk, tp, linear, params);
   } else {
     q_up_ = ColumnParallelLinear(prefix_ + "linear_q_proj", H, N * dqk, tp, linear, params);
   }
   kv_down_ = ColumnParallelLinear(prefix_ + "linear_kv_down_proj", H, L + dr, replicated, linear, params);
-  sum_grads_over_tp(prefix_ + "linear_kv_down_proj");
-  if (config.qk_layernorm) {
-    NormModule::add_params(params, prefix_ + "kv_layernorm", L, config.normalization, partial, module);
-  }
+  kv_down_.weight().grad_sum_over_tp = partial;
+  if (config.qk_layernorm) kv_norm_ = NormModule(prefix_ + "kv_layernorm", L, norm, params);
   kv_up_ = ColumnParallelLinear(prefix_ + "linear_kv_up_proj", L, N * (mla_.qk_head_dim + dv), tp, linear, params);
   LinearOptions proj = linear;
   proj.bias = config.add_bias_linear;
@@ -71,22 +66,6 @@ MLASelfAttention::MLASelfAttention(const ModelConfig& config, const std::string&
   proj_ = RowParallelLinear(prefix_ + "linear_proj", N * dv, H, tp, proj, params);
   rope_ = mla_rope_spec(config);
   softmax_scale_ = mla_softmax_scale(config);
-}
-
-void MLASelfAttention::bind(std::vector<Param>& params, NormOverflowLog* norm_overflow_log) {
-  if (q_latent()) q_down_.bind(params);
-  q_up_.bind(params);
-  kv_down_.bind(params);
-  kv_up_.bind(params);
-  proj_.bind(params);
-  if (config_.qk_layernorm) {
-    if (q_latent()) {
-      q_norm_ = NormModule::bind(params, prefix_ + "q_layernorm", config_.normalization, config_.norm_epsilon,
-                                 norm_overflow_log);
-    }
-    kv_norm_ = NormModule::bind(params, prefix_ + "kv_layernorm", config_.normalization, config_.norm_epsilon,
-                                norm_overflow_log);
-  }
 }
 
 ops::AttentionDims MLASelfAttention::dims(const int64_t S, const int64_t B) const {

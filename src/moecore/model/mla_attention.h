@@ -47,8 +47,8 @@ class MLASelfAttention {
  public:
   MLASelfAttention() = default;
   MLASelfAttention(const ModelConfig& config, const std::string& prefix, const TensorParallel& tp, int module,
-                   std::vector<Param>& params, const parallel::ProcessGroup& cp = parallel::ProcessGroup::self());
-  void bind(std::vector<Param>& params, NormOverflowLog* norm_overflow_log);
+                   NormOverflowLog* norm_overflow_log, ParamStore& params,
+                   const parallel::ProcessGroup& cp = parallel::ProcessGroup::self());
 
   // As SelfAttention: x_TH the normed layer input (this rank's rows) -> the projected output, bias included.
   Tensor forward(const Tensor& x_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout, MlaActivations& saved,

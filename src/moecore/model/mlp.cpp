@@ -32,7 +32,7 @@ void mlp_activation_backward(const ops::Activation kind, Tensor& dfc1_TF1, Tenso
 }
 
 MLP::MLP(const std::string& prefix, const int64_t hidden_size, const MLPOptions& options, const TensorParallel& tp,
-         std::vector<Param>& params)
+         ParamStore& params)
     : options_(options) {
   const int64_t F = options.ffn_hidden_size;
   LinearOptions fc1 = options.linear;
@@ -46,11 +46,6 @@ MLP::MLP(const std::string& prefix, const int64_t hidden_size, const MLPOptions&
   fc2.init = InitKind::kScaledNormal;
   fc2.skip_bias_add = true;  // added here: scaled by the probability on routed experts
   fc2_ = RowParallelLinear(prefix + "linear_fc2", F, hidden_size, tp, fc2, params);
-}
-
-void MLP::bind(std::vector<Param>& params) {
-  fc1_.bind(params);
-  fc2_.bind(params);
 }
 
 Tensor MLP::forward(const Tensor& x_TH, const Tensor* probs_T, MLPActivations& saved) const {

@@ -43,8 +43,7 @@ class MLP {
  public:
   MLP() = default;
   MLP(const std::string& prefix, int64_t hidden_size, const MLPOptions& options, const TensorParallel& tp,
-      std::vector<Param>& params);
-  void bind(std::vector<Param>& params);
+      ParamStore& params);
 
   // x_TH: the rows the column-parallel fc1 takes (a sequence shard under sequence parallelism); the output has
   // the same rows. probs_T: per-token scale over all the tokens fc1 sees, or null.

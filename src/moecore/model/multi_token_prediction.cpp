@@ -63,43 +63,30 @@ ops::DropoutSpec embedding_dropout(const ModelConfig& config, const bool trainin
 int64_t mtp_layer_number(const int64_t num_layers, const int64_t depth) { return num_layers + 2 * depth; }
 int64_t mtp_embedding_number(const int64_t num_layers, const int64_t depth) { return num_layers + 2 * depth + 1; }
 
-MultiTokenPrediction::MultiTokenPrediction(const ModelConfig& config, const int module, std::vector<Param>& params,
-                                           std::vector<Buffer>& buffers, const parallel::ParallelState& parallel)
-    : config_(config), tp_(TensorParallel::attention(parallel)) {
+MultiTokenPrediction::MultiTokenPrediction(const ModelConfig& config, const int module, ParamStore& params,
+                                           BufferStore& buffers, const parallel::ParallelState& parallel,
+                                           NormOverflowLog* norm_overflow_log,
+                                           const VocabParallelEmbedding* word_embeddings,
+                                           const ColumnParallelLinear* output_layer,
+                                           const VocabParallelCrossEntropy* cross_entropy)
+    : config_(config),
+      tp_(TensorParallel::attention(parallel)),
+      word_embeddings_(word_embeddings),
+      output_layer_(output_layer),
+      cross_entropy_(cross_entropy) {
   const int64_t H = config.hidden_size, L = config.num_layers;
+  const NormOptions norm = norm_options(config, tp_.sequence_sharded(), module, norm_overflow_log);
   for (int64_t k = 0; k < config.mtp_num_layers; ++k) {
     const std::string prefix = "mtp.layers." + std::to_string(k) + ".";
-    NormModule::add_params(params, prefix + "enorm", H, config.normalization, tp_.sequence_sharded(), module);
-    NormModule::add_params(params, prefix + "hnorm", H, config.normalization, tp_.sequence_sharded(), module);
+    enorm_.emplace_back(prefix + "enorm", H, norm, params);
+    hnorm_.emplace_back(prefix + "hnorm", H, norm, params);
     LinearOptions eh;
     eh.module = module;
     eh_proj_.emplace_back(prefix + "eh_proj", 2 * H, H, tp_, eh, params);
     // Megatron builds the depth's layer from the last decoder layer's spec (get_gpt_mtp_block_spec).
-    layers_.emplace_back(config, L - 1, params, buffers, parallel, LayerPlacement{prefix + "mtp_model_layer.", module});
-    NormModule::add_params(params, prefix + "final_layernorm", H, config.normalization, tp_.sequence_sharded(), module);
-  }
-}
-
-void MultiTokenPrediction::bind(std::vector<Param>& params, std::vector<Buffer>& buffers,
-                                NormOverflowLog* norm_overflow_log, const VocabParallelEmbedding* word_embeddings,
-                                const ColumnParallelLinear* output_layer,
-                                const VocabParallelCrossEntropy* cross_entropy) {
-  word_embeddings_ = word_embeddings;
-  output_layer_ = output_layer;
-  cross_entropy_ = cross_entropy;
-  enorm_.clear();
-  hnorm_.clear();
-  final_norm_.clear();
-  for (int64_t k = 0; k < depths(); ++k) {
-    const std::string prefix = "mtp.layers." + std::to_string(k) + ".";
-    const auto norm = [&](const std::string& name) {
-      return NormModule::bind(params, prefix + name, config_.normalization, config_.norm_epsilon, norm_overflow_log);
-    };
-    enorm_.push_back(norm("enorm"));
-    hnorm_.push_back(norm("hnorm"));
-    final_norm_.push_back(norm("final_layernorm"));
-    eh_proj_[static_cast<size_t>(k)].bind(params);
-    layers_[static_cast<size_t>(k)].bind(params, buffers, norm_overflow_log);
+    layers_.emplace_back(config, L - 1, params, buffers, parallel, LayerPlacement{prefix + "mtp_model_layer.", module},
+                         norm_overflow_log);
+    final_norm_.emplace_back(prefix + "final_layernorm", H, norm, params);
   }
 }
 

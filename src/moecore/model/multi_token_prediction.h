@@ -73,13 +73,13 @@ struct MtpForwardOptions {
 class MultiTokenPrediction {
  public:
   MultiTokenPrediction() = default;
-  // Registers the D depths' parameters (Param::module = module) and their MoE buffers.
-  MultiTokenPrediction(const ModelConfig& config, int module, std::vector<Param>& params, std::vector<Buffer>& buffers,
-                       const parallel::ParallelState& parallel);
-  // Binds the parameters, and the model's word embedding, output layer and cross-entropy (not owned).
-  void bind(std::vector<Param>& params, std::vector<Buffer>& buffers, NormOverflowLog* norm_overflow_log,
-            const VocabParallelEmbedding* word_embeddings, const ColumnParallelLinear* output_layer,
-            const VocabParallelCrossEntropy* cross_entropy);
+  // Registers the D depths' parameters (Param::module = module) and their MoE buffers. The depths use the model's
+  // word embedding, output layer and cross-entropy (not owned); their norms record overflows into norm_overflow_log
+  // (the model's; may be null; not owned).
+  MultiTokenPrediction(const ModelConfig& config, int module, ParamStore& params, BufferStore& buffers,
+                       const parallel::ParallelState& parallel, NormOverflowLog* norm_overflow_log,
+                       const VocabParallelEmbedding* word_embeddings, const ColumnParallelLinear* output_layer,
+                       const VocabParallelCrossEntropy* cross_entropy);
 
   int64_t depths() const { return static_cast<int64_t>(layers_.size()); }
   std::vector<TransformerLayer>& layers() { return layers_; }

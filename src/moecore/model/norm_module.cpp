@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <utility>
 
 #include "moecore/ops/norm.h"
 
@@ -30,23 +31,21 @@ std::optional<double> largest_overflowed_row(const T* x_RD, const T* rstd_R, con
 
 }  // namespace
 
-void NormModule::add_params(std::vector<Param>& params, const std::string& name, const int64_t width,
-                            const Normalization kind, const bool grad_sum_over_tp, const int module) {
-  auto add = [&](const char* suffix, const InitKind init) {
-    Param p = make_param(name + suffix, {width}, init);
-    p.grad_sum_over_tp = grad_sum_over_tp;
-    p.module = module;
-    params.push_back(std::move(p));
-  };
-  add(".weight", InitKind::kOnes);
-  if (kind == Normalization::kLayerNorm) add(".bias", InitKind::kZeros);
+NormOptions norm_options(const ModelConfig& config, const bool grad_sum_over_tp, const int module,
+                         NormOverflowLog* overflow_log) {
+  return NormOptions{config.normalization, config.norm_epsilon, grad_sum_over_tp, module, overflow_log};
 }
 
-NormModule NormModule::bind(std::vector<Param>& params, const std::string& name, const Normalization kind,
-                            const double eps, NormOverflowLog* overflow_log) {
-  return NormModule(kind, eps, find_param(params, name + ".weight"),
-                    kind == Normalization::kLayerNorm ? find_param(params, name + ".bias") : nullptr, name,
-                    overflow_log);
+NormModule::NormModule(const std::string& name, const int64_t width, const NormOptions& options, ParamStore& params)
+    : kind_(options.kind), eps_(options.eps), name_(name), overflow_log_(options.overflow_log) {
+  auto add = [&](const char* suffix, const InitKind init) -> Param& {
+    Param p = make_param(name + suffix, {width}, init);
+    p.grad_sum_over_tp = options.grad_sum_over_tp;
+    p.module = options.module;
+    return params.push_back(std::move(p));
+  };
+  weight_ = &add(".weight", InitKind::kOnes);
+  if (kind_ == Normalization::kLayerNorm) bias_ = &add(".bias", InitKind::kZeros);
 }
 
 NormStats NormModule::forward(Tensor& out_RD, const Tensor& inp_RD) const {

@@ -1,9 +1,8 @@
-// A LayerNorm or RMSNorm over the last dimension, bound to its parameters.
+// A LayerNorm or RMSNorm over the last dimension.
 #pragma once
 
 #include <cstdint>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "moecore/model/config.h"
@@ -18,21 +17,26 @@ struct NormStats {
   Tensor rstd_R;
 };
 
+// How a norm is built: its kind and epsilon, how its parameters are reduced, where it records overflows.
+struct NormOptions {
+  Normalization kind = Normalization::kLayerNorm;
+  double eps = 1e-5;
+  // Replicated over TP while each rank sees part of the tokens or heads (Param::grad_sum_over_tp).
+  bool grad_sum_over_tp = false;
+  int module = -1;  // Param::module
+  // Where forward records finite input rows whose statistics overflowed (model/norm_overflow.h); may be null; not
+  // owned.
+  NormOverflowLog* overflow_log = nullptr;
+};
+
+// The model's norm kind and epsilon (--normalization, --norm-epsilon) with the rest as given.
+NormOptions norm_options(const ModelConfig& config, bool grad_sum_over_tp, int module, NormOverflowLog* overflow_log);
+
 class NormModule {
  public:
-  // Registers `name`.weight [width] (ones) and, for LayerNorm, `name`.bias (zeros). grad_sum_over_tp: replicated
-  // over TP while each rank sees part of the tokens or heads (Param::grad_sum_over_tp).
-  static void add_params(std::vector<Param>& params, const std::string& name, int64_t width, Normalization kind,
-                         bool grad_sum_over_tp, int module);
-  // The norm over the parameters registered by add_params. overflow_log (may be null; not owned): where forward
-  // records finite input rows whose statistics overflowed (model/norm_overflow.h).
-  static NormModule bind(std::vector<Param>& params, const std::string& name, Normalization kind, double eps,
-                         NormOverflowLog* overflow_log);
-
   NormModule() = default;
-  NormModule(Normalization kind, double eps, Param* weight, Param* bias, std::string name = {},
-             NormOverflowLog* overflow_log = nullptr)
-      : kind_(kind), eps_(eps), weight_(weight), bias_(bias), name_(std::move(name)), overflow_log_(overflow_log) {}
+  // Registers `name`.weight [width] (ones) and, for LayerNorm, `name`.bias (zeros) into params.
+  NormModule(const std::string& name, int64_t width, const NormOptions& options, ParamStore& params);
 
   // inp_RD -> out_RD (overwrites), rows of width D = the weight's size.
   NormStats forward(Tensor& out_RD, const Tensor& inp_RD) const;

@@ -1,7 +1,5 @@
 #include "moecore/model/parallel_linear.h"
 
-#include <stdexcept>
-
 #include "moecore/model/config.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/linear.h"
@@ -15,10 +13,6 @@ Tensor activation_tensor(std::vector<int64_t> shape) {
   return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
 }
 
-void require_bound(const Param* weight, const std::string& name) {
-  if (weight == nullptr) throw std::logic_error(name + ": used before bind()");
-}
-
 void check_divisible(const std::string& name, const int64_t features, const int64_t parts, const char* what) {
   if (features % parts != 0) {
     throw ConfigError(name + ": " + std::to_string(features) + " " + what + " are not divisible by the " +
@@ -26,39 +20,35 @@ void check_divisible(const std::string& name, const int64_t features, const int6
   }
 }
 
-void register_param(std::vector<Param>& params, Param p, const LinearOptions& options, const bool weight = false) {
+Param& register_param(ParamStore& params, Param p, const LinearOptions& options, const bool weight = false) {
   p.linear_weight = weight;
   p.is_expert = options.is_expert;
   p.module = options.module;
-  params.push_back(std::move(p));
+  return params.push_back(std::move(p));
 }
 
 }  // namespace
 
 ColumnParallelLinear::ColumnParallelLinear(const std::string& name, const int64_t in_features,
                                            const int64_t out_features, const TensorParallel& tp,
-                                           const LinearOptions& options, std::vector<Param>& params)
-    : tp_(options.explicit_expert_comm ? TensorParallel(tp.group(), false) : tp), options_(options), name_(name) {
+                                           const LinearOptions& options, ParamStore& params)
+    : tp_(options.explicit_expert_comm ? TensorParallel(tp.group(), false) : tp), options_(options) {
   const int n = tp.size();
   check_divisible(name, out_features, static_cast<int64_t>(n) * options.segments, "output features");
   out_local_ = out_features / n;
   if (options.shared_weight.empty()) {
     const ParamShard shard{0, options.segments, n, tp.rank(), {out_features, in_features}};
-    register_param(params, make_sharded_param(name + ".weight", shard, options.init), options, true);
+    weight_ = &register_param(params, make_sharded_param(name + ".weight", shard, options.init), options, true);
+  } else {
+    weight_ = find_param(params, options.shared_weight);
   }
   if (options.bias) {
     const ParamShard bias_shard{0, options.segments, n, tp.rank(), {out_features}};
-    register_param(params, make_sharded_param(name + ".bias", bias_shard, InitKind::kZeros), options);
+    bias_ = &register_param(params, make_sharded_param(name + ".bias", bias_shard, InitKind::kZeros), options);
   }
 }
 
-void ColumnParallelLinear::bind(std::vector<Param>& params) {
-  weight_ = find_param(params, options_.shared_weight.empty() ? name_ + ".weight" : options_.shared_weight);
-  bias_ = options_.bias ? find_param(params, name_ + ".bias") : nullptr;
-}
-
 Tensor ColumnParallelLinear::forward(const Tensor& x_TI, LinearActivations& saved) const {
-  require_bound(weight_, name_);
   saved.input_TI = gather_input(x_TI);
   const int64_t T = saved.input_TI.dim(0);
   Tensor y_TO = activation_tensor({T, out_local_});
@@ -70,7 +60,6 @@ Tensor ColumnParallelLinear::forward(const Tensor& x_TI, LinearActivations& save
 }
 
 void ColumnParallelLinear::backward_weights(const Tensor& dy_TO, const LinearActivations& saved) const {
-  require_bound(weight_, name_);
   const bool with_bias = bias_ != nullptr && !options_.skip_bias_add;
   ops::linear_backward(nullptr, &weight_->grad, with_bias ? &bias_->grad : nullptr, dy_TO, &saved.input_TI,
                        weight_->value, weight_->delayed_scaling.get(), &saved.delayed);
@@ -108,28 +97,22 @@ void ColumnParallelLinear::backward(Tensor& dx_TI, const Tensor& dy_TO, const Li
 }
 
 RowParallelLinear::RowParallelLinear(const std::string& name, const int64_t in_features, const int64_t out_features,
-                                     const TensorParallel& tp, const LinearOptions& options, std::vector<Param>& params)
-    : tp_(options.explicit_expert_comm ? TensorParallel(tp.group(), false) : tp), options_(options), name_(name) {
+                                     const TensorParallel& tp, const LinearOptions& options, ParamStore& params)
+    : tp_(options.explicit_expert_comm ? TensorParallel(tp.group(), false) : tp), options_(options) {
   const int n = tp.size();
   check_divisible(name, in_features, n, "input features");
   in_local_ = in_features / n;
   const ParamShard shard{1, 1, n, tp.rank(), {out_features, in_features}};
-  register_param(params, make_sharded_param(name + ".weight", shard, options.init), options, true);
+  weight_ = &register_param(params, make_sharded_param(name + ".weight", shard, options.init), options, true);
   if (options.bias) {
     // Replicated; under sequence parallelism each rank's gradient covers only its rows, so it is summed over TP.
     Param bias = make_param(name + ".bias", {out_features}, InitKind::kZeros);
     bias.grad_sum_over_tp = tp_.sequence_sharded();
-    register_param(params, std::move(bias), options);
+    bias_ = &register_param(params, std::move(bias), options);
   }
 }
 
-void RowParallelLinear::bind(std::vector<Param>& params) {
-  weight_ = find_param(params, name_ + ".weight");
-  bias_ = options_.bias ? find_param(params, name_ + ".bias") : nullptr;
-}
-
 Tensor RowParallelLinear::forward(const Tensor& x_TI, LinearActivations& saved) const {
-  require_bound(weight_, name_);
   saved.input_TI = x_TI;
   const int64_t T = x_TI.dim(0), O = weight_->value.dim(0);
   Tensor partial_TO = activation_tensor({T, O});
@@ -149,7 +132,6 @@ Tensor RowParallelLinear::forward(const Tensor& x_TI, LinearActivations& saved) 
 }
 
 void RowParallelLinear::backward(Tensor& dx_TI, const Tensor& dy_TO, const LinearActivations& saved) const {
-  require_bound(weight_, name_);
   if (bias_ != nullptr && !options_.skip_bias_add) ops::bias_grad_rows(bias_->grad, dy_TO);
   const bool gather = tp_.sequence_sharded() && !options_.explicit_expert_comm;
   const Tensor dy_full_TO = gather ? tp_.all_gather_rows(dy_TO) : dy_TO;

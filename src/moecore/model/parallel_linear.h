@@ -42,10 +42,9 @@ struct LinearActivations {
 class ColumnParallelLinear {
  public:
   ColumnParallelLinear() = default;
-  // Registers `name`.weight (and .bias) into params; call bind() once params stops growing.
+  // Registers `name`.weight (and .bias) into params (with options.shared_weight: uses that registered weight).
   ColumnParallelLinear(const std::string& name, int64_t in_features, int64_t out_features, const TensorParallel& tp,
-                       const LinearOptions& options, std::vector<Param>& params);
-  void bind(std::vector<Param>& params);
+                       const LinearOptions& options, ParamStore& params);
 
   // x_TI (this rank's rows) -> y_TO [all tokens, O/TP].
   Tensor forward(const Tensor& x_TI, LinearActivations& saved) const;
@@ -65,7 +64,6 @@ class ColumnParallelLinear {
  private:
   TensorParallel tp_;
   LinearOptions options_;
-  std::string name_;
   int64_t out_local_ = 0;
   Param* weight_ = nullptr;
   Param* bias_ = nullptr;
@@ -75,8 +73,7 @@ class RowParallelLinear {
  public:
   RowParallelLinear() = default;
   RowParallelLinear(const std::string& name, int64_t in_features, int64_t out_features, const TensorParallel& tp,
-                    const LinearOptions& options, std::vector<Param>& params);
-  void bind(std::vector<Param>& params);
+                    const LinearOptions& options, ParamStore& params);
 
   // x_TI [all tokens, I/TP] -> y_TO (this rank's rows), bias added unless skip_bias_add.
   Tensor forward(const Tensor& x_TI, LinearActivations& saved) const;
@@ -91,7 +88,6 @@ class RowParallelLinear {
  private:
   TensorParallel tp_;
   LinearOptions options_;
-  std::string name_;
   int64_t in_local_ = 0;
   Param* weight_ = nullptr;
   Param* bias_ = nullptr;

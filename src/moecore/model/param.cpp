@@ -61,7 +61,7 @@ int64_t full_index(const ParamShard& shard, const int64_t local_index) {
   return (outer * full_extent + full_c) * inner + within;
 }
 
-std::vector<Param*> find_params(std::vector<Param>& params, const std::vector<std::string>& names) {
+std::vector<Param*> find_params(ParamStore& params, const std::vector<std::string>& names) {
   std::vector<Param*> found(names.size(), nullptr);
   for (Param& p : params) {
     for (size_t i = 0; i < names.size(); ++i) {
@@ -74,7 +74,7 @@ std::vector<Param*> find_params(std::vector<Param>& params, const std::vector<st
   return found;
 }
 
-Param* find_param(std::vector<Param>& params, const std::string& name) { return find_params(params, {name})[0]; }
+Param* find_param(ParamStore& params, const std::string& name) { return find_params(params, {name})[0]; }
 
 void init_param(Param& param, const uint64_t seed, const double std, const int64_t num_layers) {
   float* value = param.value.data<float>();

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/model/stable_store.h"
 #include "moecore/quant/delayed_linear_scaling.h"
 #include "moecore/quant/recipe.h"
 #include "moecore/tensor/tensor.h"
@@ -62,6 +63,9 @@ struct Param {
   bool tensor_sharded() const { return shard.num_shards > 1; }
 };
 
+// The model's parameters in registration order; a registered Param never moves (model/stable_store.h).
+using ParamStore = StableStore<Param>;
+
 // A zero-filled fp32 parameter and its gradient, tracked as kParams / kGrads. 1-D parameters (biases, norm
 // weights) get no weight decay, as Megatron's default parameter groups.
 Param make_param(std::string name, const std::vector<int64_t>& shape, InitKind init);
@@ -74,8 +78,8 @@ std::vector<int64_t> shard_shape(const ParamShard& shard);
 int64_t full_index(const ParamShard& shard, int64_t local_index);
 
 // The parameters named `names`, in that order; throws std::logic_error naming one that is missing.
-std::vector<Param*> find_params(std::vector<Param>& params, const std::vector<std::string>& names);
-Param* find_param(std::vector<Param>& params, const std::string& name);
+std::vector<Param*> find_params(ParamStore& params, const std::vector<std::string>& names);
+Param* find_param(ParamStore& params, const std::string& name);
 
 // Fills `param.value` from the counter RNG keyed by (seed, name, element index): N(0, std) for kNormal,
 // N(0, std / sqrt(2 * num_layers)) for kScaledNormal (Megatron's output-layer init for linear_proj / fc2).

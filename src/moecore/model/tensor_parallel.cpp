@@ -58,14 +58,14 @@ Tensor TensorParallel::all_gather_rows(const Tensor& shard_RW) const {
   add_bytes(shard_RW.numel(), wire);
   if (wire == DType::kF32) {
     const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
-    group_.all_gather(shard_RW.span<float>(), full.span<float>());
+    group_.all_gather(shard_RW, full);
     return full;
   }
   const Tensor shard_bits = to_wire(shard_RW, wire);
   Tensor full_bits = to_wire(full, wire);
   {
     const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
-    group_.all_gather(std::as_const(shard_bits).span<uint16_t>(), full_bits.span<uint16_t>());
+    group_.all_gather(shard_bits, full_bits);
   }
   ops::convert(full, full_bits);
   return full;
@@ -83,14 +83,14 @@ Tensor TensorParallel::reduce_scatter_rows(const Tensor& full_RW) const {
   add_bytes(full_RW.numel(), wire);
   if (wire == DType::kF32) {
     const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
-    group_.reduce_scatter(full_RW.span<float>(), shard.span<float>(), parallel::ReduceOp::kSum);
+    group_.reduce_scatter(full_RW, shard, parallel::ReduceOp::kSum);
     return shard;
   }
   const Tensor full_bits = to_wire(full_RW, wire);
   Tensor shard_bits = to_wire(shard, wire);
   {
     const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
-    group_.reduce_scatter_16bit_async(full_bits.span<uint16_t>(), shard_bits.span<uint16_t>(), wire).wait();
+    group_.reduce_scatter_16bit_async(full_bits, shard_bits).wait();
   }
   ops::convert(shard, shard_bits);
   return shard;
@@ -100,7 +100,7 @@ void TensorParallel::all_reduce_(Tensor& x, const parallel::ReduceOp op) const {
   if (size() == 1) return;
   require_fp32(x, "all_reduce_");
   const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
-  group_.all_reduce(x.span<float>(), op);
+  group_.all_reduce(x, op);
 }
 
 void TensorParallel::all_reduce_activations_(Tensor& x) const {
@@ -110,13 +110,13 @@ void TensorParallel::all_reduce_activations_(Tensor& x) const {
   add_bytes(x.numel(), wire);
   if (wire == DType::kF32) {
     const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
-    group_.all_reduce(x.span<float>(), parallel::ReduceOp::kSum);
+    group_.all_reduce(x, parallel::ReduceOp::kSum);
     return;
   }
   Tensor bits = to_wire(x, wire);
   {
     const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
-    group_.all_reduce_16bit_async(bits.span<uint16_t>(), wire).wait();
+    group_.all_reduce_16bit_async(bits).wait();
   }
   ops::convert(x, bits);
 }

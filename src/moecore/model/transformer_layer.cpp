@@ -74,14 +74,16 @@ TokenRows layer_rows(const LayerDropout& dropout, const int64_t T) {
 
 }  // namespace
 
-TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t index, std::vector<Param>& params,
-                                   std::vector<Buffer>& buffers, const parallel::ParallelState& parallel)
+TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t index, ParamStore& params,
+                                   BufferStore& buffers, const parallel::ParallelState& parallel,
+                                   NormOverflowLog* norm_overflow_log)
     : TransformerLayer(config, index, params, buffers, parallel,
-                       LayerPlacement{"decoder.layers." + std::to_string(index) + ".", static_cast<int>(index)}) {}
+                       LayerPlacement{"decoder.layers." + std::to_string(index) + ".", static_cast<int>(index)},
+                       norm_overflow_log) {}
 
-TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t index, std::vector<Param>& params,
-                                   std::vector<Buffer>& buffers, const parallel::ParallelState& parallel,
-                                   const LayerPlacement& placement)
+TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t index, ParamStore& params,
+                                   BufferStore& buffers, const parallel::ParallelState& parallel,
+                                   const LayerPlacement& placement, NormOverflowLog* norm_overflow_log)
     : config_(config), index_(index), tp_(TensorParallel::attention(parallel)), prefix_(placement.prefix) {
   const size_t first_param = params.size();
   const int module = placement.module;
@@ -91,14 +93,14 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
                       ") must be divisible by --tensor-model-parallel-size (" + std::to_string(tp_.size()) + ")");
   }
   const int64_t H = config.hidden_size;
-  NormModule::add_params(params, prefix_ + "input_layernorm", H, config.normalization, tp_.sequence_sharded(), module);
+  const NormOptions norm = norm_options(config, tp_.sequence_sharded(), module, norm_overflow_log);
+  ln1_ = NormModule(prefix_ + "input_layernorm", H, norm, params);
   if (config.mla) {
-    mla_ = MLASelfAttention(config, prefix_, tp_, module, params, parallel.cp);
+    mla_ = MLASelfAttention(config, prefix_, tp_, module, norm_overflow_log, params, parallel.cp);
   } else {
-    attention_ = SelfAttention(config, prefix_, tp_, module, params, parallel.cp);
+    attention_ = SelfAttention(config, prefix_, tp_, module, norm_overflow_log, params, parallel.cp);
   }
-  NormModule::add_params(params, prefix_ + "pre_mlp_layernorm", H, config.normalization, tp_.sequence_sharded(),
-                         module);
+  ln2_ = NormModule(prefix_ + "pre_mlp_layernorm", H, norm, params);
   if (moe_layer) {
     moe_ = std::make_unique<MoELayer>(config, prefix_, params, parallel, module, &buffers);
   } else {
@@ -122,24 +124,6 @@ TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t inde
         params[i].delayed_scaling = std::make_unique<quant::DelayedLinearScaling>(q->delayed, q->format);
       }
     }
-  }
-}
-
-void TransformerLayer::bind(std::vector<Param>& params, std::vector<Buffer>& buffers,
-                            NormOverflowLog* norm_overflow_log) {
-  ln1_ = NormModule::bind(params, prefix_ + "input_layernorm", config_.normalization, config_.norm_epsilon,
-                          norm_overflow_log);
-  ln2_ = NormModule::bind(params, prefix_ + "pre_mlp_layernorm", config_.normalization, config_.norm_epsilon,
-                          norm_overflow_log);
-  if (config_.mla) {
-    mla_.bind(params, norm_overflow_log);
-  } else {
-    attention_.bind(params, norm_overflow_log);
-  }
-  if (moe_) {
-    moe_->bind(params, &buffers);
-  } else {
-    mlp_.bind(params);
   }
 }
 

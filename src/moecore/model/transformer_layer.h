@@ -61,15 +61,14 @@ struct LayerPlacement {
 class TransformerLayer {
  public:
   // Registers this layer's parameters into `params` and buffers into `buffers` (names prefixed
-  // "decoder.layers.{index}.", the global index).
-  TransformerLayer(const ModelConfig& config, int64_t index, std::vector<Param>& params, std::vector<Buffer>& buffers,
-                   const parallel::ParallelState& parallel);
+  // "decoder.layers.{index}.", the global index). The norms record overflows into norm_overflow_log (the model's; may
+  // be null; not owned).
+  TransformerLayer(const ModelConfig& config, int64_t index, ParamStore& params, BufferStore& buffers,
+                   const parallel::ParallelState& parallel, NormOverflowLog* norm_overflow_log = nullptr);
   // The structure of decoder layer `index` (dense or MoE, its quantization) under `placement`'s names.
-  TransformerLayer(const ModelConfig& config, int64_t index, std::vector<Param>& params, std::vector<Buffer>& buffers,
-                   const parallel::ParallelState& parallel, const LayerPlacement& placement);
-  // Resolves parameter and buffer pointers once `params` and `buffers` no longer grow; the norms record overflows
-  // into norm_overflow_log (the model's; may be null).
-  void bind(std::vector<Param>& params, std::vector<Buffer>& buffers, NormOverflowLog* norm_overflow_log);
+  TransformerLayer(const ModelConfig& config, int64_t index, ParamStore& params, BufferStore& buffers,
+                   const parallel::ParallelState& parallel, const LayerPlacement& placement,
+                   NormOverflowLog* norm_overflow_log = nullptr);
 
   // x_TH (this rank's rows) -> out_TH (same rows). S, B: the micro-batch. Collective over TP (and the expert grid
   // on MoE layers). Fills `saved` when dropout.training (backward will follow).

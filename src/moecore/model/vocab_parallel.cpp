@@ -13,18 +13,16 @@ Tensor activation_tensor(std::vector<int64_t> shape) {
 }  // namespace
 
 VocabParallelEmbedding::VocabParallelEmbedding(const std::string& name, const int64_t V, const int64_t H,
-                                               const TensorParallel& tp, std::vector<Param>& params)
-    : tp_(tp), name_(name), V_(V), H_(H) {
+                                               const TensorParallel& tp, ParamStore& params)
+    : tp_(tp), V_(V), H_(H) {
   if (V % tp.size() != 0) {
     throw ConfigError("the padded vocabulary (" + std::to_string(V) +
                       ") must be divisible by --tensor-model-parallel-size (" + std::to_string(tp.size()) + ")");
   }
   vocab_begin_ = tp.rank() * (V / tp.size());
   const ParamShard shard{0, 1, tp.size(), tp.rank(), {V, H}};
-  params.push_back(make_sharded_param(name, shard, InitKind::kNormal));
+  weight_ = &params.push_back(make_sharded_param(name, shard, InitKind::kNormal));
 }
-
-void VocabParallelEmbedding::bind(std::vector<Param>& params) { weight_ = find_param(params, name_); }
 
 Tensor VocabParallelEmbedding::forward(const std::span<const int32_t> ids_T) const {
   const auto T = static_cast<int64_t>(ids_T.size());

@@ -19,9 +19,7 @@ class VocabParallelEmbedding {
  public:
   VocabParallelEmbedding() = default;
   // Registers `name` [V/TP, H] (this rank's rows of [V, H]).
-  VocabParallelEmbedding(const std::string& name, int64_t V, int64_t H, const TensorParallel& tp,
-                         std::vector<Param>& params);
-  void bind(std::vector<Param>& params);
+  VocabParallelEmbedding(const std::string& name, int64_t V, int64_t H, const TensorParallel& tp, ParamStore& params);
 
   // ids_T (all T tokens of the micro-batch) -> out_TH: this rank's rows (sequence shard under sequence parallelism),
   // the embedding rows summed over TP. Ids outside [0, V) anywhere throw std::out_of_range.
@@ -34,7 +32,6 @@ class VocabParallelEmbedding {
 
  private:
   TensorParallel tp_;
-  std::string name_;
   int64_t V_ = 0, H_ = 0, vocab_begin_ = 0;
   Param* weight_ = nullptr;
 };

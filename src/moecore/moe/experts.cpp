@@ -30,7 +30,7 @@ std::vector<int64_t> expert_offsets(const std::vector<int64_t> &tokens_per_exper
 }
 
 ExpertMLPBase::ExpertMLPBase(const MoEConfig &moe, const ModelConfig &model, const std::string &prefix,
-                             std::vector<Param> &params, const parallel::ParallelState &parallel, const int module)
+                             ParamStore &params, const parallel::ParallelState &parallel, const int module)
     : E_(moe.num_experts),
       H_(model.hidden_size),
       F_(moe.ffn_hidden_size),
@@ -70,10 +70,6 @@ ExpertMLPBase::ExpertMLPBase(const MoEConfig &moe, const ModelConfig &model, con
     experts_.emplace_back(prefix + "mlp.experts.local_experts." + std::to_string(e) + ".", H_, options, etp_group,
                           params);
   }
-}
-
-void ExpertMLPBase::bind(std::vector<Param> &params) {
-  for (MLP &expert : experts_) expert.bind(params);
 }
 
 namespace {
@@ -134,8 +130,7 @@ void ExpertMLPBase::backward(Tensor &dx_RH, Tensor &dprobs_R, const Tensor &dy_R
 }  // namespace experts_detail
 
 std::unique_ptr<ExpertMLP> make_experts(const MoEConfig &moe, const ModelConfig &model, const std::string &prefix,
-                                        std::vector<Param> &params, const parallel::ParallelState &parallel,
-                                        const int module) {
+                                        ParamStore &params, const parallel::ParallelState &parallel, const int module) {
   if (moe.grouped_gemm) return experts_detail::make_grouped_mlp(moe, model, prefix, params, parallel, module);
   return experts_detail::make_sequential_mlp(moe, model, prefix, params, parallel, module);
 }

@@ -39,7 +39,6 @@ struct ExpertActivations {
 class ExpertMLP {
  public:
   virtual ~ExpertMLP() = default;
-  virtual void bind(std::vector<Param>& params) = 0;
   // Returns y_RH [R, H] = expert(x_RH) with probs applied (x_RH fp32 [R, H], probs_R fp32 [R], R the sum of
   // tokens_per_expert_E); keeps what backward needs in `saved`, x_RH and probs_R by reference (shared storage).
   virtual Tensor forward(const Tensor& x_RH, const Tensor& probs_R, const std::vector<int64_t>& tokens_per_expert_E,
@@ -56,7 +55,7 @@ class ExpertMLP {
 // and tokens_per_expert_E index local experts). Under expert-TP the output is a partial sum over the ETP group (the
 // dispatcher reduces it), as are dx and dprobs. Bias (--add-bias-linear) needs ETP 1, as Megatron.
 std::unique_ptr<ExpertMLP> make_experts(
-    const MoEConfig& moe, const ModelConfig& model, const std::string& prefix, std::vector<Param>& params,
+    const MoEConfig& moe, const ModelConfig& model, const std::string& prefix, ParamStore& params,
     const parallel::ParallelState& parallel = parallel::ParallelState::single_process(), int module = -1);
 
 // Shared experts (--moe-shared-expert-intermediate-size S): a dense MLP H -> S (2S with SwiGLU) -> H on every
@@ -73,18 +72,15 @@ class SharedExpertMLP {
  public:
   // An MLP on the attention TP group (fc1 rows per SwiGLU half and fc2 columns sharded; its input is always a
   // sequence shard when TP > 1); the gate is replicated (Param::grad_sum_over_tp). Param::module = module.
-  SharedExpertMLP(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix, std::vector<Param>& params,
+  SharedExpertMLP(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix, ParamStore& params,
                   const parallel::ParallelState& parallel = parallel::ParallelState::single_process(), int module = -1);
-  void bind(std::vector<Param>& params);
   // out_TH += shared(x_TH) on this rank's tokens (fp32 [T, H], a sequence shard under TP; collective over TP).
   void forward(Tensor& out_TH, const Tensor& x_TH, SharedExpertActivations& saved) const;
   // Accumulates dx_TH and parameter gradients from dout_TH.
   void backward(Tensor& dx_TH, const Tensor& dout_TH, const Tensor& x_TH, const SharedExpertActivations& saved) const;
 
  private:
-  MoEConfig moe_;
   ModelConfig model_;
-  std::string prefix_;
   MLP mlp_;
   Param* gate_ = nullptr;
 };

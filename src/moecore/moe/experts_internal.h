@@ -21,9 +21,8 @@ namespace moecore::experts_detail {
 class ExpertMLPBase : public ExpertMLP {
  public:
   // Registers this EP rank's experts (global names), each sharded over expert-TP.
-  ExpertMLPBase(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix, std::vector<Param>& params,
+  ExpertMLPBase(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix, ParamStore& params,
                 const parallel::ParallelState& parallel, int module);
-  void bind(std::vector<Param>& params) final;
   Tensor forward(const Tensor& x_RH, const Tensor& probs_R, const std::vector<int64_t>& tokens_per_expert_E,
                  ExpertActivations& saved) final;
   void backward(Tensor& dx_RH, Tensor& dprobs_R, const Tensor& dy_RH, const ExpertActivations& saved) final;
@@ -45,10 +44,9 @@ class ExpertMLPBase : public ExpertMLP {
 std::vector<int64_t> expert_offsets(const std::vector<int64_t>& tokens_per_expert_E, int64_t E);
 
 std::unique_ptr<ExpertMLP> make_sequential_mlp(const MoEConfig& moe, const ModelConfig& model,
-                                               const std::string& prefix, std::vector<Param>& params,
+                                               const std::string& prefix, ParamStore& params,
                                                const parallel::ParallelState& parallel, int module);
 std::unique_ptr<ExpertMLP> make_grouped_mlp(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix,
-                                            std::vector<Param>& params, const parallel::ParallelState& parallel,
-                                            int module);
+                                            ParamStore& params, const parallel::ParallelState& parallel, int module);
 
 }  // namespace moecore::experts_detail

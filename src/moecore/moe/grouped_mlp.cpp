@@ -219,7 +219,7 @@ class GroupedMLP final : public ExpertMLPBase {
 }  // namespace
 
 std::unique_ptr<ExpertMLP> make_grouped_mlp(const MoEConfig &moe, const ModelConfig &model, const std::string &prefix,
-                                            std::vector<Param> &params, const parallel::ParallelState &parallel,
+                                            ParamStore &params, const parallel::ParallelState &parallel,
                                             const int module) {
   return std::make_unique<GroupedMLP>(moe, model, prefix, params, parallel, module);
 }

@@ -11,8 +11,8 @@
 
 namespace moecore {
 
-MoELayer::MoELayer(const ModelConfig& config, const std::string& prefix, std::vector<Param>& params,
-                   const parallel::ParallelState& parallel, const int module, std::vector<Buffer>* buffers)
+MoELayer::MoELayer(const ModelConfig& config, const std::string& prefix, ParamStore& params,
+                   const parallel::ParallelState& parallel, const int module, BufferStore* buffers)
     : config_(config),
       router_(std::make_unique<TopKRouter>(config.moe, config.hidden_size, config.add_bias_linear, prefix, params,
                                            parallel, module, buffers)),
@@ -28,12 +28,6 @@ MoELayer::MoELayer(const ModelConfig& config, const std::string& prefix, std::ve
     shared_ = std::make_unique<SharedExpertMLP>(config.moe, config, prefix, params, parallel, module);
     overlap_shared_ = config.moe.shared_expert_overlap;
   }
-}
-
-void MoELayer::bind(std::vector<Param>& params, std::vector<Buffer>* buffers) {
-  router_->bind(params, buffers);
-  experts_->bind(params);
-  if (shared_) shared_->bind(params);
 }
 
 namespace {

@@ -31,9 +31,8 @@ class MoELayer {
   // Param::module = `module` (the layer index). Under expert parallelism only this rank's experts (global names
   // local_experts.{e}) are registered, each sharded over expert-TP; shared experts are sharded over TP.
   // The router's buffers go into `buffers` (null: the router keeps them; see TopKRouter).
-  MoELayer(const ModelConfig& config, const std::string& prefix, std::vector<Param>& params,
-           const parallel::ParallelState& parallel, int module, std::vector<Buffer>* buffers = nullptr);
-  void bind(std::vector<Param>& params, std::vector<Buffer>* buffers = nullptr);
+  MoELayer(const ModelConfig& config, const std::string& prefix, ParamStore& params,
+           const parallel::ParallelState& parallel, int module, BufferStore* buffers = nullptr);
 
   // Returns out_TH = moe(x_TH) on this rank's tokens: x_TH fp32 [S*B, H] holds the micro-batch's one-process rows
   // `rows` (counter-RNG keys; empty: rows 0..S*B-1). Under TP every TP rank holds a different sequence shard (the

@@ -21,24 +21,32 @@
 #include "moecore/model/config.h"
 #include "moecore/ops/convert.h"
 #include "moecore/ops/elementwise.h"
+#include "moecore/ops/init.h"
+#include "moecore/ops/input_jitter.h"
 #include "moecore/ops/linear.h"
 #include "moecore/ops/precision.h"
 #include "moecore/ops/quantization.h"
 #include "moecore/ops/routing.h"
 #include "moecore/ops/rows.h"
 #include "moecore/parallel/comm_stats.h"
-#include "moecore/tensor/rng.h"
 
 namespace moecore {
 namespace {
 
-// fn(i, key) for every element i of the [rows, W] local rows, key = the element's one-process index (its counter).
-template <typename Fn>
-void for_each_element(const TokenRows& rows, const int64_t W, Fn&& fn) {
+// The first counter of each local row of a [rows, W] tensor: its one-process row's elements (row-major), so every
+// layout draws the one-process jitter factors and forced-balance logits.
+std::vector<int64_t> row_counters(const TokenRows& rows, const int64_t W) {
+  std::vector<int64_t> first_R;
+  first_R.reserve(static_cast<size_t>(rows.count()));
   for (const TokenRows::Run& run : rows.runs()) {
-    const int64_t first = run.local * W, key0 = run.global * W;
-    for (int64_t k = 0; k < run.count * W; ++k) fn(first + k, static_cast<uint64_t>(key0 + k));
+    for (int64_t t = 0; t < run.count; ++t) first_R.push_back((run.global + t) * W);
   }
+  return first_R;
+}
+
+// Megatron's input jitter of this micro-batch: factors Uniform(1 - eps, 1 + eps) (all 1 without jitter).
+ops::InputJitterSpec jitter_spec(const MoEConfig& config, const RouterActivations& saved) {
+  return {std::max(config.input_jitter_eps, 0.0), saved.jitter_seed, saved.jitter_key};
 }
 
 // Stream of the random logits of --moe-router-force-load-balancing, distinct from the jitter stream.
@@ -60,12 +68,6 @@ bool aux_losses_on(const MoEConfig& config) {
 bool uses_sinkhorn(const MoEConfig& config) {
   const auto& types = config.load_balancing_types;
   return std::find(types.begin(), types.end(), LoadBalancingType::kSinkhorn) != types.end();
-}
-
-// Uniform(1 - eps, 1 + eps) in fp32, as torch's rsample on fp32 bounds.
-float jitter_factor(const CounterRng& rng, const uint64_t index, const double eps) {
-  const float low = static_cast<float>(1.0 - eps), high = static_cast<float>(1.0 + eps);
-  return low + (high - low) * rng.uniform(index);
 }
 
 // Sums token counts over `group` (fp32 is exact for counts below 2^24); a no-op on a group of one.
@@ -103,8 +105,8 @@ ops::RoutingScore routing_score(const RouterScoreFunction fn) {
 }  // namespace
 
 TopKRouter::TopKRouter(const MoEConfig& config, const int64_t hidden, const bool add_bias, const std::string& prefix,
-                       std::vector<Param>& params, const parallel::ParallelState& parallel, const int module,
-                       std::vector<Buffer>* buffers)
+                       ParamStore& params, const parallel::ParallelState& parallel, const int module,
+                       BufferStore* buffers)
     : config_(config),
       hidden_(hidden),
       add_bias_(add_bias),
@@ -126,41 +128,27 @@ TopKRouter::TopKRouter(const MoEConfig& config, const int64_t hidden, const bool
                       "the experts of group_topk groups");
   }
   // Replicated over TP while each TP rank routes only its sequence shard: gradients are summed over TP.
-  auto add = [&](const std::string& name, const std::vector<int64_t>& shape) {
+  auto add = [&](const std::string& name, const std::vector<int64_t>& shape) -> Param& {
     Param p = make_param(prefix_ + name, shape, InitKind::kNormal);
     p.grad_sum_over_tp = true;
     p.module = module;
-    params.push_back(std::move(p));
+    return params.push_back(std::move(p));
   };
-  add("mlp.router.weight", {E, hidden});
+  weight_ = &add("mlp.router.weight", {E, hidden});
   // Megatron initialises the router bias with init_method too.
-  if (add_bias_) add("mlp.router.bias", {E});
+  if (add_bias_) bias_ = &add("mlp.router.bias", {E});
   if (config.enable_expert_bias) {
     has_expert_bias_ = true;
-    (buffers != nullptr ? *buffers : own_buffers_).push_back(make_buffer(prefix_ + "mlp.router.expert_bias", {E}));
+    expert_bias_ =
+        &(buffers != nullptr ? *buffers : own_buffers_).push_back(make_buffer(prefix_ + "mlp.router.expert_bias", {E}));
     local_tokens_per_expert_.assign(static_cast<size_t>(E), 0.0);
   }
   global_aux_counts_.assign(static_cast<size_t>(E), 0.0);
 }
 
-void TopKRouter::bind(std::vector<Param>& params, std::vector<Buffer>* buffers) {
-  if (has_expert_bias_) {
-    expert_bias_ = find_buffer(buffers != nullptr ? *buffers : own_buffers_, prefix_ + "mlp.router.expert_bias");
-  }
-  weight_ = bias_ = nullptr;
-  for (Param& p : params) {
-    if (p.name == prefix_ + "mlp.router.weight") weight_ = &p;
-    if (p.name == prefix_ + "mlp.router.bias") bias_ = &p;
-  }
-  if (weight_ == nullptr || (add_bias_ && bias_ == nullptr)) {
-    throw std::logic_error("router parameters under " + prefix_ + "mlp.router were not registered");
-  }
-}
-
 RouterOutput TopKRouter::forward(const Tensor& x_TH, const int64_t S, const int64_t B, const bool training,
                                  const uint64_t seed, const uint64_t jitter_key, RouterActivations& saved,
                                  const TokenRows& rows) {
-  if (weight_ == nullptr) throw std::logic_error("TopKRouter::forward before bind()");
   // The router computes in --moe-router-dtype (fp32 or fp64) under --bf16 / --fp16 too.
   const ops::ScopedActivationDType router_precision(DType::kF32);
   // Megatron keeps the router out of FP8 / FP4 (a plain torch linear outside TE's modules).
@@ -197,13 +185,11 @@ RouterOutput TopKRouter::forward(const Tensor& x_TH, const int64_t S, const int6
 void TopKRouter::jittered_input(RouterActivations& saved, const Tensor& x_TH) const {
   const int64_t T = saved.S * saved.B, H = hidden_;
   saved.input_TH = Tensor({T, H}, DType::kF32, MemCategory::kActivations);
-  saved.input_TH.copy_from(x_TH);
-  if (config_.input_jitter_eps <= 0) return;
-  const CounterRng rng(saved.jitter_seed, saved.jitter_key);
-  float* input = saved.input_TH.data<float>();
-  for_each_element(saved.rows, H, [&](const int64_t i, const uint64_t key) {
-    input[i] *= jitter_factor(rng, key, config_.input_jitter_eps);
-  });
+  if (config_.input_jitter_eps <= 0) {
+    saved.input_TH.copy_from(x_TH);
+    return;
+  }
+  ops::input_jitter_forward(saved.input_TH, x_TH, row_counters(saved.rows, H), H, jitter_spec(config_, saved));
 }
 
 // logits = x W^T (+ b) in the router dtype (fp32: one fp32 GEMM with the bias, as Megatron's router_gating_linear;
@@ -215,15 +201,8 @@ void TopKRouter::compute_logits(RouterActivations& saved) const {
   saved.logits_TE = Tensor({T, E}, fp32 ? DType::kF32 : DType::kF64, MemCategory::kActivations);
   Tensor& logits = saved.logits_TE;
   if (config_.force_load_balancing) {
-    const CounterRng normal_rng(saved.jitter_seed, saved.jitter_key ^ kForceBalanceSalt);
-    for_each_element(saved.rows, E, [&](const int64_t i, const uint64_t key) {
-      const double logit = normal_rng.normal(key);
-      if (fp32) {
-        logits.data<float>()[i] = static_cast<float>(logit);
-      } else {
-        logits.data<double>()[i] = logit;
-      }
-    });
+    ops::normal_fill(logits, row_counters(saved.rows, E), E, saved.jitter_seed, saved.jitter_key ^ kForceBalanceSalt,
+                     1.0);
     return;
   }
   if (fp32) {
@@ -438,13 +417,15 @@ void TopKRouter::backward(Tensor* dx_TH, const Tensor& dprobs_TE, const double a
     }
   }
   if (!dx_jittered.defined()) return;
-  const CounterRng jitter_rng(saved.jitter_seed, saved.jitter_key);
-  float* dx_out = dx_TH->data<float>();
-  for_each_element(saved.rows, H, [&](const int64_t i, const uint64_t key) {
-    const double factor = jitter ? jitter_factor(jitter_rng, key, config_.input_jitter_eps) : 1.0;
-    const double d = fp32 ? static_cast<double>(dx_jittered.data<float>()[i]) : dx_jittered.data<double>()[i];
-    dx_out[i] += static_cast<float>(d * factor);
-  });
+  const std::vector<int64_t> first_R = row_counters(saved.rows, H);
+  Tensor dx_out = dx_TH->view({T, H});
+  if (fp32) {  // jittered: dx += (dlogits W) * factor, the product rounded to fp32 once
+    ops::input_jitter_backward(dx_out, dx_jittered, first_R, H, jitter_spec(config_, saved));
+    return;
+  }
+  // fp64 router: dx += the fp64 (dlogits W) * factor rounded to fp32 once.
+  if (jitter) ops::input_jitter_forward(dx_jittered, dx_jittered, first_R, H, jitter_spec(config_, saved));
+  ops::add_(dx_out, as_dtype(dx_jittered, DType::kF32));
 }
 
 void TopKRouter::finish_global_batch() {
@@ -459,13 +440,11 @@ void TopKRouter::finish_global_batch() {
 
 std::span<const float> TopKRouter::expert_bias() const {
   if (!has_expert_bias_) return {};
-  if (expert_bias_ == nullptr) throw std::logic_error("TopKRouter::expert_bias before bind()");
   return expert_bias_->value.span<float>();
 }
 
 std::span<float> TopKRouter::expert_bias() {
   if (!has_expert_bias_) return {};
-  if (expert_bias_ == nullptr) throw std::logic_error("TopKRouter::expert_bias before bind()");
   return expert_bias_->value.span<float>();
 }
 

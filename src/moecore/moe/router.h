@@ -62,15 +62,12 @@ class TopKRouter {
   // parallel.tp_dp_cp (global aux loss, expert-bias counts). With expert bias the buffer mlp.router.expert_bias
   // (replicated, zeros) is registered into `buffers` (the model's list); null: a list the router keeps itself
   // (a router used on its own).
-  TopKRouter(const MoEConfig& config, int64_t hidden, bool add_bias, const std::string& prefix,
-             std::vector<Param>& params,
+  TopKRouter(const MoEConfig& config, int64_t hidden, bool add_bias, const std::string& prefix, ParamStore& params,
              const parallel::ParallelState& parallel = parallel::ParallelState::single_process(), int module = -1,
-             std::vector<Buffer>* buffers = nullptr);
-  // The buffer list is bound by address: the router neither copies nor moves.
+             BufferStore* buffers = nullptr);
+  // The router points into its own buffer list (without `buffers`): it neither copies nor moves.
   TopKRouter(const TopKRouter&) = delete;
   TopKRouter& operator=(const TopKRouter&) = delete;
-  // Resolves pointers by name once `params` (and `buffers`, the list given to the constructor) no longer grow.
-  void bind(std::vector<Param>& params, std::vector<Buffer>* buffers = nullptr);
 
   // x_TH [S*B, H] -> routing. The input jitter (--moe-input-jitter-eps) applies in training AND evaluation, as
   // Megatron's TopKRouter.forward; it is drawn from the counter RNG keyed by (seed, jitter_key), so an evaluation
@@ -94,7 +91,7 @@ class TopKRouter {
   // tp-dp-cp (the counts are summed before the sign rule).
   void finish_global_batch();
 
-  // The expert-bias buffer's values [E] (empty without --moe-router-enable-expert-bias; valid after bind()).
+  // The expert-bias buffer's values [E] (empty without --moe-router-enable-expert-bias).
   std::span<const float> expert_bias() const;
   std::span<float> expert_bias();
   void set_expert_bias(std::span<const float> bias_E);  // copies E values
@@ -109,8 +106,8 @@ class TopKRouter {
   parallel::ProcessGroup tp_cp_;
   parallel::ProcessGroup tp_dp_cp_;
   bool has_expert_bias_ = false;
-  std::vector<Buffer> own_buffers_;              // the buffer list of a router constructed without one
-  Buffer* expert_bias_ = nullptr;                // [E] fp32, resolved by name in bind()
+  BufferStore own_buffers_;                      // the buffer list of a router constructed without one
+  Buffer* expert_bias_ = nullptr;                // [E] fp32
   std::vector<double> local_tokens_per_expert_;  // expert-bias counts since the last update
   std::vector<double> global_aux_counts_;        // global_aux_loss counts accumulated over micro-batches
   int64_t global_aux_steps_ = 0;                 // micro-batches accumulated (Megatron's ga_steps)

@@ -3,6 +3,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "moecore/ops/routing_padding.h"
+
 namespace moecore {
 
 int64_t align_size_for_quantization(const quant::Recipe recipe) {
@@ -21,20 +23,9 @@ std::vector<int64_t> pad_routing_map(const std::span<uint8_t> routing_map_TE, co
                                 std::to_string(routing_map_TE.size()) + " and " + std::to_string(pad_multiple));
   }
   std::vector<int64_t> count_E(static_cast<size_t>(E), 0);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t e = 0; e < E; ++e) count_E[static_cast<size_t>(e)] += routing_map_TE[t * E + e] != 0;
-  }
-  for (int64_t e = 0; e < E; ++e) {
-    int64_t& count = count_E[static_cast<size_t>(e)];
-    int64_t missing = (pad_multiple - count % pad_multiple) % pad_multiple;  // (-count) mod pad_multiple
-    for (int64_t t = 0; t < T && missing > 0; ++t) {
-      uint8_t& routed = routing_map_TE[t * E + e];
-      if (routed != 0) continue;
-      routed = 1;
-      ++count;
-      --missing;
-    }
-  }
+  Tensor map = Tensor::from_blob(routing_map_TE.data(), {T, E});
+  Tensor counts = Tensor::from_blob(count_E.data(), {E});
+  ops::pad_routing_map(map, counts, pad_multiple);
   return count_E;
 }
 

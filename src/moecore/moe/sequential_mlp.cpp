@@ -38,7 +38,7 @@ class SequentialMLP final : public ExpertMLPBase {
 }  // namespace
 
 std::unique_ptr<ExpertMLP> make_sequential_mlp(const MoEConfig &moe, const ModelConfig &model,
-                                               const std::string &prefix, std::vector<Param> &params,
+                                               const std::string &prefix, ParamStore &params,
                                                const parallel::ParallelState &parallel, const int module) {
   return std::make_unique<SequentialMLP>(moe, model, prefix, params, parallel, module);
 }

@@ -32,8 +32,8 @@ int64_t rows_of(const char* name, const Tensor& t, const int64_t H) {
 }  // namespace
 
 SharedExpertMLP::SharedExpertMLP(const MoEConfig& moe, const ModelConfig& model, const std::string& prefix,
-                                 std::vector<Param>& params, const parallel::ParallelState& parallel, const int module)
-    : moe_(moe), model_(model), prefix_(prefix) {
+                                 ParamStore& params, const parallel::ParallelState& parallel, const int module)
+    : model_(model) {
   const int64_t S = moe.shared_expert_intermediate_size, H = model.hidden_size;
   if (S <= 0) {
     throw ConfigError("shared experts: --moe-shared-expert-intermediate-size must be positive, got " +
@@ -56,13 +56,8 @@ SharedExpertMLP::SharedExpertMLP(const MoEConfig& moe, const ModelConfig& model,
     Param gate = make_param(gate_name(prefix), {1, H}, InitKind::kNormal);
     gate.grad_sum_over_tp = true;
     gate.module = module;
-    params.push_back(std::move(gate));
+    gate_ = &params.push_back(std::move(gate));
   }
-}
-
-void SharedExpertMLP::bind(std::vector<Param>& params) {
-  mlp_.bind(params);
-  gate_ = moe_.shared_expert_gate ? find_param(params, gate_name(prefix_)) : nullptr;
 }
 
 void SharedExpertMLP::forward(Tensor& out, const Tensor& x, SharedExpertActivations& saved) const {

@@ -41,10 +41,14 @@ struct DispatchState {
   std::vector<int64_t> etp_rows;
   int64_t etp_max_rows = 0;
   std::vector<int64_t> sorted_first_C, sorted_rows_C;
+  // allgather: the routing map (kU8 [T, E]) and token counts (kI64 [E]) of this rank in dispatch_preprocess, of the
+  // whole group ([S T, E], [S E]) after token_dispatch.
+  Tensor routing_map, expert_counts;
 };
 
 // What one phase hands to the next: token rows [N, H] and, in dispatch, their probabilities (fp32 [N]). What the
-// rows are between two phases is the dispatcher's business (e.g. the allgather dispatcher gathers one packed buffer).
+// rows are between two phases is the dispatcher's business (e.g. the allgather dispatcher gathers the routing
+// probabilities [T, E] as its probs).
 struct DispatchBuffers {
   Tensor rows;
   Tensor probs;

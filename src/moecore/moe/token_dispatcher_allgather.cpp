@@ -1,8 +1,9 @@
-// Megatron's allgather token dispatcher: tokens, probs and routing map are all-gathered over the ETP x EP group
-// (S ranks, equal T everywhere); each rank permutes the gathered tokens routed to its local experts (experts in
-// order; within an expert, source ranks in order, tokens ascending, and with pad-to-capacity each source's rows
-// padded to C). Combine scatter-adds the expert outputs into a gathered [S T, H] buffer that is reduce-scattered
-// back to [T, H]: that sum also adds the partial outputs of the ETP ranks.
+// Megatron's allgather token dispatcher: tokens, probs, routing map and token counts are all-gathered over the
+// ETP x EP group (S ranks, equal T everywhere), four all-gathers in flight together, nothing packed; each rank
+// permutes the gathered tokens routed to its local experts (experts in order; within an expert, source ranks in
+// order, tokens ascending, and with pad-to-capacity each source's rows padded to C). Combine scatter-adds the expert
+// outputs into a gathered [S T, H] buffer that is reduce-scattered back to [T, H]: that sum also adds the partial
+// outputs of the ETP ranks.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -25,8 +26,7 @@ class AllGatherDispatcher final : public TokenDispatcher {
         first_expert_(parallel.ep_rank() * (num_experts / parallel.ep_size())),
         group_(parallel.tp_ep) {}
 
-  // One buffer per rank for one all-gather: [x_TH | probs_TE | map_TE | tokens_per_expert_E] (counts are exact in
-  // fp32), H-wide rows, so the gathered tokens of rank s are rows [s P, s P + T) of the gathered buffer.
+  // Nothing to pack: token_dispatch gathers the tokens, probs, routing map and token counts as they are.
   DispatchBuffers dispatch_preprocess(const Tensor &x_TH, const RouterOutput &routing, DispatchState &state) override {
     check_tokens("allgather dispatcher", x_TH);
     const int64_t T = x_TH.dim(0), H = x_TH.dim(1), E = E_;
@@ -36,49 +36,56 @@ class AllGatherDispatcher final : public TokenDispatcher {
                                   ", expected E=" + std::to_string(E_));
     }
     check_routing(routing, T, E_);
+    if (routing_map_entries(routing) != T * E) {
+      throw std::invalid_argument("allgather dispatcher: the routing map must be a kU8 [T, E] tensor, got " +
+                                  routing.routing_map_TE.shape_str());
+    }
     state = DispatchState{};
     state.T = T;
     state.H = H;
     state.E = E;
     state.capacity = routing.capacity;
-    Tensor packed = activation_rows({packed_rows(T, H), H});
-    packed.slice_rows(0, T).copy_from(x_TH);
-    float *probs_part = packed.data<float>() + T * H;
-    Tensor::from_blob(probs_part, {T * E}).copy_from(routing.probs_TE);
-    float *map_part = probs_part + T * E;
-    const uint8_t *map_TE = routing_map_bytes(routing);
-    for (int64_t i = 0; i < T * E; ++i) map_part[i] = map_TE[i] != 0 ? 1.0f : 0.0f;
-    float *counts_part = map_part + T * E;
-    for (int64_t e = 0; e < E; ++e) counts_part[e] = static_cast<float>(routing.tokens_per_expert_E[e]);
-    return {std::move(packed), Tensor()};
+    Tensor counts_E({E}, DType::kI64, MemCategory::kActivations);
+    std::copy(routing.tokens_per_expert_E.begin(), routing.tokens_per_expert_E.end(), counts_E.data<int64_t>());
+    state.routing_map = routing.routing_map_TE;
+    state.expert_counts = std::move(counts_E);
+    return {x_TH, routing.probs_TE};
   }
 
-  DispatchBuffers token_dispatch(const DispatchBuffers &local, DispatchState & /*state*/,
+  // The four all-gathers in flight together; rank s's blocks are rows [s T, s T + T) (counts [s E, s E + E)).
+  DispatchBuffers token_dispatch(const DispatchBuffers &local, DispatchState &state,
                                  const std::function<void()> *overlapped) override {
     if (overlapped) (*overlapped)();
-    Tensor all = activation_rows({group_.size() * local.rows.dim(0), local.rows.dim(1)});
-    parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-    group_.all_gather<float>(local.rows.span<float>(), all.span<float>());
-    return {std::move(all), Tensor()};
+    const int64_t S = group_.size(), T = state.T, E = state.E;
+    DispatchBuffers all{activation_rows({S * T, state.H}), activation_rows({S * T, E})};
+    Tensor maps({S * T, E}, DType::kU8, MemCategory::kActivations);
+    Tensor counts({S * E}, DType::kI64, MemCategory::kActivations);
+    {
+      parallel::CommTimer timer(parallel::CommKind::kAllToAll);
+      parallel::Work works[] = {
+          group_.all_gather_async(local.rows, all.rows), group_.all_gather_async(local.probs, all.probs),
+          group_.all_gather_async(state.routing_map, maps), group_.all_gather_async(state.expert_counts, counts)};
+      for (parallel::Work &work : works) work.wait();
+    }
+    state.routing_map = std::move(maps);
+    state.expert_counts = std::move(counts);
+    return all;
   }
 
   // Each source's rows for the local experts, laid out expert-major: [local expert][source][token].
   Tensor dispatch_postprocess(const DispatchBuffers &received, DispatchState &state) override {
-    const int64_t S = group_.size(), T = state.T, H = state.H, E = E_, P = packed_rows(T, H);
-    const float *all = received.rows.data<float>();
+    const int64_t S = group_.size(), T = state.T, H = state.H, E = E_;
+    const uint8_t *maps = state.routing_map.data<uint8_t>();
+    const float *probs = received.probs.data<float>();
+    const int64_t *counts = state.expert_counts.data<int64_t>();
     std::vector<ExpertMajorRows> by_source;
     by_source.reserve(static_cast<size_t>(S));
     for (int64_t s = 0; s < S; ++s) {
-      const float *base = all + s * P * H;
-      std::vector<int64_t> rows_X(static_cast<size_t>(El_));
-      for (int64_t le = 0; le < El_; ++le) {
-        rows_X[static_cast<size_t>(le)] = static_cast<int64_t>(base[T * H + 2 * T * E + first_expert_ + le]);
-      }
-      by_source.push_back(expert_major_rows(base + T * H + T * E, base + T * H, T, E, first_expert_,
+      const std::vector<int64_t> rows_X(counts + s * E + first_expert_, counts + s * E + first_expert_ + El_);
+      by_source.push_back(expert_major_rows(maps + s * T * E, probs + s * T * E, T, E, first_expert_,
                                             first_expert_ + El_, rows_X, state.capacity));
     }
     std::vector<float> probs_R;
-    std::vector<int64_t> packed_row_R;  // row r's row in the gathered packed buffer
     state.tokens_per_expert_E.assign(static_cast<size_t>(El_), 0);
     for (int64_t le = 0; le < El_; ++le) {
       for (int64_t s = 0; s < S; ++s) {
@@ -89,15 +96,16 @@ class AllGatherDispatcher final : public TokenDispatcher {
           probs_R.push_back(src.probs_R[static_cast<size_t>(r)]);
           state.source_rank_R.push_back(t < 0 ? -1 : s);
           state.gathered_row_R.push_back(t < 0 ? -1 : s * T + t);
-          packed_row_R.push_back(t < 0 ? -1 : s * P + t);
         }
         state.tokens_per_expert_E[le] += src.offsets_X1[le + 1] - src.offsets_X1[le];
       }
       state.expert_R.insert(state.expert_R.end(), static_cast<size_t>(state.tokens_per_expert_E[le]), le);
     }
     state.probs_R = probs_tensor(probs_R);
-    Tensor x_RH = activation_rows({static_cast<int64_t>(packed_row_R.size()), H});
-    ops::moe_permute(x_RH, received.rows, packed_row_R);
+    state.routing_map = Tensor();  // read into the bookkeeping above
+    state.expert_counts = Tensor();
+    Tensor x_RH = activation_rows({static_cast<int64_t>(state.gathered_row_R.size()), H});
+    ops::moe_permute(x_RH, received.rows, state.gathered_row_R);
     return x_RH;
   }
 
@@ -111,7 +119,7 @@ class AllGatherDispatcher final : public TokenDispatcher {
   Tensor token_combine(const Tensor &all, const DispatchState &state) override {
     Tensor mine = activation_rows({state.T, state.H});
     parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-    group_.reduce_scatter<float>(all.span<float>(), mine.span<float>(), parallel::ReduceOp::kSum);
+    group_.reduce_scatter(all, mine, parallel::ReduceOp::kSum);
     return mine;
   }
   // ... added to the output.
@@ -126,7 +134,7 @@ class AllGatherDispatcher final : public TokenDispatcher {
     Tensor all = activation_rows({group_.size() * state.T, state.H});
     {
       parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-      group_.all_gather<float>(dout_TH.span<float>(), all.span<float>());
+      group_.all_gather(dout_TH, all);
     }
     ops::moe_unpermute_backward(&dy_RH, nullptr, all, state.gathered_row_R);
   }
@@ -144,18 +152,12 @@ class AllGatherDispatcher final : public TokenDispatcher {
     Tensor mine = activation_rows({T, E});
     {
       parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-      group_.reduce_scatter<float>(all.span<float>(), mine.span<float>(), parallel::ReduceOp::kSum);
+      group_.reduce_scatter(all, mine, parallel::ReduceOp::kSum);
     }
     ops::add_(dprobs_TE, mine);
   }
 
  private:
-  // Rows of H floats one rank's packed buffer takes.
-  int64_t packed_rows(const int64_t T, const int64_t H) const {
-    const int64_t floats = T * H + 2 * T * E_ + E_;
-    return (floats + H - 1) / H;
-  }
-
   int64_t E_, El_, first_expert_;
   parallel::ProcessGroup group_;
 };

@@ -203,16 +203,15 @@ class AllToAllDispatcher final : public TokenDispatcher {
     parallel::Work exchange;
     {
       parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-      exchange = ep_.all_to_all_v_async<float>(
-          rows_LW.span<float>(), scaled(state.ep_send_rows, W),
-          received.span<float>().first(static_cast<size_t>(total(state.ep_recv_rows) * W)),
-          scaled(state.ep_recv_rows, W));
+      Tensor received_rows = received.slice_rows(0, total(state.ep_recv_rows));
+      exchange =
+          ep_.all_to_all_v_async(rows_LW, scaled(state.ep_send_rows, W), received_rows, scaled(state.ep_recv_rows, W));
     }
     exchange.trace_as(overlapped ? "all-to-all under the shared experts" : "all-to-all");
     if (overlapped) (*overlapped)();
     parallel::CommTimer timer(parallel::CommKind::kAllToAll);
     exchange.wait();
-    etp_.all_gather<float>(received.span<float>(), gathered.span<float>());
+    etp_.all_gather(received, gathered);
     return gathered;
   }
 
@@ -222,9 +221,9 @@ class AllToAllDispatcher final : public TokenDispatcher {
     Tensor reduced = activation_rows({M, W});
     Tensor rows_LW = activation_rows({static_cast<int64_t>(state.sent_token_L.size()), W});
     parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-    etp_.reduce_scatter<float>(gathered.span<float>(), reduced.span<float>(), parallel::ReduceOp::kSum);
-    ep_.all_to_all_v<float>(reduced.span<float>().first(static_cast<size_t>(total(state.ep_recv_rows) * W)),
-                            scaled(state.ep_recv_rows, W), rows_LW.span<float>(), scaled(state.ep_send_rows, W));
+    etp_.reduce_scatter(gathered, reduced, parallel::ReduceOp::kSum);
+    ep_.all_to_all_v(reduced.slice_rows(0, total(state.ep_recv_rows)), scaled(state.ep_recv_rows, W), rows_LW,
+                     scaled(state.ep_send_rows, W));
     return rows_LW;
   }
 

@@ -20,12 +20,14 @@
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/kernels/cpu/grouped_mlp.h"
+#include "moecore/kernels/cpu/input_jitter.h"
 #include "moecore/kernels/cpu/loss.h"
 #include "moecore/kernels/cpu/norm.h"
 #include "moecore/kernels/cpu/normal_fill.h"
 #include "moecore/kernels/cpu/permute.h"
 #include "moecore/kernels/cpu/rope.h"
 #include "moecore/kernels/cpu/routing.h"
+#include "moecore/kernels/cpu/routing_padding.h"
 #include "moecore/kernels/cpu/rows.h"
 #include "moecore/kernels/cpu/vocab_parallel.h"
 #include "moecore/ops/device.h"
@@ -34,8 +36,9 @@
 
 namespace moecore::ops::detail {
 
-#define MOECORE_KERNEL_TABLE(Name, ns)               \
+#define MOECORE_KERNEL_TABLE(Name, ns, device)       \
   struct Name {                                      \
+    static constexpr Device kDevice = device;        \
     MOECORE_FORWARD(ns, gemm)                        \
     MOECORE_FORWARD(ns, linear_forward)              \
     MOECORE_FORWARD(ns, linear_backward)             \
@@ -112,6 +115,9 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, z_loss_forward)              \
     MOECORE_FORWARD(ns, z_loss_backward)             \
     MOECORE_FORWARD(ns, expert_bias_update)          \
+    MOECORE_FORWARD(ns, input_jitter_forward)        \
+    MOECORE_FORWARD(ns, input_jitter_backward)       \
+    MOECORE_FORWARD(ns, pad_routing_map)             \
     MOECORE_FORWARD(ns, moe_unpermute)               \
     MOECORE_FORWARD(ns, moe_unpermute_backward)      \
     MOECORE_FORWARD(ns, sort_chunks)                 \
@@ -125,14 +131,15 @@ namespace moecore::ops::detail {
   static decltype(auto) name(Args&&... args) {             \
     return kernels::ns::name(std::forward<Args>(args)...); \
   }
-// The quantized GEMMs (TransformerEngine's numerics, quant/) serve both host devices: they are their own reference.
-#define MOECORE_QUANTIZED(name)                      \
-  template <typename... Args>                        \
-  static decltype(auto) name(Args&&... args) {       \
-    return quant::name(std::forward<Args>(args)...); \
+// The quantized GEMMs (TransformerEngine's numerics, quant/) serve both host devices: they are their own reference,
+// staging their quantized operands on the table's device.
+#define MOECORE_QUANTIZED(name)                               \
+  template <typename... Args>                                 \
+  static decltype(auto) name(Args&&... args) {                \
+    return quant::name(std::forward<Args>(args)..., kDevice); \
   }
-MOECORE_KERNEL_TABLE(CpuKernels, cpu)
-MOECORE_KERNEL_TABLE(RefKernels, ref)
+MOECORE_KERNEL_TABLE(CpuKernels, cpu, Device::kCPU)
+MOECORE_KERNEL_TABLE(RefKernels, ref, Device::kReference)
 #undef MOECORE_QUANTIZED
 #undef MOECORE_FORWARD
 #undef MOECORE_KERNEL_TABLE

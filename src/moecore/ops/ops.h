@@ -10,6 +10,7 @@
 #include "moecore/ops/expert_activation.h"
 #include "moecore/ops/grouped_mlp.h"
 #include "moecore/ops/init.h"
+#include "moecore/ops/input_jitter.h"
 #include "moecore/ops/linear.h"
 #include "moecore/ops/linear_cross_entropy.h"
 #include "moecore/ops/loss.h"
@@ -17,4 +18,5 @@
 #include "moecore/ops/norm.h"
 #include "moecore/ops/optim.h"
 #include "moecore/ops/routing.h"
+#include "moecore/ops/routing_padding.h"
 #include "moecore/ops/rows.h"

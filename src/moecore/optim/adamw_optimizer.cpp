@@ -28,8 +28,7 @@ void copy_main_to_model(Tensor& value, const Tensor& main, const DType params_dt
   ops::round_to_dtype_(value, params_dtype);
 }
 
-AdamWOptimizer::AdamWOptimizer(std::vector<Param>& params, const AdamWOptions& options)
-    : params_(params), options_(options) {
+AdamWOptimizer::AdamWOptimizer(ParamStore& params, const AdamWOptions& options) : params_(params), options_(options) {
   if (options_.exp_avg_format != quant::StateFormat::kF32 || options_.exp_avg_sq_format != quant::StateFormat::kF32 ||
       options_.main_params_format != quant::StateFormat::kF32 || options_.store_param_remainders) {
     throw std::invalid_argument(

@@ -60,7 +60,7 @@ ops::AdamWHyper adamw_hyper(const AdamWOptions& options, double lr, int64_t step
 
 class AdamWOptimizer {
  public:
-  AdamWOptimizer(std::vector<Param>& params, const AdamWOptions& options);
+  AdamWOptimizer(ParamStore& params, const AdamWOptions& options);
 
   // L2 norm of all gradients together (computed in double).
   double grad_norm() const;
@@ -82,7 +82,7 @@ class AdamWOptimizer {
   void model_from_main_params();
 
  private:
-  std::vector<Param>& params_;
+  ParamStore& params_;
   AdamWOptions options_;
   std::vector<Tensor> exp_avg_;
   std::vector<Tensor> exp_avg_sq_;

@@ -25,7 +25,7 @@ constexpr int64_t kParamAlign = 16;
 
 int64_t align_up(const int64_t x, const int64_t a) { return (x + a - 1) / a * a; }
 
-bool packs_two_codes(const std::vector<Param>& params, const std::vector<int>& indices) {
+bool packs_two_codes(const ParamStore& params, const std::vector<int>& indices) {
   return std::any_of(indices.begin(), indices.end(), [&](const int i) {
     const auto& q = params[static_cast<size_t>(i)].weight_quantization;
     return q && q->element == quant::ElementFormat::kE2M1;
@@ -42,7 +42,7 @@ Overlap overlap(const int64_t offset, const int64_t numel, const int64_t begin, 
 
 }  // namespace
 
-DistributedDataParallel::DistributedDataParallel(std::vector<Param>& params, const parallel::ParallelState& parallel,
+DistributedDataParallel::DistributedDataParallel(ParamStore& params, const parallel::ParallelState& parallel,
                                                  const DdpOptions& options)
     : params_(params), parallel_(parallel), options_(options) {
   if (options_.overlap_param_gather && !options_.use_distributed_optimizer) {
@@ -229,16 +229,15 @@ void DistributedDataParallel::tp_sum(const int param_index) {
   Param& p = params_[static_cast<size_t>(param_index)];
   if (!p.grad_sum_over_tp || p.is_expert || parallel_.tp.size() == 1) return;
   const CommTimer timer(CommKind::kGradReduce);
-  all_reduce_grads(parallel_.tp, p.grad.span<float>());
+  all_reduce_grads(parallel_.tp, p.grad);
 }
 
-void DistributedDataParallel::all_reduce_grads(const parallel::ProcessGroup& pg, const std::span<float> grads) {
+void DistributedDataParallel::all_reduce_grads(const parallel::ProcessGroup& pg, Tensor& grads) {
   if (options_.grad_dtype == DType::kF32) return pg.all_reduce(grads, parallel::ReduceOp::kSum);
-  Tensor values = Tensor::from_blob(grads.data(), {static_cast<int64_t>(grads.size())});
-  Tensor wire({values.numel()}, options_.grad_dtype, MemCategory::kComm);
-  ops::convert(wire, values);
-  pg.all_reduce_16bit_async(wire.span<uint16_t>(), options_.grad_dtype).wait();
-  ops::convert(values, wire);
+  Tensor wire({grads.numel()}, options_.grad_dtype, MemCategory::kComm);
+  ops::convert(wire, grads);
+  pg.all_reduce_16bit_async(wire).wait();
+  ops::convert(grads, wire);
 }
 
 void DistributedDataParallel::launch(const int bucket_index) {
@@ -247,7 +246,6 @@ void DistributedDataParallel::launch(const int bucket_index) {
   wait_bucket_gather(b);  // comm_shard is the all-gather's input
   Group& g = groups_[static_cast<size_t>(b.group)];
   const CommTimer timer(CommKind::kGradReduce);
-  float* data = g.grad_buffer.data<float>() + b.begin;
   const auto n = static_cast<size_t>(b.end - b.begin);
   Tensor bucket = g.grad_buffer.slice_rows(b.begin, b.end);
   const DType wire = options_.grad_dtype;
@@ -265,15 +263,14 @@ void DistributedDataParallel::launch(const int bucket_index) {
   if (wire != DType::kF32) {
     ops::convert(b.wire, bucket);  // exact: the bucket holds 16-bit values
     if (options_.use_distributed_optimizer) {
-      b.grad_work = g.pg.reduce_scatter_16bit_async(b.wire.span<uint16_t>(), b.wire_shard.span<uint16_t>(), wire);
+      b.grad_work = g.pg.reduce_scatter_16bit_async(b.wire, b.wire_shard);
     } else {
-      b.grad_work = g.pg.all_reduce_16bit_async(b.wire.span<uint16_t>(), wire);
+      b.grad_work = g.pg.all_reduce_16bit_async(b.wire);
     }
   } else if (options_.use_distributed_optimizer) {
-    b.grad_work = g.pg.reduce_scatter_async(std::span<const float>(data, n), b.comm_shard.span<float>(),
-                                            parallel::ReduceOp::kSum);
+    b.grad_work = g.pg.reduce_scatter_async(bucket, b.comm_shard, parallel::ReduceOp::kSum);
   } else {
-    b.grad_work = g.pg.all_reduce_async(std::span<float>(data, n), parallel::ReduceOp::kSum);
+    b.grad_work = g.pg.all_reduce_async(bucket, parallel::ReduceOp::kSum);
   }
   b.grad_work.trace_as(std::string(g.expert ? "expert " : "") + "grad reduce, bucket " + std::to_string(bucket_index));
   b.grad_launched = true;
@@ -341,9 +338,9 @@ void DistributedDataParallel::allreduce_embedding_grads() {
     // the same elements there: the shard is what the optimizer reads.
     const int64_t begin = options_.use_distributed_optimizer ? b.shard_begin : slot.offset;
     const int64_t end = options_.use_distributed_optimizer ? b.shard_begin + b.shard_size : slot.offset + slot.numel;
-    float* grad = groups_[static_cast<size_t>(slot.group)].grad_buffer.data<float>();
+    Tensor grad = groups_[static_cast<size_t>(slot.group)].grad_buffer.slice_rows(begin, end);
     const CommTimer timer(CommKind::kGradReduce);
-    all_reduce_grads(parallel_.embedding, std::span<float>(grad + begin, static_cast<size_t>(end - begin)));
+    all_reduce_grads(parallel_.embedding, grad);
   }
 }
 
@@ -362,14 +359,13 @@ void DistributedDataParallel::start_bucket_gather(const int bucket_index) {
     quantize_shard(b);
     const CommTimer timer(CommKind::kParamGather);
     parallel::CommStats::instance().add_bytes(CommKind::kParamGather, static_cast<double>(b.code_shard.numel()));
-    const std::span<const uint8_t> shard = std::as_const(b.code_shard).span<uint8_t>();
     b.decode_gather = true;
     if (options_.overlap_param_gather) {
-      b.param_work = g.pg.all_gather_async(shard, b.codes.span<uint8_t>());
+      b.param_work = g.pg.all_gather_async(b.code_shard, b.codes);
       b.param_work.trace_as(trace_name);
       b.param_in_flight = true;
     } else {
-      g.pg.all_gather(shard, b.codes.span<uint8_t>());
+      g.pg.all_gather(b.code_shard, b.codes);
       decode_param_gather(b);
     }
     return;
@@ -380,22 +376,21 @@ void DistributedDataParallel::start_bucket_gather(const int bucket_index) {
                                             static_cast<double>(static_cast<size_t>(b.shard_size) * dtype_size(wire)));
   if (wire != DType::kF32) {  // 16-bit weights travel in 16 bits (exact: they hold 16-bit values)
     ops::convert(b.wire_shard, g.param_buffer.slice_rows(b.shard_begin, b.shard_begin + b.shard_size));
-    const std::span<const uint16_t> shard16 = b.wire_shard.span<uint16_t>();
     b.decode_gather = true;
     if (options_.overlap_param_gather) {
-      b.param_work = g.pg.all_gather_async(shard16, b.wire.span<uint16_t>());
+      b.param_work = g.pg.all_gather_async(b.wire_shard, b.wire);
       b.param_work.trace_as(trace_name);
       b.param_in_flight = true;
     } else {
-      g.pg.all_gather(shard16, b.wire.span<uint16_t>());
+      g.pg.all_gather(b.wire_shard, b.wire);
       decode_param_gather(b);
     }
     return;
   }
   std::memcpy(b.comm_shard.data<float>(), g.param_buffer.data<float>() + b.shard_begin,
               static_cast<size_t>(b.shard_size) * sizeof(float));
-  const std::span<const float> shard(b.comm_shard.data<float>(), static_cast<size_t>(b.shard_size));
-  const std::span<float> full(g.param_buffer.data<float>() + b.begin, static_cast<size_t>(b.end - b.begin));
+  const Tensor shard = b.comm_shard.slice_rows(0, b.shard_size);
+  Tensor full = g.param_buffer.slice_rows(b.begin, b.end);
   if (options_.overlap_param_gather) {
     b.param_work = g.pg.all_gather_async(shard, full);
     b.param_work.trace_as(trace_name);

@@ -105,8 +105,7 @@ class DistributedDataParallel : public ModelHooks {
 
   // Rebinds every Param::grad (and with the distributed optimizer Param::value) to views of the flat buffers,
   // copying the current contents. `params` must outlive this object and keep its size.
-  DistributedDataParallel(std::vector<Param>& params, const parallel::ParallelState& parallel,
-                          const DdpOptions& options);
+  DistributedDataParallel(ParamStore& params, const parallel::ParallelState& parallel, const DdpOptions& options);
   ~DistributedDataParallel() override;
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
@@ -141,7 +140,7 @@ class DistributedDataParallel : public ModelHooks {
 
   const DdpOptions& options() const { return options_; }
   const parallel::ParallelState& parallel() const { return parallel_; }
-  std::vector<Param>& params() { return params_; }
+  ParamStore& params() { return params_; }
   const std::vector<Group>& groups() const { return groups_; }
   std::vector<Group>& groups() { return groups_; }
   const std::vector<Bucket>& buckets() const { return buckets_; }
@@ -156,13 +155,13 @@ class DistributedDataParallel : public ModelHooks {
   void decode_codes(Bucket& bucket);
   void tp_sum(int param_index);
   void launch(int bucket_index);
-  void all_reduce_grads(const parallel::ProcessGroup& pg, std::span<float> grads);  // in grad_dtype
+  void all_reduce_grads(const parallel::ProcessGroup& pg, Tensor& grads);  // in grad_dtype
   void allreduce_embedding_grads();
   void wait_bucket_gather(Bucket& bucket);
   void decode_param_gather(Bucket& bucket);  // a finished 16-bit all-gather into the parameter buffer
   void reset_round();
 
-  std::vector<Param>& params_;
+  ParamStore& params_;
   parallel::ParallelState parallel_;
   DdpOptions options_;
   int64_t bucket_size_ = 0;  // 0: unlimited

@@ -14,8 +14,7 @@
 
 namespace moecore {
 
-DistributedAdamW::DistributedAdamW(DistributedDataParallel& ddp, std::vector<Param>& params,
-                                   const AdamWOptions& options)
+DistributedAdamW::DistributedAdamW(DistributedDataParallel& ddp, ParamStore& params, const AdamWOptions& options)
     : ddp_(ddp), params_(params), options_(options) {
   if (&params != &ddp.params()) throw std::invalid_argument("DistributedAdamW: params differ from the DDP's");
   const bool reduced = options_.exp_avg_format != StateFormat::kF32 ||

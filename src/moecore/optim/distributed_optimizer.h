@@ -19,7 +19,7 @@ namespace moecore {
 class DistributedAdamW {
  public:
   // `params` must be the vector `ddp` was built over.
-  DistributedAdamW(DistributedDataParallel& ddp, std::vector<Param>& params, const AdamWOptions& options);
+  DistributedAdamW(DistributedDataParallel& ddp, ParamStore& params, const AdamWOptions& options);
 
   // Global L2 norm over the unique gradient elements of the whole world (each replicated element counted once);
   // a collective over the world group, equal on every rank. Call after finish_grad_sync.
@@ -100,7 +100,7 @@ class DistributedAdamW {
   Tensor param_piece(const Piece& piece) const;  // the model's values (the DDP's parameter buffer)
 
   DistributedDataParallel& ddp_;
-  std::vector<Param>& params_;
+  ParamStore& params_;
   AdamWOptions options_;
   std::optional<AdamWOptimizer> replicated_;  // without the distributed optimizer
   std::vector<Piece> pieces_;                 // registration order

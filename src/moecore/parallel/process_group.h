@@ -31,6 +31,7 @@
 
 #include "moecore/parallel/mpi_runtime.h"
 #include "moecore/tensor/dtype.h"
+#include "moecore/tensor/tensor.h"
 
 namespace moecore::parallel {
 
@@ -149,6 +150,31 @@ class ProcessGroup {
   template <CommElement T>
   Work all_to_all_v_async(std::span<const T> input, std::span<const size_t> send_counts, std::span<T> output,
                           std::span<const size_t> recv_counts) const;
+
+  // Tensor forms of the collectives above, on a tensor's whole storage (tensors are always contiguous): the
+  // element type follows the dtype (kF32 float, kBF16 bf16 bits, kI32, kI64, kU8; data movement also takes kF16
+  // and kF64, moved bit for bit). The tensors of one call share a dtype and sizes as the span forms need them
+  // (numel for counts); a dtype a reduction cannot sum, unequal dtypes, wrong sizes or a tensor outside host memory
+  // (kCUDA: no device-aware transport in this build) raise CommError naming the operation. As with spans, an
+  // async form's tensors must stay alive and untouched until its wait() returns.
+  void all_reduce(Tensor& data, ReduceOp op) const;
+  void reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op) const;
+  void all_gather(const Tensor& input, Tensor& output) const;
+  void all_to_all_v(const Tensor& input, std::span<const size_t> send_counts, Tensor& output,
+                    std::span<const size_t> recv_counts) const;
+  void broadcast(Tensor& data, int root) const;
+  void send(const Tensor& data, int dst, int tag = 0) const;
+  void recv(Tensor& data, int src, int tag = 0) const;
+  Work send_async(const Tensor& data, int dst, int tag = 0) const;
+  Work recv_async(Tensor& data, int src, int tag = 0) const;
+  Work all_reduce_async(Tensor& data, ReduceOp op) const;
+  Work reduce_scatter_async(const Tensor& input, Tensor& output, ReduceOp op) const;
+  Work all_gather_async(const Tensor& input, Tensor& output) const;
+  Work all_to_all_v_async(const Tensor& input, std::span<const size_t> send_counts, Tensor& output,
+                          std::span<const size_t> recv_counts) const;
+  // The 16-bit wire sums above on kBF16 / kF16 tensors: the format is the tensor's dtype.
+  Work all_reduce_16bit_async(Tensor& data) const;
+  Work reduce_scatter_16bit_async(const Tensor& input, Tensor& output) const;
 
  private:
   ProcessGroup(std::shared_ptr<Comm> comm, int rank, int size, bool checks);

@@ -7,7 +7,7 @@ namespace moecore {
 namespace {
 
 // "layers 4-5", "layer 3" or "no layers".
-std::string layer_range(const parallel::PipelineStage& stage) {
+std::string layer_range(const PipelineStage& stage) {
   if (stage.num_layers == 0) return "no layers";
   if (stage.num_layers == 1) return "layer " + std::to_string(stage.first_layer);
   return "layers " + std::to_string(stage.first_layer) + "-" + std::to_string(stage.end_layer() - 1);
@@ -68,11 +68,11 @@ void print_layout(const ParallelLayout& layout, std::ostream& out) {
   for (const NamedRankGroups& kind : layout.expert_kinds()) print_kind(kind, out);
 }
 
-void print_pipeline_stages(const parallel::PipelineLayout& pipeline, std::ostream& out) {
+void print_pipeline_stages(const PipelineLayout& pipeline, std::ostream& out) {
   out << "pipeline stages: " << pipeline.num_layers() << " decoder layers, PP " << pipeline.pipeline_size();
   if (pipeline.interleaved()) out << ", " << pipeline.virtual_pipeline_size() << " virtual stages per rank";
   out << '\n';
-  for (const parallel::PipelineStage& stage : pipeline.stages()) {
+  for (const PipelineStage& stage : pipeline.stages()) {
     out << "    pp rank " << stage.pp_rank;
     if (pipeline.interleaved()) out << ", virtual stage " << stage.virtual_stage;
     out << ": " << layer_range(stage);

@@ -14,6 +14,6 @@ void print_layout(const ParallelLayout& layout, std::ostream& out);
 
 // One line per pipeline rank and virtual stage, e.g. "    pp rank 0, virtual stage 1: layers 4-5" with
 // " + embedding" / " + loss" on the chunks that hold them, after a header line.
-void print_pipeline_stages(const parallel::PipelineLayout& pipeline, std::ostream& out);
+void print_pipeline_stages(const PipelineLayout& pipeline, std::ostream& out);
 
 }  // namespace moecore

@@ -7,7 +7,7 @@
 #include <tuple>
 #include <utility>
 
-namespace moecore::parallel {
+namespace moecore {
 namespace {
 
 constexpr const char* kLayoutFlag = "--pipeline-model-parallel-layout";
@@ -439,4 +439,4 @@ const PipelineStage& PipelineLayout::stage_of_layer(const int64_t layer) const {
                     ")");
 }
 
-}  // namespace moecore::parallel
+}  // namespace moecore

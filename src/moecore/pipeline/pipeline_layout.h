@@ -33,7 +33,7 @@
 
 #include "moecore/parallel/rank_generator.h"
 
-namespace moecore::parallel {
+namespace moecore {
 
 // What is split: the model's decoder layers (and Multi-Token Prediction depths) over the pipeline ranks.
 struct PipelineShape {
@@ -117,4 +117,4 @@ class PipelineLayout {
 // --pipeline-model-parallel-layout on any other character, or when the expansion passes 2^20 characters.
 std::vector<std::string> parse_pipeline_layout(const std::string& layout);
 
-}  // namespace moecore::parallel
+}  // namespace moecore

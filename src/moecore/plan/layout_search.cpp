@@ -113,7 +113,7 @@ std::vector<Candidate> search_layouts(const PlanArgs& args) {
             std::vector<int64_t> vpps{1};
             if (pp > 1) {
               for (int64_t v = 2; v <= 16; ++v) {
-                if ((c.num_layers + args.model.mtp_num_layers + 2) >= pp * v * 2) vpps.push_back(v);
+                if ((c.num_layers + args.model.config.mtp_num_layers + 2) >= pp * v * 2) vpps.push_back(v);
               }
             }
             for (const int64_t vpp : vpps) {
@@ -125,7 +125,8 @@ std::vector<Candidate> search_layouts(const PlanArgs& args) {
               layout.ep = ep;
               layout.etp = etp;
               if (pp > 1)
-                layout.pipeline_layout = balanced_pipeline_layout(c.num_layers, args.model.mtp_num_layers, pp, vpp);
+                layout.pipeline_layout =
+                    balanced_pipeline_layout(c.num_layers, args.model.config.mtp_num_layers, pp, vpp);
               Candidate candidate;
               candidate.layout = layout;
               try {

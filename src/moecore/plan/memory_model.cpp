@@ -37,12 +37,12 @@ ParamCounts attention_params(const PlanModel& model) {
   const double bias = c.add_bias_linear ? 1.0 : 0.0;
   ParamCounts p;
   p.replicated += 2.0 * ns * h;  // input_layernorm, pre_mlp_layernorm
-  if (model.mla) {
-    const MlaShape& m = *model.mla;
+  if (c.mla) {
+    const MlaConfig& m = *c.mla;
     const double n = static_cast<double>(c.num_attention_heads);
     const double q_head = static_cast<double>(m.qk_head_dim + m.qk_pos_emb_head_dim);
-    if (m.q_lora_rank) {
-      const double r = static_cast<double>(*m.q_lora_rank);
+    if (m.q_lora_rank > 0) {
+      const double r = static_cast<double>(m.q_lora_rank);
       p.replicated += h * r + ns * r;  // q down-projection, q_layernorm
       p.tp_sharded += r * n * q_head;  // q up-projection
     } else {
@@ -158,12 +158,12 @@ std::vector<Saved> layer_saved(const ActivationContext& x, const bool moe_layer)
   // the sequence-parallel all-gather (Megatron's LinearWithGradAccumulationAndAsyncCommunication).
   add("attention norm", ts * h, a, Discard::kNone, Module::kAttention, F::kNo);
   add("attention norm", ts * h, a, Discard::kLayernorm, Module::kAttention, F::kOnly);
-  if (model.mla) {
-    const MlaShape& m = *model.mla;
+  if (c.mla) {
+    const MlaConfig& m = *c.mla;
     const double n = static_cast<double>(c.num_attention_heads) / x.tp;
     // Down-projections are not split over TP: their outputs (and the q / kv norms') are whole on each TP rank.
-    if (m.q_lora_rank) {
-      const double r = static_cast<double>(*m.q_lora_rank);
+    if (m.q_lora_rank > 0) {
+      const double r = static_cast<double>(m.q_lora_rank);
       add("attention projections", t * r, a, Discard::kNone, Module::kAttention, F::kNo);         // q_layernorm in
       add("attention projections", t * r, a, Discard::kLayernorm, Module::kAttention, F::kOnly);  // q up-proj in
     }
@@ -291,7 +291,7 @@ struct Chunk {
   int64_t mtp = 0;
 };
 
-Chunk make_chunk(const ActivationContext& x, const parallel::PipelineStage& stage, const int64_t mtp) {
+Chunk make_chunk(const ActivationContext& x, const PipelineStage& stage, const int64_t mtp) {
   const ModelConfig& c = x.args.model.config;
   const Recompute& r = x.args.recompute;
   const double h = static_cast<double>(c.hidden_size);
@@ -369,7 +369,7 @@ double count_parameters(const PlanModel& model) {
   const ModelConfig& c = model.config;
   ParamCounts p;
   for (int64_t l = 0; l < c.num_layers; ++l) p += layer_params(model, c.moe.enabled() && c.moe.is_moe_layer(l));
-  for (int64_t i = 0; i < model.mtp_num_layers; ++i) p += mtp_params(model);
+  for (int64_t i = 0; i < c.mtp_num_layers; ++i) p += mtp_params(model);
   double total =
       p.tp_sharded + p.replicated + p.experts + embedding_params(c) + norm_size(c) * static_cast<double>(c.hidden_size);
   if (c.untie_embeddings_and_output_weights) total += static_cast<double>(c.vocab_size * c.hidden_size);
@@ -387,10 +387,10 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
   const TrainingArgs& t = args.train;
   const PlanModel& model = args.model;
   const ModelConfig& c = model.config;
-  const parallel::PipelineLayout layout = pipeline_layout(t);
+  const PipelineLayout layout = pipeline_layout(t);
   const LayoutSizes sizes = layout_sizes(args);
   const int pp = sizes.pp, vpp = sizes.vpp;
-  const double tp = sizes.tp, cp = sizes.cp, ep = sizes.ep, etp = sizes.etp;
+  const double tp = sizes.tp(), cp = sizes.cp(), ep = sizes.ep(), etp = sizes.etp();
   const Bytes b = bytes_per_parameter(args);
 
   ActivationContext x{args};
@@ -416,7 +416,7 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
     std::vector<Chunk> chunks;
     bool holds_embedding = false;
     for (int v = 0; v < vpp; ++v) {
-      const parallel::PipelineStage& s = layout.stage(r, v);
+      const PipelineStage& s = layout.stage(r, v);
       const auto mtp_it = mtp_at.find(static_cast<int64_t>(v) * pp + r);
       const int64_t mtp = mtp_it == mtp_at.end() ? 0 : mtp_it->second;
       for (int64_t l = s.first_layer; l < s.end_layer(); ++l) {

@@ -39,13 +39,13 @@ struct Layout : LayoutSizes {
 Shape shape_of(const PlanModel& model) {
   const ModelConfig& c = model.config;
   Shape s{c};
-  if (model.mla) {
+  if (c.mla) {
     s.mla = true;
-    s.q_rank = static_cast<double>(model.mla->q_lora_rank.value_or(0));
-    s.kv_rank = static_cast<double>(model.mla->kv_lora_rank);
-    s.dr = static_cast<double>(model.mla->qk_pos_emb_head_dim);
-    s.dqk = static_cast<double>(model.mla->qk_head_dim) + s.dr;
-    s.dv = static_cast<double>(model.mla->v_head_dim);
+    s.q_rank = static_cast<double>(c.mla->q_lora_rank);
+    s.kv_rank = static_cast<double>(c.mla->kv_lora_rank);
+    s.dr = static_cast<double>(c.mla->qk_pos_emb_head_dim);
+    s.dqk = static_cast<double>(c.mla->qk_head_dim) + s.dr;
+    s.dv = static_cast<double>(c.mla->v_head_dim);
   }
   s.h = static_cast<double>(c.hidden_size);
   s.n = static_cast<double>(c.num_attention_heads);
@@ -74,15 +74,15 @@ struct LayerParams {
 // The attention's parameter elements on one rank (standard or multi-latent).
 double attention_params(const Shape& s, const Layout& l) {
   if (!s.mla) {
-    double p = (s.n + 2 * s.g) * s.d * (s.h + s.bias) / l.tp;  // linear_qkv
-    if (s.config.qk_layernorm) p += 2 * s.nrm * s.d;           // q / k norms
-    return p + s.h * s.n * s.d / l.tp + s.bias * s.h;          // linear_proj (bias replicated)
+    double p = (s.n + 2 * s.g) * s.d * (s.h + s.bias) / l.tp();  // linear_qkv
+    if (s.config.qk_layernorm) p += 2 * s.nrm * s.d;             // q / k norms
+    return p + s.h * s.n * s.d / l.tp() + s.bias * s.h;          // linear_proj (bias replicated)
   }
   // Down projections and latent norms replicated over TP, up projections and linear_proj split by heads.
-  double p = s.q_rank > 0 ? s.q_rank * s.h + s.n * s.dqk * s.q_rank / l.tp : s.n * s.dqk * s.h / l.tp;
-  p += (s.kv_rank + s.dr) * s.h + s.n * (s.dqk - s.dr + s.dv) * s.kv_rank / l.tp;
+  double p = s.q_rank > 0 ? s.q_rank * s.h + s.n * s.dqk * s.q_rank / l.tp() : s.n * s.dqk * s.h / l.tp();
+  p += (s.kv_rank + s.dr) * s.h + s.n * (s.dqk - s.dr + s.dv) * s.kv_rank / l.tp();
   if (s.config.qk_layernorm) p += s.nrm * (s.kv_rank + s.q_rank);
-  return p + s.h * s.n * s.dv / l.tp + s.bias * s.h;
+  return p + s.h * s.n * s.dv / l.tp() + s.bias * s.h;
 }
 
 LayerParams layer_params(const Shape& s, const Layout& l, const bool moe) {
@@ -91,13 +91,14 @@ LayerParams layer_params(const Shape& s, const Layout& l, const bool moe) {
   p.dense += attention_params(s, l);
   p.dense += s.nrm * s.h;  // pre-MLP norm
   if (!moe) {
-    p.dense += s.glu * s.f / l.tp * (s.h + s.bias) + s.h * s.f / l.tp + s.bias * s.h;
+    p.dense += s.glu * s.f / l.tp() * (s.h + s.bias) + s.h * s.f / l.tp() + s.bias * s.h;
     return p;
   }
   p.dense += s.experts * s.h + s.bias * s.experts;  // router (replicated over TP)
-  if (s.sh > 0) p.dense += s.glu * s.sh / l.tp * s.h + s.h * s.sh / l.tp + (s.config.moe.shared_expert_gate ? s.h : 0);
-  const double fml = s.fm / l.etp;
-  p.expert = s.experts / l.ep * (s.glu * fml * (s.h + s.bias) + s.h * fml + s.bias * s.h);
+  if (s.sh > 0)
+    p.dense += s.glu * s.sh / l.tp() * s.h + s.h * s.sh / l.tp() + (s.config.moe.shared_expert_gate ? s.h : 0);
+  const double fml = s.fm / l.etp();
+  p.expert = s.experts / l.ep() * (s.glu * fml * (s.h + s.bias) + s.h * fml + s.bias * s.h);
   if (s.config.moe.enable_expert_bias) p.buffers = s.experts;
   return p;
 }
@@ -113,7 +114,7 @@ struct Tokens {
 };
 
 double attention_saved(const Shape& s, const Layout& l, const Tokens& x) {
-  const double nl = s.n / l.tp, gl = s.g / l.tp;
+  const double nl = s.n / l.tp(), gl = s.g / l.tp();
   double a = x.ta * (s.h + s.nrm);  // input norm output + stats
   if (s.mla) {
     // The up projections keep their (all-gathered) normed latents, the norms their inputs and statistics; the core
@@ -135,12 +136,12 @@ double attention_saved(const Shape& s, const Layout& l, const Tokens& x) {
 
 double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool moe) {
   double a = x.ta * (s.h + s.nrm) + x.ta * s.h;  // pre-MLP norm output + stats, layer output
-  if (!moe) return a + (l.sp ? x.t * s.h : 0) + x.t * s.glu * s.f / l.tp + x.t * s.f / l.tp;
-  const double fml = s.fm / l.etp;
+  if (!moe) return a + (l.sp ? x.t * s.h : 0) + x.t * s.glu * s.f / l.tp() + x.t * s.f / l.tp();
+  const double fml = s.fm / l.etp();
   a += x.tm * s.h + x.tm * s.experts;        // router input copy, probs
   a += x.r * (s.h + 1 + s.glu * fml + fml);  // dispatched rows + probs, fc1 output, fc2 input
   if (s.sh > 0) {
-    a += (l.tp > 1 ? x.t * s.h : 0) + x.t * s.glu * s.sh / l.tp + x.t * s.sh / l.tp;
+    a += (l.tp() > 1 ? x.t * s.h : 0) + x.t * s.glu * s.sh / l.tp() + x.t * s.sh / l.tp();
     if (s.config.moe.shared_expert_gate) a += x.tm + x.tm * s.h;
   }
   return a;
@@ -149,11 +150,11 @@ double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool mo
 // The largest transient of a layer's backward (the first layer of the chunk to run backward).
 double backward_transient(const Shape& s, const Layout& l, const Tokens& x, const bool moe) {
   if (moe) {
-    double t = 3 * x.ta * s.h + x.tm * s.h + 2 * x.r * s.h + x.r * s.glu * s.fm / l.etp;
-    if (l.tp > 1 && !l.sp) t += 2 * x.tm * s.h;
+    double t = 3 * x.ta * s.h + x.tm * s.h + 2 * x.r * s.h + x.r * s.glu * s.fm / l.etp();
+    if (l.tp() > 1 && !l.sp) t += 2 * x.tm * s.h;
     return t;
   }
-  return 3 * x.ta * s.h + x.t * s.f / l.tp + x.t * s.glu * s.f / l.tp + (l.tp > 1 ? x.t * s.h : 0) +
+  return 3 * x.ta * s.h + x.t * s.f / l.tp() + x.t * s.glu * s.f / l.tp() + (l.tp() > 1 ? x.t * s.h : 0) +
          (l.sp ? x.t * s.h : 0);
 }
 
@@ -181,7 +182,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
   const TrainingArgs& t = args.train;
   const ModelConfig& c = args.model.config;
   const Shape s = shape_of(args.model);
-  const parallel::PipelineLayout pipeline = pipeline_layout(t);
+  const PipelineLayout pipeline = pipeline_layout(t);
   const int pp = pipeline.pipeline_size(), vpp = pipeline.virtual_pipeline_size();
 
   const std::map<int64_t, int64_t> mtp_at = mtp_layers_by_stage(args, pp, vpp);  // virtual stage v * pp + r
@@ -189,16 +190,16 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
   l.sp = t.sequence_parallel && t.parallel.tensor_model_parallel_size > 1;
 
   Tokens x;
-  x.t = static_cast<double>(c.seq_length) * static_cast<double>(t.micro_batch_size) / l.cp;
-  x.ta = l.sp ? x.t / l.tp : x.t;
-  x.tm = l.tp > 1 ? x.t / l.tp : x.t;
-  x.r = l.etp * x.tm * s.k;
+  x.t = static_cast<double>(c.seq_length) * static_cast<double>(t.micro_batch_size) / l.cp();
+  x.ta = l.sp ? x.t / l.tp() : x.t;
+  x.tm = l.tp() > 1 ? x.t / l.tp() : x.t;
+  x.r = l.etp() * x.tm * s.k;
 
   const bool low_precision = c.params_dtype != DType::kF32;
   const bool distopt = t.use_distributed_optimizer;
   const bool pa = t.use_precision_aware_optimizer;
   const int64_t microbatches = l.microbatches;
-  const double vocab_local = s.vocab / l.tp;
+  const double vocab_local = s.vocab / l.tp();
 
   MemoryPlan plan;
   StageMemory worst;
@@ -211,7 +212,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     std::optional<bool> last_layer_moe;
     int64_t mtp_depths = 0;
     for (int v = 0; v < vpp; ++v) {
-      const parallel::PipelineStage& chunk = pipeline.stage(r, v);
+      const PipelineStage& chunk = pipeline.stage(r, v);
       for (int64_t layer = chunk.first_layer; layer < chunk.end_layer(); ++layer) {
         const bool moe = c.moe.is_moe_layer(layer);
         const LayerParams p = layer_params(s, l, moe);
@@ -229,7 +230,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     const bool last_moe = c.num_layers > 0 && c.moe.is_moe_layer(c.num_layers - 1);
     for (int64_t k = 0; k < mtp_depths; ++k) {
       const LayerParams p = layer_params(s, l, last_moe);
-      dense += p.dense + 3 * s.nrm * s.h + 2 * s.h * s.h / l.tp;
+      dense += p.dense + 3 * s.nrm * s.h + 2 * s.h * s.h / l.tp();
       expert += p.expert;
       buffers += p.buffers;
     }
@@ -241,7 +242,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     // ddp.cpp builds each group's flat parameter buffer (dense, then expert) while the parameters still exist.
     const double params_peak = params_current + (distopt ? 4 * std::max(dense, expert) : 0);
     const double grads = 4 * params;  // fp32 main gradients always
-    const double shard = distopt ? dense / (l.dp * l.cp) + expert / l.edp() : params;
+    const double shard = distopt ? dense / (l.dp() * l.cp()) + expert / l.edp() : params;
     const double exp_avg = pa ? dtype_bytes(t.exp_avg_dtype) : 4.0;
     const double exp_avg_sq = pa ? dtype_bytes(t.exp_avg_sq_dtype) : 4.0;
     const std::string main_dtype = pa ? t.main_params_dtype : "fp32";
@@ -255,9 +256,9 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     double optimizer_peak = optimizer;
     if (pa && (exp_avg != 4 || exp_avg_sq != 4 || main_dtype != "fp32" || low_precision)) {
       // scaled_adamw_step: three fp32 chunks of at most 2^18 elements of one parameter's piece of the shard.
-      const double experts_local = std::max(1.0, s.experts / l.ep);
-      const double piece = std::max({vocab_local * s.h, s.h * (s.n + 2 * s.g) * s.d / l.tp,
-                                     s.experts * s.glu * s.fm * s.h / (l.ep * l.etp) / experts_local});
+      const double experts_local = std::max(1.0, s.experts / l.ep());
+      const double piece = std::max({vocab_local * s.h, s.h * (s.n + 2 * s.g) * s.d / l.tp(),
+                                     s.experts * s.glu * s.fm * s.h / (l.ep() * l.etp()) / experts_local});
       optimizer_peak += 12 * std::min(piece, 262144.0);
     }
     double comm = distopt ? 4 * shard : 0;  // DistributedAdamW's fp32 comm shard
@@ -282,7 +283,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     // The largest context of one chunk: its input, its layers' saved tensors, less the output sent on.
     Owners context;
     for (int v = 0; v < vpp; ++v) {
-      const parallel::PipelineStage& chunk = pipeline.stage(r, v);
+      const PipelineStage& chunk = pipeline.stage(r, v);
       Owners o;
       (chunk.has_embedding ? o.embedding : o.other) += x.ta * s.h;
       for (int64_t layer = chunk.first_layer; layer < chunk.end_layer(); ++layer) {

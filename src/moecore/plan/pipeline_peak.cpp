@@ -86,11 +86,6 @@ std::vector<int64_t> live_contexts_before_backward(const PipelineShape& shape, c
   return live_before(shape, ScheduleTable(shape), warmup_microbatches(shape), k);
 }
 
-int64_t backward_chunk(const PipelineShape& shape, const int64_t k) {
-  check_shape(shape);
-  return shape.vpp - 1 - ScheduleTable(shape).chunk(k);
-}
-
 PipelinePeak pipeline_activation_peak(const PipelineShape& s, const std::vector<ChunkActivations>& chunks) {
   check_shape(s);
   if (chunks.size() != static_cast<size_t>(s.vpp)) throw std::invalid_argument("one ChunkActivations per chunk");

@@ -30,9 +30,6 @@ int64_t warmup_microbatches(const PipelineShape& shape);
 // Contexts alive on each chunk just before backward `k` (0 <= k < M x VPP) starts.
 std::vector<int64_t> live_contexts_before_backward(const PipelineShape& shape, int64_t k);
 
-// Chunk that backward `k` runs.
-int64_t backward_chunk(const PipelineShape& shape, int64_t k);
-
 // What one micro-batch leaves on a chunk until its backward (kept), and the extra bytes that backward needs while it
 // runs (transient).
 struct ChunkActivations {

@@ -40,7 +40,6 @@ struct Parser {
   bool vocab_given = false;
   std::string tokenizer;
   std::optional<int64_t> mtp;
-  MlaShape mla;
   bool mla_on = false;
   std::optional<std::string> granularity, method;
   std::optional<int64_t> recompute_layers;
@@ -51,11 +50,11 @@ struct Parser {
   std::vector<FlagValue> overrides;  // cluster flags, applied over the --gpu preset
 };
 
-int64_t mla_field(Parser& p, const FlagValue& v, const int64_t min) {
-  const int64_t number = v.integer_in(min, kMaxWidth);
+// An MLA shape flag: checked here, built by train's parser.
+void mla_field(Parser& p, const FlagValue& v, const int64_t min) {
+  v.integer_in(min, kMaxWidth);
   p.have_mla_field = true;
   p.rest.insert(p.rest.end(), {std::string(v.flag), v.text()});
-  return number;
 }
 
 void parse_tokens(Parser& p, const std::vector<std::string>& tokens);
@@ -85,15 +84,15 @@ const std::vector<FlagSpec<Parser>>& planner_flag_table() {
        p.rest.emplace_back(v.flag);  // train builds multi-latent attention too (its memory on --gpu cpu)
      }},
     {"--q-lora-rank", Arity::kOne, "N", "MLA query latent rank",
-     [](Parser& p, const FlagValue& v) { p.mla.q_lora_rank = mla_field(p, v, 1); }},
+     [](Parser& p, const FlagValue& v) { mla_field(p, v, 1); }},
     {"--kv-lora-rank", Arity::kOne, "N", "MLA key / value latent rank",
-     [](Parser& p, const FlagValue& v) { p.mla.kv_lora_rank = mla_field(p, v, 1); }},
+     [](Parser& p, const FlagValue& v) { mla_field(p, v, 1); }},
     {"--qk-head-dim", Arity::kOne, "N", "MLA query / key channels without RoPE",
-     [](Parser& p, const FlagValue& v) { p.mla.qk_head_dim = mla_field(p, v, 1); }},
+     [](Parser& p, const FlagValue& v) { mla_field(p, v, 1); }},
     {"--qk-pos-emb-head-dim", Arity::kOne, "N", "MLA query / key RoPE channels",
-     [](Parser& p, const FlagValue& v) { p.mla.qk_pos_emb_head_dim = mla_field(p, v, 0); }},
+     [](Parser& p, const FlagValue& v) { mla_field(p, v, 0); }},
     {"--v-head-dim", Arity::kOne, "N", "MLA value channels",
-     [](Parser& p, const FlagValue& v) { p.mla.v_head_dim = mla_field(p, v, 1); }},
+     [](Parser& p, const FlagValue& v) { mla_field(p, v, 1); }},
     {"--mtp-num-layers", Arity::kOne, "N", "Multi-Token Prediction depths",
      [](Parser& p, const FlagValue& v) {
        p.mtp = v.integer_in(0, 1 << 16);
@@ -233,7 +232,7 @@ Recompute make_recompute(const Parser& p, const PlanArgs& out) {
   const MoEConfig& moe = out.train.model.moe;
   if (r.has("moe_act")) require(moe.grouped_gemm, "--recompute-modules moe_act requires --moe-grouped-gemm");
   if (r.has("mla_up_proj")) {
-    require(out.model.mla.has_value(), "--recompute-modules mla_up_proj requires --multi-latent-attention");
+    require(out.model.config.mla.has_value(), "--recompute-modules mla_up_proj requires --multi-latent-attention");
   }
   if (r.has("shared_experts")) {
     require(!moe.shared_expert_overlap,
@@ -269,7 +268,7 @@ std::vector<std::string> train_tokens(const PlanArgs& args, const LayoutChoice& 
   if (layout.pipeline_layout) {
     // The MTP cells are placed by the planner (mtp_layers_by_stage), which models Megatron's standalone MTP stages
     // too; train's split gets the layout without them, and so no MTP depths of its own.
-    std::vector<std::string> cells = parallel::parse_pipeline_layout(*layout.pipeline_layout);
+    std::vector<std::string> cells = parse_pipeline_layout(*layout.pipeline_layout);
     for (std::string& cell : cells) cell.erase(std::remove(cell.begin(), cell.end(), 'm'), cell.end());
     tokens.push_back("--pipeline-model-parallel-layout=" + join_cells(cells));
     tokens.insert(tokens.end(), {"--mtp-num-layers", "0"});
@@ -287,23 +286,27 @@ std::vector<std::string> train_tokens(const PlanArgs& args, const LayoutChoice& 
 void finish(PlanArgs& out, const LayoutChoice& layout, const std::vector<std::string>& split_switches,
             const std::map<std::string, std::string>& split_values) {
   out.train = parse_train_args(train_tokens(out, layout, split_switches, split_values), static_cast<int>(out.num_gpus));
-  // NullTokenizer's vocabulary is --vocab-size + 1 (EOD): the planner's --vocab-size is the whole vocabulary.
+  // The flags' MTP depths: train's split gets none where the layout places them on stages of their own ('m'
+  // cells, train_tokens), which the planner models as Megatron does.
+  const int64_t mtp_num_layers = out.model.config.mtp_num_layers;
   out.model.config = out.train.model;
+  out.model.config.mtp_num_layers = mtp_num_layers;
+  // NullTokenizer's vocabulary is --vocab-size + 1 (EOD): the planner's --vocab-size is the whole vocabulary.
   out.model.config.vocab_size = padded_vocab_size(out.vocab_size, out.train);
   out.layout = layout;
   out.layout.vpp = out.train.virtual_pipeline_model_parallel_size;
   out.mtp_stages.clear();
   if (layout.pipeline_layout) {
-    const std::vector<std::string> cells = parallel::parse_pipeline_layout(*layout.pipeline_layout);
+    const std::vector<std::string> cells = parse_pipeline_layout(*layout.pipeline_layout);
     int64_t total = 0;
     for (size_t s = 0; s < cells.size(); ++s) {
       const auto count = static_cast<int64_t>(std::count(cells[s].begin(), cells[s].end(), 'm'));
       if (count > 0) out.mtp_stages.emplace_back(static_cast<int64_t>(s), count);
       total += count;
     }
-    require(total == 0 || total == out.model.mtp_num_layers,
+    require(total == 0 || total == out.model.config.mtp_num_layers,
             "--pipeline-model-parallel-layout places " + std::to_string(total) + " MTP layers ('m') but " +
-                "--mtp-num-layers is " + std::to_string(out.model.mtp_num_layers));
+                "--mtp-num-layers is " + std::to_string(out.model.config.mtp_num_layers));
   }
 }
 
@@ -362,14 +365,10 @@ PlanArgs parse_plan_flags(const std::vector<std::string>& args) {
   // train implements the allgather and alltoall dispatchers; flex (DeepEP / HybridEP) moves the same bytes.
   p.rest.insert(p.rest.end(),
                 {"--moe-token-dispatcher-type", out.dispatcher == "allgather" ? "allgather" : "alltoall"});
-  if (p.mla_on) {
-    out.model.mla = p.mla;
-  } else {
-    require(!p.have_mla_field,
-            "--q-lora-rank / --kv-lora-rank / --qk-head-dim / --qk-pos-emb-head-dim / "
-            "--v-head-dim require --multi-latent-attention");
-  }
-  out.model.mtp_num_layers = p.mtp.value_or(0);
+  require(p.mla_on || !p.have_mla_field,
+          "--q-lora-rank / --kv-lora-rank / --qk-head-dim / --qk-pos-emb-head-dim / "
+          "--v-head-dim require --multi-latent-attention");
+  out.model.config.mtp_num_layers = p.mtp.value_or(0);
   out.model_flags = p.rest;
 
   LayoutChoice layout;
@@ -393,7 +392,7 @@ PlanArgs parse_plan_flags(const std::vector<std::string>& args) {
   take("--num-virtual-stages-per-pipeline-rank", layout.vpp);
   finish(out, layout, p.layout_switches, split_values);
   out.recompute = make_recompute(p, out);
-  if (out.model.mla) {
+  if (out.model.config.mla) {
     require(!out.train.group_query_attention,
             "--multi-latent-attention cannot be combined with --group-query-attention");
   }
@@ -418,16 +417,12 @@ PlanArgs with_layout(const PlanArgs& base, const LayoutChoice& layout) {
 
 LayoutSizes layout_sizes(const PlanArgs& args) {
   const TrainingArgs& t = args.train;
-  const parallel::PipelineLayout pipeline = pipeline_layout(t);
+  const PipelineLayout pipeline = pipeline_layout(t);
   LayoutSizes l;
   l.pp = pipeline.pipeline_size();
   l.vpp = pipeline.virtual_pipeline_size();
-  l.tp = static_cast<double>(t.parallel.tensor_model_parallel_size);
-  l.cp = static_cast<double>(t.parallel.context_parallel_size);
-  l.ep = static_cast<double>(t.parallel.expert_model_parallel_size);
-  l.etp = static_cast<double>(t.parallel.expert_tensor_parallel());
-  l.world = static_cast<double>(t.parallel.world_size);
-  l.dp = static_cast<double>(t.data_parallel_size);
+  l.parallel = t.parallel;
+  l.data_parallel = t.data_parallel_size;
   l.microbatches = t.global_batch_size / (t.micro_batch_size * t.data_parallel_size);
   return l;
 }
@@ -435,8 +430,8 @@ LayoutSizes layout_sizes(const PlanArgs& args) {
 std::map<int64_t, int64_t> mtp_layers_by_stage(const PlanArgs& args, const int pp, const int vpp) {
   std::map<int64_t, int64_t> at;
   for (const auto& [stage, count] : args.mtp_stages) at[stage] += count;
-  if (at.empty() && args.model.mtp_num_layers > 0) {
-    at[static_cast<int64_t>(vpp) * pp - 1] = args.model.mtp_num_layers;
+  if (at.empty() && args.model.config.mtp_num_layers > 0) {
+    at[static_cast<int64_t>(vpp) * pp - 1] = args.model.config.mtp_num_layers;
   }
   return at;
 }

@@ -88,11 +88,19 @@ PlanArgs with_layout(const PlanArgs& base, const LayoutChoice& layout);
 // A parsed layout's sizes as the models use them: the pipeline split's PP and virtual stages, Megatron's groups
 // (the distributed optimizer's dense dp x cp group, expert-DP) and the micro-batches per step of each DP rank.
 struct LayoutSizes {
-  int pp = 1, vpp = 1;
-  double tp = 1, cp = 1, ep = 1, etp = 1, world = 1, dp = 1;
+  ParallelSizes parallel;  // train's sizes: world, TP, CP, EP, expert-TP
+  int pp = 1, vpp = 1;     // the pipeline split's stages and virtual stages per rank
+  int64_t data_parallel = 1;
   int64_t microbatches = 1;
-  double dp_cp() const { return world / (tp * pp); }
-  double edp() const { return world / (etp * ep * pp); }
+  // The sizes as the cost formulas take them.
+  double tp() const { return parallel.tensor_model_parallel_size; }
+  double cp() const { return parallel.context_parallel_size; }
+  double ep() const { return parallel.expert_model_parallel_size; }
+  double etp() const { return parallel.expert_tensor_parallel(); }
+  double world() const { return parallel.world_size; }
+  double dp() const { return static_cast<double>(data_parallel); }
+  double dp_cp() const { return world() / (tp() * pp); }
+  double edp() const { return world() / (etp() * ep() * pp); }
 };
 LayoutSizes layout_sizes(const PlanArgs& args);
 

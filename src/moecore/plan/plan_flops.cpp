@@ -19,18 +19,9 @@ double flops_of_sequences(const PlanModel& model, const double sequences) {
 }  // namespace
 
 FlopsShape flops_shape(const PlanModel& model) {
-  require(model.mtp_num_layers >= 0,
-          "--mtp-num-layers must not be negative (got " + std::to_string(model.mtp_num_layers) + ")");
-  FlopsShape shape = moecore::flops_shape(model.config);
-  if (model.mla) {
-    shape.mla = FlopsMlaShape{.q_lora_rank = model.mla->q_lora_rank,
-                              .kv_lora_rank = model.mla->kv_lora_rank,
-                              .qk_head_dim = model.mla->qk_head_dim,
-                              .qk_pos_emb_head_dim = model.mla->qk_pos_emb_head_dim,
-                              .v_head_dim = model.mla->v_head_dim};
-  }
-  shape.mtp_num_layers = model.mtp_num_layers;
-  return shape;
+  const int64_t mtp = model.config.mtp_num_layers;
+  require(mtp >= 0, "--mtp-num-layers must not be negative (got " + std::to_string(mtp) + ")");
+  return moecore::flops_shape(model.config);
 }
 
 double flops_per_token(const PlanModel& model) {

@@ -82,10 +82,10 @@ StepTime estimate_step_time(const PlanArgs& args, const MemoryPlan& memory) {
   const PlanModel& model = args.model;
   const ModelConfig& c = model.config;
   const Cluster& cl = args.cluster;
-  const parallel::PipelineLayout layout = pipeline_layout(t);
+  const PipelineLayout layout = pipeline_layout(t);
   const LayoutSizes sizes = layout_sizes(args);
   const int pp = sizes.pp, vpp = sizes.vpp;
-  const double tp = sizes.tp, cp = sizes.cp, ep = sizes.ep, etp = sizes.etp, world = sizes.world;
+  const double tp = sizes.tp(), cp = sizes.cp(), ep = sizes.ep(), etp = sizes.etp(), world = sizes.world();
   const double seq = static_cast<double>(c.seq_length);
   const double tokens = seq * static_cast<double>(t.micro_batch_size);  // per micro-batch and model replica
   const double h = static_cast<double>(c.hidden_size);
@@ -103,15 +103,15 @@ StepTime estimate_step_time(const PlanArgs& args, const MemoryPlan& memory) {
     LayerWork w;
     w.moe = moe_layer;
     double attn_linear = 0, attn_core = 0, up_proj = 0;
-    if (model.mla) {
-      const MlaShape& m = *model.mla;
+    if (c.mla) {
+      const MlaConfig& m = *c.mla;
       const double n = static_cast<double>(c.num_attention_heads);
       const double qk = static_cast<double>(m.qk_head_dim + m.qk_pos_emb_head_dim);
-      const double q_term = m.q_lora_rank ? static_cast<double>(*m.q_lora_rank) * (h + n * qk + 1.0) : h * n * qk;
+      const double q_term = m.q_lora_rank > 0 ? static_cast<double>(m.q_lora_rank) * (h + n * qk + 1.0) : h * n * qk;
       const double kv = static_cast<double>(m.kv_lora_rank);
       attn_linear = 2.0 * (q_term + kv * (h + n * static_cast<double>(m.qk_head_dim + m.v_head_dim) + 1.0) +
                            h * static_cast<double>(m.qk_pos_emb_head_dim) + n * static_cast<double>(m.v_head_dim) * h);
-      up_proj = 2.0 * ((m.q_lora_rank ? static_cast<double>(*m.q_lora_rank) * n * qk : 0.0) +
+      up_proj = 2.0 * ((m.q_lora_rank > 0 ? static_cast<double>(m.q_lora_rank) * n * qk : 0.0) +
                        kv * n * static_cast<double>(m.qk_head_dim + m.v_head_dim));
       attn_core = (n * qk + n * static_cast<double>(m.v_head_dim)) * seq;  // causal: QK^T and PV over s/2 keys
     } else {
@@ -166,10 +166,9 @@ StepTime estimate_step_time(const PlanArgs& args, const MemoryPlan& memory) {
     }
     if (cp > 1) {
       const double kv_width =
-          model.mla
-              ? static_cast<double>(c.num_attention_heads) *
-                    static_cast<double>(model.mla->qk_head_dim + model.mla->qk_pos_emb_head_dim + model.mla->v_head_dim)
-              : 2.0 * static_cast<double>(c.num_query_groups * c.kv_channels);
+          c.mla ? static_cast<double>(c.num_attention_heads) *
+                      static_cast<double>(c.mla->qk_head_dim + c.mla->qk_pos_emb_head_dim + c.mla->v_head_dim)
+                : 2.0 * static_cast<double>(c.num_query_groups * c.kv_channels);
       w.cp_bytes = tokens / cp * kv_width / tp * a;
     }
     return w;
@@ -249,7 +248,7 @@ StepTime estimate_step_time(const PlanArgs& args, const MemoryPlan& memory) {
       parts.cp += times * ls.cp;
     };
     for (int v = 0; v < vpp; ++v) {
-      const parallel::PipelineStage& s = layout.stage(rank, v);
+      const PipelineStage& s = layout.stage(rank, v);
       for (int64_t l = s.first_layer; l < s.end_layer(); ++l)
         add(c.moe.enabled() && c.moe.is_moe_layer(l) ? moe_s : dense_s, 1.0);
       if (s.has_loss) parts.compute += logits_s;

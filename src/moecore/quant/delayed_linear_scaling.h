@@ -77,8 +77,6 @@ class DelayedLinearScaling {
   std::span<const float> scale_bwd() const { return scale_bwd_; }
   std::span<const float> amax_history_bwd() const { return amax_history_bwd_; }
   const DelayedScalingOptions& options() const { return options_; }
-  ElementFormat forward_format() const { return forward_format_; }
-  ElementFormat grad_format() const { return grad_format_; }
 
  private:
   DelayedScalingOptions options_;

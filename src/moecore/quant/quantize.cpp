@@ -12,12 +12,11 @@
 namespace moecore::quant {
 namespace {
 
-std::vector<float> transpose(const float* x, const int64_t rows, const int64_t cols) {
-  std::vector<float> out(static_cast<size_t>(rows * cols));
+// out [cols, rows] = x [rows, cols] transposed.
+void transpose(const float* x, const int64_t rows, const int64_t cols, float* out) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) out[c * rows + r] = x[r * cols + c];
   }
-  return out;
 }
 
 std::string shape_text(const int64_t rows, const int64_t cols) {
@@ -40,19 +39,20 @@ void check_quantizable(const int64_t rows, const int64_t cols, const QuantSpec& 
 QuantizedTensor quantize(const float* x, const int64_t rows, const int64_t cols, const QuantSpec& spec,
                          const Usage usage, const QuantizeOptions& options) {
   check_quantizable(rows, cols, spec);
-  std::vector<float> stored_data;
+  Tensor stored_data;
   const float* data = x;
   int64_t data_rows = rows;
   int64_t data_cols = cols;
   const bool rht = usage == Usage::kColumnwise && spec.rht && spec.recipe == Recipe::kNvfp4;
   if (usage == Usage::kColumnwise) {
-    stored_data = transpose(x, rows, cols);
+    stored_data = Tensor({cols, rows}, DType::kF32, MemCategory::kOther, options.device);
+    transpose(x, rows, cols, stored_data.data<float>());
     if (rht) {
-      std::vector<float> transformed(stored_data.size());
-      rht_rows(stored_data.data(), cols, rows, options.rht_signs, transformed.data());
+      Tensor transformed({cols, rows}, DType::kF32, MemCategory::kOther, options.device);
+      rht_rows(stored_data.data<float>(), cols, rows, options.rht_signs, transformed.data<float>());
       stored_data = std::move(transformed);
     }
-    data = stored_data.data();
+    data = stored_data.data<float>();
     data_rows = cols;
     data_cols = rows;
   }
@@ -76,15 +76,19 @@ QuantizedTensor quantize(const float* x, const int64_t rows, const int64_t cols,
   return q;
 }
 
-std::vector<float> decode_to_source(const QuantizedTensor& q, const RhtSigns& signs) {
-  std::vector<float> decoded = q.decode();
+Tensor decode_to_source(const QuantizedTensor& q, const RhtSigns& signs, const Device device,
+                        const MemCategory category) {
+  Tensor decoded({q.rows, q.cols}, DType::kF32, category, device);
+  q.decode_into(decoded.data<float>());
   if (q.usage == Usage::kRowwise) return decoded;
   if (q.rht) {
-    std::vector<float> restored(decoded.size());
-    inverse_rht_rows(decoded.data(), q.rows, q.cols, signs, restored.data());
+    Tensor restored({q.rows, q.cols}, DType::kF32, category, device);
+    inverse_rht_rows(decoded.data<float>(), q.rows, q.cols, signs, restored.data<float>());
     decoded = std::move(restored);
   }
-  return transpose(decoded.data(), q.rows, q.cols);
+  Tensor source({q.cols, q.rows}, DType::kF32, category, device);
+  transpose(decoded.data<float>(), q.rows, q.cols, source.data<float>());
+  return source;
 }
 
 }  // namespace moecore::quant

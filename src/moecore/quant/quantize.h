@@ -3,15 +3,15 @@
 //   auto spec = make_spec(Recipe::kBlockwise, element_format_for(Recipe::kBlockwise, Fp8Format::kHybrid,
 //                                                                Role::kGradient), Role::kGradient);
 //   QuantizedTensor q = quantize(dy_TN, T, N, spec, Usage::kRowwise);
-//   std::vector<float> dy_decoded = q.decode();
+//   const Tensor dy_decoded = decode_to_source(q);
 #pragma once
 
 #include <cstdint>
-#include <vector>
 
 #include "moecore/quant/hadamard.h"
 #include "moecore/quant/quantized_tensor.h"
 #include "moecore/quant/recipe.h"
+#include "moecore/tensor/tensor.h"
 
 namespace moecore::quant {
 
@@ -23,6 +23,9 @@ struct QuantizeOptions {
   uint64_t seed = 0;
   // Signs of the random Hadamard transform (NVFP4 column-wise activations and gradients).
   RhtSigns rht_signs = te_rht_signs();
+  // Where the column-wise transpose (and its Hadamard transform) is staged: the device of the call, so the
+  // scratch is counted by its MemoryTracker and fenced by its allocator.
+  Device device = Device::kCPU;
 };
 
 // Throws std::invalid_argument with a one-line message when a [rows, cols] operand cannot be quantized with `spec`:
@@ -39,7 +42,8 @@ QuantizedTensor quantize(const float* x, int64_t rows, int64_t cols, const Quant
                          const QuantizeOptions& options = {});
 
 // The decoded values in the source's layout [rows, cols]: column-wise data transposed back, the Hadamard transform
-// undone where it was applied (so they compare with the input).
-std::vector<float> decode_to_source(const QuantizedTensor& q, const RhtSigns& signs = te_rht_signs());
+// undone where it was applied (so they compare with the input), allocated on `device` under `category`.
+Tensor decode_to_source(const QuantizedTensor& q, const RhtSigns& signs = te_rht_signs(), Device device = Device::kCPU,
+                        MemCategory category = MemCategory::kOther);
 
 }  // namespace moecore::quant

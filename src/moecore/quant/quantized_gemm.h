@@ -19,6 +19,7 @@
 #include "moecore/quant/delayed_scaling.h"
 #include "moecore/quant/hadamard.h"
 #include "moecore/quant/recipe.h"
+#include "moecore/tensor/device.h"
 
 namespace moecore::quant {
 
@@ -34,14 +35,16 @@ struct QuantizedLinearConfig {
   DelayedOperand x, w, dy;
 };
 
+// `device` is the one the operands live on (a host-accessible one): the quantized operands are staged there, counted
+// by its MemoryTracker (MemCategory::kOther) and fenced by its allocator.
 // y_TN = x_TK @ w_NK^T.
 void quantized_fprop(const float* x_TK, const float* w_NK, float* y_TN, int64_t T, int64_t K, int64_t N,
-                     const QuantizedLinearConfig& config);
+                     const QuantizedLinearConfig& config, Device device);
 // dx_TK = dy_TN @ w_NK.
 void quantized_dgrad(const float* dy_TN, const float* w_NK, float* dx_TK, int64_t T, int64_t K, int64_t N,
-                     const QuantizedLinearConfig& config);
+                     const QuantizedLinearConfig& config, Device device);
 // dw_NK = dy_TN^T @ x_TK.
 void quantized_wgrad(const float* dy_TN, const float* x_TK, float* dw_NK, int64_t T, int64_t K, int64_t N,
-                     const QuantizedLinearConfig& config);
+                     const QuantizedLinearConfig& config, Device device);
 
 }  // namespace moecore::quant

@@ -29,11 +29,15 @@ QuantizedTensor make_blocked(const Recipe recipe, const ElementFormat format, co
   return q;
 }
 
-std::vector<float> QuantizedTensor::decode() const {
-  std::vector<float> out(static_cast<size_t>(rows * cols));
+void QuantizedTensor::decode_into(float* const out) const {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = decode_element(r, c);
   }
+}
+
+std::vector<float> QuantizedTensor::decode() const {
+  std::vector<float> out(static_cast<size_t>(rows * cols));
+  decode_into(out.data());
   return out;
 }
 

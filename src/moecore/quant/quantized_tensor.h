@@ -36,7 +36,9 @@ struct QuantizedTensor {
   // decode scale (transformer_engine/common/cast/fp8/dequantize_fp8.cuh, mxfp8/dequantize_mxfp8.cuh); NVFP4:
   // e2m1 x ((e4m3 scale x amax) x 1 / (6 x 448)) (nvfp4/dequantize_nvfp4.cuh).
   float decode_element(int64_t r, int64_t c) const;
-  // Every element, [rows, cols] row-major.
+  // Every element into out [rows, cols] row-major.
+  void decode_into(float* out) const;
+  // Every element, [rows, cols] row-major, in a host vector (for inspection; the GEMMs decode into device scratch).
   std::vector<float> decode() const;
 };
 

@@ -10,9 +10,8 @@ struct CodePointRange {
   char32_t last;  // inclusive
 };
 
-const char* unicode_version();  // Unicode version the generated tables follow
-bool is_letter(char32_t cp);    // \p{L}: general category L*
-bool is_number(char32_t cp);    // \p{N}: general category N*
+bool is_letter(char32_t cp);  // \p{L}: general category L* (of the Unicode version named in unicode_tables.cpp)
+bool is_number(char32_t cp);  // \p{N}: general category N*
 
 // \s: the White_Space property (Unicode PropList.txt).
 constexpr bool is_whitespace(char32_t cp) {

@@ -106,7 +106,6 @@ class Checkpointer {
   void finish(const CheckpointTarget& target, const TrainingProgress& progress);
   // Saves now (persistent, or into DIR/non_persistent).
   void save(const CheckpointTarget& target, const TrainingProgress& progress, bool non_persistent);
-  int64_t last_saved_iteration() const { return last_saved_; }  // persistent saves that completed
 
  private:
   void wait_for_pending();

@@ -76,10 +76,10 @@ GPTDataProvider build_data(const TrainingArgs& run_args, const int32_t eod_id, s
 ModelAndOptimizer build_model_and_optimizer(const TrainingArgs& run_args, const parallel::ParallelState& parallel) {
   ModelAndOptimizer out;
   // This pipeline rank's model chunks, one per virtual stage (Megatron's get_model).
-  const parallel::PipelineLayout pipeline = pipeline_layout(run_args);
+  const PipelineLayout pipeline = pipeline_layout(run_args);
   std::vector<StageSpec> chunks;
   for (int v = 0; v < pipeline.virtual_pipeline_size(); ++v) {
-    const parallel::PipelineStage& stage = pipeline.stage(parallel.pp_rank(), v);
+    const PipelineStage& stage = pipeline.stage(parallel.pp_rank(), v);
     chunks.push_back(StageSpec{stage.first_layer, stage.num_layers, stage.has_embedding, stage.has_loss});
   }
   out.model = std::make_unique<GPTModel>(run_args.model, static_cast<uint64_t>(run_args.seed), parallel, chunks);

@@ -15,8 +15,8 @@ LRDecayStyle lr_decay_style_from_code(const int64_t code) {
   return static_cast<LRDecayStyle>(code);
 }
 
-void add_optimizer_state(StateDict& state, const std::vector<Param>& params,
-                         const std::vector<AdamWMomentSlice>& slices, const int64_t step) {
+void add_optimizer_state(StateDict& state, const ParamStore& params, const std::vector<AdamWMomentSlice>& slices,
+                         const int64_t step) {
   std::vector<const AdamWMomentSlice*> slice_of(params.size(), nullptr);
   for (const AdamWMomentSlice& s : slices) {
     if (s.param < 0 || static_cast<size_t>(s.param) >= params.size()) {

@@ -62,8 +62,8 @@ inline constexpr const char* kMainParamPrefix = "optimizer.state.fp32_param.";
 // states; at most one slice per parameter), with 16-bit weights optimizer.state.fp32_param.* (the main parameters),
 // then optimizer.step. `params` are the optimizer's parameters (slice.param
 // indexes them).
-void add_optimizer_state(StateDict& state, const std::vector<Param>& params,
-                         const std::vector<AdamWMomentSlice>& slices, int64_t step);
+void add_optimizer_state(StateDict& state, const ParamStore& params, const std::vector<AdamWMomentSlice>& slices,
+                         int64_t step);
 // The FP8 delayed-scaling entries (views of the live states) and their key test.
 inline constexpr const char* kDelayedScalingInfix = "._extra_state.";
 void add_delayed_scaling_state(StateDict& state, const DelayedScalingStates& states);

@@ -31,7 +31,6 @@ class AtomicFile {
   void commit();
 
   const std::string& path() const { return path_; }
-  const std::string& temp_path() const { return temp_; }
 
  private:
   std::string path_;
