@@ -26,7 +26,7 @@
 //   expert_activation.h weighted_swiglu_forward weighted_swiglu_backward
 //   linear.h      linear_forward linear_backward gemm_library gemm_lowp_library
 //   linear_cross_entropy.h  linear_cross_entropy linear_cross_entropy_chunk_rows
-//   grouped_linear.h  grouped_linear_forward grouped_linear_backward
+//   grouped_mlp.h grouped_mlp_fused grouped_mlp_forward grouped_mlp_backward
 //   init.h        normal_fill
 //   moe_rows.h    moe_permute moe_unpermute moe_unpermute_backward sort_chunks unsort_chunks
 //   loss.h        embedding_forward embedding_backward cross_entropy_forward cross_entropy_backward
@@ -132,8 +132,9 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "moe_unpermute_backward",
                                                 "sort_chunks",
                                                 "unsort_chunks",
-                                                "grouped_linear_forward",
-                                                "grouped_linear_backward",
+                                                "grouped_mlp_fused",
+                                                "grouped_mlp_forward",
+                                                "grouped_mlp_backward",
                                                 "normal_fill",
                                                 "topk_routing_forward",
                                                 "topk_routing_backward",
@@ -155,16 +156,16 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
 
 // Ops exercised by the hand-written tests below rather than (only) by the case table.
 const std::vector<std::string> kOpsInHandWrittenTests = {
-    "activation_input_width",          "supports",     "synchronize",       "sum_squares",    "all_finite",
-    "linear_cross_entropy_chunk_rows", "gemm_library", "gemm_lowp_library", "expert_capacity"};
+    "activation_input_width",          "supports",     "synchronize",       "sum_squares",     "all_finite",
+    "linear_cross_entropy_chunk_rows", "gemm_library", "gemm_lowp_library", "expert_capacity", "grouped_mlp_fused"};
 
 // Ops whose bad arguments only hand-written tests provoke (one tensor: no size or dtype mismatch; convert accepts
 // every floating dtype, so the table's fp64 swap is no error for it).
 const std::vector<std::string> kOpsWithHandWrittenErrors = {"scale_", "sum_squares", "all_finite", "convert",
                                                             "normal_fill"};
 const std::vector<std::string> kOpsWithoutTensors = {
-    "activation_input_width", "supports",          "synchronize",    "linear_cross_entropy_chunk_rows",
-    "gemm_library",           "gemm_lowp_library", "expert_capacity"};
+    "activation_input_width", "supports",          "synchronize",     "linear_cross_entropy_chunk_rows",
+    "gemm_library",           "gemm_lowp_library", "expert_capacity", "grouped_mlp_fused"};
 
 using test::kDevices;
 using test::tensor_on;
@@ -813,8 +814,8 @@ TEST(OpsRouting, ExpertCapacityIsMegatronsCeiling) {
   EXPECT_EQ(expert_capacity(16, 2, 4, 0.25), 2);  // 8 * 0.25
 }
 
-// The MoE row moves', the grouped linear layer's and the initialiser's argument errors.
-TEST(OpsBadArgs, MoeRowsGroupedLinearAndInitErrors) {
+// The MoE row moves', the grouped MLP's and the initialiser's argument errors.
+TEST(OpsBadArgs, MoeRowsGroupedMlpAndInitErrors) {
   for (const Device device : kDevices) {
     const TestDevice scope(device);
     Tensor bf16 = tensor_on({4, 3}, DType::kBF16), rows = tensor_on({2, 3}, DType::kF32),
@@ -841,18 +842,32 @@ TEST(OpsBadArgs, MoeRowsGroupedLinearAndInitErrors) {
     expect_invalid("unsort_chunks", [&] { unsort_chunks(table, rows, first_past, two_rows); });
     expect_invalid("unsort_chunks", [&] { unsort_chunks(table, four_rows, overlap_first, overlap_rows); });
 
-    Tensor w0 = tensor_on({5, 3}, DType::kF32), w1 = tensor_on({5, 3}, DType::kF32),
-           grouped_out = tensor_on({4, 5}, DType::kF32);
-    const std::vector<const Tensor*> two_weights = {&w0, &w1};
+    // The grouped MLP's offsets and the saved activations its spec needs.
+    Tensor w1 = tensor_on({5, 3}, DType::kF32), w2 = tensor_on({3, 5}, DType::kF32), y = tensor_on({4, 3}, DType::kF32),
+           fc1 = tensor_on({4, 5}, DType::kF32), act = tensor_on({4, 5}, DType::kF32),
+           probs4 = tensor_on({4}, DType::kF32);
+    const std::vector<const Tensor*> fc1_weights = {&w1, &w1}, fc2_weights = {&w2, &w2};
+    const GroupedMlpParams params{fc1_weights, {}, fc2_weights, {}};
     const std::vector<int64_t> three_offsets = {0, 1, 4}, decreasing = {0, 3, 2}, one_offset = {0};
-    expect_invalid("grouped_linear_forward",
-                   [&] { grouped_linear_forward(grouped_out, table, two_weights, {}, one_offset); });
-    expect_invalid("grouped_linear_forward",
-                   [&] { grouped_linear_forward(grouped_out, table, two_weights, {}, decreasing); });
-    expect_invalid("grouped_linear_forward", [&] { grouped_linear_forward(grouped_out, table, {}, {}, one_offset); });
-    const std::vector<Tensor*> two_grads = {&w0, &w1};
-    expect_invalid("grouped_linear_backward", [&] {  // weight gradients need the input
-      grouped_linear_backward(nullptr, two_grads, {}, grouped_out, nullptr, two_weights, three_offsets);
+    const GroupedMlpSpec gelu{Activation::kGelu, false}, on_input{Activation::kGelu, true};
+    expect_invalid("grouped_mlp_forward", [&] {
+      grouped_mlp_forward(y, fc1, &act, nullptr, nullptr, table, probs4, params, one_offset, gelu);
+    });
+    expect_invalid("grouped_mlp_forward", [&] {
+      grouped_mlp_forward(y, fc1, &act, nullptr, nullptr, table, probs4, params, decreasing, gelu);
+    });
+    expect_invalid("grouped_mlp_forward", [&] {  // no experts
+      grouped_mlp_forward(y, fc1, &act, nullptr, nullptr, table, probs4, GroupedMlpParams{}, one_offset, gelu);
+    });
+    expect_invalid("grouped_mlp_forward", [&] {  // the activation output is saved
+      grouped_mlp_forward(y, fc1, nullptr, nullptr, nullptr, table, probs4, params, three_offsets, gelu);
+    });
+    expect_invalid("grouped_mlp_forward", [&] {  // probs on the input save x p
+      grouped_mlp_forward(y, fc1, &act, nullptr, nullptr, table, probs4, params, three_offsets, on_input);
+    });
+    expect_invalid("grouped_mlp_backward", [&] {  // SwiGLU's fc1 is 2F wide
+      grouped_mlp_backward(table, probs4, {}, y, table, nullptr, fc1, &act, nullptr, probs4, params, three_offsets,
+                           {Activation::kSwiGLU, true});
     });
   }
 }
@@ -863,6 +878,7 @@ TEST(OpsDevices, SupportsWhatTheKernelTablesHold) {
   for (const Device device : kDevices) {
     for (const DType dtype : kDTypes) EXPECT_TRUE(supports("rmsnorm_forward", dtype, device)) << label(device, dtype);
     EXPECT_TRUE(supports("linear_forward", DType::kBF16, device));
+    EXPECT_TRUE(grouped_mlp_fused(device));  // fp32 without quantization (the rest: ops_grouped_mlp_test)
     EXPECT_TRUE(supports("convert", DType::kF16, device));
     EXPECT_FALSE(supports("rmsnorm_forward", DType::kBF16, device));
     EXPECT_FALSE(supports("linear_forward", DType::kI32, device));

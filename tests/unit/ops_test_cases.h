@@ -1132,58 +1132,101 @@ inline OpCase unsort_chunks_case(const std::string& name, const int64_t C, const
   return c;
 }
 
-// The linear layers of E experts over their rows of one buffer (rows_E per expert, zero allowed), with biases or not.
-inline OpCase grouped_linear_case(const std::string& name, const std::vector<int64_t>& rows_E, const int64_t I,
-                                  const int64_t O, const bool bias) {
+// The MLPs of E experts over their rows of one buffer (rows_E per expert, zero allowed): an activation, the
+// probability after it or on the input, biases or not. An expert above 256 rows spans several of the fast kernel's
+// tiles.
+inline OpCase grouped_mlp_case(const std::string& name, const std::vector<int64_t>& rows_E, const int64_t H,
+                               const int64_t F, const Activation activation, const bool probs_on_input,
+                               const bool bias) {
   const auto E = static_cast<int64_t>(rows_E.size());
   std::vector<int64_t> offsets(1, 0);
   for (const int64_t rows : rows_E) offsets.push_back(offsets.back() + rows);
-  const int64_t R = offsets.back();
+  const int64_t R = offsets.back(), F1 = activation_input_width(activation, F);
+  const GroupedMlpSpec spec{activation, probs_on_input};
+  const bool weighted = activation == Activation::kSwiGLU && !probs_on_input;
   auto name_of = [](const char* stem, const int64_t e) {
     std::string out = stem;
     out += std::to_string(e);
     return out;
   };
-  OpCase c{name, {"grouped_linear_forward", "grouped_linear_backward"}};
-  c.build = [=](Env& e) {
-    e.rand("x", {R, I});
-    for (int64_t x = 0; x < E; ++x) {
-      e.rand(name_of("w", x), {O, I});
-      if (bias) e.rand(name_of("b", x), {O});
-      if (rows_E[static_cast<size_t>(x)] > 0) continue;
-      // An expert without rows: its gradient buffers must stay as they are (no gradient to check).
-      e.rand(name_of("dw", x), {O, I});
-      if (bias) e.rand(name_of("db", x), {O});
-    }
-    e.rand("out", {R, O});
-  };
-  auto all = [=](Env& e, const char* stem, const bool present) {
-    std::vector<Tensor*> out;
-    for (int64_t x = 0; present && x < E; ++x) out.push_back(&e(name_of(stem, x)));
+  auto grad_of = [](const char* stem, const int64_t e) {
+    std::string out = "d";
+    out += stem;
+    out += std::to_string(e);
     return out;
   };
+  // Per expert: fc1 weight w1_, fc2 weight w2_, biases b1_ / b2_ (and their gradients "d" + name).
+  const std::vector<std::pair<const char*, std::vector<int64_t>>> params = {
+      {"w1_", {F1, H}}, {"w2_", {H, F}}, {"b1_", {F1}}, {"b2_", {H}}};
+  OpCase c{name, {"grouped_mlp_forward", "grouped_mlp_backward"}};
+  c.build = [=](Env& e) {
+    e.rand("x", {R, H});
+    e.rand("probs", {R}, 1.0, true);
+    for (int64_t x = 0; x < E; ++x) {
+      for (const auto& [stem, shape] : params) {
+        if (!bias && stem[0] == 'b') continue;
+        e.rand(name_of(stem, x), shape, 0.5);
+        // An expert without rows: its gradient buffers must stay as they are (no gradient to check).
+        if (rows_E[static_cast<size_t>(x)] == 0) e.rand(grad_of(stem, x), shape);
+      }
+    }
+    e.rand("y", {R, H});
+    e.rand("fc1", {R, F1});
+    e.rand(weighted ? "h" : "act", {R, F});
+    if (probs_on_input) e.rand("xs", {R, H});
+  };
+  auto all = [=](Env& e, const std::string& prefix, const char* stem) {
+    std::vector<Tensor*> out;
+    for (int64_t x = 0; x < E && (bias || stem[0] != 'b'); ++x) out.push_back(&e(prefix + name_of(stem, x)));
+    return out;
+  };
+  auto opt = [](Env& e, const char* tensor) { return e.has(tensor) ? &e(tensor) : nullptr; };
+  auto with_params = [=](Env& e, auto&& fn) {
+    const std::vector<Tensor*> w1 = all(e, "", "w1_"), b1 = all(e, "", "b1_"), w2 = all(e, "", "w2_"),
+                               b2 = all(e, "", "b2_");
+    const std::vector<const Tensor*> cw1(w1.begin(), w1.end()), cb1(b1.begin(), b1.end()), cw2(w2.begin(), w2.end()),
+        cb2(b2.begin(), b2.end());
+    fn(GroupedMlpParams{cw1, cb1, cw2, cb2});
+  };
   c.forward = [=](Env& e) {
-    const std::vector<Tensor*> w = all(e, "w", true), b = all(e, "b", bias);
-    grouped_linear_forward(e("out"), e("x"), std::vector<const Tensor*>(w.begin(), w.end()),
-                           std::vector<const Tensor*>(b.begin(), b.end()), offsets);
+    with_params(e, [&](const GroupedMlpParams& p) {
+      grouped_mlp_forward(e("y"), e("fc1"), opt(e, "act"), opt(e, "h"), opt(e, "xs"), e("x"), e("probs"), p, offsets,
+                          spec);
+    });
   };
-  c.outputs = {"out"};
-  c.loss = {"out"};
+  c.outputs = {"y", "fc1", weighted ? "h" : "act"};
+  if (probs_on_input) c.outputs.push_back("xs");
+  c.loss = {"y"};
   c.backward = [=](Env& e) {
-    const std::vector<Tensor*> w = all(e, "w", true);
-    grouped_linear_backward(&e("dx"), all(e, "dw", true), all(e, "db", bias), e("dout"), &e("x"),
-                            std::vector<const Tensor*>(w.begin(), w.end()), offsets);
+    with_params(e, [&](const GroupedMlpParams& p) {
+      grouped_mlp_backward(e("dx"), e("dprobs"),
+                           {all(e, "d", "w1_"), all(e, "d", "b1_"), all(e, "d", "w2_"), all(e, "d", "b2_")}, e("dy"),
+                           e("x"), opt(e, "xs"), e("fc1"), opt(e, "act"), opt(e, "h"), e("probs"), p, offsets, spec);
+    });
   };
-  c.grads = {{"x", "dx", kAcc}};
+  c.grads = {{"x", "dx", kAcc}, {"probs", "dprobs", kOver}};
   for (int64_t x = 0; x < E; ++x) {
     if (rows_E[static_cast<size_t>(x)] == 0) continue;
-    c.grads.push_back({name_of("w", x), name_of("dw", x), kAcc});
-    if (bias) c.grads.push_back({name_of("b", x), name_of("db", x), kAcc});
+    for (const auto& [stem, shape] : params) {
+      if (bias || stem[0] != 'b') c.grads.push_back({name_of(stem, x), grad_of(stem, x), kAcc});
+    }
   }
-  c.bad_args = {{kFwd, "out", "grouped_linear_forward"},  {kFwd, "x", "grouped_linear_forward"},
-                {kFwd, "w1", "grouped_linear_forward"},   {kBwd, "dx", "grouped_linear_backward"},
-                {kBwd, "dw0", "grouped_linear_backward"}, {kBwd, "dout", "grouped_linear_backward"}};
-  if (bias) c.bad_args.push_back({kFwd, "b0", "grouped_linear_forward"});
+  c.bad_args = {{kFwd, "y", "grouped_mlp_forward"},
+                {kFwd, "x", "grouped_mlp_forward"},
+                {kFwd, "probs", "grouped_mlp_forward"},
+                {kFwd, "fc1", "grouped_mlp_forward"},
+                {kFwd, "w1_1", "grouped_mlp_forward"},
+                {kFwd, "w2_0", "grouped_mlp_forward"},
+                {kBwd, "dx", "grouped_mlp_backward"},
+                {kBwd, "dprobs", "grouped_mlp_backward"},
+                {kBwd, "dw1_0", "grouped_mlp_backward"},
+                {kBwd, "dy", "grouped_mlp_backward"},
+                {kFwd, weighted ? "h" : "act", "grouped_mlp_forward"}};
+  if (probs_on_input) c.bad_args.push_back({kFwd, "xs", "grouped_mlp_forward"});
+  if (bias) {
+    c.bad_args.push_back({kFwd, "b1_0", "grouped_mlp_forward"});
+    c.bad_args.push_back({kBwd, "db2_0", "grouped_mlp_backward"});
+  }
   return c;
 }
 
@@ -1552,8 +1595,11 @@ inline const std::vector<OpCase>& all_cases() {
         moe_unpermute_case("moe_unpermute_probs", 6, 9, 4, true),
         sort_chunks_case("sort_chunks", 9, 4),
         unsort_chunks_case("unsort_chunks", 9, 4),
-        grouped_linear_case("grouped_linear", {3, 0, 5, 1}, 6, 4, false),
-        grouped_linear_case("grouped_linear_bias", {2, 4, 0}, 5, 7, true),
+        grouped_mlp_case("grouped_mlp_weighted_swiglu", {3, 0, 5, 1}, 6, 4, Activation::kSwiGLU, false, false),
+        grouped_mlp_case("grouped_mlp_gelu_bias", {2, 4, 0}, 5, 7, Activation::kGelu, false, true),
+        grouped_mlp_case("grouped_mlp_swiglu_bias_probs_on_input", {0, 3, 2}, 6, 4, Activation::kSwiGLU, true, true),
+        grouped_mlp_case("grouped_mlp_squared_relu_probs_on_input", {4, 1, 0}, 5, 3, Activation::kSquaredReLU, true,
+                         false),
         normal_fill_case("normal_fill", {40, 0, 90, 10}, 7),
         position_embedding_case("position_embedding", 10, 2, 6, 8, 4),
         convert_case("convert", {6, 5}),
@@ -1636,7 +1682,9 @@ inline const std::vector<OpCase>& all_cases() {
         moe_unpermute_case("moe_unpermute_probs_large", 128, 300, 64, true),
         sort_chunks_case("sort_chunks_large", 96, 129),
         unsort_chunks_case("unsort_chunks_large", 96, 129),
-        grouped_linear_case("grouped_linear_large", {300, 10, 0, 530}, 65, 33, true),
+        grouped_mlp_case("grouped_mlp_weighted_swiglu_bias_large", {300, 10, 0, 530}, 33, 17, Activation::kSwiGLU,
+                         false, true),
+        grouped_mlp_case("grouped_mlp_gelu_probs_on_input_large", {0, 260, 7}, 20, 9, Activation::kGelu, true, true),
         normal_fill_case("normal_fill_large", {0, 40000, 20000}, 9000),
         position_embedding_case("position_embedding_large", 260, 4, 65, 80, 12),
         convert_case("convert_large", {300, 257}),

@@ -202,11 +202,11 @@ TEST(PlanFlops, TrainsShapeOfAnMlaMtpModelIsThePlannersCount) {
   config.mtp_num_layers = 1;
   const FlopsShape shape = moecore::flops_shape(config);
   ASSERT_TRUE(shape.mla.has_value());
-  EXPECT_EQ(shape.mla->q_lora_rank, std::optional<int64_t>(4));
+  EXPECT_EQ(shape.mla->q_lora_rank, 4);
   EXPECT_EQ(shape.mtp_num_layers, 1);
   EXPECT_DOUBLE_EQ(num_floating_point_operations(shape, 4.0, 16.0) / 4.0, 10692.0);
   config.mla->q_lora_rank = 0;  // queries from the hidden state (Megatron's None)
-  EXPECT_FALSE(moecore::flops_shape(config).mla->q_lora_rank.has_value());
+  EXPECT_EQ(moecore::flops_shape(config).mla->q_lora_rank, 0);
   EXPECT_DOUBLE_EQ(num_floating_point_operations(moecore::flops_shape(config), 4.0, 16.0) / 4.0, 10620.0);
 }
 
@@ -243,6 +243,9 @@ TEST(PlanFlops, BadInputIsAConfigError) {
   EXPECT_THROW(flops_per_token(model), ConfigError);
   model = tiny_mla_mtp();
   model.config.mla->kv_lora_rank = 0;
+  EXPECT_THROW(flops_per_token(model), ConfigError);
+  model = tiny_mla_mtp();
+  model.config.mla->q_lora_rank = -1;  // 0 is Megatron's None; below it is no shape
   EXPECT_THROW(flops_per_token(model), ConfigError);
 }
 

@@ -20,8 +20,8 @@ void check(const FlopsShape& shape) {
   require(shape.num_moe_layers > 0 || !shape.last_layer_is_moe, "the last layer is MoE but no layer is");
   require(shape.mtp_num_layers >= 0, "MTP layers must not be negative");
   if (shape.mla) {
-    const FlopsMlaShape& mla = *shape.mla;
-    require(!mla.q_lora_rank || *mla.q_lora_rank > 0, "q_lora_rank must be positive when set");
+    const MlaConfig& mla = *shape.mla;
+    require(mla.q_lora_rank >= 0, "q_lora_rank must not be negative (0: queries from the hidden state)");
     require(mla.kv_lora_rank > 0 && mla.qk_head_dim > 0 && mla.qk_pos_emb_head_dim >= 0 && mla.v_head_dim > 0,
             "multi-latent attention dimensions must be positive");
   } else {
@@ -52,14 +52,14 @@ double num_floating_point_operations(const FlopsShape& shape, const double token
   double self_attn_per_layer = 0.0;
   double self_attn_core_per_layer = 0.0;
   if (shape.mla) {
-    const FlopsMlaShape& mla = *shape.mla;
+    const MlaConfig& mla = *shape.mla;
     const auto qk = static_cast<double>(mla.qk_head_dim);
     const auto rope = static_cast<double>(mla.qk_pos_emb_head_dim);
     const auto v = static_cast<double>(mla.v_head_dim);
     const auto kv_lora = static_cast<double>(mla.kv_lora_rank);
     // Query down / up projections (+ the q norm, the "+ 1"), or one projection without q_lora_rank.
-    const double q_term = mla.q_lora_rank ? static_cast<double>(*mla.q_lora_rank) * (h + heads * (qk + rope) + 1.0)
-                                          : h * heads * (qk + rope);
+    const double q_term = mla.q_lora_rank > 0 ? static_cast<double>(mla.q_lora_rank) * (h + heads * (qk + rope) + 1.0)
+                                              : h * heads * (qk + rope);
     self_attn_per_layer = kForwardBackward * kFma *
                           (q_term + kv_lora * (h + heads * (qk + v) + 1.0)  // kv down / up projections + kv norm
                            + h * rope                                       // the shared RoPE key
@@ -105,15 +105,7 @@ FlopsShape flops_shape(const ModelConfig& config) {
     shape.shared_expert_intermediate_size = config.moe.shared_expert_intermediate_size;
   }
   shape.padded_vocab_size = config.vocab_size;
-  if (config.mla) {
-    FlopsMlaShape mla;
-    if (config.mla->q_lora_rank > 0) mla.q_lora_rank = config.mla->q_lora_rank;
-    mla.kv_lora_rank = config.mla->kv_lora_rank;
-    mla.qk_head_dim = config.mla->qk_head_dim;
-    mla.qk_pos_emb_head_dim = config.mla->qk_pos_emb_head_dim;
-    mla.v_head_dim = config.mla->v_head_dim;
-    shape.mla = mla;
-  }
+  shape.mla = config.mla;
   shape.mtp_num_layers = config.mtp_num_layers;
   return shape;
 }

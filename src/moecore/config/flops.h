@@ -12,15 +12,6 @@
 
 namespace moecore {
 
-// Megatron's multi-latent attention shape (--multi-latent-attention and its MLATransformerConfig fields).
-struct FlopsMlaShape {
-  std::optional<int64_t> q_lora_rank;  // --q-lora-rank (none: queries projected straight from the hidden state)
-  int64_t kv_lora_rank = 0;            // --kv-lora-rank
-  int64_t qk_head_dim = 0;             // --qk-head-dim
-  int64_t qk_pos_emb_head_dim = 0;     // --qk-pos-emb-head-dim
-  int64_t v_head_dim = 0;              // --v-head-dim
-};
-
 // The model figures Megatron's formula reads (its args.* names in the comments).
 struct FlopsShape {
   int64_t hidden_size = 0;          // hidden_size
@@ -38,7 +29,7 @@ struct FlopsShape {
   int64_t moe_router_topk = 0;                  // moe_router_topk (experts each token is routed to)
   int64_t shared_expert_intermediate_size = 0;  // moe_shared_expert_intermediate_size (0: none)
   int64_t padded_vocab_size = 0;                // padded_vocab_size
-  std::optional<FlopsMlaShape> mla;             // multi_latent_attention
+  std::optional<MlaConfig> mla;                 // multi_latent_attention (q_lora_rank 0: Megatron's None)
   int64_t mtp_num_layers = 0;                   // mtp_num_layers
 };
 

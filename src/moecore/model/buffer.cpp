@@ -1,6 +1,5 @@
 #include "moecore/model/buffer.h"
 
-#include <stdexcept>
 #include <utility>
 
 namespace moecore {
@@ -12,13 +11,6 @@ Buffer make_buffer(std::string name, const std::vector<int64_t>& shape, const DT
   b.value.zero_();
   b.shard.full_shape = shape;
   return b;
-}
-
-Buffer* find_buffer(BufferStore& buffers, const std::string& name) {
-  for (Buffer& b : buffers) {
-    if (b.name == name) return &b;
-  }
-  throw std::logic_error("buffer " + name + " was not registered");
 }
 
 }  // namespace moecore

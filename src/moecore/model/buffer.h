@@ -24,7 +24,4 @@ using BufferStore = StableStore<Buffer>;
 // A zero-filled, replicated buffer of `shape` and `dtype`.
 Buffer make_buffer(std::string name, const std::vector<int64_t>& shape, DType dtype = DType::kF32);
 
-// The buffer named `name`; throws std::logic_error when it was not registered.
-Buffer* find_buffer(BufferStore& buffers, const std::string& name);
-
 }  // namespace moecore

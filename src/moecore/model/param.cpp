@@ -61,20 +61,12 @@ int64_t full_index(const ParamShard& shard, const int64_t local_index) {
   return (outer * full_extent + full_c) * inner + within;
 }
 
-std::vector<Param*> find_params(ParamStore& params, const std::vector<std::string>& names) {
-  std::vector<Param*> found(names.size(), nullptr);
+Param* find_param(ParamStore& params, const std::string& name) {
   for (Param& p : params) {
-    for (size_t i = 0; i < names.size(); ++i) {
-      if (p.name == names[i]) found[i] = &p;
-    }
+    if (p.name == name) return &p;
   }
-  for (size_t i = 0; i < names.size(); ++i) {
-    if (found[i] == nullptr) throw std::logic_error("parameter " + names[i] + " was not registered");
-  }
-  return found;
+  throw std::logic_error("parameter " + name + " was not registered");
 }
-
-Param* find_param(ParamStore& params, const std::string& name) { return find_params(params, {name})[0]; }
 
 void init_param(Param& param, const uint64_t seed, const double std, const int64_t num_layers) {
   float* value = param.value.data<float>();

@@ -77,8 +77,7 @@ std::vector<int64_t> shard_shape(const ParamShard& shard);
 // Flat index in the one-process tensor of flat local element `local_index`.
 int64_t full_index(const ParamShard& shard, int64_t local_index);
 
-// The parameters named `names`, in that order; throws std::logic_error naming one that is missing.
-std::vector<Param*> find_params(ParamStore& params, const std::vector<std::string>& names);
+// The parameter named `name`; throws std::logic_error when it was not registered.
 Param* find_param(ParamStore& params, const std::string& name);
 
 // Fills `param.value` from the counter RNG keyed by (seed, name, element index): N(0, std) for kNormal,

@@ -1,8 +1,9 @@
 // Internal to src/moecore/moe (not a public interface): what GroupedMLP and SequentialMLP share. Both hold the same
 // parameters (one MLP per local expert: the same names, shards and initial values) and give the same results to
-// rounding; SequentialMLP runs each expert's MLP over its rows, GroupedMLP runs the per-expert math itself over row
-// tiles of all experts at once, with the MLP's activation and probability step (mlp_activation_forward /
-// _backward; for SwiGLU with the probability after it, the fused ops::weighted_swiglu_forward / _backward). Legend: R
+// rounding; SequentialMLP runs each expert's MLP over its rows, GroupedMLP all experts at once through the fused
+// grouped-MLP op (ops/grouped_mlp.h; under FP8 / FP4 or native 16-bit GEMMs the same math per expert through the
+// single ops: the MLP's activation and probability step, mlp_activation_forward / _backward, or for SwiGLU with the
+// probability after it the fused ops::weighted_swiglu_forward / _backward). Legend: R
 // rows grouped by expert, H hidden, F expert ffn width (this rank's shard), F1 = 2F with SwiGLU else F, E local
 // experts.
 #pragma once

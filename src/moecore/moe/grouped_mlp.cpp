@@ -1,16 +1,14 @@
-// GroupedMLP: all local experts in one pass over the grouped buffer. The row-local work (fc1, activation, probs,
-// fc2, and in backward the data gradients) runs as one OpenMP loop over (expert, row tile) tasks; the weight
-// gradients as one loop over (expert, fc1|fc2) tasks, each reducing over all of its expert's rows, so no two
-// tasks write the same output and the result does not depend on the thread count. Inside a parallel region the ops'
-// kernels run single-threaded, so the GEMMs of all experts proceed together.
-//
-// Scheduling by shape: an expert's rows are cut into the fewest tiles of at most kMaxTileRows (evenly sized), so an
-// expert with many rows gets GEMMs big enough to run near the GEMM's peak and an expert with few rows one task.
-// Tasks run largest first (dynamic schedule), which keeps both threads busy to the end when the experts' loads are
-// uneven. Tiles depend on the routing only, never on the thread count, so every row goes through the same GEMM
-// calls whatever the threads. Under FP8 / FP4 (ops/quantization.h) each expert is one tile: Megatron's
-// TEGroupedLinear quantizes each expert's rows as one tensor, and per-tensor scales must see all of them.
-#include <algorithm>
+// GroupedMLP: all local experts in one pass over the grouped buffer. On the fp32 path (and the 16-bit emulation) the
+// fused grouped-MLP op (ops/grouped_mlp.h) runs fc1, activation, probability and fc2 of every expert, and in
+// backward the data and weight gradients; its kernel schedules the row tiles. Paths the op does not fuse (FP8 / FP4
+// quantization, the native 16-bit GEMMs) run here through ops::linear and the activation ops, one row tile after
+// another, each op using every thread: under FP8 / FP4 (ops/quantization.h) each expert is one tile (Megatron's
+// TEGroupedLinear quantizes each expert's rows as one tensor, and per-tensor scales must see all of them), else the
+// tiles are the fused kernel's (at most kMaxTileRows rows, evenly sized), so every row goes through the same GEMM
+// calls as there.
+#include "moecore/ops/grouped_mlp.h"
+
+#include <vector>
 
 #include "moecore/moe/experts_internal.h"
 #include "moecore/ops/expert_activation.h"
@@ -22,7 +20,7 @@
 namespace moecore::experts_detail {
 namespace {
 
-// Rows per tile at most: past this the GEMMs gain little, and smaller tasks balance better.
+// Rows per tile at most on the unfused path: the fused kernel's tiles.
 constexpr int64_t kMaxTileRows = 256;
 
 struct RowTile {
@@ -38,28 +36,25 @@ std::vector<RowTile> row_tiles(const std::vector<int64_t> &offsets_E1) {
     const int64_t n = whole_experts ? (rows > 0 ? 1 : 0) : (rows + kMaxTileRows - 1) / kMaxTileRows;
     for (int64_t i = 0; i < n; ++i) tiles.push_back({e, first + rows * i / n, first + rows * (i + 1) / n});
   }
-  // Largest first (ties in expert order): the dynamic schedule then ends with the small tasks.
-  std::stable_sort(tiles.begin(), tiles.end(),
-                   [](const RowTile &a, const RowTile &b) { return a.end - a.begin > b.end - b.begin; });
   return tiles;
 }
-
-// One expert's weight-gradient task: fc1 (W1, b1) or fc2 (W2, b2).
-struct WeightTask {
-  int64_t expert;
-  bool fc1;
-};
 
 Tensor activation_tensor(std::vector<int64_t> shape) {
   return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
 }
 
-// Buffers of one backward call.
+// Buffers of one backward call on the unfused path.
 struct BackwardBuffers {
   Tensor &dx_RH, &dprobs_R;
   const Tensor &dy_RH;
   Tensor dfc1_RF1;  // zero-initialised
   Tensor dxs_RH;    // probs on input: d(fc1 input), zero-initialised
+};
+
+// The experts' parameter (or gradient) tensors as the grouped-MLP op takes them.
+template <typename T>
+struct ExpertTensors {
+  std::vector<T *> fc1_weight, fc1_bias, fc2_weight, fc2_bias;
 };
 
 class GroupedMLP final : public ExpertMLPBase {
@@ -71,52 +66,70 @@ class GroupedMLP final : public ExpertMLPBase {
   // SwiGLU with the probability after it (Megatron's default expert MLP): the fused weighted SwiGLU, which saves
   // fc2's input h = swiglu(fc1) * p instead of the activation and recomputes swiglu in backward.
   bool weighted_swiglu() const { return activation_ == ops::Activation::kSwiGLU && !probs_on_input_; }
+  ops::GroupedMlpSpec spec() const { return {activation_, probs_on_input_}; }
+
+  // Tensors of Param::value (values) or Param::grad of every local expert; biases empty without them.
+  template <typename T>
+  ExpertTensors<T> expert_tensors(const bool values) const {
+    ExpertTensors<T> out;
+    auto of = [values](Param &p) -> T * { return values ? &p.value : &p.grad; };
+    for (const MLP &expert : experts_) {
+      out.fc1_weight.push_back(of(expert.fc1().weight()));
+      out.fc2_weight.push_back(of(expert.fc2().weight()));
+      if (Param *b1 = expert.fc1().bias()) out.fc1_bias.push_back(of(*b1));
+      if (Param *b2 = expert.fc2().bias()) out.fc2_bias.push_back(of(*b2));
+    }
+    return out;
+  }
 
   void run_forward(const std::vector<int64_t> &offsets_E1, Tensor &y_RH, ExpertActivations &saved) const override {
     const int64_t R = offsets_E1.back();
     saved.fc1_RF1 = activation_tensor({R, F1_});
     (weighted_swiglu() ? saved.h_RF : saved.act_RF) = activation_tensor({R, F_});
-    if (probs_on_input_) {
-      saved.xs_RH = activation_tensor({R, H_});
-      ops::scale_rows(saved.xs_RH, saved.x_RH, saved.probs_R);
+    if (probs_on_input_) saved.xs_RH = activation_tensor({R, H_});
+    if (ops::grouped_mlp_fused(y_RH.device())) {
+      const ExpertTensors<const Tensor> p = expert_tensors<const Tensor>(true);
+      ops::grouped_mlp_forward(y_RH, saved.fc1_RF1, &saved.act_RF, &saved.h_RF, &saved.xs_RH, saved.x_RH, saved.probs_R,
+                               {p.fc1_weight, p.fc1_bias, p.fc2_weight, p.fc2_bias}, offsets_E1, spec());
+      return;
     }
-    const Tensor &fc1_in = probs_on_input_ ? saved.xs_RH : saved.x_RH;
-    const std::vector<RowTile> tiles = row_tiles(offsets_E1);
-    const auto n_tiles = static_cast<int64_t>(tiles.size());
+    if (probs_on_input_) ops::scale_rows(saved.xs_RH, saved.x_RH, saved.probs_R);
     saved.fc1_delayed_E.assign(static_cast<size_t>(E_), {});
     saved.fc2_delayed_E.assign(static_cast<size_t>(E_), {});
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_tiles; ++i) {
-      const RowTile &tile = tiles[static_cast<size_t>(i)];
-      const auto e = static_cast<size_t>(tile.expert);
-      const MLP &expert = experts_[e];
-      const Tensor probs = saved.probs_R.slice_rows(tile.begin, tile.end);
-      Tensor fc1 = saved.fc1_RF1.slice_rows(tile.begin, tile.end);
-      const Param *b1 = expert.fc1().bias();
-      const Param &w1 = expert.fc1().weight(), &w2 = expert.fc2().weight();
-      // Under FP8 delayed scaling each expert is one tile (row_tiles), so no two tasks touch one scaling state.
-      ops::linear_forward(fc1, fc1_in.slice_rows(tile.begin, tile.end), w1.value, b1 ? &b1->value : nullptr,
-                          w1.delayed_scaling.get(), &saved.fc1_delayed_E[e]);
-      // fc2's input: h = swiglu(fc1) * p (saved), the activation itself (probs on the input), or act * p in a
-      // tile-sized buffer (kept in cache, not saved: backward recomputes it).
-      Tensor h;
-      if (weighted_swiglu()) {
-        h = saved.h_RF.slice_rows(tile.begin, tile.end);
-        ops::weighted_swiglu_forward(h, fc1, probs);
-      } else {
-        Tensor act = saved.act_RF.slice_rows(tile.begin, tile.end);
-        h = probs_on_input_ ? act : activation_tensor({tile.end - tile.begin, F_});
-        mlp_activation_forward(activation_, act, h, fc1, probs_on_input_ ? nullptr : &probs);
-      }
-      Tensor y = y_RH.slice_rows(tile.begin, tile.end);
-      const Param *b2 = fc2_bias(tile.expert);
-      ops::linear_forward(y, h, w2.value, probs_on_input_ && b2 ? &b2->value : nullptr, w2.delayed_scaling.get(),
-                          &saved.fc2_delayed_E[e]);
-      if (!probs_on_input_ && b2) ops::add_outer(y, probs, b2->value);  // y = W2 (act p) + p b2
-    }
+    for (const RowTile &tile : row_tiles(offsets_E1)) forward_tile(tile, y_RH, saved);
   }
 
-  // Row-local gradients of one tile: dx, dprobs and d(fc1 output).
+  // The unfused path's forward of one tile.
+  void forward_tile(const RowTile &tile, Tensor &y_RH, ExpertActivations &saved) const {
+    const auto e = static_cast<size_t>(tile.expert);
+    const MLP &expert = experts_[e];
+    const Tensor &fc1_in = probs_on_input_ ? saved.xs_RH : saved.x_RH;
+    const Tensor probs = saved.probs_R.slice_rows(tile.begin, tile.end);
+    Tensor fc1 = saved.fc1_RF1.slice_rows(tile.begin, tile.end);
+    const Param *b1 = expert.fc1().bias();
+    const Param &w1 = expert.fc1().weight(), &w2 = expert.fc2().weight();
+    // Under FP8 delayed scaling each expert is one tile (row_tiles), so each scaling state records one forward.
+    ops::linear_forward(fc1, fc1_in.slice_rows(tile.begin, tile.end), w1.value, b1 ? &b1->value : nullptr,
+                        w1.delayed_scaling.get(), &saved.fc1_delayed_E[e]);
+    // fc2's input: h = swiglu(fc1) * p (saved), the activation itself (probs on the input), or act * p in a
+    // tile-sized buffer (not saved: backward recomputes it).
+    Tensor h;
+    if (weighted_swiglu()) {
+      h = saved.h_RF.slice_rows(tile.begin, tile.end);
+      ops::weighted_swiglu_forward(h, fc1, probs);
+    } else {
+      Tensor act = saved.act_RF.slice_rows(tile.begin, tile.end);
+      h = probs_on_input_ ? act : activation_tensor({tile.end - tile.begin, F_});
+      mlp_activation_forward(activation_, act, h, fc1, probs_on_input_ ? nullptr : &probs);
+    }
+    Tensor y = y_RH.slice_rows(tile.begin, tile.end);
+    const Param *b2 = fc2_bias(tile.expert);
+    ops::linear_forward(y, h, w2.value, probs_on_input_ && b2 ? &b2->value : nullptr, w2.delayed_scaling.get(),
+                        &saved.fc2_delayed_E[e]);
+    if (!probs_on_input_ && b2) ops::add_outer(y, probs, b2->value);  // y = W2 (act p) + p b2
+  }
+
+  // The unfused path's row-local gradients of one tile: dx, dprobs and d(fc1 output).
   void backward_tile(const RowTile &tile, BackwardBuffers &buf, const ExpertActivations &saved) const {
     const MLP &expert = experts_[static_cast<size_t>(tile.expert)];
     const Tensor probs = saved.probs_R.slice_rows(tile.begin, tile.end);
@@ -153,19 +166,16 @@ class GroupedMLP final : public ExpertMLPBase {
     ops::scale_rows_backward(&dx, &dprobs, dxs, saved.x_RH.slice_rows(tile.begin, tile.end), probs);
   }
 
-  // Weight gradients of one task over its expert's rows [begin, end).
-  void backward_weights(const WeightTask &task, const int64_t begin, const int64_t end, const BackwardBuffers &buf,
+  // The unfused path's weight gradients of expert e over its rows [begin, end).
+  void backward_weights(const int64_t e, const int64_t begin, const int64_t end, const BackwardBuffers &buf,
                         const ExpertActivations &saved) const {
-    const MLP &expert = experts_[static_cast<size_t>(task.expert)];
-    if (task.fc1) {
-      Param &w1 = expert.fc1().weight();
-      Param *b1 = expert.fc1().bias();
-      const Tensor &fc1_in = probs_on_input_ ? saved.xs_RH : saved.x_RH;
-      const Tensor in = fc1_in.slice_rows(begin, end);
-      ops::linear_backward(nullptr, &w1.grad, b1 ? &b1->grad : nullptr, buf.dfc1_RF1.slice_rows(begin, end), &in,
-                           w1.value, w1.delayed_scaling.get(), &saved.fc1_delayed_E[static_cast<size_t>(task.expert)]);
-      return;
-    }
+    const MLP &expert = experts_[static_cast<size_t>(e)];
+    Param &w1 = expert.fc1().weight();
+    Param *b1 = expert.fc1().bias();
+    const Tensor &fc1_in = probs_on_input_ ? saved.xs_RH : saved.x_RH;
+    const Tensor in = fc1_in.slice_rows(begin, end);
+    ops::linear_backward(nullptr, &w1.grad, b1 ? &b1->grad : nullptr, buf.dfc1_RF1.slice_rows(begin, end), &in,
+                         w1.value, w1.delayed_scaling.get(), &saved.fc1_delayed_E[static_cast<size_t>(e)]);
     Param &w2 = expert.fc2().weight();
     Param *b2 = expert.fc2().bias();
     const Tensor dy = buf.dy_RH.slice_rows(begin, end);
@@ -177,7 +187,7 @@ class GroupedMLP final : public ExpertMLPBase {
       ops::scale_rows(h, saved.act_RF.slice_rows(begin, end), saved.probs_R.slice_rows(begin, end));
     }
     ops::linear_backward(nullptr, &w2.grad, probs_on_input_ && b2 ? &b2->grad : nullptr, dy, &h, w2.value,
-                         w2.delayed_scaling.get(), &saved.fc2_delayed_E[static_cast<size_t>(task.expert)]);
+                         w2.delayed_scaling.get(), &saved.fc2_delayed_E[static_cast<size_t>(e)]);
     if (!probs_on_input_ && b2) {  // d(p b2)/d b2 = p
       ops::add_outer_backward(nullptr, &b2->grad, dy, saved.probs_R.slice_rows(begin, end), b2->value);
     }
@@ -185,33 +195,23 @@ class GroupedMLP final : public ExpertMLPBase {
 
   void run_backward(const std::vector<int64_t> &offsets_E1, Tensor &dx_RH, Tensor &dprobs_R, const Tensor &dy_RH,
                     const ExpertActivations &saved) const override {
+    if (ops::grouped_mlp_fused(dy_RH.device())) {
+      const ExpertTensors<const Tensor> p = expert_tensors<const Tensor>(true);
+      const ExpertTensors<Tensor> g = expert_tensors<Tensor>(false);
+      ops::grouped_mlp_backward(dx_RH, dprobs_R, {g.fc1_weight, g.fc1_bias, g.fc2_weight, g.fc2_bias}, dy_RH,
+                                saved.x_RH, &saved.xs_RH, saved.fc1_RF1, &saved.act_RF, &saved.h_RF, saved.probs_R,
+                                {p.fc1_weight, p.fc1_bias, p.fc2_weight, p.fc2_bias}, offsets_E1, spec());
+      parallel::drive_progress();
+      return;
+    }
     const int64_t R = offsets_E1.back();
     BackwardBuffers buf{dx_RH, dprobs_R, dy_RH, activation_tensor({R, F1_}),
                         probs_on_input_ ? activation_tensor({R, H_}) : Tensor()};
-    const std::vector<RowTile> tiles = row_tiles(offsets_E1);
-    const auto n_tiles = static_cast<int64_t>(tiles.size());
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_tiles; ++i) backward_tile(tiles[static_cast<size_t>(i)], buf, saved);
+    for (const RowTile &tile : row_tiles(offsets_E1)) backward_tile(tile, buf, saved);
     parallel::drive_progress();
-
-    // Experts with zero rows get no task: their gradients stay present and unchanged. Costliest first: rows x F1
-    // x H for fc1, rows x H x F for fc2.
-    std::vector<WeightTask> tasks;
+    // Experts with zero rows keep their gradients as they are.
     for (int64_t e = 0; e < E_; ++e) {
-      if (offsets_E1[e + 1] == offsets_E1[e]) continue;
-      tasks.push_back({e, true});
-      tasks.push_back({e, false});
-    }
-    auto cost = [&](const WeightTask &t) {
-      return (offsets_E1[t.expert + 1] - offsets_E1[t.expert]) * (t.fc1 ? F1_ : F_);
-    };
-    std::stable_sort(tasks.begin(), tasks.end(),
-                     [&](const WeightTask &a, const WeightTask &b) { return cost(a) > cost(b); });
-    const auto n_tasks = static_cast<int64_t>(tasks.size());
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_tasks; ++i) {
-      const WeightTask &task = tasks[static_cast<size_t>(i)];
-      backward_weights(task, offsets_E1[task.expert], offsets_E1[task.expert + 1], buf, saved);
+      if (offsets_E1[e + 1] > offsets_E1[e]) backward_weights(e, offsets_E1[e], offsets_E1[e + 1], buf, saved);
     }
   }
 };

@@ -20,7 +20,7 @@
 #include "moecore/kernels/cpu/expert_rows.h"
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/kernels/cpu/gemm_lowp.h"
-#include "moecore/kernels/cpu/grouped_linear.h"
+#include "moecore/kernels/cpu/grouped_mlp.h"
 #include "moecore/kernels/cpu/input_jitter.h"
 #include "moecore/kernels/cpu/loss.h"
 #include "moecore/kernels/cpu/norm.h"
@@ -125,8 +125,8 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, moe_unpermute_backward)      \
     MOECORE_FORWARD(ns, sort_chunks)                 \
     MOECORE_FORWARD(ns, unsort_chunks)               \
-    MOECORE_FORWARD(ns, grouped_linear_forward)      \
-    MOECORE_FORWARD(ns, grouped_linear_backward)     \
+    MOECORE_FORWARD(ns, grouped_mlp_forward)         \
+    MOECORE_FORWARD(ns, grouped_mlp_backward)        \
     MOECORE_FORWARD(ns, normal_fill)                 \
   };
 #define MOECORE_FORWARD(ns, name)                          \

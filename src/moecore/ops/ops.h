@@ -9,7 +9,7 @@
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/expert_activation.h"
 #include "moecore/ops/expert_rows.h"
-#include "moecore/ops/grouped_linear.h"
+#include "moecore/ops/grouped_mlp.h"
 #include "moecore/ops/init.h"
 #include "moecore/ops/input_jitter.h"
 #include "moecore/ops/linear.h"

@@ -17,14 +17,15 @@ namespace {
 std::vector<float> gather_shards(const Param& p, const parallel::ProcessGroup& group) {
   const auto n = static_cast<size_t>(p.value.numel());
   const auto size = static_cast<size_t>(group.size());
-  std::vector<float> all(n * size);
-  group.all_gather(p.value.span<float>(), std::span<float>(all));
+  Tensor all({static_cast<int64_t>(n * size)}, DType::kF32);
+  group.all_gather(p.value, all);
+  const float* gathered = all.data<float>();
   std::vector<float> full(n * size);
   ParamShard shard = p.shard;
   for (size_t r = 0; r < size; ++r) {
     shard.shard_index = static_cast<int>(r);
     for (size_t i = 0; i < n; ++i)
-      full[static_cast<size_t>(full_index(shard, static_cast<int64_t>(i)))] = all[r * n + i];
+      full[static_cast<size_t>(full_index(shard, static_cast<int64_t>(i)))] = gathered[r * n + i];
   }
   return full;
 }
@@ -73,16 +74,15 @@ std::unique_ptr<GPTModel> gather_stage(const GPTModel& model, const uint64_t see
   const RankGroups& ep_groups = par.layout.expert().ep;
   const std::vector<int>& my_ep_group = ep_groups[static_cast<size_t>(group_index_of(ep_groups, stage_root))];
   for (Param& p : stage->params()) {
-    float* dst = p.value.data<float>();
     const auto n = static_cast<size_t>(p.value.numel());
     const bool expert = p.name.find("local_experts.") != std::string::npos;
     const int64_t owner = expert ? expert_of(p.name) / experts_per_rank : 0;
     if (owner == 0) {
       const std::vector<float>& src = full_values.at(p.name);
       if (src.size() != n) throw std::logic_error("gathered " + p.name + " has the wrong size");
-      std::memcpy(dst, src.data(), n * sizeof(float));
+      std::memcpy(p.value.data<float>(), src.data(), n * sizeof(float));
     } else {
-      par.world.recv(std::span<float>(dst, n), my_ep_group[static_cast<size_t>(owner)]);
+      par.world.recv(p.value, my_ep_group[static_cast<size_t>(owner)]);
     }
   }
   for (const Buffer& b : model.named_buffers()) stage->buffer(b.name).value.copy_from(b.value);  // replicated
@@ -114,7 +114,7 @@ std::unique_ptr<GPTModel> gather_full_model(const GPTModel& model, const uint64_
       const int64_t sizes[2] = {static_cast<int64_t>(chars.size()), value.numel()};
       par.world.send(std::span<const int64_t>(sizes, 2), 0);
       par.world.send(std::span<const int32_t>(chars), 0);
-      par.world.send(std::as_const(value).span<float>(), 0);
+      par.world.send(value, 0);
     }
     const int64_t end[2] = {-1, -1};
     par.world.send(std::span<const int64_t>(end, 2), 0);

@@ -159,7 +159,7 @@ class Executor {
 
   void send(std::map<Key, Tensor>& tensors, const PipelineTransfer& transfer, const int tag, const char* what) {
     Tensor t = take(tensors, {transfer.microbatch, transfer.chunk}, what);
-    parallel::Work work = parallel_.pp.send_async(std::as_const(t).span<float>(), transfer.peer, tag);
+    parallel::Work work = parallel_.pp.send_async(t, transfer.peer, tag);
     sends_.emplace_back(std::move(work), std::move(t));
   }
 
@@ -169,7 +169,7 @@ class Executor {
                              const PipelineTransfer& transfer, const int tag) {
       Tensor t({rows_, model_.config().hidden_size}, DType::kF32, MemCategory::kActivations);
       const Key key{transfer.microbatch, transfer.chunk};
-      pending[key] = parallel_.pp.recv_async(t.span<float>(), transfer.peer, tag);
+      pending[key] = parallel_.pp.recv_async(t, transfer.peer, tag);
       into[key] = std::move(t);
     };
     if (action.recv_prev.present()) receive(inputs_, pending_inputs_, action.recv_prev, kActivationTag);

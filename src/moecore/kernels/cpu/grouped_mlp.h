@@ -1,0 +1,79 @@
+// Grouped expert MLP: the MLPs of E experts, each over its own rows of one buffer, fused (Megatron's GroupedMLP:
+// fc1 -> activation -> probability -> fc2). Expert e's rows are [offsets_E1[e], offsets_E1[e + 1]); per expert
+// y = W2 (act(W1 x + b1) p) + p b2, or with the probability on the input y = W2 act(W1 (x p) + b1) + b2. SwiGLU with
+// the probability after it is Megatron's fused weighted SwiGLU (expert_activation.h): fc2's input h = swiglu(fc1) p
+// is saved and backward recomputes swiglu. Legend: R rows, H hidden, F ffn width, F1 = 2F with SwiGLU else F.
+// Every row-major; weights fc1 [F1, H], fc2 [H, F]; bias arrays (or their entries) may be null.
+//
+// Rounding: under --bf16 / --fp16 (ops/precision.h) the ops round each activation and activation gradient they
+// write; these kernels round at exactly the points where the per-op sequence (linear, activation, scale_rows,
+// add_outer) does, with the rounding kernels of convert.h, so results match that sequence bit for bit. fp32 only.
+#pragma once
+
+#include <cstdint>
+
+namespace moecore::kernels {
+
+enum class MlpActivation : uint8_t { kGelu, kSwiGLU, kSquaredReLU };
+// The 16-bit format activations are rounded to after each step (kNone: fp32 / fp64, no rounding).
+enum class ActivationRounding : uint8_t { kNone, kBF16, kF16 };
+
+struct GroupedMlpShape {
+  const int64_t* offsets_E1;  // E + 1 non-decreasing entries from 0
+  int64_t E, H, F;
+  MlpActivation activation;
+  bool probs_on_input;
+  ActivationRounding rounding;
+
+  int64_t F1() const { return activation == MlpActivation::kSwiGLU ? 2 * F : F; }
+  // SwiGLU with the probability after it: the fused weighted SwiGLU (h saved instead of the activation).
+  bool weighted_swiglu() const { return activation == MlpActivation::kSwiGLU && !probs_on_input; }
+};
+
+template <typename T>
+struct GroupedMlpWeights {
+  const T* const* fc1_weight_E;
+  const T* const* fc1_bias_E;
+  const T* const* fc2_weight_E;
+  const T* const* fc2_bias_E;
+};
+
+template <typename T>
+struct GroupedMlpGrads {  // accumulated; null arrays or entries are skipped
+  T* const* fc1_weight_E;
+  T* const* fc1_bias_E;
+  T* const* fc2_weight_E;
+  T* const* fc2_bias_E;
+};
+
+#define MOECORE_GROUPED_MLP_DECL                                                                                   \
+  /* Overwrites y_RH and the saved activations: fc1_RF1 (fc1 output), act_RF (activation output; not with weighted \
+     SwiGLU, else null), h_RF (weighted SwiGLU: fc2's input, else null), xs_RH (probs on the input: x p, else      \
+     null). */                                                                                                     \
+  template <typename T>                                                                                            \
+  void grouped_mlp_forward(T* y_RH, T* fc1_RF1, T* act_RF, T* h_RF, T* xs_RH, const T* x_RH, const T* probs_R,     \
+                           const GroupedMlpWeights<T>& w, const GroupedMlpShape& s);                               \
+  /* From dy_RH and the forward's saved activations: dx_RH += d/dx, dprobs_R = d/dp (overwritten), the parameter   \
+     gradients accumulate (an expert without rows keeps its own). dfc1_RF1: [R, F1] workspace (zeroed). */         \
+  template <typename T>                                                                                            \
+  void grouped_mlp_backward(T* dx_RH, T* dprobs_R, const GroupedMlpGrads<T>& g, T* dfc1_RF1, const T* dy_RH,       \
+                            const T* x_RH, const T* xs_RH, const T* fc1_RF1, const T* act_RF, const T* h_RF,       \
+                            const T* probs_R, const GroupedMlpWeights<T>& w, const GroupedMlpShape& s);
+
+namespace cpu {
+// Scheduling (cpu only): each expert's rows are cut into the fewest tiles of at most kGroupedMlpTileRows rows
+// (evenly sized), so an expert with many rows gets GEMMs big enough to run near the GEMM's peak and one with few rows
+// one task. Forward runs fc1, activation, probability and fc2 of a tile as one task (the tile's fc1 output stays in
+// cache), backward its data gradients; tasks run largest first on a dynamic OpenMP schedule (both threads stay busy
+// when the experts' loads are uneven), each tile's kernels on one thread. Weight gradients are one task per (expert,
+// fc1 | fc2) over all the expert's rows, costliest first, so no two tasks write one output. Tiles depend on the row
+// counts only, never on the thread count, so results are the same bit for bit whatever the threads.
+constexpr int64_t kGroupedMlpTileRows = 256;
+MOECORE_GROUPED_MLP_DECL
+}  // namespace cpu
+namespace ref {
+MOECORE_GROUPED_MLP_DECL
+}
+#undef MOECORE_GROUPED_MLP_DECL
+
+}  // namespace moecore::kernels

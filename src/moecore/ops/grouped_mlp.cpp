@@ -1,0 +1,207 @@
+#include "moecore/ops/grouped_mlp.h"
+
+#include <string>
+#include <vector>
+
+#include "moecore/kernels/cpu/gemm_lowp.h"
+#include "moecore/ops/dispatch.h"
+#include "moecore/ops/precision.h"
+#include "moecore/ops/quantization.h"
+
+namespace moecore::ops {
+using detail::ptr;
+namespace {
+
+std::string expert(const char* what, const int64_t e) { return std::string(what) + " of expert " + std::to_string(e); }
+
+// Checks the per-expert parameters (defined, one dtype and device with `like`, one shape for all experts) and the
+// offsets; returns the kernels' shape.
+kernels::GroupedMlpShape check_params(const char* op, const Tensor& like, const GroupedMlpParams& p,
+                                      const std::span<const int64_t> offsets_E1, const GroupedMlpSpec& spec) {
+  kernels::GroupedMlpShape s{};
+  s.E = static_cast<int64_t>(p.fc1_weight_E.size());
+  if (s.E == 0) detail::fail(op, "no experts");
+  if (static_cast<int64_t>(p.fc2_weight_E.size()) != s.E) {
+    detail::fail(op, std::to_string(p.fc2_weight_E.size()) + " fc2 weights for " + std::to_string(s.E) + " experts");
+  }
+  if (static_cast<int64_t>(offsets_E1.size()) != s.E + 1 || offsets_E1[0] != 0) {
+    detail::fail(op, std::to_string(offsets_E1.size()) + " row offsets for " + std::to_string(s.E) +
+                         " experts (expected E + 1 from 0)");
+  }
+  for (size_t e = 0; e + 1 < offsets_E1.size(); ++e) {
+    if (offsets_E1[e + 1] < offsets_E1[e]) detail::fail(op, "row offsets decrease at expert " + std::to_string(e));
+  }
+  s.offsets_E1 = offsets_E1.data();
+  const Tensor* w1 = p.fc1_weight_E[0];
+  const Tensor* w2 = p.fc2_weight_E[0];
+  if (w1 == nullptr || w2 == nullptr || w1->ndim() != 2 || w2->ndim() != 2) {
+    detail::fail(op, "expert 0 needs 2-d fc1 and fc2 weights");
+  }
+  s.H = w1->dim(1);
+  s.F = w2->dim(1);
+  const int64_t F1 = activation_input_width(spec.activation, s.F);
+  for (int64_t e = 0; e < s.E; ++e) {
+    const auto i = static_cast<size_t>(e);
+    for (const auto& [name, t, rows, cols] : {std::tuple{"fc1 weight", p.fc1_weight_E[i], F1, s.H},
+                                              std::tuple{"fc2 weight", p.fc2_weight_E[i], s.H, s.F}}) {
+      if (t == nullptr) detail::fail(op, expert(name, e) + " is null");
+      detail::check_tensors(op, {&like, t});
+      if (t->ndim() != 2 || t->dim(0) != rows || t->dim(1) != cols) {
+        detail::fail(op, expert(name, e) + " is " + t->shape_str() + ", expected [" + std::to_string(rows) + ", " +
+                             std::to_string(cols) + "]");
+      }
+    }
+  }
+  for (const auto& [name, biases, n] :
+       {std::tuple{"fc1 bias", p.fc1_bias_E, F1}, std::tuple{"fc2 bias", p.fc2_bias_E, s.H}}) {
+    if (!biases.empty() && static_cast<int64_t>(biases.size()) != s.E) {
+      detail::fail(
+          op, std::string(name) + "es: " + std::to_string(biases.size()) + " for " + std::to_string(s.E) + " experts");
+    }
+    for (const Tensor* b : biases) {
+      if (b == nullptr) continue;
+      detail::check_tensors(op, {&like, b});
+      detail::check_numel(op, name, *b, n);
+    }
+  }
+  switch (spec.activation) {
+    case Activation::kGelu: s.activation = kernels::MlpActivation::kGelu; break;
+    case Activation::kSwiGLU: s.activation = kernels::MlpActivation::kSwiGLU; break;
+    case Activation::kSquaredReLU: s.activation = kernels::MlpActivation::kSquaredReLU; break;
+  }
+  s.probs_on_input = spec.probs_on_input;
+  s.rounding = kernels::ActivationRounding::kNone;
+  if (like.dtype() == DType::kF32) {
+    if (!grouped_mlp_fused(like.device())) {
+      detail::fail(op,
+                   "FP8 / FP4 quantization and native 16-bit GEMMs are not fused: run the experts through "
+                   "ops::linear_forward / linear_backward");
+    }
+    const DType act = activation_dtype(like.device());
+    if (act == DType::kBF16) s.rounding = kernels::ActivationRounding::kBF16;
+    if (act == DType::kF16) s.rounding = kernels::ActivationRounding::kF16;
+  }
+  return s;
+}
+
+// A saved activation the spec needs: present, of the case's dtype, `numel` elements.
+void check_saved(const char* op, const char* name, const Tensor& like, const Tensor* t, const int64_t numel) {
+  if (t == nullptr) detail::fail(op, std::string(name) + " is needed and null");
+  detail::check_tensors(op, {&like, t});
+  detail::check_numel(op, name, *t, numel);
+}
+
+template <typename S, typename Span>
+std::vector<S*> data_of(const Span& tensors_E, const int64_t E) {
+  std::vector<S*> out(static_cast<size_t>(E), nullptr);
+  for (size_t e = 0; e < tensors_E.size(); ++e) out[e] = tensors_E[e] ? tensors_E[e]->template data<S>() : nullptr;
+  return out;
+}
+
+template <typename S>
+struct Pointers {  // keeps the per-expert pointer arrays alive for the kernel call
+  std::vector<const S*> w1, b1, w2, b2;
+  kernels::GroupedMlpWeights<S> weights() const {
+    return {w1.data(), b1.empty() ? nullptr : b1.data(), w2.data(), b2.empty() ? nullptr : b2.data()};
+  }
+};
+template <typename S>
+Pointers<S> pointers(const GroupedMlpParams& p, const int64_t E) {
+  Pointers<S> out{data_of<const S>(p.fc1_weight_E, E), {}, data_of<const S>(p.fc2_weight_E, E), {}};
+  if (!p.fc1_bias_E.empty()) out.b1 = data_of<const S>(p.fc1_bias_E, E);
+  if (!p.fc2_bias_E.empty()) out.b2 = data_of<const S>(p.fc2_bias_E, E);
+  return out;
+}
+
+template <typename S>
+const S* opt_data(const Tensor* t) {
+  return t == nullptr ? nullptr : t->data<S>();
+}
+
+}  // namespace
+
+bool grouped_mlp_fused(const Device device) {
+  if (linear_quantization(device) != nullptr) return false;
+  const DType act = activation_dtype(device);
+  if (act != DType::kBF16 && act != DType::kF16) return true;
+  const auto type = act == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
+  bool native = false;
+  detail::with_kernels("grouped_mlp", device, [&](auto k) { native = k.lowp_gemm_native(type); });
+  return !native;
+}
+
+void grouped_mlp_forward(Tensor& y_RH, Tensor& fc1_RF1, Tensor* act_RF, Tensor* h_RF, Tensor* xs_RH, const Tensor& x_RH,
+                         const Tensor& probs_R, const GroupedMlpParams& params,
+                         const std::span<const int64_t> offsets_E1, const GroupedMlpSpec& spec) {
+  constexpr const char* op = "grouped_mlp_forward";
+  detail::check_tensors(op, {&y_RH, &fc1_RF1, &x_RH, &probs_R});
+  const kernels::GroupedMlpShape s = check_params(op, y_RH, params, offsets_E1, spec);
+  const int64_t R = offsets_E1.back();
+  detail::check_numel(op, "x_RH", x_RH, R * s.H);
+  detail::check_numel(op, "probs_R", probs_R, R);
+  detail::check_numel(op, "y_RH", y_RH, R * s.H);
+  detail::check_numel(op, "fc1_RF1", fc1_RF1, R * s.F1());
+  if (s.weighted_swiglu()) {
+    check_saved(op, "h_RF", y_RH, h_RF, R * s.F);
+  } else {
+    check_saved(op, "act_RF", y_RH, act_RF, R * s.F);
+  }
+  if (s.probs_on_input) check_saved(op, "xs_RH", y_RH, xs_RH, R * s.H);
+  detail::dispatch(op, y_RH, [&]<typename S>(auto k) {
+    const Pointers<S> w = pointers<S>(params, s.E);
+    k.grouped_mlp_forward(ptr<S>(y_RH), ptr<S>(fc1_RF1), s.weighted_swiglu() ? nullptr : act_RF->data<S>(),
+                          s.weighted_swiglu() ? h_RF->data<S>() : nullptr,
+                          s.probs_on_input ? xs_RH->data<S>() : nullptr, ptr<S>(x_RH), ptr<S>(probs_R), w.weights(), s);
+  });
+}
+
+void grouped_mlp_backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpGrads& grads, const Tensor& dy_RH,
+                          const Tensor& x_RH, const Tensor* xs_RH, const Tensor& fc1_RF1, const Tensor* act_RF,
+                          const Tensor* h_RF, const Tensor& probs_R, const GroupedMlpParams& params,
+                          const std::span<const int64_t> offsets_E1, const GroupedMlpSpec& spec) {
+  constexpr const char* op = "grouped_mlp_backward";
+  detail::check_tensors(op, {&dx_RH, &dprobs_R, &dy_RH, &x_RH, &fc1_RF1, &probs_R});
+  const kernels::GroupedMlpShape s = check_params(op, dy_RH, params, offsets_E1, spec);
+  const int64_t R = offsets_E1.back();
+  detail::check_numel(op, "dy_RH", dy_RH, R * s.H);
+  detail::check_numel(op, "dx_RH", dx_RH, R * s.H);
+  detail::check_numel(op, "x_RH", x_RH, R * s.H);
+  detail::check_numel(op, "probs_R", probs_R, R);
+  detail::check_numel(op, "dprobs_R", dprobs_R, R);
+  detail::check_numel(op, "fc1_RF1", fc1_RF1, R * s.F1());
+  if (s.weighted_swiglu()) {
+    check_saved(op, "h_RF", dy_RH, h_RF, R * s.F);
+  } else {
+    check_saved(op, "act_RF", dy_RH, act_RF, R * s.F);
+  }
+  if (s.probs_on_input) check_saved(op, "xs_RH", dy_RH, xs_RH, R * s.H);
+  const auto check_grads = [&](const char* name, const std::span<Tensor* const> grads_E, const int64_t numel) {
+    if (!grads_E.empty() && static_cast<int64_t>(grads_E.size()) != s.E) {
+      detail::fail(
+          op, std::string(name) + ": " + std::to_string(grads_E.size()) + " for " + std::to_string(s.E) + " experts");
+    }
+    for (const Tensor* g : grads_E) {
+      if (g == nullptr) continue;
+      detail::check_tensors(op, {&dy_RH, g});
+      detail::check_numel(op, name, *g, numel);
+    }
+  };
+  check_grads("fc1 weight gradients", grads.fc1_weight_E, s.F1() * s.H);
+  check_grads("fc1 bias gradients", grads.fc1_bias_E, s.F1());
+  check_grads("fc2 weight gradients", grads.fc2_weight_E, s.H * s.F);
+  check_grads("fc2 bias gradients", grads.fc2_bias_E, s.H);
+  // d(fc1 output) of every row: the row-local pass writes it, the weight-gradient pass reads it.
+  Tensor dfc1_RF1({R, s.F1()}, dy_RH.dtype(), MemCategory::kActivations, dy_RH.device());
+  detail::dispatch(op, dy_RH, [&]<typename S>(auto k) {
+    const Pointers<S> w = pointers<S>(params, s.E);
+    const std::vector<S*> dw1 = data_of<S>(grads.fc1_weight_E, s.E), db1 = data_of<S>(grads.fc1_bias_E, s.E),
+                          dw2 = data_of<S>(grads.fc2_weight_E, s.E), db2 = data_of<S>(grads.fc2_bias_E, s.E);
+    const kernels::GroupedMlpGrads<S> g{dw1.data(), db1.data(), dw2.data(), db2.data()};
+    k.grouped_mlp_backward(ptr<S>(dx_RH), ptr<S>(dprobs_R), g, ptr<S>(dfc1_RF1), ptr<S>(dy_RH), ptr<S>(x_RH),
+                           s.probs_on_input ? xs_RH->data<S>() : nullptr, ptr<S>(fc1_RF1),
+                           s.weighted_swiglu() ? nullptr : act_RF->data<S>(),
+                           s.weighted_swiglu() ? h_RF->data<S>() : nullptr, ptr<S>(probs_R), w.weights(), s);
+  });
+}
+
+}  // namespace moecore::ops

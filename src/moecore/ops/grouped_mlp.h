@@ -1,0 +1,54 @@
+// The MLPs of a rank's local experts over their rows of one buffer, fused in one op (Megatron's GroupedMLP;
+// semantics and scheduling: kernels/cpu/grouped_mlp.h). Expert e's rows are [offsets_E1[e], offsets_E1[e + 1]) of
+// the [R, ...] tensors (offsets_E1: E + 1 non-decreasing entries from 0); per expert y = W2 (act(W1 x + b1) p) + p b2,
+// or with the probability on the input y = W2 act(W1 (x p) + b1) + b2. fp32 or fp64 tensors of one dtype; under
+// --bf16 / --fp16 every activation and activation gradient is rounded where the per-op sequence (ops::linear_forward,
+// activation_forward, scale_rows, add_outer, weighted_swiglu_forward and their backwards) rounds it, so the result
+// is that sequence's bit for bit.
+//
+// Saved activations (forward writes them, backward reads them): fc1_RF1 [R, F1] always; h_RF [R, F] (fc2's input
+// swiglu(fc1) p) for SwiGLU with the probability after it (the fused weighted SwiGLU), else act_RF [R, F] (the
+// activation output); xs_RH [R, H] (x p, fc1's input) with the probability on the input. The others may be null.
+//
+// Not fused (grouped_mlp_fused() false, and the ops refuse): FP8 / FP4 quantization (ops/quantization.h) and the
+// native 16-bit GEMM path; callers run each expert's rows through ops::linear and the activation ops instead.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "moecore/ops/activation.h"
+#include "moecore/tensor/tensor.h"
+
+namespace moecore::ops {
+
+struct GroupedMlpSpec {
+  Activation activation = Activation::kGelu;
+  bool probs_on_input = false;  // --moe-apply-probs-on-input
+};
+
+// E entries each: fc1 weights [F1, H], fc2 weights [H, F]; the biases ([F1], [H]) an empty span or null entries for
+// none.
+struct GroupedMlpParams {
+  std::span<const Tensor*const> fc1_weight_E, fc1_bias_E, fc2_weight_E, fc2_bias_E;
+};
+// The parameters' gradients (accumulated); empty spans or null entries are skipped.
+struct GroupedMlpGrads {
+  std::span<Tensor*const> fc1_weight_E, fc1_bias_E, fc2_weight_E, fc2_bias_E;
+};
+
+// Whether the fused kernels cover fp32 tensors of `device` now (not under quantization or native 16-bit GEMMs).
+bool grouped_mlp_fused(Device device = Device::kCPU);
+
+// y_RH [R, H] and the saved activations (see above) from x_RH [R, H] and probs_R [R] (all overwritten).
+void grouped_mlp_forward(Tensor& y_RH, Tensor& fc1_RF1, Tensor* act_RF, Tensor* h_RF, Tensor* xs_RH, const Tensor& x_RH,
+                         const Tensor& probs_R, const GroupedMlpParams& params, std::span<const int64_t> offsets_E1,
+                         const GroupedMlpSpec& spec);
+// From dy_RH [R, H]: dx_RH += d/dx, dprobs_R = d/dp (overwritten), the parameters' gradients accumulate (an expert
+// without rows keeps its own). The saved activations as forward wrote them.
+void grouped_mlp_backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpGrads& grads, const Tensor& dy_RH,
+                          const Tensor& x_RH, const Tensor* xs_RH, const Tensor& fc1_RF1, const Tensor* act_RF,
+                          const Tensor* h_RF, const Tensor& probs_R, const GroupedMlpParams& params,
+                          std::span<const int64_t> offsets_E1, const GroupedMlpSpec& spec);
+
+}  // namespace moecore::ops

@@ -1,0 +1,246 @@
+// The fused grouped MLP (ops/grouped_mlp.h) beyond the op table (ops_backend_test runs its forward, backward,
+// gradients and bad arguments on every device): under --bf16 / --fp16 it must round where the per-op sequence rounds,
+// so on each device it equals, bit for bit, each expert's rows run through ops::linear, the activation ops,
+// scale_rows and add_outer (GroupedMLP's path without the fused op); and it refuses what it does not fuse.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cstdint>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "moecore/kernels/cpu/gemm_lowp.h"
+#include "moecore/ops/ops.h"
+#include "moecore/ops/precision.h"
+#include "moecore/ops/quantization.h"
+#include "unit/test_device.h"
+
+namespace moecore::ops {
+namespace {
+
+using test::kDevices;
+using test::tensor_on;
+using test::TestDevice;
+
+struct Problem {
+  std::vector<int64_t> offsets_E1;
+  int64_t H = 0, F = 0, F1 = 0;
+  GroupedMlpSpec spec;
+  bool bias = false;
+  Tensor x, probs, dy;
+  std::vector<Tensor> w1, b1, w2, b2;
+};
+
+Tensor random_tensor(std::vector<int64_t> shape, std::mt19937& gen, const float scale) {
+  Tensor t = tensor_on(std::move(shape), DType::kF32);
+  std::uniform_real_distribution<float> u(-scale, scale);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = u(gen);
+  return t;
+}
+
+Problem make_problem(const std::vector<int64_t>& rows_E, const GroupedMlpSpec spec, const bool bias) {
+  std::mt19937 gen(11);
+  Problem p;
+  p.offsets_E1 = {0};
+  for (const int64_t rows : rows_E) p.offsets_E1.push_back(p.offsets_E1.back() + rows);
+  const int64_t R = p.offsets_E1.back();
+  p.H = 24;
+  p.F = 20;
+  p.F1 = activation_input_width(spec.activation, p.F);
+  p.spec = spec;
+  p.bias = bias;
+  p.x = random_tensor({R, p.H}, gen, 1.0f);
+  p.probs = random_tensor({R}, gen, 1.0f);
+  p.dy = random_tensor({R, p.H}, gen, 1.0f);
+  for (size_t e = 0; e < rows_E.size(); ++e) {
+    p.w1.push_back(random_tensor({p.F1, p.H}, gen, 0.3f));
+    p.w2.push_back(random_tensor({p.H, p.F}, gen, 0.3f));
+    if (!bias) continue;
+    p.b1.push_back(random_tensor({p.F1}, gen, 0.3f));
+    p.b2.push_back(random_tensor({p.H}, gen, 0.3f));
+  }
+  return p;
+}
+
+struct Result {
+  Tensor y, fc1, act, xs, dx, dprobs;  // act: the activation, or h with the weighted SwiGLU
+  std::vector<Tensor> dw1, db1, dw2, db2;
+};
+
+Result zero_result(const Problem& p) {
+  const int64_t R = p.offsets_E1.back(), E = static_cast<int64_t>(p.w1.size());
+  Result r;
+  r.y = tensor_on({R, p.H}, DType::kF32);
+  r.fc1 = tensor_on({R, p.F1}, DType::kF32);
+  r.act = tensor_on({R, p.F}, DType::kF32);
+  r.xs = tensor_on({R, p.H}, DType::kF32);
+  r.dx = tensor_on({R, p.H}, DType::kF32);
+  r.dprobs = tensor_on({R}, DType::kF32);
+  for (int64_t e = 0; e < E; ++e) {
+    r.dw1.push_back(tensor_on({p.F1, p.H}, DType::kF32));
+    r.dw2.push_back(tensor_on({p.H, p.F}, DType::kF32));
+    if (!p.bias) continue;
+    r.db1.push_back(tensor_on({p.F1}, DType::kF32));
+    r.db2.push_back(tensor_on({p.H}, DType::kF32));
+  }
+  return r;
+}
+
+bool weighted(const Problem& p) { return p.spec.activation == Activation::kSwiGLU && !p.spec.probs_on_input; }
+
+template <typename T>
+std::vector<T*> pointers(std::vector<Tensor>& tensors) {
+  std::vector<T*> out;
+  for (Tensor& t : tensors) out.push_back(&t);
+  return out;
+}
+
+Result fused(Problem& p) {
+  Result r = zero_result(p);
+  const std::vector<const Tensor*> w1 = pointers<const Tensor>(p.w1), b1 = pointers<const Tensor>(p.b1),
+                                   w2 = pointers<const Tensor>(p.w2), b2 = pointers<const Tensor>(p.b2);
+  const GroupedMlpParams params{w1, b1, w2, b2};
+  Tensor* act = weighted(p) ? nullptr : &r.act;
+  Tensor* h = weighted(p) ? &r.act : nullptr;
+  grouped_mlp_forward(r.y, r.fc1, act, h, &r.xs, p.x, p.probs, params, p.offsets_E1, p.spec);
+  const std::vector<Tensor*> dw1 = pointers<Tensor>(r.dw1), db1 = pointers<Tensor>(r.db1),
+                             dw2 = pointers<Tensor>(r.dw2), db2 = pointers<Tensor>(r.db2);
+  grouped_mlp_backward(r.dx, r.dprobs, {dw1, db1, dw2, db2}, p.dy, p.x, &r.xs, r.fc1, act, h, p.probs, params,
+                       p.offsets_E1, p.spec);
+  return r;
+}
+
+// The activation and probability step as the MLP runs it (model/mlp.h).
+void activation_and_probs(const Activation kind, Tensor& act, Tensor& h, const Tensor& fc1, const Tensor* probs) {
+  activation_forward(kind, act, fc1);
+  if (probs != nullptr) scale_rows(h, act, *probs);
+}
+void activation_and_probs_backward(const Activation kind, Tensor& dfc1, Tensor* dprobs, const Tensor& dh,
+                                   const Tensor& fc1, const Tensor& act, const Tensor* probs) {
+  if (probs == nullptr) {
+    activation_backward(kind, dfc1, dh, fc1);
+    return;
+  }
+  Tensor dact = tensor_on(act.shape(), DType::kF32);
+  scale_rows_backward(&dact, dprobs, dh, act, *probs);
+  activation_backward(kind, dfc1, dact, fc1);
+}
+
+// Each expert's rows through the single ops, in the order GroupedMLP runs them without the fused op.
+Result per_op(Problem& p) {
+  Result r = zero_result(p);
+  const bool poi = p.spec.probs_on_input;
+  for (size_t e = 0; e + 1 < p.offsets_E1.size(); ++e) {
+    const int64_t b = p.offsets_E1[e], end = p.offsets_E1[e + 1], n = end - b;
+    if (n == 0) continue;
+    const Tensor probs = p.probs.slice_rows(b, end), x = p.x.slice_rows(b, end), dy = p.dy.slice_rows(b, end);
+    Tensor xs = r.xs.slice_rows(b, end), fc1 = r.fc1.slice_rows(b, end), act = r.act.slice_rows(b, end);
+    Tensor y = r.y.slice_rows(b, end);
+    if (poi) scale_rows(xs, x, probs);
+    const Tensor& in = poi ? xs : x;
+    linear_forward(fc1, in, p.w1[e], p.bias ? &p.b1[e] : nullptr);
+    Tensor h = act;
+    if (weighted(p)) {
+      weighted_swiglu_forward(h, fc1, probs);
+    } else {
+      if (!poi) h = tensor_on({n, p.F}, DType::kF32);
+      activation_and_probs(p.spec.activation, act, h, fc1, poi ? nullptr : &probs);
+    }
+    linear_forward(y, h, p.w2[e], poi && p.bias ? &p.b2[e] : nullptr);
+    if (!poi && p.bias) add_outer(y, probs, p.b2[e]);
+    // backward
+    Tensor dh = tensor_on({n, p.F}, DType::kF32), dfc1 = tensor_on({n, p.F1}, DType::kF32);
+    Tensor dprobs = r.dprobs.slice_rows(b, end), dx = r.dx.slice_rows(b, end);
+    linear_backward(&dh, nullptr, nullptr, dy, nullptr, p.w2[e]);
+    if (!poi) {
+      if (weighted(p)) {
+        weighted_swiglu_backward(dfc1, dprobs, dh, fc1, probs);
+      } else {
+        activation_and_probs_backward(p.spec.activation, dfc1, &dprobs, dh, fc1, act, &probs);
+      }
+      if (p.bias) add_outer_backward(&dprobs, nullptr, dy, probs, p.b2[e]);
+      linear_backward(&dx, nullptr, nullptr, dfc1, nullptr, p.w1[e]);
+    } else {
+      activation_and_probs_backward(p.spec.activation, dfc1, nullptr, dh, fc1, act, nullptr);
+      Tensor dxs = tensor_on({n, p.H}, DType::kF32);
+      linear_backward(&dxs, nullptr, nullptr, dfc1, nullptr, p.w1[e]);
+      scale_rows_backward(&dx, &dprobs, dxs, x, probs);
+    }
+    linear_backward(nullptr, &r.dw1[e], p.bias ? &r.db1[e] : nullptr, dfc1, &in, p.w1[e]);
+    Tensor h2 = act;
+    if (!weighted(p) && !poi) {
+      h2 = tensor_on({n, p.F}, DType::kF32);
+      scale_rows(h2, act, probs);
+    }
+    linear_backward(nullptr, &r.dw2[e], poi && p.bias ? &r.db2[e] : nullptr, dy, &h2, p.w2[e]);
+    if (!poi && p.bias) add_outer_backward(nullptr, &r.db2[e], dy, probs, p.b2[e]);
+  }
+  return r;
+}
+
+void expect_identical(const Tensor& got, const Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.numel(), want.numel()) << what;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    ASSERT_EQ(got.data<float>()[i], want.data<float>()[i]) << what << "[" << i << "]";
+  }
+}
+
+TEST(OpsGroupedMlp, SixteenBitRoundingIsThePerOpSequences) {
+  // One thread: the per-op sequence's GEMMs then run as the fused kernel's do. The convert path: the native 16-bit
+  // GEMMs are not fused.
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const kernels::cpu::ScopedLowpGemmPath convert(kernels::cpu::LowpGemmPath::kConvert);
+  const std::vector<std::pair<GroupedMlpSpec, bool>> specs = {{{Activation::kSwiGLU, false}, true},
+                                                              {{Activation::kGelu, false}, true},
+                                                              {{Activation::kSquaredReLU, true}, true},
+                                                              {{Activation::kSwiGLU, true}, false},
+                                                              {{Activation::kGelu, true}, false}};
+  for (const Device device : kDevices) {
+    const TestDevice on(device);
+    for (const DType dtype : {DType::kBF16, DType::kF16}) {
+      for (const auto& [spec, bias] : specs) {
+        Problem p = make_problem({37, 0, 90, 5}, spec, bias);
+        const ScopedActivationDType precision(dtype, device);
+        const Result got = fused(p), want = per_op(p);
+        const std::string what = std::string(device_name(device)) + " " + std::string(dtype_name(dtype)) +
+                                 " activation " + std::to_string(static_cast<int>(spec.activation)) +
+                                 (spec.probs_on_input ? " probs on input" : "") + (bias ? " bias" : "") + ": ";
+        expect_identical(got.y, want.y, what + "y");
+        expect_identical(got.fc1, want.fc1, what + "fc1");
+        expect_identical(got.act, want.act, what + "act / h");
+        if (spec.probs_on_input) expect_identical(got.xs, want.xs, what + "xs");
+        expect_identical(got.dx, want.dx, what + "dx");
+        expect_identical(got.dprobs, want.dprobs, what + "dprobs");
+        for (size_t e = 0; e < p.w1.size(); ++e) {
+          expect_identical(got.dw1[e], want.dw1[e], what + "dw1");
+          expect_identical(got.dw2[e], want.dw2[e], what + "dw2");
+          if (!bias) continue;
+          expect_identical(got.db1[e], want.db1[e], what + "db1");
+          expect_identical(got.db2[e], want.db2[e], what + "db2");
+        }
+        if (::testing::Test::HasFatalFailure()) break;
+      }
+    }
+  }
+  omp_set_num_threads(threads);
+}
+
+TEST(OpsGroupedMlp, QuantizationIsNotFused) {
+  EXPECT_TRUE(grouped_mlp_fused());
+  Problem p = make_problem({3, 2}, {Activation::kGelu, false}, false);
+  const quant::QuantizedLinearConfig config;
+  const ScopedLinearQuantization fp8(&config);
+  EXPECT_FALSE(grouped_mlp_fused());
+  try {
+    fused(p);
+    FAIL() << "the fused op ran under FP8";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("grouped_mlp_forward: ", 0), 0u) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace moecore::ops
