@@ -1,6 +1,5 @@
 #include "moecore/model/context_parallel_attention.h"
 
-#include <cstring>
 #include <initializer_list>
 #include <span>
 #include <utility>
@@ -9,6 +8,7 @@
 #include "moecore/model/config.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/precision.h"
+#include "moecore/ops/rows.h"
 #include "moecore/parallel/comm_stats.h"
 
 namespace moecore {
@@ -80,12 +80,10 @@ Tensor sequence_to_heads(const Tensor& x, const int64_t X, const int64_t d, cons
   const int P = cp.size();
   const int64_t rows = x.numel() / (X * d), Xp = X / P, part = rows * Xp * d;
   Tensor send = activations({P * part});
-  const float* src = x.data<float>();
-  float* dst = send.data<float>();
-  for (int j = 0; j < P; ++j) {
-    for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(dst + j * part + r * Xp * d, src + (r * X + j * Xp) * d, sizeof(float) * static_cast<size_t>(Xp * d));
-    }
+  const Tensor x_rows = x.view({rows, X * d});
+  for (int j = 0; j < P; ++j) {  // head group j of every row: block j of the send buffer
+    Tensor block = send.view({P * rows, Xp * d}).slice_rows(j * rows, (j + 1) * rows);
+    ops::copy_columns(block, Xp * d, 0, x_rows, X * d, j * Xp * d, Xp * d);
   }
   Tensor out = activations({P * rows, Xp, d});
   const std::vector<size_t> counts(static_cast<size_t>(P), static_cast<size_t>(part));
@@ -104,12 +102,10 @@ Tensor heads_to_sequence(const Tensor& x_h, const int64_t X, const int64_t d, co
     cp.all_to_all_v(x_h, counts, received, counts);
   }
   Tensor out = activations({rows, X, d});
-  const float* src = received.data<float>();
-  float* dst = out.data<float>();
-  for (int j = 0; j < P; ++j) {
-    for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(dst + (r * X + j * Xp) * d, src + j * part + r * Xp * d, sizeof(float) * static_cast<size_t>(Xp * d));
-    }
+  Tensor out_rows = out.view({rows, X * d});
+  for (int j = 0; j < P; ++j) {  // block j of the received buffer: head group j of every row
+    const Tensor block = received.view({P * rows, Xp * d}).slice_rows(j * rows, (j + 1) * rows);
+    ops::copy_columns(out_rows, X * d, j * Xp * d, block, Xp * d, 0, Xp * d);
   }
   return out;
 }

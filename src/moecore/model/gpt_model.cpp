@@ -1,7 +1,6 @@
 #include "moecore/model/gpt_model.h"
 
 #include <algorithm>
-#include <cstring>
 #include <stdexcept>
 
 #include "moecore/model/kv_cache.h"
@@ -548,9 +547,7 @@ Tensor GPTModel::last_logits(const int32_t* tokens_BS, const int64_t B, const in
   options.training = false;
   forward(unused, tokens_BS, nullptr, nullptr, B, S, options, &logits_SBV);
   const int64_t V = config_.vocab_size;
-  Tensor out_BV(std::vector<int64_t>{B, V}, DType::kF32);
-  std::memcpy(out_BV.data<float>(), logits_SBV.data<float>() + (S - 1) * B * V, sizeof(float) * B * V);
-  return out_BV;
+  return logits_SBV.view({S * B, V}).slice_rows((S - 1) * B, S * B).clone();
 }
 
 Tensor GPTModel::decode_logits(KvCache& cache, const std::span<const int32_t> new_tokens) {

@@ -1,11 +1,11 @@
 #include "moecore/model/kv_cache.h"
 
 #include <algorithm>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "moecore/model/gpt_model.h"
+#include "moecore/ops/rows.h"
 
 namespace moecore {
 namespace {
@@ -20,13 +20,20 @@ void write_rows(Tensor& cache_SX, const std::span<const int64_t> positions, cons
     throw std::logic_error("KvCache: " + new_TX.shape_str() + " is not one row of " + std::to_string(width) +
                            " values per new position");
   }
-  for (size_t i = 0; i < positions.size(); ++i) {
-    if (positions[i] < 0 || positions[i] >= rows) {
-      throw std::logic_error("KvCache: position " + std::to_string(positions[i]) + " is outside the cache of " +
+  for (const int64_t position : positions) {
+    if (position < 0 || position >= rows) {
+      throw std::logic_error("KvCache: position " + std::to_string(position) + " is outside the cache of " +
                              std::to_string(rows) + " positions");
     }
-    std::memcpy(cache_SX.data<float>() + positions[i] * width, new_TX.data<float>() + static_cast<int64_t>(i) * width,
-                sizeof(float) * static_cast<size_t>(width));
+  }
+  const auto n = static_cast<int64_t>(positions.size());
+  const Tensor new_rows = new_TX.view({n, width});
+  for (int64_t i = 0; i < n;) {  // runs of consecutive positions, one copy each
+    int64_t end = i + 1;
+    while (end < n && positions[end] == positions[end - 1] + 1) ++end;
+    Tensor dst = cache_SX.slice_rows(positions[i], positions[i] + (end - i));
+    ops::copy_columns(dst, width, 0, new_rows.slice_rows(i, end), width, 0, width);
+    i = end;
   }
 }
 

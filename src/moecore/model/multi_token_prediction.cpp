@@ -1,7 +1,6 @@
 #include "moecore/model/multi_token_prediction.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "moecore/ops/dropout.h"
 #include "moecore/ops/elementwise.h"
@@ -99,10 +98,7 @@ Tensor MultiTokenPrediction::project(const size_t depth, const Tensor& cat_T2H, 
   const Tensor gathered = tp_.all_gather_rows(y_TO);  // rank r's [T, O] block at rows r T
   Tensor z_TH = activation_tensor({T, H});
   for (int r = 0; r < tp_.size(); ++r) {
-    for (int64_t t = 0; t < T; ++t) {
-      std::memcpy(z_TH.data<float>() + t * H + r * O, gathered.data<float>() + (r * T + t) * O,
-                  sizeof(float) * static_cast<size_t>(O));
-    }
+    ops::copy_columns(z_TH, H, r * O, gathered.view({tp_.size() * T, O}).slice_rows(r * T, (r + 1) * T), O, 0, O);
   }
   return tp_.sequence_sharded() ? tp_.split_rows(z_TH) : z_TH;
 }
