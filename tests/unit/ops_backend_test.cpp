@@ -943,6 +943,11 @@ TEST(OpsDevices, EachDeviceRunsItsOwnKernels) {
   } catch (const std::invalid_argument& error) {
     EXPECT_EQ(std::string(error.what()).rfind("linear_forward: ", 0), 0u) << error.what();
   }
+  // The GEMM library a device's log line names is its own table's.
+  EXPECT_EQ(gemm_library(Device::kReference), "naive reference loops");
+  EXPECT_EQ(gemm_lowp_library(DType::kBF16, Device::kReference), "fp32 conversion + naive reference loops");
+  EXPECT_NE(gemm_library(Device::kCPU).find("sgemm"), std::string::npos) << gemm_library(Device::kCPU);
+  EXPECT_THROW(gemm_library(Device::kCUDA), std::invalid_argument);
 }
 
 // The chunk size bounds the transient logits and changes nothing else: losses and gradients from chunks of 1, 3 and

@@ -94,6 +94,8 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, linear_forward_lowp)         \
     MOECORE_FORWARD(ns, linear_backward_lowp)        \
     MOECORE_FORWARD(ns, lowp_gemm_native)            \
+    MOECORE_FORWARD(ns, gemm_library)                \
+    MOECORE_FORWARD(ns, gemm_lowp_library)           \
     MOECORE_FORWARD(ns, encode_bf16)                 \
     MOECORE_FORWARD(ns, encode_fp16)                 \
     MOECORE_FORWARD(ns, decode_bf16)                 \

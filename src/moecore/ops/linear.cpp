@@ -336,10 +336,17 @@ void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const
   detail::round_activations({dinp_TI});  // weight and bias gradients stay fp32 (main grads)
 }
 
-std::string gemm_library() { return kernels::cpu::gemm_library(); }
+std::string gemm_library(const Device device) {
+  std::string name;
+  detail::with_kernels("gemm_library", device, [&](auto k) { name = k.gemm_library(); });
+  return name;
+}
 
-std::string gemm_lowp_library(const DType dtype) {
-  return kernels::cpu::gemm_lowp_library(lowp_type("gemm_lowp_library", dtype));
+std::string gemm_lowp_library(const DType dtype, const Device device) {
+  const kernels::LowpType type = lowp_type("gemm_lowp_library", dtype);
+  std::string name;
+  detail::with_kernels("gemm_lowp_library", device, [&](auto k) { name = k.gemm_lowp_library(type); });
+  return name;
 }
 
 }  // namespace moecore::ops

@@ -29,11 +29,11 @@ void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const
                      const Tensor& weight_OI, quant::DelayedLinearScaling* delayed = nullptr,
                      const quant::DelayedForwardScales* forward_scales = nullptr);
 
-// The fp32 GEMM library of the fast backend and the kernel family it picked for this CPU (the training log's first
+// The fp32 GEMM library of a device's kernels and, on the CPU, the kernel family it picked (the training log's first
 // lines name it), e.g. "oneDNN 2.6.3 sgemm, AVX-512 kernels".
-std::string gemm_library();
+std::string gemm_library(Device device = Device::kCPU);
 // The same for bf16 or fp16 GEMMs: the path MOECORE_LOWP_GEMM or the CPU chose, e.g. "oneDNN 2.6.3 bf16 matmul,
 // brg:avx512_core_bf16 kernels" or "fp16 -> fp32 conversion (AVX-512 BF16) + oneDNN 2.6.3 sgemm, ...".
-std::string gemm_lowp_library(DType dtype);
+std::string gemm_lowp_library(DType dtype, Device device = Device::kCPU);
 
 }  // namespace moecore::ops

@@ -32,7 +32,8 @@ std::string gemm_library();
 }  // namespace cpu
 namespace ref {
 MOECORE_GEMM_DECL
-}
+inline std::string gemm_library() { return "naive reference loops"; }
+}  // namespace ref
 #undef MOECORE_GEMM_DECL
 
 }  // namespace moecore::kernels

@@ -86,6 +86,7 @@ namespace ref {
 MOECORE_GEMM_LOWP_DECL
 // The reference always takes the fp32 "convert" path.
 inline bool lowp_gemm_native(LowpType) { return false; }
+inline std::string gemm_lowp_library(LowpType) { return "fp32 conversion + naive reference loops"; }
 }  // namespace ref
 #undef MOECORE_GEMM_LOWP_DECL
 
