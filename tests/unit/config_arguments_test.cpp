@@ -476,6 +476,23 @@ TEST(TrainArguments, ProfileFlags) {
             "--profile-ranks: rank 1 is not in the world of 1 processes");
 }
 
+// Offloading moves GPU memory to the host: on moecore's host tensors it has no meaning, and the error says so.
+TEST(TrainArguments, OffloadingFlagsAreRefusedOnTheHost) {
+  const auto offloading = offloading_megatron_flags();
+  EXPECT_GE(offloading.size(), 10u);
+  for (const std::string_view flag : offloading) {
+    EXPECT_EQ(error_of(with(minimal(), {std::string(flag), "1"})),
+              std::string(flag) +
+                  " offloads GPU memory to the host; moecore's tensors already live in host memory, so there is "
+                  "nothing to offload");
+    EXPECT_FALSE(is_unimplemented_megatron_flag(flag)) << flag;
+  }
+  EXPECT_EQ(error_of(with(minimal(), {"--optimizer-cpu-ofload"})),
+            "unknown flag --optimizer-cpu-ofload (did you mean --optimizer-cpu-offload?)");
+  const std::vector<std::string> implemented = implemented_train_flags();
+  for (const std::string& flag : implemented) EXPECT_EQ(offloading_refusal(flag), "") << flag;
+}
+
 TEST(TrainArguments, CatalogIsLargeAndDisjointFromImplementedFlags) {
   const auto catalog = unimplemented_megatron_flags();
   EXPECT_GE(catalog.size(), 80u);

@@ -106,6 +106,18 @@ TEST(FlagParser, MegatronOnlyHook) {
             "unknown flag --moe-latent-sizes (did you mean --moe-latent-size?)");
 }
 
+TEST(FlagParser, RefusalHookComesFirst) {
+  FlagParserOptions options;
+  options.is_megatron_only = [](const std::string_view) { return true; };
+  options.refusal = [](const std::string_view name) {
+    return name == "--optimizer-cpu-offload" ? std::string("--optimizer-cpu-offload has no meaning here") : "";
+  };
+  options.megatron_names = {"--optimizer-cpu-offload", "--moe-latent-size"};
+  EXPECT_EQ(error_of({"--optimizer-cpu-offload"}, options), "--optimizer-cpu-offload has no meaning here");
+  EXPECT_EQ(error_of({"--moe-latent-size", "3"}, options),
+            "--moe-latent-size is a Megatron flag that moecore does not implement yet");
+}
+
 TEST(FlagParser, MissingValues) {
   EXPECT_EQ(error_of({"--num-layers"}), "--num-layers expects a value (N)");
   EXPECT_EQ(error_of({"--num-layers", "--fast"}), "--num-layers expects a value (N)");

@@ -592,6 +592,8 @@ TrainingArgs parse_train_args(const std::vector<std::string>& args, const int wo
   FlagParserOptions options;
   options.is_megatron_only = [](const std::string_view name) { return is_unimplemented_megatron_flag(name); };
   for (const std::string_view flag : unimplemented_megatron_flags()) options.megatron_names.emplace_back(flag);
+  options.refusal = [](const std::string_view name) { return offloading_refusal(name); };
+  for (const std::string_view flag : offloading_megatron_flags()) options.megatron_names.emplace_back(flag);
   try {
     const ParsedFlags flags = parse_flags(flag_table(), args, parsed, options);
     if (flags.help_requested) {

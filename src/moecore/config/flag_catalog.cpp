@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <string>
 
 namespace moecore {
 namespace {
@@ -55,7 +56,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--recompute-method",
     "--recompute-num-layers",
     "--recompute-modules",
-    "--cpu-offloading-num-layers",
     "--no-clone-scatter-output-in-embedding",
     "--iterations-to-skip",
     "--result-rejected-tracker-filename",
@@ -90,13 +90,7 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--cross-entropy-fusion-impl",
     "--use-flash-attn",
     "--add-qkv-bias",
-    "--optimizer-cpu-offload",
-    "--optimizer-offload-fraction",
-    "--use-torch-optimizer-for-cpu-offload",
-    "--overlap-cpu-optimizer-d2h-h2d",
     "--dump-param-to-param-group-map",
-    "--no-pin-cpu-grads",
-    "--no-pin-cpu-params",
     "--dataloader-type",
     "--no-async-tensor-model-parallel-allreduce",
     "--no-persist-layer-norm",
@@ -361,9 +355,36 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--titles-data-path",
 });
 
+// Megatron's offloading flags (arguments.py's optimizer CPU offload, TransformerConfig's cpu_offloading and
+// fine-grained activation offloading): they move GPU memory (activations, weights, optimizer states) to host memory.
+constexpr auto kOffloadingFlags = std::to_array<std::string_view>({
+    "--cpu-offloading-num-layers",
+    "--fine-grained-activation-offloading",
+    "--offload-modules",
+    "--min-offloaded-tensor-size",
+    "--delay-offload-until-cuda-graph",
+    "--delta-offload-bytes-across-pp-ranks",
+    "--activation-offload-fraction",
+    "--optimizer-cpu-offload",
+    "--optimizer-offload-fraction",
+    "--use-torch-optimizer-for-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d",
+    "--no-pin-cpu-grads",
+    "--no-pin-cpu-params",
+});
+
 }  // namespace
 
 std::span<const std::string_view> unimplemented_megatron_flags() { return kUnimplementedFlags; }
+
+std::span<const std::string_view> offloading_megatron_flags() { return kOffloadingFlags; }
+
+std::string offloading_refusal(const std::string_view flag) {
+  if (std::find(kOffloadingFlags.begin(), kOffloadingFlags.end(), flag) == kOffloadingFlags.end()) return {};
+  return std::string(flag) +
+         " offloads GPU memory to the host; moecore's tensors already live in host memory, so there is nothing to "
+         "offload";
+}
 
 bool is_unimplemented_megatron_flag(const std::string_view flag) {
   return std::find(kUnimplementedFlags.begin(), kUnimplementedFlags.end(), flag) != kUnimplementedFlags.end();

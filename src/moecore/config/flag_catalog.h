@@ -8,6 +8,7 @@
 #pragma once
 
 #include <span>
+#include <string>
 #include <string_view>
 
 namespace moecore {
@@ -17,5 +18,10 @@ std::span<const std::string_view> unimplemented_megatron_flags();
 
 // True when `flag` (with "--") is in the catalog.
 bool is_unimplemented_megatron_flag(std::string_view flag);
+
+// Megatron's offloading flags, refused for a reason of their own: offloading moves GPU memory to the host, where
+// moecore's tensors already are. offloading_refusal gives the one-line error for one of them, else "".
+std::span<const std::string_view> offloading_megatron_flags();
+std::string offloading_refusal(std::string_view flag);
 
 }  // namespace moecore

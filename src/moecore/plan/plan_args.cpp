@@ -339,7 +339,10 @@ PlanArgs parse_plan_flags(const std::vector<std::string>& args) {
   for (const std::string& token : p.rest) {
     if (!looks_like_train_flag(token)) continue;
     const std::string flag = token.substr(0, token.find('='));
-    if (std::find(known.begin(), known.end(), flag) != known.end() || is_unimplemented_megatron_flag(flag)) continue;
+    if (std::find(known.begin(), known.end(), flag) != known.end() || is_unimplemented_megatron_flag(flag) ||
+        !offloading_refusal(flag).empty()) {
+      continue;
+    }
     const std::string closest = closest_flag(flag, known);
     throw ConfigError("unknown flag " + flag + (closest.empty() ? "" : " (did you mean " + closest + "?)"));
   }

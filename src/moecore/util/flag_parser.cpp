@@ -148,6 +148,9 @@ std::string expand_prefix(const std::vector<FlagRow>& rows, const std::string& n
 
 [[noreturn]] void throw_unknown(const std::vector<FlagRow>& rows, const std::string& name,
                                 const FlagParserOptions& options) {
+  if (options.refusal) {
+    if (std::string reason = options.refusal(name); !reason.empty()) throw FlagError(reason);
+  }
   if (options.is_megatron_only && options.is_megatron_only(name)) {
     throw FlagError(name + " is a Megatron flag that moecore does not implement yet");
   }

@@ -91,6 +91,9 @@ struct FlagParserOptions {
   // Names a Megatron flag the command does not implement: "... is a Megatron flag that moecore does not implement
   // yet" instead of "unknown flag"; these names are did-you-mean candidates too.
   std::function<bool(std::string_view)> is_megatron_only;
+  // Names a Megatron flag the command refuses for a reason of its own: the whole one-line error, or "" for others.
+  // Checked before is_megatron_only; list such flags in megatron_names too.
+  std::function<std::string(std::string_view)> refusal;
   std::vector<std::string> megatron_names;  // did-you-mean candidates besides the table
   // When set, tokens that are no flag of the table (unknown flags, their values, stray tokens) are handed to it in
   // order instead of refused: a command that passes them on to another parser, as `moecore plan` to train's.
