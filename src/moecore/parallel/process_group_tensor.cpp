@@ -63,6 +63,13 @@ std::span<const T> elements(const Tensor& t) {
   return {t.data<T>(), static_cast<size_t>(t.numel())};
 }
 
+// Both on a host device, of one dtype.
+void check_input_output(const char* op, const Tensor& input, const Tensor& output) {
+  check_host(op, input, "input");
+  check_host(op, output, "output");
+  check_same_dtype(op, input, output);
+}
+
 // input.numel() == size x output.numel() (reduce-scatter) or output.numel() == size x input.numel() (all-gather).
 void check_chunks(const char* op, const Tensor& whole, const char* whole_name, const Tensor& chunk, const int size) {
   check_numel(op, whole, whole_name, chunk.numel() * size);
@@ -83,9 +90,7 @@ Work ProcessGroup::all_reduce_async(Tensor& data, const ReduceOp op) const {
 
 void ProcessGroup::reduce_scatter(const Tensor& input, Tensor& output, const ReduceOp op) const {
   constexpr const char* name = "reduce_scatter";
-  check_host(name, input, "input");
-  check_host(name, output, "output");
-  check_same_dtype(name, input, output);
+  check_input_output(name, input, output);
   check_chunks(name, input, "input", output, size_);
   with_element(name, input.dtype(), Use::kReduce,
                [&]<typename T>(T) { reduce_scatter<T>(elements<T>(input), elements<T>(output), op); });
@@ -93,9 +98,7 @@ void ProcessGroup::reduce_scatter(const Tensor& input, Tensor& output, const Red
 
 Work ProcessGroup::reduce_scatter_async(const Tensor& input, Tensor& output, const ReduceOp op) const {
   constexpr const char* name = "reduce_scatter_async";
-  check_host(name, input, "input");
-  check_host(name, output, "output");
-  check_same_dtype(name, input, output);
+  check_input_output(name, input, output);
   check_chunks(name, input, "input", output, size_);
   return with_element(name, input.dtype(), Use::kReduce, [&]<typename T>(T) {
     return reduce_scatter_async<T>(elements<T>(input), elements<T>(output), op);
@@ -104,9 +107,7 @@ Work ProcessGroup::reduce_scatter_async(const Tensor& input, Tensor& output, con
 
 void ProcessGroup::all_gather(const Tensor& input, Tensor& output) const {
   constexpr const char* name = "all_gather";
-  check_host(name, input, "input");
-  check_host(name, output, "output");
-  check_same_dtype(name, input, output);
+  check_input_output(name, input, output);
   check_chunks(name, output, "output", input, size_);
   with_element(name, input.dtype(), Use::kMove,
                [&]<typename T>(T) { all_gather<T>(elements<T>(input), elements<T>(output)); });
@@ -114,9 +115,7 @@ void ProcessGroup::all_gather(const Tensor& input, Tensor& output) const {
 
 Work ProcessGroup::all_gather_async(const Tensor& input, Tensor& output) const {
   constexpr const char* name = "all_gather_async";
-  check_host(name, input, "input");
-  check_host(name, output, "output");
-  check_same_dtype(name, input, output);
+  check_input_output(name, input, output);
   check_chunks(name, output, "output", input, size_);
   return with_element(name, input.dtype(), Use::kMove,
                       [&]<typename T>(T) { return all_gather_async<T>(elements<T>(input), elements<T>(output)); });
@@ -125,9 +124,7 @@ Work ProcessGroup::all_gather_async(const Tensor& input, Tensor& output) const {
 void ProcessGroup::all_to_all_v(const Tensor& input, const std::span<const size_t> send_counts, Tensor& output,
                                 const std::span<const size_t> recv_counts) const {
   constexpr const char* name = "all_to_all_v";
-  check_host(name, input, "input");
-  check_host(name, output, "output");
-  check_same_dtype(name, input, output);
+  check_input_output(name, input, output);
   with_element(name, input.dtype(), Use::kMove, [&]<typename T>(T) {
     all_to_all_v<T>(elements<T>(input), send_counts, elements<T>(output), recv_counts);
   });
@@ -136,9 +133,7 @@ void ProcessGroup::all_to_all_v(const Tensor& input, const std::span<const size_
 Work ProcessGroup::all_to_all_v_async(const Tensor& input, const std::span<const size_t> send_counts, Tensor& output,
                                       const std::span<const size_t> recv_counts) const {
   constexpr const char* name = "all_to_all_v_async";
-  check_host(name, input, "input");
-  check_host(name, output, "output");
-  check_same_dtype(name, input, output);
+  check_input_output(name, input, output);
   return with_element(name, input.dtype(), Use::kMove, [&]<typename T>(T) {
     return all_to_all_v_async<T>(elements<T>(input), send_counts, elements<T>(output), recv_counts);
   });
@@ -191,9 +186,7 @@ Work ProcessGroup::all_reduce_16bit_async(Tensor& data) const {
 
 Work ProcessGroup::reduce_scatter_16bit_async(const Tensor& input, Tensor& output) const {
   constexpr const char* name = "reduce_scatter_16bit_async";
-  check_host(name, input, "input");
-  check_host(name, output, "output");
-  check_same_dtype(name, input, output);
+  check_input_output(name, input, output);
   check_16bit(name, input);
   check_chunks(name, input, "input", output, size_);
   return reduce_scatter_16bit_async(elements<uint16_t>(input), elements<uint16_t>(output), input.dtype());
