@@ -11,6 +11,15 @@
 #include "moecore/ops/quantization.h"
 
 namespace moecore {
+
+void ExpertMLP::drop_activation(ExpertActivations & /*saved*/) const {
+  throw std::logic_error("moe_act recompute needs the grouped experts (--moe-grouped-gemm)");
+}
+
+void ExpertMLP::recompute_activation(ExpertActivations & /*saved*/) const {
+  throw std::logic_error("moe_act recompute needs the grouped experts (--moe-grouped-gemm)");
+}
+
 namespace experts_detail {
 
 std::vector<int64_t> expert_offsets(const std::vector<int64_t> &tokens_per_expert_E, const int64_t E) {

@@ -46,6 +46,11 @@ class ExpertMLP {
   // Accumulates dx_RH [R, H] and the expert parameters' gradients; OVERWRITES dprobs_R [R] (d objective / d prob
   // per row).
   virtual void backward(Tensor& dx_RH, Tensor& dprobs_R, const Tensor& dy_RH, const ExpertActivations& saved) = 0;
+  // --recompute-modules moe_act (Megatron's, grouped experts only): drop_activation frees fc2's input (the
+  // activation output) once forward is done; recompute_activation rebuilds it from the kept fc1 output before
+  // backward. std::logic_error where the experts do not support it.
+  virtual void drop_activation(ExpertActivations& saved) const;
+  virtual void recompute_activation(ExpertActivations& saved) const;
 };
 
 // --moe-grouped-gemm: GroupedMLP (all local experts in one grouped GEMM over variable row counts),
