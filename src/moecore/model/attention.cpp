@@ -5,12 +5,13 @@
 #include "moecore/model/rotary_embedding.h"
 #include "moecore/ops/attention.h"
 #include "moecore/ops/rows.h"
+#include "moecore/ops/precision.h"
 
 namespace moecore {
 namespace {
 
 Tensor activation_tensor(std::vector<int64_t> shape) {
-  return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
+  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
 }
 
 }  // namespace

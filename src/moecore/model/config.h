@@ -10,6 +10,7 @@
 #include "moecore/model/recompute_config.h"
 #include "moecore/moe/moe_config.h"
 #include "moecore/ops/activation.h"
+#include "moecore/ops/precision.h"
 #include "moecore/quant/quantized_gemm.h"
 #include "moecore/tensor/dtype.h"
 
@@ -92,6 +93,9 @@ struct ModelConfig {
   // Megatron's params_dtype: kF32, or kBF16 / kF16 with --bf16 / --fp16 (weights and activations hold values of that
   // dtype; the optimizer keeps fp32 main parameters).
   DType params_dtype = DType::kF32;
+  // Under --bf16 / --fp16, activations are bf16 / fp16 tensors (k16Bit, Megatron's Float16Module); kF32 keeps them in
+  // fp32 tensors holding the same 16-bit values (not a flag: tests train both ways and compare bit for bit).
+  ops::ActivationStorage activation_storage = ops::ActivationStorage::k16Bit;
   // --fp8-format / --fp8-recipe or --fp4-format / --fp4-recipe: the recipe the decoder layers' linear layers and
   // experts quantize their GEMMs with (ops/quantization.h); unset: high precision.
   std::optional<quant::QuantizedLinearConfig> quantization;

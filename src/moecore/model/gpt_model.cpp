@@ -45,6 +45,11 @@ uint64_t layer_stream(const uint64_t stream, const int64_t layer) {
 }
 
 Tensor activation_tensor(std::vector<int64_t> shape) {
+  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
+}
+
+// Losses, their gradients, log-sum-exps and weight gradients stay fp32 under --bf16 / --fp16, as Megatron's.
+Tensor fp32_tensor(std::vector<int64_t> shape) {
   return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
 }
 
@@ -248,20 +253,20 @@ double GPTModel::output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH
   ctx.final_out_TH = activation_tensor(hidden_TH.shape());
   ctx.final_stats = m.final_norm.forward(ctx.final_out_TH, hidden_TH);
   const int64_t T = ctx.S * ctx.B;
-  Tensor losses_T = activation_tensor({T});
+  Tensor losses_T = fp32_tensor({T});
   if (with_labels && logits_SBV == nullptr) {
     // Fused: the [T, V] logits live one chunk at a time; a training forward also forms the loss's gradients.
     const Tensor input_TH = m.output_layer.gather_input(ctx.final_out_TH);
     const Tensor& weight_VH = m.output_layer.weight().value;
     Tensor dlosses_T;
     if (ctx.training) {
-      dlosses_T = activation_tensor({T});
+      dlosses_T = fp32_tensor({T});
       for (int64_t t = 0; t < T; ++t) {
         dlosses_T.data<float>()[t] =
             static_cast<float>(ctx.loss_weight_SB[static_cast<size_t>(t)] * ctx.output_grad_seed);
       }
       ctx.output_dinput_TH = activation_tensor(input_TH.shape());
-      ctx.output_dweight_VH = activation_tensor(weight_VH.shape());
+      ctx.output_dweight_VH = fp32_tensor(weight_VH.shape());
     }
     const ops::VocabShard shard = m.cross_entropy.shard();
     const int64_t chunk_rows = ops::linear_cross_entropy_chunk_rows(T, weight_VH.dim(0), kLogitsChunkBytes);
@@ -272,7 +277,7 @@ double GPTModel::output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH
     ctx.logits_TV = m.output_layer.forward(ctx.final_out_TH, ctx.output_layer);
     if (logits_SBV) *logits_SBV = ctx.logits_TV.clone().view({ctx.S, ctx.B, ctx.logits_TV.dim(1)});
     if (!with_labels) return 0.0;
-    ctx.lse_T = activation_tensor({T});
+    ctx.lse_T = fp32_tensor({T});
     m.cross_entropy.forward(losses_T, ctx.lse_T, ctx.logits_TV, ctx.labels_SB);
   }
   double loss = 0.0;
@@ -297,7 +302,7 @@ Tensor GPTModel::output_and_loss_backward(MicroBatchContext& ctx, const double l
     dfinal_TH = m.output_layer.reduce_input_grad(ctx.output_dinput_TH);
     ctx.output_dinput_TH = Tensor();
   } else {
-    Tensor dlosses_T = activation_tensor({T});
+    Tensor dlosses_T = fp32_tensor({T});
     for (int64_t t = 0; t < T; ++t) {
       dlosses_T.data<float>()[t] = static_cast<float>(ctx.loss_weight_SB[static_cast<size_t>(t)] * loss_scale);
     }
@@ -351,7 +356,7 @@ void GPTModel::recompute_checkpoint(MicroBatchContext& ctx, const int64_t begin,
 double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int32_t* tokens_BS,
                          const int32_t* labels_BS, const float* loss_mask_BS, const int64_t B, const int64_t S,
                          const ForwardOptions& options, Tensor* logits_SBV) {
-  const ops::ScopedActivationDType precision(config_.params_dtype);
+  const ops::ScopedActivationDType precision(config_.params_dtype, Device::kCPU, config_.activation_storage);
   if (config_.position_embedding_type == PositionEmbedding::kLearnedAbsolute && S > config_.max_position_embeddings) {
     throw std::invalid_argument("sequence length " + std::to_string(S) + " exceeds --max-position-embeddings");
   }
@@ -460,7 +465,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
 
 Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double loss_scale,
                           const Tensor* output_grad_TH) {
-  const ops::ScopedActivationDType precision(config_.params_dtype);
+  const ops::ScopedActivationDType precision(config_.params_dtype, Device::kCPU, config_.activation_storage);
   if (!ctx || !ctx->training || ctx->chunk < 0 || ctx->chunk >= num_chunks()) {
     throw std::logic_error("backward needs the context of a training forward");
   }
@@ -608,7 +613,7 @@ Tensor GPTModel::decode_logits(KvCache& cache, const std::span<const int32_t> ne
       start + T > config_.max_position_embeddings) {
     throw std::invalid_argument("sequence length " + std::to_string(start + T) + " exceeds --max-position-embeddings");
   }
-  const ops::ScopedActivationDType precision(config_.params_dtype);
+  const ops::ScopedActivationDType precision(config_.params_dtype, Device::kCPU, config_.activation_storage);
   const Modules& m = *modules_;
   Tensor emb_TH = m.word_embeddings.forward(new_tokens);
   if (m.position_embeddings) ops::add_position_embedding(emb_TH, m.position_embeddings->value, 1, start);

@@ -16,6 +16,11 @@ namespace {
 constexpr int64_t kLogitsChunkBytes = int64_t{64} << 20;
 
 Tensor activation_tensor(std::vector<int64_t> shape) {
+  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
+}
+
+// Losses, their gradients and weight gradients stay fp32 under --bf16 / --fp16, as Megatron's.
+Tensor fp32_tensor(std::vector<int64_t> shape) {
   return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
 }
 
@@ -125,7 +130,7 @@ std::vector<double> MultiTokenPrediction::forward(const Tensor& h0_TH, const Mtp
   saved.grad_seed = options.backward_seed;
   if (options.training) {
     saved.depths.resize(static_cast<size_t>(D));
-    saved.output_dweight_VH = activation_tensor(output_layer_->weight().value.shape());
+    saved.output_dweight_VH = fp32_tensor(output_layer_->weight().value.shape());
   }
   std::vector<double> losses;
   Tensor hidden_TH = h0_TH;
@@ -169,10 +174,10 @@ std::vector<double> MultiTokenPrediction::forward(const Tensor& h0_TH, const Mtp
     const double per_token = 1.0 / std::max(unmasked, 1.0);
     const Tensor input_TH = output_layer_->gather_input(hidden_TH);
     const Tensor& weight_VH = output_layer_->weight().value;
-    Tensor losses_T = activation_tensor({T});
+    Tensor losses_T = fp32_tensor({T});
     Tensor dlosses_T;
     if (options.training) {
-      dlosses_T = activation_tensor({T});
+      dlosses_T = fp32_tensor({T});
       for (int64_t t = 0; t < T; ++t) {
         dlosses_T.data<float>()[t] =
             static_cast<float>(mask[static_cast<size_t>(t)] * weight * per_token * options.backward_seed);

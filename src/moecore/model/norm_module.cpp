@@ -5,6 +5,7 @@
 #include <optional>
 #include <utility>
 
+#include "moecore/ops/convert.h"
 #include "moecore/ops/norm.h"
 
 namespace moecore {
@@ -64,9 +65,14 @@ NormStats NormModule::forward(Tensor& out_RD, const Tensor& inp_RD) const {
   return stats;
 }
 
-void NormModule::record_overflow(const Tensor& inp_RD, const Tensor& rstd_R) const {
+void NormModule::record_overflow(const Tensor& inp_16_RD, const Tensor& rstd_R) const {
   // Only finite rows: a row holding Inf or NaN makes a NaN output, which the loss check reports.
   const int64_t D = weight_->value.numel();
+  Tensor inp_RD = inp_16_RD;  // a 16-bit activation read in fp32 (exact)
+  if (inp_16_RD.dtype() == DType::kBF16 || inp_16_RD.dtype() == DType::kF16) {
+    inp_RD = Tensor(inp_16_RD.shape(), DType::kF32, MemCategory::kOther, inp_16_RD.device());
+    ops::convert(inp_RD, inp_16_RD);
+  }
   const std::optional<double> largest =
       inp_RD.dtype() == DType::kF64
           ? largest_overflowed_row(inp_RD.data<double>(), rstd_R.data<double>(), rstd_R.numel(), D)

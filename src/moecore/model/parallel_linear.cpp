@@ -4,13 +4,14 @@
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/linear.h"
 #include "moecore/ops/rows.h"
+#include "moecore/ops/precision.h"
 #include "moecore/parallel/process_group.h"
 
 namespace moecore {
 namespace {
 
 Tensor activation_tensor(std::vector<int64_t> shape) {
-  return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
+  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
 }
 
 void check_divisible(const std::string& name, const int64_t features, const int64_t parts, const char* what) {

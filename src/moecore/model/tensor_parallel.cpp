@@ -19,8 +19,8 @@ Tensor activation_like(const Tensor& t, const int64_t rows) {
 }
 
 void require_fp32(const Tensor& t, const char* what) {
-  if (t.dtype() != DType::kF32)
-    throw std::invalid_argument(std::string(what) + ": tensor-parallel collectives take fp32");
+  if (t.dtype() != DType::kF32 && t.dtype() != ops::activation_dtype())
+    throw std::invalid_argument(std::string(what) + ": tensor-parallel collectives take fp32 or the 16-bit activations");
 }
 
 // Under --bf16 / --fp16 activations hold 16-bit values (ops/precision.h), so the tensor-parallel collectives move
@@ -28,10 +28,17 @@ void require_fp32(const Tensor& t, const char* what) {
 // sum (ProcessGroup::all_reduce_16bit_async). kF32 outside a 16-bit scope.
 DType wire_dtype() { return ops::activation_dtype(); }
 
+// x itself when it is stored in the wire dtype (16-bit activations, ops/precision.h), else a converted copy.
 Tensor to_wire(const Tensor& x, const DType wire) {
+  if (x.dtype() == wire) return x;
   Tensor bits(x.shape(), wire, MemCategory::kActivations, x.device());
   ops::convert(bits, x);
   return bits;
+}
+
+// Copies the wire tensor back into `x` unless they are one tensor.
+void from_wire(Tensor& x, const Tensor& bits) {
+  if (!x.shares_storage(bits)) ops::convert(x, bits);
 }
 
 void add_bytes(const int64_t elements, const DType wire) {
@@ -67,7 +74,7 @@ Tensor TensorParallel::all_gather_rows(const Tensor& shard_RW) const {
     const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
     group_.all_gather(shard_bits, full_bits);
   }
-  ops::convert(full, full_bits);
+  from_wire(full, full_bits);
   return full;
 }
 
@@ -92,7 +99,7 @@ Tensor TensorParallel::reduce_scatter_rows(const Tensor& full_RW) const {
     const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
     group_.reduce_scatter_16bit_async(full_bits, shard_bits).wait();
   }
-  ops::convert(shard, shard_bits);
+  from_wire(shard, shard_bits);
   return shard;
 }
 
@@ -118,7 +125,7 @@ void TensorParallel::all_reduce_activations_(Tensor& x) const {
     const parallel::CommTimer timer(parallel::CommKind::kTensorParallel);
     group_.all_reduce_16bit_async(bits).wait();
   }
-  ops::convert(x, bits);
+  from_wire(x, bits);
 }
 
 Tensor TensorParallel::split_rows(const Tensor& full_RW) const {

@@ -5,6 +5,7 @@
 #include "moecore/ops/dropout.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/quantization.h"
+#include "moecore/ops/precision.h"
 #include "moecore/util/trace.h"
 
 namespace moecore {
@@ -25,7 +26,7 @@ ops::DropoutSpec dropout_spec(const LayerDropout& dropout, const double p, const
 }
 
 Tensor activation_tensor(std::vector<int64_t> shape) {
-  return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
+  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
 }
 
 // Hidden dropout over [rows, H] token rows: each run of rows draws at its one-process elements.

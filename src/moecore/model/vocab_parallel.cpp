@@ -2,12 +2,13 @@
 
 #include "moecore/model/config.h"
 #include "moecore/ops/loss.h"
+#include "moecore/ops/precision.h"
 
 namespace moecore {
 namespace {
 
 Tensor activation_tensor(std::vector<int64_t> shape) {
-  return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
+  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
 }
 
 }  // namespace
@@ -46,10 +47,10 @@ void VocabParallelCrossEntropy::forward(Tensor& losses_T, Tensor& lse_T, const T
     return;
   }
   const auto T = static_cast<int64_t>(targets_T.size());
-  Tensor max_T = activation_tensor({T});
+  Tensor max_T = Tensor({T}, DType::kF32, MemCategory::kActivations);
   ops::vocab_ce_local_max(max_T, logits_TVl);
   tp_.all_reduce_(max_T, parallel::ReduceOp::kMax);
-  Tensor stats_2T = activation_tensor({2 * T});
+  Tensor stats_2T = Tensor({2 * T}, DType::kF32, MemCategory::kActivations);
   ops::vocab_ce_local_stats(stats_2T, logits_TVl, max_T, targets_T, V_, vocab_begin_);
   tp_.all_reduce_(stats_2T);
   ops::vocab_ce_finish(losses_T, lse_T, max_T, stats_2T);

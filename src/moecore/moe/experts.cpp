@@ -8,6 +8,7 @@
 
 #include "moecore/moe/experts_internal.h"
 #include "moecore/ops/linear.h"
+#include "moecore/ops/precision.h"
 #include "moecore/ops/quantization.h"
 
 namespace moecore {
@@ -83,14 +84,14 @@ ExpertMLPBase::ExpertMLPBase(const MoEConfig &moe, const ModelConfig &model, con
 
 namespace {
 
-// Throws std::invalid_argument unless t is an fp32 tensor of `shape`'s elements.
+// Throws std::invalid_argument unless t is an fp32 / bf16 / fp16 tensor of `shape`'s elements.
 void check_rows(const char *name, const Tensor &t, const std::vector<int64_t> &shape) {
   int64_t n = 1;
   for (const int64_t d : shape) n *= d;
-  if (!t.defined() || t.dtype() != DType::kF32 || t.numel() != n) {
+  if (!t.defined() || !ops::activation_storage(t.dtype()) || t.numel() != n) {
     std::string want;
     for (const int64_t d : shape) want += (want.empty() ? "" : ", ") + std::to_string(d);
-    throw std::invalid_argument(std::string("experts: ") + name + " must be fp32 [" + want + "], got " +
+    throw std::invalid_argument(std::string("experts: ") + name + " must be fp32 / 16-bit [" + want + "], got " +
                                 (t.defined() ? t.shape_str() : std::string("none")));
   }
 }
@@ -107,7 +108,7 @@ Tensor ExpertMLPBase::forward(const Tensor &x_RH, const Tensor &probs_R,
   saved.tokens_per_expert_E = tokens_per_expert_E;
   saved.x_RH = x_RH.view({R, H_});
   saved.probs_R = probs_R.view({R});
-  Tensor y(std::vector<int64_t>{R, H_}, DType::kF32, MemCategory::kActivations);
+  Tensor y(std::vector<int64_t>{R, H_}, ops::activation_storage_dtype(), MemCategory::kActivations);
   run_forward(offsets_E1, y, saved);
   // FP8 delayed scaling: TE's GroupedLinear casts every expert's weight, and Megatron's SequentialMLP runs every
   // expert, with tokens or not, so an expert without rows still records its weights' amaxes (a forward of no rows).

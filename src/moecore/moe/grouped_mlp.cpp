@@ -15,6 +15,7 @@
 #include "moecore/ops/linear.h"
 #include "moecore/ops/quantization.h"
 #include "moecore/ops/rows.h"
+#include "moecore/ops/precision.h"
 #include "moecore/parallel/process_group.h"
 
 namespace moecore::experts_detail {
@@ -40,7 +41,7 @@ std::vector<RowTile> row_tiles(const std::vector<int64_t> &offsets_E1) {
 }
 
 Tensor activation_tensor(std::vector<int64_t> shape) {
-  return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
+  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
 }
 
 // Buffers of one backward call on the unfused path.

@@ -7,6 +7,7 @@
 
 #include "moecore/moe/routing_padding.h"
 #include "moecore/ops/elementwise.h"
+#include "moecore/ops/precision.h"
 #include "moecore/util/trace.h"
 
 namespace moecore {
@@ -33,7 +34,7 @@ MoELayer::MoELayer(const ModelConfig& config, const std::string& prefix, ParamSt
 namespace {
 
 Tensor activation_tensor(std::vector<int64_t> shape) {
-  return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
+  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
 }
 
 }  // namespace
@@ -42,8 +43,8 @@ Tensor MoELayer::forward(const Tensor& x_TH, const int64_t S, const int64_t B, c
                          const bool training, const uint64_t seed, const uint64_t key,
                          MoELayerActivations& saved) const {
   const int64_t T = S * B, H = config_.hidden_size;
-  if (!x_TH.defined() || x_TH.dtype() != DType::kF32 || x_TH.numel() != T * H) {
-    throw std::invalid_argument("MoE layer: x_TH must be fp32 [S*B, H] = [" + std::to_string(T) + ", " +
+  if (!x_TH.defined() || !ops::activation_storage(x_TH.dtype()) || x_TH.numel() != T * H) {
+    throw std::invalid_argument("MoE layer: x_TH must be fp32 / 16-bit [S*B, H] = [" + std::to_string(T) + ", " +
                                 std::to_string(H) + "], got " + (x_TH.defined() ? x_TH.shape_str() : "none"));
   }
   const Tensor x = x_TH.view({T, H});
@@ -99,13 +100,14 @@ Tensor MoELayer::backward(const Tensor& dout_TH, const Tensor& x_TH, const doubl
   // Local tokens over all experts; R rows of this rank's local experts (what the experts received).
   const int64_t T = saved.router.S * saved.router.B, H = config_.hidden_size, E = config_.moe.num_experts;
   const int64_t R = saved.experts.x_RH.dim(0);
-  if (!dout_TH.defined() || dout_TH.dtype() != DType::kF32 || dout_TH.numel() != T * H || !x_TH.defined() ||
+  if (!dout_TH.defined() || !ops::activation_storage(dout_TH.dtype()) || dout_TH.numel() != T * H || !x_TH.defined() ||
       x_TH.numel() != T * H) {
-    throw std::invalid_argument("MoE layer: dout_TH and x_TH must be fp32 [" + std::to_string(T) + ", " +
+    throw std::invalid_argument("MoE layer: dout_TH and x_TH must be fp32 / 16-bit [" + std::to_string(T) + ", " +
                                 std::to_string(H) + "]");
   }
   const Tensor dout = dout_TH.view({T, H}), x = x_TH.view({T, H});
-  Tensor dx_TH = activation_tensor({T, H});
+  // fp32: the router adds its gradient unrounded (router.cpp), as the fp32 main path does.
+  Tensor dx_TH({T, H}, DType::kF32, MemCategory::kActivations);
   Tensor dy_RH = activation_tensor({R, H});
   Tensor shared_dx_TH;
   if (overlap_shared_) {
@@ -123,7 +125,7 @@ Tensor MoELayer::backward(const Tensor& dout_TH, const Tensor& x_TH, const doubl
     dispatcher_->combine_backward(dy_RH, dout, state);
   }
   Tensor dx_RH = activation_tensor({R, H});
-  Tensor dprobs_R = activation_tensor({R});
+  Tensor dprobs_R({R}, DType::kF32, MemCategory::kActivations);  // probability gradients stay fp32
   {
     const trace::Scope scope("experts backward", "moe");
     experts_->backward(dx_RH, dprobs_R, dy_RH, saved.experts);
@@ -134,7 +136,7 @@ Tensor MoELayer::backward(const Tensor& dout_TH, const Tensor& x_TH, const doubl
     dispatcher_->dispatch_backward(dx_TH, dx_RH, state);
   }
   dx_RH = Tensor();
-  Tensor dprobs_TE = activation_tensor({T, E});
+  Tensor dprobs_TE({T, E}, DType::kF32, MemCategory::kActivations);
   {
     const trace::Scope scope("router backward", "moe");
     dispatcher_->probs_backward(dprobs_TE, dprobs_R, state);

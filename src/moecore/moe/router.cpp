@@ -163,7 +163,7 @@ RouterOutput TopKRouter::forward(const Tensor& x_TH, const int64_t S, const int6
   saved.rows = rows.count() == 0 ? TokenRows::contiguous(0, T) : rows;
   if (saved.rows.count() != T) throw std::invalid_argument("router: token rows do not match the input");
 
-  if (!x_TH.defined() || x_TH.dtype() != DType::kF32 || x_TH.numel() != T * hidden_) {
+  if (!x_TH.defined() || !ops::activation_storage(x_TH.dtype()) || x_TH.numel() != T * hidden_) {
     throw std::invalid_argument("router: the input must be fp32 [" + std::to_string(T) + ", " +
                                 std::to_string(hidden_) + "], got " + (x_TH.defined() ? x_TH.shape_str() : "none"));
   }
@@ -185,7 +185,7 @@ RouterOutput TopKRouter::recompute(const Tensor& x_TH, RouterActivations& saved)
   const ops::ScopedActivationDType router_precision(DType::kF32);
   const ops::ScopedLinearQuantization router_unquantized(nullptr);
   const int64_t T = saved.S * saved.B, E = config_.num_experts;
-  if (!x_TH.defined() || x_TH.dtype() != DType::kF32 || x_TH.numel() != T * hidden_) {
+  if (!x_TH.defined() || !ops::activation_storage(x_TH.dtype()) || x_TH.numel() != T * hidden_) {
     throw std::invalid_argument("router recompute: the input must be fp32 [" + std::to_string(T) + ", " +
                                 std::to_string(hidden_) + "]");
   }
@@ -218,7 +218,7 @@ void TopKRouter::jittered_input(RouterActivations& saved, const Tensor& x_TH) co
   const int64_t T = saved.S * saved.B, H = hidden_;
   saved.input_TH = Tensor({T, H}, DType::kF32, MemCategory::kActivations);
   if (config_.input_jitter_eps <= 0) {
-    saved.input_TH.copy_from(x_TH);
+    ops::convert(saved.input_TH, x_TH);  // a 16-bit input cast to fp32, exactly
     return;
   }
   ops::input_jitter_forward(saved.input_TH, x_TH, row_counters(saved.rows, H), H, jitter_spec(config_, saved));
@@ -413,7 +413,7 @@ void TopKRouter::backward(Tensor* dx_TH, const Tensor& dprobs_TE, const double a
   const ops::ScopedActivationDType router_precision(DType::kF32);
   const ops::ScopedLinearQuantization router_unquantized(nullptr);
   const int64_t T = saved.S * saved.B, H = hidden_, E = config_.num_experts;
-  if (dx_TH != nullptr && (dx_TH->dtype() != DType::kF32 || dx_TH->numel() != T * H)) {
+  if (dx_TH != nullptr && (!ops::activation_storage(dx_TH->dtype()) || dx_TH->numel() != T * H)) {
     throw std::invalid_argument("router backward: dx must be fp32 [" + std::to_string(T) + ", " + std::to_string(H) +
                                 "], got " + dx_TH->shape_str());
   }

@@ -10,19 +10,20 @@
 #include "moecore/ops/linear.h"
 #include "moecore/ops/quantization.h"
 #include "moecore/ops/rows.h"
+#include "moecore/ops/precision.h"
 
 namespace moecore {
 namespace {
 
 Tensor activation_tensor(std::vector<int64_t> shape) {
-  return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
+  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
 }
 
 std::string gate_name(const std::string& prefix) { return prefix + "mlp.shared_experts.gate_weight"; }
 
 // Rows of H in an fp32 token tensor; throws std::invalid_argument otherwise.
 int64_t rows_of(const char* name, const Tensor& t, const int64_t H) {
-  if (!t.defined() || t.dtype() != DType::kF32 || t.numel() % H != 0) {
+  if (!t.defined() || !ops::activation_storage(t.dtype()) || t.numel() % H != 0) {
     throw std::invalid_argument(std::string("shared experts: ") + name + " must be fp32 rows of " + std::to_string(H) +
                                 ", got " + (t.defined() ? t.shape_str() : std::string("none")));
   }

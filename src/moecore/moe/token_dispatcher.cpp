@@ -28,7 +28,7 @@ void check_routing(const RouterOutput &routing, const int64_t T, const int64_t E
 }
 
 void check_tokens(const char *dispatcher, const Tensor &x_TH) {
-  if (!x_TH.defined() || x_TH.dtype() != DType::kF32 || x_TH.ndim() != 2 || x_TH.dim(1) <= 0) {
+  if (!x_TH.defined() || !ops::activation_storage(x_TH.dtype()) || x_TH.ndim() != 2 || x_TH.dim(1) <= 0) {
     throw std::invalid_argument(std::string(dispatcher) + ": tokens must be an fp32 [T, H] tensor with H > 0, got " +
                                 (x_TH.defined() ? x_TH.shape_str() : std::string("none")));
   }

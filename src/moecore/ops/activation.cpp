@@ -8,6 +8,7 @@ using detail::ptr;
 
 void activation_forward(const Activation kind, Tensor& out_TF, const Tensor& inp_TF1) {
   constexpr const char* op = "activation_forward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out_TF, &inp_TF1});
   const int64_t n = out_TF.numel();
   detail::check_numel(op, "inp_TF1", inp_TF1, kind == Activation::kSwiGLU ? 2 * n : n);
@@ -24,6 +25,7 @@ void activation_forward(const Activation kind, Tensor& out_TF, const Tensor& inp
 
 void activation_backward(const Activation kind, Tensor& dinp_TF1, const Tensor& dout_TF, const Tensor& inp_TF1) {
   constexpr const char* op = "activation_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dinp_TF1, &dout_TF, &inp_TF1});
   const int64_t n = dout_TF.numel();
   detail::check_numel(op, "inp_TF1", inp_TF1, kind == Activation::kSwiGLU ? 2 * n : n);

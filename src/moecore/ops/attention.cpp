@@ -75,6 +75,7 @@ void check_positions(const char* op, const std::span<const int64_t> positions_SB
 void attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, const Tensor& k_SBGd,
                        const Tensor& v_SBGd, const AttentionDims& dims, const DropoutSpec& dropout) {
   constexpr const char* op = "attention_forward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out_SBNd, &lse_BNS, &q_SBNd, &k_SBGd, &v_SBGd});
   check_attention(op, dims, {"q_SBNd", "k_SBGd", "v_SBGd", "out_SBNd", q_SBNd, k_SBGd, v_SBGd, out_SBNd}, lse_BNS);
   detail::dispatch(op, q_SBNd, [&]<typename S>(auto k) {
@@ -88,6 +89,7 @@ void attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const
                         const Tensor& q_SBNd, const Tensor& k_SBGd, const Tensor& v_SBGd, const Tensor& out_SBNd,
                         const Tensor& lse_BNS, const AttentionDims& dims, const DropoutSpec& dropout) {
   constexpr const char* op = "attention_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dq_SBNd, &dk_SBGd, &dv_SBGd, &dout_SBNd, &q_SBNd, &k_SBGd, &v_SBGd, &out_SBNd, &lse_BNS});
   check_attention(op, dims, {"q_SBNd", "k_SBGd", "v_SBGd", "out_SBNd", q_SBNd, k_SBGd, v_SBGd, out_SBNd}, lse_BNS);
   check_attention(op, dims, {"dq_SBNd", "dk_SBGd", "dv_SBGd", "dout_SBNd", dq_SBNd, dk_SBGd, dv_SBGd, dout_SBNd},
@@ -102,6 +104,7 @@ void attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const
 void attention_merge(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& part_out_SBNd, const Tensor& part_lse_BNS,
                      const AttentionDims& dims) {
   constexpr const char* op = "attention_merge";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out_SBNd, &lse_BNS, &part_out_SBNd, &part_lse_BNS});
   check_value_dim(op, dims);
   const int64_t rows = dims.S * dims.B * dims.N, dv = value_dim(dims);
@@ -118,6 +121,7 @@ void attention_merge(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& part_out_S
 void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
                   const int64_t rot_dim, const double base, const int64_t position_offset) {
   constexpr const char* op = "rope_forward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out_SBNd, &inp_SBNd});
   const int64_t N = heads_of(op, inp_SBNd, S, B, head_dim);
   detail::check_numel(op, "out_SBNd", out_SBNd, inp_SBNd.numel());
@@ -130,6 +134,7 @@ void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, con
 void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
                    const int64_t rot_dim, const double base, const int64_t position_offset) {
   constexpr const char* op = "rope_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dinp_SBNd, &dout_SBNd});
   const int64_t N = heads_of(op, dout_SBNd, S, B, head_dim);
   detail::check_numel(op, "dinp_SBNd", dinp_SBNd, dout_SBNd.numel());
@@ -142,6 +147,7 @@ void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, 
 void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
                   const int64_t rot_dim, const double base, const std::span<const int64_t> positions_SB) {
   constexpr const char* op = "rope_forward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out_SBNd, &inp_SBNd});
   const int64_t N = heads_of(op, inp_SBNd, S, B, head_dim);
   detail::check_numel(op, "out_SBNd", out_SBNd, inp_SBNd.numel());
@@ -155,6 +161,7 @@ void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, con
 void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
                    const int64_t rot_dim, const double base, const std::span<const int64_t> positions_SB) {
   constexpr const char* op = "rope_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dinp_SBNd, &dout_SBNd});
   const int64_t N = heads_of(op, dout_SBNd, S, B, head_dim);
   detail::check_numel(op, "dinp_SBNd", dinp_SBNd, dout_SBNd.numel());
@@ -168,6 +175,7 @@ void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, 
 void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const RopeSpec& spec,
                   const std::span<const int64_t> positions_SB) {
   constexpr const char* op = "rope_forward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out_SBNd, &inp_SBNd});
   const int64_t N = heads_of(op, inp_SBNd, S, B, spec.head_dim);
   detail::check_numel(op, "out_SBNd", out_SBNd, inp_SBNd.numel());
@@ -181,6 +189,7 @@ void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, con
 void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, const int64_t B, const RopeSpec& spec,
                    const std::span<const int64_t> positions_SB) {
   constexpr const char* op = "rope_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dinp_SBNd, &dout_SBNd});
   const int64_t N = heads_of(op, dout_SBNd, S, B, spec.head_dim);
   detail::check_numel(op, "dinp_SBNd", dinp_SBNd, dout_SBNd.numel());

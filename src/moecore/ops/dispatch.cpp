@@ -4,6 +4,11 @@ namespace moecore::ops::detail {
 
 void fail(const char* op, const std::string& what) { throw std::invalid_argument(std::string(op) + ": " + what); }
 
+namespace {
+// bf16 / fp16 activations are staged to fp32 for the kernels (staging.h).
+DType storage_class(const DType dtype) { return is_16bit(dtype) ? DType::kF32 : dtype; }
+}  // namespace
+
 void check_tensors(const char* op, const std::initializer_list<const Tensor*> tensors) {
   const Tensor* first = nullptr;
   for (const Tensor* t : tensors) {
@@ -13,7 +18,7 @@ void check_tensors(const char* op, const std::initializer_list<const Tensor*> te
       first = t;
       continue;
     }
-    if (t->dtype() != first->dtype()) {
+    if (storage_class(t->dtype()) != storage_class(first->dtype())) {
       fail(op,
            "mixed dtypes " + std::string(dtype_name(first->dtype())) + " and " + std::string(dtype_name(t->dtype())));
     }

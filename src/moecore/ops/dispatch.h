@@ -8,6 +8,7 @@
 #include <initializer_list>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "moecore/kernels/cpu/activation.h"
@@ -32,6 +33,7 @@
 #include "moecore/kernels/cpu/rows.h"
 #include "moecore/kernels/cpu/vocab_parallel.h"
 #include "moecore/ops/device.h"
+#include "moecore/ops/staging.h"
 #include "moecore/quant/quantized_gemm.h"
 #include "moecore/tensor/tensor.h"
 
@@ -149,26 +151,33 @@ MOECORE_KERNEL_TABLE(RefKernels, ref, Device::kReference)
 #undef MOECORE_FORWARD
 #undef MOECORE_KERNEL_TABLE
 
-// Typed data pointers of required and optional (null) tensors.
+// Typed data pointers of required and optional (null) tensors. A bf16 / fp16 tensor read or written as float goes
+// through the innermost Staging (staging.h): an exact fp32 copy, or fp32 scratch narrowed when the op ends.
 template <typename T>
 T* ptr(Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (is_16bit(t.dtype())) return staged_out(t);
+  }
   return t.data<T>();
 }
 template <typename T>
 const T* ptr(const Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (is_16bit(t.dtype())) return staged_in(t);
+  }
   return t.data<T>();
 }
 template <typename T>
 T* opt(Tensor* t) {
-  return t == nullptr ? nullptr : t->data<T>();
+  return t == nullptr ? nullptr : ptr<T>(*t);
 }
 template <typename T>
 const T* opt(const Tensor* t) {
-  return t == nullptr ? nullptr : t->data<T>();
+  return t == nullptr ? nullptr : ptr<T>(*t);
 }
 
 [[noreturn]] void fail(const char* op, const std::string& what);
-// Every tensor defined, on one device, of one dtype (fp32 or fp64).
+// Every tensor defined, on one device, of one dtype (fp32 or fp64; bf16 / fp16 activations count as fp32).
 void check_tensors(const char* op, std::initializer_list<const Tensor*> tensors);
 // t.numel() == expected.
 void check_numel(const char* op, const char* name, const Tensor& t, int64_t expected);
@@ -184,11 +193,20 @@ void with_kernels(const char* op, const Device device, Fn&& fn) {
   fail(op, "no kernels for device " + std::string(device_name(device)));
 }
 
-// Calls fn.template operator()<T>(kernel table) for the dtype of `like` (fp32 or fp64) on the table of its device.
+// Calls fn.template operator()<T>(kernel table) for the dtype of `like` (fp32 or fp64; float for bf16 / fp16
+// activations, staged: staging.h) on the table of its device.
 template <typename Fn>
 void dispatch(const char* op, const Tensor& like, Fn&& fn) {
   with_kernels(op, like.device(), [&](auto kernels) {
     switch (like.dtype()) {
+      case DType::kBF16:
+      case DType::kF16:
+        if (Staging::innermost() == nullptr) {
+          const Staging staging;
+          fn.template operator()<float>(kernels);
+          return;
+        }
+        [[fallthrough]];
       case DType::kF32: fn.template operator()<float>(kernels); return;
       case DType::kF64: fn.template operator()<double>(kernels); return;
       default: fail(op, "unsupported dtype " + std::string(dtype_name(like.dtype())));

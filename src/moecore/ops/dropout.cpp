@@ -8,6 +8,7 @@ using detail::ptr;
 
 void dropout_forward(Tensor& out, const Tensor& inp, const DropoutSpec& spec) {
   constexpr const char* op = "dropout_forward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out, &inp});
   detail::check_numel(op, "out", out, inp.numel());
   detail::dispatch(op, inp,
@@ -17,6 +18,7 @@ void dropout_forward(Tensor& out, const Tensor& inp, const DropoutSpec& spec) {
 
 void dropout_backward(Tensor& dinp, const Tensor& dout, const DropoutSpec& spec) {
   constexpr const char* op = "dropout_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dinp, &dout});
   detail::check_numel(op, "dinp", dinp, dout.numel());
   detail::dispatch(op, dout,

@@ -9,6 +9,7 @@ using detail::ptr;
 
 void add_(Tensor& y, const Tensor& x) {
   constexpr const char* op = "add_";
+  const detail::Staging staging;
   detail::check_tensors(op, {&y, &x});
   detail::check_numel(op, "x", x, y.numel());
   detail::dispatch(op, y, [&]<typename T>(auto k) { k.add_inplace(ptr<T>(y), ptr<T>(x), y.numel()); });
@@ -17,6 +18,7 @@ void add_(Tensor& y, const Tensor& x) {
 
 void scale_(Tensor& y, const double alpha) {
   constexpr const char* op = "scale_";
+  const detail::Staging staging;
   detail::check_tensors(op, {&y});
   detail::dispatch(op, y, [&]<typename T>(auto k) { k.scale_inplace(ptr<T>(y), static_cast<T>(alpha), y.numel()); });
   detail::round_activations({&y});
@@ -24,6 +26,7 @@ void scale_(Tensor& y, const double alpha) {
 
 double sum_squares(const Tensor& x) {
   constexpr const char* op = "sum_squares";
+  const detail::Staging staging;
   detail::check_tensors(op, {&x});
   double out = 0.0;
   detail::dispatch(op, x, [&]<typename T>(auto k) { out = k.sum_squares(ptr<T>(x), x.numel()); });
@@ -32,6 +35,7 @@ double sum_squares(const Tensor& x) {
 
 bool all_finite(const Tensor& x) {
   constexpr const char* op = "all_finite";
+  const detail::Staging staging;
   detail::check_tensors(op, {&x});
   bool out = true;
   detail::dispatch(op, x, [&]<typename T>(auto k) { out = k.all_finite(ptr<T>(x), x.numel()); });
@@ -40,6 +44,7 @@ bool all_finite(const Tensor& x) {
 
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWHyper& hyper) {
   constexpr const char* op = "adamw_step";
+  const detail::Staging staging;
   detail::check_tensors(op, {&param, &grad, &exp_avg, &exp_avg_sq});
   const int64_t n = param.numel();
   detail::check_numel(op, "grad", grad, n);

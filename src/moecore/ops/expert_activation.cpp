@@ -19,6 +19,7 @@ void sizes(const Tensor& h_TF, int64_t& T, int64_t& F) {
 
 void weighted_swiglu_forward(Tensor& h_TF, const Tensor& inp_T2F, const Tensor& probs_T) {
   constexpr const char* op = "weighted_swiglu_forward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&h_TF, &inp_T2F, &probs_T});
   int64_t T = 0, F = 0;
   sizes(h_TF, T, F);
@@ -33,6 +34,7 @@ void weighted_swiglu_forward(Tensor& h_TF, const Tensor& inp_T2F, const Tensor& 
 void weighted_swiglu_backward(Tensor& dinp_T2F, Tensor& dprobs_T, const Tensor& dh_TF, const Tensor& inp_T2F,
                               const Tensor& probs_T) {
   constexpr const char* op = "weighted_swiglu_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dinp_T2F, &dprobs_T, &dh_TF, &inp_T2F, &probs_T});
   int64_t T = 0, F = 0;
   sizes(dh_TF, T, F);

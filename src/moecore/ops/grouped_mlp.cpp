@@ -71,7 +71,7 @@ kernels::GroupedMlpShape check_params(const char* op, const Tensor& like, const 
   }
   s.probs_on_input = spec.probs_on_input;
   s.rounding = kernels::ActivationRounding::kNone;
-  if (like.dtype() == DType::kF32) {
+  if (like.dtype() == DType::kF32 || detail::is_16bit(like.dtype())) {
     if (!grouped_mlp_fused(like.device())) {
       detail::fail(op,
                    "FP8 / FP4 quantization and native 16-bit GEMMs are not fused: run the experts through "
@@ -115,7 +115,7 @@ Pointers<S> pointers(const GroupedMlpParams& p, const int64_t E) {
 
 template <typename S>
 const S* opt_data(const Tensor* t) {
-  return t == nullptr ? nullptr : t->data<S>();
+  return t == nullptr ? nullptr : ptr<S>(*t);
 }
 
 }  // namespace
@@ -134,6 +134,7 @@ void grouped_mlp_forward(Tensor& y_RH, Tensor& fc1_RF1, Tensor* act_RF, Tensor* 
                          const Tensor& probs_R, const GroupedMlpParams& params,
                          const std::span<const int64_t> offsets_E1, const GroupedMlpSpec& spec) {
   constexpr const char* op = "grouped_mlp_forward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&y_RH, &fc1_RF1, &x_RH, &probs_R});
   const kernels::GroupedMlpShape s = check_params(op, y_RH, params, offsets_E1, spec);
   const int64_t R = offsets_E1.back();
@@ -149,9 +150,9 @@ void grouped_mlp_forward(Tensor& y_RH, Tensor& fc1_RF1, Tensor* act_RF, Tensor* 
   if (s.probs_on_input) check_saved(op, "xs_RH", y_RH, xs_RH, R * s.H);
   detail::dispatch(op, y_RH, [&]<typename S>(auto k) {
     const Pointers<S> w = pointers<S>(params, s.E);
-    k.grouped_mlp_forward(ptr<S>(y_RH), ptr<S>(fc1_RF1), s.weighted_swiglu() ? nullptr : act_RF->data<S>(),
-                          s.weighted_swiglu() ? h_RF->data<S>() : nullptr,
-                          s.probs_on_input ? xs_RH->data<S>() : nullptr, ptr<S>(x_RH), ptr<S>(probs_R), w.weights(), s);
+    k.grouped_mlp_forward(ptr<S>(y_RH), ptr<S>(fc1_RF1), s.weighted_swiglu() ? nullptr : ptr<S>(*act_RF),
+                          s.weighted_swiglu() ? ptr<S>(*h_RF) : nullptr,
+                          s.probs_on_input ? ptr<S>(*xs_RH) : nullptr, ptr<S>(x_RH), ptr<S>(probs_R), w.weights(), s);
   });
 }
 
@@ -160,6 +161,7 @@ void grouped_mlp_backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpGrads
                           const Tensor* h_RF, const Tensor& probs_R, const GroupedMlpParams& params,
                           const std::span<const int64_t> offsets_E1, const GroupedMlpSpec& spec) {
   constexpr const char* op = "grouped_mlp_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dx_RH, &dprobs_R, &dy_RH, &x_RH, &fc1_RF1, &probs_R});
   const kernels::GroupedMlpShape s = check_params(op, dy_RH, params, offsets_E1, spec);
   const int64_t R = offsets_E1.back();
@@ -198,9 +200,9 @@ void grouped_mlp_backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpGrads
                           dw2 = data_of<S>(grads.fc2_weight_E, s.E), db2 = data_of<S>(grads.fc2_bias_E, s.E);
     const kernels::GroupedMlpGrads<S> g{dw1.data(), db1.data(), dw2.data(), db2.data()};
     k.grouped_mlp_backward(ptr<S>(dx_RH), ptr<S>(dprobs_R), g, ptr<S>(dfc1_RF1), ptr<S>(dy_RH), ptr<S>(x_RH),
-                           s.probs_on_input ? xs_RH->data<S>() : nullptr, ptr<S>(fc1_RF1),
-                           s.weighted_swiglu() ? nullptr : act_RF->data<S>(),
-                           s.weighted_swiglu() ? h_RF->data<S>() : nullptr, ptr<S>(probs_R), w.weights(), s);
+                           s.probs_on_input ? ptr<S>(*xs_RH) : nullptr, ptr<S>(fc1_RF1),
+                           s.weighted_swiglu() ? nullptr : ptr<S>(*act_RF),
+                           s.weighted_swiglu() ? ptr<S>(*h_RF) : nullptr, ptr<S>(probs_R), w.weights(), s);
   });
 }
 

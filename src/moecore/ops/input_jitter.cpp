@@ -25,6 +25,7 @@ void check_runs(const char* op, const Tensor& t, const char* name, const std::sp
 void input_jitter_forward(Tensor& out, const Tensor& inp, const std::span<const int64_t> first_R, const int64_t run,
                           const InputJitterSpec& spec) {
   constexpr const char* op = "input_jitter_forward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out, &inp});
   check_runs(op, inp, "inp", first_R, run, spec);
   detail::check_numel(op, "out", out, inp.numel());
@@ -38,6 +39,7 @@ void input_jitter_forward(Tensor& out, const Tensor& inp, const std::span<const 
 void input_jitter_backward(Tensor& dinp, const Tensor& dout, const std::span<const int64_t> first_R, const int64_t run,
                            const InputJitterSpec& spec) {
   constexpr const char* op = "input_jitter_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dinp, &dout});
   check_runs(op, dout, "dout", first_R, run, spec);
   detail::check_numel(op, "dinp", dinp, dout.numel());

@@ -272,8 +272,10 @@ void linear_backward_quantized(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbia
 
 }  // namespace
 
-void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O,
-                    quant::DelayedLinearScaling* delayed, quant::DelayedForwardScales* forward_scales) {
+namespace {
+
+void linear_forward_f32(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O,
+                        quant::DelayedLinearScaling* delayed, quant::DelayedForwardScales* forward_scales) {
   constexpr const char* op = "linear_forward";
   const bool low = weight_OI.defined() && is_low(weight_OI.dtype());
   if (low) {
@@ -306,9 +308,9 @@ void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_O
   detail::round_activations({&out_TO});
 }
 
-void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO, const Tensor* inp_TI,
-                     const Tensor& weight_OI, quant::DelayedLinearScaling* delayed,
-                     const quant::DelayedForwardScales* forward_scales) {
+void linear_backward_f32(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO,
+                         const Tensor* inp_TI, const Tensor& weight_OI, quant::DelayedLinearScaling* delayed,
+                         const quant::DelayedForwardScales* forward_scales) {
   constexpr const char* op = "linear_backward";
   const bool low = weight_OI.defined() && is_low(weight_OI.dtype());
   if (low) {
@@ -344,6 +346,32 @@ void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const
                       ptr<S>(weight_OI), T, I, O);
   });
   detail::round_activations({dinp_TI});  // weight and bias gradients stay fp32 (main grads)
+}
+
+}  // namespace
+
+// 16-bit activations (staging.h): the input, the output and the input gradient are staged in fp32, so the fp32, the
+// native 16-bit and the quantized GEMMs see exactly the values of the fp32-storage path.
+void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O,
+                    quant::DelayedLinearScaling* delayed, quant::DelayedForwardScales* forward_scales) {
+  if (weight_OI.defined() && is_low(weight_OI.dtype())) {
+    linear_forward_f32(out_TO, inp_TI, weight_OI, bias_O, delayed, forward_scales);
+    return;
+  }
+  detail::Staging staging;
+  linear_forward_f32(staging.out(out_TO), staging.in(inp_TI), weight_OI, bias_O, delayed, forward_scales);
+}
+
+void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO, const Tensor* inp_TI,
+                     const Tensor& weight_OI, quant::DelayedLinearScaling* delayed,
+                     const quant::DelayedForwardScales* forward_scales) {
+  if (weight_OI.defined() && is_low(weight_OI.dtype())) {
+    linear_backward_f32(dinp_TI, dweight_OI, dbias_O, dout_TO, inp_TI, weight_OI, delayed, forward_scales);
+    return;
+  }
+  detail::Staging staging;
+  linear_backward_f32(staging.out(dinp_TI), dweight_OI, dbias_O, staging.in(dout_TO), staging.in(inp_TI), weight_OI,
+                      delayed, forward_scales);
 }
 
 std::string gemm_library(const Device device) {

@@ -6,6 +6,7 @@
 
 #include "moecore/ops/linear.h"
 #include "moecore/ops/loss.h"
+#include "moecore/ops/staging.h"
 
 namespace moecore::ops {
 namespace {
@@ -31,9 +32,12 @@ int64_t linear_cross_entropy_chunk_rows(const int64_t T, const int64_t V_local, 
   return std::clamp<int64_t>(rows, 1, std::max<int64_t>(T, 1));
 }
 
-void linear_cross_entropy(Tensor& losses_T, const Tensor& input_TI, const Tensor& weight_VI,
+void linear_cross_entropy(Tensor& losses_T, const Tensor& input_16_TI, const Tensor& weight_VI,
                           const std::span<const int32_t> targets_T, const int64_t chunk_rows, const Tensor* dlosses_T,
-                          Tensor* dinput_TI, Tensor* dweight_VI, const VocabShard* shard) {
+                          Tensor* dinput_16_TI, Tensor* dweight_VI, const VocabShard* shard) {
+  detail::Staging staging;  // a 16-bit input and its gradient are staged in fp32 (staging.h)
+  const Tensor& input_TI = staging.in(input_16_TI);
+  Tensor* dinput_TI = staging.out(dinput_16_TI);
   check(weight_VI.defined() && weight_VI.ndim() == 2, "weight_VI must be a matrix");
   check(chunk_rows > 0, "chunk_rows must be positive, got " + std::to_string(chunk_rows));
   const DType dtype = weight_VI.dtype();

@@ -14,6 +14,7 @@ int64_t tokens(const std::span<const int32_t> ids) { return static_cast<int64_t>
 void embedding_forward(Tensor& out_TD, const std::span<const int32_t> ids_T, const Tensor& weight_VlD, const int64_t V,
                        const int64_t vocab_begin) {
   constexpr const char* op = "embedding_forward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out_TD, &weight_VlD});
   const int64_t T = tokens(ids_T), Vl = weight_VlD.dim(0), D = weight_VlD.numel() / Vl;
   detail::check_numel(op, "out_TD", out_TD, T * D);
@@ -25,6 +26,7 @@ void embedding_forward(Tensor& out_TD, const std::span<const int32_t> ids_T, con
 void embedding_backward(Tensor& dweight_VlD, const Tensor& dout_TD, const std::span<const int32_t> ids_T,
                         const int64_t vocab_begin) {
   constexpr const char* op = "embedding_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dweight_VlD, &dout_TD});
   const int64_t T = tokens(ids_T), Vl = dweight_VlD.dim(0), D = dweight_VlD.numel() / Vl;
   detail::check_numel(op, "dout_TD", dout_TD, T * D);
@@ -36,6 +38,7 @@ void embedding_backward(Tensor& dweight_VlD, const Tensor& dout_TD, const std::s
 void cross_entropy_forward(Tensor& losses_T, Tensor& lse_T, const Tensor& logits_TV,
                            const std::span<const int32_t> targets_T) {
   constexpr const char* op = "cross_entropy_forward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&losses_T, &lse_T, &logits_TV});
   const int64_t T = tokens(targets_T), V = T == 0 ? 0 : logits_TV.numel() / T;
   detail::check_numel(op, "logits_TV", logits_TV, T * V);
@@ -49,6 +52,7 @@ void cross_entropy_forward(Tensor& losses_T, Tensor& lse_T, const Tensor& logits
 void cross_entropy_backward(Tensor& dlogits_TV, const Tensor& dlosses_T, const Tensor& logits_TV, const Tensor& lse_T,
                             const std::span<const int32_t> targets_T) {
   constexpr const char* op = "cross_entropy_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dlogits_TV, &dlosses_T, &logits_TV, &lse_T});
   const int64_t T = tokens(targets_T), V = T == 0 ? 0 : logits_TV.numel() / T;
   detail::check_numel(op, "logits_TV", logits_TV, T * V);
@@ -64,6 +68,7 @@ void cross_entropy_backward(Tensor& dlogits_TV, const Tensor& dlosses_T, const T
 
 void vocab_ce_local_max(Tensor& max_T, const Tensor& logits_TVl) {
   constexpr const char* op = "vocab_ce_local_max";
+  const detail::Staging staging;
   detail::check_tensors(op, {&max_T, &logits_TVl});
   const int64_t T = max_T.numel(), Vl = T == 0 ? 0 : logits_TVl.numel() / T;
   detail::check_numel(op, "logits_TVl", logits_TVl, T * Vl);
@@ -74,6 +79,7 @@ void vocab_ce_local_max(Tensor& max_T, const Tensor& logits_TVl) {
 void vocab_ce_local_stats(Tensor& stats_2T, const Tensor& logits_TVl, const Tensor& max_T,
                           const std::span<const int32_t> targets_T, const int64_t V, const int64_t vocab_begin) {
   constexpr const char* op = "vocab_ce_local_stats";
+  const detail::Staging staging;
   detail::check_tensors(op, {&stats_2T, &logits_TVl, &max_T});
   const int64_t T = tokens(targets_T), Vl = T == 0 ? 0 : logits_TVl.numel() / T;
   detail::check_numel(op, "logits_TVl", logits_TVl, T * Vl);
@@ -87,6 +93,7 @@ void vocab_ce_local_stats(Tensor& stats_2T, const Tensor& logits_TVl, const Tens
 
 void vocab_ce_finish(Tensor& losses_T, Tensor& lse_T, const Tensor& max_T, const Tensor& stats_2T) {
   constexpr const char* op = "vocab_ce_finish";
+  const detail::Staging staging;
   detail::check_tensors(op, {&losses_T, &lse_T, &max_T, &stats_2T});
   const int64_t T = max_T.numel();
   detail::check_numel(op, "losses_T", losses_T, T);
@@ -100,6 +107,7 @@ void vocab_ce_finish(Tensor& losses_T, Tensor& lse_T, const Tensor& max_T, const
 void vocab_ce_backward(Tensor& dlogits_TVl, const Tensor& dlosses_T, const Tensor& logits_TVl, const Tensor& lse_T,
                        const std::span<const int32_t> targets_T, const int64_t vocab_begin) {
   constexpr const char* op = "vocab_ce_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dlogits_TVl, &dlosses_T, &logits_TVl, &lse_T});
   const int64_t T = tokens(targets_T), Vl = T == 0 ? 0 : logits_TVl.numel() / T;
   detail::check_numel(op, "logits_TVl", logits_TVl, T * Vl);

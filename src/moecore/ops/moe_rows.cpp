@@ -53,6 +53,7 @@ int64_t check_chunks(const char* op, std::span<const int64_t> first_C, std::span
 
 void moe_permute(Tensor& out_RW, const Tensor& in_NW, const std::span<const int64_t> index_R) {
   constexpr const char* op = "moe_permute";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out_RW, &in_NW});
   const auto R = static_cast<int64_t>(index_R.size());
   const int64_t N = rows_in(in_NW), W = N == 0 ? (R == 0 ? 0 : out_RW.numel() / R) : in_NW.numel() / N;
@@ -64,6 +65,7 @@ void moe_permute(Tensor& out_RW, const Tensor& in_NW, const std::span<const int6
 
 void moe_unpermute(Tensor& out_NW, const Tensor& in_RW, const std::span<const int64_t> index_R, const Tensor* probs_R) {
   constexpr const char* op = "moe_unpermute";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out_NW, &in_RW});
   const auto R = static_cast<int64_t>(index_R.size());
   const int64_t N = rows_in(out_NW), W = N == 0 ? 0 : out_NW.numel() / N;
@@ -80,6 +82,7 @@ void moe_unpermute(Tensor& out_NW, const Tensor& in_RW, const std::span<const in
 void moe_unpermute_backward(Tensor* din_RW, Tensor* dprobs_R, const Tensor& dout_NW,
                             const std::span<const int64_t> index_R, const Tensor* probs_R, const Tensor* in_RW) {
   constexpr const char* op = "moe_unpermute_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dout_NW, din_RW, dprobs_R, probs_R, in_RW});
   const auto R = static_cast<int64_t>(index_R.size());
   const int64_t N = rows_in(dout_NW), W = N == 0 ? 0 : dout_NW.numel() / N;
@@ -101,6 +104,7 @@ void moe_unpermute_backward(Tensor* din_RW, Tensor* dprobs_R, const Tensor& dout
 void sort_chunks(Tensor& out_RW, const Tensor& in_NW, const std::span<const int64_t> first_C,
                  const std::span<const int64_t> rows_C) {
   constexpr const char* op = "sort_chunks";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out_RW, &in_NW});
   const int64_t N = rows_in(in_NW), W = N == 0 ? 0 : in_NW.numel() / N;
   const int64_t R = check_chunks(op, first_C, rows_C, N, false);
@@ -114,6 +118,7 @@ void sort_chunks(Tensor& out_RW, const Tensor& in_NW, const std::span<const int6
 void unsort_chunks(Tensor& out_NW, const Tensor& in_RW, const std::span<const int64_t> first_C,
                    const std::span<const int64_t> rows_C) {
   constexpr const char* op = "unsort_chunks";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out_NW, &in_RW});
   const int64_t N = rows_in(out_NW), W = N == 0 ? 0 : out_NW.numel() / N;
   const int64_t R = check_chunks(op, first_C, rows_C, N, true);

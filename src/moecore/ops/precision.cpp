@@ -19,14 +19,26 @@ std::atomic<int>& scoped_dtype_of(const Device device) { return scoped_dtype.at(
 
 }  // namespace
 
-DType activation_dtype(const Device device) { return static_cast<DType>(scoped_dtype_of(device).load()); }
+// The scoped state: the dtype, plus kFp32StorageBit under ActivationStorage::kF32.
+constexpr int kFp32StorageBit = 1 << 8;
 
-ScopedActivationDType::ScopedActivationDType(const DType dtype, const Device device) : device_(device) {
+DType activation_dtype(const Device device) {
+  return static_cast<DType>(scoped_dtype_of(device).load() & (kFp32StorageBit - 1));
+}
+
+DType activation_storage_dtype(const Device device) {
+  const int state = scoped_dtype_of(device).load();
+  return (state & kFp32StorageBit) != 0 ? DType::kF32 : static_cast<DType>(state & (kFp32StorageBit - 1));
+}
+
+ScopedActivationDType::ScopedActivationDType(const DType dtype, const Device device, const ActivationStorage storage)
+    : device_(device) {
   if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
     throw std::invalid_argument("activation dtype must be float32, bfloat16 or float16, got " +
                                 std::string(dtype_name(dtype)));
   }
-  previous_ = scoped_dtype_of(device_).exchange(static_cast<int>(dtype));
+  previous_ = scoped_dtype_of(device_).exchange(static_cast<int>(dtype) +
+                                                (storage == ActivationStorage::kF32 ? kFp32StorageBit : 0));
 }
 
 ScopedActivationDType::~ScopedActivationDType() { scoped_dtype_of(device_) = previous_; }

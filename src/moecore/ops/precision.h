@@ -9,6 +9,7 @@
 // optimizer). fp64 tensors (tests) are never rounded.
 #pragma once
 
+#include <cstdint>
 #include <initializer_list>
 
 #include "moecore/tensor/dtype.h"
@@ -19,12 +20,27 @@ namespace moecore::ops {
 // kF32 (no rounding), kBF16 or kF16: the innermost live ScopedActivationDType of `device`, else kF32.
 DType activation_dtype(Device device = Device::kCPU);
 
+// Where the rounded activations live. k16Bit (Megatron's Float16Module): activations, saved tensors, activation
+// gradients and communication buffers are bf16 / fp16 tensors, 2 bytes an element; ops read them into fp32 and narrow
+// what they write (ops/staging.h). kF32: fp32 tensors that hold 16-bit values (the same numbers, twice the bytes;
+// tests compare the two bit for bit).
+enum class ActivationStorage : uint8_t { k16Bit, kF32 };
+
+// fp32, bf16 or fp16: a dtype activations may be stored in.
+inline bool activation_storage(const DType dtype) {
+  return dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16;
+}
+
+// The dtype model code allocates activations in: activation_dtype(device) under k16Bit storage, else kF32.
+DType activation_storage_dtype(Device device = Device::kCPU);
+
 // Sets the activation dtype of the ops on `device` until destroyed (for every thread, so OpenMP workers agree; nests
 // and restores the previous one; create and destroy it on one thread, outside parallel regions).
 // std::invalid_argument for other dtypes.
 class ScopedActivationDType {
  public:
-  explicit ScopedActivationDType(DType dtype, Device device = Device::kCPU);
+  explicit ScopedActivationDType(DType dtype, Device device = Device::kCPU,
+                                 ActivationStorage storage = ActivationStorage::k16Bit);
   ~ScopedActivationDType();
   ScopedActivationDType(const ScopedActivationDType&) = delete;
   ScopedActivationDType& operator=(const ScopedActivationDType&) = delete;

@@ -32,6 +32,7 @@ int64_t qkv_tokens(const char* op, const Tensor& qkv_TQ, const Tensor& q_TNd, co
 void split_qkv(Tensor& q_TNd, Tensor& k_TGd, Tensor& v_TGd, const Tensor& qkv_TQ, const int64_t N, const int64_t G,
                const int64_t d) {
   constexpr const char* op = "split_qkv";
+  const detail::Staging staging;
   detail::check_tensors(op, {&q_TNd, &k_TGd, &v_TGd, &qkv_TQ});
   const int64_t T = qkv_tokens(op, qkv_TQ, q_TNd, k_TGd, v_TGd, N, G, d);
   detail::dispatch(op, qkv_TQ, [&]<typename S>(auto k) {
@@ -42,6 +43,7 @@ void split_qkv(Tensor& q_TNd, Tensor& k_TGd, Tensor& v_TGd, const Tensor& qkv_TQ
 void merge_qkv(Tensor& qkv_TQ, const Tensor& q_TNd, const Tensor& k_TGd, const Tensor& v_TGd, const int64_t N,
                const int64_t G, const int64_t d) {
   constexpr const char* op = "merge_qkv";
+  const detail::Staging staging;
   detail::check_tensors(op, {&qkv_TQ, &q_TNd, &k_TGd, &v_TGd});
   const int64_t T = qkv_tokens(op, qkv_TQ, q_TNd, k_TGd, v_TGd, N, G, d);
   detail::dispatch(op, qkv_TQ, [&]<typename S>(auto k) {
@@ -52,6 +54,7 @@ void merge_qkv(Tensor& qkv_TQ, const Tensor& q_TNd, const Tensor& k_TGd, const T
 void copy_columns(Tensor& dst, const int64_t dst_width, const int64_t dst_col, const Tensor& src,
                   const int64_t src_width, const int64_t src_col, const int64_t width, const bool accumulate) {
   constexpr const char* op = "copy_columns";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dst, &src});
   if (width < 0 || dst_col < 0 || src_col < 0 || dst_col + width > dst_width || src_col + width > src_width) {
     detail::fail(op, "columns [" + std::to_string(src_col) + ", +" + std::to_string(width) + ") of rows " +
@@ -68,6 +71,7 @@ void copy_columns(Tensor& dst, const int64_t dst_width, const int64_t dst_col, c
 
 void add_bias_rows(Tensor& y_RW, const Tensor& bias_W) {
   constexpr const char* op = "add_bias_rows";
+  const detail::Staging staging;
   detail::check_tensors(op, {&y_RW, &bias_W});
   const int64_t W = bias_W.numel(), R = rows_of(op, "y_RW", y_RW, W);
   detail::dispatch(op, y_RW, [&]<typename S>(auto k) { k.add_bias_rows(ptr<S>(y_RW), ptr<S>(bias_W), R, W); });
@@ -76,6 +80,7 @@ void add_bias_rows(Tensor& y_RW, const Tensor& bias_W) {
 
 void bias_grad_rows(Tensor& dbias_W, const Tensor& dy_RW) {
   constexpr const char* op = "bias_grad_rows";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dbias_W, &dy_RW});
   const int64_t W = dbias_W.numel(), R = rows_of(op, "dy_RW", dy_RW, W);
   detail::dispatch(op, dy_RW, [&]<typename S>(auto k) { k.bias_grad_rows(ptr<S>(dbias_W), ptr<S>(dy_RW), R, W); });
@@ -83,6 +88,7 @@ void bias_grad_rows(Tensor& dbias_W, const Tensor& dy_RW) {
 
 void scale_rows(Tensor& out_RW, const Tensor& x_RW, const Tensor& s_R) {
   constexpr const char* op = "scale_rows";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out_RW, &x_RW, &s_R});
   const int64_t R = s_R.numel(), W = R == 0 ? 0 : x_RW.numel() / R;
   detail::check_numel(op, "x_RW", x_RW, R * W);
@@ -94,6 +100,7 @@ void scale_rows(Tensor& out_RW, const Tensor& x_RW, const Tensor& s_R) {
 
 void scale_rows_backward(Tensor* dx_RW, Tensor* ds_R, const Tensor& dout_RW, const Tensor& x_RW, const Tensor& s_R) {
   constexpr const char* op = "scale_rows_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {dx_RW, ds_R, &dout_RW, &x_RW, &s_R});
   const int64_t R = s_R.numel(), W = R == 0 ? 0 : x_RW.numel() / R;
   detail::check_numel(op, "x_RW", x_RW, R * W);
@@ -108,6 +115,7 @@ void scale_rows_backward(Tensor* dx_RW, Tensor* ds_R, const Tensor& dout_RW, con
 
 void add_outer(Tensor& y_RW, const Tensor& s_R, const Tensor& b_W) {
   constexpr const char* op = "add_outer";
+  const detail::Staging staging;
   detail::check_tensors(op, {&y_RW, &s_R, &b_W});
   const int64_t R = s_R.numel(), W = b_W.numel();
   detail::check_numel(op, "y_RW", y_RW, R * W);
@@ -117,6 +125,7 @@ void add_outer(Tensor& y_RW, const Tensor& s_R, const Tensor& b_W) {
 
 void add_outer_backward(Tensor* ds_R, Tensor* db_W, const Tensor& dy_RW, const Tensor& s_R, const Tensor& b_W) {
   constexpr const char* op = "add_outer_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {ds_R, db_W, &dy_RW, &s_R, &b_W});
   const int64_t R = s_R.numel(), W = b_W.numel();
   detail::check_numel(op, "dy_RW", dy_RW, R * W);
@@ -129,6 +138,7 @@ void add_outer_backward(Tensor* ds_R, Tensor* db_W, const Tensor& dy_RW, const T
 
 void row_dot(Tensor& out_R, const Tensor& x_RW, const Tensor& w_W) {
   constexpr const char* op = "row_dot";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out_R, &x_RW, &w_W});
   const int64_t W = w_W.numel(), R = rows_of(op, "x_RW", x_RW, W);
   detail::check_numel(op, "out_R", out_R, R);
@@ -138,6 +148,7 @@ void row_dot(Tensor& out_R, const Tensor& x_RW, const Tensor& w_W) {
 
 void sigmoid_forward(Tensor& out, const Tensor& x) {
   constexpr const char* op = "sigmoid_forward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out, &x});
   detail::check_numel(op, "out", out, x.numel());
   detail::dispatch(op, x, [&]<typename S>(auto k) { k.sigmoid_forward(ptr<S>(out), ptr<S>(x), x.numel()); });
@@ -146,6 +157,7 @@ void sigmoid_forward(Tensor& out, const Tensor& x) {
 
 void sigmoid_backward(Tensor& dx, const Tensor& dout, const Tensor& y) {
   constexpr const char* op = "sigmoid_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dx, &dout, &y});
   detail::check_numel(op, "dout", dout, y.numel());
   detail::check_numel(op, "dx", dx, y.numel());
@@ -156,6 +168,7 @@ void sigmoid_backward(Tensor& dx, const Tensor& dout, const Tensor& y) {
 
 void gather_rows(Tensor& out_RW, const Tensor& in_NW, const std::span<const int64_t> index_R) {
   constexpr const char* op = "gather_rows";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out_RW, &in_NW});
   const auto R = static_cast<int64_t>(index_R.size());
   const int64_t N = in_NW.ndim() == 0 ? 0 : in_NW.dim(0),
@@ -170,6 +183,7 @@ void gather_rows(Tensor& out_RW, const Tensor& in_NW, const std::span<const int6
 
 void scatter_add_rows(Tensor& out_NW, const Tensor& in_RW, const std::span<const int64_t> index_R) {
   constexpr const char* op = "scatter_add_rows";
+  const detail::Staging staging;
   detail::check_tensors(op, {&out_NW, &in_RW});
   const auto R = static_cast<int64_t>(index_R.size());
   const int64_t N = out_NW.ndim() == 0 ? 0 : out_NW.dim(0), W = N == 0 ? 0 : out_NW.numel() / N;
@@ -185,6 +199,7 @@ void scatter_add_rows(Tensor& out_NW, const Tensor& in_RW, const std::span<const
 
 void add_position_embedding(Tensor& x_TH, const Tensor& pos_PH, const int64_t B, const int64_t row_offset) {
   constexpr const char* op = "add_position_embedding";
+  const detail::Staging staging;
   detail::check_tensors(op, {&x_TH, &pos_PH});
   const int64_t P = pos_PH.dim(0), H = pos_PH.numel() / P, T = rows_of(op, "x_TH", x_TH, H);
   if (T > 0 && (row_offset + T - 1) / B >= P) detail::fail(op, "positions beyond the " + std::to_string(P) + " rows");
@@ -196,6 +211,7 @@ void add_position_embedding(Tensor& x_TH, const Tensor& pos_PH, const int64_t B,
 
 void position_embedding_backward(Tensor& dpos_PH, const Tensor& dx_TH, const int64_t B, const int64_t row_offset) {
   constexpr const char* op = "position_embedding_backward";
+  const detail::Staging staging;
   detail::check_tensors(op, {&dpos_PH, &dx_TH});
   const int64_t P = dpos_PH.dim(0), H = dpos_PH.numel() / P, T = rows_of(op, "dx_TH", dx_TH, H);
   if (T > 0 && (row_offset + T - 1) / B >= P) detail::fail(op, "positions beyond the " + std::to_string(P) + " rows");

@@ -1,0 +1,110 @@
+// 16-bit activation storage (ops/precision.h, ops/staging.h): `dist_storage16_test -- <moecore train flags>`
+// trains a --bf16 / --fp16 configuration twice in one process (or under mpirun, on every rank): once with activations
+// in fp32 tensors that hold 16-bit values (ActivationStorage::kF32, the storage before bf16 / fp16 tensors) and once
+// with bf16 / fp16 tensors (k16Bit, Megatron's Float16Module). Staging reads 16-bit tensors exactly and narrows
+// every write once, so the two must agree bit for bit: every iteration's losses and every final parameter and
+// buffer. Exit status 1 on any difference.
+#include <cstdint>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "moecore/config/arguments.h"
+#include "moecore/parallel/mpi_runtime.h"
+#include "moecore/parallel/parallel_state.h"
+#include "moecore/train/trainer.h"
+#include "moecore/train/training_setup.h"
+
+namespace {
+
+struct Run {
+  std::vector<double> losses;
+  std::map<std::string, std::vector<float>> tensors;
+  std::string log;
+};
+
+Run train(moecore::TrainingArgs args, const moecore::parallel::ParallelState& parallel,
+          const moecore::ops::ActivationStorage storage) {
+  args.model.activation_storage = storage;
+  Run run;
+  std::ostringstream log;
+  const moecore::TrainResult result = moecore::run_training(args, log, parallel, [&](const moecore::GPTModel& full) {
+    for (const moecore::Param& p : full.params()) {
+      const auto v = p.value.span<float>();
+      run.tensors[p.name].assign(v.begin(), v.end());
+    }
+    for (const moecore::Buffer& b : full.named_buffers()) {
+      const auto v = b.value.span<float>();
+      run.tensors[b.name].assign(v.begin(), v.end());
+    }
+  });
+  run.losses = result.train_losses;
+  run.log = log.str();
+  return run;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] != "--") {
+    std::cerr << "usage: dist_storage16_test -- <moecore train flags with --bf16 or --fp16>\n";
+    return 2;
+  }
+  std::optional<moecore::parallel::MpiRuntime> mpi;
+  int world_size = 1;
+  if (moecore::parallel::launched_by_mpi()) {
+    mpi.emplace(&argc, &argv);
+    world_size = moecore::parallel::ProcessGroup::world().size();
+  }
+  try {
+    const moecore::TrainingArgs parsed =
+        moecore::parse_train_args(std::vector<std::string>(args.begin() + 1, args.end()), world_size);
+    if (parsed.model.params_dtype == moecore::DType::kF32) {
+      std::cerr << "error: the configuration needs --bf16 or --fp16\n";
+      return 2;
+    }
+    const moecore::parallel::ParallelState parallel = moecore::make_parallel_state(parsed);
+    const Run fp32 = train(parsed, parallel, moecore::ops::ActivationStorage::kF32);
+    const Run bits16 = train(parsed, parallel, moecore::ops::ActivationStorage::k16Bit);
+    if (parallel.rank != 0) return 0;
+    int failures = 0;
+    if (fp32.losses.size() != bits16.losses.size() || fp32.losses.empty()) {
+      std::cout << "FAILED: " << fp32.losses.size() << " vs " << bits16.losses.size() << " losses\n";
+      return 1;
+    }
+    for (size_t i = 0; i < fp32.losses.size(); ++i) {
+      if (std::memcmp(&fp32.losses[i], &bits16.losses[i], sizeof(double)) != 0) {
+        std::cout << "iteration " << i + 1 << ": lm loss " << fp32.losses[i] << " (fp32 storage) vs "
+                  << bits16.losses[i] << " (16-bit storage)\n";
+        ++failures;
+      }
+    }
+    for (const auto& [name, values] : fp32.tensors) {
+      const auto it = bits16.tensors.find(name);
+      if (it == bits16.tensors.end() || !same_bits(values, it->second)) {
+        std::cout << name << ": differs\n";
+        ++failures;
+      }
+    }
+    if (fp32.tensors.size() != bits16.tensors.size()) ++failures;
+    // The 16-bit storage must hold fewer activation bytes (the training log's memory line).
+    const bool logged_memory = fp32.log.find("activations:") != std::string::npos;
+    std::cout << fp32.losses.size() << " iterations, " << fp32.tensors.size() << " tensors"
+              << (logged_memory ? "" : " (no memory line)") << ": " << (failures == 0 ? "PASS" : "FAILED")
+              << " on " << world_size << " ranks\n";
+    return failures == 0 ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << '\n';
+    if (world_size > 1) moecore::parallel::abort_world(1);
+    return 1;
+  }
+}
