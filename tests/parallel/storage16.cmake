@@ -11,6 +11,9 @@ set(storage16_layouts
     "bf16_tp2_sp_ep2\;2\;--bf16 --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1"
     "fp16_tp2_sp_ep2\;2\;--fp16 --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1"
     "bf16_cp2\;2\;--bf16 --context-parallel-size 2"
+    "bf16_cp2_a2a\;2\;--bf16 --context-parallel-size 2 --cp-comm-type a2a"
+    "bf16_cp2_all_gather\;2\;--bf16 --context-parallel-size 2 --cp-comm-type all_gather"
+    "bf16_ep2_alltoall\;2\;--bf16 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
     "bf16_pp2\;2\;--bf16 --num-layers 4 --moe-layer-freq [0,1,0,1] --pipeline-model-parallel-size 2"
     "bf16_recompute\;1\;--bf16 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
 foreach(layout ${storage16_layouts})

@@ -117,6 +117,93 @@ TEST_P(OpsPrecision, ActivationsRoundAndStatisticsStayFp32) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, OpsPrecision, ::testing::Values(DType::kBF16, DType::kF16),
                          [](const auto& param_info) { return std::string(dtype_name(param_info.param)); });
 
+// The activation tensors of the cases (inputs, outputs and their gradients; a trailing expert number stripped): what
+// the model stores as bf16 / fp16 tensors under 16-bit activation storage. Parameters, statistics, router tensors,
+// losses and weight gradients stay fp32 tensors.
+const std::set<std::string> kActivationTensors = {
+    "out", "inp", "x",  "y",  "in",   "q",    "k",  "v",  "xs", "h",  "fc1", "qkv", "src",  "logits", "pout",
+    "ka",  "kb",  "va", "vb", "dout", "dinp", "dx", "dy", "dq", "dk", "dv",  "dh",  "dfc1", "dqkv",   "dlogits"};
+
+std::string stem(const std::string& name) { return name.substr(0, name.find_last_not_of("0123456789") + 1); }
+
+// The case's inputs rounded to `dtype` (fp32 tensors), on `device`.
+Env rounded_inputs(const OpCase& c, const DType dtype, const Device device) {
+  Env env = test::make_env(c, DType::kF32, device);
+  std::vector<std::string> names;
+  for (const auto& [name, t] : env.tensors()) names.push_back(name);
+  for (const std::string& name : names) round_to_dtype_(env(name), dtype);
+  return env;
+}
+
+// Its activation tensors (kActivationTensors) as `dtype` tensors holding the same values. Counts them.
+int narrow_activations(Env& env, const DType dtype) {
+  std::vector<std::string> names;
+  for (const auto& [name, t] : env.tensors()) {
+    if (kActivationTensors.count(stem(name)) != 0) names.push_back(name);
+  }
+  for (const std::string& name : names) {
+    Tensor bits(env(name).shape(), dtype, MemCategory::kOther, env.device());
+    convert(bits, env(name));
+    env.put(name, std::move(bits));
+  }
+  return static_cast<int>(names.size());
+}
+
+// Every tensor of `stored` (16-bit ones read in fp32) equals `want`'s bit for bit.
+void expect_same_values(const std::string& what, Env& want, Env& stored) {
+  for (const auto& [name, w] : want.tensors()) {
+    const Tensor& got = stored(name);
+    Tensor got_f32 = got;
+    if (got.dtype() != w.dtype()) {
+      got_f32 = Tensor(got.shape(), w.dtype(), MemCategory::kOther, got.device());
+      convert(got_f32, got);
+    }
+    ASSERT_EQ(got_f32.numel(), w.numel()) << what << ": " << name;
+    for (int64_t i = 0; i < w.numel(); ++i) {
+      ASSERT_EQ(got_f32.data<float>()[i], w.data<float>()[i])
+          << what << ": " << name << "[" << i << "] stored as " << dtype_name(got.dtype());
+    }
+  }
+}
+
+// 16-bit activation storage (ops/staging.h): every case of the op table on both devices, once with its activation
+// tensors in fp32 tensors and once as bf16 / fp16 tensors, both under ScopedActivationDType(dtype): the ops read 16-bit
+// tensors exactly and narrow what they write once, so every tensor must come out bit for bit the same (the fp32
+// path's rounded result).
+TEST_P(OpsPrecision, SixteenBitTensorsMatchTheFp32Path) {
+  const DType dtype = GetParam();
+  // The fused grouped MLP runs on the convert path of the 16-bit GEMMs (the native one goes through linear layers).
+  const kernels::cpu::ScopedLowpGemmPath convert(kernels::cpu::LowpGemmPath::kConvert);
+  int narrowed = 0;
+  for (const Device device : {Device::kCPU, Device::kReference}) {
+    for (const OpCase& c : test::all_cases()) {
+      const bool router =
+          std::any_of(c.ops.begin(), c.ops.end(), [](const std::string& op) { return kRouterOps.count(op) != 0; });
+      const Env probe = test::make_env(c, DType::kF32, device);
+      const auto fp32_only = std::all_of(probe.tensors().begin(), probe.tensors().end(),
+                                         [](const auto& named) { return named.second.dtype() == DType::kF32; });
+      if (router || !fp32_only) continue;
+      if (!std::all_of(c.ops.begin(), c.ops.end(),
+                       [&](const std::string& op) { return supports(op, DType::kF32, device); })) {
+        continue;
+      }
+      const std::string what = c.name + " on " + std::string(device_name(device));
+      Env fp32 = rounded_inputs(c, dtype, device);
+      Env bits16 = rounded_inputs(c, dtype, device);
+      narrowed += narrow_activations(bits16, dtype);
+      const ScopedActivationDType precision(dtype, device);
+      c.forward(fp32);
+      c.forward(bits16);
+      expect_same_values(what + " forward", fp32, bits16);
+      if (!c.has_backward()) continue;
+      c.backward(fp32);
+      c.backward(bits16);
+      expect_same_values(what + " backward", fp32, bits16);
+    }
+  }
+  EXPECT_GT(narrowed, 100);  // the cases did run on 16-bit tensors
+}
+
 // A [rows, cols] fp32 tensor of random values representable in `dtype`.
 Tensor random_lowp_values(const int64_t rows, const int64_t cols, const DType dtype, std::mt19937& gen) {
   Tensor t(std::vector<int64_t>{rows, cols}, DType::kF32);

@@ -4,8 +4,8 @@
 
 #include "moecore/model/rotary_embedding.h"
 #include "moecore/ops/attention.h"
-#include "moecore/ops/rows.h"
 #include "moecore/ops/precision.h"
+#include "moecore/ops/rows.h"
 
 namespace moecore {
 namespace {
@@ -89,7 +89,7 @@ Tensor SelfAttention::forward(const Tensor& x_TH, const int64_t S, const int64_t
     a.k_TGd = std::move(k_rot);
   }
   a.attn_TNd = activation_tensor({T, N, d});
-  a.lse_BNS = activation_tensor({B, N, S});
+  a.lse_BNS = Tensor({B, N, S}, DType::kF32, MemCategory::kActivations);  // fp32 statistics
   context_parallel_attention_forward(a.attn_TNd, a.lse_BNS, a.q_TNd, a.k_TGd, a.v_TGd, dims(S, B), dropout, sequence,
                                      cp_, cp_type_);
   return proj_.forward(a.attn_TNd, a.proj);
@@ -98,7 +98,7 @@ Tensor SelfAttention::forward(const Tensor& x_TH, const int64_t S, const int64_t
 void SelfAttention::recompute_core_attention(AttentionActivations& a, const int64_t S, const int64_t B,
                                              const ops::DropoutSpec& dropout, const SequenceInfo& sequence) const {
   // The output is rewritten with the same values: it is linear_proj's saved input.
-  a.lse_BNS = activation_tensor({B, heads_, S});
+  a.lse_BNS = Tensor({B, heads_, S}, DType::kF32, MemCategory::kActivations);  // fp32 statistics
   context_parallel_attention_forward(a.attn_TNd, a.lse_BNS, a.q_TNd, a.k_TGd, a.v_TGd, dims(S, B), dropout, sequence,
                                      cp_, cp_type_);
 }
@@ -169,7 +169,7 @@ Tensor SelfAttention::forward_decode(const Tensor& x_TH, const std::span<const i
   decode.Sk = Sk;
   decode.q_index = positions.data();
   Tensor attn_TNd = activation_tensor({T, N, d});
-  Tensor lse_BNS = activation_tensor({1, N, T});
+  Tensor lse_BNS = Tensor({1, N, T}, DType::kF32, MemCategory::kActivations);  // fp32 statistics
   ops::attention_forward(attn_TNd, lse_BNS, q_TNd, cache.first_SX.slice_rows(0, Sk).view({Sk, 1, G, d}),
                          cache.second_SY.slice_rows(0, Sk).view({Sk, 1, G, d}), decode, ops::DropoutSpec{});
   return proj_.forward(attn_TNd, unused_proj);

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "moecore/model/config.h"
+#include "moecore/ops/convert.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/precision.h"
 #include "moecore/ops/rows.h"
@@ -20,6 +21,32 @@ constexpr int kKeyValueGradTag = 12;
 Tensor activations(std::vector<int64_t> shape) {
   return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
 }
+
+// Rows that travel exactly (all-to-all, all-gather): in the dtype of the rows they come from (bf16 / fp16 under
+// 16-bit activation storage, ops/precision.h).
+Tensor activations(std::vector<int64_t> shape, const DType dtype) {
+  return Tensor(std::move(shape), dtype, MemCategory::kActivations);
+}
+
+// An output that spans several kernel calls, kept in fp32 while they run (16-bit activation storage): the fp32 path's
+// arithmetic, narrowed once by finish() after round_once (exact then).
+class Fp32Output {
+ public:
+  explicit Fp32Output(Tensor& target) : target_(target), f32_(target) {
+    if (target.dtype() != DType::kF32) {
+      f32_ = activations(target.shape());
+      ops::convert(f32_, target);
+    }
+  }
+  Tensor& get() { return f32_; }
+  void finish() {
+    if (!f32_.shares_storage(target_)) ops::convert(target_, f32_);
+  }
+
+ private:
+  Tensor& target_;
+  Tensor f32_;
+};
 
 // Attention that spans several kernel calls (the ring's steps, a reduce-scatter of partial key / value gradients)
 // keeps its partial results in fp32 and rounds them to the activation dtype once, as TransformerEngine's
@@ -79,13 +106,13 @@ std::vector<int64_t> all_indices(const SequenceInfo& seq) {  // every rank's pos
 Tensor sequence_to_heads(const Tensor& x, const int64_t X, const int64_t d, const parallel::ProcessGroup& cp) {
   const int P = cp.size();
   const int64_t rows = x.numel() / (X * d), Xp = X / P, part = rows * Xp * d;
-  Tensor send = activations({P * part});
+  Tensor send = activations({P * part}, x.dtype());
   const Tensor x_rows = x.view({rows, X * d});
   for (int j = 0; j < P; ++j) {  // head group j of every row: block j of the send buffer
     Tensor block = send.view({P * rows, Xp * d}).slice_rows(j * rows, (j + 1) * rows);
     ops::copy_columns(block, Xp * d, 0, x_rows, X * d, j * Xp * d, Xp * d);
   }
-  Tensor out = activations({P * rows, Xp, d});
+  Tensor out = activations({P * rows, Xp, d}, x.dtype());
   const std::vector<size_t> counts(static_cast<size_t>(P), static_cast<size_t>(part));
   const parallel::CommTimer timer(parallel::CommKind::kContextParallel);
   cp.all_to_all_v(send, counts, out, counts);
@@ -95,13 +122,13 @@ Tensor sequence_to_heads(const Tensor& x, const int64_t X, const int64_t d, cons
 Tensor heads_to_sequence(const Tensor& x_h, const int64_t X, const int64_t d, const parallel::ProcessGroup& cp) {
   const int P = cp.size();
   const int64_t Xp = X / P, part = x_h.numel() / P, rows = part / (Xp * d);
-  Tensor received = activations({P * part});
+  Tensor received = activations({P * part}, x_h.dtype());
   const std::vector<size_t> counts(static_cast<size_t>(P), static_cast<size_t>(part));
   {
     const parallel::CommTimer timer(parallel::CommKind::kContextParallel);
     cp.all_to_all_v(x_h, counts, received, counts);
   }
-  Tensor out = activations({rows, X, d});
+  Tensor out = activations({rows, X, d}, x_h.dtype());
   Tensor out_rows = out.view({rows, X * d});
   for (int j = 0; j < P; ++j) {  // block j of the received buffer: head group j of every row
     const Tensor block = received.view({P * rows, Xp * d}).slice_rows(j * rows, (j + 1) * rows);
@@ -125,7 +152,7 @@ ops::AttentionDims head_shard_dims(ops::AttentionDims dims, const parallel::Proc
 Tensor gather_sequence(const Tensor& x, const parallel::ProcessGroup& cp) {
   std::vector<int64_t> shape = x.shape();
   shape[0] *= cp.size();
-  Tensor out = activations(shape);
+  Tensor out = activations(shape, x.dtype());
   const parallel::CommTimer timer(parallel::CommKind::kContextParallel);
   cp.all_gather(x, out);
   return out;
@@ -143,14 +170,14 @@ void reduce_scatter_add(Tensor& local, const Tensor& all, const parallel::Proces
 // ---- p2p: the ring. Step i holds the keys and values of rank (r - i) mod CP.
 int ring_source(const parallel::ProcessGroup& cp, const int step) { return (cp.rank() - step + cp.size()) % cp.size(); }
 
-// Sends `tensors` to the next rank and receives the same shapes from the previous one into fresh tensors.
+// Sends `tensors` to the next rank and receives the same shapes and dtypes from the previous one into fresh tensors.
 struct RingTransfer {
   std::vector<Tensor> incoming;
   std::vector<parallel::Work> works;
   void start(const std::vector<const Tensor*>& outgoing, const parallel::ProcessGroup& cp, const int tag) {
     const int next = (cp.rank() + 1) % cp.size(), prev = (cp.rank() - 1 + cp.size()) % cp.size();
     for (const Tensor* t : outgoing) {
-      incoming.push_back(activations(t->shape()));
+      incoming.push_back(activations(t->shape(), t->dtype()));
       works.push_back(cp.recv_async(incoming.back(), prev, tag));
     }
     for (const Tensor* t : outgoing) works.push_back(cp.send_async(*t, next, tag));
@@ -184,14 +211,11 @@ const char* cp_comm_type_name(const CpCommType type) {
   return "?";
 }
 
-void context_parallel_attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, const Tensor& k_SBGd,
-                                        const Tensor& v_SBGd, ops::AttentionDims dims, const ops::DropoutSpec& dropout,
-                                        const SequenceInfo& seq, const parallel::ProcessGroup& cp,
-                                        const CpCommType type) {
-  if (cp.size() == 1) {
-    ops::attention_forward(out_SBNd, lse_BNS, q_SBNd, k_SBGd, v_SBGd, whole(seq).apply_to(dims, seq.S), dropout);
-    return;
-  }
+namespace {
+
+void cp_attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, const Tensor& k_SBGd,
+                          const Tensor& v_SBGd, ops::AttentionDims dims, const ops::DropoutSpec& dropout,
+                          const SequenceInfo& seq, const parallel::ProcessGroup& cp, const CpCommType type) {
   const std::vector<int64_t> local = seq.local_index();
   if (type == CpCommType::kAllGather) {
     const Block b = block(seq, local, all_indices(seq));
@@ -238,16 +262,10 @@ void context_parallel_attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const
   round_once(activation_dtype, {&out_SBNd});
 }
 
-void context_parallel_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const Tensor& dout_SBNd,
-                                         const Tensor& q_SBNd, const Tensor& k_SBGd, const Tensor& v_SBGd,
-                                         const Tensor& out_SBNd, const Tensor& lse_BNS, ops::AttentionDims dims,
-                                         const ops::DropoutSpec& dropout, const SequenceInfo& seq,
-                                         const parallel::ProcessGroup& cp, const CpCommType type) {
-  if (cp.size() == 1) {
-    ops::attention_backward(dq_SBNd, dk_SBGd, dv_SBGd, dout_SBNd, q_SBNd, k_SBGd, v_SBGd, out_SBNd, lse_BNS,
-                            whole(seq).apply_to(dims, seq.S), dropout);
-    return;
-  }
+void cp_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const Tensor& dout_SBNd,
+                           const Tensor& q_SBNd, const Tensor& k_SBGd, const Tensor& v_SBGd, const Tensor& out_SBNd,
+                           const Tensor& lse_BNS, ops::AttentionDims dims, const ops::DropoutSpec& dropout,
+                           const SequenceInfo& seq, const parallel::ProcessGroup& cp, const CpCommType type) {
   const std::vector<int64_t> local = seq.local_index();
   if (type == CpCommType::kAllGather) {
     // Every rank's share of the key / value gradients is summed in fp32 and rounded once.
@@ -312,6 +330,39 @@ void context_parallel_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tenso
     }
   }
   round_once(activation_dtype, {&dq_SBNd, &dk_SBGd, &dv_SBGd});
+}
+
+}  // namespace
+
+void context_parallel_attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, const Tensor& k_SBGd,
+                                        const Tensor& v_SBGd, ops::AttentionDims dims, const ops::DropoutSpec& dropout,
+                                        const SequenceInfo& seq, const parallel::ProcessGroup& cp,
+                                        const CpCommType type) {
+  if (cp.size() == 1) {
+    ops::attention_forward(out_SBNd, lse_BNS, q_SBNd, k_SBGd, v_SBGd, whole(seq).apply_to(dims, seq.S), dropout);
+    return;
+  }
+  Fp32Output out(out_SBNd);
+  cp_attention_forward(out.get(), lse_BNS, q_SBNd, k_SBGd, v_SBGd, dims, dropout, seq, cp, type);
+  out.finish();
+}
+
+void context_parallel_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const Tensor& dout_SBNd,
+                                         const Tensor& q_SBNd, const Tensor& k_SBGd, const Tensor& v_SBGd,
+                                         const Tensor& out_SBNd, const Tensor& lse_BNS, ops::AttentionDims dims,
+                                         const ops::DropoutSpec& dropout, const SequenceInfo& seq,
+                                         const parallel::ProcessGroup& cp, const CpCommType type) {
+  if (cp.size() == 1) {
+    ops::attention_backward(dq_SBNd, dk_SBGd, dv_SBGd, dout_SBNd, q_SBNd, k_SBGd, v_SBGd, out_SBNd, lse_BNS,
+                            whole(seq).apply_to(dims, seq.S), dropout);
+    return;
+  }
+  Fp32Output dq(dq_SBNd), dk(dk_SBGd), dv(dv_SBGd);
+  cp_attention_backward(dq.get(), dk.get(), dv.get(), dout_SBNd, q_SBNd, k_SBGd, v_SBGd, out_SBNd, lse_BNS, dims,
+                        dropout, seq, cp, type);
+  dq.finish();
+  dk.finish();
+  dv.finish();
 }
 
 }  // namespace moecore

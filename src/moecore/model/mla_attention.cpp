@@ -5,8 +5,8 @@
 #include "moecore/model/rotary_embedding.h"
 #include "moecore/ops/attention.h"
 #include "moecore/ops/linear.h"
-#include "moecore/ops/rows.h"
 #include "moecore/ops/precision.h"
+#include "moecore/ops/rows.h"
 
 namespace moecore {
 namespace {
@@ -111,7 +111,7 @@ Tensor MLASelfAttention::forward(const Tensor& x_TH, const int64_t S, const int6
   q_TQ = kv_TK = Tensor();
 
   a.attn_TNv = activation_tensor({T, N, dv});
-  a.lse_BNS = activation_tensor({B, N, S});
+  a.lse_BNS = Tensor({B, N, S}, DType::kF32, MemCategory::kActivations);  // fp32 statistics
   context_parallel_attention_forward(a.attn_TNv, a.lse_BNS, a.q_TNk, a.k_TNk, a.v_TNv, dims(S, B), dropout, sequence,
                                      cp_, cp_type_);
   return proj_.forward(a.attn_TNv, a.proj);
@@ -147,7 +147,7 @@ void MLASelfAttention::recompute_up_proj(MlaActivations& a, const int64_t S, con
 void MLASelfAttention::recompute_core_attention(MlaActivations& a, const int64_t S, const int64_t B,
                                                 const ops::DropoutSpec& dropout, const SequenceInfo& sequence) const {
   // The output is rewritten with the same values: it is linear_proj's saved input.
-  a.lse_BNS = activation_tensor({B, heads_, S});
+  a.lse_BNS = Tensor({B, heads_, S}, DType::kF32, MemCategory::kActivations);  // fp32 statistics
   context_parallel_attention_forward(a.attn_TNv, a.lse_BNS, a.q_TNk, a.k_TNk, a.v_TNv, dims(S, B), dropout, sequence,
                                      cp_, cp_type_);
 }
@@ -291,7 +291,7 @@ Tensor MLASelfAttention::forward_decode(const Tensor& x_TH, const std::span<cons
   decode.Sk = Sk;
   decode.q_index = positions.data();
   Tensor attn_latent_TNL = activation_tensor({T, N, L});
-  Tensor lse_BNS = activation_tensor({1, N, T});
+  Tensor lse_BNS = Tensor({1, N, T}, DType::kF32, MemCategory::kActivations);  // fp32 statistics
   ops::attention_forward(attn_latent_TNL, lse_BNS, q_TNK, k_SK, v_SL, decode, ops::DropoutSpec{});
   Tensor attn_TNv = activation_tensor({T, N, dv});
   Tensor head_latent_TL = activation_tensor({T, L});

@@ -80,7 +80,8 @@ Tensor MoELayer::forward(const Tensor& x_TH, const int64_t S, const int64_t B, c
     y_RH = experts_->forward(x_RH, saved.dispatch.probs_R, saved.dispatch.tokens_per_expert_E, saved.experts);
   }
   x_RH = Tensor();
-  Tensor out_TH = activation_tensor({T, H});
+  // fp32: the allgather dispatcher adds its fp32 sum over the group unrounded (token_dispatcher_allgather.cpp).
+  Tensor out_TH({T, H}, DType::kF32, MemCategory::kActivations);
   {
     const trace::Scope scope("combine", "moe");
     dispatcher_->combine(out_TH, y_RH, saved.dispatch);
@@ -189,7 +190,8 @@ Tensor MoELayer::recompute(const Tensor& x_TH, MoELayerActivations& saved, const
     if (shared_) recompute_shared(x_TH, saved);
     return Tensor();
   }
-  Tensor out_TH = activation_tensor({T, H});
+  // fp32: the allgather dispatcher adds its fp32 sum over the group unrounded (token_dispatcher_allgather.cpp).
+  Tensor out_TH({T, H}, DType::kF32, MemCategory::kActivations);
   {
     const trace::Scope scope("combine", "moe");
     dispatcher_->combine(out_TH, y_RH, saved.dispatch);

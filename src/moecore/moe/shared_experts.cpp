@@ -8,9 +8,9 @@
 #include "moecore/moe/experts.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/linear.h"
+#include "moecore/ops/precision.h"
 #include "moecore/ops/quantization.h"
 #include "moecore/ops/rows.h"
-#include "moecore/ops/precision.h"
 
 namespace moecore {
 namespace {
@@ -91,7 +91,7 @@ void SharedExpertMLP::backward(Tensor& dx, const Tensor& dout, const Tensor& x,
   }
   // out = g * y, g = sigmoid(z), z = x . w_g: dy = g * dout; dz = <dout, y> g (1 - g); dx += dz w_g; dw_g += dz^T x.
   Tensor dy_TH = activation_tensor({T, H});
-  Tensor dg_T = activation_tensor({T});
+  Tensor dg_T({T}, DType::kF32, MemCategory::kActivations);  // not rounded (scale_rows_backward), as today
   ops::scale_rows_backward(&dy_TH, &dg_T, dout, saved.y_TH, saved.gate_T);
   Tensor dz_T1 = activation_tensor({T, 1});
   ops::sigmoid_backward(dz_T1, dg_T, saved.gate_T);

@@ -75,7 +75,7 @@ class LocalDispatcher final : public TokenDispatcher {
     for (int64_t e = 0; e < E; ++e) {
       state.expert_R.insert(state.expert_R.end(), static_cast<size_t>(routing.tokens_per_expert_E[e]), e);
     }
-    DispatchBuffers out{detail::activation_rows({static_cast<int64_t>(state.source_token_R.size()), H}),
+    DispatchBuffers out{detail::activation_rows({static_cast<int64_t>(state.source_token_R.size()), H}, x_TH.dtype()),
                         std::move(probs_R)};
     ops::moe_permute(out.rows, x_TH, state.source_token_R);
     return out;

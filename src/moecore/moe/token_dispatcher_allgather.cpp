@@ -58,7 +58,7 @@ class AllGatherDispatcher final : public TokenDispatcher {
                                  const std::function<void()> *overlapped) override {
     if (overlapped) (*overlapped)();
     const int64_t S = group_.size(), T = state.T, E = state.E;
-    DispatchBuffers all{activation_rows({S * T, state.H}), activation_rows({S * T, E})};
+    DispatchBuffers all{activation_rows({S * T, state.H}, local.rows.dtype()), activation_rows({S * T, E})};
     Tensor maps({S * T, E}, DType::kU8, MemCategory::kActivations);
     Tensor counts({S * E}, DType::kI64, MemCategory::kActivations);
     {
@@ -114,7 +114,7 @@ class AllGatherDispatcher final : public TokenDispatcher {
     state.probs_R = probs_tensor(probs_R);
     state.routing_map = Tensor();  // read into the bookkeeping above
     state.expert_counts = Tensor();
-    Tensor x_RH = activation_rows({static_cast<int64_t>(state.gathered_row_R.size()), H});
+    Tensor x_RH = activation_rows({static_cast<int64_t>(state.gathered_row_R.size()), H}, received.rows.dtype());
     ops::moe_permute(x_RH, received.rows, state.gathered_row_R);
     return x_RH;
   }
@@ -141,7 +141,7 @@ class AllGatherDispatcher final : public TokenDispatcher {
   void combine_backward(Tensor &dy_RH, const Tensor &dout_TH, const DispatchState &state,
                         const std::function<void()> *overlapped) override {
     if (overlapped) (*overlapped)();
-    Tensor all = activation_rows({group_.size() * state.T, state.H});
+    Tensor all = activation_rows({group_.size() * state.T, state.H}, dout_TH.dtype());
     {
       parallel::CommTimer timer(parallel::CommKind::kAllToAll);
       group_.all_gather(dout_TH, all);

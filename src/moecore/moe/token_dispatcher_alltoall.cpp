@@ -137,7 +137,8 @@ class AllToAllDispatcher final : public TokenDispatcher {
       state.expert_R.insert(state.expert_R.end(), static_cast<size_t>(chunk.rows), chunk.local_expert);
     }
 
-    DispatchBuffers out{activation_rows({static_cast<int64_t>(state.sent_token_L.size()), H}), std::move(probs_L)};
+    DispatchBuffers out{activation_rows({static_cast<int64_t>(state.sent_token_L.size()), H}, x_TH.dtype()),
+                        std::move(probs_L)};
     ops::moe_permute(out.rows, x_TH, state.sent_token_L);  // padding rows are zero
     return out;
   }
@@ -154,7 +155,7 @@ class AllToAllDispatcher final : public TokenDispatcher {
   // sort_chunks_by_idxs: [ETP rank][EP source][local expert] -> [local expert][ETP rank][EP source].
   Tensor dispatch_postprocess(const DispatchBuffers &received, DispatchState &state) override {
     const int64_t R = std::accumulate(state.sorted_rows_C.begin(), state.sorted_rows_C.end(), int64_t{0});
-    Tensor x_RH = activation_rows({R, state.H});
+    Tensor x_RH = activation_rows({R, state.H}, received.rows.dtype());
     ops::sort_chunks(x_RH, received.rows, state.sorted_first_C, state.sorted_rows_C);
     state.probs_R = activation_rows({R});
     Tensor probs_R1 = state.probs_R.view({R, 1});
@@ -172,7 +173,7 @@ class AllToAllDispatcher final : public TokenDispatcher {
 
   void combine_backward(Tensor &dy_RH, const Tensor &dout_TH, const DispatchState &state,
                         const std::function<void()> *overlapped) override {
-    Tensor rows_LH = activation_rows({static_cast<int64_t>(state.sent_token_L.size()), state.H});
+    Tensor rows_LH = activation_rows({static_cast<int64_t>(state.sent_token_L.size()), state.H}, dout_TH.dtype());
     ops::moe_permute(rows_LH, dout_TH, state.sent_token_L);
     const Tensor gathered = to_experts(rows_LH, state, overlapped);
     ops::sort_chunks(dy_RH, gathered, state.sorted_first_C, state.sorted_rows_C);
@@ -196,8 +197,8 @@ class AllToAllDispatcher final : public TokenDispatcher {
   Tensor to_experts(const Tensor &rows_LW, const DispatchState &state,
                     const std::function<void()> *overlapped = nullptr) const {
     const int64_t M = state.etp_max_rows, ETP = etp_.size(), W = rows_LW.dim(1);
-    Tensor received = activation_rows({M, W});
-    Tensor gathered = activation_rows({ETP * M, W});
+    Tensor received = activation_rows({M, W}, rows_LW.dtype());
+    Tensor gathered = activation_rows({ETP * M, W}, rows_LW.dtype());
     parallel::Work exchange;
     {
       parallel::CommTimer timer(parallel::CommKind::kAllToAll);

@@ -30,6 +30,11 @@ void check_tokens(const char* dispatcher, const Tensor& x_TH);
 inline Tensor activation_rows(std::vector<int64_t> shape) {
   return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
 }
+// Rows that move exactly (permutations, gathers, all-to-alls): in the dtype of the rows they come from, bf16 / fp16
+// under 16-bit activation storage (ops/precision.h). Sums over ranks stay in fp32 buffers (activation_rows above).
+inline Tensor activation_rows(std::vector<int64_t> shape, const DType dtype) {
+  return Tensor(std::move(shape), dtype, MemCategory::kActivations);
+}
 
 // probs_R as a tensor [R] (fp32).
 Tensor probs_tensor(const std::vector<float>& probs_R);

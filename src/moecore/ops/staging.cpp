@@ -28,7 +28,7 @@ Staging::~Staging() noexcept(false) {
   innermost_staging = outer_;
   if (std::uncaught_exceptions() > uncaught_) return;
   for (const std::unique_ptr<Entry>& e : entries_) {
-    if (e->written) convert(e->target, e->f32);  // round to nearest even, once
+    if (e->written) convert(e->target, e->f32);  // rounds to nearest even, once
   }
 }
 

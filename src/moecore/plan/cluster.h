@@ -24,7 +24,7 @@ struct Cluster {
   // Flash attention (forward + backward) as a share of the BF16 peak: the softmax's exponentials run on the
   // special-function units, which Blackwell Ultra (GB300) doubles over Blackwell (GB200, B200).
   double attention_efficiency = 0.45;
-  bool moecore_cpu_engine = false;  // moecore's own CPU engine (fp32 storage), not Megatron on GPUs
+  bool moecore_cpu_engine = false;  // moecore's own CPU engine (fp32 weights), not Megatron on GPUs
 };
 
 // H100 (SXM, HGX 8-GPU NVLink domain, 400 Gb/s InfiniBand per GPU), H200, B200 (HGX 8-GPU), GB200 and GB300

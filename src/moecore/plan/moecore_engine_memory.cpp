@@ -105,8 +105,12 @@ LayerParams layer_params(const Shape& s, const Layout& l, const bool moe) {
 
 double dtype_bytes(const std::string& dtype) { return dtype == "fp32" ? 4.0 : dtype == "fp8" ? 1.0 : 2.0; }
 
-// Activation elements of one micro-batch on one rank (all fp32).
+// Rows of one micro-batch on one rank, and the bytes of a stored activation element. The functions below give bytes:
+// activations, saved tensors and activation gradients take `a` bytes an element (fp32: 4; under --bf16 / --fp16: 2,
+// ops/precision.h's 16-bit storage), what stays fp32 takes 4 (norm statistics, log-sum-exps, the router's input copy
+// and probabilities, probability gradients, losses, weight gradients, the logits chunk).
 struct Tokens {
+  double a = 4;   // bytes of an activation element
   double t = 0;   // local (CP) sequence tokens of the TP group
   double ta = 0;  // residual-stream rows (T / TP under sequence parallelism)
   double tm = 0;  // MoE rows: moecore always sequence-shards the MoE layer under TP (TransformerLayer::moe_forward)
@@ -117,61 +121,61 @@ struct Tokens {
 double attention_dropped(const Shape& s, const Layout& l, const Tokens& x, const Recompute& r) {
   const double nl = s.n / l.tp();
   double dropped = 0;
-  if (r.has("core_attn")) dropped += x.t * nl;  // the log-sum-exp
-  if (r.has("layernorm")) dropped += x.ta * s.h;
-  if (s.mla && r.has("mla_up_proj")) dropped += x.t * nl * (2 * s.dqk + s.dv) - x.t * s.dr;  // q, k, v; rope key kept
+  if (r.has("core_attn")) dropped += 4 * x.t * nl;  // the log-sum-exp
+  if (r.has("layernorm")) dropped += x.a * x.ta * s.h;
+  if (s.mla && r.has("mla_up_proj")) dropped += x.a * (x.t * nl * (2 * s.dqk + s.dv) - x.t * s.dr);  // rope key kept
   return dropped;
 }
 
 double attention_saved(const Shape& s, const Layout& l, const Tokens& x, const Recompute& r) {
   const double nl = s.n / l.tp(), gl = s.g / l.tp();
-  double a = x.ta * (s.h + s.nrm) - attention_dropped(s, l, x, r);  // input norm output + stats
+  double a = x.ta * (x.a * s.h + 4 * s.nrm) - attention_dropped(s, l, x, r);  // input norm output + stats
   if (s.mla) {
     // The up projections keep their (all-gathered) normed latents, the norms their inputs and statistics; the core
     // attention q, k (dq + dr wide), v and its output (dv wide), the log-sum-exp.
     const double latents = s.q_rank + s.kv_rank;
-    a += (l.sp ? x.t : x.ta) * latents;
-    if (s.config.qk_layernorm) a += x.ta * latents + x.ta * s.nrm * ((s.q_rank > 0 ? 1 : 0) + 1);
-    if (s.q_rank == 0 && l.sp) a += x.t * s.h;  // linear_q_proj's all-gathered input
-    a += x.t * nl * (2 * s.dqk + 2 * s.dv) + x.t * nl;
-    return a + x.ta * s.h;  // x_mid
+    a += x.a * (l.sp ? x.t : x.ta) * latents;
+    if (s.config.qk_layernorm) a += x.a * x.ta * latents + 4 * x.ta * s.nrm * ((s.q_rank > 0 ? 1 : 0) + 1);
+    if (s.q_rank == 0 && l.sp) a += x.a * x.t * s.h;  // linear_q_proj's all-gathered input
+    a += x.a * x.t * nl * (2 * s.dqk + 2 * s.dv) + 4 * x.t * nl;
+    return a + x.a * x.ta * s.h;  // x_mid
   }
-  if (l.sp) a += x.t * s.h;        // ColumnParallelLinear keeps the all-gathered input
-  a += x.t * (nl + 2 * gl) * s.d;  // q, k, v as core attention sees them
-  if (s.config.qk_layernorm) a += x.t * ((nl + gl) * s.d + (nl + gl) * s.nrm);
-  a += x.t * nl * s.d + x.t * nl;  // core attention output, log-sum-exp
-  a += x.ta * s.h;                 // x_mid
+  if (l.sp) a += x.a * x.t * s.h;        // ColumnParallelLinear keeps the all-gathered input
+  a += x.a * x.t * (nl + 2 * gl) * s.d;  // q, k, v as core attention sees them
+  if (s.config.qk_layernorm) a += x.t * (x.a * (nl + gl) * s.d + 4 * (nl + gl) * s.nrm);
+  a += x.a * x.t * nl * s.d + 4 * x.t * nl;  // core attention output, log-sum-exp
+  a += x.a * x.ta * s.h;                     // x_mid
   return a;
 }
 
 double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool moe, const Recompute& r) {
-  double a = x.ta * (s.h + s.nrm) + x.ta * s.h;  // pre-MLP norm output + stats, layer output
-  if (r.has("layernorm")) a -= x.ta * s.h;
+  double a = x.ta * (x.a * s.h + 4 * s.nrm) + x.a * x.ta * s.h;  // pre-MLP norm output + stats, layer output
+  if (r.has("layernorm")) a -= x.a * x.ta * s.h;
   if (!moe) {
     if (r.has("mlp")) return a;
-    return a + (l.sp ? x.t * s.h : 0) + x.t * s.glu * s.f / l.tp() + x.t * s.f / l.tp();
+    return a + x.a * ((l.sp ? x.t * s.h : 0) + x.t * s.glu * s.f / l.tp() + x.t * s.f / l.tp());
   }
   if (r.has("moe")) return a;
   const double fml = s.fm / l.etp();
-  a += x.tm * s.h + x.tm * s.experts;        // router input copy, probs
-  a += x.r * (s.h + 1 + s.glu * fml + fml);  // dispatched rows + probs, fc1 output, fc2 input
-  if (r.has("moe_act")) a -= x.r * fml;
+  a += 4 * (x.tm * s.h + x.tm * s.experts);          // router input copy, probs (fp32)
+  a += x.r * (x.a * (s.h + s.glu * fml + fml) + 4);  // dispatched rows, fc1 output, fc2 input; probs (fp32)
+  if (r.has("moe_act")) a -= x.a * x.r * fml;
   if (s.sh > 0 && !r.has("shared_experts")) {
-    a += (l.tp() > 1 ? x.t * s.h : 0) + x.t * s.glu * s.sh / l.tp() + x.t * s.sh / l.tp();
-    if (s.config.moe.shared_expert_gate) a += x.tm + x.tm * s.h;
+    a += x.a * ((l.tp() > 1 ? x.t * s.h : 0) + x.t * s.glu * s.sh / l.tp() + x.t * s.sh / l.tp());
+    if (s.config.moe.shared_expert_gate) a += x.a * (x.tm + x.tm * s.h);
   }
   return a;
 }
 
 // The largest transient of a layer's backward (the first layer of the chunk to run backward).
 double backward_transient(const Shape& s, const Layout& l, const Tokens& x, const bool moe) {
-  if (moe) {
-    double t = 3 * x.ta * s.h + x.tm * s.h + 2 * x.r * s.h + x.r * s.glu * s.fm / l.etp();
-    if (l.tp() > 1 && !l.sp) t += 2 * x.tm * s.h;
+  if (moe) {  // the MoE layer's input gradient stays fp32 (the router adds to it unrounded)
+    double t = x.a * (3 * x.ta * s.h + 2 * x.r * s.h + x.r * s.glu * s.fm / l.etp()) + 4 * x.tm * s.h;
+    if (l.tp() > 1 && !l.sp) t += x.a * 2 * x.tm * s.h;
     return t;
   }
-  return 3 * x.ta * s.h + x.t * s.f / l.tp() + x.t * s.glu * s.f / l.tp() + (l.tp() > 1 ? x.t * s.h : 0) +
-         (l.sp ? x.t * s.h : 0);
+  return x.a * (3 * x.ta * s.h + x.t * s.f / l.tp() + x.t * s.glu * s.f / l.tp() + (l.tp() > 1 ? x.t * s.h : 0) +
+                (l.sp ? x.t * s.h : 0));
 }
 
 struct Owners {
@@ -210,6 +214,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
   x.ta = l.sp ? x.t / l.tp() : x.t;
   x.tm = l.tp() > 1 ? x.t / l.tp() : x.t;
   x.r = l.etp() * x.tm * s.k;
+  x.a = c.params_dtype == DType::kF32 ? 4.0 : 2.0;  // 16-bit activation storage under --bf16 / --fp16
 
   const Recompute& rc = args.recompute;
   const bool low_precision = c.params_dtype != DType::kF32;
@@ -288,7 +293,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
       comm += code * (params + shard);
     }
 
-    // ---- activations (fp32 elements) ----
+    // ---- activations (bytes: x.a an activation element, 4 what stays fp32) ----
     // Contexts alive at the first backward: the schedule's warm-up forwards and one more.
     const int64_t live = std::min<int64_t>(warmup_microbatches({.pp = pp,
                                                                 .rank = r,
@@ -303,7 +308,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     for (int v = 0; v < vpp; ++v) {
       const PipelineStage& chunk = pipeline.stage(r, v);
       Owners o, rerun, checkpoint;
-      (chunk.has_embedding ? o.embedding : o.other) += x.ta * s.h;
+      (chunk.has_embedding ? o.embedding : o.other) += x.a * x.ta * s.h;
       for (int64_t layer = chunk.first_layer; layer < chunk.end_layer(); ++layer) {
         const bool moe = c.moe.is_moe_layer(layer);
         const int64_t index = layer - chunk.first_layer, n = chunk.num_layers;
@@ -316,7 +321,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
         // A checkpointed layer keeps nothing; its output survives as the next checkpoint's (or the next layer's)
         // input, or as the chunk's output.
         if (index + 1 == n || !rc.checkpointed(index + 1) || rc.checkpoint_begin(index + 1) == index + 1) {
-          (moe ? o.moe : o.mlp) += x.ta * s.h;
+          (moe ? o.moe : o.mlp) += x.a * x.ta * s.h;
         }
         checkpoint.attention += attention;
         (moe ? checkpoint.moe : checkpoint.mlp) += ffn;
@@ -331,9 +336,9 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
         // Per depth: the embedding, the previous hidden state, the layer's output, the loss's input gradient, the
         // norms' statistics, eh_proj's (gathered) input [2H], and the layer's own saved tensors (full
         // recomputation: a checkpoint of the projection and the layer).
-        o.output += x.ta * (4 * s.h + 3 * s.nrm);
+        o.output += x.ta * (x.a * 4 * s.h + 4 * 3 * s.nrm);
         Owners depth;
-        depth.output = (l.sp ? x.t : x.ta) * 2 * s.h;
+        depth.output = x.a * (l.sp ? x.t : x.ta) * 2 * s.h;
         depth.attention = attention_saved(s, l, x, rc);
         (last_moe ? depth.moe : depth.mlp) = ffn_saved(s, l, x, last_moe, rc);
         if (!rc.full()) {
@@ -345,8 +350,8 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
           rerun = depth;
         }
       }
-      if (chunk_mtp > 0) o.output += vocab_local * s.h;  // the depths' output-layer weight gradient
-      if (!(last && vpp == 1)) o.other -= x.ta * s.h;
+      if (chunk_mtp > 0) o.output += 4 * vocab_local * s.h;  // the depths' output-layer weight gradient
+      if (!(last && vpp == 1)) o.other -= x.a * x.ta * s.h;
       if (o.total() > context.total()) {
         context = o;
         context_rerun = rerun;
@@ -370,11 +375,11 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     backward.attention += context_rerun.attention;
     backward.mlp += context_rerun.mlp;
     backward.moe += context_rerun.moe;
-    backward.other += x.ta * s.h;  // dprev
+    backward.other += x.a * x.ta * s.h;  // dprev
     if (last) {
-      backward.output += x.ta * s.h + x.ta * (s.h + s.nrm);  // the output's dx, the final norm's saved output
+      backward.output += x.ta * (2 * x.a * s.h + 4 * s.nrm);  // the output's dx, the final norm's saved output
     } else {
-      backward.other += 2 * x.ta * s.h;  // received gradient + its clone
+      backward.other += x.a * 2 * x.ta * s.h;  // received gradient + its clone
     }
     Owners peak = backward;
     if (last) {
@@ -385,8 +390,8 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
       forward.moe = static_cast<double>(live) * context.moe;
       forward.other = static_cast<double>(live) * context.other;
       const double chunk_rows = std::min(x.t, std::max(1.0, std::floor(67108864.0 / (4 * vocab_local))));
-      forward.output = static_cast<double>(live) * context.output + x.ta * (s.h + s.nrm) + x.t * s.h +
-                       vocab_local * s.h + chunk_rows * vocab_local + (l.sp ? x.t * s.h : 0) + 3 * x.t;
+      forward.output = static_cast<double>(live) * context.output + x.ta * (x.a * s.h + 4 * s.nrm) + x.a * x.t * s.h +
+                       4 * (vocab_local * s.h + chunk_rows * vocab_local) + x.a * (l.sp ? x.t * s.h : 0) + 4 * 3 * x.t;
       if (forward.total() > backward.total()) peak = forward;
     }
 
@@ -395,9 +400,9 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     stage.weights = params_peak;
     stage.grads = grads;
     stage.main_weights_and_optimizer = optimizer_peak;
-    stage.activations = 4 * peak.total();
+    stage.activations = peak.total();
     stage.comm_buffers = comm;
-    stage.activations_by_module = peak.named(4.0);
+    stage.activations_by_module = peak.named(1.0);
     stage.live_chunks_at_peak = live;
     stage.decoder_layers = layers;
     // The log's total peak: the categories at one moment (parameters after DDP's build, no optimizer step chunks).

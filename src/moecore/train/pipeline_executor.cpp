@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "moecore/ops/convert.h"
+#include "moecore/ops/precision.h"
 #include "moecore/parallel/comm_stats.h"
 #include "moecore/util/trace.h"
 
@@ -157,8 +159,20 @@ class Executor {
     if (!stage.pre_process) input_grads_[key] = std::move(input_grad);
   }
 
+  // Activations and their gradients travel between stages in the model's activation storage dtype (bf16 / fp16
+  // under --bf16 / --fp16, ops/precision.h; their values are already rounded to it, so narrowing is exact).
+  DType wire_dtype() const {
+    const ModelConfig& config = model_.config();
+    return config.activation_storage == ops::ActivationStorage::k16Bit ? config.params_dtype : DType::kF32;
+  }
+
   void send(std::map<Key, Tensor>& tensors, const PipelineTransfer& transfer, const int tag, const char* what) {
     Tensor t = take(tensors, {transfer.microbatch, transfer.chunk}, what);
+    if (t.dtype() != wire_dtype()) {
+      Tensor bits(t.shape(), wire_dtype(), MemCategory::kActivations, t.device());
+      ops::convert(bits, t);
+      t = std::move(bits);
+    }
     parallel::Work work = parallel_.pp.send_async(t, transfer.peer, tag);
     sends_.emplace_back(std::move(work), std::move(t));
   }
@@ -167,7 +181,7 @@ class Executor {
     const parallel::CommTimer timer(parallel::CommKind::kPipelineP2P);
     const auto receive = [&](std::map<Key, Tensor>& into, std::map<Key, parallel::Work>& pending,
                              const PipelineTransfer& transfer, const int tag) {
-      Tensor t({rows_, model_.config().hidden_size}, DType::kF32, MemCategory::kActivations);
+      Tensor t({rows_, model_.config().hidden_size}, wire_dtype(), MemCategory::kActivations);
       const Key key{transfer.microbatch, transfer.chunk};
       pending[key] = parallel_.pp.recv_async(t, transfer.peer, tag);
       into[key] = std::move(t);

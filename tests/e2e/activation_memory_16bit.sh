@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Under --bf16 / --fp16 activations are stored in 16 bits (ops/precision.h, Megatron's Float16Module): the demo model
+# (configs/demo.args; two iterations on mock data, two layers and 128-token sequences to keep it short) trained in fp32
+# and in bf16 / fp16, and the training log's memory line ("activations: X (peak Y)", MiB) read for each: the 16-bit
+# runs' activation peak must be at most 0.55 of the fp32 run's (what stays fp32: norm statistics, attention and
+# cross-entropy log-sum-exps, the router and its probabilities, losses, staging scratch of the op running).
+set -u
+source "$(dirname "$0")/lib/setup.sh" "$@"
+mapfile -t demo < <(recipe "$src" demo)
+demo+=(--train-iters 2 --lr-warmup-iters 1 --log-interval 1 --eval-interval 1000 --eval-iters 0 --mock-data
+  --tokenizer-type NullTokenizer --vocab-size 50256 --num-layers 2 --seq-length 128 --max-position-embeddings 128)
+
+# activation_peak NAME FLAGS...: trains, prints the activation peak (MiB) of the last memory line.
+activation_peak() {
+  local name=$1
+  shift
+  local log="$work/$name.log"
+  if ! timeout 300 "$bin" train "${demo[@]}" "$@" >"$log" 2>&1; then
+    tail -5 "$log" >&2
+    return 1
+  fi
+  grep 'memory (MB' "$log" | tail -1 | sed -n 's/.*activations: [0-9.]* (peak \([0-9.]*\)).*/\1/p'
+}
+
+fp32=$(activation_peak fp32) || fail "fp32: moecore train failed"
+for precision in bf16 fp16; do
+  peak=$(activation_peak "$precision" "--$precision") || { fail "$precision: moecore train failed"; continue; }
+  if [ -z "$fp32" ] || [ -z "$peak" ]; then
+    fail "$precision: no activation peak in the memory line (fp32 '$fp32', $precision '$peak')"
+    continue
+  fi
+  verdict=$(python3 -c "
+fp32, low = float('$fp32'), float('$peak')
+ratio = low / fp32
+print(('ok' if ratio <= 0.55 else 'FAIL') + f' activation peak fp32 {fp32:.1f} MiB, $precision {low:.1f} MiB ({ratio:.3f} x)')")
+  case $verdict in
+    ok*) echo "$verdict" ;;
+    *) fail "${verdict#FAIL }" ;;
+  esac
+done
+
+[ $failures -eq 0 ] || { echo "$failures failure(s)"; exit 1; }
+echo "e2e ok"
