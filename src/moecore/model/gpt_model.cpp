@@ -266,7 +266,9 @@ double GPTModel::output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH
             static_cast<float>(ctx.loss_weight_SB[static_cast<size_t>(t)] * ctx.output_grad_seed);
       }
       ctx.output_dinput_TH = activation_tensor(input_TH.shape());
-      ctx.output_dweight_VH = fp32_tensor(weight_VH.shape());
+      // The output layer's weight gradient, formed in the fused forward and added to the fp32 main gradient in
+      // backward: a gradient (Megatron accumulates it into main_grad), counted as one.
+      ctx.output_dweight_VH = Tensor(weight_VH.shape(), DType::kF32, MemCategory::kGrads);
     }
     const ops::VocabShard shard = m.cross_entropy.shard();
     const int64_t chunk_rows = ops::linear_cross_entropy_chunk_rows(T, weight_VH.dim(0), kLogitsChunkBytes);

@@ -3,8 +3,8 @@
 #include <stdexcept>
 
 #include "moecore/ops/linear.h"
-#include "moecore/ops/rows.h"
 #include "moecore/ops/precision.h"
+#include "moecore/ops/rows.h"
 
 namespace moecore {
 namespace {

@@ -3,8 +3,8 @@
 #include "moecore/model/config.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/linear.h"
-#include "moecore/ops/rows.h"
 #include "moecore/ops/precision.h"
+#include "moecore/ops/rows.h"
 #include "moecore/parallel/process_group.h"
 
 namespace moecore {

@@ -20,7 +20,8 @@ Tensor activation_like(const Tensor& t, const int64_t rows) {
 
 void require_fp32(const Tensor& t, const char* what) {
   if (t.dtype() != DType::kF32 && t.dtype() != ops::activation_dtype())
-    throw std::invalid_argument(std::string(what) + ": tensor-parallel collectives take fp32 or the 16-bit activations");
+    throw std::invalid_argument(std::string(what) +
+                                ": tensor-parallel collectives take fp32 or the 16-bit activations");
 }
 
 // Under --bf16 / --fp16 activations hold 16-bit values (ops/precision.h), so the tensor-parallel collectives move

@@ -4,8 +4,8 @@
 
 #include "moecore/ops/dropout.h"
 #include "moecore/ops/elementwise.h"
-#include "moecore/ops/quantization.h"
 #include "moecore/ops/precision.h"
+#include "moecore/ops/quantization.h"
 #include "moecore/util/trace.h"
 
 namespace moecore {

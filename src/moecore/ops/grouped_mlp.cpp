@@ -151,8 +151,8 @@ void grouped_mlp_forward(Tensor& y_RH, Tensor& fc1_RF1, Tensor* act_RF, Tensor* 
   detail::dispatch(op, y_RH, [&]<typename S>(auto k) {
     const Pointers<S> w = pointers<S>(params, s.E);
     k.grouped_mlp_forward(ptr<S>(y_RH), ptr<S>(fc1_RF1), s.weighted_swiglu() ? nullptr : ptr<S>(*act_RF),
-                          s.weighted_swiglu() ? ptr<S>(*h_RF) : nullptr,
-                          s.probs_on_input ? ptr<S>(*xs_RH) : nullptr, ptr<S>(x_RH), ptr<S>(probs_R), w.weights(), s);
+                          s.weighted_swiglu() ? ptr<S>(*h_RF) : nullptr, s.probs_on_input ? ptr<S>(*xs_RH) : nullptr,
+                          ptr<S>(x_RH), ptr<S>(probs_R), w.weights(), s);
   });
 }
 
