@@ -731,12 +731,13 @@ void expect_invalid(const std::string& op, const Call& call) {
 TEST(OpsBadArgs, OtherArgumentErrors) {
   for (const Device device : kDevices) {
     const TestDevice scope(device);
-    Tensor bf16 = tensor_on({4, 3}, DType::kBF16), bf16_b = tensor_on({4, 3}, DType::kBF16), undefined;
+    // bf16 / fp16 tensors are 16-bit activations (ops/staging.h); integer tensors are refused.
+    Tensor i32 = tensor_on({4, 3}, DType::kI32), i32_b = tensor_on({4, 3}, DType::kI32), undefined;
     const Tensor x = random_tensor({4, 3}, DType::kF32, 18);
-    expect_invalid("scale_", [&] { scale_(bf16, 2.0); });
-    expect_invalid("sum_squares", [&] { sum_squares(bf16); });
-    expect_invalid("all_finite", [&] { all_finite(bf16); });
-    expect_invalid("add_", [&] { add_(bf16, bf16_b); });
+    expect_invalid("scale_", [&] { scale_(i32, 2.0); });
+    expect_invalid("sum_squares", [&] { sum_squares(i32); });
+    expect_invalid("all_finite", [&] { all_finite(i32); });
+    expect_invalid("add_", [&] { add_(i32, i32_b); });
     expect_invalid("add_", [&] { add_(undefined, x); });
     expect_invalid("sum_squares", [&] { sum_squares(undefined); });
 
@@ -818,11 +819,11 @@ TEST(OpsRouting, ExpertCapacityIsMegatronsCeiling) {
 TEST(OpsBadArgs, MoeRowsGroupedMlpAndInitErrors) {
   for (const Device device : kDevices) {
     const TestDevice scope(device);
-    Tensor bf16 = tensor_on({4, 3}, DType::kBF16), rows = tensor_on({2, 3}, DType::kF32),
+    Tensor i32 = tensor_on({4, 3}, DType::kI32), rows = tensor_on({2, 3}, DType::kF32),
            table = tensor_on({4, 3}, DType::kF32);
     const std::vector<int64_t> past_end = {1, 4};
     const std::vector<int64_t> two_runs = {0, 8};
-    expect_invalid("normal_fill", [&] { normal_fill(bf16, two_runs, 6, 1, 2, 0.02); });
+    expect_invalid("normal_fill", [&] { normal_fill(i32, two_runs, 6, 1, 2, 0.02); });
     Tensor eleven = tensor_on({11}, DType::kF32);
     expect_invalid("normal_fill", [&] { normal_fill(eleven, two_runs, 6, 1, 2, 0.02); });  // 2 runs of 6
     const std::vector<int64_t> negative_first = {-6, 0};
@@ -1142,9 +1143,9 @@ TEST(OpsLowPrecision, BadArgumentsAreRefused) {
              const Tensor b = rand({5}, DType::kF64);
              linear_forward(out, inp, weight, &b);
            }},
-          {"low input, fp32 weight",
+          {"fp64 input, fp32 weight",  // (a 16-bit input with an fp32 weight is a 16-bit activation: staged)
            [&] {
-             linear_forward(out, inp, rand({5, 4}, DType::kF32));
+             linear_forward(out, rand({3, 4}, DType::kF64), rand({5, 4}, DType::kF32));
            }},
           {"output size",
            [&] {

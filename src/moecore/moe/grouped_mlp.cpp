@@ -13,9 +13,9 @@
 #include "moecore/moe/experts_internal.h"
 #include "moecore/ops/expert_activation.h"
 #include "moecore/ops/linear.h"
+#include "moecore/ops/precision.h"
 #include "moecore/ops/quantization.h"
 #include "moecore/ops/rows.h"
-#include "moecore/ops/precision.h"
 #include "moecore/parallel/process_group.h"
 
 namespace moecore::experts_detail {
