@@ -10,6 +10,7 @@
 #include "moecore/model/tensor_parallel.h"
 #include "moecore/model/transformer_layer.h"
 #include "moecore/model/vocab_parallel.h"
+#include "moecore/ops/convert.h"
 #include "moecore/ops/dropout.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/linear_cross_entropy.h"
@@ -46,6 +47,13 @@ uint64_t layer_stream(const uint64_t stream, const int64_t layer) {
 
 Tensor activation_tensor(std::vector<int64_t> shape) {
   return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
+}
+
+// An fp32 copy of logits handed to callers (generation, evaluation), whatever the activation storage.
+Tensor fp32_copy(const Tensor& t) {
+  Tensor out(t.shape(), DType::kF32);
+  ops::convert(out, t);
+  return out;
 }
 
 // Losses, their gradients, log-sum-exps and weight gradients stay fp32 under --bf16 / --fp16, as Megatron's.
@@ -266,9 +274,7 @@ double GPTModel::output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH
             static_cast<float>(ctx.loss_weight_SB[static_cast<size_t>(t)] * ctx.output_grad_seed);
       }
       ctx.output_dinput_TH = activation_tensor(input_TH.shape());
-      // The output layer's weight gradient, formed in the fused forward and added to the fp32 main gradient in
-      // backward: a gradient (Megatron accumulates it into main_grad), counted as one.
-      ctx.output_dweight_VH = Tensor(weight_VH.shape(), DType::kF32, MemCategory::kGrads);
+      ctx.output_dweight_VH = fp32_tensor(weight_VH.shape());
     }
     const ops::VocabShard shard = m.cross_entropy.shard();
     const int64_t chunk_rows = ops::linear_cross_entropy_chunk_rows(T, weight_VH.dim(0), kLogitsChunkBytes);
@@ -277,7 +283,7 @@ double GPTModel::output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH
                               ctx.training ? &ctx.output_dweight_VH : nullptr, &shard);
   } else {
     ctx.logits_TV = m.output_layer.forward(ctx.final_out_TH, ctx.output_layer);
-    if (logits_SBV) *logits_SBV = ctx.logits_TV.clone().view({ctx.S, ctx.B, ctx.logits_TV.dim(1)});
+    if (logits_SBV) *logits_SBV = fp32_copy(ctx.logits_TV).view({ctx.S, ctx.B, ctx.logits_TV.dim(1)});
     if (!with_labels) return 0.0;
     ctx.lse_T = fp32_tensor({T});
     m.cross_entropy.forward(losses_T, ctx.lse_T, ctx.logits_TV, ctx.labels_SB);
@@ -631,7 +637,7 @@ Tensor GPTModel::decode_logits(KvCache& cache, const std::span<const int32_t> ne
   Tensor final_1H = activation_tensor({1, config_.hidden_size});
   m.final_norm.forward(final_1H, x_TH.slice_rows(T - 1, T));
   LinearActivations unused;
-  return m.output_layer.forward(final_1H, unused);
+  return fp32_copy(m.output_layer.forward(final_1H, unused));
 }
 
 }  // namespace moecore

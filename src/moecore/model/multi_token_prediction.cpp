@@ -130,9 +130,7 @@ std::vector<double> MultiTokenPrediction::forward(const Tensor& h0_TH, const Mtp
   saved.grad_seed = options.backward_seed;
   if (options.training) {
     saved.depths.resize(static_cast<size_t>(D));
-    // The output layer's weight gradient, formed in the fused forward and added to the fp32 main gradient in backward:
-    // a gradient (Megatron accumulates it into main_grad), counted as one.
-    saved.output_dweight_VH = Tensor(output_layer_->weight().value.shape(), DType::kF32, MemCategory::kGrads);
+    saved.output_dweight_VH = fp32_tensor(output_layer_->weight().value.shape());
   }
   std::vector<double> losses;
   Tensor hidden_TH = h0_TH;

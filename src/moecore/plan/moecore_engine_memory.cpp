@@ -305,7 +305,6 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     // The largest context of one chunk: its input, its layers' saved tensors, less the output sent on; with full
     // recomputation also the largest checkpoint, whose activations its backward rebuilds (`rerun`).
     Owners context, context_rerun;
-    double mtp_output_dweight = 0;
     for (int v = 0; v < vpp; ++v) {
       const PipelineStage& chunk = pipeline.stage(r, v);
       Owners o, rerun, checkpoint;
@@ -351,8 +350,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
           rerun = depth;
         }
       }
-      // The depths' output-layer weight gradient: a gradient (kGrads, gpt_model.cpp), formed in the forward.
-      if (chunk_mtp > 0) mtp_output_dweight = 4 * vocab_local * s.h;
+      if (chunk_mtp > 0) o.output += 4 * vocab_local * s.h;  // the depths' output-layer weight gradient
       if (!(last && vpp == 1)) o.other -= x.a * x.ta * s.h;
       if (o.total() > context.total()) {
         context = o;
@@ -385,25 +383,24 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     }
     Owners peak = backward;
     if (last) {
-      // Forward at the loss: the fused linear-cross-entropy keeps the final norm output and the input gradient, plus
-      // its logits chunk (64 MiB of fp32, half that in 16 bits) and loss vectors; its full output weight gradient per
-      // micro-batch is a gradient (below).
+      // Forward at the loss: the fused linear-cross-entropy keeps the final norm output, the input gradient and a
+      // full fp32 output weight gradient per micro-batch, plus its logits chunk (64 MiB of fp32 rows, in 16 bits under
+      // --bf16 / --fp16) and loss vectors.
       Owners forward = backward;
       forward.mlp = static_cast<double>(live) * context.mlp;
       forward.moe = static_cast<double>(live) * context.moe;
       forward.other = static_cast<double>(live) * context.other;
       const double chunk_rows = std::min(x.t, std::max(1.0, std::floor(67108864.0 / (4 * vocab_local))));
       forward.output = static_cast<double>(live) * context.output + x.ta * (x.a * s.h + 4 * s.nrm) + x.a * x.t * s.h +
-                       x.a * chunk_rows * vocab_local + x.a * (l.sp ? x.t * s.h : 0) + 4 * 3 * x.t;
+                       4 * vocab_local * s.h + x.a * chunk_rows * vocab_local + x.a * (l.sp ? x.t * s.h : 0) +
+                       4 * 3 * x.t;
       if (forward.total() > backward.total()) peak = forward;
     }
 
     StageMemory stage;
     stage.pp_rank = r;
     stage.weights = params_peak;
-    // The fused output layer's weight gradients of the live micro-batches (kGrads until backward adds them).
-    const double output_dweight = (last ? 4 * vocab_local * s.h : 0) + static_cast<double>(live) * mtp_output_dweight;
-    stage.grads = grads + output_dweight;
+    stage.grads = grads;
     stage.main_weights_and_optimizer = optimizer_peak;
     stage.activations = peak.total();
     stage.comm_buffers = comm;
@@ -411,7 +408,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     stage.live_chunks_at_peak = live;
     stage.decoder_layers = layers;
     // The log's total peak: the categories at one moment (parameters after DDP's build, no optimizer step chunks).
-    stage.total_override = params_current + stage.grads + optimizer + stage.activations + comm;
+    stage.total_override = params_current + grads + optimizer + stage.activations + comm;
 
     // moecore's log: each category the maximum over the ranks, the total peak the maximum of the ranks' totals.
     if (worst.pp_rank < 0 || stage.activations > worst.activations) {
