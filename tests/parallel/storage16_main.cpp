@@ -17,6 +17,7 @@
 #include "moecore/config/arguments.h"
 #include "moecore/parallel/mpi_runtime.h"
 #include "moecore/parallel/parallel_state.h"
+#include "moecore/tensor/memory_tracker.h"
 #include "moecore/train/trainer.h"
 #include "moecore/train/training_setup.h"
 
@@ -31,6 +32,7 @@ struct Run {
 Run train(moecore::TrainingArgs args, const moecore::parallel::ParallelState& parallel,
           const moecore::ops::ActivationStorage storage) {
   args.model.activation_storage = storage;
+  moecore::MemoryTracker::instance().reset_peaks();  // each run's memory line shows its own peaks
   Run run;
   std::ostringstream log;
   const moecore::TrainResult result = moecore::run_training(args, log, parallel, [&](const moecore::GPTModel& full) {

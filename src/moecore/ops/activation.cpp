@@ -8,7 +8,8 @@ using detail::ptr;
 
 void activation_forward(const Activation kind, Tensor& out_TF, const Tensor& inp_TF1) {
   constexpr const char* op = "activation_forward";
-  const detail::Staging staging;
+  detail::Staging staging;
+  staging.write_only(out_TF, {&inp_TF1});
   detail::check_tensors(op, {&out_TF, &inp_TF1});
   const int64_t n = out_TF.numel();
   detail::check_numel(op, "inp_TF1", inp_TF1, kind == Activation::kSwiGLU ? 2 * n : n);

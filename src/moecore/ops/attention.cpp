@@ -75,7 +75,8 @@ void check_positions(const char* op, const std::span<const int64_t> positions_SB
 void attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, const Tensor& k_SBGd,
                        const Tensor& v_SBGd, const AttentionDims& dims, const DropoutSpec& dropout) {
   constexpr const char* op = "attention_forward";
-  const detail::Staging staging;
+  detail::Staging staging;
+  staging.write_only(out_SBNd, {&q_SBNd, &k_SBGd, &v_SBGd});
   detail::check_tensors(op, {&out_SBNd, &lse_BNS, &q_SBNd, &k_SBGd, &v_SBGd});
   check_attention(op, dims, {"q_SBNd", "k_SBGd", "v_SBGd", "out_SBNd", q_SBNd, k_SBGd, v_SBGd, out_SBNd}, lse_BNS);
   detail::dispatch(op, q_SBNd, [&]<typename S>(auto k) {
@@ -121,7 +122,8 @@ void attention_merge(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& part_out_S
 void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
                   const int64_t rot_dim, const double base, const int64_t position_offset) {
   constexpr const char* op = "rope_forward";
-  const detail::Staging staging;
+  detail::Staging staging;
+  staging.write_only(out_SBNd, {&inp_SBNd});
   detail::check_tensors(op, {&out_SBNd, &inp_SBNd});
   const int64_t N = heads_of(op, inp_SBNd, S, B, head_dim);
   detail::check_numel(op, "out_SBNd", out_SBNd, inp_SBNd.numel());
@@ -147,7 +149,8 @@ void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, 
 void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
                   const int64_t rot_dim, const double base, const std::span<const int64_t> positions_SB) {
   constexpr const char* op = "rope_forward";
-  const detail::Staging staging;
+  detail::Staging staging;
+  staging.write_only(out_SBNd, {&inp_SBNd});
   detail::check_tensors(op, {&out_SBNd, &inp_SBNd});
   const int64_t N = heads_of(op, inp_SBNd, S, B, head_dim);
   detail::check_numel(op, "out_SBNd", out_SBNd, inp_SBNd.numel());
@@ -175,7 +178,8 @@ void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, 
 void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const RopeSpec& spec,
                   const std::span<const int64_t> positions_SB) {
   constexpr const char* op = "rope_forward";
-  const detail::Staging staging;
+  detail::Staging staging;
+  staging.write_only(out_SBNd, {&inp_SBNd});
   detail::check_tensors(op, {&out_SBNd, &inp_SBNd});
   const int64_t N = heads_of(op, inp_SBNd, S, B, spec.head_dim);
   detail::check_numel(op, "out_SBNd", out_SBNd, inp_SBNd.numel());

@@ -8,7 +8,8 @@ using detail::ptr;
 
 void dropout_forward(Tensor& out, const Tensor& inp, const DropoutSpec& spec) {
   constexpr const char* op = "dropout_forward";
-  const detail::Staging staging;
+  detail::Staging staging;
+  staging.write_only(out, {&inp});
   detail::check_tensors(op, {&out, &inp});
   detail::check_numel(op, "out", out, inp.numel());
   detail::dispatch(op, inp,

@@ -120,8 +120,10 @@ std::optional<kernels::LowpType> native_lowp_type(const char* op, const Tensor& 
   return native ? std::optional(type) : std::nullopt;
 }
 
-// The 16-bit bits of an fp32 tensor's values (exact for values of that format), on its device.
+// The 16-bit bits of an fp32 tensor's values (exact for values of that format), on its device; a tensor stored in
+// that 16-bit dtype already (16-bit activations, staging.h) is its own bits.
 Tensor encode_lowp(const char* op, const kernels::LowpType type, const Tensor& t) {
+  if (t.dtype() == (type == kernels::LowpType::kBF16 ? DType::kBF16 : DType::kF16)) return t.view({t.numel()});
   Tensor bits_n({t.numel()}, type == kernels::LowpType::kBF16 ? DType::kBF16 : DType::kF16, MemCategory::kOther,
                 t.device());
   detail::with_kernels(op, t.device(), [&](auto k) {
@@ -359,7 +361,11 @@ void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_O
     return;
   }
   detail::Staging staging;
-  linear_forward_f32(staging.out(out_TO), staging.in(inp_TI), weight_OI, bias_O, delayed, forward_scales);
+  // The native 16-bit GEMMs read a 16-bit input's bits as they are; the others read it staged in fp32.
+  const bool native = quantization_for(weight_OI) == nullptr && native_lowp_type("linear_forward", weight_OI) &&
+                      (inp_TI.dtype() == DType::kF32 || inp_TI.dtype() == activation_dtype(inp_TI.device()));
+  linear_forward_f32(staging.write_only(out_TO, {&inp_TI}), native ? inp_TI : staging.in(inp_TI), weight_OI, bias_O,
+                     delayed, forward_scales);
 }
 
 void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO, const Tensor* inp_TI,
@@ -370,8 +376,13 @@ void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const
     return;
   }
   detail::Staging staging;
-  linear_backward_f32(staging.out(dinp_TI), dweight_OI, dbias_O, staging.in(dout_TO), staging.in(inp_TI), weight_OI,
-                      delayed, forward_scales);
+  const auto raw = [](const Tensor* t) {  // a tensor the native GEMMs read as it is
+    return t == nullptr || t->dtype() == DType::kF32 || t->dtype() == activation_dtype(t->device());
+  };
+  const bool native = quantization_for(weight_OI) == nullptr && native_lowp_type("linear_backward", weight_OI) &&
+                      raw(&dout_TO) && raw(inp_TI);
+  linear_backward_f32(staging.out(dinp_TI), dweight_OI, dbias_O, native ? dout_TO : staging.in(dout_TO),
+                      native ? inp_TI : staging.in(inp_TI), weight_OI, delayed, forward_scales);
 }
 
 std::string gemm_library(const Device device) {

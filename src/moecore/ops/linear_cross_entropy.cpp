@@ -6,7 +6,6 @@
 
 #include "moecore/ops/linear.h"
 #include "moecore/ops/loss.h"
-#include "moecore/ops/precision.h"
 #include "moecore/ops/staging.h"
 
 namespace moecore::ops {
@@ -57,10 +56,9 @@ void linear_cross_entropy(Tensor& losses_T, const Tensor& input_16_TI, const Ten
 
   const Tensor x_TI = input_TI.view({T, I});
   Tensor loss_T = losses_T.view({T});
-  // The logits chunk holds 16-bit values under a 16-bit activation dtype (linear_forward rounds them, the loss's
-  // backward rounds the gradient it writes over them): stored in 16 bits under 16-bit activation storage.
-  const DType logits_dtype = dtype == DType::kF32 ? activation_storage_dtype(input_TI.device()) : dtype;
-  Tensor logits_buffer({std::min(chunk_rows, T), Vl}, logits_dtype, MemCategory::kActivations, input_TI.device());
+  // The logits chunk stays fp32 under 16-bit activation storage: a workspace of this op, read and rewritten by the
+  // loss and the GEMMs of each chunk (16-bit storage would add a staged fp32 copy for each of them).
+  Tensor logits_buffer({std::min(chunk_rows, T), Vl}, dtype, MemCategory::kActivations, input_TI.device());
   for (int64_t t0 = 0; t0 < T; t0 += chunk_rows) {
     const int64_t t1 = std::min(T, t0 + chunk_rows), n = t1 - t0;
     const std::span<const int32_t> targets_n = targets_T.subspan(static_cast<size_t>(t0), static_cast<size_t>(n));

@@ -21,7 +21,8 @@ int64_t rows_of(const char* op, const Tensor& inp_RD, const Tensor& weight_D) {
 int64_t rmsnorm_forward(Tensor& out_RD, Tensor& rstd_R, const Tensor& inp_RD, const Tensor& weight_D,
                         const double eps) {
   constexpr const char* op = "rmsnorm_forward";
-  const detail::Staging staging;
+  detail::Staging staging;
+  staging.write_only(out_RD, {&inp_RD});
   detail::check_tensors(op, {&out_RD, &rstd_R, &inp_RD, &weight_D});
   const int64_t D = weight_D.numel(), R = rows_of(op, inp_RD, weight_D);
   detail::check_numel(op, "out_RD", out_RD, R * D);
@@ -54,7 +55,8 @@ void rmsnorm_backward(Tensor& dinp_RD, Tensor& dweight_D, const Tensor& dout_RD,
 int64_t layernorm_forward(Tensor& out_RD, Tensor& mean_R, Tensor& rstd_R, const Tensor& inp_RD, const Tensor& weight_D,
                           const Tensor* bias_D, const double eps) {
   constexpr const char* op = "layernorm_forward";
-  const detail::Staging staging;
+  detail::Staging staging;
+  staging.write_only(out_RD, {&inp_RD});
   detail::check_tensors(op, {&out_RD, &mean_R, &rstd_R, &inp_RD, &weight_D, bias_D});
   const int64_t D = weight_D.numel(), R = rows_of(op, inp_RD, weight_D);
   detail::check_numel(op, "out_RD", out_RD, R * D);

@@ -46,24 +46,34 @@ Staging::Entry* Staging::find(const Tensor& t) {
   return nullptr;
 }
 
-Staging::Entry& Staging::stage(const Tensor& t) {
+Staging::Entry& Staging::stage(const Tensor& t, const bool copy_in) {
   if (Entry* e = find(t)) return *e;
   auto e = std::make_unique<Entry>();
   e->target = t;
   e->f32 = Tensor(t.shape(), DType::kF32, MemCategory::kOther, t.device());
-  convert(e->f32, t);  // exact
+  if (copy_in) convert(e->f32, t);  // exact
   entries_.push_back(std::move(e));
   return *entries_.back();
 }
 
 const Tensor& Staging::in(const Tensor& t) {
   if (!t.defined() || !is_16bit(t.dtype())) return t;
-  return stage(t).f32;
+  return stage(t, true).f32;
 }
 
 Tensor& Staging::out(Tensor& t) {
   if (!t.defined() || !is_16bit(t.dtype())) return t;
-  Entry& e = stage(t);
+  Entry& e = stage(t, true);
+  e.written = true;
+  return e.f32;
+}
+
+Tensor& Staging::write_only(Tensor& t, const std::initializer_list<const Tensor*> inputs) {
+  if (!t.defined() || !is_16bit(t.dtype())) return t;
+  for (const Tensor* input : inputs) {
+    if (input != nullptr && input->defined() && input->data<uint8_t>() == t.data<uint8_t>()) return out(t);
+  }
+  Entry& e = stage(t, false);
   e.written = true;
   return e.f32;
 }

@@ -7,6 +7,7 @@
 // rounded (round_activations), bit for bit. fp32 and fp64 tensors pass through untouched.
 #pragma once
 
+#include <initializer_list>
 #include <memory>
 #include <vector>
 
@@ -31,6 +32,9 @@ class Staging {
   // narrowed into t when the Staging ends.
   Tensor& out(Tensor& t);
   Tensor* out(Tensor* t) { return t == nullptr ? nullptr : &out(*t); }
+  // out() for an output the op overwrites in full: its scratch is not copied in first, unless `t` is one of the op's
+  // `inputs` (in place). Call it before the op reads any tensor.
+  Tensor& write_only(Tensor& t, std::initializer_list<const Tensor*> inputs);
 
   // The innermost live Staging of this thread (null when none).
   static Staging* innermost();
@@ -43,7 +47,7 @@ class Staging {
   };
   // The entry of `t` in this Staging or an enclosing one (a tensor staged by an outer op stays staged there).
   Entry* find(const Tensor& t);
-  Entry& stage(const Tensor& t);
+  Entry& stage(const Tensor& t, bool copy_in);
 
   std::vector<std::unique_ptr<Entry>> entries_;
   Staging* outer_;

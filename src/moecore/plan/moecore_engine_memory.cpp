@@ -384,15 +384,14 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     Owners peak = backward;
     if (last) {
       // Forward at the loss: the fused linear-cross-entropy keeps the final norm output, the input gradient and a
-      // full fp32 output weight gradient per micro-batch, plus its logits chunk (64 MiB of fp32 rows, in 16 bits under
-      // --bf16 / --fp16) and loss vectors.
+      // full fp32 output weight gradient per micro-batch, plus its logits chunk (64 MiB of fp32) and loss vectors.
       Owners forward = backward;
       forward.mlp = static_cast<double>(live) * context.mlp;
       forward.moe = static_cast<double>(live) * context.moe;
       forward.other = static_cast<double>(live) * context.other;
       const double chunk_rows = std::min(x.t, std::max(1.0, std::floor(67108864.0 / (4 * vocab_local))));
       forward.output = static_cast<double>(live) * context.output + x.ta * (x.a * s.h + 4 * s.nrm) + x.a * x.t * s.h +
-                       4 * vocab_local * s.h + x.a * chunk_rows * vocab_local + x.a * (l.sp ? x.t * s.h : 0) +
+                       4 * (vocab_local * s.h + chunk_rows * vocab_local) + x.a * (l.sp ? x.t * s.h : 0) +
                        4 * 3 * x.t;
       if (forward.total() > backward.total()) peak = forward;
     }
