@@ -15,7 +15,10 @@ set(storage16_layouts
     "bf16_cp2_all_gather\;2\;--bf16 --context-parallel-size 2 --cp-comm-type all_gather"
     "bf16_ep2_alltoall\;2\;--bf16 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
     "bf16_pp2\;2\;--bf16 --num-layers 4 --moe-layer-freq [0,1,0,1] --pipeline-model-parallel-size 2"
-    "bf16_recompute\;1\;--bf16 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    "bf16_recompute\;1\;--bf16 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+    "bf16_fp8_delayed\;1\;--bf16 --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4"
+    "bf16_fp8_tensorwise\;1\;--bf16 --fp8-format e4m3 --fp8-recipe tensorwise"
+    "bf16_mtp\;1\;--bf16 --mtp-num-layers 2 --mtp-loss-scaling-factor 0.5")
 foreach(layout ${storage16_layouts})
   list(GET layout 0 name)
   list(GET layout 1 np)
