@@ -4,6 +4,8 @@
 // with bf16 / fp16 tensors (k16Bit, Megatron's Float16Module). Staging reads 16-bit tensors exactly and narrows
 // every write once, so the two must agree bit for bit: every iteration's losses and every final parameter and
 // buffer. Exit status 1 on any difference.
+#include <sys/resource.h>
+
 #include <cstdint>
 #include <cstring>
 #include <iostream>
@@ -27,13 +29,22 @@ struct Run {
   std::vector<double> losses;
   std::map<std::string, std::vector<float>> tensors;
   std::string log;
+  double cpu_seconds = 0;  // of this process (every thread), for the step-time record
 };
+
+double cpu_seconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+         1e-6 * static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
+}
 
 Run train(moecore::TrainingArgs args, const moecore::parallel::ParallelState& parallel,
           const moecore::ops::ActivationStorage storage) {
   args.model.activation_storage = storage;
   moecore::MemoryTracker::instance().reset_peaks();  // each run's memory line shows its own peaks
   Run run;
+  const double cpu_before = cpu_seconds();
   std::ostringstream log;
   const moecore::TrainResult result = moecore::run_training(args, log, parallel, [&](const moecore::GPTModel& full) {
     for (const moecore::Param& p : full.params()) {
@@ -47,6 +58,7 @@ Run train(moecore::TrainingArgs args, const moecore::parallel::ParallelState& pa
   });
   run.losses = result.train_losses;
   run.log = log.str();
+  run.cpu_seconds = cpu_seconds() - cpu_before;
   return run;
 }
 
@@ -114,6 +126,7 @@ int main(int argc, char** argv) {
          {std::pair<const char*, const Run*>{"fp32 storage", &fp32}, {"16-bit storage", &bits16}}) {
       std::cout << name << ": " << last_line_with(run->log, "memory (MB") << '\n';
       std::cout << name << ": " << last_line_with(run->log, "elapsed time per iteration") << '\n';
+      std::cout << name << ": cpu seconds " << run->cpu_seconds << '\n';
     }
     std::cout << fp32.losses.size() << " iterations, " << fp32.tensors.size()
               << " tensors: " << (failures == 0 ? "PASS" : "FAILED") << " on " << world_size << " ranks\n";
