@@ -391,8 +391,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
       forward.other = static_cast<double>(live) * context.other;
       const double chunk_rows = std::min(x.t, std::max(1.0, std::floor(67108864.0 / (4 * vocab_local))));
       forward.output = static_cast<double>(live) * context.output + x.ta * (x.a * s.h + 4 * s.nrm) + x.a * x.t * s.h +
-                       4 * (vocab_local * s.h + chunk_rows * vocab_local) + x.a * (l.sp ? x.t * s.h : 0) +
-                       4 * 3 * x.t;
+                       4 * (vocab_local * s.h + chunk_rows * vocab_local) + x.a * (l.sp ? x.t * s.h : 0) + 4 * 3 * x.t;
       if (forward.total() > backward.total()) peak = forward;
     }
 
