@@ -165,6 +165,17 @@ moecore_equiv(cp2_dp2_distopt aux 4 --context-parallel-size 2 --use-distributed-
 
 # Multi-Token Prediction under DP with the distributed optimizer, TP (eh_proj column-parallel, gathered, then the
 # sequence shard under SP), EP and TP x EP.
+# Megatron-FSDP (optim/fsdp.h): each sharding strategy under DP2 (two micro-batches per rank, so optim_grads and
+# optim_grads_params accumulate reduce-scattered micro-batches into the shards), EP2 over 4 ranks (dense parameters
+# sharded over dp-cp 4, experts over expert-DP 2) and TP2 + SP x DP2; the default strategy is optim_grads_params.
+moecore_equiv(fsdp_dp2_no_shard aux 2 --use-megatron-fsdp --data-parallel-sharding-strategy no_shard)
+moecore_equiv(fsdp_dp2_optim aux 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim)
+moecore_equiv(fsdp_dp2_optim_grads aux 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads)
+moecore_equiv(fsdp_dp2_optim_grads_params aux 2 --use-megatron-fsdp)
+moecore_equiv(fsdp_dp4_ep2 aux 4 --use-megatron-fsdp --expert-model-parallel-size 2
+              --moe-token-dispatcher-type alltoall)
+moecore_equiv(fsdp_tp2_sp_dp2 aux 4 --use-megatron-fsdp --tensor-model-parallel-size 2 --sequence-parallel)
+
 moecore_equiv(mtp_dp2_distopt mtp 2 --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 2000)
 moecore_equiv(mtp_tp2 mtp 2 --tensor-model-parallel-size 2)
 moecore_equiv(mtp_tp2_sp mtp 2 --tensor-model-parallel-size 2 --sequence-parallel)

@@ -1248,5 +1248,48 @@ TEST(TrainArguments, PaddedVocabSize) {
   EXPECT_EQ(padded_vocab_size(1001, args), 1024);
 }
 
+// Megatron-FSDP (validate_args under use_megatron_fsdp): v1 forces the distributed optimizer; the strategy's choices and
+// default; Megatron's and moecore's refusals, each one line.
+TEST(TrainArguments, MegatronFsdpFlags) {
+  const TrainingArgs plain = parse_train_args(minimal());
+  EXPECT_FALSE(plain.use_megatron_fsdp);
+  EXPECT_FALSE(plain.use_distributed_optimizer);
+  const TrainingArgs fsdp = parse_train_args(with(minimal(), {"--use-megatron-fsdp"}));
+  EXPECT_TRUE(fsdp.use_megatron_fsdp);
+  EXPECT_TRUE(fsdp.use_distributed_optimizer);
+  EXPECT_EQ(fsdp.data_parallel_sharding_strategy, "optim_grads_params");
+  for (const char* strategy : {"no_shard", "optim", "optim_grads", "optim_grads_params"}) {
+    const TrainingArgs a =
+        parse_train_args(with(minimal(), {"--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy}));
+    EXPECT_EQ(a.data_parallel_sharding_strategy, strategy);
+    EXPECT_TRUE(a.use_distributed_optimizer) << strategy;
+  }
+  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--data-parallel-sharding-strategy", "zero3"})),
+            "invalid value 'zero3' for --data-parallel-sharding-strategy (choose from no_shard, optim, optim_grads, "
+            "optim_grads_params)");
+  EXPECT_EQ(error_of(with(minimal(), {"--data-parallel-sharding-strategy", "optim"})),
+            "--data-parallel-sharding-strategy needs --use-megatron-fsdp");
+  EXPECT_EQ(error_of(with(minimal(), {"--megatron-fsdp-version", "1"})),
+            "--megatron-fsdp-version needs --use-megatron-fsdp");
+  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--megatron-fsdp-version", "2"})),
+            "--megatron-fsdp-version 2 is not implemented yet (moecore implements 1)");
+  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--pipeline-model-parallel-size", "2"})),
+            "--use-megatron-fsdp with --pipeline-model-parallel-size > 1: moecore's Megatron-FSDP does not run "
+            "pipeline stages yet");
+  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--bf16"})),
+            "--use-megatron-fsdp with --bf16 / --fp16: Megatron-FSDP accumulates and reduces 16-bit models' "
+            "gradients in their own dtype (--megatron-fsdp-main-grads-dtype auto), which moecore's Megatron-FSDP "
+            "does not implement yet (it keeps fp32 gradients)");
+  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--fp8-format", "e4m3", "--fp8-param-gather"})),
+            "--use-megatron-fsdp with --fp8-param-gather / --fp4-param-gather: moecore's Megatron-FSDP gathers fp32 "
+            "parameters only");
+  // Megatron's other FSDP flags stay refused as not implemented.
+  for (const char* flag : {"--outer-dp-sharding-strategy", "--megatron-fsdp-main-grads-dtype", "--fsdp-double-buffer",
+                           "--suggested-communication-unit-size", "--use-torch-fsdp2"}) {
+    EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", flag, "1"})),
+              std::string(flag) + " is a Megatron flag that moecore does not implement yet");
+  }
+}
+
 }  // namespace
 }  // namespace moecore

@@ -220,6 +220,30 @@ void finalize_pipeline(TrainingArgs& args) {
   }
 }
 
+// Megatron-FSDP (Megatron's validate_args under use_megatron_fsdp). v1 forces the distributed optimizer; the
+// optimizer must be sgd or adam (moecore has adam). Where moecore's FSDP differs from Megatron's, one line says so.
+void finalize_fsdp(TrainingArgs& args, const std::set<std::string>& given) {
+  if (!args.use_megatron_fsdp) {
+    for (const char* flag : {"--data-parallel-sharding-strategy", "--megatron-fsdp-version"}) {
+      require(!given.contains(flag), std::string(flag) + " needs --use-megatron-fsdp");
+    }
+    return;
+  }
+  args.use_distributed_optimizer = true;  // "Megatron-FSDP v1 is only compatible with --use-distributed-optimizer"
+  require(args.optimizer == "sgd" || args.optimizer == "adam",
+          "Megatron-FSDP does not support the " + args.optimizer + " optimizer yet.");
+  require(args.parallel.pipeline_model_parallel_size == 1,
+          "--use-megatron-fsdp with --pipeline-model-parallel-size > 1: moecore's Megatron-FSDP does not run "
+          "pipeline stages yet");
+  require(args.model.params_dtype == DType::kF32,
+          "--use-megatron-fsdp with --bf16 / --fp16: Megatron-FSDP accumulates and reduces 16-bit models' gradients "
+          "in their own dtype (--megatron-fsdp-main-grads-dtype auto), which moecore's Megatron-FSDP does not "
+          "implement yet (it keeps fp32 gradients)");
+  require(!args.fp8_param_gather && !args.fp4_param_gather,
+          "--use-megatron-fsdp with --fp8-param-gather / --fp4-param-gather: moecore's Megatron-FSDP gathers fp32 "
+          "parameters only");
+}
+
 // Context parallelism (Megatron's validate_args and TransformerEngine's checks): the load-balanced split needs
 // 2 x CP chunks of every sequence; a2a splits each tensor-parallel rank's heads over CP.
 void finalize_context_parallel(const TrainingArgs& args) {
@@ -717,6 +741,7 @@ void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given)
   check_required(given);
   finalize_model(args, given);
   finalize_pipeline(args);
+  finalize_fsdp(args, given);
   finalize_parallel(args, given);
   finalize_training(args, given);
   finalize_precision(args, given);
