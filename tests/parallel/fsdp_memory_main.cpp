@@ -67,8 +67,9 @@ int main(int argc, char** argv) {
     const double expected_params = 4 * kept + buffers, expected_grads = 4 * kept;
     const double expected_optimizer =
         8 * ((outside + dense_unit) / static_cast<double>(dp) + expert_unit / static_cast<double>(edp));
-    const double padding = 4.0 * 4.0 * (16.0 * static_cast<double>(num_params) + 128.0 * 2.0 * static_cast<double>(L + 3) *
-                                                                                  static_cast<double>(dp));
+    const double padding =
+        4.0 * 4.0 *
+        (16.0 * static_cast<double>(num_params) + 128.0 * 2.0 * static_cast<double>(L + 3) * static_cast<double>(dp));
 
     LRSchedule schedule(lr_schedule_config(run_args));
     LossScalers scalers;
@@ -86,9 +87,9 @@ int main(int argc, char** argv) {
     std::ostringstream line;
     line << "rank " << parallel.rank << " (dp-cp " << dp << ", expert-DP " << edp << "): params " << params
          << " B, grads " << grads << " B, optimizer " << optimizer << " B, total " << measured << " B; expected "
-         << expected << " B (+ padding up to " << padding << " B); unsharded " << whole << " B (x"
-         << measured / whole << "); peak transient (comm) " << tracker.peak(MemCategory::kComm) << " B; lm loss "
-         << step.lm_loss << (ok ? "" : "  FAIL") << "\n";
+         << expected << " B (+ padding up to " << padding << " B); unsharded " << whole << " B (x" << measured / whole
+         << "); peak transient (comm) " << tracker.peak(MemCategory::kComm) << " B; lm loss " << step.lm_loss
+         << (ok ? "" : "  FAIL") << "\n";
     std::cout << line.str() << std::flush;
     int failed = ok ? 0 : 1;
     if (world_size > 1) {

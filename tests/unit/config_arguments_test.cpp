@@ -1248,8 +1248,8 @@ TEST(TrainArguments, PaddedVocabSize) {
   EXPECT_EQ(padded_vocab_size(1001, args), 1024);
 }
 
-// Megatron-FSDP (validate_args under use_megatron_fsdp): v1 forces the distributed optimizer; the strategy's choices and
-// default; Megatron's and moecore's refusals, each one line.
+// Megatron-FSDP (validate_args under use_megatron_fsdp): v1 forces the distributed optimizer; the strategy's choices
+// and default; Megatron's and moecore's refusals, each one line.
 TEST(TrainArguments, MegatronFsdpFlags) {
   const TrainingArgs plain = parse_train_args(minimal());
   EXPECT_FALSE(plain.use_megatron_fsdp);
@@ -1273,9 +1273,6 @@ TEST(TrainArguments, MegatronFsdpFlags) {
             "--megatron-fsdp-version needs --use-megatron-fsdp");
   EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--megatron-fsdp-version", "2"})),
             "--megatron-fsdp-version 2 is not implemented yet (moecore implements 1)");
-  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--pipeline-model-parallel-size", "2"})),
-            "--use-megatron-fsdp with --pipeline-model-parallel-size > 1: moecore's Megatron-FSDP does not run "
-            "pipeline stages yet");
   EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--bf16"})),
             "--use-megatron-fsdp with --bf16 / --fp16: Megatron-FSDP accumulates and reduces 16-bit models' "
             "gradients in their own dtype (--megatron-fsdp-main-grads-dtype auto), which moecore's Megatron-FSDP "

@@ -232,9 +232,6 @@ void finalize_fsdp(TrainingArgs& args, const std::set<std::string>& given) {
   args.use_distributed_optimizer = true;  // "Megatron-FSDP v1 is only compatible with --use-distributed-optimizer"
   require(args.optimizer == "sgd" || args.optimizer == "adam",
           "Megatron-FSDP does not support the " + args.optimizer + " optimizer yet.");
-  require(args.parallel.pipeline_model_parallel_size == 1,
-          "--use-megatron-fsdp with --pipeline-model-parallel-size > 1: moecore's Megatron-FSDP does not run "
-          "pipeline stages yet");
   require(args.model.params_dtype == DType::kF32,
           "--use-megatron-fsdp with --bf16 / --fp16: Megatron-FSDP accumulates and reduces 16-bit models' gradients "
           "in their own dtype (--megatron-fsdp-main-grads-dtype auto), which moecore's Megatron-FSDP does not "

@@ -55,8 +55,9 @@ DistributedDataParallel::DistributedDataParallel(ParamStore& params, const paral
   if (options_.fsdp) {
     const bool no_shard = options_.fsdp->strategy == ShardingStrategy::kNoShard;
     if (options_.use_distributed_optimizer == no_shard) {
-      throw std::invalid_argument("Megatron-FSDP: the distributed optimizer's shards exist for every strategy but "
-                                  "no_shard");
+      throw std::invalid_argument(
+          "Megatron-FSDP: the distributed optimizer's shards exist for every strategy but "
+          "no_shard");
     }
     if (options_.grad_dtype != DType::kF32 || options_.quantized_param_gather) {
       throw std::invalid_argument("Megatron-FSDP: fp32 gradients and no quantized parameter all-gather");
@@ -147,8 +148,8 @@ void DistributedDataParallel::build(const bool expert, const bool quantized, con
       const int module = bucket.modules.front();
       const ShardingStrategy strategy = options_.fsdp->strategy;
       bucket.unit = module >= 0 && module < options_.fsdp->num_units;
-      bucket.grads_sharded = bucket.unit && (strategy == ShardingStrategy::kOptimGrads ||
-                                             strategy == ShardingStrategy::kOptimGradsParams);
+      bucket.grads_sharded =
+          bucket.unit && (strategy == ShardingStrategy::kOptimGrads || strategy == ShardingStrategy::kOptimGradsParams);
       bucket.params_sharded = bucket.unit && strategy == ShardingStrategy::kOptimGradsParams;
     }
     group.buckets.push_back(static_cast<int>(buckets_.size()));
@@ -161,7 +162,8 @@ void DistributedDataParallel::build(const bool expert, const bool quantized, con
     // A tied embedding shared over the pipeline gets a bucket of its own (Megatron's shared_embedding).
     if (p.sum_over_embedding_group && !bucket.params.empty()) close_bucket();
     // Megatron-FSDP: each unit (and each module outside them) in buckets of its own.
-    if (options_.fsdp && !bucket.params.empty() && params_[static_cast<size_t>(bucket.params.back())].module != p.module) {
+    if (options_.fsdp && !bucket.params.empty() &&
+        params_[static_cast<size_t>(bucket.params.back())].module != p.module) {
       close_bucket();
     }
     offset = align_up(offset, kParamAlign);
@@ -221,7 +223,8 @@ void DistributedDataParallel::build(const bool expert, const bool quantized, con
     const Overlap o = overlap(slot.offset, slot.numel, bk.shard_begin, bk.shard_begin + bk.shard_size);
     if (bk.grads_sharded) {
       if (!released[idx] && o.lo < o.hi) {
-        grad_view(slot.bucket, o.lo, o.hi).copy_from(p.grad.view({slot.numel}).slice_rows(o.lo - slot.offset, o.hi - slot.offset));
+        grad_view(slot.bucket, o.lo, o.hi)
+            .copy_from(p.grad.view({slot.numel}).slice_rows(o.lo - slot.offset, o.hi - slot.offset));
       }
       p.grad = Tensor();
     } else {
@@ -233,7 +236,8 @@ void DistributedDataParallel::build(const bool expert, const bool quantized, con
     if (!dist_opt) continue;
     if (bk.params_sharded) {
       if (o.lo < o.hi) {
-        param_view(slot.bucket, o.lo, o.hi).copy_from(p.value.view({slot.numel}).slice_rows(o.lo - slot.offset, o.hi - slot.offset));
+        param_view(slot.bucket, o.lo, o.hi)
+            .copy_from(p.value.view({slot.numel}).slice_rows(o.lo - slot.offset, o.hi - slot.offset));
       }
       p.value = Tensor();
     } else {
@@ -256,8 +260,8 @@ void DistributedDataParallel::build(const bool expert, const bool quantized, con
       bk.codes = Tensor({(bk.end - bk.begin) / shard_multiple}, DType::kU8, MemCategory::kComm);
       bk.code_shard = Tensor({bk.shard_size / shard_multiple}, DType::kU8, MemCategory::kComm);
     }
-    const bool wire16 =
-        options_.grad_dtype != DType::kF32 || (dist_opt && !quantized && !bk.params_sharded && options_.param_gather_dtype != DType::kF32);
+    const bool wire16 = options_.grad_dtype != DType::kF32 ||
+                        (dist_opt && !quantized && !bk.params_sharded && options_.param_gather_dtype != DType::kF32);
     if (wire16) {
       const DType wire_dtype = options_.grad_dtype != DType::kF32 ? options_.grad_dtype : options_.param_gather_dtype;
       bk.wire = Tensor({bk.end - bk.begin}, wire_dtype, MemCategory::kComm);
@@ -304,7 +308,7 @@ void DistributedDataParallel::all_reduce_grads(const parallel::ProcessGroup& pg,
 void DistributedDataParallel::launch(const int bucket_index) {
   Bucket& b = buckets_[static_cast<size_t>(bucket_index)];
   if (b.grad_launched || b.grads_sharded) return;  // sharded gradients are reduced per unit in after_backward
-  wait_bucket_gather(b);  // comm_shard is the all-gather's input
+  wait_bucket_gather(b);                           // comm_shard is the all-gather's input
   Group& g = groups_[static_cast<size_t>(b.group)];
   const CommTimer timer(CommKind::kGradReduce);
   const auto n = static_cast<size_t>(b.end - b.begin);

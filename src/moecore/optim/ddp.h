@@ -30,8 +30,8 @@
 #include <vector>
 
 #include "moecore/model/model_hooks.h"
-#include "moecore/optim/fsdp.h"
 #include "moecore/model/param.h"
+#include "moecore/optim/fsdp.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
 #include "moecore/quant/sharded_weight_quantizer.h"

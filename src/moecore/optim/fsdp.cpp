@@ -168,8 +168,9 @@ void DistributedDataParallel::bind_unit_grads(const int module) {
     b.unit_grads.zero_();
     for (const int i : b.params) {
       const Slot& slot = slots_[static_cast<size_t>(i)];
-      params_[static_cast<size_t>(i)].grad = b.unit_grads.slice_rows(slot.offset - b.begin, slot.offset - b.begin + slot.numel)
-                                                 .view(shapes_[static_cast<size_t>(i)]);
+      params_[static_cast<size_t>(i)].grad =
+          b.unit_grads.slice_rows(slot.offset - b.begin, slot.offset - b.begin + slot.numel)
+              .view(shapes_[static_cast<size_t>(i)]);
     }
   }
 }
@@ -187,7 +188,8 @@ void DistributedDataParallel::reduce_unit_grads(const int module) {
     // per micro-batch equals the sum of the accumulated gradient).
     for (const int i : b.params) {
       Param& p = params_[static_cast<size_t>(i)];
-      if (p.grad_sum_over_tp && !p.is_expert && parallel_.tp.size() > 1) parallel_.tp.all_reduce(p.grad, parallel::ReduceOp::kSum);
+      if (p.grad_sum_over_tp && !p.is_expert && parallel_.tp.size() > 1)
+        parallel_.tp.all_reduce(p.grad, parallel::ReduceOp::kSum);
       p.grad = Tensor();
     }
     if (dp_cp > 1) ops::scale_(b.unit_grads, 1.0 / static_cast<double>(dp_cp));
