@@ -98,6 +98,13 @@ TEST_P(FsdpSingleProcess, BitIdenticalToAdamW) {
       }
       for (int m = 3; m >= -1; --m) {
         ddp.before_backward(m);
+        if (m == 1) {  // a forward recomputed inside the unit's backward keeps its parameters, prefetches nothing
+          const int64_t comm = MemoryTracker::instance().current(MemCategory::kComm);
+          ddp.before_forward(m);
+          ddp.after_forward(m);
+          EXPECT_TRUE(params[3].value.defined());
+          EXPECT_EQ(MemoryTracker::instance().current(MemCategory::kComm), comm);
+        }
         fill_grads(params, step, mb, m);
         fill_grads(ref, step, mb, m);
         ddp.after_backward(m);

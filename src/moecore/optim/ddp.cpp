@@ -342,6 +342,7 @@ void DistributedDataParallel::launch(const int bucket_index) {
 }
 
 void DistributedDataParallel::after_backward(const int module) {
+  unit_in_backward_ = kNoModule;
   if (fsdp_sharded_grads()) reduce_unit_grads(module);
   if (fsdp_zero3()) free_unit_params(module);
   const int m = module - min_module_;
@@ -586,7 +587,7 @@ void DistributedDataParallel::decode_param_gather(Bucket& bucket) {
 void DistributedDataParallel::before_forward(const int module) {
   if (fsdp_zero3()) {
     bind_unit_params(module);
-    start_unit_gather(module + 1);  // the next unit's prefetch
+    if (unit_in_backward_ == kNoModule) start_unit_gather(module + 1);  // the next unit's prefetch
   }
   if (!options_.overlap_param_gather) return;
   parallel::drive_progress();
@@ -594,10 +595,13 @@ void DistributedDataParallel::before_forward(const int module) {
 }
 
 void DistributedDataParallel::after_forward(const int module) {
-  if (fsdp_zero3()) free_unit_params(module);
+  // A forward recomputed inside the unit's backward keeps the parameters: Megatron-FSDP reshards post-backward under
+  // recompute.
+  if (fsdp_zero3() && module != unit_in_backward_) free_unit_params(module);
 }
 
 void DistributedDataParallel::before_backward(const int module) {
+  unit_in_backward_ = module;
   if (fsdp_zero3()) {
     bind_unit_params(module);
     start_unit_gather(module - 1);  // the previous unit's prefetch

@@ -210,6 +210,8 @@ class DistributedDataParallel : public ModelHooks {
   void reduce_unit_grads(int module);
   void complete_unit_reduces();  // waits for the reduce-scatters in flight, adds them into the gradient shards
   void bind_param_value(int param_index, const Tensor& whole);
+  static constexpr int kNoModule = -1000000;
+  int unit_in_backward_ = kNoModule;          // the module between before_backward and after_backward
   std::vector<std::vector<int64_t>> shapes_;  // [param] -> its local shape (values and gradients may be unbound)
 
   ParamStore& params_;
