@@ -167,7 +167,8 @@ moecore_equiv(cp2_dp2_distopt aux 4 --context-parallel-size 2 --use-distributed-
 # sequence shard under SP), EP and TP x EP.
 # Megatron-FSDP (optim/fsdp.h): each sharding strategy under DP2 (two micro-batches per rank, so optim_grads and
 # optim_grads_params accumulate reduce-scattered micro-batches into the shards), EP2 over 4 ranks (dense parameters
-# sharded over dp-cp 4, experts over expert-DP 2), TP2 + SP x DP2, PP2 x DP2 (with VPP 2: the tied embedding's copies
+# sharded over dp-cp 4, experts over expert-DP 2) and over 2 (experts whole: expert-DP 1), TP2 + SP x DP2, TP2 x EP2
+# x DP2 on 8 ranks (dense over dp-cp 2, experts over expert-DP 2), PP2 x DP2 (with VPP 2: the tied embedding's copies
 # outside the units), CP2 x DP2 (dense over dp-cp 4) and MTP (its depths outside the units); the default strategy is
 # optim_grads_params.
 moecore_equiv(fsdp_dp2_no_shard aux 2 --use-megatron-fsdp --data-parallel-sharding-strategy no_shard)
@@ -177,6 +178,10 @@ moecore_equiv(fsdp_dp2_optim_grads_params aux 2 --use-megatron-fsdp)
 moecore_equiv(fsdp_dp4_ep2 aux 4 --use-megatron-fsdp --expert-model-parallel-size 2
               --moe-token-dispatcher-type alltoall)
 moecore_equiv(fsdp_tp2_sp_dp2 aux 4 --use-megatron-fsdp --tensor-model-parallel-size 2 --sequence-parallel)
+moecore_equiv(fsdp_dp2_ep2 aux 2 --use-megatron-fsdp --expert-model-parallel-size 2
+              --moe-token-dispatcher-type alltoall)
+moecore_equiv(fsdp_tp2_ep2_dp2_np8 aux 8 --use-megatron-fsdp --tensor-model-parallel-size 2 --sequence-parallel
+              --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall)
 moecore_equiv(fsdp_pp2_dp2 pp 4 --use-megatron-fsdp --pipeline-model-parallel-size 2)
 moecore_equiv(fsdp_pp2_vpp2_dp2 pp 4 --use-megatron-fsdp --pipeline-model-parallel-size 2
               --num-virtual-stages-per-pipeline-rank 2)
