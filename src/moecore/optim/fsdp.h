@@ -1,10 +1,11 @@
 // Megatron-FSDP (--use-megatron-fsdp, --data-parallel-sharding-strategy; Megatron's
 // megatron/core/distributed/fsdp/mcore_fsdp_adapter.py and megatron_fsdp/*): fully sharded data parallelism over the
 // flat buffers of DistributedDataParallel. Every decoder layer (TransformerLayer, dense or MoE) is one FSDP unit; the
-// embedding, the final norm, the output layer and the Multi-Token Prediction depths sit outside every unit and keep
-// whole parameters and gradients (their Adam states are sharded as the distributed optimizer's). Inside a unit, dense
-// parameters are sharded over dp-cp and routed-expert parameters (names with ".experts.", so shared experts are
-// dense) over expert-DP, each kind in a bucket of its own per unit; FSDP shards last, the TP / EP / ETP shard every
+// embedding, the final norm and the output layer sit outside every unit, as Megatron's, and keep whole parameters and
+// gradients (their Adam states are sharded as the distributed optimizer's). So do the Multi-Token Prediction depths,
+// whose layers Megatron shards as units (the model calls their hooks as one module with the output layer). Inside a
+// unit, dense parameters are sharded over dp-cp and routed-expert parameters (names with ".experts.", so shared experts
+// are dense) over expert-DP, each kind in a bucket of its own per unit; FSDP shards last, the TP / EP / ETP shard every
 // rank already holds.
 //
 //   strategy            params (outside a unit's     gradients                  reduction of a unit's gradients
