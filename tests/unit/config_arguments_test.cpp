@@ -1280,6 +1280,10 @@ TEST(TrainArguments, MegatronFsdpFlags) {
   EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--fp8-format", "e4m3", "--fp8-param-gather"})),
             "--use-megatron-fsdp with --fp8-param-gather / --fp4-param-gather: moecore's Megatron-FSDP gathers fp32 "
             "parameters only");
+  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard",
+                                      "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"})),
+            "--use-precision-aware-optimizer with --data-parallel-sharding-strategy no_shard: moecore keeps "
+            "no_shard's Adam states whole in fp32 (its reduced formats live on the distributed optimizer's shards)");
   // Megatron's other FSDP flags stay refused as not implemented.
   for (const char* flag : {"--outer-dp-sharding-strategy", "--megatron-fsdp-main-grads-dtype", "--fsdp-double-buffer",
                            "--suggested-communication-unit-size", "--use-torch-fsdp2"}) {

@@ -236,6 +236,9 @@ void finalize_fsdp(TrainingArgs& args, const std::set<std::string>& given) {
           "--use-megatron-fsdp with --bf16 / --fp16: Megatron-FSDP accumulates and reduces 16-bit models' gradients "
           "in their own dtype (--megatron-fsdp-main-grads-dtype auto), which moecore's Megatron-FSDP does not "
           "implement yet (it keeps fp32 gradients)");
+  require(!args.use_precision_aware_optimizer || args.data_parallel_sharding_strategy != "no_shard",
+          "--use-precision-aware-optimizer with --data-parallel-sharding-strategy no_shard: moecore keeps no_shard's "
+          "Adam states whole in fp32 (its reduced formats live on the distributed optimizer's shards)");
   require(!args.fp8_param_gather && !args.fp4_param_gather,
           "--use-megatron-fsdp with --fp8-param-gather / --fp4-param-gather: moecore's Megatron-FSDP gathers fp32 "
           "parameters only");
