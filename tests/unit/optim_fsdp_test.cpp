@@ -162,6 +162,29 @@ TEST(Fsdp, GatheredParametersAreTransientAndWrittenBack) {
   EXPECT_FALSE(parse_sharding_strategy("zero3").has_value());
 }
 
+TEST(Fsdp, OneBucketPerModuleAndKindExpertsApart) {
+  ParamStore params = make_model();
+  DdpOptions options;
+  options.use_distributed_optimizer = true;
+  options.fsdp = FsdpOptions{ShardingStrategy::kOptimGradsParams, 3};
+  const DistributedDataParallel ddp(params, parallel::ParallelState::single_process(), options);
+  for (const DistributedDataParallel::Bucket& b : ddp.buckets()) {
+    ASSERT_EQ(b.modules.size(), 1u);
+    const int m = b.modules.front();
+    EXPECT_EQ(b.unit, m >= 0 && m < 3) << "module " << m;
+    EXPECT_EQ(b.params_sharded, b.unit);
+    EXPECT_EQ(b.grads_sharded, b.unit);
+    for (const int i : b.params) {
+      EXPECT_EQ(params[static_cast<size_t>(i)].module, m);
+      // Megatron's expert detection (".experts." in the name): the shared experts are dense.
+      const bool routed = params[static_cast<size_t>(i)].name.find(".experts.") != std::string::npos;
+      EXPECT_EQ(ddp.groups()[static_cast<size_t>(b.group)].expert, routed) << params[static_cast<size_t>(i)].name;
+    }
+  }
+  // Modules -1, 0, 1 (dense and expert), 2, 3.
+  EXPECT_EQ(ddp.buckets().size(), 6u);
+}
+
 TEST(Fsdp, RefusesWhatItDoesNotImplement) {
   ParamStore params = make_model();
   DdpOptions options;
