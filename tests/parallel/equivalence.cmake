@@ -191,6 +191,12 @@ moecore_equiv(fsdp_dp2_optim_overlap aux 2 --use-megatron-fsdp --data-parallel-s
 moecore_equiv(fsdp_dp2_optim_grads_params_overlap aux 2 --use-megatron-fsdp --overlap-grad-reduce
               --overlap-param-gather)
 moecore_equiv(fsdp_mtp_dp2 mtp 2 --use-megatron-fsdp)
+# bf16 weights under Megatron-FSDP: bf16 gradients (Megatron-FSDP's main grads dtype auto) reduce-scattered and
+# accumulated in bf16, against the one-process bf16 run (fp32 gradients) with the bf16 tolerances.
+moecore_equiv(fsdp_bf16_dp2 bf16 2 --use-megatron-fsdp)
+moecore_equiv(fsdp_bf16_dp4_ep2 bf16 4 --use-megatron-fsdp --expert-model-parallel-size 2
+              --moe-token-dispatcher-type alltoall)
+moecore_equiv(fsdp_bf16_dp2_optim bf16 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim)
 
 moecore_equiv(mtp_dp2_distopt mtp 2 --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 2000)
 moecore_equiv(mtp_tp2 mtp 2 --tensor-model-parallel-size 2)

@@ -4,7 +4,8 @@
 # trained 6 iterations in one process (the reference), then
 #   FSDP DP2 (optim_grads_params) saved at 3 -> loaded under TP2 x EP2 without FSDP;
 #   TP2 x EP2 saved at 3 -> loaded under FSDP DP2 x EP2 (4 ranks, experts sharded over expert-DP 2);
-#   FSDP DP2 resumed from its own checkpoint: iterations 4-6 print exactly the uninterrupted FSDP run's lines;
+#   FSDP DP2 resumed from its own checkpoint, fp32 and bf16: iterations 4-6 print exactly the uninterrupted FSDP run's
+#   lines;
 # iterations 4-6 within 1e-5 relative of the one-process losses, and each FSDP checkpoint passes `moecore checkpoint`.
 set -euo pipefail
 bin=$1
@@ -52,7 +53,18 @@ if ! diff <(lines "$work/fsdp.log") <(lines "$work/resume.log") >/dev/null || [ 
 fi
 echo "ok: FSDP DP2 resumes bit for bit"
 
-for dir in "$work"/fsdp/iter_*; do
+# bf16 weights (fp32 main parameters on the shards, saved under optimizer.state.fp32_param.*), resumed bit for bit.
+run 2 "$work/bf16.log" "${fsdp[@]}" --bf16 --save "$work/bf16" --save-interval 3
+run 2 "$work/bf16_resume.log" "${fsdp[@]}" --bf16 --load "$work/bf16" --ckpt-step 3
+if ! diff <(lines "$work/bf16.log") <(lines "$work/bf16_resume.log") >/dev/null ||
+  [ "$(lines "$work/bf16_resume.log" | wc -l)" != 3 ]; then
+  diff <(lines "$work/bf16.log") <(lines "$work/bf16_resume.log") || true
+  echo "FAIL: the resumed bf16 FSDP run's lines differ"
+  exit 1
+fi
+echo "ok: bf16 FSDP DP2 resumes bit for bit"
+
+for dir in "$work"/fsdp/iter_* "$work"/bf16/iter_*; do
   "$bin" checkpoint "$dir" >"$work/verify.log" 2>&1 || { cat "$work/verify.log"; echo "FAIL: $dir does not verify"; exit 1; }
 done
 echo "ok: the FSDP checkpoints verify"

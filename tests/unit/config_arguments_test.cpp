@@ -1273,10 +1273,15 @@ TEST(TrainArguments, MegatronFsdpFlags) {
             "--megatron-fsdp-version needs --use-megatron-fsdp");
   EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--megatron-fsdp-version", "2"})),
             "--megatron-fsdp-version 2 is not implemented yet (moecore implements 1)");
-  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--bf16"})),
-            "--use-megatron-fsdp with --bf16 / --fp16: Megatron-FSDP accumulates and reduces 16-bit models' "
-            "gradients in their own dtype (--megatron-fsdp-main-grads-dtype auto), which moecore's Megatron-FSDP "
-            "does not implement yet (it keeps fp32 gradients)");
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--use-megatron-fsdp", "--bf16"})).model.params_dtype, DType::kBF16);
+  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--bf16", "--grad-reduce-in-bf16"})),
+            "--grad-reduce-in-bf16 sets the DDP gradient buffer's dtype; with --use-megatron-fsdp gradients take the "
+            "weights' dtype (Megatron-FSDP's --megatron-fsdp-main-grads-dtype auto)");
+  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--fp16", "--accumulate-allreduce-grads-in-fp32"})),
+            "--accumulate-allreduce-grads-in-fp32 sets the DDP gradient buffer's dtype; with --use-megatron-fsdp "
+            "gradients take the weights' dtype (Megatron-FSDP's --megatron-fsdp-main-grads-dtype auto)");
+  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--bf16", "--use-precision-aware-optimizer"})),
+            "--use-precision-aware-optimizer with --use-megatron-fsdp and --bf16 / --fp16 is not implemented yet");
   EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--fp8-format", "e4m3", "--fp8-param-gather"})),
             "--use-megatron-fsdp with --fp8-param-gather / --fp4-param-gather: moecore's Megatron-FSDP gathers fp32 "
             "parameters only");

@@ -192,7 +192,7 @@ TEST(Fsdp, RefusesWhatItDoesNotImplement) {
   EXPECT_THROW(DistributedDataParallel(params, parallel::ParallelState::single_process(), options),
                std::invalid_argument);  // sharding without the distributed optimizer
   options.use_distributed_optimizer = true;
-  options.grad_dtype = DType::kBF16;
+  options.quantized_param_gather = true;  // --fp8-param-gather / --fp4-param-gather
   EXPECT_THROW(DistributedDataParallel(params, parallel::ParallelState::single_process(), options),
                std::invalid_argument);
 }

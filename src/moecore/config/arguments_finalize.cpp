@@ -232,10 +232,16 @@ void finalize_fsdp(TrainingArgs& args, const std::set<std::string>& given) {
   args.use_distributed_optimizer = true;  // "Megatron-FSDP v1 is only compatible with --use-distributed-optimizer"
   require(args.optimizer == "sgd" || args.optimizer == "adam",
           "Megatron-FSDP does not support the " + args.optimizer + " optimizer yet.");
-  require(args.model.params_dtype == DType::kF32,
-          "--use-megatron-fsdp with --bf16 / --fp16: Megatron-FSDP accumulates and reduces 16-bit models' gradients "
-          "in their own dtype (--megatron-fsdp-main-grads-dtype auto), which moecore's Megatron-FSDP does not "
-          "implement yet (it keeps fp32 gradients)");
+  // Megatron-FSDP's gradients have --megatron-fsdp-main-grads-dtype (default auto: the weights' dtype; the flag
+  // itself is not implemented), not the DDP buffer's dtype these flags set.
+  for (const char* flag : {"--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16", "--main-grads-dtype"}) {
+    require(!given.contains(flag),
+            std::string(flag) +
+                " sets the DDP gradient buffer's dtype; with --use-megatron-fsdp gradients "
+                "take the weights' dtype (Megatron-FSDP's --megatron-fsdp-main-grads-dtype auto)");
+  }
+  require(!args.use_precision_aware_optimizer || args.model.params_dtype == DType::kF32,
+          "--use-precision-aware-optimizer with --use-megatron-fsdp and --bf16 / --fp16 is not implemented yet");
   require(!args.use_precision_aware_optimizer || args.data_parallel_sharding_strategy != "no_shard",
           "--use-precision-aware-optimizer with --data-parallel-sharding-strategy no_shard: moecore keeps no_shard's "
           "Adam states whole in fp32 (its reduced formats live on the distributed optimizer's shards)");

@@ -59,8 +59,8 @@ DistributedDataParallel::DistributedDataParallel(ParamStore& params, const paral
           "Megatron-FSDP: the distributed optimizer's shards exist for every strategy but "
           "no_shard");
     }
-    if (options_.grad_dtype != DType::kF32 || options_.quantized_param_gather) {
-      throw std::invalid_argument("Megatron-FSDP: fp32 gradients and no quantized parameter all-gather");
+    if (options_.quantized_param_gather) {
+      throw std::invalid_argument("Megatron-FSDP: no quantized parameter all-gather");
     }
   }
   if (options_.grad_dtype != DType::kF32 && options_.grad_dtype != DType::kBF16 && options_.grad_dtype != DType::kF16) {
@@ -264,7 +264,8 @@ void DistributedDataParallel::build(const bool expert, const bool quantized, con
                         (dist_opt && !quantized && !bk.params_sharded && options_.param_gather_dtype != DType::kF32);
     if (wire16) {
       const DType wire_dtype = options_.grad_dtype != DType::kF32 ? options_.grad_dtype : options_.param_gather_dtype;
-      bk.wire = Tensor({bk.end - bk.begin}, wire_dtype, MemCategory::kComm);
+      // A unit with sharded gradients takes its whole 16-bit wire only while reducing (reduce_unit_grads).
+      if (!bk.grads_sharded) bk.wire = Tensor({bk.end - bk.begin}, wire_dtype, MemCategory::kComm);
       if (dist_opt) bk.wire_shard = Tensor({bk.shard_size}, wire_dtype, MemCategory::kComm);
     }
     for (const int m : bk.modules) module_buckets_[static_cast<size_t>(m - min_module_)].push_back(b);
@@ -343,8 +344,6 @@ void DistributedDataParallel::launch(const int bucket_index) {
 
 void DistributedDataParallel::after_backward(const int module) {
   unit_in_backward_ = kNoModule;
-  if (fsdp_sharded_grads()) reduce_unit_grads(module);
-  if (fsdp_zero3()) free_unit_params(module);
   const int m = module - min_module_;
   const bool known = m >= 0 && m < static_cast<int>(module_done_.size());
   if (known && options_.grad_dtype != DType::kF32) {
@@ -352,6 +351,8 @@ void DistributedDataParallel::after_backward(const int module) {
       ops::round_to_dtype_(params_[static_cast<size_t>(i)].grad, options_.grad_dtype);
     }
   }
+  if (fsdp_sharded_grads()) reduce_unit_grads(module);
+  if (fsdp_zero3()) free_unit_params(module);
   if (!options_.overlap_grad_reduce || !last_microbatch_) return;
   parallel::drive_progress();  // the buckets launched so far advance while backward goes on
   if (!known) return;
@@ -379,6 +380,7 @@ void DistributedDataParallel::finish_grad_sync() {
   }
   if (options_.grad_dtype != DType::kF32) {  // widen the 16-bit results
     for (Bucket& b : buckets_) {
+      if (b.grads_sharded) continue;  // widened and accumulated per unit
       if (options_.use_distributed_optimizer) {
         ops::convert(b.comm_shard, b.wire_shard);
       } else {

@@ -61,8 +61,7 @@ struct DdpOptions {
   // all-gathered as codes (see above). Needs the distributed optimizer.
   bool quantized_param_gather = false;
   // Megatron-FSDP (optim/fsdp.h): one bucket per module and group kind, the units' parameters and gradients sharded
-  // by the strategy. use_distributed_optimizer must be true except with no_shard. fp32 gradients, no quantized
-  // parameter all-gather.
+  // by the strategy. use_distributed_optimizer must be true except with no_shard; no quantized parameter all-gather.
   std::optional<FsdpOptions> fsdp;
 };
 

@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "moecore/ops/convert.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/precision.h"
 #include "moecore/optim/ddp.h"
@@ -188,14 +189,25 @@ void DistributedDataParallel::reduce_unit_grads(const int module) {
     // per micro-batch equals the sum of the accumulated gradient).
     for (const int i : b.params) {
       Param& p = params_[static_cast<size_t>(i)];
-      if (p.grad_sum_over_tp && !p.is_expert && parallel_.tp.size() > 1)
-        parallel_.tp.all_reduce(p.grad, parallel::ReduceOp::kSum);
+      if (p.grad_sum_over_tp && !p.is_expert && parallel_.tp.size() > 1) all_reduce_grads(parallel_.tp, p.grad);
       p.grad = Tensor();
     }
-    if (dp_cp > 1) ops::scale_(b.unit_grads, 1.0 / static_cast<double>(dp_cp));
+    // Megatron's gradient_scaling_factor, in the gradients' dtype (a 16-bit product rounded to 16 bits).
+    const DType dtype = options_.grad_dtype;
+    if (dp_cp > 1) {
+      ops::scale_(b.unit_grads, 1.0 / static_cast<double>(dp_cp));
+      if (dtype != DType::kF32) ops::round_to_dtype_(b.unit_grads, dtype);
+    }
     parallel::CommStats::instance().add_bytes(CommKind::kGradReduce,
-                                              static_cast<double>(b.end - b.begin) * sizeof(float));
-    b.grad_work = g.pg.reduce_scatter_async(b.unit_grads, b.comm_shard, parallel::ReduceOp::kSum);
+                                              static_cast<double>(b.end - b.begin) * dtype_size(dtype));
+    if (dtype != DType::kF32) {  // 16-bit gradients travel and sum in 16 bits
+      b.wire = Tensor({b.end - b.begin}, dtype, MemCategory::kComm);
+      ops::convert(b.wire, b.unit_grads);  // exact: the buffer holds 16-bit values
+      b.unit_grads = Tensor();
+      b.grad_work = g.pg.reduce_scatter_16bit_async(b.wire, b.wire_shard);
+    } else {
+      b.grad_work = g.pg.reduce_scatter_async(b.unit_grads, b.comm_shard, parallel::ReduceOp::kSum);
+    }
     b.grad_work.trace_as(std::string(g.expert ? "expert " : "") + "FSDP grad reduce-scatter, unit " +
                          std::to_string(module));
     b.unit_reduce_in_flight = true;
@@ -213,8 +225,13 @@ void DistributedDataParallel::complete_unit_reduces() {
     }
     b.unit_reduce_in_flight = false;
     Tensor shard = grad_view(static_cast<int>(bi), b.shard_begin, b.shard_begin + b.shard_size);
+    const DType dtype = options_.grad_dtype;
+    if (dtype != DType::kF32) ops::convert(b.comm_shard, b.wire_shard);
     ops::add_(shard, b.comm_shard);
+    // 16-bit gradients accumulate over micro-batches in their dtype (Megatron-FSDP's main gradient buffer).
+    if (dtype != DType::kF32) ops::round_to_dtype_(shard, dtype);
     b.unit_grads = Tensor();
+    b.wire = Tensor();
   }
 }
 

@@ -24,6 +24,9 @@
 // next unit's backward runs, added into this rank's gradient shard and freed. Gathered parameters and whole unit
 // gradient buffers are transient: the memory tracker counts them as communication buffers (kComm), so kParams /
 // kGrads / kOptimizer hold what stays between steps.
+// 16-bit weights (Megatron-FSDP's main grads dtype "auto"): gradients in the weights' dtype, rounded after the unit's
+// backward, scaled, reduce-scattered and accumulated into the shard in 16 bits (DdpOptions::grad_dtype); the weights
+// are gathered in their fp32 storage.
 #pragma once
 
 #include <optional>

@@ -122,6 +122,8 @@ ModelAndOptimizer build_model_and_optimizer(const TrainingArgs& run_args, const 
     fsdp.num_units = static_cast<int>(run_args.model.num_layers);
     ddp_options.fsdp = fsdp;
     ddp_options.use_distributed_optimizer = fsdp.strategy != ShardingStrategy::kNoShard;
+    // Megatron-FSDP's main gradients: --megatron-fsdp-main-grads-dtype auto, the weights' dtype.
+    ddp_options.grad_dtype = params_dtype;
   }
   out.ddp = std::make_unique<DistributedDataParallel>(out.model->params(), parallel, ddp_options);
   out.model->set_hooks(out.ddp.get());
