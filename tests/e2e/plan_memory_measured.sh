@@ -83,6 +83,8 @@ check pp2-vpp2 2 qwen3-moe-tiny --pipeline-model-parallel-size 2 --num-virtual-s
   --micro-batch-size 2
 check dp2-distopt-bf16 2 deepseek-v3-tiny --use-distributed-optimizer --bf16
 check cp2 2 qwen3-moe-tiny --context-parallel-size 2
+# The probabilities applied to the experts' output (the report's memory-efficient permutation off).
+check no-memory-efficient-permutation 1 qwen3-moe-tiny --no-moe-memory-efficient-permutation
 # Activation recomputation: selective modules (what each drops) and full recomputation with both methods.
 check recompute-selective 1 qwen3-moe-tiny --recompute-granularity selective --recompute-modules core_attn layernorm \
   moe_act

@@ -418,6 +418,10 @@ const std::vector<TrainFlag>& flag_table() {
        a.model.moe.dispatcher_type =
            a.moe_token_dispatcher_type == "alltoall" ? TokenDispatcherType::kAllToAll : TokenDispatcherType::kAllGather;
      }},
+    {"--no-moe-memory-efficient-permutation", Arity::kSwitch, "",
+     "moecore: apply the routed experts' probabilities to their output, keeping it for the probabilities' gradient, "
+     "instead of to fc2's input (the report's memory-efficient permutation, the default)",
+     [](TrainingArgs& a, const FlagValue&) { a.model.moe.memory_efficient_permutation = false; }},
     {"--moe-apply-probs-on-input", Arity::kSwitch, "", "scale expert inputs by their probability (top-1 only)",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.apply_probs_on_input = true; }},
     {"--moe-grouped-gemm", Arity::kSwitch, "", "run all local experts as one grouped GEMM",

@@ -156,6 +156,9 @@ double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool mo
   a += x.tm * s.h + x.tm * s.experts;        // router input copy, probs
   a += x.r * (s.h + 1 + s.glu * fml + fml);  // dispatched rows + probs, fc1 output, fc2 input
   if (r.has("moe_act")) a -= x.r * fml;
+  // Without memory-efficient permutation the experts keep their output before the probability, and ones for their
+  // own probabilities.
+  if (!s.config.moe.memory_efficient_permutation) a += x.r * (s.h + 1);
   if (s.sh > 0 && !r.has("shared_experts")) {
     a += (l.tp() > 1 ? x.t * s.h : 0) + x.t * s.glu * s.sh / l.tp() + x.t * s.sh / l.tp();
     if (s.config.moe.shared_expert_gate) a += x.tm + x.tm * s.h;
@@ -167,6 +170,7 @@ double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool mo
 double backward_transient(const Shape& s, const Layout& l, const Tokens& x, const bool moe) {
   if (moe) {
     double t = 3 * x.ta * s.h + x.tm * s.h + 2 * x.r * s.h + x.r * s.glu * s.fm / l.etp();
+    if (!s.config.moe.memory_efficient_permutation) t += x.r * s.h;  // the gradient of the output before p
     if (l.tp() > 1 && !l.sp) t += 2 * x.tm * s.h;
     return t;
   }

@@ -94,9 +94,6 @@ const std::vector<FlagSpec<Parser>>& planner_flag_table() {
        p.mtp = v.integer_in(0, 1 << 16);
        p.rest.insert(p.rest.end(), {std::string(v.flag), v.text()});  // train builds the depths too
      }},
-    {"--no-moe-memory-efficient-permutation", Arity::kSwitch, "",
-     "routed experts' probabilities applied at the combine (the fc2 output kept for their gradient)",
-     [](Parser& p, const FlagValue&) { p.out.memory_efficient_permutation = false; }},
     {"--moe-token-dispatcher-type", Arity::kOne, "{allgather,alltoall,flex}", "the dispatcher (flex is modelled as "
      "the all-to-all)",
      [](Parser& p, const FlagValue& v) { p.out.dispatcher = v.choice({"allgather", "alltoall", "flex"}); }},
@@ -328,6 +325,7 @@ PlanArgs parse_plan_flags(const std::vector<std::string>& args) {
   take("--num-virtual-stages-per-pipeline-rank", layout.vpp);
   finish(out, layout, p.layout_switches, split_values);
   out.recompute = out.train.model.recompute;
+  out.memory_efficient_permutation = out.train.model.moe.memory_efficient_permutation;
   if (out.model.config.mla) {
     require(!out.train.group_query_attention,
             "--multi-latent-attention cannot be combined with --group-query-attention");
