@@ -47,6 +47,9 @@ moecore_recompute(tp2_sp_ep2 2 CONFIG ${equiv_model} ${equiv_aux} --tensor-model
                   --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 VARIANTS ${recompute_variants})
 moecore_recompute(tp2_distributed 2 CONFIG ${equiv_model} ${equiv_aux} --tensor-model-parallel-size 2
                   VARIANTS full_uniform1 full_distributed)
+moecore_recompute(dp2_distopt_overlap 2 CONFIG ${equiv_model} ${equiv_aux} --use-distributed-optimizer
+                  --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000
+                  VARIANTS full_uniform1 moe selective_all)
 moecore_recompute(pp2 2 CONFIG ${equiv_model} ${equiv_pp_4l} --pipeline-model-parallel-size 2 VARIANTS ${recompute_variants})
 moecore_recompute(cp2 2 CONFIG ${equiv_model} ${equiv_aux} --context-parallel-size 2 VARIANTS ${recompute_variants})
 set_tests_properties(${recompute_tests} PROPERTIES LABELS dist TIMEOUT 300 ENVIRONMENT "OMP_NUM_THREADS=1")
