@@ -83,6 +83,18 @@ check pp2-vpp2 2 qwen3-moe-tiny --pipeline-model-parallel-size 2 --num-virtual-s
   --micro-batch-size 2
 check dp2-distopt-bf16 2 deepseek-v3-tiny --use-distributed-optimizer --bf16
 check cp2 2 qwen3-moe-tiny --context-parallel-size 2
+# The probabilities applied to the experts' output (the report's memory-efficient permutation off).
+check no-memory-efficient-permutation 1 qwen3-moe-tiny --no-moe-memory-efficient-permutation
+# Activation recomputation: selective modules (what each drops) and full recomputation with both methods.
+check recompute-selective 1 qwen3-moe-tiny --recompute-granularity selective --recompute-modules core_attn layernorm \
+  moe_act
+check recompute-moe 1 deepseek-v3-tiny --recompute-granularity selective --recompute-modules moe mlp mla_up_proj
+check recompute-shared 1 deepseek-v3-tiny --recompute-granularity selective --recompute-modules shared_experts \
+  layernorm
+check recompute-full-pp2 2 qwen3-moe-tiny --pipeline-model-parallel-size 2 --recompute-granularity full \
+  --recompute-method uniform --recompute-num-layers 1
+check recompute-full-block 1 deepseek-v3-tiny --recompute-granularity full --recompute-method block \
+  --recompute-num-layers 2
 
 [ $failures -eq 0 ] || { echo "$failures failure(s)"; exit 1; }
 echo "e2e ok"

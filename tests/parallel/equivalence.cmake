@@ -42,6 +42,8 @@ set(equiv_packed ${equiv_aux} --mock-max-sequence-length 8 --reset-position-ids 
 # bf16 mixed precision: 16-bit weights and activations, compared by the size of the updates (equivalence_main.cpp,
 # Tolerances: loss 1e-3, RMS difference over RMS update + one bf16 ulp 0.25; measured at most 0.13).
 set(equiv_bf16 ${equiv_aux} --bf16)
+# The probabilities applied to the experts' output instead of fc2's input (--no-moe-memory-efficient-permutation).
+set(equiv_no_mep ${equiv_aux} --no-moe-memory-efficient-permutation)
 # Multi-Token Prediction: two depths after the MoE last layer (MoE depth layers, their embedding and layer dropout).
 set(equiv_mtp ${equiv_aux} --mtp-num-layers 2 --mtp-loss-scaling-factor 0.5)
 # MTP under pipelines: 4 layers (the last MoE), tied and untied (the loss stage keeps a copy of the word embedding
@@ -71,7 +73,8 @@ function(moecore_equiv name config np)
     set(config_args ${equiv_global_aux})
   elseif(config STREQUAL "capacity")
     set(config_args ${equiv_capacity})
-  elseif(config MATCHES "^pp" OR config STREQUAL "packed" OR config STREQUAL "bf16" OR config MATCHES "^mtp")
+  elseif(config MATCHES "^pp" OR config STREQUAL "packed" OR config STREQUAL "bf16" OR config MATCHES "^mtp" OR
+         config STREQUAL "no_mep")
     set(config_args ${equiv_${config}})
   endif()
   add_test(NAME dist.equiv.${name}
@@ -92,6 +95,7 @@ moecore_equiv_reference(pp_global_aux ${equiv_pp_global_aux})
 moecore_equiv_reference(pp_4l ${equiv_pp_4l})
 moecore_equiv_reference(packed ${equiv_packed})
 moecore_equiv_reference(bf16 ${equiv_bf16})
+moecore_equiv_reference(no_mep ${equiv_no_mep})
 moecore_equiv_reference(mtp ${equiv_mtp})
 moecore_equiv_reference(pp_mtp ${equiv_pp_mtp})
 moecore_equiv_reference(mtp_packed ${equiv_mtp_packed})
@@ -108,6 +112,8 @@ moecore_equiv(tp2_global_aux global_aux 2 --tensor-model-parallel-size 2)
 moecore_equiv(tp2_sp_global_aux global_aux 2 --tensor-model-parallel-size 2 --sequence-parallel)
 moecore_equiv(ep2 aux 2 --expert-model-parallel-size 2)
 moecore_equiv(ep2_capacity_pad capacity 2 --expert-model-parallel-size 2)
+moecore_equiv(tp2_sp_ep2_no_mep no_mep 2 --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2
+              --expert-tensor-parallel-size 1)
 moecore_equiv(tp2_ep2_folded aux 2 --tensor-model-parallel-size 2 --sequence-parallel
               --expert-model-parallel-size 2 --expert-tensor-parallel-size 1)
 moecore_equiv(ep4_allgather aux 4 --expert-model-parallel-size 4 --moe-token-dispatcher-type allgather)

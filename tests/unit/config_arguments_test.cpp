@@ -232,9 +232,71 @@ TEST(TrainArguments, UnknownFlagSuggestsClosest) {
   EXPECT_EQ(error_of(with(minimal(), {"--zzzz-qqqq-wwww"})), "unknown flag --zzzz-qqqq-wwww");
 }
 
+// Megatron's recompute flags with TransformerConfig.__post_init__'s and validate_args's rules.
+TEST(TrainArguments, RecomputeFlagsAsMegatron) {
+  using Granularity = RecomputeConfig::Granularity;
+  EXPECT_EQ(parse_train_args(minimal()).model.recompute.granularity, Granularity::kNone);
+  const TrainingArgs selective = parse_train_args(with(minimal(), {"--recompute-granularity", "selective"}));
+  EXPECT_EQ(selective.model.recompute.modules, std::vector<std::string>{"core_attn"});  // Megatron's default
+  EXPECT_TRUE(selective.model.recompute.has("core_attn"));
+  EXPECT_FALSE(selective.model.recompute.has("mlp"));
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--recompute-activations"})).model.recompute.granularity,
+            Granularity::kSelective);
+  const TrainingArgs full = parse_train_args(with(
+      minimal(), {"--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"}));
+  EXPECT_TRUE(full.model.recompute.full());
+  EXPECT_TRUE(full.model.recompute.checkpointed(0));
+  EXPECT_FALSE(full.model.recompute.checkpointed(1));  // block: only the first num_layers of a chunk
+  const Args moe =
+      test::recipe_flags("tiny-moe", {"--train-iters", "1", "--lr", "1e-3", "--micro-batch-size", "2", "--mock-data",
+                                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"});
+  const TrainingArgs layer = parse_train_args(with(moe, {"--moe-layer-recompute"}));
+  EXPECT_EQ(layer.model.recompute.modules, (std::vector<std::string>{"core_attn", "moe"}));
+
+  EXPECT_EQ(error_of(with(minimal(), {"--recompute-granularity", "full"})),
+            "Using --recompute-granularity full so --recompute-method must be \"block\" or \"uniform\"");
+  EXPECT_EQ(error_of(with(minimal(), {"--recompute-granularity", "full", "--recompute-method", "uniform"})),
+            "When using --recompute-granularity full --recompute-num-layers must be between 1 and "
+            "num_layers_per_pipeline_rank: 2");
+  EXPECT_EQ(error_of(with(minimal(), {"--recompute-granularity", "selective", "--recompute-num-layers", "1"})),
+            "When using --recompute-granularity selective --recompute-num-layers must be None");
+  EXPECT_EQ(error_of(with(minimal(), {"--recompute-granularity", "selective", "--recompute-method", "block"})),
+            "--recompute-method is not supported with --recompute-granularity selective");
+  EXPECT_EQ(error_of(with(minimal(), {"--recompute-modules", "mlp"})),
+            "--recompute-modules requires --recompute-granularity selective");
+  EXPECT_EQ(error_of(with(minimal(), {"--recompute-method", "block"})),
+            "--recompute-method and --recompute-num-layers require --recompute-granularity full");
+  EXPECT_EQ(error_of(with(minimal(), {"--recompute-granularity", "full", "--recompute-activations"})),
+            "--recompute-activations sets --recompute-granularity selective; it cannot be combined with full");
+  EXPECT_EQ(error_of(with(minimal(), {"--recompute-granularity", "selective", "--recompute-modules", "mhc"})),
+            "--recompute-modules mhc is not implemented yet (moecore implements core_attn, moe_act, layernorm, "
+            "mla_up_proj, mlp, moe, shared_experts)");
+  EXPECT_EQ(error_of(with(minimal(), {"--recompute-granularity", "selective", "--recompute-modules", "attn"})),
+            "invalid value 'attn' for --recompute-modules (choose from core_attn, moe_act, layernorm, mla_up_proj, "
+            "mlp, moe, shared_experts, gdn_norm_out, gdp_in_proj, gdp_qkv, mhc)");
+  EXPECT_EQ(error_of(with(moe, {"--recompute-granularity", "selective", "--recompute-modules", "moe_act"})),
+            "moe_act in --recompute-modules is only supported with --moe-grouped-gemm");
+  EXPECT_EQ(error_of(with(minimal(), {"--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"})),
+            "mla_up_proj in --recompute-modules is only supported with --multi-latent-attention");
+  EXPECT_EQ(error_of(with(moe, {"--moe-shared-expert-intermediate-size", "32", "--disable-bias-linear",
+                                "--moe-shared-expert-overlap", "--moe-token-dispatcher-type", "alltoall",
+                                "--recompute-granularity", "selective", "--recompute-modules", "shared_experts"})),
+            "shared_experts in --recompute-modules cannot work with --moe-shared-expert-overlap");
+  EXPECT_EQ(error_of(with(minimal(), {"--bf16", "--fp8-format", "hybrid", "--recompute-granularity", "selective",
+                                      "--recompute-modules", "layernorm"})),
+            "Delayed scaling does not support moe_act and layernorm in --recompute-modules for fp8");
+  EXPECT_EQ(error_of(with(minimal(), {"--distribute-saved-activations", "--recompute-granularity", "full",
+                                      "--recompute-method", "uniform", "--recompute-num-layers", "1"})),
+            "--distribute-saved-activations distributes across the tensor model parallel group: it needs "
+            "--tensor-model-parallel-size > 1");
+  EXPECT_EQ(error_of(with(moe, {"--moe-layer-recompute", "--recompute-granularity", "full", "--recompute-method",
+                                "uniform", "--recompute-num-layers", "1"})),
+            "Do not set --moe-layer-recompute with full recompute granularity");
+}
+
 TEST(TrainArguments, CataloguedMegatronFlagsAreNotImplementedYet) {
   for (const char* flag :
-       {"--moe-latent-size", "--moe-use-legacy-grouped-gemm", "--recompute-granularity", "--fp8-interval",
+       {"--moe-latent-size", "--moe-use-legacy-grouped-gemm", "--rampup-batch-size", "--fp8-interval",
         "--save-retain-interval", "--tensorboard-dir", "--wandb-project", "--ckpt-format"}) {
     EXPECT_EQ(error_of(with(minimal(), {flag, "1"})),
               std::string(flag) + " is a Megatron flag that moecore does not implement yet");

@@ -418,6 +418,10 @@ const std::vector<TrainFlag>& flag_table() {
        a.model.moe.dispatcher_type =
            a.moe_token_dispatcher_type == "alltoall" ? TokenDispatcherType::kAllToAll : TokenDispatcherType::kAllGather;
      }},
+    {"--no-moe-memory-efficient-permutation", Arity::kSwitch, "",
+     "moecore: apply the routed experts' probabilities to their output, keeping it for the probabilities' gradient, "
+     "instead of to fc2's input (the report's memory-efficient permutation, the default)",
+     [](TrainingArgs& a, const FlagValue&) { a.model.moe.memory_efficient_permutation = false; }},
     {"--moe-apply-probs-on-input", Arity::kSwitch, "", "scale expert inputs by their probability (top-1 only)",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.apply_probs_on_input = true; }},
     {"--moe-grouped-gemm", Arity::kSwitch, "", "run all local experts as one grouped GEMM",
@@ -431,6 +435,38 @@ const std::vector<TrainFlag>& flag_table() {
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.shared_expert_overlap = true; }},
     {"--moe-per-layer-logging", Arity::kSwitch, "", "log the auxiliary losses of every MoE layer",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.per_layer_logging = true; }},
+
+    // Activation recomputation (Megatron's transformer_config.py recompute_*; checks in arguments_finalize.cpp).
+    {"--recompute-granularity", Arity::kOne, "{full,selective}",
+     "recompute whole layers in backward (full) or the --recompute-modules of each layer (selective)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.model.recompute.granularity = v.choice({"full", "selective"}) == "full"
+                                           ? RecomputeConfig::Granularity::kFull
+                                           : RecomputeConfig::Granularity::kSelective;
+     }},
+    {"--recompute-method", Arity::kOne, "{uniform,block}",
+     "full: checkpoints of --recompute-num-layers layers (uniform), or only the first N layers of each chunk (block)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.model.recompute.method = v.choice({"uniform", "block"}) == "uniform" ? RecomputeConfig::Method::kUniform
+                                                                              : RecomputeConfig::Method::kBlock;
+     }},
+    {"--recompute-num-layers", Arity::kOne, "N", "full: layers per checkpoint (uniform) or checkpointed layers (block)",
+     [](TrainingArgs& a, const FlagValue& v) { a.model.recompute.num_layers = v.positive_up_to(kMaxCount); }},
+    {"--recompute-modules", Arity::kList, "M...",
+     "selective: core_attn (default) moe_act layernorm mla_up_proj mlp moe shared_experts",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.model.recompute.modules = v.each([](const FlagValue& one) {
+         return one.choice({"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"},
+                           {"gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc"});
+       });
+     }},
+    {"--recompute-activations", Arity::kSwitch, "", "--recompute-granularity selective",
+     [](TrainingArgs&, const FlagValue&) {}},
+    {"--moe-layer-recompute", Arity::kSwitch, "", "deprecated: adds moe to selective --recompute-modules",
+     [](TrainingArgs&, const FlagValue&) {}},
+    {"--distribute-saved-activations", Arity::kSwitch, "",
+     "full, TP > 1 without --sequence-parallel: each TP rank keeps 1/TP of a checkpoint's input",
+     [](TrainingArgs& a, const FlagValue&) { a.model.recompute.distribute_saved_activations = true; }},
 
     // Parallelism: the world size is the number of processes mpirun launched.
     {"--tensor-model-parallel-size", Arity::kOne, "N", "tensor parallel size (heads, ffn, vocabulary)",

@@ -743,6 +743,62 @@ void finalize_mtp(const TrainingArgs& args) {
 
 }  // namespace
 
+// Megatron's activation-recomputation checks (transformer_config.py __post_init__, arguments.py validate_args).
+void finalize_recompute(TrainingArgs& args, const std::set<std::string>& given) {
+  RecomputeConfig& r = args.model.recompute;
+  using Granularity = RecomputeConfig::Granularity;
+  if (given.count("--recompute-activations") != 0) {
+    require(r.granularity != Granularity::kFull,
+            "--recompute-activations sets --recompute-granularity selective; it cannot be combined with full");
+    r.granularity = Granularity::kSelective;
+  }
+  if (given.count("--moe-layer-recompute") != 0) {
+    require(r.granularity != Granularity::kFull, "Do not set --moe-layer-recompute with full recompute granularity");
+    r.granularity = Granularity::kSelective;
+  }
+  const bool method = given.count("--recompute-method") != 0, layers = given.count("--recompute-num-layers") != 0;
+  if (r.distribute_saved_activations) {
+    require(args.parallel.tensor_model_parallel_size > 1,
+            "--distribute-saved-activations distributes across the tensor model parallel group: it needs "
+            "--tensor-model-parallel-size > 1");
+    require(r.granularity == Granularity::kFull,
+            "--distribute-saved-activations applies only to --recompute-granularity full");
+    require(method, "--distribute-saved-activations needs --recompute-method");
+    require(!args.sequence_parallel,
+            "--distribute-saved-activations must be false when --sequence-parallel is enabled");
+  }
+  if (r.granularity == Granularity::kNone) {
+    require(!method && !layers, "--recompute-method and --recompute-num-layers require --recompute-granularity full");
+    require(given.count("--recompute-modules") == 0, "--recompute-modules requires --recompute-granularity selective");
+    return;
+  }
+  if (r.granularity == Granularity::kFull) {
+    require(method, "Using --recompute-granularity full so --recompute-method must be \"block\" or \"uniform\"");
+    require(layers,
+            "When using --recompute-granularity full --recompute-num-layers must be between 1 and "
+            "num_layers_per_pipeline_rank: " +
+                str(args.model.num_layers / args.parallel.pipeline_model_parallel_size));
+    require(given.count("--recompute-modules") == 0, "--recompute-modules requires --recompute-granularity selective");
+    r.modules.clear();
+    return;
+  }
+  require(!method, "--recompute-method is not supported with --recompute-granularity selective");
+  require(!layers, "When using --recompute-granularity selective --recompute-num-layers must be None");
+  if (given.count("--recompute-modules") == 0) r.modules = {"core_attn"};
+  if (given.count("--moe-layer-recompute") != 0 && !r.has("moe")) r.modules.push_back("moe");
+  const MoEConfig& moe = args.model.moe;
+  require(!r.has("moe_act") || moe.grouped_gemm,
+          "moe_act in --recompute-modules is only supported with --moe-grouped-gemm");
+  require(!r.has("mla_up_proj") || args.model.mla.has_value(),
+          "mla_up_proj in --recompute-modules is only supported with --multi-latent-attention");
+  require(!r.has("shared_experts") || !moe.shared_expert_overlap,
+          "shared_experts in --recompute-modules cannot work with --moe-shared-expert-overlap");
+  if (args.model.quantization && args.model.quantization->recipe == quant::Recipe::kDelayed) {
+    require(!r.has("moe_act") && !r.has("layernorm"),
+            "Delayed scaling does not support moe_act and layernorm in --recompute-modules for fp8");
+  }
+}
+
 void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given) {
   check_required(given);
   finalize_model(args, given);
@@ -753,6 +809,7 @@ void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given)
   finalize_precision(args, given);
   finalize_precision_aware_optimizer(args);
   finalize_quantization(args, given);
+  finalize_recompute(args, given);
   finalize_lr(args, given);
   finalize_data(args, given);
   finalize_checkpointing(args, given);

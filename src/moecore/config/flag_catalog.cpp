@@ -47,15 +47,9 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--batch-size",
     "--rampup-batch-size",
     "--decrease-batch-size-if-needed",
-    "--recompute-activations",
-    "--recompute-granularity",
     "--no-check-for-nan-in-loss-and-grad",
     "--check-for-spiky-loss",
     "--check-for-large-grads",
-    "--distribute-saved-activations",
-    "--recompute-method",
-    "--recompute-num-layers",
-    "--recompute-modules",
     "--no-clone-scatter-output-in-embedding",
     "--iterations-to-skip",
     "--result-rejected-tracker-filename",
@@ -255,7 +249,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     // mixture of experts (arguments.py _add_moe_args, plus TransformerConfig-generated flags in the semantics doc);
     // the implemented ones are in arguments.cpp
     "--moe-use-legacy-grouped-gemm",
-    "--moe-layer-recompute",
     "--moe-extended-tp",
     "--moe-router-fusion",
     "--moe-enable-deepep",

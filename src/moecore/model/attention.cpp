@@ -94,6 +94,14 @@ Tensor SelfAttention::forward(const Tensor& x_TH, const int64_t S, const int64_t
   return proj_.forward(a.attn_TNd, a.proj);
 }
 
+void SelfAttention::recompute_core_attention(AttentionActivations& a, const int64_t S, const int64_t B,
+                                             const ops::DropoutSpec& dropout, const SequenceInfo& sequence) const {
+  // The output is rewritten with the same values: it is linear_proj's saved input.
+  a.lse_BNS = activation_tensor({B, heads_, S});
+  context_parallel_attention_forward(a.attn_TNd, a.lse_BNS, a.q_TNd, a.k_TGd, a.v_TGd, dims(S, B), dropout, sequence,
+                                     cp_, cp_type_);
+}
+
 void SelfAttention::backward(Tensor& dx_TH, const Tensor& dout_TH, const int64_t S, const int64_t B,
                              const ops::DropoutSpec& dropout, const AttentionActivations& a,
                              const SequenceInfo& sequence) const {

@@ -46,6 +46,13 @@ class SelfAttention {
   // dx_TH += d(out)/d(x)^T dout_TH; parameter gradients accumulate.
   void backward(Tensor& dx_TH, const Tensor& dout_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout,
                 const AttentionActivations& saved, const SequenceInfo& sequence) const;
+  // --recompute-modules core_attn (Megatron's CheckpointWithoutOutput-free "normal" checkpoint of core attention):
+  // core attention keeps q, k, v, and its output stays as linear_proj's input, so what it drops is the rest of its
+  // saved state, the log-sum-exp; backward reruns core attention from q, k, v (dropout from the same counter-RNG
+  // stream, the context-parallel exchange again).
+  static void drop_core_attention(AttentionActivations& saved) { saved.lse_BNS = Tensor(); }
+  void recompute_core_attention(AttentionActivations& saved, int64_t S, int64_t B, const ops::DropoutSpec& dropout,
+                                const SequenceInfo& sequence) const;
   // Incremental decoding (inference, one process, one sequence): x_TH the normed input of the new tokens at
   // `positions` (one each). Their keys and values go into `cache` at their positions; each new token attends the
   // cached positions up to its own. Returns the projected output of the new tokens, bias included.

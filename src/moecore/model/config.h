@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/model/recompute_config.h"
 #include "moecore/moe/moe_config.h"
 #include "moecore/ops/activation.h"
 #include "moecore/quant/quantized_gemm.h"
@@ -97,6 +98,7 @@ struct ModelConfig {
   bool first_last_layers_bf16 = false;      // --first-last-layers-bf16
   int64_t num_layers_at_start_in_bf16 = 1;  // --num-layers-at-start-in-bf16
   int64_t num_layers_at_end_in_bf16 = 1;    // --num-layers-at-end-in-bf16
+  RecomputeConfig recompute;                // --recompute-granularity and its companions (training forwards)
 
   int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(kv_channels) * rotary_percent); }
   int64_t fc1_out() const { return activation == Activation::kSwiGLU ? 2 * ffn_hidden_size : ffn_hidden_size; }

@@ -317,6 +317,37 @@ Tensor GPTModel::output_and_loss_backward(MicroBatchContext& ctx, const double l
   return dx_TH;
 }
 
+Tensor GPTModel::checkpoint_input(const Tensor& input_TH) const {
+  if (!config_.recompute.distribute_saved_activations) return input_TH;
+  // --distribute-saved-activations: this TP rank keeps its 1/TP of the (replicated) rows.
+  const TensorParallel& tp = modules_->tp;
+  const int64_t T = input_TH.dim(0);
+  if (T % tp.size() != 0) {
+    throw std::invalid_argument("--distribute-saved-activations: the micro-batch's " + std::to_string(T) +
+                                " local tokens are not divisible by the TP size");
+  }
+  const int64_t rows = T / tp.size();
+  return input_TH.slice_rows(tp.rank() * rows, (tp.rank() + 1) * rows).clone(MemCategory::kActivations);
+}
+
+void GPTModel::recompute_checkpoint(MicroBatchContext& ctx, const int64_t begin, const int64_t end) {
+  Modules& m = *modules_;
+  const StageSpec& stage = chunks_[static_cast<size_t>(ctx.chunk)];
+  const size_t first = chunk_first_module_[static_cast<size_t>(ctx.chunk)];
+  const trace::Scope scope("recompute layers ", stage.first_layer + begin, " forward", "backward");
+  LayerActivations& head = ctx.layers[static_cast<size_t>(begin)];
+  Tensor x_TH = config_.recompute.distribute_saved_activations ? m.tp.all_gather_rows(head.x_TH) : head.x_TH;
+  head.x_TH = Tensor();
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t layer = stage.first_layer + i;
+    if (hooks_) hooks_->before_forward(static_cast<int>(layer));
+    LayerDropout dropout{true, ctx.dropout_seed, layer_stream(ctx.dropout_stream, layer), ctx.rows, &ctx.sequence};
+    dropout.recompute = true;
+    x_TH = m.layers[first + static_cast<size_t>(i)].forward(x_TH, ctx.S, ctx.B, dropout,
+                                                            ctx.layers[static_cast<size_t>(i)]);
+  }
+}
+
 double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int32_t* tokens_BS,
                          const int32_t* labels_BS, const float* loss_mask_BS, const int64_t B, const int64_t S,
                          const ForwardOptions& options, Tensor* logits_SBV) {
@@ -383,6 +414,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
   if (options.is_first_microbatch) {
     delayed_scaling_.set_first_microbatch(stage.first_layer, stage.first_layer + stage.num_layers);
   }
+  const RecomputeConfig& recompute = config_.recompute;
   for (size_t i = 0; i < count; ++i) {
     const int64_t layer = stage.first_layer + static_cast<int64_t>(i);
     TransformerLayer& module = m.layers[first + i];
@@ -392,9 +424,16 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     LayerActivations scratch;
     LayerActivations& saved = options.training ? ctx->layers[i] : scratch;
     const trace::Scope scope("layer ", layer, " forward", "forward");
+    const Tensor input_TH = x_TH;
     x_TH = module.forward(x_TH, S_local, B, dropout, saved);
     if (hooks_) hooks_->after_forward(static_cast<int>(layer));
     if (options.training && module.is_moe()) moe_metrics_.record(layer, saved.moe.routing);
+    const auto index = static_cast<int64_t>(i);
+    if (options.training && recompute.checkpointed(index)) {
+      // Full recomputation (Megatron's TransformerBlock._checkpointed_forward): a checkpoint keeps only its input.
+      TransformerLayer::drop_for_full_recompute(saved);
+      if (recompute.checkpoint_begin(index) == index) saved.x_TH = checkpoint_input(input_TH);
+    }
   }
   if (options.training) delayed_scaling_.after_forward();  // TE's autocast exit around the decoder block
   ctx->output_TH = x_TH;
@@ -446,8 +485,14 @@ Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double l
   } else {
     dx_TH = output_grad_TH->clone(MemCategory::kActivations);
   }
+  const RecomputeConfig& recompute = config_.recompute;
   for (size_t i = ctx->layers.size(); i-- > 0;) {
     const int64_t layer = stage.first_layer + static_cast<int64_t>(i);
+    const auto index = static_cast<int64_t>(i);
+    if (recompute.checkpointed(index) &&
+        recompute.checkpoint_end(index, static_cast<int64_t>(ctx->layers.size())) == index + 1) {
+      recompute_checkpoint(*ctx, recompute.checkpoint_begin(index), index + 1);
+    }
     Tensor dprev_TH = activation_tensor(dx_TH.shape());
     const LayerDropout dropout{true, ctx->dropout_seed, layer_stream(ctx->dropout_stream, layer), ctx->rows,
                                &ctx->sequence};

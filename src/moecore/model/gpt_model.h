@@ -163,6 +163,10 @@ class GPTModel {
   MtpBatch mtp_batch(const MicroBatchContext& ctx, const int32_t* tokens_BS = nullptr,
                      const int32_t* labels_BS = nullptr, const float* loss_mask_BS = nullptr) const;
   MtpForwardOptions mtp_options(const MicroBatchContext& ctx, double backward_seed) const;
+  // Full recomputation: what a checkpoint keeps of its input (all of it, or this TP rank's rows with
+  // --distribute-saved-activations), and the forward of the chunk's layers [begin, end) again from it, into ctx.
+  Tensor checkpoint_input(const Tensor& input_TH) const;
+  void recompute_checkpoint(MicroBatchContext& ctx, int64_t begin, int64_t end);
   void mtp_forward(MicroBatchContext& ctx, const ForwardOptions& options, const int32_t* tokens_BS,
                    const int32_t* labels_BS, const float* loss_mask_BS);
 

@@ -79,7 +79,7 @@ ops::AttentionDims MLASelfAttention::dims(const int64_t S, const int64_t B) cons
 Tensor MLASelfAttention::forward(const Tensor& x_TH, const int64_t S, const int64_t B, const ops::DropoutSpec& dropout,
                                  MlaActivations& a, const SequenceInfo& sequence) const {
   const int64_t T = S * B, Tl = x_TH.dim(0), N = heads_;
-  const int64_t dq = mla_.qk_head_dim, dr = mla_.qk_pos_emb_head_dim, dv = mla_.v_head_dim, dqk = dq + dr;
+  const int64_t dr = mla_.qk_pos_emb_head_dim, dv = mla_.v_head_dim;
   const int64_t L = mla_.kv_lora_rank, Q = mla_.q_lora_rank;
   Tensor q_TQ;
   if (q_latent()) {
@@ -105,7 +105,21 @@ Tensor MLASelfAttention::forward(const Tensor& x_TH, const int64_t S, const int6
   Tensor kv_TK = kv_up_.forward(latent_TlL, a.kv_up);
   latent_TlL = Tensor();
   const Tensor k_rope_TR = tp_.sequence_sharded() ? tp_.all_gather_rows(k_rope_TlR) : k_rope_TlR;
+  if (config_.recompute.has("mla_up_proj")) a.k_rope_TR = k_rope_TR;
+  core_inputs(a, q_TQ, kv_TK, k_rope_TR, S, B, sequence);
+  q_TQ = kv_TK = Tensor();
 
+  a.attn_TNv = activation_tensor({T, N, dv});
+  a.lse_BNS = activation_tensor({B, N, S});
+  context_parallel_attention_forward(a.attn_TNv, a.lse_BNS, a.q_TNk, a.k_TNk, a.v_TNv, dims(S, B), dropout, sequence,
+                                     cp_, cp_type_);
+  return proj_.forward(a.attn_TNv, a.proj);
+}
+
+void MLASelfAttention::core_inputs(MlaActivations& a, const Tensor& q_TQ, const Tensor& kv_TK, const Tensor& k_rope_TR,
+                                   const int64_t S, const int64_t B, const SequenceInfo& sequence) const {
+  const int64_t T = S * B, N = heads_;
+  const int64_t dq = mla_.qk_head_dim, dr = mla_.qk_pos_emb_head_dim, dv = mla_.v_head_dim, dqk = dq + dr;
   // query = [q_nope | rope(q_rope)] per head.
   const Tensor q_rope_TNr = columns(q_TQ, dqk, dq, dr, {T, N, dr});
   Tensor q_rot_TNr = activation_tensor({T, N, dr});
@@ -113,7 +127,6 @@ Tensor MLASelfAttention::forward(const Tensor& x_TH, const int64_t S, const int6
   a.q_TNk = activation_tensor({T, N, dqk});
   ops::copy_columns(a.q_TNk, dqk, 0, q_TQ, dqk, 0, dq);
   ops::copy_columns(a.q_TNk, dqk, dq, q_rot_TNr, dr, 0, dr);
-  q_TQ = Tensor();
   // key = [k_nope | rope(k_rope)], the one rope key of a token in every head; value from the same up projection.
   Tensor k_rot_TR = activation_tensor({T, dr});
   ops::rope_forward(k_rot_TR, k_rope_TR, S, B, rope_, sequence.positions_SB);
@@ -121,13 +134,21 @@ Tensor MLASelfAttention::forward(const Tensor& x_TH, const int64_t S, const int6
   ops::copy_columns(a.k_TNk, dqk, 0, kv_TK, dq + dv, 0, dq);
   for (int64_t h = 0; h < N; ++h) ops::copy_columns(a.k_TNk, N * dqk, h * dqk + dq, k_rot_TR, dr, 0, dr);
   a.v_TNv = columns(kv_TK, dq + dv, dq, dv, {T, N, dv});
-  kv_TK = Tensor();
+}
 
-  a.attn_TNv = activation_tensor({T, N, dv});
-  a.lse_BNS = activation_tensor({B, N, S});
+void MLASelfAttention::recompute_up_proj(MlaActivations& a, const int64_t S, const int64_t B,
+                                         const SequenceInfo& sequence) const {
+  const Tensor q_TQ = q_up_.forward_saved(a.q_up);
+  const Tensor kv_TK = kv_up_.forward_saved(a.kv_up);
+  core_inputs(a, q_TQ, kv_TK, a.k_rope_TR, S, B, sequence);
+}
+
+void MLASelfAttention::recompute_core_attention(MlaActivations& a, const int64_t S, const int64_t B,
+                                                const ops::DropoutSpec& dropout, const SequenceInfo& sequence) const {
+  // The output is rewritten with the same values: it is linear_proj's saved input.
+  a.lse_BNS = activation_tensor({B, heads_, S});
   context_parallel_attention_forward(a.attn_TNv, a.lse_BNS, a.q_TNk, a.k_TNk, a.v_TNv, dims(S, B), dropout, sequence,
                                      cp_, cp_type_);
-  return proj_.forward(a.attn_TNv, a.proj);
 }
 
 void MLASelfAttention::backward(Tensor& dx_TH, const Tensor& dout_TH, const int64_t S, const int64_t B,

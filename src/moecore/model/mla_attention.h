@@ -41,6 +41,7 @@ struct MlaActivations {
   Tensor q_TNk, k_TNk, v_TNv;  // core attention inputs, k = dq + dr wide
   Tensor attn_TNv;
   Tensor lse_BNS;
+  Tensor k_rope_TR;  // --recompute-modules mla_up_proj: the (gathered) rope key, an input of the recompute
 };
 
 class MLASelfAttention {
@@ -55,6 +56,15 @@ class MLASelfAttention {
                  const SequenceInfo& sequence) const;
   void backward(Tensor& dx_TH, const Tensor& dout_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout,
                 const MlaActivations& saved, const SequenceInfo& sequence) const;
+  // --recompute-modules core_attn: as SelfAttention's, the log-sum-exp dropped and core attention rerun.
+  static void drop_core_attention(MlaActivations& saved) { saved.lse_BNS = Tensor(); }
+  void recompute_core_attention(MlaActivations& saved, int64_t S, int64_t B, const ops::DropoutSpec& dropout,
+                                const SequenceInfo& sequence) const;
+  // --recompute-modules mla_up_proj (Megatron's output-discarding checkpoint of qkv_up_proj_and_rope_apply): the up
+  // projections' outputs after RoPE, core attention's q, k and v, are dropped after forward and rebuilt in backward
+  // from what the up projections keep (their normed latent inputs) and the rope key.
+  static void drop_up_proj(MlaActivations& saved) { saved.q_TNk = saved.k_TNk = saved.v_TNv = Tensor(); }
+  void recompute_up_proj(MlaActivations& saved, int64_t S, int64_t B, const SequenceInfo& sequence) const;
   // Incremental decoding as SelfAttention::forward_decode: the new tokens' normed kv latents and rotated rope keys
   // go into `cache`, and attention runs in the latent space with linear_kv_up_proj absorbed into the query and the
   // output (DeepSeek-V2/V3 inference), so no step recomputes k_nope or v over the cached positions; the same numbers
@@ -64,6 +74,9 @@ class MLASelfAttention {
  private:
   ops::AttentionDims dims(int64_t S, int64_t B) const;
   bool q_latent() const { return mla_.q_lora_rank > 0; }
+  // Core attention's q, k, v from the up projections' outputs q_TQ, kv_TK and the gathered rope key (RoPE applied).
+  void core_inputs(MlaActivations& saved, const Tensor& q_TQ, const Tensor& kv_TK, const Tensor& k_rope_TR, int64_t S,
+                   int64_t B, const SequenceInfo& sequence) const;
 
   ModelConfig config_;
   MlaConfig mla_;

@@ -154,6 +154,12 @@ std::vector<double> MultiTokenPrediction::forward(const Tensor& h0_TH, const Mtp
     const LayerDropout dropout{options.training, options.dropout_seed, options.layer_streams[d], *batch.rows,
                                batch.sequence};
     a.layer_out_TH = layers_[d].forward(z_TH, S, B, dropout, a.layer);
+    if (options.training && config_.recompute.full()) {
+      // Full recomputation checkpoints each depth's norms, projection and layer (Megatron's
+      // MultiTokenPredictionLayer._checkpointed_forward): the embedding and the hidden input are kept.
+      TransformerLayer::drop_for_full_recompute(a.layer);
+      a.eh_proj = LinearActivations{};
+    }
     hidden_TH = activation_tensor(a.layer_out_TH.shape());
     a.final_stats = final_norm_[d].forward(hidden_TH, a.layer_out_TH);
 
@@ -187,6 +193,20 @@ std::vector<double> MultiTokenPrediction::forward(const Tensor& h0_TH, const Mtp
   return losses;
 }
 
+void MultiTokenPrediction::recompute_depth(const size_t depth, MtpDepthActivations& a, const int64_t S, const int64_t B,
+                                           const LayerDropout& dropout) const {
+  const trace::Scope scope("mtp depth ", depth, " recompute", "backward");
+  Tensor en_TH = activation_tensor(a.embedded_TH.shape());
+  enorm_[depth].forward(en_TH, a.embedded_TH);
+  Tensor hn_TH = activation_tensor(a.hidden_in_TH.shape());
+  hnorm_[depth].forward(hn_TH, a.hidden_in_TH);
+  const Tensor z_TH = project(depth, concat_columns(en_TH, hn_TH), a.eh_proj);
+  en_TH = hn_TH = Tensor();
+  LayerDropout again = dropout;
+  again.recompute = true;
+  layers_[depth].forward(z_TH, S, B, again, a.layer);
+}
+
 Tensor MultiTokenPrediction::backward(MtpActivations& saved, const MtpBatch& batch, const double loss_scale,
                                       const double aux_grad_scale, const MtpForwardOptions& options) const {
   const int64_t S = batch.S, B = batch.B, T = S * B;
@@ -212,6 +232,7 @@ Tensor MultiTokenPrediction::backward(MtpActivations& saved, const MtpBatch& bat
     dh_TH = Tensor();
     Tensor dz_TH = activation_tensor(dlayer_TH.shape());
     const LayerDropout dropout{true, options.dropout_seed, options.layer_streams[d], *batch.rows, batch.sequence};
+    if (config_.recompute.full()) recompute_depth(d, a, S, B, dropout);
     layers_[d].backward(dz_TH, dlayer_TH, S, B, dropout, aux_grad_scale, a.layer);
     a.layer = LayerActivations();
     dlayer_TH = Tensor();

@@ -96,6 +96,9 @@ class MultiTokenPrediction {
  private:
   Tensor project(size_t depth, const Tensor& cat_T2H, LinearActivations& saved) const;
   // d(cat) with the rows of rows_like (this rank's rows).
+  // Full recomputation: the depth's norms, projection and layer forward again, into `saved`.
+  void recompute_depth(size_t depth, MtpDepthActivations& saved, int64_t S, int64_t B,
+                       const LayerDropout& dropout) const;
   Tensor project_backward(size_t depth, const Tensor& dz_TH, const Tensor& rows_like,
                           const LinearActivations& saved) const;
 

@@ -59,6 +59,15 @@ Tensor ColumnParallelLinear::forward(const Tensor& x_TI, LinearActivations& save
   return y_TO;
 }
 
+Tensor ColumnParallelLinear::forward_saved(const LinearActivations& saved) const {
+  Tensor y_TO = activation_tensor({saved.input_TI.dim(0), out_local_});
+  quant::DelayedForwardScales scales;
+  ops::linear_forward(y_TO, saved.input_TI, weight_->value,
+                      options_.skip_bias_add || bias_ == nullptr ? nullptr : &bias_->value,
+                      weight_->delayed_scaling.get(), &scales);
+  return y_TO;
+}
+
 void ColumnParallelLinear::backward_weights(const Tensor& dy_TO, const LinearActivations& saved) const {
   const bool with_bias = bias_ != nullptr && !options_.skip_bias_add;
   ops::linear_backward(nullptr, &weight_->grad, with_bias ? &bias_->grad : nullptr, dy_TO, &saved.input_TI,

@@ -48,6 +48,9 @@ class ColumnParallelLinear {
 
   // x_TI (this rank's rows) -> y_TO [all tokens, O/TP].
   Tensor forward(const Tensor& x_TI, LinearActivations& saved) const;
+  // The output again from the input `saved` kept (recomputation: no communication; under FP8 delayed scaling inside
+  // a replaying ops::ScopedDelayedScales, the forward's scales).
+  Tensor forward_saved(const LinearActivations& saved) const;
   // dx_TI (this rank's rows) += d(y)/d(x)^T dy_TO; weight and bias gradients accumulate.
   void backward(Tensor& dx_TI, const Tensor& dy_TO, const LinearActivations& saved) const;
   // Weight and bias gradients only (a caller that computes the data gradient itself).

@@ -72,6 +72,39 @@ TokenRows layer_rows(const LayerDropout& dropout, const int64_t T) {
   return dropout.rows.count() == 0 ? TokenRows::contiguous(0, T) : dropout.rows;
 }
 
+// The saved tensors a norm output may also be kept as (the linear layers that take it: their input as the GEMM saw
+// it, the norm output itself without sequence parallelism).
+std::vector<Tensor*> ln1_consumers(LayerActivations& a) {
+  return {&a.attention.qkv.input_TI, &a.mla_attention.q_down.input_TI, &a.mla_attention.q_up.input_TI,
+          &a.mla_attention.kv_down.input_TI};
+}
+
+std::vector<Tensor*> ln2_consumers(LayerActivations& a) {
+  return {&a.mlp.fc1.input_TI, &a.moe.shared.mlp.fc1.input_TI};
+}
+
+// Frees a norm output and every saved tensor that is the same view of it; returns which consumers were.
+uint8_t drop_with_aliases(Tensor& out_TH, const std::vector<Tensor*>& consumers) {
+  uint8_t aliases = 0;
+  for (size_t i = 0; i < consumers.size(); ++i) {
+    Tensor& slot = *consumers[i];
+    if (!slot.shares_storage(out_TH)) continue;
+    if (slot.data<float>() != out_TH.data<float>() || slot.numel() != out_TH.numel()) {
+      throw std::logic_error("layernorm recompute: a saved tensor is part of a norm output");
+    }
+    slot = Tensor();
+    aliases = static_cast<uint8_t>(aliases | (1U << i));
+  }
+  out_TH = Tensor();
+  return aliases;
+}
+
+void restore_aliases(const uint8_t aliases, const std::vector<Tensor*>& consumers, const Tensor& out_TH) {
+  for (size_t i = 0; i < consumers.size(); ++i) {
+    if ((aliases >> i) & 1U) *consumers[i] = out_TH;
+  }
+}
+
 }  // namespace
 
 TransformerLayer::TransformerLayer(const ModelConfig& config, const int64_t index, ParamStore& params,
@@ -134,6 +167,7 @@ Tensor TransformerLayer::moe_forward(const Tensor& x_TH, const int64_t S, const 
   const TensorParallel moe_tp = tp_.sequence_sharded_always();
   const int64_t T = S * B;
   const Tensor x_shard = tp_.to_sequence_shard(x_TH);
+  if (dropout.recompute) return tp_.from_sequence_shard(moe_->recompute(x_shard, saved, true));
   const Tensor out_shard = moe_->forward(x_shard, S / tp_.size(), B,
                                          layer_rows(dropout, T).slice(moe_tp.row_offset(T), moe_tp.local_rows(T)),
                                          dropout.training, dropout.seed, dropout.stream * 4 + kMoeRouterJitter, saved);
@@ -157,6 +191,12 @@ Tensor TransformerLayer::forward(const Tensor& x_TH, const int64_t S, const int6
   // FP8 / FP4: the linear layers and experts quantize (Megatron's get_fp8_context around each layer); the router
   // opens its own unquantized scope.
   const ops::ScopedLinearQuantization quantization(config_.layer_quantization(index_));
+  if (dropout.training && !dropout.recompute && logs_delayed_scales()) {
+    a.delayed_scales = std::make_unique<ops::DelayedScalesLog>();
+  }
+  const ops::ScopedDelayedScales delayed_scales(a.delayed_scales.get(), dropout.recompute
+                                                                            ? ops::ScopedDelayedScales::Mode::kReplay
+                                                                            : ops::ScopedDelayedScales::Mode::kRecord);
   a.x_TH = x_TH;
   a.ln1_TH = activation_tensor(x_TH.shape());
   a.ln1_stats = ln1_.forward(a.ln1_TH, x_TH);
@@ -178,15 +218,104 @@ Tensor TransformerLayer::forward(const Tensor& x_TH, const int64_t S, const int6
     const trace::Scope scope(moe_ ? "moe layer forward" : "mlp forward", "forward");
     mlp_out_TH = moe_ ? moe_forward(a.ln2_TH, S, B, dropout, a.moe) : mlp_.forward(a.ln2_TH, nullptr, a.mlp);
   }
-  return dropout_add(mlp_out_TH, a.x_mid_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterMlp), rows);
+  Tensor out_TH = dropout_add(mlp_out_TH, a.x_mid_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterMlp), rows);
+  if (dropout.training && !dropout.recompute) drop_selected(a);
+  return out_TH;
+}
+
+bool TransformerLayer::logs_delayed_scales() const {
+  const quant::QuantizedLinearConfig* q = config_.layer_quantization(index_);
+  return q != nullptr && q->recipe == quant::Recipe::kDelayed &&
+         config_.recompute.granularity != RecomputeConfig::Granularity::kNone;
+}
+
+void TransformerLayer::drop_selected(LayerActivations& a) const {
+  const RecomputeConfig& r = config_.recompute;
+  if (r.granularity != RecomputeConfig::Granularity::kSelective) return;
+  if (r.has("core_attn")) {
+    if (config_.mla) {
+      MLASelfAttention::drop_core_attention(a.mla_attention);
+    } else {
+      SelfAttention::drop_core_attention(a.attention);
+    }
+  }
+  if (config_.mla && r.has("mla_up_proj")) MLASelfAttention::drop_up_proj(a.mla_attention);
+  if (r.has("layernorm")) {
+    a.ln1_aliases = drop_with_aliases(a.ln1_TH, ln1_consumers(a));
+    a.ln2_aliases = drop_with_aliases(a.ln2_TH, ln2_consumers(a));
+  }
+  if (!moe_) {
+    if (r.has("mlp")) a.mlp = MLPActivations{};
+    return;
+  }
+  if (r.has("moe")) {
+    MoELayer::drop_for_recompute(a.moe);
+    return;
+  }
+  if (r.has("shared_experts") && moe_->has_shared_experts()) a.moe.shared = SharedExpertActivations{};
+  if (r.has("moe_act")) moe_->drop_expert_activation(a.moe);
+}
+
+void TransformerLayer::recompute_mlp_branch(LayerActivations& a) const {
+  const RecomputeConfig& r = config_.recompute;
+  if (r.granularity != RecomputeConfig::Granularity::kSelective) return;
+  if (r.has("layernorm")) {
+    const trace::Scope scope("pre_mlp_layernorm recompute", "backward");
+    a.ln2_TH = activation_tensor(a.x_mid_TH.shape());
+    ln2_.forward(a.ln2_TH, a.x_mid_TH);
+    restore_aliases(a.ln2_aliases, ln2_consumers(a), a.ln2_TH);
+  }
+  if (!moe_) {
+    if (r.has("mlp")) {
+      const trace::Scope scope("mlp recompute", "backward");
+      mlp_.forward(a.ln2_TH, nullptr, a.mlp);
+    }
+    return;
+  }
+  const Tensor x_shard = tp_.to_sequence_shard(a.ln2_TH);
+  if (r.has("moe")) {
+    moe_->recompute(x_shard, a.moe, false);
+    return;
+  }
+  if (r.has("shared_experts") && moe_->has_shared_experts()) moe_->recompute_shared(x_shard, a.moe);
+  if (r.has("moe_act")) moe_->recompute_expert_activation(a.moe);
+}
+
+void TransformerLayer::recompute_attention_branch(LayerActivations& a, const int64_t S, const int64_t B,
+                                                  const LayerDropout& dropout, const SequenceInfo& sequence) const {
+  const RecomputeConfig& r = config_.recompute;
+  if (r.granularity != RecomputeConfig::Granularity::kSelective) return;
+  const trace::Scope scope("attention recompute", "backward");
+  if (r.has("layernorm")) {
+    a.ln1_TH = activation_tensor(a.x_TH.shape());
+    ln1_.forward(a.ln1_TH, a.x_TH);
+    restore_aliases(a.ln1_aliases, ln1_consumers(a), a.ln1_TH);
+  }
+  const ops::DropoutSpec probs = dropout_spec(dropout, config_.attention_dropout, kAttentionProbs);
+  if (config_.mla) {
+    if (r.has("mla_up_proj")) mla_.recompute_up_proj(a.mla_attention, S, B, sequence);
+    if (r.has("core_attn")) mla_.recompute_core_attention(a.mla_attention, S, B, probs, sequence);
+  } else if (r.has("core_attn")) {
+    attention_.recompute_core_attention(a.attention, S, B, probs, sequence);
+  }
+}
+
+void TransformerLayer::drop_for_full_recompute(LayerActivations& a) {
+  LayerActivations kept;
+  MoELayer::drop_for_recompute(a.moe);
+  kept.moe = std::move(a.moe);
+  kept.delayed_scales = std::move(a.delayed_scales);
+  a = std::move(kept);
 }
 
 void TransformerLayer::backward(Tensor& dx_TH, const Tensor& dout_TH, const int64_t S, const int64_t B,
-                                const LayerDropout& dropout, const double aux_grad_scale,
-                                const LayerActivations& a) const {
+                                const LayerDropout& dropout, const double aux_grad_scale, LayerActivations& a) const {
   const int64_t T = S * B;
   const TokenRows rows = layer_rows(dropout, T).slice(tp_.row_offset(T), tp_.local_rows(T));
   const ops::ScopedLinearQuantization quantization(config_.layer_quantization(index_));
+  const ops::ScopedDelayedScales delayed_scales(a.delayed_scales.get(), ops::ScopedDelayedScales::Mode::kReplay);
+  SequenceInfo plain;
+  const SequenceInfo& sequence = sequence_of(dropout, S, B, plain);
 
   // MLP branch: out = x_mid + dropout(mlp(ln2(x_mid))).
   const ActivationOwnerScope owner(mlp_owner());
@@ -194,6 +323,7 @@ void TransformerLayer::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
   Tensor dmlp_TH = activation_tensor(dout_TH.shape());
   dropout_rows_backward(dmlp_TH, dout_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterMlp), rows);
   Tensor dln2_TH = activation_tensor(dout_TH.shape());
+  recompute_mlp_branch(a);
   {
     const trace::Scope scope(moe_ ? "moe layer backward" : "mlp backward", "backward");
     if (moe_) {
@@ -213,14 +343,14 @@ void TransformerLayer::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
   dropout_rows_backward(dattn_TH, dx_mid_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterAttention), rows);
   dx_mid_TH = Tensor();
   Tensor dln1_TH = activation_tensor(dout_TH.shape());
+  recompute_attention_branch(a, S, B, dropout, sequence);
   {
     const trace::Scope scope("attention backward", "backward");
-    SequenceInfo plain;
     const ops::DropoutSpec probs = dropout_spec(dropout, config_.attention_dropout, kAttentionProbs);
     if (config_.mla) {
-      mla_.backward(dln1_TH, dattn_TH, S, B, probs, a.mla_attention, sequence_of(dropout, S, B, plain));
+      mla_.backward(dln1_TH, dattn_TH, S, B, probs, a.mla_attention, sequence);
     } else {
-      attention_.backward(dln1_TH, dattn_TH, S, B, probs, a.attention, sequence_of(dropout, S, B, plain));
+      attention_.backward(dln1_TH, dattn_TH, S, B, probs, a.attention, sequence);
     }
   }
   dattn_TH = Tensor();

@@ -22,6 +22,7 @@
 #include "moecore/model/tensor_parallel.h"
 #include "moecore/model/token_rows.h"
 #include "moecore/moe/moe_layer.h"
+#include "moecore/ops/delayed_scales_replay.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/tensor/tensor.h"
 
@@ -35,6 +36,9 @@ struct LayerDropout {
   // micro-batch; empty: rows 0..S*B-1. Counter-RNG draws are keyed by the one-process element.
   TokenRows rows;
   const SequenceInfo* sequence = nullptr;  // positions, documents and the CP split (null: one plain sequence)
+  // Full recomputation's second forward of the layer (training): the same numbers, no side effects (the MoE router's
+  // counts), under FP8 delayed scaling the scales the first forward logged.
+  bool recompute = false;
 };
 
 // What one layer's backward needs from its forward.
@@ -49,6 +53,10 @@ struct LayerActivations {
   NormStats ln2_stats;
   MLPActivations mlp;       // dense layers
   MoELayerActivations moe;  // MoE layers
+  // Recomputation: which saved tensors the dropped norm outputs were also kept as (restored with them), and under FP8
+  // delayed scaling the scales this forward's linear layers used (replayed by the recompute).
+  uint8_t ln1_aliases = 0, ln2_aliases = 0;
+  std::unique_ptr<ops::DelayedScalesLog> delayed_scales;
 };
 
 // Where a layer's parameters live: a decoder layer's are named "decoder.layers.{index}." and completed by backward
@@ -74,9 +82,13 @@ class TransformerLayer {
   // on MoE layers). Fills `saved` when dropout.training (backward will follow).
   Tensor forward(const Tensor& x_TH, int64_t S, int64_t B, const LayerDropout& dropout, LayerActivations& saved) const;
   // dx_TH += d(out)/d(x)^T dout_TH; parameter gradients accumulate. aux_grad_scale: the factor MoE auxiliary losses
-  // carry into the gradient (the micro-batch's loss scale).
+  // carry into the gradient (the micro-batch's loss scale). First recomputes what --recompute-modules dropped (each
+  // branch just before its backward).
   void backward(Tensor& dx_TH, const Tensor& dout_TH, int64_t S, int64_t B, const LayerDropout& dropout,
-                double aux_grad_scale, const LayerActivations& saved) const;
+                double aux_grad_scale, LayerActivations& saved) const;
+  // Full recomputation: frees everything a training forward kept but what its recompute (forward with
+  // dropout.recompute) needs besides the input: the MoE router's keys and aux-loss gradient, the FP8 delayed scales.
+  static void drop_for_full_recompute(LayerActivations& saved);
   // Incremental decoding (inference, one process, one sequence): the forward of the new tokens x_TH [T, H] at
   // `positions`, attending the positions `cache` holds up to each one's own (attention's forward_decode).
   Tensor forward_decode(const Tensor& x_TH, std::span<const int64_t> positions, LayerKvCache& cache) const;
@@ -90,6 +102,14 @@ class TransformerLayer {
 
   Tensor moe_forward(const Tensor& x_TH, int64_t S, int64_t B, const LayerDropout& dropout,
                      MoELayerActivations& saved) const;
+  // Selective recomputation (--recompute-modules): what a training forward drops, and its recompute before the MLP /
+  // MoE branch's backward and before the attention branch's.
+  void drop_selected(LayerActivations& saved) const;
+  void recompute_mlp_branch(LayerActivations& saved) const;
+  void recompute_attention_branch(LayerActivations& saved, int64_t S, int64_t B, const LayerDropout& dropout,
+                                  const SequenceInfo& sequence) const;
+  // Whether this layer's forward logs its FP8 delayed scales for a recompute.
+  bool logs_delayed_scales() const;
   void moe_backward(Tensor& dx_TH, const Tensor& dout_TH, const Tensor& x_TH, int64_t S, int64_t B,
                     double aux_grad_scale, const MoELayerActivations& saved) const;
 

@@ -29,7 +29,10 @@ struct ExpertActivations {
   Tensor fc1_RF1;  // GroupedMLP: fc1 output of every row
   Tensor act_RF;   // GroupedMLP: activation output, before the probability (not with weighted SwiGLU)
   Tensor h_RF;     // GroupedMLP with SwiGLU and the probability after it: fc2's input swiglu(fc1) * p
-  Tensor probs_R;
+  Tensor probs_R;  // the probabilities the MLPs apply: the router's, or ones without memory-efficient permutation
+  // --no-moe-memory-efficient-permutation: the router's probabilities, applied to the output, and the output before
+  // them (for their gradient).
+  Tensor output_probs_R, y_RH;
   std::vector<int64_t> tokens_per_expert_E;
   std::vector<MLPActivations> per_expert;  // SequentialMLP: each expert's MLP activations
   // GroupedMLP under FP8 delayed scaling: the scales each expert's fc1 / fc2 forward quantized with.
@@ -46,6 +49,11 @@ class ExpertMLP {
   // Accumulates dx_RH [R, H] and the expert parameters' gradients; OVERWRITES dprobs_R [R] (d objective / d prob
   // per row).
   virtual void backward(Tensor& dx_RH, Tensor& dprobs_R, const Tensor& dy_RH, const ExpertActivations& saved) = 0;
+  // --recompute-modules moe_act (Megatron's, grouped experts only): drop_activation frees fc2's input (the
+  // activation output) once forward is done; recompute_activation rebuilds it from the kept fc1 output before
+  // backward. std::logic_error where the experts do not support it.
+  virtual void drop_activation(ExpertActivations& saved) const;
+  virtual void recompute_activation(ExpertActivations& saved) const;
 };
 
 // --moe-grouped-gemm: GroupedMLP (all local experts in one grouped GEMM over variable row counts),

@@ -193,6 +193,22 @@ class GroupedMLP final : public ExpertMLPBase {
     }
   }
 
+  // fc2's input: h = swiglu(fc1) * p with weighted SwiGLU, else the activation output (the probability, when
+  // applied after it, is recomputed per tile in backward anyway).
+  void drop_activation(ExpertActivations &saved) const override {
+    (weighted_swiglu() ? saved.h_RF : saved.act_RF) = Tensor();
+  }
+  void recompute_activation(ExpertActivations &saved) const override {
+    const int64_t R = saved.fc1_RF1.dim(0);
+    if (weighted_swiglu()) {
+      saved.h_RF = activation_tensor({R, F_});
+      ops::weighted_swiglu_forward(saved.h_RF, saved.fc1_RF1, saved.probs_R);
+      return;
+    }
+    saved.act_RF = activation_tensor({R, F_});
+    mlp_activation_forward(activation_, saved.act_RF, saved.act_RF, saved.fc1_RF1, nullptr);
+  }
+
   void run_backward(const std::vector<int64_t> &offsets_E1, Tensor &dx_RH, Tensor &dprobs_R, const Tensor &dy_RH,
                     const ExpertActivations &saved) const override {
     if (ops::grouped_mlp_fused(dy_RH.device())) {

@@ -149,6 +149,63 @@ Tensor MoELayer::backward(const Tensor& dout_TH, const Tensor& x_TH, const doubl
   return dx_TH;
 }
 
+void MoELayer::drop_for_recompute(MoELayerActivations& saved) {
+  TopKRouter::drop_for_recompute(saved.router);
+  saved.routing.probs_TE = saved.routing.routing_map_TE = Tensor();
+  saved.dispatch = DispatchState{};
+  saved.experts = ExpertActivations{};
+  saved.shared = SharedExpertActivations{};
+}
+
+Tensor MoELayer::recompute(const Tensor& x_TH, MoELayerActivations& saved, const bool with_output) const {
+  const int64_t T = saved.router.S * saved.router.B, H = config_.hidden_size;
+  const Tensor x = x_TH.view({T, H});
+  {
+    const trace::Scope scope("router recompute", "moe");
+    RouterOutput routing = router_->recompute(x, saved.router);
+    routing.load_balancing_losses = std::move(saved.routing.load_balancing_losses);
+    routing.z_loss = saved.routing.z_loss;
+    saved.routing = std::move(routing);
+  }
+  RouterOutput padded;
+  if (config_.moe.router_padding_multiple > 0) {
+    padded = padded_routing(saved.routing, T, config_.moe.num_experts, config_.moe.router_padding_multiple);
+  }
+  const RouterOutput& dispatched = config_.moe.router_padding_multiple > 0 ? padded : saved.routing;
+  Tensor x_RH;
+  {
+    const trace::Scope scope("dispatch recompute", "moe");
+    x_RH = dispatcher_->dispatch(x, dispatched, saved.dispatch);
+  }
+  Tensor y_RH;
+  {
+    const trace::Scope scope("experts recompute", "moe");
+    y_RH = experts_->forward(x_RH, saved.dispatch.probs_R, saved.dispatch.tokens_per_expert_E, saved.experts);
+  }
+  x_RH = Tensor();
+  if (!with_output) {
+    if (shared_) recompute_shared(x_TH, saved);
+    return Tensor();
+  }
+  Tensor out_TH = activation_tensor({T, H});
+  {
+    const trace::Scope scope("combine", "moe");
+    dispatcher_->combine(out_TH, y_RH, saved.dispatch);
+  }
+  if (shared_) {
+    const trace::Scope scope("shared experts recompute", "moe");
+    shared_->forward(out_TH, x, saved.shared);
+  }
+  return out_TH;
+}
+
+void MoELayer::recompute_shared(const Tensor& x_TH, MoELayerActivations& saved) const {
+  const int64_t T = saved.router.S * saved.router.B, H = config_.hidden_size;
+  const trace::Scope scope("shared experts recompute", "moe");
+  Tensor unused_TH = Tensor::zeros({T, H}, DType::kF32, MemCategory::kActivations);
+  shared_->forward(unused_TH, x_TH.view({T, H}), saved.shared);
+}
+
 void MoELayer::finish_global_batch() { router_->finish_global_batch(); }
 
 }  // namespace moecore

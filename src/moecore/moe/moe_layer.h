@@ -44,6 +44,21 @@ class MoELayer {
   // TopKRouter::backward.
   Tensor backward(const Tensor& dout_TH, const Tensor& x_TH, double aux_grad_scale,
                   const MoELayerActivations& saved) const;
+  // Recomputation (Megatron's --recompute-modules moe / shared_experts / moe_act, and full recompute). The layer's
+  // input x_TH is kept by the caller.
+  //   whole layer: drop_for_recompute frees every tensor of `saved` but the router's RNG keys and aux-loss gradient
+  //     (and the routing's logged counts and losses); recompute() rebuilds them from x_TH without the forward's side
+  //     effects (the router's expert-bias and global-aux counts); the layer's output too with `with_output` (full
+  //     recompute: the next layer's input), else no combine. Collective as forward.
+  //   shared experts: the same for saved.shared alone.
+  //   expert activation: the experts' fc2 input (ExpertMLP::drop_activation / recompute_activation).
+  static void drop_for_recompute(MoELayerActivations& saved);
+  Tensor recompute(const Tensor& x_TH, MoELayerActivations& saved, bool with_output) const;
+  void recompute_shared(const Tensor& x_TH, MoELayerActivations& saved) const;
+  void drop_expert_activation(MoELayerActivations& saved) const { experts_->drop_activation(saved.experts); }
+  void recompute_expert_activation(MoELayerActivations& saved) const { experts_->recompute_activation(saved.experts); }
+  bool has_shared_experts() const { return shared_ != nullptr; }
+
   // Once per global batch, after the optimizer step: expert-bias update and global aux-loss reset.
   void finish_global_batch();
 

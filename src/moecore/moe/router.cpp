@@ -181,6 +181,38 @@ RouterOutput TopKRouter::forward(const Tensor& x_TH, const int64_t S, const int6
   return out;
 }
 
+RouterOutput TopKRouter::recompute(const Tensor& x_TH, RouterActivations& saved) const {
+  const ops::ScopedActivationDType router_precision(DType::kF32);
+  const ops::ScopedLinearQuantization router_unquantized(nullptr);
+  const int64_t T = saved.S * saved.B, E = config_.num_experts;
+  if (!x_TH.defined() || x_TH.dtype() != DType::kF32 || x_TH.numel() != T * hidden_) {
+    throw std::invalid_argument("router recompute: the input must be fp32 [" + std::to_string(T) + ", " +
+                                std::to_string(hidden_) + "]");
+  }
+  jittered_input(saved, x_TH);
+  compute_logits(saved);
+  const Tensor probs_TK = route_tokens(saved, saved.training);
+  RouterOutput out;
+  apply_capacity(out, saved, probs_TK);
+  out.load_balancing_losses.assign(config_.load_balancing_types.size(), 0.0);
+  if (!saved.training) return out;
+  const Tensor logits64_TE = as_dtype(saved.logits_TE, DType::kF64);
+  if (aux_losses_on(config_)) {
+    saved.aux_scores_TE = Tensor({T, E}, DType::kF64, MemCategory::kActivations);
+    Tensor aux_TK({T, config_.topk}, DType::kI32, MemCategory::kActivations);
+    ops::aux_scores_forward(saved.aux_scores_TE, aux_TK, logits64_TE, routing_score(config_.score_function), true);
+  }
+  if (config_.z_loss_coeff > 0) {
+    saved.lse_T = Tensor({T}, DType::kF64, MemCategory::kActivations);
+    ops::z_loss_forward(saved.lse_T, logits64_TE, 1.0 / static_cast<double>(tp_cp_.size()));
+  }
+  return out;
+}
+
+void TopKRouter::drop_for_recompute(RouterActivations& saved) {
+  saved.input_TH = saved.logits_TE = saved.selected_TK = saved.aux_scores_TE = saved.lse_T = Tensor();
+}
+
 // Megatron's TopKRouter.apply_input_jitter: input * Uniform(1 - eps, 1 + eps), in training and in evaluation.
 void TopKRouter::jittered_input(RouterActivations& saved, const Tensor& x_TH) const {
   const int64_t T = saved.S * saved.B, H = hidden_;

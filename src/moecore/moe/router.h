@@ -79,6 +79,14 @@ class TopKRouter {
   RouterOutput forward(const Tensor& x_TH, int64_t S, int64_t B, bool training, uint64_t seed, uint64_t jitter_key,
                        RouterActivations& saved, const TokenRows& rows = TokenRows());
 
+  // Recomputation (--recompute-modules moe, full recompute): the routing of `saved`'s training forward again from the
+  // same input, after drop_for_recompute(saved), with the tensors backward needs, and without the forward's side
+  // effects (no expert-bias or global-aux counts; the aux losses' gradient is the one the forward formed). The
+  // returned losses are zeros: the forward logged them.
+  RouterOutput recompute(const Tensor& x_TH, RouterActivations& saved) const;
+  // Frees what recompute() rebuilds; keeps the sizes, RNG keys and the aux losses' gradient.
+  static void drop_for_recompute(RouterActivations& saved);
+
   // dprobs_TE: fp32 [T, E], d(objective)/d(probs_TE) from the experts (zero where not routed). aux_grad_scale: the
   // factor the auxiliary and z losses carry into the objective's gradient (Megatron: loss_scale * cp /
   // num_microbatches; here 1 / num_microbatches). `routing` is what forward returned with `saved`. Accumulates into

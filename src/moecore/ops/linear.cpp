@@ -12,6 +12,7 @@
 
 #include "moecore/kernels/cpu/convert.h"
 #include "moecore/kernels/cpu/gemm_lowp.h"
+#include "moecore/ops/delayed_scales_replay.h"
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/precision.h"
 #include "moecore/ops/quantization.h"
@@ -192,8 +193,17 @@ void linear_forward_quantized(Tensor& out_TO, const Tensor& inp_TI, const Tensor
   quant::QuantizedLinearConfig config = base_config;
   if (config.recipe == quant::Recipe::kDelayed) {
     if (delayed == nullptr) detail::fail(op, "FP8 delayed scaling needs the layer's scaling state");
-    config.x = delayed->input();
-    config.w = delayed->weight_for_forward();
+    ScopedDelayedScales::Mode mode{};
+    DelayedScalesLog* log = delayed_scales_log(&mode);
+    if (log != nullptr && mode == ScopedDelayedScales::Mode::kReplay) {
+      const quant::DelayedForwardScales scales = log->take(delayed);
+      config.x = {scales.input, nullptr};
+      config.w = {scales.weight, nullptr};
+    } else {
+      config.x = delayed->input();
+      config.w = delayed->weight_for_forward();
+      if (log != nullptr) log->record(delayed, {config.x.scale, config.w.scale});
+    }
     if (forward_scales != nullptr) *forward_scales = {config.x.scale, config.w.scale};
     // A forward without rows (an expert without tokens) still casts the weight in TE, recording its amax.
     if (T == 0 && config.w.amax != nullptr) {

@@ -113,9 +113,19 @@ struct Tokens {
   double r = 0;   // rows reaching this rank's local experts (dropless, balanced routing)
 };
 
-double attention_saved(const Shape& s, const Layout& l, const Tokens& x) {
+// Recomputation (model/transformer_layer.cpp): what the selected modules drop from a layer's saved tensors.
+double attention_dropped(const Shape& s, const Layout& l, const Tokens& x, const Recompute& r) {
+  const double nl = s.n / l.tp();
+  double dropped = 0;
+  if (r.has("core_attn")) dropped += x.t * nl;  // the log-sum-exp
+  if (r.has("layernorm")) dropped += x.ta * s.h;
+  if (s.mla && r.has("mla_up_proj")) dropped += x.t * nl * (2 * s.dqk + s.dv) - x.t * s.dr;  // q, k, v; rope key kept
+  return dropped;
+}
+
+double attention_saved(const Shape& s, const Layout& l, const Tokens& x, const Recompute& r) {
   const double nl = s.n / l.tp(), gl = s.g / l.tp();
-  double a = x.ta * (s.h + s.nrm);  // input norm output + stats
+  double a = x.ta * (s.h + s.nrm) - attention_dropped(s, l, x, r);  // input norm output + stats
   if (s.mla) {
     // The up projections keep their (all-gathered) normed latents, the norms their inputs and statistics; the core
     // attention q, k (dq + dr wide), v and its output (dv wide), the log-sum-exp.
@@ -134,13 +144,22 @@ double attention_saved(const Shape& s, const Layout& l, const Tokens& x) {
   return a;
 }
 
-double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool moe) {
+double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool moe, const Recompute& r) {
   double a = x.ta * (s.h + s.nrm) + x.ta * s.h;  // pre-MLP norm output + stats, layer output
-  if (!moe) return a + (l.sp ? x.t * s.h : 0) + x.t * s.glu * s.f / l.tp() + x.t * s.f / l.tp();
+  if (r.has("layernorm")) a -= x.ta * s.h;
+  if (!moe) {
+    if (r.has("mlp")) return a;
+    return a + (l.sp ? x.t * s.h : 0) + x.t * s.glu * s.f / l.tp() + x.t * s.f / l.tp();
+  }
+  if (r.has("moe")) return a;
   const double fml = s.fm / l.etp();
   a += x.tm * s.h + x.tm * s.experts;        // router input copy, probs
   a += x.r * (s.h + 1 + s.glu * fml + fml);  // dispatched rows + probs, fc1 output, fc2 input
-  if (s.sh > 0) {
+  if (r.has("moe_act")) a -= x.r * fml;
+  // Without memory-efficient permutation the experts keep their output before the probability, and ones for their
+  // own probabilities.
+  if (!s.config.moe.memory_efficient_permutation) a += x.r * (s.h + 1);
+  if (s.sh > 0 && !r.has("shared_experts")) {
     a += (l.tp() > 1 ? x.t * s.h : 0) + x.t * s.glu * s.sh / l.tp() + x.t * s.sh / l.tp();
     if (s.config.moe.shared_expert_gate) a += x.tm + x.tm * s.h;
   }
@@ -151,6 +170,7 @@ double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool mo
 double backward_transient(const Shape& s, const Layout& l, const Tokens& x, const bool moe) {
   if (moe) {
     double t = 3 * x.ta * s.h + x.tm * s.h + 2 * x.r * s.h + x.r * s.glu * s.fm / l.etp();
+    if (!s.config.moe.memory_efficient_permutation) t += x.r * s.h;  // the gradient of the output before p
     if (l.tp() > 1 && !l.sp) t += 2 * x.tm * s.h;
     return t;
   }
@@ -195,6 +215,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
   x.tm = l.tp() > 1 ? x.t / l.tp() : x.t;
   x.r = l.etp() * x.tm * s.k;
 
+  const Recompute& rc = args.recompute;
   const bool low_precision = c.params_dtype != DType::kF32;
   const bool distopt = t.use_distributed_optimizer;
   const bool pa = t.use_precision_aware_optimizer;
@@ -280,29 +301,60 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
                                                                 .group = t.microbatch_group_size_per_vp_stage}) +
                                                1,
                                            checked_mul(microbatches, vpp, "virtual micro-batches"));
-    // The largest context of one chunk: its input, its layers' saved tensors, less the output sent on.
-    Owners context;
+    // The largest context of one chunk: its input, its layers' saved tensors, less the output sent on; with full
+    // recomputation also the largest checkpoint, whose activations its backward rebuilds (`rerun`).
+    Owners context, context_rerun;
     for (int v = 0; v < vpp; ++v) {
       const PipelineStage& chunk = pipeline.stage(r, v);
-      Owners o;
+      Owners o, rerun, checkpoint;
       (chunk.has_embedding ? o.embedding : o.other) += x.ta * s.h;
       for (int64_t layer = chunk.first_layer; layer < chunk.end_layer(); ++layer) {
         const bool moe = c.moe.is_moe_layer(layer);
-        o.attention += attention_saved(s, l, x);
-        (moe ? o.moe : o.mlp) += ffn_saved(s, l, x, moe);
+        const int64_t index = layer - chunk.first_layer, n = chunk.num_layers;
+        const double attention = attention_saved(s, l, x, rc), ffn = ffn_saved(s, l, x, moe, rc);
+        if (!rc.checkpointed(index)) {
+          o.attention += attention;
+          (moe ? o.moe : o.mlp) += ffn;
+          continue;
+        }
+        // A checkpointed layer keeps nothing; its output survives as the next checkpoint's (or the next layer's)
+        // input, or as the chunk's output.
+        if (index + 1 == n || !rc.checkpointed(index + 1) || rc.checkpoint_begin(index + 1) == index + 1) {
+          (moe ? o.moe : o.mlp) += x.ta * s.h;
+        }
+        checkpoint.attention += attention;
+        (moe ? checkpoint.moe : checkpoint.mlp) += ffn;
+        if (rc.checkpoint_end(index, n) == index + 1) {
+          if (checkpoint.total() > rerun.total()) rerun = checkpoint;
+          checkpoint = Owners{};
+        }
       }
       const auto mtp_here = mtp_at.find(static_cast<int64_t>(v) * pp + r);
       const int64_t chunk_mtp = mtp_here == mtp_at.end() ? 0 : mtp_here->second;
       for (int64_t k = 0; k < chunk_mtp; ++k) {
         // Per depth: the embedding, the previous hidden state, the layer's output, the loss's input gradient, the
-        // norms' statistics, eh_proj's (gathered) input [2H], and the layer's own saved tensors.
-        o.output += x.ta * (4 * s.h + 3 * s.nrm) + (l.sp ? x.t : x.ta) * 2 * s.h;
-        o.attention += attention_saved(s, l, x);
-        (last_moe ? o.moe : o.mlp) += ffn_saved(s, l, x, last_moe);
+        // norms' statistics, eh_proj's (gathered) input [2H], and the layer's own saved tensors (full
+        // recomputation: a checkpoint of the projection and the layer).
+        o.output += x.ta * (4 * s.h + 3 * s.nrm);
+        Owners depth;
+        depth.output = (l.sp ? x.t : x.ta) * 2 * s.h;
+        depth.attention = attention_saved(s, l, x, rc);
+        (last_moe ? depth.moe : depth.mlp) = ffn_saved(s, l, x, last_moe, rc);
+        if (!rc.full()) {
+          o.output += depth.output;
+          o.attention += depth.attention;
+          o.moe += depth.moe;
+          o.mlp += depth.mlp;
+        } else if (depth.total() > rerun.total()) {
+          rerun = depth;
+        }
       }
       if (chunk_mtp > 0) o.output += vocab_local * s.h;  // the depths' output-layer weight gradient
       if (!(last && vpp == 1)) o.other -= x.ta * s.h;
-      if (o.total() > context.total()) context = o;
+      if (o.total() > context.total()) {
+        context = o;
+        context_rerun = rerun;
+      }
     }
     Owners backward;
     backward.output = static_cast<double>(live) * context.output;
@@ -313,7 +365,15 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     backward.other = static_cast<double>(live) * context.other;
     if (last_layer_moe) {
       (*last_layer_moe ? backward.moe : backward.mlp) += backward_transient(s, l, x, *last_layer_moe);
+      // Selective recomputation rebuilds what the first layer to run backward dropped, before its backward.
+      const Recompute none;
+      (*last_layer_moe ? backward.moe : backward.mlp) +=
+          ffn_saved(s, l, x, *last_layer_moe, none) - ffn_saved(s, l, x, *last_layer_moe, rc);
     }
+    backward.output += context_rerun.output;
+    backward.attention += context_rerun.attention;
+    backward.mlp += context_rerun.mlp;
+    backward.moe += context_rerun.moe;
     backward.other += x.ta * s.h;  // dprev
     if (last) {
       backward.output += x.ta * s.h + x.ta * (s.h + s.nrm);  // the output's dx, the final norm's saved output

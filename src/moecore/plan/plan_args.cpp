@@ -41,10 +41,6 @@ struct Parser {
   std::string tokenizer;
   std::optional<int64_t> mtp;
   bool mla_on = false;
-  std::optional<std::string> granularity, method;
-  std::optional<int64_t> recompute_layers;
-  std::optional<std::vector<std::string>> modules;
-  bool recompute_activations = false;
   bool in_hf_config = false;  // parsing the flags of --hf-config
   std::optional<std::string> gpu;
   std::vector<FlagValue> overrides;  // cluster flags, applied over the --gpu preset
@@ -98,24 +94,6 @@ const std::vector<FlagSpec<Parser>>& planner_flag_table() {
        p.mtp = v.integer_in(0, 1 << 16);
        p.rest.insert(p.rest.end(), {std::string(v.flag), v.text()});  // train builds the depths too
      }},
-    {"--recompute-granularity", Arity::kOne, "{full,selective}", "Megatron's activation recomputation",
-     [](Parser& p, const FlagValue& v) { p.granularity = v.choice({"full", "selective"}); }},
-    {"--recompute-method", Arity::kOne, "{uniform,block}", "with --recompute-granularity full",
-     [](Parser& p, const FlagValue& v) { p.method = v.choice({"uniform", "block"}); }},
-    {"--recompute-num-layers", Arity::kOne, "N", "with --recompute-granularity full",
-     [](Parser& p, const FlagValue& v) { p.recompute_layers = v.integer_in(1, 1 << 16); }},
-    {"--recompute-modules", Arity::kList, "M...",
-     "with --recompute-granularity selective: core_attn moe_act layernorm mla_up_proj mlp moe shared_experts",
-     [](Parser& p, const FlagValue& v) {
-       p.modules = v.each([](const FlagValue& one) {
-         return one.choice({"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"});
-       });
-     }},
-    {"--recompute-activations", Arity::kSwitch, "", "--recompute-granularity selective",
-     [](Parser& p, const FlagValue&) { p.recompute_activations = true; }},
-    {"--no-moe-memory-efficient-permutation", Arity::kSwitch, "",
-     "routed experts' probabilities applied at the combine (the fc2 output kept for their gradient)",
-     [](Parser& p, const FlagValue&) { p.out.memory_efficient_permutation = false; }},
     {"--moe-token-dispatcher-type", Arity::kOne, "{allgather,alltoall,flex}", "the dispatcher (flex is modelled as "
      "the all-to-all)",
      [](Parser& p, const FlagValue& v) { p.out.dispatcher = v.choice({"allgather", "alltoall", "flex"}); }},
@@ -201,50 +179,6 @@ void apply_cluster(Parser& p) {
   }
 }
 
-Recompute make_recompute(const Parser& p, const PlanArgs& out) {
-  Recompute r;
-  std::optional<std::string> granularity = p.granularity;
-  if (p.recompute_activations) {
-    require(!granularity || *granularity == "selective",
-            "--recompute-activations sets --recompute-granularity selective; it cannot be combined with full");
-    granularity = "selective";
-  }
-  // Megatron's validate_args / TransformerConfig.__post_init__ checks.
-  if (!granularity) {
-    require(!p.method && !p.recompute_layers,
-            "--recompute-method and --recompute-num-layers require --recompute-granularity full");
-    require(!p.modules, "--recompute-modules requires --recompute-granularity selective");
-    return r;
-  }
-  if (*granularity == "full") {
-    require(p.method.has_value(), "--recompute-granularity full requires --recompute-method (uniform or block)");
-    require(p.recompute_layers.has_value(), "--recompute-granularity full requires --recompute-num-layers");
-    require(!p.modules, "--recompute-modules requires --recompute-granularity selective");
-    r.granularity = Recompute::Granularity::kFull;
-    r.method = *p.method == "uniform" ? Recompute::Method::kUniform : Recompute::Method::kBlock;
-    r.num_layers = *p.recompute_layers;
-    return r;
-  }
-  require(!p.method && !p.recompute_layers,
-          "--recompute-method and --recompute-num-layers must not be set with --recompute-granularity selective");
-  r.granularity = Recompute::Granularity::kSelective;
-  r.modules = p.modules.value_or(std::vector<std::string>{"core_attn"});
-  const MoEConfig& moe = out.train.model.moe;
-  if (r.has("moe_act")) require(moe.grouped_gemm, "--recompute-modules moe_act requires --moe-grouped-gemm");
-  if (r.has("mla_up_proj")) {
-    require(out.model.config.mla.has_value(), "--recompute-modules mla_up_proj requires --multi-latent-attention");
-  }
-  if (r.has("shared_experts")) {
-    require(!moe.shared_expert_overlap,
-            "--recompute-modules shared_experts cannot be combined with --moe-shared-expert-overlap");
-  }
-  if (r.has("moe_act") || r.has("layernorm")) {
-    require(!(out.train.fp8_format && out.train.fp8_recipe.value_or("delayed") == "delayed"),
-            "--recompute-modules moe_act / layernorm cannot be used with the delayed FP8 recipe");
-  }
-  return r;
-}
-
 std::string join_cells(const std::vector<std::string>& cells) {
   std::string text;
   for (size_t i = 0; i < cells.size(); ++i) text += (i ? "|" : "") + cells[i];
@@ -315,10 +249,6 @@ void finish(PlanArgs& out, const LayoutChoice& layout, const std::vector<std::st
 }
 
 }  // namespace
-
-bool Recompute::has(const std::string& module) const {
-  return granularity == Granularity::kSelective && std::find(modules.begin(), modules.end(), module) != modules.end();
-}
 
 std::string LayoutChoice::describe() const {
   return "TP" + std::to_string(tp) + " PP" + std::to_string(pp) + " VPP" + std::to_string(vpp) + " CP" +
@@ -398,7 +328,8 @@ PlanArgs parse_plan_flags(const std::vector<std::string>& args) {
   }
   take("--num-virtual-stages-per-pipeline-rank", layout.vpp);
   finish(out, layout, p.layout_switches, split_values);
-  out.recompute = make_recompute(p, out);
+  out.recompute = out.train.model.recompute;
+  out.memory_efficient_permutation = out.train.model.moe.memory_efficient_permutation;
   if (out.model.config.mla) {
     require(!out.train.group_query_attention,
             "--multi-latent-attention cannot be combined with --group-query-attention");

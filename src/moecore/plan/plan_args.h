@@ -1,6 +1,5 @@
-// `moecore plan` command line: train's model, batch, precision and layout flags (parsed by train's parser, with
-// its checks and messages), Megatron's MLA / MTP / recompute flags, which training does not run yet but the planner
-// counts, and the cluster.
+// `moecore plan` command line: train's model, batch, precision, recompute and layout flags (parsed by train's parser,
+// with its checks and messages), and the cluster.
 //
 // Planner flags (the rest go to train's parser, see config/arguments.h):
 //   --hf-config PATH         the model from a HuggingFace config.json, or the model folder holding it (flags given as
@@ -9,13 +8,6 @@
 //                            multiple of --make-vocab-size-divisible-by x TP. Default 32000.
 //   --multi-latent-attention, --q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim,
 //   --mtp-num-layers         Megatron's flags and defaults
-//   --recompute-granularity {full,selective}, --recompute-method {uniform,block}, --recompute-num-layers N,
-//   --recompute-modules M... (core_attn moe_act layernorm mla_up_proj mlp moe shared_experts),
-//   --recompute-activations  Megatron's flags, validated as Megatron's validate_args / TransformerConfig
-//   --no-moe-memory-efficient-permutation
-//                            the routed experts' probabilities applied after fc2, at the combine (the fc2 output is
-//                            kept for their gradient) instead of between the activation and fc2 (Megatron's and
-//                            moecore's default, the report's memory-efficient permutation)
 //   --moe-token-dispatcher-type {allgather,alltoall,flex}, --overlap-moe-expert-parallel-comm (Megatron's 1F1B
 //                            all-to-all overlap)
 //   --num-gpus N (required), --gpu NAME (default H100), --gpu-memory-gib, --peak-tflops-bf16, --peak-tflops-fp8,
@@ -37,17 +29,8 @@
 
 namespace moecore::plan {
 
-// Megatron's recompute settings (transformer_config.py recompute_*; arguments.py validate_args).
-struct Recompute {
-  enum class Granularity { kNone, kFull, kSelective };
-  enum class Method { kNone, kUniform, kBlock };
-  Granularity granularity = Granularity::kNone;
-  Method method = Method::kNone;
-  int64_t num_layers = 0;            // --recompute-num-layers (full)
-  std::vector<std::string> modules;  // --recompute-modules (selective; default core_attn)
-
-  bool has(const std::string& module) const;
-};
+// Megatron's recompute settings, as train parses and checks them.
+using Recompute = RecomputeConfig;
 
 // The layout flags of one candidate (the search's unit): TP, PP, VPP, CP, EP, ETP.
 struct LayoutChoice {

@@ -98,6 +98,8 @@ class Tensor {
   Tensor to(Device device, MemCategory category = MemCategory::kOther) const;
   void zero_();
   void copy_from(const Tensor& other);  // same dtype and numel
+  // Whether both are views of one storage (a tensor kept under two names holds its bytes once).
+  bool shares_storage(const Tensor& other) const { return storage_ != nullptr && storage_ == other.storage_; }
 
  private:
   friend std::string outside_writes(const Tensor& t);

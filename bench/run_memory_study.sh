@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The memory techniques of the report's memory chapter on moecore itself: a config trains a few iterations in one
+# process (one rank per core, as `moecore plan --gpu cpu` models) without them and with each option, and the table
+# gives the activation and total peak of the training log's memory line, `moecore plan --gpu cpu`'s prediction of
+# both, and the step time next to the baseline's (the recompute cost). Usage:
+#   bench/run_memory_study.sh [BUILD_DIR] [CONFIG] [ITERS]   (defaults: build, deepseek-v3-tiny, 6)
+# Prints a markdown table; run it alone (other load skews the step times).
+set -u
+cd "$(dirname "$0")/.."
+src=$PWD
+bin=${1:-build}/moecore
+config=${2:-deepseek-v3-tiny}
+iters=${3:-6}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mpirun=$(command -v mpirun || true)
+source "$src/tests/e2e/lib/plan_runs.sh"
+
+mapfile -t train_flags < <(config_flags_without "$config" --train-iters --log-interval --eval-interval --eval-iters \
+  --lr-warmup-iters --split)
+mapfile -t model_flags < <(plan_flags "$config")
+# Mock data; a config trained on a corpus (the demo) gets GPT-2's vocabulary size with the null tokenizer.
+train_flags+=(--mock-data)
+if ! grep -q -- '--tokenizer-type' "$src/configs/$config.args"; then
+  train_flags+=(--tokenizer-type NullTokenizer --vocab-size 50256)
+  model_flags+=(--tokenizer-type NullTokenizer --vocab-size 50256)
+fi
+moe=$(grep -c -- '--num-experts' "$src/configs/$config.args")
+mla=$(grep -c -- '--multi-latent-attention' "$src/configs/$config.args")
+shared=$(grep -c -- '--moe-shared-expert-intermediate-size' "$src/configs/$config.args")
+
+sel() { echo "--recompute-granularity selective --recompute-modules $*"; }
+options=("baseline|" "core_attn|$(sel core_attn)" "layernorm|$(sel layernorm)" "mlp|$(sel mlp)")
+[ "$moe" -gt 0 ] && options+=("no memory-efficient permutation|--no-moe-memory-efficient-permutation"
+  "moe_act|$(sel moe_act)" "moe|$(sel moe)")
+[ "$shared" -gt 0 ] && options+=("shared_experts|$(sel shared_experts)")
+[ "$mla" -gt 0 ] && options+=("mla_up_proj|$(sel mla_up_proj)")
+fine="core_attn layernorm mlp"
+[ "$moe" -gt 0 ] && fine+=" moe_act"
+[ "$mla" -gt 0 ] && fine+=" mla_up_proj"
+options+=("selective: $fine|$(sel $fine)"
+  "full, uniform 1|--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+  "full, block 1|--recompute-granularity full --recompute-method block --recompute-num-layers 1")
+
+echo "| option | activations peak, MiB (planned) | total peak, MiB (planned) | ms / iteration (vs baseline) |"
+echo "| --- | --- | --- | --- |"
+base_ms=""
+for entry in "${options[@]}"; do
+  name=${entry%%|*}
+  read -r -a extra <<<"${entry#*|}"
+  log="$work/run.log"
+  if ! train_on 1 "$log" "${train_flags[@]}" --train-iters "$iters" --log-interval "$iters" --lr-warmup-iters 1 \
+    --eval-interval 100000 --eval-iters 0 "${extra[@]}"; then
+    echo "| $name | train failed: $(grep -m1 error "$log") | | |"
+    continue
+  fi
+  read -r act total < <(grep 'memory (MB' "$log" | tail -1 | python3 -c '
+import re, sys
+line = sys.stdin.read()
+act = re.search(r"activations: [0-9.]+ \(peak ([0-9.]+)\)", line).group(1)
+total = re.search(r"total peak: ([0-9.]+)", line).group(1)
+print(act, total)')
+  ms=$(grep 'elapsed time per iteration' "$log" | tail -1 | sed 's/.*elapsed time per iteration (ms): \([0-9.]*\).*/\1/')
+  read -r p_act p_total < <(timeout 120 "$bin" plan "${model_flags[@]}" "${extra[@]}" --num-gpus 1 --gpu cpu --json |
+    python3 -c 'import json, sys; m = json.load(sys.stdin)["memory_mib"]; print(round(m["activations"], 1), round(m["total"], 1))')
+  [ -z "$base_ms" ] && base_ms=$ms
+  ratio=$(python3 -c "print(f'{$ms / $base_ms:.2f}')")
+  echo "| $name | $act ($p_act) | $total ($p_total) | $ms (x$ratio) |"
+done
