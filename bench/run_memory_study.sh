@@ -31,7 +31,8 @@ shared=$(grep -c -- '--moe-shared-expert-intermediate-size' "$src/configs/$confi
 
 sel() { echo "--recompute-granularity selective --recompute-modules $*"; }
 options=("baseline|" "core_attn|$(sel core_attn)" "layernorm|$(sel layernorm)" "mlp|$(sel mlp)")
-[ "$moe" -gt 0 ] && options+=("moe_act|$(sel moe_act)" "moe|$(sel moe)")
+[ "$moe" -gt 0 ] && options+=("no memory-efficient permutation|--no-moe-memory-efficient-permutation"
+  "moe_act|$(sel moe_act)" "moe|$(sel moe)")
 [ "$shared" -gt 0 ] && options+=("shared_experts|$(sel shared_experts)")
 [ "$mla" -gt 0 ] && options+=("mla_up_proj|$(sel mla_up_proj)")
 fine="core_attn layernorm mlp"

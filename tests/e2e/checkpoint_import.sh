@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Starting from other checkpoints with `moecore train --load`:
 #   - a HuggingFace folder (llama-style dense, and a Mixtral-style MoE exported by moecore) loads under another layout
-#     (TP2, EP2) and gives the exporting run's validation loss exactly (same padded vocabulary);
+#     (TP2, EP2, Megatron-FSDP DP2) and gives the exporting run's validation loss exactly (same padded vocabulary);
 #   - a model flag that disagrees with config.json is a one-line error naming the field;
 #   - --moe-use-upcycling from a dense moecore checkpoint and from a dense HF folder: the upcycled MoE model's
 #     validation loss before training equals the dense model's, it saves iteration 1 and trains on.
@@ -49,6 +49,12 @@ run_np 2 "$work/hf_moe_in.log" "${dense[@]}" "${moe[@]}" --train-iters 6 --load 
 got=$(before_valid "$work/hf_moe_in.log")
 [ "$got" = "$want" ] || fail "HF mixtral into EP2: validation loss $got, the exporting run's $want"
 echo "ok: HF mixtral loads under EP2 with the exporting run's loss ($want)"
+# ... and under Megatron-FSDP DP2 (optim_grads_params: the decoder layers' weights written into each rank's shards).
+run_np 2 "$work/hf_moe_fsdp.log" "${dense[@]}" "${moe[@]}" --train-iters 6 --load "$work/hf_moe" --exit-interval 1 \
+  --use-megatron-fsdp
+got=$(before_valid "$work/hf_moe_fsdp.log")
+[ "$got" = "$want" ] || fail "HF mixtral into Megatron-FSDP DP2: validation loss $got, the exporting run's $want"
+echo "ok: HF mixtral loads under Megatron-FSDP DP2 with the exporting run's loss ($want)"
 
 # A model flag that disagrees with config.json.
 set +e

@@ -17,6 +17,9 @@ else
   fail "plan --hf-config FOLDER: $(head -c 300 "$work/folder.out")"
 fi
 expect_error "error: $work/empty: a folder without config.json" "$bin" plan --hf-config "$work/empty" "${run[@]}"
+# Megatron-FSDP is trained but not planned: refused, never planned as if its shards were whole.
+expect_error "error: moecore plan does not model --use-megatron-fsdp yet" \
+  "$bin" plan --hf-config "$work/mixtral" "${run[@]}" --use-megatron-fsdp
 
 # Bad fields: the file and the field, never the train flag the field becomes.
 python3 - "$configs/mixtral_8x7b.json" "$work/negative/config.json" <<'EOF'

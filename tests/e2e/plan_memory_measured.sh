@@ -87,6 +87,8 @@ check one-process-bf16 1 qwen3-moe-tiny --bf16
 check recompute-full-bf16 1 deepseek-v3-tiny --bf16 --recompute-granularity full --recompute-method uniform \
   --recompute-num-layers 1
 check cp2 2 qwen3-moe-tiny --context-parallel-size 2
+# The probabilities applied to the experts' output (the report's memory-efficient permutation off).
+check no-memory-efficient-permutation 1 qwen3-moe-tiny --no-moe-memory-efficient-permutation
 # Activation recomputation: selective modules (what each drops) and full recomputation with both methods.
 check recompute-selective 1 qwen3-moe-tiny --recompute-granularity selective --recompute-modules core_attn layernorm \
   moe_act

@@ -42,6 +42,8 @@ set(equiv_packed ${equiv_aux} --mock-max-sequence-length 8 --reset-position-ids 
 # bf16 mixed precision: 16-bit weights and activations, compared by the size of the updates (equivalence_main.cpp,
 # Tolerances: loss 1e-3, RMS difference over RMS update + one bf16 ulp 0.25; measured at most 0.13).
 set(equiv_bf16 ${equiv_aux} --bf16)
+# The probabilities applied to the experts' output instead of fc2's input (--no-moe-memory-efficient-permutation).
+set(equiv_no_mep ${equiv_aux} --no-moe-memory-efficient-permutation)
 # Multi-Token Prediction: two depths after the MoE last layer (MoE depth layers, their embedding and layer dropout).
 set(equiv_mtp ${equiv_aux} --mtp-num-layers 2 --mtp-loss-scaling-factor 0.5)
 # MTP under pipelines: 4 layers (the last MoE), tied and untied (the loss stage keeps a copy of the word embedding
@@ -71,7 +73,8 @@ function(moecore_equiv name config np)
     set(config_args ${equiv_global_aux})
   elseif(config STREQUAL "capacity")
     set(config_args ${equiv_capacity})
-  elseif(config MATCHES "^pp" OR config STREQUAL "packed" OR config STREQUAL "bf16" OR config MATCHES "^mtp")
+  elseif(config MATCHES "^pp" OR config STREQUAL "packed" OR config STREQUAL "bf16" OR config MATCHES "^mtp" OR
+         config STREQUAL "no_mep")
     set(config_args ${equiv_${config}})
   endif()
   add_test(NAME dist.equiv.${name}
@@ -92,6 +95,7 @@ moecore_equiv_reference(pp_global_aux ${equiv_pp_global_aux})
 moecore_equiv_reference(pp_4l ${equiv_pp_4l})
 moecore_equiv_reference(packed ${equiv_packed})
 moecore_equiv_reference(bf16 ${equiv_bf16})
+moecore_equiv_reference(no_mep ${equiv_no_mep})
 moecore_equiv_reference(mtp ${equiv_mtp})
 moecore_equiv_reference(pp_mtp ${equiv_pp_mtp})
 moecore_equiv_reference(mtp_packed ${equiv_mtp_packed})
@@ -108,6 +112,8 @@ moecore_equiv(tp2_global_aux global_aux 2 --tensor-model-parallel-size 2)
 moecore_equiv(tp2_sp_global_aux global_aux 2 --tensor-model-parallel-size 2 --sequence-parallel)
 moecore_equiv(ep2 aux 2 --expert-model-parallel-size 2)
 moecore_equiv(ep2_capacity_pad capacity 2 --expert-model-parallel-size 2)
+moecore_equiv(tp2_sp_ep2_no_mep no_mep 2 --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2
+              --expert-tensor-parallel-size 1)
 moecore_equiv(tp2_ep2_folded aux 2 --tensor-model-parallel-size 2 --sequence-parallel
               --expert-model-parallel-size 2 --expert-tensor-parallel-size 1)
 moecore_equiv(ep4_allgather aux 4 --expert-model-parallel-size 4 --moe-token-dispatcher-type allgather)
@@ -165,6 +171,39 @@ moecore_equiv(cp2_dp2_distopt aux 4 --context-parallel-size 2 --use-distributed-
 
 # Multi-Token Prediction under DP with the distributed optimizer, TP (eh_proj column-parallel, gathered, then the
 # sequence shard under SP), EP and TP x EP.
+# Megatron-FSDP (optim/fsdp.h): each sharding strategy under DP2 (two micro-batches per rank, so optim_grads and
+# optim_grads_params accumulate reduce-scattered micro-batches into the shards), EP2 over 4 ranks (dense parameters
+# sharded over dp-cp 4, experts over expert-DP 2) and over 2 (experts whole: expert-DP 1), TP2 + SP x DP2, TP2 x EP2
+# x DP2 on 8 ranks (dense over dp-cp 2, experts over expert-DP 2), PP2 x DP2 (with VPP 2: the tied embedding's copies
+# outside the units), CP2 x DP2 (dense over dp-cp 4) and MTP (its depths outside the units); the default strategy is
+# optim_grads_params.
+moecore_equiv(fsdp_dp2_no_shard aux 2 --use-megatron-fsdp --data-parallel-sharding-strategy no_shard)
+moecore_equiv(fsdp_dp2_optim aux 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim)
+moecore_equiv(fsdp_dp2_optim_grads aux 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads)
+moecore_equiv(fsdp_dp2_optim_grads_params aux 2 --use-megatron-fsdp)
+moecore_equiv(fsdp_dp4_ep2 aux 4 --use-megatron-fsdp --expert-model-parallel-size 2
+              --moe-token-dispatcher-type alltoall)
+moecore_equiv(fsdp_tp2_sp_dp2 aux 4 --use-megatron-fsdp --tensor-model-parallel-size 2 --sequence-parallel)
+moecore_equiv(fsdp_dp2_ep2 aux 2 --use-megatron-fsdp --expert-model-parallel-size 2
+              --moe-token-dispatcher-type alltoall)
+moecore_equiv(fsdp_tp2_ep2_dp2_np8 aux 8 --use-megatron-fsdp --tensor-model-parallel-size 2 --sequence-parallel
+              --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall)
+moecore_equiv(fsdp_pp2_dp2 pp 4 --use-megatron-fsdp --pipeline-model-parallel-size 2)
+moecore_equiv(fsdp_pp2_vpp2_dp2 pp 4 --use-megatron-fsdp --pipeline-model-parallel-size 2
+              --num-virtual-stages-per-pipeline-rank 2)
+moecore_equiv(fsdp_cp2_dp2 aux 4 --use-megatron-fsdp --context-parallel-size 2)
+moecore_equiv(fsdp_dp2_optim_overlap aux 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim
+              --overlap-grad-reduce --overlap-param-gather)
+moecore_equiv(fsdp_dp2_optim_grads_params_overlap aux 2 --use-megatron-fsdp --overlap-grad-reduce
+              --overlap-param-gather)
+moecore_equiv(fsdp_mtp_dp2 mtp 2 --use-megatron-fsdp)
+# bf16 weights under Megatron-FSDP: bf16 gradients (Megatron-FSDP's main grads dtype auto) reduce-scattered and
+# accumulated in bf16, against the one-process bf16 run (fp32 gradients) with the bf16 tolerances.
+moecore_equiv(fsdp_bf16_dp2 bf16 2 --use-megatron-fsdp)
+moecore_equiv(fsdp_bf16_dp4_ep2 bf16 4 --use-megatron-fsdp --expert-model-parallel-size 2
+              --moe-token-dispatcher-type alltoall)
+moecore_equiv(fsdp_bf16_dp2_optim bf16 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim)
+
 moecore_equiv(mtp_dp2_distopt mtp 2 --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 2000)
 moecore_equiv(mtp_tp2 mtp 2 --tensor-model-parallel-size 2)
 moecore_equiv(mtp_tp2_sp mtp 2 --tensor-model-parallel-size 2 --sequence-parallel)

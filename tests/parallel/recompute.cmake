@@ -1,7 +1,7 @@
 # Activation recomputation is exact (recompute_main.cpp): the equivalence model (equivalence.cmake: a dense and a
 # MoE layer with gated shared experts, grouped experts, dropout, router input jitter, expert bias, aux / seq-aux /
 # z losses) trained 5 steps without recomputation and with each recompute option, in one process and under
-# TP2 + SP x EP2, PP2 and CP2, and with multi-latent attention, Multi-Token Prediction (full recomputation
+# TP2 + SP x EP2, PP2, CP2 and Megatron-FSDP (ZeRO-3, also with PP2), and with multi-latent attention, Multi-Token Prediction (full recomputation
 # checkpoints each depth), global_aux_loss, --bf16 and FP8 delayed scaling; losses and parameters bit-identical, the
 # activation peak lower.
 add_executable(dist_recompute_test recompute_main.cpp)
@@ -47,6 +47,13 @@ moecore_recompute(tp2_sp_ep2 2 CONFIG ${equiv_model} ${equiv_aux} --tensor-model
                   --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 VARIANTS ${recompute_variants})
 moecore_recompute(tp2_distributed 2 CONFIG ${equiv_model} ${equiv_aux} --tensor-model-parallel-size 2
                   VARIANTS full_uniform1 full_distributed)
+moecore_recompute(dp2_distopt_overlap 2 CONFIG ${equiv_model} ${equiv_aux} --use-distributed-optimizer
+                  --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000
+                  VARIANTS full_uniform1 moe selective_all)
+moecore_recompute(dp2_fsdp 2 CONFIG ${equiv_model} ${equiv_aux} --use-megatron-fsdp
+                  VARIANTS full_uniform1 full_uniform2 moe selective_all)
+moecore_recompute(pp2_dp2_fsdp 4 CONFIG ${equiv_model} ${equiv_pp_4l} --pipeline-model-parallel-size 2
+                  --use-megatron-fsdp VARIANTS full_uniform1 selective_all)
 moecore_recompute(pp2 2 CONFIG ${equiv_model} ${equiv_pp_4l} --pipeline-model-parallel-size 2 VARIANTS ${recompute_variants})
 moecore_recompute(cp2 2 CONFIG ${equiv_model} ${equiv_aux} --context-parallel-size 2 VARIANTS ${recompute_variants})
 set_tests_properties(${recompute_tests} PROPERTIES LABELS dist TIMEOUT 300 ENVIRONMENT "OMP_NUM_THREADS=1")

@@ -1310,5 +1310,54 @@ TEST(TrainArguments, PaddedVocabSize) {
   EXPECT_EQ(padded_vocab_size(1001, args), 1024);
 }
 
+// Megatron-FSDP (validate_args under use_megatron_fsdp): v1 forces the distributed optimizer; the strategy's choices
+// and default; Megatron's and moecore's refusals, each one line.
+TEST(TrainArguments, MegatronFsdpFlags) {
+  const TrainingArgs plain = parse_train_args(minimal());
+  EXPECT_FALSE(plain.use_megatron_fsdp);
+  EXPECT_FALSE(plain.use_distributed_optimizer);
+  const TrainingArgs fsdp = parse_train_args(with(minimal(), {"--use-megatron-fsdp"}));
+  EXPECT_TRUE(fsdp.use_megatron_fsdp);
+  EXPECT_TRUE(fsdp.use_distributed_optimizer);
+  EXPECT_EQ(fsdp.data_parallel_sharding_strategy, "optim_grads_params");
+  for (const char* strategy : {"no_shard", "optim", "optim_grads", "optim_grads_params"}) {
+    const TrainingArgs a =
+        parse_train_args(with(minimal(), {"--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy}));
+    EXPECT_EQ(a.data_parallel_sharding_strategy, strategy);
+    EXPECT_TRUE(a.use_distributed_optimizer) << strategy;
+  }
+  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--data-parallel-sharding-strategy", "zero3"})),
+            "invalid value 'zero3' for --data-parallel-sharding-strategy (choose from no_shard, optim, optim_grads, "
+            "optim_grads_params)");
+  EXPECT_EQ(error_of(with(minimal(), {"--data-parallel-sharding-strategy", "optim"})),
+            "--data-parallel-sharding-strategy needs --use-megatron-fsdp");
+  EXPECT_EQ(error_of(with(minimal(), {"--megatron-fsdp-version", "1"})),
+            "--megatron-fsdp-version needs --use-megatron-fsdp");
+  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--megatron-fsdp-version", "2"})),
+            "--megatron-fsdp-version 2 is not implemented yet (moecore implements 1)");
+  EXPECT_EQ(parse_train_args(with(minimal(), {"--use-megatron-fsdp", "--bf16"})).model.params_dtype, DType::kBF16);
+  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--bf16", "--grad-reduce-in-bf16"})),
+            "--grad-reduce-in-bf16 sets the DDP gradient buffer's dtype; with --use-megatron-fsdp gradients take the "
+            "weights' dtype (Megatron-FSDP's --megatron-fsdp-main-grads-dtype auto)");
+  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--fp16", "--accumulate-allreduce-grads-in-fp32"})),
+            "--accumulate-allreduce-grads-in-fp32 sets the DDP gradient buffer's dtype; with --use-megatron-fsdp "
+            "gradients take the weights' dtype (Megatron-FSDP's --megatron-fsdp-main-grads-dtype auto)");
+  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--bf16", "--use-precision-aware-optimizer"})),
+            "--use-precision-aware-optimizer with --use-megatron-fsdp and --bf16 / --fp16 is not implemented yet");
+  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--fp8-format", "e4m3", "--fp8-param-gather"})),
+            "--use-megatron-fsdp with --fp8-param-gather / --fp4-param-gather: moecore's Megatron-FSDP gathers fp32 "
+            "parameters only");
+  EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard",
+                                      "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"})),
+            "--use-precision-aware-optimizer with --data-parallel-sharding-strategy no_shard: moecore keeps "
+            "no_shard's Adam states whole in fp32 (its reduced formats live on the distributed optimizer's shards)");
+  // Megatron's other FSDP flags stay refused as not implemented.
+  for (const char* flag : {"--outer-dp-sharding-strategy", "--megatron-fsdp-main-grads-dtype", "--fsdp-double-buffer",
+                           "--suggested-communication-unit-size", "--use-torch-fsdp2"}) {
+    EXPECT_EQ(error_of(with(minimal(), {"--use-megatron-fsdp", flag, "1"})),
+              std::string(flag) + " is a Megatron flag that moecore does not implement yet");
+  }
+}
+
 }  // namespace
 }  // namespace moecore

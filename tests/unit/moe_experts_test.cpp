@@ -463,6 +463,30 @@ TEST(ExpertsTest, GroupedAndSequentialMatchReferenceAndEachOther) {
   }
 }
 
+// --no-moe-memory-efficient-permutation: the probability scales the experts' output, p (W2 act(W1 x + b1) + b2),
+// the same function as the default W2 (act p) + p b2, so both implementations match the same double reference.
+TEST(ExpertsTest, ProbabilitiesOnTheOutputMatchTheReference) {
+  for (const Activation a : {Activation::kSwiGLU, Activation::kGelu}) {
+    for (const bool bias : {false, true}) {
+      for (const bool grouped : {false, true}) {
+        SCOPED_TRACE(to_string(a) + (bias ? " bias" : " no-bias") + (grouped ? " grouped" : " sequential"));
+        const ExpertInputs in = make_inputs(100);
+        ExpertSetup s = make_setup(a, bias, false, grouped);
+        s.moe.memory_efficient_permutation = false;
+        ParamStore params;
+        auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params);
+        randomize(params, 42);
+        std::map<std::string, std::vector<float>> grad0;
+        for (const Param& p : params)
+          grad0[p.name] = std::vector<float>(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
+        const ExpertRun run = run_experts(s, params, *experts, in);
+        const ReferenceRun ref = reference_run(params, a, bias, false, in);
+        expect_matches_reference(run, ref, grad0, in, bias, grouped ? "grouped " : "sequential ");
+      }
+    }
+  }
+}
+
 // Experts with more rows than one tile (GroupedMLP cuts them into tiles of at most 256 rows) next to small and idle
 // ones: the double reference's result, and bit for bit the same on 1 and 2 threads (tiles depend on the routing
 // only, and every output has one writer).

@@ -82,6 +82,30 @@ TEST(MemoryEstimate, ShardsOverParallelRanks) {
   EXPECT_DOUBLE_EQ(estimate_memory(sharded).optimizer, estimate_memory(one).optimizer / 8);
 }
 
+TEST(MemoryEstimate, MegatronFsdpShardsTheLayers) {
+  // tiny-dense with 8 layers of 49984 parameters (see DenseParametersByHand) over DP 4: the layers keep a quarter
+  // (2 layers' worth) plus two whole layers in use, so 4 of the 8 layers' parameters and gradients are saved under
+  // optim_grads_params, the gradients only under optim_grads; Adam states are sharded except with no_shard.
+  const double layer = 49984, whole = 8 * layer + 1024 * 64 + 32 * 64 + 128;
+  const auto with_strategy = [](const char* strategy) {
+    TrainingArgs a = finalized(
+        tiny_dense(), {"--num-layers", "8", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy});
+    a.data_parallel_size = 4;
+    return estimate_memory(a);
+  };
+  const MemoryEstimate zero3 = with_strategy("optim_grads_params");
+  EXPECT_DOUBLE_EQ(zero3.parameters, (whole - 4 * layer) * 4);
+  EXPECT_DOUBLE_EQ(zero3.gradients, (whole - 4 * layer) * 4);
+  EXPECT_DOUBLE_EQ(zero3.optimizer, whole * 4 * 2 / 4);
+  const MemoryEstimate zero2 = with_strategy("optim_grads");
+  EXPECT_DOUBLE_EQ(zero2.parameters, whole * 4);
+  EXPECT_DOUBLE_EQ(zero2.gradients, (whole - 4 * layer) * 4);
+  const MemoryEstimate zero1 = with_strategy("optim");
+  EXPECT_DOUBLE_EQ(zero1.gradients, whole * 4);
+  EXPECT_DOUBLE_EQ(zero1.optimizer, whole * 4 * 2 / 4);
+  EXPECT_DOUBLE_EQ(with_strategy("no_shard").optimizer, whole * 4 * 2);
+}
+
 TEST(MemoryEstimate, RefusesWhatCannotFit) {
   // A 2^20-wide model: 2 layers of 12 x 2^40 weights alone are 24 x 2^40 parameters, 96 TiB in fp32.
   const TrainingArgs args = finalized(tiny_dense(), {"--hidden-size", "1048576", "--num-attention-heads", "1"});

@@ -418,6 +418,10 @@ const std::vector<TrainFlag>& flag_table() {
        a.model.moe.dispatcher_type =
            a.moe_token_dispatcher_type == "alltoall" ? TokenDispatcherType::kAllToAll : TokenDispatcherType::kAllGather;
      }},
+    {"--no-moe-memory-efficient-permutation", Arity::kSwitch, "",
+     "moecore: apply the routed experts' probabilities to their output, keeping it for the probabilities' gradient, "
+     "instead of to fc2's input (the report's memory-efficient permutation, the default)",
+     [](TrainingArgs& a, const FlagValue&) { a.model.moe.memory_efficient_permutation = false; }},
     {"--moe-apply-probs-on-input", Arity::kSwitch, "", "scale expert inputs by their probability (top-1 only)",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.apply_probs_on_input = true; }},
     {"--moe-grouped-gemm", Arity::kSwitch, "", "run all local experts as one grouped GEMM",
@@ -515,6 +519,17 @@ const std::vector<TrainFlag>& flag_table() {
      [](TrainingArgs& a, const FlagValue&) { a.overlap_param_gather = true; }},
     {"--ddp-bucket-size", Arity::kOne, "N", "gradient bucket size in elements (default max(40M, 1M * DP))",
      [](TrainingArgs& a, const FlagValue& v) { a.ddp_bucket_size = v.integer_up_to(kMaxElements); }},
+    {"--use-megatron-fsdp", Arity::kSwitch, "",
+     "Megatron-FSDP: shard each decoder layer's parameters, gradients and optimizer states over DP (experts over "
+     "expert-DP) by --data-parallel-sharding-strategy; implies --use-distributed-optimizer",
+     [](TrainingArgs& a, const FlagValue&) { a.use_megatron_fsdp = true; }},
+    {"--data-parallel-sharding-strategy", Arity::kOne, "{no_shard,optim,optim_grads,optim_grads_params}",
+     "what Megatron-FSDP shards (default optim_grads_params: optimizer states, gradients and parameters)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.data_parallel_sharding_strategy = v.choice({"no_shard", "optim", "optim_grads", "optim_grads_params"}, {});
+     }},
+    {"--megatron-fsdp-version", Arity::kOne, "{1}", "Megatron-FSDP implementation (1, Megatron's default)",
+     [](TrainingArgs& a, const FlagValue& v) { a.megatron_fsdp_version = v.choice({"1"}, {"2"}); }},
     {"--distributed-timeout-minutes", Arity::kOne, "N",
      "end the job when a collective or point-to-point wait lasts N minutes, naming the ranks that did not arrive "
      "(default 10; fractions allowed)",

@@ -160,7 +160,11 @@ struct TrainingArgs {
   bool overlap_grad_reduce = false;                  // --overlap-grad-reduce
   bool overlap_param_gather = false;                 // --overlap-param-gather
   int64_t ddp_bucket_size = 0;                       // --ddp-bucket-size (0: Megatron's default)
-  double distributed_timeout_minutes = 10.0;         // --distributed-timeout-minutes: bound of every collective wait
+  bool use_megatron_fsdp = false;                    // --use-megatron-fsdp (forces use_distributed_optimizer)
+  // --data-parallel-sharding-strategy: no_shard, optim, optim_grads or optim_grads_params (Megatron's CLI default).
+  std::string data_parallel_sharding_strategy = "optim_grads_params";
+  std::string megatron_fsdp_version = "1";    // --megatron-fsdp-version (2, the fully_shard API, is not implemented)
+  double distributed_timeout_minutes = 10.0;  // --distributed-timeout-minutes: bound of every collective wait
 
   // Checkpointing (megatron/training/arguments.py _add_checkpointing_args; semantics in train/checkpointing.h).
   std::string save;                                     // --save DIR

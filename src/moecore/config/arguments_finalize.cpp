@@ -220,6 +220,36 @@ void finalize_pipeline(TrainingArgs& args) {
   }
 }
 
+// Megatron-FSDP (Megatron's validate_args under use_megatron_fsdp). v1 forces the distributed optimizer; the
+// optimizer must be sgd or adam (moecore has adam). Where moecore's FSDP differs from Megatron's, one line says so.
+void finalize_fsdp(TrainingArgs& args, const std::set<std::string>& given) {
+  if (!args.use_megatron_fsdp) {
+    for (const char* flag : {"--data-parallel-sharding-strategy", "--megatron-fsdp-version"}) {
+      require(!given.contains(flag), std::string(flag) + " needs --use-megatron-fsdp");
+    }
+    return;
+  }
+  args.use_distributed_optimizer = true;  // "Megatron-FSDP v1 is only compatible with --use-distributed-optimizer"
+  require(args.optimizer == "sgd" || args.optimizer == "adam",
+          "Megatron-FSDP does not support the " + args.optimizer + " optimizer yet.");
+  // Megatron-FSDP's gradients have --megatron-fsdp-main-grads-dtype (default auto: the weights' dtype; the flag
+  // itself is not implemented), not the DDP buffer's dtype these flags set.
+  for (const char* flag : {"--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16", "--main-grads-dtype"}) {
+    require(!given.contains(flag),
+            std::string(flag) +
+                " sets the DDP gradient buffer's dtype; with --use-megatron-fsdp gradients "
+                "take the weights' dtype (Megatron-FSDP's --megatron-fsdp-main-grads-dtype auto)");
+  }
+  require(!args.use_precision_aware_optimizer || args.model.params_dtype == DType::kF32,
+          "--use-precision-aware-optimizer with --use-megatron-fsdp and --bf16 / --fp16 is not implemented yet");
+  require(!args.use_precision_aware_optimizer || args.data_parallel_sharding_strategy != "no_shard",
+          "--use-precision-aware-optimizer with --data-parallel-sharding-strategy no_shard: moecore keeps no_shard's "
+          "Adam states whole in fp32 (its reduced formats live on the distributed optimizer's shards)");
+  require(!args.fp8_param_gather && !args.fp4_param_gather,
+          "--use-megatron-fsdp with --fp8-param-gather / --fp4-param-gather: moecore's Megatron-FSDP gathers fp32 "
+          "parameters only");
+}
+
 // Context parallelism (Megatron's validate_args and TransformerEngine's checks): the load-balanced split needs
 // 2 x CP chunks of every sequence; a2a splits each tensor-parallel rank's heads over CP.
 void finalize_context_parallel(const TrainingArgs& args) {
@@ -773,6 +803,7 @@ void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given)
   check_required(given);
   finalize_model(args, given);
   finalize_pipeline(args);
+  finalize_fsdp(args, given);
   finalize_parallel(args, given);
   finalize_training(args, given);
   finalize_precision(args, given);

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <string>
 
 #include "moecore/model/config.h"
 
@@ -103,6 +104,7 @@ MemoryEstimate estimate_memory(const TrainingArgs& args) {
     experts += counts.experts;
     activation_floats += layer_activation_floats(m, moe_layer);
   }
+  const double unit_dense = dense, unit_experts = experts;  // the decoder layers: Megatron-FSDP's units
   const double h = static_cast<double>(m.hidden_size);
   const double vocab = static_cast<double>(m.vocab_size);
   double embedding = vocab * h;
@@ -127,6 +129,22 @@ MemoryEstimate estimate_memory(const TrainingArgs& args) {
   estimate.gradients = local_parameters * kFloatBytes;
   const double states = m.params_dtype == DType::kF32 ? 2.0 : 3.0;  // exp_avg, exp_avg_sq (+ main params)
   estimate.optimizer = local_parameters * kFloatBytes * states / (args.use_distributed_optimizer ? dp : 1.0);
+  if (args.use_megatron_fsdp) {
+    // Megatron-FSDP (optim/fsdp.h): the units' parameters (optim_grads_params) and gradients (optim_grads and above)
+    // kept as dp-cp (experts: expert-DP) shards, plus two whole units while in use (the unit and its prefetch, or the
+    // unit and the reduce-scatter in flight). no_shard keeps the Adam states whole.
+    const double cp = static_cast<double>(args.parallel.context_parallel_size);
+    const double edp = tp * cp * dp / expert_shards;
+    const double units_local = unit_dense / pp / tp + unit_experts / pp / expert_shards;
+    const double units_sharded = unit_dense / pp / tp / (dp * cp) + unit_experts / pp / expert_shards / edp;
+    const double layers_per_stage = std::max(1.0, static_cast<double>(m.num_layers) / pp);
+    const double in_use = std::min(2.0, layers_per_stage) * units_local / layers_per_stage;
+    const double saved = std::max(0.0, units_local - units_sharded - in_use) * kFloatBytes;
+    const std::string& strategy = args.data_parallel_sharding_strategy;
+    if (strategy == "optim_grads_params") estimate.parameters -= saved;
+    if (strategy == "optim_grads" || strategy == "optim_grads_params") estimate.gradients -= saved;
+    if (strategy == "no_shard") estimate.optimizer = local_parameters * kFloatBytes * states;
+  }
 
   const double tokens = static_cast<double>(m.seq_length) * static_cast<double>(args.micro_batch_size) /
                         static_cast<double>(args.parallel.context_parallel_size) / tp;

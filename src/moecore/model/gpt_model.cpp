@@ -439,6 +439,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     const trace::Scope scope("layer ", layer, " forward", "forward");
     const Tensor input_TH = x_TH;
     x_TH = module.forward(x_TH, S_local, B, dropout, saved);
+    if (hooks_) hooks_->after_forward(static_cast<int>(layer));
     if (options.training && module.is_moe()) moe_metrics_.record(layer, saved.moe.routing);
     const auto index = static_cast<int64_t>(i);
     if (options.training && recompute.checkpointed(index)) {
@@ -491,6 +492,7 @@ Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double l
   if (stage.post_process) {
     const trace::Scope scope("output layer + loss backward", "backward");
     const ActivationOwnerScope owner(ActivationOwner::kOutputLoss);
+    if (hooks_) hooks_->before_backward(static_cast<int>(config_.num_layers));
     dx_TH = output_and_loss_backward(*ctx, loss_scale);
     if (hooks_) hooks_->after_backward(static_cast<int>(config_.num_layers));
   } else {
@@ -509,6 +511,7 @@ Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double l
                                &ctx->sequence};
     {
       const trace::Scope scope("layer ", layer, " backward", "backward");
+      if (hooks_) hooks_->before_backward(static_cast<int>(layer));
       // The auxiliary losses' gradient scale is loss_scale x CP (Megatron's MoEAuxLossAutoScaler: grad_scale CP / M):
       // each CP rank's aux terms are partial sums over tp-cp, and its gradients are averaged over dp-cp.
       m.layers[first + i].backward(dprev_TH, dx_TH, S, B, dropout, loss_scale * parallel_.cp_size(), ctx->layers[i]);
@@ -521,6 +524,7 @@ Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double l
   if (!stage.pre_process) return dx_TH;
   const trace::Scope scope("embedding backward", "backward");
   const ActivationOwnerScope owner(ActivationOwner::kEmbedding);
+  if (hooks_) hooks_->before_backward(-1);
   embed_backward(dx_TH, *ctx);
   if (hooks_) hooks_->after_backward(-1);
   return Tensor();

@@ -1,6 +1,8 @@
 // Hooks the data-parallel engine hangs on the model's forward and backward, per module (the embedding = -1,
 // decoder layer i = i, the final norm and output layer = num_layers): gradient buckets are reduced as soon as
 // the backward of their last module is done, and parameter all-gathers are waited on just before first use.
+// Megatron-FSDP (optim/fsdp.h) gathers a decoder layer's parameters before its forward and its backward and frees
+// them after each.
 #pragma once
 
 namespace moecore {
@@ -10,6 +12,10 @@ class ModelHooks {
   virtual ~ModelHooks() = default;
   // Before module `module` reads its parameters in a forward (training or evaluation).
   virtual void before_forward(int module) = 0;
+  // After module `module`'s forward (training or evaluation) no longer reads its parameters.
+  virtual void after_forward(int /*module*/) {}
+  // Before module `module`'s backward reads its parameters and accumulates into its gradients.
+  virtual void before_backward(int /*module*/) {}
   // After module `module`'s backward has accumulated its parameters' gradients.
   virtual void after_backward(int module) = 0;
 };

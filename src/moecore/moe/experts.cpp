@@ -10,6 +10,7 @@
 #include "moecore/ops/linear.h"
 #include "moecore/ops/precision.h"
 #include "moecore/ops/quantization.h"
+#include "moecore/ops/rows.h"
 
 namespace moecore {
 
@@ -45,7 +46,8 @@ ExpertMLPBase::ExpertMLPBase(const MoEConfig &moe, const ModelConfig &model, con
       H_(model.hidden_size),
       F_(moe.ffn_hidden_size),
       activation_(model.activation),
-      probs_on_input_(moe.apply_probs_on_input) {
+      probs_on_input_(moe.apply_probs_on_input),
+      memory_efficient_permutation_(moe.memory_efficient_permutation) {
   if (E_ <= 0) throw ConfigError("experts: --num-experts must be positive, got " + std::to_string(E_));
   if (F_ <= 0) throw ConfigError("experts: --moe-ffn-hidden-size must be positive, got " + std::to_string(F_));
   if (H_ <= 0) throw ConfigError("experts: --hidden-size must be positive, got " + std::to_string(H_));
@@ -108,8 +110,14 @@ Tensor ExpertMLPBase::forward(const Tensor &x_RH, const Tensor &probs_R,
   saved.tokens_per_expert_E = tokens_per_expert_E;
   saved.x_RH = x_RH.view({R, H_});
   saved.probs_R = probs_R.view({R});
+  if (!memory_efficient_permutation_) {
+    saved.output_probs_R = saved.probs_R;
+    std::vector<float> ones_R(static_cast<size_t>(R), 1.0f);
+    saved.probs_R = Tensor::from_blob(ones_R.data(), {R}).clone(MemCategory::kActivations);
+  }
   Tensor y(std::vector<int64_t>{R, H_}, ops::activation_storage_dtype(), MemCategory::kActivations);
   run_forward(offsets_E1, y, saved);
+  if (!memory_efficient_permutation_) y = apply_output_probs(y, saved);
   // FP8 delayed scaling: TE's GroupedLinear casts every expert's weight, and Megatron's SequentialMLP runs every
   // expert, with tokens or not, so an expert without rows still records its weights' amaxes (a forward of no rows).
   const quant::QuantizedLinearConfig *quantization = ops::linear_quantization();
@@ -134,7 +142,22 @@ void ExpertMLPBase::backward(Tensor &dx_RH, Tensor &dprobs_R, const Tensor &dy_R
   check_rows("dy_RH", dy_RH, {R, H_});
   Tensor dx = dx_RH.view({R, H_});
   Tensor dprobs = dprobs_R.view({R});
-  run_backward(offsets_E1, dx, dprobs, dy_RH.view({R, H_}), saved);
+  if (memory_efficient_permutation_) {
+    run_backward(offsets_E1, dx, dprobs, dy_RH.view({R, H_}), saved);
+    return;
+  }
+  // y = p y_mlp: dp = <dy, y_mlp>, d(y_mlp) = p dy; the MLPs' own probabilities are ones.
+  Tensor dy_mlp({R, H_}, ops::activation_storage_dtype(), MemCategory::kActivations);
+  ops::scale_rows_backward(&dy_mlp, &dprobs, dy_RH.view({R, H_}), saved.y_RH, saved.output_probs_R);
+  Tensor dones({R}, DType::kF32, MemCategory::kActivations);
+  run_backward(offsets_E1, dx, dones, dy_mlp, saved);
+}
+
+Tensor ExpertMLPBase::apply_output_probs(const Tensor &y_RH, ExpertActivations &saved) const {
+  saved.y_RH = y_RH;
+  Tensor scaled(y_RH.shape(), ops::activation_storage_dtype(), MemCategory::kActivations);
+  ops::scale_rows(scaled, y_RH, saved.output_probs_R);
+  return scaled;
 }
 
 }  // namespace experts_detail

@@ -29,7 +29,10 @@ struct ExpertActivations {
   Tensor fc1_RF1;  // GroupedMLP: fc1 output of every row
   Tensor act_RF;   // GroupedMLP: activation output, before the probability (not with weighted SwiGLU)
   Tensor h_RF;     // GroupedMLP with SwiGLU and the probability after it: fc2's input swiglu(fc1) * p
-  Tensor probs_R;
+  Tensor probs_R;  // the probabilities the MLPs apply: the router's, or ones without memory-efficient permutation
+  // --no-moe-memory-efficient-permutation: the router's probabilities, applied to the output, and the output before
+  // them (for their gradient).
+  Tensor output_probs_R, y_RH;
   std::vector<int64_t> tokens_per_expert_E;
   std::vector<MLPActivations> per_expert;  // SequentialMLP: each expert's MLP activations
   // GroupedMLP under FP8 delayed scaling: the scales each expert's fc1 / fc2 forward quantized with.

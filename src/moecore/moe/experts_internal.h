@@ -37,7 +37,12 @@ class ExpertMLPBase : public ExpertMLP {
   int64_t E_ = 0, H_ = 0, F_ = 0, F1_ = 0;
   ops::Activation activation_ = ops::Activation::kGelu;
   bool probs_on_input_ = false;
+  bool memory_efficient_permutation_ = true;
   std::vector<MLP> experts_;  // the local experts
+
+ private:
+  // Without memory-efficient permutation: y_RH (the MLPs' output, kept) scaled by the router's probabilities.
+  Tensor apply_output_probs(const Tensor& y_RH, ExpertActivations& saved) const;
 };
 
 // Exclusive prefix sums of tokens_per_expert_E ([E + 1]); throws on a wrong count or a negative entry.

@@ -281,6 +281,8 @@ void MoEConfig::validate(const int64_t num_layers) const {
           "--moe-pad-expert-input-to-capacity requires --moe-expert-capacity-factor");
 
   // Experts.
+  require(memory_efficient_permutation || !apply_probs_on_input,
+          "--no-moe-memory-efficient-permutation cannot be combined with --moe-apply-probs-on-input");
   require(!apply_probs_on_input || topk == 1,
           "--moe-apply-probs-on-input requires --moe-router-topk 1 (got " + str(topk) + ")");
   require(shared_expert_intermediate_size >= 0,

@@ -35,8 +35,12 @@ struct MoEConfig {
   double z_loss_coeff = 0.0;                 // --moe-z-loss-coeff
   std::optional<double> capacity_factor;     // --moe-expert-capacity-factor (none = dropless)
   TokenDropPolicy drop_policy = TokenDropPolicy::kProbs;
-  bool pad_expert_input_to_capacity = false;    // --moe-pad-expert-input-to-capacity
-  bool apply_probs_on_input = false;            // --moe-apply-probs-on-input (top-1 only)
+  bool pad_expert_input_to_capacity = false;  // --moe-pad-expert-input-to-capacity
+  bool apply_probs_on_input = false;          // --moe-apply-probs-on-input (top-1 only)
+  // The report's memory-efficient permutation: the probability scales fc2's input (fc2(act(fc1 x) p)), so backward
+  // needs no copy of the experts' output; off (--no-moe-memory-efficient-permutation): it scales fc2's output
+  // (p fc2(act(fc1 x))), Megatron's earlier unpermute with probabilities, and the output [R, H] is kept for dp.
+  bool memory_efficient_permutation = true;
   bool grouped_gemm = false;                    // --moe-grouped-gemm (GroupedMLP, else SequentialMLP)
   int64_t shared_expert_intermediate_size = 0;  // --moe-shared-expert-intermediate-size (0 = none)
   bool shared_expert_gate = false;              // --moe-shared-expert-gate

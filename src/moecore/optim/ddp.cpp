@@ -52,10 +52,23 @@ DistributedDataParallel::DistributedDataParallel(ParamStore& params, const paral
     throw std::invalid_argument("quantized_param_gather requires the distributed optimizer");
   }
   if (options_.bucket_size < 0) throw std::invalid_argument("bucket_size must be >= 0");
+  if (options_.fsdp) {
+    const bool no_shard = options_.fsdp->strategy == ShardingStrategy::kNoShard;
+    if (options_.use_distributed_optimizer == no_shard) {
+      throw std::invalid_argument(
+          "Megatron-FSDP: the distributed optimizer's shards exist for every strategy but "
+          "no_shard");
+    }
+    if (options_.quantized_param_gather) {
+      throw std::invalid_argument("Megatron-FSDP: no quantized parameter all-gather");
+    }
+  }
   if (options_.grad_dtype != DType::kF32 && options_.grad_dtype != DType::kBF16 && options_.grad_dtype != DType::kF16) {
     throw std::invalid_argument("grad_dtype must be fp32, bf16 or fp16");
   }
-  if (options_.bucket_size > 0) {
+  if (options_.fsdp) {
+    bucket_size_ = 0;  // one bucket per module and group kind
+  } else if (options_.bucket_size > 0) {
     bucket_size_ = options_.bucket_size;
   } else if (options_.overlap_grad_reduce) {
     bucket_size_ = std::max<int64_t>(40000000, 1000000 * static_cast<int64_t>(parallel_.dp_cp.size()));
@@ -92,6 +105,7 @@ DistributedDataParallel::DistributedDataParallel(ParamStore& params, const paral
   module_done_.assign(num_modules, 0);
   tp_summed_.assign(params_.size(), 0);
   slots_.resize(params_.size());
+  for (const Param& p : params_) shapes_.push_back(p.value.shape());
 
   if (!dense.empty()) build(false, false, dense);
   if (!expert.empty()) build(true, false, expert);
@@ -130,6 +144,14 @@ void DistributedDataParallel::build(const bool expert, const bool quantized, con
     std::sort(bucket.modules.begin(), bucket.modules.end());
     bucket.modules.erase(std::unique(bucket.modules.begin(), bucket.modules.end()), bucket.modules.end());
     offset = bucket.end;
+    if (options_.fsdp) {
+      const int module = bucket.modules.front();
+      const ShardingStrategy strategy = options_.fsdp->strategy;
+      bucket.unit = module >= 0 && module < options_.fsdp->num_units;
+      bucket.grads_sharded =
+          bucket.unit && (strategy == ShardingStrategy::kOptimGrads || strategy == ShardingStrategy::kOptimGradsParams);
+      bucket.params_sharded = bucket.unit && strategy == ShardingStrategy::kOptimGradsParams;
+    }
     group.buckets.push_back(static_cast<int>(buckets_.size()));
     buckets_.push_back(std::move(bucket));
     bucket = Bucket();
@@ -139,6 +161,11 @@ void DistributedDataParallel::build(const bool expert, const bool quantized, con
     const Param& p = params_[static_cast<size_t>(i)];
     // A tied embedding shared over the pipeline gets a bucket of its own (Megatron's shared_embedding).
     if (p.sum_over_embedding_group && !bucket.params.empty()) close_bucket();
+    // Megatron-FSDP: each unit (and each module outside them) in buckets of its own.
+    if (options_.fsdp && !bucket.params.empty() &&
+        params_[static_cast<size_t>(bucket.params.back())].module != p.module) {
+      close_bucket();
+    }
     offset = align_up(offset, kParamAlign);
     Slot& slot = slots_[static_cast<size_t>(i)];
     slot.group = group_index;
@@ -165,24 +192,61 @@ void DistributedDataParallel::build(const bool expert, const bool quantized, con
       p.grad = Tensor();
     }
   }
-  const int64_t total = std::max<int64_t>(offset, 1);
-  group.grad_buffer = Tensor({total}, DType::kF32, MemCategory::kGrads);
-  if (dist_opt) group.param_buffer = Tensor({total}, DType::kF32, MemCategory::kParams);
+  // Where each bucket's elements are stored: in place without FSDP; with it, buckets one after another, a sharded
+  // one taking its shard's elements only.
+  int64_t grad_total = offset, param_total = offset;
+  if (options_.fsdp) {
+    grad_total = param_total = 0;
+    for (const int b : group.buckets) {
+      Bucket& bk = buckets_[static_cast<size_t>(b)];
+      bk.grad_store = align_up(grad_total, kParamAlign);
+      grad_total = bk.grad_store + (bk.grads_sharded ? bk.shard_size : bk.end - bk.begin);
+      bk.param_store = align_up(param_total, kParamAlign);
+      param_total = bk.param_store + (bk.params_sharded ? bk.shard_size : bk.end - bk.begin);
+    }
+  } else {
+    for (const int b : group.buckets) {
+      Bucket& bk = buckets_[static_cast<size_t>(b)];
+      bk.grad_store = bk.param_store = bk.begin;
+    }
+  }
+  group.grad_buffer = Tensor({std::max<int64_t>(grad_total, 1)}, DType::kF32, MemCategory::kGrads);
+  if (dist_opt) group.param_buffer = Tensor({std::max<int64_t>(param_total, 1)}, DType::kF32, MemCategory::kParams);
+  groups_.push_back(std::move(group));  // grad_view / param_view read it from here on
+  Group& stored = groups_.back();
   for (const int i : param_indices) {
     Param& p = params_[static_cast<size_t>(i)];
     const Slot& slot = slots_[static_cast<size_t>(i)];
+    const Bucket& bk = buckets_[static_cast<size_t>(slot.bucket)];
     const auto idx = static_cast<size_t>(i);
-    Tensor grad = group.grad_buffer.slice_rows(slot.offset, slot.offset + slot.numel)
-                      .view(released[idx] ? zero_grad_shapes[idx] : p.grad.shape());
-    if (!released[idx]) grad.copy_from(p.grad);
-    p.grad = std::move(grad);
-    if (dist_opt) {
-      Tensor value = group.param_buffer.slice_rows(slot.offset, slot.offset + slot.numel).view(p.value.shape());
+    // This rank's shard of the param: the elements [o.lo, o.hi) of the buffer.
+    const Overlap o = overlap(slot.offset, slot.numel, bk.shard_begin, bk.shard_begin + bk.shard_size);
+    if (bk.grads_sharded) {
+      if (!released[idx] && o.lo < o.hi) {
+        grad_view(slot.bucket, o.lo, o.hi)
+            .copy_from(p.grad.view({slot.numel}).slice_rows(o.lo - slot.offset, o.hi - slot.offset));
+      }
+      p.grad = Tensor();
+    } else {
+      Tensor grad = grad_view(slot.bucket, slot.offset, slot.offset + slot.numel)
+                        .view(released[idx] ? zero_grad_shapes[idx] : p.grad.shape());
+      if (!released[idx]) grad.copy_from(p.grad);
+      p.grad = std::move(grad);
+    }
+    if (!dist_opt) continue;
+    if (bk.params_sharded) {
+      if (o.lo < o.hi) {
+        param_view(slot.bucket, o.lo, o.hi)
+            .copy_from(p.value.view({slot.numel}).slice_rows(o.lo - slot.offset, o.hi - slot.offset));
+      }
+      p.value = Tensor();
+    } else {
+      Tensor value = param_view(slot.bucket, slot.offset, slot.offset + slot.numel).view(p.value.shape());
       value.copy_from(p.value);
       p.value = std::move(value);
     }
   }
-  for (const int b : group.buckets) {
+  for (const int b : stored.buckets) {
     Bucket& bk = buckets_[static_cast<size_t>(b)];
     if (dist_opt) bk.comm_shard = Tensor({bk.shard_size}, DType::kF32, MemCategory::kComm);
     if (quantized) {
@@ -196,19 +260,20 @@ void DistributedDataParallel::build(const bool expert, const bool quantized, con
       bk.codes = Tensor({(bk.end - bk.begin) / shard_multiple}, DType::kU8, MemCategory::kComm);
       bk.code_shard = Tensor({bk.shard_size / shard_multiple}, DType::kU8, MemCategory::kComm);
     }
-    const bool wire16 =
-        options_.grad_dtype != DType::kF32 || (dist_opt && !quantized && options_.param_gather_dtype != DType::kF32);
+    const bool wire16 = options_.grad_dtype != DType::kF32 ||
+                        (dist_opt && !quantized && !bk.params_sharded && options_.param_gather_dtype != DType::kF32);
     if (wire16) {
       const DType wire_dtype = options_.grad_dtype != DType::kF32 ? options_.grad_dtype : options_.param_gather_dtype;
-      bk.wire = Tensor({bk.end - bk.begin}, wire_dtype, MemCategory::kComm);
+      // A unit with sharded gradients takes its whole 16-bit wire only while reducing (reduce_unit_grads).
+      if (!bk.grads_sharded) bk.wire = Tensor({bk.end - bk.begin}, wire_dtype, MemCategory::kComm);
       if (dist_opt) bk.wire_shard = Tensor({bk.shard_size}, wire_dtype, MemCategory::kComm);
     }
     for (const int m : bk.modules) module_buckets_[static_cast<size_t>(m - min_module_)].push_back(b);
   }
-  groups_.push_back(std::move(group));
 }
 
 void DistributedDataParallel::zero_grad() {
+  complete_unit_reduces();
   for (Bucket& b : buckets_) {
     if (b.grad_launched) b.grad_work.wait();  // never let MPI write into a buffer being zeroed
   }
@@ -228,6 +293,7 @@ void DistributedDataParallel::tp_sum(const int param_index) {
   summed = 1;
   Param& p = params_[static_cast<size_t>(param_index)];
   if (!p.grad_sum_over_tp || p.is_expert || parallel_.tp.size() == 1) return;
+  if (buckets_[static_cast<size_t>(slots_[static_cast<size_t>(param_index)].bucket)].grads_sharded) return;  // per unit
   const CommTimer timer(CommKind::kGradReduce);
   all_reduce_grads(parallel_.tp, p.grad);
 }
@@ -242,12 +308,12 @@ void DistributedDataParallel::all_reduce_grads(const parallel::ProcessGroup& pg,
 
 void DistributedDataParallel::launch(const int bucket_index) {
   Bucket& b = buckets_[static_cast<size_t>(bucket_index)];
-  if (b.grad_launched) return;
-  wait_bucket_gather(b);  // comm_shard is the all-gather's input
+  if (b.grad_launched || b.grads_sharded) return;  // sharded gradients are reduced per unit in after_backward
+  wait_bucket_gather(b);                           // comm_shard is the all-gather's input
   Group& g = groups_[static_cast<size_t>(b.group)];
   const CommTimer timer(CommKind::kGradReduce);
   const auto n = static_cast<size_t>(b.end - b.begin);
-  Tensor bucket = g.grad_buffer.slice_rows(b.begin, b.end);
+  Tensor bucket = grad_view(bucket_index, b.begin, b.end);
   const DType wire = options_.grad_dtype;
   // Gradients written without after_backward (none in training) become buffer values first.
   if (wire != DType::kF32) ops::round_to_dtype_(bucket, wire);
@@ -277,6 +343,7 @@ void DistributedDataParallel::launch(const int bucket_index) {
 }
 
 void DistributedDataParallel::after_backward(const int module) {
+  unit_in_backward_ = kNoModule;
   const int m = module - min_module_;
   const bool known = m >= 0 && m < static_cast<int>(module_done_.size());
   if (known && options_.grad_dtype != DType::kF32) {
@@ -284,6 +351,8 @@ void DistributedDataParallel::after_backward(const int module) {
       ops::round_to_dtype_(params_[static_cast<size_t>(i)].grad, options_.grad_dtype);
     }
   }
+  if (fsdp_sharded_grads()) reduce_unit_grads(module);
+  if (fsdp_zero3()) free_unit_params(module);
   if (!options_.overlap_grad_reduce || !last_microbatch_) return;
   parallel::drive_progress();  // the buckets launched so far advance while backward goes on
   if (!known) return;
@@ -302,6 +371,7 @@ void DistributedDataParallel::after_backward(const int module) {
 }
 
 void DistributedDataParallel::finish_grad_sync() {
+  complete_unit_reduces();
   for (int i = static_cast<int>(params_.size()) - 1; i >= 0; --i) tp_sum(i);
   for (size_t b = 0; b < buckets_.size(); ++b) launch(static_cast<int>(b));
   {
@@ -310,18 +380,22 @@ void DistributedDataParallel::finish_grad_sync() {
   }
   if (options_.grad_dtype != DType::kF32) {  // widen the 16-bit results
     for (Bucket& b : buckets_) {
+      if (b.grads_sharded) continue;  // widened and accumulated per unit
       if (options_.use_distributed_optimizer) {
         ops::convert(b.comm_shard, b.wire_shard);
       } else {
-        Tensor grad = groups_[static_cast<size_t>(b.group)].grad_buffer.slice_rows(b.begin, b.end);
+        Tensor grad = grad_view(static_cast<int>(&b - buckets_.data()), b.begin, b.end);
         ops::convert(grad, b.wire);
       }
     }
   }
   if (options_.use_distributed_optimizer) {
-    for (Bucket& b : buckets_) {
-      float* grad = groups_[static_cast<size_t>(b.group)].grad_buffer.data<float>() + b.shard_begin;
-      std::memcpy(grad, b.comm_shard.data<float>(), static_cast<size_t>(b.shard_size) * sizeof(float));
+    for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+      const Bucket& b = buckets_[bi];
+      if (b.grads_sharded) continue;  // already accumulated into the shard
+      Tensor grad = grad_view(static_cast<int>(bi), b.shard_begin, b.shard_begin + b.shard_size);
+      std::memcpy(grad.data<float>(), std::as_const(b.comm_shard).data<float>(),
+                  static_cast<size_t>(b.shard_size) * sizeof(float));
     }
   }
   allreduce_embedding_grads();
@@ -338,7 +412,7 @@ void DistributedDataParallel::allreduce_embedding_grads() {
     // the same elements there: the shard is what the optimizer reads.
     const int64_t begin = options_.use_distributed_optimizer ? b.shard_begin : slot.offset;
     const int64_t end = options_.use_distributed_optimizer ? b.shard_begin + b.shard_size : slot.offset + slot.numel;
-    Tensor grad = groups_[static_cast<size_t>(slot.group)].grad_buffer.slice_rows(begin, end);
+    Tensor grad = grad_view(slot.bucket, begin, end);
     const CommTimer timer(CommKind::kGradReduce);
     all_reduce_grads(parallel_.embedding, grad);
   }
@@ -346,7 +420,14 @@ void DistributedDataParallel::allreduce_embedding_grads() {
 
 void DistributedDataParallel::start_param_gather() {
   if (!options_.use_distributed_optimizer) return;
-  for (size_t bi = 0; bi < buckets_.size(); ++bi) start_bucket_gather(static_cast<int>(bi));
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    if (buckets_[bi].params_sharded) {
+      // ZeRO-3: the updated shard is gathered before the unit's next forward; a prefetched copy is stale now.
+      free_unit_params(buckets_[bi].modules.front());
+      continue;
+    }
+    start_bucket_gather(static_cast<int>(bi));
+  }
 }
 
 void DistributedDataParallel::start_bucket_gather(const int bucket_index) {
@@ -375,7 +456,7 @@ void DistributedDataParallel::start_bucket_gather(const int bucket_index) {
   parallel::CommStats::instance().add_bytes(CommKind::kParamGather,
                                             static_cast<double>(static_cast<size_t>(b.shard_size) * dtype_size(wire)));
   if (wire != DType::kF32) {  // 16-bit weights travel in 16 bits (exact: they hold 16-bit values)
-    ops::convert(b.wire_shard, g.param_buffer.slice_rows(b.shard_begin, b.shard_begin + b.shard_size));
+    ops::convert(b.wire_shard, param_view(bucket_index, b.shard_begin, b.shard_begin + b.shard_size));
     b.decode_gather = true;
     if (options_.overlap_param_gather) {
       b.param_work = g.pg.all_gather_async(b.wire_shard, b.wire);
@@ -387,10 +468,10 @@ void DistributedDataParallel::start_bucket_gather(const int bucket_index) {
     }
     return;
   }
-  std::memcpy(b.comm_shard.data<float>(), g.param_buffer.data<float>() + b.shard_begin,
-              static_cast<size_t>(b.shard_size) * sizeof(float));
+  const Tensor own = param_view(bucket_index, b.shard_begin, b.shard_begin + b.shard_size);
+  std::memcpy(b.comm_shard.data<float>(), own.data<float>(), static_cast<size_t>(b.shard_size) * sizeof(float));
   const Tensor shard = b.comm_shard.slice_rows(0, b.shard_size);
-  Tensor full = g.param_buffer.slice_rows(b.begin, b.end);
+  Tensor full = param_view(bucket_index, b.begin, b.end);
   if (options_.overlap_param_gather) {
     b.param_work = g.pg.all_gather_async(shard, full);
     b.param_work.trace_as(trace_name);
@@ -501,16 +582,33 @@ void DistributedDataParallel::decode_param_gather(Bucket& bucket) {
   if (!bucket.decode_gather) return;
   bucket.decode_gather = false;
   if (groups_[static_cast<size_t>(bucket.group)].quantized) return decode_codes(bucket);
-  Tensor full = groups_[static_cast<size_t>(bucket.group)].param_buffer.slice_rows(bucket.begin, bucket.end);
+  Tensor full = param_view(static_cast<int>(&bucket - buckets_.data()), bucket.begin, bucket.end);
   ops::convert(full, bucket.wire);
 }
 
 void DistributedDataParallel::before_forward(const int module) {
+  if (fsdp_zero3()) {
+    bind_unit_params(module);
+    if (unit_in_backward_ == kNoModule) start_unit_gather(module + 1);  // the next unit's prefetch
+  }
   if (!options_.overlap_param_gather) return;
   parallel::drive_progress();
-  const int m = module - min_module_;
-  if (m < 0 || m >= static_cast<int>(module_buckets_.size())) return;
-  for (const int b : module_buckets_[static_cast<size_t>(m)]) wait_bucket_gather(buckets_[static_cast<size_t>(b)]);
+  for (const int b : buckets_of(module)) wait_bucket_gather(buckets_[static_cast<size_t>(b)]);
+}
+
+void DistributedDataParallel::after_forward(const int module) {
+  // A forward recomputed inside the unit's backward keeps the parameters: Megatron-FSDP reshards post-backward under
+  // recompute.
+  if (fsdp_zero3() && module != unit_in_backward_) free_unit_params(module);
+}
+
+void DistributedDataParallel::before_backward(const int module) {
+  unit_in_backward_ = module;
+  if (fsdp_zero3()) {
+    bind_unit_params(module);
+    start_unit_gather(module - 1);  // the previous unit's prefetch
+  }
+  if (fsdp_sharded_grads()) bind_unit_grads(module);
 }
 
 void DistributedDataParallel::wait_param_gather() {

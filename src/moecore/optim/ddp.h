@@ -31,6 +31,7 @@
 
 #include "moecore/model/model_hooks.h"
 #include "moecore/model/param.h"
+#include "moecore/optim/fsdp.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
 #include "moecore/quant/sharded_weight_quantizer.h"
@@ -59,6 +60,9 @@ struct DdpOptions {
   // --fp8-param-gather / --fp4-param-gather: params with Param::weight_quantization get their own groups and are
   // all-gathered as codes (see above). Needs the distributed optimizer.
   bool quantized_param_gather = false;
+  // Megatron-FSDP (optim/fsdp.h): one bucket per module and group kind, the units' parameters and gradients sharded
+  // by the strategy. use_distributed_optimizer must be true except with no_shard; no quantized parameter all-gather.
+  std::optional<FsdpOptions> fsdp;
 };
 
 class DistributedDataParallel : public ModelHooks {
@@ -86,6 +90,18 @@ class DistributedDataParallel : public ModelHooks {
     parallel::Work param_work;
     bool grad_launched = false;
     bool param_in_flight = false;
+    // Megatron-FSDP: a unit's bucket whose gradients / parameters are kept as this rank's shard only; the group's
+    // buffers then hold [shard_size] elements for it at grad_store / param_store (else [end - begin]; without FSDP
+    // grad_store = param_store = begin).
+    bool unit = false;
+    bool grads_sharded = false;
+    bool params_sharded = false;
+    int64_t grad_store = 0, param_store = 0;
+    Tensor unit_params;  // the gathered whole parameters [end - begin] (kComm) between gather and free
+    Tensor unit_grads;   // the unit's whole gradients [end - begin] (kComm) from before_backward to their reduction
+    parallel::Work unit_gather;
+    bool unit_gather_in_flight = false;
+    bool unit_reduce_in_flight = false;
   };
   // Where a param lives: its group, bucket and element offset in the group's buffer.
   struct Slot {
@@ -114,11 +130,20 @@ class DistributedDataParallel : public ModelHooks {
   void zero_grad();
   // Reductions start only during the backward of the last micro-batch (default true).
   void set_last_microbatch(bool last) { last_microbatch_ = last; }
-  // overlap_param_gather: waits for the all-gathers of the buckets holding module's params.
+  // overlap_param_gather: waits for the all-gathers of the buckets holding module's params. FSDP optim_grads_params:
+  // gathers the unit's parameters (waiting for a prefetch) and starts the next unit's gather.
   void before_forward(int module) override;
+  // FSDP optim_grads_params: frees the unit's gathered parameters.
+  void after_forward(int module) override;
+  // FSDP: gathers the unit's parameters again (prefetching the previous unit's) with optim_grads_params; with sharded
+  // gradients binds its params' gradients to a fresh zeroed whole buffer.
+  void before_backward(int module) override;
   // A 16-bit grad_dtype: rounds module's gradients to it (every micro-batch; a module's gradients must be handed over
   // here before the next micro-batch adds to them). overlap_grad_reduce on the last
   // micro-batch: TP sums of module's grad_sum_over_tp params, then launches every bucket whose modules are all done.
+  // FSDP with sharded gradients (every micro-batch): the unit's TP sums, the 1 / dp-cp scaling and the reduce-scatter
+  // into this rank's gradient shard (completed during the next unit's backward); optim_grads_params frees the
+  // parameters.
   void after_backward(int module) override;
   // Launches whatever has not been launched, waits for all. Afterwards every Param::grad holds the gradient summed
   // over the group and divided by the dp-cp size; with the distributed optimizer only this rank's shard of each
@@ -138,6 +163,18 @@ class DistributedDataParallel : public ModelHooks {
   void quantize_replicated_weights();
   bool has_quantized_groups() const;
 
+  // A bucket's elements [lo, hi) (buffer coordinates, inside what the bucket stores: its shard when sharded) of the
+  // group's gradient / parameter storage, as a view.
+  Tensor grad_view(int bucket, int64_t lo, int64_t hi) const;
+  Tensor param_view(int bucket, int64_t lo, int64_t hi) const;
+  // Rounds every parameter value this rank stores (whole params and FSDP parameter shards) to `dtype`.
+  void round_params_(DType dtype);
+  // FSDP optim_grads_params: true while some unit's parameters are held as shards only (Param::value undefined).
+  bool shards_params() const;
+  // FSDP: gathers every sharded unit's parameters into Param::value (FsdpUnshardedScope); reshard_all frees them,
+  // first taking this rank's shard from the whole values with write_back.
+  void unshard_all();
+  void reshard_all(bool write_back);
   const DdpOptions& options() const { return options_; }
   const parallel::ParallelState& parallel() const { return parallel_; }
   ParamStore& params() { return params_; }
@@ -160,6 +197,21 @@ class DistributedDataParallel : public ModelHooks {
   void wait_bucket_gather(Bucket& bucket);
   void decode_param_gather(Bucket& bucket);  // a finished 16-bit all-gather into the parameter buffer
   void reset_round();
+  // FSDP (optim/fsdp.cpp).
+  bool fsdp_zero3() const;
+  bool fsdp_sharded_grads() const;
+  const std::vector<int>& buckets_of(int module) const;
+  void start_unit_gather(int module);
+  void bind_unit_params(int module);  // waits for the unit's gathers, then Param::value views of them
+  void free_unit_params(int module);
+  void free_bucket_params(Bucket& bucket);
+  void bind_unit_grads(int module);
+  void reduce_unit_grads(int module);
+  void complete_unit_reduces();  // waits for the reduce-scatters in flight, adds them into the gradient shards
+  void bind_param_value(int param_index, const Tensor& whole);
+  static constexpr int kNoModule = -1000000;
+  int unit_in_backward_ = kNoModule;          // the module between before_backward and after_backward
+  std::vector<std::vector<int64_t>> shapes_;  // [param] -> its local shape (values and gradients may be unbound)
 
   ParamStore& params_;
   parallel::ParallelState parallel_;

@@ -83,22 +83,21 @@ bool DistributedAdamW::fp32_states() const {
 }
 
 Tensor DistributedAdamW::param_piece(const Piece& piece) const {
-  const auto& group = ddp_.groups()[static_cast<size_t>(ddp_.slots()[static_cast<size_t>(piece.param)].group)];
-  return group.param_buffer.slice_rows(piece.offset, piece.offset + piece.numel);
+  return ddp_.param_view(piece.bucket, piece.offset, piece.offset + piece.numel);
 }
 
 void DistributedAdamW::main_params_from_model() {
   if (replicated_) return replicated_->main_params_from_model();
   if (main_.empty()) return;
   if (remainders_) {  // TE: the master is the bf16 weight with a zero remainder
-    for (Param& p : params_) ops::round_to_dtype_(p.value, options_.params_dtype);
+    ddp_.round_params_(options_.params_dtype);
     for (Piece& piece : pieces_) piece.remainder.zero_();
     return;
   }
   // Megatron's main parameters are the 16-bit model parameters widened (shard_model_param.clone().float()): every
   // rank rounds the whole replicated model alike (so the shards gathered later agree with the rest), then copies its
   // shard; the quantized weights become their quantization (of the rounded values, as every later gather).
-  for (Param& p : params_) ops::round_to_dtype_(p.value, options_.params_dtype);
+  ddp_.round_params_(options_.params_dtype);
   for (Piece& piece : pieces_) piece.main.assign(param_piece(piece));
   ddp_.quantize_replicated_weights();
 }
@@ -109,7 +108,7 @@ void DistributedAdamW::model_from_main_params() {
   if (options_.main_params_format != StateFormat::kF32) {
     // TE holds the master weights: the loaded model weights stay (rounded to their dtype), as Megatron's
     // precision-aware path copies main to model parameters only inside the optimizer step.
-    for (Param& p : params_) ops::round_to_dtype_(p.value, options_.params_dtype);
+    ddp_.round_params_(options_.params_dtype);
     return;
   }
   for (const Piece& piece : pieces_) {
@@ -129,8 +128,7 @@ bool DistributedAdamW::counted_in_norm(const Param& p) const {
 }
 
 Tensor DistributedAdamW::grad_piece(const Piece& piece) const {
-  const auto& group = ddp_.groups()[static_cast<size_t>(ddp_.slots()[static_cast<size_t>(piece.param)].group)];
-  return group.grad_buffer.slice_rows(piece.offset, piece.offset + piece.numel);
+  return ddp_.grad_view(piece.bucket, piece.offset, piece.offset + piece.numel);
 }
 
 double DistributedAdamW::grad_norm() const {

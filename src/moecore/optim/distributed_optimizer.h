@@ -51,6 +51,7 @@ class DistributedAdamW {
     }
   }
   const AdamWOptions& options() const { return options_; }
+  const DistributedDataParallel& ddp() const { return ddp_; }
   // The scheduler's weight decay for the next step (Megatron's param_group['weight_decay']).
   void set_weight_decay(double weight_decay) {
     options_.weight_decay = weight_decay;

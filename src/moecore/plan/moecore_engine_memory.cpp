@@ -160,6 +160,9 @@ double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool mo
   a += 4 * (x.tm * s.h + x.tm * s.experts);          // router input copy, probs (fp32)
   a += x.r * (x.a * (s.h + s.glu * fml + fml) + 4);  // dispatched rows, fc1 output, fc2 input; probs (fp32)
   if (r.has("moe_act")) a -= x.a * x.r * fml;
+  // Without memory-efficient permutation the experts keep their output before the probability, and ones (fp32) for
+  // their own probabilities.
+  if (!s.config.moe.memory_efficient_permutation) a += x.r * (x.a * s.h + 4);
   if (s.sh > 0 && !r.has("shared_experts")) {
     a += x.a * ((l.tp() > 1 ? x.t * s.h : 0) + x.t * s.glu * s.sh / l.tp() + x.t * s.sh / l.tp());
     if (s.config.moe.shared_expert_gate) a += x.a * (x.tm + x.tm * s.h);
@@ -171,6 +174,7 @@ double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool mo
 double backward_transient(const Shape& s, const Layout& l, const Tokens& x, const bool moe) {
   if (moe) {  // the MoE layer's input gradient stays fp32 (the router adds to it unrounded)
     double t = x.a * (3 * x.ta * s.h + 2 * x.r * s.h + x.r * s.glu * s.fm / l.etp()) + 4 * x.tm * s.h;
+    if (!s.config.moe.memory_efficient_permutation) t += x.a * x.r * s.h;  // the gradient of the output before p
     if (l.tp() > 1 && !l.sp) t += x.a * 2 * x.tm * s.h;
     return t;
   }

@@ -94,9 +94,6 @@ const std::vector<FlagSpec<Parser>>& planner_flag_table() {
        p.mtp = v.integer_in(0, 1 << 16);
        p.rest.insert(p.rest.end(), {std::string(v.flag), v.text()});  // train builds the depths too
      }},
-    {"--no-moe-memory-efficient-permutation", Arity::kSwitch, "",
-     "routed experts' probabilities applied at the combine (the fc2 output kept for their gradient)",
-     [](Parser& p, const FlagValue&) { p.out.memory_efficient_permutation = false; }},
     {"--moe-token-dispatcher-type", Arity::kOne, "{allgather,alltoall,flex}", "the dispatcher (flex is modelled as "
      "the all-to-all)",
      [](Parser& p, const FlagValue& v) { p.out.dispatcher = v.choice({"allgather", "alltoall", "flex"}); }},
@@ -223,6 +220,10 @@ std::vector<std::string> train_tokens(const PlanArgs& args, const LayoutChoice& 
 void finish(PlanArgs& out, const LayoutChoice& layout, const std::vector<std::string>& split_switches,
             const std::map<std::string, std::string>& split_values) {
   out.train = parse_train_args(train_tokens(out, layout, split_switches, split_values), static_cast<int>(out.num_gpus));
+  // The planner's memory and time models have no Megatron-FSDP shards (optim/fsdp.h) yet: a plan would count whole
+  // parameters and gradients.
+  require(!out.train.use_megatron_fsdp,
+          "moecore plan does not model --use-megatron-fsdp yet (it would count whole parameters and gradients)");
   // The flags' MTP depths: train's split gets none where the layout places them on stages of their own ('m'
   // cells, train_tokens), which the planner models as Megatron does.
   const int64_t mtp_num_layers = out.model.config.mtp_num_layers;
@@ -328,6 +329,7 @@ PlanArgs parse_plan_flags(const std::vector<std::string>& args) {
   take("--num-virtual-stages-per-pipeline-rank", layout.vpp);
   finish(out, layout, p.layout_switches, split_values);
   out.recompute = out.train.model.recompute;
+  out.memory_efficient_permutation = out.train.model.moe.memory_efficient_permutation;
   if (out.model.config.mla) {
     require(!out.train.group_query_attention,
             "--multi-latent-attention cannot be combined with --group-query-attention");

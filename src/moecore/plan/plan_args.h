@@ -8,10 +8,6 @@
 //                            multiple of --make-vocab-size-divisible-by x TP. Default 32000.
 //   --multi-latent-attention, --q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim,
 //   --mtp-num-layers         Megatron's flags and defaults
-//   --no-moe-memory-efficient-permutation
-//                            the routed experts' probabilities applied after fc2, at the combine (the fc2 output is
-//                            kept for their gradient) instead of between the activation and fc2 (Megatron's and
-//                            moecore's default, the report's memory-efficient permutation)
 //   --moe-token-dispatcher-type {allgather,alltoall,flex}, --overlap-moe-expert-parallel-comm (Megatron's 1F1B
 //                            all-to-all overlap)
 //   --num-gpus N (required), --gpu NAME (default H100), --gpu-memory-gib, --peak-tflops-bf16, --peak-tflops-fp8,

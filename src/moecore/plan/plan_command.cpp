@@ -46,15 +46,15 @@ nlohmann::json memory_json(const StageMemory& m, const double limit_gib, const b
                    {"activations", m.activations / unit},
                    {"comm_buffers", m.comm_buffers / unit},
                    {"total", m.total() / unit}};
+  nlohmann::json modules = nlohmann::json::object();
+  for (const NamedBytes& part : m.activations_by_module) modules[part.name] = part.bytes / unit;
+  j["activations_by_module"] = modules;
   if (mib) {
-    // moecore's own log categories: params, grads, optimizer, activations.
+    // moecore's own log categories: params, grads, optimizer, activations (by model part as the log names them).
     j["params"] = m.weights / unit;
     j["optimizer"] = m.main_weights_and_optimizer / unit;
   } else {
     j["limit"] = limit_gib;
-    nlohmann::json modules = nlohmann::json::object();
-    for (const NamedBytes& part : m.activations_by_module) modules[part.name] = part.bytes / unit;
-    j["activations_by_module"] = modules;
     j["live_microbatch_chunks"] = m.live_chunks_at_peak;
   }
   return j;

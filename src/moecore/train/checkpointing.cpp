@@ -215,9 +215,14 @@ void load_model_only(const LoadPlan& plan, const TrainingArgs& run_args, const C
       upcycled = upcycled_state_source(*stored, run_args.model, run_args.moe_upcycling_granularity,
                                        static_cast<uint64_t>(run_args.seed), run_args.model.init_method_std);
     }
-    StateDict model_state;
-    add_model_state(model_state, target.model);
-    load_state(upcycle ? *upcycled : *stored, model_state, nullptr, is_vocab_key);
+    {
+      // Megatron-FSDP: the sharded units' parameters whole while the HF / upcycled weights load, each rank's shard
+      // taken from them after.
+      const FsdpUnshardedScope unsharded(target.ddp, true);
+      StateDict model_state;
+      add_model_state(model_state, target.model);
+      load_state(upcycle ? *upcycled : *stored, model_state, nullptr, is_vocab_key);
+    }
     target.optimizer.main_params_from_model();
     target.optimizer.set_steps_taken(0);
     if (upcycle) progress.iteration = 1;

@@ -35,6 +35,7 @@ void finish_training(const TrainingArgs& args, GPTModel& model, DistributedDataP
                      const Vocabulary& vocabulary, const parallel::ParallelState& parallel,
                      const FullModelCallback& on_full_model, std::ostream& log) {
   ddp.wait_param_gather();
+  const FsdpUnshardedScope unsharded(ddp, false);  // Megatron-FSDP: every unit's parameters whole
   std::unique_ptr<GPTModel> gathered;
   if (parallel.world.size() > 1) gathered = gather_full_model(model, static_cast<uint64_t>(args.seed));
   GPTModel& full_model = gathered ? *gathered : model;

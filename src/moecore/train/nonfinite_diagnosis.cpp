@@ -25,6 +25,7 @@ std::string module_name(const int64_t module, const int64_t num_layers) {
 }
 
 std::optional<NonFiniteTensor> describe_tensor(const Param& p, const Tensor& values) {
+  if (!values.defined()) return std::nullopt;  // a Megatron-FSDP shard held elsewhere (optim/fsdp.h)
   const std::optional<NonFiniteElement> bad = first_nonfinite(values);
   if (!bad) return std::nullopt;
   return NonFiniteTensor{

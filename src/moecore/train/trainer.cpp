@@ -39,7 +39,10 @@ void print_layout(const TrainingArgs& args, const parallel::ParallelState& paral
       << args.parallel.expert_model_parallel_size << ", ETP " << args.parallel.expert_tensor_parallel() << ", DP "
       << parallel.dp_size() << ", expert DP " << parallel.edp.size()
       << (parallel.sequence_parallel && args.parallel.tensor_model_parallel_size > 1 ? ", sequence parallel" : "")
-      << (args.use_distributed_optimizer ? ", distributed optimizer" : "") << std::endl;
+      << (args.use_megatron_fsdp           ? ", Megatron-FSDP " + args.data_parallel_sharding_strategy
+          : args.use_distributed_optimizer ? ", distributed optimizer"
+                                           : "")
+      << std::endl;
 }
 
 // The unigram baseline over the whole train split (capped): the frequencies a context-free model would know at best.

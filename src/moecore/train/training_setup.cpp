@@ -114,6 +114,17 @@ ModelAndOptimizer build_model_and_optimizer(const TrainingArgs& run_args, const 
   if (bf16_grads || fp16_grads) ddp_options.grad_dtype = params_dtype;
   ddp_options.param_gather_dtype = params_dtype;
   ddp_options.quantized_param_gather = run_args.fp8_param_gather || run_args.fp4_param_gather;
+  if (run_args.use_megatron_fsdp) {
+    // Megatron-FSDP (optim/fsdp.h): every decoder layer a unit. no_shard keeps Adam states whole on every rank
+    // (the distributed optimizer's shards are what optim and above shard).
+    FsdpOptions fsdp;
+    fsdp.strategy = *parse_sharding_strategy(run_args.data_parallel_sharding_strategy);
+    fsdp.num_units = static_cast<int>(run_args.model.num_layers);
+    ddp_options.fsdp = fsdp;
+    ddp_options.use_distributed_optimizer = fsdp.strategy != ShardingStrategy::kNoShard;
+    // Megatron-FSDP's main gradients: --megatron-fsdp-main-grads-dtype auto, the weights' dtype.
+    ddp_options.grad_dtype = params_dtype;
+  }
   out.ddp = std::make_unique<DistributedDataParallel>(out.model->params(), parallel, ddp_options);
   out.model->set_hooks(out.ddp.get());
   out.optimizer = std::make_unique<DistributedAdamW>(*out.ddp, out.model->params(), adam);

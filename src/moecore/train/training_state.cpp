@@ -1,7 +1,9 @@
 #include "moecore/train/training_state.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moecore {
@@ -43,8 +45,9 @@ void add_optimizer_state(StateDict& state, const ParamStore& params, const std::
       const Param& p = params[i];
       const AdamWMomentSlice* s = slice_of[i];
       StatePlacement placement{p.shard};
-      if (s != nullptr && s->begin == 0 && s->end == p.value.numel()) {  // the whole local tensor
-        state.add_tensor(prefix + p.name, tensor_of(*s).view(p.value.shape()), placement);
+      // The local tensor's size from its placement: a Megatron-FSDP param may hold no whole value.
+      if (s != nullptr && s->begin == 0 && s->end == local_numel(placement)) {  // the whole local tensor
+        state.add_tensor(prefix + p.name, tensor_of(*s).view(shard_shape(p.shard)), placement);
       } else if (s != nullptr) {  // a distributed-optimizer piece: a flat range of the local tensor
         placement.flat_begin = s->begin;
         placement.flat_end = s->end;
@@ -141,12 +144,46 @@ void add_delayed_scaling_state(StateDict& state, const DelayedScalingStates& sta
   }
 }
 
+void add_model_state(StateDict& state, const GPTModel& model, const DistributedDataParallel& ddp) {
+  const ParamStore& params = model.params();
+  if (params.size() != ddp.slots().size()) throw std::logic_error("add_model_state: another model's DDP");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Param& p = params[i];
+    if (p.value.defined()) {
+      state.add_tensor(p.name, p.value, StatePlacement{p.shard});
+      continue;
+    }
+    // Megatron-FSDP's parameter shard: a flat range of the local tensor, as the distributed optimizer's moments.
+    const DistributedDataParallel::Slot& slot = ddp.slots()[i];
+    const DistributedDataParallel::Bucket& b = ddp.buckets()[static_cast<size_t>(slot.bucket)];
+    const int64_t lo = std::max(slot.offset, b.shard_begin);
+    const int64_t hi = std::min(slot.offset + slot.numel, b.shard_begin + b.shard_size);
+    StatePlacement placement{p.shard};
+    if (lo < hi) {
+      placement.flat_begin = lo - slot.offset;
+      placement.flat_end = hi - slot.offset;
+      state.add_tensor(p.name, ddp.param_view(slot.bucket, lo, hi), placement);
+    } else {  // wholly in other ranks' shards: an empty range, so every rank lists the same keys
+      placement.flat_end = 0;
+      state.add_tensor(p.name, Tensor(std::vector<int64_t>{0}, DType::kF32, MemCategory::kParams), placement);
+    }
+  }
+  for (const Buffer& buffer : model.named_buffers()) {
+    state.add_tensor(buffer.name, buffer.value, StatePlacement{buffer.shard});
+  }
+}
+
 namespace {
 
-StateDict assemble(const GPTModel& model, const std::vector<AdamWMomentSlice>& slices, const int64_t step,
-                   const LRSchedule& schedule, const TrainingProgress& progress, const int64_t seed) {
+StateDict assemble(const GPTModel& model, const DistributedDataParallel* ddp,
+                   const std::vector<AdamWMomentSlice>& slices, const int64_t step, const LRSchedule& schedule,
+                   const TrainingProgress& progress, const int64_t seed) {
   StateDict state;
-  add_model_state(state, model);
+  if (ddp != nullptr) {
+    add_model_state(state, model, *ddp);
+  } else {
+    add_model_state(state, model);
+  }
   add_delayed_scaling_state(state, model.delayed_scaling());
   add_optimizer_state(state, model.params(), slices, step);
   add_lr_scheduler_state(state, schedule);
@@ -158,18 +195,19 @@ StateDict assemble(const GPTModel& model, const std::vector<AdamWMomentSlice>& s
 
 StateDict training_state(const GPTModel& model, const DistributedAdamW& optimizer, const LRSchedule& schedule,
                          const TrainingProgress& progress, const int64_t seed) {
-  return assemble(model, optimizer.moment_slices(), optimizer.steps_taken(), schedule, progress, seed);
+  return assemble(model, &optimizer.ddp(), optimizer.moment_slices(), optimizer.steps_taken(), schedule, progress,
+                  seed);
 }
 
 StateDict training_state(const GPTModel& model, const DistributedAdamW& optimizer,
                          const std::vector<AdamWMomentSlice>& slices, const LRSchedule& schedule,
                          const TrainingProgress& progress, const int64_t seed) {
-  return assemble(model, slices, optimizer.steps_taken(), schedule, progress, seed);
+  return assemble(model, &optimizer.ddp(), slices, optimizer.steps_taken(), schedule, progress, seed);
 }
 
 StateDict training_state(const GPTModel& model, const AdamWOptimizer& optimizer, const LRSchedule& schedule,
                          const TrainingProgress& progress, const int64_t seed) {
-  return assemble(model, optimizer.moment_slices(), optimizer.steps_taken(), schedule, progress, seed);
+  return assemble(model, nullptr, optimizer.moment_slices(), optimizer.steps_taken(), schedule, progress, seed);
 }
 
 }  // namespace moecore

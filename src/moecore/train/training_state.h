@@ -51,6 +51,11 @@
 
 namespace moecore {
 
+// The model's parameters and buffers (ckpt/state_dict.h add_model_state), a Megatron-FSDP parameter held as this
+// rank's shard (Param::value unbound between its unit's uses, optim/fsdp.h) as the flat range of its local tensor the
+// shard covers (an empty range where it covers none), so FSDP shards save and load under the same global keys.
+void add_model_state(StateDict& state, const GPTModel& model, const DistributedDataParallel& ddp);
+
 // The int64 stored for a decay style: its position in LRDecayStyle (0 constant, 1 linear, 2 cosine,
 // 3 inverse-square-root, 4 WSD).
 int64_t lr_decay_style_code(LRDecayStyle style);
