@@ -18,6 +18,7 @@
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/train/trainer.h"
 #include "moecore/train/training_setup.h"
+#include "parallel/model_tensors.h"
 
 namespace {
 
@@ -29,14 +30,7 @@ struct Snapshot {
 Snapshot snapshot(const moecore::GPTModel& model, const std::vector<double>& losses) {
   Snapshot out;
   out.losses = losses;
-  for (const moecore::Param& p : model.params()) {
-    const auto v = p.value.span<float>();
-    out.tensors[p.name].assign(v.begin(), v.end());
-  }
-  for (const moecore::Buffer& b : model.named_buffers()) {
-    const auto v = b.value.span<float>();
-    out.tensors[b.name].assign(v.begin(), v.end());
-  }
+  out.tensors = moecore::test::model_tensors(model);
   return out;
 }
 

@@ -19,6 +19,7 @@
 #include "moecore/tensor/memory_tracker.h"
 #include "moecore/train/trainer.h"
 #include "moecore/train/training_setup.h"
+#include "parallel/model_tensors.h"
 
 namespace {
 
@@ -68,16 +69,8 @@ Run train(const Flags& flags, const int world_size) {
   const int64_t before = tracker.current(moecore::MemCategory::kActivations);
   Run run;
   std::ostringstream log;
-  const moecore::TrainResult result = moecore::run_training(args, log, parallel, [&](const moecore::GPTModel& full) {
-    for (const moecore::Param& p : full.params()) {
-      const auto v = p.value.span<float>();
-      run.tensors[p.name].assign(v.begin(), v.end());
-    }
-    for (const moecore::Buffer& b : full.named_buffers()) {
-      const auto v = b.value.span<float>();
-      run.tensors[b.name].assign(v.begin(), v.end());
-    }
-  });
+  const moecore::TrainResult result = moecore::run_training(
+      args, log, parallel, [&](const moecore::GPTModel& full) { run.tensors = moecore::test::model_tensors(full); });
   run.losses = result.train_losses;
   int64_t peak = tracker.peak(moecore::MemCategory::kActivations) - before;
   parallel.world.all_reduce(std::span<int64_t>(&peak, 1), moecore::parallel::ReduceOp::kMax);

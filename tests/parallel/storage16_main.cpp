@@ -22,6 +22,7 @@
 #include "moecore/tensor/memory_tracker.h"
 #include "moecore/train/trainer.h"
 #include "moecore/train/training_setup.h"
+#include "parallel/model_tensors.h"
 
 namespace {
 
@@ -46,16 +47,8 @@ Run train(moecore::TrainingArgs args, const moecore::parallel::ParallelState& pa
   Run run;
   const double cpu_before = cpu_seconds();
   std::ostringstream log;
-  const moecore::TrainResult result = moecore::run_training(args, log, parallel, [&](const moecore::GPTModel& full) {
-    for (const moecore::Param& p : full.params()) {
-      const auto v = p.value.span<float>();
-      run.tensors[p.name].assign(v.begin(), v.end());
-    }
-    for (const moecore::Buffer& b : full.named_buffers()) {
-      const auto v = b.value.span<float>();
-      run.tensors[b.name].assign(v.begin(), v.end());
-    }
-  });
+  const moecore::TrainResult result = moecore::run_training(
+      args, log, parallel, [&](const moecore::GPTModel& full) { run.tensors = moecore::test::model_tensors(full); });
   run.losses = result.train_losses;
   run.log = log.str();
   run.cpu_seconds = cpu_seconds() - cpu_before;
