@@ -2,8 +2,8 @@
 # MoE layer with gated shared experts, grouped experts, dropout, router input jitter, expert bias, aux / seq-aux /
 # z losses) trained 5 steps without recomputation and with each recompute option, in one process and under
 # TP2 + SP x EP2, PP2, CP2 and Megatron-FSDP (ZeRO-3, also with PP2), and with multi-latent attention, Multi-Token Prediction (full recomputation
-# checkpoints each depth), global_aux_loss, --bf16 and FP8 delayed scaling; losses and parameters bit-identical, the
-# activation peak lower.
+# checkpoints each depth), global_aux_loss, --bf16 and FP8 delayed scaling; losses and parameters bit-identical, in one
+# process the activation peak lower.
 add_executable(dist_recompute_test recompute_main.cpp)
 target_link_libraries(dist_recompute_test PRIVATE moecore_train)
 

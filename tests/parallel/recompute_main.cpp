@@ -1,8 +1,9 @@
 // Activation recomputation is exact: `dist_recompute_test --variants V... -- <moecore train flags>` trains the
 // configuration as given, then once per variant with that variant's recompute flags added, in the same layout (one
 // process, or under mpirun), and requires every iteration's lm loss and every final parameter and buffer of the
-// gathered model to be bit-identical to the run without recomputation, and the activation peak (the maximum over
-// the ranks of MemoryTracker's) to be lower (but for core_attn, below). Exit status 1 on any difference.
+// gathered model to be bit-identical to the run without recomputation, and in one process the activation peak
+// (MemoryTracker's; over several ranks the maximum over the ranks is printed) to be lower. Exit status 1 on any
+// difference.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -127,11 +128,10 @@ int main(int argc, char** argv) {
       const Run run = train(flags, world_size);
       if (!rank0) continue;
       std::string problem = difference(run, plain);
-      // core_attn drops only the log-sum-exp (moecore's attention never stores the S x S probabilities), less than
-      // the attention forward's own scratch during its recompute, so its peak need not fall (Megatron warns that
-      // core_attn recompute is of no use with fused attention); tests/unit/model_recompute_test.cpp checks what it
-      // keeps.
-      if (problem.empty() && name != "core_attn" && run.activation_peak >= plain.activation_peak) {
+      // Over several ranks the peak depends on when the pipeline's and the collectives' buffers arrive, and
+      // core_attn's saving (the log-sum-exp alone: moecore's attention never stores the S x S probabilities) is
+      // smaller than that jitter, so the fall is required in one process only.
+      if (problem.empty() && world_size == 1 && run.activation_peak >= plain.activation_peak) {
         problem = "the activation peak did not fall";
       }
       std::cout << (problem.empty() ? "PASS " : "FAIL ") << name << ": activation peak " << run.activation_peak
