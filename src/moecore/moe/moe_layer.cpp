@@ -39,6 +39,15 @@ Tensor activation_tensor(std::vector<int64_t> shape) {
 
 }  // namespace
 
+// --moe-router-padding-for-quantization: the dispatcher moves the padded map (built into `padded`); the router's
+// statistics and backward keep the unpadded one (routing_padding.h).
+const RouterOutput& MoELayer::dispatched_routing(const RouterOutput& routing, const int64_t T,
+                                                 RouterOutput& padded) const {
+  if (config_.moe.router_padding_multiple <= 0) return routing;
+  padded = padded_routing(routing, T, config_.moe.num_experts, config_.moe.router_padding_multiple);
+  return padded;
+}
+
 Tensor MoELayer::forward(const Tensor& x_TH, const int64_t S, const int64_t B, const TokenRows& rows,
                          const bool training, const uint64_t seed, const uint64_t key,
                          MoELayerActivations& saved) const {
@@ -52,13 +61,8 @@ Tensor MoELayer::forward(const Tensor& x_TH, const int64_t S, const int64_t B, c
     const trace::Scope scope("router forward", "moe");
     saved.routing = router_->forward(x, S, B, training, seed, key, saved.router, rows);
   }
-  // --moe-router-padding-for-quantization: the dispatcher moves the padded map; the router's statistics and
-  // backward keep the unpadded one (routing_padding.h).
   RouterOutput padded;
-  if (config_.moe.router_padding_multiple > 0) {
-    padded = padded_routing(saved.routing, T, config_.moe.num_experts, config_.moe.router_padding_multiple);
-  }
-  const RouterOutput& dispatched = config_.moe.router_padding_multiple > 0 ? padded : saved.routing;
+  const RouterOutput& dispatched = dispatched_routing(saved.routing, T, padded);
   Tensor x_RH, shared_TH;
   if (overlap_shared_) {
     // Megatron's --moe-shared-expert-overlap: the shared experts run after the router, while the dispatch
@@ -171,10 +175,7 @@ Tensor MoELayer::recompute(const Tensor& x_TH, MoELayerActivations& saved, const
     saved.routing = std::move(routing);
   }
   RouterOutput padded;
-  if (config_.moe.router_padding_multiple > 0) {
-    padded = padded_routing(saved.routing, T, config_.moe.num_experts, config_.moe.router_padding_multiple);
-  }
-  const RouterOutput& dispatched = config_.moe.router_padding_multiple > 0 ? padded : saved.routing;
+  const RouterOutput& dispatched = dispatched_routing(saved.routing, T, padded);
   Tensor x_RH;
   {
     const trace::Scope scope("dispatch recompute", "moe");

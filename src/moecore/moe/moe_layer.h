@@ -66,6 +66,9 @@ class MoELayer {
   TopKRouter& router() { return *router_; }
 
  private:
+  // The routing the dispatcher moves: `routing`, or its padding into `padded` (--moe-router-padding-for-quantization).
+  const RouterOutput& dispatched_routing(const RouterOutput& routing, int64_t T, RouterOutput& padded) const;
+
   ModelConfig config_;
   std::unique_ptr<TopKRouter> router_;
   std::unique_ptr<TokenDispatcher> dispatcher_;
