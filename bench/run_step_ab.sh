@@ -5,13 +5,15 @@
 # order alternating between rounds; each process times STEPS steps after 1 warm-up step (`elapsed time per
 # iteration` at --log-interval 1). Reported: the median and the minimum over all timed steps of all rounds (the
 # machine is shared: load from elsewhere hits single steps), and after / before of each.
-# usage: bench/run_step_ab.sh BEFORE_BINARY AFTER_BINARY [ROUNDS] [STEPS]   (defaults: 3 rounds x 3 steps)
+# Flags after STEPS go to every run (e.g. --bf16).
+# usage: bench/run_step_ab.sh BEFORE_BINARY AFTER_BINARY [ROUNDS] [STEPS] [FLAGS...]   (defaults: 3 rounds x 3 steps)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 before=${1:?usage: bench/run_step_ab.sh BEFORE_BINARY AFTER_BINARY [ROUNDS] [STEPS]}
 after=${2:?usage: bench/run_step_ab.sh BEFORE_BINARY AFTER_BINARY [ROUNDS] [STEPS]}
 rounds=${3:-3}
 steps=${4:-3}
+extra=("${@:5}")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -20,8 +22,9 @@ isa=$(for f in avx2 avx512f avx512_bf16 amx_tile; do grep -qw "$f" /proc/cpuinfo
 echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $cpu, ISA:${isa:- no avx2}, 2 threads, $rounds rounds x $steps steps"
 echo "# before: $before"
 echo "# after:  $after"
+[ ${#extra[@]} -eq 0 ] || echo "# flags:  ${extra[*]}"
 
-run_flags=(--mock-data --tokenizer-type NullTokenizer --eval-iters 0 --lr-warmup-iters 1 --threads 2)
+run_flags=(--mock-data --tokenizer-type NullTokenizer --eval-iters 0 --lr-warmup-iters 1 --threads 2 "${extra[@]}")
 # shellcheck source=bench/moe_step_models.sh
 source bench/moe_step_models.sh
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Under --bf16 / --fp16 activations are stored in 16 bits (ops/precision.h, Megatron's Float16Module): the demo model
 # (configs/demo.args; two iterations on mock data) trained in fp32 and in bf16 / fp16, and the training log's memory
-# lines read for each. The activation peak falls in the fused output layer + loss, whose workspace stays fp32 in every
-# precision (its [V, H] output weight gradient per micro-batch, Megatron's fp32 main_grad, and its fp32 logits chunk);
-# the rest of the activations at the peak (what the embedding and the layers keep for backward, by model part: the
-# log's "activations at their peak by model part" line) must be at most 0.55 of the fp32 run's. Both ratios print.
+# lines read for each. The activation peak (the log's activations peak, every activation of the step) must be at most
+# 0.55 of the fp32 run's. It falls in the fused output layer + loss, whose fp32 logits chunk is half as big under 16-bit
+# activations (model/vocab_parallel.h); what the embedding and the layers keep for backward at that moment (the log's
+# "activations at their peak by model part" line, less the output layer + loss) prints next to it.
 set -u
 source "$(dirname "$0")/lib/setup.sh" "$@"
 demo=()
@@ -47,9 +47,9 @@ for precision in bf16 fp16; do
   fi
   verdict=$(python3 -c "
 fp32_peak, fp32_layers, peak, layers = $fp32_peak, $fp32_layers, $peak, $layers
-ratio = layers / fp32_layers
+ratio = peak / fp32_peak
 print(('ok' if ratio <= 0.55 else 'FAIL') + f' $precision: activation peak {peak:.1f} MiB vs fp32 {fp32_peak:.1f} MiB '
-      f'({peak / fp32_peak:.3f} x); outside the output layer + loss {layers:.1f} vs {fp32_layers:.1f} MiB ({ratio:.3f} x)')")
+      f'({ratio:.3f} x); outside the output layer + loss {layers:.1f} vs {fp32_layers:.1f} MiB ({layers / fp32_layers:.3f} x)')")
   case $verdict in
     ok*) echo "$verdict" ;;
     *) fail "${verdict#FAIL }" ;;

@@ -476,6 +476,7 @@ int run(int argc, char** argv) {
       std::unique_ptr<MicroBatchContext> ctx;
       ForwardOptions forward_options;
       forward_options.training = true;
+      forward_options.backward_seed = 1.0 / static_cast<double>(M);
       forward_options.dropout_stream = static_cast<uint64_t>(step * M + m);
       if (!position_ids.empty()) forward_options.position_ids_BS = position_ids.data() + first;
       if (!document_ids.empty()) forward_options.document_ids_BS = document_ids.data() + first;

@@ -76,7 +76,8 @@ void run(const ProcessGroup& world) {
   GPTModel reference(c, kSeed);
   std::mt19937 gen(3);
   std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(c.vocab_size - 1));
-  ForwardOptions options;
+  ForwardOptions options, reference_options;
+  options.backward_seed = 1.0 / dp;  // the backward's loss scale below
   for (int step = 1; step <= 3; ++step) {
     std::vector<int32_t> tokens(kBatch * kS), labels(kBatch * kS);  // [B, S]
     for (size_t i = 0; i < tokens.size(); ++i) {
@@ -89,7 +90,7 @@ void run(const ProcessGroup& world) {
     const std::vector<int32_t> my_tokens = mine(tokens), my_labels = mine(labels);
     std::unique_ptr<MicroBatchContext> ctx, ref_ctx;
     model.forward(ctx, my_tokens.data(), my_labels.data(), nullptr, b_local, kS, options);
-    reference.forward(ref_ctx, tokens.data(), labels.data(), nullptr, kBatch, kS, options);
+    reference.forward(ref_ctx, tokens.data(), labels.data(), nullptr, kBatch, kS, reference_options);
     compare(model, reference, "step " + std::to_string(step) + " after forward");
     model.backward(std::move(ctx), 1.0 / dp);
     reference.backward(std::move(ref_ctx), 1.0);

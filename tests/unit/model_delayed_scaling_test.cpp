@@ -108,6 +108,7 @@ TEST(ModelDelayedScalingMicroBatches, InputScalesMoveEachMicroBatchWeightsOncePe
   std::mt19937 gen(6);
   const Batch b1 = random_batch(gen, config.vocab_size), b2 = random_batch(gen, config.vocab_size);
   ForwardOptions first, later;
+  first.backward_seed = later.backward_seed = 0.5;
   later.is_first_microbatch = false;
   // Step 1, two micro-batches forward before their backwards (as a pipeline schedule may run them).
   std::unique_ptr<MicroBatchContext> c1, c2;

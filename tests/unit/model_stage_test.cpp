@@ -74,6 +74,7 @@ ForwardOptions training_options() {
   o.training = true;
   o.dropout_seed = 99;
   o.dropout_stream = 3;
+  o.backward_seed = 0.5;  // the loss scale the backwards below are given
   return o;
 }
 
@@ -198,6 +199,16 @@ TEST(ModelStageTest, BadStagesAreRefused) {
   std::unique_ptr<MicroBatchContext> ctx;
   EXPECT_THROW(second.forward(ctx, nullptr, batch.labels_BS.data(), nullptr, kB, kS, training_options()),
                std::logic_error);  // no set_input_tensor
+}
+
+TEST(ModelStageTest, FusedOutputLossRefusesABackwardScaleOtherThanItsSeed) {
+  const ModelConfig config = tiny_moe_config(false, false);
+  const Batch batch = random_batch(config.vocab_size);
+  GPTModel model(config, kSeed);
+  std::unique_ptr<MicroBatchContext> ctx;
+  model.forward(ctx, batch.tokens_BS.data(), batch.labels_BS.data(), batch.mask_BS.data(), kB, kS, training_options());
+  // The weight gradient is already in the main gradient, scaled by the seed: another scale cannot be honoured.
+  EXPECT_THROW(model.backward(std::move(ctx), 0.25), std::logic_error);
 }
 
 }  // namespace

@@ -33,11 +33,6 @@ struct GPTModel::Modules {
 
 namespace {
 
-// The fused output layer's logits chunk: small next to the [T, V] logits of a language model's micro-batch, big
-// enough that the chunk's GEMMs (M = rows, and K = rows for the weight gradient) run near the machine's GEMM rate
-// (bench/bench_output_layer.cpp).
-constexpr int64_t kLogitsChunkBytes = int64_t{64} << 20;
-
 constexpr uint64_t kEmbeddingDropoutSite = 0;
 constexpr const char* kWordEmbeddings = "embedding.word_embeddings.weight";
 
@@ -274,13 +269,14 @@ double GPTModel::output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH
             static_cast<float>(ctx.loss_weight_SB[static_cast<size_t>(t)] * ctx.output_grad_seed);
       }
       ctx.output_dinput_TH = activation_tensor(input_TH.shape());
-      ctx.output_dweight_VH = fp32_tensor(weight_VH.shape());
     }
+    // The weight gradient goes straight into the fp32 main gradient, chunk by chunk (Megatron's gradient-accumulation
+    // fusion, which writes wgrad GEMMs into main_grad): no [V, H] copy per micro-batch.
+    Tensor* dweight_VH = ctx.training ? &m.output_layer.weight().grad : nullptr;
     const ops::VocabShard shard = m.cross_entropy.shard();
-    const int64_t chunk_rows = ops::linear_cross_entropy_chunk_rows(T, weight_VH.dim(0), kLogitsChunkBytes);
-    ops::linear_cross_entropy(losses_T, input_TH, weight_VH, ctx.labels_SB, chunk_rows,
-                              ctx.training ? &dlosses_T : nullptr, ctx.training ? &ctx.output_dinput_TH : nullptr,
-                              ctx.training ? &ctx.output_dweight_VH : nullptr, &shard);
+    ops::linear_cross_entropy(losses_T, input_TH, weight_VH, ctx.labels_SB,
+                              fused_logits_chunk_rows(T, weight_VH.dim(0)), ctx.training ? &dlosses_T : nullptr,
+                              ctx.training ? &ctx.output_dinput_TH : nullptr, dweight_VH, &shard);
   } else {
     ctx.logits_TV = m.output_layer.forward(ctx.final_out_TH, ctx.output_layer);
     if (logits_SBV) *logits_SBV = fp32_copy(ctx.logits_TV).view({ctx.S, ctx.B, ctx.logits_TV.dim(1)});
@@ -299,14 +295,7 @@ Tensor GPTModel::output_and_loss_backward(MicroBatchContext& ctx, const double l
   const int64_t T = ctx.S * ctx.B;
   Tensor dfinal_TH;
   if (ctx.output_dinput_TH.defined()) {
-    Param& weight = m.output_layer.weight();
-    {
-      const ops::ScopedActivationDType main_grads(DType::kF32);  // a weight gradient: no 16-bit rounding
-      if (loss_scale != ctx.output_grad_seed) ops::scale_(ctx.output_dweight_VH, loss_scale / ctx.output_grad_seed);
-      ops::add_(weight.grad, ctx.output_dweight_VH);
-    }
-    ctx.output_dweight_VH = Tensor();
-    if (loss_scale != ctx.output_grad_seed) ops::scale_(ctx.output_dinput_TH, loss_scale / ctx.output_grad_seed);
+    check_fused_backward_seed(ctx.output_grad_seed, loss_scale);
     dfinal_TH = m.output_layer.reduce_input_grad(ctx.output_dinput_TH);
     ctx.output_dinput_TH = Tensor();
   } else {

@@ -35,10 +35,10 @@ class MicroBatchContext {
   // Unfused output layer (when the caller asks for the logits): the logits, overwritten by dlogits in backward.
   Tensor logits_TV;
   Tensor lse_T;
-  // Fused output layer + loss: the loss's gradients (scale 1) w.r.t. the output layer's input (every token) and
-  // weight, made during forward.
-  Tensor output_dinput_TH, output_dweight_VH;
-  double output_grad_seed = 1.0;  // the seed output_dinput_TH / output_dweight_VH were formed with
+  // Fused output layer + loss: the loss's gradient w.r.t. the output layer's input (every token), made during forward
+  // (its weight gradient went into the main gradient then), scaled by output_grad_seed.
+  Tensor output_dinput_TH;
+  double output_grad_seed = 1.0;  // the backward seed of the forward: the backward's loss scale must equal it
   MtpActivations mtp;             // --mtp-num-layers (post-process)
 };
 

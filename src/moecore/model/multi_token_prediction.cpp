@@ -12,9 +12,6 @@
 namespace moecore {
 namespace {
 
-// The fused output layer's logits chunk, as the main loss's (gpt_model.cpp).
-constexpr int64_t kLogitsChunkBytes = int64_t{64} << 20;
-
 Tensor activation_tensor(std::vector<int64_t> shape) {
   return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
 }
@@ -130,7 +127,6 @@ std::vector<double> MultiTokenPrediction::forward(const Tensor& h0_TH, const Mtp
   saved.grad_seed = options.backward_seed;
   if (options.training) {
     saved.depths.resize(static_cast<size_t>(D));
-    saved.output_dweight_VH = fp32_tensor(output_layer_->weight().value.shape());
   }
   std::vector<double> losses;
   Tensor hidden_TH = h0_TH;
@@ -184,11 +180,11 @@ std::vector<double> MultiTokenPrediction::forward(const Tensor& h0_TH, const Mtp
       }
       a.output_dinput_TH = activation_tensor(input_TH.shape());
     }
+    // The weight gradient goes straight into the main gradient, as the main loss's (gpt_model.cpp).
     const ops::VocabShard shard = cross_entropy_->shard();
-    const int64_t chunk_rows = ops::linear_cross_entropy_chunk_rows(T, weight_VH.dim(0), kLogitsChunkBytes);
-    ops::linear_cross_entropy(losses_T, input_TH, weight_VH, labels, chunk_rows,
+    ops::linear_cross_entropy(losses_T, input_TH, weight_VH, labels, fused_logits_chunk_rows(T, weight_VH.dim(0)),
                               options.training ? &dlosses_T : nullptr, options.training ? &a.output_dinput_TH : nullptr,
-                              options.training ? &saved.output_dweight_VH : nullptr, &shard);
+                              options.training ? &output_layer_->weight().grad : nullptr, &shard);
     double loss = 0.0;
     for (int64_t t = 0; t < T; ++t)
       loss += static_cast<double>(losses_T.data<float>()[t]) * mask[static_cast<size_t>(t)];
@@ -216,19 +212,12 @@ Tensor MultiTokenPrediction::backward(MtpActivations& saved, const MtpBatch& bat
                                       const double aux_grad_scale, const MtpForwardOptions& options) const {
   const int64_t S = batch.S, B = batch.B, T = S * B;
   const TokenRows local = batch.rows->slice(tp_.row_offset(T), tp_.local_rows(T));
-  const double rescale = loss_scale / saved.grad_seed;
-  {
-    const ops::ScopedActivationDType main_grads(DType::kF32);  // a weight gradient: no 16-bit rounding
-    if (rescale != 1.0) ops::scale_(saved.output_dweight_VH, rescale);
-    ops::add_(output_layer_->weight().grad, saved.output_dweight_VH);
-  }
-  saved.output_dweight_VH = Tensor();
+  check_fused_backward_seed(saved.grad_seed, loss_scale);
   Tensor dnext_TH;  // d / d(the depth's output) from the next depth's hnorm
   for (int64_t k = depths(); k-- > 0;) {
     const auto d = static_cast<size_t>(k);
     const trace::Scope scope("mtp depth ", k, " backward", "backward");
     MtpDepthActivations& a = saved.depths[d];
-    if (rescale != 1.0) ops::scale_(a.output_dinput_TH, rescale);
     Tensor dh_TH = output_layer_->reduce_input_grad(a.output_dinput_TH);
     a.output_dinput_TH = Tensor();
     if (dnext_TH.defined()) ops::add_(dh_TH, dnext_TH);

@@ -47,8 +47,7 @@ struct MtpDepthActivations {
 
 struct MtpActivations {
   std::vector<MtpDepthActivations> depths;
-  Tensor output_dweight_VH;  // the depths' output-layer weight gradients, summed, scale = grad_seed
-  double grad_seed = 1.0;
+  double grad_seed = 1.0;  // the forward's backward seed (the output-layer weight gradients went to the main grad)
 };
 
 // The micro-batch as the block reads it.

@@ -1,5 +1,8 @@
 #include "moecore/model/vocab_parallel.h"
 
+#include <stdexcept>
+#include <string>
+
 #include "moecore/model/config.h"
 #include "moecore/ops/loss.h"
 #include "moecore/ops/precision.h"
@@ -72,6 +75,19 @@ ops::VocabShard VocabParallelCrossEntropy::shard() const {
   shard.reduce_max = [tp](Tensor& max_n) { tp.all_reduce_(max_n, parallel::ReduceOp::kMax); };
   shard.reduce_sum = [tp](Tensor& stats_2n) { tp.all_reduce_(stats_2n); };
   return shard;
+}
+
+int64_t fused_logits_chunk_rows(const int64_t T, const int64_t V_local) {
+  constexpr int64_t kF32ChunkBytes = int64_t{64} << 20;
+  const auto activation_bytes = static_cast<int64_t>(dtype_size(ops::activation_dtype()));
+  return ops::linear_cross_entropy_chunk_rows(T, V_local, kF32ChunkBytes * activation_bytes / 4);
+}
+
+void check_fused_backward_seed(const double forward_seed, const double loss_scale) {
+  if (loss_scale == forward_seed) return;
+  throw std::logic_error("backward's loss scale " + std::to_string(loss_scale) + " differs from the backward seed " +
+                         std::to_string(forward_seed) +
+                         " its forward formed the fused output layer's gradients with (ForwardOptions::backward_seed)");
 }
 
 }  // namespace moecore

@@ -354,7 +354,6 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
           rerun = depth;
         }
       }
-      if (chunk_mtp > 0) o.output += 4 * vocab_local * s.h;  // the depths' output-layer weight gradient
       if (!(last && vpp == 1)) o.other -= x.a * x.ta * s.h;
       if (o.total() > context.total()) {
         context = o;
@@ -387,15 +386,17 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     }
     Owners peak = backward;
     if (last) {
-      // Forward at the loss: the fused linear-cross-entropy keeps the final norm output, the input gradient and a
-      // full fp32 output weight gradient per micro-batch, plus its logits chunk (64 MiB of fp32) and loss vectors.
+      // Forward at the loss: the fused linear-cross-entropy keeps the final norm output and the input gradient, plus
+      // its fp32 logits chunk (64 MiB, 32 MiB under 16-bit activations: model/vocab_parallel.h) and loss vectors; its
+      // weight gradient goes to the main gradient.
       Owners forward = backward;
       forward.mlp = static_cast<double>(live) * context.mlp;
       forward.moe = static_cast<double>(live) * context.moe;
       forward.other = static_cast<double>(live) * context.other;
-      const double chunk_rows = std::min(x.t, std::max(1.0, std::floor(67108864.0 / (4 * vocab_local))));
+      const double chunk_budget = 67108864.0 * x.a / 4;
+      const double chunk_rows = std::min(x.t, std::max(1.0, std::floor(chunk_budget / (4 * vocab_local))));
       forward.output = static_cast<double>(live) * context.output + x.ta * (x.a * s.h + 4 * s.nrm) + x.a * x.t * s.h +
-                       4 * (vocab_local * s.h + chunk_rows * vocab_local) + x.a * (l.sp ? x.t * s.h : 0) + 4 * 3 * x.t;
+                       4 * chunk_rows * vocab_local + x.a * (l.sp ? x.t * s.h : 0) + 4 * 3 * x.t;
       if (forward.total() > backward.total()) peak = forward;
     }
 

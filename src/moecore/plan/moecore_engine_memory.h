@@ -4,7 +4,7 @@
 // communication buffers included). Parameters and gradients are fp32 storage whatever the precision flags; under
 // --bf16 / --fp16 activations, saved tensors and activation gradients take 2 bytes (ops/precision.h) while norm
 // statistics, log-sum-exps, the router's tensors, losses and weight gradients stay 4. The terms differ from the GPU
-// model (memory_model.cpp): moecore's fused output layer keeps a weight gradient per live micro-batch,
+// model (memory_model.cpp): moecore's fused output layer keeps an fp32 logits chunk instead of the logits,
 // the distributed optimizer builds its flat parameter buffer while the parameters still exist, etc.
 #pragma once
 
