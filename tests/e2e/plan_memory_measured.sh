@@ -2,8 +2,9 @@
 # `moecore plan`'s memory model against moecore's own measurements: for several layouts of the tiny MoE configs, a
 # short `moecore train` run prints the MemoryTracker's peak per category (the "memory (MB...)" log line, MiB, each
 # the maximum over the ranks), and `moecore plan` with the same model and layout flags (--json, the CPU engine) must
-# give memory_mib.{params,grads,optimizer,activations} within 10% of those peaks and memory_mib.total within 10% of
-# the "total peak". Skips (77) only when mpirun is missing.
+# give memory_mib.{params,grads,optimizer,activations} within 10% of those peaks, memory_mib.total within 10% of
+# the "total peak", and memory_mib.activations_by_module within 10% of the log's activations at the peak by model part
+# for each part holding a tenth of the activation peak or more. Skips (77) only when mpirun is missing.
 set -u
 source "$(dirname "$0")/lib/setup.sh" "$@"
 mpirun=$(command -v mpirun || true)
@@ -27,12 +28,14 @@ check() {
     return
   fi
   local measured
-  if ! measured=$(grep 'memory (MB' "$log" | tail -1 | python3 -c '
+  if ! measured=$(grep -A1 'memory (MB' "$log" | tail -2 | tr '\n' ' ' | python3 -c '
 import json, re, sys
 line = sys.stdin.read()
 peaks = {k: float(v) for k, v in re.findall(r"(params|grads|optimizer|activations): [0-9.]+ \(peak ([0-9.]+)\)", line)}
 peaks["total"] = float(re.search(r"total peak: ([0-9.]+)", line).group(1))
 assert len(peaks) == 5, line
+parts = re.search(r"by model part \(MB\): (.*)", line).group(1)
+peaks["by_module"] = {k.strip(): float(v) for k, v in re.findall(r"([a-z +]+): ([0-9.]+)", parts)}
 print(json.dumps(peaks))'); then
     fail "$name: no memory line in $log"
     return
@@ -67,6 +70,17 @@ for key in ("params", "grads", "optimizer", "activations", "total"):
     parts.append(f"{key} {m:.1f}/{p:.1f} MiB ({err:+.1f}%)")
     if abs(err) > tolerance:
         bad.append(f"{key} planned {p:.2f} MiB, measured {m:.1f} MiB ({err:+.1f}%)")
+# Per model part (the log's "activations at their peak by model part", each the maximum over the ranks), for every
+# part holding at least a tenth of the activation peak; smaller parts print.
+planned_parts = planned.get("activations_by_module") or {}
+for part, m in measured["by_module"].items():
+    p = planned_parts.get(part, 0.0)
+    if m < 0.1 * measured["activations"] and p < 0.1 * measured["activations"]:
+        continue
+    err = 100.0 * (p - m) / m if m else float("inf")
+    parts.append(f"{part} {m:.1f}/{p:.1f} MiB ({err:+.1f}%)")
+    if abs(err) > tolerance:
+        bad.append(f"activations of {part} planned {p:.2f} MiB, measured {m:.1f} MiB ({err:+.1f}%)")
 print(("FAIL " + "; ".join(bad)) if bad else ("ok " + ", ".join(parts)))
 PY
 )

@@ -3,6 +3,7 @@
 // as one line that names the flags involved.
 #include "moecore/moe/moe_config.h"
 
+#include <algorithm>
 #include <charconv>
 #include <string_view>
 
@@ -314,6 +315,19 @@ std::string to_string(const LoadBalancingType value) {
     case LoadBalancingType::kNone: return "none";
   }
   return "?";
+}
+
+double aux_loss_coeff(const MoEConfig& config, const LoadBalancingType type) {
+  const auto& types = config.load_balancing_types;
+  const auto it = std::find(types.begin(), types.end(), type);
+  const auto index = static_cast<size_t>(it - types.begin());
+  return it == types.end() || index >= config.aux_loss_coeffs.size() ? 0.0 : config.aux_loss_coeffs[index];
+}
+
+bool aux_losses_on(const MoEConfig& config) {
+  return aux_loss_coeff(config, LoadBalancingType::kAuxLoss) > 0 ||
+         aux_loss_coeff(config, LoadBalancingType::kSeqAuxLoss) > 0 ||
+         aux_loss_coeff(config, LoadBalancingType::kGlobalAuxLoss) > 0;
 }
 
 }  // namespace moecore

@@ -67,4 +67,10 @@ std::vector<bool> parse_moe_layer_freq(const std::string& text, int64_t num_laye
 std::string to_string(RouterScoreFunction value);
 std::string to_string(LoadBalancingType value);
 
+// Megatron's get_aux_loss_coeff: the coefficient of the first entry of that type, 0 when absent.
+double aux_loss_coeff(const MoEConfig& config, LoadBalancingType type);
+// Whether any of the auxiliary losses on the router's scores (aux, seq-aux, global aux) is on: then the router keeps
+// its aux scores for backward.
+bool aux_losses_on(const MoEConfig& config);
+
 }  // namespace moecore

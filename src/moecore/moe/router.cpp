@@ -52,19 +52,6 @@ ops::InputJitterSpec jitter_spec(const MoEConfig& config, const RouterActivation
 // Stream of the random logits of --moe-router-force-load-balancing, distinct from the jitter stream.
 constexpr uint64_t kForceBalanceSalt = 0x9e3779b97f4a7c15ULL;
 
-// Megatron's get_aux_loss_coeff: the coefficient of the first entry of that type, 0 when absent.
-double coeff_of(const MoEConfig& config, const LoadBalancingType type) {
-  const auto& types = config.load_balancing_types;
-  const auto it = std::find(types.begin(), types.end(), type);
-  const auto index = static_cast<size_t>(it - types.begin());
-  return it == types.end() || index >= config.aux_loss_coeffs.size() ? 0.0 : config.aux_loss_coeffs[index];
-}
-
-bool aux_losses_on(const MoEConfig& config) {
-  return coeff_of(config, LoadBalancingType::kAuxLoss) > 0 || coeff_of(config, LoadBalancingType::kSeqAuxLoss) > 0 ||
-         coeff_of(config, LoadBalancingType::kGlobalAuxLoss) > 0;
-}
-
 bool uses_sinkhorn(const MoEConfig& config) {
   const auto& types = config.load_balancing_types;
   return std::find(types.begin(), types.end(), LoadBalancingType::kSinkhorn) != types.end();
@@ -324,7 +311,7 @@ void TopKRouter::attach_losses(RouterOutput& out, RouterActivations& saved) {
           types.begin() + static_cast<std::ptrdiff_t>(i)) {
         continue;  // a repeated type counts once, as Megatron's get_aux_loss_coeff
       }
-      const double coeff = coeff_of(config_, types[i]);
+      const double coeff = aux_loss_coeff(config_, types[i]);
       if (coeff == 0.0) continue;
       // Counts are summed over the ranks holding the other tokens of the same sequences (tp-cp; tp-dp-cp for the
       // global loss), scores stay local: each rank's loss is its tokens' share of the one-process loss.

@@ -157,7 +157,14 @@ double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool mo
   }
   if (r.has("moe")) return a;
   const double fml = s.fm / l.etp();
-  a += 4 * (x.tm * s.h + x.tm * s.experts);          // router input copy, probs (fp32)
+  // The router (moe/router.h): its input copy (fp32), logits (the router dtype), top-k selection (int32), aux scores
+  // (fp64, with an aux loss on) and log-sum-exps (fp64, with the z-loss); the routing's probabilities (fp32) and map
+  // (one byte).
+  const MoEConfig& moe_config = s.config.moe;
+  const double logits_bytes = moe_config.router_dtype == RouterDType::kFP64 ? 8 : 4;
+  a += 4 * x.tm * s.h + logits_bytes * x.tm * s.experts + 4 * x.tm * s.k + 5 * x.tm * s.experts;
+  if (aux_losses_on(moe_config)) a += 8 * x.tm * s.experts;
+  if (moe_config.z_loss_coeff > 0) a += 8 * x.tm;
   a += x.r * (x.a * (s.h + s.glu * fml + fml) + 4);  // dispatched rows, fc1 output, fc2 input; probs (fp32)
   if (r.has("moe_act")) a -= x.a * x.r * fml;
   // Without memory-efficient permutation the experts keep their output before the probability, and ones (fp32) for
@@ -413,11 +420,20 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     // The log's total peak: the categories at one moment (parameters after DDP's build, no optimizer step chunks).
     stage.total_override = params_current + grads + optimizer + stage.activations + comm;
 
-    // moecore's log: each category the maximum over the ranks, the total peak the maximum of the ranks' totals.
+    // moecore's log: each category the maximum over the ranks, the total peak the maximum of the ranks' totals, and
+    // each model part's activations at the peak the maximum over the ranks' peaks.
     if (worst.pp_rank < 0 || stage.activations > worst.activations) {
       worst.activations = stage.activations;
-      worst.activations_by_module = stage.activations_by_module;
       worst.live_chunks_at_peak = stage.live_chunks_at_peak;
+    }
+    for (const NamedBytes& part : stage.activations_by_module) {
+      auto same = std::find_if(worst.activations_by_module.begin(), worst.activations_by_module.end(),
+                               [&](const NamedBytes& p) { return p.name == part.name; });
+      if (same == worst.activations_by_module.end()) {
+        worst.activations_by_module.push_back(part);
+      } else {
+        same->bytes = std::max(same->bytes, part.bytes);
+      }
     }
     worst.weights = std::max(worst.weights, stage.weights);
     worst.grads = std::max(worst.grads, stage.grads);
