@@ -17,7 +17,7 @@
 #include "moecore/cli/generate_args.h"
 #include "moecore/cli/preprocess_command.h"
 #include "moecore/config/arguments.h"
-#include "moecore/config/memory_estimate.h"
+#include "moecore/plan/run_memory_estimate.h"
 
 namespace {
 
@@ -59,7 +59,7 @@ void fuzz_train(const std::vector<std::string>& args, const int64_t world_size) 
   (void)moecore::lr_schedule_config(parsed);
   moecore::TrainingArgs with_vocabulary = parsed;
   with_vocabulary.model.vocab_size = moecore::padded_vocab_size(50257, parsed);
-  (void)moecore::estimate_memory(with_vocabulary).total();
+  (void)moecore::plan::estimate_run_memory(with_vocabulary).total();
 }
 
 void fuzz_generate(const std::vector<std::string>& args) {

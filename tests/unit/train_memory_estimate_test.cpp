@@ -1,5 +1,6 @@
-// The memory estimate made before anything is allocated: its parameter count against a hand count and against the
-// built models, the optimizer's share, and the refusal of a configuration that cannot fit.
+// The memory estimate made before anything is allocated, with the planner's CPU engine accounting: its parameter
+// count against a hand count and against the built models, the optimizer's share, and the refusal of a configuration
+// that cannot fit.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -8,6 +9,7 @@
 #include "moecore/config/arguments.h"
 #include "moecore/config/memory_estimate.h"
 #include "moecore/parallel/parallel_state.h"
+#include "moecore/plan/run_memory_estimate.h"
 #include "moecore/train/training_setup.h"
 #include "unit/test_recipe.h"
 
@@ -38,7 +40,7 @@ TEST(MemoryEstimate, DenseParametersByHand) {
   const TrainingArgs args = finalized(tiny_dense());
   ASSERT_EQ(args.model.vocab_size, 1024);
   const double parameters = 2 * 49984 + 1024 * 64 + 32 * 64 + 128;
-  const MemoryEstimate estimate = estimate_memory(args);
+  const MemoryEstimate estimate = plan::estimate_run_memory(args);
   EXPECT_DOUBLE_EQ(estimate.parameters, parameters * 4);
   EXPECT_DOUBLE_EQ(estimate.gradients, parameters * 4);
   EXPECT_DOUBLE_EQ(estimate.optimizer, parameters * 4 * 2);  // exp_avg and exp_avg_sq
@@ -46,7 +48,7 @@ TEST(MemoryEstimate, DenseParametersByHand) {
   // 10 iterations x 2 sequences, plus the validation (before, during: 1, after) and test reads of 100 x 2 each.
   EXPECT_GT(estimate.data_indices, 0.0);
   // --bf16 adds the fp32 main parameters to the optimizer.
-  EXPECT_DOUBLE_EQ(estimate_memory(finalized(tiny_dense(), {"--bf16"})).optimizer, parameters * 4 * 3);
+  EXPECT_DOUBLE_EQ(plan::estimate_run_memory(finalized(tiny_dense(), {"--bf16"})).optimizer, parameters * 4 * 3);
 }
 
 TEST(MemoryEstimate, ParametersMatchTheBuiltModel) {
@@ -66,50 +68,56 @@ TEST(MemoryEstimate, ParametersMatchTheBuiltModel) {
   for (const Args& variant : variants) {
     const TrainingArgs args = finalized(tiny_dense(), variant);
     const ModelAndOptimizer built = build_model_and_optimizer(args, parallel::ParallelState::single_process());
+    // The params category also holds the buffers (the router's expert bias).
+    double buffers = 0;
+    for (const Buffer& b : built.model->named_buffers()) buffers += static_cast<double>(b.value.numel());
     const double parameters = one_process_parameter_count(*built.model);
-    EXPECT_DOUBLE_EQ(estimate_memory(args).parameters, parameters * 4) << testing::PrintToString(variant);
+    EXPECT_DOUBLE_EQ(plan::estimate_run_memory(args).parameters, (parameters + buffers) * 4)
+        << testing::PrintToString(variant);
   }
 }
 
 TEST(MemoryEstimate, ShardsOverParallelRanks) {
-  // TP 2 halves the dense part; the distributed optimizer splits the states over the data-parallel ranks.
+  // tiny-dense without biases, RMSNorm: per layer qkv 192x64, proj 64x64, fc1 256x64, fc2 64x256 (49152) and two
+  // norms of 64; word embeddings 1024x64, learned positions 32x64 and the final norm. TP 2 halves all but the positions
+  // and the norms, which every TP rank keeps whole; the distributed optimizer splits the states over the data-parallel
+  // ranks.
+  const double replicated = 32 * 64 + 2 * 2 * 64 + 64;
+  const double whole = 2 * 49152 + 1024 * 64 + replicated;
   const TrainingArgs one = finalized(tiny_dense(), {"--disable-bias-linear", "--normalization", "RMSNorm"});
-  TrainingArgs sharded = one;
-  sharded.parallel.tensor_model_parallel_size = 2;
+  EXPECT_DOUBLE_EQ(plan::estimate_run_memory(one).parameters, whole * 4);
+  TrainingArgs tp2 = one;
+  tp2.parallel.tensor_model_parallel_size = 2;
+  tp2.parallel.world_size = 2;
+  const double tp2_local = (whole - replicated) / 2 + replicated;
+  EXPECT_DOUBLE_EQ(plan::estimate_run_memory(tp2).parameters, tp2_local * 4);
+  TrainingArgs sharded = tp2;
+  sharded.parallel.world_size = 8;
   sharded.data_parallel_size = 4;
   sharded.use_distributed_optimizer = true;
-  EXPECT_DOUBLE_EQ(estimate_memory(sharded).parameters, estimate_memory(one).parameters / 2);
-  EXPECT_DOUBLE_EQ(estimate_memory(sharded).optimizer, estimate_memory(one).optimizer / 8);
+  EXPECT_DOUBLE_EQ(plan::estimate_run_memory(sharded).optimizer, tp2_local / 4 * 4 * 2);  // exp_avg, exp_avg_sq
 }
 
-TEST(MemoryEstimate, MegatronFsdpShardsTheLayers) {
-  // tiny-dense with 8 layers of 49984 parameters (see DenseParametersByHand) over DP 4: the layers keep a quarter
-  // (2 layers' worth) plus two whole layers in use, so 4 of the 8 layers' parameters and gradients are saved under
-  // optim_grads_params, the gradients only under optim_grads; Adam states are sharded except with no_shard.
-  const double layer = 49984, whole = 8 * layer + 1024 * 64 + 32 * 64 + 128;
+TEST(MemoryEstimate, MegatronFsdpShardsTheOptimizer) {
+  // tiny-dense with 8 layers over DP 4: the Adam states are sharded.
+  const double whole = 8 * 49984 + 1024 * 64 + 32 * 64 + 128;  // see DenseParametersByHand
   const auto with_strategy = [](const char* strategy) {
-    TrainingArgs a = finalized(
-        tiny_dense(), {"--num-layers", "8", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy});
+    Args flags = {"--num-layers", "8", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy};
+    if (std::string(strategy) != "no_shard") flags.push_back("--use-distributed-optimizer");
+    TrainingArgs a = finalized(tiny_dense(), flags);
+    a.parallel.world_size = 4;
     a.data_parallel_size = 4;
-    return estimate_memory(a);
+    return plan::estimate_run_memory(a);
   };
-  const MemoryEstimate zero3 = with_strategy("optim_grads_params");
-  EXPECT_DOUBLE_EQ(zero3.parameters, (whole - 4 * layer) * 4);
-  EXPECT_DOUBLE_EQ(zero3.gradients, (whole - 4 * layer) * 4);
-  EXPECT_DOUBLE_EQ(zero3.optimizer, whole * 4 * 2 / 4);
-  const MemoryEstimate zero2 = with_strategy("optim_grads");
-  EXPECT_DOUBLE_EQ(zero2.parameters, whole * 4);
-  EXPECT_DOUBLE_EQ(zero2.gradients, (whole - 4 * layer) * 4);
-  const MemoryEstimate zero1 = with_strategy("optim");
-  EXPECT_DOUBLE_EQ(zero1.gradients, whole * 4);
-  EXPECT_DOUBLE_EQ(zero1.optimizer, whole * 4 * 2 / 4);
-  EXPECT_DOUBLE_EQ(with_strategy("no_shard").optimizer, whole * 4 * 2);
+  for (const char* strategy : {"optim", "optim_grads", "optim_grads_params"}) {
+    EXPECT_DOUBLE_EQ(with_strategy(strategy).optimizer, whole * 4 * 2 / 4) << strategy;
+  }
 }
 
 TEST(MemoryEstimate, RefusesWhatCannotFit) {
   // A 2^20-wide model: 2 layers of 12 x 2^40 weights alone are 24 x 2^40 parameters, 96 TiB in fp32.
   const TrainingArgs args = finalized(tiny_dense(), {"--hidden-size", "1048576", "--num-attention-heads", "1"});
-  const MemoryEstimate estimate = estimate_memory(args);
+  const MemoryEstimate estimate = plan::estimate_run_memory(args);
   EXPECT_GT(estimate.parameters, 24.0 * (1LL << 40) * 4);
   try {
     check_memory_fits(estimate, 16.0 * (1LL << 30));
@@ -119,9 +127,9 @@ TEST(MemoryEstimate, RefusesWhatCannotFit) {
     EXPECT_NE(message.find("per rank (parameters "), std::string::npos) << message;
     EXPECT_NE(message.find("but 16.0 GiB of memory is available"), std::string::npos) << message;
   }
-  EXPECT_NO_THROW(check_memory_fits(estimate_memory(finalized(tiny_dense())), 16.0 * (1LL << 30)));
+  EXPECT_NO_THROW(check_memory_fits(plan::estimate_run_memory(finalized(tiny_dense())), 16.0 * (1LL << 30)));
   // Iterations also cost memory: 2^40 iterations of 2 sequences need 56 TiB of sample indices.
-  EXPECT_GT(estimate_memory(finalized(tiny_dense(), {"--train-iters", "1099511627776"})).data_indices,
+  EXPECT_GT(plan::estimate_run_memory(finalized(tiny_dense(), {"--train-iters", "1099511627776"})).data_indices,
             50.0 * (1LL << 40));
 }
 

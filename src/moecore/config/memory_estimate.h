@@ -9,22 +9,21 @@
 
 namespace moecore {
 
-// Bytes on the rank holding the most (the first pipeline stage). Sums in double: the flags' products may exceed
-// 64-bit integers for configurations this estimate exists to refuse.
+// Bytes on the rank holding the most. Sums in double: the flags' products may exceed 64-bit integers for
+// configurations this estimate exists to refuse. moecore_plan's estimate_run_memory fills the model's parts from the
+// CPU engine's memory model (the accounting of `moecore plan --gpu cpu`), each the peak of its category.
 struct MemoryEstimate {
-  double parameters = 0;    // the weights (fp32 storage)
-  double gradients = 0;     // fp32 main gradients
-  double optimizer = 0;     // Adam moments (+ fp32 main parameters of 16-bit weights), sharded by the distributed
-                            // optimizer over data-parallel ranks
-  double activations = 0;   // a first estimate: what backward keeps of the live micro-batches, plus the output
-                            // layer's logits chunk
+  double parameters = 0;    // the params category's peak (fp32 storage; shards under Megatron-FSDP)
+  double gradients = 0;     // the grads category's peak (fp32 main gradients)
+  double optimizer = 0;     // Adam moments (+ fp32 main parameters of 16-bit weights), as the optimizer shards them
+  double activations = 0;   // the activation peak of a step, with the communication buffers
   double data_indices = 0;  // the GPT dataset's sample and shuffle indices of every split
 
   double total() const { return parameters + gradients + optimizer + activations + data_indices; }
 };
 
-// `args` after finalisation, with the padded vocabulary in args.model.vocab_size.
-MemoryEstimate estimate_memory(const TrainingArgs& args);
+// The GPT dataset's sample and shuffle indices of every split the run reads.
+double data_index_bytes(const TrainingArgs& args);
 
 // The memory this process can count on: MemAvailable + SwapFree of /proc/meminfo, shared by the ranks of the job on
 // this host (Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE). None where /proc/meminfo cannot be read.

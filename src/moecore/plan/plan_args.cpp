@@ -347,6 +347,25 @@ PlanArgs parse_plan_args(const std::vector<std::string>& args) {
   }
 }
 
+PlanArgs plan_args_of_run(const TrainingArgs& train) {
+  PlanArgs out;
+  out.train = train;
+  out.model.config = train.model;
+  out.recompute = train.model.recompute;
+  out.memory_efficient_permutation = train.model.moe.memory_efficient_permutation;
+  out.dispatcher = train.model.moe.dispatcher_type == TokenDispatcherType::kAllGather ? "allgather" : "alltoall";
+  out.num_gpus = train.parallel.world_size;
+  out.vocab_size = train.model.vocab_size;
+  const ParallelSizes& p = train.parallel;
+  out.layout.tp = p.tensor_model_parallel_size;
+  out.layout.pp = p.pipeline_model_parallel_size;
+  out.layout.vpp = train.virtual_pipeline_model_parallel_size;
+  out.layout.cp = p.context_parallel_size;
+  out.layout.ep = p.expert_model_parallel_size;
+  out.layout.etp = p.expert_tensor_parallel();
+  return out;
+}
+
 PlanArgs with_layout(const PlanArgs& base, const LayoutChoice& layout) {
   PlanArgs out = base;
   finish(out, layout, {}, {});

@@ -64,6 +64,10 @@ struct PlanArgs {
 // Throws ConfigError (one line) on any problem.
 PlanArgs parse_plan_args(const std::vector<std::string>& args);
 
+// A training run's own arguments (finalised, the padded vocabulary in train.model.vocab_size) as a plan's: the input
+// of the CPU engine's memory model (moecore_engine_memory.h) for train's start-up estimate.
+PlanArgs plan_args_of_run(const TrainingArgs& train);
+
 // `base` re-parsed with `layout`'s flags instead of its own; throws ConfigError with train's message when the
 // layout is invalid for the model (a size that does not divide, Megatron's constraints).
 PlanArgs with_layout(const PlanArgs& base, const LayoutChoice& layout);

@@ -15,6 +15,7 @@
 #include "moecore/config/memory_estimate.h"
 #include "moecore/ops/linear.h"
 #include "moecore/parallel/agreement.h"
+#include "moecore/plan/run_memory_estimate.h"
 #include "moecore/train/checkpointing.h"
 #include "moecore/train/evaluation.h"
 #include "moecore/train/final_export.h"
@@ -108,7 +109,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   // Setup: vocabulary, data, model and optimizer.
   const Vocabulary vocabulary = build_vocabulary(args);
   TrainingArgs run_args = with_padded_vocabulary(args, vocabulary);
-  const MemoryEstimate memory = estimate_memory(run_args);
+  const MemoryEstimate memory = plan::estimate_run_memory(run_args);
   parallel::run_on_all_ranks(parallel.world, [&] {
     if (const std::optional<double> available = available_memory_per_rank()) check_memory_fits(memory, *available);
   });
