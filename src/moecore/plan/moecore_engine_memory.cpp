@@ -470,6 +470,11 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     stage.activations_by_module = peak.named(1.0);
     stage.live_chunks_at_peak = live;
     stage.decoder_layers = layers;
+    stage.fsdp = {.dense = dense,
+                  .expert = expert,
+                  .unit_dense = units.dense,
+                  .unit_expert = units.expert,
+                  .largest_unit = units.largest};
     // The log's total peak: the categories at one moment (parameters after DDP's build, no optimizer step chunks).
     // Megatron-FSDP's units in use count from the first backward on (no unit is gathered at the loss's forward); the
     // next unit's backward holds the most of them, with the first one's saved tensors gone (full recomputation
