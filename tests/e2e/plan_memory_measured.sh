@@ -112,6 +112,7 @@ for strategy in no_shard optim optim_grads optim_grads_params; do
     "${fsdp[@]}"
 done
 check fsdp-zero3-bf16 2 deepseek-v3-tiny --bf16 --use-megatron-fsdp
+check fsdp-optim_grads-bf16 2 deepseek-v3-tiny --bf16 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads
 check fsdp-zero3-pp2 4 qwen3-moe-tiny --pipeline-model-parallel-size 2 --use-megatron-fsdp
 check fsdp-zero3-cp2 4 qwen3-moe-tiny --context-parallel-size 2 --use-megatron-fsdp
 
