@@ -107,9 +107,14 @@ LayerParams layer_params(const Shape& s, const Layout& l, const bool moe) {
 // unit to run backward and the one its backward prefetches).
 struct FsdpUnits {
   double dense = 0, expert = 0, largest = 0, last = 0, previous = 0;
+  double largest_dense = 0, largest_expert = 0;  // of one unit
+  int64_t count = 0;
   void add(const LayerParams& p) {
+    ++count;
     dense += p.dense;
     expert += p.expert;
+    largest_dense = std::max(largest_dense, p.dense);
+    largest_expert = std::max(largest_expert, p.expert);
     previous = last;
     last = p.dense + p.expert;
     largest = std::max(largest, last);
@@ -142,13 +147,14 @@ FsdpSharding fsdp_sharding(const TrainingArgs& t, const Layout& l, const FsdpUni
     f.grads_saved = dense_saved + expert_saved;
     f.whole_grads_units = u.dense + u.expert;
   }
-  // The first backward holds its unit's gathered parameters, the previous unit's (prefetched) and its own whole
-  // gradient buffer. A later unit's backward also holds the next unit's buffer while its reduce-scatter runs (in the
-  // gradients' dtype once rounded to it).
+  // The first backward holds its unit's gathered parameters, the previous unit's (prefetched, when this rank holds
+  // it) and its own whole gradient buffer. A later unit's backward also holds the next unit's buffer while its
+  // reduce-scatter runs (in the gradients' dtype once rounded to it).
   const double wire = t.model.params_dtype == DType::kF32 ? 4.0 : 2.0;
   f.first_backward_comm = (zero3 ? 4 * (u.last + u.previous) : 0) + (sharded_grads ? 4 * u.last : 0);
-  f.comm_peak =
-      std::max(f.first_backward_comm, (zero3 ? 8 * u.largest : 0) + (sharded_grads ? (4 + wire) * u.largest : 0));
+  const double gathered = u.count >= 3 ? 2 : 1;
+  f.comm_peak = std::max(f.first_backward_comm, (zero3 ? 4 * gathered * u.largest : 0) +
+                                                    (sharded_grads && u.count >= 2 ? (4 + wire) * u.largest : 0));
   return f;
 }
 
@@ -308,8 +314,10 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     // enorm, hnorm and final_layernorm, eh_proj [H, 2H] column-parallel; a stage without the embedding keeps its own
     // copy of the word embedding for their input where it has none for the output layer (untied).
     const bool last_moe = c.num_layers > 0 && c.moe.is_moe_layer(c.num_layers - 1);
+    double mtp_dense = 0;
     for (int64_t k = 0; k < mtp_depths; ++k) {
       const LayerParams p = layer_params(s, l, last_moe);
+      mtp_dense += p.dense + 3 * s.nrm * s.h + 2 * s.h * s.h / l.tp();
       dense += p.dense + 3 * s.nrm * s.h + 2 * s.h * s.h / l.tp();
       expert += p.expert;
       buffers += p.buffers;
@@ -343,8 +351,19 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     if (pa && (exp_avg != 4 || exp_avg_sq != 4 || main_dtype != "fp32" || low_precision)) {
       // scaled_adamw_step: three fp32 chunks of at most 2^18 elements of one parameter's piece of the shard.
       const double experts_local = std::max(1.0, s.experts / l.ep());
-      const double piece = std::max({vocab_local * s.h, s.h * (s.n + 2 * s.g) * s.d / l.tp(),
-                                     s.experts * s.glu * s.fm * s.h / (l.ep() * l.etp()) / experts_local});
+      double embedding_piece = vocab_local * s.h, qkv_piece = s.h * (s.n + 2 * s.g) * s.d / l.tp();
+      double expert_piece = s.experts * s.glu * s.fm * s.h / (l.ep() * l.etp()) / experts_local;
+      if (t.use_megatron_fsdp) {
+        // Each module's parameters are buckets of their own, so a parameter's piece of a shard is at most its
+        // bucket's shard: the embedding alone, the output layer with the MTP depths, a unit's dense parameters, a
+        // unit's experts.
+        const double dp_cp = l.dp() * l.cp();
+        embedding_piece = std::max(first ? embedding_piece / dp_cp : 0.0,
+                                   last ? std::min(embedding_piece, (embedding_piece + mtp_dense) / dp_cp) : 0.0);
+        qkv_piece = std::min(qkv_piece, units.largest_dense / dp_cp);
+        expert_piece = std::min(expert_piece, units.largest_expert / l.edp());
+      }
+      const double piece = std::max({embedding_piece, qkv_piece, expert_piece});
       optimizer_peak += 12 * std::min(piece, 262144.0);
     }
     double comm = distopt ? 4 * shard : 0;  // DistributedAdamW's fp32 comm shard
