@@ -114,6 +114,8 @@ done
 check fsdp-zero3-bf16 2 deepseek-v3-tiny --bf16 --use-megatron-fsdp
 check fsdp-optim_grads-bf16 2 deepseek-v3-tiny --bf16 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads
 check fsdp-zero3-pp2 4 qwen3-moe-tiny --pipeline-model-parallel-size 2 --use-megatron-fsdp
+check fsdp-optim_grads-precision-aware 2 deepseek-v3-tiny --use-megatron-fsdp --data-parallel-sharding-strategy \
+  optim_grads --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype bf16
 check fsdp-zero3-cp2 4 qwen3-moe-tiny --context-parallel-size 2 --use-megatron-fsdp
 
 [ $failures -eq 0 ] || { echo "$failures failure(s)"; exit 1; }
