@@ -89,7 +89,7 @@ options=("DP2, replicated optimizer|" "DP2, distributed optimizer|--use-distribu
   "DP2, FSDP optim_grads_params + full recompute|--use-megatron-fsdp --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
   "DP2, the stack: FSDP optim_grads_params + selective $fine + bf16|--use-megatron-fsdp $(sel $fine) --bf16")
 echo
-echo "Two ranks (params + grads + optimizer: what a rank keeps between steps; the planner has no Megatron-FSDP):"
+echo "Two ranks (params + grads + optimizer: what a rank keeps between steps):"
 echo
 echo "| option | activations peak, MiB (planned) | total peak, MiB (planned) | params + grads + optimizer, MiB | ms / iteration (vs baseline) |"
 echo "| --- | --- | --- | --- | --- |"

@@ -17,9 +17,14 @@ else
   fail "plan --hf-config FOLDER: $(head -c 300 "$work/folder.out")"
 fi
 expect_error "error: $work/empty: a folder without config.json" "$bin" plan --hf-config "$work/empty" "${run[@]}"
-# Megatron-FSDP is trained but not planned: refused, never planned as if its shards were whole.
-expect_error "error: moecore plan does not model --use-megatron-fsdp yet" \
-  "$bin" plan --hf-config "$work/mixtral" "${run[@]}" --use-megatron-fsdp
+# Megatron-FSDP is planned, and what train refuses with it plan refuses with train's line.
+if "$bin" plan --hf-config "$work/mixtral" "${run[@]}" --bf16 --use-megatron-fsdp >"$work/fsdp.out" 2>&1; then
+  echo "ok: --use-megatron-fsdp is planned"
+else
+  fail "plan --use-megatron-fsdp: $(head -c 300 "$work/fsdp.out")"
+fi
+expect_error "error: --use-megatron-fsdp with --fp8-param-gather / --fp4-param-gather" \
+  "$bin" plan --hf-config "$work/mixtral" "${run[@]}" --bf16 --fp8-format e4m3 --fp8-param-gather --use-megatron-fsdp
 
 # Bad fields: the file and the field, never the train flag the field becomes.
 python3 - "$configs/mixtral_8x7b.json" "$work/negative/config.json" <<'EOF'

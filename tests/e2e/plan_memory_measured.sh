@@ -113,6 +113,24 @@ check recompute-full-pp2 2 qwen3-moe-tiny --pipeline-model-parallel-size 2 --rec
   --recompute-method uniform --recompute-num-layers 1
 check recompute-full-block 1 deepseek-v3-tiny --recompute-granularity full --recompute-method block \
   --recompute-num-layers 2
+# Megatron-FSDP (optim/fsdp.h), every sharding strategy: the units' shards (dense over dp-cp, routed experts over
+# expert-DP), the unsharded model at build time, and the gathered units and unit gradient buffers in the total.
+for strategy in no_shard optim optim_grads optim_grads_params; do
+  fsdp=(--use-megatron-fsdp --data-parallel-sharding-strategy "$strategy")
+  check "fsdp-$strategy-dp2" 2 qwen3-moe-tiny "${fsdp[@]}"
+  check "fsdp-$strategy-tp2-dp2" 4 qwen3-moe-tiny --tensor-model-parallel-size 2 --sequence-parallel "${fsdp[@]}"
+  check "fsdp-$strategy-dp2-mla" 2 deepseek-v3-tiny "${fsdp[@]}"
+  check "fsdp-$strategy-ep2-edp2-mla" 4 deepseek-v3-tiny --expert-model-parallel-size 2 --micro-batch-size 2 \
+    "${fsdp[@]}"
+  check "fsdp-$strategy-tp2-dp2-mla" 4 deepseek-v3-tiny --tensor-model-parallel-size 2 --sequence-parallel \
+    "${fsdp[@]}"
+done
+check fsdp-zero3-bf16 2 deepseek-v3-tiny --bf16 --use-megatron-fsdp
+check fsdp-optim_grads-bf16 2 deepseek-v3-tiny --bf16 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads
+check fsdp-zero3-pp2 4 qwen3-moe-tiny --pipeline-model-parallel-size 2 --use-megatron-fsdp
+check fsdp-optim_grads-precision-aware 2 deepseek-v3-tiny --use-megatron-fsdp --data-parallel-sharding-strategy \
+  optim_grads --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype bf16
+check fsdp-zero3-cp2 4 qwen3-moe-tiny --context-parallel-size 2 --use-megatron-fsdp
 
 [ $failures -eq 0 ] || { echo "$failures failure(s)"; exit 1; }
 echo "e2e ok"

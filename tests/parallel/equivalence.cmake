@@ -203,6 +203,10 @@ moecore_equiv(fsdp_bf16_dp2 bf16 2 --use-megatron-fsdp)
 moecore_equiv(fsdp_bf16_dp4_ep2 bf16 4 --use-megatron-fsdp --expert-model-parallel-size 2
               --moe-token-dispatcher-type alltoall)
 moecore_equiv(fsdp_bf16_dp2_optim bf16 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim)
+# optim_grads: whole bf16 weights gathered after the step through a wire the unit's bucket holds only meanwhile.
+moecore_equiv(fsdp_bf16_dp2_optim_grads bf16 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads)
+moecore_equiv(fsdp_bf16_dp2_optim_grads_overlap bf16 2 --use-megatron-fsdp --data-parallel-sharding-strategy
+              optim_grads --overlap-param-gather)
 
 moecore_equiv(mtp_dp2_distopt mtp 2 --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 2000)
 moecore_equiv(mtp_tp2 mtp 2 --tensor-model-parallel-size 2)

@@ -264,7 +264,8 @@ void DistributedDataParallel::build(const bool expert, const bool quantized, con
                         (dist_opt && !quantized && !bk.params_sharded && options_.param_gather_dtype != DType::kF32);
     if (wire16) {
       const DType wire_dtype = options_.grad_dtype != DType::kF32 ? options_.grad_dtype : options_.param_gather_dtype;
-      // A unit with sharded gradients takes its whole 16-bit wire only while reducing (reduce_unit_grads).
+      // A unit with sharded gradients takes its whole 16-bit wire only while reducing (reduce_unit_grads) or, with
+      // whole parameters, while gathering them after the step (start_bucket_gather).
       if (!bk.grads_sharded) bk.wire = Tensor({bk.end - bk.begin}, wire_dtype, MemCategory::kComm);
       if (dist_opt) bk.wire_shard = Tensor({bk.shard_size}, wire_dtype, MemCategory::kComm);
     }
@@ -456,6 +457,8 @@ void DistributedDataParallel::start_bucket_gather(const int bucket_index) {
   parallel::CommStats::instance().add_bytes(CommKind::kParamGather,
                                             static_cast<double>(static_cast<size_t>(b.shard_size) * dtype_size(wire)));
   if (wire != DType::kF32) {  // 16-bit weights travel in 16 bits (exact: they hold 16-bit values)
+    // An FSDP unit with sharded gradients keeps no standing wire (build): one lives from here to the decode.
+    if (!b.wire.defined()) b.wire = Tensor({b.end - b.begin}, wire, MemCategory::kComm);
     ops::convert(b.wire_shard, param_view(bucket_index, b.shard_begin, b.shard_begin + b.shard_size));
     b.decode_gather = true;
     if (options_.overlap_param_gather) {
@@ -584,6 +587,7 @@ void DistributedDataParallel::decode_param_gather(Bucket& bucket) {
   if (groups_[static_cast<size_t>(bucket.group)].quantized) return decode_codes(bucket);
   Tensor full = param_view(static_cast<int>(&bucket - buckets_.data()), bucket.begin, bucket.end);
   ops::convert(full, bucket.wire);
+  if (bucket.grads_sharded) bucket.wire = Tensor();
 }
 
 void DistributedDataParallel::before_forward(const int module) {

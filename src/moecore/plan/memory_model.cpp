@@ -335,6 +335,7 @@ Chunk make_chunk(const ActivationContext& x, const PipelineStage& stage, const i
 // ---------------------------------------------------------------------------------------------------------------
 struct Bytes {
   double weight = 4, grad = 4, optimizer = 8;  // per parameter; optimizer before the distributed optimizer's split
+  double optimizer_main = 0;                   // of which main parameters
 };
 
 Bytes bytes_per_parameter(const PlanArgs& args) {
@@ -360,7 +361,36 @@ Bytes bytes_per_parameter(const PlanArgs& args) {
   // bf16 weights' fp32 main parameters as 16-bit remainders where Megatron stores them (config/optimizer_master.h).
   const double main = !low ? 0.0 : stores_param_remainders(t) ? 2.0 : size_of(t.main_params_dtype);
   b.optimizer = main + size_of(t.exp_avg_dtype) + size_of(t.exp_avg_sq_dtype);
+  b.optimizer_main = main;
   return b;
+}
+
+// Megatron-FSDP (megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py,
+// _init_each_parameter_group_buffers): per parameter group a model-weight buffer in the weights' dtype, a main-weight
+// buffer in megatron_fsdp_main_params_dtype (fp32 by default, also for fp32 weights) and a main-gradient buffer in
+// megatron_fsdp_main_grads_dtype (default: the weights' dtype). The strategy distributes them: optim the main weights
+// (and with them the Adam states), optim_grads also the gradients, optim_grads_params also the model weights; no_shard
+// none. Dense parameters shard over dp-cp, routed experts over expert-DP; the parameters outside the units (embedding,
+// final norm, output layer) stay whole, as in moecore's engine (optim/fsdp.h). Rewrites the stage's weights,
+// gradients and optimizer bytes; returns the transient unit buffers: a unit's weights are gathered whole before its
+// forward and backward, its gradients reduced from a whole buffer, and with the prefetch (and the reduce-scatter
+// running behind the next unit's backward) two units' worth of each are live ("at least two FSDP units worth of
+// un-sharded weight memory", docs/user-guide/features/megatron_fsdp.md).
+double megatron_fsdp_memory(const TrainingArgs& t, const LayoutSizes& sizes, const Bytes& b, StageMemory& stage) {
+  const std::string& strategy = t.data_parallel_sharding_strategy;
+  const bool zero3 = strategy == "optim_grads_params";
+  const bool sharded_grads = zero3 || strategy == "optim_grads";
+  const bool sharded_optimizer = strategy != "no_shard";
+  const StageMemory::FsdpElements& e = stage.fsdp;
+  const double saved = e.unit_dense * (1.0 - 1.0 / sizes.dp_cp()) + e.unit_expert * (1.0 - 1.0 / sizes.edp());
+  const double grad_bytes = b.weight;                    // main gradients in the weights' dtype
+  const double main_bytes = 4.0;                         // fp32 main weights
+  const double states = b.optimizer - b.optimizer_main;  // Adam's two moments
+  stage.weights = (e.dense + e.expert - (zero3 ? saved : 0.0)) * b.weight;
+  stage.grads = (e.dense + e.expert - (sharded_grads ? saved : 0.0)) * grad_bytes;
+  const double shard = sharded_optimizer ? e.dense / sizes.dp_cp() + e.expert / sizes.edp() : e.dense + e.expert;
+  stage.main_weights_and_optimizer = shard * (main_bytes + states);
+  return 2.0 * e.largest_unit * ((zero3 ? b.weight : 0.0) + (sharded_grads ? grad_bytes : 0.0));
 }
 
 }  // namespace
@@ -411,7 +441,8 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
   for (int r = 0; r < pp; ++r) {
     StageMemory stage;
     stage.pp_rank = r;
-    ParamCounts params;
+    ParamCounts params, units;  // units: the decoder layers, Megatron-FSDP's units
+    double largest_unit = 0;
     double embedding = 0;
     std::vector<Chunk> chunks;
     bool holds_embedding = false;
@@ -420,7 +451,10 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
       const auto mtp_it = mtp_at.find(static_cast<int64_t>(v) * pp + r);
       const int64_t mtp = mtp_it == mtp_at.end() ? 0 : mtp_it->second;
       for (int64_t l = s.first_layer; l < s.end_layer(); ++l) {
-        params += layer_params(model, c.moe.enabled() && c.moe.is_moe_layer(l));
+        const ParamCounts layer = layer_params(model, c.moe.enabled() && c.moe.is_moe_layer(l));
+        params += layer;
+        units += layer;
+        largest_unit = std::max(largest_unit, layer.tp_sharded / tp + layer.replicated + layer.experts / (ep * etp));
       }
       for (int64_t i = 0; i < mtp; ++i) params += mtp_params(model);
       if (s.has_embedding) {
@@ -447,6 +481,13 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
     const double dense_share = t.use_distributed_optimizer ? sizes.dp_cp() : 1.0;
     const double expert_share = t.use_distributed_optimizer ? sizes.edp() : 1.0;
     stage.main_weights_and_optimizer = dense * b.optimizer / dense_share + experts * b.optimizer / expert_share;
+    stage.fsdp = {.dense = dense,
+                  .expert = experts,
+                  .unit_dense = units.tp_sharded / tp + units.replicated,
+                  .unit_expert = units.experts / (ep * etp),
+                  .largest_unit = largest_unit};
+    double fsdp_buffers = 0;
+    if (t.use_megatron_fsdp) fsdp_buffers = megatron_fsdp_memory(t, sizes, b, stage);
 
     // Contexts live from their forward to their backward; the peak is reached as some backward starts.
     std::vector<ChunkActivations> per_chunk;
@@ -475,7 +516,7 @@ MemoryPlan estimate_plan_memory(const PlanArgs& args) {
       comm = std::max(
           comm, 2.0 * ts * static_cast<double>(c.moe.topk) * etp * static_cast<double>(c.hidden_size) * x.act_bytes);
     }
-    stage.comm_buffers = comm;
+    stage.comm_buffers = comm + fsdp_buffers;
     plan.stages.push_back(std::move(stage));
   }
   return plan;

@@ -31,6 +31,11 @@ struct StageMemory {
   int64_t live_chunks_at_peak = 0;                // (micro-batch, model chunk) contexts alive at the peak
   int64_t decoder_layers = 0;                     // decoder layers on this rank
   int64_t mtp_layers = 0;
+  // Elements this rank holds before Megatron-FSDP's shard (after TP / EP): dense and routed-expert, those of its FSDP
+  // units (the decoder layers) and the largest unit; the time model's FSDP collectives move them.
+  struct FsdpElements {
+    double dense = 0, expert = 0, unit_dense = 0, unit_expert = 0, largest_unit = 0;
+  } fsdp;
   // moecore's CPU engine: its log's "total peak" (the categories peak at different moments, see
   // moecore_engine_memory.h); unset: the sum of the categories.
   std::optional<double> total_override;

@@ -103,6 +103,61 @@ LayerParams layer_params(const Shape& s, const Layout& l, const bool moe) {
   return p;
 }
 
+// Megatron-FSDP (optim/fsdp.h): the elements of the decoder layers on a rank, its units, and the last two (the first
+// unit to run backward and the one its backward prefetches).
+struct FsdpUnits {
+  double dense = 0, expert = 0, largest = 0, last = 0, previous = 0;
+  double largest_dense = 0, largest_expert = 0;  // of one unit
+  int64_t count = 0;
+  void add(const LayerParams& p) {
+    ++count;
+    dense += p.dense;
+    expert += p.expert;
+    largest_dense = std::max(largest_dense, p.dense);
+    largest_expert = std::max(largest_expert, p.expert);
+    previous = last;
+    last = p.dense + p.expert;
+    largest = std::max(largest, last);
+  }
+};
+
+// What the strategy takes off a rank's whole parameters and gradients (elements), and its transient unit buffers
+// (bytes, kComm): gathered parameters (fp32) and whole unit gradient buffers.
+struct FsdpSharding {
+  double dense_params_saved = 0, expert_params_saved = 0, params_saved = 0;
+  double grads_saved = 0;
+  double whole_grads_units = 0;    // unit elements whose gradients are reduced per unit (no standing 16-bit wire)
+  double first_backward_comm = 0;  // while the first unit's backward runs
+  double comm_peak = 0;            // the most at any moment
+};
+
+FsdpSharding fsdp_sharding(const TrainingArgs& t, const Layout& l, const FsdpUnits& u) {
+  FsdpSharding f;
+  if (!t.use_megatron_fsdp) return f;
+  const bool zero3 = t.data_parallel_sharding_strategy == "optim_grads_params";
+  const bool sharded_grads = zero3 || t.data_parallel_sharding_strategy == "optim_grads";
+  // Dense unit parameters are sharded over dp-cp, routed experts over expert-DP.
+  const double dense_saved = u.dense * (1 - 1 / (l.dp() * l.cp())), expert_saved = u.expert * (1 - 1 / l.edp());
+  if (zero3) {
+    f.dense_params_saved = dense_saved;
+    f.expert_params_saved = expert_saved;
+    f.params_saved = dense_saved + expert_saved;
+  }
+  if (sharded_grads) {
+    f.grads_saved = dense_saved + expert_saved;
+    f.whole_grads_units = u.dense + u.expert;
+  }
+  // The first backward holds its unit's gathered parameters, the previous unit's (prefetched, when this rank holds
+  // it) and its own whole gradient buffer. A later unit's backward also holds the next unit's buffer while its
+  // reduce-scatter runs (in the gradients' dtype once rounded to it).
+  const double wire = t.model.params_dtype == DType::kF32 ? 4.0 : 2.0;
+  f.first_backward_comm = (zero3 ? 4 * (u.last + u.previous) : 0) + (sharded_grads ? 4 * u.last : 0);
+  const double gathered = u.count >= 3 ? 2 : 1;
+  f.comm_peak = std::max(f.first_backward_comm, (zero3 ? 4 * gathered * u.largest : 0) +
+                                                    (sharded_grads && u.count >= 2 ? (4 + wire) * u.largest : 0));
+  return f;
+}
+
 double dtype_bytes(const std::string& dtype) { return dtype == "fp32" ? 4.0 : dtype == "fp8" ? 1.0 : 2.0; }
 
 // Rows of one micro-batch on one rank, and the bytes of a stored activation element. The functions below give bytes:
@@ -229,7 +284,10 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
 
   const Recompute& rc = args.recompute;
   const bool low_precision = c.params_dtype != DType::kF32;
-  const bool distopt = t.use_distributed_optimizer;
+  // Megatron-FSDP's no_shard keeps whole Adam states (optim/fsdp.h); every other strategy shards them as the
+  // distributed optimizer does.
+  const bool distopt =
+      t.use_distributed_optimizer && !(t.use_megatron_fsdp && t.data_parallel_sharding_strategy == "no_shard");
   const bool pa = t.use_precision_aware_optimizer;
   const int64_t microbatches = l.microbatches;
   const double vocab_local = s.vocab / l.tp();
@@ -241,6 +299,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     const bool first = r == 0, last = r == pp - 1;
     // ---- parameters, gradients, optimizer, communication buffers ----
     double dense = 0, expert = 0, buffers = 0;
+    FsdpUnits units;  // the decoder layers: Megatron-FSDP's units (MTP depths and the rest stay whole)
     int64_t layers = 0;
     std::optional<bool> last_layer_moe;
     int64_t mtp_depths = 0;
@@ -252,6 +311,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
         dense += p.dense;
         expert += p.expert;
         buffers += p.buffers;
+        units.add(p);
         last_layer_moe = moe;
         ++layers;
       }
@@ -261,8 +321,10 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     // enorm, hnorm and final_layernorm, eh_proj [H, 2H] column-parallel; a stage without the embedding keeps its own
     // copy of the word embedding for their input where it has none for the output layer (untied).
     const bool last_moe = c.num_layers > 0 && c.moe.is_moe_layer(c.num_layers - 1);
+    double mtp_dense = 0;
     for (int64_t k = 0; k < mtp_depths; ++k) {
       const LayerParams p = layer_params(s, l, last_moe);
+      mtp_dense += p.dense + 3 * s.nrm * s.h + 2 * s.h * s.h / l.tp();
       dense += p.dense + 3 * s.nrm * s.h + 2 * s.h * s.h / l.tp();
       expert += p.expert;
       buffers += p.buffers;
@@ -271,10 +333,16 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     if (first) dense += vocab_local * s.h + (s.learned_pos ? s.max_pos * s.h : 0);
     if (last) dense += s.nrm * s.h + (s.config.untie_embeddings_and_output_weights || !first ? vocab_local * s.h : 0);
     const double params = dense + expert;
-    const double params_current = 4 * (params + buffers);
-    // ddp.cpp builds each group's flat parameter buffer (dense, then expert) while the parameters still exist.
-    const double params_peak = params_current + (distopt ? 4 * std::max(dense, expert) : 0);
-    const double grads = 4 * params;  // fp32 main gradients always
+    const FsdpSharding fsdp = fsdp_sharding(t, l, units);
+    const double params_current = 4 * (params - fsdp.params_saved + buffers);
+    // ddp.cpp builds each group's flat parameter buffer (dense, then expert) while the parameters still exist; under
+    // ZeRO-3 a unit's buffer takes its shard only.
+    const double dense_buffer = dense - fsdp.dense_params_saved, expert_buffer = expert - fsdp.expert_params_saved;
+    const double params_peak =
+        4 * (params + buffers) + (distopt ? 4 * (dense_buffer + std::max(0.0, expert_buffer - dense)) : 0);
+    // fp32 main gradients always; the model's whole gradients exist until DDP's build, so they are the peak.
+    const double grads = 4 * params;
+    const double grads_current = 4 * (params - fsdp.grads_saved);
     const double shard = distopt ? dense / (l.dp() * l.cp()) + expert / l.edp() : params;
     const double exp_avg = pa ? dtype_bytes(t.exp_avg_dtype) : 4.0;
     const double exp_avg_sq = pa ? dtype_bytes(t.exp_avg_sq_dtype) : 4.0;
@@ -290,15 +358,27 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     if (pa && (exp_avg != 4 || exp_avg_sq != 4 || main_dtype != "fp32" || low_precision)) {
       // scaled_adamw_step: three fp32 chunks of at most 2^18 elements of one parameter's piece of the shard.
       const double experts_local = std::max(1.0, s.experts / l.ep());
-      const double piece = std::max({vocab_local * s.h, s.h * (s.n + 2 * s.g) * s.d / l.tp(),
-                                     s.experts * s.glu * s.fm * s.h / (l.ep() * l.etp()) / experts_local});
+      double embedding_piece = vocab_local * s.h, qkv_piece = s.h * (s.n + 2 * s.g) * s.d / l.tp();
+      double expert_piece = s.experts * s.glu * s.fm * s.h / (l.ep() * l.etp()) / experts_local;
+      if (t.use_megatron_fsdp) {
+        // Each module's parameters are buckets of their own, so a parameter's piece of a shard is at most its
+        // bucket's shard: the embedding alone, the output layer with the MTP depths, a unit's dense parameters, a
+        // unit's experts.
+        const double dp_cp = l.dp() * l.cp();
+        embedding_piece = std::max(first ? embedding_piece / dp_cp : 0.0,
+                                   last ? std::min(embedding_piece, (embedding_piece + mtp_dense) / dp_cp) : 0.0);
+        qkv_piece = std::min(qkv_piece, units.largest_dense / dp_cp);
+        expert_piece = std::min(expert_piece, units.largest_expert / l.edp());
+      }
+      const double piece = std::max({embedding_piece, qkv_piece, expert_piece});
       optimizer_peak += 12 * std::min(piece, 262144.0);
     }
     double comm = distopt ? 4 * shard : 0;  // DistributedAdamW's fp32 comm shard
     const bool wire16 = t.grad_reduce_in_bf16 || t.main_grads_dtype == "bf16" ||
                         (c.params_dtype == DType::kF16 && !t.accumulate_allreduce_grads_in_fp32) ||
-                        (distopt && low_precision);
-    if (wire16) comm += 2 * params + (distopt ? 2 * shard : 0);
+                        (distopt && low_precision) || (t.use_megatron_fsdp && low_precision);
+    // A unit with sharded gradients takes its 16-bit wire only while its reduce-scatter runs (fsdp.cpp).
+    if (wire16) comm += 2 * (params - fsdp.whole_grads_units) + (distopt ? 2 * shard : 0);
     if (distopt && (t.fp8_param_gather || t.fp4_param_gather)) {
       const double code = t.fp4_param_gather ? 0.5 : 1.0;  // quantized parameter codes + their shard
       comm += code * (params + shard);
@@ -413,12 +493,28 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     stage.grads = grads;
     stage.main_weights_and_optimizer = optimizer_peak;
     stage.activations = peak.total();
-    stage.comm_buffers = comm;
+    stage.comm_buffers = comm + fsdp.comm_peak;
     stage.activations_by_module = peak.named(1.0);
     stage.live_chunks_at_peak = live;
     stage.decoder_layers = layers;
+    stage.fsdp = {.dense = dense,
+                  .expert = expert,
+                  .unit_dense = units.dense,
+                  .unit_expert = units.expert,
+                  .largest_unit = units.largest};
     // The log's total peak: the categories at one moment (parameters after DDP's build, no optimizer step chunks).
-    stage.total_override = params_current + grads + optimizer + stage.activations + comm;
+    // Megatron-FSDP's units in use count from the first backward on (no unit is gathered at the loss's forward); the
+    // next unit's backward holds the most of them, with the first one's saved tensors gone (full recomputation
+    // rebuilds each layer's, so its activations stay near their peak).
+    double at_backward = backward.total() + fsdp.first_backward_comm;
+    if (layers > 1 && last_layer_moe) {
+      const PipelineStage& chunk = pipeline.stage(r, vpp - 1);
+      const bool checkpointed = chunk.num_layers > 0 && rc.checkpointed(chunk.num_layers - 1);
+      const double last_kept =
+          checkpointed ? 0 : attention_saved(s, l, x, rc) + ffn_saved(s, l, x, *last_layer_moe, rc);
+      at_backward = std::max(at_backward, backward.total() - last_kept + fsdp.comm_peak);
+    }
+    stage.total_override = params_current + grads_current + optimizer + comm + std::max(stage.activations, at_backward);
 
     // moecore's log: each category the maximum over the ranks, the total peak the maximum of the ranks' totals, and
     // each model part's activations at the peak the maximum over the ranks' peaks.

@@ -220,10 +220,6 @@ std::vector<std::string> train_tokens(const PlanArgs& args, const LayoutChoice& 
 void finish(PlanArgs& out, const LayoutChoice& layout, const std::vector<std::string>& split_switches,
             const std::map<std::string, std::string>& split_values) {
   out.train = parse_train_args(train_tokens(out, layout, split_switches, split_values), static_cast<int>(out.num_gpus));
-  // The planner's memory and time models have no Megatron-FSDP shards (optim/fsdp.h) yet: a plan would count whole
-  // parameters and gradients.
-  require(!out.train.use_megatron_fsdp,
-          "moecore plan does not model --use-megatron-fsdp yet (it would count whole parameters and gradients)");
   // The flags' MTP depths: train's split gets none where the layout places them on stages of their own ('m'
   // cells, train_tokens), which the planner models as Megatron does.
   const int64_t mtp_num_layers = out.model.config.mtp_num_layers;

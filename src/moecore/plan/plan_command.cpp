@@ -33,6 +33,7 @@ nlohmann::json layout_json(const LayoutChoice& l, const PlanArgs& args) {
                    {"dp", args.num_gpus / (l.tp * l.pp * l.cp)},
                    {"edp", args.num_gpus / (l.ep * l.etp * l.pp)}};
   if (l.pipeline_layout) j["pipeline_layout"] = *l.pipeline_layout;
+  if (args.train.use_megatron_fsdp) j["megatron_fsdp"] = args.train.data_parallel_sharding_strategy;
   return j;
 }
 
@@ -187,7 +188,8 @@ int plan_main(const std::vector<std::string>& argv, std::ostream& out) {
   }
   out << "model: " << fixed(memory.total_parameters / 1e9, 2) << " B parameters; " << args.num_gpus << " x "
       << describe_cluster(args.cluster) << "\n";
-  out << "layout: " << args.layout.describe() << ", DP " << args.train.data_parallel_size << "; "
+  out << "layout: " << args.layout.describe() << ", DP " << args.train.data_parallel_size
+      << (args.train.use_megatron_fsdp ? ", Megatron-FSDP " + args.train.data_parallel_sharding_strategy : "") << "; "
       << layout_sizes(args).microbatches << " micro-batches of " << args.train.micro_batch_size << " x "
       << model.config.seq_length << " tokens\n";
   out << "FLOPs: " << sci(per_token) << " per token, " << sci(per_step) << " per step (Megatron's count)\n";

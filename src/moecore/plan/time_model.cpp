@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <string>
 
 #include "moecore/pipeline/pipeline_layout.h"
 #include "moecore/plan/plan_flops.h"
@@ -72,6 +73,64 @@ Efficiency cpu_efficiency() {
   e.collective = e.alltoall = e.alltoall_flex = 1.0;
   e.layer_overhead_s = 0.0;
   return e;
+}
+
+// Megatron-FSDP's data-parallel collectives of one step (megatron/core/distributed/fsdp/src/megatron_fsdp/: the
+// pre-forward and pre-backward all-gathers of a unit's weights with the next unit's prefetch, the post-backward
+// reduce-scatter of its gradients). Dense elements go over dp-cp, routed experts over expert-DP.
+struct FsdpCollectives {
+  const Cluster& cluster;
+  const Efficiency& efficiency;
+  StageMemory::FsdpElements elements;  // on the slowest rank, before FSDP's shard
+  double dense_group = 1, dense_stride = 1, expert_group = 1, expert_stride = 1;
+  double gather_bytes = 2, grad_bytes = 2;  // per element all-gathered / reduced
+};
+
+// Seconds to all-gather (or reduce-scatter) `dense` and `expert` elements of `bytes` each over their groups.
+double fsdp_collective_seconds(const FsdpCollectives& f, const double dense, const double expert, const double bytes) {
+  const auto one = [&](const double elements, const double group, const double stride) {
+    return transfer_seconds(f.cluster, elements * bytes * (group - 1.0) / group, group, stride, f.efficiency.collective,
+                            1);
+  };
+  return one(dense, f.dense_group, f.dense_stride) + one(expert, f.expert_group, f.expert_stride);
+}
+
+// The exposed seconds: units' collectives run every micro-batch behind the compute (the gather of the next unit during
+// this one's forward or backward, the reduce-scatter during the next unit's backward), except the first gather of each
+// pass and the last reduce-scatter, and what the compute cannot cover. The rest (no_shard's all-reduce, optim's
+// reduce-scatter, the parameters outside units, the all-gather of the updated weights after the step) runs once per
+// step like the distributed optimizer's, hidden as much as --overlap-grad-reduce / --overlap-param-gather allow
+// (Megatron-FSDP turns the first on for optim_grads and both for optim_grads_params).
+double fsdp_exposed_seconds(const FsdpCollectives& f, const TrainingArgs& t, const double microbatches,
+                            const double compute_s) {
+  const std::string& strategy = t.data_parallel_sharding_strategy;
+  const StageMemory::FsdpElements& e = f.elements;
+  const bool zero3 = strategy == "optim_grads_params";
+  const bool sharded_grads = zero3 || strategy == "optim_grads";
+  const double rest_dense = e.dense - e.unit_dense, rest_expert = e.expert - e.unit_expert;
+  double per_step = 0, units = 0, unit_edges = 0;
+  if (strategy == "no_shard") {
+    per_step = 2.0 * fsdp_collective_seconds(f, e.dense, e.expert, f.grad_bytes);  // all-reduce
+  } else if (!sharded_grads) {
+    per_step = fsdp_collective_seconds(f, e.dense, e.expert, f.grad_bytes) +
+               fsdp_collective_seconds(f, e.dense, e.expert, f.gather_bytes);
+  } else {
+    per_step = fsdp_collective_seconds(f, rest_dense, rest_expert, f.grad_bytes) +
+               (zero3 ? fsdp_collective_seconds(f, rest_dense, rest_expert, f.gather_bytes)
+                      : fsdp_collective_seconds(f, e.dense, e.expert, f.gather_bytes));
+    const double share = e.unit_dense + e.unit_expert > 0 ? e.unit_dense / (e.unit_dense + e.unit_expert) : 1.0;
+    const double largest_dense = e.largest_unit * share, largest_expert = e.largest_unit * (1.0 - share);
+    units = microbatches * fsdp_collective_seconds(f, e.unit_dense, e.unit_expert, f.grad_bytes);
+    unit_edges = microbatches * fsdp_collective_seconds(f, largest_dense, largest_expert, f.grad_bytes);
+    if (zero3) {
+      units += 2.0 * microbatches * fsdp_collective_seconds(f, e.unit_dense, e.unit_expert, f.gather_bytes);
+      unit_edges += 2.0 * microbatches * fsdp_collective_seconds(f, largest_dense, largest_expert, f.gather_bytes);
+    }
+  }
+  const double hidden =
+      (t.overlap_grad_reduce || sharded_grads ? 0.5 : 0.0) + (t.overlap_param_gather || zero3 ? 0.4 : 0.0);
+  const double exposed_units = std::min(units, unit_edges + std::max(0.0, units - compute_s));
+  return per_step * (1.0 - hidden) + exposed_units;
 }
 
 }  // namespace
@@ -299,6 +358,18 @@ StepTime estimate_step_time(const PlanArgs& args, const MemoryPlan& memory) {
   }
   const double dp_hidden = (t.overlap_grad_reduce ? 0.5 : 0.0) + (t.overlap_param_gather ? 0.4 : 0.0);
   out.dp_comm_s = dp_s * (1.0 - std::min(0.9, dp_hidden));
+  if (t.use_megatron_fsdp) {
+    const FsdpCollectives f{.cluster = cl,
+                            .efficiency = e,
+                            .elements = worst.fsdp,
+                            .dense_group = dp_group,
+                            .dense_stride = tp,
+                            .expert_group = sizes.edp(),
+                            .expert_stride = ep * etp,
+                            .gather_bytes = args.cluster.moecore_cpu_engine ? 4.0 : a,
+                            .grad_bytes = a};
+    out.dp_comm_s = fsdp_exposed_seconds(f, t, m, out.compute_s);
+  }
   // Optimizer: reads and writes the main weights, both moments and the gradients of this rank's shard.
   out.optimizer_s = 3.0 * (worst.main_weights_and_optimizer + grad_bytes + param_bytes) / (cl.hbm_tbps * 1e12);
   out.total_s = out.compute_s + out.tp_comm_s + out.ep_comm_s + out.cp_comm_s + out.pp_comm_s + out.bubble_s +
