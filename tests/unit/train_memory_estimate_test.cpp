@@ -99,7 +99,8 @@ TEST(MemoryEstimate, ShardsOverParallelRanks) {
 }
 
 TEST(MemoryEstimate, MegatronFsdpShardsTheOptimizer) {
-  // tiny-dense with 8 layers over DP 4: the Adam states are sharded.
+  // tiny-dense with 8 layers over DP 4: the Adam states are sharded except with no_shard. (The parameters' and
+  // gradients' peaks stay whole: the engine builds the whole model before sharding it.)
   const double whole = 8 * 49984 + 1024 * 64 + 32 * 64 + 128;  // see DenseParametersByHand
   const auto with_strategy = [](const char* strategy) {
     Args flags = {"--num-layers", "8", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy};
@@ -112,6 +113,7 @@ TEST(MemoryEstimate, MegatronFsdpShardsTheOptimizer) {
   for (const char* strategy : {"optim", "optim_grads", "optim_grads_params"}) {
     EXPECT_DOUBLE_EQ(with_strategy(strategy).optimizer, whole * 4 * 2 / 4) << strategy;
   }
+  EXPECT_DOUBLE_EQ(with_strategy("no_shard").optimizer, whole * 4 * 2);
 }
 
 TEST(MemoryEstimate, RefusesWhatCannotFit) {
