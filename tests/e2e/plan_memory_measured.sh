@@ -131,6 +131,9 @@ check fsdp-zero3-pp2 4 qwen3-moe-tiny --pipeline-model-parallel-size 2 --use-meg
 check fsdp-optim_grads-precision-aware 2 deepseek-v3-tiny --use-megatron-fsdp --data-parallel-sharding-strategy \
   optim_grads --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype bf16
 check fsdp-zero3-cp2 4 qwen3-moe-tiny --context-parallel-size 2 --use-megatron-fsdp
+# Under full recomputation a unit is gathered for its recomputed forward and stays so through its backward.
+check fsdp-zero3-recompute-full 2 qwen3-moe-tiny --use-megatron-fsdp --recompute-granularity full \
+  --recompute-method uniform --recompute-num-layers 1
 
 [ $failures -eq 0 ] || { echo "$failures failure(s)"; exit 1; }
 echo "e2e ok"

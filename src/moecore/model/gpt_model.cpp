@@ -342,7 +342,7 @@ void GPTModel::recompute_checkpoint(MicroBatchContext& ctx, const int64_t begin,
   head.x_TH = Tensor();
   for (int64_t i = begin; i < end; ++i) {
     const int64_t layer = stage.first_layer + i;
-    if (hooks_) hooks_->before_forward(static_cast<int>(layer));
+    if (hooks_) hooks_->before_recompute(static_cast<int>(layer));
     LayerDropout dropout{true, ctx.dropout_seed, layer_stream(ctx.dropout_stream, layer), ctx.rows, &ctx.sequence};
     dropout.recompute = true;
     x_TH = m.layers[first + static_cast<size_t>(i)].forward(x_TH, ctx.S, ctx.B, dropout,

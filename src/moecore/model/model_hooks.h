@@ -14,6 +14,9 @@ class ModelHooks {
   virtual void before_forward(int module) = 0;
   // After module `module`'s forward (training or evaluation) no longer reads its parameters.
   virtual void after_forward(int /*module*/) {}
+  // Before a forward of decoder layer `module` recomputed for its backward (full recomputation), which follows; its
+  // parameters stay in use until after_backward. Default: as a forward.
+  virtual void before_recompute(int module) { before_forward(module); }
   // Before module `module`'s backward reads its parameters and accumulates into its gradients.
   virtual void before_backward(int /*module*/) {}
   // After module `module`'s backward has accumulated its parameters' gradients.

@@ -591,10 +591,12 @@ void DistributedDataParallel::decode_param_gather(Bucket& bucket) {
 }
 
 void DistributedDataParallel::before_forward(const int module) {
-  if (fsdp_zero3()) {
-    bind_unit_params(module);
-    if (unit_in_backward_ == kNoModule) start_unit_gather(module + 1);  // the next unit's prefetch
-  }
+  before_recompute(module);
+  if (fsdp_zero3() && unit_in_backward_ == kNoModule) start_unit_gather(module + 1);  // the next unit's prefetch
+}
+
+void DistributedDataParallel::before_recompute(const int module) {
+  if (fsdp_zero3()) bind_unit_params(module);
   if (!options_.overlap_param_gather) return;
   parallel::drive_progress();
   for (const int b : buckets_of(module)) wait_bucket_gather(buckets_[static_cast<size_t>(b)]);

@@ -135,6 +135,10 @@ class DistributedDataParallel : public ModelHooks {
   void before_forward(int module) override;
   // FSDP optim_grads_params: frees the unit's gathered parameters.
   void after_forward(int module) override;
+  // FSDP optim_grads_params: gathers the unit's parameters (waiting for the prefetch of the unit after it) and starts
+  // no prefetch: the next unit's backward is done. They stay gathered through the unit's backward (Megatron-FSDP
+  // reshards post-backward under recompute).
+  void before_recompute(int module) override;
   // FSDP: gathers the unit's parameters again (prefetching the previous unit's) with optim_grads_params; with sharded
   // gradients binds its params' gradients to a fresh zeroed whole buffer.
   void before_backward(int module) override;
