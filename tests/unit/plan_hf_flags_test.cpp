@@ -17,6 +17,7 @@
 #include "moecore/model/config.h"
 #include "moecore/plan/hf_flags.h"
 #include "test_temp_dir.h"
+#include "unit/test_source_dir.h"
 
 namespace moecore::plan {
 namespace {
@@ -26,10 +27,7 @@ using Flags = std::vector<std::string>;
 using json = nlohmann::json;
 
 // Repository root: $MOECORE_SOURCE_DIR, else three levels above this file (tests/unit/x.cpp).
-fs::path source_dir() {
-  if (const char* env = std::getenv("MOECORE_SOURCE_DIR"); env != nullptr && *env != '\0') return env;
-  return fs::path(__FILE__).parent_path().parent_path().parent_path();
-}
+using test::source_dir;
 
 std::string fixture(const std::string& name) {
   return (source_dir() / "tests/unit/data/hf_configs" / (name + ".json")).string();

