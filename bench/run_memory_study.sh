@@ -39,7 +39,10 @@ options=("baseline|" "core_attn|$(sel core_attn)" "layernorm|$(sel layernorm)" "
 fine="core_attn layernorm mlp"
 [ "$moe" -gt 0 ] && fine+=" moe_act"
 [ "$mla" -gt 0 ] && fine+=" mla_up_proj"
-options+=("bf16 (16-bit activations)|--bf16" "selective: $fine|$(sel $fine)"
+options+=("bf16 (16-bit activations)|--bf16"
+  "bf16 + FP8 hybrid, delayed scaling|--bf16 --fp8-format hybrid --fp8-recipe delayed"
+  "bf16 + FP8 hybrid, tensorwise|--bf16 --fp8-format hybrid --fp8-recipe tensorwise"
+  "bf16 + NVFP4|--bf16 --fp4-format e2m1 --fp4-recipe nvfp4" "selective: $fine|$(sel $fine)"
   "full, uniform 1|--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
   "full, block 1|--recompute-granularity full --recompute-method block --recompute-num-layers 1")
 
