@@ -3,7 +3,8 @@
 # strictly lower activation peak. The tiny DeepSeek-V3 recipe (equivalence.cmake's equiv_dsv3: MLA, a dense layer,
 # routed and shared experts; without its MTP depth) under --bf16 for the per-tensor, blockwise and NVFP4 recipes, with 16-bit
 # activation storage; MXFP8 needs every width divisible by 32 (the recipe's kv_down_proj is 48 wide), so it runs on
-# the equivalence model; the routing-map padding gives the experts whole blocks of rows. Recomputation of the
+# the equivalence model (standard attention with GQA, also under tensorwise scaling); the routing-map padding gives
+# the experts whole blocks of rows. Recomputation of the
 # modules whose inputs are kept quantized (moe_act, mlp, mla_up_proj, layernorm) and TP2 + SP (the gathered inputs)
 # run under delayed scaling, whose recompute replays the forward's scales.
 add_executable(dist_quantized_inputs_test quantized_inputs_main.cpp)
@@ -15,6 +16,8 @@ set(quantized_inputs_cases
     "dsv3_blockwise\;1\;dsv3\;--bf16 --fp8-format e4m3 --fp8-recipe blockwise"
     "dsv3_nvfp4\;1\;dsv3\;--bf16 --fp4-format e2m1 --fp4-recipe nvfp4 --moe-router-padding-for-quantization"
     "equiv_mxfp8\;1\;equiv\;--bf16 --fp8-format hybrid --fp8-recipe mxfp8 --moe-token-dispatcher-type alltoall --moe-router-padding-for-quantization"
+    "equiv_tensorwise\;1\;equiv\;--bf16 --fp8-format hybrid --fp8-recipe tensorwise"
+    "equiv_tensorwise_recompute\;1\;equiv\;--bf16 --fp8-format hybrid --fp8-recipe tensorwise --recompute-granularity selective --recompute-modules layernorm mlp core_attn"
     "dsv3_fp32_tensorwise\;1\;dsv3\;--fp8-format e4m3 --fp8-recipe tensorwise"
     "dsv3_delayed_recompute\;1\;dsv3\;--bf16 --fp8-format hybrid --fp8-recipe delayed --recompute-granularity selective --recompute-modules mlp mla_up_proj shared_experts"
     "dsv3_tensorwise_recompute\;1\;dsv3\;--bf16 --fp8-format hybrid --fp8-recipe tensorwise --recompute-granularity selective --recompute-modules moe_act mlp mla_up_proj layernorm"

@@ -49,7 +49,8 @@ MLP::MLP(const std::string& prefix, const int64_t hidden_size, const MLPOptions&
   fc2_ = RowParallelLinear(prefix + "linear_fc2", F, hidden_size, tp, fc2, params);
 }
 
-Tensor MLP::forward(const Tensor& x_TH, const Tensor* probs_T, MLPActivations& saved) const {
+Tensor MLP::forward(const Tensor& x_TH, const Tensor* probs_T, MLPActivations& saved,
+                    const InputKeepers x_keepers) const {
   const bool probs_on_input = probs_T != nullptr && options_.probs_on_input;
   const Tensor* probs_on_act = probs_on_input ? nullptr : probs_T;
   Tensor fc1_in = x_TH;
@@ -58,8 +59,8 @@ Tensor MLP::forward(const Tensor& x_TH, const Tensor* probs_T, MLPActivations& s
     fc1_in = activation_tensor(x_TH.shape());
     ops::scale_rows(fc1_in, x_TH, *probs_T);
   }
-  // fc1's input: the caller's tensor (the norm output, kept by the layer), or x * p, fc1's alone.
-  saved.fc1_TF1 = fc1_.forward(fc1_in, saved.fc1, probs_on_input ? InputKeepers::kLinearOnly : InputKeepers::kShared);
+  // fc1's input: the caller's tensor, or x * p, fc1's alone.
+  saved.fc1_TF1 = fc1_.forward(fc1_in, saved.fc1, probs_on_input ? InputKeepers::kLinearOnly : x_keepers);
   const int64_t T = saved.fc1_TF1.dim(0), F = fc2_.in_local();
   saved.act_TF = activation_tensor({T, F});
   Tensor h_TF = probs_on_act != nullptr ? activation_tensor({T, F}) : saved.act_TF;
