@@ -152,6 +152,17 @@ double attention_dropped(const Shape& s, const Layout& l, const Tokens& x, const
 double attention_saved(const Shape& s, const Layout& l, const Tokens& x, const Recompute& r) {
   const double nl = s.n / l.tp(), gl = s.g / l.tp();
   double a = x.ta * (x.a * s.h + 4 * s.nrm) - attention_dropped(s, l, x, r);  // input norm output + stats
+  if (x.q > 0 && !r.has("layernorm")) {
+    // Under FP8 / FP4 the norm output is kept only as its projections' quantized inputs (TransformerLayer::forward):
+    // linear_qkv's, or MLA's kv_down_proj and q_down_proj (linear_q_proj's without a q latent); gathered under
+    // sequence parallelism (counted below). linear_q_proj recomputed by mla_up_proj keeps it in high precision.
+    const bool q_proj_reads_it = s.mla && s.q_rank == 0;
+    const bool kept = q_proj_reads_it && r.has("mla_up_proj") && !l.sp;
+    double copies = 0;
+    if (!s.mla) copies = l.sp ? 0 : 1;
+    if (s.mla) copies = 1 + (s.q_rank > 0 ? 1 : (!l.sp && !r.has("mla_up_proj") ? 1 : 0));
+    a += x.ta * s.h * (x.q * copies - (kept ? 0 : x.a));
+  }
   if (s.mla) {
     // The up projections keep their (all-gathered) normed latents, the norms their inputs and statistics; the core
     // attention q, k (dq + dr wide), v and its output (dv wide), the log-sum-exp.
@@ -177,6 +188,8 @@ double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool mo
   if (r.has("layernorm")) a -= x.a * x.ta * s.h;
   if (!moe) {
     if (r.has("mlp")) return a;
+    // Under FP8 / FP4 the norm output is kept only as fc1's quantized input (gathered under SP: counted below).
+    if (x.q > 0 && !r.has("layernorm")) a += x.ta * s.h * ((l.sp ? 0 : x.q) - x.a);
     // fc1's all-gathered input and fc2's input are the linears' own: kept quantized under FP8 / FP4.
     return a + x.in() * (l.sp ? x.t * s.h : 0) + x.a * x.t * s.glu * s.f / l.tp() + x.in() * x.t * s.f / l.tp();
   }
