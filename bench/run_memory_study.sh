@@ -36,13 +36,17 @@ options=("baseline|" "core_attn|$(sel core_attn)" "layernorm|$(sel layernorm)" "
   "moe_act|$(sel moe_act)" "moe|$(sel moe)")
 [ "$shared" -gt 0 ] && options+=("shared_experts|$(sel shared_experts)")
 [ "$mla" -gt 0 ] && options+=("mla_up_proj|$(sel mla_up_proj)")
+# moecore's MTP depths do not run under FP8 / FP4: those rows train the config without them.
+no_mtp=$(grep -q -- '--mtp-num-layers' "$src/configs/$config.args" && echo "--mtp-num-layers 0")
 fine="core_attn layernorm mlp"
 [ "$moe" -gt 0 ] && fine+=" moe_act"
 [ "$mla" -gt 0 ] && fine+=" mla_up_proj"
-options+=("bf16 (16-bit activations)|--bf16"
-  "bf16 + FP8 hybrid, delayed scaling|--bf16 --fp8-format hybrid --fp8-recipe delayed"
-  "bf16 + FP8 hybrid, tensorwise|--bf16 --fp8-format hybrid --fp8-recipe tensorwise"
-  "bf16 + NVFP4|--bf16 --fp4-format e2m1 --fp4-recipe nvfp4" "selective: $fine|$(sel $fine)"
+options+=("bf16 (16-bit activations)|--bf16")
+[ -n "$no_mtp" ] && options+=("bf16 without MTP (the FP8 / FP4 rows' reference)|--bf16 $no_mtp")
+options+=(
+  "bf16 + FP8 hybrid, delayed scaling|--bf16 --fp8-format hybrid --fp8-recipe delayed $no_mtp"
+  "bf16 + FP8 hybrid, tensorwise|--bf16 --fp8-format hybrid --fp8-recipe tensorwise $no_mtp"
+  "bf16 + NVFP4|--bf16 --fp4-format e2m1 --fp4-recipe nvfp4 $no_mtp" "selective: $fine|$(sel $fine)"
   "full, uniform 1|--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
   "full, block 1|--recompute-granularity full --recompute-method block --recompute-num-layers 1")
 

@@ -64,9 +64,10 @@ ops::AttentionDims SelfAttention::dims(const int64_t S, const int64_t B) const {
 }
 
 Tensor SelfAttention::forward(const Tensor& x_TH, const int64_t S, const int64_t B, const ops::DropoutSpec& dropout,
-                              AttentionActivations& a, const SequenceInfo& sequence) const {
+                              AttentionActivations& a, const SequenceInfo& sequence,
+                              const InputKeepers x_keepers) const {
   const int64_t T = S * B, N = heads_, G = groups_, d = config_.kv_channels;
-  Tensor qkv_TQ = qkv_.forward(x_TH, a.qkv);
+  Tensor qkv_TQ = qkv_.forward(x_TH, a.qkv, x_keepers);
   a.q_TNd = activation_tensor({T, N, d});
   a.k_TGd = activation_tensor({T, G, d});
   a.v_TGd = activation_tensor({T, G, d});

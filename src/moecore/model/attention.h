@@ -41,8 +41,9 @@ class SelfAttention {
 
   // x_TH: the normed layer input (this rank's rows) -> the projected output (this rank's rows), bias included.
   // S: the local sequence (S / CP positions); `sequence` gives the positions, documents and the CP split.
+  // x_keepers: who besides linear_qkv keeps x_TH (parallel_linear.h).
   Tensor forward(const Tensor& x_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout, AttentionActivations& saved,
-                 const SequenceInfo& sequence) const;
+                 const SequenceInfo& sequence, InputKeepers x_keepers = InputKeepers::kShared) const;
   // dx_TH += d(out)/d(x)^T dout_TH; parameter gradients accumulate.
   void backward(Tensor& dx_TH, const Tensor& dout_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout,
                 const AttentionActivations& saved, const SequenceInfo& sequence) const;

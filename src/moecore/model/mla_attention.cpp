@@ -78,23 +78,27 @@ ops::AttentionDims MLASelfAttention::dims(const int64_t S, const int64_t B) cons
 }
 
 Tensor MLASelfAttention::forward(const Tensor& x_TH, const int64_t S, const int64_t B, const ops::DropoutSpec& dropout,
-                                 MlaActivations& a, const SequenceInfo& sequence) const {
+                                 MlaActivations& a, const SequenceInfo& sequence, const InputKeepers x_keepers) const {
   const int64_t T = S * B, Tl = x_TH.dim(0), N = heads_;
   const int64_t dr = mla_.qk_pos_emb_head_dim, dv = mla_.v_head_dim;
   const int64_t L = mla_.kv_lora_rank, Q = mla_.q_lora_rank;
+  // The up projections' inputs (the normed latents) are theirs alone, kept quantized under FP8 / FP4 unless
+  // mla_up_proj recomputation reruns the projections from them.
+  const InputKeepers up_inputs =
+      config_.recompute.has("mla_up_proj") ? InputKeepers::kRecomputed : InputKeepers::kLinearOnly;
   Tensor q_TQ;
   if (q_latent()) {
-    Tensor cq_TlQ = q_down_.forward(x_TH, a.q_down);
+    Tensor cq_TlQ = q_down_.forward(x_TH, a.q_down, x_keepers);
     if (config_.qk_layernorm) {
       a.cq_TlQ = std::move(cq_TlQ);
       cq_TlQ = activation_tensor({Tl, Q});
       a.q_norm_stats = q_norm_.forward(cq_TlQ, a.cq_TlQ);
     }
-    q_TQ = q_up_.forward(cq_TlQ, a.q_up);
+    q_TQ = q_up_.forward(cq_TlQ, a.q_up, up_inputs);
   } else {
-    q_TQ = q_up_.forward(x_TH, a.q_up);
+    q_TQ = q_up_.forward(x_TH, a.q_up, up_inputs == InputKeepers::kRecomputed ? up_inputs : x_keepers);
   }
-  Tensor ckv_TlC = kv_down_.forward(x_TH, a.kv_down);
+  Tensor ckv_TlC = kv_down_.forward(x_TH, a.kv_down, x_keepers);
   Tensor latent_TlL = columns(ckv_TlC, L + dr, 0, L, {Tl, L});
   const Tensor k_rope_TlR = columns(ckv_TlC, L + dr, L, dr, {Tl, dr});
   ckv_TlC = Tensor();
@@ -103,7 +107,7 @@ Tensor MLASelfAttention::forward(const Tensor& x_TH, const int64_t S, const int6
     latent_TlL = activation_tensor({Tl, L});
     a.kv_norm_stats = kv_norm_.forward(latent_TlL, a.latent_TlL);
   }
-  Tensor kv_TK = kv_up_.forward(latent_TlL, a.kv_up);
+  Tensor kv_TK = kv_up_.forward(latent_TlL, a.kv_up, up_inputs);
   latent_TlL = Tensor();
   const Tensor k_rope_TR = tp_.sequence_sharded() ? tp_.all_gather_rows(k_rope_TlR) : k_rope_TlR;
   if (config_.recompute.has("mla_up_proj")) a.k_rope_TR = k_rope_TR;

@@ -52,8 +52,9 @@ class MLASelfAttention {
                    const parallel::ProcessGroup& cp = parallel::ProcessGroup::self());
 
   // As SelfAttention: x_TH the normed layer input (this rank's rows) -> the projected output, bias included.
+  // x_keepers: who besides the projections reading x_TH keeps it (parallel_linear.h).
   Tensor forward(const Tensor& x_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout, MlaActivations& saved,
-                 const SequenceInfo& sequence) const;
+                 const SequenceInfo& sequence, InputKeepers x_keepers = InputKeepers::kShared) const;
   void backward(Tensor& dx_TH, const Tensor& dout_TH, int64_t S, int64_t B, const ops::DropoutSpec& dropout,
                 const MlaActivations& saved, const SequenceInfo& sequence) const;
   // --recompute-modules core_attn: as SelfAttention's, the log-sum-exp dropped and core attention rerun.

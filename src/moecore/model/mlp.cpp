@@ -49,7 +49,8 @@ MLP::MLP(const std::string& prefix, const int64_t hidden_size, const MLPOptions&
   fc2_ = RowParallelLinear(prefix + "linear_fc2", F, hidden_size, tp, fc2, params);
 }
 
-Tensor MLP::forward(const Tensor& x_TH, const Tensor* probs_T, MLPActivations& saved) const {
+Tensor MLP::forward(const Tensor& x_TH, const Tensor* probs_T, MLPActivations& saved,
+                    const InputKeepers x_keepers) const {
   const bool probs_on_input = probs_T != nullptr && options_.probs_on_input;
   const Tensor* probs_on_act = probs_on_input ? nullptr : probs_T;
   Tensor fc1_in = x_TH;
@@ -58,12 +59,16 @@ Tensor MLP::forward(const Tensor& x_TH, const Tensor* probs_T, MLPActivations& s
     fc1_in = activation_tensor(x_TH.shape());
     ops::scale_rows(fc1_in, x_TH, *probs_T);
   }
-  saved.fc1_TF1 = fc1_.forward(fc1_in, saved.fc1);
+  // fc1's input: the caller's tensor, or x * p, fc1's alone.
+  saved.fc1_TF1 = fc1_.forward(fc1_in, saved.fc1, probs_on_input ? InputKeepers::kLinearOnly : x_keepers);
   const int64_t T = saved.fc1_TF1.dim(0), F = fc2_.in_local();
   saved.act_TF = activation_tensor({T, F});
   Tensor h_TF = probs_on_act != nullptr ? activation_tensor({T, F}) : saved.act_TF;
   mlp_activation_forward(options_.activation, saved.act_TF, h_TF, saved.fc1_TF1, probs_on_act);
-  Tensor y_TH = fc2_.forward(h_TF, saved.fc2);
+  // fc2's input is fc2's alone (the activation's backward reads fc1's output, and act only to scale by probs):
+  // under FP8 / FP4 only its quantized copy is kept.
+  Tensor y_TH = fc2_.forward(h_TF, saved.fc2, InputKeepers::kLinearOnly);
+  if (probs_on_act == nullptr && saved.fc2.input_q.defined()) saved.act_TF = Tensor();
   if (const Param* b2 = fc2_.bias()) {
     if (probs_on_act != nullptr) {
       ops::add_outer(y_TH, *probs_on_act, b2->value);

@@ -47,7 +47,9 @@ class MLP {
 
   // x_TH: the rows the column-parallel fc1 takes (a sequence shard under sequence parallelism); the output has
   // the same rows. probs_T: per-token scale over all the tokens fc1 sees, or null.
-  Tensor forward(const Tensor& x_TH, const Tensor* probs_T, MLPActivations& saved) const;
+  // x_keepers: who besides fc1 keeps x_TH (parallel_linear.h).
+  Tensor forward(const Tensor& x_TH, const Tensor* probs_T, MLPActivations& saved,
+                 InputKeepers x_keepers = InputKeepers::kShared) const;
   // dx_TH += d(out)/d(x)^T dout_TH; parameter gradients accumulate; dprobs_T (with probs) OVERWRITTEN with
   // d(objective)/d(p) per token.
   void backward(Tensor& dx_TH, Tensor* dprobs_T, const Tensor& dout_TH, const Tensor* probs_T,

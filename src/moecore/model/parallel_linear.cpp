@@ -1,5 +1,7 @@
 #include "moecore/model/parallel_linear.h"
 
+#include <stdexcept>
+
 #include "moecore/model/config.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/linear.h"
@@ -19,6 +21,16 @@ void check_divisible(const std::string& name, const int64_t features, const int6
     throw ConfigError(name + ": " + std::to_string(features) + " " + what + " are not divisible by the " +
                       std::to_string(parts) + "-way tensor-parallel split");
   }
+}
+
+// The saved input the weight gradient reads: the quantized one where the forward kept it, else the tensor.
+const Tensor* saved_input(const LinearActivations& saved) {
+  return saved.input_q.defined() ? nullptr : &saved.input_TI;
+}
+
+// Keeps only the quantized input where the forward made one.
+void drop_quantized_input(LinearActivations& saved) {
+  if (saved.input_q.defined()) saved.input_TI = Tensor();
 }
 
 Param& register_param(ParamStore& params, Param p, const LinearOptions& options, const bool weight = false) {
@@ -49,18 +61,23 @@ ColumnParallelLinear::ColumnParallelLinear(const std::string& name, const int64_
   }
 }
 
-Tensor ColumnParallelLinear::forward(const Tensor& x_TI, LinearActivations& saved) const {
+Tensor ColumnParallelLinear::forward(const Tensor& x_TI, LinearActivations& saved, const InputKeepers keepers) const {
   saved.input_TI = gather_input(x_TI);
+  const bool own = keepers == InputKeepers::kLinearOnly || (keepers == InputKeepers::kShared && tp_.sequence_sharded());
   const int64_t T = saved.input_TI.dim(0);
   Tensor y_TO = activation_tensor({T, out_local_});
   ops::linear_forward(y_TO, saved.input_TI, weight_->value,
                       options_.skip_bias_add || bias_ == nullptr ? nullptr : &bias_->value,
-                      weight_->delayed_scaling.get(), &saved.delayed);
+                      weight_->delayed_scaling.get(), &saved.delayed, own ? &saved.input_q : nullptr);
+  drop_quantized_input(saved);
   parallel::drive_progress();
   return y_TO;
 }
 
 Tensor ColumnParallelLinear::forward_saved(const LinearActivations& saved) const {
+  if (!saved.input_TI.defined()) {
+    throw std::logic_error("ColumnParallelLinear::forward_saved: the forward kept only the quantized input");
+  }
   Tensor y_TO = activation_tensor({saved.input_TI.dim(0), out_local_});
   quant::DelayedForwardScales scales;
   ops::linear_forward(y_TO, saved.input_TI, weight_->value,
@@ -71,8 +88,8 @@ Tensor ColumnParallelLinear::forward_saved(const LinearActivations& saved) const
 
 void ColumnParallelLinear::backward_weights(const Tensor& dy_TO, const LinearActivations& saved) const {
   const bool with_bias = bias_ != nullptr && !options_.skip_bias_add;
-  ops::linear_backward(nullptr, &weight_->grad, with_bias ? &bias_->grad : nullptr, dy_TO, &saved.input_TI,
-                       weight_->value, weight_->delayed_scaling.get(), &saved.delayed);
+  ops::linear_backward(nullptr, &weight_->grad, with_bias ? &bias_->grad : nullptr, dy_TO, saved_input(saved),
+                       weight_->value, weight_->delayed_scaling.get(), &saved.delayed, &saved.input_q);
   parallel::drive_progress();
 }
 
@@ -99,7 +116,9 @@ void ColumnParallelLinear::backward(Tensor& dx_TI, const Tensor& dy_TO, const Li
     parallel::drive_progress();
     return;
   }
-  Tensor dinput_TI = activation_tensor(saved.input_TI.shape());
+  Tensor dinput_TI = activation_tensor(saved.input_TI.defined()
+                                           ? saved.input_TI.shape()
+                                           : std::vector<int64_t>{dy_TO.numel() / out_local_, weight_->value.dim(1)});
   ops::linear_backward(&dinput_TI, nullptr, nullptr, dy_TO, nullptr, weight_->value, weight_->delayed_scaling.get(),
                        &saved.delayed);
   parallel::drive_progress();
@@ -122,11 +141,13 @@ RowParallelLinear::RowParallelLinear(const std::string& name, const int64_t in_f
   }
 }
 
-Tensor RowParallelLinear::forward(const Tensor& x_TI, LinearActivations& saved) const {
+Tensor RowParallelLinear::forward(const Tensor& x_TI, LinearActivations& saved, const InputKeepers keepers) const {
   saved.input_TI = x_TI;
   const int64_t T = x_TI.dim(0), O = weight_->value.dim(0);
   Tensor partial_TO = activation_tensor({T, O});
-  ops::linear_forward(partial_TO, x_TI, weight_->value, nullptr, weight_->delayed_scaling.get(), &saved.delayed);
+  ops::linear_forward(partial_TO, x_TI, weight_->value, nullptr, weight_->delayed_scaling.get(), &saved.delayed,
+                      keepers == InputKeepers::kLinearOnly ? &saved.input_q : nullptr);
+  drop_quantized_input(saved);
   parallel::drive_progress();
   Tensor y_TO;
   if (options_.explicit_expert_comm || tp_.size() == 1) {
@@ -145,8 +166,8 @@ void RowParallelLinear::backward(Tensor& dx_TI, const Tensor& dy_TO, const Linea
   if (bias_ != nullptr && !options_.skip_bias_add) ops::bias_grad_rows(bias_->grad, dy_TO);
   const bool gather = tp_.sequence_sharded() && !options_.explicit_expert_comm;
   const Tensor dy_full_TO = gather ? tp_.all_gather_rows(dy_TO) : dy_TO;
-  ops::linear_backward(&dx_TI, &weight_->grad, nullptr, dy_full_TO, &saved.input_TI, weight_->value,
-                       weight_->delayed_scaling.get(), &saved.delayed);
+  ops::linear_backward(&dx_TI, &weight_->grad, nullptr, dy_full_TO, saved_input(saved), weight_->value,
+                       weight_->delayed_scaling.get(), &saved.delayed, &saved.input_q);
   parallel::drive_progress();
 }
 

@@ -15,6 +15,7 @@
 
 #include "moecore/model/param.h"
 #include "moecore/model/tensor_parallel.h"
+#include "moecore/quant/packed_quantized_tensor.h"
 #include "moecore/tensor/tensor.h"
 
 namespace moecore {
@@ -32,12 +33,24 @@ struct LinearOptions {
   std::string shared_weight;
 };
 
-// What a linear layer's backward needs: its input as the GEMM saw it (all tokens), and under FP8 delayed scaling
-// the scales its forward quantized the input and the weight with.
+// What a linear layer's backward needs: its input as the GEMM saw it (all tokens), or under an FP8 / FP4 recipe that
+// input quantized for the weight gradient (ops/linear.h; then input_TI is empty), and under FP8 delayed scaling the
+// scales its forward quantized the input and the weight with.
 struct LinearActivations {
   Tensor input_TI;
+  quant::PackedQuantizedTensor input_q;
   quant::DelayedForwardScales delayed;
 };
+
+// Who keeps a linear layer's input for backward besides the layer. kLinearOnly: nobody, so under a quantized recipe
+// the layer keeps only the input quantized for its weight gradient, as TE's Linear saves it (the planner's
+// Fp8::kOnly). kShared: the caller keeps the same tensor for another use (a norm recompute, another GEMM, an
+// activation's backward), so the layer reads that one; TE would save a quantized copy besides it (the planner's
+// GPU model, Fp8::kExtra), moecore does not (the high-precision tensor is there anyway). kRecomputed: the caller
+// recomputes the output from the saved input (ColumnParallelLinear::forward_saved), which stays high precision. A
+// column-parallel layer whose input is all-gathered under sequence parallelism owns the gathered tensor: kShared
+// acts as kLinearOnly there.
+enum class InputKeepers { kShared, kLinearOnly, kRecomputed };
 
 class ColumnParallelLinear {
  public:
@@ -47,7 +60,7 @@ class ColumnParallelLinear {
                        const LinearOptions& options, ParamStore& params);
 
   // x_TI (this rank's rows) -> y_TO [all tokens, O/TP].
-  Tensor forward(const Tensor& x_TI, LinearActivations& saved) const;
+  Tensor forward(const Tensor& x_TI, LinearActivations& saved, InputKeepers keepers = InputKeepers::kShared) const;
   // The output again from the input `saved` kept (recomputation: no communication; under FP8 delayed scaling inside
   // a replaying ops::ScopedDelayedScales, the forward's scales).
   Tensor forward_saved(const LinearActivations& saved) const;
@@ -79,7 +92,7 @@ class RowParallelLinear {
                     const LinearOptions& options, ParamStore& params);
 
   // x_TI [all tokens, I/TP] -> y_TO (this rank's rows), bias added unless skip_bias_add.
-  Tensor forward(const Tensor& x_TI, LinearActivations& saved) const;
+  Tensor forward(const Tensor& x_TI, LinearActivations& saved, InputKeepers keepers = InputKeepers::kShared) const;
   // dx_TI [all tokens, I/TP] += d(y)/d(x)^T dy_TO; dy_TO holds this rank's rows; the bias gradient too unless
   // skip_bias_add.
   void backward(Tensor& dx_TI, const Tensor& dy_TO, const LinearActivations& saved) const;

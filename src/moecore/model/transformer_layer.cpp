@@ -84,6 +84,15 @@ std::vector<Tensor*> ln2_consumers(LayerActivations& a) {
   return {&a.mlp.fc1.input_TI, &a.moe.shared.mlp.fc1.input_TI};
 }
 
+// Under FP8 / FP4 the linear layers reading a norm output keep it quantized (TE's LayerNormLinear saves ln_out
+// quantized for wgrad, module/layernorm_linear.py), so the layer frees it where no saved tensor is still a view of it.
+void drop_if_unshared(Tensor& out_TH, const std::vector<Tensor*>& consumers) {
+  for (const Tensor* slot : consumers) {
+    if (slot->defined() && slot->shares_storage(out_TH)) return;
+  }
+  out_TH = Tensor();
+}
+
 // Frees a norm output and every saved tensor that is the same view of it; returns which consumers were.
 uint8_t drop_with_aliases(Tensor& out_TH, const std::vector<Tensor*>& consumers) {
   uint8_t aliases = 0;
@@ -201,15 +210,25 @@ Tensor TransformerLayer::forward(const Tensor& x_TH, const int64_t S, const int6
   a.x_TH = x_TH;
   a.ln1_TH = activation_tensor(x_TH.shape());
   a.ln1_stats = ln1_.forward(a.ln1_TH, x_TH);
+  // Who besides the linear layers keeps the norm outputs: the layer, for the recomputations that read them again.
+  const RecomputeConfig& r = config_.recompute;
+  const bool selective = r.granularity == RecomputeConfig::Granularity::kSelective;
+  const InputKeepers ln1_keepers = selective && r.has("layernorm") ? InputKeepers::kShared : InputKeepers::kLinearOnly;
+  const InputKeepers ln2_keepers =
+      selective && (r.has("layernorm") || r.has("mlp")) ? InputKeepers::kShared : InputKeepers::kLinearOnly;
+  const quant::QuantizedLinearConfig* quantized = config_.layer_quantization(index_);
+  const bool saves_quantized = quantized != nullptr && quantized->save_quantized_input;
   Tensor attn_out_TH;
   {
     const trace::Scope scope("attention forward", "forward");
     SequenceInfo plain;
     const ops::DropoutSpec probs = dropout_spec(dropout, config_.attention_dropout, kAttentionProbs);
-    attn_out_TH = config_.mla
-                      ? mla_.forward(a.ln1_TH, S, B, probs, a.mla_attention, sequence_of(dropout, S, B, plain))
-                      : attention_.forward(a.ln1_TH, S, B, probs, a.attention, sequence_of(dropout, S, B, plain));
+    attn_out_TH =
+        config_.mla
+            ? mla_.forward(a.ln1_TH, S, B, probs, a.mla_attention, sequence_of(dropout, S, B, plain), ln1_keepers)
+            : attention_.forward(a.ln1_TH, S, B, probs, a.attention, sequence_of(dropout, S, B, plain), ln1_keepers);
   }
+  if (saves_quantized && ln1_keepers == InputKeepers::kLinearOnly) drop_if_unshared(a.ln1_TH, ln1_consumers(a));
   a.x_mid_TH = dropout_add(attn_out_TH, x_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterAttention), rows);
   MemoryTracker::instance().set_owner(mlp_owner());
   a.ln2_TH = activation_tensor(x_TH.shape());
@@ -217,7 +236,12 @@ Tensor TransformerLayer::forward(const Tensor& x_TH, const int64_t S, const int6
   Tensor mlp_out_TH;
   {
     const trace::Scope scope(moe_ ? "moe layer forward" : "mlp forward", "forward");
-    mlp_out_TH = moe_ ? moe_forward(a.ln2_TH, S, B, dropout, a.moe) : mlp_.forward(a.ln2_TH, nullptr, a.mlp);
+    mlp_out_TH =
+        moe_ ? moe_forward(a.ln2_TH, S, B, dropout, a.moe) : mlp_.forward(a.ln2_TH, nullptr, a.mlp, ln2_keepers);
+  }
+  // (The MoE layer's backward reads its input again: the router's and the shared experts'.)
+  if (!moe_ && saves_quantized && ln2_keepers == InputKeepers::kLinearOnly) {
+    drop_if_unshared(a.ln2_TH, ln2_consumers(a));
   }
   Tensor out_TH = dropout_add(mlp_out_TH, a.x_mid_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterMlp), rows);
   if (dropout.training && !dropout.recompute) drop_selected(a);

@@ -37,6 +37,9 @@ struct ExpertActivations {
   std::vector<MLPActivations> per_expert;  // SequentialMLP: each expert's MLP activations
   // GroupedMLP under FP8 delayed scaling: the scales each expert's fc1 / fc2 forward quantized with.
   std::vector<quant::DelayedForwardScales> fc1_delayed_E, fc2_delayed_E;
+  // GroupedMLP under FP8 / FP4: each expert's fc1 / fc2 input quantized for its weight gradient (ops/linear.h), kept
+  // instead of x_RH (or xs_RH) and h_RF (TE's GroupedLinear saves its inputs quantized, module/grouped_linear.py).
+  std::vector<quant::PackedQuantizedTensor> fc1_input_q_E, fc2_input_q_E;
 };
 
 class ExpertMLP {

@@ -40,6 +40,17 @@ std::vector<RowTile> row_tiles(const std::vector<int64_t> &offsets_E1) {
   return tiles;
 }
 
+// Expert e's entry of a saved-quantized-input list: the slot to fill in forward, the input to read in backward (null
+// when the list is empty, or in backward when the entry is).
+quant::PackedQuantizedTensor *saved_input(std::vector<quant::PackedQuantizedTensor> &q_E, const size_t e) {
+  return q_E.empty() ? nullptr : &q_E[e];
+}
+const quant::PackedQuantizedTensor *saved_input(const std::vector<quant::PackedQuantizedTensor> &q_E, const int64_t e) {
+  if (q_E.empty()) return nullptr;
+  const quant::PackedQuantizedTensor &q = q_E[static_cast<size_t>(e)];
+  return q.defined() ? &q : nullptr;
+}
+
 Tensor activation_tensor(std::vector<int64_t> shape) {
   return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
 }
@@ -97,7 +108,27 @@ class GroupedMLP final : public ExpertMLPBase {
     if (probs_on_input_) ops::scale_rows(saved.xs_RH, saved.x_RH, saved.probs_R);
     saved.fc1_delayed_E.assign(static_cast<size_t>(E_), {});
     saved.fc2_delayed_E.assign(static_cast<size_t>(E_), {});
+    const bool quantized = ops::linear_quantization() != nullptr;
+    if (quantized) {
+      saved.fc1_input_q_E.assign(static_cast<size_t>(E_), {});
+      saved.fc2_input_q_E.assign(static_cast<size_t>(E_), {});
+    }
     for (const RowTile &tile : row_tiles(offsets_E1)) forward_tile(tile, y_RH, saved);
+    if (quantized) keep_quantized_inputs(offsets_E1, saved);
+  }
+
+  // Under FP8 / FP4 each expert is one tile, whose fc1 and fc2 inputs were saved quantized: the high-precision ones go
+  // where nothing else reads them (x_RH is read again with the probability on the input; h_RF exists only with
+  // weighted SwiGLU, as fc2's input alone).
+  void keep_quantized_inputs(const std::vector<int64_t> &offsets_E1, ExpertActivations &saved) const {
+    const auto all_saved = [&](const std::vector<quant::PackedQuantizedTensor> &q_E) {
+      for (int64_t e = 0; e < E_; ++e) {
+        if (offsets_E1[e + 1] > offsets_E1[e] && !q_E[static_cast<size_t>(e)].defined()) return false;
+      }
+      return true;
+    };
+    if (all_saved(saved.fc1_input_q_E)) (probs_on_input_ ? saved.xs_RH : saved.x_RH) = Tensor();
+    if (weighted_swiglu() && all_saved(saved.fc2_input_q_E)) saved.h_RF = Tensor();
   }
 
   // The unfused path's forward of one tile.
@@ -111,7 +142,7 @@ class GroupedMLP final : public ExpertMLPBase {
     const Param &w1 = expert.fc1().weight(), &w2 = expert.fc2().weight();
     // Under FP8 delayed scaling each expert is one tile (row_tiles), so each scaling state records one forward.
     ops::linear_forward(fc1, fc1_in.slice_rows(tile.begin, tile.end), w1.value, b1 ? &b1->value : nullptr,
-                        w1.delayed_scaling.get(), &saved.fc1_delayed_E[e]);
+                        w1.delayed_scaling.get(), &saved.fc1_delayed_E[e], saved_input(saved.fc1_input_q_E, e));
     // fc2's input: h = swiglu(fc1) * p (saved), the activation itself (probs on the input), or act * p in a
     // tile-sized buffer (not saved: backward recomputes it).
     Tensor h;
@@ -126,7 +157,7 @@ class GroupedMLP final : public ExpertMLPBase {
     Tensor y = y_RH.slice_rows(tile.begin, tile.end);
     const Param *b2 = fc2_bias(tile.expert);
     ops::linear_forward(y, h, w2.value, probs_on_input_ && b2 ? &b2->value : nullptr, w2.delayed_scaling.get(),
-                        &saved.fc2_delayed_E[e]);
+                        &saved.fc2_delayed_E[e], weighted_swiglu() ? saved_input(saved.fc2_input_q_E, e) : nullptr);
     if (!probs_on_input_ && b2) ops::add_outer(y, probs, b2->value);  // y = W2 (act p) + p b2
   }
 
@@ -174,21 +205,28 @@ class GroupedMLP final : public ExpertMLPBase {
     Param &w1 = expert.fc1().weight();
     Param *b1 = expert.fc1().bias();
     const Tensor &fc1_in = probs_on_input_ ? saved.xs_RH : saved.x_RH;
-    const Tensor in = fc1_in.slice_rows(begin, end);
-    ops::linear_backward(nullptr, &w1.grad, b1 ? &b1->grad : nullptr, buf.dfc1_RF1.slice_rows(begin, end), &in,
-                         w1.value, w1.delayed_scaling.get(), &saved.fc1_delayed_E[static_cast<size_t>(e)]);
+    const quant::PackedQuantizedTensor *in_q = saved_input(saved.fc1_input_q_E, e);
+    const Tensor in = in_q != nullptr ? Tensor() : fc1_in.slice_rows(begin, end);
+    ops::linear_backward(nullptr, &w1.grad, b1 ? &b1->grad : nullptr, buf.dfc1_RF1.slice_rows(begin, end),
+                         in_q != nullptr ? nullptr : &in, w1.value, w1.delayed_scaling.get(),
+                         &saved.fc1_delayed_E[static_cast<size_t>(e)], in_q);
     Param &w2 = expert.fc2().weight();
     Param *b2 = expert.fc2().bias();
     const Tensor dy = buf.dy_RH.slice_rows(begin, end);
     // fc2's input: saved (weighted SwiGLU, or the activation itself with probs on the input), else recomputed as
     // act * p in a buffer of this expert's rows.
-    Tensor h = weighted_swiglu() ? saved.h_RF.slice_rows(begin, end) : saved.act_RF.slice_rows(begin, end);
-    if (!weighted_swiglu() && !probs_on_input_) {
-      h = activation_tensor({end - begin, F_});
-      ops::scale_rows(h, saved.act_RF.slice_rows(begin, end), saved.probs_R.slice_rows(begin, end));
+    const quant::PackedQuantizedTensor *h_q = saved_input(saved.fc2_input_q_E, e);
+    Tensor h;
+    if (h_q == nullptr) {
+      h = weighted_swiglu() ? saved.h_RF.slice_rows(begin, end) : saved.act_RF.slice_rows(begin, end);
+      if (!weighted_swiglu() && !probs_on_input_) {
+        h = activation_tensor({end - begin, F_});
+        ops::scale_rows(h, saved.act_RF.slice_rows(begin, end), saved.probs_R.slice_rows(begin, end));
+      }
     }
-    ops::linear_backward(nullptr, &w2.grad, probs_on_input_ && b2 ? &b2->grad : nullptr, dy, &h, w2.value,
-                         w2.delayed_scaling.get(), &saved.fc2_delayed_E[static_cast<size_t>(e)]);
+    ops::linear_backward(nullptr, &w2.grad, probs_on_input_ && b2 ? &b2->grad : nullptr, dy,
+                         h_q != nullptr ? nullptr : &h, w2.value, w2.delayed_scaling.get(),
+                         &saved.fc2_delayed_E[static_cast<size_t>(e)], h_q);
     if (!probs_on_input_ && b2) {  // d(p b2)/d b2 = p
       ops::add_outer_backward(nullptr, &b2->grad, dy, saved.probs_R.slice_rows(begin, end), b2->value);
     }
@@ -198,6 +236,7 @@ class GroupedMLP final : public ExpertMLPBase {
   // applied after it, is recomputed per tile in backward anyway).
   void drop_activation(ExpertActivations &saved) const override {
     (weighted_swiglu() ? saved.h_RF : saved.act_RF) = Tensor();
+    saved.fc2_input_q_E.clear();  // backward reads the recomputed h_RF
   }
   void recompute_activation(ExpertActivations &saved) const override {
     const int64_t R = saved.fc1_RF1.dim(0);

@@ -104,7 +104,9 @@ Tensor MoELayer::backward(const Tensor& dout_TH, const Tensor& x_TH, const doubl
   const DispatchState& state = saved.dispatch;
   // Local tokens over all experts; R rows of this rank's local experts (what the experts received).
   const int64_t T = saved.router.S * saved.router.B, H = config_.hidden_size, E = config_.moe.num_experts;
-  const int64_t R = saved.experts.x_RH.dim(0);
+  // (x_RH itself may be gone: under FP8 / FP4 the experts keep it quantized.)
+  int64_t R = 0;
+  for (const int64_t rows : saved.experts.tokens_per_expert_E) R += rows;
   if (!dout_TH.defined() || !ops::activation_storage(dout_TH.dtype()) || dout_TH.numel() != T * H || !x_TH.defined() ||
       x_TH.numel() != T * H) {
     throw std::invalid_argument("MoE layer: dout_TH and x_TH must be fp32 / 16-bit [" + std::to_string(T) + ", " +

@@ -108,6 +108,8 @@ namespace moecore::ops::detail {
     MOECORE_QUANTIZED(quantized_fprop)               \
     MOECORE_QUANTIZED(quantized_dgrad)               \
     MOECORE_QUANTIZED(quantized_wgrad)               \
+    MOECORE_QUANTIZED(quantize_wgrad_input)          \
+    MOECORE_QUANTIZED(quantized_wgrad_saved)         \
     MOECORE_FORWARD(ns, topk_routing_forward)        \
     MOECORE_FORWARD(ns, topk_routing_backward)       \
     MOECORE_FORWARD(ns, sinkhorn)                    \

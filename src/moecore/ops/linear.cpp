@@ -189,7 +189,7 @@ void run_quantized(const char* op, const Device device, Fn&& fn) {
 void linear_forward_quantized(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O,
                               const int64_t T, const int64_t I, const int64_t O,
                               const quant::QuantizedLinearConfig& base_config, quant::DelayedLinearScaling* delayed,
-                              quant::DelayedForwardScales* forward_scales) {
+                              quant::DelayedForwardScales* forward_scales, quant::PackedQuantizedTensor* saved_input) {
   constexpr const char* op = "linear_forward";
   const Device device = weight_OI.device();
   quant::QuantizedLinearConfig config = base_config;
@@ -220,6 +220,12 @@ void linear_forward_quantized(Tensor& out_TO, const Tensor& inp_TI, const Tensor
   Tensor y = Tp == T ? out_TO : Tensor({Tp, O}, DType::kF32, MemCategory::kOther, device);
   run_quantized(op, device, [&](auto k) {
     k.quantized_fprop(x.data<float>(), weight_OI.data<float>(), y.data<float>(), Tp, I, O, config);
+    if (saved_input != nullptr) {
+      // wgrad's x operand now, at the scale fprop used (delayed: the forward's, as backward reads it), not recorded.
+      quant::QuantizedLinearConfig input_config = config;
+      input_config.x.amax = nullptr;
+      *saved_input = k.quantize_wgrad_input(x.data<float>(), Tp, I, input_config, MemCategory::kActivations);
+    }
   });
   if (Tp != T) std::copy_n(y.data<float>(), T * O, out_TO.data<float>());
   if (bias_O != nullptr) {  // added to the fp32 product, as TE's GEMM epilogue adds it
@@ -231,8 +237,8 @@ void linear_forward_quantized(Tensor& out_TO, const Tensor& inp_TI, const Tensor
 void linear_backward_quantized(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO,
                                const Tensor* inp_TI, const Tensor& weight_OI, const int64_t T, const int64_t I,
                                const int64_t O, const quant::QuantizedLinearConfig& base_config,
-                               quant::DelayedLinearScaling* delayed,
-                               const quant::DelayedForwardScales* forward_scales) {
+                               quant::DelayedLinearScaling* delayed, const quant::DelayedForwardScales* forward_scales,
+                               const quant::PackedQuantizedTensor* saved_input) {
   constexpr const char* op = "linear_backward";
   if (T == 0) return;  // every gradient gets a zero contribution
   const Device device = weight_OI.device();
@@ -257,12 +263,19 @@ void linear_backward_quantized(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbia
     });
   }
   if (dweight_OI != nullptr) {
-    const Tensor x = padded_rows(*inp_TI, T, I, Tp);
     Tensor dw({O, I}, DType::kF32, MemCategory::kOther, device);
-    run_quantized(op, device, [&](auto k) {
-      k.quantized_wgrad(dy.data<float>(), x.data<float>(), dw.data<float>(), Tp, I, O, config);
-      k.add_inplace(dweight_OI->data<float>(), dw.data<float>(), O * I);
-    });
+    if (saved_input != nullptr) {
+      run_quantized(op, device, [&](auto k) {
+        k.quantized_wgrad_saved(dy.data<float>(), *saved_input, dw.data<float>(), Tp, I, O, config);
+      });
+    } else {
+      const Tensor x = padded_rows(*inp_TI, T, I, Tp);
+      run_quantized(op, device, [&](auto k) {
+        k.quantized_wgrad(dy.data<float>(), x.data<float>(), dw.data<float>(), Tp, I, O, config);
+      });
+    }
+    detail::with_kernels(op, device,
+                         [&](auto k) { k.add_inplace(dweight_OI->data<float>(), dw.data<float>(), O * I); });
   }
   if (dbias_O != nullptr) {  // reduced from the unquantized gradient
     detail::dispatch(op, dout_TO, [&]<typename S>(auto k) {
@@ -277,7 +290,8 @@ void linear_backward_quantized(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbia
 namespace {
 
 void linear_forward_f32(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O,
-                        quant::DelayedLinearScaling* delayed, quant::DelayedForwardScales* forward_scales) {
+                        quant::DelayedLinearScaling* delayed, quant::DelayedForwardScales* forward_scales,
+                        quant::PackedQuantizedTensor* saved_input) {
   constexpr const char* op = "linear_forward";
   const bool low = weight_OI.defined() && is_low(weight_OI.dtype());
   if (low) {
@@ -295,7 +309,8 @@ void linear_forward_f32(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weig
     return;
   }
   if (const auto* config = quantization_for(weight_OI)) {
-    linear_forward_quantized(out_TO, inp_TI, weight_OI, bias_O, T, I, O, *config, delayed, forward_scales);
+    linear_forward_quantized(out_TO, inp_TI, weight_OI, bias_O, T, I, O, *config, delayed, forward_scales,
+                             config->save_quantized_input ? saved_input : nullptr);
     detail::round_activations({&out_TO});
     return;
   }
@@ -312,7 +327,8 @@ void linear_forward_f32(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weig
 
 void linear_backward_f32(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO,
                          const Tensor* inp_TI, const Tensor& weight_OI, quant::DelayedLinearScaling* delayed,
-                         const quant::DelayedForwardScales* forward_scales) {
+                         const quant::DelayedForwardScales* forward_scales,
+                         const quant::PackedQuantizedTensor* saved_input) {
   constexpr const char* op = "linear_backward";
   const bool low = weight_OI.defined() && is_low(weight_OI.dtype());
   if (low) {
@@ -321,7 +337,11 @@ void linear_backward_f32(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, c
   } else {
     detail::check_tensors(op, {dinp_TI, dweight_OI, dbias_O, &dout_TO, inp_TI, &weight_OI});
   }
-  if (dweight_OI != nullptr && inp_TI == nullptr) detail::fail(op, "dweight_OI needs inp_TI");
+  const bool quantized = quantization_for(weight_OI) != nullptr;
+  if (saved_input != nullptr && !quantized) detail::fail(op, "a saved quantized input without a quantized recipe");
+  if (dweight_OI != nullptr && inp_TI == nullptr && saved_input == nullptr) {
+    detail::fail(op, "dweight_OI needs inp_TI or its saved quantization");
+  }
   const int64_t O = weight_OI.dim(0), I = weight_OI.numel() / O, T = dout_TO.numel() / O;
   detail::check_numel(op, "dout_TO", dout_TO, T * O);
   if (dinp_TI != nullptr) detail::check_numel(op, "dinp_TI", *dinp_TI, T * I);
@@ -334,7 +354,7 @@ void linear_backward_f32(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, c
   }
   if (const auto* config = quantization_for(weight_OI)) {
     linear_backward_quantized(dinp_TI, dweight_OI, dbias_O, dout_TO, inp_TI, weight_OI, T, I, O, *config, delayed,
-                              forward_scales);
+                              forward_scales, saved_input);
     detail::round_activations({dinp_TI});
     return;
   }
@@ -355,9 +375,11 @@ void linear_backward_f32(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, c
 // 16-bit activations (staging.h): the input, the output and the input gradient are staged in fp32, so the fp32, the
 // native 16-bit and the quantized GEMMs see exactly the values of the fp32-storage path.
 void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O,
-                    quant::DelayedLinearScaling* delayed, quant::DelayedForwardScales* forward_scales) {
+                    quant::DelayedLinearScaling* delayed, quant::DelayedForwardScales* forward_scales,
+                    quant::PackedQuantizedTensor* saved_input) {
+  if (saved_input != nullptr) *saved_input = quant::PackedQuantizedTensor();
   if (weight_OI.defined() && is_low(weight_OI.dtype())) {
-    linear_forward_f32(out_TO, inp_TI, weight_OI, bias_O, delayed, forward_scales);
+    linear_forward_f32(out_TO, inp_TI, weight_OI, bias_O, delayed, forward_scales, nullptr);
     return;
   }
   detail::Staging staging;
@@ -365,14 +387,16 @@ void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_O
   const bool native = quantization_for(weight_OI) == nullptr && native_lowp_type("linear_forward", weight_OI) &&
                       (inp_TI.dtype() == DType::kF32 || inp_TI.dtype() == activation_dtype(inp_TI.device()));
   linear_forward_f32(staging.write_only(out_TO, {&inp_TI}), native ? inp_TI : staging.in(inp_TI), weight_OI, bias_O,
-                     delayed, forward_scales);
+                     delayed, forward_scales, saved_input);
 }
 
 void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO, const Tensor* inp_TI,
                      const Tensor& weight_OI, quant::DelayedLinearScaling* delayed,
-                     const quant::DelayedForwardScales* forward_scales) {
+                     const quant::DelayedForwardScales* forward_scales,
+                     const quant::PackedQuantizedTensor* saved_input) {
+  if (saved_input != nullptr && !saved_input->defined()) saved_input = nullptr;
   if (weight_OI.defined() && is_low(weight_OI.dtype())) {
-    linear_backward_f32(dinp_TI, dweight_OI, dbias_O, dout_TO, inp_TI, weight_OI, delayed, forward_scales);
+    linear_backward_f32(dinp_TI, dweight_OI, dbias_O, dout_TO, inp_TI, weight_OI, delayed, forward_scales, saved_input);
     return;
   }
   detail::Staging staging;
@@ -382,7 +406,7 @@ void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const
   const bool native = quantization_for(weight_OI) == nullptr && native_lowp_type("linear_backward", weight_OI) &&
                       raw(&dout_TO) && raw(inp_TI);
   linear_backward_f32(staging.out(dinp_TI), dweight_OI, dbias_O, native ? dout_TO : staging.in(dout_TO),
-                      native ? inp_TI : staging.in(inp_TI), weight_OI, delayed, forward_scales);
+                      native ? inp_TI : staging.in(inp_TI), weight_OI, delayed, forward_scales, saved_input);
 }
 
 std::string gemm_library(const Device device) {

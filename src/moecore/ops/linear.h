@@ -10,6 +10,7 @@
 #include <string>
 
 #include "moecore/quant/delayed_linear_scaling.h"
+#include "moecore/quant/packed_quantized_tensor.h"
 #include "moecore/tensor/tensor.h"
 
 namespace moecore::ops {
@@ -19,15 +20,24 @@ namespace moecore::ops {
 // of the scales its forward quantized x and W with: linear_forward fills it, linear_backward reads it. Other
 // recipes and high precision ignore both.
 
+// Saving the input quantized (TransformerEngine's Linear under an FP8 / FP4 recipe saves inputmat quantized for the
+// column-wise usage, module/linear.py): with `saved_input`, a quantized forward (ops/quantization.h, a config with
+// save_quantized_input) also fills it with the input quantized as the weight gradient's operand, in
+// MemCategory::kActivations (1 byte an element under FP8, half a byte under NVFP4, plus the block scales); any other
+// forward leaves it empty. A backward given a defined `saved_input` computes dweight_OI from it (inp_TI may then be
+// null), bit for bit the gradient it computes from inp_TI.
+
 // out_TO = inp_TI @ weight_OI^T (+ bias_O). Overwrites out.
 void linear_forward(Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI, const Tensor* bias_O = nullptr,
                     quant::DelayedLinearScaling* delayed = nullptr,
-                    quant::DelayedForwardScales* forward_scales = nullptr);
+                    quant::DelayedForwardScales* forward_scales = nullptr,
+                    quant::PackedQuantizedTensor* saved_input = nullptr);
 // dinp_TI += dout_TO @ weight_OI; dweight_OI += dout_TO^T @ inp_TI; dbias_O += column sums of dout_TO.
-// Null outputs are skipped; inp_TI may be null when dweight_OI is.
+// Null outputs are skipped; inp_TI may be null when dweight_OI is, or when saved_input is defined.
 void linear_backward(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, const Tensor& dout_TO, const Tensor* inp_TI,
                      const Tensor& weight_OI, quant::DelayedLinearScaling* delayed = nullptr,
-                     const quant::DelayedForwardScales* forward_scales = nullptr);
+                     const quant::DelayedForwardScales* forward_scales = nullptr,
+                     const quant::PackedQuantizedTensor* saved_input = nullptr);
 
 // The fp32 GEMM library of a device's kernels and, on the CPU, the kernel family it picked (the training log's first
 // lines name it), e.g. "oneDNN 2.6.3 sgemm, AVX-512 kernels".

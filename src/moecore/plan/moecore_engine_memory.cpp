@@ -170,7 +170,29 @@ struct Tokens {
   double ta = 0;  // residual-stream rows (T / TP under sequence parallelism)
   double tm = 0;  // MoE rows: moecore always sequence-shards the MoE layer under TP (TransformerLayer::moe_forward)
   double r = 0;   // rows reaching this rank's local experts (dropless, balanced routing)
+  // FP8 / FP4: bytes of a linear input kept quantized for the weight gradient (0: high precision). Set per layer.
+  double q = 0;
+  // The bytes of an element of a linear input the layer keeps quantized (x.a where it keeps it in high precision).
+  double in() const { return q > 0 ? q : a; }
 };
+
+// Bytes an element of a linear input saved quantized takes (ops/linear.h, quant/packed_quantized_tensor.h): the code
+// (1 byte FP8, half a byte E2M1) and its share of the block scales (fp32 per 1x128 block for blockwise, an E8M0 byte
+// per 32 for MXFP8, an E4M3 byte per 16 for NVFP4; per-tensor: one fp32 for the whole tensor).
+double quantized_input_bytes(const quant::Recipe recipe) {
+  switch (recipe) {
+    case quant::Recipe::kBlockwise: return 1.0 + 4.0 / 128.0;
+    case quant::Recipe::kMxfp8: return 1.0 + 1.0 / 32.0;
+    case quant::Recipe::kNvfp4: return 0.5 + 1.0 / 16.0;
+    default: return 1.0;
+  }
+}
+
+// The saved-input element bytes of global decoder layer `layer` (0 when its linear layers run in high precision).
+double layer_quantized_input_bytes(const ModelConfig& c, const int64_t layer) {
+  const quant::QuantizedLinearConfig* q = c.layer_quantization(layer);
+  return q != nullptr && q->save_quantized_input ? quantized_input_bytes(q->recipe) : 0.0;
+}
 
 // Recomputation (model/transformer_layer.cpp): what the selected modules drop from a layer's saved tensors.
 double attention_dropped(const Shape& s, const Layout& l, const Tokens& x, const Recompute& r) {
@@ -185,17 +207,30 @@ double attention_dropped(const Shape& s, const Layout& l, const Tokens& x, const
 double attention_saved(const Shape& s, const Layout& l, const Tokens& x, const Recompute& r) {
   const double nl = s.n / l.tp(), gl = s.g / l.tp();
   double a = x.ta * (x.a * s.h + 4 * s.nrm) - attention_dropped(s, l, x, r);  // input norm output + stats
+  if (x.q > 0 && !r.has("layernorm")) {
+    // Under FP8 / FP4 the norm output is kept only as its projections' quantized inputs (TransformerLayer::forward):
+    // linear_qkv's, or MLA's kv_down_proj and q_down_proj (linear_q_proj's without a q latent); gathered under
+    // sequence parallelism (counted below). linear_q_proj recomputed by mla_up_proj keeps it in high precision.
+    const bool q_proj_reads_it = s.mla && s.q_rank == 0;
+    const bool kept = q_proj_reads_it && r.has("mla_up_proj") && !l.sp;
+    double copies = 0;
+    if (!s.mla) copies = l.sp ? 0 : 1;
+    if (s.mla) copies = 1 + (s.q_rank > 0 ? 1 : (!l.sp && !r.has("mla_up_proj") ? 1 : 0));
+    a += x.ta * s.h * (x.q * copies - (kept ? 0 : x.a));
+  }
   if (s.mla) {
     // The up projections keep their (all-gathered) normed latents, the norms their inputs and statistics; the core
     // attention q, k (dq + dr wide), v and its output (dv wide), the log-sum-exp.
+    // Under FP8 / FP4 the up projections keep their inputs quantized, unless mla_up_proj recomputes from them.
+    const double up_in = r.has("mla_up_proj") ? x.a : x.in();
     const double latents = s.q_rank + s.kv_rank;
-    a += x.a * (l.sp ? x.t : x.ta) * latents;
+    a += up_in * (l.sp ? x.t : x.ta) * latents;
     if (s.config.qk_layernorm) a += x.a * x.ta * latents + 4 * x.ta * s.nrm * ((s.q_rank > 0 ? 1 : 0) + 1);
-    if (s.q_rank == 0 && l.sp) a += x.a * x.t * s.h;  // linear_q_proj's all-gathered input
+    if (s.q_rank == 0 && l.sp) a += up_in * x.t * s.h;  // linear_q_proj's all-gathered input
     a += x.a * x.t * nl * (2 * s.dqk + 2 * s.dv) + 4 * x.t * nl;
     return a + x.a * x.ta * s.h;  // x_mid
   }
-  if (l.sp) a += x.a * x.t * s.h;        // ColumnParallelLinear keeps the all-gathered input
+  if (l.sp) a += x.in() * x.t * s.h;     // ColumnParallelLinear keeps the all-gathered input
   a += x.a * x.t * (nl + 2 * gl) * s.d;  // q, k, v as core attention sees them
   if (s.config.qk_layernorm) a += x.t * (x.a * (nl + gl) * s.d + 4 * (nl + gl) * s.nrm);
   a += x.a * x.t * nl * s.d + 4 * x.t * nl;  // core attention output, log-sum-exp
@@ -208,7 +243,10 @@ double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool mo
   if (r.has("layernorm")) a -= x.a * x.ta * s.h;
   if (!moe) {
     if (r.has("mlp")) return a;
-    return a + x.a * ((l.sp ? x.t * s.h : 0) + x.t * s.glu * s.f / l.tp() + x.t * s.f / l.tp());
+    // Under FP8 / FP4 the norm output is kept only as fc1's quantized input (gathered under SP: counted below).
+    if (x.q > 0 && !r.has("layernorm")) a += x.ta * s.h * ((l.sp ? 0 : x.q) - x.a);
+    // fc1's all-gathered input and fc2's input are the linears' own: kept quantized under FP8 / FP4.
+    return a + x.in() * (l.sp ? x.t * s.h : 0) + x.a * x.t * s.glu * s.f / l.tp() + x.in() * x.t * s.f / l.tp();
   }
   if (r.has("moe")) return a;
   const double fml = s.fm / l.etp();
@@ -220,13 +258,18 @@ double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool mo
   a += 4 * x.tm * s.h + logits_bytes * x.tm * s.experts + 4 * x.tm * s.k + 5 * x.tm * s.experts;
   if (aux_losses_on(moe_config)) a += 8 * x.tm * s.experts;
   if (moe_config.z_loss_coeff > 0) a += 8 * x.tm;
-  a += x.r * (x.a * (s.h + s.glu * fml + fml) + 4);  // dispatched rows, fc1 output, fc2 input; probs (fp32)
-  if (r.has("moe_act")) a -= x.a * x.r * fml;
+  // Under FP8 / FP4 the experts keep fc1's input (the dispatched rows) and, with weighted SwiGLU, fc2's input
+  // quantized.
+  const bool probs_on_input = moe_config.apply_probs_on_input;
+  const double fc1_in = probs_on_input ? x.a : x.in();
+  const double fc2_in = s.glu == 2 && !probs_on_input ? x.in() : x.a;
+  a += x.r * (fc1_in * s.h + x.a * s.glu * fml + fc2_in * fml + 4);  // dispatched rows, fc1 output, fc2 input; probs
+  if (r.has("moe_act")) a -= fc2_in * x.r * fml;
   // Without memory-efficient permutation the experts keep their output before the probability, and ones (fp32) for
   // their own probabilities.
   if (!s.config.moe.memory_efficient_permutation) a += x.r * (x.a * s.h + 4);
   if (s.sh > 0 && !r.has("shared_experts")) {
-    a += x.a * ((l.tp() > 1 ? x.t * s.h : 0) + x.t * s.glu * s.sh / l.tp() + x.t * s.sh / l.tp());
+    a += x.in() * (l.tp() > 1 ? x.t * s.h : 0) + x.a * x.t * s.glu * s.sh / l.tp() + x.in() * x.t * s.sh / l.tp();
     if (s.config.moe.shared_expert_gate) a += x.a * (x.tm + x.tm * s.h);
   }
   return a;
@@ -302,6 +345,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     FsdpUnits units;  // the decoder layers: Megatron-FSDP's units (MTP depths and the rest stay whole)
     int64_t layers = 0;
     std::optional<bool> last_layer_moe;
+    int64_t last_layer = -1;
     int64_t mtp_depths = 0;
     for (int v = 0; v < vpp; ++v) {
       const PipelineStage& chunk = pipeline.stage(r, v);
@@ -313,6 +357,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
         buffers += p.buffers;
         units.add(p);
         last_layer_moe = moe;
+        last_layer = layer;
         ++layers;
       }
       if (const auto it = mtp_at.find(static_cast<int64_t>(v) * pp + r); it != mtp_at.end()) mtp_depths += it->second;
@@ -403,7 +448,9 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
       for (int64_t layer = chunk.first_layer; layer < chunk.end_layer(); ++layer) {
         const bool moe = c.moe.is_moe_layer(layer);
         const int64_t index = layer - chunk.first_layer, n = chunk.num_layers;
-        const double attention = attention_saved(s, l, x, rc), ffn = ffn_saved(s, l, x, moe, rc);
+        Tokens xl = x;
+        xl.q = layer_quantized_input_bytes(c, layer);
+        const double attention = attention_saved(s, l, xl, rc), ffn = ffn_saved(s, l, xl, moe, rc);
         if (!rc.checkpointed(index)) {
           o.attention += attention;
           (moe ? o.moe : o.mlp) += ffn;
@@ -458,8 +505,14 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
       (*last_layer_moe ? backward.moe : backward.mlp) += backward_transient(s, l, x, *last_layer_moe);
       // Selective recomputation rebuilds what the first layer to run backward dropped, before its backward.
       const Recompute none;
-      (*last_layer_moe ? backward.moe : backward.mlp) +=
-          ffn_saved(s, l, x, *last_layer_moe, none) - ffn_saved(s, l, x, *last_layer_moe, rc);
+      Tokens xb = x;
+      xb.q = layer_quantized_input_bytes(c, last_layer);
+      double rebuilt = ffn_saved(s, l, xb, *last_layer_moe, none) - ffn_saved(s, l, xb, *last_layer_moe, rc);
+      // moe_act rebuilds fc2's input in high precision (its forward kept it in no form).
+      if (*last_layer_moe && rc.has("moe_act") && xb.in() != x.a && s.glu == 2 && !s.config.moe.apply_probs_on_input) {
+        rebuilt += (x.a - xb.in()) * x.r * s.fm / l.etp();
+      }
+      (*last_layer_moe ? backward.moe : backward.mlp) += rebuilt;
     }
     backward.output += context_rerun.output;
     backward.attention += context_rerun.attention;

@@ -18,6 +18,7 @@
 #include "moecore/quant/delayed_linear_scaling.h"
 #include "moecore/quant/delayed_scaling.h"
 #include "moecore/quant/hadamard.h"
+#include "moecore/quant/packed_quantized_tensor.h"
 #include "moecore/quant/recipe.h"
 #include "moecore/tensor/device.h"
 
@@ -27,6 +28,9 @@ struct QuantizedLinearConfig {
   Recipe recipe = Recipe::kTensorwise;
   Fp8Format format = Fp8Format::kHybrid;  // ignored by nvfp4
   uint64_t seed = 0;                      // nvfp4 gradients' stochastic rounding
+  // Linear layers save their input quantized for wgrad (quantize_wgrad_input) where they are its only keeper, as
+  // TE's modules do. false keeps the high-precision input (a test-only switch: the two must train bit for bit).
+  bool save_quantized_input = true;
   RhtSigns rht_signs = te_rht_signs();
   // Recipe::kDelayed: the options of every layer's scaling state (delayed_linear_scaling.h), and for one GEMM call
   // each operand's scale and amax slot (the layer's state gives them; its formats are element_format_for's). The
@@ -46,5 +50,15 @@ void quantized_dgrad(const float* dy_TN, const float* w_NK, float* dx_TK, int64_
 // dw_NK = dy_TN^T @ x_TK.
 void quantized_wgrad(const float* dy_TN, const float* x_TK, float* dw_NK, int64_t T, int64_t K, int64_t N,
                      const QuantizedLinearConfig& config, Device device);
+
+// Saving the input quantized (TE's Linear saves inputmat quantized for the column-wise usage, module/linear.py): the
+// forward quantizes x_TK as wgrad's operand (column-wise, activation role: under delayed scaling at config.x.scale,
+// recording no amax; NVFP4 with the Hadamard transform; activations never round stochastically, so the backward's
+// seed plays no part) and packs it under `category`; wgrad then reads it instead of quantizing x again. The two
+// give quantized_wgrad's result bit for bit.
+PackedQuantizedTensor quantize_wgrad_input(const float* x_TK, int64_t T, int64_t K, const QuantizedLinearConfig& config,
+                                           MemCategory category, Device device);
+void quantized_wgrad_saved(const float* dy_TN, const PackedQuantizedTensor& x_KT, float* dw_NK, int64_t T, int64_t K,
+                           int64_t N, const QuantizedLinearConfig& config, Device device);
 
 }  // namespace moecore::quant
