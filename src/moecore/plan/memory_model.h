@@ -28,8 +28,12 @@ struct StageMemory {
   double activations = 0;                         // at the activation peak
   double comm_buffers = 0;                        // the largest transient send / receive buffers of one layer
   std::vector<NamedBytes> activations_by_module;  // at the peak
-  int64_t live_chunks_at_peak = 0;                // (micro-batch, model chunk) contexts alive at the peak
-  int64_t decoder_layers = 0;                     // decoder layers on this rank
+  // moecore's CPU engine: the activations at the other moment that may hold the peak (the loss's forward or the first
+  // backward); where it is near `activations`, which moment holds the peak, and so its parts, is within the model's
+  // error.
+  double activations_other_moment = 0;
+  int64_t live_chunks_at_peak = 0;  // (micro-batch, model chunk) contexts alive at the peak
+  int64_t decoder_layers = 0;       // decoder layers on this rank
   int64_t mtp_layers = 0;
   // Elements this rank holds before Megatron-FSDP's shard (after TP / EP): dense and routed-expert, those of its FSDP
   // units (the decoder layers) and the largest unit; the time model's FSDP collectives move them.

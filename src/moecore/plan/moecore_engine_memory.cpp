@@ -525,6 +525,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
       backward.other += x.a * 2 * x.ta * s.h;  // received gradient + its clone
     }
     Owners peak = backward;
+    double other_moment = 0;
     if (last) {
       // Forward at the loss: the fused linear-cross-entropy keeps the final norm output and the input gradient, plus
       // its fp32 logits chunk (64 MiB, 32 MiB under 16-bit activations: model/vocab_parallel.h) and loss vectors; its
@@ -538,6 +539,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
       forward.output = static_cast<double>(live) * context.output + x.ta * (x.a * s.h + 4 * s.nrm) + x.a * x.t * s.h +
                        4 * chunk_rows * vocab_local + x.a * (l.sp ? x.t * s.h : 0) + 4 * 3 * x.t;
       if (forward.total() > backward.total()) peak = forward;
+      other_moment = std::min(forward.total(), backward.total());
     }
 
     StageMemory stage;
@@ -548,6 +550,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     stage.activations = peak.total();
     stage.comm_buffers = comm + fsdp.comm_peak;
     stage.activations_by_module = peak.named(1.0);
+    stage.activations_other_moment = other_moment;
     stage.live_chunks_at_peak = live;
     stage.decoder_layers = layers;
     stage.fsdp = {.dense = dense,
@@ -573,6 +576,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     // each model part's activations at the peak the maximum over the ranks' peaks.
     if (worst.pp_rank < 0 || stage.activations > worst.activations) {
       worst.activations = stage.activations;
+      worst.activations_other_moment = stage.activations_other_moment;
       worst.live_chunks_at_peak = stage.live_chunks_at_peak;
     }
     for (const NamedBytes& part : stage.activations_by_module) {

@@ -54,6 +54,7 @@ nlohmann::json memory_json(const StageMemory& m, const double limit_gib, const b
     // moecore's own log categories: params, grads, optimizer, activations (by model part as the log names them).
     j["params"] = m.weights / unit;
     j["optimizer"] = m.main_weights_and_optimizer / unit;
+    j["activations_other_moment"] = m.activations_other_moment / unit;
   } else {
     j["limit"] = limit_gib;
     j["live_microbatch_chunks"] = m.live_chunks_at_peak;
