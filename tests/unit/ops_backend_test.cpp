@@ -24,7 +24,7 @@
 //   dropout.h     dropout_forward dropout_backward
 //   elementwise.h add_ scale_ sum_squares all_finite
 //   expert_activation.h weighted_swiglu_forward weighted_swiglu_backward
-//   linear.h      linear_forward linear_backward gemm_library gemm_lowp_library
+//   linear.h      linear_forward linear_backward gemm_library gemm_lowp_library gemm_lowp_native
 //   linear_cross_entropy.h  linear_cross_entropy linear_cross_entropy_chunk_rows
 //   grouped_mlp.h grouped_mlp_fused grouped_mlp_forward grouped_mlp_backward
 //   init.h        normal_fill
@@ -96,6 +96,7 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "linear_backward",
                                                 "gemm_library",
                                                 "gemm_lowp_library",
+                                                "gemm_lowp_native",
                                                 "linear_cross_entropy",
                                                 "linear_cross_entropy_chunk_rows",
                                                 "embedding_forward",
@@ -155,17 +156,26 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "expert_major_rows"};
 
 // Ops exercised by the hand-written tests below rather than (only) by the case table.
-const std::vector<std::string> kOpsInHandWrittenTests = {
-    "activation_input_width",          "supports",     "synchronize",       "sum_squares",     "all_finite",
-    "linear_cross_entropy_chunk_rows", "gemm_library", "gemm_lowp_library", "expert_capacity", "grouped_mlp_fused"};
+const std::vector<std::string> kOpsInHandWrittenTests = {"activation_input_width",
+                                                         "supports",
+                                                         "synchronize",
+                                                         "sum_squares",
+                                                         "all_finite",
+                                                         "linear_cross_entropy_chunk_rows",
+                                                         "gemm_library",
+                                                         "gemm_lowp_library",
+                                                         "gemm_lowp_native",
+                                                         "expert_capacity",
+                                                         "grouped_mlp_fused"};
 
 // Ops whose bad arguments only hand-written tests provoke (one tensor: no size or dtype mismatch; convert accepts
 // every floating dtype, so the table's fp64 swap is no error for it).
 const std::vector<std::string> kOpsWithHandWrittenErrors = {"scale_", "sum_squares", "all_finite", "convert",
                                                             "normal_fill"};
 const std::vector<std::string> kOpsWithoutTensors = {
-    "activation_input_width", "supports",          "synchronize",     "linear_cross_entropy_chunk_rows",
-    "gemm_library",           "gemm_lowp_library", "expert_capacity", "grouped_mlp_fused"};
+    "activation_input_width", "supports",          "synchronize",      "linear_cross_entropy_chunk_rows",
+    "gemm_library",           "gemm_lowp_library", "gemm_lowp_native", "expert_capacity",
+    "grouped_mlp_fused"};
 
 using test::kDevices;
 using test::tensor_on;
@@ -1312,6 +1322,13 @@ TEST(OpsGemmLibrary, NamesTheLibraryOfEachDType) {
   EXPECT_NE(gemm_lowp_library(DType::kBF16).find("bf16"), std::string::npos) << gemm_lowp_library(DType::kBF16);
   EXPECT_NE(gemm_lowp_library(DType::kF16).find("fp16"), std::string::npos) << gemm_lowp_library(DType::kF16);
   EXPECT_THROW(gemm_lowp_library(DType::kF32), std::invalid_argument);
+  // The 16-bit kernels run where the library is not the conversion to fp32 in front of the sgemm.
+  for (const DType dtype : {DType::kBF16, DType::kF16}) {
+    EXPECT_EQ(gemm_lowp_native(dtype), gemm_lowp_library(dtype).find("conversion") == std::string::npos)
+        << gemm_lowp_library(dtype);
+    EXPECT_FALSE(gemm_lowp_native(dtype, Device::kReference));
+  }
+  EXPECT_THROW(gemm_lowp_native(DType::kF32), std::invalid_argument);
 }
 
 }  // namespace

@@ -415,6 +415,13 @@ std::string gemm_library(const Device device) {
   return name;
 }
 
+bool gemm_lowp_native(const DType dtype, const Device device) {
+  const kernels::LowpType type = lowp_type("gemm_lowp_native", dtype);
+  bool native = false;
+  detail::with_kernels("gemm_lowp_native", device, [&](auto k) { native = k.lowp_gemm_native(type); });
+  return native;
+}
+
 std::string gemm_lowp_library(const DType dtype, const Device device) {
   const kernels::LowpType type = lowp_type("gemm_lowp_library", dtype);
   std::string name;

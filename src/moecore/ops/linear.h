@@ -45,5 +45,8 @@ std::string gemm_library(Device device = Device::kCPU);
 // The same for bf16 or fp16 GEMMs: the path MOECORE_LOWP_GEMM or the CPU chose, e.g. "oneDNN 2.6.3 bf16 matmul,
 // brg:avx512_core_bf16 kernels" or "fp16 -> fp32 conversion (AVX-512 BF16) + oneDNN 2.6.3 sgemm, ...".
 std::string gemm_lowp_library(DType dtype, Device device = Device::kCPU);
+// Whether bf16 / fp16 GEMMs of fp32 weights run on the device's 16-bit kernels, whose operands are encoded to their
+// 16-bit bits first (MemCategory::kOther for the GEMM's duration), rather than on the fp32 GEMM.
+bool gemm_lowp_native(DType dtype, Device device = Device::kCPU);
 
 }  // namespace moecore::ops

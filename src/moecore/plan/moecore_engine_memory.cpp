@@ -11,6 +11,7 @@
 
 #include "moecore/config/arguments.h"
 #include "moecore/config/optimizer_master.h"
+#include "moecore/ops/linear.h"
 #include "moecore/pipeline/pipeline_layout.h"
 #include "moecore/plan/pipeline_peak.h"
 #include "moecore/util/checked_math.h"
@@ -526,6 +527,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     }
     Owners peak = backward;
     double other_moment = 0;
+    double at_loss = 0;  // activations and op scratch (the "other" category) at the loss's forward
     if (last) {
       // Forward at the loss: the fused linear-cross-entropy keeps the final norm output and the input gradient, plus
       // its fp32 logits chunk (64 MiB, 32 MiB under 16-bit activations: model/vocab_parallel.h) and loss vectors; its
@@ -540,6 +542,16 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
                        4 * chunk_rows * vocab_local + x.a * (l.sp ? x.t * s.h : 0) + 4 * 3 * x.t;
       if (forward.total() > backward.total()) peak = forward;
       other_moment = std::min(forward.total(), backward.total());
+      // The op's scratch: under 16-bit activations its input and input gradient staged in fp32 and, where the CPU
+      // runs bf16 / fp16 GEMMs on its 16-bit kernels, the 16-bit bits of the weight and of a chunk's logit gradients.
+      double scratch = 0;
+      if (low_precision) {
+        scratch = 4 * 2 * x.t * s.h;
+        if (ops::gemm_lowp_native(c.params_dtype)) {
+          scratch += 2 * (vocab_local * s.h + chunk_rows * vocab_local + chunk_rows * s.h);
+        }
+      }
+      at_loss = forward.total() + scratch;
     }
 
     StageMemory stage;
@@ -570,7 +582,8 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
           checkpointed ? 0 : attention_saved(s, l, x, rc) + ffn_saved(s, l, x, *last_layer_moe, rc);
       at_backward = std::max(at_backward, backward.total() - last_kept + fsdp.comm_peak);
     }
-    stage.total_override = params_current + grads_current + optimizer + comm + std::max(stage.activations, at_backward);
+    stage.total_override =
+        params_current + grads_current + optimizer + comm + std::max({stage.activations, at_backward, at_loss});
 
     // moecore's log: each category the maximum over the ranks, the total peak the maximum of the ranks' totals, and
     // each model part's activations at the peak the maximum over the ranks' peaks.
