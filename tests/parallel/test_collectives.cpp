@@ -6,6 +6,8 @@
 // on, and disagreements raise CommError without any setter.
 // Runs as one process or under mpirun; prints one line per test and "N passed, M failed" (rank 0), exits non-zero
 // on any failure on any rank.
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -400,7 +402,9 @@ void test_drive_progress(const ProcessGroup& world) {
   const std::vector<float> gather_in = inputs_f32(world.rank(), 512, 77);
   std::vector<float> gather_out(512 * static_cast<size_t>(world.size()));
   const int before = moecore::parallel::operations_in_flight();
-  const std::string trace_path = "/tmp/moecore_drive_progress_" + std::to_string(world.rank()) + ".json";
+  // One file per process: other runs of this test (its layouts under ctest -j) write theirs at the same time.
+  const std::string trace_path =
+      "/tmp/moecore_drive_progress_" + std::to_string(getpid()) + "_" + std::to_string(world.rank()) + ".json";
   moecore::trace::start(world.rank());
   Work w1 = world.all_reduce_async<uint16_t>(reduced_bf16, ReduceOp::kSum);
   w1.trace_as("probe all-reduce");
