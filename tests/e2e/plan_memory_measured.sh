@@ -105,6 +105,7 @@ check pp2-vpp2 2 qwen3-moe-tiny --pipeline-model-parallel-size 2 --num-virtual-s
 check dp2-distopt-bf16 2 deepseek-v3-tiny --use-distributed-optimizer --bf16
 # 16-bit activation storage (ops/precision.h): one process, and with full recomputation.
 check one-process-bf16 1 qwen3-moe-tiny --bf16
+check tp2-sp-bf16 2 qwen3-moe-tiny --tensor-model-parallel-size 2 --sequence-parallel --bf16
 check recompute-full-bf16 1 deepseek-v3-tiny --bf16 --recompute-granularity full --recompute-method uniform \
   --recompute-num-layers 1
 check cp2 2 qwen3-moe-tiny --context-parallel-size 2

@@ -282,6 +282,15 @@ double backward_transient(const Shape& s, const Layout& l, const Tokens& x, cons
     double t = x.a * (3 * x.ta * s.h + 2 * x.r * s.h + x.r * s.glu * s.fm / l.etp()) + 4 * x.tm * s.h;
     if (!s.config.moe.memory_efficient_permutation) t += x.a * x.r * s.h;  // the gradient of the output before p
     if (l.tp() > 1 && !l.sp) t += x.a * 2 * x.tm * s.h;
+    if (s.config.moe.dispatcher_type == TokenDispatcherType::kAllToAll && l.ep() * l.etp() > 1) {
+      // The all-to-all dispatcher's backward of the dispatch (moe/token_dispatcher_alltoall.cpp) sums the rows'
+      // gradients over ETP in fp32 buffers, the rows unsorted [R, H], this rank's reduced share [R / ETP, H] and the
+      // rows sent back [tokens x k, H], while the experts' input gradient [R, H] is still held.
+      const double rows_back = x.tm * s.k;
+      const double dispatch = x.a * (3 * x.ta * s.h + x.r * s.h) + 4 * (x.r + x.r / l.etp() + rows_back) * s.h +
+                              4 * x.tm * s.h + (l.tp() > 1 && !l.sp ? x.a * 2 * x.tm * s.h : 0);
+      t = std::max(t, dispatch);
+    }
     return t;
   }
   return x.a * (3 * x.ta * s.h + x.t * s.f / l.tp() + x.t * s.glu * s.f / l.tp() + (l.tp() > 1 ? x.t * s.h : 0) +
