@@ -148,6 +148,9 @@ check fp8-hybrid-bf16 1 deepseek-v3-tiny --bf16 --fp8-format hybrid --mtp-num-la
 check fp8-tensorwise-bf16 1 deepseek-v3-tiny --bf16 --fp8-format hybrid --fp8-recipe tensorwise --mtp-num-layers 0
 check fp4-nvfp4-bf16 1 deepseek-v3-tiny --bf16 --fp4-format e2m1 --fp4-recipe nvfp4 --mtp-num-layers 0
 check fp8-delayed-gqa 1 qwen3-moe-tiny --fp8-format hybrid --fp8-recipe delayed
+check fp8-hybrid-bf16-gqa 1 qwen3-moe-tiny --bf16 --fp8-format hybrid
+check fp8-hybrid-bf16-tp2-sp 2 deepseek-v3-tiny --tensor-model-parallel-size 2 --sequence-parallel --bf16 \
+  --fp8-format hybrid --mtp-num-layers 0
 check fp8-recompute-moe-act 1 deepseek-v3-tiny --bf16 --fp8-format hybrid --fp8-recipe tensorwise --mtp-num-layers 0 \
   --recompute-granularity selective --recompute-modules moe_act layernorm mla_up_proj
 
