@@ -47,8 +47,14 @@ for _ in $(seq 240); do
   sleep 0.5
 done
 grep -qE ' iteration +[0-9]+/ +[0-9]+ \|' "$work/log" || fail "no iteration logged within 120 s"
-for child in $ranks; do
-  if tr '\0' '\n' <"/proc/$child/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=1'; then rank1=$child; fi
+# Under load the process list read above may predate a rank's start: look again for a few seconds.
+for _ in $(seq 20); do
+  for child in $ranks; do
+    if tr '\0' '\n' <"/proc/$child/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=1'; then rank1=$child; fi
+  done
+  [ -n "$rank1" ] && break
+  sleep 0.5
+  find_processes
 done
 [ -n "$rank1" ] || fail "could not find rank 1's process"
 kill -STOP "$rank1"
