@@ -55,10 +55,6 @@ Run train(moecore::TrainingArgs args, const moecore::parallel::ParallelState& pa
   return run;
 }
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 double mib(const int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
 
 }  // namespace
@@ -85,26 +81,8 @@ int main(int argc, char** argv) {
     const moecore::parallel::ParallelState parallel = moecore::make_parallel_state(parsed);
     const Run high = train(parsed, parallel, false);
     const Run quantized = train(parsed, parallel, true);
-    int failures = 0;
-    if (high.losses.size() != quantized.losses.size() || high.losses.empty()) {
-      std::cout << "FAILED: " << high.losses.size() << " vs " << quantized.losses.size() << " losses\n";
-      return 1;
-    }
-    for (size_t i = 0; i < high.losses.size(); ++i) {
-      if (std::memcmp(&high.losses[i], &quantized.losses[i], sizeof(double)) != 0) {
-        std::cout << "iteration " << i + 1 << ": lm loss " << high.losses[i] << " (high-precision inputs) vs "
-                  << quantized.losses[i] << " (quantized inputs)\n";
-        ++failures;
-      }
-    }
-    for (const auto& [name, values] : high.tensors) {
-      const auto it = quantized.tensors.find(name);
-      if (it == quantized.tensors.end() || !same_bits(values, it->second)) {
-        std::cout << name << ": differs\n";
-        ++failures;
-      }
-    }
-    if (high.tensors.size() != quantized.tensors.size()) ++failures;
+    int failures = moecore::test::bit_differences(high.losses, high.tensors, "high-precision inputs", quantized.losses,
+                                                  quantized.tensors, "quantized inputs", std::cout);
     if (quantized.activations_peak >= high.activations_peak) {
       std::cout << "rank " << parallel.rank << ": the activation peak did not fall: " << mib(high.activations_peak)
                 << " MiB -> " << mib(quantized.activations_peak) << " MiB\n";

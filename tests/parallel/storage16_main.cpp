@@ -65,10 +65,6 @@ std::string last_line_with(const std::string& log, const std::string& marker) {
   return last;
 }
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -94,26 +90,8 @@ int main(int argc, char** argv) {
     const Run fp32 = train(parsed, parallel, moecore::ops::ActivationStorage::kF32);
     const Run bits16 = train(parsed, parallel, moecore::ops::ActivationStorage::k16Bit);
     if (parallel.rank != 0) return 0;
-    int failures = 0;
-    if (fp32.losses.size() != bits16.losses.size() || fp32.losses.empty()) {
-      std::cout << "FAILED: " << fp32.losses.size() << " vs " << bits16.losses.size() << " losses\n";
-      return 1;
-    }
-    for (size_t i = 0; i < fp32.losses.size(); ++i) {
-      if (std::memcmp(&fp32.losses[i], &bits16.losses[i], sizeof(double)) != 0) {
-        std::cout << "iteration " << i + 1 << ": lm loss " << fp32.losses[i] << " (fp32 storage) vs "
-                  << bits16.losses[i] << " (16-bit storage)\n";
-        ++failures;
-      }
-    }
-    for (const auto& [name, values] : fp32.tensors) {
-      const auto it = bits16.tensors.find(name);
-      if (it == bits16.tensors.end() || !same_bits(values, it->second)) {
-        std::cout << name << ": differs\n";
-        ++failures;
-      }
-    }
-    if (fp32.tensors.size() != bits16.tensors.size()) ++failures;
+    const int failures = moecore::test::bit_differences(fp32.losses, fp32.tensors, "fp32 storage", bits16.losses,
+                                                        bits16.tensors, "16-bit storage", std::cout);
     // Each run's last memory and timing lines, for the record (bench/run_storage16_step.sh reads them).
     for (const auto& [name, run] :
          {std::pair<const char*, const Run*>{"fp32 storage", &fp32}, {"16-bit storage", &bits16}}) {
