@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <stdexcept>
@@ -226,6 +228,62 @@ TEST(OpsGroupedMlp, SixteenBitRoundingIsThePerOpSequences) {
     }
   }
   omp_set_num_threads(threads);
+}
+
+// The largest |got - want| over the largest |want|.
+double relative_max_error(const Tensor& got, const Tensor& want) {
+  double err = 0.0, scale = 0.0;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    err = std::max(err, std::abs(static_cast<double>(got.data<float>()[i]) - want.data<float>()[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(want.data<float>()[i])));
+  }
+  return scale == 0.0 ? err : err / scale;
+}
+
+TEST(OpsGroupedMlp, NativeSixteenBitGemmsMatchTheReference) {
+  // The fast kernel's GEMMs on the operands' bf16 bits (oneDNN's matmul, rows padded to its quantum) against the
+  // reference device (naive fp32 GEMMs on the same values). Both sum products of bf16 values in fp32, in different
+  // orders: a rounding of an intermediate activation may land one bf16 ulp (2^-8 relative) apart, which the next
+  // GEMM carries at most at that relative size of its largest output; 2^-7 of the largest element bounds it. An
+  // operand misread (layout, padding, accumulation) is off by O(1).
+  if (!kernels::cpu::lowp_native_available(kernels::LowpType::kBF16)) {
+    GTEST_SKIP() << "this CPU has no native bf16 GEMMs";
+  }
+  const kernels::cpu::ScopedLowpGemmPath native(kernels::cpu::LowpGemmPath::kNative);
+  const std::vector<std::pair<GroupedMlpSpec, bool>> specs = {{{Activation::kSwiGLU, false}, false},
+                                                              {{Activation::kGelu, false}, true},
+                                                              {{Activation::kSquaredReLU, true}, true},
+                                                              {{Activation::kSwiGLU, true}, false}};
+  // Experts of 37, 0, 90, 300 (two tiles) and 5 rows: padded rows, an idle expert, a split expert.
+  const std::vector<int64_t> rows_E = {37, 0, 90, 300, 5};
+  const auto run = [&](const Device device, const std::pair<GroupedMlpSpec, bool>& spec) {
+    const TestDevice on(device);
+    Problem p = make_problem(rows_E, spec.first, spec.second);
+    for (Tensor* t : {&p.x, &p.dy}) round_to_dtype_(*t, DType::kBF16);
+    for (auto* ws : {&p.w1, &p.w2}) {
+      for (Tensor& w : *ws) round_to_dtype_(w, DType::kBF16);
+    }
+    const ScopedActivationDType precision(DType::kBF16, device);
+    return fused(p);
+  };
+  for (const auto& spec : specs) {
+    const Result got = run(Device::kCPU, spec), want = run(Device::kReference, spec);
+    const std::string what = "activation " + std::to_string(static_cast<int>(spec.first.activation)) +
+                             (spec.first.probs_on_input ? " probs on input" : "") + (spec.second ? " bias" : "") + ": ";
+    constexpr double kBound = 1.0 / 128;
+    EXPECT_LE(relative_max_error(got.y, want.y), kBound) << what << "y";
+    EXPECT_LE(relative_max_error(got.fc1, want.fc1), kBound) << what << "fc1";
+    EXPECT_LE(relative_max_error(got.act, want.act), kBound) << what << "act / h";
+    EXPECT_LE(relative_max_error(got.dx, want.dx), kBound) << what << "dx";
+    EXPECT_LE(relative_max_error(got.dprobs, want.dprobs), kBound) << what << "dprobs";
+    for (size_t e = 0; e < rows_E.size(); ++e) {
+      EXPECT_LE(relative_max_error(got.dw1[e], want.dw1[e]), kBound) << what << "dw1 of expert " << e;
+      EXPECT_LE(relative_max_error(got.dw2[e], want.dw2[e]), kBound) << what << "dw2 of expert " << e;
+      if (!spec.second) continue;
+      EXPECT_LE(relative_max_error(got.db1[e], want.db1[e]), kBound) << what << "db1 of expert " << e;
+      EXPECT_LE(relative_max_error(got.db2[e], want.db2[e]), kBound) << what << "db2 of expert " << e;
+    }
+  }
 }
 
 TEST(OpsGroupedMlp, QuantizationIsNotFused) {

@@ -1,11 +1,9 @@
-// GroupedMLP: all local experts in one pass over the grouped buffer. On the fp32 path (and the 16-bit emulation) the
+// GroupedMLP: all local experts in one pass over the grouped buffer. In fp32 and 16 bits (either GEMM path) the
 // fused grouped-MLP op (ops/grouped_mlp.h) runs fc1, activation, probability and fc2 of every expert, and in
-// backward the data and weight gradients; its kernel schedules the row tiles. Paths the op does not fuse (FP8 / FP4
-// quantization, the native 16-bit GEMMs) run here through ops::linear and the activation ops, one row tile after
-// another, each op using every thread: under FP8 / FP4 (ops/quantization.h) each expert is one tile (Megatron's
-// TEGroupedLinear quantizes each expert's rows as one tensor, and per-tensor scales must see all of them), else the
-// tiles are the fused kernel's (at most kMaxTileRows rows, evenly sized), so every row goes through the same GEMM
-// calls as there.
+// backward the data and weight gradients; its kernel schedules the row tiles. FP8 / FP4 quantization, which the op
+// does not fuse, runs here through ops::linear and the activation ops, one expert after another, each op using every
+// thread: each expert's rows are one tile, as Megatron's TEGroupedLinear quantizes each expert's rows as one tensor
+// (per-tensor scales must see all of them).
 #include "moecore/ops/grouped_mlp.h"
 
 #include <vector>
@@ -21,9 +19,6 @@
 namespace moecore::experts_detail {
 namespace {
 
-// Rows per tile at most on the unfused path: the fused kernel's tiles.
-constexpr int64_t kMaxTileRows = 256;
-
 struct RowTile {
   int64_t expert, begin, end;
 };
@@ -31,11 +26,8 @@ struct RowTile {
 std::vector<RowTile> row_tiles(const std::vector<int64_t> &offsets_E1) {
   std::vector<RowTile> tiles;
   const int64_t E = static_cast<int64_t>(offsets_E1.size()) - 1;
-  const bool whole_experts = ops::linear_quantization() != nullptr;
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t first = offsets_E1[e], rows = offsets_E1[e + 1] - first;
-    const int64_t n = whole_experts ? (rows > 0 ? 1 : 0) : (rows + kMaxTileRows - 1) / kMaxTileRows;
-    for (int64_t i = 0; i < n; ++i) tiles.push_back({e, first + rows * i / n, first + rows * (i + 1) / n});
+    if (offsets_E1[e + 1] > offsets_E1[e]) tiles.push_back({e, offsets_E1[e], offsets_E1[e + 1]});
   }
   return tiles;
 }

@@ -1,5 +1,6 @@
 #include "moecore/ops/grouped_mlp.h"
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,16 @@ using detail::ptr;
 namespace {
 
 std::string expert(const char* what, const int64_t e) { return std::string(what) + " of expert " + std::to_string(e); }
+
+// The 16-bit format whose native GEMMs the linear layers run on here (linear.h), if any.
+std::optional<kernels::LowpType> native_type(const Device device) {
+  const DType act = activation_dtype(device);
+  if (act != DType::kBF16 && act != DType::kF16) return std::nullopt;
+  const auto type = act == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
+  bool native = false;
+  detail::with_kernels("grouped_mlp", device, [&](auto k) { native = k.lowp_gemm_native(type); });
+  return native ? std::optional(type) : std::nullopt;
+}
 
 // Checks the per-expert parameters (defined, one dtype and device with `like`, one shape for all experts) and the
 // offsets; returns the kernels' shape.
@@ -74,12 +85,16 @@ kernels::GroupedMlpShape check_params(const char* op, const Tensor& like, const 
   if (like.dtype() == DType::kF32 || detail::is_16bit(like.dtype())) {
     if (!grouped_mlp_fused(like.device())) {
       detail::fail(op,
-                   "FP8 / FP4 quantization and native 16-bit GEMMs are not fused: run the experts through "
-                   "ops::linear_forward / linear_backward");
+                   "FP8 / FP4 quantization is not fused: run the experts through ops::linear_forward / "
+                   "linear_backward");
     }
     const DType act = activation_dtype(like.device());
     if (act == DType::kBF16) s.rounding = kernels::ActivationRounding::kBF16;
     if (act == DType::kF16) s.rounding = kernels::ActivationRounding::kF16;
+    if (const auto type = native_type(like.device())) {
+      s.native_gemm = true;
+      s.native_type = *type;
+    }
   }
   return s;
 }
@@ -120,15 +135,7 @@ const S* opt_data(const Tensor* t) {
 
 }  // namespace
 
-bool grouped_mlp_fused(const Device device) {
-  if (linear_quantization(device) != nullptr) return false;
-  const DType act = activation_dtype(device);
-  if (act != DType::kBF16 && act != DType::kF16) return true;
-  const auto type = act == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
-  bool native = false;
-  detail::with_kernels("grouped_mlp", device, [&](auto k) { native = k.lowp_gemm_native(type); });
-  return !native;
-}
+bool grouped_mlp_fused(const Device device) { return linear_quantization(device) == nullptr; }
 
 void grouped_mlp_forward(Tensor& y_RH, Tensor& fc1_RF1, Tensor* act_RF, Tensor* h_RF, Tensor* xs_RH, const Tensor& x_RH,
                          const Tensor& probs_R, const GroupedMlpParams& params,

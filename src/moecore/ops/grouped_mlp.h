@@ -4,14 +4,16 @@
 // or with the probability on the input y = W2 act(W1 (x p) + b1) + b2. fp32 or fp64 tensors of one dtype; under
 // --bf16 / --fp16 every activation and activation gradient is rounded where the per-op sequence (ops::linear_forward,
 // activation_forward, scale_rows, add_outer, weighted_swiglu_forward and their backwards) rounds it, so the result
-// is that sequence's bit for bit.
+// is that sequence's bit for bit. Where the linear layers run on the native 16-bit GEMMs (gemm_lowp.h), so do the
+// experts' GEMMs here, on the 16-bit bits of the same values, with fp32 sums (a different summation order from the
+// per-op sequence's GEMMs, so not bit for bit with it there).
 //
 // Saved activations (forward writes them, backward reads them): fc1_RF1 [R, F1] always; h_RF [R, F] (fc2's input
 // swiglu(fc1) p) for SwiGLU with the probability after it (the fused weighted SwiGLU), else act_RF [R, F] (the
 // activation output); xs_RH [R, H] (x p, fc1's input) with the probability on the input. The others may be null.
 //
-// Not fused (grouped_mlp_fused() false, and the ops refuse): FP8 / FP4 quantization (ops/quantization.h) and the
-// native 16-bit GEMM path; callers run each expert's rows through ops::linear and the activation ops instead.
+// Not fused (grouped_mlp_fused() false, and the ops refuse): FP8 / FP4 quantization (ops/quantization.h); callers
+// run each expert's rows through ops::linear and the activation ops instead.
 #pragma once
 
 #include <cstdint>
@@ -37,7 +39,7 @@ struct GroupedMlpGrads {
   std::span<Tensor*const> fc1_weight_E, fc1_bias_E, fc2_weight_E, fc2_bias_E;
 };
 
-// Whether the fused kernels cover fp32 tensors of `device` now (not under quantization or native 16-bit GEMMs).
+// Whether the fused kernels cover fp32 tensors of `device` now (not under FP8 / FP4 quantization).
 bool grouped_mlp_fused(Device device = Device::kCPU);
 
 // y_RH [R, H] and the saved activations (see above) from x_RH [R, H] and probs_R [R] (all overwritten).

@@ -1,11 +1,16 @@
 #include "moecore/ops/linear_cross_entropy.h"
 
 #include <algorithm>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
+#include "moecore/ops/convert.h"
 #include "moecore/ops/linear.h"
 #include "moecore/ops/loss.h"
+#include "moecore/ops/precision.h"
+#include "moecore/ops/quantization.h"
 #include "moecore/ops/staging.h"
 
 namespace moecore::ops {
@@ -25,6 +30,24 @@ void check_numel(const Tensor& t, const char* name, const int64_t numel, const D
                                 std::string(dtype_name(dtype)));
 }
 
+// The 16-bit dtype whose native GEMMs the output layer runs on, as the linear layers do (linear.h): fp32 operands
+// holding the activation dtype's values under --bf16 / --fp16, where the device's table picks the native path.
+std::optional<DType> native_dtype(const Tensor& weight_VI) {
+  const Device device = weight_VI.device();
+  const DType act = activation_dtype(device);
+  if (weight_VI.dtype() != DType::kF32 || (act != DType::kBF16 && act != DType::kF16)) return std::nullopt;
+  if (linear_quantization(device) != nullptr || !gemm_lowp_native(act, device)) return std::nullopt;
+  return act;
+}
+
+// t's values in `dtype` (exact: they are values of that format); a tensor of that dtype already is itself.
+Tensor narrowed(const Tensor& t, const DType dtype, const std::vector<int64_t>& shape) {
+  if (t.dtype() == dtype) return t.view(shape);
+  Tensor out(shape, dtype, MemCategory::kOther, t.device());
+  convert(out, t);
+  return out;
+}
+
 }  // namespace
 
 int64_t linear_cross_entropy_chunk_rows(const int64_t T, const int64_t V_local, const int64_t budget_bytes) {
@@ -35,15 +58,19 @@ int64_t linear_cross_entropy_chunk_rows(const int64_t T, const int64_t V_local, 
 void linear_cross_entropy(Tensor& losses_T, const Tensor& input_16_TI, const Tensor& weight_VI,
                           const std::span<const int32_t> targets_T, const int64_t chunk_rows, const Tensor* dlosses_T,
                           Tensor* dinput_16_TI, Tensor* dweight_VI, const VocabShard* shard) {
-  detail::Staging staging;  // a 16-bit input and its gradient are staged in fp32 (staging.h)
-  const Tensor& input_TI = staging.in(input_16_TI);
+  // The native 16-bit GEMMs read the 16-bit weight and input once for every chunk (the linear layers' path would
+  // narrow the whole weight again for each chunk's GEMMs). Every other op reads fp32: a 16-bit input and its
+  // gradient are staged (staging.h).
+  const std::optional<DType> native = native_dtype(weight_VI);
+  detail::Staging staging;
+  const Tensor& input_TI = native && input_16_TI.dtype() == *native ? input_16_TI : staging.in(input_16_TI);
   Tensor* dinput_TI = staging.out(dinput_16_TI);
   check(weight_VI.defined() && weight_VI.ndim() == 2, "weight_VI must be a matrix");
   check(chunk_rows > 0, "chunk_rows must be positive, got " + std::to_string(chunk_rows));
   const DType dtype = weight_VI.dtype();
   const auto T = static_cast<int64_t>(targets_T.size());
   const int64_t Vl = weight_VI.dim(0), I = weight_VI.dim(1);
-  check_numel(input_TI, "input_TI", T * I, dtype);
+  check_numel(input_TI, "input_TI", T * I, native && input_TI.dtype() == *native ? *native : dtype);
   check_numel(losses_T, "losses_T", T, dtype);
   if (dlosses_T) check_numel(*dlosses_T, "dlosses_T", T, dtype);
   if (dinput_TI) check_numel(*dinput_TI, "dinput_TI", T * I, dtype);
@@ -54,7 +81,9 @@ void linear_cross_entropy(Tensor& losses_T, const Tensor& input_16_TI, const Ten
   if (split) check(shard->reduce_sum != nullptr, "a vocabulary shard needs both reductions");
   if (T == 0) return;
 
-  const Tensor x_TI = input_TI.view({T, I});
+  const Tensor x_TI = native ? narrowed(input_TI, *native, {T, I}) : input_TI.view({T, I});
+  const Tensor weight16_VI = native ? narrowed(weight_VI, *native, {Vl, I}) : Tensor();
+  const Tensor& gemm_weight_VI = native ? weight16_VI : weight_VI;
   Tensor loss_T = losses_T.view({T});
   // The logits chunk stays fp32 under 16-bit activation storage: a workspace of this op, read and rewritten by the
   // loss and the GEMMs of each chunk (16-bit storage would add a staged fp32 copy for each of them).
@@ -64,7 +93,8 @@ void linear_cross_entropy(Tensor& losses_T, const Tensor& input_16_TI, const Ten
     const std::span<const int32_t> targets_n = targets_T.subspan(static_cast<size_t>(t0), static_cast<size_t>(n));
     const Tensor x_nI = x_TI.slice_rows(t0, t1);
     Tensor logits_nV = logits_buffer.slice_rows(0, n);
-    linear_forward(logits_nV, x_nI, weight_VI);
+    linear_forward(logits_nV, x_nI, gemm_weight_VI);
+    if (native) detail::round_activations({&logits_nV});  // as the linear layers round their native outputs
     Tensor loss_n = loss_T.slice_rows(t0, t1);
     Tensor lse_n({n}, dtype, MemCategory::kActivations, input_TI.device());
     if (split) {
@@ -87,7 +117,13 @@ void linear_cross_entropy(Tensor& losses_T, const Tensor& input_16_TI, const Ten
     }
     Tensor dx_nI;
     if (dinput_TI) dx_nI = dinput_TI->view({T, I}).slice_rows(t0, t1);
-    linear_backward(dinput_TI ? &dx_nI : nullptr, dweight_VI, nullptr, logits_nV, &x_nI, weight_VI);
+    if (native) {
+      const Tensor dlogits16_nV = narrowed(logits_nV, *native, {n, Vl});
+      linear_backward(dinput_TI ? &dx_nI : nullptr, dweight_VI, nullptr, dlogits16_nV, &x_nI, gemm_weight_VI);
+      if (dinput_TI) detail::round_activations({&dx_nI});
+    } else {
+      linear_backward(dinput_TI ? &dx_nI : nullptr, dweight_VI, nullptr, logits_nV, &x_nI, weight_VI);
+    }
   }
 }
 

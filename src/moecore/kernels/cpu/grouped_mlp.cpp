@@ -3,6 +3,8 @@
 #include "moecore/kernels/cpu/grouped_mlp.h"
 
 #include <algorithm>
+#include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -20,6 +22,102 @@ MOECORE_GROUPED_MLP_KERNELS(Kernels, cpu)
 
 template <typename T>
 using Steps = grouped_mlp_detail::Steps<Kernels, T>;
+
+// The steps' linear layers on the native 16-bit GEMMs (GroupedMlpShape::native_gemm): each operand's values are
+// narrowed to 16 bits (exact: the steps round what they write, and the weights hold values of the format), the
+// products are summed in fp32 into fp32 outputs, which the steps then round as on the fp32 path. Runs inside the
+// tile loop: each call is one thread's, with thread-local operand buffers.
+class NativeKernels : public Kernels {
+ public:
+  NativeKernels(const LowpType type, const GroupedMlpWeights<float>& w, const GroupedMlpShape& s) : type_(type) {
+    const int64_t F1 = s.F1(), w1 = F1 * s.H, w2 = s.H * s.F;
+    weights16_.resize(static_cast<size_t>(s.E * (w1 + w2)));
+    by_weight_.reserve(static_cast<size_t>(2 * s.E));
+    for (int64_t e = 0; e < s.E; ++e) {
+      by_weight_.emplace(w.fc1_weight_E[e], weights16_.data() + e * (w1 + w2));
+      by_weight_.emplace(w.fc2_weight_E[e], weights16_.data() + e * (w1 + w2) + w1);
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t e = 0; e < s.E; ++e) {
+      encode(weights16_.data() + e * (w1 + w2), w.fc1_weight_E[e], w1);
+      encode(weights16_.data() + e * (w1 + w2) + w1, w.fc2_weight_E[e], w2);
+    }
+  }
+
+  // out = in W^T (+ bias).
+  void linear_forward(float* out_TO, const float* inp_TI, const float* weight_OI, const float* bias_O, const int64_t n,
+                      const int64_t I, const int64_t O) const {
+    if (n == 0) return;
+    Buffers& buf = buffers();
+    const int64_t np = padded(n);
+    const uint16_t* x = encode_rows(buf.a, inp_TI, n, I, np);
+    float* y = np == n ? out_TO : sized(buf.c, np * O);
+    cpu::gemm_lowp<float>(type_, false, true, np, O, I, 1.0f, x, I, weight16(weight_OI), I, 0.0f, y, O);
+    if (y != out_TO) std::copy_n(y, n * O, out_TO);
+    if (bias_O != nullptr) cpu::add_bias_rows(out_TO, bias_O, n, O);
+  }
+
+  // dinp += dout W; dweight += dout^T inp; dbias += column sums of dout (fp32).
+  void linear_backward(float* dinp_TI, float* dweight_OI, float* dbias_O, const float* dout_TO, const float* inp_TI,
+                       const float* weight_OI, const int64_t n, const int64_t I, const int64_t O) const {
+    if (n == 0) return;
+    Buffers& buf = buffers();
+    const int64_t np = padded(n);
+    const uint16_t* dy = encode_rows(buf.a, dout_TO, n, O, np);
+    if (dinp_TI != nullptr) {
+      const uint16_t* w = weight16(weight_OI);
+      if (np == n) {
+        cpu::gemm_lowp<float>(type_, false, false, n, I, O, 1.0f, dy, O, w, I, 1.0f, dinp_TI, I);
+      } else {
+        float* dx = sized(buf.c, np * I);
+        cpu::gemm_lowp<float>(type_, false, false, np, I, O, 1.0f, dy, O, w, I, 0.0f, dx, I);
+        for (int64_t i = 0; i < n * I; ++i) dinp_TI[i] += dx[i];
+      }
+    }
+    if (dweight_OI != nullptr) {
+      const uint16_t* x = encode_rows(buf.b, inp_TI, n, I, np);
+      cpu::gemm_lowp<float>(type_, true, false, O, I, np, 1.0f, dy, O, x, I, 1.0f, dweight_OI, I);
+    }
+    if (dbias_O != nullptr) {
+      cpu::linear_backward<float>(nullptr, nullptr, dbias_O, dout_TO, nullptr, weight_OI, n, I, O);
+    }
+  }
+
+ private:
+  struct Buffers {
+    std::vector<uint16_t> a, b;
+    std::vector<float> c;
+  };
+  static Buffers& buffers() {
+    thread_local Buffers buffers;
+    return buffers;
+  }
+  static int64_t padded(const int64_t n) {
+    return (n + kGroupedMlpNativeRowQuantum - 1) / kGroupedMlpNativeRowQuantum * kGroupedMlpNativeRowQuantum;
+  }
+  template <typename V>
+  static V* sized(std::vector<V>& v, const int64_t n) {
+    if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
+    return v.data();
+  }
+  void encode(uint16_t* out, const float* in, const int64_t n) const {
+    const ConvertIsa isa = best_convert_isa();
+    type_ == LowpType::kBF16 ? cpu::encode_bf16(out, in, n, isa) : cpu::encode_fp16(out, in, n, isa);
+  }
+  // [np, cols] 16-bit bits of the [n, cols] rows, zero rows after them.
+  const uint16_t* encode_rows(std::vector<uint16_t>& buf, const float* rows, const int64_t n, const int64_t cols,
+                              const int64_t np) const {
+    uint16_t* out = sized(buf, np * cols);
+    encode(out, rows, n * cols);
+    std::fill(out + n * cols, out + np * cols, uint16_t{0});
+    return out;
+  }
+  const uint16_t* weight16(const float* weight) const { return by_weight_.at(weight); }
+
+  LowpType type_;
+  std::vector<uint16_t> weights16_;
+  std::unordered_map<const float*, const uint16_t*> by_weight_;
+};
 
 struct RowTile {
   int64_t expert, begin, end;
@@ -39,12 +137,9 @@ std::vector<RowTile> row_tiles(const GroupedMlpShape& s) {
   return tiles;
 }
 
-}  // namespace
-
-template <typename T>
-void grouped_mlp_forward(T* y_RH, T* fc1_RF1, T* act_RF, T* h_RF, T* xs_RH, const T* x_RH, const T* probs_R,
-                         const GroupedMlpWeights<T>& w, const GroupedMlpShape& s) {
-  const Steps<T> steps(w, s);
+template <typename St, typename T>
+void forward_tiles(const St& steps, const GroupedMlpShape& s, T* y_RH, T* fc1_RF1, T* act_RF, T* h_RF, T* xs_RH,
+                   const T* x_RH, const T* probs_R) {
   const std::vector<RowTile> tiles = row_tiles(s);
   const auto n_tiles = static_cast<int64_t>(tiles.size());
 #pragma omp parallel for schedule(dynamic, 1)
@@ -54,11 +149,10 @@ void grouped_mlp_forward(T* y_RH, T* fc1_RF1, T* act_RF, T* h_RF, T* xs_RH, cons
   }
 }
 
-template <typename T>
-void grouped_mlp_backward(T* dx_RH, T* dprobs_R, const GroupedMlpGrads<T>& g, T* dfc1_RF1, const T* dy_RH,
-                          const T* x_RH, const T* xs_RH, const T* fc1_RF1, const T* act_RF, const T* h_RF,
-                          const T* probs_R, const GroupedMlpWeights<T>& w, const GroupedMlpShape& s) {
-  const Steps<T> steps(w, s);
+template <typename St, typename T>
+void backward_tiles(const St& steps, const GroupedMlpShape& s, T* dx_RH, T* dprobs_R, const GroupedMlpGrads<T>& g,
+                    T* dfc1_RF1, const T* dy_RH, const T* x_RH, const T* xs_RH, const T* fc1_RF1, const T* act_RF,
+                    const T* h_RF, const T* probs_R) {
   const std::vector<RowTile> tiles = row_tiles(s);
   const auto n_tiles = static_cast<int64_t>(tiles.size());
 #pragma omp parallel for schedule(dynamic, 1)
@@ -86,6 +180,35 @@ void grouped_mlp_backward(T* dx_RH, T* dprobs_R, const GroupedMlpGrads<T>& g, T*
     steps.weight_grads(e, fc1, s.offsets_E1[e], s.offsets_E1[e + 1], g, dfc1_RF1, dy_RH, x_RH, xs_RH, act_RF, h_RF,
                        probs_R);
   }
+}
+
+}  // namespace
+
+template <typename T>
+void grouped_mlp_forward(T* y_RH, T* fc1_RF1, T* act_RF, T* h_RF, T* xs_RH, const T* x_RH, const T* probs_R,
+                         const GroupedMlpWeights<T>& w, const GroupedMlpShape& s) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (s.native_gemm) {
+      const grouped_mlp_detail::Steps<NativeKernels, float> steps(w, s, NativeKernels(s.native_type, w, s));
+      forward_tiles(steps, s, y_RH, fc1_RF1, act_RF, h_RF, xs_RH, x_RH, probs_R);
+      return;
+    }
+  }
+  forward_tiles(Steps<T>(w, s), s, y_RH, fc1_RF1, act_RF, h_RF, xs_RH, x_RH, probs_R);
+}
+
+template <typename T>
+void grouped_mlp_backward(T* dx_RH, T* dprobs_R, const GroupedMlpGrads<T>& g, T* dfc1_RF1, const T* dy_RH,
+                          const T* x_RH, const T* xs_RH, const T* fc1_RF1, const T* act_RF, const T* h_RF,
+                          const T* probs_R, const GroupedMlpWeights<T>& w, const GroupedMlpShape& s) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (s.native_gemm) {
+      const grouped_mlp_detail::Steps<NativeKernels, float> steps(w, s, NativeKernels(s.native_type, w, s));
+      backward_tiles(steps, s, dx_RH, dprobs_R, g, dfc1_RF1, dy_RH, x_RH, xs_RH, fc1_RF1, act_RF, h_RF, probs_R);
+      return;
+    }
+  }
+  backward_tiles(Steps<T>(w, s), s, dx_RH, dprobs_R, g, dfc1_RF1, dy_RH, x_RH, xs_RH, fc1_RF1, act_RF, h_RF, probs_R);
 }
 
 #define MOECORE_INSTANTIATE(T)                                                                                         \

@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "moecore/kernels/cpu/gemm_lowp.h"
+
 namespace moecore::kernels {
 
 enum class MlpActivation : uint8_t { kGelu, kSwiGLU, kSquaredReLU };
@@ -24,6 +26,10 @@ struct GroupedMlpShape {
   MlpActivation activation;
   bool probs_on_input;
   ActivationRounding rounding;
+  // fp32 only, fast kernels only: the GEMMs run on the 16-bit bits of their operands (which hold values of
+  // native_type: the steps round every activation they write) through gemm_lowp's native path, with fp32 sums.
+  bool native_gemm = false;
+  LowpType native_type = LowpType::kBF16;
 
   int64_t F1() const { return activation == MlpActivation::kSwiGLU ? 2 * F : F; }
   // SwiGLU with the probability after it: the fused weighted SwiGLU (h saved instead of the activation).
@@ -68,7 +74,11 @@ namespace cpu {
 // when the experts' loads are uneven), each tile's kernels on one thread. Weight gradients are one task per (expert,
 // fc1 | fc2) over all the expert's rows, costliest first, so no two tasks write one output. Tiles depend on the row
 // counts only, never on the thread count, so results are the same bit for bit whatever the threads.
+// With native_gemm each expert's weights are narrowed to 16 bits once per call, and a GEMM's row count (its K in the
+// weight gradients) is padded with zero rows to a multiple of kGroupedMlpNativeRowQuantum, so the expert tiles'
+// varying row counts map onto a few compiled oneDNN matmuls instead of one new compilation per shape.
 constexpr int64_t kGroupedMlpTileRows = 256;
+constexpr int64_t kGroupedMlpNativeRowQuantum = 16;
 MOECORE_GROUPED_MLP_DECL
 }  // namespace cpu
 namespace ref {

@@ -1,7 +1,8 @@
 // Internal to the grouped-MLP kernels: the per-op steps of one expert's rows [begin, end), written once over a kernel
-// set K (kernels::cpu or kernels::ref, forwarded by the including file) in the order and with the rounding of the
-// per-op sequence (ops::linear_forward, activation, scale_rows, add_outer, ...; semantics: grouped_mlp.h). The fast
-// kernel runs them on row tiles in parallel, the reference on each expert's rows in turn.
+// set K (kernels::cpu or kernels::ref, forwarded by the including file, or the fast kernel's native 16-bit GEMMs) in
+// the order and with the rounding of the per-op sequence (ops::linear_forward, activation, scale_rows, add_outer, ...;
+// semantics: grouped_mlp.h). The fast kernel runs them on row tiles in parallel, the reference on each expert's rows in
+// turn.
 #pragma once
 
 #include <cstddef>
@@ -39,7 +40,7 @@ class Scratch {
 template <typename K, typename T>
 class Steps {
  public:
-  Steps(const GroupedMlpWeights<T>& w, const GroupedMlpShape& s) : w_(w), s_(s) {}
+  Steps(const GroupedMlpWeights<T>& w, const GroupedMlpShape& s, K k = K()) : w_(w), s_(s), k_(std::move(k)) {}
 
   void forward(const int64_t e, const int64_t begin, const int64_t end, T* y_RH, T* fc1_RF1, T* act_RF, T* h_RF,
                T* xs_RH, const T* x_RH, const T* probs_R) const {
@@ -48,19 +49,19 @@ class Steps {
     const T* fc1_in = x_RH + begin * H;
     if (s_.probs_on_input) {
       T* xs = xs_RH + begin * H;
-      K::scale_rows(xs, fc1_in, probs, n, H);
+      k_.scale_rows(xs, fc1_in, probs, n, H);
       round(xs, n * H);
       fc1_in = xs;
     }
     T* fc1 = fc1_RF1 + begin * F1;
-    K::linear_forward(fc1, fc1_in, w_.fc1_weight_E[e], fc1_bias(e), n, H, F1);
+    k_.linear_forward(fc1, fc1_in, w_.fc1_weight_E[e], fc1_bias(e), n, H, F1);
     round(fc1, n * F1);
     // fc2's input: h = swiglu(fc1) p (saved), the activation itself (probs on the input), or act p in a tile-sized
     // buffer (kept in cache, not saved: backward recomputes it).
     const T* h = nullptr;
     if (s_.weighted_swiglu()) {
       T* h_saved = h_RF + begin * F;
-      K::weighted_swiglu_forward(h_saved, fc1, probs, n, F);
+      k_.weighted_swiglu_forward(h_saved, fc1, probs, n, F);
       round(h_saved, n * F);
       h = h_saved;
     } else {
@@ -71,16 +72,16 @@ class Steps {
     }
     const Scratch<T> scaled(s_.weighted_swiglu() || s_.probs_on_input ? 0 : n * F);
     if (!s_.weighted_swiglu() && !s_.probs_on_input) {
-      K::scale_rows(scaled.data(), h, probs, n, F);
+      k_.scale_rows(scaled.data(), h, probs, n, F);
       round(scaled.data(), n * F);
       h = scaled.data();
     }
     T* y = y_RH + begin * H;
     const T* b2 = fc2_bias(e);
-    K::linear_forward(y, h, w_.fc2_weight_E[e], s_.probs_on_input ? b2 : nullptr, n, F, H);
+    k_.linear_forward(y, h, w_.fc2_weight_E[e], s_.probs_on_input ? b2 : nullptr, n, F, H);
     round(y, n * H);
     if (!s_.probs_on_input && b2 != nullptr) {  // y = W2 (act p) + p b2
-      K::add_outer(y, probs, b2, n, H);
+      k_.add_outer(y, probs, b2, n, H);
       round(y, n * H);
     }
   }
@@ -94,23 +95,23 @@ class Steps {
     T* dprobs = dprobs_R + begin;
     T* dx = dx_RH + begin * H;
     const Scratch<T> dh(n * F);
-    K::linear_backward(dh.data(), null(), null(), dy, cnull(), w_.fc2_weight_E[e], n, F, H);
+    k_.linear_backward(dh.data(), null(), null(), dy, cnull(), w_.fc2_weight_E[e], n, F, H);
     round(dh.data(), n * F);
     T* dfc1 = dfc1_RF1 + begin * F1;
     const T* fc1 = fc1_RF1 + begin * F1;
     const T* w1 = w_.fc1_weight_E[e];
     if (!s_.probs_on_input) {
       if (s_.weighted_swiglu()) {
-        K::weighted_swiglu_backward(dfc1, dprobs, dh.data(), fc1, probs, n, F);
+        k_.weighted_swiglu_backward(dfc1, dprobs, dh.data(), fc1, probs, n, F);
       } else {
         const Scratch<T> dact(n * F);
-        K::scale_rows_backward(dact.data(), dprobs, dh.data(), act_RF + begin * F, probs, n, F);
+        k_.scale_rows_backward(dact.data(), dprobs, dh.data(), act_RF + begin * F, probs, n, F);
         round(dact.data(), n * F);
         activation_backward(dfc1, dact.data(), fc1, n);
       }
       round(dfc1, n * F1);
-      if (const T* b2 = fc2_bias(e)) K::add_outer_backward(dprobs, null(), dy, probs, b2, n, H);
-      K::linear_backward(dx, null(), null(), dfc1, cnull(), w1, n, H, F1);
+      if (const T* b2 = fc2_bias(e)) k_.add_outer_backward(dprobs, null(), dy, probs, b2, n, H);
+      k_.linear_backward(dx, null(), null(), dfc1, cnull(), w1, n, H, F1);
       round(dx, n * H);
       return;
     }
@@ -118,9 +119,9 @@ class Steps {
     round(dfc1, n * F1);
     // fc1 input x p: dx += d(fc1 input) p, dp = <d(fc1 input), x>.
     const Scratch<T> dxs(n * H);
-    K::linear_backward(dxs.data(), null(), null(), dfc1, cnull(), w1, n, H, F1);
+    k_.linear_backward(dxs.data(), null(), null(), dfc1, cnull(), w1, n, H, F1);
     round(dxs.data(), n * H);
-    K::scale_rows_backward(dx, dprobs, dxs.data(), x_RH + begin * H, probs, n, H);
+    k_.scale_rows_backward(dx, dprobs, dxs.data(), x_RH + begin * H, probs, n, H);
     round(dx, n * H);
   }
 
@@ -131,7 +132,7 @@ class Steps {
     const int64_t n = end - begin, H = s_.H, F = s_.F, F1 = s_.F1();
     if (fc1) {
       const T* in = (s_.probs_on_input ? xs_RH : x_RH) + begin * H;
-      K::linear_backward(null(), entry(g.fc1_weight_E, e), entry(g.fc1_bias_E, e), dfc1_RF1 + begin * F1, in,
+      k_.linear_backward(null(), entry(g.fc1_weight_E, e), entry(g.fc1_bias_E, e), dfc1_RF1 + begin * F1, in,
                          w_.fc1_weight_E[e], n, H, F1);
       return;
     }
@@ -144,13 +145,13 @@ class Steps {
     const Scratch<T> scaled(recompute ? n * F : 0);
     const T* h = s_.weighted_swiglu() ? h_RF + begin * F : act_RF + begin * F;
     if (recompute) {
-      K::scale_rows(scaled.data(), h, probs, n, F);
+      k_.scale_rows(scaled.data(), h, probs, n, F);
       round(scaled.data(), n * F);
       h = scaled.data();
     }
-    K::linear_backward(null(), entry(g.fc2_weight_E, e), s_.probs_on_input ? db2 : nullptr, dy, h, w_.fc2_weight_E[e],
+    k_.linear_backward(null(), entry(g.fc2_weight_E, e), s_.probs_on_input ? db2 : nullptr, dy, h, w_.fc2_weight_E[e],
                        n, F, H);
-    if (!s_.probs_on_input && db2 != nullptr) K::add_outer_backward(null(), db2, dy, probs, fc2_bias(e), n, H);
+    if (!s_.probs_on_input && db2 != nullptr) k_.add_outer_backward(null(), db2, dy, probs, fc2_bias(e), n, H);
   }
 
  private:
@@ -162,27 +163,28 @@ class Steps {
 
   void round(T* data, const int64_t count) const {
     if constexpr (std::is_same_v<T, float>) {
-      if (s_.rounding == ActivationRounding::kBF16) K::round_bf16(data, count);
-      if (s_.rounding == ActivationRounding::kF16) K::round_fp16(data, count);
+      if (s_.rounding == ActivationRounding::kBF16) k_.round_bf16(data, count);
+      if (s_.rounding == ActivationRounding::kF16) k_.round_fp16(data, count);
     }
   }
   void activation_forward(T* act, const T* fc1, const int64_t n) const {
     switch (s_.activation) {
-      case MlpActivation::kSwiGLU: K::swiglu_forward(act, fc1, n, s_.F); break;
-      case MlpActivation::kGelu: K::gelu_forward(act, fc1, n * s_.F); break;
-      case MlpActivation::kSquaredReLU: K::squared_relu_forward(act, fc1, n * s_.F); break;
+      case MlpActivation::kSwiGLU: k_.swiglu_forward(act, fc1, n, s_.F); break;
+      case MlpActivation::kGelu: k_.gelu_forward(act, fc1, n * s_.F); break;
+      case MlpActivation::kSquaredReLU: k_.squared_relu_forward(act, fc1, n * s_.F); break;
     }
   }
   void activation_backward(T* dfc1, const T* dact, const T* fc1, const int64_t n) const {
     switch (s_.activation) {
-      case MlpActivation::kSwiGLU: K::swiglu_backward(dfc1, dact, fc1, n, s_.F); break;
-      case MlpActivation::kGelu: K::gelu_backward(dfc1, dact, fc1, n * s_.F); break;
-      case MlpActivation::kSquaredReLU: K::squared_relu_backward(dfc1, dact, fc1, n * s_.F); break;
+      case MlpActivation::kSwiGLU: k_.swiglu_backward(dfc1, dact, fc1, n, s_.F); break;
+      case MlpActivation::kGelu: k_.gelu_backward(dfc1, dact, fc1, n * s_.F); break;
+      case MlpActivation::kSquaredReLU: k_.squared_relu_backward(dfc1, dact, fc1, n * s_.F); break;
     }
   }
 
   const GroupedMlpWeights<T>& w_;
   const GroupedMlpShape& s_;
+  K k_;
 };
 
 // A kernel set for Steps: static members forwarding to the kernels of namespace ns.
