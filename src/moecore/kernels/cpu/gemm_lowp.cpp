@@ -213,20 +213,10 @@ template <typename CT>
 void gemm_native(const LowpType type, const bool trans_a, const bool trans_b, const int64_t M, const int64_t N,
                  const int64_t K, const float alpha, const uint16_t* A, const int64_t lda, const uint16_t* B,
                  const int64_t ldb, const float beta, CT* C, const int64_t ldc, const float* bias_N) {
-  const NativeKey key{type,
-                      std::is_same_v<CT, uint16_t>,
-                      trans_a,
-                      trans_b,
-                      bias_N != nullptr,
-                      M,
-                      N,
-                      K,
-                      lda,
-                      ldb,
-                      ldc,
-                      alpha,
-                      beta,
-                      omp_in_parallel() ? 1 : omp_get_max_threads()};
+  const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const NativeKey key{
+      type,   std::is_same_v<CT, uint16_t>, trans_a, trans_b, bias_N != nullptr, M, N, K, lda, ldb, ldc, alpha, beta,
+      threads};
   std::shared_ptr<const NativeGemm> gemm;
   try {
     gemm = native_gemm(key);
