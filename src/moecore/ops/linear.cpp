@@ -124,8 +124,8 @@ std::optional<kernels::LowpType> native_lowp_type(const char* op, const Tensor& 
 // that 16-bit dtype already (16-bit activations, staging.h) is its own bits.
 Tensor encode_lowp(const char* op, const kernels::LowpType type, const Tensor& t) {
   if (t.dtype() == (type == kernels::LowpType::kBF16 ? DType::kBF16 : DType::kF16)) return t.view({t.numel()});
-  Tensor bits_n({t.numel()}, type == kernels::LowpType::kBF16 ? DType::kBF16 : DType::kF16, MemCategory::kOther,
-                t.device());
+  Tensor bits_n = Tensor::uninitialized({t.numel()}, type == kernels::LowpType::kBF16 ? DType::kBF16 : DType::kF16,
+                                        MemCategory::kOther, t.device());
   detail::with_kernels(op, t.device(), [&](auto k) {
     type == kernels::LowpType::kBF16 ? k.encode_bf16(bits_n.data<uint16_t>(), t.data<float>(), t.numel())
                                      : k.encode_fp16(bits_n.data<uint16_t>(), t.data<float>(), t.numel());

@@ -43,7 +43,7 @@ std::optional<DType> native_dtype(const Tensor& weight_VI) {
 // t's values in `dtype` (exact: they are values of that format); a tensor of that dtype already is itself.
 Tensor narrowed(const Tensor& t, const DType dtype, const std::vector<int64_t>& shape) {
   if (t.dtype() == dtype) return t.view(shape);
-  Tensor out(shape, dtype, MemCategory::kOther, t.device());
+  Tensor out = Tensor::uninitialized(shape, dtype, MemCategory::kOther, t.device());
   convert(out, t);
   return out;
 }

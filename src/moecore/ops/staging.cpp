@@ -50,7 +50,8 @@ Staging::Entry& Staging::stage(const Tensor& t, const bool copy_in) {
   if (Entry* e = find(t)) return *e;
   auto e = std::make_unique<Entry>();
   e->target = t;
-  e->f32 = Tensor(t.shape(), DType::kF32, MemCategory::kOther, t.device());
+  // Overwritten before it is read: by the copy, or (write_only) by the op.
+  e->f32 = Tensor::uninitialized(t.shape(), DType::kF32, MemCategory::kOther, t.device());
   if (copy_in) convert(e->f32, t);  // exact
   entries_.push_back(std::move(e));
   return *entries_.back();

@@ -29,6 +29,11 @@ class CpuAllocator final : public Allocator {
     std::memset(data, 0, rounded);
     return data;
   }
+  std::byte* allocate_uninitialized(const size_t bytes) override {
+    auto* data = static_cast<std::byte*>(std::aligned_alloc(64, round_up_64(bytes == 0 ? 1 : bytes)));
+    if (data == nullptr) throw std::bad_alloc();
+    return data;
+  }
   void deallocate(std::byte* data, size_t) noexcept override { std::free(data); }
   std::string outside_writes(const std::byte*, size_t) const override { return ""; }
 };
@@ -48,6 +53,12 @@ class GuardedAllocator final : public Allocator {
     std::memset(block, static_cast<int>(kGuardByte), total);
     std::byte* data = block + kGuardBytes;
     std::memset(data, 0, bytes);
+    return data;
+  }
+  // All bits set: NaN in every float format, so a kernel that reads memory it was to overwrite shows in its result.
+  std::byte* allocate_uninitialized(const size_t bytes) override {
+    std::byte* data = allocate(bytes);
+    std::memset(data, 0xFF, bytes);
     return data;
   }
   void deallocate(std::byte* data, const size_t bytes) noexcept override {

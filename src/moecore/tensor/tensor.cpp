@@ -15,6 +15,11 @@ Storage::Storage(const size_t bytes, const MemCategory category, const Device de
   owner_ = MemoryTracker::instance(device_).on_alloc(category_, bytes_);
 }
 
+Storage::Storage(const size_t bytes, const MemCategory category, const Device device, Uninitialized)
+    : data_(allocator_for(device).allocate_uninitialized(bytes)), bytes_(bytes), category_(category), device_(device) {
+  owner_ = MemoryTracker::instance(device_).on_alloc(category_, bytes_);
+}
+
 Storage::Storage(std::byte* borrowed, const size_t bytes, const Device device)
     : data_(borrowed), bytes_(bytes), category_(MemCategory::kOther), device_(device), owned_(false) {
   if (!host_accessible(device)) {
@@ -30,12 +35,26 @@ Storage::~Storage() {
 
 Tensor::Tensor(std::vector<int64_t> shape, const DType dtype, const MemCategory category, const Device device)
     : shape_(std::move(shape)), dtype_(dtype) {
+  allocate(category, device, true);
+}
+
+Tensor Tensor::uninitialized(std::vector<int64_t> shape, const DType dtype, const MemCategory category,
+                             const Device device) {
+  Tensor out;
+  out.shape_ = std::move(shape);
+  out.dtype_ = dtype;
+  out.allocate(category, device, false);
+  return out;
+}
+
+void Tensor::allocate(const MemCategory category, const Device device, const bool zeroed) {
   for (const int64_t d : shape_) {
     if (d < 0) throw std::invalid_argument("tensor shape has a negative dimension");
   }
   const size_t bytes = nbytes();
   try {
-    storage_ = std::make_shared<Storage>(bytes, category, device);
+    storage_ = zeroed ? std::make_shared<Storage>(bytes, category, device)
+                      : std::make_shared<Storage>(bytes, category, device, Storage::Uninitialized{});
   } catch (const std::bad_alloc&) {
     throw std::runtime_error("out of memory: cannot allocate " + std::to_string(bytes >> 20) + " MiB for a " +
                              shape_str() + " " + std::string(dtype_name(dtype_)) + " tensor");
@@ -90,7 +109,7 @@ Tensor Tensor::slice_rows(const int64_t begin, const int64_t end) const {
 
 Tensor Tensor::clone(const MemCategory category) const {
   if (!defined()) throw std::logic_error("clone of an undefined tensor");
-  Tensor out(shape_, dtype_, category, device());
+  Tensor out = uninitialized(shape_, dtype_, category, device());
   if (nbytes() > 0) std::memcpy(out.data<std::byte>(), data<std::byte>(), nbytes());
   return out;
 }

@@ -22,6 +22,9 @@ class Storage {
  public:
   // Throws std::runtime_error for a device this build cannot allocate on (allocator.h).
   Storage(size_t bytes, MemCategory category, Device device = Device::kCPU);
+  // Not zero-initialised (Allocator::allocate_uninitialized): for memory overwritten before it is read.
+  struct Uninitialized {};
+  Storage(size_t bytes, MemCategory category, Device device, Uninitialized);
   ~Storage();
   // Borrowed: memory owned elsewhere; neither freed nor counted by the MemoryTracker.
   // `device` must be host-accessible (the CPU or the reference device; no guards around borrowed memory).
@@ -51,6 +54,11 @@ class Tensor {
   Tensor() = default;
   Tensor(std::vector<int64_t> shape, DType dtype, MemCategory category = MemCategory::kOther,
          Device device = Device::kCPU);
+
+  // A tensor whose elements the caller overwrites before reading them (not zeroed: a conversion's or a GEMM's
+  // output, a staged copy).
+  static Tensor uninitialized(std::vector<int64_t> shape, DType dtype, MemCategory category = MemCategory::kOther,
+                              Device device = Device::kCPU);
 
   static Tensor zeros(std::vector<int64_t> shape, DType dtype = DType::kF32,
                       MemCategory category = MemCategory::kOther) {
@@ -103,6 +111,9 @@ class Tensor {
 
  private:
   friend std::string outside_writes(const Tensor& t);
+  // New storage for shape_ / dtype_, zeroed or not.
+  void allocate(MemCategory category, Device device, bool zeroed);
+
   std::shared_ptr<Storage> storage_;
   size_t offset_bytes_ = 0;
   std::vector<int64_t> shape_;
