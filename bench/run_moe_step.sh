@@ -216,7 +216,10 @@ def floats(text):
     return [float(v) for v in text.split(",")]
 
 
-per_round = lambda col: ", ".join(p[col] for p in peaks)  # noqa: E731
+def per_round(col):
+    return ", ".join(p[col] for p in peaks)
+
+
 fp32_peak = max(num(p[1]) for p in peaks)
 best32 = max(peaks, key=lambda p: num(p[1]))
 moecore_bf16 = max(num(p[4]) for p in peaks)
@@ -233,7 +236,8 @@ print(f"bf16 GEMM peak, 2048^3, 2 threads, best of {rounds} rounds: {bf16_peak:.
 
 names = {"moecore-fp32": ("moecore", "fp32"), "moecore-bf16": ("moecore", "bf16"),
          "torch-fp32-installed": ("PyTorch {v} eager, OpenBLAS as installed (core {core})", "fp32"),
-         "torch-fp32": ("PyTorch {v} eager, OPENBLAS_CORETYPE=" + best_core + " (core {core})", "fp32"),
+         "torch-fp32": ("PyTorch {v} eager, " + (f"OPENBLAS_CORETYPE={best_core}" if best_core != "unset" else
+                                                 "OPENBLAS_CORETYPE unset (no AVX2)") + " (core {core})", "fp32"),
          "torch-bf16": ("PyTorch {v} eager, autocast", "bf16 autocast")}
 table = ["| model | parameters | tokens/step | GFLOP/step | implementation | precision | ms/step | tokens/s "
          "| model GFLOP/s | of GEMM peak | peak RSS (MiB) |",
@@ -274,7 +278,10 @@ for model in models:
         table.append(f"| {model} | {params.copy().pop() / 1e6:.2f}M | {tokens} | {flops / 1e9:.1f} | {name} "
                      f"| {precision} | {ms[s]:.0f} | {tokens / ms[s] * 1e3:.0f} | {gflops:.1f} | {gflops / peak:.1%} "
                      f"| {rss[s]} |")
-    speedup = lambda a, b: f"{ms[b] / ms[a]:.2f}x"  # noqa: E731  tokens/s of a over tokens/s of b
+
+    def speedup(a, b):  # tokens/s of side a over tokens/s of side b
+        return f"{ms[b] / ms[a]:.2f}x"
+
     ratios.append(f"| {model} | {speedup('moecore-bf16', 'moecore-fp32')} | {speedup('moecore-bf16', 'torch-bf16')} "
                   f"| {speedup('moecore-fp32', 'torch-fp32')} | {speedup('moecore-fp32', 'torch-fp32-installed')} "
                   f"| {speedup('torch-bf16', 'torch-fp32')} |")
