@@ -52,7 +52,10 @@ for n in "$rounds" "$steps" "$installed_steps"; do
 done
 [ ${#models[@]} -gt 0 ] || { echo "run_moe_step: MODELS is empty; $usage" >&2; exit 2; }
 for model in "${models[@]}"; do
-  case "$model" in e16 | demo) ;; *) echo "run_moe_step: unknown model '$model' in MODELS (e16, demo)" >&2; exit 2 ;; esac
+  case "$model" in
+    e16 | demo) ;;
+    *) echo "run_moe_step: unknown model '$model' in MODELS (e16, demo)" >&2; exit 2 ;;
+  esac
 done
 for binary in moecore bench/bench_gemm bench/bench_gemm_lowp; do
   [ -x "$build/$binary" ] || { echo "run_moe_step: $build/$binary not built; $usage" >&2; exit 2; }
@@ -105,7 +108,8 @@ run_moecore() {  # SIDE NAME FLAGS...   (SIDE moecore-fp32 or moecore-bf16)
   local all lines ms tflops params losses
   all=$(grep 'iteration *[0-9]*/' "$log")
   lines=$(tail -n +2 <<<"$all") # iteration 1 is the warm-up
-  [ "$(wc -l <<<"$lines")" -eq "$steps" ] || fail "expected $steps iteration lines after the first ($name, $side)" "$log"
+  [ "$(wc -l <<<"$lines")" -eq "$steps" ] ||
+    fail "expected $steps iteration lines after the first ($name, $side)" "$log"
   ms=$(sed -n 's/.*elapsed time per iteration (ms): \([0-9.]*\).*/\1/p' <<<"$lines" | paste -sd,)
   tflops=$(sed -n 's/.*(TFLOP\/s\/GPU): \([0-9.]*\).*/\1/p' <<<"$lines" | paste -sd,)
   losses=$(sed -n 's/.* lm loss: \([0-9.E+-]*\) .*/\1/p' <<<"$all")
