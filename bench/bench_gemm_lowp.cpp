@@ -2,7 +2,9 @@
 // inputs through each path of gemm_lowp.h, native (oneDNN's bf16 / fp16 matmul) and convert (fp32 tiles + sgemm).
 // Forward and input-gradient shapes write a low-precision C, weight-gradient shapes accumulate into an fp32 C (beta
 // 1, Megatron's fp32 main_grad), as training does. Row-major, 1 s per measurement after a warm-up call.
-// usage: bench_gemm_lowp [THREADS]
+// usage: bench_gemm_lowp [THREADS] [--peak]
+// --peak: only bf16 at 2048^3 (A @ B^T, bf16 C), best of 3, one machine-readable line:
+// `bf16_peak_gflops BEST native X convert Y default PATH` (X "n/a" where oneDNN has no native bf16 matmul here).
 #include <omp.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <cstdlib>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moecore/kernels/cpu/gemm.h"
@@ -97,10 +100,41 @@ std::string cell(const double value) {
   return buffer;
 }
 
+// The bf16 GEMM peak: the 2048^3 square on each path, best of kRounds.
+void print_bf16_peak() {
+  namespace k = moecore::kernels;
+  const Shape s{"square 2048", 2048, 2048, 2048, false, true, false};
+  std::vector<float> a(static_cast<size_t>(s.m * s.k)), b(static_cast<size_t>(s.k * s.n));
+  std::mt19937 gen(1);
+  std::normal_distribution<float> normal;
+  for (float& x : a) x = normal(gen);
+  for (float& x : b) x = normal(gen);
+  LowpRun native(s, LowpType::kBF16, LowpGemmPath::kNative, a, b);
+  LowpRun convert(s, LowpType::kBF16, LowpGemmPath::kConvert, a, b);
+  double best_native = 0.0, best_convert = 0.0;
+  for (int round = 0; round < kRounds; ++round) {
+    const double value = native.gflops_now();
+    best_native = value < 0 ? value : std::max(best_native, value);
+    best_convert = std::max(best_convert, convert.gflops_now());
+  }
+  std::printf("bf16_peak_gflops %.1f native %s convert %.1f default %s\n", std::max(best_native, best_convert),
+              cell(best_native).c_str(), best_convert,
+              std::string(k::cpu::lowp_gemm_path_name(k::cpu::lowp_gemm_path(LowpType::kBF16))).c_str());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc > 1) omp_set_num_threads(std::atoi(argv[1]));
+  if (argc > 3 || (argc == 3 && std::string_view(argv[2]) != "--peak")) {
+    std::fprintf(stderr,
+                 "bench_gemm_lowp: unknown arguments after THREADS (usage: bench_gemm_lowp [THREADS] [--peak])\n");
+    return 2;
+  }
+  if (argc == 3) {
+    print_bf16_peak();
+    return 0;
+  }
   namespace k = moecore::kernels;
   std::printf("threads %d\n", omp_get_max_threads());
   std::printf("fp32: %s\n", k::cpu::gemm_library().c_str());

@@ -17,8 +17,8 @@ extra=("${@:5}")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-cpu=$(lscpu | sed -n 's/^Model name: *//p')
-isa=$(for f in avx2 avx512f avx512_bf16 amx_tile; do grep -qw "$f" /proc/cpuinfo && printf ' %s' "$f"; done || true)
+# shellcheck source=bench/machine_info.sh
+source bench/machine_info.sh
 echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $cpu, ISA:${isa:- no avx2}, 2 threads, $rounds rounds x $steps steps"
 echo "# before: $before"
 echo "# after:  $after"

@@ -9,7 +9,16 @@ Two ways to give the model:
     it gives moecore), so both sides build the model from one flag list. Flags that change the model or the step and
     are not understood here are an error; flags that only steer the run (iterations, logging, data) are ignored.
     The learning-rate schedule is not modelled (a constant rate costs the same per step); dropout must be 0.
+
+--bf16 (or --bf16 among the --megatron flags, as `moecore train --bf16` takes it): PyTorch's mixed precision on CPU,
+torch.autocast("cpu", dtype=torch.bfloat16) around the forward and the loss (the linear layers and matmuls run in
+bf16, the ops autocast keeps in fp32 stay fp32); the weights, their gradients and AdamW stay fp32, and backward runs
+outside autocast, as PyTorch's automatic mixed precision documentation prescribes. The JSON says whether autocast
+was on during the forward and the dtype of the logits it produced (bf16 when the matmuls ran in bf16).
+Without it the step is the twin's fp32 step, unchanged. The JSON also names the OpenBLAS core this process runs
+(PyTorch's fp32 matmuls go to Debian's OpenBLAS, whose kernels depend on OPENBLAS_CORETYPE or its CPU detection).
 """
+import ctypes
 import argparse
 import json
 import math
@@ -29,6 +38,20 @@ IGNORED_WITH_VALUE = {"--train-iters", "--log-interval", "--eval-interval", "--e
                       "--lr-warmup-iters", "--lr-decay-style", "--min-lr", "--lr-decay-iters", "--tokenizer-type",
                       "--moe-token-dispatcher-type", "--data-path", "--save", "--load", "--save-interval"}
 IGNORED_SWITCHES = {"--mock-data", "--log-throughput", "--moe-grouped-gemm"}
+
+
+def openblas_core():
+    """The kernel family of the OpenBLAS this process loaded (openblas_get_corename), or "none" without one."""
+    with open("/proc/self/maps") as maps:
+        libs = sorted({line.split()[-1] for line in maps if "blas" in line.rsplit("/", 1)[-1]})
+    for lib in libs:
+        try:
+            get = ctypes.CDLL(lib).openblas_get_corename
+        except (OSError, AttributeError):
+            continue
+        get.restype = ctypes.c_char_p
+        return get().decode()
+    return "none"
 
 
 def dense_setup(a):
@@ -64,7 +87,7 @@ def parse_megatron(flags):
     p.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"],
                    default="aux_loss")
     for name in ("--swiglu", "--disable-bias-linear", "--group-query-attention",
-                 "--untie-embeddings-and-output-weights"):
+                 "--untie-embeddings-and-output-weights", "--bf16"):
         p.add_argument(name, action="store_true")
     m, rest = p.parse_known_args(flags)
     unknown = []
@@ -106,7 +129,7 @@ def parse_megatron(flags):
                  f"--micro-batch-size {m.micro_batch_size}")
     step = {"global_batch": global_batch, "micro_batch": m.micro_batch_size, "vocab": vocab, "lr": m.lr,
             "weight_decay": m.weight_decay, "betas": (m.adam_beta1, m.adam_beta2), "eps": m.adam_eps,
-            "clip_grad": m.clip_grad}
+            "clip_grad": m.clip_grad, "bf16": m.bf16}
     return twin.full_config(config), step, m.threads
 
 
@@ -148,6 +171,7 @@ def main():
     for name, default in [("layers", 4), ("hidden", 192), ("heads", 4), ("groups", 2), ("ffn", 512), ("seq", 256),
                           ("batch", 8), ("vocab", 50304), ("steps", 5), ("warmup", 1), ("threads", 2)]:
         p.add_argument("--" + name, type=int, default=default)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast around forward + loss (module docstring)")
     p.add_argument("--megatron", nargs=argparse.REMAINDER, help="Megatron flags (the rest of the command line)")
     a = p.parse_args()
     if a.megatron is not None:
@@ -155,6 +179,7 @@ def main():
         params = megatron_init(cfg, 0)
     else:
         cfg, params, step, threads = dense_setup(a)
+    bf16 = a.bf16 or step.get("bf16", False)
     torch.set_num_threads(threads)
     params = {n: torch.as_tensor(v).clone().requires_grad_(True) for n, v in params.items()}
     B, M, S = step["global_batch"], step["global_batch"] // step["micro_batch"], cfg["seq_length"]
@@ -170,14 +195,19 @@ def main():
     moe_state = twin.new_moe_state(cfg) if cfg["moe"] is not None else None
     rows = step["micro_batch"]
     times, losses = [], []
+    autocast_seen, logits_dtype = None, None
     for it in range(a.warmup + a.steps):
         start = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         loss_sum = 0.0
         for mb in range(M):  # gradient accumulation: lm loss / M, aux-loss gradients scaled 1 / M (Megatron)
             part = slice(mb * rows, (mb + 1) * rows)
-            _, loss = twin.megatron_forward(params, cfg, tokens[part], labels[part], mask[part], moe_state=moe_state,
-                                            aux_grad_scale=1.0 / M)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits, loss = twin.megatron_forward(params, cfg, tokens[part], labels[part], mask[part],
+                                                     moe_state=moe_state, aux_grad_scale=1.0 / M)
+                if autocast_seen is None:
+                    autocast_seen, logits_dtype = torch.is_autocast_cpu_enabled(), str(logits.dtype)
+            del logits
             (loss / M).backward()
             loss_sum += loss.item() / M
         if moe_state is not None:
@@ -190,6 +220,8 @@ def main():
     median = sorted(times)[len(times) // 2]
     n_params = sum(v.numel() for v in params.values())
     print(json.dumps({"impl": f"pytorch {torch.__version__}", "threads": torch.get_num_threads(), "params": n_params,
+                      "precision": "bf16 autocast" if bf16 else "fp32", "autocast": autocast_seen,
+                      "logits_dtype": logits_dtype, "openblas_core": openblas_core(),
                       "tokens_per_step": B * S,
                       "flops_per_step": megatron_flops(cfg, B), "step_ms": round(median * 1e3, 1),
                       "steps_ms": [round(t * 1e3, 1) for t in times], "tokens_per_s": round(B * S / median, 1),

@@ -438,7 +438,7 @@ def moe_layer_forward(x_SBH, params, prefix, m, activation_fn, state, training=T
             continue
         y = expert_forward(x_TH[rows], probs[rows, e], params, f"{prefix}mlp.experts.local_experts.{e}.",
                            activation_fn, m["apply_probs_on_input"])
-        out = out.index_add(0, rows, y)
+        out = out.index_add(0, rows, y.to(out.dtype))  # y is bf16 under torch.autocast; a no-op otherwise
     if m["shared_expert_intermediate_size"] > 0:
         out = out + shared_experts_forward(x_TH, params, prefix, m, activation_fn)
     info["routing_map"] = routing_map
