@@ -1,13 +1,16 @@
 // Softmax cross-entropy: hand-computed values, fast kernel vs the naive reference, backward vs float64 finite
-// differences, in-place backward, and the out-of-range target error.
+// differences, in-place backward, the out-of-range target error, and the fused pass against the sequence of kernels
+// it replaces (16-bit rounding of the logits and the gradient included).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "moecore/kernels/cpu/convert.h"
 #include "moecore/kernels/cpu/loss.h"
 #include "unit/kernel_test_util.h"
 
@@ -156,6 +159,124 @@ TEST(CrossEntropyTest, OutOfRangeTargetThrowsNamingTargetAndV) {
     EXPECT_THROW(ref::cross_entropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), 2, 7),
                  std::out_of_range);
   }
+}
+
+// The output layer's sequence on one device's kernels K: logits rounded to the format, forward, backward, the
+// gradient rounded (or encoded to 16-bit bits); against cross_entropy_fused of the same kernels, bit for bit.
+template <typename K>
+void expect_fused_is_the_sequence(const ActivationRounding rounding, const bool backward, const bool bits16) {
+  constexpr int64_t kTokens = 9, kV = 1000;  // V not a multiple of any vector width
+  const std::vector<float> logits = random_vector<float>(kTokens * kV, 41, -8.0f, 8.0f);
+  const std::vector<int32_t> targets = random_targets(kTokens, kV, 42);
+  const std::vector<float> dlosses = random_vector<float>(kTokens, 43, 0.1f, 1.0f);
+  const auto round = [&](float* data, const int64_t n) {
+    if (rounding == ActivationRounding::kBF16) K::round_bf16(data, n);
+    if (rounding == ActivationRounding::kF16) K::round_fp16(data, n);
+  };
+  // The sequence.
+  std::vector<float> rounded = logits, losses(kTokens), lse(kTokens), dlogits(kTokens * kV);
+  std::vector<uint16_t> dlogits16(kTokens * kV);
+  round(rounded.data(), kTokens * kV);
+  K::cross_entropy_forward(losses.data(), lse.data(), rounded.data(), targets.data(), kTokens, kV);
+  if (backward) {
+    K::cross_entropy_backward(dlogits.data(), dlosses.data(), rounded.data(), lse.data(), targets.data(), kTokens, kV);
+    if (bits16) {
+      rounding == ActivationRounding::kBF16 ? K::encode_bf16(dlogits16.data(), dlogits.data(), kTokens * kV)
+                                            : K::encode_fp16(dlogits16.data(), dlogits.data(), kTokens * kV);
+    } else {
+      round(dlogits.data(), kTokens * kV);
+    }
+  }
+  // The fused pass.
+  std::vector<float> fused = logits, fused_losses(kTokens), fused_lse(kTokens);
+  std::vector<uint16_t> fused16(bits16 ? kTokens * kV : 0);
+  K::cross_entropy_fused(fused_losses.data(), fused_lse.data(), fused.data(), backward ? dlosses.data() : nullptr,
+                         bits16 ? fused16.data() : nullptr, targets.data(), rounding, kTokens, kV);
+  const auto same_bits = [](const auto& a, const auto& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+  };
+  EXPECT_TRUE(same_bits(fused_losses, losses)) << "losses";
+  EXPECT_TRUE(same_bits(fused_lse, lse)) << "lse";
+  if (!backward || bits16) {
+    EXPECT_TRUE(same_bits(fused, rounded)) << "logits kept, rounded";
+  }
+  if (backward && bits16) {
+    EXPECT_TRUE(same_bits(fused16, dlogits16)) << "16-bit gradient";
+  }
+  if (backward && !bits16) {
+    EXPECT_TRUE(same_bits(fused, dlogits)) << "gradient over the logits";
+  }
+}
+
+struct CpuKernels {
+  template <typename... A>
+  static void cross_entropy_forward(A... a) {
+    cpu::cross_entropy_forward(a...);
+  }
+  template <typename... A>
+  static void cross_entropy_backward(A... a) {
+    cpu::cross_entropy_backward(a...);
+  }
+  template <typename... A>
+  static void cross_entropy_fused(A... a) {
+    cpu::cross_entropy_fused(a...);
+  }
+  static void round_bf16(float* d, int64_t n) { cpu::round_bf16(d, n); }
+  static void round_fp16(float* d, int64_t n) { cpu::round_fp16(d, n); }
+  static void encode_bf16(uint16_t* o, const float* i, int64_t n) { cpu::encode_bf16(o, i, n); }
+  static void encode_fp16(uint16_t* o, const float* i, int64_t n) { cpu::encode_fp16(o, i, n); }
+};
+struct RefKernels {
+  template <typename... A>
+  static void cross_entropy_forward(A... a) {
+    ref::cross_entropy_forward(a...);
+  }
+  template <typename... A>
+  static void cross_entropy_backward(A... a) {
+    ref::cross_entropy_backward(a...);
+  }
+  template <typename... A>
+  static void cross_entropy_fused(A... a) {
+    ref::cross_entropy_fused(a...);
+  }
+  static void round_bf16(float* d, int64_t n) { ref::round_bf16(d, n); }
+  static void round_fp16(float* d, int64_t n) { ref::round_fp16(d, n); }
+  static void encode_bf16(uint16_t* o, const float* i, int64_t n) { ref::encode_bf16(o, i, n); }
+  static void encode_fp16(uint16_t* o, const float* i, int64_t n) { ref::encode_fp16(o, i, n); }
+};
+
+TEST(CrossEntropyTest, FusedPassIsTheSequenceOfKernels) {
+  for (const auto rounding : {ActivationRounding::kNone, ActivationRounding::kBF16, ActivationRounding::kF16}) {
+    for (const bool backward : {false, true}) {
+      for (const bool bits16 : {false, true}) {
+        if (bits16 && (rounding == ActivationRounding::kNone || !backward)) continue;
+        SCOPED_TRACE("rounding " + std::to_string(static_cast<int>(rounding)) + (backward ? ", backward" : "") +
+                     (bits16 ? ", 16-bit gradient" : ""));
+        expect_fused_is_the_sequence<CpuKernels>(rounding, backward, bits16);
+        expect_fused_is_the_sequence<RefKernels>(rounding, backward, bits16);
+      }
+    }
+  }
+}
+
+TEST(CrossEntropyTest, FusedPassRefusesWhatItCannotRound) {
+  std::vector<double> logits(6, 0.0), losses(2), lse(2);
+  const std::vector<int32_t> targets = {0, 1};
+  EXPECT_THROW(cpu::cross_entropy_fused<double>(losses.data(), lse.data(), logits.data(), nullptr, nullptr,
+                                                targets.data(), ActivationRounding::kBF16, 2, 3),
+               std::invalid_argument);
+  std::vector<float> flogits(6, 0.0f), flosses(2), flse(2), dlosses(2, 1.0f);
+  std::vector<uint16_t> bits(6);
+  EXPECT_THROW(cpu::cross_entropy_fused<float>(flosses.data(), flse.data(), flogits.data(), dlosses.data(), bits.data(),
+                                               targets.data(), ActivationRounding::kNone, 2, 3),
+               std::invalid_argument);
+  const std::vector<int32_t> bad = {0, 3};
+  EXPECT_THROW(cpu::cross_entropy_fused<float>(flosses.data(), flse.data(), flogits.data(), nullptr, nullptr,
+                                               bad.data(), ActivationRounding::kNone, 2, 3),
+               std::out_of_range);
+  EXPECT_THROW(ref::cross_entropy_fused<float>(flosses.data(), flse.data(), flogits.data(), nullptr, nullptr,
+                                               bad.data(), ActivationRounding::kNone, 2, 3),
+               std::out_of_range);
 }
 
 }  // namespace

@@ -6,7 +6,9 @@
 #include <string>
 #include <vector>
 
+#include "moecore/kernels/cpu/convert.h"
 #include "moecore/ops/convert.h"
+#include "moecore/ops/dispatch.h"
 #include "moecore/ops/linear.h"
 #include "moecore/ops/loss.h"
 #include "moecore/ops/precision.h"
@@ -88,16 +90,32 @@ void linear_cross_entropy(Tensor& losses_T, const Tensor& input_16_TI, const Ten
   // The logits chunk stays fp32 under 16-bit activation storage: a workspace of this op, read and rewritten by the
   // loss and the GEMMs of each chunk (16-bit storage would add a staged fp32 copy for each of them).
   Tensor logits_buffer({std::min(chunk_rows, T), Vl}, dtype, MemCategory::kActivations, input_TI.device());
+  // Without a vocabulary split, the loss and its gradient are one pass over each chunk (cross_entropy_fused), which
+  // also rounds the logits and the gradient to the 16-bit activation dtype as the unfused ops do, and writes a
+  // 16-bit gradient straight in the native GEMMs' format.
+  const DType act = activation_dtype(input_TI.device());
+  const kernels::ActivationRounding rounding = dtype != DType::kF32 ? kernels::ActivationRounding::kNone
+                                               : act == DType::kBF16 ? kernels::ActivationRounding::kBF16
+                                               : act == DType::kF16  ? kernels::ActivationRounding::kF16
+                                                                     : kernels::ActivationRounding::kNone;
+  Tensor dlogits16_buffer;
+  if (native && dlosses_T != nullptr && !split) {
+    dlogits16_buffer = Tensor::uninitialized({std::min(chunk_rows, T), Vl}, *native, MemCategory::kActivations,
+                                             input_TI.device());
+  }
   for (int64_t t0 = 0; t0 < T; t0 += chunk_rows) {
     const int64_t t1 = std::min(T, t0 + chunk_rows), n = t1 - t0;
     const std::span<const int32_t> targets_n = targets_T.subspan(static_cast<size_t>(t0), static_cast<size_t>(n));
     const Tensor x_nI = x_TI.slice_rows(t0, t1);
     Tensor logits_nV = logits_buffer.slice_rows(0, n);
     linear_forward(logits_nV, x_nI, gemm_weight_VI);
-    if (native) detail::round_activations({&logits_nV});  // as the linear layers round their native outputs
     Tensor loss_n = loss_T.slice_rows(t0, t1);
     Tensor lse_n({n}, dtype, MemCategory::kActivations, input_TI.device());
+    Tensor dloss_n;
+    if (dlosses_T != nullptr) dloss_n = dlosses_T->view({T}).slice_rows(t0, t1);
+    Tensor dlogits_nV = logits_nV;  // the gradient overwrites the logits, or goes to the 16-bit buffer
     if (split) {
+      if (native) detail::round_activations({&logits_nV});  // as the linear layers round their native outputs
       Tensor max_n({n}, dtype, MemCategory::kActivations, input_TI.device());
       vocab_ce_local_max(max_n, logits_nV);
       shard->reduce_max(max_n);
@@ -105,25 +123,23 @@ void linear_cross_entropy(Tensor& losses_T, const Tensor& input_16_TI, const Ten
       vocab_ce_local_stats(stats_2n, logits_nV, max_n, targets_n, shard->V, shard->vocab_begin);
       shard->reduce_sum(stats_2n);
       vocab_ce_finish(loss_n, lse_n, max_n, stats_2n);
-    } else {
-      cross_entropy_forward(loss_n, lse_n, logits_nV, targets_n);
-    }
-    if (dlosses_T == nullptr) continue;
-    const Tensor dloss_n = dlosses_T->view({T}).slice_rows(t0, t1);
-    if (split) {
+      if (dlosses_T == nullptr) continue;
       vocab_ce_backward(logits_nV, dloss_n, logits_nV, lse_n, targets_n, shard->vocab_begin);
+      if (native) dlogits_nV = narrowed(logits_nV, *native, {n, Vl});
     } else {
-      cross_entropy_backward(logits_nV, dloss_n, logits_nV, lse_n, targets_n);
+      if (dlogits16_buffer.defined()) dlogits_nV = dlogits16_buffer.slice_rows(0, n);
+      detail::dispatch(kOp, logits_nV, [&]<typename S>(auto k) {
+        k.cross_entropy_fused(detail::ptr<S>(loss_n), detail::ptr<S>(lse_n), detail::ptr<S>(logits_nV),
+                              dlosses_T != nullptr ? detail::ptr<S>(dloss_n) : nullptr,
+                              dlogits16_buffer.defined() ? dlogits_nV.data<uint16_t>() : nullptr, targets_n.data(),
+                              rounding, n, Vl);
+      });
+      if (dlosses_T == nullptr) continue;
     }
     Tensor dx_nI;
     if (dinput_TI) dx_nI = dinput_TI->view({T, I}).slice_rows(t0, t1);
-    if (native) {
-      const Tensor dlogits16_nV = narrowed(logits_nV, *native, {n, Vl});
-      linear_backward(dinput_TI ? &dx_nI : nullptr, dweight_VI, nullptr, dlogits16_nV, &x_nI, gemm_weight_VI);
-      if (dinput_TI) detail::round_activations({&dx_nI});
-    } else {
-      linear_backward(dinput_TI ? &dx_nI : nullptr, dweight_VI, nullptr, logits_nV, &x_nI, weight_VI);
-    }
+    linear_backward(dinput_TI ? &dx_nI : nullptr, dweight_VI, nullptr, dlogits_nV, &x_nI, gemm_weight_VI);
+    if (native && dinput_TI) detail::round_activations({&dx_nI});
   }
 }
 

@@ -9,6 +9,10 @@
 
 namespace moecore::kernels {
 
+// The 16-bit format a kernel rounds the activations it writes to, as the ops round them under --bf16 / --fp16
+// (kNone: fp32 / fp64, no rounding).
+enum class ActivationRounding : uint8_t { kNone, kBF16, kF16 };
+
 #define MOECORE_CONVERT_DECL                                                       \
   void encode_bf16(uint16_t* out, const float* in, int64_t n);                     \
   void encode_bf16(uint16_t* out, const double* in, int64_t n);                    \

@@ -12,13 +12,12 @@
 
 #include <cstdint>
 
+#include "moecore/kernels/cpu/convert.h"
 #include "moecore/kernels/cpu/gemm_lowp.h"
 
 namespace moecore::kernels {
 
 enum class MlpActivation : uint8_t { kGelu, kSwiGLU, kSquaredReLU };
-// The 16-bit format activations are rounded to after each step (kNone: fp32 / fp64, no rounding).
-enum class ActivationRounding : uint8_t { kNone, kBF16, kF16 };
 
 struct GroupedMlpShape {
   const int64_t* offsets_E1;  // E + 1 non-decreasing entries from 0

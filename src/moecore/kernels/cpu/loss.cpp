@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "moecore/kernels/cpu/softmax_rows.h"
 
@@ -61,10 +63,62 @@ void cross_entropy_backward(T* dlogits_TV, const T* dlosses_T, const T* logits_T
   }
 }
 
+template <typename T>
+void cross_entropy_fused(T* losses_T, T* lse_T, T* logits_TV, const T* dlosses_T, uint16_t* dlogits16_TV,
+                         const int32_t* targets_T, const ActivationRounding rounding, const int64_t n_tokens,
+                         const int64_t V) {
+  if (rounding != ActivationRounding::kNone && !std::is_same_v<T, float>) {
+    throw std::invalid_argument("cross_entropy_fused: rounding applies to float logits only");
+  }
+  if (dlogits16_TV != nullptr && rounding == ActivationRounding::kNone) {
+    throw std::invalid_argument("cross_entropy_fused: 16-bit gradients need a 16-bit rounding");
+  }
+  check_targets(targets_T, n_tokens, V, "cross_entropy_fused");
+  const ConvertIsa isa = best_convert_isa();
+#pragma omp parallel if (n_tokens * V > kParallelWork)
+  {
+    // One row's 16-bit bits (the rounding goes through them) and, for 16-bit gradients, its fp32 gradient.
+    std::vector<uint16_t> bits(rounding != ActivationRounding::kNone ? static_cast<size_t>(V) : 0);
+    std::vector<T> drow(dlogits16_TV != nullptr ? static_cast<size_t>(V) : 0);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      T* row = logits_TV + t * V;
+      if constexpr (std::is_same_v<T, float>) {
+        if (rounding == ActivationRounding::kBF16) {
+          encode_bf16(bits.data(), row, V, isa);
+          decode_bf16(row, bits.data(), V, isa);
+        } else if (rounding == ActivationRounding::kF16) {
+          encode_fp16(bits.data(), row, V, isa);
+          decode_fp16(row, bits.data(), V, isa);
+        }
+      }
+      const T max_logit = row_max(row, V);
+      const double lse = static_cast<double>(max_logit) + std::log(sum_exp(row, V, max_logit));
+      lse_T[t] = static_cast<T>(lse);
+      losses_T[t] = static_cast<T>(lse - static_cast<double>(row[targets_T[t]]));
+      if (dlosses_T == nullptr) continue;
+      T* grad = dlogits16_TV != nullptr ? drow.data() : row;
+      scaled_softmax(grad, row, V, lse_T[t], dlosses_T[t]);
+      grad[targets_T[t]] -= dlosses_T[t];
+      if constexpr (std::is_same_v<T, float>) {
+        uint16_t* out = dlogits16_TV != nullptr ? dlogits16_TV + t * V : bits.data();
+        if (rounding == ActivationRounding::kBF16) encode_bf16(out, grad, V, isa);
+        if (rounding == ActivationRounding::kF16) encode_fp16(out, grad, V, isa);
+        if (dlogits16_TV == nullptr && rounding == ActivationRounding::kBF16) decode_bf16(grad, out, V, isa);
+        if (dlogits16_TV == nullptr && rounding == ActivationRounding::kF16) decode_fp16(grad, out, V, isa);
+      }
+    }
+  }
+}
+
 template void cross_entropy_forward<float>(float*, float*, const float*, const int32_t*, int64_t, int64_t);
 template void cross_entropy_forward<double>(double*, double*, const double*, const int32_t*, int64_t, int64_t);
 template void cross_entropy_backward<float>(float*, const float*, const float*, const float*, const int32_t*, int64_t,
                                             int64_t);
+template void cross_entropy_fused<float>(float*, float*, float*, const float*, uint16_t*, const int32_t*,
+                                         ActivationRounding, int64_t, int64_t);
+template void cross_entropy_fused<double>(double*, double*, double*, const double*, uint16_t*, const int32_t*,
+                                          ActivationRounding, int64_t, int64_t);
 template void cross_entropy_backward<double>(double*, const double*, const double*, const double*, const int32_t*,
                                              int64_t, int64_t);
 

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "moecore/kernels/cpu/convert.h"
+
 namespace moecore::kernels {
 
 #define MOECORE_LOSS_DECL                                                                                           \
@@ -14,7 +16,15 @@ namespace moecore::kernels {
      alias logits_TV (in-place). */                                                                                 \
   template <typename T>                                                                                             \
   void cross_entropy_backward(T* dlogits_TV, const T* dlosses_T, const T* logits_TV, const T* lse_T,                \
-                              const int32_t* targets_T, int64_t n_tokens, int64_t V);
+                              const int32_t* targets_T, int64_t n_tokens, int64_t V);                          \
+  /* cross_entropy_forward and, with dlosses_T, cross_entropy_backward in one pass over each token's row (it stays \
+     in cache between them), as the output layer runs them on each chunk of logits. `rounding` (fp32 only) first   \
+     rounds the logits in place to that format, as the ops round the linear layer's output, and rounds the         \
+     gradient to it. The gradient overwrites logits_TV, or with dlogits16_TV (rounding kBF16 / kF16) goes there as  \
+     that format's bits instead, logits_TV keeping the rounded logits. */                                           \
+  template <typename T>                                                                                             \
+  void cross_entropy_fused(T* losses_T, T* lse_T, T* logits_TV, const T* dlosses_T, uint16_t* dlogits16_TV,        \
+                           const int32_t* targets_T, ActivationRounding rounding, int64_t n_tokens, int64_t V);
 
 namespace cpu {
 MOECORE_LOSS_DECL

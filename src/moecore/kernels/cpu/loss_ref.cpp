@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "moecore/kernels/cpu/loss.h"
 
@@ -52,11 +54,51 @@ void cross_entropy_backward(T* dlogits_TV, const T* dlosses_T, const T* logits_T
   }
 }
 
+// The unfused sequence, token by token: round the row, forward, backward, round the gradient.
+template <typename T>
+void cross_entropy_fused(T* losses_T, T* lse_T, T* logits_TV, const T* dlosses_T, uint16_t* dlogits16_TV,
+                         const int32_t* targets_T, const ActivationRounding rounding, const int64_t n_tokens,
+                         const int64_t V) {
+  if (rounding != ActivationRounding::kNone && !std::is_same_v<T, float>) {
+    throw std::invalid_argument("ref::cross_entropy_fused: rounding applies to float logits only");
+  }
+  if (dlogits16_TV != nullptr && rounding == ActivationRounding::kNone) {
+    throw std::invalid_argument("ref::cross_entropy_fused: 16-bit gradients need a 16-bit rounding");
+  }
+  for (int64_t t = 0; t < n_tokens; ++t) check_target(targets_T[t], t, V, "ref::cross_entropy_fused");
+  std::vector<T> drow(dlogits16_TV != nullptr ? static_cast<size_t>(V) : 0);
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    T* row = logits_TV + t * V;
+    if constexpr (std::is_same_v<T, float>) {
+      if (rounding == ActivationRounding::kBF16) round_bf16(row, V);
+      if (rounding == ActivationRounding::kF16) round_fp16(row, V);
+    }
+    cross_entropy_forward(losses_T + t, lse_T + t, row, targets_T + t, 1, V);
+    if (dlosses_T == nullptr) continue;
+    T* grad = dlogits16_TV != nullptr ? drow.data() : row;
+    cross_entropy_backward(grad, dlosses_T + t, row, lse_T + t, targets_T + t, 1, V);
+    if constexpr (std::is_same_v<T, float>) {
+      if (dlogits16_TV != nullptr) {
+        rounding == ActivationRounding::kBF16 ? encode_bf16(dlogits16_TV + t * V, grad, V)
+                                              : encode_fp16(dlogits16_TV + t * V, grad, V);
+      } else if (rounding == ActivationRounding::kBF16) {
+        round_bf16(grad, V);
+      } else if (rounding == ActivationRounding::kF16) {
+        round_fp16(grad, V);
+      }
+    }
+  }
+}
+
 template void cross_entropy_forward<float>(float*, float*, const float*, const int32_t*, int64_t, int64_t);
 template void cross_entropy_forward<double>(double*, double*, const double*, const int32_t*, int64_t, int64_t);
 template void cross_entropy_backward<float>(float*, const float*, const float*, const float*, const int32_t*, int64_t,
                                             int64_t);
 template void cross_entropy_backward<double>(double*, const double*, const double*, const double*, const int32_t*,
                                              int64_t, int64_t);
+template void cross_entropy_fused<float>(float*, float*, float*, const float*, uint16_t*, const int32_t*,
+                                         ActivationRounding, int64_t, int64_t);
+template void cross_entropy_fused<double>(double*, double*, double*, const double*, uint16_t*, const int32_t*,
+                                          ActivationRounding, int64_t, int64_t);
 
 }  // namespace moecore::kernels::ref
