@@ -1,7 +1,8 @@
 // The 16-bit gradient buffer in one process (Megatron's grad buffer in the weights' dtype: --grad-reduce-in-bf16,
 // --main-grads-dtype bf16, --fp16 without --accumulate-allreduce-grads-in-fp32): each micro-batch's gradients are
 // added into 16-bit values, so fp16 accumulation can overflow to Inf and the optimizer's unscale check sees it; the
-// buffer's values against a naive re-implementation of Megatron's order; Megatron's clipping threshold. The
+// buffer's values against a naive re-implementation of Megatron's order; Megatron's clipping threshold, and clipping
+// fused into the optimizer step. The
 // 1/DP scaling and the 16-bit reduction over two ranks are tested under mpirun (tests/parallel/grad_buffer16_main.cpp).
 #include <gtest/gtest.h>
 
@@ -152,6 +153,84 @@ TEST(GradClipping, MegatronThreshold) {
   const auto [small_norm, small_grad] = clipped(0.5);
   EXPECT_EQ(small_grad, small_norm);
 }
+
+// The train step's clipping: grad_norm then step(lr, clip_coefficient) applies the coefficient as the update reads
+// each gradient and writes the 16-bit weights in the same pass; it must be clip_grad_norm then step(lr) bit for bit:
+// weights, main parameters and moments, over three steps, each clipped, with and without the distributed optimizer,
+// with fp32 and bf16 gradient buffers (the latter clip in place and round, as Megatron's 16-bit main grads).
+struct FusedClipCase {
+  DType params_dtype, grad_dtype;
+  bool dist_opt;
+};
+class FusedClip : public ::testing::TestWithParam<FusedClipCase> {};
+
+TEST_P(FusedClip, IsTheSeparateClipBitForBit) {
+  const auto [params_dtype, grad_dtype, dist_opt] = GetParam();
+  struct Run {
+    ParamStore params = make_model();
+    DistributedDataParallel ddp;
+    DistributedAdamW opt;
+    Run(const DType params_dtype, const DType grad_dtype, const bool dist_opt)
+        : ddp(params, parallel::ParallelState::single_process(), ddp_options(grad_dtype, dist_opt)),
+          opt(ddp, params, [&] {
+            AdamWOptions adam;
+            adam.params_dtype = params_dtype;
+            adam.weight_decay = 0.1;
+            return adam;
+          }()) {}
+    void backward(const int step) {
+      ddp.zero_grad();
+      ddp.set_last_microbatch(true);
+      for (int module = 1; module >= -1; --module) {
+        for (Param& p : params) {
+          if (p.module != module) continue;
+          const CounterRng rng(static_cast<uint64_t>(70 + step), stream_key(p.name));
+          for (int64_t e = 0; e < p.grad.numel(); ++e) {
+            p.grad.data<float>()[e] += static_cast<float>(rng.normal(static_cast<uint64_t>(e)) * 4.0);
+          }
+        }
+        ddp.after_backward(module);
+      }
+      ddp.finish_grad_sync();
+    }
+  };
+  Run separate(params_dtype, grad_dtype, dist_opt), fused(params_dtype, grad_dtype, dist_opt);
+  constexpr double kMaxNorm = 1.0;
+  for (int step = 0; step < 3; ++step) {
+    separate.backward(step);
+    fused.backward(step);
+    const double norm = separate.opt.clip_grad_norm(kMaxNorm);
+    separate.opt.step(1e-2);
+    const double fused_norm = fused.opt.grad_norm();
+    ASSERT_EQ(fused_norm, norm);
+    ASSERT_TRUE(clip_coefficient(kMaxNorm, norm).has_value()) << "every step clips";
+    fused.opt.step(1e-2, *clip_coefficient(kMaxNorm, fused_norm));
+  }
+  fused.ddp.wait_param_gather();
+  separate.ddp.wait_param_gather();
+  for (size_t i = 0; i < separate.params.size(); ++i) {
+    const std::span<const float> want = std::as_const(separate.params[i].value).span<float>();
+    const std::span<const float> got = std::as_const(fused.params[i].value).span<float>();
+    for (size_t e = 0; e < want.size(); ++e) ASSERT_EQ(got[e], want[e]) << separate.params[i].name << " " << e;
+  }
+  const std::vector<AdamWMomentSlice> want = separate.opt.moment_slices(), got = fused.opt.moment_slices();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    for (const auto& [g, w] :
+         {std::pair{&got[i].exp_avg, &want[i].exp_avg}, std::pair{&got[i].exp_avg_sq, &want[i].exp_avg_sq},
+          std::pair{&got[i].main_param, &want[i].main_param}}) {
+      ASSERT_EQ(g->defined(), w->defined());
+      if (!w->defined()) continue;
+      for (int64_t e = 0; e < w->numel(); ++e) ASSERT_EQ(g->data<float>()[e], w->data<float>()[e]) << "slice " << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Precisions, FusedClip,
+    ::testing::Values(FusedClipCase{DType::kF32, DType::kF32, false}, FusedClipCase{DType::kF32, DType::kF32, true},
+                      FusedClipCase{DType::kBF16, DType::kF32, false}, FusedClipCase{DType::kBF16, DType::kF32, true},
+                      FusedClipCase{DType::kBF16, DType::kBF16, true}, FusedClipCase{DType::kF16, DType::kF32, true}));
 
 }  // namespace
 }  // namespace moecore

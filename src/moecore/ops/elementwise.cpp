@@ -42,16 +42,28 @@ bool all_finite(const Tensor& x) {
   return out;
 }
 
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWHyper& hyper) {
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWHyper& hyper,
+                Tensor* model, const DType model_dtype) {
   constexpr const char* op = "adamw_step";
   const detail::Staging staging;
-  detail::check_tensors(op, {&param, &grad, &exp_avg, &exp_avg_sq});
+  detail::check_tensors(op, {&param, &grad, &exp_avg, &exp_avg_sq, model});
   const int64_t n = param.numel();
   detail::check_numel(op, "grad", grad, n);
   detail::check_numel(op, "exp_avg", exp_avg, n);
   detail::check_numel(op, "exp_avg_sq", exp_avg_sq, n);
+  if (model != nullptr) {
+    detail::check_numel(op, "model", *model, n);
+    if (model->dtype() != DType::kF32) detail::fail(op, "model weights must be float32 tensors");
+  }
+  const kernels::ActivationRounding rounding = model_dtype == DType::kBF16  ? kernels::ActivationRounding::kBF16
+                                               : model_dtype == DType::kF16 ? kernels::ActivationRounding::kF16
+                                                                            : kernels::ActivationRounding::kNone;
+  if (rounding == kernels::ActivationRounding::kNone && model_dtype != DType::kF32) {
+    detail::fail(op, "model weights in " + std::string(dtype_name(model_dtype)) + ": expected bf16, fp16 or fp32");
+  }
   detail::dispatch(op, param, [&]<typename T>(auto k) {
-    k.adamw_step(ptr<T>(param), ptr<T>(grad), ptr<T>(exp_avg), ptr<T>(exp_avg_sq), n, hyper);
+    k.adamw_step(ptr<T>(param), ptr<T>(grad), ptr<T>(exp_avg), ptr<T>(exp_avg_sq), n, hyper,
+                 model != nullptr ? ptr<T>(*model) : nullptr, rounding);
   });
 }
 

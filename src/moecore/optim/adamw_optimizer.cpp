@@ -78,14 +78,18 @@ double AdamWOptimizer::clip_grad_norm(const double max_norm) {
   return norm;
 }
 
-void AdamWOptimizer::step(const double lr) {
+void AdamWOptimizer::step(const double lr, const float grad_scale) {
   ++step_;
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
-    Tensor& target = main_.empty() ? p.value : main_[i];
-    ops::adamw_step(target, p.grad, exp_avg_[i], exp_avg_sq_[i], adamw_hyper(options_, lr, step_, p.no_weight_decay));
+    ops::AdamWHyper hyper = adamw_hyper(options_, lr, step_, p.no_weight_decay);
+    hyper.grad_scale = grad_scale;
+    if (main_.empty()) {
+      ops::adamw_step(p.value, p.grad, exp_avg_[i], exp_avg_sq_[i], hyper);
+    } else {
+      ops::adamw_step(main_[i], p.grad, exp_avg_[i], exp_avg_sq_[i], hyper, &p.value, options_.params_dtype);
+    }
   }
-  model_from_main_params();
 }
 
 std::vector<AdamWMomentSlice> AdamWOptimizer::moment_slices() const {

@@ -206,11 +206,21 @@ void DistributedAdamW::inject_nonfinite_grad() {
   if (grad.numel() > 0) grad.data<float>()[0] = std::numeric_limits<float>::infinity();
 }
 
-void DistributedAdamW::step(const double lr) {
-  if (replicated_) return replicated_->step(lr);
+void DistributedAdamW::step(const double lr, float grad_scale) {
+  if (replicated_) return replicated_->step(lr, grad_scale);
   ddp_.wait_param_gather();  // the gather writes this rank's shard too
   ++step_;
   const bool fp32 = fp32_states();
+  // Where clipping rounds the scaled gradient (16-bit gradients) or the update reads the gradient elsewhere (reduced
+  // states), the gradients are clipped in place first, as clip_grad_norm does.
+  if (grad_scale != 1.0f && (!fp32 || decoupled_grad_dtype() != DType::kF32)) {
+    for (const Piece& piece : pieces_) {
+      Tensor grad = grad_piece(piece);
+      ops::scale_(grad, grad_scale);
+      ops::round_to_dtype_(grad, decoupled_grad_dtype());
+    }
+    grad_scale = 1.0f;
+  }
   for (Piece& piece : pieces_) {
     const Param& p = params_[static_cast<size_t>(piece.param)];
     const ops::AdamWHyper hyper = adamw_hyper(options_, lr, step_, p.no_weight_decay);
@@ -222,9 +232,14 @@ void DistributedAdamW::step(const double lr) {
       continue;
     }
     Tensor exp_avg = piece.exp_avg.stored(), exp_avg_sq = piece.exp_avg_sq.stored();
-    Tensor target = main ? main->stored() : param;
-    ops::adamw_step(target, grad_piece(piece), exp_avg, exp_avg_sq, hyper);
-    if (main) copy_main_to_model(param, target, options_.params_dtype);
+    ops::AdamWHyper scaled = hyper;
+    scaled.grad_scale = grad_scale;
+    if (main) {
+      Tensor target = main->stored();
+      ops::adamw_step(target, grad_piece(piece), exp_avg, exp_avg_sq, scaled, &param, options_.params_dtype);
+    } else {
+      ops::adamw_step(param, grad_piece(piece), exp_avg, exp_avg_sq, scaled);
+    }
   }
   ddp_.start_param_gather();
 }

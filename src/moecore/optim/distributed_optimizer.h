@@ -40,8 +40,10 @@ class DistributedAdamW {
   NonFiniteGrads unscale_grads_and_check_for_nan(float dense_inv_scale, float expert_inv_scale);
   // Fault injection for the overflow tests: writes +Inf into the first gradient element this rank updates.
   void inject_nonfinite_grad();
-  // One AdamW update at learning rate lr, then (distributed optimizer) the parameter all-gather.
-  void step(double lr);
+  // One AdamW update at learning rate lr, then (distributed optimizer) the parameter all-gather. grad_scale: the
+  // clipping coefficient, as AdamWOptimizer::step takes it (grad_norm then step(lr, clip_coefficient) is
+  // clip_grad_norm then step(lr), bit for bit).
+  void step(double lr, float grad_scale = 1.0f);
   int64_t steps_taken() const { return replicated_ ? replicated_->steps_taken() : step_; }
   void set_steps_taken(int64_t steps) {  // a checkpoint's count (Adam's bias correction)
     if (replicated_) {

@@ -159,14 +159,16 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
   if (!result.skipped) {
     {
       const trace::Scope scope("clip grad norm", "optimizer");
-      result.grad_norm = modules.optimizer.clip_grad_norm(args.clip_grad);
+      result.grad_norm = modules.optimizer.grad_norm();
     }
     if (!std::isfinite(result.grad_norm)) {  // reduced over every rank
       throw NonFiniteStep(NonFiniteStepFacts{iteration, result.lm_loss, result.grad_norm, learning_rate});
     }
     const trace::Scope scope("optimizer step", "optimizer");
     modules.optimizer.set_weight_decay(modules.schedule.weight_decay());
-    modules.optimizer.step(learning_rate);
+    // Megatron's clip_grad_by_total_norm_fp32 scales the gradients before the update; the update applies the
+    // coefficient as it reads them (the same values, one pass over the gradients less).
+    modules.optimizer.step(learning_rate, clip_coefficient(args.clip_grad, result.grad_norm).value_or(1.0f));
     modules.schedule.step(args.global_batch_size);
   }
   modules.model.finish_global_batch();

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "moecore/kernels/cpu/vector_isa.h"
 
@@ -22,7 +23,7 @@ constexpr int64_t kChunk = 4096;  // elements per call of the update body
 // The step's scalars in the element type.
 template <typename T>
 struct AdamWScalars {
-  T decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps;
+  T decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, grad_scale;
 };
 
 // Elements [i0, i1) of the update, compiled per vector ISA.
@@ -31,7 +32,7 @@ MOECORE_VECTOR_CLONES void adamw_chunk(T* param, const T* grad, T* exp_avg, T* e
                                        const int64_t i1, const AdamWScalars<T>& k) {
 #pragma omp simd
   for (int64_t i = i0; i < i1; ++i) {
-    const T g = grad[i];
+    const T g = grad[i] * k.grad_scale;
     const T m = k.beta1 * exp_avg[i] + k.one_minus_beta1 * g;
     const T v = k.beta2 * exp_avg_sq[i] + k.one_minus_beta2 * g * g;
     exp_avg[i] = m;
@@ -42,8 +43,12 @@ MOECORE_VECTOR_CLONES void adamw_chunk(T* param, const T* grad, T* exp_avg, T* e
 }  // namespace
 
 template <typename T>
-void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, const AdamWHyper& hp) {
+void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, const AdamWHyper& hp, T* model,
+                const ActivationRounding model_rounding) {
   if (hp.step < 1) throw std::invalid_argument("adamw_step: step=" + std::to_string(hp.step) + " must be >= 1");
+  if (model != nullptr && !std::is_same_v<T, float>) {
+    throw std::invalid_argument("adamw_step: 16-bit model weights are written from float parameters only");
+  }
   const double bias_correction1 = 1.0 - std::pow(hp.beta1, static_cast<double>(hp.step));
   const double bias_correction2 = 1.0 - std::pow(hp.beta2, static_cast<double>(hp.step));
   const AdamWScalars<T> k{static_cast<T>(1.0 - hp.lr * hp.weight_decay),
@@ -53,12 +58,24 @@ void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, c
                           static_cast<T>(1.0 - hp.beta2),
                           static_cast<T>(hp.lr / bias_correction1),
                           static_cast<T>(std::sqrt(bias_correction2)),
-                          static_cast<T>(hp.eps)};
+                          static_cast<T>(hp.eps),
+                          static_cast<T>(hp.grad_scale)};
 #pragma omp parallel for schedule(static) if (n > kParallelWork)
-  for (int64_t i = 0; i < n; i += kChunk) adamw_chunk(param, grad, exp_avg, exp_avg_sq, i, std::min(n, i + kChunk), k);
+  for (int64_t i = 0; i < n; i += kChunk) {
+    const int64_t end = std::min(n, i + kChunk);
+    adamw_chunk(param, grad, exp_avg, exp_avg_sq, i, end, k);
+    if constexpr (std::is_same_v<T, float>) {
+      if (model == nullptr) continue;
+      std::copy(param + i, param + end, model + i);  // the chunk is still in cache
+      if (model_rounding == ActivationRounding::kBF16) round_bf16(model + i, end - i);
+      if (model_rounding == ActivationRounding::kF16) round_fp16(model + i, end - i);
+    }
+  }
 }
 
-template void adamw_step<float>(float*, const float*, float*, float*, int64_t, const AdamWHyper&);
-template void adamw_step<double>(double*, const double*, double*, double*, int64_t, const AdamWHyper&);
+template void adamw_step<float>(float*, const float*, float*, float*, int64_t, const AdamWHyper&, float*,
+                                ActivationRounding);
+template void adamw_step<double>(double*, const double*, double*, double*, int64_t, const AdamWHyper&, double*,
+                                 ActivationRounding);
 
 }  // namespace moecore::kernels::cpu

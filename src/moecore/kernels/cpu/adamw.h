@@ -1,20 +1,27 @@
 // AdamW exactly as torch.optim.AdamW (decoupled weight decay applied first):
 //   p *= 1 - lr * wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
 //   p -= (lr / (1 - b1^step)) * m / (sqrt(v) / sqrt(1 - b2^step) + eps)
+// with g = grad * grad_scale (in the element type: the gradient clipping's coefficient, applied as the gradient is
+// read rather than in a pass of its own). With `model`, the same pass writes each updated parameter rounded to
+// `model_rounding` there too: the 16-bit model weights from the fp32 main parameters (float only).
 #pragma once
 
 #include <cstdint>
+
+#include "moecore/kernels/cpu/convert.h"
 
 namespace moecore::kernels {
 
 struct AdamWHyper {
   double lr = 0.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
-  int64_t step = 1;  // 1-based count of updates including this one
+  int64_t step = 1;        // 1-based count of updates including this one
+  float grad_scale = 1.0f;  // the clipping coefficient (1: none)
 };
 
-#define MOECORE_ADAMW_DECL \
-  template <typename T>    \
-  void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, const AdamWHyper& hp);
+#define MOECORE_ADAMW_DECL                                                                                  \
+  template <typename T>                                                                                     \
+  void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, const AdamWHyper& hp,      \
+                  T* model = nullptr, ActivationRounding model_rounding = ActivationRounding::kNone);
 
 namespace cpu {
 MOECORE_ADAMW_DECL
