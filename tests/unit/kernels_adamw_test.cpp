@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "moecore/kernels/cpu/adamw.h"
+#include "moecore/kernels/cpu/convert.h"
 #include "unit/kernel_test_util.h"
 
 namespace moecore::kernels {
@@ -119,6 +120,48 @@ TEST(AdamWTest, StepZeroThrows) {
   hp.step = 0;
   EXPECT_THROW(cpu::adamw_step(p.data(), g.data(), m.data(), v.data(), 4, hp), std::invalid_argument);
   EXPECT_THROW(ref::adamw_step(p.data(), g.data(), m.data(), v.data(), 4, hp), std::invalid_argument);
+}
+
+// grad_scale is the gradients scaled first (clipping), and `model` the updated parameters copied and rounded, bit
+// for bit, on both kernel sets.
+template <bool kFast>
+void expect_fused_clip_and_model_copy() {
+  constexpr int64_t n = 70001;  // several chunks and threads, a ragged end
+  const std::vector<float> grad = random_vector<float>(n, 61, -3.0f, 3.0f);
+  const std::vector<float> p0 = random_vector<float>(n, 62), m0 = random_vector<float>(n, 63);
+  const std::vector<float> v0 = random_vector<float>(n, 64, 0.0f, 1.0f);
+  AdamWHyper hp;
+  hp.lr = 1e-2;
+  hp.weight_decay = 0.1;
+  hp.step = 4;
+  for (const auto rounding : {ActivationRounding::kNone, ActivationRounding::kBF16, ActivationRounding::kF16}) {
+    std::vector<float> scaled = grad;
+    for (float& g : scaled) g *= 0.3f;
+    std::vector<float> p = p0, m = m0, v = v0;
+    step<float, kFast>(p, scaled, m, v, hp);
+    std::vector<float> model_want = p;
+    if (rounding == ActivationRounding::kBF16)
+      kFast ? cpu::round_bf16(model_want.data(), n) : ref::round_bf16(model_want.data(), n);
+    if (rounding == ActivationRounding::kF16)
+      kFast ? cpu::round_fp16(model_want.data(), n) : ref::round_fp16(model_want.data(), n);
+    AdamWHyper fused_hp = hp;
+    fused_hp.grad_scale = 0.3f;
+    std::vector<float> fp = p0, fm = m0, fv = v0, model(n, 0.0f);
+    if constexpr (kFast) {
+      cpu::adamw_step(fp.data(), grad.data(), fm.data(), fv.data(), n, fused_hp, model.data(), rounding);
+    } else {
+      ref::adamw_step(fp.data(), grad.data(), fm.data(), fv.data(), n, fused_hp, model.data(), rounding);
+    }
+    EXPECT_EQ(fp, p);
+    EXPECT_EQ(fm, m);
+    EXPECT_EQ(fv, v);
+    EXPECT_EQ(model, model_want) << "rounding " << static_cast<int>(rounding);
+  }
+}
+
+TEST(AdamWTest, GradScaleAndModelCopyAreTheSeparatePasses) {
+  expect_fused_clip_and_model_copy<true>();
+  expect_fused_clip_and_model_copy<false>();
 }
 
 }  // namespace

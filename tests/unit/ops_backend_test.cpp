@@ -515,7 +515,7 @@ TEST(OpsAdamW, OneStepMatchesTheFormula) {
       }
       std::vector<double> param, m, v;
       for (int64_t i = 0; i < env("grad").numel(); ++i) {
-        const double g = test::get(env("grad"), i);
+        const double g = test::get(env("grad"), i) * h.grad_scale;  // the clipped gradient
         double p = test::get(env("param0"), i) * (1.0 - h.lr * h.weight_decay);
         const double mi = h.beta1 * test::get(env("exp_avg0"), i) + (1.0 - h.beta1) * g;
         const double vi = h.beta2 * test::get(env("exp_avg_sq0"), i) + (1.0 - h.beta2) * g * g;

@@ -801,6 +801,7 @@ inline AdamWHyper test_adamw_hyper() {
   hyper.eps = 1e-8;
   hyper.weight_decay = 0.1;
   hyper.step = 3;
+  hyper.grad_scale = 0.75f;  // a clipping coefficient
   return hyper;
 }
 
