@@ -1,6 +1,6 @@
 // Softmax cross-entropy: hand-computed values, fast kernel vs the naive reference, backward vs float64 finite
 // differences, in-place backward, the out-of-range target error, and the fused pass against the sequence of kernels
-// it replaces (16-bit rounding of the logits and the gradient included).
+// it replaces (16-bit rounding of the logits and the gradient included), also on 16-bit logits.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +12,7 @@
 
 #include "moecore/kernels/cpu/convert.h"
 #include "moecore/kernels/cpu/loss.h"
+#include "moecore/tensor/dtype.h"
 #include "unit/kernel_test_util.h"
 
 namespace moecore::kernels {
@@ -221,6 +222,10 @@ struct CpuKernels {
   static void cross_entropy_fused(A... a) {
     cpu::cross_entropy_fused(a...);
   }
+  template <typename... A>
+  static void cross_entropy_fused16(A... a) {
+    cpu::cross_entropy_fused16(a...);
+  }
   static void round_bf16(float* d, int64_t n) { cpu::round_bf16(d, n); }
   static void round_fp16(float* d, int64_t n) { cpu::round_fp16(d, n); }
   static void encode_bf16(uint16_t* o, const float* i, int64_t n) { cpu::encode_bf16(o, i, n); }
@@ -238,6 +243,10 @@ struct RefKernels {
   template <typename... A>
   static void cross_entropy_fused(A... a) {
     ref::cross_entropy_fused(a...);
+  }
+  template <typename... A>
+  static void cross_entropy_fused16(A... a) {
+    ref::cross_entropy_fused16(a...);
   }
   static void round_bf16(float* d, int64_t n) { ref::round_bf16(d, n); }
   static void round_fp16(float* d, int64_t n) { ref::round_fp16(d, n); }
@@ -277,6 +286,70 @@ TEST(CrossEntropyTest, FusedPassRefusesWhatItCannotRound) {
   EXPECT_THROW(ref::cross_entropy_fused<float>(flosses.data(), flse.data(), flogits.data(), nullptr, nullptr,
                                                bad.data(), ActivationRounding::kNone, 2, 3),
                std::out_of_range);
+}
+
+// On 16-bit logits (the native GEMM's output): the same losses, lse and 16-bit gradient as cross_entropy_fused on the
+// widened logits, bit for bit, on each kernel set; the fast and the reference pass agree too.
+template <typename K>
+void expect_fused16_is_fused(const ActivationRounding format, const bool backward) {
+  constexpr int64_t kTokens = 7, kV = 1003;
+  const std::vector<float> values = random_vector<float>(kTokens * kV, 51, -6.0f, 6.0f);
+  const std::vector<int32_t> targets = random_targets(kTokens, kV, 52);
+  const std::vector<float> dlosses = random_vector<float>(kTokens, 53, 0.1f, 1.0f);
+  std::vector<uint16_t> bits(kTokens * kV);
+  format == ActivationRounding::kBF16 ? K::encode_bf16(bits.data(), values.data(), kTokens * kV)
+                                      : K::encode_fp16(bits.data(), values.data(), kTokens * kV);
+  std::vector<float> widened(kTokens * kV), losses(kTokens), lse(kTokens), losses16(kTokens), lse16(kTokens);
+  format == ActivationRounding::kBF16 ? cpu::decode_bf16(widened.data(), bits.data(), kTokens * kV)
+                                      : cpu::decode_fp16(widened.data(), bits.data(), kTokens * kV);
+  std::vector<uint16_t> want = bits, got = bits;
+  K::cross_entropy_fused(losses.data(), lse.data(), widened.data(), backward ? dlosses.data() : nullptr,
+                         backward ? want.data() : nullptr, targets.data(), format, kTokens, kV);
+  K::cross_entropy_fused16(losses16.data(), lse16.data(), got.data(), backward ? dlosses.data() : nullptr,
+                           targets.data(), format, kTokens, kV);
+  EXPECT_EQ(losses16, losses);
+  EXPECT_EQ(lse16, lse);
+  EXPECT_EQ(got, want) << (backward ? "the 16-bit gradient" : "the logits, untouched");
+}
+
+TEST(CrossEntropyTest, FusedPassOn16BitLogitsIsTheFusedPass) {
+  for (const auto format : {ActivationRounding::kBF16, ActivationRounding::kF16}) {
+    for (const bool backward : {false, true}) {
+      SCOPED_TRACE(std::string(format == ActivationRounding::kBF16 ? "bf16" : "fp16") + (backward ? ", backward" : ""));
+      expect_fused16_is_fused<CpuKernels>(format, backward);
+      expect_fused16_is_fused<RefKernels>(format, backward);
+    }
+  }
+  constexpr int64_t kTokens = 5, kV = 300;
+  std::vector<uint16_t> fast(kTokens * kV), ref_bits;
+  cpu::encode_bf16(fast.data(), random_vector<float>(kTokens * kV, 54, -4.0f, 4.0f).data(), kTokens * kV);
+  ref_bits = fast;
+  const std::vector<int32_t> targets = random_targets(kTokens, kV, 55);
+  const std::vector<float> dlosses(kTokens, 1.0f);
+  std::vector<float> l_fast(kTokens), s_fast(kTokens), l_ref(kTokens), s_ref(kTokens);
+  cpu::cross_entropy_fused16(l_fast.data(), s_fast.data(), fast.data(), dlosses.data(), targets.data(),
+                             ActivationRounding::kBF16, kTokens, kV);
+  ref::cross_entropy_fused16(l_ref.data(), s_ref.data(), ref_bits.data(), dlosses.data(), targets.data(),
+                             ActivationRounding::kBF16, kTokens, kV);
+  EXPECT_LT(max_rel_error(l_fast, l_ref), 1e-5);
+  // The gradients: fp32 softmax values within 1e-5 relative of each other round to bf16 values at most one bf16 ulp
+  // apart.
+  for (int64_t i = 0; i < kTokens * kV; ++i) {
+    const float f = bf16_to_fp32(fast[static_cast<size_t>(i)]), r = bf16_to_fp32(ref_bits[static_cast<size_t>(i)]);
+    EXPECT_LE(std::abs(f - r), std::abs(r) / 128 + 1e-30f) << i;
+  }
+}
+
+TEST(CrossEntropyTest, FusedPassOn16BitLogitsNeedsItsFormat) {
+  std::vector<uint16_t> bits(6, 0);
+  std::vector<float> losses(2), lse(2);
+  const std::vector<int32_t> targets = {0, 1};
+  EXPECT_THROW(cpu::cross_entropy_fused16(losses.data(), lse.data(), bits.data(), nullptr, targets.data(),
+                                          ActivationRounding::kNone, 2, 3),
+               std::invalid_argument);
+  EXPECT_THROW(ref::cross_entropy_fused16(losses.data(), lse.data(), bits.data(), nullptr, targets.data(),
+                                          ActivationRounding::kNone, 2, 3),
+               std::invalid_argument);
 }
 
 }  // namespace

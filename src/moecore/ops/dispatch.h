@@ -67,6 +67,7 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, cross_entropy_forward)       \
     MOECORE_FORWARD(ns, cross_entropy_backward)      \
     MOECORE_FORWARD(ns, cross_entropy_fused)         \
+    MOECORE_FORWARD(ns, cross_entropy_fused16)       \
     MOECORE_FORWARD(ns, vocab_embedding_forward)     \
     MOECORE_FORWARD(ns, vocab_embedding_backward)    \
     MOECORE_FORWARD(ns, vocab_ce_local_max)          \

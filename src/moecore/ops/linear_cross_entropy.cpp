@@ -87,22 +87,20 @@ void linear_cross_entropy(Tensor& losses_T, const Tensor& input_16_TI, const Ten
   const Tensor weight16_VI = native ? narrowed(weight_VI, *native, {Vl, I}) : Tensor();
   const Tensor& gemm_weight_VI = native ? weight16_VI : weight_VI;
   Tensor loss_T = losses_T.view({T});
-  // The logits chunk stays fp32 under 16-bit activation storage: a workspace of this op, read and rewritten by the
-  // loss and the GEMMs of each chunk (16-bit storage would add a staged fp32 copy for each of them).
-  Tensor logits_buffer({std::min(chunk_rows, T), Vl}, dtype, MemCategory::kActivations, input_TI.device());
-  // Without a vocabulary split, the loss and its gradient are one pass over each chunk (cross_entropy_fused), which
-  // also rounds the logits and the gradient to the 16-bit activation dtype as the unfused ops do, and writes a
-  // 16-bit gradient straight in the native GEMMs' format.
   const DType act = activation_dtype(input_TI.device());
-  const kernels::ActivationRounding rounding = dtype != DType::kF32 ? kernels::ActivationRounding::kNone
+  const kernels::ActivationRounding rounding = dtype != DType::kF32  ? kernels::ActivationRounding::kNone
                                                : act == DType::kBF16 ? kernels::ActivationRounding::kBF16
                                                : act == DType::kF16  ? kernels::ActivationRounding::kF16
                                                                      : kernels::ActivationRounding::kNone;
-  Tensor dlogits16_buffer;
-  if (native && dlosses_T != nullptr && !split) {
-    dlogits16_buffer = Tensor::uninitialized({std::min(chunk_rows, T), Vl}, *native, MemCategory::kActivations,
-                                             input_TI.device());
-  }
+  // The logits chunk: a workspace of this op, read and rewritten by the loss and the GEMMs of each chunk. On the
+  // native 16-bit GEMMs without a vocabulary split it holds the GEMM's 16-bit logits, which the loss's one pass over
+  // each row (cross_entropy_fused16) replaces with their 16-bit gradient; otherwise it stays fp32 under 16-bit
+  // activations too (16-bit storage would add a staged fp32 copy for each op), the loss and gradient one pass
+  // (cross_entropy_fused, which rounds the logits and the gradient as the unfused ops do) where the vocabulary is
+  // whole.
+  const bool logits16 = native && !split;
+  Tensor logits_buffer = Tensor::uninitialized({std::min(chunk_rows, T), Vl}, logits16 ? *native : dtype,
+                                               MemCategory::kActivations, input_TI.device());
   for (int64_t t0 = 0; t0 < T; t0 += chunk_rows) {
     const int64_t t1 = std::min(T, t0 + chunk_rows), n = t1 - t0;
     const std::span<const int32_t> targets_n = targets_T.subspan(static_cast<size_t>(t0), static_cast<size_t>(n));
@@ -113,7 +111,7 @@ void linear_cross_entropy(Tensor& losses_T, const Tensor& input_16_TI, const Ten
     Tensor lse_n({n}, dtype, MemCategory::kActivations, input_TI.device());
     Tensor dloss_n;
     if (dlosses_T != nullptr) dloss_n = dlosses_T->view({T}).slice_rows(t0, t1);
-    Tensor dlogits_nV = logits_nV;  // the gradient overwrites the logits, or goes to the 16-bit buffer
+    Tensor dlogits_nV = logits_nV;  // the gradient overwrites the logits
     if (split) {
       if (native) detail::round_activations({&logits_nV});  // as the linear layers round their native outputs
       Tensor max_n({n}, dtype, MemCategory::kActivations, input_TI.device());
@@ -126,12 +124,17 @@ void linear_cross_entropy(Tensor& losses_T, const Tensor& input_16_TI, const Ten
       if (dlosses_T == nullptr) continue;
       vocab_ce_backward(logits_nV, dloss_n, logits_nV, lse_n, targets_n, shard->vocab_begin);
       if (native) dlogits_nV = narrowed(logits_nV, *native, {n, Vl});
+    } else if (logits16) {
+      detail::with_kernels(kOp, input_TI.device(), [&](auto k) {
+        k.cross_entropy_fused16(loss_n.data<float>(), lse_n.data<float>(), logits_nV.data<uint16_t>(),
+                                dlosses_T != nullptr ? dloss_n.data<float>() : nullptr, targets_n.data(), rounding, n,
+                                Vl);
+      });
+      if (dlosses_T == nullptr) continue;
     } else {
-      if (dlogits16_buffer.defined()) dlogits_nV = dlogits16_buffer.slice_rows(0, n);
       detail::dispatch(kOp, logits_nV, [&]<typename S>(auto k) {
         k.cross_entropy_fused(detail::ptr<S>(loss_n), detail::ptr<S>(lse_n), detail::ptr<S>(logits_nV),
-                              dlosses_T != nullptr ? detail::ptr<S>(dloss_n) : nullptr,
-                              dlogits16_buffer.defined() ? dlogits_nV.data<uint16_t>() : nullptr, targets_n.data(),
+                              dlosses_T != nullptr ? detail::ptr<S>(dloss_n) : nullptr, nullptr, targets_n.data(),
                               rounding, n, Vl);
       });
       if (dlosses_T == nullptr) continue;

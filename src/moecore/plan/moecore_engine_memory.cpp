@@ -539,25 +539,34 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     double at_loss = 0;  // activations and op scratch (the "other" category) at the loss's forward
     if (last) {
       // Forward at the loss: the fused linear-cross-entropy keeps the final norm output and the input gradient, plus
-      // its fp32 logits chunk (64 MiB, 32 MiB under 16-bit activations: model/vocab_parallel.h) and loss vectors; its
-      // weight gradient goes to the main gradient.
+      // its logits chunk (64 MiB of fp32 rows, 32 MiB under 16-bit activations: model/vocab_parallel.h; on the
+      // native 16-bit GEMMs without a vocabulary split the rows are 16-bit, ops/linear_cross_entropy.h) and loss
+      // vectors; its weight gradient goes to the main gradient.
       Owners forward = backward;
       forward.mlp = static_cast<double>(live) * context.mlp;
       forward.moe = static_cast<double>(live) * context.moe;
       forward.other = static_cast<double>(live) * context.other;
       const double chunk_budget = 67108864.0 * x.a / 4;
       const double chunk_rows = std::min(x.t, std::max(1.0, std::floor(chunk_budget / (4 * vocab_local))));
+      const bool native = low_precision && ops::gemm_lowp_native(c.params_dtype);
+      const bool split_vocab = l.tp() > 1;
+      const double logit_bytes = native && !split_vocab ? 2 : 4;
       forward.output = static_cast<double>(live) * context.output + x.ta * (x.a * s.h + 4 * s.nrm) + x.a * x.t * s.h +
-                       4 * chunk_rows * vocab_local + x.a * (l.sp ? x.t * s.h : 0) + 4 * 3 * x.t;
+                       logit_bytes * chunk_rows * vocab_local + x.a * (l.sp ? x.t * s.h : 0) + 4 * 3 * x.t;
       if (forward.total() > backward.total()) peak = forward;
       other_moment = std::min(forward.total(), backward.total());
-      // The op's scratch: under 16-bit activations its input and input gradient staged in fp32 and, where the CPU
-      // runs bf16 / fp16 GEMMs on its 16-bit kernels, the 16-bit bits of the weight and of a chunk's logit gradients.
+      // The op's scratch under 16-bit activations: its input gradient staged in fp32; its input staged in fp32, or
+      // where the CPU runs bf16 / fp16 GEMMs on its 16-bit kernels read as the 16-bit activation it is (fp32 storage:
+      // narrowed to 16 bits), with the 16-bit bits of the weight and (vocabulary split) of a chunk's logit
+      // gradients.
       double scratch = 0;
       if (low_precision) {
-        scratch = 4 * 2 * x.t * s.h;
-        if (ops::gemm_lowp_native(c.params_dtype)) {
-          scratch += 2 * (vocab_local * s.h + chunk_rows * vocab_local + chunk_rows * s.h);
+        scratch = 4 * x.t * s.h;
+        if (native) {
+          scratch +=
+              (x.a == 2 ? 0 : 2 * x.t * s.h) + 2 * vocab_local * s.h + (split_vocab ? 2 * chunk_rows * vocab_local : 0);
+        } else {
+          scratch += 4 * x.t * s.h;
         }
       }
       at_loss = forward.total() + scratch;

@@ -111,6 +111,34 @@ void cross_entropy_fused(T* losses_T, T* lse_T, T* logits_TV, const T* dlosses_T
   }
 }
 
+void cross_entropy_fused16(float* losses_T, float* lse_T, uint16_t* logits16_TV, const float* dlosses_T,
+                           const int32_t* targets_T, const ActivationRounding format, const int64_t n_tokens,
+                           const int64_t V) {
+  if (format == ActivationRounding::kNone) {
+    throw std::invalid_argument("cross_entropy_fused16: the logits' 16-bit format is needed");
+  }
+  check_targets(targets_T, n_tokens, V, "cross_entropy_fused16");
+  const ConvertIsa isa = best_convert_isa();
+  const bool bf16 = format == ActivationRounding::kBF16;
+#pragma omp parallel if (n_tokens * V > kParallelWork)
+  {
+    std::vector<float> row(static_cast<size_t>(V));  // one token's logits, then their gradient, in fp32
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      uint16_t* bits = logits16_TV + t * V;
+      bf16 ? decode_bf16(row.data(), bits, V, isa) : decode_fp16(row.data(), bits, V, isa);
+      const float max_logit = row_max(row.data(), V);
+      const double lse = static_cast<double>(max_logit) + std::log(sum_exp(row.data(), V, max_logit));
+      lse_T[t] = static_cast<float>(lse);
+      losses_T[t] = static_cast<float>(lse - static_cast<double>(row[static_cast<size_t>(targets_T[t])]));
+      if (dlosses_T == nullptr) continue;
+      scaled_softmax(row.data(), row.data(), V, lse_T[t], dlosses_T[t]);
+      row[static_cast<size_t>(targets_T[t])] -= dlosses_T[t];
+      bf16 ? encode_bf16(bits, row.data(), V, isa) : encode_fp16(bits, row.data(), V, isa);
+    }
+  }
+}
+
 template void cross_entropy_forward<float>(float*, float*, const float*, const int32_t*, int64_t, int64_t);
 template void cross_entropy_forward<double>(double*, double*, const double*, const int32_t*, int64_t, int64_t);
 template void cross_entropy_backward<float>(float*, const float*, const float*, const float*, const int32_t*, int64_t,

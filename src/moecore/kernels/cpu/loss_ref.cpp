@@ -90,6 +90,19 @@ void cross_entropy_fused(T* losses_T, T* lse_T, T* logits_TV, const T* dlosses_T
   }
 }
 
+void cross_entropy_fused16(float* losses_T, float* lse_T, uint16_t* logits16_TV, const float* dlosses_T,
+                           const int32_t* targets_T, const ActivationRounding format, const int64_t n_tokens,
+                           const int64_t V) {
+  if (format == ActivationRounding::kNone) {
+    throw std::invalid_argument("ref::cross_entropy_fused16: the logits' 16-bit format is needed");
+  }
+  std::vector<float> logits(static_cast<size_t>(n_tokens * V));
+  format == ActivationRounding::kBF16 ? decode_bf16(logits.data(), logits16_TV, n_tokens * V)
+                                      : decode_fp16(logits.data(), logits16_TV, n_tokens * V);
+  cross_entropy_fused(losses_T, lse_T, logits.data(), dlosses_T, dlosses_T != nullptr ? logits16_TV : nullptr,
+                      targets_T, format, n_tokens, V);
+}
+
 template void cross_entropy_forward<float>(float*, float*, const float*, const int32_t*, int64_t, int64_t);
 template void cross_entropy_forward<double>(double*, double*, const double*, const int32_t*, int64_t, int64_t);
 template void cross_entropy_backward<float>(float*, const float*, const float*, const float*, const int32_t*, int64_t,
