@@ -141,7 +141,7 @@ void grouped_mlp_forward(Tensor& y_RH, Tensor& fc1_RF1, Tensor* act_RF, Tensor* 
                          const Tensor& probs_R, const GroupedMlpParams& params,
                          const std::span<const int64_t> offsets_E1, const GroupedMlpSpec& spec) {
   constexpr const char* op = "grouped_mlp_forward";
-  const detail::Staging staging;
+  detail::Staging staging;
   detail::check_tensors(op, {&y_RH, &fc1_RF1, &x_RH, &probs_R});
   const kernels::GroupedMlpShape s = check_params(op, y_RH, params, offsets_E1, spec);
   const int64_t R = offsets_E1.back();
@@ -155,6 +155,10 @@ void grouped_mlp_forward(Tensor& y_RH, Tensor& fc1_RF1, Tensor* act_RF, Tensor* 
     check_saved(op, "act_RF", y_RH, act_RF, R * s.F);
   }
   if (s.probs_on_input) check_saved(op, "xs_RH", y_RH, xs_RH, R * s.H);
+  // Every output is overwritten: 16-bit ones are not widened first.
+  for (Tensor* out : {&y_RH, &fc1_RF1, s.weighted_swiglu() ? h_RF : act_RF, s.probs_on_input ? xs_RH : nullptr}) {
+    if (out != nullptr) staging.write_only(*out, {&x_RH, &probs_R});
+  }
   detail::dispatch(op, y_RH, [&]<typename S>(auto k) {
     const Pointers<S> w = pointers<S>(params, s.E);
     k.grouped_mlp_forward(ptr<S>(y_RH), ptr<S>(fc1_RF1), s.weighted_swiglu() ? nullptr : ptr<S>(*act_RF),
@@ -168,7 +172,7 @@ void grouped_mlp_backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpGrads
                           const Tensor* h_RF, const Tensor& probs_R, const GroupedMlpParams& params,
                           const std::span<const int64_t> offsets_E1, const GroupedMlpSpec& spec) {
   constexpr const char* op = "grouped_mlp_backward";
-  const detail::Staging staging;
+  detail::Staging staging;
   detail::check_tensors(op, {&dx_RH, &dprobs_R, &dy_RH, &x_RH, &fc1_RF1, &probs_R});
   const kernels::GroupedMlpShape s = check_params(op, dy_RH, params, offsets_E1, spec);
   const int64_t R = offsets_E1.back();
@@ -199,8 +203,11 @@ void grouped_mlp_backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpGrads
   check_grads("fc1 bias gradients", grads.fc1_bias_E, s.F1());
   check_grads("fc2 weight gradients", grads.fc2_weight_E, s.H * s.F);
   check_grads("fc2 bias gradients", grads.fc2_bias_E, s.H);
-  // d(fc1 output) of every row: the row-local pass writes it, the weight-gradient pass reads it.
-  Tensor dfc1_RF1({R, s.F1()}, dy_RH.dtype(), MemCategory::kActivations, dy_RH.device());
+  staging.write_only(dprobs_R, {&dy_RH, &x_RH, &probs_R});  // overwritten; dx_RH accumulates
+  // d(fc1 output) of every row: the row-local pass writes it, the weight-gradient pass reads it (fp32 where the
+  // tensors are 16-bit: the kernels' fp32 steps read it as it is).
+  Tensor dfc1_RF1({R, s.F1()}, detail::is_16bit(dy_RH.dtype()) ? DType::kF32 : dy_RH.dtype(), MemCategory::kActivations,
+                  dy_RH.device());
   detail::dispatch(op, dy_RH, [&]<typename S>(auto k) {
     const Pointers<S> w = pointers<S>(params, s.E);
     const std::vector<S*> dw1 = data_of<S>(grads.fc1_weight_E, s.E), db1 = data_of<S>(grads.fc1_bias_E, s.E),

@@ -276,10 +276,12 @@ double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool mo
   return a;
 }
 
-// The largest transient of a layer's backward (the first layer of the chunk to run backward).
-double backward_transient(const Shape& s, const Layout& l, const Tokens& x, const bool moe) {
+// The largest transient of a layer's backward (the first layer of the chunk to run backward). fused_experts: the
+// grouped-MLP op runs the experts (--moe-grouped-gemm, not under FP8 / FP4): its d(fc1 output) workspace is fp32.
+double backward_transient(const Shape& s, const Layout& l, const Tokens& x, const bool moe, const bool fused_experts) {
   if (moe) {  // the MoE layer's input gradient stays fp32 (the router adds to it unrounded)
-    double t = x.a * (3 * x.ta * s.h + 2 * x.r * s.h + x.r * s.glu * s.fm / l.etp()) + 4 * x.tm * s.h;
+    const double dfc1_bytes = fused_experts ? 4 : x.a;
+    double t = x.a * (3 * x.ta * s.h + 2 * x.r * s.h) + dfc1_bytes * x.r * s.glu * s.fm / l.etp() + 4 * x.tm * s.h;
     if (!s.config.moe.memory_efficient_permutation) t += x.a * x.r * s.h;  // the gradient of the output before p
     if (l.tp() > 1 && !l.sp) t += x.a * 2 * x.tm * s.h;
     if (s.config.moe.dispatcher_type == TokenDispatcherType::kAllToAll && l.ep() * l.etp() > 1) {
@@ -355,6 +357,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     FsdpUnits units;  // the decoder layers: Megatron-FSDP's units (MTP depths and the rest stay whole)
     int64_t layers = 0;
     std::optional<bool> last_layer_moe;
+    bool last_layer_quantized = false;
     int64_t last_layer = -1;
     int64_t mtp_depths = 0;
     for (int v = 0; v < vpp; ++v) {
@@ -367,6 +370,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
         buffers += p.buffers;
         units.add(p);
         last_layer_moe = moe;
+        last_layer_quantized = c.layer_quantization(layer) != nullptr;
         last_layer = layer;
         ++layers;
       }
@@ -512,7 +516,8 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     backward.embedding = static_cast<double>(live) * context.embedding;
     backward.other = static_cast<double>(live) * context.other;
     if (last_layer_moe) {
-      (*last_layer_moe ? backward.moe : backward.mlp) += backward_transient(s, l, x, *last_layer_moe);
+      (*last_layer_moe ? backward.moe : backward.mlp) +=
+          backward_transient(s, l, x, *last_layer_moe, c.moe.grouped_gemm && !last_layer_quantized);
       // Selective recomputation rebuilds what the first layer to run backward dropped, before its backward.
       const Recompute none;
       Tokens xb = x;
