@@ -37,9 +37,11 @@
 #include <vector>
 
 #include "moecore/kernels/cpu/attention_checks.h"
+#include "moecore/kernels/cpu/attention_products.h"
 #include "moecore/kernels/cpu/fast_exp.h"
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/kernels/cpu/vector_isa.h"
+#include "moecore/tensor/dtype.h"
 
 namespace moecore::kernels::cpu {
 namespace {
@@ -153,7 +155,9 @@ struct Geometry {
         k_index(layout.k_index),
         q_doc_BS(layout.q_doc_BS),
         k_doc_BS(layout.k_doc_BS),
-        k_run_end(layout.k_run_end) {}
+        k_run_end(layout.k_run_end),
+        bf16_products(dims.bf16_products),
+        bf16_unit(best_bf16_product_unit()) {}
   int64_t q_offset(int64_t i, int64_t b, int64_t h) const { return ((i * B + b) * N + h) * d; }
   int64_t kv_offset(int64_t j, int64_t b, int64_t g) const { return ((j * B + b) * G + g) * d; }
   int64_t out_offset(int64_t i, int64_t b, int64_t h) const { return ((i * B + b) * N + h) * dv; }  // out, dout
@@ -180,7 +184,35 @@ struct Geometry {
   const int64_t *q_index, *k_index;
   const int32_t *q_doc_BS, *k_doc_BS;
   const int64_t* k_run_end;
+  bool bf16_products;  // AttentionDims::bf16_products
+  Bf16ProductUnit bf16_unit;
 };
+
+// A tile product: gemm_rm, or with bf16 products gemm_bf16 (fp32; in fp64, the test precision, the operands
+// rounded to bf16 values and multiplied in double).
+void product(const Geometry& geo, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+             const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (!geo.bf16_products) return gemm_rm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  gemm_bf16(geo.bf16_unit, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+void product(const Geometry& geo, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, double alpha,
+             const double* A, int64_t lda, const double* B, int64_t ldb, double beta, double* C, int64_t ldc) {
+  if (!geo.bf16_products) return gemm_rm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  thread_local std::vector<double> a, b;
+  auto round_copy = [](std::vector<double>& out, const double* x, const int64_t rows, const int64_t cols,
+                       const int64_t ld) {
+    out.resize(static_cast<size_t>(rows * cols));
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        out[static_cast<size_t>(r * cols + c)] = bf16_to_fp32(fp32_to_bf16(static_cast<float>(x[r * ld + c])));
+      }
+    }
+  };
+  const int64_t a_cols = trans_a ? M : K, b_cols = trans_b ? K : N;
+  round_copy(a, A, trans_a ? K : M, a_cols, lda);
+  round_copy(b, B, trans_b ? N : K, b_cols, ldb);
+  gemm_rm(trans_a, trans_b, M, N, K, alpha, a.data(), a_cols, b.data(), b_cols, beta, C, ldc);
+}
 
 constexpr uint32_t kPhiloxMul0 = 0xD2511F53u, kPhiloxMul1 = 0xCD9E8D57u;
 constexpr uint32_t kPhiloxWeyl0 = 0x9E3779B9u, kPhiloxWeyl1 = 0xBB67AE85u;
@@ -579,11 +611,12 @@ void forward_block(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd, co
   for_each_key_tile(geo, blk, kKeyTileForward, [&](const KeyTile& tile) {
     const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
     T* s_MC = sc.s_MC + tile.p0 * tile.cols;
-    gemm_rm(false, true, rows, tile.cols, geo.d, static_cast<T>(scale), sc.q_Md + tile.p0 * geo.d, geo.d,
+    product(geo, false, true, rows, tile.cols, geo.d, static_cast<T>(scale), sc.q_Md + tile.p0 * geo.d, geo.d,
             k_SBGd + kv_off, geo.ld_kv, T(0), s_MC, tile.cols);
     forward_tile(sc.s_MC, sc.m_M, sc.l_M, sc.o_Md, geo, blk, tile, mask);
-    gemm_rm(false, false, rows, geo.dv, tile.cols, T(1), s_MC, tile.cols, v_SBGd + geo.v_offset(tile.j0, blk.b, blk.g),
-            geo.ld_v, T(tile.j0 == 0 && !geo.general ? 0 : 1), sc.o_Md + tile.p0 * geo.dv, geo.dv);
+    product(geo, false, false, rows, geo.dv, tile.cols, T(1), s_MC, tile.cols,
+            v_SBGd + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v, T(tile.j0 == 0 && !geo.general ? 0 : 1),
+            sc.o_Md + tile.p0 * geo.dv, geo.dv);
   });
   forward_finish(out_SBNd, lse_BNS, sc.o_Md, sc.m_M, sc.l_M, geo, blk, mask);
 }
@@ -675,9 +708,9 @@ template <typename T>
 void compute_tile(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block& blk, const KeyTile& tile) {
   const Geometry& geo = in.geo;
   const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
-  gemm_rm(false, true, rows, tile.cols, geo.d, static_cast<T>(in.scale), sc.q_Md + tile.p0 * geo.d, geo.d,
+  product(geo, false, true, rows, tile.cols, geo.d, static_cast<T>(in.scale), sc.q_Md + tile.p0 * geo.d, geo.d,
           in.k + kv_off, geo.ld_kv, T(0), sc.pd_MC + tile.p0 * tile.cols, tile.cols);
-  gemm_rm(false, true, rows, tile.cols, geo.dv, T(1), sc.dout_Md + tile.p0 * geo.dv, geo.dv,
+  product(geo, false, true, rows, tile.cols, geo.dv, T(1), sc.dout_Md + tile.p0 * geo.dv, geo.dv,
           in.v + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v, T(0), sc.ds_MC + tile.p0 * tile.cols, tile.cols);
   backward_tile(sc.pd_MC, sc.ds_MC, sc.lse_M, sc.delta_M, in, blk, tile);
 }
@@ -688,9 +721,9 @@ void accumulate_dk_dv(T* dk_SBGd, T* dv_SBGd, const BackwardScratch<T>& sc, cons
                       const Block& blk, const KeyTile& tile) {
   const Geometry& geo = in.geo;
   const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
-  gemm_rm(true, false, tile.cols, geo.dv, rows, T(1), sc.pd_MC + tile.p0 * tile.cols, tile.cols,
+  product(geo, true, false, tile.cols, geo.dv, rows, T(1), sc.pd_MC + tile.p0 * tile.cols, tile.cols,
           sc.dout_Md + tile.p0 * geo.dv, geo.dv, T(1), dv_SBGd + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v);
-  gemm_rm(true, false, tile.cols, geo.d, rows, T(1), sc.ds_MC + tile.p0 * tile.cols, tile.cols,
+  product(geo, true, false, tile.cols, geo.d, rows, T(1), sc.ds_MC + tile.p0 * tile.cols, tile.cols,
           sc.q_Md + tile.p0 * geo.d, geo.d, T(1), dk_SBGd + kv_off, geo.ld_kv);
 }
 
@@ -698,7 +731,7 @@ void accumulate_dk_dv(T* dk_SBGd, T* dv_SBGd, const BackwardScratch<T>& sc, cons
 template <typename T>
 void accumulate_dq(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block& blk, const KeyTile& tile) {
   const Geometry& geo = in.geo;
-  gemm_rm(false, false, blk.rows - tile.p0, geo.d, tile.cols, T(1), sc.ds_MC + tile.p0 * tile.cols, tile.cols,
+  product(geo, false, false, blk.rows - tile.p0, geo.d, tile.cols, T(1), sc.ds_MC + tile.p0 * tile.cols, tile.cols,
           in.k + geo.kv_offset(tile.j0, blk.b, blk.g), geo.ld_kv, T(tile.j0 == 0 && !geo.general ? 0 : 1),
           sc.dq_Md + tile.p0 * geo.d, geo.d);
 }
@@ -791,7 +824,7 @@ void backward_by_block(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
   }
 }
 
-// delta_BNS[b, h, i] = dout_i . out_i (in double).
+// delta_BNS[b, h, i] = dout_i . out_i (in double; dout rounded to bf16 under bf16 products, as in dP).
 template <typename T>
 MOECORE_VECTOR_CLONES void row_dots(T* delta_BNS, const T* dout_SBNd, const T* out_SBNd, const Geometry& geo,
                                     int64_t i) {
@@ -799,7 +832,14 @@ MOECORE_VECTOR_CLONES void row_dots(T* delta_BNS, const T* dout_SBNd, const T* o
     const T* dout_row = dout_SBNd + (i * geo.B * geo.N + bh) * geo.dv;
     const T* out_row = out_SBNd + (i * geo.B * geo.N + bh) * geo.dv;
     double dot = 0.0;
-    for (int64_t c = 0; c < geo.dv; ++c) dot += static_cast<double>(dout_row[c]) * static_cast<double>(out_row[c]);
+    if (geo.bf16_products) {
+      for (int64_t c = 0; c < geo.dv; ++c) {
+        dot += static_cast<double>(bf16_to_fp32(fp32_to_bf16(static_cast<float>(dout_row[c])))) *
+               static_cast<double>(out_row[c]);
+      }
+    } else {
+      for (int64_t c = 0; c < geo.dv; ++c) dot += static_cast<double>(dout_row[c]) * static_cast<double>(out_row[c]);
+    }
     delta_BNS[bh * geo.S + i] = static_cast<T>(dot);
   }
 }
