@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "moecore/kernels/cpu/attention.h"
+#include "moecore/kernels/cpu/attention_products.h"
 #include "moecore/kernels/cpu/loss.h"
 #include "moecore/tensor/rng.h"
 
@@ -210,8 +211,16 @@ void bench_attention(const AttentionCase& c, const int repeats, const bool allow
       documents_SB.insert(documents_SB.end(), c.B, static_cast<int32_t>(s / c.document));
     dims.q_document_SB = dims.k_document_SB = documents_SB.data();
   }
-  for (const bool fast : {true, false}) {
+  // The fast kernel twice: fp32 products, then bf16 products (the --bf16 default where AMX tiles are usable).
+  for (const int run : {0, 1, 2}) {
+    const bool fast = run < 2;
     if (!fast && !(c.with_ref && allow_ref)) continue;
+    dims.bf16_products = run == 1;
+    const std::string products =
+        dims.bf16_products
+            ? "bf16 products (" +
+                  std::string(kernels::cpu::bf16_product_unit_name(kernels::cpu::best_bf16_product_unit())) + ")"
+            : "fp32 products";
     auto forward = fast ? kernels::cpu::attention_forward<float> : kernels::ref::attention_forward<float>;
     auto backward = fast ? kernels::cpu::attention_backward<float> : kernels::ref::attention_backward<float>;
     const int n = fast ? repeats : 1;
@@ -224,11 +233,11 @@ void bench_attention(const AttentionCase& c, const int repeats, const bool allow
         },
         n);
     std::printf(
-        "attention     %-4s %-7s S=%ld B=%ld N=%ld G=%ld d=%ld%s p=%.1f%s fp32: forward %.1f ms, backward %.1f ms\n",
+        "attention     %-4s %-7s S=%ld B=%ld N=%ld G=%ld d=%ld%s p=%.1f%s %s: forward %.1f ms, backward %.1f ms\n",
         fast ? "cpu" : "ref", c.name, static_cast<long>(c.S), static_cast<long>(c.B), static_cast<long>(c.N),
         static_cast<long>(c.G), static_cast<long>(c.d), c.dv > 0 ? (" dv=" + std::to_string(c.dv)).c_str() : "",
         static_cast<double>(c.dropout), c.document > 0 ? (" documents of " + std::to_string(c.document)).c_str() : "",
-        fwd, bwd);
+        products.c_str(), fwd, bwd);
   }
 }
 
