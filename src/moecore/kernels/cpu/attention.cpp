@@ -34,6 +34,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "moecore/kernels/cpu/attention_checks.h"
@@ -212,6 +213,24 @@ void product(const Geometry& geo, bool trans_a, bool trans_b, int64_t M, int64_t
   round_copy(a, A, trans_a ? K : M, a_cols, lda);
   round_copy(b, B, trans_b ? N : K, b_cols, ldb);
   gemm_rm(trans_a, trans_b, M, N, K, alpha, a.data(), a_cols, b.data(), b_cols, beta, C, ldc);
+}
+
+// The operands of the bf16 products of one thread (fp32 kernels): the block's rows packed once per block, each key
+// tile's and each probability / gradient tile's once per product.
+struct Bf16Operands {
+  Bf16Panel q_a, dout_a, q_b, dout_b;        // the block's q and dout as A operands, and as B operands (dK, dV)
+  Bf16Panel keys_t, values_t, keys, values;  // the tile's k^T, v^T (B of q k^T, dout v^T), k, v (B of dS k, P v)
+  Bf16Panel tile_a, tile_t;                  // P or dS as an A operand, P^T or dS^T
+};
+Bf16Operands& bf16_operands() {
+  thread_local Bf16Operands operands;
+  return operands;
+}
+// Whether a tile's products run on packed bf16 operands: fp32 kernels with AttentionDims::bf16_products (fp64 ones
+// emulate them in product()).
+template <typename T>
+bool packed_bf16(const Geometry& geo) {
+  return std::is_same_v<T, float> && geo.bf16_products;
 }
 
 constexpr uint32_t kPhiloxMul0 = 0xD2511F53u, kPhiloxMul1 = 0xCD9E8D57u;
@@ -601,6 +620,26 @@ struct ForwardScratch {
   T *q_Md, *o_Md, *s_MC, *m_M, *l_M;  // o_Md: [packed rows, dv]
 };
 
+// forward_block's tiles on packed bf16 operands (q_Md, m_M, l_M and o_Md set up by it).
+void forward_block_bf16(float* out_SBNd, float* lse_BNS, const float* k_SBGd, const float* v_SBGd, const Geometry& geo,
+                        double scale, const MaskStream& mask, const Block& blk, ForwardScratch<float>& sc) {
+  Bf16Operands& x = bf16_operands();
+  const Bf16ProductUnit unit = geo.bf16_unit;
+  x.q_a.pack_a(unit, false, blk.rows, geo.d, sc.q_Md, geo.d);
+  for_each_key_tile(geo, blk, kKeyTileForward, [&](const KeyTile& tile) {
+    const int64_t rows = blk.rows - tile.p0, cols = tile.cols;
+    float* s_MC = sc.s_MC + tile.p0 * cols;
+    x.keys_t.pack_b(unit, true, geo.d, cols, k_SBGd + geo.kv_offset(tile.j0, blk.b, blk.g), geo.ld_kv);
+    gemm_bf16_packed(rows, cols, geo.d, static_cast<float>(scale), x.q_a, tile.p0, x.keys_t, 0, 0.0f, s_MC, cols);
+    forward_tile(sc.s_MC, sc.m_M, sc.l_M, sc.o_Md, geo, blk, tile, mask);
+    x.tile_a.pack_a(unit, false, rows, cols, s_MC, cols);
+    x.values.pack_b(unit, false, cols, geo.dv, v_SBGd + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v);
+    gemm_bf16_packed(rows, geo.dv, cols, 1.0f, x.tile_a, 0, x.values, 0, tile.j0 == 0 && !geo.general ? 0.0f : 1.0f,
+                     sc.o_Md + tile.p0 * geo.dv, geo.dv);
+  });
+  forward_finish(out_SBNd, lse_BNS, sc.o_Md, sc.m_M, sc.l_M, geo, blk, mask);
+}
+
 template <typename T>
 void forward_block(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd, const T* v_SBGd, const Geometry& geo,
                    double scale, const MaskStream& mask, const Block& blk, ForwardScratch<T>& sc) {
@@ -608,6 +647,9 @@ void forward_block(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd, co
   std::fill(sc.m_M, sc.m_M + blk.rows, -std::numeric_limits<T>::infinity());
   std::fill(sc.l_M, sc.l_M + blk.rows, T(0));
   if (geo.general) std::fill(sc.o_Md, sc.o_Md + blk.rows * geo.dv, T(0));  // its first tile need not be key 0's
+  if constexpr (std::is_same_v<T, float>) {
+    if (geo.bf16_products) return forward_block_bf16(out_SBNd, lse_BNS, k_SBGd, v_SBGd, geo, scale, mask, blk, sc);
+  }
   for_each_key_tile(geo, blk, kKeyTileForward, [&](const KeyTile& tile) {
     const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
     T* s_MC = sc.s_MC + tile.p0 * tile.cols;
@@ -701,6 +743,16 @@ void load_block(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block
     sc.lse_M[p] = in.lse[at];
     sc.delta_M[p] = in.delta[at];
   }
+  if (packed_bf16<T>(in.geo)) {
+    Bf16Operands& x = bf16_operands();
+    const Bf16ProductUnit unit = in.geo.bf16_unit;
+    const auto* q = reinterpret_cast<const float*>(sc.q_Md);
+    const auto* dout = reinterpret_cast<const float*>(sc.dout_Md);
+    x.q_a.pack_a(unit, false, blk.rows, in.geo.d, q, in.geo.d);
+    x.dout_a.pack_a(unit, false, blk.rows, in.geo.dv, dout, in.geo.dv);
+    x.q_b.pack_b(unit, false, blk.rows, in.geo.d, q, in.geo.d);
+    x.dout_b.pack_b(unit, false, blk.rows, in.geo.dv, dout, in.geo.dv);
+  }
 }
 
 // The tile's scores and gradients (backward_tile) in pd_MC and ds_MC, rows [tile.p0, rows), ld tile.cols.
@@ -708,6 +760,19 @@ template <typename T>
 void compute_tile(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block& blk, const KeyTile& tile) {
   const Geometry& geo = in.geo;
   const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
+  if constexpr (std::is_same_v<T, float>) {
+    if (geo.bf16_products) {
+      Bf16Operands& x = bf16_operands();
+      const int64_t cols = tile.cols;
+      x.keys_t.pack_b(geo.bf16_unit, true, geo.d, cols, in.k + kv_off, geo.ld_kv);
+      x.values_t.pack_b(geo.bf16_unit, true, geo.dv, cols, in.v + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v);
+      gemm_bf16_packed(rows, cols, geo.d, static_cast<float>(in.scale), x.q_a, tile.p0, x.keys_t, 0, 0.0f,
+                       sc.pd_MC + tile.p0 * cols, cols);
+      gemm_bf16_packed(rows, cols, geo.dv, 1.0f, x.dout_a, tile.p0, x.values_t, 0, 0.0f, sc.ds_MC + tile.p0 * cols,
+                       cols);
+      return backward_tile(sc.pd_MC, sc.ds_MC, sc.lse_M, sc.delta_M, in, blk, tile);
+    }
+  }
   product(geo, false, true, rows, tile.cols, geo.d, static_cast<T>(in.scale), sc.q_Md + tile.p0 * geo.d, geo.d,
           in.k + kv_off, geo.ld_kv, T(0), sc.pd_MC + tile.p0 * tile.cols, tile.cols);
   product(geo, false, true, rows, tile.cols, geo.dv, T(1), sc.dout_Md + tile.p0 * geo.dv, geo.dv,
@@ -721,6 +786,20 @@ void accumulate_dk_dv(T* dk_SBGd, T* dv_SBGd, const BackwardScratch<T>& sc, cons
                       const Block& blk, const KeyTile& tile) {
   const Geometry& geo = in.geo;
   const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
+  if constexpr (std::is_same_v<T, float>) {
+    if (geo.bf16_products) {
+      // The products sum over the packed rows from k0, p0 rounded down to the panels' 32-row steps; the rows below
+      // p0 hold no values of this tile and read as 0.
+      Bf16Operands& x = bf16_operands();
+      const int64_t cols = tile.cols, k0 = tile.p0 / 32 * 32, depth = blk.rows - k0;
+      x.tile_t.pack_a(geo.bf16_unit, true, cols, depth, sc.pd_MC + k0 * cols, cols, tile.p0 - k0);
+      gemm_bf16_packed(cols, geo.dv, depth, 1.0f, x.tile_t, 0, x.dout_b, k0, 1.0f,
+                       dv_SBGd + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v);
+      x.tile_t.pack_a(geo.bf16_unit, true, cols, depth, sc.ds_MC + k0 * cols, cols, tile.p0 - k0);
+      gemm_bf16_packed(cols, geo.d, depth, 1.0f, x.tile_t, 0, x.q_b, k0, 1.0f, dk_SBGd + kv_off, geo.ld_kv);
+      return;
+    }
+  }
   product(geo, true, false, tile.cols, geo.dv, rows, T(1), sc.pd_MC + tile.p0 * tile.cols, tile.cols,
           sc.dout_Md + tile.p0 * geo.dv, geo.dv, T(1), dv_SBGd + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v);
   product(geo, true, false, tile.cols, geo.d, rows, T(1), sc.ds_MC + tile.p0 * tile.cols, tile.cols,
@@ -731,6 +810,17 @@ void accumulate_dk_dv(T* dk_SBGd, T* dv_SBGd, const BackwardScratch<T>& sc, cons
 template <typename T>
 void accumulate_dq(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block& blk, const KeyTile& tile) {
   const Geometry& geo = in.geo;
+  if constexpr (std::is_same_v<T, float>) {
+    if (geo.bf16_products) {
+      Bf16Operands& x = bf16_operands();
+      const int64_t rows = blk.rows - tile.p0, cols = tile.cols;
+      x.tile_a.pack_a(geo.bf16_unit, false, rows, cols, sc.ds_MC + tile.p0 * cols, cols);
+      x.keys.pack_b(geo.bf16_unit, false, cols, geo.d, in.k + geo.kv_offset(tile.j0, blk.b, blk.g), geo.ld_kv);
+      gemm_bf16_packed(rows, geo.d, cols, 1.0f, x.tile_a, 0, x.keys, 0, tile.j0 == 0 && !geo.general ? 0.0f : 1.0f,
+                       sc.dq_Md + tile.p0 * geo.d, geo.d);
+      return;
+    }
+  }
   product(geo, false, false, blk.rows - tile.p0, geo.d, tile.cols, T(1), sc.ds_MC + tile.p0 * tile.cols, tile.cols,
           in.k + geo.kv_offset(tile.j0, blk.b, blk.g), geo.ld_kv, T(tile.j0 == 0 && !geo.general ? 0 : 1),
           sc.dq_Md + tile.p0 * geo.d, geo.d);

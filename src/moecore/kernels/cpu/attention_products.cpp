@@ -29,28 +29,6 @@ namespace {
 
 int64_t round_up(const int64_t n, const int64_t to) { return (n + to - 1) / to * to; }
 
-// ---- emulated: sgemm on operands rounded to bf16 values -----------------------------------------------------------
-
-// A rows x cols view (leading dimension ld) copied densely (ld = cols) with every value rounded to bf16.
-void round_copy(std::vector<float>& out, const float* x, const int64_t rows, const int64_t cols, const int64_t ld) {
-  out.resize(static_cast<size_t>(rows * cols));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c)
-      out[static_cast<size_t>(r * cols + c)] = bf16_to_fp32(fp32_to_bf16(x[r * ld + c]));
-  }
-}
-
-void gemm_emulated(const bool trans_a, const bool trans_b, const int64_t M, const int64_t N, const int64_t K,
-                   const float alpha, const float* A, const int64_t lda, const float* B, const int64_t ldb,
-                   const float beta, float* C, const int64_t ldc) {
-  thread_local std::vector<float> a, b;
-  const int64_t a_rows = trans_a ? K : M, a_cols = trans_a ? M : K;
-  const int64_t b_rows = trans_b ? N : K, b_cols = trans_b ? K : N;
-  round_copy(a, A, a_rows, a_cols, lda);
-  round_copy(b, B, b_rows, b_cols, ldb);
-  sgemm(trans_a, trans_b, M, N, K, alpha, a.data(), a_cols, b.data(), b_cols, beta, C, ldc);
-}
-
 #if defined(MOECORE_AMX_BUILT)
 // ---- AMX ----------------------------------------------------------------------------------------------------------
 
@@ -90,30 +68,34 @@ MOECORE_AMX inline __mmask16 lanes_below(const int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
 }
 
-// dst[r][c] (bf16, ld_dst) = src[r][c] for r < rows, c < cols; 0 up to rows_p, cols_p (cols_p a multiple of 16).
+// dst[r][c] (bf16, ld_dst) = src[r][c] for r < rows, col0 <= c < cols; 0 elsewhere up to rows_p, cols_p (cols_p a
+// multiple of 16).
 MOECORE_AMX void convert_rows(uint16_t* dst, const int64_t ld_dst, const float* src, const int64_t ld_src,
-                              const int64_t rows, const int64_t cols, const int64_t rows_p, const int64_t cols_p) {
+                              const int64_t rows, const int64_t cols, const int64_t rows_p, const int64_t cols_p,
+                              const int64_t col0 = 0) {
   for (int64_t r = 0; r < rows_p; ++r) {
     uint16_t* out = dst + r * ld_dst;
     for (int64_t c = 0; c < cols_p; c += 16) {
-      const __mmask16 m = r < rows ? lanes_below(cols - c) : 0;
+      const __mmask16 m = r < rows ? static_cast<__mmask16>(lanes_below(cols - c) & ~lanes_below(col0 - c)) : 0;
       const __m512i lanes = bf16_lanes(_mm512_maskz_loadu_ps(m, src + r * ld_src + c));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), _mm512_cvtepi32_epi16(lanes));
     }
   }
 }
 
-// VNNI pairs: dst[k][n] (32-bit words, ld_dst) = bf16(src[2k][n]) | bf16(src[2k + 1][n]) << 16 for the rows < rows,
-// cols < cols of src; 0 up to pairs_p pair rows and cols_p (a multiple of 16) columns.
+// VNNI pairs: dst[k][n] (32-bit words, ld_dst) = bf16(src[2k][n]) | bf16(src[2k + 1][n]) << 16 for the rows
+// row0 <= r < rows, cols < cols of src; 0 elsewhere up to pairs_p pair rows and cols_p (a multiple of 16) columns.
 MOECORE_AMX void interleave_rows(uint32_t* dst, const int64_t ld_dst, const float* src, const int64_t ld_src,
-                                 const int64_t rows, const int64_t cols, const int64_t pairs_p, const int64_t cols_p) {
+                                 const int64_t rows, const int64_t cols, const int64_t pairs_p, const int64_t cols_p,
+                                 const int64_t row0 = 0) {
   for (int64_t k = 0; k < pairs_p; ++k) {
     uint32_t* out = dst + k * ld_dst;
     const int64_t r0 = 2 * k, r1 = 2 * k + 1;
+    const bool in0 = r0 >= row0 && r0 < rows, in1 = r1 >= row0 && r1 < rows;
     for (int64_t c = 0; c < cols_p; c += 16) {
       const __mmask16 m = lanes_below(cols - c);
-      const __m512i lo = bf16_lanes(_mm512_maskz_loadu_ps(r0 < rows ? m : 0, src + r0 * ld_src + c));
-      const __m512i hi = bf16_lanes(_mm512_maskz_loadu_ps(r1 < rows ? m : 0, src + r1 * ld_src + c));
+      const __m512i lo = bf16_lanes(_mm512_maskz_loadu_ps(in0 ? m : 0, src + r0 * ld_src + c));
+      const __m512i hi = bf16_lanes(_mm512_maskz_loadu_ps(in1 ? m : 0, src + r1 * ld_src + c));
       _mm512_storeu_si512(out + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   }
@@ -170,15 +152,22 @@ MOECORE_AMX void load_tile_config() {
   _tile_loadconfig(&config);
 }
 
-// The [16 MT, 16 NT] block of C = A B, A [16 MT, 32 steps] bf16 (lda elements), B VNNI [16 steps, 16 NT] words
-// (ldb words), into c (fp32, ldc floats).
+// The [16 MT, 16 NT] block of C (fp32, ldc floats) = A B, or C + A B with load_c; A [16 MT, 32 steps] bf16 (lda
+// elements), B VNNI [16 steps, 16 NT] words (ldb words).
 template <int MT, int NT>
-MOECORE_AMX void amx_block(float* c, const int64_t ldc, const uint16_t* a, const int64_t lda, const uint32_t* b,
-                           const int64_t ldb, const int64_t steps) {
-  _tile_zero(0);
-  if constexpr (NT == 2) _tile_zero(1);
-  if constexpr (MT == 2) _tile_zero(2);
-  if constexpr (MT == 2 && NT == 2) _tile_zero(3);
+MOECORE_AMX void amx_block(float* c, const int64_t ldc, const bool load_c, const uint16_t* a, const int64_t lda,
+                           const uint32_t* b, const int64_t ldb, const int64_t steps) {
+  if (load_c) {
+    _tile_loadd(0, c, ldc * 4);
+    if constexpr (NT == 2) _tile_loadd(1, c + 16, ldc * 4);
+    if constexpr (MT == 2) _tile_loadd(2, c + 16 * ldc, ldc * 4);
+    if constexpr (MT == 2 && NT == 2) _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+  } else {
+    _tile_zero(0);
+    if constexpr (NT == 2) _tile_zero(1);
+    if constexpr (MT == 2) _tile_zero(2);
+    if constexpr (MT == 2 && NT == 2) _tile_zero(3);
+  }
   for (int64_t s = 0; s < steps; ++s) {
     _tile_loadd(4, a + s * 32, lda * 2);
     _tile_loadd(6, b + s * 16 * ldb, ldb * 4);
@@ -195,77 +184,82 @@ MOECORE_AMX void amx_block(float* c, const int64_t ldc, const uint16_t* a, const
   if constexpr (MT == 2 && NT == 2) _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
 }
 
-// C[M, N] = alpha acc + beta C for the valid part of the padded accumulator acc (ld_acc).
-MOECORE_AMX void finish(float* C, const int64_t ldc, const float* acc, const int64_t ld_acc, const int64_t M,
-                        const int64_t N, const float alpha, const float beta) {
-  const __m512 a = _mm512_set1_ps(alpha);
-  for (int64_t m = 0; m < M; ++m) {
-    float* c_row = C + m * ldc;
-    const float* acc_row = acc + m * ld_acc;
-    for (int64_t n = 0; n < N; n += 16) {
+template <int MT, int NT>
+MOECORE_AMX void amx_block_into(float* C, const int64_t ldc, const int64_t M, const int64_t N, const float alpha,
+                                const float beta, const uint16_t* a, const int64_t lda, const uint32_t* b,
+                                const int64_t ldb, const int64_t steps) {
+  if (alpha == 1.0f && M >= 16 * MT && N >= 16 * NT) {  // whole tiles inside C: accumulate in place
+    return amx_block<MT, NT>(C, ldc, beta != 0.0f, a, lda, b, ldb, steps);
+  }
+  alignas(64) float acc[32 * 32];
+  amx_block<MT, NT>(acc, 32, false, a, lda, b, ldb, steps);
+  const __m512 scale = _mm512_set1_ps(alpha);
+  for (int64_t m = 0; m < std::min<int64_t>(M, 16 * MT); ++m) {
+    for (int64_t n = 0; n < std::min<int64_t>(N, 16 * NT); n += 16) {
       const __mmask16 k = lanes_below(N - n);
-      __m512 v = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(k, acc_row + n));
-      if (beta != 0.0f) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, c_row + n));
-      _mm512_mask_storeu_ps(c_row + n, k, v);
+      __m512 v = _mm512_mul_ps(scale, _mm512_load_ps(acc + m * 32 + n));
+      if (beta != 0.0f) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, C + m * ldc + n));
+      _mm512_mask_storeu_ps(C + m * ldc + n, k, v);
     }
   }
 }
 
-struct AmxBuffers {
-  std::vector<uint16_t> a;  // A: [Mp, Kp] bf16
-  std::vector<uint32_t> b;  // B: [Kp / 2, Np] VNNI words
-  std::vector<uint32_t> t;  // a transposed operand before its word transpose
-  std::vector<float> c;     // [Mp, Np]
-};
-
-MOECORE_AMX void gemm_amx(const bool trans_a, const bool trans_b, const int64_t M, const int64_t N, const int64_t K,
-                          const float alpha, const float* A, const int64_t lda, const float* B, const int64_t ldb,
-                          const float beta, float* C, const int64_t ldc) {
-  thread_local AmxBuffers buf;
-  const int64_t Mp = round_up(M, 16), Np = round_up(N, 16), Kp = round_up(K, 32), pairs = Kp / 2;
-  buf.a.resize(static_cast<size_t>(Mp * Kp));
-  buf.b.resize(static_cast<size_t>(pairs * Np));
-  buf.c.resize(static_cast<size_t>(Mp * Np));
-  if (trans_a) {  // A = src^T, src [K, M]: VNNI pairs of src's rows, then the words transposed
-    buf.t.resize(static_cast<size_t>(pairs * Mp));
-    interleave_rows(buf.t.data(), Mp, A, lda, K, M, pairs, Mp);
-    transpose_words(reinterpret_cast<uint32_t*>(buf.a.data()), pairs, buf.t.data(), Mp, pairs, Mp);
-  } else {
-    convert_rows(buf.a.data(), Kp, A, lda, M, K, Mp, Kp);
-  }
-  if (trans_b) {  // B = src^T, src [N, K]: src's rows in bf16 are the words of B's columns
-    buf.t.resize(static_cast<size_t>(Np * pairs));
-    convert_rows(reinterpret_cast<uint16_t*>(buf.t.data()), Kp, B, ldb, N, K, Np, Kp);
-    transpose_words(buf.b.data(), Np, buf.t.data(), pairs, Np, pairs);
-  } else {
-    interleave_rows(buf.b.data(), Np, B, ldb, K, N, pairs, Np);
-  }
+MOECORE_AMX void gemm_amx_packed(const int64_t M, const int64_t N, const int64_t K, const float alpha,
+                                 const uint16_t* a, const int64_t lda, const uint32_t* b, const int64_t ldb,
+                                 const float beta, float* C, const int64_t ldc) {
   load_tile_config();
-  const int64_t steps = Kp / 32;
+  const int64_t steps = round_up(K, 32) / 32, Mp = round_up(M, 16), Np = round_up(N, 16);
   for (int64_t m = 0; m < Mp; m += 32) {
     const bool two_m = m + 32 <= Mp;
     for (int64_t n = 0; n < Np; n += 32) {
       const bool two_n = n + 32 <= Np;
-      float* c = buf.c.data() + m * Np + n;
-      const uint16_t* a = buf.a.data() + m * Kp;
-      const uint32_t* b = buf.b.data() + n;
+      float* c = C + m * ldc + n;
+      const uint16_t* a_m = a + m * lda;
+      const uint32_t* b_n = b + n;
       if (two_m && two_n) {
-        amx_block<2, 2>(c, Np, a, Kp, b, Np, steps);
+        amx_block_into<2, 2>(c, ldc, M - m, N - n, alpha, beta, a_m, lda, b_n, ldb, steps);
       } else if (two_m) {
-        amx_block<2, 1>(c, Np, a, Kp, b, Np, steps);
+        amx_block_into<2, 1>(c, ldc, M - m, N - n, alpha, beta, a_m, lda, b_n, ldb, steps);
       } else if (two_n) {
-        amx_block<1, 2>(c, Np, a, Kp, b, Np, steps);
+        amx_block_into<1, 2>(c, ldc, M - m, N - n, alpha, beta, a_m, lda, b_n, ldb, steps);
       } else {
-        amx_block<1, 1>(c, Np, a, Kp, b, Np, steps);
+        amx_block_into<1, 1>(c, ldc, M - m, N - n, alpha, beta, a_m, lda, b_n, ldb, steps);
       }
     }
   }
   _tile_release();
-  finish(C, ldc, buf.c.data(), Np, M, N, alpha, beta);
+}
+
+// The AMX layouts of Bf16Panel: A = op(src) [M, K] into bits [rows_p, Kp]; B = op(src) [K, N] into words [Kp/2, Np].
+MOECORE_AMX void pack_a_amx(std::vector<uint16_t>& bits, std::vector<uint32_t>& staging, const bool trans,
+                            const int64_t M, const int64_t K, const float* src, const int64_t ld,
+                            const int64_t zero_k_before, const int64_t rows_p, const int64_t Kp) {
+  bits.resize(static_cast<size_t>(rows_p * Kp));
+  if (!trans) return convert_rows(bits.data(), Kp, src, ld, M, K, rows_p, Kp, zero_k_before);
+  // A = src^T, src [K, M]: VNNI pairs of src's rows are the words of A's columns; transposed through registers.
+  const int64_t pairs = Kp / 2, Mp = rows_p - 16;
+  staging.resize(static_cast<size_t>(pairs * Mp));
+  interleave_rows(staging.data(), Mp, src, ld, K, M, pairs, Mp, zero_k_before);
+  transpose_words(reinterpret_cast<uint32_t*>(bits.data()), pairs, staging.data(), Mp, pairs, Mp);
+  std::fill(bits.begin() + Mp * Kp, bits.end(), uint16_t{0});
+}
+
+MOECORE_AMX void pack_b_amx(std::vector<uint32_t>& words, std::vector<uint32_t>& staging, const bool trans,
+                            const int64_t K, const int64_t N, const float* src, const int64_t ld, const int64_t Kp,
+                            const int64_t Np) {
+  const int64_t pairs = Kp / 2;
+  words.resize(static_cast<size_t>(pairs * Np));
+  if (!trans) return interleave_rows(words.data(), Np, src, ld, K, N, pairs, Np);
+  // B = src^T, src [N, K]: src's rows in bf16 are the words of B's columns.
+  staging.resize(static_cast<size_t>(Np * pairs));
+  convert_rows(reinterpret_cast<uint16_t*>(staging.data()), Kp, src, ld, N, K, Np, Kp);
+  transpose_words(words.data(), Np, staging.data(), pairs, Np, pairs);
 }
 #else
 bool amx_usable() { return false; }
 #endif
+
+float rounded(const float x) { return bf16_to_fp32(fp32_to_bf16(x)); }
 
 // ---- path choice --------------------------------------------------------------------------------------------------
 
@@ -289,25 +283,90 @@ std::string_view bf16_product_unit_name(const Bf16ProductUnit unit) {
 
 Bf16ProductUnit best_bf16_product_unit() { return amx_usable() ? Bf16ProductUnit::kAmx : Bf16ProductUnit::kEmulated; }
 
+void Bf16Panel::pack_a(const Bf16ProductUnit unit, const bool trans, const int64_t M, const int64_t K, const float* src,
+                       const int64_t ld, const int64_t zero_k_before) {
+  unit_ = unit;
+  is_a_ = true;
+  rows_ = M;
+  cols_ = K;
+#if defined(MOECORE_AMX_BUILT)
+  if (unit == Bf16ProductUnit::kAmx) {
+    if (!amx_usable()) throw std::runtime_error("Bf16Panel: AMX-BF16 tiles are not usable on this CPU / kernel");
+    ld_ = round_up(K, 32);
+    return pack_a_amx(bits_, staging_, trans, M, K, src, ld, zero_k_before, round_up(M, 16) + 16, ld_);
+  }
+#else
+  if (unit == Bf16ProductUnit::kAmx) throw std::runtime_error("Bf16Panel: this build has no AMX code");
+#endif
+  ld_ = K;
+  values_.resize(static_cast<size_t>(M * K));
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) {
+      values_[static_cast<size_t>(m * K + k)] =
+          k < zero_k_before ? 0.0f : rounded(trans ? src[k * ld + m] : src[m * ld + k]);
+    }
+  }
+}
+
+void Bf16Panel::pack_b(const Bf16ProductUnit unit, const bool trans, const int64_t K, const int64_t N, const float* src,
+                       const int64_t ld) {
+  unit_ = unit;
+  is_a_ = false;
+  rows_ = K;
+  cols_ = N;
+#if defined(MOECORE_AMX_BUILT)
+  if (unit == Bf16ProductUnit::kAmx) {
+    if (!amx_usable()) throw std::runtime_error("Bf16Panel: AMX-BF16 tiles are not usable on this CPU / kernel");
+    ld_ = round_up(N, 16);
+    return pack_b_amx(words_, staging_, trans, K, N, src, ld, round_up(K, 32), ld_);
+  }
+#else
+  if (unit == Bf16ProductUnit::kAmx) throw std::runtime_error("Bf16Panel: this build has no AMX code");
+#endif
+  ld_ = N;
+  values_.resize(static_cast<size_t>(K * N));
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t n = 0; n < N; ++n)
+      values_[static_cast<size_t>(k * N + n)] = rounded(trans ? src[n * ld + k] : src[k * ld + n]);
+  }
+}
+
+void gemm_bf16_packed(const int64_t M, const int64_t N, const int64_t K, const float alpha, const Bf16Panel& a,
+                      const int64_t a_row0, const Bf16Panel& b, const int64_t b_k0, const float beta, float* C,
+                      const int64_t ldc) {
+  if (!a.is_a_ || b.is_a_ || a.unit_ != b.unit_ || M < 0 || N < 0 || K < 0 || a_row0 < 0 || a_row0 + M > a.rows_ ||
+      K > a.cols_ || b_k0 < 0 || b_k0 % 32 != 0 || b_k0 + K > b.rows_ || N > b.cols_ ||
+      (beta != 0.0f && beta != 1.0f)) {
+    throw std::invalid_argument("gemm_bf16_packed: M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                                " K=" + std::to_string(K) + " a_row0=" + std::to_string(a_row0) +
+                                " b_k0=" + std::to_string(b_k0) + " do not fit A [" + std::to_string(a.rows_) + ", " +
+                                std::to_string(a.cols_) + "] and B [" + std::to_string(b.rows_) + ", " +
+                                std::to_string(b.cols_) + "] (or beta is not 0 or 1, or the panels mismatch)");
+  }
+  if (M == 0 || N == 0) return;
+#if defined(MOECORE_AMX_BUILT)
+  if (a.unit_ == Bf16ProductUnit::kAmx) {
+    return gemm_amx_packed(M, N, K, alpha, a.bits_.data() + a_row0 * a.ld_, a.ld_, b.words_.data() + b_k0 / 2 * b.ld_,
+                           b.ld_, beta, C, ldc);
+  }
+#endif
+  if (K == 0) {
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t n = 0; n < N; ++n) C[m * ldc + n] = beta == 0.0f ? 0.0f : C[m * ldc + n];
+    }
+    return;
+  }
+  sgemm(false, false, M, N, K, alpha, a.values_.data() + a_row0 * a.ld_, a.ld_, b.values_.data() + b_k0 * b.ld_, b.ld_,
+        beta, C, ldc);
+}
+
 void gemm_bf16(const Bf16ProductUnit unit, const bool trans_a, const bool trans_b, const int64_t M, const int64_t N,
                const int64_t K, const float alpha, const float* A, const int64_t lda, const float* B, const int64_t ldb,
                const float beta, float* C, const int64_t ldc) {
-  if (beta != 0.0f && beta != 1.0f) throw std::invalid_argument("gemm_bf16: beta must be 0 or 1");
-  if (M <= 0 || N <= 0) return;
-#if defined(MOECORE_AMX_BUILT)
-  if (unit == Bf16ProductUnit::kAmx) {
-    if (!amx_usable()) throw std::runtime_error("gemm_bf16: AMX-BF16 tiles are not usable on this CPU / kernel");
-    if (K <= 0) {
-      // No products: C = beta C.
-      for (int64_t m = 0; m < M && beta == 0.0f; ++m) std::fill_n(C + m * ldc, N, 0.0f);
-      return;
-    }
-    return gemm_amx(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-  }
-#else
-  if (unit == Bf16ProductUnit::kAmx) throw std::runtime_error("gemm_bf16: this build has no AMX code");
-#endif
-  gemm_emulated(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  thread_local Bf16Panel a, b;
+  a.pack_a(unit, trans_a, M, K, A, lda);
+  b.pack_b(unit, trans_b, K, N, B, ldb);
+  gemm_bf16_packed(M, N, K, alpha, a, 0, b, 0, beta, C, ldc);
 }
 
 std::string_view attention_product_path_name(const AttentionProductPath path) {

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <string_view>
+#include <vector>
 
 namespace moecore::kernels::cpu {
 
@@ -26,6 +27,36 @@ Bf16ProductUnit best_bf16_product_unit();
 // summed in fp32. beta is 0 (C not read) or 1. Single-threaded; callable from inside OpenMP regions.
 void gemm_bf16(Bf16ProductUnit unit, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+// An operand of gemm_bf16_packed, rounded to bf16 and laid out for its unit once, for several products: an A operand
+// [M, K] (AMX: row-major bf16, zero-padded to 16 more rows than M rounds up to, and K to a multiple of 32) or a B
+// operand [K, N] (AMX: VNNI pairs, rows 2k and 2k + 1 interleaved; K padded to 32, N to 16). On the emulated unit,
+// the rounded values in fp32. Packing again reuses the buffers.
+class Bf16Panel {
+ public:
+  // A = op(src) [M, K] (trans: src is [K, M], leading dimension ld); the K indices below zero_k_before read as 0.
+  void pack_a(Bf16ProductUnit unit, bool trans, int64_t M, int64_t K, const float* src, int64_t ld,
+              int64_t zero_k_before = 0);
+  // B = op(src) [K, N] (trans: src is [N, K]).
+  void pack_b(Bf16ProductUnit unit, bool trans, int64_t K, int64_t N, const float* src, int64_t ld);
+
+ private:
+  friend void gemm_bf16_packed(int64_t M, int64_t N, int64_t K, float alpha, const Bf16Panel& a, int64_t a_row0,
+                               const Bf16Panel& b, int64_t b_k0, float beta, float* C, int64_t ldc);
+  Bf16ProductUnit unit_ = Bf16ProductUnit::kEmulated;
+  bool is_a_ = true;
+  int64_t rows_ = 0, cols_ = 0;  // A: M, K; B: K, N
+  int64_t ld_ = 0;               // elements of a stored row: AMX A bf16, AMX B 32-bit words, emulated floats
+  std::vector<uint16_t> bits_;   // AMX A
+  std::vector<uint32_t> words_;  // AMX B
+  std::vector<uint32_t> staging_;
+  std::vector<float> values_;  // emulated
+};
+
+// C[M, N] = alpha A[a_row0 : a_row0 + M, 0 : K] B[b_k0 : b_k0 + K, 0 : N] + beta C (row-major, beta 0 or 1), panels
+// of one unit; b_k0 a multiple of 32. std::invalid_argument when the ranges leave the panels.
+void gemm_bf16_packed(int64_t M, int64_t N, int64_t K, float alpha, const Bf16Panel& a, int64_t a_row0,
+                      const Bf16Panel& b, int64_t b_k0, float beta, float* C, int64_t ldc);
 
 // Whether ops ask for bf16 attention products under bf16 activations (AttentionDims::bf16_products).
 enum class AttentionProductPath : uint8_t { kBF16, kF32 };
