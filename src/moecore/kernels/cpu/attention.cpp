@@ -129,6 +129,8 @@ struct BlockLayout {
   std::vector<int32_t> q_docs, k_docs;
 };
 
+struct Bf16KeyValues;
+
 // Strides and offsets of the [S, B, N, d] / [Sk, B, G, d] layouts (q, k; out and v have dv channels), the blocking,
 // and the general path's indices.
 struct Geometry {
@@ -187,6 +189,7 @@ struct Geometry {
   const int64_t* k_run_end;
   bool bf16_products;  // AttentionDims::bf16_products
   Bf16ProductUnit bf16_unit;
+  const Bf16KeyValues* bf16_kv = nullptr;  // fp32 kernels with bf16 products: the call's packed k and v
 };
 
 // A tile product: gemm_rm, or with bf16 products gemm_bf16 (fp32; in fp64, the test precision, the operands
@@ -221,11 +224,41 @@ struct Bf16Operands {
   Bf16Panel q_a, dout_a, q_b, dout_b;        // the block's q and dout as A operands, and as B operands (dK, dV)
   Bf16Panel keys_t, values_t, keys, values;  // the tile's k^T, v^T (B of q k^T, dout v^T), k, v (B of dS k, P v)
   Bf16Panel tile_a, tile_t;                  // P or dS as an A operand, P^T or dS^T
+  // dK, dV of the keys [acc_k0, acc_k1) of the task's (b, group), contiguous: summed here over the task's tiles and
+  // added to the gradients once (flush_key_grads), instead of tile by tile into their [Sk, B, G, d] rows.
+  std::vector<float> dk_acc, dv_acc;
+  int64_t acc_k0 = 0, acc_k1 = 0;
 };
 Bf16Operands& bf16_operands() {
   thread_local Bf16Operands operands;
   return operands;
 }
+// The keys and values of every (b, kv group) packed once per call for the bf16 products: k^T and v^T as the B
+// operands of q k^T and dout v^T (a tile is a range of columns), k and v as those of dS k and P v (a range of rows,
+// used where the tile starts on a 32-key step: other tiles pack their own).
+struct Bf16KeyValues {
+  Bf16KeyValues(const Geometry& geo, const float* k_SBGd, const float* v_SBGd, const bool backward)
+      : keys_t(static_cast<size_t>(geo.B * geo.G)),
+        values_t(static_cast<size_t>(backward ? geo.B * geo.G : 0)),
+        keys(static_cast<size_t>(backward ? geo.B * geo.G : 0)),
+        values(static_cast<size_t>(backward ? 0 : geo.B * geo.G)) {
+#pragma omp parallel for schedule(static) if (geo.parallel())
+    for (int64_t bg = 0; bg < geo.B * geo.G; ++bg) {
+      const auto at = static_cast<size_t>(bg);
+      const float* k = k_SBGd + geo.kv_offset(0, bg / geo.G, bg % geo.G);
+      const float* v = v_SBGd + geo.v_offset(0, bg / geo.G, bg % geo.G);
+      keys_t[at].pack_b(geo.bf16_unit, true, geo.d, geo.Sk, k, geo.ld_kv);
+      if (backward) {
+        values_t[at].pack_b(geo.bf16_unit, true, geo.dv, geo.Sk, v, geo.ld_v);
+        keys[at].pack_b(geo.bf16_unit, false, geo.Sk, geo.d, k, geo.ld_kv);
+      } else {
+        values[at].pack_b(geo.bf16_unit, false, geo.Sk, geo.dv, v, geo.ld_v);
+      }
+    }
+  }
+  std::vector<Bf16Panel> keys_t, values_t, keys, values;  // [B * G]
+};
+
 // Whether a tile's products run on packed bf16 operands: fp32 kernels with AttentionDims::bf16_products (fp64 ones
 // emulate them in product()).
 template <typename T>
@@ -621,21 +654,27 @@ struct ForwardScratch {
 };
 
 // forward_block's tiles on packed bf16 operands (q_Md, m_M, l_M and o_Md set up by it).
-void forward_block_bf16(float* out_SBNd, float* lse_BNS, const float* k_SBGd, const float* v_SBGd, const Geometry& geo,
-                        double scale, const MaskStream& mask, const Block& blk, ForwardScratch<float>& sc) {
+void forward_block_bf16(float* out_SBNd, float* lse_BNS, const float* v_SBGd, const Geometry& geo, double scale,
+                        const MaskStream& mask, const Block& blk, ForwardScratch<float>& sc) {
   Bf16Operands& x = bf16_operands();
   const Bf16ProductUnit unit = geo.bf16_unit;
   x.q_a.pack_a(unit, false, blk.rows, geo.d, sc.q_Md, geo.d);
   for_each_key_tile(geo, blk, kKeyTileForward, [&](const KeyTile& tile) {
     const int64_t rows = blk.rows - tile.p0, cols = tile.cols;
     float* s_MC = sc.s_MC + tile.p0 * cols;
-    x.keys_t.pack_b(unit, true, geo.d, cols, k_SBGd + geo.kv_offset(tile.j0, blk.b, blk.g), geo.ld_kv);
-    gemm_bf16_packed(rows, cols, geo.d, static_cast<float>(scale), x.q_a, tile.p0, x.keys_t, 0, 0.0f, s_MC, cols);
+    const auto bg = static_cast<size_t>(blk.b * geo.G + blk.g);
+    gemm_bf16_packed(rows, cols, geo.d, static_cast<float>(scale), x.q_a, tile.p0, geo.bf16_kv->keys_t[bg], 0, tile.j0,
+                     0.0f, s_MC, cols);
     forward_tile(sc.s_MC, sc.m_M, sc.l_M, sc.o_Md, geo, blk, tile, mask);
     x.tile_a.pack_a(unit, false, rows, cols, s_MC, cols);
-    x.values.pack_b(unit, false, cols, geo.dv, v_SBGd + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v);
-    gemm_bf16_packed(rows, geo.dv, cols, 1.0f, x.tile_a, 0, x.values, 0, tile.j0 == 0 && !geo.general ? 0.0f : 1.0f,
-                     sc.o_Md + tile.p0 * geo.dv, geo.dv);
+    const float beta = tile.j0 == 0 && !geo.general ? 0.0f : 1.0f;
+    if (tile.j0 % 32 == 0) {
+      gemm_bf16_packed(rows, geo.dv, cols, 1.0f, x.tile_a, 0, geo.bf16_kv->values[bg], tile.j0, 0, beta,
+                       sc.o_Md + tile.p0 * geo.dv, geo.dv);
+    } else {
+      x.values.pack_b(unit, false, cols, geo.dv, v_SBGd + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v);
+      gemm_bf16_packed(rows, geo.dv, cols, 1.0f, x.tile_a, 0, x.values, 0, 0, beta, sc.o_Md + tile.p0 * geo.dv, geo.dv);
+    }
   });
   forward_finish(out_SBNd, lse_BNS, sc.o_Md, sc.m_M, sc.l_M, geo, blk, mask);
 }
@@ -648,7 +687,7 @@ void forward_block(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd, co
   std::fill(sc.l_M, sc.l_M + blk.rows, T(0));
   if (geo.general) std::fill(sc.o_Md, sc.o_Md + blk.rows * geo.dv, T(0));  // its first tile need not be key 0's
   if constexpr (std::is_same_v<T, float>) {
-    if (geo.bf16_products) return forward_block_bf16(out_SBNd, lse_BNS, k_SBGd, v_SBGd, geo, scale, mask, blk, sc);
+    if (geo.bf16_products) return forward_block_bf16(out_SBNd, lse_BNS, v_SBGd, geo, scale, mask, blk, sc);
   }
   for_each_key_tile(geo, blk, kKeyTileForward, [&](const KeyTile& tile) {
     const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
@@ -764,12 +803,11 @@ void compute_tile(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Blo
     if (geo.bf16_products) {
       Bf16Operands& x = bf16_operands();
       const int64_t cols = tile.cols;
-      x.keys_t.pack_b(geo.bf16_unit, true, geo.d, cols, in.k + kv_off, geo.ld_kv);
-      x.values_t.pack_b(geo.bf16_unit, true, geo.dv, cols, in.v + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v);
-      gemm_bf16_packed(rows, cols, geo.d, static_cast<float>(in.scale), x.q_a, tile.p0, x.keys_t, 0, 0.0f,
-                       sc.pd_MC + tile.p0 * cols, cols);
-      gemm_bf16_packed(rows, cols, geo.dv, 1.0f, x.dout_a, tile.p0, x.values_t, 0, 0.0f, sc.ds_MC + tile.p0 * cols,
-                       cols);
+      const auto bg = static_cast<size_t>(blk.b * geo.G + blk.g);
+      gemm_bf16_packed(rows, cols, geo.d, static_cast<float>(in.scale), x.q_a, tile.p0, geo.bf16_kv->keys_t[bg], 0,
+                       tile.j0, 0.0f, sc.pd_MC + tile.p0 * cols, cols);
+      gemm_bf16_packed(rows, cols, geo.dv, 1.0f, x.dout_a, tile.p0, geo.bf16_kv->values_t[bg], 0, tile.j0, 0.0f,
+                       sc.ds_MC + tile.p0 * cols, cols);
       return backward_tile(sc.pd_MC, sc.ds_MC, sc.lse_M, sc.delta_M, in, blk, tile);
     }
   }
@@ -792,11 +830,12 @@ void accumulate_dk_dv(T* dk_SBGd, T* dv_SBGd, const BackwardScratch<T>& sc, cons
       // p0 hold no values of this tile and read as 0.
       Bf16Operands& x = bf16_operands();
       const int64_t cols = tile.cols, k0 = tile.p0 / 32 * 32, depth = blk.rows - k0;
+      const int64_t row = tile.j0 - x.acc_k0;
       x.tile_t.pack_a(geo.bf16_unit, true, cols, depth, sc.pd_MC + k0 * cols, cols, tile.p0 - k0);
-      gemm_bf16_packed(cols, geo.dv, depth, 1.0f, x.tile_t, 0, x.dout_b, k0, 1.0f,
-                       dv_SBGd + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v);
+      gemm_bf16_packed(cols, geo.dv, depth, 1.0f, x.tile_t, 0, x.dout_b, k0, 0, 1.0f, x.dv_acc.data() + row * geo.dv,
+                       geo.dv);
       x.tile_t.pack_a(geo.bf16_unit, true, cols, depth, sc.ds_MC + k0 * cols, cols, tile.p0 - k0);
-      gemm_bf16_packed(cols, geo.d, depth, 1.0f, x.tile_t, 0, x.q_b, k0, 1.0f, dk_SBGd + kv_off, geo.ld_kv);
+      gemm_bf16_packed(cols, geo.d, depth, 1.0f, x.tile_t, 0, x.q_b, k0, 0, 1.0f, x.dk_acc.data() + row * geo.d, geo.d);
       return;
     }
   }
@@ -815,9 +854,15 @@ void accumulate_dq(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Bl
       Bf16Operands& x = bf16_operands();
       const int64_t rows = blk.rows - tile.p0, cols = tile.cols;
       x.tile_a.pack_a(geo.bf16_unit, false, rows, cols, sc.ds_MC + tile.p0 * cols, cols);
-      x.keys.pack_b(geo.bf16_unit, false, cols, geo.d, in.k + geo.kv_offset(tile.j0, blk.b, blk.g), geo.ld_kv);
-      gemm_bf16_packed(rows, geo.d, cols, 1.0f, x.tile_a, 0, x.keys, 0, tile.j0 == 0 && !geo.general ? 0.0f : 1.0f,
-                       sc.dq_Md + tile.p0 * geo.d, geo.d);
+      const float beta = tile.j0 == 0 && !geo.general ? 0.0f : 1.0f;
+      if (tile.j0 % 32 == 0) {
+        gemm_bf16_packed(rows, geo.d, cols, 1.0f, x.tile_a, 0,
+                         geo.bf16_kv->keys[static_cast<size_t>(blk.b * geo.G + blk.g)], tile.j0, 0, beta,
+                         sc.dq_Md + tile.p0 * geo.d, geo.d);
+      } else {
+        x.keys.pack_b(geo.bf16_unit, false, cols, geo.d, in.k + geo.kv_offset(tile.j0, blk.b, blk.g), geo.ld_kv);
+        gemm_bf16_packed(rows, geo.d, cols, 1.0f, x.tile_a, 0, x.keys, 0, 0, beta, sc.dq_Md + tile.p0 * geo.d, geo.d);
+      }
       return;
     }
   }
@@ -837,6 +882,32 @@ void store_dq(T* dq_SBNd, const BackwardScratch<T>& sc, const Geometry& geo, con
   }
 }
 
+// With bf16 products, dK and dV of keys [k0, k1) gather in the thread's accumulators from zero (accumulate_dk_dv);
+// flush_key_grads adds them to dk, dv. Both schedules sum each key's tiles in the same order, then add once.
+template <typename T>
+void begin_key_grads(const Geometry& geo, const int64_t k0, const int64_t k1) {
+  if (!packed_bf16<T>(geo)) return;
+  Bf16Operands& x = bf16_operands();
+  x.acc_k0 = k0;
+  x.acc_k1 = k1;
+  x.dk_acc.assign(static_cast<size_t>((k1 - k0) * geo.d), 0.0f);
+  x.dv_acc.assign(static_cast<size_t>((k1 - k0) * geo.dv), 0.0f);
+}
+
+template <typename T>
+void flush_key_grads(T* dk_SBGd, T* dv_SBGd, const Geometry& geo, const int64_t b, const int64_t g) {
+  if (!packed_bf16<T>(geo)) return;
+  const Bf16Operands& x = bf16_operands();
+  for (int64_t j = x.acc_k0; j < x.acc_k1; ++j) {
+    T* dk = dk_SBGd + geo.kv_offset(j, b, g);
+    T* dv = dv_SBGd + geo.v_offset(j, b, g);
+    const float* dk_acc = x.dk_acc.data() + (j - x.acc_k0) * geo.d;
+    const float* dv_acc = x.dv_acc.data() + (j - x.acc_k0) * geo.dv;
+    for (int64_t c = 0; c < geo.d; ++c) dk[c] += static_cast<T>(dk_acc[c]);
+    for (int64_t c = 0; c < geo.dv; ++c) dv[c] += static_cast<T>(dv_acc[c]);
+  }
+}
+
 // One task per (b, kv group): its query blocks in order, each over its key tiles in order.
 template <typename T>
 void backward_by_group(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
@@ -845,6 +916,7 @@ void backward_by_group(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
 #pragma omp parallel for schedule(dynamic, 1) if (geo.parallel())
   for (int64_t bg = 0; bg < geo.B * geo.G; ++bg) {
     BackwardScratch<T> sc(scratch.mine(), geo);
+    begin_key_grads<T>(geo, 0, geo.Sk);
     for (int64_t i0 = 0; i0 < geo.S; i0 += geo.block_rows) {
       const Block blk(geo, bg / geo.G, bg % geo.G, i0);
       load_block(sc, in, blk);
@@ -855,6 +927,7 @@ void backward_by_group(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
       });
       store_dq(dq, sc, geo, blk);
     }
+    flush_key_grads(dk, dv, geo, bg / geo.G, bg % geo.G);
   }
 }
 
@@ -875,6 +948,7 @@ void backward_by_block(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t task = 0; task < n_key_tiles * n_pairs; ++task) {
       const int64_t bg = task % n_pairs, k0 = task / n_pairs * kKeyTileBackward, k1 = k0 + kKeyTileBackward;
+      begin_key_grads<T>(geo, k0, std::min(k1, geo.Sk));
       if (geo.general) {
         // Every query block, each over its tiles in [k0, k1): the same tiles as backward_by_group's.
         for (int64_t i0 = 0; i0 < geo.S; i0 += geo.block_rows) {
@@ -887,6 +961,7 @@ void backward_by_block(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
             accumulate_dk_dv(dk, dv, sc, in, blk, tile);
           });
         }
+        flush_key_grads(dk, dv, geo, bg / geo.G, bg % geo.G);
         continue;
       }
       for (int64_t i0 = k0 / geo.block_rows * geo.block_rows; i0 < geo.S; i0 += geo.block_rows) {
@@ -898,6 +973,7 @@ void backward_by_block(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
           accumulate_dk_dv(dk, dv, sc, in, blk, tile);
         });
       }
+      flush_key_grads(dk, dv, geo, bg / geo.G, bg % geo.G);
     }
     // Query block n-1 sees the most keys: start it first.
 #pragma omp for schedule(dynamic, 1)
@@ -965,7 +1041,12 @@ void attention_forward(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd
                        const AttentionDims& dims, const DropoutSpec& dropout) {
   detail::check_attention_args(dims, dropout, "attention_forward");
   const BlockLayout layout(dims);
-  const Geometry geo(dims, layout);
+  Geometry geo(dims, layout);
+  std::unique_ptr<Bf16KeyValues> kv;
+  if (packed_bf16<T>(geo)) {
+    if constexpr (std::is_same_v<T, float>) kv = std::make_unique<Bf16KeyValues>(geo, k_SBGd, v_SBGd, false);
+    geo.bf16_kv = kv.get();
+  }
   const MaskStream mask(dropout);
   const int64_t n_blocks = geo.n_query_blocks(), n_pairs = geo.B * geo.G;
   Scratch<T> scratch(ForwardScratch<T>::size(geo));
@@ -984,7 +1065,12 @@ void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, 
                         const DropoutSpec& dropout) {
   detail::check_attention_args(dims, dropout, "attention_backward");
   const BlockLayout layout(dims);
-  const Geometry geo(dims, layout);
+  Geometry geo(dims, layout);
+  std::unique_ptr<Bf16KeyValues> kv;
+  if (packed_bf16<T>(geo)) {
+    if constexpr (std::is_same_v<T, float>) kv = std::make_unique<Bf16KeyValues>(geo, k_SBGd, v_SBGd, true);
+    geo.bf16_kv = kv.get();
+  }
   // rowsum(dP * P) = sum_j dPd_ij Pd_ij = dout_i . out_i, also with dropout (out is built from Pd).
   std::vector<T> delta_BNS(geo.B * geo.N * geo.S);
 #pragma omp parallel for schedule(static) if (geo.parallel())

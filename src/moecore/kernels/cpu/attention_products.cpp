@@ -317,7 +317,7 @@ void Bf16Panel::pack_b(const Bf16ProductUnit unit, const bool trans, const int64
 #if defined(MOECORE_AMX_BUILT)
   if (unit == Bf16ProductUnit::kAmx) {
     if (!amx_usable()) throw std::runtime_error("Bf16Panel: AMX-BF16 tiles are not usable on this CPU / kernel");
-    ld_ = round_up(N, 16);
+    ld_ = round_up(N, 16) + 16;
     return pack_b_amx(words_, staging_, trans, K, N, src, ld, round_up(K, 32), ld_);
   }
 #else
@@ -332,10 +332,10 @@ void Bf16Panel::pack_b(const Bf16ProductUnit unit, const bool trans, const int64
 }
 
 void gemm_bf16_packed(const int64_t M, const int64_t N, const int64_t K, const float alpha, const Bf16Panel& a,
-                      const int64_t a_row0, const Bf16Panel& b, const int64_t b_k0, const float beta, float* C,
-                      const int64_t ldc) {
+                      const int64_t a_row0, const Bf16Panel& b, const int64_t b_k0, const int64_t b_n0,
+                      const float beta, float* C, const int64_t ldc) {
   if (!a.is_a_ || b.is_a_ || a.unit_ != b.unit_ || M < 0 || N < 0 || K < 0 || a_row0 < 0 || a_row0 + M > a.rows_ ||
-      K > a.cols_ || b_k0 < 0 || b_k0 % 32 != 0 || b_k0 + K > b.rows_ || N > b.cols_ ||
+      K > a.cols_ || b_k0 < 0 || b_k0 % 32 != 0 || b_k0 + K > b.rows_ || b_n0 < 0 || b_n0 + N > b.cols_ ||
       (beta != 0.0f && beta != 1.0f)) {
     throw std::invalid_argument("gemm_bf16_packed: M=" + std::to_string(M) + " N=" + std::to_string(N) +
                                 " K=" + std::to_string(K) + " a_row0=" + std::to_string(a_row0) +
@@ -346,7 +346,7 @@ void gemm_bf16_packed(const int64_t M, const int64_t N, const int64_t K, const f
   if (M == 0 || N == 0) return;
 #if defined(MOECORE_AMX_BUILT)
   if (a.unit_ == Bf16ProductUnit::kAmx) {
-    return gemm_amx_packed(M, N, K, alpha, a.bits_.data() + a_row0 * a.ld_, a.ld_, b.words_.data() + b_k0 / 2 * b.ld_,
+    return gemm_amx_packed(M, N, K, alpha, a.bits_.data() + a_row0 * a.ld_, a.ld_, b.words_.data() + b_k0 / 2 * b.ld_ + b_n0,
                            b.ld_, beta, C, ldc);
   }
 #endif
@@ -356,7 +356,7 @@ void gemm_bf16_packed(const int64_t M, const int64_t N, const int64_t K, const f
     }
     return;
   }
-  sgemm(false, false, M, N, K, alpha, a.values_.data() + a_row0 * a.ld_, a.ld_, b.values_.data() + b_k0 * b.ld_, b.ld_,
+  sgemm(false, false, M, N, K, alpha, a.values_.data() + a_row0 * a.ld_, a.ld_, b.values_.data() + b_k0 * b.ld_ + b_n0, b.ld_,
         beta, C, ldc);
 }
 
@@ -366,7 +366,7 @@ void gemm_bf16(const Bf16ProductUnit unit, const bool trans_a, const bool trans_
   thread_local Bf16Panel a, b;
   a.pack_a(unit, trans_a, M, K, A, lda);
   b.pack_b(unit, trans_b, K, N, B, ldb);
-  gemm_bf16_packed(M, N, K, alpha, a, 0, b, 0, beta, C, ldc);
+  gemm_bf16_packed(M, N, K, alpha, a, 0, b, 0, 0, beta, C, ldc);
 }
 
 std::string_view attention_product_path_name(const AttentionProductPath path) {

@@ -30,7 +30,8 @@ void gemm_bf16(Bf16ProductUnit unit, bool trans_a, bool trans_b, int64_t M, int6
 
 // An operand of gemm_bf16_packed, rounded to bf16 and laid out for its unit once, for several products: an A operand
 // [M, K] (AMX: row-major bf16, zero-padded to 16 more rows than M rounds up to, and K to a multiple of 32) or a B
-// operand [K, N] (AMX: VNNI pairs, rows 2k and 2k + 1 interleaved; K padded to 32, N to 16). On the emulated unit,
+// operand [K, N] (AMX: VNNI pairs, rows 2k and 2k + 1 interleaved; K padded to 32, N to 16 more columns than it
+// rounds up to). On the emulated unit,
 // the rounded values in fp32. Packing again reuses the buffers.
 class Bf16Panel {
  public:
@@ -42,7 +43,7 @@ class Bf16Panel {
 
  private:
   friend void gemm_bf16_packed(int64_t M, int64_t N, int64_t K, float alpha, const Bf16Panel& a, int64_t a_row0,
-                               const Bf16Panel& b, int64_t b_k0, float beta, float* C, int64_t ldc);
+                               const Bf16Panel& b, int64_t b_k0, int64_t b_n0, float beta, float* C, int64_t ldc);
   Bf16ProductUnit unit_ = Bf16ProductUnit::kEmulated;
   bool is_a_ = true;
   int64_t rows_ = 0, cols_ = 0;  // A: M, K; B: K, N
@@ -53,10 +54,10 @@ class Bf16Panel {
   std::vector<float> values_;  // emulated
 };
 
-// C[M, N] = alpha A[a_row0 : a_row0 + M, 0 : K] B[b_k0 : b_k0 + K, 0 : N] + beta C (row-major, beta 0 or 1), panels
-// of one unit; b_k0 a multiple of 32. std::invalid_argument when the ranges leave the panels.
+// C[M, N] = alpha A[a_row0 : a_row0 + M, 0 : K] B[b_k0 : b_k0 + K, b_n0 : b_n0 + N] + beta C (row-major, beta 0 or
+// 1), panels of one unit; b_k0 a multiple of 32. std::invalid_argument when the ranges leave the panels.
 void gemm_bf16_packed(int64_t M, int64_t N, int64_t K, float alpha, const Bf16Panel& a, int64_t a_row0,
-                      const Bf16Panel& b, int64_t b_k0, float beta, float* C, int64_t ldc);
+                      const Bf16Panel& b, int64_t b_k0, int64_t b_n0, float beta, float* C, int64_t ldc);
 
 // Whether ops ask for bf16 attention products under bf16 activations (AttentionDims::bf16_products).
 enum class AttentionProductPath : uint8_t { kBF16, kF32 };
