@@ -584,16 +584,19 @@ class Scratch {
 // may see no key of a tile (row_max stays -inf: its exponentials are 0, m and l unchanged).
 template <typename T>
 MOECORE_VECTOR_CLONES void forward_tile(T* s_MC, T* m_M, T* l_M, T* o_Md, const Geometry& geo, const Block& blk,
-                                        const KeyTile& tile, const MaskStream& mask) {
+                                        const KeyTile& tile, const MaskStream& mask, uint16_t* p_bits = nullptr,
+                                        const int64_t ld_bits = 0) {
   const int64_t j0 = tile.j0, cols = tile.cols;
   for (int64_t p = tile.p0; p < blk.rows; ++p) {
     T* row = s_MC + p * cols;
+    uint16_t* bits_row = p_bits == nullptr ? nullptr : p_bits + (p - tile.p0) * ld_bits;
     mask_scores(row, geo, blk, tile, p);
     T row_max = m_M[p];
 #pragma omp simd reduction(max : row_max)
     for (int64_t c = 0; c < cols; ++c) row_max = row[c] > row_max ? row[c] : row_max;
     if (row_max == -std::numeric_limits<T>::infinity()) {
       std::fill(row, row + cols, T(0));
+      if (bits_row != nullptr) std::fill(bits_row, bits_row + cols, uint16_t{0});
       continue;
     }
     T sum = 0;
@@ -608,6 +611,10 @@ MOECORE_VECTOR_CLONES void forward_tile(T* s_MC, T* m_M, T* l_M, T* o_Md, const 
       tile_words(words, geo, geo.dropout_row_counter(blk.b, blk.head(p), blk.query(p)), j0, cols, mask);
 #pragma omp simd
       for (int64_t c = 0; c < cols; ++c) row[c] = mask.kept(words[c]) ? row[c] : T(0);
+    }
+    if (bits_row != nullptr) {  // the bf16 operand of P v, rounded while the row is in cache
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) bits_row[c] = bf16_bits(static_cast<float>(row[c]));
     }
     if ((j0 > 0 || geo.general) && row_max != m_M[p]) {
       const T rescale = exp_of(m_M[p] - row_max);
@@ -665,8 +672,13 @@ void forward_block_bf16(float* out_SBNd, float* lse_BNS, const float* v_SBGd, co
     const auto bg = static_cast<size_t>(blk.b * geo.G + blk.g);
     gemm_bf16_packed(rows, cols, geo.d, static_cast<float>(scale), x.q_a, tile.p0, geo.bf16_kv->keys_t[bg], 0, tile.j0,
                      0.0f, s_MC, cols);
-    forward_tile(sc.s_MC, sc.m_M, sc.l_M, sc.o_Md, geo, blk, tile, mask);
-    x.tile_a.pack_a(unit, false, rows, cols, s_MC, cols);
+    if (unit == Bf16ProductUnit::kAmx) {
+      uint16_t* bits = x.tile_a.amx_a_for_writing(rows, cols);
+      forward_tile(sc.s_MC, sc.m_M, sc.l_M, sc.o_Md, geo, blk, tile, mask, bits, x.tile_a.a_row_stride());
+    } else {
+      forward_tile(sc.s_MC, sc.m_M, sc.l_M, sc.o_Md, geo, blk, tile, mask);
+      x.tile_a.pack_a(unit, false, rows, cols, s_MC, cols);
+    }
     const float beta = tile.j0 == 0 && !geo.general ? 0.0f : 1.0f;
     if (tile.j0 % 32 == 0) {
       gemm_bf16_packed(rows, geo.dv, cols, 1.0f, x.tile_a, 0, geo.bf16_kv->values[bg], tile.j0, 0, beta,
@@ -722,16 +734,19 @@ struct BackwardInputs {
 // with lse = -inf saw no key at all (general path): zeros.
 template <typename T>
 MOECORE_VECTOR_CLONES void backward_tile(T* pd_MC, T* ds_MC, const T* lse_M, const T* delta_M,
-                                         const BackwardInputs<T>& in, const Block& blk, const KeyTile& tile) {
+                                         const BackwardInputs<T>& in, const Block& blk, const KeyTile& tile,
+                                         uint16_t* ds_bits = nullptr, const int64_t ld_bits = 0) {
   const T scale = static_cast<T>(in.scale), keep_scale = static_cast<T>(in.mask.keep_scale);
   const int64_t j0 = tile.j0, cols = tile.cols;
   for (int64_t p = tile.p0; p < blk.rows; ++p) {
     T* pd_row = pd_MC + p * cols;
     T* ds_row = ds_MC + p * cols;
+    uint16_t* bits_row = ds_bits == nullptr ? nullptr : ds_bits + (p - tile.p0) * ld_bits;
     const T lse = lse_M[p], delta = delta_M[p];
     if (lse == -std::numeric_limits<T>::infinity()) {
       std::fill(pd_row, pd_row + cols, T(0));
       std::fill(ds_row, ds_row + cols, T(0));
+      if (bits_row != nullptr) std::fill(bits_row, bits_row + cols, uint16_t{0});
       continue;
     }
     mask_scores(pd_row, in.geo, blk, tile, p);
@@ -752,6 +767,10 @@ MOECORE_VECTOR_CLONES void backward_tile(T* pd_MC, T* ds_MC, const T* lse_M, con
         pd_row[c] = prob;
         ds_row[c] = scale * prob * (ds_row[c] - delta);
       }
+    }
+    if (bits_row != nullptr) {  // the bf16 operand of dS k, rounded while the row is in cache
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) bits_row[c] = bf16_bits(static_cast<float>(ds_row[c]));
     }
   }
 }
@@ -808,7 +827,10 @@ void compute_tile(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Blo
                        tile.j0, 0.0f, sc.pd_MC + tile.p0 * cols, cols);
       gemm_bf16_packed(rows, cols, geo.dv, 1.0f, x.dout_a, tile.p0, geo.bf16_kv->values_t[bg], 0, tile.j0, 0.0f,
                        sc.ds_MC + tile.p0 * cols, cols);
-      return backward_tile(sc.pd_MC, sc.ds_MC, sc.lse_M, sc.delta_M, in, blk, tile);
+      if (geo.bf16_unit != Bf16ProductUnit::kAmx)
+        return backward_tile(sc.pd_MC, sc.ds_MC, sc.lse_M, sc.delta_M, in, blk, tile);
+      uint16_t* bits = x.tile_a.amx_a_for_writing(rows, cols);  // dS as the A operand of accumulate_dq
+      return backward_tile(sc.pd_MC, sc.ds_MC, sc.lse_M, sc.delta_M, in, blk, tile, bits, x.tile_a.a_row_stride());
     }
   }
   product(geo, false, true, rows, tile.cols, geo.d, static_cast<T>(in.scale), sc.q_Md + tile.p0 * geo.d, geo.d,
@@ -853,7 +875,10 @@ void accumulate_dq(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Bl
     if (geo.bf16_products) {
       Bf16Operands& x = bf16_operands();
       const int64_t rows = blk.rows - tile.p0, cols = tile.cols;
-      x.tile_a.pack_a(geo.bf16_unit, false, rows, cols, sc.ds_MC + tile.p0 * cols, cols);
+      // On AMX compute_tile wrote dS into tile_a already.
+      if (geo.bf16_unit != Bf16ProductUnit::kAmx) {
+        x.tile_a.pack_a(geo.bf16_unit, false, rows, cols, sc.ds_MC + tile.p0 * cols, cols);
+      }
       const float beta = tile.j0 == 0 && !geo.general ? 0.0f : 1.0f;
       if (tile.j0 % 32 == 0) {
         gemm_bf16_packed(rows, geo.d, cols, 1.0f, x.tile_a, 0,

@@ -308,6 +308,22 @@ void Bf16Panel::pack_a(const Bf16ProductUnit unit, const bool trans, const int64
   }
 }
 
+uint16_t* Bf16Panel::amx_a_for_writing(const int64_t M, const int64_t K) {
+  if (!amx_usable()) throw std::runtime_error("Bf16Panel: AMX-BF16 tiles are not usable on this CPU / kernel");
+  unit_ = Bf16ProductUnit::kAmx;
+  is_a_ = true;
+  rows_ = M;
+  cols_ = K;
+  ld_ = round_up(K, 32);
+  const int64_t rows_p = round_up(M, 16) + 16;
+  bits_.resize(static_cast<size_t>(rows_p * ld_));
+  if (K < ld_) {
+    for (int64_t m = 0; m < M; ++m) std::fill_n(bits_.data() + m * ld_ + K, ld_ - K, uint16_t{0});
+  }
+  std::fill(bits_.begin() + M * ld_, bits_.end(), uint16_t{0});
+  return bits_.data();
+}
+
 void Bf16Panel::pack_b(const Bf16ProductUnit unit, const bool trans, const int64_t K, const int64_t N, const float* src,
                        const int64_t ld) {
   unit_ = unit;
@@ -346,8 +362,8 @@ void gemm_bf16_packed(const int64_t M, const int64_t N, const int64_t K, const f
   if (M == 0 || N == 0) return;
 #if defined(MOECORE_AMX_BUILT)
   if (a.unit_ == Bf16ProductUnit::kAmx) {
-    return gemm_amx_packed(M, N, K, alpha, a.bits_.data() + a_row0 * a.ld_, a.ld_, b.words_.data() + b_k0 / 2 * b.ld_ + b_n0,
-                           b.ld_, beta, C, ldc);
+    return gemm_amx_packed(M, N, K, alpha, a.bits_.data() + a_row0 * a.ld_, a.ld_,
+                           b.words_.data() + b_k0 / 2 * b.ld_ + b_n0, b.ld_, beta, C, ldc);
   }
 #endif
   if (K == 0) {
@@ -356,8 +372,8 @@ void gemm_bf16_packed(const int64_t M, const int64_t N, const int64_t K, const f
     }
     return;
   }
-  sgemm(false, false, M, N, K, alpha, a.values_.data() + a_row0 * a.ld_, a.ld_, b.values_.data() + b_k0 * b.ld_ + b_n0, b.ld_,
-        beta, C, ldc);
+  sgemm(false, false, M, N, K, alpha, a.values_.data() + a_row0 * a.ld_, a.ld_, b.values_.data() + b_k0 * b.ld_ + b_n0,
+        b.ld_, beta, C, ldc);
 }
 
 void gemm_bf16(const Bf16ProductUnit unit, const bool trans_a, const bool trans_b, const int64_t M, const int64_t N,

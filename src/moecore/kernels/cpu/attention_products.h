@@ -10,6 +10,7 @@
 // (gemm_lowp.h), so it would not beat sgemm on these shapes.
 #pragma once
 
+#include <bit>
 #include <cstdint>
 #include <string_view>
 #include <vector>
@@ -40,6 +41,10 @@ class Bf16Panel {
               int64_t zero_k_before = 0);
   // B = op(src) [K, N] (trans: src is [N, K]).
   void pack_b(Bf16ProductUnit unit, bool trans, int64_t K, int64_t N, const float* src, int64_t ld);
+  // An AMX A operand [M, K] that the caller writes: row m's K bf16 values (bf16_bits) at the returned pointer plus
+  // m * a_row_stride(); the padding is zeroed here. For producers that round their own output (the softmax).
+  uint16_t* amx_a_for_writing(int64_t M, int64_t K);
+  int64_t a_row_stride() const { return ld_; }
 
  private:
   friend void gemm_bf16_packed(int64_t M, int64_t N, int64_t K, float alpha, const Bf16Panel& a, int64_t a_row0,
@@ -53,6 +58,13 @@ class Bf16Panel {
   std::vector<uint32_t> staging_;
   std::vector<float> values_;  // emulated
 };
+
+// x rounded to bf16 (nearest even; NaN stays NaN), as fp32_to_bf16 of tensor/dtype.h, inline for vector loops.
+inline uint16_t bf16_bits(const float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
+}
 
 // C[M, N] = alpha A[a_row0 : a_row0 + M, 0 : K] B[b_k0 : b_k0 + K, b_n0 : b_n0 + N] + beta C (row-major, beta 0 or
 // 1), panels of one unit; b_k0 a multiple of 32. std::invalid_argument when the ranges leave the panels.
