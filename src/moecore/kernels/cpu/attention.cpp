@@ -16,6 +16,13 @@
 // seen by every row go in tiles without a mask, keys seen by some go in narrow tiles masked element by element from
 // the first row that sees any, and keys seen by none are skipped. Tiles stay inside the key-tile-aligned ranges, as
 // on the plain path. The plain causal self-attention keeps its own tiling (the prefix mask of each row).
+//
+// bf16 products (AttentionDims::bf16_products; attention_products.h), on both paths and in both schedules, with the
+// same tiles: every product takes bf16 operands and sums in fp32 (AMX tiles where usable). Operands are packed once
+// where they are reused: k and v of every (b, group) per call, q and dout per block; on AMX the softmax writes P and
+// the backward dS as bf16 rows directly. dK and dV of a task's keys gather in contiguous per-thread accumulators
+// from zero and are added to the gradients once, in both schedules, so the results stay independent of the thread
+// count. In fp64 (tests) the operands are rounded to bf16 values and multiplied in double.
 #include "moecore/kernels/cpu/attention.h"
 
 #include <cblas.h>
@@ -801,15 +808,15 @@ void load_block(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block
     sc.lse_M[p] = in.lse[at];
     sc.delta_M[p] = in.delta[at];
   }
-  if (packed_bf16<T>(in.geo)) {
-    Bf16Operands& x = bf16_operands();
-    const Bf16ProductUnit unit = in.geo.bf16_unit;
-    const auto* q = reinterpret_cast<const float*>(sc.q_Md);
-    const auto* dout = reinterpret_cast<const float*>(sc.dout_Md);
-    x.q_a.pack_a(unit, false, blk.rows, in.geo.d, q, in.geo.d);
-    x.dout_a.pack_a(unit, false, blk.rows, in.geo.dv, dout, in.geo.dv);
-    x.q_b.pack_b(unit, false, blk.rows, in.geo.d, q, in.geo.d);
-    x.dout_b.pack_b(unit, false, blk.rows, in.geo.dv, dout, in.geo.dv);
+  if constexpr (std::is_same_v<T, float>) {
+    if (in.geo.bf16_products) {
+      Bf16Operands& x = bf16_operands();
+      const Bf16ProductUnit unit = in.geo.bf16_unit;
+      x.q_a.pack_a(unit, false, blk.rows, in.geo.d, sc.q_Md, in.geo.d);
+      x.dout_a.pack_a(unit, false, blk.rows, in.geo.dv, sc.dout_Md, in.geo.dv);
+      x.q_b.pack_b(unit, false, blk.rows, in.geo.d, sc.q_Md, in.geo.d);
+      x.dout_b.pack_b(unit, false, blk.rows, in.geo.dv, sc.dout_Md, in.geo.dv);
+    }
   }
 }
 
@@ -920,7 +927,8 @@ void begin_key_grads(const Geometry& geo, const int64_t k0, const int64_t k1) {
 }
 
 template <typename T>
-void flush_key_grads(T* dk_SBGd, T* dv_SBGd, const Geometry& geo, const int64_t b, const int64_t g) {
+MOECORE_VECTOR_CLONES void flush_key_grads(T* dk_SBGd, T* dv_SBGd, const Geometry& geo, const int64_t b,
+                                           const int64_t g) {
   if (!packed_bf16<T>(geo)) return;
   const Bf16Operands& x = bf16_operands();
   for (int64_t j = x.acc_k0; j < x.acc_k1; ++j) {
