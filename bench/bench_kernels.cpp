@@ -211,16 +211,19 @@ void bench_attention(const AttentionCase& c, const int repeats, const bool allow
       documents_SB.insert(documents_SB.end(), c.B, static_cast<int32_t>(s / c.document));
     dims.q_document_SB = dims.k_document_SB = documents_SB.data();
   }
-  // The fast kernel twice: fp32 products, then bf16 products (the --bf16 default where AMX tiles are usable).
-  for (const int run : {0, 1, 2}) {
-    const bool fast = run < 2;
+  // The fast kernel with fp32 products, then with bf16 products on each unit this CPU has (AMX tiles: the --bf16
+  // default; AVX512-BF16 vdpbf16ps), then the reference.
+  using kernels::cpu::Bf16ProductUnit;
+  for (const int run : {0, 1, 2, 3}) {
+    const bool fast = run < 3;
     if (!fast && !(c.with_ref && allow_ref)) continue;
-    dims.bf16_products = run == 1;
-    const std::string products =
-        dims.bf16_products
-            ? "bf16 products (" +
-                  std::string(kernels::cpu::bf16_product_unit_name(kernels::cpu::best_bf16_product_unit())) + ")"
-            : "fp32 products";
+    const Bf16ProductUnit unit = run == 2 ? Bf16ProductUnit::kAvx512Bf16 : Bf16ProductUnit::kAmx;
+    if ((run == 1 || run == 2) && !kernels::cpu::bf16_product_unit_usable(unit)) continue;
+    const kernels::cpu::ScopedBf16ProductUnit on(run == 1 || run == 2 ? unit : Bf16ProductUnit::kEmulated);
+    dims.bf16_products = run == 1 || run == 2;
+    const std::string products = dims.bf16_products
+                                     ? "bf16 products (" + std::string(kernels::cpu::bf16_product_unit_name(unit)) + ")"
+                                     : "fp32 products";
     auto forward = fast ? kernels::cpu::attention_forward<float> : kernels::ref::attention_forward<float>;
     auto backward = fast ? kernels::cpu::attention_backward<float> : kernels::ref::attention_backward<float>;
     const int n = fast ? repeats : 1;

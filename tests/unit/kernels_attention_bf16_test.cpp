@@ -1,10 +1,11 @@
 // The attention's products on bf16 operands (kernels/cpu/attention_products.h, AttentionDims::bf16_products):
-//   gemm_bf16 on every unit this CPU has (AMX tiles, the sgemm emulation) against a naive double product of the
-//     bf16-rounded operands, in all transpose combinations and at edge sizes (rows / columns not multiples of 16,
-//     depths not multiples of 32, the attention's 64 / 128 / 192-deep products);
-//   the fast attention with bf16 products against the reference with bf16 products (which rounds the same operands),
-//     forward and backward, plain causal and block attention (documents, context-parallel indices), head dims 64,
-//     128 and 192 with narrower value heads (multi-latent attention), with and without dropout, at 1 and 2 threads;
+//   gemm_bf16 on every unit this CPU has (AMX tiles, AVX512-BF16, the sgemm emulation) against a naive double
+//     product of the bf16-rounded operands, in all transpose combinations and at edge sizes (rows / columns not
+//     multiples of 16, depths not multiples of 32, the attention's 64 / 128 / 192-deep products);
+//   the fast attention with bf16 products on every unit against the reference with bf16 products (which rounds the
+//     same operands), forward and backward, plain causal and block attention (documents, context-parallel indices),
+//     head dims 64, 128 and 192 with narrower value heads (multi-latent attention), with and without dropout, and at
+//     1 and 2 threads (bit for bit);
 //   the bf16-product gradients against the exact (fp64, unrounded) gradients of the same bf16 inputs.
 // Tolerances are derived from the formats: rounding an operand to bf16 moves a product by at most 2^-9 of its
 // magnitude, so two results that each round their operands once differ by at most 2^-8 of the sum of the magnitudes
@@ -34,9 +35,12 @@ using test::random_vector;
 
 double bf16_value(const double x) { return bf16_to_fp32(fp32_to_bf16(static_cast<float>(x))); }
 
+// Every unit this CPU can run.
 std::vector<Bf16ProductUnit> units() {
-  std::vector<Bf16ProductUnit> u = {Bf16ProductUnit::kEmulated};
-  if (cpu::best_bf16_product_unit() == Bf16ProductUnit::kAmx) u.push_back(Bf16ProductUnit::kAmx);
+  std::vector<Bf16ProductUnit> u;
+  for (const Bf16ProductUnit unit : {Bf16ProductUnit::kAmx, Bf16ProductUnit::kAvx512Bf16, Bf16ProductUnit::kEmulated}) {
+    if (cpu::bf16_product_unit_usable(unit)) u.push_back(unit);
+  }
   return u;
 }
 
@@ -287,19 +291,22 @@ class AttentionBf16 : public ::testing::TestWithParam<size_t> {};
 TEST_P(AttentionBf16, FastMatchesReferenceAndExactWithinBf16Rounding) {
   const Case& c = cases()[GetParam()];
   const Problem pb(c);
-  const Outputs fast = run<true>(pb, true);
   const Outputs reference = run<false>(pb, true);
   const Outputs exact = run<false>(pb, false);
   const Outputs mag = magnitudes(pb, exact);
-  for (const auto& [name, want] :
-       {std::pair<const char*, const Outputs*>{"reference", &reference}, {"exact", &exact}}) {
-    SCOPED_TRACE(c.name + std::string(" vs ") + name);
-    EXPECT_TRUE(within_bf16_bound("out", fast.out, want->out, mag.out, kProductBound));
-    EXPECT_TRUE(within_bf16_bound("dq", fast.dq, want->dq, mag.dq, kScoreGradientBound));
-    EXPECT_TRUE(within_bf16_bound("dk", fast.dk, want->dk, mag.dk, kScoreGradientBound));
-    EXPECT_TRUE(within_bf16_bound("dv", fast.dv, want->dv, mag.dv, kProductBound));
-    // lse does not depend on the rounding of P: fp32 scores only.
-    EXPECT_LT(test::max_rel_error(fast.lse, want->lse, 1.0), 1e-5);
+  for (const Bf16ProductUnit unit : units()) {
+    const cpu::ScopedBf16ProductUnit on(unit);
+    const Outputs fast = run<true>(pb, true);
+    for (const auto& [name, want] :
+         {std::pair<const char*, const Outputs*>{"reference", &reference}, {"exact", &exact}}) {
+      SCOPED_TRACE(c.name + std::string(" on ") + std::string(cpu::bf16_product_unit_name(unit)) + " vs " + name);
+      EXPECT_TRUE(within_bf16_bound("out", fast.out, want->out, mag.out, kProductBound));
+      EXPECT_TRUE(within_bf16_bound("dq", fast.dq, want->dq, mag.dq, kScoreGradientBound));
+      EXPECT_TRUE(within_bf16_bound("dk", fast.dk, want->dk, mag.dk, kScoreGradientBound));
+      EXPECT_TRUE(within_bf16_bound("dv", fast.dv, want->dv, mag.dv, kProductBound));
+      // lse does not depend on the rounding of P: fp32 scores only.
+      EXPECT_LT(test::max_rel_error(fast.lse, want->lse, 1.0), 1e-5);
+    }
   }
   // The reference itself rounds: it differs from the exact attention (a check that cannot pass by accident).
   EXPECT_GT(test::max_abs_error(reference.dq.data(), exact.dq.data(), exact.dq.size()), 0.0);
@@ -310,16 +317,20 @@ TEST_P(AttentionBf16, ResultsDoNotDependOnThreadCount) {
   const Case& c = cases()[GetParam()];
   const Problem pb(c);
   const int saved = omp_get_max_threads();
-  omp_set_num_threads(1);
-  const Outputs one = run<true>(pb, true);
-  omp_set_num_threads(2);
-  const Outputs two = run<true>(pb, true);
-  omp_set_num_threads(saved);
-  EXPECT_EQ(one.out, two.out);
-  EXPECT_EQ(one.lse, two.lse);
-  EXPECT_EQ(one.dq, two.dq);
-  EXPECT_EQ(one.dk, two.dk);
-  EXPECT_EQ(one.dv, two.dv);
+  for (const Bf16ProductUnit unit : units()) {
+    SCOPED_TRACE(cpu::bf16_product_unit_name(unit));
+    const cpu::ScopedBf16ProductUnit on(unit);
+    omp_set_num_threads(1);
+    const Outputs one = run<true>(pb, true);
+    omp_set_num_threads(2);
+    const Outputs two = run<true>(pb, true);
+    omp_set_num_threads(saved);
+    EXPECT_EQ(one.out, two.out);
+    EXPECT_EQ(one.lse, two.lse);
+    EXPECT_EQ(one.dq, two.dq);
+    EXPECT_EQ(one.dk, two.dk);
+    EXPECT_EQ(one.dv, two.dv);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, AttentionBf16, ::testing::Range<size_t>(0, 10),

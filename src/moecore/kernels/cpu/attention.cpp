@@ -679,8 +679,8 @@ void forward_block_bf16(float* out_SBNd, float* lse_BNS, const float* v_SBGd, co
     const auto bg = static_cast<size_t>(blk.b * geo.G + blk.g);
     gemm_bf16_packed(rows, cols, geo.d, static_cast<float>(scale), x.q_a, tile.p0, geo.bf16_kv->keys_t[bg], 0, tile.j0,
                      0.0f, s_MC, cols);
-    if (unit == Bf16ProductUnit::kAmx) {
-      uint16_t* bits = x.tile_a.amx_a_for_writing(rows, cols);
+    if (unit != Bf16ProductUnit::kEmulated) {
+      uint16_t* bits = x.tile_a.a_for_writing(unit, rows, cols);
       forward_tile(sc.s_MC, sc.m_M, sc.l_M, sc.o_Md, geo, blk, tile, mask, bits, x.tile_a.a_row_stride());
     } else {
       forward_tile(sc.s_MC, sc.m_M, sc.l_M, sc.o_Md, geo, blk, tile, mask);
@@ -834,9 +834,9 @@ void compute_tile(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Blo
                        tile.j0, 0.0f, sc.pd_MC + tile.p0 * cols, cols);
       gemm_bf16_packed(rows, cols, geo.dv, 1.0f, x.dout_a, tile.p0, geo.bf16_kv->values_t[bg], 0, tile.j0, 0.0f,
                        sc.ds_MC + tile.p0 * cols, cols);
-      if (geo.bf16_unit != Bf16ProductUnit::kAmx)
+      if (geo.bf16_unit == Bf16ProductUnit::kEmulated)
         return backward_tile(sc.pd_MC, sc.ds_MC, sc.lse_M, sc.delta_M, in, blk, tile);
-      uint16_t* bits = x.tile_a.amx_a_for_writing(rows, cols);  // dS as the A operand of accumulate_dq
+      uint16_t* bits = x.tile_a.a_for_writing(geo.bf16_unit, rows, cols);  // dS as the A operand of accumulate_dq
       return backward_tile(sc.pd_MC, sc.ds_MC, sc.lse_M, sc.delta_M, in, blk, tile, bits, x.tile_a.a_row_stride());
     }
   }
@@ -883,7 +883,7 @@ void accumulate_dq(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Bl
       Bf16Operands& x = bf16_operands();
       const int64_t rows = blk.rows - tile.p0, cols = tile.cols;
       // On AMX compute_tile wrote dS into tile_a already.
-      if (geo.bf16_unit != Bf16ProductUnit::kAmx) {
+      if (geo.bf16_unit == Bf16ProductUnit::kEmulated) {
         x.tile_a.pack_a(geo.bf16_unit, false, rows, cols, sc.ds_MC + tile.p0 * cols, cols);
       }
       const float beta = tile.j0 == 0 && !geo.general ? 0.0f : 1.0f;

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -230,6 +231,53 @@ MOECORE_AMX void gemm_amx_packed(const int64_t M, const int64_t N, const int64_t
   _tile_release();
 }
 
+#define MOECORE_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+bool avx512_bf16_usable() {
+  static const bool usable = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  }();
+  return usable;
+}
+
+// The same product with vdpbf16ps on the same layouts: 8 rows x 32 columns of C in 16 accumulators; each 32-bit word
+// of A (a pair of k) broadcast against a row of B's VNNI words.
+MOECORE_AVX512_BF16 void gemm_dpbf16_packed(const int64_t M, const int64_t N, const int64_t K, const float alpha,
+                                            const uint16_t* a, const int64_t lda, const uint32_t* b, const int64_t ldb,
+                                            const float beta, float* C, const int64_t ldc) {
+  constexpr int kRows = 8;
+  const int64_t pairs = (K + 1) / 2;  // A is zero past K
+  const __m512 scale = _mm512_set1_ps(alpha);
+  for (int64_t m = 0; m < M; m += kRows) {  // A has 16 zero rows past its last: reading 8 rows is safe
+    for (int64_t n = 0; n < N; n += 32) {   // B has 16 columns past N rounded to 16
+      __m512 acc[kRows][2];
+      for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
+      for (int64_t kk = 0; kk < pairs; ++kk) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + kk * ldb + n);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + kk * ldb + n + 16);
+        for (int r = 0; r < kRows; ++r) {
+          uint32_t word;
+          std::memcpy(&word, a + (m + r) * lda + 2 * kk, sizeof(word));
+          const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+        }
+      }
+      for (int r = 0; r < kRows && m + r < M; ++r) {
+        for (int h = 0; h < 2; ++h) {
+          const int64_t col = n + 16 * h;
+          const __mmask16 k = lanes_below(N - col);
+          float* c = C + (m + r) * ldc + col;
+          __m512 v = _mm512_mul_ps(scale, acc[r][h]);
+          if (beta != 0.0f) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, c));
+          _mm512_mask_storeu_ps(c, k, v);
+        }
+      }
+    }
+  }
+}
+
 // The AMX layouts of Bf16Panel: A = op(src) [M, K] into bits [rows_p, Kp]; B = op(src) [K, N] into words [Kp/2, Np].
 MOECORE_AMX void pack_a_amx(std::vector<uint16_t>& bits, std::vector<uint32_t>& staging, const bool trans,
                             const int64_t M, const int64_t K, const float* src, const int64_t ld,
@@ -257,6 +305,7 @@ MOECORE_AMX void pack_b_amx(std::vector<uint32_t>& words, std::vector<uint32_t>&
 }
 #else
 bool amx_usable() { return false; }
+bool avx512_bf16_usable() { return false; }
 #endif
 
 float rounded(const float x) { return bf16_to_fp32(fp32_to_bf16(x)); }
@@ -265,6 +314,7 @@ float rounded(const float x) { return bf16_to_fp32(fp32_to_bf16(x)); }
 
 constexpr int kNoOverride = -1;
 std::atomic<int> g_path_override{kNoOverride};
+std::atomic<int> g_unit_override{kNoOverride};
 
 int env_path() {
   // Read once; a bad value is reported by every call, so it cannot be missed.
@@ -278,10 +328,46 @@ int env_path() {
 }  // namespace
 
 std::string_view bf16_product_unit_name(const Bf16ProductUnit unit) {
-  return unit == Bf16ProductUnit::kAmx ? "AMX-BF16 tiles" : "sgemm on bf16-rounded operands";
+  switch (unit) {
+    case Bf16ProductUnit::kAmx: return "AMX-BF16 tiles";
+    case Bf16ProductUnit::kAvx512Bf16: return "AVX512-BF16 vdpbf16ps";
+    case Bf16ProductUnit::kEmulated: break;
+  }
+  return "sgemm on bf16-rounded operands";
 }
 
-Bf16ProductUnit best_bf16_product_unit() { return amx_usable() ? Bf16ProductUnit::kAmx : Bf16ProductUnit::kEmulated; }
+bool bf16_product_unit_usable(const Bf16ProductUnit unit) {
+  switch (unit) {
+    case Bf16ProductUnit::kAmx: return amx_usable();
+    case Bf16ProductUnit::kAvx512Bf16: return avx512_bf16_usable();
+    case Bf16ProductUnit::kEmulated: break;
+  }
+  return true;
+}
+
+Bf16ProductUnit best_bf16_product_unit() {
+  const int forced = g_unit_override.load();
+  if (forced != kNoOverride) return static_cast<Bf16ProductUnit>(forced);
+  return amx_usable() ? Bf16ProductUnit::kAmx : Bf16ProductUnit::kEmulated;
+}
+
+ScopedBf16ProductUnit::ScopedBf16ProductUnit(const Bf16ProductUnit unit) : previous_(kNoOverride) {
+  if (!bf16_product_unit_usable(unit)) {
+    throw std::invalid_argument("ScopedBf16ProductUnit: " + std::string(bf16_product_unit_name(unit)) +
+                                " cannot run on this CPU");
+  }
+  previous_ = g_unit_override.exchange(static_cast<int>(unit));
+}
+ScopedBf16ProductUnit::~ScopedBf16ProductUnit() { g_unit_override.store(previous_); }
+
+namespace {
+void require_usable(const Bf16ProductUnit unit) {
+  if (!bf16_product_unit_usable(unit)) {
+    throw std::runtime_error("Bf16Panel: " + std::string(bf16_product_unit_name(unit)) +
+                             " cannot run on this CPU / kernel / build");
+  }
+}
+}  // namespace
 
 void Bf16Panel::pack_a(const Bf16ProductUnit unit, const bool trans, const int64_t M, const int64_t K, const float* src,
                        const int64_t ld, const int64_t zero_k_before) {
@@ -290,13 +376,13 @@ void Bf16Panel::pack_a(const Bf16ProductUnit unit, const bool trans, const int64
   rows_ = M;
   cols_ = K;
 #if defined(MOECORE_AMX_BUILT)
-  if (unit == Bf16ProductUnit::kAmx) {
-    if (!amx_usable()) throw std::runtime_error("Bf16Panel: AMX-BF16 tiles are not usable on this CPU / kernel");
+  if (unit != Bf16ProductUnit::kEmulated) {
+    require_usable(unit);
     ld_ = round_up(K, 32);
     return pack_a_amx(bits_, staging_, trans, M, K, src, ld, zero_k_before, round_up(M, 16) + 16, ld_);
   }
 #else
-  if (unit == Bf16ProductUnit::kAmx) throw std::runtime_error("Bf16Panel: this build has no AMX code");
+  if (unit != Bf16ProductUnit::kEmulated) require_usable(unit);
 #endif
   ld_ = K;
   values_.resize(static_cast<size_t>(M * K));
@@ -308,9 +394,10 @@ void Bf16Panel::pack_a(const Bf16ProductUnit unit, const bool trans, const int64
   }
 }
 
-uint16_t* Bf16Panel::amx_a_for_writing(const int64_t M, const int64_t K) {
-  if (!amx_usable()) throw std::runtime_error("Bf16Panel: AMX-BF16 tiles are not usable on this CPU / kernel");
-  unit_ = Bf16ProductUnit::kAmx;
+uint16_t* Bf16Panel::a_for_writing(const Bf16ProductUnit unit, const int64_t M, const int64_t K) {
+  if (unit == Bf16ProductUnit::kEmulated) throw std::invalid_argument("Bf16Panel::a_for_writing: no bf16 layout");
+  require_usable(unit);
+  unit_ = unit;
   is_a_ = true;
   rows_ = M;
   cols_ = K;
@@ -331,13 +418,13 @@ void Bf16Panel::pack_b(const Bf16ProductUnit unit, const bool trans, const int64
   rows_ = K;
   cols_ = N;
 #if defined(MOECORE_AMX_BUILT)
-  if (unit == Bf16ProductUnit::kAmx) {
-    if (!amx_usable()) throw std::runtime_error("Bf16Panel: AMX-BF16 tiles are not usable on this CPU / kernel");
+  if (unit != Bf16ProductUnit::kEmulated) {
+    require_usable(unit);
     ld_ = round_up(N, 16) + 16;
     return pack_b_amx(words_, staging_, trans, K, N, src, ld, round_up(K, 32), ld_);
   }
 #else
-  if (unit == Bf16ProductUnit::kAmx) throw std::runtime_error("Bf16Panel: this build has no AMX code");
+  if (unit != Bf16ProductUnit::kEmulated) require_usable(unit);
 #endif
   ld_ = N;
   values_.resize(static_cast<size_t>(K * N));
@@ -361,6 +448,10 @@ void gemm_bf16_packed(const int64_t M, const int64_t N, const int64_t K, const f
   }
   if (M == 0 || N == 0) return;
 #if defined(MOECORE_AMX_BUILT)
+  if (a.unit_ == Bf16ProductUnit::kAvx512Bf16) {
+    return gemm_dpbf16_packed(M, N, K, alpha, a.bits_.data() + a_row0 * a.ld_, a.ld_,
+                              b.words_.data() + b_k0 / 2 * b.ld_ + b_n0, b.ld_, beta, C, ldc);
+  }
   if (a.unit_ == Bf16ProductUnit::kAmx) {
     return gemm_amx_packed(M, N, K, alpha, a.bits_.data() + a_row0 * a.ld_, a.ld_,
                            b.words_.data() + b_k0 / 2 * b.ld_ + b_n0, b.ld_, beta, C, ldc);

@@ -17,12 +17,32 @@
 
 namespace moecore::kernels::cpu {
 
-// Where gemm_bf16 runs: AMX tiles, or sgemm on operands rounded to bf16 values.
-enum class Bf16ProductUnit : uint8_t { kAmx, kEmulated };
-std::string_view bf16_product_unit_name(Bf16ProductUnit unit);  // "AMX-BF16 tiles" / "sgemm on bf16-rounded operands"
+// Where gemm_bf16 runs: AMX tiles, AVX512-BF16 dot products (vdpbf16ps, on the same packed layouts), or sgemm on
+// operands rounded to bf16 values.
+enum class Bf16ProductUnit : uint8_t { kAmx, kAvx512Bf16, kEmulated };
+// "AMX-BF16 tiles" / "AVX512-BF16 vdpbf16ps" / "sgemm on bf16-rounded operands"
+std::string_view bf16_product_unit_name(Bf16ProductUnit unit);
+// Whether this CPU (and for AMX the kernel's grant, requested once) can run `unit`.
+bool bf16_product_unit_usable(Bf16ProductUnit unit);
 
-// kAmx where usable (CPU flags and the kernel's grant, requested once), else kEmulated.
+// The unit the attention's bf16 products take: the innermost live ScopedBf16ProductUnit, else kAmx where usable, else
+// kEmulated. Not AVX512-BF16 on its own: on this project's measured shapes it was no faster than the fp32 sgemm
+// (bench/RESULTS.md), so without AMX attention_product_path() keeps fp32 products and kEmulated only serves forced
+// bf16 products.
 Bf16ProductUnit best_bf16_product_unit();
+
+// Forces the unit process-wide until destroyed (tests, benchmarks); nests. std::invalid_argument for a unit this CPU
+// cannot run. Create and destroy it on one thread, outside parallel regions.
+class ScopedBf16ProductUnit {
+ public:
+  explicit ScopedBf16ProductUnit(Bf16ProductUnit unit);
+  ~ScopedBf16ProductUnit();
+  ScopedBf16ProductUnit(const ScopedBf16ProductUnit&) = delete;
+  ScopedBf16ProductUnit& operator=(const ScopedBf16ProductUnit&) = delete;
+
+ private:
+  int previous_;
+};
 
 // Row-major C[M, N] = alpha op(A) op(B) + beta C with op(A) [M, K] and op(B) [K, N] rounded to bf16 and the products
 // summed in fp32. beta is 0 (C not read) or 1. Single-threaded; callable from inside OpenMP regions.
@@ -41,9 +61,10 @@ class Bf16Panel {
               int64_t zero_k_before = 0);
   // B = op(src) [K, N] (trans: src is [N, K]).
   void pack_b(Bf16ProductUnit unit, bool trans, int64_t K, int64_t N, const float* src, int64_t ld);
-  // An AMX A operand [M, K] that the caller writes: row m's K bf16 values (bf16_bits) at the returned pointer plus
-  // m * a_row_stride(); the padding is zeroed here. For producers that round their own output (the softmax).
-  uint16_t* amx_a_for_writing(int64_t M, int64_t K);
+  // An A operand [M, K] of a unit with bf16 layouts (not kEmulated) that the caller writes: row m's K bf16 values
+  // (bf16_bits) at the returned pointer plus m * a_row_stride(); the padding is zeroed here. For producers that round
+  // their own output (the softmax).
+  uint16_t* a_for_writing(Bf16ProductUnit unit, int64_t M, int64_t K);
   int64_t a_row_stride() const { return ld_; }
 
  private:
@@ -53,8 +74,8 @@ class Bf16Panel {
   bool is_a_ = true;
   int64_t rows_ = 0, cols_ = 0;  // A: M, K; B: K, N
   int64_t ld_ = 0;               // elements of a stored row: AMX A bf16, AMX B 32-bit words, emulated floats
-  std::vector<uint16_t> bits_;   // AMX A
-  std::vector<uint32_t> words_;  // AMX B
+  std::vector<uint16_t> bits_;   // AMX / AVX512-BF16 A
+  std::vector<uint32_t> words_;  // AMX / AVX512-BF16 B
   std::vector<uint32_t> staging_;
   std::vector<float> values_;  // emulated
 };
