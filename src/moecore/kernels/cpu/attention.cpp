@@ -233,7 +233,10 @@ struct Bf16Operands {
   Bf16Panel tile_a, tile_t;                  // P or dS as an A operand, P^T or dS^T
   // dK, dV of the keys [acc_k0, acc_k1) of the task's (b, group), contiguous: summed here over the task's tiles and
   // added to the gradients once (flush_key_grads), instead of tile by tile into their [Sk, B, G, d] rows.
+  // A key's first tile stores its rows (beta 0), later ones add: no zero-fill of the whole range. acc_written marks
+  // the rows stored so far; rows never written have no tile and add nothing.
   std::vector<float> dk_acc, dv_acc;
+  std::vector<uint8_t> acc_written;
   int64_t acc_k0 = 0, acc_k1 = 0;
 };
 Bf16Operands& bf16_operands() {
@@ -860,11 +863,22 @@ void accumulate_dk_dv(T* dk_SBGd, T* dv_SBGd, const BackwardScratch<T>& sc, cons
       Bf16Operands& x = bf16_operands();
       const int64_t cols = tile.cols, k0 = tile.p0 / 32 * 32, depth = blk.rows - k0;
       const int64_t row = tile.j0 - x.acc_k0;
+      uint8_t* written = x.acc_written.data() + row;
+      const auto n_written = std::count(written, written + cols, uint8_t{1});
+      if (n_written != 0 && n_written != cols) {  // mixed (general path): zero the new rows, then add to all
+        for (int64_t r = 0; r < cols; ++r) {
+          if (written[r] != 0) continue;
+          std::fill_n(x.dk_acc.data() + (row + r) * geo.d, geo.d, 0.0f);
+          std::fill_n(x.dv_acc.data() + (row + r) * geo.dv, geo.dv, 0.0f);
+        }
+      }
+      const float beta = n_written == 0 ? 0.0f : 1.0f;
+      std::fill_n(written, cols, uint8_t{1});
       x.tile_t.pack_a(geo.bf16_unit, true, cols, depth, sc.pd_MC + k0 * cols, cols, tile.p0 - k0);
-      gemm_bf16_packed(cols, geo.dv, depth, 1.0f, x.tile_t, 0, x.dout_b, k0, 0, 1.0f, x.dv_acc.data() + row * geo.dv,
+      gemm_bf16_packed(cols, geo.dv, depth, 1.0f, x.tile_t, 0, x.dout_b, k0, 0, beta, x.dv_acc.data() + row * geo.dv,
                        geo.dv);
       x.tile_t.pack_a(geo.bf16_unit, true, cols, depth, sc.ds_MC + k0 * cols, cols, tile.p0 - k0);
-      gemm_bf16_packed(cols, geo.d, depth, 1.0f, x.tile_t, 0, x.q_b, k0, 0, 1.0f, x.dk_acc.data() + row * geo.d, geo.d);
+      gemm_bf16_packed(cols, geo.d, depth, 1.0f, x.tile_t, 0, x.q_b, k0, 0, beta, x.dk_acc.data() + row * geo.d, geo.d);
       return;
     }
   }
@@ -914,7 +928,7 @@ void store_dq(T* dq_SBNd, const BackwardScratch<T>& sc, const Geometry& geo, con
   }
 }
 
-// With bf16 products, dK and dV of keys [k0, k1) gather in the thread's accumulators from zero (accumulate_dk_dv);
+// With bf16 products, dK and dV of keys [k0, k1) gather in the thread's accumulators (accumulate_dk_dv);
 // flush_key_grads adds them to dk, dv. Both schedules sum each key's tiles in the same order, then add once.
 template <typename T>
 void begin_key_grads(const Geometry& geo, const int64_t k0, const int64_t k1) {
@@ -922,8 +936,9 @@ void begin_key_grads(const Geometry& geo, const int64_t k0, const int64_t k1) {
   Bf16Operands& x = bf16_operands();
   x.acc_k0 = k0;
   x.acc_k1 = k1;
-  x.dk_acc.assign(static_cast<size_t>((k1 - k0) * geo.d), 0.0f);
-  x.dv_acc.assign(static_cast<size_t>((k1 - k0) * geo.dv), 0.0f);
+  x.dk_acc.resize(static_cast<size_t>((k1 - k0) * geo.d));
+  x.dv_acc.resize(static_cast<size_t>((k1 - k0) * geo.dv));
+  x.acc_written.assign(static_cast<size_t>(k1 - k0), 0);
 }
 
 template <typename T>
@@ -932,6 +947,7 @@ MOECORE_VECTOR_CLONES void flush_key_grads(T* dk_SBGd, T* dv_SBGd, const Geometr
   if (!packed_bf16<T>(geo)) return;
   const Bf16Operands& x = bf16_operands();
   for (int64_t j = x.acc_k0; j < x.acc_k1; ++j) {
+    if (x.acc_written[static_cast<size_t>(j - x.acc_k0)] == 0) continue;
     T* dk = dk_SBGd + geo.kv_offset(j, b, g);
     T* dv = dv_SBGd + geo.v_offset(j, b, g);
     const float* dk_acc = x.dk_acc.data() + (j - x.acc_k0) * geo.d;
@@ -1033,8 +1049,8 @@ MOECORE_VECTOR_CLONES void row_dots(T* delta_BNS, const T* dout_SBNd, const T* o
     double dot = 0.0;
     if (geo.bf16_products) {
       for (int64_t c = 0; c < geo.dv; ++c) {
-        dot += static_cast<double>(bf16_to_fp32(fp32_to_bf16(static_cast<float>(dout_row[c])))) *
-               static_cast<double>(out_row[c]);
+        const float rounded = std::bit_cast<float>(uint32_t{bf16_bits(static_cast<float>(dout_row[c]))} << 16);
+        dot += static_cast<double>(rounded) * static_cast<double>(out_row[c]);
       }
     } else {
       for (int64_t c = 0; c < geo.dv; ++c) dot += static_cast<double>(dout_row[c]) * static_cast<double>(out_row[c]);
