@@ -246,12 +246,13 @@ Bf16Operands& bf16_operands() {
 // The keys and values of every (b, kv group) packed once per call for the bf16 products: k^T and v^T as the B
 // operands of q k^T and dout v^T (a tile is a range of columns), k and v as those of dS k and P v (a range of rows,
 // used where the tile starts on a 32-key step: other tiles pack their own).
+// One per calling thread, reused by its calls (the panels' buffers only grow).
 struct Bf16KeyValues {
-  Bf16KeyValues(const Geometry& geo, const float* k_SBGd, const float* v_SBGd, const bool backward)
-      : keys_t(static_cast<size_t>(geo.B * geo.G)),
-        values_t(static_cast<size_t>(backward ? geo.B * geo.G : 0)),
-        keys(static_cast<size_t>(backward ? geo.B * geo.G : 0)),
-        values(static_cast<size_t>(backward ? 0 : geo.B * geo.G)) {
+  void pack(const Geometry& geo, const float* k_SBGd, const float* v_SBGd, const bool backward) {
+    const auto n = static_cast<size_t>(geo.B * geo.G);
+    for (auto* panels : {&keys_t, &values_t, &keys, &values}) {
+      if (panels->size() < n) panels->resize(n);
+    }
 #pragma omp parallel for schedule(static) if (geo.parallel())
     for (int64_t bg = 0; bg < geo.B * geo.G; ++bg) {
       const auto at = static_cast<size_t>(bg);
@@ -1091,10 +1092,12 @@ void attention_forward(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd
   detail::check_attention_args(dims, dropout, "attention_forward");
   const BlockLayout layout(dims);
   Geometry geo(dims, layout);
-  std::unique_ptr<Bf16KeyValues> kv;
-  if (packed_bf16<T>(geo)) {
-    if constexpr (std::is_same_v<T, float>) kv = std::make_unique<Bf16KeyValues>(geo, k_SBGd, v_SBGd, false);
-    geo.bf16_kv = kv.get();
+  if constexpr (std::is_same_v<T, float>) {
+    if (geo.bf16_products) {
+      thread_local Bf16KeyValues kv;
+      kv.pack(geo, k_SBGd, v_SBGd, false);
+      geo.bf16_kv = &kv;
+    }
   }
   const MaskStream mask(dropout);
   const int64_t n_blocks = geo.n_query_blocks(), n_pairs = geo.B * geo.G;
@@ -1115,10 +1118,12 @@ void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, 
   detail::check_attention_args(dims, dropout, "attention_backward");
   const BlockLayout layout(dims);
   Geometry geo(dims, layout);
-  std::unique_ptr<Bf16KeyValues> kv;
-  if (packed_bf16<T>(geo)) {
-    if constexpr (std::is_same_v<T, float>) kv = std::make_unique<Bf16KeyValues>(geo, k_SBGd, v_SBGd, true);
-    geo.bf16_kv = kv.get();
+  if constexpr (std::is_same_v<T, float>) {
+    if (geo.bf16_products) {
+      thread_local Bf16KeyValues kv;
+      kv.pack(geo, k_SBGd, v_SBGd, true);
+      geo.bf16_kv = &kv;
+    }
   }
   // rowsum(dP * P) = sum_j dPd_ij Pd_ij = dout_i . out_i, also with dropout (out is built from Pd).
   std::vector<T> delta_BNS(geo.B * geo.N * geo.S);
