@@ -137,51 +137,57 @@ void bench_ring_attention(const AttentionCase& c, const int repeats) {
     rank.dv.resize(rank.v.size());
   }
   const kernels::DropoutSpec dropout{c.dropout, 7, 11};
-  auto dims_of = [&](const int64_t r, const int64_t s) {
-    kernels::AttentionDims block = dims;
-    block.q_index = ranks[static_cast<size_t>(r)].rows.data();
-    block.k_index = ranks[static_cast<size_t>(s)].rows.data();
-    return block;
-  };
-  const double fwd = time_ms(
-      [&] {
-        for (int64_t r = 0; r < c.cp; ++r) {
-          Rank& rank = ranks[static_cast<size_t>(r)];
-          for (int64_t t = 0; t < c.cp; ++t) {
-            const int64_t s = (r - t + c.cp) % c.cp;
-            const Rank& keys = ranks[static_cast<size_t>(s)];
-            const kernels::AttentionDims block = dims_of(r, s);
-            float* out = t == 0 ? rank.out.data() : rank.part_out.data();
-            float* lse = t == 0 ? rank.lse.data() : rank.part_lse.data();
-            kernels::cpu::attention_forward(out, lse, rank.q.data(), keys.k.data(), keys.v.data(), block, dropout);
-            if (t > 0) {
-              kernels::cpu::attention_merge(rank.out.data(), rank.lse.data(), rank.part_out.data(),
-                                            rank.part_lse.data(), block);
+  // fp32 products, then bf16 products on AMX tiles where usable (the --bf16 default there).
+  for (const bool bf16 : {false, true}) {
+    if (bf16 && !kernels::cpu::bf16_product_unit_usable(kernels::cpu::Bf16ProductUnit::kAmx)) continue;
+    dims.bf16_products = bf16;
+    auto dims_of = [&](const int64_t r, const int64_t s) {
+      kernels::AttentionDims block = dims;
+      block.q_index = ranks[static_cast<size_t>(r)].rows.data();
+      block.k_index = ranks[static_cast<size_t>(s)].rows.data();
+      return block;
+    };
+    const double fwd = time_ms(
+        [&] {
+          for (int64_t r = 0; r < c.cp; ++r) {
+            Rank& rank = ranks[static_cast<size_t>(r)];
+            for (int64_t t = 0; t < c.cp; ++t) {
+              const int64_t s = (r - t + c.cp) % c.cp;
+              const Rank& keys = ranks[static_cast<size_t>(s)];
+              const kernels::AttentionDims block = dims_of(r, s);
+              float* out = t == 0 ? rank.out.data() : rank.part_out.data();
+              float* lse = t == 0 ? rank.lse.data() : rank.part_lse.data();
+              kernels::cpu::attention_forward(out, lse, rank.q.data(), keys.k.data(), keys.v.data(), block, dropout);
+              if (t > 0) {
+                kernels::cpu::attention_merge(rank.out.data(), rank.lse.data(), rank.part_out.data(),
+                                              rank.part_lse.data(), block);
+              }
             }
           }
-        }
-      },
-      repeats);
-  const double bwd = time_ms(
-      [&] {
-        for (int64_t r = 0; r < c.cp; ++r) {
-          Rank& rank = ranks[static_cast<size_t>(r)];
-          for (int64_t t = c.cp - 1; t >= 0; --t) {
-            const int64_t s = (r - t + c.cp) % c.cp;
-            Rank& keys = ranks[static_cast<size_t>(s)];
-            kernels::cpu::attention_backward(rank.dq.data(), keys.dk.data(), keys.dv.data(), rank.dout.data(),
-                                             rank.q.data(), keys.k.data(), keys.v.data(), rank.out.data(),
-                                             rank.lse.data(), dims_of(r, s), dropout);
+        },
+        repeats);
+    const double bwd = time_ms(
+        [&] {
+          for (int64_t r = 0; r < c.cp; ++r) {
+            Rank& rank = ranks[static_cast<size_t>(r)];
+            for (int64_t t = c.cp - 1; t >= 0; --t) {
+              const int64_t s = (r - t + c.cp) % c.cp;
+              Rank& keys = ranks[static_cast<size_t>(s)];
+              kernels::cpu::attention_backward(rank.dq.data(), keys.dk.data(), keys.dv.data(), rank.dout.data(),
+                                               rank.q.data(), keys.k.data(), keys.v.data(), rank.out.data(),
+                                               rank.lse.data(), dims_of(r, s), dropout);
+            }
           }
-        }
-      },
-      repeats);
-  std::printf(
-      "attention     cpu  %-7s S=%ld B=%ld N=%ld G=%ld d=%ld p=%.1f cp=%ld (%ld ranks x %ld blocks of %ldx%ld) fp32: "
-      "forward %.1f ms, backward %.1f ms\n",
-      c.name, static_cast<long>(c.S), static_cast<long>(c.B), static_cast<long>(c.N), static_cast<long>(c.G),
-      static_cast<long>(c.d), static_cast<double>(c.dropout), static_cast<long>(c.cp), static_cast<long>(c.cp),
-      static_cast<long>(c.cp), static_cast<long>(local), static_cast<long>(local), fwd, bwd);
+        },
+        repeats);
+    std::printf(
+        "attention     cpu  %-7s S=%ld B=%ld N=%ld G=%ld d=%ld p=%.1f cp=%ld (%ld ranks x %ld blocks of %ldx%ld) %s: "
+        "forward %.1f ms, backward %.1f ms\n",
+        c.name, static_cast<long>(c.S), static_cast<long>(c.B), static_cast<long>(c.N), static_cast<long>(c.G),
+        static_cast<long>(c.d), static_cast<double>(c.dropout), static_cast<long>(c.cp), static_cast<long>(c.cp),
+        static_cast<long>(c.cp), static_cast<long>(local), static_cast<long>(local),
+        bf16 ? "bf16 products (AMX-BF16 tiles)" : "fp32 products", fwd, bwd);
+  }
 }
 
 // Forward and backward of the causal attention kernel, fp32, median of `repeats` calls each.

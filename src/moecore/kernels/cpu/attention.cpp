@@ -21,7 +21,7 @@
 // same tiles: every product takes bf16 operands and sums in fp32 (AMX tiles where usable). Operands are packed once
 // where they are reused: k and v of every (b, group) per call, q and dout per block; on AMX the softmax writes P and
 // the backward dS as bf16 rows directly. dK and dV of a task's keys gather in contiguous per-thread accumulators
-// from zero and are added to the gradients once, in both schedules, so the results stay independent of the thread
+// and are added to the gradients once, in both schedules alike, so the results stay independent of the thread
 // count. In fp64 (tests) the operands are rounded to bf16 values and multiplied in double.
 #include "moecore/kernels/cpu/attention.h"
 
@@ -229,7 +229,7 @@ void product(const Geometry& geo, bool trans_a, bool trans_b, int64_t M, int64_t
 // tile's and each probability / gradient tile's once per product.
 struct Bf16Operands {
   Bf16Panel q_a, dout_a, q_b, dout_b;        // the block's q and dout as A operands, and as B operands (dK, dV)
-  Bf16Panel keys_t, values_t, keys, values;  // the tile's k^T, v^T (B of q k^T, dout v^T), k, v (B of dS k, P v)
+  Bf16Panel keys, values;                    // a tile's k, v (B of dS k, P v) where Bf16KeyValues' do not fit
   Bf16Panel tile_a, tile_t;                  // P or dS as an A operand, P^T or dS^T
   // dK, dV of the keys [acc_k0, acc_k1) of the task's (b, group), contiguous: summed here over the task's tiles and
   // added to the gradients once (flush_key_grads), instead of tile by tile into their [Sk, B, G, d] rows.
