@@ -228,9 +228,9 @@ void product(const Geometry& geo, bool trans_a, bool trans_b, int64_t M, int64_t
 // The operands of the bf16 products of one thread (fp32 kernels): the block's rows packed once per block, each key
 // tile's and each probability / gradient tile's once per product.
 struct Bf16Operands {
-  Bf16Panel q_a, dout_a, q_b, dout_b;        // the block's q and dout as A operands, and as B operands (dK, dV)
-  Bf16Panel keys, values;                    // a tile's k, v (B of dS k, P v) where Bf16KeyValues' do not fit
-  Bf16Panel tile_a, tile_t;                  // P or dS as an A operand, P^T or dS^T
+  Bf16Panel q_a, dout_a, q_b, dout_b;  // the block's q and dout as A operands, and as B operands (dK, dV)
+  Bf16Panel keys, values;              // a tile's k, v (B of dS k, P v) where Bf16KeyValues' do not fit
+  Bf16Panel tile_a, tile_t;            // P or dS as an A operand, P^T or dS^T
   // dK, dV of the keys [acc_k0, acc_k1) of the task's (b, group), contiguous: summed here over the task's tiles and
   // added to the gradients once (flush_key_grads), instead of tile by tile into their [Sk, B, G, d] rows.
   // A key's first tile stores its rows (beta 0), later ones add: no zero-fill of the whole range. acc_written marks
