@@ -248,22 +248,35 @@ Bf16Operands& bf16_operands() {
 // used where the tile starts on a 32-key step: other tiles pack their own).
 // One per calling thread, reused by its calls (the panels' buffers only grow).
 struct Bf16KeyValues {
+  // Parallel over 32-key slices, each slice for every (b, group) in turn: the slice's rows of k and v are
+  // contiguous in [Sk, B, G, d], so they stream through the cache once.
   void pack(const Geometry& geo, const float* k_SBGd, const float* v_SBGd, const bool backward) {
-    const auto n = static_cast<size_t>(geo.B * geo.G);
+    const int64_t n_pairs = geo.B * geo.G, n_slices = (geo.Sk + 31) / 32;
     for (auto* panels : {&keys_t, &values_t, &keys, &values}) {
-      if (panels->size() < n) panels->resize(n);
+      if (panels->size() < static_cast<size_t>(n_pairs)) panels->resize(static_cast<size_t>(n_pairs));
+    }
+    for (int64_t bg = 0; bg < n_pairs; ++bg) {
+      const auto at = static_cast<size_t>(bg);
+      keys_t[at].shape_b(geo.bf16_unit, geo.d, geo.Sk);
+      if (backward) {
+        values_t[at].shape_b(geo.bf16_unit, geo.dv, geo.Sk);
+        keys[at].shape_b(geo.bf16_unit, geo.Sk, geo.d);
+      } else {
+        values[at].shape_b(geo.bf16_unit, geo.Sk, geo.dv);
+      }
     }
 #pragma omp parallel for schedule(static) if (geo.parallel())
-    for (int64_t bg = 0; bg < geo.B * geo.G; ++bg) {
+    for (int64_t task = 0; task < n_slices * n_pairs; ++task) {
+      const int64_t bg = task % n_pairs, r0 = task / n_pairs * 32, r1 = std::min(r0 + 32, geo.Sk);
       const auto at = static_cast<size_t>(bg);
       const float* k = k_SBGd + geo.kv_offset(0, bg / geo.G, bg % geo.G);
       const float* v = v_SBGd + geo.v_offset(0, bg / geo.G, bg % geo.G);
-      keys_t[at].pack_b(geo.bf16_unit, true, geo.d, geo.Sk, k, geo.ld_kv);
+      keys_t[at].pack_b_slice(true, k, geo.ld_kv, r0, r1);
       if (backward) {
-        values_t[at].pack_b(geo.bf16_unit, true, geo.dv, geo.Sk, v, geo.ld_v);
-        keys[at].pack_b(geo.bf16_unit, false, geo.Sk, geo.d, k, geo.ld_kv);
+        values_t[at].pack_b_slice(true, v, geo.ld_v, r0, r1);
+        keys[at].pack_b_slice(false, k, geo.ld_kv, r0, r1);
       } else {
-        values[at].pack_b(geo.bf16_unit, false, geo.Sk, geo.dv, v, geo.ld_v);
+        values[at].pack_b_slice(false, v, geo.ld_v, r0, r1);
       }
     }
   }

@@ -434,6 +434,51 @@ void Bf16Panel::pack_b(const Bf16ProductUnit unit, const bool trans, const int64
   }
 }
 
+void Bf16Panel::shape_b(const Bf16ProductUnit unit, const int64_t K, const int64_t N) {
+  if (unit != Bf16ProductUnit::kEmulated) require_usable(unit);
+  unit_ = unit;
+  is_a_ = false;
+  rows_ = K;
+  cols_ = N;
+  if (unit == Bf16ProductUnit::kEmulated) {
+    ld_ = N;
+    values_.resize(static_cast<size_t>(K * N));
+    return;
+  }
+  ld_ = round_up(N, 16) + 16;
+  words_.resize(static_cast<size_t>(round_up(K, 32) / 2 * ld_));
+}
+
+void Bf16Panel::pack_b_slice(const bool trans, const float* src, const int64_t ld, const int64_t r0, const int64_t r1) {
+  const int64_t K = rows_, N = cols_, src_rows = trans ? N : K;
+  if (r0 < 0 || r0 % 32 != 0 || r1 < r0 || r1 > src_rows) {
+    throw std::invalid_argument("Bf16Panel::pack_b_slice: rows [" + std::to_string(r0) + ", " + std::to_string(r1) +
+                                ") of " + std::to_string(src_rows) + " (r0 a multiple of 32)");
+  }
+  if (unit_ == Bf16ProductUnit::kEmulated) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t c = 0; c < (trans ? K : N); ++c) {
+        const float x = rounded(src[r * ld + c]);
+        values_[static_cast<size_t>(trans ? c * N + r : r * N + c)] = x;
+      }
+    }
+    return;
+  }
+#if defined(MOECORE_AMX_BUILT)
+  const int64_t Kp = round_up(K, 32), pairs = Kp / 2;
+  if (trans) {  // B's columns [r0, end): src's rows in bf16, transposed into them
+    const int64_t end = r1 < N ? r1 : ld_;
+    thread_local std::vector<uint32_t> staging;
+    staging.resize(static_cast<size_t>((end - r0) * pairs));
+    convert_rows(reinterpret_cast<uint16_t*>(staging.data()), Kp, src + r0 * ld, ld, r1 - r0, K, end - r0, Kp);
+    transpose_words(words_.data() + r0, ld_, staging.data(), pairs, end - r0, pairs);
+  } else {  // B's pair rows [r0 / 2, end / 2)
+    const int64_t end = r1 < K ? r1 : Kp;
+    interleave_rows(words_.data() + r0 / 2 * ld_, ld_, src + r0 * ld, ld, r1 - r0, N, (end - r0) / 2, ld_);
+  }
+#endif
+}
+
 void gemm_bf16_packed(const int64_t M, const int64_t N, const int64_t K, const float alpha, const Bf16Panel& a,
                       const int64_t a_row0, const Bf16Panel& b, const int64_t b_k0, const int64_t b_n0,
                       const float beta, float* C, const int64_t ldc) {

@@ -61,6 +61,12 @@ class Bf16Panel {
               int64_t zero_k_before = 0);
   // B = op(src) [K, N] (trans: src is [N, K]).
   void pack_b(Bf16ProductUnit unit, bool trans, int64_t K, int64_t N, const float* src, int64_t ld);
+  // pack_b in slices (packed by several threads): shape_b sizes the panel for B [K, N] of `unit`; pack_b_slice packs
+  // what rows [r0, r1) of src give (trans, src [N, K]: B's columns r0..r1; else src [K, N]: B's rows r0..r1), r0 a
+  // multiple of 32, src pointing at row 0. Slices that cover all of src's rows fill the panel, the slice reaching
+  // the last row its padding too.
+  void shape_b(Bf16ProductUnit unit, int64_t K, int64_t N);
+  void pack_b_slice(bool trans, const float* src, int64_t ld, int64_t r0, int64_t r1);
   // An A operand [M, K] of a unit with bf16 layouts (not kEmulated) that the caller writes: row m's K bf16 values
   // (bf16_bits) at the returned pointer plus m * a_row_stride(); the padding is zeroed here. For producers that round
   // their own output (the softmax).
