@@ -246,7 +246,6 @@ Bf16Operands& bf16_operands() {
 // The keys and values of every (b, kv group) packed once per call for the bf16 products: k^T and v^T as the B
 // operands of q k^T and dout v^T (a tile is a range of columns), k and v as those of dS k and P v (a range of rows,
 // used where the tile starts on a 32-key step: other tiles pack their own).
-// One per calling thread, reused by its calls (the panels' buffers only grow).
 struct Bf16KeyValues {
   // Parallel over 32-key slices, each slice for every (b, group) in turn: the slice's rows of k and v are
   // contiguous in [Sk, B, G, d], so they stream through the cache once.
@@ -1105,9 +1104,9 @@ void attention_forward(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd
   detail::check_attention_args(dims, dropout, "attention_forward");
   const BlockLayout layout(dims);
   Geometry geo(dims, layout);
+  Bf16KeyValues kv;  // the call's packed k and v (bf16 products)
   if constexpr (std::is_same_v<T, float>) {
     if (geo.bf16_products) {
-      thread_local Bf16KeyValues kv;
       kv.pack(geo, k_SBGd, v_SBGd, false);
       geo.bf16_kv = &kv;
     }
@@ -1131,9 +1130,9 @@ void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, 
   detail::check_attention_args(dims, dropout, "attention_backward");
   const BlockLayout layout(dims);
   Geometry geo(dims, layout);
+  Bf16KeyValues kv;  // the call's packed k and v (bf16 products)
   if constexpr (std::is_same_v<T, float>) {
     if (geo.bf16_products) {
-      thread_local Bf16KeyValues kv;
       kv.pack(geo, k_SBGd, v_SBGd, true);
       geo.bf16_kv = &kv;
     }
