@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "moecore/kernels/cpu/attention.h"
+#include "moecore/kernels/cpu/attention_products.h"
 #include "moecore/kernels/cpu/loss.h"
 #include "moecore/tensor/rng.h"
 
@@ -136,51 +137,57 @@ void bench_ring_attention(const AttentionCase& c, const int repeats) {
     rank.dv.resize(rank.v.size());
   }
   const kernels::DropoutSpec dropout{c.dropout, 7, 11};
-  auto dims_of = [&](const int64_t r, const int64_t s) {
-    kernels::AttentionDims block = dims;
-    block.q_index = ranks[static_cast<size_t>(r)].rows.data();
-    block.k_index = ranks[static_cast<size_t>(s)].rows.data();
-    return block;
-  };
-  const double fwd = time_ms(
-      [&] {
-        for (int64_t r = 0; r < c.cp; ++r) {
-          Rank& rank = ranks[static_cast<size_t>(r)];
-          for (int64_t t = 0; t < c.cp; ++t) {
-            const int64_t s = (r - t + c.cp) % c.cp;
-            const Rank& keys = ranks[static_cast<size_t>(s)];
-            const kernels::AttentionDims block = dims_of(r, s);
-            float* out = t == 0 ? rank.out.data() : rank.part_out.data();
-            float* lse = t == 0 ? rank.lse.data() : rank.part_lse.data();
-            kernels::cpu::attention_forward(out, lse, rank.q.data(), keys.k.data(), keys.v.data(), block, dropout);
-            if (t > 0) {
-              kernels::cpu::attention_merge(rank.out.data(), rank.lse.data(), rank.part_out.data(),
-                                            rank.part_lse.data(), block);
+  // fp32 products, then bf16 products on AMX tiles where usable (the --bf16 default there).
+  for (const bool bf16 : {false, true}) {
+    if (bf16 && !kernels::cpu::bf16_product_unit_usable(kernels::cpu::Bf16ProductUnit::kAmx)) continue;
+    dims.bf16_products = bf16;
+    auto dims_of = [&](const int64_t r, const int64_t s) {
+      kernels::AttentionDims block = dims;
+      block.q_index = ranks[static_cast<size_t>(r)].rows.data();
+      block.k_index = ranks[static_cast<size_t>(s)].rows.data();
+      return block;
+    };
+    const double fwd = time_ms(
+        [&] {
+          for (int64_t r = 0; r < c.cp; ++r) {
+            Rank& rank = ranks[static_cast<size_t>(r)];
+            for (int64_t t = 0; t < c.cp; ++t) {
+              const int64_t s = (r - t + c.cp) % c.cp;
+              const Rank& keys = ranks[static_cast<size_t>(s)];
+              const kernels::AttentionDims block = dims_of(r, s);
+              float* out = t == 0 ? rank.out.data() : rank.part_out.data();
+              float* lse = t == 0 ? rank.lse.data() : rank.part_lse.data();
+              kernels::cpu::attention_forward(out, lse, rank.q.data(), keys.k.data(), keys.v.data(), block, dropout);
+              if (t > 0) {
+                kernels::cpu::attention_merge(rank.out.data(), rank.lse.data(), rank.part_out.data(),
+                                              rank.part_lse.data(), block);
+              }
             }
           }
-        }
-      },
-      repeats);
-  const double bwd = time_ms(
-      [&] {
-        for (int64_t r = 0; r < c.cp; ++r) {
-          Rank& rank = ranks[static_cast<size_t>(r)];
-          for (int64_t t = c.cp - 1; t >= 0; --t) {
-            const int64_t s = (r - t + c.cp) % c.cp;
-            Rank& keys = ranks[static_cast<size_t>(s)];
-            kernels::cpu::attention_backward(rank.dq.data(), keys.dk.data(), keys.dv.data(), rank.dout.data(),
-                                             rank.q.data(), keys.k.data(), keys.v.data(), rank.out.data(),
-                                             rank.lse.data(), dims_of(r, s), dropout);
+        },
+        repeats);
+    const double bwd = time_ms(
+        [&] {
+          for (int64_t r = 0; r < c.cp; ++r) {
+            Rank& rank = ranks[static_cast<size_t>(r)];
+            for (int64_t t = c.cp - 1; t >= 0; --t) {
+              const int64_t s = (r - t + c.cp) % c.cp;
+              Rank& keys = ranks[static_cast<size_t>(s)];
+              kernels::cpu::attention_backward(rank.dq.data(), keys.dk.data(), keys.dv.data(), rank.dout.data(),
+                                               rank.q.data(), keys.k.data(), keys.v.data(), rank.out.data(),
+                                               rank.lse.data(), dims_of(r, s), dropout);
+            }
           }
-        }
-      },
-      repeats);
-  std::printf(
-      "attention     cpu  %-7s S=%ld B=%ld N=%ld G=%ld d=%ld p=%.1f cp=%ld (%ld ranks x %ld blocks of %ldx%ld) fp32: "
-      "forward %.1f ms, backward %.1f ms\n",
-      c.name, static_cast<long>(c.S), static_cast<long>(c.B), static_cast<long>(c.N), static_cast<long>(c.G),
-      static_cast<long>(c.d), static_cast<double>(c.dropout), static_cast<long>(c.cp), static_cast<long>(c.cp),
-      static_cast<long>(c.cp), static_cast<long>(local), static_cast<long>(local), fwd, bwd);
+        },
+        repeats);
+    std::printf(
+        "attention     cpu  %-7s S=%ld B=%ld N=%ld G=%ld d=%ld p=%.1f cp=%ld (%ld ranks x %ld blocks of %ldx%ld) %s: "
+        "forward %.1f ms, backward %.1f ms\n",
+        c.name, static_cast<long>(c.S), static_cast<long>(c.B), static_cast<long>(c.N), static_cast<long>(c.G),
+        static_cast<long>(c.d), static_cast<double>(c.dropout), static_cast<long>(c.cp), static_cast<long>(c.cp),
+        static_cast<long>(c.cp), static_cast<long>(local), static_cast<long>(local),
+        bf16 ? "bf16 products (AMX-BF16 tiles)" : "fp32 products", fwd, bwd);
+  }
 }
 
 // Forward and backward of the causal attention kernel, fp32, median of `repeats` calls each.
@@ -210,8 +217,19 @@ void bench_attention(const AttentionCase& c, const int repeats, const bool allow
       documents_SB.insert(documents_SB.end(), c.B, static_cast<int32_t>(s / c.document));
     dims.q_document_SB = dims.k_document_SB = documents_SB.data();
   }
-  for (const bool fast : {true, false}) {
+  // The fast kernel with fp32 products, then with bf16 products on each unit this CPU has (AMX tiles: the --bf16
+  // default; AVX512-BF16 vdpbf16ps), then the reference.
+  using kernels::cpu::Bf16ProductUnit;
+  for (const int run : {0, 1, 2, 3}) {
+    const bool fast = run < 3;
     if (!fast && !(c.with_ref && allow_ref)) continue;
+    const Bf16ProductUnit unit = run == 2 ? Bf16ProductUnit::kAvx512Bf16 : Bf16ProductUnit::kAmx;
+    if ((run == 1 || run == 2) && !kernels::cpu::bf16_product_unit_usable(unit)) continue;
+    const kernels::cpu::ScopedBf16ProductUnit on(run == 1 || run == 2 ? unit : Bf16ProductUnit::kEmulated);
+    dims.bf16_products = run == 1 || run == 2;
+    const std::string products = dims.bf16_products
+                                     ? "bf16 products (" + std::string(kernels::cpu::bf16_product_unit_name(unit)) + ")"
+                                     : "fp32 products";
     auto forward = fast ? kernels::cpu::attention_forward<float> : kernels::ref::attention_forward<float>;
     auto backward = fast ? kernels::cpu::attention_backward<float> : kernels::ref::attention_backward<float>;
     const int n = fast ? repeats : 1;
@@ -224,11 +242,11 @@ void bench_attention(const AttentionCase& c, const int repeats, const bool allow
         },
         n);
     std::printf(
-        "attention     %-4s %-7s S=%ld B=%ld N=%ld G=%ld d=%ld%s p=%.1f%s fp32: forward %.1f ms, backward %.1f ms\n",
+        "attention     %-4s %-7s S=%ld B=%ld N=%ld G=%ld d=%ld%s p=%.1f%s %s: forward %.1f ms, backward %.1f ms\n",
         fast ? "cpu" : "ref", c.name, static_cast<long>(c.S), static_cast<long>(c.B), static_cast<long>(c.N),
         static_cast<long>(c.G), static_cast<long>(c.d), c.dv > 0 ? (" dv=" + std::to_string(c.dv)).c_str() : "",
         static_cast<double>(c.dropout), c.document > 0 ? (" documents of " + std::to_string(c.document)).c_str() : "",
-        fwd, bwd);
+        products.c_str(), fwd, bwd);
   }
 }
 

@@ -10,6 +10,10 @@
 //   once, bit for bit;
 // - fp32 backward: dq, dk, dv equal the one-process fp32 attention's gradients at this rank's rows.
 // Each with value heads as wide as the query / key heads (16), narrower (12: multi-latent attention) and wider (24).
+// The attention's products run in fp32 here (ScopedAttentionProductPath): the bit-for-bit claims are about the
+// context-parallel layer's fp32 partial results, and bf16 products round P and dS inside every block's kernel call
+// (checked against the reference in kernels_attention_bf16_test, and the bf16 cp2 model against the one-process run
+// in dist.equiv.bf16_cp2).
 // Exit status 1 on any mismatch, on any rank.
 #include <algorithm>
 #include <bit>
@@ -21,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "moecore/kernels/cpu/attention_products.h"
 #include "moecore/model/context_parallel_attention.h"
 #include "moecore/ops/precision.h"
 #include "moecore/parallel/mpi_runtime.h"
@@ -225,6 +230,7 @@ void run_case(const ProcessGroup& cp, const CpCommType type, const DType dtype, 
 int main(int argc, char** argv) {
   const parallel::MpiRuntime mpi(&argc, &argv);
   const ProcessGroup world = ProcessGroup::world();
+  const kernels::cpu::ScopedAttentionProductPath fp32_products(kernels::cpu::AttentionProductPath::kF32);
   for (const CpCommType type : {CpCommType::kP2P, CpCommType::kAllGather, CpCommType::kA2A}) {
     for (const DType dtype : {DType::kBF16, DType::kF16}) {
       for (const int64_t dv : {0, 12, 24}) run_case(world, type, dtype, dv);

@@ -15,6 +15,9 @@
 //   - the [comm] line's param-gather MB per iteration: the hand-counted figure, half the bf16 run's bytes for the
 //     quantized weights (a quarter with FP4) plus the amax bytes;
 //   - the losses of --fp8-param-gather runs against the same FP8 recipe without it (tolerances explained there).
+//     The attention's products run in fp32 (ScopedAttentionProductPath): the tolerances count the bf16 roundings of
+//     activations that a ~1e-7 weight perturbation may flip, and bf16 attention products (P and dS rounded to bf16,
+//     kernels/cpu/attention_products.h) add many more such roundings; they are checked in kernels_attention_bf16_test.
 // Prints "N passed, M failed" on rank 0; exit status 1 on any failure.
 #include <bit>
 #include <cmath>
@@ -26,6 +29,7 @@
 #include <vector>
 
 #include "moecore/data/indexed_dataset.h"
+#include "moecore/kernels/cpu/attention_products.h"
 #include "moecore/ops/precision.h"
 #include "moecore/optim/ddp.h"
 #include "moecore/optim/distributed_optimizer.h"
@@ -501,6 +505,8 @@ int main(int argc, char** argv) {
   sizes.world_size = world.size();
   const parallel::ParallelState ps = parallel::ParallelState::create(sizes, false, world);
 
+  const moecore::kernels::cpu::ScopedAttentionProductPath fp32_attention(
+      moecore::kernels::cpu::AttentionProductPath::kF32);
   int passed = 0, failed = 0;
   const auto report = [&](const std::string& name) {
     std::vector<float> flag{static_cast<float>(g_failures > 0)};

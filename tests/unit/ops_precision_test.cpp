@@ -10,6 +10,7 @@
 #include <set>
 #include <string>
 
+#include "moecore/kernels/cpu/attention_products.h"
 #include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/ops/ops.h"
 #include "moecore/ops/precision.h"
@@ -77,6 +78,9 @@ TEST_P(OpsPrecision, ActivationsRoundAndStatisticsStayFp32) {
   // The convert path is the plain fp32 GEMM on the 16-bit values, so the scoped linear layers match the fp32 run
   // bit for bit; the native path sums in another order (LinearNativePathMatchesTheReference below).
   const kernels::cpu::ScopedLowpGemmPath convert(kernels::cpu::LowpGemmPath::kConvert);
+  // Likewise the attention's fp32 products: its bf16 products round P and dS as well (a deliberate numerics change,
+  // checked against the reference in kernels_attention_bf16_test).
+  const kernels::cpu::ScopedAttentionProductPath fp32_attention(kernels::cpu::AttentionProductPath::kF32);
   int rounded = 0;
   for (const OpCase& c : test::all_cases()) {
     // Composite cases round inside (the fused output layer + loss its logits, the two-block ring attention its

@@ -16,6 +16,13 @@
 // seen by every row go in tiles without a mask, keys seen by some go in narrow tiles masked element by element from
 // the first row that sees any, and keys seen by none are skipped. Tiles stay inside the key-tile-aligned ranges, as
 // on the plain path. The plain causal self-attention keeps its own tiling (the prefix mask of each row).
+//
+// bf16 products (AttentionDims::bf16_products; attention_products.h), on both paths and in both schedules, with the
+// same tiles: every product takes bf16 operands and sums in fp32 (AMX tiles where usable). Operands are packed once
+// where they are reused: k and v of every (b, group) per call, q and dout per block; on AMX the softmax writes P and
+// the backward dS as bf16 rows directly. dK and dV of a task's keys gather in contiguous per-thread accumulators
+// and are added to the gradients once, in both schedules alike, so the results stay independent of the thread
+// count. In fp64 (tests) the operands are rounded to bf16 values and multiplied in double.
 #include "moecore/kernels/cpu/attention.h"
 
 #include <cblas.h>
@@ -34,12 +41,15 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "moecore/kernels/cpu/attention_checks.h"
+#include "moecore/kernels/cpu/attention_products.h"
 #include "moecore/kernels/cpu/fast_exp.h"
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/kernels/cpu/vector_isa.h"
+#include "moecore/tensor/dtype.h"
 
 namespace moecore::kernels::cpu {
 namespace {
@@ -126,6 +136,8 @@ struct BlockLayout {
   std::vector<int32_t> q_docs, k_docs;
 };
 
+struct Bf16KeyValues;
+
 // Strides and offsets of the [S, B, N, d] / [Sk, B, G, d] layouts (q, k; out and v have dv channels), the blocking,
 // and the general path's indices.
 struct Geometry {
@@ -153,7 +165,9 @@ struct Geometry {
         k_index(layout.k_index),
         q_doc_BS(layout.q_doc_BS),
         k_doc_BS(layout.k_doc_BS),
-        k_run_end(layout.k_run_end) {}
+        k_run_end(layout.k_run_end),
+        bf16_products(dims.bf16_products),
+        bf16_unit(best_bf16_product_unit()) {}
   int64_t q_offset(int64_t i, int64_t b, int64_t h) const { return ((i * B + b) * N + h) * d; }
   int64_t kv_offset(int64_t j, int64_t b, int64_t g) const { return ((j * B + b) * G + g) * d; }
   int64_t out_offset(int64_t i, int64_t b, int64_t h) const { return ((i * B + b) * N + h) * dv; }  // out, dout
@@ -180,7 +194,100 @@ struct Geometry {
   const int64_t *q_index, *k_index;
   const int32_t *q_doc_BS, *k_doc_BS;
   const int64_t* k_run_end;
+  bool bf16_products;  // AttentionDims::bf16_products
+  Bf16ProductUnit bf16_unit;
+  const Bf16KeyValues* bf16_kv = nullptr;  // fp32 kernels with bf16 products: the call's packed k and v
 };
+
+// A tile product: gemm_rm, or with bf16 products gemm_bf16 (fp32; in fp64, the test precision, the operands
+// rounded to bf16 values and multiplied in double).
+void product(const Geometry& geo, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+             const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (!geo.bf16_products) return gemm_rm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  gemm_bf16(geo.bf16_unit, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+void product(const Geometry& geo, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, double alpha,
+             const double* A, int64_t lda, const double* B, int64_t ldb, double beta, double* C, int64_t ldc) {
+  if (!geo.bf16_products) return gemm_rm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  thread_local std::vector<double> a, b;
+  auto round_copy = [](std::vector<double>& out, const double* x, const int64_t rows, const int64_t cols,
+                       const int64_t ld) {
+    out.resize(static_cast<size_t>(rows * cols));
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        out[static_cast<size_t>(r * cols + c)] = bf16_to_fp32(fp32_to_bf16(static_cast<float>(x[r * ld + c])));
+      }
+    }
+  };
+  const int64_t a_cols = trans_a ? M : K, b_cols = trans_b ? K : N;
+  round_copy(a, A, trans_a ? K : M, a_cols, lda);
+  round_copy(b, B, trans_b ? N : K, b_cols, ldb);
+  gemm_rm(trans_a, trans_b, M, N, K, alpha, a.data(), a_cols, b.data(), b_cols, beta, C, ldc);
+}
+
+// The operands of the bf16 products of one thread (fp32 kernels): the block's rows packed once per block, each key
+// tile's and each probability / gradient tile's once per product.
+struct Bf16Operands {
+  Bf16Panel q_a, dout_a, q_b, dout_b;  // the block's q and dout as A operands, and as B operands (dK, dV)
+  Bf16Panel keys, values;              // a tile's k, v (B of dS k, P v) where Bf16KeyValues' do not fit
+  Bf16Panel tile_a, tile_t;            // P or dS as an A operand, P^T or dS^T
+  // dK, dV of the keys [acc_k0, acc_k1) of the task's (b, group), contiguous: summed here over the task's tiles and
+  // added to the gradients once (flush_key_grads), instead of tile by tile into their [Sk, B, G, d] rows.
+  // A key's first tile stores its rows (beta 0), later ones add: no zero-fill of the whole range. acc_written marks
+  // the rows stored so far; rows never written have no tile and add nothing.
+  std::vector<float> dk_acc, dv_acc;
+  std::vector<uint8_t> acc_written;
+  int64_t acc_k0 = 0, acc_k1 = 0;
+};
+Bf16Operands& bf16_operands() {
+  thread_local Bf16Operands operands;
+  return operands;
+}
+// The keys and values of every (b, kv group) packed once per call for the bf16 products: k^T and v^T as the B
+// operands of q k^T and dout v^T (a tile is a range of columns), k and v as those of dS k and P v (a range of rows,
+// used where the tile starts on a 32-key step: other tiles pack their own).
+struct Bf16KeyValues {
+  // Parallel over 32-key slices, each slice for every (b, group) in turn: the slice's rows of k and v are
+  // contiguous in [Sk, B, G, d], so they stream through the cache once.
+  void pack(const Geometry& geo, const float* k_SBGd, const float* v_SBGd, const bool backward) {
+    const int64_t n_pairs = geo.B * geo.G, n_slices = (geo.Sk + 31) / 32;
+    for (auto* panels : {&keys_t, &values_t, &keys, &values}) {
+      if (panels->size() < static_cast<size_t>(n_pairs)) panels->resize(static_cast<size_t>(n_pairs));
+    }
+    for (int64_t bg = 0; bg < n_pairs; ++bg) {
+      const auto at = static_cast<size_t>(bg);
+      keys_t[at].shape_b(geo.bf16_unit, geo.d, geo.Sk);
+      if (backward) {
+        values_t[at].shape_b(geo.bf16_unit, geo.dv, geo.Sk);
+        keys[at].shape_b(geo.bf16_unit, geo.Sk, geo.d);
+      } else {
+        values[at].shape_b(geo.bf16_unit, geo.Sk, geo.dv);
+      }
+    }
+#pragma omp parallel for schedule(static) if (geo.parallel())
+    for (int64_t task = 0; task < n_slices * n_pairs; ++task) {
+      const int64_t bg = task % n_pairs, r0 = task / n_pairs * 32, r1 = std::min(r0 + 32, geo.Sk);
+      const auto at = static_cast<size_t>(bg);
+      const float* k = k_SBGd + geo.kv_offset(0, bg / geo.G, bg % geo.G);
+      const float* v = v_SBGd + geo.v_offset(0, bg / geo.G, bg % geo.G);
+      keys_t[at].pack_b_slice(true, k, geo.ld_kv, r0, r1);
+      if (backward) {
+        values_t[at].pack_b_slice(true, v, geo.ld_v, r0, r1);
+        keys[at].pack_b_slice(false, k, geo.ld_kv, r0, r1);
+      } else {
+        values[at].pack_b_slice(false, v, geo.ld_v, r0, r1);
+      }
+    }
+  }
+  std::vector<Bf16Panel> keys_t, values_t, keys, values;  // [B * G]
+};
+
+// Whether a tile's products run on packed bf16 operands: fp32 kernels with AttentionDims::bf16_products (fp64 ones
+// emulate them in product()).
+template <typename T>
+bool packed_bf16(const Geometry& geo) {
+  return std::is_same_v<T, float> && geo.bf16_products;
+}
 
 constexpr uint32_t kPhiloxMul0 = 0xD2511F53u, kPhiloxMul1 = 0xCD9E8D57u;
 constexpr uint32_t kPhiloxWeyl0 = 0x9E3779B9u, kPhiloxWeyl1 = 0xBB67AE85u;
@@ -500,16 +607,19 @@ class Scratch {
 // may see no key of a tile (row_max stays -inf: its exponentials are 0, m and l unchanged).
 template <typename T>
 MOECORE_VECTOR_CLONES void forward_tile(T* s_MC, T* m_M, T* l_M, T* o_Md, const Geometry& geo, const Block& blk,
-                                        const KeyTile& tile, const MaskStream& mask) {
+                                        const KeyTile& tile, const MaskStream& mask, uint16_t* p_bits = nullptr,
+                                        const int64_t ld_bits = 0) {
   const int64_t j0 = tile.j0, cols = tile.cols;
   for (int64_t p = tile.p0; p < blk.rows; ++p) {
     T* row = s_MC + p * cols;
+    uint16_t* bits_row = p_bits == nullptr ? nullptr : p_bits + (p - tile.p0) * ld_bits;
     mask_scores(row, geo, blk, tile, p);
     T row_max = m_M[p];
 #pragma omp simd reduction(max : row_max)
     for (int64_t c = 0; c < cols; ++c) row_max = row[c] > row_max ? row[c] : row_max;
     if (row_max == -std::numeric_limits<T>::infinity()) {
       std::fill(row, row + cols, T(0));
+      if (bits_row != nullptr) std::fill(bits_row, bits_row + cols, uint16_t{0});
       continue;
     }
     T sum = 0;
@@ -524,6 +634,10 @@ MOECORE_VECTOR_CLONES void forward_tile(T* s_MC, T* m_M, T* l_M, T* o_Md, const 
       tile_words(words, geo, geo.dropout_row_counter(blk.b, blk.head(p), blk.query(p)), j0, cols, mask);
 #pragma omp simd
       for (int64_t c = 0; c < cols; ++c) row[c] = mask.kept(words[c]) ? row[c] : T(0);
+    }
+    if (bits_row != nullptr) {  // the bf16 operand of P v, rounded while the row is in cache
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) bits_row[c] = bf16_bits(static_cast<float>(row[c]));
     }
     if ((j0 > 0 || geo.general) && row_max != m_M[p]) {
       const T rescale = exp_of(m_M[p] - row_max);
@@ -569,6 +683,37 @@ struct ForwardScratch {
   T *q_Md, *o_Md, *s_MC, *m_M, *l_M;  // o_Md: [packed rows, dv]
 };
 
+// forward_block's tiles on packed bf16 operands (q_Md, m_M, l_M and o_Md set up by it).
+void forward_block_bf16(float* out_SBNd, float* lse_BNS, const float* v_SBGd, const Geometry& geo, double scale,
+                        const MaskStream& mask, const Block& blk, ForwardScratch<float>& sc) {
+  Bf16Operands& x = bf16_operands();
+  const Bf16ProductUnit unit = geo.bf16_unit;
+  x.q_a.pack_a(unit, false, blk.rows, geo.d, sc.q_Md, geo.d);
+  for_each_key_tile(geo, blk, kKeyTileForward, [&](const KeyTile& tile) {
+    const int64_t rows = blk.rows - tile.p0, cols = tile.cols;
+    float* s_MC = sc.s_MC + tile.p0 * cols;
+    const auto bg = static_cast<size_t>(blk.b * geo.G + blk.g);
+    gemm_bf16_packed(rows, cols, geo.d, static_cast<float>(scale), x.q_a, tile.p0, geo.bf16_kv->keys_t[bg], 0, tile.j0,
+                     0.0f, s_MC, cols);
+    if (unit != Bf16ProductUnit::kEmulated) {
+      uint16_t* bits = x.tile_a.a_for_writing(unit, rows, cols);
+      forward_tile(sc.s_MC, sc.m_M, sc.l_M, sc.o_Md, geo, blk, tile, mask, bits, x.tile_a.a_row_stride());
+    } else {
+      forward_tile(sc.s_MC, sc.m_M, sc.l_M, sc.o_Md, geo, blk, tile, mask);
+      x.tile_a.pack_a(unit, false, rows, cols, s_MC, cols);
+    }
+    const float beta = tile.j0 == 0 && !geo.general ? 0.0f : 1.0f;
+    if (tile.j0 % 32 == 0) {
+      gemm_bf16_packed(rows, geo.dv, cols, 1.0f, x.tile_a, 0, geo.bf16_kv->values[bg], tile.j0, 0, beta,
+                       sc.o_Md + tile.p0 * geo.dv, geo.dv);
+    } else {
+      x.values.pack_b(unit, false, cols, geo.dv, v_SBGd + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v);
+      gemm_bf16_packed(rows, geo.dv, cols, 1.0f, x.tile_a, 0, x.values, 0, 0, beta, sc.o_Md + tile.p0 * geo.dv, geo.dv);
+    }
+  });
+  forward_finish(out_SBNd, lse_BNS, sc.o_Md, sc.m_M, sc.l_M, geo, blk, mask);
+}
+
 template <typename T>
 void forward_block(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd, const T* v_SBGd, const Geometry& geo,
                    double scale, const MaskStream& mask, const Block& blk, ForwardScratch<T>& sc) {
@@ -576,14 +721,18 @@ void forward_block(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd, co
   std::fill(sc.m_M, sc.m_M + blk.rows, -std::numeric_limits<T>::infinity());
   std::fill(sc.l_M, sc.l_M + blk.rows, T(0));
   if (geo.general) std::fill(sc.o_Md, sc.o_Md + blk.rows * geo.dv, T(0));  // its first tile need not be key 0's
+  if constexpr (std::is_same_v<T, float>) {
+    if (geo.bf16_products) return forward_block_bf16(out_SBNd, lse_BNS, v_SBGd, geo, scale, mask, blk, sc);
+  }
   for_each_key_tile(geo, blk, kKeyTileForward, [&](const KeyTile& tile) {
     const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
     T* s_MC = sc.s_MC + tile.p0 * tile.cols;
-    gemm_rm(false, true, rows, tile.cols, geo.d, static_cast<T>(scale), sc.q_Md + tile.p0 * geo.d, geo.d,
+    product(geo, false, true, rows, tile.cols, geo.d, static_cast<T>(scale), sc.q_Md + tile.p0 * geo.d, geo.d,
             k_SBGd + kv_off, geo.ld_kv, T(0), s_MC, tile.cols);
     forward_tile(sc.s_MC, sc.m_M, sc.l_M, sc.o_Md, geo, blk, tile, mask);
-    gemm_rm(false, false, rows, geo.dv, tile.cols, T(1), s_MC, tile.cols, v_SBGd + geo.v_offset(tile.j0, blk.b, blk.g),
-            geo.ld_v, T(tile.j0 == 0 && !geo.general ? 0 : 1), sc.o_Md + tile.p0 * geo.dv, geo.dv);
+    product(geo, false, false, rows, geo.dv, tile.cols, T(1), s_MC, tile.cols,
+            v_SBGd + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v, T(tile.j0 == 0 && !geo.general ? 0 : 1),
+            sc.o_Md + tile.p0 * geo.dv, geo.dv);
   });
   forward_finish(out_SBNd, lse_BNS, sc.o_Md, sc.m_M, sc.l_M, geo, blk, mask);
 }
@@ -608,16 +757,19 @@ struct BackwardInputs {
 // with lse = -inf saw no key at all (general path): zeros.
 template <typename T>
 MOECORE_VECTOR_CLONES void backward_tile(T* pd_MC, T* ds_MC, const T* lse_M, const T* delta_M,
-                                         const BackwardInputs<T>& in, const Block& blk, const KeyTile& tile) {
+                                         const BackwardInputs<T>& in, const Block& blk, const KeyTile& tile,
+                                         uint16_t* ds_bits = nullptr, const int64_t ld_bits = 0) {
   const T scale = static_cast<T>(in.scale), keep_scale = static_cast<T>(in.mask.keep_scale);
   const int64_t j0 = tile.j0, cols = tile.cols;
   for (int64_t p = tile.p0; p < blk.rows; ++p) {
     T* pd_row = pd_MC + p * cols;
     T* ds_row = ds_MC + p * cols;
+    uint16_t* bits_row = ds_bits == nullptr ? nullptr : ds_bits + (p - tile.p0) * ld_bits;
     const T lse = lse_M[p], delta = delta_M[p];
     if (lse == -std::numeric_limits<T>::infinity()) {
       std::fill(pd_row, pd_row + cols, T(0));
       std::fill(ds_row, ds_row + cols, T(0));
+      if (bits_row != nullptr) std::fill(bits_row, bits_row + cols, uint16_t{0});
       continue;
     }
     mask_scores(pd_row, in.geo, blk, tile, p);
@@ -638,6 +790,10 @@ MOECORE_VECTOR_CLONES void backward_tile(T* pd_MC, T* ds_MC, const T* lse_M, con
         pd_row[c] = prob;
         ds_row[c] = scale * prob * (ds_row[c] - delta);
       }
+    }
+    if (bits_row != nullptr) {  // the bf16 operand of dS k, rounded while the row is in cache
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) bits_row[c] = bf16_bits(static_cast<float>(ds_row[c]));
     }
   }
 }
@@ -668,6 +824,16 @@ void load_block(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block
     sc.lse_M[p] = in.lse[at];
     sc.delta_M[p] = in.delta[at];
   }
+  if constexpr (std::is_same_v<T, float>) {
+    if (in.geo.bf16_products) {
+      Bf16Operands& x = bf16_operands();
+      const Bf16ProductUnit unit = in.geo.bf16_unit;
+      x.q_a.pack_a(unit, false, blk.rows, in.geo.d, sc.q_Md, in.geo.d);
+      x.dout_a.pack_a(unit, false, blk.rows, in.geo.dv, sc.dout_Md, in.geo.dv);
+      x.q_b.pack_b(unit, false, blk.rows, in.geo.d, sc.q_Md, in.geo.d);
+      x.dout_b.pack_b(unit, false, blk.rows, in.geo.dv, sc.dout_Md, in.geo.dv);
+    }
+  }
 }
 
 // The tile's scores and gradients (backward_tile) in pd_MC and ds_MC, rows [tile.p0, rows), ld tile.cols.
@@ -675,9 +841,24 @@ template <typename T>
 void compute_tile(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block& blk, const KeyTile& tile) {
   const Geometry& geo = in.geo;
   const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
-  gemm_rm(false, true, rows, tile.cols, geo.d, static_cast<T>(in.scale), sc.q_Md + tile.p0 * geo.d, geo.d,
+  if constexpr (std::is_same_v<T, float>) {
+    if (geo.bf16_products) {
+      Bf16Operands& x = bf16_operands();
+      const int64_t cols = tile.cols;
+      const auto bg = static_cast<size_t>(blk.b * geo.G + blk.g);
+      gemm_bf16_packed(rows, cols, geo.d, static_cast<float>(in.scale), x.q_a, tile.p0, geo.bf16_kv->keys_t[bg], 0,
+                       tile.j0, 0.0f, sc.pd_MC + tile.p0 * cols, cols);
+      gemm_bf16_packed(rows, cols, geo.dv, 1.0f, x.dout_a, tile.p0, geo.bf16_kv->values_t[bg], 0, tile.j0, 0.0f,
+                       sc.ds_MC + tile.p0 * cols, cols);
+      if (geo.bf16_unit == Bf16ProductUnit::kEmulated)
+        return backward_tile(sc.pd_MC, sc.ds_MC, sc.lse_M, sc.delta_M, in, blk, tile);
+      uint16_t* bits = x.tile_a.a_for_writing(geo.bf16_unit, rows, cols);  // dS as the A operand of accumulate_dq
+      return backward_tile(sc.pd_MC, sc.ds_MC, sc.lse_M, sc.delta_M, in, blk, tile, bits, x.tile_a.a_row_stride());
+    }
+  }
+  product(geo, false, true, rows, tile.cols, geo.d, static_cast<T>(in.scale), sc.q_Md + tile.p0 * geo.d, geo.d,
           in.k + kv_off, geo.ld_kv, T(0), sc.pd_MC + tile.p0 * tile.cols, tile.cols);
-  gemm_rm(false, true, rows, tile.cols, geo.dv, T(1), sc.dout_Md + tile.p0 * geo.dv, geo.dv,
+  product(geo, false, true, rows, tile.cols, geo.dv, T(1), sc.dout_Md + tile.p0 * geo.dv, geo.dv,
           in.v + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v, T(0), sc.ds_MC + tile.p0 * tile.cols, tile.cols);
   backward_tile(sc.pd_MC, sc.ds_MC, sc.lse_M, sc.delta_M, in, blk, tile);
 }
@@ -688,9 +869,35 @@ void accumulate_dk_dv(T* dk_SBGd, T* dv_SBGd, const BackwardScratch<T>& sc, cons
                       const Block& blk, const KeyTile& tile) {
   const Geometry& geo = in.geo;
   const int64_t kv_off = geo.kv_offset(tile.j0, blk.b, blk.g), rows = blk.rows - tile.p0;
-  gemm_rm(true, false, tile.cols, geo.dv, rows, T(1), sc.pd_MC + tile.p0 * tile.cols, tile.cols,
+  if constexpr (std::is_same_v<T, float>) {
+    if (geo.bf16_products) {
+      // The products sum over the packed rows from k0, p0 rounded down to the panels' 32-row steps; the rows below
+      // p0 hold no values of this tile and read as 0.
+      Bf16Operands& x = bf16_operands();
+      const int64_t cols = tile.cols, k0 = tile.p0 / 32 * 32, depth = blk.rows - k0;
+      const int64_t row = tile.j0 - x.acc_k0;
+      uint8_t* written = x.acc_written.data() + row;
+      const auto n_written = std::count(written, written + cols, uint8_t{1});
+      if (n_written != 0 && n_written != cols) {  // mixed (general path): zero the new rows, then add to all
+        for (int64_t r = 0; r < cols; ++r) {
+          if (written[r] != 0) continue;
+          std::fill_n(x.dk_acc.data() + (row + r) * geo.d, geo.d, 0.0f);
+          std::fill_n(x.dv_acc.data() + (row + r) * geo.dv, geo.dv, 0.0f);
+        }
+      }
+      const float beta = n_written == 0 ? 0.0f : 1.0f;
+      std::fill_n(written, cols, uint8_t{1});
+      x.tile_t.pack_a(geo.bf16_unit, true, cols, depth, sc.pd_MC + k0 * cols, cols, tile.p0 - k0);
+      gemm_bf16_packed(cols, geo.dv, depth, 1.0f, x.tile_t, 0, x.dout_b, k0, 0, beta, x.dv_acc.data() + row * geo.dv,
+                       geo.dv);
+      x.tile_t.pack_a(geo.bf16_unit, true, cols, depth, sc.ds_MC + k0 * cols, cols, tile.p0 - k0);
+      gemm_bf16_packed(cols, geo.d, depth, 1.0f, x.tile_t, 0, x.q_b, k0, 0, beta, x.dk_acc.data() + row * geo.d, geo.d);
+      return;
+    }
+  }
+  product(geo, true, false, tile.cols, geo.dv, rows, T(1), sc.pd_MC + tile.p0 * tile.cols, tile.cols,
           sc.dout_Md + tile.p0 * geo.dv, geo.dv, T(1), dv_SBGd + geo.v_offset(tile.j0, blk.b, blk.g), geo.ld_v);
-  gemm_rm(true, false, tile.cols, geo.d, rows, T(1), sc.ds_MC + tile.p0 * tile.cols, tile.cols,
+  product(geo, true, false, tile.cols, geo.d, rows, T(1), sc.ds_MC + tile.p0 * tile.cols, tile.cols,
           sc.q_Md + tile.p0 * geo.d, geo.d, T(1), dk_SBGd + kv_off, geo.ld_kv);
 }
 
@@ -698,7 +905,27 @@ void accumulate_dk_dv(T* dk_SBGd, T* dv_SBGd, const BackwardScratch<T>& sc, cons
 template <typename T>
 void accumulate_dq(BackwardScratch<T>& sc, const BackwardInputs<T>& in, const Block& blk, const KeyTile& tile) {
   const Geometry& geo = in.geo;
-  gemm_rm(false, false, blk.rows - tile.p0, geo.d, tile.cols, T(1), sc.ds_MC + tile.p0 * tile.cols, tile.cols,
+  if constexpr (std::is_same_v<T, float>) {
+    if (geo.bf16_products) {
+      Bf16Operands& x = bf16_operands();
+      const int64_t rows = blk.rows - tile.p0, cols = tile.cols;
+      // On AMX compute_tile wrote dS into tile_a already.
+      if (geo.bf16_unit == Bf16ProductUnit::kEmulated) {
+        x.tile_a.pack_a(geo.bf16_unit, false, rows, cols, sc.ds_MC + tile.p0 * cols, cols);
+      }
+      const float beta = tile.j0 == 0 && !geo.general ? 0.0f : 1.0f;
+      if (tile.j0 % 32 == 0) {
+        gemm_bf16_packed(rows, geo.d, cols, 1.0f, x.tile_a, 0,
+                         geo.bf16_kv->keys[static_cast<size_t>(blk.b * geo.G + blk.g)], tile.j0, 0, beta,
+                         sc.dq_Md + tile.p0 * geo.d, geo.d);
+      } else {
+        x.keys.pack_b(geo.bf16_unit, false, cols, geo.d, in.k + geo.kv_offset(tile.j0, blk.b, blk.g), geo.ld_kv);
+        gemm_bf16_packed(rows, geo.d, cols, 1.0f, x.tile_a, 0, x.keys, 0, 0, beta, sc.dq_Md + tile.p0 * geo.d, geo.d);
+      }
+      return;
+    }
+  }
+  product(geo, false, false, blk.rows - tile.p0, geo.d, tile.cols, T(1), sc.ds_MC + tile.p0 * tile.cols, tile.cols,
           in.k + geo.kv_offset(tile.j0, blk.b, blk.g), geo.ld_kv, T(tile.j0 == 0 && !geo.general ? 0 : 1),
           sc.dq_Md + tile.p0 * geo.d, geo.d);
 }
@@ -714,6 +941,35 @@ void store_dq(T* dq_SBNd, const BackwardScratch<T>& sc, const Geometry& geo, con
   }
 }
 
+// With bf16 products, dK and dV of keys [k0, k1) gather in the thread's accumulators (accumulate_dk_dv);
+// flush_key_grads adds them to dk, dv. Both schedules sum each key's tiles in the same order, then add once.
+template <typename T>
+void begin_key_grads(const Geometry& geo, const int64_t k0, const int64_t k1) {
+  if (!packed_bf16<T>(geo)) return;
+  Bf16Operands& x = bf16_operands();
+  x.acc_k0 = k0;
+  x.acc_k1 = k1;
+  x.dk_acc.resize(static_cast<size_t>((k1 - k0) * geo.d));
+  x.dv_acc.resize(static_cast<size_t>((k1 - k0) * geo.dv));
+  x.acc_written.assign(static_cast<size_t>(k1 - k0), 0);
+}
+
+template <typename T>
+MOECORE_VECTOR_CLONES void flush_key_grads(T* dk_SBGd, T* dv_SBGd, const Geometry& geo, const int64_t b,
+                                           const int64_t g) {
+  if (!packed_bf16<T>(geo)) return;
+  const Bf16Operands& x = bf16_operands();
+  for (int64_t j = x.acc_k0; j < x.acc_k1; ++j) {
+    if (x.acc_written[static_cast<size_t>(j - x.acc_k0)] == 0) continue;
+    T* dk = dk_SBGd + geo.kv_offset(j, b, g);
+    T* dv = dv_SBGd + geo.v_offset(j, b, g);
+    const float* dk_acc = x.dk_acc.data() + (j - x.acc_k0) * geo.d;
+    const float* dv_acc = x.dv_acc.data() + (j - x.acc_k0) * geo.dv;
+    for (int64_t c = 0; c < geo.d; ++c) dk[c] += static_cast<T>(dk_acc[c]);
+    for (int64_t c = 0; c < geo.dv; ++c) dv[c] += static_cast<T>(dv_acc[c]);
+  }
+}
+
 // One task per (b, kv group): its query blocks in order, each over its key tiles in order.
 template <typename T>
 void backward_by_group(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
@@ -722,6 +978,7 @@ void backward_by_group(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
 #pragma omp parallel for schedule(dynamic, 1) if (geo.parallel())
   for (int64_t bg = 0; bg < geo.B * geo.G; ++bg) {
     BackwardScratch<T> sc(scratch.mine(), geo);
+    begin_key_grads<T>(geo, 0, geo.Sk);
     for (int64_t i0 = 0; i0 < geo.S; i0 += geo.block_rows) {
       const Block blk(geo, bg / geo.G, bg % geo.G, i0);
       load_block(sc, in, blk);
@@ -732,6 +989,7 @@ void backward_by_group(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
       });
       store_dq(dq, sc, geo, blk);
     }
+    flush_key_grads(dk, dv, geo, bg / geo.G, bg % geo.G);
   }
 }
 
@@ -752,6 +1010,7 @@ void backward_by_block(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t task = 0; task < n_key_tiles * n_pairs; ++task) {
       const int64_t bg = task % n_pairs, k0 = task / n_pairs * kKeyTileBackward, k1 = k0 + kKeyTileBackward;
+      begin_key_grads<T>(geo, k0, std::min(k1, geo.Sk));
       if (geo.general) {
         // Every query block, each over its tiles in [k0, k1): the same tiles as backward_by_group's.
         for (int64_t i0 = 0; i0 < geo.S; i0 += geo.block_rows) {
@@ -764,6 +1023,7 @@ void backward_by_block(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
             accumulate_dk_dv(dk, dv, sc, in, blk, tile);
           });
         }
+        flush_key_grads(dk, dv, geo, bg / geo.G, bg % geo.G);
         continue;
       }
       for (int64_t i0 = k0 / geo.block_rows * geo.block_rows; i0 < geo.S; i0 += geo.block_rows) {
@@ -775,6 +1035,7 @@ void backward_by_block(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
           accumulate_dk_dv(dk, dv, sc, in, blk, tile);
         });
       }
+      flush_key_grads(dk, dv, geo, bg / geo.G, bg % geo.G);
     }
     // Query block n-1 sees the most keys: start it first.
 #pragma omp for schedule(dynamic, 1)
@@ -791,7 +1052,7 @@ void backward_by_block(T* dq, T* dk, T* dv, const BackwardInputs<T>& in) {
   }
 }
 
-// delta_BNS[b, h, i] = dout_i . out_i (in double).
+// delta_BNS[b, h, i] = dout_i . out_i (in double; dout rounded to bf16 under bf16 products, as in dP).
 template <typename T>
 MOECORE_VECTOR_CLONES void row_dots(T* delta_BNS, const T* dout_SBNd, const T* out_SBNd, const Geometry& geo,
                                     int64_t i) {
@@ -799,7 +1060,14 @@ MOECORE_VECTOR_CLONES void row_dots(T* delta_BNS, const T* dout_SBNd, const T* o
     const T* dout_row = dout_SBNd + (i * geo.B * geo.N + bh) * geo.dv;
     const T* out_row = out_SBNd + (i * geo.B * geo.N + bh) * geo.dv;
     double dot = 0.0;
-    for (int64_t c = 0; c < geo.dv; ++c) dot += static_cast<double>(dout_row[c]) * static_cast<double>(out_row[c]);
+    if (geo.bf16_products) {
+      for (int64_t c = 0; c < geo.dv; ++c) {
+        const float rounded = std::bit_cast<float>(uint32_t{bf16_bits(static_cast<float>(dout_row[c]))} << 16);
+        dot += static_cast<double>(rounded) * static_cast<double>(out_row[c]);
+      }
+    } else {
+      for (int64_t c = 0; c < geo.dv; ++c) dot += static_cast<double>(dout_row[c]) * static_cast<double>(out_row[c]);
+    }
     delta_BNS[bh * geo.S + i] = static_cast<T>(dot);
   }
 }
@@ -835,7 +1103,14 @@ void attention_forward(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd
                        const AttentionDims& dims, const DropoutSpec& dropout) {
   detail::check_attention_args(dims, dropout, "attention_forward");
   const BlockLayout layout(dims);
-  const Geometry geo(dims, layout);
+  Geometry geo(dims, layout);
+  Bf16KeyValues kv;  // the call's packed k and v (bf16 products)
+  if constexpr (std::is_same_v<T, float>) {
+    if (geo.bf16_products) {
+      kv.pack(geo, k_SBGd, v_SBGd, false);
+      geo.bf16_kv = &kv;
+    }
+  }
   const MaskStream mask(dropout);
   const int64_t n_blocks = geo.n_query_blocks(), n_pairs = geo.B * geo.G;
   Scratch<T> scratch(ForwardScratch<T>::size(geo));
@@ -854,7 +1129,14 @@ void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, 
                         const DropoutSpec& dropout) {
   detail::check_attention_args(dims, dropout, "attention_backward");
   const BlockLayout layout(dims);
-  const Geometry geo(dims, layout);
+  Geometry geo(dims, layout);
+  Bf16KeyValues kv;  // the call's packed k and v (bf16 products)
+  if constexpr (std::is_same_v<T, float>) {
+    if (geo.bf16_products) {
+      kv.pack(geo, k_SBGd, v_SBGd, true);
+      geo.bf16_kv = &kv;
+    }
+  }
   // rowsum(dP * P) = sum_j dPd_ij Pd_ij = dout_i . out_i, also with dropout (out is built from Pd).
   std::vector<T> delta_BNS(geo.B * geo.N * geo.S);
 #pragma omp parallel for schedule(static) if (geo.parallel())

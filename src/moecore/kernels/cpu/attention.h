@@ -49,6 +49,12 @@ struct AttentionDims {
   int64_t dropout_seq_len = 0;
   // The width dv of the value heads, hence of out, dout and dv (0: head_dim; TransformerEngine's v_channels).
   int64_t v_head_dim = 0;
+  // The products in bf16, as FlashAttention-2 / TransformerEngine compute attention under bf16: q, k, v and dout are
+  // rounded to bf16, the probabilities P are rounded to bf16 for the P v and dV = P^T dout products, and the score
+  // gradients dS = P (dP - delta) (scaled) for dq = dS k and dk = dS^T q; every product sums in fp32 and the softmax
+  // statistics (row max, sum, lse, delta) stay fp32. The fast kernel runs them on AMX tiles where it can
+  // (attention_products.h); the reference rounds the same operands (its forward rounds exp(s - row max) once).
+  bool bf16_products = false;
 };
 
 #define MOECORE_ATTENTION_DECL                                                                                      \

@@ -2,6 +2,9 @@
 // evaluated pair by pair from the rows' indices and documents (attention.h). Backward follows the formulas
 // literally: P = exp(s - lse) from q, k and the given lse, rowsum(dP * P) = dout . out from the given out (so that
 // with the final out and lse of a merged attention it gives one key block's share); dP and dS are formed in full.
+// With AttentionDims::bf16_products every operand of a product is rounded to bf16 first: q, k, v, dout, the
+// probabilities (forward: exp(s - row max), normalised after the product; backward: P times the dropout multiplier)
+// and the scaled score gradients dS.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -10,12 +13,18 @@
 
 #include "moecore/kernels/cpu/attention.h"
 #include "moecore/kernels/cpu/attention_checks.h"
+#include "moecore/tensor/dtype.h"
 #include "moecore/tensor/rng.h"
 
 namespace moecore::kernels::ref {
 namespace {
 
 constexpr double kMinusInf = -std::numeric_limits<double>::infinity();
+
+// x as a product operand: rounded to bf16 under bf16 products.
+inline double operand(const double x, const bool bf16) {
+  return bf16 ? static_cast<double>(bf16_to_fp32(fp32_to_bf16(static_cast<float>(x)))) : x;
+}
 
 // Which key each query row sees, and the dropout multipliers.
 struct Mask {
@@ -58,8 +67,8 @@ void head_scores(std::vector<double>& s, const T* q, const T* k, const Attention
       if (!mask.sees(b, i, j)) continue;
       double dot = 0.0;
       for (int64_t c = 0; c < d; ++c) {
-        dot += static_cast<double>(q[((i * B + b) * N + h) * d + c]) *
-               static_cast<double>(k[((j * B + b) * G + g) * d + c]);
+        dot += operand(static_cast<double>(q[((i * B + b) * N + h) * d + c]), dims.bf16_products) *
+               operand(static_cast<double>(k[((j * B + b) * G + g) * d + c]), dims.bf16_products);
       }
       s[i * Sk + j] = dot * dims.scale;
     }
@@ -82,9 +91,8 @@ void attention_forward(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd
       for (int64_t i = 0; i < S; ++i) {
         double* row = s.data() + i * Sk;
         const double row_max = *std::max_element(row, row + Sk);
-        double lse = kMinusInf;
+        double lse = kMinusInf, sum = 0.0;
         if (row_max != kMinusInf) {
-          double sum = 0.0;
           for (int64_t j = 0; j < Sk; ++j) sum += std::exp(row[j] - row_max);
           lse = row_max + std::log(sum);
         }
@@ -92,13 +100,18 @@ void attention_forward(T* out_SBNd, T* lse_BNS, const T* q_SBNd, const T* k_SBGd
         // The row's probabilities (0 where masked) and dropout multipliers.
         for (int64_t j = 0; j < Sk; ++j) {
           const bool visible = row[j] != kMinusInf;
-          row[j] = visible ? std::exp(row[j] - lse) : 0.0;
+          if (dims.bf16_products) {
+            row[j] = visible ? operand(std::exp(row[j] - row_max), true) / sum : 0.0;
+          } else {
+            row[j] = visible ? std::exp(row[j] - lse) : 0.0;
+          }
           M[j] = visible ? mask.multiplier(b, h, i, j) : 0.0;
         }
         for (int64_t c = 0; c < dv; ++c) {
           double acc = 0.0;
           for (int64_t j = 0; j < Sk; ++j) {
-            acc += row[j] * M[j] * static_cast<double>(v_SBGd[((j * B + b) * G + g) * dv + c]);
+            acc += row[j] * M[j] *
+                   operand(static_cast<double>(v_SBGd[((j * B + b) * G + g) * dv + c]), dims.bf16_products);
           }
           out_SBNd[((i * B + b) * N + h) * dv + c] = static_cast<T>(acc);
         }
@@ -120,9 +133,18 @@ void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, 
     for (int64_t h = 0; h < N; ++h) {
       const int64_t g = h / (N / G);
       head_scores(s, q_SBNd, k_SBGd, dims, mask, b, h);
-      auto q_at = [&](int64_t i, int64_t c) { return static_cast<double>(q_SBNd[((i * B + b) * N + h) * d + c]); };
+      const bool bf16 = dims.bf16_products;
+      auto q_at = [&](int64_t i, int64_t c) {
+        return operand(static_cast<double>(q_SBNd[((i * B + b) * N + h) * d + c]), bf16);
+      };
       auto dout_at = [&](int64_t i, int64_t c) {
-        return static_cast<double>(dout_SBNd[((i * B + b) * N + h) * dv + c]);
+        return operand(static_cast<double>(dout_SBNd[((i * B + b) * N + h) * dv + c]), bf16);
+      };
+      auto k_at = [&](int64_t j, int64_t c) {
+        return operand(static_cast<double>(k_SBGd[((j * B + b) * G + g) * d + c]), bf16);
+      };
+      auto v_at = [&](int64_t j, int64_t c) {
+        return operand(static_cast<double>(v_SBGd[((j * B + b) * G + g) * dv + c]), bf16);
       };
       auto k_index = [&](int64_t j, int64_t c) { return ((j * B + b) * G + g) * d + c; };
       auto v_index = [&](int64_t j, int64_t c) { return ((j * B + b) * G + g) * dv + c; };
@@ -139,7 +161,7 @@ void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, 
       for (int64_t j = 0; j < Sk; ++j) {
         for (int64_t c = 0; c < dv; ++c) {
           double acc = 0.0;
-          for (int64_t i = 0; i < S; ++i) acc += P[i * Sk + j] * M[i * Sk + j] * dout_at(i, c);
+          for (int64_t i = 0; i < S; ++i) acc += operand(P[i * Sk + j] * M[i * Sk + j], bf16) * dout_at(i, c);
           dv_SBGd[v_index(j, c)] += static_cast<T>(acc);
         }
       }
@@ -153,23 +175,25 @@ void attention_backward(T* dq_SBNd, T* dk_SBGd, T* dv_SBGd, const T* dout_SBNd, 
           dS[i * Sk + j] = 0.0;
           if (P[i * Sk + j] == 0.0) continue;
           double dot = 0.0;
-          for (int64_t c = 0; c < dv; ++c) dot += dout_at(i, c) * static_cast<double>(v_SBGd[v_index(j, c)]);
+          for (int64_t c = 0; c < dv; ++c) dot += dout_at(i, c) * v_at(j, c);
           dS[i * Sk + j] = P[i * Sk + j] * (dot * M[i * Sk + j] - delta);
+          if (bf16) dS[i * Sk + j] = operand(dS[i * Sk + j] * dims.scale, true);
         }
       }
-      // dq += scale dS k; dk += scale dS^T q.
+      // dq += scale dS k; dk += scale dS^T q (under bf16 products the scale is already in the rounded dS).
+      const double dS_scale = bf16 ? 1.0 : dims.scale;
       for (int64_t i = 0; i < S; ++i) {
         for (int64_t c = 0; c < d; ++c) {
           double acc = 0.0;
-          for (int64_t j = 0; j < Sk; ++j) acc += dS[i * Sk + j] * static_cast<double>(k_SBGd[k_index(j, c)]);
-          dq_SBNd[((i * B + b) * N + h) * d + c] += static_cast<T>(acc * dims.scale);
+          for (int64_t j = 0; j < Sk; ++j) acc += dS[i * Sk + j] * k_at(j, c);
+          dq_SBNd[((i * B + b) * N + h) * d + c] += static_cast<T>(acc * dS_scale);
         }
       }
       for (int64_t j = 0; j < Sk; ++j) {
         for (int64_t c = 0; c < d; ++c) {
           double acc = 0.0;
           for (int64_t i = 0; i < S; ++i) acc += dS[i * Sk + j] * q_at(i, c);
-          dk_SBGd[k_index(j, c)] += static_cast<T>(acc * dims.scale);
+          dk_SBGd[k_index(j, c)] += static_cast<T>(acc * dS_scale);
         }
       }
     }
