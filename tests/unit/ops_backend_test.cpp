@@ -25,7 +25,7 @@
 //   elementwise.h add_ scale_ sum_squares all_finite
 //   expert_activation.h weighted_swiglu_forward weighted_swiglu_backward
 //   linear.h      linear_forward linear_backward gemm_library gemm_lowp_library gemm_lowp_native
-//   linear_cross_entropy.h  linear_cross_entropy linear_cross_entropy_chunk_rows
+//   linear_cross_entropy.h  linear_cross_entropy linear_cross_entropy_chunk_rows linear_cross_entropy_logit_bytes
 //   grouped_mlp.h grouped_mlp_fused grouped_mlp_forward grouped_mlp_backward
 //   init.h        normal_fill
 //   moe_rows.h    moe_permute moe_unpermute moe_unpermute_backward sort_chunks unsort_chunks
@@ -61,6 +61,7 @@
 
 #include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/ops/ops.h"
+#include "moecore/ops/precision.h"
 #include "moecore/tensor/rng.h"
 #include "unit/ops_test_cases.h"
 #include "unit/test_device.h"
@@ -99,6 +100,7 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "gemm_lowp_native",
                                                 "linear_cross_entropy",
                                                 "linear_cross_entropy_chunk_rows",
+                                                "linear_cross_entropy_logit_bytes",
                                                 "embedding_forward",
                                                 "embedding_backward",
                                                 "cross_entropy_forward",
@@ -162,6 +164,7 @@ const std::vector<std::string> kOpsInHandWrittenTests = {"activation_input_width
                                                          "sum_squares",
                                                          "all_finite",
                                                          "linear_cross_entropy_chunk_rows",
+                                                         "linear_cross_entropy_logit_bytes",
                                                          "gemm_library",
                                                          "gemm_lowp_library",
                                                          "gemm_lowp_native",
@@ -172,10 +175,16 @@ const std::vector<std::string> kOpsInHandWrittenTests = {"activation_input_width
 // every floating dtype, so the table's fp64 swap is no error for it).
 const std::vector<std::string> kOpsWithHandWrittenErrors = {"scale_", "sum_squares", "all_finite", "convert",
                                                             "normal_fill"};
-const std::vector<std::string> kOpsWithoutTensors = {
-    "activation_input_width", "supports",          "synchronize",      "linear_cross_entropy_chunk_rows",
-    "gemm_library",           "gemm_lowp_library", "gemm_lowp_native", "expert_capacity",
-    "grouped_mlp_fused"};
+const std::vector<std::string> kOpsWithoutTensors = {"activation_input_width",
+                                                     "supports",
+                                                     "synchronize",
+                                                     "linear_cross_entropy_chunk_rows",
+                                                     "linear_cross_entropy_logit_bytes",
+                                                     "gemm_library",
+                                                     "gemm_lowp_library",
+                                                     "gemm_lowp_native",
+                                                     "expert_capacity",
+                                                     "grouped_mlp_fused"};
 
 using test::kDevices;
 using test::tensor_on;
@@ -986,9 +995,23 @@ TEST(LinearCrossEntropy, ChunkingChangesNothing) {
 }
 
 TEST(LinearCrossEntropy, ChunkRowsFollowTheBudget) {
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{32} << 20), 262);  // 32 MiB / (4 B * 32000)
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000, int64_t{32} << 20), 100);   // never more than T
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000, 16), 1);                    // never less than one row
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{32} << 20), 262);     // 32 MiB / (4 B * 32000)
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000, int64_t{32} << 20), 100);      // never more than T
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000, 16), 1);                       // never less than one row
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{32} << 20, 2), 524);  // 16-bit logits
+  EXPECT_THROW(linear_cross_entropy_chunk_rows(2048, 32000, 16, 0), std::invalid_argument);
+}
+
+TEST(LinearCrossEntropy, LogitBytesAreSixteenBitOnlyOnTheNativeUnsplitPath) {
+  const Tensor weight = random_tensor({5, 3}, DType::kF32, 2);
+  EXPECT_EQ(linear_cross_entropy_logit_bytes(weight, false), 4) << "fp32 activations";
+  for (const DType low : {DType::kBF16, DType::kF16}) {
+    const ScopedActivationDType precision(low);
+    EXPECT_EQ(linear_cross_entropy_logit_bytes(weight, false), gemm_lowp_native(low) ? 2 : 4) << dtype_name(low);
+    EXPECT_EQ(linear_cross_entropy_logit_bytes(weight, true), 4) << dtype_name(low) << ", vocabulary split";
+  }
+  const Tensor weight64 = random_tensor({5, 3}, DType::kF64, 2);
+  EXPECT_EQ(linear_cross_entropy_logit_bytes(weight64, false), 8);
 }
 
 TEST(LinearCrossEntropy, RefusesGradientsWithoutDlossesAndZeroChunks) {

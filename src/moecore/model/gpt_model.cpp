@@ -275,7 +275,7 @@ double GPTModel::output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH
     Tensor* dweight_VH = ctx.training ? &m.output_layer.weight().grad : nullptr;
     const ops::VocabShard shard = m.cross_entropy.shard();
     ops::linear_cross_entropy(losses_T, input_TH, weight_VH, ctx.labels_SB,
-                              fused_logits_chunk_rows(T, weight_VH.dim(0)), ctx.training ? &dlosses_T : nullptr,
+                              fused_logits_chunk_rows(T, weight_VH, shard), ctx.training ? &dlosses_T : nullptr,
                               ctx.training ? &ctx.output_dinput_TH : nullptr, dweight_VH, &shard);
   } else {
     ctx.logits_TV = m.output_layer.forward(ctx.final_out_TH, ctx.output_layer);

@@ -182,7 +182,7 @@ std::vector<double> MultiTokenPrediction::forward(const Tensor& h0_TH, const Mtp
     }
     // The weight gradient goes straight into the main gradient, as the main loss's (gpt_model.cpp).
     const ops::VocabShard shard = cross_entropy_->shard();
-    ops::linear_cross_entropy(losses_T, input_TH, weight_VH, labels, fused_logits_chunk_rows(T, weight_VH.dim(0)),
+    ops::linear_cross_entropy(losses_T, input_TH, weight_VH, labels, fused_logits_chunk_rows(T, weight_VH, shard),
                               options.training ? &dlosses_T : nullptr, options.training ? &a.output_dinput_TH : nullptr,
                               options.training ? &output_layer_->weight().grad : nullptr, &shard);
     double loss = 0.0;

@@ -77,10 +77,12 @@ ops::VocabShard VocabParallelCrossEntropy::shard() const {
   return shard;
 }
 
-int64_t fused_logits_chunk_rows(const int64_t T, const int64_t V_local) {
+int64_t fused_logits_chunk_rows(const int64_t T, const Tensor& weight_VH, const ops::VocabShard& shard) {
   constexpr int64_t kF32ChunkBytes = int64_t{64} << 20;
   const auto activation_bytes = static_cast<int64_t>(dtype_size(ops::activation_dtype()));
-  return ops::linear_cross_entropy_chunk_rows(T, V_local, kF32ChunkBytes * activation_bytes / 4);
+  return ops::linear_cross_entropy_chunk_rows(
+      T, weight_VH.dim(0), kF32ChunkBytes * activation_bytes / 4,
+      ops::linear_cross_entropy_logit_bytes(weight_VH, shard.reduce_max != nullptr));
 }
 
 void check_fused_backward_seed(const double forward_seed, const double loss_scale) {

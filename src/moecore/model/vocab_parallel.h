@@ -58,12 +58,13 @@ class VocabParallelCrossEntropy {
   int64_t V_ = 0, vocab_begin_ = 0;
 };
 
-// Rows per logits chunk of the fused output layer + loss (ops::linear_cross_entropy) over T tokens and V_local
-// vocabulary columns. The chunk is an fp32 workspace of 64 MiB under fp32 activations, big enough that its GEMMs
+// Rows per logits chunk of the fused output layer + loss (ops::linear_cross_entropy) over T tokens and the weight's
+// V_local vocabulary rows. The chunk is a workspace of 64 MiB under fp32 activations, big enough that its GEMMs
 // (M = rows, and K = rows for the weight gradient) run near the machine's GEMM rate (bench/bench_output_layer.cpp).
-// Under --bf16 / --fp16 the budget is 32 MiB, what the fp32 chunk's 16 Mi logits take in 16 bits: the workspace (half
-// the rows, still fp32) halves with the activation dtype as every activation does.
-int64_t fused_logits_chunk_rows(int64_t T, int64_t V_local);
+// Under --bf16 / --fp16 the budget is 32 MiB, what the fp32 chunk's 16 Mi logits take in 16 bits: the workspace
+// halves with the activation dtype as every activation does, by holding 16-bit logits (the native 16-bit GEMMs
+// without a vocabulary split: the same rows) or half the rows of fp32 ones.
+int64_t fused_logits_chunk_rows(int64_t T, const Tensor& weight_VH, const ops::VocabShard& shard);
 
 // The fused output layer forms its gradients during the forward, scaled by the forward's backward seed, and adds the
 // weight gradient to the main gradient there: std::logic_error unless the backward's loss scale is that seed.

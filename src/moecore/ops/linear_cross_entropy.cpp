@@ -52,9 +52,17 @@ Tensor narrowed(const Tensor& t, const DType dtype, const std::vector<int64_t>& 
 
 }  // namespace
 
-int64_t linear_cross_entropy_chunk_rows(const int64_t T, const int64_t V_local, const int64_t budget_bytes) {
-  const int64_t rows = budget_bytes / (4 * std::max<int64_t>(V_local, 1));
+int64_t linear_cross_entropy_chunk_rows(const int64_t T, const int64_t V_local, const int64_t budget_bytes,
+                                        const int64_t logit_bytes) {
+  check(logit_bytes > 0, "logit_bytes must be positive, got " + std::to_string(logit_bytes));
+  const int64_t rows = budget_bytes / (logit_bytes * std::max<int64_t>(V_local, 1));
   return std::clamp<int64_t>(rows, 1, std::max<int64_t>(T, 1));
+}
+
+int64_t linear_cross_entropy_logit_bytes(const Tensor& weight_VI, const bool vocab_split) {
+  check(weight_VI.defined(), "weight_VI is undefined");
+  if (!vocab_split && native_dtype(weight_VI)) return 2;
+  return static_cast<int64_t>(dtype_size(weight_VI.dtype()));
 }
 
 void linear_cross_entropy(Tensor& losses_T, const Tensor& input_16_TI, const Tensor& weight_VI,
