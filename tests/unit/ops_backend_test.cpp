@@ -995,10 +995,12 @@ TEST(LinearCrossEntropy, ChunkingChangesNothing) {
 }
 
 TEST(LinearCrossEntropy, ChunkRowsFollowTheBudget) {
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{32} << 20), 262);     // 32 MiB / (4 B * 32000)
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{32} << 20), 256);     // 32 MiB / (4 B * 32000): 262
   EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000, int64_t{32} << 20), 100);      // never more than T
   EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000, 16), 1);                       // never less than one row
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{32} << 20, 2), 524);  // 16-bit logits
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{32} << 20, 2), 512);  // 16-bit logits: 524
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{8} << 20), 64);       // 65 rows
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{4} << 20), 32);       // under 64: as they fit
   EXPECT_THROW(linear_cross_entropy_chunk_rows(2048, 32000, 16, 0), std::invalid_argument);
 }
 

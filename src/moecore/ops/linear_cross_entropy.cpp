@@ -19,6 +19,7 @@ namespace moecore::ops {
 namespace {
 
 constexpr const char* kOp = "linear_cross_entropy";
+constexpr int64_t kChunkRowMultiple = 64;
 
 void check(const bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument(std::string(kOp) + ": " + what);
@@ -55,7 +56,10 @@ Tensor narrowed(const Tensor& t, const DType dtype, const std::vector<int64_t>& 
 int64_t linear_cross_entropy_chunk_rows(const int64_t T, const int64_t V_local, const int64_t budget_bytes,
                                         const int64_t logit_bytes) {
   check(logit_bytes > 0, "logit_bytes must be positive, got " + std::to_string(logit_bytes));
-  const int64_t rows = budget_bytes / (logit_bytes * std::max<int64_t>(V_local, 1));
+  int64_t rows = budget_bytes / (logit_bytes * std::max<int64_t>(V_local, 1));
+  // A multiple of the GEMM kernels' row blocking: oneDNN's bf16 matmul on AMX ran 522-row chunks at half the rate
+  // per row of 512-row ones (bench/RESULTS.md).
+  if (rows >= kChunkRowMultiple) rows -= rows % kChunkRowMultiple;
   return std::clamp<int64_t>(rows, 1, std::max<int64_t>(T, 1));
 }
 

@@ -555,7 +555,9 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
       const bool split_vocab = l.tp() > 1;
       const double logit_bytes = native && !split_vocab ? 2 : 4;
       const double chunk_budget = 67108864.0 * x.a / 4;
-      const double chunk_rows = std::min(x.t, std::max(1.0, std::floor(chunk_budget / (logit_bytes * vocab_local))));
+      double chunk_rows = std::floor(chunk_budget / (logit_bytes * vocab_local));
+      if (chunk_rows >= 64) chunk_rows -= std::fmod(chunk_rows, 64.0);  // ops::linear_cross_entropy_chunk_rows
+      chunk_rows = std::min(x.t, std::max(1.0, chunk_rows));
       forward.output = static_cast<double>(live) * context.output + x.ta * (x.a * s.h + 4 * s.nrm) + x.a * x.t * s.h +
                        logit_bytes * chunk_rows * vocab_local + x.a * (l.sp ? x.t * s.h : 0) + 4 * 3 * x.t;
       if (forward.total() > backward.total()) peak = forward;
