@@ -18,7 +18,7 @@
 //
 // Ops in src/moecore/ops/*.h (kOpsInHeaders; OpsCoverage checks every one is exercised):
 //   activation.h  activation_input_width activation_forward activation_backward
-//   attention.h   attention_forward attention_backward attention_merge rope_forward rope_backward
+//   attention.h   attention_forward attention_backward attention_merge attention_products rope_forward rope_backward
 //   convert.h     convert
 //   device.h      supports synchronize
 //   dropout.h     dropout_forward dropout_backward
@@ -59,6 +59,7 @@
 #include <thread>
 #include <vector>
 
+#include "moecore/kernels/cpu/attention_products.h"
 #include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/ops/ops.h"
 #include "moecore/ops/precision.h"
@@ -80,6 +81,7 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "attention_forward",
                                                 "attention_backward",
                                                 "attention_merge",
+                                                "attention_products",
                                                 "rope_forward",
                                                 "rope_backward",
                                                 "convert",
@@ -169,7 +171,8 @@ const std::vector<std::string> kOpsInHandWrittenTests = {"activation_input_width
                                                          "gemm_lowp_library",
                                                          "gemm_lowp_native",
                                                          "expert_capacity",
-                                                         "grouped_mlp_fused"};
+                                                         "grouped_mlp_fused",
+                                                         "attention_products"};
 
 // Ops whose bad arguments only hand-written tests provoke (one tensor: no size or dtype mismatch; convert accepts
 // every floating dtype, so the table's fp64 swap is no error for it).
@@ -184,7 +187,8 @@ const std::vector<std::string> kOpsWithoutTensors = {"activation_input_width",
                                                      "gemm_lowp_library",
                                                      "gemm_lowp_native",
                                                      "expert_capacity",
-                                                     "grouped_mlp_fused"};
+                                                     "grouped_mlp_fused",
+                                                     "attention_products"};
 
 using test::kDevices;
 using test::tensor_on;
@@ -1354,6 +1358,16 @@ TEST(OpsGemmLibrary, NamesTheLibraryOfEachDType) {
     EXPECT_FALSE(gemm_lowp_native(dtype, Device::kReference));
   }
   EXPECT_THROW(gemm_lowp_native(DType::kF32), std::invalid_argument);
+}
+
+TEST(OpsAttentionProducts, NamesTheProductsOfEachDType) {
+  EXPECT_EQ(attention_products(DType::kF32), "fp32 products");
+  EXPECT_EQ(attention_products(DType::kF16), "fp32 products");
+  const bool bf16 = kernels::cpu::attention_product_path() == kernels::cpu::AttentionProductPath::kBF16;
+  EXPECT_EQ(attention_products(DType::kBF16).rfind(bf16 ? "bf16 products on " : "fp32 products", 0), 0u)
+      << attention_products(DType::kBF16);
+  const kernels::cpu::ScopedAttentionProductPath fp32(kernels::cpu::AttentionProductPath::kF32);
+  EXPECT_EQ(attention_products(DType::kBF16), "fp32 products");
 }
 
 }  // namespace

@@ -74,15 +74,21 @@ void check_positions(const char* op, const std::span<const int64_t> positions_SB
 // Under bf16 activations the products take bf16 operands (AttentionDims::bf16_products) unless
 // attention_product_path() says fp32 (no AMX tiles, or MOECORE_ATTENTION_PRODUCTS=fp32). The flag is decided here,
 // once for both devices, so the reference rounds the same operands as the fast kernel.
-AttentionDims with_products(const AttentionDims& dims, const Device device) {
+AttentionDims with_products(const AttentionDims& dims, const DType activation) {
   AttentionDims out = dims;
   out.bf16_products =
-      dims.bf16_products || (activation_dtype(device) == DType::kBF16 &&
+      dims.bf16_products || (activation == DType::kBF16 &&
                              kernels::cpu::attention_product_path() == kernels::cpu::AttentionProductPath::kBF16);
   return out;
 }
 
 }  // namespace
+
+std::string attention_products(const DType activation) {
+  if (!with_products({}, activation).bf16_products) return "fp32 products";
+  return "bf16 products on " +
+         std::string(kernels::cpu::bf16_product_unit_name(kernels::cpu::best_bf16_product_unit()));
+}
 
 void attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, const Tensor& k_SBGd,
                        const Tensor& v_SBGd, const AttentionDims& dims, const DropoutSpec& dropout) {
@@ -93,7 +99,7 @@ void attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, 
   check_attention(op, dims, {"q_SBNd", "k_SBGd", "v_SBGd", "out_SBNd", q_SBNd, k_SBGd, v_SBGd, out_SBNd}, lse_BNS);
   detail::dispatch(op, q_SBNd, [&]<typename S>(auto k) {
     k.attention_forward(ptr<S>(out_SBNd), ptr<S>(lse_BNS), ptr<S>(q_SBNd), ptr<S>(k_SBGd), ptr<S>(v_SBGd),
-                        with_products(dims, q_SBNd.device()), dropout);
+                        with_products(dims, activation_dtype(q_SBNd.device())), dropout);
   });
   detail::round_activations({&out_SBNd});  // lse stays fp32
 }
@@ -110,7 +116,7 @@ void attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const
   detail::dispatch(op, q_SBNd, [&]<typename S>(auto k) {
     k.attention_backward(ptr<S>(dq_SBNd), ptr<S>(dk_SBGd), ptr<S>(dv_SBGd), ptr<S>(dout_SBNd), ptr<S>(q_SBNd),
                          ptr<S>(k_SBGd), ptr<S>(v_SBGd), ptr<S>(out_SBNd), ptr<S>(lse_BNS),
-                         with_products(dims, q_SBNd.device()), dropout);
+                         with_products(dims, activation_dtype(q_SBNd.device())), dropout);
   });
   detail::round_activations({&dq_SBNd, &dk_SBGd, &dv_SBGd});
 }

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 
 #include "moecore/kernels/cpu/attention.h"
 #include "moecore/kernels/cpu/dropout.h"
@@ -18,6 +19,10 @@ namespace moecore::ops {
 using kernels::AttentionDims;
 using kernels::DropoutSpec;
 using kernels::RopeSpec;
+
+// How the fast attention_forward / attention_backward multiply under activations of `activation`: "bf16 products on
+// AMX-BF16 tiles" (bf16 activations where attention_product_path() picks bf16 products), else "fp32 products".
+std::string attention_products(DType activation);
 
 void attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, const Tensor& k_SBGd,
                        const Tensor& v_SBGd, const AttentionDims& dims, const DropoutSpec& dropout);

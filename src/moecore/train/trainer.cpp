@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "moecore/config/memory_estimate.h"
+#include "moecore/ops/attention.h"
 #include "moecore/ops/linear.h"
 #include "moecore/parallel/agreement.h"
 #include "moecore/plan/run_memory_estimate.h"
@@ -105,6 +106,10 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   std::ostream& log = parallel.rank == 0 ? rank0_log : discarded;
   print_layout(args, parallel, log);
   log << "> GEMM: " << ops::gemm_library() << ", " << omp_get_max_threads() << " threads" << std::endl;
+  if (const DType low = args.model.params_dtype; low != DType::kF32) {
+    log << "> " << (low == DType::kBF16 ? "bf16" : "fp16") << " GEMMs: " << ops::gemm_lowp_library(low)
+        << "; attention: " << ops::attention_products(low) << std::endl;
+  }
 
   // Setup: vocabulary, data, model and optimizer.
   const Vocabulary vocabulary = build_vocabulary(args);
