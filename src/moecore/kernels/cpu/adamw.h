@@ -14,13 +14,13 @@ namespace moecore::kernels {
 
 struct AdamWHyper {
   double lr = 0.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
-  int64_t step = 1;        // 1-based count of updates including this one
+  int64_t step = 1;         // 1-based count of updates including this one
   float grad_scale = 1.0f;  // the clipping coefficient (1: none)
 };
 
-#define MOECORE_ADAMW_DECL                                                                                  \
-  template <typename T>                                                                                     \
-  void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, const AdamWHyper& hp,      \
+#define MOECORE_ADAMW_DECL                                                                             \
+  template <typename T>                                                                                \
+  void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, const AdamWHyper& hp, \
                   T* model = nullptr, ActivationRounding model_rounding = ActivationRounding::kNone);
 
 namespace cpu {
