@@ -250,12 +250,15 @@ MOECORE_AVX512_BF16 void gemm_dpbf16_packed(const int64_t M, const int64_t N, co
   const int64_t pairs = (K + 1) / 2;  // A is zero past K
   const __m512 scale = _mm512_set1_ps(alpha);
   for (int64_t m = 0; m < M; m += kRows) {  // A has 16 zero rows past its last: reading 8 rows is safe
-    for (int64_t n = 0; n < N; n += 32) {   // B has 16 columns past N rounded to 16
+    for (int64_t n = 0; n < N; n += 32) {
+      // B's columns past N are read masked: a product starting at a column offset of its panel (b_n0) may end
+      // fewer than 32 columns before the panel does.
+      const __mmask16 k0 = lanes_below(N - n), k1 = lanes_below(N - n - 16);
       __m512 acc[kRows][2];
       for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
       for (int64_t kk = 0; kk < pairs; ++kk) {
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + kk * ldb + n);
-        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + kk * ldb + n + 16);
+        const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(k0, b + kk * ldb + n);
+        const __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi32(k1, b + kk * ldb + n + 16);
         for (int r = 0; r < kRows; ++r) {
           uint32_t word;
           std::memcpy(&word, a + (m + r) * lda + 2 * kk, sizeof(word));
