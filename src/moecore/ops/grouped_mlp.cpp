@@ -15,16 +15,6 @@ namespace {
 
 std::string expert(const char* what, const int64_t e) { return std::string(what) + " of expert " + std::to_string(e); }
 
-// The 16-bit format whose native GEMMs the linear layers run on here (linear.h), if any.
-std::optional<kernels::LowpType> native_type(const Device device) {
-  const DType act = activation_dtype(device);
-  if (act != DType::kBF16 && act != DType::kF16) return std::nullopt;
-  const auto type = act == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
-  bool native = false;
-  detail::with_kernels("grouped_mlp", device, [&](auto k) { native = k.lowp_gemm_native(type); });
-  return native ? std::optional(type) : std::nullopt;
-}
-
 // Checks the per-expert parameters (defined, one dtype and device with `like`, one shape for all experts) and the
 // offsets; returns the kernels' shape.
 kernels::GroupedMlpShape check_params(const char* op, const Tensor& like, const GroupedMlpParams& p,
@@ -91,9 +81,9 @@ kernels::GroupedMlpShape check_params(const char* op, const Tensor& like, const 
     const DType act = activation_dtype(like.device());
     if (act == DType::kBF16) s.rounding = kernels::ActivationRounding::kBF16;
     if (act == DType::kF16) s.rounding = kernels::ActivationRounding::kF16;
-    if (const auto type = native_type(like.device())) {
+    if (const std::optional<DType> native = detail::native_gemm_dtype(like.device())) {
       s.native_gemm = true;
-      s.native_type = *type;
+      s.native_type = *native == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
     }
   }
   return s;

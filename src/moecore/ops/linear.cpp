@@ -112,12 +112,9 @@ void linear_backward_lowp(Tensor* dinp_TI, Tensor* dweight_OI, Tensor* dbias_O, 
 // exact). The result of either path is rounded by the caller like every activation.
 std::optional<kernels::LowpType> native_lowp_type(const char* op, const Tensor& weight_OI) {
   if (weight_OI.dtype() != DType::kF32) return std::nullopt;
-  const DType act = activation_dtype(weight_OI.device());
-  if (!is_low(act)) return std::nullopt;
-  const auto type = act == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
-  bool native = false;
-  detail::with_kernels(op, weight_OI.device(), [&](auto k) { native = k.lowp_gemm_native(type); });
-  return native ? std::optional(type) : std::nullopt;
+  const std::optional<DType> act = detail::native_gemm_dtype(weight_OI.device());
+  if (!act) return std::nullopt;
+  return lowp_type(op, *act);
 }
 
 // The 16-bit bits of an fp32 tensor's values (exact for values of that format), on its device; a tensor stored in

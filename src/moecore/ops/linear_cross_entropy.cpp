@@ -36,11 +36,8 @@ void check_numel(const Tensor& t, const char* name, const int64_t numel, const D
 // The 16-bit dtype whose native GEMMs the output layer runs on, as the linear layers do (linear.h): fp32 operands
 // holding the activation dtype's values under --bf16 / --fp16, where the device's table picks the native path.
 std::optional<DType> native_dtype(const Tensor& weight_VI) {
-  const Device device = weight_VI.device();
-  const DType act = activation_dtype(device);
-  if (weight_VI.dtype() != DType::kF32 || (act != DType::kBF16 && act != DType::kF16)) return std::nullopt;
-  if (linear_quantization(device) != nullptr || !gemm_lowp_native(act, device)) return std::nullopt;
-  return act;
+  if (weight_VI.dtype() != DType::kF32 || linear_quantization(weight_VI.device()) != nullptr) return std::nullopt;
+  return detail::native_gemm_dtype(weight_VI.device());
 }
 
 // t's values in `dtype` (exact: they are values of that format); a tensor of that dtype already is itself.

@@ -68,5 +68,14 @@ void round_activations(const std::initializer_list<Tensor*> tensors) {
   }
 }
 
+std::optional<DType> native_gemm_dtype(const Device device) {
+  const DType act = activation_dtype(device);
+  if (act != DType::kBF16 && act != DType::kF16) return std::nullopt;
+  const auto type = act == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
+  bool native = false;
+  with_kernels("native_gemm_dtype", device, [&](auto k) { native = k.lowp_gemm_native(type); });
+  return native ? std::optional(act) : std::nullopt;
+}
+
 }  // namespace detail
 }  // namespace moecore::ops

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 
 #include "moecore/tensor/dtype.h"
 #include "moecore/tensor/tensor.h"
@@ -56,6 +57,10 @@ void round_to_dtype_(Tensor& t, DType dtype);
 namespace detail {
 // Rounds the fp32 tensors among `tensors` (null entries skipped) to the activation dtype of their device.
 void round_activations(std::initializer_list<Tensor*> tensors);
+// The 16-bit activation dtype of `device` where its kernel table runs 16-bit GEMMs on the native path
+// (kernels/cpu/gemm_lowp.h lowp_gemm_native), else nullopt: the one test the linear layers, the grouped experts and
+// the output layer make.
+std::optional<DType> native_gemm_dtype(Device device);
 }  // namespace detail
 
 }  // namespace moecore::ops
