@@ -22,6 +22,7 @@ struct Shape {
   const char* what;
   int64_t m, n, k;
   bool trans_a, trans_b;
+  float beta = 0.0f;  // 1: accumulates into C, as the weight gradients do
 };
 
 template <typename F>
@@ -54,6 +55,17 @@ int main(int argc, char** argv) {
       {"demo expert fc1 fwd (512 rows, 192 -> 512)", 512, 512, 192, false, true},
       {"demo fc1 weight grad (512x192 over 2048 tokens)", 512, 192, 2048, true, false},
       {"demo output layer fwd (2048 x 50304 x 192)", 2048, 50304, 192, false, true},
+      // The e16 model's output layer (vocabulary 32000, hidden 512) per logits chunk of 256 rows (the fp32 chunk of
+      // the 32 MiB budget), 512 and 2048 rows.
+      {"e16 output fwd (256 x 32000 x 512)", 256, 32000, 512, false, true},
+      {"e16 output fwd (512 x 32000 x 512)", 512, 32000, 512, false, true},
+      {"e16 output fwd (2048 x 32000 x 512)", 2048, 32000, 512, false, true},
+      {"e16 output input grad (256 x 512 x 32000, NN)", 256, 512, 32000, false, false},
+      {"e16 output input grad (512 x 512 x 32000, NN)", 512, 512, 32000, false, false},
+      {"e16 output input grad (2048 x 512 x 32000, NN)", 2048, 512, 32000, false, false},
+      {"e16 output weight grad (32000 x 512 x 256, TN, C +=)", 32000, 512, 256, true, false, 1.0f},
+      {"e16 output weight grad (32000 x 512 x 512, TN, C +=)", 32000, 512, 512, true, false, 1.0f},
+      {"e16 output weight grad (32000 x 512 x 2048, TN, C +=)", 32000, 512, 2048, true, false, 1.0f},
   };
   for (const Shape& s : shapes) {
     std::vector<float> a(static_cast<size_t>(s.m * s.k)), b(static_cast<size_t>(s.k * s.n)),
@@ -66,11 +78,11 @@ int main(int argc, char** argv) {
     const double openblas = gflops(s, [&] {
       cblas_sgemm(CblasRowMajor, s.trans_a ? CblasTrans : CblasNoTrans, s.trans_b ? CblasTrans : CblasNoTrans,
                   static_cast<blasint>(s.m), static_cast<blasint>(s.n), static_cast<blasint>(s.k), 1.0f, a.data(),
-                  static_cast<blasint>(lda), b.data(), static_cast<blasint>(ldb), 0.0f, c.data(),
+                  static_cast<blasint>(lda), b.data(), static_cast<blasint>(ldb), s.beta, c.data(),
                   static_cast<blasint>(s.n));
     });
     const double onednn = gflops(s, [&] {
-      dnnl_sgemm(s.trans_a ? 'T' : 'N', s.trans_b ? 'T' : 'N', s.m, s.n, s.k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f,
+      dnnl_sgemm(s.trans_a ? 'T' : 'N', s.trans_b ? 'T' : 'N', s.m, s.n, s.k, 1.0f, a.data(), lda, b.data(), ldb, s.beta,
                  c.data(), s.n);
     });
     if (peak_only) {

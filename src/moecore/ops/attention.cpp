@@ -4,10 +4,12 @@
 #include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "moecore/kernels/cpu/attention_products.h"
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/precision.h"
+#include "moecore/ops/row_blocks.h"
 
 namespace moecore::ops {
 using detail::ptr;
@@ -138,89 +140,86 @@ void attention_merge(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& part_out_S
   detail::round_activations({&out_SBNd});
 }
 
-void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
-                  const int64_t rot_dim, const double base, const int64_t position_offset) {
-  constexpr const char* op = "rope_forward";
-  detail::Staging staging;
-  staging.write_only(out_SBNd, {&inp_SBNd});
+namespace {
+
+// The rotary embedding ops: out = rope(inp) forward (overwrites), or dinp += the transposed rotation of dout backward;
+// positions_SB, when not empty, else s + position_offset for row (s, b).
+void rope(const char* op, const bool backward, Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S,
+          const int64_t B, const RopeSpec& spec, const std::span<const int64_t> positions_SB,
+          const int64_t position_offset) {
   detail::check_tensors(op, {&out_SBNd, &inp_SBNd});
-  const int64_t N = heads_of(op, inp_SBNd, S, B, head_dim);
-  detail::check_numel(op, "out_SBNd", out_SBNd, inp_SBNd.numel());
+  const int64_t N = heads_of(op, inp_SBNd, S, B, spec.head_dim);
+  detail::check_numel(op, backward ? "dinp_SBNd" : "out_SBNd", out_SBNd, inp_SBNd.numel());
+  const bool by_row = !positions_SB.empty();
+  if (by_row) check_positions(op, positions_SB, S, B);
+  const int64_t W = N * spec.head_dim;
+  const std::initializer_list<detail::RowOperand> rows = {
+      {&out_SBNd, W, backward ? detail::RowUse::kInOut : detail::RowUse::kOut}, {&inp_SBNd, W, detail::RowUse::kIn}};
+  if (detail::row_blocks_apply(rows)) {
+    // Blocks of token rows, each as S = rows, B = 1 with its rows' positions: the kernels' cos / sin are a function
+    // of the position alone, so the values are the whole call's.
+    detail::run_row_blocks(S * B, rows, [&](const int64_t r0, const int64_t r1, float* const* p) {
+      std::vector<int64_t> positions(static_cast<size_t>(r1 - r0));
+      for (int64_t r = r0; r < r1; ++r) {
+        positions[static_cast<size_t>(r - r0)] = by_row ? positions_SB[static_cast<size_t>(r)] : r / B + position_offset;
+      }
+      if (backward) {
+        kernels::cpu::rope_backward(p[0], p[1], r1 - r0, 1, N, spec, positions.data());
+      } else {
+        kernels::cpu::rope_forward(p[0], p[1], r1 - r0, 1, N, spec, positions.data());
+      }
+    });
+    detail::round_activations({&out_SBNd});
+    return;
+  }
+  detail::Staging staging;
+  if (!backward) staging.write_only(out_SBNd, {&inp_SBNd});
   detail::dispatch(op, inp_SBNd, [&]<typename T>(auto k) {
-    k.rope_forward(ptr<T>(out_SBNd), ptr<T>(inp_SBNd), S, B, N, head_dim, rot_dim, base, position_offset);
+    if (backward && by_row) k.rope_backward(ptr<T>(out_SBNd), ptr<T>(inp_SBNd), S, B, N, spec, positions_SB.data());
+    if (backward && !by_row) k.rope_backward(ptr<T>(out_SBNd), ptr<T>(inp_SBNd), S, B, N, spec, position_offset);
+    if (!backward && by_row) k.rope_forward(ptr<T>(out_SBNd), ptr<T>(inp_SBNd), S, B, N, spec, positions_SB.data());
+    if (!backward && !by_row) k.rope_forward(ptr<T>(out_SBNd), ptr<T>(inp_SBNd), S, B, N, spec, position_offset);
   });
   detail::round_activations({&out_SBNd});
+}
+
+}  // namespace
+
+void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
+                  const int64_t rot_dim, const double base, const int64_t position_offset) {
+  rope("rope_forward", false, out_SBNd, inp_SBNd, S, B, kernels::rope_spec(head_dim, rot_dim, base), {},
+       position_offset);
 }
 
 void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
                    const int64_t rot_dim, const double base, const int64_t position_offset) {
-  constexpr const char* op = "rope_backward";
-  const detail::Staging staging;
-  detail::check_tensors(op, {&dinp_SBNd, &dout_SBNd});
-  const int64_t N = heads_of(op, dout_SBNd, S, B, head_dim);
-  detail::check_numel(op, "dinp_SBNd", dinp_SBNd, dout_SBNd.numel());
-  detail::dispatch(op, dout_SBNd, [&]<typename T>(auto k) {
-    k.rope_backward(ptr<T>(dinp_SBNd), ptr<T>(dout_SBNd), S, B, N, head_dim, rot_dim, base, position_offset);
-  });
-  detail::round_activations({&dinp_SBNd});
+  rope("rope_backward", true, dinp_SBNd, dout_SBNd, S, B, kernels::rope_spec(head_dim, rot_dim, base), {},
+       position_offset);
 }
 
 void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
                   const int64_t rot_dim, const double base, const std::span<const int64_t> positions_SB) {
-  constexpr const char* op = "rope_forward";
-  detail::Staging staging;
-  staging.write_only(out_SBNd, {&inp_SBNd});
-  detail::check_tensors(op, {&out_SBNd, &inp_SBNd});
-  const int64_t N = heads_of(op, inp_SBNd, S, B, head_dim);
-  detail::check_numel(op, "out_SBNd", out_SBNd, inp_SBNd.numel());
-  check_positions(op, positions_SB, S, B);
-  detail::dispatch(op, inp_SBNd, [&]<typename T>(auto k) {
-    k.rope_forward(ptr<T>(out_SBNd), ptr<T>(inp_SBNd), S, B, N, head_dim, rot_dim, base, positions_SB.data());
-  });
-  detail::round_activations({&out_SBNd});
+  check_positions("rope_forward", positions_SB, S, B);
+  rope("rope_forward", false, out_SBNd, inp_SBNd, S, B, kernels::rope_spec(head_dim, rot_dim, base), positions_SB, 0);
 }
 
 void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
                    const int64_t rot_dim, const double base, const std::span<const int64_t> positions_SB) {
-  constexpr const char* op = "rope_backward";
-  const detail::Staging staging;
-  detail::check_tensors(op, {&dinp_SBNd, &dout_SBNd});
-  const int64_t N = heads_of(op, dout_SBNd, S, B, head_dim);
-  detail::check_numel(op, "dinp_SBNd", dinp_SBNd, dout_SBNd.numel());
-  check_positions(op, positions_SB, S, B);
-  detail::dispatch(op, dout_SBNd, [&]<typename T>(auto k) {
-    k.rope_backward(ptr<T>(dinp_SBNd), ptr<T>(dout_SBNd), S, B, N, head_dim, rot_dim, base, positions_SB.data());
-  });
-  detail::round_activations({&dinp_SBNd});
+  check_positions("rope_backward", positions_SB, S, B);
+  rope("rope_backward", true, dinp_SBNd, dout_SBNd, S, B, kernels::rope_spec(head_dim, rot_dim, base), positions_SB,
+       0);
 }
 
 void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const RopeSpec& spec,
                   const std::span<const int64_t> positions_SB) {
-  constexpr const char* op = "rope_forward";
-  detail::Staging staging;
-  staging.write_only(out_SBNd, {&inp_SBNd});
-  detail::check_tensors(op, {&out_SBNd, &inp_SBNd});
-  const int64_t N = heads_of(op, inp_SBNd, S, B, spec.head_dim);
-  detail::check_numel(op, "out_SBNd", out_SBNd, inp_SBNd.numel());
-  check_positions(op, positions_SB, S, B);
-  detail::dispatch(op, inp_SBNd, [&]<typename T>(auto k) {
-    k.rope_forward(ptr<T>(out_SBNd), ptr<T>(inp_SBNd), S, B, N, spec, positions_SB.data());
-  });
-  detail::round_activations({&out_SBNd});
+  check_positions("rope_forward", positions_SB, S, B);
+  rope("rope_forward", false, out_SBNd, inp_SBNd, S, B, spec, positions_SB, 0);
 }
 
 void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, const int64_t B, const RopeSpec& spec,
                    const std::span<const int64_t> positions_SB) {
-  constexpr const char* op = "rope_backward";
-  const detail::Staging staging;
-  detail::check_tensors(op, {&dinp_SBNd, &dout_SBNd});
-  const int64_t N = heads_of(op, dout_SBNd, S, B, spec.head_dim);
-  detail::check_numel(op, "dinp_SBNd", dinp_SBNd, dout_SBNd.numel());
-  check_positions(op, positions_SB, S, B);
-  detail::dispatch(op, dout_SBNd, [&]<typename T>(auto k) {
-    k.rope_backward(ptr<T>(dinp_SBNd), ptr<T>(dout_SBNd), S, B, N, spec, positions_SB.data());
-  });
-  detail::round_activations({&dinp_SBNd});
+  check_positions("rope_backward", positions_SB, S, B);
+  rope("rope_backward", true, dinp_SBNd, dout_SBNd, S, B, spec, positions_SB, 0);
 }
 
 }  // namespace moecore::ops

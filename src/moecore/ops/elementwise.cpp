@@ -3,15 +3,25 @@
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/optim.h"
 #include "moecore/ops/precision.h"
+#include "moecore/ops/row_blocks.h"
 
 namespace moecore::ops {
 using detail::ptr;
 
 void add_(Tensor& y, const Tensor& x) {
   constexpr const char* op = "add_";
-  const detail::Staging staging;
   detail::check_tensors(op, {&y, &x});
   detail::check_numel(op, "x", x, y.numel());
+  const std::initializer_list<detail::RowOperand> elements = {{&y, 1, detail::RowUse::kInOut},
+                                                              {&x, 1, detail::RowUse::kIn}};
+  if (detail::row_blocks_apply(elements)) {
+    detail::run_row_blocks(y.numel(), elements, [](const int64_t i0, const int64_t i1, float* const* p) {
+      kernels::cpu::add_inplace(p[0], p[1], i1 - i0);
+    });
+    detail::round_activations({&y});
+    return;
+  }
+  const detail::Staging staging;
   detail::dispatch(op, y, [&]<typename T>(auto k) { k.add_inplace(ptr<T>(y), ptr<T>(x), y.numel()); });
   detail::round_activations({&y});
 }

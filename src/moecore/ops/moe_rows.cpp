@@ -6,6 +6,7 @@
 
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/precision.h"
+#include "moecore/ops/row_blocks.h"
 
 namespace moecore::ops {
 using detail::opt;
@@ -53,12 +54,17 @@ int64_t check_chunks(const char* op, std::span<const int64_t> first_C, std::span
 
 void moe_permute(Tensor& out_RW, const Tensor& in_NW, const std::span<const int64_t> index_R) {
   constexpr const char* op = "moe_permute";
-  const detail::Staging staging;
   detail::check_tensors(op, {&out_RW, &in_NW});
   const auto R = static_cast<int64_t>(index_R.size());
   const int64_t N = rows_in(in_NW), W = N == 0 ? (R == 0 ? 0 : out_RW.numel() / R) : in_NW.numel() / N;
   detail::check_numel(op, "out_RW", out_RW, R * W);
   check_index(op, index_R, N);
+  if (detail::same_16bit({&out_RW, &in_NW})) {
+    kernels::cpu::gather_rows(out_RW.data<uint16_t>(), in_NW.data<uint16_t>(), index_R.data(), R, N, W);
+    return;
+  }
+  detail::Staging staging;
+  staging.write_only(out_RW, {&in_NW});
   detail::dispatch(op, out_RW,
                    [&]<typename S>(auto k) { k.gather_rows(ptr<S>(out_RW), ptr<S>(in_NW), index_R.data(), R, N, W); });
 }

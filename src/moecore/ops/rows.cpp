@@ -2,6 +2,7 @@
 
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/precision.h"
+#include "moecore/ops/row_blocks.h"
 
 namespace moecore::ops {
 using detail::opt;
@@ -32,9 +33,15 @@ int64_t qkv_tokens(const char* op, const Tensor& qkv_TQ, const Tensor& q_TNd, co
 void split_qkv(Tensor& q_TNd, Tensor& k_TGd, Tensor& v_TGd, const Tensor& qkv_TQ, const int64_t N, const int64_t G,
                const int64_t d) {
   constexpr const char* op = "split_qkv";
-  const detail::Staging staging;
   detail::check_tensors(op, {&q_TNd, &k_TGd, &v_TGd, &qkv_TQ});
   const int64_t T = qkv_tokens(op, qkv_TQ, q_TNd, k_TGd, v_TGd, N, G, d);
+  if (detail::same_16bit({&q_TNd, &k_TGd, &v_TGd, &qkv_TQ})) {
+    kernels::cpu::split_qkv(q_TNd.data<uint16_t>(), k_TGd.data<uint16_t>(), v_TGd.data<uint16_t>(),
+                            qkv_TQ.data<uint16_t>(), T, N, G, d);
+    return;
+  }
+  detail::Staging staging;
+  for (Tensor* out : {&q_TNd, &k_TGd, &v_TGd}) staging.write_only(*out, {&qkv_TQ});
   detail::dispatch(op, qkv_TQ, [&]<typename S>(auto k) {
     k.split_qkv(ptr<S>(q_TNd), ptr<S>(k_TGd), ptr<S>(v_TGd), ptr<S>(qkv_TQ), T, N, G, d);
   });
@@ -43,9 +50,15 @@ void split_qkv(Tensor& q_TNd, Tensor& k_TGd, Tensor& v_TGd, const Tensor& qkv_TQ
 void merge_qkv(Tensor& qkv_TQ, const Tensor& q_TNd, const Tensor& k_TGd, const Tensor& v_TGd, const int64_t N,
                const int64_t G, const int64_t d) {
   constexpr const char* op = "merge_qkv";
-  const detail::Staging staging;
   detail::check_tensors(op, {&qkv_TQ, &q_TNd, &k_TGd, &v_TGd});
   const int64_t T = qkv_tokens(op, qkv_TQ, q_TNd, k_TGd, v_TGd, N, G, d);
+  if (detail::same_16bit({&qkv_TQ, &q_TNd, &k_TGd, &v_TGd})) {
+    kernels::cpu::merge_qkv(qkv_TQ.data<uint16_t>(), q_TNd.data<uint16_t>(), k_TGd.data<uint16_t>(),
+                            v_TGd.data<uint16_t>(), T, N, G, d);
+    return;
+  }
+  detail::Staging staging;
+  staging.write_only(qkv_TQ, {&q_TNd, &k_TGd, &v_TGd});
   detail::dispatch(op, qkv_TQ, [&]<typename S>(auto k) {
     k.merge_qkv(ptr<S>(qkv_TQ), ptr<S>(q_TNd), ptr<S>(k_TGd), ptr<S>(v_TGd), T, N, G, d);
   });

@@ -6,8 +6,10 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
+#include "moecore/kernels/cpu/convert.h"
 #include "moecore/kernels/cpu/vector_isa.h"
 
 namespace moecore::kernels::cpu {
@@ -185,6 +187,93 @@ void layernorm_backward(T* dinp_RD, T* dweight_D, T* dbias_D, const T* dout_RD, 
     for (int64_t r = 0; r < n_rows; ++r) {
       layernorm_row_backward(dinp_RD != nullptr ? dinp_RD + r * D : nullptr, dweight_part, dbias_part, dout_RD + r * D,
                              inp_RD + r * D, weight_D, mean_R[r], rstd_R[r], D);
+    }
+  }
+  partial.reduce(dweight_D, 0);
+  partial.reduce(dbias_D, 1);
+}
+
+namespace {
+
+// A thread's fp32 rows of the 16-bit backward kernels. Row r sits at the offset from a 64-byte boundary it has in a
+// 64-byte aligned fp32 [n_rows, D] tensor, so the vectorised row loops group their sums as on the fp32 path.
+class WidenedRows {
+ public:
+  WidenedRows(const LowpType type, const int64_t D)
+      : type_(type),
+        isa_(best_convert_isa()),
+        slot_((D + 2 * kAlign - 1) / kAlign * kAlign),
+        buffer_(static_cast<size_t>(3 * slot_ + kAlign)),
+        D_(D) {}
+  // Widens row r of dout and inp, and of dinp when it is accumulated into; returns dx (null without dinp).
+  float* load(const int64_t r, const uint16_t* dinp_RD, const uint16_t* dout_RD, const uint16_t* inp_RD) {
+    const int64_t skew = (r * D_) % kAlign;
+    auto* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer_.data()) + 63) & ~uintptr_t{63});
+    dy_ = base + skew;
+    x_ = base + slot_ + skew;
+    dx_ = base + 2 * slot_ + skew;
+    widen(dy_, dout_RD + r * D_);
+    widen(x_, inp_RD + r * D_);
+    if (dinp_RD == nullptr) return nullptr;
+    widen(dx_, dinp_RD + r * D_);
+    return dx_;
+  }
+  void store(const int64_t r, uint16_t* dinp_RD) const {
+    if (dinp_RD == nullptr) return;
+    type_ == LowpType::kBF16 ? encode_bf16(dinp_RD + r * D_, dx_, D_, isa_) : encode_fp16(dinp_RD + r * D_, dx_, D_, isa_);
+  }
+  const float* dy() const { return dy_; }
+  const float* x() const { return x_; }
+
+ private:
+  static constexpr int64_t kAlign = 16;  // floats in 64 bytes
+  void widen(float* out, const uint16_t* in) const {
+    type_ == LowpType::kBF16 ? decode_bf16(out, in, D_, isa_) : decode_fp16(out, in, D_, isa_);
+  }
+  LowpType type_;
+  ConvertIsa isa_;
+  int64_t slot_;  // floats per row slot: a multiple of kAlign with room for the row at any skew
+  std::vector<float> buffer_;
+  float *dy_ = nullptr, *x_ = nullptr, *dx_ = nullptr;
+  int64_t D_;
+};
+
+}  // namespace
+
+void rmsnorm_backward16(const LowpType type, uint16_t* dinp_RD, float* dweight_D, const uint16_t* dout_RD,
+                        const uint16_t* inp_RD, const float* weight_D, const float* rstd_R, const int64_t n_rows,
+                        const int64_t D) {
+  const int n_threads = threads_for(n_rows, D);
+  PartialSums<float> partial(n_threads, D, 1);
+#pragma omp parallel num_threads(n_threads)
+  {
+    float* dweight_part = partial.buffer(omp_get_thread_num(), 0);
+    WidenedRows rows(type, D);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n_rows; ++r) {
+      float* dx = rows.load(r, dinp_RD, dout_RD, inp_RD);
+      rmsnorm_row_backward(dx, dweight_part, rows.dy(), rows.x(), weight_D, rstd_R[r], D);
+      rows.store(r, dinp_RD);
+    }
+  }
+  partial.reduce(dweight_D, 0);
+}
+
+void layernorm_backward16(const LowpType type, uint16_t* dinp_RD, float* dweight_D, float* dbias_D,
+                          const uint16_t* dout_RD, const uint16_t* inp_RD, const float* weight_D, const float* mean_R,
+                          const float* rstd_R, const int64_t n_rows, const int64_t D) {
+  const int n_threads = threads_for(n_rows, D);
+  PartialSums<float> partial(n_threads, D, 2);
+#pragma omp parallel num_threads(n_threads)
+  {
+    float* dweight_part = partial.buffer(omp_get_thread_num(), 0);
+    float* dbias_part = partial.buffer(omp_get_thread_num(), 1);
+    WidenedRows rows(type, D);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n_rows; ++r) {
+      float* dx = rows.load(r, dinp_RD, dout_RD, inp_RD);
+      layernorm_row_backward(dx, dweight_part, dbias_part, rows.dy(), rows.x(), weight_D, mean_R[r], rstd_R[r], D);
+      rows.store(r, dinp_RD);
     }
   }
   partial.reduce(dweight_D, 0);

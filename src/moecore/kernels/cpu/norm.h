@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "moecore/kernels/cpu/gemm_lowp.h"
+
 namespace moecore::kernels {
 
 #define MOECORE_NORM_DECL                                                                                             \
@@ -27,6 +29,16 @@ namespace moecore::kernels {
 
 namespace cpu {
 MOECORE_NORM_DECL
+
+// The backward kernels on 16-bit activations (bits of `type`): dinp_RD (accumulated into, may be null), dout_RD and
+// inp_RD are 16-bit, the rest fp32. Each row is widened into fp32, runs the fp32 kernel's row and its input gradient
+// is narrowed back (round to nearest even); rows are split over the threads as in the fp32 kernel, so every output
+// equals the fp32 kernel's on the widened tensors, rounded, bit for bit.
+void rmsnorm_backward16(LowpType type, uint16_t* dinp_RD, float* dweight_D, const uint16_t* dout_RD,
+                        const uint16_t* inp_RD, const float* weight_D, const float* rstd_R, int64_t n_rows, int64_t D);
+void layernorm_backward16(LowpType type, uint16_t* dinp_RD, float* dweight_D, float* dbias_D, const uint16_t* dout_RD,
+                          const uint16_t* inp_RD, const float* weight_D, const float* mean_R, const float* rstd_R,
+                          int64_t n_rows, int64_t D);
 }
 namespace ref {
 MOECORE_NORM_DECL

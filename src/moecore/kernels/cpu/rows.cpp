@@ -242,4 +242,10 @@ MOECORE_INSTANTIATE(float)
 MOECORE_INSTANTIATE(double)
 #undef MOECORE_INSTANTIATE
 
+// The row moves on 16-bit bits (rows.h).
+template void split_qkv<uint16_t>(uint16_t*, uint16_t*, uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t);
+template void merge_qkv<uint16_t>(uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t,
+                                  int64_t, int64_t);
+template void gather_rows<uint16_t>(uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t, int64_t);
+
 }  // namespace moecore::kernels::cpu

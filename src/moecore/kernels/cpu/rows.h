@@ -1,5 +1,6 @@
 // Row-wise layout and scaling kernels: the fused qkv split, biases, per-row scales (router probabilities, gates),
-// row gather / scatter (token permutation) and learned position embeddings. R rows of width W.
+// row gather / scatter (token permutation) and learned position embeddings. R rows of width W. The fast kernels
+// split_qkv, merge_qkv and gather_rows also take T = uint16_t: 16-bit activations, whose bits they move.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,147 @@
+// The 16-bit paths that skip the whole-tensor Staging (ops/row_blocks.h; the 16-bit norm backward kernels; the row
+// moves on bits) against the fp32 path, on tensors large enough for many row blocks with a ragged last one: every
+// op run once on fp32 tensors holding 16-bit values and once on bf16 / fp16 tensors, both under
+// ScopedActivationDType(dtype), must write the same values bit for bit (the fp32 path's result, rounded once).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "moecore/ops/ops.h"
+#include "moecore/ops/precision.h"
+
+namespace moecore::ops {
+namespace {
+
+constexpr int64_t kS = 97, kB = 3, kHeads = 4, kGroups = 2, kHeadDim = 32;  // 291 token rows
+constexpr int64_t kTokens = kS * kB, kHidden = 136;
+
+// Named tensors of one side: fp32 tensors, or the activations among them as `dtype` tensors.
+using Tensors = std::map<std::string, Tensor>;
+
+Tensor random_values(const std::vector<int64_t>& shape, const DType dtype, const uint32_t seed) {
+  Tensor t(shape, DType::kF32);
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(gen);
+  round_to_dtype_(t, dtype);
+  return t;
+}
+
+Tensor as_dtype(const Tensor& t, const DType dtype) {
+  Tensor out(t.shape(), dtype);
+  convert(out, t);
+  return out;
+}
+
+Tensor as_fp32(const Tensor& t) { return t.dtype() == DType::kF32 ? t : as_dtype(t, DType::kF32); }
+
+// Runs `op` on fp32 tensors and on copies whose `activations` are `dtype` tensors; every tensor must match bitwise.
+void expect_same(const std::string& what, const DType dtype, const Tensors& inputs,
+                 const std::vector<std::string>& activations, const std::function<void(Tensors&)>& op) {
+  Tensors fp32, bits16;
+  for (const auto& [name, t] : inputs) {
+    fp32[name] = as_dtype(t, DType::kF32);
+    const bool activation = std::find(activations.begin(), activations.end(), name) != activations.end();
+    bits16[name] = as_dtype(t, activation ? dtype : DType::kF32);
+  }
+  {
+    const ScopedActivationDType scope(dtype);
+    op(fp32);
+    op(bits16);
+  }
+  for (const auto& [name, want] : fp32) {
+    const Tensor got = as_fp32(bits16.at(name));
+    ASSERT_EQ(got.numel(), want.numel());
+    for (int64_t i = 0; i < want.numel(); ++i) {
+      ASSERT_EQ(got.data<float>()[i], want.data<float>()[i])
+          << what << " in " << dtype_name(dtype) << ": " << name << "[" << i << "]";
+    }
+  }
+}
+
+class OpsRowBlocks : public ::testing::TestWithParam<DType> {};
+
+TEST_P(OpsRowBlocks, NormsMatchTheFp32Path) {
+  const DType dtype = GetParam();
+  const Tensors inputs = {
+      {"out", random_values({kTokens, kHidden}, dtype, 1)},  {"inp", random_values({kTokens, kHidden}, dtype, 2)},
+      {"dout", random_values({kTokens, kHidden}, dtype, 3)}, {"dinp", random_values({kTokens, kHidden}, dtype, 4)},
+      {"weight", random_values({kHidden}, dtype, 5)},        {"bias", random_values({kHidden}, dtype, 6)},
+      {"dweight", random_values({kHidden}, dtype, 7)},       {"dbias", random_values({kHidden}, dtype, 8)},
+      {"mean", Tensor({kTokens}, DType::kF32)},              {"rstd", Tensor({kTokens}, DType::kF32)}};
+  const std::vector<std::string> activations = {"out", "inp", "dout", "dinp"};
+  expect_same("rmsnorm", dtype, inputs, activations, [](Tensors& t) {
+    rmsnorm_forward(t["out"], t["rstd"], t["inp"], t["weight"], 1e-5);
+    rmsnorm_backward(t["dinp"], t["dweight"], t["dout"], t["inp"], t["weight"], t["rstd"]);
+  });
+  expect_same("layernorm", dtype, inputs, activations, [](Tensors& t) {
+    layernorm_forward(t["out"], t["mean"], t["rstd"], t["inp"], t["weight"], &t["bias"], 1e-5);
+    layernorm_backward(t["dinp"], t["dweight"], &t["dbias"], t["dout"], t["inp"], t["weight"], t["mean"], t["rstd"]);
+  });
+}
+
+TEST_P(OpsRowBlocks, ElementwiseAndDropoutMatchTheFp32Path) {
+  const DType dtype = GetParam();
+  const int64_t n = 3 * 65536 + 17;  // several blocks of elements, a ragged last one
+  const Tensors inputs = {{"y", random_values({n}, dtype, 11)},
+                          {"x", random_values({n}, dtype, 12)},
+                          {"out", random_values({n}, dtype, 13)}};
+  const std::vector<std::string> activations = {"y", "x", "out"};
+  expect_same("add_", dtype, inputs, activations, [](Tensors& t) { add_(t["y"], t["x"]); });
+  for (const float p : {0.0f, 0.25f}) {
+    const DropoutSpec spec{p, 1234, 5, 777};
+    expect_same("dropout p=" + std::to_string(p), dtype, inputs, activations, [&](Tensors& t) {
+      dropout_forward(t["out"], t["x"], spec);
+      dropout_backward(t["y"], t["out"], spec);
+    });
+  }
+}
+
+TEST_P(OpsRowBlocks, RotaryEmbeddingMatchesTheFp32Path) {
+  const DType dtype = GetParam();
+  const Tensors inputs = {{"out", random_values({kS, kB, kHeads, kHeadDim}, dtype, 21)},
+                          {"inp", random_values({kS, kB, kHeads, kHeadDim}, dtype, 22)},
+                          {"dinp", random_values({kS, kB, kHeads, kHeadDim}, dtype, 23)}};
+  const std::vector<std::string> activations = {"out", "inp", "dinp"};
+  expect_same("rope, positions from an offset", dtype, inputs, activations, [](Tensors& t) {
+    rope_forward(t["out"], t["inp"], kS, kB, kHeadDim, 24, 10000.0, 5);
+    rope_backward(t["dinp"], t["out"], kS, kB, kHeadDim, 24, 10000.0, 5);
+  });
+  std::vector<int64_t> positions(static_cast<size_t>(kTokens));
+  for (int64_t r = 0; r < kTokens; ++r) positions[static_cast<size_t>(r)] = (r * 7) % 41;  // packed documents
+  expect_same("rope, positions per row", dtype, inputs, activations, [&](Tensors& t) {
+    rope_forward(t["out"], t["inp"], kS, kB, kHeadDim, kHeadDim, 500000.0, positions);
+    rope_backward(t["dinp"], t["out"], kS, kB, kHeadDim, kHeadDim, 500000.0, positions);
+  });
+}
+
+TEST_P(OpsRowBlocks, RowMovesMatchTheFp32Path) {
+  const DType dtype = GetParam();
+  const int64_t Q = (kHeads + 2 * kGroups) * kHeadDim;
+  const Tensors inputs = {{"qkv", random_values({kTokens, Q}, dtype, 31)},
+                          {"q", random_values({kTokens, kHeads, kHeadDim}, dtype, 32)},
+                          {"k", random_values({kTokens, kGroups, kHeadDim}, dtype, 33)},
+                          {"v", random_values({kTokens, kGroups, kHeadDim}, dtype, 34)},
+                          {"merged", random_values({kTokens, Q}, dtype, 35)},
+                          {"permuted", random_values({2 * kTokens, kHidden}, dtype, 36)},
+                          {"x", random_values({kTokens, kHidden}, dtype, 37)}};
+  std::vector<int64_t> index(static_cast<size_t>(2 * kTokens));
+  for (int64_t r = 0; r < 2 * kTokens; ++r) index[static_cast<size_t>(r)] = r % 5 == 4 ? -1 : (r * 13) % kTokens;
+  expect_same("split / merge qkv, permute", dtype, inputs, {"qkv", "q", "k", "v", "merged", "permuted", "x"},
+              [&](Tensors& t) {
+                split_qkv(t["q"], t["k"], t["v"], t["qkv"], kHeads, kGroups, kHeadDim);
+                merge_qkv(t["merged"], t["q"], t["k"], t["v"], kHeads, kGroups, kHeadDim);
+                moe_permute(t["permuted"], t["x"], index);
+              });
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, OpsRowBlocks, ::testing::Values(DType::kBF16, DType::kF16),
+                         [](const auto& param_info) { return std::string(dtype_name(param_info.param)); });
+
+}  // namespace
+}  // namespace moecore::ops
