@@ -68,12 +68,16 @@ class OpsRowBlocks : public ::testing::TestWithParam<DType> {};
 
 TEST_P(OpsRowBlocks, NormsMatchTheFp32Path) {
   const DType dtype = GetParam();
-  const Tensors inputs = {
-      {"out", random_values({kTokens, kHidden}, dtype, 1)},  {"inp", random_values({kTokens, kHidden}, dtype, 2)},
-      {"dout", random_values({kTokens, kHidden}, dtype, 3)}, {"dinp", random_values({kTokens, kHidden}, dtype, 4)},
-      {"weight", random_values({kHidden}, dtype, 5)},        {"bias", random_values({kHidden}, dtype, 6)},
-      {"dweight", random_values({kHidden}, dtype, 7)},       {"dbias", random_values({kHidden}, dtype, 8)},
-      {"mean", Tensor({kTokens}, DType::kF32)},              {"rstd", Tensor({kTokens}, DType::kF32)}};
+  const Tensors inputs = {{"out", random_values({kTokens, kHidden}, dtype, 1)},
+                          {"inp", random_values({kTokens, kHidden}, dtype, 2)},
+                          {"dout", random_values({kTokens, kHidden}, dtype, 3)},
+                          {"dinp", random_values({kTokens, kHidden}, dtype, 4)},
+                          {"weight", random_values({kHidden}, dtype, 5)},
+                          {"bias", random_values({kHidden}, dtype, 6)},
+                          {"dweight", random_values({kHidden}, dtype, 7)},
+                          {"dbias", random_values({kHidden}, dtype, 8)},
+                          {"mean", Tensor({kTokens}, DType::kF32)},
+                          {"rstd", Tensor({kTokens}, DType::kF32)}};
   const std::vector<std::string> activations = {"out", "inp", "dout", "dinp"};
   expect_same("rmsnorm", dtype, inputs, activations, [](Tensors& t) {
     rmsnorm_forward(t["out"], t["rstd"], t["inp"], t["weight"], 1e-5);
@@ -137,6 +141,29 @@ TEST_P(OpsRowBlocks, RowMovesMatchTheFp32Path) {
                 split_qkv(t["q"], t["k"], t["v"], t["qkv"], kHeads, kGroups, kHeadDim);
                 merge_qkv(t["merged"], t["q"], t["k"], t["v"], kHeads, kGroups, kHeadDim);
                 moe_permute(t["permuted"], t["x"], index);
+              });
+}
+
+TEST_P(OpsRowBlocks, CombineAndChunkSortsMatchTheFp32Path) {
+  const DType dtype = GetParam();
+  const Tensors inputs = {{"expert_rows", random_values({2 * kTokens, kHidden}, dtype, 41)},
+                          {"tokens", random_values({kTokens, kHidden}, dtype, 42)},
+                          {"dexpert_rows", random_values({2 * kTokens, kHidden}, dtype, 43)},
+                          {"probs", random_values({2 * kTokens}, dtype, 44)},
+                          {"dprobs", random_values({2 * kTokens}, dtype, 45)},
+                          {"sorted", random_values({2 * kTokens, kHidden}, dtype, 46)},
+                          {"unsorted", random_values({2 * kTokens, kHidden}, dtype, 47)}};
+  // Each token's two rows; every fifth row a padding row (no token).
+  std::vector<int64_t> index(static_cast<size_t>(2 * kTokens));
+  for (int64_t r = 0; r < 2 * kTokens; ++r) index[static_cast<size_t>(r)] = r % 5 == 4 ? -1 : (r * 13) % kTokens;
+  const std::vector<int64_t> first_C = {300, 0, 150, 451}, rows_C = {151, 150, 150, 131};  // a permutation of chunks
+  expect_same("unpermute, sort / unsort chunks", dtype, inputs,
+              {"expert_rows", "tokens", "dexpert_rows", "sorted", "unsorted"}, [&](Tensors& t) {
+                moe_unpermute(t["tokens"], t["expert_rows"], index, &t["probs"]);
+                moe_unpermute_backward(&t["dexpert_rows"], &t["dprobs"], t["tokens"], index, &t["probs"],
+                                       &t["expert_rows"]);
+                sort_chunks(t["sorted"], t["expert_rows"], first_C, rows_C);
+                unsort_chunks(t["unsorted"], t["sorted"], first_C, rows_C);
               });
 }
 

@@ -161,7 +161,8 @@ void rope(const char* op, const bool backward, Tensor& out_SBNd, const Tensor& i
     detail::run_row_blocks(S * B, rows, [&](const int64_t r0, const int64_t r1, float* const* p) {
       std::vector<int64_t> positions(static_cast<size_t>(r1 - r0));
       for (int64_t r = r0; r < r1; ++r) {
-        positions[static_cast<size_t>(r - r0)] = by_row ? positions_SB[static_cast<size_t>(r)] : r / B + position_offset;
+        positions[static_cast<size_t>(r - r0)] =
+            by_row ? positions_SB[static_cast<size_t>(r)] : r / B + position_offset;
       }
       if (backward) {
         kernels::cpu::rope_backward(p[0], p[1], r1 - r0, 1, N, spec, positions.data());
@@ -206,8 +207,7 @@ void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, con
 void rope_backward(Tensor& dinp_SBNd, const Tensor& dout_SBNd, const int64_t S, const int64_t B, const int64_t head_dim,
                    const int64_t rot_dim, const double base, const std::span<const int64_t> positions_SB) {
   check_positions("rope_backward", positions_SB, S, B);
-  rope("rope_backward", true, dinp_SBNd, dout_SBNd, S, B, kernels::rope_spec(head_dim, rot_dim, base), positions_SB,
-       0);
+  rope("rope_backward", true, dinp_SBNd, dout_SBNd, S, B, kernels::rope_spec(head_dim, rot_dim, base), positions_SB, 0);
 }
 
 void rope_forward(Tensor& out_SBNd, const Tensor& inp_SBNd, const int64_t S, const int64_t B, const RopeSpec& spec,

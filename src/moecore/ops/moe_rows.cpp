@@ -1,6 +1,7 @@
 #include "moecore/ops/moe_rows.h"
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,12 @@ int64_t check_chunks(const char* op, std::span<const int64_t> first_C, std::span
   return total;
 }
 
+std::optional<kernels::LowpType> lowp_of(const Tensor& t) {
+  if (t.dtype() == DType::kBF16) return kernels::LowpType::kBF16;
+  if (t.dtype() == DType::kF16) return kernels::LowpType::kF16;
+  return std::nullopt;
+}
+
 }  // namespace
 
 void moe_permute(Tensor& out_RW, const Tensor& in_NW, const std::span<const int64_t> index_R) {
@@ -79,6 +86,11 @@ void moe_unpermute(Tensor& out_NW, const Tensor& in_RW, const std::span<const in
   detail::check_tensors(op, {&out_NW, probs_R});
   if (probs_R != nullptr) detail::check_numel(op, "probs_R", *probs_R, R);
   check_index(op, index_R, N);
+  if (detail::same_16bit({&out_NW, &in_RW}) && (probs_R == nullptr || probs_R->dtype() == DType::kF32)) {
+    kernels::cpu::moe_unpermute16(*lowp_of(out_NW), out_NW.data<uint16_t>(), in_RW.data<uint16_t>(), index_R.data(),
+                                  probs_R != nullptr ? probs_R->data<float>() : nullptr, R, N, W);
+    return;
+  }
   detail::dispatch(op, out_NW, [&]<typename S>(auto k) {
     k.moe_unpermute(ptr<S>(out_NW), ptr<S>(in_RW), index_R.data(), opt<S>(probs_R), R, N, W);
   });
@@ -100,6 +112,19 @@ void moe_unpermute_backward(Tensor* din_RW, Tensor* dprobs_R, const Tensor& dout
     detail::check_numel(op, "in_RW", *in_RW, R * W);
   }
   check_index(op, index_R, N);
+  const bool activations16 = detail::same_16bit({&dout_NW}) &&
+                             (din_RW == nullptr || detail::same_16bit({&dout_NW, din_RW})) &&
+                             (in_RW == nullptr || detail::same_16bit({&dout_NW, in_RW}));
+  const bool fp32_rest = (probs_R == nullptr || probs_R->dtype() == DType::kF32) &&
+                         (dprobs_R == nullptr || dprobs_R->dtype() == DType::kF32);
+  if (activations16 && fp32_rest) {
+    kernels::cpu::moe_unpermute_backward16(*lowp_of(dout_NW), din_RW != nullptr ? din_RW->data<uint16_t>() : nullptr,
+                                           dprobs_R != nullptr ? dprobs_R->data<float>() : nullptr,
+                                           dout_NW.data<uint16_t>(),
+                                           in_RW != nullptr ? in_RW->data<uint16_t>() : nullptr, index_R.data(),
+                                           probs_R != nullptr ? probs_R->data<float>() : nullptr, R, W);
+    return;
+  }
   detail::dispatch(op, dout_NW, [&]<typename S>(auto k) {
     k.moe_unpermute_backward(opt<S>(din_RW), opt<S>(dprobs_R), ptr<S>(dout_NW), opt<S>(in_RW), index_R.data(),
                              opt<S>(probs_R), R, W);
@@ -116,6 +141,10 @@ void sort_chunks(Tensor& out_RW, const Tensor& in_NW, const std::span<const int6
   const int64_t R = check_chunks(op, first_C, rows_C, N, false);
   detail::check_numel(op, "out_RW", out_RW, R * W);
   const auto C = static_cast<int64_t>(first_C.size());
+  if (detail::same_16bit({&out_RW, &in_NW})) {
+    kernels::cpu::sort_chunks(out_RW.data<uint16_t>(), in_NW.data<uint16_t>(), first_C.data(), rows_C.data(), C, W);
+    return;
+  }
   detail::dispatch(op, out_RW, [&]<typename S>(auto k) {
     k.sort_chunks(ptr<S>(out_RW), ptr<S>(in_NW), first_C.data(), rows_C.data(), C, W);
   });
@@ -130,6 +159,11 @@ void unsort_chunks(Tensor& out_NW, const Tensor& in_RW, const std::span<const in
   const int64_t R = check_chunks(op, first_C, rows_C, N, true);
   detail::check_numel(op, "in_RW", in_RW, R * W);
   const auto C = static_cast<int64_t>(first_C.size());
+  if (detail::same_16bit({&out_NW, &in_RW})) {
+    kernels::cpu::unsort_chunks(out_NW.data<uint16_t>(), in_RW.data<uint16_t>(), first_C.data(), rows_C.data(), C, N,
+                                W);
+    return;
+  }
   detail::dispatch(op, out_NW, [&]<typename S>(auto k) {
     k.unsort_chunks(ptr<S>(out_NW), ptr<S>(in_RW), first_C.data(), rows_C.data(), C, N, W);
   });

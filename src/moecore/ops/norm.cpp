@@ -74,9 +74,8 @@ void rmsnorm_backward(Tensor& dinp_RD, Tensor& dweight_D, const Tensor& dout_RD,
   detail::check_numel(op, "dweight_D", dweight_D, D);
   detail::check_numel(op, "rstd_R", rstd_R, R);
   if (const auto type = backward16({&dout_RD, &inp_RD, &dinp_RD}, {&dweight_D, &weight_D, &rstd_R})) {
-    kernels::cpu::rmsnorm_backward16(*type, dinp_RD.data<uint16_t>(), dweight_D.data<float>(),
-                                     dout_RD.data<uint16_t>(), inp_RD.data<uint16_t>(), weight_D.data<float>(),
-                                     rstd_R.data<float>(), R, D);
+    kernels::cpu::rmsnorm_backward16(*type, dinp_RD.data<uint16_t>(), dweight_D.data<float>(), dout_RD.data<uint16_t>(),
+                                     inp_RD.data<uint16_t>(), weight_D.data<float>(), rstd_R.data<float>(), R, D);
     return;
   }
   detail::dispatch(op, inp_RD, [&]<typename S>(auto k) {
@@ -103,9 +102,9 @@ int64_t layernorm_forward(Tensor& out_RD, Tensor& mean_R, Tensor& rstd_R, const 
       (bias_D == nullptr || bias_D->dtype() == DType::kF32)) {
     std::atomic<int64_t> nonfinite_rows = 0;
     detail::run_row_blocks(R, rows, [&](const int64_t r0, const int64_t r1, float* const* p) {
-      nonfinite_rows += kernels::cpu::layernorm_forward(p[0], p[1], p[2], p[3], weight_D.data<float>(),
-                                                        bias_D != nullptr ? bias_D->data<float>() : nullptr, r1 - r0,
-                                                        D, eps);
+      nonfinite_rows +=
+          kernels::cpu::layernorm_forward(p[0], p[1], p[2], p[3], weight_D.data<float>(),
+                                          bias_D != nullptr ? bias_D->data<float>() : nullptr, r1 - r0, D, eps);
     });
     detail::round_activations({&out_RD});
     return nonfinite_rows;
@@ -133,8 +132,7 @@ void layernorm_backward(Tensor& dinp_RD, Tensor& dweight_D, Tensor* dbias_D, con
   if (dbias_D != nullptr) detail::check_numel(op, "dbias_D", *dbias_D, D);
   detail::check_numel(op, "mean_R", mean_R, R);
   detail::check_numel(op, "rstd_R", rstd_R, R);
-  if (const auto type =
-          backward16({&dout_RD, &inp_RD, &dinp_RD}, {&dweight_D, dbias_D, &weight_D, &mean_R, &rstd_R})) {
+  if (const auto type = backward16({&dout_RD, &inp_RD, &dinp_RD}, {&dweight_D, dbias_D, &weight_D, &mean_R, &rstd_R})) {
     kernels::cpu::layernorm_backward16(*type, dinp_RD.data<uint16_t>(), dweight_D.data<float>(),
                                        dbias_D != nullptr ? dbias_D->data<float>() : nullptr, dout_RD.data<uint16_t>(),
                                        inp_RD.data<uint16_t>(), weight_D.data<float>(), mean_R.data<float>(),

@@ -76,9 +76,9 @@ void run_row_blocks(const int64_t R, const std::initializer_list<RowOperand> ope
     }
     handles.push_back(*o.tensor);
   }
-  const int64_t block = std::min(std::max<int64_t>(R, 1),
-                                 round_up(std::max<int64_t>(1, kBlockScratchFloats / std::max<int64_t>(widths16, 1)),
-                                          kAlignFloats));
+  const int64_t block =
+      std::min(std::max<int64_t>(R, 1),
+               round_up(std::max<int64_t>(1, kBlockScratchFloats / std::max<int64_t>(widths16, 1)), kAlignFloats));
   const int64_t n_blocks = (R + block - 1) / block;
   const auto n_ops = static_cast<int64_t>(ops.size());
 #pragma omp parallel

@@ -220,7 +220,8 @@ class WidenedRows {
   }
   void store(const int64_t r, uint16_t* dinp_RD) const {
     if (dinp_RD == nullptr) return;
-    type_ == LowpType::kBF16 ? encode_bf16(dinp_RD + r * D_, dx_, D_, isa_) : encode_fp16(dinp_RD + r * D_, dx_, D_, isa_);
+    type_ == LowpType::kBF16 ? encode_bf16(dinp_RD + r * D_, dx_, D_, isa_)
+                             : encode_fp16(dinp_RD + r * D_, dx_, D_, isa_);
   }
   const float* dy() const { return dy_; }
   const float* x() const { return x_; }

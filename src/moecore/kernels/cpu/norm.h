@@ -39,7 +39,7 @@ void rmsnorm_backward16(LowpType type, uint16_t* dinp_RD, float* dweight_D, cons
 void layernorm_backward16(LowpType type, uint16_t* dinp_RD, float* dweight_D, float* dbias_D, const uint16_t* dout_RD,
                           const uint16_t* inp_RD, const float* weight_D, const float* mean_R, const float* rstd_R,
                           int64_t n_rows, int64_t D);
-}
+}  // namespace cpu
 namespace ref {
 MOECORE_NORM_DECL
 }

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "moecore/kernels/cpu/gemm_lowp.h"
+
 namespace moecore::kernels {
 
 #define MOECORE_PERMUTE_DECL                                                                                         \
@@ -31,7 +33,17 @@ namespace moecore::kernels {
 
 namespace cpu {
 MOECORE_PERMUTE_DECL
-}
+
+// moe_unpermute and its backward on 16-bit activations (bits of `type`; probabilities and dprobs_R fp32): each row is
+// widened into fp32, combined as by the fp32 kernel and narrowed once (round to nearest even), so every output equals
+// the fp32 kernel's on the widened tensors, rounded, bit for bit. sort_chunks and unsort_chunks also take
+// T = uint16_t (they move bits).
+void moe_unpermute16(LowpType type, uint16_t* out_NW, const uint16_t* in_RW, const int64_t* index_R,
+                     const float* probs_R, int64_t R, int64_t N, int64_t W);
+void moe_unpermute_backward16(LowpType type, uint16_t* din_RW, float* dprobs_R, const uint16_t* dout_NW,
+                              const uint16_t* in_RW, const int64_t* index_R, const float* probs_R, int64_t R,
+                              int64_t W);
+}  // namespace cpu
 namespace ref {
 MOECORE_PERMUTE_DECL
 }
