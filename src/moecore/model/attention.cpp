@@ -14,6 +14,11 @@ Tensor activation_tensor(std::vector<int64_t> shape) {
   return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
 }
 
+// For an op's output that the op overwrites in full (the qkv split, the rotary embedding, the norms): not zeroed.
+Tensor overwritten_activation(std::vector<int64_t> shape) {
+  return Tensor::uninitialized(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
+}
+
 }  // namespace
 
 SelfAttention::SelfAttention(const ModelConfig& config, const std::string& prefix, const TensorParallel& tp,
@@ -68,22 +73,22 @@ Tensor SelfAttention::forward(const Tensor& x_TH, const int64_t S, const int64_t
                               const InputKeepers x_keepers) const {
   const int64_t T = S * B, N = heads_, G = groups_, d = config_.kv_channels;
   Tensor qkv_TQ = qkv_.forward(x_TH, a.qkv, x_keepers);
-  a.q_TNd = activation_tensor({T, N, d});
-  a.k_TGd = activation_tensor({T, G, d});
-  a.v_TGd = activation_tensor({T, G, d});
+  a.q_TNd = overwritten_activation({T, N, d});
+  a.k_TGd = overwritten_activation({T, G, d});
+  a.v_TGd = overwritten_activation({T, G, d});
   ops::split_qkv(a.q_TNd, a.k_TGd, a.v_TGd, qkv_TQ, N, G, d);
   qkv_TQ = Tensor();
   if (config_.qk_layernorm) {
     a.q_raw_TNd = a.q_TNd;
     a.k_raw_TGd = a.k_TGd;
-    a.q_TNd = activation_tensor({T, N, d});
-    a.k_TGd = activation_tensor({T, G, d});
+    a.q_TNd = overwritten_activation({T, N, d});
+    a.k_TGd = overwritten_activation({T, G, d});
     a.q_norm_stats = q_norm_.forward(a.q_TNd, a.q_raw_TNd);
     a.k_norm_stats = k_norm_.forward(a.k_TGd, a.k_raw_TGd);
   }
   if (has_rope()) {
-    Tensor q_rot = activation_tensor({T, N, d});
-    Tensor k_rot = activation_tensor({T, G, d});
+    Tensor q_rot = overwritten_activation({T, N, d});
+    Tensor k_rot = overwritten_activation({T, G, d});
     ops::rope_forward(q_rot, a.q_TNd, S, B, rope_, sequence.positions_SB);
     ops::rope_forward(k_rot, a.k_TGd, S, B, rope_, sequence.positions_SB);
     a.q_TNd = std::move(q_rot);
@@ -143,22 +148,22 @@ Tensor SelfAttention::forward_decode(const Tensor& x_TH, const std::span<const i
   const int64_t T = x_TH.dim(0), N = heads_, G = groups_, d = config_.kv_channels;
   LinearActivations unused_qkv, unused_proj;
   Tensor qkv_TQ = qkv_.forward(x_TH, unused_qkv);
-  Tensor q_TNd = activation_tensor({T, N, d});
-  Tensor k_TGd = activation_tensor({T, G, d});
-  Tensor v_TGd = activation_tensor({T, G, d});
+  Tensor q_TNd = overwritten_activation({T, N, d});
+  Tensor k_TGd = overwritten_activation({T, G, d});
+  Tensor v_TGd = overwritten_activation({T, G, d});
   ops::split_qkv(q_TNd, k_TGd, v_TGd, qkv_TQ, N, G, d);
   qkv_TQ = Tensor();
   if (config_.qk_layernorm) {
-    Tensor q_normed = activation_tensor({T, N, d});
-    Tensor k_normed = activation_tensor({T, G, d});
+    Tensor q_normed = overwritten_activation({T, N, d});
+    Tensor k_normed = overwritten_activation({T, G, d});
     q_norm_.forward(q_normed, q_TNd);
     k_norm_.forward(k_normed, k_TGd);
     q_TNd = std::move(q_normed);
     k_TGd = std::move(k_normed);
   }
   if (has_rope()) {
-    Tensor q_rot = activation_tensor({T, N, d});
-    Tensor k_rot = activation_tensor({T, G, d});
+    Tensor q_rot = overwritten_activation({T, N, d});
+    Tensor k_rot = overwritten_activation({T, G, d});
     ops::rope_forward(q_rot, q_TNd, T, 1, rope_, positions);
     ops::rope_forward(k_rot, k_TGd, T, 1, rope_, positions);
     q_TNd = std::move(q_rot);
