@@ -1,6 +1,6 @@
-// The 16-bit paths that skip the whole-tensor Staging (ops/row_blocks.h; the 16-bit norm backward kernels; the row
-// moves on bits) against the fp32 path, on tensors large enough for many row blocks with a ragged last one: every
-// op run once on fp32 tensors holding 16-bit values and once on bf16 / fp16 tensors, both under
+// The 16-bit paths that skip the whole-tensor Staging (ops/row_blocks.h; the 16-bit norm, combine and grouped-MLP
+// kernels; the row moves on bits) against the fp32 path, on tensors large enough for many row blocks with a ragged last
+// one: every op run once on fp32 tensors holding 16-bit values and once on bf16 / fp16 tensors, both under
 // ScopedActivationDType(dtype), must write the same values bit for bit (the fp32 path's result, rounded once).
 #include <gtest/gtest.h>
 
@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/ops/ops.h"
 #include "moecore/ops/precision.h"
 
@@ -165,6 +166,71 @@ TEST_P(OpsRowBlocks, CombineAndChunkSortsMatchTheFp32Path) {
                 sort_chunks(t["sorted"], t["expert_rows"], first_C, rows_C);
                 unsort_chunks(t["unsorted"], t["sorted"], first_C, rows_C);
               });
+}
+
+// The fused grouped MLP over experts of 0, 3, 300 (two row tiles) and 517 (three) rows, on both GEMM paths, for the
+// three placements of the probability (weighted SwiGLU after fc1, GELU scaled after it, SwiGLU on the input), with
+// biases: forward and backward on 16-bit activations against fp32 tensors holding their values.
+TEST_P(OpsRowBlocks, GroupedMlpMatchesTheFp32Path) {
+  const DType dtype = GetParam();
+  const kernels::LowpType type = dtype == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
+  const std::vector<int64_t> offsets_E1 = {0, 0, 3, 303, 820};
+  const int64_t E = 4, R = offsets_E1.back(), H = 40, F = 24;
+  for (const auto& [activation, probs_on_input] :
+       {std::pair{Activation::kSwiGLU, false}, std::pair{Activation::kGelu, false},
+        std::pair{Activation::kSwiGLU, true}}) {
+    const GroupedMlpSpec spec{activation, probs_on_input};
+    const int64_t F1 = activation_input_width(activation, F);
+    Tensors inputs = {{"x", random_values({R, H}, dtype, 51)},  {"probs", random_values({R}, dtype, 52)},
+                      {"dy", random_values({R, H}, dtype, 53)}, {"dx", random_values({R, H}, dtype, 54)},
+                      {"y", Tensor({R, H}, DType::kF32)},       {"fc1", Tensor({R, F1}, DType::kF32)},
+                      {"saved", Tensor({R, F}, DType::kF32)},   {"xs", Tensor({R, H}, DType::kF32)},
+                      {"dprobs", Tensor({R}, DType::kF32)}};
+    for (int64_t e = 0; e < E; ++e) {
+      const auto n = std::to_string(e);
+      const auto seed = static_cast<uint32_t>(60 + 10 * e);
+      inputs["w1_" + n] = random_values({F1, H}, dtype, seed);
+      inputs["b1_" + n] = random_values({F1}, dtype, seed + 1);
+      inputs["w2_" + n] = random_values({H, F}, dtype, seed + 2);
+      inputs["b2_" + n] = random_values({H}, dtype, seed + 3);
+      inputs["dw1_" + n] = random_values({F1, H}, dtype, seed + 4);
+      inputs["db1_" + n] = random_values({F1}, dtype, seed + 5);
+      inputs["dw2_" + n] = random_values({H, F}, dtype, seed + 6);
+      inputs["db2_" + n] = random_values({H}, dtype, seed + 7);
+    }
+    const bool weighted = activation == Activation::kSwiGLU && !probs_on_input;
+    for (const auto path : {kernels::cpu::LowpGemmPath::kConvert, kernels::cpu::LowpGemmPath::kNative}) {
+      if (path == kernels::cpu::LowpGemmPath::kNative && !kernels::cpu::lowp_native_available(type)) continue;
+      const kernels::cpu::ScopedLowpGemmPath scoped(path);
+      expect_same(std::string("grouped MLP ") +
+                      (weighted         ? "weighted SwiGLU"
+                       : probs_on_input ? "probs on input"
+                                        : "GELU") +
+                      (path == kernels::cpu::LowpGemmPath::kNative ? ", native GEMMs" : ", convert GEMMs"),
+                  dtype, inputs, {"x", "dy", "dx", "y", "fc1", "saved", "xs"}, [&](Tensors& t) {
+                    std::vector<const Tensor*> w1, b1, w2, b2;
+                    std::vector<Tensor*> dw1, db1, dw2, db2;
+                    for (int64_t e = 0; e < E; ++e) {
+                      const auto n = std::to_string(e);
+                      w1.push_back(&t["w1_" + n]);
+                      b1.push_back(&t["b1_" + n]);
+                      w2.push_back(&t["w2_" + n]);
+                      b2.push_back(&t["b2_" + n]);
+                      dw1.push_back(&t["dw1_" + n]);
+                      db1.push_back(&t["db1_" + n]);
+                      dw2.push_back(&t["dw2_" + n]);
+                      db2.push_back(&t["db2_" + n]);
+                    }
+                    const GroupedMlpParams params{w1, b1, w2, b2};
+                    Tensor* act = weighted ? nullptr : &t["saved"];
+                    Tensor* h = weighted ? &t["saved"] : nullptr;
+                    grouped_mlp_forward(t["y"], t["fc1"], act, h, &t["xs"], t["x"], t["probs"], params, offsets_E1,
+                                        spec);
+                    grouped_mlp_backward(t["dx"], t["dprobs"], {dw1, db1, dw2, db2}, t["dy"], t["x"], &t["xs"],
+                                         t["fc1"], act, h, t["probs"], params, offsets_E1, spec);
+                  });
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, OpsRowBlocks, ::testing::Values(DType::kBF16, DType::kF16),

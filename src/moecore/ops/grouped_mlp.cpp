@@ -1,5 +1,7 @@
 #include "moecore/ops/grouped_mlp.h"
 
+#include <algorithm>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <vector>
@@ -123,6 +125,46 @@ const S* opt_data(const Tensor* t) {
   return t == nullptr ? nullptr : ptr<S>(*t);
 }
 
+// The 16-bit kernels apply (grouped_mlp.h): on the CPU, every activation tensor (null entries skipped) bf16, or every
+// one fp16, and `fp32` tensors fp32 (probabilities, dprobs); returns the activations' format.
+std::optional<kernels::LowpType> activations16(std::initializer_list<const Tensor*> activations,
+                                               std::initializer_list<const Tensor*> fp32) {
+  const Tensor& first = **activations.begin();
+  if (first.device() != Device::kCPU || !detail::is_16bit(first.dtype())) return std::nullopt;
+  for (const Tensor* t : activations) {
+    if (t != nullptr && t->dtype() != first.dtype()) return std::nullopt;
+  }
+  for (const Tensor* t : fp32) {
+    if (t != nullptr && t->dtype() != DType::kF32) return std::nullopt;
+  }
+  return first.dtype() == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
+}
+
+// The activations' format is the one the kernels round to.
+bool rounds_to(const std::optional<kernels::LowpType> type, const kernels::ActivationRounding rounding) {
+  return type && rounding == (*type == kernels::LowpType::kBF16 ? kernels::ActivationRounding::kBF16
+                                                                : kernels::ActivationRounding::kF16);
+}
+
+// Every tensor of the spans (null entries skipped) fp32.
+template <typename... Spans>
+bool all_fp32(const Spans&... spans) {
+  const auto fp32 = [](const auto& span) {
+    return std::all_of(span.begin(), span.end(),
+                       [](const Tensor* t) { return t == nullptr || t->dtype() == DType::kF32; });
+  };
+  return (fp32(spans) && ...);
+}
+
+template <typename S>
+S* bits_of(Tensor* t) {
+  return t == nullptr ? nullptr : t->data<S>();
+}
+template <typename S>
+const S* bits_of(const Tensor* t) {
+  return t == nullptr ? nullptr : t->data<S>();
+}
+
 }  // namespace
 
 bool grouped_mlp_fused(const Device device) { return linear_quantization(device) == nullptr; }
@@ -145,6 +187,18 @@ void grouped_mlp_forward(Tensor& y_RH, Tensor& fc1_RF1, Tensor* act_RF, Tensor* 
     check_saved(op, "act_RF", y_RH, act_RF, R * s.F);
   }
   if (s.probs_on_input) check_saved(op, "xs_RH", y_RH, xs_RH, R * s.H);
+  Tensor* saved_RF = s.weighted_swiglu() ? h_RF : act_RF;
+  Tensor* xs = s.probs_on_input ? xs_RH : nullptr;
+  const bool fp32_params = all_fp32(params.fc1_weight_E, params.fc1_bias_E, params.fc2_weight_E, params.fc2_bias_E);
+  if (const auto type = activations16({&y_RH, &fc1_RF1, saved_RF, xs, &x_RH}, {&probs_R});
+      rounds_to(type, s.rounding) && fp32_params) {
+    const Pointers<float> w = pointers<float>(params, s.E);
+    kernels::cpu::grouped_mlp_forward16(*type, y_RH.data<uint16_t>(), fc1_RF1.data<uint16_t>(),
+                                        s.weighted_swiglu() ? nullptr : act_RF->data<uint16_t>(),
+                                        s.weighted_swiglu() ? h_RF->data<uint16_t>() : nullptr, bits_of<uint16_t>(xs),
+                                        x_RH.data<uint16_t>(), probs_R.data<float>(), w.weights(), s);
+    return;
+  }
   // Every output is overwritten: 16-bit ones are not widened first.
   for (Tensor* out : {&y_RH, &fc1_RF1, s.weighted_swiglu() ? h_RF : act_RF, s.probs_on_input ? xs_RH : nullptr}) {
     if (out != nullptr) staging.write_only(*out, {&x_RH, &probs_R});
@@ -193,6 +247,26 @@ void grouped_mlp_backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpGrads
   check_grads("fc1 bias gradients", grads.fc1_bias_E, s.F1());
   check_grads("fc2 weight gradients", grads.fc2_weight_E, s.H * s.F);
   check_grads("fc2 bias gradients", grads.fc2_bias_E, s.H);
+  const Tensor* saved_RF = s.weighted_swiglu() ? h_RF : act_RF;
+  const Tensor* xs = s.probs_on_input ? xs_RH : nullptr;
+  const auto type = activations16({&dy_RH, &dx_RH, &x_RH, &fc1_RF1, saved_RF, xs}, {&probs_R, &dprobs_R});
+  const bool fp32_params = all_fp32(params.fc1_weight_E, params.fc1_bias_E, params.fc2_weight_E, params.fc2_bias_E,
+                                    grads.fc1_weight_E, grads.fc1_bias_E, grads.fc2_weight_E, grads.fc2_bias_E);
+  if (rounds_to(type, s.rounding) && fp32_params) {
+    Tensor dfc1_RF1({R, s.F1()}, DType::kF32, MemCategory::kActivations, dy_RH.device());
+    const Pointers<float> w = pointers<float>(params, s.E);
+    const std::vector<float*> dw1 = data_of<float>(grads.fc1_weight_E, s.E),
+                              db1 = data_of<float>(grads.fc1_bias_E, s.E),
+                              dw2 = data_of<float>(grads.fc2_weight_E, s.E),
+                              db2 = data_of<float>(grads.fc2_bias_E, s.E);
+    const kernels::GroupedMlpGrads<float> g{dw1.data(), db1.data(), dw2.data(), db2.data()};
+    kernels::cpu::grouped_mlp_backward16(
+        *type, dx_RH.data<uint16_t>(), dprobs_R.data<float>(), g, dfc1_RF1.data<float>(), dy_RH.data<uint16_t>(),
+        x_RH.data<uint16_t>(), bits_of<uint16_t>(xs), fc1_RF1.data<uint16_t>(),
+        s.weighted_swiglu() ? nullptr : act_RF->data<uint16_t>(),
+        s.weighted_swiglu() ? h_RF->data<uint16_t>() : nullptr, probs_R.data<float>(), w.weights(), s);
+    return;
+  }
   staging.write_only(dprobs_R, {&dy_RH, &x_RH, &probs_R});  // overwritten; dx_RH accumulates
   // d(fc1 output) of every row: the row-local pass writes it, the weight-gradient pass reads it (fp32 where the
   // tensors are 16-bit: the kernels' fp32 steps read it as it is).

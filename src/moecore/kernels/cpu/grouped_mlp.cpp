@@ -3,6 +3,8 @@
 #include "moecore/kernels/cpu/grouped_mlp.h"
 
 #include <algorithm>
+#include <array>
+#include <cstdint>
 #include <type_traits>
 #include <unordered_map>
 #include <utility>
@@ -137,6 +139,22 @@ std::vector<RowTile> row_tiles(const GroupedMlpShape& s) {
   return tiles;
 }
 
+// One weight-gradient task per (expert, fc1 | fc2), experts with rows only (the others keep their gradients),
+// costliest first: rows x F1 x H for fc1, rows x H x F for fc2.
+std::vector<std::pair<int64_t, bool>> weight_grad_tasks(const GroupedMlpShape& s) {
+  std::vector<std::pair<int64_t, bool>> tasks;
+  for (int64_t e = 0; e < s.E; ++e) {
+    if (s.offsets_E1[e + 1] == s.offsets_E1[e]) continue;
+    tasks.emplace_back(e, true);
+    tasks.emplace_back(e, false);
+  }
+  const auto cost = [&](const std::pair<int64_t, bool>& t) {
+    return (s.offsets_E1[t.first + 1] - s.offsets_E1[t.first]) * (t.second ? s.F1() : s.F);
+  };
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const auto& a, const auto& b) { return cost(a) > cost(b); });
+  return tasks;
+}
+
 template <typename St, typename T>
 void forward_tiles(const St& steps, const GroupedMlpShape& s, T* y_RH, T* fc1_RF1, T* act_RF, T* h_RF, T* xs_RH,
                    const T* x_RH, const T* probs_R) {
@@ -161,18 +179,7 @@ void backward_tiles(const St& steps, const GroupedMlpShape& s, T* dx_RH, T* dpro
     steps.backward_data(tile.expert, tile.begin, tile.end, dx_RH, dprobs_R, dfc1_RF1, dy_RH, x_RH, fc1_RF1, act_RF,
                         probs_R);
   }
-  // One task per (expert, fc1 | fc2), experts with rows only (the others keep their gradients), costliest first:
-  // rows x F1 x H for fc1, rows x H x F for fc2.
-  std::vector<std::pair<int64_t, bool>> tasks;
-  for (int64_t e = 0; e < s.E; ++e) {
-    if (s.offsets_E1[e + 1] == s.offsets_E1[e]) continue;
-    tasks.emplace_back(e, true);
-    tasks.emplace_back(e, false);
-  }
-  const auto cost = [&](const std::pair<int64_t, bool>& t) {
-    return (s.offsets_E1[t.first + 1] - s.offsets_E1[t.first]) * (t.second ? s.F1() : s.F);
-  };
-  std::stable_sort(tasks.begin(), tasks.end(), [&](const auto& a, const auto& b) { return cost(a) > cost(b); });
+  const std::vector<std::pair<int64_t, bool>> tasks = weight_grad_tasks(s);
   const auto n_tasks = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < n_tasks; ++i) {
@@ -182,7 +189,157 @@ void backward_tiles(const St& steps, const GroupedMlpShape& s, T* dx_RH, T* dpro
   }
 }
 
+// ---- 16-bit activations
+
+// Widens and narrows 16-bit rows (round to nearest even).
+class Codec16 {
+ public:
+  explicit Codec16(const LowpType type) : type_(type), isa_(best_convert_isa()) {}
+  void widen(float* out, const uint16_t* in, const int64_t n) const {
+    type_ == LowpType::kBF16 ? decode_bf16(out, in, n, isa_) : decode_fp16(out, in, n, isa_);
+  }
+  void narrow(uint16_t* out, const float* in, const int64_t n) const {
+    type_ == LowpType::kBF16 ? encode_bf16(out, in, n, isa_) : encode_fp16(out, in, n, isa_);
+  }
+
+ private:
+  LowpType type_;
+  ConvertIsa isa_;
+};
+
+// A thread's fp32 buffers for the 16-bit tasks. Rows [begin, begin + n) of a [R, width] tensor sit at the offset from a
+// 64-byte boundary they have in a 64-byte aligned fp32 copy of the whole tensor, so the steps' vector loops group
+// their sums as on the staged copy.
+class RowSlots {
+ public:
+  float* rows(const size_t slot, const int64_t begin, const int64_t n, const int64_t width) {
+    constexpr int64_t kAlign = 16;  // floats in 64 bytes
+    std::vector<float>& v = slots_[slot];
+    const auto need = static_cast<size_t>(n * width + 2 * kAlign);
+    if (v.size() < need) v.resize(need);
+    auto* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63});
+    return base + (begin * width) % kAlign;
+  }
+
+ private:
+  std::array<std::vector<float>, 5> slots_;
+};
+
+template <typename St>
+void forward_tiles16(const St& steps, const GroupedMlpShape& s, const Codec16& c, uint16_t* y_RH, uint16_t* fc1_RF1,
+                     uint16_t* act_RF, uint16_t* h_RF, uint16_t* xs_RH, const uint16_t* x_RH, const float* probs_R) {
+  const std::vector<RowTile> tiles = row_tiles(s);
+  const auto n_tiles = static_cast<int64_t>(tiles.size());
+  const int64_t H = s.H, F = s.F, F1 = s.F1();
+  const bool wsw = s.weighted_swiglu();
+  uint16_t* saved_RF = wsw ? h_RF : act_RF;  // fc2's input (h) or the activation
+#pragma omp parallel
+  {
+    RowSlots slots;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_tiles; ++i) {
+      const RowTile& tile = tiles[static_cast<size_t>(i)];
+      const int64_t b = tile.begin, n = tile.end - tile.begin;
+      float* x = slots.rows(0, b, n, H);
+      c.widen(x, x_RH + b * H, n * H);
+      float* y = slots.rows(1, b, n, H);
+      float* fc1 = slots.rows(2, b, n, F1);
+      float* saved = slots.rows(3, b, n, F);
+      float* xs = s.probs_on_input ? slots.rows(4, b, n, H) : nullptr;
+      steps.forward(tile.expert, 0, n, y, fc1, wsw ? nullptr : saved, wsw ? saved : nullptr, xs, x, probs_R + b);
+      c.narrow(y_RH + b * H, y, n * H);
+      c.narrow(fc1_RF1 + b * F1, fc1, n * F1);
+      c.narrow(saved_RF + b * F, saved, n * F);
+      if (xs != nullptr) c.narrow(xs_RH + b * H, xs, n * H);
+    }
+  }
+}
+
+template <typename St>
+void backward_tiles16(const St& steps, const GroupedMlpShape& s, const Codec16& c, uint16_t* dx_RH, float* dprobs_R,
+                      const GroupedMlpGrads<float>& g, float* dfc1_RF1, const uint16_t* dy_RH, const uint16_t* x_RH,
+                      const uint16_t* xs_RH, const uint16_t* fc1_RF1, const uint16_t* act_RF, const uint16_t* h_RF,
+                      const float* probs_R) {
+  const std::vector<RowTile> tiles = row_tiles(s);
+  const auto n_tiles = static_cast<int64_t>(tiles.size());
+  const int64_t H = s.H, F = s.F, F1 = s.F1();
+  const bool wsw = s.weighted_swiglu();
+  // What the row-local pass reads besides dy, fc1 and dx: x with the probability on the input, the activation when
+  // the probability scales it after fc1 (not fused).
+  const bool reads_x = s.probs_on_input, reads_act = !wsw && !s.probs_on_input;
+#pragma omp parallel
+  {
+    RowSlots slots;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_tiles; ++i) {
+      const RowTile& tile = tiles[static_cast<size_t>(i)];
+      const int64_t b = tile.begin, n = tile.end - tile.begin;
+      float* dy = slots.rows(0, b, n, H);
+      c.widen(dy, dy_RH + b * H, n * H);
+      float* fc1 = slots.rows(1, b, n, F1);
+      c.widen(fc1, fc1_RF1 + b * F1, n * F1);
+      float* dx = slots.rows(2, b, n, H);  // accumulated into
+      c.widen(dx, dx_RH + b * H, n * H);
+      float* x = reads_x ? slots.rows(3, b, n, H) : nullptr;
+      if (x != nullptr) c.widen(x, x_RH + b * H, n * H);
+      float* act = reads_act ? slots.rows(4, b, n, F) : nullptr;
+      if (act != nullptr) c.widen(act, act_RF + b * F, n * F);
+      steps.backward_data(tile.expert, 0, n, dx, dprobs_R + b, dfc1_RF1 + b * F1, dy, x, fc1, act, probs_R + b);
+      c.narrow(dx_RH + b * H, dx, n * H);
+    }
+  }
+  const std::vector<std::pair<int64_t, bool>> tasks = weight_grad_tasks(s);
+  const auto n_tasks = static_cast<int64_t>(tasks.size());
+#pragma omp parallel
+  {
+    RowSlots slots;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_tasks; ++i) {
+      const auto [e, fc1] = tasks[static_cast<size_t>(i)];
+      const int64_t b = s.offsets_E1[e], n = s.offsets_E1[e + 1] - b;
+      if (fc1) {  // fc1's input: x p with the probability on the input, else x
+        float* in = slots.rows(0, b, n, H);
+        c.widen(in, (s.probs_on_input ? xs_RH : x_RH) + b * H, n * H);
+        steps.weight_grads(e, true, 0, n, g, dfc1_RF1 + b * F1, nullptr, in, in, nullptr, nullptr, probs_R + b);
+        continue;
+      }
+      float* dy = slots.rows(1, b, n, H);
+      c.widen(dy, dy_RH + b * H, n * H);
+      float* saved = slots.rows(2, b, n, F);  // fc2's input h, or the activation
+      c.widen(saved, (wsw ? h_RF : act_RF) + b * F, n * F);
+      steps.weight_grads(e, false, 0, n, g, nullptr, dy, nullptr, nullptr, wsw ? nullptr : saved, wsw ? saved : nullptr,
+                         probs_R + b);
+    }
+  }
+}
+
 }  // namespace
+
+void grouped_mlp_forward16(const LowpType type, uint16_t* y_RH, uint16_t* fc1_RF1, uint16_t* act_RF, uint16_t* h_RF,
+                           uint16_t* xs_RH, const uint16_t* x_RH, const float* probs_R,
+                           const GroupedMlpWeights<float>& w, const GroupedMlpShape& s) {
+  const Codec16 c(type);
+  if (s.native_gemm) {
+    const grouped_mlp_detail::Steps<NativeKernels, float> steps(w, s, NativeKernels(s.native_type, w, s));
+    forward_tiles16(steps, s, c, y_RH, fc1_RF1, act_RF, h_RF, xs_RH, x_RH, probs_R);
+    return;
+  }
+  forward_tiles16(Steps<float>(w, s), s, c, y_RH, fc1_RF1, act_RF, h_RF, xs_RH, x_RH, probs_R);
+}
+
+void grouped_mlp_backward16(const LowpType type, uint16_t* dx_RH, float* dprobs_R, const GroupedMlpGrads<float>& g,
+                            float* dfc1_RF1, const uint16_t* dy_RH, const uint16_t* x_RH, const uint16_t* xs_RH,
+                            const uint16_t* fc1_RF1, const uint16_t* act_RF, const uint16_t* h_RF, const float* probs_R,
+                            const GroupedMlpWeights<float>& w, const GroupedMlpShape& s) {
+  const Codec16 c(type);
+  if (s.native_gemm) {
+    const grouped_mlp_detail::Steps<NativeKernels, float> steps(w, s, NativeKernels(s.native_type, w, s));
+    backward_tiles16(steps, s, c, dx_RH, dprobs_R, g, dfc1_RF1, dy_RH, x_RH, xs_RH, fc1_RF1, act_RF, h_RF, probs_R);
+    return;
+  }
+  backward_tiles16(Steps<float>(w, s), s, c, dx_RH, dprobs_R, g, dfc1_RF1, dy_RH, x_RH, xs_RH, fc1_RF1, act_RF, h_RF,
+                   probs_R);
+}
 
 template <typename T>
 void grouped_mlp_forward(T* y_RH, T* fc1_RF1, T* act_RF, T* h_RF, T* xs_RH, const T* x_RH, const T* probs_R,

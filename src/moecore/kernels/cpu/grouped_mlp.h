@@ -79,6 +79,19 @@ namespace cpu {
 constexpr int64_t kGroupedMlpTileRows = 256;
 constexpr int64_t kGroupedMlpNativeRowQuantum = 16;
 MOECORE_GROUPED_MLP_DECL
+
+// The grouped MLP on 16-bit activations (bits of `type`: x, y, the saved fc1, act / h and xs, dy and dx) with fp32
+// weights, probabilities, dprobs, weight gradients and dfc1 workspace. Each task widens its rows into the thread's
+// fp32 buffers, runs the fp32 kernel's steps on them and narrows what it wrote (round to nearest even, once), over the
+// same tiles and tasks: every output equals the fp32 kernel's on the widened tensors, rounded, bit for bit, without
+// an fp32 copy of any whole tensor. s.rounding must be `type`'s.
+void grouped_mlp_forward16(LowpType type, uint16_t* y_RH, uint16_t* fc1_RF1, uint16_t* act_RF, uint16_t* h_RF,
+                           uint16_t* xs_RH, const uint16_t* x_RH, const float* probs_R,
+                           const GroupedMlpWeights<float>& w, const GroupedMlpShape& s);
+void grouped_mlp_backward16(LowpType type, uint16_t* dx_RH, float* dprobs_R, const GroupedMlpGrads<float>& g,
+                            float* dfc1_RF1, const uint16_t* dy_RH, const uint16_t* x_RH, const uint16_t* xs_RH,
+                            const uint16_t* fc1_RF1, const uint16_t* act_RF, const uint16_t* h_RF, const float* probs_R,
+                            const GroupedMlpWeights<float>& w, const GroupedMlpShape& s);
 }  // namespace cpu
 namespace ref {
 MOECORE_GROUPED_MLP_DECL
