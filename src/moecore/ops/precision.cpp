@@ -7,6 +7,7 @@
 #include <string>
 
 #include "moecore/ops/dispatch.h"
+#include "moecore/ops/staging.h"
 
 namespace moecore::ops {
 namespace {
@@ -64,6 +65,7 @@ void round_activations(const std::initializer_list<Tensor*> tensors) {
   for (Tensor* t : tensors) {
     if (t == nullptr || !t->defined() || t->dtype() != DType::kF32) continue;
     const DType dtype = activation_dtype(t->device());
+    if (const Staging* staging = Staging::innermost(); staging != nullptr && staging->narrows(*t, dtype)) continue;
     if (dtype != DType::kF32) round_to_dtype_(*t, dtype);
   }
 }

@@ -34,6 +34,18 @@ Staging::~Staging() noexcept(false) {
 
 Staging* Staging::innermost() { return innermost_staging; }
 
+bool Staging::narrows(const Tensor& t, const DType dtype) const {
+  const auto* begin = t.data<uint8_t>();
+  const uint8_t* end = begin + t.nbytes();
+  for (const Staging* s = this; s != nullptr; s = s->outer_) {
+    for (const std::unique_ptr<Entry>& e : s->entries_) {
+      const auto* scratch = e->f32.data<uint8_t>();
+      if (e->written && e->target.dtype() == dtype && begin >= scratch && end <= scratch + e->f32.nbytes()) return true;
+    }
+  }
+  return false;
+}
+
 Staging::Entry* Staging::find(const Tensor& t) {
   for (Staging* s = this; s != nullptr; s = s->outer_) {
     for (const std::unique_ptr<Entry>& e : s->entries_) {

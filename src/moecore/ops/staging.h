@@ -38,6 +38,10 @@ class Staging {
 
   // The innermost live Staging of this thread (null when none).
   static Staging* innermost();
+  // Whether `t` lies inside the fp32 scratch of a written `dtype` tensor of this Staging or an enclosing one: its
+  // values are rounded to nearest even when they are narrowed, so rounding them to `dtype` before is a second pass
+  // that changes nothing (round_activations skips it).
+  bool narrows(const Tensor& t, DType dtype) const;
 
  private:
   struct Entry {
