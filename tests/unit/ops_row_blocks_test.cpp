@@ -1,7 +1,8 @@
 // The 16-bit paths that skip the whole-tensor Staging (ops/row_blocks.h; the 16-bit norm, combine and grouped-MLP
-// kernels; the row moves on bits) against the fp32 path, on tensors large enough for many row blocks with a ragged last
-// one: every op run once on fp32 tensors holding 16-bit values and once on bf16 / fp16 tensors, both under
-// ScopedActivationDType(dtype), must write the same values bit for bit (the fp32 path's result, rounded once).
+// kernels; attention one sequence at a time; the row moves on bits) against the fp32 path, on tensors large enough for
+// many row blocks with a ragged last one: every op run once on fp32 tensors holding 16-bit values and once on bf16 /
+// fp16 tensors, both under ScopedActivationDType(dtype), must write the same values bit for bit (the fp32 path's
+// result, rounded once).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -122,6 +123,31 @@ TEST_P(OpsRowBlocks, RotaryEmbeddingMatchesTheFp32Path) {
   expect_same("rope, positions per row", dtype, inputs, activations, [&](Tensors& t) {
     rope_forward(t["out"], t["inp"], kS, kB, kHeadDim, kHeadDim, 500000.0, positions);
     rope_backward(t["dinp"], t["out"], kS, kB, kHeadDim, kHeadDim, 500000.0, positions);
+  });
+}
+
+TEST_P(OpsRowBlocks, AttentionMatchesTheFp32Path) {
+  const DType dtype = GetParam();
+  const Tensors inputs = {{"q", random_values({kS, kB, kHeads, kHeadDim}, dtype, 81)},
+                          {"k", random_values({kS, kB, kGroups, kHeadDim}, dtype, 82)},
+                          {"v", random_values({kS, kB, kGroups, kHeadDim}, dtype, 83)},
+                          {"out", random_values({kS, kB, kHeads, kHeadDim}, dtype, 84)},
+                          {"lse", Tensor({kB, kHeads, kS}, DType::kF32)},
+                          {"dout", random_values({kS, kB, kHeads, kHeadDim}, dtype, 85)},
+                          {"dq", random_values({kS, kB, kHeads, kHeadDim}, dtype, 86)},
+                          {"dk", random_values({kS, kB, kGroups, kHeadDim}, dtype, 87)},
+                          {"dv", random_values({kS, kB, kGroups, kHeadDim}, dtype, 88)}};
+  AttentionDims dims;
+  dims.S = kS;
+  dims.B = kB;
+  dims.N = kHeads;
+  dims.G = kGroups;
+  dims.head_dim = kHeadDim;
+  dims.scale = 0.17;
+  expect_same("attention", dtype, inputs, {"q", "k", "v", "out", "dout", "dq", "dk", "dv"}, [&](Tensors& t) {
+    attention_forward(t["out"], t["lse"], t["q"], t["k"], t["v"], dims, DropoutSpec{});
+    attention_backward(t["dq"], t["dk"], t["dv"], t["dout"], t["q"], t["k"], t["v"], t["out"], t["lse"], dims,
+                       DropoutSpec{});
   });
 }
 

@@ -1,5 +1,6 @@
 #include "moecore/ops/attention.h"
 
+#include <array>
 #include <initializer_list>
 #include <span>
 #include <string>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "moecore/kernels/cpu/attention_products.h"
+#include "moecore/kernels/cpu/convert.h"
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/precision.h"
 #include "moecore/ops/row_blocks.h"
@@ -84,6 +86,66 @@ AttentionDims with_products(const AttentionDims& dims, const DType activation) {
   return out;
 }
 
+// 16-bit activations one sequence of the batch at a time: each sequence's q, k, v (backward: dout, out and the
+// accumulated dq, dk, dv too) widened into fp32 scratch of [S, 1, heads, width], the fp32 kernel run on it with
+// B = 1, and what it wrote narrowed back once (round to nearest even). Each (sequence, head) is computed as in the
+// whole batch, so the values are the whole-tensor Staging's bit for bit, while the fp32 copies are one sequence's
+// (in cache) instead of the batch's. Not with attention dropout (its counters number the sequences of the batch)
+// or packed documents ([S, B] document ids); the CPU device only.
+class BatchSlices {
+ public:
+  // Whether the path applies: 16-bit activations of one dtype on the CPU, fp32 log-sum-exps.
+  static bool apply(std::initializer_list<const Tensor*> activations, const Tensor& lse_BNS, const AttentionDims& dims,
+                    const DropoutSpec& dropout) {
+    const Tensor& first = **activations.begin();
+    if (first.device() != Device::kCPU || !detail::is_16bit(first.dtype()) || lse_BNS.dtype() != DType::kF32) {
+      return false;
+    }
+    for (const Tensor* t : activations) {
+      if (t->dtype() != first.dtype()) return false;
+    }
+    return dropout.p == 0.0f && dims.q_document_SB == nullptr && dims.k_document_SB == nullptr && dims.B > 0;
+  }
+
+  BatchSlices(const DType dtype, const int64_t batch) : bf16_(dtype == DType::kBF16), B_(batch) {}
+
+  // Sequence b of a 16-bit [rows, B, W] tensor widened into scratch slot `slot` ([rows, W]).
+  float* widen(const size_t slot, const Tensor& t, const int64_t rows, const int64_t b) {
+    const int64_t W = t.numel() / (rows * B_);
+    float* out = scratch(slot, rows * W);
+    const uint16_t* in = t.data<uint16_t>();
+    for (int64_t s = 0; s < rows; ++s) {
+      bf16_ ? kernels::cpu::decode_bf16(out + s * W, in + (s * B_ + b) * W, W, isa_)
+            : kernels::cpu::decode_fp16(out + s * W, in + (s * B_ + b) * W, W, isa_);
+    }
+    return out;
+  }
+  // Scratch slot `slot` for one sequence of t, not widened (the kernel overwrites it).
+  float* uninitialized(const size_t slot, const Tensor& t) { return scratch(slot, t.numel() / B_); }
+  // Scratch slot `slot` narrowed into sequence b of t ([rows, B, W]).
+  void narrow(const size_t slot, Tensor& t, const int64_t rows, const int64_t b) const {
+    const int64_t W = t.numel() / (rows * B_);
+    const float* in = slots_[slot].data<float>();
+    uint16_t* out = t.data<uint16_t>();
+    for (int64_t s = 0; s < rows; ++s) {
+      bf16_ ? kernels::cpu::encode_bf16(out + (s * B_ + b) * W, in + s * W, W, isa_)
+            : kernels::cpu::encode_fp16(out + (s * B_ + b) * W, in + s * W, W, isa_);
+    }
+  }
+
+ private:
+  float* scratch(const size_t slot, const int64_t n) {
+    Tensor& buffer = slots_[slot];
+    if (!buffer.defined() || buffer.numel() < n) buffer = Tensor::uninitialized({n}, DType::kF32);
+    return buffer.data<float>();
+  }
+
+  bool bf16_;
+  int64_t B_;
+  kernels::cpu::ConvertIsa isa_ = kernels::cpu::best_convert_isa();
+  std::array<Tensor, 8> slots_;
+};
+
 }  // namespace
 
 std::string attention_products(const DType activation) {
@@ -95,10 +157,23 @@ std::string attention_products(const DType activation) {
 void attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, const Tensor& k_SBGd,
                        const Tensor& v_SBGd, const AttentionDims& dims, const DropoutSpec& dropout) {
   constexpr const char* op = "attention_forward";
-  detail::Staging staging;
-  staging.write_only(out_SBNd, {&q_SBNd, &k_SBGd, &v_SBGd});
   detail::check_tensors(op, {&out_SBNd, &lse_BNS, &q_SBNd, &k_SBGd, &v_SBGd});
   check_attention(op, dims, {"q_SBNd", "k_SBGd", "v_SBGd", "out_SBNd", q_SBNd, k_SBGd, v_SBGd, out_SBNd}, lse_BNS);
+  if (BatchSlices::apply({&out_SBNd, &q_SBNd, &k_SBGd, &v_SBGd}, lse_BNS, dims, dropout)) {
+    const int64_t S = dims.S, Sk = dims.Sk > 0 ? dims.Sk : dims.S;
+    AttentionDims one = with_products(dims, activation_dtype(q_SBNd.device()));
+    one.B = 1;
+    BatchSlices x(q_SBNd.dtype(), dims.B);
+    for (int64_t b = 0; b < dims.B; ++b) {
+      kernels::cpu::attention_forward(x.uninitialized(0, out_SBNd), lse_BNS.data<float>() + b * dims.N * S,
+                                      x.widen(1, q_SBNd, S, b), x.widen(2, k_SBGd, Sk, b), x.widen(3, v_SBGd, Sk, b),
+                                      one, dropout);
+      x.narrow(0, out_SBNd, S, b);
+    }
+    return;
+  }
+  detail::Staging staging;
+  staging.write_only(out_SBNd, {&q_SBNd, &k_SBGd, &v_SBGd});
   detail::dispatch(op, q_SBNd, [&]<typename S>(auto k) {
     k.attention_forward(ptr<S>(out_SBNd), ptr<S>(lse_BNS), ptr<S>(q_SBNd), ptr<S>(k_SBGd), ptr<S>(v_SBGd),
                         with_products(dims, activation_dtype(q_SBNd.device())), dropout);
@@ -110,11 +185,28 @@ void attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const
                         const Tensor& q_SBNd, const Tensor& k_SBGd, const Tensor& v_SBGd, const Tensor& out_SBNd,
                         const Tensor& lse_BNS, const AttentionDims& dims, const DropoutSpec& dropout) {
   constexpr const char* op = "attention_backward";
-  const detail::Staging staging;
   detail::check_tensors(op, {&dq_SBNd, &dk_SBGd, &dv_SBGd, &dout_SBNd, &q_SBNd, &k_SBGd, &v_SBGd, &out_SBNd, &lse_BNS});
   check_attention(op, dims, {"q_SBNd", "k_SBGd", "v_SBGd", "out_SBNd", q_SBNd, k_SBGd, v_SBGd, out_SBNd}, lse_BNS);
   check_attention(op, dims, {"dq_SBNd", "dk_SBGd", "dv_SBGd", "dout_SBNd", dq_SBNd, dk_SBGd, dv_SBGd, dout_SBNd},
                   lse_BNS);
+  if (BatchSlices::apply({&dq_SBNd, &dk_SBGd, &dv_SBGd, &dout_SBNd, &q_SBNd, &k_SBGd, &v_SBGd, &out_SBNd}, lse_BNS,
+                         dims, dropout)) {
+    const int64_t S = dims.S, Sk = dims.Sk > 0 ? dims.Sk : dims.S;
+    AttentionDims one = with_products(dims, activation_dtype(q_SBNd.device()));
+    one.B = 1;
+    BatchSlices x(q_SBNd.dtype(), dims.B);
+    for (int64_t b = 0; b < dims.B; ++b) {
+      kernels::cpu::attention_backward(
+          x.widen(0, dq_SBNd, S, b), x.widen(1, dk_SBGd, Sk, b), x.widen(2, dv_SBGd, Sk, b),
+          x.widen(3, dout_SBNd, S, b), x.widen(4, q_SBNd, S, b), x.widen(5, k_SBGd, Sk, b), x.widen(6, v_SBGd, Sk, b),
+          x.widen(7, out_SBNd, S, b), lse_BNS.data<float>() + b * dims.N * S, one, dropout);
+      x.narrow(0, dq_SBNd, S, b);
+      x.narrow(1, dk_SBGd, Sk, b);
+      x.narrow(2, dv_SBGd, Sk, b);
+    }
+    return;
+  }
+  const detail::Staging staging;
   detail::dispatch(op, q_SBNd, [&]<typename S>(auto k) {
     k.attention_backward(ptr<S>(dq_SBNd), ptr<S>(dk_SBGd), ptr<S>(dv_SBGd), ptr<S>(dout_SBNd), ptr<S>(q_SBNd),
                          ptr<S>(k_SBGd), ptr<S>(v_SBGd), ptr<S>(out_SBNd), ptr<S>(lse_BNS),
