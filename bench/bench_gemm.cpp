@@ -82,8 +82,8 @@ int main(int argc, char** argv) {
                   static_cast<blasint>(s.n));
     });
     const double onednn = gflops(s, [&] {
-      dnnl_sgemm(s.trans_a ? 'T' : 'N', s.trans_b ? 'T' : 'N', s.m, s.n, s.k, 1.0f, a.data(), lda, b.data(), ldb, s.beta,
-                 c.data(), s.n);
+      dnnl_sgemm(s.trans_a ? 'T' : 'N', s.trans_b ? 'T' : 'N', s.m, s.n, s.k, 1.0f, a.data(), lda, b.data(), ldb,
+                 s.beta, c.data(), s.n);
     });
     if (peak_only) {
       std::printf("peak_gflops %.1f openblas %.1f onednn %.1f\n", std::max(openblas, onednn), openblas, onednn);
