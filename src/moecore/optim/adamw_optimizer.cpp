@@ -80,7 +80,9 @@ double AdamWOptimizer::clip_grad_norm(const double max_norm) {
 
 void AdamWOptimizer::step(const double lr, const float grad_scale) {
   ++step_;
-  for (size_t i = 0; i < params_.size(); ++i) {
+  // Last parameter first: the gradients the norm pass (grad_norm, in parameter order) read last are the ones still in
+  // the last-level cache.
+  for (size_t i = params_.size(); i-- > 0;) {
     Param& p = params_[i];
     ops::AdamWHyper hyper = adamw_hyper(options_, lr, step_, p.no_weight_decay);
     hyper.grad_scale = grad_scale;

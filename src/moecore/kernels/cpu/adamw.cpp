@@ -17,7 +17,7 @@ namespace moecore::kernels::cpu {
 
 namespace {
 // Below this many elements a call runs on one thread: fork/join would cost more than it saves.
-constexpr int64_t kParallelWork = 65536;
+constexpr int64_t kParallelWork = 32768;
 constexpr int64_t kChunk = 4096;  // elements per call of the update body
 
 // The step's scalars in the element type.

@@ -485,20 +485,31 @@ void aux_scores_backward(T* dlogits_TE, const T* dscores_RE, const int64_t R, co
 template <typename T>
 void aux_loss_sums(T* sums_E, T* sums_BE, T* counts_BE, const T* scores_TE, const int32_t* idx_TK, const int64_t n,
                    const int64_t B, const int64_t E, const int64_t k) {
-  // Accumulated in double in token order (the sums are the switch losses' values).
-  std::vector<double> all_E(static_cast<size_t>(E), 0.0), seq_BE(static_cast<size_t>(B * E), 0.0);
   std::fill(counts_BE, counts_BE + B * E, T(0));
   for (int64_t t = 0; t < n; ++t) {
-    const T* s_E = scores_TE + t * E;
-    double* seq_E = seq_BE.data() + (t % B) * E;
-    for (int64_t e = 0; e < E; ++e) {
-      all_E[static_cast<size_t>(e)] += static_cast<double>(s_E[e]);
-      seq_E[e] += static_cast<double>(s_E[e]);
-    }
     for (int64_t i = 0; i < k; ++i) counts_BE[(t % B) * E + idx_TK[t * k + i]] += T(1);
   }
-  for (int64_t e = 0; e < E; ++e) sums_E[e] = static_cast<T>(all_E[static_cast<size_t>(e)]);
-  for (int64_t j = 0; j < B * E; ++j) sums_BE[j] = static_cast<T>(seq_BE[static_cast<size_t>(j)]);
+  // Each column accumulated in double in token order (the sums are the switch losses' values); blocks of columns in
+  // parallel, each walking every token, so the sums do not depend on the threads.
+  constexpr int64_t kColumns = 64;
+  const int64_t blocks = (E + kColumns - 1) / kColumns;
+#pragma omp parallel for schedule(static) if (n * E >= kParallelLogits && blocks > 1)
+  for (int64_t block = 0; block < blocks; ++block) {
+    const int64_t e0 = block * kColumns, w = std::min(E, e0 + kColumns) - e0;
+    std::vector<double> all_E(static_cast<size_t>(w), 0.0), seq_BE(static_cast<size_t>(B * w), 0.0);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* s_E = scores_TE + t * E + e0;
+      double* seq_E = seq_BE.data() + (t % B) * w;
+      for (int64_t e = 0; e < w; ++e) {
+        all_E[static_cast<size_t>(e)] += static_cast<double>(s_E[e]);
+        seq_E[e] += static_cast<double>(s_E[e]);
+      }
+    }
+    for (int64_t e = 0; e < w; ++e) sums_E[e0 + e] = static_cast<T>(all_E[static_cast<size_t>(e)]);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t e = 0; e < w; ++e) sums_BE[b * E + e0 + e] = static_cast<T>(seq_BE[static_cast<size_t>(b * w + e)]);
+    }
+  }
 }
 
 template <typename T>
