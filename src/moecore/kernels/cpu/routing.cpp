@@ -412,16 +412,18 @@ void routing_map(uint8_t* map_TE, T* probs_TE, int64_t* counts_E, const int32_t*
       for (int64_t e = 0; e < E; ++e) counts_E[e] += map_TE[t * E + e];
     }
   } else {
-    std::fill(map_TE, map_TE + n * E, uint8_t{0});
-    for (int64_t i = 0; i < n * k; ++i) {
-      map_TE[(i / k) * E + idx_TK[i]] = 1;
-      ++counts_E[idx_TK[i]];
+#pragma omp parallel for schedule(static) if (n * E >= kParallelLogits)
+    for (int64_t t = 0; t < n; ++t) {
+      std::fill(map_TE + t * E, map_TE + (t + 1) * E, uint8_t{0});
+      for (int64_t i = 0; i < k; ++i) map_TE[t * E + idx_TK[t * k + i]] = 1;
     }
+    for (int64_t i = 0; i < n * k; ++i) ++counts_E[idx_TK[i]];
   }
   // The selected experts that stayed in the map carry their probability; everything else (dropped experts, padding
   // tokens) is 0.
-  std::fill(probs_TE, probs_TE + n * E, T(0));
+#pragma omp parallel for schedule(static) if (n * E >= kParallelLogits)
   for (int64_t t = 0; t < n; ++t) {
+    std::fill(probs_TE + t * E, probs_TE + (t + 1) * E, T(0));
     for (int64_t i = 0; i < k; ++i) {
       const int64_t e = idx_TK[t * k + i];
       if (map_TE[t * E + e]) probs_TE[t * E + e] = probs_TK[t * k + i];
