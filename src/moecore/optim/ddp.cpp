@@ -295,7 +295,10 @@ void DistributedDataParallel::zero_grad() {
   for (Bucket& b : buckets_) {
     if (b.grad_launched) b.grad_work.wait();  // never let MPI write into a buffer being zeroed
   }
-  for (Group& g : groups_) zero_in_parallel(g.grad_buffer);
+  if (!grads_zeroed_) {
+    for (Group& g : groups_) zero_in_parallel(g.grad_buffer);
+  }
+  grads_zeroed_ = false;
   reset_round();
 }
 
