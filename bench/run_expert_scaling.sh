@@ -10,8 +10,10 @@
 #   parts           router, experts, dispatch + combine (each forward + backward) and "zero grads" (builds that trace it)
 #   optimizer       ms, and bytes per second: the bytes AdamW must read and write per parameter (fp32: grad, param,
 #                   exp_avg, exp_avg_sq read, param and both moments written, 28 B; --bf16: the fp32 main parameter
-#                   instead of the param and the 16-bit model copy written too, 32 B) over the optimizer step's time;
-#                   the clipping's norm pass reads every gradient once (4 B)
+#                   instead of the param and the 16-bit model copy written too, 32 B) over the optimizer step's time
+#                   (a build whose update also zeroes the gradients it consumed, as this tree's training step, writes
+#                   4 B more per parameter: its own bytes per second are 32/28, or 36/32, of the printed figure); the
+#                   clipping's norm pass reads every gradient once (4 B)
 # against the copy bandwidth the planner probes (plan/cpu_probe.h: memcpy of 64 MiB, one thread) and the same copy on
 # the run's 2 threads, both measured in this invocation by `bench_moe bandwidth` (bytes read + written per second).
 # usage: bench/run_expert_scaling.sh [--bf16] BUILD [BUILD2] [ROUNDS]
@@ -84,6 +86,7 @@ parts = {"router": ["router forward", "router backward"], "experts": ["experts f
          "zero grads": ["zero grads"]}
 rows = collections.defaultdict(lambda: collections.defaultdict(list))
 params = {}
+traced = {}  # builds whose traces have the "zero grads" scope
 for r in range(rounds):
     for e in (8, 64, 256):
         for index, build in enumerate(builds):
@@ -96,6 +99,7 @@ for r in range(rounds):
             for ev in events:
                 if ev.get("ph") == "X":
                     total[ev["name"]] += ev["dur"] / 1000.0 / 5  # iterations 6-10
+            traced[build] = traced.get(build, False) or "zero grads" in total
             row = rows[(e, build)]
             row["step"].append(step)
             row["optimizer"].append(total["optimizer step"])
@@ -105,7 +109,8 @@ for r in range(rounds):
                 row[name].append(sum(total[n] for n in names))
 med = lambda values: statistics.median(values)
 print(f"\nmedians over {rounds} rounds, ms per iteration (iterations 6-10); optimizer bytes/s at "
-      f"{bytes_per_param} B per parameter{' (--bf16)' if bf16 else ''}, the norm pass at 4 B")
+      f"{bytes_per_param} B per parameter{' (--bf16)' if bf16 else ''} (an update that also zeroes the gradients "
+      f"writes 4 B more), the norm pass at 4 B")
 print("| experts | build | parameters | step | fwd+bwd | vs E=8 | router | experts | dispatch+combine | zero grads | "
       "optimizer step | GB/s | clip (norm) | GB/s |")
 print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -114,9 +119,10 @@ for e in (8, 64, 256):
         row, base = rows[(e, build)], rows[(8, build)]
         n = params[e]
         opt, clip = med(row["optimizer"]), med(row["clip"])
+        zero = f"{med(row['zero grads']):.1f}" if traced[build] else "-"
         print(f"| {e} | {build} | {n / 1e6:.1f}M | {med(row['step']):.1f} | {med(row['fwd+bwd']):.1f} | "
               f"{med(row['fwd+bwd']) / med(base['fwd+bwd']):.3f} | {med(row['router']):.1f} | {med(row['experts']):.1f} | "
-              f"{med(row['dispatch+combine']):.1f} | {med(row['zero grads']):.1f} | {opt:.1f} | "
+              f"{med(row['dispatch+combine']):.1f} | {zero} | {opt:.1f} | "
               f"{n * bytes_per_param / opt / 1e6:.1f} | {clip:.1f} | {n * 4 / clip / 1e6:.1f} |")
 for e in (8, 64, 256):
     for build in builds:
