@@ -158,7 +158,7 @@ void bench_bandwidth() {
   float total = 0.0f;
   const auto read = [&] {
     float sum = 0.0f;
-#pragma omp parallel for schedule(static) reduction(+ : sum)
+#pragma omp parallel for simd schedule(static) reduction(+ : sum)
     for (int64_t i = 0; i < kFloats; ++i) sum += big[static_cast<size_t>(i)];
     total += sum;
   };

@@ -16,6 +16,7 @@
 #                   clipping's norm pass reads every gradient once (4 B)
 # against the copy bandwidth the planner probes (plan/cpu_probe.h: memcpy of 64 MiB, one thread) and the same copy on
 # the run's 2 threads, both measured in this invocation by `bench_moe bandwidth` (bytes read + written per second).
+# Each run waits (up to 3 minutes) for an idle second first: the machine may be shared.
 # usage: bench/run_expert_scaling.sh [--bf16] BUILD [BUILD2] [ROUNDS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +58,18 @@ bandwidth() {  # the first build with the probe's bench prints it
   done
   echo "copy bandwidth: no build has bench_moe bandwidth"
 }
+# On a shared machine: before each run, wait (up to 3 minutes) for a second in which the CPUs were at least 90% idle.
+wait_idle() {
+  for ((t = 0; t < 180; ++t)); do
+    read -r _ u1 n1 s1 i1 w1 q1 r1 _ </proc/stat
+    sleep 1
+    read -r _ u2 n2 s2 i2 w2 q2 r2 _ </proc/stat
+    busy=$(((u2 + n2 + s2 + q2 + r2) - (u1 + n1 + s1 + q1 + r1)))
+    idle=$(((i2 + w2) - (i1 + w1)))
+    if ((busy * 10 <= idle + busy)); then return; fi
+  done
+  echo "(the machine stayed busy for 3 minutes: this run shares it)"
+}
 bandwidth | tee "$dir/bandwidth_before"
 for ((r = 0; r < rounds; ++r)); do
   order=("${builds[@]}")
@@ -67,6 +80,7 @@ for ((r = 0; r < rounds; ++r)); do
       index=0
       if [ "$build" != "${builds[0]}" ]; then index=1; fi
       log="$dir/log_${r}_${e}_$index"
+      wait_idle
       "$build/moecore" train "${args[@]}" --train-iters 10 --log-interval 5 --num-experts "$e" --profile \
         --profile-step-start 5 --profile-step-end 10 --profile-dir "$dir/p" >"$log" 2>&1
       mv "$dir/p/trace_rank0.json" "$dir/trace_${r}_${e}_$index.json"
