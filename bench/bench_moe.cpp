@@ -6,8 +6,7 @@
 //        bench_moe experts E [ROWS H F REPEATS SKEW]   (ROWS routed rows in all; SKEW 0 = even, 1 = Zipf-like)
 //        bench_moe bandwidth
 // `bandwidth` prints the copy bandwidth the planner probes (plan/cpu_probe.h: memcpy of 64 MiB, one thread, bytes
-// read + written per second), the same copy split over all OpenMP threads, and a 512 MiB read on all threads,
-// measured in this process.
+// read + written per second) and the same copy split over all OpenMP threads, measured in this process.
 #include <omp.h>
 
 #include <algorithm>
@@ -151,20 +150,6 @@ void bench_bandwidth() {
   const Timing timing = time_ms([] {}, copy, 5);
   std::printf("copy bandwidth: %.2f GB/s (planner probe, 1 thread), %.2f GB/s (%d threads, best of 5)\n", one_thread,
               2.0 * static_cast<double>(kBytes) / timing.min_ms * 1e-6, threads);
-  // Reading 512 MiB (past this VM's 480 MiB last-level cache, as the norm pass over the gradients or the experts'
-  // weights at 256 experts are), summed on all threads.
-  constexpr int64_t kFloats = (int64_t{512} << 20) / 4;
-  std::vector<float> big(static_cast<size_t>(kFloats), 1.0f);
-  float total = 0.0f;
-  const auto read = [&] {
-    float sum = 0.0f;
-#pragma omp parallel for simd schedule(static) reduction(+ : sum)
-    for (int64_t i = 0; i < kFloats; ++i) sum += big[static_cast<size_t>(i)];
-    total += sum;
-  };
-  const Timing read_timing = time_ms([] {}, read, 3);
-  std::printf("read bandwidth: %.2f GB/s (512 MiB, %d threads, best of 3; sum %.0f)\n",
-              4.0 * static_cast<double>(kFloats) / read_timing.min_ms * 1e-6, threads, total);
 }
 
 int64_t arg(const int argc, char** argv, const int i, const int64_t fallback) {
