@@ -4,6 +4,9 @@
 // GFLOP/s of the median.
 // usage: bench_moe router E [T H REPEATS]
 //        bench_moe experts E [ROWS H F REPEATS SKEW]   (ROWS routed rows in all; SKEW 0 = even, 1 = Zipf-like)
+//        bench_moe bandwidth
+// `bandwidth` prints the copy bandwidth the planner probes (plan/cpu_probe.h: memcpy of 64 MiB, one thread, bytes
+// read + written per second) and the same copy split over all OpenMP threads, measured in this process.
 #include <omp.h>
 
 #include <algorithm>
@@ -11,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -18,6 +22,7 @@
 #include "moecore/model/config.h"
 #include "moecore/moe/experts.h"
 #include "moecore/moe/router.h"
+#include "moecore/plan/cpu_probe.h"
 #include "moecore/tensor/rng.h"
 
 namespace {
@@ -129,6 +134,24 @@ void bench_experts(const int64_t E, const int64_t rows, const int64_t H, const i
       2.0 * fwd_flop / bwd.median_ms * 1e-6);
 }
 
+// The planner's copy probe, then the same 64 MiB memcpy cut in one contiguous half per thread (best of 5).
+void bench_bandwidth() {
+  const double one_thread = plan::probe_cpu().copy_gbps;
+  constexpr int64_t kBytes = int64_t{64} << 20;
+  std::vector<char> from(static_cast<size_t>(kBytes), 1), to(static_cast<size_t>(kBytes), 0);
+  const int threads = omp_get_max_threads();
+  const auto copy = [&] {
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < threads; ++t) {
+      const int64_t begin = kBytes * t / threads, end = kBytes * (t + 1) / threads;
+      std::memcpy(to.data() + begin, from.data() + begin, static_cast<size_t>(end - begin));
+    }
+  };
+  const Timing timing = time_ms([] {}, copy, 5);
+  std::printf("copy bandwidth: %.2f GB/s (planner probe, 1 thread), %.2f GB/s (%d threads, best of 5)\n", one_thread,
+              2.0 * static_cast<double>(kBytes) / timing.min_ms * 1e-6, threads);
+}
+
 int64_t arg(const int argc, char** argv, const int i, const int64_t fallback) {
   return argc > i ? std::atoll(argv[i]) : fallback;
 }
@@ -136,8 +159,14 @@ int64_t arg(const int argc, char** argv, const int i, const int64_t fallback) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 2 && std::string(argv[1]) == "bandwidth") {
+    bench_bandwidth();
+    return 0;
+  }
   if (argc < 3) {
-    std::fprintf(stderr, "usage: bench_moe router E [T H REPEATS] | bench_moe experts E [ROWS H F REPEATS SKEW]\n");
+    std::fprintf(stderr,
+                 "usage: bench_moe router E [T H REPEATS] | bench_moe experts E [ROWS H F REPEATS SKEW] | bench_moe "
+                 "bandwidth\n");
     return 2;
   }
   const std::string what = argv[1];

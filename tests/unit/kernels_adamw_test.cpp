@@ -164,5 +164,44 @@ TEST(AdamWTest, GradScaleAndModelCopyAreTheSeparatePasses) {
   expect_fused_clip_and_model_copy<false>();
 }
 
+// grad_to_zero: the same update bit for bit, and every gradient element zero afterwards (several chunks and threads,
+// a ragged end; with and without the model copy).
+template <bool kFast>
+void expect_consumed_gradient_is_zero() {
+  constexpr int64_t n = 70001;
+  const std::vector<float> grad = random_vector<float>(n, 71, -3.0f, 3.0f);
+  const std::vector<float> p0 = random_vector<float>(n, 72), m0 = random_vector<float>(n, 73);
+  const std::vector<float> v0 = random_vector<float>(n, 74, 0.0f, 1.0f);
+  AdamWHyper hp;
+  hp.lr = 1e-2;
+  hp.weight_decay = 0.1;
+  hp.step = 3;
+  hp.grad_scale = 0.5f;
+  for (const bool with_model : {false, true}) {
+    std::vector<float> p = p0, m = m0, v = v0, model(n, 0.0f);
+    std::vector<float> cp = p0, cm = m0, cv = v0, cmodel(n, 0.0f), consumed = grad;
+    float* const model_out = with_model ? model.data() : nullptr;
+    float* const cmodel_out = with_model ? cmodel.data() : nullptr;
+    const ActivationRounding rounding = with_model ? ActivationRounding::kBF16 : ActivationRounding::kNone;
+    if constexpr (kFast) {
+      cpu::adamw_step(p.data(), grad.data(), m.data(), v.data(), n, hp, model_out, rounding);
+      cpu::adamw_step(cp.data(), consumed.data(), cm.data(), cv.data(), n, hp, cmodel_out, rounding, consumed.data());
+    } else {
+      ref::adamw_step(p.data(), grad.data(), m.data(), v.data(), n, hp, model_out, rounding);
+      ref::adamw_step(cp.data(), consumed.data(), cm.data(), cv.data(), n, hp, cmodel_out, rounding, consumed.data());
+    }
+    EXPECT_EQ(cp, p);
+    EXPECT_EQ(cm, m);
+    EXPECT_EQ(cv, v);
+    EXPECT_EQ(cmodel, model);
+    EXPECT_EQ(consumed, std::vector<float>(n, 0.0f)) << "with_model " << with_model;
+  }
+}
+
+TEST(AdamWTest, ConsumedGradientIsZeroAndTheUpdateUnchanged) {
+  expect_consumed_gradient_is_zero<true>();
+  expect_consumed_gradient_is_zero<false>();
+}
+
 }  // namespace
 }  // namespace moecore::kernels

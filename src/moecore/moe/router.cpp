@@ -71,7 +71,7 @@ void sum_counts(std::vector<double>& counts, const parallel::ProcessGroup& group
 // A tensor of `dtype` holding src's values (src itself when it already is of that dtype).
 Tensor as_dtype(const Tensor& src, const DType dtype) {
   if (src.dtype() == dtype) return src;
-  Tensor out(src.shape(), dtype, MemCategory::kActivations);
+  Tensor out = Tensor::uninitialized(src.shape(), dtype, MemCategory::kActivations);
   ops::convert(out, src);
   return out;
 }
@@ -217,7 +217,7 @@ void TopKRouter::jittered_input(RouterActivations& saved, const Tensor& x_TH) co
 void TopKRouter::compute_logits(RouterActivations& saved) const {
   const int64_t T = saved.S * saved.B, E = config_.num_experts;
   const bool fp32 = config_.router_dtype == RouterDType::kFP32;
-  saved.logits_TE = Tensor({T, E}, fp32 ? DType::kF32 : DType::kF64, MemCategory::kActivations);
+  saved.logits_TE = Tensor::uninitialized({T, E}, fp32 ? DType::kF32 : DType::kF64, MemCategory::kActivations);
   Tensor& logits = saved.logits_TE;
   if (config_.force_load_balancing) {
     ops::normal_fill(logits, row_counters(saved.rows, E), E, saved.jitter_seed, saved.jitter_key ^ kForceBalanceSalt,
@@ -256,8 +256,8 @@ Tensor TopKRouter::route_tokens(RouterActivations& saved, const bool training) c
     balanced_TE = Tensor({T, E}, saved.logits_TE.dtype(), MemCategory::kActivations);
     ops::sinkhorn(balanced_TE, saved.logits_TE);
   }
-  saved.selected_TK = Tensor({T, k}, DType::kI32, MemCategory::kActivations);
-  Tensor probs_TK({T, k}, saved.logits_TE.dtype(), MemCategory::kActivations);
+  saved.selected_TK = Tensor::uninitialized({T, k}, DType::kI32, MemCategory::kActivations);
+  Tensor probs_TK = Tensor::uninitialized({T, k}, saved.logits_TE.dtype(), MemCategory::kActivations);
   const Tensor* bias_E = has_expert_bias_ ? &expert_bias_->value : nullptr;
   ops::topk_routing_forward(saved.selected_TK, probs_TK, saved.logits_TE, bias_E,
                             balanced_TE.defined() ? &balanced_TE : nullptr, spec);
@@ -275,7 +275,7 @@ void TopKRouter::apply_capacity(RouterOutput& out, const RouterActivations& save
   out.routing_map_TE = Tensor({T, E}, DType::kU8, MemCategory::kActivations);
   out.tokens_per_expert_E.resize(static_cast<size_t>(E));
   Tensor counts_E = Tensor::from_blob(out.tokens_per_expert_E.data(), {E});
-  Tensor probs_TE({T, E}, probs_TK.dtype(), MemCategory::kActivations);
+  Tensor probs_TE = Tensor::uninitialized({T, E}, probs_TK.dtype(), MemCategory::kActivations);
   ops::routing_map(out.routing_map_TE, probs_TE, counts_E, saved.selected_TK, probs_TK, out.capacity, policy,
                    config_.pad_expert_input_to_capacity);
   out.probs_TE = as_dtype(probs_TE, DType::kF32);
@@ -292,8 +292,8 @@ void TopKRouter::attach_losses(RouterOutput& out, RouterActivations& saved) {
   // The scores run in fp32 on the logits, whatever the router dtype: the fp64 form of fp32 logits is exact.
   const Tensor logits64_TE = as_dtype(saved.logits_TE, DType::kF64);
   if (aux_losses_on(config_)) {
-    saved.aux_scores_TE = Tensor({T, E}, DType::kF64, MemCategory::kActivations);
-    Tensor aux_TK({T, k}, DType::kI32, MemCategory::kActivations);
+    saved.aux_scores_TE = Tensor::uninitialized({T, E}, DType::kF64, MemCategory::kActivations);
+    Tensor aux_TK = Tensor::uninitialized({T, k}, DType::kI32, MemCategory::kActivations);
     ops::aux_scores_forward(saved.aux_scores_TE, aux_TK, logits64_TE, routing_score(config_.score_function), true);
     // Column sums over all tokens (aux, global aux) and per sequence (seq aux), accumulated in token order.
     Tensor sums_E({E}, DType::kF64), sums_BE({B, E}, DType::kF64), counts_BE_t({B, E}, DType::kF64);

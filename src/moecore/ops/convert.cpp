@@ -17,6 +17,9 @@ bool is_float(const DType dtype) {
 }
 
 // One device's conversions, widening and narrowing through fp32 / fp64 as the pair needs.
+// fp32 <-> fp64 arrays from this size on both threads (the router's [tokens, experts] scores at many experts).
+constexpr int64_t kParallelElements = 65536;
+
 template <typename K>
 struct Converter {
   template <typename Wide>
@@ -37,9 +40,13 @@ struct Converter {
     } else if (from == DType::kF64 && to == DType::kF32) {
       const double* in = src.data<double>();
       float* out = dst.data<float>();
+#pragma omp parallel for schedule(static) if (n > kParallelElements)
       for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
     } else if (from == DType::kF32 && to == DType::kF64) {
-      std::copy_n(src.data<float>(), n, dst.data<double>());
+      const float* in = src.data<float>();
+      double* out = dst.data<double>();
+#pragma omp parallel for schedule(static) if (n > kParallelElements)
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(in[i]);
     } else if (low_to && !low_from) {
       from == DType::kF32 ? encode(to, dst.data<uint16_t>(), src.data<float>(), n)
                           : encode(to, dst.data<uint16_t>(), src.data<double>(), n);

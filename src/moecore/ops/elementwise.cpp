@@ -1,5 +1,7 @@
 #include "moecore/ops/elementwise.h"
 
+#include <utility>
+
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/optim.h"
 #include "moecore/ops/precision.h"
@@ -53,7 +55,7 @@ bool all_finite(const Tensor& x) {
 }
 
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWHyper& hyper,
-                Tensor* model, const DType model_dtype) {
+                Tensor* model, const DType model_dtype, Tensor* grad_to_zero) {
   constexpr const char* op = "adamw_step";
   const detail::Staging staging;
   detail::check_tensors(op, {&param, &grad, &exp_avg, &exp_avg_sq, model});
@@ -71,9 +73,15 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
   if (rounding == kernels::ActivationRounding::kNone && model_dtype != DType::kF32) {
     detail::fail(op, "model weights in " + std::string(dtype_name(model_dtype)) + ": expected bf16, fp16 or fp32");
   }
+  if (grad_to_zero != nullptr &&
+      (grad_to_zero->dtype() != grad.dtype() || grad.dtype() != param.dtype() || grad_to_zero->numel() != n ||
+       std::as_const(*grad_to_zero).data<std::byte>() != grad.data<std::byte>())) {
+    detail::fail(op, "grad_to_zero must be the gradient tensor itself, of the parameters' dtype");
+  }
   detail::dispatch(op, param, [&]<typename T>(auto k) {
     k.adamw_step(ptr<T>(param), ptr<T>(grad), ptr<T>(exp_avg), ptr<T>(exp_avg_sq), n, hyper,
-                 model != nullptr ? ptr<T>(*model) : nullptr, rounding);
+                 model != nullptr ? ptr<T>(*model) : nullptr, rounding,
+                 grad_to_zero != nullptr ? ptr<T>(*grad_to_zero) : nullptr);
   });
 }
 

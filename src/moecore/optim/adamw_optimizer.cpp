@@ -78,16 +78,20 @@ double AdamWOptimizer::clip_grad_norm(const double max_norm) {
   return norm;
 }
 
-void AdamWOptimizer::step(const double lr, const float grad_scale) {
+void AdamWOptimizer::step(const double lr, const float grad_scale, const bool consume_grads) {
   ++step_;
-  for (size_t i = 0; i < params_.size(); ++i) {
+  // Last parameter first: the gradients the norm pass (grad_norm, in parameter order) read last are the ones still in
+  // the last-level cache.
+  for (size_t i = params_.size(); i-- > 0;) {
     Param& p = params_[i];
     ops::AdamWHyper hyper = adamw_hyper(options_, lr, step_, p.no_weight_decay);
     hyper.grad_scale = grad_scale;
     if (main_.empty()) {
-      ops::adamw_step(p.value, p.grad, exp_avg_[i], exp_avg_sq_[i], hyper);
+      ops::adamw_step(p.value, p.grad, exp_avg_[i], exp_avg_sq_[i], hyper, nullptr, DType::kF32,
+                      consume_grads ? &p.grad : nullptr);
     } else {
-      ops::adamw_step(main_[i], p.grad, exp_avg_[i], exp_avg_sq_[i], hyper, &p.value, options_.params_dtype);
+      ops::adamw_step(main_[i], p.grad, exp_avg_[i], exp_avg_sq_[i], hyper, &p.value, options_.params_dtype,
+                      consume_grads ? &p.grad : nullptr);
     }
   }
 }

@@ -69,7 +69,8 @@ class AdamWOptimizer {
   // One AdamW update of every parameter at learning rate lr, from the gradients scaled by grad_scale (the clipping
   // coefficient, applied as the update reads them: clip_grad_norm then step(lr) is step(lr, coefficient) with
   // grad_norm, bit for bit, in one pass less). 16-bit weights are written from the main parameters in the same pass.
-  void step(double lr, float grad_scale = 1.0f);
+  // consume_grads: the same pass leaves every gradient zero (the next accumulation needs no zeroing of its own).
+  void step(double lr, float grad_scale = 1.0f, bool consume_grads = false);
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t steps) { step_ = steps; }  // a checkpoint's count (Adam's bias correction)
   const AdamWOptions& options() const { return options_; }

@@ -126,8 +126,11 @@ class DistributedDataParallel : public ModelHooks {
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
-  // Zeroes every gradient buffer and starts a new gradient-sync round.
+  // Zeroes every gradient buffer and starts a new gradient-sync round. After grads_zeroed (an optimizer step that
+  // left every Param::grad zero) it only starts the round: the buffers hold zeros but where no param lies, which
+  // nothing writes.
   void zero_grad();
+  void grads_zeroed() { grads_zeroed_ = !options_.fsdp; }
   // Reductions start only during the backward of the last micro-batch (default true).
   void set_last_microbatch(bool last) { last_microbatch_ = last; }
   // overlap_param_gather: waits for the all-gathers of the buckets holding module's params. FSDP optim_grads_params:
@@ -228,6 +231,7 @@ class DistributedDataParallel : public ModelHooks {
   std::vector<std::vector<int>> module_buckets_;  // [module - min_module_] -> buckets holding its params
   std::vector<std::vector<int>> module_params_;   // [module - min_module_] -> its params
   std::vector<char> module_done_;                 // [module - min_module_]
+  bool grads_zeroed_ = false;                     // see grads_zeroed
   std::vector<char> tp_summed_;                   // [param]
   bool last_microbatch_ = true;
 };

@@ -206,8 +206,12 @@ void DistributedAdamW::inject_nonfinite_grad() {
   if (grad.numel() > 0) grad.data<float>()[0] = std::numeric_limits<float>::infinity();
 }
 
-void DistributedAdamW::step(const double lr, float grad_scale) {
-  if (replicated_) return replicated_->step(lr, grad_scale);
+void DistributedAdamW::step(const double lr, float grad_scale, const bool consume_grads) {
+  if (replicated_) {
+    replicated_->step(lr, grad_scale, consume_grads);
+    if (consume_grads) ddp_.grads_zeroed();
+    return;
+  }
   ddp_.wait_param_gather();  // the gather writes this rank's shard too
   ++step_;
   const bool fp32 = fp32_states();

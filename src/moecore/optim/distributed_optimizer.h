@@ -42,8 +42,9 @@ class DistributedAdamW {
   void inject_nonfinite_grad();
   // One AdamW update at learning rate lr, then (distributed optimizer) the parameter all-gather. grad_scale: the
   // clipping coefficient, as AdamWOptimizer::step takes it (grad_norm then step(lr, clip_coefficient) is
-  // clip_grad_norm then step(lr), bit for bit).
-  void step(double lr, float grad_scale = 1.0f);
+  // clip_grad_norm then step(lr), bit for bit). consume_grads (replicated AdamW; the training step): the update
+  // leaves the gradients zero and tells the DDP, whose next zero_grad then skips its pass over them.
+  void step(double lr, float grad_scale = 1.0f, bool consume_grads = false);
   int64_t steps_taken() const { return replicated_ ? replicated_->steps_taken() : step_; }
   void set_steps_taken(int64_t steps) {  // a checkpoint's count (Adam's bias correction)
     if (replicated_) {

@@ -168,7 +168,9 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
     modules.optimizer.set_weight_decay(modules.schedule.weight_decay());
     // Megatron's clip_grad_by_total_norm_fp32 scales the gradients before the update; the update applies the
     // coefficient as it reads them (the same values, one pass over the gradients less).
-    modules.optimizer.step(learning_rate, clip_coefficient(args.clip_grad, result.grad_norm).value_or(1.0f));
+    // The update zeroes the gradients as it reads them (replicated AdamW), sparing the next step's zero_grad a pass.
+    modules.optimizer.step(learning_rate, clip_coefficient(args.clip_grad, result.grad_norm).value_or(1.0f),
+                           /*consume_grads=*/true);
     modules.schedule.step(args.global_batch_size);
   }
   modules.model.finish_global_batch();

@@ -17,7 +17,7 @@ namespace moecore::kernels::cpu {
 
 namespace {
 // Below this many elements a call runs on one thread: fork/join would cost more than it saves.
-constexpr int64_t kParallelWork = 65536;
+constexpr int64_t kParallelWork = 32768;
 constexpr int64_t kChunk = 4096;  // elements per call of the update body
 
 // The step's scalars in the element type.
@@ -44,7 +44,7 @@ MOECORE_VECTOR_CLONES void adamw_chunk(T* param, const T* grad, T* exp_avg, T* e
 
 template <typename T>
 void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, const AdamWHyper& hp, T* model,
-                const ActivationRounding model_rounding) {
+                const ActivationRounding model_rounding, T* grad_to_zero) {
   if (hp.step < 1) throw std::invalid_argument("adamw_step: step=" + std::to_string(hp.step) + " must be >= 1");
   if (model != nullptr && !std::is_same_v<T, float>) {
     throw std::invalid_argument("adamw_step: 16-bit model weights are written from float parameters only");
@@ -64,6 +64,7 @@ void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, c
   for (int64_t i = 0; i < n; i += kChunk) {
     const int64_t end = std::min(n, i + kChunk);
     adamw_chunk(param, grad, exp_avg, exp_avg_sq, i, end, k);
+    if (grad_to_zero != nullptr) std::fill(grad_to_zero + i, grad_to_zero + end, T(0));  // the chunk is in cache
     if constexpr (std::is_same_v<T, float>) {
       if (model == nullptr) continue;
       std::copy(param + i, param + end, model + i);  // the chunk is still in cache
@@ -74,8 +75,8 @@ void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, c
 }
 
 template void adamw_step<float>(float*, const float*, float*, float*, int64_t, const AdamWHyper&, float*,
-                                ActivationRounding);
+                                ActivationRounding, float*);
 template void adamw_step<double>(double*, const double*, double*, double*, int64_t, const AdamWHyper&, double*,
-                                 ActivationRounding);
+                                 ActivationRounding, double*);
 
 }  // namespace moecore::kernels::cpu

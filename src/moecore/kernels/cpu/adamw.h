@@ -3,7 +3,9 @@
 //   p -= (lr / (1 - b1^step)) * m / (sqrt(v) / sqrt(1 - b2^step) + eps)
 // with g = grad * grad_scale (in the element type: the gradient clipping's coefficient, applied as the gradient is
 // read rather than in a pass of its own). With `model`, the same pass writes each updated parameter rounded to
-// `model_rounding` there too: the 16-bit model weights from the fp32 main parameters (float only).
+// `model_rounding` there too: the 16-bit model weights from the fp32 main parameters (float only). With `grad_to_zero`
+// (the gradient array itself) each gradient element is set to zero once the update has read it: an optimizer that
+// consumes the gradients spares the next step its separate zeroing pass over them.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +23,8 @@ struct AdamWHyper {
 #define MOECORE_ADAMW_DECL                                                                             \
   template <typename T>                                                                                \
   void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, const AdamWHyper& hp, \
-                  T* model = nullptr, ActivationRounding model_rounding = ActivationRounding::kNone);
+                  T* model = nullptr, ActivationRounding model_rounding = ActivationRounding::kNone,   \
+                  T * grad_to_zero = nullptr);
 
 namespace cpu {
 MOECORE_ADAMW_DECL

@@ -12,7 +12,7 @@ namespace moecore::kernels::ref {
 
 template <typename T>
 void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, const AdamWHyper& hp, T* model,
-                const ActivationRounding model_rounding) {
+                const ActivationRounding model_rounding, T* grad_to_zero) {
   if (hp.step < 1) throw std::invalid_argument("ref::adamw_step: step=" + std::to_string(hp.step) + " must be >= 1");
   if (model != nullptr && !std::is_same_v<T, float>) {
     throw std::invalid_argument("ref::adamw_step: 16-bit model weights are written from float parameters only");
@@ -31,6 +31,7 @@ void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, c
     exp_avg[i] = static_cast<T>(m);
     exp_avg_sq[i] = static_cast<T>(v);
   }
+  if (grad_to_zero != nullptr) std::fill(grad_to_zero, grad_to_zero + n, T(0));
   if constexpr (std::is_same_v<T, float>) {
     if (model == nullptr) return;
     std::copy(param, param + n, model);
@@ -40,8 +41,8 @@ void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, c
 }
 
 template void adamw_step<float>(float*, const float*, float*, float*, int64_t, const AdamWHyper&, float*,
-                                ActivationRounding);
+                                ActivationRounding, float*);
 template void adamw_step<double>(double*, const double*, double*, double*, int64_t, const AdamWHyper&, double*,
-                                 ActivationRounding);
+                                 ActivationRounding, double*);
 
 }  // namespace moecore::kernels::ref

@@ -255,10 +255,8 @@ void topk_routing_backward(T* dlogits_TE, const T* dprobs_TE, const uint8_t* map
     int64_t* sel_K = s.idx_K.data();
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < n; ++t) {
-      const double* l_E = s.l_E.data();
-      load_row(s.l_E.data(), logits_TE + t * E, E);
-      double* dl_E = s.d_E.data();
-      load_row(dl_E, dlogits_TE + t * E, E);
+      const T* logits_E = logits_TE + t * E;
+      T* dlogits_E = dlogits_TE + t * E;
       // The selected experts in ascending order; padding tokens are in the map with probability 0 but were not
       // selected, so they carry no gradient, as Megatron (the probs are scattered from the selected ones).
       for (int64_t i = 0; i < k; ++i) sel_K[i] = idx_TK[t * k + i];
@@ -268,36 +266,43 @@ void topk_routing_backward(T* dlogits_TE, const T* dprobs_TE, const uint8_t* map
         const bool kept = map_TE == nullptr || map_TE[t * E + e] != 0;
         g_K[i] = kept ? scale * static_cast<double>(dprobs_TE[t * E + e]) : 0.0;
       }
+      // Each gradient entry is read as a double, added to in double and written back to T (the untouched ones
+      // unchanged): only the dense softmax reaches every logit, the other scores the k selected.
+      const auto add = [&](const int64_t e, const double value) {
+        dlogits_E[e] = static_cast<T>(static_cast<double>(dlogits_E[e]) + value);
+      };
+      const auto logit = [&](const int64_t e) { return static_cast<double>(logits_E[e]); };
       if (dense_softmax) {  // probs = softmax(logits) at the selected experts
+        double* l_E = s.l_E.data();
+        load_row(l_E, logits_E, E);
         softmax(a_E, l_E, E);
         double dot = 0.0;
         for (int64_t i = 0; i < k; ++i) dot += a_E[sel_K[i]] * g_K[i];
         for (int64_t e = 0, i = 0; e < E; ++e) {
           const double g = i < k && sel_K[i] == e ? g_K[i++] : 0.0;
-          dl_E[e] += a_E[e] * (g - dot);
+          add(e, a_E[e] * (g - dot));
         }
       } else if (spec.sinkhorn) {  // top-1: probs = sigmoid(logits), not renormalised
         for (int64_t i = 0; i < k; ++i) {
-          const double sg = routing_scores::sigmoid(l_E[sel_K[i]]);
-          dl_E[sel_K[i]] += g_K[i] * sg * (1.0 - sg);
+          const double sg = routing_scores::sigmoid(logit(sel_K[i]));
+          add(sel_K[i], g_K[i] * sg * (1.0 - sg));
         }
       } else if (fn == RoutingScore::kSoftmax) {  // softmax over the selected logits
-        for (int64_t i = 0; i < k; ++i) p_K[i] = l_E[sel_K[i]];
+        for (int64_t i = 0; i < k; ++i) p_K[i] = logit(sel_K[i]);
         softmax(p_K, p_K, k);
         double dot = 0.0;
         for (int64_t i = 0; i < k; ++i) dot += p_K[i] * g_K[i];
-        for (int64_t i = 0; i < k; ++i) dl_E[sel_K[i]] += p_K[i] * (g_K[i] - dot);
+        for (int64_t i = 0; i < k; ++i) add(sel_K[i], p_K[i] * (g_K[i] - dot));
       } else {  // sigmoid / sqrtsoftplus scores, normalised over the selected when k > 1
         double sum = 0.0, dot = 0.0;
-        for (int64_t i = 0; i < k; ++i) sum += a_E[i] = routing_scores::pointwise(fn, l_E[sel_K[i]]);
+        for (int64_t i = 0; i < k; ++i) sum += a_E[i] = routing_scores::pointwise(fn, logit(sel_K[i]));
         const double denom = sum + 1e-20;
         for (int64_t i = 0; i < k; ++i) dot += g_K[i] * a_E[i] / denom;
         for (int64_t i = 0; i < k; ++i) {
           const double ds = k > 1 ? (g_K[i] - dot) / denom : g_K[i];
-          dl_E[sel_K[i]] += ds * routing_scores::pointwise_grad(fn, l_E[sel_K[i]], a_E[i]);
+          add(sel_K[i], ds * routing_scores::pointwise_grad(fn, logit(sel_K[i]), a_E[i]));
         }
       }
-      for (int64_t e = 0; e < E; ++e) dlogits_TE[t * E + e] = static_cast<T>(dl_E[e]);
     }
   }
 }
@@ -407,16 +412,18 @@ void routing_map(uint8_t* map_TE, T* probs_TE, int64_t* counts_E, const int32_t*
       for (int64_t e = 0; e < E; ++e) counts_E[e] += map_TE[t * E + e];
     }
   } else {
-    std::fill(map_TE, map_TE + n * E, uint8_t{0});
-    for (int64_t i = 0; i < n * k; ++i) {
-      map_TE[(i / k) * E + idx_TK[i]] = 1;
-      ++counts_E[idx_TK[i]];
+#pragma omp parallel for schedule(static) if (n * E >= kParallelLogits)
+    for (int64_t t = 0; t < n; ++t) {
+      std::fill(map_TE + t * E, map_TE + (t + 1) * E, uint8_t{0});
+      for (int64_t i = 0; i < k; ++i) map_TE[t * E + idx_TK[t * k + i]] = 1;
     }
+    for (int64_t i = 0; i < n * k; ++i) ++counts_E[idx_TK[i]];
   }
   // The selected experts that stayed in the map carry their probability; everything else (dropped experts, padding
   // tokens) is 0.
-  std::fill(probs_TE, probs_TE + n * E, T(0));
+#pragma omp parallel for schedule(static) if (n * E >= kParallelLogits)
   for (int64_t t = 0; t < n; ++t) {
+    std::fill(probs_TE + t * E, probs_TE + (t + 1) * E, T(0));
     for (int64_t i = 0; i < k; ++i) {
       const int64_t e = idx_TK[t * k + i];
       if (map_TE[t * E + e]) probs_TE[t * E + e] = probs_TK[t * k + i];
@@ -485,20 +492,31 @@ void aux_scores_backward(T* dlogits_TE, const T* dscores_RE, const int64_t R, co
 template <typename T>
 void aux_loss_sums(T* sums_E, T* sums_BE, T* counts_BE, const T* scores_TE, const int32_t* idx_TK, const int64_t n,
                    const int64_t B, const int64_t E, const int64_t k) {
-  // Accumulated in double in token order (the sums are the switch losses' values).
-  std::vector<double> all_E(static_cast<size_t>(E), 0.0), seq_BE(static_cast<size_t>(B * E), 0.0);
   std::fill(counts_BE, counts_BE + B * E, T(0));
   for (int64_t t = 0; t < n; ++t) {
-    const T* s_E = scores_TE + t * E;
-    double* seq_E = seq_BE.data() + (t % B) * E;
-    for (int64_t e = 0; e < E; ++e) {
-      all_E[static_cast<size_t>(e)] += static_cast<double>(s_E[e]);
-      seq_E[e] += static_cast<double>(s_E[e]);
-    }
     for (int64_t i = 0; i < k; ++i) counts_BE[(t % B) * E + idx_TK[t * k + i]] += T(1);
   }
-  for (int64_t e = 0; e < E; ++e) sums_E[e] = static_cast<T>(all_E[static_cast<size_t>(e)]);
-  for (int64_t j = 0; j < B * E; ++j) sums_BE[j] = static_cast<T>(seq_BE[static_cast<size_t>(j)]);
+  // Each column accumulated in double in token order (the sums are the switch losses' values); blocks of columns in
+  // parallel, each walking every token, so the sums do not depend on the threads.
+  constexpr int64_t kColumns = 64;
+  const int64_t blocks = (E + kColumns - 1) / kColumns;
+#pragma omp parallel for schedule(static) if (n * E >= kParallelLogits && blocks > 1)
+  for (int64_t block = 0; block < blocks; ++block) {
+    const int64_t e0 = block * kColumns, w = std::min(E, e0 + kColumns) - e0;
+    std::vector<double> all_E(static_cast<size_t>(w), 0.0), seq_BE(static_cast<size_t>(B * w), 0.0);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* s_E = scores_TE + t * E + e0;
+      double* seq_E = seq_BE.data() + (t % B) * w;
+      for (int64_t e = 0; e < w; ++e) {
+        all_E[static_cast<size_t>(e)] += static_cast<double>(s_E[e]);
+        seq_E[e] += static_cast<double>(s_E[e]);
+      }
+    }
+    for (int64_t e = 0; e < w; ++e) sums_E[e0 + e] = static_cast<T>(all_E[static_cast<size_t>(e)]);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t e = 0; e < w; ++e) sums_BE[b * E + e0 + e] = static_cast<T>(seq_BE[static_cast<size_t>(b * w + e)]);
+    }
+  }
 }
 
 template <typename T>
