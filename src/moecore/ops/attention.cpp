@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "moecore/kernels/cpu/attention_products.h"
-#include "moecore/kernels/cpu/lowp_rows.h"
+#include "moecore/kernels/cpu/convert.h"
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/precision.h"
 #include "moecore/ops/row_blocks.h"
@@ -97,12 +97,17 @@ class BatchSlices {
   // Whether the path applies: 16-bit activations of one dtype on the CPU, fp32 log-sum-exps.
   static bool apply(std::initializer_list<const Tensor*> activations, const Tensor& lse_BNS, const AttentionDims& dims,
                     const DropoutSpec& dropout) {
-    return detail::lowp_activations(activations, {&lse_BNS}) && dropout.p == 0.0f && dims.q_document_SB == nullptr &&
-           dims.k_document_SB == nullptr && dims.B > 0;
+    const Tensor& first = **activations.begin();
+    if (first.device() != Device::kCPU || !detail::is_16bit(first.dtype()) || lse_BNS.dtype() != DType::kF32) {
+      return false;
+    }
+    for (const Tensor* t : activations) {
+      if (t->dtype() != first.dtype()) return false;
+    }
+    return dropout.p == 0.0f && dims.q_document_SB == nullptr && dims.k_document_SB == nullptr && dims.B > 0;
   }
 
-  BatchSlices(const DType dtype, const int64_t batch)
-      : codec_(dtype == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16), B_(batch) {}
+  BatchSlices(const DType dtype, const int64_t batch) : bf16_(dtype == DType::kBF16), B_(batch) {}
 
   // Sequence b of a 16-bit [rows, B, W] tensor widened into scratch slot `slot` ([rows, W]).
   float* widen(const size_t slot, const Tensor& t, const int64_t rows, const int64_t b) {
@@ -110,7 +115,8 @@ class BatchSlices {
     float* out = scratch(slot, rows * W);
     const uint16_t* in = t.data<uint16_t>();
     for (int64_t s = 0; s < rows; ++s) {
-      codec_.widen(out + s * W, in + (s * B_ + b) * W, W);
+      bf16_ ? kernels::cpu::decode_bf16(out + s * W, in + (s * B_ + b) * W, W, isa_)
+            : kernels::cpu::decode_fp16(out + s * W, in + (s * B_ + b) * W, W, isa_);
     }
     return out;
   }
@@ -122,7 +128,8 @@ class BatchSlices {
     const float* in = slots_[slot].data<float>();
     uint16_t* out = t.data<uint16_t>();
     for (int64_t s = 0; s < rows; ++s) {
-      codec_.narrow(out + (s * B_ + b) * W, in + s * W, W);
+      bf16_ ? kernels::cpu::encode_bf16(out + (s * B_ + b) * W, in + s * W, W, isa_)
+            : kernels::cpu::encode_fp16(out + (s * B_ + b) * W, in + s * W, W, isa_);
     }
   }
 
@@ -133,8 +140,9 @@ class BatchSlices {
     return buffer.data<float>();
   }
 
-  kernels::cpu::LowpRows codec_;
+  bool bf16_;
   int64_t B_;
+  kernels::cpu::ConvertIsa isa_ = kernels::cpu::best_convert_isa();
   std::array<Tensor, 8> slots_;
 };
 

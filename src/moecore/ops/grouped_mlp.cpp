@@ -10,7 +10,6 @@
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/precision.h"
 #include "moecore/ops/quantization.h"
-#include "moecore/ops/row_blocks.h"
 
 namespace moecore::ops {
 using detail::ptr;
@@ -126,6 +125,21 @@ const S* opt_data(const Tensor* t) {
   return t == nullptr ? nullptr : ptr<S>(*t);
 }
 
+// The 16-bit kernels apply (grouped_mlp.h): on the CPU, every activation tensor (null entries skipped) bf16, or every
+// one fp16, and `fp32` tensors fp32 (probabilities, dprobs); returns the activations' format.
+std::optional<kernels::LowpType> activations16(std::initializer_list<const Tensor*> activations,
+                                               std::initializer_list<const Tensor*> fp32) {
+  const Tensor& first = **activations.begin();
+  if (first.device() != Device::kCPU || !detail::is_16bit(first.dtype())) return std::nullopt;
+  for (const Tensor* t : activations) {
+    if (t != nullptr && t->dtype() != first.dtype()) return std::nullopt;
+  }
+  for (const Tensor* t : fp32) {
+    if (t != nullptr && t->dtype() != DType::kF32) return std::nullopt;
+  }
+  return first.dtype() == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
+}
+
 // The activations' format is the one the kernels round to.
 bool rounds_to(const std::optional<kernels::LowpType> type, const kernels::ActivationRounding rounding) {
   return type && rounding == (*type == kernels::LowpType::kBF16 ? kernels::ActivationRounding::kBF16
@@ -176,7 +190,7 @@ void grouped_mlp_forward(Tensor& y_RH, Tensor& fc1_RF1, Tensor* act_RF, Tensor* 
   Tensor* saved_RF = s.weighted_swiglu() ? h_RF : act_RF;
   Tensor* xs = s.probs_on_input ? xs_RH : nullptr;
   const bool fp32_params = all_fp32(params.fc1_weight_E, params.fc1_bias_E, params.fc2_weight_E, params.fc2_bias_E);
-  if (const auto type = detail::lowp_activations({&y_RH, &fc1_RF1, saved_RF, xs, &x_RH}, {&probs_R});
+  if (const auto type = activations16({&y_RH, &fc1_RF1, saved_RF, xs, &x_RH}, {&probs_R});
       rounds_to(type, s.rounding) && fp32_params) {
     const Pointers<float> w = pointers<float>(params, s.E);
     kernels::cpu::grouped_mlp_forward16(*type, y_RH.data<uint16_t>(), fc1_RF1.data<uint16_t>(),
@@ -235,7 +249,7 @@ void grouped_mlp_backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpGrads
   check_grads("fc2 bias gradients", grads.fc2_bias_E, s.H);
   const Tensor* saved_RF = s.weighted_swiglu() ? h_RF : act_RF;
   const Tensor* xs = s.probs_on_input ? xs_RH : nullptr;
-  const auto type = detail::lowp_activations({&dy_RH, &dx_RH, &x_RH, &fc1_RF1, saved_RF, xs}, {&probs_R, &dprobs_R});
+  const auto type = activations16({&dy_RH, &dx_RH, &x_RH, &fc1_RF1, saved_RF, xs}, {&probs_R, &dprobs_R});
   const bool fp32_params = all_fp32(params.fc1_weight_E, params.fc1_bias_E, params.fc2_weight_E, params.fc2_bias_E,
                                     grads.fc1_weight_E, grads.fc1_bias_E, grads.fc2_weight_E, grads.fc2_bias_E);
   if (rounds_to(type, s.rounding) && fp32_params) {

@@ -51,6 +51,12 @@ int64_t check_chunks(const char* op, std::span<const int64_t> first_C, std::span
   return total;
 }
 
+std::optional<kernels::LowpType> lowp_of(const Tensor& t) {
+  if (t.dtype() == DType::kBF16) return kernels::LowpType::kBF16;
+  if (t.dtype() == DType::kF16) return kernels::LowpType::kF16;
+  return std::nullopt;
+}
+
 }  // namespace
 
 void moe_permute(Tensor& out_RW, const Tensor& in_NW, const std::span<const int64_t> index_R) {
@@ -60,7 +66,7 @@ void moe_permute(Tensor& out_RW, const Tensor& in_NW, const std::span<const int6
   const int64_t N = rows_in(in_NW), W = N == 0 ? (R == 0 ? 0 : out_RW.numel() / R) : in_NW.numel() / N;
   detail::check_numel(op, "out_RW", out_RW, R * W);
   check_index(op, index_R, N);
-  if (detail::lowp_activations({&out_RW, &in_NW})) {
+  if (detail::same_16bit({&out_RW, &in_NW})) {
     kernels::cpu::gather_rows(out_RW.data<uint16_t>(), in_NW.data<uint16_t>(), index_R.data(), R, N, W);
     return;
   }
@@ -80,8 +86,8 @@ void moe_unpermute(Tensor& out_NW, const Tensor& in_RW, const std::span<const in
   detail::check_tensors(op, {&out_NW, probs_R});
   if (probs_R != nullptr) detail::check_numel(op, "probs_R", *probs_R, R);
   check_index(op, index_R, N);
-  if (const auto type = detail::lowp_activations({&out_NW, &in_RW}, {probs_R})) {
-    kernels::cpu::moe_unpermute16(*type, out_NW.data<uint16_t>(), in_RW.data<uint16_t>(), index_R.data(),
+  if (detail::same_16bit({&out_NW, &in_RW}) && (probs_R == nullptr || probs_R->dtype() == DType::kF32)) {
+    kernels::cpu::moe_unpermute16(*lowp_of(out_NW), out_NW.data<uint16_t>(), in_RW.data<uint16_t>(), index_R.data(),
                                   probs_R != nullptr ? probs_R->data<float>() : nullptr, R, N, W);
     return;
   }
@@ -106,8 +112,13 @@ void moe_unpermute_backward(Tensor* din_RW, Tensor* dprobs_R, const Tensor& dout
     detail::check_numel(op, "in_RW", *in_RW, R * W);
   }
   check_index(op, index_R, N);
-  if (const auto type = detail::lowp_activations({&dout_NW, din_RW, in_RW}, {probs_R, dprobs_R})) {
-    kernels::cpu::moe_unpermute_backward16(*type, din_RW != nullptr ? din_RW->data<uint16_t>() : nullptr,
+  const bool activations16 = detail::same_16bit({&dout_NW}) &&
+                             (din_RW == nullptr || detail::same_16bit({&dout_NW, din_RW})) &&
+                             (in_RW == nullptr || detail::same_16bit({&dout_NW, in_RW}));
+  const bool fp32_rest = (probs_R == nullptr || probs_R->dtype() == DType::kF32) &&
+                         (dprobs_R == nullptr || dprobs_R->dtype() == DType::kF32);
+  if (activations16 && fp32_rest) {
+    kernels::cpu::moe_unpermute_backward16(*lowp_of(dout_NW), din_RW != nullptr ? din_RW->data<uint16_t>() : nullptr,
                                            dprobs_R != nullptr ? dprobs_R->data<float>() : nullptr,
                                            dout_NW.data<uint16_t>(),
                                            in_RW != nullptr ? in_RW->data<uint16_t>() : nullptr, index_R.data(),
@@ -130,7 +141,7 @@ void sort_chunks(Tensor& out_RW, const Tensor& in_NW, const std::span<const int6
   const int64_t R = check_chunks(op, first_C, rows_C, N, false);
   detail::check_numel(op, "out_RW", out_RW, R * W);
   const auto C = static_cast<int64_t>(first_C.size());
-  if (detail::lowp_activations({&out_RW, &in_NW})) {
+  if (detail::same_16bit({&out_RW, &in_NW})) {
     kernels::cpu::sort_chunks(out_RW.data<uint16_t>(), in_NW.data<uint16_t>(), first_C.data(), rows_C.data(), C, W);
     return;
   }
@@ -148,7 +159,7 @@ void unsort_chunks(Tensor& out_NW, const Tensor& in_RW, const std::span<const in
   const int64_t R = check_chunks(op, first_C, rows_C, N, true);
   detail::check_numel(op, "in_RW", in_RW, R * W);
   const auto C = static_cast<int64_t>(first_C.size());
-  if (detail::lowp_activations({&out_NW, &in_RW})) {
+  if (detail::same_16bit({&out_NW, &in_RW})) {
     kernels::cpu::unsort_chunks(out_NW.data<uint16_t>(), in_RW.data<uint16_t>(), first_C.data(), rows_C.data(), C, N,
                                 W);
     return;

@@ -20,6 +20,20 @@ int64_t rows_of(const char* op, const Tensor& inp_RD, const Tensor& weight_D) {
   return inp_RD.numel() / D;
 }
 
+// The 16-bit backward kernels apply: on the CPU, 16-bit activations of one dtype, fp32 parameters and statistics.
+std::optional<kernels::LowpType> backward16(std::initializer_list<const Tensor*> activations,
+                                            std::initializer_list<const Tensor*> fp32) {
+  const Tensor& first = **activations.begin();
+  if (first.device() != Device::kCPU || !detail::is_16bit(first.dtype())) return std::nullopt;
+  for (const Tensor* t : activations) {
+    if (t->dtype() != first.dtype()) return std::nullopt;
+  }
+  for (const Tensor* t : fp32) {
+    if (t != nullptr && t->dtype() != DType::kF32) return std::nullopt;
+  }
+  return first.dtype() == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
+}
+
 }  // namespace
 
 int64_t rmsnorm_forward(Tensor& out_RD, Tensor& rstd_R, const Tensor& inp_RD, const Tensor& weight_D,
@@ -59,7 +73,7 @@ void rmsnorm_backward(Tensor& dinp_RD, Tensor& dweight_D, const Tensor& dout_RD,
   detail::check_numel(op, "dout_RD", dout_RD, R * D);
   detail::check_numel(op, "dweight_D", dweight_D, D);
   detail::check_numel(op, "rstd_R", rstd_R, R);
-  if (const auto type = detail::lowp_activations({&dout_RD, &inp_RD, &dinp_RD}, {&dweight_D, &weight_D, &rstd_R})) {
+  if (const auto type = backward16({&dout_RD, &inp_RD, &dinp_RD}, {&dweight_D, &weight_D, &rstd_R})) {
     kernels::cpu::rmsnorm_backward16(*type, dinp_RD.data<uint16_t>(), dweight_D.data<float>(), dout_RD.data<uint16_t>(),
                                      inp_RD.data<uint16_t>(), weight_D.data<float>(), rstd_R.data<float>(), R, D);
     return;
@@ -118,8 +132,7 @@ void layernorm_backward(Tensor& dinp_RD, Tensor& dweight_D, Tensor* dbias_D, con
   if (dbias_D != nullptr) detail::check_numel(op, "dbias_D", *dbias_D, D);
   detail::check_numel(op, "mean_R", mean_R, R);
   detail::check_numel(op, "rstd_R", rstd_R, R);
-  if (const auto type =
-          detail::lowp_activations({&dout_RD, &inp_RD, &dinp_RD}, {&dweight_D, dbias_D, &weight_D, &mean_R, &rstd_R})) {
+  if (const auto type = backward16({&dout_RD, &inp_RD, &dinp_RD}, {&dweight_D, dbias_D, &weight_D, &mean_R, &rstd_R})) {
     kernels::cpu::layernorm_backward16(*type, dinp_RD.data<uint16_t>(), dweight_D.data<float>(),
                                        dbias_D != nullptr ? dbias_D->data<float>() : nullptr, dout_RD.data<uint16_t>(),
                                        inp_RD.data<uint16_t>(), weight_D.data<float>(), mean_R.data<float>(),

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "moecore/kernels/cpu/lowp_rows.h"
+#include "moecore/kernels/cpu/convert.h"
 #include "moecore/ops/staging.h"
 
 namespace moecore::ops::detail {
@@ -21,8 +21,24 @@ constexpr int64_t kAlignFloats = 16;
 
 int64_t round_up(const int64_t n, const int64_t m) { return (n + m - 1) / m * m; }
 
-kernels::cpu::LowpRows codec_of(const Tensor& t) {
-  return kernels::cpu::LowpRows(t.dtype() == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16);
+void widen(float* out, const Tensor& t, const int64_t offset, const int64_t n) {
+  const uint16_t* bits = t.data<uint16_t>() + offset;
+  const kernels::cpu::ConvertIsa isa = kernels::cpu::best_convert_isa();
+  if (t.dtype() == DType::kBF16) {
+    kernels::cpu::decode_bf16(out, bits, n, isa);
+  } else {
+    kernels::cpu::decode_fp16(out, bits, n, isa);
+  }
+}
+
+void narrow(Tensor& t, const int64_t offset, const float* in, const int64_t n) {
+  uint16_t* bits = t.data<uint16_t>() + offset;
+  const kernels::cpu::ConvertIsa isa = kernels::cpu::best_convert_isa();
+  if (t.dtype() == DType::kBF16) {
+    kernels::cpu::encode_bf16(bits, in, n, isa);
+  } else {
+    kernels::cpu::encode_fp16(bits, in, n, isa);
+  }
 }
 
 }  // namespace
@@ -34,21 +50,11 @@ bool row_blocks_apply(const std::initializer_list<RowOperand> operands) {
   });
 }
 
-std::optional<kernels::LowpType> lowp_activations(const std::initializer_list<const Tensor*> activations,
-                                                  const std::initializer_list<const Tensor*> fp32) {
-  const Tensor* first = nullptr;
-  for (const Tensor* t : activations) {
-    if (t == nullptr) continue;
-    if (first == nullptr) first = t;
-    if (!t->defined() || !is_16bit(t->dtype()) || t->dtype() != first->dtype() || t->device() != Device::kCPU) {
-      return std::nullopt;
-    }
-  }
-  for (const Tensor* t : fp32) {
-    if (t != nullptr && t->dtype() != DType::kF32) return std::nullopt;
-  }
-  if (first == nullptr) return std::nullopt;
-  return first->dtype() == DType::kBF16 ? kernels::LowpType::kBF16 : kernels::LowpType::kF16;
+bool same_16bit(const std::initializer_list<const Tensor*> tensors) {
+  const Tensor& first = **tensors.begin();
+  return std::all_of(tensors.begin(), tensors.end(), [&](const Tensor* t) {
+    return t->defined() && is_16bit(t->dtype()) && t->dtype() == first.dtype() && t->device() == Device::kCPU;
+  });
 }
 
 void run_row_blocks(const int64_t R, const std::initializer_list<RowOperand> operands,
@@ -91,14 +97,13 @@ void run_row_blocks(const int64_t R, const std::initializer_list<RowOperand> ope
         }
         rows[i] = next;
         next += round_up((r1 - r0) * o.width, kAlignFloats);
-        if (o.use != RowUse::kOut)
-          codec_of(*o.tensor).widen(rows[i], o.tensor->data<uint16_t>() + r0 * o.width, (r1 - r0) * o.width);
+        if (o.use != RowUse::kOut) widen(rows[i], *o.tensor, r0 * o.width, (r1 - r0) * o.width);
       }
       body(r0, r1, rows.data());
       for (size_t i = 0; i < ops.size(); ++i) {
         const RowOperand& o = ops[i];
         if (o.use != RowUse::kIn && is_16bit(o.tensor->dtype())) {
-          codec_of(handles[i]).narrow(handles[i].data<uint16_t>() + r0 * o.width, rows[i], (r1 - r0) * o.width);
+          narrow(handles[i], r0 * o.width, rows[i], (r1 - r0) * o.width);
         }
       }
     }

@@ -11,9 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
-#include <optional>
 
-#include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/tensor/tensor.h"
 
 namespace moecore::ops::detail {
@@ -34,12 +32,9 @@ struct RowOperand {
 // device keeps the whole-tensor Staging: the op tests compare the two.)
 bool row_blocks_apply(std::initializer_list<RowOperand> operands);
 
-// The format of 16-bit activations that the CPU kernels take as bits (rows.h and permute.h move them; the *16 kernels
-// of norm.h, permute.h and grouped_mlp.h widen them a row or a tile at a time): bf16 (fp16) when the `activations`
-// (null entries skipped) are all bf16 (fp16) tensors on the CPU device and the `fp32` tensors (null entries skipped)
-// are all fp32; else none.
-std::optional<kernels::LowpType> lowp_activations(std::initializer_list<const Tensor*> activations,
-                                                  std::initializer_list<const Tensor*> fp32 = {});
+// Whether `tensors` are all bf16, or all fp16, on the CPU device: an op that only moves elements then moves their bits
+// (the CPU kernels of rows.h take uint16_t).
+bool same_16bit(std::initializer_list<const Tensor*> tensors);
 
 // Calls body(r0, r1, rows) for blocks [r0, r1) covering [0, R), in parallel; rows[i] points at operand i's row r0 in
 // fp32: the tensor's own data for an fp32 tensor, the thread's scratch for a 16-bit one. Operands of other dtypes

@@ -35,7 +35,7 @@ void split_qkv(Tensor& q_TNd, Tensor& k_TGd, Tensor& v_TGd, const Tensor& qkv_TQ
   constexpr const char* op = "split_qkv";
   detail::check_tensors(op, {&q_TNd, &k_TGd, &v_TGd, &qkv_TQ});
   const int64_t T = qkv_tokens(op, qkv_TQ, q_TNd, k_TGd, v_TGd, N, G, d);
-  if (detail::lowp_activations({&q_TNd, &k_TGd, &v_TGd, &qkv_TQ})) {
+  if (detail::same_16bit({&q_TNd, &k_TGd, &v_TGd, &qkv_TQ})) {
     kernels::cpu::split_qkv(q_TNd.data<uint16_t>(), k_TGd.data<uint16_t>(), v_TGd.data<uint16_t>(),
                             qkv_TQ.data<uint16_t>(), T, N, G, d);
     return;
@@ -52,7 +52,7 @@ void merge_qkv(Tensor& qkv_TQ, const Tensor& q_TNd, const Tensor& k_TGd, const T
   constexpr const char* op = "merge_qkv";
   detail::check_tensors(op, {&qkv_TQ, &q_TNd, &k_TGd, &v_TGd});
   const int64_t T = qkv_tokens(op, qkv_TQ, q_TNd, k_TGd, v_TGd, N, G, d);
-  if (detail::lowp_activations({&qkv_TQ, &q_TNd, &k_TGd, &v_TGd})) {
+  if (detail::same_16bit({&qkv_TQ, &q_TNd, &k_TGd, &v_TGd})) {
     kernels::cpu::merge_qkv(qkv_TQ.data<uint16_t>(), q_TNd.data<uint16_t>(), k_TGd.data<uint16_t>(),
                             v_TGd.data<uint16_t>(), T, N, G, d);
     return;

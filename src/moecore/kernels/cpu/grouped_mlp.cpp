@@ -15,7 +15,6 @@
 #include "moecore/kernels/cpu/expert_activation.h"
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/kernels/cpu/grouped_mlp_steps.h"
-#include "moecore/kernels/cpu/lowp_rows.h"
 #include "moecore/kernels/cpu/rows.h"
 
 namespace moecore::kernels::cpu {
@@ -192,6 +191,22 @@ void backward_tiles(const St& steps, const GroupedMlpShape& s, T* dx_RH, T* dpro
 
 // ---- 16-bit activations
 
+// Widens and narrows 16-bit rows (round to nearest even).
+class Codec16 {
+ public:
+  explicit Codec16(const LowpType type) : type_(type), isa_(best_convert_isa()) {}
+  void widen(float* out, const uint16_t* in, const int64_t n) const {
+    type_ == LowpType::kBF16 ? decode_bf16(out, in, n, isa_) : decode_fp16(out, in, n, isa_);
+  }
+  void narrow(uint16_t* out, const float* in, const int64_t n) const {
+    type_ == LowpType::kBF16 ? encode_bf16(out, in, n, isa_) : encode_fp16(out, in, n, isa_);
+  }
+
+ private:
+  LowpType type_;
+  ConvertIsa isa_;
+};
+
 // A thread's fp32 buffers for the 16-bit tasks. Rows [begin, begin + n) of a [R, width] tensor sit at the offset from a
 // 64-byte boundary they have in a 64-byte aligned fp32 copy of the whole tensor, so the steps' vector loops group
 // their sums as on the staged copy.
@@ -211,7 +226,7 @@ class RowSlots {
 };
 
 template <typename St>
-void forward_tiles16(const St& steps, const GroupedMlpShape& s, const LowpRows& c, uint16_t* y_RH, uint16_t* fc1_RF1,
+void forward_tiles16(const St& steps, const GroupedMlpShape& s, const Codec16& c, uint16_t* y_RH, uint16_t* fc1_RF1,
                      uint16_t* act_RF, uint16_t* h_RF, uint16_t* xs_RH, const uint16_t* x_RH, const float* probs_R) {
   const std::vector<RowTile> tiles = row_tiles(s);
   const auto n_tiles = static_cast<int64_t>(tiles.size());
@@ -241,7 +256,7 @@ void forward_tiles16(const St& steps, const GroupedMlpShape& s, const LowpRows& 
 }
 
 template <typename St>
-void backward_tiles16(const St& steps, const GroupedMlpShape& s, const LowpRows& c, uint16_t* dx_RH, float* dprobs_R,
+void backward_tiles16(const St& steps, const GroupedMlpShape& s, const Codec16& c, uint16_t* dx_RH, float* dprobs_R,
                       const GroupedMlpGrads<float>& g, float* dfc1_RF1, const uint16_t* dy_RH, const uint16_t* x_RH,
                       const uint16_t* xs_RH, const uint16_t* fc1_RF1, const uint16_t* act_RF, const uint16_t* h_RF,
                       const float* probs_R) {
@@ -303,7 +318,7 @@ void backward_tiles16(const St& steps, const GroupedMlpShape& s, const LowpRows&
 void grouped_mlp_forward16(const LowpType type, uint16_t* y_RH, uint16_t* fc1_RF1, uint16_t* act_RF, uint16_t* h_RF,
                            uint16_t* xs_RH, const uint16_t* x_RH, const float* probs_R,
                            const GroupedMlpWeights<float>& w, const GroupedMlpShape& s) {
-  const LowpRows c(type);
+  const Codec16 c(type);
   if (s.native_gemm) {
     const grouped_mlp_detail::Steps<NativeKernels, float> steps(w, s, NativeKernels(s.native_type, w, s));
     forward_tiles16(steps, s, c, y_RH, fc1_RF1, act_RF, h_RF, xs_RH, x_RH, probs_R);
@@ -316,7 +331,7 @@ void grouped_mlp_backward16(const LowpType type, uint16_t* dx_RH, float* dprobs_
                             float* dfc1_RF1, const uint16_t* dy_RH, const uint16_t* x_RH, const uint16_t* xs_RH,
                             const uint16_t* fc1_RF1, const uint16_t* act_RF, const uint16_t* h_RF, const float* probs_R,
                             const GroupedMlpWeights<float>& w, const GroupedMlpShape& s) {
-  const LowpRows c(type);
+  const Codec16 c(type);
   if (s.native_gemm) {
     const grouped_mlp_detail::Steps<NativeKernels, float> steps(w, s, NativeKernels(s.native_type, w, s));
     backward_tiles16(steps, s, c, dx_RH, dprobs_R, g, dfc1_RF1, dy_RH, x_RH, xs_RH, fc1_RF1, act_RF, h_RF, probs_R);

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "moecore/kernels/cpu/lowp_rows.h"
+#include "moecore/kernels/cpu/convert.h"
 #include "moecore/kernels/cpu/vector_isa.h"
 
 namespace moecore::kernels::cpu {
@@ -200,7 +200,8 @@ namespace {
 class WidenedRows {
  public:
   WidenedRows(const LowpType type, const int64_t D)
-      : codec_(type),
+      : type_(type),
+        isa_(best_convert_isa()),
         slot_((D + 2 * kAlign - 1) / kAlign * kAlign),
         buffer_(static_cast<size_t>(3 * slot_ + kAlign)),
         D_(D) {}
@@ -219,15 +220,19 @@ class WidenedRows {
   }
   void store(const int64_t r, uint16_t* dinp_RD) const {
     if (dinp_RD == nullptr) return;
-    codec_.narrow(dinp_RD + r * D_, dx_, D_);
+    type_ == LowpType::kBF16 ? encode_bf16(dinp_RD + r * D_, dx_, D_, isa_)
+                             : encode_fp16(dinp_RD + r * D_, dx_, D_, isa_);
   }
   const float* dy() const { return dy_; }
   const float* x() const { return x_; }
 
  private:
   static constexpr int64_t kAlign = 16;  // floats in 64 bytes
-  void widen(float* out, const uint16_t* in) const { codec_.widen(out, in, D_); }
-  LowpRows codec_;
+  void widen(float* out, const uint16_t* in) const {
+    type_ == LowpType::kBF16 ? decode_bf16(out, in, D_, isa_) : decode_fp16(out, in, D_, isa_);
+  }
+  LowpType type_;
+  ConvertIsa isa_;
   int64_t slot_;  // floats per row slot: a multiple of kAlign with room for the row at any skew
   std::vector<float> buffer_;
   float *dy_ = nullptr, *x_ = nullptr, *dx_ = nullptr;

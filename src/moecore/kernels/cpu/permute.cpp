@@ -6,7 +6,7 @@
 #include <cstring>
 #include <vector>
 
-#include "moecore/kernels/cpu/lowp_rows.h"
+#include "moecore/kernels/cpu/convert.h"
 #include "moecore/kernels/cpu/rows_by_destination.h"
 
 namespace moecore::kernels::cpu {
@@ -111,22 +111,43 @@ MOECORE_INSTANTIATE(float)
 MOECORE_INSTANTIATE(double)
 #undef MOECORE_INSTANTIATE
 
+namespace {
+
+// A thread's fp32 copies of 16-bit rows.
+class RowCodec {
+ public:
+  RowCodec(const LowpType type, const int64_t W) : type_(type), isa_(best_convert_isa()), W_(W) {}
+  void widen(float* out, const uint16_t* in) const {
+    type_ == LowpType::kBF16 ? decode_bf16(out, in, W_, isa_) : decode_fp16(out, in, W_, isa_);
+  }
+  void narrow(uint16_t* out, const float* in) const {
+    type_ == LowpType::kBF16 ? encode_bf16(out, in, W_, isa_) : encode_fp16(out, in, W_, isa_);
+  }
+
+ private:
+  LowpType type_;
+  ConvertIsa isa_;
+  int64_t W_;
+};
+
+}  // namespace
+
 void moe_unpermute16(const LowpType type, uint16_t* out_NW, const uint16_t* in_RW, const int64_t* index_R,
                      const float* probs_R, const int64_t R, const int64_t N, const int64_t W) {
   const detail::RowsByDestination by_destination = detail::rows_by_destination(index_R, R, N);
   const std::vector<int64_t>& begin_N1 = by_destination.begin_N1;
   const std::vector<int64_t>& rows = by_destination.rows;
-  const LowpRows codec(type);
+  const RowCodec codec(type, W);
 #pragma omp parallel if (N * W > kParallelMin)
   {
     std::vector<float> out(static_cast<size_t>(W)), row(static_cast<size_t>(W));
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       if (begin_N1[n] == begin_N1[n + 1]) continue;  // nothing added: the row keeps its bits
-      codec.widen(out.data(), out_NW + n * W, W);
+      codec.widen(out.data(), out_NW + n * W);
       for (int64_t i = begin_N1[n]; i < begin_N1[n + 1]; ++i) {
         const int64_t r = rows[static_cast<size_t>(i)];
-        codec.widen(row.data(), in_RW + r * W, W);
+        codec.widen(row.data(), in_RW + r * W);
         const float p = probs_R == nullptr ? 1.0f : probs_R[r];
         if (probs_R == nullptr) {
 #pragma omp simd
@@ -136,7 +157,7 @@ void moe_unpermute16(const LowpType type, uint16_t* out_NW, const uint16_t* in_R
           for (int64_t w = 0; w < W; ++w) out[w] += p * row[w];
         }
       }
-      codec.narrow(out_NW + n * W, out.data(), W);
+      codec.narrow(out_NW + n * W, out.data());
     }
   }
 }
@@ -144,14 +165,14 @@ void moe_unpermute16(const LowpType type, uint16_t* out_NW, const uint16_t* in_R
 void moe_unpermute_backward16(const LowpType type, uint16_t* din_RW, float* dprobs_R, const uint16_t* dout_NW,
                               const uint16_t* in_RW, const int64_t* index_R, const float* probs_R, const int64_t R,
                               const int64_t W) {
-  const LowpRows codec(type);
+  const RowCodec codec(type, W);
 #pragma omp parallel if (R * W > kParallelMin)
   {
     std::vector<float> dout(static_cast<size_t>(W)), in(static_cast<size_t>(W)), din(static_cast<size_t>(W));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < R; ++r) {
       const int64_t n = index_R[r];
-      if (n >= 0) codec.widen(dout.data(), dout_NW + n * W, W);
+      if (n >= 0) codec.widen(dout.data(), dout_NW + n * W);
       if (din_RW != nullptr) {
         if (n < 0) {
           std::fill_n(din_RW + r * W, W, uint16_t{0});
@@ -161,13 +182,13 @@ void moe_unpermute_backward16(const LowpType type, uint16_t* din_RW, float* dpro
           const float p = probs_R[r];
 #pragma omp simd
           for (int64_t w = 0; w < W; ++w) din[w] = p * dout[w];
-          codec.narrow(din_RW + r * W, din.data(), W);
+          codec.narrow(din_RW + r * W, din.data());
         }
       }
       if (dprobs_R != nullptr) {
         double dot = 0.0;
         if (n >= 0) {
-          codec.widen(in.data(), in_RW + r * W, W);
+          codec.widen(in.data(), in_RW + r * W);
           for (int64_t w = 0; w < W; ++w) dot += static_cast<double>(dout[w]) * static_cast<double>(in[w]);
         }
         dprobs_R[r] = static_cast<float>(dot);
