@@ -1,7 +1,12 @@
 // fp32 GEMM throughput on moecore's shapes, side by side in one run: OpenBLAS's cblas_sgemm as Debian ships it (its
 // run-time core detection) and oneDNN's dnnl_sgemm (what moecore uses, kernels/cpu/gemm.h). Row-major, 1 s per
-// measurement after a warm-up call.  usage: bench_gemm [THREADS] [--peak]
+// measurement after a warm-up call; the last column is moecore's kernels::cpu::sgemm, which runs dnnl_sgemm or oneDNN's
+// fp32 matmul primitive by shape (sgemm_uses_matmul).  usage: bench_gemm [THREADS] [--peak | --choice]
 // --peak: only the 2048^3 square, one machine-readable line: `peak_gflops BEST openblas X onednn Y`.
+// --choice: dnnl_sgemm against the matmul primitive on the linear layers of hidden 192-2048 (2048 tokens; H -> H,
+//   3H, 4H and 4H -> H; forward NT, input gradient NN, weight gradient TN with C +=) and the output layer's 512-row
+//   chunk at vocabulary 32000, 0.3 s each, alternating; marks the shapes where sgemm's pick is >= 5% slower than the
+//   other kernel.
 #include <cblas.h>
 #include <dnnl.h>
 #include <omp.h>
@@ -11,10 +16,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "moecore/kernels/cpu/gemm.h"
+#include "moecore/kernels/cpu/onednn_matmul.h"
 
 namespace {
 
@@ -26,7 +34,7 @@ struct Shape {
 };
 
 template <typename F>
-double gflops(const Shape& s, F&& f) {
+double gflops(const Shape& s, F&& f, const double min_seconds = 1.0) {
   f();
   const auto start = std::chrono::steady_clock::now();
   int reps = 0;
@@ -35,8 +43,71 @@ double gflops(const Shape& s, F&& f) {
     f();
     ++reps;
     seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  } while (seconds < 1.0);
+  } while (seconds < min_seconds);
   return 2.0 * static_cast<double>(s.m * s.n * s.k) * reps / seconds / 1e9;
+}
+
+// The --choice sweep: dnnl_sgemm and the fp32 matmul primitive side by side, best of three alternating rounds.
+void choice_sweep() {
+  namespace cpu = moecore::kernels::cpu;
+  std::printf("threads %d, %s\n", omp_get_max_threads(), cpu::gemm_library().c_str());
+  std::printf("%-28s %6s %6s %6s %9s %9s %7s  %s\n", "shape", "M", "N", "K", "sgemm", "matmul", "ratio", "pick");
+  std::vector<Shape> shapes;
+  std::vector<std::string> names;
+  const int64_t T = 2048, rows = 512, V = 32000;
+  for (const int64_t H : {192, 256, 384, 512, 768, 1024, 2048}) {
+    for (const auto& [I, O] : {std::pair{H, H}, std::pair{H, 3 * H}, std::pair{H, 4 * H}, std::pair{4 * H, H}}) {
+      const std::string io = std::to_string(I) + "->" + std::to_string(O);
+      shapes.push_back({"", T, O, I, false, true});
+      names.push_back(io + " fwd NT");
+      shapes.push_back({"", T, I, O, false, false, 1.0f});
+      names.push_back(io + " dgrad NN");
+      shapes.push_back({"", O, I, T, true, false, 1.0f});
+      names.push_back(io + " wgrad TN");
+    }
+    const std::string out = "output H" + std::to_string(H);
+    shapes.push_back({"", rows, V, H, false, true});
+    names.push_back(out + " fwd NT");
+    shapes.push_back({"", rows, H, V, false, false, 1.0f});
+    names.push_back(out + " dgrad NN");
+    shapes.push_back({"", V, H, rows, true, false, 1.0f});
+    names.push_back(out + " wgrad TN");
+  }
+  int wrong = 0;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const Shape& s = shapes[i];
+    std::vector<float> a(static_cast<size_t>(s.m * s.k)), b(static_cast<size_t>(s.k * s.n)),
+        c(static_cast<size_t>(s.m * s.n));
+    std::mt19937 gen(1);
+    std::normal_distribution<float> normal;
+    for (float& x : a) x = normal(gen);
+    for (float& x : b) x = normal(gen);
+    const int64_t lda = s.trans_a ? s.m : s.k, ldb = s.trans_b ? s.k : s.n;
+    const cpu::MatmulShape shape{
+        cpu::MatmulInput::kF32, false, s.trans_a, s.trans_b, false, s.m, s.n, s.k, lda, ldb, s.n, 1.0f, s.beta,
+        omp_get_max_threads()};
+    double sgemm = 0.0, matmul = 0.0;
+    for (int round = 0; round < 3; ++round) {
+      sgemm = std::max(sgemm, gflops(
+                                  s,
+                                  [&] {
+                                    dnnl_sgemm(s.trans_a ? 'T' : 'N', s.trans_b ? 'T' : 'N', s.m, s.n, s.k, 1.0f,
+                                               a.data(), lda, b.data(), ldb, s.beta, c.data(), s.n);
+                                  },
+                                  0.1));
+      matmul = std::max(
+          matmul, gflops(
+                      s, [&] { cpu::onednn_matmul("bench_gemm", shape, a.data(), b.data(), c.data(), nullptr); }, 0.1));
+    }
+    const bool picks_matmul = cpu::sgemm_uses_matmul(s.trans_a, s.trans_b, s.m, s.n, s.k);
+    const double picked = picks_matmul ? matmul : sgemm, other = picks_matmul ? sgemm : matmul;
+    const bool worse = other >= 1.05 * picked;
+    wrong += worse ? 1 : 0;
+    std::printf("%-28s %6lld %6lld %6lld %9.1f %9.1f %7.3f  %s%s\n", names[i].c_str(), static_cast<long long>(s.m),
+                static_cast<long long>(s.n), static_cast<long long>(s.k), sgemm, matmul, matmul / sgemm,
+                picks_matmul ? "matmul" : "sgemm", worse ? "  <- the other is >= 5% faster" : "");
+  }
+  std::printf("shapes where the pick is >= 5%% slower than the other kernel: %d of %zu\n", wrong, shapes.size());
 }
 
 }  // namespace
@@ -44,10 +115,18 @@ double gflops(const Shape& s, F&& f) {
 int main(int argc, char** argv) {
   if (argc > 1) omp_set_num_threads(std::atoi(argv[1]));
   const bool peak_only = argc > 2 && std::string_view(argv[2]) == "--peak";
+  if (argc > 2 && std::string_view(argv[2]) == "--choice") {
+    choice_sweep();
+    return 0;
+  }
+  if (argc > 2 && !peak_only) {
+    std::fprintf(stderr, "bench_gemm: unknown argument %s (expected --peak or --choice)\n", argv[2]);
+    return 1;
+  }
   if (!peak_only) {
     std::printf("threads %d, %s, OpenBLAS core %s\n", omp_get_max_threads(),
                 moecore::kernels::cpu::gemm_library().c_str(), openblas_get_corename());
-    std::printf("%-50s %12s %12s\n", "shape (M x N x K)", "OpenBLAS", "oneDNN");
+    std::printf("%-50s %12s %12s %12s\n", "shape (M x N x K)", "OpenBLAS", "oneDNN", "moecore");
   }
   const Shape shapes[] = {
       {"square 2048", 2048, 2048, 2048, false, true},
@@ -89,6 +168,10 @@ int main(int argc, char** argv) {
       std::printf("peak_gflops %.1f openblas %.1f onednn %.1f\n", std::max(openblas, onednn), openblas, onednn);
       return 0;
     }
-    std::printf("%-50s %8.1f GF/s %8.1f GF/s\n", s.what, openblas, onednn);
+    const double moecore = gflops(s, [&] {
+      moecore::kernels::cpu::sgemm(s.trans_a, s.trans_b, s.m, s.n, s.k, 1.0f, a.data(), lda, b.data(), ldb, s.beta,
+                                   c.data(), s.n);
+    });
+    std::printf("%-50s %8.1f GF/s %8.1f GF/s %8.1f GF/s\n", s.what, openblas, onednn, moecore);
   }
 }

@@ -11,6 +11,8 @@
 #include <string>
 #include <type_traits>
 
+#include "moecore/kernels/cpu/onednn_matmul.h"
+
 namespace moecore::kernels::cpu {
 namespace {
 
@@ -30,11 +32,50 @@ void check_gemm_args(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K
   if (biggest > INT_MAX) throw std::invalid_argument("gemm: size " + std::to_string(biggest) + " exceeds BLAS int");
 }
 
+// Shapes on which oneDNN's fp32 matmul primitive (brgemm kernels) ran at least 5% faster than dnnl_sgemm in both of
+// two sweeps of bench_gemm --choice (AVX-512, 2 threads, 2048 tokens, hidden 192-2048; bench/RESULTS.md), and was
+// slower on none of the nearby shapes: the output layer's forward and weight gradient at hidden <= 512-2048, the weight
+// gradient of an up-projection and the forward of a down-projection at hidden 256-512, and a 512 x 512 projection.
+// dnnl_sgemm everywhere else, where it ran as fast or faster (up to 2.7x on 3072 -> 768 backward). Each dimension
+// a multiple of 16, so the shapes recur step after step and each primitive is compiled once. A function of the
+// shape alone: a run and its resumption pick the same kernels and repeat bit for bit.
+bool fp32_matmul_wins(const bool trans_a, const bool trans_b, const int64_t M, const int64_t N, const int64_t K) {
+  if (M % 16 != 0 || N % 16 != 0 || K % 16 != 0 || M == 0 || N == 0 || K == 0) return false;
+  const bool nt = !trans_a && trans_b, tn = trans_a && !trans_b, nn = !trans_a && !trans_b;
+  if (nt && N >= 16384 && K >= 512 && K <= 2048) return true;                           // output layer, forward
+  if (tn && M >= 16384 && N >= 192 && N <= 512 && K >= 256) return true;                // output layer, weight gradient
+  if (tn && N >= 192 && N <= 512 && M >= 1024 && M >= 3 * N && M <= 4096) return true;  // up-projection wgrad
+  if (nt && N >= 256 && N <= 512 && K >= 3 * N && K <= 4 * N) return true;              // down-projection forward
+  if ((nt || nn) && N == 512 && K == 512 && M >= 1024) return true;                     // 512 -> 512 forward, dgrad
+  return tn && M == 512 && N == 512 && K >= 1024;                                       // 512 -> 512 wgrad
+}
+
+bool fp32_matmul_available() {
+  static const bool available = [] {
+    if (!onednn_matmul_built() || dnnl_get_effective_cpu_isa() < dnnl_cpu_isa_avx512_core) return false;
+    MatmulShape probe;
+    probe.trans_b = true;
+    probe.M = probe.N = probe.K = probe.lda = probe.ldb = probe.ldc = 64;
+    return onednn_matmul_impl(probe).rfind("brg:avx512", 0) == 0;
+  }();
+  return available;
+}
+
 }  // namespace
+
+bool sgemm_uses_matmul(const bool trans_a, const bool trans_b, const int64_t M, const int64_t N, const int64_t K) {
+  return fp32_matmul_available() && fp32_matmul_wins(trans_a, trans_b, M, N, K);
+}
 
 void sgemm(const bool trans_a, const bool trans_b, const int64_t M, const int64_t N, const int64_t K, const float alpha,
            const float* A, const int64_t lda, const float* B, const int64_t ldb, const float beta, float* C,
            const int64_t ldc) {
+  if (sgemm_uses_matmul(trans_a, trans_b, M, N, K)) {
+    const MatmulShape shape{MatmulInput::kF32,      false, trans_a, trans_b, false, M, N, K, lda, ldb, ldc, alpha, beta,
+                            onednn_matmul_threads()};
+    onednn_matmul("gemm", shape, A, B, C, nullptr);
+    return;
+  }
   const dnnl_status_t status =
       dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   if (status != dnnl_success) {
@@ -58,7 +99,7 @@ std::string gemm_library() {
     default: isa = "baseline"; break;
   }
   return "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch) +
-         " sgemm, " + isa + " kernels";
+         " sgemm" + (fp32_matmul_available() ? " (fp32 matmul on the shapes it wins)" : "") + ", " + isa + " kernels";
 }
 
 template <typename T>

@@ -23,10 +23,15 @@ namespace moecore::kernels {
 
 namespace cpu {
 MOECORE_GEMM_DECL
-// fp32 C = alpha op(A) op(B) + beta C, row-major, no argument checks: the GEMM library's sgemm (oneDNN), for kernels
-// that call it on strided views in their own loops.
+// fp32 C = alpha op(A) op(B) + beta C, row-major, no argument checks, for kernels that call it on strided views in
+// their own loops: oneDNN's dnnl_sgemm, or its matmul primitive on the shapes where that is faster
+// (sgemm_uses_matmul).
 void sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
            const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+// Whether sgemm runs this shape on oneDNN's fp32 matmul primitive rather than dnnl_sgemm: a fixed table of shapes
+// measured faster on AVX-512 (gemm.cpp), so the choice, and with it every bit of the result, depends on the shape
+// alone.
+bool sgemm_uses_matmul(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K);
 // "oneDNN 2.6.3 sgemm, AVX-512 kernels": the fp32 GEMM library and the kernel family it picked for this CPU.
 std::string gemm_library();
 }  // namespace cpu

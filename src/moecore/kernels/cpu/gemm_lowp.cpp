@@ -11,17 +11,14 @@
 #include <climits>
 #include <cstdlib>
 #include <dnnl.hpp>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <stdexcept>
-#include <tuple>
 #include <type_traits>
-#include <unordered_map>
 #include <vector>
 
 #include "moecore/kernels/cpu/convert.h"
 #include "moecore/kernels/cpu/gemm.h"
+#include "moecore/kernels/cpu/onednn_matmul.h"
 
 namespace moecore::kernels {
 
@@ -123,83 +120,16 @@ std::string onednn_version() {
 
 // ---- native path: oneDNN matmul -----------------------------------------------------------------------------------
 
-#if DNNL_VERSION_MAJOR == 2
-constexpr bool kNativeBuilt = true;
-
-// Everything a primitive is compiled for. The thread count is part of it: oneDNN splits the work when it creates
-// the primitive, over one thread inside an OpenMP parallel region (the grouped experts' tiles).
-struct NativeKey {
-  LowpType type;
-  bool low_dst, trans_a, trans_b, bias;
-  int64_t M, N, K, lda, ldb, ldc;
-  float alpha, beta;
-  int threads;
-  auto tie() const {
-    return std::tie(type, low_dst, trans_a, trans_b, bias, M, N, K, lda, ldb, ldc, alpha, beta, threads);
-  }
-  bool operator<(const NativeKey& other) const { return tie() < other.tie(); }
-};
-
-struct NativeGemm {
-  dnnl::matmul::primitive_desc pd;
-  dnnl::matmul primitive;
-};
-
-const dnnl::engine& cpu_engine() {
-  static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
-  return engine;
-}
-
-dnnl::memory::data_type onednn_type(const LowpType type) {
-  return type == LowpType::kBF16 ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f16;
-}
-
-// Throws dnnl::error when oneDNN has no implementation.
-dnnl::matmul::primitive_desc make_pd(const NativeKey& k) {
-  using dims = dnnl::memory::dims;
-  const auto low = onednn_type(k.type);
-  const dnnl::memory::desc a_md(dims{k.M, k.K}, low, k.trans_a ? dims{1, k.lda} : dims{k.lda, 1});
-  const dnnl::memory::desc b_md(dims{k.K, k.N}, low, k.trans_b ? dims{1, k.ldb} : dims{k.ldb, 1});
-  const dnnl::memory::desc c_md(dims{k.M, k.N}, k.low_dst ? low : dnnl::memory::data_type::f32, dims{k.ldc, 1});
-  dnnl::primitive_attr attr;
-  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);  // per-thread scratchpads: safe to run concurrently
-  dnnl::post_ops post_ops;
-  if (k.alpha != 1.0f) post_ops.append_eltwise(1.0f, dnnl::algorithm::eltwise_linear, k.alpha, 0.0f);
-  if (k.beta != 0.0f) post_ops.append_sum(k.beta);
-  attr.set_post_ops(post_ops);
-  if (k.bias) {
-    const dnnl::memory::desc bias_md(dims{1, k.N}, dnnl::memory::data_type::f32, dims{k.N, 1});
-    return {dnnl::matmul::desc(a_md, b_md, bias_md, c_md), attr, cpu_engine()};
-  }
-  return {dnnl::matmul::desc(a_md, b_md, c_md), attr, cpu_engine()};
-}
-
-// Compiled primitives by shape (as dnnl_sgemm caches its own). Expert GEMMs see a new row count most steps, so the
-// cache is emptied when it grows past a bound.
-std::shared_ptr<const NativeGemm> native_gemm(const NativeKey& key) {
-  static std::mutex mutex;
-  static std::map<NativeKey, std::shared_ptr<const NativeGemm>> cache;
-  constexpr size_t kMaxEntries = 512;
-  {
-    const std::lock_guard lock(mutex);
-    const auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
-  }
-  auto pd = make_pd(key);
-  auto gemm = std::make_shared<const NativeGemm>(NativeGemm{pd, dnnl::matmul(pd)});
-  const std::lock_guard lock(mutex);
-  if (cache.size() >= kMaxEntries) cache.clear();
-  cache.emplace(key, gemm);
-  return gemm;
+MatmulInput matmul_input(const LowpType type) {
+  return type == LowpType::kBF16 ? MatmulInput::kBF16 : MatmulInput::kF16;
 }
 
 std::string probe_native(const LowpType type) {
-  const NativeKey key{type, false, false, true, false, 64, 64, 64, 64, 64, 64, 1.0f, 0.0f, 1};
-  try {
-    return make_pd(key).impl_info_str();
-  } catch (const dnnl::error&) {
-    return "";
-  }
+  MatmulShape shape;
+  shape.input = matmul_input(type);
+  shape.trans_b = true;
+  shape.M = shape.N = shape.K = shape.lda = shape.ldb = shape.ldc = 64;
+  return onednn_matmul_impl(shape);
 }
 
 // oneDNN's implementation name for a plain row-major shape ("brg:avx512_core_bf16"), or "" when it has none.
@@ -213,46 +143,22 @@ template <typename CT>
 void gemm_native(const LowpType type, const bool trans_a, const bool trans_b, const int64_t M, const int64_t N,
                  const int64_t K, const float alpha, const uint16_t* A, const int64_t lda, const uint16_t* B,
                  const int64_t ldb, const float beta, CT* C, const int64_t ldc, const float* bias_N) {
-  const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
-  const NativeKey key{
-      type,   std::is_same_v<CT, uint16_t>, trans_a, trans_b, bias_N != nullptr, M, N, K, lda, ldb, ldc, alpha, beta,
-      threads};
-  std::shared_ptr<const NativeGemm> gemm;
-  try {
-    gemm = native_gemm(key);
-  } catch (const dnnl::error& error) {
-    throw std::runtime_error("gemm_lowp: oneDNN has no " + std::string(lowp_type_name(type)) +
-                             " matmul for M=" + std::to_string(M) + " N=" + std::to_string(N) +
-                             " K=" + std::to_string(K) + " (" + error.what() + ")");
-  }
-  const dnnl::engine& engine = cpu_engine();
-  thread_local std::vector<std::byte> scratch;
-  const size_t scratch_bytes = gemm->pd.scratchpad_desc().get_size();
-  if (scratch.size() < scratch_bytes) scratch.resize(scratch_bytes);
-  std::unordered_map<int, dnnl::memory> args = {
-      {DNNL_ARG_SRC, dnnl::memory(gemm->pd.src_desc(), engine, const_cast<uint16_t*>(A))},
-      {DNNL_ARG_WEIGHTS, dnnl::memory(gemm->pd.weights_desc(), engine, const_cast<uint16_t*>(B))},
-      {DNNL_ARG_DST, dnnl::memory(gemm->pd.dst_desc(), engine, C)},
-      {DNNL_ARG_SCRATCHPAD, dnnl::memory(gemm->pd.scratchpad_desc(), engine, scratch.data())}};
-  if (bias_N != nullptr) {
-    args.emplace(DNNL_ARG_BIAS, dnnl::memory(gemm->pd.bias_desc(), engine, const_cast<float*>(bias_N)));
-  }
-  dnnl::stream stream(engine);
-  gemm->primitive.execute(stream, args);
-  stream.wait();
+  const MatmulShape shape{matmul_input(type),
+                          std::is_same_v<CT, uint16_t>,
+                          trans_a,
+                          trans_b,
+                          bias_N != nullptr,
+                          M,
+                          N,
+                          K,
+                          lda,
+                          ldb,
+                          ldc,
+                          alpha,
+                          beta,
+                          onednn_matmul_threads()};
+  onednn_matmul("gemm_lowp", shape, A, B, C, bias_N);
 }
-#else
-constexpr bool kNativeBuilt = false;
-const std::string& native_impl(LowpType) {
-  static const std::string none;
-  return none;
-}
-template <typename CT>
-void gemm_native(LowpType, bool, bool, int64_t, int64_t, int64_t, float, const uint16_t*, int64_t, const uint16_t*,
-                 int64_t, float, CT*, int64_t, const float*) {
-  throw std::logic_error("gemm_lowp: native path not built");
-}
-#endif
 
 // ---- convert path: fp32 tiles and sgemm ---------------------------------------------------------------------------
 
@@ -382,7 +288,7 @@ bool cpu_has_lowp_amx(const LowpType type) {
 
 bool lowp_native_available(const LowpType type, std::string* why_not) {
   std::string reason;
-  if (!kNativeBuilt) {
+  if (!onednn_matmul_built()) {
     reason = "moecore's native path uses the oneDNN 2.x API; this build has " + onednn_version();
   } else if (native_impl(type).empty()) {
     reason = onednn_version() + " has no CPU " + std::string(lowp_type_name(type)) + " matmul on this CPU";
