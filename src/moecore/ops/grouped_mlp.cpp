@@ -10,6 +10,7 @@
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/precision.h"
 #include "moecore/ops/quantization.h"
+#include "moecore/ops/weight_casts.h"
 
 namespace moecore::ops {
 using detail::ptr;
@@ -108,16 +109,45 @@ std::vector<S*> data_of(const Span& tensors_E, const int64_t E) {
 template <typename S>
 struct Pointers {  // keeps the per-expert pointer arrays alive for the kernel call
   std::vector<const S*> w1, b1, w2, b2;
+  std::vector<Tensor> casts;  // the step's kept 16-bit casts (weight_casts.h) of w1 and w2, when every one is kept
+  std::vector<const uint16_t*> w1_16, w2_16;
   kernels::GroupedMlpWeights<S> weights() const {
-    return {w1.data(), b1.empty() ? nullptr : b1.data(), w2.data(), b2.empty() ? nullptr : b2.data()};
+    return {w1.data(),
+            b1.empty() ? nullptr : b1.data(),
+            w2.data(),
+            b2.empty() ? nullptr : b2.data(),
+            w1_16.empty() ? nullptr : w1_16.data(),
+            w2_16.empty() ? nullptr : w2_16.data()};
   }
 };
 template <typename S>
 Pointers<S> pointers(const GroupedMlpParams& p, const int64_t E) {
-  Pointers<S> out{data_of<const S>(p.fc1_weight_E, E), {}, data_of<const S>(p.fc2_weight_E, E), {}};
+  Pointers<S> out;
+  out.w1 = data_of<const S>(p.fc1_weight_E, E);
+  out.w2 = data_of<const S>(p.fc2_weight_E, E);
   if (!p.fc1_bias_E.empty()) out.b1 = data_of<const S>(p.fc1_bias_E, E);
   if (!p.fc2_bias_E.empty()) out.b2 = data_of<const S>(p.fc2_bias_E, E);
   return out;
+}
+
+// The native GEMMs' 16-bit weights from the step's kept casts, where a scope keeps them for every expert.
+void add_kept_casts(Pointers<float>& w, const GroupedMlpParams& p, const kernels::GroupedMlpShape& s) {
+  if (!s.native_gemm || !weight_casts_live()) return;
+  const DType dtype = s.native_type == kernels::LowpType::kBF16 ? DType::kBF16 : DType::kF16;
+  std::vector<const uint16_t*> w1_16, w2_16;
+  for (int64_t e = 0; e < s.E; ++e) {
+    const Tensor* fc1 = p.fc1_weight_E[static_cast<size_t>(e)];
+    const Tensor* fc2 = p.fc2_weight_E[static_cast<size_t>(e)];
+    if (fc1 == nullptr || fc2 == nullptr) return;
+    Tensor cast1 = cached_weight_cast(*fc1, dtype), cast2 = cached_weight_cast(*fc2, dtype);
+    if (!cast1.defined() || !cast2.defined()) return;
+    w1_16.push_back(cast1.data<uint16_t>());
+    w2_16.push_back(cast2.data<uint16_t>());
+    w.casts.push_back(std::move(cast1));
+    w.casts.push_back(std::move(cast2));
+  }
+  w.w1_16 = std::move(w1_16);
+  w.w2_16 = std::move(w2_16);
 }
 
 template <typename S>
@@ -192,7 +222,8 @@ void grouped_mlp_forward(Tensor& y_RH, Tensor& fc1_RF1, Tensor* act_RF, Tensor* 
   const bool fp32_params = all_fp32(params.fc1_weight_E, params.fc1_bias_E, params.fc2_weight_E, params.fc2_bias_E);
   if (const auto type = activations16({&y_RH, &fc1_RF1, saved_RF, xs, &x_RH}, {&probs_R});
       rounds_to(type, s.rounding) && fp32_params) {
-    const Pointers<float> w = pointers<float>(params, s.E);
+    Pointers<float> w = pointers<float>(params, s.E);
+    add_kept_casts(w, params, s);
     kernels::cpu::grouped_mlp_forward16(*type, y_RH.data<uint16_t>(), fc1_RF1.data<uint16_t>(),
                                         s.weighted_swiglu() ? nullptr : act_RF->data<uint16_t>(),
                                         s.weighted_swiglu() ? h_RF->data<uint16_t>() : nullptr, bits_of<uint16_t>(xs),
@@ -254,7 +285,8 @@ void grouped_mlp_backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpGrads
                                     grads.fc1_weight_E, grads.fc1_bias_E, grads.fc2_weight_E, grads.fc2_bias_E);
   if (rounds_to(type, s.rounding) && fp32_params) {
     Tensor dfc1_RF1({R, s.F1()}, DType::kF32, MemCategory::kActivations, dy_RH.device());
-    const Pointers<float> w = pointers<float>(params, s.E);
+    Pointers<float> w = pointers<float>(params, s.E);
+    add_kept_casts(w, params, s);
     const std::vector<float*> dw1 = data_of<float>(grads.fc1_weight_E, s.E),
                               db1 = data_of<float>(grads.fc1_bias_E, s.E),
                               dw2 = data_of<float>(grads.fc2_weight_E, s.E),

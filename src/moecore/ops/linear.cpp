@@ -16,6 +16,7 @@
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/precision.h"
 #include "moecore/ops/quantization.h"
+#include "moecore/ops/weight_casts.h"
 
 namespace moecore::ops {
 using detail::opt;
@@ -130,11 +131,17 @@ Tensor encode_lowp(const char* op, const kernels::LowpType type, const Tensor& t
   return bits_n;
 }
 
+// A weight's 16-bit bits: the step's kept cast (weight_casts.h), else cast now.
+Tensor weight_lowp(const char* op, const kernels::LowpType type, const Tensor& weight_OI) {
+  Tensor cast = cached_weight_cast(weight_OI, type == kernels::LowpType::kBF16 ? DType::kBF16 : DType::kF16);
+  return cast.defined() ? cast : encode_lowp(op, type, weight_OI);
+}
+
 void linear_forward_native(const kernels::LowpType type, Tensor& out_TO, const Tensor& inp_TI, const Tensor& weight_OI,
                            const Tensor* bias_O, const int64_t T, const int64_t I, const int64_t O) {
   constexpr const char* op = "linear_forward";
   const Tensor x = encode_lowp(op, type, inp_TI);
-  const Tensor w = encode_lowp(op, type, weight_OI);
+  const Tensor w = weight_lowp(op, type, weight_OI);
   detail::with_kernels(op, weight_OI.device(), [&](auto k) {
     k.linear_forward_lowp(type, out_TO.data<float>(), bits(&x), bits(&w), bias_O ? bias_O->data<float>() : nullptr, T,
                           I, O);
@@ -146,7 +153,7 @@ void linear_backward_native(const kernels::LowpType type, Tensor* dinp_TI, Tenso
                             const int64_t I, const int64_t O) {
   constexpr const char* op = "linear_backward";
   const Tensor dy = encode_lowp(op, type, dout_TO);
-  const Tensor w = dinp_TI ? encode_lowp(op, type, weight_OI) : Tensor();
+  const Tensor w = dinp_TI ? weight_lowp(op, type, weight_OI) : Tensor();
   const Tensor x = dweight_OI ? encode_lowp(op, type, *inp_TI) : Tensor();
   detail::with_kernels(op, weight_OI.device(), [&](auto k) {
     k.linear_backward_lowp(type, dinp_TI ? dinp_TI->data<float>() : nullptr,

@@ -14,6 +14,7 @@
 #include "moecore/ops/precision.h"
 #include "moecore/ops/quantization.h"
 #include "moecore/ops/staging.h"
+#include "moecore/ops/weight_casts.h"
 
 namespace moecore::ops {
 namespace {
@@ -93,7 +94,11 @@ void linear_cross_entropy(Tensor& losses_T, const Tensor& input_16_TI, const Ten
   if (T == 0) return;
 
   const Tensor x_TI = native ? narrowed(input_TI, *native, {T, I}) : input_TI.view({T, I});
-  const Tensor weight16_VI = native ? narrowed(weight_VI, *native, {Vl, I}) : Tensor();
+  Tensor weight16_VI;
+  if (native) {
+    const Tensor kept = cached_weight_cast(weight_VI, *native);  // the step's cast (weight_casts.h), if kept
+    weight16_VI = kept.defined() ? kept.view({Vl, I}) : narrowed(weight_VI, *native, {Vl, I});
+  }
   const Tensor& gemm_weight_VI = native ? weight16_VI : weight_VI;
   Tensor loss_T = losses_T.view({T});
   const DType act = activation_dtype(input_TI.device());

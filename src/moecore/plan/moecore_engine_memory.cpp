@@ -393,7 +393,17 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     if (last) dense += s.nrm * s.h + (s.config.untie_embeddings_and_output_weights || !first ? vocab_local * s.h : 0);
     const double params = dense + expert;
     const FsdpSharding fsdp = fsdp_sharding(t, l, units);
-    const double params_current = 4 * (params - fsdp.params_saved + buffers);
+    // The 16-bit casts the step keeps of the weights its native GEMMs read (ops/weight_casts.h), from their first
+    // use in forward to the end of backward: every parameter but the embedding tables' lookups (the word embedding
+    // is cast where it is also the output layer); the norms and the fp32 router count with them (a small over-count).
+    // FSDP's gathered units are not kept.
+    // Under FP8 / FP4 the decoder layers' linear layers quantize their weights instead: the output layer's only.
+    double cast_params = params;
+    if (first) cast_params -= (s.config.untie_embeddings_and_output_weights || !last ? vocab_local * s.h : 0) +
+                              (s.learned_pos ? s.max_pos * s.h : 0);
+    if (c.num_layers > 0 && c.layer_quantization(0) != nullptr) cast_params = last ? vocab_local * s.h : 0;
+    const bool kept_casts = low_precision && ops::gemm_lowp_native(c.params_dtype) && !t.use_megatron_fsdp;
+    const double params_current = 4 * (params - fsdp.params_saved + buffers) + (kept_casts ? 2 * cast_params : 0);
     // ddp.cpp builds each group's flat parameter buffer (dense, then expert) while the parameters still exist; under
     // ZeRO-3 a unit's buffer takes its shard only.
     const double dense_buffer = dense - fsdp.dense_params_saved, expert_buffer = expert - fsdp.expert_params_saved;
@@ -581,7 +591,7 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
 
     StageMemory stage;
     stage.pp_rank = r;
-    stage.weights = params_peak;
+    stage.weights = std::max(params_peak, params_current);
     stage.grads = grads;
     stage.main_weights_and_optimizer = optimizer_peak;
     stage.activations = peak.total();

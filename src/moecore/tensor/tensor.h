@@ -106,6 +106,8 @@ class Tensor {
   Tensor to(Device device, MemCategory category = MemCategory::kOther) const;
   void zero_();
   void copy_from(const Tensor& other);  // same dtype and numel
+  // The memory category its storage is counted under (kOther when undefined).
+  MemCategory category() const { return storage_ ? storage_->category() : MemCategory::kOther; }
   // Whether both are views of one storage (a tensor kept under two names holds its bytes once).
   bool shares_storage(const Tensor& other) const { return storage_ != nullptr && storage_ == other.storage_; }
 

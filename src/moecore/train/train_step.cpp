@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "moecore/ops/device.h"
+#include "moecore/ops/weight_casts.h"
 #include "moecore/parallel/comm_stats.h"
 #include "moecore/pipeline/pipeline_schedule.h"
 #include "moecore/train/batch_schedule.h"
@@ -69,7 +70,11 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   microbatches.position_ids = args.reset_position_ids;
   microbatches.document_ids = args.reset_attention_mask;
   modules.ddp.zero_grad();
-  const TokenWeightedLoss loss = run_pipeline_schedule(schedule, modules.model, &modules.ddp, parallel, microbatches);
+  // No weight changes until the optimizer step: the native 16-bit GEMMs cast each weight once for all micro-batches.
+  const TokenWeightedLoss loss = [&] {
+    const ops::ScopedWeightCasts weight_casts;
+    return run_pipeline_schedule(schedule, modules.model, &modules.ddp, parallel, microbatches);
+  }();
   // The step's kernels are done before the collectives read the gradients on the host (the model's device is the
   // CPU, where this returns at once).
   ops::synchronize(Device::kCPU);

@@ -33,8 +33,15 @@ class NativeKernels : public Kernels {
  public:
   NativeKernels(const LowpType type, const GroupedMlpWeights<float>& w, const GroupedMlpShape& s) : type_(type) {
     const int64_t F1 = s.F1(), w1 = F1 * s.H, w2 = s.H * s.F;
-    weights16_.resize(static_cast<size_t>(s.E * (w1 + w2)));
     by_weight_.reserve(static_cast<size_t>(2 * s.E));
+    if (w.fc1_weight16_E != nullptr && w.fc2_weight16_E != nullptr) {  // the caller's casts
+      for (int64_t e = 0; e < s.E; ++e) {
+        by_weight_.emplace(w.fc1_weight_E[e], w.fc1_weight16_E[e]);
+        by_weight_.emplace(w.fc2_weight_E[e], w.fc2_weight16_E[e]);
+      }
+      return;
+    }
+    weights16_.resize(static_cast<size_t>(s.E * (w1 + w2)));
     for (int64_t e = 0; e < s.E; ++e) {
       by_weight_.emplace(w.fc1_weight_E[e], weights16_.data() + e * (w1 + w2));
       by_weight_.emplace(w.fc2_weight_E[e], weights16_.data() + e * (w1 + w2) + w1);

@@ -41,6 +41,10 @@ struct GroupedMlpWeights {
   const T* const* fc1_bias_E;
   const T* const* fc2_weight_E;
   const T* const* fc2_bias_E;
+  // With GroupedMlpShape::native_gemm, optionally: the weights' 16-bit bits (values of native_type) the GEMMs read,
+  // made by the caller; null: the kernels cast the fp32 weights themselves.
+  const uint16_t* const* fc1_weight16_E = nullptr;
+  const uint16_t* const* fc2_weight16_E = nullptr;
 };
 
 template <typename T>
