@@ -125,8 +125,8 @@ TEST(OpsWeightCasts, NativeGemmsReadTheKeptCastsBitForBit) {
     Tensor ye_TH({T, H}, dtype), fc1_TF1({T, 2 * F}, dtype), h_TF({T, F}, dtype);
     grouped_mlp_forward(ye_TH, fc1_TF1, nullptr, &h_TF, nullptr, x_TH, probs_T, params, offsets_E1, spec);
     Tensor dxe_TH = Tensor::zeros({T, H}, dtype), dprobs_T({T}, DType::kF32);
-    grouped_mlp_backward(dxe_TH, dprobs_T, {dw1p, {}, dw2p, {}}, dy_TH, x_TH, nullptr, fc1_TF1, nullptr, &h_TF,
-                         probs_T, params, offsets_E1, spec);
+    grouped_mlp_backward(dxe_TH, dprobs_T, {dw1p, {}, dw2p, {}}, dy_TH, x_TH, nullptr, fc1_TF1, nullptr, &h_TF, probs_T,
+                         params, offsets_E1, spec);
     out.all = {y_TO, dx_TH, dwq_OH, losses_T, dxo_TH, dw_VH, ye_TH, fc1_TF1, h_TF, dxe_TH, dprobs_T};
     for (int64_t e = 0; e < E; ++e) {
       out.all.push_back(dw1[static_cast<size_t>(e)]);

@@ -399,8 +399,9 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     // FSDP's gathered units are not kept.
     // Under FP8 / FP4 the decoder layers' linear layers quantize their weights instead: the output layer's only.
     double cast_params = params;
-    if (first) cast_params -= (s.config.untie_embeddings_and_output_weights || !last ? vocab_local * s.h : 0) +
-                              (s.learned_pos ? s.max_pos * s.h : 0);
+    if (first)
+      cast_params -= (s.config.untie_embeddings_and_output_weights || !last ? vocab_local * s.h : 0) +
+                     (s.learned_pos ? s.max_pos * s.h : 0);
     if (c.num_layers > 0 && c.layer_quantization(0) != nullptr) cast_params = last ? vocab_local * s.h : 0;
     const bool kept_casts = low_precision && ops::gemm_lowp_native(c.params_dtype) && !t.use_megatron_fsdp;
     const double params_current = 4 * (params - fsdp.params_saved + buffers) + (kept_casts ? 2 * cast_params : 0);
