@@ -88,15 +88,21 @@ class GroupedMLP final : public ExpertMLPBase {
 
   void run_forward(const std::vector<int64_t> &offsets_E1, Tensor &y_RH, ExpertActivations &saved) const override {
     const int64_t R = offsets_E1.back();
-    saved.fc1_RF1 = activation_tensor({R, F1_});
-    (weighted_swiglu() ? saved.h_RF : saved.act_RF) = activation_tensor({R, F_});
-    if (probs_on_input_) saved.xs_RH = activation_tensor({R, H_});
-    if (ops::grouped_mlp_fused(y_RH.device())) {
+    if (ops::grouped_mlp_fused(y_RH.device())) {  // the fused op overwrites every row of its outputs: not zeroed
+      const auto overwritten = [](std::vector<int64_t> shape) {
+        return Tensor::uninitialized(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
+      };
+      saved.fc1_RF1 = overwritten({R, F1_});
+      (weighted_swiglu() ? saved.h_RF : saved.act_RF) = overwritten({R, F_});
+      if (probs_on_input_) saved.xs_RH = overwritten({R, H_});
       const ExpertTensors<const Tensor> p = expert_tensors<const Tensor>(true);
       ops::grouped_mlp_forward(y_RH, saved.fc1_RF1, &saved.act_RF, &saved.h_RF, &saved.xs_RH, saved.x_RH, saved.probs_R,
                                {p.fc1_weight, p.fc1_bias, p.fc2_weight, p.fc2_bias}, offsets_E1, spec());
       return;
     }
+    saved.fc1_RF1 = activation_tensor({R, F1_});
+    (weighted_swiglu() ? saved.h_RF : saved.act_RF) = activation_tensor({R, F_});
+    if (probs_on_input_) saved.xs_RH = activation_tensor({R, H_});
     if (probs_on_input_) ops::scale_rows(saved.xs_RH, saved.x_RH, saved.probs_R);
     saved.fc1_delayed_E.assign(static_cast<size_t>(E_), {});
     saved.fc2_delayed_E.assign(static_cast<size_t>(E_), {});
