@@ -47,6 +47,21 @@ double gflops(const Shape& s, F&& f, const double min_seconds = 1.0) {
   return 2.0 * static_cast<double>(s.m * s.n * s.k) * reps / seconds / 1e9;
 }
 
+// A and B of normal draws, C zeros, and the leading dimensions of A and B.
+struct Operands {
+  std::vector<float> a, b, c;
+  int64_t lda, ldb;
+};
+Operands operands(const Shape& s) {
+  Operands o{std::vector<float>(static_cast<size_t>(s.m * s.k)), std::vector<float>(static_cast<size_t>(s.k * s.n)),
+             std::vector<float>(static_cast<size_t>(s.m * s.n)), s.trans_a ? s.m : s.k, s.trans_b ? s.k : s.n};
+  std::mt19937 gen(1);
+  std::normal_distribution<float> normal;
+  for (float& x : o.a) x = normal(gen);
+  for (float& x : o.b) x = normal(gen);
+  return o;
+}
+
 // The --choice sweep: dnnl_sgemm and the fp32 matmul primitive side by side, best of three alternating rounds.
 void choice_sweep() {
   namespace cpu = moecore::kernels::cpu;
@@ -76,13 +91,7 @@ void choice_sweep() {
   int wrong = 0;
   for (size_t i = 0; i < shapes.size(); ++i) {
     const Shape& s = shapes[i];
-    std::vector<float> a(static_cast<size_t>(s.m * s.k)), b(static_cast<size_t>(s.k * s.n)),
-        c(static_cast<size_t>(s.m * s.n));
-    std::mt19937 gen(1);
-    std::normal_distribution<float> normal;
-    for (float& x : a) x = normal(gen);
-    for (float& x : b) x = normal(gen);
-    const int64_t lda = s.trans_a ? s.m : s.k, ldb = s.trans_b ? s.k : s.n;
+    auto [a, b, c, lda, ldb] = operands(s);
     const cpu::MatmulShape shape{
         cpu::MatmulInput::kF32, false, s.trans_a, s.trans_b, false, s.m, s.n, s.k, lda, ldb, s.n, 1.0f, s.beta,
         omp_get_max_threads()};
@@ -147,13 +156,7 @@ int main(int argc, char** argv) {
       {"e16 output weight grad (32000 x 512 x 2048, TN, C +=)", 32000, 512, 2048, true, false, 1.0f},
   };
   for (const Shape& s : shapes) {
-    std::vector<float> a(static_cast<size_t>(s.m * s.k)), b(static_cast<size_t>(s.k * s.n)),
-        c(static_cast<size_t>(s.m * s.n));
-    std::mt19937 gen(1);
-    std::normal_distribution<float> normal;
-    for (float& x : a) x = normal(gen);
-    for (float& x : b) x = normal(gen);
-    const int64_t lda = s.trans_a ? s.m : s.k, ldb = s.trans_b ? s.k : s.n;
+    auto [a, b, c, lda, ldb] = operands(s);
     const double openblas = gflops(s, [&] {
       cblas_sgemm(CblasRowMajor, s.trans_a ? CblasTrans : CblasNoTrans, s.trans_b ? CblasTrans : CblasNoTrans,
                   static_cast<blasint>(s.m), static_cast<blasint>(s.n), static_cast<blasint>(s.k), 1.0f, a.data(),

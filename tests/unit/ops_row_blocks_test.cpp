@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "lowp_test_values.h"
 #include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/ops/ops.h"
 #include "moecore/ops/precision.h"
@@ -25,20 +26,8 @@ constexpr int64_t kTokens = kS * kB, kHidden = 136;
 // Named tensors of one side: fp32 tensors, or the activations among them as `dtype` tensors.
 using Tensors = std::map<std::string, Tensor>;
 
-Tensor random_values(const std::vector<int64_t>& shape, const DType dtype, const uint32_t seed) {
-  Tensor t(shape, DType::kF32);
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(gen);
-  round_to_dtype_(t, dtype);
-  return t;
-}
-
-Tensor as_dtype(const Tensor& t, const DType dtype) {
-  Tensor out(t.shape(), dtype);
-  convert(out, t);
-  return out;
-}
+using test::as_dtype;
+using test::random_values;
 
 Tensor as_fp32(const Tensor& t) { return t.dtype() == DType::kF32 ? t : as_dtype(t, DType::kF32); }
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "lowp_test_values.h"
 #include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/ops/ops.h"
 #include "moecore/ops/precision.h"
@@ -18,22 +19,8 @@
 namespace moecore::ops {
 namespace {
 
-// fp32 values of `dtype` (a parameter's storage when `category` is kParams).
-Tensor random_values(const std::vector<int64_t>& shape, const DType dtype, const uint32_t seed,
-                     const MemCategory category = MemCategory::kOther) {
-  Tensor t(shape, DType::kF32, category);
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(gen);
-  round_to_dtype_(t, dtype);
-  return t;
-}
-
-Tensor as_dtype(const Tensor& t, const DType dtype) {
-  Tensor out(t.shape(), dtype);
-  convert(out, t);
-  return out;
-}
+using test::as_dtype;
+using test::random_values;
 
 bool same_bits(const Tensor& a, const Tensor& b) {
   return a.nbytes() == b.nbytes() && std::memcmp(a.data<std::byte>(), b.data<std::byte>(), a.nbytes()) == 0;
