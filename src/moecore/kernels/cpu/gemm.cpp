@@ -32,13 +32,15 @@ void check_gemm_args(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K
   if (biggest > INT_MAX) throw std::invalid_argument("gemm: size " + std::to_string(biggest) + " exceeds BLAS int");
 }
 
-// Shapes on which oneDNN's fp32 matmul primitive (brgemm kernels) ran at least 5% faster than dnnl_sgemm in both of
-// two sweeps of bench_gemm --choice (AVX-512, 2 threads, 2048 tokens, hidden 192-2048; bench/RESULTS.md), and was
-// slower on none of the nearby shapes: the output layer's forward and weight gradient at hidden <= 512-2048, the weight
-// gradient of an up-projection and the forward of a down-projection at hidden 256-512, and a 512 x 512 projection.
-// dnnl_sgemm everywhere else, where it ran as fast or faster (up to 2.7x on 3072 -> 768 backward). Each dimension
-// a multiple of 16, so the shapes recur step after step and each primitive is compiled once. A function of the
-// shape alone: a run and its resumption pick the same kernels and repeat bit for bit.
+// Shapes on which oneDNN's fp32 matmul primitive (brgemm kernels) ran faster than dnnl_sgemm in sweeps of
+// `bench_gemm 2 --choice` (AVX-512, 2 threads; linear layers of hidden 192-2048 at 2048 tokens and the output layer's
+// 512-row chunk at vocabulary 32000; bench/RESULTS.md): the output layer's forward at hidden 512-2048 (1.15-1.37x) and
+// its weight gradient at hidden 192-512 (1.06-1.21x), the weight gradient of an up-projection (1.13-1.44x) and the
+// forward of a down-projection (1.05-1.19x) at hidden 256-512, and a 512 x 512 projection (1.06-1.14x; its input
+// gradient 0.97-1.11x). dnnl_sgemm everywhere else, where it ran as fast or faster (up to 2.7x on a 3072 -> 768
+// backward). Each dimension a multiple of 16, so the shapes recur step after step and each primitive is compiled once.
+// A function of the shape alone: the two kernels differ in the last bits, and a run and its resumption must pick the
+// same ones to repeat bit for bit.
 bool fp32_matmul_wins(const bool trans_a, const bool trans_b, const int64_t M, const int64_t N, const int64_t K) {
   if (M % 16 != 0 || N % 16 != 0 || K % 16 != 0 || M == 0 || N == 0 || K == 0) return false;
   const bool nt = !trans_a && trans_b, tn = trans_a && !trans_b, nn = !trans_a && !trans_b;
