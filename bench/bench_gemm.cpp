@@ -69,24 +69,21 @@ void choice_sweep() {
   std::printf("%-28s %6s %6s %6s %9s %9s %7s  %s\n", "shape", "M", "N", "K", "sgemm", "matmul", "ratio", "pick");
   std::vector<Shape> shapes;
   std::vector<std::string> names;
-  const int64_t T = 2048, rows = 512, V = 32000;
+  // The forward (NT), input gradient (NN) and weight gradient (TN, C +=) of a linear layer I -> O over T rows.
+  const auto add_linear = [&](const std::string& name, const int64_t T, const int64_t I, const int64_t O) {
+    shapes.push_back({"", T, O, I, false, true});
+    names.push_back(name + " fwd NT");
+    shapes.push_back({"", T, I, O, false, false, 1.0f});
+    names.push_back(name + " dgrad NN");
+    shapes.push_back({"", O, I, T, true, false, 1.0f});
+    names.push_back(name + " wgrad TN");
+  };
+  const int64_t tokens = 2048, chunk_rows = 512, vocab = 32000;
   for (const int64_t H : {192, 256, 384, 512, 768, 1024, 2048}) {
     for (const auto& [I, O] : {std::pair{H, H}, std::pair{H, 3 * H}, std::pair{H, 4 * H}, std::pair{4 * H, H}}) {
-      const std::string io = std::to_string(I) + "->" + std::to_string(O);
-      shapes.push_back({"", T, O, I, false, true});
-      names.push_back(io + " fwd NT");
-      shapes.push_back({"", T, I, O, false, false, 1.0f});
-      names.push_back(io + " dgrad NN");
-      shapes.push_back({"", O, I, T, true, false, 1.0f});
-      names.push_back(io + " wgrad TN");
+      add_linear(std::to_string(I) + "->" + std::to_string(O), tokens, I, O);
     }
-    const std::string out = "output H" + std::to_string(H);
-    shapes.push_back({"", rows, V, H, false, true});
-    names.push_back(out + " fwd NT");
-    shapes.push_back({"", rows, H, V, false, false, 1.0f});
-    names.push_back(out + " dgrad NN");
-    shapes.push_back({"", V, H, rows, true, false, 1.0f});
-    names.push_back(out + " wgrad TN");
+    add_linear("output H" + std::to_string(H), chunk_rows, H, vocab);
   }
   int wrong = 0;
   for (size_t i = 0; i < shapes.size(); ++i) {
