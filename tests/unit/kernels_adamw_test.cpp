@@ -2,6 +2,7 @@
 // identity (update = lr * g / (|g| + eps) without decay), fast kernel vs the naive reference, and step validation.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -9,6 +10,7 @@
 
 #include "moecore/kernels/cpu/adamw.h"
 #include "moecore/kernels/cpu/convert.h"
+#include "moecore/tensor/dtype.h"
 #include "unit/kernel_test_util.h"
 
 namespace moecore::kernels {
@@ -201,6 +203,30 @@ void expect_consumed_gradient_is_zero() {
 TEST(AdamWTest, ConsumedGradientIsZeroAndTheUpdateUnchanged) {
   expect_consumed_gradient_is_zero<true>();
   expect_consumed_gradient_is_zero<false>();
+}
+
+// The bf16 model weights written in the update loop round as fp32_to_bf16 (ties to even, carries into the exponent,
+// overflow to infinity, NaNs kept NaN and quiet) into an output that is not 16-byte aligned. With lr 0 and no decay
+// the parameters keep their values (a signalling NaN comes out quiet), so the special values reach the rounding.
+TEST(AdamWTest, Bf16ModelWeightsRoundSpecialValuesIntoUnalignedOutput) {
+  const std::vector<uint32_t> special_bits = {0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0xbf808001u, 0x7f7fffffu,
+                                              0xff7fffffu, 0x7f800000u, 0xff800000u, 0x7f800001u, 0xffc00000u,
+                                              0x7fbfffffu, 0x00000001u, 0x80008000u, 0x00000000u, 0x80000000u};
+  std::vector<float> p0 = random_vector<float>(9001, 75);  // several chunks, a ragged end
+  for (size_t i = 0; i < p0.size(); i += 7) p0[i] = std::bit_cast<float>(special_bits[(i / 7) % special_bits.size()]);
+  const int64_t n = static_cast<int64_t>(p0.size());
+  const std::vector<float> grad = random_vector<float>(n, 76, -3.0f, 3.0f);
+  AdamWHyper hp;
+  hp.lr = 0.0;
+  hp.step = 2;
+  std::vector<float> p = p0, m(n, 0.0f), v(n, 0.0f), model_buffer(n + 1, 0.0f);
+  cpu::adamw_step(p.data(), grad.data(), m.data(), v.data(), n, hp, model_buffer.data() + 1, ActivationRounding::kBF16);
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(p[i] == p0[i] || (std::isnan(p[i]) && std::isnan(p0[i]))) << "element " << i;
+    const uint32_t want = static_cast<uint32_t>(fp32_to_bf16(p[i])) << 16;
+    ASSERT_EQ(std::bit_cast<uint32_t>(model_buffer[i + 1]), want) << "element " << i;
+  }
+  EXPECT_EQ(model_buffer[0], 0.0f);
 }
 
 }  // namespace

@@ -998,6 +998,39 @@ TEST(LinearCrossEntropy, ChunkingChangesNothing) {
   }
 }
 
+// Under 16-bit activations on the convert path the fused layer's loss rounds the fp32 logits as it reads them: the
+// same losses and gradients, bit for bit, as the unfused ops, whose linear layer rounds its logits when it writes them
+// (one chunk; the input gradient and the losses for any chunking).
+TEST(LinearCrossEntropy, ConvertPathUnderSixteenBitsMatchesTheUnfusedOps) {
+  constexpr int64_t T = 9, I = 16, V = 37;
+  const std::vector<int32_t> targets = {3, 0, 36, 4, 4, 7, 1, 9, 20};
+  const kernels::cpu::ScopedLowpGemmPath convert(kernels::cpu::LowpGemmPath::kConvert);
+  for (const DType low : {DType::kBF16, DType::kF16}) {
+    Tensor inp = random_tensor({T, I}, DType::kF32, 41), weight = random_tensor({V, I}, DType::kF32, 42, 4.0);
+    Tensor dlosses = random_tensor({T}, DType::kF32, 43);
+    round_to_dtype_(inp, low);
+    round_to_dtype_(weight, low);
+    const ScopedActivationDType precision(low, Device::kCPU, ActivationStorage::kF32);
+    Tensor logits = tensor_on({T, V}, DType::kF32), losses = tensor_on({T}, DType::kF32),
+           lse = tensor_on({T}, DType::kF32);
+    linear_forward(logits, inp, weight);
+    cross_entropy_forward(losses, lse, logits, targets);
+    cross_entropy_backward(logits, dlosses, logits, lse, targets);
+    Tensor dinp = tensor_on({T, I}, DType::kF32), dweight = tensor_on({V, I}, DType::kF32);
+    linear_backward(&dinp, &dweight, nullptr, logits, &inp, weight);
+    for (const int64_t chunk : {int64_t{2}, T}) {
+      Tensor fused_losses = tensor_on({T}, DType::kF32), fused_dinp = tensor_on({T, I}, DType::kF32),
+             fused_dweight = tensor_on({V, I}, DType::kF32);
+      linear_cross_entropy(fused_losses, inp, weight, targets, chunk, &dlosses, &fused_dinp, &fused_dweight);
+      const std::string what = std::string(dtype_name(low)) + ", chunk " + std::to_string(chunk);
+      EXPECT_TRUE(close(fused_losses, losses, 0.0)) << what;
+      EXPECT_TRUE(close(fused_dinp, dinp, 0.0)) << what;
+      // Several chunks add their weight gradients in another order.
+      EXPECT_TRUE(close(fused_dweight, dweight, chunk == T ? 0.0 : 1e-6)) << what;
+    }
+  }
+}
+
 TEST(LinearCrossEntropy, ChunkRowsFollowTheBudget) {
   EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{32} << 20), 256);     // 32 MiB / (4 B * 32000): 262
   EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000, int64_t{32} << 20), 100);      // never more than T

@@ -113,6 +113,10 @@ void linear_cross_entropy(Tensor& losses_T, const Tensor& input_16_TI, const Ten
   // (cross_entropy_fused, which rounds the logits and the gradient as the unfused ops do) where the vocabulary is
   // whole.
   const bool logits16 = native && !split;
+  // cross_entropy_fused rounds the fp32 logits as it reads each row: a rounding pass of the linear layer's over the
+  // whole chunk before it would give the same values for one more trip through memory.
+  const bool logits_rounded_by_loss = !logits16 && !split && rounding != kernels::ActivationRounding::kNone &&
+                                      linear_quantization(input_TI.device()) == nullptr;
   Tensor logits_buffer = Tensor::uninitialized({std::min(chunk_rows, T), Vl}, logits16 ? *native : dtype,
                                                MemCategory::kActivations, input_TI.device());
   for (int64_t t0 = 0; t0 < T; t0 += chunk_rows) {
@@ -120,7 +124,12 @@ void linear_cross_entropy(Tensor& losses_T, const Tensor& input_16_TI, const Ten
     const std::span<const int32_t> targets_n = targets_T.subspan(static_cast<size_t>(t0), static_cast<size_t>(n));
     const Tensor x_nI = x_TI.slice_rows(t0, t1);
     Tensor logits_nV = logits_buffer.slice_rows(0, n);
-    linear_forward(logits_nV, x_nI, gemm_weight_VI);
+    if (logits_rounded_by_loss) {
+      const ScopedActivationDType unrounded(DType::kF32, input_TI.device());
+      linear_forward(logits_nV, x_nI, gemm_weight_VI);
+    } else {
+      linear_forward(logits_nV, x_nI, gemm_weight_VI);
+    }
     Tensor loss_n = loss_T.slice_rows(t0, t1);
     Tensor lse_n({n}, dtype, MemCategory::kActivations, input_TI.device());
     Tensor dloss_n;

@@ -4,6 +4,8 @@
 // option in pragmas and attributes, so it has to come from the build flags.
 #include "moecore/kernels/cpu/adamw.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -11,6 +13,7 @@
 #include <string>
 #include <type_traits>
 
+#include "moecore/kernels/cpu/bf16_value.h"
 #include "moecore/kernels/cpu/vector_isa.h"
 
 namespace moecore::kernels::cpu {
@@ -26,19 +29,46 @@ struct AdamWScalars {
   T decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, grad_scale;
 };
 
+// One element's update; returns the new parameter.
+template <typename T>
+[[gnu::always_inline]] inline T adamw_element(const int64_t i, T* param, const T* grad, T* exp_avg, T* exp_avg_sq,
+                                              const AdamWScalars<T>& k) {
+  const T g = grad[i] * k.grad_scale;
+  const T m = k.beta1 * exp_avg[i] + k.one_minus_beta1 * g;
+  const T v = k.beta2 * exp_avg_sq[i] + k.one_minus_beta2 * g * g;
+  exp_avg[i] = m;
+  exp_avg_sq[i] = v;
+  const T p = param[i] * k.decay - k.step_size * m / (std::sqrt(v) / k.bias_correction2_sqrt + k.eps);
+  param[i] = p;
+  return p;
+}
+
 // Elements [i0, i1) of the update, compiled per vector ISA.
 template <typename T>
 MOECORE_VECTOR_CLONES void adamw_chunk(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, const int64_t i0,
                                        const int64_t i1, const AdamWScalars<T>& k) {
 #pragma omp simd
-  for (int64_t i = i0; i < i1; ++i) {
-    const T g = grad[i] * k.grad_scale;
-    const T m = k.beta1 * exp_avg[i] + k.one_minus_beta1 * g;
-    const T v = k.beta2 * exp_avg_sq[i] + k.one_minus_beta2 * g * g;
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
-    param[i] = param[i] * k.decay - k.step_size * m / (std::sqrt(v) / k.bias_correction2_sqrt + k.eps);
-  }
+  for (int64_t i = i0; i < i1; ++i) adamw_element(i, param, grad, exp_avg, exp_avg_sq, k);
+}
+
+// The same update, writing each new parameter rounded to bf16 to model_chunk[i - i0] in the loop itself. A copy and a
+// rounding pass over the chunk after it cost a fifth of the update's time.
+MOECORE_VECTOR_CLONES void adamw_chunk_bf16_model(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                                                  float* model_chunk, const int64_t i0, const int64_t i1,
+                                                  const AdamWScalars<float>& k) {
+#pragma omp simd
+  for (int64_t i = i0; i < i1; ++i)
+    model_chunk[i - i0] = bf16_value(adamw_element(i, param, grad, exp_avg, exp_avg_sq, k));
+}
+
+// dst[0, n) = src[0, n) with non-temporal stores where dst is 16-byte aligned: the model weights are not read again
+// before the next forward, and a plain store would first read each line it writes.
+void stream_copy(float* dst, const float* src, const int64_t n) {
+  int64_t i = 0;
+  for (; i < n && reinterpret_cast<uintptr_t>(dst + i) % 16 != 0; ++i) dst[i] = src[i];
+  for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+  for (; i < n; ++i) dst[i] = src[i];
+  _mm_sfence();
 }
 }  // namespace
 
@@ -63,12 +93,20 @@ void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, c
 #pragma omp parallel for schedule(static) if (n > kParallelWork)
   for (int64_t i = 0; i < n; i += kChunk) {
     const int64_t end = std::min(n, i + kChunk);
-    adamw_chunk(param, grad, exp_avg, exp_avg_sq, i, end, k);
+    bool model_written = false;
+    if constexpr (std::is_same_v<T, float>) {
+      if (model != nullptr && model_rounding == ActivationRounding::kBF16) {
+        alignas(64) float model_chunk[kChunk];
+        adamw_chunk_bf16_model(param, grad, exp_avg, exp_avg_sq, model_chunk, i, end, k);
+        stream_copy(model + i, model_chunk, end - i);
+        model_written = true;
+      }
+    }
+    if (!model_written) adamw_chunk(param, grad, exp_avg, exp_avg_sq, i, end, k);
     if (grad_to_zero != nullptr) std::fill(grad_to_zero + i, grad_to_zero + end, T(0));  // the chunk is in cache
     if constexpr (std::is_same_v<T, float>) {
-      if (model == nullptr) continue;
+      if (model == nullptr || model_written) continue;
       std::copy(param + i, param + end, model + i);  // the chunk is still in cache
-      if (model_rounding == ActivationRounding::kBF16) round_bf16(model + i, end - i);
       if (model_rounding == ActivationRounding::kF16) round_fp16(model + i, end - i);
     }
   }
