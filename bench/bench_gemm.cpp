@@ -84,6 +84,8 @@ void choice_sweep() {
       add_linear(std::to_string(I) + "->" + std::to_string(O), tokens, I, O);
     }
     add_linear("output H" + std::to_string(H), chunk_rows, H, vocab);
+    // Half the rows: the chunk of fp32 logits under 16-bit activations on the convert path (model/vocab_parallel.h).
+    add_linear("output/2 H" + std::to_string(H), chunk_rows / 2, H, vocab);
   }
   int wrong = 0;
   for (size_t i = 0; i < shapes.size(); ++i) {
