@@ -39,6 +39,18 @@ TEST(ElementwiseTest, SumSquaresAccumulatesInDouble) {
   EXPECT_NEAR(cpu::sum_squares<double>(r.data(), 1001), naive, 1e-12 * naive);
 }
 
+// Every element counted once, whatever the chunking: sizes that leave ragged quarter streams and tails, one chunk,
+// several, and more than one thread's share.
+TEST(ElementwiseTest, SumSquaresCountsEveryElementOnce) {
+  for (const int64_t n : {int64_t{1}, int64_t{3}, int64_t{4097}, int64_t{65537}, int64_t{(1 << 18) + 5},
+                          int64_t{3 * (1 << 18) + 7}, int64_t{(1 << 21) + 3}}) {
+    const auto x = random_vector<float>(n, 11);
+    double naive = 0.0;
+    for (const float v : x) naive += static_cast<double>(v) * static_cast<double>(v);
+    EXPECT_NEAR(cpu::sum_squares<float>(x.data(), n), naive, 1e-12 * naive) << "n " << n;
+  }
+}
+
 TEST(ElementwiseTest, AllFiniteDetectsNanAndInf) {
   for (const int64_t n : {int64_t{37}, int64_t{100003}}) {
     auto x = random_vector<double>(n, 4);

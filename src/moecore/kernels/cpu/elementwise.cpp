@@ -1,6 +1,8 @@
 // Small vector helpers: OpenMP over chunks, each a SIMD loop compiled per vector ISA.
 #include "moecore/kernels/cpu/elementwise.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -24,11 +26,23 @@ MOECORE_VECTOR_CLONES void scale_chunk(T* y, const T alpha, const int64_t i0, co
   for (int64_t i = i0; i < i1; ++i) y[i] *= alpha;
 }
 
+// Elements [i0, i1) read as four interleaved streams, a quarter each: one sequential stream per thread left the
+// gradient-norm pass at two thirds of the memory bandwidth the optimizer's five streams reach.
+constexpr int64_t kSumSquaresChunk = int64_t{1} << 18;
 template <typename T>
 MOECORE_VECTOR_CLONES double sum_squares_chunk(const T* x, const int64_t i0, const int64_t i1) {
-  double total = 0.0;
-#pragma omp simd reduction(+ : total)
-  for (int64_t i = i0; i < i1; ++i) total += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  const int64_t quarter = (i1 - i0) / 4;
+  const T *a = x + i0, *b = a + quarter, *c = b + quarter, *d = c + quarter;
+  double ta = 0.0, tb = 0.0, tc = 0.0, td = 0.0;
+#pragma omp simd reduction(+ : ta, tb, tc, td)
+  for (int64_t i = 0; i < quarter; ++i) {
+    ta += static_cast<double>(a[i]) * static_cast<double>(a[i]);
+    tb += static_cast<double>(b[i]) * static_cast<double>(b[i]);
+    tc += static_cast<double>(c[i]) * static_cast<double>(c[i]);
+    td += static_cast<double>(d[i]) * static_cast<double>(d[i]);
+  }
+  double total = (ta + tb) + (tc + td);
+  for (int64_t i = i0 + 4 * quarter; i < i1; ++i) total += static_cast<double>(x[i]) * static_cast<double>(x[i]);
   return total;
 }
 
@@ -56,8 +70,11 @@ void scale_inplace(T* y, const T alpha, const int64_t n) {
 template <typename T>
 double sum_squares(const T* x, const int64_t n) {
   double total = 0.0;
+  // At least four chunks a thread, so that a tensor of a few chunks is not left mostly to one.
+  const int64_t per_thread = n / (4 * static_cast<int64_t>(omp_get_max_threads()));
+  const int64_t chunk = std::clamp<int64_t>(per_thread - per_thread % kChunk, kChunk, kSumSquaresChunk);
 #pragma omp parallel for schedule(static) reduction(+ : total) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; i += kChunk) total += sum_squares_chunk(x, i, std::min(n, i + kChunk));
+  for (int64_t i = 0; i < n; i += chunk) total += sum_squares_chunk(x, i, std::min(n, i + chunk));
   return total;
 }
 
