@@ -206,7 +206,8 @@ TEST(AdamWTest, ConsumedGradientIsZeroAndTheUpdateUnchanged) {
 }
 
 // The bf16 model weights written in the update loop round as fp32_to_bf16 (ties to even, carries into the exponent,
-// overflow to infinity, NaNs kept NaN and quiet) into an output that is not 16-byte aligned. With lr 0 and no decay
+// overflow to infinity, NaNs kept NaN and quiet) into an output that is not 16-byte aligned, and their bf16 bits
+// (model_bf16) are those values' upper halves, on both kernel sets. With lr 0 and no decay
 // the parameters keep their values (a signalling NaN comes out quiet), so the special values reach the rounding.
 TEST(AdamWTest, Bf16ModelWeightsRoundSpecialValuesIntoUnalignedOutput) {
   const std::vector<uint32_t> special_bits = {0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0xbf808001u, 0x7f7fffffu,
@@ -219,14 +220,27 @@ TEST(AdamWTest, Bf16ModelWeightsRoundSpecialValuesIntoUnalignedOutput) {
   AdamWHyper hp;
   hp.lr = 0.0;
   hp.step = 2;
-  std::vector<float> p = p0, m(n, 0.0f), v(n, 0.0f), model_buffer(n + 1, 0.0f);
-  cpu::adamw_step(p.data(), grad.data(), m.data(), v.data(), n, hp, model_buffer.data() + 1, ActivationRounding::kBF16);
-  for (int64_t i = 0; i < n; ++i) {
-    ASSERT_TRUE(p[i] == p0[i] || (std::isnan(p[i]) && std::isnan(p0[i]))) << "element " << i;
-    const uint32_t want = static_cast<uint32_t>(fp32_to_bf16(p[i])) << 16;
-    ASSERT_EQ(std::bit_cast<uint32_t>(model_buffer[i + 1]), want) << "element " << i;
+  for (const bool fast : {true, false}) {
+    std::vector<float> p = p0, m(n, 0.0f), v(n, 0.0f), model_buffer(n + 1, 0.0f);
+    std::vector<uint16_t> bits_buffer(n + 1, 0);  // the weights' bf16 bits, also at an odd offset
+    const auto step = fast ? cpu::adamw_step<float> : ref::adamw_step<float>;
+    step(p.data(), grad.data(), m.data(), v.data(), n, hp, model_buffer.data() + 1, ActivationRounding::kBF16, nullptr,
+         bits_buffer.data() + 1);
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_TRUE(p[i] == p0[i] || (std::isnan(p[i]) && std::isnan(p0[i]))) << "element " << i;
+      const uint16_t want = fp32_to_bf16(p[i]);
+      ASSERT_EQ(std::bit_cast<uint32_t>(model_buffer[i + 1]), static_cast<uint32_t>(want) << 16) << "element " << i;
+      ASSERT_EQ(bits_buffer[i + 1], want) << "element " << i << (fast ? " fast" : " ref");
+    }
+    EXPECT_EQ(model_buffer[0], 0.0f);
+    EXPECT_EQ(bits_buffer[0], 0);
   }
-  EXPECT_EQ(model_buffer[0], 0.0f);
+  std::vector<float> p = p0, m(n, 0.0f), v(n, 0.0f), model(n);
+  std::vector<uint16_t> bits(n);
+  EXPECT_THROW(cpu::adamw_step<float>(p.data(), grad.data(), m.data(), v.data(), n, hp, model.data(),
+                                      ActivationRounding::kF16, nullptr, bits.data()),
+               std::invalid_argument)
+      << "bf16 bits of fp16 weights";
 }
 
 }  // namespace

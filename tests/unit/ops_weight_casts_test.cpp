@@ -62,6 +62,52 @@ TEST(OpsWeightCasts, KeepsOneExactCastPerParameterWithinTheScope) {
 
 // Every output of the three ops on the native GEMMs, without a scope and inside one (bf16 activations and weights
 // that are parameters holding bf16 values), must agree bit for bit, and the scope must have kept the weights' casts.
+// A carry hands a scope's casts on as stale; the ones the optimizer refreshes (rewriting them with its update) start
+// the next scope, read there without a new cast; the others are freed by drop_stale and cast afresh.
+TEST(OpsWeightCasts, CarryStartsTheNextScopeWithTheRefreshedCasts) {
+  Tensor updated = random_values({32, 24}, DType::kBF16, 3, MemCategory::kParams);
+  Tensor untouched = random_values({16, 8}, DType::kBF16, 4, MemCategory::kParams);
+  WeightCastCarry carry;
+  Tensor first_updated, first_untouched;
+  {
+    const ScopedWeightCasts step(&carry);
+    first_updated = cached_weight_cast(updated, DType::kBF16);
+    first_untouched = cached_weight_cast(untouched, DType::kBF16);
+  }
+  EXPECT_EQ(weight_casts_kept(), 0);
+  EXPECT_EQ(carry.stale(), 2);
+  EXPECT_EQ(carry.fresh(), 0);
+  EXPECT_FALSE(carry.refresh(updated, DType::kF16).defined()) << "no fp16 cast was kept";
+  // The optimizer's update of one weight, writing its cast in the same pass (ops::adamw_step's model_bf16).
+  const int64_t n = updated.numel();
+  Tensor main = updated.clone(), grad = random_values({32, 24}, DType::kF32, 5);
+  Tensor exp_avg({n}, DType::kF32), exp_avg_sq({n}, DType::kF32);
+  AdamWHyper hyper;
+  hyper.lr = 0.05;
+  Tensor cast = carry.refresh(updated, DType::kBF16);
+  ASSERT_TRUE(cast.shares_storage(first_updated));
+  adamw_step(main, grad, exp_avg, exp_avg_sq, hyper, &updated, DType::kBF16, nullptr, &cast);
+  EXPECT_FALSE(carry.refresh(updated, DType::kBF16).defined()) << "refreshed once";
+  EXPECT_EQ(carry.fresh(), 1);
+  carry.drop_stale();
+  EXPECT_EQ(carry.stale(), 0);
+  untouched.data<float>()[0] = 2.0f;  // changed without the carry's knowledge: its cast is gone
+  {
+    const ScopedWeightCasts step(&carry);
+    EXPECT_EQ(carry.fresh(), 0) << "the scope took the fresh casts";
+    EXPECT_EQ(weight_casts_kept(), 1);
+    const Tensor next_updated = cached_weight_cast(updated, DType::kBF16);
+    EXPECT_TRUE(next_updated.shares_storage(first_updated)) << "read without a new cast";
+    Tensor fresh_cast({n}, DType::kBF16);
+    convert(fresh_cast, updated.view({n}));
+    EXPECT_TRUE(same_bits(next_updated, fresh_cast)) << "the refreshed bits are the updated weight's cast";
+    const Tensor next_untouched = cached_weight_cast(untouched, DType::kBF16);
+    EXPECT_FALSE(next_untouched.shares_storage(first_untouched));
+    EXPECT_EQ(next_untouched.data<uint16_t>()[0], uint16_t{0x4000});  // 2.0 in bf16
+  }
+  EXPECT_EQ(carry.stale(), 2);
+}
+
 TEST(OpsWeightCasts, NativeGemmsReadTheKeptCastsBitForBit) {
   constexpr DType dtype = DType::kBF16;
   if (!kernels::cpu::lowp_native_available(kernels::LowpType::kBF16)) GTEST_SKIP() << "no native bf16 GEMM here";

@@ -55,7 +55,7 @@ bool all_finite(const Tensor& x) {
 }
 
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWHyper& hyper,
-                Tensor* model, const DType model_dtype, Tensor* grad_to_zero) {
+                Tensor* model, const DType model_dtype, Tensor* grad_to_zero, Tensor* model_bf16) {
   constexpr const char* op = "adamw_step";
   const detail::Staging staging;
   detail::check_tensors(op, {&param, &grad, &exp_avg, &exp_avg_sq, model});
@@ -78,10 +78,17 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
        std::as_const(*grad_to_zero).data<std::byte>() != grad.data<std::byte>())) {
     detail::fail(op, "grad_to_zero must be the gradient tensor itself, of the parameters' dtype");
   }
+  if (model_bf16 != nullptr &&
+      (model == nullptr || model_dtype != DType::kBF16 || model_bf16->dtype() != DType::kBF16 ||
+       model_bf16->numel() != n || model_bf16->device() != param.device())) {
+    detail::fail(op,
+                 "model_bf16 must be a bf16 tensor of the parameters' size on their device, with bf16 model weights");
+  }
   detail::dispatch(op, param, [&]<typename T>(auto k) {
     k.adamw_step(ptr<T>(param), ptr<T>(grad), ptr<T>(exp_avg), ptr<T>(exp_avg_sq), n, hyper,
                  model != nullptr ? ptr<T>(*model) : nullptr, rounding,
-                 grad_to_zero != nullptr ? ptr<T>(*grad_to_zero) : nullptr);
+                 grad_to_zero != nullptr ? ptr<T>(*grad_to_zero) : nullptr,
+                 model_bf16 != nullptr ? model_bf16->data<uint16_t>() : nullptr);
   });
 }
 

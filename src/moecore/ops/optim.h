@@ -14,8 +14,10 @@ using quant::StateFormat;
 // (semantics: kernels/cpu/adamw.h). With `model` (fp32), the same pass writes each updated parameter there rounded
 // to model_dtype (kBF16 / kF16; kF32 copies): the model weights from the main parameters. All tensors have the same
 // number of elements. With `grad_to_zero` (grad itself, fp32) the update zeroes each gradient element it has read.
+// With `model_bf16` (a bf16 tensor; model_dtype kBF16) it also writes the model weights' bf16 bits there.
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWHyper& hyper,
-                Tensor* model = nullptr, DType model_dtype = DType::kF32, Tensor* grad_to_zero = nullptr);
+                Tensor* model = nullptr, DType model_dtype = DType::kF32, Tensor* grad_to_zero = nullptr,
+                Tensor* model_bf16 = nullptr);
 
 // Optimizer states stored in a reduced format (quant/optimizer_state.h, TransformerEngine FusedAdam's storage).
 // The tensor dtype a format is stored in: kF32, kF16, kBF16, or kU8 (E4M3 codes).

@@ -24,9 +24,11 @@ struct Entry {
   Tensor cast_n;
 };
 
+using Entries = std::map<Key, Entry>;
+
 struct Casts {
   int depth = 0;
-  std::map<Key, Entry> entries;
+  Entries entries;
 };
 
 // The training loop's thread only: the ops that read the copies run there (their kernels fork below them).
@@ -37,10 +39,43 @@ Casts& casts() {
 
 }  // namespace
 
-ScopedWeightCasts::ScopedWeightCasts() { ++casts().depth; }
+struct WeightCastCarry::State {
+  Entries stale, fresh;
+};
+
+WeightCastCarry::WeightCastCarry() : state_(std::make_unique<State>()) {}
+
+WeightCastCarry::~WeightCastCarry() = default;
+
+Tensor WeightCastCarry::refresh(const Tensor& weight, const DType dtype) {
+  if (!weight.defined() || weight.dtype() != DType::kF32) return Tensor();
+  const auto it = state_->stale.find(Key{weight.data<float>(), weight.numel(), dtype});
+  if (it == state_->stale.end()) return Tensor();
+  Tensor cast_n = it->second.cast_n;
+  state_->fresh.insert(state_->stale.extract(it));
+  return cast_n;
+}
+
+void WeightCastCarry::drop_stale() { state_->stale.clear(); }
+
+int64_t WeightCastCarry::fresh() const { return static_cast<int64_t>(state_->fresh.size()); }
+
+int64_t WeightCastCarry::stale() const { return static_cast<int64_t>(state_->stale.size()); }
+
+ScopedWeightCasts::ScopedWeightCasts(WeightCastCarry* carry) : carry_(casts().depth == 0 ? carry : nullptr) {
+  ++casts().depth;
+  if (carry_ == nullptr) return;
+  casts().entries = std::move(carry_->state_->fresh);
+  carry_->state_->fresh.clear();
+  carry_->state_->stale.clear();
+}
 
 ScopedWeightCasts::~ScopedWeightCasts() {
-  if (--casts().depth == 0) casts().entries.clear();
+  if (--casts().depth != 0) return;
+  if (carry_ != nullptr) {
+    carry_->state_->stale = std::move(casts().entries);
+  }
+  casts().entries.clear();
 }
 
 bool weight_casts_live() { return casts().depth > 0; }

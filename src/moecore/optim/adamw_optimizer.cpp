@@ -78,7 +78,8 @@ double AdamWOptimizer::clip_grad_norm(const double max_norm) {
   return norm;
 }
 
-void AdamWOptimizer::step(const double lr, const float grad_scale, const bool consume_grads) {
+void AdamWOptimizer::step(const double lr, const float grad_scale, const bool consume_grads,
+                          ops::WeightCastCarry* casts) {
   ++step_;
   // Last parameter first: the gradients the norm pass (grad_norm, in parameter order) read last are the ones still in
   // the last-level cache.
@@ -90,8 +91,10 @@ void AdamWOptimizer::step(const double lr, const float grad_scale, const bool co
       ops::adamw_step(p.value, p.grad, exp_avg_[i], exp_avg_sq_[i], hyper, nullptr, DType::kF32,
                       consume_grads ? &p.grad : nullptr);
     } else {
+      Tensor cast =
+          casts != nullptr && options_.params_dtype == DType::kBF16 ? casts->refresh(p.value, DType::kBF16) : Tensor();
       ops::adamw_step(main_[i], p.grad, exp_avg_[i], exp_avg_sq_[i], hyper, &p.value, options_.params_dtype,
-                      consume_grads ? &p.grad : nullptr);
+                      consume_grads ? &p.grad : nullptr, cast.defined() ? &cast : nullptr);
     }
   }
 }

@@ -8,6 +8,7 @@
 
 #include "moecore/model/param.h"
 #include "moecore/ops/optim.h"
+#include "moecore/ops/weight_casts.h"
 
 namespace moecore {
 
@@ -70,7 +71,8 @@ class AdamWOptimizer {
   // coefficient, applied as the update reads them: clip_grad_norm then step(lr) is step(lr, coefficient) with
   // grad_norm, bit for bit, in one pass less). 16-bit weights are written from the main parameters in the same pass.
   // consume_grads: the same pass leaves every gradient zero (the next accumulation needs no zeroing of its own).
-  void step(double lr, float grad_scale = 1.0f, bool consume_grads = false);
+  // With `casts` (bf16 weights) the pass also rewrites each bf16 weight cast the carry holds for the next step.
+  void step(double lr, float grad_scale = 1.0f, bool consume_grads = false, ops::WeightCastCarry* casts = nullptr);
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t steps) { step_ = steps; }  // a checkpoint's count (Adam's bias correction)
   const AdamWOptions& options() const { return options_; }

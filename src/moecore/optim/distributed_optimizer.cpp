@@ -206,9 +206,9 @@ void DistributedAdamW::inject_nonfinite_grad() {
   if (grad.numel() > 0) grad.data<float>()[0] = std::numeric_limits<float>::infinity();
 }
 
-void DistributedAdamW::step(const double lr, float grad_scale, const bool consume_grads) {
+void DistributedAdamW::step(const double lr, float grad_scale, const bool consume_grads, ops::WeightCastCarry* casts) {
   if (replicated_) {
-    replicated_->step(lr, grad_scale, consume_grads);
+    replicated_->step(lr, grad_scale, consume_grads, casts);
     if (consume_grads) ddp_.grads_zeroed();
     return;
   }

@@ -43,8 +43,10 @@ class DistributedAdamW {
   // One AdamW update at learning rate lr, then (distributed optimizer) the parameter all-gather. grad_scale: the
   // clipping coefficient, as AdamWOptimizer::step takes it (grad_norm then step(lr, clip_coefficient) is
   // clip_grad_norm then step(lr), bit for bit). consume_grads (replicated AdamW; the training step): the update
-  // leaves the gradients zero and tells the DDP, whose next zero_grad then skips its pass over them.
-  void step(double lr, float grad_scale = 1.0f, bool consume_grads = false);
+  // leaves the gradients zero and tells the DDP, whose next zero_grad then skips its pass over them. casts: the
+  // replicated AdamW refreshes the carried bf16 weight casts (AdamWOptimizer::step); the distributed optimizer
+  // refreshes none (the all-gather writes the weights), so drop_stale() frees them.
+  void step(double lr, float grad_scale = 1.0f, bool consume_grads = false, ops::WeightCastCarry* casts = nullptr);
   int64_t steps_taken() const { return replicated_ ? replicated_->steps_taken() : step_; }
   void set_steps_taken(int64_t steps) {  // a checkpoint's count (Adam's bias correction)
     if (replicated_) {

@@ -394,8 +394,9 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     const double params = dense + expert;
     const FsdpSharding fsdp = fsdp_sharding(t, l, units);
     // The 16-bit casts the step keeps of the weights its native GEMMs read (ops/weight_casts.h), from their first
-    // use in forward to the end of backward: every parameter but the embedding tables' lookups (the word embedding
-    // is cast where it is also the output layer); the norms and the fp32 router count with them (a small over-count).
+    // use in forward to the end of backward, and under --bf16 with the replicated optimizer on to the next step:
+    // every parameter but the embedding tables' lookups (the word embedding is cast where it is also the output
+    // layer); the norms and the fp32 router count with them (a small over-count).
     // FSDP's gathered units are not kept.
     // Under FP8 / FP4 the decoder layers' linear layers quantize their weights instead: the output layer's only.
     double cast_params = params;

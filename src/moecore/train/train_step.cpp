@@ -70,9 +70,10 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   microbatches.position_ids = args.reset_position_ids;
   microbatches.document_ids = args.reset_attention_mask;
   modules.ddp.zero_grad();
-  // No weight changes until the optimizer step: the native 16-bit GEMMs cast each weight once for all micro-batches.
+  // No weight changes until the optimizer step: the native 16-bit GEMMs cast each weight once for all micro-batches
+  // (or not at all, given the casts the last step's optimizer refreshed).
   const TokenWeightedLoss loss = [&] {
-    const ops::ScopedWeightCasts weight_casts;
+    const ops::ScopedWeightCasts weight_casts(modules.weight_casts);
     return run_pipeline_schedule(schedule, modules.model, &modules.ddp, parallel, microbatches);
   }();
   // The step's kernels are done before the collectives read the gradients on the host (the model's device is the
@@ -175,9 +176,10 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
     // coefficient as it reads them (the same values, one pass over the gradients less).
     // The update zeroes the gradients as it reads them (replicated AdamW), sparing the next step's zero_grad a pass.
     modules.optimizer.step(learning_rate, clip_coefficient(args.clip_grad, result.grad_norm).value_or(1.0f),
-                           /*consume_grads=*/true);
+                           /*consume_grads=*/true, modules.weight_casts);
     modules.schedule.step(args.global_batch_size);
   }
+  if (modules.weight_casts != nullptr) modules.weight_casts->drop_stale();
   modules.model.finish_global_batch();
   result.moe_stats = modules.model.take_moe_stats();
   result.mtp_losses = reduce_mtp_losses(modules.model.take_mtp_stats(), args.model.mtp_num_layers, parallel);

@@ -7,6 +7,7 @@
 #include "moecore/config/arguments.h"
 #include "moecore/data/data_loader.h"
 #include "moecore/model/gpt_model.h"
+#include "moecore/ops/weight_casts.h"
 #include "moecore/optim/ddp.h"
 #include "moecore/optim/distributed_optimizer.h"
 #include "moecore/optim/grad_scaler.h"
@@ -38,6 +39,8 @@ struct TrainingModules {
   LRSchedule& schedule;
   const GPTDataProvider& data;
   LossScalers& loss_scalers;  // --fp16's dynamic scalers or a constant --loss-scale; empty: no loss scaling
+  // The 16-bit weight casts carried from step to step (ops/weight_casts.h); null: each step casts its own.
+  ops::WeightCastCarry* weight_casts = nullptr;
 };
 
 // Iteration progress.iteration + 1 on training samples [consumed_train_samples, + global batch): throws

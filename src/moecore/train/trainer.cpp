@@ -164,7 +164,10 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
     loss_scalers.dense = make_scaler();
     if (run_args.model.moe.enabled()) loss_scalers.expert = make_scaler();
   }
-  const TrainingModules modules{model, *built.ddp, *built.optimizer, schedule, data, loss_scalers};
+  // Nothing but the optimizer step changes a weight between two steps (loading precedes the loop; evaluation and
+  // saving read the weights), so the steps may carry their 16-bit weight casts.
+  ops::WeightCastCarry weight_casts;
+  const TrainingModules modules{model, *built.ddp, *built.optimizer, schedule, data, loss_scalers, &weight_casts};
 
   TrainResult result;
   TrainingProgress& progress = result.progress;

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -70,14 +71,30 @@ void stream_copy(float* dst, const float* src, const int64_t n) {
   for (; i < n; ++i) dst[i] = src[i];
   _mm_sfence();
 }
+
+// The bf16 bits of n bf16 values held as fp32 (their upper halves), written as stream_copy writes.
+void stream_bf16_bits(uint16_t* dst, const float* values, const int64_t n) {
+  alignas(64) uint16_t bits[kChunk];
+  for (int64_t i = 0; i < n; ++i) bits[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(values[i]) >> 16);
+  int64_t i = 0;
+  for (; i < n && reinterpret_cast<uintptr_t>(dst + i) % 16 != 0; ++i) dst[i] = bits[i];
+  for (; i + 8 <= n; i += 8) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i)));
+  }
+  for (; i < n; ++i) dst[i] = bits[i];
+  _mm_sfence();
+}
 }  // namespace
 
 template <typename T>
 void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, const AdamWHyper& hp, T* model,
-                const ActivationRounding model_rounding, T* grad_to_zero) {
+                const ActivationRounding model_rounding, T* grad_to_zero, uint16_t* model_bf16) {
   if (hp.step < 1) throw std::invalid_argument("adamw_step: step=" + std::to_string(hp.step) + " must be >= 1");
   if (model != nullptr && !std::is_same_v<T, float>) {
     throw std::invalid_argument("adamw_step: 16-bit model weights are written from float parameters only");
+  }
+  if (model_bf16 != nullptr && (model == nullptr || model_rounding != ActivationRounding::kBF16)) {
+    throw std::invalid_argument("adamw_step: bf16 bits of the model weights need bf16 model weights");
   }
   const double bias_correction1 = 1.0 - std::pow(hp.beta1, static_cast<double>(hp.step));
   const double bias_correction2 = 1.0 - std::pow(hp.beta2, static_cast<double>(hp.step));
@@ -99,6 +116,7 @@ void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, c
         alignas(64) float model_chunk[kChunk];
         adamw_chunk_bf16_model(param, grad, exp_avg, exp_avg_sq, model_chunk, i, end, k);
         stream_copy(model + i, model_chunk, end - i);
+        if (model_bf16 != nullptr) stream_bf16_bits(model_bf16 + i, model_chunk, end - i);
         model_written = true;
       }
     }
@@ -113,8 +131,8 @@ void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, c
 }
 
 template void adamw_step<float>(float*, const float*, float*, float*, int64_t, const AdamWHyper&, float*,
-                                ActivationRounding, float*);
+                                ActivationRounding, float*, uint16_t*);
 template void adamw_step<double>(double*, const double*, double*, double*, int64_t, const AdamWHyper&, double*,
-                                 ActivationRounding, double*);
+                                 ActivationRounding, double*, uint16_t*);
 
 }  // namespace moecore::kernels::cpu

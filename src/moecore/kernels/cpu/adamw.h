@@ -5,7 +5,9 @@
 // read rather than in a pass of its own). With `model`, the same pass writes each updated parameter rounded to
 // `model_rounding` there too: the 16-bit model weights from the fp32 main parameters (float only). With `grad_to_zero`
 // (the gradient array itself) each gradient element is set to zero once the update has read it: an optimizer that
-// consumes the gradients spares the next step its separate zeroing pass over them.
+// consumes the gradients spares the next step its separate zeroing pass over them. With `model_bf16` (float, model
+// rounding kBF16 only) the same pass also writes each model weight's bf16 bits there: the 16-bit copy the native
+// GEMMs read, made with the weights instead of by a cast pass over them before the next step.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +26,7 @@ struct AdamWHyper {
   template <typename T>                                                                                \
   void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, const AdamWHyper& hp, \
                   T* model = nullptr, ActivationRounding model_rounding = ActivationRounding::kNone,   \
-                  T * grad_to_zero = nullptr);
+                  T * grad_to_zero = nullptr, uint16_t * model_bf16 = nullptr);
 
 namespace cpu {
 MOECORE_ADAMW_DECL

@@ -12,10 +12,13 @@ namespace moecore::kernels::ref {
 
 template <typename T>
 void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, const AdamWHyper& hp, T* model,
-                const ActivationRounding model_rounding, T* grad_to_zero) {
+                const ActivationRounding model_rounding, T* grad_to_zero, uint16_t* model_bf16) {
   if (hp.step < 1) throw std::invalid_argument("ref::adamw_step: step=" + std::to_string(hp.step) + " must be >= 1");
   if (model != nullptr && !std::is_same_v<T, float>) {
     throw std::invalid_argument("ref::adamw_step: 16-bit model weights are written from float parameters only");
+  }
+  if (model_bf16 != nullptr && (model == nullptr || model_rounding != ActivationRounding::kBF16)) {
+    throw std::invalid_argument("ref::adamw_step: bf16 bits of the model weights need bf16 model weights");
   }
   for (int64_t i = 0; i < n; ++i) {
     double p = static_cast<double>(param[i]);
@@ -37,12 +40,13 @@ void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, c
     std::copy(param, param + n, model);
     if (model_rounding == ActivationRounding::kBF16) round_bf16(model, n);
     if (model_rounding == ActivationRounding::kF16) round_fp16(model, n);
+    if (model_bf16 != nullptr) encode_bf16(model_bf16, model, n);
   }
 }
 
 template void adamw_step<float>(float*, const float*, float*, float*, int64_t, const AdamWHyper&, float*,
-                                ActivationRounding, float*);
+                                ActivationRounding, float*, uint16_t*);
 template void adamw_step<double>(double*, const double*, double*, double*, int64_t, const AdamWHyper&, double*,
-                                 ActivationRounding, double*);
+                                 ActivationRounding, double*, uint16_t*);
 
 }  // namespace moecore::kernels::ref
