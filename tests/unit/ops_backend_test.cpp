@@ -974,20 +974,33 @@ TEST(OpsDevices, EachDeviceRunsItsOwnKernels) {
   EXPECT_THROW(gemm_library(Device::kCUDA), std::invalid_argument);
 }
 
+// The unfused output layer + loss: whole logits, cross-entropy forward and backward, linear backward.
+struct UnfusedOutputLayer {
+  Tensor losses, dinp, dweight;
+  UnfusedOutputLayer(const Tensor& inp, const Tensor& weight, const std::vector<int32_t>& targets,
+                     const Tensor& dlosses) {
+    const DType dtype = inp.dtype();
+    const int64_t T = inp.dim(0), I = inp.dim(1), V = weight.dim(0);
+    Tensor logits = tensor_on({T, V}, dtype), lse = tensor_on({T}, dtype);
+    losses = tensor_on({T}, dtype);
+    linear_forward(logits, inp, weight);
+    cross_entropy_forward(losses, lse, logits, targets);
+    cross_entropy_backward(logits, dlosses, logits, lse, targets);
+    dinp = tensor_on({T, I}, dtype);
+    dweight = tensor_on({V, I}, dtype);
+    linear_backward(&dinp, &dweight, nullptr, logits, &inp, weight);
+  }
+};
+
 // The chunk size bounds the transient logits and changes nothing else: losses and gradients from chunks of 1, 3 and
-// all 8 tokens agree, and equal the unfused ops (whole logits, cross-entropy, linear backward).
+// all 8 tokens agree, and equal the unfused ops.
 TEST(LinearCrossEntropy, ChunkingChangesNothing) {
   constexpr int64_t T = 8, I = 6, V = 11;
   const std::vector<int32_t> targets = {3, 0, 10, 4, 4, 7, 1, 9};
   const Tensor inp = random_tensor({T, I}, DType::kF64, 31), weight = random_tensor({V, I}, DType::kF64, 32, 2.0);
   const Tensor dlosses = random_tensor({T}, DType::kF64, 33);
-  Tensor logits = tensor_on({T, V}, DType::kF64), losses = tensor_on({T}, DType::kF64),
-         lse = tensor_on({T}, DType::kF64);
-  linear_forward(logits, inp, weight);
-  cross_entropy_forward(losses, lse, logits, targets);
-  cross_entropy_backward(logits, dlosses, logits, lse, targets);
-  Tensor dinp = tensor_on({T, I}, DType::kF64), dweight = tensor_on({V, I}, DType::kF64);
-  linear_backward(&dinp, &dweight, nullptr, logits, &inp, weight);
+  const UnfusedOutputLayer unfused(inp, weight, targets, dlosses);
+  const Tensor &losses = unfused.losses, &dinp = unfused.dinp, &dweight = unfused.dweight;
   for (const int64_t chunk : {int64_t{1}, int64_t{3}, T, 2 * T}) {
     Tensor fused_losses = tensor_on({T}, DType::kF64), fused_dinp = tensor_on({T, I}, DType::kF64),
            fused_dweight = tensor_on({V, I}, DType::kF64);
@@ -1011,13 +1024,8 @@ TEST(LinearCrossEntropy, ConvertPathUnderSixteenBitsMatchesTheUnfusedOps) {
     round_to_dtype_(inp, low);
     round_to_dtype_(weight, low);
     const ScopedActivationDType precision(low, Device::kCPU, ActivationStorage::kF32);
-    Tensor logits = tensor_on({T, V}, DType::kF32), losses = tensor_on({T}, DType::kF32),
-           lse = tensor_on({T}, DType::kF32);
-    linear_forward(logits, inp, weight);
-    cross_entropy_forward(losses, lse, logits, targets);
-    cross_entropy_backward(logits, dlosses, logits, lse, targets);
-    Tensor dinp = tensor_on({T, I}, DType::kF32), dweight = tensor_on({V, I}, DType::kF32);
-    linear_backward(&dinp, &dweight, nullptr, logits, &inp, weight);
+    const UnfusedOutputLayer unfused(inp, weight, targets, dlosses);
+    const Tensor &losses = unfused.losses, &dinp = unfused.dinp, &dweight = unfused.dweight;
     for (const int64_t chunk : {int64_t{2}, T}) {
       Tensor fused_losses = tensor_on({T}, DType::kF32), fused_dinp = tensor_on({T, I}, DType::kF32),
              fused_dweight = tensor_on({V, I}, DType::kF32);
