@@ -9,7 +9,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "moecore/kernels/cpu/bf16_value.h"
 #include "moecore/kernels/cpu/softmax_rows.h"
+#include "moecore/kernels/cpu/vector_isa.h"
 
 namespace moecore::kernels::cpu {
 namespace {
@@ -32,6 +34,11 @@ void check_targets(const int32_t* targets_T, int64_t n_tokens, int64_t V, const 
   }
 }
 
+// A row rounded to bf16 values in place, in registers (through 16-bit bits it is two passes).
+MOECORE_VECTOR_CLONES void round_bf16_row(float* row, const int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) row[i] = bf16_value(row[i]);
+}
 }  // namespace
 
 template <typename T>
@@ -85,8 +92,7 @@ void cross_entropy_fused(T* losses_T, T* lse_T, T* logits_TV, const T* dlosses_T
       T* row = logits_TV + t * V;
       if constexpr (std::is_same_v<T, float>) {
         if (rounding == ActivationRounding::kBF16) {
-          encode_bf16(bits.data(), row, V, isa);
-          decode_bf16(row, bits.data(), V, isa);
+          round_bf16_row(row, V);
         } else if (rounding == ActivationRounding::kF16) {
           encode_fp16(bits.data(), row, V, isa);
           decode_fp16(row, bits.data(), V, isa);
@@ -101,10 +107,13 @@ void cross_entropy_fused(T* losses_T, T* lse_T, T* logits_TV, const T* dlosses_T
       scaled_softmax(grad, row, V, lse_T[t], dlosses_T[t]);
       grad[targets_T[t]] -= dlosses_T[t];
       if constexpr (std::is_same_v<T, float>) {
+        if (dlogits16_TV == nullptr && rounding == ActivationRounding::kBF16) {
+          round_bf16_row(grad, V);
+          continue;
+        }
         uint16_t* out = dlogits16_TV != nullptr ? dlogits16_TV + t * V : bits.data();
         if (rounding == ActivationRounding::kBF16) encode_bf16(out, grad, V, isa);
         if (rounding == ActivationRounding::kF16) encode_fp16(out, grad, V, isa);
-        if (dlogits16_TV == nullptr && rounding == ActivationRounding::kBF16) decode_bf16(grad, out, V, isa);
         if (dlogits16_TV == nullptr && rounding == ActivationRounding::kF16) decode_fp16(grad, out, V, isa);
       }
     }
