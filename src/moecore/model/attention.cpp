@@ -8,18 +8,6 @@
 #include "moecore/ops/rows.h"
 
 namespace moecore {
-namespace {
-
-Tensor activation_tensor(std::vector<int64_t> shape) {
-  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
-}
-
-// For an op's output that the op overwrites in full (the qkv split, the rotary embedding, the norms): not zeroed.
-Tensor overwritten_activation(std::vector<int64_t> shape) {
-  return Tensor::uninitialized(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
-}
-
-}  // namespace
 
 SelfAttention::SelfAttention(const ModelConfig& config, const std::string& prefix, const TensorParallel& tp,
                              const int module, NormOverflowLog* norm_overflow_log, ParamStore& params,
@@ -73,28 +61,28 @@ Tensor SelfAttention::forward(const Tensor& x_TH, const int64_t S, const int64_t
                               const InputKeepers x_keepers) const {
   const int64_t T = S * B, N = heads_, G = groups_, d = config_.kv_channels;
   Tensor qkv_TQ = qkv_.forward(x_TH, a.qkv, x_keepers);
-  a.q_TNd = overwritten_activation({T, N, d});
-  a.k_TGd = overwritten_activation({T, G, d});
-  a.v_TGd = overwritten_activation({T, G, d});
+  a.q_TNd = ops::uninitialized_activation({T, N, d});
+  a.k_TGd = ops::uninitialized_activation({T, G, d});
+  a.v_TGd = ops::uninitialized_activation({T, G, d});
   ops::split_qkv(a.q_TNd, a.k_TGd, a.v_TGd, qkv_TQ, N, G, d);
   qkv_TQ = Tensor();
   if (config_.qk_layernorm) {
     a.q_raw_TNd = a.q_TNd;
     a.k_raw_TGd = a.k_TGd;
-    a.q_TNd = overwritten_activation({T, N, d});
-    a.k_TGd = overwritten_activation({T, G, d});
+    a.q_TNd = ops::uninitialized_activation({T, N, d});
+    a.k_TGd = ops::uninitialized_activation({T, G, d});
     a.q_norm_stats = q_norm_.forward(a.q_TNd, a.q_raw_TNd);
     a.k_norm_stats = k_norm_.forward(a.k_TGd, a.k_raw_TGd);
   }
   if (has_rope()) {
-    Tensor q_rot = overwritten_activation({T, N, d});
-    Tensor k_rot = overwritten_activation({T, G, d});
+    Tensor q_rot = ops::uninitialized_activation({T, N, d});
+    Tensor k_rot = ops::uninitialized_activation({T, G, d});
     ops::rope_forward(q_rot, a.q_TNd, S, B, rope_, sequence.positions_SB);
     ops::rope_forward(k_rot, a.k_TGd, S, B, rope_, sequence.positions_SB);
     a.q_TNd = std::move(q_rot);
     a.k_TGd = std::move(k_rot);
   }
-  a.attn_TNd = activation_tensor({T, N, d});
+  a.attn_TNd = ops::activation_tensor({T, N, d});
   a.lse_BNS = Tensor({B, N, S}, DType::kF32, MemCategory::kActivations);  // fp32 statistics
   context_parallel_attention_forward(a.attn_TNd, a.lse_BNS, a.q_TNd, a.k_TGd, a.v_TGd, dims(S, B), dropout, sequence,
                                      cp_, cp_type_);
@@ -113,31 +101,31 @@ void SelfAttention::backward(Tensor& dx_TH, const Tensor& dout_TH, const int64_t
                              const ops::DropoutSpec& dropout, const AttentionActivations& a,
                              const SequenceInfo& sequence) const {
   const int64_t T = S * B, N = heads_, G = groups_, d = config_.kv_channels;
-  Tensor dattn_TNd = activation_tensor({T, N, d});
+  Tensor dattn_TNd = ops::activation_tensor({T, N, d});
   proj_.backward(dattn_TNd, dout_TH, a.proj);
-  Tensor dq_TNd = activation_tensor({T, N, d});
-  Tensor dk_TGd = activation_tensor({T, G, d});
-  Tensor dv_TGd = activation_tensor({T, G, d});
+  Tensor dq_TNd = ops::activation_tensor({T, N, d});
+  Tensor dk_TGd = ops::activation_tensor({T, G, d});
+  Tensor dv_TGd = ops::activation_tensor({T, G, d});
   context_parallel_attention_backward(dq_TNd, dk_TGd, dv_TGd, dattn_TNd, a.q_TNd, a.k_TGd, a.v_TGd, a.attn_TNd,
                                       a.lse_BNS, dims(S, B), dropout, sequence, cp_, cp_type_);
   dattn_TNd = Tensor();
   if (has_rope()) {
-    Tensor dq_pre = activation_tensor({T, N, d});
-    Tensor dk_pre = activation_tensor({T, G, d});
+    Tensor dq_pre = ops::activation_tensor({T, N, d});
+    Tensor dk_pre = ops::activation_tensor({T, G, d});
     ops::rope_backward(dq_pre, dq_TNd, S, B, rope_, sequence.positions_SB);
     ops::rope_backward(dk_pre, dk_TGd, S, B, rope_, sequence.positions_SB);
     dq_TNd = std::move(dq_pre);
     dk_TGd = std::move(dk_pre);
   }
   if (config_.qk_layernorm) {
-    Tensor dq_raw = activation_tensor({T, N, d});
-    Tensor dk_raw = activation_tensor({T, G, d});
+    Tensor dq_raw = ops::activation_tensor({T, N, d});
+    Tensor dk_raw = ops::activation_tensor({T, G, d});
     q_norm_.backward(dq_raw, dq_TNd, a.q_raw_TNd, a.q_norm_stats);
     k_norm_.backward(dk_raw, dk_TGd, a.k_raw_TGd, a.k_norm_stats);
     dq_TNd = std::move(dq_raw);
     dk_TGd = std::move(dk_raw);
   }
-  Tensor dqkv_TQ = activation_tensor({T, (N + 2 * G) * d});
+  Tensor dqkv_TQ = ops::activation_tensor({T, (N + 2 * G) * d});
   ops::merge_qkv(dqkv_TQ, dq_TNd, dk_TGd, dv_TGd, N, G, d);
   dq_TNd = dk_TGd = dv_TGd = Tensor();
   qkv_.backward(dx_TH, dqkv_TQ, a.qkv);
@@ -148,22 +136,22 @@ Tensor SelfAttention::forward_decode(const Tensor& x_TH, const std::span<const i
   const int64_t T = x_TH.dim(0), N = heads_, G = groups_, d = config_.kv_channels;
   LinearActivations unused_qkv, unused_proj;
   Tensor qkv_TQ = qkv_.forward(x_TH, unused_qkv);
-  Tensor q_TNd = overwritten_activation({T, N, d});
-  Tensor k_TGd = overwritten_activation({T, G, d});
-  Tensor v_TGd = overwritten_activation({T, G, d});
+  Tensor q_TNd = ops::uninitialized_activation({T, N, d});
+  Tensor k_TGd = ops::uninitialized_activation({T, G, d});
+  Tensor v_TGd = ops::uninitialized_activation({T, G, d});
   ops::split_qkv(q_TNd, k_TGd, v_TGd, qkv_TQ, N, G, d);
   qkv_TQ = Tensor();
   if (config_.qk_layernorm) {
-    Tensor q_normed = overwritten_activation({T, N, d});
-    Tensor k_normed = overwritten_activation({T, G, d});
+    Tensor q_normed = ops::uninitialized_activation({T, N, d});
+    Tensor k_normed = ops::uninitialized_activation({T, G, d});
     q_norm_.forward(q_normed, q_TNd);
     k_norm_.forward(k_normed, k_TGd);
     q_TNd = std::move(q_normed);
     k_TGd = std::move(k_normed);
   }
   if (has_rope()) {
-    Tensor q_rot = overwritten_activation({T, N, d});
-    Tensor k_rot = overwritten_activation({T, G, d});
+    Tensor q_rot = ops::uninitialized_activation({T, N, d});
+    Tensor k_rot = ops::uninitialized_activation({T, G, d});
     ops::rope_forward(q_rot, q_TNd, T, 1, rope_, positions);
     ops::rope_forward(k_rot, k_TGd, T, 1, rope_, positions);
     q_TNd = std::move(q_rot);
@@ -174,7 +162,7 @@ Tensor SelfAttention::forward_decode(const Tensor& x_TH, const std::span<const i
   ops::AttentionDims decode = dims(T, 1);
   decode.Sk = Sk;
   decode.q_index = positions.data();
-  Tensor attn_TNd = activation_tensor({T, N, d});
+  Tensor attn_TNd = ops::activation_tensor({T, N, d});
   Tensor lse_BNS = Tensor({1, N, T}, DType::kF32, MemCategory::kActivations);  // fp32 statistics
   ops::attention_forward(attn_TNd, lse_BNS, q_TNd, cache.first_SX.slice_rows(0, Sk).view({Sk, 1, G, d}),
                          cache.second_SY.slice_rows(0, Sk).view({Sk, 1, G, d}), decode, ops::DropoutSpec{});

@@ -40,10 +40,6 @@ uint64_t layer_stream(const uint64_t stream, const int64_t layer) {
   return (stream * 1024 + static_cast<uint64_t>(layer) + 1) * 16;
 }
 
-Tensor activation_tensor(std::vector<int64_t> shape) {
-  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
-}
-
 // An fp32 copy of logits handed to callers (generation, evaluation), whatever the activation storage.
 Tensor fp32_copy(const Tensor& t) {
   Tensor out(t.shape(), DType::kF32);
@@ -223,7 +219,7 @@ Tensor GPTModel::embed(MicroBatchContext& ctx, const ForwardOptions& options) co
   // Word embeddings (vocabulary-parallel: summed over TP, or reduce-scattered to the sequence shard), then
   // positions, then dropout.
   Tensor emb_TH = m.word_embeddings.forward(ctx.tokens_SB);
-  Tensor x_TH = activation_tensor(emb_TH.shape());
+  Tensor x_TH = ops::activation_tensor(emb_TH.shape());
   const TokenRows rows = ctx.rows.slice(m.tp.row_offset(T), m.tp.local_rows(T));
   for (const TokenRows::Run& run : rows.runs()) {
     Tensor emb_RH = emb_TH.slice_rows(run.local, run.local + run.count);
@@ -239,7 +235,7 @@ Tensor GPTModel::embed(MicroBatchContext& ctx, const ForwardOptions& options) co
 void GPTModel::embed_backward(const Tensor& dx_TH, const MicroBatchContext& ctx) const {
   const Modules& m = *modules_;
   const int64_t T = ctx.S * ctx.B;
-  Tensor demb_TH = activation_tensor(dx_TH.shape());
+  Tensor demb_TH = ops::activation_tensor(dx_TH.shape());
   const TokenRows rows = ctx.rows.slice(m.tp.row_offset(T), m.tp.local_rows(T));
   for (const TokenRows::Run& run : rows.runs()) {
     Tensor d_RH = demb_TH.slice_rows(run.local, run.local + run.count);
@@ -253,7 +249,7 @@ void GPTModel::embed_backward(const Tensor& dx_TH, const MicroBatchContext& ctx)
 double GPTModel::output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH, const bool with_labels,
                                  Tensor* logits_SBV) const {
   const Modules& m = *modules_;
-  ctx.final_out_TH = activation_tensor(hidden_TH.shape());
+  ctx.final_out_TH = ops::activation_tensor(hidden_TH.shape());
   ctx.final_stats = m.final_norm.forward(ctx.final_out_TH, hidden_TH);
   const int64_t T = ctx.S * ctx.B;
   Tensor losses_T = fp32_tensor({T});
@@ -268,7 +264,7 @@ double GPTModel::output_and_loss(MicroBatchContext& ctx, const Tensor& hidden_TH
         dlosses_T.data<float>()[t] =
             static_cast<float>(ctx.loss_weight_SB[static_cast<size_t>(t)] * ctx.output_grad_seed);
       }
-      ctx.output_dinput_TH = activation_tensor(input_TH.shape());
+      ctx.output_dinput_TH = ops::activation_tensor(input_TH.shape());
     }
     // The weight gradient goes straight into the fp32 main gradient, chunk by chunk (Megatron's gradient-accumulation
     // fusion, which writes wgrad GEMMs into main_grad): no [V, H] copy per micro-batch.
@@ -304,7 +300,7 @@ Tensor GPTModel::output_and_loss_backward(MicroBatchContext& ctx, const double l
       dlosses_T.data<float>()[t] = static_cast<float>(ctx.loss_weight_SB[static_cast<size_t>(t)] * loss_scale);
     }
     m.cross_entropy.backward(ctx.logits_TV, dlosses_T, ctx.logits_TV, ctx.lse_T, ctx.labels_SB);  // in place
-    dfinal_TH = activation_tensor(ctx.final_out_TH.shape());
+    dfinal_TH = ops::activation_tensor(ctx.final_out_TH.shape());
     m.output_layer.backward(dfinal_TH, ctx.logits_TV, ctx.output_layer);
     ctx.logits_TV = Tensor();
     ctx.output_layer = LinearActivations();
@@ -314,7 +310,7 @@ Tensor GPTModel::output_and_loss_backward(MicroBatchContext& ctx, const double l
                                           mtp_options(ctx, ctx.mtp.grad_seed));
     ops::add_(dfinal_TH, dmtp_TH);
   }
-  Tensor dx_TH = activation_tensor(ctx.output_TH.shape());
+  Tensor dx_TH = ops::activation_tensor(ctx.output_TH.shape());
   m.final_norm.backward(dx_TH, dfinal_TH, ctx.output_TH, ctx.final_stats);
   return dx_TH;
 }
@@ -495,7 +491,7 @@ Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double l
         recompute.checkpoint_end(index, static_cast<int64_t>(ctx->layers.size())) == index + 1) {
       recompute_checkpoint(*ctx, recompute.checkpoint_begin(index), index + 1);
     }
-    Tensor dprev_TH = activation_tensor(dx_TH.shape());
+    Tensor dprev_TH = ops::activation_tensor(dx_TH.shape());
     const LayerDropout dropout{true, ctx->dropout_seed, layer_stream(ctx->dropout_stream, layer), ctx->rows,
                                &ctx->sequence};
     {
@@ -618,7 +614,7 @@ Tensor GPTModel::decode_logits(KvCache& cache, const std::span<const int32_t> ne
   const Modules& m = *modules_;
   Tensor emb_TH = m.word_embeddings.forward(new_tokens);
   if (m.position_embeddings) ops::add_position_embedding(emb_TH, m.position_embeddings->value, 1, start);
-  Tensor x_TH = activation_tensor(emb_TH.shape());
+  Tensor x_TH = ops::activation_tensor(emb_TH.shape());
   ops::dropout_forward(x_TH, emb_TH, embedding_dropout(config_, false, 0, 0, start));
   emb_TH = Tensor();
   std::vector<int64_t> positions(static_cast<size_t>(T));
@@ -627,7 +623,7 @@ Tensor GPTModel::decode_logits(KvCache& cache, const std::span<const int32_t> ne
     x_TH = m.layers[i].forward_decode(x_TH, positions, cache.layer(static_cast<int64_t>(i)));
   }
   cache.advance(T);
-  Tensor final_1H = activation_tensor({1, config_.hidden_size});
+  Tensor final_1H = ops::activation_tensor({1, config_.hidden_size});
   m.final_norm.forward(final_1H, x_TH.slice_rows(T - 1, T));
   LinearActivations unused;
   return fp32_copy(m.output_layer.forward(final_1H, unused));

@@ -11,14 +11,10 @@
 namespace moecore {
 namespace {
 
-Tensor activation_tensor(std::vector<int64_t> shape) {
-  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
-}
-
 // Columns [col, col + width) of every `from_width`-wide row of `from`, as a new tensor of `shape`.
 Tensor columns(const Tensor& from, const int64_t from_width, const int64_t col, const int64_t width,
                std::vector<int64_t> shape) {
-  Tensor out = activation_tensor(std::move(shape));
+  Tensor out = ops::activation_tensor(std::move(shape));
   ops::copy_columns(out, width, 0, from, from_width, col, width);
   return out;
 }
@@ -91,7 +87,7 @@ Tensor MLASelfAttention::forward(const Tensor& x_TH, const int64_t S, const int6
     Tensor cq_TlQ = q_down_.forward(x_TH, a.q_down, x_keepers);
     if (config_.qk_layernorm) {
       a.cq_TlQ = std::move(cq_TlQ);
-      cq_TlQ = activation_tensor({Tl, Q});
+      cq_TlQ = ops::activation_tensor({Tl, Q});
       a.q_norm_stats = q_norm_.forward(cq_TlQ, a.cq_TlQ);
     }
     q_TQ = q_up_.forward(cq_TlQ, a.q_up, up_inputs);
@@ -104,7 +100,7 @@ Tensor MLASelfAttention::forward(const Tensor& x_TH, const int64_t S, const int6
   ckv_TlC = Tensor();
   if (config_.qk_layernorm) {
     a.latent_TlL = std::move(latent_TlL);
-    latent_TlL = activation_tensor({Tl, L});
+    latent_TlL = ops::activation_tensor({Tl, L});
     a.kv_norm_stats = kv_norm_.forward(latent_TlL, a.latent_TlL);
   }
   Tensor kv_TK = kv_up_.forward(latent_TlL, a.kv_up, up_inputs);
@@ -114,7 +110,7 @@ Tensor MLASelfAttention::forward(const Tensor& x_TH, const int64_t S, const int6
   core_inputs(a, q_TQ, kv_TK, k_rope_TR, S, B, sequence);
   q_TQ = kv_TK = Tensor();
 
-  a.attn_TNv = activation_tensor({T, N, dv});
+  a.attn_TNv = ops::activation_tensor({T, N, dv});
   a.lse_BNS = Tensor({B, N, S}, DType::kF32, MemCategory::kActivations);  // fp32 statistics
   context_parallel_attention_forward(a.attn_TNv, a.lse_BNS, a.q_TNk, a.k_TNk, a.v_TNv, dims(S, B), dropout, sequence,
                                      cp_, cp_type_);
@@ -127,15 +123,15 @@ void MLASelfAttention::core_inputs(MlaActivations& a, const Tensor& q_TQ, const 
   const int64_t dq = mla_.qk_head_dim, dr = mla_.qk_pos_emb_head_dim, dv = mla_.v_head_dim, dqk = dq + dr;
   // query = [q_nope | rope(q_rope)] per head.
   const Tensor q_rope_TNr = columns(q_TQ, dqk, dq, dr, {T, N, dr});
-  Tensor q_rot_TNr = activation_tensor({T, N, dr});
+  Tensor q_rot_TNr = ops::activation_tensor({T, N, dr});
   ops::rope_forward(q_rot_TNr, q_rope_TNr, S, B, rope_, sequence.positions_SB);
-  a.q_TNk = activation_tensor({T, N, dqk});
+  a.q_TNk = ops::activation_tensor({T, N, dqk});
   ops::copy_columns(a.q_TNk, dqk, 0, q_TQ, dqk, 0, dq);
   ops::copy_columns(a.q_TNk, dqk, dq, q_rot_TNr, dr, 0, dr);
   // key = [k_nope | rope(k_rope)], the one rope key of a token in every head; value from the same up projection.
-  Tensor k_rot_TR = activation_tensor({T, dr});
+  Tensor k_rot_TR = ops::activation_tensor({T, dr});
   ops::rope_forward(k_rot_TR, k_rope_TR, S, B, rope_, sequence.positions_SB);
-  a.k_TNk = activation_tensor({T, N, dqk});
+  a.k_TNk = ops::activation_tensor({T, N, dqk});
   ops::copy_columns(a.k_TNk, dqk, 0, kv_TK, dq + dv, 0, dq);
   for (int64_t h = 0; h < N; ++h) ops::copy_columns(a.k_TNk, N * dqk, h * dqk + dq, k_rot_TR, dr, 0, dr);
   a.v_TNv = columns(kv_TK, dq + dv, dq, dv, {T, N, dv});
@@ -162,31 +158,31 @@ void MLASelfAttention::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
   const int64_t T = S * B, Tl = dx_TH.dim(0), N = heads_;
   const int64_t dq = mla_.qk_head_dim, dr = mla_.qk_pos_emb_head_dim, dv = mla_.v_head_dim, dqk = dq + dr;
   const int64_t L = mla_.kv_lora_rank, Q = mla_.q_lora_rank;
-  Tensor dattn_TNv = activation_tensor({T, N, dv});
+  Tensor dattn_TNv = ops::activation_tensor({T, N, dv});
   proj_.backward(dattn_TNv, dout_TH, a.proj);
-  Tensor dq_TNk = activation_tensor({T, N, dqk});
-  Tensor dk_TNk = activation_tensor({T, N, dqk});
-  Tensor dv_TNv = activation_tensor({T, N, dv});
+  Tensor dq_TNk = ops::activation_tensor({T, N, dqk});
+  Tensor dk_TNk = ops::activation_tensor({T, N, dqk});
+  Tensor dv_TNv = ops::activation_tensor({T, N, dv});
   context_parallel_attention_backward(dq_TNk, dk_TNk, dv_TNv, dattn_TNv, a.q_TNk, a.k_TNk, a.v_TNv, a.attn_TNv,
                                       a.lse_BNS, dims(S, B), dropout, sequence, cp_, cp_type_);
   dattn_TNv = Tensor();
 
   // Keys and values back to the up projection's rows; the rope key's gradient summed over this rank's heads.
-  Tensor dkv_TK = activation_tensor({T, N * (dq + dv)});
+  Tensor dkv_TK = ops::activation_tensor({T, N * (dq + dv)});
   ops::copy_columns(dkv_TK, dq + dv, 0, dk_TNk, dqk, 0, dq);
   ops::copy_columns(dkv_TK, dq + dv, dq, dv_TNv, dv, 0, dv);
   dv_TNv = Tensor();
-  Tensor dk_rot_TR = activation_tensor({T, dr});
+  Tensor dk_rot_TR = ops::activation_tensor({T, dr});
   for (int64_t h = 0; h < N; ++h) ops::copy_columns(dk_rot_TR, dr, 0, dk_TNk, N * dqk, h * dqk + dq, dr, true);
   dk_TNk = Tensor();
-  Tensor dk_rope_TR = activation_tensor({T, dr});
+  Tensor dk_rope_TR = ops::activation_tensor({T, dr});
   ops::rope_backward(dk_rope_TR, dk_rot_TR, S, B, rope_, sequence.positions_SB);
   dk_rot_TR = Tensor();
-  Tensor dlatent_TlL = activation_tensor({Tl, L});
+  Tensor dlatent_TlL = ops::activation_tensor({Tl, L});
   kv_up_.backward(dlatent_TlL, dkv_TK, a.kv_up);
   dkv_TK = Tensor();
   if (config_.qk_layernorm) {
-    Tensor dlatent_raw_TlL = activation_tensor({Tl, L});
+    Tensor dlatent_raw_TlL = ops::activation_tensor({Tl, L});
     kv_norm_.backward(dlatent_raw_TlL, dlatent_TlL, a.latent_TlL, a.kv_norm_stats);
     dlatent_TlL = std::move(dlatent_raw_TlL);
   }
@@ -195,7 +191,7 @@ void MLASelfAttention::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
   } else {
     tp_.all_reduce_activations_(dk_rope_TR);  // every rank's heads used the replicated rope key
   }
-  Tensor dckv_TlC = activation_tensor({Tl, L + dr});
+  Tensor dckv_TlC = ops::activation_tensor({Tl, L + dr});
   ops::copy_columns(dckv_TlC, L + dr, 0, dlatent_TlL, L, 0, L);
   ops::copy_columns(dckv_TlC, L + dr, L, dk_rope_TR, dr, 0, dr);
   dlatent_TlL = dk_rope_TR = Tensor();
@@ -203,11 +199,11 @@ void MLASelfAttention::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
   dckv_TlC = Tensor();
 
   // Queries: the rope part through RoPE's transpose, then the up (or only) projection.
-  Tensor dq_TQ = activation_tensor({T, N * dqk});
+  Tensor dq_TQ = ops::activation_tensor({T, N * dqk});
   ops::copy_columns(dq_TQ, dqk, 0, dq_TNk, dqk, 0, dq);
   const Tensor dq_rot_TNr = columns(dq_TNk, dqk, dq, dr, {T, N, dr});
   dq_TNk = Tensor();
-  Tensor dq_rope_TNr = activation_tensor({T, N, dr});
+  Tensor dq_rope_TNr = ops::activation_tensor({T, N, dr});
   ops::rope_backward(dq_rope_TNr, dq_rot_TNr, S, B, rope_, sequence.positions_SB);
   ops::copy_columns(dq_TQ, dqk, dq, dq_rope_TNr, dr, 0, dr);
   dq_rope_TNr = Tensor();
@@ -215,11 +211,11 @@ void MLASelfAttention::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
     q_up_.backward(dx_TH, dq_TQ, a.q_up);
     return;
   }
-  Tensor dcq_TlQ = activation_tensor({Tl, Q});
+  Tensor dcq_TlQ = ops::activation_tensor({Tl, Q});
   q_up_.backward(dcq_TlQ, dq_TQ, a.q_up);
   dq_TQ = Tensor();
   if (config_.qk_layernorm) {
-    Tensor dcq_raw_TlQ = activation_tensor({Tl, Q});
+    Tensor dcq_raw_TlQ = ops::activation_tensor({Tl, Q});
     q_norm_.backward(dcq_raw_TlQ, dcq_TlQ, a.cq_TlQ, a.q_norm_stats);
     dcq_TlQ = std::move(dcq_raw_TlQ);
   }
@@ -236,7 +232,7 @@ Tensor MLASelfAttention::forward_decode(const Tensor& x_TH, const std::span<cons
   if (q_latent()) {
     Tensor cq_TQ = q_down_.forward(x_TH, unused);
     if (config_.qk_layernorm) {
-      Tensor normed_TQ = activation_tensor({T, Q});
+      Tensor normed_TQ = ops::activation_tensor({T, Q});
       q_norm_.forward(normed_TQ, cq_TQ);
       cq_TQ = std::move(normed_TQ);
     }
@@ -250,19 +246,19 @@ Tensor MLASelfAttention::forward_decode(const Tensor& x_TH, const std::span<cons
   const Tensor k_rope_TR = columns(ckv_TC, L + dr, L, dr, {T, dr});
   ckv_TC = Tensor();
   if (config_.qk_layernorm) {
-    Tensor normed_TL = activation_tensor({T, L});
+    Tensor normed_TL = ops::activation_tensor({T, L});
     kv_norm_.forward(normed_TL, latent_TL);
     latent_TL = std::move(normed_TL);
   }
-  Tensor k_rot_TR = activation_tensor({T, dr});
+  Tensor k_rot_TR = ops::activation_tensor({T, dr});
   ops::rope_forward(k_rot_TR, k_rope_TR, T, 1, rope_, positions);
   cache.write(positions, latent_TL, k_rot_TR);
   latent_TL = k_rot_TR = Tensor();
 
   const Tensor q_rope_TNr = columns(q_TQ, dqk, dq, dr, {T, N, dr});
-  Tensor q_rot_TNr = activation_tensor({T, N, dr});
+  Tensor q_rot_TNr = ops::activation_tensor({T, N, dr});
   ops::rope_forward(q_rot_TNr, q_rope_TNr, T, 1, rope_, positions);
-  Tensor q_TNk = activation_tensor({T, N, dqk});
+  Tensor q_TNk = ops::activation_tensor({T, N, dqk});
   ops::copy_columns(q_TNk, dqk, 0, q_TQ, dqk, 0, dq);
   ops::copy_columns(q_TNk, dqk, dq, q_rot_TNr, dr, 0, dr);
   q_TQ = Tensor();
@@ -273,19 +269,19 @@ Tensor MLASelfAttention::forward_decode(const Tensor& x_TH, const std::span<cons
   // (one key / value group), and no step recomputes k_nope or v over the cached positions.
   const int64_t Sk = attended_positions(positions), K = L + dr;
   const Tensor& w_up = kv_up_.weight().value;  // [N (dq + dv), L], per head [W_uk (dq rows); W_uv (dv rows)]
-  Tensor q_TNK = activation_tensor({T, N, K});
-  Tensor q_nope_Tq = activation_tensor({T, dq});
+  Tensor q_TNK = ops::activation_tensor({T, N, K});
+  Tensor q_nope_Tq = ops::activation_tensor({T, dq});
   for (int64_t h = 0; h < N; ++h) {
     ops::copy_columns(q_nope_Tq, dq, 0, q_TNk, N * dqk, h * dqk, dq);
     // q_abs = q_nope W_uk[h]: the linear layer's input-gradient product (dinp += dout @ weight) into zeros.
-    Tensor q_abs_TL = activation_tensor({T, L});
+    Tensor q_abs_TL = ops::activation_tensor({T, L});
     ops::linear_backward(&q_abs_TL, nullptr, nullptr, q_nope_Tq, nullptr,
                          w_up.slice_rows(h * (dq + dv), h * (dq + dv) + dq));
     ops::copy_columns(q_TNK, N * K, h * K, q_abs_TL, L, 0, L);
     ops::copy_columns(q_TNK, N * K, h * K + L, q_TNk, N * dqk, h * dqk + dq, dr);
   }
   q_TNk = Tensor();
-  Tensor k_SK = activation_tensor({Sk, 1, K});
+  Tensor k_SK = ops::activation_tensor({Sk, 1, K});
   ops::copy_columns(k_SK, K, 0, cache.first_SX.slice_rows(0, Sk), L, 0, L);
   ops::copy_columns(k_SK, K, L, cache.second_SY.slice_rows(0, Sk), dr, 0, dr);
   const Tensor v_SL = cache.first_SX.slice_rows(0, Sk);
@@ -294,12 +290,12 @@ Tensor MLASelfAttention::forward_decode(const Tensor& x_TH, const std::span<cons
   decode.v_head_dim = L;
   decode.Sk = Sk;
   decode.q_index = positions.data();
-  Tensor attn_latent_TNL = activation_tensor({T, N, L});
+  Tensor attn_latent_TNL = ops::activation_tensor({T, N, L});
   Tensor lse_BNS = Tensor({1, N, T}, DType::kF32, MemCategory::kActivations);  // fp32 statistics
   ops::attention_forward(attn_latent_TNL, lse_BNS, q_TNK, k_SK, v_SL, decode, ops::DropoutSpec{});
-  Tensor attn_TNv = activation_tensor({T, N, dv});
-  Tensor head_latent_TL = activation_tensor({T, L});
-  Tensor out_Tv = activation_tensor({T, dv});
+  Tensor attn_TNv = ops::activation_tensor({T, N, dv});
+  Tensor head_latent_TL = ops::activation_tensor({T, L});
+  Tensor out_Tv = ops::activation_tensor({T, dv});
   for (int64_t h = 0; h < N; ++h) {
     ops::copy_columns(head_latent_TL, L, 0, attn_latent_TNL, N * L, h * L, L);
     ops::linear_forward(out_Tv, head_latent_TL, w_up.slice_rows(h * (dq + dv) + dq, (h + 1) * (dq + dv)));

@@ -7,13 +7,6 @@
 #include "moecore/ops/rows.h"
 
 namespace moecore {
-namespace {
-
-Tensor activation_tensor(std::vector<int64_t> shape) {
-  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
-}
-
-}  // namespace
 
 void mlp_activation_forward(const ops::Activation kind, Tensor& act_TF, Tensor& h_TF, const Tensor& fc1_TF1,
                             const Tensor* probs_T) {
@@ -27,7 +20,7 @@ void mlp_activation_backward(const ops::Activation kind, Tensor& dfc1_TF1, Tenso
     ops::activation_backward(kind, dfc1_TF1, dh_TF, fc1_TF1);
     return;
   }
-  Tensor dact_TF = activation_tensor(act_TF.shape());
+  Tensor dact_TF = ops::activation_tensor(act_TF.shape());
   ops::scale_rows_backward(&dact_TF, dprobs_T, dh_TF, act_TF, *probs_T);
   ops::activation_backward(kind, dfc1_TF1, dact_TF, fc1_TF1);
 }
@@ -56,14 +49,14 @@ Tensor MLP::forward(const Tensor& x_TH, const Tensor* probs_T, MLPActivations& s
   Tensor fc1_in = x_TH;
   if (probs_on_input) {
     saved.x_TH = x_TH;
-    fc1_in = activation_tensor(x_TH.shape());
+    fc1_in = ops::activation_tensor(x_TH.shape());
     ops::scale_rows(fc1_in, x_TH, *probs_T);
   }
   // fc1's input: the caller's tensor, or x * p, fc1's alone.
   saved.fc1_TF1 = fc1_.forward(fc1_in, saved.fc1, probs_on_input ? InputKeepers::kLinearOnly : x_keepers);
   const int64_t T = saved.fc1_TF1.dim(0), F = fc2_.in_local();
-  saved.act_TF = activation_tensor({T, F});
-  Tensor h_TF = probs_on_act != nullptr ? activation_tensor({T, F}) : saved.act_TF;
+  saved.act_TF = ops::activation_tensor({T, F});
+  Tensor h_TF = probs_on_act != nullptr ? ops::activation_tensor({T, F}) : saved.act_TF;
   mlp_activation_forward(options_.activation, saved.act_TF, h_TF, saved.fc1_TF1, probs_on_act);
   // fc2's input is fc2's alone (the activation's backward reads fc1's output, and act only to scale by probs):
   // under FP8 / FP4 only its quantized copy is kept.
@@ -85,9 +78,9 @@ void MLP::backward(Tensor& dx_TH, Tensor* dprobs_T, const Tensor& dout_TH, const
   const bool probs_on_input = probs_T != nullptr && options_.probs_on_input;
   const Tensor* probs_on_act = probs_on_input ? nullptr : probs_T;
   const int64_t T = saved.fc1_TF1.dim(0), F = fc2_.in_local();
-  Tensor dh_TF = activation_tensor({T, F});
+  Tensor dh_TF = ops::activation_tensor({T, F});
   fc2_.backward(dh_TF, dout_TH, saved.fc2);
-  Tensor dfc1_TF1 = activation_tensor(saved.fc1_TF1.shape());
+  Tensor dfc1_TF1 = ops::activation_tensor(saved.fc1_TF1.shape());
   mlp_activation_backward(options_.activation, dfc1_TF1, probs_on_act != nullptr ? dprobs_T : nullptr, dh_TF,
                           saved.fc1_TF1, saved.act_TF, probs_on_act);
   dh_TF = Tensor();
@@ -103,7 +96,7 @@ void MLP::backward(Tensor& dx_TH, Tensor* dprobs_T, const Tensor& dout_TH, const
     return;
   }
   // fc1 input x * p: dx += d(fc1 input) * p, dp = <d(fc1 input), x>.
-  Tensor dxs_TH = activation_tensor(dx_TH.shape());
+  Tensor dxs_TH = ops::activation_tensor(dx_TH.shape());
   fc1_.backward(dxs_TH, dfc1_TF1, saved.fc1);
   ops::scale_rows_backward(&dx_TH, dprobs_T, dxs_TH, saved.x_TH, *probs_T);
 }

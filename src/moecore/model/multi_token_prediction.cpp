@@ -12,10 +12,6 @@
 namespace moecore {
 namespace {
 
-Tensor activation_tensor(std::vector<int64_t> shape) {
-  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
-}
-
 // Losses, their gradients and weight gradients stay fp32 under --bf16 / --fp16, as Megatron's.
 Tensor fp32_tensor(std::vector<int64_t> shape) {
   return Tensor(std::move(shape), DType::kF32, MemCategory::kActivations);
@@ -40,7 +36,7 @@ std::vector<T> shifted_rows(const T* x_BS, const MtpBatch& batch, const int64_t 
 // [x_TH ; y_TH] along the hidden dimension.
 Tensor concat_columns(const Tensor& x_TH, const Tensor& y_TH) {
   const int64_t T = x_TH.dim(0), H = x_TH.dim(1);
-  Tensor out = activation_tensor({T, 2 * H});
+  Tensor out = ops::activation_tensor({T, 2 * H});
   ops::copy_columns(out, 2 * H, 0, x_TH, H, 0, H);
   ops::copy_columns(out, 2 * H, H, y_TH, H, 0, H);
   return out;
@@ -48,7 +44,7 @@ Tensor concat_columns(const Tensor& x_TH, const Tensor& y_TH) {
 
 // Columns [begin, begin + width) of x_TW.
 Tensor column_block(const Tensor& x_TW, const int64_t begin, const int64_t width) {
-  Tensor out = activation_tensor({x_TW.dim(0), width});
+  Tensor out = ops::activation_tensor({x_TW.dim(0), width});
   ops::copy_columns(out, width, 0, x_TW, x_TW.dim(1), begin, width);
   return out;
 }
@@ -98,7 +94,7 @@ Tensor MultiTokenPrediction::project(const size_t depth, const Tensor& cat_T2H, 
   if (tp_.size() == 1) return y_TO;
   const int64_t T = y_TO.dim(0), O = y_TO.dim(1), H = config_.hidden_size;
   const Tensor gathered = tp_.all_gather_rows(y_TO);  // rank r's [T, O] block at rows r T
-  Tensor z_TH = activation_tensor({T, H});
+  Tensor z_TH = ops::activation_tensor({T, H});
   for (int r = 0; r < tp_.size(); ++r) {
     ops::copy_columns(z_TH, H, r * O, gathered.view({tp_.size() * T, O}).slice_rows(r * T, (r + 1) * T), O, 0, O);
   }
@@ -107,7 +103,7 @@ Tensor MultiTokenPrediction::project(const size_t depth, const Tensor& cat_T2H, 
 
 Tensor MultiTokenPrediction::project_backward(const size_t depth, const Tensor& dz_TH, const Tensor& rows_like,
                                               const LinearActivations& saved) const {
-  Tensor dcat = activation_tensor({rows_like.dim(0), 2 * config_.hidden_size});
+  Tensor dcat = ops::activation_tensor({rows_like.dim(0), 2 * config_.hidden_size});
   if (tp_.size() == 1) {
     eh_proj_[depth].backward(dcat, dz_TH, saved);
     return dcat;
@@ -139,16 +135,16 @@ std::vector<double> MultiTokenPrediction::forward(const Tensor& h0_TH, const Mtp
     const std::vector<int32_t> labels = shifted_rows<int32_t>(batch.labels_BS, batch, k + 1, 0);
     const std::vector<float> mask = shifted_rows<float>(batch.loss_mask_BS, batch, k + 1, 1.0f);
     const Tensor emb_TH = word_embeddings_->forward(tokens);
-    a.embedded_TH = activation_tensor(emb_TH.shape());
+    a.embedded_TH = ops::activation_tensor(emb_TH.shape());
     for (const TokenRows::Run& run : local.runs()) {
       Tensor out = a.embedded_TH.slice_rows(run.local, run.local + run.count);
       ops::dropout_forward(
           out, emb_TH.slice_rows(run.local, run.local + run.count),
           embedding_dropout(config_, options.training, options.dropout_seed, options.embedding_keys[d], run.global));
     }
-    Tensor en_TH = activation_tensor(emb_TH.shape());
+    Tensor en_TH = ops::activation_tensor(emb_TH.shape());
     a.enorm_stats = enorm_[d].forward(en_TH, a.embedded_TH);
-    Tensor hn_TH = activation_tensor(hidden_TH.shape());
+    Tensor hn_TH = ops::activation_tensor(hidden_TH.shape());
     a.hnorm_stats = hnorm_[d].forward(hn_TH, hidden_TH);
     a.hidden_in_TH = hidden_TH;
     const Tensor z_TH = project(d, concat_columns(en_TH, hn_TH), a.eh_proj);
@@ -161,7 +157,7 @@ std::vector<double> MultiTokenPrediction::forward(const Tensor& h0_TH, const Mtp
       TransformerLayer::drop_for_full_recompute(a.layer);
       a.eh_proj = LinearActivations{};
     }
-    hidden_TH = activation_tensor(a.layer_out_TH.shape());
+    hidden_TH = ops::activation_tensor(a.layer_out_TH.shape());
     a.final_stats = final_norm_[d].forward(hidden_TH, a.layer_out_TH);
 
     // The depth's loss through the shared output layer, fused as the main loss (the logits are never stored).
@@ -178,7 +174,7 @@ std::vector<double> MultiTokenPrediction::forward(const Tensor& h0_TH, const Mtp
         dlosses_T.data<float>()[t] =
             static_cast<float>(mask[static_cast<size_t>(t)] * weight * per_token * options.backward_seed);
       }
-      a.output_dinput_TH = activation_tensor(input_TH.shape());
+      a.output_dinput_TH = ops::activation_tensor(input_TH.shape());
     }
     // The weight gradient goes straight into the main gradient, as the main loss's (gpt_model.cpp).
     const ops::VocabShard shard = cross_entropy_->shard();
@@ -197,9 +193,9 @@ std::vector<double> MultiTokenPrediction::forward(const Tensor& h0_TH, const Mtp
 void MultiTokenPrediction::recompute_depth(const size_t depth, MtpDepthActivations& a, const int64_t S, const int64_t B,
                                            const LayerDropout& dropout) const {
   const trace::Scope scope("mtp depth ", depth, " recompute", "backward");
-  Tensor en_TH = activation_tensor(a.embedded_TH.shape());
+  Tensor en_TH = ops::activation_tensor(a.embedded_TH.shape());
   enorm_[depth].forward(en_TH, a.embedded_TH);
-  Tensor hn_TH = activation_tensor(a.hidden_in_TH.shape());
+  Tensor hn_TH = ops::activation_tensor(a.hidden_in_TH.shape());
   hnorm_[depth].forward(hn_TH, a.hidden_in_TH);
   const Tensor z_TH = project(depth, concat_columns(en_TH, hn_TH), a.eh_proj);
   en_TH = hn_TH = Tensor();
@@ -221,10 +217,10 @@ Tensor MultiTokenPrediction::backward(MtpActivations& saved, const MtpBatch& bat
     Tensor dh_TH = output_layer_->reduce_input_grad(a.output_dinput_TH);
     a.output_dinput_TH = Tensor();
     if (dnext_TH.defined()) ops::add_(dh_TH, dnext_TH);
-    Tensor dlayer_TH = activation_tensor(dh_TH.shape());
+    Tensor dlayer_TH = ops::activation_tensor(dh_TH.shape());
     final_norm_[d].backward(dlayer_TH, dh_TH, a.layer_out_TH, a.final_stats);
     dh_TH = Tensor();
-    Tensor dz_TH = activation_tensor(dlayer_TH.shape());
+    Tensor dz_TH = ops::activation_tensor(dlayer_TH.shape());
     const LayerDropout dropout{true, options.dropout_seed, options.layer_streams[d], *batch.rows, batch.sequence};
     if (config_.recompute.full()) recompute_depth(d, a, S, B, dropout);
     layers_[d].backward(dz_TH, dlayer_TH, S, B, dropout, aux_grad_scale, a.layer);
@@ -233,9 +229,9 @@ Tensor MultiTokenPrediction::backward(MtpActivations& saved, const MtpBatch& bat
     const Tensor dcat = project_backward(d, dz_TH, a.embedded_TH, a.eh_proj);
     const int64_t H = config_.hidden_size;
     const Tensor den_TH = column_block(dcat, 0, H), dhn_TH = column_block(dcat, H, H);
-    Tensor de_TH = activation_tensor(den_TH.shape());
+    Tensor de_TH = ops::activation_tensor(den_TH.shape());
     enorm_[d].backward(de_TH, den_TH, a.embedded_TH, a.enorm_stats);
-    Tensor demb_TH = activation_tensor(de_TH.shape());
+    Tensor demb_TH = ops::activation_tensor(de_TH.shape());
     for (const TokenRows::Run& run : local.runs()) {
       Tensor out = demb_TH.slice_rows(run.local, run.local + run.count);
       ops::dropout_backward(
@@ -243,7 +239,7 @@ Tensor MultiTokenPrediction::backward(MtpActivations& saved, const MtpBatch& bat
           embedding_dropout(config_, true, options.dropout_seed, options.embedding_keys[d], run.global));
     }
     word_embeddings_->backward(demb_TH, a.tokens_SB);
-    dnext_TH = activation_tensor(dhn_TH.shape());
+    dnext_TH = ops::activation_tensor(dhn_TH.shape());
     hnorm_[d].backward(dnext_TH, dhn_TH, a.hidden_in_TH, a.hnorm_stats);
     a = MtpDepthActivations();
   }

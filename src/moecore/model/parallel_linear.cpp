@@ -12,15 +12,6 @@
 namespace moecore {
 namespace {
 
-Tensor activation_tensor(std::vector<int64_t> shape) {
-  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
-}
-
-// A linear layer's forward output: ops::linear_forward overwrites it in full, so it is not zeroed first.
-Tensor forward_output(std::vector<int64_t> shape) {
-  return Tensor::uninitialized(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
-}
-
 void check_divisible(const std::string& name, const int64_t features, const int64_t parts, const char* what) {
   if (features % parts != 0) {
     throw ConfigError(name + ": " + std::to_string(features) + " " + what + " are not divisible by the " +
@@ -70,7 +61,7 @@ Tensor ColumnParallelLinear::forward(const Tensor& x_TI, LinearActivations& save
   saved.input_TI = gather_input(x_TI);
   const bool own = keepers == InputKeepers::kLinearOnly || (keepers == InputKeepers::kShared && tp_.sequence_sharded());
   const int64_t T = saved.input_TI.dim(0);
-  Tensor y_TO = forward_output({T, out_local_});
+  Tensor y_TO = ops::uninitialized_activation({T, out_local_});
   ops::linear_forward(y_TO, saved.input_TI, weight_->value,
                       options_.skip_bias_add || bias_ == nullptr ? nullptr : &bias_->value,
                       weight_->delayed_scaling.get(), &saved.delayed, own ? &saved.input_q : nullptr);
@@ -83,7 +74,7 @@ Tensor ColumnParallelLinear::forward_saved(const LinearActivations& saved) const
   if (!saved.input_TI.defined()) {
     throw std::logic_error("ColumnParallelLinear::forward_saved: the forward kept only the quantized input");
   }
-  Tensor y_TO = forward_output({saved.input_TI.dim(0), out_local_});
+  Tensor y_TO = ops::uninitialized_activation({saved.input_TI.dim(0), out_local_});
   quant::DelayedForwardScales scales;
   ops::linear_forward(y_TO, saved.input_TI, weight_->value,
                       options_.skip_bias_add || bias_ == nullptr ? nullptr : &bias_->value,
@@ -121,9 +112,9 @@ void ColumnParallelLinear::backward(Tensor& dx_TI, const Tensor& dy_TO, const Li
     parallel::drive_progress();
     return;
   }
-  Tensor dinput_TI = activation_tensor(saved.input_TI.defined()
-                                           ? saved.input_TI.shape()
-                                           : std::vector<int64_t>{dy_TO.numel() / out_local_, weight_->value.dim(1)});
+  Tensor dinput_TI = ops::activation_tensor(
+      saved.input_TI.defined() ? saved.input_TI.shape()
+                               : std::vector<int64_t>{dy_TO.numel() / out_local_, weight_->value.dim(1)});
   ops::linear_backward(&dinput_TI, nullptr, nullptr, dy_TO, nullptr, weight_->value, weight_->delayed_scaling.get(),
                        &saved.delayed);
   parallel::drive_progress();
@@ -149,7 +140,7 @@ RowParallelLinear::RowParallelLinear(const std::string& name, const int64_t in_f
 Tensor RowParallelLinear::forward(const Tensor& x_TI, LinearActivations& saved, const InputKeepers keepers) const {
   saved.input_TI = x_TI;
   const int64_t T = x_TI.dim(0), O = weight_->value.dim(0);
-  Tensor partial_TO = forward_output({T, O});
+  Tensor partial_TO = ops::uninitialized_activation({T, O});
   ops::linear_forward(partial_TO, x_TI, weight_->value, nullptr, weight_->delayed_scaling.get(), &saved.delayed,
                       keepers == InputKeepers::kLinearOnly ? &saved.input_q : nullptr);
   drop_quantized_input(saved);

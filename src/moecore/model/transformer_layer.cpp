@@ -25,15 +25,6 @@ ops::DropoutSpec dropout_spec(const LayerDropout& dropout, const double p, const
   return spec;
 }
 
-Tensor activation_tensor(std::vector<int64_t> shape) {
-  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
-}
-
-// For an op's output that the op overwrites in full (the norms, dropout): not zeroed.
-Tensor overwritten_activation(std::vector<int64_t> shape) {
-  return Tensor::uninitialized(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
-}
-
 // Hidden dropout over [rows, H] token rows: each run of rows draws at its one-process elements.
 void dropout_rows_forward(Tensor& out_TH, const Tensor& in_TH, ops::DropoutSpec spec, const TokenRows& rows) {
   const int64_t H = in_TH.dim(1);
@@ -55,7 +46,7 @@ void dropout_rows_backward(Tensor& din_TH, const Tensor& dout_TH, ops::DropoutSp
 
 // out = residual + dropout(branch).
 Tensor dropout_add(const Tensor& branch, const Tensor& residual, const ops::DropoutSpec& spec, const TokenRows& rows) {
-  Tensor out = overwritten_activation(branch.shape());
+  Tensor out = ops::uninitialized_activation(branch.shape());
   dropout_rows_forward(out, branch, spec, rows);
   ops::add_(out, residual);
   return out;
@@ -213,7 +204,7 @@ Tensor TransformerLayer::forward(const Tensor& x_TH, const int64_t S, const int6
                                                                             ? ops::ScopedDelayedScales::Mode::kReplay
                                                                             : ops::ScopedDelayedScales::Mode::kRecord);
   a.x_TH = x_TH;
-  a.ln1_TH = overwritten_activation(x_TH.shape());
+  a.ln1_TH = ops::uninitialized_activation(x_TH.shape());
   a.ln1_stats = ln1_.forward(a.ln1_TH, x_TH);
   // Who besides the linear layers keeps the norm outputs: the layer, for the recomputations that read them again.
   const RecomputeConfig& r = config_.recompute;
@@ -236,7 +227,7 @@ Tensor TransformerLayer::forward(const Tensor& x_TH, const int64_t S, const int6
   if (saves_quantized && ln1_keepers == InputKeepers::kLinearOnly) drop_if_unshared(a.ln1_TH, ln1_consumers(a));
   a.x_mid_TH = dropout_add(attn_out_TH, x_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterAttention), rows);
   MemoryTracker::instance().set_owner(mlp_owner());
-  a.ln2_TH = overwritten_activation(x_TH.shape());
+  a.ln2_TH = ops::uninitialized_activation(x_TH.shape());
   a.ln2_stats = ln2_.forward(a.ln2_TH, a.x_mid_TH);
   Tensor mlp_out_TH;
   {
@@ -291,7 +282,7 @@ void TransformerLayer::recompute_mlp_branch(LayerActivations& a) const {
   if (r.granularity != RecomputeConfig::Granularity::kSelective) return;
   if (r.has("layernorm")) {
     const trace::Scope scope("pre_mlp_layernorm recompute", "backward");
-    a.ln2_TH = overwritten_activation(a.x_mid_TH.shape());
+    a.ln2_TH = ops::uninitialized_activation(a.x_mid_TH.shape());
     ln2_.forward(a.ln2_TH, a.x_mid_TH);
     restore_aliases(a.ln2_aliases, ln2_consumers(a), a.ln2_TH);
   }
@@ -317,7 +308,7 @@ void TransformerLayer::recompute_attention_branch(LayerActivations& a, const int
   if (r.granularity != RecomputeConfig::Granularity::kSelective) return;
   const trace::Scope scope("attention recompute", "backward");
   if (r.has("layernorm")) {
-    a.ln1_TH = overwritten_activation(a.x_TH.shape());
+    a.ln1_TH = ops::uninitialized_activation(a.x_TH.shape());
     ln1_.forward(a.ln1_TH, a.x_TH);
     restore_aliases(a.ln1_aliases, ln1_consumers(a), a.ln1_TH);
   }
@@ -350,9 +341,9 @@ void TransformerLayer::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
   // MLP branch: out = x_mid + dropout(mlp(ln2(x_mid))).
   const ActivationOwnerScope owner(mlp_owner());
   Tensor dx_mid_TH = dout_TH.clone(MemCategory::kActivations);
-  Tensor dmlp_TH = activation_tensor(dout_TH.shape());
+  Tensor dmlp_TH = ops::activation_tensor(dout_TH.shape());
   dropout_rows_backward(dmlp_TH, dout_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterMlp), rows);
-  Tensor dln2_TH = activation_tensor(dout_TH.shape());
+  Tensor dln2_TH = ops::activation_tensor(dout_TH.shape());
   recompute_mlp_branch(a);
   {
     const trace::Scope scope(moe_ ? "moe layer backward" : "mlp backward", "backward");
@@ -369,10 +360,10 @@ void TransformerLayer::backward(Tensor& dx_TH, const Tensor& dout_TH, const int6
   // Attention branch: x_mid = x + dropout(attention(ln1(x))).
   MemoryTracker::instance().set_owner(ActivationOwner::kAttention);
   ops::add_(dx_TH, dx_mid_TH);
-  Tensor dattn_TH = activation_tensor(dout_TH.shape());
+  Tensor dattn_TH = ops::activation_tensor(dout_TH.shape());
   dropout_rows_backward(dattn_TH, dx_mid_TH, dropout_spec(dropout, config_.hidden_dropout, kAfterAttention), rows);
   dx_mid_TH = Tensor();
-  Tensor dln1_TH = activation_tensor(dout_TH.shape());
+  Tensor dln1_TH = ops::activation_tensor(dout_TH.shape());
   recompute_attention_branch(a, S, B, dropout, sequence);
   {
     const trace::Scope scope("attention backward", "backward");
@@ -393,13 +384,13 @@ Tensor TransformerLayer::forward_decode(const Tensor& x_TH, const std::span<cons
   const LayerDropout inference;  // no dropout, no router jitter
   const TokenRows rows = TokenRows::contiguous(0, T);
   const ops::ScopedLinearQuantization quantization(config_.layer_quantization(index_));
-  Tensor ln1_TH = overwritten_activation(x_TH.shape());
+  Tensor ln1_TH = ops::uninitialized_activation(x_TH.shape());
   ln1_.forward(ln1_TH, x_TH);
   const Tensor attn_out_TH =
       config_.mla ? mla_.forward_decode(ln1_TH, positions, cache) : attention_.forward_decode(ln1_TH, positions, cache);
   ln1_TH = Tensor();
   const Tensor x_mid_TH = dropout_add(attn_out_TH, x_TH, dropout_spec(inference, 0.0, kAfterAttention), rows);
-  Tensor ln2_TH = overwritten_activation(x_TH.shape());
+  Tensor ln2_TH = ops::uninitialized_activation(x_TH.shape());
   ln2_.forward(ln2_TH, x_mid_TH);
   MoELayerActivations moe_scratch;
   MLPActivations mlp_scratch;

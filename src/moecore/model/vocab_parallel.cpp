@@ -8,13 +8,6 @@
 #include "moecore/ops/precision.h"
 
 namespace moecore {
-namespace {
-
-Tensor activation_tensor(std::vector<int64_t> shape) {
-  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
-}
-
-}  // namespace
 
 VocabParallelEmbedding::VocabParallelEmbedding(const std::string& name, const int64_t V, const int64_t H,
                                                const TensorParallel& tp, ParamStore& params)
@@ -30,7 +23,7 @@ VocabParallelEmbedding::VocabParallelEmbedding(const std::string& name, const in
 
 Tensor VocabParallelEmbedding::forward(const std::span<const int32_t> ids_T) const {
   const auto T = static_cast<int64_t>(ids_T.size());
-  Tensor partial_TH = activation_tensor({T, H_});
+  Tensor partial_TH = ops::activation_tensor({T, H_});
   ops::embedding_forward(partial_TH, ids_T, weight_->value, V_, vocab_begin_);
   if (tp_.sequence_sharded()) return tp_.reduce_scatter_rows(partial_TH);
   tp_.all_reduce_activations_(partial_TH);

@@ -43,10 +43,6 @@ const quant::PackedQuantizedTensor *saved_input(const std::vector<quant::PackedQ
   return q.defined() ? &q : nullptr;
 }
 
-Tensor activation_tensor(std::vector<int64_t> shape) {
-  return Tensor(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
-}
-
 // Buffers of one backward call on the unfused path.
 struct BackwardBuffers {
   Tensor &dx_RH, &dprobs_R;
@@ -89,20 +85,17 @@ class GroupedMLP final : public ExpertMLPBase {
   void run_forward(const std::vector<int64_t> &offsets_E1, Tensor &y_RH, ExpertActivations &saved) const override {
     const int64_t R = offsets_E1.back();
     if (ops::grouped_mlp_fused(y_RH.device())) {  // the fused op overwrites every row of its outputs: not zeroed
-      const auto overwritten = [](std::vector<int64_t> shape) {
-        return Tensor::uninitialized(std::move(shape), ops::activation_storage_dtype(), MemCategory::kActivations);
-      };
-      saved.fc1_RF1 = overwritten({R, F1_});
-      (weighted_swiglu() ? saved.h_RF : saved.act_RF) = overwritten({R, F_});
-      if (probs_on_input_) saved.xs_RH = overwritten({R, H_});
+      saved.fc1_RF1 = ops::uninitialized_activation({R, F1_});
+      (weighted_swiglu() ? saved.h_RF : saved.act_RF) = ops::uninitialized_activation({R, F_});
+      if (probs_on_input_) saved.xs_RH = ops::uninitialized_activation({R, H_});
       const ExpertTensors<const Tensor> p = expert_tensors<const Tensor>(true);
       ops::grouped_mlp_forward(y_RH, saved.fc1_RF1, &saved.act_RF, &saved.h_RF, &saved.xs_RH, saved.x_RH, saved.probs_R,
                                {p.fc1_weight, p.fc1_bias, p.fc2_weight, p.fc2_bias}, offsets_E1, spec());
       return;
     }
-    saved.fc1_RF1 = activation_tensor({R, F1_});
-    (weighted_swiglu() ? saved.h_RF : saved.act_RF) = activation_tensor({R, F_});
-    if (probs_on_input_) saved.xs_RH = activation_tensor({R, H_});
+    saved.fc1_RF1 = ops::activation_tensor({R, F1_});
+    (weighted_swiglu() ? saved.h_RF : saved.act_RF) = ops::activation_tensor({R, F_});
+    if (probs_on_input_) saved.xs_RH = ops::activation_tensor({R, H_});
     if (probs_on_input_) ops::scale_rows(saved.xs_RH, saved.x_RH, saved.probs_R);
     saved.fc1_delayed_E.assign(static_cast<size_t>(E_), {});
     saved.fc2_delayed_E.assign(static_cast<size_t>(E_), {});
@@ -149,7 +142,7 @@ class GroupedMLP final : public ExpertMLPBase {
       ops::weighted_swiglu_forward(h, fc1, probs);
     } else {
       Tensor act = saved.act_RF.slice_rows(tile.begin, tile.end);
-      h = probs_on_input_ ? act : activation_tensor({tile.end - tile.begin, F_});
+      h = probs_on_input_ ? act : ops::activation_tensor({tile.end - tile.begin, F_});
       mlp_activation_forward(activation_, act, h, fc1, probs_on_input_ ? nullptr : &probs);
     }
     Tensor y = y_RH.slice_rows(tile.begin, tile.end);
@@ -165,7 +158,7 @@ class GroupedMLP final : public ExpertMLPBase {
     const Tensor probs = saved.probs_R.slice_rows(tile.begin, tile.end);
     const Tensor dy = buf.dy_RH.slice_rows(tile.begin, tile.end);
     Tensor dprobs = buf.dprobs_R.slice_rows(tile.begin, tile.end);
-    Tensor dh = activation_tensor({tile.end - tile.begin, F_});
+    Tensor dh = ops::activation_tensor({tile.end - tile.begin, F_});
     const Param &w2 = expert.fc2().weight();
     const auto e = static_cast<size_t>(tile.expert);
     ops::linear_backward(&dh, nullptr, nullptr, dy, nullptr, w2.value, w2.delayed_scaling.get(),
@@ -218,7 +211,7 @@ class GroupedMLP final : public ExpertMLPBase {
     if (h_q == nullptr) {
       h = weighted_swiglu() ? saved.h_RF.slice_rows(begin, end) : saved.act_RF.slice_rows(begin, end);
       if (!weighted_swiglu() && !probs_on_input_) {
-        h = activation_tensor({end - begin, F_});
+        h = ops::activation_tensor({end - begin, F_});
         ops::scale_rows(h, saved.act_RF.slice_rows(begin, end), saved.probs_R.slice_rows(begin, end));
       }
     }
@@ -239,11 +232,11 @@ class GroupedMLP final : public ExpertMLPBase {
   void recompute_activation(ExpertActivations &saved) const override {
     const int64_t R = saved.fc1_RF1.dim(0);
     if (weighted_swiglu()) {
-      saved.h_RF = activation_tensor({R, F_});
+      saved.h_RF = ops::activation_tensor({R, F_});
       ops::weighted_swiglu_forward(saved.h_RF, saved.fc1_RF1, saved.probs_R);
       return;
     }
-    saved.act_RF = activation_tensor({R, F_});
+    saved.act_RF = ops::activation_tensor({R, F_});
     mlp_activation_forward(activation_, saved.act_RF, saved.act_RF, saved.fc1_RF1, nullptr);
   }
 
@@ -259,8 +252,8 @@ class GroupedMLP final : public ExpertMLPBase {
       return;
     }
     const int64_t R = offsets_E1.back();
-    BackwardBuffers buf{dx_RH, dprobs_R, dy_RH, activation_tensor({R, F1_}),
-                        probs_on_input_ ? activation_tensor({R, H_}) : Tensor()};
+    BackwardBuffers buf{dx_RH, dprobs_R, dy_RH, ops::activation_tensor({R, F1_}),
+                        probs_on_input_ ? ops::activation_tensor({R, H_}) : Tensor()};
     for (const RowTile &tile : row_tiles(offsets_E1)) backward_tile(tile, buf, saved);
     parallel::drive_progress();
     // Experts with zero rows keep their gradients as they are.

@@ -124,10 +124,9 @@ void linear_cross_entropy(Tensor& losses_T, const Tensor& input_16_TI, const Ten
     const std::span<const int32_t> targets_n = targets_T.subspan(static_cast<size_t>(t0), static_cast<size_t>(n));
     const Tensor x_nI = x_TI.slice_rows(t0, t1);
     Tensor logits_nV = logits_buffer.slice_rows(0, n);
-    if (logits_rounded_by_loss) {
-      const ScopedActivationDType unrounded(DType::kF32, input_TI.device());
-      linear_forward(logits_nV, x_nI, gemm_weight_VI);
-    } else {
+    {
+      std::optional<ScopedActivationDType> unrounded;
+      if (logits_rounded_by_loss) unrounded.emplace(DType::kF32, input_TI.device());
       linear_forward(logits_nV, x_nI, gemm_weight_VI);
     }
     Tensor loss_n = loss_T.slice_rows(t0, t1);

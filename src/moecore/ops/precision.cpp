@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "moecore/ops/dispatch.h"
 #include "moecore/ops/staging.h"
@@ -30,6 +31,14 @@ DType activation_dtype(const Device device) {
 DType activation_storage_dtype(const Device device) {
   const int state = scoped_dtype_of(device).load();
   return (state & kFp32StorageBit) != 0 ? DType::kF32 : static_cast<DType>(state & (kFp32StorageBit - 1));
+}
+
+Tensor activation_tensor(std::vector<int64_t> shape) {
+  return Tensor(std::move(shape), activation_storage_dtype(), MemCategory::kActivations);
+}
+
+Tensor uninitialized_activation(std::vector<int64_t> shape) {
+  return Tensor::uninitialized(std::move(shape), activation_storage_dtype(), MemCategory::kActivations);
 }
 
 ScopedActivationDType::ScopedActivationDType(const DType dtype, const Device device, const ActivationStorage storage)

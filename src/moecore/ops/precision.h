@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
+#include <vector>
 
 #include "moecore/tensor/dtype.h"
 #include "moecore/tensor/tensor.h"
@@ -34,6 +35,11 @@ inline bool activation_storage(const DType dtype) {
 
 // The dtype model code allocates activations in: activation_dtype(device) under k16Bit storage, else kF32.
 DType activation_storage_dtype(Device device = Device::kCPU);
+
+// A CPU activation of `shape` in activation_storage_dtype(), counted as MemCategory::kActivations: zero-filled, or
+// uninitialized for the output of an op that overwrites every element.
+Tensor activation_tensor(std::vector<int64_t> shape);
+Tensor uninitialized_activation(std::vector<int64_t> shape);
 
 // Sets the activation dtype of the ops on `device` until destroyed (for every thread, so OpenMP workers agree; nests
 // and restores the previous one; create and destroy it on one thread, outside parallel regions).

@@ -107,23 +107,25 @@ void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, c
                           static_cast<T>(std::sqrt(bias_correction2)),
                           static_cast<T>(hp.eps),
                           static_cast<T>(hp.grad_scale)};
+  const bool bf16_model = model != nullptr && model_rounding == ActivationRounding::kBF16;
 #pragma omp parallel for schedule(static) if (n > kParallelWork)
   for (int64_t i = 0; i < n; i += kChunk) {
     const int64_t end = std::min(n, i + kChunk);
-    bool model_written = false;
     if constexpr (std::is_same_v<T, float>) {
-      if (model != nullptr && model_rounding == ActivationRounding::kBF16) {
+      if (bf16_model) {
         alignas(64) float model_chunk[kChunk];
         adamw_chunk_bf16_model(param, grad, exp_avg, exp_avg_sq, model_chunk, i, end, k);
         stream_copy(model + i, model_chunk, end - i);
         if (model_bf16 != nullptr) stream_bf16_bits(model_bf16 + i, model_chunk, end - i);
-        model_written = true;
+      } else {
+        adamw_chunk(param, grad, exp_avg, exp_avg_sq, i, end, k);
       }
+    } else {
+      adamw_chunk(param, grad, exp_avg, exp_avg_sq, i, end, k);
     }
-    if (!model_written) adamw_chunk(param, grad, exp_avg, exp_avg_sq, i, end, k);
     if (grad_to_zero != nullptr) std::fill(grad_to_zero + i, grad_to_zero + end, T(0));  // the chunk is in cache
     if constexpr (std::is_same_v<T, float>) {
-      if (model == nullptr || model_written) continue;
+      if (model == nullptr || bf16_model) continue;
       std::copy(param + i, param + end, model + i);  // the chunk is still in cache
       if (model_rounding == ActivationRounding::kF16) round_fp16(model + i, end - i);
     }

@@ -84,8 +84,9 @@ void cross_entropy_fused(T* losses_T, T* lse_T, T* logits_TV, const T* dlosses_T
   const ConvertIsa isa = best_convert_isa();
 #pragma omp parallel if (n_tokens * V > kParallelWork)
   {
-    // One row's 16-bit bits (the rounding goes through them) and, for 16-bit gradients, its fp32 gradient.
-    std::vector<uint16_t> bits(rounding != ActivationRounding::kNone ? static_cast<size_t>(V) : 0);
+    // One row's fp16 bits (fp16 rounding goes through them; bf16 rounds in registers) and, for 16-bit gradients, its
+    // fp32 gradient.
+    std::vector<uint16_t> bits(rounding == ActivationRounding::kF16 ? static_cast<size_t>(V) : 0);
     std::vector<T> drow(dlogits16_TV != nullptr ? static_cast<size_t>(V) : 0);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < n_tokens; ++t) {
