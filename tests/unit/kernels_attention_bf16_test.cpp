@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -24,6 +25,7 @@
 
 #include "moecore/kernels/cpu/attention.h"
 #include "moecore/kernels/cpu/attention_products.h"
+#include "moecore/kernels/cpu/bf16_dot_rate.h"
 #include "moecore/tensor/dtype.h"
 #include "unit/kernel_test_util.h"
 
@@ -343,6 +345,22 @@ TEST(AttentionProducts, PathFromItsNames) {
   {
     const cpu::ScopedAttentionProductPath forced(cpu::AttentionProductPath::kF32);
     EXPECT_EQ(cpu::attention_product_path(), cpu::AttentionProductPath::kF32);
+  }
+}
+
+TEST(AttentionProducts, DefaultUnitIsTheFastestThisCpuHas) {
+  const cpu::Bf16ProductUnit unit = cpu::best_bf16_product_unit();
+  if (cpu::bf16_product_unit_usable(cpu::Bf16ProductUnit::kAmx)) {
+    EXPECT_EQ(unit, cpu::Bf16ProductUnit::kAmx);
+  } else if (cpu::avx512_bf16_outpaces_fp32()) {
+    EXPECT_EQ(unit, cpu::Bf16ProductUnit::kAvx512Bf16);
+  } else {
+    EXPECT_EQ(unit, cpu::Bf16ProductUnit::kEmulated);
+  }
+  if (std::getenv("MOECORE_ATTENTION_PRODUCTS") == nullptr) {
+    EXPECT_EQ(cpu::attention_product_path(), unit == cpu::Bf16ProductUnit::kEmulated
+                                                 ? cpu::AttentionProductPath::kF32
+                                                 : cpu::AttentionProductPath::kBF16);
   }
 }
 

@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "moecore/kernels/cpu/bf16_dot_rate.h"
 #include "moecore/kernels/cpu/convert.h"
 #include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/tensor/dtype.h"
@@ -307,10 +308,11 @@ TEST(KernelsGemmLowp, TwoThreadsGiveTheSameBoundAsOne) {
 
 // ---- path choice --------------------------------------------------------------------------------------------------
 
-TEST(KernelsGemmLowp, DefaultPathIsNativeOnlyWithAmx) {
+TEST(KernelsGemmLowp, DefaultPathIsNativeOnlyWhereTheMatrixRateBeatsFp32) {
   if (std::getenv("MOECORE_LOWP_GEMM") != nullptr) GTEST_SKIP() << "MOECORE_LOWP_GEMM is set";
   for (const LowpType type : kTypes) {
-    const bool native = cpu::cpu_has_lowp_amx(type) && cpu::lowp_native_available(type);
+    const bool faster = cpu::cpu_has_lowp_amx(type) || (type == LowpType::kBF16 && cpu::avx512_bf16_outpaces_fp32());
+    const bool native = faster && cpu::lowp_native_available(type);
     if (cpu::cpu_has_lowp_amx(type)) {
       EXPECT_TRUE(cpu::cpu_has_lowp_dot(type)) << lowp_type_name(type);
     }
@@ -324,6 +326,14 @@ TEST(KernelsGemmLowp, DefaultPathIsNativeOnlyWithAmx) {
   __builtin_cpu_init();
   EXPECT_EQ(cpu::cpu_has_lowp_dot(LowpType::kBF16),
             __builtin_cpu_supports("avx512bf16") != 0 || __builtin_cpu_supports("amx-bf16") != 0);
+  // The vector dot product's table: AMD family 1Ah (Zen 5) only, and only with the instructions.
+  if (cpu::avx512_bf16_outpaces_fp32()) {
+    EXPECT_NE(__builtin_cpu_supports("avx512bf16"), 0);
+    EXPECT_NE(__builtin_cpu_is("amd"), 0);
+  }
+  if (__builtin_cpu_is("intel") != 0) {
+    EXPECT_FALSE(cpu::avx512_bf16_outpaces_fp32());
+  }
   // AMX only where the CPU has the instructions.
   if (__builtin_cpu_supports("amx-bf16") == 0) {
     EXPECT_FALSE(cpu::cpu_has_lowp_amx(LowpType::kBF16));

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "moecore/kernels/cpu/bf16_dot_rate.h"
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/tensor/dtype.h"
 
@@ -351,7 +352,9 @@ bool bf16_product_unit_usable(const Bf16ProductUnit unit) {
 Bf16ProductUnit best_bf16_product_unit() {
   const int forced = g_unit_override.load();
   if (forced != kNoOverride) return static_cast<Bf16ProductUnit>(forced);
-  return amx_usable() ? Bf16ProductUnit::kAmx : Bf16ProductUnit::kEmulated;
+  if (amx_usable()) return Bf16ProductUnit::kAmx;
+  return avx512_bf16_usable() && avx512_bf16_outpaces_fp32() ? Bf16ProductUnit::kAvx512Bf16
+                                                             : Bf16ProductUnit::kEmulated;
 }
 
 ScopedBf16ProductUnit::ScopedBf16ProductUnit(const Bf16ProductUnit unit) : previous_(kNoOverride) {
@@ -539,7 +542,8 @@ AttentionProductPath attention_product_path() {
   if (forced != kNoOverride) return static_cast<AttentionProductPath>(forced);
   const int from_env = env_path();
   if (from_env != kNoOverride) return static_cast<AttentionProductPath>(from_env);
-  return best_bf16_product_unit() == Bf16ProductUnit::kAmx ? AttentionProductPath::kBF16 : AttentionProductPath::kF32;
+  return best_bf16_product_unit() == Bf16ProductUnit::kEmulated ? AttentionProductPath::kF32
+                                                                : AttentionProductPath::kBF16;
 }
 
 ScopedAttentionProductPath::ScopedAttentionProductPath(const AttentionProductPath path)

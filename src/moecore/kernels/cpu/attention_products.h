@@ -5,9 +5,9 @@
 // gemm_bf16 has sgemm's contract (gemm.h) on bf16 operands. It runs on AMX tiles where the CPU has AMX-BF16 and the
 // kernel grants this process the tile state (Linux's arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)), with
 // both operands repacked per call into the tiles' layouts (A row-major, B in VNNI pairs: rows 2k and 2k + 1
-// interleaved); elsewhere it rounds the operands to bf16 values in fp32 and calls sgemm (the same numbers up to the
-// order of the fp32 sums). AVX512-BF16's vdpbf16ps is not used: it peaks at the rate of the fp32 FMAs it replaces
-// (gemm_lowp.h), so it would not beat sgemm on these shapes.
+// interleaved); with AVX512-BF16's vdpbf16ps on the same layouts where that outpaces the fp32 FMAs
+// (avx512_bf16_outpaces_fp32, a table of measured CPUs: AMD Zen 5 yes, Intel without AMX no); elsewhere it rounds the
+// operands to bf16 values in fp32 and calls sgemm (the same numbers up to the order of the fp32 sums).
 #pragma once
 
 #include <bit>
@@ -26,9 +26,8 @@ std::string_view bf16_product_unit_name(Bf16ProductUnit unit);
 bool bf16_product_unit_usable(Bf16ProductUnit unit);
 
 // The unit the attention's bf16 products take: the innermost live ScopedBf16ProductUnit, else kAmx where usable, else
-// kEmulated. Not AVX512-BF16 on its own: on this project's measured shapes it was no faster than the fp32 sgemm
-// (bench/RESULTS.md), so without AMX attention_product_path() keeps fp32 products and kEmulated only serves forced
-// bf16 products.
+// kAvx512Bf16 where usable and avx512_bf16_outpaces_fp32() (measured 1.2-1.6x the fp32 products on Zen 5; on Intel
+// it was no faster than the sgemm, bench/RESULTS.md), else kEmulated, which only serves forced bf16 products.
 Bf16ProductUnit best_bf16_product_unit();
 
 // Forces the unit process-wide until destroyed (tests, benchmarks); nests. std::invalid_argument for a unit this CPU
@@ -105,7 +104,7 @@ std::string_view attention_product_path_name(AttentionProductPath path);  // "bf
 AttentionProductPath parse_attention_product_path(std::string_view value);
 // The innermost live ScopedAttentionProductPath, else the environment variable MOECORE_ATTENTION_PRODUCTS ("bf16" or
 // "fp32"; read once; any other non-empty value throws std::invalid_argument), else kBF16 iff
-// best_bf16_product_unit() is kAmx: without a matrix unit the fp32 products stay as they were.
+// best_bf16_product_unit() is not kEmulated: without a unit that outpaces the fp32 products they stay fp32.
 AttentionProductPath attention_product_path();
 
 // Forces a path process-wide until destroyed (tests, benchmarks); nests. Create and destroy it on one thread,

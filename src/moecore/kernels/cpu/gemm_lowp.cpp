@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "moecore/kernels/cpu/bf16_dot_rate.h"
 #include "moecore/kernels/cpu/convert.h"
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/kernels/cpu/onednn_matmul.h"
@@ -305,7 +306,8 @@ LowpGemmPath lowp_gemm_path(const LowpType type) {
   if (forced != kNoOverride) return static_cast<LowpGemmPath>(forced);
   const int from_env = env_path();
   if (from_env != kNoOverride) return static_cast<LowpGemmPath>(from_env);
-  return cpu_has_lowp_amx(type) && lowp_native_available(type) ? LowpGemmPath::kNative : LowpGemmPath::kConvert;
+  const bool matrix_rate = cpu_has_lowp_amx(type) || (type == LowpType::kBF16 && avx512_bf16_outpaces_fp32());
+  return matrix_rate && lowp_native_available(type) ? LowpGemmPath::kNative : LowpGemmPath::kConvert;
 }
 
 ScopedLowpGemmPath::ScopedLowpGemmPath(const LowpGemmPath path)

@@ -55,10 +55,11 @@ LowpGemmPath parse_lowp_gemm_path(std::string_view value);
 
 // The path gemm_lowp and the linear functions take for `type`: the innermost live ScopedLowpGemmPath, else the
 // environment variable MOECORE_LOWP_GEMM ("native" or "convert"; read once; any other non-empty value throws
-// std::invalid_argument), else native iff cpu_has_lowp_amx(type) and lowp_native_available(type). Not on vector
-// dot products alone: vdpbf16ps peaks at the rate of the fp32 FMAs it replaces, and oneDNN 2.6.3's AVX512_BF16
-// matmul ran at 55-70% of the convert path on moecore's shapes (bench/RESULTS.md, bench_gemm_lowp). A forced native
-// path that is not available makes the GEMMs throw std::runtime_error saying why.
+// std::invalid_argument), else native iff lowp_native_available(type) and the CPU has AMX tiles for `type`, or, for
+// bf16, an AVX512-BF16 dot product that outpaces the fp32 FMAs (avx512_bf16_outpaces_fp32, a table of measured CPUs:
+// on Intel without AMX oneDNN 2.6.3's AVX512_BF16 matmul ran at 55-70% of the convert path on moecore's shapes, on
+// AMD Zen 5 at 1.7-2.1x; bench/RESULTS.md, bench_gemm_lowp). A forced native path that is not available makes the
+// GEMMs throw std::runtime_error saying why.
 LowpGemmPath lowp_gemm_path(LowpType type);
 
 // Forces a path process-wide until destroyed (tests, benchmarks); nests and restores the previous choice. Create and
