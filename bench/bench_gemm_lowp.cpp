@@ -162,6 +162,7 @@ int main(int argc, char** argv) {
       {"output fwd (522 x 32128 x 512)", 522, 32128, 512, false, true, false},
       {"output input grad (512 x 512 x 32128, NN)", 512, 512, 32128, false, false, false},
       {"output input grad (522 x 512 x 32128, NN)", 522, 512, 32128, false, false, false},
+      {"output weight grad (32128 x 512 x 512, TN, fp32 C)", 32128, 512, 512, true, false, true},
   };
   for (const Shape& s : shapes) {
     std::vector<float> a(static_cast<size_t>(s.m * s.k)), b(static_cast<size_t>(s.k * s.n)),

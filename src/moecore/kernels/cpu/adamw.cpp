@@ -4,7 +4,12 @@
 // option in pragmas and attributes, so it has to come from the build flags.
 #include "moecore/kernels/cpu/adamw.h"
 
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which its flow analysis reports as maybe-uninitialized
+// once inlined (GCC bug 105593, fixed in GCC 13).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 
 #include <algorithm>
 #include <bit>
@@ -62,27 +67,49 @@ MOECORE_VECTOR_CLONES void adamw_chunk_bf16_model(float* param, const float* gra
     model_chunk[i - i0] = bf16_value(adamw_element(i, param, grad, exp_avg, exp_avg_sq, k));
 }
 
-// dst[0, n) = src[0, n) with non-temporal stores where dst is 16-byte aligned: the model weights are not read again
-// before the next forward, and a plain store would first read each line it writes.
-void stream_copy(float* dst, const float* src, const int64_t n) {
+// The chunk's bf16 model values written out with non-temporal stores where their destinations are aligned: the
+// model weights (fp32 holding bf16 values) to `model`, and, if `bits` is not null, their bf16 bits (the upper halves)
+// to `bits`. Neither is read again before the next forward, and a plain store would first read each line it writes.
+// The stores are weakly ordered: the caller fences once it has written all its chunks.
+void stream_model_sse(float* model, uint16_t* bits, const float* values, const int64_t n) {
   int64_t i = 0;
-  for (; i < n && reinterpret_cast<uintptr_t>(dst + i) % 16 != 0; ++i) dst[i] = src[i];
-  for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
-  for (; i < n; ++i) dst[i] = src[i];
-  _mm_sfence();
+  for (; i < n && reinterpret_cast<uintptr_t>(model + i) % 16 != 0; ++i) model[i] = values[i];
+  for (; i + 4 <= n; i += 4) _mm_stream_ps(model + i, _mm_loadu_ps(values + i));
+  for (; i < n; ++i) model[i] = values[i];
+  if (bits == nullptr) return;
+  alignas(64) uint16_t words[kChunk];
+  for (i = 0; i < n; ++i) words[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(values[i]) >> 16);
+  for (i = 0; i < n && reinterpret_cast<uintptr_t>(bits + i) % 16 != 0; ++i) bits[i] = words[i];
+  for (; i + 8 <= n; i += 8) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(bits + i),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(words + i)));
+  }
+  for (; i < n; ++i) bits[i] = words[i];
 }
 
-// The bf16 bits of n bf16 values held as fp32 (their upper halves), written as stream_copy writes.
-void stream_bf16_bits(uint16_t* dst, const float* values, const int64_t n) {
-  alignas(64) uint16_t bits[kChunk];
-  for (int64_t i = 0; i < n; ++i) bits[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(values[i]) >> 16);
+// The same with 64-byte stores of the model values and 32-byte stores of the bits narrowed in registers.
+__attribute__((target("avx512f,avx512bw"))) void stream_model_avx512(float* model, uint16_t* bits, const float* values,
+                                                                     const int64_t n) {
   int64_t i = 0;
-  for (; i < n && reinterpret_cast<uintptr_t>(dst + i) % 16 != 0; ++i) dst[i] = bits[i];
-  for (; i + 8 <= n; i += 8) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i)));
+  for (; i < n && reinterpret_cast<uintptr_t>(model + i) % 64 != 0; ++i) model[i] = values[i];
+  for (; i + 16 <= n; i += 16) _mm512_stream_ps(model + i, _mm512_loadu_ps(values + i));
+  for (; i < n; ++i) model[i] = values[i];
+  if (bits == nullptr) return;
+  auto word = [&](const int64_t j) { return static_cast<uint16_t>(std::bit_cast<uint32_t>(values[j]) >> 16); };
+  for (i = 0; i < n && reinterpret_cast<uintptr_t>(bits + i) % 32 != 0; ++i) bits[i] = word(i);
+  for (; i + 16 <= n; i += 16) {
+    const __m512i upper = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(values + i)), 16);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(bits + i), _mm512_cvtepi32_epi16(upper));
   }
-  for (; i < n; ++i) dst[i] = bits[i];
-  _mm_sfence();
+  for (; i < n; ++i) bits[i] = word(i);
+}
+
+void stream_model(float* model, uint16_t* bits, const float* values, const int64_t n) {
+  static const bool avx512 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  }();
+  avx512 ? stream_model_avx512(model, bits, values, n) : stream_model_sse(model, bits, values, n);
 }
 }  // namespace
 
@@ -108,27 +135,32 @@ void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, c
                           static_cast<T>(hp.eps),
                           static_cast<T>(hp.grad_scale)};
   const bool bf16_model = model != nullptr && model_rounding == ActivationRounding::kBF16;
-#pragma omp parallel for schedule(static) if (n > kParallelWork)
-  for (int64_t i = 0; i < n; i += kChunk) {
-    const int64_t end = std::min(n, i + kChunk);
-    if constexpr (std::is_same_v<T, float>) {
-      if (bf16_model) {
-        alignas(64) float model_chunk[kChunk];
-        adamw_chunk_bf16_model(param, grad, exp_avg, exp_avg_sq, model_chunk, i, end, k);
-        stream_copy(model + i, model_chunk, end - i);
-        if (model_bf16 != nullptr) stream_bf16_bits(model_bf16 + i, model_chunk, end - i);
+#pragma omp parallel if (n > kParallelWork)
+  {
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < n; i += kChunk) {
+      const int64_t end = std::min(n, i + kChunk);
+      if constexpr (std::is_same_v<T, float>) {
+        if (bf16_model) {
+          alignas(64) float model_chunk[kChunk];
+          adamw_chunk_bf16_model(param, grad, exp_avg, exp_avg_sq, model_chunk, i, end, k);
+          stream_model(model + i, model_bf16 != nullptr ? model_bf16 + i : nullptr, model_chunk, end - i);
+        } else {
+          adamw_chunk(param, grad, exp_avg, exp_avg_sq, i, end, k);
+        }
       } else {
         adamw_chunk(param, grad, exp_avg, exp_avg_sq, i, end, k);
       }
-    } else {
-      adamw_chunk(param, grad, exp_avg, exp_avg_sq, i, end, k);
+      if (grad_to_zero != nullptr) std::fill(grad_to_zero + i, grad_to_zero + end, T(0));  // the chunk is in cache
+      if constexpr (std::is_same_v<T, float>) {
+        if (model == nullptr || bf16_model) continue;
+        std::copy(param + i, param + end, model + i);  // the chunk is still in cache
+        if (model_rounding == ActivationRounding::kF16) round_fp16(model + i, end - i);
+      }
     }
-    if (grad_to_zero != nullptr) std::fill(grad_to_zero + i, grad_to_zero + end, T(0));  // the chunk is in cache
-    if constexpr (std::is_same_v<T, float>) {
-      if (model == nullptr || bf16_model) continue;
-      std::copy(param + i, param + end, model + i);  // the chunk is still in cache
-      if (model_rounding == ActivationRounding::kF16) round_fp16(model + i, end - i);
-    }
+    // The streaming stores are weakly ordered: fenced once per thread, before the region's closing barrier publishes
+    // them (a fence per chunk stalled each one until its lines had been written).
+    if (bf16_model) _mm_sfence();
   }
 }
 
