@@ -106,6 +106,34 @@ TEST(TrainArguments, MegatronDefaults) {
   EXPECT_EQ(model.moe.num_experts, 0);
 }
 
+TEST(TrainArguments, TensorBoardFlagsAsMegatron) {
+  const TrainingArgs defaults = parse_train_args(minimal());
+  EXPECT_TRUE(defaults.tensorboard_dir.empty());
+  EXPECT_EQ(defaults.tensorboard_log_interval, 1);
+  EXPECT_EQ(defaults.tensorboard_queue_size, 1000);
+  EXPECT_FALSE(defaults.log_timers_to_tensorboard);
+  EXPECT_TRUE(defaults.log_loss_scale_to_tensorboard);
+  EXPECT_FALSE(defaults.log_validation_ppl_to_tensorboard);
+  EXPECT_FALSE(defaults.log_memory_to_tensorboard);
+  EXPECT_FALSE(defaults.log_world_size_to_tensorboard);
+  const TrainingArgs args =
+      parse_train_args(with(minimal(), {"--tensorboard-dir", "runs/tb", "--tensorboard-log-interval", "5",
+                                        "--tensorboard-queue-size", "7", "--log-timers-to-tensorboard",
+                                        "--no-log-loss-scale-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+                                        "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard"}));
+  EXPECT_EQ(args.tensorboard_dir, "runs/tb");
+  EXPECT_EQ(args.tensorboard_log_interval, 5);
+  EXPECT_EQ(args.tensorboard_queue_size, 7);
+  EXPECT_TRUE(args.log_timers_to_tensorboard);
+  EXPECT_FALSE(args.log_loss_scale_to_tensorboard);
+  EXPECT_TRUE(args.log_validation_ppl_to_tensorboard);
+  EXPECT_TRUE(args.log_memory_to_tensorboard);
+  EXPECT_TRUE(args.log_world_size_to_tensorboard);
+  for (const char* flag : {"--tensorboard-log-interval", "--tensorboard-queue-size"}) {
+    EXPECT_EQ(error_of(with(minimal(), {flag, "0"})), std::string(flag) + " must be positive (got 0)");
+  }
+}
+
 TEST(TrainArguments, ModelFlags) {
   const TrainingArgs args = parse_train_args(with(minimal(), {"--normalization",
                                                               "RMSNorm",
@@ -295,9 +323,8 @@ TEST(TrainArguments, RecomputeFlagsAsMegatron) {
 }
 
 TEST(TrainArguments, CataloguedMegatronFlagsAreNotImplementedYet) {
-  for (const char* flag :
-       {"--moe-latent-size", "--moe-use-legacy-grouped-gemm", "--rampup-batch-size", "--fp8-interval",
-        "--save-retain-interval", "--tensorboard-dir", "--wandb-project", "--ckpt-format"}) {
+  for (const char* flag : {"--moe-latent-size", "--moe-use-legacy-grouped-gemm", "--rampup-batch-size",
+                           "--fp8-interval", "--save-retain-interval", "--wandb-project", "--ckpt-format"}) {
     EXPECT_EQ(error_of(with(minimal(), {flag, "1"})),
               std::string(flag) + " is a Megatron flag that moecore does not implement yet");
   }

@@ -125,6 +125,15 @@ struct TrainingArgs {
   std::optional<int64_t> eval_interval;
   int64_t eval_iters = 100;     // --eval-iters
   bool log_throughput = false;  // --log-throughput
+  // TensorBoard event files, written by the last rank as Megatron's SummaryWriter (train/tensorboard_log.h).
+  std::string tensorboard_dir;                     // --tensorboard-dir (empty: none)
+  int64_t tensorboard_log_interval = 1;            // --tensorboard-log-interval
+  int64_t tensorboard_queue_size = 1000;           // --tensorboard-queue-size
+  bool log_timers_to_tensorboard = false;          // --log-timers-to-tensorboard
+  bool log_loss_scale_to_tensorboard = true;       // --no-log-loss-scale-to-tensorboard
+  bool log_validation_ppl_to_tensorboard = false;  // --log-validation-ppl-to-tensorboard
+  bool log_memory_to_tensorboard = false;          // --log-memory-to-tensorboard
+  bool log_world_size_to_tensorboard = false;      // --log-world-size-to-tensorboard
 
   // Data and tokenizer.
   std::vector<std::string> data_path;       // --data-path: "prefix", "p1 p2 ...", or "w1 p1 w2 p2 ..."

@@ -184,6 +184,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   if (has_valid && !args.mock_data && parallel.rank == 0) {
     result.unigram_baseline = print_unigram_baseline(run_args, data, vocabulary.unpadded_size, log);
   }
+  TrainingLogger logger(run_args, schedule, parallel, log);
   if (has_valid) {
     // moecore's extra look before training (Megatron has none): on a cursor of its own, so the evaluations during and
     // after training read the validation samples Megatron's would.
@@ -195,11 +196,11 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
     result.first_valid_loss =
         evaluate_and_print(run_args, model, data, parallel, validation_prefix_during_training(0), own_cursor, log);
     model.delayed_scaling().restore(scaling);
+    logger.validation(progress, result.first_valid_loss);
   }
 
   // Training: Megatron's train() loop.
   log << "> training ..." << std::endl;
-  TrainingLogger logger(run_args, schedule, parallel, log);
   double train_seconds = 0.0;
   logger.start();
   std::optional<double> previous_grad_norm;  // of the last update made (for the message when a step stops)
@@ -242,6 +243,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
       result.last_valid_loss =
           evaluate_and_print(run_args, model, data, parallel, validation_prefix_during_training(progress.iteration),
                              progress.consumed_valid_samples, log);
+      logger.validation(progress, result.last_valid_loss);
       logger.exclude(Clock::now() - eval_start);  // evaluation time is not training time
     }
     if (profiled_rank && progress.iteration == args.profile_step_end) write_trace(args, parallel.rank, log);
@@ -272,6 +274,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
     result.last_valid_loss =
         evaluate_and_print(run_args, model, data, parallel, validation_prefix_after_training(progress.iteration),
                            progress.consumed_valid_samples, log);
+    logger.validation(progress, result.last_valid_loss);
   }
   log << "> training throughput: " << std::fixed << std::setprecision(1) << result.tokens_per_second
       << " tokens/s over " << args.train_iters << " iterations" << std::endl;

@@ -142,7 +142,9 @@ TrainingLogger::TrainingLogger(const TrainingArgs& run_args, const LRSchedule& s
       schedule_(schedule),
       flops_per_iteration_(
           num_floating_point_operations(run_args.model, run_args.global_batch_size, run_args.model.seq_length)),
-      moe_metrics_(run_args.model.moe) {}
+      moe_metrics_(run_args.model.moe),
+      iteration_moe_metrics_(run_args.model.moe),
+      tensorboard_(run_args, parallel) {}
 
 double TrainingLogger::throughput_per_gpu(const double seconds_per_iteration) const {
   return throughput_per_gpu(flops_per_iteration_, seconds_per_iteration);
@@ -201,6 +203,23 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
   for (size_t k = 0; k < step.mtp_losses.size(); ++k) mtp_loss_sums_[k] += step.mtp_losses[k];
   ++iterations_;
   const int64_t iteration = progress.iteration;
+  if (tensorboard_.enabled()) {
+    TensorBoardIteration scalars;
+    scalars.iteration = iteration;
+    scalars.consumed_samples = progress.consumed_train_samples;
+    scalars.learning_rate = schedule_.lr();
+    scalars.loss_scale = step.loss_scale;
+    scalars.skipped = step.skipped;
+    scalars.lm_loss = step.lm_loss;
+    scalars.grad_norm = step.grad_norm;
+    iteration_moe_metrics_.reset();
+    iteration_moe_metrics_.add(step.moe_stats);
+    if (!iteration_moe_metrics_.empty()) scalars.moe_losses = iteration_moe_metrics_.losses();
+    for (size_t k = 0; k < step.mtp_losses.size(); ++k) {
+      scalars.mtp_losses.emplace_back("mtp_" + std::to_string(k + 1) + " loss", step.mtp_losses[k]);
+    }
+    tensorboard_.iteration(scalars);
+  }
   if (!logs_iteration(iteration, args_.log_interval, first_iteration_)) return;
 
   const bool reset = iteration != first_iteration_;
@@ -228,6 +247,8 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
     entry.real_tokens_per_iteration = real_tokens_sum_ / iterations_;
   }
   log_ << format_iteration_log(entry) << std::endl;
+  if (reset) tensorboard_.timers(iteration, seconds_per_iter, entry.throughput_tflops_per_gpu);  // not the first line
+  tensorboard_.flush();
   for (const std::string& line : moe_metrics_.usage_lines()) log_ << line << '\n';
   if (parallel_.world.size() > 1) {
     log_ << comm_report(seconds_per_iter, iterations_, parallel_) << std::endl;

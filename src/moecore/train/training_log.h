@@ -12,6 +12,7 @@
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/train/log_format.h"
 #include "moecore/train/moe_logging.h"
+#include "moecore/train/tensorboard_log.h"
 #include "moecore/train/train_step.h"
 #include "moecore/train/training_progress.h"
 
@@ -54,8 +55,12 @@ class TrainingLogger {
   // Leaves `duration` (an evaluation) out of the interval time, as Megatron stops its interval timer.
   void exclude(Clock::duration duration) { interval_start_ += duration; }
   // Adds the iteration just completed (`progress` already counts it; collective: reduces the MoE statistics) and
-  // prints its line when Megatron would.
+  // prints its line when Megatron would; writes its TensorBoard scalars (--tensorboard-dir).
   void record(const TrainingProgress& progress, StepResult step);
+  // A validation loss at `iteration` to TensorBoard (the text line is evaluate_and_print's).
+  void validation(const TrainingProgress& progress, double lm_loss) {
+    tensorboard_.validation(progress.iteration, progress.consumed_train_samples, lm_loss);
+  }
 
  private:
   const TrainingArgs& args_;
@@ -75,6 +80,8 @@ class TrainingLogger {
   double flops_sum_ = 0.0;          // FLOPs of the interval's iterations
   int64_t real_tokens_sum_ = 0;     // packed sequences: their real tokens
   MoEMetrics moe_metrics_;
+  MoEMetrics iteration_moe_metrics_;  // the last iteration's alone (TensorBoard)
+  TensorBoardLog tensorboard_;
   std::vector<double> mtp_loss_sums_;  // --mtp-num-layers: each depth's loss over the interval's iterations
   bool report_memory_ = true;          // Megatron's report_memory_flag
 };
