@@ -58,7 +58,7 @@ LowpGemmPath parse_lowp_gemm_path(std::string_view value);
 // std::invalid_argument), else native iff lowp_native_available(type) and the CPU has AMX tiles for `type`, or, for
 // bf16, an AVX512-BF16 dot product that outpaces the fp32 FMAs (avx512_bf16_outpaces_fp32, a table of measured CPUs:
 // on Intel without AMX oneDNN 2.6.3's AVX512_BF16 matmul ran at 55-70% of the convert path on moecore's shapes, on
-// AMD Zen 5 at 1.7-2.1x; bench/RESULTS.md, bench_gemm_lowp). A forced native path that is not available makes the
+// AMD Zen 5 at 1.6-2.1x; bench/RESULTS.md, bench_gemm_lowp). A forced native path that is not available makes the
 // GEMMs throw std::runtime_error saying why.
 LowpGemmPath lowp_gemm_path(LowpType type);
 
