@@ -1098,6 +1098,25 @@ TEST(TrainArguments, UpperLimits) {
 // The smallest valid MoE command line: minimal() plus --num-experts.
 Args minimal_moe() { return with(minimal(), {"--num-experts", "8"}); }
 
+TEST(TrainArguments, ExpertCollapseAlarmFlags) {
+  const TrainingArgs defaults = parse_train_args(minimal_moe());
+  EXPECT_DOUBLE_EQ(defaults.moe_collapse_min_load_ratio, 0.1);
+  EXPECT_DOUBLE_EQ(defaults.moe_collapse_max_load_ratio, 0.0);
+  EXPECT_EQ(defaults.moe_collapse_intervals, 3);
+  const TrainingArgs args =
+      parse_train_args(with(minimal_moe(), {"--moe-collapse-min-load-ratio", "0", "--moe-collapse-max-load-ratio", "4",
+                                            "--moe-collapse-intervals", "5"}));
+  EXPECT_DOUBLE_EQ(args.moe_collapse_min_load_ratio, 0.0);
+  EXPECT_DOUBLE_EQ(args.moe_collapse_max_load_ratio, 4.0);
+  EXPECT_EQ(args.moe_collapse_intervals, 5);
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-collapse-min-load-ratio", "1.5"})),
+            "invalid value '1.5' for --moe-collapse-min-load-ratio: expected 0 (off) or a load ratio in (0, 1)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-collapse-max-load-ratio", "0.5"})),
+            "invalid value '0.5' for --moe-collapse-max-load-ratio: expected 0 (off) or a load ratio above 1");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-collapse-intervals", "0"})),
+            "--moe-collapse-intervals must be positive (got 0)");
+}
+
 TEST(TrainArguments, MoEDefaultsAsMegatron) {
   // Defaults read from megatron/training/arguments.py _add_moe_args and TransformerConfig.
   const TrainingArgs args = parse_train_args(minimal_moe());

@@ -317,6 +317,24 @@ const std::vector<TrainFlag>& flag_table() {
      [](TrainingArgs& a, const FlagValue&) { a.log_memory_to_tensorboard = true; }},
     {"--log-world-size-to-tensorboard", Arity::kSwitch, "", "write world-size to TensorBoard",
      [](TrainingArgs& a, const FlagValue&) { a.log_world_size_to_tensorboard = true; }},
+    {"--moe-collapse-min-load-ratio", Arity::kOne, "X",
+     "warn when an expert gets under X times its layer's mean tokens for --moe-collapse-intervals log intervals "
+     "(default 0.1; 0: off)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       const double ratio = v.real();
+       if (ratio < 0.0 || ratio >= 1.0) v.fail("0 (off) or a load ratio in (0, 1)");
+       a.moe_collapse_min_load_ratio = ratio;
+     }},
+    {"--moe-collapse-max-load-ratio", Arity::kOne, "X",
+     "warn when an expert gets over X times its layer's mean tokens for --moe-collapse-intervals log intervals "
+     "(default 0: off)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       const double ratio = v.real();
+       if (ratio != 0.0 && !(ratio > 1.0)) v.fail("0 (off) or a load ratio above 1");
+       a.moe_collapse_max_load_ratio = ratio;
+     }},
+    {"--moe-collapse-intervals", Arity::kOne, "N", "consecutive log intervals before the collapse warning (default 3)",
+     [](TrainingArgs& a, const FlagValue& v) { a.moe_collapse_intervals = v.positive_up_to(kMaxIterations); }},
     {"--eval-interval", Arity::kOne, "N", "evaluate every N iterations (default: only after training)",
      [](TrainingArgs& a, const FlagValue& v) { a.eval_interval = v.integer(); }},
     {"--eval-iters", Arity::kOne, "N", "batches per evaluation (default 100)",

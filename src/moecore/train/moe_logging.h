@@ -30,6 +30,7 @@ class MoEMetrics {
   // One line per MoE layer: tokens per expert over the interval and the min/max load ratio.
   std::vector<std::string> usage_lines() const;
   void reset() { total_ = MoEStats(); }
+  const MoEStats& totals() const { return total_; }
 
  private:
   MoEConfig config_;

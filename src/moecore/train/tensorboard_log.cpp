@@ -81,6 +81,19 @@ void TensorBoardLog::validation(const int64_t iteration, const int64_t consumed_
   writer_->flush();
 }
 
+void TensorBoardLog::expert_load(const int64_t iteration, const std::vector<LayerLoad>& loads) {
+  if (!writer_) return;
+  for (const LayerLoad& load : loads) {
+    const std::string layer = "_layer_" + std::to_string(load.layer);
+    writer_->add_scalar("moe/min_load_ratio" + layer, load.min_load_ratio, iteration);
+    writer_->add_scalar("moe/max_load_ratio" + layer, load.max_load_ratio, iteration);
+    writer_->add_scalar("moe/collapsed_experts" + layer, static_cast<double>(load.collapsed), iteration);
+    if (args_.moe_collapse_max_load_ratio > 0.0) {
+      writer_->add_scalar("moe/overloaded_experts" + layer, static_cast<double>(load.overloaded), iteration);
+    }
+  }
+}
+
 void TensorBoardLog::flush() {
   if (writer_) writer_->flush();
 }

@@ -6,7 +6,8 @@
 // "<tag> vs samples" against the consumed samples; every iteration: the MoE auxiliary losses averaged over the MoE
 // layers (per layer as moe/<name>_layer_<i> with --moe-per-layer-logging) and the MTP depths' losses; at each text
 // log line after the first, with --log-timers-to-tensorboard: iteration-time (seconds) and, with --log-throughput,
-// throughput; after each validation: "lm loss validation" (and its ppl with --log-validation-ppl-to-tensorboard).
+// throughput, and moecore's expert-load figures (expert_load); after each validation: "lm loss validation" (and its
+// ppl with --log-validation-ppl-to-tensorboard).
 // The values are the iteration's own, not the text line's interval averages. The file is flushed at each text log
 // line, after each validation and at the end, so a killed run keeps its curves up to the last of those.
 #pragma once
@@ -16,6 +17,7 @@
 
 #include "moecore/config/arguments.h"
 #include "moecore/parallel/parallel_state.h"
+#include "moecore/train/expert_collapse.h"
 #include "moecore/train/log_format.h"
 #include "moecore/util/tensorboard_events.h"
 
@@ -45,6 +47,10 @@ class TensorBoardLog {
   // At a text log line: the interval's seconds per iteration and throughput (TFLOP/s per device, if logged).
   void timers(int64_t iteration, double seconds_per_iteration, const std::optional<double>& throughput);
   void validation(int64_t iteration, int64_t consumed_samples, double lm_loss);
+  // At a text log line after the first: each MoE layer's min / max load ratio over the interval and its collapsed
+  // (overloaded) experts, as moe/min_load_ratio_layer_<i>, moe/max_load_ratio_layer_<i>,
+  // moe/collapsed_experts_layer_<i> (and moe/overloaded_experts_layer_<i> when that alarm is on): moecore's tags.
+  void expert_load(int64_t iteration, const std::vector<LayerLoad>& loads);
   void flush();
 
  private:

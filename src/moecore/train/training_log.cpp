@@ -144,7 +144,10 @@ TrainingLogger::TrainingLogger(const TrainingArgs& run_args, const LRSchedule& s
           num_floating_point_operations(run_args.model, run_args.global_batch_size, run_args.model.seq_length)),
       moe_metrics_(run_args.model.moe),
       iteration_moe_metrics_(run_args.model.moe),
-      tensorboard_(run_args, parallel) {}
+      tensorboard_(run_args, parallel),
+      collapse_alarm_(CollapseThresholds{.min_load_ratio = run_args.moe_collapse_min_load_ratio,
+                                         .max_load_ratio = run_args.moe_collapse_max_load_ratio,
+                                         .intervals = run_args.moe_collapse_intervals}) {}
 
 double TrainingLogger::throughput_per_gpu(const double seconds_per_iteration) const {
   return throughput_per_gpu(flops_per_iteration_, seconds_per_iteration);
@@ -184,6 +187,7 @@ void TrainingLogger::start() {
 }
 
 void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
+  if (iterations_ == 0) interval_first_iteration_ = progress.iteration;
   reduce_moe_stats(step.moe_stats, args_.model, parallel_);
   moe_metrics_.add(step.moe_stats);
   // Megatron's training_log: losses are averaged over the advanced (not skipped) iterations; a skipped iteration
@@ -250,6 +254,14 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
   if (reset) tensorboard_.timers(iteration, seconds_per_iter, entry.throughput_tflops_per_gpu);  // not the first line
   tensorboard_.flush();
   for (const std::string& line : moe_metrics_.usage_lines()) log_ << line << '\n';
+  if (reset && !moe_metrics_.empty()) {  // whole intervals only: the first line's does not end one
+    std::vector<LayerLoad> loads;
+    for (const std::string& warning :
+         collapse_alarm_.observe(interval_first_iteration_, iteration, moe_metrics_.totals(), &loads)) {
+      log_ << warning << '\n';
+    }
+    tensorboard_.expert_load(iteration, loads);
+  }
   if (parallel_.world.size() > 1) {
     log_ << comm_report(seconds_per_iter, iterations_, parallel_) << std::endl;
     if (reset) parallel::CommStats::instance().reset();

@@ -10,6 +10,7 @@
 #include "moecore/config/arguments.h"
 #include "moecore/optim/lr_schedule.h"
 #include "moecore/parallel/parallel_state.h"
+#include "moecore/train/expert_collapse.h"
 #include "moecore/train/log_format.h"
 #include "moecore/train/moe_logging.h"
 #include "moecore/train/tensorboard_log.h"
@@ -82,8 +83,10 @@ class TrainingLogger {
   MoEMetrics moe_metrics_;
   MoEMetrics iteration_moe_metrics_;  // the last iteration's alone (TensorBoard)
   TensorBoardLog tensorboard_;
-  std::vector<double> mtp_loss_sums_;  // --mtp-num-layers: each depth's loss over the interval's iterations
-  bool report_memory_ = true;          // Megatron's report_memory_flag
+  ExpertCollapseAlarm collapse_alarm_;
+  int64_t interval_first_iteration_ = 0;  // the first iteration of the interval being summed
+  std::vector<double> mtp_loss_sums_;     // --mtp-num-layers: each depth's loss over the interval's iterations
+  bool report_memory_ = true;             // Megatron's report_memory_flag
 };
 
 }  // namespace moecore
