@@ -317,6 +317,8 @@ const std::vector<TrainFlag>& flag_table() {
      [](TrainingArgs& a, const FlagValue&) { a.log_memory_to_tensorboard = true; }},
     {"--log-world-size-to-tensorboard", Arity::kSwitch, "", "write world-size to TensorBoard",
      [](TrainingArgs& a, const FlagValue&) { a.log_world_size_to_tensorboard = true; }},
+    {"--log-progress", Arity::kSwitch, "", "append job starts and saves with throughput to <--save>/progress.txt",
+     [](TrainingArgs& a, const FlagValue&) { a.log_progress = true; }},
     {"--moe-collapse-min-load-ratio", Arity::kOne, "X",
      "warn when an expert gets under X times its layer's mean tokens for --moe-collapse-intervals log intervals "
      "(default 0.1; 0: off)",

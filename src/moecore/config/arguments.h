@@ -134,6 +134,7 @@ struct TrainingArgs {
   bool log_validation_ppl_to_tensorboard = false;  // --log-validation-ppl-to-tensorboard
   bool log_memory_to_tensorboard = false;          // --log-memory-to-tensorboard
   bool log_world_size_to_tensorboard = false;      // --log-world-size-to-tensorboard
+  bool log_progress = false;                       // --log-progress: <--save>/progress.txt (train/progress_log.h)
   // The expert-collapse alarm (moecore's; train/expert_collapse.h).
   double moe_collapse_min_load_ratio = 0.1;  // --moe-collapse-min-load-ratio (0: off)
   double moe_collapse_max_load_ratio = 0.0;  // --moe-collapse-max-load-ratio (0: off)

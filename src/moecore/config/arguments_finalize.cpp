@@ -653,6 +653,9 @@ void finalize_checkpointing(TrainingArgs& args, const std::set<std::string>& giv
         "--persistent-save-interval", "--ckpt-save-failure", "--save-overwrite-other-model"}) {
     require(!given.contains(flag) || !args.save.empty(), std::string(flag) + " requires --save");
   }
+  // Megatron writes nothing without --save; moecore says so rather than accept a flag that would do nothing.
+  require(!args.log_progress || !args.save.empty(),
+          "--log-progress writes progress.txt into --save: it requires --save");
   for (const char* flag : {"--no-load-optim", "--no-load-rng", "--finetune", "--ckpt-step",
                            "--exit-on-missing-checkpoint", "--moe-use-upcycling"}) {
     require(!given.contains(flag) || !args.load.empty(), std::string(flag) + " requires --load");

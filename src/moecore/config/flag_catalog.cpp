@@ -223,7 +223,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     // logging
     "--log-params-norm",
     "--log-num-zeros-in-grad",
-    "--log-progress",
     "--timing-log-level",
     "--log-energy",
     "--no-barrier-with-level-1-timing",

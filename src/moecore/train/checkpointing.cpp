@@ -492,8 +492,12 @@ void load_checkpoint(const LoadPlan& plan, const TrainingArgs& run_args, const C
                         std::chrono::duration<double, std::milli>(Clock::now() - start).count(), log);
 }
 
-Checkpointer::Checkpointer(const TrainingArgs& run_args, const parallel::ParallelState& parallel, std::ostream& log)
-    : args_(run_args), parallel_(parallel), log_(log) {
+Checkpointer::Checkpointer(const TrainingArgs& run_args, const parallel::ParallelState& parallel, std::ostream& log,
+                           const double floating_point_operations_at_start)
+    : args_(run_args),
+      parallel_(parallel),
+      log_(log),
+      progress_log_(run_args, parallel, floating_point_operations_at_start) {
   // Megatron's start time: the earliest process start of the job.
   std::vector<int64_t> negated_start_ms{-std::llround(process_start_seconds() * 1000.0)};
   parallel_.world.all_reduce(std::span<int64_t>(negated_start_ms), parallel::ReduceOp::kMax);
@@ -556,6 +560,7 @@ void Checkpointer::complete_pending(const bool blocking) {
   }
   pending_.reset();
   if (!non_persistent) last_saved_ = iteration;
+  if (!non_persistent && args_.async_save) progress_log_.async_saved(iteration);
   log_ << "  [" << now_text(true) << "] successfully saved checkpoint from iteration " << iter7(iteration) << " to "
        << (non_persistent ? non_persistent_root(args_, args_.save) : args_.save) << " [ t 1/"
        << args_.parallel.tensor_model_parallel_size << ", p 1/" << args_.parallel.pipeline_model_parallel_size << " ]"
@@ -625,8 +630,10 @@ void Checkpointer::save(const CheckpointTarget& target, const TrainingProgress& 
   if (args_.async_save) {
     log_ << "  [" << now_text(true) << "] scheduled an async checkpoint save at iteration " << iter7(progress.iteration)
          << " to " << root << std::endl;
+    if (!non_persistent) progress_log_.saved(progress, true, start_seconds_);
   } else {
     wait_for_pending();
+    if (!non_persistent && last_saved_ == progress.iteration) progress_log_.saved(progress, false, start_seconds_);
   }
   log_time_across_ranks(parallel_, non_persistent ? "save-checkpoint-non-persistent" : "save-checkpoint",
                         std::chrono::duration<double, std::milli>(Clock::now() - start).count(), log_);

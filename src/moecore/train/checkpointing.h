@@ -51,6 +51,7 @@
 #include "moecore/optim/grad_scaler.h"
 #include "moecore/optim/lr_schedule.h"
 #include "moecore/parallel/parallel_state.h"
+#include "moecore/train/progress_log.h"
 #include "moecore/train/training_progress.h"
 
 namespace moecore {
@@ -94,7 +95,9 @@ std::string non_persistent_root(const TrainingArgs& args, const std::string& roo
 // Saves, async saves and exits during training.
 class Checkpointer {
  public:
-  Checkpointer(const TrainingArgs& run_args, const parallel::ParallelState& parallel, std::ostream& log);
+  // `floating_point_operations_at_start`: the loaded checkpoint's count (--log-progress's job throughput).
+  Checkpointer(const TrainingArgs& run_args, const parallel::ParallelState& parallel, std::ostream& log,
+               double floating_point_operations_at_start = 0.0);
   ~Checkpointer();
   Checkpointer(const Checkpointer&) = delete;
   Checkpointer& operator=(const Checkpointer&) = delete;
@@ -117,6 +120,7 @@ class Checkpointer {
   const TrainingArgs& args_;
   const parallel::ParallelState& parallel_;
   std::ostream& log_;
+  ProgressLog progress_log_;
   std::unique_ptr<ShardedSave> pending_;
   bool pending_non_persistent_ = false;
   int64_t last_saved_ = -1;

@@ -178,7 +178,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   if (const std::string warning = save_tracker_regression(run_args, progress.iteration); !warning.empty()) {
     log << "WARNING: " << warning << std::endl;
   }
-  Checkpointer checkpointer(run_args, parallel, log);
+  Checkpointer checkpointer(run_args, parallel, log, progress.floating_point_operations_so_far);
   if (run_args.moe_use_upcycling) checkpointer.save(checkpoint_target, progress, false);  // Megatron's iteration 1
   const bool has_valid = data.has_split(DatasetSplit::kValid) && args.eval_iters > 0;
   if (has_valid && !args.mock_data && parallel.rank == 0) {
