@@ -14,7 +14,7 @@ model+=(--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --lr-warmup-iters 2
   --mock-data --tokenizer-type NullTokenizer --vocab-size 300 --seed 3 --num-experts 4 --moe-router-topk 2
   --moe-router-enable-expert-bias --moe-router-score-function sigmoid)
 fail() { echo "FAIL: $*"; exit 1; }
-lines() { grep -E "iteration +$2/" "$1" | sed -E 's/^ *\[[^]]*\] //; s/elapsed time per iteration \(ms\): [0-9.]+ \| //'; }
+lines() { grep -E "iteration +$2/" "$1" | sed -E 's/^ *\[[^]]*\] //; s/elapsed time per iteration \(ms\): [0-9.]+ \| //; s/ time left \(estimate\): [^|]+ \|//'; }
 expect_error() {  # NAME REGEX COMMAND...: non-zero exit, one "error:" line matching REGEX
   local name=$1 regex=$2
   shift 2

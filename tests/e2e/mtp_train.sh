@@ -13,7 +13,7 @@ mapfile -t mtp < <(recipe "$src" mixtral-tiny-mtp)
 # --vocab-size 1023: with the NullTokenizer's EOD, 1024 rows padded alike under TP 1 and 2.
 mtp+=(--num-layers 2 --seq-length 32 --max-position-embeddings 32 --train-iters 8 --log-interval 1 --eval-iters 0
   --lr-decay-style linear --vocab-size 1023)
-lines() { grep -E "iteration +$2/" "$1" | sed -E 's/^ *\[[^]]*\] //; s/elapsed time per iteration \(ms\): [0-9.]+ \| //'; }
+lines() { grep -E "iteration +$2/" "$1" | sed -E 's/^ *\[[^]]*\] //; s/elapsed time per iteration \(ms\): [0-9.]+ \| //; s/ time left \(estimate\): [^|]+ \|//'; }
 value() { lines "$1" "$2" | grep -oE "$3: [0-9.E+-]+" | grep -oE '[0-9.]+E[+-][0-9]+'; }
 
 "$bin" train "${mtp[@]}" >"$work/full.log" 2>&1 || { tail "$work/full.log"; stop "MTP run"; }

@@ -54,7 +54,7 @@ run fp8-delayed-history "${delayed[@]}"
 # Resume: save at 15 and stop, resume to 30; the iteration lines 16-30 (without wall-clock fields) must match the
 # uninterrupted run's.
 lines() { grep -E "iteration +(1[6-9]|2[0-9]|30)/|validation loss at iteration 30" "$1" |
-  sed -E 's/^ *\[[^]]*\] //; s/elapsed time per iteration \(ms\): [0-9.]+ \| //'; }
+  sed -E 's/^ *\[[^]]*\] //; s/elapsed time per iteration \(ms\): [0-9.]+ \| //; s/ time left \(estimate\): [^|]+ \|//'; }
 if "$bin" train "${model[@]}" "${delayed[@]}" --save "$work/delayed-ckpt" --save-interval 15 --exit-interval 15 \
      > "$work/delayed-part1.log" 2>&1 &&
    "$bin" train "${model[@]}" "${delayed[@]}" --load "$work/delayed-ckpt" > "$work/delayed-part2.log" 2>&1; then

@@ -19,7 +19,7 @@ mapfile -t moe < <(recipe "$src" mixtral-tiny)
 moe+=(--num-layers 2 --seq-length 64 --max-position-embeddings 64 --train-iters 20 --log-interval 1 --eval-iters 0
   --lr-decay-style linear)
 # The log line of iteration I without its timestamp and timing.
-lines() { grep -E "iteration +$2/" "$1" | sed -E 's/^ *\[[^]]*\] //; s/elapsed time per iteration \(ms\): [0-9.]+ \| //'; }
+lines() { grep -E "iteration +$2/" "$1" | sed -E 's/^ *\[[^]]*\] //; s/elapsed time per iteration \(ms\): [0-9.]+ \| //; s/ time left \(estimate\): [^|]+ \|//'; }
 same_from() {  # NAME FULL RESUMED FIRST LAST
   local i
   for i in $(seq "$4" "$5"); do

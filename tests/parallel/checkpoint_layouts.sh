@@ -30,7 +30,7 @@ source "$(dirname "$0")/lib/layout_runs.sh"
 pp_layers=(--num-layers 4 --moe-layer-freq [0,1,0,1])
 pp2tp2=("${pp_layers[@]}" --pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel)
 # The iteration lines of iterations 4-6 without the wall-clock fields.
-lines() { grep -E "iteration +[4-6]/" "$1" | sed -E 's/^ *\[[^]]*\] //; s/elapsed time per iteration \(ms\): [0-9.]+ \| //'; }
+lines() { grep -E "iteration +[4-6]/" "$1" | sed -E 's/^ *\[[^]]*\] //; s/elapsed time per iteration \(ms\): [0-9.]+ \| //; s/ time left \(estimate\): [^|]+ \|//'; }
 same_lines() {  # NAME A B
   if ! diff <(lines "$2") <(lines "$3") >/dev/null || [ "$(lines "$2" | wc -l)" != 3 ]; then
     diff <(lines "$2") <(lines "$3") || true

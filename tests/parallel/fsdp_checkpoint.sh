@@ -27,7 +27,7 @@ tp2ep2=(--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parall
 fsdp=(--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params)
 
 source "$(dirname "$0")/lib/layout_runs.sh"
-lines() { grep -E "iteration +[4-6]/" "$1" | sed -E 's/^ *\[[^]]*\] //; s/elapsed time per iteration \(ms\): [0-9.]+ \| //'; }
+lines() { grep -E "iteration +[4-6]/" "$1" | sed -E 's/^ *\[[^]]*\] //; s/elapsed time per iteration \(ms\): [0-9.]+ \| //; s/ time left \(estimate\): [^|]+ \|//'; }
 
 run 1 "$work/ref.log"
 

@@ -83,6 +83,21 @@ TEST(LogFormat, NonFiniteAndRoundingAsPython) {
   EXPECT_NE(line.find(" throughput per GPU (TFLOP/s/GPU): 0.050 |"), std::string::npos) << line;
 }
 
+TEST(LogFormat, TimeLeftEndsTheLineAsPythonsTimedelta) {
+  IterationLog log = example_log();
+  EXPECT_EQ(format_iteration_log(log).find("time left"), std::string::npos);
+  log.seconds_left = 3723.4;
+  const std::string line = format_iteration_log(log);
+  const std::string tail = "number of nan iterations:   0 | time left (estimate): 1:02:03 |";
+  ASSERT_GE(line.size(), tail.size());
+  EXPECT_EQ(line.substr(line.size() - tail.size()), tail) << line;
+  // Python: str(timedelta(seconds=5)) '0:00:05', (seconds=86400) '1 day, 0:00:00', (seconds=200000) '2 days, 7:33:20'.
+  EXPECT_EQ(timedelta_text(5.0), "0:00:05");
+  EXPECT_EQ(timedelta_text(0.4), "0:00:00");
+  EXPECT_EQ(timedelta_text(86400.0), "1 day, 0:00:00");
+  EXPECT_EQ(timedelta_text(200000.0), "2 days, 7:33:20");
+}
+
 TEST(LogFormat, RealTokensOfPackedSequencesFollowTheBatchSize) {
   IterationLog log = example_log();
   EXPECT_EQ(format_iteration_log(log).find("real tokens"), std::string::npos);

@@ -64,7 +64,18 @@ std::string format_iteration_log(const IterationLog& log) {
   if (log.params_norm) line += " params norm: " + fixed(*log.params_norm, 3) + " |";
   line += " number of skipped iterations: " + padded(log.skipped_iterations, 3) + " |";
   line += " number of nan iterations: " + padded(log.nan_iterations, 3) + " |";
+  if (log.seconds_left) line += " time left (estimate): " + timedelta_text(*log.seconds_left) + " |";
   return line;
+}
+
+std::string timedelta_text(const double seconds) {
+  const auto total = static_cast<int64_t>(std::max(0.0, std::round(seconds)));
+  const int64_t days = total / 86400, rest = total % 86400;
+  char clock[32];
+  std::snprintf(clock, sizeof clock, "%d:%02d:%02d", static_cast<int>(rest / 3600), static_cast<int>(rest / 60 % 60),
+                static_cast<int>(rest % 60));
+  if (days == 0) return clock;
+  return std::to_string(days) + (days == 1 ? " day, " : " days, ") + clock;
 }
 
 std::string format_log_timestamp(const std::chrono::system_clock::time_point time) {

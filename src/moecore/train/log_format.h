@@ -41,7 +41,13 @@ struct IterationLog {
   std::optional<double> params_norm;
   int64_t skipped_iterations = 0;
   int64_t nan_iterations = 0;
+  // moecore's addition at the end of the line: the remaining iterations at the interval's time per iteration,
+  // printed as Python's timedelta ("0:12:34", "2 days, 3:04:05") when set.
+  std::optional<double> seconds_left;
 };
+
+// Whole seconds as Python's str(datetime.timedelta(seconds=...)): "0:00:05", "1:02:03", "1 day, 0:00:00".
+std::string timedelta_text(double seconds);
 
 // " [2026-11-29 17:40:00] iteration       10/     100 | consumed samples:          640 | ... |"
 std::string format_iteration_log(const IterationLog& log);

@@ -243,6 +243,9 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
   if (step.skipped) entry.grad_norm.reset();  // Megatron: grad_norm is None for a skipped iteration
   entry.skipped_iterations = skipped_iterations_;
   entry.nan_iterations = nan_iterations_;
+  if (iteration < args_.train_iters) {
+    entry.seconds_left = seconds_per_iter * static_cast<double>(args_.train_iters - iteration);
+  }
   if (step.seqlen_stats) {
     if (args_.log_throughput) {
       entry.throughput_tflops_per_gpu =
