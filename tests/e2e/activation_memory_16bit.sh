@@ -7,11 +7,7 @@
 # "activations at their peak by model part" line, less the output layer + loss) prints next to it.
 set -u
 source "$(dirname "$0")/lib/setup.sh" "$@"
-demo=()
-while read -r flag; do  # the recipe without its data split (mock data has its own)
-  if [ "$flag" = --split ]; then read -r _; continue; fi
-  demo+=("$flag")
-done < <(recipe "$src" demo)
+demo_without_split demo
 demo+=(--train-iters 2 --lr-warmup-iters 1 --log-interval 1 --eval-interval 1000 --eval-iters 0 --mock-data
   --tokenizer-type NullTokenizer --vocab-size 50256)
 

@@ -7,11 +7,7 @@
 # raises none.
 set -u
 source "$(dirname "$0")/lib/setup.sh" "$@"
-demo=()
-while read -r flag; do  # the recipe without its data split (mock data has its own)
-  if [ "$flag" = --split ]; then read -r _; continue; fi
-  demo+=("$flag")
-done < <(recipe "$src" demo)
+demo_without_split demo
 demo+=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50256 --lr-warmup-iters 2 --eval-iters 0
   --log-interval 2 --train-iters 10)
 

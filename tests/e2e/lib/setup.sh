@@ -14,3 +14,13 @@ source "$src/tests/recipe.sh"
 mapfile -t quick_dense < <(recipe "$src" tiny-dense)
 quick_dense+=(--micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer
   --vocab-size 128 --eval-iters 1)
+# demo_without_split ARRAY: the demo recipe's flags without its data split (mock data brings its own) into ARRAY.
+demo_without_split() {
+  local -n flags=$1
+  flags=()
+  local flag
+  while read -r flag; do
+    if [ "$flag" = --split ]; then read -r _; continue; fi
+    flags+=("$flag")
+  done < <(recipe "$src" demo)
+}
