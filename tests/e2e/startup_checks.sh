@@ -40,6 +40,8 @@ expect_train_error "--save: $work/a_file/ckpt cannot be created: $work/a_file is
   --save-interval 10 --save "$work/a_file/ckpt"
 expect_train_error "--save: /proc/moecore_ckpt cannot be created: cannot create a file in /proc" "${mock[@]}" \
   --save-interval 10 --save /proc/moecore_ckpt
+expect_train_error "--tensorboard-dir: $work/a_file/tb cannot be created: $work/a_file is not a folder" "${mock[@]}" \
+  --tensorboard-dir "$work/a_file/tb"
 expect_train_error "--load $work/a_file is a file, not a checkpoint folder" "${mock[@]}" --load "$work/a_file"
 # --save into a folder whose newest checkpoint is another model's: refused before training (the folder untouched),
 # unless --save-overwrite-other-model; the same model restarted without --load is warned that the tracker goes back.

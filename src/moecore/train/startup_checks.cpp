@@ -116,6 +116,11 @@ void check_outputs(const TrainingArgs& run_args, const Vocabulary& vocabulary, c
     }
     check_save_folder_model(run_args);
   }
+  if (!run_args.tensorboard_dir.empty()) {  // the last rank writes there: every rank refuses it before training
+    if (const std::string problem = folder_write_problem(run_args.tensorboard_dir); !problem.empty()) {
+      throw ConfigError("--tensorboard-dir: " + problem);
+    }
+  }
   if (!run_args.load.empty()) {
     std::error_code ec;
     if (fs::exists(run_args.load, ec) && !fs::is_directory(run_args.load, ec)) {
