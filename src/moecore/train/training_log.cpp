@@ -255,7 +255,6 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
   }
   log_ << format_iteration_log(entry) << std::endl;
   if (reset) tensorboard_.timers(iteration, seconds_per_iter, entry.throughput_tflops_per_gpu);  // not the first line
-  tensorboard_.flush();
   for (const std::string& line : moe_metrics_.usage_lines()) log_ << line << '\n';
   if (reset && !moe_metrics_.empty()) {  // whole intervals only: the first line's does not end one
     std::vector<LayerLoad> loads;
@@ -265,6 +264,7 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
     }
     tensorboard_.expert_load(iteration, loads);
   }
+  tensorboard_.flush();  // the line's scalars, the expert loads included, reach the file with the line
   if (parallel_.world.size() > 1) {
     log_ << comm_report(seconds_per_iter, iterations_, parallel_) << std::endl;
     if (reset) parallel::CommStats::instance().reset();
