@@ -6,7 +6,9 @@
 //   documents of different lengths: token-weighted over the global batch, so equal to the one-process values;
 // - the throughput figure: FLOPs of the global batch / (seconds x 1e12 x world size 2); with packed sequences the
 //   FLOPs of the global batch's documents (Megatron's THD count), the same under DP2 as in one process;
-// - context parallelism: dp_size()/dp_rank() are the DP group's, dp_cp_size()/dp_cp_rank() the dp-cp group's.
+// - context parallelism: dp_size()/dp_rank() are the DP group's, dp_cp_size()/dp_cp_rank() the dp-cp group's;
+// - --log-params-norm / --log-num-zeros-in-grad under DP2 (replicated and distributed optimizer, fp32 and bf16), TP2,
+//   EP2 and PP2 (tied and untied embeddings) equal the one-process figures.
 // Exit status 1 on any mismatch.
 #include <algorithm>
 #include <cmath>
@@ -176,6 +178,76 @@ int main(int argc, char** argv) {
     if (world.rank() == 0) {
       check(fp32_tp > 0, "fp32 tensor-parallel bytes are logged");
       check_close(bf16_tp, fp32_tp / 2, 1e-3, "bf16: tensor-parallel activations move half the bytes");
+    }
+
+    // --log-params-norm and --log-num-zeros-in-grad count every element once, whatever the layout: the 2-rank
+    // layouts log the one-process figures (the norm within the layouts' rounding of one update; the zeros, which
+    // here are the embedding rows of the padded vocabulary and of tokens no sample holds, exactly).
+    // The vocabulary (61 ids) padded to 64 in one process and under TP2 alike; no linear biases: the key bias's
+    // gradient is zero in exact arithmetic, so its rounding leaves exact zeros by chance.
+    const std::vector<std::string> stat_flags = {"--log-params-norm",
+                                                 "--log-num-zeros-in-grad",
+                                                 "--eval-iters",
+                                                 "0",
+                                                 "--untie-embeddings-and-output-weights",
+                                                 "--make-vocab-size-divisible-by",
+                                                 "32",
+                                                 "--disable-bias-linear"};
+    const auto statistics_log = [&](const std::vector<std::string>& layout, const int world_size,
+                                    const moecore::parallel::ParallelState* state) {
+      std::vector<std::string> run = flags(dir, world_size == 1 ? 4 : 2);
+      run.insert(run.end(), stat_flags.begin(), stat_flags.end());
+      run.insert(run.end(), layout.begin(), layout.end());
+      const moecore::TrainingArgs stat_args = moecore::parse_train_args(run, world_size);
+      std::ostringstream out;
+      moecore::run_training(stat_args, out, state ? *state : moecore::make_parallel_state(stat_args));
+      return out.str();
+    };
+    std::string stat_reference;
+    const moecore::parallel::ParallelState single = moecore::parallel::ParallelState::single_process();
+    if (world.rank() == 0) stat_reference = statistics_log({}, 1, &single);
+    const std::vector<std::pair<std::string, std::vector<std::string>>> stat_layouts = {
+        {"DP2", {}},
+        {"DP2 distributed optimizer", {"--use-distributed-optimizer"}},
+        {"DP2 distributed optimizer bf16", {"--use-distributed-optimizer", "--bf16"}},
+        {"TP2 SP", {"--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"}},
+        {"EP2", {"--expert-model-parallel-size", "2"}},
+        {"PP2", {"--pipeline-model-parallel-size", "2"}}};
+    std::string bf16_reference;
+    if (world.rank() == 0) bf16_reference = statistics_log({"--bf16"}, 1, &single);
+    for (const auto& [name, layout] : stat_layouts) {
+      const std::string text = statistics_log(layout, 2, nullptr);
+      if (world.rank() != 0) continue;
+      const bool bf16 = std::find(layout.begin(), layout.end(), "--bf16") != layout.end();
+      const std::string& want = bf16 ? bf16_reference : stat_reference;
+      for (const std::string iteration : {"1", "2"}) {
+        const std::string line = "] iteration        " + iteration + "/       2 |";
+        const double zeros = logged(want, line, " num zeros: "), got = logged(text, line, " num zeros: ");
+        check(zeros > 0 && got == zeros,
+              name + ": iteration " + iteration + " num zeros " + std::to_string(got) + " vs " + std::to_string(zeros));
+        check_close(logged(text, line, " params norm: "), logged(want, line, " params norm: "), 1e-5,
+                    name + ": iteration " + iteration + " params norm");
+      }
+    }
+
+    // Tied embeddings under PP2: the last stage's copy of the word embeddings is not counted again.
+    std::vector<std::string> tied_flags = flags(dir, 4);
+    tied_flags.insert(tied_flags.end(), {"--log-params-norm", "--eval-iters", "0"});
+    std::string tied_reference;
+    if (world.rank() == 0) {
+      std::ostringstream out;
+      moecore::run_training(moecore::parse_train_args(tied_flags, 1), out, single);
+      tied_reference = out.str();
+    }
+    tied_flags[std::find(tied_flags.begin(), tied_flags.end(), "--micro-batch-size") - tied_flags.begin() + 1] = "2";
+    tied_flags.insert(tied_flags.end(), {"--pipeline-model-parallel-size", "2"});
+    const moecore::TrainingArgs tied_args = moecore::parse_train_args(tied_flags, 2);
+    std::ostringstream tied_log;
+    moecore::run_training(tied_args, tied_log, moecore::make_parallel_state(tied_args));
+    if (world.rank() == 0) {
+      const std::string line = "] iteration        2/       2 |";
+      check_close(logged(tied_log.str(), line, " params norm: "), logged(tied_reference, line, " params norm: "), 1e-5,
+                  "PP2 tied embeddings: iteration 2 params norm");
     }
 
     // Packed sequences (--reset-attention-mask): the FLOPs count runs over the documents of the global batch, which

@@ -51,6 +51,18 @@ TEST(ElementwiseTest, SumSquaresCountsEveryElementOnce) {
   }
 }
 
+// The vector kernel against the naive loop, across chunk boundaries and with zeros of both signs.
+TEST(ElementwiseTest, CountZerosMatchesReference) {
+  for (const int64_t n : {int64_t{1}, int64_t{37}, int64_t{100003}, int64_t{(1 << 21) + 3}}) {
+    auto x = random_vector<float>(n, 12);
+    for (int64_t i = 0; i < n; i += 5) x[static_cast<size_t>(i)] = i % 2 == 0 ? 0.0f : -0.0f;
+    int64_t naive = 0;
+    for (const float v : x) naive += v == 0.0f ? 1 : 0;
+    EXPECT_EQ(cpu::count_zeros<float>(x.data(), n), naive) << "n " << n;
+    EXPECT_EQ(ref::count_zeros<float>(x.data(), n), naive) << "n " << n;
+  }
+}
+
 TEST(ElementwiseTest, AllFiniteDetectsNanAndInf) {
   for (const int64_t n : {int64_t{37}, int64_t{100003}}) {
     auto x = random_vector<double>(n, 4);

@@ -22,7 +22,7 @@
 //   convert.h     convert
 //   device.h      supports synchronize
 //   dropout.h     dropout_forward dropout_backward
-//   elementwise.h add_ scale_ sum_squares all_finite
+//   elementwise.h add_ scale_ sum_squares all_finite count_zeros
 //   expert_activation.h weighted_swiglu_forward weighted_swiglu_backward
 //   linear.h      linear_forward linear_backward gemm_library gemm_lowp_library gemm_lowp_native
 //   linear_cross_entropy.h  linear_cross_entropy linear_cross_entropy_chunk_rows linear_cross_entropy_logit_bytes
@@ -93,6 +93,7 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "scale_",
                                                 "sum_squares",
                                                 "all_finite",
+                                                "count_zeros",
                                                 "weighted_swiglu_forward",
                                                 "weighted_swiglu_backward",
                                                 "linear_forward",
@@ -165,6 +166,7 @@ const std::vector<std::string> kOpsInHandWrittenTests = {"activation_input_width
                                                          "synchronize",
                                                          "sum_squares",
                                                          "all_finite",
+                                                         "count_zeros",
                                                          "linear_cross_entropy_chunk_rows",
                                                          "linear_cross_entropy_logit_bytes",
                                                          "gemm_library",
@@ -176,8 +178,8 @@ const std::vector<std::string> kOpsInHandWrittenTests = {"activation_input_width
 
 // Ops whose bad arguments only hand-written tests provoke (one tensor: no size or dtype mismatch; convert accepts
 // every floating dtype, so the table's fp64 swap is no error for it).
-const std::vector<std::string> kOpsWithHandWrittenErrors = {"scale_", "sum_squares", "all_finite", "convert",
-                                                            "normal_fill"};
+const std::vector<std::string> kOpsWithHandWrittenErrors = {"scale_",  "sum_squares", "all_finite",
+                                                            "convert", "normal_fill", "count_zeros"};
 const std::vector<std::string> kOpsWithoutTensors = {"activation_input_width",
                                                      "supports",
                                                      "synchronize",
@@ -566,6 +568,29 @@ TEST(OpsElementwise, SumSquaresAndAllFinite) {
   }
 }
 
+// Zeros of both signs are counted, every other value (denormals included) is not; 16-bit tensors count as their values.
+TEST(OpsElementwise, CountZeros) {
+  for (const Device device : kDevices) {
+    for (const DType dtype : {DType::kF32, DType::kF64, DType::kBF16}) {
+      const TestDevice scope(device);
+      Tensor x = random_tensor({37, 29}, dtype == DType::kBF16 ? DType::kF32 : dtype, 7, 3.0);
+      int64_t want = 0;
+      for (int64_t i = 0; i < x.numel(); ++i) {
+        if (i % 7 == 3) test::set(x, i, i % 2 == 0 ? 0.0 : -0.0);
+        if (i % 11 == 5) test::set(x, i, 1e-40);  // a float denormal, not zero
+        want += test::get(x, i) == 0.0 ? 1 : 0;
+      }
+      if (dtype == DType::kBF16) {
+        Tensor narrow = tensor_on({37, 29}, DType::kBF16);
+        convert(narrow, x);
+        x = narrow;
+      }
+      ASSERT_GT(want, 100);
+      EXPECT_EQ(count_zeros(x), want) << label(device, dtype);
+    }
+  }
+}
+
 // Ops whose output may alias an input give the same values in place.
 TEST(OpsInPlace, AliasedOutputsMatchSeparateOnes) {
   const std::vector<int32_t> targets = {0, 12, 5, 5, 7, 1, 11, 3};
@@ -760,6 +785,7 @@ TEST(OpsBadArgs, OtherArgumentErrors) {
     expect_invalid("scale_", [&] { scale_(i32, 2.0); });
     expect_invalid("sum_squares", [&] { sum_squares(i32); });
     expect_invalid("all_finite", [&] { all_finite(i32); });
+    expect_invalid("count_zeros", [&] { count_zeros(i32); });
     expect_invalid("add_", [&] { add_(i32, i32_b); });
     expect_invalid("add_", [&] { add_(undefined, x); });
     expect_invalid("sum_squares", [&] { sum_squares(undefined); });

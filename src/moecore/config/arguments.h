@@ -125,6 +125,15 @@ struct TrainingArgs {
   std::optional<int64_t> eval_interval;
   int64_t eval_iters = 100;     // --eval-iters
   bool log_throughput = false;  // --log-throughput
+  // Megatron's router traces (moe/router_trace.h).
+  struct RoutingTrace {
+    std::string path;                           // --moe-routing-trace-path (empty: none)
+    std::optional<int64_t> max_training_iters;  // --moe-routing-trace-max-training-iters (unset: --train-iters)
+    bool capture_logits = false;                // --moe-routing-trace-capture-logits
+    bool capture_hidden_states = false;         // --moe-routing-trace-capture-hidden-states
+  } moe_routing_trace;
+  bool log_params_norm = false;        // --log-params-norm
+  bool log_num_zeros_in_grad = false;  // --log-num-zeros-in-grad
   // TensorBoard event files, written by the last rank as Megatron's SummaryWriter (train/tensorboard_log.h).
   std::string tensorboard_dir;                     // --tensorboard-dir (empty: none)
   int64_t tensorboard_log_interval = 1;            // --tensorboard-log-interval

@@ -714,6 +714,13 @@ void finalize_moecore(const TrainingArgs& args, const std::set<std::string>& giv
   require(args.sample_tokens > 0, "--sample-tokens must be positive (got " + str(args.sample_tokens) + ")");
   require(!given.contains("--sample-tokens") || given.contains("--sample-prompt"),
           "--sample-tokens requires --sample-prompt");
+  for (const char* flag : {"--moe-routing-trace-max-training-iters", "--moe-routing-trace-capture-logits",
+                           "--moe-routing-trace-capture-hidden-states"}) {
+    require(!given.contains(flag) || !args.moe_routing_trace.path.empty(),
+            std::string(flag) + " requires --moe-routing-trace-path");
+  }
+  require(args.moe_routing_trace.path.empty() || args.model.moe.enabled(),
+          "--moe-routing-trace-path traces the MoE routers: it requires --num-experts");
 }
 
 // Packed sequences: the model reads the position ids through its rotary embeddings only (Megatron's learned

@@ -221,8 +221,7 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--mid-level-dataset-surplus",
     "--allow-ambiguous-pad-tokens",
     // logging
-    "--log-params-norm",
-    "--log-num-zeros-in-grad",
+    "--moe-routing-trace-dump-weights",
     "--timing-log-level",
     "--log-energy",
     "--no-barrier-with-level-1-timing",

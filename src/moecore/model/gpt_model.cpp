@@ -563,6 +563,23 @@ std::optional<NormOverflow> GPTModel::take_norm_overflow() { return norm_overflo
 
 MoEStats GPTModel::take_moe_stats() { return moe_metrics_.take(); }
 
+void GPTModel::set_router_tracer(RouterTracer* tracer) {
+  Modules& m = *modules_;
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    for (int64_t i = 0; i < chunks_[c].num_layers; ++i) {
+      TransformerLayer& layer = m.layers[chunk_first_module_[c] + static_cast<size_t>(i)];
+      if (layer.is_moe())
+        layer.moe()->set_router_tracer(tracer,
+                                       {.mtp = false, .layer = chunks_[c].first_layer + i, .mtp_idx = std::nullopt});
+    }
+  }
+  for (size_t k = 0; k < m.mtp.layers().size(); ++k) {
+    TransformerLayer& layer = m.mtp.layers()[k];
+    if (layer.is_moe())
+      layer.moe()->set_router_tracer(tracer, {.mtp = true, .layer = 0, .mtp_idx = static_cast<int64_t>(k)});
+  }
+}
+
 void GPTModel::finish_global_batch() {
   for (TransformerLayer& layer : modules_->layers) {
     if (layer.is_moe()) layer.moe()->finish_global_batch();

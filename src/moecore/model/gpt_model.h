@@ -27,6 +27,7 @@
 #include "moecore/model/norm_overflow.h"
 #include "moecore/model/param.h"
 #include "moecore/moe/moe_metrics_tracker.h"
+#include "moecore/moe/router_trace.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/tensor/tensor.h"
 
@@ -91,6 +92,8 @@ class GPTModel {
   const parallel::ParallelState& parallel() const { return parallel_; }
   // Hooks called around each module's forward and backward (the DDP engine); null: none. Not owned.
   void set_hooks(ModelHooks* hooks) { hooks_ = hooks; }
+  // The MoE layers' training forwards record their routing into `tracer` (moe/router_trace.h; not owned; null: none).
+  void set_router_tracer(RouterTracer* tracer);
   ParamStore& params() { return params_; }
   const ParamStore& params() const { return params_; }
   Param& param(const std::string& name);  // throws std::out_of_range naming it

@@ -61,6 +61,9 @@ Tensor MoELayer::forward(const Tensor& x_TH, const int64_t S, const int64_t B, c
     const trace::Scope scope("router forward", "moe");
     saved.routing = router_->forward(x, S, B, training, seed, key, saved.router, rows);
   }
+  if (training && tracer_ != nullptr && tracer_->active()) {
+    tracer_->record(trace_site_, saved.routing.routing_map_TE, config_.moe.topk, x, saved.router.logits_TE);
+  }
   RouterOutput padded;
   const RouterOutput& dispatched = dispatched_routing(saved.routing, T, padded);
   Tensor x_RH, shared_TH;

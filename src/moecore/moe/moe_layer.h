@@ -12,6 +12,7 @@
 #include "moecore/model/param.h"
 #include "moecore/moe/experts.h"
 #include "moecore/moe/router.h"
+#include "moecore/moe/router_trace.h"
 #include "moecore/moe/token_dispatcher.h"
 #include "moecore/parallel/parallel_state.h"
 
@@ -62,6 +63,12 @@ class MoELayer {
   // Once per global batch, after the optimizer step: expert-bias update and global aux-loss reset.
   void finish_global_batch();
 
+  // Training forwards record their routing into `tracer` (not owned; null: none) as router `site`.
+  void set_router_tracer(RouterTracer* tracer, const RouterTraceSite& site) {
+    tracer_ = tracer;
+    trace_site_ = site;
+  }
+
   const TopKRouter& router() const { return *router_; }
   TopKRouter& router() { return *router_; }
 
@@ -75,6 +82,8 @@ class MoELayer {
   std::unique_ptr<ExpertMLP> experts_;
   std::unique_ptr<SharedExpertMLP> shared_;  // null without shared experts
   bool overlap_shared_ = false;              // --moe-shared-expert-overlap
+  RouterTracer* tracer_ = nullptr;           // --moe-routing-trace-path
+  RouterTraceSite trace_site_;
 };
 
 }  // namespace moecore

@@ -54,6 +54,15 @@ bool all_finite(const Tensor& x) {
   return out;
 }
 
+int64_t count_zeros(const Tensor& x) {
+  constexpr const char* op = "count_zeros";
+  const detail::Staging staging;
+  detail::check_tensors(op, {&x});
+  int64_t out = 0;
+  detail::dispatch(op, x, [&]<typename T>(auto k) { out = k.count_zeros(ptr<T>(x), x.numel()); });
+  return out;
+}
+
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const AdamWHyper& hyper,
                 Tensor* model, const DType model_dtype, Tensor* grad_to_zero, Tensor* model_bf16) {
   constexpr const char* op = "adamw_step";

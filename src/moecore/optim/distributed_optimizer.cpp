@@ -152,6 +152,58 @@ double DistributedAdamW::grad_norm() const {
   return std::sqrt(sum);
 }
 
+Tensor DistributedAdamW::main_param_fp32(const Piece& piece) const {
+  if (remainders_) {
+    Tensor main({piece.numel}, DType::kF32);
+    ops::join_param_remainders(param_piece(piece), piece.remainder, main);
+    return main;
+  }
+  return piece.main.format() == StateFormat::kF32 ? piece.main.stored() : piece.main.unscaled();
+}
+
+// Megatron's calc_params_l2_norm reads the fp32 main parameters where the optimizer keeps them (param.main_param,
+// sharded under the distributed optimizer) and the model's values otherwise, each element once: the same elements
+// the gradient norm counts.
+double DistributedAdamW::params_norm() const {
+  double sum = 0.0;
+  if (replicated_) {
+    for (const AdamWMomentSlice& slice : replicated_->moment_slices()) {  // views
+      const Param& p = params_[static_cast<size_t>(slice.param)];
+      if (counted_in_norm(p)) sum += ops::sum_squares(slice.main_param.defined() ? slice.main_param : p.value);
+    }
+  } else {
+    for (const Piece& piece : pieces_) {
+      if (!counted_in_norm(params_[static_cast<size_t>(piece.param)])) continue;
+      sum += ops::sum_squares(main_.empty() ? param_piece(piece) : main_param_fp32(piece));
+    }
+  }
+  const parallel::ProcessGroup& world = ddp_.parallel().world;
+  if (world.size() > 1) {
+    const parallel::CommTimer timer(parallel::CommKind::kOther);
+    sum = parallel::sum_double(world, sum);
+  }
+  return std::sqrt(sum);
+}
+
+// Megatron's count_zeros_fp32: over the gradients the optimizer reads, each element once, summed over the ranks.
+int64_t DistributedAdamW::count_zero_grads() const {
+  int64_t zeros = 0;
+  if (replicated_) {
+    for (const Param& p : params_) {
+      if (counted_in_norm(p)) zeros += ops::count_zeros(p.grad);
+    }
+  } else {
+    for (const Piece& piece : pieces_) {
+      if (counted_in_norm(params_[static_cast<size_t>(piece.param)])) zeros += ops::count_zeros(grad_piece(piece));
+    }
+  }
+  const parallel::ProcessGroup& world = ddp_.parallel().world;
+  if (world.size() == 1) return zeros;
+  const parallel::CommTimer timer(parallel::CommKind::kOther);
+  // A double holds every count below 2^53 exactly.
+  return static_cast<int64_t>(parallel::sum_double(world, static_cast<double>(zeros)));
+}
+
 double DistributedAdamW::clip_grad_norm(const double max_norm) {
   const double norm = grad_norm();
   if (const std::optional<float> coeff = clip_coefficient(max_norm, norm)) {
@@ -254,19 +306,13 @@ std::vector<AdamWMomentSlice> DistributedAdamW::moment_slices() const {
   const auto tensor_of = [](const ScaledState& state) {
     return state.format() == StateFormat::kF32 ? state.stored() : state.unscaled();
   };
-  const auto main_param_of = [&](const Piece& piece) {
-    if (!remainders_) return tensor_of(piece.main);
-    Tensor main({piece.numel}, DType::kF32);
-    ops::join_param_remainders(param_piece(piece), piece.remainder, main);
-    return main;
-  };
   std::vector<AdamWMomentSlice> slices;
   slices.reserve(pieces_.size());
   for (const Piece& piece : pieces_) {
     const DistributedDataParallel::Slot& slot = ddp_.slots()[static_cast<size_t>(piece.param)];
     const int64_t begin = piece.offset - slot.offset;  // the piece's first element within the parameter
     slices.push_back({piece.param, begin, begin + piece.numel, tensor_of(piece.exp_avg), tensor_of(piece.exp_avg_sq),
-                      main_.empty() ? Tensor() : main_param_of(piece)});
+                      main_.empty() ? Tensor() : main_param_fp32(piece)});
   }
   return slices;
 }

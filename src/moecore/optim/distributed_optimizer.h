@@ -24,6 +24,12 @@ class DistributedAdamW {
   // Global L2 norm over the unique gradient elements of the whole world (each replicated element counted once);
   // a collective over the world group, equal on every rank. Call after finish_grad_sync.
   double grad_norm() const;
+  // Megatron's --log-params-norm: the L2 norm of the fp32 main parameters (the model's values where there are none),
+  // each replicated element counted once; a collective over the world.
+  double params_norm() const;
+  // Megatron's --log-num-zeros-in-grad: the gradient elements equal to zero, each replicated element counted once; a
+  // collective over the world. Call after finish_grad_sync and before step (the update consumes the gradients).
+  int64_t count_zero_grads() const;
   // Scales the gradients this rank uses by clip_coefficient(max_norm, norm) when there is one (Megatron's
   // clip_grad_by_total_norm_fp32). Returns the norm before clipping.
   double clip_grad_norm(double max_norm);
@@ -104,6 +110,8 @@ class DistributedAdamW {
   // The piece's elements of its group's flat gradient buffer (a view).
   Tensor grad_piece(const Piece& piece) const;
   Tensor param_piece(const Piece& piece) const;  // the model's values (the DDP's parameter buffer)
+  // The piece's fp32 main parameters (16-bit or quantized weights): a view of fp32 states, else a copy.
+  Tensor main_param_fp32(const Piece& piece) const;
 
   DistributedDataParallel& ddp_;
   ParamStore& params_;

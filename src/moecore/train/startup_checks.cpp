@@ -121,6 +121,11 @@ void check_outputs(const TrainingArgs& run_args, const Vocabulary& vocabulary, c
       throw ConfigError("--tensorboard-dir: " + problem);
     }
   }
+  if (!run_args.moe_routing_trace.path.empty()) {  // every rank writes its own files there
+    if (const std::string problem = folder_write_problem(run_args.moe_routing_trace.path); !problem.empty()) {
+      throw ConfigError("--moe-routing-trace-path: " + problem);
+    }
+  }
   if (!run_args.load.empty()) {
     std::error_code ec;
     if (fs::exists(run_args.load, ec) && !fs::is_directory(run_args.load, ec)) {

@@ -46,6 +46,10 @@ void TensorBoardLog::iteration(const TensorBoardIteration& step) {
       scalar_with_samples("world-size", static_cast<double>(world_size_), it, samples);
     }
     if (!step.skipped) scalar_with_samples("grad-norm", step.grad_norm, it, samples);
+    if (step.num_zeros_in_grad) {
+      scalar_with_samples("num-zeros", static_cast<double>(*step.num_zeros_in_grad), it, samples);
+    }
+    if (step.params_norm) scalar_with_samples("params-norm", *step.params_norm, it, samples);
     if (args_.log_memory_to_tensorboard) {
       const MemoryTracker& memory = MemoryTracker::instance();
       if (const std::optional<double> resident = resident_bytes())

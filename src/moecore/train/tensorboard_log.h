@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "moecore/config/arguments.h"
 #include "moecore/parallel/parallel_state.h"
@@ -32,8 +33,10 @@ struct TensorBoardIteration {
   bool skipped = false;  // no lm loss or grad norm then, as Megatron's None values
   double lm_loss = 0.0;
   double grad_norm = 0.0;
-  NamedValues moe_losses;  // this iteration's, as MoEMetrics::losses() names them
-  NamedValues mtp_losses;  // "mtp_1 loss", ...
+  std::optional<int64_t> num_zeros_in_grad;  // --log-num-zeros-in-grad
+  std::optional<double> params_norm;         // --log-params-norm
+  NamedValues moe_losses;                    // this iteration's, as MoEMetrics::losses() names them
+  NamedValues mtp_losses;                    // "mtp_1 loss", ...
 };
 
 class TensorBoardLog {

@@ -128,7 +128,7 @@ std::vector<double> reduce_mtp_losses(const MtpStats& stats, const int64_t depth
 }  // namespace
 
 StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, const parallel::ParallelState& parallel,
-                      const TrainingProgress& progress) {
+                      const TrainingProgress& progress, const StepStatistics statistics) {
   const int64_t iteration = progress.iteration + 1;
   StepResult result;
   result.lm_loss = forward_backward(args, modules, parallel, progress, result.seqlen_stats);
@@ -170,6 +170,8 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
     if (!std::isfinite(result.grad_norm)) {  // reduced over every rank
       throw NonFiniteStep(NonFiniteStepFacts{iteration, result.lm_loss, result.grad_norm, learning_rate});
     }
+    // Before the update, which consumes the gradients; clipping (applied as the update reads them) keeps every zero.
+    if (statistics.num_zeros_in_grad) result.num_zeros_in_grad = modules.optimizer.count_zero_grads();
     const trace::Scope scope("optimizer step", "optimizer");
     modules.optimizer.set_weight_decay(modules.schedule.weight_decay());
     // Megatron's clip_grad_by_total_norm_fp32 scales the gradients before the update; the update applies the
@@ -180,6 +182,8 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
     modules.schedule.step(args.global_batch_size);
   }
   if (modules.weight_casts != nullptr) modules.weight_casts->drop_stale();
+  // Megatron computes calc_params_l2_norm after train_step, skipped iterations included.
+  if (statistics.params_norm) result.params_norm = modules.optimizer.params_norm();
   modules.model.finish_global_batch();
   result.moe_stats = modules.model.take_moe_stats();
   result.mtp_losses = reduce_mtp_losses(modules.model.take_mtp_stats(), args.model.mtp_num_layers, parallel);

@@ -30,6 +30,16 @@ struct StepResult {
   // Loss scaling: the iteration's gradients were not finite, so it made no update (Megatron's skipped_iter).
   bool skipped = false;
   double loss_scale = 1.0;  // the scale after this iteration's update (the log's "loss scale")
+  // Asked for by StepStatistics: the gradient's zero elements (not for a skipped iteration, as Megatron's None) and
+  // the parameters' norm after the update.
+  std::optional<int64_t> num_zeros_in_grad;
+  std::optional<double> params_norm;
+};
+
+// The optional statistics of an iteration whose figures are logged (collectives: every rank asks alike).
+struct StepStatistics {
+  bool num_zeros_in_grad = false;  // --log-num-zeros-in-grad
+  bool params_norm = false;        // --log-params-norm
 };
 
 struct TrainingModules {
@@ -50,6 +60,6 @@ struct TrainingModules {
 // and weight decay; a successful update steps the scheduler by the global batch size (Megatron's train_step). Does
 // not advance `progress`.
 StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, const parallel::ParallelState& parallel,
-                      const TrainingProgress& progress);
+                      const TrainingProgress& progress, StepStatistics statistics = {});
 
 }  // namespace moecore

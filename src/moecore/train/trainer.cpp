@@ -185,6 +185,16 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
     result.unigram_baseline = print_unigram_baseline(run_args, data, vocabulary.unpadded_size, log);
   }
   TrainingLogger logger(run_args, schedule, parallel, log);
+  // Megatron's init_moe_router_tracer in training mode: the first max steps of this run, on every rank.
+  std::optional<RouterTracer> router_tracer;
+  if (const auto& trace = run_args.moe_routing_trace; !trace.path.empty()) {
+    router_tracer.emplace(RouterTraceOptions{.dir = trace.path,
+                                             .max_steps = trace.max_training_iters.value_or(run_args.train_iters),
+                                             .rank = parallel.rank,
+                                             .capture_hidden_states = trace.capture_hidden_states,
+                                             .capture_logits = trace.capture_logits});
+    model.set_router_tracer(&*router_tracer);
+  }
   if (has_valid) {
     // moecore's extra look before training (Megatron has none): on a cursor of its own, so the evaluations during and
     // after training read the validation samples Megatron's would.
@@ -212,7 +222,10 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
     const auto step_start = Clock::now();
     StepResult step;
     try {
-      step = train_step(run_args, modules, parallel, progress);
+      const bool reported = logger.reports(progress.iteration + 1);
+      step = train_step(run_args, modules, parallel, progress,
+                        {.num_zeros_in_grad = reported && args.log_num_zeros_in_grad,
+                         .params_norm = reported && args.log_params_norm});
     } catch (const NonFiniteStep& failure) {
       const NonFiniteDiagnosis diagnosis{.step = failure.facts(),
                                          .previous_losses = result.train_losses,
@@ -229,6 +242,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
       throw TrainingError(describe_nonfinite(diagnosis));
     }
     if (!step.skipped) previous_grad_norm = step.grad_norm;
+    if (router_tracer) router_tracer->advance_step(progress.iteration);  // Megatron's step: the iteration before it
     progress.iteration += 1;
     progress.consumed_train_samples += args.global_batch_size;
     progress.floating_point_operations_so_far += logger.flops_of(step);
@@ -275,6 +289,15 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
         evaluate_and_print(run_args, model, data, parallel, validation_prefix_after_training(progress.iteration),
                            progress.consumed_valid_samples, log);
     logger.validation(progress, result.last_valid_loss);
+  }
+  if (router_tracer) {
+    log << "> routing trace: " << router_tracer->records_written() << " records of rank 0 in "
+        << run_args.moe_routing_trace.path;
+    if (router_tracer->records_left_out() > 0) {
+      log << " (" << router_tracer->records_left_out()
+          << " left out, as Megatron's: their routing maps dropped tokens)";
+    }
+    log << std::endl;
   }
   log << "> training throughput: " << std::fixed << std::setprecision(1) << result.tokens_per_second
       << " tokens/s over " << args.train_iters << " iterations" << std::endl;

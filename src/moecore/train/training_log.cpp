@@ -181,6 +181,11 @@ IterationLog TrainingLogger::iteration_log(const TrainingProgress& progress, con
   return entry;
 }
 
+bool TrainingLogger::reports(const int64_t iteration) const {
+  return logs_iteration(iteration, args_.log_interval, first_iteration_) ||
+         (!args_.tensorboard_dir.empty() && iteration % args_.tensorboard_log_interval == 0);
+}
+
 void TrainingLogger::start() {
   parallel::CommStats::instance().reset();  // communication of the training iterations only
   interval_start_ = Clock::now();
@@ -216,6 +221,8 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
     scalars.skipped = step.skipped;
     scalars.lm_loss = step.lm_loss;
     scalars.grad_norm = step.grad_norm;
+    scalars.num_zeros_in_grad = step.num_zeros_in_grad;
+    scalars.params_norm = step.params_norm;
     iteration_moe_metrics_.reset();
     iteration_moe_metrics_.add(step.moe_stats);
     if (!iteration_moe_metrics_.empty()) scalars.moe_losses = iteration_moe_metrics_.losses();
@@ -241,6 +248,8 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
                                      format_log_timestamp(std::chrono::system_clock::now()));
   entry.loss_scale = step.loss_scale;
   if (step.skipped) entry.grad_norm.reset();  // Megatron: grad_norm is None for a skipped iteration
+  entry.num_zeros_in_grad = step.num_zeros_in_grad;
+  entry.params_norm = step.params_norm;
   entry.skipped_iterations = skipped_iterations_;
   entry.nan_iterations = nan_iterations_;
   if (iteration < args_.train_iters) {

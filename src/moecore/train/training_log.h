@@ -51,6 +51,8 @@ class TrainingLogger {
   IterationLog iteration_log(const TrainingProgress& progress, double seconds_per_iteration, double lm_loss,
                              const NamedValues& moe_losses, double grad_norm, std::string timestamp) const;
 
+  // Whether `iteration`'s figures reach the text log or TensorBoard (the same on every rank).
+  bool reports(int64_t iteration) const;
   // Starts the interval clock (after any validation before training).
   void start();
   // Leaves `duration` (an evaluation) out of the interval time, as Megatron stops its interval timer.

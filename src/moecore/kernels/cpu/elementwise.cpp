@@ -53,6 +53,13 @@ MOECORE_VECTOR_CLONES int64_t count_non_finite_chunk(const T* x, const int64_t i
   for (int64_t i = i0; i < i1; ++i) n_bad += std::isfinite(x[i]) ? 0 : 1;
   return n_bad;
 }
+template <typename T>
+MOECORE_VECTOR_CLONES int64_t count_zeros_chunk(const T* x, const int64_t i0, const int64_t i1) {
+  int64_t zeros = 0;
+#pragma omp simd reduction(+ : zeros)
+  for (int64_t i = i0; i < i1; ++i) zeros += x[i] == T(0) ? 1 : 0;
+  return zeros;
+}
 }  // namespace
 
 template <typename T>
@@ -86,6 +93,14 @@ bool all_finite(const T* x, const int64_t n) {
   return n_bad == 0;
 }
 
+template <typename T>
+int64_t count_zeros(const T* x, const int64_t n) {
+  int64_t zeros = 0;
+#pragma omp parallel for schedule(static) reduction(+ : zeros) if (n > kParallelMin)
+  for (int64_t i = 0; i < n; i += kChunk) zeros += count_zeros_chunk(x, i, std::min(n, i + kChunk));
+  return zeros;
+}
+
 float abs_max(const float* x, const int64_t n) {
   float amax = 0.0f;
 #pragma omp parallel for schedule(static) reduction(max : amax) if (n > kParallelMin)
@@ -97,7 +112,8 @@ float abs_max(const float* x, const int64_t n) {
   template void add_inplace<T>(T*, const T*, int64_t); \
   template void scale_inplace<T>(T*, T, int64_t);      \
   template double sum_squares<T>(const T*, int64_t);   \
-  template bool all_finite<T>(const T*, int64_t);
+  template bool all_finite<T>(const T*, int64_t);      \
+  template int64_t count_zeros<T>(const T*, int64_t);
 MOECORE_INSTANTIATE(float)
 MOECORE_INSTANTIATE(double)
 #undef MOECORE_INSTANTIATE

@@ -14,6 +14,9 @@ namespace moecore::kernels {
   double sum_squares(const T* x, int64_t n); /* sum x^2, accumulated in double */ \
   template <typename T>                                                           \
   bool all_finite(const T* x, int64_t n);                                         \
+  /* elements equal to zero (-0 too): Megatron's count_zeros_fp32 */              \
+  template <typename T>                                                           \
+  int64_t count_zeros(const T* x, int64_t n);                                     \
   /* max |x_i| (NaN skipped): the amax an FP8 cast records */                     \
   float abs_max(const float* x, int64_t n);
 

@@ -30,6 +30,13 @@ bool all_finite(const T* x, const int64_t n) {
   return true;
 }
 
+template <typename T>
+int64_t count_zeros(const T* x, const int64_t n) {
+  int64_t zeros = 0;
+  for (int64_t i = 0; i < n; ++i) zeros += x[i] == T(0) ? 1 : 0;
+  return zeros;
+}
+
 float abs_max(const float* x, const int64_t n) {
   float amax = 0.0f;
   for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
@@ -40,7 +47,8 @@ float abs_max(const float* x, const int64_t n) {
   template void add_inplace<T>(T*, const T*, int64_t); \
   template void scale_inplace<T>(T*, T, int64_t);      \
   template double sum_squares<T>(const T*, int64_t);   \
-  template bool all_finite<T>(const T*, int64_t);
+  template bool all_finite<T>(const T*, int64_t);      \
+  template int64_t count_zeros<T>(const T*, int64_t);
 MOECORE_INSTANTIATE(float)
 MOECORE_INSTANTIATE(double)
 #undef MOECORE_INSTANTIATE
