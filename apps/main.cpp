@@ -17,7 +17,8 @@ void print_usage(std::ostream& out) {
          "  checkpoint   print a checkpoint's iteration, layout and tensors and verify every checksum (DIR)\n"
          "  quantize     quantize a safetensors file's fp32 matrices with an FP8 / MXFP8 / NVFP4 recipe (--recipe "
          "...)\n"
-         "  plan         memory, FLOPs and step time of a training run on a GPU cluster; --search ranks layouts\n";
+         "  plan         memory, FLOPs and step time of a training run on a GPU cluster; --search ranks layouts\n"
+         "  report       one HTML page of a run's curves, expert load and alarms (log, TensorBoard, routing traces)\n";
 }
 
 }  // namespace
@@ -39,7 +40,8 @@ int main(int argc, char** argv) {
   if (command == "checkpoint") return run_checkpoint(argc - 1, argv + 1);
   if (command == "quantize") return run_quantize(argc - 1, argv + 1);
   if (command == "plan") return run_plan(argc - 1, argv + 1);
+  if (command == "report") return run_report(argc - 1, argv + 1);
   std::cerr << "error: unknown command '" << command
-            << "' (commands: train, preprocess, generate, layout, checkpoint, quantize, plan)\n";
+            << "' (commands: train, preprocess, generate, layout, checkpoint, quantize, plan, report)\n";
   return 2;
 }

@@ -25,3 +25,7 @@ int run_quantize(int argc, char** argv);
 // `moecore plan --num-gpus N [--gpu NAME] <model, batch and layout flags> [--search] [--json]`: memory, FLOPs and
 // step-time estimates of a training run. argv[0] is "plan".
 int run_plan(int argc, char** argv);
+
+// `moecore report SOURCE... -o REPORT.html`: a run's log, TensorBoard folder and routing traces as one self-contained
+// HTML page. argv[0] is "report".
+int run_report(int argc, char** argv);
