@@ -4,7 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(g++ cmake ninja-build make pkg-config libopenblas-openmp-dev libdnnl-dev libopenmpi-dev openmpi-bin
-  nlohmann-json3-dev zlib1g-dev libgtest-dev googletest python3-torch python3-numpy clang-format ccache)
+  nlohmann-json3-dev zlib1g-dev libgtest-dev googletest python3-torch python3-numpy clang-format ccache
+  chromium fonts-liberation fonts-dejavu-core)  # Chromium renders `moecore report`'s page in its test
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

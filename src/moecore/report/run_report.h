@@ -61,6 +61,10 @@ class RunReport {
   const std::vector<Alarm>& alarms() const { return alarms_; }
   const std::vector<std::pair<std::string, std::string>>& summary() const { return summary_; }
   const std::vector<std::string>& sources() const { return sources_; }
+  // Whether chart `chart_id` has a series `series` already.
+  bool has_series(const std::string& chart_id, const std::string& series) const {
+    return last_point(chart_id, series).has_value();
+  }
   // Whether any curve, heatmap or alarm was read.
   bool empty() const;
   // The last point of a chart's series, if any.

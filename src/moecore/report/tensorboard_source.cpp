@@ -57,7 +57,9 @@ void read_tensorboard_dir(const std::string& dir, RunReport& out) {
     }
   }
   for (const std::string& tag : tags) {
-    const Placement where = place(tag);
+    Placement where = place(tag);
+    // A curve a log gave already (the same run's log and TensorBoard files): the two side by side.
+    if (out.has_series(where.chart, where.series)) where.series += " (TensorBoard)";
     for (const auto& [step, value] : values[tag]) {
       out.add_point(where.chart, where.series, static_cast<double>(step), value * where.scale);
     }

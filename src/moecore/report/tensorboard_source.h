@@ -2,7 +2,7 @@
 // Megatron's tags on moecore's charts (lm loss, learning-rate, grad-norm, loss-scale, iteration-time, throughput,
 // mem-*-bytes, the MoE tracker's losses, moecore's moe/min|max_load_ratio_layer_<i>), every other tag on a chart of
 // its own. The "... vs samples" twins are left out. A step written again by a later file (a resumed run) takes the
-// later value.
+// later value. A curve the report holds already (from the run's log) is drawn beside it as "<name> (TensorBoard)".
 #pragma once
 
 #include <string>
