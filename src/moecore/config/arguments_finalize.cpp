@@ -719,8 +719,6 @@ void finalize_moecore(const TrainingArgs& args, const std::set<std::string>& giv
     require(!given.contains(flag) || !args.moe_routing_trace.path.empty(),
             std::string(flag) + " requires --moe-routing-trace-path");
   }
-  require(args.moe_routing_trace.path.empty() || args.model.moe.enabled(),
-          "--moe-routing-trace-path traces the MoE routers: it requires --num-experts");
 }
 
 // Packed sequences: the model reads the position ids through its rotary embeddings only (Megatron's learned

@@ -227,6 +227,13 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
                         {.num_zeros_in_grad = reported && args.log_num_zeros_in_grad,
                          .params_norm = reported && args.log_params_norm});
     } catch (const NonFiniteStep& failure) {
+      // The failing step's routing records too (Megatron's tracer writes its buffer at exit).
+      if (router_tracer) {
+        try {
+          router_tracer->advance_step(progress.iteration);
+        } catch (const std::exception&) {  // the step's own error is the one to report
+        }
+      }
       const NonFiniteDiagnosis diagnosis{.step = failure.facts(),
                                          .previous_losses = result.train_losses,
                                          .previous_grad_norm = previous_grad_norm,
@@ -270,6 +277,15 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
     }
   }
   if (profiled_rank && trace::enabled()) write_trace(args, parallel.rank, log);  // the run ended inside the window
+  if (router_tracer) {
+    log << "> routing trace: " << router_tracer->records_written() << " records of rank 0 in "
+        << run_args.moe_routing_trace.path;
+    if (router_tracer->records_left_out() > 0) {
+      log << " (" << router_tracer->records_left_out()
+          << " left out, as Megatron's: their routing maps dropped tokens)";
+    }
+    log << std::endl;
+  }
   if (result.exited_early) {
     if (!result.train_losses.empty()) {
       result.first_train_loss = result.train_losses.front();
@@ -289,15 +305,6 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
         evaluate_and_print(run_args, model, data, parallel, validation_prefix_after_training(progress.iteration),
                            progress.consumed_valid_samples, log);
     logger.validation(progress, result.last_valid_loss);
-  }
-  if (router_tracer) {
-    log << "> routing trace: " << router_tracer->records_written() << " records of rank 0 in "
-        << run_args.moe_routing_trace.path;
-    if (router_tracer->records_left_out() > 0) {
-      log << " (" << router_tracer->records_left_out()
-          << " left out, as Megatron's: their routing maps dropped tokens)";
-    }
-    log << std::endl;
   }
   log << "> training throughput: " << std::fixed << std::setprecision(1) << result.tokens_per_second
       << " tokens/s over " << args.train_iters << " iterations" << std::endl;
