@@ -103,7 +103,7 @@ TEST(ReportLogReader, ReadsEveryKindOfLine) {
 
   const auto& summary = report.summary();
   ASSERT_EQ(summary.size(), 2u);
-  EXPECT_EQ(summary[0], std::make_pair(std::string("lm loss (test set, after training)"), std::string("6.8196")));
+  EXPECT_EQ(summary[0], std::make_pair(std::string("final test loss"), std::string("6.8196")));
   EXPECT_EQ(summary[1], std::make_pair(std::string("training throughput"), std::string("4812.8 tokens/s")));
 }
 

@@ -127,9 +127,11 @@ class LogParser {
       } else {  // "on validation set" / "on test set"
         std::ostringstream shown;
         shown << *value;
-        out_.add_summary(
-            key + " (" + std::string(after.starts_with("on ") ? after.substr(3) : after) + ", after training)",
-            shown.str());
+        // "on validation set" -> "validation"
+        std::string set(after.starts_with("on ") ? after.substr(3) : after);
+        if (set.ends_with(" set")) set.resize(set.size() - 4);
+        out_.add_summary(key == "lm loss" ? "final " + set + " loss" : key + " (" + set + ", after training)",
+                         shown.str());
       }
     }
     return true;
