@@ -8,7 +8,8 @@
 # sidecars' offsets / sizes / shapes, and the logits sidecar agreeing with the chosen experts (softmax top-k without
 # expert bias). One process and two (expert parallelism, each rank its own file); --moe-routing-trace-max-training-iters
 # 2 into the first run's folder gives steps 0..1 only (the files emptied first); each flag error is one line and a
-# non-zero exit. The checker rejects tampered copies of a trace and of a log (it can fail).
+# non-zero exit. The checker rejects tampered copies of a trace and of a log (it can fail). `moecore report` reads the
+# EP2 traces back: its heatmaps hold the two ranks' records summed.
 set -u
 source "$(dirname "$0")/lib/setup.sh" "$@"
 demo_without_split demo
@@ -92,6 +93,29 @@ if command -v mpirun >/dev/null; then
     --expert-model-parallel-size 2 --moe-routing-trace-path "$work/trace_ep2" "${capture[@]}" \
     >"$work/ep2.log" 2>&1; then
     check "$work/trace_ep2" "$work/ep2.log" 2 3 --sidecars || fail "EP2: the trace does not check"
+    # Read back by moecore report: each layer's heatmap holds the two ranks' records summed.
+    "$bin" report "$work/trace_ep2" -o "$work/trace_ep2.html" >"$work/report.out" 2>&1 ||
+      fail "EP2: moecore report of the traces failed: $(cat "$work/report.out")"
+    /usr/bin/python3 - "$work/trace_ep2" "$work/trace_ep2.html" <<'PY' || fail "EP2: the report's heatmaps differ from the records"
+import glob, json, re, sys
+trace_dir, page = sys.argv[1], open(sys.argv[2]).read()
+data = json.loads(re.search(r'<script type="application/json" id="moecore-report-data">(.*?)</script>', page, re.S).group(1))
+want = {}
+for path in sorted(glob.glob(trace_dir + "/router_trace_rank*.jsonl")):
+    for r in map(json.loads, open(path)):
+        column = want.setdefault(f'trace-layer-{r["layer"]}', {}).setdefault(r["step"] + 1, {})
+        for token in r["top_indices"]:
+            for e in token:
+                column[e] = column.get(e, 0) + 1
+got = {h["id"]: dict(zip(h["x"], h["values"])) for h in data["heatmaps"]}
+if set(got) != set(want):
+    sys.exit(f"heatmaps {sorted(got)} vs layers {sorted(want)}")
+for layer, columns in want.items():
+    for it, counts in columns.items():
+        if got[layer].get(it) != [counts.get(e, 0) for e in range(len(got[layer].get(it, [])))]:
+            sys.exit(f"{layer} iteration {it}: report {got[layer].get(it)}, records {counts}")
+print(f"ok: moecore report reads the two ranks' traces: {len(want)} layers x {len(next(iter(want.values())))} iterations")
+PY
   else
     fail "EP2: moecore train failed: $(tail -3 "$work/ep2.log")"
   fi
