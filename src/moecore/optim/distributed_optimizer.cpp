@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <span>
 #include <stdexcept>
@@ -131,17 +132,17 @@ Tensor DistributedAdamW::grad_piece(const Piece& piece) const {
   return ddp_.grad_view(piece.bucket, piece.offset, piece.offset + piece.numel);
 }
 
-double DistributedAdamW::grad_norm() const {
+double DistributedAdamW::sum_over_counted(
+    const std::function<double(size_t param, const Param& p, const Piece* piece)>& term) const {
   double sum = 0.0;
   if (replicated_) {
-    for (const Param& p : params_) {
-      if (counted_in_norm(p)) sum += ops::sum_squares(p.grad);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (counted_in_norm(params_[i])) sum += term(i, params_[i], nullptr);
     }
   } else {
     for (const Piece& piece : pieces_) {
-      const Param& p = params_[static_cast<size_t>(piece.param)];
-      if (!counted_in_norm(p)) continue;
-      sum += ops::sum_squares(grad_piece(piece));
+      const auto i = static_cast<size_t>(piece.param);
+      if (counted_in_norm(params_[i])) sum += term(i, params_[i], &piece);
     }
   }
   const parallel::ProcessGroup& world = ddp_.parallel().world;
@@ -149,7 +150,13 @@ double DistributedAdamW::grad_norm() const {
     const parallel::CommTimer timer(parallel::CommKind::kOther);
     sum = parallel::sum_double(world, sum);
   }
-  return std::sqrt(sum);
+  return sum;
+}
+
+double DistributedAdamW::grad_norm() const {
+  return std::sqrt(sum_over_counted([&](size_t, const Param& p, const Piece* piece) {
+    return ops::sum_squares(piece ? grad_piece(*piece) : p.grad);
+  }));
 }
 
 Tensor DistributedAdamW::main_param_fp32(const Piece& piece) const {
@@ -165,43 +172,21 @@ Tensor DistributedAdamW::main_param_fp32(const Piece& piece) const {
 // sharded under the distributed optimizer) and the model's values otherwise, each element once: the same elements
 // the gradient norm counts.
 double DistributedAdamW::params_norm() const {
-  double sum = 0.0;
-  if (replicated_) {
-    for (const AdamWMomentSlice& slice : replicated_->moment_slices()) {  // views
-      const Param& p = params_[static_cast<size_t>(slice.param)];
-      if (counted_in_norm(p)) sum += ops::sum_squares(slice.main_param.defined() ? slice.main_param : p.value);
-    }
-  } else {
-    for (const Piece& piece : pieces_) {
-      if (!counted_in_norm(params_[static_cast<size_t>(piece.param)])) continue;
-      sum += ops::sum_squares(main_.empty() ? param_piece(piece) : main_param_fp32(piece));
-    }
-  }
-  const parallel::ProcessGroup& world = ddp_.parallel().world;
-  if (world.size() > 1) {
-    const parallel::CommTimer timer(parallel::CommKind::kOther);
-    sum = parallel::sum_double(world, sum);
-  }
-  return std::sqrt(sum);
+  std::vector<AdamWMomentSlice> whole;  // the replicated optimizer's states, views in parameter order
+  if (replicated_) whole = replicated_->moment_slices();
+  return std::sqrt(sum_over_counted([&](const size_t i, const Param& p, const Piece* piece) {
+    if (piece) return ops::sum_squares(main_.empty() ? param_piece(*piece) : main_param_fp32(*piece));
+    const Tensor& main = whole[i].main_param;
+    return ops::sum_squares(main.defined() ? main : p.value);
+  }));
 }
 
-// Megatron's count_zeros_fp32: over the gradients the optimizer reads, each element once, summed over the ranks.
+// Megatron's count_zeros_fp32: over the gradients the optimizer reads, each element once, summed over the ranks (a
+// double holds every count below 2^53 exactly).
 int64_t DistributedAdamW::count_zero_grads() const {
-  int64_t zeros = 0;
-  if (replicated_) {
-    for (const Param& p : params_) {
-      if (counted_in_norm(p)) zeros += ops::count_zeros(p.grad);
-    }
-  } else {
-    for (const Piece& piece : pieces_) {
-      if (counted_in_norm(params_[static_cast<size_t>(piece.param)])) zeros += ops::count_zeros(grad_piece(piece));
-    }
-  }
-  const parallel::ProcessGroup& world = ddp_.parallel().world;
-  if (world.size() == 1) return zeros;
-  const parallel::CommTimer timer(parallel::CommKind::kOther);
-  // A double holds every count below 2^53 exactly.
-  return static_cast<int64_t>(parallel::sum_double(world, static_cast<double>(zeros)));
+  return static_cast<int64_t>(sum_over_counted([&](size_t, const Param& p, const Piece* piece) {
+    return static_cast<double>(ops::count_zeros(piece ? grad_piece(*piece) : p.grad));
+  }));
 }
 
 double DistributedAdamW::clip_grad_norm(const double max_norm) {

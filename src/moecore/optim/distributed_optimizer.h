@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -107,6 +108,9 @@ class DistributedAdamW {
   // The dtype unscaling and clipping round the gradients to: the buffer's with decoupled_grads, else fp32.
   DType decoupled_grad_dtype() const;
   bool counted_in_norm(const Param& p) const;
+  // The sum over the world of term(index, param, piece) over what this rank counts in the norms: the replicated
+  // optimizer's parameters whole (piece null), else the pieces of its shards (a collective over the world).
+  double sum_over_counted(const std::function<double(size_t param, const Param& p, const Piece* piece)>& term) const;
   // The piece's elements of its group's flat gradient buffer (a view).
   Tensor grad_piece(const Piece& piece) const;
   Tensor param_piece(const Piece& piece) const;  // the model's values (the DDP's parameter buffer)
