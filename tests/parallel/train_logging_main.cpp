@@ -144,11 +144,12 @@ int main(int argc, char** argv) {
       std::vector<std::string> run = flags(dir, 2);
       run.insert(run.end(), {"--eval-iters", "0"});
       run.insert(run.end(), extra.begin(), extra.end());
-      const bool tp2 = std::find(run.begin(), run.end(), "--tensor-model-parallel-size") != run.end();
-      if (!tp2) run.push_back("--use-distributed-optimizer");
+      const bool model_parallel = std::find(run.begin(), run.end(), "--tensor-model-parallel-size") != run.end() ||
+                                  std::find(run.begin(), run.end(), "--expert-model-parallel-size") != run.end();
+      if (!model_parallel) run.push_back("--use-distributed-optimizer");
       const moecore::TrainingArgs comm_args = moecore::parse_train_args(run, 2);
       std::ostringstream out;
-      moecore::run_training(comm_args, out, tp2 ? moecore::make_parallel_state(comm_args) : dp2);
+      moecore::run_training(comm_args, out, model_parallel ? moecore::make_parallel_state(comm_args) : dp2);
       const std::string text = out.str();
       const size_t line = text.rfind(" [comm] ");
       if (line == std::string::npos) return std::nan("");
@@ -167,6 +168,21 @@ int main(int argc, char** argv) {
       check_close(bf16_grad, fp32_grad, 1e-9, "bf16: gradients still reduce in fp32");
       check_close(bf16_param, fp32_param / 2, 1e-3, "bf16: the parameter all-gather moves half the bytes");
       check_close(bf16_wire_grad, fp32_grad / 2, 1e-3, "--grad-reduce-in-bf16: half the gradient bytes");
+    }
+    // EP2, the alltoall dispatcher: under --bf16 the token rows, the expert outputs and both their gradients move in
+    // bf16, the probabilities and their gradients in fp32. The forced-balance router routes alike in both runs, so
+    // each rank sends and receives the same rows: (sent + received) x (2 H x 2 + 4) bytes against (2 H x 4 + 4),
+    // H = 32 (the [comm] line prints 4 significant digits).
+    const std::vector<std::string> ep2_flags = {"--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                                "alltoall", "--moe-router-force-load-balancing"};
+    std::vector<std::string> ep2_bf16_flags = ep2_flags;
+    ep2_bf16_flags.push_back("--bf16");
+    const double fp32_a2a = comm_megabytes(ep2_flags, "all-to-all");
+    const double bf16_a2a = comm_megabytes(ep2_bf16_flags, "all-to-all");
+    if (world.rank() == 0) {
+      check(fp32_a2a > 0, "EP2: all-to-all bytes are logged");
+      check_close(bf16_a2a / fp32_a2a, (4.0 * 32 + 4) / (8.0 * 32 + 4), 2e-3,
+                  "bf16: dispatched rows move in 16 bits, probabilities in fp32");
     }
     // TP2 with sequence parallelism: the activations' gathers and reduce-scatters move 16-bit values under --bf16.
     const std::vector<std::string> tp2_flags = {"--tensor-model-parallel-size", "2", "--sequence-parallel",

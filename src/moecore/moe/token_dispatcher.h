@@ -58,7 +58,8 @@ struct DispatchBuffers {
 // (EP overlap): dispatch_preprocess (local permutation and index bookkeeping), token_dispatch (the collectives),
 // dispatch_postprocess (rows sorted by local expert); combine_preprocess, token_combine (the collectives),
 // combine_postprocess (unpermute: scatter-add into tokens). Row moves are ops (ops/moe_rows.h); the dispatchers
-// keep only communication and index bookkeeping. Every tensor is fp32.
+// keep only communication and index bookkeeping. Token rows move in the activations' dtype (16-bit under 16-bit
+// activation storage); probabilities and sums over ranks are fp32.
 class TokenDispatcher {
  public:
   virtual ~TokenDispatcher() = default;

@@ -61,6 +61,8 @@ class AllGatherDispatcher final : public TokenDispatcher {
     DispatchBuffers all{activation_rows({S * T, state.H}, local.rows.dtype()), activation_rows({S * T, E})};
     Tensor maps({S * T, E}, DType::kU8, MemCategory::kActivations);
     Tensor counts({S * E}, DType::kI64, MemCategory::kActivations);
+    count_dispatch_bytes(local.rows.dtype(), local.rows.numel());
+    count_dispatch_bytes(local.probs.dtype(), local.probs.numel());
     {
       parallel::CommTimer timer(parallel::CommKind::kAllToAll);
       parallel::Work works[] = {
@@ -128,6 +130,7 @@ class AllGatherDispatcher final : public TokenDispatcher {
   // ... summed over the group, this rank's slice ...
   Tensor token_combine(const Tensor &all, const DispatchState &state) override {
     Tensor mine = activation_rows({state.T, state.H});
+    count_dispatch_bytes(all.dtype(), all.numel());
     parallel::CommTimer timer(parallel::CommKind::kAllToAll);
     group_.reduce_scatter(all, mine, parallel::ReduceOp::kSum);
     return mine;
@@ -142,6 +145,7 @@ class AllGatherDispatcher final : public TokenDispatcher {
                         const std::function<void()> *overlapped) override {
     if (overlapped) (*overlapped)();
     Tensor all = activation_rows({group_.size() * state.T, state.H}, dout_TH.dtype());
+    count_dispatch_bytes(dout_TH.dtype(), dout_TH.numel());
     {
       parallel::CommTimer timer(parallel::CommKind::kAllToAll);
       group_.all_gather(dout_TH, all);
@@ -160,6 +164,7 @@ class AllGatherDispatcher final : public TokenDispatcher {
     Tensor all = activation_rows({group_.size() * T * E, 1});
     ops::moe_unpermute(all, dprobs_R, element_R);
     Tensor mine = activation_rows({T, E});
+    count_dispatch_bytes(all.dtype(), all.numel());
     {
       parallel::CommTimer timer(parallel::CommKind::kAllToAll);
       group_.reduce_scatter(all, mine, parallel::ReduceOp::kSum);

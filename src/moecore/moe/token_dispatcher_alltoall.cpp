@@ -11,6 +11,12 @@
 //
 // The expert side knows each row's local expert (expert_R) and prob, not its source token: as in Megatron, the
 // state's source_token_R and source_rank_R stay empty; the sender keeps its own rows (sent_token_L) for combine.
+//
+// Rows travel in the activations' dtype, as Megatron dispatches: under 16-bit activation storage the token rows, the
+// expert outputs and both gradients move in bf16 / fp16 (the same values the fp32 buffers would carry), the
+// probabilities and their gradients in fp32. Only the combine's partial outputs under expert tensor parallelism,
+// which the reduce-scatter sums, stay fp32 (Megatron sums them in the activation dtype). The bytes of the rows and
+// probabilities each rank sends are counted for the [comm] line.
 #include <algorithm>
 #include <functional>
 #include <numeric>
@@ -199,6 +205,7 @@ class AllToAllDispatcher final : public TokenDispatcher {
     const int64_t M = state.etp_max_rows, ETP = etp_.size(), W = rows_LW.dim(1);
     Tensor received = activation_rows({M, W}, rows_LW.dtype());
     Tensor gathered = activation_rows({ETP * M, W}, rows_LW.dtype());
+    count_dispatch_bytes(rows_LW.dtype(), total(state.ep_send_rows) * W + (ETP > 1 ? M * W : 0));
     parallel::Work exchange;
     {
       parallel::CommTimer timer(parallel::CommKind::kAllToAll);
@@ -214,21 +221,28 @@ class AllToAllDispatcher final : public TokenDispatcher {
     return gathered;
   }
 
-  // The reverse: [ETP etp_max_rows, W] summed over ETP (reduce-scatter) -> all-to-all back: rows in send order.
+  // The reverse: [ETP etp_max_rows, W] summed over ETP (reduce-scatter, fp32) -> all-to-all back: rows in send
+  // order, in the dtype of `gathered` (without ETP nothing is summed).
   Tensor from_experts(const Tensor &gathered, const DispatchState &state) const {
-    const int64_t M = state.etp_max_rows, W = gathered.dim(1);
-    Tensor reduced = activation_rows({M, W});
-    Tensor rows_LW = activation_rows({static_cast<int64_t>(state.sent_token_L.size()), W});
+    const int64_t M = state.etp_max_rows, W = gathered.dim(1), ETP = etp_.size();
+    Tensor rows_LW = activation_rows({static_cast<int64_t>(state.sent_token_L.size()), W}, gathered.dtype());
+    Tensor reduced = gathered;
+    count_dispatch_bytes(gathered.dtype(), total(state.ep_recv_rows) * W + (ETP > 1 ? ETP * M * W : 0));
     parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-    etp_.reduce_scatter(gathered, reduced, parallel::ReduceOp::kSum);
+    if (ETP > 1) {
+      reduced = activation_rows({M, W}, gathered.dtype());
+      etp_.reduce_scatter(gathered, reduced, parallel::ReduceOp::kSum);
+    }
     ep_.all_to_all_v(reduced.slice_rows(0, total(state.ep_recv_rows)), scaled(state.ep_recv_rows, W), rows_LW,
                      scaled(state.ep_send_rows, W));
     return rows_LW;
   }
 
-  // Rows of the expert-major order [R, W] back to their places in the zero-padded [ETP etp_max_rows, W] buffer.
+  // Rows of the expert-major order [R, W] back to their places in the zero-padded [ETP etp_max_rows, W] buffer:
+  // fp32 where the ETP reduce-scatter sums them, else in their own dtype.
   Tensor unsort(const Tensor &rows_RW, const DispatchState &state) const {
-    Tensor gathered = activation_rows({etp_.size() * state.etp_max_rows, rows_RW.dim(1)});
+    Tensor gathered = activation_rows({etp_.size() * state.etp_max_rows, rows_RW.dim(1)},
+                                      etp_.size() > 1 ? DType::kF32 : rows_RW.dtype());
     ops::unsort_chunks(gathered, rows_RW, state.sorted_first_C, state.sorted_rows_C);
     return gathered;
   }

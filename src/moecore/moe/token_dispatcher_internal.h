@@ -10,6 +10,7 @@
 
 #include "moecore/moe/router.h"
 #include "moecore/moe/token_dispatcher.h"
+#include "moecore/parallel/comm_stats.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
 
@@ -34,6 +35,12 @@ inline Tensor activation_rows(std::vector<int64_t> shape) {
 // under 16-bit activation storage (ops/precision.h). Sums over ranks stay in fp32 buffers (activation_rows above).
 inline Tensor activation_rows(std::vector<int64_t> shape, const DType dtype) {
   return Tensor(std::move(shape), dtype, MemCategory::kActivations);
+}
+
+// `elements` of `dtype` this rank sends into a dispatch or combine collective: the [comm] line's all-to-all bytes.
+inline void count_dispatch_bytes(const DType dtype, const int64_t elements) {
+  parallel::CommStats::instance().add_bytes(parallel::CommKind::kAllToAll,
+                                            static_cast<double>(elements) * static_cast<double>(dtype_size(dtype)));
 }
 
 // probs_R as a tensor [R] (fp32).
