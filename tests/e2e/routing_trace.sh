@@ -123,9 +123,44 @@ else
   echo "skip: no mpirun for the two-process part"
 fi
 
+# --moe-routing-trace-dump-weights: router_state_rank0.pt, read by PyTorch's own torch.load: one entry per MoE
+# layer keyed as Megatron's (block, mtp_idx, layer), the gate weight as of the first traced forward; that weight applied
+# to the hidden-states sidecar of step 0 gives the logits sidecar (both sidecars are bf16: within their rounding).
+if timeout 300 "$bin" train "${demo[@]}" --train-iters 2 --moe-routing-trace-path "$work/trace_weights" "${capture[@]}" \
+  --moe-routing-trace-dump-weights >"$work/weights.log" 2>&1; then
+  /usr/bin/python3 - "$work/trace_weights" "$(value --num-layers)" "$(value --num-experts)" "$(value --hidden-size)" <<'PY' || fail "the router weights file does not check"
+import json, sys, torch
+trace, layers, experts, hidden = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+state = torch.load(trace + "/router_state_rank0.pt")
+if sorted(state) != [("decoder", None, l) for l in range(layers)]:
+    sys.exit(f"keys {sorted(state)}")
+def bf16(path, offset, nbytes, shape):
+    raw = open(path, "rb").read()[offset:offset + nbytes]
+    words = torch.frombuffer(bytearray(raw), dtype=torch.int16)
+    return words.view(torch.bfloat16).float().reshape(shape)
+records = [json.loads(l) for l in open(trace + "/router_trace_rank0.jsonl")]
+for l in range(layers):
+    s = state[("decoder", None, l)]
+    w = s["weight"]
+    if w.dtype != torch.float32 or tuple(w.shape) != (experts, hidden) or s["expert_bias"] is not None:
+        sys.exit(f"layer {l}: weight {w.dtype} {tuple(w.shape)}, expert_bias {s['expert_bias']}")
+    if s["score_function"] != "softmax" or s["topk"] != 2:
+        sys.exit(f"layer {l}: {s['score_function']} top-{s['topk']}")
+    r = next(r for r in records if r["layer"] == l and r["step"] == 0)
+    hs = bf16(trace + "/hidden_states_rank0.bin", r["hs_offset"], r["hs_bytes"], r["hs_shape"])
+    logits = bf16(trace + "/logits_rank0.bin", r["logit_offset"], r["logit_bytes"], r["logit_shape"])
+    error = (hs @ w.t() - logits).abs().max().item() / logits.abs().max().item()
+    if error > 1e-2:  # each sidecar rounds to bf16 (2^-9 relative): about 3e-3 here
+        sys.exit(f"layer {l}: weight x hidden states differ from the logits by {error:.3g} of their largest")
+print(f"ok: torch.load reads {layers} routers; weight x hidden states = logits (bf16 rounding)")
+PY
+else
+  fail "dump weights: moecore train failed: $(tail -3 "$work/weights.log")"
+fi
+
 # Flag errors: one line, a non-zero exit, before the model is built.
 for flag in --moe-routing-trace-capture-logits --moe-routing-trace-capture-hidden-states \
-  "--moe-routing-trace-max-training-iters 2"; do
+  --moe-routing-trace-dump-weights "--moe-routing-trace-max-training-iters 2"; do
   # shellcheck disable=SC2086  # the flag and its value as two words
   expect_early_error "${flag%% *} requires --moe-routing-trace-path" "$bin" train "${demo[@]}" $flag
 done

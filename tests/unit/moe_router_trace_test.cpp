@@ -5,10 +5,13 @@
 // of the inputs); files emptied at construction; unwritable folders named in the error.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <bit>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -40,6 +43,13 @@ Tensor fp32(const std::vector<float>& values, const int64_t rows, const int64_t 
   EXPECT_EQ(static_cast<int64_t>(values.size()), rows * columns);
   std::memcpy(out.data<float>(), values.data(), values.size() * sizeof(float));
   return out;
+}
+
+// A router state for the weights file (read only with dump_router_weights).
+const RouterTraceWeights& no_weights() {
+  static const Tensor weight = fp32({0.0f}, 1, 1);
+  static const RouterTraceWeights weights{weight, {}, "softmax"};
+  return weights;
 }
 
 float from_bits(const uint32_t bits) { return std::bit_cast<float>(bits); }
@@ -78,7 +88,7 @@ TEST(RouterTracer, WritesMegatronRecordTextAtAdvanceStep) {
   EXPECT_FALSE(fs::exists(dir.path("trace/logits_rank1.bin")));
   EXPECT_TRUE(tracer.active());
 
-  tracer.record(decoder(3), routing_map({{0, 3}, {1, 2}}, 4), 2, Tensor(), Tensor());
+  tracer.record(decoder(3), routing_map({{0, 3}, {1, 2}}, 4), 2, Tensor(), Tensor(), no_weights());
   EXPECT_EQ(read_text(jsonl), "");  // buffered until the step ends
   tracer.advance_step(7);
   EXPECT_EQ(read_text(jsonl),
@@ -93,12 +103,13 @@ TEST(RouterTracer, SeveralRecordsPerStepInCallOrderWithMtpIdx) {
   RouterTracer tracer(options(dir, 10));
   // Step 4: two micro-batches of layer 1 around layer 0, then an MTP depth; step 5: one record. The maps' experts
   // are read in ascending order whatever order the router chose them in.
-  tracer.record(decoder(1), routing_map({{5, 2}}, 8), 2, Tensor(), Tensor());
-  tracer.record(decoder(0), routing_map({{7, 0}, {3, 4}, {6, 1}}, 8), 2, Tensor(), Tensor());
-  tracer.record(decoder(1), routing_map({{1, 7}}, 8), 2, Tensor(), Tensor());
-  tracer.record({.mtp = true, .layer = 0, .mtp_idx = 1}, routing_map({{2}, {0}}, 3), 1, Tensor(), Tensor());
+  tracer.record(decoder(1), routing_map({{5, 2}}, 8), 2, Tensor(), Tensor(), no_weights());
+  tracer.record(decoder(0), routing_map({{7, 0}, {3, 4}, {6, 1}}, 8), 2, Tensor(), Tensor(), no_weights());
+  tracer.record(decoder(1), routing_map({{1, 7}}, 8), 2, Tensor(), Tensor(), no_weights());
+  tracer.record({.mtp = true, .layer = 0, .mtp_idx = 1}, routing_map({{2}, {0}}, 3), 1, Tensor(), Tensor(),
+                no_weights());
   tracer.advance_step(4);
-  tracer.record(decoder(12), routing_map({{0, 1, 2}}, 3), 3, Tensor(), Tensor());
+  tracer.record(decoder(12), routing_map({{0, 1, 2}}, 3), 3, Tensor(), Tensor(), no_weights());
   tracer.advance_step(5);
   EXPECT_EQ(read_text(dir.path("trace/router_trace_rank0.jsonl")),
             "{\"step\": 4, \"stage\": \"pre_dispatch\", \"block\": \"decoder\", \"layer\": 1, \"rank\": 0, "
@@ -118,7 +129,7 @@ TEST(RouterTracer, StepWithoutRecordsWritesNothingButCounts) {
   const test::TempDir dir("router_trace");
   RouterTracer tracer(options(dir, 2));
   tracer.advance_step(0);  // e.g. a pipeline rank without MoE layers: the step still counts towards max_steps
-  tracer.record(decoder(0), routing_map({{1}}, 2), 1, Tensor(), Tensor());
+  tracer.record(decoder(0), routing_map({{1}}, 2), 1, Tensor(), Tensor(), no_weights());
   tracer.advance_step(1);
   EXPECT_FALSE(tracer.active());
   EXPECT_EQ(read_text(dir.path("trace/router_trace_rank0.jsonl")),
@@ -135,15 +146,15 @@ TEST(RouterTracer, LeavesOutMapsWithoutTopkExpertsForEveryToken) {
   const Tensor hidden = fp32({1, 2, 3, 4}, 2, 2);
   const Tensor logits = fp32({1, 2, 3, 4, 5, 6}, 2, 3);
   // A token dropped by the capacity: 3 nonzeros for 2 tokens x top-2 (Megatron's hook returns).
-  tracer.record(decoder(0), routing_map({{0, 1}, {2}}, 3), 2, hidden, logits);
+  tracer.record(decoder(0), routing_map({{0, 1}, {2}}, 3), 2, hidden, logits, no_weights());
   // 4 nonzeros, but one token has none and the other three: not each token's top-2 either.
-  tracer.record(decoder(1), routing_map({{}, {0, 1, 2}}, 3), 2, hidden, logits);
+  tracer.record(decoder(1), routing_map({{}, {0, 1, 2}}, 3), 2, hidden, logits, no_weights());
   // A token routed to no expert at all under top-1.
-  tracer.record(decoder(2), routing_map({{}, {1}}, 3), 1, hidden, logits);
+  tracer.record(decoder(2), routing_map({{}, {1}}, 3), 1, hidden, logits, no_weights());
   // More than top-k experts for a token (5 nonzeros).
-  tracer.record(decoder(2), routing_map({{0, 2}, {0, 1, 2}}, 3), 2, hidden, logits);
+  tracer.record(decoder(2), routing_map({{0, 2}, {0, 1, 2}}, 3), 2, hidden, logits, no_weights());
   EXPECT_EQ(tracer.records_left_out(), 4);
-  tracer.record(decoder(3), routing_map({{1, 2}, {0, 2}}, 3), 2, hidden, logits);
+  tracer.record(decoder(3), routing_map({{1, 2}, {0, 2}}, 3), 2, hidden, logits, no_weights());
   tracer.advance_step(0);
   EXPECT_EQ(tracer.records_written(), 1);
   EXPECT_EQ(tracer.records_left_out(), 4);
@@ -164,7 +175,7 @@ TEST(RouterTracer, StopsAfterMaxSteps) {
   const Tensor logits = fp32({0.5f, -0.5f}, 1, 2);
   for (int64_t step = 0; step < 2; ++step) {
     EXPECT_TRUE(tracer.active()) << step;
-    tracer.record(decoder(0), routing_map({{1}}, 2), 1, Tensor(), logits);
+    tracer.record(decoder(0), routing_map({{1}}, 2), 1, Tensor(), logits, no_weights());
     tracer.advance_step(step);
   }
   EXPECT_FALSE(tracer.active());
@@ -178,8 +189,9 @@ TEST(RouterTracer, StopsAfterMaxSteps) {
             "\"num_tokens\": 1, \"topk\": 1, \"logit_offset\": 4, \"logit_bytes\": 4, \"logit_shape\": [1, 2], "
             "\"top_indices\": [[1]]}\n");
   // Later records and steps are ignored: the files stay as they were, the counts too.
-  tracer.record(decoder(0), routing_map({{0}}, 2), 1, Tensor(), logits);
-  tracer.record(decoder(0), routing_map({{0}, {}}, 2), 1, Tensor(), logits);  // not even counted as left out
+  tracer.record(decoder(0), routing_map({{0}}, 2), 1, Tensor(), logits, no_weights());
+  tracer.record(decoder(0), routing_map({{0}, {}}, 2), 1, Tensor(), logits,
+                no_weights());  // not even counted as left out
   tracer.advance_step(2);
   tracer.advance_step(3);
   EXPECT_FALSE(tracer.active());
@@ -209,7 +221,7 @@ TEST(RouterTracer, SidecarsHoldBf16RoundedToNearestEven) {
     EXPECT_EQ(fp32_to_bf16(hidden0.data<float>()[i]), hidden0_bf16[i]) << i;  // the hand values are moecore's
   }
   for (size_t i = 0; i < logits0_bf16.size(); ++i) EXPECT_EQ(fp32_to_bf16(logits0.data<float>()[i]), logits0_bf16[i]);
-  tracer.record(decoder(0), routing_map({{0, 1}, {2, 3}}, 4), 2, hidden0, logits0);
+  tracer.record(decoder(0), routing_map({{0, 1}, {2, 3}}, 4), 2, hidden0, logits0, no_weights());
 
   // A larger record of random values in the same step: its bytes follow the first record's.
   constexpr int64_t T = 37, H = 19, E = 8;
@@ -219,7 +231,7 @@ TEST(RouterTracer, SidecarsHoldBf16RoundedToNearestEven) {
   for (size_t i = 0; i < logit_values.size(); ++i) logit_values[i] = static_cast<float>(0.01 * logits_rng.normal(i));
   std::vector<std::vector<int>> rows;
   for (int64_t t = 0; t < T; ++t) rows.push_back({static_cast<int>(E - 1), static_cast<int>(t % (E - 1))});
-  tracer.record(decoder(2), routing_map(rows, E), 2, fp32(hidden_values, T, H), fp32(logit_values, T, E));
+  tracer.record(decoder(2), routing_map(rows, E), 2, fp32(hidden_values, T, H), fp32(logit_values, T, E), no_weights());
   tracer.advance_step(0);
 
   const std::string text = read_text(dir.path("trace/router_trace_rank3.jsonl"));
@@ -249,7 +261,7 @@ TEST(RouterTracer, Bf16InputsAreCopiedBitForBit) {
   Tensor hidden({2, 2}, DType::kBF16);
   const std::vector<uint16_t> bits = {0x3F81, 0xFF80, 0x0001, 0xC2F7};  // odd mantissa, -inf, a subnormal, -123.5
   std::memcpy(hidden.data<uint16_t>(), bits.data(), bits.size() * sizeof(uint16_t));
-  tracer.record(decoder(0), routing_map({{0}, {1}}, 2), 1, hidden, Tensor());
+  tracer.record(decoder(0), routing_map({{0}, {1}}, 2), 1, hidden, Tensor(), no_weights());
   tracer.advance_step(0);
   EXPECT_EQ(read_words(dir.path("trace/hidden_states_rank0.bin")), bits);
   EXPECT_FALSE(fs::exists(dir.path("trace/logits_rank0.bin")));
@@ -266,7 +278,7 @@ TEST(RouterTracer, ConstructionEmptiesThisRanksFiles) {
   opts.capture_logits = true;
   {
     RouterTracer tracer(opts);
-    tracer.record(decoder(0), routing_map({{0}}, 2), 1, fp32({1, 2}, 1, 2), fp32({3, 4}, 1, 2));
+    tracer.record(decoder(0), routing_map({{0}}, 2), 1, fp32({1, 2}, 1, 2), fp32({3, 4}, 1, 2), no_weights());
     tracer.advance_step(0);
   }
   const std::string jsonl = dir.path("trace/router_trace_rank0.jsonl");
@@ -280,12 +292,52 @@ TEST(RouterTracer, ConstructionEmptiesThisRanksFiles) {
   EXPECT_EQ(fs::file_size(dir.path("trace/hidden_states_rank0.bin")), 0u);
   EXPECT_EQ(fs::file_size(dir.path("trace/logits_rank0.bin")), 0u);
   EXPECT_EQ(read_text(dir.path("trace/router_trace_rank1.jsonl")), "another rank's\n");  // not this rank's
-  second.record(decoder(5), routing_map({{1}}, 2), 1, fp32({1, 2}, 1, 2), fp32({3, 4}, 1, 2));
+  second.record(decoder(5), routing_map({{1}}, 2), 1, fp32({1, 2}, 1, 2), fp32({3, 4}, 1, 2), no_weights());
   second.advance_step(9);
   EXPECT_EQ(read_text(jsonl),
             "{\"step\": 9, \"stage\": \"pre_dispatch\", \"block\": \"decoder\", \"layer\": 5, \"rank\": 0, "
             "\"num_tokens\": 1, \"topk\": 1, \"hs_offset\": 0, \"hs_bytes\": 4, \"hs_shape\": [1, 2], "
             "\"logit_offset\": 0, \"logit_bytes\": 4, \"logit_shape\": [1, 2], \"top_indices\": [[1]]}\n");
+}
+
+// --moe-routing-trace-dump-weights: each router's state as of its first record (later ones do not replace it), read
+// back by PyTorch's torch.load (/usr/bin/python3) with Megatron's keys and fields.
+TEST(RouterTracer, DumpsEachRoutersFirstStateForTorchLoad) {
+  const test::TempDir dir("router_trace");
+  RouterTraceOptions with_weights = options(dir, 2);
+  with_weights.dump_router_weights = true;
+  RouterTracer tracer(with_weights);
+  const Tensor first = fp32({0.5f, -1.0f, 0.25f, 2.0f, -0.125f, 3.0f}, 3, 2);
+  const Tensor later = fp32({9.0f, 9.0f, 9.0f, 9.0f, 9.0f, 9.0f}, 3, 2);
+  const std::vector<float> bias = {0.1f, -0.2f, 0.3f};
+  tracer.record(decoder(1), routing_map({{0}}, 3), 1, Tensor(), Tensor(), {first, bias, "sigmoid"});
+  tracer.record(decoder(1), routing_map({{2}}, 3), 1, Tensor(), Tensor(), {later, {}, "softmax"});
+  tracer.record({.mtp = true, .layer = 0, .mtp_idx = 0}, routing_map({{1}}, 3), 1, Tensor(), Tensor(),
+                {later, {}, "softmax"});
+  tracer.advance_step(0);
+  tracer.finish();
+  const std::string script =
+      "import torch, sys\n"
+      "d = torch.load(sys.argv[1])\n"
+      "print(sorted(d, key=str))\n"
+      "s = d[('decoder', None, 1)]\n"
+      "print(s['weight'].tolist(), s['expert_bias'].tolist(), s['score_function'], s['topk'])\n"
+      "m = d[('mtp', 0, 0)]\n"
+      "print(m['weight'].sum().item(), m['expert_bias'], m['score_function'])\n";
+  std::string out;
+  {
+    std::unique_ptr<FILE, int (*)(FILE*)> pipe(
+        popen(("/usr/bin/python3 -c \"" + script + "\" " + dir.path("trace/router_state_rank0.pt") + " 2>&1").c_str(),
+              "r"),
+        pclose);
+    std::array<char, 4096> buffer{};
+    while (pipe && fgets(buffer.data(), buffer.size(), pipe.get()) != nullptr) out += buffer.data();
+  }
+  EXPECT_EQ(out,
+            "[('decoder', None, 1), ('mtp', 0, 0)]\n"
+            "[[0.5, -1.0], [0.25, 2.0], [-0.125, 3.0]] [0.10000000149011612, -0.20000000298023224, "
+            "0.30000001192092896] sigmoid 1\n"
+            "54.0 None softmax\n");
 }
 
 TEST(RouterTracer, UnwritableFolderThrowsNamingThePath) {

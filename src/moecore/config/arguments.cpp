@@ -487,6 +487,9 @@ const std::vector<TrainFlag>& flag_table() {
     {"--moe-routing-trace-capture-hidden-states", Arity::kSwitch, "",
      "also write the router inputs (bf16 sidecar)",
      [](TrainingArgs& a, const FlagValue&) { a.moe_routing_trace.capture_hidden_states = true; }},
+    {"--moe-routing-trace-dump-weights", Arity::kSwitch, "",
+     "also write each router's weight and expert bias to DIR/router_state_rank<r>.pt (torch.save)",
+     [](TrainingArgs& a, const FlagValue&) { a.moe_routing_trace.dump_weights = true; }},
 
     // Activation recomputation (Megatron's transformer_config.py recompute_*; checks in arguments_finalize.cpp).
     {"--recompute-granularity", Arity::kOne, "{full,selective}",

@@ -131,6 +131,7 @@ struct TrainingArgs {
     std::optional<int64_t> max_training_iters;  // --moe-routing-trace-max-training-iters (unset: --train-iters)
     bool capture_logits = false;                // --moe-routing-trace-capture-logits
     bool capture_hidden_states = false;         // --moe-routing-trace-capture-hidden-states
+    bool dump_weights = false;                  // --moe-routing-trace-dump-weights
   } moe_routing_trace;
   bool log_params_norm = false;        // --log-params-norm
   bool log_num_zeros_in_grad = false;  // --log-num-zeros-in-grad

@@ -715,7 +715,7 @@ void finalize_moecore(const TrainingArgs& args, const std::set<std::string>& giv
   require(!given.contains("--sample-tokens") || given.contains("--sample-prompt"),
           "--sample-tokens requires --sample-prompt");
   for (const char* flag : {"--moe-routing-trace-max-training-iters", "--moe-routing-trace-capture-logits",
-                           "--moe-routing-trace-capture-hidden-states"}) {
+                           "--moe-routing-trace-capture-hidden-states", "--moe-routing-trace-dump-weights"}) {
     require(!given.contains(flag) || !args.moe_routing_trace.path.empty(),
             std::string(flag) + " requires --moe-routing-trace-path");
   }

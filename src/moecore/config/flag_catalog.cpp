@@ -221,7 +221,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--mid-level-dataset-surplus",
     "--allow-ambiguous-pad-tokens",
     // logging
-    "--moe-routing-trace-dump-weights",
     "--timing-log-level",
     "--log-energy",
     "--no-barrier-with-level-1-timing",

@@ -62,7 +62,8 @@ Tensor MoELayer::forward(const Tensor& x_TH, const int64_t S, const int64_t B, c
     saved.routing = router_->forward(x, S, B, training, seed, key, saved.router, rows);
   }
   if (training && tracer_ != nullptr && tracer_->active()) {
-    tracer_->record(trace_site_, saved.routing.routing_map_TE, config_.moe.topk, x, saved.router.logits_TE);
+    tracer_->record(trace_site_, saved.routing.routing_map_TE, config_.moe.topk, x, saved.router.logits_TE,
+                    {router_->weight(), router_->expert_bias(), to_string(config_.moe.score_function)});
   }
   RouterOutput padded;
   const RouterOutput& dispatched = dispatched_routing(saved.routing, T, padded);

@@ -99,6 +99,8 @@ class TopKRouter {
   // tp-dp-cp (the counts are summed before the sign rule).
   void finish_global_batch();
 
+  // The gate weight [E, H] (mlp.router.weight's values).
+  const Tensor& weight() const { return weight_->value; }
   // The expert-bias buffer's values [E] (empty without --moe-router-enable-expert-bias).
   std::span<const float> expert_bias() const;
   std::span<float> expert_bias();

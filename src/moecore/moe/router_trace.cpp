@@ -1,5 +1,6 @@
 #include "moecore/moe/router_trace.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -7,6 +8,7 @@
 #include <system_error>
 
 #include "moecore/ops/convert.h"
+#include "moecore/util/torch_save.h"
 
 namespace moecore {
 
@@ -63,8 +65,21 @@ int64_t RouterTracer::append_bf16(std::ofstream& file, const std::string& path, 
 }
 
 void RouterTracer::record(const RouterTraceSite& site, const Tensor& routing_map_TE, const int64_t topk,
-                          const Tensor& hidden_TH, const Tensor& logits_TE) {
+                          const Tensor& hidden_TH, const Tensor& logits_TE, const RouterTraceWeights& weights) {
   if (!active()) return;
+  if (options_.dump_router_weights) {  // Megatron keeps each router's state at its first traced forward
+    const bool seen = std::any_of(router_states_.begin(), router_states_.end(), [&](const RouterState& state) {
+      return state.site.mtp == site.mtp && state.site.layer == site.layer && state.site.mtp_idx == site.mtp_idx;
+    });
+    if (!seen) {
+      Tensor weight = Tensor::uninitialized(weights.weight_EH.shape(), DType::kF32);
+      ops::convert(weight, weights.weight_EH);
+      router_states_.push_back({site, weights.weight_EH.shape(),
+                                std::vector<float>(weight.span<float>().begin(), weight.span<float>().end()),
+                                std::vector<float>(weights.expert_bias_E.begin(), weights.expert_bias_E.end()),
+                                weights.score_function, topk});
+    }
+  }
   const int64_t T = routing_map_TE.dim(0), E = routing_map_TE.dim(1);
   Record record;
   record.site = site;
@@ -145,6 +160,27 @@ void RouterTracer::advance_step(const int64_t step) {
     check_written(logits_, logits_path_);
   }
   ++steps_written_;
+}
+
+void RouterTracer::finish() {
+  if (!options_.dump_router_weights) return;
+  std::vector<std::pair<PyValue, PyValue>> states;
+  for (const RouterState& state : router_states_) {
+    PyValue key = PyValue::tuple({PyValue::string(state.site.mtp ? "mtp" : "decoder"),
+                                  state.site.mtp_idx ? PyValue::integer(*state.site.mtp_idx) : PyValue::none(),
+                                  PyValue::integer(state.site.layer)});
+    const auto E = static_cast<int64_t>(state.expert_bias.size());
+    states.emplace_back(
+        std::move(key),
+        PyValue::dict({{PyValue::string("weight"), PyValue::float_tensor(state.weight_shape, state.weight)},
+                       {PyValue::string("expert_bias"),
+                        state.expert_bias.empty() ? PyValue::none() : PyValue::float_tensor({E}, state.expert_bias)},
+                       {PyValue::string("score_function"), PyValue::string(state.score_function)},
+                       {PyValue::string("topk"), PyValue::integer(state.topk)}}));
+  }
+  const std::string path =
+      (std::filesystem::path(options_.dir) / ("router_state_rank" + std::to_string(options_.rank) + ".pt")).string();
+  write_torch_save(path, PyValue::dict(std::move(states)));
 }
 
 }  // namespace moecore

@@ -192,7 +192,8 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
                                              .max_steps = trace.max_training_iters.value_or(run_args.train_iters),
                                              .rank = parallel.rank,
                                              .capture_hidden_states = trace.capture_hidden_states,
-                                             .capture_logits = trace.capture_logits});
+                                             .capture_logits = trace.capture_logits,
+                                             .dump_router_weights = trace.dump_weights});
     model.set_router_tracer(&*router_tracer);
   }
   if (has_valid) {
@@ -231,6 +232,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
       if (router_tracer) {
         try {
           router_tracer->advance_step(progress.iteration);
+          router_tracer->finish();
         } catch (const std::exception&) {  // the step's own error is the one to report
         }
       }
@@ -278,6 +280,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   }
   if (profiled_rank && trace::enabled()) write_trace(args, parallel.rank, log);  // the run ended inside the window
   if (router_tracer) {
+    router_tracer->finish();
     log << "> routing trace: " << router_tracer->records_written() << " records of rank 0 in "
         << run_args.moe_routing_trace.path;
     if (router_tracer->records_left_out() > 0) {
