@@ -30,7 +30,7 @@ sanitize: setup
 	$(SANITIZE_ENV) ASAN_OPTIONS=detect_leaks=0:check_initialization_order=1 ctest --preset sanitize-dist -j $(JOBS)
 
 FUZZ_TARGETS = fuzz_flags fuzz_indexed_dataset fuzz_preprocess fuzz_safetensors fuzz_hf_config fuzz_npy \
-	fuzz_sharded_checkpoint
+	fuzz_sharded_checkpoint fuzz_run_report
 fuzz: setup
 	cmake --preset sanitize
 	cmake --build --preset sanitize -j $(JOBS) --target $(FUZZ_TARGETS)

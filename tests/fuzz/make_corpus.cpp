@@ -25,6 +25,8 @@
 #include "moecore/data/indexed_dataset.h"
 #include "moecore/data/npy.h"
 #include "moecore/model/gpt_model.h"
+#include "moecore/moe/router_trace.h"
+#include "moecore/util/tensorboard_events.h"
 
 namespace {
 
@@ -320,6 +322,47 @@ void sharded_checkpoint(const fs::path& scratch) {
       join_two_files(slurp(dir / "metadata.json"), slurp(dir / "rank_00000.safetensors")));
 }
 
+// ---- run_report: a TensorBoard event file (selector 0), a training log (1), a routing trace (2)
+void run_report(const fs::path& scratch) {
+  std::string events;
+  {
+    moecore::TensorBoardWriter writer((scratch / "tb").string(), 1);
+    writer.add_scalar("lm loss", 10.5, 1, 1.0);
+    writer.add_scalar("learning-rate", 3e-4, 1, 1.0);
+    writer.add_scalar("moe/min_load_ratio_layer_0", 0.25, 2, 2.0);
+    writer.add_scalar("iteration-time", 0.4, 2, 2.0);
+    events = slurp(writer.path());
+  }
+  put("run_report", "events", std::string(1, '\0') + events);
+  put("run_report", "log",
+      std::string(1, '\1') +
+          " [2026-12-06 19:53:36.701150] iteration        1/      30 | consumed samples:            8 | elapsed "
+          "time per iteration (ms): 448.7 | throughput per GPU (TFLOP/s/GPU): 0.314 | learning rate: 6.000000E-04 | "
+          "global batch size:     8 | lm loss: 1.083297E+01 | load_balancing_loss: 1.053783E+00 | loss scale: 1.0 | "
+          "grad norm: 4.027 | num zeros: 12 | params norm: 84.006 | number of skipped iterations:   0 | number of "
+          "nan iterations:   0 | time left (estimate): 0:00:12 |\n"
+          " [MoE] layer 0 tokens per expert: [796 428 559 650] | min/max load ratio: 0.264 / 1.555 |\n"
+          "[Rank 0] (after 1 iterations) memory (MB) | params: 56.6 (peak 56.7) | total peak: 344.6\n"
+          " [comm] per iteration, max over ranks (ms / share of step [/ MB sent]): all-to-all 1.5 / 0.3% / 2.5 MB |\n"
+          "WARNING: [MoE] layer 0: experts 1 (load ratio 0.000), 3 (load ratio 0.010) have had under 0.100 of the "
+          "layer's mean tokens per expert since iteration 2 (3 log intervals or more)\n"
+          " validation loss at iteration 1 | lm loss value: 7.489700E+00 | lm loss PPL: 1.789515E+03 | \n"
+          " validation loss at iteration 1 on test set | lm loss value: 6.819604E+00 | lm loss PPL: 9.1E+02 | \n"
+          "> training throughput: 4812.8 tokens/s over 1 iterations\n");
+  {
+    moecore::RouterTracer tracer({.dir = (scratch / "trace").string(), .max_steps = 2, .rank = 0});
+    moecore::Tensor map({2, 4}, moecore::DType::kU8);
+    for (const int at : {0, 3, 5, 6}) map.data<uint8_t>()[at] = 1;
+    const moecore::Tensor weight({4, 2}, moecore::DType::kF32);
+    tracer.record({.mtp = false, .layer = 1, .mtp_idx = std::nullopt}, map, 2, moecore::Tensor(), moecore::Tensor(),
+                  {weight, {}, "softmax"});
+    tracer.record({.mtp = true, .layer = 0, .mtp_idx = 0}, map, 2, moecore::Tensor(), moecore::Tensor(),
+                  {weight, {}, "softmax"});
+    tracer.advance_step(0);
+  }
+  put("run_report", "trace", std::string(1, '\2') + slurp(scratch / "trace" / "router_trace_rank0.jsonl"));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -343,6 +386,7 @@ int main(int argc, char** argv) {
     hf_config(scratch.path());
     npy(scratch.path());
     sharded_checkpoint(scratch.path());
+    run_report(scratch.path());
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << '\n';
     return 1;

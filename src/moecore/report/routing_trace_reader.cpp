@@ -70,7 +70,10 @@ void read_routing_trace_dir(const std::string& dir, RunReport& out) {
           }
         }
       } catch (const nlohmann::json::exception& e) {
-        throw bad(e.what());
+        // nlohmann's text without its "[json.exception.<kind>.<id>] " tag.
+        const std::string what = e.what();
+        const size_t tag_end = what.starts_with("[json.exception") ? what.find("] ") : std::string::npos;
+        throw bad(tag_end == std::string::npos ? what : what.substr(tag_end + 2));
       }
     }
   }
