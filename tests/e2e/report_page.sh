@@ -103,6 +103,24 @@ for (x, y), (step, value) in zip(p.points, want):
 print(f"ok: the TensorBoard report's {len(want)} lm loss points are the event files'")
 PY
 
+# One event file, and one rank's trace file, given on their own: the same curves / heatmaps as their folders give.
+tb_file=$(find "$work/tb" -name 'events.out.tfevents.*' | head -1)
+"$bin" report "$tb_file" -o "$work/tb_file.html" >/dev/null 2>&1 || fail "report of one event file failed"
+"$bin" report "$work/trace/router_trace_rank0.jsonl" -o "$work/trace_file.html" >/dev/null 2>&1 ||
+  fail "report of one trace file failed"
+"$bin" report "$work/trace" -o "$work/trace_dir.html" >/dev/null 2>&1 || fail "report of the trace folder failed"
+/usr/bin/python3 - "$work" <<'PY' || fail "a single file's report differs from its folder's"
+import json, re, sys
+work = sys.argv[1]
+def data(name):
+    page = open(f"{work}/{name}.html").read()
+    return json.loads(re.search(r'id="moecore-report-data">(.*?)</script>', page, re.S).group(1))
+for single, folder, key in (("tb_file", "tb", "charts"), ("trace_file", "trace_dir", "heatmaps")):
+    if not data(single)[key] or data(single)[key] != data(folder)[key]:
+        sys.exit(f"{single}: its {key} differ from {folder}'s")
+print("ok: one event file and one trace file give their folders' curves and heatmaps")
+PY
+
 # Bad input: one line naming the problem, a non-zero exit.
 expect_error "needs a SOURCE" "$bin" report -o "$work/x.html"
 expect_error "needs -o REPORT.html" "$bin" report "$work/run.log"
@@ -112,7 +130,6 @@ expect_error "holds neither TensorBoard event files" "$bin" report "$work/empty_
 echo "no training here" >"$work/other.log"
 expect_error "no training figures found in $work/other.log" "$bin" report "$work/other.log" -o "$work/x.html"
 mkdir -p "$work/tb_corrupt"
-tb_file=$(find "$work/tb" -name 'events.out.tfevents.*' | head -1)
 cp "$tb_file" "$work/tb_corrupt/"
 printf '\x01' | dd of="$work/tb_corrupt/$(basename "$tb_file")" bs=1 seek=40 conv=notrunc status=none
 expect_error "is corrupt" "$bin" report "$work/tb_corrupt" -o "$work/x.html"

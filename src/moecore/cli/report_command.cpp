@@ -25,8 +25,8 @@ namespace {
 
 constexpr std::string_view kReportUsage =
     "usage: moecore report SOURCE... -o REPORT.html [--title TEXT]\n"
-    "  SOURCE: a training log (moecore train's output), a --tensorboard-dir folder or a --moe-routing-trace-path "
-    "folder\n";
+    "  SOURCE: a training log (moecore train's output), a --tensorboard-dir folder or one of its event files, a\n"
+    "          --moe-routing-trace-path folder or one of its router_trace_rank<r>.jsonl files\n";
 
 struct ReportFlags {
   std::string output;
@@ -63,7 +63,15 @@ void read_source(const std::string& source, report::RunReport& report) {
   }
   std::ifstream log(source);
   if (!fs::is_regular_file(source, error) || !log) throw std::runtime_error("cannot read " + source + ": no such file");
-  report::read_training_log(log, source, report);
+  // One event file or one rank's trace on its own, by their names; any other file is a training log.
+  const std::string name = fs::path(source).filename().string();
+  if (name.starts_with("events.out.tfevents.")) {
+    report::read_tensorboard_files({source}, report);
+  } else if (name.starts_with("router_trace_rank") && name.ends_with(".jsonl")) {
+    report::read_routing_trace_files({source}, report);
+  } else {
+    report::read_training_log(log, source, report);
+  }
 }
 
 // The summary table: what a reader looks for first.

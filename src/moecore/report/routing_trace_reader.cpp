@@ -36,6 +36,10 @@ bool is_routing_trace_dir(const std::string& dir) { return !trace_files(dir).emp
 void read_routing_trace_dir(const std::string& dir, RunReport& out) {
   const std::vector<std::string> files = trace_files(dir);
   if (files.empty()) throw std::runtime_error(dir + " holds no routing trace (router_trace_rank<r>.jsonl)");
+  read_routing_trace_files(files, out);
+}
+
+void read_routing_trace_files(const std::vector<std::string>& files, RunReport& out) {
   std::map<RouterKey, std::map<int64_t, std::vector<int64_t>>> counts;  // router -> step -> tokens per expert
   int64_t experts = 0;
   for (const std::string& file : files) {

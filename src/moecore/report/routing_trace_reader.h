@@ -5,6 +5,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "moecore/report/run_report.h"
 
@@ -13,6 +14,9 @@ namespace moecore::report {
 // Reads every router_trace_rank<r>.jsonl in `dir`. Throws std::runtime_error naming the file and line of a record
 // that is not a routing-trace record, and when the folder holds no trace file.
 void read_routing_trace_dir(const std::string& dir, RunReport& out);
+
+// The same for the trace files given (each rank's, or some of them).
+void read_routing_trace_files(const std::vector<std::string>& files, RunReport& out);
 
 // Whether `dir` holds a router_trace_rank<r>.jsonl.
 bool is_routing_trace_dir(const std::string& dir);

@@ -44,6 +44,10 @@ Placement place(const std::string& tag) {
 void read_tensorboard_dir(const std::string& dir, RunReport& out) {
   const std::vector<std::string> files = tensorboard_event_files(dir);
   if (files.empty()) throw std::runtime_error(dir + " holds no TensorBoard event file (events.out.tfevents.*)");
+  read_tensorboard_files(files, out);
+}
+
+void read_tensorboard_files(const std::vector<std::string>& files, RunReport& out) {
   // tag -> step -> value, later files overwriting earlier ones; tags in the order first seen.
   std::vector<std::string> tags;
   std::map<std::string, std::map<int64_t, double>> values;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "moecore/report/run_report.h"
 
@@ -13,5 +14,7 @@ namespace moecore::report {
 
 // Throws std::runtime_error when the folder holds no event file or one is corrupt (naming it).
 void read_tensorboard_dir(const std::string& dir, RunReport& out);
+// The same for the event files given, in this order.
+void read_tensorboard_files(const std::vector<std::string>& files, RunReport& out);
 
 }  // namespace moecore::report
