@@ -18,11 +18,14 @@
 // which the reduce-scatter sums, stay fp32 (Megatron sums them in the activation dtype). The bytes of the rows and
 // probabilities each rank sends are counted for the [comm] line.
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <functional>
 #include <numeric>
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "moecore/moe/token_dispatcher_internal.h"
@@ -31,6 +34,35 @@
 #include "moecore/parallel/comm_stats.h"
 
 namespace moecore::detail {
+
+namespace {
+
+// MOECORE_EP_A2A_DELAY_US=N (benchmarks of the communication overlap): every EP all-to-all of token rows or their
+// gradients completes no earlier than N microseconds after it started, as over a slower link. Work placed between an
+// exchange's start and its wait (the shared experts under --moe-shared-expert-overlap) hides the delay as it would
+// hide such a link's transfer; what is not hidden shows in the [comm] line's all-to-all time.
+std::chrono::microseconds injected_link_delay() {
+  static const std::chrono::microseconds delay = [] {
+    const char *text = std::getenv("MOECORE_EP_A2A_DELAY_US");
+    if (text == nullptr || *text == '\0') return std::chrono::microseconds(0);
+    char *end = nullptr;
+    const long long value = std::strtoll(text, &end, 10);
+    if (*end != '\0' || value < 0 || value > 60'000'000) {
+      throw std::invalid_argument(
+          std::string("MOECORE_EP_A2A_DELAY_US must be microseconds from 0 to 60000000, got '") + text + "'");
+    }
+    return std::chrono::microseconds(value);
+  }();
+  return delay;
+}
+
+// Waits out the injected delay of an exchange started at `start`.
+void finish_link_delay(const std::chrono::steady_clock::time_point start) {
+  const std::chrono::microseconds delay = injected_link_delay();
+  if (delay.count() > 0) std::this_thread::sleep_until(start + delay);
+}
+
+}  // namespace
 
 AllToAllCounts exchange_alltoall_counts(const parallel::ProcessGroup &ep, const parallel::ProcessGroup &etp,
                                         const std::vector<int64_t> &rows_E, const int64_t El) {
@@ -207,6 +239,7 @@ class AllToAllDispatcher final : public TokenDispatcher {
     Tensor gathered = activation_rows({ETP * M, W}, rows_LW.dtype());
     count_dispatch_bytes(rows_LW.dtype(), total(state.ep_send_rows) * W + (ETP > 1 ? M * W : 0));
     parallel::Work exchange;
+    const auto started = std::chrono::steady_clock::now();
     {
       parallel::CommTimer timer(parallel::CommKind::kAllToAll);
       Tensor received_rows = received.slice_rows(0, total(state.ep_recv_rows));
@@ -217,6 +250,7 @@ class AllToAllDispatcher final : public TokenDispatcher {
     if (overlapped) (*overlapped)();
     parallel::CommTimer timer(parallel::CommKind::kAllToAll);
     exchange.wait();
+    finish_link_delay(started);
     etp_.all_gather(received, gathered);
     return gathered;
   }
@@ -228,6 +262,7 @@ class AllToAllDispatcher final : public TokenDispatcher {
     Tensor rows_LW = activation_rows({static_cast<int64_t>(state.sent_token_L.size()), W}, gathered.dtype());
     Tensor reduced = gathered;
     count_dispatch_bytes(gathered.dtype(), total(state.ep_recv_rows) * W + (ETP > 1 ? ETP * M * W : 0));
+    const auto started = std::chrono::steady_clock::now();
     parallel::CommTimer timer(parallel::CommKind::kAllToAll);
     if (ETP > 1) {
       reduced = activation_rows({M, W}, gathered.dtype());
@@ -235,6 +270,7 @@ class AllToAllDispatcher final : public TokenDispatcher {
     }
     ep_.all_to_all_v(reduced.slice_rows(0, total(state.ep_recv_rows)), scaled(state.ep_recv_rows, W), rows_LW,
                      scaled(state.ep_send_rows, W));
+    finish_link_delay(started);
     return rows_LW;
   }
 
