@@ -16,12 +16,12 @@
 #include <utility>
 
 #include "moecore/ckpt/checkpoint_dir.h"
-#include "moecore/ckpt/checksum.h"
 #include "moecore/ckpt/piece_coverage.h"
 #include "moecore/ckpt/safetensors.h"
 #include "moecore/parallel/agreement.h"
 #include "moecore/tensor/finite_check.h"
 #include "moecore/util/atomic_directory.h"
+#include "moecore/util/checksum.h"
 
 namespace moecore {
 namespace fs = std::filesystem;

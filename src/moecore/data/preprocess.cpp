@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "moecore/data/indexed_dataset.h"
+#include "moecore/util/json_error.h"
 
 namespace moecore {
 
@@ -37,9 +38,7 @@ EncodedLine encode_line(const std::string& line, const PreprocessOptions& option
   try {
     document = nlohmann::json::parse(line);
   } catch (const nlohmann::json::parse_error& e) {
-    // nlohmann: "[json.exception.parse_error.101] parse error at line 1, column 5: syntax error ..."
-    std::string what = e.what();
-    what = what.substr(what.find("] ") + 2);
+    std::string what = json_error_text(e);  // "parse error at line 1, column 5: syntax error ..."
     if (const size_t column = what.find("column "); column != std::string::npos) what = what.substr(column);
     encoded.error = "malformed JSON at " + what;
     return encoded;

@@ -13,6 +13,7 @@
 #include "moecore/ckpt/json_integer.h"
 #include "moecore/model/config.h"
 #include "moecore/util/checked_math.h"
+#include "moecore/util/json_error.h"
 
 namespace moecore::plan {
 namespace {
@@ -381,11 +382,7 @@ json read_config(const std::string& path) {
   try {
     return json::parse(in);
   } catch (const json::parse_error& e) {
-    // what() is "[json.exception.parse_error.101] parse error at line 1, column 28: ...": keep what follows the tag.
-    const std::string what = e.what();
-    const size_t tag_end = what.find("] ");
-    throw ConfigError(path + ": not valid JSON (" + (tag_end == std::string::npos ? what : what.substr(tag_end + 2)) +
-                      ")");
+    throw ConfigError(path + ": not valid JSON (" + json_error_text(e) + ")");
   }
 }
 

@@ -9,6 +9,8 @@
 #include <tuple>
 #include <vector>
 
+#include "moecore/util/json_error.h"
+
 namespace moecore::report {
 
 namespace {
@@ -74,10 +76,7 @@ void read_routing_trace_files(const std::vector<std::string>& files, RunReport& 
           }
         }
       } catch (const nlohmann::json::exception& e) {
-        // nlohmann's text without its "[json.exception.<kind>.<id>] " tag.
-        const std::string what = e.what();
-        const size_t tag_end = what.starts_with("[json.exception") ? what.find("] ") : std::string::npos;
-        throw bad(tag_end == std::string::npos ? what : what.substr(tag_end + 2));
+        throw bad(json_error_text(e));
       }
     }
   }

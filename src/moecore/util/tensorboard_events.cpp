@@ -14,6 +14,8 @@
 #include <system_error>
 #include <utility>
 
+#include "moecore/util/little_endian.h"
+
 namespace moecore {
 
 namespace {
@@ -32,10 +34,6 @@ constexpr std::array<uint32_t, 256> kCrc32cTable = make_crc32c_table();
 
 uint32_t masked_crc32c_of(const std::string_view bytes) {
   return masked_crc32c(crc32c_of(std::as_bytes(std::span(bytes.data(), bytes.size()))));
-}
-
-void append_little_endian(std::string& out, const uint64_t value, const int bytes) {
-  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((value >> (8 * i)) & 0xFF));
 }
 
 void append_varint(std::string& out, uint64_t value) {

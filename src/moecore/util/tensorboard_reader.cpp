@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string_view>
 
+#include "moecore/util/little_endian.h"
 #include "moecore/util/tensorboard_events.h"
 
 namespace moecore {
@@ -110,12 +111,6 @@ uint32_t masked_crc_of(const std::string_view bytes) {
   return masked_crc32c(crc32c_of(std::as_bytes(std::span(bytes.data(), bytes.size()))));
 }
 
-uint64_t little_endian(const std::string_view bytes) {
-  uint64_t value = 0;
-  for (size_t i = 0; i < bytes.size(); ++i) value |= static_cast<uint64_t>(static_cast<uint8_t>(bytes[i])) << (8 * i);
-  return value;
-}
-
 }  // namespace
 
 TensorBoardEvents read_tensorboard_events(const std::string& path) {
@@ -135,14 +130,14 @@ TensorBoardEvents read_tensorboard_events(const std::string& path) {
       break;
     }
     const std::string_view length_bytes = all.substr(at, 8);
-    if (little_endian(all.substr(at + 8, 4)) != masked_crc_of(length_bytes)) throw corrupt("length CRC");
-    const uint64_t length = little_endian(length_bytes);
+    if (read_little_endian(all.substr(at + 8, 4)) != masked_crc_of(length_bytes)) throw corrupt("length CRC");
+    const uint64_t length = read_little_endian(length_bytes);
     if (length > all.size() - at - 12 || all.size() - at - 12 - length < 4) {
       out.truncated_tail = true;
       break;
     }
     const std::string_view data = all.substr(at + 12, length);
-    if (little_endian(all.substr(at + 12 + length, 4)) != masked_crc_of(data)) throw corrupt("data CRC");
+    if (read_little_endian(all.substr(at + 12 + length, 4)) != masked_crc_of(data)) throw corrupt("data CRC");
     try {
       read_event(data, out);
     } catch (const std::invalid_argument& e) {

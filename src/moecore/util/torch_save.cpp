@@ -1,12 +1,14 @@
 #include "moecore/util/torch_save.h"
 
-#include <array>
 #include <bit>
 #include <cstring>
 #include <filesystem>
+#include <span>
 #include <stdexcept>
 
 #include "moecore/util/atomic_file.h"
+#include "moecore/util/checksum.h"
+#include "moecore/util/little_endian.h"
 
 namespace moecore {
 
@@ -58,10 +60,6 @@ PyValue PyValue::float_tensor(std::vector<int64_t> shape, std::vector<float> val
 
 namespace {
 
-void append_le(std::string& out, const uint64_t value, const int bytes) {
-  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((value >> (8 * i)) & 0xFF));
-}
-
 // Pickle protocol 2 (Python's pickle module: the opcodes below are those of its pickletools listing).
 class Pickler {
  public:
@@ -90,19 +88,19 @@ class Pickler {
   void integer(const int64_t value) {
     if (value >= 0 && value < 256) {
       bytes += 'K';  // BININT1
-      append_le(bytes, static_cast<uint64_t>(value), 1);
+      append_little_endian(bytes, static_cast<uint64_t>(value), 1);
     } else if (value >= INT32_MIN && value <= INT32_MAX) {
       bytes += 'J';  // BININT
-      append_le(bytes, static_cast<uint32_t>(static_cast<int32_t>(value)), 4);
+      append_little_endian(bytes, static_cast<uint32_t>(static_cast<int32_t>(value)), 4);
     } else {
       bytes += '\x8a';  // LONG1: little-endian two's complement
       bytes += '\x08';
-      append_le(bytes, static_cast<uint64_t>(value), 8);
+      append_little_endian(bytes, static_cast<uint64_t>(value), 8);
     }
   }
   void string(const std::string& text) {
     bytes += 'X';  // BINUNICODE
-    append_le(bytes, text.size(), 4);
+    append_little_endian(bytes, text.size(), 4);
     bytes += text;
   }
   void global(const char* module, const char* name) {
@@ -153,48 +151,31 @@ class Pickler {
   }
 };
 
-constexpr std::array<uint32_t, 256> make_crc32_table() {
-  std::array<uint32_t, 256> table{};
-  for (uint32_t byte = 0; byte < 256; ++byte) {
-    uint32_t crc = byte;
-    for (int bit = 0; bit < 8; ++bit) crc = (crc & 1) != 0 ? (crc >> 1) ^ 0xEDB88320u : crc >> 1;
-    table[byte] = crc;
-  }
-  return table;
-}
-
-// The zip format's CRC-32 (IEEE 802.3, reflected).
-uint32_t crc32_of(const std::string& bytes) {
-  static constexpr std::array<uint32_t, 256> kTable = make_crc32_table();
-  uint32_t crc = 0xFFFFFFFFu;
-  for (const char c : bytes) crc = kTable[(crc ^ static_cast<uint8_t>(c)) & 0xFF] ^ (crc >> 8);
-  return ~crc;
-}
-
 // A stored zip archive of (name, bytes) entries: local headers, the central directory and its end record.
 std::string zip_archive(const std::vector<std::pair<std::string, std::string>>& entries) {
   std::string out, directory;
   for (const auto& [name, data] : entries) {
     if (data.size() > UINT32_MAX - out.size()) throw std::runtime_error("torch.save: file over 4 GiB");
-    const uint32_t crc = crc32_of(data), offset = static_cast<uint32_t>(out.size());
+    const uint32_t crc = crc32_of(std::as_bytes(std::span(data.data(), data.size()))),
+                   offset = static_cast<uint32_t>(out.size());
     const auto header = [&](std::string& to, const bool central) {
-      append_le(to, central ? 0x02014b50u : 0x04034b50u, 4);
-      if (central) append_le(to, 20, 2);  // version made by
-      append_le(to, 20, 2);               // version needed
-      append_le(to, 0, 2);                // flags
-      append_le(to, 0, 2);                // method: stored
-      append_le(to, 0, 4);                // time, date
-      append_le(to, crc, 4);
-      append_le(to, data.size(), 4);
-      append_le(to, data.size(), 4);
-      append_le(to, name.size(), 2);
-      append_le(to, 0, 2);  // extra
+      append_little_endian(to, central ? 0x02014b50u : 0x04034b50u, 4);
+      if (central) append_little_endian(to, 20, 2);  // version made by
+      append_little_endian(to, 20, 2);               // version needed
+      append_little_endian(to, 0, 2);                // flags
+      append_little_endian(to, 0, 2);                // method: stored
+      append_little_endian(to, 0, 4);                // time, date
+      append_little_endian(to, crc, 4);
+      append_little_endian(to, data.size(), 4);
+      append_little_endian(to, data.size(), 4);
+      append_little_endian(to, name.size(), 2);
+      append_little_endian(to, 0, 2);  // extra
       if (central) {
-        append_le(to, 0, 2);  // comment
-        append_le(to, 0, 2);  // disk
-        append_le(to, 0, 2);  // internal attributes
-        append_le(to, 0, 4);  // external attributes
-        append_le(to, offset, 4);
+        append_little_endian(to, 0, 2);  // comment
+        append_little_endian(to, 0, 2);  // disk
+        append_little_endian(to, 0, 2);  // internal attributes
+        append_little_endian(to, 0, 4);  // external attributes
+        append_little_endian(to, offset, 4);
       }
       to += name;
     };
@@ -204,13 +185,13 @@ std::string zip_archive(const std::vector<std::pair<std::string, std::string>>& 
   }
   const auto directory_offset = static_cast<uint32_t>(out.size());
   out += directory;
-  append_le(out, 0x06054b50u, 4);
-  append_le(out, 0, 4);  // disks
-  append_le(out, entries.size(), 2);
-  append_le(out, entries.size(), 2);
-  append_le(out, directory.size(), 4);
-  append_le(out, directory_offset, 4);
-  append_le(out, 0, 2);  // comment
+  append_little_endian(out, 0x06054b50u, 4);
+  append_little_endian(out, 0, 4);  // disks
+  append_little_endian(out, entries.size(), 2);
+  append_little_endian(out, entries.size(), 2);
+  append_little_endian(out, directory.size(), 4);
+  append_little_endian(out, directory_offset, 4);
+  append_little_endian(out, 0, 2);  // comment
   return out;
 }
 
@@ -226,7 +207,7 @@ void write_torch_save(const std::string& path, const PyValue& value) {
   for (size_t k = 0; k < pickler.storages.size(); ++k) {
     std::string data;
     data.reserve(pickler.storages[k]->size() * 4);
-    for (const float x : *pickler.storages[k]) append_le(data, std::bit_cast<uint32_t>(x), 4);
+    for (const float x : *pickler.storages[k]) append_little_endian(data, std::bit_cast<uint32_t>(x), 4);
     entries.emplace_back(archive + "/data/" + std::to_string(k), std::move(data));
   }
   entries.emplace_back(archive + "/version", "3\n");

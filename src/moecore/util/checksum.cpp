@@ -1,4 +1,4 @@
-#include "moecore/ckpt/checksum.h"
+#include "moecore/util/checksum.h"
 
 #include <zlib.h>
 
