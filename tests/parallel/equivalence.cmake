@@ -236,6 +236,9 @@ moecore_equiv(bf16_tp2_ep2_folded bf16 2 --tensor-model-parallel-size 2 --sequen
 moecore_equiv(bf16_cp2 bf16 2 --context-parallel-size 2)
 moecore_equiv(bf16_tp2_ep2 bf16 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2
               --moe-token-dispatcher-type alltoall)
+# Megatron's EP all-to-all overlap (combined 1F1B, weight gradients delayed) against one process.
+moecore_equiv(bf16_ep2_overlap bf16 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
+              --overlap-moe-expert-parallel-comm --delay-wgrad-compute)
 
 # The tiny DeepSeek-V3 recipe (configs/deepseek-v3-tiny.args: multi-latent attention with YaRN, sigmoid group-limited
 # routing with expert bias, a shared expert, a dense first layer), 5 steps of 8 sequences of 64 tokens, under the

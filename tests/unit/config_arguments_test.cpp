@@ -1405,5 +1405,50 @@ TEST(TrainArguments, MegatronFsdpFlags) {
   }
 }
 
+// Megatron's checks of the EP all-to-all overlap (TransformerConfig.__post_init__), in its order and words, and
+// moecore's own two.
+TEST(TrainArguments, ExpertParallelOverlapChecks) {
+  const Args ep2 = with(minimal_moe(), {"--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+                                        "--bf16", "--moe-grouped-gemm"});
+  const Args overlap = with(ep2, {"--overlap-moe-expert-parallel-comm"});
+  const TrainingArgs args = parse_train_args(with(overlap, {"--delay-wgrad-compute"}), 2);
+  EXPECT_TRUE(args.model.moe.overlap_ep_comm);
+  EXPECT_TRUE(args.model.moe.delay_wgrad_compute);
+  EXPECT_FALSE(parse_train_args(ep2, 2).model.moe.overlap_ep_comm);
+  EXPECT_EQ(error_of(with(ep2, {"--delay-wgrad-compute"}), 2),
+            "overlap_moe_expert_parallel_comm must be enabled when enabling delay_wgrad_compute");
+  EXPECT_EQ(error_of(with(overlap, {"--pipeline-model-parallel-size", "2"}), 4),
+            "If enabling EP A2A overlap, virtual_pipeline_model_parallel_size must be specified when "
+            "pipeline_model_parallel_size > 1");
+  EXPECT_EQ(error_of(with(minimal_moe(),
+                          {"--moe-token-dispatcher-type", "alltoall", "--bf16", "--overlap-moe-expert-parallel-comm"}),
+                     2),
+            "overlap_moe_expert_parallel_comm is only supported with expert model parallelism");
+  EXPECT_EQ(error_of(with(overlap, {"--moe-token-dispatcher-type", "allgather"}), 2),
+            "overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher");
+  EXPECT_EQ(error_of(with(overlap, {"--recompute-granularity", "full", "--recompute-method", "uniform",
+                                    "--recompute-num-layers", "1"}),
+                     2),
+            "disable full recomputation when enabling overlap_moe_expert_parallel_comm");
+  EXPECT_EQ(error_of(with(overlap, {"--recompute-granularity", "selective", "--recompute-modules", "moe"}), 2),
+            "disable moe in recompute_modules when enabling overlap_moe_expert_parallel_comm");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                          "alltoall", "--overlap-moe-expert-parallel-comm"}),
+                     2),
+            "overlap_moe_expert_parallel_comm is only supported with bf16 or fp16 model");
+  EXPECT_EQ(error_of(with(overlap, {"--moe-shared-expert-intermediate-size", "32", "--disable-bias-linear",
+                                    "--moe-shared-expert-overlap"}),
+                     2),
+            "disable moe_shared_expert_overlap when enabling overlap_moe_expert_parallel_comm");
+  EXPECT_EQ(error_of(with(overlap, {"--position-embedding-type", "rope", "--mtp-num-layers", "2"}), 2),
+            "MTP supports at most one layer when enabling overlap_moe_expert_parallel_comm.");
+  EXPECT_EQ(error_of(with(overlap, {"--use-megatron-fsdp"}), 2),
+            "--overlap-moe-expert-parallel-comm cannot be combined with --use-megatron-fsdp");
+  Args sequential = overlap;
+  std::erase(sequential, "--moe-grouped-gemm");
+  EXPECT_EQ(error_of(with(sequential, {"--delay-wgrad-compute"}), 2),
+            "--delay-wgrad-compute requires --moe-grouped-gemm");
+}
+
 }  // namespace
 }  // namespace moecore

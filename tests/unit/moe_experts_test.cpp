@@ -1,19 +1,27 @@
 // Routed experts (GroupedMLP, SequentialMLP) and shared experts against a naive per-row reference in double
 // precision written here (fc1, activation, prob, fc2 and their hand-derived gradients; the reference itself is
 // checked against central finite differences), grouped == sequential in outputs and every gradient with uneven
-// token counts including experts with zero tokens, parameter registration, and bad input.
+// token counts including experts with zero tokens, deferred weight gradients (--delay-wgrad-compute) == undeferred,
+// parameter registration, and bad input.
 #include <gtest/gtest.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
+#include <memory>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernel_test_util.h"
 #include "moecore/moe/experts.h"
 #include "moecore/moe/moe_layer.h"
+#include "moecore/ops/convert.h"
+#include "moecore/ops/precision.h"
+#include "moecore/ops/quantization.h"
 
 namespace moecore {
 namespace {
@@ -520,6 +528,134 @@ TEST(ExpertsTest, GroupedSplitsBigExpertsIntoTilesIndependentlyOfThreads) {
       }
     }
   }
+}
+
+// ---- --delay-wgrad-compute ----------------------------------------------------------------------------------------
+
+// The gradients of every parameter.
+std::map<std::string, std::vector<float>> grads_of(const ParamStore& params) {
+  std::map<std::string, std::vector<float>> out;
+  for (const Param& p : params)
+    out[p.name] = std::vector<float>(p.grad.data<float>(), p.grad.data<float>() + p.grad.numel());
+  return out;
+}
+
+// fp32 values of a tensor of any floating dtype.
+std::vector<float> values_of(const Tensor& t) {
+  Tensor f32({t.numel()}, DType::kF32);
+  ops::convert(f32, t.view({t.numel()}));
+  return std::vector<float>(f32.data<float>(), f32.data<float>() + f32.numel());
+}
+
+// A forward and backward of `experts` with activations in the storage dtype of the live precision scope, the weight
+// gradients deferred or not. A deferred callable runs after the scopes `scoped` opens have closed, with the caller's
+// dy dropped (it keeps its own), once the data gradients are checked to leave every parameter gradient as it was.
+template <typename Scopes>
+ExpertRun run_deferrable(const ParamStore& params, ExpertMLP& experts, const ExpertInputs& in, const bool defer,
+                         const Scopes& scoped) {
+  ExpertRun run;
+  std::function<void()> deferred;
+  ExpertActivations saved;
+  Tensor dx, dprobs;
+  {
+    const auto scopes = scoped();
+    const DType storage = ops::activation_storage_dtype();
+    const auto stored = [&](const std::vector<float>& v) {
+      Tensor t({in.R, kH}, storage);
+      ops::convert(t, view(v, kH));
+      return t;
+    };
+    const Tensor x = stored(in.x), probs = view(in.probs, 1).view({in.R}).clone();
+    Tensor dy = stored(in.dy);
+    dx = stored(in.dx0);
+    dprobs = Tensor({in.R}, DType::kF32);
+    for (float& v : dprobs.span<float>()) v = 123.0f;  // overwritten
+    run.y = values_of(experts.forward(x, probs, in.tokens_per_expert, saved));
+    const std::map<std::string, std::vector<float>> before = grads_of(params);
+    experts.backward(dx, dprobs, dy, saved, defer ? &deferred : nullptr);
+    if (defer) {
+      EXPECT_TRUE(static_cast<bool>(deferred));
+      EXPECT_EQ(grads_of(params), before) << "the data gradients changed a parameter gradient";
+    }
+  }
+  if (deferred) deferred();
+  run.dx = values_of(dx);
+  run.dprobs = values_of(dprobs);
+  run.grads = grads_of(params);
+  return run;
+}
+
+// GroupedMLP with its weight gradients deferred (run later, outside the backward's scopes) gives the undeferred
+// backward's dx, dprobs and parameter gradients bit for bit: in fp32, in bf16 (rounded fp32 activations and bf16
+// ones: the fused op in its parts) and under FP8 (the per-expert path, its weight-gradient loop deferred), with the
+// probability after the activation or on the input, with and without memory-efficient permutation.
+TEST(ExpertsTest, DeferredWeightGradientsAreTheUndeferredOnesBitForBit) {
+  const quant::QuantizedLinearConfig fp8;
+  struct Mode {
+    std::string name;
+    DType activation;
+    ops::ActivationStorage storage;
+    bool quantized;
+  };
+  const std::vector<Mode> modes = {{"fp32", DType::kF32, ops::ActivationStorage::kF32, false},
+                                   {"bf16 in fp32", DType::kBF16, ops::ActivationStorage::kF32, false},
+                                   {"bf16", DType::kBF16, ops::ActivationStorage::k16Bit, false},
+                                   {"fp8", DType::kF32, ops::ActivationStorage::kF32, true},
+                                   {"fp8 bf16", DType::kBF16, ops::ActivationStorage::k16Bit, true}};
+  for (const Mode& mode : modes) {
+    for (const Activation a : {Activation::kSwiGLU, Activation::kGelu}) {
+      for (const bool poi : {false, true}) {
+        for (const bool efficient : {true, false}) {
+          if (poi && !efficient) continue;  // the probabilities are on the output there
+          SCOPED_TRACE(mode.name + " " + to_string(a) + (poi ? " probs-on-input" : "") +
+                       (efficient ? "" : " no-memory-efficient-permutation"));
+          ExpertSetup s = make_setup(a, true, poi, true);
+          s.moe.memory_efficient_permutation = efficient;
+          const ExpertInputs in = make_inputs(300);
+          std::map<bool, ExpertRun> runs;
+          for (const bool defer : {false, true}) {
+            ParamStore params;
+            auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params);
+            randomize(params, 44);
+            runs[defer] = run_deferrable(params, *experts, in, defer, [&] {
+              return std::pair{
+                  std::make_unique<ops::ScopedActivationDType>(mode.activation, Device::kCPU, mode.storage),
+                  std::make_unique<ops::ScopedLinearQuantization>(mode.quantized ? &fp8 : nullptr)};
+            });
+          }
+          EXPECT_EQ(runs[true].y, runs[false].y);
+          EXPECT_EQ(runs[true].dx, runs[false].dx);
+          EXPECT_EQ(runs[true].dprobs, runs[false].dprobs);
+          EXPECT_EQ(runs[true].grads, runs[false].grads);
+        }
+      }
+    }
+  }
+}
+
+// SequentialMLP refuses to defer its weight gradients (the configuration needs --moe-grouped-gemm), before it
+// computes anything.
+TEST(ExpertsTest, SequentialExpertsRefuseToDeferWeightGradients) {
+  const ExpertSetup s = make_setup(Activation::kSwiGLU, false, false, false);
+  ParamStore params;
+  auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params);
+  randomize(params, 9);
+  const ExpertInputs in = make_inputs(11);
+  ExpertActivations saved;
+  experts->forward(view(in.x, kH), view(in.probs, 1).view({in.R}), in.tokens_per_expert, saved);
+  std::vector<float> dx = in.dx0, dprobs(static_cast<size_t>(in.R), 123.0f);
+  const std::map<std::string, std::vector<float>> before = grads_of(params);
+  std::function<void()> deferred;
+  try {
+    experts->backward(ref(view(dx, kH)), ref(view(dprobs, 1).view({in.R})), view(in.dy, kH), saved, &deferred);
+    ADD_FAILURE() << "SequentialMLP deferred its weight gradients";
+  } catch (const std::logic_error& e) {
+    EXPECT_STREQ(e.what(), "deferred weight gradients need the grouped experts (--moe-grouped-gemm)");
+  }
+  EXPECT_FALSE(static_cast<bool>(deferred));
+  EXPECT_EQ(dx, in.dx0);
+  EXPECT_EQ(dprobs, std::vector<float>(static_cast<size_t>(in.R), 123.0f));
+  EXPECT_EQ(grads_of(params), before);
 }
 
 // Zero-row experts with zero starting gradients: their gradients are present, the right shape, and exactly zero.

@@ -26,7 +26,7 @@
 //   expert_activation.h weighted_swiglu_forward weighted_swiglu_backward
 //   linear.h      linear_forward linear_backward gemm_library gemm_lowp_library gemm_lowp_native
 //   linear_cross_entropy.h  linear_cross_entropy linear_cross_entropy_chunk_rows linear_cross_entropy_logit_bytes
-//   grouped_mlp.h grouped_mlp_fused grouped_mlp_forward grouped_mlp_backward
+//   grouped_mlp.h grouped_mlp_fused grouped_mlp_forward grouped_mlp_backward grouped_mlp_backward_workspace
 //   init.h        normal_fill
 //   moe_rows.h    moe_permute moe_unpermute moe_unpermute_backward sort_chunks unsort_chunks
 //   loss.h        embedding_forward embedding_backward cross_entropy_forward cross_entropy_backward
@@ -141,6 +141,7 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "grouped_mlp_fused",
                                                 "grouped_mlp_forward",
                                                 "grouped_mlp_backward",
+                                                "grouped_mlp_backward_workspace",
                                                 "normal_fill",
                                                 "topk_routing_forward",
                                                 "topk_routing_backward",
@@ -160,7 +161,8 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "pad_routing_map",
                                                 "expert_major_rows"};
 
-// Ops exercised by the hand-written tests below rather than (only) by the case table.
+// Ops exercised by the hand-written tests below (grouped_mlp_backward_workspace: ops_grouped_mlp_test) rather than
+// (only) by the case table.
 const std::vector<std::string> kOpsInHandWrittenTests = {"activation_input_width",
                                                          "supports",
                                                          "synchronize",
@@ -174,12 +176,14 @@ const std::vector<std::string> kOpsInHandWrittenTests = {"activation_input_width
                                                          "gemm_lowp_native",
                                                          "expert_capacity",
                                                          "grouped_mlp_fused",
+                                                         "grouped_mlp_backward_workspace",
                                                          "attention_products"};
 
 // Ops whose bad arguments only hand-written tests provoke (one tensor: no size or dtype mismatch; convert accepts
-// every floating dtype, so the table's fp64 swap is no error for it).
-const std::vector<std::string> kOpsWithHandWrittenErrors = {"scale_",  "sum_squares", "all_finite",
-                                                            "convert", "normal_fill", "count_zeros"};
+// every floating dtype, so the table's fp64 swap is no error for it; grouped_mlp_backward_workspace: in
+// ops_grouped_mlp_test).
+const std::vector<std::string> kOpsWithHandWrittenErrors = {
+    "scale_", "sum_squares", "all_finite", "convert", "normal_fill", "count_zeros", "grouped_mlp_backward_workspace"};
 const std::vector<std::string> kOpsWithoutTensors = {"activation_input_width",
                                                      "supports",
                                                      "synchronize",

@@ -286,6 +286,205 @@ TEST(OpsGroupedMlp, NativeSixteenBitGemmsMatchTheReference) {
   }
 }
 
+// ---- the backward in two parts (--delay-wgrad-compute)
+
+// A tensor of `dtype` holding t's values (rounded for 16-bit dtypes).
+Tensor as_dtype(const Tensor& t, const DType dtype) {
+  Tensor out = tensor_on(t.shape(), dtype);
+  convert(out, t);
+  return out;
+}
+
+bool sixteen_bit(const DType dtype) { return dtype == DType::kBF16 || dtype == DType::kF16; }
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.nbytes() == b.nbytes() &&
+         std::equal(a.data<uint8_t>(), a.data<uint8_t>() + a.nbytes(), b.data<uint8_t>());
+}
+
+// One backward's tensors in the case's dtypes: activations (x, dy, the saved ones, dx) in `act`, probabilities and
+// dprobs fp32 for 16-bit activations, parameters and gradients in `param`. dx and the gradients start from nonzero
+// values (they accumulate), dprobs from garbage (overwritten).
+struct BackwardCase {
+  Problem* p;
+  Tensor x, dy, probs, fc1, act, xs, dx, dprobs;
+  std::vector<Tensor> w1, b1, w2, b2, dw1, db1, dw2, db2;
+
+  BackwardCase(Problem& problem, const DType act_dtype, const DType param_dtype) : p(&problem) {
+    const DType probs_dtype = sixteen_bit(act_dtype) ? DType::kF32 : act_dtype;
+    std::mt19937 gen(5);
+    x = as_dtype(p->x, act_dtype);
+    dy = as_dtype(p->dy, act_dtype);
+    probs = as_dtype(p->probs, probs_dtype);
+    const int64_t R = p->offsets_E1.back();
+    dx = as_dtype(random_tensor({R, p->H}, gen, 1.0f), act_dtype);
+    dprobs = as_dtype(random_tensor({R}, gen, 100.0f), probs_dtype);
+    const auto params = [&](const std::vector<Tensor>& from, std::vector<Tensor>& to, std::vector<Tensor>& grads) {
+      for (const Tensor& t : from) {
+        to.push_back(as_dtype(t, param_dtype));
+        grads.push_back(as_dtype(random_tensor(t.shape(), gen, 1.0f), param_dtype));
+      }
+    };
+    params(p->w1, w1, dw1);
+    params(p->b1, b1, db1);
+    params(p->w2, w2, dw2);
+    params(p->b2, b2, db2);
+    fc1 = tensor_on({R, p->F1}, act_dtype);
+    act = tensor_on({R, p->F}, act_dtype);
+    xs = tensor_on({R, p->H}, act_dtype);
+    const std::vector<const Tensor*> pw1 = params_of(w1), pb1 = params_of(b1), pw2 = params_of(w2), pb2 = params_of(b2);
+    Tensor y = tensor_on({R, p->H}, act_dtype);
+    grouped_mlp_forward(y, fc1, weighted(*p) ? nullptr : &act, weighted(*p) ? &act : nullptr, &xs, x, probs,
+                        {pw1, pb1, pw2, pb2}, p->offsets_E1, p->spec);
+  }
+  BackwardCase(const BackwardCase& other) = default;
+
+  static std::vector<const Tensor*> params_of(const std::vector<Tensor>& ts) {
+    std::vector<const Tensor*> out;
+    for (const Tensor& t : ts) out.push_back(&t);
+    return out;
+  }
+  // A copy whose outputs (dx, dprobs, the gradients) are tensors of their own.
+  BackwardCase with_own_outputs() const {
+    BackwardCase c = *this;
+    c.dx = dx.clone();
+    c.dprobs = dprobs.clone();
+    for (auto* grads : {&c.dw1, &c.db1, &c.dw2, &c.db2}) {
+      for (Tensor& g : *grads) g = g.clone();
+    }
+    return c;
+  }
+  // The backward, or one part of it (dx_RH, dprobs_R: the call's; undefined tensors for kWeights where asked).
+  void backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpBackwardSplit* split) {
+    const std::vector<const Tensor*> pw1 = params_of(w1), pb1 = params_of(b1), pw2 = params_of(w2), pb2 = params_of(b2);
+    const std::vector<Tensor*> gw1 = pointers<Tensor>(dw1), gb1 = pointers<Tensor>(db1), gw2 = pointers<Tensor>(dw2),
+                               gb2 = pointers<Tensor>(db2);
+    grouped_mlp_backward(dx_RH, dprobs_R, {gw1, gb1, gw2, gb2}, dy, x, &xs, fc1, weighted(*p) ? nullptr : &act,
+                         weighted(*p) ? &act : nullptr, probs, {pw1, pb1, pw2, pb2}, p->offsets_E1, p->spec, split);
+  }
+  std::vector<const Tensor*> grads() const {
+    std::vector<const Tensor*> out;
+    for (const auto* grads : {&dw1, &db1, &dw2, &db2}) {
+      for (const Tensor& g : *grads) out.push_back(&g);
+    }
+    return out;
+  }
+};
+
+// kData then kWeights on one workspace gives every output of one whole call bit for bit: fp32 and fp64, and 16-bit
+// activations (rounded fp32 tensors, and bf16 tensors: the 16-bit kernels on the CPU, the staging on the reference),
+// on both GEMM paths, on each device; kData leaves the gradients untouched and kWeights dx and dprobs (undefined
+// tensors, or tensors it must not write). Experts of 37, 0, 300 (two tiles) and 5 rows.
+TEST(OpsGroupedMlp, SplitBackwardIsTheWholeBackwardBitForBit) {
+  const std::vector<std::pair<GroupedMlpSpec, bool>> specs = {{{Activation::kSwiGLU, false}, true},
+                                                              {{Activation::kGelu, false}, true},
+                                                              {{Activation::kSwiGLU, true}, true},
+                                                              {{Activation::kGelu, true}, false}};
+  struct Precision {
+    DType act, param, rounding;
+    ActivationStorage storage;
+  };
+  const Precision precisions[] = {{DType::kF32, DType::kF32, DType::kF32, ActivationStorage::kF32},
+                                  {DType::kF64, DType::kF64, DType::kF32, ActivationStorage::kF32},
+                                  {DType::kF32, DType::kF32, DType::kBF16, ActivationStorage::kF32},
+                                  {DType::kBF16, DType::kF32, DType::kBF16, ActivationStorage::k16Bit}};
+  std::vector<kernels::cpu::LowpGemmPath> paths = {kernels::cpu::LowpGemmPath::kConvert};
+  if (kernels::cpu::lowp_native_available(kernels::LowpType::kBF16)) {
+    paths.push_back(kernels::cpu::LowpGemmPath::kNative);
+  }
+  for (const Device device : kDevices) {
+    const TestDevice on(device);
+    for (const kernels::cpu::LowpGemmPath path : paths) {
+      const kernels::cpu::ScopedLowpGemmPath gemm(path);
+      for (const Precision& precision : precisions) {
+        const ScopedActivationDType scope(precision.rounding, device, precision.storage);
+        for (const auto& [spec, bias] : specs) {
+          Problem p = make_problem({37, 0, 300, 5}, spec, bias);
+          const BackwardCase base(p, precision.act, precision.param);
+          BackwardCase whole = base.with_own_outputs();
+          whole.backward(whole.dx, whole.dprobs, nullptr);
+          for (const bool undefined_outputs : {true, false}) {
+            const std::string what =
+                std::string(device_name(device)) + " " + std::string(kernels::cpu::lowp_gemm_path_name(path)) + " " +
+                std::string(dtype_name(precision.act)) + " rounded to " + std::string(dtype_name(precision.rounding)) +
+                " activation " + std::to_string(static_cast<int>(spec.activation)) +
+                (spec.probs_on_input ? " probs on input" : "") + (bias ? " bias" : "") +
+                (undefined_outputs ? "" : " defined outputs") + ": ";
+            BackwardCase split = base.with_own_outputs();
+            Tensor workspace =
+                grouped_mlp_backward_workspace(split.dy,
+                                               {BackwardCase::params_of(split.w1), BackwardCase::params_of(split.b1),
+                                                BackwardCase::params_of(split.w2), BackwardCase::params_of(split.b2)},
+                                               p.offsets_E1, spec);
+            EXPECT_EQ(workspace.shape(), (std::vector<int64_t>{p.offsets_E1.back(), p.F1})) << what;
+            EXPECT_EQ(workspace.dtype(), sixteen_bit(precision.act) ? DType::kF32 : precision.act) << what;
+            EXPECT_EQ(workspace.device(), device) << what;
+            const GroupedMlpBackwardSplit data{GroupedMlpBackwardPart::kData, &workspace};
+            split.backward(split.dx, split.dprobs, &data);
+            const std::vector<const Tensor*> start = base.grads(), after_data = split.grads();
+            for (size_t i = 0; i < start.size(); ++i) {
+              EXPECT_TRUE(same_bits(*after_data[i], *start[i])) << what << "kData changed gradient " << i;
+            }
+            const Tensor dx = split.dx.clone(), dprobs = split.dprobs.clone();
+            const GroupedMlpBackwardSplit weights{GroupedMlpBackwardPart::kWeights, &workspace};
+            Tensor none_dx, none_dprobs;
+            if (undefined_outputs) {
+              split.backward(none_dx, none_dprobs, &weights);
+            } else {
+              split.backward(split.dx, split.dprobs, &weights);
+            }
+            EXPECT_TRUE(same_bits(split.dx, dx)) << what << "kWeights changed dx";
+            EXPECT_TRUE(same_bits(split.dprobs, dprobs)) << what << "kWeights changed dprobs";
+            EXPECT_TRUE(same_bits(split.dx, whole.dx)) << what << "dx";
+            EXPECT_TRUE(same_bits(split.dprobs, whole.dprobs)) << what << "dprobs";
+            const std::vector<const Tensor*> got = split.grads(), want = whole.grads();
+            for (size_t i = 0; i < got.size(); ++i) {
+              EXPECT_TRUE(same_bits(*got[i], *want[i])) << what << "gradient " << i;
+            }
+            // The idle expert (1) keeps its starting gradients.
+            EXPECT_TRUE(same_bits(split.dw1[1], base.dw1[1])) << what << "dw1 of the idle expert";
+            EXPECT_TRUE(same_bits(split.dw2[1], base.dw2[1])) << what << "dw2 of the idle expert";
+          }
+          if (::testing::Test::HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// A split backward's workspace: needed by both parts, of the backward's dtype and [R, F1] elements.
+TEST(OpsGroupedMlp, SplitBackwardChecksItsWorkspace) {
+  for (const Device device : kDevices) {
+    const TestDevice on(device);
+    Problem p = make_problem({3, 0, 2}, {Activation::kSwiGLU, false}, false);
+    BackwardCase c(p, DType::kF32, DType::kF32);
+    const int64_t R = p.offsets_E1.back();
+    Tensor wrong_size = tensor_on({R, p.F}, DType::kF32), wrong_dtype = tensor_on({R, p.F1}, DType::kF64);
+    const auto expect_refused = [&](const GroupedMlpBackwardSplit& split, const std::string& message) {
+      try {
+        c.backward(c.dx, c.dprobs, &split);
+        ADD_FAILURE() << "no error for: " << message;
+      } catch (const std::invalid_argument& e) {
+        EXPECT_EQ(std::string(e.what()).rfind("grouped_mlp_backward: ", 0), 0u) << e.what();
+        EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+      }
+    };
+    for (const GroupedMlpBackwardPart part : {GroupedMlpBackwardPart::kData, GroupedMlpBackwardPart::kWeights}) {
+      expect_refused({part, nullptr}, "dfc1_workspace_RF1");
+      expect_refused({part, &wrong_size}, "dfc1_workspace_RF1");
+      expect_refused({part, &wrong_dtype}, "dfc1_workspace_RF1 is float64, expected float32");
+    }
+    expect_refused({GroupedMlpBackwardPart::kAll, &wrong_size}, "dfc1_workspace_RF1");
+    // The workspace of the op's parameter checks.
+    try {
+      grouped_mlp_backward_workspace(c.dy, GroupedMlpParams{}, p.offsets_E1, p.spec);
+      ADD_FAILURE() << "no error without experts";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("grouped_mlp_backward_workspace: ", 0), 0u) << e.what();
+    }
+  }
+}
+
 TEST(OpsGroupedMlp, QuantizationIsNotFused) {
   EXPECT_TRUE(grouped_mlp_fused());
   Problem p = make_problem({3, 2}, {Activation::kGelu, false}, false);

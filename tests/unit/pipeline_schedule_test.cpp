@@ -110,6 +110,21 @@ TEST(PipelineSchedule, OneFOneBActionsFollowMegatron) {
                                       "backward mb 1 chunk 0 (last of chunk)"}));
 }
 
+// combined_1f1b_schedule_for_no_pipelining: the first forward alone, each next forward with the previous backward,
+// the last backward alone; 1F1B without virtual stages is refused with Megatron's text.
+TEST(PipelineSchedule, CombinedOneFOneBFollowsMegatron) {
+  EXPECT_EQ(descriptions(make_schedule(1, 0, 1, 3, 0, false, true)),
+            (std::vector<std::string>{"forward mb 0 chunk 0", "forward mb 1 chunk 0 (combined with the next backward)",
+                                      "backward mb 0 chunk 0", "forward mb 2 chunk 0 (combined with the next backward)",
+                                      "backward mb 1 chunk 0", "backward mb 2 chunk 0 (last of chunk)"}));
+  EXPECT_EQ(descriptions(make_schedule(1, 0, 1, 2, 0, true, true)),
+            (std::vector<std::string>{"forward mb 0 chunk 0", "forward mb 1 chunk 0"}));
+  EXPECT_EQ(message_of([] { make_schedule(2, 0, 1, 4, 0, false, true); }),
+            "If enabling EP A2A overlap, virtual_pipeline_model_parallel_size must be specified when "
+            "pipeline_model_parallel_size > 1");
+  EXPECT_EQ(pipeline_warmup_microbatches(4, 1, 2, 8, 4, false, true), 9);
+}
+
 TEST(PipelineSchedule, WarmupCountsFollowMegatronsFormulas) {
   const auto warmups = [](const int pp, const int vpp, const int m, const int n, const bool forward_only) {
     std::vector<int> counts;
@@ -182,19 +197,43 @@ StepTimes step_times(const std::vector<PipelineSchedule>& schedules, const Pipel
 }
 
 // Everything a correct set of schedules satisfies, counted from the action lists and the simulated times.
-void check_schedules(const int pp, const int vpp, const int m, const int n, const bool forward_only) {
+void check_schedules(const int pp, const int vpp, const int m, const int n, const bool forward_only,
+                     const bool combined = false) {
   const std::string where = "PP " + std::to_string(pp) + " VPP " + std::to_string(vpp) + " M " + std::to_string(m) +
-                            " N " + std::to_string(n) + (forward_only ? " forward-only" : "");
+                            " N " + std::to_string(n) + (forward_only ? " forward-only" : "") +
+                            (combined ? " combined 1F1B" : "");
   SCOPED_TRACE(where);
-  const std::vector<PipelineSchedule> schedules = make_all_schedules(pp, vpp, m, n, forward_only);
+  const std::vector<PipelineSchedule> schedules = make_all_schedules(pp, vpp, m, n, forward_only, combined);
   const int total = m * vpp;
   for (const PipelineSchedule& s : schedules) {
     const int r = s.pp_rank;
-    // The warm-up count from Megatron's formulas.
+    EXPECT_EQ(s.combined_1f1b, combined && !forward_only);
+    // The warm-up count from Megatron's formulas (one more forward for the combined 1F1B when interleaved).
     int warmup = 0;
     if (pp > 1 && vpp == 1) warmup = std::min(pp - r - 1, m);
-    if (pp > 1 && vpp > 1) warmup = forward_only ? total : std::min((pp - r - 1) * 2 + (vpp - 1) * n, total);
+    if (pp > 1 && vpp > 1) {
+      warmup = forward_only ? total : std::min((pp - r - 1) * 2 + (vpp - 1) * n + (combined ? 1 : 0), total);
+    }
     EXPECT_EQ(s.num_warmup, warmup) << "rank " << r;
+    // A combined step's forward never feeds its backward: the backward of (mb, chunk c) needs the forwards of mb on
+    // every chunk from c on.
+    // Every steady-state step is combined (Megatron: all of them but the first forward and the last backward when
+    // not pipelined).
+    int combined_steps = 0;
+    for (size_t i = 0; i < s.actions.size(); ++i) {
+      const PipelineAction& f = s.actions[i];
+      if (!f.combined_with_next) continue;
+      ++combined_steps;
+      ASSERT_TRUE(s.combined_1f1b && f.op == PipelineOp::kForward && i + 1 < s.actions.size() &&
+                  s.actions[i + 1].op == PipelineOp::kBackward)
+          << describe(f);
+      const PipelineAction& b = s.actions[i + 1];
+      EXPECT_FALSE(f.microbatch == b.microbatch && f.chunk >= b.chunk)
+          << "rank " << r << " pairs " << describe(f) << " with " << describe(b);
+    }
+    if (s.combined_1f1b) {
+      EXPECT_EQ(combined_steps, pp == 1 ? m - 1 : total - warmup) << "rank " << r;
+    }
 
     std::vector<std::vector<int>> forward_at(static_cast<size_t>(vpp), std::vector<int>(static_cast<size_t>(m), -1));
     std::vector<std::vector<int>> backward_at = forward_at;
@@ -235,8 +274,9 @@ void check_schedules(const int pp, const int vpp, const int m, const int n, cons
       // The flag marks the chunk's last backward (micro-batch M - 1, by FIFO order).
       EXPECT_EQ(flagged[static_cast<size_t>(c)], last_backward_of[static_cast<size_t>(c)]) << "rank " << r;
     }
-    // Megatron keeps num_warmup + 1 contexts at most (its max_outstanding_backprops); forward-only keeps none.
-    const int expected_live = forward_only ? 0 : std::min(s.num_warmup + 1, total);
+    // Megatron keeps num_warmup + 1 contexts at most (its max_outstanding_backprops); forward-only keeps none; the
+    // combined 1F1B without pipelining keeps two (a forward runs ahead of each backward).
+    const int expected_live = forward_only ? 0 : std::min(s.num_warmup + 1 + (combined && pp == 1 ? 1 : 0), total);
     EXPECT_EQ(s.max_live_contexts, expected_live) << "rank " << r;
     if (!forward_only) {
       EXPECT_EQ(forwards_before_first_backward, expected_live) << "rank " << r;
@@ -296,6 +336,10 @@ TEST(PipelineSchedule, EveryValidSizeCompletesWithItsDataFlow) {
           for (const bool forward_only : {false, true}) {
             check_schedules(pp, vpp, m, n > 0 ? n : pp, forward_only);
             ++checked;
+            if (pp == 1 || vpp > 1) {  // Megatron's combined 1F1B needs virtual stages when pipelined
+              check_schedules(pp, vpp, m, n > 0 ? n : pp, forward_only, true);
+              ++checked;
+            }
           }
         }
       }

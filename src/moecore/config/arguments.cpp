@@ -475,6 +475,14 @@ const std::vector<TrainFlag>& flag_table() {
     {"--moe-shared-expert-overlap", Arity::kSwitch, "",
      "compute the shared experts while the alltoall dispatcher's token exchange is in flight",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.shared_expert_overlap = true; }},
+    {"--overlap-moe-expert-parallel-comm", Arity::kSwitch, "",
+     "Megatron's combined 1F1B schedule: the forward of one micro-batch and the backward of another run together, "
+     "each one's expert all-to-all travelling while the other computes",
+     [](TrainingArgs& a, const FlagValue&) { a.model.moe.overlap_ep_comm = true; }},
+    {"--delay-wgrad-compute", Arity::kSwitch, "",
+     "with --overlap-moe-expert-parallel-comm: compute the routed experts' weight gradients while the dispatch "
+     "backward's all-to-all travels",
+     [](TrainingArgs& a, const FlagValue&) { a.model.moe.delay_wgrad_compute = true; }},
     {"--moe-per-layer-logging", Arity::kSwitch, "", "log the auxiliary losses of every MoE layer",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.per_layer_logging = true; }},
     {"--moe-routing-trace-path", Arity::kOne, "DIR",

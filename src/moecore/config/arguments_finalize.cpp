@@ -749,6 +749,34 @@ void finalize_mtp(const TrainingArgs& args) {
   unsupported(!args.fp8_format && !args.fp4_format, "--fp8-format / --fp4-format");
 }
 
+// Megatron's checks of the EP all-to-all overlap (TransformerConfig.__post_init__), with its texts; and moecore's
+// own: the deferred weight gradients are the grouped experts', and Megatron-FSDP's per-layer gathers do not run
+// inside the combined schedule.
+void finalize_ep_overlap(const TrainingArgs& args) {
+  const MoEConfig& moe = args.model.moe;
+  require(!moe.delay_wgrad_compute || moe.overlap_ep_comm,
+          "overlap_moe_expert_parallel_comm must be enabled when enabling delay_wgrad_compute");
+  if (!moe.overlap_ep_comm) return;
+  const RecomputeConfig& r = args.model.recompute;
+  require(args.parallel.pipeline_model_parallel_size == 1 || args.virtual_pipeline_model_parallel_size > 1,
+          "If enabling EP A2A overlap, virtual_pipeline_model_parallel_size must be specified when "
+          "pipeline_model_parallel_size > 1");
+  require(args.parallel.expert_model_parallel_size > 1,
+          "overlap_moe_expert_parallel_comm is only supported with expert model parallelism");
+  require(moe.dispatcher_type == TokenDispatcherType::kAllToAll,
+          "overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher");
+  require(!r.full(), "disable full recomputation when enabling overlap_moe_expert_parallel_comm");
+  require(!r.has("moe"), "disable moe in recompute_modules when enabling overlap_moe_expert_parallel_comm");
+  require(args.model.params_dtype == DType::kBF16 || args.model.params_dtype == DType::kF16,
+          "overlap_moe_expert_parallel_comm is only supported with bf16 or fp16 model");
+  require(!moe.shared_expert_overlap,
+          "disable moe_shared_expert_overlap when enabling overlap_moe_expert_parallel_comm");
+  require(args.model.mtp_num_layers <= 1,
+          "MTP supports at most one layer when enabling overlap_moe_expert_parallel_comm.");
+  require(!args.use_megatron_fsdp, "--overlap-moe-expert-parallel-comm cannot be combined with --use-megatron-fsdp");
+  require(!moe.delay_wgrad_compute || moe.grouped_gemm, "--delay-wgrad-compute requires --moe-grouped-gemm");
+}
+
 }  // namespace
 
 // Megatron's activation-recomputation checks (transformer_config.py __post_init__, arguments.py validate_args).
@@ -825,6 +853,7 @@ void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given)
   finalize_moecore(args, given);
   finalize_packed_sequences(args);
   finalize_mtp(args);
+  finalize_ep_overlap(args);
 }
 
 }  // namespace moecore::detail

@@ -245,8 +245,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--moe-permute-fusion",
     "--moe-latent-size",
     "--moe-enable-routing-replay",
-    "--overlap-moe-expert-parallel-comm",
-    "--delay-wgrad-compute",
     "--moe-pad-experts-for-cuda-graph-inference",
     // multi-latent attention (inference)
     "--cache-mla-latents",

@@ -134,7 +134,11 @@ Tensor ExpertMLPBase::forward(const Tensor &x_RH, const Tensor &probs_R,
   return y;
 }
 
-void ExpertMLPBase::backward(Tensor &dx_RH, Tensor &dprobs_R, const Tensor &dy_RH, const ExpertActivations &saved) {
+void ExpertMLPBase::backward(Tensor &dx_RH, Tensor &dprobs_R, const Tensor &dy_RH, const ExpertActivations &saved,
+                             std::function<void()> *deferred_weight_grads) {
+  if (deferred_weight_grads != nullptr && !defers_weight_grads()) {
+    throw std::logic_error("deferred weight gradients need the grouped experts (--moe-grouped-gemm)");
+  }
   const std::vector<int64_t> offsets_E1 = expert_offsets(saved.tokens_per_expert_E, E_);
   const int64_t R = offsets_E1.back();
   check_rows("dx_RH", dx_RH, {R, H_});
@@ -143,14 +147,15 @@ void ExpertMLPBase::backward(Tensor &dx_RH, Tensor &dprobs_R, const Tensor &dy_R
   Tensor dx = dx_RH.view({R, H_});
   Tensor dprobs = dprobs_R.view({R});
   if (memory_efficient_permutation_) {
-    run_backward(offsets_E1, dx, dprobs, dy_RH.view({R, H_}), saved);
+    run_backward(offsets_E1, dx, dprobs, dy_RH.view({R, H_}), saved, deferred_weight_grads);
     return;
   }
-  // y = p y_mlp: dp = <dy, y_mlp>, d(y_mlp) = p dy; the MLPs' own probabilities are ones.
+  // y = p y_mlp: dp = <dy, y_mlp>, d(y_mlp) = p dy; the MLPs' own probabilities are ones. A deferred weight
+  // gradient holds dy_mlp (its dy) by value.
   Tensor dy_mlp({R, H_}, ops::activation_storage_dtype(), MemCategory::kActivations);
   ops::scale_rows_backward(&dy_mlp, &dprobs, dy_RH.view({R, H_}), saved.y_RH, saved.output_probs_R);
   Tensor dones({R}, DType::kF32, MemCategory::kActivations);
-  run_backward(offsets_E1, dx, dones, dy_mlp, saved);
+  run_backward(offsets_E1, dx, dones, dy_mlp, saved, deferred_weight_grads);
 }
 
 Tensor ExpertMLPBase::apply_output_probs(const Tensor &y_RH, ExpertActivations &saved) const {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,8 +51,13 @@ class ExpertMLP {
   virtual Tensor forward(const Tensor& x_RH, const Tensor& probs_R, const std::vector<int64_t>& tokens_per_expert_E,
                          ExpertActivations& saved) = 0;
   // Accumulates dx_RH [R, H] and the expert parameters' gradients; OVERWRITES dprobs_R [R] (d objective / d prob
-  // per row).
-  virtual void backward(Tensor& dx_RH, Tensor& dprobs_R, const Tensor& dy_RH, const ExpertActivations& saved) = 0;
+  // per row). With deferred_weight_grads (Megatron's --delay-wgrad-compute, grouped experts only; std::logic_error
+  // for SequentialMLP) only dx_RH and dprobs_R are computed now, and *deferred_weight_grads is set to a callable that
+  // later accumulates exactly the parameter gradients this call would have, bit for bit. It holds what it needs
+  // besides `saved` and the parameters (dy_RH, the workspace, the precision and quantization scopes of this call);
+  // the caller keeps `saved` and the experts alive until it has run, once.
+  virtual void backward(Tensor& dx_RH, Tensor& dprobs_R, const Tensor& dy_RH, const ExpertActivations& saved,
+                        std::function<void()>* deferred_weight_grads = nullptr) = 0;
   // --recompute-modules moe_act (Megatron's, grouped experts only): drop_activation frees fc2's input (the
   // activation output) once forward is done; recompute_activation rebuilds it from the kept fc1 output before
   // backward. std::logic_error where the experts do not support it.

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,14 +26,20 @@ class ExpertMLPBase : public ExpertMLP {
                 const parallel::ParallelState& parallel, int module);
   Tensor forward(const Tensor& x_RH, const Tensor& probs_R, const std::vector<int64_t>& tokens_per_expert_E,
                  ExpertActivations& saved) final;
-  void backward(Tensor& dx_RH, Tensor& dprobs_R, const Tensor& dy_RH, const ExpertActivations& saved) final;
+  void backward(Tensor& dx_RH, Tensor& dprobs_R, const Tensor& dy_RH, const ExpertActivations& saved,
+                std::function<void()>* deferred_weight_grads = nullptr) final;
 
  protected:
   // How the per-expert work runs: the only difference between the two implementations. offsets_E1: exclusive
   // prefix sums of the rows per expert. Inputs and outputs are [R, ...] tensors.
   virtual void run_forward(const std::vector<int64_t>& offsets_E1, Tensor& y_RH, ExpertActivations& saved) const = 0;
+  // With deferred_weight_grads: the data gradients only, and *deferred_weight_grads set to the weight gradients'
+  // callable (ExpertMLP::backward); called so only where defers_weight_grads().
   virtual void run_backward(const std::vector<int64_t>& offsets_E1, Tensor& dx_RH, Tensor& dprobs_R,
-                            const Tensor& dy_RH, const ExpertActivations& saved) const = 0;
+                            const Tensor& dy_RH, const ExpertActivations& saved,
+                            std::function<void()>* deferred_weight_grads) const = 0;
+  // Whether run_backward can defer the weight gradients (--delay-wgrad-compute).
+  virtual bool defers_weight_grads() const { return false; }
 
   int64_t E_ = 0, H_ = 0, F_ = 0, F1_ = 0;
   ops::Activation activation_ = ops::Activation::kGelu;

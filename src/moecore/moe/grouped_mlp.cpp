@@ -3,9 +3,12 @@
 // backward the data and weight gradients; its kernel schedules the row tiles. FP8 / FP4 quantization, which the op
 // does not fuse, runs here through ops::linear and the activation ops, one expert after another, each op using every
 // thread: each expert's rows are one tile, as Megatron's TEGroupedLinear quantizes each expert's rows as one tensor
-// (per-tensor scales must see all of them).
+// (per-tensor scales must see all of them). With --delay-wgrad-compute (ExpertMLP::backward's deferred_weight_grads)
+// both paths split backward: the data gradients now, the weight gradients later.
 #include "moecore/ops/grouped_mlp.h"
 
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include "moecore/moe/experts_internal.h"
@@ -14,6 +17,7 @@
 #include "moecore/ops/precision.h"
 #include "moecore/ops/quantization.h"
 #include "moecore/ops/rows.h"
+#include "moecore/ops/scoped_state.h"
 #include "moecore/parallel/process_group.h"
 
 namespace moecore::experts_detail {
@@ -43,12 +47,33 @@ const quant::PackedQuantizedTensor *saved_input(const std::vector<quant::PackedQ
   return q.defined() ? &q : nullptr;
 }
 
-// Buffers of one backward call on the unfused path.
+// Buffers of one backward call on the unfused path (tensors share the caller's storage; the weight gradients, when
+// deferred, keep their copy of the buffers: dy_RH and dfc1_RF1).
 struct BackwardBuffers {
-  Tensor &dx_RH, &dprobs_R;
-  const Tensor &dy_RH;
+  Tensor dx_RH, dprobs_R;
+  Tensor dy_RH;
   Tensor dfc1_RF1;  // zero-initialised
   Tensor dxs_RH;    // probs on input: d(fc1 input), zero-initialised
+};
+
+// The ops' scopes of a backward call (precision, quantization), which its deferred weight gradients run under again
+// (they may run inside another layer's scopes, e.g. an unquantized one of --first-last-layers-bf16).
+class CallScopes {
+ public:
+  CallScopes() : state_(ops::current_scoped_state()) {}
+  // Runs fn under the scopes, then puts the caller's back.
+  template <typename Fn>
+  void run(Fn &&fn) const {
+    struct Restore {
+      ops::ScopedState outer = ops::current_scoped_state();
+      ~Restore() { ops::restore_scoped_state(outer); }
+    } restore;
+    ops::restore_scoped_state(state_);
+    fn();
+  }
+
+ private:
+  ops::ScopedState state_;
 };
 
 // The experts' parameter (or gradient) tensors as the grouped-MLP op takes them.
@@ -240,15 +265,50 @@ class GroupedMLP final : public ExpertMLPBase {
     mlp_activation_forward(activation_, saved.act_RF, saved.act_RF, saved.fc1_RF1, nullptr);
   }
 
+  bool defers_weight_grads() const override { return true; }
+
+  // The fused op's backward, or one part of it with the workspace of a split call.
+  void fused_backward(const std::vector<int64_t> &offsets_E1, Tensor &dx_RH, Tensor &dprobs_R, const Tensor &dy_RH,
+                      const ExpertActivations &saved, const ops::GroupedMlpBackwardSplit *split) const {
+    const ExpertTensors<const Tensor> p = expert_tensors<const Tensor>(true);
+    const ExpertTensors<Tensor> g = expert_tensors<Tensor>(false);
+    ops::grouped_mlp_backward(dx_RH, dprobs_R, {g.fc1_weight, g.fc1_bias, g.fc2_weight, g.fc2_bias}, dy_RH, saved.x_RH,
+                              &saved.xs_RH, saved.fc1_RF1, &saved.act_RF, &saved.h_RF, saved.probs_R,
+                              {p.fc1_weight, p.fc1_bias, p.fc2_weight, p.fc2_bias}, offsets_E1, spec(), split);
+  }
+
+  // The unfused path's weight gradients; experts with zero rows keep their gradients as they are.
+  void backward_all_weights(const std::vector<int64_t> &offsets_E1, const BackwardBuffers &buf,
+                            const ExpertActivations &saved) const {
+    for (int64_t e = 0; e < E_; ++e) {
+      if (offsets_E1[e + 1] > offsets_E1[e]) backward_weights(e, offsets_E1[e], offsets_E1[e + 1], buf, saved);
+    }
+  }
+
+  // --delay-wgrad-compute (Megatron's, TE's GroupedLinear delay_wgrad_compute): the data gradients now, the weight
+  // gradients' GEMMs in *deferred_weight_grads, under this call's scopes.
   void run_backward(const std::vector<int64_t> &offsets_E1, Tensor &dx_RH, Tensor &dprobs_R, const Tensor &dy_RH,
-                    const ExpertActivations &saved) const override {
+                    const ExpertActivations &saved, std::function<void()> *deferred_weight_grads) const override {
     if (ops::grouped_mlp_fused(dy_RH.device())) {
+      if (deferred_weight_grads == nullptr) {
+        fused_backward(offsets_E1, dx_RH, dprobs_R, dy_RH, saved, nullptr);
+        parallel::drive_progress();
+        return;
+      }
       const ExpertTensors<const Tensor> p = expert_tensors<const Tensor>(true);
-      const ExpertTensors<Tensor> g = expert_tensors<Tensor>(false);
-      ops::grouped_mlp_backward(dx_RH, dprobs_R, {g.fc1_weight, g.fc1_bias, g.fc2_weight, g.fc2_bias}, dy_RH,
-                                saved.x_RH, &saved.xs_RH, saved.fc1_RF1, &saved.act_RF, &saved.h_RF, saved.probs_R,
-                                {p.fc1_weight, p.fc1_bias, p.fc2_weight, p.fc2_bias}, offsets_E1, spec());
+      Tensor workspace = ops::grouped_mlp_backward_workspace(
+          dy_RH, {p.fc1_weight, p.fc1_bias, p.fc2_weight, p.fc2_bias}, offsets_E1, spec());
+      const ops::GroupedMlpBackwardSplit data{ops::GroupedMlpBackwardPart::kData, &workspace};
+      fused_backward(offsets_E1, dx_RH, dprobs_R, dy_RH, saved, &data);
       parallel::drive_progress();
+      *deferred_weight_grads = [this, offsets_E1, dy = dy_RH, workspace, saved = &saved,
+                                scopes = CallScopes()]() mutable {
+        scopes.run([&] {
+          const ops::GroupedMlpBackwardSplit weights{ops::GroupedMlpBackwardPart::kWeights, &workspace};
+          Tensor unused;  // dx and dprobs: the data part wrote them
+          fused_backward(offsets_E1, unused, unused, dy, *saved, &weights);
+        });
+      };
       return;
     }
     const int64_t R = offsets_E1.back();
@@ -256,10 +316,15 @@ class GroupedMLP final : public ExpertMLPBase {
                         probs_on_input_ ? ops::activation_tensor({R, H_}) : Tensor()};
     for (const RowTile &tile : row_tiles(offsets_E1)) backward_tile(tile, buf, saved);
     parallel::drive_progress();
-    // Experts with zero rows keep their gradients as they are.
-    for (int64_t e = 0; e < E_; ++e) {
-      if (offsets_E1[e + 1] > offsets_E1[e]) backward_weights(e, offsets_E1[e], offsets_E1[e + 1], buf, saved);
+    if (deferred_weight_grads == nullptr) {
+      backward_all_weights(offsets_E1, buf, saved);
+      return;
     }
+    // The weight gradients read dy and dfc1 only: the data part's outputs and dxs are not kept.
+    buf.dx_RH = buf.dprobs_R = buf.dxs_RH = Tensor();
+    *deferred_weight_grads = [this, offsets_E1, buf = std::move(buf), saved = &saved, scopes = CallScopes()] {
+      scopes.run([&] { backward_all_weights(offsets_E1, buf, *saved); });
+    };
   }
 };
 

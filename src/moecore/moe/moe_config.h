@@ -45,7 +45,14 @@ struct MoEConfig {
   int64_t shared_expert_intermediate_size = 0;  // --moe-shared-expert-intermediate-size (0 = none)
   bool shared_expert_gate = false;              // --moe-shared-expert-gate
   bool shared_expert_overlap = false;           // --moe-shared-expert-overlap
-  bool per_layer_logging = false;               // --moe-per-layer-logging
+  // --overlap-moe-expert-parallel-comm: Megatron's combined 1F1B schedule pairs the forward of one micro-batch with
+  // the backward of another, and the dispatcher hands the cores to the other one while its all-to-all travels
+  // (parallel/turn_taking.h).
+  bool overlap_ep_comm = false;
+  // --delay-wgrad-compute: the routed experts' weight gradients run while the dispatch backward's all-to-all
+  // travels, after their data gradients have been sent on.
+  bool delay_wgrad_compute = false;
+  bool per_layer_logging = false;                                         // --moe-per-layer-logging
   TokenDispatcherType dispatcher_type = TokenDispatcherType::kAllGather;  // --moe-token-dispatcher-type
   // --moe-router-padding-for-quantization: each rank pads its routing map before dispatch so every expert's count is
   // a multiple of this (the recipe's align_size_for_quantization; 0: off; routing_padding.h).

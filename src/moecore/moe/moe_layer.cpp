@@ -137,20 +137,27 @@ Tensor MoELayer::backward(const Tensor& dout_TH, const Tensor& x_TH, const doubl
   }
   Tensor dx_RH = activation_tensor({R, H});
   Tensor dprobs_R({R}, DType::kF32, MemCategory::kActivations);  // probability gradients stay fp32
+  // --delay-wgrad-compute: the experts' weight gradients run while their data gradients travel back.
+  std::function<void()> weight_grads;
   {
     const trace::Scope scope("experts backward", "moe");
-    experts_->backward(dx_RH, dprobs_R, dy_RH, saved.experts);
+    experts_->backward(dx_RH, dprobs_R, dy_RH, saved.experts,
+                       config_.moe.delay_wgrad_compute ? &weight_grads : nullptr);
   }
   dy_RH = Tensor();
-  {
-    const trace::Scope scope("dispatch backward", "moe");
-    dispatcher_->dispatch_backward(dx_TH, dx_RH, state);
-  }
-  dx_RH = Tensor();
   Tensor dprobs_TE({T, E}, DType::kF32, MemCategory::kActivations);
   {
+    const trace::Scope scope("dispatch backward", "moe");
+    const std::function<void()> delayed_weight_grads = [&] {
+      const trace::Scope wgrad_scope("experts weight gradients", "moe");
+      weight_grads();
+    };
+    dispatcher_->dispatch_backward_with_probs(dx_TH, dprobs_TE, dx_RH, dprobs_R, state,
+                                              weight_grads ? &delayed_weight_grads : nullptr);
+  }
+  dx_RH = Tensor();
+  {
     const trace::Scope scope("router backward", "moe");
-    dispatcher_->probs_backward(dprobs_TE, dprobs_R, state);
     router_->backward(&dx_TH, dprobs_TE, aux_grad_scale, saved.router, saved.routing);
   }
   if (overlap_shared_) {

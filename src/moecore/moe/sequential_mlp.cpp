@@ -21,8 +21,9 @@ class SequentialMLP final : public ExpertMLPBase {
     }
   }
 
+  // Never asked to defer its weight gradients (defers_weight_grads() false: ExpertMLPBase::backward refuses).
   void run_backward(const std::vector<int64_t> &offsets_E1, Tensor &dx_RH, Tensor &dprobs_R, const Tensor &dy_RH,
-                    const ExpertActivations &saved) const override {
+                    const ExpertActivations &saved, std::function<void()> * /*deferred_weight_grads*/) const override {
     for (int64_t e = 0; e < E_; ++e) {
       const int64_t begin = offsets_E1[e], end = offsets_E1[e + 1];
       if (end == begin) continue;  // zero rows: the gradients stay as they are (present, nothing added)

@@ -59,7 +59,9 @@ struct DispatchBuffers {
 // dispatch_postprocess (rows sorted by local expert); combine_preprocess, token_combine (the collectives),
 // combine_postprocess (unpermute: scatter-add into tokens). Row moves are ops (ops/moe_rows.h); the dispatchers
 // keep only communication and index bookkeeping. Token rows move in the activations' dtype (16-bit under 16-bit
-// activation storage); probabilities and sums over ranks are fp32.
+// activation storage); probabilities and sums over ranks are fp32. Under the EP overlap (--overlap-moe-expert-
+// parallel-comm) a dispatcher that starts a non-blocking exchange calls parallel::pass_turn() before waiting for it,
+// so the other micro-batch of the combined 1F1B step computes while it travels.
 class TokenDispatcher {
  public:
   virtual ~TokenDispatcher() = default;
@@ -101,6 +103,16 @@ class TokenDispatcher {
   }
   // dprobs_TE[source_token_R[r], expert_R[r]] += dprobs_R[r] (fp32 [T, E] and [R]).
   virtual void probs_backward(Tensor& dprobs_TE, const Tensor& dprobs_R, const DispatchState& state) = 0;
+  // Both backwards of dispatch, the rows' and their probabilities' gradients travelling together (as the dispatched
+  // tensors' autograd does in Megatron); `overlapped` (may be null) runs while they travel (--delay-wgrad-compute:
+  // the experts' weight gradients). The same sums as dispatch_backward then probs_backward.
+  virtual void dispatch_backward_with_probs(Tensor& dx_TH, Tensor& dprobs_TE, const Tensor& dx_RH,
+                                            const Tensor& dprobs_R, const DispatchState& state,
+                                            const std::function<void()>* overlapped) {
+    if (overlapped) (*overlapped)();
+    dispatch_backward(dx_TH, dx_RH, state);
+    probs_backward(dprobs_TE, dprobs_R, state);
+  }
 };
 
 // Single-process dispatcher (all experts local).

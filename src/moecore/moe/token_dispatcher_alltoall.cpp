@@ -32,6 +32,7 @@
 #include "moecore/ops/moe_rows.h"
 #include "moecore/ops/precision.h"
 #include "moecore/parallel/comm_stats.h"
+#include "moecore/parallel/turn_taking.h"
 
 namespace moecore::detail {
 
@@ -181,12 +182,17 @@ class AllToAllDispatcher final : public TokenDispatcher {
     return out;
   }
 
-  // The rows, then their probabilities, to the experts' ranks.
+  // The rows and their probabilities to the experts' ranks, both in flight together.
   DispatchBuffers token_dispatch(const DispatchBuffers &local, DispatchState &state,
                                  const std::function<void()> *overlapped) override {
+    InFlight rows =
+        start_to_experts(local.rows, state, overlapped ? "all-to-all under the shared experts" : "all-to-all");
+    InFlight probs = start_to_experts(local.probs.view({local.probs.numel(), 1}), state, "all-to-all (probabilities)");
+    if (overlapped) (*overlapped)();
+    parallel::pass_turn();
     DispatchBuffers out;
-    out.rows = to_experts(local.rows, state, overlapped);
-    out.probs = to_experts(local.probs.view({local.probs.numel(), 1}), state);
+    out.rows = finish_to_experts(rows, state);
+    out.probs = finish_to_experts(probs, state);
     return out;
   }
 
@@ -203,7 +209,9 @@ class AllToAllDispatcher final : public TokenDispatcher {
 
   Tensor combine_preprocess(const Tensor &y_RH, const DispatchState &state) override { return unsort(y_RH, state); }
   Tensor token_combine(const Tensor &gathered, const DispatchState &state) override {
-    return from_experts(gathered, state);
+    InFlight rows = start_from_experts(gathered, state, "all-to-all");
+    parallel::pass_turn();
+    return finish_from_experts(rows);
   }
   void combine_postprocess(Tensor &out_TH, const Tensor &rows_LH, const DispatchState &state) override {
     ops::moe_unpermute(out_TH, rows_LH, state.sent_token_L);
@@ -213,12 +221,92 @@ class AllToAllDispatcher final : public TokenDispatcher {
                         const std::function<void()> *overlapped) override {
     Tensor rows_LH = activation_rows({static_cast<int64_t>(state.sent_token_L.size()), state.H}, dout_TH.dtype());
     ops::moe_permute(rows_LH, dout_TH, state.sent_token_L);
-    const Tensor gathered = to_experts(rows_LH, state, overlapped);
-    ops::sort_chunks(dy_RH, gathered, state.sorted_first_C, state.sorted_rows_C);
+    InFlight rows = start_to_experts(rows_LH, state, overlapped ? "all-to-all under the shared experts" : "all-to-all");
+    if (overlapped) (*overlapped)();
+    parallel::pass_turn();
+    ops::sort_chunks(dy_RH, finish_to_experts(rows, state), state.sorted_first_C, state.sorted_rows_C);
   }
 
   void probs_backward(Tensor &dprobs_TE, const Tensor &dprobs_R, const DispatchState &state) override {
-    const Tensor dprobs_L = from_experts(unsort(dprobs_R.view({dprobs_R.numel(), 1}), state), state);
+    InFlight probs = start_from_experts(unsort(dprobs_R.view({dprobs_R.numel(), 1}), state), state, "all-to-all");
+    add_probs(dprobs_TE, finish_from_experts(probs), state);
+  }
+
+  void dispatch_backward_with_probs(Tensor &dx_TH, Tensor &dprobs_TE, const Tensor &dx_RH, const Tensor &dprobs_R,
+                                    const DispatchState &state, const std::function<void()> *overlapped) override {
+    InFlight rows = start_from_experts(combine_preprocess(dx_RH, state), state, "all-to-all");
+    InFlight probs =
+        start_from_experts(unsort(dprobs_R.view({dprobs_R.numel(), 1}), state), state, "all-to-all (probabilities)");
+    if (overlapped) (*overlapped)();
+    parallel::pass_turn();
+    combine_postprocess(dx_TH, finish_from_experts(rows), state);
+    add_probs(dprobs_TE, finish_from_experts(probs), state);
+  }
+
+ private:
+  // One all-to-all in flight: its request, the buffers it reads and writes, and when it started (the injected delay).
+  struct InFlight {
+    parallel::Work work;
+    Tensor sent, received;
+    std::chrono::steady_clock::time_point started;
+  };
+
+  // Rows in send order [L, W] -> all-to-all over EP (started here) ...
+  InFlight start_to_experts(const Tensor &rows_LW, const DispatchState &state, const char *name) const {
+    const int64_t M = state.etp_max_rows, ETP = etp_.size(), W = rows_LW.dim(1);
+    InFlight exchange;
+    exchange.sent = rows_LW;
+    exchange.received = activation_rows({M, W}, rows_LW.dtype());
+    count_dispatch_bytes(rows_LW.dtype(), total(state.ep_send_rows) * W + (ETP > 1 ? M * W : 0));
+    exchange.started = std::chrono::steady_clock::now();
+    parallel::CommTimer timer(parallel::CommKind::kAllToAll);
+    Tensor received_rows = exchange.received.slice_rows(0, total(state.ep_recv_rows));
+    exchange.work =
+        ep_.all_to_all_v_async(rows_LW, scaled(state.ep_send_rows, W), received_rows, scaled(state.ep_recv_rows, W));
+    exchange.work.trace_as(name);
+    return exchange;
+  }
+  // ... waited for -> all-gather over ETP: [ETP etp_max_rows, W].
+  Tensor finish_to_experts(InFlight &exchange, const DispatchState &state) const {
+    parallel::CommTimer timer(parallel::CommKind::kAllToAll);
+    exchange.work.wait();
+    finish_link_delay(exchange.started);
+    if (etp_.size() == 1) return exchange.received;
+    const Tensor &received = exchange.received;
+    Tensor gathered = activation_rows({etp_.size() * state.etp_max_rows, received.dim(1)}, received.dtype());
+    etp_.all_gather(received, gathered);
+    return gathered;
+  }
+
+  // The reverse: [ETP etp_max_rows, W] summed over ETP (reduce-scatter, fp32) -> all-to-all back (started here) ...
+  InFlight start_from_experts(const Tensor &gathered, const DispatchState &state, const char *name) const {
+    const int64_t M = state.etp_max_rows, W = gathered.dim(1), ETP = etp_.size();
+    InFlight exchange;
+    exchange.received = activation_rows({static_cast<int64_t>(state.sent_token_L.size()), W}, gathered.dtype());
+    count_dispatch_bytes(gathered.dtype(), total(state.ep_recv_rows) * W + (ETP > 1 ? ETP * M * W : 0));
+    parallel::CommTimer timer(parallel::CommKind::kAllToAll);
+    exchange.sent = gathered;
+    if (ETP > 1) {
+      exchange.sent = activation_rows({M, W}, gathered.dtype());
+      etp_.reduce_scatter(gathered, exchange.sent, parallel::ReduceOp::kSum);
+    }
+    exchange.started = std::chrono::steady_clock::now();
+    exchange.work =
+        ep_.all_to_all_v_async(exchange.sent.slice_rows(0, total(state.ep_recv_rows)), scaled(state.ep_recv_rows, W),
+                               exchange.received, scaled(state.ep_send_rows, W));
+    exchange.work.trace_as(name);
+    return exchange;
+  }
+  // ... waited for: rows in send order, in the dtype of `gathered` (without ETP nothing is summed).
+  static Tensor finish_from_experts(InFlight &exchange) {
+    parallel::CommTimer timer(parallel::CommKind::kAllToAll);
+    exchange.work.wait();
+    finish_link_delay(exchange.started);
+    return exchange.received;
+  }
+
+  // dprobs_TE[token, expert] += the probability gradients back in send order [L, 1] (fp32).
+  static void add_probs(Tensor &dprobs_TE, const Tensor &dprobs_L, const DispatchState &state) {
     std::vector<int64_t> element_L(state.sent_token_L.size());
     for (size_t l = 0; l < element_L.size(); ++l) {
       const int64_t t = state.sent_token_L[l];
@@ -227,51 +315,6 @@ class AllToAllDispatcher final : public TokenDispatcher {
     Tensor dprobs = dprobs_TE.view({state.T * state.E, 1});
     const ops::ScopedActivationDType fp32(DType::kF32);  // router gradients stay fp32
     ops::moe_unpermute(dprobs, dprobs_L, element_L);
-  }
-
- private:
-  // Rows in send order [L, W] -> all-to-all over EP -> all-gather over ETP: [ETP etp_max_rows, W].
-  // `overlapped` (may be null) runs between starting the all-to-all and waiting for it.
-  Tensor to_experts(const Tensor &rows_LW, const DispatchState &state,
-                    const std::function<void()> *overlapped = nullptr) const {
-    const int64_t M = state.etp_max_rows, ETP = etp_.size(), W = rows_LW.dim(1);
-    Tensor received = activation_rows({M, W}, rows_LW.dtype());
-    Tensor gathered = activation_rows({ETP * M, W}, rows_LW.dtype());
-    count_dispatch_bytes(rows_LW.dtype(), total(state.ep_send_rows) * W + (ETP > 1 ? M * W : 0));
-    parallel::Work exchange;
-    const auto started = std::chrono::steady_clock::now();
-    {
-      parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-      Tensor received_rows = received.slice_rows(0, total(state.ep_recv_rows));
-      exchange =
-          ep_.all_to_all_v_async(rows_LW, scaled(state.ep_send_rows, W), received_rows, scaled(state.ep_recv_rows, W));
-    }
-    exchange.trace_as(overlapped ? "all-to-all under the shared experts" : "all-to-all");
-    if (overlapped) (*overlapped)();
-    parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-    exchange.wait();
-    finish_link_delay(started);
-    etp_.all_gather(received, gathered);
-    return gathered;
-  }
-
-  // The reverse: [ETP etp_max_rows, W] summed over ETP (reduce-scatter, fp32) -> all-to-all back: rows in send
-  // order, in the dtype of `gathered` (without ETP nothing is summed).
-  Tensor from_experts(const Tensor &gathered, const DispatchState &state) const {
-    const int64_t M = state.etp_max_rows, W = gathered.dim(1), ETP = etp_.size();
-    Tensor rows_LW = activation_rows({static_cast<int64_t>(state.sent_token_L.size()), W}, gathered.dtype());
-    Tensor reduced = gathered;
-    count_dispatch_bytes(gathered.dtype(), total(state.ep_recv_rows) * W + (ETP > 1 ? ETP * M * W : 0));
-    const auto started = std::chrono::steady_clock::now();
-    parallel::CommTimer timer(parallel::CommKind::kAllToAll);
-    if (ETP > 1) {
-      reduced = activation_rows({M, W}, gathered.dtype());
-      etp_.reduce_scatter(gathered, reduced, parallel::ReduceOp::kSum);
-    }
-    ep_.all_to_all_v(reduced.slice_rows(0, total(state.ep_recv_rows)), scaled(state.ep_recv_rows, W), rows_LW,
-                     scaled(state.ep_send_rows, W));
-    finish_link_delay(started);
-    return rows_LW;
   }
 
   // Rows of the expert-major order [R, W] back to their places in the zero-padded [ETP etp_max_rows, W] buffer:

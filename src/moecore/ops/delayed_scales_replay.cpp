@@ -2,6 +2,8 @@
 
 #include <stdexcept>
 
+#include "moecore/ops/scoped_state.h"
+
 namespace moecore::ops {
 namespace {
 
@@ -42,6 +44,11 @@ ScopedDelayedScales::~ScopedDelayedScales() {
 DelayedScalesLog* delayed_scales_log(ScopedDelayedScales::Mode* mode) {
   *mode = live_mode;
   return live_log;
+}
+
+void detail::restore_delayed_scales_state(DelayedScalesLog* log, const ScopedDelayedScales::Mode mode) {
+  live_log = log;
+  live_mode = mode;
 }
 
 }  // namespace moecore::ops

@@ -186,6 +186,13 @@ bool all_fp32(const Spans&... spans) {
   return (fp32(spans) && ...);
 }
 
+// d(fc1 output) of every row, as the backward allocates it: the row-local pass writes it, the weight-gradient pass
+// reads it (fp32 where the tensors are 16-bit: the kernels' fp32 steps read it as it is).
+DType workspace_dtype(const Tensor& dy_RH) { return detail::is_16bit(dy_RH.dtype()) ? DType::kF32 : dy_RH.dtype(); }
+Tensor workspace(const Tensor& dy_RH, const int64_t R, const int64_t F1) {
+  return Tensor({R, F1}, workspace_dtype(dy_RH), MemCategory::kActivations, dy_RH.device());
+}
+
 template <typename S>
 S* bits_of(Tensor* t) {
   return t == nullptr ? nullptr : t->data<S>();
@@ -198,6 +205,14 @@ const S* bits_of(const Tensor* t) {
 }  // namespace
 
 bool grouped_mlp_fused(const Device device) { return linear_quantization(device) == nullptr; }
+
+Tensor grouped_mlp_backward_workspace(const Tensor& dy_RH, const GroupedMlpParams& params,
+                                      const std::span<const int64_t> offsets_E1, const GroupedMlpSpec& spec) {
+  constexpr const char* op = "grouped_mlp_backward_workspace";
+  detail::check_tensors(op, {&dy_RH});
+  const kernels::GroupedMlpShape s = check_params(op, dy_RH, params, offsets_E1, spec);
+  return workspace(dy_RH, offsets_E1.back(), s.F1());
+}
 
 void grouped_mlp_forward(Tensor& y_RH, Tensor& fc1_RF1, Tensor* act_RF, Tensor* h_RF, Tensor* xs_RH, const Tensor& x_RH,
                          const Tensor& probs_R, const GroupedMlpParams& params,
@@ -245,17 +260,25 @@ void grouped_mlp_forward(Tensor& y_RH, Tensor& fc1_RF1, Tensor* act_RF, Tensor* 
 void grouped_mlp_backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpGrads& grads, const Tensor& dy_RH,
                           const Tensor& x_RH, const Tensor* xs_RH, const Tensor& fc1_RF1, const Tensor* act_RF,
                           const Tensor* h_RF, const Tensor& probs_R, const GroupedMlpParams& params,
-                          const std::span<const int64_t> offsets_E1, const GroupedMlpSpec& spec) {
+                          const std::span<const int64_t> offsets_E1, const GroupedMlpSpec& spec,
+                          const GroupedMlpBackwardSplit* split) {
   constexpr const char* op = "grouped_mlp_backward";
   detail::Staging staging;
-  detail::check_tensors(op, {&dx_RH, &dprobs_R, &dy_RH, &x_RH, &fc1_RF1, &probs_R});
-  const kernels::GroupedMlpShape s = check_params(op, dy_RH, params, offsets_E1, spec);
+  const GroupedMlpBackwardPart part = split != nullptr ? split->part : GroupedMlpBackwardPart::kAll;
+  const bool data = part != GroupedMlpBackwardPart::kWeights, weights = part != GroupedMlpBackwardPart::kData;
+  if (data) {
+    detail::check_tensors(op, {&dx_RH, &dprobs_R, &dy_RH, &x_RH, &fc1_RF1, &probs_R});
+  } else {  // dx_RH and dprobs_R unused
+    detail::check_tensors(op, {&dy_RH, &x_RH, &fc1_RF1, &probs_R});
+  }
+  kernels::GroupedMlpShape s = check_params(op, dy_RH, params, offsets_E1, spec);
+  s.part = part;
   const int64_t R = offsets_E1.back();
   detail::check_numel(op, "dy_RH", dy_RH, R * s.H);
-  detail::check_numel(op, "dx_RH", dx_RH, R * s.H);
+  if (data) detail::check_numel(op, "dx_RH", dx_RH, R * s.H);
   detail::check_numel(op, "x_RH", x_RH, R * s.H);
   detail::check_numel(op, "probs_R", probs_R, R);
-  detail::check_numel(op, "dprobs_R", dprobs_R, R);
+  if (data) detail::check_numel(op, "dprobs_R", dprobs_R, R);
   detail::check_numel(op, "fc1_RF1", fc1_RF1, R * s.F1());
   if (s.weighted_swiglu()) {
     check_saved(op, "h_RF", dy_RH, h_RF, R * s.F);
@@ -263,6 +286,18 @@ void grouped_mlp_backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpGrads
     check_saved(op, "act_RF", dy_RH, act_RF, R * s.F);
   }
   if (s.probs_on_input) check_saved(op, "xs_RH", dy_RH, xs_RH, R * s.H);
+  Tensor* ws = split != nullptr ? split->dfc1_workspace_RF1 : nullptr;
+  if (ws == nullptr && part != GroupedMlpBackwardPart::kAll) {
+    detail::fail(op, "a kData / kWeights part needs dfc1_workspace_RF1 (grouped_mlp_backward_workspace)");
+  }
+  if (ws != nullptr) {
+    if (ws->defined() && ws->dtype() != workspace_dtype(dy_RH)) {
+      detail::fail(op, "dfc1_workspace_RF1 is " + std::string(dtype_name(ws->dtype())) + ", expected " +
+                           std::string(dtype_name(workspace_dtype(dy_RH))));
+    }
+    detail::check_tensors(op, {&dy_RH, ws});
+    detail::check_numel(op, "dfc1_workspace_RF1", *ws, R * s.F1());
+  }
   const auto check_grads = [&](const char* name, const std::span<Tensor* const> grads_E, const int64_t numel) {
     if (!grads_E.empty() && static_cast<int64_t>(grads_E.size()) != s.E) {
       detail::fail(
@@ -278,38 +313,45 @@ void grouped_mlp_backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpGrads
   check_grads("fc1 bias gradients", grads.fc1_bias_E, s.F1());
   check_grads("fc2 weight gradients", grads.fc2_weight_E, s.H * s.F);
   check_grads("fc2 bias gradients", grads.fc2_bias_E, s.H);
+  // What the part writes: kData no gradient, kWeights neither dx nor dprobs.
+  const GroupedMlpGrads none{};
+  const GroupedMlpGrads& written = weights ? grads : none;
+  Tensor* dx = data ? &dx_RH : nullptr;
+  Tensor* dprobs = data ? &dprobs_R : nullptr;
   const Tensor* saved_RF = s.weighted_swiglu() ? h_RF : act_RF;
   const Tensor* xs = s.probs_on_input ? xs_RH : nullptr;
-  const auto type = activations16({&dy_RH, &dx_RH, &x_RH, &fc1_RF1, saved_RF, xs}, {&probs_R, &dprobs_R});
+  const auto type = activations16({&dy_RH, dx, &x_RH, &fc1_RF1, saved_RF, xs}, {&probs_R, dprobs});
   const bool fp32_params = all_fp32(params.fc1_weight_E, params.fc1_bias_E, params.fc2_weight_E, params.fc2_bias_E,
-                                    grads.fc1_weight_E, grads.fc1_bias_E, grads.fc2_weight_E, grads.fc2_bias_E);
+                                    written.fc1_weight_E, written.fc1_bias_E, written.fc2_weight_E, written.fc2_bias_E);
+  Tensor own_workspace;
+  if (ws == nullptr) {
+    own_workspace = workspace(dy_RH, R, s.F1());
+    ws = &own_workspace;
+  }
   if (rounds_to(type, s.rounding) && fp32_params) {
-    Tensor dfc1_RF1({R, s.F1()}, DType::kF32, MemCategory::kActivations, dy_RH.device());
     Pointers<float> w = pointers<float>(params, s.E);
-    add_kept_casts(w, params, s);
-    const std::vector<float*> dw1 = data_of<float>(grads.fc1_weight_E, s.E),
-                              db1 = data_of<float>(grads.fc1_bias_E, s.E),
-                              dw2 = data_of<float>(grads.fc2_weight_E, s.E),
-                              db2 = data_of<float>(grads.fc2_bias_E, s.E);
+    if (data) add_kept_casts(w, params, s);  // the weight gradients read no weight
+    const std::vector<float*> dw1 = data_of<float>(written.fc1_weight_E, s.E),
+                              db1 = data_of<float>(written.fc1_bias_E, s.E),
+                              dw2 = data_of<float>(written.fc2_weight_E, s.E),
+                              db2 = data_of<float>(written.fc2_bias_E, s.E);
     const kernels::GroupedMlpGrads<float> g{dw1.data(), db1.data(), dw2.data(), db2.data()};
     kernels::cpu::grouped_mlp_backward16(
-        *type, dx_RH.data<uint16_t>(), dprobs_R.data<float>(), g, dfc1_RF1.data<float>(), dy_RH.data<uint16_t>(),
+        *type, bits_of<uint16_t>(dx), bits_of<float>(dprobs), g, ws->data<float>(), dy_RH.data<uint16_t>(),
         x_RH.data<uint16_t>(), bits_of<uint16_t>(xs), fc1_RF1.data<uint16_t>(),
         s.weighted_swiglu() ? nullptr : act_RF->data<uint16_t>(),
         s.weighted_swiglu() ? h_RF->data<uint16_t>() : nullptr, probs_R.data<float>(), w.weights(), s);
     return;
   }
-  staging.write_only(dprobs_R, {&dy_RH, &x_RH, &probs_R});  // overwritten; dx_RH accumulates
-  // d(fc1 output) of every row: the row-local pass writes it, the weight-gradient pass reads it (fp32 where the
-  // tensors are 16-bit: the kernels' fp32 steps read it as it is).
-  Tensor dfc1_RF1({R, s.F1()}, detail::is_16bit(dy_RH.dtype()) ? DType::kF32 : dy_RH.dtype(), MemCategory::kActivations,
-                  dy_RH.device());
+  // dprobs_R is overwritten, dx_RH accumulates (staged in first); a kWeights call stages neither, so nothing it did
+  // not compute is narrowed back.
+  if (dprobs != nullptr) staging.write_only(*dprobs, {&dy_RH, &x_RH, &probs_R});
   detail::dispatch(op, dy_RH, [&]<typename S>(auto k) {
     const Pointers<S> w = pointers<S>(params, s.E);
-    const std::vector<S*> dw1 = data_of<S>(grads.fc1_weight_E, s.E), db1 = data_of<S>(grads.fc1_bias_E, s.E),
-                          dw2 = data_of<S>(grads.fc2_weight_E, s.E), db2 = data_of<S>(grads.fc2_bias_E, s.E);
+    const std::vector<S*> dw1 = data_of<S>(written.fc1_weight_E, s.E), db1 = data_of<S>(written.fc1_bias_E, s.E),
+                          dw2 = data_of<S>(written.fc2_weight_E, s.E), db2 = data_of<S>(written.fc2_bias_E, s.E);
     const kernels::GroupedMlpGrads<S> g{dw1.data(), db1.data(), dw2.data(), db2.data()};
-    k.grouped_mlp_backward(ptr<S>(dx_RH), ptr<S>(dprobs_R), g, ptr<S>(dfc1_RF1), ptr<S>(dy_RH), ptr<S>(x_RH),
+    k.grouped_mlp_backward(detail::opt<S>(dx), detail::opt<S>(dprobs), g, ptr<S>(*ws), ptr<S>(dy_RH), ptr<S>(x_RH),
                            s.probs_on_input ? ptr<S>(*xs_RH) : nullptr, ptr<S>(fc1_RF1),
                            s.weighted_swiglu() ? nullptr : ptr<S>(*act_RF),
                            s.weighted_swiglu() ? ptr<S>(*h_RF) : nullptr, ptr<S>(probs_R), w.weights(), s);

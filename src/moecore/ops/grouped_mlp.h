@@ -19,10 +19,13 @@
 #include <cstdint>
 #include <span>
 
+#include "moecore/kernels/cpu/grouped_mlp.h"
 #include "moecore/ops/activation.h"
 #include "moecore/tensor/tensor.h"
 
 namespace moecore::ops {
+
+using kernels::GroupedMlpBackwardPart;
 
 struct GroupedMlpSpec {
   Activation activation = Activation::kGelu;
@@ -46,11 +49,30 @@ bool grouped_mlp_fused(Device device = Device::kCPU);
 void grouped_mlp_forward(Tensor& y_RH, Tensor& fc1_RF1, Tensor* act_RF, Tensor* h_RF, Tensor* xs_RH, const Tensor& x_RH,
                          const Tensor& probs_R, const GroupedMlpParams& params, std::span<const int64_t> offsets_E1,
                          const GroupedMlpSpec& spec);
+// One backward in two calls (Megatron's --delay-wgrad-compute: the experts' weight gradients run later, while the
+// dispatch's backward all-to-all is in flight): a kData call, then a kWeights call with the same arguments and the
+// same workspace, give bit for bit what one call without a split gives (the parts: kernels/cpu/grouped_mlp.h). Both
+// calls run under the same precision and quantization scopes.
+struct GroupedMlpBackwardSplit {
+  GroupedMlpBackwardPart part = GroupedMlpBackwardPart::kAll;
+  // grouped_mlp_backward_workspace's tensor (caller-owned): kData writes every row's d(fc1 output), kWeights reads
+  // it. Needed by kData and kWeights; with kAll null (the op's own) or used as the op's own.
+  Tensor* dfc1_workspace_RF1 = nullptr;
+};
+
+// The workspace a split backward needs: d(fc1 output) [R, F1], zeroed, fp32 for 16-bit dy_RH else dy_RH's dtype, on
+// dy_RH's device (what the op allocates for itself without one). R and F1 from offsets_E1 and the parameters.
+Tensor grouped_mlp_backward_workspace(const Tensor& dy_RH, const GroupedMlpParams& params,
+                                      std::span<const int64_t> offsets_E1, const GroupedMlpSpec& spec);
+
 // From dy_RH [R, H]: dx_RH += d/dx, dprobs_R = d/dp (overwritten), the parameters' gradients accumulate (an expert
-// without rows keeps its own). The saved activations as forward wrote them.
+// without rows keeps its own). The saved activations as forward wrote them. With a split, only its part: kData
+// leaves the gradients untouched (grads may be empty), kWeights leaves dx_RH and dprobs_R untouched (they may be
+// undefined tensors).
 void grouped_mlp_backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpGrads& grads, const Tensor& dy_RH,
                           const Tensor& x_RH, const Tensor* xs_RH, const Tensor& fc1_RF1, const Tensor* act_RF,
                           const Tensor* h_RF, const Tensor& probs_R, const GroupedMlpParams& params,
-                          std::span<const int64_t> offsets_E1, const GroupedMlpSpec& spec);
+                          std::span<const int64_t> offsets_E1, const GroupedMlpSpec& spec,
+                          const GroupedMlpBackwardSplit* split = nullptr);
 
 }  // namespace moecore::ops

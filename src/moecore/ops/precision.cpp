@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "moecore/ops/dispatch.h"
+#include "moecore/ops/scoped_state.h"
 #include "moecore/ops/staging.h"
 
 namespace moecore::ops {
@@ -52,6 +53,20 @@ ScopedActivationDType::ScopedActivationDType(const DType dtype, const Device dev
 }
 
 ScopedActivationDType::~ScopedActivationDType() { scoped_dtype_of(device_) = previous_; }
+
+namespace detail {
+
+std::array<int, 3> activation_dtype_state() {
+  std::array<int, 3> state{};
+  for (size_t d = 0; d < state.size(); ++d) state[d] = scoped_dtype[d].load();
+  return state;
+}
+
+void restore_activation_dtype_state(const std::array<int, 3>& state) {
+  for (size_t d = 0; d < state.size(); ++d) scoped_dtype[d] = state[d];
+}
+
+}  // namespace detail
 
 void round_to_dtype_(Tensor& t, const DType dtype) {
   constexpr const char* op = "round_to_dtype_";

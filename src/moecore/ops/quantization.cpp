@@ -4,6 +4,8 @@
 #include <atomic>
 #include <bit>
 
+#include "moecore/ops/scoped_state.h"
+
 namespace moecore::ops {
 namespace {
 
@@ -22,6 +24,20 @@ ScopedLinearQuantization::ScopedLinearQuantization(const quant::QuantizedLinearC
     : device_(device), previous_(scoped_config_of(device).exchange(config)) {}
 
 ScopedLinearQuantization::~ScopedLinearQuantization() { scoped_config_of(device_) = previous_; }
+
+namespace detail {
+
+std::array<const quant::QuantizedLinearConfig*, 3> linear_quantization_state() {
+  std::array<const quant::QuantizedLinearConfig*, 3> state{};
+  for (size_t d = 0; d < state.size(); ++d) state[d] = scoped_config[d].load();
+  return state;
+}
+
+void restore_linear_quantization_state(const std::array<const quant::QuantizedLinearConfig*, 3>& state) {
+  for (size_t d = 0; d < state.size(); ++d) scoped_config[d] = state[d];
+}
+
+}  // namespace detail
 
 uint64_t gradient_fingerprint(const float* data, const int64_t n) {
   // FNV-1a over the values' bit patterns and the count.

@@ -22,10 +22,15 @@ MpiRuntime::MpiRuntime(int* argc, char*** argv) {
   int already = 0;
   MPI_Initialized(&already);
   if (already) return;
-  // Only the main thread calls MPI (OpenMP workers never do).
+  // OpenMP workers never call MPI; the two lanes of the EP overlap (turn_taking.h) call it from two threads, one
+  // at a time.
   int provided = 0;
-  if (MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
+  if (MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided) != MPI_SUCCESS) {
     throw CommError("MPI_Init_thread failed");
+  }
+  if (provided < MPI_THREAD_SERIALIZED) {
+    MPI_Finalize();
+    throw CommError("this MPI library does not provide MPI_THREAD_SERIALIZED, which moecore needs");
   }
   owns_mpi_ = true;
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);

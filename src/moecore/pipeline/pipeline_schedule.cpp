@@ -20,11 +20,13 @@ class ActionListBuilder {
         next_input_microbatch_(static_cast<size_t>(vpp_size), 0),
         next_grad_microbatch_(static_cast<size_t>(vpp_size), 0) {}
 
-  void forward(const int microbatch, const int chunk) {
+  // combined: the combined 1F1B runs this forward with the backward added next.
+  void forward(const int microbatch, const int chunk, const bool combined = false) {
     PipelineAction action;
     action.op = PipelineOp::kForward;
     action.microbatch = microbatch;
     action.chunk = chunk;
+    action.combined_with_next = combined;
     actions_.push_back(action);
   }
   void backward(const int microbatch, const int chunk, const bool last_of_chunk) {
@@ -79,6 +81,14 @@ constexpr PipelineTransfer kNone{};
 
 // forward_backward_no_pipelining: forward and backward of each micro-batch in turn; gradient sync only for the last.
 void build_no_pipelining(const PipelineSchedule& s, ActionListBuilder& out) {
+  if (s.combined_1f1b) {  // combined_1f1b_schedule_for_no_pipelining: F0, then F(k+1) with B(k), then B(M-1)
+    out.forward(0, 0);
+    for (int mb = 0; mb < s.num_microbatches; ++mb) {
+      if (mb + 1 < s.num_microbatches) out.forward(mb + 1, 0, true);
+      out.backward(mb, 0, mb == s.num_microbatches - 1);
+    }
+    return;
+  }
   for (int mb = 0; mb < s.num_microbatches; ++mb) {
     out.forward(mb, 0);
     if (!s.forward_only) out.backward(mb, 0, mb == s.num_microbatches - 1);
@@ -204,7 +214,7 @@ void build_interleaved(const PipelineSchedule& s, ActionListBuilder& out) {
   }
   for (int k = 0; k < remaining; ++k) {  // steady state: forward k + warmup, backward k
     const int forward_k = k + warmup;
-    out.forward(microbatch_of(forward_k), chunk_of(forward_k, true));
+    out.forward(microbatch_of(forward_k), chunk_of(forward_k, true), s.combined_1f1b);
     backward(k);
     auto [recv_prev, next_forward_chunk] = recv_after(forward_k, true);
     const auto [recv_next, next_backward_chunk] = recv_after(k, false);
@@ -270,13 +280,14 @@ std::vector<VirtualMicrobatch> pipeline_schedule_table(const int num_microbatche
 }
 
 int pipeline_warmup_microbatches(const int pp_size, const int pp_rank, const int vpp_size, const int num_microbatches,
-                                 const int microbatch_group_size, const bool forward_only) {
+                                 const int microbatch_group_size, const bool forward_only, const bool combined_1f1b) {
   if (pp_size == 1) return 0;
   if (vpp_size == 1) return std::min(pp_size - pp_rank - 1, num_microbatches);
   const int total = num_microbatches * vpp_size;
   if (forward_only) return total;
   const int group = microbatch_group_size > 0 ? microbatch_group_size : pp_size;
-  return std::min((pp_size - pp_rank - 1) * 2 + (vpp_size - 1) * group, total);
+  const int extra = combined_1f1b ? 1 : 0;
+  return std::min((pp_size - pp_rank - 1) * 2 + (vpp_size - 1) * group + extra, total);
 }
 
 void check_pipeline_schedule_sizes(const int pp_size, const int pp_rank, const int vpp_size,
@@ -318,8 +329,13 @@ void check_pipeline_schedule_sizes(const int pp_size, const int pp_rank, const i
 }
 
 PipelineSchedule make_schedule(const int pp_size, const int pp_rank, const int vpp_size, const int num_microbatches,
-                               const int microbatch_group_size, const bool forward_only) {
+                               const int microbatch_group_size, const bool forward_only, const bool combined_1f1b) {
   check_pipeline_schedule_sizes(pp_size, pp_rank, vpp_size, num_microbatches, microbatch_group_size);
+  if (combined_1f1b && !forward_only && pp_size > 1 && vpp_size == 1) {
+    throw ConfigError(
+        "If enabling EP A2A overlap, virtual_pipeline_model_parallel_size must be specified when "
+        "pipeline_model_parallel_size > 1");
+  }
   PipelineSchedule s;
   s.kind = pp_size == 1    ? PipelineScheduleKind::kNoPipelining
            : vpp_size == 1 ? PipelineScheduleKind::kOneFOneB
@@ -330,8 +346,9 @@ PipelineSchedule make_schedule(const int pp_size, const int pp_rank, const int v
   s.num_microbatches = num_microbatches;
   s.microbatch_group_size = microbatch_group_size > 0 ? microbatch_group_size : pp_size;
   s.forward_only = forward_only;
-  s.num_warmup =
-      pipeline_warmup_microbatches(pp_size, pp_rank, vpp_size, num_microbatches, s.microbatch_group_size, forward_only);
+  s.combined_1f1b = combined_1f1b && !forward_only;
+  s.num_warmup = pipeline_warmup_microbatches(pp_size, pp_rank, vpp_size, num_microbatches, s.microbatch_group_size,
+                                              forward_only, s.combined_1f1b);
   ActionListBuilder builder(pp_size, pp_rank, vpp_size);
   switch (s.kind) {
     case PipelineScheduleKind::kNoPipelining: build_no_pipelining(s, builder); break;
@@ -344,12 +361,14 @@ PipelineSchedule make_schedule(const int pp_size, const int pp_rank, const int v
 }
 
 std::vector<PipelineSchedule> make_all_schedules(const int pp_size, const int vpp_size, const int num_microbatches,
-                                                 const int microbatch_group_size, const bool forward_only) {
+                                                 const int microbatch_group_size, const bool forward_only,
+                                                 const bool combined_1f1b) {
   check_pipeline_schedule_sizes(pp_size, 0, vpp_size, num_microbatches, microbatch_group_size);
   std::vector<PipelineSchedule> all;
   all.reserve(static_cast<size_t>(pp_size));
   for (int rank = 0; rank < pp_size; ++rank) {
-    all.push_back(make_schedule(pp_size, rank, vpp_size, num_microbatches, microbatch_group_size, forward_only));
+    all.push_back(
+        make_schedule(pp_size, rank, vpp_size, num_microbatches, microbatch_group_size, forward_only, combined_1f1b));
   }
   return all;
 }
@@ -374,7 +393,8 @@ const char* pipeline_op_name(const PipelineOp op) {
 std::string describe(const PipelineAction& action) {
   if (action.is_compute()) {
     return std::string(pipeline_op_name(action.op)) + " mb " + std::to_string(action.microbatch) + " chunk " +
-           std::to_string(action.chunk) + (action.last_backward_of_chunk ? " (last of chunk)" : "");
+           std::to_string(action.chunk) + (action.last_backward_of_chunk ? " (last of chunk)" : "") +
+           (action.combined_with_next ? " (combined with the next backward)" : "");
   }
   std::vector<std::string> parts;
   if (action.send_next.present()) parts.push_back(transfer_text("send activation", action.send_next, "to"));

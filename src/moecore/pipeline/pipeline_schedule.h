@@ -64,6 +64,7 @@ struct PipelineAction {
   int microbatch = -1;                  // kForward / kBackward
   int chunk = -1;                       // kForward / kBackward: model chunk on this rank (virtual stage chunk*PP + r)
   bool last_backward_of_chunk = false;  // kBackward: the chunk's gradients are complete after this step
+  bool combined_with_next = false;      // kForward under the combined 1F1B: one step with the kBackward after it
   PipelineTransfer send_next;           // activation output of (microbatch, chunk), to the next rank
   PipelineTransfer recv_prev;           // activation input of (microbatch, chunk), from the previous rank
   PipelineTransfer send_prev;           // gradient of the input of (microbatch, chunk), to the previous rank
@@ -80,6 +81,12 @@ struct PipelineSchedule {
   int num_microbatches = 0;       // M, per chunk
   int microbatch_group_size = 0;  // N (interleaved only; PP unless given)
   bool forward_only = false;
+  // Megatron's combined 1F1B (--overlap-moe-expert-parallel-comm, pipeline_parallel/combined_1f1b.py): a kForward
+  // marked combined_with_next and the kBackward right after it are one combined step whose two halves the executor
+  // runs taking turns (parallel/turn_taking.h). Without pipelining the list is F0, F1 B0, F2 B1, ..., B(M-1);
+  // interleaved, the steady state pairs forward k + warm-up with backward k after one extra warm-up forward, so the two
+  // halves of a step never depend on each other.
+  bool combined_1f1b = false;
   // Megatron's num_warmup_microbatches: forwards before the first backward (virtual micro-batches when interleaved).
   int num_warmup = 0;
   std::vector<PipelineAction> actions;
@@ -102,9 +109,10 @@ std::vector<VirtualMicrobatch> pipeline_schedule_table(int num_microbatches, int
 
 // Forwards before the first backward, as Megatron counts them: 1F1B min(PP - r - 1, M); interleaved
 // (PP - r - 1) * 2 + (VPP - 1) * N capped at M * VPP (schedules.py:get_pp_rank_microbatches); no pipelining 0;
-// forward-only interleaved: all M * VPP (1F1B keeps its count: its steady state then runs forward-only).
+// forward-only interleaved: all M * VPP (1F1B keeps its count: its steady state then runs forward-only); one more
+// when interleaved under the combined 1F1B schedule (schedules.py: get_pp_rank_microbatches).
 int pipeline_warmup_microbatches(int pp_size, int pp_rank, int vpp_size, int num_microbatches,
-                                 int microbatch_group_size, bool forward_only);
+                                 int microbatch_group_size, bool forward_only, bool combined_1f1b = false);
 
 // Megatron's checks on the schedule's sizes (get_forward_backward_func, forward_backward_no_pipelining,
 // forward_backward_pipelining_with_interleaving); throws ConfigError with Megatron's text. microbatch_group_size 0
@@ -120,12 +128,15 @@ void check_pipeline_schedule_sizes(int pp_size, int pp_rank, int vpp_size, int64
 // backward, waited on just before the step that needs them. Megatron's validate_args asks for PP > 2 on the
 // non-overlapped path "to avoid having multiple p2p sends and recvs between same 2 ranks per communication batch";
 // an executor that matches by tag, as these lists ask, has no such limit, so PP 2 is allowed.)
+// combined_1f1b: Megatron's combined 1F1B schedule (PP 1, or interleaved; 1F1B without virtual stages throws
+// Megatron's ConfigError); ignored when forward-only, as Megatron runs evaluation on the plain schedules.
 PipelineSchedule make_schedule(int pp_size, int pp_rank, int vpp_size, int num_microbatches,
-                               int microbatch_group_size = 0, bool forward_only = false);
+                               int microbatch_group_size = 0, bool forward_only = false, bool combined_1f1b = false);
 
 // Every rank's schedule, indexed by pp rank.
 std::vector<PipelineSchedule> make_all_schedules(int pp_size, int vpp_size, int num_microbatches,
-                                                 int microbatch_group_size = 0, bool forward_only = false);
+                                                 int microbatch_group_size = 0, bool forward_only = false,
+                                                 bool combined_1f1b = false);
 
 // Megatron's method name of a p2p op ("send_forward_recv_backward"), or "forward" / "backward".
 const char* pipeline_op_name(PipelineOp op);

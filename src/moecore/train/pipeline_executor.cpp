@@ -1,6 +1,7 @@
 #include "moecore/train/pipeline_executor.h"
 
 #include <algorithm>
+#include <any>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -12,7 +13,9 @@
 
 #include "moecore/ops/convert.h"
 #include "moecore/ops/precision.h"
+#include "moecore/ops/scoped_state.h"
 #include "moecore/parallel/comm_stats.h"
+#include "moecore/parallel/turn_taking.h"
 #include "moecore/util/trace.h"
 
 namespace moecore {
@@ -43,7 +46,14 @@ class Executor {
   }
 
   TokenWeightedLoss run() {
-    for (const PipelineAction& action : schedule_.actions) {
+    const std::vector<PipelineAction>& actions = schedule_.actions;
+    for (size_t i = 0; i < actions.size(); ++i) {
+      const PipelineAction& action = actions[i];
+      if (action.combined_with_next && i + 1 < actions.size() && actions[i + 1].op == PipelineOp::kBackward) {
+        combined_step(action, actions[i + 1]);
+        ++i;
+        continue;
+      }
       switch (action.op) {
         case PipelineOp::kForward: forward(action.microbatch, action.chunk); break;
         case PipelineOp::kBackward: backward(action); break;
@@ -134,6 +144,21 @@ class Executor {
       contexts_[key] = std::move(ctx);
       max_live_ = std::max(max_live_, static_cast<int>(contexts_.size()));
     }
+  }
+
+  // Megatron's combined_forward_backward_step: the backward of one micro-batch and the forward of another take turns
+  // on the cores, each handing them over while its expert all-to-all travels (parallel/turn_taking.h); the backward
+  // runs on this thread, the forward on the helper lane. Each computes what it would alone, in the same order.
+  void combined_step(const PipelineAction& forward_action, const PipelineAction& backward_action) {
+    const trace::Scope scope(step_name("combined forward", forward_action.microbatch, forward_action.chunk) + " + " +
+                                 step_name("backward", backward_action.microbatch, backward_action.chunk),
+                             "step");
+    // Each lane keeps its own ops scopes (activation dtype, quantization) while the other runs.
+    const parallel::LaneState ops_scopes{
+        [] { return std::any(ops::current_scoped_state()); },
+        [](const std::any& state) { ops::restore_scoped_state(std::any_cast<const ops::ScopedState&>(state)); }};
+    parallel::run_taking_turns([&] { backward(backward_action); },
+                               [&] { forward(forward_action.microbatch, forward_action.chunk); }, ops_scopes);
   }
 
   void backward(const PipelineAction& action) {

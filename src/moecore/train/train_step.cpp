@@ -35,7 +35,7 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   const std::vector<int64_t> mine = local_microbatches(num_microbatches, parallel.dp_size(), parallel.dp_rank());
   const PipelineSchedule schedule =
       make_schedule(parallel.pp_size(), parallel.pp_rank(), modules.model.num_chunks(), static_cast<int>(mine.size()),
-                    static_cast<int>(args.microbatch_group_size_per_vp_stage));
+                    static_cast<int>(args.microbatch_group_size_per_vp_stage), false, args.model.moe.overlap_ep_comm);
   PipelineMicrobatches microbatches;
   microbatches.B = args.micro_batch_size;
   microbatches.S = args.model.seq_length;

@@ -32,6 +32,8 @@ using Steps = grouped_mlp_detail::Steps<Kernels, T>;
 class NativeKernels : public Kernels {
  public:
   NativeKernels(const LowpType type, const GroupedMlpWeights<float>& w, const GroupedMlpShape& s) : type_(type) {
+    // The weight gradients (dweight += dout^T inp, dbias) read no weight: a kWeights backward casts none.
+    if (s.part == GroupedMlpBackwardPart::kWeights) return;
     const int64_t F1 = s.F1(), w1 = F1 * s.H, w2 = s.H * s.F;
     by_weight_.reserve(static_cast<size_t>(2 * s.E));
     if (w.fc1_weight16_E != nullptr && w.fc2_weight16_E != nullptr) {  // the caller's casts
@@ -178,14 +180,17 @@ template <typename St, typename T>
 void backward_tiles(const St& steps, const GroupedMlpShape& s, T* dx_RH, T* dprobs_R, const GroupedMlpGrads<T>& g,
                     T* dfc1_RF1, const T* dy_RH, const T* x_RH, const T* xs_RH, const T* fc1_RF1, const T* act_RF,
                     const T* h_RF, const T* probs_R) {
-  const std::vector<RowTile> tiles = row_tiles(s);
-  const auto n_tiles = static_cast<int64_t>(tiles.size());
+  if (s.part != GroupedMlpBackwardPart::kWeights) {
+    const std::vector<RowTile> tiles = row_tiles(s);
+    const auto n_tiles = static_cast<int64_t>(tiles.size());
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < n_tiles; ++i) {
-    const RowTile& tile = tiles[static_cast<size_t>(i)];
-    steps.backward_data(tile.expert, tile.begin, tile.end, dx_RH, dprobs_R, dfc1_RF1, dy_RH, x_RH, fc1_RF1, act_RF,
-                        probs_R);
+    for (int64_t i = 0; i < n_tiles; ++i) {
+      const RowTile& tile = tiles[static_cast<size_t>(i)];
+      steps.backward_data(tile.expert, tile.begin, tile.end, dx_RH, dprobs_R, dfc1_RF1, dy_RH, x_RH, fc1_RF1, act_RF,
+                          probs_R);
+    }
   }
+  if (s.part == GroupedMlpBackwardPart::kData) return;
   const std::vector<std::pair<int64_t, bool>> tasks = weight_grad_tasks(s);
   const auto n_tasks = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for schedule(dynamic, 1)
@@ -262,18 +267,17 @@ void forward_tiles16(const St& steps, const GroupedMlpShape& s, const Codec16& c
   }
 }
 
+// The row-local pass of backward_tiles16: dx, dprobs and d(fc1 output), tile by tile.
 template <typename St>
-void backward_tiles16(const St& steps, const GroupedMlpShape& s, const Codec16& c, uint16_t* dx_RH, float* dprobs_R,
-                      const GroupedMlpGrads<float>& g, float* dfc1_RF1, const uint16_t* dy_RH, const uint16_t* x_RH,
-                      const uint16_t* xs_RH, const uint16_t* fc1_RF1, const uint16_t* act_RF, const uint16_t* h_RF,
-                      const float* probs_R) {
+void backward_data_tiles16(const St& steps, const GroupedMlpShape& s, const Codec16& c, uint16_t* dx_RH,
+                           float* dprobs_R, float* dfc1_RF1, const uint16_t* dy_RH, const uint16_t* x_RH,
+                           const uint16_t* fc1_RF1, const uint16_t* act_RF, const float* probs_R) {
   const std::vector<RowTile> tiles = row_tiles(s);
   const auto n_tiles = static_cast<int64_t>(tiles.size());
   const int64_t H = s.H, F = s.F, F1 = s.F1();
-  const bool wsw = s.weighted_swiglu();
   // What the row-local pass reads besides dy, fc1 and dx: x with the probability on the input, the activation when
   // the probability scales it after fc1 (not fused).
-  const bool reads_x = s.probs_on_input, reads_act = !wsw && !s.probs_on_input;
+  const bool reads_x = s.probs_on_input, reads_act = !s.weighted_swiglu() && !s.probs_on_input;
 #pragma omp parallel
   {
     RowSlots slots;
@@ -295,6 +299,19 @@ void backward_tiles16(const St& steps, const GroupedMlpShape& s, const Codec16& 
       c.narrow(dx_RH + b * H, dx, n * H);
     }
   }
+}
+
+template <typename St>
+void backward_tiles16(const St& steps, const GroupedMlpShape& s, const Codec16& c, uint16_t* dx_RH, float* dprobs_R,
+                      const GroupedMlpGrads<float>& g, float* dfc1_RF1, const uint16_t* dy_RH, const uint16_t* x_RH,
+                      const uint16_t* xs_RH, const uint16_t* fc1_RF1, const uint16_t* act_RF, const uint16_t* h_RF,
+                      const float* probs_R) {
+  const int64_t H = s.H, F = s.F, F1 = s.F1();
+  const bool wsw = s.weighted_swiglu();
+  if (s.part != GroupedMlpBackwardPart::kWeights) {
+    backward_data_tiles16(steps, s, c, dx_RH, dprobs_R, dfc1_RF1, dy_RH, x_RH, fc1_RF1, act_RF, probs_R);
+  }
+  if (s.part == GroupedMlpBackwardPart::kData) return;
   const std::vector<std::pair<int64_t, bool>> tasks = weight_grad_tasks(s);
   const auto n_tasks = static_cast<int64_t>(tasks.size());
 #pragma omp parallel

@@ -19,6 +19,16 @@ namespace moecore::kernels {
 
 enum class MlpActivation : uint8_t { kGelu, kSwiGLU, kSquaredReLU };
 
+// The part of grouped_mlp_backward a call runs. Megatron's --delay-wgrad-compute (TE's GroupedLinear with
+// delay_wgrad_compute) runs the experts' weight-gradient GEMMs after their data gradients, in a later slot: a kData
+// call followed by a kWeights call on the same dfc1_RF1 workspace gives, bit for bit, what one kAll call gives.
+//   kAll      both parts.
+//   kData     the row-local pass only: dx_RH, dprobs_R and the dfc1_RF1 workspace (d(fc1 output) of every row); the
+//             gradients are not touched (g may hold null arrays).
+//   kWeights  the weight-gradient tasks only: the gradients from the dfc1_RF1 the kData call wrote, dy_RH, x_RH or
+//             xs_RH, act_RF or h_RF and probs_R; dx_RH and dprobs_R are not touched (may be null), nor is fc1_RF1.
+enum class GroupedMlpBackwardPart : uint8_t { kAll, kData, kWeights };
+
 struct GroupedMlpShape {
   const int64_t* offsets_E1;  // E + 1 non-decreasing entries from 0
   int64_t E, H, F;
@@ -29,6 +39,7 @@ struct GroupedMlpShape {
   // native_type: the steps round every activation they write) through gemm_lowp's native path, with fp32 sums.
   bool native_gemm = false;
   LowpType native_type = LowpType::kBF16;
+  GroupedMlpBackwardPart part = GroupedMlpBackwardPart::kAll;  // backward only: what the call computes
 
   int64_t F1() const { return activation == MlpActivation::kSwiGLU ? 2 * F : F; }
   // SwiGLU with the probability after it: the fused weighted SwiGLU (h saved instead of the activation).
@@ -63,7 +74,8 @@ struct GroupedMlpGrads {  // accumulated; null arrays or entries are skipped
   void grouped_mlp_forward(T* y_RH, T* fc1_RF1, T* act_RF, T* h_RF, T* xs_RH, const T* x_RH, const T* probs_R,     \
                            const GroupedMlpWeights<T>& w, const GroupedMlpShape& s);                               \
   /* From dy_RH and the forward's saved activations: dx_RH += d/dx, dprobs_R = d/dp (overwritten), the parameter   \
-     gradients accumulate (an expert without rows keeps its own). dfc1_RF1: [R, F1] workspace (zeroed). */         \
+     gradients accumulate (an expert without rows keeps its own). dfc1_RF1: [R, F1] workspace (zeroed), which a    \
+     kData call writes and a kWeights call reads (s.part: GroupedMlpBackwardPart). */                              \
   template <typename T>                                                                                            \
   void grouped_mlp_backward(T* dx_RH, T* dprobs_R, const GroupedMlpGrads<T>& g, T* dfc1_RF1, const T* dy_RH,       \
                             const T* x_RH, const T* xs_RH, const T* fc1_RF1, const T* act_RF, const T* h_RF,       \

@@ -34,10 +34,19 @@ void grouped_mlp_backward(T* dx_RH, T* dprobs_R, const GroupedMlpGrads<T>& g, T*
                           const T* x_RH, const T* xs_RH, const T* fc1_RF1, const T* act_RF, const T* h_RF,
                           const T* probs_R, const GroupedMlpWeights<T>& w, const GroupedMlpShape& s) {
   const Steps<T> steps(w, s);
+  // Every expert's data gradients, then every expert's weight gradients (each expert's results are its own, so the
+  // order of the experts' parts changes nothing).
+  if (s.part != GroupedMlpBackwardPart::kWeights) {
+    for (int64_t e = 0; e < s.E; ++e) {
+      const int64_t begin = s.offsets_E1[e], end = s.offsets_E1[e + 1];
+      if (end == begin) continue;
+      steps.backward_data(e, begin, end, dx_RH, dprobs_R, dfc1_RF1, dy_RH, x_RH, fc1_RF1, act_RF, probs_R);
+    }
+  }
+  if (s.part == GroupedMlpBackwardPart::kData) return;
   for (int64_t e = 0; e < s.E; ++e) {
     const int64_t begin = s.offsets_E1[e], end = s.offsets_E1[e + 1];
     if (end == begin) continue;
-    steps.backward_data(e, begin, end, dx_RH, dprobs_R, dfc1_RF1, dy_RH, x_RH, fc1_RF1, act_RF, probs_R);
     for (const bool fc1 : {true, false}) {
       steps.weight_grads(e, fc1, begin, end, g, dfc1_RF1, dy_RH, x_RH, xs_RH, act_RF, h_RF, probs_R);
     }
