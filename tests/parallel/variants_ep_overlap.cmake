@@ -23,4 +23,8 @@ moecore_ep_overlap(pp2_vpp2_ep2 4 --bf16 --pipeline-model-parallel-size 2 --num-
 # fp16 with its loss scaler, and top-1 with expert tensor parallelism (the combine's fp32 partial sums).
 moecore_ep_overlap(ep2_fp16 2 --expert-model-parallel-size 2 --fp16)
 moecore_ep_overlap(ep2_etp2 4 --bf16 --expert-model-parallel-size 2 --expert-tensor-parallel-size 2)
+# FP8 delayed scaling (amax histories recorded by both lanes) and one Multi-Token Prediction depth (Megatron's limit).
+moecore_ep_overlap(ep2_fp8_delayed 2 --bf16 --expert-model-parallel-size 2 --fp8-format hybrid --fp8-recipe delayed
+                   --fp8-amax-history-len 4)
+moecore_ep_overlap(ep2_mtp1 2 --bf16 --expert-model-parallel-size 2 --mtp-num-layers 1)
 set_tests_properties(${ep_overlap_tests} PROPERTIES LABELS dist TIMEOUT 300 ENVIRONMENT "OMP_NUM_THREADS=1")
