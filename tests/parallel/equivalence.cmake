@@ -118,6 +118,8 @@ moecore_equiv(tp2_ep2_folded aux 2 --tensor-model-parallel-size 2 --sequence-par
               --expert-model-parallel-size 2 --expert-tensor-parallel-size 1)
 moecore_equiv(ep4_allgather aux 4 --expert-model-parallel-size 4 --moe-token-dispatcher-type allgather)
 moecore_equiv(ep4_alltoall aux 4 --expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall)
+# The flex dispatcher on two pretend hosts (variants_flex.cmake sets MOECORE_PRETEND_HOSTS=2).
+moecore_equiv(flex_ep4_hosts2 aux 4 --expert-model-parallel-size 4 --moe-token-dispatcher-type flex)
 moecore_equiv(tp2_ep4_folded aux 4 --tensor-model-parallel-size 2 --sequence-parallel
               --expert-model-parallel-size 4 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall)
 moecore_equiv(etp2_ep2 aux 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2

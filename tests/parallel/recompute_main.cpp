@@ -52,7 +52,9 @@ const std::map<std::string, Flags>& variants() {
       {"full_distributed",
        {"--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
         "--distribute-saved-activations"}},
-      // Not recomputation, equally exact: Megatron's EP all-to-all overlap (variants_ep_overlap.cmake).
+      // Not recomputation, equally exact: Megatron's EP all-to-all overlap (variants_ep_overlap.cmake) and the flex
+      // dispatcher in place of the configuration's alltoall one (variants_flex.cmake).
+      {"flex", {"--moe-token-dispatcher-type", "flex"}},
       {"ep_overlap", {"--overlap-moe-expert-parallel-comm"}},
       {"ep_overlap_delay_wgrad", {"--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"}},
   };

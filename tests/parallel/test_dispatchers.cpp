@@ -19,6 +19,7 @@
 
 #include "moecore/moe/token_dispatcher.h"
 #include "moecore/moe/token_dispatcher_internal.h"
+#include "moecore/parallel/comm_stats.h"
 #include "moecore/parallel/mpi_runtime.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/parallel/process_group.h"
@@ -35,6 +36,7 @@ using moecore::TokenDispatcherType;
 using moecore::detail::AllToAllCounts;
 using moecore::detail::AllToAllPlan;
 using moecore::detail::RowChunk;
+using moecore::parallel::CommStats;
 using moecore::parallel::MpiRuntime;
 using moecore::parallel::ParallelState;
 using moecore::parallel::ProcessGroup;
@@ -186,6 +188,12 @@ std::vector<ExpectedRow> expected_rows(const ParallelState& ps, const TokenDispa
   return rows;
 }
 
+std::vector<int> gather_ints(const ProcessGroup& group, const int value) {
+  std::vector<int> all(static_cast<size_t>(group.size()));
+  group.all_gather<int>(std::span<const int>(&value, 1), all);
+  return all;
+}
+
 // dispatch -> experts -> combine -> backward chain on this rank's data; checks everything against the reference.
 Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, const std::vector<RankData>& world_data,
                       const Case c, const std::string& label) {
@@ -198,7 +206,29 @@ Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, c
   const std::vector<ExpectedRow> expected_R = expected_rows(ps, type, world_data);
 
   DispatchState state;
+  const double inter_host_before = CommStats::instance().inter_host_bytes();
   const Tensor x_RH = dispatcher->dispatch(view(mine.x_TH, H), mine.routing, state);
+  if (type == TokenDispatcherType::kFlex) {
+    // Each token crosses to another host once per host holding any of its experts (an ETP replica of their EP rank).
+    const std::vector<int> hosts = gather_ints(ps.world, ps.host), ep_ranks = gather_ints(ps.world, ps.ep_rank());
+    int64_t crossings = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<int> needed;
+      for (int64_t e = 0; e < E; ++e) {
+        if (mine.routing.routing_map_TE.data<uint8_t>()[t * E + e] == 0) continue;
+        for (const int m : members) {
+          if (ep_ranks[static_cast<size_t>(m)] == e / El && hosts[static_cast<size_t>(m)] != ps.host) {
+            needed.push_back(hosts[static_cast<size_t>(m)]);
+          }
+        }
+      }
+      std::sort(needed.begin(), needed.end());
+      crossings += std::unique(needed.begin(), needed.end()) - needed.begin();
+    }
+    const double bytes = CommStats::instance().inter_host_bytes() - inter_host_before;
+    check(bytes == static_cast<double>(crossings * H * 4),
+          label + ": inter-host bytes " + std::to_string(bytes) + ", expected " + std::to_string(crossings * H * 4));
+  }
   const int64_t R = x_RH.dim(0);
   check(x_RH.dim(1) == H, label + ": x_RH width");
   check(static_cast<int64_t>(state.expert_R.size()) == R && state.probs_R.numel() == R &&
@@ -438,10 +468,23 @@ void test_layout_case(const ProcessGroup& world, const Layout& layout, const Cas
   const Result again = run_dispatcher(ps, TokenDispatcherType::kAllToAll, equal_data, c, label + "/alltoall again");
   check(again.out_TH == a2a.out_TH && again.dx_TH == a2a.dx_TH && again.dprobs_TE == a2a.dprobs_TE,
         label + ": alltoall repeatable");
+  // The flex dispatcher (no padding to capacity, as Megatron's backends): the alltoall dispatcher's bits.
+  if (c != Case::kCapacityPad && ps.tp_ep.size() > 1) {
+    const Result flex = run_dispatcher(ps, TokenDispatcherType::kFlex, equal_data, c, label + "/flex");
+    check(flex.out_TH == a2a.out_TH && flex.dx_TH == a2a.dx_TH && flex.dprobs_TE == a2a.dprobs_TE,
+          label + ": flex bit-identical to alltoall");
+  }
 
   std::vector<RankData> unequal_data;
   for (int r = 0; r < world.size(); ++r) unequal_data.push_back(make_data(r, 3 + 2 * (r % 3), c, starve_end, 23));
-  run_dispatcher(ps, TokenDispatcherType::kAllToAll, unequal_data, c, label + "/alltoall unequal T");
+  const Result a2a_unequal =
+      run_dispatcher(ps, TokenDispatcherType::kAllToAll, unequal_data, c, label + "/alltoall unequal T");
+  if (c != Case::kCapacityPad && ps.tp_ep.size() > 1) {
+    const Result flex = run_dispatcher(ps, TokenDispatcherType::kFlex, unequal_data, c, label + "/flex unequal T");
+    check(
+        flex.out_TH == a2a_unequal.out_TH && flex.dx_TH == a2a_unequal.dx_TH && flex.dprobs_TE == a2a_unequal.dprobs_TE,
+        label + ": flex bit-identical to alltoall, unequal T");
+  }
 }
 
 }  // namespace

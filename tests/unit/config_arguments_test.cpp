@@ -498,7 +498,7 @@ TEST(TrainArguments, RouterPaddingForQuantization) {
             "--moe-router-padding-for-quantization requires --num-experts (a positive number of experts)");
   EXPECT_EQ(error_of(with(minimal_moe(), {"--fp8-format", "hybrid", "--moe-router-padding-for-quantization"})),
             "the allgather dispatcher does not support --moe-router-padding-for-quantization (use "
-            "--moe-token-dispatcher-type alltoall)");
+            "--moe-token-dispatcher-type alltoall or flex)");
   EXPECT_EQ(error_of(with(moe, {"--fp8-format", "hybrid", "--moe-router-padding-for-quantization",
                                 "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"})),
             "--moe-router-padding-for-quantization with --moe-pad-expert-input-to-capacity is not implemented yet");
@@ -1274,8 +1274,6 @@ TEST(TrainArguments, MoEBadInput) {
             "invalid value 'x' for --moe-aux-loss-coeff: expected a finite number");
   EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-router-dtype", "bf16"})),
             "invalid value 'bf16' for --moe-router-dtype (choose from fp32, fp64)");
-  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-token-dispatcher-type", "flex"})),
-            "--moe-token-dispatcher-type flex is not available on this backend (use allgather or alltoall)");
   EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-aux-loss-coeff"})),
             "--moe-aux-loss-coeff expects at least one value (X...)");
   // The layer pattern.
@@ -1448,6 +1446,36 @@ TEST(TrainArguments, ExpertParallelOverlapChecks) {
   std::erase(sequential, "--moe-grouped-gemm");
   EXPECT_EQ(error_of(with(sequential, {"--delay-wgrad-compute"}), 2),
             "--delay-wgrad-compute requires --moe-grouped-gemm");
+}
+
+// The flex dispatcher: moecore's mpiep backend, Megatron's GPU backends refused, Megatron's checks.
+TEST(TrainArguments, FlexDispatcherChecks) {
+  const Args ep2 =
+      with(minimal_moe(), {"--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"});
+  const TrainingArgs flex = parse_train_args(with(ep2, {"--moe-token-dispatcher-type", "flex"}), 2);
+  EXPECT_EQ(flex.model.moe.dispatcher_type, TokenDispatcherType::kFlex);  // the last occurrence wins
+  EXPECT_EQ(flex.moe_flex_dispatcher_backend, "mpiep");
+  EXPECT_EQ(
+      parse_train_args(with(ep2, {"--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "mpiep"}), 2)
+          .moe_flex_dispatcher_backend,
+      "mpiep");
+  EXPECT_EQ(
+      error_of(with(ep2, {"--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"}), 2),
+      "--moe-flex-dispatcher-backend deepep needs NVIDIA GPUs; on this backend the flex dispatcher runs on mpiep");
+  EXPECT_EQ(error_of(with(ep2, {"--moe-flex-dispatcher-backend", "mpiep"}), 2),
+            "--moe-flex-dispatcher-backend requires --moe-token-dispatcher-type flex");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-token-dispatcher-type", "flex"})),
+            "the flex dispatcher (mpiep) requires TPxEP > 1");
+  EXPECT_EQ(error_of(with(ep2, {"--moe-token-dispatcher-type", "flex", "--moe-expert-capacity-factor", "1.0",
+                                "--moe-pad-expert-input-to-capacity"}),
+                     2),
+            "drop and pad is not supported with --moe-token-dispatcher-type flex");
+  EXPECT_EQ(error_of(with(ep2, {"--moe-token-dispatcher-type", "allgather", "--moe-shared-expert-intermediate-size",
+                                "32", "--disable-bias-linear", "--moe-shared-expert-overlap"}),
+                     2),
+            "moe_shared_expert_overlap only works with alltoall or flex token dispatcher.");
+  EXPECT_NO_THROW(parse_train_args(
+      with(ep2, {"--moe-token-dispatcher-type", "flex", "--bf16", "--overlap-moe-expert-parallel-comm"}), 2));
 }
 
 }  // namespace

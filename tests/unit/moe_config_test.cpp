@@ -173,7 +173,7 @@ TEST(MoEConfigValidate, ExpertCountAndSizes) {
   config.shared_expert_intermediate_size = 16;
   EXPECT_EQ(validate_error(config), "<no error>");
   config.dispatcher_type = TokenDispatcherType::kAllGather;
-  EXPECT_EQ(validate_error(config), "--moe-shared-expert-overlap only works with --moe-token-dispatcher-type alltoall");
+  EXPECT_EQ(validate_error(config), "moe_shared_expert_overlap only works with alltoall or flex token dispatcher.");
 }
 
 TEST(MoEConfigValidate, RouterTopkAndScores) {

@@ -450,15 +450,23 @@ const std::vector<TrainFlag>& flag_table() {
      [](TrainingArgs& a, const FlagValue&) { a.moe_router_padding_for_quantization = true; }},
     {"--moe-router-padding-for-fp8", Arity::kSwitch, "", "alias of --moe-router-padding-for-quantization",
      [](TrainingArgs& a, const FlagValue&) { a.moe_router_padding_for_quantization = true; }},
-    {"--moe-token-dispatcher-type", Arity::kOne, "{allgather,alltoall}", "token dispatcher (default allgather)",
+    {"--moe-token-dispatcher-type", Arity::kOne, "{allgather,alltoall,flex}", "token dispatcher (default allgather)",
      [](TrainingArgs& a, const FlagValue& v) {
-       if (v.text() == "flex") {
-         throw ConfigError("--moe-token-dispatcher-type flex is not available on this backend (use allgather or "
-                           "alltoall)");
+       a.moe_token_dispatcher_type = v.choice({"allgather", "alltoall", "flex"});
+       a.model.moe.dispatcher_type = a.moe_token_dispatcher_type == "alltoall" ? TokenDispatcherType::kAllToAll
+                                     : a.moe_token_dispatcher_type == "flex"   ? TokenDispatcherType::kFlex
+                                                                               : TokenDispatcherType::kAllGather;
+     }},
+    {"--moe-flex-dispatcher-backend", Arity::kOne, "{deepep,hybridep,ncclep,mpiep}",
+     "the flex dispatcher's backend: mpiep (moecore's, on MPI: each token once per destination host, then shared "
+     "memory inside the host; the default here); DeepEP, HybridEP and NCCL EP need NVIDIA GPUs",
+     [](TrainingArgs& a, const FlagValue& v) {
+       const std::string backend = v.choice({"deepep", "hybridep", "ncclep", "mpiep"});
+       if (backend != "mpiep") {
+         throw ConfigError("--moe-flex-dispatcher-backend " + backend +
+                           " needs NVIDIA GPUs; on this backend the flex dispatcher runs on mpiep");
        }
-       a.moe_token_dispatcher_type = v.choice({"allgather", "alltoall"});
-       a.model.moe.dispatcher_type =
-           a.moe_token_dispatcher_type == "alltoall" ? TokenDispatcherType::kAllToAll : TokenDispatcherType::kAllGather;
+       a.moe_flex_dispatcher_backend = backend;
      }},
     {"--no-moe-memory-efficient-permutation", Arity::kSwitch, "",
      "moecore: apply the routed experts' probabilities to their output, keeping it for the probabilities' gradient, "

@@ -752,6 +752,16 @@ void finalize_mtp(const TrainingArgs& args) {
 // Megatron's checks of the EP all-to-all overlap (TransformerConfig.__post_init__), with its texts; and moecore's
 // own: the deferred weight gradients are the grouped experts', and Megatron-FSDP's per-layer gathers do not run
 // inside the combined schedule.
+// The flex dispatcher (Megatron's MoEFlexTokenDispatcher: DeepEP's "requires TPxEP > 1").
+void finalize_flex_dispatcher(const TrainingArgs& args, const std::set<std::string>& given) {
+  const bool flex = args.model.moe.dispatcher_type == TokenDispatcherType::kFlex;
+  require(flex || given.count("--moe-flex-dispatcher-backend") == 0,
+          "--moe-flex-dispatcher-backend requires --moe-token-dispatcher-type flex");
+  if (!flex) return;
+  require(args.parallel.expert_tensor_parallel() * args.parallel.expert_model_parallel_size > 1,
+          "the flex dispatcher (mpiep) requires TPxEP > 1");
+}
+
 void finalize_ep_overlap(const TrainingArgs& args) {
   const MoEConfig& moe = args.model.moe;
   require(!moe.delay_wgrad_compute || moe.overlap_ep_comm,
@@ -763,7 +773,7 @@ void finalize_ep_overlap(const TrainingArgs& args) {
           "pipeline_model_parallel_size > 1");
   require(args.parallel.expert_model_parallel_size > 1,
           "overlap_moe_expert_parallel_comm is only supported with expert model parallelism");
-  require(moe.dispatcher_type == TokenDispatcherType::kAllToAll,
+  require(moe.dispatcher_type != TokenDispatcherType::kAllGather,
           "overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher");
   require(!r.full(), "disable full recomputation when enabling overlap_moe_expert_parallel_comm");
   require(!r.has("moe"), "disable moe in recompute_modules when enabling overlap_moe_expert_parallel_comm");
@@ -853,6 +863,7 @@ void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given)
   finalize_moecore(args, given);
   finalize_packed_sequences(args);
   finalize_mtp(args);
+  finalize_flex_dispatcher(args, given);
   finalize_ep_overlap(args);
 }
 

@@ -203,9 +203,9 @@ void MoEConfig::validate(const int64_t num_layers) const {
   // Routing-map padding for quantization (TransformerConfig.__post_init__).
   require(router_padding_multiple >= 0,
           "the routing-map padding multiple must not be negative (got " + str(router_padding_multiple) + ")");
-  require(router_padding_multiple == 0 || dispatcher_type == TokenDispatcherType::kAllToAll,
+  require(router_padding_multiple == 0 || dispatcher_type != TokenDispatcherType::kAllGather,
           "the allgather dispatcher does not support --moe-router-padding-for-quantization (use "
-          "--moe-token-dispatcher-type alltoall)");
+          "--moe-token-dispatcher-type alltoall or flex)");
   require(router_padding_multiple == 0 || !pad_expert_input_to_capacity,
           "--moe-router-padding-for-quantization with --moe-pad-expert-input-to-capacity is not implemented yet");
 
@@ -290,11 +290,14 @@ void MoEConfig::validate(const int64_t num_layers) const {
           "--moe-shared-expert-intermediate-size must be positive (got " + str(shared_expert_intermediate_size) + ")");
   require(!shared_expert_gate || shared_expert_intermediate_size > 0,
           "--moe-shared-expert-gate requires --moe-shared-expert-intermediate-size");
-  // Megatron's TransformerConfig: the overlap runs inside the alltoall dispatcher (or flex, which moecore lacks).
+  // Megatron's TransformerConfig: the overlap runs inside the alltoall or flex dispatcher.
   require(!shared_expert_overlap || shared_expert_intermediate_size > 0,
           "--moe-shared-expert-overlap requires --moe-shared-expert-intermediate-size");
-  require(!shared_expert_overlap || dispatcher_type == TokenDispatcherType::kAllToAll,
-          "--moe-shared-expert-overlap only works with --moe-token-dispatcher-type alltoall");
+  require(!shared_expert_overlap || dispatcher_type != TokenDispatcherType::kAllGather,
+          "moe_shared_expert_overlap only works with alltoall or flex token dispatcher.");
+  // Megatron's flex backends (DeepEP's drop_and_pad, NCCL EP's check) do not pad experts to capacity.
+  require(!pad_expert_input_to_capacity || dispatcher_type != TokenDispatcherType::kFlex,
+          "drop and pad is not supported with --moe-token-dispatcher-type flex");
 }
 
 std::string to_string(const RouterScoreFunction value) {

@@ -11,9 +11,9 @@ namespace moecore {
 
 enum class RouterScoreFunction { kSoftmax, kSigmoid, kSqrtSoftplus };  // --moe-router-score-function
 enum class LoadBalancingType { kAuxLoss, kSeqAuxLoss, kGlobalAuxLoss, kSinkhorn, kNone };
-enum class TokenDropPolicy { kProbs, kPosition };          // --moe-token-drop-policy
-enum class RouterDType { kFP32, kFP64 };                   // --moe-router-dtype
-enum class TokenDispatcherType { kAllGather, kAllToAll };  // --moe-token-dispatcher-type (flex is rejected)
+enum class TokenDropPolicy { kProbs, kPosition };                 // --moe-token-drop-policy
+enum class RouterDType { kFP32, kFP64 };                          // --moe-router-dtype
+enum class TokenDispatcherType { kAllGather, kAllToAll, kFlex };  // --moe-token-dispatcher-type
 
 struct MoEConfig {
   int64_t num_experts = 0;              // --num-experts

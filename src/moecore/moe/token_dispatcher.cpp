@@ -130,8 +130,12 @@ std::unique_ptr<TokenDispatcher> make_token_dispatcher(const TokenDispatcherType
                                 std::to_string(parallel.ep_size()));
   }
   if (parallel.tp_ep.size() == 1) return make_local_dispatcher();
-  return type == TokenDispatcherType::kAllToAll ? detail::make_alltoall_dispatcher(num_experts, parallel)
-                                                : detail::make_allgather_dispatcher(num_experts, parallel);
+  switch (type) {
+    case TokenDispatcherType::kAllToAll: return detail::make_alltoall_dispatcher(num_experts, parallel);
+    case TokenDispatcherType::kFlex: return detail::make_flex_dispatcher(num_experts, parallel);
+    case TokenDispatcherType::kAllGather: break;
+  }
+  return detail::make_allgather_dispatcher(num_experts, parallel);
 }
 
 }  // namespace moecore

@@ -17,6 +17,8 @@
 
 namespace moecore {
 
+struct FlexDispatchPlan;  // token_dispatcher_flex.cpp
+
 // The permutation of one micro-batch: row r of the expert input came from token source_token_R[r]
 // (-1 for a padding row) and belongs to expert expert_R[r].
 struct DispatchState {
@@ -41,6 +43,8 @@ struct DispatchState {
   std::vector<int64_t> etp_rows;
   int64_t etp_max_rows = 0;
   std::vector<int64_t> sorted_first_C, sorted_rows_C;
+  // flex: the routing plan (which host needs which token, each host rank's rows), for combine and the backwards.
+  std::shared_ptr<const FlexDispatchPlan> flex;
   // allgather: the routing map (kU8 [T, E]) and token counts (kI64 [E]) of this rank in dispatch_preprocess, of the
   // whole group ([S T, E], [S E]) after token_dispatch.
   Tensor routing_map, expert_counts;

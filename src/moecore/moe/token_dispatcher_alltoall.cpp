@@ -38,10 +38,7 @@ namespace moecore::detail {
 
 namespace {
 
-// MOECORE_EP_A2A_DELAY_US=N (benchmarks of the communication overlap): every EP all-to-all of token rows or their
-// gradients completes no earlier than N microseconds after it started, as over a slower link. Work placed between an
-// exchange's start and its wait (the shared experts under --moe-shared-expert-overlap) hides the delay as it would
-// hide such a link's transfer; what is not hidden shows in the [comm] line's all-to-all time.
+// MOECORE_EP_A2A_DELAY_US (token_dispatcher_internal.h: finish_link_delay), read once.
 std::chrono::microseconds injected_link_delay() {
   static const std::chrono::microseconds delay = [] {
     const char *text = std::getenv("MOECORE_EP_A2A_DELAY_US");
@@ -57,13 +54,12 @@ std::chrono::microseconds injected_link_delay() {
   return delay;
 }
 
-// Waits out the injected delay of an exchange started at `start`.
+}  // namespace
+
 void finish_link_delay(const std::chrono::steady_clock::time_point start) {
   const std::chrono::microseconds delay = injected_link_delay();
   if (delay.count() > 0) std::this_thread::sleep_until(start + delay);
 }
-
-}  // namespace
 
 AllToAllCounts exchange_alltoall_counts(const parallel::ProcessGroup &ep, const parallel::ProcessGroup &etp,
                                         const std::vector<int64_t> &rows_E, const int64_t El) {
@@ -136,7 +132,11 @@ int64_t total(const std::vector<size_t> &rows) {
 class AllToAllDispatcher final : public TokenDispatcher {
  public:
   AllToAllDispatcher(const int64_t num_experts, const parallel::ParallelState &parallel)
-      : E_(num_experts), El_(num_experts / parallel.ep_size()), ep_(parallel.ep), etp_(parallel.etp) {}
+      : E_(num_experts),
+        El_(num_experts / parallel.ep_size()),
+        host_(parallel.host),
+        ep_(parallel.ep),
+        etp_(parallel.etp) {}
 
   // Local permutation over all experts (EP rank d's experts form one contiguous block of it) and the count
   // exchange that plans the all-to-all (Megatron's preprocess).
@@ -164,6 +164,10 @@ class AllToAllDispatcher final : public TokenDispatcher {
       state.sent_expert_L.insert(state.sent_expert_L.end(), static_cast<size_t>(expert_rows), e);
       state.ep_send_rows[static_cast<size_t>(e / El_)] += static_cast<size_t>(expert_rows);
     }
+    if (ep_hosts_.empty()) {  // each EP peer's host, for the inter-host bytes
+      ep_hosts_.resize(static_cast<size_t>(ep_.size()));
+      ep_.all_gather<int>(std::span<const int>(&host_, 1), ep_hosts_);
+    }
     const AllToAllPlan plan =
         plan_alltoall(exchange_alltoall_counts(ep_, etp_, routing.tokens_per_expert_E, El_), etp_.rank());
     state.ep_recv_rows = plan.ep_recv_rows;
@@ -187,7 +191,8 @@ class AllToAllDispatcher final : public TokenDispatcher {
                                  const std::function<void()> *overlapped) override {
     InFlight rows =
         start_to_experts(local.rows, state, overlapped ? "all-to-all under the shared experts" : "all-to-all");
-    InFlight probs = start_to_experts(local.probs.view({local.probs.numel(), 1}), state, "all-to-all (probabilities)");
+    InFlight probs =
+        start_to_experts(local.probs.view({local.probs.numel(), 1}), state, "all-to-all (probabilities)", false);
     if (overlapped) (*overlapped)();
     parallel::pass_turn();
     DispatchBuffers out;
@@ -228,15 +233,16 @@ class AllToAllDispatcher final : public TokenDispatcher {
   }
 
   void probs_backward(Tensor &dprobs_TE, const Tensor &dprobs_R, const DispatchState &state) override {
-    InFlight probs = start_from_experts(unsort(dprobs_R.view({dprobs_R.numel(), 1}), state), state, "all-to-all");
+    InFlight probs =
+        start_from_experts(unsort(dprobs_R.view({dprobs_R.numel(), 1}), state), state, "all-to-all", false);
     add_probs(dprobs_TE, finish_from_experts(probs), state);
   }
 
   void dispatch_backward_with_probs(Tensor &dx_TH, Tensor &dprobs_TE, const Tensor &dx_RH, const Tensor &dprobs_R,
                                     const DispatchState &state, const std::function<void()> *overlapped) override {
     InFlight rows = start_from_experts(combine_preprocess(dx_RH, state), state, "all-to-all");
-    InFlight probs =
-        start_from_experts(unsort(dprobs_R.view({dprobs_R.numel(), 1}), state), state, "all-to-all (probabilities)");
+    InFlight probs = start_from_experts(unsort(dprobs_R.view({dprobs_R.numel(), 1}), state), state,
+                                        "all-to-all (probabilities)", false);
     if (overlapped) (*overlapped)();
     parallel::pass_turn();
     combine_postprocess(dx_TH, finish_from_experts(rows), state);
@@ -252,9 +258,11 @@ class AllToAllDispatcher final : public TokenDispatcher {
   };
 
   // Rows in send order [L, W] -> all-to-all over EP (started here) ...
-  InFlight start_to_experts(const Tensor &rows_LW, const DispatchState &state, const char *name) const {
+  InFlight start_to_experts(const Tensor &rows_LW, const DispatchState &state, const char *name,
+                            const bool token_rows = true) const {
     const int64_t M = state.etp_max_rows, ETP = etp_.size(), W = rows_LW.dim(1);
     InFlight exchange;
+    if (token_rows) count_inter_host(state.ep_send_rows, W * static_cast<int64_t>(dtype_size(rows_LW.dtype())));
     exchange.sent = rows_LW;
     exchange.received = activation_rows({M, W}, rows_LW.dtype());
     count_dispatch_bytes(rows_LW.dtype(), total(state.ep_send_rows) * W + (ETP > 1 ? M * W : 0));
@@ -279,9 +287,11 @@ class AllToAllDispatcher final : public TokenDispatcher {
   }
 
   // The reverse: [ETP etp_max_rows, W] summed over ETP (reduce-scatter, fp32) -> all-to-all back (started here) ...
-  InFlight start_from_experts(const Tensor &gathered, const DispatchState &state, const char *name) const {
+  InFlight start_from_experts(const Tensor &gathered, const DispatchState &state, const char *name,
+                              const bool token_rows = true) const {
     const int64_t M = state.etp_max_rows, W = gathered.dim(1), ETP = etp_.size();
     InFlight exchange;
+    if (token_rows) count_inter_host(state.ep_recv_rows, W * static_cast<int64_t>(dtype_size(gathered.dtype())));
     exchange.received = activation_rows({static_cast<int64_t>(state.sent_token_L.size()), W}, gathered.dtype());
     count_dispatch_bytes(gathered.dtype(), total(state.ep_recv_rows) * W + (ETP > 1 ? ETP * M * W : 0));
     parallel::CommTimer timer(parallel::CommKind::kAllToAll);
@@ -317,6 +327,16 @@ class AllToAllDispatcher final : public TokenDispatcher {
     ops::moe_unpermute(dprobs, dprobs_L, element_L);
   }
 
+  // The token-row bytes of an EP all-to-all that go to ranks on other hosts (rows_P: rows to each EP peer).
+  void count_inter_host(const std::vector<size_t> &rows_P, const int64_t row_bytes) const {
+    double bytes = 0.0;
+    for (size_t d = 0; d < rows_P.size(); ++d) {
+      if (ep_hosts_[d] != ep_hosts_[static_cast<size_t>(ep_.rank())])
+        bytes += static_cast<double>(rows_P[d] * row_bytes);
+    }
+    parallel::CommStats::instance().add_inter_host_bytes(bytes);
+  }
+
   // Rows of the expert-major order [R, W] back to their places in the zero-padded [ETP etp_max_rows, W] buffer:
   // fp32 where the ETP reduce-scatter sums them, else in their own dtype.
   Tensor unsort(const Tensor &rows_RW, const DispatchState &state) const {
@@ -327,6 +347,8 @@ class AllToAllDispatcher final : public TokenDispatcher {
   }
 
   int64_t E_, El_;
+  int host_;
+  std::vector<int> ep_hosts_;
   parallel::ProcessGroup ep_, etp_;
 };
 

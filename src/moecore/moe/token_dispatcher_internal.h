@@ -1,6 +1,7 @@
 // Helpers shared by the local, allgather and alltoall token dispatchers (not part of the public interface).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -89,8 +90,15 @@ struct AllToAllPlan {
 };
 AllToAllPlan plan_alltoall(const AllToAllCounts& counts, int64_t etp_rank);
 
+// MOECORE_EP_A2A_DELAY_US=N (benchmarks of the communication overlap): an exchange of token rows started at `start`
+// completes no earlier than N microseconds after it, as over a slower link (the alltoall dispatcher's all-to-alls,
+// the flex dispatcher's inter-host ones). Work placed between an exchange's start and its wait hides the delay as
+// it would hide such a link's transfer; what is not hidden shows in the [comm] line's all-to-all time.
+void finish_link_delay(std::chrono::steady_clock::time_point start);
+
 std::unique_ptr<TokenDispatcher> make_allgather_dispatcher(int64_t num_experts,
                                                            const parallel::ParallelState& parallel);
 std::unique_ptr<TokenDispatcher> make_alltoall_dispatcher(int64_t num_experts, const parallel::ParallelState& parallel);
+std::unique_ptr<TokenDispatcher> make_flex_dispatcher(int64_t num_experts, const parallel::ParallelState& parallel);
 
 }  // namespace moecore::detail

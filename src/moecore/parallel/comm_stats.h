@@ -1,6 +1,6 @@
 // Wall time spent in communication, by kind, so logs can show what dominates a step. Call sites wrap each
 // collective (or the wait of an asynchronous one) in a CommTimer of its kind. Process-wide, not thread-safe:
-// collectives are issued from the training thread only.
+// collectives are issued from one thread at a time (the training thread, or one lane of the EP overlap).
 #pragma once
 
 #include <array>
@@ -35,14 +35,19 @@ class CommStats {
   // the payload's dtype is chosen (the data-parallel buffers), so 16-bit communication shows as half the bytes.
   void add_bytes(CommKind kind, double bytes) { bytes_[static_cast<size_t>(kind)] += bytes; }
   double bytes(CommKind kind) const { return bytes_[static_cast<size_t>(kind)]; }
+  // Of the token dispatchers' all-to-all bytes, those sent to a rank on another host (shared_window.h: host_id).
+  void add_inter_host_bytes(double bytes) { inter_host_bytes_ += bytes; }
+  double inter_host_bytes() const { return inter_host_bytes_; }
   void reset() {
     seconds_.fill(0.0);
     bytes_.fill(0.0);
+    inter_host_bytes_ = 0.0;
   }
 
  private:
   std::array<double, static_cast<size_t>(CommKind::kCount)> seconds_{};
   std::array<double, static_cast<size_t>(CommKind::kCount)> bytes_{};
+  double inter_host_bytes_ = 0.0;
 };
 
 class CommTimer {

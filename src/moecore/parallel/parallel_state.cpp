@@ -6,6 +6,8 @@
 #include <string>
 #include <utility>
 
+#include "moecore/parallel/shared_window.h"
+
 namespace moecore::parallel {
 namespace {
 
@@ -46,6 +48,7 @@ ParallelState ParallelState::create(const ParallelSizes& sizes, const bool seque
   state.tp_ep = split_by(world, expert.tp_ep, r);
   state.edp = split_by(world, expert.dp, r);
   state.pp = split_by(world, dense.pp, r);
+  state.host = host_id(world);
   // Embedding group: the first and last member of each pipeline group together; every other rank alone.
   const int pipeline = group_index_of(dense.pp, r);
   const std::vector<int>& stages = dense.pp[static_cast<size_t>(pipeline)];

@@ -22,6 +22,7 @@ struct ParallelState {
   ProcessGroup ep = ProcessGroup::self();     // expert parallel: rank r owns experts [r E/EP, (r+1) E/EP)
   ProcessGroup etp = ProcessGroup::self();    // expert tensor parallel: expert ffn shards
   ProcessGroup tp_ep = ProcessGroup::self();  // ETP x EP: the allgather dispatcher's group
+  int host = 0;                               // this rank's host (shared_window.h: host_id; MOECORE_PRETEND_HOSTS)
   ProcessGroup edp = ProcessGroup::self();    // expert data parallel: expert gradient reduction
   // Pipeline: this rank's pipeline (pp rank = stage), and Megatron's embedding group: the first and last stage of
   // each pipeline (their tied word-embedding copies' gradients are summed over it); self() on the middle stages.

@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "moecore/parallel/arrival_board.h"
+#include "moecore/parallel/shared_window.h"
 #include "moecore/parallel/watchdog.h"
 #include "moecore/tensor/dtype.h"
 #include "moecore/util/trace.h"
@@ -531,6 +532,91 @@ ProcessGroup ProcessGroup::split(int color, int key) const {
   MPI_Comm_rank(sub, &rank);
   MPI_Comm_size(sub, &size);
   return ProcessGroup(std::move(comm), rank, size, checks_);
+}
+
+ProcessGroup ProcessGroup::split_shared_memory() const {
+  if (!comm_) return *this;
+  const Operation operation = begin_collective(comm_, "split_shared_memory", 0);
+  verify(checks_, operation, rank_, kSplit, {}, "");
+  MPI_Comm sub = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split_type(comm_->handle, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &sub),
+            "split_shared_memory");
+  finished(operation);
+  auto comm = std::make_shared<Comm>(sub, comm_->name + "/host");
+  MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(sub, &rank);
+  MPI_Comm_size(sub, &size);
+  return ProcessGroup(std::move(comm), rank, size, checks_);
+}
+
+struct SharedWindow::Impl {
+  explicit Impl(const ProcessGroup& g) : group(g) {}
+  ProcessGroup group;
+  MPI_Win window = MPI_WIN_NULL;
+  std::vector<std::byte*> segments;
+  std::vector<size_t> sizes;
+  std::vector<std::byte> local;  // the single-process group
+};
+
+SharedWindow::SharedWindow(const ProcessGroup& group, const size_t bytes) : impl_(std::make_unique<Impl>(group)) {
+  const int n = group.size();
+  impl_->segments.assign(static_cast<size_t>(n), nullptr);
+  impl_->sizes.assign(static_cast<size_t>(n), 0);
+  if (!group.comm_) {
+    impl_->local.resize(std::max<size_t>(bytes, 1));
+    impl_->segments[0] = impl_->local.data();
+    impl_->sizes[0] = bytes;
+    return;
+  }
+  std::byte* base = nullptr;
+  check_mpi(MPI_Win_allocate_shared(static_cast<MPI_Aint>(std::max<size_t>(bytes, 1)), 1, MPI_INFO_NULL,
+                                    group.comm_->handle, &base, &impl_->window),
+            "MPI_Win_allocate_shared");
+  for (int r = 0; r < n; ++r) {
+    MPI_Aint size = 0;
+    int unit = 1;
+    void* pointer = nullptr;
+    check_mpi(MPI_Win_shared_query(impl_->window, r, &size, &unit, &pointer), "MPI_Win_shared_query");
+    impl_->segments[static_cast<size_t>(r)] = static_cast<std::byte*>(pointer);
+    impl_->sizes[static_cast<size_t>(r)] = static_cast<size_t>(size);
+  }
+  impl_->sizes[static_cast<size_t>(group.rank())] = bytes;
+  check_mpi(MPI_Win_lock_all(MPI_MODE_NOCHECK, impl_->window), "MPI_Win_lock_all");
+}
+
+SharedWindow::~SharedWindow() {
+  if (impl_->window == MPI_WIN_NULL) return;
+  MPI_Win_unlock_all(impl_->window);
+  MPI_Win_free(&impl_->window);
+}
+
+std::byte* SharedWindow::segment(const int rank) const { return impl_->segments.at(static_cast<size_t>(rank)); }
+size_t SharedWindow::segment_bytes(const int rank) const { return impl_->sizes.at(static_cast<size_t>(rank)); }
+
+void SharedWindow::synchronize() const {
+  if (impl_->window == MPI_WIN_NULL) return;
+  check_mpi(MPI_Win_sync(impl_->window), "MPI_Win_sync");
+  impl_->group.barrier();
+  check_mpi(MPI_Win_sync(impl_->window), "MPI_Win_sync");
+}
+
+int host_id(const ProcessGroup& world) {
+  return [&] {
+    const ProcessGroup host = world.split_shared_memory();
+    int leader = world.rank();
+    host.broadcast(std::span<int>(&leader, 1), 0);
+    const char* text = std::getenv("MOECORE_PRETEND_HOSTS");
+    if (text == nullptr || *text == '\0') return leader;
+    char* end = nullptr;
+    const long pretend = std::strtol(text, &end, 10);
+    if (*end != '\0' || pretend < 1 || pretend > host.size() || host.size() % pretend != 0) {
+      throw CommError(std::string("MOECORE_PRETEND_HOSTS must divide the ") + std::to_string(host.size()) +
+                      " ranks of this machine into equal pretend hosts, got '" + text + "'");
+    }
+    const int per_host = host.size() / static_cast<int>(pretend);
+    return leader * static_cast<int>(pretend) + host.rank() / per_host;
+  }();
 }
 
 void ProcessGroup::barrier() const {

@@ -88,6 +88,8 @@ class ProcessGroup {
   // Collective over this group: ranks with equal color form a sub-group, ordered by key then by rank here.
   // color must be >= 0. The sub-group inherits this handle's agreement-check setting.
   ProcessGroup split(int color, int key) const;
+  // Collective: the ranks of this group that share memory with this one (MPI_Comm_split_type SHARED), by rank here.
+  ProcessGroup split_shared_memory() const;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -177,6 +179,7 @@ class ProcessGroup {
   Work reduce_scatter_16bit_async(const Tensor& input, Tensor& output) const;
 
  private:
+  friend class SharedWindow;
   ProcessGroup(std::shared_ptr<Comm> comm, int rank, int size, bool checks);
 
   std::shared_ptr<Comm> comm_;

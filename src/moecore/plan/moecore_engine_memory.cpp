@@ -284,8 +284,9 @@ double backward_transient(const Shape& s, const Layout& l, const Tokens& x, cons
     double t = x.a * (3 * x.ta * s.h + 2 * x.r * s.h) + dfc1_bytes * x.r * s.glu * s.fm / l.etp() + 4 * x.tm * s.h;
     if (!s.config.moe.memory_efficient_permutation) t += x.a * x.r * s.h;  // the gradient of the output before p
     if (l.tp() > 1 && !l.sp) t += x.a * 2 * x.tm * s.h;
-    if (s.config.moe.dispatcher_type == TokenDispatcherType::kAllToAll && l.ep() * l.etp() > 1) {
-      // The all-to-all dispatcher's backward of the dispatch (moe/token_dispatcher_alltoall.cpp) sums the rows'
+    if (s.config.moe.dispatcher_type != TokenDispatcherType::kAllGather && l.ep() * l.etp() > 1) {
+      // The all-to-all dispatcher's backward of the dispatch (moe/token_dispatcher_alltoall.cpp; the flex one's
+      // holds about as much) sums the rows'
       // gradients over ETP in fp32 buffers, the rows unsorted [R, H], this rank's reduced share [R / ETP, H] and the
       // rows sent back [tokens x k, H], while the experts' input gradient [R, H] is still held.
       const double rows_back = x.tm * s.k;

@@ -349,7 +349,9 @@ PlanArgs plan_args_of_run(const TrainingArgs& train) {
   out.model.config = train.model;
   out.recompute = train.model.recompute;
   out.memory_efficient_permutation = train.model.moe.memory_efficient_permutation;
-  out.dispatcher = train.model.moe.dispatcher_type == TokenDispatcherType::kAllGather ? "allgather" : "alltoall";
+  out.dispatcher = train.model.moe.dispatcher_type == TokenDispatcherType::kAllGather ? "allgather"
+                   : train.model.moe.dispatcher_type == TokenDispatcherType::kFlex    ? "flex"
+                                                                                      : "alltoall";
   out.num_gpus = train.parallel.world_size;
   out.vocab_size = train.model.vocab_size;
   const ParallelSizes& p = train.parallel;

@@ -53,12 +53,13 @@ std::string memory_report(const int64_t iteration, const parallel::ParallelState
 std::string comm_report(const double seconds_per_iter, const int64_t iterations,
                         const parallel::ParallelState& parallel) {
   constexpr auto kKinds = static_cast<size_t>(parallel::CommKind::kCount);
-  std::vector<float> seconds(kKinds), megabytes(kKinds);
+  std::vector<float> seconds(kKinds), megabytes(kKinds + 1);  // and the all-to-all's inter-host megabytes
   for (size_t k = 0; k < kKinds; ++k) {
     const auto kind = static_cast<parallel::CommKind>(k);
     seconds[k] = static_cast<float>(parallel::CommStats::instance().seconds(kind));
     megabytes[k] = static_cast<float>(parallel::CommStats::instance().bytes(kind) / 1e6);
   }
+  megabytes[kKinds] = static_cast<float>(parallel::CommStats::instance().inter_host_bytes() / 1e6);
   parallel.world.all_reduce(std::span<float>(seconds), parallel::ReduceOp::kMax);
   parallel.world.all_reduce(std::span<float>(megabytes), parallel::ReduceOp::kMax);
   std::ostringstream out;
@@ -73,6 +74,10 @@ std::string comm_report(const double seconds_per_iter, const int64_t iterations,
           << " MB" << std::fixed << std::setprecision(1);
     }
     out << " |";
+  }
+  if (megabytes[kKinds] > 0.0f) {
+    out << " all-to-all inter-host " << std::defaultfloat << std::setprecision(4)
+        << megabytes[kKinds] / static_cast<double>(iterations) << " MB |";
   }
   return out.str();
 }
