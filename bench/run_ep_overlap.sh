@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Megatron's EP all-to-all overlap (--overlap-moe-expert-parallel-comm, combined 1F1B) against a slower link: the demo
-# model under --bf16 with EP2 (2 processes) and EP4 (4 processes), 4 micro-batches per rank (micro-batch size 1),
+# model under --bf16 with EP2 (2 processes) and EP4 (4 processes), 8 micro-batches per rank (micro-batch size 1),
 # every all-to-all of the alltoall dispatcher held until DELAY microseconds after its start (MOECORE_EP_A2A_DELAY_US),
 # without and with the overlap (and --delay-wgrad-compute), ROUNDS times in turn. Per run, from the last log line
 # (iterations 5-8): the step time and the exposed all-to-all time (the [comm] line: time spent waiting for the
@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 build=$1
 rounds=${2:-1}
-delay=${3:-3000}
+delay=${3:-1500}
 mpirun=$(command -v mpirun)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -39,14 +39,14 @@ for ((r = 0; r < rounds; ++r)); do
   for ep in 2 4; do
     for d in 0 "$delay"; do
       for overlap in no yes; do
-        extra=(--expert-model-parallel-size "$ep" --global-batch-size $((ep * 4)))
+        extra=(--expert-model-parallel-size "$ep" --global-batch-size $((ep * 8)))
         if [ "$overlap" = yes ]; then extra+=(--overlap-moe-expert-parallel-comm --delay-wgrad-compute); fi
         log="$work/ep$ep-$d-$overlap.log"
         OMP_NUM_THREADS=1 MOECORE_EP_A2A_DELAY_US=$d "$mpirun" --allow-run-as-root --oversubscribe -np "$ep" \
           -x OMP_NUM_THREADS -x MOECORE_EP_A2A_DELAY_US "$build/moecore" train "${args[@]}" "${extra[@]}" \
           >"$log" 2>&1 || { tail -5 "$log"; exit 1; }
-        # 4 MoE layers x 4 micro-batches x 4 exchanges waited for (dispatch, combine; their gradients)
-        echo "round $r EP$ep delay ${d}us overlap $overlap: $(summary "$log") | delay per iteration $((64 * d / 1000)) ms"
+        # 4 MoE layers x 8 micro-batches x 4 exchanges waited for (dispatch, combine; their gradients)
+        echo "round $r EP$ep delay ${d}us overlap $overlap: $(summary "$log") | delay per iteration $((128 * d / 1000)) ms"
       done
     done
   done

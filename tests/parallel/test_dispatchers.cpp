@@ -206,7 +206,7 @@ Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, c
   const std::vector<ExpectedRow> expected_R = expected_rows(ps, type, world_data);
 
   DispatchState state;
-  const double inter_host_before = CommStats::instance().inter_host_bytes();
+  const double inter_host_before = CommStats::instance().inter_host_bytes(true);
   const Tensor x_RH = dispatcher->dispatch(view(mine.x_TH, H), mine.routing, state);
   if (type == TokenDispatcherType::kFlex) {
     // Each token crosses to another host once per host holding any of its experts (an ETP replica of their EP rank).
@@ -225,7 +225,7 @@ Result run_dispatcher(const ParallelState& ps, const TokenDispatcherType type, c
       std::sort(needed.begin(), needed.end());
       crossings += std::unique(needed.begin(), needed.end()) - needed.begin();
     }
-    const double bytes = CommStats::instance().inter_host_bytes() - inter_host_before;
+    const double bytes = CommStats::instance().inter_host_bytes(true) - inter_host_before;
     check(bytes == static_cast<double>(crossings * H * 4),
           label + ": inter-host bytes " + std::to_string(bytes) + ", expected " + std::to_string(crossings * H * 4));
   }

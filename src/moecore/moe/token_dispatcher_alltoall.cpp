@@ -262,7 +262,7 @@ class AllToAllDispatcher final : public TokenDispatcher {
                             const bool token_rows = true) const {
     const int64_t M = state.etp_max_rows, ETP = etp_.size(), W = rows_LW.dim(1);
     InFlight exchange;
-    if (token_rows) count_inter_host(state.ep_send_rows, W * static_cast<int64_t>(dtype_size(rows_LW.dtype())));
+    if (token_rows) count_inter_host(state.ep_send_rows, W * static_cast<int64_t>(dtype_size(rows_LW.dtype())), true);
     exchange.sent = rows_LW;
     exchange.received = activation_rows({M, W}, rows_LW.dtype());
     count_dispatch_bytes(rows_LW.dtype(), total(state.ep_send_rows) * W + (ETP > 1 ? M * W : 0));
@@ -291,7 +291,9 @@ class AllToAllDispatcher final : public TokenDispatcher {
                               const bool token_rows = true) const {
     const int64_t M = state.etp_max_rows, W = gathered.dim(1), ETP = etp_.size();
     InFlight exchange;
-    if (token_rows) count_inter_host(state.ep_recv_rows, W * static_cast<int64_t>(dtype_size(gathered.dtype())));
+    if (token_rows) {
+      count_inter_host(state.ep_recv_rows, W * static_cast<int64_t>(dtype_size(gathered.dtype())), false);
+    }
     exchange.received = activation_rows({static_cast<int64_t>(state.sent_token_L.size()), W}, gathered.dtype());
     count_dispatch_bytes(gathered.dtype(), total(state.ep_recv_rows) * W + (ETP > 1 ? ETP * M * W : 0));
     parallel::CommTimer timer(parallel::CommKind::kAllToAll);
@@ -328,13 +330,13 @@ class AllToAllDispatcher final : public TokenDispatcher {
   }
 
   // The token-row bytes of an EP all-to-all that go to ranks on other hosts (rows_P: rows to each EP peer).
-  void count_inter_host(const std::vector<size_t> &rows_P, const int64_t row_bytes) const {
+  void count_inter_host(const std::vector<size_t> &rows_P, const int64_t row_bytes, const bool to_experts) const {
     double bytes = 0.0;
     for (size_t d = 0; d < rows_P.size(); ++d) {
       if (ep_hosts_[d] != ep_hosts_[static_cast<size_t>(ep_.rank())])
         bytes += static_cast<double>(rows_P[d] * row_bytes);
     }
-    parallel::CommStats::instance().add_inter_host_bytes(bytes);
+    parallel::CommStats::instance().add_inter_host_bytes(bytes, to_experts);
   }
 
   // Rows of the expert-major order [R, W] back to their places in the zero-padded [ETP etp_max_rows, W] buffer:

@@ -104,11 +104,11 @@ class FlexDispatcher final : public TokenDispatcher {
   FlexDispatcher(const int64_t num_experts, const parallel::ParallelState& parallel)
       : E_(num_experts),
         El_(num_experts / parallel.ep_size()),
-        parallel_ep_size_(parallel.ep_size()),
-        parallel_ep_rank_(parallel.ep_rank()),
-        parallel_etp_(parallel.etp_size()),
-        parallel_etp_rank_(parallel.etp.rank()),
-        parallel_host_(parallel.host),
+        ep_size_(parallel.ep_size()),
+        ep_rank_(parallel.ep_rank()),
+        etp_size_(parallel.etp_size()),
+        etp_rank_(parallel.etp.rank()),
+        host_(parallel.host),
         group_(parallel.tp_ep) {}
 
   DispatchBuffers dispatch_preprocess(const Tensor& x_TH, const RouterOutput& routing, DispatchState& state) override {
@@ -146,7 +146,7 @@ class FlexDispatcher final : public TokenDispatcher {
     auto plan = std::make_shared<FlexDispatchPlan>();
     plan->K = K;
     // The hosts holding each EP rank (its ETP ranks may span several).
-    std::vector<std::vector<char>> ep_on_host(static_cast<size_t>(parallel_ep_size_),
+    std::vector<std::vector<char>> ep_on_host(static_cast<size_t>(ep_size_),
                                               std::vector<char>(static_cast<size_t>(topo.hosts), 0));
     for (int g = 0; g < topo.P; ++g) ep_on_host[static_cast<size_t>(topo.ep_of[g])][topo.host_of[g]] = 1;
     plan->tokens_N.assign(static_cast<size_t>(topo.hosts), {});
@@ -215,7 +215,7 @@ class FlexDispatcher final : public TokenDispatcher {
     const std::vector<FlexRow>& mine = plan->rows_of[static_cast<size_t>(topo.my_local)];
     state.tokens_per_expert_E.assign(static_cast<size_t>(El_), 0);
     state.probs_R = activation_rows({static_cast<int64_t>(mine.size())});
-    const int64_t first_expert = static_cast<int64_t>(parallel_ep_rank_) * El_;
+    const int64_t first_expert = static_cast<int64_t>(ep_rank_) * El_;
     for (size_t r = 0; r < mine.size(); ++r) {
       const FlexEntry& entry =
           plan->segment_entries[static_cast<size_t>(mine[r].owner)][static_cast<size_t>(mine[r].entry)];
@@ -282,9 +282,9 @@ class FlexDispatcher final : public TokenDispatcher {
     auto topo = std::make_unique<Topology>();
     topo->P = group_.size();
     topo->me = group_.rank();
-    topo->ep_of = gather_one<int>(group_, parallel_ep_rank_);
-    topo->etp_of = gather_one<int>(group_, parallel_etp_rank_);
-    const std::vector<int> host_ids = gather_one<int>(group_, parallel_host_);
+    topo->ep_of = gather_one<int>(group_, ep_rank_);
+    topo->etp_of = gather_one<int>(group_, etp_rank_);
+    const std::vector<int> host_ids = gather_one<int>(group_, host_);
     std::vector<int> distinct = host_ids;
     std::sort(distinct.begin(), distinct.end());
     distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
@@ -401,7 +401,7 @@ class FlexDispatcher final : public TokenDispatcher {
     ops::moe_permute(exchange.sent, exchange.input, send_rows);
     exchange.received = activation_rows({total(plan.rail_recv), W}, rows_TW.dtype());
     count_dispatch_bytes(rows_TW.dtype(), static_cast<int64_t>(send_rows.size()) * W);
-    parallel::CommStats::instance().add_inter_host_bytes(static_cast<double>(exchange.sent.nbytes()));
+    parallel::CommStats::instance().add_inter_host_bytes(static_cast<double>(exchange.sent.nbytes()), true);
     exchange.started = std::chrono::steady_clock::now();
     const parallel::CommTimer timer(parallel::CommKind::kAllToAll);
     exchange.work = topo.rail.all_to_all_v_async(exchange.sent, scaled(plan.rail_send, W), exchange.received,
@@ -415,7 +415,7 @@ class FlexDispatcher final : public TokenDispatcher {
     const FlexDispatchPlan& plan = *state.flex;
     const parallel::CommTimer timer(parallel::CommKind::kAllToAll);
     exchange.work.wait();
-    finish_link_delay(exchange.started);
+    if (topo_->hosts > 1) finish_link_delay(exchange.started);  // the inter-host link
     const int64_t W = exchange.input.dim(1);
     const DType dtype = exchange.input.dtype();
     const size_t row_bytes = static_cast<size_t>(W) * dtype_size(dtype);
@@ -519,7 +519,7 @@ class FlexDispatcher final : public TokenDispatcher {
     const int64_t R = rows_RW.dim(0), W = rows_RW.dim(1);
     // Under expert tensor parallelism the rows are partial sums, added in fp32 (the alltoall dispatcher's
     // reduce-scatter); otherwise they move in their own dtype.
-    const DType dtype = parallel_etp_ > 1 ? DType::kF32 : rows_RW.dtype();
+    const DType dtype = etp_size_ > 1 ? DType::kF32 : rows_RW.dtype();
     Tensor rows = rows_RW.view({R, W});
     if (rows.dtype() != dtype) {
       Tensor wide({R, W}, dtype, MemCategory::kActivations);
@@ -563,7 +563,9 @@ class FlexDispatcher final : public TokenDispatcher {
     exchange.received = activation_rows({total(recv), W}, dtype);
     exchange.received_rows.assign(static_cast<size_t>(total(recv)), -1);
     count_dispatch_bytes(dtype, exchange.sent.numel());
-    if (token_rows) parallel::CommStats::instance().add_inter_host_bytes(static_cast<double>(exchange.sent.nbytes()));
+    if (token_rows) {
+      parallel::CommStats::instance().add_inter_host_bytes(static_cast<double>(exchange.sent.nbytes()), false);
+    }
     exchange.started = std::chrono::steady_clock::now();
     const parallel::CommTimer timer(parallel::CommKind::kAllToAll);
     exchange.rows_work = topo.rail.all_to_all_v_async<int32_t>(exchange.sent_rows, send, exchange.received_rows, recv);
@@ -577,7 +579,7 @@ class FlexDispatcher final : public TokenDispatcher {
     const parallel::CommTimer timer(parallel::CommKind::kAllToAll);
     exchange.rows_work.wait();
     exchange.work.wait();
-    finish_link_delay(exchange.started);
+    if (topo_->hosts > 1) finish_link_delay(exchange.started);  // the inter-host link
     Tensor& out = exchange.local;
     const int64_t W = out.dim(1);
     const size_t row_bytes = static_cast<size_t>(W) * dtype_size(out.dtype());
@@ -609,7 +611,7 @@ class FlexDispatcher final : public TokenDispatcher {
   }
 
   int64_t E_, El_;
-  int parallel_ep_size_, parallel_ep_rank_, parallel_etp_, parallel_etp_rank_, parallel_host_;
+  int ep_size_, ep_rank_, etp_size_, etp_rank_, host_;
   parallel::ProcessGroup group_;
   std::unique_ptr<Topology> topo_;
 };

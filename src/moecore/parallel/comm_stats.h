@@ -35,19 +35,20 @@ class CommStats {
   // the payload's dtype is chosen (the data-parallel buffers), so 16-bit communication shows as half the bytes.
   void add_bytes(CommKind kind, double bytes) { bytes_[static_cast<size_t>(kind)] += bytes; }
   double bytes(CommKind kind) const { return bytes_[static_cast<size_t>(kind)]; }
-  // Of the token dispatchers' all-to-all bytes, those sent to a rank on another host (shared_window.h: host_id).
-  void add_inter_host_bytes(double bytes) { inter_host_bytes_ += bytes; }
-  double inter_host_bytes() const { return inter_host_bytes_; }
+  // Of the token dispatchers' all-to-all bytes, the token rows sent to a rank on another host (shared_window.h:
+  // host_id), towards the experts (dispatch, combine's backward) or back from them (combine, dispatch's backward).
+  void add_inter_host_bytes(double bytes, bool to_experts) { inter_host_bytes_[to_experts ? 0 : 1] += bytes; }
+  double inter_host_bytes(bool to_experts) const { return inter_host_bytes_[to_experts ? 0 : 1]; }
   void reset() {
     seconds_.fill(0.0);
     bytes_.fill(0.0);
-    inter_host_bytes_ = 0.0;
+    inter_host_bytes_.fill(0.0);
   }
 
  private:
   std::array<double, static_cast<size_t>(CommKind::kCount)> seconds_{};
   std::array<double, static_cast<size_t>(CommKind::kCount)> bytes_{};
-  double inter_host_bytes_ = 0.0;
+  std::array<double, 2> inter_host_bytes_{};
 };
 
 class CommTimer {

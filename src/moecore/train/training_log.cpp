@@ -53,13 +53,15 @@ std::string memory_report(const int64_t iteration, const parallel::ParallelState
 std::string comm_report(const double seconds_per_iter, const int64_t iterations,
                         const parallel::ParallelState& parallel) {
   constexpr auto kKinds = static_cast<size_t>(parallel::CommKind::kCount);
-  std::vector<float> seconds(kKinds), megabytes(kKinds + 1);  // and the all-to-all's inter-host megabytes
+  // And the all-to-all's inter-host megabytes, towards the experts and back.
+  std::vector<float> seconds(kKinds), megabytes(kKinds + 2);
   for (size_t k = 0; k < kKinds; ++k) {
     const auto kind = static_cast<parallel::CommKind>(k);
     seconds[k] = static_cast<float>(parallel::CommStats::instance().seconds(kind));
     megabytes[k] = static_cast<float>(parallel::CommStats::instance().bytes(kind) / 1e6);
   }
-  megabytes[kKinds] = static_cast<float>(parallel::CommStats::instance().inter_host_bytes() / 1e6);
+  megabytes[kKinds] = static_cast<float>(parallel::CommStats::instance().inter_host_bytes(true) / 1e6);
+  megabytes[kKinds + 1] = static_cast<float>(parallel::CommStats::instance().inter_host_bytes(false) / 1e6);
   parallel.world.all_reduce(std::span<float>(seconds), parallel::ReduceOp::kMax);
   parallel.world.all_reduce(std::span<float>(megabytes), parallel::ReduceOp::kMax);
   std::ostringstream out;
@@ -75,9 +77,10 @@ std::string comm_report(const double seconds_per_iter, const int64_t iterations,
     }
     out << " |";
   }
-  if (megabytes[kKinds] > 0.0f) {
-    out << " all-to-all inter-host " << std::defaultfloat << std::setprecision(4)
-        << megabytes[kKinds] / static_cast<double>(iterations) << " MB |";
+  if (megabytes[kKinds] > 0.0f || megabytes[kKinds + 1] > 0.0f) {
+    out << " all-to-all inter-host MB to experts " << std::defaultfloat << std::setprecision(4)
+        << megabytes[kKinds] / static_cast<double>(iterations) << " / back "
+        << megabytes[kKinds + 1] / static_cast<double>(iterations) << " |";
   }
   return out.str();
 }
