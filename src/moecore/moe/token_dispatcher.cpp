@@ -51,6 +51,16 @@ Tensor probs_tensor(const std::vector<float> &probs_R) {
   return out;
 }
 
+void add_probs_gradients(Tensor &dprobs_TE, const Tensor &dprobs_N, const std::vector<int64_t> &token_N,
+                         const std::vector<int64_t> &expert_N, const int64_t T, const int64_t E) {
+  // Each (token, expert) pair is one element of the [T E, 1] view.
+  std::vector<int64_t> element_N(token_N.size());
+  for (size_t n = 0; n < element_N.size(); ++n) element_N[n] = token_N[n] < 0 ? -1 : token_N[n] * E + expert_N[n];
+  Tensor dprobs = dprobs_TE.view({T * E, 1});
+  const ops::ScopedActivationDType fp32(DType::kF32);  // router gradients stay fp32
+  ops::moe_unpermute(dprobs, dprobs_N.view({dprobs_N.numel(), 1}), element_N);
+}
+
 }  // namespace detail
 
 namespace {
@@ -106,15 +116,7 @@ class LocalDispatcher final : public TokenDispatcher {
   }
 
   void probs_backward(Tensor &dprobs_TE, const Tensor &dprobs_R, const DispatchState &state) override {
-    // Each (token, expert) pair is one element of the [T E, 1] view.
-    std::vector<int64_t> element_R(state.source_token_R.size());
-    for (size_t r = 0; r < element_R.size(); ++r) {
-      const int64_t t = state.source_token_R[r];
-      element_R[r] = t < 0 ? -1 : t * state.E + state.expert_R[r];
-    }
-    Tensor dprobs = dprobs_TE.view({state.T * state.E, 1});
-    const ops::ScopedActivationDType fp32(DType::kF32);  // router gradients stay fp32
-    ops::moe_unpermute(dprobs, dprobs_R, element_R);
+    detail::add_probs_gradients(dprobs_TE, dprobs_R, state.source_token_R, state.expert_R, state.T, state.E);
   }
 };
 

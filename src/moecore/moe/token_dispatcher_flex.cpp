@@ -599,15 +599,8 @@ class FlexDispatcher final : public TokenDispatcher {
     return out;
   }
 
-  // dprobs_TE[token, expert] += the probability gradients in expert-major order [L, 1] (fp32).
   static void add_probs(Tensor& dprobs_TE, const Tensor& dprobs_L, const DispatchState& state) {
-    std::vector<int64_t> element_L(state.sent_token_L.size());
-    for (size_t l = 0; l < element_L.size(); ++l) {
-      element_L[l] = state.sent_token_L[l] * state.E + state.sent_expert_L[l];
-    }
-    Tensor dprobs = dprobs_TE.view({state.T * state.E, 1});
-    const ops::ScopedActivationDType fp32(DType::kF32);  // router gradients stay fp32
-    ops::moe_unpermute(dprobs, dprobs_L, element_L);
+    add_probs_gradients(dprobs_TE, dprobs_L, state.sent_token_L, state.sent_expert_L, state.T, state.E);
   }
 
   int64_t E_, El_;

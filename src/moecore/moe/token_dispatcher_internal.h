@@ -44,6 +44,11 @@ inline void count_dispatch_bytes(const DType dtype, const int64_t elements) {
                                             static_cast<double>(elements) * static_cast<double>(dtype_size(dtype)));
 }
 
+// dprobs_TE[token_N[n], expert_N[n]] += dprobs_N[n] (fp32 [T, E] and [N] or [N, 1]; token -1: a padding row, skipped),
+// in row order: the probabilities' gradients back in the router's layout.
+void add_probs_gradients(Tensor& dprobs_TE, const Tensor& dprobs_N, const std::vector<int64_t>& token_N,
+                         const std::vector<int64_t>& expert_N, int64_t T, int64_t E);
+
 // probs_R as a tensor [R] (fp32).
 Tensor probs_tensor(const std::vector<float>& probs_R);
 
