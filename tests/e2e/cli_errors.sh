@@ -26,7 +26,10 @@ expect_error "Number of layers should be divisible by the pipeline-model-paralle
   --pipeline-model-parallel-size 4
 expect_error "Number of decoder layers 3 must match --num-layers 2" "$bin" layout --world-size 2 \
   --pipeline-model-parallel-size 2 --num-layers 2 --pipeline-model-parallel-layout "Et|ttL"
-expect_error "flex is not available" "$bin" train "${base[@]}" --num-experts 4 --moe-token-dispatcher-type flex
+expect_error "the flex dispatcher (mpiep) requires TPxEP > 1" "$bin" train "${base[@]}" --num-experts 4 \
+  --moe-token-dispatcher-type flex
+expect_error "overlap_moe_expert_parallel_comm is only supported with expert model parallelism" "$bin" train \
+  "${base[@]}" --num-experts 4 --moe-token-dispatcher-type alltoall --bf16 --overlap-moe-expert-parallel-comm
 # The precision-aware optimizer: Megatron's dtype choices and its distributed-optimizer requirement.
 expect_error "--exp-avg-dtype can only be fp32 when not using precision-aware optimizer" "$bin" train "${base[@]}" \
   --use-distributed-optimizer --exp-avg-dtype bf16
