@@ -457,13 +457,15 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     }
 
     // ---- activations (bytes: x.a an activation element, 4 what stays fp32) ----
-    // Contexts alive at the first backward: the schedule's warm-up forwards and one more.
+    // Contexts alive at the first backward: the schedule's warm-up forwards and one more; one more again under the
+    // combined 1F1B of --overlap-moe-expert-parallel-comm (a forward runs ahead of each backward).
+    const int64_t combined = t.model.moe.overlap_ep_comm ? 1 : 0;
     const int64_t live = std::min<int64_t>(warmup_microbatches({.pp = pp,
                                                                 .rank = r,
                                                                 .vpp = vpp,
                                                                 .microbatches = microbatches,
                                                                 .group = t.microbatch_group_size_per_vp_stage}) +
-                                               1,
+                                               1 + combined,
                                            checked_mul(microbatches, vpp, "virtual micro-batches"));
     // The largest context of one chunk: its input, its layers' saved tensors, less the output sent on; with full
     // recomputation also the largest checkpoint, whose activations its backward rebuilds (`rerun`).
