@@ -498,11 +498,11 @@ class FlexDispatcher final : public TokenDispatcher {
         out.insert(out.end(), partials[i].data, partials[i].data + in_bytes);
       } else {
         if (dtype != DType::kF32) throw std::logic_error("flex dispatcher: partial sums must be fp32");
-        std::vector<float> sum(static_cast<size_t>(W));
+        std::vector<float> sum(static_cast<size_t>(W)), add(static_cast<size_t>(W));
         std::memcpy(sum.data(), partials[i].data, in_bytes);
         for (size_t p = i + 1; p < j; ++p) {
-          const auto* add = reinterpret_cast<const float*>(partials[p].data);
-          for (int64_t w = 0; w < W; ++w) sum[static_cast<size_t>(w)] += add[w];
+          std::memcpy(add.data(), partials[p].data, in_bytes);
+          for (size_t w = 0; w < add.size(); ++w) sum[w] += add[w];
         }
         out.resize(at + in_bytes);
         std::memcpy(out.data() + at, sum.data(), in_bytes);
@@ -592,9 +592,10 @@ class FlexDispatcher final : public TokenDispatcher {
         exchange.local_set[l] = 1;
         continue;
       }
-      auto* sum = reinterpret_cast<float*>(at);
-      const auto* add = reinterpret_cast<const float*>(in);
-      for (int64_t w = 0; w < W; ++w) sum[w] += add[w];
+      auto* sum = reinterpret_cast<float*>(at);  // a row of a tensor: aligned
+      std::vector<float> add(static_cast<size_t>(W));
+      std::memcpy(add.data(), in, row_bytes);
+      for (int64_t w = 0; w < W; ++w) sum[w] += add[static_cast<size_t>(w)];
     }
     return out;
   }

@@ -570,8 +570,11 @@ SharedWindow::SharedWindow(const ProcessGroup& group, const size_t bytes) : impl
     return;
   }
   std::byte* base = nullptr;
-  check_mpi(MPI_Win_allocate_shared(static_cast<MPI_Aint>(std::max<size_t>(bytes, 1)), 1, MPI_INFO_NULL,
-                                    group.comm_->handle, &base, &impl_->window),
+  // Every segment a multiple of 64 bytes (at least one line), so each rank's segment starts as aligned as the window
+  // (MPI places the segments one after the other).
+  const size_t padded = std::max<size_t>((bytes + 63) / 64 * 64, 64);
+  check_mpi(MPI_Win_allocate_shared(static_cast<MPI_Aint>(padded), 1, MPI_INFO_NULL, group.comm_->handle, &base,
+                                    &impl_->window),
             "MPI_Win_allocate_shared");
   for (int r = 0; r < n; ++r) {
     MPI_Aint size = 0;

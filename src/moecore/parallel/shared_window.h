@@ -11,8 +11,9 @@
 namespace moecore::parallel {
 
 // A window over `group`, whose ranks must share memory (from ProcessGroup::split_shared_memory or a split of it): each
-// rank's segment of its own size, readable and writable by every rank of the group. Creating and destroying it are
-// collective over the group. The single-process group gets plain memory.
+// rank's segment of its own size (rounded up to 64 bytes: every segment starts 64-byte aligned), readable and
+// writable by every rank of the group. Creating and destroying it are collective over the group. The single-process
+// group gets plain memory.
 class SharedWindow {
  public:
   SharedWindow(const ProcessGroup& group, size_t bytes);
