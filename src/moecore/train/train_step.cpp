@@ -92,14 +92,14 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
     // Megatron's finalize_model_grads: the loss tokens of the last stage's micro-batches, broadcast over the
     // pipeline and summed over dp-cp, divide every gradient (at least 1).
     const parallel::CommTimer timer(parallel::CommKind::kOther);
-    std::array<double, 1> tokens = {loss.tokens};
-    if (parallel.pp_size() > 1) {
+    double tokens = loss.tokens;
+    if (parallel.pp_size() > 1) {  // the double's bits, as reduce_pipeline_loss broadcasts the loss
       std::array<float, 2> bits{};
-      std::memcpy(bits.data(), tokens.data(), sizeof(double));
+      std::memcpy(bits.data(), &tokens, sizeof tokens);
       parallel.pp.broadcast(std::span<float>(bits), parallel.pp_size() - 1);
-      std::memcpy(tokens.data(), bits.data(), sizeof(double));
+      std::memcpy(&tokens, bits.data(), sizeof tokens);
     }
-    const double global_tokens = parallel::sum_double(parallel.dp_cp, tokens[0]);
+    const double global_tokens = parallel::sum_double(parallel.dp_cp, tokens);
     modules.ddp.scale_gradients(1.0 / std::max(global_tokens, 1.0));
   }
   if (args.reset_attention_mask) {
