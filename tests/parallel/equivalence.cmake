@@ -50,6 +50,10 @@ set(equiv_mtp ${equiv_aux} --mtp-num-layers 2 --mtp-loss-scaling-factor 0.5)
 # for the MTP input, summed over the embedding group).
 set(equiv_pp_mtp --num-layers 4 --moe-layer-freq [0,1,0,1] ${equiv_mtp})
 set(equiv_pp_mtp_untied ${equiv_pp_mtp} --untie-embeddings-and-output-weights)
+# Megatron's per-token loss over packed documents with their EOD tokens masked (uneven loss tokens per rank and
+# micro-batch): the objective is the global token mean, so every layout (CP and DP included) equals one process.
+set(equiv_per_token ${equiv_packed} --eod-mask-loss --calculate-per-token-loss)
+set(equiv_per_token_mtp ${equiv_per_token} --mtp-num-layers 1)
 # MTP over packed documents (the depths shift over the whole sequence, as Megatron's roll_tensor without THD).
 set(equiv_mtp_packed ${equiv_packed} --mtp-num-layers 2)
 
@@ -74,7 +78,7 @@ function(moecore_equiv name config np)
   elseif(config STREQUAL "capacity")
     set(config_args ${equiv_capacity})
   elseif(config MATCHES "^pp" OR config STREQUAL "packed" OR config STREQUAL "bf16" OR config MATCHES "^mtp" OR
-         config STREQUAL "no_mep")
+         config STREQUAL "no_mep" OR config MATCHES "^per_token")
     set(config_args ${equiv_${config}})
   endif()
   add_test(NAME dist.equiv.${name}
@@ -95,6 +99,8 @@ moecore_equiv_reference(pp_global_aux ${equiv_pp_global_aux})
 moecore_equiv_reference(pp_4l ${equiv_pp_4l})
 moecore_equiv_reference(packed ${equiv_packed})
 moecore_equiv_reference(bf16 ${equiv_bf16})
+moecore_equiv_reference(per_token ${equiv_per_token})
+moecore_equiv_reference(per_token_mtp ${equiv_per_token_mtp})
 moecore_equiv_reference(no_mep ${equiv_no_mep})
 moecore_equiv_reference(mtp ${equiv_mtp})
 moecore_equiv_reference(pp_mtp ${equiv_pp_mtp})
@@ -238,6 +244,17 @@ moecore_equiv(bf16_tp2_ep2_folded bf16 2 --tensor-model-parallel-size 2 --sequen
 moecore_equiv(bf16_cp2 bf16 2 --context-parallel-size 2)
 moecore_equiv(bf16_tp2_ep2 bf16 4 --tensor-model-parallel-size 2 --expert-model-parallel-size 2
               --moe-token-dispatcher-type alltoall)
+# --calculate-per-token-loss with uneven loss masks: DP2 (distributed optimizer), CP2, DP2 x CP2 with EP2, TP2 x EP2,
+# PP2, and one MTP depth under DP2. (Not the MTP depth under CP: Megatron rescales a depth's loss by this rank's
+# main / depth token counts, "exact parity for packed or uneven valid-token distributions across DP/CP ranks would
+# require all-reduced counts", multi_token_prediction.py.)
+moecore_equiv(per_token_dp2 per_token 2 --use-distributed-optimizer)
+moecore_equiv(per_token_cp2 per_token 2 --context-parallel-size 2)
+moecore_equiv(per_token_dp2_cp2_ep2 per_token 4 --context-parallel-size 2 --expert-model-parallel-size 2)
+moecore_equiv(per_token_tp2_ep2 per_token 4 --tensor-model-parallel-size 2 --sequence-parallel
+              --expert-model-parallel-size 2)
+moecore_equiv(per_token_pp2 per_token 2 --pipeline-model-parallel-size 2)
+moecore_equiv(per_token_mtp_dp2 per_token_mtp 2)
 # Megatron's EP all-to-all overlap (combined 1F1B, weight gradients delayed) against one process.
 moecore_equiv(bf16_ep2_overlap bf16 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
               --overlap-moe-expert-parallel-comm --delay-wgrad-compute)

@@ -1478,5 +1478,12 @@ TEST(TrainArguments, FlexDispatcherChecks) {
       with(ep2, {"--moe-token-dispatcher-type", "flex", "--bf16", "--overlap-moe-expert-parallel-comm"}), 2));
 }
 
+TEST(TrainArguments, PerTokenLoss) {
+  EXPECT_FALSE(parse_train_args(minimal()).calculate_per_token_loss);
+  EXPECT_TRUE(parse_train_args(with(minimal(), {"--calculate-per-token-loss"})).calculate_per_token_loss);
+  EXPECT_EQ(error_of(with(minimal(), {"--calculate-per-token-loss", "--use-megatron-fsdp"}), 2),
+            "--calculate-per-token-loss cannot be combined with --use-megatron-fsdp");
+}
+
 }  // namespace
 }  // namespace moecore

@@ -483,6 +483,10 @@ const std::vector<TrainFlag>& flag_table() {
     {"--moe-shared-expert-overlap", Arity::kSwitch, "",
      "compute the shared experts while the alltoall dispatcher's token exchange is in flight",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.shared_expert_overlap = true; }},
+    {"--calculate-per-token-loss", Arity::kSwitch, "",
+     "Megatron's per-token loss: each micro-batch's loss is summed over its tokens and every gradient divided by the "
+     "global batch's loss tokens (over micro-batches and data-parallel ranks), instead of a mean of micro-batch means",
+     [](TrainingArgs& a, const FlagValue&) { a.calculate_per_token_loss = true; }},
     {"--overlap-moe-expert-parallel-comm", Arity::kSwitch, "",
      "Megatron's combined 1F1B schedule: the forward of one micro-batch and the backward of another run together, "
      "each one's expert all-to-all travelling while the other computes",

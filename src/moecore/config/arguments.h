@@ -168,6 +168,7 @@ struct TrainingArgs {
   std::string moe_layer_freq = "1";                     // --moe-layer-freq text, expanded into moe_layer_pattern
   std::string moe_token_dispatcher_type = "allgather";  // --moe-token-dispatcher-type
   std::string moe_flex_dispatcher_backend = "mpiep";    // --moe-flex-dispatcher-backend
+  bool calculate_per_token_loss = false;                // --calculate-per-token-loss
   // --moe-router-padding-for-quantization / --moe-router-padding-for-fp8 (finalize sets model.moe's multiple).
   bool moe_router_padding_for_quantization = false;
 

@@ -762,6 +762,12 @@ void finalize_flex_dispatcher(const TrainingArgs& args, const std::set<std::stri
           "the flex dispatcher (mpiep) requires TPxEP > 1");
 }
 
+// --calculate-per-token-loss: moecore's Megatron-FSDP scales its units' gradients by 1 / dp-cp as it reduces them.
+void finalize_per_token_loss(const TrainingArgs& args) {
+  require(!args.calculate_per_token_loss || !args.use_megatron_fsdp,
+          "--calculate-per-token-loss cannot be combined with --use-megatron-fsdp");
+}
+
 void finalize_ep_overlap(const TrainingArgs& args) {
   const MoEConfig& moe = args.model.moe;
   require(!moe.delay_wgrad_compute || moe.overlap_ep_comm,
@@ -865,6 +871,7 @@ void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given)
   finalize_mtp(args);
   finalize_flex_dispatcher(args, given);
   finalize_ep_overlap(args);
+  finalize_per_token_loss(args);
 }
 
 }  // namespace moecore::detail

@@ -69,7 +69,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--empty-unused-memory-level",
     "--deterministic-mode",
     "--check-weight-hash-across-dp-replicas-interval",
-    "--calculate-per-token-loss",
     "--train-sync-interval",
     "--checkpoint-activations",
     "--train-samples",

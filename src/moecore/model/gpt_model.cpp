@@ -62,7 +62,8 @@ ops::DropoutSpec embedding_dropout(const ModelConfig& config, const bool trainin
 
 // This rank's rows of the micro-batch in sequence-major order t = s * B + b (under context parallelism the local
 // sequence: chunks r and 2 CP - 1 - r), with each token's share of the loss: mask / this rank's unmasked count
-// (Megatron's loss_func: the local token mean, no reduction over CP).
+// (Megatron's loss_func: the local token mean, no reduction over CP), or the mask itself with per-token loss (the
+// sum; schedules.py divides by nothing).
 std::unique_ptr<MicroBatchContext> make_context(const int32_t* tokens_BS, const int32_t* labels_BS,
                                                 const float* loss_mask_BS, const int64_t B, const int64_t S,
                                                 const TokenRows& rows, const ForwardOptions& options) {
@@ -89,7 +90,10 @@ std::unique_ptr<MicroBatchContext> make_context(const int32_t* tokens_BS, const 
     }
   }
   ctx->loss_tokens = mask_sum;
-  for (float& w : ctx->loss_weight_SB) w = mask_sum > 0 ? static_cast<float>(w / mask_sum) : 0.0f;
+  ctx->per_token_loss = options.per_token_loss;
+  if (!options.per_token_loss) {
+    for (float& w : ctx->loss_weight_SB) w = mask_sum > 0 ? static_cast<float>(w / mask_sum) : 0.0f;
+  }
   return ctx;
 }
 
@@ -306,7 +310,7 @@ Tensor GPTModel::output_and_loss_backward(MicroBatchContext& ctx, const double l
     ctx.output_layer = LinearActivations();
   }
   if (!ctx.mtp.depths.empty()) {
-    const Tensor dmtp_TH = m.mtp.backward(ctx.mtp, mtp_batch(ctx), loss_scale, loss_scale * parallel_.cp_size(),
+    const Tensor dmtp_TH = m.mtp.backward(ctx.mtp, mtp_batch(ctx), loss_scale, aux_loss_scale(ctx, loss_scale),
                                           mtp_options(ctx, ctx.mtp.grad_seed));
     ops::add_(dfinal_TH, dmtp_TH);
   }
@@ -442,6 +446,7 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     const ActivationOwnerScope owner(ActivationOwner::kOutputLoss);
     ctx->output_grad_seed = options.backward_seed;
     loss = output_and_loss(*ctx, x_TH, labels_BS != nullptr, logits_SBV);
+    if (ctx->per_token_loss) loss /= std::max(ctx->loss_tokens, 1.0);  // the sum's token mean, for the log
     if (m.mtp.depths() > 0 && labels_BS != nullptr) {
       if (tokens_BS == nullptr) throw std::invalid_argument("the Multi-Token Prediction depths need the tokens");
       mtp_forward(*ctx, options, tokens_BS, labels_BS, loss_mask_BS);
@@ -499,7 +504,7 @@ Tensor GPTModel::backward(std::unique_ptr<MicroBatchContext> ctx, const double l
       if (hooks_) hooks_->before_backward(static_cast<int>(layer));
       // The auxiliary losses' gradient scale is loss_scale x CP (Megatron's MoEAuxLossAutoScaler: grad_scale CP / M):
       // each CP rank's aux terms are partial sums over tp-cp, and its gradients are averaged over dp-cp.
-      m.layers[first + i].backward(dprev_TH, dx_TH, S, B, dropout, loss_scale * parallel_.cp_size(), ctx->layers[i]);
+      m.layers[first + i].backward(dprev_TH, dx_TH, S, B, dropout, aux_loss_scale(*ctx, loss_scale), ctx->layers[i]);
     }
     ctx->layers[i] = LayerActivations();
     dx_TH = std::move(dprev_TH);
@@ -520,11 +525,19 @@ MtpBatch GPTModel::mtp_batch(const MicroBatchContext& ctx, const int32_t* tokens
   return MtpBatch{ctx.S, ctx.B, ctx.sequence.S, tokens_BS, labels_BS, loss_mask_BS, &ctx.rows, &ctx.sequence};
 }
 
+// The MoE auxiliary losses' gradient scale (Megatron's MoEAuxLossAutoScaler.set_loss_scale in schedules.py:
+// loss scale x CP / micro-batches, the backward seed times CP here; with per-token loss the loss scale alone).
+double GPTModel::aux_loss_scale(const MicroBatchContext& ctx, const double loss_scale) const {
+  return ctx.per_token_loss ? loss_scale : loss_scale * parallel_.cp_size();
+}
+
 MtpForwardOptions GPTModel::mtp_options(const MicroBatchContext& ctx, const double backward_seed) const {
   MtpForwardOptions options;
   options.training = ctx.training;
   options.dropout_seed = ctx.dropout_seed;
   options.backward_seed = backward_seed;
+  options.per_token_loss = ctx.per_token_loss;
+  options.main_loss_tokens = ctx.loss_tokens;
   for (int64_t k = 0; k < config_.mtp_num_layers; ++k) {
     options.layer_streams.push_back(layer_stream(ctx.dropout_stream, mtp_layer_number(config_.num_layers, k)));
     // A layer-style key (stream x 4 + site) of a layer number no decoder layer has.

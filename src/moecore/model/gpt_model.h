@@ -70,6 +70,11 @@ struct ForwardOptions {
   // forms the loss's gradients during the forward; with the seed known they are formed already scaled, as
   // Megatron's scaled loss would give them, so that fp16 rounding sees the scaled values (no underflow).
   double backward_seed = 1.0;
+  // Megatron's --calculate-per-token-loss: the micro-batch's objective is the sum of its token losses (the backward
+  // seeds the sum, not the token mean), the MoE auxiliary losses' gradients are not scaled by CP, and the MTP
+  // depths' token losses weigh (main tokens / depth tokens); the caller divides every gradient by the global number
+  // of loss tokens after the data-parallel reduction. forward still returns the token mean (for the log).
+  bool per_token_loss = false;
 };
 
 class GPTModel {
@@ -165,6 +170,7 @@ class GPTModel {
   // The micro-batch as the MTP block reads it (the whole [B, S] arrays in forward; backward needs none of them).
   MtpBatch mtp_batch(const MicroBatchContext& ctx, const int32_t* tokens_BS = nullptr,
                      const int32_t* labels_BS = nullptr, const float* loss_mask_BS = nullptr) const;
+  double aux_loss_scale(const MicroBatchContext& ctx, double loss_scale) const;
   MtpForwardOptions mtp_options(const MicroBatchContext& ctx, double backward_seed) const;
   // Full recomputation: what a checkpoint keeps of its input (all of it, or this TP rank's rows with
   // --distribute-saved-activations), and the forward of the chunk's layers [begin, end) again from it, into ctx.

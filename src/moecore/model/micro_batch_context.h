@@ -21,6 +21,7 @@ class MicroBatchContext {
   std::vector<int32_t> tokens_SB, labels_SB;
   std::vector<float> loss_weight_SB;  // mask / number of unmasked tokens
   double loss_tokens = 0.0;           // this rank's unmasked tokens
+  bool per_token_loss = false;        // ForwardOptions::per_token_loss
   uint64_t dropout_seed = 0;
   uint64_t dropout_stream = 0;
   bool training = false;

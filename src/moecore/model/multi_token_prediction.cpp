@@ -163,7 +163,9 @@ std::vector<double> MultiTokenPrediction::forward(const Tensor& h0_TH, const Mtp
     // The depth's loss through the shared output layer, fused as the main loss (the logits are never stored).
     double unmasked = 0.0;
     for (const float m : mask) unmasked += m;
-    const double per_token = 1.0 / std::max(unmasked, 1.0);
+    // Each token's share: 1 / the depth's tokens (its token mean), or with per-token loss main tokens / depth tokens
+    // (multi_token_prediction.py: mtp_loss * original_num_tokens / num_tokens, the sum rescaled to the main loss's).
+    const double per_token = (options.per_token_loss ? options.main_loss_tokens : 1.0) / std::max(unmasked, 1.0);
     const Tensor input_TH = output_layer_->gather_input(hidden_TH);
     const Tensor& weight_VH = output_layer_->weight().value;
     Tensor losses_T = fp32_tensor({T});

@@ -67,6 +67,10 @@ struct MtpForwardOptions {
   std::vector<uint64_t> layer_streams;   // per depth: the layer's dropout stream
   std::vector<uint64_t> embedding_keys;  // per depth: the embedding dropout's counter key
   double backward_seed = 1.0;            // the micro-batch's backward seed (ForwardOptions::backward_seed)
+  // Per-token loss (ForwardOptions::per_token_loss): a depth's token losses weigh the main loss's unmasked tokens on
+  // this rank / the depth's (Megatron's original_num_tokens / num_tokens) instead of 1 / the depth's.
+  bool per_token_loss = false;
+  double main_loss_tokens = 0.0;
 };
 
 class MultiTokenPrediction {

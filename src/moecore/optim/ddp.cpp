@@ -342,7 +342,7 @@ void DistributedDataParallel::launch(const int bucket_index) {
   // product is rounded to 16 bits); expert grads use the same 1 / dp-cp factor (they already hold the tokens of
   // every EP rank).
   const int dp_cp = parallel_.dp_cp.size();
-  if (dp_cp > 1) {
+  if (dp_cp > 1 && !options_.per_token_loss) {
     ops::scale_(bucket, 1.0 / static_cast<double>(dp_cp));
     if (wire != DType::kF32) ops::round_to_dtype_(bucket, wire);
   }
@@ -388,6 +388,15 @@ void DistributedDataParallel::after_backward(const int module) {
       return module_done_[static_cast<size_t>(mod - min_module_)] != 0;
     });
     if (ready) launch(static_cast<int>(b));
+  }
+}
+
+void DistributedDataParallel::scale_gradients(const double factor) {
+  if (options_.fsdp) throw std::logic_error("scale_gradients is not available under Megatron-FSDP");
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Tensor grads = grad_view(static_cast<int>(b), buckets_[b].begin, buckets_[b].end);
+    ops::scale_(grads, factor);
+    if (options_.grad_dtype != DType::kF32) ops::round_to_dtype_(grads, options_.grad_dtype);
   }
 }
 

@@ -63,6 +63,9 @@ struct DdpOptions {
   // Megatron-FSDP (optim/fsdp.h): one bucket per module and group kind, the units' parameters and gradients sharded
   // by the strategy. use_distributed_optimizer must be true except with no_shard; no quantized parameter all-gather.
   std::optional<FsdpOptions> fsdp;
+  // Megatron's --calculate-per-token-loss: no 1 / dp-cp scaling before the reduction (DDP's gradient_scaling_factor
+  // 1.0); the trainer divides by the global loss tokens afterwards (scale_gradients). Not with fsdp.
+  bool per_token_loss = false;
 };
 
 class DistributedDataParallel : public ModelHooks {
@@ -157,6 +160,9 @@ class DistributedDataParallel : public ModelHooks {
   // bucket does. Then the tied embedding's copies (Param::sum_over_embedding_group) are summed over the pipeline's
   // embedding group, as Megatron's finalize_model_grads.
   void finish_grad_sync();
+  // Every gradient this rank holds times `factor` (Megatron's scale_gradients in finalize_model_grads), in the
+  // gradient buffers' dtype. After finish_grad_sync; not under Megatron-FSDP.
+  void scale_gradients(double factor);
   // Distributed optimizer: all-gathers every bucket's updated shard (asynchronously with overlap_param_gather).
   void start_param_gather();
   // Finishes any in-flight all-gather (before evaluation / export / the next step).

@@ -3,6 +3,7 @@
 #include <array>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <span>
@@ -55,10 +56,14 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   // The backward seed of each micro-batch's mean loss (Megatron's schedules.py: loss / num_microbatches, times the
   // loss scale in backward_step via optimizer.scale_loss).
   const double grad_scale = modules.loss_scalers.backward_scale();
-  const double loss_scale = grad_scale / static_cast<double>(mine.size());
+  // --calculate-per-token-loss: no division by the micro-batches (the gradients are divided by the global tokens
+  // after the reduction, below).
+  const bool per_token = args.calculate_per_token_loss;
+  const double loss_scale = per_token ? grad_scale : grad_scale / static_cast<double>(mine.size());
   microbatches.options = [&](const int m) {
     ForwardOptions options;
     options.backward_seed = loss_scale;
+    options.per_token_loss = per_token;
     options.training = true;
     options.dropout_seed = static_cast<uint64_t>(args.seed);
     options.dropout_stream = static_cast<uint64_t>(iteration * num_microbatches + mine[static_cast<size_t>(m)]);
@@ -82,6 +87,20 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   {
     const trace::Scope scope("finish grad sync", "step");
     modules.ddp.finish_grad_sync();
+  }
+  if (per_token) {
+    // Megatron's finalize_model_grads: the loss tokens of the last stage's micro-batches, broadcast over the
+    // pipeline and summed over dp-cp, divide every gradient (at least 1).
+    const parallel::CommTimer timer(parallel::CommKind::kOther);
+    double tokens = loss.tokens;
+    if (parallel.pp_size() > 1) {  // the double's bits, as reduce_pipeline_loss broadcasts the loss
+      std::array<float, 2> bits{};
+      std::memcpy(bits.data(), &tokens, sizeof tokens);
+      parallel.pp.broadcast(std::span<float>(bits), parallel.pp_size() - 1);
+      std::memcpy(&tokens, bits.data(), sizeof tokens);
+    }
+    const double global_tokens = parallel::sum_double(parallel.dp_cp, tokens);
+    modules.ddp.scale_gradients(1.0 / std::max(global_tokens, 1.0));
   }
   if (args.reset_attention_mask) {
     // Every model-parallel rank of a replica read the same samples: summing over DP covers the global batch once.

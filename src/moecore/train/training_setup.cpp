@@ -103,6 +103,7 @@ ModelAndOptimizer build_model_and_optimizer(const TrainingArgs& run_args, const 
   ddp_options.overlap_grad_reduce = run_args.overlap_grad_reduce;
   ddp_options.use_distributed_optimizer = run_args.use_distributed_optimizer;
   ddp_options.overlap_param_gather = run_args.overlap_param_gather;
+  ddp_options.per_token_loss = run_args.calculate_per_token_loss;
   // Megatron's grad buffer dtype (arguments.py validate_args, distributed_data_parallel.py): fp32 when gradients
   // accumulate and reduce in fp32, else the 16-bit weights' dtype. bf16 accumulates in fp32 unless
   // --grad-reduce-in-bf16 or --main-grads-dtype bf16 (both give one bf16 buffer); fp16 accumulates in fp16 unless
