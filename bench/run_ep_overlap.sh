@@ -15,15 +15,10 @@ mpirun=$(command -v mpirun)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(lscpu | sed -n 's/^Model name: *//p'), load $(cut -d' ' -f1 /proc/loadavg)"
-args=()
-while read -r flag value; do
-  case "$flag" in --train-iters | --log-interval | --eval-interval | --eval-iters | --split | --micro-batch-size | \
-    --global-batch-size) continue ;; esac
-  args+=("$flag")
-  if [ -n "$value" ]; then args+=("$value"); fi
-done < <(grep -v '^#' configs/demo.args | grep -v '^\s*$')
-args+=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50256 --train-iters 8 --log-interval 4
-  --lr-warmup-iters 1 --eval-iters 0 --bf16 --micro-batch-size 1 --threads 1)
+# shellcheck source=bench/demo_args.sh
+source bench/demo_args.sh
+demo_args --train-iters --log-interval --eval-interval --eval-iters --split --micro-batch-size --global-batch-size
+args+=(--train-iters 8 --log-interval 4 --lr-warmup-iters 1 --eval-iters 0 --bf16 --micro-batch-size 1 --threads 1)
 summary() {
   /usr/bin/python3 - "$1" <<'PY'
 import re, sys

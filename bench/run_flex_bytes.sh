@@ -15,14 +15,11 @@ mpirun=$(command -v mpirun)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(lscpu | sed -n 's/^Model name: *//p')"
-args=()
-while read -r flag value; do
-  case "$flag" in --train-iters | --log-interval | --eval-interval | --eval-iters | --split | --micro-batch-size | \
-    --global-batch-size | --moe-router-topk | --moe-token-dispatcher-type) continue ;; esac
-  args+=("$flag")
-  if [ -n "$value" ]; then args+=("$value"); fi
-done < <(grep -v '^#' configs/demo.args | grep -v '^\s*$')
-args+=(--mock-data --tokenizer-type NullTokenizer --vocab-size 50256 --train-iters 2 --log-interval 2 --eval-iters 0
+# shellcheck source=bench/demo_args.sh
+source bench/demo_args.sh
+demo_args --train-iters --log-interval --eval-interval --eval-iters --split --micro-batch-size --global-batch-size --moe-router-topk \
+  --moe-token-dispatcher-type
+args+=(--train-iters 2 --log-interval 2 --eval-iters 0
   --lr-warmup-iters 1 --micro-batch-size 1 --global-batch-size 16 --expert-model-parallel-size 4 --threads 1
   --moe-router-force-load-balancing)
 for k in 2 4 8; do
