@@ -8,7 +8,8 @@ base=("${model[@]}" --mock-data)
 
 expect_error "unknown command 'trian'" "$bin" trian
 expect_error "unknown flag --num-layer (did you mean --num-layers?)" "$bin" train "${base[@]}" --num-layer 3
-expect_error "--moe-latent-size is a Megatron flag that moecore does not implement yet" "$bin" train "${base[@]}" --num-experts 4 --moe-latent-size 8
+expect_error "--moe-permute-fusion is a Megatron flag that moecore does not implement yet" "$bin" train "${base[@]}" --num-experts 4 --moe-permute-fusion
+expect_error "--moe-latent-size requires --num-experts (a positive number of experts)" "$bin" train "${base[@]}" --moe-latent-size 8
 expect_error "--distributed-timeout-minutes must be positive (got 0)" "$bin" train "${base[@]}" \
   --distributed-timeout-minutes 0
 expect_error "invalid value 'soon' for --distributed-timeout-minutes: expected a finite number" "$bin" train \

@@ -180,6 +180,8 @@ MoEConfig moe_fields(const json& j, const std::string& path) {
       m.shared_expert_intermediate_size = value;
     } else if (key == "shared_expert_gate") {
       m.shared_expert_gate = value;
+    } else if (key == "latent_size") {
+      m.latent_size = value;
     } else if (key == "per_layer_logging") {
       m.per_layer_logging = value;
     } else {

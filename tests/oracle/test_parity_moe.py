@@ -93,6 +93,10 @@ CONFIGS = {
     "shared_expert_gate": {**LLAMA, "moe": moe(shared_expert_intermediate_size=48, shared_expert_gate=True)},
     "shared_expert_no_gate_gelu": {"activation": "gelu", "add_bias_linear": False,
                                    "moe": moe(shared_expert_intermediate_size=32)},
+    # LatentMoE: experts in a latent width of 8 or 16 (hidden 64), with biases and shared experts beside them
+    "latent_bias_gelu": {"activation": "gelu", "add_bias_linear": True, "moe": moe(latent_size=8)},
+    "latent_shared_gate_llama": {**LLAMA, "moe": moe(latent_size=16, shared_expert_intermediate_size=48,
+                                                      shared_expert_gate=True)},
     "mixed_dense_moe_first_dense": {**LLAMA, "num_layers": 3, "moe": moe(moe_layer_pattern=[0, 1, 1])},
     "mixed_moe_dense_alternating_loss_mask": {**LLAMA, "num_layers": 3, "mask": "zeros",
                                               "moe": moe(moe_layer_pattern=[1, 0, 1], z_loss_coeff=1e-3)},

@@ -63,7 +63,7 @@ MOE_DEFAULTS = {
     "enable_expert_bias": False, "bias_update_rate": 1e-3, "load_balancing_types": ["aux_loss"],
     "aux_loss_coeffs": [0.0], "z_loss_coeff": 0.0, "capacity_factor": None, "drop_policy": "probs",
     "pad_expert_input_to_capacity": False, "apply_probs_on_input": False, "shared_expert_intermediate_size": 0,
-    "shared_expert_gate": False,
+    "shared_expert_gate": False, "latent_size": 0,
     # accepted for compatibility with the C++ MoEConfig; must stay off / do not change the math here
     "input_jitter_eps": 0.0, "force_load_balancing": False, "grouped_gemm": False, "per_layer_logging": False,
 }
@@ -128,6 +128,8 @@ def validate_moe(m, num_layers=None):
         bad("apply_probs_on_input needs topk 1")
     if m["input_jitter_eps"] or m["force_load_balancing"]:
         bad("input_jitter_eps and force_load_balancing are random; the twin does not implement them")
+    if m["latent_size"] < 0:
+        bad(f"latent_size {m['latent_size']} must be positive (or 0: none)")
     if m["ffn_hidden_size"] <= 0:
         bad(f"ffn_hidden_size {m['ffn_hidden_size']} must be positive")
     if num_layers is not None and len(m["moe_layer_pattern"]) != num_layers:
@@ -144,24 +146,32 @@ def aux_coeff(m, name):
 
 def moe_param_specs(prefix, m, hidden, activation, add_bias):
     """[(name, shape, kind)] of one MoE layer's MLP parameters (prefix e.g. 'decoder.layers.3.')."""
-    E, Fm, S = m["num_experts"], m["ffn_hidden_size"], m["shared_expert_intermediate_size"]
+    E, Fm, S, L = m["num_experts"], m["ffn_hidden_size"], m["shared_expert_intermediate_size"], m["latent_size"]
     glu = 2 if activation == "swiglu" else 1
+    X = L if L > 0 else hidden  # the routed experts' width
     specs = [(prefix + "mlp.router.weight", (E, hidden), "weight")]
     if add_bias:
         specs.append((prefix + "mlp.router.bias", (E,), "bias"))
     for e in range(E):
         p = f"{prefix}mlp.experts.local_experts.{e}."
-        specs.append((p + "linear_fc1.weight", (glu * Fm, hidden), "weight"))
+        specs.append((p + "linear_fc1.weight", (glu * Fm, X), "weight"))
         if add_bias:
             specs.append((p + "linear_fc1.bias", (glu * Fm,), "bias"))
-        specs.append((p + "linear_fc2.weight", (hidden, Fm), "weight"))
+        specs.append((p + "linear_fc2.weight", (X, Fm), "weight"))
         if add_bias:
-            specs.append((p + "linear_fc2.bias", (hidden,), "bias"))
+            specs.append((p + "linear_fc2.bias", (X,), "bias"))
     if S > 0:
         specs.append((prefix + "mlp.shared_experts.linear_fc1.weight", (glu * S, hidden), "weight"))
         specs.append((prefix + "mlp.shared_experts.linear_fc2.weight", (hidden, S), "weight"))
         if m["shared_expert_gate"]:
             specs.append((prefix + "mlp.shared_experts.gate_weight", (1, hidden), "weight"))
+    if L > 0:  # LatentMoE (Megatron's MoELayer.fc1_latent_proj / fc2_latent_proj)
+        specs.append((prefix + "mlp.fc1_latent_proj.weight", (L, hidden), "weight"))
+        if add_bias:
+            specs.append((prefix + "mlp.fc1_latent_proj.bias", (L,), "bias"))
+        specs.append((prefix + "mlp.fc2_latent_proj.weight", (hidden, L), "weight"))
+        if add_bias:
+            specs.append((prefix + "mlp.fc2_latent_proj.bias", (hidden,), "bias"))
     return specs
 
 
@@ -431,14 +441,20 @@ def moe_layer_forward(x_SBH, params, prefix, m, activation_fn, state, training=T
     T = S * B
     x_TH = x_SBH.reshape(T, H)
     probs, routing_map, info = router_forward(x_SBH, params, prefix, m, state, training, aux_grad_scale)
-    out = torch.zeros_like(x_TH)
+    latent = m["latent_size"] > 0
+    # LatentMoE: the routed experts see z = fc1_latent_proj(x) and their combined output goes through fc2_latent_proj.
+    z_TX = F.linear(x_TH, params[prefix + "mlp.fc1_latent_proj.weight"],
+                    params.get(prefix + "mlp.fc1_latent_proj.bias")) if latent else x_TH
+    out = torch.zeros_like(z_TX)
     for e in range(m["num_experts"]):
         rows = torch.nonzero(routing_map[:, e], as_tuple=False).flatten()  # ascending token order
         if rows.numel() == 0:
             continue
-        y = expert_forward(x_TH[rows], probs[rows, e], params, f"{prefix}mlp.experts.local_experts.{e}.",
+        y = expert_forward(z_TX[rows], probs[rows, e], params, f"{prefix}mlp.experts.local_experts.{e}.",
                            activation_fn, m["apply_probs_on_input"])
         out = out.index_add(0, rows, y.to(out.dtype))  # y is bf16 under torch.autocast; a no-op otherwise
+    if latent:
+        out = F.linear(out, params[prefix + "mlp.fc2_latent_proj.weight"], params.get(prefix + "mlp.fc2_latent_proj.bias"))
     if m["shared_expert_intermediate_size"] > 0:
         out = out + shared_experts_forward(x_TH, params, prefix, m, activation_fn)
     info["routing_map"] = routing_map

@@ -19,3 +19,10 @@ if(MPIRUN_EXECUTABLE AND TARGET moecore)
                    ${CMAKE_CURRENT_BINARY_DIR}/checkpoint_deepseek)
   set_tests_properties(dist.checkpoint.deepseek PROPERTIES LABELS dist TIMEOUT 300)
 endif()
+# The LatentMoE recipe saved under TP2 x EP2 and continued under EP2 and in one process (checkpoint_latent.sh).
+if(MPIRUN_EXECUTABLE AND TARGET moecore)
+  add_test(NAME dist.checkpoint.latent
+           COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/checkpoint_latent.sh $<TARGET_FILE:moecore> ${MPIRUN_EXECUTABLE}
+                   ${CMAKE_CURRENT_BINARY_DIR}/checkpoint_latent)
+  set_tests_properties(dist.checkpoint.latent PROPERTIES LABELS dist TIMEOUT 300)
+endif()

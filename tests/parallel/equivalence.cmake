@@ -56,6 +56,8 @@ set(equiv_per_token ${equiv_packed} --eod-mask-loss --calculate-per-token-loss)
 set(equiv_per_token_mtp ${equiv_per_token} --mtp-num-layers 1)
 # MTP over packed documents (the depths shift over the whole sequence, as Megatron's roll_tensor without THD).
 set(equiv_mtp_packed ${equiv_packed} --mtp-num-layers 2)
+# LatentMoE: the routed experts in a width of 16 (hidden 32) between fc1_latent_proj and fc2_latent_proj.
+set(equiv_latent ${equiv_aux} --moe-latent-size 16)
 
 set(equiv_dir ${CMAKE_CURRENT_BINARY_DIR}/equivalence)
 file(MAKE_DIRECTORY ${equiv_dir})
@@ -78,7 +80,7 @@ function(moecore_equiv name config np)
   elseif(config STREQUAL "capacity")
     set(config_args ${equiv_capacity})
   elseif(config MATCHES "^pp" OR config STREQUAL "packed" OR config STREQUAL "bf16" OR config MATCHES "^mtp" OR
-         config STREQUAL "no_mep" OR config MATCHES "^per_token")
+         config STREQUAL "no_mep" OR config MATCHES "^per_token" OR config STREQUAL "latent")
     set(config_args ${equiv_${config}})
   endif()
   add_test(NAME dist.equiv.${name}
@@ -106,6 +108,7 @@ moecore_equiv_reference(mtp ${equiv_mtp})
 moecore_equiv_reference(pp_mtp ${equiv_pp_mtp})
 moecore_equiv_reference(mtp_packed ${equiv_mtp_packed})
 moecore_equiv_reference(pp_mtp_untied ${equiv_pp_mtp_untied})
+moecore_equiv_reference(latent ${equiv_latent})
 
 moecore_equiv(dp2 aux 2)
 moecore_equiv(dp2_overlap aux 2 --overlap-grad-reduce --ddp-bucket-size 2000)
@@ -255,6 +258,12 @@ moecore_equiv(per_token_tp2_ep2 per_token 4 --tensor-model-parallel-size 2 --seq
               --expert-model-parallel-size 2)
 moecore_equiv(per_token_pp2 per_token 2 --pipeline-model-parallel-size 2)
 moecore_equiv(per_token_mtp_dp2 per_token_mtp 2)
+# LatentMoE under EP2 (the dispatcher moves latent rows), TP2 + SP (the replicated projections' gradients summed over
+# TP) and TP2 x EP2 with the experts' latent width sharded over expert-TP 2.
+moecore_equiv(latent_ep2 latent 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall)
+moecore_equiv(latent_tp2_sp latent 2 --tensor-model-parallel-size 2 --sequence-parallel)
+moecore_equiv(latent_tp2_ep2 latent 4 --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2
+              --moe-token-dispatcher-type alltoall)
 # Megatron's EP all-to-all overlap (combined 1F1B, weight gradients delayed) against one process.
 moecore_equiv(bf16_ep2_overlap bf16 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
               --overlap-moe-expert-parallel-comm --delay-wgrad-compute)

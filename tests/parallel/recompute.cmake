@@ -45,6 +45,9 @@ moecore_recompute(np1_global_aux 1 CONFIG ${recompute_global_aux} --num-layers 4
                   full_uniform1)
 moecore_recompute(np1_fp8_delayed 1 CONFIG ${recompute_fp8} --num-layers 4 --moe-layer-freq [0,1,0,1] VARIANTS mlp moe
                   shared_experts full_uniform2)
+# LatentMoE: the MoE recompute rebuilds fc2_latent_proj's input (the combined output) even where it skips the output.
+moecore_recompute(np1_latent 1 CONFIG ${equiv_model} ${equiv_latent} --num-layers 4 --moe-layer-freq [0,1,0,1]
+                  VARIANTS moe moe_act shared_experts selective_all full_uniform1)
 moecore_recompute(np1_mtp 1 CONFIG ${equiv_model} ${equiv_mtp} VARIANTS selective_all full_uniform1 full_block1)
 moecore_recompute(np1_bf16 1 CONFIG ${equiv_model} ${equiv_pp_4l} --bf16 VARIANTS selective_all moe full_uniform1)
 moecore_recompute(tp2_sp_ep2 2 CONFIG ${equiv_model} ${equiv_aux} --tensor-model-parallel-size 2 --sequence-parallel

@@ -184,6 +184,15 @@ int main(int argc, char** argv) {
       check_close(bf16_a2a / fp32_a2a, (4.0 * 32 + 4) / (8.0 * 32 + 4), 2e-3,
                   "bf16: dispatched rows move in 16 bits, probabilities in fp32");
     }
+    // LatentMoE (--moe-latent-size 8 of H = 32): the dispatcher moves fc1_latent_proj's rows, 8 features instead of
+    // 32, so the fp32 bytes fall from (sent + received) x (2 H x 4 + 4) to (2 x 8 x 4 + 4).
+    std::vector<std::string> ep2_latent_flags = ep2_flags;
+    ep2_latent_flags.insert(ep2_latent_flags.end(), {"--moe-latent-size", "8"});
+    const double latent_a2a = comm_megabytes(ep2_latent_flags, "all-to-all");
+    if (world.rank() == 0) {
+      check_close(latent_a2a / fp32_a2a, (8.0 * 8 + 4) / (8.0 * 32 + 4), 2e-3,
+                  "--moe-latent-size 8: the all-to-all moves 8 of 32 features per row");
+    }
     // TP2 with sequence parallelism: the activations' gathers and reduce-scatters move 16-bit values under --bf16.
     const std::vector<std::string> tp2_flags = {"--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                 "--expert-tensor-parallel-size", "1"};

@@ -323,8 +323,8 @@ TEST(TrainArguments, RecomputeFlagsAsMegatron) {
 }
 
 TEST(TrainArguments, CataloguedMegatronFlagsAreNotImplementedYet) {
-  for (const char* flag : {"--moe-latent-size", "--moe-use-legacy-grouped-gemm", "--rampup-batch-size",
-                           "--fp8-interval", "--save-retain-interval", "--wandb-project", "--ckpt-format"}) {
+  for (const char* flag : {"--moe-use-legacy-grouped-gemm", "--rampup-batch-size", "--fp8-interval",
+                           "--save-retain-interval", "--wandb-project", "--ckpt-format"}) {
     EXPECT_EQ(error_of(with(minimal(), {flag, "1"})),
               std::string(flag) + " is a Megatron flag that moecore does not implement yet");
   }
@@ -1476,6 +1476,20 @@ TEST(TrainArguments, FlexDispatcherChecks) {
             "moe_shared_expert_overlap only works with alltoall or flex token dispatcher.");
   EXPECT_NO_THROW(parse_train_args(
       with(ep2, {"--moe-token-dispatcher-type", "flex", "--bf16", "--overlap-moe-expert-parallel-comm"}), 2));
+}
+
+TEST(TrainArguments, LatentMoE) {
+  EXPECT_EQ(parse_train_args(minimal_moe()).model.moe.latent_size, 0);
+  EXPECT_EQ(parse_train_args(with(minimal_moe(), {"--moe-latent-size", "16"})).model.moe.latent_size, 16);
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-latent-size", "0"})),
+            "MoE latent projection dimension has to be greater than zero (--moe-latent-size 0)");
+  EXPECT_EQ(error_of(with(minimal(), {"--moe-latent-size", "16"})),
+            "--moe-latent-size requires --num-experts (a positive number of experts)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-latent-size", "16", "--moe-shared-expert-intermediate-size", "32",
+                                          "--disable-bias-linear", "--moe-shared-expert-overlap",
+                                          "--moe-token-dispatcher-type", "alltoall"})),
+            "Shared expert overlap with MoE latent projections is not supported during training. Disable "
+            "--moe-shared-expert-overlap.");
 }
 
 TEST(TrainArguments, PerTokenLoss) {

@@ -144,6 +144,13 @@ TEST(PlanFlops, Qwen3_30BA3BAsMegatron) {
   expect_relative(flops_per_step(qwen3_30b_a3b(), 512), 4.824766973843866e+16);
 }
 
+TEST(PlanFlops, LatentMoEAsMegatron) {
+  PlanModel model = qwen3_30b_a3b();
+  model.config.moe.latent_size = 512;  // Megatron args: moe_latent_size 512
+  expect_relative(flops_per_token(model), 15456534528.0);
+  expect_relative(flops_per_step(model, 512), 3.2414702298464256e+16);
+}
+
 TEST(PlanFlops, Mixtral8x7BAsMegatron) {
   expect_relative(flops_per_token(mixtral_8x7b()), 79706456064.0);
   expect_relative(flops_per_step(mixtral_8x7b(), 256), 8.357827687376486e+16);

@@ -60,6 +60,10 @@ TEST(MemoryEstimate, ParametersMatchTheBuiltModel) {
       {"--num-experts", "4", "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm",
        "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate", "--moe-router-enable-expert-bias",
        "--moe-router-score-function", "sigmoid"},
+      // LatentMoE, with biases on the latent projections and without.
+      {"--num-experts", "4", "--moe-ffn-hidden-size", "48", "--moe-layer-freq", "([0]+[1])", "--moe-latent-size", "16"},
+      {"--num-experts", "4", "--swiglu", "--disable-bias-linear", "--moe-latent-size", "8",
+       "--moe-shared-expert-intermediate-size", "32"},
       // Multi-Token Prediction: depths like the last layer (dense with LayerNorm; MoE after a dense first layer).
       {"--position-embedding-type", "rope", "--mtp-num-layers", "1"},
       {"--position-embedding-type", "rope", "--mtp-num-layers", "2", "--num-experts", "4", "--moe-ffn-hidden-size",

@@ -346,6 +346,9 @@ std::string hf_model_type(const ModelConfig& c, const std::string& requested) {
     throw ConfigError(prefix + "--position-embedding-type " + to_string(c.position_embedding_type));
   }
   if (c.rotary_percent != 1.0) throw ConfigError(prefix + "--rotary-percent " + std::to_string(c.rotary_percent));
+  if (c.moe.latent_size > 0) {
+    throw ConfigError("HF export: no model type moecore writes has LatentMoE's projections (--moe-latent-size)");
+  }
   if (c.mla || requested == "deepseek_v3") {
     if (!requested.empty() && requested != "deepseek_v3") {
       throw ConfigError("HF export as " + requested + ": this model has --multi-latent-attention (deepseek_v3)");

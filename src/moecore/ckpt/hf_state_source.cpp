@@ -180,6 +180,11 @@ std::vector<int64_t> dense_layers(const ModelConfig& c) {
 }  // namespace
 
 void check_hf_config_matches(const std::string& dir, const ModelConfig& config) {
+  if (config.moe.latent_size > 0) {
+    throw ConfigError(
+        "loading an HF checkpoint: no HF model type moecore reads has LatentMoE's projections "
+        "(--moe-latent-size)");
+  }
   const ModelConfig hf = read_hf_config(dir);
   const std::string model_type = read_hf_model_type(dir);
   const bool has_block = read_json_file((fs::path(dir) / "config.json").string()).contains(kMoecoreMoeConfigKey);

@@ -104,13 +104,20 @@ std::vector<ModelStateKey> model_state_keys(const ModelConfig& c) {
     if (m.enable_expert_bias) {
       buffers.push_back(ModelStateKey{M + "mlp.router.expert_bias", {m.num_experts}, InitKind::kZeros, true});
     }
+    const int64_t X = m.latent_size > 0 ? m.latent_size : H;  // the routed experts' width
     for (int64_t e = 0; e < m.num_experts; ++e) {
-      list.mlp(M + "mlp.experts.local_experts." + std::to_string(e) + ".", H, m.ffn_hidden_size, c.activation,
+      list.mlp(M + "mlp.experts.local_experts." + std::to_string(e) + ".", X, m.ffn_hidden_size, c.activation,
                c.add_bias_linear);
     }
     if (m.shared_expert_intermediate_size > 0) {  // no biases (as Megatron's SharedExpertMLP)
       list.mlp(M + "mlp.shared_experts.", H, m.shared_expert_intermediate_size, c.activation, false);
       if (m.shared_expert_gate) list.add(M + "mlp.shared_experts.gate_weight", {1, H}, InitKind::kNormal);
+    }
+    if (m.latent_size > 0) {  // moe/moe_layer.cpp
+      list.add(M + "mlp.fc1_latent_proj.weight", {X, H}, InitKind::kNormal);
+      if (c.add_bias_linear) list.add(M + "mlp.fc1_latent_proj.bias", {X}, InitKind::kZeros);
+      list.add(M + "mlp.fc2_latent_proj.weight", {H, X}, InitKind::kScaledNormal);
+      if (c.add_bias_linear) list.add(M + "mlp.fc2_latent_proj.bias", {H}, InitKind::kZeros);
     }
   }
   if (c.mtp_num_layers > 0) {

@@ -79,6 +79,11 @@ ModelConfig dense_config_for_upcycling(const ModelConfig& moe_config, const int6
                       std::to_string(m.num_experts) + " (upcycling gives each dense MLP's pieces to groups of " +
                       std::to_string(granularity) + " experts)");
   }
+  if (m.latent_size > 0) {
+    throw ConfigError(
+        "--moe-use-upcycling does not support LatentMoE (--moe-latent-size): the dense MLP's [F, H] weights do not fit "
+        "latent experts");
+  }
   if (m.shared_expert_intermediate_size > 0) {
     throw ConfigError(
         "--moe-use-upcycling does not support shared experts (--moe-shared-expert-intermediate-size): Megatron's "

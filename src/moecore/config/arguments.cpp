@@ -483,6 +483,16 @@ const std::vector<TrainFlag>& flag_table() {
     {"--moe-shared-expert-overlap", Arity::kSwitch, "",
      "compute the shared experts while the alltoall dispatcher's token exchange is in flight",
      [](TrainingArgs& a, const FlagValue&) { a.model.moe.shared_expert_overlap = true; }},
+    {"--moe-latent-size", Arity::kOne, "N",
+     "LatentMoE: project tokens to N features before dispatch, run the routed experts in that width and project "
+     "back after combine (router and shared experts stay on the hidden size)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.model.moe.latent_size = v.integer_up_to(kMaxWidth);
+       if (a.model.moe.latent_size <= 0) {
+         throw ConfigError("MoE latent projection dimension has to be greater than zero (--moe-latent-size " +
+                           std::to_string(a.model.moe.latent_size) + ")");
+       }
+     }},
     {"--calculate-per-token-loss", Arity::kSwitch, "",
      "Megatron's per-token loss: each micro-batch's loss is summed over its tokens and every gradient divided by the "
      "global batch's loss tokens (over micro-batches and data-parallel ranks), instead of a mean of micro-batch means",

@@ -6,7 +6,7 @@
 //
 // Errors (one line each, thrown as ConfigError):
 //   unknown flag               "unknown flag --num-layer (did you mean --num-layers?)"
-//   Megatron flag not built    "--moe-latent-size is a Megatron flag that moecore does not implement yet"
+//   Megatron flag not built    "--moe-permute-fusion is a Megatron flag that moecore does not implement yet"
 //   bad value                  "invalid value 'abc' for --num-layers: expected an integer"
 //   inconsistent settings      one line naming the flags involved.
 //

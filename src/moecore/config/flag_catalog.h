@@ -1,7 +1,7 @@
 // Megatron-LM command-line flags that moecore knows by name but does not implement yet.
 //
-// Passing one of them is an error that says so ("--moe-latent-size is a Megatron flag that moecore does not implement
-// yet"), instead of "unknown flag": the user typed a real Megatron flag. The names were checked against
+// Passing one of them is an error that says so ("--moe-permute-fusion is a Megatron flag that moecore does not
+// implement yet"), instead of "unknown flag": the user typed a real Megatron flag. The names were checked against
 // megatron/training/arguments.py (and, for MoE flags generated from TransformerConfig fields, against
 // megatron/core/transformer/transformer_config.py). When a feature lands, move its flags from this catalog into the
 // flag table of arguments.cpp (a test checks that no name is in both).

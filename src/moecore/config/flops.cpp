@@ -19,6 +19,7 @@ void check(const FlopsShape& shape) {
           "MoE layers must be between 0 and the number of layers");
   require(shape.num_moe_layers > 0 || !shape.last_layer_is_moe, "the last layer is MoE but no layer is");
   require(shape.mtp_num_layers >= 0, "MTP layers must not be negative");
+  require(shape.moe_latent_size >= 0, "the MoE latent size must not be negative (0: none)");
   if (shape.mla) {
     const MlaConfig& mla = *shape.mla;
     require(mla.q_lora_rank >= 0, "q_lora_rank must not be negative (0: queries from the hidden state)");
@@ -72,11 +73,17 @@ double num_floating_point_operations(const FlopsShape& shape, const double token
     self_attn_core_per_layer = kForwardBackward * kFma * query / 2.0 * 2.0;
   }
 
+  // LatentMoE: the experts run on moe_latent_size (their term scaled by latent / h), plus the latent down and up
+  // projections.
+  const double routed_experts =
+      static_cast<double>(shape.moe_ffn_hidden_size) * static_cast<double>(shape.moe_router_topk) * ffn_expansion;
+  const auto latent = static_cast<double>(shape.moe_latent_size);
+  const double routed_per_moe_layer =
+      shape.moe_latent_size > 0 ? routed_experts * latent / h + 2.0 * latent : routed_experts;
   const double mlp =
       kForwardBackward * kFma * h *
-      (static_cast<double>(shape.ffn_hidden_size) * ffn_expansion * dense_layers  // dense layers
-       + static_cast<double>(shape.moe_ffn_hidden_size) * static_cast<double>(shape.moe_router_topk) * ffn_expansion *
-             moe_layers                                                                             // routed experts
+      (static_cast<double>(shape.ffn_hidden_size) * ffn_expansion * dense_layers                    // dense layers
+       + routed_per_moe_layer * moe_layers                                                          // routed experts
        + static_cast<double>(shape.shared_expert_intermediate_size) * ffn_expansion * moe_layers);  // shared experts
   const double mtp_norms_and_projection = kForwardBackward * kFma * mtp * (3.0 * h + 2.0 * h * h);
   const double logits =
@@ -103,6 +110,7 @@ FlopsShape flops_shape(const ModelConfig& config) {
         config.moe.ffn_hidden_size > 0 ? config.moe.ffn_hidden_size : config.ffn_hidden_size;  // Megatron's fallback
     shape.moe_router_topk = config.moe.topk;
     shape.shared_expert_intermediate_size = config.moe.shared_expert_intermediate_size;
+    shape.moe_latent_size = config.moe.latent_size;
   }
   shape.padded_vocab_size = config.vocab_size;
   shape.mla = config.mla;

@@ -26,6 +26,7 @@ struct FlopsShape {
   int64_t num_moe_layers = 0;
   bool last_layer_is_moe = false;
   int64_t moe_ffn_hidden_size = 0;              // moe_ffn_hidden_size (Megatron falls back to ffn_hidden_size)
+  int64_t moe_latent_size = 0;                  // moe_latent_size (0: None, the routed experts on hidden_size)
   int64_t moe_router_topk = 0;                  // moe_router_topk (experts each token is routed to)
   int64_t shared_expert_intermediate_size = 0;  // moe_shared_expert_intermediate_size (0: none)
   int64_t padded_vocab_size = 0;                // padded_vocab_size

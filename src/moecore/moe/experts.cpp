@@ -43,14 +43,17 @@ std::vector<int64_t> expert_offsets(const std::vector<int64_t> &tokens_per_exper
 ExpertMLPBase::ExpertMLPBase(const MoEConfig &moe, const ModelConfig &model, const std::string &prefix,
                              ParamStore &params, const parallel::ParallelState &parallel, const int module)
     : E_(moe.num_experts),
-      H_(model.hidden_size),
+      H_(moe.latent_size > 0 ? moe.latent_size : model.hidden_size),
       F_(moe.ffn_hidden_size),
       activation_(model.activation),
       probs_on_input_(moe.apply_probs_on_input),
       memory_efficient_permutation_(moe.memory_efficient_permutation) {
   if (E_ <= 0) throw ConfigError("experts: --num-experts must be positive, got " + std::to_string(E_));
   if (F_ <= 0) throw ConfigError("experts: --moe-ffn-hidden-size must be positive, got " + std::to_string(F_));
-  if (H_ <= 0) throw ConfigError("experts: --hidden-size must be positive, got " + std::to_string(H_));
+  if (H_ <= 0) {
+    throw ConfigError("experts: --hidden-size (--moe-latent-size with LatentMoE) must be positive, got " +
+                      std::to_string(H_));
+  }
   const int ep = parallel.ep_size(), etp = parallel.etp_size();
   if (E_ % ep != 0) {
     throw ConfigError("experts: --num-experts " + std::to_string(E_) +

@@ -1,6 +1,7 @@
 // Routed experts: every expert is an MLP W2 (act(fc1(x)) * p) + p * b2 (Megatron applies the router probability
 // between the activation and fc2; with --moe-apply-probs-on-input, fc2(act(fc1(x * p)))).
-// fc1: H -> F (2F with SwiGLU, halves [gate | up]); fc2: F -> H; F = --moe-ffn-hidden-size.
+// fc1: H -> F (2F with SwiGLU, halves [gate | up]); fc2: F -> H; F = --moe-ffn-hidden-size; H the hidden size, or
+// --moe-latent-size with LatentMoE (Megatron's experts.py: the routed experts work in the latent width).
 // Parameters (per expert e, under the layer prefix; identical for both implementations, so they share
 // checkpoints and give identical results):
 //   mlp.experts.local_experts.{e}.linear_fc1.weight [F1, H]   (+ .bias [F1] with --add-bias-linear)

@@ -295,6 +295,13 @@ void MoEConfig::validate(const int64_t num_layers) const {
           "--moe-shared-expert-overlap requires --moe-shared-expert-intermediate-size");
   require(!shared_expert_overlap || dispatcher_type != TokenDispatcherType::kAllGather,
           "moe_shared_expert_overlap only works with alltoall or flex token dispatcher.");
+  // LatentMoE (Megatron's arguments.py and MoELayer.preprocess: the shared experts must see the full hidden states,
+  // which the overlapped dispatcher's launch point does not have in training).
+  require(latent_size >= 0,
+          "MoE latent projection dimension has to be greater than zero (--moe-latent-size " + str(latent_size) + ")");
+  require(latent_size == 0 || !shared_expert_overlap,
+          "Shared expert overlap with MoE latent projections is not supported during training. Disable "
+          "--moe-shared-expert-overlap.");
   // Megatron's flex backends (DeepEP's drop_and_pad, NCCL EP's check) do not pad experts to capacity.
   require(!pad_expert_input_to_capacity || dispatcher_type != TokenDispatcherType::kFlex,
           "drop and pad is not supported with --moe-token-dispatcher-type flex");

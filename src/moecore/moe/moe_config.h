@@ -45,6 +45,10 @@ struct MoEConfig {
   int64_t shared_expert_intermediate_size = 0;  // --moe-shared-expert-intermediate-size (0 = none)
   bool shared_expert_gate = false;              // --moe-shared-expert-gate
   bool shared_expert_overlap = false;           // --moe-shared-expert-overlap
+  // --moe-latent-size (LatentMoE, Megatron's MoELayer.fc1_latent_proj / fc2_latent_proj): the routed experts work in
+  // this width; tokens are projected down before dispatch and back up after combine (0: off, experts on the hidden
+  // size). The router and the shared experts stay on the full hidden size.
+  int64_t latent_size = 0;
   // --overlap-moe-expert-parallel-comm: Megatron's combined 1F1B schedule pairs the forward of one micro-batch with
   // the backward of another, and the dispatcher hands the cores to the other one while its all-to-all travels
   // (parallel/turn_taking.h).

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "moecore/moe/routing_padding.h"
+#include "moecore/ops/convert.h"
 #include "moecore/ops/elementwise.h"
 #include "moecore/ops/precision.h"
 #include "moecore/util/trace.h"
@@ -29,6 +30,25 @@ MoELayer::MoELayer(const ModelConfig& config, const std::string& prefix, ParamSt
     shared_ = std::make_unique<SharedExpertMLP>(config.moe, config, prefix, params, parallel, module);
     overlap_shared_ = config.moe.shared_expert_overlap;
   }
+  if (config.moe.latent_size > 0) {
+    // Megatron's TELinear(parallel_mode="duplicated"): fc1 initialised with init_method, fc2 with
+    // output_layer_init_method; under TP each rank sees its sequence shard of the tokens (Param::grad_sum_over_tp).
+    latent_ = true;
+    const int64_t H = config.hidden_size, L = config.moe.latent_size;
+    const bool partial = parallel.tp.size() > 1;
+    LinearOptions down;
+    down.bias = config.add_bias_linear;
+    down.module = module;
+    LinearOptions up = down;
+    up.init = InitKind::kScaledNormal;
+    const TensorParallel replicated;
+    fc1_latent_ = ColumnParallelLinear(prefix + "mlp.fc1_latent_proj", H, L, replicated, down, params);
+    fc2_latent_ = ColumnParallelLinear(prefix + "mlp.fc2_latent_proj", L, H, replicated, up, params);
+    for (const ColumnParallelLinear* linear : {&fc1_latent_, &fc2_latent_}) {
+      linear->weight().grad_sum_over_tp = partial;
+      if (linear->bias() != nullptr) linear->bias()->grad_sum_over_tp = partial;
+    }
+  }
 }
 
 namespace {
@@ -46,6 +66,28 @@ const RouterOutput& MoELayer::dispatched_routing(const RouterOutput& routing, co
   if (config_.moe.router_padding_multiple <= 0) return routing;
   padded = padded_routing(routing, T, config_.moe.num_experts, config_.moe.router_padding_multiple);
   return padded;
+}
+
+Tensor MoELayer::routed_input(const Tensor& x_TH, MoELayerActivations& saved) const {
+  if (!latent_) return x_TH;
+  const trace::Scope scope("fc1_latent_proj", "moe");
+  return fc1_latent_.forward(x_TH, saved.latent_down, InputKeepers::kShared);
+}
+
+Tensor MoELayer::routed_output(Tensor combined_TX, MoELayerActivations& saved) const {
+  if (!latent_) return combined_TX;
+  const trace::Scope scope("fc2_latent_proj", "moe");
+  // fc2_latent_proj reads (and keeps) the combined output in the activation dtype, as Megatron's combine returns it.
+  if (combined_TX.dtype() != ops::activation_storage_dtype()) {
+    Tensor rounded_TX = ops::uninitialized_activation(combined_TX.shape());
+    ops::convert(rounded_TX, combined_TX);
+    combined_TX = std::move(rounded_TX);
+  }
+  Tensor y_TH = fc2_latent_.forward(combined_TX, saved.latent_up, InputKeepers::kLinearOnly);
+  if (y_TH.dtype() == DType::kF32) return y_TH;
+  Tensor out_TH({y_TH.dim(0), y_TH.dim(1)}, DType::kF32, MemCategory::kActivations);
+  ops::convert(out_TH, y_TH);
+  return out_TH;
 }
 
 Tensor MoELayer::forward(const Tensor& x_TH, const int64_t S, const int64_t B, const TokenRows& rows,
@@ -67,6 +109,7 @@ Tensor MoELayer::forward(const Tensor& x_TH, const int64_t S, const int64_t B, c
   }
   RouterOutput padded;
   const RouterOutput& dispatched = dispatched_routing(saved.routing, T, padded);
+  const Tensor z_TX = routed_input(x, saved);  // X: H, or the latent width
   Tensor x_RH, shared_TH;
   if (overlap_shared_) {
     // Megatron's --moe-shared-expert-overlap: the shared experts run after the router, while the dispatch
@@ -77,10 +120,10 @@ Tensor MoELayer::forward(const Tensor& x_TH, const int64_t S, const int64_t B, c
       shared_->forward(shared_TH, x, saved.shared);
     };
     const trace::Scope scope("dispatch", "moe");
-    x_RH = dispatcher_->dispatch_overlapped(x, dispatched, saved.dispatch, &shared_forward);
+    x_RH = dispatcher_->dispatch_overlapped(z_TX, dispatched, saved.dispatch, &shared_forward);
   } else {
     const trace::Scope scope("dispatch", "moe");
-    x_RH = dispatcher_->dispatch(x, dispatched, saved.dispatch);
+    x_RH = dispatcher_->dispatch(z_TX, dispatched, saved.dispatch);
   }
   Tensor y_RH;
   {
@@ -89,11 +132,13 @@ Tensor MoELayer::forward(const Tensor& x_TH, const int64_t S, const int64_t B, c
   }
   x_RH = Tensor();
   // fp32: the allgather dispatcher adds its fp32 sum over the group unrounded (token_dispatcher_allgather.cpp).
-  Tensor out_TH({T, H}, DType::kF32, MemCategory::kActivations);
+  Tensor combined_TX({T, z_TX.dim(1)}, DType::kF32, MemCategory::kActivations);
   {
     const trace::Scope scope("combine", "moe");
-    dispatcher_->combine(out_TH, y_RH, saved.dispatch);
+    dispatcher_->combine(combined_TX, y_RH, saved.dispatch);
   }
+  y_RH = Tensor();
+  Tensor out_TH = routed_output(std::move(combined_TX), saved);
   if (overlap_shared_) {
     ops::add_(out_TH, shared_TH);
   } else if (shared_) {
@@ -106,8 +151,10 @@ Tensor MoELayer::forward(const Tensor& x_TH, const int64_t S, const int64_t B, c
 Tensor MoELayer::backward(const Tensor& dout_TH, const Tensor& x_TH, const double aux_grad_scale,
                           const MoELayerActivations& saved) const {
   const DispatchState& state = saved.dispatch;
-  // Local tokens over all experts; R rows of this rank's local experts (what the experts received).
+  // Local tokens over all experts; R rows of this rank's local experts (what the experts received); X the routed
+  // width (H, or the latent size).
   const int64_t T = saved.router.S * saved.router.B, H = config_.hidden_size, E = config_.moe.num_experts;
+  const int64_t X = latent_ ? config_.moe.latent_size : H;
   // (x_RH itself may be gone: under FP8 / FP4 the experts keep it quantized.)
   int64_t R = 0;
   for (const int64_t rows : saved.experts.tokens_per_expert_E) R += rows;
@@ -119,7 +166,13 @@ Tensor MoELayer::backward(const Tensor& dout_TH, const Tensor& x_TH, const doubl
   const Tensor dout = dout_TH.view({T, H}), x = x_TH.view({T, H});
   // fp32: the router adds its gradient unrounded (router.cpp), as the fp32 main path does.
   Tensor dx_TH({T, H}, DType::kF32, MemCategory::kActivations);
-  Tensor dy_RH = activation_tensor({R, H});
+  Tensor dcombined_TX = dout;
+  if (latent_) {
+    const trace::Scope scope("fc2_latent_proj backward", "moe");
+    dcombined_TX = activation_tensor({T, X});
+    fc2_latent_.backward(dcombined_TX, dout, saved.latent_up);
+  }
+  Tensor dy_RH = activation_tensor({R, X});
   Tensor shared_dx_TH;
   if (overlap_shared_) {
     // The shared experts' backward runs while the output gradients travel to the experts; their input gradient
@@ -130,12 +183,13 @@ Tensor MoELayer::backward(const Tensor& dout_TH, const Tensor& x_TH, const doubl
       shared_->backward(shared_dx_TH, dout, x, saved.shared);
     };
     const trace::Scope scope("combine backward", "moe");
-    dispatcher_->combine_backward(dy_RH, dout, state, &shared_backward);
+    dispatcher_->combine_backward(dy_RH, dcombined_TX, state, &shared_backward);
   } else {
     const trace::Scope scope("combine backward", "moe");
-    dispatcher_->combine_backward(dy_RH, dout, state);
+    dispatcher_->combine_backward(dy_RH, dcombined_TX, state);
   }
-  Tensor dx_RH = activation_tensor({R, H});
+  dcombined_TX = Tensor();
+  Tensor dx_RH = activation_tensor({R, X});
   Tensor dprobs_R({R}, DType::kF32, MemCategory::kActivations);  // probability gradients stay fp32
   // --delay-wgrad-compute: the experts' weight gradients run while their data gradients travel back.
   std::function<void()> weight_grads;
@@ -146,16 +200,25 @@ Tensor MoELayer::backward(const Tensor& dout_TH, const Tensor& x_TH, const doubl
   }
   dy_RH = Tensor();
   Tensor dprobs_TE({T, E}, DType::kF32, MemCategory::kActivations);
+  Tensor dz_TL = latent_ ? activation_tensor({T, X}) : Tensor();
   {
     const trace::Scope scope("dispatch backward", "moe");
     const std::function<void()> delayed_weight_grads = [&] {
       const trace::Scope wgrad_scope("experts weight gradients", "moe");
       weight_grads();
     };
-    dispatcher_->dispatch_backward_with_probs(dx_TH, dprobs_TE, dx_RH, dprobs_R, state,
+    Tensor& dz_TX = latent_ ? dz_TL : dx_TH;
+    dispatcher_->dispatch_backward_with_probs(dz_TX, dprobs_TE, dx_RH, dprobs_R, state,
                                               weight_grads ? &delayed_weight_grads : nullptr);
   }
   dx_RH = Tensor();
+  if (latent_) {
+    // The dispatcher overwrites its output; fc1_latent_proj's backward accumulates.
+    const trace::Scope scope("fc1_latent_proj backward", "moe");
+    dx_TH = Tensor::zeros({T, H}, DType::kF32, MemCategory::kActivations);
+    fc1_latent_.backward(dx_TH, dz_TL, saved.latent_down);
+    dz_TL = Tensor();
+  }
   {
     const trace::Scope scope("router backward", "moe");
     router_->backward(&dx_TH, dprobs_TE, aux_grad_scale, saved.router, saved.routing);
@@ -175,6 +238,7 @@ void MoELayer::drop_for_recompute(MoELayerActivations& saved) {
   saved.dispatch = DispatchState{};
   saved.experts = ExpertActivations{};
   saved.shared = SharedExpertActivations{};
+  saved.latent_down = saved.latent_up = LinearActivations{};
 }
 
 Tensor MoELayer::recompute(const Tensor& x_TH, MoELayerActivations& saved, const bool with_output) const {
@@ -189,10 +253,11 @@ Tensor MoELayer::recompute(const Tensor& x_TH, MoELayerActivations& saved, const
   }
   RouterOutput padded;
   const RouterOutput& dispatched = dispatched_routing(saved.routing, T, padded);
+  const Tensor z_TX = routed_input(x, saved);
   Tensor x_RH;
   {
     const trace::Scope scope("dispatch recompute", "moe");
-    x_RH = dispatcher_->dispatch(x, dispatched, saved.dispatch);
+    x_RH = dispatcher_->dispatch(z_TX, dispatched, saved.dispatch);
   }
   Tensor y_RH;
   {
@@ -200,15 +265,23 @@ Tensor MoELayer::recompute(const Tensor& x_TH, MoELayerActivations& saved, const
     y_RH = experts_->forward(x_RH, saved.dispatch.probs_R, saved.dispatch.tokens_per_expert_E, saved.experts);
   }
   x_RH = Tensor();
-  if (!with_output) {
+  // Without the output only what backward reads is rebuilt: with LatentMoE that includes fc2_latent_proj's input,
+  // the combined output.
+  if (!with_output && !latent_) {
     if (shared_) recompute_shared(x_TH, saved);
     return Tensor();
   }
   // fp32: the allgather dispatcher adds its fp32 sum over the group unrounded (token_dispatcher_allgather.cpp).
-  Tensor out_TH({T, H}, DType::kF32, MemCategory::kActivations);
+  Tensor combined_TX({T, z_TX.dim(1)}, DType::kF32, MemCategory::kActivations);
   {
     const trace::Scope scope("combine", "moe");
-    dispatcher_->combine(out_TH, y_RH, saved.dispatch);
+    dispatcher_->combine(combined_TX, y_RH, saved.dispatch);
+  }
+  y_RH = Tensor();
+  Tensor out_TH = routed_output(std::move(combined_TX), saved);
+  if (!with_output) {
+    if (shared_) recompute_shared(x_TH, saved);
+    return Tensor();
   }
   if (shared_) {
     const trace::Scope scope("shared experts recompute", "moe");

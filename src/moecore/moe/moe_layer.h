@@ -1,5 +1,10 @@
 // The MoE layer: Router -> TokenDispatcher -> Experts -> combine, plus shared experts. It replaces the dense
 // MLP of the layers --moe-layer-freq marks; the pre-MLP norm, dropout and residual stay in the transformer layer.
+// LatentMoE (--moe-latent-size L, Megatron's MoELayer): the router and shared experts read the full x_TH; the routed
+// path is  z_TL = fc1_latent_proj(x_TH)  -> dispatch -> experts [L -> F -> L] -> combine ->  fc2_latent_proj -> [T, H],
+// so the dispatcher moves L instead of H features per token. The projections (mlp.fc1_latent_proj [L, H],
+// mlp.fc2_latent_proj [H, L], + bias with --add-bias-linear) are replicated over TP ("duplicated" TELinear); each TP
+// rank projects its sequence shard, so their gradients are summed over TP.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +14,7 @@
 
 #include "moecore/model/buffer.h"
 #include "moecore/model/config.h"
+#include "moecore/model/parallel_linear.h"
 #include "moecore/model/param.h"
 #include "moecore/moe/experts.h"
 #include "moecore/moe/router.h"
@@ -24,6 +30,8 @@ struct MoELayerActivations {
   DispatchState dispatch;
   ExpertActivations experts;
   SharedExpertActivations shared;
+  // LatentMoE: fc1_latent_proj's (its input is the layer's) and fc2_latent_proj's (its input the combined output).
+  LinearActivations latent_down, latent_up;
 };
 
 class MoELayer {
@@ -75,14 +83,20 @@ class MoELayer {
  private:
   // The routing the dispatcher moves: `routing`, or its padding into `padded` (--moe-router-padding-for-quantization).
   const RouterOutput& dispatched_routing(const RouterOutput& routing, int64_t T, RouterOutput& padded) const;
+  // The routed experts' input (z_TL with LatentMoE, else x itself) and their combined output projected back to
+  // [T, H] fp32 (the fp32 sum of out_TX without LatentMoE).
+  Tensor routed_input(const Tensor& x_TH, MoELayerActivations& saved) const;
+  Tensor routed_output(Tensor combined_TX, MoELayerActivations& saved) const;
 
   ModelConfig config_;
   std::unique_ptr<TopKRouter> router_;
   std::unique_ptr<TokenDispatcher> dispatcher_;
   std::unique_ptr<ExpertMLP> experts_;
   std::unique_ptr<SharedExpertMLP> shared_;  // null without shared experts
-  bool overlap_shared_ = false;              // --moe-shared-expert-overlap
-  RouterTracer* tracer_ = nullptr;           // --moe-routing-trace-path
+  bool latent_ = false;                      // --moe-latent-size
+  ColumnParallelLinear fc1_latent_, fc2_latent_;
+  bool overlap_shared_ = false;     // --moe-shared-expert-overlap
+  RouterTracer* tracer_ = nullptr;  // --moe-routing-trace-path
   RouterTraceSite trace_site_;
 };
 

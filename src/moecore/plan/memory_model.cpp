@@ -65,7 +65,11 @@ ParamCounts mlp_params(const ModelConfig& c, const bool moe_layer) {
   const double h = static_cast<double>(c.hidden_size);
   const double bias = c.add_bias_linear ? 1.0 : 0.0;
   const double glu = c.activation == Activation::kSwiGLU ? 2.0 : 1.0;
-  const auto mlp = [&](const double width, const double b) { return glu * width * (h + b) + width * h + b * h; };
+  // An MLP d -> width -> d (d: h, or the routed experts' latent width).
+  const auto mlp_of = [&](const double d, const double width, const double b) {
+    return glu * width * (d + b) + width * d + b * d;
+  };
+  const auto mlp = [&](const double width, const double b) { return mlp_of(h, width, b); };
   ParamCounts p;
   if (!moe_layer) {
     p.tp_sharded += mlp(static_cast<double>(c.ffn_hidden_size), bias);
@@ -78,7 +82,10 @@ ParamCounts mlp_params(const ModelConfig& c, const bool moe_layer) {
     p.tp_sharded += mlp(shared, 0.0);
     if (moe.shared_expert_gate) p.replicated += h;
   }
-  p.experts += static_cast<double>(moe.num_experts) * mlp(static_cast<double>(moe.ffn_hidden_size), bias);
+  const double latent = static_cast<double>(moe.latent_size);
+  p.experts += static_cast<double>(moe.num_experts) *
+               mlp_of(latent > 0 ? latent : h, static_cast<double>(moe.ffn_hidden_size), bias);
+  p.replicated += latent * (2.0 * h + bias) + (latent > 0 ? bias * h : 0.0);  // LatentMoE's projections
   return p;
 }
 
@@ -208,12 +215,15 @@ std::vector<Saved> layer_saved(const ActivationContext& x, const bool moe_layer)
   // Routed tokens at the experts: each token's k copies, all-gathered over expert-TP (balanced routing).
   const double routed = ts * k * x.etp;
   const double fm = static_cast<double>(moe.ffn_hidden_size) / x.etp;
-  add("routed experts", routed * h, a, Discard::kNone, Module::kMoe, F::kOnly);       // fc1 input
+  const double latent = static_cast<double>(moe.latent_size), xw = latent > 0 ? latent : h;
+  add("routed experts", routed * xw, a, Discard::kNone, Module::kMoe, F::kOnly);      // fc1 input
   add("routed experts", routed * glu * fm, a, Discard::kNone, Module::kMoe, F::kNo);  // fc1 output
   add("routed experts", routed * fm, a, Discard::kMoeAct, Module::kMoe, F::kOnly);    // fc2 input
   if (!x.args.memory_efficient_permutation) {
-    add("routed experts", ts * k * h, a, Discard::kNone, Module::kMoe, F::kNo);  // fc2 output, for d(prob)
+    add("routed experts", ts * k * xw, a, Discard::kNone, Module::kMoe, F::kNo);  // fc2 output, for d(prob)
   }
+  // LatentMoE: fc2_latent_proj keeps its input, the combined output (fc1_latent_proj reads the kept norm output).
+  if (latent > 0) add("latent projections", ts * latent, a, Discard::kNone, Module::kMoe, F::kOnly);
   const double sh = static_cast<double>(moe.shared_expert_intermediate_size) / x.tp;
   if (sh > 0) {
     // fc1's input is the norm output; under FP8 fc1 adds a quantized copy, except with layernorm recompute, where

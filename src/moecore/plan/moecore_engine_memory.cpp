@@ -25,6 +25,7 @@ struct Shape {
   const ModelConfig& config;
   double h = 0, n = 0, g = 0, d = 0, f = 0, fm = 0, k = 0, sh = 0, experts = 0, vocab = 0;
   double glu = 1, nrm = 1, bias = 1;
+  double latent = 0, xw = 0;  // --moe-latent-size (0: none); the routed experts' width (latent, else h)
   bool learned_pos = false;
   double max_pos = 0;
   // Multi-latent attention (model/mla_attention.h): q latent (0: none), kv latent, query / key and value head widths,
@@ -56,6 +57,8 @@ Shape shape_of(const PlanModel& model) {
   s.fm = static_cast<double>(c.moe.ffn_hidden_size);
   s.k = static_cast<double>(c.moe.topk);
   s.sh = static_cast<double>(c.moe.shared_expert_intermediate_size);
+  s.latent = static_cast<double>(c.moe.latent_size);
+  s.xw = s.latent > 0 ? s.latent : s.h;
   s.experts = static_cast<double>(c.moe.num_experts);
   s.vocab = static_cast<double>(c.vocab_size);
   s.glu = c.activation == Activation::kSwiGLU ? 2.0 : 1.0;
@@ -99,7 +102,8 @@ LayerParams layer_params(const Shape& s, const Layout& l, const bool moe) {
   if (s.sh > 0)
     p.dense += s.glu * s.sh / l.tp() * s.h + s.h * s.sh / l.tp() + (s.config.moe.shared_expert_gate ? s.h : 0);
   const double fml = s.fm / l.etp();
-  p.expert = s.experts / l.ep() * (s.glu * fml * (s.h + s.bias) + s.h * fml + s.bias * s.h);
+  p.expert = s.experts / l.ep() * (s.glu * fml * (s.xw + s.bias) + s.xw * fml + s.bias * s.xw);
+  if (s.latent > 0) p.dense += s.latent * (2 * s.h + s.bias) + s.bias * s.h;  // LatentMoE's projections (replicated)
   if (s.config.moe.enable_expert_bias) p.buffers = s.experts;
   return p;
 }
@@ -264,11 +268,12 @@ double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool mo
   const bool probs_on_input = moe_config.apply_probs_on_input;
   const double fc1_in = probs_on_input ? x.a : x.in();
   const double fc2_in = s.glu == 2 && !probs_on_input ? x.in() : x.a;
-  a += x.r * (fc1_in * s.h + x.a * s.glu * fml + fc2_in * fml + 4);  // dispatched rows, fc1 output, fc2 input; probs
+  a += x.r * (fc1_in * s.xw + x.a * s.glu * fml + fc2_in * fml + 4);  // dispatched rows, fc1 output, fc2 input; probs
   if (r.has("moe_act")) a -= fc2_in * x.r * fml;
   // Without memory-efficient permutation the experts keep their output before the probability, and ones (fp32) for
   // their own probabilities.
-  if (!s.config.moe.memory_efficient_permutation) a += x.r * (x.a * s.h + 4);
+  if (!s.config.moe.memory_efficient_permutation) a += x.r * (x.a * s.xw + 4);
+  a += x.in() * x.tm * s.latent;  // LatentMoE: fc2_latent_proj's input, the combined output
   if (s.sh > 0 && !r.has("shared_experts")) {
     a += x.in() * (l.tp() > 1 ? x.t * s.h : 0) + x.a * x.t * s.glu * s.sh / l.tp() + x.in() * x.t * s.sh / l.tp();
     if (s.config.moe.shared_expert_gate) a += x.a * (x.tm + x.tm * s.h);
@@ -281,8 +286,8 @@ double ffn_saved(const Shape& s, const Layout& l, const Tokens& x, const bool mo
 double backward_transient(const Shape& s, const Layout& l, const Tokens& x, const bool moe, const bool fused_experts) {
   if (moe) {  // the MoE layer's input gradient stays fp32 (the router adds to it unrounded)
     const double dfc1_bytes = fused_experts ? 4 : x.a;
-    double t = x.a * (3 * x.ta * s.h + 2 * x.r * s.h) + dfc1_bytes * x.r * s.glu * s.fm / l.etp() + 4 * x.tm * s.h;
-    if (!s.config.moe.memory_efficient_permutation) t += x.a * x.r * s.h;  // the gradient of the output before p
+    double t = x.a * (3 * x.ta * s.h + 2 * x.r * s.xw) + dfc1_bytes * x.r * s.glu * s.fm / l.etp() + 4 * x.tm * s.h;
+    if (!s.config.moe.memory_efficient_permutation) t += x.a * x.r * s.xw;  // the gradient of the output before p
     if (l.tp() > 1 && !l.sp) t += x.a * 2 * x.tm * s.h;
     if (s.config.moe.dispatcher_type != TokenDispatcherType::kAllGather && l.ep() * l.etp() > 1) {
       // The all-to-all dispatcher's backward of the dispatch (moe/token_dispatcher_alltoall.cpp; the flex one's
@@ -290,7 +295,7 @@ double backward_transient(const Shape& s, const Layout& l, const Tokens& x, cons
       // gradients over ETP in fp32 buffers, the rows unsorted [R, H], this rank's reduced share [R / ETP, H] and the
       // rows sent back [tokens x k, H], while the experts' input gradient [R, H] is still held.
       const double rows_back = x.tm * s.k;
-      const double dispatch = x.a * (3 * x.ta * s.h + x.r * s.h) + 4 * (x.r + x.r / l.etp() + rows_back) * s.h +
+      const double dispatch = x.a * (3 * x.ta * s.h + x.r * s.xw) + 4 * (x.r + x.r / l.etp() + rows_back) * s.xw +
                               4 * x.tm * s.h + (l.tp() > 1 && !l.sp ? x.a * 2 * x.tm * s.h : 0);
       t = std::max(t, dispatch);
     }

@@ -182,9 +182,11 @@ StepTime estimate_step_time(const PlanArgs& args, const MemoryPlan& memory) {
     double mlp = 0, experts = 0;
     if (moe_layer) {
       const MoEConfig& moe = c.moe;
-      experts = 2.0 * glu_gemms * h * static_cast<double>(moe.ffn_hidden_size * moe.topk);
+      // LatentMoE: the experts on the latent width, plus the replicated down and up projections.
+      const double latent = static_cast<double>(moe.latent_size);
+      experts = 2.0 * glu_gemms * (latent > 0 ? latent : h) * static_cast<double>(moe.ffn_hidden_size * moe.topk);
       mlp = 2.0 * glu_gemms * h * static_cast<double>(moe.shared_expert_intermediate_size) +
-            2.0 * h * static_cast<double>(moe.num_experts);
+            2.0 * h * static_cast<double>(moe.num_experts) + 2.0 * 2.0 * h * latent;
     } else {
       mlp = 2.0 * glu_gemms * h * static_cast<double>(c.ffn_hidden_size);
     }
@@ -220,7 +222,8 @@ StepTime estimate_step_time(const PlanArgs& args, const MemoryPlan& memory) {
     }
     if (moe_layer && ep * etp > 1) {
       // Dispatch and combine, forward and backward: each rank's k copies of its tokens, the share leaving it.
-      w.a2a_bytes = tokens / (tp * cp) * static_cast<double>(c.moe.topk) * h * a * (ep - 1.0) / ep;
+      const double dispatched_width = c.moe.latent_size > 0 ? static_cast<double>(c.moe.latent_size) : h;
+      w.a2a_bytes = tokens / (tp * cp) * static_cast<double>(c.moe.topk) * dispatched_width * a * (ep - 1.0) / ep;
       w.a2a_count = 4 + ((r.has("moe") || r.granularity == Recompute::Granularity::kFull) ? 2 : 0);
     }
     if (cp > 1) {

@@ -120,6 +120,9 @@ ModelConfig recorded_model_config(const ShardedCheckpoint& checkpoint) {
     c.moe.enable_expert_bias = flags.boolean("--moe-router-enable-expert-bias");
     c.moe.shared_expert_intermediate_size = flags.size("--moe-shared-expert-intermediate-size");
     c.moe.shared_expert_gate = flags.boolean("--moe-shared-expert-gate");
+    if (recorded_model_flags(checkpoint).contains("--moe-latent-size")) {
+      c.moe.latent_size = flags.size("--moe-latent-size");
+    }
   }
   const ojson& args = checkpoint.metadata().at("args");
   if (args.contains("training") && args["training"].contains("padded_vocab_size")) {

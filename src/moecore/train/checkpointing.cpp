@@ -293,6 +293,7 @@ ojson checkpoint_args(const TrainingArgs& a) {
     model["--moe-router-enable-expert-bias"] = m.moe.enable_expert_bias;
     model["--moe-shared-expert-intermediate-size"] = m.moe.shared_expert_intermediate_size;
     model["--moe-shared-expert-gate"] = m.moe.shared_expert_gate;
+    if (m.moe.latent_size > 0) model["--moe-latent-size"] = m.moe.latent_size;  // absent: no LatentMoE
   }
   ojson training = {{"--seq-length", m.seq_length},
                     {"padded_vocab_size", m.vocab_size},

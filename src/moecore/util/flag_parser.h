@@ -9,7 +9,7 @@
 //
 // Errors (one line each, thrown as FlagError; every command words them the same):
 //   unknown flag           "unknown flag --num-layer (did you mean --num-layers?)"
-//   Megatron flag not built "--moe-latent-size is a Megatron flag that moecore does not implement yet"
+//   Megatron flag not built "--moe-permute-fusion is a Megatron flag that moecore does not implement yet"
 //   ambiguous prefix       "ambiguous option --w could match --workers, --workers-to-check" (allow_abbrev only)
 //   stray token            "unexpected argument 'x' (flags start with --; a value belongs after its flag)"
 //   switch given a value   "--swiglu takes no value (got '--swiglu=1')"

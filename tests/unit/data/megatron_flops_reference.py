@@ -74,6 +74,7 @@ CASES = [
     ("Qwen3-235B-A22B seq 131072", QWEN3_235B, 131072, 1024, {}),
     ("Qwen3-30B-A3B", QWEN3_30B, 4096, 512, {}),
     ("Mixtral-8x7B", MIXTRAL_8X7B, 4096, 256, {}),
+    ("Qwen3-30B-A3B as LatentMoE, latent 512", QWEN3_30B, 4096, 512, dict(moe_latent_size=512)),
     ("tiny MLA + MTP", TINY_MLA, 4, 3, {}),
     ("tiny MLA + MTP, q_lora_rank None", TINY_MLA, 4, 3, dict(q_lora_rank=None)),
 ]
