@@ -58,14 +58,27 @@ set(equiv_per_token_mtp ${equiv_per_token} --mtp-num-layers 1)
 set(equiv_mtp_packed ${equiv_packed} --mtp-num-layers 2)
 # LatentMoE: the routed experts in a width of 16 (hidden 32) between fc1_latent_proj and fc2_latent_proj.
 set(equiv_latent ${equiv_aux} --moe-latent-size 16)
+# Whole variable-length samples (train/packed_samples.h): data/rl_samples.jsonl holds 24 samples of 3 to 16 tokens
+# with their prompt tokens masked; one per micro-batch (the reference) or packed into bins (Megatron-RL's packer), the
+# per-token loss over the same tokens. No dropout, router jitter or balancing losses: those depend on how the tokens
+# are grouped into micro-batches, not on the samples alone.
+string(REPLACE "--mock-data;" "" equiv_samples_model "${equiv_model}")
+set(equiv_samples --micro-batch-size 1 --eval-iters 0 --attention-dropout 0 --hidden-dropout 0
+    --moe-input-jitter-eps 0 --moe-router-load-balancing-type none --moe-aux-loss-coeff 0 --calculate-per-token-loss
+    --sample-data-path ${CMAKE_CURRENT_SOURCE_DIR}/data/rl_samples.jsonl)
 
 set(equiv_dir ${CMAKE_CURRENT_BINARY_DIR}/equivalence)
 file(MAKE_DIRECTORY ${equiv_dir})
 set(equiv_tests)
 # moecore_equiv_reference(CONFIG ARGS...): the one-process run of a configuration.
+# (The whole-sample configurations replace the model's --mock-data by their samples.)
 function(moecore_equiv_reference config)
+  set(model ${equiv_model})
+  if(config MATCHES "^samples")
+    set(model ${equiv_samples_model})
+  endif()
   add_test(NAME dist.equiv.${config}.reference
-           COMMAND dist_equivalence_test --out ${equiv_dir}/${config}.bin -- ${equiv_model} ${ARGN})
+           COMMAND dist_equivalence_test --out ${equiv_dir}/${config}.bin -- ${model} ${ARGN})
   set_tests_properties(dist.equiv.${config}.reference PROPERTIES FIXTURES_SETUP equiv_${config})
   set(equiv_tests ${equiv_tests} dist.equiv.${config}.reference PARENT_SCOPE)
 endfunction()
@@ -80,12 +93,16 @@ function(moecore_equiv name config np)
   elseif(config STREQUAL "capacity")
     set(config_args ${equiv_capacity})
   elseif(config MATCHES "^pp" OR config STREQUAL "packed" OR config STREQUAL "bf16" OR config MATCHES "^mtp" OR
-         config STREQUAL "no_mep" OR config MATCHES "^per_token" OR config STREQUAL "latent")
+         config STREQUAL "no_mep" OR config MATCHES "^per_token" OR config STREQUAL "latent" OR config STREQUAL "samples")
     set(config_args ${equiv_${config}})
+  endif()
+  set(model ${equiv_model})
+  if(config MATCHES "^samples")
+    set(model ${equiv_samples_model})
   endif()
   add_test(NAME dist.equiv.${name}
            COMMAND ${MPIRUN_EXECUTABLE} --allow-run-as-root --oversubscribe -np ${np}
-                   $<TARGET_FILE:dist_equivalence_test> --compare ${equiv_dir}/${config}.bin -- ${equiv_model}
+                   $<TARGET_FILE:dist_equivalence_test> --compare ${equiv_dir}/${config}.bin -- ${model}
                    ${config_args} ${ARGN})
   set_tests_properties(dist.equiv.${name} PROPERTIES FIXTURES_REQUIRED equiv_${config})
   set(equiv_tests ${equiv_tests} dist.equiv.${name} PARENT_SCOPE)
@@ -109,6 +126,7 @@ moecore_equiv_reference(pp_mtp ${equiv_pp_mtp})
 moecore_equiv_reference(mtp_packed ${equiv_mtp_packed})
 moecore_equiv_reference(pp_mtp_untied ${equiv_pp_mtp_untied})
 moecore_equiv_reference(latent ${equiv_latent})
+moecore_equiv_reference(samples ${equiv_samples})
 
 moecore_equiv(dp2 aux 2)
 moecore_equiv(dp2_overlap aux 2 --overlap-grad-reduce --ddp-bucket-size 2000)
@@ -263,6 +281,17 @@ moecore_equiv(per_token_mtp_dp2 per_token_mtp 2)
 moecore_equiv(latent_ep2 latent 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall)
 moecore_equiv(latent_tp2_sp latent 2 --tensor-model-parallel-size 2 --sequence-parallel)
 moecore_equiv(latent_tp2_ep2 latent 4 --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2
+              --moe-token-dispatcher-type alltoall)
+# Packed whole samples against each sample alone: one process, DP2 (fifo and round-robin bins, padding bins), CP2 (slots
+# aligned to 2 x CP), PP2 in the serpentine order, EP2.
+moecore_equiv(samples_packed samples 1 --rl-use-sequence-packing)
+moecore_equiv(samples_packed_dp2 samples 2 --rl-use-sequence-packing)
+moecore_equiv(samples_packed_dp2_round_robin samples 2 --rl-use-sequence-packing --rl-sequence-packing-algo round-robin
+              --rl-sequence-packing-max-sequences-per-bin 2)
+moecore_equiv(samples_packed_cp2 samples 2 --rl-use-sequence-packing --context-parallel-size 2)
+moecore_equiv(samples_packed_pp2_serpentine samples 2 --rl-use-sequence-packing --pipeline-model-parallel-size 2
+              --rl-microbatch-order serpentine)
+moecore_equiv(samples_packed_ep2 samples 2 --rl-use-sequence-packing --expert-model-parallel-size 2
               --moe-token-dispatcher-type alltoall)
 # Megatron's EP all-to-all overlap (combined 1F1B, weight gradients delayed) against one process.
 moecore_equiv(bf16_ep2_overlap bf16 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall

@@ -330,8 +330,6 @@ TEST(TrainArguments, CataloguedMegatronFlagsAreNotImplementedYet) {
   }
   EXPECT_EQ(error_of(with(minimal(), {"--use-checkpoint-args"})),
             "--use-checkpoint-args is a Megatron flag that moecore does not implement yet");
-  EXPECT_EQ(error_of(with(minimal(), {"--moe-enable-routing-replay"})),
-            "--moe-enable-routing-replay is a Megatron flag that moecore does not implement yet");
   EXPECT_EQ(error_of(with(minimal(), {"--moe-permute-fusion"})),
             "--moe-permute-fusion is a Megatron flag that moecore does not implement yet");
 }
@@ -1490,6 +1488,62 @@ TEST(TrainArguments, LatentMoE) {
                                           "--moe-token-dispatcher-type", "alltoall"})),
             "Shared expert overlap with MoE latent projections is not supported during training. Disable "
             "--moe-shared-expert-overlap.");
+}
+
+TEST(TrainArguments, RouterReplay) {
+  const TrainingArgs args =
+      parse_train_args(with(minimal_moe(), {"--moe-enable-routing-replay", "--moe-routing-replay-file", "rec.bin"}));
+  EXPECT_TRUE(args.moe_enable_routing_replay);
+  EXPECT_EQ(args.moe_routing_replay_file, "rec.bin");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-enable-routing-replay"})),
+            "--moe-enable-routing-replay needs --moe-routing-replay-file FILE (a recording made by moecore generate "
+            "--record-routing) for the training forwards to replay");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-routing-replay-file", "rec.bin"})),
+            "--moe-routing-replay-file requires --moe-enable-routing-replay");
+  EXPECT_EQ(error_of(with(minimal(), {"--moe-enable-routing-replay"})),
+            "--moe-enable-routing-replay requires --num-experts (a positive number of experts)");
+  EXPECT_EQ(error_of(with(minimal_moe(), {"--moe-enable-routing-replay", "--moe-routing-replay-file", "rec.bin",
+                                          "--mtp-num-layers", "1", "--position-embedding-type", "rope"})),
+            "--moe-enable-routing-replay with --mtp-num-layers: a routing recording holds the decoder's MoE routers "
+            "only");
+}
+
+TEST(TrainArguments, WholeSampleDataAndPacking) {
+  Args samples;
+  for (const std::string& word : minimal()) {
+    if (word != "--mock-data") samples.push_back(word);
+  }
+  samples = with(samples, {"--sample-data-path", "s.jsonl", "--micro-batch-size", "1", "--calculate-per-token-loss",
+                           "--eval-iters", "0"});
+  const TrainingArgs args = parse_train_args(with(samples, {"--rl-use-sequence-packing", "--rl-sequence-packing-algo",
+                                                            "round-robin", "--rl-microbatch-order", "serpentine"}));
+  EXPECT_EQ(args.sample_data_path, "s.jsonl");
+  EXPECT_TRUE(args.rl_use_sequence_packing);
+  EXPECT_EQ(args.rl_sequence_packing_max_sequences_per_bin, 50);
+  EXPECT_EQ(args.rl_sequence_packing_algo, "round-robin");
+  EXPECT_EQ(args.rl_microbatch_order, "serpentine");
+  EXPECT_EQ(error_of(with(minimal(), {"--rl-use-sequence-packing"})),
+            "--rl-use-sequence-packing packs whole samples: it needs --sample-data-path");
+  EXPECT_EQ(error_of(with(samples, {"--rl-sequence-packing-algo", "fifo"})),
+            "--rl-sequence-packing-algo requires --rl-use-sequence-packing");
+  EXPECT_EQ(error_of(with(samples, {"--mock-data"})),
+            "--sample-data-path is the training data: drop --data-path / --mock-data");
+  EXPECT_EQ(error_of(with(samples, {"--micro-batch-size", "2"})),
+            "--sample-data-path trains one bin per micro-batch: it needs --micro-batch-size 1");
+  EXPECT_EQ(error_of(with(samples, {"--eval-iters", "1"})),
+            "--sample-data-path trains on every sample (no validation split): give --eval-iters 0");
+  EXPECT_EQ(error_of(with(samples, {"--reset-position-ids"})),
+            "--reset-position-ids applies to --data-path / --mock-data (whole samples have their own positions, "
+            "documents and loss masks)");
+  Args mean_loss;
+  for (const std::string& word : samples) {
+    if (word != "--calculate-per-token-loss") mean_loss.push_back(word);
+  }
+  EXPECT_EQ(error_of(mean_loss),
+            "--sample-data-path needs --calculate-per-token-loss: bins hold different numbers of loss tokens (padding "
+            "bins none), so the objective is the global token mean");
+  EXPECT_EQ(error_of(with(samples, {"--rl-use-sequence-packing", "--rl-sequence-packing-algo", "lifo"})),
+            "invalid value 'lifo' for --rl-sequence-packing-algo (choose from fifo, round-robin)");
 }
 
 TEST(TrainArguments, PerTokenLoss) {

@@ -3,6 +3,8 @@
 // the aux scores' backward against the per-token form; the capacity mask's Megatron order on a hand-made case.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <numeric>
@@ -97,6 +99,94 @@ TEST(RoutingKernels, FastMatchesReferenceWithFp32Scores) {
     EXPECT_EQ(fast.probs_TE, naive.probs_TE) << v.name;
     EXPECT_EQ(fast.counts, naive.counts) << v.name;
     EXPECT_LT(test::max_rel_error(fast.dlogits, naive.dlogits, 1e-12), 1e-9) << v.name;
+  }
+}
+
+// Router replay (TopkRoutingSpec::given_selection): replaying a selection the kernel made gives its probabilities bit
+// for bit; replaying another (random distinct experts, in any order) gives the reference's probabilities at it, i.e.
+// Megatron's gather from the scores, then the softmax over the k, the normalisation or the scaling of the score
+// function, with the expert bias and the groups not consulted.
+TEST(RoutingKernels, GivenSelectionGathersTheScoresAtIt) {
+  const int64_t n = 300, E = 64;
+  const std::vector<double> logits = random_vector<double>(static_cast<size_t>(n * E), 8, -3.0, 3.0);
+  const std::vector<float> bias = random_vector<float>(static_cast<size_t>(E), 9, -0.05f, 0.05f);
+  struct Variant {
+    const char* name;
+    RoutingScore score;
+    bool pre_softmax;
+    int64_t k, groups, group_topk;
+    double factor;
+    bool bias;
+  };
+  const Variant variants[] = {
+      {"softmax", RoutingScore::kSoftmax, false, 2, 0, 0, 0.0, false},
+      {"pre_softmax_scaled", RoutingScore::kSoftmax, true, 4, 0, 0, 1.5, false},
+      {"sigmoid_groups_bias", RoutingScore::kSigmoid, false, 6, 8, 3, 2.5, true},
+      {"sqrtsoftplus_bias", RoutingScore::kSqrtSoftplus, false, 3, 0, 0, 0.0, true},
+      {"sigmoid_top1", RoutingScore::kSigmoid, false, 1, 0, 0, 0.0, false},
+  };
+  std::mt19937 rng(10);
+  for (const Variant& v : variants) {
+    TopkRoutingSpec spec;
+    spec.score = v.score;
+    spec.pre_softmax = v.pre_softmax;
+    spec.num_groups = v.groups;
+    spec.group_topk = v.group_topk;
+    spec.scaling_factor = v.factor;
+    const float* bias_E = v.bias ? bias.data() : nullptr;
+    const size_t nk = static_cast<size_t>(n * v.k);
+    std::vector<int32_t> chosen(nk), replayed(nk);
+    std::vector<double> probs(nk), replayed_probs(nk, -1.0);
+    cpu::topk_routing_forward<double>(chosen.data(), probs.data(), logits.data(), bias_E, nullptr, n, E, v.k, spec);
+    TopkRoutingSpec given = spec;
+    given.given_selection = true;
+    replayed = chosen;
+    cpu::topk_routing_forward<double>(replayed.data(), replayed_probs.data(), logits.data(), bias_E, nullptr, n, E, v.k,
+                                      given);
+    EXPECT_EQ(replayed, chosen) << v.name << ": the given selection is left as it is";
+    EXPECT_EQ(replayed_probs, probs) << v.name << ": its own selection replays bit for bit";
+
+    std::vector<int32_t> other(nk);
+    for (int64_t t = 0; t < n; ++t) {
+      std::vector<int32_t> experts(static_cast<size_t>(E));
+      std::iota(experts.begin(), experts.end(), 0);
+      std::shuffle(experts.begin(), experts.end(), rng);
+      std::copy_n(experts.begin(), v.k, other.begin() + t * v.k);
+    }
+    std::vector<int32_t> fast_idx = other, ref_idx = other;
+    std::vector<double> fast_probs(nk), ref_probs(nk);
+    cpu::topk_routing_forward<double>(fast_idx.data(), fast_probs.data(), logits.data(), bias_E, nullptr, n, E, v.k,
+                                      given);
+    ref::topk_routing_forward<double>(ref_idx.data(), ref_probs.data(), logits.data(), bias_E, nullptr, n, E, v.k,
+                                      given);
+    EXPECT_EQ(fast_idx, other) << v.name;
+    EXPECT_EQ(ref_idx, other) << v.name;
+    EXPECT_EQ(fast_probs, ref_probs) << v.name;
+    // Megatron's formulas at the first token, by hand.
+    std::vector<double> scores(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) {
+      const double l = logits[static_cast<size_t>(e)];
+      scores[static_cast<size_t>(e)] = v.score == RoutingScore::kSigmoid        ? 1.0 / (1.0 + std::exp(-l))
+                                       : v.score == RoutingScore::kSqrtSoftplus ? std::sqrt(std::log1p(std::exp(l)))
+                                                                                : l;
+    }
+    std::vector<double> expected(static_cast<size_t>(v.k));
+    double sum = 0.0;
+    for (int64_t i = 0; i < v.k; ++i) {
+      const double s = scores[static_cast<size_t>(other[static_cast<size_t>(i)])];
+      expected[static_cast<size_t>(i)] = v.score == RoutingScore::kSoftmax ? std::exp(s) : s;
+      sum += expected[static_cast<size_t>(i)];
+    }
+    if (v.score == RoutingScore::kSoftmax && v.pre_softmax) {
+      sum = 0.0;
+      for (int64_t e = 0; e < E; ++e) sum += std::exp(scores[static_cast<size_t>(e)]);
+    }
+    for (int64_t i = 0; i < v.k; ++i) {
+      double p = expected[static_cast<size_t>(i)];
+      if (v.score == RoutingScore::kSoftmax || v.k > 1) p /= sum;
+      if (v.factor != 0.0) p *= v.factor;
+      EXPECT_NEAR(fast_probs[static_cast<size_t>(i)], p, 1e-6 * std::abs(p)) << v.name << " expert " << i;
+    }
   }
 }
 

@@ -30,6 +30,10 @@ const std::vector<FlagSpec<GenerateArgs>>& generate_flag_table() {
      [](GenerateArgs& a, const FlagValue& v) { a.top_k = v.integer(); }},
     {"--seed", Arity::kOne, "N", "sampling seed (default 1234)",
      [](GenerateArgs& a, const FlagValue& v) { a.seed = v.unsigned_integer(); }},
+    {"--record-routing", Arity::kOne, "FILE",
+     "router replay: append the experts every MoE router chose for each position fed to the model to FILE (moecore's "
+     "routing recording, replayed by moecore train --moe-routing-replay-file)",
+     [](GenerateArgs& a, const FlagValue& v) { a.record_routing = v.text(); }},
     {"--kv-cache", Arity::kSwitch, "",
      "keep a key / value cache (default); --no-kv-cache re-runs the whole context for every new token (the "
      "reference the cache is checked against)",

@@ -31,7 +31,8 @@ struct GenerateArgs {
   double temperature = 0.0;
   int64_t top_k = 0;
   uint64_t seed = 1234;
-  bool kv_cache = true;  // false: --no-kv-cache
+  bool kv_cache = true;        // false: --no-kv-cache
+  std::string record_routing;  // --record-routing FILE: router replay's recording, appended to FILE
   std::string tokenizer_type = "GPT2BPETokenizer";
   std::string vocab_file;             // default DIR/vocab.json
   std::string merge_file;             // default DIR/merges.txt

@@ -1,6 +1,7 @@
 #include <exception>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,9 +33,17 @@ int run_generate(int argc, char** argv) {
     sampling.vocab_limit = tokenizer->vocab_size();
     // The NullTokenizer's text is ids separated by spaces: the new ids follow the prompt's after one.
     std::cout << args.prompt << (args.tokenizer_type == "NullTokenizer" ? " " : "") << std::flush;
+    std::optional<moecore::RoutingRecorder> recorder;
+    if (!args.record_routing.empty()) {
+      if (!model->config().moe.enabled()) {
+        throw moecore::ConfigError("--record-routing needs a MoE model (this one has no MoE layers)");
+      }
+      recorder.emplace(model->config());
+      sampling.routing_recorder = &*recorder;
+    }
     std::vector<int32_t> produced;
     std::string printed;
-    moecore::generate(*model, prompt, sampling, [&](const int32_t id) {
+    std::vector<int32_t> sequence = moecore::generate(*model, prompt, sampling, [&](const int32_t id) {
       // Print the text as it grows; byte-level BPE pieces may end mid-character, so print the new suffix.
       produced.push_back(id);
       const std::string text = tokenizer->detokenize(produced);
@@ -42,6 +51,10 @@ int run_generate(int argc, char** argv) {
       printed = text;
     });
     std::cout << std::endl;
+    if (recorder) {
+      moecore::append_routing_record(args.record_routing, recorder->empty_recording(),
+                                     recorder->finish(std::move(sequence)));
+    }
     return 0;
   } catch (const std::exception& e) {
     std::cout.flush();

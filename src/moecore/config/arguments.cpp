@@ -353,6 +353,24 @@ const std::vector<TrainFlag>& flag_table() {
      [](TrainingArgs& a, const FlagValue& v) { a.data_path = v.values; }},
     {"--mock-data", Arity::kSwitch, "", "train on generated data instead of --data-path",
      [](TrainingArgs& a, const FlagValue&) { a.mock_data = true; }},
+    {"--sample-data-path", Arity::kOne, "PATH",
+     "moecore: train on whole variable-length samples, PATH.jsonl ({\"tokens\": [...], \"loss_mask\": [...]} per "
+     "line) or an indexed prefix (PATH_tokens_document, PATH_loss_mask_document), each sample its own sequence",
+     [](TrainingArgs& a, const FlagValue& v) { a.sample_data_path = v.text(); }},
+    {"--rl-use-sequence-packing", Arity::kSwitch, "",
+     "Megatron-RL: pack each global batch's samples into bins of --seq-length (next-fit decreasing)",
+     [](TrainingArgs& a, const FlagValue&) { a.rl_use_sequence_packing = true; }},
+    {"--rl-sequence-packing-max-sequences-per-bin", Arity::kOne, "N", "at most N samples in a bin (default 50)",
+     [](TrainingArgs& a, const FlagValue& v) {
+       a.rl_sequence_packing_max_sequences_per_bin = v.integer_up_to(int64_t{1} << 20);
+     }},
+    {"--rl-sequence-packing-algo", Arity::kOne, "ALGO",
+     "how bins are dealt to the data-parallel ranks: fifo (contiguous blocks, the default) or round-robin",
+     [](TrainingArgs& a, const FlagValue& v) { a.rl_sequence_packing_algo = v.choice({"fifo", "round-robin"}); }},
+    {"--rl-microbatch-order", Arity::kOne, "ORDER",
+     "moecore: the order each rank runs its bins in: packing (as dealt, the default) or serpentine (small-large-small "
+     "by the sum of squared sample lengths, the report's attention-cost order)",
+     [](TrainingArgs& a, const FlagValue& v) { a.rl_microbatch_order = v.choice({"packing", "serpentine"}); }},
     {"--split", Arity::kOne, "A,B,C", "train,valid,test proportions (default 969, 30, 1)",
      [](TrainingArgs& a, const FlagValue& v) { a.split = v.text(); }},
     {"--data-cache-path", Arity::kOne, "DIR", "directory for the cached dataset indices",
@@ -493,6 +511,13 @@ const std::vector<TrainFlag>& flag_table() {
                            std::to_string(a.model.moe.latent_size) + ")");
        }
      }},
+    {"--moe-enable-routing-replay", Arity::kSwitch, "",
+     "Megatron's router replay: with --moe-routing-replay-file the training forwards route by a recording",
+     [](TrainingArgs& a, const FlagValue&) { a.moe_enable_routing_replay = true; }},
+    {"--moe-routing-replay-file", Arity::kOne, "FILE",
+     "moecore: the routing recording (moecore generate --record-routing) whose experts the training forwards take "
+     "for their samples, probabilities from the live router scores",
+     [](TrainingArgs& a, const FlagValue& v) { a.moe_routing_replay_file = v.text(); }},
     {"--calculate-per-token-loss", Arity::kSwitch, "",
      "Megatron's per-token loss: each micro-batch's loss is summed over its tokens and every gradient divided by the "
      "global batch's loss tokens (over micro-batches and data-parallel ranks), instead of a mean of micro-batch means",

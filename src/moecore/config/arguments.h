@@ -151,8 +151,16 @@ struct TrainingArgs {
   int64_t moe_collapse_intervals = 3;        // --moe-collapse-intervals
 
   // Data and tokenizer.
-  std::vector<std::string> data_path;       // --data-path: "prefix", "p1 p2 ...", or "w1 p1 w2 p2 ..."
-  bool mock_data = false;                   // --mock-data
+  std::vector<std::string> data_path;  // --data-path: "prefix", "p1 p2 ...", or "w1 p1 w2 p2 ..."
+  bool mock_data = false;              // --mock-data
+  // Whole variable-length samples (train/packed_samples.h): --sample-data-path (moecore's), packed by Megatron-RL's
+  // packer with --rl-use-sequence-packing, --rl-sequence-packing-max-sequences-per-bin, --rl-sequence-packing-algo;
+  // --rl-microbatch-order serpentine (moecore's) runs each rank's bins small-large-small by attention cost.
+  std::string sample_data_path;
+  bool rl_use_sequence_packing = false;
+  int64_t rl_sequence_packing_max_sequences_per_bin = 50;
+  std::string rl_sequence_packing_algo = "fifo";
+  std::string rl_microbatch_order = "packing";
   int64_t mock_max_sequence_length = 4096;  // --mock-max-sequence-length (moecore): mock documents' longest length
   std::string split;                        // --split, e.g. "969, 30, 1" (empty with --mock-data and no --split)
   std::string data_cache_path;              // --data-cache-path (empty = none)
@@ -169,6 +177,9 @@ struct TrainingArgs {
   std::string moe_token_dispatcher_type = "allgather";  // --moe-token-dispatcher-type
   std::string moe_flex_dispatcher_backend = "mpiep";    // --moe-flex-dispatcher-backend
   bool calculate_per_token_loss = false;                // --calculate-per-token-loss
+  // Router replay (moe/routing_replay.h): --moe-enable-routing-replay and the recording the training forwards replay.
+  bool moe_enable_routing_replay = false;
+  std::string moe_routing_replay_file;  // --moe-routing-replay-file
   // --moe-router-padding-for-quantization / --moe-router-padding-for-fp8 (finalize sets model.moe's multiple).
   bool moe_router_padding_for_quantization = false;
 

@@ -611,8 +611,47 @@ void check_split(const std::string& split) {
   require(total > 0.0, "--split '" + split + "': the proportions sum to zero");
 }
 
+void finalize_tokenizer(const TrainingArgs& args, const std::set<std::string>& given);
+
+// Whole variable-length samples (train/packed_samples.h) and Megatron-RL's packing flags.
+void finalize_sample_data(const TrainingArgs& args, const std::set<std::string>& given) {
+  const bool samples = !args.sample_data_path.empty();
+  require(samples || !args.rl_use_sequence_packing,
+          "--rl-use-sequence-packing packs whole samples: it needs --sample-data-path");
+  require(samples || args.rl_microbatch_order == "packing", "--rl-microbatch-order needs --sample-data-path");
+  for (const char* flag : {"--rl-sequence-packing-max-sequences-per-bin", "--rl-sequence-packing-algo"}) {
+    require(args.rl_use_sequence_packing || !given.contains(flag),
+            std::string(flag) + " requires --rl-use-sequence-packing");
+  }
+  require(args.rl_sequence_packing_max_sequences_per_bin >= 1,
+          "--rl-sequence-packing-max-sequences-per-bin must be positive (got " +
+              str(args.rl_sequence_packing_max_sequences_per_bin) + ")");
+  if (!samples) return;
+  require(!given.contains("--data-path") && !args.mock_data,
+          "--sample-data-path is the training data: drop --data-path / --mock-data");
+  // Megatron-RL: "micro_batch_size must be 1 when using sequence packing"; a bin is one row.
+  require(args.micro_batch_size == 1,
+          "--sample-data-path trains one bin per micro-batch: it needs --micro-batch-size 1");
+  require(args.calculate_per_token_loss,
+          "--sample-data-path needs --calculate-per-token-loss: bins hold different numbers of loss tokens (padding "
+          "bins none), so the objective is the global token mean");
+  require(args.eval_iters == 0, "--sample-data-path trains on every sample (no validation split): give --eval-iters 0");
+  for (const char* flag :
+       {"--split", "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--mock-max-sequence-length"}) {
+    require(!given.contains(flag), std::string(flag) +
+                                       " applies to --data-path / --mock-data (whole samples have their own positions, "
+                                       "documents and loss masks)");
+  }
+  require(args.virtual_pipeline_model_parallel_size == 1,
+          "--sample-data-path with virtual pipeline stages is not implemented (the number of micro-batches follows "
+          "the packing)");
+  require(args.moe_routing_replay_file.empty(), "--moe-routing-replay-file with --sample-data-path is not implemented");
+}
+
 void finalize_data(TrainingArgs& args, const std::set<std::string>& given) {
   const bool has_path = given.contains("--data-path");
+  finalize_sample_data(args, given);
+  if (!args.sample_data_path.empty()) return finalize_tokenizer(args, given);
   require(has_path || args.mock_data, "no training data: give --data-path PREFIX or --mock-data");
   require(!(has_path && args.mock_data),
           "--data-path and --mock-data cannot be used together (a single data source must be provided)");
@@ -625,7 +664,10 @@ void finalize_data(TrainingArgs& args, const std::set<std::string>& given) {
   // __post_init__).
   require(!(args.mock_data && given.contains("--split")),
           "--split does not apply to --mock-data (mock data is always split 1,1,1, as in Megatron); drop --split");
+  finalize_tokenizer(args, given);
+}
 
+void finalize_tokenizer(const TrainingArgs& args, const std::set<std::string>& given) {
   require(!args.tokenizer_type.empty(),
           "--tokenizer-type is required (GPT2BPETokenizer with --vocab-file and --merge-file, or NullTokenizer with "
           "--vocab-size)");
@@ -768,6 +810,27 @@ void finalize_per_token_loss(const TrainingArgs& args) {
           "--calculate-per-token-loss cannot be combined with --use-megatron-fsdp");
 }
 
+// Router replay: Megatron creates the replay instances with --moe-enable-routing-replay and leaves the actions to its
+// caller; moecore's trainer replays a recording file, so the flag needs one (and the file the flag). Megatron's
+// sinkhorn selection does not go through the replay; inference records no MTP depth.
+void finalize_routing_replay(const TrainingArgs& args) {
+  const bool file = !args.moe_routing_replay_file.empty();
+  require(args.moe_enable_routing_replay || !file, "--moe-routing-replay-file requires --moe-enable-routing-replay");
+  if (!args.moe_enable_routing_replay) return;
+  require(file,
+          "--moe-enable-routing-replay needs --moe-routing-replay-file FILE (a recording made by moecore generate "
+          "--record-routing) for the training forwards to replay");
+  const MoEConfig& moe = args.model.moe;
+  for (const LoadBalancingType type : moe.load_balancing_types) {
+    require(type != LoadBalancingType::kSinkhorn,
+            "--moe-enable-routing-replay does not apply to --moe-router-load-balancing-type sinkhorn (its selection "
+            "does not go through the router's top-k)");
+  }
+  require(
+      args.model.mtp_num_layers == 0,
+      "--moe-enable-routing-replay with --mtp-num-layers: a routing recording holds the decoder's MoE routers only");
+}
+
 void finalize_ep_overlap(const TrainingArgs& args) {
   const MoEConfig& moe = args.model.moe;
   require(!moe.delay_wgrad_compute || moe.overlap_ep_comm,
@@ -872,6 +935,7 @@ void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given)
   finalize_flex_dispatcher(args, given);
   finalize_ep_overlap(args);
   finalize_per_token_loss(args);
+  finalize_routing_replay(args);
 }
 
 }  // namespace moecore::detail

@@ -242,7 +242,6 @@ constexpr auto kUnimplementedFlags = std::to_array<std::string_view>({
     "--moe-enable-deepep",
     "--moe-deepep-num-sms",
     "--moe-permute-fusion",
-    "--moe-enable-routing-replay",
     "--moe-pad-experts-for-cuda-graph-inference",
     // multi-latent attention (inference)
     "--cache-mla-latents",

@@ -150,6 +150,12 @@ GPTModel::GPTModel(const ModelConfig& config, const uint64_t seed, const paralle
       m.layers.emplace_back(config_, i, params_, buffers_, parallel_, &norm_overflows_);
     }
   }
+  const std::vector<int64_t> router_layers = moe_router_layers(config_);
+  for (TransformerLayer& layer : m.layers) {
+    if (!layer.is_moe()) continue;
+    const auto at = std::find(router_layers.begin(), router_layers.end(), layer.index());
+    layer.moe()->set_replay_router(at - router_layers.begin());
+  }
   chunk_first_module_.push_back(m.layers.size());
   if (post_process) {
     m.final_norm =
@@ -421,8 +427,9 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     const int64_t layer = stage.first_layer + static_cast<int64_t>(i);
     TransformerLayer& module = m.layers[first + i];
     if (hooks_) hooks_->before_forward(static_cast<int>(layer));
-    const LayerDropout dropout{options.training, options.dropout_seed, layer_stream(options.dropout_stream, layer),
-                               ctx->rows, &ctx->sequence};
+    LayerDropout dropout{options.training, options.dropout_seed, layer_stream(options.dropout_stream, layer), ctx->rows,
+                         &ctx->sequence};
+    dropout.routing_replay = options.routing_replay;
     LayerActivations scratch;
     LayerActivations& saved = options.training ? ctx->layers[i] : scratch;
     const trace::Scope scope("layer ", layer, " forward", "forward");
@@ -590,6 +597,12 @@ void GPTModel::set_router_tracer(RouterTracer* tracer) {
     TransformerLayer& layer = m.mtp.layers()[k];
     if (layer.is_moe())
       layer.moe()->set_router_tracer(tracer, {.mtp = true, .layer = 0, .mtp_idx = static_cast<int64_t>(k)});
+  }
+}
+
+void GPTModel::set_routing_recorder(RoutingRecorder* recorder) {
+  for (TransformerLayer& layer : modules_->layers) {
+    if (layer.is_moe()) layer.moe()->set_routing_recorder(recorder);
   }
 }
 

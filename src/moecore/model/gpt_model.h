@@ -28,6 +28,7 @@
 #include "moecore/model/param.h"
 #include "moecore/moe/moe_metrics_tracker.h"
 #include "moecore/moe/router_trace.h"
+#include "moecore/moe/routing_replay.h"
 #include "moecore/parallel/parallel_state.h"
 #include "moecore/tensor/tensor.h"
 
@@ -75,6 +76,9 @@ struct ForwardOptions {
   // depths' token losses weigh (main tokens / depth tokens); the caller divides every gradient by the global number
   // of loss tokens after the data-parallel reduction. forward still returns the token mean (for the log).
   bool per_token_loss = false;
+  // Router replay (moe/routing_replay.h): the micro-batch's recorded routing of the decoder's MoE routers; null: the
+  // routers choose. Not applied to Multi-Token Prediction depths.
+  const RoutingReplayBatch* routing_replay = nullptr;
 };
 
 class GPTModel {
@@ -99,6 +103,9 @@ class GPTModel {
   void set_hooks(ModelHooks* hooks) { hooks_ = hooks; }
   // The MoE layers' training forwards record their routing into `tracer` (moe/router_trace.h; not owned; null: none).
   void set_router_tracer(RouterTracer* tracer);
+  // The decoder's MoE routers report every forward's top-k selection to `recorder` (moe/routing_replay.h; not owned;
+  // null: none), as router replay's RECORD action.
+  void set_routing_recorder(RoutingRecorder* recorder);
   ParamStore& params() { return params_; }
   const ParamStore& params() const { return params_; }
   Param& param(const std::string& name);  // throws std::out_of_range naming it

@@ -174,9 +174,9 @@ Tensor TransformerLayer::moe_forward(const Tensor& x_TH, const int64_t S, const 
   const int64_t T = S * B;
   const Tensor x_shard = tp_.to_sequence_shard(x_TH);
   if (dropout.recompute) return tp_.from_sequence_shard(moe_->recompute(x_shard, saved, true));
-  const Tensor out_shard = moe_->forward(x_shard, S / tp_.size(), B,
-                                         layer_rows(dropout, T).slice(moe_tp.row_offset(T), moe_tp.local_rows(T)),
-                                         dropout.training, dropout.seed, dropout.stream * 4 + kMoeRouterJitter, saved);
+  const Tensor out_shard = moe_->forward(
+      x_shard, S / tp_.size(), B, layer_rows(dropout, T).slice(moe_tp.row_offset(T), moe_tp.local_rows(T)),
+      dropout.training, dropout.seed, dropout.stream * 4 + kMoeRouterJitter, saved, dropout.routing_replay);
   return tp_.from_sequence_shard(out_shard);
 }
 

@@ -39,6 +39,8 @@ struct LayerDropout {
   // Full recomputation's second forward of the layer (training): the same numbers, no side effects (the MoE router's
   // counts), under FP8 delayed scaling the scales the first forward logged.
   bool recompute = false;
+  // Router replay: the micro-batch's recorded routing (moe/routing_replay.h; null: the routers choose).
+  const RoutingReplayBatch* routing_replay = nullptr;
 };
 
 // What one layer's backward needs from its forward.
@@ -94,6 +96,7 @@ class TransformerLayer {
   Tensor forward_decode(const Tensor& x_TH, std::span<const int64_t> positions, LayerKvCache& cache) const;
 
   bool is_moe() const { return moe_ != nullptr; }
+  int64_t index() const { return index_; }  // the global layer number
   MoELayer* moe() { return moe_.get(); }
   const MoELayer* moe() const { return moe_.get(); }
 

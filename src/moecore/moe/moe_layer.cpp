@@ -91,8 +91,8 @@ Tensor MoELayer::routed_output(Tensor combined_TX, MoELayerActivations& saved) c
 }
 
 Tensor MoELayer::forward(const Tensor& x_TH, const int64_t S, const int64_t B, const TokenRows& rows,
-                         const bool training, const uint64_t seed, const uint64_t key,
-                         MoELayerActivations& saved) const {
+                         const bool training, const uint64_t seed, const uint64_t key, MoELayerActivations& saved,
+                         const RoutingReplayBatch* replay) const {
   const int64_t T = S * B, H = config_.hidden_size;
   if (!x_TH.defined() || !ops::activation_storage(x_TH.dtype()) || x_TH.numel() != T * H) {
     throw std::invalid_argument("MoE layer: x_TH must be fp32 / 16-bit [S*B, H] = [" + std::to_string(T) + ", " +
@@ -101,8 +101,12 @@ Tensor MoELayer::forward(const Tensor& x_TH, const int64_t S, const int64_t B, c
   const Tensor x = x_TH.view({T, H});
   {
     const trace::Scope scope("router forward", "moe");
-    saved.routing = router_->forward(x, S, B, training, seed, key, saved.router, rows);
+    Tensor replay_TK;
+    if (replay != nullptr && replay_router_ >= 0) replay_TK = replay->local_selection(replay_router_, rows, T);
+    saved.routing =
+        router_->forward(x, S, B, training, seed, key, saved.router, rows, replay_TK.defined() ? &replay_TK : nullptr);
   }
+  if (recorder_ != nullptr && replay_router_ >= 0) recorder_->record(replay_router_, saved.router.selected_TK);
   if (training && tracer_ != nullptr && tracer_->active()) {
     tracer_->record(trace_site_, saved.routing.routing_map_TE, config_.moe.topk, x, saved.router.logits_TE,
                     {router_->weight(), router_->expert_bias(), to_string(config_.moe.score_function)});

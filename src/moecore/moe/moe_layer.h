@@ -19,6 +19,7 @@
 #include "moecore/moe/experts.h"
 #include "moecore/moe/router.h"
 #include "moecore/moe/router_trace.h"
+#include "moecore/moe/routing_replay.h"
 #include "moecore/moe/token_dispatcher.h"
 #include "moecore/parallel/parallel_state.h"
 
@@ -46,9 +47,10 @@ class MoELayer {
   // Returns out_TH = moe(x_TH) on this rank's tokens: x_TH fp32 [S*B, H] holds the micro-batch's one-process rows
   // `rows` (counter-RNG keys; empty: rows 0..S*B-1). Under TP every TP rank holds a different sequence shard (the
   // sequence-parallel region), so router statistics are reduced over tp-cp and shared experts gather the sequence over
-  // TP. The routing decision is kept in `saved.routing`. Collective over the layout's groups.
+  // TP. The routing decision is kept in `saved.routing`. Collective over the layout's groups. replay (nullable): the
+  // micro-batch's recorded routing, which this layer's router follows when it has a replay index.
   Tensor forward(const Tensor& x_TH, int64_t S, int64_t B, const TokenRows& rows, bool training, uint64_t seed,
-                 uint64_t key, MoELayerActivations& saved) const;
+                 uint64_t key, MoELayerActivations& saved, const RoutingReplayBatch* replay = nullptr) const;
   // Returns dx_TH (d objective / d x_TH) and accumulates every parameter gradient; aux_grad_scale as
   // TopKRouter::backward.
   Tensor backward(const Tensor& dout_TH, const Tensor& x_TH, double aux_grad_scale,
@@ -77,6 +79,11 @@ class MoELayer {
     trace_site_ = site;
   }
 
+  // Router replay and recording (routing_replay.h): this router's number among the decoder's MoE routers (-1: not
+  // replayed or recorded, e.g. an MTP depth's), and the recorder its forwards report to (not owned; null: none).
+  void set_replay_router(const int64_t index) { replay_router_ = index; }
+  void set_routing_recorder(RoutingRecorder* recorder) { recorder_ = recorder; }
+
   const TopKRouter& router() const { return *router_; }
   TopKRouter& router() { return *router_; }
 
@@ -98,6 +105,8 @@ class MoELayer {
   bool overlap_shared_ = false;     // --moe-shared-expert-overlap
   RouterTracer* tracer_ = nullptr;  // --moe-routing-trace-path
   RouterTraceSite trace_site_;
+  int64_t replay_router_ = -1;
+  RoutingRecorder* recorder_ = nullptr;  // moecore generate --record-routing
 };
 
 }  // namespace moecore

@@ -135,7 +135,7 @@ TopKRouter::TopKRouter(const MoEConfig& config, const int64_t hidden, const bool
 
 RouterOutput TopKRouter::forward(const Tensor& x_TH, const int64_t S, const int64_t B, const bool training,
                                  const uint64_t seed, const uint64_t jitter_key, RouterActivations& saved,
-                                 const TokenRows& rows) {
+                                 const TokenRows& rows, const Tensor* replay_TK) {
   // The router computes in --moe-router-dtype (fp32 or fp64) under --bf16 / --fp16 too.
   const ops::ScopedActivationDType router_precision(DType::kF32);
   // Megatron keeps the router out of FP8 / FP4 (a plain torch linear outside TE's modules).
@@ -149,6 +149,13 @@ RouterOutput TopKRouter::forward(const Tensor& x_TH, const int64_t S, const int6
   saved.jitter_key = jitter_key;
   saved.rows = rows.count() == 0 ? TokenRows::contiguous(0, T) : rows;
   if (saved.rows.count() != T) throw std::invalid_argument("router: token rows do not match the input");
+  if (replay_TK != nullptr) {
+    if (replay_TK->dtype() != DType::kI32 || replay_TK->numel() != T * config_.topk) {
+      throw std::invalid_argument("router: the replayed selection must be kI32 [" + std::to_string(T) + ", " +
+                                  std::to_string(config_.topk) + "]");
+    }
+    saved.replay_TK = *replay_TK;
+  }
 
   if (!x_TH.defined() || !ops::activation_storage(x_TH.dtype()) || x_TH.numel() != T * hidden_) {
     throw std::invalid_argument("router: the input must be fp32 [" + std::to_string(T) + ", " +
@@ -250,13 +257,17 @@ ops::TopkRoutingSpec TopKRouter::routing_spec() const {
 // logits, which couples all tokens).
 Tensor TopKRouter::route_tokens(RouterActivations& saved, const bool training) const {
   const int64_t T = saved.S * saved.B, E = config_.num_experts, k = config_.topk;
-  const ops::TopkRoutingSpec spec = routing_spec();
+  ops::TopkRoutingSpec spec = routing_spec();
   Tensor balanced_TE;
   if (spec.sinkhorn && training) {
     balanced_TE = Tensor({T, E}, saved.logits_TE.dtype(), MemCategory::kActivations);
     ops::sinkhorn(balanced_TE, saved.logits_TE);
   }
   saved.selected_TK = Tensor::uninitialized({T, k}, DType::kI32, MemCategory::kActivations);
+  if (saved.replay_TK.defined()) {
+    spec.given_selection = true;
+    std::copy_n(saved.replay_TK.data<int32_t>(), T * k, saved.selected_TK.data<int32_t>());
+  }
   Tensor probs_TK = Tensor::uninitialized({T, k}, saved.logits_TE.dtype(), MemCategory::kActivations);
   const Tensor* bias_E = has_expert_bias_ ? &expert_bias_->value : nullptr;
   ops::topk_routing_forward(saved.selected_TK, probs_TK, saved.logits_TE, bias_E,

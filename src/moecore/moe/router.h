@@ -52,6 +52,9 @@ struct RouterActivations {
   bool training = false;  // forward ran in training mode (aux / z losses attached)
   uint64_t jitter_seed = 0, jitter_key = 0;  // regenerate the input jitter factors in backward
   TokenRows rows;                            // the local tokens' one-process rows (RNG keys)
+  // Router replay (routing_replay.h): the recorded selection kI32 [T, K] the forward routed by; kept through
+  // drop_for_recompute, so a recompute routes by it again (Megatron's REPLAY_BACKWARD).
+  Tensor replay_TK;
 };
 
 class TopKRouter {
@@ -76,8 +79,11 @@ class TopKRouter {
   // the one-process micro-batch (default: rows 0..S*B-1): the jitter and forced-balance draws are keyed by the
   // one-process element index, so every layout draws the same numbers. Collective over tp-cp (and tp-dp-cp with
   // global_aux_loss) when aux losses are on. Logged losses are this rank's share (sum over tp-cp for the total).
+  // replay_TK (kI32 [S*B, topk], nullable): router replay's selection for these rows, taken instead of the top-k of
+  // the scores; the probabilities are gathered from the live scores at it (routing_replay.h).
   RouterOutput forward(const Tensor& x_TH, int64_t S, int64_t B, bool training, uint64_t seed, uint64_t jitter_key,
-                       RouterActivations& saved, const TokenRows& rows = TokenRows());
+                       RouterActivations& saved, const TokenRows& rows = TokenRows(),
+                       const Tensor* replay_TK = nullptr);
 
   // Recomputation (--recompute-modules moe, full recompute): the routing of `saved`'s training forward again from the
   // same input, after drop_for_recompute(saved), with the tensors backward needs, and without the forward's side

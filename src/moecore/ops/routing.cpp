@@ -75,6 +75,22 @@ void topk_routing_forward(Tensor& idx_TK, Tensor& probs_TK, const Tensor& logits
          "group-limited top-k needs num_groups dividing the experts and group_topk <= k <= the experts of "
          "group_topk groups");
   }
+  if (spec.given_selection) {
+    if (spec.sinkhorn) fail(op, "a given selection (router replay) does not apply to sinkhorn routing");
+  }
+  if (spec.given_selection && idx_TK.device() == Device::kCPU) {
+    const int32_t* ids = ptr<int32_t>(idx_TK);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t i = 0; i < k; ++i) {
+        const int32_t e = ids[t * k + i];
+        if (e < 0 || e >= E)
+          fail(op, "a given expert " + std::to_string(e) + " is outside [0, " + std::to_string(E) + ")");
+        for (int64_t j = 0; j < i; ++j) {
+          if (ids[t * k + j] == e) fail(op, "a given selection names expert " + std::to_string(e) + " twice");
+        }
+      }
+    }
+  }
   detail::dispatch(op, logits_TE, [&]<typename S>(auto kt) {
     kt.topk_routing_forward(ptr<int32_t>(idx_TK), ptr<S>(probs_TK), ptr<S>(logits_TE), opt<float>(bias_E),
                             opt<S>(select_TE), n, E, k, spec);

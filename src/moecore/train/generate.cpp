@@ -73,6 +73,11 @@ class NextTokenLogits {
     if (use_cache && kv_cache_unsupported_reason(model).empty()) cache_.emplace(model.config(), capacity);
   }
 
+  // The position in the whole text of the first token the next call with this window start feeds to the model.
+  int64_t first_fed(const int64_t window_start) const {
+    return cache_ && window_start == cache_start_ ? cache_start_ + cache_->length() : window_start;
+  }
+
   Tensor operator()(const std::span<const int32_t> window, const int64_t window_start) {
     if (!cache_) return model_.last_logits(window.data(), 1, static_cast<int64_t>(window.size()));
     if (window_start != cache_start_) {
@@ -99,9 +104,22 @@ std::vector<int32_t> generate(GPTModel& model, std::vector<int32_t> prompt, cons
   const int64_t longest =
       std::min(context, static_cast<int64_t>(prompt.size()) + std::max<int64_t>(options.max_new_tokens, 0));
   NextTokenLogits next_logits(model, options.kv_cache, longest);
+  RoutingRecorder* const recorder = options.routing_recorder;
+  if (recorder != nullptr && static_cast<int64_t>(prompt.size()) + options.max_new_tokens - 1 > context) {
+    throw std::invalid_argument(
+        "recording the routing needs the prompt and the new tokens but the last within the "
+        "model's context of " +
+        std::to_string(context) + " tokens (the window would slide)");
+  }
+  model.set_routing_recorder(recorder);
+  struct RecorderReset {
+    GPTModel& model;
+    ~RecorderReset() { model.set_routing_recorder(nullptr); }
+  } const recorder_reset{model};
   for (int64_t step = 0; step < options.max_new_tokens; ++step) {
     const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(prompt.size()) - context);
     const std::span<const int32_t> window(prompt.data() + start, prompt.size() - static_cast<size_t>(start));
+    if (recorder != nullptr) recorder->begin_forward(next_logits.first_fed(start));
     const Tensor logits_BV = next_logits(window, start);
     // A norm whose sum of squares overflowed outputs zeros: finite logits that ignore the prompt.
     if (const std::optional<NormOverflow> overflow = model.take_norm_overflow()) {

@@ -21,6 +21,10 @@ struct SamplingOptions {
   // context for every token (the reference the cache is tested against). Either gives the same tokens. Models the
   // cache cannot serve exactly (kv_cache_unsupported_reason) always re-run the context.
   bool kv_cache = true;
+  // Router replay's RECORD (moecore generate --record-routing): the decoder's MoE routers report the top-k selection
+  // of every position fed to the model (not owned; null: none). The window must not slide: std::invalid_argument when
+  // the prompt and the new tokens outgrow --seq-length.
+  RoutingRecorder* routing_recorder = nullptr;
 };
 
 // std::invalid_argument when the prompt is empty, longer than the model's context (--seq-length; Megatron's

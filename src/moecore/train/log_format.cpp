@@ -54,6 +54,11 @@ std::string format_iteration_log(const IterationLog& log) {
   if (log.real_tokens_per_iteration) {
     line += " real tokens per iteration: " + std::to_string(*log.real_tokens_per_iteration) + " |";
   }
+  if (log.packed_bins_per_iteration) {
+    line += " bins per iteration: " + std::to_string(*log.packed_bins_per_iteration) + " (+" +
+            std::to_string(log.padding_bins_per_iteration.value_or(0)) + " padding) |";
+    line += " padding tokens per iteration: " + std::to_string(log.padding_tokens_per_iteration.value_or(0)) + " |";
+  }
   for (const auto& [name, value] : log.losses) {
     // Megatron's training_log prints an averaged loss only `if avg >= 0.0`: NaN and negative values are left out.
     if (value >= 0.0) line += " " + name + ": " + scientific(value) + " |";

@@ -34,6 +34,9 @@ struct IterationLog {
   int64_t global_batch_size = 0;
   // Packed sequences: real (document) tokens per iteration, averaged over the interval; printed when set.
   std::optional<int64_t> real_tokens_per_iteration;
+  // Whole samples (--sample-data-path): the bins of an iteration and, of its bins' tokens, the padding, each averaged
+  // over the interval; printed when set.
+  std::optional<int64_t> packed_bins_per_iteration, padding_bins_per_iteration, padding_tokens_per_iteration;
   NamedValues losses;  // averages over the logging interval; as Megatron, only values >= 0 are printed
   double loss_scale = 1.0;
   std::optional<double> grad_norm;

@@ -177,6 +177,7 @@ void check_split_weights(const TrainingArgs& args) {
 }
 
 void check_built_splits(const TrainingArgs& args, const GPTDataProvider& data) {
+  if (!args.sample_data_path.empty()) return;  // whole samples: no GPT dataset (epochs repeat the samples)
   const std::string where = args.mock_data ? std::string("--mock-data") : "--split '" + args.split + "'";
   const int64_t reads = split_sample_counts(args).train;
   const int64_t train = data.num_samples(DatasetSplit::kTrain);

@@ -30,9 +30,19 @@ namespace {
 // --calculate-per-token-loss), reduced over DP by the DDP.
 double forward_backward(const TrainingArgs& args, const TrainingModules& modules,
                         const parallel::ParallelState& parallel, const TrainingProgress& progress,
-                        std::optional<SeqlenStats>& global_stats) {
+                        std::optional<SeqlenStats>& global_stats, std::optional<StepResult::Packing>& packing) {
   const int64_t iteration = progress.iteration + 1;
-  const int64_t num_microbatches = args.global_batch_size / args.micro_batch_size;  // all DP ranks
+  // Whole samples: the step's bins decide the micro-batches (each rank as many, padding bins included).
+  std::optional<PackedStep> packed;
+  if (modules.packed_samples != nullptr) {
+    packed = modules.packed_samples->step(progress.consumed_train_samples, args.global_batch_size, parallel.dp_size(),
+                                          parallel.dp_rank());
+    packing =
+        StepResult::Packing{static_cast<int64_t>(packed->bins.size()), packed->padding_bins, packed->padding_tokens};
+    global_stats = SeqlenStats{packed->real_tokens, packed->squared_lengths};
+  }
+  const int64_t num_microbatches =  // all DP ranks
+      packed ? packed->bins_per_rank * parallel.dp_size() : args.global_batch_size / args.micro_batch_size;
   const std::vector<int64_t> mine = local_microbatches(num_microbatches, parallel.dp_size(), parallel.dp_rank());
   const PipelineSchedule schedule =
       make_schedule(parallel.pp_size(), parallel.pp_rank(), modules.model.num_chunks(), static_cast<int>(mine.size()),
@@ -44,6 +54,7 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   std::vector<char> counted(mine.size(), 0);
   SeqlenStats local_stats;
   microbatches.batch = [&](const int m) {
+    if (packed) return modules.packed_samples->batch(*packed, m);
     Batch batch = modules.data.get_batch(
         DatasetSplit::kTrain, progress.consumed_train_samples + mine[static_cast<size_t>(m)] * args.micro_batch_size,
         args.micro_batch_size);
@@ -60,8 +71,27 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   // after the reduction, below).
   const bool per_token = args.calculate_per_token_loss;
   const double loss_scale = per_token ? grad_scale : grad_scale / static_cast<double>(mine.size());
+  // Router replay: every rank looks up the whole global batch, so a sample without a record stops all ranks alike;
+  // then each of this rank's micro-batches gets its table.
+  std::vector<RoutingReplayBatch> replay_tables;
+  if (modules.routing_replay != nullptr) {
+    const int64_t mbs = args.micro_batch_size;
+    std::string missing;
+    for (int64_t m = 0; m < num_microbatches && missing.empty(); ++m) {
+      const int64_t first = progress.consumed_train_samples + m * mbs;
+      const Batch batch = modules.data.get_batch(DatasetSplit::kTrain, first, mbs);
+      missing = modules.routing_replay->missing(batch.tokens_BS, mbs, first);
+    }
+    if (!missing.empty()) throw ConfigError(missing);
+    for (const int64_t m : mine) {
+      const int64_t first = progress.consumed_train_samples + m * mbs;
+      const Batch batch = modules.data.get_batch(DatasetSplit::kTrain, first, mbs);
+      replay_tables.push_back(modules.routing_replay->batch(batch.tokens_BS, mbs, first));
+    }
+  }
   microbatches.options = [&](const int m) {
     ForwardOptions options;
+    if (!replay_tables.empty()) options.routing_replay = &replay_tables[static_cast<size_t>(m)];
     options.backward_seed = loss_scale;
     options.per_token_loss = per_token;
     options.training = true;
@@ -72,8 +102,8 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   microbatches.loss_scale = [loss_scale](int) { return loss_scale; };
   // Megatron turns overlap_p2p_comm off without virtual stages (arguments.py validate_args).
   microbatches.overlap_p2p_comm = args.pipeline_split.overlap_p2p_comm && modules.model.num_chunks() > 1;
-  microbatches.position_ids = args.reset_position_ids;
-  microbatches.document_ids = args.reset_attention_mask;
+  microbatches.position_ids = args.reset_position_ids || packed.has_value();
+  microbatches.document_ids = args.reset_attention_mask || packed.has_value();
   modules.ddp.zero_grad();
   // No weight changes until the optimizer step: the native 16-bit GEMMs cast each weight once for all micro-batches
   // (or not at all, given the casts the last step's optimizer refreshed).
@@ -150,7 +180,7 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
                       const TrainingProgress& progress, const StepStatistics statistics) {
   const int64_t iteration = progress.iteration + 1;
   StepResult result;
-  result.lm_loss = forward_backward(args, modules, parallel, progress, result.seqlen_stats);
+  result.lm_loss = forward_backward(args, modules, parallel, progress, result.seqlen_stats, result.packing);
   // With dynamic loss scaling a non-finite loss is the scaler's signal, not an error (Megatron turns
   // check_for_nan_in_loss_and_grad off): its gradients are not finite either, so the iteration is skipped.
   LossScalers& scalers = modules.loss_scalers;

@@ -13,6 +13,7 @@
 #include "moecore/optim/grad_scaler.h"
 #include "moecore/optim/lr_schedule.h"
 #include "moecore/parallel/parallel_state.h"
+#include "moecore/train/packed_samples.h"
 #include "moecore/train/training_progress.h"
 
 namespace moecore {
@@ -27,6 +28,11 @@ struct StepResult {
   // With --reset-attention-mask: the documents of the global batch (every DP rank's micro-batches), which the
   // FLOPs count and the log's real-token count use, as Megatron does for packed (THD) batches.
   std::optional<SeqlenStats> seqlen_stats;
+  // --sample-data-path: the step's bins over every rank (padding bins apart) and their padding tokens.
+  struct Packing {
+    int64_t bins = 0, padding_bins = 0, padding_tokens = 0;
+  };
+  std::optional<Packing> packing;
   // Loss scaling: the iteration's gradients were not finite, so it made no update (Megatron's skipped_iter).
   bool skipped = false;
   double loss_scale = 1.0;  // the scale after this iteration's update (the log's "loss scale")
@@ -51,6 +57,10 @@ struct TrainingModules {
   LossScalers& loss_scalers;  // --fp16's dynamic scalers or a constant --loss-scale; empty: no loss scaling
   // The 16-bit weight casts carried from step to step (ops/weight_casts.h); null: each step casts its own.
   ops::WeightCastCarry* weight_casts = nullptr;
+  // --moe-routing-replay-file: the recording the training forwards route by (null: the routers choose).
+  const RoutingReplaySource* routing_replay = nullptr;
+  // --sample-data-path: the whole samples each step packs into its micro-batches (null: the GPT dataset's samples).
+  const PackedSamples* packed_samples = nullptr;
 };
 
 // Iteration progress.iteration + 1 on training samples [consumed_train_samples, + global batch): throws

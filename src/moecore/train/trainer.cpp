@@ -167,7 +167,34 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   // Nothing but the optimizer step changes a weight between two steps (loading precedes the loop; evaluation and
   // saving read the weights), so the steps may carry their 16-bit weight casts.
   ops::WeightCastCarry weight_casts;
-  const TrainingModules modules{model, *built.ddp, *built.optimizer, schedule, data, loss_scalers, &weight_casts};
+  // Whole variable-length samples: every rank reads them and packs every step alike.
+  std::optional<SampleDataset> sample_data;
+  std::optional<PackedSamples> packed_samples;
+  if (!run_args.sample_data_path.empty()) {
+    parallel::run_on_all_ranks(parallel.world, [&] {
+      sample_data.emplace(run_args.sample_data_path, vocabulary.unpadded_size);
+      packed_samples.emplace(*sample_data, packed_samples_options(run_args, parallel.cp_size()));
+    });
+    log << "> whole samples: " << sample_data->size() << " from " << run_args.sample_data_path
+        << (run_args.rl_use_sequence_packing ? ", packed into bins of " : ", one per sequence of ")
+        << run_args.model.seq_length << " tokens" << std::endl;
+  }
+  // Router replay: every rank reads the recording (a bad one fails them all alike).
+  std::optional<RoutingReplaySource> routing_replay;
+  if (!run_args.moe_routing_replay_file.empty()) {
+    routing_replay.emplace(run_args.moe_routing_replay_file, run_args.model);
+    log << "> router replay: " << routing_replay->num_records() << " recorded sequences from "
+        << run_args.moe_routing_replay_file << std::endl;
+  }
+  const TrainingModules modules{model,
+                                *built.ddp,
+                                *built.optimizer,
+                                schedule,
+                                data,
+                                loss_scalers,
+                                &weight_casts,
+                                routing_replay ? &*routing_replay : nullptr,
+                                packed_samples ? &*packed_samples : nullptr};
 
   TrainResult result;
   TrainingProgress& progress = result.progress;

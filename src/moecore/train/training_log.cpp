@@ -215,6 +215,12 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
   }
   flops_sum_ += flops_of(step);
   if (step.seqlen_stats) real_tokens_sum_ += step.seqlen_stats->tokens;
+  if (step.packing) {
+    if (!packing_sum_) packing_sum_.emplace();
+    packing_sum_->bins += step.packing->bins;
+    packing_sum_->padding_bins += step.packing->padding_bins;
+    packing_sum_->padding_tokens += step.packing->padding_tokens;
+  }
   // Megatron adds "mtp_k loss" to its total_loss_dict every iteration and divides by the advanced iterations.
   mtp_loss_sums_.resize(step.mtp_losses.size(), 0.0);
   for (size_t k = 0; k < step.mtp_losses.size(); ++k) mtp_loss_sums_[k] += step.mtp_losses[k];
@@ -270,6 +276,11 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
     }
     entry.real_tokens_per_iteration = real_tokens_sum_ / iterations_;
   }
+  if (packing_sum_) {
+    entry.packed_bins_per_iteration = packing_sum_->bins / iterations_;
+    entry.padding_bins_per_iteration = packing_sum_->padding_bins / iterations_;
+    entry.padding_tokens_per_iteration = packing_sum_->padding_tokens / iterations_;
+  }
   log_ << format_iteration_log(entry) << std::endl;
   if (reset) tensorboard_.timers(iteration, seconds_per_iter, entry.throughput_tflops_per_gpu);  // not the first line
   for (const std::string& line : moe_metrics_.usage_lines()) log_ << line << '\n';
@@ -299,6 +310,7 @@ void TrainingLogger::record(const TrainingProgress& progress, StepResult step) {
   nan_iterations_ = 0;
   flops_sum_ = 0.0;
   real_tokens_sum_ = 0;
+  packing_sum_.reset();
   iterations_ = 0;
   interval_start_ = Clock::now();
 }

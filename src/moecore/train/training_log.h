@@ -82,6 +82,7 @@ class TrainingLogger {
   bool loss_seen_ = false;          // an advanced iteration has been logged (Megatron's lm loss key exists)
   double flops_sum_ = 0.0;          // FLOPs of the interval's iterations
   int64_t real_tokens_sum_ = 0;     // packed sequences: their real tokens
+  std::optional<StepResult::Packing> packing_sum_;  // whole samples: bins, padding bins and padding tokens
   MoEMetrics moe_metrics_;
   MoEMetrics iteration_moe_metrics_;  // the last iteration's alone (TensorBoard)
   TensorBoardLog tensorboard_;

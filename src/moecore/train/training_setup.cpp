@@ -49,6 +49,7 @@ SplitSampleCounts split_sample_counts(const TrainingArgs& args) {
 }
 
 GPTDataProvider build_data(const TrainingArgs& run_args, const int32_t eod_id, std::ostream& log) {
+  if (!run_args.sample_data_path.empty()) return GPTDataProvider{};  // whole samples: train/packed_samples.h
   DataOptions options;
   options.data_path = run_args.data_path;
   options.mock_data = run_args.mock_data;

@@ -171,6 +171,7 @@ void score_function_token(int64_t* idx_K, double* p_K, const double* l_E, const 
                           const int64_t k, const TopkRoutingSpec& spec, double* scores_E, double* route_E) {
   const bool fp32 = spec.fp32_scores;
   auto select = [&](const double* values_E) {
+    if (spec.given_selection) return;  // idx_K holds the replayed experts
     if (spec.group_topk > 0) {
       group_limited_topk(idx_K, values_E, E, k, spec.num_groups, spec.group_topk);
     } else {
@@ -220,6 +221,9 @@ void topk_routing_forward(int32_t* idx_TK, T* probs_TK, const T* logits_TE, cons
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < n; ++t) {
       load_row(s.l_E.data(), logits_TE + t * E, E);
+      if (spec.given_selection) {
+        for (int64_t i = 0; i < k; ++i) s.idx_K[static_cast<size_t>(i)] = idx_TK[t * k + i];
+      }
       if (spec.sinkhorn) {
         sinkhorn_token(s.idx_K.data(), s.p_K.data(), s.l_E.data(), select_TE != nullptr ? select_TE + t * E : nullptr,
                        E, k, spec.fp32_scores, s.a_E.data(), s.b_E.data());

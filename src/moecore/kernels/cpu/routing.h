@@ -22,6 +22,10 @@ struct TopkRoutingSpec {
   double scaling_factor = 0.0;  // probs *= factor when non-zero (in fp32 with fp32_scores)
   bool sinkhorn = false;        // probs = sigmoid (k = 1, in T) or softmax; selection over select_TE if given
   bool fp32_scores = true;      // scores rounded to fp32 as Megatron (false: in T, e.g. for finite differences)
+  // Router replay (Megatron's RouterReplay REPLAY_FORWARD / REPLAY_BACKWARD): idx_TK holds each token's k experts on
+  // entry and the selection is skipped; the probabilities are gathered from the scores at them and normalised and
+  // scaled as usual. Not with sinkhorn (Megatron's sinkhorn selection bypasses the replay).
+  bool given_selection = false;
 };
 
 #define MOECORE_ROUTING_DECL                                                                                           \

@@ -114,7 +114,11 @@ void topk_routing_forward(int32_t* idx_TK, T* probs_TK, const T* logits_TE, cons
         for (int64_t e = 0; e < E; ++e) ranked[static_cast<size_t>(e)] += static_cast<double>(bias_E[e]);
         ranked = rounded(ranked, fp32);
       }
-      idx = spec.group_topk > 0 ? group_limited_topk(ranked, k, spec.num_groups, spec.group_topk) : topk(ranked, k);
+      if (spec.given_selection) {
+        idx.assign(idx_TK + t * k, idx_TK + (t + 1) * k);
+      } else {
+        idx = spec.group_topk > 0 ? group_limited_topk(ranked, k, spec.num_groups, spec.group_topk) : topk(ranked, k);
+      }
       for (int64_t i = 0; i < k; ++i) probs[static_cast<size_t>(i)] = scores[static_cast<size_t>(idx[i])];
       if (softmax_after) probs = softmax_scored(probs, fp32);
       if (spec.score != RoutingScore::kSoftmax && k > 1) normalize(probs, fp32);

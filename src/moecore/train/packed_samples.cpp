@@ -1,0 +1,133 @@
+#include "moecore/train/packed_samples.h"
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <random>
+#include <string>
+
+namespace moecore {
+namespace {
+
+// The dataset order of one epoch: Fisher-Yates over mt19937_64 (the standard fixes its output), keyed by seed and
+// epoch.
+std::vector<int64_t> epoch_order(const int64_t n, const uint64_t seed, const int64_t epoch) {
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(epoch) + 1);
+  for (int64_t i = n - 1; i > 0; --i) {
+    const auto j = static_cast<int64_t>(rng() % static_cast<uint64_t>(i + 1));
+    std::swap(order[static_cast<size_t>(i)], order[static_cast<size_t>(j)]);
+  }
+  return order;
+}
+
+}  // namespace
+
+PackedSamplesOptions packed_samples_options(const TrainingArgs& args, const int64_t context_parallel_size) {
+  PackedSamplesOptions options;
+  options.seq_length = args.model.seq_length;
+  options.pack = args.rl_use_sequence_packing;
+  options.max_sequences_per_bin = args.rl_sequence_packing_max_sequences_per_bin;
+  options.distribution = parse_bin_distribution(args.rl_sequence_packing_algo);
+  options.context_parallel_size = context_parallel_size;
+  options.serpentine = args.rl_microbatch_order == "serpentine";
+  options.seed = static_cast<uint64_t>(args.seed);
+  return options;
+}
+
+PackedSamples::PackedSamples(const SampleDataset& data, PackedSamplesOptions options) : data_(data), options_(options) {
+  for (int64_t i = 0; i < data_.size(); ++i) {
+    if (data_.length(i) > options_.seq_length) {
+      throw DataError(data_.path() + ": sample " + std::to_string(i) + " has " + std::to_string(data_.length(i)) +
+                      " tokens, more than --seq-length " + std::to_string(options_.seq_length) +
+                      " (a sample is never cut)");
+    }
+  }
+}
+
+int64_t PackedSamples::sample_index(const int64_t k) const {
+  const int64_t n = data_.size();
+  return epoch_order(n, options_.seed, k / n)[static_cast<size_t>(k % n)];
+}
+
+PackedStep PackedSamples::step(const int64_t consumed, const int64_t global_batch, const int dp_size,
+                               const int dp_rank) const {
+  PackedStep step;
+  const int64_t n = data_.size();
+  std::map<int64_t, std::vector<int64_t>> orders;  // by epoch
+  std::vector<int64_t> lengths;
+  for (int64_t k = consumed; k < consumed + global_batch; ++k) {
+    std::vector<int64_t>& order = orders[k / n];
+    if (order.empty()) order = epoch_order(n, options_.seed, k / n);
+    step.samples.push_back(order[static_cast<size_t>(k % n)]);
+    lengths.push_back(data_.length(step.samples.back()));
+    step.real_tokens += lengths.back();
+    step.squared_lengths += lengths.back() * lengths.back();
+  }
+  SequencePackingOptions packing;
+  packing.bin_size = options_.seq_length;
+  packing.max_sequences_per_bin = options_.pack ? options_.max_sequences_per_bin : 1;
+  packing.context_parallel_size = options_.context_parallel_size;
+  step.bins = pack_sequences(lengths, packing);
+  const std::vector<RankBins> ranks =
+      distribute_packed_bins(static_cast<int64_t>(step.bins.size()), dp_size, options_.distribution);
+  const RankBins& mine = ranks[static_cast<size_t>(dp_rank)];
+  step.bins_per_rank = mine.num_bins();
+  for (const RankBins& rank : ranks) step.padding_bins += rank.num_padding_bins;
+  step.padding_tokens =
+      (static_cast<int64_t>(step.bins.size()) + step.padding_bins) * options_.seq_length - step.real_tokens;
+  step.local_bins = mine.bin_indices;
+  step.local_bins.resize(static_cast<size_t>(step.bins_per_rank), -1);
+  if (options_.serpentine) {
+    std::vector<std::vector<int64_t>> bin_lengths;
+    for (const int64_t b : step.local_bins) {
+      bin_lengths.push_back(b < 0 ? std::vector<int64_t>{} : step.bins[static_cast<size_t>(b)].lengths);
+    }
+    const std::vector<int64_t> order = serpentine_order(bin_lengths);
+    std::vector<int64_t> reordered;
+    for (const int64_t i : order) reordered.push_back(step.local_bins[static_cast<size_t>(i)]);
+    step.local_bins = std::move(reordered);
+  }
+  return step;
+}
+
+Batch PackedSamples::batch(const PackedStep& step, const int64_t local) const {
+  const int64_t S = options_.seq_length;
+  Batch batch;
+  batch.B = 1;
+  batch.S = S;
+  batch.tokens_BS.assign(static_cast<size_t>(S), 0);
+  batch.labels_BS.assign(static_cast<size_t>(S), 0);
+  batch.loss_mask_BS.assign(static_cast<size_t>(S), 0.0f);
+  batch.position_ids_BS.assign(static_cast<size_t>(S), 0);
+  batch.document_ids_BS.assign(static_cast<size_t>(S), 0);
+  const int64_t b = step.local_bins.at(static_cast<size_t>(local));
+  if (b < 0) return batch;  // an empty (padding) bin: one padding document, nothing to predict
+  const PackedBin& bin = step.bins[static_cast<size_t>(b)];
+  const std::vector<int64_t> positions = bin_position_ids(bin, S);
+  std::copy(positions.begin(), positions.end(), batch.position_ids_BS.begin());
+  const auto samples = static_cast<int64_t>(bin.sample_ids.size());
+  for (int64_t i = 0; i < samples; ++i) {
+    const Sample sample = data_.sample(step.samples[static_cast<size_t>(bin.sample_ids[static_cast<size_t>(i)])]);
+    const int64_t offset = bin.offsets[static_cast<size_t>(i)], slot = bin.slot_lengths[static_cast<size_t>(i)];
+    const auto n = static_cast<int64_t>(sample.tokens.size());
+    for (int64_t j = 0; j < slot; ++j) {
+      const auto at = static_cast<size_t>(offset + j);
+      // A slot's alignment padding stays in its sample's document, after it (causal: no real token sees it).
+      batch.document_ids_BS[at] = static_cast<int32_t>(i);
+      if (j >= n) continue;
+      batch.tokens_BS[at] = sample.tokens[static_cast<size_t>(j)];
+      if (j + 1 < n) {
+        batch.labels_BS[at] = sample.tokens[static_cast<size_t>(j + 1)];
+        batch.loss_mask_BS[at] = static_cast<float>(sample.loss_mask[static_cast<size_t>(j + 1)]);
+      }
+    }
+  }
+  // The bin's tail after the last slot: a padding document of its own (Megatron's ghost sequence).
+  for (int64_t t = bin.padded_end(); t < S; ++t)
+    batch.document_ids_BS[static_cast<size_t>(t)] = static_cast<int32_t>(samples);
+  return batch;
+}
+
+}  // namespace moecore
