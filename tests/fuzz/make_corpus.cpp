@@ -180,6 +180,8 @@ void preprocess() {
       "{\"text\": \"1 2 3\", \"title\": \"4\"}\n{\"text\": \"5 6 7 8 9\", \"title\": \"10 11\"}\n");
   put("preprocess", "sentence_lists",
       "{\"text\": [\"1 2\", \"3\"], \"title\": [\"4\"]}\n{\"text\": [], \"title\": \"\"}\n");
+  put("preprocess", "id_lists",
+      "{\"text\": [1, 2, 3], \"title\": \"4\"}\n{\"text\": \"5 6\", \"title\": [7, 0, 1000]}\n");
   put("preprocess", "gpt2_text",
       "{\"text\": \"Hello, world! It's 2024 -- caf\\u00e9 \\ud83d\\ude00   spaces\\n\\ttabs\", \"title\": \"1\"}\n"
       "{\"text\": \"\\u4e2d\\u6587 and 's 're 've 'll 123456 x\", \"title\": \"2\"}\n");

@@ -1,6 +1,7 @@
 // `moecore preprocess` (Megatron's tools/preprocess_data.py): JSONL in, {prefix}_{key}_document.bin/.idx out,
 // read back with moecore::IndexedDataset. Expected ids: the tokenizer's tokenize(text) (itself tested against
-// GPT-2's published ids in tokenizer_gpt2_test) + eod, and a few published GPT-2 ids directly.
+// GPT-2's published ids in tokenizer_gpt2_test) + eod, a few published GPT-2 ids directly, and integer lists as
+// given.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moecore/cli/preprocess_command.h"
@@ -222,7 +224,9 @@ TEST_F(PreprocessTest, BadInputGivesOneLineErrors) {
   message = run_on({R"({"text": "1"})", R"({"body": "2"})"});
   EXPECT_NE(message.find("line 2: no key 'text'"), std::string::npos) << message;
   message = run_on({R"({"text": 5})"});
-  EXPECT_NE(message.find("line 1: key 'text' must be a string or a list of strings"), std::string::npos) << message;
+  EXPECT_NE(message.find("line 1: key 'text' must be a string, a list of strings or a list of integers, got number"),
+            std::string::npos)
+      << message;
   message = run_on({R"([1, 2])"});
   EXPECT_NE(message.find("line 1: expected a JSON object"), std::string::npos) << message;
   message = run_on({R"({"text": "1"})", R"({"text": "1 two"})"});
@@ -237,6 +241,112 @@ TEST_F(PreprocessTest, BadInputGivesOneLineErrors) {
   message = error_of(with(null_args, {"--input", (dir_ / "missing.jsonl").string()}));
   EXPECT_NE(message.find("cannot open --input"), std::string::npos) << message;
   EXPECT_NE(message.find("missing.jsonl"), std::string::npos) << message;
+}
+
+// Already tokenized documents (RL rollouts): a list of integers is written as is, one sequence per line, without
+// the tokenizer; an empty list is a document without sequences, as an empty list of strings is.
+TEST_F(PreprocessTest, IntegerListsRoundTrip) {
+  for (const int64_t vocab_size : {1000, 70000}) {  // u16, then int32 (Megatron's best_fitting_dtype)
+    std::mt19937 rng(static_cast<uint32_t>(vocab_size));
+    std::vector<std::string> lines;
+    std::vector<Document> expected_tokens;
+    std::vector<Document> expected_mask;
+    for (int d = 0; d < 300; ++d) {
+      Ids tokens(d == 7 ? 0 : 1 + rng() % 40);  // document 7: empty lists
+      for (int32_t& id : tokens) id = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab_size + 1));
+      if (d == 0) tokens = {0, static_cast<int32_t>(vocab_size)};  // the smallest id and the EOD id itself
+      Ids mask(tokens.size());
+      for (int32_t& bit : mask) bit = static_cast<int32_t>(rng() % 2);
+      lines.push_back(nlohmann::json({{"tokens", tokens}, {"loss_mask", mask}}).dump());
+      expected_tokens.push_back(tokens.empty() ? Document{} : Document{tokens});
+      expected_mask.push_back(mask.empty() ? Document{} : Document{mask});
+    }
+    PreprocessOptions options = parse_preprocess_args(
+        {"--input", write_input(lines), "--output-prefix", prefix(), "--tokenizer-type", "NullTokenizer",
+         "--vocab-size", std::to_string(vocab_size), "--workers", "3", "--json-keys", "tokens", "loss_mask"});
+    options.quiet = true;
+    const PreprocessStats stats = preprocess(options);
+    EXPECT_EQ(stats.documents, 300);
+    for (const std::string key : {"tokens", "loss_mask"}) {
+      EXPECT_EQ(IndexedDataset(prefix() + "_" + key + "_document").dtype(),
+                vocab_size < 65500 ? IndexedDType::kU16 : IndexedDType::kI32);
+    }
+    EXPECT_EQ(read_documents(prefix() + "_tokens_document"), expected_tokens) << "vocab " << vocab_size;
+    EXPECT_EQ(read_documents(prefix() + "_loss_mask_document"), expected_mask) << "vocab " << vocab_size;
+  }
+}
+
+// A line can hold tokenized text and ids side by side, and a key can be text on one line and ids on the next.
+TEST_F(PreprocessTest, TextAndIntegerKeysMix) {
+  const std::string input =
+      write_input({R"({"text": "7 8 9", "loss_mask": [0, 1, 1]})", R"({"text": [7, 8, 9], "loss_mask": [1]})",
+                   R"({"text": ["1", "2 3"], "loss_mask": []})"});
+  PreprocessOptions options =
+      parse_preprocess_args({"--input", input, "--output-prefix", prefix(), "--tokenizer-type", "NullTokenizer",
+                             "--vocab-size", "100", "--workers", "2", "--json-keys", "text", "loss_mask"});
+  options.quiet = true;
+  const PreprocessStats stats = preprocess(options);
+  EXPECT_EQ(stats.tokens_per_key, (std::vector<int64_t>{9, 4}));
+  EXPECT_EQ(read_documents(prefix() + "_text_document"),
+            (std::vector<Document>{{{7, 8, 9}}, {{7, 8, 9}}, {{1}, {2, 3}}}));
+  EXPECT_EQ(read_documents(prefix() + "_loss_mask_document"), (std::vector<Document>{{{0, 1, 1}}, {{1}}, {}}));
+}
+
+// --append-eod ends tokenized text only: ids are the sample as given.
+TEST_F(PreprocessTest, AppendEodLeavesIntegerKeysAlone) {
+  const std::string input = write_input(
+      {R"({"text": "7 8", "tokens": [7, 8]})", R"({"text": "5", "tokens": [5]})", R"({"text": [], "tokens": []})"});
+  const std::vector<std::string> base = {
+      "--input",      input, "--output-prefix", prefix(), "--tokenizer-type", "NullTokenizer",
+      "--vocab-size", "100", "--workers",       "1",      "--json-keys",      "text",
+      "tokens"};
+  for (const bool append_eod : {false, true}) {
+    PreprocessOptions options = parse_preprocess_args(append_eod ? with(base, {"--append-eod"}) : base);
+    options.quiet = true;
+    preprocess(options);
+    EXPECT_EQ(read_documents(prefix() + "_tokens_document"), (std::vector<Document>{{{7, 8}}, {{5}}, {}}))
+        << "--append-eod " << append_eod;
+    EXPECT_EQ(read_documents(prefix() + "_text_document"), append_eod
+                                                               ? (std::vector<Document>{{{7, 8, 100}}, {{5, 100}}, {}})
+                                                               : (std::vector<Document>{{{7, 8}}, {{5}}, {}}));
+  }
+}
+
+TEST_F(PreprocessTest, BadIntegerListsGiveOneLineErrors) {
+  // NullTokenizer --vocab-size 100: ids in [0, 101), 100 being the EOD.
+  const std::vector<std::string> null_args = {
+      "--output-prefix", prefix(), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+      "--workers",       "2",      "--json-keys",      "text",          "ids"};
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"([1, "2"])", "line 2: key 'ids': id list at index 1 holds a string, not an integer"},
+      {R"([1, 2.5])", "line 2: key 'ids': id list at index 1 holds 2.5, not an integer"},
+      {R"([1.0])", "line 2: key 'ids': id list at index 0 holds 1.0, not an integer"},
+      {R"([3, [4]])", "line 2: key 'ids': id list at index 1 holds an array, not an integer"},
+      {R"([3, true])", "line 2: key 'ids': id list at index 1 holds a boolean, not an integer"},
+      {R"([3, null])", "line 2: key 'ids': id list at index 1 holds a null, not an integer"},
+      {R"(["3", 4])",
+       "line 2: key 'ids' must be a string, a list of strings or a list of integers, got array holding a number at "
+       "index 1"},
+      {R"([0, -1])", "line 2: key 'ids': id -1 at index 1 is outside [0, 2^31)"},
+      {R"([2147483648])", "line 2: key 'ids': id 2147483648 at index 0 is outside [0, 2^31)"},
+      {R"([18446744073709551615])", "line 2: key 'ids': id 18446744073709551615 at index 0 is outside [0, 2^31)"},
+      {R"([99999999999999999999])", "line 2: key 'ids': id 1e+20 at index 0 is outside [0, 2^31)"},
+      {R"([-9223372036854775809])", "line 2: key 'ids': id -9.223372036854776e+18 at index 0 is outside [0, 2^31)"},
+      {R"([5, 101])", "line 2: key 'ids': id 101 at index 1 is not below the tokenizer's vocabulary size 101"},
+      {R"([2147483647])",
+       "line 2: key 'ids': id 2147483647 at index 0 is not below the tokenizer's vocabulary size 101"},
+  };
+  for (const auto& [ids, expected] : cases) {
+    const std::string input = write_input({R"({"text": "1", "ids": [1]})", R"({"text": "2", "ids": )" + ids + "}"});
+    const std::string message = error_of(with(null_args, {"--input", input}));
+    EXPECT_EQ(message, "--input " + input + " " + expected) << ids;
+    EXPECT_FALSE(any_output_left()) << "a failed run must not leave output files: " << ids;
+  }
+  EXPECT_EQ(error_of(with(null_args, {"--input", write_input({R"({"text": "1", "ids": [0, 100]})"})})), "no error");
+  // Empty lists everywhere: no tokens under the key, as for empty texts.
+  const std::string empty = error_of(
+      with(null_args, {"--input", write_input({R"({"text": "1", "ids": []})", R"({"text": "2", "ids": []})"})}));
+  EXPECT_NE(empty.find("the 2 documents hold no tokens under key 'ids'"), std::string::npos) << empty;
 }
 
 // Megatron writes an empty dataset for an empty input; moecore stops, since training on it could only fail later.

@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -23,13 +26,53 @@ namespace moecore {
 
 namespace {
 
-// Tokens of one JSON line: per key, the non-empty sequences of the document (one, or one per list element).
+// Tokens of one JSON line: per key, the non-empty sequences of the document (one, or one per list element of a
+// list of strings).
 struct EncodedLine {
   std::vector<std::vector<std::vector<int32_t>>> sequences_per_key;
   std::string error;  // non-empty: the problem with this line
 };
 
 std::string json_type_name(const nlohmann::json& value) { return value.type_name(); }
+
+// "a string", "an array".
+std::string json_type_with_article(const nlohmann::json& value) {
+  const std::string name = value.type_name();
+  return (name.front() == 'a' || name.front() == 'o' ? "an " : "a ") + name;
+}
+
+// A list whose first element is a number holds ids, already tokenized; anything else is text.
+bool is_id_list(const nlohmann::json& value) { return value.is_array() && !value.empty() && value.front().is_number(); }
+
+// The ids of an id list, checked one by one: integers in [0, 2^31), each below the tokenizer's vocabulary size
+// (the dataset is read with that tokenizer at training time). An empty string when they are valid, else the
+// problem.
+std::string read_ids(const nlohmann::json& list, const int64_t vocab_size, std::vector<int32_t>& ids) {
+  constexpr int64_t kIdLimit = int64_t{1} << 31;
+  constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+  ids.reserve(list.size());
+  for (size_t index = 0; index < list.size(); ++index) {
+    const nlohmann::json& element = list[index];
+    const std::string where = " at index " + std::to_string(index);
+    // nlohmann parses non-negative integers as unsigned, negative ones as signed, and integers beyond 64 bits
+    // as doubles: those are out of range rather than "not an integer".
+    const bool huge = element.is_number_float() && std::abs(element.get<double>()) >= 0x1p63;
+    if (!element.is_number_integer() && !huge) {
+      const std::string got = element.is_number() ? element.dump() : json_type_with_article(element);
+      return "id list" + where + " holds " + got + ", not an integer";
+    }
+    const bool above_int64 =
+        huge || (element.is_number_unsigned() && element.get<uint64_t>() > static_cast<uint64_t>(kInt64Max));
+    const int64_t id = above_int64 ? kInt64Max : element.get<int64_t>();  // saturated: out of range either way
+    if (id < 0 || id >= kIdLimit) return "id " + element.dump() + where + " is outside [0, 2^31)";
+    if (id >= vocab_size) {
+      return "id " + std::to_string(id) + where + " is not below the tokenizer's vocabulary size " +
+             std::to_string(vocab_size);
+    }
+    ids.push_back(static_cast<int32_t>(id));
+  }
+  return "";
+}
 
 // Megatron's Encoder.encode for one line.
 EncodedLine encode_line(const std::string& line, const PreprocessOptions& options, const Tokenizer& tokenizer) {
@@ -48,6 +91,7 @@ EncodedLine encode_line(const std::string& line, const PreprocessOptions& option
     return encoded;
   }
   encoded.sequences_per_key.resize(options.json_keys.size());
+  const int64_t vocab_size = tokenizer.vocab_size();
   for (size_t k = 0; k < options.json_keys.size(); ++k) {
     const std::string& key = options.json_keys[k];
     const auto it = document.find(key);
@@ -55,16 +99,31 @@ EncodedLine encode_line(const std::string& line, const PreprocessOptions& option
       encoded.error = "no key '" + key + "'";
       return encoded;
     }
+    auto& sequences = encoded.sequences_per_key[k];
+    if (is_id_list(*it)) {  // written as is: no tokenizer, no --append-eod
+      std::vector<int32_t> ids;
+      if (const std::string problem = read_ids(*it, vocab_size, ids); !problem.empty()) {
+        encoded.error = "key '" + key + "': " + problem;
+        return encoded;
+      }
+      sequences.push_back(std::move(ids));
+      continue;
+    }
     std::vector<const std::string*> sentences;
     if (it->is_string()) {
       sentences.push_back(it->get_ptr<const std::string*>());
     } else if (it->is_array() && std::all_of(it->begin(), it->end(), [](const auto& v) { return v.is_string(); })) {
       for (const auto& sentence : *it) sentences.push_back(sentence.get_ptr<const std::string*>());
     } else {
-      encoded.error = "key '" + key + "' must be a string or a list of strings, got " + json_type_name(*it);
+      encoded.error =
+          "key '" + key + "' must be a string, a list of strings or a list of integers, got " + json_type_name(*it);
+      if (it->is_array()) {
+        const auto not_string = std::find_if(it->begin(), it->end(), [](const auto& v) { return !v.is_string(); });
+        encoded.error += " holding " + json_type_with_article(*not_string) + " at index " +
+                         std::to_string(std::distance(it->begin(), not_string));
+      }
       return encoded;
     }
-    auto& sequences = encoded.sequences_per_key[k];
     try {
       for (const std::string* sentence : sentences) {
         std::vector<int32_t> ids = tokenizer.tokenize(*sentence);

@@ -2,6 +2,15 @@
 // line), tokenizes the text under each --json-keys key on --workers threads, and writes Megatron indexed
 // datasets {output_prefix}_{key}_document.bin/.idx, documents in input order. The command line is
 // cli/preprocess_command.h.
+//
+// Each key's value, per line:
+//  - a string: one sequence, tokenized; a list of strings: one sequence per non-empty element.
+//  - a list of integers (already tokenized, e.g. RL rollouts {"tokens": [5, 17, 3], "loss_mask": [0, 1, 1]};
+//    not in Megatron): one sequence written as is, without the tokenizer and without --append-eod's EOD. Each id
+//    must be an integer in [0, 2^31) and below the tokenizer's vocab_size(), since training reads the dataset
+//    with that tokenizer; the .bin dtype still follows that vocabulary (Megatron's best_fitting_dtype).
+//  - an empty list (of either kind), or text that tokenizes to nothing: a document with no sequences.
+// Keys of one line may mix these; each key gets its own dataset.
 #pragma once
 
 #include <cstdint>
@@ -35,7 +44,8 @@ struct PreprocessStats {
 };
 
 // Runs the conversion. Throws (one line) on unreadable input, malformed JSON (with its line number), a
-// missing key, text the tokenizer rejects, or an unwritable output.
+// missing key, text the tokenizer rejects, an invalid id in an integer list (with its line number and key), or
+// an unwritable output.
 PreprocessStats preprocess(const PreprocessOptions& options);
 
 }  // namespace moecore
