@@ -636,6 +636,9 @@ void finalize_sample_data(const TrainingArgs& args, const std::set<std::string>&
           "--sample-data-path needs --calculate-per-token-loss: bins hold different numbers of loss tokens (padding "
           "bins none), so the objective is the global token mean");
   require(args.eval_iters == 0, "--sample-data-path trains on every sample (no validation split): give --eval-iters 0");
+  // As --reset-position-ids: moecore restarts positions through the rotary embedding's position ids.
+  require(args.model.position_embedding_type == PositionEmbedding::kRope,
+          "--sample-data-path restarts the positions in every sample: it needs --position-embedding-type rope");
   for (const char* flag :
        {"--split", "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--mock-max-sequence-length"}) {
     require(!given.contains(flag), std::string(flag) +
