@@ -145,6 +145,28 @@ TEST(RoutingKernels, GivenSelectionGathersTheScoresAtIt) {
                                       given);
     EXPECT_EQ(replayed, chosen) << v.name << ": the given selection is left as it is";
     EXPECT_EQ(replayed_probs, probs) << v.name << ": its own selection replays bit for bit";
+    // Rows without a record (first entry negative) select from the scores: every third row here.
+    std::vector<int32_t> partly(nk, 0);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t i = 0; i < v.k; ++i) partly[static_cast<size_t>(t * v.k + i)] = t % 3 == 0 ? -1 : v.k - 1 - i;
+    }
+    std::vector<double> partly_probs(nk), partly_ref_probs(nk);
+    std::vector<int32_t> partly_ref = partly;
+    cpu::topk_routing_forward<double>(partly.data(), partly_probs.data(), logits.data(), bias_E, nullptr, n, E, v.k,
+                                      given);
+    ref::topk_routing_forward<double>(partly_ref.data(), partly_ref_probs.data(), logits.data(), bias_E, nullptr, n, E,
+                                      v.k, given);
+    EXPECT_EQ(partly, partly_ref) << v.name;
+    EXPECT_EQ(partly_probs, partly_ref_probs) << v.name;
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t i = 0; i < v.k; ++i) {
+        const auto at = static_cast<size_t>(t * v.k + i);
+        EXPECT_EQ(partly[at], t % 3 == 0 ? chosen[at] : static_cast<int32_t>(v.k - 1 - i)) << v.name << " row " << t;
+        if (t % 3 == 0) {
+          EXPECT_EQ(partly_probs[at], probs[at]) << v.name << " row " << t;
+        }
+      }
+    }
 
     std::vector<int32_t> other(nk);
     for (int64_t t = 0; t < n; ++t) {

@@ -648,7 +648,6 @@ void finalize_sample_data(const TrainingArgs& args, const std::set<std::string>&
   require(args.virtual_pipeline_model_parallel_size == 1,
           "--sample-data-path with virtual pipeline stages is not implemented (the number of micro-batches follows "
           "the packing)");
-  require(args.moe_routing_replay_file.empty(), "--moe-routing-replay-file with --sample-data-path is not implemented");
 }
 
 void finalize_data(TrainingArgs& args, const std::set<std::string>& given) {

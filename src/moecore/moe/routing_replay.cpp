@@ -73,10 +73,14 @@ Tensor RoutingReplayBatch::local_selection(const int64_t router, const TokenRows
   return selected_TK;
 }
 
-RoutingReplaySource::RoutingReplaySource(const std::string& path, const ModelConfig& config)
+RoutingReplaySource::RoutingReplaySource(const std::string& path, const ModelConfig& config, const bool whole_samples)
     : path_(path), S_(config.seq_length), recording_(read_routing_recording(path)) {
   if (const std::string mismatch = model_mismatch(recording_, config); !mismatch.empty()) {
     throw ConfigError("routing recording " + path + ": " + mismatch);
+  }
+  if (whole_samples) {
+    for (size_t i = 0; i < recording_.records.size(); ++i) by_tokens_.emplace(fnv1a(recording_.records[i].tokens), i);
+    return;
   }
   for (size_t i = 0; i < recording_.records.size(); ++i) {
     const RoutingRecord& record = recording_.records[i];
@@ -96,6 +100,21 @@ const RoutingRecord* RoutingReplaySource::find(const std::span<const int32_t> to
   for (auto it = begin; it != end; ++it) {
     const RoutingRecord& record = recording_.records[it->second];
     if (!std::equal(tokens_S.begin(), tokens_S.end(), record.tokens.begin())) continue;
+    if (first == nullptr || it->second < first_index) {
+      first = &record;
+      first_index = it->second;
+    }
+  }
+  return first;
+}
+
+const RoutingRecord* RoutingReplaySource::find_sample(const std::span<const int32_t> tokens) const {
+  const auto [begin, end] = by_tokens_.equal_range(fnv1a(tokens));
+  const RoutingRecord* first = nullptr;
+  size_t first_index = 0;
+  for (auto it = begin; it != end; ++it) {
+    const RoutingRecord& record = recording_.records[it->second];
+    if (!std::equal(tokens.begin(), tokens.end(), record.tokens.begin(), record.tokens.end())) continue;
     if (first == nullptr || it->second < first_index) {
       first = &record;
       first_index = it->second;

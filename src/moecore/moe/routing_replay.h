@@ -39,13 +39,16 @@ struct RoutingReplayBatch {
   Tensor local_selection(int64_t router, const TokenRows& rows, int64_t T) const;
 };
 
-// A recording indexed for training samples of S input tokens: sample x (x_0 .. x_{S-1}) replays the first record
-// (in file order) whose first S tokens are x and which has routing for at least S of them.
+// A recording indexed for training samples. Fixed-length samples of S input tokens: sample x (x_0 .. x_{S-1}) replays
+// the first record (in file order) whose first S tokens are x and which has routing for at least S of them. Whole
+// samples (--sample-data-path): a sample replays the first record whose tokens are exactly the sample's (RL: the
+// rollout as the inference engine generated it); its positions the record did not route (the last token, never fed
+// in inference) select from the scores.
 class RoutingReplaySource {
  public:
   // Reads `path` and checks it against the model: the same MoE layers, top-k and experts. ConfigError (one line)
   // otherwise.
-  RoutingReplaySource(const std::string& path, const ModelConfig& config);
+  RoutingReplaySource(const std::string& path, const ModelConfig& config, bool whole_samples = false);
 
   // The table of a micro-batch of B samples (tokens_BS sample-major, S each). ConfigError naming the first sample
   // without a record (its index `first_sample` + b in the training samples).
@@ -54,6 +57,10 @@ class RoutingReplaySource {
   std::string missing(std::span<const int32_t> tokens_BS, int64_t B, int64_t first_sample) const;
 
   int64_t num_records() const { return static_cast<int64_t>(recording_.records.size()); }
+  const RoutingRecording& recording() const { return recording_; }
+  const std::string& path() const { return path_; }
+  // Whole samples: the record of exactly these tokens (null: none).
+  const RoutingRecord* find_sample(std::span<const int32_t> tokens) const;
 
  private:
   const RoutingRecord* find(std::span<const int32_t> tokens_S) const;
@@ -62,6 +69,7 @@ class RoutingReplaySource {
   int64_t S_ = 0;
   RoutingRecording recording_;
   std::unordered_multimap<uint64_t, size_t> by_prefix_;  // FNV-1a of a record's first S tokens -> record
+  std::unordered_multimap<uint64_t, size_t> by_tokens_;  // whole samples: FNV-1a of a record's tokens -> record
 };
 
 // `moecore generate --record-routing`: one sequence's routing as the model's forwards produce it. Before each forward

@@ -81,6 +81,7 @@ void topk_routing_forward(Tensor& idx_TK, Tensor& probs_TK, const Tensor& logits
   if (spec.given_selection && idx_TK.device() == Device::kCPU) {
     const int32_t* ids = ptr<int32_t>(idx_TK);
     for (int64_t t = 0; t < n; ++t) {
+      if (ids[t * k] < 0) continue;  // not recorded: selected from the scores
       for (int64_t i = 0; i < k; ++i) {
         const int32_t e = ids[t * k + i];
         if (e < 0 || e >= E)

@@ -18,7 +18,8 @@ using kernels::TopkRoutingSpec;
 
 // idx_TK, probs_TK [n, k] (overwritten) from logits_TE; bias_E (fp32 [E], nullable) steers the selection only;
 // select_TE (nullable, sinkhorn) is what the selection ranks. With spec.given_selection idx_TK is an input (router
-// replay; std::invalid_argument for an expert outside [0, E) or named twice in a row) and only probs_TK is written.
+// replay; std::invalid_argument for an expert outside [0, E) or named twice in a row) and only probs_TK is written,
+// but for rows whose first expert is negative (not recorded), which select from the scores as without it.
 void topk_routing_forward(Tensor& idx_TK, Tensor& probs_TK, const Tensor& logits_TE, const Tensor* bias_E,
                           const Tensor* select_TE, const TopkRoutingSpec& spec);
 // dlogits_TE += d/d logits of <probs_TE, dprobs_TE>, probs_TE the selection's probs where map_TE (nullable: all

@@ -92,6 +92,39 @@ PackedStep PackedSamples::step(const int64_t consumed, const int64_t global_batc
   return step;
 }
 
+std::string PackedSamples::replay_missing(const PackedStep& step, const RoutingReplaySource& replay) const {
+  for (const int64_t index : step.samples) {
+    if (replay.find_sample(data_.sample(index).tokens) == nullptr) {
+      return "routing recording " + replay.path() + " has no record of sample " + std::to_string(index) + " of " +
+             data_.path() + " (no record holds exactly its " + std::to_string(data_.length(index)) + " tokens)";
+    }
+  }
+  return "";
+}
+
+RoutingReplayBatch PackedSamples::replay_batch(const PackedStep& step, const int64_t local,
+                                               const RoutingReplaySource& replay) const {
+  const RoutingRecording& recording = replay.recording();
+  RoutingReplayBatch table;
+  table.S = options_.seq_length;
+  table.B = 1;
+  table.routers = recording.num_routers();
+  table.topk = recording.topk;
+  const int64_t per_token = table.routers * table.topk;
+  table.experts.assign(static_cast<size_t>(table.S * per_token), -1);
+  const int64_t b = step.local_bins.at(static_cast<size_t>(local));
+  if (b < 0) return table;
+  const PackedBin& bin = step.bins[static_cast<size_t>(b)];
+  for (size_t i = 0; i < bin.sample_ids.size(); ++i) {
+    const Sample sample = data_.sample(step.samples[static_cast<size_t>(bin.sample_ids[i])]);
+    const RoutingRecord* record = replay.find_sample(sample.tokens);
+    if (record == nullptr) throw ConfigError(replay_missing(step, replay));
+    const int64_t routed = std::min<int64_t>(record->routed, static_cast<int64_t>(sample.tokens.size()));
+    std::copy_n(record->experts.begin(), routed * per_token, table.experts.begin() + bin.offsets[i] * per_token);
+  }
+  return table;
+}
+
 Batch PackedSamples::batch(const PackedStep& step, const int64_t local) const {
   const int64_t S = options_.seq_length;
   Batch batch;

@@ -19,6 +19,7 @@
 #include "moecore/data/data_loader.h"
 #include "moecore/data/sample_dataset.h"
 #include "moecore/data/sequence_packing.h"
+#include "moecore/moe/routing_replay.h"
 
 namespace moecore {
 
@@ -57,6 +58,12 @@ class PackedSamples {
   PackedStep step(int64_t consumed, int64_t global_batch, int dp_size, int dp_rank) const;
   // The micro-batch (B = 1, S = seq_length) of local bin `local` of `step`.
   Batch batch(const PackedStep& step, int64_t local) const;
+
+  // Router replay (moe/routing_replay.h): "" when every sample of `step` has a record, else the one-line reason; and
+  // the table of local bin `local`: each sample's recorded experts at its positions, -1 (the router's own choice)
+  // wherever the record has none: a sample's last token, slot and tail padding, an empty bin.
+  std::string replay_missing(const PackedStep& step, const RoutingReplaySource& replay) const;
+  RoutingReplayBatch replay_batch(const PackedStep& step, int64_t local, const RoutingReplaySource& replay) const;
 
   // The dataset index of training sample k (the epoch's shuffle).
   int64_t sample_index(int64_t k) const;

@@ -74,7 +74,15 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   // Router replay: every rank looks up the whole global batch, so a sample without a record stops all ranks alike;
   // then each of this rank's micro-batches gets its table.
   std::vector<RoutingReplayBatch> replay_tables;
-  if (modules.routing_replay != nullptr) {
+  if (modules.routing_replay != nullptr && packed) {
+    if (const std::string problem = modules.packed_samples->replay_missing(*packed, *modules.routing_replay);
+        !problem.empty()) {
+      throw ConfigError(problem);
+    }
+    for (int64_t m = 0; m < static_cast<int64_t>(mine.size()); ++m) {
+      replay_tables.push_back(modules.packed_samples->replay_batch(*packed, m, *modules.routing_replay));
+    }
+  } else if (modules.routing_replay != nullptr) {
     const int64_t mbs = args.micro_batch_size;
     std::string missing;
     for (int64_t m = 0; m < num_microbatches && missing.empty(); ++m) {

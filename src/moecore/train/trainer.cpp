@@ -182,7 +182,7 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
   // Router replay: every rank reads the recording (a bad one fails them all alike).
   std::optional<RoutingReplaySource> routing_replay;
   if (!run_args.moe_routing_replay_file.empty()) {
-    routing_replay.emplace(run_args.moe_routing_replay_file, run_args.model);
+    routing_replay.emplace(run_args.moe_routing_replay_file, run_args.model, !run_args.sample_data_path.empty());
     log << "> router replay: " << routing_replay->num_records() << " recorded sequences from "
         << run_args.moe_routing_replay_file << std::endl;
   }

@@ -168,10 +168,11 @@ void sinkhorn_token(int64_t* idx_K, double* p_K, const double* l_E, const T* sel
 
 // One token of Megatron's topk_routing_with_score_function (unfused path).
 void score_function_token(int64_t* idx_K, double* p_K, const double* l_E, const float* bias_E, const int64_t E,
-                          const int64_t k, const TopkRoutingSpec& spec, double* scores_E, double* route_E) {
+                          const int64_t k, const TopkRoutingSpec& spec, double* scores_E, double* route_E,
+                          const bool given) {
   const bool fp32 = spec.fp32_scores;
   auto select = [&](const double* values_E) {
-    if (spec.given_selection) return;  // idx_K holds the replayed experts
+    if (given) return;  // idx_K holds the replayed experts
     if (spec.group_topk > 0) {
       group_limited_topk(idx_K, values_E, E, k, spec.num_groups, spec.group_topk);
     } else {
@@ -221,15 +222,16 @@ void topk_routing_forward(int32_t* idx_TK, T* probs_TK, const T* logits_TE, cons
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < n; ++t) {
       load_row(s.l_E.data(), logits_TE + t * E, E);
-      if (spec.given_selection) {
+      const bool given = spec.given_selection && idx_TK[t * k] >= 0;
+      if (given) {
         for (int64_t i = 0; i < k; ++i) s.idx_K[static_cast<size_t>(i)] = idx_TK[t * k + i];
       }
       if (spec.sinkhorn) {
         sinkhorn_token(s.idx_K.data(), s.p_K.data(), s.l_E.data(), select_TE != nullptr ? select_TE + t * E : nullptr,
                        E, k, spec.fp32_scores, s.a_E.data(), s.b_E.data());
       } else {
-        score_function_token(s.idx_K.data(), s.p_K.data(), s.l_E.data(), bias_E, E, k, spec, s.a_E.data(),
-                             s.b_E.data());
+        score_function_token(s.idx_K.data(), s.p_K.data(), s.l_E.data(), bias_E, E, k, spec, s.a_E.data(), s.b_E.data(),
+                             given);
       }
       for (int64_t i = 0; i < k; ++i) {
         idx_TK[t * k + i] = static_cast<int32_t>(s.idx_K[static_cast<size_t>(i)]);

@@ -24,7 +24,8 @@ struct TopkRoutingSpec {
   bool fp32_scores = true;      // scores rounded to fp32 as Megatron (false: in T, e.g. for finite differences)
   // Router replay (Megatron's RouterReplay REPLAY_FORWARD / REPLAY_BACKWARD): idx_TK holds each token's k experts on
   // entry and the selection is skipped; the probabilities are gathered from the scores at them and normalised and
-  // scaled as usual. Not with sinkhorn (Megatron's sinkhorn selection bypasses the replay).
+  // scaled as usual. A row whose first entry is negative has no recorded experts: it selects as without replay. Not
+  // with sinkhorn (Megatron's sinkhorn selection bypasses the replay).
   bool given_selection = false;
 };
 

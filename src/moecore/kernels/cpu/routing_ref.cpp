@@ -114,7 +114,7 @@ void topk_routing_forward(int32_t* idx_TK, T* probs_TK, const T* logits_TE, cons
         for (int64_t e = 0; e < E; ++e) ranked[static_cast<size_t>(e)] += static_cast<double>(bias_E[e]);
         ranked = rounded(ranked, fp32);
       }
-      if (spec.given_selection) {
+      if (spec.given_selection && idx_TK[t * k] >= 0) {
         idx.assign(idx_TK + t * k, idx_TK + (t + 1) * k);
       } else {
         idx = spec.group_topk > 0 ? group_limited_topk(ranked, k, spec.num_groups, spec.group_topk) : topk(ranked, k);
