@@ -293,6 +293,11 @@ moecore_equiv(samples_packed_pp2_serpentine samples 2 --rl-use-sequence-packing 
               --rl-microbatch-order serpentine)
 moecore_equiv(samples_packed_ep2 samples 2 --rl-use-sequence-packing --expert-model-parallel-size 2
               --moe-token-dispatcher-type alltoall)
+# Dynamic context parallelism (Megatron's BalancedCPScheduler) on 4 ranks: samples of up to 16 tokens with at most 4
+# per rank run on groups of 1, 2 and 4 ranks; as DP4 and as DP2 x CP2.
+moecore_equiv(samples_hybrid_cp_dp4 samples 4 --hybrid-context-parallel --max-seqlen-per-dp-cp-rank 4)
+moecore_equiv(samples_hybrid_cp_dp2_cp2 samples 4 --hybrid-context-parallel --max-seqlen-per-dp-cp-rank 4
+              --context-parallel-size 2)
 # Megatron's EP all-to-all overlap (combined 1F1B, weight gradients delayed) against one process.
 moecore_equiv(bf16_ep2_overlap bf16 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
               --overlap-moe-expert-parallel-comm --delay-wgrad-compute)

@@ -1514,7 +1514,7 @@ TEST(TrainArguments, WholeSampleDataAndPacking) {
     if (word != "--mock-data") samples.push_back(word);
   }
   samples = with(samples, {"--sample-data-path", "s.jsonl", "--micro-batch-size", "1", "--calculate-per-token-loss",
-                           "--eval-iters", "0"});
+                           "--eval-iters", "0", "--position-embedding-type", "rope"});
   const TrainingArgs args = parse_train_args(with(samples, {"--rl-use-sequence-packing", "--rl-sequence-packing-algo",
                                                             "round-robin", "--rl-microbatch-order", "serpentine"}));
   EXPECT_EQ(args.sample_data_path, "s.jsonl");
@@ -1544,6 +1544,36 @@ TEST(TrainArguments, WholeSampleDataAndPacking) {
             "bins none), so the objective is the global token mean");
   EXPECT_EQ(error_of(with(samples, {"--rl-use-sequence-packing", "--rl-sequence-packing-algo", "lifo"})),
             "invalid value 'lifo' for --rl-sequence-packing-algo (choose from fifo, round-robin)");
+}
+
+TEST(TrainArguments, HybridContextParallel) {
+  Args samples;
+  for (const std::string& word : minimal_moe()) {
+    if (word != "--mock-data") samples.push_back(word);
+  }
+  samples = with(samples, {"--sample-data-path", "s.jsonl", "--micro-batch-size", "1", "--calculate-per-token-loss",
+                           "--eval-iters", "0", "--position-embedding-type", "rope", "--moe-router-load-balancing-type",
+                           "none", "--moe-aux-loss-coeff", "0"});
+  const Args hybrid = with(samples, {"--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank", "64"});
+  const TrainingArgs args = parse_train_args(hybrid, 4);
+  EXPECT_TRUE(args.hybrid_context_parallel);
+  EXPECT_EQ(args.max_seqlen_per_dp_cp_rank, 64);
+  EXPECT_EQ(error_of(with(samples, {"--hybrid-context-parallel"}), 4),
+            "--hybrid-context-parallel needs --max-seqlen-per-dp-cp-rank N (N > 0)");
+  EXPECT_EQ(error_of(with(samples, {"--max-seqlen-per-dp-cp-rank", "8"}), 4),
+            "--max-seqlen-per-dp-cp-rank requires --hybrid-context-parallel");
+  EXPECT_EQ(error_of(with(hybrid, {"--pipeline-model-parallel-size", "2"}), 4),
+            "Hybrid context parallelism not supported with pipeline parallelism");
+  EXPECT_EQ(error_of(hybrid, 3),
+            "--hybrid-context-parallel needs a power-of-two number of data- and context-parallel ranks (got 3)");
+  EXPECT_EQ(error_of(with(hybrid, {"--tensor-model-parallel-size", "2", "--disable-bias-linear"}), 4),
+            "--hybrid-context-parallel with tensor or expert parallelism is not implemented");
+  EXPECT_EQ(error_of(with(hybrid, {"--rl-use-sequence-packing"}), 4),
+            "--hybrid-context-parallel schedules each sample on its own group: drop --rl-use-sequence-packing and "
+            "--rl-microbatch-order");
+  EXPECT_EQ(error_of(with(hybrid, {"--moe-z-loss-coeff", "0.001"}), 4),
+            "--hybrid-context-parallel with MoE balancing or z losses is not implemented (they reduce over the "
+            "layout's context-parallel group): use --moe-router-load-balancing-type none and no --moe-z-loss-coeff");
 }
 
 TEST(TrainArguments, PerTokenLoss) {

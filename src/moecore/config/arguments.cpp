@@ -371,6 +371,13 @@ const std::vector<TrainFlag>& flag_table() {
      "moecore: the order each rank runs its bins in: packing (as dealt, the default) or serpentine (small-large-small "
      "by the sum of squared sample lengths, the report's attention-cost order)",
      [](TrainingArgs& a, const FlagValue& v) { a.rl_microbatch_order = v.choice({"packing", "serpentine"}); }},
+    {"--hybrid-context-parallel", Arity::kSwitch, "",
+     "Megatron's dynamic context parallelism: each whole sample (--sample-data-path) runs on the smallest "
+     "power-of-two group of the data- and context-parallel ranks that holds it, groups balanced by sum L^2 / cp",
+     [](TrainingArgs& a, const FlagValue&) { a.hybrid_context_parallel = true; }},
+    {"--max-seqlen-per-dp-cp-rank", Arity::kOne, "N",
+     "with --hybrid-context-parallel: the most tokens of a sample one rank holds",
+     [](TrainingArgs& a, const FlagValue& v) { a.max_seqlen_per_dp_cp_rank = v.integer_up_to(int64_t{1} << 30); }},
     {"--split", Arity::kOne, "A,B,C", "train,valid,test proportions (default 969, 30, 1)",
      [](TrainingArgs& a, const FlagValue& v) { a.split = v.text(); }},
     {"--data-cache-path", Arity::kOne, "DIR", "directory for the cached dataset indices",

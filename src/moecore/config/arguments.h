@@ -161,6 +161,10 @@ struct TrainingArgs {
   int64_t rl_sequence_packing_max_sequences_per_bin = 50;
   std::string rl_sequence_packing_algo = "fifo";
   std::string rl_microbatch_order = "packing";
+  // Dynamic context parallelism (Megatron's --hybrid-context-parallel, --max-seqlen-per-dp-cp-rank; train_step.cpp):
+  // each whole sample runs on the smallest power-of-two group of the DP x CP ranks that holds it.
+  bool hybrid_context_parallel = false;
+  int64_t max_seqlen_per_dp_cp_rank = 0;
   int64_t mock_max_sequence_length = 4096;  // --mock-max-sequence-length (moecore): mock documents' longest length
   std::string split;                        // --split, e.g. "969, 30, 1" (empty with --mock-data and no --split)
   std::string data_cache_path;              // --data-cache-path (empty = none)

@@ -650,6 +650,41 @@ void finalize_sample_data(const TrainingArgs& args, const std::set<std::string>&
           "the packing)");
 }
 
+// Megatron's checks on --hybrid-context-parallel (arguments.py validate_args: PP 1, no Megatron-FSDP, per-token loss,
+// not with MLA) and moecore's: whole samples scheduled unpacked, no TP / EP (their collectives would span ranks that
+// run different samples), no balancing losses (reduced over the layout's CP group), no MTP, no gradient overlap.
+void finalize_hybrid_context_parallel(const TrainingArgs& args, const std::set<std::string>& given) {
+  require(args.hybrid_context_parallel || !given.contains("--max-seqlen-per-dp-cp-rank"),
+          "--max-seqlen-per-dp-cp-rank requires --hybrid-context-parallel");
+  if (!args.hybrid_context_parallel) return;
+  require(args.max_seqlen_per_dp_cp_rank > 0, "--hybrid-context-parallel needs --max-seqlen-per-dp-cp-rank N (N > 0)");
+  require(args.parallel.pipeline_model_parallel_size == 1,
+          "Hybrid context parallelism not supported with pipeline parallelism");
+  require(!args.use_megatron_fsdp, "Hybrid context parallelism not supported with Megatron FSDP");
+  require(args.calculate_per_token_loss, "Hybrid context parallelism must be used with --calculate-per-token-loss");
+  require(!args.model.mla, "Hybrid context parallelism is not supported with multi-latent attention");
+  require(!args.sample_data_path.empty(),
+          "--hybrid-context-parallel schedules whole samples: it needs --sample-data-path");
+  require(!args.rl_use_sequence_packing && args.rl_microbatch_order == "packing",
+          "--hybrid-context-parallel schedules each sample on its own group: drop --rl-use-sequence-packing and "
+          "--rl-microbatch-order");
+  const ParallelSizes& sizes = args.parallel;
+  const int64_t ranks = sizes.world_size / (sizes.tensor_model_parallel_size * sizes.pipeline_model_parallel_size);
+  require(ranks > 0 && (ranks & (ranks - 1)) == 0,
+          "--hybrid-context-parallel needs a power-of-two number of data- and context-parallel ranks (got " +
+              str(ranks) + ")");
+  require(args.parallel.tensor_model_parallel_size == 1 && args.parallel.expert_model_parallel_size == 1 &&
+              args.parallel.expert_tensor_parallel() == 1,
+          "--hybrid-context-parallel with tensor or expert parallelism is not implemented");
+  const bool losses_off = !aux_losses_on(args.model.moe) && args.model.moe.z_loss_coeff == 0.0;
+  require(!args.model.moe.enabled() || losses_off,
+          "--hybrid-context-parallel with MoE balancing or z losses is not implemented (they reduce over the "
+          "layout's context-parallel group): use --moe-router-load-balancing-type none and no --moe-z-loss-coeff");
+  require(args.model.mtp_num_layers == 0, "--hybrid-context-parallel with --mtp-num-layers is not implemented");
+  require(!args.overlap_grad_reduce, "--hybrid-context-parallel with --overlap-grad-reduce is not implemented");
+  require(args.moe_routing_replay_file.empty(), "--hybrid-context-parallel with router replay is not implemented");
+}
+
 void finalize_data(TrainingArgs& args, const std::set<std::string>& given) {
   const bool has_path = given.contains("--data-path");
   finalize_sample_data(args, given);
@@ -938,6 +973,7 @@ void finalize_train_args(TrainingArgs& args, const std::set<std::string>& given)
   finalize_ep_overlap(args);
   finalize_per_token_loss(args);
   finalize_routing_replay(args);
+  finalize_hybrid_context_parallel(args, given);
 }
 
 }  // namespace moecore::detail

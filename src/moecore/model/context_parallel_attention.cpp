@@ -336,8 +336,9 @@ void cp_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, co
 
 void context_parallel_attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, const Tensor& k_SBGd,
                                         const Tensor& v_SBGd, ops::AttentionDims dims, const ops::DropoutSpec& dropout,
-                                        const SequenceInfo& seq, const parallel::ProcessGroup& cp,
+                                        const SequenceInfo& seq, const parallel::ProcessGroup& layer_cp,
                                         const CpCommType type) {
+  const parallel::ProcessGroup& cp = seq.cp_group != nullptr ? *seq.cp_group : layer_cp;
   if (cp.size() == 1) {
     ops::attention_forward(out_SBNd, lse_BNS, q_SBNd, k_SBGd, v_SBGd, whole(seq).apply_to(dims, seq.S), dropout);
     return;
@@ -351,7 +352,8 @@ void context_parallel_attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tenso
                                          const Tensor& q_SBNd, const Tensor& k_SBGd, const Tensor& v_SBGd,
                                          const Tensor& out_SBNd, const Tensor& lse_BNS, ops::AttentionDims dims,
                                          const ops::DropoutSpec& dropout, const SequenceInfo& seq,
-                                         const parallel::ProcessGroup& cp, const CpCommType type) {
+                                         const parallel::ProcessGroup& layer_cp, const CpCommType type) {
+  const parallel::ProcessGroup& cp = seq.cp_group != nullptr ? *seq.cp_group : layer_cp;
   if (cp.size() == 1) {
     ops::attention_backward(dq_SBNd, dk_SBGd, dv_SBGd, dout_SBNd, q_SBNd, k_SBGd, v_SBGd, out_SBNd, lse_BNS,
                             whole(seq).apply_to(dims, seq.S), dropout);

@@ -364,7 +364,9 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
     throw std::invalid_argument("sequence length " + std::to_string(S) + " exceeds --max-position-embeddings");
   }
   Modules& m = *modules_;
-  const int cp = parallel_.cp_size();
+  const parallel::ProcessGroup& cp_group =
+      options.context_parallel != nullptr ? *options.context_parallel : parallel_.cp;
+  const int cp = cp_group.size();
   if (cp > 1 && S % (2 * cp) != 0) {
     throw std::invalid_argument("sequence length " + std::to_string(S) + " is not divisible by 2 x the CP size");
   }
@@ -380,14 +382,15 @@ double GPTModel::forward(std::unique_ptr<MicroBatchContext>& ctx_out, const int3
   const size_t first = chunk_first_module_[static_cast<size_t>(options.chunk)];
   const size_t count = chunk_first_module_[static_cast<size_t>(options.chunk) + 1] - first;
   auto ctx = make_context(tokens_BS, labels_BS, loss_mask_BS, B, S,
-                          TokenRows::context_parallel(S, B, parallel_.cp_rank(), parallel_.cp_size()), options);
+                          TokenRows::context_parallel(S, B, cp_group.rank(), cp), options);
   ctx->chunk = options.chunk;
   if (options.loss_tokens != nullptr) *options.loss_tokens = ctx->loss_tokens;
   SequenceInfo& sequence = ctx->sequence;
   sequence.S = S;
   sequence.B = B;
-  sequence.cp_rank = parallel_.cp_rank();
+  sequence.cp_rank = cp_group.rank();
   sequence.cp_size = cp;
+  if (options.context_parallel != nullptr) sequence.cp_group = options.context_parallel;
   sequence.positions_SB.resize(static_cast<size_t>(S_local * B));
   for (const TokenRows::Run& run : ctx->rows.runs()) {
     for (int64_t i = 0; i < run.count; ++i) {

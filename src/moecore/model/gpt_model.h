@@ -79,6 +79,9 @@ struct ForwardOptions {
   // Router replay (moe/routing_replay.h): the micro-batch's recorded routing of the decoder's MoE routers; null: the
   // routers choose. Not applied to Multi-Token Prediction depths.
   const RoutingReplayBatch* routing_replay = nullptr;
+  // Dynamic context parallelism (--hybrid-context-parallel): the group that shares this micro-batch's sequence, in
+  // place of the layout's context-parallel group (null: the layout's).
+  const parallel::ProcessGroup* context_parallel = nullptr;
 };
 
 class GPTModel {

@@ -7,12 +7,17 @@
 #include <cstdint>
 #include <vector>
 
+#include "moecore/parallel/process_group.h"
+
 namespace moecore {
 
 struct SequenceInfo {
   int64_t S = 0;  // the whole sequence
   int64_t B = 0;
   int cp_rank = 0, cp_size = 1;
+  // Dynamic context parallelism (--hybrid-context-parallel): this micro-batch's context-parallel group, in place of the
+  // layers' own (null: theirs).
+  const parallel::ProcessGroup* cp_group = nullptr;
   std::vector<int64_t> positions_SB;  // the rotary position of every local row (s, b) [S / CP, B]
   std::vector<int32_t> documents_BS;  // the whole micro-batch's document ids [B, S]; empty: one document per sample
 

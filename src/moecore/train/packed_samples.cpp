@@ -125,6 +125,35 @@ RoutingReplayBatch PackedSamples::replay_batch(const PackedStep& step, const int
   return table;
 }
 
+std::vector<int64_t> PackedSamples::step_samples(const int64_t consumed, const int64_t global_batch) const {
+  return step(consumed, global_batch, 1, 0).samples;
+}
+
+Batch PackedSamples::sample_batch(const int64_t index, const int64_t length) const {
+  const Sample sample = data_.sample(index);
+  const auto n = static_cast<int64_t>(sample.tokens.size());
+  if (length < n) throw std::invalid_argument("a sample's micro-batch is shorter than the sample");
+  Batch batch;
+  batch.B = 1;
+  batch.S = length;
+  batch.tokens_BS.assign(static_cast<size_t>(length), 0);
+  batch.labels_BS.assign(static_cast<size_t>(length), 0);
+  batch.loss_mask_BS.assign(static_cast<size_t>(length), 0.0f);
+  batch.position_ids_BS.assign(static_cast<size_t>(length), 0);
+  batch.document_ids_BS.assign(static_cast<size_t>(length), 1);
+  for (int64_t j = 0; j < n; ++j) {
+    const auto at = static_cast<size_t>(j);
+    batch.tokens_BS[at] = sample.tokens[at];
+    batch.position_ids_BS[at] = j;
+    batch.document_ids_BS[at] = 0;
+    if (j + 1 < n) {
+      batch.labels_BS[at] = sample.tokens[at + 1];
+      batch.loss_mask_BS[at] = static_cast<float>(sample.loss_mask[at + 1]);
+    }
+  }
+  return batch;
+}
+
 Batch PackedSamples::batch(const PackedStep& step, const int64_t local) const {
   const int64_t S = options_.seq_length;
   Batch batch;

@@ -65,6 +65,13 @@ class PackedSamples {
   std::string replay_missing(const PackedStep& step, const RoutingReplaySource& replay) const;
   RoutingReplayBatch replay_batch(const PackedStep& step, int64_t local, const RoutingReplaySource& replay) const;
 
+  // Dynamic context parallelism (--hybrid-context-parallel): the dataset indices of training samples [consumed,
+  // consumed + global_batch), and one sample as a micro-batch of its own (B = 1) padded to `length` tokens (its
+  // positions 0..n-1, the padding a second document that predicts nothing).
+  std::vector<int64_t> step_samples(int64_t consumed, int64_t global_batch) const;
+  Batch sample_batch(int64_t index, int64_t length) const;
+  int64_t sample_length(int64_t index) const { return data_.length(index); }
+
   // The dataset index of training sample k (the epoch's shuffle).
   int64_t sample_index(int64_t k) const;
 

@@ -1,5 +1,6 @@
 #include "moecore/train/train_step.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdlib>
@@ -11,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "moecore/data/hybrid_cp_schedule.h"
 #include "moecore/ops/device.h"
 #include "moecore/ops/weight_casts.h"
 #include "moecore/parallel/comm_stats.h"
@@ -28,6 +30,74 @@ namespace {
 // Forward and backward of this rank's micro-batches through its pipeline schedule (PP 1: one micro-batch after the
 // other); gradients are those of the mean of the micro-batch mean losses (Megatron without
 // --calculate-per-token-loss), reduced over DP by the DDP.
+// Megatron's hybrid_context_parallel_forward_backward: the step's whole samples scheduled over the N data- and
+// context-parallel ranks by BalancedCPScheduler (data/hybrid_cp_schedule.h), round by round; each rank runs the
+// samples of its group, each as a micro-batch of its own padded to a multiple of 2 x the group size, with the group as
+// its context-parallel group. Gradients: per-token, summed over every rank by the caller's finish_grad_sync.
+double hybrid_cp_forward_backward(const TrainingArgs& args, const TrainingModules& modules,
+                                  const parallel::ParallelState& parallel, const TrainingProgress& progress,
+                                  std::optional<SeqlenStats>& global_stats) {
+  const int64_t iteration = progress.iteration + 1;
+  const PackedSamples& samples = *modules.packed_samples;
+  const std::vector<int64_t> indices = samples.step_samples(progress.consumed_train_samples, args.global_batch_size);
+  std::vector<CpSample> lengths;
+  SeqlenStats stats;
+  for (size_t k = 0; k < indices.size(); ++k) {
+    const int64_t length = samples.sample_length(indices[k]);
+    lengths.push_back(CpSample{static_cast<int64_t>(k), length});
+    stats.tokens += length;
+    stats.squared_sum += length * length;
+  }
+  global_stats = stats;
+  const int rank = parallel.dp_cp.rank();
+  const std::vector<HybridCpRound> rounds =
+      schedule_hybrid_cp(lengths, parallel.dp_cp.size(), args.max_seqlen_per_dp_cp_rank);
+  const double grad_scale = modules.loss_scalers.backward_scale();
+  modules.ddp.zero_grad();
+  TokenWeightedLoss total;
+  const PipelineSchedule schedule = make_schedule(1, 0, 1, 1, 0, false, false);
+  for (const HybridCpRound& round : rounds) {
+    for (const int64_t k : round.sample_ids_per_rank[static_cast<size_t>(rank)]) {
+      const auto placement = std::find_if(round.placements.begin(), round.placements.end(),
+                                          [&](const CpPlacement& p) { return p.sample_id == k; });
+      const parallel::ProcessGroup& group = modules.hybrid_cp->group(placement->first_rank, placement->cp_size);
+      const int64_t align = placement->cp_size > 1 ? 2 * placement->cp_size : 1;
+      const int64_t length = (placement->length + align - 1) / align * align;
+      const Batch batch = samples.sample_batch(indices[static_cast<size_t>(k)], length);
+      PipelineMicrobatches one;
+      one.B = 1;
+      one.S = length;
+      one.batch = [&](int) { return batch; };
+      one.options = [&](int) {
+        ForwardOptions options;
+        options.backward_seed = grad_scale;
+        options.per_token_loss = true;
+        options.training = true;
+        options.dropout_seed = static_cast<uint64_t>(args.seed);
+        options.dropout_stream = static_cast<uint64_t>(iteration * args.global_batch_size + k);
+        options.context_parallel = &group;
+        return options;
+      };
+      one.loss_scale = [grad_scale](int) { return grad_scale; };
+      one.overlap_p2p_comm = false;
+      one.position_ids = one.document_ids = true;
+      const ops::ScopedWeightCasts weight_casts(modules.weight_casts);
+      const TokenWeightedLoss loss = run_pipeline_schedule(schedule, modules.model, &modules.ddp, parallel, one);
+      total.loss_sum += loss.loss_sum;
+      total.tokens += loss.tokens;
+    }
+  }
+  ops::synchronize(Device::kCPU);
+  {
+    const trace::Scope scope("finish grad sync", "step");
+    modules.ddp.finish_grad_sync();
+  }
+  const parallel::CommTimer timer(parallel::CommKind::kOther);
+  const double global_tokens = parallel::sum_double(parallel.dp_cp, total.tokens);
+  modules.ddp.scale_gradients(1.0 / std::max(global_tokens, 1.0));
+  return reduce_pipeline_loss(total, parallel);
+}
+
 double forward_backward(const TrainingArgs& args, const TrainingModules& modules,
                         const parallel::ParallelState& parallel, const TrainingProgress& progress,
                         std::optional<SeqlenStats>& global_stats, std::optional<StepResult::Packing>& packing) {
@@ -188,7 +258,9 @@ StepResult train_step(const TrainingArgs& args, const TrainingModules& modules, 
                       const TrainingProgress& progress, const StepStatistics statistics) {
   const int64_t iteration = progress.iteration + 1;
   StepResult result;
-  result.lm_loss = forward_backward(args, modules, parallel, progress, result.seqlen_stats, result.packing);
+  result.lm_loss = modules.hybrid_cp != nullptr
+                       ? hybrid_cp_forward_backward(args, modules, parallel, progress, result.seqlen_stats)
+                       : forward_backward(args, modules, parallel, progress, result.seqlen_stats, result.packing);
   // With dynamic loss scaling a non-finite loss is the scaler's signal, not an error (Megatron turns
   // check_for_nan_in_loss_and_grad off): its gradients are not finite either, so the iteration is skipped.
   LossScalers& scalers = modules.loss_scalers;

@@ -13,6 +13,7 @@
 #include "moecore/optim/grad_scaler.h"
 #include "moecore/optim/lr_schedule.h"
 #include "moecore/parallel/parallel_state.h"
+#include "moecore/train/hybrid_cp_groups.h"
 #include "moecore/train/packed_samples.h"
 #include "moecore/train/training_progress.h"
 
@@ -61,6 +62,8 @@ struct TrainingModules {
   const RoutingReplaySource* routing_replay = nullptr;
   // --sample-data-path: the whole samples each step packs into its micro-batches (null: the GPT dataset's samples).
   const PackedSamples* packed_samples = nullptr;
+  // --hybrid-context-parallel: the blocks of data- and context-parallel ranks samples run on (null: the layout's CP).
+  const HybridCpGroups* hybrid_cp = nullptr;
 };
 
 // Iteration progress.iteration + 1 on training samples [consumed_train_samples, + global batch): throws

@@ -179,6 +179,9 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
         << (run_args.rl_use_sequence_packing ? ", packed into bins of " : ", one per sequence of ")
         << run_args.model.seq_length << " tokens" << std::endl;
   }
+  // Dynamic context parallelism: the blocks of data- and context-parallel ranks a sample can run on.
+  std::optional<HybridCpGroups> hybrid_cp;
+  if (run_args.hybrid_context_parallel) hybrid_cp.emplace(parallel.dp_cp);
   // Router replay: every rank reads the recording (a bad one fails them all alike).
   std::optional<RoutingReplaySource> routing_replay;
   if (!run_args.moe_routing_replay_file.empty()) {
@@ -194,7 +197,8 @@ TrainResult run_training(const TrainingArgs& args, std::ostream& rank0_log, cons
                                 loss_scalers,
                                 &weight_casts,
                                 routing_replay ? &*routing_replay : nullptr,
-                                packed_samples ? &*packed_samples : nullptr};
+                                packed_samples ? &*packed_samples : nullptr,
+                                hybrid_cp ? &*hybrid_cp : nullptr};
 
   TrainResult result;
   TrainingProgress& progress = result.progress;
