@@ -5,7 +5,9 @@
 # sequence lengths"). 256 samples whose lengths are skewed as RL rollouts are (most short, a few near the 1024-token
 # maximum, mean about a quarter of it; bench_samples below), trained with the demo model's layers on 1024-token
 # sequences in two pipeline stages (2 processes, one core each), 32 samples per step, each sample its own micro-batch
-# (without packing, where the per-micro-batch attention cost varies most) and packed (Megatron-RL's packer). Reported
+# in the order the samples come (without packing, where the per-micro-batch attention cost varies most) and packed
+# (Megatron-RL's packer, whose next-fit-decreasing bins already come largest first). "packing" is the order the
+# samples or bins come in, "serpentine" the attention-cost order. Reported
 # per order: the step time and the [comm] line's pipeline-wait (time a stage waits for its neighbour's activation or
 # gradient, max over ranks) averaged over iterations 3-8, and the same for context parallelism 2 (both ranks of a CP
 # group run the same micro-batch, so the order cannot change their waiting: a control).

@@ -65,11 +65,24 @@ PackedStep PackedSamples::step(const int64_t consumed, const int64_t global_batc
     step.real_tokens += lengths.back();
     step.squared_lengths += lengths.back() * lengths.back();
   }
-  SequencePackingOptions packing;
-  packing.bin_size = options_.seq_length;
-  packing.max_sequences_per_bin = options_.pack ? options_.max_sequences_per_bin : 1;
-  packing.context_parallel_size = options_.context_parallel_size;
-  step.bins = pack_sequences(lengths, packing);
+  if (options_.pack) {
+    SequencePackingOptions packing;
+    packing.bin_size = options_.seq_length;
+    packing.max_sequences_per_bin = options_.max_sequences_per_bin;
+    packing.context_parallel_size = options_.context_parallel_size;
+    step.bins = pack_sequences(lengths, packing);
+  } else {
+    // Without packing each sample is a bin of its own, in the order the samples come (Megatron-RL's unpacked rows).
+    const int64_t align = packing_alignment(options_.context_parallel_size);
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      PackedBin bin;
+      bin.sample_ids = {static_cast<int64_t>(i)};
+      bin.offsets = {0};
+      bin.slot_lengths = {(lengths[i] + align - 1) / align * align};
+      bin.lengths = {lengths[i]};
+      step.bins.push_back(std::move(bin));
+    }
+  }
   const std::vector<RankBins> ranks =
       distribute_packed_bins(static_cast<int64_t>(step.bins.size()), dp_size, options_.distribution);
   const RankBins& mine = ranks[static_cast<size_t>(dp_rank)];

@@ -1,6 +1,7 @@
 // Training on whole variable-length samples (--sample-data-path), Megatron-RL's way (megatron/rl/rl_utils.py
 // prepare_data_for_update, sequence_packing_utils.py): each step takes the next --global-batch-size samples, packs them
-// into bins of --seq-length tokens (--rl-use-sequence-packing; without it every sample is a bin of its own, padded),
+// into bins of --seq-length tokens (--rl-use-sequence-packing; without it every sample is a bin of its own, padded, in
+// the order the samples come),
 // deals the bins to the data-parallel ranks (--rl-sequence-packing-algo) and pads every rank to the same number of
 // bins with empty ones: the number of micro-batches follows the packing (Megatron's packing-aware batch size, with
 // its ratio 1: one optimizer step per global batch of samples). Optionally each rank runs its bins in the serpentine
