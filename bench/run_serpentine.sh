@@ -3,7 +3,7 @@
 # serpentine; the Megatron-Core MoE report's RL chapter: "orders micro-batches in a small-to-large-to-small serpentine
 # pattern to reduce synchronization bubbles across parallelism dimensions; the metric is the mini-batch sum of squared
 # sequence lengths"). 256 samples whose lengths are skewed as RL rollouts are (most short, a few near the 1024-token
-# maximum, mean about a quarter of it; bench_samples below), trained with the demo model's layers on 1024-token
+# maximum; the samples are made below), trained with the demo model's layers on 1024-token
 # sequences in two pipeline stages (2 processes, one core each), 32 samples per step, each sample its own micro-batch
 # in the order the samples come (without packing, where the per-micro-batch attention cost varies most) and packed
 # (Megatron-RL's packer, whose next-fit-decreasing bins already come largest first). "packing" is the order the
