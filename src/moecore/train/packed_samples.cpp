@@ -142,33 +142,10 @@ std::vector<int64_t> PackedSamples::step_samples(const int64_t consumed, const i
   return step(consumed, global_batch, 1, 0).samples;
 }
 
-Batch PackedSamples::sample_batch(const int64_t index, const int64_t length) const {
-  const Sample sample = data_.sample(index);
-  const auto n = static_cast<int64_t>(sample.tokens.size());
-  if (length < n) throw std::invalid_argument("a sample's micro-batch is shorter than the sample");
-  Batch batch;
-  batch.B = 1;
-  batch.S = length;
-  batch.tokens_BS.assign(static_cast<size_t>(length), 0);
-  batch.labels_BS.assign(static_cast<size_t>(length), 0);
-  batch.loss_mask_BS.assign(static_cast<size_t>(length), 0.0f);
-  batch.position_ids_BS.assign(static_cast<size_t>(length), 0);
-  batch.document_ids_BS.assign(static_cast<size_t>(length), 1);
-  for (int64_t j = 0; j < n; ++j) {
-    const auto at = static_cast<size_t>(j);
-    batch.tokens_BS[at] = sample.tokens[at];
-    batch.position_ids_BS[at] = j;
-    batch.document_ids_BS[at] = 0;
-    if (j + 1 < n) {
-      batch.labels_BS[at] = sample.tokens[at + 1];
-      batch.loss_mask_BS[at] = static_cast<float>(sample.loss_mask[at + 1]);
-    }
-  }
-  return batch;
-}
+namespace {
 
-Batch PackedSamples::batch(const PackedStep& step, const int64_t local) const {
-  const int64_t S = options_.seq_length;
+// A micro-batch row of S positions that predicts nothing, every position in `document`.
+Batch empty_row(const int64_t S, const int32_t document) {
   Batch batch;
   batch.B = 1;
   batch.S = S;
@@ -176,7 +153,42 @@ Batch PackedSamples::batch(const PackedStep& step, const int64_t local) const {
   batch.labels_BS.assign(static_cast<size_t>(S), 0);
   batch.loss_mask_BS.assign(static_cast<size_t>(S), 0.0f);
   batch.position_ids_BS.assign(static_cast<size_t>(S), 0);
-  batch.document_ids_BS.assign(static_cast<size_t>(S), 0);
+  batch.document_ids_BS.assign(static_cast<size_t>(S), document);
+  return batch;
+}
+
+// `sample` at positions [offset, offset + slot) of `row`, as document `document`: its tokens, each predicting the
+// next with the sample's loss mask for that target (the last predicts nothing); the slot's padding after it stays in
+// its document (causal: no real token sees it).
+void place_sample(Batch& row, const Sample& sample, const int64_t offset, const int64_t slot, const int32_t document) {
+  const auto n = static_cast<int64_t>(sample.tokens.size());
+  for (int64_t j = 0; j < slot; ++j) {
+    const auto at = static_cast<size_t>(offset + j);
+    row.document_ids_BS[at] = document;
+    if (j >= n) continue;
+    row.tokens_BS[at] = sample.tokens[static_cast<size_t>(j)];
+    if (j + 1 < n) {
+      row.labels_BS[at] = sample.tokens[static_cast<size_t>(j + 1)];
+      row.loss_mask_BS[at] = static_cast<float>(sample.loss_mask[static_cast<size_t>(j + 1)]);
+    }
+  }
+}
+
+}  // namespace
+
+Batch PackedSamples::sample_batch(const int64_t index, const int64_t length) const {
+  const Sample sample = data_.sample(index);
+  const auto n = static_cast<int64_t>(sample.tokens.size());
+  if (length < n) throw std::invalid_argument("a sample's micro-batch is shorter than the sample");
+  Batch batch = empty_row(length, 1);  // the padding: a document of its own
+  place_sample(batch, sample, 0, n, 0);
+  for (int64_t j = 0; j < n; ++j) batch.position_ids_BS[static_cast<size_t>(j)] = j;
+  return batch;
+}
+
+Batch PackedSamples::batch(const PackedStep& step, const int64_t local) const {
+  const int64_t S = options_.seq_length;
+  Batch batch = empty_row(S, 0);
   const int64_t b = step.local_bins.at(static_cast<size_t>(local));
   if (b < 0) return batch;  // an empty (padding) bin: one padding document, nothing to predict
   const PackedBin& bin = step.bins[static_cast<size_t>(b)];
@@ -185,23 +197,13 @@ Batch PackedSamples::batch(const PackedStep& step, const int64_t local) const {
   const auto samples = static_cast<int64_t>(bin.sample_ids.size());
   for (int64_t i = 0; i < samples; ++i) {
     const Sample sample = data_.sample(step.samples[static_cast<size_t>(bin.sample_ids[static_cast<size_t>(i)])]);
-    const int64_t offset = bin.offsets[static_cast<size_t>(i)], slot = bin.slot_lengths[static_cast<size_t>(i)];
-    const auto n = static_cast<int64_t>(sample.tokens.size());
-    for (int64_t j = 0; j < slot; ++j) {
-      const auto at = static_cast<size_t>(offset + j);
-      // A slot's alignment padding stays in its sample's document, after it (causal: no real token sees it).
-      batch.document_ids_BS[at] = static_cast<int32_t>(i);
-      if (j >= n) continue;
-      batch.tokens_BS[at] = sample.tokens[static_cast<size_t>(j)];
-      if (j + 1 < n) {
-        batch.labels_BS[at] = sample.tokens[static_cast<size_t>(j + 1)];
-        batch.loss_mask_BS[at] = static_cast<float>(sample.loss_mask[static_cast<size_t>(j + 1)]);
-      }
-    }
+    place_sample(batch, sample, bin.offsets[static_cast<size_t>(i)], bin.slot_lengths[static_cast<size_t>(i)],
+                 static_cast<int32_t>(i));
   }
   // The bin's tail after the last slot: a padding document of its own (Megatron's ghost sequence).
-  for (int64_t t = bin.padded_end(); t < S; ++t)
+  for (int64_t t = bin.padded_end(); t < S; ++t) {
     batch.document_ids_BS[static_cast<size_t>(t)] = static_cast<int32_t>(samples);
+  }
   return batch;
 }
 
