@@ -27,9 +27,6 @@
 namespace moecore {
 namespace {
 
-// Forward and backward of this rank's micro-batches through its pipeline schedule (PP 1: one micro-batch after the
-// other); gradients are those of the mean of the micro-batch mean losses (Megatron without
-// --calculate-per-token-loss), reduced over DP by the DDP.
 // Megatron's hybrid_context_parallel_forward_backward: the step's whole samples scheduled over the N data- and
 // context-parallel ranks by BalancedCPScheduler (data/hybrid_cp_schedule.h), round by round; each rank runs the
 // samples of its group, each as a micro-batch of its own padded to a multiple of 2 x the group size, with the group as
@@ -98,6 +95,41 @@ double hybrid_cp_forward_backward(const TrainingArgs& args, const TrainingModule
   return reduce_pipeline_loss(total, parallel);
 }
 
+// Router replay: every rank looks up the whole global batch, so a sample without a record stops all ranks alike; then
+// each of this rank's micro-batches (`mine`, of `num_microbatches` over every rank) gets its table.
+std::vector<RoutingReplayBatch> routing_replay_tables(const TrainingArgs& args, const TrainingModules& modules,
+                                                      const TrainingProgress& progress,
+                                                      const std::optional<PackedStep>& packed,
+                                                      const std::vector<int64_t>& mine,
+                                                      const int64_t num_microbatches) {
+  std::vector<RoutingReplayBatch> tables;
+  const RoutingReplaySource& replay = *modules.routing_replay;
+  if (packed) {
+    if (const std::string problem = modules.packed_samples->replay_missing(*packed, replay); !problem.empty()) {
+      throw ConfigError(problem);
+    }
+    for (int64_t m = 0; m < static_cast<int64_t>(mine.size()); ++m) {
+      tables.push_back(modules.packed_samples->replay_batch(*packed, m, replay));
+    }
+    return tables;
+  }
+  const int64_t mbs = args.micro_batch_size;
+  std::string missing;
+  for (int64_t m = 0; m < num_microbatches && missing.empty(); ++m) {
+    const int64_t first = progress.consumed_train_samples + m * mbs;
+    missing = replay.missing(modules.data.get_batch(DatasetSplit::kTrain, first, mbs).tokens_BS, mbs, first);
+  }
+  if (!missing.empty()) throw ConfigError(missing);
+  for (const int64_t m : mine) {
+    const int64_t first = progress.consumed_train_samples + m * mbs;
+    tables.push_back(replay.batch(modules.data.get_batch(DatasetSplit::kTrain, first, mbs).tokens_BS, mbs, first));
+  }
+  return tables;
+}
+
+// Forward and backward of this rank's micro-batches through its pipeline schedule (PP 1: one micro-batch after the
+// other); gradients are those of the mean of the micro-batch mean losses (Megatron without
+// --calculate-per-token-loss), reduced over DP by the DDP.
 double forward_backward(const TrainingArgs& args, const TrainingModules& modules,
                         const parallel::ParallelState& parallel, const TrainingProgress& progress,
                         std::optional<SeqlenStats>& global_stats, std::optional<StepResult::Packing>& packing) {
@@ -141,32 +173,9 @@ double forward_backward(const TrainingArgs& args, const TrainingModules& modules
   // after the reduction, below).
   const bool per_token = args.calculate_per_token_loss;
   const double loss_scale = per_token ? grad_scale : grad_scale / static_cast<double>(mine.size());
-  // Router replay: every rank looks up the whole global batch, so a sample without a record stops all ranks alike;
-  // then each of this rank's micro-batches gets its table.
-  std::vector<RoutingReplayBatch> replay_tables;
-  if (modules.routing_replay != nullptr && packed) {
-    if (const std::string problem = modules.packed_samples->replay_missing(*packed, *modules.routing_replay);
-        !problem.empty()) {
-      throw ConfigError(problem);
-    }
-    for (int64_t m = 0; m < static_cast<int64_t>(mine.size()); ++m) {
-      replay_tables.push_back(modules.packed_samples->replay_batch(*packed, m, *modules.routing_replay));
-    }
-  } else if (modules.routing_replay != nullptr) {
-    const int64_t mbs = args.micro_batch_size;
-    std::string missing;
-    for (int64_t m = 0; m < num_microbatches && missing.empty(); ++m) {
-      const int64_t first = progress.consumed_train_samples + m * mbs;
-      const Batch batch = modules.data.get_batch(DatasetSplit::kTrain, first, mbs);
-      missing = modules.routing_replay->missing(batch.tokens_BS, mbs, first);
-    }
-    if (!missing.empty()) throw ConfigError(missing);
-    for (const int64_t m : mine) {
-      const int64_t first = progress.consumed_train_samples + m * mbs;
-      const Batch batch = modules.data.get_batch(DatasetSplit::kTrain, first, mbs);
-      replay_tables.push_back(modules.routing_replay->batch(batch.tokens_BS, mbs, first));
-    }
-  }
+  const std::vector<RoutingReplayBatch> replay_tables =
+      modules.routing_replay != nullptr ? routing_replay_tables(args, modules, progress, packed, mine, num_microbatches)
+                                        : std::vector<RoutingReplayBatch>{};
   microbatches.options = [&](const int m) {
     ForwardOptions options;
     if (!replay_tables.empty()) options.routing_replay = &replay_tables[static_cast<size_t>(m)];
