@@ -58,6 +58,7 @@ set(equiv_per_token_mtp ${equiv_per_token} --mtp-num-layers 1)
 set(equiv_mtp_packed ${equiv_packed} --mtp-num-layers 2)
 # LatentMoE: the routed experts in a width of 16 (hidden 32) between fc1_latent_proj and fc2_latent_proj.
 set(equiv_latent ${equiv_aux} --moe-latent-size 16)
+set(equiv_latent_bf16 ${equiv_bf16} --moe-latent-size 16)
 # Whole variable-length samples (train/packed_samples.h): data/rl_samples.jsonl holds 24 samples of 3 to 16 tokens
 # with their prompt tokens masked; one per micro-batch (the reference) or packed into bins (Megatron-RL's packer), the
 # per-token loss over the same tokens. No dropout, router jitter or balancing losses: those depend on how the tokens
@@ -93,7 +94,7 @@ function(moecore_equiv name config np)
   elseif(config STREQUAL "capacity")
     set(config_args ${equiv_capacity})
   elseif(config MATCHES "^pp" OR config STREQUAL "packed" OR config STREQUAL "bf16" OR config MATCHES "^mtp" OR
-         config STREQUAL "no_mep" OR config MATCHES "^per_token" OR config STREQUAL "latent" OR config STREQUAL "samples")
+         config STREQUAL "no_mep" OR config MATCHES "^per_token" OR config MATCHES "^latent" OR config STREQUAL "samples")
     set(config_args ${equiv_${config}})
   endif()
   set(model ${equiv_model})
@@ -126,6 +127,7 @@ moecore_equiv_reference(pp_mtp ${equiv_pp_mtp})
 moecore_equiv_reference(mtp_packed ${equiv_mtp_packed})
 moecore_equiv_reference(pp_mtp_untied ${equiv_pp_mtp_untied})
 moecore_equiv_reference(latent ${equiv_latent})
+moecore_equiv_reference(latent_bf16 ${equiv_latent_bf16})
 moecore_equiv_reference(samples ${equiv_samples})
 
 moecore_equiv(dp2 aux 2)
@@ -280,6 +282,9 @@ moecore_equiv(per_token_mtp_dp2 per_token_mtp 2)
 # TP) and TP2 x EP2 with the experts' latent width sharded over expert-TP 2.
 moecore_equiv(latent_ep2 latent 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall)
 moecore_equiv(latent_tp2_sp latent 2 --tensor-model-parallel-size 2 --sequence-parallel)
+# With the EP overlap (combined 1F1B, delayed weight gradients), which needs 16-bit weights.
+moecore_equiv(latent_bf16_ep2_overlap latent_bf16 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall
+              --overlap-moe-expert-parallel-comm --delay-wgrad-compute)
 moecore_equiv(latent_tp2_ep2 latent 4 --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2
               --moe-token-dispatcher-type alltoall)
 # Packed whole samples against each sample alone: one process, DP2 (fifo and round-robin bins, padding bins), CP2 (slots
