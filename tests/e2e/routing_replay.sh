@@ -49,19 +49,7 @@ model+=(--num-layers 2 --hidden-size 32 --ffn-hidden-size 64 --seq-length 16 --m
   --data-path "$work/docs_text_document" --split 100,0,0 --data-cache-path "$work/cache")
 replay=(--moe-enable-routing-replay --moe-routing-replay-file "$work/rec.bin")
 
-# run NAME ARGS...: a training run's log in $work/NAME.log, its "lm loss ... grad norm" per iteration in NAME.losses.
-run() {
-  local name=$1
-  shift
-  if ! timeout 300 "$bin" train "${model[@]}" "$@" >"$work/$name.log" 2>&1; then
-    fail "$name did not train: $(tail -2 "$work/$name.log")"
-  fi
-  grep -E '^ .*iteration +[0-9]+/' "$work/$name.log" | sed -E 's/.*(lm loss: [^|]*).*(grad norm: [^|]*).*/\1 \2/' \
-    >"$work/$name.losses"
-}
-same_file() {  # same_file WHAT A B
-  if cmp -s "$2" "$3"; then echo "ok: $1"; else fail "$1: $2 and $3 differ"; fi
-}
+source "$src/tests/e2e/lib/train_runs.sh"
 # experts TRACE_DIR...: every record's top_indices, one JSON line each, rank files concatenated.
 experts() {
   cat "$@" | /usr/bin/python3 -c 'import json, sys; [print(json.loads(l)["top_indices"]) for l in sys.stdin]'
@@ -171,11 +159,11 @@ done
 rl=(--sample-data-path "$work/rollouts.jsonl" --rl-use-sequence-packing --micro-batch-size 1 --eval-iters 0
   --calculate-per-token-loss --lr 1e-2)
 rl_replay=(--moe-enable-routing-replay --moe-routing-replay-file "$work/rl.bin")
-rl_run() {  # rl_run NAME ARGS...
-  local name=$1
-  shift
-  timeout 300 "$bin" train "${rl_model[@]}" "${rl[@]}" "$@" >"$work/$name.log" 2>&1 ||
-    fail "$name did not train: $(tail -2 "$work/$name.log")"
+rl_run() {  # rl_run NAME ARGS...: run with the rollouts as the data
+  local data_model=("${model[@]}")
+  model=("${rl_model[@]}" "${rl[@]}")
+  run "$@"
+  model=("${data_model[@]}")
 }
 rl_run rl_a --load "$work/hf_a" --train-iters 1 --export-hf "$work/rl_a"
 rl_run rl_a_replay --load "$work/hf_a" --train-iters 1 --export-hf "$work/rl_a_replay" "${rl_replay[@]}"

@@ -28,25 +28,13 @@ mapfile -t model < <(recipe "$src" tiny-moe)
 model+=(--tokenizer-type NullTokenizer --vocab-size 100 --micro-batch-size 1 --global-batch-size 8 --train-iters 3
   --lr 1e-3 --log-interval 1 --eval-iters 0 --calculate-per-token-loss --attention-dropout 0 --hidden-dropout 0
   --position-embedding-type rope)
-# run NAME ARGS...: the per-iteration "lm loss ... grad norm" in NAME.losses.
-run() {
-  local name=$1
-  shift
-  if ! timeout 300 "$bin" train "${model[@]}" "$@" >"$work/$name.log" 2>&1; then
-    fail "$name did not train: $(tail -2 "$work/$name.log")"
-  fi
-  grep -E '^ .*iteration +[0-9]+/' "$work/$name.log" | sed -E 's/.*(lm loss: [^|]*).*(grad norm: [^|]*).*/\1 \2/' \
-    >"$work/$name.losses"
-}
-same() {  # same WHAT A B
-  if cmp -s "$2" "$3"; then echo "ok: $1"; else fail "$1: $(paste "$2" "$3")"; fi
-}
+source "$src/tests/e2e/lib/train_runs.sh"
 run jsonl --sample-data-path "$work/samples.jsonl"
 run jsonl_packed --sample-data-path "$work/samples.jsonl" --rl-use-sequence-packing
 run indexed_packed --sample-data-path "$work/samples" --rl-use-sequence-packing
 [ "$(wc -l <"$work/jsonl.losses")" -eq 3 ] || fail "expected 3 iterations"
-same "packed samples train as each sample alone" "$work/jsonl.losses" "$work/jsonl_packed.losses"
-same "the indexed form trains as the JSONL form" "$work/jsonl_packed.losses" "$work/indexed_packed.losses"
+same_file "packed samples train as each sample alone" "$work/jsonl.losses" "$work/jsonl_packed.losses"
+same_file "the indexed form trains as the JSONL form" "$work/jsonl_packed.losses" "$work/indexed_packed.losses"
 # One step of the whole epoch (24 samples) on 2 data-parallel ranks.
 if timeout 300 mpirun --allow-run-as-root --oversubscribe -np 2 "$bin" train "${model[@]}" \
   --sample-data-path "$work/samples.jsonl" --rl-use-sequence-packing --global-batch-size 24 --train-iters 1 \

@@ -1,7 +1,6 @@
 #include "moecore/train/packed_samples.h"
 
 #include <algorithm>
-#include <map>
 #include <numeric>
 #include <random>
 #include <string>
@@ -47,21 +46,21 @@ PackedSamples::PackedSamples(const SampleDataset& data, PackedSamplesOptions opt
 }
 
 int64_t PackedSamples::sample_index(const int64_t k) const {
-  const int64_t n = data_.size();
-  return epoch_order(n, options_.seed, k / n)[static_cast<size_t>(k % n)];
+  const int64_t n = data_.size(), epoch = k / n;
+  if (epoch != cached_epoch_) {  // a step reads one epoch, or the end of one and the start of the next
+    cached_order_ = epoch_order(n, options_.seed, epoch);
+    cached_epoch_ = epoch;
+  }
+  return cached_order_[static_cast<size_t>(k % n)];
 }
 
 PackedStep PackedSamples::step(const int64_t consumed, const int64_t global_batch, const int dp_size,
                                const int dp_rank) const {
   PackedStep step;
-  const int64_t n = data_.size();
-  std::map<int64_t, std::vector<int64_t>> orders;  // by epoch
+  step.samples = step_samples(consumed, global_batch);
   std::vector<int64_t> lengths;
-  for (int64_t k = consumed; k < consumed + global_batch; ++k) {
-    std::vector<int64_t>& order = orders[k / n];
-    if (order.empty()) order = epoch_order(n, options_.seed, k / n);
-    step.samples.push_back(order[static_cast<size_t>(k % n)]);
-    lengths.push_back(data_.length(step.samples.back()));
+  for (const int64_t index : step.samples) {
+    lengths.push_back(data_.length(index));
     step.real_tokens += lengths.back();
     step.squared_lengths += lengths.back() * lengths.back();
   }
@@ -139,7 +138,9 @@ RoutingReplayBatch PackedSamples::replay_batch(const PackedStep& step, const int
 }
 
 std::vector<int64_t> PackedSamples::step_samples(const int64_t consumed, const int64_t global_batch) const {
-  return step(consumed, global_batch, 1, 0).samples;
+  std::vector<int64_t> samples;
+  for (int64_t k = consumed; k < consumed + global_batch; ++k) samples.push_back(sample_index(k));
+  return samples;
 }
 
 namespace {

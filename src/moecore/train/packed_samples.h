@@ -66,10 +66,10 @@ class PackedSamples {
   std::string replay_missing(const PackedStep& step, const RoutingReplaySource& replay) const;
   RoutingReplayBatch replay_batch(const PackedStep& step, int64_t local, const RoutingReplaySource& replay) const;
 
-  // Dynamic context parallelism (--hybrid-context-parallel): the dataset indices of training samples [consumed,
-  // consumed + global_batch), and one sample as a micro-batch of its own (B = 1) padded to `length` tokens (its
-  // positions 0..n-1, the padding a second document that predicts nothing).
+  // The dataset indices of training samples [consumed, consumed + global_batch).
   std::vector<int64_t> step_samples(int64_t consumed, int64_t global_batch) const;
+  // Dynamic context parallelism (--hybrid-context-parallel): one sample as a micro-batch of its own (B = 1) padded to
+  // `length` tokens (its positions 0..n-1, the padding a second document that predicts nothing).
   Batch sample_batch(int64_t index, int64_t length) const;
   int64_t sample_length(int64_t index) const { return data_.length(index); }
 
@@ -79,6 +79,9 @@ class PackedSamples {
  private:
   const SampleDataset& data_;
   PackedSamplesOptions options_;
+  // The epoch order last built: one shuffle of the whole dataset per epoch, not per step.
+  mutable int64_t cached_epoch_ = -1;
+  mutable std::vector<int64_t> cached_order_;
 };
 
 }  // namespace moecore
