@@ -3,7 +3,9 @@
 // minimum milliseconds over the repeats (the minimum is the steadier figure on a shared machine) and, for the experts,
 // GFLOP/s of the median.
 // usage: bench_moe router E [T H REPEATS]
-//        bench_moe experts E [ROWS H F REPEATS SKEW]   (ROWS routed rows in all; SKEW 0 = even, 1 = Zipf-like)
+//        bench_moe experts E [ROWS H F REPEATS SKEW DTYPE]   (ROWS routed rows in all; SKEW 0 = even, 1 = Zipf-like;
+//                                                        DTYPE fp32 or bf16: the training step's --bf16 path, 16-bit
+//                                                        activations and the step's kept weight casts)
 //        bench_moe bandwidth
 // `bandwidth` prints the copy bandwidth the planner probes (plan/cpu_probe.h: memcpy of 64 MiB, one thread, bytes
 // read + written per second) and the same copy split over all OpenMP threads, measured in this process.
@@ -16,12 +18,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "moecore/model/config.h"
 #include "moecore/moe/experts.h"
 #include "moecore/moe/router.h"
+#include "moecore/ops/convert.h"
+#include "moecore/ops/precision.h"
+#include "moecore/ops/weight_casts.h"
 #include "moecore/plan/cpu_probe.h"
 #include "moecore/tensor/rng.h"
 
@@ -86,7 +92,7 @@ void bench_router(const int64_t E, const int64_t T, const int64_t H, const int r
 
 // SwiGLU experts without bias (the demo model's), `rows` rows spread over E experts evenly or Zipf-like.
 void bench_experts(const int64_t E, const int64_t rows, const int64_t H, const int64_t F, const int repeats,
-                   const bool skew) {
+                   const bool skew, const bool bf16) {
   ModelConfig model;
   model.num_layers = 4;
   model.hidden_size = H;
@@ -118,20 +124,38 @@ void bench_experts(const int64_t E, const int64_t rows, const int64_t H, const i
   const std::vector<float> probs_R = random_floats(static_cast<size_t>(rows), 12, 0.3f);
   const std::vector<float> dy_RH = random_floats(static_cast<size_t>(rows * H), 13, 1e-2f);
   std::vector<float> dx_RH(static_cast<size_t>(rows * H)), dprobs_R(static_cast<size_t>(rows));
-  const Tensor x = Tensor::from_blob(x_RH.data(), {rows, H}), probs = Tensor::from_blob(probs_R.data(), {rows});
-  const Tensor dy = Tensor::from_blob(dy_RH.data(), {rows, H});
-  Tensor dx = Tensor::from_blob(dx_RH.data(), {rows, H}), dprobs = Tensor::from_blob(dprobs_R.data(), {rows});
+  const Tensor x32 = Tensor::from_blob(x_RH.data(), {rows, H}), probs = Tensor::from_blob(probs_R.data(), {rows});
+  const Tensor dy32 = Tensor::from_blob(dy_RH.data(), {rows, H});
+  Tensor dx32 = Tensor::from_blob(dx_RH.data(), {rows, H}), dprobs = Tensor::from_blob(dprobs_R.data(), {rows});
+  std::optional<ops::ScopedActivationDType> bf16_scope;
+  std::optional<ops::ScopedWeightCasts> casts;  // one per step in training: the casts stay for forward and backward
+  if (bf16) {
+    bf16_scope.emplace(DType::kBF16);
+    casts.emplace();
+  }
+  const auto activation = [&](const Tensor& t32) {
+    if (!bf16) return t32;
+    Tensor t16(t32.shape(), DType::kBF16);
+    ops::convert(t16, t32);
+    return t16;
+  };
+  const Tensor x = activation(x32), dy = activation(dy32);
+  Tensor dx = activation(dx32);
   ExpertActivations saved;
   const Timing fwd = time_ms([] {}, [&] { experts->forward(x, probs, tokens_E, saved); }, repeats);
   const Timing bwd = time_ms([] {}, [&] { experts->backward(dx, dprobs, dy, saved); }, repeats);
+  std::function<void()> weight_grads;
+  const Timing data = time_ms([] {}, [&] { experts->backward(dx, dprobs, dy, saved, &weight_grads); }, repeats);
+  const Timing weights =
+      time_ms([&] { experts->backward(dx, dprobs, dy, saved, &weight_grads); }, [&] { weight_grads(); }, repeats);
   // fc1 H -> 2F and fc2 F -> H: 2 * rows * H * 3F multiply-adds forward, twice that backward.
   const double fwd_flop = 2.0 * static_cast<double>(rows) * static_cast<double>(H) * 3.0 * static_cast<double>(F);
   std::printf(
-      "experts E=%4lld rows=%lld H=%lld F=%lld %s forward %8.3f ms (min %8.3f, %6.1f GFLOP/s)  backward %8.3f ms "
-      "(min %8.3f, %6.1f GFLOP/s)\n",
+      "experts E=%4lld rows=%lld H=%lld F=%lld %s %s forward %8.3f ms (min %8.3f, %6.1f GFLOP/s)  backward %8.3f ms "
+      "(min %8.3f, %6.1f GFLOP/s; data %.3f, weights %.3f)\n",
       static_cast<long long>(E), static_cast<long long>(rows), static_cast<long long>(H), static_cast<long long>(F),
-      skew ? "zipf" : "even", fwd.median_ms, fwd.min_ms, fwd_flop / fwd.median_ms * 1e-6, bwd.median_ms, bwd.min_ms,
-      2.0 * fwd_flop / bwd.median_ms * 1e-6);
+      skew ? "zipf" : "even", bf16 ? "bf16" : "fp32", fwd.median_ms, fwd.min_ms, fwd_flop / fwd.median_ms * 1e-6,
+      bwd.median_ms, bwd.min_ms, 2.0 * fwd_flop / bwd.median_ms * 1e-6, data.median_ms, weights.median_ms);
 }
 
 // The planner's copy probe, then the same 64 MiB memcpy cut in one contiguous half per thread (best of 5).
@@ -164,9 +188,10 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (argc < 3) {
-    std::fprintf(stderr,
-                 "usage: bench_moe router E [T H REPEATS] | bench_moe experts E [ROWS H F REPEATS SKEW] | bench_moe "
-                 "bandwidth\n");
+    std::fprintf(
+        stderr,
+        "usage: bench_moe router E [T H REPEATS] | bench_moe experts E [ROWS H F REPEATS SKEW DTYPE] | bench_moe "
+        "bandwidth\n");
     return 2;
   }
   const std::string what = argv[1];
@@ -175,7 +200,8 @@ int main(int argc, char** argv) {
     bench_router(E, arg(argc, argv, 3, 1024), arg(argc, argv, 4, 192), static_cast<int>(arg(argc, argv, 5, 9)));
   } else if (what == "experts") {
     bench_experts(E, arg(argc, argv, 3, 2048), arg(argc, argv, 4, 192), arg(argc, argv, 5, 256),
-                  static_cast<int>(arg(argc, argv, 6, 9)), arg(argc, argv, 7, 0) != 0);
+                  static_cast<int>(arg(argc, argv, 6, 9)), arg(argc, argv, 7, 0) != 0,
+                  argc > 8 && std::string(argv[8]) == "bf16");
   } else {
     std::fprintf(stderr, "bench_moe: unknown part '%s' (router or experts)\n", what.c_str());
     return 2;

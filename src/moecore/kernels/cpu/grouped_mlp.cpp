@@ -15,6 +15,7 @@
 #include "moecore/kernels/cpu/expert_activation.h"
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/kernels/cpu/grouped_mlp_steps.h"
+#include "moecore/kernels/cpu/rank_update.h"
 #include "moecore/kernels/cpu/rows.h"
 
 namespace moecore::kernels::cpu {
@@ -68,10 +69,17 @@ class NativeKernels : public Kernels {
     if (bias_O != nullptr) cpu::add_bias_rows(out_TO, bias_O, n, O);
   }
 
-  // dinp += dout W; dweight += dout^T inp; dbias += column sums of dout (fp32).
+  // dinp += dout W; dweight += dout^T inp; dbias += column sums of dout (fp32). A weight gradient over a few rows
+  // is a rank update on the fp32 values (products of 16-bit values are exact in fp32, summed in fp32 as the GEMM).
   void linear_backward(float* dinp_TI, float* dweight_OI, float* dbias_O, const float* dout_TO, const float* inp_TI,
                        const float* weight_OI, const int64_t n, const int64_t I, const int64_t O) const {
     if (n == 0) return;
+    const bool rank_update_weights = n <= kRankUpdateMaxRows;
+    if (dweight_OI != nullptr && rank_update_weights) cpu::rank_update(dweight_OI, dout_TO, inp_TI, n, O, I);
+    if (dbias_O != nullptr) {
+      cpu::linear_backward<float>(nullptr, nullptr, dbias_O, dout_TO, nullptr, weight_OI, n, I, O);
+    }
+    if (dinp_TI == nullptr && (dweight_OI == nullptr || rank_update_weights)) return;
     Buffers& buf = buffers();
     const int64_t np = padded(n);
     const uint16_t* dy = encode_rows(buf.a, dout_TO, n, O, np);
@@ -85,12 +93,9 @@ class NativeKernels : public Kernels {
         for (int64_t i = 0; i < n * I; ++i) dinp_TI[i] += dx[i];
       }
     }
-    if (dweight_OI != nullptr) {
+    if (dweight_OI != nullptr && !rank_update_weights) {
       const uint16_t* x = encode_rows(buf.b, inp_TI, n, I, np);
       cpu::gemm_lowp<float>(type_, true, false, O, I, np, 1.0f, dy, O, x, I, 1.0f, dweight_OI, I);
-    }
-    if (dbias_O != nullptr) {
-      cpu::linear_backward<float>(nullptr, nullptr, dbias_O, dout_TO, nullptr, weight_OI, n, I, O);
     }
   }
 

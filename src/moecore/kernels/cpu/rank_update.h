@@ -1,0 +1,24 @@
+// c += a^T b for few rows of a and b: the weight gradient dW_OI += dY_nO^T X_nI of a linear layer over a handful of
+// tokens (an expert's rows at many experts). With n rows the GEMM's work is n O I multiply-adds on O I outputs, so for
+// small n the time is reading and writing c once; a tiled GEMM instead packs its operands and, on the 16-bit path,
+// pads n to its quantum. rank_update keeps a stretch of one output row in registers while it adds the n products.
+#pragma once
+
+#include <cstdint>
+
+namespace moecore::kernels {
+
+namespace cpu {
+// Row counts up to this take rank_update in the grouped experts' native 16-bit weight gradients (grouped_mlp.cpp);
+// measured with `bench_moe experts` (bench/RESULTS.md).
+constexpr int64_t kRankUpdateMaxRows = 32;
+// c_OI[o, i] += sum_r a_nO[r, o] b_nI[r, i], the products added to c in row order r = 0 .. n-1, each element alone
+// (the same sums whatever the vector ISA: the kernels build without FMA contraction). Row-major, contiguous.
+void rank_update(float* c_OI, const float* a_nO, const float* b_nI, int64_t n, int64_t O, int64_t I);
+}  // namespace cpu
+
+namespace ref {
+void rank_update(float* c_OI, const float* a_nO, const float* b_nI, int64_t n, int64_t O, int64_t I);
+}
+
+}  // namespace moecore::kernels
