@@ -17,6 +17,7 @@
 #include "moecore/kernels/cpu/grouped_mlp_steps.h"
 #include "moecore/kernels/cpu/rank_update.h"
 #include "moecore/kernels/cpu/rows.h"
+#include "moecore/kernels/cpu/small_rows_bf16.h"
 
 namespace moecore::kernels::cpu {
 namespace {
@@ -61,6 +62,11 @@ class NativeKernels : public Kernels {
                       const int64_t I, const int64_t O) const {
     if (n == 0) return;
     Buffers& buf = buffers();
+    if (small_rows(n, kSmallRowsForwardMax)) {
+      small_rows_forward_bf16(out_TO, encode_rows(buf.a, inp_TI, n, I, n), weight16(weight_OI), n, I, O);
+      if (bias_O != nullptr) cpu::add_bias_rows(out_TO, bias_O, n, O);
+      return;
+    }
     const int64_t np = padded(n);
     const uint16_t* x = encode_rows(buf.a, inp_TI, n, I, np);
     float* y = np == n ? out_TO : sized(buf.c, np * O);
@@ -78,6 +84,10 @@ class NativeKernels : public Kernels {
     if (dweight_OI != nullptr && rank_update_weights) cpu::rank_update(dweight_OI, dout_TO, inp_TI, n, O, I);
     if (dbias_O != nullptr) {
       cpu::linear_backward<float>(nullptr, nullptr, dbias_O, dout_TO, nullptr, weight_OI, n, I, O);
+    }
+    if (dinp_TI != nullptr && small_rows(n, kSmallRowsDataMax)) {
+      small_rows_data_bf16(dinp_TI, dout_TO, weight16(weight_OI), n, I, O);
+      dinp_TI = nullptr;
     }
     if (dinp_TI == nullptr && (dweight_OI == nullptr || rank_update_weights)) return;
     Buffers& buf = buffers();
@@ -107,6 +117,10 @@ class NativeKernels : public Kernels {
   static Buffers& buffers() {
     thread_local Buffers buffers;
     return buffers;
+  }
+  // A tile of a few rows on the bf16 weight in place (small_rows_bf16.h), where the CPU runs those kernels.
+  bool small_rows(const int64_t n, const int64_t max_rows) const {
+    return type_ == LowpType::kBF16 && n <= max_rows && small_rows_bf16_usable();
   }
   static int64_t padded(const int64_t n) {
     return (n + kGroupedMlpNativeRowQuantum - 1) / kGroupedMlpNativeRowQuantum * kGroupedMlpNativeRowQuantum;

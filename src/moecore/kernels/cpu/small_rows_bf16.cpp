@@ -1,0 +1,172 @@
+#include "moecore/kernels/cpu/small_rows_bf16.h"
+
+#include <stdexcept>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MOECORE_SMALL_ROWS_BUILT 1
+#include <immintrin.h>
+#endif
+
+namespace moecore::kernels::cpu {
+
+#if defined(MOECORE_SMALL_ROWS_BUILT)
+// GCC 12's AVX-512 intrinsics start from an undefined vector, which -Wmaybe-uninitialized reports once inlined.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace {
+
+#define MOECORE_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+MOECORE_AVX512_BF16 inline __mmask32 halves_below(const int64_t n) {
+  if (n <= 0) return 0;
+  return n >= 32 ? static_cast<__mmask32>(0xffffffffu) : static_cast<__mmask32>((1u << n) - 1u);
+}
+
+MOECORE_AVX512_BF16 inline __mmask16 lanes_below(const int64_t n) {
+  if (n <= 0) return 0;
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// Prefetches rows [begin, end) of the bf16 weight into L1: the kernels walk a block of consecutive weight rows
+// column stretch by column stretch, which the hardware prefetchers do not foresee.
+MOECORE_AVX512_BF16 inline void prefetch_rows(const uint16_t* w_OI, const int64_t begin, const int64_t end,
+                                              const int64_t I) {
+  const char* first = reinterpret_cast<const char*>(w_OI + begin * I);
+  const char* last = reinterpret_cast<const char*>(w_OI + end * I);
+  for (const char* p = first; p < last; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+}
+
+// Lane j of the result: the sum of v[j]'s 16 lanes (a fixed tree: pairs of vectors, then 64-bit halves, then the
+// 128-bit blocks).
+MOECORE_AVX512_BF16 inline __m512 sum_lanes16(const __m512 (&v)[16]) {
+  __m512 pairs[8];  // pairs[p] per 128-bit block: lanes 0, 2 partial sums of v[2p], lanes 1, 3 of v[2p + 1]
+  for (int p = 0; p < 8; ++p) {
+    pairs[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+  }
+  __m512 quads[4];  // quads[q] per 128-bit block b: the block-b sums of v[4q .. 4q + 3]
+  for (int q = 0; q < 4; ++q) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * q]), b = _mm512_castps_pd(pairs[2 * q + 1]);
+    quads[q] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Blocks 0 + 2 and 1 + 3 of quads 0 and 1 (then 2 and 3), then the two halves: block q holds v[4q .. 4q + 3].
+  const __m512 ab =
+      _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x44), _mm512_shuffle_f32x4(quads[0], quads[1], 0xee));
+  const __m512 cd =
+      _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44), _mm512_shuffle_f32x4(quads[2], quads[3], 0xee));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
+}
+
+MOECORE_AVX512_BF16 void forward_avx512_bf16(float* out_nO, const uint16_t* x_nI, const uint16_t* w_OI, const int64_t n,
+                                             const int64_t I, const int64_t O) {
+  prefetch_rows(w_OI, 0, O < 16 ? O : 16, I);
+  for (int64_t o0 = 0; o0 < O; o0 += 16) {
+    const int64_t rows = O - o0 < 16 ? O - o0 : 16;
+    prefetch_rows(w_OI, o0 + rows, O - o0 - rows < 16 ? O : o0 + rows + 16, I);
+    for (int64_t r = 0; r < n; ++r) {
+      __m512 acc[16];
+      for (__m512& a : acc) a = _mm512_setzero_ps();
+      for (int64_t i = 0; i < I; i += 32) {
+        const __mmask32 k = halves_below(I - i);
+        const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(k, x_nI + r * I + i);
+        for (int j = 0; j < 16; ++j) {  // a constant count keeps acc in registers; rows past O read as zero
+          const uint16_t* w_row = w_OI + (o0 + (j < rows ? j : 0)) * I + i;
+          const __m512bh w = (__m512bh)_mm512_maskz_loadu_epi16(j < rows ? k : 0, w_row);
+          acc[j] = _mm512_dpbf16_ps(acc[j], x, w);
+        }
+      }
+      _mm512_mask_storeu_ps(out_nO + r * O + o0, lanes_below(rows), sum_lanes16(acc));
+    }
+  }
+}
+
+// kRows rows of dx by 32 columns in registers (constant counts, so they stay there), over blocks of kBlockRows
+// weight rows: each block's rows are prefetched during the block before and then read from L1, each weight row's
+// values widened (bf16 bits << 16) once per row block.
+template <int kRows>
+MOECORE_AVX512_BF16 void data_rows_avx512_bf16(float* dx_nI, const float* dy_nO, const uint16_t* w_OI, const int64_t I,
+                                               const int64_t O) {
+  constexpr int kVecs = 2;
+  constexpr int64_t kBlockRows = 16, kCols = 16 * kVecs;
+  prefetch_rows(w_OI, 0, O < kBlockRows ? O : kBlockRows, I);
+  for (int64_t o0 = 0; o0 < O; o0 += kBlockRows) {
+    const int64_t o1 = O - o0 < kBlockRows ? O : o0 + kBlockRows;
+    prefetch_rows(w_OI, o1, O - o1 < kBlockRows ? O : o1 + kBlockRows, I);
+    for (int64_t i = 0; i < I; i += kCols) {
+      __mmask16 k[kVecs];
+      for (int v = 0; v < kVecs; ++v) k[v] = lanes_below(I - i - 16 * v);
+      __m512 acc[kRows][kVecs];
+      for (int r = 0; r < kRows; ++r) {
+        for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_maskz_loadu_ps(k[v], dx_nI + r * I + i + 16 * v);
+      }
+      for (int64_t o = o0; o < o1; ++o) {
+        __m512 w[kVecs];
+        for (int v = 0; v < kVecs; ++v) {
+          const __m256i bits = _mm256_maskz_loadu_epi16(k[v], w_OI + o * I + i + 16 * v);
+          w[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+        }
+        for (int r = 0; r < kRows; ++r) {
+          const __m512 d = _mm512_set1_ps(dy_nO[r * O + o]);
+          for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(d, w[v], acc[r][v]);
+        }
+      }
+      for (int r = 0; r < kRows; ++r) {
+        for (int v = 0; v < kVecs; ++v) _mm512_mask_storeu_ps(dx_nI + r * I + i + 16 * v, k[v], acc[r][v]);
+      }
+    }
+  }
+}
+
+// Blocks of 8 rows (32 columns at a time): more rows per block would need more broadcast loads per multiply-add than
+// the load ports give.
+MOECORE_AVX512_BF16 void data_avx512_bf16(float* dx_nI, const float* dy_nO, const uint16_t* w_OI, const int64_t n,
+                                          const int64_t I, const int64_t O) {
+  using Block = void (*)(float*, const float*, const uint16_t*, int64_t, int64_t);
+  static constexpr Block kBlocks[] = {nullptr,
+                                      data_rows_avx512_bf16<1>,
+                                      data_rows_avx512_bf16<2>,
+                                      data_rows_avx512_bf16<3>,
+                                      data_rows_avx512_bf16<4>,
+                                      data_rows_avx512_bf16<5>,
+                                      data_rows_avx512_bf16<6>,
+                                      data_rows_avx512_bf16<7>,
+                                      data_rows_avx512_bf16<8>};
+  for (int64_t r0 = 0; r0 < n; r0 += 8) {
+    const int64_t rows = n - r0 < 8 ? n - r0 : 8;
+    kBlocks[rows](dx_nI + r0 * I, dy_nO + r0 * O, w_OI, I, O);
+  }
+}
+
+}  // namespace
+#pragma GCC diagnostic pop
+
+bool small_rows_bf16_usable() {
+  static const bool usable = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }();
+  return usable;
+}
+
+void small_rows_forward_bf16(float* out_nO, const uint16_t* x_nI, const uint16_t* w_OI, const int64_t n,
+                             const int64_t I, const int64_t O) {
+  if (!small_rows_bf16_usable()) throw std::logic_error("small_rows_forward_bf16: this CPU has no AVX512-BF16");
+  forward_avx512_bf16(out_nO, x_nI, w_OI, n, I, O);
+}
+
+void small_rows_data_bf16(float* dx_nI, const float* dy_nO, const uint16_t* w_OI, const int64_t n, const int64_t I,
+                          const int64_t O) {
+  if (!small_rows_bf16_usable()) throw std::logic_error("small_rows_data_bf16: this CPU has no AVX512-BF16");
+  data_avx512_bf16(dx_nI, dy_nO, w_OI, n, I, O);
+}
+#else
+bool small_rows_bf16_usable() { return false; }
+void small_rows_forward_bf16(float*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t) {
+  throw std::logic_error("small_rows_forward_bf16: not built for this target");
+}
+void small_rows_data_bf16(float*, const float*, const uint16_t*, int64_t, int64_t, int64_t) {
+  throw std::logic_error("small_rows_data_bf16: not built for this target");
+}
+#endif
+
+}  // namespace moecore::kernels::cpu
