@@ -99,5 +99,45 @@ TEST(FastExpTest, Edges) {
   }
 }
 
+MOECORE_VECTOR_CLONES void exp_loop_double(double* out, const double* x, const int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = fast_exp_nonpositive(x[i]);
+}
+
+// fast_exp_nonpositive against expl over [-708, 0]: evenly spaced points, every power of two's neighbourhood
+// (tiny |x|), scalar and in a vectorised loop. The routing kernels' bound (routing.cpp) assumes at most 8 ulp.
+TEST(FastExpTest, DoubleMatchesExplOverItsRange) {
+  std::vector<double> xs;
+  for (int64_t i = 0; i <= 4'000'000; ++i) xs.push_back(-708.0 * static_cast<double>(i) / 4'000'000.0);
+  for (int p = -60; p < 10; ++p) {
+    for (int j = -64; j <= 64; ++j) xs.push_back(-std::ldexp(1.0 + j * 0x1p-20, p));
+  }
+  std::vector<double> vectorised(xs.size());
+  exp_loop_double(vectorised.data(), xs.data(), static_cast<int64_t>(xs.size()));
+  double worst = 0.0, worst_x = 0.0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (xs[i] < -708.0) continue;
+    const long double want = std::exp(static_cast<long double>(xs[i]));
+    for (const double got : {fast_exp_nonpositive(xs[i]), vectorised[i]}) {
+      const double e = static_cast<double>(std::fabs((static_cast<long double>(got) - want) / want));
+      if (e > worst) {
+        worst = e;
+        worst_x = xs[i];
+      }
+    }
+  }
+  EXPECT_LT(worst, 4.0 * 0x1p-52) << "at x = " << worst_x;
+  std::printf("double: worst relative error %.3g (x = %.17g); ulp = %.3g\n", worst, worst_x, 0x1p-52);
+}
+
+TEST(FastExpTest, DoubleEdges) {
+  EXPECT_EQ(fast_exp_nonpositive(0.0), 1.0);
+  EXPECT_EQ(fast_exp_nonpositive(-0.0), 1.0);
+  for (const double x : {-708.5, -745.0, -1e300, -std::numeric_limits<double>::infinity()}) {
+    EXPECT_EQ(fast_exp_nonpositive(x), 0.0) << "x = " << x;
+  }
+  EXPECT_GT(fast_exp_nonpositive(-708.0), 0.0);
+  EXPECT_TRUE(std::isnan(fast_exp_nonpositive(std::numeric_limits<double>::quiet_NaN())));
+}
+
 }  // namespace
 }  // namespace moecore::kernels::cpu

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -265,6 +266,41 @@ std::vector<double> tied_or_random(const int64_t n, const uint32_t seed, const i
     x = l == 0 ? -std::numeric_limits<double>::infinity() : 0.125 * l;
   }
   return v;
+}
+
+// The fp32 softmax scores of rows of 32 or more logits run in vector loops and fall back to the scalar softmax near an
+// fp32 rounding boundary (routing.cpp); either way they are the reference's bit for bit: normal, wide and tied
+// logits, -inf, and rows with +inf or NaN (which always fall back). Thousands of rows per width, so that rows near a
+// boundary (about 1e-3 of them) occur.
+TEST(RoutingKernels, Fp32SoftmaxScoresEqualTheReferenceBitForBit) {
+  const int64_t k = 2;
+  for (const int64_t E : {32, 37, 64, 256, 1000}) {
+    const int64_t n = 400'000 / E;
+    std::vector<double> logits;
+    std::mt19937 gen(static_cast<uint32_t>(E));
+    std::normal_distribution<double> normal(0.0, 1.0);
+    for (int64_t t = 0; t < n; ++t) {
+      if (t % 4 == 3) {
+        const std::vector<double> row = tied_or_random(E, static_cast<uint32_t>(t), 1 + static_cast<int>(t % 7));
+        logits.insert(logits.end(), row.begin(), row.end());
+        continue;
+      }
+      const double scale = t % 4 == 0 ? 1.0 : (t % 4 == 1 ? 30.0 : 1e-4);
+      for (int64_t e = 0; e < E; ++e) logits.push_back(scale * normal(gen));
+    }
+    logits[static_cast<size_t>(5 * E + 3)] = std::numeric_limits<double>::infinity();
+    logits[static_cast<size_t>(6 * E + 1)] = std::numeric_limits<double>::quiet_NaN();
+    logits[static_cast<size_t>(7 * E)] = -std::numeric_limits<double>::infinity();
+    std::vector<double> fast(logits.size()), want(logits.size());
+    std::vector<int32_t> i_fast(static_cast<size_t>(n * k)), i_want(i_fast.size());
+    cpu::aux_scores_forward<double>(fast.data(), i_fast.data(), logits.data(), n, E, k, RoutingScore::kSoftmax, true);
+    ref::aux_scores_forward<double>(want.data(), i_want.data(), logits.data(), n, E, k, RoutingScore::kSoftmax, true);
+    for (size_t i = 0; i < fast.size(); ++i) {
+      ASSERT_EQ(std::memcmp(&fast[i], &want[i], sizeof(double)), 0)
+          << "E " << E << " row " << i / static_cast<size_t>(E) << ": " << fast[i] << " vs " << want[i];
+    }
+    EXPECT_EQ(i_fast, i_want) << "E " << E;
+  }
 }
 
 // The selection alone (softmax scores without pre-softmax rank the raw logits): the one-pass top-k (and the sorting

@@ -39,4 +39,37 @@ inline float fast_exp(const float x) {
   return x < kLowest ? 0.0f : (x > kHighest ? std::numeric_limits<float>::infinity() : y);
 }
 
+// exp(x) for double x <= 0 in plain arithmetic (vectorises like fast_exp): x = n ln2 + r with ln2 split in two
+// constants (fdlibm's ln2_hi, whose trailing zeros make n ln2_hi exact, and ln2_lo), |r| <= ln2 / 2, then the Taylor
+// series of exp(r) to degree 13 (truncation below 5e-18) by Horner, scaled by 2^n built in the exponent bits. Error
+// a few ulp of double (kernels_fast_exp_test bounds it). x < -708 (exp(x) under 2^-1021): 0, -inf included; NaN: NaN.
+// For x > 0 the result is not defined.
+inline double fast_exp_nonpositive(const double x) {
+  constexpr double kLowest = -708.0;                 // n >= -1022: 2^n stays a normal double
+  constexpr double kLog2e = 1.44269504088896338700;  // 1 / ln 2
+  constexpr double kLn2Hi = 6.93147180369123816490e-01, kLn2Lo = 1.90821492927058770002e-10;
+  constexpr double kRound = 6755399441055744.0;  // 1.5 * 2^52: adding it rounds |v| < 2^51 to an integer
+  const double clamped = x < kLowest ? kLowest : x;
+  const double shifted = clamped * kLog2e + kRound;
+  const double n = shifted - kRound;  // round(x / ln 2), in [-1021, 0]
+  const double r = (clamped - n * kLn2Hi) - n * kLn2Lo;
+  double p = 1.0 / 6227020800.0;  // 1/13!
+  p = p * r + 1.0 / 479001600.0;
+  p = p * r + 1.0 / 39916800.0;
+  p = p * r + 1.0 / 3628800.0;
+  p = p * r + 1.0 / 362880.0;
+  p = p * r + 1.0 / 40320.0;
+  p = p * r + 1.0 / 5040.0;
+  p = p * r + 1.0 / 720.0;
+  p = p * r + 1.0 / 120.0;
+  p = p * r + 1.0 / 24.0;
+  p = p * r + 1.0 / 6.0;
+  p = p * r + 0.5;
+  const double exp_r = p * r * r + r + 1.0;
+  // 2^n from its exponent bits (n mod 2^64 is the difference of the bit patterns).
+  const uint64_t n_bits = std::bit_cast<uint64_t>(shifted) - std::bit_cast<uint64_t>(kRound);
+  const double two_n = std::bit_cast<double>((n_bits + 1023u) << 52);
+  return x < kLowest ? 0.0 : exp_r * two_n;
+}
+
 }  // namespace moecore::kernels::cpu

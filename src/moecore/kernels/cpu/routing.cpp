@@ -8,7 +8,9 @@
 #include <limits>
 #include <vector>
 
+#include "moecore/kernels/cpu/fast_exp.h"
 #include "moecore/kernels/cpu/routing_scores.h"
+#include "moecore/kernels/cpu/vector_isa.h"
 
 namespace moecore::kernels::cpu {
 namespace {
@@ -30,12 +32,54 @@ void softmax(double* out_E, const double* in_E, const int64_t E) {
   for (int64_t e = 0; e < E; ++e) out_E[e] /= sum;
 }
 
+// Rows of at least this many logits try softmax_fp32_vectorised first.
+constexpr int64_t kVectorisedSoftmaxMin = 32;
+
+// softmax_scored's fp32 result (below) in vector loops: exp by fast_exp_nonpositive, the sum over eight interleaved
+// partial sums. Its quotients q then differ from softmax()'s (glibc's exp, sum in element order) by less than
+// delta = 4 (E + 20) 2^-52 relative: each exp within 8 ulp of exp(x), each sum within E ulp of its terms' sum, one
+// rounding each for the quotient and the bound, doubled for margin. Where q (1 - delta) and q (1 + delta) round to
+// the same fp32 value, so does softmax()'s quotient: the result is bit for bit the same. Returns false (out_E
+// unspecified) if some quotient lies closer to an fp32 rounding boundary, or is not finite; the caller then runs
+// softmax(). About 2 E delta 2^24 of the rows (1e-3 at E = 256) go that way. out_E must not alias logits_E.
+MOECORE_VECTOR_CLONES bool softmax_fp32_vectorised(double* out_E, const double* logits_E, const int64_t E) {
+  constexpr int kLanes = 8;
+  double part[kLanes];
+  for (int64_t e = 0; e < E; ++e) out_E[e] = to_fp32(logits_E[e]);
+  for (double& m : part) m = -std::numeric_limits<double>::infinity();
+  int64_t e = 0;
+  for (; e + kLanes <= E; e += kLanes) {
+    for (int j = 0; j < kLanes; ++j) part[j] = out_E[e + j] > part[j] ? out_E[e + j] : part[j];
+  }
+  double max_value = part[0];
+  for (int j = 1; j < kLanes; ++j) max_value = part[j] > max_value ? part[j] : max_value;
+  for (; e < E; ++e) max_value = out_E[e] > max_value ? out_E[e] : max_value;
+  for (e = 0; e < E; ++e) out_E[e] = fast_exp_nonpositive(out_E[e] - max_value);
+  for (double& p : part) p = 0.0;
+  for (e = 0; e + kLanes <= E; e += kLanes) {
+    for (int j = 0; j < kLanes; ++j) part[j] += out_E[e + j];
+  }
+  double sum = 0.0;
+  for (; e < E; ++e) sum += out_E[e];
+  for (const double p : part) sum += p;
+  const double delta = 4.0 * static_cast<double>(E + 20) * 0x1p-52;
+  const double below = 1.0 - delta, above = 1.0 + delta;
+  int unstable = 0;
+  for (e = 0; e < E; ++e) {
+    const double q = out_E[e] / sum;
+    unstable |= static_cast<int>(!(to_fp32(q * below) == to_fp32(q * above)));
+    out_E[e] = to_fp32(q);
+  }
+  return unstable == 0;
+}
+
 // torch.softmax(logits, dtype=torch.float32) when fp32: logits rounded to fp32, result rounded to fp32.
 void softmax_scored(double* out_E, const double* logits_E, const int64_t E, const bool fp32) {
   if (!fp32) {
     softmax(out_E, logits_E, E);
     return;
   }
+  if (E >= kVectorisedSoftmaxMin && out_E != logits_E && softmax_fp32_vectorised(out_E, logits_E, E)) return;
   for (int64_t e = 0; e < E; ++e) out_E[e] = to_fp32(logits_E[e]);
   softmax(out_E, out_E, E);
   for (int64_t e = 0; e < E; ++e) out_E[e] = to_fp32(out_E[e]);
@@ -91,12 +135,37 @@ void sorted_topk(int64_t* idx_K, const double* values_E, const int64_t E, const 
   std::copy(order.begin(), order.begin() + k, idx_K);
 }
 
+// streaming_topk over an array, skipping blocks of 8 values in which none beats the k-th best (the same test the
+// scan makes per value, so the same result): once the best k are large, most blocks hold no candidate.
 void topk(int64_t* idx_K, const double* values_E, const int64_t E, const int64_t k) {
   if (k > kStreamingTopkMax) {
     sorted_topk(idx_K, values_E, E, k);
     return;
   }
-  streaming_topk(idx_K, E, k, [values_E](const int64_t e) { return values_E[e]; });
+  constexpr int64_t kBlock = 8;
+  std::array<double, kStreamingTopkMax> best{};
+  int64_t n = 0;
+  const auto offer = [&](const int64_t e) {
+    const double v = values_E[e];
+    if (n == k && !(v > best[static_cast<size_t>(k - 1)])) return;
+    int64_t i = n < k ? n++ : k - 1;
+    for (; i > 0 && v > best[static_cast<size_t>(i - 1)]; --i) {
+      best[static_cast<size_t>(i)] = best[static_cast<size_t>(i - 1)];
+      idx_K[i] = idx_K[i - 1];
+    }
+    best[static_cast<size_t>(i)] = v;
+    idx_K[i] = e;
+  };
+  int64_t e = 0;
+  for (; e < E && n < k; ++e) offer(e);
+  for (; e + kBlock <= E; e += kBlock) {
+    const double threshold = best[static_cast<size_t>(k - 1)];
+    bool candidate = false;
+    for (int64_t j = 0; j < kBlock; ++j) candidate |= values_E[e + j] > threshold;
+    if (!candidate) continue;
+    for (int64_t j = 0; j < kBlock; ++j) offer(e + j);
+  }
+  for (; e < E; ++e) offer(e);
 }
 
 // Megatron's group_limited_topk: a group's score is the sum of its top-(k // group_topk) values; the group_topk best
