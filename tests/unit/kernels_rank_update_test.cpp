@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -40,6 +41,33 @@ TEST(RankUpdate, MatchesTheReferenceBitForBit) {
     }
     if (s.n == 0) {
       EXPECT_EQ(got, c0) << what;
+    }
+  }
+}
+
+// rank_update_overwrite writes what rank_update adds to a zeroed c, bit for bit: rows that are whole, partial or
+// unaligned stretches of 64 columns (the streaming stores take only 64-byte aligned vectors), nothing past c.
+TEST(RankUpdate, OverwriteIsTheUpdateOfZeros) {
+  std::mt19937 gen(19);
+  for (const Shape s : {Shape{8, 512, 192}, Shape{32, 192, 256}, Shape{5, 7, 100}, Shape{3, 4, 7}, Shape{1, 9, 64},
+                        Shape{13, 3, 129}}) {
+    for (const int64_t offset : {0, 1, 16}) {  // c's first element at 0, 4 or 64 bytes past a 64-byte boundary
+      const std::vector<float> a = random_values(s.n * s.O, gen), b = random_values(s.n * s.I, gen);
+      std::vector<float> zeros(static_cast<size_t>(s.O * s.I), 0.0f);
+      cpu::rank_update(zeros.data(), a.data(), b.data(), s.n, s.O, s.I);
+      std::vector<float> storage(static_cast<size_t>(s.O * s.I + 64), -7.0f);
+      auto* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+      float* c = base + offset;
+      cpu::rank_update_overwrite(c, a.data(), b.data(), s.n, s.O, s.I);
+      const std::string what = "n " + std::to_string(s.n) + " O " + std::to_string(s.O) + " I " + std::to_string(s.I) +
+                               " offset " + std::to_string(offset);
+      for (int64_t i = 0; i < s.O * s.I; ++i) {
+        ASSERT_EQ(std::memcmp(&c[i], &zeros[static_cast<size_t>(i)], sizeof(float)), 0) << what << " element " << i;
+      }
+      for (float* q = storage.data(); q < c; ++q) ASSERT_EQ(*q, -7.0f) << what << ": written before c";
+      for (float* q = c + s.O * s.I; q < storage.data() + storage.size(); ++q) {
+        ASSERT_EQ(*q, -7.0f) << what << ": written past c";
+      }
     }
   }
 }

@@ -633,6 +633,58 @@ TEST(ExpertsTest, DeferredWeightGradientsAreTheUndeferredOnesBitForBit) {
   }
 }
 
+// Param::grad_zero (set by the step's zero_grad): the grouped experts' first backward writes the weight gradients
+// instead of adding to them and clears the flags of every expert with rows (an idle expert keeps its flag and its zero
+// gradient), so a second micro-batch adds to what the first wrote. Two micro-batches from zeroed gradients with the
+// flags set give the gradients of the same two without them, bit for bit: fp32, bf16 in fp32 and in bf16 (the native
+// path's overwrite), FP8 (the per-expert path, which only clears them), the weight gradients deferred or not.
+TEST(ExpertsTest, GradientsKnownZeroAreWrittenOnceThenAccumulated) {
+  const quant::QuantizedLinearConfig fp8;
+  struct Mode {
+    std::string name;
+    DType activation;
+    ops::ActivationStorage storage;
+    bool quantized;
+  };
+  const std::vector<Mode> modes = {{"fp32", DType::kF32, ops::ActivationStorage::kF32, false},
+                                   {"bf16 in fp32", DType::kBF16, ops::ActivationStorage::kF32, false},
+                                   {"bf16", DType::kBF16, ops::ActivationStorage::k16Bit, false},
+                                   {"fp8", DType::kF32, ops::ActivationStorage::kF32, true}};
+  for (const Mode& mode : modes) {
+    for (const bool defer : {false, true}) {
+      SCOPED_TRACE(mode.name + (defer ? " deferred" : ""));
+      const ExpertSetup s = make_setup(Activation::kSwiGLU, true, false, true);
+      const ExpertInputs in = make_inputs(300);
+      std::map<bool, ExpertRun> runs;
+      for (const bool flagged : {false, true}) {
+        ParamStore params;
+        auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params);
+        randomize(params, 45);
+        for (Param& p : params) {
+          p.grad.zero_();
+          p.grad_zero = flagged;
+        }
+        const auto scopes = [&] {
+          return std::pair{std::make_unique<ops::ScopedActivationDType>(mode.activation, Device::kCPU, mode.storage),
+                           std::make_unique<ops::ScopedLinearQuantization>(mode.quantized ? &fp8 : nullptr)};
+        };
+        run_deferrable(params, *experts, in, defer, scopes);
+        for (int64_t e = 0; e < static_cast<int64_t>(in.tokens_per_expert.size()); ++e) {
+          const bool idle = in.tokens_per_expert[static_cast<size_t>(e)] == 0;
+          for (const std::string leaf :
+               {"linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias"}) {
+            const Param* p = find_or_null(params, expert_name(e, leaf));
+            ASSERT_NE(p, nullptr);
+            EXPECT_EQ(p->grad_zero, flagged && idle) << p->name << (idle ? " (idle)" : "");
+          }
+        }
+        runs[flagged] = run_deferrable(params, *experts, in, defer, scopes);
+      }
+      EXPECT_EQ(runs[true].grads, runs[false].grads);
+    }
+  }
+}
+
 // SequentialMLP refuses to defer its weight gradients (the configuration needs --moe-grouped-gemm), before it
 // computes anything.
 TEST(ExpertsTest, SequentialExpertsRefuseToDeferWeightGradients) {

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -355,12 +356,14 @@ struct BackwardCase {
     return c;
   }
   // The backward, or one part of it (dx_RH, dprobs_R: the call's; undefined tensors for kWeights where asked).
-  void backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpBackwardSplit* split) {
+  void backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpBackwardSplit* split,
+                std::span<const uint8_t> weights_zero_E = {}) {
     const std::vector<const Tensor*> pw1 = params_of(w1), pb1 = params_of(b1), pw2 = params_of(w2), pb2 = params_of(b2);
     const std::vector<Tensor*> gw1 = pointers<Tensor>(dw1), gb1 = pointers<Tensor>(db1), gw2 = pointers<Tensor>(dw2),
                                gb2 = pointers<Tensor>(db2);
-    grouped_mlp_backward(dx_RH, dprobs_R, {gw1, gb1, gw2, gb2}, dy, x, &xs, fc1, weighted(*p) ? nullptr : &act,
-                         weighted(*p) ? &act : nullptr, probs, {pw1, pb1, pw2, pb2}, p->offsets_E1, p->spec, split);
+    grouped_mlp_backward(dx_RH, dprobs_R, {gw1, gb1, gw2, gb2, weights_zero_E}, dy, x, &xs, fc1,
+                         weighted(*p) ? nullptr : &act, weighted(*p) ? &act : nullptr, probs, {pw1, pb1, pw2, pb2},
+                         p->offsets_E1, p->spec, split);
   }
   std::vector<const Tensor*> grads() const {
     std::vector<const Tensor*> out;
@@ -444,6 +447,77 @@ TEST(OpsGroupedMlp, SplitBackwardIsTheWholeBackwardBitForBit) {
             // The idle expert (1) keeps its starting gradients.
             EXPECT_TRUE(same_bits(split.dw1[1], base.dw1[1])) << what << "dw1 of the idle expert";
             EXPECT_TRUE(same_bits(split.dw2[1], base.dw2[1])) << what << "dw2 of the idle expert";
+          }
+          if (::testing::Test::HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// Weight gradients known to be zero (GroupedMlpGrads::weights_zero_E, from Param::grad_zero) may be written instead of
+// added to: the same bits as accumulating into the zeros, whole or split, on both GEMM paths and devices, with
+// experts of 5, 37 and 300 rows (the rank update, its streaming overwrite, the oneDNN GEMM with beta 0) and an idle
+// one whose flag is set but which has no rows (its gradient, zero, stays so).
+TEST(OpsGroupedMlp, ZeroWeightGradientsAreWrittenAsAccumulated) {
+  std::vector<kernels::cpu::LowpGemmPath> paths = {kernels::cpu::LowpGemmPath::kConvert};
+  if (kernels::cpu::lowp_native_available(kernels::LowpType::kBF16)) {
+    paths.push_back(kernels::cpu::LowpGemmPath::kNative);
+  }
+  const std::vector<uint8_t> all_zero = {1, 1, 1, 1};
+  for (const Device device : kDevices) {
+    const TestDevice on(device);
+    for (const kernels::cpu::LowpGemmPath path : paths) {
+      const kernels::cpu::ScopedLowpGemmPath gemm(path);
+      for (const ActivationStorage storage : {ActivationStorage::kF32, ActivationStorage::k16Bit}) {
+        const ScopedActivationDType scope(DType::kBF16, device, storage);
+        const DType act = storage == ActivationStorage::k16Bit ? DType::kBF16 : DType::kF32;
+        for (const bool bias : {false, true}) {
+          Problem p = make_problem({37, 0, 300, 5}, {Activation::kSwiGLU, false}, bias);
+          BackwardCase base(p, act, DType::kF32);
+          for (auto* grads : {&base.dw1, &base.db1, &base.dw2, &base.db2}) {
+            for (Tensor& g : *grads) g.zero_();
+          }
+          BackwardCase added = base.with_own_outputs(), written = base.with_own_outputs();
+          added.backward(added.dx, added.dprobs, nullptr);
+          written.backward(written.dx, written.dprobs, nullptr, all_zero);
+          BackwardCase split = base.with_own_outputs();
+          Tensor workspace =
+              grouped_mlp_backward_workspace(split.dy,
+                                             {BackwardCase::params_of(split.w1), BackwardCase::params_of(split.b1),
+                                              BackwardCase::params_of(split.w2), BackwardCase::params_of(split.b2)},
+                                             p.offsets_E1, {Activation::kSwiGLU, false});
+          const GroupedMlpBackwardSplit data{GroupedMlpBackwardPart::kData, &workspace};
+          const GroupedMlpBackwardSplit weights{GroupedMlpBackwardPart::kWeights, &workspace};
+          split.backward(split.dx, split.dprobs, &data, all_zero);
+          Tensor none_dx, none_dprobs;
+          split.backward(none_dx, none_dprobs, &weights, all_zero);
+          const std::string what = std::string(device_name(device)) + " " +
+                                   std::string(kernels::cpu::lowp_gemm_path_name(path)) + " " +
+                                   std::string(dtype_name(act)) + (bias ? " bias" : "") + ": ";
+          const std::vector<const Tensor*> want = added.grads(), got = written.grads(), got_split = split.grads();
+          for (size_t i = 0; i < want.size(); ++i) {
+            EXPECT_TRUE(same_bits(*got[i], *want[i])) << what << "gradient " << i;
+            EXPECT_TRUE(same_bits(*got_split[i], *want[i])) << what << "split, gradient " << i;
+          }
+          EXPECT_TRUE(same_bits(written.dx, added.dx)) << what << "dx";
+          EXPECT_TRUE(same_bits(written.dprobs, added.dprobs)) << what << "dprobs";
+          // Accumulating on top of what was written: the second micro-batch, the same rows again, so twice the first
+          // up to the fp32 sums' rounding (a second write instead of an add would leave the first).
+          std::vector<Tensor> first;
+          for (const Tensor* g : got) first.push_back(g->clone());
+          written.backward(written.dx, written.dprobs, nullptr);
+          added.backward(added.dx, added.dprobs, nullptr);
+          for (size_t i = 0; i < want.size(); ++i) {
+            EXPECT_TRUE(same_bits(*got[i], *want[i])) << what << "second micro-batch, gradient " << i;
+            const Tensor twice = as_dtype(first[i], DType::kF64);
+            const Tensor now = as_dtype(*got[i], DType::kF64);
+            double scale = 0.0, err = 0.0;
+            for (int64_t j = 0; j < now.numel(); ++j) {
+              scale = std::max(scale, std::abs(2.0 * twice.data<double>()[j]));
+              err = std::max(err, std::abs(now.data<double>()[j] - 2.0 * twice.data<double>()[j]));
+            }
+            EXPECT_LE(err, 1e-5 * scale) << what << "second micro-batch is not twice the first, gradient " << i;
           }
           if (::testing::Test::HasFailure()) return;
         }

@@ -220,7 +220,10 @@ int64_t GPTModel::num_parameters() const {
 }
 
 void GPTModel::zero_grad() {
-  for (Param& p : params_) p.grad.zero_();
+  for (Param& p : params_) {
+    p.grad.zero_();
+    p.grad_zero = true;
+  }
 }
 
 Tensor GPTModel::embed(MicroBatchContext& ctx, const ForwardOptions& options) const {

@@ -39,6 +39,10 @@ struct Param {
   // Replicated over TP, but each TP rank's backward only sees part of the tokens or heads (sequence-parallel
   // norms and row-parallel biases, the router, q/k norms): the gradient is summed over TP before the DP reduction.
   bool grad_sum_over_tp = false;
+  // `grad` is known to hold only zeros: set by DistributedDataParallel::zero_grad (and GPTModel::zero_grad), cleared
+  // by the grouped experts' backward, whose weight gradients then write instead of adding (sparing a read of every
+  // touched expert's gradient in the first micro-batch). Nothing else reads it; a stale false only costs that read.
+  bool grad_zero = false;
   // The module whose backward completes this gradient (the overlap hooks): -1 the embedding, 0..L-1 the decoder
   // layers, L the final norm and output layer.
   int module = -1;

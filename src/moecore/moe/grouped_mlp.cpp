@@ -267,14 +267,35 @@ class GroupedMLP final : public ExpertMLPBase {
 
   bool defers_weight_grads() const override { return true; }
 
-  // The fused op's backward, or one part of it with the workspace of a split call.
+  // The fused op's backward, or one part of it with the workspace of a split call. Where it computes weight
+  // gradients it tells the op which experts' gradients are known zero (Param::grad_zero) and then clears the flags of
+  // every expert with rows.
   void fused_backward(const std::vector<int64_t> &offsets_E1, Tensor &dx_RH, Tensor &dprobs_R, const Tensor &dy_RH,
                       const ExpertActivations &saved, const ops::GroupedMlpBackwardSplit *split) const {
     const ExpertTensors<const Tensor> p = expert_tensors<const Tensor>(true);
     const ExpertTensors<Tensor> g = expert_tensors<Tensor>(false);
-    ops::grouped_mlp_backward(dx_RH, dprobs_R, {g.fc1_weight, g.fc1_bias, g.fc2_weight, g.fc2_bias}, dy_RH, saved.x_RH,
-                              &saved.xs_RH, saved.fc1_RF1, &saved.act_RF, &saved.h_RF, saved.probs_R,
+    const bool weights = split == nullptr || split->part != ops::GroupedMlpBackwardPart::kData;
+    std::vector<uint8_t> weights_zero_E;
+    if (weights) {
+      for (const MLP &expert : experts_) {
+        weights_zero_E.push_back(expert.fc1().weight().grad_zero && expert.fc2().weight().grad_zero ? 1 : 0);
+      }
+    }
+    ops::grouped_mlp_backward(dx_RH, dprobs_R, {g.fc1_weight, g.fc1_bias, g.fc2_weight, g.fc2_bias, weights_zero_E},
+                              dy_RH, saved.x_RH, &saved.xs_RH, saved.fc1_RF1, &saved.act_RF, &saved.h_RF, saved.probs_R,
                               {p.fc1_weight, p.fc1_bias, p.fc2_weight, p.fc2_bias}, offsets_E1, spec(), split);
+    if (weights) clear_grad_zero(offsets_E1);
+  }
+
+  // The experts with rows have written their gradients.
+  void clear_grad_zero(const std::vector<int64_t> &offsets_E1) const {
+    for (int64_t e = 0; e < E_; ++e) {
+      if (offsets_E1[e + 1] == offsets_E1[e]) continue;
+      const MLP &expert = experts_[static_cast<size_t>(e)];
+      for (Param *param : {&expert.fc1().weight(), expert.fc1().bias(), &expert.fc2().weight(), expert.fc2().bias()}) {
+        if (param != nullptr) param->grad_zero = false;
+      }
+    }
   }
 
   // The unfused path's weight gradients; experts with zero rows keep their gradients as they are.
@@ -283,6 +304,7 @@ class GroupedMLP final : public ExpertMLPBase {
     for (int64_t e = 0; e < E_; ++e) {
       if (offsets_E1[e + 1] > offsets_E1[e]) backward_weights(e, offsets_E1[e], offsets_E1[e + 1], buf, saved);
     }
+    clear_grad_zero(offsets_E1);
   }
 
   // --delay-wgrad-compute (Megatron's, TE's GroupedLinear delay_wgrad_compute): the data gradients now, the weight

@@ -313,6 +313,11 @@ void grouped_mlp_backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpGrads
   check_grads("fc1 bias gradients", grads.fc1_bias_E, s.F1());
   check_grads("fc2 weight gradients", grads.fc2_weight_E, s.H * s.F);
   check_grads("fc2 bias gradients", grads.fc2_bias_E, s.H);
+  if (!grads.weights_zero_E.empty() && static_cast<int64_t>(grads.weights_zero_E.size()) != s.E) {
+    detail::fail(op, "weights_zero_E: " + std::to_string(grads.weights_zero_E.size()) + " for " + std::to_string(s.E) +
+                         " experts");
+  }
+  const uint8_t* weights_zero_E = weights && !grads.weights_zero_E.empty() ? grads.weights_zero_E.data() : nullptr;
   // What the part writes: kData no gradient, kWeights neither dx nor dprobs.
   const GroupedMlpGrads none{};
   const GroupedMlpGrads& written = weights ? grads : none;
@@ -335,7 +340,7 @@ void grouped_mlp_backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpGrads
                               db1 = data_of<float>(written.fc1_bias_E, s.E),
                               dw2 = data_of<float>(written.fc2_weight_E, s.E),
                               db2 = data_of<float>(written.fc2_bias_E, s.E);
-    const kernels::GroupedMlpGrads<float> g{dw1.data(), db1.data(), dw2.data(), db2.data()};
+    const kernels::GroupedMlpGrads<float> g{dw1.data(), db1.data(), dw2.data(), db2.data(), weights_zero_E};
     kernels::cpu::grouped_mlp_backward16(
         *type, bits_of<uint16_t>(dx), bits_of<float>(dprobs), g, ws->data<float>(), dy_RH.data<uint16_t>(),
         x_RH.data<uint16_t>(), bits_of<uint16_t>(xs), fc1_RF1.data<uint16_t>(),
@@ -350,7 +355,7 @@ void grouped_mlp_backward(Tensor& dx_RH, Tensor& dprobs_R, const GroupedMlpGrads
     const Pointers<S> w = pointers<S>(params, s.E);
     const std::vector<S*> dw1 = data_of<S>(written.fc1_weight_E, s.E), db1 = data_of<S>(written.fc1_bias_E, s.E),
                           dw2 = data_of<S>(written.fc2_weight_E, s.E), db2 = data_of<S>(written.fc2_bias_E, s.E);
-    const kernels::GroupedMlpGrads<S> g{dw1.data(), db1.data(), dw2.data(), db2.data()};
+    const kernels::GroupedMlpGrads<S> g{dw1.data(), db1.data(), dw2.data(), db2.data(), weights_zero_E};
     k.grouped_mlp_backward(detail::opt<S>(dx), detail::opt<S>(dprobs), g, ptr<S>(*ws), ptr<S>(dy_RH), ptr<S>(x_RH),
                            s.probs_on_input ? ptr<S>(*xs_RH) : nullptr, ptr<S>(fc1_RF1),
                            s.weighted_swiglu() ? nullptr : ptr<S>(*act_RF),

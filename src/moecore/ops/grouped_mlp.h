@@ -37,9 +37,11 @@ struct GroupedMlpSpec {
 struct GroupedMlpParams {
   std::span<const Tensor*const> fc1_weight_E, fc1_bias_E, fc2_weight_E, fc2_bias_E;
 };
-// The parameters' gradients (accumulated); empty spans or null entries are skipped.
+// The parameters' gradients (accumulated); empty spans or null entries are skipped. weights_zero_E (optional, one per
+// expert): 1 where both weight gradients hold only zeros, which the kernels may write instead of add to.
 struct GroupedMlpGrads {
   std::span<Tensor*const> fc1_weight_E, fc1_bias_E, fc2_weight_E, fc2_bias_E;
+  std::span<const uint8_t> weights_zero_E = {};
 };
 
 // Whether the fused kernels cover fp32 tensors of `device` now (not under FP8 / FP4 quantization).

@@ -299,6 +299,7 @@ void DistributedDataParallel::zero_grad() {
     for (Group& g : groups_) zero_in_parallel(g.grad_buffer);
   }
   grads_zeroed_ = false;
+  for (Param& p : params_) p.grad_zero = true;
   reset_round();
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <type_traits>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -33,7 +34,16 @@ using Steps = grouped_mlp_detail::Steps<Kernels, T>;
 // tile loop: each call is one thread's, with thread-local operand buffers.
 class NativeKernels : public Kernels {
  public:
-  NativeKernels(const LowpType type, const GroupedMlpWeights<float>& w, const GroupedMlpShape& s) : type_(type) {
+  NativeKernels(const LowpType type, const GroupedMlpWeights<float>& w, const GroupedMlpShape& s,
+                const GroupedMlpGrads<float>* g = nullptr)
+      : type_(type) {
+    if (g != nullptr && g->weights_zero_E != nullptr && s.part != GroupedMlpBackwardPart::kData) {
+      for (int64_t e = 0; e < s.E; ++e) {
+        if (!g->weights_zero_E[e] || s.offsets_E1[e + 1] == s.offsets_E1[e]) continue;
+        if (g->fc1_weight_E != nullptr && g->fc1_weight_E[e] != nullptr) zero_weights_.insert(g->fc1_weight_E[e]);
+        if (g->fc2_weight_E != nullptr && g->fc2_weight_E[e] != nullptr) zero_weights_.insert(g->fc2_weight_E[e]);
+      }
+    }
     // The weight gradients (dweight += dout^T inp, dbias) read no weight: a kWeights backward casts none.
     if (s.part == GroupedMlpBackwardPart::kWeights) return;
     const int64_t F1 = s.F1(), w1 = F1 * s.H, w2 = s.H * s.F;
@@ -81,7 +91,11 @@ class NativeKernels : public Kernels {
                        const float* weight_OI, const int64_t n, const int64_t I, const int64_t O) const {
     if (n == 0) return;
     const bool rank_update_weights = n <= kRankUpdateMaxRows;
-    if (dweight_OI != nullptr && rank_update_weights) cpu::rank_update(dweight_OI, dout_TO, inp_TI, n, O, I);
+    // A gradient known to be zero (this task is its only writer in the call) is written, not added to.
+    const bool overwrite = dweight_OI != nullptr && zero_weights_.contains(dweight_OI);
+    if (dweight_OI != nullptr && rank_update_weights) {
+      (overwrite ? cpu::rank_update_overwrite : cpu::rank_update)(dweight_OI, dout_TO, inp_TI, n, O, I);
+    }
     if (dbias_O != nullptr) {
       cpu::linear_backward<float>(nullptr, nullptr, dbias_O, dout_TO, nullptr, weight_OI, n, I, O);
     }
@@ -105,7 +119,7 @@ class NativeKernels : public Kernels {
     }
     if (dweight_OI != nullptr && !rank_update_weights) {
       const uint16_t* x = encode_rows(buf.b, inp_TI, n, I, np);
-      cpu::gemm_lowp<float>(type_, true, false, O, I, np, 1.0f, dy, O, x, I, 1.0f, dweight_OI, I);
+      cpu::gemm_lowp<float>(type_, true, false, O, I, np, 1.0f, dy, O, x, I, overwrite ? 0.0f : 1.0f, dweight_OI, I);
     }
   }
 
@@ -147,6 +161,7 @@ class NativeKernels : public Kernels {
   LowpType type_;
   std::vector<uint16_t> weights16_;
   std::unordered_map<const float*, const uint16_t*> by_weight_;
+  std::unordered_set<const float*> zero_weights_;
 };
 
 struct RowTile {
@@ -376,7 +391,7 @@ void grouped_mlp_backward16(const LowpType type, uint16_t* dx_RH, float* dprobs_
                             const GroupedMlpWeights<float>& w, const GroupedMlpShape& s) {
   const Codec16 c(type);
   if (s.native_gemm) {
-    const grouped_mlp_detail::Steps<NativeKernels, float> steps(w, s, NativeKernels(s.native_type, w, s));
+    const grouped_mlp_detail::Steps<NativeKernels, float> steps(w, s, NativeKernels(s.native_type, w, s, &g));
     backward_tiles16(steps, s, c, dx_RH, dprobs_R, g, dfc1_RF1, dy_RH, x_RH, xs_RH, fc1_RF1, act_RF, h_RF, probs_R);
     return;
   }
@@ -403,7 +418,7 @@ void grouped_mlp_backward(T* dx_RH, T* dprobs_R, const GroupedMlpGrads<T>& g, T*
                           const T* probs_R, const GroupedMlpWeights<T>& w, const GroupedMlpShape& s) {
   if constexpr (std::is_same_v<T, float>) {
     if (s.native_gemm) {
-      const grouped_mlp_detail::Steps<NativeKernels, float> steps(w, s, NativeKernels(s.native_type, w, s));
+      const grouped_mlp_detail::Steps<NativeKernels, float> steps(w, s, NativeKernels(s.native_type, w, s, &g));
       backward_tiles(steps, s, dx_RH, dprobs_R, g, dfc1_RF1, dy_RH, x_RH, xs_RH, fc1_RF1, act_RF, h_RF, probs_R);
       return;
     }

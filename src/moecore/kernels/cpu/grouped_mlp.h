@@ -64,6 +64,9 @@ struct GroupedMlpGrads {  // accumulated; null arrays or entries are skipped
   T* const* fc1_bias_E;
   T* const* fc2_weight_E;
   T* const* fc2_bias_E;
+  // Optional, per expert: 1 where both weight gradients hold only zeros, which a kernel may then write instead of add
+  // to (the same values: the fast native 16-bit path streams them out without reading them).
+  const uint8_t* weights_zero_E = nullptr;
 };
 
 #define MOECORE_GROUPED_MLP_DECL                                                                                   \
