@@ -585,24 +585,36 @@ ExpertRun run_deferrable(const ParamStore& params, ExpertMLP& experts, const Exp
   return run;
 }
 
+// The precisions the grouped experts' backward is checked in: fp32, bf16 as rounded fp32 activations and as bf16
+// ones, FP8 (the per-expert path), FP8 on bf16 activations.
+struct PrecisionMode {
+  std::string name;
+  DType activation;
+  ops::ActivationStorage storage;
+  bool quantized;
+
+  // The scopes of a run in this mode, for run_deferrable.
+  auto scopes(const quant::QuantizedLinearConfig& fp8) const {
+    return [this, &fp8] {
+      return std::pair{std::make_unique<ops::ScopedActivationDType>(activation, Device::kCPU, storage),
+                       std::make_unique<ops::ScopedLinearQuantization>(quantized ? &fp8 : nullptr)};
+    };
+  }
+};
+
+const std::vector<PrecisionMode> kPrecisionModes = {{"fp32", DType::kF32, ops::ActivationStorage::kF32, false},
+                                                    {"bf16 in fp32", DType::kBF16, ops::ActivationStorage::kF32, false},
+                                                    {"bf16", DType::kBF16, ops::ActivationStorage::k16Bit, false},
+                                                    {"fp8", DType::kF32, ops::ActivationStorage::kF32, true},
+                                                    {"fp8 bf16", DType::kBF16, ops::ActivationStorage::k16Bit, true}};
+
 // GroupedMLP with its weight gradients deferred (run later, outside the backward's scopes) gives the undeferred
 // backward's dx, dprobs and parameter gradients bit for bit: in fp32, in bf16 (rounded fp32 activations and bf16
 // ones: the fused op in its parts) and under FP8 (the per-expert path, its weight-gradient loop deferred), with the
 // probability after the activation or on the input, with and without memory-efficient permutation.
 TEST(ExpertsTest, DeferredWeightGradientsAreTheUndeferredOnesBitForBit) {
   const quant::QuantizedLinearConfig fp8;
-  struct Mode {
-    std::string name;
-    DType activation;
-    ops::ActivationStorage storage;
-    bool quantized;
-  };
-  const std::vector<Mode> modes = {{"fp32", DType::kF32, ops::ActivationStorage::kF32, false},
-                                   {"bf16 in fp32", DType::kBF16, ops::ActivationStorage::kF32, false},
-                                   {"bf16", DType::kBF16, ops::ActivationStorage::k16Bit, false},
-                                   {"fp8", DType::kF32, ops::ActivationStorage::kF32, true},
-                                   {"fp8 bf16", DType::kBF16, ops::ActivationStorage::k16Bit, true}};
-  for (const Mode& mode : modes) {
+  for (const PrecisionMode& mode : kPrecisionModes) {
     for (const Activation a : {Activation::kSwiGLU, Activation::kGelu}) {
       for (const bool poi : {false, true}) {
         for (const bool efficient : {true, false}) {
@@ -617,11 +629,7 @@ TEST(ExpertsTest, DeferredWeightGradientsAreTheUndeferredOnesBitForBit) {
             ParamStore params;
             auto experts = make_experts(s.moe, s.model, "decoder.layers.1.", params);
             randomize(params, 44);
-            runs[defer] = run_deferrable(params, *experts, in, defer, [&] {
-              return std::pair{
-                  std::make_unique<ops::ScopedActivationDType>(mode.activation, Device::kCPU, mode.storage),
-                  std::make_unique<ops::ScopedLinearQuantization>(mode.quantized ? &fp8 : nullptr)};
-            });
+            runs[defer] = run_deferrable(params, *experts, in, defer, mode.scopes(fp8));
           }
           EXPECT_EQ(runs[true].y, runs[false].y);
           EXPECT_EQ(runs[true].dx, runs[false].dx);
@@ -640,17 +648,7 @@ TEST(ExpertsTest, DeferredWeightGradientsAreTheUndeferredOnesBitForBit) {
 // path's overwrite), FP8 (the per-expert path, which only clears them), the weight gradients deferred or not.
 TEST(ExpertsTest, GradientsKnownZeroAreWrittenOnceThenAccumulated) {
   const quant::QuantizedLinearConfig fp8;
-  struct Mode {
-    std::string name;
-    DType activation;
-    ops::ActivationStorage storage;
-    bool quantized;
-  };
-  const std::vector<Mode> modes = {{"fp32", DType::kF32, ops::ActivationStorage::kF32, false},
-                                   {"bf16 in fp32", DType::kBF16, ops::ActivationStorage::kF32, false},
-                                   {"bf16", DType::kBF16, ops::ActivationStorage::k16Bit, false},
-                                   {"fp8", DType::kF32, ops::ActivationStorage::kF32, true}};
-  for (const Mode& mode : modes) {
+  for (const PrecisionMode& mode : kPrecisionModes) {
     for (const bool defer : {false, true}) {
       SCOPED_TRACE(mode.name + (defer ? " deferred" : ""));
       const ExpertSetup s = make_setup(Activation::kSwiGLU, true, false, true);
@@ -664,10 +662,7 @@ TEST(ExpertsTest, GradientsKnownZeroAreWrittenOnceThenAccumulated) {
           p.grad.zero_();
           p.grad_zero = flagged;
         }
-        const auto scopes = [&] {
-          return std::pair{std::make_unique<ops::ScopedActivationDType>(mode.activation, Device::kCPU, mode.storage),
-                           std::make_unique<ops::ScopedLinearQuantization>(mode.quantized ? &fp8 : nullptr)};
-        };
+        const auto scopes = mode.scopes(fp8);
         run_deferrable(params, *experts, in, defer, scopes);
         for (int64_t e = 0; e < static_cast<int64_t>(in.tokens_per_expert.size()); ++e) {
           const bool idle = in.tokens_per_expert[static_cast<size_t>(e)] == 0;

@@ -106,23 +106,35 @@ double logsumexp(const double* in_E, const int64_t E) {
   return max_value + std::log(sum);
 }
 
-// The k largest of value_of(0 .. E-1), largest first, ties to the lower index: one pass keeping the best k sorted
-// (a later value enters only when strictly larger than the k-th best, so equal values keep index order).
+// The best k values offered so far, largest first, and their indices: a value enters only when strictly larger
+// than the k-th best, so equal values keep the order they were offered in.
+class BestK {
+ public:
+  BestK(int64_t* idx_K, const int64_t k) : idx_K_(idx_K), k_(k) {}
+  bool full() const { return n_ == k_; }
+  double kth() const { return best_[static_cast<size_t>(k_ - 1)]; }
+  void offer(const int64_t e, const double v) {
+    if (n_ == k_ && !(v > kth())) return;
+    int64_t i = n_ < k_ ? n_++ : k_ - 1;
+    for (; i > 0 && v > best_[static_cast<size_t>(i - 1)]; --i) {
+      best_[static_cast<size_t>(i)] = best_[static_cast<size_t>(i - 1)];
+      idx_K_[i] = idx_K_[i - 1];
+    }
+    best_[static_cast<size_t>(i)] = v;
+    idx_K_[i] = e;
+  }
+
+ private:
+  std::array<double, kStreamingTopkMax> best_{};
+  int64_t* idx_K_;
+  int64_t k_, n_ = 0;
+};
+
+// The k largest of value_of(0 .. E-1), largest first, ties to the lower index, in one pass.
 template <typename ValueOf>
 void streaming_topk(int64_t* idx_K, const int64_t E, const int64_t k, const ValueOf& value_of) {
-  std::array<double, kStreamingTopkMax> best{};
-  int64_t n = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    const double v = value_of(e);
-    if (n == k && !(v > best[static_cast<size_t>(k - 1)])) continue;
-    int64_t i = n < k ? n++ : k - 1;
-    for (; i > 0 && v > best[static_cast<size_t>(i - 1)]; --i) {
-      best[static_cast<size_t>(i)] = best[static_cast<size_t>(i - 1)];
-      idx_K[i] = idx_K[i - 1];
-    }
-    best[static_cast<size_t>(i)] = v;
-    idx_K[i] = e;
-  }
+  BestK best(idx_K, k);
+  for (int64_t e = 0; e < E; ++e) best.offer(e, value_of(e));
 }
 
 // Sorting top-k for a k beyond the streaming buffer (same order: largest first, ties to the lower index).
@@ -143,29 +155,17 @@ void topk(int64_t* idx_K, const double* values_E, const int64_t E, const int64_t
     return;
   }
   constexpr int64_t kBlock = 8;
-  std::array<double, kStreamingTopkMax> best{};
-  int64_t n = 0;
-  const auto offer = [&](const int64_t e) {
-    const double v = values_E[e];
-    if (n == k && !(v > best[static_cast<size_t>(k - 1)])) return;
-    int64_t i = n < k ? n++ : k - 1;
-    for (; i > 0 && v > best[static_cast<size_t>(i - 1)]; --i) {
-      best[static_cast<size_t>(i)] = best[static_cast<size_t>(i - 1)];
-      idx_K[i] = idx_K[i - 1];
-    }
-    best[static_cast<size_t>(i)] = v;
-    idx_K[i] = e;
-  };
+  BestK best(idx_K, k);
   int64_t e = 0;
-  for (; e < E && n < k; ++e) offer(e);
+  for (; e < E && !best.full(); ++e) best.offer(e, values_E[e]);
   for (; e + kBlock <= E; e += kBlock) {
-    const double threshold = best[static_cast<size_t>(k - 1)];
+    const double threshold = best.kth();
     bool candidate = false;
     for (int64_t j = 0; j < kBlock; ++j) candidate |= values_E[e + j] > threshold;
     if (!candidate) continue;
-    for (int64_t j = 0; j < kBlock; ++j) offer(e + j);
+    for (int64_t j = 0; j < kBlock; ++j) best.offer(e + j, values_E[e + j]);
   }
-  for (; e < E; ++e) offer(e);
+  for (; e < E; ++e) best.offer(e, values_E[e]);
 }
 
 // Megatron's group_limited_topk: a group's score is the sum of its top-(k // group_topk) values; the group_topk best
