@@ -13,6 +13,7 @@
 
 #include "moecore/kernels/cpu/activation.h"
 #include "moecore/kernels/cpu/convert.h"
+#include "moecore/kernels/cpu/elementwise.h"
 #include "moecore/kernels/cpu/expert_activation.h"
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/kernels/cpu/grouped_mlp_steps.h"
@@ -109,17 +110,19 @@ class NativeKernels : public Kernels {
     const uint16_t* dy = encode_rows(buf.a, dout_TO, n, O, np);
     if (dinp_TI != nullptr) {
       const uint16_t* w = weight16(weight_OI);
-      if (np == n) {
-        cpu::gemm_lowp<float>(type_, false, false, n, I, O, 1.0f, dy, O, w, I, 1.0f, dinp_TI, I);
-      } else {
-        float* dx = sized(buf.c, np * I);
-        cpu::gemm_lowp<float>(type_, false, false, np, I, O, 1.0f, dy, O, w, I, 0.0f, dx, I);
-        for (int64_t i = 0; i < n * I; ++i) dinp_TI[i] += dx[i];
-      }
+      float* dx = sized(buf.c, np * I);
+      cpu::gemm_lowp<float>(type_, false, false, np, I, O, 1.0f, dy, O, w, I, 0.0f, dx, I);
+      cpu::add_inplace(dinp_TI, dx, n * I);
     }
     if (dweight_OI != nullptr && !rank_update_weights) {
       const uint16_t* x = encode_rows(buf.b, inp_TI, n, I, np);
-      cpu::gemm_lowp<float>(type_, true, false, O, I, np, 1.0f, dy, O, x, I, overwrite ? 0.0f : 1.0f, dweight_OI, I);
+      if (overwrite) {
+        cpu::gemm_lowp<float>(type_, true, false, O, I, np, 1.0f, dy, O, x, I, 0.0f, dweight_OI, I);
+      } else {
+        float* product = sized(buf.c, O * I);
+        cpu::gemm_lowp<float>(type_, true, false, O, I, np, 1.0f, dy, O, x, I, 0.0f, product, I);
+        cpu::add_inplace(dweight_OI, product, O * I);
+      }
     }
   }
 
