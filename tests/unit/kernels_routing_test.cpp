@@ -60,6 +60,18 @@ Routed route(const std::vector<double>& logits, const std::vector<float>& bias, 
   return r;
 }
 
+// A routing spec from a test variant's fields.
+TopkRoutingSpec routing_spec(const RoutingScore score, const bool pre_softmax, const int64_t groups,
+                             const int64_t group_topk, const double factor) {
+  TopkRoutingSpec spec;
+  spec.score = score;
+  spec.pre_softmax = pre_softmax;
+  spec.num_groups = groups;
+  spec.group_topk = group_topk;
+  spec.scaling_factor = factor;
+  return spec;
+}
+
 TEST(RoutingKernels, FastMatchesReferenceWithFp32Scores) {
   const int64_t n = 300, E = 64;  // n * E past the OpenMP threshold
   const std::vector<double> logits = random_vector<double>(static_cast<size_t>(n * E), 5, -3.0, 3.0);
@@ -84,12 +96,7 @@ TEST(RoutingKernels, FastMatchesReferenceWithFp32Scores) {
       {"softmax_k20_sorted", RoutingScore::kSoftmax, true, 20, 0, 0, 0.0, false, -1, RoutingDropPolicy::kProbs, false},
   };
   for (const Variant& v : variants) {
-    TopkRoutingSpec spec;
-    spec.score = v.score;
-    spec.pre_softmax = v.pre_softmax;
-    spec.num_groups = v.groups;
-    spec.group_topk = v.group_topk;
-    spec.scaling_factor = v.factor;
+    const TopkRoutingSpec spec = routing_spec(v.score, v.pre_softmax, v.groups, v.group_topk, v.factor);
     const std::vector<float> b = v.bias ? bias : std::vector<float>{};
     const Routed fast = route<true>(logits, b, n, E, v.k, spec, v.capacity, v.policy, v.pad);
     const Routed naive = route<false>(logits, b, n, E, v.k, spec, v.capacity, v.policy, v.pad);
@@ -128,12 +135,7 @@ TEST(RoutingKernels, GivenSelectionGathersTheScoresAtIt) {
   };
   std::mt19937 rng(10);
   for (const Variant& v : variants) {
-    TopkRoutingSpec spec;
-    spec.score = v.score;
-    spec.pre_softmax = v.pre_softmax;
-    spec.num_groups = v.groups;
-    spec.group_topk = v.group_topk;
-    spec.scaling_factor = v.factor;
+    const TopkRoutingSpec spec = routing_spec(v.score, v.pre_softmax, v.groups, v.group_topk, v.factor);
     const float* bias_E = v.bias ? bias.data() : nullptr;
     const size_t nk = static_cast<size_t>(n * v.k);
     std::vector<int32_t> chosen(nk), replayed(nk);
