@@ -109,31 +109,54 @@ class BatchSlices {
 
   BatchSlices(const DType dtype, const int64_t batch) : bf16_(dtype == DType::kBF16), B_(batch) {}
 
-  // Sequence b of a 16-bit [rows, B, W] tensor widened into scratch slot `slot` ([rows, W]).
-  float* widen(const size_t slot, const Tensor& t, const int64_t rows, const int64_t b) {
-    const int64_t W = t.numel() / (rows * B_);
-    float* out = scratch(slot, rows * W);
-    const uint16_t* in = t.data<uint16_t>();
-    for (int64_t s = 0; s < rows; ++s) {
-      bf16_ ? kernels::cpu::decode_bf16(out + s * W, in + (s * B_ + b) * W, W, isa_)
-            : kernels::cpu::decode_fp16(out + s * W, in + (s * B_ + b) * W, W, isa_);
-    }
+  // One [rows, B, W] tensor's sequence and its scratch slot ([rows, W]): read (Slice) or written (OutSlice).
+  template <typename T>
+  struct SliceOf {
+    size_t slot;
+    T* t;
+    int64_t rows;
+  };
+  using Slice = SliceOf<const Tensor>;
+  using OutSlice = SliceOf<Tensor>;
+  // Sequence b of each slice's 16-bit tensor widened into its slot; the slots' fp32 pointers in the slices' order.
+  template <size_t n>
+  std::array<float*, n> widen(const std::array<Slice, n>& slices, const int64_t b) {
+    std::array<float*, n> out{};
+    for (size_t i = 0; i < n; ++i) out[i] = scratch(slices[i].slot, slices[i].t->numel() / B_);
+    convert_rows(slices, [&](const size_t i, const int64_t s, const int64_t W) {
+      const uint16_t* in = slices[i].t->template data<uint16_t>() + (s * B_ + b) * W;
+      bf16_ ? kernels::cpu::decode_bf16(out[i] + s * W, in, W, isa_)
+            : kernels::cpu::decode_fp16(out[i] + s * W, in, W, isa_);
+    });
     return out;
   }
   // Scratch slot `slot` for one sequence of t, not widened (the kernel overwrites it).
   float* uninitialized(const size_t slot, const Tensor& t) { return scratch(slot, t.numel() / B_); }
-  // Scratch slot `slot` narrowed into sequence b of t ([rows, B, W]).
-  void narrow(const size_t slot, Tensor& t, const int64_t rows, const int64_t b) const {
-    const int64_t W = t.numel() / (rows * B_);
-    const float* in = slots_[slot].data<float>();
-    uint16_t* out = t.data<uint16_t>();
-    for (int64_t s = 0; s < rows; ++s) {
-      bf16_ ? kernels::cpu::encode_bf16(out + (s * B_ + b) * W, in + s * W, W, isa_)
-            : kernels::cpu::encode_fp16(out + (s * B_ + b) * W, in + s * W, W, isa_);
-    }
+  // Each slice's slot narrowed into sequence b of its tensor.
+  template <size_t n>
+  void narrow(const std::array<OutSlice, n>& slices, const int64_t b) const {
+    convert_rows(slices, [&](const size_t i, const int64_t s, const int64_t W) {
+      const float* in = slots_[slices[i].slot].template data<float>() + s * W;
+      uint16_t* out = slices[i].t->template data<uint16_t>() + (s * B_ + b) * W;
+      bf16_ ? kernels::cpu::encode_bf16(out, in, W, isa_) : kernels::cpu::encode_fp16(out, in, W, isa_);
+    });
   }
 
  private:
+  // fn(slice, row, W) for every row of every slice, on all threads in one parallel region: with each tensor
+  // widened on one thread the e16 bf16 step (bench/moe_step_models.sh) spent 5-9 ms more in attention.
+  template <typename T, size_t n, typename Fn>
+  void convert_rows(const std::array<SliceOf<T>, n>& slices, Fn&& fn) const {
+    std::array<int64_t, n + 1> first_row{};
+    for (size_t i = 0; i < n; ++i) first_row[i + 1] = first_row[i] + slices[i].rows;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < first_row[n]; ++r) {
+      size_t i = 0;
+      while (r >= first_row[i + 1]) ++i;
+      fn(i, r - first_row[i], slices[i].t->numel() / (slices[i].rows * B_));
+    }
+  }
+
   float* scratch(const size_t slot, const int64_t n) {
     Tensor& buffer = slots_[slot];
     if (!buffer.defined() || buffer.numel() < n) buffer = Tensor::uninitialized({n}, DType::kF32);
@@ -165,10 +188,11 @@ void attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, 
     one.B = 1;
     BatchSlices x(q_SBNd.dtype(), dims.B);
     for (int64_t b = 0; b < dims.B; ++b) {
-      kernels::cpu::attention_forward(x.uninitialized(0, out_SBNd), lse_BNS.data<float>() + b * dims.N * S,
-                                      x.widen(1, q_SBNd, S, b), x.widen(2, k_SBGd, Sk, b), x.widen(3, v_SBGd, Sk, b),
+      const auto [q, k, v] =
+          x.widen(std::array<BatchSlices::Slice, 3>{{{1, &q_SBNd, S}, {2, &k_SBGd, Sk}, {3, &v_SBGd, Sk}}}, b);
+      kernels::cpu::attention_forward(x.uninitialized(0, out_SBNd), lse_BNS.data<float>() + b * dims.N * S, q, k, v,
                                       one, dropout);
-      x.narrow(0, out_SBNd, S, b);
+      x.narrow(std::array<BatchSlices::OutSlice, 1>{{{0, &out_SBNd, S}}}, b);
     }
     return;
   }
@@ -196,13 +220,19 @@ void attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const
     one.B = 1;
     BatchSlices x(q_SBNd.dtype(), dims.B);
     for (int64_t b = 0; b < dims.B; ++b) {
-      kernels::cpu::attention_backward(
-          x.widen(0, dq_SBNd, S, b), x.widen(1, dk_SBGd, Sk, b), x.widen(2, dv_SBGd, Sk, b),
-          x.widen(3, dout_SBNd, S, b), x.widen(4, q_SBNd, S, b), x.widen(5, k_SBGd, Sk, b), x.widen(6, v_SBGd, Sk, b),
-          x.widen(7, out_SBNd, S, b), lse_BNS.data<float>() + b * dims.N * S, one, dropout);
-      x.narrow(0, dq_SBNd, S, b);
-      x.narrow(1, dk_SBGd, Sk, b);
-      x.narrow(2, dv_SBGd, Sk, b);
+      const std::array<BatchSlices::OutSlice, 3> grads{{{0, &dq_SBNd, S}, {1, &dk_SBGd, Sk}, {2, &dv_SBGd, Sk}}};
+      const auto p = x.widen(std::array<BatchSlices::Slice, 8>{{{0, &dq_SBNd, S},
+                                                                {1, &dk_SBGd, Sk},
+                                                                {2, &dv_SBGd, Sk},
+                                                                {3, &dout_SBNd, S},
+                                                                {4, &q_SBNd, S},
+                                                                {5, &k_SBGd, Sk},
+                                                                {6, &v_SBGd, Sk},
+                                                                {7, &out_SBNd, S}}},
+                             b);
+      kernels::cpu::attention_backward(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7],
+                                       lse_BNS.data<float>() + b * dims.N * S, one, dropout);
+      x.narrow(grads, b);
     }
     return;
   }
