@@ -202,6 +202,25 @@ TEST(KernelsGemmLowp, NativePathFp16MatchesReference) {
   gemm_all_cases(LowpType::kF16, LowpGemmPath::kNative);
 }
 
+// The native path accumulates into an fp32 C of >= 8 Mi elements (an output layer's weight gradient) in blocks of
+// rows through a buffer: against the reference, with M not a multiple of the blocks' rows, padded leading dimensions
+// (C's padding untouched), both layouts of A (the weight gradient's is transposed).
+TEST(KernelsGemmLowp, NativeAccumulationIntoALargeCMatchesReference) {
+  for (const LowpType type : kTypes) {
+    std::string why;
+    if (skip_native(type, why)) {
+      std::printf("%s\n", why.c_str());
+      continue;
+    }
+    const cpu::ScopedLowpGemmPath scope(LowpGemmPath::kNative);
+    std::mt19937 gen(21);
+    for (const bool trans_a : {true, false}) {
+      check_gemm<float>(type, trans_a, false, {16500, 512, 24, 3}, 1.0f, 1.0f, gen,
+                        std::string(lowp_type_name(type)) + " large C, trans_a=" + std::to_string(trans_a));
+    }
+  }
+}
+
 // ---- linear layer -------------------------------------------------------------------------------------------------
 
 template <typename Out, typename Bias>
