@@ -221,6 +221,28 @@ TEST(KernelsGemmLowp, NativeAccumulationIntoALargeCMatchesReference) {
   }
 }
 
+// A long K into a small fp32 C (an output layer's input gradient) runs in blocks of K on the native path: against
+// the reference, K not a multiple of the blocks, every transpose combination, beta 0 and 1, alpha other than 1.
+TEST(KernelsGemmLowp, NativeLongKMatchesReference) {
+  for (const LowpType type : kTypes) {
+    std::string why;
+    if (skip_native(type, why)) {
+      std::printf("%s\n", why.c_str());
+      continue;
+    }
+    const cpu::ScopedLowpGemmPath scope(LowpGemmPath::kNative);
+    std::mt19937 gen(22);
+    for (const bool trans_a : {false, true}) {
+      for (const bool trans_b : {false, true}) {
+        const std::string what = std::string(lowp_type_name(type)) + " long K, trans_a=" + std::to_string(trans_a) +
+                                 " trans_b=" + std::to_string(trans_b);
+        check_gemm<float>(type, trans_a, trans_b, {33, 40, 16500, 2}, 1.0f, 0.0f, gen, what + " beta 0");
+        check_gemm<float>(type, trans_a, trans_b, {33, 40, 16500, 2}, -0.5f, 1.0f, gen, what + " beta 1");
+      }
+    }
+  }
+}
+
 // ---- linear layer -------------------------------------------------------------------------------------------------
 
 template <typename Out, typename Bias>
