@@ -1,5 +1,5 @@
 // Fast softmax cross-entropy: one token per OpenMP iteration, max-subtracted exponentials (vectorised for float:
-// AVX2 + FMA code chosen at run time when the CPU has it, so a portable build uses it too).
+// AVX-512 or AVX2 + FMA code chosen at run time when the CPU has it, so a portable build uses it too).
 #include "moecore/kernels/cpu/loss.h"
 
 #include <cmath>

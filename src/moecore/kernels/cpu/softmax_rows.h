@@ -1,12 +1,19 @@
 // Row-wise softmax pieces shared by the fast cross-entropy kernels (loss.cpp) and the vocabulary-parallel ones
-// (vocab_parallel.cpp): max-subtracted exponentials vectorised for float (AVX2 + FMA chosen at run time, so a
-// portable build uses it too). Internal to kernels/cpu.
+// (vocab_parallel.cpp): max-subtracted exponentials vectorised for float (AVX-512 or AVX2 + FMA chosen at run time,
+// so a portable build uses them too; both give the same bits). Internal to kernels/cpu.
 #pragma once
 
 #if defined(__x86_64__)
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which its flow analysis reports as
+// (maybe-)uninitialized once inlined (GCC bug 105593, fixed in GCC 13).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 #define MOECORE_HAVE_AVX2_PATH 1
 #define MOECORE_AVX2_FMA __attribute__((target("avx2,fma")))
+#define MOECORE_AVX512_FMA __attribute__((target("avx512f,avx2,fma")))
 #endif
 
 #include <bit>
@@ -63,10 +70,10 @@ MOECORE_AVX2_FMA inline __m256 exp_nonpositive8(__m256 x) {
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(exponent)));
 }
 
-// The 8-aligned prefix of sum_exp; returns how many elements it consumed.
-MOECORE_AVX2_FMA inline int64_t sum_exp_avx2(double& sum, const float* row, const int64_t V, const float shift) {
-  int64_t v = 0;
-  __m256 acc = _mm256_setzero_ps();
+// sum_exp's 8-lane sums from element v on (acc holding those of the elements before), over the 8-aligned prefix,
+// added to sum lane by lane; returns how many elements it consumed.
+MOECORE_AVX2_FMA inline int64_t sum_exp_avx2_from(double& sum, const float* row, const int64_t V, const float shift,
+                                                  int64_t v, __m256 acc) {
   const __m256 shift8 = _mm256_set1_ps(shift);
   for (; v + 8 <= V; v += 8)
     acc = _mm256_add_ps(acc, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row + v), shift8)));
@@ -76,16 +83,71 @@ MOECORE_AVX2_FMA inline int64_t sum_exp_avx2(double& sum, const float* row, cons
   return v;
 }
 
-// The 8-aligned prefix of scaled_softmax; returns how many elements it wrote.
+// The 8-aligned prefix of sum_exp; returns how many elements it consumed.
+MOECORE_AVX2_FMA inline int64_t sum_exp_avx2(double& sum, const float* row, const int64_t V, const float shift) {
+  return sum_exp_avx2_from(sum, row, V, shift, 0, _mm256_setzero_ps());
+}
+
+// The 8-aligned prefix of scaled_softmax from element v on; returns how many elements it wrote.
 MOECORE_AVX2_FMA inline int64_t scaled_softmax_avx2(float* out, const float* row, const int64_t V, const float lse,
-                                                    const float scale) {
-  int64_t v = 0;
+                                                    const float scale, int64_t v = 0) {
   const __m256 lse8 = _mm256_set1_ps(lse), scale8 = _mm256_set1_ps(scale);
   for (; v + 8 <= V; v += 8) {
     const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row + v), lse8));
     _mm256_storeu_ps(out + v, _mm256_mul_ps(scale8, e));
   }
   return v;
+}
+
+// True when this CPU runs the AVX-512 functions below (tested once).
+inline bool cpu_has_avx512f() {
+  static const bool has = cpu_has_avx2_fma() && __builtin_cpu_supports("avx512f");
+  return has;
+}
+
+// Sixteen lanes of exp_nonpositive, each the bits of exp_nonpositive8's.
+MOECORE_AVX512_FMA inline __m512 exp_nonpositive16(__m512 x) {
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), y, _mm512_castsi512_ps(exponent));
+}
+
+// sum_exp_avx2 with sixteen exponentials a step: each half added to the 8-lane sums in the order the AVX2 loop adds
+// them, so the sum has the same bits.
+MOECORE_AVX512_FMA inline int64_t sum_exp_avx512(double& sum, const float* row, const int64_t V, const float shift) {
+  int64_t v = 0;
+  __m256 acc = _mm256_setzero_ps();
+  const __m512 shift16 = _mm512_set1_ps(shift);
+  for (; v + 16 <= V; v += 16) {
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(row + v), shift16));
+    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+    acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+  return sum_exp_avx2_from(sum, row, V, shift, v, acc);
+}
+
+// scaled_softmax_avx2 with sixteen exponentials a step (the same values).
+MOECORE_AVX512_FMA inline int64_t scaled_softmax_avx512(float* out, const float* row, const int64_t V, const float lse,
+                                                        const float scale) {
+  int64_t v = 0;
+  const __m512 lse16 = _mm512_set1_ps(lse), scale16 = _mm512_set1_ps(scale);
+  for (; v + 16 <= V; v += 16) {
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(row + v), lse16));
+    _mm512_storeu_ps(out + v, _mm512_mul_ps(scale16, e));
+  }
+  return scaled_softmax_avx2(out, row, V, lse, scale, v);
 }
 #endif
 
@@ -94,7 +156,11 @@ inline double sum_exp(const float* row, const int64_t V, const float shift) {
   int64_t v = 0;
   double sum = 0.0;
 #if defined(MOECORE_HAVE_AVX2_PATH)
-  if (cpu_has_avx2_fma()) v = sum_exp_avx2(sum, row, V, shift);
+  if (cpu_has_avx512f()) {
+    v = sum_exp_avx512(sum, row, V, shift);
+  } else if (cpu_has_avx2_fma()) {
+    v = sum_exp_avx2(sum, row, V, shift);
+  }
 #endif
   for (; v < V; ++v) sum += exp_nonpositive(row[v] - shift);
   return sum;
@@ -108,7 +174,11 @@ inline double sum_exp(const double* row, const int64_t V, const double shift) {
 inline void scaled_softmax(float* out, const float* row, const int64_t V, const float lse, const float scale) {
   int64_t v = 0;
 #if defined(MOECORE_HAVE_AVX2_PATH)
-  if (cpu_has_avx2_fma()) v = scaled_softmax_avx2(out, row, V, lse, scale);
+  if (cpu_has_avx512f()) {
+    v = scaled_softmax_avx512(out, row, V, lse, scale);
+  } else if (cpu_has_avx2_fma()) {
+    v = scaled_softmax_avx2(out, row, V, lse, scale);
+  }
 #endif
   for (; v < V; ++v) out[v] = scale * exp_nonpositive(row[v] - lse);
 }
