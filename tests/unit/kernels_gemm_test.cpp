@@ -59,64 +59,73 @@ TEST(GemmTest, AllTransposeCombosMatchReferenceFloat) {
   }
 }
 
+struct GemmShape {
+  bool trans_a, trans_b;
+  int64_t M, N, K;
+};
+
+// cpu::gemm<float> on strided operands against the reference within the fp32 summation bound K u sum |alpha a b| +
+// u |beta c| per entry, C's padding untouched.
+void expect_within_summation_bound(const GemmShape& s, const float alpha, const float beta) {
+  constexpr double kUnitRoundoff = 0x1p-24;
+  const int64_t a_rows = s.trans_a ? s.K : s.M, a_cols = s.trans_a ? s.M : s.K;
+  const int64_t b_rows = s.trans_b ? s.N : s.K, b_cols = s.trans_b ? s.K : s.N;
+  const int64_t lda = a_cols + 16, ldb = b_cols + 32, ldc = s.N + 16;
+  const auto A = random_vector<float>(static_cast<size_t>(a_rows * lda), 21);
+  const auto B = random_vector<float>(static_cast<size_t>(b_rows * ldb), 22);
+  const auto C0 = random_vector<float>(static_cast<size_t>(s.M * ldc), 23);
+  auto C_fast = C0;
+  std::vector<double> C_ref(C0.begin(), C0.end()), abs_A(A.size()), abs_B(B.size()), bound(C0.size(), 0.0);
+  for (size_t i = 0; i < A.size(); ++i) abs_A[i] = std::fabs(A[i]);
+  for (size_t i = 0; i < B.size(); ++i) abs_B[i] = std::fabs(B[i]);
+  const std::vector<double> A64(A.begin(), A.end()), B64(B.begin(), B.end());
+  cpu::gemm<float>(s.trans_a, s.trans_b, s.M, s.N, s.K, alpha, A.data(), lda, B.data(), ldb, beta, C_fast.data(), ldc);
+  ref::gemm<double>(s.trans_a, s.trans_b, s.M, s.N, s.K, alpha, A64.data(), lda, B64.data(), ldb, beta, C_ref.data(),
+                    ldc);
+  ref::gemm<double>(s.trans_a, s.trans_b, s.M, s.N, s.K, alpha, abs_A.data(), lda, abs_B.data(), ldb, 0.0, bound.data(),
+                    ldc);
+  int64_t outside = 0;
+  for (int64_t i = 0; i < s.M; ++i) {
+    for (int64_t j = 0; j < s.N; ++j) {
+      const size_t at = static_cast<size_t>(i * ldc + j);
+      const double allowed = (static_cast<double>(s.K) + 2.0) * kUnitRoundoff * bound[at] +
+                             2.0 * kUnitRoundoff * (std::fabs(C0[at]) + std::fabs(C_ref[at]));
+      outside += std::fabs(C_fast[at] - C_ref[at]) > allowed ? 1 : 0;
+    }
+    for (int64_t j = s.N; j < ldc; ++j) ASSERT_EQ(C_fast[i * ldc + j], C0[i * ldc + j]) << "ldc padding written";
+  }
+  EXPECT_EQ(outside, 0) << "M=" << s.M << " N=" << s.N << " K=" << s.K << " trans_a=" << s.trans_a
+                        << " trans_b=" << s.trans_b
+                        << " matmul=" << cpu::sgemm_uses_matmul(s.trans_a, s.trans_b, s.M, s.N, s.K);
+}
+
 // The fp32 GEMM runs some shapes on oneDNN's matmul primitive instead of dnnl_sgemm (cpu::sgemm_uses_matmul): one
 // shape of each of the table's rows (but the output layer's weight gradient, too big for the reference here), with
-// strided operands, alpha and beta, against the reference within the fp32 summation bound K u sum |alpha a b| +
-// u |beta c| per entry, and through the primitive on a CPU where the table applies (AVX-512).
+// strided operands, alpha and beta, against the reference, and through the primitive on a CPU where the table applies
+// (AVX-512).
 TEST(GemmTest, MatmulPrimitiveShapesMatchReference) {
-  struct Shape {
-    bool trans_a, trans_b;
-    int64_t M, N, K;
-  };
-  const Shape shapes[] = {
+  const GemmShape shapes[] = {
       {false, true, 16, 16384, 512},   // output layer forward
       {true, false, 1024, 192, 256},   // up-projection weight gradient
       {false, true, 32, 256, 1024},    // down-projection forward
       {false, false, 1024, 512, 512},  // 512 -> 512 input gradient
   };
-  constexpr double kUnitRoundoff = 0x1p-24;
-  const float alpha = 0.75f, beta = 1.0f;
-  for (const Shape& s : shapes) {
-    const int64_t a_rows = s.trans_a ? s.K : s.M, a_cols = s.trans_a ? s.M : s.K;
-    const int64_t b_rows = s.trans_b ? s.N : s.K, b_cols = s.trans_b ? s.K : s.N;
-    const int64_t lda = a_cols + 16, ldb = b_cols + 32, ldc = s.N + 16;
-    const auto A = random_vector<float>(static_cast<size_t>(a_rows * lda), 21);
-    const auto B = random_vector<float>(static_cast<size_t>(b_rows * ldb), 22);
-    const auto C0 = random_vector<float>(static_cast<size_t>(s.M * ldc), 23);
-    auto C_fast = C0;
-    std::vector<double> C_ref(C0.begin(), C0.end()), abs_A(A.size()), abs_B(B.size()), bound(C0.size(), 0.0);
-    for (size_t i = 0; i < A.size(); ++i) abs_A[i] = std::fabs(A[i]);
-    for (size_t i = 0; i < B.size(); ++i) abs_B[i] = std::fabs(B[i]);
-    const std::vector<double> A64(A.begin(), A.end()), B64(B.begin(), B.end());
-    cpu::gemm<float>(s.trans_a, s.trans_b, s.M, s.N, s.K, alpha, A.data(), lda, B.data(), ldb, beta, C_fast.data(),
-                     ldc);
-    ref::gemm<double>(s.trans_a, s.trans_b, s.M, s.N, s.K, alpha, A64.data(), lda, B64.data(), ldb, beta, C_ref.data(),
-                      ldc);
-    ref::gemm<double>(s.trans_a, s.trans_b, s.M, s.N, s.K, alpha, abs_A.data(), lda, abs_B.data(), ldb, 0.0,
-                      bound.data(), ldc);
-    int64_t outside = 0;
-    for (int64_t i = 0; i < s.M; ++i) {
-      for (int64_t j = 0; j < s.N; ++j) {
-        const size_t at = static_cast<size_t>(i * ldc + j);
-        const double allowed = (static_cast<double>(s.K) + 2.0) * kUnitRoundoff * bound[at] +
-                               2.0 * kUnitRoundoff * (std::fabs(C0[at]) + std::fabs(C_ref[at]));
-        outside += std::fabs(C_fast[at] - C_ref[at]) > allowed ? 1 : 0;
-      }
-      for (int64_t j = s.N; j < ldc; ++j) ASSERT_EQ(C_fast[i * ldc + j], C0[i * ldc + j]) << "ldc padding written";
-    }
-    EXPECT_EQ(outside, 0) << "M=" << s.M << " N=" << s.N << " K=" << s.K << " trans_a=" << s.trans_a
-                          << " trans_b=" << s.trans_b
-                          << " matmul=" << cpu::sgemm_uses_matmul(s.trans_a, s.trans_b, s.M, s.N, s.K);
-  }
+  for (const GemmShape& s : shapes) expect_within_summation_bound(s, 0.75f, 1.0f);
   if (cpu::gemm_library().find("fp32 matmul") == std::string::npos) {
     GTEST_SKIP() << "the fp32 matmul table does not apply on this CPU (" << cpu::gemm_library()
                  << "): the shapes above ran on dnnl_sgemm";
   }
-  for (const Shape& s : shapes) EXPECT_TRUE(cpu::sgemm_uses_matmul(s.trans_a, s.trans_b, s.M, s.N, s.K));
+  for (const GemmShape& s : shapes) EXPECT_TRUE(cpu::sgemm_uses_matmul(s.trans_a, s.trans_b, s.M, s.N, s.K));
   EXPECT_TRUE(cpu::sgemm_uses_matmul(true, false, 32000, 512, 512));    // the output layer's weight gradient
   EXPECT_TRUE(cpu::sgemm_uses_matmul(true, false, 512, 512, 2048));     // 512 -> 512 weight gradient
   EXPECT_FALSE(cpu::sgemm_uses_matmul(false, true, 2048, 2048, 2048));  // square: dnnl_sgemm
   EXPECT_FALSE(cpu::sgemm_uses_matmul(false, true, 15, 16384, 512));    // not a multiple of 16: dnnl_sgemm
+}
+
+// Accumulating into an fp32 C of >= 8 Mi elements over a short K (an output layer's weight gradient over a chunk of
+// rows) runs in blocks of rows through a buffer: M not a multiple of the blocks' rows, both layouts of A.
+TEST(GemmTest, AccumulationIntoALargeCMatchesReference) {
+  for (const bool trans_a : {true, false}) expect_within_summation_bound({trans_a, false, 16500, 512, 24}, 0.75f, 1.0f);
 }
 
 TEST(GemmTest, AllTransposeCombosMatchReferenceDouble) {

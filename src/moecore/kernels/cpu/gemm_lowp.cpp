@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "moecore/kernels/cpu/bf16_dot_rate.h"
+#include "moecore/kernels/cpu/blocked_accumulate.h"
 #include "moecore/kernels/cpu/convert.h"
 #include "moecore/kernels/cpu/gemm.h"
 #include "moecore/kernels/cpu/onednn_matmul.h"
@@ -140,44 +141,10 @@ const std::string& native_impl(const LowpType type) {
   return type == LowpType::kBF16 ? bf16 : fp16;
 }
 
-// oneDNN 2.6.3's bf16 matmul accumulating into a large fp32 C (beta 1) ran 20-40% below its beta-0 rate on
-// the output layer's weight gradient (32128 x 512 over 256-512 rows, AMD Zen 5; with 512 x 512 to 4096 x 512 C
-// it kept pace). Such a product runs in blocks of rows, each with beta 0 into a buffer that stays in cache (kept by
-// the calling thread) and then added to C: each element the same fp32 sum of products plus C, up to the order of
-// that sum (oneDNN blocks K by the shape: at K 512 a block's sums differ in order from the whole product's).
-constexpr int64_t kBlockedAccumulateMin = int64_t{1} << 23;     // elements of C (32 MiB)
-constexpr int64_t kBlockedAccumulateBuffer = int64_t{1} << 21;  // elements of a block (8 MiB)
-
-template <typename CT>
-void gemm_native(const LowpType type, const bool trans_a, const bool trans_b, const int64_t M, const int64_t N,
-                 const int64_t K, const float alpha, const uint16_t* A, const int64_t lda, const uint16_t* B,
-                 const int64_t ldb, const float beta, CT* C, const int64_t ldc, const float* bias_N);
-
-void gemm_native_blocked_accumulate(const LowpType type, const bool trans_a, const bool trans_b, const int64_t M,
-                                    const int64_t N, const int64_t K, const float alpha, const uint16_t* A,
-                                    const int64_t lda, const uint16_t* B, const int64_t ldb, float* C,
-                                    const int64_t ldc) {
-  const int64_t rows = std::max<int64_t>(1, kBlockedAccumulateBuffer / N);
-  thread_local std::vector<float> buffer;
-  const auto size = static_cast<size_t>(std::min(rows, M) * N);
-  if (buffer.size() < size) buffer.resize(size);
-  for (int64_t m0 = 0; m0 < M; m0 += rows) {
-    const int64_t m_len = std::min(rows, M - m0);
-    const uint16_t* a = trans_a ? A + m0 : A + m0 * lda;
-    gemm_native<float>(type, trans_a, trans_b, m_len, N, K, alpha, a, lda, B, ldb, 0.0f, buffer.data(), N, nullptr);
-    const float* product = buffer.data();
-#pragma omp parallel for schedule(static) if (onednn_matmul_threads() > 1)
-    for (int64_t i = 0; i < m_len; ++i) {
-      float* c = C + (m0 + i) * ldc;
-      const float* p = product + i * N;
-      for (int64_t j = 0; j < N; ++j) c[j] += p[j];
-    }
-  }
-}
-
-// It also ran a long K into a small C (512 x 512 x 32128, the output layer's input gradient) at 800-850 GFLOP/s, and
-// the same product in K blocks of 4096 accumulated into C (which stays in cache) at 910-925 (AMD Zen 5; the fp32
-// sgemm gained nothing so): an fp32 C of at most kLongKMaxC elements over K >= kLongK runs so.
+// oneDNN 2.6.3's bf16 matmul accumulating into a large fp32 C runs in blocks of rows (blocked_accumulate.h). It also
+// ran a long K into a small C (512 x 512 x 32128, the output layer's input gradient) at 800-850 GFLOP/s, and the same
+// product in K blocks of 4096 accumulated into C (which stays in cache) at 910-925 (AMD Zen 5; the fp32 sgemm gained
+// nothing so): an fp32 C of at most kLongKMaxC elements over K >= kLongK runs so.
 constexpr int64_t kLongK = 16384, kLongKBlock = 4096, kLongKMaxC = int64_t{1} << 20;
 
 template <typename CT>
@@ -185,8 +152,12 @@ void gemm_native(const LowpType type, const bool trans_a, const bool trans_b, co
                  const int64_t K, const float alpha, const uint16_t* A, const int64_t lda, const uint16_t* B,
                  const int64_t ldb, const float beta, CT* C, const int64_t ldc, const float* bias_N) {
   if constexpr (std::is_same_v<CT, float>) {
-    if (beta == 1.0f && bias_N == nullptr && M * N >= kBlockedAccumulateMin && N <= kBlockedAccumulateBuffer / 2) {
-      gemm_native_blocked_accumulate(type, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, C, ldc);
+    if (beta == 1.0f && bias_N == nullptr && blocked_accumulate::applies(M, N)) {
+      blocked_accumulate::run(
+          M, N, C, ldc, onednn_matmul_threads(), [&](const int64_t m0, const int64_t rows, float* buffer) {
+            const uint16_t* a = trans_a ? A + m0 : A + m0 * lda;  // op(A)'s rows m0..
+            gemm_native<float>(type, trans_a, trans_b, rows, N, K, alpha, a, lda, B, ldb, 0.0f, buffer, N, nullptr);
+          });
       return;
     }
     if (K >= kLongK && M * N <= kLongKMaxC && bias_N == nullptr) {
