@@ -27,6 +27,8 @@ echo "# after:  $after"
 run_flags=(--mock-data --tokenizer-type NullTokenizer --eval-iters 0 --lr-warmup-iters 1 --threads 2 "${extra[@]}")
 # shellcheck source=bench/moe_step_models.sh
 source bench/moe_step_models.sh
+# shellcheck source=bench/step_stats.sh
+source bench/step_stats.sh
 
 run() {  # SIDE BINARY MODEL FLAGS...: appends "MODEL SIDE ms" lines
   local side=$1 binary=$2 model=$3 log=$work/run.log
@@ -58,9 +60,7 @@ echo
 echo "| model | before median (ms) | after median (ms) | after / before | before min | after min |"
 echo "| --- | --- | --- | --- | --- | --- |"
 for model in e16 demo; do
-  stats() { awk -v m="$model" -v s="$1" '$1 == m && $2 == s {print $3}' "$work/ms" | sort -g |
-    awk '{v[NR] = $1} END {printf "%.1f %.1f", (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2), v[1]}'; }
-  read -r b_med b_min <<<"$(stats before)"
-  read -r a_med a_min <<<"$(stats after)"
+  read -r b_med b_min <<<"$(step_stats "$work/ms" "$model" before)"
+  read -r a_med a_min <<<"$(step_stats "$work/ms" "$model" after)"
   echo "| $model | $b_med | $a_med | $(awk -v a="$a_med" -v b="$b_med" 'BEGIN {printf "%.3f", a / b}') | $b_min | $a_min |"
 done
