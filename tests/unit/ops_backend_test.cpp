@@ -1075,7 +1075,10 @@ TEST(LinearCrossEntropy, ChunkRowsFollowTheBudget) {
   EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000, 16), 1);                       // never less than one row
   EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{32} << 20, 2), 512);  // 16-bit logits: 524
   EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{8} << 20), 64);       // 65 rows
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{4} << 20), 32);       // under 64: as they fit
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 50304, int64_t{32} << 20), 160);     // 166 rows: multiple of 16
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 50304, int64_t{32} << 20, 2), 320);  // 333: of 64 for 16 bits
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{1} << 20), 8);        // under 16: as they fit
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{2} << 20, 2), 32);    // under 64: as they fit
   EXPECT_THROW(linear_cross_entropy_chunk_rows(2048, 32000, 16, 0), std::invalid_argument);
 }
 

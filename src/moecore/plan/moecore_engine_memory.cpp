@@ -12,6 +12,7 @@
 #include "moecore/config/arguments.h"
 #include "moecore/config/optimizer_master.h"
 #include "moecore/ops/linear.h"
+#include "moecore/ops/linear_cross_entropy.h"
 #include "moecore/pipeline/pipeline_layout.h"
 #include "moecore/plan/pipeline_peak.h"
 #include "moecore/util/checked_math.h"
@@ -575,9 +576,8 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
       const bool split_vocab = l.tp() > 1;
       const double logit_bytes = native && !split_vocab ? 2 : 4;
       const double chunk_budget = 67108864.0 * x.a / 4;
-      double chunk_rows = std::floor(chunk_budget / (logit_bytes * vocab_local));
-      if (chunk_rows >= 64) chunk_rows -= std::fmod(chunk_rows, 64.0);  // ops::linear_cross_entropy_chunk_rows
-      chunk_rows = std::min(x.t, std::max(1.0, chunk_rows));
+      const auto chunk_rows = static_cast<double>(ops::linear_cross_entropy_chunk_rows(
+          std::llround(x.t), std::llround(vocab_local), std::llround(chunk_budget), std::llround(logit_bytes)));
       forward.output = static_cast<double>(live) * context.output + x.ta * (x.a * s.h + 4 * s.nrm) + x.a * x.t * s.h +
                        logit_bytes * chunk_rows * vocab_local + x.a * (l.sp ? x.t * s.h : 0) + 4 * 3 * x.t;
       if (forward.total() > backward.total()) peak = forward;
