@@ -115,29 +115,36 @@ TEST_P(OpsRowBlocks, RotaryEmbeddingMatchesTheFp32Path) {
   });
 }
 
+// The 16-bit attention runs the fp32 kernel on a few sequences at a time (as many as keep q's fp32 copy within
+// 1 MiB): at kS all three in one call; at kLongS (700 x 4 heads x 32 x 4 B = 358 KiB) two, then one.
+constexpr int64_t kLongS = 700;
+
 TEST_P(OpsRowBlocks, AttentionMatchesTheFp32Path) {
   const DType dtype = GetParam();
-  const Tensors inputs = {{"q", random_values({kS, kB, kHeads, kHeadDim}, dtype, 81)},
-                          {"k", random_values({kS, kB, kGroups, kHeadDim}, dtype, 82)},
-                          {"v", random_values({kS, kB, kGroups, kHeadDim}, dtype, 83)},
-                          {"out", random_values({kS, kB, kHeads, kHeadDim}, dtype, 84)},
-                          {"lse", Tensor({kB, kHeads, kS}, DType::kF32)},
-                          {"dout", random_values({kS, kB, kHeads, kHeadDim}, dtype, 85)},
-                          {"dq", random_values({kS, kB, kHeads, kHeadDim}, dtype, 86)},
-                          {"dk", random_values({kS, kB, kGroups, kHeadDim}, dtype, 87)},
-                          {"dv", random_values({kS, kB, kGroups, kHeadDim}, dtype, 88)}};
-  AttentionDims dims;
-  dims.S = kS;
-  dims.B = kB;
-  dims.N = kHeads;
-  dims.G = kGroups;
-  dims.head_dim = kHeadDim;
-  dims.scale = 0.17;
-  expect_same("attention", dtype, inputs, {"q", "k", "v", "out", "dout", "dq", "dk", "dv"}, [&](Tensors& t) {
-    attention_forward(t["out"], t["lse"], t["q"], t["k"], t["v"], dims, DropoutSpec{});
-    attention_backward(t["dq"], t["dk"], t["dv"], t["dout"], t["q"], t["k"], t["v"], t["out"], t["lse"], dims,
-                       DropoutSpec{});
-  });
+  for (const int64_t S : {kS, kLongS}) {
+    const Tensors inputs = {{"q", random_values({S, kB, kHeads, kHeadDim}, dtype, 81)},
+                            {"k", random_values({S, kB, kGroups, kHeadDim}, dtype, 82)},
+                            {"v", random_values({S, kB, kGroups, kHeadDim}, dtype, 83)},
+                            {"out", random_values({S, kB, kHeads, kHeadDim}, dtype, 84)},
+                            {"lse", Tensor({kB, kHeads, S}, DType::kF32)},
+                            {"dout", random_values({S, kB, kHeads, kHeadDim}, dtype, 85)},
+                            {"dq", random_values({S, kB, kHeads, kHeadDim}, dtype, 86)},
+                            {"dk", random_values({S, kB, kGroups, kHeadDim}, dtype, 87)},
+                            {"dv", random_values({S, kB, kGroups, kHeadDim}, dtype, 88)}};
+    AttentionDims dims;
+    dims.S = S;
+    dims.B = kB;
+    dims.N = kHeads;
+    dims.G = kGroups;
+    dims.head_dim = kHeadDim;
+    dims.scale = 0.17;
+    expect_same("attention, S=" + std::to_string(S), dtype, inputs, {"q", "k", "v", "out", "dout", "dq", "dk", "dv"},
+                [&](Tensors& t) {
+                  attention_forward(t["out"], t["lse"], t["q"], t["k"], t["v"], dims, DropoutSpec{});
+                  attention_backward(t["dq"], t["dk"], t["dv"], t["dout"], t["q"], t["k"], t["v"], t["out"], t["lse"],
+                                     dims, DropoutSpec{});
+                });
+  }
 }
 
 TEST_P(OpsRowBlocks, RowMovesMatchTheFp32Path) {

@@ -86,12 +86,12 @@ AttentionDims with_products(const AttentionDims& dims, const DType activation) {
   return out;
 }
 
-// 16-bit activations one sequence of the batch at a time: each sequence's q, k, v (backward: dout, out and the
-// accumulated dq, dk, dv too) widened into fp32 scratch of [S, 1, heads, width], the fp32 kernel run on it with
-// B = 1, and what it wrote narrowed back once (round to nearest even). Each (sequence, head) is computed as in the
-// whole batch, so the values are the whole-tensor Staging's bit for bit, while the fp32 copies are one sequence's
-// (in cache) instead of the batch's. Not with attention dropout (its counters number the sequences of the batch)
-// or packed documents ([S, B] document ids); the CPU device only.
+// 16-bit activations a few sequences of the batch at a time: those sequences' q, k, v (backward: dout, out and the
+// accumulated dq, dk, dv too) widened into fp32 scratch of [S, sequences, heads, width], the fp32 kernel run on it
+// with B = sequences, and what it wrote narrowed back once (round to nearest even). Each (sequence, head) is computed
+// as in the whole batch, so the values are the whole-tensor Staging's bit for bit, while the fp32 copies are a few
+// sequences' (in cache) instead of the batch's. Not with attention dropout (its counters number the sequences of the
+// batch) or packed documents ([S, B] document ids); the CPU device only.
 class BatchSlices {
  public:
   // Whether the path applies: 16-bit activations of one dtype on the CPU, fp32 log-sum-exps.
@@ -107,6 +107,14 @@ class BatchSlices {
     return dropout.p == 0.0f && dims.q_document_SB == nullptr && dims.k_document_SB == nullptr && dims.B > 0;
   }
 
+  // Sequences per kernel call: as many as keep q's fp32 copy within kSliceBytes (e16, S 512 x 512 wide: one; the
+  // demo model, S 256 x 192 wide: the micro-batch's four, whose B x groups tasks keep both threads busy).
+  static int64_t sequences_per_call(const AttentionDims& dims) {
+    constexpr int64_t kSliceBytes = int64_t{1} << 20;
+    const int64_t one = dims.S * dims.N * dims.head_dim * static_cast<int64_t>(sizeof(float));
+    return std::clamp<int64_t>(kSliceBytes / std::max<int64_t>(one, 1), 1, dims.B);
+  }
+
   BatchSlices(const DType dtype, const int64_t batch) : bf16_(dtype == DType::kBF16), B_(batch) {}
 
   // One [rows, B, W] tensor's sequence and its scratch slot ([rows, W]): read (Slice) or written (OutSlice).
@@ -118,27 +126,30 @@ class BatchSlices {
   };
   using Slice = SliceOf<const Tensor>;
   using OutSlice = SliceOf<Tensor>;
-  // Sequence b of each slice's 16-bit tensor widened into its slot; the slots' fp32 pointers in the slices' order.
+  // Sequences b .. b + nb of each slice's 16-bit tensor widened into its slot; the slots' fp32 pointers in the
+  // slices' order.
   template <size_t n>
-  std::array<float*, n> widen(const std::array<Slice, n>& slices, const int64_t b) {
+  std::array<float*, n> widen(const std::array<Slice, n>& slices, const int64_t b, const int64_t nb) {
     std::array<float*, n> out{};
-    for (size_t i = 0; i < n; ++i) out[i] = scratch(slices[i].slot, slices[i].t->numel() / B_);
+    for (size_t i = 0; i < n; ++i) out[i] = scratch(slices[i].slot, slices[i].t->numel() / B_ * nb);
     convert_rows(slices, [&](const size_t i, const int64_t s, const int64_t W) {
       const uint16_t* in = slices[i].t->template data<uint16_t>() + (s * B_ + b) * W;
-      bf16_ ? kernels::cpu::decode_bf16(out[i] + s * W, in, W, isa_)
-            : kernels::cpu::decode_fp16(out[i] + s * W, in, W, isa_);
+      float* row = out[i] + s * nb * W;
+      bf16_ ? kernels::cpu::decode_bf16(row, in, nb * W, isa_) : kernels::cpu::decode_fp16(row, in, nb * W, isa_);
     });
     return out;
   }
-  // Scratch slot `slot` for one sequence of t, not widened (the kernel overwrites it).
-  float* uninitialized(const size_t slot, const Tensor& t) { return scratch(slot, t.numel() / B_); }
-  // Each slice's slot narrowed into sequence b of its tensor.
+  // Scratch slot `slot` for nb sequences of t, not widened (the kernel overwrites it).
+  float* uninitialized(const size_t slot, const Tensor& t, const int64_t nb) {
+    return scratch(slot, t.numel() / B_ * nb);
+  }
+  // Each slice's slot narrowed into sequences b .. b + nb of its tensor.
   template <size_t n>
-  void narrow(const std::array<OutSlice, n>& slices, const int64_t b) const {
+  void narrow(const std::array<OutSlice, n>& slices, const int64_t b, const int64_t nb) const {
     convert_rows(slices, [&](const size_t i, const int64_t s, const int64_t W) {
-      const float* in = slots_[slices[i].slot].template data<float>() + s * W;
+      const float* in = slots_[slices[i].slot].template data<float>() + s * nb * W;
       uint16_t* out = slices[i].t->template data<uint16_t>() + (s * B_ + b) * W;
-      bf16_ ? kernels::cpu::encode_bf16(out, in, W, isa_) : kernels::cpu::encode_fp16(out, in, W, isa_);
+      bf16_ ? kernels::cpu::encode_bf16(out, in, nb * W, isa_) : kernels::cpu::encode_fp16(out, in, nb * W, isa_);
     });
   }
 
@@ -184,15 +195,16 @@ void attention_forward(Tensor& out_SBNd, Tensor& lse_BNS, const Tensor& q_SBNd, 
   check_attention(op, dims, {"q_SBNd", "k_SBGd", "v_SBGd", "out_SBNd", q_SBNd, k_SBGd, v_SBGd, out_SBNd}, lse_BNS);
   if (BatchSlices::apply({&out_SBNd, &q_SBNd, &k_SBGd, &v_SBGd}, lse_BNS, dims, dropout)) {
     const int64_t S = dims.S, Sk = dims.Sk > 0 ? dims.Sk : dims.S;
-    AttentionDims one = with_products(dims, activation_dtype(q_SBNd.device()));
-    one.B = 1;
+    AttentionDims some = with_products(dims, activation_dtype(q_SBNd.device()));
+    const int64_t per_call = BatchSlices::sequences_per_call(dims);
     BatchSlices x(q_SBNd.dtype(), dims.B);
-    for (int64_t b = 0; b < dims.B; ++b) {
+    for (int64_t b = 0; b < dims.B; b += per_call) {
+      some.B = std::min(per_call, dims.B - b);
       const auto [q, k, v] =
-          x.widen(std::array<BatchSlices::Slice, 3>{{{1, &q_SBNd, S}, {2, &k_SBGd, Sk}, {3, &v_SBGd, Sk}}}, b);
-      kernels::cpu::attention_forward(x.uninitialized(0, out_SBNd), lse_BNS.data<float>() + b * dims.N * S, q, k, v,
-                                      one, dropout);
-      x.narrow(std::array<BatchSlices::OutSlice, 1>{{{0, &out_SBNd, S}}}, b);
+          x.widen(std::array<BatchSlices::Slice, 3>{{{1, &q_SBNd, S}, {2, &k_SBGd, Sk}, {3, &v_SBGd, Sk}}}, b, some.B);
+      kernels::cpu::attention_forward(x.uninitialized(0, out_SBNd, some.B), lse_BNS.data<float>() + b * dims.N * S, q,
+                                      k, v, some, dropout);
+      x.narrow(std::array<BatchSlices::OutSlice, 1>{{{0, &out_SBNd, S}}}, b, some.B);
     }
     return;
   }
@@ -216,10 +228,11 @@ void attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const
   if (BatchSlices::apply({&dq_SBNd, &dk_SBGd, &dv_SBGd, &dout_SBNd, &q_SBNd, &k_SBGd, &v_SBGd, &out_SBNd}, lse_BNS,
                          dims, dropout)) {
     const int64_t S = dims.S, Sk = dims.Sk > 0 ? dims.Sk : dims.S;
-    AttentionDims one = with_products(dims, activation_dtype(q_SBNd.device()));
-    one.B = 1;
+    AttentionDims some = with_products(dims, activation_dtype(q_SBNd.device()));
+    const int64_t per_call = BatchSlices::sequences_per_call(dims);
     BatchSlices x(q_SBNd.dtype(), dims.B);
-    for (int64_t b = 0; b < dims.B; ++b) {
+    for (int64_t b = 0; b < dims.B; b += per_call) {
+      some.B = std::min(per_call, dims.B - b);
       const std::array<BatchSlices::OutSlice, 3> grads{{{0, &dq_SBNd, S}, {1, &dk_SBGd, Sk}, {2, &dv_SBGd, Sk}}};
       const auto p = x.widen(std::array<BatchSlices::Slice, 8>{{{0, &dq_SBNd, S},
                                                                 {1, &dk_SBGd, Sk},
@@ -229,10 +242,10 @@ void attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const
                                                                 {5, &k_SBGd, Sk},
                                                                 {6, &v_SBGd, Sk},
                                                                 {7, &out_SBNd, S}}},
-                             b);
+                             b, some.B);
       kernels::cpu::attention_backward(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7],
-                                       lse_BNS.data<float>() + b * dims.N * S, one, dropout);
-      x.narrow(grads, b);
+                                       lse_BNS.data<float>() + b * dims.N * S, some, dropout);
+      x.narrow(grads, b, some.B);
     }
     return;
   }
