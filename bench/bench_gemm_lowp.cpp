@@ -157,12 +157,16 @@ int main(int argc, char** argv) {
       {"expert fc2 input grad (512 x 512 x 512, NN)", 512, 512, 512, false, false, false},
       {"expert fc1 weight grad (1024 x 512 x 512, TN, fp32 C)", 1024, 512, 512, true, false, true},
       // The output layer's chunk GEMMs (vocabulary 32128, hidden 512) at a row count that is a multiple of 64 and
-      // at one that is not (ops::linear_cross_entropy_chunk_rows keeps it a multiple of 64).
+      // at one that is not (ops::linear_cross_entropy_chunk_rows keeps 16-bit logits' chunks a multiple of 64); the
+      // input gradient also into fp32 C, as the fused output layer accumulates it (gemm_lowp's K blocks), and the
+      // weight gradient also over the 256 rows of the convert path's fp32 logits chunk (the sgemm's row blocks).
       {"output fwd (512 x 32128 x 512)", 512, 32128, 512, false, true, false},
       {"output fwd (522 x 32128 x 512)", 522, 32128, 512, false, true, false},
       {"output input grad (512 x 512 x 32128, NN)", 512, 512, 32128, false, false, false},
       {"output input grad (522 x 512 x 32128, NN)", 522, 512, 32128, false, false, false},
+      {"output input grad (512 x 512 x 32128, NN, fp32 C)", 512, 512, 32128, false, false, true},
       {"output weight grad (32128 x 512 x 512, TN, fp32 C)", 32128, 512, 512, true, false, true},
+      {"output weight grad (32128 x 512 x 256, TN, fp32 C)", 32128, 512, 256, true, false, true},
   };
   for (const Shape& s : shapes) {
     std::vector<float> a(static_cast<size_t>(s.m * s.k)), b(static_cast<size_t>(s.k * s.n)),
