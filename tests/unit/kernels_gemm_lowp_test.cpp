@@ -202,10 +202,9 @@ TEST(KernelsGemmLowp, NativePathFp16MatchesReference) {
   gemm_all_cases(LowpType::kF16, LowpGemmPath::kNative);
 }
 
-// The native path accumulates into an fp32 C of >= 8 Mi elements (an output layer's weight gradient) in blocks of
-// rows through a buffer: against the reference, with M not a multiple of the blocks' rows, padded leading dimensions
-// (C's padding untouched), both layouts of A (the weight gradient's is transposed).
-TEST(KernelsGemmLowp, NativeAccumulationIntoALargeCMatchesReference) {
+// fn(type, gen) for each format whose native path runs here, under that path (the others print why they skip).
+template <typename Fn>
+void on_native_paths(const unsigned seed, Fn&& fn) {
   for (const LowpType type : kTypes) {
     std::string why;
     if (skip_native(type, why)) {
@@ -213,25 +212,27 @@ TEST(KernelsGemmLowp, NativeAccumulationIntoALargeCMatchesReference) {
       continue;
     }
     const cpu::ScopedLowpGemmPath scope(LowpGemmPath::kNative);
-    std::mt19937 gen(21);
+    std::mt19937 gen(seed);
+    fn(type, gen);
+  }
+}
+
+// The native path accumulates into an fp32 C of >= 8 Mi elements (an output layer's weight gradient) in blocks of
+// rows through a buffer: against the reference, with M not a multiple of the blocks' rows, padded leading dimensions
+// (C's padding untouched), both layouts of A (the weight gradient's is transposed).
+TEST(KernelsGemmLowp, NativeAccumulationIntoALargeCMatchesReference) {
+  on_native_paths(21, [](const LowpType type, std::mt19937& gen) {
     for (const bool trans_a : {true, false}) {
       check_gemm<float>(type, trans_a, false, {16500, 512, 24, 3}, 1.0f, 1.0f, gen,
                         std::string(lowp_type_name(type)) + " large C, trans_a=" + std::to_string(trans_a));
     }
-  }
+  });
 }
 
 // A long K into a small fp32 C (an output layer's input gradient) runs in blocks of K on the native path: against
 // the reference, K not a multiple of the blocks, every transpose combination, beta 0 and 1, alpha other than 1.
 TEST(KernelsGemmLowp, NativeLongKMatchesReference) {
-  for (const LowpType type : kTypes) {
-    std::string why;
-    if (skip_native(type, why)) {
-      std::printf("%s\n", why.c_str());
-      continue;
-    }
-    const cpu::ScopedLowpGemmPath scope(LowpGemmPath::kNative);
-    std::mt19937 gen(22);
+  on_native_paths(22, [](const LowpType type, std::mt19937& gen) {
     for (const bool trans_a : {false, true}) {
       for (const bool trans_b : {false, true}) {
         const std::string what = std::string(lowp_type_name(type)) + " long K, trans_a=" + std::to_string(trans_a) +
@@ -240,7 +241,7 @@ TEST(KernelsGemmLowp, NativeLongKMatchesReference) {
         check_gemm<float>(type, trans_a, trans_b, {33, 40, 16500, 2}, -0.5f, 1.0f, gen, what + " beta 1");
       }
     }
-  }
+  });
 }
 
 // ---- linear layer -------------------------------------------------------------------------------------------------
