@@ -19,13 +19,20 @@ constexpr int64_t kBufferElements = int64_t{1} << 21;  // of a block (8 MiB)
 // Whether C[M, N] is large enough, and its rows short enough, to be accumulated in blocks.
 inline bool applies(const int64_t M, const int64_t N) { return M * N >= kMinElements && N <= kBufferElements / 2; }
 
+// The calling thread's block buffer, one for every caller of run().
+inline std::vector<float>& thread_buffer() {
+  thread_local std::vector<float> buffer;
+  return buffer;
+}
+
 // C[M, N] (leading dimension ldc) += the product product(m0, rows, buffer) writes into buffer ([rows, N], dense) for
 // rows m0 .. m0 + rows, block by block; each element is the same fp32 sum plus C as a beta-1 GEMM's, up to the order
-// of the sum (oneDNN blocks K by the shape). The buffer is kept by the calling thread; the adds run on `threads`.
+// of the sum (oneDNN blocks K by the shape). The buffer is kept by the calling thread (product, a beta-0 GEMM, must
+// not come back here); the adds run on `threads`.
 template <typename Product>
 void run(const int64_t M, const int64_t N, float* C, const int64_t ldc, const int threads, Product&& product) {
   const int64_t rows = std::max<int64_t>(1, kBufferElements / N);
-  thread_local std::vector<float> buffer;
+  std::vector<float>& buffer = thread_buffer();
   const auto size = static_cast<size_t>(std::min(rows, M) * N);
   if (buffer.size() < size) buffer.resize(size);
   for (int64_t m0 = 0; m0 < M; m0 += rows) {
