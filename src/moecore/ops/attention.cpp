@@ -117,7 +117,8 @@ class BatchSlices {
 
   BatchSlices(const DType dtype, const int64_t batch) : bf16_(dtype == DType::kBF16), B_(batch) {}
 
-  // One [rows, B, W] tensor's sequence and its scratch slot ([rows, W]): read (Slice) or written (OutSlice).
+  // A [rows, B, W] tensor and its scratch slot (a call's sequences, [rows, sequences, W]): read (Slice) or written
+  // (OutSlice).
   template <typename T>
   struct SliceOf {
     size_t slot;
@@ -231,9 +232,9 @@ void attention_backward(Tensor& dq_SBNd, Tensor& dk_SBGd, Tensor& dv_SBGd, const
     AttentionDims some = with_products(dims, activation_dtype(q_SBNd.device()));
     const int64_t per_call = BatchSlices::sequences_per_call(dims);
     BatchSlices x(q_SBNd.dtype(), dims.B);
+    const std::array<BatchSlices::OutSlice, 3> grads{{{0, &dq_SBNd, S}, {1, &dk_SBGd, Sk}, {2, &dv_SBGd, Sk}}};
     for (int64_t b = 0; b < dims.B; b += per_call) {
       some.B = std::min(per_call, dims.B - b);
-      const std::array<BatchSlices::OutSlice, 3> grads{{{0, &dq_SBNd, S}, {1, &dk_SBGd, Sk}, {2, &dv_SBGd, Sk}}};
       const auto p = x.widen(std::array<BatchSlices::Slice, 8>{{{0, &dq_SBNd, S},
                                                                 {1, &dk_SBGd, Sk},
                                                                 {2, &dv_SBGd, Sk},
