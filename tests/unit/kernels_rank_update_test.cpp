@@ -1,4 +1,5 @@
-// rank_update (c += a^T b over few rows) against its naive reference: the same products added in the same row order,
+// rank_update (c += a^T b over few rows; its AVX-512 code where the CPU has it, and the portable vector loops) against
+// its naive reference: the same products added in the same row order,
 // so bit for bit, on random data over shapes that cover whole 64-column stretches, a tail, a row shorter than a
 // stretch and no rows; and the reference against the sum in double (the reference itself is the transposed product).
 #include <gtest/gtest.h>
@@ -32,12 +33,14 @@ TEST(RankUpdate, MatchesTheReferenceBitForBit) {
                         Shape{0, 6, 80}, Shape{13, 1, 129}}) {
     const std::vector<float> a = random_values(s.n * s.O, gen), b = random_values(s.n * s.I, gen);
     const std::vector<float> c0 = random_values(s.O * s.I, gen);
-    std::vector<float> got = c0, want = c0;
+    std::vector<float> got = c0, portable = c0, want = c0;
     cpu::rank_update(got.data(), a.data(), b.data(), s.n, s.O, s.I);
+    cpu::rank_update_portable(portable.data(), a.data(), b.data(), s.n, s.O, s.I);
     ref::rank_update(want.data(), a.data(), b.data(), s.n, s.O, s.I);
     const std::string what = "n " + std::to_string(s.n) + " O " + std::to_string(s.O) + " I " + std::to_string(s.I);
     for (size_t i = 0; i < got.size(); ++i) {
       ASSERT_EQ(got[i], want[i]) << what << " element " << i;
+      ASSERT_EQ(portable[i], want[i]) << what << " element " << i << " (portable loops)";
     }
     if (s.n == 0) {
       EXPECT_EQ(got, c0) << what;
