@@ -1,10 +1,12 @@
 // The small-tile bf16 products (small_rows_bf16.h) against their naive references on random bf16 values, over row
-// counts 1 .. 17 and shapes with partial 16- and 32-column stretches and a partial 16-row weight block: the data
-// kernel bit for bit (exact products summed in the same order), the forward within the fp32 sums' rounding.
+// counts 1 .. 17 and shapes with partial 16- and 32-column stretches and a partial weight block: the data kernel bit
+// for bit (exact products summed in the same order), the forward within the fp32 sums' rounding, and each row's forward
+// bit for bit that of the row alone.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -72,6 +74,31 @@ TEST(SmallRowsBf16, ForwardMatchesTheReference) {
               << "n " << n << " I " << s.I << " O " << s.O << " row " << r << " column " << o;
         }
       }
+    }
+  }
+}
+
+// Each row's forward outputs are those of the row alone, bit for bit, whichever row it is paired with (the kernel runs
+// rows two at a time) and however many rows the call has: an odd last row, a row written twice over garbage, no row
+// written past the output.
+TEST(SmallRowsBf16, ForwardOfEachRowIsTheRowAloneBitForBit) {
+  if (!cpu::small_rows_bf16_usable()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  std::mt19937 gen(5);
+  for (const Shape s : kShapes) {
+    for (const int64_t n : {int64_t{2}, int64_t{5}, int64_t{16}}) {
+      const std::vector<uint16_t> x = random_bf16(n * s.I, gen), w = random_bf16(s.O * s.I, gen);
+      std::vector<float> got(static_cast<size_t>((n + 1) * s.O), -1.0f);
+      cpu::small_rows_forward_bf16(got.data(), x.data(), w.data(), n, s.I, s.O);
+      for (int64_t r = 0; r < n; ++r) {
+        std::vector<float> alone(static_cast<size_t>(s.O), -1.0f);
+        cpu::small_rows_forward_bf16(alone.data(), x.data() + r * s.I, w.data(), 1, s.I, s.O);
+        for (int64_t o = 0; o < s.O; ++o) {
+          ASSERT_EQ(std::memcmp(&got[static_cast<size_t>(r * s.O + o)], &alone[static_cast<size_t>(o)], sizeof(float)),
+                    0)
+              << "n " << n << " I " << s.I << " O " << s.O << " row " << r << " column " << o;
+        }
+      }
+      for (int64_t o = 0; o < s.O; ++o) ASSERT_EQ(got[static_cast<size_t>(n * s.O + o)], -1.0f) << "written past";
     }
   }
 }

@@ -56,25 +56,35 @@ MOECORE_AVX512_BF16 inline __m512 sum_lanes16(const __m512 (&v)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
 }
 
+// Two rows of x against 8 weight rows at a time, so each weight load feeds two dot products: the 16 sums (8 per row)
+// reduced by one sum_lanes16, whose tree gives every output the same additions whatever the row next to it, so each
+// row's outputs are those of the row alone.
 MOECORE_AVX512_BF16 void forward_avx512_bf16(float* out_nO, const uint16_t* x_nI, const uint16_t* w_OI, const int64_t n,
                                              const int64_t I, const int64_t O) {
-  prefetch_rows(w_OI, 0, O < 16 ? O : 16, I);
-  for (int64_t o0 = 0; o0 < O; o0 += 16) {
-    const int64_t rows = O - o0 < 16 ? O - o0 : 16;
-    prefetch_rows(w_OI, o0 + rows, O - o0 - rows < 16 ? O : o0 + rows + 16, I);
-    for (int64_t r = 0; r < n; ++r) {
-      __m512 acc[16];
+  constexpr int64_t kBlock = 8;
+  prefetch_rows(w_OI, 0, O < kBlock ? O : kBlock, I);
+  for (int64_t o0 = 0; o0 < O; o0 += kBlock) {
+    const int64_t rows = O - o0 < kBlock ? O - o0 : kBlock;
+    prefetch_rows(w_OI, o0 + rows, O - o0 - rows < kBlock ? O : o0 + rows + kBlock, I);
+    const auto out_mask = static_cast<__mmask8>((1u << rows) - 1u);
+    for (int64_t r = 0; r < n; r += 2) {
+      const bool pair = r + 1 < n;
+      __m512 acc[16];  // [0, 8): row r, [8, 16): row r + 1
       for (__m512& a : acc) a = _mm512_setzero_ps();
       for (int64_t i = 0; i < I; i += 32) {
         const __mmask32 k = halves_below(I - i);
-        const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(k, x_nI + r * I + i);
-        for (int j = 0; j < 16; ++j) {  // a constant count keeps acc in registers; rows past O read as zero
+        const __m512bh x0 = (__m512bh)_mm512_maskz_loadu_epi16(k, x_nI + r * I + i);
+        const __m512bh x1 = (__m512bh)_mm512_maskz_loadu_epi16(pair ? k : 0, x_nI + (pair ? r + 1 : r) * I + i);
+        for (int j = 0; j < kBlock; ++j) {  // a constant count keeps acc in registers; rows past O read as zero
           const uint16_t* w_row = w_OI + (o0 + (j < rows ? j : 0)) * I + i;
           const __m512bh w = (__m512bh)_mm512_maskz_loadu_epi16(j < rows ? k : 0, w_row);
-          acc[j] = _mm512_dpbf16_ps(acc[j], x, w);
+          acc[j] = _mm512_dpbf16_ps(acc[j], x0, w);
+          acc[kBlock + j] = _mm512_dpbf16_ps(acc[kBlock + j], x1, w);
         }
       }
-      _mm512_mask_storeu_ps(out_nO + r * O + o0, lanes_below(rows), sum_lanes16(acc));
+      const __m512 sums = sum_lanes16(acc);
+      _mm256_mask_storeu_ps(out_nO + r * O + o0, out_mask, _mm512_castps512_ps256(sums));
+      if (pair) _mm256_mask_storeu_ps(out_nO + (r + 1) * O + o0, out_mask, _mm512_extractf32x8_ps(sums, 1));
     }
   }
 }

@@ -2,10 +2,11 @@
 // experts, few tokens each). A tiled GEMM library (oneDNN's matmul) repacks the weight operand into its own layout
 // on every call and pads the rows to its quantum, so a tile of 8 rows pays the weight's read and write twice over;
 // these read the bf16 weight [O, I] in place, with AVX-512 (vdpbf16ps of AVX512-BF16 forward) where the CPU has it.
-// Each block of 16 weight rows is prefetched into L1 during the block before.
-//   small_rows_forward_bf16   out_nO = x_nI W_OI^T: for 16 output columns at a time, one dot product per row against
-//                             16 weight rows (vdpbf16ps on bf16 pairs), the 16 sums reduced in registers;
-//                             products of bf16 values are exact in fp32, the sums are fp32 (in their own order).
+// Each block of weight rows is prefetched into L1 during the block before.
+//   small_rows_forward_bf16   out_nO = x_nI W_OI^T: for 8 output columns at a time, two rows against 8 weight rows
+//                             (vdpbf16ps on bf16 pairs; each weight load serves both rows), the 16 sums reduced in
+//                             registers; products of bf16 values are exact in fp32, the sums are fp32 (in their own
+//                             order, the same for every row whatever the rows beside it).
 //   small_rows_data_bf16      dx_nI += dy_nO W_OI: each weight row widened to fp32 (exact) and multiplied by dy[r, o]
 //                             and added (fused) into rows of dx held in registers, o = 0 .. O-1 in order; where dy
 //                             holds bf16 values every product is exact, so the result is the reference's bit for bit.
