@@ -12,6 +12,7 @@
 
 #include "kernel_test_util.h"
 #include "moecore/kernels/cpu/permute.h"
+#include "moecore/kernels/cpu/rows.h"
 
 namespace moecore::kernels {
 namespace {
@@ -78,6 +79,35 @@ TYPED_TEST(PermuteKernels, UnpermuteEqualsReference) {
       cpu::moe_unpermute(fast.data(), in.data(), index.data(), p, kR, kN, kW);
       ref::moe_unpermute(ref.data(), in.data(), index.data(), p, kR, kN, kW);
       ASSERT_EQ(fast, ref) << threads << " threads, probs " << (p != nullptr);
+    }
+  }
+}
+
+// Few rows over many destinations (the router's probability gradients: R = T k rows of width 1 into T E elements):
+// the fast kernels take the rows in order on one thread there. Both regimes, moe_unpermute and scatter_add_rows.
+TYPED_TEST(PermuteKernels, ScatterAddsEqualReferenceForFewAndManyRows) {
+  using T = TypeParam;
+  struct Shape {
+    int64_t R, N, W;
+  };
+  for (const Shape shape : {Shape{2048, 262144, 1}, Shape{40, 50, 3}, Shape{kR, kN, kW}}) {
+    const auto in = random_vector<T>(shape.R * shape.W, 21);
+    const auto probs = random_vector<T>(shape.R, 22, T(0.05), T(1));
+    const auto out0 = random_vector<T>(shape.N * shape.W, 23);
+    const auto index = random_index(shape.R, shape.N, 24);
+    for (const int threads : {1, 2}) {
+      omp_set_num_threads(threads);
+      for (const T* p : {static_cast<const T*>(nullptr), probs.data()}) {
+        std::vector<T> fast = out0, ref = out0;
+        cpu::moe_unpermute(fast.data(), in.data(), index.data(), p, shape.R, shape.N, shape.W);
+        ref::moe_unpermute(ref.data(), in.data(), index.data(), p, shape.R, shape.N, shape.W);
+        ASSERT_EQ(fast, ref) << "moe_unpermute R " << shape.R << ", " << threads << " threads, probs "
+                             << (p != nullptr);
+      }
+      std::vector<T> fast = out0, ref = out0;
+      cpu::scatter_add_rows(fast.data(), in.data(), index.data(), shape.R, shape.N, shape.W);
+      ref::scatter_add_rows(ref.data(), in.data(), index.data(), shape.R, shape.N, shape.W);
+      ASSERT_EQ(fast, ref) << "scatter_add_rows R " << shape.R << ", " << threads << " threads";
     }
   }
 }
@@ -156,12 +186,25 @@ TEST(PermuteKernelsOrder, UnpermuteSumsInAscendingRowOrder) {
   const int64_t W = 1;
   const std::vector<float> in = {1e8f, 1.0f, -1e8f, 1.0f};
   const std::vector<int64_t> index = {0, 0, 0, 0};
-  std::vector<float> out(1, 0.0f);
   omp_set_num_threads(2);
-  cpu::moe_unpermute(out.data(), in.data(), index.data(), static_cast<const float*>(nullptr), 4, 1, W);
   float expected = 0.0f;
   for (const float v : in) expected += v;
-  EXPECT_EQ(out[0], expected);
+  // Few rows (one thread, in row order) and, repeated past the parallel threshold, many (parallel over destinations).
+  for (const int64_t repeats : {int64_t{1}, int64_t{5000}}) {
+    std::vector<float> many_in;
+    std::vector<int64_t> many_index;
+    for (int64_t i = 0; i < repeats; ++i) {
+      many_in.insert(many_in.end(), in.begin(), in.end());
+      many_index.insert(many_index.end(), index.begin(), index.end());
+    }
+    std::vector<float> out(1, 0.0f);
+    cpu::moe_unpermute(out.data(), many_in.data(), many_index.data(), static_cast<const float*>(nullptr),
+                       static_cast<int64_t>(many_in.size()), 1, W);
+    float sum = 0.0f;
+    for (const float v : many_in) sum += v;
+    EXPECT_EQ(out[0], sum) << repeats;
+  }
+  EXPECT_EQ(expected, 1.0f);
 }
 
 }  // namespace

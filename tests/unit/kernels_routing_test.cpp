@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernel_test_util.h"
+#include "moecore/kernels/cpu/above_mask.h"
 #include "moecore/kernels/cpu/routing.h"
 
 namespace moecore::kernels {
@@ -317,6 +318,36 @@ std::vector<int32_t> selection(const bool fast, const std::vector<double>& v, co
   (fast ? cpu::topk_routing_forward<double> : ref::topk_routing_forward<double>)(idx.data(), probs.data(), v.data(),
                                                                                  nullptr, nullptr, 1, E, k, spec);
   return idx;
+}
+
+// The top-k's block test: each vector form this CPU runs gives the portable mask, which is the comparison's, on
+// values with ties at the bound, infinities and NaN.
+TEST(RoutingKernels, AboveMaskFormsAgree) {
+  std::mt19937_64 gen(7);
+  std::uniform_int_distribution<int> pick(0, 9);
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  for (int trial = 0; trial < 2000; ++trial) {
+    const double bound = trial % 5 == 0 ? -inf : static_cast<double>(pick(gen)) * 0.25;
+    double values[16];
+    for (double& v : values) {
+      const int kind = pick(gen);
+      v = kind == 0   ? nan
+          : kind == 1 ? inf
+          : kind == 2 ? -inf
+          : kind == 3 ? bound
+                      : static_cast<double>(pick(gen)) * 0.25;
+    }
+    uint32_t want = 0;
+    for (uint32_t j = 0; j < 16; ++j) want |= (values[j] > bound ? 1u : 0u) << j;
+    ASSERT_EQ(cpu::above_mask16_portable(values, bound), want) << trial;
+    if (cpu::above_mask16_avx_usable()) {
+      ASSERT_EQ(cpu::above_mask16_avx(values, bound), want) << trial;
+    }
+    if (cpu::above_mask16_avx512_usable()) {
+      ASSERT_EQ(cpu::above_mask16_avx512(values, bound), want) << trial;
+    }
+    ASSERT_EQ(cpu::best_above_mask16()(values, bound), want) << trial;
+  }
 }
 
 TEST(RoutingKernels, TopkEqualsTheFullSortWithTiesAndInfinities) {

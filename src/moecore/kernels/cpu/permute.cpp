@@ -17,6 +17,24 @@ constexpr int64_t kParallelMin = 16384;
 template <typename T>
 void moe_unpermute(T* out_NW, const T* in_RW, const int64_t* index_R, const T* probs_R, const int64_t R,
                    const int64_t N, const int64_t W) {
+  if (R * W <= kParallelMin) {
+    // Little work (one thread): the rows in ascending r, each destination's sum in the order the parallel loop
+    // below keeps, without its pass over all N destinations (the router's [T E, 1] probability gradients).
+    for (int64_t r = 0; r < R; ++r) {
+      if (index_R[r] < 0) continue;
+      T* out = out_NW + index_R[r] * W;
+      const T* row = in_RW + r * W;
+      if (probs_R == nullptr) {
+#pragma omp simd
+        for (int64_t w = 0; w < W; ++w) out[w] += row[w];
+      } else {
+        const T p = probs_R[r];
+#pragma omp simd
+        for (int64_t w = 0; w < W; ++w) out[w] += p * row[w];
+      }
+    }
+    return;
+  }
   const detail::RowsByDestination by_destination = detail::rows_by_destination(index_R, R, N);
   const std::vector<int64_t>& begin_N1 = by_destination.begin_N1;
   const std::vector<int64_t>& rows = by_destination.rows;

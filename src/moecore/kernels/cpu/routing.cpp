@@ -4,10 +4,13 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
+#include "moecore/kernels/cpu/above_mask.h"
 #include "moecore/kernels/cpu/fast_exp.h"
 #include "moecore/kernels/cpu/routing_scores.h"
 #include "moecore/kernels/cpu/vector_isa.h"
@@ -147,23 +150,24 @@ void sorted_topk(int64_t* idx_K, const double* values_E, const int64_t E, const 
   std::copy(order.begin(), order.begin() + k, idx_K);
 }
 
-// streaming_topk over an array, skipping blocks of 8 values in which none beats the k-th best (the same test the
-// scan makes per value, so the same result): once the best k are large, most blocks hold no candidate.
+// streaming_topk over an array, offering only the values that beat the k-th best as their block of 16 starts: the
+// others would be refused (the k-th best only grows), so the result is the same. Once the best k are large, most
+// blocks offer nothing and cost one vector compare or two (above_mask.h).
 void topk(int64_t* idx_K, const double* values_E, const int64_t E, const int64_t k) {
   if (k > kStreamingTopkMax) {
     sorted_topk(idx_K, values_E, E, k);
     return;
   }
-  constexpr int64_t kBlock = 8;
+  constexpr int64_t kBlock = 16;
   BestK best(idx_K, k);
   int64_t e = 0;
   for (; e < E && !best.full(); ++e) best.offer(e, values_E[e]);
+  const AboveMask16 above = best_above_mask16();
   for (; e + kBlock <= E; e += kBlock) {
-    const double threshold = best.kth();
-    bool candidate = false;
-    for (int64_t j = 0; j < kBlock; ++j) candidate |= values_E[e + j] > threshold;
-    if (!candidate) continue;
-    for (int64_t j = 0; j < kBlock; ++j) best.offer(e + j, values_E[e + j]);
+    for (uint32_t mask = above(values_E + e, best.kth()); mask != 0; mask &= mask - 1) {
+      const int64_t j = std::countr_zero(mask);
+      best.offer(e + j, values_E[e + j]);
+    }
   }
   for (; e < E; ++e) best.offer(e, values_E[e]);
 }

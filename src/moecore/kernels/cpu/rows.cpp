@@ -180,6 +180,16 @@ void gather_rows(T* out_RW, const T* in_NW, const int64_t* index_R, const int64_
 template <typename T>
 void scatter_add_rows(T* out_NW, const T* in_RW, const int64_t* index_R, const int64_t R, const int64_t N,
                       const int64_t W) {
+  if (R * W <= kParallelMin) {  // one thread: the rows in ascending r, without the pass over all N destinations
+    for (int64_t r = 0; r < R; ++r) {
+      if (index_R[r] < 0) continue;
+      T* out = out_NW + index_R[r] * W;
+      const T* row = in_RW + r * W;
+#pragma omp simd
+      for (int64_t w = 0; w < W; ++w) out[w] += row[w];
+    }
+    return;
+  }
   const detail::RowsByDestination by_destination = detail::rows_by_destination(index_R, R, N);
   const std::vector<int64_t>& begin_N1 = by_destination.begin_N1;
   const std::vector<int64_t>& rows = by_destination.rows;
