@@ -1079,6 +1079,15 @@ TEST(LinearCrossEntropy, ChunkRowsFollowTheBudget) {
   EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 50304, int64_t{32} << 20, 2), 320);  // 333: of 64 for 16 bits
   EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{1} << 20), 8);        // under 16: as they fit
   EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{2} << 20, 2), 32);    // under 64: as they fit
+  // Even shares: 1024 rows at most 320 a chunk (333 fit) go in 4 of 256, not 3 of 320 and one of 64; at most 160, 7
+  // chunks of 147 rounded up to 160; 1000 rows at most 288 (300 fit), 4 of 250 rounded up to 256; 100 rows at most 48,
+  // 3 of 34 rounded up to 48; at most 8 (under 16: no rounding), 13 of 8.
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(1024, 50304, int64_t{64} << 20), 256);
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(1024, 50304, int64_t{32} << 20), 160);
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(1024, 50304, int64_t{32} << 20, 2), 256);
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(1000, 32000, 300 * 4 * 32000), 256);
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000, 50 * 4 * 32000), 48);
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000, 8 * 4 * 32000), 8);
   EXPECT_THROW(linear_cross_entropy_chunk_rows(2048, 32000, 16, 0), std::invalid_argument);
 }
 

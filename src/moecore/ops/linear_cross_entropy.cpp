@@ -59,7 +59,14 @@ int64_t linear_cross_entropy_chunk_rows(const int64_t T, const int64_t V_local, 
   // vocabulary 50304), where rounding down to 128 cost it 8% a row.
   const int64_t multiple = logit_bytes == 2 ? 64 : 16;
   if (rows >= multiple) rows -= rows % multiple;
-  return std::clamp<int64_t>(rows, 1, std::max<int64_t>(T, 1));
+  rows = std::clamp<int64_t>(rows, 1, std::max<int64_t>(T, 1));
+  // As many chunks as the budget needs, of equal rows (up to the multiple): the fp32 sgemm ran T = 1024 in 4 chunks of
+  // 256 rows faster than in 3 of 320 and one of 64 (hidden 192, vocabulary 50304: 150 against 155-158 ms).
+  const int64_t chunks = (T + rows - 1) / rows;
+  if (chunks <= 1) return rows;
+  int64_t even = (T + chunks - 1) / chunks;
+  if (rows >= multiple) even = (even + multiple - 1) / multiple * multiple;
+  return std::min(even, rows);
 }
 
 int64_t linear_cross_entropy_logit_bytes(const Tensor& weight_VI, const bool vocab_split) {
