@@ -69,6 +69,14 @@ int64_t linear_cross_entropy_chunk_rows(const int64_t T, const int64_t V_local, 
   return std::min(even, rows);
 }
 
+int64_t linear_cross_entropy_training_chunk_rows(const int64_t T, const int64_t V_local, const int64_t activation_bytes,
+                                                 const int64_t logit_bytes) {
+  constexpr int64_t kF32ChunkBytes = int64_t{64} << 20;
+  if (activation_bytes >= 4) return linear_cross_entropy_chunk_rows(T, V_local, kF32ChunkBytes, logit_bytes);
+  const int64_t fp32_rows = linear_cross_entropy_chunk_rows(T, V_local, kF32ChunkBytes, 4);
+  return linear_cross_entropy_chunk_rows(T, V_local, fp32_rows * std::max<int64_t>(V_local, 1) * 2, logit_bytes);
+}
+
 int64_t linear_cross_entropy_logit_bytes(const Tensor& weight_VI, const bool vocab_split) {
   check(weight_VI.defined(), "weight_VI is undefined");
   if (!vocab_split && native_dtype(weight_VI)) return 2;
