@@ -14,6 +14,20 @@ namespace {
 constexpr int64_t kParallelMin = 16384;
 }  // namespace
 
+// out += row (times probs_R[r] when given).
+template <typename T>
+inline void add_row(T* out, const T* in_RW, const T* probs_R, const int64_t r, const int64_t W) {
+  const T* row = in_RW + r * W;
+  if (probs_R == nullptr) {
+#pragma omp simd
+    for (int64_t w = 0; w < W; ++w) out[w] += row[w];
+  } else {
+    const T p = probs_R[r];
+#pragma omp simd
+    for (int64_t w = 0; w < W; ++w) out[w] += p * row[w];
+  }
+}
+
 template <typename T>
 void moe_unpermute(T* out_NW, const T* in_RW, const int64_t* index_R, const T* probs_R, const int64_t R,
                    const int64_t N, const int64_t W) {
@@ -21,17 +35,7 @@ void moe_unpermute(T* out_NW, const T* in_RW, const int64_t* index_R, const T* p
     // Little work (one thread): the rows in ascending r, each destination's sum in the order the parallel loop
     // below keeps, without its pass over all N destinations (the router's [T E, 1] probability gradients).
     for (int64_t r = 0; r < R; ++r) {
-      if (index_R[r] < 0) continue;
-      T* out = out_NW + index_R[r] * W;
-      const T* row = in_RW + r * W;
-      if (probs_R == nullptr) {
-#pragma omp simd
-        for (int64_t w = 0; w < W; ++w) out[w] += row[w];
-      } else {
-        const T p = probs_R[r];
-#pragma omp simd
-        for (int64_t w = 0; w < W; ++w) out[w] += p * row[w];
-      }
+      if (index_R[r] >= 0) add_row(out_NW + index_R[r] * W, in_RW, probs_R, r, W);
     }
     return;
   }
@@ -40,18 +44,8 @@ void moe_unpermute(T* out_NW, const T* in_RW, const int64_t* index_R, const T* p
   const std::vector<int64_t>& rows = by_destination.rows;
 #pragma omp parallel for schedule(static) if (N * W > kParallelMin)
   for (int64_t n = 0; n < N; ++n) {
-    T* out = out_NW + n * W;
     for (int64_t i = begin_N1[n]; i < begin_N1[n + 1]; ++i) {
-      const int64_t r = rows[static_cast<size_t>(i)];
-      const T* row = in_RW + r * W;
-      if (probs_R == nullptr) {
-#pragma omp simd
-        for (int64_t w = 0; w < W; ++w) out[w] += row[w];
-      } else {
-        const T p = probs_R[r];
-#pragma omp simd
-        for (int64_t w = 0; w < W; ++w) out[w] += p * row[w];
-      }
+      add_row(out_NW + n * W, in_RW, probs_R, rows[static_cast<size_t>(i)], W);
     }
   }
 }
