@@ -26,7 +26,6 @@
 //   expert_activation.h weighted_swiglu_forward weighted_swiglu_backward
 //   linear.h      linear_forward linear_backward gemm_library gemm_lowp_library gemm_lowp_native
 //   linear_cross_entropy.h  linear_cross_entropy linear_cross_entropy_chunk_rows linear_cross_entropy_logit_bytes
-//                 linear_cross_entropy_training_chunk_rows
 //   grouped_mlp.h grouped_mlp_fused grouped_mlp_forward grouped_mlp_backward grouped_mlp_backward_workspace
 //   init.h        normal_fill
 //   moe_rows.h    moe_permute moe_unpermute moe_unpermute_backward sort_chunks unsort_chunks
@@ -104,7 +103,6 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "gemm_lowp_native",
                                                 "linear_cross_entropy",
                                                 "linear_cross_entropy_chunk_rows",
-                                                "linear_cross_entropy_training_chunk_rows",
                                                 "linear_cross_entropy_logit_bytes",
                                                 "embedding_forward",
                                                 "embedding_backward",
@@ -172,7 +170,6 @@ const std::vector<std::string> kOpsInHandWrittenTests = {"activation_input_width
                                                          "all_finite",
                                                          "count_zeros",
                                                          "linear_cross_entropy_chunk_rows",
-                                                         "linear_cross_entropy_training_chunk_rows",
                                                          "linear_cross_entropy_logit_bytes",
                                                          "gemm_library",
                                                          "gemm_lowp_library",
@@ -191,7 +188,6 @@ const std::vector<std::string> kOpsWithoutTensors = {"activation_input_width",
                                                      "supports",
                                                      "synchronize",
                                                      "linear_cross_entropy_chunk_rows",
-                                                     "linear_cross_entropy_training_chunk_rows",
                                                      "linear_cross_entropy_logit_bytes",
                                                      "gemm_library",
                                                      "gemm_lowp_library",
@@ -1083,38 +1079,6 @@ TEST(LinearCrossEntropy, ChunkRowsFollowTheBudget) {
   EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 50304, int64_t{32} << 20, 2), 320);  // 333: of 64 for 16 bits
   EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{1} << 20), 8);        // under 16: as they fit
   EXPECT_EQ(linear_cross_entropy_chunk_rows(2048, 32000, int64_t{2} << 20, 2), 32);    // under 64: as they fit
-  // Even shares: 1024 rows at most 320 a chunk (333 fit) go in 4 of 256, not 3 of 320 and one of 64; at most 160, 7
-  // chunks of 147 rounded up to 160; 1000 rows at most 288 (300 fit), 4 of 250 rounded up to 256; 100 rows at most 48,
-  // 3 of 34 rounded up to 48; at most 8 (under 16: no rounding), 13 of 8.
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(1024, 50304, int64_t{64} << 20), 256);
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(1024, 50304, int64_t{32} << 20), 160);
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(1024, 50304, int64_t{32} << 20, 2), 256);
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(1000, 32000, 300 * 4 * 32000), 256);
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000, 50 * 4 * 32000), 48);
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(100, 32000, 8 * 4 * 32000), 8);
-}
-
-// Training's chunks: 64 MiB of logits under fp32 activations; under 16-bit ones at most half the bytes of that chunk,
-// 16-bit logits at about its rows, fp32 logits at about half of them.
-TEST(LinearCrossEntropy, TrainingChunksHalveUnder16BitActivations) {
-  EXPECT_EQ(linear_cross_entropy_training_chunk_rows(1024, 50304, 4, 4), 256);  // the demo model, fp32
-  EXPECT_EQ(linear_cross_entropy_training_chunk_rows(1024, 50304, 2, 2), 256);  // --bf16, 16-bit logits
-  EXPECT_EQ(linear_cross_entropy_training_chunk_rows(1024, 50304, 2, 4), 128);  // --bf16, fp32 logits
-  EXPECT_EQ(linear_cross_entropy_training_chunk_rows(2048, 32000, 4, 4), 512);  // e16
-  EXPECT_EQ(linear_cross_entropy_training_chunk_rows(2048, 32000, 2, 2), 512);
-  EXPECT_EQ(linear_cross_entropy_training_chunk_rows(2048, 32000, 2, 4), 256);
-  EXPECT_EQ(linear_cross_entropy_training_chunk_rows(2048, 50304, 4, 8), 160);  // fp64 weights: 8-byte logits
-  for (const int64_t T : {1, 7, 100, 512, 1000, 1024, 2048, 4096, 8192}) {
-    for (const int64_t V : {1000, 32000, 50304, 129280}) {
-      const int64_t fp32_bytes = 4 * V * linear_cross_entropy_training_chunk_rows(T, V, 4, 4);
-      for (const int64_t logit_bytes : {int64_t{2}, int64_t{4}}) {
-        const int64_t rows = linear_cross_entropy_training_chunk_rows(T, V, 2, logit_bytes);
-        EXPECT_GE(rows, 1);
-        EXPECT_LE(rows, T);
-        EXPECT_LE(2 * logit_bytes * V * rows, std::max(fp32_bytes, 2 * logit_bytes * V)) << T << " " << V;
-      }
-    }
-  }
   EXPECT_THROW(linear_cross_entropy_chunk_rows(2048, 32000, 16, 0), std::invalid_argument);
 }
 

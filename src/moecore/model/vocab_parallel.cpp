@@ -71,9 +71,10 @@ ops::VocabShard VocabParallelCrossEntropy::shard() const {
 }
 
 int64_t fused_logits_chunk_rows(const int64_t T, const Tensor& weight_VH, const ops::VocabShard& shard) {
+  constexpr int64_t kF32ChunkBytes = int64_t{64} << 20;
   const auto activation_bytes = static_cast<int64_t>(dtype_size(ops::activation_dtype()));
-  return ops::linear_cross_entropy_training_chunk_rows(
-      T, weight_VH.dim(0), activation_bytes,
+  return ops::linear_cross_entropy_chunk_rows(
+      T, weight_VH.dim(0), kF32ChunkBytes * activation_bytes / 4,
       ops::linear_cross_entropy_logit_bytes(weight_VH, shard.reduce_max != nullptr));
 }
 

@@ -61,9 +61,9 @@ class VocabParallelCrossEntropy {
 // Rows per logits chunk of the fused output layer + loss (ops::linear_cross_entropy) over T tokens and the weight's
 // V_local vocabulary rows. The chunk is a workspace of 64 MiB under fp32 activations, big enough that its GEMMs
 // (M = rows, and K = rows for the weight gradient) run near the machine's GEMM rate (bench/bench_output_layer.cpp).
-// Under --bf16 / --fp16 it takes at most half the bytes of the fp32 chunk: the workspace halves with the activation
-// dtype as every activation does, by holding 16-bit logits (the native 16-bit GEMMs without a vocabulary split: about
-// the same rows) or about half the rows of fp32 ones (ops::linear_cross_entropy_training_chunk_rows).
+// Under --bf16 / --fp16 the budget is 32 MiB, what the fp32 chunk's 16 Mi logits take in 16 bits: the workspace
+// halves with the activation dtype as every activation does, by holding 16-bit logits (the native 16-bit GEMMs
+// without a vocabulary split: the same rows) or half the rows of fp32 ones.
 int64_t fused_logits_chunk_rows(int64_t T, const Tensor& weight_VH, const ops::VocabShard& shard);
 
 // The fused output layer forms its gradients during the forward, scaled by the forward's backward seed, and adds the

@@ -59,22 +59,7 @@ int64_t linear_cross_entropy_chunk_rows(const int64_t T, const int64_t V_local, 
   // vocabulary 50304), where rounding down to 128 cost it 8% a row.
   const int64_t multiple = logit_bytes == 2 ? 64 : 16;
   if (rows >= multiple) rows -= rows % multiple;
-  rows = std::clamp<int64_t>(rows, 1, std::max<int64_t>(T, 1));
-  // As many chunks as the budget needs, of equal rows (up to the multiple): the fp32 sgemm ran T = 1024 in 4 chunks of
-  // 256 rows faster than in 3 of 320 and one of 64 (hidden 192, vocabulary 50304: 150 against 155-158 ms).
-  const int64_t chunks = (T + rows - 1) / rows;
-  if (chunks <= 1) return rows;
-  int64_t even = (T + chunks - 1) / chunks;
-  if (rows >= multiple) even = (even + multiple - 1) / multiple * multiple;
-  return std::min(even, rows);
-}
-
-int64_t linear_cross_entropy_training_chunk_rows(const int64_t T, const int64_t V_local, const int64_t activation_bytes,
-                                                 const int64_t logit_bytes) {
-  constexpr int64_t kF32ChunkBytes = int64_t{64} << 20;
-  if (activation_bytes >= 4) return linear_cross_entropy_chunk_rows(T, V_local, kF32ChunkBytes, logit_bytes);
-  const int64_t fp32_rows = linear_cross_entropy_chunk_rows(T, V_local, kF32ChunkBytes, 4);
-  return linear_cross_entropy_chunk_rows(T, V_local, fp32_rows * std::max<int64_t>(V_local, 1) * 2, logit_bytes);
+  return std::clamp<int64_t>(rows, 1, std::max<int64_t>(T, 1));
 }
 
 int64_t linear_cross_entropy_logit_bytes(const Tensor& weight_VI, const bool vocab_split) {

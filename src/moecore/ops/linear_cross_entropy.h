@@ -31,16 +31,8 @@ void linear_cross_entropy(Tensor& losses_T, const Tensor& input_TI, const Tensor
                           Tensor* dinput_TI = nullptr, Tensor* dweight_VI = nullptr, const VocabShard* shard = nullptr);
 
 // Rows per chunk that keep a chunk's logits within budget_bytes at logit_bytes each: a multiple of the GEMM kernels'
-// row blocking where that fits (64 rows for 16-bit logits, 16 for fp32 and fp64 ones), at least 1, at most T; for the
-// chunks the budget needs, T's even share rounded up to that multiple (1024 rows in 4 x 256, not 3 x 320 + 64).
+// row blocking where that fits (64 rows for 16-bit logits, 16 for fp32 and fp64 ones), at least 1, at most T.
 int64_t linear_cross_entropy_chunk_rows(int64_t T, int64_t V_local, int64_t budget_bytes, int64_t logit_bytes = 4);
-
-// The chunk rows training uses (model/vocab_parallel.h, and the planner's estimate): under fp32 activations a chunk of
-// 64 MiB of logits at logit_bytes each; under 16-bit activations (activation_bytes 2) at most half the bytes of fp32
-// training's chunk, so the workspace halves with the activation dtype as every activation does: 16-bit logits keep
-// about fp32's rows, fp32 ones (the convert path, a vocabulary split) take about half of them.
-int64_t linear_cross_entropy_training_chunk_rows(int64_t T, int64_t V_local, int64_t activation_bytes,
-                                                 int64_t logit_bytes);
 
 // Bytes a logit of the chunk takes in linear_cross_entropy with this weight under the current activation dtype: 2
 // where it runs on the native 16-bit GEMMs without a vocabulary split (16-bit logits), else the weight's element size.

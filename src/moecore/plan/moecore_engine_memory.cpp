@@ -565,8 +565,8 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
     double at_loss = 0;  // activations and op scratch (the "other" category) at the loss's forward
     if (last) {
       // Forward at the loss: the fused linear-cross-entropy keeps the final norm output and the input gradient, plus
-      // its logits chunk (64 MiB of fp32 rows, at most half that under 16-bit activations: model/vocab_parallel.h; on
-      // the native 16-bit GEMMs without a vocabulary split the rows are 16-bit, ops/linear_cross_entropy.h) and loss
+      // its logits chunk (64 MiB of fp32 rows, 32 MiB under 16-bit activations: model/vocab_parallel.h; on the
+      // native 16-bit GEMMs without a vocabulary split the rows are 16-bit, ops/linear_cross_entropy.h) and loss
       // vectors; its weight gradient goes to the main gradient.
       Owners forward = backward;
       forward.mlp = static_cast<double>(live) * context.mlp;
@@ -575,8 +575,9 @@ MemoryPlan moecore_engine_memory(const PlanArgs& args) {
       const bool native = low_precision && ops::gemm_lowp_native(c.params_dtype);
       const bool split_vocab = l.tp() > 1;
       const double logit_bytes = native && !split_vocab ? 2 : 4;
-      const auto chunk_rows = static_cast<double>(ops::linear_cross_entropy_training_chunk_rows(
-          std::llround(x.t), std::llround(vocab_local), std::llround(x.a), std::llround(logit_bytes)));
+      const double chunk_budget = 67108864.0 * x.a / 4;
+      const auto chunk_rows = static_cast<double>(ops::linear_cross_entropy_chunk_rows(
+          std::llround(x.t), std::llround(vocab_local), std::llround(chunk_budget), std::llround(logit_bytes)));
       forward.output = static_cast<double>(live) * context.output + x.ta * (x.a * s.h + 4 * s.nrm) + x.a * x.t * s.h +
                        logit_bytes * chunk_rows * vocab_local + x.a * (l.sp ? x.t * s.h : 0) + 4 * 3 * x.t;
       if (forward.total() > backward.total()) peak = forward;
