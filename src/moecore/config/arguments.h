@@ -27,8 +27,8 @@
 //   --moe-ffn-hidden-size      default --ffn-hidden-size (after its own default).
 //   --moe-layer-freq           int N (layer i is MoE iff i % N == 0) or a list expression ("([0]*3+[1]*9)",
 //                              "[1,0,1,0]") whose length must be --num-layers; default 1 (every layer MoE).
-//   --moe-router-dtype         fp32 (default) or fp64. Megatron's default None means "the model dtype"; moecore's
-//                              model dtype is fp32 and the router never computes below fp32, so None == fp32 here.
+//   --moe-router-dtype         fp32 (default) or fp64. Megatron's default None means "the model dtype" (bf16 logits
+//                              under --bf16); moecore's router never computes below fp32, so None == fp32 here.
 //   --moe-expert-capacity-factor  a negative value means dropless (None), as in Megatron.
 //   --moe-token-dispatcher-type   allgather (default) or alltoall: in one process both are the local dispatcher;
 //                              flex is rejected (it needs GPU communication backends).

@@ -11,7 +11,7 @@ namespace moecore::kernels {
 namespace cpu {
 // Row counts up to this take rank_update in the grouped experts' native 16-bit weight gradients (grouped_mlp.cpp);
 // above it oneDNN's bf16 matmul was faster (`bench_moe experts E 2048 192 256 20 0 bf16` on AMD Zen 5, weight
-// gradients added / written: 32 rows 3.2 / 2.4 ms -> 1.95 / 1.21, 14 rows 3.7 / 2.45 -> 3.3 / 2.36; at 12 rows the
+// gradients added / written: 32 rows 3.2 / 2.4 ms -> 1.95 / 1.21, 14 rows 3.7 / 2.45 -> 3.3 / 2.4; at 12 rows the
 // rank update 3.6 / 2.8 against 4.2 / 3.6; bench/RESULTS.md).
 constexpr int64_t kRankUpdateMaxRows = 12;
 // c_OI[o, i] += sum_r a_nO[r, o] b_nI[r, i], the products added to c in row order r = 0 .. n-1, each element alone
