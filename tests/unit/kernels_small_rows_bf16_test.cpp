@@ -1,7 +1,7 @@
 // The small-tile bf16 products (small_rows_bf16.h) against their naive references on random bf16 values, over row
 // counts 1 .. 17 and shapes with partial 16- and 32-column stretches and a partial weight block: the data kernel bit
-// for bit (exact products summed in the same order), the forward within the fp32 sums' rounding, and each row's forward
-// bit for bit that of the row alone.
+// for bit (vdpbf16ps's order and rounding, which the reference follows), the forward within the fp32 sums' rounding,
+// and each row's forward bit for bit that of the row alone.
 #include <gtest/gtest.h>
 
 #include <cmath>

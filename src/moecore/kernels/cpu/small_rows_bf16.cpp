@@ -1,6 +1,9 @@
 #include "moecore/kernels/cpu/small_rows_bf16.h"
 
 #include <stdexcept>
+#include <vector>
+
+#include "moecore/tensor/dtype.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MOECORE_SMALL_ROWS_BUILT 1
@@ -89,48 +92,75 @@ MOECORE_AVX512_BF16 void forward_avx512_bf16(float* out_nO, const uint16_t* x_nI
   }
 }
 
+// The dx columns of the 32-column stretch i .. i + 31 that lane l of the unpacked pair vectors holds: unpacklo /
+// unpackhi of two weight rows interleave words 0-3 / 4-7 of each 128-bit block, so lane l of the low vector is column
+// 8 (l / 4) + l % 4 and lane l of the high one column 8 (l / 4) + 4 + l % 4.
+MOECORE_AVX512_BF16 inline __m512i unpacked_columns(const int half) {
+  alignas(64) int32_t idx[16];
+  for (int l = 0; l < 16; ++l) idx[l] = 8 * (l / 4) + 4 * half + l % 4;
+  return _mm512_load_si512(idx);
+}
+
+// The inverse: for columns c0 .. c0 + 15 of the stretch, the lane of (low, high) = (0-15, 16-31) that holds each.
+MOECORE_AVX512_BF16 inline __m512i packed_columns(const int c0) {
+  alignas(64) int32_t idx[16];
+  for (int j = 0; j < 16; ++j) {
+    const int c = c0 + j;
+    idx[j] = (c % 8 < 4 ? 0 : 16) + 4 * (c / 8) + c % 4;
+  }
+  return _mm512_load_si512(idx);
+}
+
 // kRows rows of dx by 32 columns in registers (constant counts, so they stay there), over blocks of kBlockRows
-// weight rows: each block's rows are prefetched during the block before and then read from L1, each weight row's
-// values widened (bf16 bits << 16) once per row block.
+// weight rows taken two at a time: the two rows' bf16 values interleaved into pairs (unpacklo / unpackhi, so the
+// accumulators hold the columns in that order, restored at the store), each pair multiplied by dy's pair
+// (dy[r, o], dy[r, o + 1]) with vdpbf16ps, which adds the o + 1 product first, then the o product. Each block's rows
+// are prefetched during the block before and then read from L1.
 template <int kRows>
-MOECORE_AVX512_BF16 void data_rows_avx512_bf16(float* dx_nI, const float* dy_nO, const uint16_t* w_OI, const int64_t I,
-                                               const int64_t O) {
-  constexpr int kVecs = 2;
-  constexpr int64_t kBlockRows = 16, kCols = 16 * kVecs;
+MOECORE_AVX512_BF16 void data_rows_avx512_bf16(float* dx_nI, const uint32_t* dy_pairs, const int64_t pairs,
+                                               const uint16_t* w_OI, const int64_t I, const int64_t O) {
+  constexpr int64_t kBlockRows = 16, kCols = 32;
+  const __m512i to_low = unpacked_columns(0), to_high = unpacked_columns(1);
+  const __m512i from_first = packed_columns(0), from_second = packed_columns(16);
   prefetch_rows(w_OI, 0, O < kBlockRows ? O : kBlockRows, I);
   for (int64_t o0 = 0; o0 < O; o0 += kBlockRows) {
     const int64_t o1 = O - o0 < kBlockRows ? O : o0 + kBlockRows;
     prefetch_rows(w_OI, o1, O - o1 < kBlockRows ? O : o1 + kBlockRows, I);
     for (int64_t i = 0; i < I; i += kCols) {
-      __mmask16 k[kVecs];
-      for (int v = 0; v < kVecs; ++v) k[v] = lanes_below(I - i - 16 * v);
-      __m512 acc[kRows][kVecs];
+      const __mmask32 k = halves_below(I - i);
+      const __mmask16 k_first = lanes_below(I - i), k_second = lanes_below(I - i - 16);
+      __m512 acc[kRows][2];
       for (int r = 0; r < kRows; ++r) {
-        for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_maskz_loadu_ps(k[v], dx_nI + r * I + i + 16 * v);
+        const __m512 first = _mm512_maskz_loadu_ps(k_first, dx_nI + r * I + i);
+        const __m512 second = _mm512_maskz_loadu_ps(k_second, dx_nI + r * I + i + 16);
+        acc[r][0] = _mm512_permutex2var_ps(first, to_low, second);
+        acc[r][1] = _mm512_permutex2var_ps(first, to_high, second);
       }
-      for (int64_t o = o0; o < o1; ++o) {
-        __m512 w[kVecs];
-        for (int v = 0; v < kVecs; ++v) {
-          const __m256i bits = _mm256_maskz_loadu_epi16(k[v], w_OI + o * I + i + 16 * v);
-          w[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-        }
+      for (int64_t o = o0; o < o1; o += 2) {
+        const __m512i row0 = _mm512_maskz_loadu_epi16(k, w_OI + o * I + i);
+        const __m512i row1 = _mm512_maskz_loadu_epi16(o + 1 < o1 ? k : 0, w_OI + (o + 1 < o1 ? o + 1 : o) * I + i);
+        const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(row0, row1);
+        const __m512bh high = (__m512bh)_mm512_unpackhi_epi16(row0, row1);
         for (int r = 0; r < kRows; ++r) {
-          const __m512 d = _mm512_set1_ps(dy_nO[r * O + o]);
-          for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(d, w[v], acc[r][v]);
+          const __m512bh d = (__m512bh)_mm512_set1_epi32(static_cast<int>(dy_pairs[r * pairs + o / 2]));
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], d, low);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], d, high);
         }
       }
       for (int r = 0; r < kRows; ++r) {
-        for (int v = 0; v < kVecs; ++v) _mm512_mask_storeu_ps(dx_nI + r * I + i + 16 * v, k[v], acc[r][v]);
+        _mm512_mask_storeu_ps(dx_nI + r * I + i, k_first, _mm512_permutex2var_ps(acc[r][0], from_first, acc[r][1]));
+        _mm512_mask_storeu_ps(dx_nI + r * I + i + 16, k_second,
+                              _mm512_permutex2var_ps(acc[r][0], from_second, acc[r][1]));
       }
     }
   }
 }
 
-// Blocks of 8 rows (32 columns at a time): more rows per block would need more broadcast loads per multiply-add than
-// the load ports give.
+// dy rounded to bf16 in pairs (dy[r, o], dy[r, o + 1]), a zero after an odd O; blocks of 8 rows (32 columns at a time):
+// more rows per block would need more broadcast loads per product than the load ports give.
 MOECORE_AVX512_BF16 void data_avx512_bf16(float* dx_nI, const float* dy_nO, const uint16_t* w_OI, const int64_t n,
                                           const int64_t I, const int64_t O) {
-  using Block = void (*)(float*, const float*, const uint16_t*, int64_t, int64_t);
+  using Block = void (*)(float*, const uint32_t*, int64_t, const uint16_t*, int64_t, int64_t);
   static constexpr Block kBlocks[] = {nullptr,
                                       data_rows_avx512_bf16<1>,
                                       data_rows_avx512_bf16<2>,
@@ -140,9 +170,25 @@ MOECORE_AVX512_BF16 void data_avx512_bf16(float* dx_nI, const float* dy_nO, cons
                                       data_rows_avx512_bf16<6>,
                                       data_rows_avx512_bf16<7>,
                                       data_rows_avx512_bf16<8>};
+  const int64_t pairs = (O + 1) / 2;
+  thread_local std::vector<uint32_t> dy_pairs;
+  if (dy_pairs.size() < static_cast<size_t>(n * pairs)) dy_pairs.resize(static_cast<size_t>(n * pairs));
+  for (int64_t r = 0; r < n; ++r) {
+    const float* dy_O = dy_nO + r * O;
+    uint32_t* pairs_P = dy_pairs.data() + r * pairs;
+    int64_t o = 0;
+    for (; o + 32 <= O; o += 32) {  // vcvtne2ps2bf16: the first operand fills the high half
+      const __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(dy_O + o + 16), _mm512_loadu_ps(dy_O + o));
+      _mm512_storeu_si512(pairs_P + o / 2, (__m512i)packed);
+    }
+    for (; o < O; o += 2) {
+      const uint32_t low = fp32_to_bf16(dy_O[o]), high = o + 1 < O ? fp32_to_bf16(dy_O[o + 1]) : 0u;
+      pairs_P[o / 2] = low | high << 16;
+    }
+  }
   for (int64_t r0 = 0; r0 < n; r0 += 8) {
     const int64_t rows = n - r0 < 8 ? n - r0 : 8;
-    kBlocks[rows](dx_nI + r0 * I, dy_nO + r0 * O, w_OI, I, O);
+    kBlocks[rows](dx_nI + r0 * I, dy_pairs.data() + r0 * pairs, pairs, w_OI, I, O);
   }
 }
 

@@ -1,15 +1,18 @@
 // A linear layer's products over a handful of rows on bf16 weights, for the grouped experts' small tiles (many
 // experts, few tokens each). A tiled GEMM library (oneDNN's matmul) repacks the weight operand into its own layout
 // on every call and pads the rows to its quantum, so a tile of 8 rows pays the weight's read and write twice over;
-// these read the bf16 weight [O, I] in place, with AVX-512 (vdpbf16ps of AVX512-BF16 forward) where the CPU has it.
+// these read the bf16 weight [O, I] in place, with AVX512-BF16 (vdpbf16ps) where the CPU has it.
 // Each block of weight rows is prefetched into L1 during the block before.
 //   small_rows_forward_bf16   out_nO = x_nI W_OI^T: for 8 output columns at a time, two rows against 8 weight rows
 //                             (vdpbf16ps on bf16 pairs; each weight load serves both rows), the 16 sums reduced in
 //                             registers; products of bf16 values are exact in fp32, the sums are fp32 (in their own
 //                             order, the same for every row whatever the rows beside it).
-//   small_rows_data_bf16      dx_nI += dy_nO W_OI: each weight row widened to fp32 (exact) and multiplied by dy[r, o]
-//                             and added (fused) into rows of dx held in registers, o = 0 .. O-1 in order; where dy
-//                             holds bf16 values every product is exact, so the result is the reference's bit for bit.
+//   small_rows_data_bf16      dx_nI += dy_nO W_OI: dy rounded to bf16 (exact where it holds bf16 values, as the
+//                             native path's activations), weight rows two at a time interleaved into bf16 pairs and
+//                             multiplied by dy's pairs with vdpbf16ps into rows of dx held in registers: for o = 0, 2,
+//                             4, .. the o + 1 product is added, then the o product, each rounded to fp32 once (its
+//                             products are exact), bf16 denormals read as zero and denormal sums flushed, as the
+//                             instruction defines.
 #pragma once
 
 #include <cstdint>
@@ -34,7 +37,8 @@ namespace ref {
 // out = x W^T, each sum in double, rounded once.
 void small_rows_forward_bf16(float* out_nO, const uint16_t* x_nI, const uint16_t* w_OI, int64_t n, int64_t I,
                              int64_t O);
-// dx += dy W, o in order, one fp32 multiply and add each.
+// dx += dy W in vdpbf16ps's order and rounding: dy rounded to bf16, o = 0, 2, .. with the o + 1 product first, each
+// product added with one fp32 rounding (fmaf), bf16 denormals as zero, denormal results flushed to zero.
 void small_rows_data_bf16(float* dx_nI, const float* dy_nO, const uint16_t* w_OI, int64_t n, int64_t I, int64_t O);
 }  // namespace ref
 
