@@ -1,8 +1,8 @@
-#include "moecore/kernels/cpu/small_rows_bf16.h"
-#include "moecore/tensor/dtype.h"
-
 #include <cmath>
 #include <limits>
+
+#include "moecore/kernels/cpu/small_rows_bf16.h"
+#include "moecore/tensor/dtype.h"
 
 namespace moecore::kernels::ref {
 
