@@ -16,6 +16,7 @@
 #include "moecore/kernels/cpu/elementwise.h"
 #include "moecore/kernels/cpu/expert_activation.h"
 #include "moecore/kernels/cpu/gemm.h"
+#include "moecore/kernels/cpu/gemm_lowp.h"
 #include "moecore/kernels/cpu/grouped_mlp_steps.h"
 #include "moecore/kernels/cpu/rank_update.h"
 #include "moecore/kernels/cpu/rows.h"
@@ -100,7 +101,7 @@ class NativeKernels : public Kernels {
     if (dbias_O != nullptr) {
       cpu::linear_backward<float>(nullptr, nullptr, dbias_O, dout_TO, nullptr, weight_OI, n, I, O);
     }
-    if (dinp_TI != nullptr && small_rows(n, kSmallRowsDataMax)) {
+    if (dinp_TI != nullptr && small_rows(n, small_rows_data_max())) {
       small_rows_data_bf16(dinp_TI, dout_TO, weight16(weight_OI), n, I, O);
       dinp_TI = nullptr;
     }
@@ -134,6 +135,10 @@ class NativeKernels : public Kernels {
   static Buffers& buffers() {
     thread_local Buffers buffers;
     return buffers;
+  }
+  static int64_t small_rows_data_max() {
+    static const int64_t rows = cpu_has_lowp_amx(LowpType::kBF16) ? kSmallRowsDataMaxAmx : kSmallRowsDataMax;
+    return rows;
   }
   // A tile of a few rows on the bf16 weight in place (small_rows_bf16.h), where the CPU runs those kernels.
   bool small_rows(const int64_t n, const int64_t max_rows) const {
