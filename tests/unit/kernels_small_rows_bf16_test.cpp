@@ -1,5 +1,5 @@
 // The small-tile bf16 products (small_rows_bf16.h) against their naive references on random bf16 values, over row
-// counts 1 .. 17 and shapes with partial 16- and 32-column stretches and a partial weight block: the data kernel bit
+// counts 1 .. 33 and shapes with partial 16- and 32-column stretches and a partial weight block: the data kernel bit
 // for bit (vdpbf16ps's order and rounding, which the reference follows), the forward within the fp32 sums' rounding,
 // and each row's forward bit for bit that of the row alone.
 #include <gtest/gtest.h>
@@ -39,7 +39,7 @@ TEST(SmallRowsBf16, DataMatchesTheReferenceBitForBit) {
   if (!cpu::small_rows_bf16_usable()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
   std::mt19937 gen(3);
   for (const Shape s : kShapes) {
-    for (int64_t n = 1; n <= 17; n += (n < 9 ? 1 : 8)) {
+    for (int64_t n = 1; n <= 33; n += (n < 9 ? 1 : 8)) {
       const std::vector<float> dy = widened(random_bf16(n * s.O, gen)), dx0 = widened(random_bf16(n * s.I, gen));
       const std::vector<uint16_t> w = random_bf16(s.O * s.I, gen);
       std::vector<float> got = dx0, want = dx0;
@@ -57,7 +57,7 @@ TEST(SmallRowsBf16, ForwardMatchesTheReference) {
   if (!cpu::small_rows_bf16_usable()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
   std::mt19937 gen(4);
   for (const Shape s : kShapes) {
-    for (int64_t n = 1; n <= 17; ++n) {
+    for (int64_t n = 1; n <= 33; n += (n < 17 ? 1 : 8)) {
       const std::vector<uint16_t> x = random_bf16(n * s.I, gen), w = random_bf16(s.O * s.I, gen);
       std::vector<float> got(static_cast<size_t>(n * s.O), -1.0f), want(got.size());
       cpu::small_rows_forward_bf16(got.data(), x.data(), w.data(), n, s.I, s.O);

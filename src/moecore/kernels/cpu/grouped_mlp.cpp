@@ -74,7 +74,7 @@ class NativeKernels : public Kernels {
                       const int64_t I, const int64_t O) const {
     if (n == 0) return;
     Buffers& buf = buffers();
-    if (small_rows(n, kSmallRowsForwardMax)) {
+    if (small_rows(n, small_rows_forward_max())) {
       small_rows_forward_bf16(out_TO, encode_rows(buf.a, inp_TI, n, I, n), weight16(weight_OI), n, I, O);
       if (bias_O != nullptr) cpu::add_bias_rows(out_TO, bias_O, n, O);
       return;
@@ -136,10 +136,12 @@ class NativeKernels : public Kernels {
     thread_local Buffers buffers;
     return buffers;
   }
-  static int64_t small_rows_data_max() {
-    static const int64_t rows = cpu_has_lowp_amx(LowpType::kBF16) ? kSmallRowsDataMaxAmx : kSmallRowsDataMax;
-    return rows;
+  static bool amx() {
+    static const bool tiles = cpu_has_lowp_amx(LowpType::kBF16);
+    return tiles;
   }
+  static int64_t small_rows_forward_max() { return amx() ? kSmallRowsForwardMaxAmx : kSmallRowsForwardMax; }
+  static int64_t small_rows_data_max() { return amx() ? kSmallRowsDataMaxAmx : kSmallRowsDataMax; }
   // A tile of a few rows on the bf16 weight in place (small_rows_bf16.h), where the CPU runs those kernels.
   bool small_rows(const int64_t n, const int64_t max_rows) const {
     return type_ == LowpType::kBF16 && n <= max_rows && small_rows_bf16_usable();

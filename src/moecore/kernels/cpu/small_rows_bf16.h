@@ -22,10 +22,12 @@ namespace moecore::kernels {
 namespace cpu {
 // Tiles of at most this many rows take these kernels in the grouped experts' native bf16 path where
 // small_rows_bf16_usable() (grouped_mlp.cpp): measured against oneDNN's matmul with `bench_moe experts E 2048 192 256
-// 15 0 bf16` on AMD Zen 5 (bench/RESULTS.md). The data kernel holds 8 rows in registers and re-reads the expert's
-// weight (from L2) for each further 8; it beat the matmul up to 32 rows there. Where the matmul runs on AMX tiles the
-// data kernel keeps to 8 rows, the bound it had before it ran on vdpbf16ps (not measured on AMX beyond that).
-constexpr int64_t kSmallRowsForwardMax = 16, kSmallRowsDataMax = 32, kSmallRowsDataMaxAmx = 8;
+// 15 0 bf16` on AMD Zen 5 (bench/RESULTS.md), where both kernels beat it up to 32 rows (level at 32). The data kernel
+// holds 8 rows in registers and re-reads the expert's weight (from L2) for each further 8, the forward 2 rows. Where
+// the matmul runs on AMX tiles they keep to the bounds measured before the data kernel ran on vdpbf16ps (16 and 8
+// rows; not measured on AMX).
+constexpr int64_t kSmallRowsForwardMax = 32, kSmallRowsDataMax = 32;
+constexpr int64_t kSmallRowsForwardMaxAmx = 16, kSmallRowsDataMaxAmx = 8;
 // Whether this CPU runs them (AVX512-BF16).
 bool small_rows_bf16_usable();
 // Single-threaded, callable inside OpenMP regions; std::logic_error where not usable.
