@@ -6,7 +6,10 @@
 #include <string>
 #include <vector>
 
+#include <omp.h>
+
 #include "moecore/kernels/cpu/convert.h"
+#include "moecore/kernels/cpu/vector_isa.h"
 #include "moecore/ops/dispatch.h"
 
 namespace moecore::ops {
@@ -19,6 +22,25 @@ bool is_float(const DType dtype) {
 // One device's conversions, widening and narrowing through fp32 / fp64 as the pair needs.
 // fp32 <-> fp64 arrays from this size on both threads (the router's [tokens, experts] scores at many experts).
 constexpr int64_t kParallelElements = 65536;
+
+// fp32 <-> fp64 over one thread's slice, in the CPU's widest vectors (elementwise: the same values in any width).
+MOECORE_VECTOR_CLONES void narrow_slice(float* out, const double* in, const int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
+}
+MOECORE_VECTOR_CLONES void widen_slice(double* out, const float* in, const int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(in[i]);
+}
+
+// slice(out + begin, in + begin, end - begin) over one contiguous slice per thread.
+template <typename Out, typename In>
+void in_slices(Out* out, const In* in, const int64_t n, void (*slice)(Out*, const In*, int64_t)) {
+#pragma omp parallel if (n > kParallelElements)
+  {
+    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+    const int64_t begin = n * thread / threads, end = n * (thread + 1) / threads;
+    slice(out + begin, in + begin, end - begin);
+  }
+}
 
 template <typename K>
 struct Converter {
@@ -38,15 +60,9 @@ struct Converter {
     if (from == to) {
       if (n > 0) std::memcpy(dst.data<std::byte>(), src.data<std::byte>(), src.nbytes());
     } else if (from == DType::kF64 && to == DType::kF32) {
-      const double* in = src.data<double>();
-      float* out = dst.data<float>();
-#pragma omp parallel for schedule(static) if (n > kParallelElements)
-      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
+      in_slices(dst.data<float>(), src.data<double>(), n, narrow_slice);
     } else if (from == DType::kF32 && to == DType::kF64) {
-      const float* in = src.data<float>();
-      double* out = dst.data<double>();
-#pragma omp parallel for schedule(static) if (n > kParallelElements)
-      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(in[i]);
+      in_slices(dst.data<double>(), src.data<float>(), n, widen_slice);
     } else if (low_to && !low_from) {
       from == DType::kF32 ? encode(to, dst.data<uint16_t>(), src.data<float>(), n)
                           : encode(to, dst.data<uint16_t>(), src.data<double>(), n);

@@ -215,9 +215,45 @@ struct Scratch {
   std::vector<int64_t> idx_K;
 };
 
-template <typename T>
-void load_row(double* out_E, const T* in_E, const int64_t E) {
+// Elementwise row loops in the CPU's widest vectors (vector_isa.h): the same values as scalar code. load_row widens a
+// row to double, store_row writes one as T; add_to_columns adds a row to two rows of column sums (each sum in token
+// order); add_softmax_grad adds s_e (ds_e - dot) to each gradient entry in double, written back as T.
+MOECORE_VECTOR_CLONES void load_row(double* out_E, const float* in_E, const int64_t E) {
   for (int64_t e = 0; e < E; ++e) out_E[e] = static_cast<double>(in_E[e]);
+}
+MOECORE_VECTOR_CLONES void load_row(double* out_E, const double* in_E, const int64_t E) {
+  for (int64_t e = 0; e < E; ++e) out_E[e] = in_E[e];
+}
+MOECORE_VECTOR_CLONES void store_row(float* out_E, const double* in_E, const int64_t E) {
+  for (int64_t e = 0; e < E; ++e) out_E[e] = static_cast<float>(in_E[e]);
+}
+MOECORE_VECTOR_CLONES void store_row(double* out_E, const double* in_E, const int64_t E) {
+  for (int64_t e = 0; e < E; ++e) out_E[e] = in_E[e];
+}
+MOECORE_VECTOR_CLONES void add_to_columns(double* __restrict all_E, double* __restrict seq_E, const float* s_E,
+                                          const int64_t E) {
+  for (int64_t e = 0; e < E; ++e) {
+    all_E[e] += static_cast<double>(s_E[e]);
+    seq_E[e] += static_cast<double>(s_E[e]);
+  }
+}
+MOECORE_VECTOR_CLONES void add_to_columns(double* __restrict all_E, double* __restrict seq_E, const double* s_E,
+                                          const int64_t E) {
+  for (int64_t e = 0; e < E; ++e) {
+    all_E[e] += s_E[e];
+    seq_E[e] += s_E[e];
+  }
+}
+MOECORE_VECTOR_CLONES void add_softmax_grad(float* dl_E, const float* s_E, const float* ds_E, const double dot,
+                                            const int64_t E) {
+  for (int64_t e = 0; e < E; ++e) {
+    dl_E[e] = static_cast<float>(static_cast<double>(dl_E[e]) +
+                                 static_cast<double>(s_E[e]) * (static_cast<double>(ds_E[e]) - dot));
+  }
+}
+MOECORE_VECTOR_CLONES void add_softmax_grad(double* dl_E, const double* s_E, const double* ds_E, const double dot,
+                                            const int64_t E) {
+  for (int64_t e = 0; e < E; ++e) dl_E[e] = dl_E[e] + s_E[e] * (ds_E[e] - dot);
 }
 
 // One token of TopKRouter.sinkhorn_load_balancing: the activation is sigmoid (top-1, in the logits' type T) or the
@@ -527,7 +563,7 @@ void aux_scores_forward(T* scores_TE, int32_t* idx_TK, const T* logits_TE, const
         normalize(a_E, E, fp32_scores);
       }
       topk(s.idx_K.data(), a_E, E, k);
-      for (int64_t e = 0; e < E; ++e) scores_TE[t * E + e] = static_cast<T>(a_E[e]);
+      store_row(scores_TE + t * E, a_E, E);
       for (int64_t i = 0; i < k; ++i) idx_TK[t * k + i] = static_cast<int32_t>(s.idx_K[static_cast<size_t>(i)]);
     }
   }
@@ -548,10 +584,7 @@ void aux_scores_backward(T* dlogits_TE, const T* dscores_RE, const int64_t R, co
       if (score == RoutingScore::kSoftmax) {  // through the forward's scores, as autograd's softmax backward
         const T* s_E = scores_TE + t * E;
         for (int64_t e = 0; e < E; ++e) dot += static_cast<double>(s_E[e]) * static_cast<double>(ds_E[e]);
-        for (int64_t e = 0; e < E; ++e) {
-          dl_E[e] = static_cast<T>(static_cast<double>(dl_E[e]) +
-                                   static_cast<double>(s_E[e]) * (static_cast<double>(ds_E[e]) - dot));
-        }
+        add_softmax_grad(dl_E, s_E, ds_E, dot, E);
         continue;
       }
       // s_e = f_e / (sum f + 1e-20): d/d f_e = (ds_e - sum_j ds_j s_j) / (sum f + 1e-20).
@@ -586,10 +619,7 @@ void aux_loss_sums(T* sums_E, T* sums_BE, T* counts_BE, const T* scores_TE, cons
     for (int64_t t = 0; t < n; ++t) {
       const T* s_E = scores_TE + t * E + e0;
       double* seq_E = seq_BE.data() + (t % B) * w;
-      for (int64_t e = 0; e < w; ++e) {
-        all_E[static_cast<size_t>(e)] += static_cast<double>(s_E[e]);
-        seq_E[e] += static_cast<double>(s_E[e]);
-      }
+      add_to_columns(all_E.data(), seq_E, s_E, w);
     }
     for (int64_t e = 0; e < w; ++e) sums_E[e0 + e] = static_cast<T>(all_E[static_cast<size_t>(e)]);
     for (int64_t b = 0; b < B; ++b) {
