@@ -1,12 +1,12 @@
 #include "moecore/ops/convert.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstring>
 #include <initializer_list>
 #include <string>
 #include <vector>
-
-#include <omp.h>
 
 #include "moecore/kernels/cpu/convert.h"
 #include "moecore/kernels/cpu/vector_isa.h"
