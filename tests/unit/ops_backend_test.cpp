@@ -22,7 +22,7 @@
 //   convert.h     convert
 //   device.h      supports synchronize
 //   dropout.h     dropout_forward dropout_backward
-//   elementwise.h add_ scale_ sum_squares all_finite count_zeros
+//   elementwise.h add_ scale_ sum_squares sum_squares_each all_finite count_zeros
 //   expert_activation.h weighted_swiglu_forward weighted_swiglu_backward
 //   linear.h      linear_forward linear_backward gemm_library gemm_lowp_library gemm_lowp_native
 //   linear_cross_entropy.h  linear_cross_entropy linear_cross_entropy_chunk_rows linear_cross_entropy_logit_bytes
@@ -92,6 +92,7 @@ const std::vector<std::string> kOpsInHeaders = {"activation_input_width",
                                                 "add_",
                                                 "scale_",
                                                 "sum_squares",
+                                                "sum_squares_each",
                                                 "all_finite",
                                                 "count_zeros",
                                                 "weighted_swiglu_forward",
@@ -167,6 +168,7 @@ const std::vector<std::string> kOpsInHandWrittenTests = {"activation_input_width
                                                          "supports",
                                                          "synchronize",
                                                          "sum_squares",
+                                                         "sum_squares_each",
                                                          "all_finite",
                                                          "count_zeros",
                                                          "linear_cross_entropy_chunk_rows",
@@ -183,7 +185,8 @@ const std::vector<std::string> kOpsInHandWrittenTests = {"activation_input_width
 // every floating dtype, so the table's fp64 swap is no error for it; grouped_mlp_backward_workspace: in
 // ops_grouped_mlp_test).
 const std::vector<std::string> kOpsWithHandWrittenErrors = {
-    "scale_", "sum_squares", "all_finite", "convert", "normal_fill", "count_zeros", "grouped_mlp_backward_workspace"};
+    "scale_",  "sum_squares", "sum_squares_each", "all_finite",
+    "convert", "normal_fill", "count_zeros",      "grouped_mlp_backward_workspace"};
 const std::vector<std::string> kOpsWithoutTensors = {"activation_input_width",
                                                      "supports",
                                                      "synchronize",
@@ -572,6 +575,36 @@ TEST(OpsElementwise, SumSquaresAndAllFinite) {
   }
 }
 
+// Each tensor's sum of squares against the naive sum, for tensors of one element to several of the kernel's chunks
+// (2^18 elements) and an empty one; the sums are the same bits on one thread and on two.
+TEST(OpsElementwise, SumSquaresEachMatchesEachTensorAndNotTheThreads) {
+  const std::vector<std::vector<int64_t>> shapes = {{13, 11}, {1}, {0}, {600, 1000}, {3, 70001}, {262144}};
+  for (const Device device : kDevices) {
+    for (const DType dtype : kDTypes) {
+      const TestDevice scope(device);
+      std::vector<Tensor> xs;
+      for (size_t j = 0; j < shapes.size(); ++j) xs.push_back(random_tensor(shapes[j], dtype, 40 + j, 3.0));
+      std::vector<double> one, two;
+      {
+        const ThreadCount threads(1);
+        one = sum_squares_each(xs);
+      }
+      {
+        const ThreadCount threads(2);
+        two = sum_squares_each(xs);
+      }
+      ASSERT_EQ(one.size(), xs.size());
+      for (size_t j = 0; j < xs.size(); ++j) {
+        double want = 0.0;
+        for (int64_t i = 0; i < xs[j].numel(); ++i) want += test::get(xs[j], i) * test::get(xs[j], i);
+        EXPECT_NEAR(one[j], want, 1e-12 * want) << label(device, dtype) << " tensor " << j;
+        EXPECT_EQ(std::bit_cast<uint64_t>(one[j]), std::bit_cast<uint64_t>(two[j]))
+            << label(device, dtype) << " tensor " << j;
+      }
+    }
+  }
+}
+
 // Zeros of both signs are counted, every other value (denormals included) is not; 16-bit tensors count as their values.
 TEST(OpsElementwise, CountZeros) {
   for (const Device device : kDevices) {
@@ -793,6 +826,10 @@ TEST(OpsBadArgs, OtherArgumentErrors) {
     expect_invalid("add_", [&] { add_(i32, i32_b); });
     expect_invalid("add_", [&] { add_(undefined, x); });
     expect_invalid("sum_squares", [&] { sum_squares(undefined); });
+    const std::vector<Tensor> mixed = {x, random_tensor({4, 3}, DType::kF64, 20)};
+    expect_invalid("sum_squares_each", [&] { sum_squares_each(mixed); });
+    const std::vector<Tensor> with_i32 = {x, i32};
+    expect_invalid("sum_squares_each", [&] { sum_squares_each(with_i32); });
 
     Tensor dweight = tensor_on({5, 3}, DType::kF32), dout = tensor_on({4, 5}, DType::kF32);
     const Tensor weight = random_tensor({5, 3}, DType::kF32, 19);

@@ -78,6 +78,7 @@ namespace moecore::ops::detail {
     MOECORE_FORWARD(ns, add_inplace)                 \
     MOECORE_FORWARD(ns, scale_inplace)               \
     MOECORE_FORWARD(ns, sum_squares)                 \
+    MOECORE_FORWARD(ns, sum_squares_each)            \
     MOECORE_FORWARD(ns, all_finite)                  \
     MOECORE_FORWARD(ns, count_zeros)                 \
     MOECORE_FORWARD(ns, split_qkv)                   \

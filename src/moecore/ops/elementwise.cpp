@@ -45,6 +45,24 @@ double sum_squares(const Tensor& x) {
   return out;
 }
 
+std::vector<double> sum_squares_each(const std::span<const Tensor> xs) {
+  constexpr const char* op = "sum_squares_each";
+  std::vector<double> sums(xs.size(), 0.0);
+  if (xs.empty()) return sums;
+  const detail::Staging staging;
+  for (const Tensor& x : xs) detail::check_tensors(op, {&xs.front(), &x});
+  std::vector<int64_t> ns;
+  ns.reserve(xs.size());
+  for (const Tensor& x : xs) ns.push_back(x.numel());
+  detail::dispatch(op, xs.front(), [&]<typename T>(auto k) {
+    std::vector<const T*> data;
+    data.reserve(xs.size());
+    for (const Tensor& x : xs) data.push_back(ptr<T>(x));
+    k.sum_squares_each(data.data(), ns.data(), static_cast<int64_t>(xs.size()), sums.data());
+  });
+  return sums;
+}
+
 bool all_finite(const Tensor& x) {
   constexpr const char* op = "all_finite";
   const detail::Staging staging;

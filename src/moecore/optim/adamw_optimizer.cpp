@@ -58,8 +58,11 @@ void AdamWOptimizer::model_from_main_params() {
 }
 
 double AdamWOptimizer::grad_norm() const {
+  std::vector<Tensor> grads;
+  grads.reserve(params_.size());
+  for (const Param& p : params_) grads.push_back(p.grad);
   double sum = 0.0;
-  for (const Param& p : params_) sum += ops::sum_squares(p.grad);
+  for (const double term : ops::sum_squares_each(grads)) sum += term;
   return std::sqrt(sum);
 }
 

@@ -132,19 +132,21 @@ Tensor DistributedAdamW::grad_piece(const Piece& piece) const {
   return ddp_.grad_view(piece.bucket, piece.offset, piece.offset + piece.numel);
 }
 
-double DistributedAdamW::sum_over_counted(
-    const std::function<double(size_t param, const Param& p, const Piece* piece)>& term) const {
-  double sum = 0.0;
+void DistributedAdamW::for_each_counted(
+    const std::function<void(size_t param, const Param& p, const Piece* piece)>& visit) const {
   if (replicated_) {
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (counted_in_norm(params_[i])) sum += term(i, params_[i], nullptr);
+      if (counted_in_norm(params_[i])) visit(i, params_[i], nullptr);
     }
   } else {
     for (const Piece& piece : pieces_) {
       const auto i = static_cast<size_t>(piece.param);
-      if (counted_in_norm(params_[i])) sum += term(i, params_[i], &piece);
+      if (counted_in_norm(params_[i])) visit(i, params_[i], &piece);
     }
   }
+}
+
+double DistributedAdamW::sum_over_world(double sum) const {
   const parallel::ProcessGroup& world = ddp_.parallel().world;
   if (world.size() > 1) {
     const parallel::CommTimer timer(parallel::CommKind::kOther);
@@ -153,10 +155,21 @@ double DistributedAdamW::sum_over_counted(
   return sum;
 }
 
+double DistributedAdamW::sum_over_counted(
+    const std::function<double(size_t param, const Param& p, const Piece* piece)>& term) const {
+  double sum = 0.0;
+  for_each_counted([&](const size_t i, const Param& p, const Piece* piece) { sum += term(i, p, piece); });
+  return sum_over_world(sum);
+}
+
+// The counted gradients' sums of squares in one pass over all of them (ops::sum_squares_each), added in order.
 double DistributedAdamW::grad_norm() const {
-  return std::sqrt(sum_over_counted([&](size_t, const Param& p, const Piece* piece) {
-    return ops::sum_squares(piece ? grad_piece(*piece) : p.grad);
-  }));
+  std::vector<Tensor> grads;
+  for_each_counted(
+      [&](size_t, const Param& p, const Piece* piece) { grads.push_back(piece ? grad_piece(*piece) : p.grad); });
+  double sum = 0.0;
+  for (const double term : ops::sum_squares_each(grads)) sum += term;
+  return std::sqrt(sum_over_world(sum));
 }
 
 Tensor DistributedAdamW::main_param_fp32(const Piece& piece) const {

@@ -108,8 +108,11 @@ class DistributedAdamW {
   // The dtype unscaling and clipping round the gradients to: the buffer's with decoupled_grads, else fp32.
   DType decoupled_grad_dtype() const;
   bool counted_in_norm(const Param& p) const;
-  // The sum over the world of term(index, param, piece) over what this rank counts in the norms: the replicated
-  // optimizer's parameters whole (piece null), else the pieces of its shards (a collective over the world).
+  // Visits, in order, what this rank counts in the norms: the replicated optimizer's parameters whole (piece null),
+  // else the pieces of its shards.
+  void for_each_counted(const std::function<void(size_t param, const Param& p, const Piece* piece)>& visit) const;
+  double sum_over_world(double sum) const;  // a collective over the world
+  // The sum over the world of term(index, param, piece) over what this rank counts in the norms.
   double sum_over_counted(const std::function<double(size_t param, const Param& p, const Piece* piece)>& term) const;
   // The piece's elements of its group's flat gradient buffer (a view).
   Tensor grad_piece(const Piece& piece) const;

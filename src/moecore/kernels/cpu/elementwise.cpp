@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "moecore/kernels/cpu/vector_isa.h"
 
@@ -85,6 +86,32 @@ double sum_squares(const T* x, const int64_t n) {
   return total;
 }
 
+// One parallel loop over every tensor's chunks: a norm over thousands of parameters (one per expert) as one call per
+// tensor opened a parallel region for each and read each in short streams (bench/RESULTS.md).
+template <typename T>
+void sum_squares_each(const T* const* xs, const int64_t* ns, const int64_t count, double* sums) {
+  struct Chunk {
+    int64_t tensor, begin, end;
+  };
+  std::vector<Chunk> chunks;
+  int64_t total = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    for (int64_t begin = 0; begin < ns[j]; begin += kSumSquaresChunk) {
+      chunks.push_back({j, begin, std::min(ns[j], begin + kSumSquaresChunk)});
+    }
+    total += ns[j];
+  }
+  std::vector<double> partial(chunks.size());
+  const auto n_chunks = static_cast<int64_t>(chunks.size());
+#pragma omp parallel for schedule(dynamic, 1) if (total > kParallelMin && n_chunks > 1)
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const Chunk& chunk = chunks[static_cast<size_t>(c)];
+    partial[static_cast<size_t>(c)] = sum_squares_chunk(xs[chunk.tensor], chunk.begin, chunk.end);
+  }
+  std::fill(sums, sums + count, 0.0);
+  for (int64_t c = 0; c < n_chunks; ++c) sums[chunks[static_cast<size_t>(c)].tensor] += partial[static_cast<size_t>(c)];
+}
+
 template <typename T>
 bool all_finite(const T* x, const int64_t n) {
   int64_t n_bad = 0;
@@ -108,11 +135,12 @@ float abs_max(const float* x, const int64_t n) {
   return amax;
 }
 
-#define MOECORE_INSTANTIATE(T)                         \
-  template void add_inplace<T>(T*, const T*, int64_t); \
-  template void scale_inplace<T>(T*, T, int64_t);      \
-  template double sum_squares<T>(const T*, int64_t);   \
-  template bool all_finite<T>(const T*, int64_t);      \
+#define MOECORE_INSTANTIATE(T)                                                          \
+  template void add_inplace<T>(T*, const T*, int64_t);                                  \
+  template void scale_inplace<T>(T*, T, int64_t);                                       \
+  template double sum_squares<T>(const T*, int64_t);                                    \
+  template void sum_squares_each<T>(const T* const*, const int64_t*, int64_t, double*); \
+  template bool all_finite<T>(const T*, int64_t);                                       \
   template int64_t count_zeros<T>(const T*, int64_t);
 MOECORE_INSTANTIATE(float)
 MOECORE_INSTANTIATE(double)

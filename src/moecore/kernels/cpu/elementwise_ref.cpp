@@ -23,6 +23,11 @@ double sum_squares(const T* x, const int64_t n) {
 }
 
 template <typename T>
+void sum_squares_each(const T* const* xs, const int64_t* ns, const int64_t count, double* sums) {
+  for (int64_t j = 0; j < count; ++j) sums[j] = sum_squares(xs[j], ns[j]);
+}
+
+template <typename T>
 bool all_finite(const T* x, const int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     if (!std::isfinite(x[i])) return false;
@@ -43,11 +48,12 @@ float abs_max(const float* x, const int64_t n) {
   return amax;
 }
 
-#define MOECORE_INSTANTIATE(T)                         \
-  template void add_inplace<T>(T*, const T*, int64_t); \
-  template void scale_inplace<T>(T*, T, int64_t);      \
-  template double sum_squares<T>(const T*, int64_t);   \
-  template bool all_finite<T>(const T*, int64_t);      \
+#define MOECORE_INSTANTIATE(T)                                                          \
+  template void add_inplace<T>(T*, const T*, int64_t);                                  \
+  template void scale_inplace<T>(T*, T, int64_t);                                       \
+  template double sum_squares<T>(const T*, int64_t);                                    \
+  template void sum_squares_each<T>(const T* const*, const int64_t*, int64_t, double*); \
+  template bool all_finite<T>(const T*, int64_t);                                       \
   template int64_t count_zeros<T>(const T*, int64_t);
 MOECORE_INSTANTIATE(float)
 MOECORE_INSTANTIATE(double)
