@@ -33,4 +33,13 @@ MOECORE_ELEMENTWISE_DECL
 }
 #undef MOECORE_ELEMENTWISE_DECL
 
+// The templates' explicit instantiations, for the fast kernels' and the references' source files.
+#define MOECORE_ELEMENTWISE_INSTANTIATE(T)                                              \
+  template void add_inplace<T>(T*, const T*, int64_t);                                  \
+  template void scale_inplace<T>(T*, T, int64_t);                                       \
+  template double sum_squares<T>(const T*, int64_t);                                    \
+  template void sum_squares_each<T>(const T* const*, const int64_t*, int64_t, double*); \
+  template bool all_finite<T>(const T*, int64_t);                                       \
+  template int64_t count_zeros<T>(const T*, int64_t);
+
 }  // namespace moecore::kernels

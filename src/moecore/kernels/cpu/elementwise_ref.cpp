@@ -48,15 +48,7 @@ float abs_max(const float* x, const int64_t n) {
   return amax;
 }
 
-#define MOECORE_INSTANTIATE(T)                                                          \
-  template void add_inplace<T>(T*, const T*, int64_t);                                  \
-  template void scale_inplace<T>(T*, T, int64_t);                                       \
-  template double sum_squares<T>(const T*, int64_t);                                    \
-  template void sum_squares_each<T>(const T* const*, const int64_t*, int64_t, double*); \
-  template bool all_finite<T>(const T*, int64_t);                                       \
-  template int64_t count_zeros<T>(const T*, int64_t);
-MOECORE_INSTANTIATE(float)
-MOECORE_INSTANTIATE(double)
-#undef MOECORE_INSTANTIATE
+MOECORE_ELEMENTWISE_INSTANTIATE(float)
+MOECORE_ELEMENTWISE_INSTANTIATE(double)
 
 }  // namespace moecore::kernels::ref
