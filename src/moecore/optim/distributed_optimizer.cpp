@@ -226,14 +226,16 @@ bool DistributedAdamW::unscale_grads_and_check_for_nan(const float inv_scale) {
 DistributedAdamW::NonFiniteGrads DistributedAdamW::unscale_grads_and_check_for_nan(const float dense_inv_scale,
                                                                                    const float expert_inv_scale) {
   std::array<float, 2> found = {0.0f, 0.0f};  // dense, expert
+  std::vector<Tensor> grads;
+  std::vector<bool> expert_grads;
   const auto visit = [&](Tensor& grad, const bool expert) {
     const float inv_scale = expert ? expert_inv_scale : dense_inv_scale;
     if (inv_scale != 1.0f) {
       ops::scale_(grad, inv_scale);
       ops::round_to_dtype_(grad, decoupled_grad_dtype());
     }
-    // Squares of fp32 values summed in double cannot overflow, so only an Inf or NaN element makes this non-finite.
-    if (!std::isfinite(ops::sum_squares(grad))) found[expert ? 1 : 0] = 1.0f;
+    grads.push_back(grad);
+    expert_grads.push_back(expert);
   };
   if (replicated_) {
     for (Param& p : params_) visit(p.grad, p.is_expert);
@@ -242,6 +244,11 @@ DistributedAdamW::NonFiniteGrads DistributedAdamW::unscale_grads_and_check_for_n
       Tensor grad = grad_piece(piece);
       visit(grad, params_[static_cast<size_t>(piece.param)].is_expert);
     }
+  }
+  // Squares of fp32 values summed in double cannot overflow, so only an Inf or NaN element makes a sum non-finite.
+  const std::vector<double> sums = ops::sum_squares_each(grads);
+  for (size_t j = 0; j < sums.size(); ++j) {
+    if (!std::isfinite(sums[j])) found[expert_grads[j] ? 1 : 0] = 1.0f;
   }
   const parallel::ProcessGroup& world = ddp_.parallel().world;
   if (world.size() > 1) {
