@@ -1,7 +1,7 @@
 // The small-tile bf16 products (small_rows_bf16.h) against their naive references on random bf16 values, over row
 // counts 1 .. 33 and shapes with partial 16- and 32-column stretches and a partial weight block: the data kernel bit
-// for bit (vdpbf16ps's order and rounding, which the reference follows), the forward within the fp32 sums' rounding,
-// and each row's forward bit for bit that of the row alone.
+// for bit (vdpbf16ps's order and rounding, which the reference follows; the widened one in o order), the forward within
+// the fp32 sums' rounding, and each row's forward bit for bit that of the row alone.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -45,6 +45,24 @@ TEST(SmallRowsBf16, DataMatchesTheReferenceBitForBit) {
       std::vector<float> got = dx0, want = dx0;
       cpu::small_rows_data_bf16(got.data(), dy.data(), w.data(), n, s.I, s.O);
       ref::small_rows_data_bf16(want.data(), dy.data(), w.data(), n, s.I, s.O);
+      const std::string what = "n " + std::to_string(n) + " I " + std::to_string(s.I) + " O " + std::to_string(s.O);
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_EQ(got[i], want[i]) << what << " element " << i;
+      }
+    }
+  }
+}
+
+TEST(SmallRowsBf16, WidenedDataMatchesTheReferenceBitForBit) {
+  if (!cpu::small_rows_bf16_usable()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  std::mt19937 gen(6);
+  for (const Shape s : kShapes) {
+    for (int64_t n = 1; n <= 17; n += (n < 9 ? 1 : 8)) {
+      const std::vector<float> dy = widened(random_bf16(n * s.O, gen)), dx0 = widened(random_bf16(n * s.I, gen));
+      const std::vector<uint16_t> w = random_bf16(s.O * s.I, gen);
+      std::vector<float> got = dx0, want = dx0;
+      cpu::small_rows_data_widened(got.data(), dy.data(), w.data(), n, s.I, s.O);
+      ref::small_rows_data_widened(want.data(), dy.data(), w.data(), n, s.I, s.O);
       const std::string what = "n " + std::to_string(n) + " I " + std::to_string(s.I) + " O " + std::to_string(s.O);
       for (size_t i = 0; i < got.size(); ++i) {
         ASSERT_EQ(got[i], want[i]) << what << " element " << i;

@@ -102,7 +102,8 @@ class NativeKernels : public Kernels {
       cpu::linear_backward<float>(nullptr, nullptr, dbias_O, dout_TO, nullptr, weight_OI, n, I, O);
     }
     if (dinp_TI != nullptr && small_rows(n, small_rows_data_max())) {
-      small_rows_data_bf16(dinp_TI, dout_TO, weight16(weight_OI), n, I, O);
+      (small_rows_data_pairs() ? small_rows_data_bf16 : small_rows_data_widened)(dinp_TI, dout_TO, weight16(weight_OI),
+                                                                                 n, I, O);
       dinp_TI = nullptr;
     }
     if (dinp_TI == nullptr && (dweight_OI == nullptr || rank_update_weights)) return;

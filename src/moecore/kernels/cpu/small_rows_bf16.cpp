@@ -3,6 +3,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "moecore/kernels/cpu/bf16_dot_rate.h"
 #include "moecore/tensor/dtype.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -192,6 +193,63 @@ MOECORE_AVX512_BF16 void data_avx512_bf16(float* dx_nI, const float* dy_nO, cons
   }
 }
 
+// kRows rows of dx by 32 columns in registers (constant counts, so they stay there), over blocks of kBlockRows
+// weight rows: each block's rows are prefetched during the block before and then read from L1, each weight row's
+// values widened (bf16 bits << 16) once per row block.
+template <int kRows>
+MOECORE_AVX512_BF16 void widened_rows_avx512(float* dx_nI, const float* dy_nO, const uint16_t* w_OI, const int64_t I,
+                                             const int64_t O) {
+  constexpr int kVecs = 2;
+  constexpr int64_t kBlockRows = 16, kCols = 16 * kVecs;
+  prefetch_rows(w_OI, 0, O < kBlockRows ? O : kBlockRows, I);
+  for (int64_t o0 = 0; o0 < O; o0 += kBlockRows) {
+    const int64_t o1 = O - o0 < kBlockRows ? O : o0 + kBlockRows;
+    prefetch_rows(w_OI, o1, O - o1 < kBlockRows ? O : o1 + kBlockRows, I);
+    for (int64_t i = 0; i < I; i += kCols) {
+      __mmask16 k[kVecs];
+      for (int v = 0; v < kVecs; ++v) k[v] = lanes_below(I - i - 16 * v);
+      __m512 acc[kRows][kVecs];
+      for (int r = 0; r < kRows; ++r) {
+        for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_maskz_loadu_ps(k[v], dx_nI + r * I + i + 16 * v);
+      }
+      for (int64_t o = o0; o < o1; ++o) {
+        __m512 w[kVecs];
+        for (int v = 0; v < kVecs; ++v) {
+          const __m256i bits = _mm256_maskz_loadu_epi16(k[v], w_OI + o * I + i + 16 * v);
+          w[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+        }
+        for (int r = 0; r < kRows; ++r) {
+          const __m512 d = _mm512_set1_ps(dy_nO[r * O + o]);
+          for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_fmadd_ps(d, w[v], acc[r][v]);
+        }
+      }
+      for (int r = 0; r < kRows; ++r) {
+        for (int v = 0; v < kVecs; ++v) _mm512_mask_storeu_ps(dx_nI + r * I + i + 16 * v, k[v], acc[r][v]);
+      }
+    }
+  }
+}
+
+// Blocks of 8 rows (32 columns at a time): more rows per block would need more broadcast loads per multiply-add than
+// the load ports give.
+MOECORE_AVX512_BF16 void widened_avx512(float* dx_nI, const float* dy_nO, const uint16_t* w_OI, const int64_t n,
+                                        const int64_t I, const int64_t O) {
+  using Block = void (*)(float*, const float*, const uint16_t*, int64_t, int64_t);
+  static constexpr Block kBlocks[] = {nullptr,
+                                      widened_rows_avx512<1>,
+                                      widened_rows_avx512<2>,
+                                      widened_rows_avx512<3>,
+                                      widened_rows_avx512<4>,
+                                      widened_rows_avx512<5>,
+                                      widened_rows_avx512<6>,
+                                      widened_rows_avx512<7>,
+                                      widened_rows_avx512<8>};
+  for (int64_t r0 = 0; r0 < n; r0 += 8) {
+    const int64_t rows = n - r0 < 8 ? n - r0 : 8;
+    kBlocks[rows](dx_nI + r0 * I, dy_nO + r0 * O, w_OI, I, O);
+  }
+}
+
 }  // namespace
 #pragma GCC diagnostic pop
 
@@ -215,6 +273,17 @@ void small_rows_data_bf16(float* dx_nI, const float* dy_nO, const uint16_t* w_OI
   if (!small_rows_bf16_usable()) throw std::logic_error("small_rows_data_bf16: this CPU has no AVX512-BF16");
   data_avx512_bf16(dx_nI, dy_nO, w_OI, n, I, O);
 }
+
+void small_rows_data_widened(float* dx_nI, const float* dy_nO, const uint16_t* w_OI, const int64_t n, const int64_t I,
+                             const int64_t O) {
+  if (!small_rows_bf16_usable()) throw std::logic_error("small_rows_data_widened: this CPU has no AVX512-BF16");
+  widened_avx512(dx_nI, dy_nO, w_OI, n, I, O);
+}
+
+bool small_rows_data_pairs() {
+  static const bool pairs = small_rows_bf16_usable() && avx512_bf16_outpaces_fp32();
+  return pairs;
+}
 #else
 bool small_rows_bf16_usable() { return false; }
 void small_rows_forward_bf16(float*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t) {
@@ -223,6 +292,10 @@ void small_rows_forward_bf16(float*, const uint16_t*, const uint16_t*, int64_t, 
 void small_rows_data_bf16(float*, const float*, const uint16_t*, int64_t, int64_t, int64_t) {
   throw std::logic_error("small_rows_data_bf16: not built for this target");
 }
+void small_rows_data_widened(float*, const float*, const uint16_t*, int64_t, int64_t, int64_t) {
+  throw std::logic_error("small_rows_data_widened: not built for this target");
+}
+bool small_rows_data_pairs() { return false; }
 #endif
 
 }  // namespace moecore::kernels::cpu

@@ -12,7 +12,10 @@
 //                             multiplied by dy's pairs with vdpbf16ps into rows of dx held in registers: for o = 0, 2,
 //                             4, .. the o + 1 product is added, then the o product, each rounded to fp32 once (its
 //                             products are exact), bf16 denormals read as zero and denormal sums flushed, as the
-//                             instruction defines.
+//                             instruction defines. Where vdpbf16ps does not outpace the fp32 FMAs (bf16_dot_rate.h:
+//                             Intel), small_rows_data_widened instead: each weight row widened to fp32 (exact) and
+//                             multiplied by dy[r, o] and added (fused) into rows of dx in registers, o = 0 .. O-1 in
+//                             order; where dy holds bf16 values every product is exact.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +37,10 @@ bool small_rows_bf16_usable();
 void small_rows_forward_bf16(float* out_nO, const uint16_t* x_nI, const uint16_t* w_OI, int64_t n, int64_t I,
                              int64_t O);
 void small_rows_data_bf16(float* dx_nI, const float* dy_nO, const uint16_t* w_OI, int64_t n, int64_t I, int64_t O);
+void small_rows_data_widened(float* dx_nI, const float* dy_nO, const uint16_t* w_OI, int64_t n, int64_t I, int64_t O);
+// Which data kernel the grouped experts take: small_rows_data_bf16 where vdpbf16ps outpaces the fp32 FMAs, else
+// small_rows_data_widened.
+bool small_rows_data_pairs();
 }  // namespace cpu
 
 namespace ref {
@@ -43,6 +50,8 @@ void small_rows_forward_bf16(float* out_nO, const uint16_t* x_nI, const uint16_t
 // dx += dy W in vdpbf16ps's order and rounding: dy rounded to bf16, o = 0, 2, .. with the o + 1 product first, each
 // product added with one fp32 rounding (fmaf), bf16 denormals as zero, denormal results flushed to zero.
 void small_rows_data_bf16(float* dx_nI, const float* dy_nO, const uint16_t* w_OI, int64_t n, int64_t I, int64_t O);
+// dx += dy W, o in order, one fp32 multiply and add each.
+void small_rows_data_widened(float* dx_nI, const float* dy_nO, const uint16_t* w_OI, int64_t n, int64_t I, int64_t O);
 }  // namespace ref
 
 }  // namespace moecore::kernels

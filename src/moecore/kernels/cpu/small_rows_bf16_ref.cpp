@@ -45,4 +45,13 @@ void small_rows_data_bf16(float* dx_nI, const float* dy_nO, const uint16_t* w_OI
   }
 }
 
+void small_rows_data_widened(float* dx_nI, const float* dy_nO, const uint16_t* w_OI, const int64_t n, const int64_t I,
+                             const int64_t O) {
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t o = 0; o < O; ++o) {
+      for (int64_t i = 0; i < I; ++i) dx_nI[r * I + i] += dy_nO[r * O + o] * bf16_to_fp32(w_OI[o * I + i]);
+    }
+  }
+}
+
 }  // namespace moecore::kernels::ref
