@@ -35,16 +35,18 @@ struct Shape {
 };
 constexpr Shape kShapes[] = {{192, 512}, {256, 192}, {100, 37}, {7, 5}, {32, 16}, {65, 33}};
 
-TEST(SmallRowsBf16, DataMatchesTheReferenceBitForBit) {
-  if (!cpu::small_rows_bf16_usable()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
-  std::mt19937 gen(3);
+using DataKernel = void (*)(float*, const float*, const uint16_t*, int64_t, int64_t, int64_t);
+
+// A data kernel against its reference on random bf16 values, bit for bit, over rows 1 .. 9, 17, 25, 33.
+void expect_data_bit_for_bit(const DataKernel kernel, const DataKernel reference, const unsigned seed) {
+  std::mt19937 gen(seed);
   for (const Shape s : kShapes) {
     for (int64_t n = 1; n <= 33; n += (n < 9 ? 1 : 8)) {
       const std::vector<float> dy = widened(random_bf16(n * s.O, gen)), dx0 = widened(random_bf16(n * s.I, gen));
       const std::vector<uint16_t> w = random_bf16(s.O * s.I, gen);
       std::vector<float> got = dx0, want = dx0;
-      cpu::small_rows_data_bf16(got.data(), dy.data(), w.data(), n, s.I, s.O);
-      ref::small_rows_data_bf16(want.data(), dy.data(), w.data(), n, s.I, s.O);
+      kernel(got.data(), dy.data(), w.data(), n, s.I, s.O);
+      reference(want.data(), dy.data(), w.data(), n, s.I, s.O);
       const std::string what = "n " + std::to_string(n) + " I " + std::to_string(s.I) + " O " + std::to_string(s.O);
       for (size_t i = 0; i < got.size(); ++i) {
         ASSERT_EQ(got[i], want[i]) << what << " element " << i;
@@ -53,22 +55,14 @@ TEST(SmallRowsBf16, DataMatchesTheReferenceBitForBit) {
   }
 }
 
+TEST(SmallRowsBf16, DataMatchesTheReferenceBitForBit) {
+  if (!cpu::small_rows_bf16_usable()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  expect_data_bit_for_bit(cpu::small_rows_data_bf16, ref::small_rows_data_bf16, 3);
+}
+
 TEST(SmallRowsBf16, WidenedDataMatchesTheReferenceBitForBit) {
   if (!cpu::small_rows_bf16_usable()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
-  std::mt19937 gen(6);
-  for (const Shape s : kShapes) {
-    for (int64_t n = 1; n <= 17; n += (n < 9 ? 1 : 8)) {
-      const std::vector<float> dy = widened(random_bf16(n * s.O, gen)), dx0 = widened(random_bf16(n * s.I, gen));
-      const std::vector<uint16_t> w = random_bf16(s.O * s.I, gen);
-      std::vector<float> got = dx0, want = dx0;
-      cpu::small_rows_data_widened(got.data(), dy.data(), w.data(), n, s.I, s.O);
-      ref::small_rows_data_widened(want.data(), dy.data(), w.data(), n, s.I, s.O);
-      const std::string what = "n " + std::to_string(n) + " I " + std::to_string(s.I) + " O " + std::to_string(s.O);
-      for (size_t i = 0; i < got.size(); ++i) {
-        ASSERT_EQ(got[i], want[i]) << what << " element " << i;
-      }
-    }
-  }
+  expect_data_bit_for_bit(cpu::small_rows_data_widened, ref::small_rows_data_widened, 6);
 }
 
 TEST(SmallRowsBf16, ForwardMatchesTheReference) {
