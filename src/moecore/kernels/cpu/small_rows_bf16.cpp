@@ -1,10 +1,11 @@
 #include "moecore/kernels/cpu/small_rows_bf16.h"
 
+#include <cstring>
 #include <stdexcept>
 #include <vector>
 
 #include "moecore/kernels/cpu/bf16_dot_rate.h"
-#include "moecore/tensor/dtype.h"
+#include "moecore/kernels/cpu/convert.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MOECORE_SMALL_ROWS_BUILT 1
@@ -118,7 +119,7 @@ MOECORE_AVX512_BF16 inline __m512i packed_columns(const int c0) {
 // (dy[r, o], dy[r, o + 1]) with vdpbf16ps, which adds the o + 1 product first, then the o product. Each block's rows
 // are prefetched during the block before and then read from L1.
 template <int kRows>
-MOECORE_AVX512_BF16 void data_rows_avx512_bf16(float* dx_nI, const uint32_t* dy_pairs, const int64_t pairs,
+MOECORE_AVX512_BF16 void data_rows_avx512_bf16(float* dx_nI, const uint16_t* dy_bits, const int64_t width,
                                                const uint16_t* w_OI, const int64_t I, const int64_t O) {
   constexpr int64_t kBlockRows = 16, kCols = 32;
   const __m512i to_low = unpacked_columns(0), to_high = unpacked_columns(1);
@@ -143,7 +144,9 @@ MOECORE_AVX512_BF16 void data_rows_avx512_bf16(float* dx_nI, const uint32_t* dy_
         const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(row0, row1);
         const __m512bh high = (__m512bh)_mm512_unpackhi_epi16(row0, row1);
         for (int r = 0; r < kRows; ++r) {
-          const __m512bh d = (__m512bh)_mm512_set1_epi32(static_cast<int>(dy_pairs[r * pairs + o / 2]));
+          int32_t pair = 0;  // dy[r, o] in the low half, dy[r, o + 1] in the high one
+          std::memcpy(&pair, dy_bits + r * width + o, sizeof(pair));
+          const __m512bh d = (__m512bh)_mm512_set1_epi32(pair);
           acc[r][0] = _mm512_dpbf16_ps(acc[r][0], d, low);
           acc[r][1] = _mm512_dpbf16_ps(acc[r][1], d, high);
         }
@@ -157,11 +160,11 @@ MOECORE_AVX512_BF16 void data_rows_avx512_bf16(float* dx_nI, const uint32_t* dy_
   }
 }
 
-// dy rounded to bf16 in pairs (dy[r, o], dy[r, o + 1]), a zero after an odd O; blocks of 8 rows (32 columns at a time):
-// more rows per block would need more broadcast loads per product than the load ports give.
+// dy rounded to bf16 (as dtype.h) in pairs (dy[r, o], dy[r, o + 1]), a zero after an odd O; blocks of 8 rows (32
+// columns at a time): more rows per block would need more broadcast loads per product than the load ports give.
 MOECORE_AVX512_BF16 void data_avx512_bf16(float* dx_nI, const float* dy_nO, const uint16_t* w_OI, const int64_t n,
                                           const int64_t I, const int64_t O) {
-  using Block = void (*)(float*, const uint32_t*, int64_t, const uint16_t*, int64_t, int64_t);
+  using Block = void (*)(float*, const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t);
   static constexpr Block kBlocks[] = {nullptr,
                                       data_rows_avx512_bf16<1>,
                                       data_rows_avx512_bf16<2>,
@@ -171,25 +174,17 @@ MOECORE_AVX512_BF16 void data_avx512_bf16(float* dx_nI, const float* dy_nO, cons
                                       data_rows_avx512_bf16<6>,
                                       data_rows_avx512_bf16<7>,
                                       data_rows_avx512_bf16<8>};
-  const int64_t pairs = (O + 1) / 2;
-  thread_local std::vector<uint32_t> dy_pairs;
-  if (dy_pairs.size() < static_cast<size_t>(n * pairs)) dy_pairs.resize(static_cast<size_t>(n * pairs));
+  const int64_t width = O + O % 2;
+  thread_local std::vector<uint16_t> dy_bits;
+  if (dy_bits.size() < static_cast<size_t>(n * width)) dy_bits.resize(static_cast<size_t>(n * width));
+  const ConvertIsa isa = best_convert_isa();
   for (int64_t r = 0; r < n; ++r) {
-    const float* dy_O = dy_nO + r * O;
-    uint32_t* pairs_P = dy_pairs.data() + r * pairs;
-    int64_t o = 0;
-    for (; o + 32 <= O; o += 32) {  // vcvtne2ps2bf16: the first operand fills the high half
-      const __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(dy_O + o + 16), _mm512_loadu_ps(dy_O + o));
-      _mm512_storeu_si512(pairs_P + o / 2, (__m512i)packed);
-    }
-    for (; o < O; o += 2) {
-      const uint32_t low = fp32_to_bf16(dy_O[o]), high = o + 1 < O ? fp32_to_bf16(dy_O[o + 1]) : 0u;
-      pairs_P[o / 2] = low | high << 16;
-    }
+    encode_bf16(dy_bits.data() + r * width, dy_nO + r * O, O, isa);
+    if (width != O) dy_bits[static_cast<size_t>(r * width + O)] = 0;
   }
   for (int64_t r0 = 0; r0 < n; r0 += 8) {
     const int64_t rows = n - r0 < 8 ? n - r0 : 8;
-    kBlocks[rows](dx_nI + r0 * I, dy_pairs.data() + r0 * pairs, pairs, w_OI, I, O);
+    kBlocks[rows](dx_nI + r0 * I, dy_bits.data() + r0 * width, width, w_OI, I, O);
   }
 }
 
