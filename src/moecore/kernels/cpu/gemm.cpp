@@ -13,6 +13,7 @@
 
 #include "moecore/kernels/cpu/blocked_accumulate.h"
 #include "moecore/kernels/cpu/onednn_matmul.h"
+#include "moecore/kernels/cpu/wide_linear_backward.h"
 
 namespace moecore::kernels::cpu {
 namespace {
@@ -150,11 +151,19 @@ void linear_forward(T* out_TO, const T* inp_TI, const T* weight_OI, const T* bia
 template <typename T>
 void linear_backward(T* dinp_TI, T* dweight_OI, T* dbias_O, const T* dout_TO, const T* inp_TI, const T* weight_OI,
                      const int64_t n_tokens, const int64_t in_features, const int64_t out_features) {
-  if (dinp_TI != nullptr) {
+  bool products_done = false;
+  if constexpr (std::is_same_v<T, float>) {
+    if (dinp_TI != nullptr && dweight_OI != nullptr &&
+        wide_linear_backward::applies(n_tokens, in_features, out_features)) {
+      wide_linear_backward::run(dinp_TI, dweight_OI, dout_TO, inp_TI, weight_OI, n_tokens, in_features, out_features);
+      products_done = true;
+    }
+  }
+  if (!products_done && dinp_TI != nullptr) {
     gemm<T>(false, false, n_tokens, in_features, out_features, T(1), dout_TO, out_features, weight_OI, in_features,
             T(1), dinp_TI, in_features);
   }
-  if (dweight_OI != nullptr) {
+  if (!products_done && dweight_OI != nullptr) {
     gemm<T>(true, false, out_features, in_features, n_tokens, T(1), dout_TO, out_features, inp_TI, in_features, T(1),
             dweight_OI, in_features);
   }
