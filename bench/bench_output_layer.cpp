@@ -1,7 +1,10 @@
 // The output layer + cross-entropy of one micro-batch, forward and backward, unfused (whole [T, V] logits, as
 // ColumnParallelLinear + vocab_parallel_cross_entropy compute it) vs fused over token chunks
 // (ops::linear_cross_entropy, what GPTModel trains with), side by side: milliseconds (median) and the bytes of
-// logits each keeps alive. usage: bench_output_layer [--threads N]
+// logits each keeps alive. Then the fused layer as the training step runs it in fp32 and under --bf16 (bf16
+// activations, the chunk of the step's logits budget: 64 MiB of fp32 logits, half of that under 16-bit activations),
+// and the backward of one chunk: the fp32 linear_backward against its two whole-matrix GEMMs. usage: bench_output_layer
+// [--threads N]
 #include <omp.h>
 
 #include <algorithm>
@@ -12,7 +15,9 @@
 #include <functional>
 #include <vector>
 
+#include "moecore/kernels/cpu/gemm.h"
 #include "moecore/ops/ops.h"
+#include "moecore/ops/precision.h"
 #include "moecore/tensor/rng.h"
 
 namespace {
@@ -74,6 +79,72 @@ void bench(const int64_t T, const int64_t H, const int64_t V) {
   }
 }
 
+// One micro-batch of T tokens through the fused layer as GPTModel calls it (vocab_parallel.cpp's budget), fp32 and
+// bf16 activations in alternating rounds; the bf16 path (native 16-bit GEMMs or fp32 GEMMs on bf16 values) is the
+// one this CPU picks, as in training.
+void bench_step_chunks(const int64_t T, const int64_t H, const int64_t V, const int rounds) {
+  constexpr int64_t kF32Budget = int64_t{64} << 20;
+  Tensor x_TH = random_tensor({T, H}, 1, 1.0f), weight_VH = random_tensor({V, H}, 2, 0.02f);
+  ops::round_to_dtype_(x_TH, DType::kBF16);  // values of bf16, so both runs see the same inputs
+  ops::round_to_dtype_(weight_VH, DType::kBF16);
+  std::vector<int32_t> targets(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) targets[static_cast<size_t>(t)] = static_cast<int32_t>((t * 7919) % V);
+  Tensor dlosses_T({T}, DType::kF32);
+  for (float& w : dlosses_T.span<float>()) w = 1.0f / static_cast<float>(T);
+  Tensor losses_T({T}, DType::kF32), dx_TH({T, H}, DType::kF32), dweight_VH({V, H}, DType::kF32);
+  Tensor x16_TH({T, H}, DType::kBF16), dx16_TH({T, H}, DType::kBF16);
+  ops::convert(x16_TH, x_TH);
+  const int64_t rows32 = ops::linear_cross_entropy_chunk_rows(T, V, kF32Budget, 4);
+  std::vector<double> fp32_ms, bf16_ms;
+  int64_t rows16 = 0;
+  for (int round = 0; round < rounds; ++round) {
+    fp32_ms.push_back(median_ms(
+        [&] { ops::linear_cross_entropy(losses_T, x_TH, weight_VH, targets, rows32, &dlosses_T, &dx_TH, &dweight_VH); },
+        3));
+    const ops::ScopedActivationDType bf16(DType::kBF16);
+    rows16 = ops::linear_cross_entropy_chunk_rows(
+        T, V, kF32Budget / 2, ops::linear_cross_entropy_logit_bytes(weight_VH, /*vocab_split=*/false));
+    bf16_ms.push_back(median_ms(
+        [&] {
+          ops::linear_cross_entropy(losses_T, x16_TH, weight_VH, targets, rows16, &dlosses_T, &dx16_TH, &dweight_VH);
+        },
+        3));
+  }
+  std::sort(fp32_ms.begin(), fp32_ms.end());
+  std::sort(bf16_ms.begin(), bf16_ms.end());
+  std::printf("step chunks T=%ld H=%ld V=%ld: fp32 %ld rows %7.1f ms, bf16 activations %ld rows %7.1f ms (%.3f)\n",
+              static_cast<long>(T), static_cast<long>(H), static_cast<long>(V), static_cast<long>(rows32),
+              fp32_ms[fp32_ms.size() / 2], static_cast<long>(rows16), bf16_ms[bf16_ms.size() / 2],
+              bf16_ms[bf16_ms.size() / 2] / fp32_ms[fp32_ms.size() / 2]);
+}
+
+// The backward of one logits chunk of `rows` rows (dinput += dlogits weight, dweight += dlogits^T input): the fp32
+// kernel linear_backward (in blocks of outputs where wide_linear_backward applies) against the two whole-matrix GEMMs
+// it would otherwise run, in alternating rounds on the same data.
+void bench_chunk_backward(const int64_t rows, const int64_t H, const int64_t V, const int rounds) {
+  const Tensor x_TH = random_tensor({rows, H}, 1, 1.0f), weight_VH = random_tensor({V, H}, 2, 0.02f);
+  const Tensor dlogits_TV = random_tensor({rows, V}, 3, 1e-4f);
+  Tensor dx_TH({rows, H}, DType::kF32), dweight_VH({V, H}, DType::kF32);
+  const float *x = x_TH.data<float>(), *w = weight_VH.data<float>(), *dy = dlogits_TV.data<float>();
+  float *dx = dx_TH.data<float>(), *dw = dweight_VH.data<float>();
+  std::vector<double> gemms_ms, kernel_ms;
+  for (int round = 0; round < rounds; ++round) {
+    gemms_ms.push_back(median_ms(
+        [&] {
+          kernels::cpu::gemm<float>(false, false, rows, H, V, 1.0f, dy, V, w, H, 1.0f, dx, H);
+          kernels::cpu::gemm<float>(true, false, V, H, rows, 1.0f, dy, V, x, H, 1.0f, dw, H);
+        },
+        5));
+    kernel_ms.push_back(
+        median_ms([&] { kernels::cpu::linear_backward<float>(dx, dw, nullptr, dy, x, w, rows, H, V); }, 5));
+  }
+  std::sort(gemms_ms.begin(), gemms_ms.end());
+  std::sort(kernel_ms.begin(), kernel_ms.end());
+  const double gemms = gemms_ms[gemms_ms.size() / 2], kernel = kernel_ms[kernel_ms.size() / 2];
+  std::printf("chunk backward rows=%ld H=%ld V=%ld: two GEMMs %6.2f ms, linear_backward %6.2f ms (%.3f)\n",
+              static_cast<long>(rows), static_cast<long>(H), static_cast<long>(V), gemms, kernel, kernel / gemms);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -81,5 +152,9 @@ int main(int argc, char** argv) {
   std::printf("threads: %d, GEMM: %s\n", omp_get_max_threads(), ops::gemm_library().c_str());
   bench(2048, 512, 32000);  // the MoE benchmark configuration: 4 x 512 tokens
   bench(2048, 192, 50304);  // the demo model: 8 x 256 tokens, GPT-2's padded vocabulary
+  for (const int64_t rows : {128, 256, 512}) bench_chunk_backward(rows, 512, 32000, 5);
+  for (const int64_t rows : {160, 320}) bench_chunk_backward(rows, 192, 50304, 5);
+  bench_step_chunks(2048, 512, 32000, 5);  // the MoE benchmark's micro-batch
+  bench_step_chunks(1024, 192, 50304, 5);  // the demo's micro-batch: 4 x 256 tokens
   return 0;
 }
