@@ -3,9 +3,9 @@
 // from memory, and over a short chunk those passes, not the products, set the pace. Here the outputs go in blocks
 // of kBlock: each block's dout columns, weight rows and weight-gradient rows are read once and used for both products
 // while in cache, the blocks spread over the threads. On a 2-core Xeon (AVX-512, no AMX), 2 threads, the backward of
-// a 160-row chunk at vocabulary 50304 and hidden 192 took 20.4 ms against 24.0 for the two GEMMs, at hidden 512
-// 55.6 against 78; from 512 rows on the two GEMMs kept pace or won (bench/RESULTS.md). Internal to kernels/cpu
-// (gemm.cpp).
+// a 256-row chunk at vocabulary 32000 and hidden 512 took 0.78 of the two GEMMs' time, a 128-row one 0.87, a 160-row
+// one at vocabulary 50304 and hidden 192 0.90, a 320-row one 0.95; from 512 rows on the two GEMMs kept pace or won
+// (bench_output_layer, bench/RESULTS.md). Internal to kernels/cpu (gemm.cpp).
 #pragma once
 
 #include <cstdint>
