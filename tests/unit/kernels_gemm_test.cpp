@@ -193,7 +193,8 @@ TEST(LinearTest, MatchesReferenceDouble) {
 
 // Few tokens, many outputs (the output layer on a logits chunk): the backward runs in blocks of outputs
 // (wide_linear_backward.h). Each shape there against the reference, one at each edge of the range, the outputs not a
-// multiple of the block; the bits the same on 1 and 2 threads (the dinp partial sums are a fixed count).
+// multiple of the block; the bits the same on 1 and 2 threads (each block one single-threaded GEMM, the dinp partial
+// sums a fixed count).
 TEST(LinearTest, WideBackwardMatchesReference) {
   namespace wide = cpu::wide_linear_backward;
   struct Shape {
@@ -209,7 +210,8 @@ TEST(LinearTest, WideBackwardMatchesReference) {
     auto dinp_ref = dinp0, dweight_ref = dweight0, dbias_ref = dbias0;
     ref::linear_backward<float>(dinp_ref.data(), dweight_ref.data(), dbias_ref.data(), dout_TO.data(), inp_TI.data(),
                                 weight_OI.data(), s.T, s.I, s.O);
-    std::vector<std::vector<float>> dinp_by_threads;
+    std::vector<std::vector<float>> dinp_by_threads, dweight_by_threads;
+    const int threads_before = omp_get_max_threads();
     for (const int threads : {1, 2}) {
       omp_set_num_threads(threads);
       auto dinp = dinp0, dweight = dweight0, dbias = dbias0;
@@ -225,9 +227,11 @@ TEST(LinearTest, WideBackwardMatchesReference) {
       EXPECT_LT(max_rel_error(dweight.data(), dweight_ref.data(), dweight.size(), kFloor), 1e-5) << where;
       EXPECT_LT(max_rel_error(dbias.data(), dbias_ref.data(), dbias.size(), kFloor), 1e-5) << where;
       dinp_by_threads.push_back(dinp);
+      dweight_by_threads.push_back(dweight);
     }
-    omp_set_num_threads(2);
+    omp_set_num_threads(threads_before);
     EXPECT_EQ(dinp_by_threads[0], dinp_by_threads[1]) << "T=" << s.T;
+    EXPECT_EQ(dweight_by_threads[0], dweight_by_threads[1]) << "T=" << s.T;
   }
   EXPECT_FALSE(wide::applies(wide::kMaxTokens + 1, 64, wide::kMinOutputs));
   EXPECT_FALSE(wide::applies(64, 64, wide::kMinOutputs - 1));
