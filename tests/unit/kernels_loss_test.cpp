@@ -3,9 +3,11 @@
 // it replaces (16-bit rounding of the logits and the gradient included), also on 16-bit logits.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -162,13 +164,41 @@ TEST(CrossEntropyTest, OutOfRangeTargetThrowsNamingTargetAndV) {
   }
 }
 
+// Logits for the fused pass's tests: random in [-8, 8]; with `special`, the first rows also hold what rounding treats
+// apart (NaN, infinities, fp32 denormals, values halfway between two bf16 or fp16 values, negative zero), one kind a
+// row so that the other rows keep finite losses. NaNs with low payload bits set included: a rounding carry would reach
+// their sign or exponent.
+std::vector<float> fused_test_logits(const int64_t n_tokens, const int64_t V, const bool special) {
+  std::vector<float> logits = random_vector<float>(n_tokens * V, 41, -8.0f, 8.0f);
+  if (!special) return logits;
+  const float kinds[] = {std::nanf(""),
+                         std::bit_cast<float>(0x7fffffffu),
+                         std::bit_cast<float>(0xff800001u),
+                         INFINITY,
+                         -INFINITY,
+                         1.0e-39f,
+                         -3.0e-40f,
+                         std::bit_cast<float>(0x3f808000u),
+                         std::bit_cast<float>(0x3f818000u),
+                         1.0f + 0x1p-11f,
+                         -0.0f};
+  for (int64_t t = 0; t < n_tokens && t < static_cast<int64_t>(std::size(kinds)); ++t) {
+    for (int64_t v = t % 3; v < V; v += 5) logits[t * V + v] = kinds[t];
+  }
+  return logits;
+}
+
 // The output layer's sequence on one device's kernels K: logits rounded to the format, forward, backward, the
-// gradient rounded (or encoded to 16-bit bits); against cross_entropy_fused of the same kernels, bit for bit.
+// gradient rounded (or encoded to 16-bit bits); against cross_entropy_fused of the same kernels, bit for bit. V is
+// not a multiple of any vector width, or below one; targets include the first and the last class.
 template <typename K>
-void expect_fused_is_the_sequence(const ActivationRounding rounding, const bool backward, const bool bits16) {
-  constexpr int64_t kTokens = 9, kV = 1000;  // V not a multiple of any vector width
-  const std::vector<float> logits = random_vector<float>(kTokens * kV, 41, -8.0f, 8.0f);
-  const std::vector<int32_t> targets = random_targets(kTokens, kV, 42);
+void expect_fused_is_the_sequence(const ActivationRounding rounding, const bool backward, const bool bits16,
+                                  const int64_t kV, const bool special) {
+  constexpr int64_t kTokens = 13;
+  const std::vector<float> logits = fused_test_logits(kTokens, kV, special);
+  std::vector<int32_t> targets = random_targets(kTokens, kV, 42);
+  targets[kTokens - 1] = static_cast<int32_t>(kV - 1);
+  targets[kTokens - 2] = 0;
   const std::vector<float> dlosses = random_vector<float>(kTokens, 43, 0.1f, 1.0f);
   const auto round = [&](float* data, const int64_t n) {
     if (rounding == ActivationRounding::kBF16) K::round_bf16(data, n);
@@ -261,8 +291,13 @@ TEST(CrossEntropyTest, FusedPassIsTheSequenceOfKernels) {
         if (bits16 && (rounding == ActivationRounding::kNone || !backward)) continue;
         SCOPED_TRACE("rounding " + std::to_string(static_cast<int>(rounding)) + (backward ? ", backward" : "") +
                      (bits16 ? ", 16-bit gradient" : ""));
-        expect_fused_is_the_sequence<CpuKernels>(rounding, backward, bits16);
-        expect_fused_is_the_sequence<RefKernels>(rounding, backward, bits16);
+        for (const int64_t V : {1000, 1003, 13}) {
+          for (const bool special : {false, true}) {
+            SCOPED_TRACE("V " + std::to_string(V) + (special ? ", special values" : ""));
+            expect_fused_is_the_sequence<CpuKernels>(rounding, backward, bits16, V, special);
+            expect_fused_is_the_sequence<RefKernels>(rounding, backward, bits16, V, special);
+          }
+        }
       }
     }
   }

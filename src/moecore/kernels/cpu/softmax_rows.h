@@ -149,6 +149,54 @@ MOECORE_AVX512_FMA inline int64_t scaled_softmax_avx512(float* out, const float*
   }
   return scaled_softmax_avx2(out, row, V, lse, scale, v);
 }
+
+// Sixteen lanes of bf16_value (bf16_value.h): round to nearest even on the upper 16 bits, NaNs kept quiet (a rare
+// branch: a NaN's rounding carry would reach the sign).
+MOECORE_AVX512_FMA inline __m512 bf16_value16(const __m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i upper = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  const __m512i rounded =
+      _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), upper);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  if (nan == 0) return _mm512_castsi512_ps(rounded);
+  const __m512i quiet_nan = _mm512_or_si512(_mm512_and_si512(bits, upper), _mm512_set1_epi32(0x00400000));
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, rounded, quiet_nan));
+}
+
+// sum_exp_avx512 over the row's values rounded by bf16_value16 in its 16-lane prefix, which it rounds in place as it
+// reads it (the sums of sum_exp over the rounded row); the elements past the prefix are read as they are.
+MOECORE_AVX512_FMA inline int64_t sum_exp_bf16_avx512(double& sum, float* row, const int64_t V, const float shift) {
+  int64_t v = 0;
+  __m256 acc = _mm256_setzero_ps();
+  const __m512 shift16 = _mm512_set1_ps(shift);
+  for (; v + 16 <= V; v += 16) {
+    const __m512 x = bf16_value16(_mm512_loadu_ps(row + v));
+    _mm512_storeu_ps(row + v, x);
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(x, shift16));
+    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+    acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+  return sum_exp_avx2_from(sum, row, V, shift, v, acc);
+}
+
+// In place over the 16-aligned prefix of row: scaled_softmax_avx512's values of the row's values rounded by
+// bf16_value16, dloss taken from element `target`'s (scaled_softmax followed by row[target] -= dloss), each rounded
+// by bf16_value16. Returns how many elements it wrote.
+MOECORE_AVX512_FMA inline int64_t scaled_softmax_bf16_avx512(float* row, const int64_t V, const float lse,
+                                                             const float dloss, const int64_t target) {
+  int64_t v = 0;
+  const __m512 lse16 = _mm512_set1_ps(lse), dloss16 = _mm512_set1_ps(dloss);
+  for (; v + 16 <= V; v += 16) {
+    const __m512 x = _mm512_loadu_ps(row + v);
+    __m512 g = _mm512_mul_ps(dloss16, exp_nonpositive16(_mm512_sub_ps(x, lse16)));
+    if (target >= v && target < v + 16) {
+      g = _mm512_mask_sub_ps(g, static_cast<__mmask16>(1u << (target - v)), g, dloss16);
+    }
+    _mm512_storeu_ps(row + v, bf16_value16(g));
+  }
+  return v;
+}
 #endif
 
 // Sum over v of exp(row[v] - shift), for shift >= max(row).
