@@ -3,8 +3,8 @@
 // (ops::linear_cross_entropy, what GPTModel trains with), side by side: milliseconds (median) and the bytes of
 // logits each keeps alive. Then the fused layer as the training step runs it in fp32 and under --bf16 (bf16
 // activations, the chunk of the step's logits budget: 64 MiB of fp32 logits, half of that under 16-bit activations),
-// and the backward of one chunk: the fp32 linear_backward against its two whole-matrix GEMMs. usage: bench_output_layer
-// [--threads N]
+// the backward of one chunk: the fp32 linear_backward against its two whole-matrix GEMMs, and the loss pass over one
+// chunk with and without the bf16 rounding. usage: bench_output_layer [--threads N]
 #include <omp.h>
 
 #include <algorithm>
@@ -15,7 +15,9 @@
 #include <functional>
 #include <vector>
 
+#include "moecore/kernels/cpu/convert.h"
 #include "moecore/kernels/cpu/gemm.h"
+#include "moecore/kernels/cpu/loss.h"
 #include "moecore/ops/ops.h"
 #include "moecore/ops/precision.h"
 #include "moecore/tensor/rng.h"
@@ -145,6 +147,53 @@ void bench_chunk_backward(const int64_t rows, const int64_t H, const int64_t V, 
               static_cast<long>(rows), static_cast<long>(H), static_cast<long>(V), gemms, kernel, kernel / gemms);
 }
 
+// The loss pass over one logits chunk of `rows` rows as the fused layer runs it (cross_entropy_fused: loss and
+// gradient in place), in alternating rounds on the same logits: fp32, with the bf16 rounding of the logits and the
+// gradient that --bf16 adds (in the pass's registers), and that rounding as passes of their own around the unfused
+// kernels (round, forward, backward, round: the same bits).
+void bench_loss_pass(const int64_t rows, const int64_t V, const int rounds) {
+  const Tensor source_TV = random_tensor({rows, V}, 4, 2.0f);
+  Tensor logits_TV({rows, V}, DType::kF32);
+  std::vector<float> losses(static_cast<size_t>(rows)), lse(static_cast<size_t>(rows));
+  const std::vector<float> dlosses(static_cast<size_t>(rows), 1.0f / static_cast<float>(rows));
+  std::vector<int32_t> targets(static_cast<size_t>(rows));
+  for (int64_t t = 0; t < rows; ++t) targets[static_cast<size_t>(t)] = static_cast<int32_t>((t * 7919) % V);
+  float* logits = logits_TV.data<float>();
+  const auto timed = [&](const std::function<void()>& fn) {
+    std::vector<double> times;
+    for (int r = 0; r < 5; ++r) {
+      std::memcpy(logits, source_TV.data<float>(), static_cast<size_t>(rows * V) * sizeof(float));
+      const auto start = std::chrono::steady_clock::now();
+      fn();
+      times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    }
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+  };
+  const auto fused = [&](const kernels::ActivationRounding rounding) {
+    kernels::cpu::cross_entropy_fused<float>(losses.data(), lse.data(), logits, dlosses.data(), nullptr, targets.data(),
+                                             rounding, rows, V);
+  };
+  std::vector<double> fp32_ms, bf16_ms, passes_ms;
+  for (int round = 0; round < rounds; ++round) {
+    fp32_ms.push_back(timed([&] { fused(kernels::ActivationRounding::kNone); }));
+    bf16_ms.push_back(timed([&] { fused(kernels::ActivationRounding::kBF16); }));
+    passes_ms.push_back(timed([&] {
+      kernels::cpu::round_bf16(logits, rows * V);
+      kernels::cpu::cross_entropy_forward<float>(losses.data(), lse.data(), logits, targets.data(), rows, V);
+      kernels::cpu::cross_entropy_backward<float>(logits, dlosses.data(), logits, lse.data(), targets.data(), rows, V);
+      kernels::cpu::round_bf16(logits, rows * V);
+    }));
+  }
+  for (auto* times : {&fp32_ms, &bf16_ms, &passes_ms}) std::sort(times->begin(), times->end());
+  const double fp32 = fp32_ms[fp32_ms.size() / 2], bf16 = bf16_ms[bf16_ms.size() / 2];
+  const double passes = passes_ms[passes_ms.size() / 2];
+  std::printf(
+      "loss pass rows=%ld V=%ld: fp32 %6.2f ms, bf16 rounding in the pass %6.2f ms (%.3f), as passes of their "
+      "own %6.2f ms (%.3f)\n",
+      static_cast<long>(rows), static_cast<long>(V), fp32, bf16, bf16 / fp32, passes, passes / fp32);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -154,6 +203,8 @@ int main(int argc, char** argv) {
   bench(2048, 192, 50304);  // the demo model: 8 x 256 tokens, GPT-2's padded vocabulary
   for (const int64_t rows : {128, 256, 512}) bench_chunk_backward(rows, 512, 32000, 5);
   for (const int64_t rows : {160, 320}) bench_chunk_backward(rows, 192, 50304, 5);
+  bench_loss_pass(256, 32000, 5);          // the MoE benchmark's chunk under --bf16
+  bench_loss_pass(160, 50304, 5);          // the demo's
   bench_step_chunks(2048, 512, 32000, 5);  // the MoE benchmark's micro-batch
   bench_step_chunks(1024, 192, 50304, 5);  // the demo's micro-batch: 4 x 256 tokens
   return 0;
