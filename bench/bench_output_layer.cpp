@@ -149,8 +149,8 @@ void bench_chunk_backward(const int64_t rows, const int64_t H, const int64_t V, 
 
 // The loss pass over one logits chunk of `rows` rows as the fused layer runs it (cross_entropy_fused: loss and
 // gradient in place), in alternating rounds on the same logits: fp32, with the bf16 rounding of the logits and the
-// gradient that --bf16 adds (in the pass's registers), and that rounding as passes of their own around the unfused
-// kernels (round, forward, backward, round: the same bits).
+// gradient that --bf16 adds (in the pass's registers), that rounding as passes of their own around the unfused
+// kernels (round, forward, backward, round: the same bits), and --fp16's rounding in the pass.
 void bench_loss_pass(const int64_t rows, const int64_t V, const int rounds) {
   const Tensor source_TV = random_tensor({rows, V}, 4, 2.0f);
   Tensor logits_TV({rows, V}, DType::kF32);
@@ -174,10 +174,11 @@ void bench_loss_pass(const int64_t rows, const int64_t V, const int rounds) {
     kernels::cpu::cross_entropy_fused<float>(losses.data(), lse.data(), logits, dlosses.data(), nullptr, targets.data(),
                                              rounding, rows, V);
   };
-  std::vector<double> fp32_ms, bf16_ms, passes_ms;
+  std::vector<double> fp32_ms, bf16_ms, passes_ms, fp16_ms;
   for (int round = 0; round < rounds; ++round) {
     fp32_ms.push_back(timed([&] { fused(kernels::ActivationRounding::kNone); }));
     bf16_ms.push_back(timed([&] { fused(kernels::ActivationRounding::kBF16); }));
+    fp16_ms.push_back(timed([&] { fused(kernels::ActivationRounding::kF16); }));
     passes_ms.push_back(timed([&] {
       kernels::cpu::round_bf16(logits, rows * V);
       kernels::cpu::cross_entropy_forward<float>(losses.data(), lse.data(), logits, targets.data(), rows, V);
@@ -185,13 +186,13 @@ void bench_loss_pass(const int64_t rows, const int64_t V, const int rounds) {
       kernels::cpu::round_bf16(logits, rows * V);
     }));
   }
-  for (auto* times : {&fp32_ms, &bf16_ms, &passes_ms}) std::sort(times->begin(), times->end());
+  for (auto* times : {&fp32_ms, &bf16_ms, &passes_ms, &fp16_ms}) std::sort(times->begin(), times->end());
   const double fp32 = fp32_ms[fp32_ms.size() / 2], bf16 = bf16_ms[bf16_ms.size() / 2];
-  const double passes = passes_ms[passes_ms.size() / 2];
+  const double passes = passes_ms[passes_ms.size() / 2], fp16 = fp16_ms[fp16_ms.size() / 2];
   std::printf(
       "loss pass rows=%ld V=%ld: fp32 %6.2f ms, bf16 rounding in the pass %6.2f ms (%.3f), as passes of their "
-      "own %6.2f ms (%.3f)\n",
-      static_cast<long>(rows), static_cast<long>(V), fp32, bf16, bf16 / fp32, passes, passes / fp32);
+      "own %6.2f ms (%.3f); fp16 rounding in the pass %6.2f ms (%.3f)\n",
+      static_cast<long>(rows), static_cast<long>(V), fp32, bf16, bf16 / fp32, passes, passes / fp32, fp16, fp16 / fp32);
 }
 
 }  // namespace

@@ -40,26 +40,34 @@ MOECORE_VECTOR_CLONES void round_bf16_row(float* row, const int64_t n) {
   for (int64_t i = 0; i < n; ++i) row[i] = bf16_value(row[i]);
 }
 
-// cross_entropy_fused's row with bf16 rounding and the gradient in place: the loss and lse of the row rounded to bf16,
-// and its gradient, rounded. Rounding the row, its max, the sum of exponentials, the softmax gradient and rounding it
-// are five passes over the row, the two roundings a third of the time; here three, on the 16-lane prefix: the max of
-// the unrounded row, rounded (bf16 rounding is monotonic: the max of the rounded values), the sum rounding each value
-// as it reads it and writing it back, and the gradient rounding each value before it stores it (bf16_value16: the
-// same bits). The tail past the prefix is rounded in place first and takes the passes as they are.
-void loss_and_gradient_bf16_row(float* loss, float* lse, float* row, const int64_t V, const int32_t target,
-                                const float dloss) {
+// cross_entropy_fused's row with 16-bit rounding and the gradient in place: the loss and lse of the row rounded to the
+// format, and its gradient, rounded. Rounding the row, its max, the sum of exponentials, the softmax gradient and
+// rounding it are five passes over the row (fp16 rounds through 16-bit bits: seven), the roundings a third of the
+// time or more; here three, on the 16-lane prefix: the max of the unrounded row, rounded (rounding to nearest is
+// monotonic: the max of the rounded values), the sum rounding each value in registers as it reads it and writing it
+// back, and the gradient rounding each value before it stores it (bf16_value16 / fp16_value16: the same bits). The
+// tail past the prefix is rounded in place first and takes the passes as they are.
+void loss_and_gradient_rounded_row(float* loss, float* lse, float* row, const int64_t V, const int32_t target,
+                                   const float dloss, const ActivationRounding rounding) {
+  const bool bf16 = rounding == ActivationRounding::kBF16;
+  const auto round_in_place = [&](float* data, const int64_t n) {
+    if (n == 0) return;
+    bf16 ? round_bf16_row(data, n) : round_fp16(data, n);
+  };
   int64_t prefix = 0;
 #if defined(MOECORE_HAVE_AVX2_PATH)
   if (softmax_rows::cpu_has_avx512f()) prefix = V - V % 16;
 #endif
-  round_bf16_row(row + prefix, V - prefix);
-  const float max_logit = bf16_value(row_max(row, V));
+  round_in_place(row + prefix, V - prefix);
+  float max_logit = row_max(row, V);
+  round_in_place(&max_logit, 1);
   double sum = 0.0;
 #if defined(MOECORE_HAVE_AVX2_PATH)
   if (prefix > 0) {
-    for (int64_t v = softmax_rows::sum_exp_bf16_avx512(sum, row, V, max_logit); v < V; ++v) {
-      sum += softmax_rows::exp_nonpositive(row[v] - max_logit);
-    }
+    using softmax_rows::bf16_value16, softmax_rows::fp16_value16;
+    int64_t v = bf16 ? softmax_rows::sum_exp_rounded_avx512<bf16_value16>(sum, row, V, max_logit)
+                     : softmax_rows::sum_exp_rounded_avx512<fp16_value16>(sum, row, V, max_logit);
+    for (; v < V; ++v) sum += softmax_rows::exp_nonpositive(row[v] - max_logit);
   }
 #endif
   if (prefix == 0) sum = sum_exp(row, V, max_logit);
@@ -67,11 +75,15 @@ void loss_and_gradient_bf16_row(float* loss, float* lse, float* row, const int64
   *lse = static_cast<float>(lse_row);
   *loss = static_cast<float>(lse_row - static_cast<double>(row[target]));  // rounded in place by now
 #if defined(MOECORE_HAVE_AVX2_PATH)
-  if (prefix > 0) softmax_rows::scaled_softmax_bf16_avx512(row, V, *lse, dloss, target);
+  if (prefix > 0) {
+    using softmax_rows::bf16_value16, softmax_rows::fp16_value16;
+    bf16 ? softmax_rows::scaled_softmax_rounded_avx512<bf16_value16>(row, V, *lse, dloss, target)
+         : softmax_rows::scaled_softmax_rounded_avx512<fp16_value16>(row, V, *lse, dloss, target);
+  }
 #endif
   scaled_softmax(row + prefix, row + prefix, V - prefix, *lse, dloss);
   if (target >= prefix) row[target] -= dloss;
-  round_bf16_row(row + prefix, V - prefix);
+  round_in_place(row + prefix, V - prefix);
 }
 }  // namespace
 
@@ -126,8 +138,8 @@ void cross_entropy_fused(T* losses_T, T* lse_T, T* logits_TV, const T* dlosses_T
     for (int64_t t = 0; t < n_tokens; ++t) {
       T* row = logits_TV + t * V;
       if constexpr (std::is_same_v<T, float>) {
-        if (rounding == ActivationRounding::kBF16 && dlosses_T != nullptr && dlogits16_TV == nullptr) {
-          loss_and_gradient_bf16_row(losses_T + t, lse_T + t, row, V, targets_T[t], dlosses_T[t]);
+        if (rounding != ActivationRounding::kNone && dlosses_T != nullptr && dlogits16_TV == nullptr) {
+          loss_and_gradient_rounded_row(losses_T + t, lse_T + t, row, V, targets_T[t], dlosses_T[t], rounding);
           continue;
         }
         if (rounding == ActivationRounding::kBF16) {

@@ -164,14 +164,27 @@ MOECORE_AVX512_FMA inline __m512 bf16_value16(const __m512 x) {
   return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, rounded, quiet_nan));
 }
 
-// sum_exp_avx512 over the row's values rounded by bf16_value16 in its 16-lane prefix, which it rounds in place as it
-// reads it (the sums of sum_exp over the rounded row); the elements past the prefix are read as they are.
-MOECORE_AVX512_FMA inline int64_t sum_exp_bf16_avx512(double& sum, float* row, const int64_t V, const float shift) {
+// Sixteen lanes of the fp16 rounding of round_fp16 (convert.h, bit for bit as dtype.h): vcvtps2ph to nearest even
+// and back, NaNs made dtype.h's sign | quiet NaN (vcvtps2ph keeps their payloads; a rare branch).
+MOECORE_AVX512_FMA inline __m512 fp16_value16(const __m512 x) {
+  const __m512 rounded = _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  if (nan == 0) return rounded;
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
+  const __m512i quiet_nan = _mm512_or_si512(sign, _mm512_set1_epi32(0x7fc00000));
+  return _mm512_mask_blend_ps(nan, rounded, _mm512_castsi512_ps(quiet_nan));
+}
+
+// sum_exp_avx512 over the row's values rounded by Round (bf16_value16 or fp16_value16) in its 16-lane prefix, which it
+// rounds in place as it reads it (the sums of sum_exp over the rounded row); the elements past the prefix are read as
+// they are.
+template <__m512 (*Round)(__m512)>
+MOECORE_AVX512_FMA inline int64_t sum_exp_rounded_avx512(double& sum, float* row, const int64_t V, const float shift) {
   int64_t v = 0;
   __m256 acc = _mm256_setzero_ps();
   const __m512 shift16 = _mm512_set1_ps(shift);
   for (; v + 16 <= V; v += 16) {
-    const __m512 x = bf16_value16(_mm512_loadu_ps(row + v));
+    const __m512 x = Round(_mm512_loadu_ps(row + v));
     _mm512_storeu_ps(row + v, x);
     const __m512 e = exp_nonpositive16(_mm512_sub_ps(x, shift16));
     acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
@@ -180,11 +193,11 @@ MOECORE_AVX512_FMA inline int64_t sum_exp_bf16_avx512(double& sum, float* row, c
   return sum_exp_avx2_from(sum, row, V, shift, v, acc);
 }
 
-// In place over the 16-aligned prefix of row: scaled_softmax_avx512's values of the row's values rounded by
-// bf16_value16, dloss taken from element `target`'s (scaled_softmax followed by row[target] -= dloss), each rounded
-// by bf16_value16. Returns how many elements it wrote.
-MOECORE_AVX512_FMA inline int64_t scaled_softmax_bf16_avx512(float* row, const int64_t V, const float lse,
-                                                             const float dloss, const int64_t target) {
+// In place over the 16-aligned prefix of row: scaled_softmax_avx512's values, dloss taken from element `target`'s
+// (scaled_softmax followed by row[target] -= dloss), each rounded by Round. Returns how many elements it wrote.
+template <__m512 (*Round)(__m512)>
+MOECORE_AVX512_FMA inline int64_t scaled_softmax_rounded_avx512(float* row, const int64_t V, const float lse,
+                                                                const float dloss, const int64_t target) {
   int64_t v = 0;
   const __m512 lse16 = _mm512_set1_ps(lse), dloss16 = _mm512_set1_ps(dloss);
   for (; v + 16 <= V; v += 16) {
@@ -193,7 +206,7 @@ MOECORE_AVX512_FMA inline int64_t scaled_softmax_bf16_avx512(float* row, const i
     if (target >= v && target < v + 16) {
       g = _mm512_mask_sub_ps(g, static_cast<__mmask16>(1u << (target - v)), g, dloss16);
     }
-    _mm512_storeu_ps(row + v, bf16_value16(g));
+    _mm512_storeu_ps(row + v, Round(g));
   }
   return v;
 }
