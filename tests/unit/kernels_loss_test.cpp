@@ -166,8 +166,8 @@ TEST(CrossEntropyTest, OutOfRangeTargetThrowsNamingTargetAndV) {
 
 // Logits for the fused pass's tests: random in [-8, 8]; with `special`, the first rows also hold what rounding treats
 // apart (NaN, infinities, fp32 denormals, values halfway between two bf16 or fp16 values, negative zero), one kind a
-// row so that the other rows keep finite losses. NaNs with low payload bits set included: a rounding carry would reach
-// their sign or exponent.
+// row so that the other rows keep finite losses. NaNs with low payload bits set included: an unchecked bf16 rounding
+// carry would make them an infinity or a zero.
 std::vector<float> fused_test_logits(const int64_t n_tokens, const int64_t V, const bool special) {
   std::vector<float> logits = random_vector<float>(n_tokens * V, 41, -8.0f, 8.0f);
   if (!special) return logits;
@@ -193,11 +193,11 @@ std::vector<float> fused_test_logits(const int64_t n_tokens, const int64_t V, co
 // not a multiple of any vector width, or below one; targets include the first and the last class.
 template <typename K>
 void expect_fused_is_the_sequence(const ActivationRounding rounding, const bool backward, const bool bits16,
-                                  const int64_t kV, const bool special) {
+                                  const int64_t V, const bool special) {
   constexpr int64_t kTokens = 13;
-  const std::vector<float> logits = fused_test_logits(kTokens, kV, special);
-  std::vector<int32_t> targets = random_targets(kTokens, kV, 42);
-  targets[kTokens - 1] = static_cast<int32_t>(kV - 1);
+  const std::vector<float> logits = fused_test_logits(kTokens, V, special);
+  std::vector<int32_t> targets = random_targets(kTokens, V, 42);
+  targets[kTokens - 1] = static_cast<int32_t>(V - 1);
   targets[kTokens - 2] = 0;
   // Every other special row's target is one of its special values: the loss reads it rounded (a NaN's payload too).
   for (int64_t t = 0; special && t < kTokens - 2; t += 2) targets[static_cast<size_t>(t)] = static_cast<int32_t>(t % 3);
@@ -207,24 +207,24 @@ void expect_fused_is_the_sequence(const ActivationRounding rounding, const bool 
     if (rounding == ActivationRounding::kF16) K::round_fp16(data, n);
   };
   // The sequence.
-  std::vector<float> rounded = logits, losses(kTokens), lse(kTokens), dlogits(kTokens * kV);
-  std::vector<uint16_t> dlogits16(kTokens * kV);
-  round(rounded.data(), kTokens * kV);
-  K::cross_entropy_forward(losses.data(), lse.data(), rounded.data(), targets.data(), kTokens, kV);
+  std::vector<float> rounded = logits, losses(kTokens), lse(kTokens), dlogits(kTokens * V);
+  std::vector<uint16_t> dlogits16(kTokens * V);
+  round(rounded.data(), kTokens * V);
+  K::cross_entropy_forward(losses.data(), lse.data(), rounded.data(), targets.data(), kTokens, V);
   if (backward) {
-    K::cross_entropy_backward(dlogits.data(), dlosses.data(), rounded.data(), lse.data(), targets.data(), kTokens, kV);
+    K::cross_entropy_backward(dlogits.data(), dlosses.data(), rounded.data(), lse.data(), targets.data(), kTokens, V);
     if (bits16) {
-      rounding == ActivationRounding::kBF16 ? K::encode_bf16(dlogits16.data(), dlogits.data(), kTokens * kV)
-                                            : K::encode_fp16(dlogits16.data(), dlogits.data(), kTokens * kV);
+      rounding == ActivationRounding::kBF16 ? K::encode_bf16(dlogits16.data(), dlogits.data(), kTokens * V)
+                                            : K::encode_fp16(dlogits16.data(), dlogits.data(), kTokens * V);
     } else {
-      round(dlogits.data(), kTokens * kV);
+      round(dlogits.data(), kTokens * V);
     }
   }
   // The fused pass.
   std::vector<float> fused = logits, fused_losses(kTokens), fused_lse(kTokens);
-  std::vector<uint16_t> fused16(bits16 ? kTokens * kV : 0);
+  std::vector<uint16_t> fused16(bits16 ? kTokens * V : 0);
   K::cross_entropy_fused(fused_losses.data(), fused_lse.data(), fused.data(), backward ? dlosses.data() : nullptr,
-                         bits16 ? fused16.data() : nullptr, targets.data(), rounding, kTokens, kV);
+                         bits16 ? fused16.data() : nullptr, targets.data(), rounding, kTokens, V);
   const auto same_bits = [](const auto& a, const auto& b) {
     return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
   };
