@@ -205,14 +205,15 @@ TEST(AdamWTest, ConsumedGradientIsZeroAndTheUpdateUnchanged) {
   expect_consumed_gradient_is_zero<false>();
 }
 
-// The bf16 model weights written in the update loop round as fp32_to_bf16 (ties to even, carries into the exponent,
-// overflow to infinity, NaNs kept NaN and quiet) into an output that is not 16-byte aligned, and their bf16 bits
-// (model_bf16) are those values' upper halves, on both kernel sets. With lr 0 and no decay
-// the parameters keep their values (a signalling NaN comes out quiet), so the special values reach the rounding.
-TEST(AdamWTest, Bf16ModelWeightsRoundSpecialValuesIntoUnalignedOutput) {
-  const std::vector<uint32_t> special_bits = {0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0xbf808001u, 0x7f7fffffu,
-                                              0xff7fffffu, 0x7f800000u, 0xff800000u, 0x7f800001u, 0xffc00000u,
-                                              0x7fbfffffu, 0x00000001u, 0x80008000u, 0x00000000u, 0x80000000u};
+// The 16-bit model weights written in the update loop round as fp32_to_bf16 / fp32_to_fp16 (ties to even, carries
+// into the exponent, overflow to infinity, NaNs kept NaN and quiet, fp16 subnormals) into an output that is not 16-byte
+// aligned, and their bf16 bits (model_bf16) are those values' upper halves. With lr 0 and no decay the parameters keep
+// their values (a signalling NaN comes out quiet), so the special values reach the rounding.
+void expect_model_weights_round_special_values(const bool fast, const ActivationRounding rounding) {
+  const std::vector<uint32_t> special_bits = {
+      0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0xbf808001u, 0x7f7fffffu, 0xff7fffffu, 0x7f800000u, 0xff800000u,
+      0x7f800001u, 0xffc00000u, 0x7fbfffffu, 0x00000001u, 0x80008000u, 0x00000000u, 0x80000000u, 0x3f801000u,
+      0x3f803000u, 0x477ff000u, 0x477fefffu, 0x33800000u, 0xb3c00000u, 0x387fc000u, 0x80000001u, 0xff812345u};
   std::vector<float> p0 = random_vector<float>(9001, 75);  // several chunks, a ragged end
   for (size_t i = 0; i < p0.size(); i += 7) p0[i] = std::bit_cast<float>(special_bits[(i / 7) % special_bits.size()]);
   const int64_t n = static_cast<int64_t>(p0.size());
@@ -220,27 +221,58 @@ TEST(AdamWTest, Bf16ModelWeightsRoundSpecialValuesIntoUnalignedOutput) {
   AdamWHyper hp;
   hp.lr = 0.0;
   hp.step = 2;
-  for (const bool fast : {true, false}) {
-    std::vector<float> p = p0, m(n, 0.0f), v(n, 0.0f), model_buffer(n + 1, 0.0f);
-    std::vector<uint16_t> bits_buffer(n + 1, 0);  // the weights' bf16 bits, also at an odd offset
-    const auto step = fast ? cpu::adamw_step<float> : ref::adamw_step<float>;
-    step(p.data(), grad.data(), m.data(), v.data(), n, hp, model_buffer.data() + 1, ActivationRounding::kBF16, nullptr,
-         bits_buffer.data() + 1);
-    for (int64_t i = 0; i < n; ++i) {
-      ASSERT_TRUE(p[i] == p0[i] || (std::isnan(p[i]) && std::isnan(p0[i]))) << "element " << i;
-      const uint16_t want = fp32_to_bf16(p[i]);
-      ASSERT_EQ(std::bit_cast<uint32_t>(model_buffer[i + 1]), static_cast<uint32_t>(want) << 16) << "element " << i;
-      ASSERT_EQ(bits_buffer[i + 1], want) << "element " << i << (fast ? " fast" : " ref");
+  const bool bf16 = rounding == ActivationRounding::kBF16;
+  std::vector<float> p = p0, m(n, 0.0f), v(n, 0.0f), model_buffer(n + 1, 0.0f);
+  std::vector<uint16_t> bits_buffer(n + 1, 0);  // the weights' bf16 bits, also at an odd offset
+  const auto step = fast ? cpu::adamw_step<float> : ref::adamw_step<float>;
+  step(p.data(), grad.data(), m.data(), v.data(), n, hp, model_buffer.data() + 1, rounding, nullptr,
+       bf16 ? bits_buffer.data() + 1 : nullptr);
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(p[i] == p0[i] || (std::isnan(p[i]) && std::isnan(p0[i]))) << "element " << i;
+    const float want = bf16 ? bf16_to_fp32(fp32_to_bf16(p[i])) : fp16_to_fp32(fp32_to_fp16(p[i]));
+    ASSERT_EQ(std::bit_cast<uint32_t>(model_buffer[i + 1]), std::bit_cast<uint32_t>(want))
+        << "element " << i << (fast ? " fast" : " ref") << (bf16 ? " bf16" : " fp16");
+    if (bf16) {
+      ASSERT_EQ(bits_buffer[i + 1], fp32_to_bf16(p[i])) << "element " << i << (fast ? " fast" : " ref");
     }
-    EXPECT_EQ(model_buffer[0], 0.0f);
-    EXPECT_EQ(bits_buffer[0], 0);
   }
-  std::vector<float> p = p0, m(n, 0.0f), v(n, 0.0f), model(n);
+  EXPECT_EQ(model_buffer[0], 0.0f);
+  EXPECT_EQ(bits_buffer[0], 0);
+}
+
+TEST(AdamWTest, SixteenBitModelWeightsRoundSpecialValuesIntoUnalignedOutput) {
+  for (const bool fast : {true, false}) {
+    expect_model_weights_round_special_values(fast, ActivationRounding::kBF16);
+    expect_model_weights_round_special_values(fast, ActivationRounding::kF16);
+  }
+  const int64_t n = 4;
+  std::vector<float> p(n, 1.0f), grad(n, 1.0f), m(n, 0.0f), v(n, 0.0f), model(n);
   std::vector<uint16_t> bits(n);
+  AdamWHyper hp;
   EXPECT_THROW(cpu::adamw_step<float>(p.data(), grad.data(), m.data(), v.data(), n, hp, model.data(),
                                       ActivationRounding::kF16, nullptr, bits.data()),
                std::invalid_argument)
       << "bf16 bits of fp16 weights";
+}
+
+// Every vector path of the 16-bit model update that this CPU has (the tests above run the best one) gives the same
+// bits: the update, the model copy and its bits, the consumed gradients, the special values.
+TEST(AdamWTest, EveryModelUpdatePathGivesTheSameBits) {
+  using cpu::AdamWModelPath;
+  EXPECT_TRUE(cpu::adamw_model_path_supported(AdamWModelPath::kPortable));
+  for (const AdamWModelPath path : {AdamWModelPath::kPortable, AdamWModelPath::kAvx2, AdamWModelPath::kAvx512}) {
+    if (!cpu::adamw_model_path_supported(path)) {
+      EXPECT_THROW(cpu::ScopedAdamWModelPath{path}, std::invalid_argument);
+      continue;
+    }
+    const cpu::ScopedAdamWModelPath scoped(path);
+    ASSERT_EQ(cpu::adamw_model_path(), path);
+    SCOPED_TRACE("path " + std::to_string(static_cast<int>(path)));
+    expect_fused_clip_and_model_copy<true>();
+    expect_consumed_gradient_is_zero<true>();
+    expect_model_weights_round_special_values(true, ActivationRounding::kBF16);
+    expect_model_weights_round_special_values(true, ActivationRounding::kF16);
+  }
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #pragma GCC diagnostic pop
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -89,25 +90,32 @@ void stream_model(float* model, uint16_t* bits, const float* values, const int64
   for (; i < n; ++i) bits[i] = words[i];
 }
 
+// One element of the 16-bit-model update outside the vector loops below: the same operations in the same order (the
+// kernels build without FMA contraction), so the same bits.
+template <bool kBf16>
+[[gnu::always_inline]] inline void model_update_element(const int64_t i, float* param, const float* grad,
+                                                        float* exp_avg, float* exp_avg_sq, float* model, uint16_t* bits,
+                                                        float* grad_to_zero, const AdamWScalars<float>& k) {
+  const float updated = adamw_element(i, param, grad, exp_avg, exp_avg_sq, k);
+  const float value = kBf16 ? bf16_value(updated) : fp16_to_fp32(fp32_to_fp16(updated));
+  model[i] = value;
+  if (bits != nullptr) bits[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(value) >> 16);
+  if (grad_to_zero != nullptr) grad_to_zero[i] = 0.0f;
+}
+
 // The 16-bit-model update of elements [i0, i1) on AVX-512, from registers: parameters, moments and (with
-// grad_to_zero) the zeroed gradients stored back in place, the model values (rounded by Round, bf16_value16 or
-// fp16_value16) streamed to `model` and, for bf16, their bits to `bits`, without the round trip through a chunk buffer,
-// which cost a fifth of the pass. Elements before model's first 64-byte boundary and past the last full vector take
-// the scalar form: the same operations in the same order (the kernels build without FMA contraction), so the same
-// bits.
-template <__m512 (*Round)(__m512)>
+// grad_to_zero) the zeroed gradients stored back in place, the model values (rounded by bf16_value16 or fp16_value16)
+// streamed to `model` and, for bf16, their bits to `bits`, without the round trip through a chunk buffer, which cost
+// a fifth of the pass. Elements before model's first 64-byte boundary and past the last full vector take
+// model_update_element.
+template <bool kBf16>
 __attribute__((target("avx512f,avx2,fma"))) void adamw_chunk_16bit_model_avx512(
     float* param, const float* grad, float* exp_avg, float* exp_avg_sq, float* model, uint16_t* bits,
     float* grad_to_zero, const int64_t i0, const int64_t i1, const AdamWScalars<float>& k) {
-  const auto element = [&](const int64_t i) {
-    const float updated = adamw_element(i, param, grad, exp_avg, exp_avg_sq, k);
-    const float value = Round == bf16_value16 ? bf16_value(updated) : fp16_to_fp32(fp32_to_fp16(updated));
-    model[i] = value;
-    if (bits != nullptr) bits[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(value) >> 16);
-    if (grad_to_zero != nullptr) grad_to_zero[i] = 0.0f;
-  };
   int64_t i = i0;
-  for (; i < i1 && reinterpret_cast<uintptr_t>(model + i) % 64 != 0; ++i) element(i);
+  for (; i < i1 && reinterpret_cast<uintptr_t>(model + i) % 64 != 0; ++i) {
+    model_update_element<kBf16>(i, param, grad, exp_avg, exp_avg_sq, model, bits, grad_to_zero, k);
+  }
   const bool bits_aligned = bits != nullptr && reinterpret_cast<uintptr_t>(bits + i) % 32 == 0;
   const __m512 decay = _mm512_set1_ps(k.decay), beta1 = _mm512_set1_ps(k.beta1);
   const __m512 one_minus_beta1 = _mm512_set1_ps(k.one_minus_beta1), beta2 = _mm512_set1_ps(k.beta2);
@@ -127,7 +135,7 @@ __attribute__((target("avx512f,avx2,fma"))) void adamw_chunk_16bit_model_avx512(
     const __m512 p = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(param + i), decay),
                                    _mm512_div_ps(_mm512_mul_ps(step_size, m), denom));
     _mm512_storeu_ps(param + i, p);
-    const __m512 value = Round(p);
+    const __m512 value = kBf16 ? bf16_value16(p) : fp16_value16(p);
     _mm512_stream_ps(model + i, value);
     if (bits == nullptr) continue;
     const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(value), 16));
@@ -137,17 +145,111 @@ __attribute__((target("avx512f,avx2,fma"))) void adamw_chunk_16bit_model_avx512(
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits + i), words);
     }
   }
-  for (; i < i1; ++i) element(i);
+  for (; i < i1; ++i) model_update_element<kBf16>(i, param, grad, exp_avg, exp_avg_sq, model, bits, grad_to_zero, k);
 }
 
-bool has_avx512() {
-  static const bool avx512 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
+// Eight lanes of bf16_value, or of round_fp16's rounding: bf16_value16 and fp16_value16 on AVX2 + F16C (NaNs on a
+// rare branch).
+template <bool kBf16>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 value8(const __m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  const bool any_nan = _mm256_movemask_ps(nan) != 0;
+  if constexpr (kBf16) {
+    const __m256i upper = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded =
+        _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), upper);
+    if (!any_nan) return _mm256_castsi256_ps(rounded);
+    const __m256i quiet_nan = _mm256_or_si256(_mm256_and_si256(bits, upper), _mm256_set1_epi32(0x00400000));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet_nan), nan);
+  } else {
+    const __m256 rounded = _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    if (!any_nan) return rounded;
+    const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int32_t>(0x80000000u)));
+    const __m256i quiet_nan = _mm256_or_si256(sign, _mm256_set1_epi32(0x7fc00000));
+    return _mm256_blendv_ps(rounded, _mm256_castsi256_ps(quiet_nan), nan);
+  }
+}
+
+// adamw_chunk_16bit_model_avx512 with eight lanes on AVX2 + FMA + F16C, for CPUs without AVX-512.
+template <bool kBf16>
+__attribute__((target("avx2,fma,f16c"))) void adamw_chunk_16bit_model_avx2(
+    float* param, const float* grad, float* exp_avg, float* exp_avg_sq, float* model, uint16_t* bits,
+    float* grad_to_zero, const int64_t i0, const int64_t i1, const AdamWScalars<float>& k) {
+  int64_t i = i0;
+  for (; i < i1 && reinterpret_cast<uintptr_t>(model + i) % 32 != 0; ++i) {
+    model_update_element<kBf16>(i, param, grad, exp_avg, exp_avg_sq, model, bits, grad_to_zero, k);
+  }
+  const bool bits_aligned = bits != nullptr && reinterpret_cast<uintptr_t>(bits + i) % 16 == 0;
+  const __m256 decay = _mm256_set1_ps(k.decay), beta1 = _mm256_set1_ps(k.beta1);
+  const __m256 one_minus_beta1 = _mm256_set1_ps(k.one_minus_beta1), beta2 = _mm256_set1_ps(k.beta2);
+  const __m256 one_minus_beta2 = _mm256_set1_ps(k.one_minus_beta2), step_size = _mm256_set1_ps(k.step_size);
+  const __m256 bias_correction2_sqrt = _mm256_set1_ps(k.bias_correction2_sqrt), eps = _mm256_set1_ps(k.eps);
+  const __m256 grad_scale = _mm256_set1_ps(k.grad_scale);
+  for (; i + 8 <= i1; i += 8) {
+    const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(grad + i), grad_scale);
+    const __m256 m =
+        _mm256_add_ps(_mm256_mul_ps(beta1, _mm256_loadu_ps(exp_avg + i)), _mm256_mul_ps(one_minus_beta1, g));
+    const __m256 v = _mm256_add_ps(_mm256_mul_ps(beta2, _mm256_loadu_ps(exp_avg_sq + i)),
+                                   _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g));
+    _mm256_storeu_ps(exp_avg + i, m);
+    _mm256_storeu_ps(exp_avg_sq + i, v);
+    if (grad_to_zero != nullptr) _mm256_storeu_ps(grad_to_zero + i, _mm256_setzero_ps());
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bias_correction2_sqrt), eps);
+    const __m256 p = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(param + i), decay),
+                                   _mm256_div_ps(_mm256_mul_ps(step_size, m), denom));
+    _mm256_storeu_ps(param + i, p);
+    const __m256 value = value8<kBf16>(p);
+    _mm256_stream_ps(model + i, value);
+    if (bits == nullptr) continue;
+    const __m256i upper = _mm256_srli_epi32(_mm256_castps_si256(value), 16);
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(upper), _mm256_extracti128_si256(upper, 1));
+    if (bits_aligned) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(bits + i), words);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(bits + i), words);
+    }
+  }
+  for (; i < i1; ++i) model_update_element<kBf16>(i, param, grad, exp_avg, exp_avg_sq, model, bits, grad_to_zero, k);
+}
+
+std::atomic<int> g_model_path_override{-1};
+
+AdamWModelPath best_model_path() {
+  static const AdamWModelPath best = [] {
+    if (adamw_model_path_supported(AdamWModelPath::kAvx512)) return AdamWModelPath::kAvx512;
+    if (adamw_model_path_supported(AdamWModelPath::kAvx2)) return AdamWModelPath::kAvx2;
+    return AdamWModelPath::kPortable;
   }();
-  return avx512;
+  return best;
 }
 }  // namespace
+
+bool adamw_model_path_supported(const AdamWModelPath path) {
+  __builtin_cpu_init();
+  switch (path) {
+    case AdamWModelPath::kPortable: return true;
+    case AdamWModelPath::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case AdamWModelPath::kAvx512: return __builtin_cpu_supports("avx512f") != 0;
+  }
+  return false;
+}
+
+AdamWModelPath adamw_model_path() {
+  const int forced = g_model_path_override.load();
+  return forced < 0 ? best_model_path() : static_cast<AdamWModelPath>(forced);
+}
+
+ScopedAdamWModelPath::ScopedAdamWModelPath(const AdamWModelPath path) {
+  if (!adamw_model_path_supported(path)) {
+    throw std::invalid_argument("ScopedAdamWModelPath: this CPU lacks the vector path " +
+                                std::to_string(static_cast<int>(path)));
+  }
+  previous_ = g_model_path_override.exchange(static_cast<int>(path));
+}
+ScopedAdamWModelPath::~ScopedAdamWModelPath() { g_model_path_override.store(previous_); }
 
 template <typename T>
 void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, const AdamWHyper& hp, T* model,
@@ -172,7 +274,8 @@ void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, c
                           static_cast<T>(hp.grad_scale)};
   const bool bf16_model = model != nullptr && model_rounding == ActivationRounding::kBF16;
   const bool rounded_model = model != nullptr && model_rounding != ActivationRounding::kNone;
-  const bool model_in_registers = rounded_model && has_avx512();  // adamw_chunk_16bit_model_avx512
+  const AdamWModelPath path = adamw_model_path();
+  const bool model_in_registers = rounded_model && path != AdamWModelPath::kPortable;
 #pragma omp parallel if (n > kParallelWork)
   {
 #pragma omp for schedule(static) nowait
@@ -181,7 +284,9 @@ void adamw_step(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, int64_t n, c
       if constexpr (std::is_same_v<T, float>) {
         if (model_in_registers) {
           const auto update =
-              bf16_model ? adamw_chunk_16bit_model_avx512<bf16_value16> : adamw_chunk_16bit_model_avx512<fp16_value16>;
+              path == AdamWModelPath::kAvx512
+                  ? (bf16_model ? adamw_chunk_16bit_model_avx512<true> : adamw_chunk_16bit_model_avx512<false>)
+                  : (bf16_model ? adamw_chunk_16bit_model_avx2<true> : adamw_chunk_16bit_model_avx2<false>);
           update(param, grad, exp_avg, exp_avg_sq, model, model_bf16, grad_to_zero, i, end, k);
           continue;
         }

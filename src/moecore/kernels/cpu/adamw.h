@@ -30,7 +30,26 @@ struct AdamWHyper {
 
 namespace cpu {
 MOECORE_ADAMW_DECL
-}
+
+// The vector code of the fp32 update that writes 16-bit model weights: each vector of parameters updated in registers
+// and its rounded values streamed from there (AVX-512, or AVX2 + FMA + F16C), or the portable loop through a chunk
+// buffer. The same bits on every path; adamw_step takes the best the CPU has, or the innermost live
+// ScopedAdamWModelPath's (tests).
+enum class AdamWModelPath : uint8_t { kPortable, kAvx2, kAvx512 };
+bool adamw_model_path_supported(AdamWModelPath path);
+AdamWModelPath adamw_model_path();
+class ScopedAdamWModelPath {
+ public:
+  explicit ScopedAdamWModelPath(AdamWModelPath path);  // throws std::invalid_argument for a path this CPU lacks
+  ~ScopedAdamWModelPath();
+  ScopedAdamWModelPath(const ScopedAdamWModelPath&) = delete;
+  ScopedAdamWModelPath& operator=(const ScopedAdamWModelPath&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+}  // namespace cpu
+
 namespace ref {
 MOECORE_ADAMW_DECL
 }
