@@ -32,10 +32,10 @@ namespace cpu {
 MOECORE_ADAMW_DECL
 
 // The vector code of the fp32 update that writes 16-bit model weights: each vector of parameters updated in registers
-// and its rounded values streamed from there (AVX-512, or AVX2 + FMA + F16C), or the portable loop through a chunk
-// buffer. The same bits on every path; adamw_step takes the best the CPU has, or the innermost live
+// and its rounded values streamed from there (AVX2 + FMA + F16C, AVX-512 CPUs included), or the portable loop through
+// a chunk buffer. The same bits on both; adamw_step takes the best the CPU has, or the innermost live
 // ScopedAdamWModelPath's (tests).
-enum class AdamWModelPath : uint8_t { kPortable, kAvx2, kAvx512 };
+enum class AdamWModelPath : uint8_t { kPortable, kAvx2 };
 bool adamw_model_path_supported(AdamWModelPath path);
 AdamWModelPath adamw_model_path();
 class ScopedAdamWModelPath {

@@ -64,6 +64,7 @@ void loss_and_gradient_rounded_row(float* loss, float* lse, float* row, const in
   double sum = 0.0;
 #if defined(MOECORE_HAVE_AVX2_PATH)
   if (prefix > 0) {
+    using softmax_rows::bf16_value16, softmax_rows::fp16_value16;
     int64_t v = bf16 ? softmax_rows::sum_exp_rounded_avx512<bf16_value16>(sum, row, V, max_logit)
                      : softmax_rows::sum_exp_rounded_avx512<fp16_value16>(sum, row, V, max_logit);
     for (; v < V; ++v) sum += softmax_rows::exp_nonpositive(row[v] - max_logit);
@@ -75,6 +76,7 @@ void loss_and_gradient_rounded_row(float* loss, float* lse, float* row, const in
   *loss = static_cast<float>(lse_row - static_cast<double>(row[target]));  // rounded in place by now
 #if defined(MOECORE_HAVE_AVX2_PATH)
   if (prefix > 0) {
+    using softmax_rows::bf16_value16, softmax_rows::fp16_value16;
     bf16 ? softmax_rows::scaled_softmax_rounded_avx512<bf16_value16>(row, V, *lse, dloss, target)
          : softmax_rows::scaled_softmax_rounded_avx512<fp16_value16>(row, V, *lse, dloss, target);
   }

@@ -20,7 +20,6 @@
 #include <cmath>
 #include <cstdint>
 
-#include "moecore/kernels/cpu/value16_avx512.h"
 #include "moecore/kernels/cpu/vector_isa.h"
 
 namespace moecore::kernels::cpu::softmax_rows {
@@ -149,6 +148,31 @@ MOECORE_AVX512_FMA inline int64_t scaled_softmax_avx512(float* out, const float*
     _mm512_storeu_ps(out + v, _mm512_mul_ps(scale16, e));
   }
   return scaled_softmax_avx2(out, row, V, lse, scale, v);
+}
+
+// Sixteen lanes of bf16_value (bf16_value.h): round to nearest even on the upper 16 bits, NaNs kept quiet (a rare
+// branch: a NaN's rounding carry would reach the sign).
+MOECORE_AVX512_FMA inline __m512 bf16_value16(const __m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i upper = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  const __m512i rounded =
+      _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), upper);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  if (nan == 0) return _mm512_castsi512_ps(rounded);
+  const __m512i quiet_nan = _mm512_or_si512(_mm512_and_si512(bits, upper), _mm512_set1_epi32(0x00400000));
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, rounded, quiet_nan));
+}
+
+// Sixteen lanes of the fp16 rounding of round_fp16 (convert.h, bit for bit as dtype.h): vcvtps2ph to nearest even
+// and back, NaNs made dtype.h's sign | quiet NaN (vcvtps2ph keeps their payloads; a rare branch).
+MOECORE_AVX512_FMA inline __m512 fp16_value16(const __m512 x) {
+  const __m512 rounded = _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  if (nan == 0) return rounded;
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
+  const __m512i quiet_nan = _mm512_or_si512(sign, _mm512_set1_epi32(0x7fc00000));
+  return _mm512_mask_blend_ps(nan, rounded, _mm512_castsi512_ps(quiet_nan));
 }
 
 // sum_exp_avx512 over the row's values rounded by Round (bf16_value16 or fp16_value16) in its 16-lane prefix, which it
